@@ -1,0 +1,1 @@
+"""CuTe DSL kernels, one per file; each is the CUDA implementation of a `k3` op."""

@@ -1,0 +1,1 @@
+"""Device helpers shared by the kernels."""
