@@ -2,7 +2,8 @@
 a multi-step decode whose KDA states and MLA caches evolve.
 
 Blocks get identical inputs (the model's, cast to float64) and identical starting states, so the
-fp32 tolerance only covers rounding. bf16 runs use the same weights and a looser tolerance.
+fp32 tolerance only covers rounding. bf16 blocks use the same weights and a looser tolerance; the
+whole model is compared in fp32 only, since bf16 noise flips near-tie top-k choices.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import naive_k3 as nk
 import pytest
 import torch
-from conftest import TOL, assert_rel
+from model_checks import TOL, assert_rel
 
 from k3compile.models import build_model, get_config, mxfp4
 from k3compile.models.k3 import attn_res_mix, situ
@@ -19,9 +20,8 @@ DTYPES = [torch.float32, torch.bfloat16]
 MAX_BATCH, MAX_LEN = 4, 32
 
 
-def _tol(dtype: torch.dtype, decode: bool = False) -> float:
-    key = str(dtype).removeprefix("torch.")
-    return TOL[key + "_decode" if decode else key]
+def _tol(dtype: torch.dtype) -> float:
+    return TOL[str(dtype).removeprefix("torch.")]
 
 
 @pytest.fixture(scope="module", params=DTYPES, ids=["fp32", "bf16"])

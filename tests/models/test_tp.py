@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.multiprocessing as mp
-from conftest import TOL, rel_err
+from model_checks import TOL, rel_err
 
 from k3compile.models import build_model, get_config
 from k3compile.models.loader import shard_state_dict
