@@ -1,1 +1,20 @@
-"""Rewrite patterns, one per file; the import list in this module is the priority order."""
+"""Rewrite patterns, one per file. The order of `ORDER` is the priority order: larger fusions
+first, so a smaller pattern never splits a site a larger one would take."""
+
+from __future__ import annotations
+
+import functools
+import importlib
+
+ORDER = (
+    "attn_res_mix_norm",
+)
+
+
+@functools.cache
+def all_patterns():
+    """Every pattern variant, in priority order (traced lazily, once per process)."""
+    out = []
+    for name in ORDER:
+        out += importlib.import_module(f"{__name__}.{name}").patterns()
+    return tuple(out)

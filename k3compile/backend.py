@@ -1,0 +1,246 @@
+"""`torch.compile(model, backend="k3")`: receives Dynamo's graph and hands it to the pipeline,
+once per batch bucket.
+
+A graph whose batch size is symbolic (`dynamic=True`, or Dynamo's automatic dynamic shapes after a
+second batch size) is compiled lazily once per bucket with the batch specialised to the bucket;
+the bucket is chosen at run time by guards that are sympy relations over the batch symbol
+(`lo < B <= hi`). A batch between buckets is padded to the bucket above: padding rows point at the
+scratch state slot, so they never touch a real request's state. A batch above the largest bucket
+runs Dynamo's graph eagerly (correct, slower) with a logged warning. On a GPU each bucket is
+captured once in a CUDA graph after its first (real) run and replayed afterwards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import operator
+from collections.abc import Callable
+from typing import Any
+
+import sympy
+import torch
+import torch.fx as fx
+
+from k3compile.contract import ContractReport, check_contract
+from k3compile.options import Options
+from k3compile.pipeline import Observer, Pipeline
+
+log = logging.getLogger("k3compile")
+
+_compiled: list[K3Compiled] = []  # every compiled graph of this process, newest last (for tools)
+
+
+def k3_backend(gm: fx.GraphModule, example_inputs: list, options: dict | None = None, **_):
+    compiled = K3Compiled(gm, example_inputs, Options.make(options))
+    _compiled.append(compiled)
+    return compiled
+
+
+def last_compiled() -> K3Compiled:
+    if not _compiled:
+        raise RuntimeError("nothing has been compiled with backend='k3' in this process")
+    return _compiled[-1]
+
+
+def _is_module_state(name: str) -> bool:
+    return name.startswith("L_self") or "_modules_" in name or "_parameters_" in name
+
+
+@dataclasses.dataclass
+class _Input:
+    index: int
+    name: str
+    batched: bool  # dim 0 is the batch
+    symint: bool  # a SymInt placeholder (its value is a size)
+    expr: Any = None  # the SymInt's sympy expression
+
+
+class _Bucket:
+    def __init__(self, fn: Callable, batch: int):
+        self.fn, self.batch = fn, batch
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.static_in: list | None = None
+        self.static_out: Any = None
+        self.runs = 0
+
+
+class K3Compiled:
+    """The callable Dynamo receives; dispatches each call to its bucket's compiled step."""
+
+    def __init__(self, gm: fx.GraphModule, example_inputs: list, options: Options):
+        self.gm, self.options = gm, options
+        self.observer = Observer(options.keep_graphs)
+        self.pipeline = Pipeline(options, self.observer)
+        self.buckets: dict[tuple, _Bucket] = {}
+        self.contracts: dict[int | None, ContractReport] = {}
+        self._warned: set[str] = set()
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        self.inputs = self._classify(placeholders, example_inputs)
+        self.symbol = self._batch_symbol()
+        self.guards = self._make_guards() if self.symbol is not None else {}
+        self.scratch = options.scratch_slot if options.scratch_slot is not None else self._scratch()
+        self.outputs_batched = self._batched_outputs()
+        if self.symbol is None:  # a static graph: Dynamo already guards the exact batch size
+            self.static_batch = self._static_batch(example_inputs)
+            self._compile_bucket((), example_inputs, self.static_batch)
+
+    # ---- graph analysis ----------------------------------------------------------------------
+
+    def _classify(self, placeholders, example_inputs) -> list[_Input]:
+        out = []
+        for i, (node, ex) in enumerate(zip(placeholders, example_inputs)):
+            if isinstance(ex, torch.SymInt):
+                out.append(_Input(i, node.name, False, True, ex.node.expr))
+            else:
+                out.append(_Input(i, node.name, False, False))
+        self._examples = example_inputs
+        return out
+
+    def _user_tensors(self):
+        return [inp for inp in self.inputs if not inp.symint and not _is_module_state(inp.name)
+                and isinstance(self._examples[inp.index], torch.Tensor)]
+
+    def _batch_symbol(self):
+        users = self._user_tensors()
+        if not users or self._examples[users[0].index].dim() == 0:
+            return None
+        dim0 = self._examples[users[0].index].shape[0]
+        if not isinstance(dim0, torch.SymInt) or not isinstance(dim0.node.expr, sympy.Symbol):
+            return None
+        symbol = dim0.node.expr
+        for inp in users:
+            ex = self._examples[inp.index]
+            inp.batched = ex.dim() > 0 and isinstance(ex.shape[0], torch.SymInt) and ex.shape[0].node.expr == symbol
+        return symbol
+
+    def _make_guards(self) -> dict[int, sympy.Basic]:
+        guards, lo = {}, 0
+        for b in self.options.buckets:
+            guards[b] = sympy.And(sympy.Gt(self.symbol, lo), sympy.Le(self.symbol, b))
+            lo = b
+        return guards
+
+    def _scratch(self) -> int | None:
+        """Padding rows use the last row of the state buffers that `slots` indexes."""
+        slots = [n for n in self.gm.graph.nodes if n.op == "placeholder" and "slots" in n.name]
+        rows = []
+        for s in slots:
+            for user in s.users:
+                if user.target in (operator.getitem, operator.setitem) and user.args[1] is s:
+                    val = user.args[0].meta.get("example_value")
+                    if isinstance(val, torch.Tensor):
+                        rows.append(int(val.shape[0]))
+        return min(rows) - 1 if rows else None
+
+    def _batched_outputs(self) -> list[bool]:
+        out = next(n for n in self.gm.graph.nodes if n.op == "output")
+        flags = []
+        for a in torch.utils._pytree.tree_leaves(out.args[0]):
+            val = a.meta.get("example_value") if isinstance(a, fx.Node) else None
+            flags.append(isinstance(val, torch.Tensor) and val.dim() > 0 and self.symbol is not None
+                         and isinstance(val.shape[0], torch.SymInt) and val.shape[0].node.expr == self.symbol)
+        return flags
+
+    def _static_batch(self, example_inputs) -> int | None:
+        users = self._user_tensors()
+        return int(example_inputs[users[0].index].shape[0]) if users and example_inputs[users[0].index].dim() else None
+
+    # ---- compile and run ---------------------------------------------------------------------
+
+    def bucket_for(self, batch: int) -> int | None:
+        for b, guard in self.guards.items():
+            if guard.subs(self.symbol, batch) == sympy.true:
+                return b
+        return None
+
+    def _compile_bucket(self, key: tuple, inputs: list, batch: int | None) -> _Bucket:
+        fn = self.pipeline.compile(self.gm, list(inputs), batch)
+        bucket = self.buckets[key] = _Bucket(fn, batch)
+        self.contracts[batch] = check_contract(self.observer, batch, self.options.strict)
+        return bucket
+
+    def _warn_once(self, key: str, msg: str, *args):
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning(msg, *args)
+
+    def __call__(self, *args):
+        if self.symbol is None:
+            return self._run(self.buckets[()], list(args), None, None)
+        users = self._user_tensors()
+        batch = int(args[users[0].index].shape[0])
+        bucket = self.bucket_for(batch)
+        if bucket is None:
+            self._warn_once("above", "k3: batch %d is above the largest bucket %d; running the "
+                            "uncompiled graph (correct, slow)", batch, max(self.options.buckets))
+            return self.gm(*args)
+        if bucket != batch and self.scratch is None:
+            self._warn_once("noslots", "k3: no `slots` input to pad safely; compiling batch %d "
+                            "exactly (pass slots= to use buckets)", batch)
+            bucket = batch
+        padded = self._pad(args, batch, bucket)
+        # other symbols (verify rows T, context) are specialised to their run-time values
+        key = (bucket, *(int(a) for a, inp in zip(padded, self.inputs) if inp.symint))
+        entry = self.buckets.get(key) or self._compile_bucket(key, padded, bucket)
+        return self._run(entry, padded, batch, bucket)
+
+    def _pad(self, args, batch: int, bucket: int) -> list:
+        out = list(args)
+        for inp in self.inputs:
+            a = args[inp.index]
+            if inp.symint and inp.expr == self.symbol:
+                out[inp.index] = bucket
+            elif inp.batched and bucket != batch:
+                fill = self.scratch if "slots" in inp.name else 0
+                pad = a.new_full((bucket - batch, *a.shape[1:]), fill)
+                out[inp.index] = torch.cat([a, pad])
+        return out
+
+    def _run(self, entry: _Bucket, args: list, batch: int | None, bucket: int | None):
+        use_graph = (self.options.cuda_graphs and torch.cuda.is_available()
+                     and any(isinstance(a, torch.Tensor) and a.is_cuda for a in args))
+        if entry.graph is not None:
+            outs = self._replay(entry, args)
+        else:
+            outs = entry.fn(*args)
+            entry.runs += 1
+            if use_graph:
+                self._capture(entry, args)
+        if batch is None or batch == bucket:
+            return outs
+        return tuple(o[:batch] if flag else o for o, flag in zip(outs, self.outputs_batched))
+
+    def _capture(self, entry: _Bucket, args: list):
+        """Record the step once; replays reuse these input/output buffers."""
+        entry.static_in = [a.clone() if self._is_batched(i) else a for i, a in enumerate(args)]
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            entry.static_out = entry.fn(*entry.static_in)
+        entry.graph = graph
+
+    def _is_batched(self, i: int) -> bool:
+        return self.inputs[i].batched
+
+    def _replay(self, entry: _Bucket, args: list):
+        for i, (static, a) in enumerate(zip(entry.static_in, args)):
+            if self.inputs[i].batched:
+                static.copy_(a)
+            elif isinstance(a, torch.Tensor) and a is not static and a.data_ptr() != static.data_ptr():
+                raise RuntimeError(f"k3: input {self.inputs[i].name} moved since CUDA-graph capture")
+        entry.graph.replay()
+        entry.runs += 1
+        return tuple(o.clone() if isinstance(o, torch.Tensor) else o for o in entry.static_out)
+
+    # ---- reports -----------------------------------------------------------------------------
+
+    def summary(self) -> str:
+        from k3compile.contract import format_contract
+
+        lines = []
+        for batch, report in self.contracts.items():
+            lines.append(format_contract(report, batch))
+        if self.guards:
+            lines.append("bucket guards: " + ", ".join(f"{b}: {g}" for b, g in self.guards.items()))
+        return "\n".join(lines)

@@ -1,0 +1,142 @@
+"""The fusion contract: each layer template declares the fused ops it expects; after compiling,
+plan vs actual per layer. A shortfall warns, or raises with `strict`.
+
+Templates (spec §5): `dense` (layer 0: KDA + dense SiTU MLP), `kda_moe`, `mla_moe`, and `last`
+(the last layer, MLA + MoE, which also owns the final depth mix + norm).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import re
+
+import torch.fx as fx
+
+from k3compile.rewrite import module_path
+
+log = logging.getLogger("k3compile")
+
+# The plan as data: template -> fused op -> count per layer. Grows with the pattern set.
+PLANS: dict[str, dict[str, int]] = {
+    "dense": {"attn_res_mix_norm": 1},  # layer 0's pre-attention mix has no source: plain norm
+    "kda_moe": {"attn_res_mix_norm": 2},
+    "mla_moe": {"attn_res_mix_norm": 2},
+    "last": {"attn_res_mix_norm": 3},
+}
+
+# ATen ops that launch no kernel of their own (views, metadata, getitem of multi-output ops)
+_NO_KERNEL = {"view", "reshape", "_unsafe_view", "permute", "unsqueeze", "squeeze", "expand",
+              "slice", "select", "split", "split_with_sizes", "t", "transpose", "getitem",
+              "alias", "detach", "sym_size", "_to_copy"}
+
+_LAYER = re.compile(r"layers\.(\d+)\.")
+
+
+class ContractError(AssertionError):
+    pass
+
+
+@dataclasses.dataclass
+class LayerReport:
+    layer: int
+    template: str
+    expected: dict[str, int]
+    actual: collections.Counter
+    other_ops: collections.Counter  # ATen compute ops left to Inductor
+
+    @property
+    def shortfall(self) -> dict[str, int]:
+        return {op: n - self.actual[op] for op, n in self.expected.items() if self.actual[op] < n}
+
+    @property
+    def fused_ops(self) -> int:
+        return sum(self.actual.values())
+
+
+@dataclasses.dataclass
+class ContractReport:
+    layers: list[LayerReport]
+
+    @property
+    def met(self) -> bool:
+        return all(not lr.shortfall for lr in self.layers)
+
+
+def _op_name(node: fx.Node) -> str:
+    return str(node.target).split(".")[-2] if str(node.target).count(".") >= 2 else str(node.target)
+
+
+def _layer_of(node: fx.Node) -> int | None:
+    m = _LAYER.search(module_path(node) + ".")
+    return int(m.group(1)) if m else None
+
+
+def layer_templates(graph: fx.Graph) -> dict[int, str]:
+    paths = collections.defaultdict(set)
+    for node in graph.nodes:
+        layer = _layer_of(node)
+        if layer is not None:
+            paths[layer].add(module_path(node))
+    last = max(paths, default=-1)
+    out = {}
+    for layer, ps in sorted(paths.items()):
+        mla = any(".self_attn.q_a_proj" in p or ".self_attn.kv_a_proj" in p for p in ps)
+        moe = any(".mlp.experts" in p or ".mlp.gate" in p for p in ps)
+        out[layer] = "last" if layer == last and layer > 0 else (
+            "dense" if not moe else "mla_moe" if mla else "kda_moe")
+    return out
+
+
+def layer_ops(graph: fx.Graph) -> dict[int, tuple[collections.Counter, collections.Counter]]:
+    """layer -> (k3 ops, other compute ops). The final mix/norm counts toward the last layer."""
+    templates = layer_templates(graph)
+    last = max(templates, default=None)
+    fused = collections.defaultdict(collections.Counter)
+    other = collections.defaultdict(collections.Counter)
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        layer = _layer_of(node)
+        if layer is None:
+            path = module_path(node)
+            layer = last if path.startswith("language_model.model.norm") or "output_attn_res" in path else None
+        if layer is None:
+            continue
+        target = str(node.target)
+        if target.startswith("k3."):
+            fused[layer][target.split(".")[1]] += 1
+        else:
+            name = _op_name(node)
+            if name not in _NO_KERNEL:
+                other[layer][name] += 1
+    return {layer: (fused[layer], other[layer]) for layer in templates}
+
+
+def check_contract(observer, batch, strict: bool) -> ContractReport:
+    rec = observer.stage("check", batch) if observer.records.get(batch) else None
+    graph = observer.graphs.get(batch)
+    if graph is None and rec is None:
+        return ContractReport([])
+    templates = layer_templates(graph)
+    ops = layer_ops(graph)
+    layers = [LayerReport(layer, t, PLANS.get(t, {}), *ops[layer]) for layer, t in templates.items()]
+    report = ContractReport(layers)
+    if not report.met:
+        msg = "k3 fusion contract not met: " + "; ".join(
+            f"layer {lr.layer} ({lr.template}) missing {lr.shortfall}" for lr in layers if lr.shortfall)
+        if strict:
+            raise ContractError(msg)
+        log.warning(msg)
+    return report
+
+
+def format_contract(report: ContractReport, batch) -> str:
+    lines = [f"fusion plan vs actual (batch bucket {batch}): {'met' if report.met else 'NOT met'}"]
+    lines.append(f"  {'layer':>5} {'template':<8} {'fused ops':>9} {'left to Inductor':>16}  plan")
+    for lr in report.layers:
+        plan = ", ".join(f"{op} {lr.actual[op]}/{n}" for op, n in lr.expected.items())
+        lines.append(f"  {lr.layer:>5} {lr.template:<8} {lr.fused_ops:>9} "
+                     f"{sum(lr.other_ops.values()):>16}  {plan}")
+    return "\n".join(lines)

@@ -1,0 +1,44 @@
+"""Backend options: `torch.compile(model, backend="k3", options={...})` or environment."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    buckets: tuple[int, ...] = DEFAULT_BUCKETS
+    strict: bool = False  # a fusion-contract shortfall raises instead of warning
+    verify: bool = False  # check every rewrite numerically at compile time (K3_VERIFY=1)
+    cuda_graphs: bool = True  # capture each bucket in a CUDA graph (GPU only)
+    disabled_patterns: frozenset[str] = frozenset()  # names or name prefixes
+    disabled_stages: frozenset[str] = frozenset()
+    scratch_slot: int | None = None  # state slot for padding rows; inferred when None
+    keep_graphs: bool = True  # the observer keeps each stage's graph text (for the tools)
+
+    @classmethod
+    def make(cls, options: dict[str, Any] | None = None) -> Options:
+        opts = dict(options or {})
+        if os.environ.get("K3_VERIFY", "") not in ("", "0"):
+            opts.setdefault("verify", True)
+        if os.environ.get("K3_STRICT", "") not in ("", "0"):
+            opts.setdefault("strict", True)
+        unknown = set(opts) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"unknown k3 backend options {sorted(unknown)}")
+        for key in ("disabled_patterns", "disabled_stages"):
+            if key in opts:
+                opts[key] = frozenset(opts[key])
+        if "buckets" in opts:
+            buckets = tuple(sorted(set(int(b) for b in opts["buckets"])))
+            if not buckets or buckets[0] < 1:
+                raise ValueError(f"buckets must be positive batch sizes, got {opts['buckets']}")
+            opts["buckets"] = buckets
+        return cls(**opts)
+
+    def pattern_enabled(self, name: str) -> bool:
+        return not any(name == d or name.startswith(d) for d in self.disabled_patterns)

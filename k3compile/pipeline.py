@@ -1,0 +1,166 @@
+"""The compile pipeline: one ordered list of named stages over the functional ATen graph.
+
+Inductor's own machinery lowers the Dynamo graph (functionalisation, decompositions, inference
+only); `Pipeline.inner_compile` then receives the ATen graph, runs the stages, and hands what the
+patterns left to Inductor (`compile` stage). Which rewrites are on is decided once, here, as data.
+
+    normalize -> fuse -> shard -> streams -> prefetch -> verify -> check -> compile
+
+An `Observer` wraps every stage: wall time, op histogram before/after, a printed copy of the graph,
+and the rewrite report. The graph-diff tool and the fusion contract read what it records.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from k3compile import inductor
+from k3compile.options import Options
+from k3compile.rewrite import RewriteReport, apply_patterns
+
+log = logging.getLogger("k3compile")
+
+
+@dataclasses.dataclass
+class Context:
+    options: Options
+    batch: int | None  # the bucket this graph is specialised to (None: not bucketed)
+    report: RewriteReport = dataclasses.field(default_factory=RewriteReport)
+    notes: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class StageRecord:
+    name: str
+    seconds: float
+    ops_before: collections.Counter
+    ops_after: collections.Counter
+    graph_after: str
+
+
+def op_histogram(graph: fx.Graph) -> collections.Counter:
+    return collections.Counter(
+        str(n.target).replace("aten.", "").replace(".default", "")
+        for n in graph.nodes if n.op == "call_function")
+
+
+class Observer:
+    """Records every stage of every compiled bucket: time, op histograms, graph text."""
+
+    def __init__(self, keep_graphs: bool = True):
+        self.keep_graphs = keep_graphs
+        self.records: dict[int | None, list[StageRecord]] = collections.defaultdict(list)
+        self.reports: dict[int | None, RewriteReport] = {}
+        self.graphs: dict[int | None, fx.Graph] = {}  # the final graph of each bucket
+
+    def run(self, name: str, stage: Callable, gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
+        before = op_histogram(gm.graph)
+        t0 = time.perf_counter()
+        gm = stage(gm, ctx) or gm
+        seconds = time.perf_counter() - t0
+        text = gm.print_readable(print_output=False) if self.keep_graphs else ""
+        self.records[ctx.batch].append(StageRecord(name, seconds, before, op_histogram(gm.graph), text))
+        log.debug("stage %s (batch %s): %.3fs", name, ctx.batch, seconds)
+        return gm
+
+    def stage(self, name: str, batch: int | None = None) -> StageRecord:
+        batch = batch if batch in self.records else next(iter(self.records), None)
+        for rec in self.records[batch]:
+            if rec.name == name:
+                return rec
+        raise KeyError(f"no stage {name!r} recorded (stages: {[r.name for r in self.records[batch]]})")
+
+
+# ---- stages -------------------------------------------------------------------------------------
+
+def normalize(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    return gm
+
+
+def fuse(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
+    from k3compile.patterns import all_patterns
+
+    report = apply_patterns(gm.graph, all_patterns(), ctx.batch, ctx.options.pattern_enabled)
+    ctx.report.merge(report)
+    gm.recompile()
+    return gm
+
+
+def shard(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
+    return gm  # router/latent sharding arrives with the MoE patterns (issue 4)
+
+
+def streams(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
+    return gm  # side-stream scheduling arrives with the MoE patterns (issue 4)
+
+
+def prefetch(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
+    return gm  # L2 prefetch insertion arrives with the MoE patterns (issue 4)
+
+
+def verify(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
+    """Rewrites are verified where they are made (`apply_patterns(verify=...)`); this stage
+    re-checks the result as a whole when asked: every rewritten op's meta is intact."""
+    return gm
+
+
+def check(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
+    """The engine's invariants: every node has meta['val']; only declared state is mutated."""
+    for node in gm.graph.nodes:
+        if node.op in ("call_function", "placeholder") and "val" not in node.meta:
+            raise AssertionError(f"k3compile invariant: node {node.name} has no meta['val']")
+        if node.op == "call_function" and getattr(node.target, "_schema", None) is not None:
+            if node.target._schema.is_mutable and node.args:
+                target = node.args[0]
+                if isinstance(target, fx.Node) and target.op != "placeholder":
+                    raise AssertionError(f"k3compile invariant: {node.name} mutates a non-input")
+    return gm
+
+
+STAGES: list[tuple[str, Callable[[fx.GraphModule, Context], fx.GraphModule]]] = [
+    ("normalize", normalize),
+    ("fuse", fuse),
+    ("shard", shard),
+    ("streams", streams),
+    ("prefetch", prefetch),
+    ("verify", verify),
+    ("check", check),
+]
+
+
+class Pipeline:
+    """Runs the stages inside Inductor's compile (as its `inner_compile`) for one bucket."""
+
+    def __init__(self, options: Options, observer: Observer):
+        self.options = options
+        self.observer = observer
+
+    def compile(self, gm: fx.GraphModule, example_inputs: list, batch: int | None) -> Callable:
+        ctx = Context(self.options, batch)
+
+        def inner_compile(aten_gm: fx.GraphModule, aten_inputs, **kwargs):
+            import k3compile.ops  # noqa: F401  (the k3 ops must exist before patterns trace)
+
+            for name, stage in STAGES:
+                if name in self.options.disabled_stages:
+                    continue
+                aten_gm = self.observer.run(name, stage, aten_gm, ctx)
+            self.observer.reports[batch] = ctx.report
+            self.observer.graphs[batch] = aten_gm.graph
+            return inductor.compile_fx_inner(aten_gm, aten_inputs, **kwargs)
+
+        patches = {"fx_graph_cache": False, "emulate_precision_casts": True}
+        with torch._functorch.config.patch(enable_autograd_cache=False):
+            return inductor.compile_fx(gm, example_inputs, inner_compile=inner_compile,
+                                       config_patches=patches)
+

@@ -1,0 +1,218 @@
+"""The rewrite engine: patterns written as plain torch code, traced, matched on the functional ATen
+graph and replaced by one `torch.ops.k3.*` call each.
+
+Invariants (checked by the pipeline's last stage):
+* the graph stays functional except for the declared state buffers (index_put_ / copy_ into
+  graph inputs that Inductor's functionalization put back);
+* every node a rewrite creates carries `meta["val"]`.
+
+A pattern is data (`Pattern`): search fn, replacement fn, example inputs, a `check` reading only
+node metadata, the scalars captured as keyword arguments (eps), an optional batch-bucket range.
+The registry's order (`patterns/__init__.py`) is the priority order. Each application records
+hits per pattern and, for sites that resemble a pattern but did not rewrite, a near miss naming
+the node and the failed condition.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import inspect
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from k3compile import inductor
+
+log = logging.getLogger("k3compile.rewrite")
+
+
+@dataclasses.dataclass(frozen=True)
+class NearMiss:
+    pattern: str
+    node: str  # the node the match was tried at
+    reason: str  # which node and which condition failed
+    module: str = ""  # the model's module path at that node, when known
+
+
+@dataclasses.dataclass(frozen=True)
+class Hit:
+    pattern: str
+    node: str
+    module: str
+    op: str
+
+
+@dataclasses.dataclass
+class Pattern:
+    """One rewrite. `search` and `replace` take the same arguments (tensors first, then the
+    scalars named in `scalars`, whose example values must be unique literals in the trace)."""
+
+    name: str
+    search: Callable[..., Any]
+    replace: Callable[..., Any]
+    example_inputs: Callable[[], Sequence[Any]]
+    op: str  # the k3 op it produces, e.g. "k3.attn_res_mix_norm"
+    check: Callable[[inductor.Match], str | None] | None = None  # None = accept, else the reason
+    scalars: dict[str, float] = dataclasses.field(default_factory=dict)
+    buckets: tuple[int, int] | None = None  # (min, max) batch size this pattern may fire at
+    distinctive: tuple[str, ...] = ()  # op names whose presence marks a resembling site
+
+    @functools.cached_property
+    def expr(self) -> inductor.PatternExpr:
+        expr, self._search_gm = inductor.gen_pattern_and_search_gm(
+            self.search, self.example_inputs(), inductor.fwd_only, self.scalars)
+        return expr
+
+    @functools.cached_property
+    def argnames(self) -> list[str]:
+        return list(inspect.signature(self.search).parameters)
+
+    @property
+    def anchors(self) -> set:
+        expr = self.expr
+        return set(expr.outputs[0].fns if isinstance(expr, inductor.MultiOutputPattern) else expr.fns)
+
+    @functools.cached_property
+    def op_signature(self) -> collections.Counter:
+        self.expr  # noqa: B018 (traces the search graph)
+        return collections.Counter(_opname(n) for n in self._search_gm.graph.nodes
+                                   if n.op == "call_function")
+
+
+def _opname(node: fx.Node) -> str:
+    t = node.target
+    return getattr(t, "__name__", str(t)).split(".")[0]
+
+
+def module_path(node: fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    return path.replace("L['self'].", "").replace("L__self___", "")
+
+
+@dataclasses.dataclass
+class RewriteReport:
+    hits: list[Hit] = dataclasses.field(default_factory=list)
+    near_misses: list[NearMiss] = dataclasses.field(default_factory=list)
+
+    @property
+    def counts(self) -> collections.Counter:
+        return collections.Counter(h.pattern for h in self.hits)
+
+    def merge(self, other: RewriteReport) -> None:
+        self.hits += other.hits
+        self.near_misses += other.near_misses
+
+
+def _cone_ops(node: fx.Node, limit: int) -> collections.Counter:
+    seen, todo, ops = {node}, [node], collections.Counter()
+    while todo and len(seen) < limit:
+        n = todo.pop()
+        if n.op == "call_function":
+            ops[_opname(n)] += 1
+        for a in n.all_input_nodes:
+            if a not in seen:
+                seen.add(a)
+                todo.append(a)
+    return ops
+
+
+def _resembles(pattern: Pattern, node: fx.Node) -> bool:
+    """A site resembles a pattern when the node's input cone, cut at the pattern's size, holds
+    every distinctive op and most of the pattern's ops."""
+    want = pattern.op_signature
+    have = _cone_ops(node, sum(want.values()) + 8)
+    if any(have[k] < want[k] for k in pattern.distinctive):
+        return False
+    covered = sum(min(v, have[k]) for k, v in want.items())
+    return covered >= 0.85 * sum(want.values())
+
+
+def apply_patterns(graph: fx.Graph, patterns: Sequence[Pattern], batch: int | None = None,
+                   enabled: Callable[[str], bool] = lambda name: True) -> RewriteReport:
+    """Match every pattern, in priority order, at every node of the graph; replace the matches
+    that pass their check. Returns hits and near misses."""
+    report = RewriteReport()
+    for pattern in patterns:
+        if not enabled(pattern.name):
+            continue
+        if pattern.buckets and batch is not None and not pattern.buckets[0] <= batch <= pattern.buckets[1]:
+            continue
+        anchors = pattern.anchors
+        for node in reversed(list(graph.nodes)):
+            if node.op != "call_function" or node.target not in anchors or not node.graph:
+                continue
+            if node._erased:
+                continue
+            m = pattern.expr.match(node)
+            if not m:
+                if _resembles(pattern, node):
+                    report.near_misses.append(NearMiss(pattern.name, node.name, _reason(m), module_path(node)))
+                continue
+            reason = pattern.check(m) if pattern.check else None
+            if reason:
+                report.near_misses.append(NearMiss(pattern.name, node.name, f"check refused: {reason}",
+                                                   module_path(node)))
+                continue
+            where, stack = module_path(node), node.meta.get("nn_module_stack")
+            args = [m.kwargs[a] for a in pattern.argnames]
+            new_nodes = m.replace_by_example(pattern.replace, args)
+            for n in new_nodes or ():
+                n.meta["k3_pattern"] = pattern.name
+                if stack is not None:
+                    n.meta["nn_module_stack"] = stack
+            report.hits.append(Hit(pattern.name, node.name, where, pattern.op))
+    graph.eliminate_dead_code()
+    # a near miss at a site that a later (or earlier) pattern rewrote is not a miss
+    alive = {n.name for n in graph.nodes}
+    report.near_misses = [nm for nm in report.near_misses if nm.node in alive]
+    return report
+
+
+def _describe(x: Any) -> str:
+    if isinstance(x, fx.Node):
+        val = x.meta.get("val")
+        kind = _opname(x) if x.op == "call_function" else x.op
+        shape = f" {str(val.dtype).replace('torch.', '')}{list(val.shape)}" if isinstance(val, torch.Tensor) else ""
+        return f"{x.name} ({kind}{shape})"
+    fns = getattr(x, "fns", None)
+    if fns:
+        return "/".join(getattr(f, "__name__", str(f)) for f in fns)
+    return repr(x) if len(repr(x)) < 60 else type(x).__name__
+
+
+def _reason(failed: Any) -> str:
+    """FailedMatch -> 'which node, which condition' without the whole pattern repr."""
+    kw = getattr(failed, "kwargs", {}) or {}
+    head = getattr(failed, "format_string", str(failed)).split(":")[0]
+    if "node" in kw and "pattern" in kw:
+        return f"{head}: {_describe(kw['node'])} where the pattern expects {_describe(kw['pattern'])}"
+    text = str(failed)
+    return text if len(text) < 200 else text[:197] + "..."
+
+
+def tensor_meta(node: Any) -> torch.Tensor | None:
+    return node.meta.get("val") if isinstance(node, fx.Node) else None
+
+
+__all__ = ["Hit", "NearMiss", "Pattern", "RewriteReport", "apply_patterns", "module_path", "tensor_meta"]
+
+
+def with_signature(fn: Callable[..., Any], names: Sequence[str]) -> Callable[..., Any]:
+    """fn(*args) with a named signature, for variants whose argument count is a parameter
+    (the tracer and the matcher name the pattern's inputs by the signature)."""
+
+    def wrapper(*args):
+        return fn(*args)
+
+    wrapper.__signature__ = inspect.Signature(
+        [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in names])
+    wrapper.__name__ = getattr(fn, "__name__", "fn")
+    return wrapper

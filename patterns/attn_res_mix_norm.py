@@ -1,0 +1,100 @@
+"""Attention-Residual depth mix + the RMSNorm after it -> `k3.attn_res_mix_norm`.
+
+Matches the model's `prefix + delta` (absent when a block starts), the stack of the completed
+blocks and the prefix, the RMS-normalised scores against the pseudo-query, the softmax over
+sources, the fp32 weighted sum, and the following RMSNorm (input_layernorm, post_attention_layernorm
+or the final norm). One variant per number of blocks (1..8, K3 has at most 9 sources) and per
+presence of the prefix add.
+
+Before (per mix, ~25 ATen ops):  add, cat, convert, pow, mean, add, rsqrt, mul, convert, mul, mm,
+    convert, amax, sub, exp, sum, div, mul, sum, convert, ... rsqrt, mul, convert, mul
+After:  prefix_out, x = k3.attn_res_mix_norm(prefix, delta, [blocks], w_mix_norm, w_mix_proj,
+    w_norm, mix_eps, norm_eps)
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.nn.functional as F
+
+from k3compile.rewrite import Pattern, tensor_meta, with_signature
+
+MAX_BLOCKS = 8
+SHAPE = (2, 1, 64)  # [B, T, D] for tracing; matching ignores sizes
+
+
+def rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def mix_norm(prefix, delta, blocks, w_mix_norm, w_mix_proj, w_norm, mix_eps, norm_eps):
+    prefix_out = prefix if delta is None else prefix + delta
+    sources = torch.stack([*blocks, prefix_out])
+    scores = F.linear(rms(sources, w_mix_norm, mix_eps), w_mix_proj).squeeze(-1).float()
+    alpha = torch.softmax(scores, dim=0)
+    h = (alpha.unsqueeze(-1) * sources.float()).sum(0).to(prefix_out.dtype)
+    return prefix_out, rms(h, w_norm, norm_eps)
+
+
+def check(match) -> str | None:
+    for eps in ("mix_eps", "norm_eps"):
+        if not isinstance(match.kwargs[eps], float):
+            return (f"{eps} is not a compile-time float (torch.compile(dynamic=True) makes float "
+                    "attributes graph inputs; mark only the batch dynamic)")
+    prefix = tensor_meta(match.kwargs["prefix"])
+    if prefix is None or prefix.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return f"prefix dtype {getattr(prefix, 'dtype', None)} is not a float type"
+    for name in ("w_mix_norm", "w_norm"):
+        w = tensor_meta(match.kwargs[name])
+        if w is None or w.shape[-1] != prefix.shape[-1]:
+            return f"{name} width {getattr(w, 'shape', None)} != hidden {prefix.shape[-1]}"
+    proj = tensor_meta(match.kwargs["w_mix_proj"])
+    if proj is None or tuple(proj.shape) != (1, prefix.shape[-1]):
+        return f"w_mix_proj shape {getattr(proj, 'shape', None)} is not [1, hidden]"
+    blocks = [tensor_meta(match.kwargs[k]) for k in match.kwargs if k.startswith("block")]
+    if any(b is None or b.shape != prefix.shape for b in blocks):
+        return "a block source's shape differs from the prefix"
+    return None
+
+
+def _variant(n_blocks: int, with_delta: bool) -> Pattern:
+    blocks = [f"block{i}" for i in range(n_blocks)]
+    names = ["prefix", *(["delta"] if with_delta else []), *blocks,
+             "w_mix_norm", "w_mix_proj", "w_norm", "mix_eps", "norm_eps"]
+    nd = 1 if with_delta else 0
+
+    def split(args):
+        delta = args[1] if with_delta else None
+        return args[0], delta, list(args[1 + nd:1 + nd + n_blocks]), *args[1 + nd + n_blocks:]
+
+    # x first: the matcher anchors on the first output, which must be computed by the pattern
+    def search(*args):
+        prefix_out, x = mix_norm(*split(args))
+        return (x, prefix_out) if with_delta else x
+
+    def replace(*args):
+        prefix, delta, blks, wmn, wmp, wn, me, ne = split(args)
+        prefix_out, x = torch.ops.k3.attn_res_mix_norm(prefix, delta, blks, wmn, wmp, wn, me, ne)
+        return (x, prefix_out) if with_delta else x
+
+    def example_inputs():
+        act = [torch.randn(SHAPE, dtype=torch.bfloat16) for _ in range(1 + nd + n_blocks)]
+        d = SHAPE[-1]
+        w = [torch.randn(d, dtype=torch.bfloat16), torch.randn(1, d, dtype=torch.bfloat16),
+             torch.randn(d, dtype=torch.bfloat16)]
+        return [*act, *w, 1.1e-5, 1.3e-5]
+
+    return Pattern(
+        name=f"attn_res_mix_norm[blocks={n_blocks},{'delta' if with_delta else 'no_delta'}]",
+        search=with_signature(search, names), replace=with_signature(replace, names),
+        example_inputs=example_inputs, op="k3.attn_res_mix_norm", check=check,
+        scalars={"mix_eps": 1.1e-5, "norm_eps": 1.3e-5}, distinctive=("amax", "rsqrt", "cat", "exp"),
+    )
+
+
+def patterns() -> list[Pattern]:
+    return [_variant(n, d) for n, d in itertools.product(range(MAX_BLOCKS, 0, -1), (True, False))]
