@@ -44,7 +44,7 @@ def last_compiled() -> K3Compiled:
 
 
 def _is_module_state(name: str) -> bool:
-    return name.startswith("L_self") or "_modules_" in name or "_parameters_" in name
+    return name.lower().startswith("l_self") or "_modules_" in name or "_parameters_" in name
 
 
 @dataclasses.dataclass
@@ -77,7 +77,9 @@ class K3Compiled:
         self._warned: set[str] = set()
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         self.inputs = self._classify(placeholders, example_inputs)
+        self.batch_symbols: set = set()
         self.symbol = self._batch_symbol()
+        self._lead = next((i for i in self.inputs if i.batched), None)
         self.guards = self._make_guards() if self.symbol is not None else {}
         self.scratch = options.scratch_slot if options.scratch_slot is not None else self._scratch()
         self.outputs_batched = self._batched_outputs()
@@ -88,13 +90,15 @@ class K3Compiled:
     # ---- graph analysis ----------------------------------------------------------------------
 
     def _classify(self, placeholders, example_inputs) -> list[_Input]:
-        out = []
-        for i, (node, ex) in enumerate(zip(placeholders, example_inputs)):
+        """Dynamo hands real example inputs; the symbolic sizes live in the placeholders' meta."""
+        out, self._examples = [], []
+        for i, (node, real) in enumerate(zip(placeholders, example_inputs)):
+            ex = node.meta.get("example_value", real)
+            self._examples.append(ex)
             if isinstance(ex, torch.SymInt):
                 out.append(_Input(i, node.name, False, True, ex.node.expr))
             else:
                 out.append(_Input(i, node.name, False, False))
-        self._examples = example_inputs
         return out
 
     def _user_tensors(self):
@@ -109,9 +113,18 @@ class K3Compiled:
         if not isinstance(dim0, torch.SymInt) or not isinstance(dim0.node.expr, sympy.Symbol):
             return None
         symbol = dim0.node.expr
+        # Dynamo gives each marked input its own symbol unless an op ties them: every user
+        # input's leading size is taken as the batch (checked equal at run time).
+        self.batch_symbols = set()
         for inp in users:
             ex = self._examples[inp.index]
-            inp.batched = ex.dim() > 0 and isinstance(ex.shape[0], torch.SymInt) and ex.shape[0].node.expr == symbol
+            lead = ex.shape[0] if ex.dim() > 0 else None
+            if isinstance(lead, torch.SymInt) and isinstance(lead.node.expr, sympy.Symbol):
+                inp.batched = True
+                self.batch_symbols.add(lead.node.expr)
+        for inp in self.inputs:
+            if inp.symint and inp.expr in self.batch_symbols:
+                inp.batched = False
         return symbol
 
     def _make_guards(self) -> dict[int, sympy.Basic]:
@@ -138,8 +151,9 @@ class K3Compiled:
         flags = []
         for a in torch.utils._pytree.tree_leaves(out.args[0]):
             val = a.meta.get("example_value") if isinstance(a, fx.Node) else None
-            flags.append(isinstance(val, torch.Tensor) and val.dim() > 0 and self.symbol is not None
-                         and isinstance(val.shape[0], torch.SymInt) and val.shape[0].node.expr == self.symbol)
+            flags.append(isinstance(val, torch.Tensor) and val.dim() > 0
+                         and isinstance(val.shape[0], torch.SymInt)
+                         and val.shape[0].node.expr in self.batch_symbols)
         return flags
 
     def _static_batch(self, example_inputs) -> int | None:
@@ -168,8 +182,10 @@ class K3Compiled:
     def __call__(self, *args):
         if self.symbol is None:
             return self._run(self.buckets[()], list(args), None, None)
-        users = self._user_tensors()
-        batch = int(args[users[0].index].shape[0])
+        batch = int(args[self._lead.index].shape[0])
+        if any(int(args[i.index].shape[0]) != batch for i in self.inputs if i.batched):
+            raise ValueError("k3: the batched inputs disagree on the batch size: "
+                             + ", ".join(f"{i.name}={tuple(args[i.index].shape)}" for i in self.inputs if i.batched))
         bucket = self.bucket_for(batch)
         if bucket is None:
             self._warn_once("above", "k3: batch %d is above the largest bucket %d; running the "
@@ -180,8 +196,8 @@ class K3Compiled:
                             "exactly (pass slots= to use buckets)", batch)
             bucket = batch
         padded = self._pad(args, batch, bucket)
-        # other symbols (verify rows T, context) are specialised to their run-time values
         key = (bucket, *(int(a) for a, inp in zip(padded, self.inputs) if inp.symint))
+        # other symbols (verify rows T, ...) are specialised to their run-time values
         entry = self.buckets.get(key) or self._compile_bucket(key, padded, bucket)
         return self._run(entry, padded, batch, bucket)
 
@@ -189,7 +205,7 @@ class K3Compiled:
         out = list(args)
         for inp in self.inputs:
             a = args[inp.index]
-            if inp.symint and inp.expr == self.symbol:
+            if inp.symint and inp.expr in self.batch_symbols:
                 out[inp.index] = bucket
             elif inp.batched and bucket != batch:
                 fill = self.scratch if "slots" in inp.name else 0

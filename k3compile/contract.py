@@ -32,6 +32,7 @@ _NO_KERNEL = {"view", "reshape", "_unsafe_view", "permute", "unsqueeze", "squeez
               "alias", "detach", "sym_size", "_to_copy"}
 
 _LAYER = re.compile(r"layers\.(\d+)\.")
+_MOE = re.compile(r"\.mlp\.(gate|experts|routed_expert_\w+)(\.|$)")
 
 
 class ContractError(AssertionError):
@@ -83,7 +84,7 @@ def layer_templates(graph: fx.Graph) -> dict[int, str]:
     out = {}
     for layer, ps in sorted(paths.items()):
         mla = any(".self_attn.q_a_proj" in p or ".self_attn.kv_a_proj" in p for p in ps)
-        moe = any(".mlp.experts" in p or ".mlp.gate" in p for p in ps)
+        moe = any(_MOE.search(p) for p in ps)
         out[layer] = "last" if layer == last and layer > 0 else (
             "dense" if not moe else "mla_moe" if mla else "kda_moe")
     return out

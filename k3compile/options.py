@@ -19,6 +19,9 @@ class Options:
     disabled_stages: frozenset[str] = frozenset()
     scratch_slot: int | None = None  # state slot for padding rows; inferred when None
     keep_graphs: bool = True  # the observer keeps each stage's graph text (for the tools)
+    # What runs the graph the patterns leave: "inductor" (default), or "aten": the fused ATen
+    # graph op by op, no codegen (CPU tests: Inductor's C++ build costs ~30 s per bucket there).
+    executor: str = "inductor"
 
     @classmethod
     def make(cls, options: dict[str, Any] | None = None) -> Options:
@@ -38,6 +41,10 @@ class Options:
             if not buckets or buckets[0] < 1:
                 raise ValueError(f"buckets must be positive batch sizes, got {opts['buckets']}")
             opts["buckets"] = buckets
+        if os.environ.get("K3_EXECUTOR"):
+            opts.setdefault("executor", os.environ["K3_EXECUTOR"])
+        if opts.get("executor", "inductor") not in ("inductor", "aten"):
+            raise ValueError(f"executor must be 'inductor' or 'aten', got {opts['executor']!r}")
         return cls(**opts)
 
     def pattern_enabled(self, name: str) -> bool:

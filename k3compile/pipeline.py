@@ -117,7 +117,7 @@ def verify(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
 def check(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
     """The engine's invariants: every node has meta['val']; only declared state is mutated."""
     for node in gm.graph.nodes:
-        if node.op in ("call_function", "placeholder") and "val" not in node.meta:
+        if node.op == "call_function" and "val" not in node.meta:
             raise AssertionError(f"k3compile invariant: node {node.name} has no meta['val']")
         if node.op == "call_function" and getattr(node.target, "_schema", None) is not None:
             if node.target._schema.is_mutable and node.args:
@@ -157,7 +157,9 @@ class Pipeline:
                 aten_gm = self.observer.run(name, stage, aten_gm, ctx)
             self.observer.reports[batch] = ctx.report
             self.observer.graphs[batch] = aten_gm.graph
-            return inductor.compile_fx_inner(aten_gm, aten_inputs, **kwargs)
+            if self.options.executor == "inductor":
+                return inductor.compile_fx_inner(aten_gm, aten_inputs, **kwargs)
+            return inductor.make_boxed_func(aten_gm.forward)
 
         patches = {"fx_graph_cache": False, "emulate_precision_casts": True}
         with torch._functorch.config.patch(enable_autograd_cache=False):
