@@ -7,15 +7,54 @@ from torch._functorch.aot_autograd import make_boxed_func
 from torch._inductor import config as inductor_config  # noqa: F401
 from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 from torch._inductor.pattern_matcher import (
+    CallFunction,
     FailedMatch,
+    KeywordArg,
     Match,
     MultiOutputPattern,
     PatternExpr,
     fwd_only,
     gen_pattern_and_search_gm,
+    unset_fake_temporarily,
 )
+
+
+
+def fwd_only_fake(fn, args, *, get_decomp_fn=None):
+    """`fwd_only` with fake tensors, for patterns whose ops cannot run eagerly (collectives)."""
+    from torch._inductor.decomposition import select_decomp_table
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    gm = make_fx(fn, (get_decomp_fn or select_decomp_table)(), tracing_mode="fake")(*args)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    return gm
+
+
+def wildcard_strings(expr, names: dict[str, str]) -> None:
+    """Replace string literals (sentinels traced in place of e.g. a process group's name) in a
+    pattern tree by keyword args, so they match any string and are captured."""
+    seen = set()
+
+    def visit(p):
+        if id(p) in seen:
+            return
+        seen.add(id(p))
+        if isinstance(p, CallFunction):
+            p.args = tuple(KeywordArg(names[a]) if isinstance(a, str) and a in names else a
+                           for a in p.args)
+            p.flat_args_kwargs = p.flatten(p.args, p.kwargs)
+            for a in p.args:
+                visit(a)
+            for a in p.kwargs.values():
+                visit(a)
+        for sub in getattr(p, "outputs", ()) or ():
+            visit(sub)
+
+    visit(expr)
+
 
 __all__ = [
     "FailedMatch", "Match", "MultiOutputPattern", "PatternExpr", "compile_fx", "compile_fx_inner",
-    "fwd_only", "gen_pattern_and_search_gm", "inductor_config", "make_boxed_func",
+    "fwd_only", "fwd_only_fake", "unset_fake_temporarily", "wildcard_strings", "gen_pattern_and_search_gm", "inductor_config", "make_boxed_func",
 ]

@@ -90,7 +90,8 @@ def normalize(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
 def fuse(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
     from k3compile.patterns import all_patterns
 
-    report = apply_patterns(gm.graph, all_patterns(), ctx.batch, ctx.options.pattern_enabled)
+    report = apply_patterns(gm.graph, all_patterns(), ctx.batch, ctx.options.pattern_enabled,
+                            verify=ctx.options.verify)
     ctx.report.merge(report)
     gm.recompile()
     return gm
@@ -109,8 +110,11 @@ def prefetch(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
 
 
 def verify(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
-    """Rewrites are verified where they are made (`apply_patterns(verify=...)`); this stage
-    re-checks the result as a whole when asked: every rewritten op's meta is intact."""
+    """Verify mode checks each rewrite where it is made (`apply_patterns(verify=True)`: matched
+    subgraph vs replacement on fresh random inputs, a failure reverted); this stage reports it."""
+    if ctx.options.verify:
+        log.info("k3 verify (batch %s): %d rewrites verified, %d reverted", ctx.batch,
+                 ctx.report.verified, len(ctx.report.reverted))
     return gm
 
 

@@ -61,11 +61,23 @@ class Pattern:
     scalars: dict[str, float] = dataclasses.field(default_factory=dict)
     buckets: tuple[int, int] | None = None  # (min, max) batch size this pattern may fire at
     distinctive: tuple[str, ...] = ()  # op names whose presence marks a resembling site
+    # string arguments (e.g. a process group's name) traced as these sentinels, matched as
+    # wildcards and passed to `replace` under the argument's name
+    strings: dict[str, str] = dataclasses.field(default_factory=dict)
+    fake_trace: bool = False  # trace with fake tensors (patterns holding collectives)
+    # verify mode: relative tolerance of the fused op against the unfused pattern, per dtype
+    tolerance: dict[torch.dtype, float] = dataclasses.field(default_factory=lambda: {
+        torch.bfloat16: 2e-2, torch.float16: 5e-3, torch.float32: 1e-4})
+    # verify mode: random inputs for a site (default: randn floats, zero ints, the captured scalars)
+    random_inputs: Callable[[dict[str, Any]], list] | None = None
 
     @functools.cached_property
     def expr(self) -> inductor.PatternExpr:
+        trace = inductor.fwd_only_fake if self.fake_trace else inductor.fwd_only
         expr, self._search_gm = inductor.gen_pattern_and_search_gm(
-            self.search, self.example_inputs(), inductor.fwd_only, self.scalars)
+            self.search, self.example_inputs(), trace, self.scalars)
+        if self.strings:
+            inductor.wildcard_strings(expr, {v: k for k, v in self.strings.items()})
         return expr
 
     @functools.cached_property
@@ -97,10 +109,20 @@ def module_path(node: fx.Node) -> str:
     return path.replace("L['self'].", "").replace("L__self___", "")
 
 
+@dataclasses.dataclass(frozen=True)
+class Reverted:
+    pattern: str
+    node: str
+    module: str
+    error: str
+
+
 @dataclasses.dataclass
 class RewriteReport:
     hits: list[Hit] = dataclasses.field(default_factory=list)
     near_misses: list[NearMiss] = dataclasses.field(default_factory=list)
+    reverted: list[Reverted] = dataclasses.field(default_factory=list)  # failed verification
+    verified: int = 0
 
     @property
     def counts(self) -> collections.Counter:
@@ -109,6 +131,8 @@ class RewriteReport:
     def merge(self, other: RewriteReport) -> None:
         self.hits += other.hits
         self.near_misses += other.near_misses
+        self.reverted += other.reverted
+        self.verified += other.verified
 
 
 def _cone_ops(node: fx.Node, limit: int) -> collections.Counter:
@@ -136,9 +160,11 @@ def _resembles(pattern: Pattern, node: fx.Node) -> bool:
 
 
 def apply_patterns(graph: fx.Graph, patterns: Sequence[Pattern], batch: int | None = None,
-                   enabled: Callable[[str], bool] = lambda name: True) -> RewriteReport:
+                   enabled: Callable[[str], bool] = lambda name: True,
+                   verify: bool = False) -> RewriteReport:
     """Match every pattern, in priority order, at every node of the graph; replace the matches
-    that pass their check. Returns hits and near misses."""
+    that pass their check (and, with `verify`, agree numerically with the unfused pattern on
+    fresh random inputs of the site's shapes). Returns hits, near misses and reverted sites."""
     report = RewriteReport()
     for pattern in patterns:
         if not enabled(pattern.name):
@@ -163,6 +189,13 @@ def apply_patterns(graph: fx.Graph, patterns: Sequence[Pattern], batch: int | No
                 continue
             where, stack = module_path(node), node.meta.get("nn_module_stack")
             args = [m.kwargs[a] for a in pattern.argnames]
+            if verify:
+                error = verify_site(pattern, m)
+                if error is not None:
+                    report.reverted.append(Reverted(pattern.name, node.name, where, error))
+                    log.warning("k3 verify: %s at %s reverted: %s", pattern.name, where or node.name, error)
+                    continue
+                report.verified += 1
             new_nodes = m.replace_by_example(pattern.replace, args)
             for n in new_nodes or ():
                 n.meta["k3_pattern"] = pattern.name
@@ -174,6 +207,55 @@ def apply_patterns(graph: fx.Graph, patterns: Sequence[Pattern], batch: int | No
     alive = {n.name for n in graph.nodes}
     report.near_misses = [nm for nm in report.near_misses if nm.node in alive]
     return report
+
+
+def _random_like(val: Any, gen: torch.Generator) -> Any:
+    if not isinstance(val, torch.Tensor):
+        return val
+    shape = [int(d) for d in val.shape]
+    if val.dtype.is_floating_point:
+        return torch.randn(shape, generator=gen).to(val.dtype)
+    return torch.zeros(shape, dtype=val.dtype)
+
+
+def verify_site(pattern: Pattern, match: Any, seed: int = 0) -> str | None:
+    """Run the unfused pattern and the fused replacement on the same fresh random inputs of the
+    site's shapes; None when they agree within the pattern's tolerance, else the error."""
+    with inductor.unset_fake_temporarily():  # compile runs under fake mode; this needs real data
+        return _verify_site(pattern, match, seed)
+
+
+def _verify_site(pattern: Pattern, match: Any, seed: int) -> str | None:
+    values = {}
+    for name in pattern.argnames:
+        arg = match.kwargs[name]
+        val = arg.meta.get("val") if isinstance(arg, fx.Node) else arg
+        if isinstance(val, torch.Tensor) and any(not isinstance(d, int) for d in val.shape):
+            return None  # symbolic shapes: nothing concrete to test at this site
+        values[name] = val
+    device = next((v.device for v in values.values() if isinstance(v, torch.Tensor)), "cpu")
+    gen = torch.Generator().manual_seed(seed)
+    try:
+        inputs = (pattern.random_inputs(values) if pattern.random_inputs
+                  else [_random_like(values[n], gen) for n in pattern.argnames])
+        inputs = [x.to(device) if isinstance(x, torch.Tensor) else x for x in inputs]
+        clone = lambda xs: [x.clone() if isinstance(x, torch.Tensor) else x for x in xs]  # noqa: E731
+        with torch.no_grad():
+            want = torch.utils._pytree.tree_leaves(pattern.search(*clone(inputs)))
+            got = torch.utils._pytree.tree_leaves(pattern.replace(*clone(inputs)))
+    except Exception as e:  # a replacement that cannot run is as bad as a wrong one
+        return f"raised {type(e).__name__}: {e}"
+    for i, (w, g) in enumerate(zip(want, got)):
+        if w.shape != g.shape or w.dtype != g.dtype:
+            return f"output {i}: {g.dtype}{list(g.shape)} != {w.dtype}{list(w.shape)}"
+        tol = pattern.tolerance.get(w.dtype, 0.0)
+        if w.is_floating_point():
+            err = float((g.double() - w.double()).abs().max() / w.double().abs().max().clamp_min(1e-30))
+            if not err <= tol:
+                return f"output {i}: relative error {err:.3g} > {tol:.3g}"
+        elif not torch.equal(w, g):
+            return f"output {i}: integer outputs differ"
+    return None
 
 
 def _describe(x: Any) -> str:

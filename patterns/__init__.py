@@ -8,6 +8,7 @@ import importlib
 
 ORDER = (
     "attn_res_mix_norm",
+    "allreduce_attn_res_mix_norm",  # consumes attn_res_mix_norm's op where a collective feeds it
 )
 
 
