@@ -17,7 +17,7 @@ import itertools
 import torch
 
 from k3compile.rewrite import Pattern, tensor_meta, with_signature
-from k3compile.patterns.attn_res_mix_norm import MAX_BLOCKS, SHAPE
+from k3compile.patterns.attn_res_mix_norm import DTYPES, MAX_BLOCKS, SHAPE
 
 GROUP = "__k3_group__"  # traced in place of the process group's name, matched as a wildcard
 _c10d = torch.ops._c10d_functional
@@ -32,7 +32,7 @@ def check(match) -> str | None:
     return None
 
 
-def _variant(n_blocks: int, with_prefix: bool) -> Pattern:
+def _variant(n_blocks: int, with_prefix: bool, dtype: torch.dtype = torch.bfloat16) -> Pattern:
     blocks = [f"block{i}" for i in range(n_blocks)]
     names = ["partial", *(["prefix"] if with_prefix else []), *blocks,
              "w_mix_norm", "w_mix_proj", "w_norm", "mix_eps", "norm_eps", "group_name"]
@@ -57,14 +57,14 @@ def _variant(n_blocks: int, with_prefix: bool) -> Pattern:
         return (x, prefix_out) if with_prefix else x
 
     def example_inputs():
-        act = [torch.randn(SHAPE, dtype=torch.bfloat16) for _ in range(1 + np_ + n_blocks)]
+        act = [torch.randn(SHAPE, dtype=dtype) for _ in range(1 + np_ + n_blocks)]
         d = SHAPE[-1]
-        w = [torch.randn(d, dtype=torch.bfloat16), torch.randn(1, d, dtype=torch.bfloat16),
-             torch.randn(d, dtype=torch.bfloat16)]
+        w = [torch.randn(d, dtype=dtype), torch.randn(1, d, dtype=dtype), torch.randn(d, dtype=dtype)]
         return [*act, *w, 1.1e-5, 1.3e-5, GROUP]
 
     return Pattern(
-        name=f"allreduce_attn_res_mix_norm[blocks={n_blocks},{'prefix' if with_prefix else 'new_block'}]",
+        name=f"allreduce_attn_res_mix_norm[blocks={n_blocks},{'prefix' if with_prefix else 'new_block'}"
+             f"{'' if dtype == torch.bfloat16 else ',' + str(dtype).split('.')[-1]}]",
         search=with_signature(search, names), replace=with_signature(replace, names),
         example_inputs=example_inputs, op="k3.allreduce_attn_res_mix_norm", check=check,
         scalars={"mix_eps": 1.1e-5, "norm_eps": 1.3e-5}, strings={"group_name": GROUP},
@@ -73,4 +73,5 @@ def _variant(n_blocks: int, with_prefix: bool) -> Pattern:
 
 
 def patterns() -> list[Pattern]:
-    return [_variant(n, p) for n, p in itertools.product(range(MAX_BLOCKS, 0, -1), (True, False))]
+    return [_variant(n, p, t) for t, n, p in
+            itertools.product(DTYPES, range(MAX_BLOCKS, 0, -1), (True, False))]

@@ -50,8 +50,8 @@ def check(match) -> str | None:
         return f"prefix dtype {getattr(prefix, 'dtype', None)} is not a float type"
     for name in ("w_mix_norm", "w_norm"):
         w = tensor_meta(match.kwargs[name])
-        if w is None or w.shape[-1] != prefix.shape[-1]:
-            return f"{name} width {getattr(w, 'shape', None)} != hidden {prefix.shape[-1]}"
+        if w is None or w.dim() != 1 or w.shape[0] != prefix.shape[-1]:
+            return f"{name} shape {list(getattr(w, 'shape', []))} is not [hidden={prefix.shape[-1]}]"
     proj = tensor_meta(match.kwargs["w_mix_proj"])
     if proj is None or tuple(proj.shape) != (1, prefix.shape[-1]):
         return f"w_mix_proj shape {getattr(proj, 'shape', None)} is not [1, hidden]"
@@ -61,7 +61,7 @@ def check(match) -> str | None:
     return None
 
 
-def _variant(n_blocks: int, with_delta: bool) -> Pattern:
+def _variant(n_blocks: int, with_delta: bool, dtype: torch.dtype = torch.bfloat16) -> Pattern:
     blocks = [f"block{i}" for i in range(n_blocks)]
     names = ["prefix", *(["delta"] if with_delta else []), *blocks,
              "w_mix_norm", "w_mix_proj", "w_norm", "mix_eps", "norm_eps"]
@@ -82,19 +82,24 @@ def _variant(n_blocks: int, with_delta: bool) -> Pattern:
         return (x, prefix_out) if with_delta else x
 
     def example_inputs():
-        act = [torch.randn(SHAPE, dtype=torch.bfloat16) for _ in range(1 + nd + n_blocks)]
+        act = [torch.randn(SHAPE, dtype=dtype) for _ in range(1 + nd + n_blocks)]
         d = SHAPE[-1]
-        w = [torch.randn(d, dtype=torch.bfloat16), torch.randn(1, d, dtype=torch.bfloat16),
-             torch.randn(d, dtype=torch.bfloat16)]
+        w = [torch.randn(d, dtype=dtype), torch.randn(1, d, dtype=dtype), torch.randn(d, dtype=dtype)]
         return [*act, *w, 1.1e-5, 1.3e-5]
 
     return Pattern(
-        name=f"attn_res_mix_norm[blocks={n_blocks},{'delta' if with_delta else 'no_delta'}]",
+        name=f"attn_res_mix_norm[blocks={n_blocks},{'delta' if with_delta else 'no_delta'}"
+             f"{'' if dtype == torch.bfloat16 else ',' + str(dtype).split('.')[-1]}]",
         search=with_signature(search, names), replace=with_signature(replace, names),
         example_inputs=example_inputs, op="k3.attn_res_mix_norm", check=check,
         scalars={"mix_eps": 1.1e-5, "norm_eps": 1.3e-5}, distinctive=("amax", "rsqrt", "cat", "exp"),
     )
 
 
+# fp32 models trace without the bf16 casts, so the dtype is a variant of the pattern's graph
+DTYPES = (torch.bfloat16, torch.float32)
+
+
 def patterns() -> list[Pattern]:
-    return [_variant(n, d) for n, d in itertools.product(range(MAX_BLOCKS, 0, -1), (True, False))]
+    return [_variant(n, d, t) for t, n, d in
+            itertools.product(DTYPES, range(MAX_BLOCKS, 0, -1), (True, False))]

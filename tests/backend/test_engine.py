@@ -1,0 +1,104 @@
+"""The rewrite engine on hand-built graphs: a pattern rewrites what it should, refuses sites where
+an intermediate escapes or the check says no, and says why (near misses)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import k3compile.ops  # noqa: F401
+from k3compile import inductor
+from k3compile.patterns import attn_res_mix_norm as arm
+from k3compile.rewrite import apply_patterns
+
+
+def _graph(fn, *args):
+    return inductor.fwd_only_fake(fn, list(args))  # one fake mode for all meta, as in Inductor
+
+
+def _mix(prefix, delta, block, wn, wp, w, eps=1e-5):
+    return arm.mix_norm(prefix, delta, [block], wn, wp, w, eps, eps)
+
+
+@pytest.fixture(scope="module")
+def inputs():
+    g = torch.Generator().manual_seed(0)
+    act = [torch.randn(3, 1, 32, generator=g).bfloat16() for _ in range(3)]
+    return [*act, torch.randn(32, generator=g).bfloat16(), torch.randn(1, 32, generator=g).bfloat16(),
+            torch.randn(32, generator=g).bfloat16()]
+
+
+def _variant(n=1, delta=True):
+    return next(p for p in arm.patterns() if p.name == f"attn_res_mix_norm[blocks={n},{'delta' if delta else 'no_delta'}]")
+
+
+def test_rewrites_and_keeps_values(inputs):
+    gm = _graph(lambda *a: _mix(*a), *inputs)
+    want = gm(*inputs)
+    report = apply_patterns(gm.graph, [_variant()])
+    gm.recompile()
+    assert report.counts == {"attn_res_mix_norm[blocks=1,delta]": 1}
+    targets = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+    assert "k3.attn_res_mix_norm.default" in targets
+    assert not any("amax" in t or "rsqrt" in t for t in targets)
+    got = gm(*inputs)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+    assert all("val" in n.meta for n in gm.graph.nodes if n.op == "call_function")
+
+
+def test_escaping_intermediate_is_a_near_miss(inputs):
+    def escaped(prefix, delta, block, wn, wp, w):
+        prefix_out = prefix + delta
+        sources = torch.stack([block, prefix_out])
+        scores = F.linear(arm.rms(sources, wn, 1e-5), wp).squeeze(-1).float()
+        alpha = torch.softmax(scores, dim=0)  # also returned: escapes the pattern
+        h = (alpha.unsqueeze(-1) * sources.float()).sum(0).to(prefix_out.dtype)
+        return prefix_out, arm.rms(h, w, 1e-5), alpha
+
+    gm = _graph(escaped, *inputs)
+    report = apply_patterns(gm.graph, [_variant()])
+    assert not report.hits
+    assert report.near_misses, "the resembling site must be reported"
+    reasons = " ".join(nm.reason for nm in report.near_misses)
+    assert "user" in reasons.lower() or "mismatch" in reasons.lower()
+
+
+def test_check_refusal_is_a_near_miss(inputs):
+    per_row = list(inputs)
+    per_row[5] = torch.randn(1, 32).bfloat16()  # a [1, D] norm weight broadcasts, the kernel refuses
+    gm = _graph(lambda *a: _mix(*a), *per_row)
+    report = apply_patterns(gm.graph, [_variant()])
+    assert not report.hits
+    assert any("check refused" in nm.reason and "w_norm" in nm.reason for nm in report.near_misses)
+
+
+def test_wrong_dtype_is_refused_by_check(inputs):
+    double = [x.double() for x in inputs]
+    gm = _graph(lambda *a: _mix(*a), *double)
+    report = apply_patterns(gm.graph, [_variant()])
+    assert not report.hits
+    assert any("dtype" in nm.reason for nm in report.near_misses)
+
+
+def test_verify_reverts_a_wrong_replacement(inputs):
+    broken = _variant()
+    wrong = type(broken)(**{**broken.__dict__, "name": "broken"})
+    wrong.replace = lambda *a: tuple(t * 1.5 for t in broken.replace(*a))  # a buggy kernel
+    gm = _graph(lambda *a: _mix(*a), *inputs)
+    want = gm(*inputs)
+    report = apply_patterns(gm.graph, [wrong], verify=True)
+    gm.recompile()
+    assert not report.hits and len(report.reverted) == 1
+    assert "relative error" in report.reverted[0].error
+    for g, w in zip(gm(*inputs), want):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+def test_bucket_range_restricts_a_pattern(inputs):
+    restricted = _variant()
+    only_big = type(restricted)(**{**restricted.__dict__, "buckets": (16, 64)})
+    gm = _graph(lambda *a: _mix(*a), *inputs)
+    assert not apply_patterns(gm.graph, [only_big], batch=4).hits
+    assert apply_patterns(gm.graph, [only_big], batch=16).hits
