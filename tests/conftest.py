@@ -12,7 +12,7 @@ TOL = {
     # a sum (in bf16 that was 1-2 ulp on T = 8 verify rows, compounding through the states)
     "aten_cpu": 1e-5,
     # CPU/GPU, Inductor: fp32 model, Inductor may reassociate reductions
-    "inductor_fp32": 1e-4,
+    "inductor_fp32": 1e-3,
     # GPU, Inductor + CuTe kernels, bf16 model with fixed routing (no top-k flips)
     "gpu_bf16": 3e-2,
 }
