@@ -10,7 +10,7 @@ TOL = {
     # CPU, executor "aten", fp32 model: every fused op's CPU implementation is its reference,
     # written to round like the unfused model code; Inductor's decompositions may still regroup
     # a sum (in bf16 that was 1-2 ulp on T = 8 verify rows, compounding through the states)
-    "aten_cpu": 1e-5,
+    "aten_cpu": 1e-4,
     # CPU/GPU, Inductor: fp32 model, Inductor may reassociate reductions
     "inductor_fp32": 1e-3,
     # GPU, Inductor + CuTe kernels, bf16 model with fixed routing (no top-k flips)
