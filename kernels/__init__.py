@@ -1,1 +1,32 @@
-"""CuTe DSL kernels, one per file; each is the CUDA implementation of a `k3` op."""
+"""CuTe DSL kernels, one per file; each is the CUDA implementation of a `k3` op.
+
+    register_all()   # plug every kernel in as its op's CUDA implementation
+
+Importing this package imports no `cutlass`: each kernel module defines its CuTe classes lazily,
+so `can_implement` (which the patterns call) and the torch references work without the DSL.
+`register_all` registers the kernels only where the DSL imports; a registered kernel that cannot
+take a call (inputs it refuses, or no TVM-FFI to launch through) logs why and runs the reference.
+"""
+
+import importlib
+
+KERNELS = ("attn_res_mix_norm", "mla_lowrank_norm", "rms_norm", "moe_route")
+
+_registered: list[str] = []
+
+
+def register_all() -> list[str]:
+    """Register every kernel as the CUDA implementation of its op; returns the names registered
+    (empty without the DSL). Idempotent."""
+    from k3compile.kernels.common.dsl import have_dsl, log
+
+    if not have_dsl():
+        log.info("nvidia-cutlass-dsl not importable: k3 ops keep their torch references on CUDA")
+        return []
+    import k3compile.ops  # noqa: F401  (the ops must exist before kernels attach to them)
+
+    for name in KERNELS:
+        if name not in _registered:
+            importlib.import_module(f"{__name__}.{name}").register()
+            _registered.append(name)
+    return list(_registered)

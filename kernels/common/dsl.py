@@ -1,0 +1,194 @@
+"""Host-side plumbing shared by the kernels (pure Python; `cutlass` is imported only on use).
+
+* `have_dsl()` / `have_tvm_ffi()`: what this machine can do. Kernels compile with the DSL alone;
+  launching them from torch goes through TVM-FFI (`apache-tvm-ffi`), whose ~8 us host path takes
+  torch tensors directly and checks them against the compiled signature.
+* `bucket(n)`: the batch bucket (1, 2, 4, ..., 64) whose launch config a row count uses.
+* `CompileCache`: `cute.compile` is slow, uncached on disk and not thread-safe, so every kernel
+  keeps one in-process cache keyed by scalars (dtype, sizes, config); fill it before capture.
+* `fallback(op, reason)`: the one place that logs why a CUDA call went to the torch reference.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+from collections.abc import Callable, Hashable
+
+log = logging.getLogger("k3compile.kernels")
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+WARP = 32
+
+
+@functools.cache
+def have_dsl() -> bool:
+    try:
+        import cutlass.cute  # noqa: F401
+    except (ImportError, OSError, RuntimeError):  # also a broken CUDA-library install
+        return False
+    return True
+
+
+@functools.cache
+def have_tvm_ffi() -> bool:
+    try:
+        import tvm_ffi  # noqa: F401
+    except (ImportError, OSError, RuntimeError):
+        return False
+    return True
+
+
+def bucket(n_rows: int) -> int:
+    """Smallest bucket holding n_rows; rows beyond the last bucket use its config."""
+    return next((b for b in BUCKETS if n_rows <= b), BUCKETS[-1])
+
+
+def pick_threads(n_vec: int, max_vec_per_thread: int, max_threads: int = 1024) -> tuple[int, int]:
+    """(threads, vectors per thread) for one row of n_vec vectors: whole warps, at most
+    max_vec_per_thread vectors each; an exact split (no predicates) is preferred when one exists."""
+    for v in range(max_vec_per_thread, 0, -1):
+        t = n_vec // v
+        if n_vec % v == 0 and t % WARP == 0 and t <= max_threads:
+            return t, v
+    t = -(-n_vec // max_vec_per_thread)
+    t = min(max_threads, max(WARP, -(-t // WARP) * WARP))
+    return t, -(-n_vec // t)
+
+
+class CompileCache:
+    """key (scalars only) -> compiled kernel. One lock: cute.compile is not thread-safe."""
+
+    _lock = threading.Lock()
+
+    def __init__(self, name: str):
+        self.name = name
+        self._entries: dict[Hashable, object] = {}
+
+    def get(self, key: Hashable, build: Callable[[], object]):
+        entry = self._entries.get(key)
+        if entry is None:
+            with self._lock:
+                entry = self._entries.get(key)
+                if entry is None:
+                    log.debug("compiling %s %s", self.name, key)
+                    entry = self._entries[key] = build()
+        return entry
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+
+def compile_kernel(host, *args, arch: str | None = None, dump_dir: str | None = None):
+    """cute.compile with the options every kernel uses. `arch` (e.g. "sm_90a") overrides the
+    target, as CUTE_DSL_ARCH does; with neither, a machine without a GPU silently targets sm_100a.
+    `dump_dir` keeps the cubin there (see `cubin_of`); nothing is written otherwise."""
+    from cutlass import cute
+
+    options = ["--enable-tvm-ffi"] if have_tvm_ffi() else []
+    if arch:
+        options.append(f"--gpu-arch={arch}")
+    if dump_dir:
+        options += ["--keep-cubin", f"--dump-dir={dump_dir}"]
+    return cute.compile(host, *args, options=" ".join(options))
+
+
+def fake_stream():
+    from cutlass.cute.runtime import make_fake_stream
+
+    return make_fake_stream(use_tvm_ffi_env_stream=have_tvm_ffi())
+
+
+def fake_rows(dtype, n_rows, dim: int, row_stride=None):
+    """Compile-time stand-in for an [n_rows, dim] tensor: last dim contiguous, 16-byte-aligned base,
+    row stride `row_stride` (an int) or a runtime value divisible by 16 bytes (None)."""
+    from cutlass import cute
+    from cutlass.cute.runtime import make_fake_tensor
+
+    if row_stride is None:
+        row_stride = cute.sym_int64(divisibility=128 // dtype.width)
+    return make_fake_tensor(dtype, (n_rows, dim), stride=(row_stride, 1), assumed_align=16)
+
+
+def fake_vector(dtype, dim: int):
+    from cutlass.cute.runtime import make_fake_tensor
+
+    return make_fake_tensor(dtype, (dim,), stride=(1,), assumed_align=16)
+
+
+def cubin_of(compiled) -> bytes | None:
+    """The device binary of a compile made with a `dump_dir`."""
+    cubin = getattr(getattr(compiled, "artifacts", None), "CUBIN", None)
+    return cubin.encode("latin-1") if isinstance(cubin, str) else cubin
+
+
+_refused: set[tuple[str, str]] = set()
+
+
+def fallback(op: str, reason: str) -> None:
+    """Log (once per distinct reason) that a CUDA call of `op` runs the torch reference instead."""
+    if (op, reason) not in _refused:
+        _refused.add((op, reason))
+        log.warning("k3::%s: CuTe kernel refused (%s); running the torch reference", op, reason)
+    else:
+        log.debug("k3::%s: fallback (%s)", op, reason)
+
+
+def runtime_refusal() -> str | None:
+    """Why no kernel can launch on this machine at all, or None."""
+    if not have_dsl():
+        return "nvidia-cutlass-dsl is not importable"
+    if not have_tvm_ffi():
+        return "apache-tvm-ffi is not installed (kernels launch through TVM-FFI)"
+    return None
+
+
+def aligned16(*tensors) -> bool:
+    return all(t.data_ptr() % 16 == 0 for t in tensors)
+
+
+def rows_ok(t, dim: int, dtype) -> str | None:
+    """Refusal reason for a row tensor the kernels read as [rows, dim] with a free row stride.
+    Metadata only (fake tensors work); data alignment is checked at launch (`aligned16`)."""
+    if t.dtype != dtype:
+        return f"dtype {t.dtype} (want {dtype})"
+    if t.dim() != 2 or t.shape[-1] != dim:
+        return f"shape {tuple(t.shape)} (want [N, {dim}])"
+    if t.stride(-1) != 1 or t.stride(0) % (16 // t.element_size()) != 0:
+        return f"strides {t.stride()} (last dim contiguous, rows 16-byte aligned)"
+    return None
+
+
+def cubin_resources(cubin: bytes) -> dict[str, int]:
+    """Per-kernel registers and stack frame (spills, local arrays) read from a cubin's .nv.info.
+
+    The attributes are (format, id, payload); id 0x2f = register count, 0x11 = frame bytes, each
+    payload (symbol index, value). Returns the maxima over the kernels in the cubin."""
+    import struct
+
+    shoff = struct.unpack_from("<Q", cubin, 0x28)[0]
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
+    headers = [struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * shentsize)
+               for i in range(shnum)]
+    names_at = headers[shstrndx][4]
+    out = {"regs": 0, "frame": 0}
+    for name_off, _, _, _, off, size, *_ in headers:
+        name = cubin[names_at + name_off:cubin.index(b"\0", names_at + name_off)]
+        if name != b".nv.info":
+            continue
+        i = off
+        while i < off + size:
+            fmt, attr = cubin[i], cubin[i + 1]
+            if fmt == 4:  # 2-byte length + payload
+                n = struct.unpack_from("<H", cubin, i + 2)[0]
+                key = {0x2F: "regs", 0x11: "frame"}.get(attr)
+                if key and n == 8:
+                    out[key] = max(out[key], struct.unpack_from("<I", cubin, i + 8)[0])
+                i += 4 + n
+            else:
+                i += 4 if fmt == 3 else 2
+    return out

@@ -1,0 +1,191 @@
+"""CuTe DSL kernel for `k3::mla_lowrank_norm`: both Gated-MLA low-rank norms in one launch
+(spec §3.2 step 2).
+
+    q = bf16(wq · bf16(cq · rstd(cq)));  kv = bf16(wkv · bf16(c · rstd(c))), c = ckv[:, :C];
+    pe = ckv[:, C:]                                      (copied, never rotated: K3 is NoPE)
+
+One CTA per token row loads its cq row and ckv row (16-byte coalesced), reduces Σcq² and Σc² in a
+single block reduction and writes the three outputs.
+
+Constraints:
+    * bf16; cq [N, Q] and ckv [N, C + R] with contiguous rows, row strides multiples of 8 elements
+      and 16-byte-aligned data (column slices of the fused q_a|kv_a GEMM output qualify);
+      q_weight [Q], kv_weight [C] contiguous; eps is a runtime scalar.
+    * Q, C, R multiples of 8 (so k_pe starts 16-byte aligned), 8 <= Q, C <= 8192, 0 <= R <= 8192.
+"""
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from k3compile.ops.norms import rms_norm_ref
+
+from .common.dsl import (
+    BUCKETS,
+    CompileCache,
+    aligned16,
+    bucket,
+    compile_kernel,
+    fake_rows,
+    fake_stream,
+    fake_vector,
+    fallback,
+    pick_threads,
+    rows_ok,
+    runtime_refusal,
+)
+
+OP = "mla_lowrank_norm"
+MAX_DIM = 8192
+
+
+@dataclass(frozen=True)
+class Config:
+    threads: int
+
+
+def config(q_dim: int, c_dim: int, r_dim: int, batch_bucket: int) -> Config:
+    """The widest part sets the thread count: one vector of it per thread at batch <= 8, up to
+    three (fewer warps, same loads in flight) above."""
+    widest = max(q_dim, c_dim, r_dim) // 8
+    return Config(pick_threads(widest, 1 if batch_bucket <= 8 else 3)[0])
+
+
+def can_implement(cq, ckv, q_weight, kv_weight) -> bool:
+    return refusal(cq, ckv, q_weight, kv_weight) is None
+
+
+def refusal(cq, ckv, q_weight, kv_weight) -> str | None:
+    q_dim, c_dim = cq.shape[-1], kv_weight.shape[0]
+    r_dim = ckv.shape[-1] - c_dim
+    if any(d % 8 for d in (q_dim, c_dim, r_dim)) or not (
+            8 <= q_dim <= MAX_DIM and 8 <= c_dim <= MAX_DIM and 0 <= r_dim <= MAX_DIM):
+        return f"widths q {q_dim}, c {c_dim}, r {r_dim} (multiples of 8, at most {MAX_DIM})"
+    bf16 = torch.bfloat16
+    if why := rows_ok(cq, q_dim, bf16) or rows_ok(ckv, c_dim + r_dim, bf16):
+        return why
+    if cq.shape[0] != ckv.shape[0]:
+        return "cq and ckv row counts differ"
+    for name, w, d in [("q_weight", q_weight, q_dim), ("kv_weight", kv_weight, c_dim)]:
+        if w.dtype != bf16 or w.shape != (d,) or not w.is_contiguous():
+            return f"{name}: {w.dtype} {tuple(w.shape)} (want contiguous bf16 [{d}])"
+    return None
+
+
+@functools.cache
+def _kernel_class():
+    import cutlass
+    from cutlass import BFloat16, Float32, const_expr, cute
+
+    from .common.copy import (
+        load_vectors,
+        make_frag,
+        row_vectors,
+        store_vectors,
+        vectors,
+    )
+    from .common.reduce import block_sum
+
+    class MLALowRankNorm:
+        def __init__(self, q_dim: int, c_dim: int, r_dim: int, cfg: Config):
+            self.q_dim, self.c_dim, self.r_dim = q_dim, c_dim, r_dim
+            self.nq, self.nc, self.nr = q_dim // 8, c_dim // 8, r_dim // 8
+            self.threads, self.n_warps = cfg.threads, cfg.threads // 32
+
+        @cute.jit
+        def __call__(self, mCq: cute.Tensor, mCkv: cute.Tensor, mWq: cute.Tensor,
+                     mWkv: cute.Tensor, mQ: cute.Tensor, mKv: cute.Tensor, mPe,
+                     eps: Float32, stream):
+            # mCq, mQ: (N, Q); mCkv: (N, C + R); mKv: (N, C); mPe: (N, R); mWq: (Q,); mWkv: (C,)
+            self.kernel(mCq, mCkv, mWq, mWkv, mQ, mKv, mPe, eps).launch(
+                grid=[mCq.shape[0], 1, 1], block=[self.threads, 1, 1],
+                smem=8 * self.n_warps + 64, stream=stream)
+
+        @cute.kernel
+        def kernel(self, mCq: cute.Tensor, mCkv: cute.Tensor, mWq: cute.Tensor,
+                   mWkv: cute.Tensor, mQ: cute.Tensor, mKv: cute.Tensor, mPe, eps: Float32):
+            tidx, _, _ = cute.arch.thread_idx()
+            row, _, _ = cute.arch.block_idx()
+            T = self.threads
+            smem = cutlass.memory.SmemAllocator()
+            sSum = smem.allocate_tensor(Float32, cute.make_layout((self.n_warps, 2)), 16)
+            vq, vc = -(-self.nq // T), -(-self.nc // T)
+            gCkv = row_vectors(mCkv, row)  # (8, (C + R) / 8): c vectors, then k_pe vectors
+            rCq, rWq = make_frag(BFloat16, vq), make_frag(BFloat16, vq)  # (8, vq)
+            rC, rWkv = make_frag(BFloat16, vc), make_frag(BFloat16, vc)  # (8, vc)
+            load_vectors(row_vectors(mCq, row), rCq, tidx, T, self.nq)
+            load_vectors(gCkv, rC, tidx, T, self.nc)
+            if const_expr(self.nr > 0):
+                rPe = make_frag(BFloat16, -(-self.nr // T))
+                load_vectors(gCkv, rPe, tidx, T, self.nr, first=self.nc)
+            load_vectors(vectors(mWq), rWq, tidx, T, self.nq)
+            load_vectors(vectors(mWkv), rWkv, tidx, T, self.nc)
+            if const_expr(self.nr > 0):
+                store_vectors(rPe, row_vectors(mPe, row), tidx, T, self.nr)
+
+            q, c = rCq.load().to(Float32), rC.load().to(Float32)
+            ss_q, ss_c = block_sum([(q * q).reduce(cute.ReductionOp.ADD, 0.0, reduction_profile=0),
+                                    (c * c).reduce(cute.ReductionOp.ADD, 0.0, reduction_profile=0)],
+                                   sSum, self.n_warps)
+            rstd_q = cute.math.rsqrt(ss_q / self.q_dim + eps, fastmath=True)
+            rstd_c = cute.math.rsqrt(ss_c / self.c_dim + eps, fastmath=True)
+            rCq.store(((q * rstd_q).to(BFloat16).to(Float32) * rWq.load().to(Float32))
+                      .to(BFloat16))
+            rC.store(((c * rstd_c).to(BFloat16).to(Float32) * rWkv.load().to(Float32))
+                     .to(BFloat16))
+            store_vectors(rCq, row_vectors(mQ, row), tidx, T, self.nq)
+            store_vectors(rC, row_vectors(mKv, row), tidx, T, self.nc)
+
+    return MLALowRankNorm
+
+
+_cache = CompileCache(OP)
+
+
+def compiled(q_dim: int, c_dim: int, r_dim: int, cfg: Config, arch: str | None = None):
+    return _cache.get((q_dim, c_dim, r_dim, cfg, arch),
+                      lambda: build(q_dim, c_dim, r_dim, cfg, arch))
+
+
+def prepare(q_dim: int, c_dim: int, r_dim: int, buckets=BUCKETS) -> None:
+    """Compile the kernel of every batch bucket for these widths (call before graph capture)."""
+    for b in buckets:
+        compiled(q_dim, c_dim, r_dim, config(q_dim, c_dim, r_dim, b))
+
+
+def build(q_dim, c_dim, r_dim, cfg, arch=None, dump_dir=None):
+    """Compile now, uncached (`dump_dir` keeps the cubin)."""
+    import cutlass
+    from cutlass import cute
+
+    bf16, n = cutlass.BFloat16, cute.sym_int()
+    return compile_kernel(
+        _kernel_class()(q_dim, c_dim, r_dim, cfg), fake_rows(bf16, n, q_dim),
+        fake_rows(bf16, n, c_dim + r_dim), fake_vector(bf16, q_dim), fake_vector(bf16, c_dim),
+        fake_rows(bf16, n, q_dim, q_dim), fake_rows(bf16, n, c_dim, c_dim),
+        fake_rows(bf16, n, r_dim, r_dim) if r_dim else None, cutlass.Float32(1e-6),
+        fake_stream(), arch=arch,
+        dump_dir=dump_dir)
+
+
+def mla_lowrank_norm_cuda(cq, ckv, q_weight, kv_weight, eps, *, out=None):
+    """CUDA implementation of k3::mla_lowrank_norm: the kernel, or the reference if refused."""
+    reason = (runtime_refusal() or refusal(cq, ckv, q_weight, kv_weight)
+              or (None if aligned16(cq, ckv, q_weight, kv_weight) else "data not 16-byte aligned"))
+    c_dim = kv_weight.shape[0]
+    if reason:
+        fallback(OP, reason)
+        return (rms_norm_ref(cq, q_weight, eps), rms_norm_ref(ckv[..., :c_dim], kv_weight, eps),
+                ckv[..., c_dim:].clone())
+    (n, q_dim), r_dim = cq.shape, ckv.shape[1] - c_dim
+    q, kv, pe = out if out is not None else (
+        cq.new_empty((n, q_dim)), cq.new_empty((n, c_dim)), cq.new_empty((n, r_dim)))
+    if n:
+        compiled(q_dim, c_dim, r_dim, config(q_dim, c_dim, r_dim, bucket(n)))(
+            cq, ckv, q_weight, kv_weight, q, kv, pe if r_dim else None, float(eps))
+    return q, kv, pe
+
+
+def register() -> None:
+    torch.library.register_kernel(f"k3::{OP}", "cuda", mla_lowrank_norm_cuda)

@@ -1,0 +1,31 @@
+"""Tolerances and checks shared by the kernel tests (one table for all kernels)."""
+
+import torch
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+# bf16 outputs may differ from a float64 model of the same math by one bf16 rounding (2^-8
+# relative) in a few elements; fp32 router weights by a few ulps (exp approximation).
+TOL = {
+    "bf16": {"rtol": 1e-2, "atol": 1e-2},
+    "fp32": {"rtol": 1e-5, "atol": 1e-7},
+    "bf16_rel_norm": 4e-3,  # ‖out − model‖ / ‖model‖
+    "vs_reference_rel_norm": 2e-2,  # against the op's reference, which rounds scores to bf16
+}
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def poisoned(*shape, dtype=torch.bfloat16):
+    """An output buffer the kernel must overwrite entirely (NaN, or -1 for integers)."""
+    fill = -1 if not dtype.is_floating_point else float("nan")
+    return torch.full(shape, fill, dtype=dtype, device="cuda")
+
+
+def assert_written(*outs):
+    for t in outs:
+        bad = t.isnan() if t.dtype.is_floating_point else t < 0
+        assert not bad.any(), f"{int(bad.sum())} of {t.numel()} elements not written"

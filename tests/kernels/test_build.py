@@ -1,0 +1,66 @@
+"""Every kernel compiles for the H200 (sm_90a) on a machine without a GPU: at the TP16-rank
+shapes with the config of every batch bucket, and at small shapes. Needs only the DSL."""
+
+import struct
+
+import pytest
+
+pytest.importorskip("cutlass")
+
+from k3compile.kernels import (
+    attn_res_mix_norm,
+    mla_lowrank_norm,
+    moe_route,
+    rms_norm,
+)
+from k3compile.kernels.common.dsl import BUCKETS, cubin_of, cubin_resources
+
+pytestmark = pytest.mark.dsl
+
+ARCH = "sm_90a"
+
+
+def _cases():
+    """(kernel module, shape scalars, config): each distinct config of every bucket, once."""
+    seen = []
+    shapes = [
+        (attn_res_mix_norm, (7168, 8, True)),  # pre-attention, 9 sources
+        (attn_res_mix_norm, (7168, 8, False)),  # post-attention at a block start
+        (attn_res_mix_norm, (7168, 3, True)),
+        (attn_res_mix_norm, (7168, 0, True)),  # no completed blocks: add + RMSNorm
+        (attn_res_mix_norm, (256, 2, True)),  # tiny config
+        (attn_res_mix_norm, (1032, 8, True)),  # uneven split: predicated vectors
+        (mla_lowrank_norm, (1536, 512, 64)),
+        (mla_lowrank_norm, (256, 64, 16)),
+        (rms_norm, (3584,)),
+        (rms_norm, (1024,)),
+        (moe_route, (896, 16)),
+        (moe_route, (64, 4)),
+    ]
+    for module, scalars in shapes:
+        for b in BUCKETS:
+            case = (module, scalars, module.config(*scalars, b))
+            if case not in seen:
+                seen.append(case)
+    return seen
+
+
+@pytest.mark.parametrize("module,scalars,cfg", _cases(),
+                         ids=lambda v: v.__name__.rsplit(".")[-1] if hasattr(v, "__name__")
+                         else str(v))
+def test_builds_for_sm90a(module, scalars, cfg, monkeypatch, tmp_path):
+    monkeypatch.setenv("CUTE_DSL_ARCH", ARCH)  # a machine without a GPU would target sm_100a
+    compiled = module.build(*scalars, cfg, arch=ARCH, dump_dir=str(tmp_path))
+    assert callable(compiled)
+    cubin = cubin_of(compiled)
+    assert cubin and cubin[:4] == b"\x7fELF", "no device binary"
+    assert struct.unpack_from("<I", cubin, 0x30)[0] & 0xFF == 90, "not an sm_90 cubin"
+    res = cubin_resources(cubin)
+    assert res["frame"] == 0, f"register spills / local memory: {res}"
+    assert 0 < res["regs"] <= 255
+
+
+def test_configs_are_whole_warps():
+    for module, scalars, cfg in _cases():
+        threads = getattr(cfg, "threads", 32 * getattr(cfg, "rows_per_cta", 1))
+        assert threads % 32 == 0 and 32 <= threads <= 1024, (module.__name__, scalars, cfg)
