@@ -19,11 +19,15 @@ from k3compile.rewrite import module_path
 log = logging.getLogger("k3compile")
 
 # The plan as data: template -> fused op -> count per layer. Grows with the pattern set.
+_MOE_PLAN = {"moe_front": 1, "moe_route": 1, "moe_experts": 1, "norm_linear": 1,
+             "situ_gate_up": 1}  # + the shared down GEMM, left to Inductor/cuBLAS
+
 PLANS: dict[str, dict[str, int]] = {
-    "dense": {"attn_res_mix_norm": 1},  # layer 0's pre-attention mix has no source: plain norm
-    "kda_moe": {"attn_res_mix_norm": 2},
-    "mla_moe": {"attn_res_mix_norm": 2},
-    "last": {"attn_res_mix_norm": 3},
+    # layer 0's pre-attention mix has no source: plain norm
+    "dense": {"attn_res_mix_norm": 1, "situ_gate_up": 1},
+    "kda_moe": {"attn_res_mix_norm": 2, **_MOE_PLAN},
+    "mla_moe": {"attn_res_mix_norm": 2, **_MOE_PLAN},
+    "last": {"attn_res_mix_norm": 3, **_MOE_PLAN},
 }
 
 # ATen ops that launch no kernel of their own (views, metadata, getitem of multi-output ops)

@@ -31,6 +31,16 @@ def fwd_only_fake(fn, args, *, get_decomp_fn=None):
     return gm
 
 
+def fwd_only_joint(fn, args, *, get_decomp_fn=None):
+    """`fwd_only_fake`, then Inductor's joint-graph passes: the search graph takes the form the
+    model's graph has when our stages see it (e.g. the permute pairs of an einsum folded away)."""
+    from torch._inductor.fx_passes.joint_graph import joint_graph_passes
+
+    gm = fwd_only_fake(fn, args, get_decomp_fn=get_decomp_fn)
+    joint_graph_passes(gm)
+    return gm
+
+
 def wildcard_strings(expr, names: dict[str, str]) -> None:
     """Replace string literals (sentinels traced in place of e.g. a process group's name) in a
     pattern tree by keyword args, so they match any string and are captured."""
@@ -56,5 +66,5 @@ def wildcard_strings(expr, names: dict[str, str]) -> None:
 
 __all__ = [
     "FailedMatch", "Match", "MultiOutputPattern", "PatternExpr", "compile_fx", "compile_fx_inner",
-    "fwd_only", "fwd_only_fake", "unset_fake_temporarily", "wildcard_strings", "gen_pattern_and_search_gm", "inductor_config", "make_boxed_func",
+    "fwd_only", "fwd_only_fake", "fwd_only_joint", "unset_fake_temporarily", "wildcard_strings", "gen_pattern_and_search_gm", "inductor_config", "make_boxed_func",
 ]

@@ -65,6 +65,9 @@ class Pattern:
     # wildcards and passed to `replace` under the argument's name
     strings: dict[str, str] = dataclasses.field(default_factory=dict)
     fake_trace: bool = False  # trace with fake tensors (patterns holding collectives)
+    # trace through Inductor's joint-graph passes, as the model's graph was (einsums: their
+    # permute pairs fold away in the graph, so the search graph must fold them too)
+    joint_passes: bool = False
     # verify mode: relative tolerance of the fused op against the unfused pattern, per dtype
     tolerance: dict[torch.dtype, float] = dataclasses.field(default_factory=lambda: {
         torch.bfloat16: 2e-2, torch.float16: 5e-3, torch.float32: 1e-4})
@@ -74,6 +77,8 @@ class Pattern:
     @functools.cached_property
     def expr(self) -> inductor.PatternExpr:
         trace = inductor.fwd_only_fake if self.fake_trace else inductor.fwd_only
+        if self.joint_passes:
+            trace = inductor.fwd_only_joint
         expr, self._search_gm = inductor.gen_pattern_and_search_gm(
             self.search, self.example_inputs(), trace, self.scalars)
         if self.strings:

@@ -9,6 +9,11 @@ import importlib
 ORDER = (
     "attn_res_mix_norm",
     "allreduce_attn_res_mix_norm",  # consumes attn_res_mix_norm's op where a collective feeds it
+    "moe_experts",
+    "moe_front",
+    "moe_route",  # after moe_front: its logits come from the fused front
+    "situ_gate_up",
+    "norm_linear",
 )
 
 

@@ -1,0 +1,96 @@
+"""Routed experts over MXFP4: per selected expert dequantise W1/W3/W2, FC1, SiTU, FC2, and the
+weighted finalize -> `k3.moe_experts` (spec §3.3 steps 4-5; §5.2 row 11).
+
+Matches MXFP4Experts.forward: gathers of the packed nibbles and E8M0 scales by the routed ids,
+the E2M1 lookup (the model's `e2m1` buffer, a [16] table in z's dtype), the three einsums with
+SiTU between, and Σ_k w_k·y_k in fp32. The fused op builds the E2M1 table itself.
+
+einsum lowers to permute/view/bmm chains whose shape depends on whether there is one token row
+(N = 1: a size-1 batch dim of the bmm is moved differently), so there is a variant per case,
+traced through Inductor's joint-graph passes as the model's graph is.
+
+Before (~90 ATen ops): index, bitwise_and, rshift, index(lut), cat, exp2, mul, ... bmm,
+    tanh, sigmoid, ..., bmm, mul, sum, convert
+After:  u = k3.moe_experts(z, ids, weights, w1p, w1s, w3p, w3s, w2p, w2s, beta, linear_beta)
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from k3compile.models import mxfp4
+from k3compile.ops.gemm import situ_ref
+from k3compile.ops.moe import moe_experts_refusal
+from k3compile.rewrite import Pattern, tensor_meta
+
+DTYPES = (torch.bfloat16, torch.float32)
+ROWS = (1, 3)  # token rows N traced: one row, or several (the einsum lowering differs)
+NAMES = ("z", "ids", "weights", "w1_packed", "w1_scale", "w3_packed", "w3_scale", "w2_packed",
+         "w2_scale")
+
+
+def search(z, ids, weights, lut, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale,
+           beta, linear_beta):
+    lut = lut.to(z.dtype)
+    w1 = mxfp4.dequantize(w1_packed[ids], w1_scale[ids], lut)  # [N, k, I, L]
+    w3 = mxfp4.dequantize(w3_packed[ids], w3_scale[ids], lut)
+    w2 = mxfp4.dequantize(w2_packed[ids], w2_scale[ids], lut)  # [N, k, L, I]
+    hg = torch.einsum("nl,nkil->nki", z, w1)
+    hu = torch.einsum("nl,nkil->nki", z, w3)
+    act = situ_ref(hg, hu, beta, linear_beta)
+    y = torch.einsum("nki,nkli->nkl", act, w2)
+    return (weights.unsqueeze(-1) * y.float()).sum(1).to(z.dtype)
+
+
+def replace(z, ids, weights, lut, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale,
+            beta, linear_beta):
+    return torch.ops.k3.moe_experts(z, ids, weights, w1_packed, w1_scale, w3_packed, w3_scale,
+                                    w2_packed, w2_scale, beta, linear_beta)
+
+
+def check(match) -> str | None:
+    for name in ("beta", "linear_beta"):
+        if not isinstance(match.kwargs[name], float):
+            return f"{name} is not a compile-time float"
+    metas = [tensor_meta(match.kwargs[k]) for k in NAMES]
+    if any(t is None for t in metas):
+        return "an input has no tensor metadata"
+    z, lut = metas[0], tensor_meta(match.kwargs["lut"])
+    if lut is None or tuple(lut.shape) != (16,) or not lut.dtype.is_floating_point:
+        return f"the nibble table {getattr(lut, 'shape', None)} is not a 16-entry E2M1 table"
+    if z.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return f"z dtype {z.dtype} is not a float type"
+    if any(t.dtype != torch.uint8 for t in metas[3:]):
+        return "expert weights are not uint8 MXFP4 (packed E2M1 + E8M0 scales)"
+    return moe_experts_refusal(*metas)
+
+
+def _variant(dtype: torch.dtype, rows: int) -> Pattern:
+    def example_inputs():  # distinct sizes, so no view of the trace is a no-op by accident
+        n, k, e, inter, latent = rows, 2, 5, 64, 96
+        u8 = {"dtype": torch.uint8}
+        return [
+            torch.randn(n, latent, dtype=dtype), torch.randint(0, e, (n, k)), torch.rand(n, k),
+            mxfp4.e2m1_table(dtype=dtype),
+            torch.randint(0, 255, (e, inter, latent // 2), **u8),
+            torch.randint(120, 130, (e, inter, latent // 32), **u8),
+            torch.randint(0, 255, (e, inter, latent // 2), **u8),
+            torch.randint(120, 130, (e, inter, latent // 32), **u8),
+            torch.randint(0, 255, (e, latent, inter // 2), **u8),
+            torch.randint(120, 130, (e, latent, inter // 32), **u8),
+            4.1, 25.3,
+        ]
+
+    return Pattern(
+        name=f"moe_experts[{str(dtype).removeprefix('torch.')},{'one_row' if rows == 1 else 'rows'}]",
+        search=search, replace=replace,
+        example_inputs=example_inputs, op="k3.moe_experts", check=check,
+        scalars={"beta": 4.1, "linear_beta": 25.3}, distinctive=("exp2", "bitwise_and", "tanh"),
+        joint_passes=True,
+    )
+
+
+def patterns() -> list[Pattern]:
+    return [_variant(d, r) for d, r in itertools.product(DTYPES, ROWS)]

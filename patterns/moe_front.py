@@ -1,0 +1,52 @@
+"""MoE front: the fp32 router GEMM and the latent down-projection on the same input ->
+`k3.moe_front` (spec §5.2 row 7: one launch reads x once and writes both).
+
+Matches MoEGate's `sigmoid(F.linear(x.float(), W_router.float()))` and LatentMoE's
+`routed_expert_down_proj(x)` on the same 2-D x.
+
+Before: sigmoid(mm(convert(x, f32), permute(convert(W_r, f32)))); mm(x, permute(W_d))
+After:  logits, z = k3.moe_front(x, W_r, W_d); sigmoid(logits)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from k3compile.ops.moe import moe_front_refusal
+from k3compile.rewrite import Pattern, tensor_meta
+
+DTYPES = (torch.bfloat16, torch.float32)
+
+
+# The router's sigmoid anchors the match (it is the first output): in an fp32 model the casts
+# vanish and the two GEMMs alone would match any GEMM. The sigmoid stays for `moe_route`.
+def search(x, router_w, down_w):
+    return torch.sigmoid(F.linear(x.float(), router_w.float())), F.linear(x, down_w)
+
+
+def replace(x, router_w, down_w):
+    logits, z = torch.ops.k3.moe_front(x, router_w, down_w)
+    return torch.sigmoid(logits), z
+
+
+def check(match) -> str | None:
+    x, wr, wd = (tensor_meta(match.kwargs[k]) for k in ("x", "router_w", "down_w"))
+    if any(t is None for t in (x, wr, wd)):
+        return "an input has no tensor metadata"
+    return moe_front_refusal(x, wr, wd)
+
+
+def _variant(dtype: torch.dtype) -> Pattern:
+    def example_inputs():
+        return [torch.randn(2, 64, dtype=dtype), torch.randn(16, 64, dtype=dtype),
+                torch.randn(32, 64, dtype=dtype)]
+
+    return Pattern(
+        name=f"moe_front[{str(dtype).removeprefix('torch.')}]", search=search, replace=replace,
+        example_inputs=example_inputs, op="k3.moe_front", check=check, distinctive=("sigmoid", "mm"),
+    )
+
+
+def patterns() -> list[Pattern]:
+    return [_variant(d) for d in DTYPES]

@@ -1,0 +1,62 @@
+"""MoE routing: sigmoid scores, bias-corrected top-k, unbiased renormalised weights ->
+`k3.moe_route` (spec §3.3 steps 1-2, `noaux_tc`; §5.2 row 8).
+
+Matches MoEGate after its GEMM: `s = sigmoid(logits)`, `top_k(s + bias)`, the gather of the
+unbiased scores, the renormalisation with 1e-20 and the routed scaling factor.
+
+Before: sigmoid, add, topk, getitem, gather, sum, add, div, mul
+After:  ids, weights = k3.moe_route(logits, bias, top_k, scaling)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from k3compile.rewrite import Pattern, tensor_meta
+
+TOP_K, SCALING = 3, 1.7  # traced with these unique literals, captured as arguments
+
+
+def search(logits, bias, top_k, scaling):
+    scores = torch.sigmoid(logits)
+    _, ids = torch.topk(scores + bias, top_k, dim=-1)
+    weights = scores.gather(-1, ids)
+    weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return ids, weights * scaling
+
+
+def replace(logits, bias, top_k, scaling):
+    ids, weights = torch.ops.k3.moe_route(logits, bias, top_k, scaling)
+    return ids, weights
+
+
+def _kernel_refusal(logits, bias, top_k):
+    try:
+        from k3compile.kernels.moe_route import refusal
+    except ImportError:  # no kernel module: only the reference's own limits apply
+        return None
+    return refusal(logits, bias, top_k)
+
+
+def check(match) -> str | None:
+    logits, bias = tensor_meta(match.kwargs["logits"]), tensor_meta(match.kwargs["bias"])
+    top_k, scaling = match.kwargs["top_k"], match.kwargs["scaling"]
+    if not isinstance(top_k, int) or not isinstance(scaling, float):
+        return f"top_k {top_k!r} / scaling {scaling!r} are not compile-time constants"
+    if logits is None or bias is None or logits.dtype != torch.float32:
+        return f"logits {getattr(logits, 'dtype', None)} are not fp32"
+    if logits.dim() != 2 or tuple(bias.shape) != (logits.shape[-1],):
+        return f"logits {tuple(logits.shape)} / bias {tuple(bias.shape)} (want [N, E] / [E])"
+    return _kernel_refusal(logits, bias, top_k)
+
+
+def example_inputs():
+    return [torch.randn(2, 8), torch.randn(8), TOP_K, SCALING]
+
+
+def patterns() -> list[Pattern]:
+    return [Pattern(
+        name="moe_route", search=search, replace=replace, example_inputs=example_inputs,
+        op="k3.moe_route", check=check, scalars={"top_k": TOP_K, "scaling": SCALING},
+        distinctive=("topk", "gather"),
+    )]
