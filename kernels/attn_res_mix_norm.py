@@ -38,6 +38,7 @@ from .common.dsl import (
     fake_stream,
     fake_vector,
     fallback,
+    flat_rows,
     pick_threads,
     rows_ok,
     runtime_refusal,
@@ -289,4 +290,4 @@ def attn_res_mix_norm_cuda(prefix, delta, blocks, mix_norm_weight, mix_proj_weig
 
 
 def register() -> None:
-    torch.library.register_kernel(f"k3::{OP}", "cuda", attn_res_mix_norm_cuda)
+    torch.library.register_kernel(f"k3::{OP}", "cuda", flat_rows(attn_res_mix_norm_cuda))

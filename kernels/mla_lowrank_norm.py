@@ -31,6 +31,7 @@ from .common.dsl import (
     fake_stream,
     fake_vector,
     fallback,
+    flat_rows,
     pick_threads,
     rows_ok,
     runtime_refusal,
@@ -188,4 +189,4 @@ def mla_lowrank_norm_cuda(cq, ckv, q_weight, kv_weight, eps, *, out=None):
 
 
 def register() -> None:
-    torch.library.register_kernel(f"k3::{OP}", "cuda", mla_lowrank_norm_cuda)
+    torch.library.register_kernel(f"k3::{OP}", "cuda", flat_rows(mla_lowrank_norm_cuda))

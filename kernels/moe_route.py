@@ -34,6 +34,7 @@ from .common.dsl import (
     fake_stream,
     fake_vector,
     fallback,
+    flat_rows,
     rows_ok,
     runtime_refusal,
 )
@@ -217,4 +218,4 @@ def moe_route_cuda(logits, bias, top_k, scaling, *, out=None):
 
 
 def register() -> None:
-    torch.library.register_kernel(f"k3::{OP}", "cuda", moe_route_cuda)
+    torch.library.register_kernel(f"k3::{OP}", "cuda", flat_rows(moe_route_cuda))

@@ -28,6 +28,7 @@ from .common.dsl import (
     fake_stream,
     fake_vector,
     fallback,
+    flat_rows,
     pick_threads,
     rows_ok,
     runtime_refusal,
@@ -152,4 +153,4 @@ def rms_norm_cuda(x, weight, eps, *, out=None):
 
 
 def register() -> None:
-    torch.library.register_kernel(f"k3::{OP}", "cuda", rms_norm_cuda)
+    torch.library.register_kernel(f"k3::{OP}", "cuda", flat_rows(rms_norm_cuda))

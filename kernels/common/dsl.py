@@ -16,6 +16,8 @@ import logging
 import threading
 from collections.abc import Callable, Hashable
 
+import torch
+
 log = logging.getLogger("k3compile.kernels")
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -192,3 +194,34 @@ def cubin_resources(cubin: bytes) -> dict[str, int]:
             else:
                 i += 4 if fmt == 3 else 2
     return out
+
+
+def flat_rows(fn):
+    """Kernels take rows [N, D]; the model hands activations as [B, T, D]. Flatten every tensor
+    argument of rank > 2 to rows (a view) and give the outputs the callers' leading dims back."""
+
+    def flatten(t, lead):
+        if isinstance(t, torch.Tensor) and t.dim() > 2:
+            lead.append(t.shape[:-1])
+            return t.reshape(-1, t.shape[-1])
+        if isinstance(t, (list, tuple)):
+            return type(t)(flatten(x, lead) for x in t)
+        return t
+
+    def unflatten(o, lead):
+        if isinstance(o, torch.Tensor) and o.dim() == 2:
+            return o.view(*lead, o.shape[-1])
+        return o
+
+    @functools.wraps(fn)
+    def wrapper(*args):
+        leads: list = []
+        out = fn(*(flatten(a, leads) for a in args))
+        if not leads:
+            return out
+        lead = leads[0]
+        if isinstance(out, tuple):
+            return tuple(unflatten(o, lead) for o in out)
+        return unflatten(out, lead)
+
+    return wrapper
