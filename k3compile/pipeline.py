@@ -93,8 +93,18 @@ def fuse(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
     report = apply_patterns(gm.graph, all_patterns(), ctx.batch, ctx.options.pattern_enabled,
                             verify=ctx.options.verify)
     ctx.report.merge(report)
+    _drop_self_copies(gm.graph)
     gm.recompile()
     return gm
+
+
+def _drop_self_copies(graph: fx.Graph) -> None:
+    """A k3 op that updates a state buffer in place (KDA state, MLA cache) takes over the graph's
+    functional write-back: `copy_(buf, index_put(buf, ...))` becomes `copy_(buf, buf)`."""
+    for node in list(graph.nodes):
+        if (node.target is torch.ops.aten.copy_.default and node.args[0] is node.args[1]
+                and not node.users):
+            graph.erase_node(node)
 
 
 def shard(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
@@ -124,11 +134,19 @@ def check(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
         if node.op == "call_function" and "val" not in node.meta:
             raise AssertionError(f"k3compile invariant: node {node.name} has no meta['val']")
         if node.op == "call_function" and getattr(node.target, "_schema", None) is not None:
-            if node.target._schema.is_mutable and node.args:
-                target = node.args[0]
+            for target in _written_args(node):
                 if isinstance(target, fx.Node) and target.op != "placeholder":
                     raise AssertionError(f"k3compile invariant: {node.name} mutates a non-input")
     return gm
+
+
+def _written_args(node: fx.Node) -> list:
+    """The arguments a call writes to, by its schema (`Tensor(a!)`)."""
+    out = []
+    for i, arg in enumerate(node.target._schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            out.append(node.args[i] if i < len(node.args) else node.kwargs.get(arg.name))
+    return out
 
 
 STAGES: list[tuple[str, Callable[[fx.GraphModule, Context], fx.GraphModule]]] = [
@@ -151,6 +169,10 @@ class Pipeline:
 
     def compile(self, gm: fx.GraphModule, example_inputs: list, batch: int | None) -> Callable:
         ctx = Context(self.options, batch)
+        if any(isinstance(x, torch.Tensor) and x.is_cuda for x in example_inputs):
+            from k3compile.kernels import register_all
+
+            register_all()  # CuTe DSL kernels replace the references on CUDA where the DSL is
 
         def inner_compile(aten_gm: fx.GraphModule, aten_inputs, **kwargs):
             import k3compile.ops  # noqa: F401  (the k3 ops must exist before patterns trace)
