@@ -61,6 +61,9 @@ class Pattern:
     scalars: dict[str, float] = dataclasses.field(default_factory=dict)
     buckets: tuple[int, int] | None = None  # (min, max) batch size this pattern may fire at
     distinctive: tuple[str, ...] = ()  # op names whose presence marks a resembling site
+    # arguments that must bind distinct graph nodes (e.g. the weights of same-shaped linears on
+    # one input: without this, two pattern outputs could match the same linear)
+    exclusive: tuple[str, ...] = ()
     # string arguments (e.g. a process group's name) traced as these sentinels, matched as
     # wildcards and passed to `replace` under the argument's name
     strings: dict[str, str] = dataclasses.field(default_factory=dict)
@@ -80,7 +83,7 @@ class Pattern:
         if self.joint_passes:
             trace = inductor.fwd_only_joint
         expr, self._search_gm = inductor.gen_pattern_and_search_gm(
-            self.search, self.example_inputs(), trace, self.scalars)
+            self.search, self.example_inputs(), trace, self.scalars, self.exclusive)
         if self.strings:
             inductor.wildcard_strings(expr, {v: k for k, v in self.strings.items()})
         return expr
@@ -96,9 +99,12 @@ class Pattern:
 
     @functools.cached_property
     def op_signature(self) -> collections.Counter:
+        """The ops of the first output's input cone: a site is only ever compared from its anchor
+        (the first output), whose cone cannot hold the other outputs' ops."""
         self.expr  # noqa: B018 (traces the search graph)
-        return collections.Counter(_opname(n) for n in self._search_gm.graph.nodes
-                                   if n.op == "call_function")
+        out = next(n for n in self._search_gm.graph.nodes if n.op == "output")
+        first = torch.utils._pytree.tree_leaves(out.args[0])[0]
+        return _cone_ops(first, len(self._search_gm.graph.nodes) + 1)
 
 
 def _opname(node: fx.Node) -> str:

@@ -17,17 +17,18 @@ from k3compile.rewrite import Pattern, tensor_meta
 TOP_K, SCALING = 3, 1.7  # traced with these unique literals, captured as arguments
 
 
+# weights first: the match anchors on the first output, whose input cone then holds every op
 def search(logits, bias, top_k, scaling):
     scores = torch.sigmoid(logits)
     _, ids = torch.topk(scores + bias, top_k, dim=-1)
     weights = scores.gather(-1, ids)
     weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-    return ids, weights * scaling
+    return weights * scaling, ids
 
 
 def replace(logits, bias, top_k, scaling):
     ids, weights = torch.ops.k3.moe_route(logits, bias, top_k, scaling)
-    return ids, weights
+    return weights, ids
 
 
 def _kernel_refusal(logits, bias, top_k):

@@ -46,7 +46,7 @@ def _variant(dtype: torch.dtype) -> Pattern:
     return Pattern(
         name=f"norm_linear[{str(dtype).removeprefix('torch.')}]", search=search, replace=replace,
         example_inputs=example_inputs, op="k3.norm_linear", check=check, scalars={"eps": 1.1e-5},
-        distinctive=("rsqrt", "mm"),
+        distinctive=("pow", "mean", "rsqrt", "mm"),
     )
 
 

@@ -1,0 +1,54 @@
+"""Helpers of the pattern tests: trace a function as the backend sees it, apply patterns, and
+check a rewrite's values against the unfused function."""
+
+from __future__ import annotations
+
+import torch
+
+import k3compile.ops  # noqa: F401  (the k3 ops exist before patterns trace)
+from k3compile import inductor
+from k3compile.rewrite import RewriteReport, apply_patterns
+
+
+def graph(fn, *args, joint: bool = False):
+    """fn's functional ATen graph, one fake mode for all meta as in Inductor; `joint` also runs
+    Inductor's joint-graph passes, which the model's graph has been through (einsum folding)."""
+    trace = inductor.fwd_only_joint if joint else inductor.fwd_only_fake
+    return trace(fn, list(args))
+
+
+def rewrite(fn, args, patterns, joint: bool = False):
+    """(graph module after the patterns, report)."""
+    gm = graph(fn, *args, joint=joint)
+    report = apply_patterns(gm.graph, patterns)
+    gm.recompile()
+    return gm, report
+
+
+def targets(gm) -> list[str]:
+    return [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def assert_rewritten_equal(gm, report: RewriteReport, fn, args, op: str):
+    """One hit, the op in the graph, meta on every node, and values equal to eager bit for bit
+    (every op's CPU implementation rounds like the model code)."""
+    assert len(report.hits) == 1, report
+    assert f"{op}.default" in targets(gm)
+    assert all("val" in n.meta for n in gm.graph.nodes if n.op == "call_function")
+    want = torch.utils._pytree.tree_leaves(fn(*args))
+    got = torch.utils._pytree.tree_leaves(gm(*args))
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+def assert_near_miss(report: RewriteReport, pattern_prefix: str, *words: str):
+    """No hit, and a near miss of the pattern whose reason names the failed condition."""
+    assert not report.hits, report.hits
+    misses = [nm for nm in report.near_misses if nm.pattern.startswith(pattern_prefix)]
+    assert misses, f"no near miss of {pattern_prefix} reported: {report.near_misses}"
+    reasons = " | ".join(nm.reason for nm in misses)
+    assert all(nm.reason for nm in misses)
+    for w in words:
+        assert w.lower() in reasons.lower(), reasons
+    return misses

@@ -1,0 +1,68 @@
+"""moe_experts: MXFP4 dequant, FC1, SiTU, FC2 and the weighted finalize of the routed experts, one
+row (decode at batch 1) and several rows (a lowering of its einsums that differs)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from k3compile.patterns import moe_experts
+
+from k3compile.models import mxfp4
+from k3compile.models.k3 import situ
+
+from .pattern_checks import assert_near_miss, assert_rewritten_equal, rewrite
+
+
+def _inputs(rows, top_k=2, experts=6, inter=64, latent=96, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(rows)
+    w1 = mxfp4.random_mxfp4((experts, inter, latent), latent**-0.5, g)
+    w3 = mxfp4.random_mxfp4((experts, inter, latent), latent**-0.5, g)
+    w2 = mxfp4.random_mxfp4((experts, latent, inter), inter**-0.5, g)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(rows)])
+    weights = torch.rand(rows, top_k, generator=g)
+    z = torch.randn(rows, latent, generator=g).to(dtype)
+    return [z, ids, weights / weights.sum(-1, keepdim=True), mxfp4.e2m1_table(dtype=dtype),
+            *w1, *w3, *w2]
+
+
+def experts(z, ids, weights, e2m1, w1p, w1s, w3p, w3s, w2p, w2s):
+    """MXFP4Experts.forward."""
+    return _experts(z, ids, weights, e2m1, w1p, w1s, w3p, w3s, w2p, w2s, False)
+
+
+def _experts(z, ids, weights, e2m1, w1p, w1s, w3p, w3s, w2p, w2s, hidden):
+    lut = e2m1.to(z.dtype)
+    w1 = mxfp4.dequantize(w1p[ids], w1s[ids], lut)
+    w3 = mxfp4.dequantize(w3p[ids], w3s[ids], lut)
+    w2 = mxfp4.dequantize(w2p[ids], w2s[ids], lut)
+    hg = torch.einsum("nl,nkil->nki", z, w1)
+    hu = torch.einsum("nl,nkil->nki", z, w3)
+    act = situ(hg, hu, 4.0, 25.0)
+    y = torch.einsum("nki,nkli->nkl", act, w2)
+    out = (weights.unsqueeze(-1) * y.float()).sum(1).to(z.dtype)
+    return (out, hg * 2) if hidden else out
+
+
+@pytest.mark.parametrize("rows,dtype", [(1, torch.bfloat16), (3, torch.bfloat16),
+                                        (8, torch.bfloat16), (3, torch.float32)])
+def test_rewrites(rows, dtype):
+    args = _inputs(rows, dtype=dtype)
+    gm, report = rewrite(experts, args, moe_experts.patterns(), joint=True)
+    assert_rewritten_equal(gm, report, experts, args, "k3.moe_experts")
+    op = next(n for n in gm.graph.nodes if str(n.target) == "k3.moe_experts.default")
+    assert op.args[-2:] == (4.0, 25.0)
+
+
+def test_escaping_fc1_output_is_a_near_miss():
+    def escaped(z, ids, weights, e2m1, w1p, w1s, w3p, w3s, w2p, w2s):  # FC1's gate escapes
+        return _experts(z, ids, weights, e2m1, w1p, w1s, w3p, w3s, w2p, w2s, True)
+
+    _, report = rewrite(escaped, _inputs(3), moe_experts.patterns(), joint=True)
+    assert_near_miss(report, "moe_experts")
+
+
+def test_check_refuses_more_choices_than_experts():
+    args = _inputs(3, top_k=8, experts=6)
+    args[1] = torch.randint(0, 6, (3, 8))
+    _, report = rewrite(experts, args, moe_experts.patterns(), joint=True)
+    assert_near_miss(report, "moe_experts", "check refused", "top_k 8 > 6 experts")

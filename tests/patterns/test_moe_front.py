@@ -1,0 +1,40 @@
+"""moe_front: the fp32 router GEMM and the latent down GEMM on the same x become one op."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from k3compile.patterns import moe_front
+
+from .pattern_checks import assert_near_miss, assert_rewritten_equal, rewrite
+
+
+def _inputs(d=64, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(3, d, generator=g).to(dtype), torch.randn(16, d, generator=g).to(dtype),
+            torch.randn(32, d, generator=g).to(dtype)]
+
+
+def front(x, wr, wd):  # MoEGate's scores and LatentMoE's routed_expert_down_proj
+    return torch.sigmoid(F.linear(x.float(), wr.float())), F.linear(x, wd)
+
+
+def test_rewrites_bf16_and_fp32():
+    for dtype in (torch.bfloat16, torch.float32):
+        args = _inputs(dtype=dtype)
+        gm, report = rewrite(front, args, moe_front.patterns())
+        assert_rewritten_equal(gm, report, front, args, "k3.moe_front")
+
+
+def test_escaping_logits_is_a_near_miss():
+    def escaped(x, wr, wd):
+        logits = F.linear(x.float(), wr.float())  # also read outside: escapes the fusion
+        return torch.sigmoid(logits), F.linear(x, wd), logits * 2
+
+    _, report = rewrite(escaped, _inputs(), moe_front.patterns())
+    assert_near_miss(report, "moe_front", "user")
+
+
+def test_check_refuses_unaligned_hidden():
+    _, report = rewrite(front, _inputs(d=36), moe_front.patterns())
+    assert_near_miss(report, "moe_front", "check refused", "not a multiple of 8")

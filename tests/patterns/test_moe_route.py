@@ -1,0 +1,55 @@
+"""moe_route: sigmoid scores, bias-corrected top-k and renormalised unbiased weights."""
+
+from __future__ import annotations
+
+import torch
+from k3compile.patterns import moe_route
+
+from .pattern_checks import assert_near_miss, assert_rewritten_equal, rewrite
+
+
+def _inputs(dtype=torch.float32):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(3, 16, generator=g).to(dtype), 0.1 * torch.randn(16, generator=g)]
+
+
+def route(logits, bias, top_k=4, scaling=1.0):  # MoEGate after its GEMM
+    scores = torch.sigmoid(logits)
+    _, ids = torch.topk(scores + bias, top_k, dim=-1)
+    weights = scores.gather(-1, ids)
+    weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return ids, weights * scaling
+
+
+def _route_with(k, scaling):
+    def fn(logits, bias):
+        return route(logits, bias, k, scaling)
+
+    return fn
+
+
+def test_rewrites_and_captures_top_k_and_scaling():
+    args = _inputs()
+    for k, scaling in ((4, 1.0), (2, 2.5)):
+        fn = _route_with(k, scaling)
+        gm, report = rewrite(fn, args, moe_route.patterns())
+        assert_rewritten_equal(gm, report, fn, args, "k3.moe_route")
+        op = next(n for n in gm.graph.nodes if str(n.target) == "k3.moe_route.default")
+        assert op.args[2:] == (k, scaling)
+
+
+def test_escaping_scores_is_a_near_miss():
+    def escaped(logits, bias):
+        scores = torch.sigmoid(logits)  # also returned: escapes the fusion
+        _, ids = torch.topk(scores + bias, 4, dim=-1)
+        weights = scores.gather(-1, ids)
+        return ids, weights / (weights.sum(-1, keepdim=True) + 1e-20) * 1.0, scores
+
+    _, report = rewrite(escaped, _inputs(), moe_route.patterns())
+    assert_near_miss(report, "moe_route", "user")
+
+
+def test_check_refuses_bf16_logits():
+    args = _inputs(torch.bfloat16)
+    _, report = rewrite(lambda lg, b: route(lg, b), args, moe_route.patterns())
+    assert_near_miss(report, "moe_route", "check refused", "fp32")
