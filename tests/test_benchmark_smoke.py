@@ -1,0 +1,127 @@
+"""benchmarks/decode_layer.py: its smoke mode in process (tiny config, CPU), its correctness check
+on a negative case, and its byte model against the K3 TP16 numbers of k3_arch.md §6."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from k3compile.models import get_config
+from k3compile.models.k3 import K3DecoderLayer
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load_benchmark():
+    spec = importlib.util.spec_from_file_location("decode_layer_bench",
+                                                  ROOT / "benchmarks" / "decode_layer.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+bench = _load_benchmark()
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    out = tmp_path_factory.mktemp("decode_layer")
+    try:
+        bench.main(["--config", "tiny", "--smoke", "--device", "cpu",
+                    "--variants", "eager,inductor", "--out", str(out)])
+    finally:
+        torch._dynamo.reset()
+    return json.loads((out / "decode_layer.json").read_text())
+
+
+def _finite_positive(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def test_smoke_writes_every_bucket_and_number(smoke):
+    assert smoke["meta"]["config"] == "tiny" and _finite_positive(smoke["meta"]["copy_gbps"])
+    assert {b["name"] for b in smoke["buckets"]} == {"B2", "B1xT2"}
+    assert not smoke["skipped"]
+    for b in smoke["buckets"]:
+        assert _finite_positive(b["floor_us_per_layer"])
+        assert _finite_positive(b["bytes"]["per_layer_mean"])
+        assert len(b["bytes"]["distinct_experts"]) == len(bench.STACK_LAYERS)
+        assert _finite_positive(b["ratios"]["inductor_over_floor"])
+        assert b["ratios"]["k3_over_inductor"] is None
+        for name in ("eager", "inductor"):
+            v = b["variants"][name]
+            assert v["status"] == "ok", v
+            for key in ("us_per_layer", "kernels_per_layer", "gbps", "over_floor"):
+                assert _finite_positive(v[key]), (b["name"], name, key, v.get(key))
+        assert b["variants"]["k3"]["status"] == "n/a" and b["variants"]["k3"]["reason"]
+
+
+def test_smoke_check_compares_outputs_and_state(smoke):
+    tiny = get_config("tiny")
+    for b in smoke["buckets"]:
+        # the check ran under a routing the bias alone decides: k experts for every token
+        assert b["check_routing_distinct_experts"] == [tiny.num_experts_per_token] * 4
+        c = b["variants"]["inductor"]["check"]
+        assert c["passed"]
+        assert math.isfinite(c["max_err_vs_eager"]) and c["max_err"] <= c["tol_max_err"]
+        kinds = {name.rsplit(".", 1)[-1] for name in c["parts"]}
+        assert kinds == {"prefix", "delta", "conv_state", "recurrent_state", "kv_cache"}
+        for part in c["parts"].values():
+            assert part["passed"] and part["eager_vs_fp32"]["rel_l2"] > 0  # bf16 really differs
+
+
+def test_check_fails_on_a_wrong_state_update():
+    gen = torch.Generator().manual_seed(0)
+    ref = {n: torch.randn(64, 32, generator=gen) for n in ("prefix", "delta", "state:s")}
+
+    def noisy(t):
+        return t + 1e-3 * torch.randn(t.shape, generator=gen)
+
+    eager = {n: noisy(t) for n, t in ref.items()}
+    good = {n: noisy(t) for n, t in ref.items()}
+    assert bench.check(good, eager, ref)["passed"]
+    stale = dict(good, **{"state:s": good["state:s"].clone()})
+    stale["state:s"][:8] = 0  # rows a step failed to write
+    result = bench.check(stale, eager, ref)
+    assert not result["passed"] and result["worst"] == "state:s"
+    assert not result["parts"]["state:s"]["passed"] and result["parts"]["prefix"]["passed"]
+
+
+def _meta_layer(index: int) -> K3DecoderLayer:
+    """One K3 TP16 decoder layer on the meta device, dtypes as build_model leaves them."""
+    cfg = get_config("k3_tp16")
+    with torch.device("meta"):
+        layer = K3DecoderLayer(cfg, index)
+    layer.to(torch.bfloat16)
+    for mod in layer.modules():
+        for name in ("e_score_correction_bias", "dt_bias", "A_log"):
+            if isinstance(getattr(mod, name, None), torch.nn.Parameter):
+                getattr(mod, name).data = getattr(mod, name).data.float()
+    if layer.is_mla:
+        layer.self_attn.setup_cache(65, 4096, "meta", torch.bfloat16)
+    else:
+        layer.self_attn.setup_cache(65, "meta", torch.bfloat16)
+    return layer
+
+
+@pytest.mark.parametrize("index", [1, 3])
+def test_bytes_match_the_k3_tp16_budget(index):
+    """k3_arch.md §6, stock TP16 at B=1: attention 57.2 (KDA) / 57.4 (MLA) MB, MoE non-expert
+    132.1 MB, an expert's TP16 slice 1.097 MB, KDA state 0.39 MB each way, MLA 576 x 2 B a token."""
+    layer = _meta_layer(index)
+    b = bench.layer_bytes(layer, bench.Bucket(1), context=4096, experts_routed=16)
+    attn = 57.4 if layer.is_mla else 57.2
+    assert b["weights"] / 1e6 == pytest.approx(attn + 132.1, abs=0.3)
+    assert b["expert_slice"] == 3 * 192 * 3584 * (1 / 2 + 1 / 32)
+    assert b["experts"] == 16 * b["expert_slice"]
+    if layer.is_mla:
+        assert (b["state"], b["kv_cache"]) == (0, 4097 * 576 * 2)
+    else:
+        assert (b["state"], b["kv_cache"]) == (2 * (6 * 128 * 128 * 4 + 3 * 768 * 3 * 2), 0)
