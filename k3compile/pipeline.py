@@ -108,7 +108,11 @@ def _drop_self_copies(graph: fx.Graph) -> None:
 
 
 def shard(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
-    return gm  # router/latent sharding arrives with the MoE patterns (issue 4)
+    from k3compile.shard import shard_replicated
+
+    ctx.notes["shard"] = shard_replicated(gm.graph)
+    gm.recompile()
+    return gm
 
 
 def streams(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:

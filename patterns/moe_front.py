@@ -45,6 +45,7 @@ def _variant(dtype: torch.dtype) -> Pattern:
     return Pattern(
         name=f"moe_front[{str(dtype).removeprefix('torch.')}]", search=search, replace=replace,
         example_inputs=example_inputs, op="k3.moe_front", check=check, distinctive=("sigmoid", "mm"),
+        exclusive=("router_w", "down_w"),  # fp32: else the router GEMM also matches as the down
     )
 
 

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from k3compile.patterns import moe_front
 
-from .pattern_checks import assert_near_miss, assert_rewritten_equal, rewrite
+from .pattern_checks import assert_near_miss, assert_rewritten_equal, rewrite, targets
 
 
 def _inputs(d=64, dtype=torch.bfloat16):
@@ -24,6 +24,7 @@ def test_rewrites_bf16_and_fp32():
         args = _inputs(dtype=dtype)
         gm, report = rewrite(front, args, moe_front.patterns())
         assert_rewritten_equal(gm, report, front, args, "k3.moe_front")
+        assert "aten.mm.default" not in targets(gm)  # both GEMMs taken, not the router's twice
 
 
 def test_escaping_logits_is_a_near_miss():

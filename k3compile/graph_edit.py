@@ -1,0 +1,48 @@
+"""Small graph edits for the stages after `fuse`: insert a call with its `meta["val"]` computed on
+the fake values of its inputs (the engine's invariant: every node has one), attributed to the
+model module of a neighbour so per-layer tools and the contract count it where it belongs."""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+from torch import fx
+
+
+def fake_value(target, args: tuple, kwargs: dict | None = None) -> Any:
+    """What `target` returns on the fake values of args (run under their fake mode)."""
+    vals = fx.map_arg((args, kwargs or {}), lambda n: n.meta["val"])
+    if target is operator.getitem:
+        return vals[0][0][vals[0][1]]
+    fake_mode = torch._guards.detect_fake_mode(torch.utils._pytree.tree_leaves(vals))
+    if fake_mode is None:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        fake_mode = FakeTensorMode()
+    with fake_mode:
+        return target(*vals[0], **vals[1])
+
+
+def call(graph: fx.Graph, target, args: tuple, kwargs: dict | None = None,
+         like: fx.Node | None = None) -> fx.Node:
+    """graph.call_function at the current insertion point, with meta["val"] and, from `like`,
+    the module stack."""
+    node = graph.call_function(target, args, kwargs or {})
+    node.meta["val"] = fake_value(target, args, kwargs)
+    if like is not None and "nn_module_stack" in like.meta:
+        node.meta["nn_module_stack"] = like.meta["nn_module_stack"]
+    return node
+
+
+def weight_root(node: Any) -> fx.Node | None:
+    """The graph input a weight operand is a view of (through permute/view/slice/t), if any."""
+    views = {"permute", "view", "slice", "t", "transpose", "expand", "_unsafe_view", "reshape",
+             "alias", "unsqueeze", "squeeze"}
+    while isinstance(node, fx.Node) and node.op == "call_function":
+        name = getattr(node.target, "__name__", str(node.target)).split(".")[0]
+        if name not in views:
+            return None
+        node = node.args[0]
+    return node if isinstance(node, fx.Node) and node.op == "placeholder" else None

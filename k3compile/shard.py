@@ -1,0 +1,164 @@
+"""Stage `shard`: at world size W > 1, the MoE's replicated projections run row-sharded.
+
+vLLM keeps the router [E, D], the latent down [L, D] and the latent up [D, L] replicated on every
+rank (ReplicatedLinear, spec §4.2): at TP16 they are 116 MB of the 155 MB a rank reads per MoE
+layer at batch 1 (§6), all of it read 16 times over. Here each rank computes 1/W of their output
+rows and the ranks exchange only the small results:
+
+    logits_r, z_r = k3.moe_front(x, W_router[r], W_down[r])     W[r]: rows r·n/W .. (r+1)·n/W
+    logits, z     = all_gather(pack(logits_r, z_r))             one collective, [N, E/W + L/W]
+    y_r = k3.norm_linear(u, w_norm, W_up[r], eps);  y = all_gather(y_r)
+
+A row block of a row-major [out, in] weight is contiguous, so W[r] is a view: the rank's slice is
+cut once (in the graph, not per step: a view costs no kernel) and its GEMM reads only those bytes.
+Each rank's dot products are the same as in the replicated GEMM, so results are unchanged.
+
+Rank and world size come from the tensor-parallel group of the graph's all-reduces (their group
+name, resolved through c10d). A graph without collectives (W = 1) is left alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import operator
+
+import torch
+from torch import fx
+
+from k3compile.graph_edit import call
+
+log = logging.getLogger("k3compile")
+
+aten, c10d = torch.ops.aten, torch.ops._c10d_functional
+_FRONT, _UP = torch.ops.k3.moe_front.default, torch.ops.k3.norm_linear.default
+
+
+@dataclasses.dataclass
+class ShardReport:
+    world: int = 1
+    rank: int = 0
+    sharded: list[str] = dataclasses.field(default_factory=list)  # nodes rewritten
+    skipped: list[str] = dataclasses.field(default_factory=list)  # "node: why"
+
+
+def tp_group(graph: fx.Graph) -> str | None:
+    """The group name of the graph's all-reduces (the tensor-parallel group), or None."""
+    names = {n.args[2] for n in graph.nodes if n.target is c10d.all_reduce.default}
+    if len(names) > 1:
+        raise ValueError(f"k3 shard: all-reduces over several groups {sorted(names)}")
+    return next(iter(names), None)
+
+
+def rank_and_world(group_name: str) -> tuple[int, int]:
+    from torch.distributed import distributed_c10d
+
+    group = distributed_c10d._resolve_process_group(group_name)
+    return group.rank(), group.size()
+
+
+def shard_replicated(graph: fx.Graph, group: str | None = None, rank: int | None = None,
+                     world: int | None = None) -> ShardReport:
+    """Rewrite every MoE front and every latent up-projection fed by an all-reduce to compute this
+    rank's rows. `group/rank/world` default to the graph's TP group."""
+    group = group or tp_group(graph)
+    if group is None:
+        return ShardReport()
+    if rank is None or world is None:
+        rank, world = rank_and_world(group)
+    report = ShardReport(world, rank)
+    if world == 1:
+        return report
+    for node in list(graph.nodes):
+        if node.target is _FRONT:
+            why = _shard_front(graph, node, group, rank, world)
+        elif node.target is _UP and _reduced(node.args[0]):
+            why = _shard_up(graph, node, group, rank, world)
+        else:
+            continue
+        (report.skipped.append(f"{node.name}: {why}") if why else report.sharded.append(node.name))
+    graph.eliminate_dead_code()
+    return report
+
+
+def _reduced(node) -> bool:
+    """node is the result of an all-reduce (identical on every rank)."""
+    return (isinstance(node, fx.Node) and node.target is c10d.wait_tensor.default
+            and node.args[0].target is c10d.all_reduce.default)
+
+
+def _rows(graph, weight: fx.Node, rank: int, world: int, like: fx.Node) -> fx.Node:
+    n = weight.meta["val"].shape[0] // world
+    return call(graph, aten.slice.Tensor, (weight, 0, rank * n, (rank + 1) * n), like=like)
+
+
+def _shard_front(graph, node, group, rank, world) -> str | None:
+    x, router_w, down_w = node.args
+    n_exp, latent = router_w.meta["val"].shape[0], down_w.meta["val"].shape[0]
+    if n_exp % world or latent % (2 * world):
+        return f"{n_exp} experts / latent {latent} do not split over {world} ranks"
+    outs = _getitems(node)
+    with graph.inserting_before(node):
+        part = call(graph, _FRONT, (x, _rows(graph, router_w, rank, world, node),
+                                    _rows(graph, down_w, rank, world, node)), like=node)
+        part.meta["k3_shard"] = f"rows {rank}/{world}"
+        logits_r = call(graph, operator.getitem, (part, 0), like=node)
+        z_r = call(graph, operator.getitem, (part, 1), like=node)
+        logits, z = _gather_columns(graph, [logits_r, z_r], group, world, node)
+    for i, new in ((0, logits), (1, z)):
+        if i in outs:
+            outs[i].replace_all_uses_with(new)
+    return None
+
+
+def _shard_up(graph, node, group, rank, world) -> str | None:
+    u, norm_w, w, eps = node.args
+    out = w.meta["val"].shape[0]
+    if out % world:
+        return f"output width {out} does not split over {world} ranks"
+    with graph.inserting_before(node):
+        y_r = call(graph, _UP, (u, norm_w, _rows(graph, w, rank, world, node), eps), like=node)
+        y_r.meta["k3_shard"] = f"rows {rank}/{world}"
+        (y,) = _gather_columns(graph, [y_r], group, world, node)
+    node.replace_all_uses_with(y)
+    return None
+
+
+def _gather_columns(graph, parts: list[fx.Node], group, world, like) -> list[fx.Node]:
+    """All-gather the column blocks [N, c_i] of every rank in one collective: each part is packed
+    as 32-bit words (16-bit dtypes pairwise), gathered to [W·N, Σ words], and unpacked to the
+    full [N, W·c_i] in rank order."""
+    vals = [p.meta["val"] for p in parts]
+    rows = vals[0].shape[0]
+    words = [_as_words(graph, p, like) for p in parts]
+    widths = [w.meta["val"].shape[1] for w in words]
+    packed = words[0] if len(words) == 1 else call(graph, aten.cat.default, (words, 1), like=like)
+    gathered = call(graph, c10d.all_gather_into_tensor.default, (packed, world, group), like=like)
+    gathered.meta["k3_shard"] = "gather"
+    gathered = call(graph, c10d.wait_tensor.default, (gathered,), like=like)
+    by_rank = call(graph, aten.view.default, (gathered, [world, rows, sum(widths)]), like=like)
+    out, start = [], 0
+    for val, width in zip(vals, widths):
+        block = call(graph, aten.slice.Tensor, (by_rank, 2, start, start + width), like=like)
+        block = call(graph, aten.permute.default, (block, [1, 0, 2]), like=like)
+        block = call(graph, aten.clone.default, (block,),
+                     {"memory_format": torch.contiguous_format}, like=like)
+        if val.dtype != torch.float32:
+            block = call(graph, aten.view.dtype, (block, val.dtype), like=like)
+        out.append(call(graph, aten.view.default, (block, [rows, world * val.shape[1]]),
+                        like=like))
+        start += width
+    return out
+
+
+def _as_words(graph, part: fx.Node, like) -> fx.Node:
+    val = part.meta["val"]
+    if val.dtype == torch.float32:
+        return part
+    if val.element_size() != 2:
+        raise ValueError(f"k3 shard: cannot pack {val.dtype} into 32-bit words")
+    return call(graph, aten.view.dtype, (part, torch.float32), like=like)
+
+
+def _getitems(node) -> dict[int, fx.Node]:
+    return {u.args[1]: u for u in node.users if u.target is operator.getitem}
