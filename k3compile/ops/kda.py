@@ -1,0 +1,86 @@
+"""The KDA recurrent step of one layer, whole (spec §3.1 steps 3-7; vLLM's fused_kda_decode):
+
+    window = [conv_state, q|k|v]  ->  conv_state <- last K-1 inputs
+    q, k, v = SiLU(depthwise conv(window))                      (fp32 math, cast back)
+    q̂ = l2norm(q)·q_scale, k̂ = l2norm(k)                        (eps inside the sqrt)
+    α = exp(lower_bound·sigmoid(exp(A_log)·(graw + dt_bias))),  β = sigmoid(b)
+    per token t: S <- Diag(α_t)·S;  S <- S + k̂_t·(β_t(v_t − Sᵀk̂_t))ᵀ;  o_t = Sᵀq̂_t   (fp32 S)
+    o = RMSNorm_head(o; o_norm_weight) ⊙ sigmoid(g)
+
+T >= 1 tokens per request (T > 1: speculative verify rows, the recurrence sequential over them).
+`slots` picks each request's rows of the state buffers, which are updated in place.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from k3compile.ops.norms import rms_norm_ref
+
+
+def _l2norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
+
+
+def kda_decode_ref(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weight,
+                   k_conv_weight, v_conv_weight, A_log, dt_bias, o_norm_weight, lower_bound,
+                   l2_eps, q_scale, norm_eps):
+    """The model's KDA step (`KimiDeltaAttention.forward` between the projections and o_proj),
+    op for op, so that it rounds like eager. Mutates conv_state and recurrent_state."""
+    B, T, W = q.shape
+    H, K = recurrent_state.shape[1], recurrent_state.shape[2]
+    dtype = q.dtype
+    beta = torch.sigmoid(b.float())  # [B, T, H]
+
+    new = torch.cat([q, k, v], dim=-1).transpose(1, 2)  # [B, 3W, T]
+    window = torch.cat([conv_state[slots], new], dim=-1)  # [B, 3W, K-1 + T]
+    conv_state[slots] = window[..., T:]
+    taps = torch.cat([q_conv_weight, k_conv_weight, v_conv_weight])
+    conv = F.conv1d(window.float(), taps.float(), groups=taps.shape[0])
+    conv = F.silu(conv).to(dtype).transpose(1, 2)  # [B, T, 3W]
+    q, k, v = conv.split(W, dim=-1)
+
+    q = _l2norm(q.float().view(B, T, H, K), l2_eps) * q_scale
+    k = _l2norm(k.float().view(B, T, H, K), l2_eps)
+    v = v.float().view(B, T, H, K)
+    gate = torch.exp(A_log.float()).view(H, 1) * (graw.float().view(B, T, H, K) + dt_bias.view(H, K))
+    decay = torch.exp(lower_bound * torch.sigmoid(gate))
+
+    state = recurrent_state[slots]  # [B, H, K, V] fp32
+    outs = []
+    for t in range(T):
+        state = state * decay[:, t].unsqueeze(-1)
+        kv = torch.einsum("bhkv,bhk->bhv", state, k[:, t])
+        u = beta[:, t].unsqueeze(-1) * (v[:, t] - kv)
+        state = state + k[:, t].unsqueeze(-1) * u.unsqueeze(-2)
+        outs.append(torch.einsum("bhkv,bhk->bhv", state, q[:, t]))
+    recurrent_state[slots] = state
+    o = torch.stack(outs, dim=1)  # [B, T, H, V] fp32
+    return rms_norm_ref(o.to(dtype), o_norm_weight, norm_eps) * torch.sigmoid(g.view(B, T, H, K))
+
+
+@torch.library.custom_op("k3::kda_decode", mutates_args=("conv_state", "recurrent_state"))
+def kda_decode(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, graw: torch.Tensor,
+    b: torch.Tensor, conv_state: torch.Tensor, recurrent_state: torch.Tensor, slots: torch.Tensor,
+    q_conv_weight: torch.Tensor, k_conv_weight: torch.Tensor, v_conv_weight: torch.Tensor,
+    A_log: torch.Tensor, dt_bias: torch.Tensor, o_norm_weight: torch.Tensor,
+    lower_bound: float, l2_eps: float, q_scale: float, norm_eps: float,
+) -> torch.Tensor:
+    """q, k, v, g, graw [B, T, H·K] (pre-conv projections, output gate, low-rank decay input),
+    b [B, T, H] (β logits); conv_state [S, 3·H·K, taps-1]; recurrent_state fp32 [S, H, K, K];
+    slots int64 [B]; conv weights [H·K, 1, taps]; A_log fp32 [H]; dt_bias fp32 [H·K];
+    o_norm_weight [K]. Returns o [B, T, H, K] in the activations' dtype."""
+    return kda_decode_ref(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weight,
+                          k_conv_weight, v_conv_weight, A_log, dt_bias, o_norm_weight, lower_bound,
+                          l2_eps, q_scale, norm_eps)
+
+
+@kda_decode.register_fake
+def _(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weight, k_conv_weight,
+      v_conv_weight, A_log, dt_bias, o_norm_weight, lower_bound, l2_eps, q_scale, norm_eps):
+    B, T, _ = q.shape
+    H, K = recurrent_state.shape[1], recurrent_state.shape[2]
+    dtype = torch.promote_types(torch.promote_types(o_norm_weight.dtype, q.dtype), g.dtype)
+    return q.new_empty((B, T, H, K), dtype=dtype)

@@ -1,0 +1,70 @@
+"""One GEMM for several linears that read the same input (spec §3.1 step 1, §3.2 step 1).
+
+    y = x · [W_0; W_1; ...; W_{n-1}]ᵀ        [..., Σ N_i]; the caller splits the columns
+
+The concatenated weight is built once per set of weights and cached, keyed by every weight's
+(data_ptr, _version, shape, dtype, device): a weight updated in place (`load_state_dict`, `copy_`)
+bumps its `_version` and gets a fresh concatenation; nothing is concatenated per step. The first
+call fills the cache, so under CUDA graphs the first (eager) run of a bucket, which the backend
+makes before capturing, is the one that allocates; replays only read the cached weight.
+
+The cache holds a second copy of the fused weights (KDA in-proj 46 MB per layer per GPU at TP16):
+a loader that stores the weights pre-concatenated (and the module's weights as views of it) makes
+the copy unnecessary.
+
+Output is one tensor rather than a list: the split is a view, and consumers (the KDA decode and MLA
+low-rank norm kernels) read column slices of it, as vLLM's fused in-projection does.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+_CACHE: dict[tuple, tuple] = {}  # key of the weights -> (weakrefs to them, the concatenation)
+
+
+def _version(t: torch.Tensor) -> int:
+    try:
+        return t._version
+    except RuntimeError:  # inference tensors carry no version counter
+        return 0
+
+
+def _key(weights: list[torch.Tensor]) -> tuple:
+    return tuple((w.data_ptr(), _version(w), tuple(w.shape), w.dtype, w.device) for w in weights)
+
+
+def concatenated(weights: list[torch.Tensor]) -> torch.Tensor:
+    """torch.cat(weights), built on first use and reused while every weight lives unchanged."""
+    key = _key(weights)
+    hit = _CACHE.get(key)
+    if hit is not None and all(r() is not None for r in hit[0]):
+        return hit[1]
+    ids = {id(w) for w in weights}
+    for k in [k for k, (refs, _) in _CACHE.items()
+              if any(r() is None or id(r()) in ids for r in refs)]:
+        del _CACHE[k]  # stale: a weight is gone (its memory may be reused) or was updated
+    cat = torch.cat(weights)
+    _CACHE[key] = (tuple(weakref.ref(w) for w in weights), cat)
+    return cat
+
+
+def clear_cache() -> None:
+    _CACHE.clear()
+
+
+def linear_concat_ref(x: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
+    return torch.nn.functional.linear(x, concatenated(list(weights)))
+
+
+@torch.library.custom_op("k3::linear_concat", mutates_args=())
+def linear_concat(x: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
+    """x [..., D], weights [N_i, D] -> x·cat(weights)ᵀ [..., Σ N_i] in x's dtype."""
+    return linear_concat_ref(x, weights)
+
+
+@linear_concat.register_fake
+def _(x, weights):
+    return x.new_empty((*x.shape[:-1], sum(w.shape[0] for w in weights)))
