@@ -15,6 +15,7 @@ from torch._inductor.pattern_matcher import (
     PatternExpr,
     fwd_only,
     gen_pattern_and_search_gm,
+    stable_topological_sort,
     unset_fake_temporarily,
 )
 
@@ -67,4 +68,5 @@ def wildcard_strings(expr, names: dict[str, str]) -> None:
 __all__ = [
     "FailedMatch", "Match", "MultiOutputPattern", "PatternExpr", "compile_fx", "compile_fx_inner",
     "fwd_only", "fwd_only_fake", "fwd_only_joint", "unset_fake_temporarily", "wildcard_strings", "gen_pattern_and_search_gm", "inductor_config", "make_boxed_func",
+    "stable_topological_sort",
 ]

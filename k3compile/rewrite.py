@@ -208,6 +208,9 @@ def apply_patterns(graph: fx.Graph, patterns: Sequence[Pattern], batch: int | No
                     continue
                 report.verified += 1
             new_nodes = m.replace_by_example(pattern.replace, args)
+            # the replacement goes before the site's first output, which can precede the
+            # definition of another input (W_UK is cut from kv_b after q is split): reorder
+            inductor.stable_topological_sort(graph)
             for n in new_nodes or ():
                 n.meta["k3_pattern"] = pattern.name
                 if stack is not None:
