@@ -116,7 +116,11 @@ def shard(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
 
 
 def streams(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
-    return gm  # side-stream scheduling arrives with the MoE patterns (issue 4)
+    from k3compile.streams import schedule_shared_experts
+
+    ctx.notes["streams"] = schedule_shared_experts(gm.graph)
+    gm.recompile()
+    return gm
 
 
 def prefetch(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
@@ -189,7 +193,9 @@ class Pipeline:
             self.observer.graphs[batch] = aten_gm.graph
             if self.options.executor == "inductor":
                 return inductor.compile_fx_inner(aten_gm, aten_inputs, **kwargs)
-            return inductor.make_boxed_func(aten_gm.forward)
+            from k3compile.streams import runner  # side-stream nodes on their streams (CUDA)
+
+            return inductor.make_boxed_func(runner(aten_gm))
 
         patches = {"fx_graph_cache": False, "emulate_precision_casts": True}
         with torch._functorch.config.patch(enable_autograd_cache=False):
