@@ -22,6 +22,8 @@ class Options:
     # What runs the graph the patterns leave: "inductor" (default), or "aten": the fused ATen
     # graph op by op, no codegen (CPU tests: Inductor's C++ build costs ~30 s per bucket there).
     executor: str = "inductor"
+    # L2 bytes the `prefetch` stage budgets from (None: the GPU's own; on CPU an H200's 60 MB)
+    l2_bytes: int | None = None
 
     @classmethod
     def make(cls, options: dict[str, Any] | None = None) -> Options:

@@ -124,7 +124,11 @@ def streams(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
 
 
 def prefetch(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
-    return gm  # L2 prefetch insertion arrives with the MoE patterns (issue 4)
+    from k3compile.prefetch import insert_prefetches, l2_bytes
+
+    ctx.notes["prefetch"] = insert_prefetches(gm.graph, l2_bytes(ctx.options.l2_bytes, gm.graph))
+    gm.recompile()
+    return gm
 
 
 def verify(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
