@@ -5,17 +5,16 @@
     SiTU(g, u) = β·tanh(g/β)·sigmoid(g) · β₂·tanh(u/β₂), fp32 math, cast to the GEMM dtype
 
 `situ_gate_up` runs one GEMM over [W_g; W_u]: the concatenation is built once per weight pair
-and cached (a second copy of the two weights; on a GPU it is made by the first, uncaptured run,
-so a CUDA graph never replays a cat).
+and cached with `k3.linear_concat`'s (a second copy of the two weights; on a GPU it is made by
+the first, uncaptured run, so a CUDA graph never replays a cat).
 """
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 import torch.nn.functional as F
 
+from k3compile.ops.linear import concatenated
 from k3compile.ops.norms import rms_norm_ref
 
 
@@ -61,27 +60,9 @@ def _(u, norm_w, w, eps):
 
 # ---- situ_gate_up -------------------------------------------------------------------------------
 
-_GATE_UP: dict[tuple, tuple] = {}  # (ptr, version, shape) of both weights -> (refs, [W_g; W_u])
-
-
-def _version(t: torch.Tensor) -> int:
-    try:
-        return t._version
-    except RuntimeError:  # inference tensors carry no version counter
-        return 0
-
-
 def gate_up_weight(wg: torch.Tensor, wu: torch.Tensor) -> torch.Tensor:
-    """[W_g; W_u], concatenated once per weight pair and reused while both weights live."""
-    key = tuple((t.data_ptr(), _version(t), tuple(t.shape), t.dtype, t.device) for t in (wg, wu))
-    hit = _GATE_UP.get(key)
-    if hit is not None and all(r() is not None for r in hit[0]):
-        return hit[1]
-    for k in [k for k, (refs, _) in _GATE_UP.items() if any(r() is None for r in refs)]:
-        del _GATE_UP[k]  # the weights it was cut from are gone
-    cat = torch.cat([wg, wu])
-    _GATE_UP[key] = ((weakref.ref(wg), weakref.ref(wu)), cat)
-    return cat
+    """[W_g; W_u], concatenated once per weight pair (the cache `k3.linear_concat` keeps)."""
+    return concatenated([wg, wu])
 
 
 def situ_gate_up_ref(x, wg, wu, beta: float, linear_beta: float) -> torch.Tensor:
