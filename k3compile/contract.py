@@ -22,12 +22,18 @@ log = logging.getLogger("k3compile")
 _MOE_PLAN = {"moe_front": 1, "moe_route": 1, "moe_experts": 1, "norm_linear": 1,
              "situ_gate_up": 1}  # + the shared down GEMM, left to Inductor/cuBLAS
 
+# Attention half (spec §5.2 rows 2-4): fused in-proj GEMM (+ f_b / q_b GEMMs, g_proj and o_proj
+# left to Inductor/cuBLAS), the recurrent step or the MLA chain.
+_KDA_PLAN = {"linear_concat": 1, "kda_decode": 1}
+_MLA_PLAN = {"linear_concat": 1, "mla_lowrank_norm": 1, "mla_q_absorb": 1, "mla_decode": 1,
+             "mla_uv_gate": 1}
+
 PLANS: dict[str, dict[str, int]] = {
     # layer 0's pre-attention mix has no source: plain norm
-    "dense": {"attn_res_mix_norm": 1, "situ_gate_up": 1},
-    "kda_moe": {"attn_res_mix_norm": 2, **_MOE_PLAN},
-    "mla_moe": {"attn_res_mix_norm": 2, **_MOE_PLAN},
-    "last": {"attn_res_mix_norm": 3, **_MOE_PLAN},
+    "dense": {"rms_norm": 1, **_KDA_PLAN, "attn_res_mix_norm": 1, "situ_gate_up": 1},
+    "kda_moe": {"attn_res_mix_norm": 2, **_KDA_PLAN, **_MOE_PLAN},
+    "mla_moe": {"attn_res_mix_norm": 2, **_MLA_PLAN, **_MOE_PLAN},
+    "last": {"attn_res_mix_norm": 3, **_MLA_PLAN, **_MOE_PLAN},  # K3's last layer is MLA
 }
 
 # ATen ops that launch no kernel of their own (views, metadata, getitem of multi-output ops)
@@ -37,6 +43,9 @@ _NO_KERNEL = {"view", "reshape", "_unsafe_view", "permute", "unsqueeze", "squeez
 
 _LAYER = re.compile(r"layers\.(\d+)\.")
 _MOE = re.compile(r"\.mlp\.(gate|experts|routed_expert_\w+)(\.|$)")
+# MLA's own submodules; after fusion the q_a/kv_a GEMMs are gone but the fused ops keep the
+# norms' (or kv_b's) paths
+_MLA = re.compile(r"\.self_attn\.(q_a_\w+|kv_a_\w+|q_b_proj|kv_b_proj)(\.|$)")
 
 
 class ContractError(AssertionError):
@@ -87,7 +96,7 @@ def layer_templates(graph: fx.Graph) -> dict[int, str]:
     last = max(paths, default=-1)
     out = {}
     for layer, ps in sorted(paths.items()):
-        mla = any(".self_attn.q_a_proj" in p or ".self_attn.kv_a_proj" in p for p in ps)
+        mla = any(_MLA.search(p) for p in ps)
         moe = any(_MOE.search(p) for p in ps)
         out[layer] = "last" if layer == last and layer > 0 else (
             "dense" if not moe else "mla_moe" if mla else "kda_moe")

@@ -7,6 +7,12 @@ import functools
 import importlib
 
 ORDER = (
+    "kda_decode",
+    "mla_decode",
+    "mla_lowrank_norm",
+    "linear_concat",  # after mla_lowrank_norm: the MLA variant is the two GEMMs feeding its op
+    "mla_q_absorb",
+    "mla_uv_gate",
     "attn_res_mix_norm",
     "allreduce_attn_res_mix_norm",  # consumes attn_res_mix_norm's op where a collective feeds it
     "moe_experts",
@@ -14,6 +20,7 @@ ORDER = (
     "moe_route",  # after moe_front: its logits come from the fused front
     "situ_gate_up",
     "norm_linear",
+    "rms_norm",  # last: every larger fusion above ends in or holds an RMSNorm
 )
 
 

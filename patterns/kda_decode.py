@@ -1,0 +1,163 @@
+"""The KDA recurrent step between the projections and o_proj -> `k3.kda_decode`.
+
+Matches `KimiDeltaAttention.forward` from the q/k/v/g/f_b/b projection outputs on: the conv-state
+window (cat, write-back of the last taps-1 inputs into the state buffer), the depthwise conv +
+SiLU in fp32, L2-normalised q (scaled) and k, the lower-bounded decay and β, the delta rule over
+T tokens on the fp32 recurrent state gathered by `slots` and written back, the per-head RMSNorm
+and the sigmoid output gate. The recurrence is unrolled in the graph, so there is one variant per
+T in TOKENS, per batch 1 or more (size-1 dims change the graph) and per activation dtype (fp32
+models trace no casts). A T without a variant stays unfused and shows as a near miss.
+
+Before (T=1, ~75 ATen ops): cat, permute, index, cat, slice, index_put, cat, convert, convolution,
+    neg, exp, add, div, convert, split, ... pow, sum, add, rsqrt, mul, ... exp, sigmoid, mul, exp,
+    index, mul, bmm, sub, mul, mul, add, bmm, index_put, convert, ... rsqrt, mul, sigmoid, mul
+After:  o = k3.kda_decode(q, k, v, g, graw, b, conv_state!, recurrent_state!, slots, q_conv_w,
+    k_conv_w, v_conv_w, A_log, dt_bias, o_norm_w, lower_bound, l2_eps, q_scale, norm_eps)
+    (the two state buffers updated in place; their functional copies in the graph go away)
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import torch
+import torch.nn.functional as F
+
+from k3compile.rewrite import Pattern, tensor_meta
+
+# Tokens per request with a variant: decode (1) and the DSpark verify block (anchor + 7 drafts).
+# Each T is its own pattern (~0.5 s of tracing per variant, once per process).
+TOKENS = (1, 8)
+# Size-1 dims change the graph (einsum and index_put fold them), so batch 1 has its own variants.
+BATCHES = (1, 2)
+DTYPES = (torch.bfloat16, torch.float32)
+H, K, TAPS = 2, 8, 4  # tracing sizes; matching ignores sizes
+NAMES = ("q", "k", "v", "g", "graw", "b", "conv_state", "recurrent_state", "slots",
+         "q_conv_weight", "k_conv_weight", "v_conv_weight", "A_log", "dt_bias", "o_norm_weight",
+         "lower_bound", "l2_eps", "q_scale", "norm_eps")
+SCALARS = {"lower_bound": -5.1, "l2_eps": 1.1e-6, "q_scale": 0.37, "norm_eps": 1.3e-5}
+
+
+def _l2norm(x, eps):
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
+
+
+def _rms(x, weight, eps):
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def setitem(buf, index, value):
+    """`buf[index] = value` as the functional graph has it: Tensor.__setitem__ strips the value's
+    leading size-1 dims first (a view, at batch 1), then index_put."""
+    lead = 0
+    while lead < value.dim() and value.shape[lead] == 1:
+        lead += 1
+    if lead:
+        value = value.view(value.shape[lead:])
+    return torch.index_put(buf, index, value)
+
+
+def kda_step(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weight, k_conv_weight,
+             v_conv_weight, A_log, dt_bias, o_norm_weight, lower_bound, l2_eps, q_scale, norm_eps):
+    """KimiDeltaAttention.forward after the projections, with the state writes made functional
+    (as they are in the graph). Returns (new recurrent state, new conv state, o)."""
+    B, T, _ = q.shape
+    nh, hd = recurrent_state.shape[1], recurrent_state.shape[2]
+    beta = torch.sigmoid(b.float())
+    new = torch.cat([q, k, v], dim=-1).transpose(1, 2)
+    window = torch.cat([conv_state[slots], new], dim=-1)
+    conv_state_out = setitem(conv_state, (slots,), window[..., T:])
+    taps = torch.cat([q_conv_weight, k_conv_weight, v_conv_weight])
+    conv = F.conv1d(window.float(), taps.float(), groups=taps.shape[0])
+    conv = F.silu(conv).to(q.dtype).transpose(1, 2)
+    cq, ck, cv = conv.split(nh * hd, dim=-1)
+    cq = _l2norm(cq.float().view(B, T, nh, hd), l2_eps) * q_scale
+    ck = _l2norm(ck.float().view(B, T, nh, hd), l2_eps)
+    cv = cv.float().view(B, T, nh, hd)
+    gate = torch.exp(A_log.float()).view(nh, 1) * (graw.float().view(B, T, nh, hd)
+                                                    + dt_bias.view(nh, hd))
+    decay = torch.exp(lower_bound * torch.sigmoid(gate))
+    state = recurrent_state[slots]
+    outs = []
+    for t in range(T):
+        state = state * decay[:, t].unsqueeze(-1)
+        kv = torch.einsum("bhkv,bhk->bhv", state, ck[:, t])
+        u = beta[:, t].unsqueeze(-1) * (cv[:, t] - kv)
+        state = state + ck[:, t].unsqueeze(-1) * u.unsqueeze(-2)
+        outs.append(torch.einsum("bhkv,bhk->bhv", state, cq[:, t]))
+    state_out = setitem(recurrent_state, (slots,), state)
+    o = torch.stack(outs, dim=1)
+    o = _rms(o.to(q.dtype), o_norm_weight, norm_eps) * torch.sigmoid(g.view(B, T, nh, hd))
+    return state_out, conv_state_out, o
+
+
+def replace(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weight, k_conv_weight,
+            v_conv_weight, A_log, dt_bias, o_norm_weight, lower_bound, l2_eps, q_scale, norm_eps):
+    o = torch.ops.k3.kda_decode(q, k, v, g, graw, b, conv_state, recurrent_state, slots,
+                                q_conv_weight, k_conv_weight, v_conv_weight, A_log, dt_bias,
+                                o_norm_weight, lower_bound, l2_eps, q_scale, norm_eps)
+    return recurrent_state, conv_state, o
+
+
+def check(match) -> str | None:
+    for name in SCALARS:
+        if not isinstance(match.kwargs[name], float):
+            return f"{name} is not a compile-time float"
+    meta = {n: tensor_meta(match.kwargs[n]) for n in NAMES if n not in SCALARS}
+    if any(t is None for t in meta.values()):
+        return "an input has no tensor metadata"
+    q, state, conv = meta["q"], meta["recurrent_state"], meta["conv_state"]
+    if q.dim() != 3 or state.dim() != 4 or conv.dim() != 3:
+        return f"ranks q {q.dim()}, recurrent_state {state.dim()}, conv_state {conv.dim()}"
+    nh, hd = state.shape[1], state.shape[2]
+    width = nh * hd
+    if state.dtype != torch.float32 or state.shape[3] != hd:
+        return f"recurrent_state {state.dtype}{list(state.shape)} is not fp32 [S, H, K, K]"
+    if q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return f"activations are {q.dtype}"
+    for name in ("k", "v", "g", "graw"):
+        if meta[name].dtype != q.dtype or meta[name].shape[-1] != width:
+            return f"{name} {meta[name].dtype}[.., {meta[name].shape[-1]}] != q {q.dtype}[.., {width}]"
+    if meta["b"].shape[-1] != nh:
+        return f"b width {meta['b'].shape[-1]} != heads {nh}"
+    if conv.dtype != q.dtype or conv.shape[1] != 3 * width:
+        return f"conv_state {conv.dtype}{list(conv.shape)} does not hold q|k|v of {q.dtype}[{width}]"
+    taps = conv.shape[2] + 1
+    for name in ("q_conv_weight", "k_conv_weight", "v_conv_weight"):
+        if tuple(meta[name].shape) != (width, 1, taps):
+            return f"{name} {list(meta[name].shape)} != [{width}, 1, {taps}]"
+    if meta["A_log"].shape != (nh,) or meta["dt_bias"].shape != (width,):
+        return f"A_log {list(meta['A_log'].shape)} / dt_bias {list(meta['dt_bias'].shape)}"
+    if meta["o_norm_weight"].shape != (hd,):
+        return f"o_norm_weight {list(meta['o_norm_weight'].shape)} != [{hd}]"
+    if meta["slots"].dtype != torch.int64 or meta["slots"].dim() != 1:
+        return f"slots {meta['slots'].dtype} rank {meta['slots'].dim()} is not int64 [B]"
+    if not math.isclose(match.kwargs["q_scale"], hd**-0.5, rel_tol=1e-6):
+        return f"q scale {match.kwargs['q_scale']} != head_dim^-0.5 = {hd**-0.5}"
+    return None
+
+
+def _variant(T: int, B: int, dtype: torch.dtype) -> Pattern:
+    def example_inputs():
+        W = H * K
+        act = [torch.randn(B, T, W, dtype=dtype) for _ in range(5)]
+        b = torch.randn(B, T, H, dtype=dtype)
+        state = [torch.randn(3, 3 * W, TAPS - 1, dtype=dtype),
+                 torch.randn(3, H, K, K, dtype=torch.float32), torch.tensor([0, 2][:B])]
+        weights = [torch.randn(W, 1, TAPS, dtype=dtype) for _ in range(3)]
+        weights += [torch.randn(H), torch.randn(W), torch.randn(K, dtype=dtype)]
+        return [*act, b, *state, *weights, *SCALARS.values()]
+
+    return Pattern(
+        name=f"kda_decode[T={T},B={'1' if B == 1 else 'n'},{str(dtype).removeprefix('torch.')}]",
+        search=kda_step, replace=replace,
+        example_inputs=example_inputs, op="k3.kda_decode", check=check, scalars=dict(SCALARS),
+        distinctive=("convolution", "index_put", "bmm", "rsqrt"), joint_passes=True,
+    )
+
+
+def patterns() -> list[Pattern]:
+    return [_variant(t, b, d) for t, b, d in itertools.product(TOKENS, BATCHES, DTYPES)]

@@ -1,0 +1,96 @@
+"""The linears that read one input -> one GEMM over their concatenated weights, `k3.linear_concat`.
+
+* KDA (spec §3.1 step 1): q, k, v, g, f_a and b projections of the normed hidden state; f_a feeds
+  f_b directly, which stays a GEMM on f_a's column slice (vLLM: one in-proj GEMM + the f_b GEMM).
+* Gated MLA (§3.2 step 1): q_a and kv_a, the two GEMMs that feed `k3.mla_lowrank_norm` (so the
+  `mla_lowrank_norm` pattern must run first); g_proj stays a GEMM (an aux-stream candidate).
+
+Weights bind distinct graph nodes (`exclusive`): the same-shaped linears of one input are
+otherwise interchangeable to the matcher.
+
+Before (KDA): 7 x (permute, view, mm, view)         Before (MLA): 2 x (permute, view, mm, view),
+After:  y = k3.linear_concat(x, [Wq, Wk, Wv, Wg, Wfa, Wb]);   mla_lowrank_norm(cq, ckv, ...)
+        q, k, v, g, fa, b = y.split(...); graw = fa·Wfbᵀ   After: y = k3.linear_concat(x, [Wqa, Wkva])
+                                                                  mla_lowrank_norm(y[:, :Q], y[:, Q:])
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from k3compile.rewrite import Pattern, tensor_meta
+
+KDA_WEIGHTS = ("w_q", "w_k", "w_v", "w_g", "w_fa", "w_b")
+
+
+def kda_search(x, w_q, w_k, w_v, w_g, w_fa, w_fb, w_b):
+    graw = F.linear(F.linear(x, w_fa), w_fb)
+    return (graw, F.linear(x, w_q), F.linear(x, w_k), F.linear(x, w_v), F.linear(x, w_g),
+            F.linear(x, w_b))
+
+
+def kda_replace(x, w_q, w_k, w_v, w_g, w_fa, w_fb, w_b):
+    weights = [w_q, w_k, w_v, w_g, w_fa, w_b]
+    y = torch.ops.k3.linear_concat(x, weights)
+    q, k, v, g, fa, b = y.split([w.shape[0] for w in weights], dim=-1)
+    # fa is a column slice: as rows of a 2-D view f_b stays one mm (a 3-D slice would go to bmm)
+    graw = F.linear(fa.reshape(-1, fa.shape[-1]), w_fb).view(*fa.shape[:-1], -1)
+    return graw, q, k, v, g, b
+
+
+def mla_search(x, w_qa, w_kva, w_qn, w_kvn, eps):
+    return torch.ops.k3.mla_lowrank_norm(F.linear(x, w_qa), F.linear(x, w_kva), w_qn, w_kvn, eps)
+
+
+def mla_replace(x, w_qa, w_kva, w_qn, w_kvn, eps):
+    y = torch.ops.k3.linear_concat(x, [w_qa, w_kva])
+    cq, ckv = y.split([w_qa.shape[0], w_kva.shape[0]], dim=-1)
+    return torch.ops.k3.mla_lowrank_norm(cq, ckv, w_qn, w_kvn, eps)
+
+
+def check_weights(match, names) -> str | None:
+    x = tensor_meta(match.kwargs["x"])
+    if x is None or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return f"input dtype {getattr(x, 'dtype', None)} is not a float type"
+    for name in names:
+        w = tensor_meta(match.kwargs[name])
+        if w is None or w.dim() != 2 or w.shape[1] != x.shape[-1] or w.dtype != x.dtype:
+            return (f"{name} {getattr(w, 'dtype', None)}{list(getattr(w, 'shape', []))} is not a "
+                    f"[N, {x.shape[-1]}] {x.dtype} weight")
+    return None
+
+
+def _kda_check(match):
+    return check_weights(match, KDA_WEIGHTS)
+
+
+def _mla_check(match):
+    if not isinstance(match.kwargs["eps"], float):
+        return "eps is not a compile-time float"
+    return check_weights(match, ("w_qa", "w_kva"))
+
+
+def patterns() -> list[Pattern]:
+    def kda_inputs():
+        d, w, r, h = 32, 16, 8, 2
+        x = torch.randn(2, 1, d, dtype=torch.bfloat16)
+        ws = [torch.randn(n, m, dtype=torch.bfloat16)
+              for n, m in ((w, d), (w, d), (w, d), (w, d), (r, d), (w, r), (h, d))]
+        return [x, *ws]
+
+    def mla_inputs():
+        d, q, c = 32, 24, 16
+        x = torch.randn(2, 1, d, dtype=torch.bfloat16)
+        ws = [torch.randn(q, d), torch.randn(c + 8, d), torch.randn(q), torch.randn(c)]
+        return [x, *(w.bfloat16() for w in ws), 1.1e-6]
+
+    return [
+        Pattern(name="linear_concat[kda]", search=kda_search, replace=kda_replace,
+                example_inputs=kda_inputs, op="k3.linear_concat", check=_kda_check,
+                distinctive=("mm",), exclusive=KDA_WEIGHTS + ("w_fb",), joint_passes=True),
+        Pattern(name="linear_concat[mla]", search=mla_search, replace=mla_replace,
+                example_inputs=mla_inputs, op="k3.linear_concat", check=_mla_check,
+                scalars={"eps": 1.1e-6}, distinctive=("mla_lowrank_norm",),
+                exclusive=("w_qa", "w_kva"), joint_passes=True),
+    ]

@@ -1,0 +1,79 @@
+"""Gated MLA's two low-rank RMSNorms -> `k3.mla_lowrank_norm` (spec §3.2 step 2).
+
+Matches `GatedMLA.forward`'s q_a_proj -> q_a_layernorm and kv_a_proj_with_mqa -> split
+[c_kv | k_pe] -> kv_a_layernorm. The two GEMMs are part of the search only to tie the two norms
+into one site (the matcher reaches a pattern's second output through a shared input, here x);
+the replacement keeps them as GEMMs, which `linear_concat[mla]` then fuses into one.
+
+Before: permute, view, mm, view, convert, pow, mean, add, rsqrt, mul, convert, mul (q side);
+    permute, view, mm, view, split_with_sizes, convert, pow, mean, add, rsqrt, mul, convert, mul
+After:  cq = x·W_qaᵀ; ckv = x·W_kvaᵀ; cq, c_kv, k_pe = k3.mla_lowrank_norm(cq, ckv, w_q, w_kv, eps)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from k3compile.rewrite import Pattern, tensor_meta
+
+DTYPES = (torch.bfloat16, torch.float32)
+
+
+def rms(x, weight, eps):
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def search(x, w_qa, w_kva, w_qn, w_kvn, q_eps, kv_eps):
+    cq = F.linear(x, w_qa)
+    ckv = F.linear(x, w_kva)
+    c = w_kvn.shape[0]
+    c_kv, k_pe = ckv.split([c, ckv.shape[-1] - c], dim=-1)
+    return rms(c_kv, w_kvn, kv_eps), k_pe, rms(cq, w_qn, q_eps)
+
+
+def replace(x, w_qa, w_kva, w_qn, w_kvn, q_eps, kv_eps):
+    cq, c_kv, k_pe = torch.ops.k3.mla_lowrank_norm(F.linear(x, w_qa), F.linear(x, w_kva), w_qn,
+                                                   w_kvn, q_eps)
+    return c_kv, k_pe, cq
+
+
+def check(match) -> str | None:
+    q_eps, kv_eps = match.kwargs["q_eps"], match.kwargs["kv_eps"]
+    if not isinstance(q_eps, float) or not isinstance(kv_eps, float):
+        return "eps is not a compile-time float"
+    if q_eps != kv_eps:
+        return f"the two norms' eps differ ({q_eps} vs {kv_eps}); the op takes one"
+    x, w_qa, w_kva, w_qn, w_kvn = (tensor_meta(match.kwargs[k])
+                                   for k in ("x", "w_qa", "w_kva", "w_qn", "w_kvn"))
+    if any(t is None for t in (x, w_qa, w_kva, w_qn, w_kvn)):
+        return "an input has no tensor metadata"
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return f"activations are {x.dtype}"
+    if w_qn.shape != (w_qa.shape[0],) or w_kvn.dim() != 1 or w_kvn.shape[0] > w_kva.shape[0]:
+        return (f"norm weights {list(w_qn.shape)}, {list(w_kvn.shape)} do not fit projections "
+                f"{list(w_qa.shape)}, {list(w_kva.shape)}")
+    if {w.dtype for w in (w_qa, w_kva, w_qn, w_kvn)} != {x.dtype}:
+        return f"weights are not all {x.dtype}"
+    return None
+
+
+def _variant(dtype: torch.dtype) -> Pattern:
+    def example_inputs():
+        d, q, c, r = 32, 24, 16, 8
+        return [torch.randn(2, 1, d, dtype=dtype), torch.randn(q, d, dtype=dtype),
+                torch.randn(c + r, d, dtype=dtype), torch.randn(q, dtype=dtype),
+                torch.randn(c, dtype=dtype), 1.1e-6, 1.3e-6]
+
+    return Pattern(
+        name=f"mla_lowrank_norm[{str(dtype).removeprefix('torch.')}]", search=search,
+        replace=replace, example_inputs=example_inputs, op="k3.mla_lowrank_norm", check=check,
+        scalars={"q_eps": 1.1e-6, "kv_eps": 1.3e-6}, distinctive=("rsqrt", "split_with_sizes"),
+        exclusive=("w_qa", "w_kva"), joint_passes=True,
+    )
+
+
+def patterns() -> list[Pattern]:
+    return [_variant(d) for d in DTYPES]
