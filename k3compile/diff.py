@@ -381,6 +381,15 @@ def _tidy(reason: str, nodes: dict[str, fx.Node]) -> tuple[str, str]:
     if m := _MULTIPLE_USERS.match(reason):
         text = f"multiple_users: a {m[1]} the pattern would absorb is also used outside it"
         return text, text
+    return _one_line(reason)
+
+
+def _one_line(reason: str) -> tuple[str, str]:
+    if reason.startswith("args_structure"):  # two printed TreeSpecs, many lines
+        text = ("args_structure: the arguments are structured unlike the pattern's (another "
+                "list length: another variant's site)")
+        return text, text
+    reason = " ".join(reason.split())
     return reason, _SIZES.sub("#", reason)
 
 
@@ -438,8 +447,7 @@ def _failure(failed: Any, anchor: fx.Node) -> tuple[str, str, int]:
                 reason = f"multiple_users: {_describe(n)} has {len(n.users)} {tail} ({users})"
                 return reason, f"multiple_users: a {op_label(n)} has {len(n.users)} {tail}", d
     text = str(failed)
-    text = text if len(text) < 200 else text[:197] + "..."
-    return text, _SIZES.sub("#", text.split("\n")[0]), 1
+    return (*_one_line(text if len(text) < 200 else text[:197] + "..."), 1)
 
 
 def _match_outcome(p, m, options: Options, bucket: int | None, hits: dict[str, str]) -> str:
