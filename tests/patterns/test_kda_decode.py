@@ -1,0 +1,57 @@
+"""kda_decode: the whole KDA recurrent step (conv + SiLU with conv-state update, l2norm, decay, β,
+delta rule on the fp32 state, gated per-head RMSNorm) as one op updating both states in place."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from k3compile.patterns import kda_decode
+
+from k3compile.rewrite import apply_patterns
+
+from .attention_checks import escape, family, one_thread, step_pair  # noqa: F401
+from .pattern_checks import assert_near_miss, graph
+
+
+@pytest.mark.parametrize("dtype,batch,tokens", [(torch.bfloat16, 2, 8), (torch.bfloat16, 1, 1),
+                                                (torch.float32, 1, 8)])
+def test_model_block_rewrites_and_equals_eager(dtype, batch, tokens):
+    want, got, s_want, s_got, report = step_pair("kda", dtype, batch, tokens, 3, "kda_decode")
+    assert [h.op for h in report.hits] == ["k3.kda_decode"], report.hits
+    for w, g in zip(want, got):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+    for name in s_want:  # conv and recurrent state, every slot
+        torch.testing.assert_close(s_got[name], s_want[name], rtol=0, atol=0, msg=name)
+
+
+def _site(tokens=1, **change):
+    variant = next(p for p in family("kda_decode") if p.name.startswith(f"kda_decode[T={tokens},B=n"))
+    args = variant.example_inputs()
+    names = list(kda_decode.NAMES)
+    for name, value in change.items():
+        args[names.index(name)] = value
+    return args
+
+
+def test_escaping_beta_is_a_near_miss():
+    gm = graph(kda_decode.kda_step, *_site(), joint=True)
+    escape(gm, lambda n: n.target is torch.ops.aten.sigmoid.default)  # β = sigmoid(b) escapes
+    report = apply_patterns(gm.graph, family("kda_decode"))
+    assert_near_miss(report, "kda_decode", "users")
+
+
+def test_check_refuses_a_shared_norm_weight():
+    one = torch.ones(1, dtype=torch.bfloat16)  # broadcasts in the graph, the op wants [K]
+    gm = graph(kda_decode.kda_step, *_site(o_norm_weight=one), joint=True)
+    report = apply_patterns(gm.graph, family("kda_decode"))
+    assert_near_miss(report, "kda_decode", "check refused", "o_norm_weight [1] != [8]")
+
+
+def test_verify_width_without_a_variant_is_a_near_miss():
+    args = _site(tokens=8)
+    for name in ("q", "k", "v", "g", "graw", "b"):  # 3 tokens: no T=3 variant
+        i = kda_decode.NAMES.index(name)
+        args[i] = args[i][:, :3].contiguous()
+    gm = graph(kda_decode.kda_step, *args, joint=True)
+    report = apply_patterns(gm.graph, family("kda_decode"))
+    assert_near_miss(report, "kda_decode")

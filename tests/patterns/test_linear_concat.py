@@ -1,0 +1,96 @@
+"""linear_concat: the linears that read one input as one GEMM over their concatenated weights
+(cached, never concatenated per step): KDA's q|k|v|g|f_a|b, MLA's q_a|kv_a."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from k3compile.patterns import linear_concat
+
+import k3compile.ops.linear as linear_op
+from k3compile.rewrite import apply_patterns
+
+from .attention_checks import escape
+from .pattern_checks import assert_near_miss, assert_rewritten_equal, graph, rewrite, targets
+
+D, W, R, H = 64, 32, 16, 4  # hidden, heads x head dim, f_a rank, heads
+
+
+def _weights(dtype, gen):
+    shapes = [(W, D), (W, D), (W, D), (W, D), (R, D), (W, R), (H, D)]  # q k v g f_a f_b b
+    return [(torch.randn(s, generator=gen) * s[1] ** -0.5).to(dtype) for s in shapes]
+
+
+def kda_projections(x, w_q, w_k, w_v, w_g, w_fa, w_fb, w_b):
+    """KimiDeltaAttention.forward's projections."""
+    q, k, v, g2 = F.linear(x, w_q), F.linear(x, w_k), F.linear(x, w_v), F.linear(x, w_g)
+    graw = F.linear(F.linear(x, w_fa), w_fb)
+    beta = torch.sigmoid(F.linear(x, w_b).float())
+    return q, k, v, g2, graw, beta
+
+
+def _kda_args(dtype=torch.bfloat16, tokens=1):
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randn(2, tokens, D, generator=gen).to(dtype), *_weights(dtype, gen)]
+
+
+@pytest.mark.parametrize("tokens", [1, 8])
+def test_kda_projections_become_one_gemm(tokens):
+    args = _kda_args(tokens=tokens)
+    gm, report = rewrite(kda_projections, args, linear_concat.patterns(), joint=True)
+    assert_rewritten_equal(gm, report, kda_projections, args, "k3.linear_concat")  # bf16: exact
+    assert targets(gm).count("aten.mm.default") == 1  # f_b stays a GEMM, on f_a's columns
+
+
+def test_fp32_projections_agree():
+    args = _kda_args(torch.float32)
+    gm, report = rewrite(kda_projections, args, linear_concat.patterns(), joint=True)
+    assert [h.pattern for h in report.hits] == ["linear_concat[kda]"]
+    for got, want in zip(gm(*args), kda_projections(*args)):  # the wider GEMM may regroup sums
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def mla_in_proj(x, w_qa, w_kva, w_g, w_qn, w_kvn):
+    """GatedMLA.forward's first GEMMs, after the mla_lowrank_norm pattern took the norms."""
+    cq, c_kv, k_pe = torch.ops.k3.mla_lowrank_norm(F.linear(x, w_qa), F.linear(x, w_kva), w_qn,
+                                                   w_kvn, 1e-6)
+    return cq, c_kv, k_pe, F.linear(x, w_g)
+
+
+def test_mla_q_a_and_kv_a_become_one_gemm_and_g_stays():
+    gen = torch.Generator().manual_seed(1)
+    shapes = [(2, 1, D), (24, D), (20, D), (W, D), (24,), (16,)]
+    args = [torch.randn(s, generator=gen).bfloat16() for s in shapes]
+    gm, report = rewrite(mla_in_proj, args, linear_concat.patterns(), joint=True)
+    assert_rewritten_equal(gm, report, mla_in_proj, args, "k3.linear_concat")
+    op = next(n for n in gm.graph.nodes if str(n.target) == "k3.linear_concat.default")
+    assert [w.name for w in op.args[1]] == ["w_qa_1", "w_kva_1"]
+    assert targets(gm).count("aten.mm.default") == 1  # g_proj
+
+
+def test_weights_are_concatenated_once_and_refreshed_when_updated():
+    linear_op.clear_cache()
+    x, *ws = _kda_args()
+    ws = ws[:5]
+    first = linear_op.concatenated(ws)
+    torch.ops.k3.linear_concat(x, ws)
+    assert linear_op.concatenated(ws) is first and len(linear_op._CACHE) == 1
+    ws[1].mul_(2)  # an in-place update (a weight load) bumps the version
+    y = torch.ops.k3.linear_concat(x, ws)
+    assert len(linear_op._CACHE) == 1
+    torch.testing.assert_close(y[..., W:2 * W], F.linear(x, ws[1]), rtol=0, atol=0)
+
+
+def test_escaping_f_a_output_is_a_near_miss():
+    mm = torch.ops.aten.mm.default
+    gm = graph(kda_projections, *_kda_args(), joint=True)
+    escape(gm, lambda n: n.target is mm and any(u.target is mm for u in n.users))  # f_a's output
+    report = apply_patterns(gm.graph, linear_concat.patterns())
+    assert_near_miss(report, "linear_concat[kda]", "users")
+
+
+def test_check_refuses_float64():
+    args = _kda_args(torch.float64)
+    _, report = rewrite(kda_projections, args, linear_concat.patterns(), joint=True)
+    assert_near_miss(report, "linear_concat[kda]", "check refused", "float64")

@@ -1,0 +1,69 @@
+"""mla_uv_gate: Gated MLA's W_UV up-projection (absorbed form) and sigmoid output gate as one op."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from k3compile.patterns import mla_uv_gate
+
+from .pattern_checks import assert_near_miss, assert_rewritten_equal, rewrite
+
+H, N, V, C, L = 4, 32, 32, 64, 24
+
+
+def _attend(p, kv_lat, w_kvb):
+    """The attention's value einsum (o_lat as the model has it) and W_UV cut from kv_b."""
+    o_lat = torch.einsum("bthl,blc->bthc", p, kv_lat)
+    _, w_uv = w_kvb.view(H, N + V, C).split([N, V], dim=1)
+    return o_lat, w_uv
+
+
+def uv_gate(p, kv_lat, w_kvb, g):
+    """GatedMLA.forward after the attention."""
+    B, T = p.shape[:2]
+    o_lat, w_uv = _attend(p, kv_lat, w_kvb)
+    o = torch.einsum("bthc,hvc->bthv", o_lat, w_uv).reshape(B, T, H * V)
+    return o * torch.sigmoid(g)
+
+
+def _args(batch, tokens, dtype=torch.bfloat16):
+    gen = torch.Generator().manual_seed(batch * 10 + tokens)
+    return [torch.softmax(torch.randn(batch, tokens, H, L, generator=gen), -1).to(dtype),
+            torch.randn(batch, L, C, generator=gen).to(dtype),
+            (torch.randn(H * (N + V), C, generator=gen) * C**-0.5).to(dtype),
+            torch.randn(batch, tokens, H * V, generator=gen).to(dtype)]
+
+
+@pytest.mark.parametrize("batch,tokens,dtype", [(1, 1, torch.bfloat16), (1, 8, torch.bfloat16),
+                                                (3, 1, torch.bfloat16), (3, 8, torch.bfloat16),
+                                                (1, 1, torch.float32)])
+def test_rewrites(batch, tokens, dtype):
+    args = _args(batch, tokens, dtype)
+    gm, report = rewrite(uv_gate, args, mla_uv_gate.patterns(), joint=True)
+    assert_rewritten_equal(gm, report, uv_gate, args, "k3.mla_uv_gate")
+
+
+def test_two_variants_cover_every_batch_tokens_and_dtype():
+    shipped = mla_uv_gate.patterns()
+    for (b, t), dtype in itertools.product([(1, 1), (1, 3), (2, 1), (2, 3)],
+                                           [torch.bfloat16, torch.float32]):
+        probe = mla_uv_gate._variant(b, t, dtype)
+        assert any(p.expr.pattern_eq(probe.expr) for p in shipped), (b, t, dtype)
+
+
+def test_escaping_ungated_output_is_a_near_miss():
+    def leaky(p, kv_lat, w_kvb, g):
+        B, T = p.shape[:2]
+        o_lat, w_uv = _attend(p, kv_lat, w_kvb)
+        o = torch.einsum("bthc,hvc->bthv", o_lat, w_uv).reshape(B, T, H * V)
+        return o * torch.sigmoid(g), o + 1
+
+    _, report = rewrite(leaky, _args(3, 8), mla_uv_gate.patterns(), joint=True)
+    assert_near_miss(report, "mla_uv_gate", "users")
+
+
+def test_check_refuses_float64():
+    _, report = rewrite(uv_gate, _args(3, 8, torch.float64), mla_uv_gate.patterns(), joint=True)
+    assert_near_miss(report, "mla_uv_gate", "check refused", "float64")
