@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import re
 
+import torch
 import torch.fx as fx
 
 from k3compile.rewrite import module_path
@@ -35,6 +36,9 @@ PLANS: dict[str, dict[str, int]] = {
     "mla_moe": {"attn_res_mix_norm": 2, **_MLA_PLAN, **_MOE_PLAN},
     "last": {"attn_res_mix_norm": 3, **_MLA_PLAN, **_MOE_PLAN},  # K3's last layer is MLA
 }
+
+# a fused op that does the planned op's work and more (the collective variant at W > 1)
+SATISFIES = {"allreduce_attn_res_mix_norm": "attn_res_mix_norm"}
 
 # ATen ops that launch no kernel of their own (views, metadata, getitem of multi-output ops)
 _NO_KERNEL = {"view", "reshape", "_unsafe_view", "permute", "unsqueeze", "squeeze", "expand",
@@ -79,7 +83,13 @@ class ContractReport:
 
 
 def _op_name(node: fx.Node) -> str:
-    return str(node.target).split(".")[-2] if str(node.target).count(".") >= 2 else str(node.target)
+    if not isinstance(node.target, torch._ops.OpOverload):
+        return getattr(node.target, "__name__", str(node.target))  # operator.getitem -> getitem
+    return node.target._opname
+
+
+def _is_final(path: str) -> bool:
+    return path.startswith("language_model.model.norm") or "output_attn_res" in path
 
 
 def _layer_of(node: fx.Node) -> int | None:
@@ -93,7 +103,9 @@ def layer_templates(graph: fx.Graph) -> dict[int, str]:
         layer = _layer_of(node)
         if layer is not None:
             paths[layer].add(module_path(node))
-    last = max(paths, default=-1)
+    # `last` owns the final mix + norm; a bare stack of layers (benchmarks) has none
+    final = any(_is_final(module_path(n)) for n in graph.nodes)
+    last = max(paths, default=-1) if final else -1
     out = {}
     for layer, ps in sorted(paths.items()):
         mla = any(_MLA.search(p) for p in ps)
@@ -114,13 +126,13 @@ def layer_ops(graph: fx.Graph) -> dict[int, tuple[collections.Counter, collectio
             continue
         layer = _layer_of(node)
         if layer is None:
-            path = module_path(node)
-            layer = last if path.startswith("language_model.model.norm") or "output_attn_res" in path else None
+            layer = last if _is_final(module_path(node)) else None
         if layer is None:
             continue
         target = str(node.target)
         if target.startswith("k3."):
-            fused[layer][target.split(".")[1]] += 1
+            op = target.split(".")[1]
+            fused[layer][SATISFIES.get(op, op)] += 1
         else:
             name = _op_name(node)
             if name not in _NO_KERNEL:
