@@ -36,16 +36,25 @@ def _key(weights: list[torch.Tensor]) -> tuple:
     return tuple((w.data_ptr(), _version(w), tuple(w.shape), w.dtype, w.device) for w in weights)
 
 
+def _stale(refs, key, now) -> bool:
+    """An entry is stale when one of its weights is gone (its memory may be reused) or is one of
+    the weights at hand in another version (updated in place since)."""
+    for ref, k in zip(refs, key):
+        w = ref()
+        if w is None or now.get(id(w), k) != k:
+            return True
+    return False
+
+
 def concatenated(weights: list[torch.Tensor]) -> torch.Tensor:
     """torch.cat(weights), built on first use and reused while every weight lives unchanged."""
     key = _key(weights)
     hit = _CACHE.get(key)
     if hit is not None and all(r() is not None for r in hit[0]):
         return hit[1]
-    ids = {id(w) for w in weights}
-    for k in [k for k, (refs, _) in _CACHE.items()
-              if any(r() is None or id(r()) in ids for r in refs)]:
-        del _CACHE[k]  # stale: a weight is gone (its memory may be reused) or was updated
+    now = {id(w): k for w, k in zip(weights, key)}
+    for k in [k for k, (refs, _) in _CACHE.items() if _stale(refs, k, now)]:
+        del _CACHE[k]
     cat = torch.cat(weights)
     _CACHE[key] = (tuple(weakref.ref(w) for w in weights), cat)
     return cat

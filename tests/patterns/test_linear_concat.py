@@ -76,7 +76,9 @@ def test_weights_are_concatenated_once_and_refreshed_when_updated():
     first = linear_op.concatenated(ws)
     torch.ops.k3.linear_concat(x, ws)
     assert linear_op.concatenated(ws) is first and len(linear_op._CACHE) == 1
-    ws[1].mul_(2)  # an in-place update (a weight load) bumps the version
+    pair = linear_op.concatenated(ws[:2])  # a second set sharing weights does not evict the first
+    assert linear_op.concatenated(ws) is first and linear_op.concatenated(ws[:2]) is pair
+    ws[1].mul_(2)  # an in-place update (a weight load) bumps the version: both sets are stale
     y = torch.ops.k3.linear_concat(x, ws)
     assert len(linear_op._CACHE) == 1
     torch.testing.assert_close(y[..., W:2 * W], F.linear(x, ws[1]), rtol=0, atol=0)
