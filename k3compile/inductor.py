@@ -42,6 +42,18 @@ def fwd_only_joint(fn, args, *, get_decomp_fn=None):
     return gm
 
 
+def _register_joint_patterns() -> None:
+    """Inductor registers its joint-graph patterns on first use, per device, under a config patch
+    that cannot nest in a compile's own (torch 2.11): our search graphs (device None) are traced
+    inside a compile, so register them now, at import (~0.4 s)."""
+    from torch._inductor.fx_passes.joint_graph import lazy_init
+
+    lazy_init(None)
+
+
+_register_joint_patterns()
+
+
 def wildcard_strings(expr, names: dict[str, str]) -> None:
     """Replace string literals (sentinels traced in place of e.g. a process group's name) in a
     pattern tree by keyword args, so they match any string and are captured."""

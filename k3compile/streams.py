@@ -118,8 +118,8 @@ def _split_off(graph: fx.Graph, seed: fx.Node, written) -> Branch:
     outs = [n for n in nodes if any(u not in nodes for u in n.users)]
     consumers = [u for n in outs for u in n.users if u not in nodes]
     first = min(consumers, key=_position(graph))
-    with graph.inserting_before(first):
-        join = call(graph, _JOIN, (outs, SIDE), like=outs[-1])
+    with graph.inserting_before(first):  # x_side too: it must live until the main stream waited
+        join = call(graph, _JOIN, ([*outs, x_side], SIDE), like=outs[-1])
         joined = [call(graph, operator.getitem, (join, i), like=outs[-1])
                   for i in range(len(outs))]
     for out, new in zip(outs, joined):

@@ -25,6 +25,7 @@ def _states(model):
 @pytest.fixture(scope="module", params=[1, 8], ids=["decode", "verify8"])
 def run(request):
     T = request.param
+    torch._dynamo.reset()  # no compiled code shared with another module's model
     cfg = get_config("tiny").with_layers(LAYERS)
     eager = build_model(cfg, dtype=torch.bfloat16, max_batch=4, max_seq_len=64)
     model = build_model(cfg, dtype=torch.bfloat16, max_batch=4, max_seq_len=64)

@@ -21,6 +21,7 @@ FORK, JOIN = torch.ops.k3.stream_fork.default, torch.ops.k3.stream_join.default
 
 @pytest.fixture(scope="module")
 def compiled():
+    torch._dynamo.reset()  # no compiled code shared with another module's model
     cfg = get_config("tiny").with_layers(3)  # dense layer 0, two MoE layers
     eager = build_model(cfg, dtype=torch.bfloat16, max_batch=4, max_seq_len=32)
     model = build_model(cfg, dtype=torch.bfloat16, max_batch=4, max_seq_len=32)

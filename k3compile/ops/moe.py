@@ -80,10 +80,22 @@ def _(logits, bias, top_k, scaling):
 # ---- moe_experts --------------------------------------------------------------------------------
 
 
+_E2M1: dict[tuple, torch.Tensor] = {}  # (device, dtype) -> the E2M1 table
+
+
+def e2m1_table(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """The 16 E2M1 values, built once per device and dtype: a CUDA graph cannot capture the
+    host-to-device copy that making it takes."""
+    key = (device, dtype)
+    if key not in _E2M1:
+        _E2M1[key] = mxfp4.e2m1_table(device, dtype)
+    return _E2M1[key]
+
+
 def moe_experts_ref(z, ids, weights, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed,
                     w2_scale, beta: float, linear_beta: float) -> torch.Tensor:
     """W4A16: dequantise the selected experts to z's dtype, bf16 GEMMs, fp32 finalize."""
-    lut = mxfp4.e2m1_table(z.device, z.dtype)
+    lut = e2m1_table(z.device, z.dtype)
     w1 = mxfp4.dequantize(w1_packed[ids], w1_scale[ids], lut)  # [N, k, I, L]
     w3 = mxfp4.dequantize(w3_packed[ids], w3_scale[ids], lut)
     w2 = mxfp4.dequantize(w2_packed[ids], w2_scale[ids], lut)  # [N, k, L, I]

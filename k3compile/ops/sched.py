@@ -6,14 +6,17 @@
 
 Fork and join return their inputs (aliases: no copy), and the branch consumes the forked values and
 the main stream the joined ones, so neither op is dead code and each orders its consumers after
-itself. On a GPU they record an event on one stream and make the other wait on it, and mark the
-tensors as used by the waiting stream (the caching allocator then keeps a block alive until that
-stream is done with it). Which stream runs the nodes in between is the node's
-`meta["k3_stream"]`, honoured by the executor (`k3compile.streams.runner`). On CPU both are
-identities.
+itself. On a GPU they record an event on one stream and make the other wait on it. Which stream
+runs the nodes in between is the node's `meta["k3_stream"]`, honoured by the executor
+(`k3compile.streams.runner`). On CPU both are identities.
+
+Memory: the join also takes the forked tensors, so they live until the main stream has waited for
+the side stream, and no later main-stream allocation can take their blocks while the side stream
+still reads them. (`record_stream` would do the same outside CUDA graphs, but inside a capture the
+event it records at free time is side-stream work after the join, which the capture refuses.)
 
 `prefetch_l2` returns nothing; it is marked side-effecting so dead-code elimination keeps it. On a
-GPU it runs one multi-tensor read over the bytes it names; on CPU it is a no-op.
+GPU it runs a reduction over the bytes it names (one per weight); on CPU it is a no-op.
 """
 
 from __future__ import annotations
@@ -42,25 +45,23 @@ def _cuda_device(xs) -> torch.device | None:
     return next((x.device for x in xs if x.is_cuda), None)
 
 
-def _hand_over(xs, waiting: torch.cuda.Stream, recording: torch.cuda.Stream) -> None:
+def _hand_over(waiting: torch.cuda.Stream, recording: torch.cuda.Stream) -> None:
     event = torch.cuda.Event()
     event.record(recording)
     waiting.wait_event(event)
-    for x in xs:
-        x.record_stream(waiting)
 
 
 def _fork(xs: list[torch.Tensor], stream_id: int) -> list[torch.Tensor]:
     device = _cuda_device(xs)
     if device is not None:
-        _hand_over(xs, side_stream(device, stream_id), torch.cuda.current_stream(device))
+        _hand_over(side_stream(device, stream_id), torch.cuda.current_stream(device))
     return [x.view_as(x) for x in xs]
 
 
 def _join(xs: list[torch.Tensor], stream_id: int) -> list[torch.Tensor]:
     device = _cuda_device(xs)
     if device is not None:
-        _hand_over(xs, torch.cuda.current_stream(device), side_stream(device, stream_id))
+        _hand_over(torch.cuda.current_stream(device), side_stream(device, stream_id))
     return [x.view_as(x) for x in xs]
 
 
@@ -87,7 +88,8 @@ def prefetch_l2(weights: list[torch.Tensor], nbytes: int) -> None:
         take = min(flat.numel(), -(-left // flat.element_size()))
         parts.append(flat[:take])
         left -= take * flat.element_size()
-    torch._foreach_max(parts)  # one multi-tensor launch that reads every byte it is given
+    for part in parts:  # a full-bandwidth reduction reads every byte; the scalar is dropped
+        torch.amax(part)
 
 
 @prefetch_l2.register_fake
