@@ -48,13 +48,14 @@ def _variant(n_blocks: int, with_prefix: bool, dtype: torch.dtype = torch.bfloat
         if with_prefix:
             prefix_out, x = torch.ops.k3.attn_res_mix_norm(prefix, a, blks, wmn, wmp, wn, me, ne)
             return x, prefix_out
-        return torch.ops.k3.attn_res_mix_norm(a, None, blks, wmn, wmp, wn, me, ne)[1]
+        # a block starts: `a` is also the next prefix, so it is an output (it has other users)
+        return torch.ops.k3.attn_res_mix_norm(a, None, blks, wmn, wmp, wn, me, ne)[1], a
 
     def replace(*args):
         partial, prefix, blks, wmn, wmp, wn, me, ne, group = split(args)
         prefix_out, x = torch.ops.k3.allreduce_attn_res_mix_norm(partial, prefix, blks, wmn, wmp,
                                                                  wn, me, ne, group)
-        return (x, prefix_out) if with_prefix else x
+        return x, prefix_out
 
     def example_inputs():
         act = [torch.randn(SHAPE, dtype=dtype) for _ in range(1 + np_ + n_blocks)]
