@@ -54,6 +54,7 @@ class _Input:
     batched: bool  # dim 0 is the batch
     symint: bool  # a SymInt placeholder (its value is a size)
     expr: Any = None  # the SymInt's sympy expression
+    user: bool = False  # a tensor the caller passes anew each step (copied in on graph replay)
 
 
 class _Bucket:
@@ -98,7 +99,8 @@ class K3Compiled:
             if isinstance(ex, torch.SymInt):
                 out.append(_Input(i, node.name, False, True, ex.node.expr))
             else:
-                out.append(_Input(i, node.name, False, False))
+                user = isinstance(ex, torch.Tensor) and not _is_module_state(node.name)
+                out.append(_Input(i, node.name, False, False, user=user))
         return out
 
     def _user_tensors(self):
@@ -229,19 +231,16 @@ class K3Compiled:
 
     def _capture(self, entry: _Bucket, args: list):
         """Record the step once; replays reuse these input/output buffers."""
-        entry.static_in = [a.clone() if self._is_batched(i) else a for i, a in enumerate(args)]
+        entry.static_in = [a.clone() if self.inputs[i].user else a for i, a in enumerate(args)]
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             entry.static_out = entry.fn(*entry.static_in)
         entry.graph = graph
 
-    def _is_batched(self, i: int) -> bool:
-        return self.inputs[i].batched
-
     def _replay(self, entry: _Bucket, args: list):
         for i, (static, a) in enumerate(zip(entry.static_in, args)):
-            if self.inputs[i].batched:
+            if self.inputs[i].user:
                 static.copy_(a)
             elif isinstance(a, torch.Tensor) and a is not static and a.data_ptr() != static.data_ptr():
                 raise RuntimeError(f"k3: input {self.inputs[i].name} moved since CUDA-graph capture")
