@@ -147,11 +147,15 @@ class RewriteReport:
 
 
 def _cone_ops(node: fx.Node, limit: int) -> collections.Counter:
-    seen, todo, ops = {node}, [node], collections.Counter()
-    while todo and len(seen) < limit:
-        n = todo.pop()
+    """The ops of `node`'s input cone, nearest first, up to `limit` ops. Breadth first and counting
+    ops only: depth first, or counting the site's inputs (weights, state buffers), the cut went up
+    one operand's chain into the rest of the model before it reached the site's other ops."""
+    seen, todo, ops, n_ops = {node}, collections.deque([node]), collections.Counter(), 0
+    while todo and n_ops < limit:
+        n = todo.popleft()
         if n.op == "call_function":
             ops[_opname(n)] += 1
+            n_ops += 1
         for a in n.all_input_nodes:
             if a not in seen:
                 seen.add(a)
@@ -163,7 +167,7 @@ def _resembles(pattern: Pattern, node: fx.Node) -> bool:
     """A site resembles a pattern when the node's input cone, cut at the pattern's size, holds
     every distinctive op and most of the pattern's ops."""
     want = pattern.op_signature
-    have = _cone_ops(node, sum(want.values()) + 8)
+    have = _cone_ops(node, 2 * sum(want.values()) + 8)
     if any(have[k] < want[k] for k in pattern.distinctive):
         return False
     covered = sum(min(v, have[k]) for k, v in want.items())
@@ -229,6 +233,8 @@ def _random_like(val: Any, gen: torch.Generator) -> Any:
     shape = [int(d) for d in val.shape]
     if val.dtype.is_floating_point:
         return torch.randn(shape, generator=gen).to(val.dtype)
+    if len(shape) == 1 and val.dtype == torch.int64:  # slots / positions: distinct rows
+        return torch.arange(shape[0])
     return torch.zeros(shape, dtype=val.dtype)
 
 
