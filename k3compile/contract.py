@@ -23,22 +23,26 @@ log = logging.getLogger("k3compile")
 _MOE_PLAN = {"moe_front": 1, "moe_route": 1, "moe_experts": 1, "norm_linear": 1,
              "situ_gate_up": 1}  # + the shared down GEMM, left to Inductor/cuBLAS
 
-# Attention half (spec §5.2 rows 2-4): fused in-proj GEMM (+ f_b / q_b GEMMs, g_proj and o_proj
-# left to Inductor/cuBLAS), the recurrent step or the MLA chain.
+# Attention half (spec §5.2 rows 2-4): fused in-proj GEMM (+ f_b / q_b GEMMs and g_proj left to
+# Inductor/cuBLAS), the recurrent step or the MLA chain.
 _KDA_PLAN = {"linear_concat": 1, "kda_decode": 1}
 _MLA_PLAN = {"linear_concat": 1, "mla_lowrank_norm": 1, "mla_q_absorb": 1, "mla_decode": 1,
              "mla_uv_gate": 1}
 
+# the post-attention mix takes o_proj in its prologue (spec §5.2 rows 5-6)
+_POST = {"oproj_attn_res_mix_norm": 1}
+
 PLANS: dict[str, dict[str, int]] = {
     # layer 0's pre-attention mix has no source: plain norm
-    "dense": {"rms_norm": 1, **_KDA_PLAN, "attn_res_mix_norm": 1, "situ_gate_up": 1},
-    "kda_moe": {"attn_res_mix_norm": 2, **_KDA_PLAN, **_MOE_PLAN},
-    "mla_moe": {"attn_res_mix_norm": 2, **_MLA_PLAN, **_MOE_PLAN},
-    "last": {"attn_res_mix_norm": 3, **_MLA_PLAN, **_MOE_PLAN},  # K3's last layer is MLA
+    "dense": {"rms_norm": 1, **_KDA_PLAN, **_POST, "situ_gate_up": 1},
+    "kda_moe": {"attn_res_mix_norm": 1, **_KDA_PLAN, **_POST, **_MOE_PLAN},
+    "mla_moe": {"attn_res_mix_norm": 1, **_MLA_PLAN, **_POST, **_MOE_PLAN},
+    "last": {"attn_res_mix_norm": 2, **_MLA_PLAN, **_POST, **_MOE_PLAN},  # K3's last layer is MLA
 }
 
-# a fused op that does the planned op's work and more (the collective variant at W > 1)
-SATISFIES = {"allreduce_attn_res_mix_norm": "attn_res_mix_norm"}
+# a fused op that takes the planned op's place: at W > 1 the collective variant is the
+# post-attention mix (o_proj stays a GEMM before it, spec §5.2 row 5's GEMM + all-reduce)
+SATISFIES = {"allreduce_attn_res_mix_norm": "oproj_attn_res_mix_norm"}
 
 # ATen ops that launch no kernel of their own (views, metadata, getitem of multi-output ops)
 _NO_KERNEL = {"view", "reshape", "_unsafe_view", "permute", "unsqueeze", "squeeze", "expand",

@@ -15,6 +15,7 @@ ORDER = (
     "mla_uv_gate",
     "attn_res_mix_norm",
     "allreduce_attn_res_mix_norm",  # consumes attn_res_mix_norm's op where a collective feeds it
+    "oproj_attn_res_mix_norm",  # consumes attn_res_mix_norm's op where o_proj feeds it (W = 1)
     "moe_experts",
     "moe_front",
     "moe_route",  # after moe_front: its logits come from the fused front

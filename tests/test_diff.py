@@ -91,7 +91,7 @@ def test_layers_fold_into_templates(broken):
     assert 4 not in dev
     rep = bucket.layers[4]
     assert rep.kernels_after < rep.kernels_before
-    assert rep.fused["attn_res_mix_norm"] == 2
+    assert rep.fused["attn_res_mix_norm"] == rep.fused["oproj_attn_res_mix_norm"] == 1
 
 
 def test_escaping_intermediate_is_a_near_miss(broken):

@@ -1,5 +1,5 @@
 """Attention-Residual depth mix + RMSNorm, pre- and post-attention forms, and the post-attention
-form fused with the attention output's all-reduce (spec §2).
+form fused with the attention output's all-reduce (spec §2) or, at world size 1, with o_proj.
 
     prefix_out = prefix + delta            (no delta: prefix_out = prefix, a block just started)
     h          = Mix(prefix_out, blocks)   (identity when there are no completed blocks)
@@ -67,3 +67,26 @@ def allreduce_attn_res_mix_norm(
 def _(partial, prefix, blocks, mix_norm_weight, mix_proj_weight, norm_weight, mix_eps, norm_eps,
       group_name):
     return torch.empty_like(partial), torch.empty_like(partial)
+
+
+@torch.library.custom_op("k3::oproj_attn_res_mix_norm", mutates_args=())
+def oproj_attn_res_mix_norm(
+    o: torch.Tensor, o_proj_weight: torch.Tensor, prefix: torch.Tensor | None,
+    blocks: list[torch.Tensor], mix_norm_weight: torch.Tensor, mix_proj_weight: torch.Tensor,
+    norm_weight: torch.Tensor, mix_eps: float, norm_eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """a = o · W_oᵀ (world size 1: no collective after o_proj); prefix_out = prefix + a (or a,
+    where a block starts); mix; norm. The GEMM is the kernel's prologue."""
+    a = torch.nn.functional.linear(o, o_proj_weight)
+    if prefix is None:
+        return attn_res_mix_norm_ref(a, None, blocks, mix_norm_weight, mix_proj_weight,
+                                     norm_weight, mix_eps, norm_eps)
+    return attn_res_mix_norm_ref(prefix, a, blocks, mix_norm_weight, mix_proj_weight,
+                                 norm_weight, mix_eps, norm_eps)
+
+
+@oproj_attn_res_mix_norm.register_fake
+def _(o, o_proj_weight, prefix, blocks, mix_norm_weight, mix_proj_weight, norm_weight, mix_eps,
+      norm_eps):
+    shape = (*o.shape[:-1], o_proj_weight.shape[0])
+    return o.new_empty(shape), o.new_empty(shape)

@@ -1,0 +1,85 @@
+"""The attention's o_proj GEMM fused into the post-attention depth mix + RMSNorm ->
+`k3.oproj_attn_res_mix_norm` (world size 1).
+
+Runs after `attn_res_mix_norm` and matches its op fed by `F.linear(o, W_o)` (the prefix add
+`prefix + a`, or `a` itself where a block starts: then `a` is also the next prefix, an output).
+One kernel then does the GEMM in its prologue, the prefix update, the mix and the norm. At world
+size > 1 an all-reduce sits between o_proj and the mix: `allreduce_attn_res_mix_norm` takes it.
+
+Before: a = view(mm(view(o), permute(W_o))); p, x = k3.attn_res_mix_norm(prefix, a, ..)
+After:  p, x = k3.oproj_attn_res_mix_norm(o, W_o, prefix, [blocks], ...)
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.nn.functional as F
+from k3compile.patterns.attn_res_mix_norm import DTYPES, MAX_BLOCKS, SHAPE
+
+from k3compile.rewrite import Pattern, module_path, tensor_meta, with_signature
+
+
+def check(match) -> str | None:
+    # the dense MLP's down-projection also feeds a mix (the next layer's, as its delta): it is
+    # the MLP's GEMM, not this fusion's (where the graph names the module)
+    gemm = next((n for n in match.nodes if n.target is torch.ops.aten.mm.default), None)
+    where = module_path(gemm) if gemm is not None else ""
+    if where and not where.endswith("o_proj"):
+        return f"the GEMM is {where}, not the attention's o_proj"
+    o, w = tensor_meta(match.kwargs["o"]), tensor_meta(match.kwargs["o_proj_weight"])
+    if o is None or w is None:
+        return "o or W_o has no tensor metadata"
+    if w.dim() != 2 or w.shape[1] != o.shape[-1]:
+        return f"W_o {list(w.shape)} does not take o's width {o.shape[-1]}"
+    if w.dtype != o.dtype:
+        return f"W_o {w.dtype} != o {o.dtype}"
+    if o.shape[-1] % 8 or w.shape[0] % 8:
+        return f"widths {o.shape[-1]} -> {w.shape[0]} are not multiples of 8 (16-byte rows)"
+    return None
+
+
+def _variant(n_blocks: int, with_prefix: bool, dtype: torch.dtype = torch.bfloat16) -> Pattern:
+    blocks = [f"block{i}" for i in range(n_blocks)]
+    names = ["o", "o_proj_weight", *(["prefix"] if with_prefix else []), *blocks,
+             "w_mix_norm", "w_mix_proj", "w_norm", "mix_eps", "norm_eps"]
+    np_ = 1 if with_prefix else 0
+
+    def split(args):
+        prefix = args[2] if with_prefix else None
+        return (args[0], args[1], prefix, list(args[2 + np_:2 + np_ + n_blocks]),
+                *args[2 + np_ + n_blocks:])
+
+    def search(*args):
+        o, w_o, prefix, blks, wmn, wmp, wn, me, ne = split(args)
+        a = F.linear(o, w_o)
+        if with_prefix:
+            prefix_out, x = torch.ops.k3.attn_res_mix_norm(prefix, a, blks, wmn, wmp, wn, me, ne)
+            return x, prefix_out
+        return torch.ops.k3.attn_res_mix_norm(a, None, blks, wmn, wmp, wn, me, ne)[1], a
+
+    def replace(*args):
+        prefix_out, x = torch.ops.k3.oproj_attn_res_mix_norm(*split(args))
+        return x, prefix_out
+
+    def example_inputs():
+        d = SHAPE[-1]
+        act = [torch.randn(SHAPE, dtype=dtype), torch.randn(d, d, dtype=dtype)]
+        act += [torch.randn(SHAPE, dtype=dtype) for _ in range(np_ + n_blocks)]
+        w = [torch.randn(d, dtype=dtype), torch.randn(1, d, dtype=dtype), torch.randn(d, dtype=dtype)]
+        return [*act, *w, 1.1e-5, 1.3e-5]
+
+    return Pattern(
+        name=f"oproj_attn_res_mix_norm[blocks={n_blocks},{'prefix' if with_prefix else 'new_block'}"
+             f"{'' if dtype == torch.bfloat16 else ',' + str(dtype).split('.')[-1]}]",
+        search=with_signature(search, names), replace=with_signature(replace, names),
+        example_inputs=example_inputs, op="k3.oproj_attn_res_mix_norm", check=check,
+        scalars={"mix_eps": 1.1e-5, "norm_eps": 1.3e-5}, fake_trace=True,
+        distinctive=("mm", "attn_res_mix_norm"),
+    )
+
+
+def patterns() -> list[Pattern]:
+    return [_variant(n, p, t) for t, n, p in
+            itertools.product(DTYPES, range(MAX_BLOCKS, 0, -1), (True, False))]

@@ -1,0 +1,59 @@
+"""oproj_attn_res_mix_norm: the attention's o_proj GEMM folded into the post-attention depth mix +
+RMSNorm op (world size 1), with the prefix add and where a block starts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from k3compile.patterns import oproj_attn_res_mix_norm
+
+from .pattern_checks import assert_near_miss, assert_rewritten_equal, rewrite
+
+D, EPS = 64, 1e-5
+
+
+def _inputs(width=D, dtype=torch.bfloat16, n_blocks=2):
+    g = torch.Generator().manual_seed(0)
+    rnd = lambda *s: torch.randn(*s, generator=g).to(dtype)
+    o, w_o = rnd(3, 1, width), (torch.randn(D, width, generator=g) / width**0.5).to(dtype)
+    acts = [rnd(3, 1, D) for _ in range(1 + n_blocks)]  # prefix, blocks
+    weights = [(1 + 0.1 * torch.randn(D, generator=g)).to(dtype), rnd(1, D),
+               (1 + 0.1 * torch.randn(D, generator=g)).to(dtype)]
+    return [o, w_o, *acts, *weights]
+
+
+def post_mix(o, w_o, prefix, b0, b1, wmn, wmp, wn):  # the graph after attn_res_mix_norm
+    a = F.linear(o, w_o)
+    prefix_out, x = torch.ops.k3.attn_res_mix_norm(prefix, a, [b0, b1], wmn, wmp, wn, EPS, EPS)
+    return x, prefix_out
+
+
+def new_block(o, w_o, prefix, b0, b1, wmn, wmp, wn):  # a block starts: a is the next prefix
+    a = F.linear(o, w_o)
+    x = torch.ops.k3.attn_res_mix_norm(a, None, [b0, b1], wmn, wmp, wn, EPS, EPS)[1]
+    return x, a * 2
+
+
+@pytest.mark.parametrize("fn", [post_mix, new_block])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rewrites_and_equals_eager(fn, dtype):
+    args = _inputs(dtype=dtype)
+    gm, report = rewrite(fn, args, oproj_attn_res_mix_norm.patterns())
+    assert_rewritten_equal(gm, report, fn, args, "k3.oproj_attn_res_mix_norm")
+    assert not any("mm" in str(n.target) for n in gm.graph.nodes)
+
+
+def test_escaping_projection_is_a_near_miss():
+    def escaped(o, w_o, prefix, b0, b1, wmn, wmp, wn):
+        a = F.linear(o, w_o)  # also returned: the GEMM's output escapes the fusion
+        p, x = torch.ops.k3.attn_res_mix_norm(prefix, a, [b0, b1], wmn, wmp, wn, EPS, EPS)
+        return x, p, a
+
+    _, report = rewrite(escaped, _inputs(), oproj_attn_res_mix_norm.patterns())
+    assert_near_miss(report, "oproj_attn_res_mix_norm", "user")
+
+
+def test_check_refuses_unaligned_width():
+    _, report = rewrite(post_mix, _inputs(width=60), oproj_attn_res_mix_norm.patterns())
+    assert_near_miss(report, "oproj_attn_res_mix_norm", "check refused", "multiples of 8")
