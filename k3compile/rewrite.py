@@ -147,15 +147,11 @@ class RewriteReport:
 
 
 def _cone_ops(node: fx.Node, limit: int) -> collections.Counter:
-    """The ops of `node`'s input cone, nearest first, up to `limit` ops. Breadth first and counting
-    ops only: depth first, or counting the site's inputs (weights, state buffers), the cut went up
-    one operand's chain into the rest of the model before it reached the site's other ops."""
-    seen, todo, ops, n_ops = {node}, collections.deque([node]), collections.Counter(), 0
-    while todo and n_ops < limit:
-        n = todo.popleft()
+    seen, todo, ops = {node}, [node], collections.Counter()
+    while todo and len(seen) < limit:
+        n = todo.pop()
         if n.op == "call_function":
             ops[_opname(n)] += 1
-            n_ops += 1
         for a in n.all_input_nodes:
             if a not in seen:
                 seen.add(a)
@@ -167,7 +163,7 @@ def _resembles(pattern: Pattern, node: fx.Node) -> bool:
     """A site resembles a pattern when the node's input cone, cut at the pattern's size, holds
     every distinctive op and most of the pattern's ops."""
     want = pattern.op_signature
-    have = _cone_ops(node, 2 * sum(want.values()) + 8)
+    have = _cone_ops(node, sum(want.values()) + 8)
     if any(have[k] < want[k] for k in pattern.distinctive):
         return False
     covered = sum(min(v, have[k]) for k, v in want.items())
