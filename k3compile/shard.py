@@ -7,7 +7,7 @@ rows and the ranks exchange only the small results:
 
     logits_r, z_r = k3.moe_front(x, W_router[r], W_down[r])     W[r]: rows r·n/W .. (r+1)·n/W
     logits, z     = all_gather(pack(logits_r, z_r))             one collective, [N, E/W + L/W]
-    y_r = k3.norm_linear(u, w_norm, W_up[r], eps);  y = all_gather(y_r)
+    y_r = k3.norm_linear(u, w_norm, W_up[r], eps);  y = all_gather(y_r)  (+ its residual, after)
 
 A row block of a row-major [out, in] weight is contiguous, so W[r] is a view: the rank's slice is
 cut once (in the graph, not per step: a view costs no kernel) and its GEMM reads only those bytes.
@@ -113,7 +113,7 @@ def _shard_front(graph, node, group, rank, world) -> str | None:
 
 
 def _shard_up(graph, node, group, rank, world) -> str | None:
-    u, norm_w, w, eps = node.args
+    u, norm_w, w, eps, *residual = node.args
     out = w.meta["val"].shape[0]
     if out % world:
         return f"output width {out} does not split over {world} ranks"
@@ -121,6 +121,8 @@ def _shard_up(graph, node, group, rank, world) -> str | None:
         y_r = call(graph, _UP, (u, norm_w, _rows(graph, w, rank, world, node), eps), like=node)
         y_r.meta["k3_shard"] = f"rows {rank}/{world}"
         (y,) = _gather_columns(graph, [y_r], group, world, node)
+        if residual and residual[0] is not None:  # the epilogue's add needs the gathered rows
+            y = call(graph, aten.add.Tensor, (y, residual[0]), like=node)
     node.replace_all_uses_with(y)
     return None
 

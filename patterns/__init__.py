@@ -21,6 +21,7 @@ ORDER = (
     "moe_route",  # after moe_front: its logits come from the fused front
     "situ_gate_up",
     "norm_linear",
+    "norm_linear_residual",  # consumes norm_linear's op where the shared experts' output is added
     "rms_norm",  # last: every larger fusion above ends in or holds an RMSNorm
 )
 

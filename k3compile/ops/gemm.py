@@ -1,6 +1,7 @@
 """GEMMs with a fused prologue or epilogue: RMSNorm → GEMM, and the SiTU-GLU gate/up GEMM.
 
-    norm_linear:   y = RMSNorm(u; w_norm, eps) · Wᵀ                 (routed latent norm + up-proj)
+    norm_linear:   y = RMSNorm(u; w_norm, eps) · Wᵀ [+ r]           (routed latent norm + up-proj
+                                                                     [+ the shared experts' r])
     situ_gate_up:  a = SiTU(x·W_gᵀ, x·W_uᵀ)                         (shared experts, dense MLP)
     SiTU(g, u) = β·tanh(g/β)·sigmoid(g) · β₂·tanh(u/β₂), fp32 math, cast to the GEMM dtype
 
@@ -29,8 +30,10 @@ def situ_ref(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: flo
 # ---- norm_linear --------------------------------------------------------------------------------
 
 
-def norm_linear_ref(u: torch.Tensor, norm_w: torch.Tensor, w: torch.Tensor, eps: float):
-    return F.linear(rms_norm_ref(u, norm_w, eps), w)
+def norm_linear_ref(u: torch.Tensor, norm_w: torch.Tensor, w: torch.Tensor, eps: float,
+                    residual: torch.Tensor | None = None):
+    y = F.linear(rms_norm_ref(u, norm_w, eps), w)
+    return y if residual is None else y + residual
 
 
 def norm_linear_refusal(u, norm_w, w) -> str | None:
@@ -47,14 +50,15 @@ def norm_linear_refusal(u, norm_w, w) -> str | None:
 
 
 @torch.library.custom_op("k3::norm_linear", mutates_args=())
-def norm_linear(u: torch.Tensor, norm_w: torch.Tensor, w: torch.Tensor, eps: float
-                ) -> torch.Tensor:
-    """u [N, L] -> RMSNorm(u) · wᵀ [N, O]."""
-    return norm_linear_ref(u, norm_w, w, eps)
+def norm_linear(u: torch.Tensor, norm_w: torch.Tensor, w: torch.Tensor, eps: float,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+    """u [N, L] -> RMSNorm(u) · wᵀ [N, O] (+ residual [N, O] in the epilogue: the MoE's shared
+    experts' output, added to the routed one)."""
+    return norm_linear_ref(u, norm_w, w, eps, residual)
 
 
 @norm_linear.register_fake
-def _(u, norm_w, w, eps):
+def _(u, norm_w, w, eps, residual=None):
     return u.new_empty((*u.shape[:-1], w.shape[0]))
 
 
