@@ -83,8 +83,18 @@ class Observer:
 
 def normalize(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
     gm.graph.eliminate_dead_code()
+    _scalar_adds_as_tensor_adds(gm.graph)
     gm.recompile()
     return gm
+
+
+def _scalar_adds_as_tensor_adds(graph: fx.Graph) -> None:
+    """`add.Scalar(x, c)` (F.rms_norm's decomposition adds its eps so) as `add.Tensor(x, c)`, the
+    form `h + eps` traces to and the patterns search for; the same op for a float constant."""
+    for node in graph.nodes:
+        if (node.target is torch.ops.aten.add.Scalar and len(node.args) == 2 and not node.kwargs
+                and isinstance(node.args[1], float)):
+            node.target = torch.ops.aten.add.Tensor
 
 
 def fuse(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
