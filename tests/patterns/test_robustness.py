@@ -1,0 +1,206 @@
+"""Robustness of the fused plan to how the model is spelled (issue 4), on the tiny K3 in fp32.
+
+`tests/models/k3_variant.py` writes the same K3 math with other torch idioms over the same state
+dict. Three models are compiled under backend="k3" (executor aten, one static bucket, batch 2):
+the reference, the variant with every spelling that keeps the plan, and the variant with every
+spelling that does not. Each compiled variant equals its own eager copy (logits and states); the
+first holds, layer by layer, exactly the reference's k3 ops; the second loses only the ops of the
+known gaps, and where it loses one the near misses should say which node failed.
+
+Same plan: `reshape` (reshape of a contiguous tensor is the same `view`), `situ_beta_last`
+(`x * beta` and `beta * x` trace to one ATen call), `topk_method` (method calls, `torch.gather`,
+`.add(1e-20)`, `scaling * w`: the same ATen ops), `rms_builtin` (F.rms_norm decomposes to the
+manual form but adds eps with `add.Scalar`, which the `normalize` stage rewrites to the
+`add.Tensor` that `h + eps` traces to), and `delta_first` but for one op: the swapped prefix add
+still matches attn_res_mix_norm (the pattern binds its two operands in swapped roles; the sum is
+the same), but `oproj_attn_res_mix_norm` then finds o_proj in the prefix role, not the delta
+role, and the mix stays an attn_res_mix_norm at the layers that do not start a block (xfail).
+
+Known gaps (each spelling compiled alone; the patterns match operands positionally, so a swapped
+product of two tensors is another graph):
+* `rms_weight_last` (`h * weight`): every RMSNorm-holding pattern, i.e. rms_norm, norm_linear,
+  attn_res_mix_norm (and oproj_attn_res_mix_norm), kda_decode (o_norm), mla_lowrank_norm and with
+  it linear_concat[mla] (which consumes mla_lowrank_norm's op).
+* `gate_first` (`sigmoid(g) * o`): kda_decode, mla_uv_gate.
+* `silu_written_out` (`conv * sigmoid(conv)`; the search graph's F.silu decomposes to
+  `x / (1 + exp(-x))`): kda_decode.
+* `mix_alpha_last` (`sources * alpha`): attn_res_mix_norm.
+* `situ_lin_first` (`lin * act`): situ_gate_up, moe_experts, and so the shared-expert side
+  stream (stream_fork/join) and its prefetch_l2, which key on the fused shared branch.
+* `bias_first` (`bias + scores`) and `topk_sort` (`sort(...)[1][..., :k]`): moe_route.
+
+Diagnostics: at every layer that loses rms_norm, norm_linear, attn_res_mix_norm or
+mla_lowrank_norm a near miss names the failing node. Short of that (xfail): kda_decode,
+mla_uv_gate, situ_gate_up and moe_experts record no near miss at some layer that lost them (the
+resemblance test cuts the anchor's input cone depth first at the pattern's size, and the cut runs
+up one operand into the rest of the model; a breadth-first cut diagnoses mla_uv_gate and
+situ_gate_up and reports far fewer spurious misses, but loses other near misses the pattern tests
+rely on), and moe_route's reads "repeated pattern differs", which names no node.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import re
+
+import pytest
+import torch
+
+import k3compile.backend as k3be
+from k3compile.models import build_model, get_config
+from tests.conftest import TOL, rel_err
+from tests.models.k3_variant import SPELLINGS, to_variant
+
+from .attention_checks import one_thread  # noqa: F401
+
+# Every template (dense, kda_moe, mla_moe, last) in 4 layers, as in test_attention_plan
+CFG = dataclasses.replace(get_config("tiny"), num_hidden_layers=4, full_attn_layers=(2, 3))
+SAME_PLAN = frozenset({"reshape", "delta_first", "situ_beta_last", "topk_method", "rms_builtin"})
+# delta_first (`a + prefix`) makes attn_res_mix_norm bind the new prefix and the attention output
+# in swapped roles (the same sum); oproj_attn_res_mix_norm then finds no o_proj in the delta role
+# and the mix stays an attn_res_mix_norm
+ROLE_SWAP = {"oproj_attn_res_mix_norm": "attn_res_mix_norm"}
+GAPS = SPELLINGS - SAME_PLAN - {"topk_sort"}  # topk_sort: the same gap as bias_first
+# the k3 ops the gap spellings cost (see the docstring), and ops placed around fused ones
+GAP_OPS = {"rms_norm", "norm_linear", "attn_res_mix_norm", "oproj_attn_res_mix_norm",
+           "kda_decode", "mla_lowrank_norm", "linear_concat", "mla_uv_gate", "situ_gate_up",
+           "moe_experts", "moe_route", "stream_fork", "stream_join", "prefetch_l2"}
+DIAGNOSED = ("rms_norm", "norm_linear", "attn_res_mix_norm", "mla_lowrank_norm")
+UNDIAGNOSED = ("kda_decode", "mla_uv_gate", "situ_gate_up", "moe_experts", "moe_route")
+STEPS = 2
+_LAYER = re.compile(r"layers\.(\d+)\.")
+
+
+def _states(model):
+    return {n: b.clone() for n, b in model.named_buffers() if b.dim() >= 3 and b.dtype != torch.uint8}
+
+
+def _run(spellings):
+    """Compile (one static bucket) and step a model with the given spellings (None: the
+    reference) against its eager copy; returns (worst logits error, state errors, compiled)."""
+    torch._dynamo.reset()
+    models = [build_model(CFG, dtype=torch.float32, max_batch=4, max_seq_len=64) for _ in range(2)]
+    if spellings is not None:
+        models = [to_variant(m, spellings) for m in models]
+    model, eager = models
+    step = torch.compile(model, backend="k3", fullgraph=True,
+                         options={"executor": "aten", "keep_graphs": False})
+    gen = torch.Generator().manual_seed(0)
+    pos, slots, err = torch.tensor([0, 5]), torch.tensor([2, 0]), 0.0
+    for _ in range(STEPS):
+        ids = torch.randint(0, CFG.vocab_size, (2,), generator=gen)
+        err = max(err, rel_err(step(ids, pos, slots), eager(ids, pos, slots)))
+        pos = pos + 1
+    want, got = _states(eager), _states(model)
+    return err, {n: rel_err(got[n], want[n]) for n in want}, k3be.last_compiled()
+
+
+def _per_layer(compiled):
+    (report,) = compiled.contracts.values()
+    return {lr.layer: lr.actual for lr in report.layers}
+
+
+def _near_misses(compiled):
+    (report,) = compiled.observer.reports.values()
+    return report.near_misses
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return _per_layer(_run(None)[2])
+
+
+@pytest.fixture(scope="module")
+def same_plan():
+    return _run(SAME_PLAN)
+
+
+@pytest.fixture(scope="module")
+def gaps():
+    return _run(GAPS)
+
+
+def test_variant_loads_the_reference_state_dict():
+    ref = build_model(CFG, dtype=torch.float32, max_batch=2, max_seq_len=8, seed=1)
+    var = to_variant(build_model(CFG, dtype=torch.float32, max_batch=2, max_seq_len=8))
+    want = {n: t.shape for n, t in ref.state_dict().items()}
+    assert {n: t.shape for n, t in var.state_dict().items()} == want
+    var.load_state_dict(ref.state_dict(), strict=True)
+
+
+@pytest.mark.parametrize("run", ["same_plan", "gaps"])
+def test_variant_equals_its_eager(run, request):
+    err, state_err, _ = request.getfixturevalue(run)
+    assert err <= TOL["aten_cpu"], err
+    assert len(state_err) == 6  # KDA conv + recurrent state of layers 0, 1; MLA cache of 2, 3
+    for name, e in state_err.items():
+        assert e <= TOL["aten_cpu"], (name, e)
+
+
+def test_same_plan_spellings_give_the_reference_ops(reference, same_plan):
+    got = _per_layer(same_plan[2])
+    assert set(got) == set(reference)
+    for layer, want in reference.items():
+        # the one known difference: delta_first's swapped prefix add (see ROLE_SWAP)
+        lost, gained = want - got[layer], got[layer] - want
+        swapped = collections.Counter({ROLE_SWAP[op]: n for op, n in lost.items() if op in ROLE_SWAP})
+        assert set(lost) <= set(ROLE_SWAP) and gained == swapped, (layer, dict(lost), dict(gained))
+
+
+@pytest.mark.xfail(strict=True, reason="delta_first: oproj_attn_res_mix_norm matches o_proj in "
+                   "the mix's delta role only, and no near miss says so")
+def test_swapped_prefix_add_keeps_the_oproj_fusion(reference, same_plan):
+    got = _per_layer(same_plan[2])
+    for layer, want in reference.items():
+        assert got[layer] == want, (layer, dict(want - got[layer]), dict(got[layer] - want))
+
+
+def _lost(reference, gaps):
+    got = _per_layer(gaps[2])
+    return {layer: reference[layer] - got[layer] for layer in reference}
+
+
+def test_gap_spellings_lose_only_the_known_ops(reference, gaps):
+    got = _per_layer(gaps[2])
+    for layer, lost in _lost(reference, gaps).items():
+        assert lost, f"layer {layer}: the gap spellings lost nothing (fixed? move them)"
+        assert set(lost) <= GAP_OPS, (layer, dict(lost))
+        assert not got[layer] - reference[layer] - collections.Counter(
+            {"rms_norm": 99, "stream_fork": 1, "stream_join": 1, "prefetch_l2": 1}), (
+            layer, dict(got[layer] - reference[layer]))  # a lost fusion may leave a plain norm
+
+
+def _layer_of(module: str, last: int) -> int | None:
+    m = _LAYER.search(module + ".")
+    if m:
+        return int(m.group(1))
+    return last if module.startswith("language_model.model.") else None
+
+
+def _named_misses(reference, gaps, pattern):
+    """layer -> near misses of `pattern` there whose reason names the node that failed."""
+    last = max(reference)
+    out = collections.defaultdict(list)
+    for nm in _near_misses(gaps[2]):
+        if nm.pattern.split("[")[0] == pattern and re.search(r"node=|\(\w+ \w+\[", nm.reason):
+            out[_layer_of(nm.module, last)].append(nm)
+    return out
+
+
+@pytest.mark.parametrize("pattern", DIAGNOSED)
+def test_lost_fusions_are_near_misses_naming_the_node(reference, gaps, pattern):
+    named = _named_misses(reference, gaps, pattern)
+    layers = [layer for layer, lost in _lost(reference, gaps).items() if lost[pattern]]
+    assert layers, f"{pattern} is not lost by the gap spellings"
+    for layer in layers:
+        assert named.get(layer), (pattern, layer, [nm for nm in _near_misses(gaps[2])
+                                                   if nm.pattern.startswith(pattern)][:3])
+
+
+@pytest.mark.xfail(strict=True, reason="no near miss at some layer that lost the op (the "
+                   "depth-first cone cut misses the site), or, for moe_route, only 'repeated "
+                   "pattern differs', which names no node")
+@pytest.mark.parametrize("pattern", UNDIAGNOSED)
+def test_undiagnosed_lost_fusions(reference, gaps, pattern):
+    test_lost_fusions_are_near_misses_naming_the_node(reference, gaps, pattern)
