@@ -62,7 +62,8 @@ SAME_PLAN = frozenset({"reshape", "delta_first", "situ_beta_last", "topk_method"
 # and the mix stays an attn_res_mix_norm
 ROLE_SWAP = {"oproj_attn_res_mix_norm": "attn_res_mix_norm"}
 GAPS = SPELLINGS - SAME_PLAN - {"topk_sort"}  # topk_sort: the same gap as bias_first
-# the k3 ops the gap spellings cost (see the docstring), and ops placed around fused ones
+# the k3 ops the gap spellings cost (see the docstring; also as the suffix of a larger fusion
+# that holds one), and ops placed around fused ones
 GAP_OPS = {"rms_norm", "norm_linear", "attn_res_mix_norm", "oproj_attn_res_mix_norm",
            "kda_decode", "mla_lowrank_norm", "linear_concat", "mla_uv_gate", "situ_gate_up",
            "moe_experts", "moe_route", "stream_fork", "stream_join", "prefetch_l2"}
@@ -165,7 +166,8 @@ def test_gap_spellings_lose_only_the_known_ops(reference, gaps):
     got = _per_layer(gaps[2])
     for layer, lost in _lost(reference, gaps).items():
         assert lost, f"layer {layer}: the gap spellings lost nothing (fixed? move them)"
-        assert set(lost) <= GAP_OPS, (layer, dict(lost))
+        # a larger fusion holding a lost one (fb_kda_decode, oproj_attn_res_mix_norm) is lost too
+        assert all(op.endswith(tuple(GAP_OPS)) for op in lost), (layer, dict(lost))
         assert not got[layer] - reference[layer] - collections.Counter(
             {"rms_norm": 99, "stream_fork": 1, "stream_join": 1, "prefetch_l2": 1}), (
             layer, dict(got[layer] - reference[layer]))  # a lost fusion may leave a plain norm
