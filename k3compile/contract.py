@@ -23,9 +23,9 @@ log = logging.getLogger("k3compile")
 _MOE_PLAN = {"moe_front": 1, "moe_route": 1, "moe_experts": 1, "norm_linear": 1,
              "situ_gate_up": 1}  # + the shared down GEMM, left to Inductor/cuBLAS
 
-# Attention half (spec §5.2 rows 2-4): fused in-proj GEMM (+ f_b / q_b GEMMs and g_proj left to
-# Inductor/cuBLAS), the recurrent step or the MLA chain.
-_KDA_PLAN = {"linear_concat": 1, "kda_decode": 1}
+# Attention half (spec §5.2 rows 2-4): fused in-proj GEMM (+ the q_b GEMM and g_proj left to
+# Inductor/cuBLAS), the recurrent step with f_b's GEMM in its prologue, or the MLA chain.
+_KDA_PLAN = {"linear_concat": 1, "fb_kda_decode": 1}
 _MLA_PLAN = {"linear_concat": 1, "mla_lowrank_norm": 1, "mla_q_absorb": 1, "mla_decode": 1,
              "mla_uv_gate": 1}
 

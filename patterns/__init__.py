@@ -11,6 +11,7 @@ ORDER = (
     "mla_decode",
     "mla_lowrank_norm",
     "linear_concat",  # after mla_lowrank_norm: the MLA variant is the two GEMMs feeding its op
+    "fb_kda_decode",  # consumes kda_decode's op where f_b's GEMM (on linear_concat's f_a) feeds it
     "mla_q_absorb",
     "mla_uv_gate",
     "attn_res_mix_norm",

@@ -1,0 +1,76 @@
+"""KDA's f_b GEMM (the decay's low-rank up-projection) folded into the recurrent step ->
+`k3.fb_kda_decode` (spec §5.2 rows 3-4: the kernel does the 128-wide GEMM in its prologue).
+
+Runs after `kda_decode` and `linear_concat` and matches the op fed by `F.linear(fa, W_fb)` as its
+`graw`, where `fa` is the f_a slice of the fused in-projection and nothing else reads graw.
+
+Before: graw = view(mm(view(fa), permute(W_fb))); o = k3.kda_decode(q, k, v, g, graw, b, ...)
+After:  o = k3.fb_kda_decode(q, k, v, g, fa, W_fb, b, ...)   (the same states updated in place)
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+import torch.nn.functional as F
+from k3compile.patterns import kda_decode
+
+from k3compile.rewrite import Pattern, tensor_meta
+
+NAMES = (*kda_decode.NAMES[:4], "fa", "fb_weight", *kda_decode.NAMES[5:])
+R = 8  # f_a's width (head_dim in K3) for tracing; matching ignores sizes
+
+
+def search(q, k, v, g, fa, fb_weight, b, conv_state, recurrent_state, slots, q_conv_weight,
+           k_conv_weight, v_conv_weight, A_log, dt_bias, o_norm_weight, lower_bound, l2_eps,
+           q_scale, norm_eps):
+    return torch.ops.k3.kda_decode(q, k, v, g, F.linear(fa, fb_weight), b, conv_state,
+                                   recurrent_state, slots, q_conv_weight, k_conv_weight,
+                                   v_conv_weight, A_log, dt_bias, o_norm_weight, lower_bound,
+                                   l2_eps, q_scale, norm_eps)
+
+
+def replace(q, k, v, g, fa, fb_weight, b, conv_state, recurrent_state, slots, q_conv_weight,
+            k_conv_weight, v_conv_weight, A_log, dt_bias, o_norm_weight, lower_bound, l2_eps,
+            q_scale, norm_eps):
+    return torch.ops.k3.fb_kda_decode(q, k, v, g, fa, fb_weight, b, conv_state, recurrent_state,
+                                      slots, q_conv_weight, k_conv_weight, v_conv_weight, A_log,
+                                      dt_bias, o_norm_weight, lower_bound, l2_eps, q_scale,
+                                      norm_eps)
+
+
+def check(match) -> str | None:
+    fa, w = tensor_meta(match.kwargs["fa"]), tensor_meta(match.kwargs["fb_weight"])
+    if fa is None or w is None:
+        return "fa or W_fb has no tensor metadata"
+    if w.dim() != 2 or w.shape[1] != fa.shape[-1]:
+        return f"W_fb {list(w.shape)} does not take fa's width {fa.shape[-1]}"
+    if w.dtype != fa.dtype:
+        return f"W_fb {w.dtype} != fa {fa.dtype}"
+    if fa.shape[-1] % 8:
+        return f"fa width {fa.shape[-1]} is not a multiple of 8 (16-byte rows)"
+    # the step's own conditions, on the GEMM's output as its graw
+    op = next(n for n in match.nodes if n.target is torch.ops.k3.kda_decode.default)
+    return kda_decode.check(types.SimpleNamespace(kwargs={**match.kwargs, "graw": op.args[4]}))
+
+
+def example_inputs(dtype: torch.dtype = torch.bfloat16) -> list:
+    W = kda_decode.H * kda_decode.K
+    act = [torch.randn(2, 1, W, dtype=dtype) for _ in range(4)]
+    fa = [torch.randn(2, 1, R, dtype=dtype), torch.randn(W, R, dtype=dtype)]
+    b = torch.randn(2, 1, kda_decode.H, dtype=dtype)
+    state = [torch.randn(3, 3 * W, kda_decode.TAPS - 1, dtype=dtype),
+             torch.randn(3, kda_decode.H, kda_decode.K, kda_decode.K), torch.tensor([0, 2])]
+    weights = [torch.randn(W, 1, kda_decode.TAPS, dtype=dtype) for _ in range(3)]
+    weights += [torch.randn(kda_decode.H), torch.randn(W), torch.randn(kda_decode.K, dtype=dtype)]
+    return [*act, *fa, b, *state, *weights, *kda_decode.SCALARS.values()]
+
+
+def patterns() -> list[Pattern]:
+    # one variant for every T, batch and dtype: the op hides the step, the GEMM has no casts
+    return [Pattern(
+        name="fb_kda_decode", search=search, replace=replace, example_inputs=example_inputs,
+        op="k3.fb_kda_decode", check=check, scalars=dict(kda_decode.SCALARS), fake_trace=True,
+        distinctive=("mm", "kda_decode"),
+    )]
