@@ -505,10 +505,17 @@ def _explain(layer: int, nodes: list[fx.Node], family: list, options: Options,
 
 # ---- analysis -----------------------------------------------------------------------------------
 
+# fused ops whose patterns match another k3 op (no site in the input graph): a missing one is
+# explained by its base op's patterns too
+BUILDS_ON = {"oproj_attn_res_mix_norm": "attn_res_mix_norm",
+             "allreduce_attn_res_mix_norm": "attn_res_mix_norm", "fb_kda_decode": "kda_decode"}
+
+
 def _patterns_of(op: str) -> list:
     from k3compile.patterns import all_patterns
 
-    return [p for p in all_patterns() if p.op.split(".")[-1] == op]
+    ops = {op, BUILDS_ON.get(op, op)}
+    return [p for p in all_patterns() if p.op.split(".")[-1] in ops]
 
 
 def _layer_info(index, names, before, after, hits, misses, reverted, lr, inputs) -> LayerInfo:

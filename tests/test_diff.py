@@ -96,11 +96,14 @@ def test_layers_fold_into_templates(broken):
 
 def test_escaping_intermediate_is_a_near_miss(broken):
     report, bucket, _ = broken
-    (miss,) = _misses(bucket, 1, "attn_res_mix_norm")
-    assert miss.module.endswith("layers.1.post_attention_layernorm")
-    assert miss.reason.startswith("multiple_users: rsqrt")
-    assert "rsqrt" in miss.kind and "2 users" in miss.reason
-    assert miss.kind in diff.format_text(report, color=False)
+    # the leaky norm is the post-attention mix's RMSNorm; whichever norm-holding pattern reports
+    # it (the mix, or plain rms_norm once the o_proj fold owns the post-attention slot), the
+    # near miss must name that site and the escaping rsqrt
+    misses = [m for m in bucket.layers[1].near_misses
+              if m.module.endswith("layers.1.post_attention_layernorm")
+              and m.reason.startswith("multiple_users") and "rsqrt" in m.reason]
+    assert misses, [(m.family, m.module, m.reason) for m in bucket.layers[1].near_misses]
+    assert misses[0].kind in diff.format_text(report, color=False)
 
 
 def test_refused_eps_is_a_near_miss(broken):
