@@ -6,6 +6,6 @@ from pathlib import Path
 # `k3compile.patterns` / `k3compile.kernels` resolve there, as they do in an installed wheel.
 _root = Path(__file__).resolve().parent.parent
 if (_root / "patterns" / "__init__.py").exists() and not (Path(__file__).parent / "patterns").exists():
-    __path__.append(str(_root))  # noqa: F821 (module __path__)
+    __path__.append(str(_root))
 
 __version__ = "0.1.0"

@@ -20,7 +20,7 @@ from typing import Any
 
 import sympy
 import torch
-import torch.fx as fx
+from torch import fx
 
 from k3compile.contract import ContractReport, check_contract
 from k3compile.options import Options

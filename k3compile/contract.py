@@ -13,7 +13,7 @@ import logging
 import re
 
 import torch
-import torch.fx as fx
+from torch import fx
 
 from k3compile.rewrite import module_path
 

@@ -4,7 +4,7 @@ file: pattern tracing/matching (Inductor's pattern matcher) and the compile entr
 from __future__ import annotations
 
 from torch._functorch.aot_autograd import make_boxed_func
-from torch._inductor import config as inductor_config  # noqa: F401
+from torch._inductor import config as inductor_config
 from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 from torch._inductor.pattern_matcher import (
     CallFunction,
@@ -18,7 +18,6 @@ from torch._inductor.pattern_matcher import (
     stable_topological_sort,
     unset_fake_temporarily,
 )
-
 
 
 def fwd_only_fake(fn, args, *, get_decomp_fn=None):
@@ -78,7 +77,19 @@ def wildcard_strings(expr, names: dict[str, str]) -> None:
 
 
 __all__ = [
-    "FailedMatch", "Match", "MultiOutputPattern", "PatternExpr", "compile_fx", "compile_fx_inner",
-    "fwd_only", "fwd_only_fake", "fwd_only_joint", "unset_fake_temporarily", "wildcard_strings", "gen_pattern_and_search_gm", "inductor_config", "make_boxed_func",
+    "FailedMatch",
+    "Match",
+    "MultiOutputPattern",
+    "PatternExpr",
+    "compile_fx",
+    "compile_fx_inner",
+    "fwd_only",
+    "fwd_only_fake",
+    "fwd_only_joint",
+    "gen_pattern_and_search_gm",
+    "inductor_config",
+    "make_boxed_func",
     "stable_topological_sort",
+    "unset_fake_temporarily",
+    "wildcard_strings",
 ]

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.fx as fx
+from torch import fx
 
 from k3compile import inductor
 from k3compile.options import Options

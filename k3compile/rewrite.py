@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.fx as fx
+from torch import fx
 
 from k3compile import inductor
 
@@ -255,7 +255,7 @@ def _verify_site(pattern: Pattern, match: Any, seed: int) -> str | None:
         inputs = (pattern.random_inputs(values) if pattern.random_inputs
                   else [_random_like(values[n], gen) for n in pattern.argnames])
         inputs = [x.to(device) if isinstance(x, torch.Tensor) else x for x in inputs]
-        clone = lambda xs: [x.clone() if isinstance(x, torch.Tensor) else x for x in xs]  # noqa: E731
+        clone = lambda xs: [x.clone() if isinstance(x, torch.Tensor) else x for x in xs]
         with torch.no_grad():
             want = torch.utils._pytree.tree_leaves(pattern.search(*clone(inputs)))
             got = torch.utils._pytree.tree_leaves(pattern.replace(*clone(inputs)))

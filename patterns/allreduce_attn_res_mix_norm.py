@@ -15,9 +15,9 @@ from __future__ import annotations
 import itertools
 
 import torch
+from k3compile.patterns.attn_res_mix_norm import DTYPES, MAX_BLOCKS, SHAPE
 
 from k3compile.rewrite import Pattern, tensor_meta, with_signature
-from k3compile.patterns.attn_res_mix_norm import DTYPES, MAX_BLOCKS, SHAPE
 
 GROUP = "__k3_group__"  # traced in place of the process group's name, matched as a wildcard
 _c10d = torch.ops._c10d_functional

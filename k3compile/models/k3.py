@@ -19,8 +19,6 @@ a scratch slot: rows that only pad a batch point there and never touch a real re
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -487,4 +485,4 @@ def build_model(config: K3Config, device=None, dtype=torch.bfloat16, seed: int =
     return model.eval().requires_grad_(False)
 
 
-__all__ = ["K3ForCausalLM", "build_model", "RMSNorm", "situ", "attn_res_mix"]
+__all__ = ["K3ForCausalLM", "RMSNorm", "attn_res_mix", "build_model", "situ"]

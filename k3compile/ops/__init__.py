@@ -6,6 +6,6 @@ The reference is registered for every device; a CuTe DSL kernel in `k3compile.ke
 it on CUDA when its module is imported and the DSL is present (`k3compile.kernels.register_all`).
 """
 
-from k3compile.ops import attn_res, gemm, kda, linear, mla, moe, norms, sched  # noqa: F401  (registers the ops)
+from k3compile.ops import attn_res, gemm, kda, linear, mla, moe, norms, sched
 
 __all__ = ["attn_res", "gemm", "kda", "linear", "mla", "moe", "norms", "sched"]

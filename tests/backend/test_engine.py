@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from k3compile.patterns import attn_res_mix_norm as arm
 
 import k3compile.ops  # noqa: F401
 from k3compile import inductor
-from k3compile.patterns import attn_res_mix_norm as arm
 from k3compile.rewrite import apply_patterns
 
 
