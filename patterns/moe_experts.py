@@ -21,8 +21,7 @@ import itertools
 import torch
 
 from k3compile.models import mxfp4
-from k3compile.ops.gemm import situ_ref
-from k3compile.ops.moe import moe_experts_refusal
+from k3compile.ops.moe import experts_math, moe_experts_refusal
 from k3compile.rewrite import Pattern, tensor_meta
 
 DTYPES = (torch.bfloat16, torch.float32)
@@ -33,15 +32,8 @@ NAMES = ("z", "ids", "weights", "w1_packed", "w1_scale", "w3_packed", "w3_scale"
 
 def search(z, ids, weights, lut, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale,
            beta, linear_beta):
-    lut = lut.to(z.dtype)
-    w1 = mxfp4.dequantize(w1_packed[ids], w1_scale[ids], lut)  # [N, k, I, L]
-    w3 = mxfp4.dequantize(w3_packed[ids], w3_scale[ids], lut)
-    w2 = mxfp4.dequantize(w2_packed[ids], w2_scale[ids], lut)  # [N, k, L, I]
-    hg = torch.einsum("nl,nkil->nki", z, w1)
-    hu = torch.einsum("nl,nkil->nki", z, w3)
-    act = situ_ref(hg, hu, beta, linear_beta)
-    y = torch.einsum("nki,nkli->nkl", act, w2)
-    return (weights.unsqueeze(-1) * y.float()).sum(1).to(z.dtype)
+    return experts_math(z, ids, weights, lut.to(z.dtype), w1_packed, w1_scale, w3_packed,
+                        w3_scale, w2_packed, w2_scale, beta, linear_beta)
 
 
 def replace(z, ids, weights, lut, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale,

@@ -31,6 +31,17 @@ def attn_res_mix_norm_ref(prefix, delta, blocks, mix_norm_weight, mix_proj_weigh
     return prefix_out, rms_norm_ref(h, norm_weight, norm_eps)
 
 
+def _mix_norm_after(a, prefix, blocks, mix_norm_weight, mix_proj_weight, norm_weight, mix_eps,
+                    norm_eps):
+    """The post-attention mix fed by the attention output a: prefix + a, or a where a block
+    starts (no prefix)."""
+    if prefix is None:
+        return attn_res_mix_norm_ref(a, None, blocks, mix_norm_weight, mix_proj_weight,
+                                     norm_weight, mix_eps, norm_eps)
+    return attn_res_mix_norm_ref(prefix, a, blocks, mix_norm_weight, mix_proj_weight,
+                                 norm_weight, mix_eps, norm_eps)
+
+
 @torch.library.custom_op("k3::attn_res_mix_norm", mutates_args=())
 def attn_res_mix_norm(
     prefix: torch.Tensor, delta: torch.Tensor | None, blocks: list[torch.Tensor],
@@ -56,11 +67,8 @@ def allreduce_attn_res_mix_norm(
     """a = all_reduce(partial) over the TP group; prefix_out = prefix + a (or a); mix; norm."""
     a = torch.ops._c10d_functional.wait_tensor(
         torch.ops._c10d_functional.all_reduce(partial, "sum", group_name))
-    if prefix is None:
-        return attn_res_mix_norm_ref(a, None, blocks, mix_norm_weight, mix_proj_weight,
-                                     norm_weight, mix_eps, norm_eps)
-    return attn_res_mix_norm_ref(prefix, a, blocks, mix_norm_weight, mix_proj_weight,
-                                 norm_weight, mix_eps, norm_eps)
+    return _mix_norm_after(a, prefix, blocks, mix_norm_weight, mix_proj_weight, norm_weight,
+                           mix_eps, norm_eps)
 
 
 @allreduce_attn_res_mix_norm.register_fake
@@ -78,11 +86,8 @@ def oproj_attn_res_mix_norm(
     """a = o · W_oᵀ (world size 1: no collective after o_proj); prefix_out = prefix + a (or a,
     where a block starts); mix; norm. The GEMM is the kernel's prologue."""
     a = torch.nn.functional.linear(o, o_proj_weight)
-    if prefix is None:
-        return attn_res_mix_norm_ref(a, None, blocks, mix_norm_weight, mix_proj_weight,
-                                     norm_weight, mix_eps, norm_eps)
-    return attn_res_mix_norm_ref(prefix, a, blocks, mix_norm_weight, mix_proj_weight,
-                                 norm_weight, mix_eps, norm_eps)
+    return _mix_norm_after(a, prefix, blocks, mix_norm_weight, mix_proj_weight, norm_weight,
+                           mix_eps, norm_eps)
 
 
 @oproj_attn_res_mix_norm.register_fake

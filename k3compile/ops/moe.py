@@ -95,7 +95,14 @@ def e2m1_table(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
 def moe_experts_ref(z, ids, weights, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed,
                     w2_scale, beta: float, linear_beta: float) -> torch.Tensor:
     """W4A16: dequantise the selected experts to z's dtype, bf16 GEMMs, fp32 finalize."""
-    lut = e2m1_table(z.device, z.dtype)
+    return experts_math(z, ids, weights, e2m1_table(z.device, z.dtype), w1_packed, w1_scale,
+                        w3_packed, w3_scale, w2_packed, w2_scale, beta, linear_beta)
+
+
+def experts_math(z, ids, weights, lut, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed,
+                 w2_scale, beta: float, linear_beta: float) -> torch.Tensor:
+    """The routed experts as the model writes them (`MXFP4Experts.forward`), given the E2M1 table
+    in z's dtype: shared by the op's reference and the pattern's search."""
     w1 = mxfp4.dequantize(w1_packed[ids], w1_scale[ids], lut)  # [N, k, I, L]
     w3 = mxfp4.dequantize(w3_packed[ids], w3_scale[ids], lut)
     w2 = mxfp4.dequantize(w2_packed[ids], w2_scale[ids], lut)  # [N, k, L, I]
