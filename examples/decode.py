@@ -72,6 +72,7 @@ def main(argv=None):
 
     model.reset_cache()
     executor = args.executor or ("inductor" if args.device.startswith("cuda") else "aten")
+    k3compile.backend.ensure_registered()  # a source tree on PYTHONPATH has no entry point
     compiled = torch.compile(model, backend="k3", fullgraph=True, options={"executor": executor})
     t0 = time.perf_counter()
     with torch.no_grad():

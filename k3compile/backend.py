@@ -37,6 +37,13 @@ def k3_backend(gm: fx.GraphModule, example_inputs: list, options: dict | None = 
     return compiled
 
 
+def ensure_registered() -> None:
+    """Make `backend="k3"` resolve where the entry point is missing: a source tree used through
+    PYTHONPATH, never pip-installed (the GPU machine). Installed packages need no call."""
+    if "k3" not in torch._dynamo.list_backends(exclude_tags=()):
+        torch._dynamo.register_backend(k3_backend, name="k3")
+
+
 def last_compiled() -> K3Compiled:
     if not _compiled:
         raise RuntimeError("nothing has been compiled with backend='k3' in this process")

@@ -198,6 +198,7 @@ class BucketReport:
     has_before: bool
     stage_texts: dict[str, str]
     stage_diff: StageDiff | None = None
+    deferred: dict[str, str] = dataclasses.field(default_factory=dict)  # op -> why not fused
 
 
 @dataclasses.dataclass
@@ -655,6 +656,7 @@ def _bucket_report(compiled, bucket) -> BucketReport:
     texts = {"input": before_text} if before_text else {}
     texts.update({r.name: r.graph_after for r in records})
     return BucketReport(
+        deferred=dict(getattr(obs.reports.get(bucket), "deferred", {}) or {}),
         bucket=bucket, met=contract.met if contract else True,
         stages=[StageRow(r.name, r.seconds, sum(r.ops_before.values()), sum(r.ops_after.values()))
                 for r in records],
@@ -717,6 +719,7 @@ class Spec:
     dtype: str = "bfloat16"
     options: dict = dataclasses.field(default_factory=dict)
     stages: tuple[str, str] | None = None
+    device: str = "cpu"
 
 
 def _builtin(spec: Spec, group, world_size: int):
@@ -725,14 +728,16 @@ def _builtin(spec: Spec, group, world_size: int):
     cfg = get_config(spec.config, world_size if world_size > 1 else None)
     if spec.layers:
         cfg = cfg.with_layers(spec.layers)
-    model = build_model(cfg, dtype=getattr(torch, spec.dtype), group=group,
+    device = torch.device(spec.device)
+    model = build_model(cfg, device=device, dtype=getattr(torch, spec.dtype), group=group,
                         max_batch=max(spec.batches), max_seq_len=64 + spec.T)
     calls = []
     gen = torch.Generator().manual_seed(0)
     for b in spec.batches:
         shape = (b,) if spec.T == 1 else (b, spec.T)
-        ids = torch.randint(0, cfg.vocab_size, shape, generator=gen)
-        pos, slots = torch.zeros(b, dtype=torch.long), torch.arange(b)
+        ids = torch.randint(0, cfg.vocab_size, shape, generator=gen).to(device)
+        pos = torch.zeros(b, dtype=torch.long, device=device)
+        slots = torch.arange(b, device=device)
         for t in (ids, pos, slots):
             torch._dynamo.maybe_mark_dynamic(t, 0)
         calls.append(((ids, pos, slots), {}))
@@ -753,13 +758,21 @@ def _compile(spec: Spec, group=None, world_size: int = 1) -> DiffReport:
     options = {**spec.options, "strict": False, "keep_graphs": True}
     options.setdefault("executor", "aten")
     torch._dynamo.reset()  # a model compiled before in this process would hit Dynamo's cache
+    backend.ensure_registered()
     n0 = len(backend._compiled)
     t0 = time.perf_counter()
+    failed = None
     with capture(), torch.no_grad():
         compiled_model = torch.compile(model, backend="k3", fullgraph=spec.model is None,
                                        options=options)
         for args, kwargs in calls:
-            compiled_model(*args, **kwargs)
+            try:
+                compiled_model(*args, **kwargs)
+            except Exception as e:  # noqa: BLE001 - report what compiled, then say it failed
+                if len(backend._compiled) == n0:
+                    raise
+                failed = f"the compiled graph failed at run time: {type(e).__name__}: {e}"[:400]
+                break
     seconds = time.perf_counter() - t0
     new = backend._compiled[n0:]
     if not new:
@@ -782,6 +795,8 @@ def _compile(spec: Spec, group=None, world_size: int = 1) -> DiffReport:
                                 "reporting the largest")
     report.source, report.batches, report.T = source, batches, spec.T
     report.world_size, report.graphs, report.seconds = world_size, len(new), seconds
+    if failed:
+        report.notes.append(failed)
     return report
 
 
@@ -801,7 +816,8 @@ def _worker(rank: int, spec: Spec, port: int, out: str):
 
 def run(config: str | None = "tiny", model: str | None = None, batch: int | Sequence[int] = 2,
         T: int = 1, world_size: int = 1, layers: int | None = None, dtype: str = "bfloat16",
-        options: dict | None = None, stages: tuple[str, str] | None = None) -> DiffReport:
+        options: dict | None = None, stages: tuple[str, str] | None = None,
+        device: str = "cpu") -> DiffReport:
     """Compile a built-in config (or `module:factory`) with backend "k3" and report.
 
     With world_size > 1 every rank compiles its tensor-parallel slice under gloo and rank 0
@@ -809,7 +825,7 @@ def run(config: str | None = "tiny", model: str | None = None, batch: int | Sequ
     (`torch.distributed.group.WORLD`). Resets Dynamo's caches first."""
     batches = (batch,) if isinstance(batch, int) else tuple(batch)
     spec = Spec(config, model, batches, T, world_size, layers, dtype, dict(options or {}),
-                tuple(stages) if stages else None)
+                tuple(stages) if stages else None, device)
     if world_size <= 1:
         return _compile(spec)
     import socket
@@ -884,6 +900,9 @@ def _bucket_text(b: BucketReport, s, max_diff_lines: int) -> list[str]:
              "bold", "green" if b.met else "red")]
     out.append("stages: " + "  ".join(f"{r.name} {r.seconds:.2f}s ({r.ops_before}->{r.ops_after})"
                                       for r in b.stages) + "  (seconds, ops before->after)")
+    if b.deferred:
+        out.append(s("left unfused on this device: ", "yellow") + ", ".join(
+            f"{op} ({why})" for op, why in sorted(b.deferred.items())))
     out.append(s("\nlayers", "bold") + "  (kernels: the rule at the end)")
     out.append(f"  {'layer':>5}  {'template':<13} {'kernels':>13}  {'k3 ops':>6}  plan")
     for i, L in b.layers.items():
@@ -1178,6 +1197,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help=">1: tensor parallel, one process per rank under gloo on CPU")
     p.add_argument("--layers", type=int, help="cut the built-in config to its first N layers")
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--device", default="cpu", help="where the built-in model lives (cpu, cuda)")
     p.add_argument("--executor", default="aten", choices=("aten", "inductor"))
     p.add_argument("--disable", action="append", default=[], metavar="PATTERN",
                    help="disable a pattern (name or prefix); repeatable")
@@ -1205,7 +1225,7 @@ def _run_cli(args: argparse.Namespace) -> int:
     if args.disable:
         options["disabled_patterns"] = [*options.get("disabled_patterns", []), *args.disable]
     report = run(None if args.model else args.config, args.model, args.batch, args.T,
-                 args.world_size, args.layers, args.dtype, options, args.stages)
+                 args.world_size, args.layers, args.dtype, options, args.stages, args.device)
     color = {"auto": None, "always": True, "never": False}[args.color]
     print(format_text(report, color, args.max_diff_lines))
     if args.html:

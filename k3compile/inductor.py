@@ -37,7 +37,9 @@ def fwd_only_joint(fn, args, *, get_decomp_fn=None):
     from torch._inductor.fx_passes.joint_graph import joint_graph_passes
 
     gm = fwd_only_fake(fn, args, get_decomp_fn=get_decomp_fn)
-    joint_graph_passes(gm)
+    # as in our compile (k3compile.pipeline): the joint passes without Inductor's pattern passes
+    with inductor_config.patch(pattern_matcher=False):
+        joint_graph_passes(gm)
     return gm
 
 

@@ -24,6 +24,12 @@ class Options:
     executor: str = "inductor"
     # L2 bytes the `prefetch` stage budgets from (None: the GPU's own; on CPU an H200's 60 MB)
     l2_bytes: int | None = None
+    # Prefetch also before side-stream joins. Off by default: on the H200 at world size 1 the
+    # join hides almost nothing and the prefetch's own read cost 50-80 us (BENCHMARKS.md).
+    prefetch_on_join: bool = False
+    # On CUDA, fuse also the ops that have no GPU kernel yet (they then run their torch reference
+    # op by op: correct, slower than Inductor on the unfused graph). Off by default; K3_FUSE_ALL=1.
+    fuse_without_kernels: bool = False
 
     @classmethod
     def make(cls, options: dict[str, Any] | None = None) -> Options:
@@ -43,6 +49,8 @@ class Options:
             if not buckets or buckets[0] < 1:
                 raise ValueError(f"buckets must be positive batch sizes, got {opts['buckets']}")
             opts["buckets"] = buckets
+        if os.environ.get("K3_FUSE_ALL", "") not in ("", "0"):
+            opts.setdefault("fuse_without_kernels", True)
         if os.environ.get("K3_EXECUTOR"):
             opts.setdefault("executor", os.environ["K3_EXECUTOR"])
         if opts.get("executor", "inductor") not in ("inductor", "aten"):

@@ -88,6 +88,21 @@ def normalize(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
     return gm
 
 
+def _deferral(graph: fx.Graph, options) -> Callable | None:
+    """On a CUDA graph, skip the patterns whose op has no GPU kernel yet (unless
+    `fuse_without_kernels`): its reference would run op by op, slower than Inductor's code for
+    the unfused subgraph. CPU graphs fuse everything (the references are the CPU kernels)."""
+    on_cuda = any(isinstance(v := n.meta.get("val"), torch.Tensor) and v.is_cuda
+                  for n in graph.nodes if n.op == "placeholder")
+    if not on_cuda or options.fuse_without_kernels:
+        return None
+    from k3compile.kernels import cuda_ops
+
+    ready = cuda_ops()
+    return lambda p: (None if p.op.split(".")[-1] in ready
+                      else "no CUDA kernel yet (its torch reference would run op by op)")
+
+
 def _scalar_adds_as_tensor_adds(graph: fx.Graph) -> None:
     """`add.Scalar(x, c)` (F.rms_norm's decomposition adds its eps so) as `add.Tensor(x, c)`, the
     form `h + eps` traces to and the patterns search for; the same op for a float constant."""
@@ -101,7 +116,7 @@ def fuse(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
     from k3compile.patterns import all_patterns
 
     report = apply_patterns(gm.graph, all_patterns(), ctx.batch, ctx.options.pattern_enabled,
-                            verify=ctx.options.verify)
+                            verify=ctx.options.verify, deferred=_deferral(gm.graph, ctx.options))
     ctx.report.merge(report)
     _drop_self_copies(gm.graph)
     gm.recompile()
@@ -136,7 +151,8 @@ def streams(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
 def prefetch(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
     from k3compile.prefetch import insert_prefetches, l2_bytes
 
-    ctx.notes["prefetch"] = insert_prefetches(gm.graph, l2_bytes(ctx.options.l2_bytes, gm.graph))
+    ctx.notes["prefetch"] = insert_prefetches(gm.graph, l2_bytes(ctx.options.l2_bytes, gm.graph),
+                                               joins=ctx.options.prefetch_on_join)
     gm.recompile()
     return gm
 
@@ -211,7 +227,13 @@ class Pipeline:
 
             return inductor.make_boxed_func(runner(aten_gm))
 
-        patches = {"fx_graph_cache": False, "emulate_precision_casts": True}
+        # Inductor's own pattern passes off: they run before our stages and change the graph the
+        # patterns look for, differently per torch version and device. torch 2.11's
+        # pointless_convert drops bf16 -> fp32 round trips (the model's roundings, so numerics
+        # too); on a GPU pad_mm rewrites unaligned mms into pad + mm + slice (measured on the
+        # H200, BENCHMARKS.md). Inductor's fusion and codegen are unaffected.
+        patches = {"fx_graph_cache": False, "emulate_precision_casts": True,
+                   "pattern_matcher": False, "shape_padding": False}
         with torch._functorch.config.patch(enable_autograd_cache=False):
             return inductor.compile_fx(gm, example_inputs, inner_compile=inner_compile,
                                        config_patches=patches)

@@ -52,9 +52,9 @@ def l2_bytes(option: int | None, graph: fx.Graph) -> int:
     return H200_L2_BYTES
 
 
-def is_wait(node: fx.Node) -> bool:
+def is_wait(node: fx.Node, joins: bool = True) -> bool:
     if node.target is _JOIN:
-        return True
+        return joins
     return (node.target is torch.ops._c10d_functional.wait_tensor.default
             and is_collective(node.args[0]))
 
@@ -104,11 +104,12 @@ def _weights_after(wait: fx.Node, written, budget: int):
     return picked, sizes, list(dict.fromkeys(gemms))
 
 
-def insert_prefetches(graph: fx.Graph, l2: int) -> list[Prefetch]:
+def insert_prefetches(graph: fx.Graph, l2: int, joins: bool = True) -> list[Prefetch]:
+    """Prefetch before every collective wait, and before side-stream joins when `joins`."""
     budget = int(l2 * SHARE)
     written = written_inputs(graph)
     out = []
-    for wait in [n for n in graph.nodes if is_wait(n)]:
+    for wait in [n for n in graph.nodes if is_wait(n, joins)]:
         weights, sizes, gemms = _weights_after(wait, written, budget)
         if not weights:
             continue

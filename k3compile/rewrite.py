@@ -134,6 +134,7 @@ class RewriteReport:
     near_misses: list[NearMiss] = dataclasses.field(default_factory=list)
     reverted: list[Reverted] = dataclasses.field(default_factory=list)  # failed verification
     verified: int = 0
+    deferred: dict[str, str] = dataclasses.field(default_factory=dict)  # op -> why not applied
 
     @property
     def counts(self) -> collections.Counter:
@@ -144,6 +145,7 @@ class RewriteReport:
         self.near_misses += other.near_misses
         self.reverted += other.reverted
         self.verified += other.verified
+        self.deferred.update(other.deferred)
 
 
 def _cone_ops(node: fx.Node, limit: int) -> collections.Counter:
@@ -172,13 +174,19 @@ def _resembles(pattern: Pattern, node: fx.Node) -> bool:
 
 def apply_patterns(graph: fx.Graph, patterns: Sequence[Pattern], batch: int | None = None,
                    enabled: Callable[[str], bool] = lambda name: True,
-                   verify: bool = False) -> RewriteReport:
+                   verify: bool = False,
+                   deferred: Callable[[Pattern], str | None] | None = None) -> RewriteReport:
     """Match every pattern, in priority order, at every node of the graph; replace the matches
     that pass their check (and, with `verify`, agree numerically with the unfused pattern on
-    fresh random inputs of the site's shapes). Returns hits, near misses and reverted sites."""
+    fresh random inputs of the site's shapes). `deferred(pattern)` names a reason to skip a
+    pattern for this graph (its op has no kernel on the graph's device), recorded per op.
+    Returns hits, near misses, reverted sites and deferred ops."""
     report = RewriteReport()
     for pattern in patterns:
         if not enabled(pattern.name):
+            continue
+        if deferred is not None and (why := deferred(pattern)):
+            report.deferred.setdefault(pattern.op.split(".")[-1], why)
             continue
         if pattern.buckets and batch is not None and not pattern.buckets[0] <= batch <= pattern.buckets[1]:
             continue
@@ -207,11 +215,14 @@ def apply_patterns(graph: fx.Graph, patterns: Sequence[Pattern], batch: int | No
                     log.warning("k3 verify: %s at %s reverted: %s", pattern.name, where or node.name, error)
                     continue
                 report.verified += 1
-            new_nodes = m.replace_by_example(pattern.replace, args)
+            before = set(graph.nodes)
+            m.replace_by_example(pattern.replace, args)
+            # the nodes the replacement added (torch 2.11's replace_by_example returns None)
+            new_nodes = [n for n in graph.nodes if n not in before]
             # the replacement goes before the site's first output, which can precede the
             # definition of another input (W_UK is cut from kv_b after q is split): reorder
             inductor.stable_topological_sort(graph)
-            for n in new_nodes or ():
+            for n in new_nodes:
                 n.meta["k3_pattern"] = pattern.name
                 if stack is not None:
                     n.meta["nn_module_stack"] = stack

@@ -10,7 +10,11 @@ take a call (inputs it refuses, or no TVM-FFI to launch through) logs why and ru
 
 import importlib
 
-KERNELS = ("attn_res_mix_norm", "mla_lowrank_norm", "rms_norm", "moe_route")
+KERNELS = ("attn_res_mix_norm", "mla_lowrank_norm", "rms_norm", "moe_route", "composite")
+
+# ops whose torch reference is already what a GPU should run (one GEMM over cached concatenated
+# weights; stream and prefetch bookkeeping): as fast on CUDA as the unfused graph under Inductor
+NATIVE = ("linear_concat", "moe_front", "stream_fork", "stream_join", "prefetch_l2")
 
 _registered: list[str] = []
 
@@ -30,3 +34,15 @@ def register_all() -> list[str]:
             importlib.import_module(f"{__name__}.{name}").register()
             _registered.append(name)
     return list(_registered)
+
+
+def cuda_ops() -> set[str]:
+    """The k3 ops that run well on CUDA now: a registered kernel (or kernel composite) or a
+    native reference. The others run their torch reference there, op by op (many small launches,
+    slower than Inductor's code for the unfused graph), so the backend leaves them unfused on
+    CUDA unless told otherwise (option `fuse_without_kernels`)."""
+    ops = set(NATIVE)
+    for name in register_all():
+        module = importlib.import_module(f"{__name__}.{name}")
+        ops.update(getattr(module, "OPS", None) or (module.OP,))
+    return ops

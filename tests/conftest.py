@@ -5,6 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from k3compile.backend import ensure_registered
+
+ensure_registered()  # a source tree on PYTHONPATH (the GPU machine) has no entry point
+
 # Relative tolerance (max|a - b| / max|b|) of a rewritten graph against eager, by how it ran.
 TOL = {
     # CPU, executor "aten", fp32 model: every fused op's CPU implementation is its reference,

@@ -19,7 +19,10 @@ def test_cuda_graph_replay_equals_eager(config):
     cfg = get_config(config)
     kw = dict(device="cuda", dtype=torch.float32, max_batch=8, max_seq_len=64)
     eager, model = build_model(cfg, **kw), build_model(cfg, **kw)
-    step = torch.compile(model, backend="k3", fullgraph=True, options={"buckets": (4, 8)})
+    # every fused op in the graph (also those without a GPU kernel yet): their CUDA paths and
+    # the capture of all of them are under test
+    options = {"buckets": (4, 8), "fuse_without_kernels": True}
+    step = torch.compile(model, backend="k3", fullgraph=True, options=options)
     gen = torch.Generator(device="cuda").manual_seed(0)
     worst = 0.0
     for i in range(50):

@@ -102,3 +102,39 @@ def test_bucket_range_restricts_a_pattern(inputs):
     gm = _graph(lambda *a: _mix(*a), *inputs)
     assert not apply_patterns(gm.graph, [only_big], batch=4).hits
     assert apply_patterns(gm.graph, [only_big], batch=16).hits
+
+
+def test_deferred_pattern_is_skipped_and_recorded(inputs):
+    gm = _graph(lambda *a: _mix(*a), *inputs)
+    want = gm(*inputs)
+    report = apply_patterns(gm.graph, [_variant()], deferred=lambda p: "no kernel here")
+    gm.recompile()
+    assert not report.hits
+    assert report.deferred == {"attn_res_mix_norm": "no kernel here"}
+    assert not any("k3." in str(n.target) for n in gm.graph.nodes)
+    for g, w in zip(gm(*inputs), want):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+    # a pattern the callback lets through still fires
+    assert apply_patterns(gm.graph, [_variant()], deferred=lambda p: None).hits
+
+
+def test_cpu_graphs_defer_nothing(inputs):
+    from k3compile.options import Options
+    from k3compile.pipeline import _deferral
+
+    gm = _graph(lambda *a: _mix(*a), *inputs)
+    assert _deferral(gm.graph, Options()) is None  # CPU: the references are the kernels
+
+
+def test_contract_does_not_count_deferred_ops_as_missing():
+    import collections
+
+    from k3compile.contract import LayerReport
+
+    lr = LayerReport(1, "kda_moe", {"kda_decode": 1, "rms_norm": 1},
+                     collections.Counter({"rms_norm": 1}), collections.Counter())
+    assert lr.shortfall == {"kda_decode": 1}
+    deferred = LayerReport(1, "kda_moe", {"kda_decode": 1, "rms_norm": 1},
+                           collections.Counter({"rms_norm": 1}), collections.Counter(),
+                           deferred=frozenset({"kda_decode"}))
+    assert deferred.shortfall == {}

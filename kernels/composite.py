@@ -1,0 +1,60 @@
+"""CUDA implementations of fused ops that are one cuBLAS GEMM (or one collective) plus one of our
+CuTe kernels, until the skinny-GEMM kernels (issue 8) take the GEMM into the kernel:
+
+    oproj_attn_res_mix_norm:      a = o · W_oᵀ (cuBLAS) → attn_res_mix_norm kernel (prefix + a, mix, norm)
+    allreduce_attn_res_mix_norm:  a = all_reduce(partial) → attn_res_mix_norm kernel
+    norm_linear:                  x = rms_norm kernel (u) → y = x · Wᵀ [+ r] (one cuBLAS addmm)
+
+Two launches each, against Inductor's three or more for the same math. The references round the
+GEMM output to bf16 before adding the residual; `addmm` adds it in fp32 and rounds once, within
+the bf16 tolerance of the GPU tests. Each falls back to its torch reference when a kernel refuses
+its inputs (the kernel wrappers log why).
+"""
+
+import torch
+import torch.nn.functional as F
+
+from .attn_res_mix_norm import attn_res_mix_norm_cuda
+from .common.dsl import flat_rows
+from .rms_norm import rms_norm_cuda
+
+OPS = ("oproj_attn_res_mix_norm", "allreduce_attn_res_mix_norm", "norm_linear")
+
+
+def _mix_norm_after_cuda(a, prefix, blocks, mix_norm_weight, mix_proj_weight, norm_weight,
+                         mix_eps, norm_eps):
+    """Post-attention mix fed by a: prefix + a, or a where a block starts (no prefix)."""
+    if prefix is None:
+        return attn_res_mix_norm_cuda(a, None, blocks, mix_norm_weight, mix_proj_weight,
+                                      norm_weight, mix_eps, norm_eps)
+    return attn_res_mix_norm_cuda(prefix, a, blocks, mix_norm_weight, mix_proj_weight,
+                                  norm_weight, mix_eps, norm_eps)
+
+
+def oproj_attn_res_mix_norm_cuda(o, o_proj_weight, prefix, blocks, mix_norm_weight,
+                                 mix_proj_weight, norm_weight, mix_eps, norm_eps):
+    # o, prefix, blocks: [N, ·] rows (flat_rows)
+    a = F.linear(o, o_proj_weight)
+    return _mix_norm_after_cuda(a, prefix, list(blocks), mix_norm_weight, mix_proj_weight,
+                                norm_weight, mix_eps, norm_eps)
+
+
+def allreduce_attn_res_mix_norm_cuda(partial, prefix, blocks, mix_norm_weight, mix_proj_weight,
+                                     norm_weight, mix_eps, norm_eps, group_name):
+    c10d = torch.ops._c10d_functional
+    a = c10d.wait_tensor(c10d.all_reduce(partial, "sum", group_name))
+    return _mix_norm_after_cuda(a, prefix, list(blocks), mix_norm_weight, mix_proj_weight,
+                                norm_weight, mix_eps, norm_eps)
+
+
+def norm_linear_cuda(u, norm_w, w, eps, residual=None):
+    # u [N, L] rows; w [O, L]; residual [N, O]
+    x = rms_norm_cuda(u, norm_w, eps)
+    if residual is None:
+        return F.linear(x, w)
+    return torch.addmm(residual, x, w.t())
+
+
+def register() -> None:
+    for op in OPS:
+        torch.library.register_kernel(f"k3::{op}", "cuda", flat_rows(globals()[f"{op}_cuda"]))
