@@ -768,7 +768,7 @@ def _compile(spec: Spec, group=None, world_size: int = 1) -> DiffReport:
         for args, kwargs in calls:
             try:
                 compiled_model(*args, **kwargs)
-            except Exception as e:  # noqa: BLE001 - report what compiled, then say it failed
+            except Exception as e:  # report what compiled, then say it failed
                 if len(backend._compiled) == n0:
                     raise
                 failed = f"the compiled graph failed at run time: {type(e).__name__}: {e}"[:400]

@@ -89,10 +89,10 @@ def _feeds_mm(node, depth=3) -> bool:
     for user in node.users:
         if user.target is torch.ops.aten.mm.default:
             return True
-        if depth and user.target in (torch.ops.aten.view.default, torch.ops.aten.permute.default,
-                                     torch.ops.aten.reshape.default, torch.ops.aten.t.default):
-            if _feeds_mm(user, depth - 1):
-                return True
+        views = (torch.ops.aten.view.default, torch.ops.aten.permute.default,
+                 torch.ops.aten.reshape.default, torch.ops.aten.t.default)
+        if depth and user.target in views and _feeds_mm(user, depth - 1):
+            return True
     return False
 
 
