@@ -1,17 +1,28 @@
 #!/usr/bin/env bash
-# One H200 call for the backend: its GPU tests (CUDA-graph replay of tiny/small vs eager), then
-# the per-layer yardstick with Inductor and k3 in the same run. From the repository root, after
-# `source .devcarry/prelude.sh`:  bash benchmarks/k3_h200.sh OUT
+# One H200 call for the backend and its kernels, from the repository root:
+#   source .devcarry/prelude.sh && bash benchmarks/k3_h200.sh "$OUT"
+# 1. every GPU test of the kernels (CuTe DSL kernels and composites against their references);
+# 2. the backend's GPU tests (CUDA-graph replay of tiny and small over 50 steps vs eager);
+# 3. the per-layer yardstick with eager, Inductor and k3 in the same run.
+# Keep PYTHONPATH's prelude entries: they are where the CuTe DSL lives (overwriting it silently
+# turns every kernel into its torch fallback, as one run of 2026-11-29 found).
 set -u
 OUT=${1:-out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+python3 -c "import cutlass.cute, tvm_ffi" || { echo "CuTe DSL / TVM-FFI not importable: source .devcarry/prelude.sh first"; exit 2; }
 t0=$(date +%s)
-timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -q -x -p no:cacheprovider \
-  tests/backend/test_cuda_graphs.py > "$OUT/gpu_tests.log" 2>&1
-echo "gpu tests exit $? after $(( $(date +%s) - t0 )) s" | tee -a "$OUT/gpu_tests.log"
-tail -5 "$OUT/gpu_tests.log"
-python3 benchmarks/decode_layer.py --variants "${VARIANTS:-eager,inductor,k3}" \
-  --batches "${BATCHES:-1,8,64}" --verify "${VERIFY:-8}" --out "$OUT" \
-  --time-budget "${TIME_BUDGET:-300}" --max-time-s 2 2>&1 | tee "$OUT/log.txt"
+step() {  # $1: name, $2: timeout (s), rest: command
+  local name=$1 limit=$2; shift 2
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  echo "$name: exit $? after $(( $(date +%s) - t0 )) s (124: timed out)" | tee -a "$OUT/steps.txt"
+  tail -3 "$OUT/$name.log"
+}
+step kernel_tests "${KERNEL_TIMEOUT:-120}" python3 -m pytest -q -p no:cacheprovider tests/kernels
+step graph_tests "${GRAPH_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider \
+  tests/backend/test_cuda_graphs.py
+step yardstick "${YARD_TIMEOUT:-300}" python3 benchmarks/decode_layer.py \
+  --variants "${VARIANTS:-eager,inductor,k3}" --batches "${BATCHES:-1,8,64}" \
+  --verify "${VERIFY:-8}" --out "$OUT" --time-budget "${TIME_BUDGET:-240}" --max-time-s 2
+grep -v Warn "$OUT/yardstick.log" | tail -8
 echo "total: $(( $(date +%s) - t0 )) s"
