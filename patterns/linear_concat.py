@@ -3,7 +3,8 @@
 * KDA (spec §3.1 step 1): q, k, v, g, f_a and b projections of the normed hidden state; f_a feeds
   f_b directly, which stays a GEMM on f_a's column slice (vLLM: one in-proj GEMM + the f_b GEMM).
 * Gated MLA (§3.2 step 1): q_a and kv_a, the two GEMMs that feed `k3.mla_lowrank_norm` (so the
-  `mla_lowrank_norm` pattern must run first); g_proj stays a GEMM (an aux-stream candidate).
+  `mla_lowrank_norm` pattern must run first), and g_proj, the output gate's GEMM on the same
+  input (`linear_concat[mla+g]`; without a g_proj there, `linear_concat[mla]` takes q_a|kv_a).
 
 Weights bind distinct graph nodes (`exclusive`): the same-shaped linears of one input are
 otherwise interchangeable to the matcher.
@@ -49,6 +50,19 @@ def mla_replace(x, w_qa, w_kva, w_qn, w_kvn, eps):
     return torch.ops.k3.mla_lowrank_norm(cq, ckv, w_qn, w_kvn, eps)
 
 
+def mla_g_search(x, w_qa, w_kva, w_g, w_qn, w_kvn, eps):
+    cq, c_kv, k_pe = torch.ops.k3.mla_lowrank_norm(F.linear(x, w_qa), F.linear(x, w_kva), w_qn,
+                                                   w_kvn, eps)
+    return cq, c_kv, k_pe, F.linear(x, w_g)
+
+
+def mla_g_replace(x, w_qa, w_kva, w_g, w_qn, w_kvn, eps):
+    weights = [w_qa, w_kva, w_g]
+    y = torch.ops.k3.linear_concat(x, weights)
+    cq, ckv, g = y.split([w.shape[0] for w in weights], dim=-1)
+    return (*torch.ops.k3.mla_lowrank_norm(cq, ckv, w_qn, w_kvn, eps), g)
+
+
 def check_weights(match, names) -> str | None:
     x = tensor_meta(match.kwargs["x"])
     if x is None or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
@@ -58,6 +72,10 @@ def check_weights(match, names) -> str | None:
         if w is None or w.dim() != 2 or w.shape[1] != x.shape[-1] or w.dtype != x.dtype:
             return (f"{name} {getattr(w, 'dtype', None)}{list(getattr(w, 'shape', []))} is not a "
                     f"[N, {x.shape[-1]}] {x.dtype} weight")
+        if match.kwargs[name].op != "placeholder":
+            # the concatenation is cached per weight tensor: one computed every step would be
+            # concatenated every step
+            return f"{name} is computed in the graph ({match.kwargs[name].name}), not a weight input"
     return None
 
 
@@ -69,6 +87,12 @@ def _mla_check(match):
     if not isinstance(match.kwargs["eps"], float):
         return "eps is not a compile-time float"
     return check_weights(match, ("w_qa", "w_kva"))
+
+
+def _mla_g_check(match):
+    if not isinstance(match.kwargs["eps"], float):
+        return "eps is not a compile-time float"
+    return check_weights(match, ("w_qa", "w_kva", "w_g"))
 
 
 def patterns() -> list[Pattern]:
@@ -85,10 +109,21 @@ def patterns() -> list[Pattern]:
         ws = [torch.randn(q, d), torch.randn(c + 8, d), torch.randn(q), torch.randn(c)]
         return [x, *(w.bfloat16() for w in ws), 1.1e-6]
 
+    def mla_g_inputs():
+        d, q, c, g = 32, 24, 16, 20
+        x = torch.randn(2, 1, d, dtype=torch.bfloat16)
+        ws = [torch.randn(q, d), torch.randn(c + 8, d), torch.randn(g, d), torch.randn(q),
+              torch.randn(c)]
+        return [x, *(w.bfloat16() for w in ws), 1.1e-6]
+
     return [
         Pattern(name="linear_concat[kda]", search=kda_search, replace=kda_replace,
                 example_inputs=kda_inputs, op="k3.linear_concat", check=_kda_check,
                 distinctive=("mm",), exclusive=KDA_WEIGHTS + ("w_fb",), joint_passes=True),
+        Pattern(name="linear_concat[mla+g]", search=mla_g_search, replace=mla_g_replace,
+                example_inputs=mla_g_inputs, op="k3.linear_concat", check=_mla_g_check,
+                scalars={"eps": 1.1e-6}, distinctive=("mla_lowrank_norm",),
+                exclusive=("w_qa", "w_kva", "w_g"), joint_passes=True),
         Pattern(name="linear_concat[mla]", search=mla_search, replace=mla_replace,
                 example_inputs=mla_inputs, op="k3.linear_concat", check=_mla_check,
                 scalars={"eps": 1.1e-6}, distinctive=("mla_lowrank_norm",),

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import k3compile.backend as k3be
-from k3compile.contract import PLANS, layer_templates
+from k3compile.contract import PLANS
 from k3compile.models import build_model, get_config
 from k3compile.rewrite import module_path
 from tests.conftest import TOL, rel_err
@@ -107,6 +107,5 @@ def test_only_the_planned_gemms_are_left_of_the_attention(bf16_run):
                 name = getattr(node.target, "__name__", str(node.target)).split(".")[0]
                 if not str(node.target).startswith("k3.") and name not in views:
                     left[int(path.split("layers.")[1].split(".")[0])][name] += 1
-            mla = {i for i, t in layer_templates(graph).items() if "mla" in t or t == "last"}
-            assert set(left) == mla, left  # KDA: f_b and o_proj are in the fused ops' prologues
-            assert all(ops == {"mm": 1} for ops in left.values()), dict(left)
+            # KDA: f_b and o_proj are in the fused ops' prologues; MLA: g_proj joined q_a|kv_a
+            assert not left, dict(left)

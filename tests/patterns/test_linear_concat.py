@@ -58,15 +58,45 @@ def mla_in_proj(x, w_qa, w_kva, w_g, w_qn, w_kvn):
     return cq, c_kv, k_pe, F.linear(x, w_g)
 
 
-def test_mla_q_a_and_kv_a_become_one_gemm_and_g_stays():
+def _mla_args(tokens=1):
     gen = torch.Generator().manual_seed(1)
-    shapes = [(2, 1, D), (24, D), (20, D), (W, D), (24,), (16,)]
-    args = [torch.randn(s, generator=gen).bfloat16() for s in shapes]
+    shapes = [(2, tokens, D), (24, D), (20, D), (W, D), (24,), (16,)]
+    return [torch.randn(s, generator=gen).bfloat16() for s in shapes]
+
+
+@pytest.mark.parametrize("tokens", [1, 8])
+def test_mla_q_a_kv_a_and_g_become_one_gemm(tokens):
+    args = _mla_args(tokens)
     gm, report = rewrite(mla_in_proj, args, linear_concat.patterns(), joint=True)
-    assert_rewritten_equal(gm, report, mla_in_proj, args, "k3.linear_concat")
+    assert [h.pattern for h in report.hits] == ["linear_concat[mla+g]"]
+    assert_rewritten_equal(gm, report, mla_in_proj, args, "k3.linear_concat")  # bf16: exact
+    op = next(n for n in gm.graph.nodes if str(n.target) == "k3.linear_concat.default")
+    assert [w.name for w in op.args[1]] == ["w_qa_1", "w_kva_1", "w_g_1"]
+    assert "aten.mm.default" not in targets(gm)
+
+
+def test_mla_without_g_fuses_q_a_and_kv_a():
+    """A g_proj on another input (or none): q_a|kv_a still fuse, the other GEMM stays."""
+    def other_input_gate(x, w_qa, w_kva, w_g, w_qn, w_kvn):
+        cq, c_kv, k_pe, _ = mla_in_proj(x, w_qa, w_kva, w_g, w_qn, w_kvn)
+        return cq, c_kv, k_pe, F.linear(x * 2, w_g)
+
+    args = _mla_args()
+    gm, report = rewrite(other_input_gate, args, linear_concat.patterns(), joint=True)
+    assert [h.pattern for h in report.hits] == ["linear_concat[mla]"]
+    assert_rewritten_equal(gm, report, other_input_gate, args, "k3.linear_concat")
     op = next(n for n in gm.graph.nodes if str(n.target) == "k3.linear_concat.default")
     assert [w.name for w in op.args[1]] == ["w_qa_1", "w_kva_1"]
-    assert targets(gm).count("aten.mm.default") == 1  # g_proj
+    assert targets(gm).count("aten.mm.default") == 1  # the other gate GEMM
+
+
+def test_mla_g_computed_in_the_graph_is_refused():
+    """A gate weight cast every step is no weight input: its concatenation would be per step."""
+    args = _mla_args()
+    args[3] = args[3].float()
+    _, report = rewrite(lambda x, a, b, g, qn, kvn: mla_in_proj(x, a, b, g.to(x.dtype), qn, kvn),
+                         args, linear_concat.patterns()[1:2], joint=True)
+    assert_near_miss(report, "linear_concat[mla+g]", "check refused", "w_g is computed")
 
 
 def test_weights_are_concatenated_once_and_refreshed_when_updated():
