@@ -9,6 +9,7 @@ pytest.importorskip("cutlass")
 
 from k3compile.kernels import (
     attn_res_mix_norm,
+    gemv,
     mla_lowrank_norm,
     moe_route,
     rms_norm,
@@ -42,6 +43,15 @@ def _cases():
             case = (module, scalars, module.config(*scalars, b))
             if case not in seen:
                 seen.append(case)
+    # gemv: (n, k, bucket, fp32 output, residual), buckets up to 16; fp32 logits at the router,
+    # the residual epilogue at o_proj; 1000 x 1032 has a partial CTA of rows and a vector tail
+    for n, k in [(3206, 7168), (2112, 7168), (3584, 7168), (7168, 3584), (896, 7168),
+                 (7168, 768), (768, 7168), (1152, 1536), (7168, 384), (768, 128), (1000, 1032)]:
+        variants = {(896, 7168): [(False, False), (True, False)],
+                    (7168, 768): [(False, False), (False, True), (True, True)]}
+        for b in gemv.BUCKETS:
+            for out_fp32, residual in variants.get((n, k), [(False, False)]):
+                seen.append((gemv, (n, k, b, out_fp32, residual), gemv.config(n, k, b)))
     return seen
 
 

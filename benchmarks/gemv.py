@@ -1,0 +1,186 @@
+"""Weight-streaming GEMV (kernels/gemv.py) against cuBLAS (F.linear) at one K3 TP16 rank's shapes.
+
+    python benchmarks/gemv.py [--m 1,8,16] [--only 3206x7168,896x7168] [--out r.json]
+    python benchmarks/gemv.py --sweep [--m 1,16]   # every Config per shape and M, best first
+
+Both sides are captured into CUDA graphs, >= CALLS calls per graph, each call reading the next
+copy of W (enough copies that >= 2 x 60 MB of weights pass between two reads of one copy, so the
+L2 does not serve them); x stays L2-resident, as in a decode step. Time per call = median over
+replays of graph time / calls. GB/s counts W bytes only; "% copy" compares it with a 4 GiB
+device-to-device copy measured in the same run (read + write bytes).
+"""
+
+import argparse
+import functools
+import json
+import statistics
+
+import torch
+import torch.nn.functional as F
+from k3compile.kernels import gemv
+
+# [N, K] of one TP16 rank (see tests/kernels/test_gemv.py)
+SHAPES = [(3206, 7168), (2112, 7168), (3584, 7168), (7168, 3584), (896, 7168), (7168, 768),
+          (768, 7168), (1152, 1536), (7168, 384), (768, 128)]
+L2_BYTES = 60e6
+CALLS, REPLAYS = 24, 30
+
+
+def copy_gbps() -> float:
+    """Device-to-device copy of 4 GiB, bytes read + written per second (the NOTES ceiling)."""
+    src = torch.empty(4 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(5):
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * (4 << 30) / min(times) / 1e9
+
+
+def graph_us(call, weights) -> float:
+    """Median µs per call of call(w), at least CALLS calls per graph, cycling over every weight
+    copy (whole cycles: each copy is read as often as the others)."""
+    calls = -(-CALLS // len(weights)) * len(weights)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for w in weights[:2]:
+            call(w)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            call(weights[i % len(weights)])
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(REPLAYS):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return statistics.median(times)
+
+
+def weight_copies(n, k):
+    bytes_ = 2 * n * k
+    count = max(3, -(-int(2 * L2_BYTES) // bytes_) + 1)
+    w = (torch.randn(n, k, device="cuda") / k ** 0.5).bfloat16()
+    return [w] + [w.clone() for _ in range(count - 1)]
+
+
+def gemv_call(x, out):
+    return lambda w: gemv.gemv_cuda(x, w, out=out)
+
+
+def check(x, w, out):
+    """The kernel ran and agrees with cuBLAS (a benchmark of wrong results is worthless)."""
+    y = gemv.gemv_cuda(x, w, out=out)
+    assert y is out, f"gemv refused {tuple(x.shape)} x {tuple(w.shape)} (see the log)"
+    ref = F.linear(x, w).float()
+    err = ((y.float() - ref).norm() / ref.norm()).item()
+    assert err < 1e-2, f"gemv disagrees with cuBLAS: relative error {err:.2e}"
+
+
+def run(shapes, ms, gbps):
+    rows = []
+    for n, k in shapes:
+        weights = weight_copies(n, k)
+        for m in ms:
+            x = torch.randn(m, k, device="cuda").bfloat16()
+            out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+            check(x, weights[0], out)
+            t_gemv = graph_us(gemv_call(x, out), weights)
+            t_mm = graph_us(functools.partial(F.linear, x), weights)
+            moved = 2 * n * k
+            row = {"N": n, "K": k, "M": m, "config": str(gemv.config(n, k, gemv.bucket(m))),
+                   "gemv_us": round(t_gemv, 2), "mm_us": round(t_mm, 2),
+                   "gemv_GBps": round(moved / t_gemv / 1e3), "mm_GBps": round(moved / t_mm / 1e3),
+                   "speedup": round(t_mm / t_gemv, 2)}
+            row["gemv_pct_copy"] = round(100 * row["gemv_GBps"] / gbps, 1)
+            row["mm_pct_copy"] = round(100 * row["mm_GBps"] / gbps, 1)
+            rows.append(row)
+            print(f"{n:5d} x {k:5d} M={m:2d}  gemv {t_gemv:6.2f} us {row['gemv_GBps']:5d} GB/s "
+                  f"{row['gemv_pct_copy']:5.1f}%  mm {t_mm:6.2f} us {row['mm_GBps']:5d} GB/s "
+                  f"{row['mm_pct_copy']:5.1f}%  x{row['speedup']:.2f}  {row['config']}",
+                  flush=True)
+        del weights
+        torch.cuda.empty_cache()
+    return rows
+
+
+def sweep(shapes, ms):
+    """Every Config at each shape and M (tunes `gemv.config`)."""
+    default = gemv.config
+    rows = []
+    try:
+        for n, k in shapes:
+            weights = weight_copies(n, k)
+            for m in ms:
+                x = torch.randn(m, k, device="cuda").bfloat16()
+                out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+                results = {}
+                for cfg in gemv.configs(n, k, gemv.bucket(m)):
+                    gemv.config = lambda *_, cfg=cfg: cfg
+                    check(x, weights[0], out)
+                    results[cfg] = graph_us(gemv_call(x, out), weights)
+                best = min(results, key=results.get)
+                chosen = default(n, k, gemv.bucket(m))
+                rows.append({"N": n, "K": k, "M": m, "default": str(chosen),
+                             "best": str(best), "us": {str(c): round(t, 2)
+                                                       for c, t in results.items()}})
+                print(f"{n:5d} x {k:5d} M={m:2d}  default R{chosen.rows_per_cta}/T"
+                      f"{chosen.threads} {results.get(chosen, float('nan')):.2f} us  best "
+                      f"R{best.rows_per_cta}/T{best.threads} {results[best]:.2f} us | " + "  ".join(
+                          f"R{c.rows_per_cta}/T{c.threads}={t:.2f}" for c, t in results.items()),
+                      flush=True)
+            del weights
+            torch.cuda.empty_cache()
+    finally:
+        gemv.config = default
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--m", default="1,8,16")
+    ap.add_argument("--only", help="shapes as NxK, comma-separated")
+    ap.add_argument("--sweep", action="store_true", help="time every config instead")
+    ap.add_argument("--out")
+    opts = ap.parse_args()
+    from k3compile.kernels.common.dsl import runtime_refusal
+
+    assert torch.cuda.is_available() and not runtime_refusal(), runtime_refusal() or "no GPU"
+    torch.manual_seed(0)
+    ms = [int(m) for m in opts.m.split(",")]
+    shapes = [tuple(map(int, s.split("x"))) for s in opts.only.split(",")] if opts.only \
+        else SHAPES
+    gbps = copy_gbps()
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; "
+          f"4 GiB device copy: {gbps:.0f} GB/s (read + write)", flush=True)
+    rows = sweep(shapes, ms) if opts.sweep else run(shapes, ms, gbps)
+    if opts.out:
+        with open(opts.out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "copy_GBps": round(gbps),
+                       "sweep": opts.sweep, "rows": rows}, f, indent=1)
+    if opts.sweep:
+        return
+    print("\n| weight [N, K] | M | gemv µs | GB/s | % copy | torch.mm µs | GB/s | % copy | "
+          "speedup |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['N']} × {r['K']} | {r['M']} | {r['gemv_us']:.2f} | {r['gemv_GBps']} | "
+              f"{r['gemv_pct_copy']} | {r['mm_us']:.2f} | {r['mm_GBps']} | {r['mm_pct_copy']} | "
+              f"x{r['speedup']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
