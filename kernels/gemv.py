@@ -76,9 +76,10 @@ def config(n: int, k: int, m_bucket: int) -> Config:
 
 
 def configs(n: int, k: int, m_bucket: int) -> list[Config]:
-    """Every config this kernel accepts at these sizes (for sweeps)."""
+    """Every config worth timing at these sizes (for sweeps): up to 16 W vectors per thread and
+    64 accumulators (beyond that, sm_90a builds spill)."""
     return [Config(r, t) for t in (128, 256) for r in (1, 2, 4, 8)
-            if r * _vec_per_thread(k, t) <= 32 and r * m_bucket <= 128]
+            if r * _vec_per_thread(k, t) <= 16 and r * m_bucket <= 64]
 
 
 def _vec_per_thread(k: int, threads: int) -> int:
@@ -98,6 +99,8 @@ def refusal(x, w, residual=None, *, out_dtype=None) -> str | None:
     (m, k), n = x.shape, w.shape[0]
     if m > MAX_M:
         return f"batch above {MAX_M}: cuBLAS"
+    if n < 1:
+        return "w has no rows"
     if k % 8 or not 8 <= k <= MAX_K or w.shape[1] != k:
         return f"K {k}, w {tuple(w.shape)} (want w [N, K], K a multiple of 8 in [8, {MAX_K}])"
     for name, t in (("x", x), ("w", w)):
@@ -296,6 +299,7 @@ def gemv_cuda(x, w, residual=None, *, out=None, out_dtype=None):
     if out_dtype is None:
         out_dtype = out.dtype if out is not None else x.dtype
     reason = (runtime_refusal() or refusal(x, w, residual, out_dtype=out_dtype)
+              or (None if x.is_cuda and w.is_cuda else "not on a CUDA device")
               or (None if aligned16(x, w) else "data not 16-byte aligned"))
     if reason is None and out is not None and (
             out.dtype != out_dtype or out.shape != (x.shape[0], w.shape[0])
