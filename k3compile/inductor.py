@@ -3,6 +3,7 @@ file: pattern tracing/matching (Inductor's pattern matcher) and the compile entr
 
 from __future__ import annotations
 
+import torch
 from torch._functorch.aot_autograd import make_boxed_func
 from torch._inductor import config as inductor_config
 from torch._inductor.compile_fx import compile_fx, compile_fx_inner
@@ -15,6 +16,7 @@ from torch._inductor.pattern_matcher import (
     PatternExpr,
     fwd_only,
     gen_pattern_and_search_gm,
+    is_match,
     stable_topological_sort,
     unset_fake_temporarily,
 )
@@ -78,11 +80,63 @@ def wildcard_strings(expr, names: dict[str, str]) -> None:
     visit(expr)
 
 
+_COMMUTATIVE = {torch.ops.aten.add.Tensor, torch.ops.aten.mul.Tensor}
+
+
+class _CommutativeCall(CallFunction):
+    """A binary add/mul that also matches with its operands swapped (`h * w` and `w * h`, `a + b`
+    and `b + a` are one op to the model's author, two graphs to a positional matcher). The
+    written order is tried first; a failed try leaves no trace in the match context."""
+
+    def _match(self, node, ctx):
+        saved = dict(ctx.pattern_to_node), list(ctx.exclusive_node_set)
+        first = super()._match(node, ctx)
+        if is_match(first) or len(self.args) != 2:
+            return first
+        swapped = self.__dict__.get("_swapped")
+        if swapped is None:
+            swapped = self._swapped = CallFunction(self.fns, self.args[1], self.args[0],
+                                                   _users=self.users, **self.kwargs)
+            swapped._match_users = self._match_users  # the user check knows us, not the twin
+        _restore(ctx, saved)
+        second = CallFunction._match(swapped, node, ctx)
+        if is_match(second):
+            return second
+        _restore(ctx, saved)
+        return first
+
+
+def _restore(ctx, saved) -> None:
+    ctx.pattern_to_node.clear()
+    ctx.pattern_to_node.update(saved[0])
+    ctx.exclusive_node_set[:] = saved[1]
+
+
+def commutative(expr) -> None:
+    """Let every binary add.Tensor / mul.Tensor of a pattern tree match either operand order."""
+    seen = set()
+
+    def visit(p):
+        if id(p) in seen:
+            return
+        seen.add(id(p))
+        if type(p) is CallFunction:
+            if len(p.args) == 2 and not p.kwargs and set(p.fns) <= _COMMUTATIVE:
+                p.__class__ = _CommutativeCall
+            for a in (*p.args, *p.kwargs.values()):
+                visit(a)
+        for sub in getattr(p, "outputs", ()) or ():
+            visit(sub)
+
+    visit(expr)
+
+
 __all__ = [
     "FailedMatch",
     "Match",
     "MultiOutputPattern",
     "PatternExpr",
+    "commutative",
     "compile_fx",
     "compile_fx_inner",
     "fwd_only",

@@ -86,6 +86,7 @@ class Pattern:
             self.search, self.example_inputs(), trace, self.scalars, self.exclusive)
         if self.strings:
             inductor.wildcard_strings(expr, {v: k for k, v in self.strings.items()})
+        inductor.commutative(expr)
         return expr
 
     @functools.cached_property

@@ -8,6 +8,9 @@ size > 1 an all-reduce sits between o_proj and the mix: `allreduce_attn_res_mix_
 
 Before: a = view(mm(view(o), permute(W_o))); p, x = k3.attn_res_mix_norm(prefix, a, ..)
 After:  p, x = k3.oproj_attn_res_mix_norm(o, W_o, prefix, [blocks], ...)
+
+A model that writes the prefix add as `a + prefix` gets an attn_res_mix_norm with the two in
+swapped roles (the `swapped` variants; the sum is the same in IEEE arithmetic).
 """
 
 from __future__ import annotations
@@ -40,7 +43,8 @@ def check(match) -> str | None:
     return None
 
 
-def _variant(n_blocks: int, with_prefix: bool, dtype: torch.dtype = torch.bfloat16) -> Pattern:
+def _variant(n_blocks: int, with_prefix: bool, dtype: torch.dtype = torch.bfloat16,
+             swapped: bool = False) -> Pattern:
     blocks = [f"block{i}" for i in range(n_blocks)]
     names = ["o", "o_proj_weight", *(["prefix"] if with_prefix else []), *blocks,
              "w_mix_norm", "w_mix_proj", "w_norm", "mix_eps", "norm_eps"]
@@ -55,7 +59,9 @@ def _variant(n_blocks: int, with_prefix: bool, dtype: torch.dtype = torch.bfloat
         o, w_o, prefix, blks, wmn, wmp, wn, me, ne = split(args)
         a = F.linear(o, w_o)
         if with_prefix:
-            prefix_out, x = torch.ops.k3.attn_res_mix_norm(prefix, a, blks, wmn, wmp, wn, me, ne)
+            first, second = (a, prefix) if swapped else (prefix, a)
+            prefix_out, x = torch.ops.k3.attn_res_mix_norm(first, second, blks, wmn, wmp, wn, me,
+                                                           ne)
             return x, prefix_out
         return torch.ops.k3.attn_res_mix_norm(a, None, blks, wmn, wmp, wn, me, ne)[1], a
 
@@ -72,6 +78,7 @@ def _variant(n_blocks: int, with_prefix: bool, dtype: torch.dtype = torch.bfloat
 
     return Pattern(
         name=f"oproj_attn_res_mix_norm[blocks={n_blocks},{'prefix' if with_prefix else 'new_block'}"
+             f"{',swapped' if swapped else ''}"
              f"{'' if dtype == torch.bfloat16 else ',' + str(dtype).split('.')[-1]}]",
         search=with_signature(search, names), replace=with_signature(replace, names),
         example_inputs=example_inputs, op="k3.oproj_attn_res_mix_norm", check=check,
@@ -81,5 +88,7 @@ def _variant(n_blocks: int, with_prefix: bool, dtype: torch.dtype = torch.bfloat
 
 
 def patterns() -> list[Pattern]:
-    return [_variant(n, p, t) for t, n, p in
-            itertools.product(DTYPES, range(MAX_BLOCKS, 0, -1), (True, False))]
+    out = []
+    for t, n in itertools.product(DTYPES, range(MAX_BLOCKS, 0, -1)):
+        out += [_variant(n, True, t), _variant(n, False, t), _variant(n, True, t, swapped=True)]
+    return out

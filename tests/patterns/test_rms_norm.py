@@ -43,3 +43,27 @@ def test_escaping_normalised_value_is_a_near_miss():
 def test_check_refuses_a_broadcast_weight():
     _, report = rewrite(norm, _args(width=1), rms_norm.patterns())
     assert_near_miss(report, "rms_norm", "check refused", "does not fit width 64")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_swapped_products_and_sums_match(dtype):
+    """Every binary mul/add matches either operand order (k3compile.inductor.commutative)."""
+    def swapped(x, w):
+        h = x.float()
+        h = torch.rsqrt(1e-5 + h.pow(2).mean(-1, keepdim=True)) * h
+        return h.to(x.dtype) * w
+
+    args = _args(dtype)
+    gm, report = rewrite(swapped, args, rms_norm.patterns())
+    assert_rewritten_equal(gm, report, swapped, args, "k3.rms_norm")
+
+
+def test_swapped_spelling_with_an_escaping_value_is_still_a_near_miss():
+    """Trying the other operand order must not turn a refused site into a match."""
+    def leaky(x, w):
+        h = x.float()
+        h = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5) * h
+        return h.to(x.dtype) * w, h
+
+    _, report = rewrite(leaky, _args(), rms_norm.patterns())
+    assert_near_miss(report, "rms_norm", "users")
