@@ -30,6 +30,9 @@ class Options:
     # On CUDA, fuse also the ops that have no GPU kernel yet (they then run their torch reference
     # op by op: correct, slower than Inductor on the unfused graph). Off by default; K3_FUSE_ALL=1.
     fuse_without_kernels: bool = False
+    # under tensor parallelism, all-gather a fingerprint of each rank's compiled graph and fail
+    # on a mismatch (k3compile.ranks)
+    check_ranks: bool = True
 
     @classmethod
     def make(cls, options: dict[str, Any] | None = None) -> Options:

@@ -4,7 +4,7 @@ Inductor's own machinery lowers the Dynamo graph (functionalisation, decompositi
 only); `Pipeline.inner_compile` then receives the ATen graph, runs the stages, and hands what the
 patterns left to Inductor (`compile` stage). Which rewrites are on is decided once, here, as data.
 
-    normalize -> fuse -> shard -> streams -> prefetch -> verify -> check -> compile
+    normalize -> fuse -> shard -> streams -> prefetch -> verify -> check -> ranks -> compile
 
 An `Observer` wraps every stage: wall time, op histogram before/after, a printed copy of the graph,
 and the rewrite report. The graph-diff tool and the fusion contract read what it records.
@@ -59,6 +59,7 @@ class Observer:
         self.keep_graphs = keep_graphs
         self.records: dict[int | None, list[StageRecord]] = collections.defaultdict(list)
         self.reports: dict[int | None, RewriteReport] = {}
+        self.notes: dict[int | None, dict[str, Any]] = {}  # what each stage reported, by bucket
         self.graphs: dict[int | None, fx.Graph] = {}  # the final graph of each bucket
 
     def run(self, name: str, stage: Callable, gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
@@ -187,6 +188,15 @@ def _written_args(node: fx.Node) -> list:
     return out
 
 
+def ranks(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
+    """Under tensor parallelism, every rank compiled the same graph (k3compile.ranks)."""
+    if ctx.options.check_ranks:
+        from k3compile.ranks import check_ranks
+
+        ctx.notes["ranks"] = check_ranks(gm.graph, ctx.batch, ctx.options)
+    return gm
+
+
 STAGES: list[tuple[str, Callable[[fx.GraphModule, Context], fx.GraphModule]]] = [
     ("normalize", normalize),
     ("fuse", fuse),
@@ -195,6 +205,7 @@ STAGES: list[tuple[str, Callable[[fx.GraphModule, Context], fx.GraphModule]]] = 
     ("prefetch", prefetch),
     ("verify", verify),
     ("check", check),
+    ("ranks", ranks),
 ]
 
 
@@ -220,6 +231,7 @@ class Pipeline:
                     continue
                 aten_gm = self.observer.run(name, stage, aten_gm, ctx)
             self.observer.reports[batch] = ctx.report
+            self.observer.notes[batch] = ctx.notes
             self.observer.graphs[batch] = aten_gm.graph
             if self.options.executor == "inductor":
                 return inductor.compile_fx_inner(aten_gm, aten_inputs, **kwargs)

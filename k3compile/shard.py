@@ -90,7 +90,9 @@ def _reduced(node) -> bool:
 
 def _rows(graph, weight: fx.Node, rank: int, world: int, like: fx.Node) -> fx.Node:
     n = weight.meta["val"].shape[0] // world
-    return call(graph, aten.slice.Tensor, (weight, 0, rank * n, (rank + 1) * n), like=like)
+    rows = call(graph, aten.slice.Tensor, (weight, 0, rank * n, (rank + 1) * n), like=like)
+    rows.meta["k3_rank_rows"] = (rank, world)  # differs by rank by design (stage `ranks`)
+    return rows
 
 
 def _shard_front(graph, node, group, rank, world) -> str | None:

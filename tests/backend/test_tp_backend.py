@@ -45,7 +45,9 @@ def _worker(rank: int, port: int, out_dir: str):
                 for hit in report.hits:
                     key = hit.pattern.split("[")[0]
                     counts[key] = counts.get(key, 0) + 1
-        torch.save({"errors": errors, "counts": counts}, os.path.join(out_dir, f"rank{rank}.pt"))
+        prints = [n.get("ranks") for c in k3be._compiled for n in c.observer.notes.values()]
+        torch.save({"errors": errors, "counts": counts, "prints": prints},
+                   os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
@@ -61,3 +63,6 @@ def test_tp2_compiled_equals_eager_with_fused_allreduce(tmp_path):
         # every post-attention mix, plus layer 1's pre-attention mix: the dense layer-0 MLP's
         # output is an all-reduce too, so its reduction fuses into the next mix
         assert result["counts"].get("allreduce_attn_res_mix_norm", 0) == layers + 1, result["counts"]
+    # stage `ranks`: both ranks fingerprinted their graphs and found them equal
+    prints = [torch.load(tmp_path / f"rank{rank}.pt")["prints"] for rank in range(TP)]
+    assert prints[0] and all(prints[0]) and prints[0] == prints[1], prints

@@ -1,0 +1,80 @@
+"""Stage `ranks`: under tensor parallelism each rank's compiled graph is fingerprinted and the
+fingerprints are all-gathered over the graph's TP group; ranks that compiled different graphs
+fail together, with a diff. Two gloo processes on CPU, hand-built graphs."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from k3compile import inductor
+from k3compile.ranks import RanksDiffer, check_ranks, summary
+
+_c10d = torch.ops._c10d_functional
+
+
+def _step(extra: bool):
+    def step(x, w):
+        h = _c10d.wait_tensor(_c10d.all_reduce(x @ w.t(), "sum", "0"))
+        return (h.relu() if extra else h) * 2
+
+    return step
+
+
+def _graph(extra: bool, group: str = "0"):
+    gm = inductor.fwd_only_fake(_step(extra), [torch.randn(2, 8), torch.randn(4, 8)])
+    for node in gm.graph.nodes:  # name the process group the test initialised
+        if node.target is _c10d.all_reduce.default:
+            node.args = (*node.args[:2], group)
+    return gm.graph
+
+
+def test_summary_names_nodes_by_position_and_masks_group_names():
+    a, b = summary(_graph(False, "groupA"), 4), summary(_graph(False, "groupB"), 4)
+    assert a == b  # the same program under other group names
+    assert a[0] == "bucket 4" and any("all_reduce" in line and "<group>" in line for line in a)
+    assert summary(_graph(True), 4) != summary(_graph(False), 4)
+
+
+def test_no_collective_no_check():
+    graph = inductor.fwd_only_fake(lambda x: x * 2, [torch.randn(2)]).graph
+    assert check_ranks(graph, 1) is None
+
+
+def _worker(rank: int, port: int, out_dir: str, differ: bool):
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        name = dist.group.WORLD.group_name
+        graph = _graph(extra=differ and rank == 1, group=name)
+        try:
+            result = ("ok", check_ranks(graph, 4))
+        except RanksDiffer as e:
+            result = ("differ", str(e))
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("differ", [False, True])
+def test_ranks_agree_or_fail_together(tmp_path, differ):
+    mp.spawn(_worker, args=(_free_port(), str(tmp_path), differ), nprocs=2, join=True)
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    if not differ:
+        assert results[0][0] == results[1][0] == "ok"
+        assert results[0][1] == results[1][1] and len(results[0][1]) == 16
+    else:
+        for kind, text in results:  # both ranks raise, and say where the graphs part
+            assert kind == "differ", text
+            assert "rank 0" in text and "rank 1" in text and "relu" in text, text
