@@ -147,7 +147,16 @@ def count_kernels(run, device: torch.device) -> dict:
         return {"kernels": len(leaves), "method": "cpu_leaf_ops"}
     dev = [e for e in events if e.device_type == DeviceType.CUDA]
     copies = [e for e in dev if e.name.startswith(("Memcpy", "Memset"))]
-    return {"kernels": len(dev) - len(copies), "memcpy_memset": len(copies), "method": "profiler"}
+    # where one call's GPU time goes: kernels by name, busiest first (durations from the trace)
+    by_name: dict[str, list] = {}
+    for e in dev:
+        entry = by_name.setdefault(e.name[:100], [0, 0.0])
+        entry[0] += 1
+        entry[1] += e.time_range.elapsed_us()
+    top = sorted(([name, n, round(us, 2)] for name, (n, us) in by_name.items()),
+                 key=lambda row: -row[2])
+    return {"kernels": len(dev) - len(copies), "memcpy_memset": len(copies), "method": "profiler",
+            "kernel_us_sum": round(sum(row[2] for row in top), 2), "top_kernels": top[:25]}
 
 
 def graph_nodes(graph) -> dict:

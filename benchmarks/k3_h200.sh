@@ -25,4 +25,15 @@ step yardstick "${YARD_TIMEOUT:-300}" python3 benchmarks/decode_layer.py \
   --variants "${VARIANTS:-eager,inductor,k3}" --batches "${BATCHES:-1,8,64}" \
   --verify "${VERIFY:-8}" --out "$OUT" --time-budget "${TIME_BUDGET:-240}" --max-time-s 2
 grep -v Warn "$OUT/yardstick.log" | tail -8
+python3 - "$OUT/decode_layer.json" <<'PY' | tee "$OUT/top_kernels.txt"
+import json, sys
+for b in json.load(open(sys.argv[1]))["buckets"]:
+    for name, v in b["variants"].items():
+        top = (v.get("kernel_count") or {}).get("top_kernels")
+        if top:
+            total = v["kernel_count"].get("kernel_us_sum")
+            print(f"== {b['name']} {name}: {total} us of kernels per 4-layer step (profiled replay)")
+            for kname, n, us in top[:15]:
+                print(f"  {us:9.2f} us  x{n:<3} {kname}")
+PY
 echo "total: $(( $(date +%s) - t0 )) s"
