@@ -14,7 +14,7 @@ KERNELS = ("attn_res_mix_norm", "mla_lowrank_norm", "rms_norm", "moe_route", "co
 
 # ops whose torch reference is already what a GPU should run (one GEMM over cached concatenated
 # weights; stream and prefetch bookkeeping): as fast on CUDA as the unfused graph under Inductor
-NATIVE = ("linear_concat", "moe_front", "stream_fork", "stream_join", "prefetch_l2")
+NATIVE = ("linear_concat", "stream_fork", "stream_join", "prefetch_l2")
 
 _registered: list[str] = []
 

@@ -8,10 +8,11 @@ from kernel_checks import BUCKETS, TOL, rel_err
 
 from k3compile.ops.attn_res import attn_res_mix_norm_ref
 from k3compile.ops.gemm import norm_linear_ref
+from k3compile.ops.moe import moe_front_ref
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("cuda_kernels")]
 
-HIDDEN, O_IN, LATENT, EPS = 7168, 768, 3584, 1e-5
+HIDDEN, O_IN, LATENT, EXPERTS, EPS = 7168, 768, 3584, 896, 1e-5
 
 
 def _bf16(gen, *shape, scale=1.0):
@@ -63,3 +64,17 @@ def test_three_dim_rows(gen):
     got = torch.ops.k3.norm_linear(u, wnorm, w, EPS, None)
     assert got.shape == (2, 8, HIDDEN)
     assert rel_err(got, norm_linear_ref(u, wnorm, w, EPS)) < TOL["bf16_rel_norm"]
+
+
+@pytest.mark.parametrize("n", BUCKETS)
+def test_moe_front_router_in_fp32_from_bf16_weights(gen, n):
+    """Router logits from a bf16 GEMM with fp32 output equal the reference's fp32 GEMM of the
+    upcast weight up to summation order; the latent down-projection is the plain GEMM."""
+    x = _bf16(gen, n, HIDDEN)
+    router_w = _bf16(gen, EXPERTS, HIDDEN, scale=HIDDEN ** -0.5)
+    down_w = _bf16(gen, LATENT, HIDDEN, scale=HIDDEN ** -0.5)
+    logits, z = torch.ops.k3.moe_front(x, router_w, down_w)
+    want_logits, want_z = moe_front_ref(x, router_w, down_w)
+    assert logits.dtype == torch.float32 and z.dtype == torch.bfloat16
+    assert rel_err(logits, want_logits) < 1e-5  # exact products, fp32 sums in another order
+    torch.testing.assert_close(z, want_z, rtol=0, atol=0)
