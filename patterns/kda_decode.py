@@ -24,7 +24,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from k3compile.rewrite import Pattern, tensor_meta
+from k3compile.rewrite import Pattern, tensor_meta, with_signature
 
 # Tokens per request with a variant: decode (1) and the DSpark verify block (anchor + 7 drafts).
 # Each T is its own pattern (~0.5 s of tracing per variant, once per process).
@@ -62,6 +62,15 @@ def setitem(buf, index, value):
 
 def kda_step(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weight, k_conv_weight,
              v_conv_weight, A_log, dt_bias, o_norm_weight, lower_bound, l2_eps, q_scale, norm_eps):
+    """KimiDeltaAttention.forward after the projections (see `_step`)."""
+    return _step(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weight,
+                 k_conv_weight, v_conv_weight, A_log, dt_bias, o_norm_weight, lower_bound, l2_eps,
+                 q_scale, norm_eps, silu_written_out=False)
+
+
+def _step(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weight, k_conv_weight,
+          v_conv_weight, A_log, dt_bias, o_norm_weight, lower_bound, l2_eps, q_scale, norm_eps,
+          silu_written_out):
     """KimiDeltaAttention.forward after the projections, with the state writes made functional
     (as they are in the graph). Returns (new recurrent state, new conv state, o)."""
     B, T, _ = q.shape
@@ -72,7 +81,9 @@ def kda_step(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_wei
     conv_state_out = setitem(conv_state, (slots,), window[..., T:])
     taps = torch.cat([q_conv_weight, k_conv_weight, v_conv_weight])
     conv = F.conv1d(window.float(), taps.float(), groups=taps.shape[0])
-    conv = F.silu(conv).to(q.dtype).transpose(1, 2)
+    # silu as torch's op (its decomposition is x / (1 + exp(-x))) or written out as x·σ(x)
+    conv = (conv * torch.sigmoid(conv) if silu_written_out else F.silu(conv))
+    conv = conv.to(q.dtype).transpose(1, 2)
     cq, ck, cv = conv.split(nh * hd, dim=-1)
     cq = _l2norm(cq.float().view(B, T, nh, hd), l2_eps) * q_scale
     ck = _l2norm(ck.float().view(B, T, nh, hd), l2_eps)
@@ -140,7 +151,7 @@ def check(match) -> str | None:
     return None
 
 
-def _variant(T: int, B: int, dtype: torch.dtype) -> Pattern:
+def _variant(T: int, B: int, dtype: torch.dtype, silu_written_out: bool = False) -> Pattern:
     def example_inputs():
         W = H * K
         act = [torch.randn(B, T, W, dtype=dtype) for _ in range(5)]
@@ -151,13 +162,17 @@ def _variant(T: int, B: int, dtype: torch.dtype) -> Pattern:
         weights += [torch.randn(H), torch.randn(W), torch.randn(K, dtype=dtype)]
         return [*act, b, *state, *weights, *SCALARS.values()]
 
+    # written out: the same step; its op computes silu as torch does (an ulp apart)
+    search = with_signature(lambda *a: _step(*a, silu_written_out=silu_written_out), NAMES)
     return Pattern(
-        name=f"kda_decode[T={T},B={'1' if B == 1 else 'n'},{str(dtype).removeprefix('torch.')}]",
-        search=kda_step, replace=replace,
+        name=f"kda_decode[T={T},B={'1' if B == 1 else 'n'},{str(dtype).removeprefix('torch.')}"
+             f"{',silu_written_out' if silu_written_out else ''}]",
+        search=search, replace=replace,
         example_inputs=example_inputs, op="k3.kda_decode", check=check, scalars=dict(SCALARS),
         distinctive=("convolution", "index_put", "bmm", "rsqrt"), joint_passes=True,
     )
 
 
 def patterns() -> list[Pattern]:
-    return [_variant(t, b, d) for t, b, d in itertools.product(TOKENS, BATCHES, DTYPES)]
+    return [_variant(t, b, d, w) for w, t, b, d in
+            itertools.product((False, True), TOKENS, BATCHES, DTYPES)]

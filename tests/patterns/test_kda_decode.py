@@ -55,3 +55,23 @@ def test_verify_width_without_a_variant_is_a_near_miss():
     gm = graph(kda_decode.kda_step, *args, joint=True)
     report = apply_patterns(gm.graph, family("kda_decode"))
     assert_near_miss(report, "kda_decode")
+
+
+def test_silu_written_out_is_the_same_step():
+    """`conv * sigmoid(conv)` for F.silu: the written-out variant takes the site; the op computes
+    torch's silu, an ulp or so from the written-out product."""
+    def written_out(*args):
+        return kda_decode._step(*args, silu_written_out=True)
+
+    args = _site()
+    state = args[kda_decode.NAMES.index("recurrent_state")]
+    args[kda_decode.NAMES.index("recurrent_state")] = state * 0.05  # a decode-sized state
+    args[kda_decode.NAMES.index("q_scale")] = state.shape[-1] ** -0.5  # the model's scale
+    gm = graph(written_out, *args, joint=True)
+    want = gm(*[a.clone() if isinstance(a, torch.Tensor) else a for a in args])
+    report = apply_patterns(gm.graph, family("kda_decode"))
+    gm.recompile()
+    assert [h.pattern for h in report.hits] == ["kda_decode[T=1,B=n,bfloat16,silu_written_out]"]
+    got = gm(*[a.clone() if isinstance(a, torch.Tensor) else a for a in args])
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.float(), w.float(), rtol=2e-2, atol=2e-2)

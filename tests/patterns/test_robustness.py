@@ -18,15 +18,13 @@ binary add/mul of a pattern matches either operand order (`k3compile.inductor.co
 `delta_first` (`a + prefix`): attn_res_mix_norm binds its two operands in swapped roles (the
 same sum), and `oproj_attn_res_mix_norm`'s `swapped` variants take o_proj in that role.
 
-Known gaps (each spelling compiled alone):
-* `silu_written_out` (`conv * sigmoid(conv)`; the search graph's F.silu decomposes to
-  `x / (1 + exp(-x))`): kda_decode (and fb_kda_decode holding it).
-* `topk_sort` (`sort(...)[1][..., :k]` for topk): moe_route.
+`silu_written_out` (`conv * sigmoid(conv)`; torch's F.silu decomposes to `x / (1 + exp(-x))`):
+kda_decode's `silu_written_out` variants (the op computes torch's silu: an ulp apart, within the
+tolerance).
 
-Diagnostics (xfail): at the layers that lose kda_decode no near miss names the node (the
-resemblance test cuts the anchor's input cone depth first at the pattern's size, and the cut runs
-up one operand into the rest of the model), and moe_route's reads "repeated pattern differs",
-which names no node.
+Known gap: `topk_sort` (`sort(...)[1][..., :k]` for topk) loses moe_route (the fused router is
+topk; a sort picks among exact ties at the k-th score by another rule, so it is not rewritten).
+Diagnostics (xfail): moe_route's near miss reads "repeated pattern differs", which names no node.
 """
 
 from __future__ import annotations
@@ -49,12 +47,12 @@ from .attention_checks import one_thread  # noqa: F401
 CFG = dataclasses.replace(get_config("tiny"), num_hidden_layers=4, full_attn_layers=(2, 3))
 SAME_PLAN = frozenset({"reshape", "delta_first", "situ_beta_last", "topk_method", "rms_builtin",
                        "rms_weight_last", "gate_first", "situ_lin_first", "mix_alpha_last",
-                       "bias_first"})
+                       "bias_first", "silu_written_out"})
 GAPS = SPELLINGS - SAME_PLAN
 # the k3 ops the gap spellings cost (see the docstring; also as the suffix of a larger fusion
 # that holds one), and ops placed around fused ones
-GAP_OPS = {"kda_decode", "moe_route"}
-UNDIAGNOSED = ("kda_decode", "moe_route")
+GAP_OPS = {"moe_route"}
+UNDIAGNOSED = ("moe_route",)
 STEPS = 2
 _LAYER = re.compile(r"layers\.(\d+)\.")
 
@@ -140,7 +138,8 @@ def _lost(reference, gaps):
 def test_gap_spellings_lose_only_the_known_ops(reference, gaps):
     got = _per_layer(gaps[2])
     for layer, lost in _lost(reference, gaps).items():
-        assert lost, f"layer {layer}: the gap spellings lost nothing (fixed? move them)"
+        if reference[layer]["moe_route"]:  # topk_sort: every MoE layer loses its router
+            assert lost, f"layer {layer}: the gap spellings lost nothing (fixed? move them)"
         # a larger fusion holding a lost one (fb_kda_decode, oproj_attn_res_mix_norm) is lost too
         assert all(op.endswith(tuple(GAP_OPS)) for op in lost), (layer, dict(lost))
         assert not got[layer] - reference[layer] - collections.Counter(
