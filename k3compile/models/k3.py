@@ -20,6 +20,7 @@ a scratch slot: rows that only pad a batch point there and never touch a real re
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -419,7 +420,12 @@ class K3ForCausalLM(nn.Module):
         if self.group is not None:
             import torch.distributed._functional_collectives as funcol
 
-            logits = funcol.all_gather_tensor(logits.contiguous(), gather_dim=-1, group=self.group)
+            # gathered along dim 0 and laid out by hand: torch 2.11's Dynamo cannot trace the
+            # chunk-cat that gather_dim=-1 does (the H200 machine's torch)
+            world = dist.get_world_size(self.group)
+            parts = funcol.all_gather_tensor(logits.contiguous(), gather_dim=0, group=self.group)
+            parts = parts.view(world, *logits.shape)  # [W, B, T, V/W]
+            logits = parts.permute(1, 2, 0, 3).reshape(*logits.shape[:-1], -1)
         return logits.squeeze(1) if single else logits
 
     @torch.no_grad()
