@@ -13,6 +13,7 @@ from k3compile.kernels import (
     mla_lowrank_norm,
     moe_route,
     rms_norm,
+    situ,
 )
 from k3compile.kernels.common.dsl import BUCKETS, cubin_of, cubin_resources
 
@@ -37,6 +38,8 @@ def _cases():
         (rms_norm, (1024,)),
         (moe_route, (896, 16)),
         (moe_route, (64, 4)),
+        (situ, (384,)),  # shared experts' SiTU at TP16 (768 / 2 per rank)
+        (situ, (1000,)),  # predicated vectors
     ]
     for module, scalars in shapes:
         for b in BUCKETS:

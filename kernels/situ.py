@@ -1,0 +1,160 @@
+"""CuTe DSL kernel for the SiTU-GLU activation of `k3::situ_gate_up` (spec §3.3 step 8):
+
+    y = bf16( β·tanh(g/β)·σ(g) · β₂·tanh(u/β₂) )      g, u = the two halves of gate_up, fp32 math
+
+One CTA per row: each thread loads one 16-byte vector of g and the matching vector of u, computes
+in fp32 and stores one 16-byte vector of y. With `situ_gate_up_cuda` (one cuBLAS GEMM over the
+cached [W_g; W_u], then this kernel) the op becomes two launches on the GPU, which lets the
+backend fuse it there and put the shared experts on the side stream.
+
+Not registered yet: it has not run on a GPU. The next H200 call runs `tests/kernels/test_situ.py`;
+when it passes, add "situ" to `KERNELS` in `kernels/__init__.py` (its `OPS` names
+`situ_gate_up`).
+
+Constraints:
+    * gate_up bf16 [N, 2I], contiguous rows (row stride a multiple of 8 elements), 16-byte-aligned;
+      I % 8 == 0 and 8 <= I <= 8192; β, β₂ runtime scalars.
+"""
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from k3compile.ops.gemm import gate_up_weight, situ_ref
+
+from .common.dsl import (
+    BUCKETS,
+    CompileCache,
+    aligned16,
+    compile_kernel,
+    fake_rows,
+    fake_stream,
+    fallback,
+    flat_rows,
+    pick_threads,
+    rows_ok,
+    runtime_refusal,
+)
+
+OP = "situ"
+OPS = ("situ_gate_up",)
+MAX_WIDTH = 8192
+
+
+@dataclass(frozen=True)
+class Config:
+    threads: int
+    vec_per_thread: int
+
+
+def config(width: int, batch_bucket: int) -> Config:
+    """One 16-byte vector of g (and of u) per thread while a row fits 1024 threads."""
+    return Config(*pick_threads(width // 8, 1 if batch_bucket <= 8 else 2))
+
+
+def refusal(gate_up) -> str | None:
+    if gate_up.dim() != 2 or gate_up.shape[-1] % 2:
+        return f"gate_up {tuple(gate_up.shape)} is not [N, 2I]"
+    width = gate_up.shape[-1] // 2
+    if width % 8 or not 8 <= width <= MAX_WIDTH:
+        return f"width {width} (want a multiple of 8 in [8, {MAX_WIDTH}])"
+    if why := rows_ok(gate_up, 2 * width, torch.bfloat16):
+        return f"gate_up: {why}"
+    return None
+
+
+def can_implement(gate_up) -> bool:
+    return refusal(gate_up) is None
+
+
+@functools.cache
+def _kernel_class():
+    from cutlass import BFloat16, Float32, cute
+
+    from .common.copy import load_vectors, make_frag, row_vectors, store_vectors
+
+    class SiTU:
+        def __init__(self, width: int, cfg: Config):
+            self.width, self.n_vec = width, width // 8
+            self.threads, self.v = cfg.threads, cfg.vec_per_thread
+
+        @cute.jit
+        def __call__(self, mGU: cute.Tensor, mY: cute.Tensor, beta: Float32, linear_beta: Float32,
+                     stream):
+            # mGU: (N, 2I) = [g | u]; mY: (N, I)
+            self.kernel(mGU, mY, beta, linear_beta).launch(
+                grid=[mY.shape[0], 1, 1], block=[self.threads, 1, 1], stream=stream)
+
+        @cute.kernel
+        def kernel(self, mGU: cute.Tensor, mY: cute.Tensor, beta: Float32, linear_beta: Float32):
+            tidx, _, _ = cute.arch.thread_idx()
+            row, _, _ = cute.arch.block_idx()
+            T, nv = self.threads, self.n_vec
+            gRow = row_vectors(mGU, row)  # (8, 2 * n_vec): g's vectors, then u's
+            rG, rU = make_frag(BFloat16, self.v), make_frag(BFloat16, self.v)  # (8, V)
+            load_vectors(gRow, rG, tidx, T, nv)
+            load_vectors(gRow, rU, tidx, T, nv, first=nv)
+            g = rG.load().to(Float32)
+            u = rU.load().to(Float32)
+            sig = 1.0 / (1.0 + cute.math.exp(-g, fastmath=True))
+            act = beta * cute.math.tanh(g / beta, fastmath=False) * sig
+            lin = linear_beta * cute.math.tanh(u / linear_beta, fastmath=False)
+            rG.store((act * lin).to(BFloat16))
+            store_vectors(rG, row_vectors(mY, row), tidx, T, nv)
+
+    return SiTU
+
+
+_cache = CompileCache(OP)
+
+
+def compiled(width: int, cfg: Config, arch: str | None = None):
+    return _cache.get((width, cfg, arch), lambda: build(width, cfg, arch))
+
+
+def prepare(width: int, buckets=BUCKETS) -> None:
+    """Compile the kernel of every batch bucket for this width (call before graph capture)."""
+    from .common.dsl import bucket
+
+    for b in buckets:
+        compiled(width, config(width, bucket(b)))
+
+
+def build(width, cfg, arch=None, dump_dir=None):
+    """Compile now, uncached (`dump_dir` keeps the cubin)."""
+    import cutlass
+    from cutlass import cute
+
+    bf16, n = cutlass.BFloat16, cute.sym_int()
+    return compile_kernel(_kernel_class()(width, cfg), fake_rows(bf16, n, 2 * width),
+                          fake_rows(bf16, n, width, width), cutlass.Float32(4.0),
+                          cutlass.Float32(25.0), fake_stream(), arch=arch, dump_dir=dump_dir)
+
+
+def situ_cuda(gate_up, beta, linear_beta, *, out=None):
+    """SiTU-GLU of gate_up [N, 2I] -> [N, I]: the kernel, or the reference if refused."""
+    from .common.dsl import bucket
+
+    reason = runtime_refusal() or refusal(gate_up) or (
+        None if aligned16(gate_up) else "data not 16-byte aligned")
+    width = gate_up.shape[-1] // 2
+    if reason:
+        fallback(OP, reason)
+        gate, up = gate_up.split(width, dim=-1)
+        return situ_ref(gate, up, beta, linear_beta)
+    n = gate_up.shape[0]
+    y = gate_up.new_empty((n, width)) if out is None else out
+    if n:
+        compiled(width, config(width, bucket(n)))(gate_up, y, float(beta), float(linear_beta))
+    return y
+
+
+def situ_gate_up_cuda(x, wg, wu, beta, linear_beta):
+    """k3::situ_gate_up on CUDA: one cuBLAS GEMM over the cached [W_g; W_u], then the kernel."""
+    return situ_cuda(F.linear(x, gate_up_weight(wg, wu)), beta, linear_beta)
+
+
+def register() -> None:
+    torch.library.register_kernel("k3::situ_gate_up", "cuda", flat_rows(situ_gate_up_cuda))
