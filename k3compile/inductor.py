@@ -12,6 +12,7 @@ from torch._inductor.pattern_matcher import (
     FailedMatch,
     KeywordArg,
     Match,
+    MatchContext,
     MultiOutputPattern,
     PatternExpr,
     fwd_only,
@@ -112,6 +113,27 @@ def _restore(ctx, saved) -> None:
     ctx.exclusive_node_set[:] = saved[1]
 
 
+class _ExplainingContext(MatchContext):
+    """Inductor's match context, but a pattern node met twice at different graph nodes (a value
+    the pattern uses twice, which the graph computes twice or differently) names the node."""
+
+    def match(self, pattern, node):
+        if pattern in self.pattern_to_node and self.pattern_to_node[pattern] != node:
+            return FailedMatch("repeated_pattern: node={node} is not the node this pattern value "
+                               "was bound to elsewhere ({bound})", node=node, pattern=pattern,
+                               bound=self.pattern_to_node[pattern])
+        return super().match(pattern, node)
+
+
+def match(expr, node):
+    """expr.match(node), with the repeated-value failure naming its node."""
+    outputs = list(expr.outputs) if isinstance(expr, MultiOutputPattern) else [expr]
+    try:
+        return _ExplainingContext(outputs, graph=node.graph).match(expr, node)
+    except FailedMatch as e:
+        return e
+
+
 def commutative(expr) -> None:
     """Let every binary add.Tensor / mul.Tensor of a pattern tree match either operand order."""
     seen = set()
@@ -145,6 +167,7 @@ __all__ = [
     "gen_pattern_and_search_gm",
     "inductor_config",
     "make_boxed_func",
+    "match",
     "stable_topological_sort",
     "unset_fake_temporarily",
     "wildcard_strings",

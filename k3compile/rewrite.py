@@ -197,7 +197,7 @@ def apply_patterns(graph: fx.Graph, patterns: Sequence[Pattern], batch: int | No
                 continue
             if node._erased:
                 continue
-            m = pattern.expr.match(node)
+            m = inductor.match(pattern.expr, node)
             if not m:
                 if _resembles(pattern, node):
                     report.near_misses.append(NearMiss(pattern.name, node.name, _reason(m), module_path(node)))

@@ -59,5 +59,7 @@ def patterns() -> list[Pattern]:
     return [Pattern(
         name="moe_route", search=search, replace=replace, example_inputs=example_inputs,
         op="k3.moe_route", check=check, scalars={"top_k": TOP_K, "scaling": SCALING},
-        distinctive=("topk", "gather"),
+        # gather + sigmoid mark a router: a top-k spelled otherwise (a sort) is then a near miss
+        # naming the node where the top-k was expected
+        distinctive=("gather", "sigmoid"),
     )]

@@ -24,7 +24,8 @@ tolerance).
 
 Known gap: `topk_sort` (`sort(...)[1][..., :k]` for topk) loses moe_route (the fused router is
 topk; a sort picks among exact ties at the k-th score by another rule, so it is not rewritten).
-Diagnostics (xfail): moe_route's near miss reads "repeated pattern differs", which names no node.
+Diagnostics: at every layer that loses moe_route a near miss names the node where the top-k was
+expected (the sort's slice).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ GAPS = SPELLINGS - SAME_PLAN
 # the k3 ops the gap spellings cost (see the docstring; also as the suffix of a larger fusion
 # that holds one), and ops placed around fused ones
 GAP_OPS = {"moe_route"}
-UNDIAGNOSED = ("moe_route",)
+DIAGNOSED = ("moe_route",)
 STEPS = 2
 _LAYER = re.compile(r"layers\.(\d+)\.")
 
@@ -174,9 +175,6 @@ def _assert_lost_fusions_named(reference, gaps, pattern):
                                                    if nm.pattern.startswith(pattern)][:3])
 
 
-@pytest.mark.xfail(strict=True, reason="no near miss at some layer that lost the op (the "
-                   "depth-first cone cut misses the site), or, for moe_route, only 'repeated "
-                   "pattern differs', which names no node")
-@pytest.mark.parametrize("pattern", UNDIAGNOSED)
+@pytest.mark.parametrize("pattern", DIAGNOSED)
 def test_lost_fusions_are_near_misses_naming_the_node(reference, gaps, pattern):
     _assert_lost_fusions_named(reference, gaps, pattern)
