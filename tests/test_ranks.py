@@ -4,6 +4,7 @@ fail together, with a diff. Two gloo processes on CPU, hand-built graphs."""
 
 from __future__ import annotations
 
+import datetime
 import os
 import socket
 
@@ -48,7 +49,8 @@ def test_no_collective_no_check():
 
 def _worker(rank: int, port: int, out_dir: str, differ: bool):
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    dist.init_process_group("gloo", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=300))  # a hang fails
     try:
         name = dist.group.WORLD.group_name
         graph = _graph(extra=differ and rank == 1, group=name)

@@ -7,6 +7,7 @@ the 2 cores of CI, and each compiles once."""
 
 from __future__ import annotations
 
+import datetime
 import os
 import socket
 
@@ -44,7 +45,8 @@ def _gemm_weight_bytes(graph) -> dict[str, int]:
 def _worker(rank: int, world: int, port: int, out_dir: str):
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=300))  # a hang fails
     try:
         import k3compile.backend as k3be
         from k3compile.models import build_model, get_config

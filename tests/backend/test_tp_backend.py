@@ -4,6 +4,7 @@ CPU implementation does the all-reduce), and the compiled TP=2 model equals the 
 
 from __future__ import annotations
 
+import datetime
 import os
 import socket
 
@@ -23,7 +24,8 @@ def _free_port() -> int:
 def _worker(rank: int, port: int, out_dir: str):
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=TP)
+    dist.init_process_group("gloo", rank=rank, world_size=TP,
+                            timeout=datetime.timedelta(seconds=300))  # a hang fails
     try:
         import k3compile.backend as k3be
         from k3compile.models import build_model, get_config

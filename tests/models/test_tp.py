@@ -7,6 +7,7 @@ with gather_dim=-1 for the vocab-split lm_head) directly on gloo.
 
 from __future__ import annotations
 
+import datetime
 import os
 import socket
 
@@ -44,7 +45,8 @@ def _check_collectives(rank: int, group) -> list[str]:
 def _worker(rank: int, port: int, out_dir: str):
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=TP)
+    dist.init_process_group("gloo", rank=rank, world_size=TP,
+                            timeout=datetime.timedelta(seconds=300))  # a hang fails
     try:
         group = dist.group.WORLD
         result = {"problems": _check_collectives(rank, group), "errors": []}
