@@ -9,6 +9,7 @@ check wants a compile-time float); layer 4 has layer 2's structure and stays int
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 
 import pytest
@@ -183,3 +184,12 @@ def test_streams_and_prefetch_points():
     assert streams == Counter({("1", "mm"): 1})
     assert sync == ["k3difftest.stream_join @ ?"]
     assert [pf.text() for pf in points] == ["k3difftest.prefetch_l2 @ ?: 1 weights (layers.1.w)"]
+
+
+def test_ops_left_unfused_on_the_device_are_reported(broken):
+    report, bucket, _ = broken
+    assert bucket.deferred == {}  # CPU: everything fuses, nothing to report
+    assert "left unfused on this device" not in diff.format_text(report, color=False)
+    shown = dataclasses.replace(bucket, deferred={"kda_decode": "no CUDA kernel yet"})
+    text = diff.format_text(dataclasses.replace(report, buckets=[shown]), color=False)
+    assert "left unfused on this device: kda_decode (no CUDA kernel yet)" in text
