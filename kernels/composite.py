@@ -21,6 +21,8 @@ its inputs (the kernel wrappers log why).
 import torch
 import torch.nn.functional as F
 
+from k3compile.ops.attn_res import mix_norm_after
+
 from .attn_res_mix_norm import attn_res_mix_norm_cuda
 from .common.dsl import flat_rows
 from .rms_norm import rms_norm_cuda
@@ -28,30 +30,20 @@ from .rms_norm import rms_norm_cuda
 OPS = ("oproj_attn_res_mix_norm", "allreduce_attn_res_mix_norm", "norm_linear", "moe_front")
 
 
-def _mix_norm_after_cuda(a, prefix, blocks, mix_norm_weight, mix_proj_weight, norm_weight,
-                         mix_eps, norm_eps):
-    """Post-attention mix fed by a: prefix + a, or a where a block starts (no prefix)."""
-    if prefix is None:
-        return attn_res_mix_norm_cuda(a, None, blocks, mix_norm_weight, mix_proj_weight,
-                                      norm_weight, mix_eps, norm_eps)
-    return attn_res_mix_norm_cuda(prefix, a, blocks, mix_norm_weight, mix_proj_weight,
-                                  norm_weight, mix_eps, norm_eps)
-
-
 def oproj_attn_res_mix_norm_cuda(o, o_proj_weight, prefix, blocks, mix_norm_weight,
                                  mix_proj_weight, norm_weight, mix_eps, norm_eps):
     # o, prefix, blocks: [N, ·] rows (flat_rows)
     a = F.linear(o, o_proj_weight)
-    return _mix_norm_after_cuda(a, prefix, list(blocks), mix_norm_weight, mix_proj_weight,
-                                norm_weight, mix_eps, norm_eps)
+    return mix_norm_after(a, prefix, list(blocks), mix_norm_weight, mix_proj_weight, norm_weight,
+                          mix_eps, norm_eps, mix_norm=attn_res_mix_norm_cuda)
 
 
 def allreduce_attn_res_mix_norm_cuda(partial, prefix, blocks, mix_norm_weight, mix_proj_weight,
                                      norm_weight, mix_eps, norm_eps, group_name):
     c10d = torch.ops._c10d_functional
     a = c10d.wait_tensor(c10d.all_reduce(partial, "sum", group_name))
-    return _mix_norm_after_cuda(a, prefix, list(blocks), mix_norm_weight, mix_proj_weight,
-                                norm_weight, mix_eps, norm_eps)
+    return mix_norm_after(a, prefix, list(blocks), mix_norm_weight, mix_proj_weight, norm_weight,
+                          mix_eps, norm_eps, mix_norm=attn_res_mix_norm_cuda)
 
 
 def norm_linear_cuda(u, norm_w, w, eps, residual=None):

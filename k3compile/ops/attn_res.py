@@ -31,15 +31,15 @@ def attn_res_mix_norm_ref(prefix, delta, blocks, mix_norm_weight, mix_proj_weigh
     return prefix_out, rms_norm_ref(h, norm_weight, norm_eps)
 
 
-def _mix_norm_after(a, prefix, blocks, mix_norm_weight, mix_proj_weight, norm_weight, mix_eps,
-                    norm_eps):
+def mix_norm_after(a, prefix, blocks, mix_norm_weight, mix_proj_weight, norm_weight, mix_eps,
+                   norm_eps, mix_norm=attn_res_mix_norm_ref):
     """The post-attention mix fed by the attention output a: prefix + a, or a where a block
-    starts (no prefix)."""
+    starts (no prefix). `mix_norm` computes it: the reference, or a kernel on CUDA."""
     if prefix is None:
-        return attn_res_mix_norm_ref(a, None, blocks, mix_norm_weight, mix_proj_weight,
-                                     norm_weight, mix_eps, norm_eps)
-    return attn_res_mix_norm_ref(prefix, a, blocks, mix_norm_weight, mix_proj_weight,
-                                 norm_weight, mix_eps, norm_eps)
+        return mix_norm(a, None, blocks, mix_norm_weight, mix_proj_weight, norm_weight, mix_eps,
+                        norm_eps)
+    return mix_norm(prefix, a, blocks, mix_norm_weight, mix_proj_weight, norm_weight, mix_eps,
+                    norm_eps)
 
 
 @torch.library.custom_op("k3::attn_res_mix_norm", mutates_args=())
@@ -67,7 +67,7 @@ def allreduce_attn_res_mix_norm(
     """a = all_reduce(partial) over the TP group; prefix_out = prefix + a (or a); mix; norm."""
     a = torch.ops._c10d_functional.wait_tensor(
         torch.ops._c10d_functional.all_reduce(partial, "sum", group_name))
-    return _mix_norm_after(a, prefix, blocks, mix_norm_weight, mix_proj_weight, norm_weight,
+    return mix_norm_after(a, prefix, blocks, mix_norm_weight, mix_proj_weight, norm_weight,
                            mix_eps, norm_eps)
 
 
@@ -86,7 +86,7 @@ def oproj_attn_res_mix_norm(
     """a = o · W_oᵀ (world size 1: no collective after o_proj); prefix_out = prefix + a (or a,
     where a block starts); mix; norm. The GEMM is the kernel's prologue."""
     a = torch.nn.functional.linear(o, o_proj_weight)
-    return _mix_norm_after(a, prefix, blocks, mix_norm_weight, mix_proj_weight, norm_weight,
+    return mix_norm_after(a, prefix, blocks, mix_norm_weight, mix_proj_weight, norm_weight,
                            mix_eps, norm_eps)
 
 
