@@ -34,14 +34,22 @@ def fwd_only_fake(fn, args, *, get_decomp_fn=None):
     return gm
 
 
+# Inductor's own pattern passes stay off in our compile: they run before our stages and change
+# the graph the patterns look for, differently per torch version and device. torch 2.11's
+# pointless_convert drops bf16 -> fp32 round trips (the model's roundings, so numerics too); on a
+# GPU pad_mm rewrites unaligned mms into pad + mm + slice (measured on the H200, BENCHMARKS.md).
+# Inductor's fusion and codegen are unaffected. Search graphs traced through the joint passes
+# see the same config.
+GRAPH_PASSES_OFF = {"pattern_matcher": False, "shape_padding": False}
+
+
 def fwd_only_joint(fn, args, *, get_decomp_fn=None):
     """`fwd_only_fake`, then Inductor's joint-graph passes: the search graph takes the form the
     model's graph has when our stages see it (e.g. the permute pairs of an einsum folded away)."""
     from torch._inductor.fx_passes.joint_graph import joint_graph_passes
 
     gm = fwd_only_fake(fn, args, get_decomp_fn=get_decomp_fn)
-    # as in our compile (k3compile.pipeline): the joint passes without Inductor's pattern passes
-    with inductor_config.patch(pattern_matcher=False):
+    with inductor_config.patch(GRAPH_PASSES_OFF):  # as in our compile
         joint_graph_passes(gm)
     return gm
 
@@ -154,6 +162,7 @@ def commutative(expr) -> None:
 
 
 __all__ = [
+    "GRAPH_PASSES_OFF",
     "FailedMatch",
     "Match",
     "MultiOutputPattern",

@@ -239,13 +239,8 @@ class Pipeline:
 
             return inductor.make_boxed_func(runner(aten_gm))
 
-        # Inductor's own pattern passes off: they run before our stages and change the graph the
-        # patterns look for, differently per torch version and device. torch 2.11's
-        # pointless_convert drops bf16 -> fp32 round trips (the model's roundings, so numerics
-        # too); on a GPU pad_mm rewrites unaligned mms into pad + mm + slice (measured on the
-        # H200, BENCHMARKS.md). Inductor's fusion and codegen are unaffected.
         patches = {"fx_graph_cache": False, "emulate_precision_casts": True,
-                   "pattern_matcher": False, "shape_padding": False}
+                   **inductor.GRAPH_PASSES_OFF}  # see there: Inductor's pattern passes off
         with torch._functorch.config.patch(enable_autograd_cache=False):
             return inductor.compile_fx(gm, example_inputs, inner_compile=inner_compile,
                                        config_patches=patches)
