@@ -13,10 +13,10 @@ device-to-device copy measured in the same run (read + write bytes).
 import argparse
 import functools
 import json
-import statistics
 
 import torch
 import torch.nn.functional as F
+from graph_timing import graph_us as replay_us
 from k3compile.kernels import gemv
 
 # [N, K] of one TP16 rank (see tests/kernels/test_gemv.py)
@@ -48,26 +48,8 @@ def graph_us(call, weights) -> float:
     """Median µs per call of call(w), at least CALLS calls per graph, cycling over every weight
     copy (whole cycles: each copy is read as often as the others)."""
     calls = -(-CALLS // len(weights)) * len(weights)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for w in weights[:2]:
-            call(w)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            call(weights[i % len(weights)])
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(REPLAYS):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return statistics.median(times)
+    return replay_us([functools.partial(call, weights[i % len(weights)]) for i in range(calls)],
+                     [functools.partial(call, w) for w in weights[:2]], REPLAYS)
 
 
 def weight_copies(n, k):

@@ -13,9 +13,9 @@ a decode step (the previous kernel just wrote them). Shapes are one K3 TP16 rank
 import argparse
 import json
 import math
-import statistics
 
 import torch
+from graph_timing import graph_us as replay_us
 from k3compile.kernels import attn_res_mix_norm, register_all
 from k3compile.kernels.common.dsl import pick_threads
 
@@ -78,27 +78,7 @@ CASES = {
 
 def graph_us(fn) -> float:
     """Median µs per call of fn, REPS calls per CUDA graph, REPLAYS timed replays."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(REPS):
-            fn()
-    for _ in range(3):
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(REPLAYS):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / REPS)
-    return statistics.median(times)
+    return replay_us([fn] * REPS, [fn] * 3, REPLAYS, warm_replays=3)
 
 
 def sweep(buckets):
