@@ -32,15 +32,30 @@ class RanksDiffer(RuntimeError):
     pass
 
 
-def _describe(value, index: dict[fx.Node, int], collective: bool) -> str:
+def _describe(value, index: dict[fx.Node, int]) -> str:
     if isinstance(value, fx.Node):
         return f"%{index[value]}"
     if isinstance(value, (list, tuple)):
-        inner = ", ".join(_describe(v, index, collective) for v in value)
+        inner = ", ".join(_describe(v, index) for v in value)
         return f"[{inner}]" if isinstance(value, list) else f"({inner})"
-    if isinstance(value, str) and collective:
-        return "<group>"  # a process group's name: the gather itself runs over that group
     return repr(value)
+
+
+def _masked(node: fx.Node) -> tuple[list, dict]:
+    """node's arguments with what differs by rank by design masked: process-group names (the
+    gather itself runs over the group; found by the op's schema) and this rank's row slice of a
+    sharded weight (stage shard, `meta["k3_rank_rows"]`)."""
+    args, kwargs = list(node.args), dict(node.kwargs)
+    schema = getattr(node.target, "_schema", None)
+    for i, arg in enumerate(schema.arguments if schema is not None else ()):
+        if "group" in arg.name:
+            if i < len(args):
+                args[i] = "<group>"
+            elif arg.name in kwargs:
+                kwargs[arg.name] = "<group>"
+    if "k3_rank_rows" in node.meta:
+        args[2:] = ["<this rank's rows>"]
+    return args, kwargs
 
 
 def _meta(node: fx.Node) -> str:
@@ -69,12 +84,9 @@ def summary(graph: fx.Graph, batch: int | None = None, options=None) -> list[str
     for node in graph.nodes:
         target = "" if node.op == "placeholder" else getattr(node.target, "__name__",
                                                                str(node.target))
-        collective = "c10d" in str(node.target) or "allreduce" in target
-        args = node.args
-        if "k3_rank_rows" in node.meta:  # this rank's row slice of a sharded weight (stage shard)
-            args = (*args[:2], "<this rank's rows>")
-        args = _describe(tuple(args), index, collective)
-        kwargs = _describe(tuple(sorted(node.kwargs.items())), index, collective) if node.kwargs else ""
+        args, kwargs = _masked(node)
+        args = _describe(tuple(args), index)
+        kwargs = _describe(tuple(sorted(kwargs.items())), index) if kwargs else ""
         lines.append(f"%{index[node]} {node.op} {target}{args}{kwargs} -> {_meta(node)}")
     return lines
 
