@@ -28,6 +28,7 @@ from .common.dsl import (
     BUCKETS,
     CompileCache,
     aligned16,
+    bucket,
     compile_kernel,
     fake_rows,
     fake_stream,
@@ -116,10 +117,8 @@ def compiled(width: int, cfg: Config, arch: str | None = None):
 
 def prepare(width: int, buckets=BUCKETS) -> None:
     """Compile the kernel of every batch bucket for this width (call before graph capture)."""
-    from .common.dsl import bucket
-
     for b in buckets:
-        compiled(width, config(width, bucket(b)))
+        compiled(width, config(width, b))
 
 
 def build(width, cfg, arch=None, dump_dir=None):
@@ -135,8 +134,6 @@ def build(width, cfg, arch=None, dump_dir=None):
 
 def situ_cuda(gate_up, beta, linear_beta, *, out=None):
     """SiTU-GLU of gate_up [N, 2I] -> [N, I]: the kernel, or the reference if refused."""
-    from .common.dsl import bucket
-
     reason = runtime_refusal() or refusal(gate_up) or (
         None if aligned16(gate_up) else "data not 16-byte aligned")
     width = gate_up.shape[-1] // 2
