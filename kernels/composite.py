@@ -1,11 +1,15 @@
-"""CUDA implementations of fused ops that are one cuBLAS GEMM (or one collective) plus one of our
-CuTe kernels, until the skinny-GEMM kernels (issue 8) take the GEMM into the kernel:
+"""CUDA implementations of fused ops that are one GEMM (or one collective) plus one of our CuTe
+kernels, until the GEMM moves into the kernel. GEMMs go through `gemv.linear`: our skinny GEMM at
+one row (x1.2-1.8 over cuBLAS there), cuBLAS above.
 
-    oproj_attn_res_mix_norm:      a = o · W_oᵀ (cuBLAS) → attn_res_mix_norm kernel (prefix + a, mix, norm)
-    allreduce_attn_res_mix_norm:  a = all_reduce(partial) → attn_res_mix_norm kernel
-    norm_linear:                  x = rms_norm kernel (u) → y = x · Wᵀ [+ r] (one cuBLAS addmm)
-    moe_front:                    router logits = x · W_rᵀ in fp32 from the bf16 weight (cuBLAS
-                                  bf16 GEMM with fp32 output), z = x · W_dᵀ
+    oproj_attn_res_mix_norm:      a = o · W_oᵀ → attn_res_mix_norm kernel (prefix + a, mix, norm)
+    allreduce_attn_res_mix_norm:  a = all_reduce(partial) (one-shot / two-shot symmetric memory
+                                  or NCCL by size: common/collective.py) → attn_res_mix_norm kernel
+    norm_linear:                  x = rms_norm kernel (u) → y = x · Wᵀ [+ r] (the residual added
+                                  in the GEMM's fp32 epilogue)
+    moe_front:                    router logits = x · W_rᵀ in fp32 from the bf16 weight (GEMM
+                                  with fp32 output), z = x · W_dᵀ
+    linear_concat:                x · [W_0; W_1; ...]ᵀ over the cached concatenation
 
 The reference (like the model) upcasts the router weight every step (`w.float()`: a 2-byte
 read, a 4-byte write and a 4-byte read of 896 × 7168 values, ~64 MB per layer at TP16 instead of
@@ -19,48 +23,56 @@ its inputs (the kernel wrappers log why).
 """
 
 import torch
-import torch.nn.functional as F
+import torch.distributed as dist
 
 from k3compile.ops.attn_res import mix_norm_after
+from k3compile.ops.linear import concatenated
 
 from .attn_res_mix_norm import attn_res_mix_norm_cuda
+from .common import collective
 from .common.dsl import flat_rows
+from .gemv import linear
 from .rms_norm import rms_norm_cuda
 
-OPS = ("oproj_attn_res_mix_norm", "allreduce_attn_res_mix_norm", "norm_linear", "moe_front")
+OPS = ("oproj_attn_res_mix_norm", "allreduce_attn_res_mix_norm", "norm_linear", "moe_front",
+       "linear_concat")
 
 
 def oproj_attn_res_mix_norm_cuda(o, o_proj_weight, prefix, blocks, mix_norm_weight,
                                  mix_proj_weight, norm_weight, mix_eps, norm_eps):
     # o, prefix, blocks: [N, ·] rows (flat_rows)
-    a = F.linear(o, o_proj_weight)
+    a = linear(o, o_proj_weight)
     return mix_norm_after(a, prefix, list(blocks), mix_norm_weight, mix_proj_weight, norm_weight,
                           mix_eps, norm_eps, mix_norm=attn_res_mix_norm_cuda)
 
 
 def allreduce_attn_res_mix_norm_cuda(partial, prefix, blocks, mix_norm_weight, mix_proj_weight,
                                      norm_weight, mix_eps, norm_eps, group_name):
-    c10d = torch.ops._c10d_functional
-    a = c10d.wait_tensor(c10d.all_reduce(partial, "sum", group_name))
+    world = dist.get_world_size(dist.distributed_c10d._resolve_process_group(group_name))
+    a = collective.all_reduce(partial.contiguous(), group_name, world)
     return mix_norm_after(a, prefix, list(blocks), mix_norm_weight, mix_proj_weight, norm_weight,
                           mix_eps, norm_eps, mix_norm=attn_res_mix_norm_cuda)
 
 
 def norm_linear_cuda(u, norm_w, w, eps, residual=None):
     # u [N, L] rows; w [O, L]; residual [N, O]
-    x = rms_norm_cuda(u, norm_w, eps)
-    if residual is None:
-        return F.linear(x, w)
-    return torch.addmm(residual, x, w.t())
+    return linear(rms_norm_cuda(u, norm_w, eps), w, residual)
 
 
 def moe_front_cuda(x, router_w, down_w):
     # x [N, D] bf16 rows; router_w [E, D], down_w [L, D]
-    if x.dtype == router_w.dtype and x.dtype in (torch.bfloat16, torch.float16):
+    if x.dtype == router_w.dtype == torch.bfloat16 and x.shape[0] <= 1:
+        logits = linear(x, router_w, out_dtype=torch.float32)
+    elif x.dtype == router_w.dtype and x.dtype in (torch.bfloat16, torch.float16):
         logits = torch.mm(x, router_w.t(), out_dtype=torch.float32)
     else:
-        logits = F.linear(x.float(), router_w.float())
-    return logits, F.linear(x, down_w)
+        logits = linear(x.float(), router_w.float())
+    return logits, linear(x, down_w)
+
+
+def linear_concat_cuda(x, weights):
+    # x [N, D] rows; weights [N_i, D]
+    return linear(x, concatenated(list(weights)))
 
 
 def register() -> None:

@@ -16,8 +16,10 @@ Batch buckets: the kernel is compiled per bucket (1, 2, 4, 8, 16), which fixes t
 accumulators; the row count M <= bucket is a runtime size. Rows of x past M read as zeros and
 their sums are never written, so callers pass their M rows as they are (no padding copies).
 
-NOT YET RUN ON A GPU: not registered as any op's CUDA implementation and not in `KERNELS`;
-integration comes after tests/kernels/test_gemv.py passes on the H200.
+Used through `linear()` by the fused ops' CUDA paths (kernels/composite.py) where it beats
+cuBLAS: on the H200 (2026-11-29, BENCHMARKS.md) at M = 1 on all ten TP16-rank shapes (x1.19 to
+x1.84, 74-85% of the copy bandwidth on the >= 10 MB weights); at M = 8 only on two of them and at
+M = 16 on none, so `GEMV_MAX_M` keeps larger batches on cuBLAS until a tensor-core variant exists.
 
 Constraints:
     * x bf16 [M, K], 1 <= M <= 16 (more rows go to cuBLAS), contiguous rows, row stride a
@@ -274,6 +276,19 @@ def build(n, k, m_bucket, out_fp32, residual, cfg, arch=None, dump_dir=None):
         out_rows(bf16) if residual else None,
         out_rows(cutlass.Float32 if out_fp32 else bf16), fake_stream(), arch=arch,
         dump_dir=dump_dir)
+
+
+# Rows up to which `linear` takes the kernel instead of cuBLAS (measured: see the docstring)
+GEMV_MAX_M = 1
+
+
+def linear(x, w, residual=None, *, out_dtype=None):
+    """y = x · wᵀ [+ residual] for x [M, K] rows: the kernel at M <= GEMV_MAX_M where it takes
+    the inputs, cuBLAS (`gemv_ref`) otherwise. The choice is by shape only, fixed per bucket."""
+    if x.dim() == 2 and x.shape[0] <= GEMV_MAX_M and x.is_cuda and can_implement(
+            x, w, residual, out_dtype=out_dtype):
+        return gemv_cuda(x, w, residual, out_dtype=out_dtype)
+    return gemv_ref(x, w, residual, out_dtype)
 
 
 def gemv_ref(x, w, residual=None, out_dtype=None):
