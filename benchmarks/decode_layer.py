@@ -66,16 +66,18 @@ class Bucket:
 
 class LayerStack(nn.Module):
     """Decoder layers of one K3 model, called the way K3Model calls them. Layers 1-4 sit in the
-    first AttnRes block, whose bank holds only the embedding."""
+    first AttnRes block, whose bank holds only the embedding. `group`: the tensor-parallel process
+    group the layers all-reduce over (None: world size 1)."""
 
-    def __init__(self, layers):
+    def __init__(self, layers, group=None):
         super().__init__()
         self.layers = nn.ModuleList(layers)
+        self.group = group
 
     def forward(self, prefix, delta, embedding, slots, positions):
         blocks = [embedding]
         for layer in self.layers:
-            prefix, delta, blocks = layer(prefix, delta, blocks, slots, positions)
+            prefix, delta, blocks = layer(prefix, delta, blocks, slots, positions, self.group)
         return prefix, delta
 
 
@@ -108,14 +110,18 @@ def copy_bandwidth(device: torch.device, nbytes: int) -> float:
     return 2 * nbytes / (statistics.median(times) * 1e-6) / 1e9
 
 
-def time_calls(run, device: torch.device, warmup: int, iters: int, max_s: float) -> list[float]:
-    """Microseconds per call; each call timed alone (device events on CUDA, wall clock on CPU)."""
+def time_calls(run, device: torch.device, warmup: int, iters: int, max_s: float,
+               before=None) -> list[float]:
+    """Microseconds per call; each call timed alone (device events on CUDA, wall clock on CPU).
+    `before()`, if given, runs untimed ahead of every timed call (tensor parallel: a barrier)."""
     for _ in range(warmup):
         run()
     sync(device)
     times: list[float] = []
     t_end = time.perf_counter() + max_s
     for _ in range(iters):
+        if before is not None:
+            before()
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -182,10 +188,13 @@ def graph_nodes(graph) -> dict:
 
 # ---- model, state, inputs ----------------------------------------------------------------------
 
-def build(config: str, device: torch.device, max_batch: int, context: int, seed: int):
-    cfg = get_config(config).with_layers(max(STACK_LAYERS) + 1)
-    model = build_model(cfg, device=device, seed=seed, max_batch=max_batch, max_seq_len=context)
-    stack = LayerStack([model.language_model.model.layers[i] for i in STACK_LAYERS])
+def build(config, device: torch.device, max_batch: int, context: int, seed: int, group=None):
+    """config: a name or a K3Config; group: the tensor-parallel process group (None: world 1)."""
+    cfg = get_config(config) if isinstance(config, str) else config
+    cfg = cfg.with_layers(max(STACK_LAYERS) + 1)
+    model = build_model(cfg, device=device, seed=seed, group=group, max_batch=max_batch,
+                        max_seq_len=context)
+    stack = LayerStack([model.language_model.model.layers[i] for i in STACK_LAYERS], group)
     gen = torch.Generator(device=device).manual_seed(seed + 1)
     with torch.no_grad():
         # never time or check on zeros: a real cache and real recurrent states
@@ -226,7 +235,8 @@ def make_inputs(model, bucket: Bucket, context: int, gen: torch.Generator):
     slots = torch.arange(B, device=device)
     positions = torch.full((B,), context - T, dtype=torch.long, device=device)  # cache full
     emb = m.embed_tokens(ids)
-    prefix, delta, blocks = m.layers[0](emb, torch.zeros_like(emb), [], slots, positions)
+    prefix, delta, blocks = m.layers[0](emb, torch.zeros_like(emb), [], slots, positions,
+                                        model.group)
     return [prefix, delta, blocks[0], slots, positions]
 
 
@@ -298,6 +308,7 @@ def stack_bytes(stack: LayerStack, bucket: Bucket, context: int, routing: list[t
 def fp32_twin(stack: LayerStack) -> LayerStack:
     """The stack in fp32 for a reference: floating weights and state upcast, MXFP4 experts shared."""
     memo = {id(p): p for p in stack.parameters() if not p.is_floating_point()}
+    memo[id(stack.group)] = stack.group  # a process group is shared, never copied
     return copy.deepcopy(stack, memo).float()
 
 
