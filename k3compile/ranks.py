@@ -9,7 +9,8 @@ the compile on every rank at once, with a diff of the first differing rank again
     rank 1 differs -> RanksDiffer: "--- rank 0 / +++ rank 1" lines of the two summaries
 
 Row slices the `shard` stage cuts for this rank (`meta["k3_rank_rows"]`) are summarised without
-their bounds. The summary names nodes by position, not by name, so two ranks that traced the same program
+their bounds, devices without their index (found on the H200 x2: every factory op's device
+differed by rank). The summary names nodes by position, not by name, so two ranks that traced the same program
 agree even where FX's generated names would not. A graph without collectives (world size 1) is
 not checked. Every rank compiles each bucket at its first run of that bucket, which the ranks
 reach together (they decode the same batch), so the all-gather cannot wait on a rank that does
@@ -38,13 +39,16 @@ def _describe(value, index: dict[fx.Node, int]) -> str:
     if isinstance(value, (list, tuple)):
         inner = ", ".join(_describe(v, index) for v in value)
         return f"[{inner}]" if isinstance(value, list) else f"({inner})"
+    if isinstance(value, torch.device):  # each rank runs on its own GPU: cuda:0, cuda:1, ...
+        return f"device({value.type})"
     return repr(value)
 
 
 def _masked(node: fx.Node) -> tuple[list, dict]:
     """node's arguments with what differs by rank by design masked: process-group names (the
-    gather itself runs over the group; found by the op's schema) and this rank's row slice of a
-    sharded weight (stage shard, `meta["k3_rank_rows"]`)."""
+    gather itself runs over the group; found by the op's schema), this rank's row slice of a
+    sharded weight (stage shard, `meta["k3_rank_rows"]`) and (in `_describe`) the device index
+    of factory ops (`iota`, `full`: cuda:0 on rank 0, cuda:1 on rank 1)."""
     args, kwargs = list(node.args), dict(node.kwargs)
     schema = getattr(node.target, "_schema", None)
     for i, arg in enumerate(schema.arguments if schema is not None else ()):

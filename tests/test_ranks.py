@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch import fx
 
 from k3compile import inductor
 from k3compile.ranks import RanksDiffer, check_ranks, summary
@@ -40,6 +41,18 @@ def test_summary_names_nodes_by_position_and_masks_group_names():
     assert a == b  # the same program under other group names
     assert a[0] == "bucket 4" and any("all_reduce" in line and "<group>" in line for line in a)
     assert summary(_graph(True), 4) != summary(_graph(False), 4)
+
+
+def test_summary_masks_the_device_index():
+    """Each rank builds its constants on its own GPU (cuda:0, cuda:1): not a difference."""
+    def graph(index):
+        g = fx.Graph()
+        g.output(g.call_function(torch.ops.aten.full.default, ([4], -1.0), {
+            "device": torch.device("cuda", index), "dtype": torch.float32}))
+        return g
+
+    assert summary(graph(0), 1) == summary(graph(1), 1)
+    assert any("device(cuda)" in line for line in summary(graph(0), 1))
 
 
 def test_no_collective_no_check():

@@ -33,8 +33,10 @@ log = logging.getLogger("k3compile.kernels")
 c10d = torch.ops._c10d_functional
 ALGORITHMS = ("one_shot", "two_shot", "nccl")
 # Largest message (bytes) per algorithm at world size 2..8 on the H200's NVLink; larger goes to
-# the next. Measured by benchmarks/allreduce.py (BENCHMARKS.md); a world size not listed uses 8.
-ONE_SHOT_MAX = {2: 512 * 1024, 4: 256 * 1024, 8: 128 * 1024}
+# the next. World size 2 measured by benchmarks/allreduce.py (BENCHMARKS.md, 2026-11-29: one-shot
+# fastest at every decode bucket, 8.0 µs at 14 KB .. 15.3 µs at 0.9 MB, NCCL 12.2 .. 17.6);
+# 4 and 8 are estimates until those machines are lent (one-shot reads W× the bytes).
+ONE_SHOT_MAX = {2: 2 * 1024 * 1024, 4: 256 * 1024, 8: 128 * 1024}
 TWO_SHOT_MAX = {2: 0, 4: 2 * 1024 * 1024, 8: 2 * 1024 * 1024}
 MIN_BUFFER_BYTES = 64 * 14336  # 64 rows of 7168 bf16: every decode bucket in one buffer
 

@@ -4,6 +4,7 @@ reference, and both stay right when captured in a CUDA graph and replayed on new
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import socket
 
@@ -24,6 +25,7 @@ def _free_port() -> int:
 
 
 def _worker(rank: int, port: int, out_dir: str):
+    faulthandler.dump_traceback_later(75)  # a hang shows where each rank waits
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0",
                       TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
     torch.cuda.set_device(rank)
@@ -76,6 +78,7 @@ def _worker(rank: int, port: int, out_dir: str):
         os.environ.pop("K3_ALLREDUCE", None)
     finally:
         torch.save(errors, os.path.join(out_dir, f"rank{rank}.pt"))
+        faulthandler.cancel_dump_traceback_later()
         dist.destroy_process_group()
 
 
