@@ -217,7 +217,10 @@ def compiled_variants(args, device) -> dict[str, dict]:
     base = {"cuda_graphs": False}  # the benchmark captures every variant the same way
     if args.k3_executor:
         base["executor"] = args.k3_executor
-    for name, options in (("k3", base), ("k3_noshard", {**base, "disabled_stages": {"shard"}})):
+    # the effect of router / latent sharding: forced on (k3) vs the stage off (k3_noshard); the
+    # backend's default ("auto") picks by its cost model
+    for name, options in (("k3", {**base, "shard_moe": "on"}),
+                          ("k3_noshard", {**base, "disabled_stages": {"shard"}})):
         if name not in args.variants:
             out[name] = {"na": "n/a: not requested (--variants)"}
         elif backend is None:

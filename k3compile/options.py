@@ -33,6 +33,10 @@ class Options:
     # under tensor parallelism, all-gather a fingerprint of each rank's compiled graph and fail
     # on a mismatch (k3compile.ranks)
     check_ranks: bool = True
+    # Stage `shard` (TP > 1): "auto" shards a replicated MoE projection only where the weight
+    # bytes it saves per rank outweigh the all-gather it adds (k3compile.shard.worth_sharding);
+    # "on" shards every one it can, "off" none. K3_SHARD_MOE=on|off|auto.
+    shard_moe: str = "auto"
 
     @classmethod
     def make(cls, options: dict[str, Any] | None = None) -> Options:
@@ -56,6 +60,10 @@ class Options:
             opts.setdefault("fuse_without_kernels", True)
         if os.environ.get("K3_EXECUTOR"):
             opts.setdefault("executor", os.environ["K3_EXECUTOR"])
+        if os.environ.get("K3_SHARD_MOE"):
+            opts.setdefault("shard_moe", os.environ["K3_SHARD_MOE"])
+        if opts.get("shard_moe", "auto") not in ("auto", "on", "off"):
+            raise ValueError(f"shard_moe must be 'auto', 'on' or 'off', got {opts['shard_moe']!r}")
         if opts.get("executor", "inductor") not in ("inductor", "aten"):
             raise ValueError(f"executor must be 'inductor' or 'aten', got {opts['executor']!r}")
         return cls(**opts)

@@ -136,7 +136,7 @@ def _drop_self_copies(graph: fx.Graph) -> None:
 def shard(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
     from k3compile.shard import shard_replicated
 
-    ctx.notes["shard"] = shard_replicated(gm.graph)
+    ctx.notes["shard"] = shard_replicated(gm.graph, policy=ctx.options.shard_moe)
     gm.recompile()
     return gm
 

@@ -15,6 +15,14 @@ Each rank's dot products are the same as in the replicated GEMM, so results are 
 
 Rank and world size come from the tensor-parallel group of the graph's all-reduces (their group
 name, resolved through c10d). A graph without collectives (W = 1) is left alone.
+
+Whether it pays is a cost question (option `shard_moe`, default "auto"): a rank saves reading
+(W-1)/W of the weights but waits on one all-gather (plus its pack / unpack kernels) per sharded
+op. On two H200s (2026-11-29, BENCHMARKS.md) sharding both ops saved 57.8 MB per rank per layer
+(~14 µs at the copy bandwidth) and cost +37 µs at B1, +50 µs at B8: ~18 µs per sharded op. "auto"
+shards an op only where its saved read time exceeds that measured cost (`GATHER_US`), so on the
+H200 with NCCL all-gathers it keeps the projections replicated at every TP size and says why in
+the report; "on" shards every one it can (the rewrite above), "off" none.
 """
 
 from __future__ import annotations
@@ -33,6 +41,10 @@ log = logging.getLogger("k3compile")
 
 aten, c10d = torch.ops.aten, torch.ops._c10d_functional
 _FRONT, _UP = torch.ops.k3.moe_front.default, torch.ops.k3.norm_linear.default
+# Cost of one sharded op's all-gather with its pack / unpack kernels, and the rate at which the
+# saved weight bytes would have been read: H200, TP 2, NCCL (BENCHMARKS.md, 2026-11-29)
+GATHER_US = 18.0
+READ_BYTES_PER_US = 4.2e6
 
 
 @dataclasses.dataclass
@@ -58,10 +70,26 @@ def rank_and_world(group_name: str) -> tuple[int, int]:
     return group.rank(), group.size()
 
 
+def worth_sharding(node: fx.Node, world: int, policy: str) -> str | None:
+    """None where `policy` shards this op, else why it stays replicated."""
+    if policy == "on":
+        return None
+    if policy == "off":
+        return "kept replicated (shard_moe='off')"
+    weights = node.args[1:3] if node.target is _FRONT else node.args[2:3]
+    saved = sum(w.meta["val"].nbytes for w in weights) * (world - 1) / world
+    saved_us = saved / READ_BYTES_PER_US
+    if saved_us > GATHER_US:
+        return None
+    return (f"kept replicated: sharding saves {saved / 1e6:.1f} MB of reads (~{saved_us:.1f} µs), "
+            f"less than the ~{GATHER_US:.0f} µs its all-gather costs (shard_moe='on' forces it)")
+
+
 def shard_replicated(graph: fx.Graph, group: str | None = None, rank: int | None = None,
-                     world: int | None = None) -> ShardReport:
+                     world: int | None = None, policy: str = "on") -> ShardReport:
     """Rewrite every MoE front and every latent up-projection fed by an all-reduce to compute this
-    rank's rows. `group/rank/world` default to the graph's TP group."""
+    rank's rows, where `policy` ("on", "auto", "off": `worth_sharding`) says it pays.
+    `group/rank/world` default to the graph's TP group."""
     group = group or tp_group(graph)
     if group is None:
         return ShardReport()
@@ -71,12 +99,12 @@ def shard_replicated(graph: fx.Graph, group: str | None = None, rank: int | None
     if world == 1:
         return report
     for node in list(graph.nodes):
-        if node.target is _FRONT:
-            why = _shard_front(graph, node, group, rank, world)
-        elif node.target is _UP and _reduced(node.args[0]):
-            why = _shard_up(graph, node, group, rank, world)
-        else:
+        if node.target is not _FRONT and not (node.target is _UP and _reduced(node.args[0])):
             continue
+        why = worth_sharding(node, world, policy)
+        if why is None:
+            shard_op = _shard_front if node.target is _FRONT else _shard_up
+            why = shard_op(graph, node, group, rank, world)
         (report.skipped.append(f"{node.name}: {why}") if why else report.sharded.append(node.name))
     graph.eliminate_dead_code()
     return report
