@@ -26,11 +26,11 @@ from pathlib import Path
 for _key in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
     os.environ.setdefault(_key, "0" if _key == "NCCL_NVLS_ENABLE" else "1")
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import torch
+import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from graph_timing import graph_us  # noqa: E402
+from graph_timing import graph_us
 
 HIDDEN, BLOCKS, EPS = 7168, 8, 1e-5
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -58,9 +58,10 @@ def main(argv=None):
     dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
     group = dist.group.WORLD.group_name
 
-    import k3compile.ops  # noqa: F401
     from k3compile.kernels import register_all
     from k3compile.kernels.common import collective
+
+    import k3compile.ops  # noqa: F401
     from k3compile.ops.attn_res import attn_res_mix_norm_ref
 
     register_all()
