@@ -10,7 +10,7 @@ take a call (inputs it refuses, or no TVM-FFI to launch through) logs why and ru
 
 import importlib
 
-KERNELS = ("attn_res_mix_norm", "mla_lowrank_norm", "rms_norm", "moe_route", "composite")
+KERNELS = ("attn_res_mix_norm", "mla_lowrank_norm", "rms_norm", "moe_route", "situ", "composite")
 
 # ops whose torch reference is already what a GPU should run (one GEMM over cached concatenated
 # weights; stream and prefetch bookkeeping): as fast on CUDA as the unfused graph under Inductor

@@ -3,13 +3,10 @@
     y = bf16( β·tanh(g/β)·σ(g) · β₂·tanh(u/β₂) )      g, u = the two halves of gate_up, fp32 math
 
 One CTA per row: each thread loads one 16-byte vector of g and the matching vector of u, computes
-in fp32 and stores one 16-byte vector of y. With `situ_gate_up_cuda` (one cuBLAS GEMM over the
-cached [W_g; W_u], then this kernel) the op becomes two launches on the GPU, which lets the
-backend fuse it there and put the shared experts on the side stream.
-
-Not registered yet: it has not run on a GPU. The next H200 call runs `tests/kernels/test_situ.py`;
-when it passes, add "situ" to `KERNELS` in `kernels/__init__.py` (its `OPS` names
-`situ_gate_up`).
+in fp32 and stores one 16-byte vector of y. With `situ_gate_up_cuda` (one GEMM over the cached
+[W_g; W_u] through `gemv.linear`: our skinny GEMM at one row, cuBLAS above; then this kernel)
+the op becomes two launches on the GPU, which lets the backend fuse it there and put the shared
+experts on the side stream. `tests/kernels/test_situ.py` passed on the H200 (2026-11-29).
 
 Constraints:
     * gate_up bf16 [N, 2I], contiguous rows (row stride a multiple of 8 elements), 16-byte-aligned;
@@ -20,7 +17,6 @@ import functools
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from k3compile.ops.gemm import gate_up_weight, situ_ref
 
@@ -38,6 +34,7 @@ from .common.dsl import (
     rows_ok,
     runtime_refusal,
 )
+from .gemv import linear
 
 OP = "situ"
 OPS = ("situ_gate_up",)
@@ -149,8 +146,8 @@ def situ_cuda(gate_up, beta, linear_beta, *, out=None):
 
 
 def situ_gate_up_cuda(x, wg, wu, beta, linear_beta):
-    """k3::situ_gate_up on CUDA: one cuBLAS GEMM over the cached [W_g; W_u], then the kernel."""
-    return situ_cuda(F.linear(x, gate_up_weight(wg, wu)), beta, linear_beta)
+    """k3::situ_gate_up on CUDA: one GEMM over the cached [W_g; W_u], then the kernel."""
+    return situ_cuda(linear(x, gate_up_weight(wg, wu)), beta, linear_beta)
 
 
 def register() -> None:

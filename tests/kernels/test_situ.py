@@ -1,4 +1,4 @@
-"""SiTU-GLU kernel and `situ_gate_up`'s CUDA path (cuBLAS GEMM over [W_g; W_u] + the kernel)
+"""SiTU-GLU kernel and `situ_gate_up`'s CUDA path (GEMM over [W_g; W_u] + the kernel)
 against the torch reference, at the TP16 shared-expert width for every bucket, plus odd widths."""
 
 import logging
@@ -43,9 +43,9 @@ def test_other_widths(gen, width):
         check((torch.randn(n, 2 * width, generator=gen, device="cuda") * 6).bfloat16())
 
 
-def test_situ_gate_up_op(gen):
-    kernel.register()  # not in KERNELS until this test has passed on the H200
-    x = torch.randn(8, HIDDEN, generator=gen, device="cuda").bfloat16()
+@pytest.mark.parametrize("n", [1, 8])  # 1: the skinny GEMM, 8: cuBLAS
+def test_situ_gate_up_op(gen, n):
+    x = torch.randn(n, HIDDEN, generator=gen, device="cuda").bfloat16()
     wg, wu = (torch.randn(SHARED, HIDDEN, generator=gen, device="cuda") * HIDDEN**-0.5
               ).bfloat16(), (torch.randn(SHARED, HIDDEN, generator=gen, device="cuda")
                              * HIDDEN**-0.5).bfloat16()
