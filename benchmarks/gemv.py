@@ -1,6 +1,6 @@
 """Weight-streaming GEMV (kernels/gemv.py) against cuBLAS (F.linear) at one K3 TP16 rank's shapes.
 
-    python benchmarks/gemv.py [--m 1,8,16] [--only 3206x7168,896x7168] [--out r.json]
+    python benchmarks/gemv.py [--m 1,8,16] [--only 3206x7168,896x7168] [--out DIR or r.json]
     python benchmarks/gemv.py --sweep [--m 1,16]   # every Config per shape and M, best first
 
 Both sides are captured into CUDA graphs, >= CALLS calls per graph, each call reading the next
@@ -13,6 +13,7 @@ device-to-device copy measured in the same run (read + write bytes).
 import argparse
 import functools
 import json
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -150,7 +151,11 @@ def main():
           f"4 GiB device copy: {gbps:.0f} GB/s (read + write)", flush=True)
     rows = sweep(shapes, ms) if opts.sweep else run(shapes, ms, gbps)
     if opts.out:
-        with open(opts.out, "w") as f:
+        path = Path(opts.out)
+        if path.suffix != ".json":  # a folder, like the other benchmarks take
+            path.mkdir(parents=True, exist_ok=True)
+            path = path / "gemv.json"
+        with open(path, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "copy_GBps": round(gbps),
                        "sweep": opts.sweep, "rows": rows}, f, indent=1)
     if opts.sweep:

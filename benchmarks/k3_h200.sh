@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # One H200 call for the backend and its kernels, from the repository root:
 #   source .devcarry/prelude.sh && bash benchmarks/k3_h200.sh "$OUT"
-# 1. every GPU test of the kernels (CuTe DSL kernels and composites against their references);
-# 2. the skinny GEMM against cuBLAS (benchmarks/gemv.py);
-# 3. the per-layer yardstick with eager, Inductor and k3 in the same run, with top kernels;
-# 4. the backend's GPU tests (CUDA-graph replay of tiny and small over 50 steps vs eager).
-# Default timeouts sum to ~550 s, inside one device call's 600 s.
+# 1. every GPU test of the kernels (CuTe DSL kernels and composites against their references),
+#    alongside the backend's GPU tests (CUDA-graph replay of tiny and small over 50 steps vs
+#    eager; mostly CPU-bound compiles, so the two share the call's first ~4 minutes);
+# 2. optional kernel benchmarks: BENCH="gemv moe_experts ..." runs benchmarks/<name>.py each;
+# 3. the per-layer yardstick with eager, Inductor and k3 in the same run, with top kernels.
+# K3_KERNELS_EXTRA=name,... registers kernels awaiting their tests (their effect in step 3).
+# Default timeouts sum to ~520 s, inside one device call's 600 s.
 # Keep PYTHONPATH's prelude entries: they are where the CuTe DSL lives (overwriting it silently
 # turns every kernel into its torch fallback, as one run of 2026-11-29 found).
 set -u
@@ -20,13 +22,18 @@ step() {  # $1: name, $2: timeout (s), rest: command
   echo "$name: exit $? after $(( $(date +%s) - t0 )) s (124: timed out)" | tee -a "$OUT/steps.txt"
   tail -3 "$OUT/$name.log"
 }
-step kernel_tests "${KERNEL_TIMEOUT:-100}" python3 -m pytest -q -p no:cacheprovider tests/kernels
-step gemv_bench "${GEMV_TIMEOUT:-90}" python3 benchmarks/gemv.py --out "$OUT/gemv.json"
+timeout "${GRAPH_TIMEOUT:-200}" python3 -m pytest -q -p no:cacheprovider \
+  tests/backend/test_cuda_graphs.py > "$OUT/graph_tests.log" 2>&1 &
+graph=$!
+step kernel_tests "${KERNEL_TIMEOUT:-250}" python3 -m pytest -q -p no:cacheprovider tests/kernels
+wait $graph; echo "graph_tests: exit $? after $(( $(date +%s) - t0 )) s" | tee -a "$OUT/steps.txt"
+tail -2 "$OUT/graph_tests.log"
+for name in ${BENCH:-}; do
+  step "bench_$name" "${BENCH_TIMEOUT:-60}" python3 "benchmarks/$name.py" --out "$OUT"
+done
 step yardstick "${YARD_TIMEOUT:-240}" python3 benchmarks/decode_layer.py \
   --variants "${VARIANTS:-eager,inductor,k3}" --batches "${BATCHES:-1,8,64}" \
   --verify "${VERIFY:-8}" --out "$OUT" --time-budget "${TIME_BUDGET:-200}" --max-time-s 2
-step graph_tests "${GRAPH_TIMEOUT:-120}" python3 -m pytest -q -p no:cacheprovider \
-  tests/backend/test_cuda_graphs.py
 grep -v Warn "$OUT/yardstick.log" | tail -8
 python3 - "$OUT/decode_layer.json" <<'PY' | tee "$OUT/top_kernels.txt"
 import json, sys
