@@ -9,6 +9,7 @@ pytest.importorskip("cutlass")
 
 from k3compile.kernels import (
     attn_res_mix_norm,
+    gemm_tc,
     gemv,
     mla_lowrank_norm,
     moe_route,
@@ -46,6 +47,14 @@ def _cases():
             case = (module, scalars, module.config(*scalars, b))
             if case not in seen:
                 seen.append(case)
+    # gemm_tc: (n, k, fp32 output, residual) with the config of one bucket: a cluster of 8 over
+    # K at 8 tokens, R = 128 rows with the residual at 64, one CTA per tile (S = 1) with fp32
+    # output, and partial row tiles and K slices (1000 x 1032)
+    for (n, k, b), out_fp32, residual in [((3206, 7168, 8), False, False),
+                                          ((7168, 768, 64), False, True),
+                                          ((768, 128, 2), True, True),
+                                          ((1000, 1032, 16), True, False)]:
+        seen.append((gemm_tc, (n, k, out_fp32, residual), gemm_tc.config(n, k, b)))
     # gemv: (n, k, bucket, fp32 output, residual), buckets up to 16; fp32 logits at the router,
     # the residual epilogue at o_proj; 1000 x 1032 has a partial CTA of rows and a vector tail
     for n, k in [(3206, 7168), (2112, 7168), (3584, 7168), (7168, 3584), (896, 7168),

@@ -1,0 +1,406 @@
+"""CuTe DSL tensor-core skinny GEMM for decode batches (sm_90a): y = x · Wᵀ [+ r] at M = 2..64.
+
+    y[m, n] = out(Σ_k x[m, k] · W[n, k] + r[m, n])      (bf16 products, fp32 sums, one rounding)
+
+At M >= 8 the CUDA-core `gemv` runs out of FMA throughput and cuBLAS reaches only 30-68% of the
+copy bandwidth, so this kernel streams W through warpgroup MMAs, "swap AB": W's rows are the MMA's
+M side (a CTA takes 64 or 128 of them) and the tokens its N side (the bucket rounded up to 8, so
+wgmma m64nNk16 with N = 8..64 serves M = 1..64). One warpgroup per CTA; thread 0 of warp 0 keeps
+`stages` TMA loads of 64-wide K slices of W [rows, 64] and x [tokens, 64] in flight through an
+mbarrier pipeline (128-byte swizzle; x is re-read from L2 by every CTA, W is read once). TMA
+zero-fills rows of x past M, rows of W past N and columns past K, so any M <= 64, N and
+K % 8 == 0 need no predicates in the main loop.
+
+Split-K without atomics or workspace: the `splits` CTAs of one row tile form a cluster (1, S, 1),
+each sums its share of the K slices; the fp32 partial tiles go to shared memory (over the W
+buffers), one cluster barrier, then CTA s adds up rows s·R/S ... (s + 1)·R/S - 1 of all S tiles
+through distributed shared memory in the fixed order 0..S-1 (deterministic), applies the epilogue
+(+ r, bf16 or fp32) and writes them; a second cluster barrier keeps every tile alive until its
+peers have read it. Grid: ceil(N / R) x S CTAs.
+
+Not yet in the composites: `linear_tc` is the entry point until its GPU tests pass.
+
+Constraints:
+    * x bf16 [M, K], 1 <= M <= 64 (buckets 2, 4, 8, 16, 32, 64; more rows go to cuBLAS), last dim
+      contiguous, row stride a multiple of 8 elements, 16-byte-aligned data; W bf16 [N, K] likewise;
+      K % 8 == 0 (a partial last K slice is zero-filled), 64 <= K <= 65536; N >= 1.
+    * Output bf16 (default) or fp32 [M, N], last dim contiguous; optional residual r bf16 [M, N],
+      last dim contiguous, added in fp32 before the rounding.
+"""
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from .common.dsl import (
+    CompileCache,
+    aligned16,
+    compile_kernel,
+    fake_rows,
+    fake_stream,
+    fallback,
+    runtime_refusal,
+)
+from .gemv import gemv_ref
+
+OP = "gemm_tc"
+BUCKETS = (2, 4, 8, 16, 32, 64)
+MAX_M = BUCKETS[-1]
+MAX_K = 65536
+SMS = 132  # H200
+SMEM_BYTES = 227 * 1024  # per CTA on sm_90
+TILE_K = 64  # one 128-byte swizzle row of bf16
+THREADS = 128  # one warpgroup
+OUT_DTYPES = (torch.bfloat16, torch.float32)
+
+
+@dataclass(frozen=True)
+class Config:
+    tile_rows: int  # R: rows of W per CTA (the MMA's M): 64 or 128
+    tile_tokens: int  # the MMA's N: the bucket rounded up to 8
+    stages: int  # K slices in flight per CTA
+    splits: int  # S: CTAs (one cluster) sharing a row tile's K range: 1, 2, 4 or 8
+
+    threads = THREADS
+
+
+def bucket(m: int) -> int:
+    return next((b for b in BUCKETS if m <= b), BUCKETS[-1])
+
+
+def config(n: int, k: int, m_bucket: int) -> Config:
+    """R = 128 at >= 32 tokens where that still gives >= 1 CTA per SM (it halves the re-reads
+    of x from L2, which at 64 tokens and R = 64 equal W's bytes), else 64. S: `_splits`. Stages:
+    all of a CTA's K slices where they fit, up to 16, in ~100 KB of shared memory (two CTAs per
+    SM) or ~200 KB when there is at most one CTA per SM (more bytes in flight per SM). Untuned:
+    `benchmarks/gemm_tc.py --sweep` times `configs()`."""
+    tokens, kt = _tile_tokens(m_bucket), -(-k // TILE_K)
+    tiles = -(-n // 128)
+    rows = 128 if m_bucket >= 32 and tiles * _splits(tiles, kt) >= SMS else 64
+    tiles = -(-n // rows)
+    splits = _splits(tiles, kt)
+    budget = 200 * 1024 if tiles * splits <= SMS else 100 * 1024
+    stages = max(2, min(-(-kt // splits), budget // ((rows + tokens) * TILE_K * 2), 16))
+    return Config(rows, tokens, stages, splits)
+
+
+def _splits(tiles: int, k_tiles: int) -> int:
+    """The smallest K split (1, 2, 4, 8: a portable cluster) with >= 2 CTAs per SM, keeping >= 2
+    K slices per CTA (a pipeline at all)."""
+    fits = [s for s in (1, 2, 4, 8) if s == 1 or 2 * s <= k_tiles]
+    return next((s for s in fits if tiles * s >= 2 * SMS), fits[-1])
+
+
+def configs(n: int, k: int, m_bucket: int) -> list[Config]:
+    """Every config worth timing at these sizes (for sweeps)."""
+    tokens, kt = _tile_tokens(m_bucket), -(-k // TILE_K)
+    out = []
+    for rows in (64, 128):
+        for splits in (1, 2, 4, 8):
+            if splits > kt:
+                continue
+            for stages in (2, 4, 6, 8, 12, 16):
+                cfg = Config(rows, tokens, min(stages, max(2, -(-kt // splits))), splits)
+                if cfg not in out and smem_bytes(cfg) <= SMEM_BYTES:
+                    out.append(cfg)
+    return out
+
+
+def _tile_tokens(m_bucket: int) -> int:
+    return max(8, -(-m_bucket // 8) * 8)
+
+
+def _partial_stride(cfg: Config) -> int:
+    # fp32 partial tile [R, tokens] with columns R + 4 apart: the MMA fragments' stores (8 rows x
+    # 4 column pairs per warp) then fall in 32 distinct banks
+    return cfg.tile_rows + 4
+
+
+def _w_buffer_elems(cfg: Config) -> int:
+    """bf16 elements of the W stages, large enough to hold the fp32 partial tile afterwards."""
+    return max(cfg.stages * cfg.tile_rows * TILE_K, 2 * cfg.tile_tokens * _partial_stride(cfg))
+
+
+def smem_bytes(cfg: Config) -> int:
+    return 2 * (_w_buffer_elems(cfg) + cfg.stages * cfg.tile_tokens * TILE_K) + 2048 + \
+        16 * cfg.stages
+
+
+def can_implement(x, w, residual=None, *, out_dtype=None) -> bool:
+    return refusal(x, w, residual, out_dtype=out_dtype) is None
+
+
+def refusal(x, w, residual=None, *, out_dtype=None) -> str | None:
+    """Why the kernel cannot take these inputs, or None. Metadata only (fake tensors work); data
+    alignment is checked at launch."""
+    bf16 = torch.bfloat16
+    if x.dim() != 2 or w.dim() != 2:
+        return f"x {tuple(x.shape)}, w {tuple(w.shape)} (want x [M, K], w [N, K])"
+    (m, k), n = x.shape, w.shape[0]
+    if m > MAX_M:
+        return f"batch above {MAX_M}: cuBLAS"
+    if n < 1:
+        return "w has no rows"
+    if k % 8 or not TILE_K <= k <= MAX_K or w.shape[1] != k:
+        return f"K {k}, w {tuple(w.shape)} (want w [N, K], K a multiple of 8 in [64, {MAX_K}])"
+    for name, t in (("x", x), ("w", w)):
+        if t.dtype != bf16:
+            return f"{name}: dtype {t.dtype} (want {bf16})"
+        if t.stride(-1) != 1 or t.stride(0) % 8:
+            return f"{name}: strides {t.stride()} (last dim contiguous, rows 16-byte aligned)"
+    if residual is not None and (residual.dtype != bf16 or residual.shape != (m, n)
+                                 or residual.stride(-1) != 1):
+        return (f"residual: {residual.dtype} {tuple(residual.shape)} {residual.stride()} "
+                f"(want bf16 [{m}, {n}], last dim contiguous)")
+    if out_dtype is not None and out_dtype not in OUT_DTYPES:
+        return f"output dtype {out_dtype} (want bf16 or fp32)"
+    return None
+
+
+@functools.cache
+def _kernel_class():
+    import cutlass
+    import cutlass.utils.hopper_helpers as sm90
+    from cutlass import AddressSpace, BFloat16, Float32, Int32, const_expr, cute, pipeline
+    from cutlass._mlir.dialects import llvm, nvvm
+    from cutlass.cute.nvgpu import cpasync, warpgroup
+    from cutlass.cutlass_dsl import dsl_user_op
+    from cutlass.tensor_utils import LayoutEnum
+
+    @dsl_user_op
+    def load_from_peer(ptr: cute.Pointer, peer, *, loc=None, ip=None) -> Float32:
+        """ld.shared::cluster of one fp32 at the same smem address in cluster CTA `peer`."""
+        remote = nvvm.mapa(llvm.PointerType.get(AddressSpace.dsmem),
+                           ptr.to_llvm_ptr(loc=loc, ip=ip), Int32(peer).ir_value(loc=loc, ip=ip),
+                           loc=loc, ip=ip)
+        return Float32(llvm.load(Float32.mlir_type, remote, loc=loc, ip=ip))
+
+    class GemmTC:
+        def __init__(self, n: int, k: int, cfg: Config, out_fp32: bool, has_residual: bool):
+            self.n, self.k_tiles = n, -(-k // TILE_K)
+            self.rows, self.tokens = cfg.tile_rows, cfg.tile_tokens
+            self.stages, self.splits = cfg.stages, cfg.splits
+            self.p_stride, self.w_elems = _partial_stride(cfg), _w_buffer_elems(cfg)
+            self.out_fp32, self.has_residual = out_fp32, has_residual
+
+        @cute.jit
+        def __call__(self, mX: cute.Tensor, mW: cute.Tensor, mR, mY: cute.Tensor, stream):
+            # mX: (M, K); mW: (N, K); mR, mY: (M, N)
+            k_major = LayoutEnum.ROW_MAJOR
+            tiled_mma = sm90.make_trivial_tiled_mma(
+                BFloat16, BFloat16, k_major.sm90_mma_major_mode(), k_major.sm90_mma_major_mode(),
+                Float32, (1, 1, 1), tiler_mn=(64, self.tokens))
+            tile_mnk = (self.rows, self.tokens, TILE_K)
+            sW_layout = sm90.make_smem_layout_a(k_major, tile_mnk, BFloat16, self.stages)
+            sX_layout = sm90.make_smem_layout_b(k_major, tile_mnk, BFloat16, self.stages)
+            tma_w, tW = cpasync.make_tiled_tma_atom(  # tW: (N, K) as TMA coordinates
+                cpasync.CopyBulkTensorTileG2SOp(), mW, cute.slice_(sW_layout, (None, None, 0)),
+                (self.rows, TILE_K))
+            tma_x, tX = cpasync.make_tiled_tma_atom(  # tX: (M, K)
+                cpasync.CopyBulkTensorTileG2SOp(), mX, cute.slice_(sX_layout, (None, None, 0)),
+                (self.tokens, TILE_K))
+
+            @cute.struct
+            class Storage:
+                bars: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
+                sW: cute.struct.Align[cute.struct.MemRange[BFloat16, self.w_elems], 1024]
+                sX: cute.struct.Align[
+                    cute.struct.MemRange[BFloat16, self.stages * self.tokens * TILE_K], 1024]
+
+            self.storage = Storage
+            self.kernel(tma_w, tW, tma_x, tX, mR, mY, tiled_mma, sW_layout, sX_layout).launch(
+                grid=[-(-self.n // self.rows), self.splits, 1], block=[THREADS, 1, 1],
+                cluster=[1, self.splits, 1], stream=stream)
+
+        def load_slice(self, pipe, state, tma_w, tWgW, tWsW, tma_x, tXgX, tXsX, k_first):
+            """TMA of K slice k_first + state.count of W and x into stage state.index."""
+            pipe.producer_acquire(state)
+            bar = pipe.producer_get_barrier(state)
+            kt = k_first + state.count
+            cute.copy(tma_w, tWgW[None, kt], tWsW[None, state.index], tma_bar_ptr=bar)
+            cute.copy(tma_x, tXgX[None, kt], tXsX[None, state.index], tma_bar_ptr=bar)
+            pipe.producer_commit(state)
+
+        @cute.kernel
+        def kernel(self, tma_w: cute.CopyAtom, tW: cute.Tensor, tma_x: cute.CopyAtom,
+                   tX: cute.Tensor, mR, mY: cute.Tensor, tiled_mma: cute.TiledMma,
+                   sW_layout: cute.ComposedLayout, sX_layout: cute.ComposedLayout):
+            tidx, _, _ = cute.arch.thread_idx()
+            tile, split, _ = cute.arch.block_idx()
+            warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+            if warp == 0:
+                cpasync.prefetch_descriptor(tma_w)
+                cpasync.prefetch_descriptor(tma_x)
+            storage = cutlass.utils.SmemAllocator().allocate(self.storage)
+            pipe = pipeline.PipelineTmaAsync.create(
+                barrier_storage=storage.bars.data_ptr(), num_stages=self.stages,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, THREADS // 32),
+                tx_count=(self.rows + self.tokens) * TILE_K * 2,
+                cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)), defer_sync=True)
+            pipeline.pipeline_init_arrive()
+            pipeline.pipeline_init_wait()
+
+            sW = storage.sW.get_tensor(sW_layout.outer, swizzle=sW_layout.inner)  # (R, 64, st)
+            sX = storage.sX.get_tensor(sX_layout.outer, swizzle=sX_layout.inner)  # (T, 64, st)
+            gW = cute.local_tile(tW, (self.rows, TILE_K), (tile, None))  # (R, 64, k_tiles)
+            gX = cute.local_tile(tX, (self.tokens, TILE_K), (0, None))  # (T, 64, k_tiles)
+            tWsW, tWgW = cpasync.tma_partition(tma_w, 0, cute.make_layout(1),
+                                               cute.group_modes(sW, 0, 2),
+                                               cute.group_modes(gW, 0, 2))
+            tXsX, tXgX = cpasync.tma_partition(tma_x, 0, cute.make_layout(1),
+                                               cute.group_modes(sX, 0, 2),
+                                               cute.group_modes(gX, 0, 2))
+            thr_mma = tiled_mma.get_slice(tidx)
+            tCrW = tiled_mma.make_fragment_A(thr_mma.partition_A(sW))  # (MMA, MMA_M, 4, st)
+            tCrX = tiled_mma.make_fragment_B(thr_mma.partition_B(sX))  # (MMA, MMA_N, 4, st)
+            acc = cute.make_rmem_tensor(tiled_mma.partition_shape_C((self.rows, self.tokens)),
+                                        Float32)
+            acc.fill(0.0)
+
+            # This CTA's K slices: an even share (S <= k_tiles, so none is empty).
+            k_first = split * self.k_tiles // self.splits
+            k_count = (split + 1) * self.k_tiles // self.splits - k_first
+            loads = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+            if warp == 0:
+                for _ in cutlass.range(cutlass.min(self.stages, k_count), unroll=1):
+                    self.load_slice(pipe, loads, tma_w, tWgW, tWsW, tma_x, tXgX, tXsX, k_first)
+                    loads.advance()
+            reads = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+            tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+            for _ in cutlass.range(k_count, unroll=1):
+                pipe.consumer_wait(reads)
+                warpgroup.fence()
+                for kb in cutlass.range_constexpr(cute.size(tCrW, mode=[2])):
+                    cute.gemm(tiled_mma, acc, tCrW[None, None, kb, reads.index],
+                              tCrX[None, None, kb, reads.index], acc)
+                warpgroup.commit_group()
+                # The MMAs are tiny next to a slice's load: finish them, so the stage refills now.
+                warpgroup.wait_group(0)
+                pipe.consumer_release(reads)
+                reads.advance()
+                if warp == 0 and loads.count < k_count:
+                    self.load_slice(pipe, loads, tma_w, tWgW, tWsW, tma_x, tXgX, tXsX, k_first)
+                    loads.advance()
+
+            # Partial tile over the (now idle) W stages: sP (R, T) fp32, columns p_stride apart.
+            cute.arch.barrier()
+            sP = cute.make_tensor(
+                cute.recast_ptr(storage.sW.data_ptr(), dtype=Float32),
+                cute.make_layout((self.rows, self.tokens), stride=(1, self.p_stride)))
+            tCsP = thr_mma.partition_C(sP)
+            tCsP.store(acc.load())
+            if const_expr(self.splits > 1):
+                cute.arch.cluster_arrive()  # release: the partials are visible to the peers
+                cute.arch.cluster_wait()
+            else:
+                cute.arch.barrier()
+            self.reduce_store(sP, tile, tidx, mR, mY)
+            if const_expr(self.splits > 1):
+                cute.arch.cluster_arrive()  # the peers may still read this CTA's tile
+                cute.arch.cluster_wait()
+
+        @cute.jit
+        def reduce_store(self, sP: cute.Tensor, tile, tidx, mR, mY: cute.Tensor):
+            """This CTA's rows of the tile, summed over the cluster's partials in rank order:
+            element e = token · R/S + row, so consecutive threads write consecutive columns of y."""
+            share = self.rows // self.splits
+            rank = cute.arch.block_idx_in_cluster()
+            n_tokens = mY.shape[0]
+            for j in cutlass.range_constexpr(-(-share * self.tokens // THREADS)):
+                e = j * THREADS + tidx
+                local = rank * share + e % share
+                m, col = e // share, tile * self.rows + local
+                write = m < n_tokens
+                if const_expr(self.n % self.rows):
+                    write = write & (col < self.n)
+                if const_expr((j + 1) * THREADS > share * self.tokens):
+                    write = write & (e < share * self.tokens)
+                if write:
+                    total = Float32(0.0)
+                    if const_expr(self.splits == 1):
+                        total = sP[local, m]
+                    else:
+                        ptr = sP.iterator + cute.crd2idx((local, m), sP.layout)
+                        for p in cutlass.range_constexpr(self.splits):
+                            total = total + load_from_peer(ptr, p)
+                    if const_expr(self.has_residual):
+                        total = total + mR[m, col].to(Float32)
+                    if const_expr(self.out_fp32):
+                        mY[m, col] = total
+                    else:
+                        mY[m, col] = total.to(BFloat16)
+
+    return GemmTC
+
+
+_cache = CompileCache(OP)
+
+
+def compiled(n: int, k: int, out_fp32: bool, residual: bool, cfg: Config,
+             arch: str | None = None):
+    """The compiled kernel for these scalars (cached). Buckets with one config share it."""
+    return _cache.get((n, k, out_fp32, residual, cfg, arch),
+                      lambda: build(n, k, out_fp32, residual, cfg, arch))
+
+
+def prepare(n: int, k: int, buckets=BUCKETS, *, out_dtype=torch.bfloat16,
+            residual: bool = False) -> None:
+    """Compile the kernel of every batch bucket for this weight (call before graph capture)."""
+    for b in buckets:
+        compiled(n, k, out_dtype == torch.float32, residual, config(n, k, b))
+
+
+def build(n, k, out_fp32, residual, cfg, arch=None, dump_dir=None):
+    """Compile now, uncached (`dump_dir` keeps the cubin)."""
+    import cutlass
+    from cutlass import cute
+    from cutlass.cute.runtime import make_fake_tensor
+
+    bf16, m = cutlass.BFloat16, cute.sym_int()
+
+    def out_rows(dtype):  # [M, N] rows with any row stride
+        return make_fake_tensor(dtype, (m, n), stride=(cute.sym_int64(), 1),
+                                assumed_align=dtype.width // 8)
+
+    return compile_kernel(
+        _kernel_class()(n, k, cfg, out_fp32, residual),
+        fake_rows(bf16, m, k), fake_rows(bf16, n, k),
+        out_rows(bf16) if residual else None,
+        out_rows(cutlass.Float32 if out_fp32 else bf16), fake_stream(), arch=arch,
+        dump_dir=dump_dir)
+
+
+def linear_tc(x, w, residual=None, out_dtype=None):
+    """y = x · wᵀ [+ residual] for x [M, K]: the kernel where it takes the inputs (M <= 64 on a
+    GPU), torch (`gemv_ref`: cuBLAS) otherwise."""
+    if x.dim() == 2 and x.is_cuda and can_implement(x, w, residual, out_dtype=out_dtype):
+        return gemm_tc_cuda(x, w, residual, out_dtype=out_dtype)
+    return gemv_ref(x, w, residual, out_dtype)
+
+
+def gemm_tc_cuda(x, w, residual=None, *, out=None, out_dtype=None, cfg: Config | None = None):
+    """y = x · wᵀ [+ residual] with the kernel, or with torch (`gemv_ref`, reason logged) when it
+    refuses the inputs. `out` [M, N] (last dim contiguous) is written only when the kernel runs;
+    the fallback returns a new tensor. `cfg` overrides `config()` (sweeps)."""
+    if out_dtype is None:
+        out_dtype = out.dtype if out is not None else x.dtype
+    reason = (runtime_refusal() or refusal(x, w, residual, out_dtype=out_dtype)
+              or (None if x.is_cuda and w.is_cuda else "not on a CUDA device")
+              or (None if aligned16(x, w) else "data not 16-byte aligned"))
+    if reason is None and out is not None and (
+            out.dtype != out_dtype or out.shape != (x.shape[0], w.shape[0])
+            or out.stride(-1) != 1):
+        reason = f"out: {out.dtype} {tuple(out.shape)} {out.stride()}"
+    if reason:
+        fallback(OP, reason)
+        return gemv_ref(x, w, residual, out_dtype)
+    (m, k), n = x.shape, w.shape[0]
+    y = x.new_empty((m, n), dtype=out_dtype) if out is None else out
+    if m:
+        cfg = cfg or config(n, k, bucket(m))
+        if cfg.tile_tokens < m:
+            raise ValueError(f"{cfg} holds {cfg.tile_tokens} tokens, not {m}")
+        compiled(n, k, out_dtype == torch.float32, residual is not None, cfg)(x, w, residual, y)
+    return y
