@@ -1,0 +1,150 @@
+"""Tensor-core skinny GEMM (kernels/gemm_tc.py) against cuBLAS (F.linear) at one K3 TP16 rank's
+shapes, M = 2..64 rows.
+
+    python benchmarks/gemm_tc.py [--m 2,8,64] [--only 768x7168] [--gemv] [--out DIR]
+    python benchmarks/gemm_tc.py --sweep --m 8,64 --only 768x7168,7168x768 [--out DIR]
+
+Timing as benchmarks/gemv.py (whose helpers it uses): both sides captured into CUDA graphs, each
+call reading the next copy of W (>= 2 x 60 MB of weights between two reads of one copy), x
+L2-resident; µs per call = median over replays of graph time / calls. GB/s counts W bytes only;
+"% copy" compares with a 4 GiB device copy of the same run (read + write). `--gemv` adds the
+CUDA-core gemv at M <= 16. The sweep times every `gemm_tc.configs()` entry (each checked against
+cuBLAS first), best first. JSON: DIR/gemm_tc.json or DIR/gemm_tc_sweep.json.
+"""
+
+import argparse
+import functools
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from gemv import copy_gbps, graph_us, weight_copies
+from k3compile.kernels import gemm_tc, gemv
+
+# [N, K] of one TP16 rank (see tests/kernels/test_gemm_tc.py)
+SHAPES = [(3206, 7168), (2112, 7168), (3584, 7168), (7168, 3584), (896, 7168), (7168, 768),
+          (768, 7168), (1152, 1536), (7168, 384), (768, 128)]
+MS = (2, 4, 8, 16, 32, 64)
+
+
+def tc_call(x, out, cfg=None):
+    return lambda w: gemm_tc.gemm_tc_cuda(x, w, out=out, cfg=cfg)
+
+
+def gemv_call(x, out):
+    return lambda w: gemv.gemv_cuda(x, w, out=out)
+
+
+def check(x, w, out, cfg=None):
+    """The kernel ran and agrees with cuBLAS (a benchmark of wrong results is worthless)."""
+    y = gemm_tc.gemm_tc_cuda(x, w, out=out, cfg=cfg)
+    assert y is out, f"gemm_tc refused {tuple(x.shape)} x {tuple(w.shape)} (see the log)"
+    ref = F.linear(x, w).float()
+    err = ((y.float() - ref).norm() / ref.norm()).item()
+    assert err < 1e-2, f"gemm_tc {cfg} disagrees with cuBLAS: relative error {err:.2e}"
+
+
+def run(shapes, ms, gbps, with_gemv):
+    rows = []
+    for n, k in shapes:
+        weights = weight_copies(n, k)
+        moved = 2 * n * k
+        for m in ms:
+            x = torch.randn(m, k, device="cuda").bfloat16()
+            out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+            check(x, weights[0], out)
+            t_tc = graph_us(tc_call(x, out), weights)
+            t_mm = graph_us(functools.partial(F.linear, x), weights)
+            row = {"N": n, "K": k, "M": m, "config": str(gemm_tc.config(n, k, gemm_tc.bucket(m))),
+                   "tc_us": round(t_tc, 2), "mm_us": round(t_mm, 2),
+                   "tc_GBps": round(moved / t_tc / 1e3), "mm_GBps": round(moved / t_mm / 1e3),
+                   "speedup": round(t_mm / t_tc, 2)}
+            row["tc_pct_copy"] = round(100 * row["tc_GBps"] / gbps, 1)
+            row["mm_pct_copy"] = round(100 * row["mm_GBps"] / gbps, 1)
+            if with_gemv and m <= gemv.MAX_M:
+                row["gemv_us"] = round(graph_us(gemv_call(x, out), weights), 2)
+            rows.append(row)
+            print(f"{n:5d} x {k:5d} M={m:2d}  tc {t_tc:6.2f} us {row['tc_GBps']:5d} GB/s "
+                  f"{row['tc_pct_copy']:5.1f}%  mm {t_mm:6.2f} us {row['mm_GBps']:5d} GB/s "
+                  f"{row['mm_pct_copy']:5.1f}%  x{row['speedup']:.2f}"
+                  + (f"  gemv {row['gemv_us']:.2f} us" if "gemv_us" in row else "")
+                  + f"  {row['config']}", flush=True)
+        del weights
+        torch.cuda.empty_cache()
+    return rows
+
+
+def short(cfg) -> str:
+    return f"R{cfg.tile_rows}/S{cfg.splits}/st{cfg.stages}"
+
+
+def sweep(shapes, ms):
+    """Every config at each shape and M (tunes `gemm_tc.config`)."""
+    rows = []
+    for n, k in shapes:
+        weights = weight_copies(n, k)
+        for m in ms:
+            x = torch.randn(m, k, device="cuda").bfloat16()
+            out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+            results = {}
+            for cfg in gemm_tc.configs(n, k, gemm_tc.bucket(m)):
+                check(x, weights[0], out, cfg)
+                results[cfg] = graph_us(tc_call(x, out, cfg), weights)
+            t_mm = graph_us(functools.partial(F.linear, x), weights)
+            ranked = sorted(results, key=results.get)
+            chosen = gemm_tc.config(n, k, gemm_tc.bucket(m))
+            if chosen not in results:
+                check(x, weights[0], out, chosen)
+                results[chosen] = graph_us(tc_call(x, out, chosen), weights)
+            rows.append({"N": n, "K": k, "M": m, "default": str(chosen), "best": str(ranked[0]),
+                         "mm_us": round(t_mm, 2),
+                         "us": {str(c): round(results[c], 2) for c in ranked}})
+            print(f"{n:5d} x {k:5d} M={m:2d}  mm {t_mm:.2f} us  default {short(chosen)} "
+                  f"{results[chosen]:.2f} us  best {short(ranked[0])} {results[ranked[0]]:.2f} us"
+                  " | " + "  ".join(f"{short(c)}={results[c]:.2f}" for c in ranked[:8]),
+                  flush=True)
+        del weights
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--m", default=",".join(map(str, MS)))
+    ap.add_argument("--only", help="shapes as NxK, comma-separated")
+    ap.add_argument("--gemv", action="store_true", help="also time gemv at M <= 16")
+    ap.add_argument("--sweep", action="store_true", help="time every config instead")
+    ap.add_argument("--out", help="folder for the JSON")
+    opts = ap.parse_args()
+    from k3compile.kernels.common.dsl import runtime_refusal
+
+    assert torch.cuda.is_available() and not runtime_refusal(), runtime_refusal() or "no GPU"
+    torch.manual_seed(0)
+    ms = [int(m) for m in opts.m.split(",")]
+    shapes = [tuple(map(int, s.split("x"))) for s in opts.only.split(",")] if opts.only \
+        else SHAPES
+    gbps = copy_gbps()
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; "
+          f"4 GiB device copy: {gbps:.0f} GB/s (read + write)", flush=True)
+    rows = sweep(shapes, ms) if opts.sweep else run(shapes, ms, gbps, opts.gemv)
+    if opts.out:
+        path = Path(opts.out)
+        path.mkdir(parents=True, exist_ok=True)
+        path = path / ("gemm_tc_sweep.json" if opts.sweep else "gemm_tc.json")
+        with open(path, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "copy_GBps": round(gbps),
+                       "sweep": opts.sweep, "rows": rows}, f, indent=1)
+    if opts.sweep:
+        return
+    print("\n| weight [N, K] | M | gemm_tc µs | GB/s | % copy | torch.mm µs | GB/s | % copy | "
+          "speedup |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['N']} × {r['K']} | {r['M']} | {r['tc_us']:.2f} | {r['tc_GBps']} | "
+              f"{r['tc_pct_copy']} | {r['mm_us']:.2f} | {r['mm_GBps']} | {r['mm_pct_copy']} | "
+              f"x{r['speedup']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,197 @@
+"""gemm_tc kernel (y = x · Wᵀ [+ r], M <= 64, tensor cores) at one K3 TP16 rank's weight shapes
+for every batch bucket, rows between buckets (rows past M untouched), an odd aligned shape, every
+split-K cluster size and tile height, the fp32 router output, the residual epilogue, strided
+operands, determinism, and the torch fallback of refused inputs (GPU); refusals and configs on
+any machine."""
+
+import logging
+
+import pytest
+import torch
+from k3compile.kernels import gemm_tc as kernel
+from kernel_checks import TOL, assert_written, poisoned, rel_err
+
+# [N, K] of one TP16 rank: KDA in-proj, MLA q_a|kv_a, latent down, latent up, router, o_proj,
+# gates / shared gate_up, MLA q_b, shared down, KDA f_b
+SHAPES = [(3206, 7168), (2112, 7168), (3584, 7168), (7168, 3584), (896, 7168), (7168, 768),
+          (768, 7168), (1152, 1536), (7168, 384), (768, 128)]
+ODD = (1000, 1032)  # N not a multiple of 64; K/64 = 16.1: a zero-filled last K slice
+ROUTER = (896, 7168)
+# fp32 sums of up to 7168 products of size ~1/sqrt(K); the tensor cores' fp32 accumulation may
+# truncate rather than round its additions (~2^-23 of the running sum each): ~1e-5 typical
+TC_FP32_SUMS = {"rtol": 1e-4, "atol": 3e-4}
+
+
+def on_gpu(fn):
+    return pytest.mark.gpu(pytest.mark.usefixtures("cuda_kernels")(fn))
+
+
+def make_inputs(gen, m, n, k):
+    x = torch.randn(m, k, generator=gen, device="cuda").bfloat16()
+    w = (torch.randn(n, k, generator=gen, device="cuda") / k ** 0.5).bfloat16()
+    return x, w
+
+
+def model(x, w, residual=None, out_dtype=torch.bfloat16):
+    y = x.double() @ w.double().t()
+    if residual is not None:
+        y = y + residual.double()
+    return y.to(out_dtype)
+
+
+def check(x, w, residual=None, out_dtype=torch.bfloat16, out=None, cfg=None):
+    if out is None:
+        out = poisoned(x.shape[0], w.shape[0], dtype=out_dtype)
+    y = kernel.gemm_tc_cuda(x, w, residual, out=out, cfg=cfg)
+    assert y is out, "the kernel did not run (fallback)"
+    assert_written(out)
+    ref = model(x, w, residual, out_dtype)
+    if out_dtype == torch.float32:
+        torch.testing.assert_close(out, ref, **TC_FP32_SUMS)
+    else:
+        torch.testing.assert_close(out.float(), ref.float(), **TOL["bf16"])
+        assert rel_err(out, ref) < TOL["bf16_rel_norm"]
+    return out
+
+
+@on_gpu
+@pytest.mark.parametrize("m", kernel.BUCKETS)
+@pytest.mark.parametrize("n,k", [*SHAPES, ODD], ids=lambda v: str(v))
+def test_shapes(gen, n, k, m):
+    check(*make_inputs(gen, m, n, k))
+
+
+@on_gpu
+@pytest.mark.parametrize("m", [1, 3, 7, 12, 24, 40, 63])
+@pytest.mark.parametrize("n,k", [(3206, 7168), (7168, 768), ODD], ids=lambda v: str(v))
+def test_rows_between_buckets(gen, n, k, m):
+    """M rows of a [bucket, N] buffer: the rows past M (zero-filled x rows in the MMA) stay
+    untouched."""
+    x, w = make_inputs(gen, m, n, k)
+    buf = poisoned(kernel.bucket(m) + 1, n)
+    check(x, w, out=buf[:m])
+    assert buf[m:].isnan().all(), "rows past M were written"
+
+
+@on_gpu
+@pytest.mark.parametrize("m", kernel.BUCKETS)
+def test_router_fp32_logits(gen, m):
+    check(*make_inputs(gen, m, *ROUTER), out_dtype=torch.float32)
+
+
+@on_gpu
+@pytest.mark.parametrize("m", [2, 5, 16, 64])
+@pytest.mark.parametrize("n,k", [(7168, 768), (7168, 384), ODD], ids=lambda v: str(v))
+def test_residual(gen, n, k, m):
+    x, w = make_inputs(gen, m, n, k)
+    r = (4 * torch.randn(m, n, generator=gen, device="cuda")).bfloat16()
+    check(x, w, r)
+    check(x, w, r, out_dtype=torch.float32)
+
+
+def _config_variants(n, k, m_bucket):
+    """One config per (tile height, split) with the fewest and the most stages: every cluster size
+    and both MMA tilings, with and without refills of the pipeline."""
+    by_shape = {}
+    for cfg in kernel.configs(n, k, m_bucket):
+        by_shape.setdefault((cfg.tile_rows, cfg.splits), []).append(cfg)
+    return [c for cfgs in by_shape.values() for c in {min(cfgs, key=lambda c: c.stages),
+                                                      max(cfgs, key=lambda c: c.stages)}]
+
+
+@on_gpu
+@pytest.mark.parametrize("n,k,m", [(*ODD, 13), (896, 7168, 8), (7168, 768, 64)],
+                         ids=lambda v: str(v))
+def test_every_tiling_and_split(gen, n, k, m):
+    x, w = make_inputs(gen, m, n, k)
+    r = torch.randn(m, n, generator=gen, device="cuda").bfloat16()
+    for cfg in _config_variants(n, k, kernel.bucket(m)):
+        check(x, w, r, cfg=cfg)
+
+
+@on_gpu
+def test_strided_operands_and_determinism(gen):
+    x, w = make_inputs(gen, 24, 2112 + 16, 7168 + 64)
+    x, w = x[:, 64:], w[16:, 64:]  # row strides K + 64, 16-byte aligned row starts
+    r = torch.randn(24, 2 * 2112, generator=gen, device="cuda").bfloat16()[:, ::2]
+    assert kernel.refusal(x, w, r) is not None  # residual with strided columns: refused
+    r = r.contiguous()
+    wide = poisoned(24, 2112 + 40)
+    first = check(x, w, r, out=wide[:, :2112]).clone()  # output row stride N + 40
+    assert torch.equal(first, check(x, w, r)), "not deterministic"
+
+
+@on_gpu
+def test_empty_batch(gen):
+    x, w = make_inputs(gen, 0, 768, 128)
+    assert kernel.gemm_tc_cuda(x, w).shape == (0, 768)
+
+
+@on_gpu
+def test_linear_tc(gen):
+    x, w = make_inputs(gen, 8, 2112, 7168)
+    torch.testing.assert_close(kernel.linear_tc(x, w).float(), model(x, w).float(), **TOL["bf16"])
+    x65 = torch.randn(65, 7168, generator=gen, device="cuda").bfloat16()
+    assert torch.equal(kernel.linear_tc(x65, w), kernel.gemv_ref(x65, w))
+
+
+@on_gpu
+@pytest.mark.parametrize("case", ["k_not_multiple_of_8", "fp32_x", "batch_65"])
+def test_refused_inputs_fall_back_to_torch(gen, caplog, case):
+    m, n, k = {"k_not_multiple_of_8": (4, 256, 1001), "fp32_x": (4, 768, 128),
+               "batch_65": (65, 768, 7168)}[case]
+    x, w = make_inputs(gen, m, n, k)
+    if case == "fp32_x":
+        x = x.float()
+    assert not kernel.can_implement(x, w)
+    r = torch.randn(m, n, generator=gen, device="cuda").to(x.dtype)
+    with caplog.at_level(logging.DEBUG, logger="k3compile.kernels"):
+        y = kernel.gemm_tc_cuda(x, w)
+        y_res = kernel.gemm_tc_cuda(x, w, r)
+    assert "gemm_tc" in caplog.text
+    if case == "batch_65":
+        assert "batch above 64: cuBLAS" in caplog.text
+    assert torch.equal(y, kernel.gemv_ref(x, w))
+    assert torch.equal(y_res, kernel.gemv_ref(x, w, r))
+
+
+def test_refusals_on_any_machine():
+    """Metadata only: meta tensors stand in for the GPU's."""
+    def t(*shape, dtype=torch.bfloat16):
+        return torch.empty(*shape, dtype=dtype, device="meta")
+
+    w = t(768, 7168)
+    assert kernel.refusal(t(64, 7168), w) is None
+    assert kernel.refusal(t(1, 7168), w, t(1, 768), out_dtype=torch.float32) is None
+    assert "batch above 64" in kernel.refusal(t(65, 7168), w)
+    assert "dtype" in kernel.refusal(t(8, 7168, dtype=torch.float16), w)
+    assert "K 7001" in kernel.refusal(t(8, 7001), t(768, 7001))
+    assert "K 32" in kernel.refusal(t(8, 32), t(768, 32))
+    assert "strides" in kernel.refusal(t(8, 7168 * 2)[:, ::2], w)
+    assert "strides" in kernel.refusal(t(8, 7172)[:, :7168], w)  # rows 8 bytes off alignment
+    assert "residual" in kernel.refusal(t(8, 7168), w, t(8, 767))
+    assert "residual" in kernel.refusal(t(8, 7168), w, t(8, 768, dtype=torch.float32))
+    assert "output dtype" in kernel.refusal(t(8, 7168), w, out_dtype=torch.float16)
+    assert kernel.can_implement(t(8, 7168), w)
+
+
+def test_linear_tc_on_cpu_is_the_reference():
+    x, w = torch.randn(8, 256).bfloat16(), torch.randn(512, 256).bfloat16()
+    r = torch.randn(8, 512).bfloat16()
+    assert torch.equal(kernel.linear_tc(x, w, r), kernel.gemv_ref(x, w, r))
+    assert kernel.linear_tc(x, w, out_dtype=torch.float32).dtype == torch.float32
+
+
+@pytest.mark.parametrize("n,k", [*SHAPES, ODD], ids=lambda v: str(v))
+def test_configs_fit(n, k):
+    """Every config the heuristic or a sweep picks fits the kernel's constraints."""
+    k_tiles = -(-k // kernel.TILE_K)
+    for b in kernel.BUCKETS:
+        chosen = kernel.config(n, k, b)
+        sweep = kernel.configs(n, k, b)
+        assert chosen in sweep or kernel.smem_bytes(chosen) <= kernel.SMEM_BYTES
+        for cfg in [chosen, *sweep]:
+            assert cfg.tile_rows in (64, 128) and cfg.splits in (1, 2, 4, 8)
+            assert cfg.tile_tokens % 8 == 0 and b <= cfg.tile_tokens <= 64
+            assert cfg.splits <= k_tiles, "an empty K share"
+            assert cfg.stages >= 2 and kernel.smem_bytes(cfg) <= kernel.SMEM_BYTES
