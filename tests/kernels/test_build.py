@@ -11,6 +11,7 @@ from k3compile.kernels import (
     attn_res_mix_norm,
     gemm_tc,
     gemv,
+    kda_decode,
     mla_lowrank_norm,
     moe_route,
     rms_norm,
@@ -41,12 +42,18 @@ def _cases():
         (moe_route, (64, 4)),
         (situ, (384,)),  # shared experts' SiTU at TP16 (768 / 2 per rank)
         (situ, (1000,)),  # predicated vectors
+        (kda_decode, (1, 6, 4)),  # (T, heads, taps): decode at one TP16 rank
+        (kda_decode, (8, 6, 4)),  # DSpark verify rows
     ]
     for module, scalars in shapes:
         for b in BUCKETS:
             case = (module, scalars, module.config(*scalars, b))
             if case not in seen:
                 seen.append(case)
+    # kda_decode: T < taps - 1 (conv-state shift) on one-warp CTAs in clusters of 8; 32 state
+    # rows per thread (the most registers)
+    seen += [(kda_decode, (2, 6, 4), kda_decode.Config(8, 16)),
+             (kda_decode, (5, 4, 2), kda_decode.Config(1, 32))]
     # gemm_tc: (n, k, fp32 output, residual) with the config of one bucket: a cluster of 8 over
     # K at 8 tokens, R = 128 rows with the residual at 64, one CTA per tile (S = 1) with fp32
     # output, and partial row tiles and K slices (1000 x 1032)

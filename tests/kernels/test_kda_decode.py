@@ -1,0 +1,378 @@
+"""KDA decode kernel (`k3::kda_decode`, `k3::fb_kda_decode`) against `kda_decode_ref`.
+
+GPU (marked `gpu`): one K3 TP16 rank (6 heads of 128, conv taps 4) at every batch bucket with
+T = 1 and T = 8, other T (conv-state shift when T < taps - 1), other head counts, every config,
+several consecutive steps on carried states, and fb_kda_decode. Activations are column slices of
+one in-projection row (stride 3206, as the fused GEMM produces them), slots are a permutation
+of a larger state pool whose other slots must stay untouched, and the last request of a batch
+is a padding row on the scratch slot (-1: the pool's last). Outputs are poisoned beforehand.
+
+CPU: a model of the kernel's blocking (its work split from `kernel.Tile`, the butterfly sums,
+the cluster sum, the ownership of outputs and conv-state writes) against the reference, for
+every config; refusals; the fallback off the GPU.
+"""
+
+import logging
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from k3compile.kernels import kda_decode as kernel
+from kernel_checks import BUCKETS, TOL, assert_written, poisoned, rel_err
+
+from k3compile.ops.kda import kda_decode_ref
+
+K, TAPS = 128, 4
+H_TP16 = 96 // 16  # KDA heads per rank at TP16 (k3_arch.md §4.2)
+SCALARS = {"lower_bound": -5.0, "l2_eps": 1e-6, "q_scale": K**-0.5, "norm_eps": 1e-5}
+# The fp32 state agrees to summation order, except where a conv output's bf16 rounding flips
+# (its fp32 sum is an ulp off torch's): one channel then moves by ~2^-9 relative, which moves a
+# state row or column by ~1e-4. Indexing errors move it by O(0.1).
+STATE_TOL = {"rtol": 1e-3, "atol": 2e-3}
+STATE_REL_NORM = 1e-4
+
+
+def cfg_id(cfg):
+    return f"C{cfg.cluster_n}R{cfg.rows_per_thread}"
+
+
+class Inputs:
+    """One KDA step's operands at H heads, B requests of T tokens, over a pool of S slots."""
+
+    def __init__(self, gen, B, T, H=H_TP16, taps=TAPS, device="cuda", extra_slots=3):
+        def randn(*shape, scale=1.0):
+            return torch.randn(*shape, generator=gen, device=device) * scale
+
+        W = H * K
+        self.B, self.T, self.H = B, T, H
+        row = randn(B, T, 4 * W + K + H).bfloat16()  # the in-projection: q|k|v|g|f_a|b
+        self.q, self.k, self.v, self.g = (row[..., i * W:(i + 1) * W] for i in range(4))
+        self.fa, self.b = row[..., 4 * W:4 * W + K], row[..., 4 * W + K:]
+        self.fb_weight = randn(W, K, scale=K**-0.5).bfloat16()
+        self.graw = F.linear(self.fa, self.fb_weight)
+        S = B + extra_slots
+        self.conv_state = randn(S, 3 * W, taps - 1).bfloat16()
+        self.state = randn(S, H, K, K, scale=0.1)
+        perm = torch.rand(S - 1, generator=gen, device=device).argsort()[:B]
+        if B > 1:
+            perm[-1] = -1  # a padding row on the scratch slot
+        self.slots = perm
+        self.conv_w = [randn(W, 1, taps, scale=0.5).bfloat16() for _ in range(3)]
+        self.A_log = torch.log(1 + 15 * torch.rand(H, generator=gen, device=device))
+        self.dt_bias = randn(W, scale=0.5)
+        self.o_norm_weight = (1 + randn(K, scale=0.1)).bfloat16()
+
+    def new_activations(self, gen):
+        """Fresh q|k|v|g|f_a|b rows for the next step (states carried)."""
+        fresh = Inputs(gen, self.B, self.T, self.H, self.conv_state.shape[2] + 1,
+                       self.q.device, 0)
+        for name in ("q", "k", "v", "g", "fa", "b", "graw"):
+            setattr(self, name, getattr(fresh, name))
+        self.graw = F.linear(self.fa, self.fb_weight)
+
+    def args(self, conv_state, state, *, fb=False):
+        first = (self.q, self.k, self.v, self.g, *((self.fa, self.fb_weight) if fb else
+                                                  (self.graw,)), self.b)
+        return (*first, conv_state, state, self.slots, *self.conv_w, self.A_log, self.dt_bias,
+                self.o_norm_weight, *SCALARS.values())
+
+    def untouched(self):
+        mask = torch.ones(self.state.shape[0], dtype=torch.bool, device=self.state.device)
+        mask[self.slots] = False
+        return mask
+
+
+def compare(got, ref, conv, ref_conv, state, ref_state, inp, conv0, state0):
+    assert_written(got)
+    torch.testing.assert_close(got.float(), ref.float(), **TOL["bf16"])
+    assert rel_err(got, ref) < TOL["bf16_rel_norm"]
+    assert torch.equal(conv, ref_conv), "conv_state differs (it is a copy of bf16 inputs)"
+    used = inp.slots
+    torch.testing.assert_close(state[used], ref_state[used], **STATE_TOL)
+    assert rel_err(state[used], ref_state[used]) < STATE_REL_NORM
+    mask = inp.untouched()
+    assert torch.equal(state[mask], state0[mask]) and torch.equal(conv[mask], conv0[mask])
+
+
+def check_step(inp, steps=1, gen=None, fb=False):
+    """Kernel and reference from the same states for `steps` consecutive steps."""
+    conv, state = inp.conv_state.clone(), inp.state.clone()
+    ref_conv, ref_state = inp.conv_state.clone(), inp.state.clone()
+    for step in range(steps):
+        if step:
+            inp.new_activations(gen)
+        conv0, state0 = conv.clone(), state.clone()
+        out = poisoned(inp.B, inp.T, inp.H, K)
+        run = kernel.fb_kda_decode_cuda if fb else kernel.kda_decode_cuda
+        got = run(*inp.args(conv, state, fb=fb), out=out)
+        assert got is out, "the kernel did not run (fallback)"
+        ref = kda_decode_ref(*inp.args(ref_conv, ref_state))
+        compare(got, ref, conv, ref_conv, state, ref_state, inp, conv0, state0)
+
+
+@pytest.mark.parametrize("T", [1, 8])
+@pytest.mark.parametrize("B", BUCKETS)
+@pytest.mark.usefixtures("cuda_kernels")
+@pytest.mark.gpu
+def test_tp16_rank(gen, B, T):
+    check_step(Inputs(gen, B, T))
+
+
+@pytest.mark.parametrize("B,T", [(3, 2), (5, 3), (2, 5), (6, 16), (37, 1)])
+@pytest.mark.usefixtures("cuda_kernels")
+@pytest.mark.gpu
+def test_other_tokens_and_rows(gen, B, T):
+    check_step(Inputs(gen, B, T))
+
+
+@pytest.mark.parametrize("H", [1, 4])
+@pytest.mark.usefixtures("cuda_kernels")
+@pytest.mark.gpu
+def test_other_head_counts(gen, H):
+    check_step(Inputs(gen, 3, 8, H))
+
+
+@pytest.mark.parametrize("cfg", kernel.configs(), ids=cfg_id)
+@pytest.mark.usefixtures("cuda_kernels")
+@pytest.mark.gpu
+def test_every_config(gen, cfg, monkeypatch):
+    monkeypatch.setattr(kernel, "config", lambda *_: cfg)
+    for T in (1, 2, 8):
+        check_step(Inputs(gen, 3, T))
+
+
+@pytest.mark.parametrize("B,T", [(1, 1), (8, 8), (64, 1)])
+@pytest.mark.usefixtures("cuda_kernels")
+@pytest.mark.gpu
+def test_consecutive_steps(gen, B, T):
+    check_step(Inputs(gen, B, T), steps=4, gen=gen)
+
+
+@pytest.mark.parametrize("B,T", [(1, 1), (1, 8), (16, 1), (4, 8)])  # B·T = 1: the skinny GEMM
+@pytest.mark.usefixtures("cuda_kernels")
+@pytest.mark.gpu
+def test_fb_kda_decode(gen, B, T):
+    check_step(Inputs(gen, B, T), steps=2, gen=gen, fb=True)
+
+
+@pytest.mark.usefixtures("cuda_kernels")
+@pytest.mark.gpu
+def test_empty_batch(gen):
+    inp = Inputs(gen, 0, 1, extra_slots=2)
+    assert kernel.kda_decode_cuda(*inp.args(inp.conv_state, inp.state)).shape == (0, 1, 6, K)
+
+
+@pytest.mark.usefixtures("cuda_kernels")
+@pytest.mark.gpu
+def test_refused_input_falls_back(gen, caplog):
+    inp = Inputs(gen, 2, 1)
+    args = list(inp.args(inp.conv_state.clone(), inp.state.clone()))
+    args[0] = args[0].float()  # fp32 q
+    assert not kernel.can_implement(*args)
+    ref_args = list(inp.args(inp.conv_state.clone(), inp.state.clone()))
+    ref_args[0] = ref_args[0].float()
+    with caplog.at_level(logging.DEBUG, logger="k3compile.kernels"):
+        got = kernel.kda_decode_cuda(*args)
+    assert "kda_decode" in caplog.text
+    assert torch.equal(got, kda_decode_ref(*ref_args))
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU: the kernel's blocking, modelled in torch
+
+
+def _butterfly(part, tl):
+    """part [threads, 4] partial column sums -> every lane's butterfly total, as the kernel's
+    shuffles compute it (lane l adds lane l ^ offset's value, offsets from the tile)."""
+    lanes = torch.arange(32)
+    p = part.view(tl.warps, 32, -1)
+    for off in tl.bfly_offsets():
+        p = p + p[:, lanes ^ off]
+    return p.reshape(part.shape)
+
+
+def _items(tl, items):
+    """(kind, index within the kind) of every work item as the kernel's threads take them."""
+    for it, s, full in tl.plan(items):
+        kind, lo, hi = items[s]
+        for tidx in range(tl.threads):
+            item = it * tl.threads + tidx
+            assert lo <= item < hi or not full
+            if lo <= item < hi:
+                yield kind, item - lo
+
+
+def _prologue(inp, args, tl, rank, req, h, old_conv):
+    """Shared memory after the prologue, checking its items cover every entry once."""
+    q, k, v, _, graw, b = args[:6]
+    wq, wk, wv, A_log, dt_bias = args[9:14]
+    T, W, taps = inp.T, inp.H * K, old_conv.shape[-1] + 1
+    sizes = {"q": K, "k": K, "v": tl.vc, "alpha": K}
+    seen = {kind: [0] * n for kind, n in sizes.items()}
+    for kind, c in _items(tl, tl.prologue_items()):
+        seen[kind][c] += 1
+    assert all(c == 1 for counts in seen.values() for c in counts), seen
+    sm = {}
+    for s, (x, w) in enumerate(((q, wq), (k, wk), (v, wv))):
+        first = h * K + (rank * tl.vc if s == 2 else 0)
+        ch = slice(first, first + (tl.vc if s == 2 else K))
+        window = torch.cat([old_conv[s * W:(s + 1) * W][ch].float(), x[req, :, ch].float().t()],
+                           dim=-1)  # [channels, taps - 1 + T]
+        acc = torch.stack([(window[:, t:t + taps] * w[ch, 0].float()).sum(-1)
+                           for t in range(T)])
+        sm["qkv"[s]] = F.silu(acc).bfloat16().float()  # [T, channels]
+    for name, scale in (("q", args[-2]), ("k", 1.0)):
+        x = sm[name]
+        sm[name] = x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + args[-3]) * scale
+    gate = torch.exp(A_log[h]) * (graw[req, :, h * K:(h + 1) * K].float()
+                                  + dt_bias[h * K:(h + 1) * K])
+    sm["alpha"] = torch.exp(args[-4] * torch.sigmoid(gate))
+    sm["beta"] = torch.sigmoid(b[req, :, h].float())
+    return sm
+
+
+def _recurrence(sm, tile_state, tl, T):
+    """The thread tiles through the T tokens; returns (sO [T, vc], Σo'² per token)."""
+    rg_lc = [tl.thread(t) for t in range(tl.threads)]
+    rows = torch.tensor([[rg + tl.rw * i for i in range(tl.R)] for rg, _ in rg_lc])
+    cols = torch.tensor([[lc + j for j in range(kernel.VEC)] for _, lc in rg_lc])
+    owned = torch.zeros(K, tl.vc, dtype=torch.int)
+    owned.index_put_((rows[:, :, None], cols[:, None, :]), torch.tensor(1, dtype=torch.int),
+                     accumulate=True)
+    assert torch.equal(owned, torch.ones_like(owned)), "state tiles do not partition the slice"
+    first = torch.tensor([rg == 0 for rg, _ in rg_lc])
+    St = tile_state[rows[:, :, None], cols[:, None, :]]  # [threads, R, 4]
+    sO = torch.full((T, tl.vc), float("nan"))
+    ss = torch.zeros(T)
+    for t in range(T):
+        kk, qq = sm["k"][t][rows][..., None], sm["q"][t][rows][..., None]
+        St = St * sm["alpha"][t][rows][..., None]
+        kv = _butterfly((St * kk).sum(1), tl)
+        truth = torch.zeros(tl.vc).index_add_(0, cols.flatten(), (St * kk).sum(1).flatten())
+        assert torch.allclose(kv, truth[cols], rtol=1e-5, atol=1e-5), "butterfly lanes"
+        u = sm["beta"][t] * (sm["v"][t][cols] - kv)
+        St = St + kk * u[:, None, :]
+        o = _butterfly((St * qq).sum(1), tl).bfloat16().float()
+        sO[t, cols[first].flatten()] = o[first].flatten()
+        ss[t] = o[first].pow(2).sum()
+    tile_state[rows[:, :, None], cols[:, None, :]] = St
+    return sO, ss
+
+
+def blocking_model(inp, args, cfg):
+    """The kernel's algorithm in torch, CTA by CTA; updates args' state buffers like the kernel
+    and returns the output. Asserts every output and conv-state element is written once."""
+    q, k, v, g = args[:4]
+    conv_state, state, slots, o_norm_weight, norm_eps = args[6], args[7], args[8], args[14], \
+        args[-1]
+    tl = kernel.tile(cfg)
+    B, T, H, W = inp.B, inp.T, inp.H, inp.H * K
+    keep = conv_state.shape[-1]
+    out = torch.full((B, T, H, K), float("nan"), dtype=torch.bfloat16)
+    for req in range(B):
+        slot = int(slots[req]) % state.shape[0]
+        old_conv = conv_state[slot].clone()  # the cluster barrier precedes every write
+        conv_written = torch.zeros(3 * W, dtype=torch.int)
+        for h in range(H):
+            sO, ss = [], torch.zeros(T)
+            for rank in range(tl.C):
+                sm = _prologue(inp, args, tl, rank, req, h, old_conv)
+                cols = slice(rank * tl.vc, (rank + 1) * tl.vc)
+                o_rank, ss_rank = _recurrence(sm, state[slot, h][:, cols], tl, T)
+                sO.append(o_rank)
+                ss += ss_rank
+            rstd = torch.rsqrt(ss / K + norm_eps)
+            for rank in range(tl.C):
+                n_out = tl.out_vectors(T)
+                for item in range(-(-n_out // tl.threads) * tl.threads):
+                    if item >= n_out:
+                        continue
+                    t, lc = item // (tl.vc // 8), item % (tl.vc // 8) * 8
+                    col = rank * tl.vc + lc
+                    assert out[req, t, h, col:col + 8].isnan().all(), "output written twice"
+                    normed = (sO[rank][t, lc:lc + 8] * rstd[t]).bfloat16()
+                    y = o_norm_weight[col:col + 8] * normed
+                    out[req, t, h, col:col + 8] = y * torch.sigmoid(g[req, t, h * K + col:][:8])
+                for s, c in _items(tl, tl.conv_write_items()):
+                    ch = s * W + h * K + rank * tl.vc + c
+                    window = torch.cat([old_conv[ch], (q, k, v)[s][req, :, ch % W]])
+                    conv_state[slot, ch] = window[T:T + keep]
+                    conv_written[ch] += 1
+        assert torch.equal(conv_written, torch.ones_like(conv_written)), "conv channels"
+    assert not out.isnan().any(), "output not written"
+    return out
+
+
+def _cpu_gen():
+    seed = int(torch.randint(1 << 30, ()).item())
+    print(f"seed {seed}")
+    return torch.Generator().manual_seed(seed)
+
+
+def test_tiles_are_valid():
+    assert kernel.configs(), "no config"
+    for b in BUCKETS:
+        cfg = kernel.config(1, H_TP16, TAPS, b)
+        assert kernel.tile(cfg).valid() and cfg.threads % 32 == 0
+    for cfg in kernel.configs():
+        tl = kernel.tile(cfg)
+        assert 32 <= tl.threads <= 1024 and tl.rw * tl.cw == 32
+        assert len(tl.bfly_offsets()) == int(math.log2(tl.rw))
+
+
+@pytest.mark.parametrize("cfg", kernel.configs(), ids=cfg_id)
+def test_blocking_model_matches_reference(cfg):
+    gen = _cpu_gen()
+    for T in (1, 2, 8):
+        inp = Inputs(gen, 3, T, H=2, device="cpu")
+        conv, state = inp.conv_state.clone(), inp.state.clone()
+        ref_conv, ref_state = inp.conv_state.clone(), inp.state.clone()
+        conv0, state0 = conv.clone(), state.clone()
+        got = blocking_model(inp, inp.args(conv, state), cfg)
+        ref = kda_decode_ref(*inp.args(ref_conv, ref_state))
+        torch.testing.assert_close(got.float(), ref.float(), **TOL["bf16"])
+        assert rel_err(got, ref) < TOL["bf16_rel_norm"]
+        assert torch.equal(conv, ref_conv)
+        used = inp.slots
+        torch.testing.assert_close(state[used], ref_state[used], **STATE_TOL)
+        assert rel_err(state[used], ref_state[used]) < STATE_REL_NORM
+        mask = inp.untouched()
+        assert torch.equal(state[mask], state0[mask]) and torch.equal(conv[mask], conv0[mask])
+
+
+def test_refusals():
+    inp = Inputs(_cpu_gen(), 2, 1, H=2, device="cpu")
+    args = list(inp.args(inp.conv_state, inp.state))
+    assert kernel.refusal(*args) is None
+
+    def refused(i, value, words):
+        bad = list(args)
+        bad[i] = value
+        why = kernel.refusal(*bad)
+        assert why and words in why, why
+
+    refused(0, inp.q.float(), "q:")
+    refused(7, inp.state[:, :, :64, :64], "K = 128")
+    refused(7, inp.state.double(), "recurrent_state:")
+    refused(7, inp.state.transpose(2, 3), "recurrent_state:")
+    refused(6, inp.conv_state.transpose(1, 2).contiguous().transpose(1, 2), "conv_state:")
+    refused(6, torch.zeros(inp.state.shape[0], 3 * 2 * K, 8, dtype=torch.bfloat16), "taps")
+    refused(8, inp.slots.int(), "slots:")
+    refused(4, inp.graw[..., 1:], "graw:")
+    refused(12, inp.A_log[:1], "A_log:")
+    refused(14, inp.o_norm_weight.float(), "o_norm_weight:")
+    long = Inputs(_cpu_gen(), 1, kernel.MAX_TOKENS + 1, H=1, device="cpu")
+    why = kernel.refusal(*long.args(long.conv_state, long.state))
+    assert why and "tokens" in why
+
+
+def test_off_gpu_runs_the_reference(caplog):
+    inp = Inputs(_cpu_gen(), 2, 2, H=2, device="cpu")
+    conv, state = inp.conv_state.clone(), inp.state.clone()
+    with caplog.at_level(logging.DEBUG, logger="k3compile.kernels"):
+        got = kernel.kda_decode_cuda(*inp.args(conv, state))
+    assert "kda_decode" in caplog.text
+    ref_conv, ref_state = inp.conv_state.clone(), inp.state.clone()
+    assert torch.equal(got, kda_decode_ref(*inp.args(ref_conv, ref_state)))
+    assert torch.equal(conv, ref_conv) and torch.equal(state, ref_state)
