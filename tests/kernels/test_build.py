@@ -13,6 +13,7 @@ from k3compile.kernels import (
     gemv,
     kda_decode,
     mla_lowrank_norm,
+    moe_experts,
     moe_route,
     rms_norm,
     situ,
@@ -71,6 +72,17 @@ def _cases():
         for b in gemv.BUCKETS:
             for out_fp32, residual in variants.get((n, k), [(False, False)]):
                 seen.append((gemv, (n, k, b, out_fp32, residual), gemv.config(n, k, b)))
+    # moe_experts: (stage, L, I, k, int64 ids) at one TP16 rank (one config for every bucket),
+    # int32 ids, the largest L and I, and small shapes with partial lane steps and odd k
+    for stage, latent, inter, top_k, ids64 in [
+            ("fc1", 3584, 192, 16, True), ("fc2", 3584, 192, 16, True),
+            ("fc2", 3584, 192, 16, False), ("fc1", 8192, 512, 16, True),
+            ("fc2", 8192, 512, 16, True), ("fc1", 1056, 32, 1, True), ("fc2", 96, 64, 3, False)]:
+        for b in BUCKETS:
+            case = (moe_experts, (stage, latent, inter, top_k, ids64),
+                    moe_experts.config(stage, latent, inter, top_k, b))
+            if case not in seen:
+                seen.append(case)
     return seen
 
 

@@ -1,0 +1,183 @@
+"""Routed MXFP4 experts: the kernels (kernels/moe_experts.py) against the op's torch reference
+(eager) and Inductor's code for the model's math (torch.compile of `experts_math`), at one K3
+TP16 rank (896 experts, top-16, L 3584, I 192).
+
+    python benchmarks/moe_experts.py [--batches 1,8,64] [--variants kernel,eager,inductor]
+                                     [--out DIR or r.json]
+    python benchmarks/moe_experts.py --sweep [--batches 1,8,64]   # FC1 / FC2 configs
+
+Each variant is captured into a CUDA graph of CALLS calls (benchmarks/graph_timing.py); time per
+call = median over replays of graph time / calls. Every call has its own rows and routing: at
+one row the calls take disjoint experts (a shuffled cycle over all 896), above it each row draws
+top-16 uniformly, so ~1 GB of experts rotate and the L2 (60 MB) does not serve a call from an
+earlier one. Bytes = packed weights + scales of the distinct experts a call touches (mean over
+the calls); "% copy" compares bytes / time with a 4 GiB device-to-device copy (read + write)
+measured in the same run. Kernel and eager rows come first, Inductor's (a compile per batch)
+last; the JSON is rewritten after every row, so a timeout keeps what was measured.
+"""
+
+import argparse
+import functools
+import json
+import time
+from pathlib import Path
+
+import torch
+from gemv import copy_gbps
+from graph_timing import graph_us
+from k3compile.kernels import moe_experts as kernel
+
+from k3compile.models import mxfp4
+from k3compile.ops.moe import e2m1_table, experts_math, moe_experts_ref
+
+EXPERTS, TOP_K, LATENT, INTER = 896, 16, 3584, 192
+BETA, LINEAR_BETA = 4.0, 25.0
+EXPERT_BYTES = 3 * INTER * LATENT // 2 * 17 // 16  # W1, W3, W2: nibbles + one scale per 32
+CALLS, REPLAYS = 16, 20
+
+
+def make_experts():
+    w1 = mxfp4.random_mxfp4((EXPERTS, INTER, LATENT), LATENT ** -0.5, device="cuda")
+    w3 = mxfp4.random_mxfp4((EXPERTS, INTER, LATENT), LATENT ** -0.5, device="cuda")
+    w2 = mxfp4.random_mxfp4((EXPERTS, LATENT, INTER), INTER ** -0.5, device="cuda")
+    return (*w1, *w3, *w2)
+
+
+def make_calls(n: int):
+    """CALLS inputs (z, ids, weights) of n rows; see the module docstring for the routing."""
+    cycle = torch.randperm(EXPERTS, device="cuda")
+    calls = []
+    for c in range(CALLS):
+        z = torch.randn(n, LATENT, device="cuda").bfloat16()
+        if n == 1:
+            ids = cycle[(c * TOP_K + torch.arange(TOP_K, device="cuda")) % EXPERTS][None]
+        else:
+            ids = torch.rand(n, EXPERTS, device="cuda").argsort(-1)[:, :TOP_K]
+        w = torch.rand(n, TOP_K, device="cuda") + 0.1
+        calls.append((z, ids, w / w.sum(-1, keepdim=True)))
+    return calls
+
+
+def variant_fn(name: str, experts, compiled=None):
+    if name == "kernel":
+        return lambda z, ids, w, out: kernel.moe_experts_cuda(z, ids, w, *experts, BETA,
+                                                              LINEAR_BETA, out=out)
+    if name == "eager":
+        return lambda z, ids, w, out: moe_experts_ref(z, ids, w, *experts, BETA, LINEAR_BETA)
+    lut = e2m1_table(torch.device("cuda"), torch.bfloat16)
+    return lambda z, ids, w, out: compiled(z, ids, w, lut, *experts, BETA, LINEAR_BETA)
+
+
+def time_variant(fn, calls) -> float:
+    outs = [torch.empty_like(z) for z, _, _ in calls]
+    steps = [functools.partial(fn, *call, out) for call, out in zip(calls, outs)]
+    return graph_us(steps, steps[:2], REPLAYS)
+
+
+def check(experts, calls):
+    """The kernels ran and agree with the reference (a benchmark of wrong results is worthless)."""
+    z, ids, w = calls[0]
+    out = torch.empty_like(z)
+    got = kernel.moe_experts_cuda(z, ids, w, *experts, BETA, LINEAR_BETA, out=out)
+    assert got is out, "moe_experts refused the inputs (see the log)"
+    ref = moe_experts_ref(z, ids, w, *experts, BETA, LINEAR_BETA).float()
+    err = ((out.float() - ref).norm() / ref.norm()).item()
+    assert err < 2e-2, f"moe_experts disagrees with the reference: relative error {err:.2e}"
+
+
+def run(batches, variants, gbps, experts, save):
+    rows = {}
+    inputs = {n: make_calls(n) for n in batches}
+    order = [v for v in ("kernel", "eager") if v in variants]
+    plan = [(n, v) for v in order for n in batches]
+    plan += [(n, "inductor") for n in batches if "inductor" in variants]
+    compiled = torch.compile(experts_math, dynamic=False) if "inductor" in variants else None
+    for n, name in plan:
+        calls = inputs[n]
+        if n not in rows:
+            check(experts, calls)
+            distinct = sum(len(torch.unique(ids)) for _, ids, _ in calls) / len(calls)
+            moved = distinct * EXPERT_BYTES
+            rows[n] = {"batch": n, "distinct_experts": round(distinct, 1),
+                       "MB": round(moved / 1e6, 2), "floor_us": round(moved / gbps / 1e3, 2)}
+        t0 = time.time()
+        us = time_variant(variant_fn(name, experts, compiled), calls)
+        row = rows[n]
+        row[f"{name}_us"] = round(us, 2)
+        row[f"{name}_pct_copy"] = round(100 * row["MB"] * 1e6 / us / 1e3 / gbps, 1)
+        for other in ("eager", "inductor"):
+            if f"{other}_us" in row and "kernel_us" in row:
+                row[f"kernel_speedup_vs_{other}"] = round(row[f"{other}_us"] / row["kernel_us"], 2)
+        print(f"B{n:<3} {name:9s} {us:9.2f} us  {row[f'{name}_pct_copy']:5.1f}% of copy  "
+              f"({row['distinct_experts']} experts, {row['MB']} MB, floor {row['floor_us']} us; "
+              f"{time.time() - t0:.0f} s)", flush=True)
+        save(list(rows.values()))
+    return list(rows.values())
+
+
+def sweep(batches, experts, save):
+    """Time the kernels with every FC1 config (FC2 at its default), then every FC2 config."""
+    default = kernel.config
+    cands = [("fc1", kernel.FC1Config(w, r)) for w in (2, 4, 8) for r in (1, 2, 4)]
+    cands += [("fc2", kernel.FC2Config(r, r * TOP_K)) for r in (8, 16, 32, 64)]
+    rows = []
+    try:
+        for n in batches:
+            calls = make_calls(n)
+            for stage, cfg in cands:
+                kernel.config = lambda s, *a, stage=stage, cfg=cfg: cfg if s == stage \
+                    else default(s, *a)
+                check(experts, calls)
+                us = time_variant(variant_fn("kernel", experts), calls)
+                rows.append({"batch": n, "stage": stage, "config": str(cfg), "us": round(us, 2)})
+                print(f"B{n:<3} {stage} {cfg}: {us:.2f} us", flush=True)
+                save(rows)
+    finally:
+        kernel.config = default
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batches", default="1,8,64")
+    ap.add_argument("--variants", default="kernel,eager,inductor")
+    ap.add_argument("--sweep", action="store_true", help="time the kernels' configs instead")
+    ap.add_argument("--out")
+    opts = ap.parse_args()
+    from k3compile.kernels.common.dsl import runtime_refusal
+
+    assert torch.cuda.is_available() and not runtime_refusal(), runtime_refusal() or "no GPU"
+    torch.manual_seed(0)
+    batches = [int(b) for b in opts.batches.split(",")]
+    gbps = copy_gbps()
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; "
+          f"4 GiB device copy: {gbps:.0f} GB/s (read + write)", flush=True)
+    path = Path(opts.out) if opts.out else None
+    if path is not None and path.suffix != ".json":
+        path.mkdir(parents=True, exist_ok=True)
+        path = path / ("moe_experts_sweep.json" if opts.sweep else "moe_experts.json")
+
+    def save(rows):
+        if path is not None:
+            path.write_text(json.dumps({"device": torch.cuda.get_device_name(),
+                                        "copy_GBps": round(gbps), "sweep": opts.sweep,
+                                        "expert_bytes": EXPERT_BYTES, "rows": rows}, indent=1))
+
+    experts = make_experts()
+    if opts.sweep:
+        sweep(batches, experts, save)
+        return
+    rows = run(batches, opts.variants.split(","), gbps, experts, save)
+    print("\n| batch | experts | MB | floor µs | kernel µs | % copy | eager µs | inductor µs | "
+          "vs eager | vs inductor |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['batch']} | {r['distinct_experts']} | {r['MB']} | {r['floor_us']} | "
+              f"{r.get('kernel_us', '-')} | {r.get('kernel_pct_copy', '-')} | "
+              f"{r.get('eager_us', '-')} | {r.get('inductor_us', '-')} | "
+              f"x{r.get('kernel_speedup_vs_eager', '-')} | "
+              f"x{r.get('kernel_speedup_vs_inductor', '-')} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,451 @@
+"""CuTe DSL kernels for `k3::moe_experts`: the routed MXFP4 experts, read packed (W4A16).
+
+    u[n] = bf16(Σ_j w[n,j] · bf16(SiTU(bf16(z[n]·W1[e]ᵀ), bf16(z[n]·W3[e]ᵀ)) · W2[e]ᵀ)),
+    e = ids[n, j], W = e2m1 · 2^(scale − 127) decoded in registers, fp32 products and sums
+
+Torch dequantises every selected expert to bf16 in memory before its GEMMs (48 µs per layer at
+one row on an H200 TP16 rank, 2950 µs at 64). Here each (token, expert) pair streams the packed
+bytes once and decodes them in registers; no bf16 weight is written. Two launches:
+
+  1. FC1 + SiTU, grid (N·k pairs, I / rows): a CTA takes one pair and `rows` rows of W1 and W3,
+     rows_per_warp of each per warp; lane l reads 16-byte vectors l, l + 32, ... of a row (one
+     vector = 32 inputs = one E8M0 scale, a byte load beside it), every load issued before any
+     math. z[n] is staged per CTA in shared memory as fp32 (16-byte chunks XOR-swizzled so the
+     lanes read their groups without bank conflicts). Warp butterfly sums (identical in every
+     lane); lane r rounds hg, hu to bf16 as the reference's einsums do and writes bf16(SiTU)
+     to the act scratch [N·k, I].
+  2. FC2 + finalize, grid (N, L / R): thread (l, j) dots act[n, j] with row l of W2[ids[n, j]]
+     (its I/32 vectors and scales loaded first), rounds to bf16 as the reference does, times
+     w[n, j]; each l's k terms are summed in shared memory in order j = 0..k-1, rounded once.
+     Launched with PDL: its weight loads overlap FC1's tail (FC1 signals once its loads are
+     issued) and `griddepcontrol.wait` precedes the act reads.
+No atomics, no split-K: deterministic. Pairs are the fastest grid dimension, so pairs sharing
+an expert read the same rows at about the same time (the second from L2).
+
+Decode (`decode_dot`; tests/kernels/test_moe_experts.py models it in torch): a 32-bit word holds
+inputs 0..7, one nibble each from the low end; t = word << (12 − 4i) puts inputs i and i + 4 atop
+its halves, and (t & 0x80008000) | ((t >> 6) & 0x01C001C0) is that pair in bf16 times 2^-126
+(the E2M1 exponent in bf16's low exponent bits, its 0.5 a bf16 subnormal), widened to fp32 by a
+shift and a mask. z is staged times 2^Z_SHIFT so products stay normal (the FMAs keep subnormal
+inputs: no .ftz), and each 32-input partial is scaled by 2^(s − 127 + 126 − Z_SHIFT), made from
+the scale byte's bits. sm_90a build: ~2 ALU ops (LOP3, SHF) and ~1 IMAD per input besides its
+FFMA, against ~36 inputs per clock per SM of HBM bandwidth: decode, not memory, may bound it.
+
+Compiled per batch bucket (1, 2, 4, ..., 64 rows; N <= bucket a runtime size): the bucket picks
+the configs; buckets with equal configs share a compile. Untuned, and the last lane step at
+L = 3584 (112 vectors per row) leaves half the lanes idle. Not yet in `KERNELS`
+(kernels/__init__.py): it has not run on a GPU. When tests/kernels/test_moe_experts.py passes
+on the H200, add "moe_experts" there (`register()` makes `moe_experts_cuda` the op's CUDA path).
+
+Constraints:
+    * z bf16 [N, L], last dim contiguous, row stride a multiple of 8, 16-byte aligned; ids
+      int64 or int32 and weights fp32 [N, k], last dim contiguous; 1 <= k <= 16; any N (above
+      64 rows with the 64-row configs).
+    * Experts stacked, contiguous uint8: w1/w3 packed [E, I, L/2] + scales [E, I, L/32], w2
+      packed [E, L, I/2] + scales [E, L, I/32]; packed data 16-byte aligned.
+    * L % 32 == 0, 32 <= L <= 8192; I % 32 == 0, 32 <= I <= 512.
+    * ids outside [0, E) are clamped (the reference raises); |z| < 2^32; scale bytes <= 224
+      (2^97; 255 is E8M0's NaN); scale 0 (2^-127) is exact.
+"""
+
+import functools
+import operator
+from dataclasses import dataclass
+
+import torch
+
+from k3compile.ops.moe import moe_experts_ref, moe_experts_refusal
+
+from .common.dsl import (
+    CompileCache,
+    aligned16,
+    bucket,
+    compile_kernel,
+    fake_rows,
+    fake_stream,
+    fallback,
+    rows_ok,
+    runtime_refusal,
+)
+
+OP = "moe_experts"
+OPS = ("moe_experts",)
+MAX_TOP_K = 16
+MAX_LATENT = 8192
+MAX_INTER = 512
+Z_SHIFT = 96  # activations are staged times 2^Z_SHIFT (see the docstring)
+SCALE_BIAS = 126 - Z_SHIFT  # fp32 exponent field of a group's factor = scale byte + SCALE_BIAS
+PAIR_SHIFT = (12, 8, 4, 0)  # word << PAIR_SHIFT[i] puts inputs i, i + 4 atop the two halves
+SIGN_MASK, MAG_MASK = 0x80008000, 0x01C001C0
+
+
+@dataclass(frozen=True)
+class FC1Config:
+    warps: int
+    rows_per_warp: int  # rows of W1 and of W3 per warp
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+
+@dataclass(frozen=True)
+class FC2Config:
+    rows_per_cta: int  # R output columns l per CTA
+    threads: int  # R·k threads, whole warps
+
+
+def config(stage: str, latent: int, inter: int, top_k: int, batch_bucket: int):
+    """FC1: 4 warps; 2 rows per warp while a lane's loads stay <= 16 vectors (L <= 4096), else
+    1. FC2: R·k >= 128 threads where k allows, whole warps (R a multiple of 32 for odd k).
+    The same at every bucket for now (untuned: `benchmarks/moe_experts.py --sweep`)."""
+    if stage == "fc1":
+        return FC1Config(4, 2 if _lane_vectors(latent) <= 4 else 1)
+    rows = 64 if top_k <= 2 else 32 if top_k <= 4 or top_k % 2 else 16
+    return FC2Config(rows, -(-rows * top_k // 32) * 32)
+
+
+def _lane_vectors(latent: int) -> int:
+    return -(-(latent // 32) // 32)
+
+
+def refusal(z, ids, weights, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed,
+            w2_scale) -> str | None:
+    """Why the kernels cannot take these inputs, or None. Metadata only (fake tensors work);
+    data alignment is checked at launch."""
+    if why := moe_experts_refusal(z, ids, weights, w1_packed, w1_scale, w3_packed, w3_scale,
+                                  w2_packed, w2_scale):
+        return why
+    n_exp, inter, latent = w1_packed.shape[0], w1_packed.shape[1], z.shape[-1]
+    if not 32 <= latent <= MAX_LATENT or not 32 <= inter <= MAX_INTER:
+        return f"latent {latent} / intermediate {inter} (want <= {MAX_LATENT} / {MAX_INTER})"
+    if why := rows_ok(z, latent, torch.bfloat16):
+        return f"z: {why}"
+    if not 1 <= ids.shape[-1] <= MAX_TOP_K:
+        return f"top_k {ids.shape[-1]} (want 1..{MAX_TOP_K})"
+    if ids.dtype not in (torch.int64, torch.int32) or ids.stride(-1) != 1:
+        return f"ids: {ids.dtype} {ids.stride()} (want int64 or int32, last dim contiguous)"
+    if weights.dtype != torch.float32 or weights.stride(-1) != 1:
+        return f"weights: {weights.dtype} {weights.stride()} (want fp32, last dim contiguous)"
+    for name, t in (("w1_packed", w1_packed), ("w1_scale", w1_scale), ("w3_packed", w3_packed),
+                    ("w3_scale", w3_scale), ("w2_packed", w2_packed), ("w2_scale", w2_scale)):
+        if t.dtype != torch.uint8 or not t.is_contiguous():
+            return f"{name}: {t.dtype} {t.stride()} (want contiguous uint8)"
+    if n_exp < 1:
+        return "no experts"
+    return None
+
+
+def can_implement(z, ids, weights, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed,
+                  w2_scale) -> bool:
+    return refusal(z, ids, weights, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed,
+                   w2_scale) is None
+
+
+@functools.cache
+def _kernels():
+    import cutlass
+    from cutlass import BFloat16, Float32, Int32, Uint32, const_expr, cute
+
+    from .common.copy import load_vectors, make_frag, row_vectors
+
+    def decode_dot(words, z):
+        """Σ of 32 products: words (4,) Uint32 = one packed 16-byte vector, z (32,) fp32 in
+        input order (times 2^Z_SHIFT). The result is the partial times 2^(Z_SHIFT - 126)."""
+        p = Float32(0.0)
+        for w in range(4):
+            q = words[w]  # inputs 8w .. 8w + 7, one nibble each from the low end
+            for i in range(4):
+                t = q << PAIR_SHIFT[i] if PAIR_SHIFT[i] else q
+                bits = (t & Uint32(SIGN_MASK)) | ((t >> 6) & Uint32(MAG_MASK))
+                p = p + (bits << 16).bitcast(Float32) * z[8 * w + i]
+                p = p + (bits & Uint32(0xFFFF0000)).bitcast(Float32) * z[8 * w + i + 4]
+        return p
+
+    def group_z(sZ, c, rZ):
+        """32-input group c of the staged z (chunk q at 8c + (q ^ (c & 7))) -> (32,) fp32."""
+        rZ4 = cute.zipped_divide(rZ, (4,))  # (4, 8)
+        for q in range(8):
+            cute.autovec_copy(sZ[None, 8 * c + (q ^ (c % 8))], rZ4[None, q])
+        return rZ.load()
+
+    def group_factor(scale):
+        """2^(scale − 127 + 126 − Z_SHIFT) from an E8M0 byte (as Uint32)."""
+        return ((scale + Uint32(SCALE_BIAS)) << Uint32(23)).bitcast(Float32)
+
+    class FC1:
+        def __init__(self, latent: int, inter: int, top_k: int, cfg: FC1Config):
+            self.latent, self.inter, self.top_k = latent, inter, top_k
+            self.nv = latent // 32  # packed vectors (and scales) per weight row
+            # Lane steps over both matrices; with NV % 32 == 16 (L = 3584: 112 vectors) a last
+            # step gives lanes 0-15 the W1 tail and lanes 16-31 the W3 tail (no idle lanes).
+            self.split = self.nv % 32 == 16
+            self.m = self.nv // 32 if self.split else _lane_vectors(latent)
+            self.rw, self.warps, self.threads = cfg.rows_per_warp, cfg.warps, cfg.threads
+            self.rows = cfg.warps * cfg.rows_per_warp
+
+        @cute.jit
+        def __call__(self, mZ: cute.Tensor, mIds: cute.Tensor, mW1: cute.Tensor,
+                     mS1: cute.Tensor, mW3: cute.Tensor, mS3: cute.Tensor, mAct: cute.Tensor,
+                     beta: Float32, linear_beta: Float32, stream):
+            # mZ: (N, L) bf16; mIds: (N, k); mW1, mW3: (E·I, L/8) int32 words of packed
+            # nibbles; mS1, mS3: (E·I, L/32) uint8; mAct: (N·k, I) bf16
+            self.kernel(mZ, mIds, mW1, mS1, mW3, mS3, mAct, beta, linear_beta).launch(
+                grid=[mZ.shape[0] * self.top_k, -(-self.inter // self.rows), 1],
+                block=[self.threads, 1, 1], smem=4 * self.latent + 64, stream=stream)
+
+        @cute.kernel
+        def kernel(self, mZ: cute.Tensor, mIds: cute.Tensor, mW1: cute.Tensor,
+                   mS1: cute.Tensor, mW3: cute.Tensor, mS3: cute.Tensor, mAct: cute.Tensor,
+                   beta: Float32, linear_beta: Float32):
+            tidx, _, _ = cute.arch.thread_idx()
+            pair, blk, _ = cute.arch.block_idx()
+            lane, warp = cute.arch.lane_idx(), cute.arch.warp_idx()
+            I, NV, M, RW = self.inter, self.nv, self.m, self.rw
+            n, j = pair // self.top_k, pair % self.top_k
+            n_exp = mW1.shape[0] // I
+            e = cutlass.max(cutlass.min(Int32(mIds[n, j]), n_exp - 1), 0)
+            i0 = blk * self.rows + warp * RW
+            smem = cutlass.memory.SmemAllocator()
+            sZ = smem.allocate_tensor(Float32, cute.make_layout((4, 8 * NV)), 16)  # chunks
+
+            # Every weight load first: RW rows x (W1, W3) x M vectors per lane, and the scales
+            # (a lane's columns past NV load zeros; their scale column is clamped).
+            rW = [[make_frag(Int32, max(M, 1)) for _ in range(2)] for _ in range(RW)]  # (4, M)
+            rS = [[cute.make_rmem_tensor(cute.make_layout((max(M, 1),)), Uint32)
+                   for _ in range(2)] for _ in range(RW)]
+            rT = [make_frag(Int32, 1) for _ in range(RW)]  # the split step's vector, (4, 1)
+            rST = cute.make_rmem_tensor(cute.make_layout((RW,)), Uint32)
+            for r in cutlass.range_constexpr(RW):
+                row = e * I + cutlass.min(i0 + r, I - 1)
+                for mat, (mW, mS) in enumerate(((mW1, mS1), (mW3, mS3))):
+                    if const_expr(M):
+                        load_vectors(row_vectors(mW, row), rW[r][mat], lane, 32, min(NV, 32 * M))
+                    for mm in cutlass.range_constexpr(M):
+                        col = lane + 32 * mm
+                        if const_expr(32 * (mm + 1) > NV):
+                            col = cutlass.min(col, NV - 1)
+                        rS[r][mat][mm] = Uint32(mS[row, col])
+                if const_expr(self.split):
+                    col = 32 * M + lane % 16
+                    if lane < 16:
+                        cute.autovec_copy(row_vectors(mW1, row)[None, col], rT[r][None, 0])
+                    else:
+                        cute.autovec_copy(row_vectors(mW3, row)[None, col], rT[r][None, 0])
+                    rST[r] = Uint32(cutlass.select_(lane < 16, Uint32(mS1[row, col]),
+                                                    Uint32(mS3[row, col])))
+            # z[n] -> shared fp32 times 2^Z_SHIFT; chunk q of group c at 8c + (q ^ (c & 7)).
+            ZV = -(-(self.latent // 8) // self.threads)
+            rZ8 = make_frag(BFloat16, ZV)  # (8, ZV)
+            load_vectors(row_vectors(mZ, n), rZ8, tidx, self.threads, self.latent // 8)
+            cute.arch.griddepcontrol_launch_dependents()
+            rF = cute.make_rmem_tensor(cute.make_layout((8,)), Float32)
+            rF4 = cute.zipped_divide(rF, (4,))  # (4, 2)
+            for s in cutlass.range_constexpr(ZV):
+                v = s * self.threads + tidx
+                if v < self.latent // 8:
+                    rF.store(rZ8[None, s].load().to(Float32) * Float32(2.0 ** Z_SHIFT))
+                    c, q = v // 4, 2 * (v % 4)
+                    cute.autovec_copy(rF4[None, 0], sZ[None, 8 * c + (q ^ (c % 8))])
+                    cute.autovec_copy(rF4[None, 1], sZ[None, 8 * c + ((q + 1) ^ (c % 8))])
+            cute.arch.barrier()
+
+            acc = [[Float32(0.0), Float32(0.0)] for _ in range(RW)]
+            rZ = cute.make_rmem_tensor(cute.make_layout((32,)), Float32)  # one 32-input group
+            for mm in cutlass.range_constexpr(M):
+                c = lane + 32 * mm
+                if const_expr(32 * (mm + 1) > NV):
+                    c = cutlass.min(c, NV - 1)  # zero weights there: any finite z will do
+                z = group_z(sZ, c, rZ)
+                for r in cutlass.range_constexpr(RW):
+                    for mat in cutlass.range_constexpr(2):
+                        words = rW[r][mat][None, mm].load().bitcast(Uint32)
+                        acc[r][mat] = acc[r][mat] + decode_dot(words, z) * group_factor(
+                            rS[r][mat][mm])
+            if const_expr(self.split):
+                z = group_z(sZ, 32 * M + lane % 16, rZ)
+                first = lane < 16
+                for r in cutlass.range_constexpr(RW):
+                    t = decode_dot(rT[r][None, 0].load().bitcast(Uint32), z) * group_factor(
+                        rST[r])
+                    acc[r][0] = acc[r][0] + Float32(cutlass.select_(first, t, Float32(0.0)))
+                    acc[r][1] = acc[r][1] + Float32(cutlass.select_(first, Float32(0.0), t))
+
+            for r in cutlass.range_constexpr(RW):
+                hg = cute.arch.warp_reduction(acc[r][0], operator.add)
+                hu = cute.arch.warp_reduction(acc[r][1], operator.add)
+                if (lane == r) & (i0 + r < I):
+                    g = hg.to(BFloat16).to(Float32)  # the reference's einsums round to bf16
+                    u = hu.to(BFloat16).to(Float32)
+                    sig = 1.0 / (1.0 + cute.math.exp(-g, fastmath=True))
+                    gate = beta * cute.math.tanh(g / beta, fastmath=False) * sig
+                    lin = linear_beta * cute.math.tanh(u / linear_beta, fastmath=False)
+                    mAct[pair, i0 + r] = (gate * lin).to(BFloat16)
+
+    class FC2:
+        def __init__(self, latent: int, inter: int, top_k: int, cfg: FC2Config):
+            self.latent, self.inter, self.top_k = latent, inter, top_k
+            self.nvi = inter // 32  # packed vectors (and scales) per W2 row
+            self.rows, self.threads = cfg.rows_per_cta, cfg.threads
+            self.pitch = inter + 4  # act row pitch in smem (fp32): rows j, j+1 on other banks
+
+        @cute.jit
+        def __call__(self, mActRows: cute.Tensor, mIds: cute.Tensor, mWt: cute.Tensor,
+                     mW2: cute.Tensor, mS2: cute.Tensor, mY: cute.Tensor, stream):
+            # mActRows: (N, k·I) bf16 (act, one row per token); mIds, mWt: (N, k);
+            # mW2: (E·L, I/8) int32 words; mS2: (E·L, I/32) uint8; mY: (N, L) bf16
+            smem = 4 * self.top_k * (self.pitch + self.rows) + 64
+            self.kernel(mActRows, mIds, mWt, mW2, mS2, mY).launch(
+                grid=[mY.shape[0], -(-self.latent // self.rows), 1],
+                block=[self.threads, 1, 1], smem=smem, stream=stream, use_pdl=True)
+
+        @cute.kernel
+        def kernel(self, mActRows: cute.Tensor, mIds: cute.Tensor, mWt: cute.Tensor,
+                   mW2: cute.Tensor, mS2: cute.Tensor, mY: cute.Tensor):
+            tidx, _, _ = cute.arch.thread_idx()
+            n, blk, _ = cute.arch.block_idx()
+            L, K, R, NVI = self.latent, self.top_k, self.rows, self.nvi
+            smem = cutlass.memory.SmemAllocator()
+            sAct = smem.allocate_tensor(Float32, cute.make_layout(
+                (K, self.pitch), stride=(self.pitch, 1)), 16)
+            sRed = smem.allocate_tensor(Float32, cute.make_layout((K, R), stride=(R, 1)), 16)
+
+            # Thread (l, j): row l of W2[ids[n, j]], all its vectors and scales first. Threads
+            # past R·k (odd k) mirror the last one and write nothing.
+            t = cutlass.min(tidx, R * K - 1)
+            j, l = t // R, blk * R + t % R
+            n_exp = mW2.shape[0] // L
+            e = cutlass.max(cutlass.min(Int32(mIds[n, j]), n_exp - 1), 0)
+            row = e * L + cutlass.min(l, L - 1)
+            gW = row_vectors(mW2, row)  # (4, I/32)
+            rW = make_frag(Int32, NVI)  # (4, I/32)
+            rS = cute.make_rmem_tensor(cute.make_layout((NVI,)), Uint32)
+            for c in cutlass.range_constexpr(NVI):
+                cute.autovec_copy(gW[None, c], rW[None, c])
+            for c in cutlass.range_constexpr(NVI):
+                rS[c] = Uint32(mS2[row, c])
+            wt = mWt[n, j]
+
+            # act rows of token n (written by FC1) -> shared fp32 times 2^Z_SHIFT
+            cute.arch.griddepcontrol_wait()
+            per_row = self.inter // 8
+            AV = -(-(K * per_row) // self.threads)
+            rA8 = make_frag(BFloat16, AV)  # (8, AV)
+            load_vectors(row_vectors(mActRows, n), rA8, tidx, self.threads, K * per_row)
+            rF = cute.make_rmem_tensor(cute.make_layout((8,)), Float32)
+            rF4 = cute.zipped_divide(rF, (4,))  # (4, 2)
+            for s in cutlass.range_constexpr(AV):
+                v = s * self.threads + tidx
+                if v < K * per_row:
+                    ja, q = v // per_row, v % per_row
+                    rF.store(rA8[None, s].load().to(Float32) * Float32(2.0 ** Z_SHIFT))
+                    sRow = cute.zipped_divide(sAct[ja, None], (4,))  # (4, pitch/4)
+                    cute.autovec_copy(rF4[None, 0], sRow[None, 2 * q])
+                    cute.autovec_copy(rF4[None, 1], sRow[None, 2 * q + 1])
+            cute.arch.barrier()
+
+            acc = Float32(0.0)
+            sRow = cute.zipped_divide(sAct[j, None], (4,))
+            rZ = cute.make_rmem_tensor(cute.make_layout((32,)), Float32)
+            rZ4 = cute.zipped_divide(rZ, (4,))  # (4, 8)
+            for c in cutlass.range_constexpr(NVI):
+                for q in cutlass.range_constexpr(8):
+                    cute.autovec_copy(sRow[None, 8 * c + q], rZ4[None, q])
+                words = rW[None, c].load().bitcast(Uint32)
+                acc = acc + decode_dot(words, rZ.load()) * group_factor(rS[c])
+            y = acc.to(BFloat16).to(Float32)  # the reference's FC2 einsum rounds to bf16
+            if tidx < R * K:
+                sRed[j, t % R] = wt * y
+            cute.arch.barrier()
+            if (tidx < R) & (blk * R + tidx < L):
+                total = sRed[0, tidx]
+                for jj in cutlass.range_constexpr(1, K):
+                    total = total + sRed[jj, tidx]
+                mY[n, blk * R + tidx] = total.to(BFloat16)
+
+    return FC1, FC2
+
+
+_cache = CompileCache(OP)
+
+
+def compiled(stage: str, latent: int, inter: int, top_k: int, ids64: bool, cfg,
+             arch: str | None = None):
+    """The compiled kernel of one stage ("fc1" or "fc2") for these scalars (cached)."""
+    return _cache.get((stage, latent, inter, top_k, ids64, cfg, arch),
+                      lambda: build(stage, latent, inter, top_k, ids64, cfg, arch))
+
+
+def prepare(latent: int, inter: int, top_k: int, buckets=(1, 2, 4, 8, 16, 32, 64),
+            ids_dtype=torch.int64) -> None:
+    """Compile both stages for every batch bucket (call before graph capture)."""
+    for b in buckets:
+        for stage in ("fc1", "fc2"):
+            compiled(stage, latent, inter, top_k, ids_dtype == torch.int64,
+                     config(stage, latent, inter, top_k, b))
+
+
+def build(stage, latent, inter, top_k, ids64, cfg, arch=None, dump_dir=None):
+    """Compile one stage now, uncached (`dump_dir` keeps the cubin)."""
+    import cutlass
+    from cutlass import cute
+    from cutlass.cute.runtime import make_fake_tensor
+
+    bf16, i32, u8 = cutlass.BFloat16, cutlass.Int32, cutlass.Uint8
+    n, pairs, rows = cute.sym_int(), cute.sym_int(), cute.sym_int()
+
+    def dense(dtype, n_rows, width, align, row_stride=None):
+        stride = (width if row_stride is None else row_stride, 1)
+        return make_fake_tensor(dtype, (n_rows, width), stride=stride, assumed_align=align)
+
+    ids = dense(cutlass.Int64 if ids64 else i32, n, top_k, 8 if ids64 else 4, cute.sym_int())
+    FC1, FC2 = _kernels()
+    if stage == "fc1":  # act as (N·k, I) rows
+        w, s = dense(i32, rows, latent // 8, 16), dense(u8, rows, latent // 32, 1)
+        return compile_kernel(FC1(latent, inter, top_k, cfg), fake_rows(bf16, n, latent), ids,
+                              w, s, w, s, dense(bf16, pairs, inter, 16), cutlass.Float32(4.0),
+                              cutlass.Float32(25.0), fake_stream(), arch=arch, dump_dir=dump_dir)
+    return compile_kernel(FC2(latent, inter, top_k, cfg), dense(bf16, n, top_k * inter, 16),
+                          ids, dense(cutlass.Float32, n, top_k, 4, cute.sym_int()),
+                          dense(i32, rows, inter // 8, 16), dense(u8, rows, inter // 32, 1),
+                          fake_rows(bf16, n, latent), fake_stream(), arch=arch,
+                          dump_dir=dump_dir)
+
+
+def _words(packed: torch.Tensor) -> torch.Tensor:
+    """[E, O, W] uint8 -> [E·O, W/4] int32 (a view)."""
+    return packed.view(torch.int32).view(-1, packed.shape[-1] // 4)
+
+
+def moe_experts_cuda(z, ids, weights, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed,
+                     w2_scale, beta, linear_beta, *, out=None):
+    """k3::moe_experts with the two kernels, or the reference (reason logged) when they refuse
+    the inputs. `out` [N, L] bf16 (last dim contiguous) is written only when the kernels run."""
+    args = (z, ids, weights, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale)
+    reason = (runtime_refusal() or refusal(*args)
+              or (None if all(t.is_cuda for t in args) else "not on a CUDA device")
+              or (None if aligned16(z, w1_packed, w3_packed, w2_packed) else
+                  "data not 16-byte aligned"))
+    if reason is None and out is not None and (
+            out.dtype != torch.bfloat16 or out.shape != z.shape or out.stride(-1) != 1
+            or out.stride(0) % 8 or not aligned16(out)):
+        reason = f"out: {out.dtype} {tuple(out.shape)} {out.stride()}"
+    if reason:
+        fallback(OP, reason)
+        return moe_experts_ref(*args, beta, linear_beta)
+    (n, latent), top_k, inter = z.shape, ids.shape[-1], w1_packed.shape[1]
+    y = z.new_empty((n, latent)) if out is None else out
+    if n:
+        b, ids64 = bucket(n), ids.dtype == torch.int64
+        act = z.new_empty((n * top_k, inter))
+        compiled("fc1", latent, inter, top_k, ids64, config("fc1", latent, inter, top_k, b))(
+            z, ids, _words(w1_packed), w1_scale.view(-1, latent // 32), _words(w3_packed),
+            w3_scale.view(-1, latent // 32), act, float(beta), float(linear_beta))
+        compiled("fc2", latent, inter, top_k, ids64, config("fc2", latent, inter, top_k, b))(
+            act.view(n, top_k * inter), ids, weights, _words(w2_packed),
+            w2_scale.view(-1, inter // 32), y)
+    return y
+
+
+def register() -> None:
+    torch.library.register_kernel("k3::moe_experts", "cuda", moe_experts_cuda)

@@ -1,0 +1,299 @@
+"""moe_experts kernels (FC1 + SiTU, FC2 + finalize over packed MXFP4) against the op's reference
+`moe_experts_ref` and a torch model of the kernels' own arithmetic.
+
+On CPU (always run): the model's decode (the kernels' integer ops on packed words, the 2^Z_SHIFT
+staging, the scale-byte factor) is exactly MXFP4 dequantisation; the model's blocking and
+roundings (bf16 hg/hu, act, y; fp32 finalize in order j) agree with the reference at the TP16
+shapes and a small odd one; the refusal reasons; the logged fallback.
+On a GPU: one TP16 rank (896 experts, top-16, L 3584, I 192) at every batch bucket and rows
+between them, an 8-row verify step whose rows share experts, repeated experts, int32 ids, small
+odd shapes (partial lane steps, odd k), determinism, CUDA-graph replay (FC2 launches with PDL)."""
+
+import logging
+
+import pytest
+import torch
+from k3compile.kernels import moe_experts as kernel
+from kernel_checks import BUCKETS, TOL, assert_written, poisoned, rel_err
+
+from k3compile.models import mxfp4
+from k3compile.ops.gemm import situ_ref
+from k3compile.ops.moe import moe_experts_ref
+
+gpu = pytest.mark.usefixtures("cuda_kernels")
+
+EXPERTS, TOP_K, LATENT, INTER = 896, 16, 3584, 192  # one TP16 rank
+BETA, LINEAR_BETA = 4.0, 25.0
+
+# ---- a torch model of the kernels' arithmetic ---------------------------------------------------
+
+
+def f32_bits(x: torch.Tensor) -> torch.Tensor:
+    """int64 holding uint32 bit patterns -> float32 with those bits."""
+    return ((x ^ 0x80000000) - 0x80000000).to(torch.int32).view(torch.float32)
+
+
+def decode_model(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., W] -> fp32 [..., 2W] = e2m1 · 2^-126, by the kernels' ops on each 32-bit word:
+    the pair (i, i + 4) from t = word << PAIR_SHIFT[i], widened from bf16 by shift and mask."""
+    words = packed.contiguous().view(torch.int32).long() & 0xFFFFFFFF  # [..., W/4]
+    vals = torch.empty(*words.shape, 8, dtype=torch.float32, device=packed.device)
+    for i, shift in enumerate(kernel.PAIR_SHIFT):
+        t = (words << shift) & 0xFFFFFFFF
+        bits = (t & kernel.SIGN_MASK) | ((t >> 6) & kernel.MAG_MASK)
+        vals[..., i] = f32_bits((bits << 16) & 0xFFFFFFFF)
+        vals[..., i + 4] = f32_bits(bits & 0xFFFF0000)
+    return vals.flatten(-2)
+
+
+def factor_model(scale: torch.Tensor) -> torch.Tensor:
+    """A 32-input group's factor from its E8M0 byte, built from bits as the kernels do."""
+    return f32_bits((scale.long() + kernel.SCALE_BIAS) << 23)
+
+
+def dot_model(x, packed, scale, chunk=128):
+    """x [P, K] · rows of the packed [P, O, K/2] matrices -> fp32 [P, O]: x staged times
+    2^Z_SHIFT, fp32 partial sums of 32 products, each times its group factor, summed."""
+    out = []
+    for p0 in range(0, x.shape[0], chunk):
+        xs = x[p0:p0 + chunk].float() * 2.0 ** kernel.Z_SHIFT
+        w = decode_model(packed[p0:p0 + chunk])
+        p, o, k = w.shape
+        partial = (w.view(p, o, k // 32, 32) * xs.view(p, 1, k // 32, 32)).sum(-1)
+        out.append((partial * factor_model(scale[p0:p0 + chunk])).sum(-1))
+    return torch.cat(out)
+
+
+def kernels_model(z, ids, weights, w1p, w1s, w3p, w3s, w2p, w2s, beta, linear_beta):
+    """The two kernels' math in torch: FC1 sums rounded to bf16 (as the reference's einsums),
+    SiTU to bf16, FC2 sums rounded to bf16, weighted fp32 sum in order j, one rounding."""
+    n, k = ids.shape
+    e = ids.reshape(-1).long()
+    zz = z.unsqueeze(1).expand(n, k, z.shape[-1]).reshape(n * k, -1)
+    hg = dot_model(zz, w1p[e], w1s[e]).bfloat16()
+    hu = dot_model(zz, w3p[e], w3s[e]).bfloat16()
+    act = situ_ref(hg, hu, beta, linear_beta)
+    y = dot_model(act, w2p[e], w2s[e]).bfloat16().float().view(n, k, -1)
+    total = weights[:, 0:1] * y[:, 0]
+    for j in range(1, k):
+        total = total + weights[:, j:j + 1] * y[:, j]
+    return total.bfloat16()
+
+
+def make_experts(gen, n_exp, latent, inter, device):
+    """Random MXFP4 experts with unit-scale sums: hg, hu ~ N(0, |z|), y ~ N(0, |act|)."""
+    w1 = mxfp4.random_mxfp4((n_exp, inter, latent), latent ** -0.5, gen, device)
+    w3 = mxfp4.random_mxfp4((n_exp, inter, latent), latent ** -0.5, gen, device)
+    w2 = mxfp4.random_mxfp4((n_exp, latent, inter), inter ** -0.5, gen, device)
+    return (*w1, *w3, *w2)
+
+
+def make_tokens(gen, n, latent, n_exp, top_k, device, pool=None):
+    """z [n, L] bf16, distinct ids per row (from `pool` experts when given), weights summing
+    to 1."""
+    z = torch.randn(n, latent, generator=gen, device=device).bfloat16()
+    choices = pool if pool is not None else n_exp
+    order = torch.rand(n, choices, generator=gen, device=device).argsort(-1)[:, :top_k]
+    ids = order if pool is None else torch.randperm(n_exp, generator=gen, device=device)[order]
+    w = torch.rand(n, top_k, generator=gen, device=device) + 0.1
+    return z, ids, w / w.sum(-1, keepdim=True)
+
+
+# ---- CPU: the model, refusals, the fallback -----------------------------------------------------
+
+
+@pytest.fixture
+def cpu_gen():
+    seed = int(torch.randint(1 << 30, ()).item())
+    print(f"seed {seed}")
+    return torch.Generator().manual_seed(seed)
+
+
+def test_decode_model_is_dequantisation():
+    """Every byte value under every scale byte the kernels take: exact."""
+    packed = torch.arange(256, dtype=torch.uint8).repeat(64).view(128, 128)  # [out, in/2]
+    scale = (torch.arange(128 * 8) % 225).to(torch.uint8).view(128, 8)  # 0 .. 224
+    got = decode_model(packed).view(128, 8, 32) * 2.0 ** kernel.Z_SHIFT \
+        * factor_model(scale).unsqueeze(-1)
+    want = mxfp4.dequantize(packed, scale, mxfp4.e2m1_table(dtype=torch.float32))
+    assert torch.equal(got.view(128, 256), want)
+
+
+@pytest.mark.parametrize("shape", [(20, LATENT, INTER, TOP_K, 3), (7, 96, 64, 3, 5)],
+                         ids=["tp16", "odd"])
+def test_kernels_model_matches_reference(cpu_gen, shape):
+    n_exp, latent, inter, top_k, n = shape
+    experts = make_experts(cpu_gen, n_exp, latent, inter, "cpu")
+    z, ids, w = make_tokens(cpu_gen, n, latent, n_exp, top_k, "cpu")
+    got = kernels_model(z, ids, w, *experts, BETA, LINEAR_BETA)
+    ref = moe_experts_ref(z, ids, w, *experts, BETA, LINEAR_BETA)
+    torch.testing.assert_close(got.float(), ref.float(), **TOL["bf16"])
+    assert rel_err(got, ref) < TOL["bf16_rel_norm"]
+
+
+def _meta(n=4, n_exp=EXPERTS, latent=LATENT, inter=INTER, top_k=TOP_K, **over):
+    def t(*shape, dtype=torch.uint8):
+        return torch.empty(shape, dtype=dtype, device="meta")
+
+    args = {"z": t(n, latent, dtype=torch.bfloat16), "ids": t(n, top_k, dtype=torch.int64),
+            "weights": t(n, top_k, dtype=torch.float32),
+            "w1_packed": t(n_exp, inter, latent // 2), "w1_scale": t(n_exp, inter, latent // 32),
+            "w3_packed": t(n_exp, inter, latent // 2), "w3_scale": t(n_exp, inter, latent // 32),
+            "w2_packed": t(n_exp, latent, inter // 2), "w2_scale": t(n_exp, latent, inter // 32)}
+    args.update(over)
+    return args
+
+
+REFUSALS = {
+    "z_fp32": (_meta(z=torch.empty(4, LATENT, device="meta")), "z: dtype"),
+    "z_row_stride": (_meta(z=torch.empty(4, LATENT + 4, dtype=torch.bfloat16,
+                                         device="meta")[:, :LATENT]), "z: strides"),
+    "top_k_17": (_meta(top_k=17), "top_k 17"),
+    "ids_int16": (_meta(ids=torch.empty(4, TOP_K, dtype=torch.int16, device="meta")), "ids:"),
+    "ids_strided": (_meta(ids=torch.empty(TOP_K, 4, dtype=torch.int64, device="meta").t()),
+                    "ids:"),
+    "weights_bf16": (_meta(weights=torch.empty(4, TOP_K, dtype=torch.bfloat16, device="meta")),
+                     "weights:"),
+    "latent_not_32": (_meta(latent=3600), "not multiples of 32"),
+    "intermediate_1024": (_meta(inter=1024), "intermediate 1024"),
+    "latent_16384": (_meta(latent=16384), "latent 16384"),
+    "packed_strided": (_meta(w2_packed=torch.empty(EXPERTS, INTER // 2, LATENT, dtype=torch.uint8,
+                                                   device="meta").transpose(1, 2)),
+                       "w2_packed:"),
+    "scale_int8": (_meta(w1_scale=torch.empty(EXPERTS, INTER, LATENT // 32, dtype=torch.int8,
+                                              device="meta")), "w1_scale:"),
+    "fc2_shape": (_meta(w2_packed=torch.empty(EXPERTS, LATENT, INTER, dtype=torch.uint8,
+                                              device="meta")), "FC2 packed"),
+}
+
+
+@pytest.mark.parametrize("case", REFUSALS)
+def test_refusal_reasons(case):
+    args, reason = REFUSALS[case]
+    why = kernel.refusal(**args)
+    assert why is not None and reason in why, why
+    assert not kernel.can_implement(**args)
+
+
+@pytest.mark.parametrize("shape", [{}, {"n": 64, "top_k": 1}, {"latent": 8192, "inter": 512},
+                                   {"latent": 96, "inter": 64, "n_exp": 5, "top_k": 2}])
+def test_accepted_shapes(shape):
+    assert kernel.refusal(**_meta(**shape)) is None
+    n, top_k = shape.get("n", 4), shape.get("top_k", TOP_K)
+    args = _meta(**shape, ids=torch.empty(n, top_k, dtype=torch.int32, device="meta"))
+    assert kernel.refusal(**args) is None
+    sliced = torch.empty(n, 2 * top_k, dtype=torch.int64, device="meta")[:, :top_k]
+    assert kernel.refusal(**_meta(**shape, ids=sliced)) is None  # rows of a top-k buffer
+
+
+def test_cpu_tensors_fall_back_to_reference(cpu_gen, caplog):
+    experts = make_experts(cpu_gen, 6, 64, 32, "cpu")
+    z, ids, w = make_tokens(cpu_gen, 3, 64, 6, 2, "cpu")
+    with caplog.at_level(logging.DEBUG, logger="k3compile.kernels"):
+        got = kernel.moe_experts_cuda(z, ids, w, *experts, BETA, LINEAR_BETA)
+    assert "moe_experts" in caplog.text
+    assert torch.equal(got, moe_experts_ref(z, ids, w, *experts, BETA, LINEAR_BETA))
+
+
+# ---- GPU ----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tp16_experts():
+    """One TP16 rank's 896 experts (~1 GB of packed weights), made once per module."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    seed = int(torch.randint(1 << 30, ()).item())
+    print(f"experts seed {seed}")
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    return make_experts(gen, EXPERTS, LATENT, INTER, "cuda")
+
+
+def check(z, ids, w, experts, out=None):
+    out = poisoned(*z.shape) if out is None else out
+    got = kernel.moe_experts_cuda(z, ids, w, *experts, BETA, LINEAR_BETA, out=out)
+    assert got is out, "the kernels did not run (fallback)"
+    assert_written(out)
+    model = kernels_model(z, ids, w, *experts, BETA, LINEAR_BETA)
+    torch.testing.assert_close(out.float(), model.float(), **TOL["bf16"])
+    assert rel_err(out, model) < TOL["bf16_rel_norm"]
+    ref = moe_experts_ref(z, ids, w, *experts, BETA, LINEAR_BETA)
+    assert rel_err(out, ref) < TOL["vs_reference_rel_norm"]
+    return out
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("n", [*BUCKETS, 3, 5, 12, 40])
+def test_tp16_rows(gen, tp16_experts, n):
+    check(*make_tokens(gen, n, LATENT, EXPERTS, TOP_K, "cuda"), tp16_experts)
+
+
+@pytest.mark.gpu
+@gpu
+def test_tp16_verify_step_shares_experts(gen, tp16_experts):
+    """8 rows (anchor + 7 drafts) routed within 24 experts: most experts serve several rows."""
+    check(*make_tokens(gen, 8, LATENT, EXPERTS, TOP_K, "cuda", pool=24), tp16_experts)
+
+
+@pytest.mark.gpu
+@gpu
+def test_tp16_repeated_experts(gen, tp16_experts):
+    z, ids, w = make_tokens(gen, 6, LATENT, EXPERTS, TOP_K, "cuda")
+    ids[:] = ids[0]  # every row the same experts
+    ids[1] = ids[1, 0]  # one row k times one expert
+    check(z, ids, w, tp16_experts)
+
+
+@pytest.mark.gpu
+@gpu
+def test_tp16_int32_ids_and_determinism(gen, tp16_experts):
+    z, ids, w = make_tokens(gen, 8, LATENT, EXPERTS, TOP_K, "cuda")
+    first = check(z, ids.int(), w, tp16_experts)
+    assert torch.equal(first, check(z, ids, w, tp16_experts)), "int32 and int64 ids differ"
+    assert torch.equal(first, check(z, ids, w, tp16_experts)), "not deterministic"
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("shape", [(5, 96, 64, 2), (7, 512, 96, 3), (9, 1056, 32, 1),
+                                   (6, 1536, 64, 4), (12, 8192, 512, 16)], ids=str)
+def test_other_shapes(gen, shape):
+    """Partial lane steps (L/32 = 3, 33 vectors), the W1/W3-split step alone (16) and after a
+    full one (48), odd k, k = 1, the largest L and I."""
+    n_exp, latent, inter, top_k = shape
+    experts = make_experts(gen, n_exp, latent, inter, "cuda")
+    for n in (1, 7, 33):  # 33: the 64-row bucket
+        check(*make_tokens(gen, n, latent, n_exp, top_k, "cuda"), experts)
+
+
+@pytest.mark.gpu
+@gpu
+def test_cuda_graph_replay(gen, tp16_experts):
+    z, ids, w = make_tokens(gen, 8, LATENT, EXPERTS, TOP_K, "cuda")
+    out = poisoned(*z.shape)
+    kernel.moe_experts_cuda(z, ids, w, *tp16_experts, BETA, LINEAR_BETA, out=out)  # compile
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        kernel.moe_experts_cuda(z, ids, w, *tp16_experts, BETA, LINEAR_BETA, out=out)
+    for _ in range(3):
+        for static, fresh in zip((z, ids, w), make_tokens(gen, 8, LATENT, EXPERTS, TOP_K, "cuda")):
+            static.copy_(fresh)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_written(out)
+        model = kernels_model(z, ids, w, *tp16_experts, BETA, LINEAR_BETA)
+        assert rel_err(out, model) < TOL["bf16_rel_norm"]
+
+
+@pytest.mark.gpu
+@gpu
+def test_refused_input_falls_back(gen, caplog):
+    experts = make_experts(gen, 5, 96, 64, "cuda")
+    z, ids, w = make_tokens(gen, 3, 96, 5, 2, "cuda")
+    z = z.float()
+    with caplog.at_level(logging.DEBUG, logger="k3compile.kernels"):
+        got = kernel.moe_experts_cuda(z, ids, w, *experts, BETA, LINEAR_BETA)
+    assert "moe_experts" in caplog.text and "z: dtype" in caplog.text
+    assert torch.equal(got, moe_experts_ref(z, ids, w, *experts, BETA, LINEAR_BETA))
