@@ -100,7 +100,7 @@ def configs(n: int, k: int, m_bucket: int) -> list[Config]:
         for splits in (1, 2, 4, 8):
             if splits > kt:
                 continue
-            for stages in (2, 4, 6, 8, 12, 16):
+            for stages in (2, 4, 8, 16):
                 cfg = Config(rows, tokens, min(stages, max(2, -(-kt // splits))), splits)
                 if cfg not in out and smem_bytes(cfg) <= SMEM_BYTES:
                     out.append(cfg)

@@ -90,13 +90,14 @@ def test_residual(gen, n, k, m):
 
 
 def _config_variants(n, k, m_bucket):
-    """One config per (tile height, split) with the fewest and the most stages: every cluster size
-    and both MMA tilings, with and without refills of the pipeline."""
+    """One config per (tile height, split), the one with the fewest stages (the most refills of
+    the pipeline): every cluster size and both MMA tilings."""
     by_shape = {}
     for cfg in kernel.configs(n, k, m_bucket):
-        by_shape.setdefault((cfg.tile_rows, cfg.splits), []).append(cfg)
-    return [c for cfgs in by_shape.values() for c in {min(cfgs, key=lambda c: c.stages),
-                                                      max(cfgs, key=lambda c: c.stages)}]
+        key = (cfg.tile_rows, cfg.splits)
+        if key not in by_shape or cfg.stages < by_shape[key].stages:
+            by_shape[key] = cfg
+    return list(by_shape.values())
 
 
 @on_gpu
