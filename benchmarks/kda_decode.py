@@ -1,7 +1,7 @@
 """The fused KDA decode step (kernels/kda_decode.py) against its torch reference, eager and under
 torch.compile (Inductor), at one K3 TP16 rank (6 heads of 128, conv taps 4).
 
-    python benchmarks/kda_decode.py [--b 1,8,64] [--t 1,8] [--out r.json]
+    python benchmarks/kda_decode.py [--b 1,8,64] [--t 1,8] [--no-inductor] [--out dir|r.json]
     python benchmarks/kda_decode.py --sweep [--b 1,8,64] [--t 1,8]   # every kernel Config
 
 Each side is captured into one CUDA graph (benchmarks/graph_timing.py). The kernel's calls cycle
@@ -17,6 +17,7 @@ weights; "% copy" compares bytes / time with a 4 GiB device-to-device copy of th
 import argparse
 import functools
 import json
+from pathlib import Path
 
 import torch
 from gemv import copy_gbps
@@ -165,7 +166,11 @@ def main():
           f"4 GiB device copy: {gbps:.0f} GB/s (read + write)", flush=True)
     rows = sweep(bs, ts) if opts.sweep else run(bs, ts, gbps, not opts.no_inductor)
     if opts.out:
-        with open(opts.out, "w") as f:
+        path = Path(opts.out)
+        if path.suffix != ".json":  # a folder, like the other benchmarks take
+            path.mkdir(parents=True, exist_ok=True)
+            path = path / ("kda_decode_sweep.json" if opts.sweep else "kda_decode.json")
+        with open(path, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "copy_GBps": round(gbps),
                        "heads": H, "sweep": opts.sweep, "rows": rows}, f, indent=1)
     if opts.sweep:

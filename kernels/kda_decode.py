@@ -12,8 +12,9 @@ touch the same state, conv-state or output bytes, so there are no races and no a
 CTA a thread owns 4 adjacent columns (one 16-byte vector per row) of R rows k = rg + (K/R)·i; the
 K/R threads sharing a column group are lanes of one warp (lane = rg·cw + cg), so Sᵀk̂ and Sᵀq̂ are
 in-thread sums plus a butterfly over those lanes (log2(K/R) shuffles, every lane gets the same
-total, no shared memory, no barrier). Each warp load reads K/R rows × 64 contiguous bytes: whole
-sectors. The state is read once and written once per launch; the T tokens run on registers.
+total, no shared memory, no barrier). A warp's load instruction reads K/R rows × 4R contiguous
+bytes (64 at R = 16): whole 32-byte sectors. The state is read once and written once per launch;
+the T tokens run on registers.
 
 Prologue (all threads, work items over the CTA): each CTA computes the conv + SiLU of all K q and
 k channels (l2norm needs them all) and of its own v columns, α of all K key channels and β, from
@@ -27,7 +28,17 @@ slice: every CTA of the cluster has read the old conv rows by then.
 
 C > 1 trades redundant q/k prologue work for more SMs pulling state bytes at small batch (at B=1
 and 6 heads per rank only 6 CTAs would otherwise stream 64 KB each); `config` picks C per batch
-bucket (untuned: `benchmarks/kda_decode.py --sweep` times every config).
+bucket (untuned: `benchmarks/kda_decode.py --sweep` times every config). T, H, taps and the
+config are compile-time; the batch is the grid's z size.
+
+Rounding: every bf16 rounding of the reference is kept (conv output, o, the normalised o, w ⊙ it,
+σ(g), the product). fp32 sums run in another order (conv taps, Σx², Sᵀk̂, Sᵀq̂) and the state
+update is one FMA, so the state agrees to fp32 rounding and the output to bf16 rounding, except
+where a conv output lands on a bf16 rounding boundary (one ulp then, in that channel).
+
+fb_kda_decode runs graw = fa · W_fbᵀ first (`gemv.linear`: a second launch; the in-projection's
+f_a column slice has an unaligned row stride, so that GEMM is cuBLAS's). Folding the 128-wide
+GEMM into the prologue (each CTA needs 128 rows of W_fb: 32 KB) is the next step.
 
 Status: builds for sm_90a (tests/kernels/test_build.py); the CPU model of its blocking
 (tests/kernels/test_kda_decode.py::test_blocking_model_*) matches the reference; NOT yet run on a
