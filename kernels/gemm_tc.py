@@ -5,7 +5,7 @@
 At M >= 8 the CUDA-core `gemv` runs out of FMA throughput and cuBLAS reaches only 30-68% of the
 copy bandwidth, so this kernel streams W through warpgroup MMAs, "swap AB": W's rows are the MMA's
 M side (a CTA takes 64 or 128 of them) and the tokens its N side (the bucket rounded up to 8, so
-wgmma m64nNk16 with N = 8..64 serves M = 1..64). One warpgroup per CTA; thread 0 of warp 0 keeps
+wgmma m64nNk16 with N = 8..64 serves M = 1..64). One warpgroup per CTA; one lane of warp 0 keeps
 `stages` TMA loads of 64-wide K slices of W [rows, 64] and x [tokens, 64] in flight through an
 mbarrier pipeline (128-byte swizzle; x is re-read from L2 by every CTA, W is read once). TMA
 zero-fills rows of x past M, rows of W past N and columns past K, so any M <= 64, N and
@@ -18,7 +18,8 @@ through distributed shared memory in the fixed order 0..S-1 (deterministic), app
 (+ r, bf16 or fp32) and writes them; a second cluster barrier keeps every tile alive until its
 peers have read it. Grid: ceil(N / R) x S CTAs.
 
-Not yet in the composites: `linear_tc` is the entry point until its GPU tests pass.
+Not yet run on a GPU nor in the composites: `linear_tc` is the entry point until its GPU tests
+pass; then `benchmarks/gemm_tc.py --sweep` tunes `config()`.
 
 Constraints:
     * x bf16 [M, K], 1 <= M <= 64 (buckets 2, 4, 8, 16, 32, 64; more rows go to cuBLAS), last dim
