@@ -18,8 +18,10 @@ through distributed shared memory in the fixed order 0..S-1 (deterministic), app
 (+ r, bf16 or fp32) and writes them; a second cluster barrier keeps every tile alive until its
 peers have read it. Grid: ceil(N / R) x S CTAs.
 
-Not yet run on a GPU nor in the composites: `linear_tc` is the entry point until its GPU tests
-pass; then `benchmarks/gemm_tc.py --sweep` tunes `config()`.
+Not yet run on a GPU, so not in `KERNELS`: `linear_tc` is the entry point until its GPU tests
+pass. `register()` (run by `register_all` once it is in KERNELS, or for one run with
+`K3_KERNELS_EXTRA=gemm_tc`) routes every `gemv.linear` at 2 <= M <= 64 (the composites' GEMMs)
+here; `benchmarks/gemm_tc.py --sweep` tunes `config()`.
 
 Constraints:
     * x bf16 [M, K], 1 <= M <= 64 (buckets 2, 4, 8, 16, 32, 64; more rows go to cuBLAS), last dim
@@ -405,3 +407,12 @@ def gemm_tc_cuda(x, w, residual=None, *, out=None, out_dtype=None, cfg: Config |
             raise ValueError(f"{cfg} holds {cfg.tile_tokens} tokens, not {m}")
         compiled(n, k, out_dtype == torch.float32, residual is not None, cfg)(x, w, residual, y)
     return y
+
+
+def register() -> None:
+    """Take the GEMMs of `gemv.linear` (every composite's GEMM) at 2 <= M <= 64."""
+    import sys
+
+    from . import gemv
+
+    gemv.use_tensor_cores(sys.modules[__name__])

@@ -280,14 +280,29 @@ def build(n, k, m_bucket, out_fp32, residual, cfg, arch=None, dump_dir=None):
 
 # Rows up to which `linear` takes the kernel instead of cuBLAS (measured: see the docstring)
 GEMV_MAX_M = 1
+# The tensor-core skinny GEMM for the rows above (kernels/gemm_tc.py), once its `register()`
+# has run (it is in KERNELS, or K3_KERNELS_EXTRA names it); None: cuBLAS there
+_tensor_core = None
+
+
+def use_tensor_cores(module) -> None:
+    """Route GEMV_MAX_M < M <= module.MAX_M through `module.gemm_tc_cuda` (its refusals fall back
+    to cuBLAS)."""
+    global _tensor_core
+    _tensor_core = module
 
 
 def linear(x, w, residual=None, *, out_dtype=None):
-    """y = x · wᵀ [+ residual] for x [M, K] rows: the kernel at M <= GEMV_MAX_M where it takes
-    the inputs, cuBLAS (`gemv_ref`) otherwise. The choice is by shape only, fixed per bucket."""
-    if x.dim() == 2 and x.shape[0] <= GEMV_MAX_M and x.is_cuda and can_implement(
-            x, w, residual, out_dtype=out_dtype):
-        return gemv_cuda(x, w, residual, out_dtype=out_dtype)
+    """y = x · wᵀ [+ residual] for x [M, K] rows: this kernel at M <= GEMV_MAX_M, the
+    tensor-core kernel above where it is registered, cuBLAS (`gemv_ref`) otherwise, each where
+    it takes the inputs. The choice is by shape only, fixed per bucket."""
+    if x.dim() == 2 and x.is_cuda:
+        m, tc = x.shape[0], _tensor_core
+        if m <= GEMV_MAX_M and can_implement(x, w, residual, out_dtype=out_dtype):
+            return gemv_cuda(x, w, residual, out_dtype=out_dtype)
+        if tc is not None and m <= tc.MAX_M and tc.can_implement(x, w, residual,
+                                                                out_dtype=out_dtype):
+            return tc.gemm_tc_cuda(x, w, residual, out_dtype=out_dtype)
     return gemv_ref(x, w, residual, out_dtype)
 
 

@@ -137,6 +137,24 @@ def test_linear_tc(gen):
 
 
 @on_gpu
+def test_registered_it_takes_the_composites_gemms(gen, monkeypatch):
+    """After `register()`, `gemv.linear` (every composite's GEMM) runs this kernel at 2..64 rows
+    and still the CUDA-core GEMV at one row."""
+    from k3compile.kernels import gemv
+
+    monkeypatch.setattr(gemv, "_tensor_core", None)
+    calls = []
+    real = kernel.gemm_tc_cuda
+    monkeypatch.setattr(kernel, "gemm_tc_cuda", lambda *a, **kw: calls.append(a[0].shape[0])
+                        or real(*a, **kw))
+    kernel.register()
+    x, w = make_inputs(gen, 8, 2112, 7168)
+    torch.testing.assert_close(gemv.linear(x, w).float(), model(x, w).float(), **TOL["bf16"])
+    gemv.linear(x[:1], w)
+    assert calls == [8]
+
+
+@on_gpu
 @pytest.mark.parametrize("case", ["k_not_multiple_of_8", "fp32_x", "batch_65"])
 def test_refused_inputs_fall_back_to_torch(gen, caplog, case):
     m, n, k = {"k_not_multiple_of_8": (4, 256, 1001), "fp32_x": (4, 768, 128),
