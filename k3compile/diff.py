@@ -47,7 +47,7 @@ import torch
 from torch import fx
 
 from k3compile import backend
-from k3compile.contract import layer_templates
+from k3compile.contract import NEUTRAL, layer_templates
 from k3compile.options import Options
 from k3compile.pipeline import Observer
 from k3compile.rewrite import Hit, module_path
@@ -542,9 +542,11 @@ def _templates(layers: dict[int, LayerInfo], has_before: bool) -> list[Template]
     for k, (wl, members) in enumerate(sorted(groups.items(), key=lambda kv: kv[1][0]), 1):
         name = Counter(layers[i].reads_as for i in members).most_common(1)[0][0]
         fused_alike = Counter(layers[i].wl_after for i in members)
-        # the representative: fused like most of its template, then the most fused, fewest misses
+        # the representative: fused like most of its template, then the most fused (a plain GEMM,
+        # NEUTRAL, is no fusion: a layer that lost one has more of them), fewest misses
         rep = max(members, key=lambda i: (fused_alike[layers[i].wl_after],
-                                          sum(layers[i].fused.values()),
+                                          sum(n for op, n in layers[i].fused.items()
+                                              if op not in NEUTRAL),
                                           -len(layers[i].near_misses), -i))
         out.append(Template(f"T{k}", name, members, wl, rep))
     return out

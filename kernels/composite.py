@@ -10,6 +10,7 @@ one row (x1.2-1.8 over cuBLAS there), cuBLAS above.
     moe_front:                    router logits = x · W_rᵀ in fp32 from the bf16 weight (GEMM
                                   with fp32 output), z = x · W_dᵀ
     linear_concat:                x · [W_0; W_1; ...]ᵀ over the cached concatenation
+    linear:                       x · Wᵀ, a plain GEMM that no fusion took
 
 The reference (like the model) upcasts the router weight every step (`w.float()`: a 2-byte
 read, a 4-byte write and a 4-byte read of 896 × 7168 values, ~64 MB per layer at TP16 instead of
@@ -35,7 +36,7 @@ from .gemv import linear
 from .rms_norm import rms_norm_cuda
 
 OPS = ("oproj_attn_res_mix_norm", "allreduce_attn_res_mix_norm", "norm_linear", "moe_front",
-       "linear_concat")
+       "linear_concat", "linear")
 
 
 def oproj_attn_res_mix_norm_cuda(o, o_proj_weight, prefix, blocks, mix_norm_weight,
@@ -73,6 +74,11 @@ def moe_front_cuda(x, router_w, down_w):
 def linear_concat_cuda(x, weights):
     # x [N, D] rows; weights [N_i, D]
     return linear(x, concatenated(list(weights)))
+
+
+def linear_cuda(x, w):
+    # x [N, K] rows; w [O, K]
+    return linear(x, w)
 
 
 def register() -> None:

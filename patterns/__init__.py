@@ -23,7 +23,8 @@ ORDER = (
     "situ_gate_up",
     "norm_linear",
     "norm_linear_residual",  # consumes norm_linear's op where the shared experts' output is added
-    "rms_norm",  # last: every larger fusion above ends in or holds an RMSNorm
+    "rms_norm",  # after every larger fusion above: each ends in or holds an RMSNorm
+    "linear",  # last: a plain GEMM, what every fusion above left of the GEMMs
 )
 
 

@@ -1,6 +1,9 @@
-"""One GEMM for several linears that read the same input (spec §3.1 step 1, §3.2 step 1).
+"""The GEMM ops: one GEMM for several linears that read the same input (spec §3.1 step 1, §3.2
+step 1), and one GEMM that no fusion took.
 
-    y = x · [W_0; W_1; ...; W_{n-1}]ᵀ        [..., Σ N_i]; the caller splits the columns
+    k3.linear_concat:  y = x · [W_0; W_1; ...; W_{n-1}]ᵀ   [..., Σ N_i]; the caller splits it
+    k3.linear:         y = x · Wᵀ                          [..., N]: a plain GEMM, routed on CUDA
+                       to our skinny GEMM (kernels/gemv.py, x1.2-1.8 over cuBLAS at one row)
 
 The concatenated weight is built once per set of weights and cached, keyed by every weight's
 (data_ptr, _version, shape, dtype, device): a weight updated in place (`load_state_dict`, `copy_`)
@@ -77,3 +80,19 @@ def linear_concat(x: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
 @linear_concat.register_fake
 def _(x, weights):
     return x.new_empty((*x.shape[:-1], sum(w.shape[0] for w in weights)))
+
+
+def linear_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.linear(x, w)
+
+
+@torch.library.custom_op("k3::linear", mutates_args=())
+def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [..., K], w [N, K] -> x·wᵀ [..., N] in x's dtype. The reference is the very call the
+    unfused graph makes (F.linear without bias is mm(x, wᵀ)), so CPU results do not change."""
+    return linear_ref(x, w)
+
+
+@linear.register_fake
+def _(x, w):
+    return x.new_empty((*x.shape[:-1], w.shape[0]))
