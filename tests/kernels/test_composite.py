@@ -92,3 +92,17 @@ def test_linear_concat(gen, n):
     assert got.dtype == torch.bfloat16 and got.shape == want.shape
     torch.testing.assert_close(got.float(), want, **TOL["bf16"])
     assert rel_err(got, want) < TOL["bf16_rel_norm"]
+
+
+@pytest.mark.parametrize("n", BUCKETS)
+def test_linear(gen, n):
+    """`k3.linear` (the plain GEMMs the patterns leave: shared-expert down, lm_head, ...) through
+    `gemv.linear`, against the fp32 reference GEMM, [N, K] and [B, T, K] rows."""
+    x = _bf16(gen, n, LATENT)
+    w = _bf16(gen, HIDDEN, LATENT, scale=LATENT ** -0.5)
+    got = torch.ops.k3.linear(x, w)
+    want = torch.nn.functional.linear(x.float(), w.float())
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    torch.testing.assert_close(got.float(), want, **TOL["bf16"])
+    rows = torch.ops.k3.linear(x.view(n, 1, LATENT), w)
+    assert rows.shape == (n, 1, HIDDEN) and torch.equal(rows.view(n, HIDDEN), got)
