@@ -15,7 +15,7 @@ import re
 import torch
 from torch import fx
 
-from k3compile.rewrite import module_path
+from k3compile.rewrite import NEUTRAL, module_path
 
 log = logging.getLogger("k3compile")
 
@@ -48,7 +48,7 @@ SATISFIES = {"allreduce_attn_res_mix_norm": "oproj_attn_res_mix_norm"}
 # skinny GEMM on CUDA). Which GEMMs it takes depends on the device (a fusion deferred there leaves
 # its GEMMs to it) and on the world size (o_proj at W > 1), so the plans, which declare fusions,
 # leave it out: never planned, never a shortfall, not counted as a fused op; reported as GEMMs.
-NEUTRAL = frozenset({"linear"})
+# (`NEUTRAL` lives in k3compile.rewrite, whose near misses it also concerns.)
 
 # ATen ops that launch no kernel of their own (views, metadata, getitem of multi-output ops)
 _NO_KERNEL = {"view", "reshape", "_unsafe_view", "permute", "unsqueeze", "squeeze", "expand",

@@ -28,6 +28,9 @@ from torch import fx
 
 from k3compile import inductor
 
+# ops outside the fusion plans: the plain GEMMs `patterns/linear.py` takes after every fusion
+NEUTRAL = frozenset({"linear"})
+
 log = logging.getLogger("k3compile.rewrite")
 
 
@@ -183,6 +186,7 @@ def apply_patterns(graph: fx.Graph, patterns: Sequence[Pattern], batch: int | No
     pattern for this graph (its op has no kernel on the graph's device), recorded per op.
     Returns hits, near misses, reverted sites and deferred ops."""
     report = RewriteReport()
+    neutral_sites: set[str] = set()  # nodes a NEUTRAL op (a plain GEMM) took
     for pattern in patterns:
         if not enabled(pattern.name):
             continue
@@ -228,9 +232,12 @@ def apply_patterns(graph: fx.Graph, patterns: Sequence[Pattern], batch: int | No
                 if stack is not None:
                     n.meta["nn_module_stack"] = stack
             report.hits.append(Hit(pattern.name, node.name, where, pattern.op))
+            if pattern.op.split(".")[-1] in NEUTRAL:
+                neutral_sites.update(n.name for n in m.nodes)
     graph.eliminate_dead_code()
-    # a near miss at a site that a later (or earlier) pattern rewrote is not a miss
-    alive = {n.name for n in graph.nodes}
+    # a near miss at a site that a later (or earlier) pattern fused is not a miss; one whose GEMM
+    # only became a plain `k3.linear` still is (the fusion it names did not happen)
+    alive = {n.name for n in graph.nodes} | neutral_sites
     report.near_misses = [nm for nm in report.near_misses if nm.node in alive]
     return report
 

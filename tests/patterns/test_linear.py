@@ -150,3 +150,15 @@ def test_k3_linear_is_neutral_in_the_contract(tiny):
     for lr in report.layers:
         assert lr.gemm_ops == lr.actual["linear"] == 1
         assert lr.fused_ops == sum(lr.actual.values()) - 1
+
+
+def test_a_refused_fusion_keeps_its_near_miss_when_its_gemm_becomes_k3_linear():
+    """norm_linear refuses a 60-wide norm (not 16-byte rows); the GEMM still becomes k3.linear,
+    and the near miss that says why the fusion did not happen survives the rewrite."""
+    from k3compile.patterns import norm_linear
+
+    args = norm_linear_inputs(width=60)
+    gm, report = rewrite(up, args, norm_linear.patterns() + linear.patterns())
+    assert "k3.linear.default" in targets(gm)
+    misses = [nm for nm in report.near_misses if nm.pattern.startswith("norm_linear")]
+    assert misses and "multiples of 8" in misses[0].reason, report.near_misses
