@@ -56,8 +56,14 @@ import torch
 
 from k3compile.ops.mla import mla_decode_ref
 
-from .common.dsl import CompileCache, bucket, compile_kernel, fake_stream, fallback, \
-    runtime_refusal
+from .common.dsl import (
+    CompileCache,
+    bucket,
+    compile_kernel,
+    fake_stream,
+    fallback,
+    runtime_refusal,
+)
 
 OP = "mla_decode"
 MAX_TOKENS = 16

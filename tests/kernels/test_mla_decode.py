@@ -1,0 +1,313 @@
+"""MLA decode kernel (`k3::mla_decode`) against `mla_decode_ref`.
+
+GPU (marked `gpu`): one K3 TP16 rank (96 / 16 = 6 heads, latent 512, rope 64, a cache of 4160
+rows) at every batch bucket with T = 1 and T = 8, positions near 0, mid-cache and at the end of
+the cache; other head counts (4, 1), latent 256 / rope 32, other T, every split count, several
+consecutive steps on one cache. Slots are a permutation of a larger pool (the last request of a
+batch is a padding row on the scratch slot, -1), k_pe is a column slice of the kv_a row (as the
+model's split makes it), outputs are poisoned beforehand. The cache after the call must equal
+the reference's bit for bit: the new rows written, every other row untouched.
+
+CPU: a torch model of the kernel's algorithm (context splits, 32-row tiles, online softmax with
+p rounded to bf16 per tile, the fixed-order merge, which CTA writes which new row) against the
+reference, for several split counts; the query split of every config; refusals; the fallback
+off the GPU.
+"""
+
+import logging
+
+import pytest
+import torch
+from k3compile.kernels import mla_decode as kernel
+from kernel_checks import BUCKETS, assert_written, poisoned, rel_err
+
+from k3compile.ops.mla import mla_decode_ref
+
+H_TP16 = 96 // 16  # MLA heads per rank at TP16 (k3_arch.md §4.2; config num_attention_heads)
+C, R = 512, 64
+L_CACHE = 4096 + 64
+SCALE = (128 + 64) ** -0.5  # (qk_nope + qk_rope)^-1/2
+# The kernel rounds p to bf16 as e^(s - running max) before p·c_kv, the reference the normalised
+# softmax: the same weights, each rounded once, differently. Measured on the CPU model at unit-
+# scale inputs (H = 6, up to 600 rows): 2.6-2.7e-3 in norm, single elements up to 7.8e-3 (one
+# bf16 ulp of outputs in [1, 2)), 1.6e-2 at |o| ~ 3.7. Indexing errors move outputs by O(0.1).
+REF_TOL = {"rtol": 2e-2, "atol": 2e-2}
+REF_REL_NORM = 6e-3
+
+
+class Inputs:
+    """One MLA decode call's operands: B requests of T query rows, H heads, a pool of S slots
+    of L cache rows. `where`: positions near 0 ("start"), mid-cache ("mid"), at the end ("end")."""
+
+    def __init__(self, gen, B, T, H=H_TP16, latent=C, rope=R, L=L_CACHE, where="mid",
+                 device="cuda", extra_slots=3):
+        def randn(*shape):
+            return torch.randn(*shape, generator=gen, device=device)
+
+        def randint(lo, hi, n):
+            return torch.randint(lo, hi, (n,), generator=gen, device=device)
+
+        self.B, self.T, self.H, self.C, self.R, self.L = B, T, H, latent, rope, L
+        self.q_lat = randn(B, T, H, latent).bfloat16()
+        self.q_pe = randn(B, T, H, rope).bfloat16()
+        ckv = randn(B, T, latent + rope).bfloat16()  # kv_a's output row: [c_kv | k_pe]
+        self.c_kv = ckv[..., :latent].contiguous()  # after kv_a_layernorm: rows of its own
+        self.k_pe = ckv[..., latent:]  # a column slice (row stride C + R)
+        S = B + extra_slots
+        self.cache = randn(S, L, latent + rope).bfloat16()
+        perm = torch.rand(S - 1, generator=gen, device=device).argsort()[:B]
+        if B > 1:
+            perm[-1] = -1  # a padding row on the scratch slot
+        self.slots = perm
+        if where == "start":
+            pos = randint(0, 4, B)
+            pos[0] = 0
+        elif where == "mid":
+            pos = randint(L // 3, 2 * L // 3, B)
+        else:
+            pos = L - T - randint(0, 4, B)
+            pos[0] = L - T
+        self.positions = pos.clamp(0, L - T)
+
+    def args(self, cache):
+        return (self.q_lat, self.q_pe, self.c_kv, self.k_pe, cache, self.slots, self.positions,
+                SCALE)
+
+    def new_rows(self):
+        return torch.cat([self.c_kv, self.k_pe], dim=-1)
+
+
+def check(inp, cache=None):
+    """Kernel vs reference from the same cache; returns the kernel's cache (for the next step)."""
+    cache = inp.cache if cache is None else cache
+    got_cache, ref_cache = cache.clone(), cache.clone()
+    out = poisoned(inp.B, inp.T, inp.H, inp.C)
+    got = kernel.mla_decode_cuda(*inp.args(got_cache), out=out)
+    assert got is out, "the kernel did not run (fallback)"
+    ref = mla_decode_ref(*inp.args(ref_cache))
+    assert_written(got)
+    slot = inp.slots % cache.shape[0]
+    rows = inp.positions.view(-1, 1) + torch.arange(inp.T, device=cache.device)
+    assert torch.equal(got_cache[slot.view(-1, 1), rows], inp.new_rows()), "new rows"
+    assert torch.equal(got_cache, ref_cache), "cache rows other than the new ones changed"
+    torch.testing.assert_close(got.float(), ref.float(), **REF_TOL)
+    assert rel_err(got, ref) < REF_REL_NORM
+    return got_cache
+
+
+@pytest.mark.parametrize("where", ["start", "mid", "end"])
+@pytest.mark.parametrize("T", [1, 8])
+@pytest.mark.parametrize("B", BUCKETS)
+@pytest.mark.usefixtures("cuda_kernels")
+@pytest.mark.gpu
+def test_tp16_rank(gen, B, T, where):
+    check(Inputs(gen, B, T, where=where))
+
+
+@pytest.mark.parametrize("B,T,H,latent,rope,L", [
+    (3, 1, 4, 512, 64, 4160), (5, 8, 4, 512, 64, 1000), (2, 8, 1, 512, 64, 333),
+    (3, 3, 6, 512, 64, 777), (6, 16, 6, 512, 64, 2048), (37, 1, 6, 512, 64, 512),
+    (4, 5, 3, 256, 32, 130), (1, 2, 6, 512, 64, 17)])
+@pytest.mark.usefixtures("cuda_kernels")
+@pytest.mark.gpu
+def test_other_shapes(gen, B, T, H, latent, rope, L):
+    for where in ("start", "mid", "end"):
+        check(Inputs(gen, B, T, H, latent, rope, L, where))
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 64])
+@pytest.mark.usefixtures("cuda_kernels")
+@pytest.mark.gpu
+def test_split_counts(gen, n, monkeypatch):
+    monkeypatch.setattr(kernel, "splits", lambda *_: n)
+    for T in (1, 8):
+        for where in ("start", "mid", "end"):
+            check(Inputs(gen, 3, T, where=where))
+
+
+@pytest.mark.parametrize("B,T", [(1, 1), (8, 8), (64, 1)])
+@pytest.mark.usefixtures("cuda_kernels")
+@pytest.mark.gpu
+def test_consecutive_steps(gen, B, T):
+    """Four steps on one cache, each appending T rows after the last."""
+    inp = Inputs(gen, B, T, where="start")
+    cache = inp.cache
+    for _ in range(4):
+        cache = check(inp, cache)
+        fresh = Inputs(gen, B, T, L=inp.L, where="start", extra_slots=inp.cache.shape[0] - B)
+        inp.q_lat, inp.q_pe, inp.c_kv, inp.k_pe = fresh.q_lat, fresh.q_pe, fresh.c_kv, fresh.k_pe
+        inp.positions = inp.positions + T
+
+
+@pytest.mark.usefixtures("cuda_kernels")
+@pytest.mark.gpu
+def test_empty_batch(gen):
+    inp = Inputs(gen, 0, 1, extra_slots=2)
+    assert kernel.mla_decode_cuda(*inp.args(inp.cache)).shape == (0, 1, H_TP16, C)
+
+
+@pytest.mark.usefixtures("cuda_kernels")
+@pytest.mark.gpu
+def test_refused_input_falls_back(gen, caplog):
+    inp = Inputs(gen, 2, 1)
+    inp.q_lat = inp.q_lat.float()
+    assert not kernel.can_implement(*inp.args(inp.cache))
+    got_cache, ref_cache = inp.cache.clone(), inp.cache.clone()
+    with caplog.at_level(logging.DEBUG, logger="k3compile.kernels"):
+        got = kernel.mla_decode_cuda(*inp.args(got_cache))
+    assert "mla_decode" in caplog.text
+    assert torch.equal(got, mla_decode_ref(*inp.args(ref_cache)))
+    assert torch.equal(got_cache, ref_cache)
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU: the kernel's algorithm, modelled in torch
+
+
+def split_model(q_lat, q_pe, c_kv, k_pe, kv_cache, slots, positions, scale, n_splits):
+    """The kernel's split-KV decode in torch, CTA by CTA and tile by tile: updates kv_cache as the
+    kernel does and returns o_lat. Asserts each new row is written by exactly one CTA."""
+    B, T, H, Cl = q_lat.shape
+    S, L = kv_cache.shape[:2]
+    HT = H * T
+    ws_o = torch.full((B, n_splits, HT, Cl), float("nan"))
+    ws_ml = torch.full((B, n_splits, HT, 2), float("nan"))
+    t_of = torch.arange(HT) // H  # query index t·H + h
+    for b in range(B):
+        slot, pos = int(slots[b]) % S, int(positions[b])
+        n_vis = min(pos + T, L)
+        per_split = -(-n_vis // n_splits)
+        length = -(-per_split // kernel.TILE) * kernel.TILE  # whole tiles
+        written = torch.zeros(L, dtype=torch.int)
+        q = q_lat[b].reshape(HT, Cl).float()
+        qp = q_pe[b].reshape(HT, -1).float()
+        old = kv_cache[slot].clone()  # no CTA reads a row another CTA writes
+        for s in range(n_splits):
+            lo, hi = s * length, min(s * length + length, n_vis)
+            m, lsum = torch.full((HT,), float("-inf")), torch.zeros(HT)
+            acc = torch.zeros(HT, Cl)
+            for base in range(lo, hi, kernel.TILE):
+                tile = torch.zeros(kernel.TILE, kv_cache.shape[2], dtype=kv_cache.dtype)
+                for r in range(kernel.TILE):
+                    i = base + r
+                    if i >= hi:
+                        continue
+                    if i >= pos:
+                        tile[r] = torch.cat([c_kv[b, i - pos], k_pe[b, i - pos]])
+                        kv_cache[slot, i] = tile[r]
+                        written[i] += 1
+                    else:
+                        tile[r] = old[i]
+                kv = tile.float()
+                sn = (q @ kv[:, :Cl].T).bfloat16().float()
+                sp = (qp @ kv[:, Cl:].T).bfloat16().float()
+                score = (sn + sp).bfloat16().float() * scale
+                i = base + torch.arange(kernel.TILE)
+                visible = (i < hi) & (i.view(1, -1) <= pos + t_of.view(-1, 1))
+                score = score.masked_fill(~visible, float("-inf"))
+                m_new = torch.maximum(m, score.max(-1).values)
+                m_use = torch.where(m_new == float("-inf"), 0.0, m_new)
+                p = torch.exp(score - m_use[:, None])
+                corr = torch.exp(m - m_use)
+                lsum = lsum * corr + p.sum(-1)
+                m = m_new
+                acc = acc * corr[:, None] + p.bfloat16().float() @ kv[:, :Cl]
+            ws_o[b, s], ws_ml[b, s, :, 0], ws_ml[b, s, :, 1] = acc, m, lsum
+        assert torch.equal(written[pos:n_vis], torch.ones(n_vis - pos, dtype=torch.int))
+        assert written.sum() == n_vis - pos
+    assert not ws_o.isnan().any() and not ws_ml.isnan().any(), "a partial not written"
+    out = torch.empty(B, HT, Cl)
+    for b in range(B):  # the merge, in split order
+        m_all = ws_ml[b, :, :, 0].max(0).values
+        total, o = torch.zeros(HT), torch.zeros(HT, Cl)
+        for s in range(n_splits):
+            w = torch.exp(ws_ml[b, s, :, 0] - m_all)
+            total = total + ws_ml[b, s, :, 1] * w
+            o = o + ws_o[b, s] * w[:, None]
+        out[b] = o / total[:, None]
+    return out.bfloat16().view(B, T, H, Cl)
+
+
+def _cpu_gen():
+    seed = int(torch.randint(1 << 30, ()).item())
+    print(f"seed {seed}")
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize("n_splits", [1, 3, 7, 64])
+@pytest.mark.parametrize("T", [1, 3, 8])
+def test_split_model_matches_reference(T, n_splits):
+    gen = _cpu_gen()
+    for where in ("start", "mid", "end"):
+        inp = Inputs(gen, 3, T, H=2, L=300, where=where, device="cpu")
+        got_cache, ref_cache = inp.cache.clone(), inp.cache.clone()
+        got = split_model(*inp.args(got_cache), n_splits)
+        ref = mla_decode_ref(*inp.args(ref_cache))
+        assert torch.equal(got_cache, ref_cache)
+        torch.testing.assert_close(got.float(), ref.float(), **REF_TOL)
+        assert rel_err(got, ref) < REF_REL_NORM
+
+
+def test_split_model_at_tp16_shape():
+    """One request, 6 heads, 8 rows at the end of a 4160-row cache, the split count the kernel
+    picks at B = 1."""
+    inp = Inputs(_cpu_gen(), 1, 8, where="end", device="cpu", extra_slots=1)
+    cfg = kernel.config(8, H_TP16, C, R)
+    n = kernel.splits(1, cfg.groups(8, H_TP16), L_CACHE)
+    got_cache, ref_cache = inp.cache.clone(), inp.cache.clone()
+    got = split_model(*inp.args(got_cache), n)
+    ref = mla_decode_ref(*inp.args(ref_cache))
+    assert torch.equal(got_cache, ref_cache)
+    torch.testing.assert_close(got.float(), ref.float(), **REF_TOL)
+    assert rel_err(got, ref) < REF_REL_NORM
+
+
+@pytest.mark.parametrize("T", range(1, kernel.MAX_TOKENS + 1))
+@pytest.mark.parametrize("H", [1, 3, 4, 6, 8])
+def test_configs_cover_every_query(T, H):
+    """Queries group·Q + warp·QW + j cover 0 .. H·T - 1 once; whole warps, <= 8 per CTA."""
+    cfg = kernel.config(T, H, C, R)
+    q = cfg.queries_per_warp * cfg.warps
+    assert 1 <= cfg.warps <= 8 and cfg.queries_per_warp in (1, 2, 4)
+    assert cfg.groups(T, H) * q == H * T
+    for b in BUCKETS:
+        n = kernel.splits(b, cfg.groups(T, H), L_CACHE)
+        assert 1 <= n <= kernel.MAX_SPLITS
+
+
+def test_refusals():
+    inp = Inputs(_cpu_gen(), 2, 1, H=2, L=64, device="cpu")
+    args = list(inp.args(inp.cache))
+    assert kernel.refusal(*args) is None
+
+    def refused(i, value, words):
+        bad = list(args)
+        bad[i] = value
+        why = kernel.refusal(*bad)
+        assert why and words in why, why
+
+    refused(0, inp.q_lat.float(), "q_lat:")
+    refused(0, inp.q_lat[..., :384], "latent")
+    refused(1, inp.q_pe[..., :48], "rope")
+    B, T, H = inp.B, inp.T, inp.H
+    refused(1, torch.zeros(B, T, H, R + 1, dtype=torch.bfloat16)[..., :R], "q_pe:")
+    refused(2, torch.zeros(B, T, C + 4, dtype=torch.bfloat16)[..., :C], "c_kv:")
+    refused(3, inp.k_pe.float(), "k_pe:")
+    refused(4, inp.cache[..., :C + 32], "kv_cache:")
+    refused(4, torch.zeros(*inp.cache.shape[:2], C + R + 4, dtype=torch.bfloat16)[..., :C + R],
+            "kv_cache:")
+    refused(5, inp.slots.int(), "slots:")
+    refused(6, inp.positions.view(-1, 1), "positions:")
+    long = Inputs(_cpu_gen(), 1, kernel.MAX_TOKENS + 1, H=1, L=64, device="cpu")
+    why = kernel.refusal(*long.args(long.cache))
+    assert why and "tokens" in why
+
+
+def test_off_gpu_runs_the_reference(caplog):
+    inp = Inputs(_cpu_gen(), 2, 2, H=2, L=64, device="cpu")
+    got_cache, ref_cache = inp.cache.clone(), inp.cache.clone()
+    with caplog.at_level(logging.DEBUG, logger="k3compile.kernels"):
+        got = kernel.mla_decode_cuda(*inp.args(got_cache))
+    assert "mla_decode" in caplog.text
+    assert torch.equal(got, mla_decode_ref(*inp.args(ref_cache)))
+    assert torch.equal(got_cache, ref_cache)
