@@ -12,6 +12,7 @@ from k3compile.kernels import (
     gemm_tc,
     gemv,
     kda_decode,
+    mla_decode,
     mla_lowrank_norm,
     moe_experts,
     moe_route,
@@ -45,6 +46,9 @@ def _cases():
         (situ, (1000,)),  # predicated vectors
         (kda_decode, (1, 6, 4)),  # (T, heads, taps): decode at one TP16 rank
         (kda_decode, (8, 6, 4)),  # DSpark verify rows
+        (mla_decode, (1, 6, 512, 64)),  # (T, heads, latent, rope): decode at one TP16 rank
+        (mla_decode, (8, 6, 512, 64)),  # verify rows: 4 queries per warp, 2 query groups
+        (mla_decode, (3, 2, 256, 32)),  # small latent and rope, 6 one-query warps
     ]
     for module, scalars in shapes:
         for b in BUCKETS:
