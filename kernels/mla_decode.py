@@ -220,7 +220,7 @@ def _kernel_class():
 
             for tile in cutlass.range(n_tiles, unroll=1):
                 base = lo + tile * TILE
-                self.load_tile(tidx, b, slot, pos, base, hi, mCkv, mKpe, mKV, sKV)
+                self.load_tile(tidx, b, group, slot, pos, base, hi, mCkv, mKpe, mKV, sKV)
                 cute.arch.barrier()
                 for r in cutlass.range(TILE, unroll=2):
                     self.row_values(sKV, r, lane, rK, True)
@@ -261,23 +261,25 @@ def _kernel_class():
                     mWsML[b, split, q, 1] = rL[j]
 
         @cute.jit
-        def load_tile(self, tidx, b, slot, pos, base, hi, mCkv, mKpe, mKV, sKV):
+        def load_tile(self, tidx, b, group, slot, pos, base, hi, mCkv, mKpe, mKV, sKV):
             """Cache rows base .. base + 31 -> sKV (rows at or past hi zero-filled); the new rows
-            (>= pos) come from c_kv | k_pe and are written to the cache here."""
+            (>= pos) come from c_kv | k_pe and are written to the cache here (by query group 0
+            only: the other groups' CTAs load the same tile)."""
             VR, n = self.VR, self.threads
             rV = cute.make_rmem_tensor(cute.make_layout((8,)), BFloat16)
             total = TILE * VR
             for it in cutlass.range_constexpr(-(-total // n)):
                 item = it * n + tidx
                 if const_expr((it + 1) * n <= total):
-                    self.load_vector(item, b, slot, pos, base, hi, mCkv, mKpe, mKV, sKV, rV)
+                    self.load_vector(item, b, group, slot, pos, base, hi, mCkv, mKpe, mKV, sKV,
+                                     rV)
                 else:
                     if item < total:
-                        self.load_vector(item, b, slot, pos, base, hi, mCkv, mKpe, mKV, sKV,
-                                         rV)
+                        self.load_vector(item, b, group, slot, pos, base, hi, mCkv, mKpe, mKV,
+                                         sKV, rV)
 
         @cute.jit
-        def load_vector(self, item, b, slot, pos, base, hi, mCkv, mKpe, mKV, sKV, rV):
+        def load_vector(self, item, b, group, slot, pos, base, hi, mCkv, mKpe, mKV, sKV, rV):
             VR, CV = self.VR, self.C // 8
             r, v = item // VR, item % VR
             i = base + r
@@ -289,7 +291,8 @@ def _kernel_class():
                         cute.autovec_copy(vectors(mCkv[b, i - pos, None])[None, v], rV)
                     else:
                         cute.autovec_copy(vectors(mKpe[b, i - pos, None])[None, v - CV], rV)
-                    cute.autovec_copy(rV, gRow[None, v])
+                    if group == 0:
+                        cute.autovec_copy(rV, gRow[None, v])
                 else:
                     cute.autovec_copy(gRow[None, v], rV)
             cute.autovec_copy(rV, vectors(sKV[r, None])[None, v])

@@ -1,0 +1,148 @@
+"""The MLA decode kernel (kernels/mla_decode.py: cache write + absorbed split-KV attention)
+against its torch reference, eager and under torch.compile (Inductor), at one K3 TP16 rank
+(96 / 16 = 6 heads, latent 512, rope 64) with a context of 4096 rows (the T new ones included).
+
+    python benchmarks/mla_decode.py [--b 1,8,64] [--t 1,8] [--ctx 4096] [--no-inductor]
+                                    [--out dir|r.json]
+
+Each side is captured into one CUDA graph (benchmarks/graph_timing.py). The kernel's calls cycle
+through a pool of cache slots holding >= 2 x 60 MB, each call on the next B slots, so the L2 does
+not serve the cache rows (each of the 24 MLA layers reads its own cache once per step). The
+references are captured with at most REF_CALLS calls, so at small B their rows may partly come
+from the L2: their times are then optimistic. The cache has exactly `ctx` rows per slot, so the
+reference's gather of whole slots reads no row the kernel does not.
+bytes = cache rows read (ctx - T old rows, 1152 B each) + new rows read and written + q_lat,
+q_pe in + o_lat out; the split workspace (L2-resident) is not counted. "% copy" compares
+bytes / time with a 4 GiB device-to-device copy of the same run.
+"""
+
+import argparse
+import functools
+import json
+from pathlib import Path
+
+import torch
+from gemv import copy_gbps
+from graph_timing import graph_us
+from k3compile.kernels import mla_decode as kernel
+from k3compile.kernels.common.dsl import runtime_refusal
+
+from k3compile.ops.mla import mla_decode_ref
+
+H, C, R = 96 // 16, 512, 64
+ROW = (C + R) * 2
+SCALE = (128 + 64) ** -0.5
+L2_BYTES = 60e6
+CALLS, REF_CALLS, REPLAYS = 24, 8, 20
+
+
+def moved_bytes(b: int, t: int, ctx: int) -> int:
+    rows = b * ((ctx - t) * ROW + 2 * t * ROW)  # old rows read; new rows read and written
+    return rows + b * t * H * (C + R + C) * 2
+
+
+def make_case(b, t, ctx):
+    """Inputs of B requests at position ctx - T, a cache pool of `copies` x B slots."""
+    copies = max(2, -(-int(2 * L2_BYTES) // (b * ctx * ROW)) + 1)
+    q_lat = torch.randn(b, t, H, C, device="cuda").bfloat16()
+    q_pe = torch.randn(b, t, H, R, device="cuda").bfloat16()
+    ckv = torch.randn(b, t, C + R, device="cuda").bfloat16()
+    c_kv, k_pe = ckv[..., :C].contiguous(), ckv[..., C:]
+    cache = torch.randn(copies * b, ctx, C + R, device="cuda").bfloat16()
+    positions = torch.full((b,), ctx - t, dtype=torch.int64, device="cuda")
+    slots = [torch.arange(i * b, (i + 1) * b, device="cuda") for i in range(copies)]
+
+    def args(slot):
+        return (q_lat, q_pe, c_kv, k_pe, cache, slot, positions, SCALE)
+
+    return args, slots
+
+
+def check(args, slots):
+    """The kernel ran and agrees with the reference (a benchmark of wrong results is
+    worthless), the cache included."""
+    a = list(args(slots[0]))
+    saved = a[4][slots[0]].clone()
+    out = torch.empty_like(a[0])
+    got = kernel.mla_decode_cuda(*a, out=out)
+    assert got is out, "mla_decode refused the inputs (see the log)"
+    got_rows = a[4][slots[0]].clone()
+    a[4][slots[0]] = saved
+    ref = mla_decode_ref(*a)
+    err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
+    assert err < 6e-3, f"kernel disagrees with the reference: {err:.2e}"
+    assert torch.equal(got_rows, a[4][slots[0]]), "the kernel's cache differs"
+
+
+def timed(fn, args, slots, calls=None):
+    """µs per call; by default one call per cache copy (at least CALLS)."""
+    calls = calls or max(CALLS, len(slots))
+    return graph_us([functools.partial(fn, *args(slots[i % len(slots)])) for i in range(calls)],
+                    [functools.partial(fn, *args(s)) for s in slots[:2]], REPLAYS)
+
+
+def run(bs, ts, ctx, gbps, inductor=True):
+    rows = []
+    torch._dynamo.config.cache_size_limit = 64
+    compiled_ref = torch.compile(mla_decode_ref, dynamic=False)
+    nan = float("nan")
+    for t in ts:
+        for b in bs:
+            args, slots = make_case(b, t, ctx)
+            check(args, slots)
+            us = {"kernel": timed(kernel.mla_decode_cuda, args, slots),
+                  "eager": timed(mla_decode_ref, args, slots, REF_CALLS),
+                  "inductor": timed(compiled_ref, args, slots, REF_CALLS) if inductor else nan}
+            moved = moved_bytes(b, t, ctx)
+            cfg = kernel.config(t, H, C, R)
+            n_splits = kernel.splits(b, cfg.groups(t, H), ctx)
+            row = {"B": b, "T": t, "ctx": ctx, "config": str(cfg), "splits": n_splits,
+                   "bytes": moved, **{f"{k}_us": round(v, 2) for k, v in us.items()},
+                   "kernel_GBps": round(moved / us["kernel"] / 1e3),
+                   "vs_inductor": round(us["inductor"] / us["kernel"], 2),
+                   "vs_eager": round(us["eager"] / us["kernel"], 2)}
+            row["kernel_pct_copy"] = round(100 * row["kernel_GBps"] / gbps, 1)
+            rows.append(row)
+            print(f"B={b:2d} T={t}  kernel {us['kernel']:7.2f} us {row['kernel_GBps']:5d} GB/s "
+                  f"{row['kernel_pct_copy']:5.1f}%  inductor {us['inductor']:8.2f} us "
+                  f"(x{row['vs_inductor']:.2f})  eager {us['eager']:8.2f} us "
+                  f"(x{row['vs_eager']:.2f})  {cfg} splits {n_splits}", flush=True)
+            del args, slots
+            torch.cuda.empty_cache()
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--b", default="1,8,64")
+    ap.add_argument("--t", default="1,8")
+    ap.add_argument("--ctx", type=int, default=4096)
+    ap.add_argument("--no-inductor", action="store_true", help="skip torch.compile (slow)")
+    ap.add_argument("--out")
+    opts = ap.parse_args()
+    assert torch.cuda.is_available() and not runtime_refusal(), runtime_refusal() or "no GPU"
+    torch.manual_seed(0)
+    bs = [int(b) for b in opts.b.split(",")]
+    ts = [int(t) for t in opts.t.split(",")]
+    gbps = copy_gbps()
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; "
+          f"4 GiB device copy: {gbps:.0f} GB/s (read + write)", flush=True)
+    rows = run(bs, ts, opts.ctx, gbps, not opts.no_inductor)
+    if opts.out:
+        path = Path(opts.out)
+        if path.suffix != ".json":  # a folder, like the other benchmarks take
+            path.mkdir(parents=True, exist_ok=True)
+            path = path / "mla_decode.json"
+        with open(path, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "copy_GBps": round(gbps),
+                       "heads": H, "latent": C, "rope": R, "rows": rows}, f, indent=1)
+    print("\n| B | T | kernel µs | GB/s | % copy | Inductor µs | eager µs | vs Inductor |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['B']} | {r['T']} | {r['kernel_us']:.2f} | {r['kernel_GBps']} | "
+              f"{r['kernel_pct_copy']} | {r['inductor_us']:.2f} | {r['eager_us']:.2f} | "
+              f"x{r['vs_inductor']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
