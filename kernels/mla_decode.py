@@ -388,10 +388,12 @@ def build(tokens, n_heads, latent, rope, cfg, arch=None, dump_dir=None):
         strides = tuple(cute.sym_int64(divisibility=8) for _ in shape)
         return make_fake_tensor(bf16, (n, *shape), stride=(*strides, 1), assumed_align=16)
 
-    def ws(width):  # contiguous fp32 workspace
+    def ws(width):  # contiguous fp32 workspace; (m, l) pairs are read as scalars
+        vec = width % 4 == 0
         return make_fake_tensor(f32, (n, ns, H * T, width),
-                                stride=(cute.sym_int64(divisibility=4), H * T * width, width, 1),
-                                assumed_align=16)
+                                stride=(cute.sym_int64(divisibility=4 if vec else 1),
+                                        H * T * width, width, 1),
+                                assumed_align=16 if vec else 4)
 
     return compile_kernel(
         _kernel_class()(T, H, C, R, cfg), act(T, H, C), act(T, H, R), act(T, C), act(T, R),
