@@ -95,7 +95,7 @@ def run(bs, ts, ctx, gbps, inductor=True):
                   "inductor": timed(compiled_ref, args, slots, REF_CALLS) if inductor else nan}
             moved = moved_bytes(b, t, ctx)
             cfg = kernel.config(t, H, C, R)
-            n_splits = kernel.splits(b, cfg.groups(t, H), ctx)
+            n_splits = kernel.splits(b, t, H, ctx)
             row = {"B": b, "T": t, "ctx": ctx, "config": str(cfg), "splits": n_splits,
                    "bytes": moved, **{f"{k}_us": round(v, 2) for k, v in us.items()},
                    "kernel_GBps": round(moved / us["kernel"] / 1e3),

@@ -252,8 +252,7 @@ def test_split_model_at_tp16_shape():
     """One request, 6 heads, 8 rows at the end of a 4160-row cache, the split count the kernel
     picks at B = 1."""
     inp = Inputs(_cpu_gen(), 1, 8, where="end", device="cpu", extra_slots=1)
-    cfg = kernel.config(8, H_TP16, C, R)
-    n = kernel.splits(1, cfg.groups(8, H_TP16), L_CACHE)
+    n = kernel.splits(1, 8, H_TP16, L_CACHE)
     got_cache, ref_cache = inp.cache.clone(), inp.cache.clone()
     got = split_model(*inp.args(got_cache), n)
     ref = mla_decode_ref(*inp.args(ref_cache))
@@ -271,7 +270,7 @@ def test_configs_cover_every_query(T, H):
     assert 1 <= cfg.warps <= 8 and cfg.queries_per_warp in (1, 2, 4)
     assert cfg.groups(T, H) * q == H * T
     for b in BUCKETS:
-        n = kernel.splits(b, cfg.groups(T, H), L_CACHE)
+        n = kernel.splits(b, T, H, L_CACHE)
         assert 1 <= n <= kernel.MAX_SPLITS
 
 
