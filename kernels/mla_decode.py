@@ -14,9 +14,10 @@ taken from c_kv / k_pe instead of the cache and written to the cache by the CTA 
 whose range holds them: no CTA reads a cache row any CTA writes, so the write needs no ordering.
 Each warp owns `queries_per_warp` queries (in registers, fp32) and, per lane, the latent columns
 of 16-byte vectors lane and lane + 32 (+ 2 rope columns): a score is a warp sum (nope and rope
-parts reduced separately, as the reference rounds each einsum to bf16), kept by lane r for tile
-row r; the tile's max and Σp are warp reductions; p·c_kv accumulates per lane in fp32, p
-broadcast from lane r by a shuffle. Each CTA writes its partial (m, l, acc [C]) fp32 to a
+parts reduced separately, as the reference rounds each einsum to bf16), four rows at a time by a
+reduce-scatter (`reduce_scatter`: 6 shuffles for 4 rows), each tile row's score ending in one
+lane (`lane_row`); the tile's max and Σp are warp reductions; p·c_kv accumulates per lane in
+fp32, p broadcast from its lane (`row_lane`) by a shuffle. Each CTA writes its partial (m, l, acc [C]) fp32 to a
 workspace. Launch 2 (grid (H·T, B), one thread per 8 columns) merges the splits in fixed order
 (M = max m, L = Σ l·e^(m-M), o = Σ acc·e^(m-M) / L) and writes o_lat bf16: deterministic, no
 atomics. Splits are chosen on the host per batch bucket (one compile serves every bucket).
@@ -29,9 +30,10 @@ softmax; both are one bf16 rounding of the same weight, normalised in fp32 (our 
 unrounded p), so o_lat agrees to ~2.7e-3 relative in norm (the CPU model in the tests; they
 allow 6e-3). exp is the hardware's ex2.approx.
 
-Cost. CUDA-core FMAs, 2 warp sums (10 shuffles) per query and row: ~75 warp instructions per
-(row, query) at one query per warp. Estimated from instruction counts, not measured: ~2x the
-cache bytes' time at T = 1, B = 64; ~10x at T = 8, where 48 queries share each row. The next
+Cost. CUDA-core FMAs: 2·(C + R) per query and row, plus ~9 shuffle, add and select instructions
+per lane; ~60 warp instructions per (row, query). Estimated from instruction counts, not
+measured: ~1.5-2x the cache bytes' time at T = 1, B = 64; ~8x at T = 8, where 48 queries share
+each row. The next
 step is mma.sync (m16n8k16 bf16, fp32 accumulators) for both products, FlashMLA-style. The
 workspace is splits·H·T·(C + 2) fp32 per request (L2-resident; `splits` keeps it below the
 cache bytes read).
@@ -76,6 +78,33 @@ SMS = 132  # H200
 LATENT = (256, 512)
 ROPE = (32, 64)
 MAX_SPLITS = 128
+GROUP = 4  # tile rows whose warp sums are scattered together (one row per 8 lanes)
+
+
+def reduce_scatter(vals, lane_bit, shfl_xor, select):
+    """Warp sums of GROUP = 4 per-lane partials (rows 0..3 of a row group) in 6 shuffles instead
+    of 20: two halving steps, each lane keeping the half its lane bit names and adding its
+    partner's, then a butterfly over the 8 lanes left sharing a row. Lane l gets the total of
+    row (l >> 3) & 3. The ops are injected, so the kernel (DSL values) and the CPU test (32
+    emulated lanes) run this same code."""
+    for off in (16, 8):
+        n, bit = len(vals) // 2, lane_bit(off)
+        vals = [select(bit, vals[k + n], vals[k]) + shfl_xor(select(bit, vals[k], vals[k + n]),
+                                                             off) for k in range(n)]
+    total = vals[0]
+    for off in (4, 2, 1):
+        total = total + shfl_xor(total, off)
+    return total
+
+
+def lane_row(lane):
+    """The tile row whose score lane `lane` keeps: it takes row group lane & 7's total."""
+    return GROUP * (lane & 7) + ((lane >> 3) & 3)
+
+
+def row_lane(row):
+    """Inverse of lane_row: the lane holding tile row `row`'s score and p."""
+    return (row // GROUP) | ((row % GROUP) << 3)
 
 
 @dataclass(frozen=True)
@@ -230,27 +259,18 @@ def _kernel_class():
                 base = lo + tile * TILE
                 self.load_tile(tidx, b, group, slot, pos, base, hi, mCkv, mKpe, mKV, sKV)
                 cute.arch.barrier()
-                for r in cutlass.range(TILE, unroll=2):
-                    self.row_values(sKV, r, lane, rK, True)
-                    i = base + r
-                    for j in cutlass.range_constexpr(QW):
-                        sn, sp = Float32(0.0), Float32(0.0)
-                        for e in cutlass.range_constexpr(8 * NV):
-                            sn = sn + rQ[j, e] * rK[e]
-                        for e in cutlass.range_constexpr(NP):
-                            sp = sp + rQ[j, 8 * NV + e] * rK[8 * NV + e]
-                        sn = cute.arch.warp_reduction(sn, lambda x, y: x + y)
-                        sp = cute.arch.warp_reduction(sp, lambda x, y: x + y)
-                        s = bf16_round(bf16_round(sn) + bf16_round(sp)) * scale
-                        s = Float32(cutlass.select_((i < hi) & (i <= limit[j]), s,
+                for g in cutlass.range(TILE // GROUP, unroll=1):
+                    self.group_scores(sKV, g, lane, rQ, rK, rS, scale)
+                i = base + lane_row(lane)
+                for j in cutlass.range_constexpr(QW):
+                    rS[j] = Float32(cutlass.select_((i < hi) & (i <= limit[j]), rS[j],
                                                     Float32(NEG_INF)))
-                        rS[j] = Float32(cutlass.select_(lane == r, s, rS[j]))
                 for j in cutlass.range_constexpr(QW):
                     self.softmax_step(j, rS, rM, rL, rP, rAcc)
                 for r in cutlass.range(TILE, unroll=2):
                     self.row_values(sKV, r, lane, rK, False)
                     for j in cutlass.range_constexpr(QW):
-                        p = cute.arch.shuffle_sync(rP[j], r)
+                        p = cute.arch.shuffle_sync(rP[j], row_lane(r))
                         for e in cutlass.range_constexpr(8 * NV):
                             rAcc[j, e] = rAcc[j, e] + p * rK[e]
                 cute.arch.barrier()  # the tile is read before the next load overwrites it
@@ -304,6 +324,40 @@ def _kernel_class():
                 else:
                     cute.autovec_copy(gRow[None, v], rV)
             cute.autovec_copy(rV, vectors(sKV[r, None])[None, v])
+
+        @cute.jit
+        def group_scores(self, sKV, g, lane, rQ, rK, rS, scale: Float32):
+            """Scores of tile rows GROUP·g .. GROUP·g + 3 for the warp's queries; lanes with
+            lane & 7 == g keep theirs (row lane_row(lane)) in rS."""
+            QW, NV, NP = self.QW, self.NV, self.NP
+            nope = [[None] * GROUP for _ in range(QW)]
+            rope = [[None] * GROUP for _ in range(QW)]
+            for k in cutlass.range_constexpr(GROUP):
+                self.row_values(sKV, GROUP * g + k, lane, rK, True)
+                for j in cutlass.range_constexpr(QW):
+                    sn = rQ[j, 0] * rK[0]
+                    for e in cutlass.range_constexpr(1, 8 * NV):
+                        sn = sn + rQ[j, e] * rK[e]
+                    sp = rQ[j, 8 * NV] * rK[8 * NV]
+                    for e in cutlass.range_constexpr(1, NP):
+                        sp = sp + rQ[j, 8 * NV + e] * rK[8 * NV + e]
+                    nope[j][k], rope[j][k] = sn, sp
+
+            def lane_bit(off):
+                return (lane & off) != 0
+
+            def shfl_xor(v, off):
+                return cute.arch.shuffle_sync_bfly(v, off)
+
+            def select(c, a, b):
+                return Float32(cutlass.select_(c, a, b))
+
+            mine = (lane & 7) == g
+            for j in cutlass.range_constexpr(QW):
+                sn = reduce_scatter(nope[j], lane_bit, shfl_xor, select)
+                sp = reduce_scatter(rope[j], lane_bit, shfl_xor, select)
+                s = bf16_round(bf16_round(sn) + bf16_round(sp)) * scale
+                rS[j] = Float32(cutlass.select_(mine, s, rS[j]))
 
         @cute.jit
         def row_values(self, sKV, r, lane, rK, with_rope: cutlass.Constexpr[bool]):

@@ -261,6 +261,24 @@ def test_split_model_at_tp16_shape():
     assert rel_err(got, ref) < REF_REL_NORM
 
 
+def test_lane_scores():
+    """The kernel's score step on 32 emulated lanes: per row group, `reduce_scatter` of each
+    lane's partials, lane l keeping group l & 7's total; then lane_row / row_lane say where
+    each tile row's score sits (the p·c_kv broadcast reads it there)."""
+    lanes = torch.arange(32)
+    part = torch.randn(kernel.TILE, 32, dtype=torch.float64, generator=_cpu_gen())
+    kept = torch.full((32,), float("nan"), dtype=torch.float64)
+    for g in range(kernel.TILE // kernel.GROUP):
+        total = kernel.reduce_scatter(
+            [part[kernel.GROUP * g + k] for k in range(kernel.GROUP)],
+            lambda off: (lanes & off) != 0, lambda v, off: v[lanes ^ off], torch.where)
+        kept = torch.where((lanes & 7) == g, total, kept)
+    rows = torch.tensor([kernel.lane_row(lane) for lane in range(32)])
+    assert sorted(rows.tolist()) == list(range(kernel.TILE))
+    assert all(kernel.row_lane(kernel.lane_row(lane)) == lane for lane in range(32))
+    torch.testing.assert_close(kept, part.sum(1)[rows])
+
+
 @pytest.mark.parametrize("T", range(1, kernel.MAX_TOKENS + 1))
 @pytest.mark.parametrize("H", [1, 3, 4, 6, 8])
 def test_configs_cover_every_query(T, H):
