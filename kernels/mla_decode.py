@@ -20,7 +20,8 @@ lane (`lane_row`); the tile's max and Σp are warp reductions; p·c_kv accumulat
 fp32, p broadcast from its lane (`row_lane`) by a shuffle. Each CTA writes its partial (m, l, acc [C]) fp32 to a
 workspace. Launch 2 (grid (H·T, B), one thread per 8 columns) merges the splits in fixed order
 (M = max m, L = Σ l·e^(m-M), o = Σ acc·e^(m-M) / L) and writes o_lat bf16: deterministic, no
-atomics. Splits are chosen on the host per batch bucket (one compile serves every bucket).
+atomics; it is launched with PDL, so its launch overlaps the attention's tail. Splits are
+chosen on the host per batch bucket (one compile serves every bucket).
 
 Rounding. Scores follow the reference (each einsum's fp32 sum rounded to bf16, their sum
 rounded to bf16, then fp32 · scale); fp32 sums run in another order, so a score may land one
@@ -208,13 +209,15 @@ def _kernel_class():
                 grid=[n_splits, self.groups, B], block=[self.threads, 1, 1],
                 smem=self.smem_bytes, stream=stream)
             self.combine(mWsO, mWsML, mOut).launch(
-                grid=[self.H * self.T, B, 1], block=[self.C // 8, 1, 1], stream=stream)
+                grid=[self.H * self.T, B, 1], block=[self.C // 8, 1, 1], stream=stream,
+                use_pdl=True)
 
         @cute.kernel
         def attend(self, mQ, mQpe, mCkv, mKpe, mKV, mSlots, mPos, mWsO, mWsML, scale: Float32):
             tidx, _, _ = cute.arch.thread_idx()
             split, group, b = cute.arch.block_idx()
             lane, warp = cute.arch.lane_idx(), cute.arch.warp_idx()
+            cute.arch.griddepcontrol_launch_dependents()  # combine waits for our completion
             T, H, QW, NV, NP, C = self.T, self.H, self.QW, self.NV, self.NP, self.C
             slot = mSlots[b]
             slot = Int64(cutlass.select_(slot < 0, slot + Int64(mKV.shape[0]), slot))
@@ -394,6 +397,7 @@ def _kernel_class():
             q, b, _ = cute.arch.block_idx()
             t, h = q // self.H, q % self.H
             n_splits = mWsO.shape[1]
+            cute.arch.griddepcontrol_wait()  # PDL: every attend CTA has finished and flushed
             m_all = Float32(NEG_INF)
             for s in cutlass.range(n_splits, unroll=1):
                 m_all = cute.arch.fmax(m_all, mWsML[b, s, q, 0])
