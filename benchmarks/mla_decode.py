@@ -4,6 +4,7 @@ against its torch reference, eager and under torch.compile (Inductor), at one K3
 
     python benchmarks/mla_decode.py [--b 1,8,64] [--t 1,8] [--ctx 4096] [--no-inductor]
                                     [--out dir|r.json]
+    python benchmarks/mla_decode.py --sweep [--b 1,8,64] [--t 1,8]   # every split count
 
 Each side is captured into one CUDA graph (benchmarks/graph_timing.py). The kernel's calls cycle
 through a pool of cache slots holding >= 2 x 60 MB, each call on the next B slots, so the L2 does
@@ -112,11 +113,44 @@ def run(bs, ts, ctx, gbps, inductor=True):
     return rows
 
 
+def sweep(bs, ts, ctx):
+    """The kernel at split counts 1, 2, 4, ..., MAX_SPLITS for each (B, T) (tunes
+    `kernel.splits`)."""
+    default = kernel.splits
+    rows = []
+    try:
+        for t in ts:
+            for b in bs:
+                args, slots = make_case(b, t, ctx)
+                chosen = default(b, t, H, ctx)
+                results = {}
+                n = 1
+                while n <= kernel.MAX_SPLITS:
+                    kernel.splits = lambda *_, n=n: n
+                    check(args, slots)
+                    results[n] = timed(kernel.mla_decode_cuda, args, slots)
+                    n *= 2
+                kernel.splits = default
+                results.setdefault(chosen, timed(kernel.mla_decode_cuda, args, slots))
+                best = min(results, key=results.get)
+                rows.append({"B": b, "T": t, "ctx": ctx, "default": chosen, "best": best,
+                             "us": {str(k): round(v, 2) for k, v in sorted(results.items())}})
+                print(f"B={b:2d} T={t}  default {chosen} splits {results[chosen]:.2f} us  best "
+                      f"{best} {results[best]:.2f} us | " + "  ".join(
+                          f"{k}={v:.2f}" for k, v in sorted(results.items())), flush=True)
+                del args, slots
+                torch.cuda.empty_cache()
+    finally:
+        kernel.splits = default
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--b", default="1,8,64")
     ap.add_argument("--t", default="1,8")
     ap.add_argument("--ctx", type=int, default=4096)
+    ap.add_argument("--sweep", action="store_true", help="time every split count instead")
     ap.add_argument("--no-inductor", action="store_true", help="skip torch.compile (slow)")
     ap.add_argument("--out")
     opts = ap.parse_args()
@@ -127,15 +161,19 @@ def main():
     gbps = copy_gbps()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; "
           f"4 GiB device copy: {gbps:.0f} GB/s (read + write)", flush=True)
-    rows = run(bs, ts, opts.ctx, gbps, not opts.no_inductor)
+    rows = sweep(bs, ts, opts.ctx) if opts.sweep else \
+        run(bs, ts, opts.ctx, gbps, not opts.no_inductor)
     if opts.out:
         path = Path(opts.out)
         if path.suffix != ".json":  # a folder, like the other benchmarks take
             path.mkdir(parents=True, exist_ok=True)
-            path = path / "mla_decode.json"
+            path = path / ("mla_decode_sweep.json" if opts.sweep else "mla_decode.json")
         with open(path, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "copy_GBps": round(gbps),
-                       "heads": H, "latent": C, "rope": R, "rows": rows}, f, indent=1)
+                       "heads": H, "latent": C, "rope": R, "sweep": opts.sweep, "rows": rows},
+                      f, indent=1)
+    if opts.sweep:
+        return
     print("\n| B | T | kernel µs | GB/s | % copy | Inductor µs | eager µs | vs Inductor |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
