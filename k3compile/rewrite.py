@@ -169,7 +169,9 @@ def _resembles(pattern: Pattern, node: fx.Node) -> bool:
     """A site resembles a pattern when the node's input cone, cut at the pattern's size, holds
     every distinctive op and most of the pattern's ops."""
     want = pattern.op_signature
-    have = _cone_ops(node, sum(want.values()) + 8)
+    # the cut counts the site's inputs too, so the budget does: an op with 16 inputs (the KDA
+    # step) would otherwise spend it on them before reaching its prologue's ops
+    have = _cone_ops(node, sum(want.values()) + len(pattern.argnames) + 8)
     if any(have[k] < want[k] for k in pattern.distinctive):
         return False
     covered = sum(min(v, have[k]) for k, v in want.items())
