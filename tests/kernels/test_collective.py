@@ -59,3 +59,50 @@ def test_algorithm_by_message_size(world, monkeypatch):
     monkeypatch.setenv("K3_ALLREDUCE", "ring")
     with pytest.raises(ValueError, match="K3_ALLREDUCE"):
         collective.algorithm(row, world)
+
+
+def _gloo_worker(rank: int, port: int, out_dir: str):
+    import datetime
+    import os
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD,
+                            timeout=datetime.timedelta(seconds=120))
+    try:
+        import k3compile.ops  # noqa: F401
+        from k3compile.kernels import composite
+        from k3compile.kernels.common import collective
+        from k3compile.ops.attn_res import allreduce_attn_res_mix_norm
+
+        group = dist.group.WORLD.group_name
+        gen = torch.Generator().manual_seed(3)  # the same draws on both ranks
+        parts = [torch.randn(2, 64, generator=gen) for _ in range(WORLD)]
+        prefix, blocks = torch.randn(2, 64, generator=gen), [torch.randn(2, 64, generator=gen)]
+        wn, wp, wnorm = torch.randn(64, generator=gen), torch.randn(1, 64, generator=gen), \
+            1 + 0.1 * torch.randn(64, generator=gen)
+        summed = collective.all_reduce(parts[rank], group, WORLD)
+        # the op's CUDA implementation, called on CPU tensors: the collective (NCCL path: funcol,
+        # here over gloo) and the mix kernel's logged fallback, against the op's reference
+        got = composite.allreduce_attn_res_mix_norm_cuda(
+            parts[rank], prefix, blocks, wn, wp, wnorm, 1e-5, 1e-5, group)
+        want = allreduce_attn_res_mix_norm(parts[rank], prefix, blocks, wn, wp, wnorm, 1e-5, 1e-5,
+                                           group)
+        torch.save({"sum": (summed - sum(parts)).abs().max().item(),
+                    "fused": max((g - w).abs().max().item() for g, w in zip(got, want))},
+                   f"{out_dir}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_collective_path_on_cpu_processes(tmp_path):
+    """CPU, 2 gloo processes: `collective.all_reduce` off CUDA takes the funcol path, and the fused
+    op's CUDA implementation (group lookup, world size, all-reduce, mix + norm) equals its
+    reference."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_gloo_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    for rank in range(WORLD):
+        r = torch.load(tmp_path / f"rank{rank}.pt")
+        assert r["sum"] < 1e-5 and r["fused"] < 1e-5, r
