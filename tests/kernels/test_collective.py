@@ -26,7 +26,7 @@ def test_allreduce_algorithms_and_fused_op_under_cuda_graphs(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={WORLD}",
            "--master-port", str(_free_port()), str(worker), str(tmp_path)]
     try:
-        run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"timed out; output:\n{(e.stdout or '')[-3000:]}\n{(e.stderr or '')[-3000:]}")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
@@ -71,9 +71,10 @@ def _gloo_worker(rank: int, port: int, out_dir: str):
     dist.init_process_group("gloo", rank=rank, world_size=WORLD,
                             timeout=datetime.timedelta(seconds=120))
     try:
-        import k3compile.ops  # noqa: F401
         from k3compile.kernels import composite
         from k3compile.kernels.common import collective
+
+        import k3compile.ops  # noqa: F401
         from k3compile.ops.attn_res import allreduce_attn_res_mix_norm
 
         group = dist.group.WORLD.group_name
