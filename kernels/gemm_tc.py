@@ -38,24 +38,20 @@ import torch
 
 from .common.dsl import (
     CompileCache,
-    aligned16,
     compile_kernel,
     fake_rows,
     fake_stream,
     fallback,
-    runtime_refusal,
 )
-from .gemv import gemv_ref
+from .gemv import gemm_refusal, gemv_ref, launch_refusal
 
 OP = "gemm_tc"
 BUCKETS = (2, 4, 8, 16, 32, 64)
 MAX_M = BUCKETS[-1]
-MAX_K = 65536
 SMS = 132  # H200
 SMEM_BYTES = 227 * 1024  # per CTA on sm_90
 TILE_K = 64  # one 128-byte swizzle row of bf16
 THREADS = 128  # one warpgroup
-OUT_DTYPES = (torch.bfloat16, torch.float32)
 
 
 @dataclass(frozen=True)
@@ -137,28 +133,7 @@ def can_implement(x, w, residual=None, *, out_dtype=None) -> bool:
 def refusal(x, w, residual=None, *, out_dtype=None) -> str | None:
     """Why the kernel cannot take these inputs, or None. Metadata only (fake tensors work); data
     alignment is checked at launch."""
-    bf16 = torch.bfloat16
-    if x.dim() != 2 or w.dim() != 2:
-        return f"x {tuple(x.shape)}, w {tuple(w.shape)} (want x [M, K], w [N, K])"
-    (m, k), n = x.shape, w.shape[0]
-    if m > MAX_M:
-        return f"batch above {MAX_M}: cuBLAS"
-    if n < 1:
-        return "w has no rows"
-    if k % 8 or not TILE_K <= k <= MAX_K or w.shape[1] != k:
-        return f"K {k}, w {tuple(w.shape)} (want w [N, K], K a multiple of 8 in [64, {MAX_K}])"
-    for name, t in (("x", x), ("w", w)):
-        if t.dtype != bf16:
-            return f"{name}: dtype {t.dtype} (want {bf16})"
-        if t.stride(-1) != 1 or t.stride(0) % 8:
-            return f"{name}: strides {t.stride()} (last dim contiguous, rows 16-byte aligned)"
-    if residual is not None and (residual.dtype != bf16 or residual.shape != (m, n)
-                                 or residual.stride(-1) != 1):
-        return (f"residual: {residual.dtype} {tuple(residual.shape)} {residual.stride()} "
-                f"(want bf16 [{m}, {n}], last dim contiguous)")
-    if out_dtype is not None and out_dtype not in OUT_DTYPES:
-        return f"output dtype {out_dtype} (want bf16 or fp32)"
-    return None
+    return gemm_refusal(x, w, residual, out_dtype, max_m=MAX_M, min_k=TILE_K)
 
 
 @functools.cache
@@ -389,13 +364,7 @@ def gemm_tc_cuda(x, w, residual=None, *, out=None, out_dtype=None, cfg: Config |
     the fallback returns a new tensor. `cfg` overrides `config()` (sweeps)."""
     if out_dtype is None:
         out_dtype = out.dtype if out is not None else x.dtype
-    reason = (runtime_refusal() or refusal(x, w, residual, out_dtype=out_dtype)
-              or (None if x.is_cuda and w.is_cuda else "not on a CUDA device")
-              or (None if aligned16(x, w) else "data not 16-byte aligned"))
-    if reason is None and out is not None and (
-            out.dtype != out_dtype or out.shape != (x.shape[0], w.shape[0])
-            or out.stride(-1) != 1):
-        reason = f"out: {out.dtype} {tuple(out.shape)} {out.stride()}"
+    reason = launch_refusal(refusal, x, w, residual, out, out_dtype)
     if reason:
         fallback(OP, reason)
         return gemv_ref(x, w, residual, out_dtype)

@@ -95,16 +95,24 @@ def can_implement(x, w, residual=None, *, out_dtype=None) -> bool:
 def refusal(x, w, residual=None, *, out_dtype=None) -> str | None:
     """Why the kernel cannot take these inputs, or None. Metadata only (fake tensors work); data
     alignment is checked at launch."""
+    return gemm_refusal(x, w, residual, out_dtype, max_m=MAX_M, min_k=8)
+
+
+def gemm_refusal(x, w, residual, out_dtype, *, max_m: int, min_k: int) -> str | None:
+    """The constraints this kernel and the tensor-core one (gemm_tc) share: bf16 x [M <= max_m,
+    K] and w [N, K] with 16-byte rows, min_k <= K <= MAX_K a multiple of 8, an optional bf16
+    residual [M, N], bf16 or fp32 output."""
     bf16 = torch.bfloat16
     if x.dim() != 2 or w.dim() != 2:
         return f"x {tuple(x.shape)}, w {tuple(w.shape)} (want x [M, K], w [N, K])"
     (m, k), n = x.shape, w.shape[0]
-    if m > MAX_M:
-        return f"batch above {MAX_M}: cuBLAS"
+    if m > max_m:
+        return f"batch above {max_m}: cuBLAS"
     if n < 1:
         return "w has no rows"
-    if k % 8 or not 8 <= k <= MAX_K or w.shape[1] != k:
-        return f"K {k}, w {tuple(w.shape)} (want w [N, K], K a multiple of 8 in [8, {MAX_K}])"
+    if k % 8 or not min_k <= k <= MAX_K or w.shape[1] != k:
+        return (f"K {k}, w {tuple(w.shape)} (want w [N, K], K a multiple of 8 in "
+                f"[{min_k}, {MAX_K}])")
     for name, t in (("x", x), ("w", w)):
         if t.dtype != bf16:
             return f"{name}: dtype {t.dtype} (want {bf16})"
@@ -117,6 +125,19 @@ def refusal(x, w, residual=None, *, out_dtype=None) -> str | None:
     if out_dtype is not None and out_dtype not in OUT_DTYPES:
         return f"output dtype {out_dtype} (want bf16 or fp32)"
     return None
+
+
+def launch_refusal(refuse, x, w, residual, out, out_dtype) -> str | None:
+    """Why a GEMM kernel with refusal `refuse` cannot run this call now (shapes, device,
+    alignment, the `out` buffer), or None."""
+    reason = (runtime_refusal() or refuse(x, w, residual, out_dtype=out_dtype)
+              or (None if x.is_cuda and w.is_cuda else "not on a CUDA device")
+              or (None if aligned16(x, w) else "data not 16-byte aligned"))
+    if reason is None and out is not None and (
+            out.dtype != out_dtype or out.shape != (x.shape[0], w.shape[0])
+            or out.stride(-1) != 1):
+        reason = f"out: {out.dtype} {tuple(out.shape)} {out.stride()}"
+    return reason
 
 
 @functools.cache
@@ -328,13 +349,7 @@ def gemv_cuda(x, w, residual=None, *, out=None, out_dtype=None):
     the kernel runs; the fallback returns a new tensor."""
     if out_dtype is None:
         out_dtype = out.dtype if out is not None else x.dtype
-    reason = (runtime_refusal() or refusal(x, w, residual, out_dtype=out_dtype)
-              or (None if x.is_cuda and w.is_cuda else "not on a CUDA device")
-              or (None if aligned16(x, w) else "data not 16-byte aligned"))
-    if reason is None and out is not None and (
-            out.dtype != out_dtype or out.shape != (x.shape[0], w.shape[0])
-            or out.stride(-1) != 1):
-        reason = f"out: {out.dtype} {tuple(out.shape)} {out.stride()}"
+    reason = launch_refusal(refusal, x, w, residual, out, out_dtype)
     if reason:
         fallback(OP, reason)
         return gemv_ref(x, w, residual, out_dtype)
