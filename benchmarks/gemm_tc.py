@@ -14,12 +14,10 @@ cuBLAS first), best first. JSON: DIR/gemm_tc.json or DIR/gemm_tc_sweep.json.
 
 import argparse
 import functools
-import json
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from gemv import copy_gbps, graph_us, weight_copies
+from gemv import graph_us, report, setup, weight_copies
 from k3compile.kernels import gemm_tc, gemv
 
 # [N, K] of one TP16 rank (see tests/kernels/test_gemm_tc.py)
@@ -117,33 +115,9 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="time every config instead")
     ap.add_argument("--out", help="folder for the JSON")
     opts = ap.parse_args()
-    from k3compile.kernels.common.dsl import runtime_refusal
-
-    assert torch.cuda.is_available() and not runtime_refusal(), runtime_refusal() or "no GPU"
-    torch.manual_seed(0)
-    ms = [int(m) for m in opts.m.split(",")]
-    shapes = [tuple(map(int, s.split("x"))) for s in opts.only.split(",")] if opts.only \
-        else SHAPES
-    gbps = copy_gbps()
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; "
-          f"4 GiB device copy: {gbps:.0f} GB/s (read + write)", flush=True)
+    ms, shapes, gbps = setup(opts, SHAPES)
     rows = sweep(shapes, ms) if opts.sweep else run(shapes, ms, gbps, opts.gemv)
-    if opts.out:
-        path = Path(opts.out)
-        path.mkdir(parents=True, exist_ok=True)
-        path = path / ("gemm_tc_sweep.json" if opts.sweep else "gemm_tc.json")
-        with open(path, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "copy_GBps": round(gbps),
-                       "sweep": opts.sweep, "rows": rows}, f, indent=1)
-    if opts.sweep:
-        return
-    print("\n| weight [N, K] | M | gemm_tc µs | GB/s | % copy | torch.mm µs | GB/s | % copy | "
-          "speedup |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['N']} × {r['K']} | {r['M']} | {r['tc_us']:.2f} | {r['tc_GBps']} | "
-              f"{r['tc_pct_copy']} | {r['mm_us']:.2f} | {r['mm_GBps']} | {r['mm_pct_copy']} | "
-              f"x{r['speedup']:.2f} |")
+    report(rows, gbps, opts, "gemm_tc", "tc")
 
 
 if __name__ == "__main__":

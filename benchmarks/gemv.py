@@ -132,41 +132,53 @@ def sweep(shapes, ms):
     return rows
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--m", default="1,8,16")
-    ap.add_argument("--only", help="shapes as NxK, comma-separated")
-    ap.add_argument("--sweep", action="store_true", help="time every config instead")
-    ap.add_argument("--out")
-    opts = ap.parse_args()
+def setup(opts, shapes_default) -> tuple[list[int], list[tuple[int, int]], float]:
+    """The M values and shapes asked for (--m, --only), the measured copy bandwidth, printed."""
     from k3compile.kernels.common.dsl import runtime_refusal
 
     assert torch.cuda.is_available() and not runtime_refusal(), runtime_refusal() or "no GPU"
     torch.manual_seed(0)
     ms = [int(m) for m in opts.m.split(",")]
     shapes = [tuple(map(int, s.split("x"))) for s in opts.only.split(",")] if opts.only \
-        else SHAPES
+        else shapes_default
     gbps = copy_gbps()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; "
           f"4 GiB device copy: {gbps:.0f} GB/s (read + write)", flush=True)
-    rows = sweep(shapes, ms) if opts.sweep else run(shapes, ms, gbps)
+    return ms, shapes, gbps
+
+
+def report(rows, gbps, opts, name: str, key: str) -> None:
+    """rows to OUT/<name>.json (--out: a folder, or a .json path) and, unless sweeping, a table
+    of the kernel (its row fields `<key>_us` ...) against torch.mm."""
     if opts.out:
         path = Path(opts.out)
-        if path.suffix != ".json":  # a folder, like the other benchmarks take
+        if path.suffix != ".json":
             path.mkdir(parents=True, exist_ok=True)
-            path = path / "gemv.json"
+            path = path / f"{name}{'_sweep' if opts.sweep else ''}.json"
         with open(path, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "copy_GBps": round(gbps),
                        "sweep": opts.sweep, "rows": rows}, f, indent=1)
     if opts.sweep:
         return
-    print("\n| weight [N, K] | M | gemv µs | GB/s | % copy | torch.mm µs | GB/s | % copy | "
+    print(f"\n| weight [N, K] | M | {name} µs | GB/s | % copy | torch.mm µs | GB/s | % copy | "
           "speedup |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['N']} × {r['K']} | {r['M']} | {r['gemv_us']:.2f} | {r['gemv_GBps']} | "
-              f"{r['gemv_pct_copy']} | {r['mm_us']:.2f} | {r['mm_GBps']} | {r['mm_pct_copy']} | "
+        print(f"| {r['N']} × {r['K']} | {r['M']} | {r[key + '_us']:.2f} | {r[key + '_GBps']} | "
+              f"{r[key + '_pct_copy']} | {r['mm_us']:.2f} | {r['mm_GBps']} | {r['mm_pct_copy']} | "
               f"x{r['speedup']:.2f} |")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--m", default="1,8,16")
+    ap.add_argument("--only", help="shapes as NxK, comma-separated")
+    ap.add_argument("--sweep", action="store_true", help="time every config instead")
+    ap.add_argument("--out", help="folder (or .json path) for the JSON")
+    opts = ap.parse_args()
+    ms, shapes, gbps = setup(opts, SHAPES)
+    rows = sweep(shapes, ms) if opts.sweep else run(shapes, ms, gbps)
+    report(rows, gbps, opts, "gemv", "gemv")
 
 
 if __name__ == "__main__":
