@@ -32,3 +32,19 @@ def graph_us(calls: Sequence[Callable[[], object]], warmup: Sequence[Callable[[]
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3 / len(calls))
     return statistics.median(times)
+
+
+def versus_row(us: dict[str, float], moved: int, gbps: float, label: str, **fields) -> dict:
+    """One benchmark row of a kernel against its eager and torch.compile references: `us` holds
+    the µs of "kernel", "eager" and "inductor" (NaN: not run), `moved` the bytes the kernel must
+    touch, `gbps` the copy bandwidth; printed as one line ending in `label`."""
+    row = {**fields, "bytes": moved, **{f"{k}_us": round(v, 2) for k, v in us.items()},
+           "kernel_GBps": round(moved / us["kernel"] / 1e3),
+           "vs_inductor": round(us["inductor"] / us["kernel"], 2),
+           "vs_eager": round(us["eager"] / us["kernel"], 2)}
+    row["kernel_pct_copy"] = round(100 * row["kernel_GBps"] / gbps, 1)
+    print(f"B={row['B']:2d} T={row['T']}  kernel {us['kernel']:7.2f} us {row['kernel_GBps']:5d} "
+          f"GB/s {row['kernel_pct_copy']:5.1f}%  inductor {us['inductor']:8.2f} us "
+          f"(x{row['vs_inductor']:.2f})  eager {us['eager']:8.2f} us (x{row['vs_eager']:.2f})  "
+          f"{label}", flush=True)
+    return row

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 from gemv import copy_gbps
-from graph_timing import graph_us
+from graph_timing import graph_us, versus_row
 from k3compile.kernels import mla_decode as kernel
 from k3compile.kernels.common.dsl import runtime_refusal
 
@@ -94,20 +94,10 @@ def run(bs, ts, ctx, gbps, inductor=True):
             us = {"kernel": timed(kernel.mla_decode_cuda, args, slots),
                   "eager": timed(mla_decode_ref, args, slots, REF_CALLS),
                   "inductor": timed(compiled_ref, args, slots, REF_CALLS) if inductor else nan}
-            moved = moved_bytes(b, t, ctx)
             cfg = kernel.config(t, H, C, R)
             n_splits = kernel.splits(b, t, H, ctx)
-            row = {"B": b, "T": t, "ctx": ctx, "config": str(cfg), "splits": n_splits,
-                   "bytes": moved, **{f"{k}_us": round(v, 2) for k, v in us.items()},
-                   "kernel_GBps": round(moved / us["kernel"] / 1e3),
-                   "vs_inductor": round(us["inductor"] / us["kernel"], 2),
-                   "vs_eager": round(us["eager"] / us["kernel"], 2)}
-            row["kernel_pct_copy"] = round(100 * row["kernel_GBps"] / gbps, 1)
-            rows.append(row)
-            print(f"B={b:2d} T={t}  kernel {us['kernel']:7.2f} us {row['kernel_GBps']:5d} GB/s "
-                  f"{row['kernel_pct_copy']:5.1f}%  inductor {us['inductor']:8.2f} us "
-                  f"(x{row['vs_inductor']:.2f})  eager {us['eager']:8.2f} us "
-                  f"(x{row['vs_eager']:.2f})  {cfg} splits {n_splits}", flush=True)
+            rows.append(versus_row(us, moved_bytes(b, t, ctx), gbps, f"{cfg} splits {n_splits}",
+                                   B=b, T=t, ctx=ctx, config=str(cfg), splits=n_splits))
             del args, slots
             torch.cuda.empty_cache()
     return rows
