@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -23,6 +27,18 @@ TOL = {
     # GPU, Inductor + CuTe kernels, bf16 model with fixed routing (no top-k flips)
     "gpu_bf16": 3e-2,
 }
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_benchmark(name: str):
+    """benchmarks/<name>.py as a module (the folder is not a package)."""
+    spec = importlib.util.spec_from_file_location(f"{name}_bench", ROOT / "benchmarks" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:

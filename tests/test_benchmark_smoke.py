@@ -3,31 +3,17 @@ on a negative case, and its byte model against the K3 TP16 numbers of k3_arch.md
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from k3compile.models import get_config
 from k3compile.models.k3 import K3DecoderLayer
+from tests.conftest import load_benchmark
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _load_benchmark():
-    spec = importlib.util.spec_from_file_location("decode_layer_bench",
-                                                  ROOT / "benchmarks" / "decode_layer.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
-
-
-bench = _load_benchmark()
+bench = load_benchmark("decode_layer")
 
 
 @pytest.fixture(scope="module")

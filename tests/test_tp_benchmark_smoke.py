@@ -6,33 +6,23 @@ tiny config; and its row chunking and rank merging in process."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from k3compile.models import get_config
+from tests.conftest import ROOT, load_benchmark
 
-ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "tp_decode.py"
 WORLD = 2
 
 
-def _load_benchmark():
-    spec = importlib.util.spec_from_file_location("tp_decode_bench", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
-
-
-bench = _load_benchmark()
+bench = load_benchmark("tp_decode")
 
 
 @pytest.fixture(scope="module")
