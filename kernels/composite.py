@@ -62,13 +62,9 @@ def norm_linear_cuda(u, norm_w, w, eps, residual=None):
 
 def moe_front_cuda(x, router_w, down_w):
     # x [N, D] bf16 rows; router_w [E, D], down_w [L, D]
-    if x.dtype == router_w.dtype == torch.bfloat16 and x.shape[0] <= 1:
-        logits = linear(x, router_w, out_dtype=torch.float32)
-    elif x.dtype == router_w.dtype and x.dtype in (torch.bfloat16, torch.float16):
-        logits = torch.mm(x, router_w.t(), out_dtype=torch.float32)
-    else:
-        logits = linear(x.float(), router_w.float())
-    return logits, linear(x, down_w)
+    if x.dtype != router_w.dtype:  # the reference's fp32 math
+        return linear(x.float(), router_w.float()), linear(x, down_w)
+    return linear(x, router_w, out_dtype=torch.float32), linear(x, down_w)
 
 
 def linear_concat_cuda(x, weights):

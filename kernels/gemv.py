@@ -329,8 +329,12 @@ def linear(x, w, residual=None, *, out_dtype=None):
 
 def gemv_ref(x, w, residual=None, out_dtype=None):
     """torch: one cuBLAS call when every dtype agrees (addmm adds the residual before its single
-    rounding, like the kernel); otherwise fp32 math, cast once."""
+    rounding, like the kernel); a 16-bit GEMM writing fp32 on a GPU (exact products, fp32 sums:
+    no upcast copy of w); otherwise fp32 math, cast once."""
     out_dtype = out_dtype or x.dtype
+    if (out_dtype == torch.float32 and x.is_cuda and residual is None and x.dim() == 2
+            and x.dtype == w.dtype and x.dtype in (torch.bfloat16, torch.float16)):
+        return torch.mm(x, w.t(), out_dtype=torch.float32)
     if x.dtype == w.dtype == out_dtype and (residual is None or residual.dtype == out_dtype):
         if residual is None:
             return F.linear(x, w)
