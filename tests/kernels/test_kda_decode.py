@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from k3compile.kernels import gemv
 from k3compile.kernels import kda_decode as kernel
-from kernel_checks import BUCKETS, TOL, assert_written, poisoned, rel_err
+from kernel_checks import BUCKETS, TOL, assert_written, poisoned, rel_err, strided
 
 from k3compile.ops.kda import kda_decode_ref
 
@@ -187,10 +187,9 @@ def test_empty_batch(gen):
 def test_refused_input_falls_back(gen, caplog):
     inp = Inputs(gen, 2, 1)
     args = list(inp.args(inp.conv_state.clone(), inp.state.clone()))
-    args[0] = args[0].float()  # fp32 q
+    args[0] = strided(args[0])  # q with a strided last dim: the reference takes it, the kernel not
     assert not kernel.can_implement(*args)
     ref_args = list(inp.args(inp.conv_state.clone(), inp.state.clone()))
-    ref_args[0] = ref_args[0].float()
     with caplog.at_level(logging.DEBUG, logger="k3compile.kernels"):
         got = kernel.kda_decode_cuda(*args)
     assert "kda_decode" in caplog.text

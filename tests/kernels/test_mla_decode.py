@@ -19,7 +19,7 @@ import logging
 import pytest
 import torch
 from k3compile.kernels import mla_decode as kernel
-from kernel_checks import BUCKETS, assert_written, poisoned, rel_err
+from kernel_checks import BUCKETS, assert_written, poisoned, rel_err, strided
 
 from k3compile.ops.mla import mla_decode_ref
 
@@ -150,7 +150,7 @@ def test_empty_batch(gen):
 @pytest.mark.gpu
 def test_refused_input_falls_back(gen, caplog):
     inp = Inputs(gen, 2, 1)
-    inp.q_lat = inp.q_lat.float()
+    inp.q_lat = strided(inp.q_lat)  # a strided last dim: the reference takes it, the kernel not
     assert not kernel.can_implement(*inp.args(inp.cache))
     got_cache, ref_cache = inp.cache.clone(), inp.cache.clone()
     with caplog.at_level(logging.DEBUG, logger="k3compile.kernels"):

@@ -257,7 +257,7 @@ def test_tp16_int32_ids_and_determinism(gen, tp16_experts):
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("shape", [(5, 96, 64, 2), (7, 512, 96, 3), (9, 1056, 32, 1),
-                                   (6, 1536, 64, 4), (12, 8192, 512, 16)], ids=str)
+                                   (6, 1536, 64, 4), (20, 8192, 512, 16)], ids=str)
 def test_other_shapes(gen, shape):
     """Partial lane steps (L/32 = 3, 33 vectors), the W1/W3-split step alone (16) and after a
     full one (48), odd k, k = 1, the largest L and I."""
