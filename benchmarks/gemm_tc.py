@@ -3,17 +3,24 @@ shapes, M = 2..64 rows.
 
     python benchmarks/gemm_tc.py [--m 2,8,64] [--only 768x7168] [--gemv] [--out DIR]
     python benchmarks/gemm_tc.py --sweep --m 8,64 --only 768x7168,7168x768 [--out DIR]
+    python benchmarks/gemm_tc.py [--sweep] --table kernels/gemm_tc_tuned.json   # ship the winners
+    python benchmarks/gemm_tc.py --table-from DIR/gemm_tc.json --table kernels/gemm_tc_tuned.json
 
 Timing as benchmarks/gemv.py (whose helpers it uses): both sides captured into CUDA graphs, each
 call reading the next copy of W (>= 2 x 60 MB of weights between two reads of one copy), x
 L2-resident; µs per call = median over replays of graph time / calls. GB/s counts W bytes only;
 "% copy" compares with a 4 GiB device copy of the same run (read + write). `--gemv` adds the
 CUDA-core gemv at M <= 16. The sweep times every `gemm_tc.configs()` entry (each checked against
-cuBLAS first), best first. JSON: DIR/gemm_tc.json or DIR/gemm_tc_sweep.json.
+cuBLAS first), best first. JSON: DIR/gemm_tc.json or DIR/gemm_tc_sweep.json. `--table` merges
+the measured winner of every (shape, bucket) into the table `gemm_tc.tuned()` reads: the best
+config, or cuBLAS where it was faster (`gemv.linear` then keeps cuBLAS for that shape).
 """
 
 import argparse
 import functools
+import json
+import re
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -107,6 +114,42 @@ def sweep(shapes, ms):
     return rows
 
 
+def parse_config(text: str) -> dict:
+    """'Config(tile_rows=64, ...)' -> {'tile_rows': 64, ...}"""
+    return {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", text)}
+
+
+def table_entries(rows) -> list[dict]:
+    """The winner per (N, K, bucket) of run rows (the default config vs cuBLAS) or sweep rows
+    (every config vs cuBLAS): its config, None where cuBLAS was faster."""
+    best = {}
+    for r in rows:
+        cfg, us = (r["best"], r["us"][r["best"]]) if "best" in r else (r["config"], r["tc_us"])
+        key = (r["N"], r["K"], gemm_tc.bucket(r["M"]))
+        entry = {"N": r["N"], "K": r["K"], "bucket": key[2], "M": r["M"],
+                 "config": parse_config(cfg) if us < r["mm_us"] else None,
+                 "us": us, "mm_us": r["mm_us"]}
+        if key not in best or min(us, r["mm_us"]) < min(best[key]["us"], best[key]["mm_us"]):
+            best[key] = entry
+    return list(best.values())
+
+
+def write_table(path, rows, device: str, source: str) -> None:
+    """Merge this run's winners into the table at `path` (entries of other shapes kept)."""
+    path = Path(path)
+    old = json.loads(path.read_text()) if path.exists() else {"entries": []}
+    new = table_entries(rows)
+    keys = {(e["N"], e["K"], e["bucket"]) for e in new}
+    kept = [e for e in old["entries"] if (e["N"], e["K"], e["bucket"]) not in keys
+            and old.get("device") == device]
+    entries = sorted(kept + new, key=lambda e: (e["N"], e["K"], e["bucket"]))
+    lines = ",\n  ".join(json.dumps(e) for e in entries)  # one entry per line
+    path.write_text(f'{{"device": {json.dumps(device)}, "source": {json.dumps(source)},\n'
+                    f' "entries": [\n  {lines}\n]}}\n')
+    wins = sum(e["config"] is not None for e in entries)
+    print(f"{path}: {len(entries)} entries, gemm_tc faster than cuBLAS on {wins}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--m", default=",".join(map(str, MS)))
@@ -114,10 +157,19 @@ def main():
     ap.add_argument("--gemv", action="store_true", help="also time gemv at M <= 16")
     ap.add_argument("--sweep", action="store_true", help="time every config instead")
     ap.add_argument("--out", help="folder for the JSON")
+    ap.add_argument("--table", help="merge the winners into this tuned table (JSON)")
+    ap.add_argument("--table-from", help="take the rows from this saved JSON instead of running")
     opts = ap.parse_args()
+    if opts.table_from:
+        saved = json.loads(Path(opts.table_from).read_text())
+        write_table(opts.table, saved["rows"], saved["device"], opts.table_from)
+        return
     ms, shapes, gbps = setup(opts, SHAPES)
     rows = sweep(shapes, ms) if opts.sweep else run(shapes, ms, gbps, opts.gemv)
     report(rows, gbps, opts, "gemm_tc", "tc")
+    if opts.table:
+        write_table(opts.table, rows, torch.cuda.get_device_name(),
+                    f"benchmarks/gemm_tc.py{' --sweep' if opts.sweep else ''}")
 
 
 if __name__ == "__main__":

@@ -12,7 +12,8 @@ import importlib
 import importlib.util
 import os
 
-KERNELS = ("attn_res_mix_norm", "mla_lowrank_norm", "rms_norm", "moe_route", "situ", "composite")
+KERNELS = ("attn_res_mix_norm", "mla_lowrank_norm", "rms_norm", "moe_route", "situ", "composite",
+           "moe_experts", "kda_decode", "gemm_tc")
 
 # ops whose torch reference is already what a GPU should run (one GEMM over cached concatenated
 # weights; stream and prefetch bookkeeping): as fast on CUDA as the unfused graph under Inductor

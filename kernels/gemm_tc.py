@@ -18,10 +18,12 @@ through distributed shared memory in the fixed order 0..S-1 (deterministic), app
 (+ r, bf16 or fp32) and writes them; a second cluster barrier keeps every tile alive until its
 peers have read it. Grid: ceil(N / R) x S CTAs.
 
-Not yet run on a GPU, so not in `KERNELS`: `linear_tc` is the entry point until its GPU tests
-pass. `register()` (run by `register_all` once it is in KERNELS, or for one run with
-`K3_KERNELS_EXTRA=gemm_tc`) routes every `gemv.linear` at 2 <= M <= 64 (the composites' GEMMs)
-here; `benchmarks/gemm_tc.py --sweep` tunes `config()`.
+Its GPU tests pass on the H200 (2026-11-29); in `KERNELS`. `register()` routes every
+`gemv.linear` at 2 <= M <= 64 (the composites' GEMMs) here where the tuned table
+(gemm_tc_tuned.json, written by `benchmarks/gemm_tc.py --table`) has it faster than cuBLAS, with
+the table's config; shapes not in the table take `heuristic_config`. Measured with the heuristic
+configs: x1.2-x1.6 vs cuBLAS on the narrow-N shapes (3206, 896, 768 x 7168; 1152 x 1536), about
+even on 3584 x 7168, slower at N = 7168 with M >= 16 (x0.64-x0.88).
 
 Constraints:
     * x bf16 [M, K], 1 <= M <= 64 (buckets 2, 4, 8, 16, 32, 64; more rows go to cuBLAS), last dim
@@ -32,7 +34,9 @@ Constraints:
 """
 
 import functools
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -42,6 +46,7 @@ from .common.dsl import (
     fake_rows,
     fake_stream,
     fallback,
+    log,
 )
 from .gemv import gemm_refusal, gemv_ref, launch_refusal
 
@@ -68,7 +73,35 @@ def bucket(m: int) -> int:
     return next((b for b in BUCKETS if m <= b), BUCKETS[-1])
 
 
+TABLE = Path(__file__).with_name("gemm_tc_tuned.json")
+
+
+@functools.cache
+def tuned() -> dict[tuple[int, int, int], Config | None]:
+    """The measured winners, {(N, K, bucket): the fastest config, or None where cuBLAS was
+    faster}, from `TABLE` (written by `benchmarks/gemm_tc.py --table`). Empty when the table was
+    measured on another GPU than this process's (its choices need not hold there)."""
+    data = json.loads(TABLE.read_text())
+    if torch.cuda.is_available() and torch.cuda.get_device_name() != data["device"]:
+        log.info("%s: tuned on %s, not %s: heuristic configs", OP, data["device"],
+                 torch.cuda.get_device_name())
+        return {}
+    return {(e["N"], e["K"], e["bucket"]): e["config"] and Config(**e["config"])
+            for e in data["entries"]}
+
+
+def prefers(n: int, k: int, m: int) -> bool:
+    """Whether this kernel beats cuBLAS at [m, k] x [n, k]: as measured where the table has the
+    shape, else assumed (the heuristic config)."""
+    return tuned().get((n, k, bucket(m)), True) is not None
+
+
 def config(n: int, k: int, m_bucket: int) -> Config:
+    """The tuned config (`tuned()`) where measured, else `heuristic_config`."""
+    return tuned().get((n, k, m_bucket)) or heuristic_config(n, k, m_bucket)
+
+
+def heuristic_config(n: int, k: int, m_bucket: int) -> Config:
     """R = 128 at >= 32 tokens where that still gives >= 1 CTA per SM (it halves the re-reads
     of x from L2, which at 64 tokens and R = 64 equal W's bytes), else 64. S: `_splits`. Stages:
     all of a CTA's K slices where they fit, up to 16, in ~100 KB of shared memory (two CTAs per

@@ -315,14 +315,15 @@ def use_tensor_cores(module) -> None:
 
 def linear(x, w, residual=None, *, out_dtype=None):
     """y = x · wᵀ [+ residual] for x [M, K] rows: this kernel at M <= GEMV_MAX_M, the
-    tensor-core kernel above where it is registered, cuBLAS (`gemv_ref`) otherwise, each where
-    it takes the inputs. The choice is by shape only, fixed per bucket."""
+    tensor-core kernel above where it is registered and not measured slower than cuBLAS
+    (`gemm_tc.prefers`), cuBLAS (`gemv_ref`) otherwise, each where it takes the inputs. The
+    choice is by shape only, fixed per bucket."""
     if x.dim() == 2 and x.is_cuda:
         m, tc = x.shape[0], _tensor_core
         if m <= GEMV_MAX_M and can_implement(x, w, residual, out_dtype=out_dtype):
             return gemv_cuda(x, w, residual, out_dtype=out_dtype)
-        if tc is not None and m <= tc.MAX_M and tc.can_implement(x, w, residual,
-                                                                out_dtype=out_dtype):
+        if tc is not None and m <= tc.MAX_M and tc.prefers(w.shape[0], x.shape[1], m) and \
+                tc.can_implement(x, w, residual, out_dtype=out_dtype):
             return tc.gemm_tc_cuda(x, w, residual, out_dtype=out_dtype)
     return gemv_ref(x, w, residual, out_dtype)
 

@@ -41,9 +41,10 @@ f_a column slice has an unaligned row stride, so that GEMM is cuBLAS's). Folding
 GEMM into the prologue (each CTA needs 128 rows of W_fb: 32 KB) is the next step.
 
 Status: builds for sm_90a (tests/kernels/test_build.py); the CPU model of its blocking
-(tests/kernels/test_kda_decode.py::test_blocking_model_*) matches the reference; NOT yet run on a
-GPU, hence not in kernels.KERNELS: add "kda_decode" there once tests/kernels/test_kda_decode.py
-passes on the H200.
+(tests/kernels/test_kda_decode.py::test_blocking_model_*) matches the reference; its GPU tests
+pass on the H200 (2026-11-29), so it is in kernels.KERNELS. Measured there
+(benchmarks/kda_decode.py, 6 heads): 7.05 µs at B = 1, 7.83 at 8, 22.2 at 64 (T = 1);
+x3.3-x9.4 vs Inductor's code for the same step.
 
 Constraints:
     * q, k, v, g, graw bf16 [B, T, H·K], b bf16 [B, T, H]: last dim contiguous, any other strides;

@@ -4,7 +4,9 @@ split-K cluster size and tile height, the fp32 router output, the residual epilo
 operands, determinism, and the torch fallback of refused inputs (GPU); refusals and configs on
 any machine."""
 
+import json
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -139,7 +141,8 @@ def test_linear_tc(gen):
 @on_gpu
 def test_registered_it_takes_the_composites_gemms(gen, monkeypatch):
     """After `register()`, `gemv.linear` (every composite's GEMM) runs this kernel at 2..64 rows
-    and still the CUDA-core GEMV at one row."""
+    where the tuned table has it faster than cuBLAS, cuBLAS where not, and still the CUDA-core
+    GEMV at one row."""
     from k3compile.kernels import gemv
 
     monkeypatch.setattr(gemv, "_tensor_core", None)
@@ -148,9 +151,13 @@ def test_registered_it_takes_the_composites_gemms(gen, monkeypatch):
     monkeypatch.setattr(kernel, "gemm_tc_cuda", lambda *a, **kw: calls.append(a[0].shape[0])
                         or real(*a, **kw))
     kernel.register()
-    x, w = make_inputs(gen, 8, 2112, 7168)
+    x, w = make_inputs(gen, 8, 3206, 7168)
     torch.testing.assert_close(gemv.linear(x, w).float(), model(x, w).float(), **TOL["bf16"])
     gemv.linear(x[:1], w)
+    assert calls == [8]
+    x, w = make_inputs(gen, 64, 7168, 3584)  # cuBLAS measured faster: the table says so
+    assert not kernel.prefers(7168, 3584, 64)
+    assert torch.equal(gemv.linear(x, w), kernel.gemv_ref(x, w))
     assert calls == [8]
 
 
@@ -214,3 +221,38 @@ def test_configs_fit(n, k):
             assert cfg.tile_tokens % 8 == 0 and b <= cfg.tile_tokens <= 64
             assert cfg.splits <= k_tiles, "an empty K share"
             assert cfg.stages >= 2 and kernel.smem_bytes(cfg) <= kernel.SMEM_BYTES
+
+
+def test_tuned_table():
+    """The shipped table: one entry per (shape, bucket), each a config that fits, where the kernel
+    measured faster than cuBLAS, and None (cuBLAS) where not; `config` and `prefers` follow it."""
+    table = kernel.tuned()
+    assert table, "no tuned entries"
+    for (n, k, b), cfg in table.items():
+        assert b in kernel.BUCKETS
+        assert kernel.prefers(n, k, b) == (cfg is not None)
+        if cfg is not None:
+            assert kernel.config(n, k, b) == cfg
+            assert b <= cfg.tile_tokens and kernel.smem_bytes(cfg) <= kernel.SMEM_BYTES
+            assert cfg.splits <= -(-k // kernel.TILE_K)
+    assert kernel.prefers(1000, 1032, 8)  # not in the table: the heuristic's kernel
+    assert kernel.config(1000, 1032, 8) == kernel.heuristic_config(1000, 1032, 8)
+
+
+def test_table_writer_keeps_the_winner(tmp_path, monkeypatch):
+    """`benchmarks/gemm_tc.py --table`: per (shape, bucket) the faster of the best config and
+    cuBLAS, merged into the entries of other shapes already there."""
+    from tests.conftest import load_benchmark
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    bench = load_benchmark("gemm_tc")
+    cfg = "Config(tile_rows=64, tile_tokens=8, stages=4, splits=2)"
+    rows = [{"N": 768, "K": 7168, "M": 8, "config": cfg, "tc_us": 6.5, "mm_us": 8.3},
+            {"N": 7168, "K": 768, "M": 64, "best": cfg, "us": {cfg: 8.8}, "mm_us": 6.0}]
+    path = tmp_path / "table.json"
+    bench.write_table(path, rows[:1], "GPU", "test")
+    bench.write_table(path, rows[1:], "GPU", "test")
+    entries = {(e["N"], e["K"], e["bucket"]): e["config"]
+               for e in json.loads(path.read_text())["entries"]}
+    assert entries == {(768, 7168, 8): bench.parse_config(cfg), (7168, 768, 64): None}
+    assert kernel.Config(**entries[768, 7168, 8]) == kernel.Config(64, 8, 4, 2)
