@@ -20,6 +20,7 @@ import argparse
 import functools
 import json
 import re
+from datetime import date
 from pathlib import Path
 
 import torch
@@ -165,11 +166,13 @@ def main():
         write_table(opts.table, saved["rows"], saved["device"], opts.table_from)
         return
     ms, shapes, gbps = setup(opts, SHAPES)
-    rows = sweep(shapes, ms) if opts.sweep else run(shapes, ms, gbps, opts.gemv)
+    source = f"benchmarks/gemm_tc.py{' --sweep' if opts.sweep else ''}, {date.today()}"
+    rows = []
+    for shape in shapes:  # the table grows shape by shape: a cut-short sweep keeps what it timed
+        rows += sweep([shape], ms) if opts.sweep else run([shape], ms, gbps, opts.gemv)
+        if opts.table:
+            write_table(opts.table, rows, torch.cuda.get_device_name(), source)
     report(rows, gbps, opts, "gemm_tc", "tc")
-    if opts.table:
-        write_table(opts.table, rows, torch.cuda.get_device_name(),
-                    f"benchmarks/gemm_tc.py{' --sweep' if opts.sweep else ''}")
 
 
 if __name__ == "__main__":

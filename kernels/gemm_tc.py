@@ -102,26 +102,23 @@ def config(n: int, k: int, m_bucket: int) -> Config:
 
 
 def heuristic_config(n: int, k: int, m_bucket: int) -> Config:
-    """R = 128 at >= 32 tokens where that still gives >= 1 CTA per SM (it halves the re-reads
-    of x from L2, which at 64 tokens and R = 64 equal W's bytes), else 64. S: `_splits`. Stages:
-    all of a CTA's K slices where they fit, up to 16, in ~100 KB of shared memory (two CTAs per
-    SM) or ~200 KB when there is at most one CTA per SM (more bytes in flight per SM). Untuned:
-    `benchmarks/gemm_tc.py --sweep` times `configs()`."""
-    tokens, kt = _tile_tokens(m_bucket), -(-k // TILE_K)
-    tiles = -(-n // 128)
-    rows = 128 if m_bucket >= 32 and tiles * _splits(tiles, kt) >= SMS else 64
+    """What the sweeps at the TP16 shapes (M = 8 and 64, 2026-11-29) found best: R = 64 rows at
+    every bucket (R = 128 halves x's L2 re-reads but lost everywhere); S from `_splits`; 4
+    stages once there is more than one CTA per SM (deeper pipelines lost there), else all of a
+    CTA's K slices up to 16 within ~200 KB of shared memory (more bytes in flight per SM)."""
+    rows, tokens, kt = 64, _tile_tokens(m_bucket), -(-k // TILE_K)
     tiles = -(-n // rows)
     splits = _splits(tiles, kt)
-    budget = 200 * 1024 if tiles * splits <= SMS else 100 * 1024
-    stages = max(2, min(-(-kt // splits), budget // ((rows + tokens) * TILE_K * 2), 16))
-    return Config(rows, tokens, stages, splits)
+    deep = 200 * 1024 // ((rows + tokens) * TILE_K * 2)
+    stages = 4 if tiles * splits > SMS else min(deep, 16)
+    return Config(rows, tokens, max(2, min(stages, -(-kt // splits))), splits)
 
 
 def _splits(tiles: int, k_tiles: int) -> int:
-    """The smallest K split (1, 2, 4, 8: a portable cluster) with >= 2 CTAs per SM, keeping >= 2
-    K slices per CTA (a pipeline at all)."""
+    """The smallest K split (1, 2, 4, 8: a portable cluster) giving >= 1.5 CTAs per SM (the
+    sweeps: 2 per SM was one split too many), keeping >= 2 K slices per CTA (a pipeline at all)."""
     fits = [s for s in (1, 2, 4, 8) if s == 1 or 2 * s <= k_tiles]
-    return next((s for s in fits if tiles * s >= 2 * SMS), fits[-1])
+    return next((s for s in fits if 2 * tiles * s >= 3 * SMS), fits[-1])
 
 
 def configs(n: int, k: int, m_bucket: int) -> list[Config]:
