@@ -127,15 +127,19 @@ class PrefetchPoint:
     module: str
     weights: list[str]  # parameter names where known
     nbytes: int | None
-    before: str  # the wait it overlaps
+    before: str  # the wait or fused collective it overlaps
+    stream: int = 0  # a side stream where it runs beside a fused collective
 
     def text(self, limit: int | None = None) -> str:
         names = [w.replace("language_model.model.", "") for w in self.weights]
         shown = ", ".join(names[:limit]) + (f", +{len(names) - limit} more"
                                             if limit and len(names) > limit else "")
         size = f", {self.nbytes / 2**20:.2f} MiB" if self.nbytes is not None else ""
-        before = f" before {self.before}" if self.before else ""
-        return f"{self.op}{before} @ {self.module}: {len(names)} weights{size} ({shown})"
+        where = ""
+        if self.before:  # a side-stream prefetch runs beside its collective, not before it
+            where = (f" beside {self.before} on stream {self.stream}" if self.stream
+                     else f" before {self.before}")
+        return f"{self.op}{where} @ {self.module}: {len(names)} weights{size} ({shown})"
 
 
 @dataclasses.dataclass
@@ -338,7 +342,7 @@ def _stream_info(nodes: list[fx.Node], inputs: dict[str, str]) -> tuple[Counter,
             names = meta.get("weights") or [a.name for a in n.all_input_nodes]
             prefetch.append(PrefetchPoint(label, module_path(n) or "?",
                                      [inputs.get(w, w) for w in names], meta.get("bytes"),
-                                     meta.get("before", "")))
+                                     meta.get("before", ""), meta.get("stream", 0)))
         elif _SYNC.search(label) and label != "wait_tensor":
             sync.append(f"{label} @ {module_path(n) or '?'}")
     return streams, sync, prefetch

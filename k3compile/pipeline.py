@@ -152,8 +152,11 @@ def streams(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
 def prefetch(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
     from k3compile.prefetch import insert_prefetches, l2_bytes
 
+    # beside fused collectives only where the executor honours side streams (Inductor's runs
+    # every k3 op on one stream, where that prefetch would only delay the next GEMMs)
     ctx.notes["prefetch"] = insert_prefetches(gm.graph, l2_bytes(ctx.options.l2_bytes, gm.graph),
-                                               joins=ctx.options.prefetch_on_join)
+                                               joins=ctx.options.prefetch_on_join,
+                                               beside=ctx.options.executor == "aten")
     gm.recompile()
     return gm
 

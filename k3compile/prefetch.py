@@ -7,16 +7,35 @@ just before each such wait, so its read overlaps what is being waited for:
 
     r = all_reduce(partial) ; k3.prefetch_l2([W_up[r], W_q|k|v, ...], nbytes) ; wait_tensor(r)
 
-It names, in graph order, the weights (graph inputs nothing writes, ≥ 2-D, floating point) of
-the GEMMs and fused ops after the wait, up to the next wait, within a byte budget: a share of
-the L2 (`Options.l2_bytes`; the rest keeps the activations and what the GEMMs stream through).
-Routed experts are not named: which of them run is decided by the routing at run time. What each
-prefetch covers is recorded in `meta["k3_prefetch"]`.
+At world size > 1 the fuse stage folds the attention output's all-reduce and its wait into a k3
+op (`k3.allreduce_attn_res_mix_norm`) whose collective runs on the main stream: no wait is left,
+and a prefetch queued before that op on the main stream would only delay the collective. So
+there the prefetch runs on its own side stream, forked on the op's input and joined at the end
+of the span it covers (the next anchor, or the graph output: a CUDA-graph capture must see the
+side stream rejoined):
+
+    fork([partial], 2) ; allreduce_attn_res_mix_norm(partial, ..) ; prefetch_l2(..) (stream 2)
+    ; the GEMMs ... ; join([partial], 2) ; the next anchor
+
+The prefetch comes after the op in graph order so that the collective is launched first; on
+stream 2 it waits only for the fork. The "aten" executor honours the streams; Inductor's runs
+the k3 ops in graph order on one stream, where the prefetch would only delay the GEMMs after the
+collective, so the pipeline inserts these prefetches under the aten executor only (`beside`).
+
+Stream 2, not the shared experts' 1: on one stream the prefetch would queue behind a shared-expert
+branch still running, and its join would make the main stream wait for that branch early.
+
+Each prefetch names, in graph order, the weights (graph inputs nothing writes, ≥ 2-D, floating
+point) of the GEMMs and fused ops after its anchor, up to the next anchor, within a byte budget: a
+share of the L2 (`Options.l2_bytes`; the rest keeps the activations and what the GEMMs stream
+through). Routed experts are not named: which of them run is decided by the routing at run time.
+What each prefetch covers is recorded in `meta["k3_prefetch"]`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import operator
 
 import torch
 from torch import fx
@@ -27,7 +46,9 @@ from k3compile.streams import is_collective, root, view_chain, written_inputs
 
 H200_L2_BYTES = 60 * 2**20
 SHARE = 0.5  # of the L2 one prefetch may fill
-_PREFETCH, _JOIN = torch.ops.k3.prefetch_l2.default, torch.ops.k3.stream_join.default
+SIDE = 2  # the stream of the prefetches that overlap a fused collective
+_PREFETCH = torch.ops.k3.prefetch_l2.default
+_FORK, _JOIN = torch.ops.k3.stream_fork.default, torch.ops.k3.stream_join.default
 _NOT_GEMMS = {"moe_route", "moe_experts", "stream_fork", "stream_join", "prefetch_l2"}
 _TRANSPOSES = {"permute", "t", "transpose"}
 
@@ -35,10 +56,11 @@ _TRANSPOSES = {"permute", "t", "transpose"}
 @dataclasses.dataclass
 class Prefetch:
     node: fx.Node
-    before: str  # the wait it overlaps
+    before: str  # the wait or fused collective it overlaps
     weights: list[str]  # graph inputs read ahead
     nbytes: int
     gemms: list[str]  # the nodes that will read them
+    stream: int = 0
 
 
 def l2_bytes(option: int | None, graph: fx.Graph) -> int:
@@ -57,6 +79,17 @@ def is_wait(node: fx.Node, joins: bool = True) -> bool:
         return joins
     return (node.target is torch.ops._c10d_functional.wait_tensor.default
             and is_collective(node.args[0]))
+
+
+def is_fused_collective(node: fx.Node) -> bool:
+    """A k3 op with a collective inside: its schema takes the process group's name."""
+    schema = getattr(node.target, "_schema", None)
+    return (node.op == "call_function" and schema is not None and schema.name.startswith("k3::")
+            and any(a.name == "group_name" for a in schema.arguments))
+
+
+def _ends_span(node: fx.Node) -> bool:
+    return node.op == "output" or is_wait(node) or is_fused_collective(node)
 
 
 def _name(node: fx.Node) -> str:
@@ -87,11 +120,11 @@ def _weight(arg, written) -> fx.Node | None:
     return arg
 
 
-def _weights_after(wait: fx.Node, written, budget: int):
-    """(weight nodes, their bytes, the GEMMs reading them) after `wait`, up to the next wait."""
+def _weights_after(anchor: fx.Node, written, budget: int):
+    """(weight nodes, their bytes, the GEMMs reading them) after `anchor`, up to the next one."""
     picked, sizes, gemms = [], [], []
-    node = wait.next
-    while node.op != "output" and not is_wait(node) and sum(sizes) < budget:
+    node = anchor.next
+    while not _ends_span(node) and sum(sizes) < budget:
         if _is_gemm(node):
             for arg in node.all_input_nodes:
                 w = _weight(arg, written)
@@ -104,26 +137,61 @@ def _weights_after(wait: fx.Node, written, budget: int):
     return picked, sizes, list(dict.fromkeys(gemms))
 
 
-def insert_prefetches(graph: fx.Graph, l2: int, joins: bool = True) -> list[Prefetch]:
-    """Prefetch before every collective wait, and before side-stream joins when `joins`."""
+def _span_end(anchor: fx.Node) -> fx.Node:
+    node = anchor.next
+    while not _ends_span(node):
+        node = node.next
+    return node
+
+
+def _before_wait(graph: fx.Graph, wait: fx.Node, weights: list, nbytes: int) -> fx.Node:
+    with graph.inserting_before(wait):
+        return call(graph, _PREFETCH, (weights, nbytes), like=wait)
+
+
+def _beside_collective(graph: fx.Graph, op: fx.Node, weights: list, nbytes: int) -> fx.Node:
+    """fork before `op` on its first input, the prefetch on SIDE after it (launched after the
+    collective, run alongside it: it waits only for the fork), the join at the span's end."""
+    end = _span_end(op)
+    x = next(a for a in op.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor))
+    with graph.inserting_before(op):
+        fork = call(graph, _FORK, ([x], SIDE), like=op)
+        x_side = call(graph, operator.getitem, (fork, 0), like=op)
+    with graph.inserting_after(op):
+        node = call(graph, _PREFETCH, (weights, nbytes), like=op)
+    with graph.inserting_before(end):  # x_side too: x must live until the main stream waited
+        join = call(graph, _JOIN, ([x_side], SIDE), like=op)
+    fork.meta["k3_stream"] = join.meta["k3_stream"] = 0
+    x_side.meta["k3_stream"] = SIDE
+    return node
+
+
+def insert_prefetches(graph: fx.Graph, l2: int, joins: bool = True,
+                      beside: bool = True) -> list[Prefetch]:
+    """Prefetch before every collective wait (and side-stream join when `joins`), and beside
+    every fused collective on stream SIDE when `beside` (only where the executor runs streams:
+    on one stream the prefetch would just delay the GEMMs after the collective)."""
     budget = int(l2 * SHARE)
     written = written_inputs(graph)
+    plans = []
+    for anchor in [n for n in graph.nodes
+                   if is_wait(n, joins) or (beside and is_fused_collective(n))]:
+        weights, sizes, gemms = _weights_after(anchor, written, budget)
+        if weights:
+            plans.append((anchor, weights, min(sum(sizes), budget), gemms))
     out = []
-    for wait in [n for n in graph.nodes if is_wait(n, joins)]:
-        weights, sizes, gemms = _weights_after(wait, written, budget)
-        if not weights:
-            continue
-        nbytes = min(sum(sizes), budget)
+    for anchor, weights, nbytes, gemms in plans:
+        side = is_fused_collective(anchor)
+        node = (_beside_collective if side else _before_wait)(graph, anchor, weights, nbytes)
         order = {n: i for i, n in enumerate(graph.nodes)}
-        for w in weights:  # a rank's row slice (stage shard) may be cut after the wait: move it up
+        for w in weights:  # a rank's row slice (stage shard) may be cut after it: move it up
             for view in view_chain(w):
-                if order[view] > order[wait]:
-                    wait.prepend(view)
-        with graph.inserting_before(wait):
-            node = call(graph, _PREFETCH, (weights, nbytes), like=wait)
-        node.meta["k3_stream"] = 0
+                if order[view] > order[node]:
+                    node.prepend(view)
+        stream = SIDE if side else 0
+        node.meta["k3_stream"] = stream
         names = [root(w).name for w in weights]
-        node.meta["k3_prefetch"] = {"before": wait.name, "weights": names, "bytes": nbytes,
-                                    "gemms": gemms}
-        out.append(Prefetch(node, wait.name, names, nbytes, gemms))
+        node.meta["k3_prefetch"] = {"before": anchor.name, "weights": names, "bytes": nbytes,
+                                    "gemms": gemms, "stream": stream}
+        out.append(Prefetch(node, anchor.name, names, nbytes, gemms, stream))
     return out

@@ -1,13 +1,21 @@
 """Stage `prefetch`: before the main stream waits on a collective (or on the side stream), a
-`k3.prefetch_l2` names the weights of the next GEMMs within the L2 budget; a no-op on CPU."""
+`k3.prefetch_l2` names the weights of the next GEMMs within the L2 budget; beside a fused
+collective (TP > 1) it runs on its own side stream, forked before the op and joined at the span's
+end. A no-op on CPU: the compiled TP=2 model (2 gloo processes) still equals eager."""
 
 from __future__ import annotations
 
+import datetime
+import os
+import socket
+
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from k3compile import inductor
 from k3compile.options import Options
-from k3compile.prefetch import H200_L2_BYTES, SHARE, insert_prefetches, l2_bytes
+from k3compile.prefetch import H200_L2_BYTES, SHARE, SIDE, insert_prefetches, l2_bytes
 
 _c10d = torch.ops._c10d_functional
 PREFETCH = torch.ops.k3.prefetch_l2.default
@@ -78,3 +86,191 @@ def test_l2_budget_option():
     graph = _graph()
     assert l2_bytes(None, graph) == H200_L2_BYTES  # CPU graph: an H200's L2
     assert l2_bytes(Options.make({"l2_bytes": 1 << 20}).l2_bytes, graph) == 1 << 20
+
+
+# ---- world size > 1: the all-reduce is inside a fused k3 op --------------------------------------
+
+FORK, JOIN = torch.ops.k3.stream_fork.default, torch.ops.k3.stream_join.default
+FUSED = torch.ops.k3.allreduce_attn_res_mix_norm.default
+
+
+def fused_step(partial, prefix, block, w_mix_norm, w_mix_proj, w_norm, w_a, w_b):
+    """The attention all-reduce fused with the mix + norm (TP > 1), then two GEMMs."""
+    _, x = torch.ops.k3.allreduce_attn_res_mix_norm(partial, prefix, [block], w_mix_norm,
+                                                    w_mix_proj, w_norm, 1e-5, 1e-5, "0")
+    return (x @ w_a.t()) @ w_b.t()
+
+
+def _fused_inputs():
+    g = torch.Generator().manual_seed(0)
+    act = [torch.randn(2, 64, generator=g) for _ in range(3)]
+    return [*act, torch.randn(64, generator=g), torch.randn(1, 64, generator=g),
+            torch.randn(64, generator=g), torch.randn(128, 64, generator=g),
+            torch.randn(32, 128, generator=g)]
+
+
+def test_fused_collective_prefetch_runs_on_a_side_stream():
+    from k3compile import diff
+    from k3compile.streams import happens_before, hazards
+
+    graph = inductor.fwd_only_fake(fused_step, _fused_inputs()).graph
+    (found,) = insert_prefetches(graph, l2=1 << 30)
+    graph.eliminate_dead_code()  # the join has no consumer: side-effecting, it stays
+    (node,) = _prefetches(graph)
+    (anchor,) = [n for n in graph.nodes if n.target is FUSED]
+    (fork,) = [n for n in graph.nodes if n.target is FORK]
+    (join,) = [n for n in graph.nodes if n.target is JOIN]
+    x_side = anchor.prev
+    # fork on the all-reduce's input just before it; the prefetch launched after it, on SIDE
+    assert (x_side.prev, x_side.args) == (fork, (fork, 0))
+    assert fork.args == ([anchor.args[0]], SIDE) and anchor.args[0].name == "partial_1"
+    assert node.prev is anchor and found.node is node
+    assert [w.name for w in node.args[0]] == ["w_a_1", "w_b_1"]  # not the op's own mix weights
+    assert node.args[1] == 4 * (128 * 64 + 32 * 128)
+    # joined at the span's end: here the graph output
+    assert join.args == ([x_side], SIDE) and join.next.op == "output"
+    assert [n.meta["k3_stream"] for n in (fork, x_side, node, join)] == [0, SIDE, SIDE, 0]
+    assert node.meta["k3_prefetch"] == {
+        "before": anchor.name, "weights": ["w_a_1", "w_b_1"], "bytes": node.args[1],
+        "gemms": ["mm", "mm_1"], "stream": SIDE}
+    hb = happens_before(graph)
+    assert hb.has_edge(fork, node) and hb.has_edge(node, join)
+    assert hazards(graph) == []
+    (point,) = diff._stream_info([node], {})[2]
+    assert point.text() == (f"k3.prefetch_l2 beside {anchor.name} on stream {SIDE} @ ?: "
+                            "2 weights, 0.05 MiB (w_a_1, w_b_1)")
+
+
+def fused_then_wait(partial, prefix, block, w_mix_norm, w_mix_proj, w_norm, w_a, w_b):
+    _, x = torch.ops.k3.allreduce_attn_res_mix_norm(partial, prefix, [block], w_mix_norm,
+                                                    w_mix_proj, w_norm, 1e-5, 1e-5, "0")
+    r = _c10d.wait_tensor(_c10d.all_reduce(x @ w_a.t(), "sum", "0"))
+    return r @ w_b.t()
+
+
+def test_spans_end_at_the_next_anchor_of_either_kind():
+    graph = inductor.fwd_only_fake(fused_then_wait, _fused_inputs()).graph
+    side, main = insert_prefetches(graph, l2=1 << 30)
+    assert (side.stream, side.weights, main.stream, main.weights) == (
+        SIDE, ["w_a_1"], 0, ["w_b_1"])
+    (join,) = [n for n in graph.nodes if n.target is JOIN]
+    wait = main.node.next
+    # the side stream rejoins before the wait; the main-stream prefetch is the wait's neighbour
+    assert wait.target is _c10d.wait_tensor.default and join.next is main.node
+    assert join.prev.target is _c10d.all_reduce.default
+
+
+def test_world_size_1_fused_op_is_no_anchor():
+    def oproj_step(o, w_o, prefix, block, w_mix_norm, w_mix_proj, w_norm, w_a):
+        _, x = torch.ops.k3.oproj_attn_res_mix_norm(o, w_o, prefix, [block], w_mix_norm,
+                                                    w_mix_proj, w_norm, 1e-5, 1e-5)
+        return x @ w_a.t()
+
+    ins = _fused_inputs()
+    graph = inductor.fwd_only_fake(oproj_step, [ins[0], torch.randn(64, 64), *ins[1:7]]).graph
+    assert insert_prefetches(graph, l2=1 << 30) == []
+    assert not any(n.target in (FORK, JOIN) for n in graph.nodes)
+
+
+# ---- the pipeline at world size 2 (2 gloo processes) ---------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ends_span(node) -> bool:
+    """A collective wait, the shared experts' join, the next fused collective, or the output."""
+    return (node.op == "output" or node.target in (FUSED, _c10d.wait_tensor.default)
+            or node.target is JOIN and node.args[1] != SIDE)
+
+
+def _span_weights(op, written) -> list[str]:
+    """The weights the GEMMs read between fused collective `op` and the next anchor: the graph
+    inputs (≥ 2-D float, never written) under the operands of every k3 op or mm there, but the
+    routed experts, whose weights the routing picks at run time."""
+    from k3compile.streams import root
+
+    skip = {FORK, JOIN, PREFETCH, torch.ops.k3.moe_route.default,
+            torch.ops.k3.moe_experts.default}
+    names, node = [], op.next
+    while not _ends_span(node):
+        if ((str(node.target).startswith("k3.") or node.target is torch.ops.aten.mm.default)
+                and node.target not in skip):
+            for arg in node.all_input_nodes:
+                r = root(arg)
+                val = r.meta.get("val")
+                if (r.op == "placeholder" and r not in written and isinstance(val, torch.Tensor)
+                        and val.dim() >= 2 and val.is_floating_point() and r.name not in names):
+                    names.append(r.name)
+        node = node.next
+    return names
+
+
+def _anchor_facts(graph) -> list[dict]:
+    """For each fused collective, what surrounds it, as plain data for the main process."""
+    from k3compile.streams import written_inputs
+
+    written, order = written_inputs(graph), {n: i for i, n in enumerate(graph.nodes)}
+    facts = []
+    for op in [n for n in graph.nodes if n.target is FUSED]:
+        x_side, prefetch = op.prev, op.next
+        fork = x_side.args[0]
+        (join,) = [u for u in x_side.users if u.target is JOIN]
+        end = next(n for n in graph.nodes if order[n] > order[op] and _ends_span(n))
+        facts.append({
+            "fork": (fork.target is FORK, fork.args[0] == [op.args[0]], fork.args[1]),
+            "prefetch": (prefetch.target is PREFETCH, prefetch.meta.get("k3_stream"),
+                         prefetch.meta.get("k3_prefetch", {}).get("before") == op.name),
+            "weights": prefetch.meta["k3_prefetch"]["weights"],
+            "expected": _span_weights(op, written),
+            "join": (join.args[1], join.meta["k3_stream"], order[op] < order[join] < order[end]),
+        })
+    return facts
+
+
+def _tp2_worker(rank: int, port: int, out_dir: str):
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=300))  # a hang fails
+    try:
+        import k3compile.backend as k3be
+        from k3compile.models import build_model, get_config
+        from k3compile.streams import hazards
+        from tests.conftest import rel_err
+
+        cfg = get_config("tiny").with_tp(2).with_layers(2)  # dense layer 0, one MoE layer
+        eager, model = (build_model(cfg, dtype=torch.float32, group=dist.group.WORLD,
+                                    max_batch=4, max_seq_len=32) for _ in range(2))
+        step = torch.compile(model, backend="k3", fullgraph=True, options={"executor": "aten"})
+        args = (torch.tensor([5, 7, 1]), torch.tensor([0, 4, 2]), torch.tensor([1, 0, 2]))
+        error = rel_err(step(*args) * 1, eager(*args) * 1)  # `* 1`: waits on the collective
+        graph = next(iter(k3be.last_compiled().observer.graphs.values()))
+        side = [n for n in graph.nodes if n.target in (FORK, JOIN) and n.args[1] == SIDE]
+        torch.save({"error": error, "facts": _anchor_facts(graph), "hazards": hazards(graph),
+                    "sched": sorted(str(n.target) for n in side)},
+                   os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()  # both ranks done before teardown
+    finally:
+        dist.destroy_process_group()
+
+
+def test_tp2_prefetch_beside_every_fused_collective(tmp_path):
+    from tests.conftest import TOL
+
+    mp.spawn(_tp2_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    for rank in range(2):
+        r = torch.load(tmp_path / f"rank{rank}.pt")
+        assert r["error"] <= TOL["aten_cpu"], r["error"]
+        assert r["hazards"] == [], r["hazards"]
+        # layer 0's and layer 1's post-attention mixes, and layer 1's pre-attention mix (the
+        # dense MLP's all-reduce fused into it)
+        assert len(r["facts"]) == 3, r["facts"]
+        assert r["sched"] == ["k3.stream_fork.default"] * 3 + ["k3.stream_join.default"] * 3
+        for f in r["facts"]:
+            assert f["fork"] == (True, True, SIDE), f
+            assert f["prefetch"] == (True, SIDE, True), f
+            assert f["weights"] and f["weights"] == f["expected"], f
+            assert f["join"] == (SIDE, 0, True), f

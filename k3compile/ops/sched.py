@@ -16,7 +16,9 @@ still reads them. (`record_stream` would do the same outside CUDA graphs, but in
 event it records at free time is side-stream work after the join, which the capture refuses.)
 
 `prefetch_l2` returns nothing; it is marked side-effecting so dead-code elimination keeps it. On a
-GPU it runs a reduction over the bytes it names (one per weight); on CPU it is a no-op.
+GPU it runs a reduction over the bytes it names (one per weight); on CPU it is a no-op. The join
+that closes a prefetch's side stream has no consumer (nothing waits for a prefetch's data), so
+`stream_join` is side-effecting too: it still orders the streams, and a capture needs it.
 """
 
 from __future__ import annotations
@@ -98,3 +100,4 @@ def _(weights, nbytes):
 
 
 has_side_effect(torch.ops.k3.prefetch_l2.default)
+has_side_effect(torch.ops.k3.stream_join.default)
