@@ -11,6 +11,7 @@ gives Σh². The same kernel serves the pre-attention form (delta = MLP output),
 form (delta = attention output, or no delta when a block just started) and, with no blocks, a
 plain prefix add + RMSNorm. Scores are fp32 throughout: the reference's bf16 roundings of
 v·rstd·wn and of the score itself are skipped. prefix_out is bit-exact; x agrees to bf16 rounding.
+With PDL (`common.dsl.PDL`) wn and wp load before `griddepcontrol.wait`, the sources after it.
 
 Constraints:
     * bf16 tensors; prefix, delta, blocks [N, D] with contiguous rows, row stride a multiple of 8
@@ -39,6 +40,9 @@ from .common.dsl import (
     fake_vector,
     fallback,
     flat_rows,
+    pdl_enabled,
+    pdl_launch_dependents,
+    pdl_wait,
     pick_threads,
     rows_ok,
     runtime_refusal,
@@ -128,8 +132,9 @@ def _kernel_class():
     from .common.reduce import row_sum
 
     class AttnResMixNorm:
-        def __init__(self, dim: int, n_blocks: int, has_delta: bool, cfg: Config):
-            self.dim, self.n_blocks, self.has_delta = dim, n_blocks, has_delta
+        def __init__(self, dim: int, n_blocks: int, has_delta: bool, cfg: Config,
+                     pdl: bool = False):
+            self.dim, self.n_blocks, self.has_delta, self.pdl = dim, n_blocks, has_delta, pdl
             self.n_src = n_blocks + 1
             self.threads, self.v, self.cluster_n = cfg.threads, cfg.vec_per_thread, cfg.cluster_n
             self.n_vec = dim // 8 // cfg.cluster_n  # vectors of a row per CTA
@@ -145,12 +150,14 @@ def _kernel_class():
             self.kernel(mPrefix, mDelta, blocks, mWn, mWp, mWx, mPrefixOut, mX, mix_eps,
                         norm_eps).launch(grid=[C, mPrefix.shape[0], 1], block=[self.threads, 1, 1],
                                          cluster=[C, 1, 1] if const_expr(C > 1) else None,
-                                         smem=self.smem_bytes, stream=stream)
+                                         smem=self.smem_bytes, stream=stream,
+                                         use_pdl=self.pdl)
 
         @cute.kernel
         def kernel(self, mPrefix: cute.Tensor, mDelta, blocks, mWn, mWp, mWx: cute.Tensor,
                    mPrefixOut: cute.Tensor, mX: cute.Tensor, mix_eps: Float32,
                    norm_eps: Float32):
+            pdl_launch_dependents(self.pdl)
             tidx, _, _ = cute.arch.thread_idx()
             rank, row, _ = cute.arch.block_idx()  # rank: this CTA's column slice of the row
             T, nv, S, C, V = self.threads, self.n_vec, self.n_src, self.cluster_n, self.v
@@ -161,7 +168,14 @@ def _kernel_class():
             sMix = smem.allocate_tensor(Float32, cute.make_layout((C * self.n_warps, 2 * S)), 16)
             sNorm = smem.allocate_tensor(Float32, cute.make_layout((C * self.n_warps, 1)), 16)
 
-            # Issue every load first: sources (blocks..., prefix) and delta, then wn and wp.
+            # Issue every load first: sources (blocks..., prefix) and delta, then wn and wp (with
+            # PDL wn and wp first: they load while the previous kernel finishes).
+            if const_expr(S > 1):
+                rWn, rWp = make_frag(BFloat16, V), make_frag(BFloat16, V)
+                if const_expr(self.pdl):
+                    load_vectors(vectors(mWn), rWn, tidx, T, nv, first)
+                    load_vectors(vectors(mWp), rWp, tidx, T, nv, first)
+            pdl_wait(self.pdl)
             rSrc = [make_frag(BFloat16, V) for _ in range(S)]  # each (8, V)
             for i in cutlass.range_constexpr(S - 1):
                 load_vectors(row_vectors(blocks[i], row), rSrc[i], tidx, T, nv, first)
@@ -169,8 +183,7 @@ def _kernel_class():
             if const_expr(self.has_delta):
                 rDelta = make_frag(BFloat16, V)
                 load_vectors(row_vectors(mDelta, row), rDelta, tidx, T, nv, first)
-            if const_expr(S > 1):
-                rWn, rWp = make_frag(BFloat16, V), make_frag(BFloat16, V)
+            if const_expr(S > 1 and not self.pdl):
                 load_vectors(vectors(mWn), rWn, tidx, T, nv, first)
                 load_vectors(vectors(mWp), rWp, tidx, T, nv, first)
 
@@ -232,9 +245,10 @@ _cache = CompileCache(OP)
 
 
 def compiled(dim: int, n_blocks: int, has_delta: bool, cfg: Config, arch: str | None = None):
-    """The compiled kernel for these scalars (cached)."""
-    return _cache.get((dim, n_blocks, has_delta, cfg, arch),
-                      lambda: build(dim, n_blocks, has_delta, cfg, arch))
+    """The compiled kernel for these scalars and the PDL setting now (cached)."""
+    pdl = pdl_enabled()
+    return _cache.get((dim, n_blocks, has_delta, cfg, arch, pdl),
+                      lambda: build(dim, n_blocks, has_delta, cfg, arch, pdl=pdl))
 
 
 def prepare(dim: int, n_blocks: int, has_delta: bool, buckets=BUCKETS) -> None:
@@ -243,8 +257,8 @@ def prepare(dim: int, n_blocks: int, has_delta: bool, buckets=BUCKETS) -> None:
         compiled(dim, n_blocks, has_delta, config(dim, n_blocks, has_delta, b))
 
 
-def build(dim, n_blocks, has_delta, cfg, arch=None, dump_dir=None):
-    """Compile now, uncached (`dump_dir` keeps the cubin)."""
+def build(dim, n_blocks, has_delta, cfg, arch=None, dump_dir=None, pdl=False):
+    """Compile now, uncached (`dump_dir` keeps the cubin and PTX; `pdl`: with PDL)."""
     import cutlass
     from cutlass import cute
 
@@ -252,7 +266,7 @@ def build(dim, n_blocks, has_delta, cfg, arch=None, dump_dir=None):
     n = cute.sym_int()
     weight = (lambda: fake_vector(bf16, dim)) if n_blocks else (lambda: None)
     return compile_kernel(
-        _kernel_class()(dim, n_blocks, has_delta, cfg),
+        _kernel_class()(dim, n_blocks, has_delta, cfg, pdl),
         fake_rows(bf16, n, dim), fake_rows(bf16, n, dim) if has_delta else None,
         tuple(fake_rows(bf16, n, dim) for _ in range(n_blocks)) or None, weight(), weight(),
         fake_vector(bf16, dim), fake_rows(bf16, n, dim, dim), fake_rows(bf16, n, dim, dim),

@@ -18,6 +18,11 @@ through distributed shared memory in the fixed order 0..S-1 (deterministic), app
 (+ r, bf16 or fp32) and writes them; a second cluster barrier keeps every tile alive until its
 peers have read it. Grid: ceil(N / R) x S CTAs.
 
+With PDL (`common.dsl.PDL`) warp 0 acquires the first `stages` pipeline stages and starts their W
+slices' TMA before `griddepcontrol.wait` (W streams into shared memory while the previous kernel
+finishes), and their x slices after it; each stage's barrier expects both, so the main loop is
+unchanged. The residual is read and y written after the wait, which every thread executes.
+
 Its GPU tests pass on the H200 (2026-11-29); in `KERNELS`. `register()` routes every
 `gemv.linear` at 2 <= M <= 64 (the composites' GEMMs) here where the tuned table
 (gemm_tc_tuned.json, written by `benchmarks/gemm_tc.py --table`) has it faster than cuBLAS, with
@@ -47,6 +52,9 @@ from .common.dsl import (
     fake_stream,
     fallback,
     log,
+    pdl_enabled,
+    pdl_launch_dependents,
+    pdl_wait,
 )
 from .gemv import gemm_refusal, gemv_ref, launch_refusal
 
@@ -185,8 +193,9 @@ def _kernel_class():
         return Float32(llvm.load(Float32.mlir_type, remote, loc=loc, ip=ip))
 
     class GemmTC:
-        def __init__(self, n: int, k: int, cfg: Config, out_fp32: bool, has_residual: bool):
-            self.n, self.k_tiles = n, -(-k // TILE_K)
+        def __init__(self, n: int, k: int, cfg: Config, out_fp32: bool, has_residual: bool,
+                     pdl: bool = False):
+            self.n, self.k_tiles, self.pdl = n, -(-k // TILE_K), pdl
             self.rows, self.tokens = cfg.tile_rows, cfg.tile_tokens
             self.stages, self.splits = cfg.stages, cfg.splits
             self.p_stride, self.w_elems = _partial_stride(cfg), _w_buffer_elems(cfg)
@@ -219,21 +228,31 @@ def _kernel_class():
             self.storage = Storage
             self.kernel(tma_w, tW, tma_x, tX, mR, mY, tiled_mma, sW_layout, sX_layout).launch(
                 grid=[-(-self.n // self.rows), self.splits, 1], block=[THREADS, 1, 1],
-                cluster=[1, self.splits, 1], stream=stream)
+                cluster=[1, self.splits, 1], stream=stream, use_pdl=self.pdl)
 
         def load_slice(self, pipe, state, tma_w, tWgW, tWsW, tma_x, tXgX, tXsX, k_first):
             """TMA of K slice k_first + state.count of W and x into stage state.index."""
+            self.load_w(pipe, state, tma_w, tWgW, tWsW, k_first)
+            self.load_x(pipe, state, tma_x, tXgX, tXsX, k_first)
+
+        def load_w(self, pipe, state, tma_w, tWgW, tWsW, k_first):
+            """Acquire stage state.index (its barrier now expects the W and x bytes) and start the
+            TMA of W's K slice k_first + state.count into it."""
             pipe.producer_acquire(state)
-            bar = pipe.producer_get_barrier(state)
-            kt = k_first + state.count
-            cute.copy(tma_w, tWgW[None, kt], tWsW[None, state.index], tma_bar_ptr=bar)
-            cute.copy(tma_x, tXgX[None, kt], tXsX[None, state.index], tma_bar_ptr=bar)
+            cute.copy(tma_w, tWgW[None, k_first + state.count], tWsW[None, state.index],
+                      tma_bar_ptr=pipe.producer_get_barrier(state))
+
+        def load_x(self, pipe, state, tma_x, tXgX, tXsX, k_first):
+            """The TMA of x's K slice into the stage `load_w` acquired: it completes the stage."""
+            cute.copy(tma_x, tXgX[None, k_first + state.count], tXsX[None, state.index],
+                      tma_bar_ptr=pipe.producer_get_barrier(state))
             pipe.producer_commit(state)
 
         @cute.kernel
         def kernel(self, tma_w: cute.CopyAtom, tW: cute.Tensor, tma_x: cute.CopyAtom,
                    tX: cute.Tensor, mR, mY: cute.Tensor, tiled_mma: cute.TiledMma,
                    sW_layout: cute.ComposedLayout, sX_layout: cute.ComposedLayout):
+            pdl_launch_dependents(self.pdl)
             tidx, _, _ = cute.arch.thread_idx()
             tile, split, _ = cute.arch.block_idx()
             warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -271,10 +290,25 @@ def _kernel_class():
             k_first = split * self.k_tiles // self.splits
             k_count = (split + 1) * self.k_tiles // self.splits - k_first
             loads = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-            if warp == 0:
-                for _ in cutlass.range(cutlass.min(self.stages, k_count), unroll=1):
-                    self.load_slice(pipe, loads, tma_w, tWgW, tWsW, tma_x, tXgX, tXsX, k_first)
-                    loads.advance()
+            if const_expr(self.pdl):
+                # W (a weight) before the wait, x (the previous kernel's output) after it
+                if warp == 0:
+                    for _ in cutlass.range(cutlass.min(self.stages, k_count), unroll=1):
+                        self.load_w(pipe, loads, tma_w, tWgW, tWsW, k_first)
+                        loads.advance()
+                pdl_wait(True)
+                if warp == 0:
+                    xs = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
+                                                      self.stages)
+                    for _ in cutlass.range(cutlass.min(self.stages, k_count), unroll=1):
+                        self.load_x(pipe, xs, tma_x, tXgX, tXsX, k_first)
+                        xs.advance()
+            else:
+                if warp == 0:
+                    for _ in cutlass.range(cutlass.min(self.stages, k_count), unroll=1):
+                        self.load_slice(pipe, loads, tma_w, tWgW, tWsW, tma_x, tXgX, tXsX,
+                                        k_first)
+                        loads.advance()
             reads = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
             tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
             for _ in cutlass.range(k_count, unroll=1):
@@ -348,9 +382,11 @@ _cache = CompileCache(OP)
 
 def compiled(n: int, k: int, out_fp32: bool, residual: bool, cfg: Config,
              arch: str | None = None):
-    """The compiled kernel for these scalars (cached). Buckets with one config share it."""
-    return _cache.get((n, k, out_fp32, residual, cfg, arch),
-                      lambda: build(n, k, out_fp32, residual, cfg, arch))
+    """The compiled kernel for these scalars and the PDL setting now (cached). Buckets with one
+    config share it."""
+    pdl = pdl_enabled()
+    return _cache.get((n, k, out_fp32, residual, cfg, arch, pdl),
+                      lambda: build(n, k, out_fp32, residual, cfg, arch, pdl=pdl))
 
 
 def prepare(n: int, k: int, buckets=BUCKETS, *, out_dtype=torch.bfloat16,
@@ -360,8 +396,8 @@ def prepare(n: int, k: int, buckets=BUCKETS, *, out_dtype=torch.bfloat16,
         compiled(n, k, out_dtype == torch.float32, residual, config(n, k, b))
 
 
-def build(n, k, out_fp32, residual, cfg, arch=None, dump_dir=None):
-    """Compile now, uncached (`dump_dir` keeps the cubin)."""
+def build(n, k, out_fp32, residual, cfg, arch=None, dump_dir=None, pdl=False):
+    """Compile now, uncached (`dump_dir` keeps the cubin and PTX; `pdl`: with PDL)."""
     import cutlass
     from cutlass import cute
     from cutlass.cute.runtime import make_fake_tensor
@@ -373,7 +409,7 @@ def build(n, k, out_fp32, residual, cfg, arch=None, dump_dir=None):
                                 assumed_align=dtype.width // 8)
 
     return compile_kernel(
-        _kernel_class()(n, k, cfg, out_fp32, residual),
+        _kernel_class()(n, k, cfg, out_fp32, residual, pdl),
         fake_rows(bf16, m, k), fake_rows(bf16, n, k),
         out_rows(bf16) if residual else None,
         out_rows(cutlass.Float32 if out_fp32 else bf16), fake_stream(), arch=arch,

@@ -10,7 +10,9 @@ t + T, ...) and issue all R x ceil(K/8/T) loads of W before any math. Each threa
 matching x vectors (small, L1/L2-resident) and keeps R x M fp32 partial dot products; a
 butterfly reduce-scatter across each warp (every lane ends with distinct sums) and one pass
 over shared memory across warps give the R x M results in a fixed order (deterministic, no
-atomics, no split-K). Grid: ceil(N / R) CTAs, several resident per SM.
+atomics, no split-K). Grid: ceil(N / R) CTAs, several resident per SM. With PDL
+(`common.dsl.PDL`) the W loads are issued before `griddepcontrol.wait`, so they stream while the
+previous kernel finishes; x and the residual are read, and y written, after it.
 
 Batch buckets: the kernel is compiled per bucket (1, 2, 4, 8, 16), which fixes the number of
 accumulators; the row count M <= bucket is a runtime size. Rows of x past M read as zeros and
@@ -44,6 +46,9 @@ from .common.dsl import (
     fake_rows,
     fake_stream,
     fallback,
+    pdl_enabled,
+    pdl_launch_dependents,
+    pdl_wait,
     runtime_refusal,
 )
 
@@ -172,8 +177,8 @@ def _kernel_class():
 
     class Gemv:
         def __init__(self, n: int, k: int, m_bucket: int, cfg: Config, out_fp32: bool,
-                     has_residual: bool):
-            self.n, self.n_vec, self.mb = n, k // 8, m_bucket
+                     has_residual: bool, pdl: bool = False):
+            self.n, self.n_vec, self.mb, self.pdl = n, k // 8, m_bucket, pdl
             self.rows, self.threads = cfg.rows_per_cta, cfg.threads
             self.j = _vec_per_thread(k, cfg.threads)
             self.n_warps = cfg.threads // 32
@@ -185,10 +190,11 @@ def _kernel_class():
             # mX: (M, K); mW: (N, K); mR, mY: (M, N)
             self.kernel(mX, mW, mR, mY).launch(
                 grid=[-(-self.n // self.rows), 1, 1], block=[self.threads, 1, 1],
-                smem=4 * self.n_warps * self.n_vals + 64, stream=stream)
+                smem=4 * self.n_warps * self.n_vals + 64, stream=stream, use_pdl=self.pdl)
 
         @cute.kernel
         def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mR, mY: cute.Tensor):
+            pdl_launch_dependents(self.pdl)
             tidx, _, _ = cute.arch.thread_idx()
             cta, _, _ = cute.arch.block_idx()
             T, nv, R, MB, J = self.threads, self.n_vec, self.rows, self.mb, self.j
@@ -208,6 +214,7 @@ def _kernel_class():
             # A scheduling fence: ptxas would otherwise sink later loads below the first FMAs,
             # so each thread would wait for one load round trip before issuing the next.
             cute.arch.sync_warp()
+            pdl_wait(self.pdl)  # x and the residual come from earlier kernels
 
             acc = [Float32(0.0) for _ in range(R * MB)]  # index m·R + r
             rX = make_frag(BFloat16, 1)  # (8, 1)
@@ -267,9 +274,10 @@ _cache = CompileCache(OP)
 
 def compiled(n: int, k: int, m_bucket: int, out_fp32: bool, residual: bool, cfg: Config,
              arch: str | None = None):
-    """The compiled kernel for these scalars (cached)."""
-    return _cache.get((n, k, m_bucket, out_fp32, residual, cfg, arch),
-                      lambda: build(n, k, m_bucket, out_fp32, residual, cfg, arch))
+    """The compiled kernel for these scalars and the PDL setting now (cached)."""
+    pdl = pdl_enabled()
+    return _cache.get((n, k, m_bucket, out_fp32, residual, cfg, arch, pdl),
+                      lambda: build(n, k, m_bucket, out_fp32, residual, cfg, arch, pdl=pdl))
 
 
 def prepare(n: int, k: int, buckets=BUCKETS, *, out_dtype=torch.bfloat16,
@@ -279,8 +287,8 @@ def prepare(n: int, k: int, buckets=BUCKETS, *, out_dtype=torch.bfloat16,
         compiled(n, k, b, out_dtype == torch.float32, residual, config(n, k, b))
 
 
-def build(n, k, m_bucket, out_fp32, residual, cfg, arch=None, dump_dir=None):
-    """Compile now, uncached (`dump_dir` keeps the cubin)."""
+def build(n, k, m_bucket, out_fp32, residual, cfg, arch=None, dump_dir=None, pdl=False):
+    """Compile now, uncached (`dump_dir` keeps the cubin and PTX; `pdl`: with PDL)."""
     import cutlass
     from cutlass import cute
     from cutlass.cute.runtime import make_fake_tensor
@@ -292,7 +300,7 @@ def build(n, k, m_bucket, out_fp32, residual, cfg, arch=None, dump_dir=None):
                                 assumed_align=dtype.width // 8)
 
     return compile_kernel(
-        _kernel_class()(n, k, m_bucket, cfg, out_fp32, residual),
+        _kernel_class()(n, k, m_bucket, cfg, out_fp32, residual, pdl),
         fake_rows(bf16, m, k), fake_rows(bf16, n, k),
         out_rows(bf16) if residual else None,
         out_rows(cutlass.Float32 if out_fp32 else bf16), fake_stream(), arch=arch,

@@ -26,6 +26,10 @@ cluster (one DSMEM round, `row_sum`), and the gated RMSNorm writes 16-byte outpu
 conv state is written last, after that cluster barrier, by the CTA owning each channel's column
 slice: every CTA of the cluster has read the old conv rows by then.
 
+With PDL (`common.dsl.PDL`) every thread executes `griddepcontrol.wait` first: the slots, the
+in-projection's slices and both states (the previous step wrote them) are activations, and the
+weights' loads are interleaved with theirs in the prologue, so nothing useful precedes the wait.
+
 C > 1 trades redundant q/k prologue work for more SMs pulling state bytes at small batch (at B=1
 and 6 heads per rank only 6 CTAs would otherwise stream 64 KB each); `config` picks C per batch
 bucket (untuned: `benchmarks/kda_decode.py --sweep` times every config). T, H, taps and the
@@ -74,6 +78,9 @@ from .common.dsl import (
     compile_kernel,
     fake_stream,
     fallback,
+    pdl_enabled,
+    pdl_launch_dependents,
+    pdl_wait,
     runtime_refusal,
 )
 from .gemv import linear
@@ -245,8 +252,8 @@ def _kernel_class():
         return x.to(BFloat16).to(Float32)
 
     class KDADecode:
-        def __init__(self, tokens: int, n_heads: int, taps: int, cfg: Config):
-            self.T, self.H, self.taps = tokens, n_heads, taps
+        def __init__(self, tokens: int, n_heads: int, taps: int, cfg: Config, pdl: bool = False):
+            self.T, self.H, self.taps, self.pdl = tokens, n_heads, taps, pdl
             self.K = HEAD_DIM
             self.W = n_heads * HEAD_DIM
             self.tile = tile(cfg)
@@ -269,17 +276,19 @@ def _kernel_class():
                         mDt, mWo, mOut, lower_bound, l2_eps, q_scale, norm_eps).launch(
                 grid=[C, self.H, mQ.shape[0]], block=[self.threads, 1, 1],
                 cluster=[C, 1, 1] if const_expr(C > 1) else None, smem=self.smem_bytes,
-                stream=stream)
+                stream=stream, use_pdl=self.pdl)
 
         @cute.kernel
         def kernel(self, mQ, mK, mV, mG, mGraw, mB, mConv, mState, mSlots, mWq, mWk, mWv, mALog,
                    mDt, mWo, mOut, lower_bound: Float32, l2_eps: Float32, q_scale: Float32,
                    norm_eps: Float32):
+            pdl_launch_dependents(self.pdl)
             tidx, _, _ = cute.arch.thread_idx()
             rank, h, req = cute.arch.block_idx()
             T, K, R, C, tl = self.T, self.K, self.R, self.C, self.tile
             if const_expr(C > 1):
                 cute.arch.cluster_arrive_relaxed()  # matched in row_sum
+            pdl_wait(self.pdl)
             slot = mSlots[req]
             slot = Int64(cutlass.select_(slot < 0, slot + Int64(mState.shape[0]), slot))
             smem = cutlass.memory.SmemAllocator()
@@ -487,9 +496,10 @@ _cache = CompileCache(OP)
 
 
 def compiled(tokens: int, n_heads: int, taps: int, cfg: Config, arch: str | None = None):
-    """The compiled kernel for these scalars (cached)."""
-    return _cache.get((tokens, n_heads, taps, cfg, arch),
-                      lambda: build(tokens, n_heads, taps, cfg, arch))
+    """The compiled kernel for these scalars and the PDL setting now (cached)."""
+    pdl = pdl_enabled()
+    return _cache.get((tokens, n_heads, taps, cfg, arch, pdl),
+                      lambda: build(tokens, n_heads, taps, cfg, arch, pdl=pdl))
 
 
 def prepare(tokens: int, n_heads: int, taps: int = 4, buckets=BUCKETS) -> None:
@@ -498,8 +508,8 @@ def prepare(tokens: int, n_heads: int, taps: int = 4, buckets=BUCKETS) -> None:
         compiled(tokens, n_heads, taps, config(tokens, n_heads, taps, b))
 
 
-def build(tokens, n_heads, taps, cfg, arch=None, dump_dir=None):
-    """Compile now, uncached (`dump_dir` keeps the cubin)."""
+def build(tokens, n_heads, taps, cfg, arch=None, dump_dir=None, pdl=False):
+    """Compile now, uncached (`dump_dir` keeps the cubin and PTX; `pdl`: with PDL)."""
     import cutlass
     from cutlass import cute
     from cutlass.cute.runtime import make_fake_tensor
@@ -518,7 +528,7 @@ def build(tokens, n_heads, taps, cfg, arch=None, dump_dir=None):
 
     conv_w = [weight(bf16, (W, 1, taps), (taps, taps, 1)) for _ in range(3)]
     return compile_kernel(
-        _kernel_class()(T, H, taps, cfg), act(W), act(W), act(W), act(W), act(W), act(H),
+        _kernel_class()(T, H, taps, cfg, pdl), act(W), act(W), act(W), act(W), act(W), act(H),
         make_fake_tensor(bf16, (cute.sym_int(), 3 * W, taps - 1),
                          stride=(cute.sym_int64(), taps - 1, 1), assumed_align=2),
         make_fake_tensor(f32, (cute.sym_int(), H, K, K),

@@ -5,7 +5,8 @@
     pe = ckv[:, C:]                                      (copied, never rotated: K3 is NoPE)
 
 One CTA per token row loads its cq row and ckv row (16-byte coalesced), reduces Σcq² and Σc² in a
-single block reduction and writes the three outputs.
+single block reduction and writes the three outputs. With PDL (`common.dsl.PDL`) the two norm
+weights load before `griddepcontrol.wait`, the rows after it.
 
 Constraints:
     * bf16; cq [N, Q] and ckv [N, C + R] with contiguous rows, row strides multiples of 8 elements
@@ -32,6 +33,9 @@ from .common.dsl import (
     fake_vector,
     fallback,
     flat_rows,
+    pdl_enabled,
+    pdl_launch_dependents,
+    pdl_wait,
     pick_threads,
     rows_ok,
     runtime_refusal,
@@ -89,8 +93,8 @@ def _kernel_class():
     from .common.reduce import block_sum
 
     class MLALowRankNorm:
-        def __init__(self, q_dim: int, c_dim: int, r_dim: int, cfg: Config):
-            self.q_dim, self.c_dim, self.r_dim = q_dim, c_dim, r_dim
+        def __init__(self, q_dim: int, c_dim: int, r_dim: int, cfg: Config, pdl: bool = False):
+            self.q_dim, self.c_dim, self.r_dim, self.pdl = q_dim, c_dim, r_dim, pdl
             self.nq, self.nc, self.nr = q_dim // 8, c_dim // 8, r_dim // 8
             self.threads, self.n_warps = cfg.threads, cfg.threads // 32
 
@@ -101,11 +105,12 @@ def _kernel_class():
             # mCq, mQ: (N, Q); mCkv: (N, C + R); mKv: (N, C); mPe: (N, R); mWq: (Q,); mWkv: (C,)
             self.kernel(mCq, mCkv, mWq, mWkv, mQ, mKv, mPe, eps).launch(
                 grid=[mCq.shape[0], 1, 1], block=[self.threads, 1, 1],
-                smem=8 * self.n_warps + 64, stream=stream)
+                smem=8 * self.n_warps + 64, stream=stream, use_pdl=self.pdl)
 
         @cute.kernel
         def kernel(self, mCq: cute.Tensor, mCkv: cute.Tensor, mWq: cute.Tensor,
                    mWkv: cute.Tensor, mQ: cute.Tensor, mKv: cute.Tensor, mPe, eps: Float32):
+            pdl_launch_dependents(self.pdl)
             tidx, _, _ = cute.arch.thread_idx()
             row, _, _ = cute.arch.block_idx()
             T = self.threads
@@ -115,13 +120,18 @@ def _kernel_class():
             gCkv = row_vectors(mCkv, row)  # (8, (C + R) / 8): c vectors, then k_pe vectors
             rCq, rWq = make_frag(BFloat16, vq), make_frag(BFloat16, vq)  # (8, vq)
             rC, rWkv = make_frag(BFloat16, vc), make_frag(BFloat16, vc)  # (8, vc)
+            if const_expr(self.pdl):  # the weights first: they load while the producer ends
+                load_vectors(vectors(mWq), rWq, tidx, T, self.nq)
+                load_vectors(vectors(mWkv), rWkv, tidx, T, self.nc)
+            pdl_wait(self.pdl)
             load_vectors(row_vectors(mCq, row), rCq, tidx, T, self.nq)
             load_vectors(gCkv, rC, tidx, T, self.nc)
             if const_expr(self.nr > 0):
                 rPe = make_frag(BFloat16, -(-self.nr // T))
                 load_vectors(gCkv, rPe, tidx, T, self.nr, first=self.nc)
-            load_vectors(vectors(mWq), rWq, tidx, T, self.nq)
-            load_vectors(vectors(mWkv), rWkv, tidx, T, self.nc)
+            if const_expr(not self.pdl):
+                load_vectors(vectors(mWq), rWq, tidx, T, self.nq)
+                load_vectors(vectors(mWkv), rWkv, tidx, T, self.nc)
             if const_expr(self.nr > 0):
                 store_vectors(rPe, row_vectors(mPe, row), tidx, T, self.nr)
 
@@ -145,8 +155,9 @@ _cache = CompileCache(OP)
 
 
 def compiled(q_dim: int, c_dim: int, r_dim: int, cfg: Config, arch: str | None = None):
-    return _cache.get((q_dim, c_dim, r_dim, cfg, arch),
-                      lambda: build(q_dim, c_dim, r_dim, cfg, arch))
+    pdl = pdl_enabled()
+    return _cache.get((q_dim, c_dim, r_dim, cfg, arch, pdl),
+                      lambda: build(q_dim, c_dim, r_dim, cfg, arch, pdl=pdl))
 
 
 def prepare(q_dim: int, c_dim: int, r_dim: int, buckets=BUCKETS) -> None:
@@ -155,19 +166,18 @@ def prepare(q_dim: int, c_dim: int, r_dim: int, buckets=BUCKETS) -> None:
         compiled(q_dim, c_dim, r_dim, config(q_dim, c_dim, r_dim, b))
 
 
-def build(q_dim, c_dim, r_dim, cfg, arch=None, dump_dir=None):
-    """Compile now, uncached (`dump_dir` keeps the cubin)."""
+def build(q_dim, c_dim, r_dim, cfg, arch=None, dump_dir=None, pdl=False):
+    """Compile now, uncached (`dump_dir` keeps the cubin and PTX; `pdl`: with PDL)."""
     import cutlass
     from cutlass import cute
 
     bf16, n = cutlass.BFloat16, cute.sym_int()
     return compile_kernel(
-        _kernel_class()(q_dim, c_dim, r_dim, cfg), fake_rows(bf16, n, q_dim),
+        _kernel_class()(q_dim, c_dim, r_dim, cfg, pdl), fake_rows(bf16, n, q_dim),
         fake_rows(bf16, n, c_dim + r_dim), fake_vector(bf16, q_dim), fake_vector(bf16, c_dim),
         fake_rows(bf16, n, q_dim, q_dim), fake_rows(bf16, n, c_dim, c_dim),
         fake_rows(bf16, n, r_dim, r_dim) if r_dim else None, cutlass.Float32(1e-6),
-        fake_stream(), arch=arch,
-        dump_dir=dump_dir)
+        fake_stream(), arch=arch, dump_dir=dump_dir)
 
 
 def mla_lowrank_norm_cuda(cq, ckv, q_weight, kv_weight, eps, *, out=None):

@@ -8,7 +8,9 @@ and caches its best three (key, expert) in registers; each of the k rounds takes
 with two `redux.sync` (largest key, then lowest expert among equal keys) and the winning lane
 pops its cache, rescanning its slots only when the cache runs dry (rare: a lane rarely holds more
 than three of the top 16). Ties in s + bias go to the lower expert index (torch.topk leaves them
-unspecified). Each winner's unbiased score travels with it to lane t for the weights.
+unspecified). Each winner's unbiased score travels with it to lane t for the weights. With PDL
+(`common.dsl.PDL`) the bias loads before `griddepcontrol.wait` (in every warp, also those past
+the last row), the logits after it.
 
 Constraints:
     * logits fp32 [N, E] with contiguous rows, row stride a multiple of 4 elements and 16-byte
@@ -35,6 +37,9 @@ from .common.dsl import (
     fake_vector,
     fallback,
     flat_rows,
+    pdl_enabled,
+    pdl_launch_dependents,
+    pdl_wait,
     rows_ok,
     runtime_refusal,
 )
@@ -85,8 +90,9 @@ def _kernel_class():
     NONE = 0xFFFFFFFF  # expert id of an empty cache entry (its key is 0, below any real key)
 
     class MoERoute:
-        def __init__(self, n_experts: int, top_k: int, cfg: Config):
+        def __init__(self, n_experts: int, top_k: int, cfg: Config, pdl: bool = False):
             self.n_experts, self.top_k, self.rows = n_experts, top_k, cfg.rows_per_cta
+            self.pdl = pdl
             self.n_vec = n_experts // 4
             self.v = -(-self.n_vec // 32)  # float4 vectors per lane
 
@@ -96,7 +102,7 @@ def _kernel_class():
             # mLogits: (N, E) fp32; mBias: (E,); mIds: (N, k) int64; mW: (N, k) fp32
             self.kernel(mLogits, mBias, mIds, mW, scaling).launch(
                 grid=[cute.ceil_div(mLogits.shape[0], self.rows), 1, 1],
-                block=[32 * self.rows, 1, 1], stream=stream)
+                block=[32 * self.rows, 1, 1], stream=stream, use_pdl=self.pdl)
 
         def gidx(self, lane, slot: int):
             """Expert held in register slot (element e of vector j): vector j·32 + lane."""
@@ -128,12 +134,18 @@ def _kernel_class():
         @cute.kernel
         def kernel(self, mLogits: cute.Tensor, mBias: cute.Tensor, mIds: cute.Tensor,
                    mW: cute.Tensor, scaling: Float32):
+            pdl_launch_dependents(self.pdl)
             lane = cute.arch.lane_idx()
             row = cute.arch.block_idx()[0] * self.rows + cute.arch.warp_idx()
-            if row < mLogits.shape[0]:
-                rL, rB = make_frag(Float32, self.v), make_frag(Float32, self.v)  # (4, V)
-                load_vectors(row_vectors(mLogits, row), rL, lane, 32, self.n_vec)
+            rB = make_frag(Float32, self.v)  # (4, V)
+            if const_expr(self.pdl):  # the bias first: it loads while the router GEMM ends
                 load_vectors(vectors(mBias), rB, lane, 32, self.n_vec)
+            pdl_wait(self.pdl)
+            if row < mLogits.shape[0]:
+                rL = make_frag(Float32, self.v)  # (4, V)
+                load_vectors(row_vectors(mLogits, row), rL, lane, 32, self.n_vec)
+                if const_expr(not self.pdl):
+                    load_vectors(vectors(mBias), rB, lane, 32, self.n_vec)
                 rScore = make_frag(Float32, self.v)  # (4, V), read by linear slot below
                 rScore.store(sigmoid(rL.load()))
                 bits = (rScore.load() + rB.load()).bitcast(Uint32)  # (4·V,)
@@ -174,8 +186,9 @@ _cache = CompileCache(OP)
 
 
 def compiled(n_experts: int, top_k: int, cfg: Config, arch: str | None = None):
-    return _cache.get((n_experts, top_k, cfg, arch),
-                      lambda: build(n_experts, top_k, cfg, arch))
+    pdl = pdl_enabled()
+    return _cache.get((n_experts, top_k, cfg, arch, pdl),
+                      lambda: build(n_experts, top_k, cfg, arch, pdl=pdl))
 
 
 def prepare(n_experts: int, top_k: int, buckets=BUCKETS) -> None:
@@ -184,8 +197,8 @@ def prepare(n_experts: int, top_k: int, buckets=BUCKETS) -> None:
         compiled(n_experts, top_k, config(n_experts, top_k, b))
 
 
-def build(n_experts, top_k, cfg, arch=None, dump_dir=None):
-    """Compile now, uncached (`dump_dir` keeps the cubin)."""
+def build(n_experts, top_k, cfg, arch=None, dump_dir=None, pdl=False):
+    """Compile now, uncached (`dump_dir` keeps the cubin and PTX; `pdl`: with PDL)."""
     import cutlass
     from cutlass import cute
     from cutlass.cute.runtime import make_fake_tensor
@@ -193,12 +206,11 @@ def build(n_experts, top_k, cfg, arch=None, dump_dir=None):
     n = cute.sym_int()
     f32 = cutlass.Float32
     return compile_kernel(
-        _kernel_class()(n_experts, top_k, cfg), fake_rows(f32, n, n_experts),
+        _kernel_class()(n_experts, top_k, cfg, pdl), fake_rows(f32, n, n_experts),
         fake_vector(f32, n_experts),
         make_fake_tensor(cutlass.Int64, (n, top_k), stride=(top_k, 1), assumed_align=8),
         make_fake_tensor(f32, (n, top_k), stride=(top_k, 1), assumed_align=4),
-        f32(1.0), fake_stream(), arch=arch,
-        dump_dir=dump_dir)
+        f32(1.0), fake_stream(), arch=arch, dump_dir=dump_dir)
 
 
 def moe_route_cuda(logits, bias, top_k, scaling, *, out=None):

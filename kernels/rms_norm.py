@@ -3,7 +3,8 @@
     y = bf16(w · bf16(x · rsqrt(mean(x²) + eps)))        (K3's order: normalise, cast, weight)
 
 One CTA per row: 16-byte coalesced loads of x and w into registers, one block reduction of Σx²
-(fp32), one pass to write y.
+(fp32), one pass to write y. With PDL (`common.dsl.PDL`) w loads before `griddepcontrol.wait`,
+x after it.
 
 Constraints:
     * x bf16 [N, D], contiguous rows, row stride a multiple of 8 elements, 16-byte-aligned data;
@@ -29,6 +30,9 @@ from .common.dsl import (
     fake_vector,
     fallback,
     flat_rows,
+    pdl_enabled,
+    pdl_launch_dependents,
+    pdl_wait,
     pick_threads,
     rows_ok,
     runtime_refusal,
@@ -68,7 +72,7 @@ def refusal(x, weight) -> str | None:
 @functools.cache
 def _kernel_class():
     import cutlass
-    from cutlass import BFloat16, Float32, cute
+    from cutlass import BFloat16, Float32, const_expr, cute
 
     from .common.copy import (
         load_vectors,
@@ -80,8 +84,8 @@ def _kernel_class():
     from .common.reduce import block_sum
 
     class RMSNorm:
-        def __init__(self, dim: int, cfg: Config):
-            self.dim, self.n_vec = dim, dim // 8
+        def __init__(self, dim: int, cfg: Config, pdl: bool = False):
+            self.dim, self.n_vec, self.pdl = dim, dim // 8, pdl
             self.threads, self.v = cfg.threads, cfg.vec_per_thread
             self.n_warps = cfg.threads // 32
 
@@ -91,18 +95,24 @@ def _kernel_class():
             # mX, mY: (N, D); mW: (D,)
             self.kernel(mX, mW, mY, eps).launch(grid=[mX.shape[0], 1, 1],
                                                 block=[self.threads, 1, 1],
-                                                smem=4 * self.n_warps + 64, stream=stream)
+                                                smem=4 * self.n_warps + 64, stream=stream,
+                                                use_pdl=self.pdl)
 
         @cute.kernel
         def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mY: cute.Tensor, eps: Float32):
+            pdl_launch_dependents(self.pdl)
             tidx, _, _ = cute.arch.thread_idx()
             row, _, _ = cute.arch.block_idx()
             T, nv = self.threads, self.n_vec
             smem = cutlass.memory.SmemAllocator()
             sSum = smem.allocate_tensor(Float32, cute.make_layout((self.n_warps, 1)), 16)
             rX, rW = make_frag(BFloat16, self.v), make_frag(BFloat16, self.v)  # (8, V)
+            if const_expr(self.pdl):  # the weight first: it loads while the producer of x ends
+                load_vectors(vectors(mW), rW, tidx, T, nv)
+            pdl_wait(self.pdl)
             load_vectors(row_vectors(mX, row), rX, tidx, T, nv)
-            load_vectors(vectors(mW), rW, tidx, T, nv)
+            if const_expr(not self.pdl):
+                load_vectors(vectors(mW), rW, tidx, T, nv)
             x = rX.load().to(Float32)
             ss = block_sum([(x * x).reduce(cute.ReductionOp.ADD, 0.0, reduction_profile=0)],
                            sSum, self.n_warps)[0]
@@ -117,7 +127,8 @@ _cache = CompileCache(OP)
 
 
 def compiled(dim: int, cfg: Config, arch: str | None = None):
-    return _cache.get((dim, cfg, arch), lambda: build(dim, cfg, arch))
+    pdl = pdl_enabled()
+    return _cache.get((dim, cfg, arch, pdl), lambda: build(dim, cfg, arch, pdl=pdl))
 
 
 def prepare(dim: int, buckets=BUCKETS) -> None:
@@ -126,16 +137,15 @@ def prepare(dim: int, buckets=BUCKETS) -> None:
         compiled(dim, config(dim, b))
 
 
-def build(dim, cfg, arch=None, dump_dir=None):
-    """Compile now, uncached (`dump_dir` keeps the cubin)."""
+def build(dim, cfg, arch=None, dump_dir=None, pdl=False):
+    """Compile now, uncached (`dump_dir` keeps the cubin and PTX; `pdl`: with PDL)."""
     import cutlass
     from cutlass import cute
 
     bf16, n = cutlass.BFloat16, cute.sym_int()
-    return compile_kernel(_kernel_class()(dim, cfg), fake_rows(bf16, n, dim),
+    return compile_kernel(_kernel_class()(dim, cfg, pdl), fake_rows(bf16, n, dim),
                           fake_vector(bf16, dim), fake_rows(bf16, n, dim, dim),
-                          cutlass.Float32(1e-5), fake_stream(), arch=arch,
-        dump_dir=dump_dir)
+                          cutlass.Float32(1e-5), fake_stream(), arch=arch, dump_dir=dump_dir)
 
 
 def rms_norm_cuda(x, weight, eps, *, out=None):

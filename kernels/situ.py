@@ -3,7 +3,8 @@
     y = bf16( β·tanh(g/β)·σ(g) · β₂·tanh(u/β₂) )      g, u = the two halves of gate_up, fp32 math
 
 One CTA per row: each thread loads one 16-byte vector of g and the matching vector of u, computes
-in fp32 and stores one 16-byte vector of y. With `situ_gate_up_cuda` (one GEMM over the cached
+in fp32 and stores one 16-byte vector of y (with PDL, `common.dsl.PDL`, after
+`griddepcontrol.wait`: gate_up is all activation). With `situ_gate_up_cuda` (one GEMM over the cached
 [W_g; W_u] through `gemv.linear`: our skinny GEMM at one row, cuBLAS above; then this kernel)
 the op becomes two launches on the GPU, which lets the backend fuse it there and put the shared
 experts on the side stream. `tests/kernels/test_situ.py` passed on the H200 (2026-11-29).
@@ -30,6 +31,9 @@ from .common.dsl import (
     fake_stream,
     fallback,
     flat_rows,
+    pdl_enabled,
+    pdl_launch_dependents,
+    pdl_wait,
     pick_threads,
     rows_ok,
     runtime_refusal,
@@ -74,8 +78,8 @@ def _kernel_class():
     from .common.copy import load_vectors, make_frag, row_vectors, store_vectors
 
     class SiTU:
-        def __init__(self, width: int, cfg: Config):
-            self.width, self.n_vec = width, width // 8
+        def __init__(self, width: int, cfg: Config, pdl: bool = False):
+            self.width, self.n_vec, self.pdl = width, width // 8, pdl
             self.threads, self.v = cfg.threads, cfg.vec_per_thread
 
         @cute.jit
@@ -83,10 +87,13 @@ def _kernel_class():
                      stream):
             # mGU: (N, 2I) = [g | u]; mY: (N, I)
             self.kernel(mGU, mY, beta, linear_beta).launch(
-                grid=[mY.shape[0], 1, 1], block=[self.threads, 1, 1], stream=stream)
+                grid=[mY.shape[0], 1, 1], block=[self.threads, 1, 1], stream=stream,
+                use_pdl=self.pdl)
 
         @cute.kernel
         def kernel(self, mGU: cute.Tensor, mY: cute.Tensor, beta: Float32, linear_beta: Float32):
+            pdl_launch_dependents(self.pdl)
+            pdl_wait(self.pdl)
             tidx, _, _ = cute.arch.thread_idx()
             row, _, _ = cute.arch.block_idx()
             T, nv = self.threads, self.n_vec
@@ -109,7 +116,8 @@ _cache = CompileCache(OP)
 
 
 def compiled(width: int, cfg: Config, arch: str | None = None):
-    return _cache.get((width, cfg, arch), lambda: build(width, cfg, arch))
+    pdl = pdl_enabled()
+    return _cache.get((width, cfg, arch, pdl), lambda: build(width, cfg, arch, pdl=pdl))
 
 
 def prepare(width: int, buckets=BUCKETS) -> None:
@@ -118,13 +126,13 @@ def prepare(width: int, buckets=BUCKETS) -> None:
         compiled(width, config(width, b))
 
 
-def build(width, cfg, arch=None, dump_dir=None):
-    """Compile now, uncached (`dump_dir` keeps the cubin)."""
+def build(width, cfg, arch=None, dump_dir=None, pdl=False):
+    """Compile now, uncached (`dump_dir` keeps the cubin and PTX; `pdl`: with PDL)."""
     import cutlass
     from cutlass import cute
 
     bf16, n = cutlass.BFloat16, cute.sym_int()
-    return compile_kernel(_kernel_class()(width, cfg), fake_rows(bf16, n, 2 * width),
+    return compile_kernel(_kernel_class()(width, cfg, pdl), fake_rows(bf16, n, 2 * width),
                           fake_rows(bf16, n, width, width), cutlass.Float32(4.0),
                           cutlass.Float32(25.0), fake_stream(), arch=arch, dump_dir=dump_dir)
 

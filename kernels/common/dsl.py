@@ -7,12 +7,15 @@
 * `CompileCache`: `cute.compile` is slow, uncached on disk and not thread-safe, so every kernel
   keeps one in-process cache keyed by scalars (dtype, sizes, config); fill it before capture.
 * `fallback(op, reason)`: the one place that logs why a CUDA call went to the torch reference.
+* `PDL` / `pdl_enabled()`, `pdl_launch_dependents(on)`, `pdl_wait(on)`: programmatic dependent
+  launch between our kernels (below).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import os
 import threading
 from collections.abc import Callable, Hashable
 
@@ -22,6 +25,16 @@ log = logging.getLogger("k3compile.kernels")
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 WARP = 32
+
+# Programmatic dependent launch (PDL): a kernel launched with it may start while the previous
+# kernel in the stream is still running; `griddepcontrol.wait` then blocks until that kernel has
+# completed and its writes are visible. So a decode step's weight streams start during the small
+# kernels before them, and launch gaps hide. The rule every kernel with PDL keeps: weights (graph
+# inputs nothing writes during a step) may load before `pdl_wait`; activations, states and every
+# store only after it, and every CTA waits before it exits (so a later kernel's wait covers the
+# earlier kernels too). Each kernel compiles it in as a constant (`pdl` in its compile key: both
+# builds coexist; without it the build is the plain one). K3_PDL=1 turns it on for the process.
+PDL = os.environ.get("K3_PDL", "0") == "1"
 
 
 @functools.cache
@@ -40,6 +53,29 @@ def have_tvm_ffi() -> bool:
     except (ImportError, OSError, RuntimeError):
         return False
     return True
+
+
+def pdl_enabled() -> bool:
+    """Whether kernels compile and launch with PDL now (read at every call: tests flip `PDL`)."""
+    return PDL
+
+
+def pdl_launch_dependents(on: bool) -> None:
+    """Device code: the next kernel in the stream may start launching (nothing without PDL). A
+    hint only; its CTAs take SM slots once every CTA of this grid has issued it or exited."""
+    if on:
+        from cutlass import cute
+
+        cute.arch.griddepcontrol_launch_dependents()
+
+
+def pdl_wait(on: bool) -> None:
+    """Device code: wait until the previous kernel has completed and flushed (nothing without
+    PDL). Every thread that reads activations or stores anything executes it first."""
+    if on:
+        from cutlass import cute
+
+        cute.arch.griddepcontrol_wait()
 
 
 def bucket(n_rows: int) -> int:
@@ -88,14 +124,15 @@ class CompileCache:
 def compile_kernel(host, *args, arch: str | None = None, dump_dir: str | None = None):
     """cute.compile with the options every kernel uses. `arch` (e.g. "sm_90a") overrides the
     target, as CUTE_DSL_ARCH does; with neither, a machine without a GPU silently targets sm_100a.
-    `dump_dir` keeps the cubin there (see `cubin_of`); nothing is written otherwise."""
+    `dump_dir` keeps the cubin and the PTX there (see `cubin_of`, `ptx_of`); nothing is written
+    otherwise."""
     from cutlass import cute
 
     options = ["--enable-tvm-ffi"] if have_tvm_ffi() else []
     if arch:
         options.append(f"--gpu-arch={arch}")
     if dump_dir:
-        options += ["--keep-cubin", f"--dump-dir={dump_dir}"]
+        options += ["--keep-cubin", "--keep-ptx", f"--dump-dir={dump_dir}"]
     return cute.compile(host, *args, options=" ".join(options))
 
 
@@ -126,6 +163,11 @@ def cubin_of(compiled) -> bytes | None:
     """The device binary of a compile made with a `dump_dir`."""
     cubin = getattr(getattr(compiled, "artifacts", None), "CUBIN", None)
     return cubin.encode("latin-1") if isinstance(cubin, str) else cubin
+
+
+def ptx_of(compiled) -> str | None:
+    """The PTX of a compile made with a `dump_dir`."""
+    return getattr(getattr(compiled, "artifacts", None), "PTX", None)
 
 
 _refused: set[tuple[str, str]] = set()

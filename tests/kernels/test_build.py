@@ -1,5 +1,6 @@
 """Every kernel compiles for the H200 (sm_90a) on a machine without a GPU: at the TP16-rank
-shapes with the config of every batch bucket, and at small shapes. Needs only the DSL."""
+shapes with the config of every batch bucket, and at small shapes; the kernels with programmatic
+dependent launch also with it on (`common.dsl.PDL`), checked in their PTX. Needs only the DSL."""
 
 import struct
 
@@ -19,11 +20,17 @@ from k3compile.kernels import (
     rms_norm,
     situ,
 )
-from k3compile.kernels.common.dsl import BUCKETS, cubin_of, cubin_resources
+from k3compile.kernels.common.dsl import BUCKETS, cubin_of, cubin_resources, ptx_of
 
 pytestmark = pytest.mark.dsl
 
 ARCH = "sm_90a"
+# kernels whose build takes `pdl` (moe_experts and mla_decode use PDL between their own launches)
+PDL_KERNELS = (attn_res_mix_norm, gemm_tc, gemv, kda_decode, mla_lowrank_norm, moe_route,
+               rms_norm, situ)
+WAIT, TRIGGER = "griddepcontrol.wait;", "griddepcontrol.launch_dependents;"
+# what streams a weight before the wait: 16-byte loads of W (gemv), TMA of W slices (gemm_tc)
+WEIGHT_STREAM = {gemv: "ld.global.v4", gemm_tc: "cp.async.bulk.tensor"}
 
 
 def _cases():
@@ -90,12 +97,47 @@ def _cases():
     return seen
 
 
-@pytest.mark.parametrize("module,scalars,cfg", _cases(),
-                         ids=lambda v: v.__name__.rsplit(".")[-1] if hasattr(v, "__name__")
-                         else str(v))
+def _pdl_cases():
+    """Each distinct shape of every PDL kernel once (gemv at bucket 1 only: its bucket sets the
+    number of sums, not where the wait goes)."""
+    seen, out = set(), []
+    for module, scalars, cfg in _cases():
+        if module in PDL_KERNELS and (module, scalars) not in seen and (
+                module is not gemv or scalars[2] == 1):
+            seen.add((module, scalars))
+            out.append((module, scalars, cfg))
+    return out
+
+
+def _id(v):
+    return v.__name__.rsplit(".")[-1] if hasattr(v, "__name__") else str(v)
+
+
+@pytest.mark.parametrize("module,scalars,cfg", _cases(), ids=_id)
 def test_builds_for_sm90a(module, scalars, cfg, monkeypatch, tmp_path):
     monkeypatch.setenv("CUTE_DSL_ARCH", ARCH)  # a machine without a GPU would target sm_100a
     compiled = module.build(*scalars, cfg, arch=ARCH, dump_dir=str(tmp_path))
+    _check_cubin(compiled)
+    if module in PDL_KERNELS:  # without PDL the plain kernel: no griddepcontrol at all
+        assert "griddepcontrol" not in ptx_of(compiled)
+
+
+@pytest.mark.parametrize("module,scalars,cfg", _pdl_cases(), ids=_id)
+def test_builds_with_pdl(module, scalars, cfg, monkeypatch, tmp_path):
+    monkeypatch.setenv("CUTE_DSL_ARCH", ARCH)
+    compiled = module.build(*scalars, cfg, arch=ARCH, dump_dir=str(tmp_path), pdl=True)
+    _check_cubin(compiled)
+    ptx = ptx_of(compiled)
+    assert TRIGGER in ptx and WAIT in ptx
+    before = ptx[:ptx.index(WAIT)]
+    # nothing is stored before the wait (the text order of these straight-line preambles)
+    stores = [op for op in ("st.global", "red.global", "atom.global") if op in before]
+    assert not stores, f"{stores} before the wait"
+    if module in WEIGHT_STREAM:
+        assert WEIGHT_STREAM[module] in before, "the weight stream does not start before the wait"
+
+
+def _check_cubin(compiled):
     assert callable(compiled)
     cubin = cubin_of(compiled)
     assert cubin and cubin[:4] == b"\x7fELF", "no device binary"
