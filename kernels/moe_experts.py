@@ -18,7 +18,9 @@ bytes once and decodes them in registers; no bf16 weight is written. Two launche
      (its I/32 vectors and scales loaded first), rounds to bf16 as the reference does, times
      w[n, j]; each l's k terms are summed in shared memory in order j = 0..k-1, rounded once.
      Launched with PDL: its weight loads overlap FC1's tail (FC1 signals once its loads are
-     issued) and `griddepcontrol.wait` precedes the act reads.
+     issued) and `griddepcontrol.wait` precedes the act reads. FC1 itself is launched with PDL
+     after the route kernel when `common.dsl.PDL` is on; it waits first (its ids pick the
+     weights), so that hides only the launch.
 No atomics, no split-K: deterministic. Pairs are the fastest grid dimension, so pairs sharing
 an expert read the same rows at about the same time (the second from L2).
 
@@ -65,6 +67,8 @@ from .common.dsl import (
     fake_rows,
     fake_stream,
     fallback,
+    pdl_enabled,
+    pdl_wait,
     rows_ok,
     runtime_refusal,
 )
@@ -175,8 +179,9 @@ def _kernels():
         return ((scale + Uint32(SCALE_BIAS)) << Uint32(23)).bitcast(Float32)
 
     class FC1:
-        def __init__(self, latent: int, inter: int, top_k: int, cfg: FC1Config):
-            self.latent, self.inter, self.top_k = latent, inter, top_k
+        def __init__(self, latent: int, inter: int, top_k: int, cfg: FC1Config,
+                     pdl: bool = False):
+            self.latent, self.inter, self.top_k, self.pdl = latent, inter, top_k, pdl
             self.nv = latent // 32  # packed vectors (and scales) per weight row
             # Lane steps over both matrices; with NV % 32 == 16 (L = 3584: 112 vectors) a last
             # step gives lanes 0-15 the W1 tail and lanes 16-31 the W3 tail (no idle lanes).
@@ -193,12 +198,16 @@ def _kernels():
             # nibbles; mS1, mS3: (E·I, L/32) uint8; mAct: (N·k, I) bf16
             self.kernel(mZ, mIds, mW1, mS1, mW3, mS3, mAct, beta, linear_beta).launch(
                 grid=[mZ.shape[0] * self.top_k, -(-self.inter // self.rows), 1],
-                block=[self.threads, 1, 1], smem=4 * self.latent + 64, stream=stream)
+                block=[self.threads, 1, 1], smem=4 * self.latent + 64, stream=stream,
+                use_pdl=self.pdl)
 
         @cute.kernel
         def kernel(self, mZ: cute.Tensor, mIds: cute.Tensor, mW1: cute.Tensor,
                    mS1: cute.Tensor, mW3: cute.Tensor, mS3: cute.Tensor, mAct: cute.Tensor,
                    beta: Float32, linear_beta: Float32):
+            # with PDL (common.dsl.PDL) no weight load can go first: the ids that pick the
+            # experts are the route kernel's output
+            pdl_wait(self.pdl)
             tidx, _, _ = cute.arch.thread_idx()
             pair, blk, _ = cute.arch.block_idx()
             lane, warp = cute.arch.lane_idx(), cute.arch.warp_idx()
@@ -372,9 +381,11 @@ _cache = CompileCache(OP)
 
 def compiled(stage: str, latent: int, inter: int, top_k: int, ids64: bool, cfg,
              arch: str | None = None):
-    """The compiled kernel of one stage ("fc1" or "fc2") for these scalars (cached)."""
-    return _cache.get((stage, latent, inter, top_k, ids64, cfg, arch),
-                      lambda: build(stage, latent, inter, top_k, ids64, cfg, arch))
+    """The compiled kernel of one stage ("fc1" or "fc2") for these scalars and the PDL setting
+    now (FC1's launch; FC2 always follows FC1 with PDL) (cached)."""
+    pdl = stage == "fc1" and pdl_enabled()
+    return _cache.get((stage, latent, inter, top_k, ids64, cfg, arch, pdl),
+                      lambda: build(stage, latent, inter, top_k, ids64, cfg, arch, pdl=pdl))
 
 
 def prepare(latent: int, inter: int, top_k: int, buckets=(1, 2, 4, 8, 16, 32, 64),
@@ -386,8 +397,9 @@ def prepare(latent: int, inter: int, top_k: int, buckets=(1, 2, 4, 8, 16, 32, 64
                      config(stage, latent, inter, top_k, b))
 
 
-def build(stage, latent, inter, top_k, ids64, cfg, arch=None, dump_dir=None):
-    """Compile one stage now, uncached (`dump_dir` keeps the cubin)."""
+def build(stage, latent, inter, top_k, ids64, cfg, arch=None, dump_dir=None, pdl=False):
+    """Compile one stage now, uncached (`dump_dir` keeps the cubin; `pdl`: FC1 launched with
+    PDL after the previous kernel)."""
     import cutlass
     from cutlass import cute
     from cutlass.cute.runtime import make_fake_tensor
@@ -403,7 +415,7 @@ def build(stage, latent, inter, top_k, ids64, cfg, arch=None, dump_dir=None):
     FC1, FC2 = _kernels()
     if stage == "fc1":  # act as (N·k, I) rows
         w, s = dense(i32, rows, latent // 8, 16), dense(u8, rows, latent // 32, 1)
-        return compile_kernel(FC1(latent, inter, top_k, cfg), fake_rows(bf16, n, latent), ids,
+        return compile_kernel(FC1(latent, inter, top_k, cfg, pdl), fake_rows(bf16, n, latent), ids,
                               w, s, w, s, dense(bf16, pairs, inter, 16), cutlass.Float32(4.0),
                               cutlass.Float32(25.0), fake_stream(), arch=arch, dump_dir=dump_dir)
     return compile_kernel(FC2(latent, inter, top_k, cfg), dense(bf16, n, top_k * inter, 16),

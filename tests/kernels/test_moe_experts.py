@@ -289,6 +289,64 @@ def test_cuda_graph_replay(gen, tp16_experts):
 
 @pytest.mark.gpu
 @gpu
+def test_after_the_route_kernel_with_pdl(gen, tp16_experts, monkeypatch):
+    """moe_route -> FC1 -> FC2 captured in a CUDA graph with PDL (`common.dsl.PDL`): FC1 starts
+    while the route kernel ends and must wait for its ids; outputs equal the PDL-off graph's."""
+    from k3compile.kernels import moe_route
+    from k3compile.kernels.common import dsl
+
+    logits = torch.randn(8, EXPERTS, generator=gen, device="cuda")
+    bias = 0.1 * torch.randn(EXPERTS, generator=gen, device="cuda")
+    z = torch.randn(8, LATENT, generator=gen, device="cuda").bfloat16()
+
+    def step(out):
+        ids, w = moe_route.moe_route_cuda(logits, bias, TOP_K, 2.5)
+        return ids, w, kernel.moe_experts_cuda(z, ids, w, *tp16_experts, BETA, LINEAR_BETA,
+                                               out=out)
+
+    outs = {}
+    for flag in (True, False):
+        monkeypatch.setattr(dsl, "PDL", flag)
+        out = poisoned(*z.shape)
+        step(out)  # compile
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            ids, w, _ = step(out)
+        got = []
+        for i in range(3):
+            logits.copy_(torch.randn(8, EXPERTS, generator=torch.Generator("cuda").manual_seed(i),
+                                     device="cuda"))
+            out.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            assert_written(out)
+            model = kernels_model(z, ids, w, *tp16_experts, BETA, LINEAR_BETA)
+            assert rel_err(out, model) < TOL["bf16_rel_norm"]
+            got.append(out.clone())
+        outs[flag] = got
+    for on, off in zip(outs[True], outs[False]):
+        assert torch.equal(on, off), "PDL changed the results"
+
+
+@pytest.mark.dsl
+def test_fc1_builds_with_pdl(monkeypatch, tmp_path):
+    """With PDL FC1 waits before anything else (its ids are the previous kernel's output) and is
+    launched as a dependent; FC2 keeps its own PDL edge either way."""
+    from k3compile.kernels.common.dsl import ptx_of
+
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    scalars = ("fc1", LATENT, INTER, TOP_K, True, kernel.config("fc1", LATENT, INTER, TOP_K, 1))
+    on, off = tmp_path / "on", tmp_path / "off"
+    on.mkdir(), off.mkdir()
+    ptx = ptx_of(kernel.build(*scalars, arch="sm_90a", dump_dir=str(on), pdl=True))
+    wait = ptx.index("griddepcontrol.wait;")
+    assert "ld.global" not in ptx[:wait], "a load before the wait"
+    plain = ptx_of(kernel.build(*scalars, arch="sm_90a", dump_dir=str(off)))
+    assert "griddepcontrol.wait;" not in plain
+
+
+@pytest.mark.gpu
+@gpu
 def test_refused_input_falls_back(gen, caplog):
     experts = make_experts(gen, 5, 96, 64, "cuda")
     z, ids, w = make_tokens(gen, 3, 96, 5, 2, "cuda")
