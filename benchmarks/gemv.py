@@ -147,17 +147,24 @@ def setup(opts, shapes_default) -> tuple[list[int], list[tuple[int, int]], float
     return ms, shapes, gbps
 
 
+def write_json(out: str | None, name: str, rows, gbps: float, **extra) -> None:
+    """rows (with the device and copy bandwidth) to OUT/<name>.json; `out` a folder or a .json
+    path; nothing without `out`."""
+    if not out:
+        return
+    path = Path(out)
+    if path.suffix != ".json":
+        path.mkdir(parents=True, exist_ok=True)
+        path = path / f"{name}.json"
+    with open(path, "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "copy_GBps": round(gbps), **extra,
+                   "rows": rows}, f, indent=1)
+
+
 def report(rows, gbps, opts, name: str, key: str) -> None:
     """rows to OUT/<name>.json (--out: a folder, or a .json path) and, unless sweeping, a table
     of the kernel (its row fields `<key>_us` ...) against torch.mm."""
-    if opts.out:
-        path = Path(opts.out)
-        if path.suffix != ".json":
-            path.mkdir(parents=True, exist_ok=True)
-            path = path / f"{name}{'_sweep' if opts.sweep else ''}.json"
-        with open(path, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "copy_GBps": round(gbps),
-                       "sweep": opts.sweep, "rows": rows}, f, indent=1)
+    write_json(opts.out, f"{name}{'_sweep' if opts.sweep else ''}", rows, gbps, sweep=opts.sweep)
     if opts.sweep:
         return
     print(f"\n| weight [N, K] | M | {name} µs | GB/s | % copy | torch.mm µs | GB/s | % copy | "

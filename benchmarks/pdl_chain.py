@@ -11,11 +11,9 @@ settings must give bitwise the same outputs.
 """
 
 import argparse
-import json
-from pathlib import Path
 
 import torch
-from gemv import graph_us, setup, weight_copies
+from gemv import graph_us, setup, weight_copies, write_json
 from k3compile.kernels import attn_res_mix_norm, gemm_tc, gemv, rms_norm, situ
 from k3compile.kernels.common import dsl
 
@@ -80,14 +78,7 @@ def main():
     opts = ap.parse_args()
     opts.only = None
     ms, _, gbps = setup(opts, [])
-    rows = run(ms)
-    if opts.out:
-        path = Path(opts.out)
-        if path.suffix != ".json":
-            path.mkdir(parents=True, exist_ok=True)
-            path = path / "pdl_chain.json"
-        path.write_text(json.dumps({"device": torch.cuda.get_device_name(),
-                                    "copy_GBps": round(gbps), "rows": rows}, indent=1))
+    write_json(opts.out, "pdl_chain", run(ms), gbps)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,11 @@ Two launches each, against Inductor's three or more for the same math. The refer
 GEMM output to bf16 before adding the residual; `addmm` adds it in fp32 and rounds once, within
 the bf16 tolerance of the GPU tests. Each falls back to its torch reference when a kernel refuses
 its inputs (the kernel wrappers log why).
+
+With K3_GEMV_FUSED=1 (`gemv.FUSED`, read at every call), norm_linear and moe_front launch once
+at M <= gemv.GEMV_MAX_M: gemv's norm-prologue variant, and its split-output variant over the
+cached [W_r; W_d] (a second copy of both weights, 64 MB per layer at TP16, as linear_concat
+keeps for the in-projections). A refused call logs why and takes the two launches.
 """
 
 import torch
@@ -29,6 +34,7 @@ import torch.distributed as dist
 from k3compile.ops.attn_res import mix_norm_after
 from k3compile.ops.linear import concatenated
 
+from . import gemv
 from .attn_res_mix_norm import attn_res_mix_norm_cuda
 from .common import collective
 from .common.dsl import flat_rows
@@ -57,6 +63,9 @@ def allreduce_attn_res_mix_norm_cuda(partial, prefix, blocks, mix_norm_weight, m
 
 def norm_linear_cuda(u, norm_w, w, eps, residual=None):
     # u [N, L] rows; w [O, L]; residual [N, O]
+    if gemv.fused_takes(u) and gemv.fused_ok("norm", gemv.fused_launch_refusal(
+            gemv.NORM, u, w, residual, norm_weight=norm_w)):
+        return gemv.gemv_norm_cuda(u, norm_w, w, eps, residual)
     return linear(rms_norm_cuda(u, norm_w, eps), w, residual)
 
 
@@ -64,7 +73,16 @@ def moe_front_cuda(x, router_w, down_w):
     # x [N, D] bf16 rows; router_w [E, D], down_w [L, D]
     if x.dtype != router_w.dtype:  # the reference's fp32 math
         return linear(x.float(), router_w.float()), linear(x, down_w)
+    if gemv.fused_takes(x) and gemv.fused_ok("split", _front_refusal(x, router_w, down_w)):
+        return gemv.gemv_split_cuda(x, concatenated([router_w, down_w]), router_w.shape[0])
     return linear(x, router_w, out_dtype=torch.float32), linear(x, down_w)
+
+
+def _front_refusal(x, router_w, down_w):
+    """Why the split variant cannot take the front, checked on the two weights before their
+    concatenation is built."""
+    return (gemv.launch_refusal(gemv.refusal, x, router_w, None, None, torch.float32)
+            or gemv.launch_refusal(gemv.refusal, x, down_w, None, None, torch.bfloat16))
 
 
 def linear_concat_cuda(x, weights):

@@ -23,6 +23,20 @@ cuBLAS: on the H200 (2026-11-29, BENCHMARKS.md) at M = 1 on all ten TP16-rank sh
 x1.84, 74-85% of the copy bandwidth on the >= 10 MB weights); at M = 8 only on two of them and at
 M = 16 on none, so `GEMV_MAX_M` keeps larger batches on cuBLAS until a tensor-core variant exists.
 
+One-launch variants (`Fusion`, compile-time; the composites take them at M <= GEMV_MAX_M under
+K3_GEMV_FUSED=1), each replacing a gemv plus a second launch:
+    norm   (norm_linear):   y = Σ_k W[n, k] · x̂[m, k] [+ r],  x̂ = bf16(g · bf16(x · rstd_m)),
+                            rstd_m = rsqrt(mean(x_m²) + eps): every CTA first sums the squares of
+                            the x vectors its threads multiply (one block sum), then rounds x̂ as
+                            rms_norm does; g loads with W, before the PDL wait
+    situ   (situ_gate_up):  W = [W_g; W_u]; a CTA takes R/2 rows n of W_g and the rows I + n of
+                            W_u: y[m, n] = bf16(SiTU(bf16(g), bf16(u))), the situ kernel's math
+    split  (moe_front):     W = [W_r; W_d]; rows < split are stored to y (fp32), the others to
+                            y2 (bf16) (a row predicate: CTAs may straddle the split)
+Each row's sum is the plain kernel's bit for bit (its order depends on K alone), so situ and split
+equal the two-launch paths exactly. Built from a second entry (`Gemv.fused`) so that the plain
+kernel's build is unchanged.
+
 Constraints:
     * x bf16 [M, K], 1 <= M <= 16 (more rows go to cuBLAS), contiguous rows, row stride a
       multiple of 8 elements, 16-byte-aligned data; W bf16 [N, K] likewise (any row stride that
@@ -30,13 +44,19 @@ Constraints:
       multiple of R are predicated off.
     * Output bf16 (default) or fp32 (router logits) [M, N], last dim contiguous; optional residual
       r bf16 [M, N], last dim contiguous, added in fp32 before the rounding.
+    * Variants: K <= 16384 with norm or SiTU; norm weight bf16 [K] contiguous; SiTU: N even,
+      bf16 output [M, N / 2], no residual; split: 0 < split < N, no residual.
 """
 
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from k3compile.ops.gemm import situ_ref
+from k3compile.ops.norms import rms_norm_ref
 
 from .common.dsl import (
     CompileCache,
@@ -45,6 +65,7 @@ from .common.dsl import (
     compile_kernel,
     fake_rows,
     fake_stream,
+    fake_vector,
     fallback,
     pdl_enabled,
     pdl_launch_dependents,
@@ -57,6 +78,7 @@ BUCKETS = (1, 2, 4, 8, 16)
 MAX_M = BUCKETS[-1]
 MAX_K = 65536
 SMS = 132  # H200
+MAX_FUSED_K = 16384  # norm prologue, SiTU epilogue: <= 8 more vectors per thread in registers
 OUT_DTYPES = (torch.bfloat16, torch.float32)
 
 
@@ -66,17 +88,32 @@ class Config:
     threads: int  # T: 128 or 256
 
 
-def config(n: int, k: int, m_bucket: int) -> Config:
+@dataclass(frozen=True)
+class Fusion:
+    """What one launch does around the GEMM (compile-time; at most one of them)."""
+    norm: bool = False  # RMSNorm prologue on x, weight and eps as operands (norm_linear)
+    situ: bool = False  # SiTU-GLU epilogue on rows n and I + n of W = [W_g; W_u] (situ_gate_up)
+    split: int = 0  # rows < split to the first output, the others to a second, bf16 (moe_front)
+
+
+PLAIN, NORM, SITU = Fusion(), Fusion(norm=True), Fusion(situ=True)
+
+
+def config(n: int, k: int, m_bucket: int, fusion: Fusion = PLAIN) -> Config:
     """T = 256 for K >= 4096 (fewer passes over a row), else 128. R must fit: at most 16 W
     vectors in flight per thread and at most ~128 registers (two CTAs of 256 per SM; sm_90a
     builds: 4 per W vector and ~3 per accumulator) with >= 4 CTAs per SM. M <= 2 takes the
     smallest such R with >= 4 vectors in flight per thread (the most CTAs: x reuse does not
     matter), larger M the largest (each x vector read from L1 serves R rows). Untuned:
-    `benchmarks/gemv.py --sweep` times every config."""
+    `benchmarks/gemv.py --sweep` times every config. The SiTU epilogue needs an even R (a
+    CTA pairs gate and up rows); the norm prologue holds the norm weight's J vectors and an
+    rstd per row besides."""
     threads = 256 if k >= 4096 else 128
     j = _vec_per_thread(k, threads)
-    fits = [r for r in (1, 2, 4, 8) if r == 1 or (
-        r * j <= 16 and 4 * r * j + 3 * r * m_bucket <= 128 and -(-n // r) >= 4 * SMS)]
+    least = 2 if fusion.situ else 1
+    extra = 4 * j + m_bucket if fusion.norm else 0
+    fits = [r for r in (1, 2, 4, 8) if r % least == 0 and (r == least or (
+        r * j <= 16 and 4 * r * j + 3 * r * m_bucket + extra <= 128 and -(-n // r) >= 4 * SMS))]
     if m_bucket <= 2:
         return Config(next((r for r in fits if r * j >= 4), fits[-1]), threads)
     return Config(fits[-1], threads)
@@ -145,12 +182,53 @@ def launch_refusal(refuse, x, w, residual, out, out_dtype) -> str | None:
     return reason
 
 
+def fused_refusal(fusion: Fusion, x, w, residual=None, *, norm_weight=None,
+                  out_dtype=None) -> str | None:
+    """Why the one-launch variant `fusion` cannot take these inputs, or None (metadata only)."""
+    if reason := refusal(x, w, residual, out_dtype=out_dtype):
+        return reason
+    k, n = x.shape[1], w.shape[0]
+    if (fusion.norm or fusion.situ) and k > MAX_FUSED_K:
+        return f"K {k} above {MAX_FUSED_K} with a norm prologue or a SiTU epilogue (registers)"
+    g = norm_weight
+    if fusion.norm and (g is None or g.dtype != torch.bfloat16 or tuple(g.shape) != (k,)
+                        or g.stride(0) != 1):
+        what = "none" if g is None else f"{g.dtype} {tuple(g.shape)} {g.stride()}"
+        return f"norm weight: {what} (want contiguous bf16 [{k}])"
+    if fusion.situ and (n % 2 or residual is not None
+                        or out_dtype not in (None, torch.bfloat16)):
+        return (f"SiTU epilogue: w [{n}, {k}], residual {residual is not None}, output "
+                f"{out_dtype} (want [W_g; W_u] with an even row count, no residual, bf16)")
+    if fusion.split and not 0 < fusion.split < n:
+        return f"split at row {fusion.split} of {n} (want 0 < split < N)"
+    if fusion.split and residual is not None:
+        return "no residual with a split output"
+    return None
+
+
+def fused_launch_refusal(fusion: Fusion, x, w, residual=None, *, norm_weight=None,
+                         out_dtype=None, outs=()) -> str | None:
+    """Why the variant cannot run this call now (as `launch_refusal`); `outs`: (buffer or None,
+    its shape, its dtype) of each output."""
+    reason = (runtime_refusal() or fused_refusal(fusion, x, w, residual,
+                                                 norm_weight=norm_weight, out_dtype=out_dtype)
+              or (None if x.is_cuda and w.is_cuda else "not on a CUDA device")
+              or (None if aligned16(x, w, *([norm_weight] if fusion.norm else []))
+                  else "data not 16-byte aligned"))
+    for out, shape, dtype in outs:
+        if reason is None and out is not None and (
+                out.dtype != dtype or tuple(out.shape) != shape or out.stride(-1) != 1):
+            reason = f"out: {out.dtype} {tuple(out.shape)} {out.stride()}"
+    return reason
+
+
 @functools.cache
 def _kernel_class():
     import cutlass
     from cutlass import BFloat16, Float32, const_expr, cute
 
-    from .common.copy import bf16_halves, load_vectors, make_frag, row_vectors
+    from .common.copy import bf16_halves, load_vectors, make_frag, row_vectors, vectors
+    from .common.reduce import block_sum
 
     def warp_reduce_scatter(vals: list) -> list:
         """Butterfly sum over the warp of 2^v values per lane. While a lane holds several, it
@@ -177,13 +255,17 @@ def _kernel_class():
 
     class Gemv:
         def __init__(self, n: int, k: int, m_bucket: int, cfg: Config, out_fp32: bool,
-                     has_residual: bool, pdl: bool = False):
+                     has_residual: bool, pdl: bool = False, fusion: Fusion = PLAIN):
             self.n, self.n_vec, self.mb, self.pdl = n, k // 8, m_bucket, pdl
             self.rows, self.threads = cfg.rows_per_cta, cfg.threads
             self.j = _vec_per_thread(k, cfg.threads)
             self.n_warps = cfg.threads // 32
             self.n_vals = cfg.rows_per_cta * m_bucket  # sums per CTA, index m·R + r
             self.out_fp32, self.has_residual = out_fp32, has_residual
+            self.k, self.fusion = k, fusion
+            # SiTU: a CTA's R rows are R/2 rows of W_g and the same R/2 rows of W_u
+            self.pairs, self.width = cfg.rows_per_cta // 2, n // 2
+            self.ctas = -(-self.width // self.pairs) if fusion.situ else -(-n // self.rows)
 
         @cute.jit
         def __call__(self, mX: cute.Tensor, mW: cute.Tensor, mR, mY: cute.Tensor, stream):
@@ -192,12 +274,71 @@ def _kernel_class():
                 grid=[-(-self.n // self.rows), 1, 1], block=[self.threads, 1, 1],
                 smem=4 * self.n_warps * self.n_vals + 64, stream=stream, use_pdl=self.pdl)
 
+        @cute.jit
+        def fused(self, mX: cute.Tensor, mW: cute.Tensor, mR, mY: cute.Tensor, mY2, mG, eps,
+                  beta, linear_beta, stream):
+            # mY: (M, N), (M, N/2) with SiTU, (M, split) with a split; mY2: (M, N - split);
+            # mG: (K,) the norm weight
+            self.kernel_fused(mX, mW, mR, mY, mY2, mG, eps, beta, linear_beta).launch(
+                grid=[self.ctas, 1, 1], block=[self.threads, 1, 1],
+                smem=4 * self.n_warps * (self.n_vals + self.mb) + 128, stream=stream,
+                use_pdl=self.pdl)
+
         @cute.kernel
         def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mR, mY: cute.Tensor):
+            self.body(mX, mW, mR, mY, None, None, None, None, None)
+
+        @cute.kernel
+        def kernel_fused(self, mX: cute.Tensor, mW: cute.Tensor, mR, mY: cute.Tensor, mY2, mG,
+                         eps, beta, linear_beta):
+            self.body(mX, mW, mR, mY, mY2, mG, eps, beta, linear_beta)
+
+        def w_row(self, cta, r):
+            """Row of W behind sum r of this CTA (rows past the end re-read the last one)."""
+            R, fusion = self.rows, self.fusion
+            if const_expr(fusion.situ):  # gate rows, then the same up rows (I further)
+                h, I = r % self.pairs, self.width
+                row = cta * self.pairs + h
+                if const_expr(I % self.pairs):
+                    row = cutlass.min(row, I - 1)
+                return row if r < self.pairs else row + I
+            row = cta * R + r
+            if const_expr(self.n % R):
+                row = cutlass.min(row, self.n - 1)
+            return row
+
+        @cute.jit
+        def row_rstd(self, mX: cute.Tensor, eps: Float32, sSq: cute.Tensor, tidx, n_rows):
+            """rsqrt(mean(x_m²) + eps) of every row m (the rms_norm kernel's formula), from the
+            x vectors this thread multiplies: per-thread sums in vector order, then one block
+            sum (rows past M give 0)."""
+            T, nv, MB, J = self.threads, self.n_vec, self.mb, self.j
+            rX = make_frag(BFloat16, J)  # (8, J): one row's vectors, all loads in flight
+            sums = []
+            for m in cutlass.range_constexpr(MB):
+                if const_expr(m == 0):
+                    load_vectors(row_vectors(mX, 0), rX, tidx, T, nv)
+                else:
+                    rX.fill(0)
+                    if m < n_rows:
+                        load_vectors(row_vectors(mX, m), rX, tidx, T, nv)
+                s = Float32(0.0)
+                for j in cutlass.range_constexpr(J):
+                    x = rX[None, j].load().to(Float32)
+                    for e in cutlass.range_constexpr(8):
+                        s = s + x[e] * x[e]  # exact squares of bf16: contraction-proof
+                sums.append(s)
+            totals = block_sum(sums, sSq, self.n_warps)
+            return [cute.math.rsqrt(t / self.k + eps, fastmath=True) for t in totals]
+
+        @cute.jit
+        def body(self, mX: cute.Tensor, mW: cute.Tensor, mR, mY: cute.Tensor, mY2, mG, eps,
+                 beta, linear_beta):
             pdl_launch_dependents(self.pdl)
             tidx, _, _ = cute.arch.thread_idx()
             cta, _, _ = cute.arch.block_idx()
             T, nv, R, MB, J = self.threads, self.n_vec, self.rows, self.mb, self.j
+            fusion = self.fusion
             n_rows = mX.shape[0]  # M <= MB
             first = cta * R
             smem = cutlass.memory.SmemAllocator()
@@ -207,20 +348,26 @@ def _kernel_class():
             # Every W load first: R rows x J vectors per thread. Rows past N re-read row N - 1.
             rW = [make_frag(BFloat16, J) for _ in range(R)]  # each (8, J)
             for r in cutlass.range_constexpr(R):
-                row = first + r
-                if const_expr(self.n % R):
-                    row = cutlass.min(row, self.n - 1)
-                load_vectors(row_vectors(mW, row), rW[r], tidx, T, nv)
+                load_vectors(row_vectors(mW, self.w_row(cta, r)), rW[r], tidx, T, nv)
+            if const_expr(fusion.norm):  # the norm weight's vectors too: a weight
+                rG = make_frag(BFloat16, J)  # (8, J)
+                load_vectors(vectors(mG), rG, tidx, T, nv)
             # A scheduling fence: ptxas would otherwise sink later loads below the first FMAs,
             # so each thread would wait for one load round trip before issuing the next.
             cute.arch.sync_warp()
             pdl_wait(self.pdl)  # x and the residual come from earlier kernels
+            if const_expr(fusion.norm):
+                sSq = smem.allocate_tensor(Float32, cute.make_layout(
+                    (self.n_warps, MB), stride=(MB, 1)), 16)
+                rstd = self.row_rstd(mX, eps, sSq, tidx, n_rows)
 
             acc = [Float32(0.0) for _ in range(R * MB)]  # index m·R + r
             rX = make_frag(BFloat16, 1)  # (8, 1)
             for j in cutlass.range_constexpr(J):
                 w = [bf16_halves(rW[r][None, j].load()) for r in range(R)]  # (even, odd) fp32
                 vec = j * T + tidx
+                if const_expr(fusion.norm):
+                    g = rG[None, j].load().to(Float32)
                 for m in cutlass.range_constexpr(MB):
                     if const_expr(m == 0 and (j + 1) * T <= nv):
                         cute.autovec_copy(row_vectors(mX, m)[None, vec], rX[None, 0])
@@ -231,7 +378,10 @@ def _kernel_class():
                             pred = pred & (vec < nv)
                         if pred:
                             cute.autovec_copy(row_vectors(mX, m)[None, vec], rX[None, 0])
-                    x_even, x_odd = bf16_halves(rX.load())
+                    x = rX.load()
+                    if const_expr(fusion.norm):  # rms_norm's roundings: bf16(g · bf16(x · rstd))
+                        x = ((x.to(Float32) * rstd[m]).to(BFloat16).to(Float32) * g).to(BFloat16)
+                    x_even, x_odd = bf16_halves(x)
                     for r in cutlass.range_constexpr(R):
                         a = acc[m * R + r]
                         for e in cutlass.range_constexpr(4):
@@ -250,21 +400,57 @@ def _kernel_class():
                 if lane % (32 // V) == 0:
                     sRed[warp, lane // (32 // V)] = part[0]
             cute.arch.barrier()
-            if tidx < V:
-                out_m, out_col = tidx // R, first + tidx % R
+            if const_expr(fusion.situ):
+                self.store_situ(sRed, mY, tidx, cta, n_rows, beta, linear_beta)
+            else:
+                if tidx < V:
+                    out_m, out_col = tidx // R, first + tidx % R
+                    write = out_m < n_rows
+                    if const_expr(self.n % R):
+                        write = write & (out_col < self.n)
+                    if write:
+                        total = self.total(sRed, tidx)
+                        if const_expr(self.has_residual):
+                            total = total + mR[out_m, out_col].to(Float32)
+                        if const_expr(fusion.split):
+                            if out_col >= fusion.split:
+                                mY2[out_m, out_col - fusion.split] = total.to(BFloat16)
+                            else:
+                                self.store(mY, out_m, out_col, total)
+                        else:
+                            self.store(mY, out_m, out_col, total)
+
+        def total(self, sRed: cute.Tensor, i):
+            total = sRed[0, i]
+            for wi in range(1, self.n_warps):
+                total = total + sRed[wi, i]
+            return total
+
+        def store(self, mY: cute.Tensor, m, col, total):
+            if const_expr(self.out_fp32):
+                mY[m, col] = total
+            else:
+                mY[m, col] = total.to(BFloat16)
+
+        @cute.jit
+        def store_situ(self, sRed: cute.Tensor, mY: cute.Tensor, tidx, cta, n_rows,
+                       beta: Float32, linear_beta: Float32):
+            """y[m, n] = bf16(SiTU(g, u)) from the sums of rows n and I + n, rounded to bf16
+            first like the GEMM output the situ kernel reads; then the situ kernel's math."""
+            H, R = self.pairs, self.rows
+            if tidx < self.mb * H:
+                out_m, h = tidx // H, tidx % H
+                col = cta * H + h
                 write = out_m < n_rows
-                if const_expr(self.n % R):
-                    write = write & (out_col < self.n)
+                if const_expr(self.width % H):
+                    write = write & (col < self.width)
                 if write:
-                    total = sRed[0, tidx]
-                    for wi in cutlass.range_constexpr(1, self.n_warps):
-                        total = total + sRed[wi, tidx]
-                    if const_expr(self.has_residual):
-                        total = total + mR[out_m, out_col].to(Float32)
-                    if const_expr(self.out_fp32):
-                        mY[out_m, out_col] = total
-                    else:
-                        mY[out_m, out_col] = total.to(BFloat16)
+                    g = self.total(sRed, out_m * R + h).to(BFloat16).to(Float32)
+                    u = self.total(sRed, out_m * R + H + h).to(BFloat16).to(Float32)
+                    sig = 1.0 / (1.0 + cute.math.exp(-g, fastmath=True))
+                    act = beta * cute.math.tanh(g / beta, fastmath=False) * sig
+                    lin = linear_beta * cute.math.tanh(u / linear_beta, fastmath=False)
+                    mY[out_m, col] = (act * lin).to(BFloat16)
 
     return Gemv
 
@@ -273,38 +459,50 @@ _cache = CompileCache(OP)
 
 
 def compiled(n: int, k: int, m_bucket: int, out_fp32: bool, residual: bool, cfg: Config,
-             arch: str | None = None):
+             arch: str | None = None, fusion: Fusion = PLAIN):
     """The compiled kernel for these scalars and the PDL setting now (cached)."""
     pdl = pdl_enabled()
-    return _cache.get((n, k, m_bucket, out_fp32, residual, cfg, arch, pdl),
-                      lambda: build(n, k, m_bucket, out_fp32, residual, cfg, arch, pdl=pdl))
+    return _cache.get((n, k, m_bucket, out_fp32, residual, cfg, arch, pdl, fusion),
+                      lambda: build(n, k, m_bucket, out_fp32, residual, cfg, arch, pdl=pdl,
+                                    fusion=fusion))
 
 
 def prepare(n: int, k: int, buckets=BUCKETS, *, out_dtype=torch.bfloat16,
-            residual: bool = False) -> None:
+            residual: bool = False, fusion: Fusion = PLAIN) -> None:
     """Compile the kernel of every batch bucket for this weight (call before graph capture)."""
     for b in buckets:
-        compiled(n, k, b, out_dtype == torch.float32, residual, config(n, k, b))
+        compiled(n, k, b, out_dtype == torch.float32, residual, config(n, k, b, fusion),
+                 fusion=fusion)
 
 
-def build(n, k, m_bucket, out_fp32, residual, cfg, arch=None, dump_dir=None, pdl=False):
-    """Compile now, uncached (`dump_dir` keeps the cubin and PTX; `pdl`: with PDL)."""
+def build(n, k, m_bucket, out_fp32, residual, cfg, arch=None, dump_dir=None, pdl=False,
+          fusion=PLAIN):
+    """Compile now, uncached (`dump_dir` keeps the cubin and PTX; `pdl`: with PDL; `fusion`:
+    the one-launch variant, compiled from its own entry so that the plain kernel stays as it
+    was)."""
     import cutlass
     from cutlass import cute
     from cutlass.cute.runtime import make_fake_tensor
 
-    bf16, m = cutlass.BFloat16, cute.sym_int()
+    bf16, f32, m = cutlass.BFloat16, cutlass.Float32, cute.sym_int()
 
-    def out_rows(dtype):  # [M, N] rows with any row stride
-        return make_fake_tensor(dtype, (m, n), stride=(cute.sym_int64(), 1),
+    def out_rows(dtype, width=n):  # [M, width] rows with any row stride
+        return make_fake_tensor(dtype, (m, width), stride=(cute.sym_int64(), 1),
                                 assumed_align=dtype.width // 8)
 
+    gemv = _kernel_class()(n, k, m_bucket, cfg, out_fp32, residual, pdl, fusion)
+    x, w = fake_rows(bf16, m, k), fake_rows(bf16, n, k)
+    r = out_rows(bf16) if residual else None
+    y = f32 if out_fp32 else bf16
+    if fusion == PLAIN:
+        return compile_kernel(gemv, x, w, r, out_rows(y), fake_stream(), arch=arch,
+                              dump_dir=dump_dir)
+    split, norm, situ = fusion.split, fusion.norm, fusion.situ
     return compile_kernel(
-        _kernel_class()(n, k, m_bucket, cfg, out_fp32, residual, pdl),
-        fake_rows(bf16, m, k), fake_rows(bf16, n, k),
-        out_rows(bf16) if residual else None,
-        out_rows(cutlass.Float32 if out_fp32 else bf16), fake_stream(), arch=arch,
-        dump_dir=dump_dir)
+        gemv.fused, x, w, r, out_rows(bf16 if situ else y, n // 2 if situ else split or n),
+        out_rows(bf16, n - split) if split else None, fake_vector(bf16, k) if norm else None,
+        f32(1e-5) if norm else None, f32(4.0) if situ else None, f32(25.0) if situ else None,
+        fake_stream(), arch=arch, dump_dir=dump_dir)
 
 
 # Rows up to which `linear` takes the kernel instead of cuBLAS (measured: see the docstring)
@@ -373,3 +571,90 @@ def gemv_cuda(x, w, residual=None, *, out=None, out_dtype=None):
         compiled(n, k, b, out_dtype == torch.float32, residual is not None,
                  config(n, k, b))(x, w, residual, y)
     return y
+
+
+# ---- the one-launch variants of the composites ---------------------------------------------------
+
+# K3_GEMV_FUSED=1: norm_linear, situ_gate_up and moe_front take their one-launch variant at
+# M <= GEMV_MAX_M (kernels/composite.py, kernels/situ.py); off until its GPU tests pass, so the
+# validated two-launch paths stay the default
+FUSED = os.environ.get("K3_GEMV_FUSED", "0") == "1"
+
+
+def fused_enabled() -> bool:
+    """Whether the composites take the one-launch variants now (read at every call: tests flip
+    `FUSED`)."""
+    return FUSED
+
+
+def fused_takes(x) -> bool:
+    """Whether a composite with rows x takes its one-launch variant: the switch is on and
+    `linear` would run this kernel at this M."""
+    return fused_enabled() and x.dim() == 2 and x.is_cuda and x.shape[0] <= GEMV_MAX_M
+
+
+def fused_ok(name: str, reason: str | None) -> bool:
+    """A composite's choice: True (one launch) where the variant takes the call; its refusal
+    is logged and the composite runs its two launches."""
+    if reason:
+        fallback(f"gemv_{name}", f"{reason}; two launches")
+    return reason is None
+
+
+def _launch(fusion, x, w, residual, out_fp32, *rest):
+    (m, k), n = x.shape, w.shape[0]
+    if m:
+        b = bucket(m)
+        compiled(n, k, b, out_fp32, residual is not None, config(n, k, b, fusion),
+                 fusion=fusion)(x, w, residual, *rest)
+
+
+def gemv_norm_cuda(x, norm_weight, w, eps, residual=None, *, out=None, out_dtype=None):
+    """y = RMSNorm(x; norm_weight, eps) · wᵀ [+ residual] (k3::norm_linear) in one launch:
+    x̂ = bf16(g · bf16(x · rstd)) as the rms_norm kernel and the reference round it, the GEMM
+    and the residual as `gemv_cuda`; torch (reason logged) when refused."""
+    if out_dtype is None:
+        out_dtype = out.dtype if out is not None else x.dtype
+    n = w.shape[0]
+    reason = fused_launch_refusal(NORM, x, w, residual, norm_weight=norm_weight,
+                                  out_dtype=out_dtype, outs=[(out, (len(x), n), out_dtype)])
+    if reason:
+        fallback("gemv_norm", reason)
+        return gemv_ref(rms_norm_ref(x, norm_weight, eps), w, residual, out_dtype)
+    y = x.new_empty((x.shape[0], n), dtype=out_dtype) if out is None else out
+    _launch(NORM, x, w, residual, out_dtype == torch.float32, y, None, norm_weight, float(eps),
+            None, None)
+    return y
+
+
+def gemv_situ_cuda(x, w, beta, linear_beta, *, out=None):
+    """a = bf16(SiTU(bf16(x · W_gᵀ), bf16(x · W_uᵀ))) for w = [W_g; W_u] [2I, K]
+    (k3::situ_gate_up) in one launch: the GEMM output rounded as the two-launch path stores
+    it, then the situ kernel's math; torch (reason logged) when refused."""
+    width = w.shape[0] // 2
+    reason = fused_launch_refusal(SITU, x, w, outs=[(out, (len(x), width), torch.bfloat16)])
+    if reason:
+        fallback("gemv_situ", reason)
+        gate, up = gemv_ref(x, w).split(width, dim=-1)
+        return situ_ref(gate, up, beta, linear_beta)
+    y = x.new_empty((x.shape[0], width)) if out is None else out
+    _launch(SITU, x, w, None, False, y, None, None, None, float(beta), float(linear_beta))
+    return y
+
+
+def gemv_split_cuda(x, w, split, *, out=None, out2=None):
+    """(x · w[:split]ᵀ in fp32, x · w[split:]ᵀ in bf16) in one launch (k3::moe_front over the
+    cached [W_r; W_d]): the sums of two `gemv_cuda` calls, stored as each would; torch (reason
+    logged) when refused."""
+    fusion, m, n = Fusion(split=split), len(x), w.shape[0]
+    reason = fused_launch_refusal(fusion, x, w, out_dtype=torch.float32,
+                                  outs=[(out, (m, split), torch.float32),
+                                        (out2, (m, n - split), torch.bfloat16)])
+    if reason:
+        fallback("gemv_split", reason)
+        return (gemv_ref(x, w[:split], out_dtype=torch.float32),
+                gemv_ref(x, w[split:], out_dtype=torch.bfloat16))
+    y = x.new_empty((m, split), dtype=torch.float32) if out is None else out
+    y2 = x.new_empty((m, n - split)) if out2 is None else out2
+    _launch(fusion, x, w, None, True, y, y2, None, None, None, None)
+    return y, y2

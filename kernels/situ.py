@@ -7,7 +7,9 @@ in fp32 and stores one 16-byte vector of y (with PDL, `common.dsl.PDL`, after
 `griddepcontrol.wait`: gate_up is all activation). With `situ_gate_up_cuda` (one GEMM over the cached
 [W_g; W_u] through `gemv.linear`: our skinny GEMM at one row, cuBLAS above; then this kernel)
 the op becomes two launches on the GPU, which lets the backend fuse it there and put the shared
-experts on the side stream. `tests/kernels/test_situ.py` passed on the H200 (2026-11-29).
+experts on the side stream; with K3_GEMV_FUSED=1 one launch at gemv's rows (gemv's SiTU epilogue:
+this kernel's math on the GEMM's bf16 outputs). `tests/kernels/test_situ.py` passed on the H200
+(2026-11-29).
 
 Constraints:
     * gate_up bf16 [N, 2I], contiguous rows (row stride a multiple of 8 elements), 16-byte-aligned;
@@ -21,6 +23,7 @@ import torch
 
 from k3compile.ops.gemm import gate_up_weight, situ_ref
 
+from . import gemv
 from .common.dsl import (
     BUCKETS,
     CompileCache,
@@ -154,8 +157,13 @@ def situ_cuda(gate_up, beta, linear_beta, *, out=None):
 
 
 def situ_gate_up_cuda(x, wg, wu, beta, linear_beta):
-    """k3::situ_gate_up on CUDA: one GEMM over the cached [W_g; W_u], then the kernel."""
-    return situ_cuda(linear(x, gate_up_weight(wg, wu)), beta, linear_beta)
+    """k3::situ_gate_up on CUDA: one GEMM over the cached [W_g; W_u], then the kernel; with
+    K3_GEMV_FUSED=1 (`gemv.FUSED`) at M <= gemv.GEMV_MAX_M one launch, gemv's SiTU-epilogue
+    variant (a refused call logs why and takes the two launches)."""
+    w = gate_up_weight(wg, wu)
+    if gemv.fused_takes(x) and gemv.fused_ok("situ", gemv.fused_launch_refusal(gemv.SITU, x, w)):
+        return gemv.gemv_situ_cuda(x, w, beta, linear_beta)
+    return situ_cuda(linear(x, w), beta, linear_beta)
 
 
 def register() -> None:

@@ -1,8 +1,12 @@
 """Every kernel compiles for the H200 (sm_90a) on a machine without a GPU: at the TP16-rank
 shapes with the config of every batch bucket, and at small shapes; the kernels with programmatic
-dependent launch also with it on (`common.dsl.PDL`), checked in their PTX. Needs only the DSL."""
+dependent launch also with it on (`common.dsl.PDL`), checked in their PTX; gemv's one-launch
+variants (norm prologue, SiTU epilogue, split output) with PDL off and on, and its plain build
+byte for byte as before them. Needs only the DSL."""
 
+import hashlib
 import struct
+from importlib.metadata import version
 
 import pytest
 
@@ -135,6 +139,80 @@ def test_builds_with_pdl(module, scalars, cfg, monkeypatch, tmp_path):
     assert not stores, f"{stores} before the wait"
     if module in WEIGHT_STREAM:
         assert WEIGHT_STREAM[module] in before, "the weight stream does not start before the wait"
+
+
+# gemv's one-launch variants (n, k, fp32 output, residual, fusion), every bucket: the norm
+# prologue at the routed-latent up-projection (with the shared experts' residual), SiTU at the
+# shared experts and dense layer 0 (I = 2112 per rank), the split front [W_r; W_d]; small shapes
+# with partial CTAs, vector tails and a split inside a CTA
+GEMV_VARIANTS = [(7168, 3584, False, False, gemv.NORM), (7168, 3584, False, True, gemv.NORM),
+                 (1000, 1032, True, True, gemv.NORM), (768, 7168, False, False, gemv.SITU),
+                 (4224, 7168, False, False, gemv.SITU), (2000, 1032, False, False, gemv.SITU),
+                 (4480, 7168, True, False, gemv.Fusion(split=896)),
+                 (1000, 1032, True, False, gemv.Fusion(split=333))]
+# sha256 (first 16 hex digits) of plain gemv cubins built by nvidia-cutlass-dsl 4.8.1 before the
+# variants existed: (n, k, bucket, fp32 output, residual, pdl) -> digest
+PLAIN_GEMV_CUBINS = {
+    (3584, 7168, 1, False, False, False): "2accba3bf8397a21",
+    (7168, 3584, 1, False, True, False): "2b86581f567f681d",
+    (896, 7168, 1, True, False, False): "badc9c6bc16da4a2",
+    (1000, 1032, 16, True, True, False): "bd6abb35996d612c",
+    (3584, 7168, 1, False, False, True): "9e4216a8380c9754",
+    (7168, 3584, 1, False, True, True): "97f202ee3a383f53",
+    (896, 7168, 1, True, False, True): "62dafce080e21e0f",
+    (1000, 1032, 16, True, True, True): "68285a098db65f47",
+}
+
+
+def _variant_id(v):
+    return f"{v[0]}x{v[1]}-{'fp32' if v[2] else 'bf16'}{'-r' if v[3] else ''}-" + (
+        "norm" if v[4].norm else "situ" if v[4].situ else f"split{v[4].split}")
+
+
+@pytest.mark.parametrize("b", gemv.BUCKETS)
+@pytest.mark.parametrize("variant", GEMV_VARIANTS, ids=_variant_id)
+def test_gemv_variants_build(variant, b, monkeypatch, tmp_path):
+    monkeypatch.setenv("CUTE_DSL_ARCH", ARCH)
+    n, k, out_fp32, residual, fusion = variant
+    cfg = gemv.config(n, k, b, fusion)
+    compiled = gemv.build(n, k, b, out_fp32, residual, cfg, arch=ARCH, dump_dir=str(tmp_path),
+                          fusion=fusion)
+    _check_cubin(compiled)
+    ptx = ptx_of(compiled)
+    assert "griddepcontrol" not in ptx and "kernel_fused" in ptx
+
+
+@pytest.mark.parametrize("variant", GEMV_VARIANTS, ids=_variant_id)
+def test_gemv_variants_build_with_pdl(variant, monkeypatch, tmp_path):
+    """The PDL rule in every variant: W (and the norm weight) load before the wait, x after it,
+    nothing stored before it."""
+    monkeypatch.setenv("CUTE_DSL_ARCH", ARCH)
+    n, k, out_fp32, residual, fusion = variant
+    cfg = gemv.config(n, k, 1, fusion)
+    compiled = gemv.build(n, k, 1, out_fp32, residual, cfg, arch=ARCH, dump_dir=str(tmp_path),
+                          pdl=True, fusion=fusion)
+    _check_cubin(compiled)
+    ptx = ptx_of(compiled)
+    assert TRIGGER in ptx and WAIT in ptx
+    before, after = ptx.split(WAIT)
+    assert not [op for op in ("st.global", "red.global", "atom.global") if op in before]
+    vectors = -(-(k // 8) // cfg.threads)  # per thread and row
+    assert before.count("ld.global.v4") == (cfg.rows_per_cta + fusion.norm) * vectors
+    assert "ld.global" in after  # x
+
+
+@pytest.mark.parametrize("key", PLAIN_GEMV_CUBINS, ids=str)
+def test_plain_gemv_build_is_unchanged(key, monkeypatch, tmp_path):
+    """With every variant flag off the build is byte for byte the one from before the variants
+    (the variants compile from a second entry, `Gemv.fused`)."""
+    if version("nvidia-cutlass-dsl") != "4.8.1":
+        pytest.skip("digests recorded with nvidia-cutlass-dsl 4.8.1")
+    monkeypatch.setenv("CUTE_DSL_ARCH", ARCH)
+    n, k, b, out_fp32, residual, pdl = key
+    compiled = gemv.build(n, k, b, out_fp32, residual, gemv.config(n, k, b), arch=ARCH,
+                          dump_dir=str(tmp_path), pdl=pdl)
+    assert "kernel_fused" not in ptx_of(compiled)
+    assert hashlib.sha256(cubin_of(compiled)).hexdigest()[:16] == PLAIN_GEMV_CUBINS[key]
 
 
 def _check_cubin(compiled):

@@ -1,18 +1,24 @@
 """The kernel composites (cuBLAS GEMM + one CuTe kernel) against their ops' torch references, at
 the TP16-rank shapes, through the ops' CUDA dispatch: o_proj + post-attention mix + norm, and the
-routed-latent norm + up-projection (+ the shared experts' residual)."""
+routed-latent norm + up-projection (+ the shared experts' residual). With K3_GEMV_FUSED on
+(`gemv.FUSED`), norm_linear, moe_front and situ_gate_up at one row take gemv's one-launch
+variants: equal to the switch-off composites within tolerance (moe_front bitwise), also captured
+in a CUDA graph with PDL on and off."""
 
 import pytest
 import torch
-from kernel_checks import BUCKETS, TOL, rel_err
+from k3compile.kernels import gemv
+from k3compile.kernels.common import dsl
+from kernel_checks import BUCKETS, TOL, assert_written, rel_err
 
 from k3compile.ops.attn_res import attn_res_mix_norm_ref
-from k3compile.ops.gemm import norm_linear_ref
+from k3compile.ops.gemm import norm_linear_ref, situ_gate_up_ref
 from k3compile.ops.moe import moe_front_ref
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("cuda_kernels")]
 
 HIDDEN, O_IN, LATENT, EXPERTS, EPS = 7168, 768, 3584, 896, 1e-5
+SHARED, BETA, LINEAR_BETA = 384, 4.0, 25.0
 
 
 def _bf16(gen, *shape, scale=1.0):
@@ -106,3 +112,137 @@ def test_linear(gen, n):
     torch.testing.assert_close(got.float(), want, **TOL["bf16"])
     rows = torch.ops.k3.linear(x.view(n, 1, LATENT), w)
     assert rows.shape == (n, 1, HIDDEN) and torch.equal(rows.view(n, HIDDEN), got)
+
+
+# ---- K3_GEMV_FUSED: one launch at gemv's rows ----------------------------------------------------
+
+
+def spy(monkeypatch, name):
+    """Count the calls of gemv.<name> (the composites look it up at call time)."""
+    calls, real = [], getattr(gemv, name)
+    monkeypatch.setattr(gemv, name, lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    return calls
+
+
+def both_ways(monkeypatch, op, *args):
+    """op(*args) with the switch off, then on."""
+    got = []
+    for flag in (False, True):
+        monkeypatch.setattr(gemv, "FUSED", flag)
+        got.append(op(*args))
+    return got
+
+
+def _norm_linear_inputs(gen, n, residual):
+    u = _bf16(gen, n, LATENT, scale=3.0)
+    wnorm = (1 + 0.1 * torch.randn(LATENT, generator=gen, device="cuda")).bfloat16()
+    w = _bf16(gen, HIDDEN, LATENT, scale=LATENT ** -0.5)
+    return u, wnorm, w, EPS, _bf16(gen, n, HIDDEN) if residual else None
+
+
+@pytest.mark.parametrize("n", BUCKETS)
+@pytest.mark.parametrize("residual", [False, True])
+def test_norm_linear_fused(gen, monkeypatch, n, residual):
+    calls = spy(monkeypatch, "gemv_norm_cuda")
+    args = _norm_linear_inputs(gen, n, residual)
+    off, on = both_ways(monkeypatch, torch.ops.k3.norm_linear, *args)
+    assert len(calls) == (n <= gemv.GEMV_MAX_M), "the one-launch variant at gemv's rows only"
+    assert on.dtype == off.dtype and on.shape == off.shape
+    for want in (off, norm_linear_ref(*args)):
+        torch.testing.assert_close(on.float(), want.float(), **TOL["bf16"])
+        assert rel_err(on, want) < TOL["bf16_rel_norm"]
+
+
+@pytest.mark.parametrize("n", BUCKETS)
+def test_moe_front_fused(gen, monkeypatch, n):
+    """One pass over the cached [W_r; W_d] gives bitwise the two GEMMs' logits and z."""
+    calls = spy(monkeypatch, "gemv_split_cuda")
+    x = _bf16(gen, n, HIDDEN)
+    router_w = _bf16(gen, EXPERTS, HIDDEN, scale=HIDDEN ** -0.5)
+    down_w = _bf16(gen, LATENT, HIDDEN, scale=HIDDEN ** -0.5)
+    off, on = both_ways(monkeypatch, torch.ops.k3.moe_front, x, router_w, down_w)
+    assert len(calls) == (n <= gemv.GEMV_MAX_M)
+    assert torch.equal(on[0], off[0]) and torch.equal(on[1], off[1])
+    want_logits, want_z = moe_front_ref(x, router_w, down_w)
+    assert rel_err(on[0], want_logits) < 1e-5
+    assert rel_err(on[1], want_z) < TOL["bf16_rel_norm"]
+
+
+def test_fused_composites_refuse_to_two_launches(gen, monkeypatch, caplog):
+    """A call the variant refuses (a norm weight in fp32, router weights with strided rows) runs
+    the two launches, with the reason logged."""
+    monkeypatch.setattr(gemv, "FUSED", True)
+    u, wnorm, w, eps, r = _norm_linear_inputs(gen, 1, True)
+    with caplog.at_level("DEBUG", logger="k3compile.kernels"):
+        torch.ops.k3.norm_linear(u, wnorm.float(), w, eps, r)
+        x = _bf16(gen, 1, HIDDEN)
+        router_w = _bf16(gen, EXPERTS, HIDDEN + 4)[:, :HIDDEN]
+        logits, _ = torch.ops.k3.moe_front(x, router_w, _bf16(gen, LATENT, HIDDEN))
+    assert "gemv_norm" in caplog.text and "two launches" in caplog.text
+    assert "gemv_split" in caplog.text
+    assert rel_err(logits, x.float() @ router_w.float().t()) < 1e-5
+
+
+class FusedOps:
+    """norm_linear (+ residual), situ_gate_up, moe_front at one row, through the ops."""
+
+    def __init__(self, gen):
+        self.gen = gen
+        self.norm = _norm_linear_inputs(gen, 1, True)
+        self.x = _bf16(gen, 1, HIDDEN)
+        self.wg, self.wu, self.router_w = (_bf16(gen, rows, HIDDEN, scale=HIDDEN ** -0.5)
+                                           for rows in (SHARED, SHARED, EXPERTS))
+        self.down_w = _bf16(gen, LATENT, HIDDEN, scale=HIDDEN ** -0.5)
+
+    def run(self):
+        return (torch.ops.k3.norm_linear(*self.norm),
+                torch.ops.k3.situ_gate_up(self.x, self.wg, self.wu, BETA, LINEAR_BETA),
+                *torch.ops.k3.moe_front(self.x, self.router_w, self.down_w))
+
+    def refresh(self):
+        self.norm[0].copy_(_bf16(self.gen, 1, LATENT, scale=3.0))
+        self.norm[4].copy_(_bf16(self.gen, 1, HIDDEN))
+        self.x.copy_(_bf16(self.gen, 1, HIDDEN))
+
+    def check(self, outs):
+        y, a, logits, z = outs
+        assert_written(*outs)
+        want_logits, want_z = moe_front_ref(self.x, self.router_w, self.down_w)
+        for got, want in ((y, norm_linear_ref(*self.norm)), (z, want_z),
+                          (a, situ_gate_up_ref(self.x, self.wg, self.wu, BETA, LINEAR_BETA))):
+            torch.testing.assert_close(got.float(), want.float(), **TOL["bf16"])
+            assert rel_err(got, want) < TOL["bf16_rel_norm"]
+        assert rel_err(logits, want_logits) < 1e-5
+
+
+def _capture(ops, pdl, monkeypatch):
+    monkeypatch.setattr(dsl, "PDL", pdl)
+    ops.run()  # compiles and builds the concatenations outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = ops.run()
+    return graph, outs
+
+
+def _replay(graph, outs):
+    for t in outs:
+        t.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    return [t.clone() for t in outs]
+
+
+def test_fused_composites_under_cuda_graphs_with_and_without_pdl(gen, monkeypatch):
+    """Each one-launch variant captured with PDL on and off, replayed on fresh inputs (outputs
+    poisoned first) against the references; both captures give bitwise the same outputs."""
+    monkeypatch.setattr(gemv, "FUSED", True)
+    calls = [spy(monkeypatch, f"gemv_{v}_cuda") for v in ("norm", "situ", "split")]
+    ops = FusedOps(gen)
+    graphs = {pdl: _capture(ops, pdl, monkeypatch) for pdl in (True, False)}
+    assert all(len(c) == 4 for c in calls), "a composite took its two launches"
+    for _ in range(3):
+        ops.refresh()
+        results = {pdl: _replay(*graphs[pdl]) for pdl in (True, False)}
+        ops.check(results[True])
+        for on, off in zip(results[True], results[False], strict=True):
+            assert torch.equal(on, off), "PDL changed a result"

@@ -1,15 +1,31 @@
 """gemv kernel (y = x · Wᵀ [+ r], M <= 16) at one K3 TP16 rank's weight shapes for every batch
 bucket, rows between buckets, an odd aligned shape, the fp32 router output, the residual
-epilogue, strided operands, and the torch fallback of refused inputs."""
+epilogue, strided operands, and the torch fallback of refused inputs (GPU).
+
+Its one-launch variants (norm prologue, SiTU epilogue, split output): on any machine, a torch
+model of the kernel's blocking (`kernel_sums`: the kernel's fp32 sums bit for bit, `norm_model`:
+its normalised x) against each op's reference at the real TP16 shapes, refusals, configs and the
+compile key; on the GPU each variant against its op's reference and against the two launches it
+replaces, and the model against the kernel."""
 
 import logging
+import os
 
 import pytest
 import torch
+import torch.nn.functional as F
 from k3compile.kernels import gemv as kernel
+from k3compile.kernels.common import dsl
 from kernel_checks import TOL, assert_written, poisoned, rel_err
 
-pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("cuda_kernels")]
+from k3compile.ops.gemm import norm_linear_ref, situ_gate_up_ref, situ_ref
+from k3compile.ops.moe import moe_front_ref
+from k3compile.ops.norms import rms_norm_ref
+
+
+def on_gpu(fn):
+    return pytest.mark.gpu(pytest.mark.usefixtures("cuda_kernels")(fn))
+
 
 # [N, K] of one TP16 rank: KDA in-proj, MLA q_a|kv_a, latent down, latent up, router, gates /
 # shared gate_up, o_proj, MLA q_b, shared down, KDA f_b
@@ -48,23 +64,27 @@ def check(x, w, residual=None, out_dtype=torch.bfloat16):
     return out
 
 
+@on_gpu
 @pytest.mark.parametrize("m", kernel.BUCKETS)
 @pytest.mark.parametrize("n,k", [*SHAPES, ODD], ids=lambda v: str(v))
 def test_shapes(gen, n, k, m):
     check(*make_inputs(gen, m, n, k))
 
 
+@on_gpu
 @pytest.mark.parametrize("m", [3, 5, 7, 12])
 @pytest.mark.parametrize("n,k", [(3206, 7168), (7168, 768), ODD], ids=lambda v: str(v))
 def test_rows_between_buckets(gen, n, k, m):
     check(*make_inputs(gen, m, n, k))
 
 
+@on_gpu
 @pytest.mark.parametrize("m", kernel.BUCKETS)
 def test_router_fp32_logits(gen, m):
     check(*make_inputs(gen, m, *ROUTER), out_dtype=torch.float32)
 
 
+@on_gpu
 @pytest.mark.parametrize("m", [1, 3, 8, 16])
 @pytest.mark.parametrize("n,k", [(7168, 768), (7168, 384), ODD], ids=lambda v: str(v))
 def test_residual(gen, n, k, m):
@@ -74,6 +94,7 @@ def test_residual(gen, n, k, m):
     check(x, w, r, out_dtype=torch.float32)
 
 
+@on_gpu
 def test_strided_operands_and_determinism(gen):
     x, w = make_inputs(gen, 8, 2112 + 16, 7168 + 64)
     x, w = x[:, 64:], w[16:, 64:]  # row strides K + 64, 16-byte aligned row starts
@@ -84,11 +105,13 @@ def test_strided_operands_and_determinism(gen):
     assert torch.equal(first, check(x, w, r)), "not deterministic"
 
 
+@on_gpu
 def test_empty_batch(gen):
     x, w = make_inputs(gen, 0, 768, 128)
     assert kernel.gemv_cuda(x, w).shape == (0, 768)
 
 
+@on_gpu
 @pytest.mark.parametrize("case", ["k_not_multiple_of_8", "fp32_x", "batch_17"])
 def test_refused_inputs_fall_back_to_torch(gen, caplog, case):
     m, n, k = {"k_not_multiple_of_8": (4, 256, 1001), "fp32_x": (4, 768, 128),
@@ -109,3 +132,299 @@ def test_refused_inputs_fall_back_to_torch(gen, caplog, case):
     tol = TOL["bf16"] if y.dtype == torch.bfloat16 else FP32_SUMS
     torch.testing.assert_close(y.float(), model(x, w, None, y.dtype).float(), **tol)
     torch.testing.assert_close(y_res.float(), model(x, w, r, y.dtype).float(), **tol)
+
+
+# ---- one-launch variants --------------------------------------------------------------------------
+
+HIDDEN, LATENT, EXPERTS, SHARED, DENSE, EPS, BETA, LINEAR_BETA = (
+    7168, 3584, 896, 384, 2112, 1e-5, 4.0, 25.0)  # DENSE: layer 0's I per TP16 rank
+
+
+@pytest.fixture
+def cpu_gen():
+    seed = int(torch.randint(1 << 30, ()).item())
+    print(f"seed {seed}")
+    return torch.Generator().manual_seed(seed)
+
+
+def _blocks(k):
+    """(T, J): the kernel's threads per CTA and vectors per thread for width K."""
+    cfg = kernel.config(1, k, 1)
+    return cfg.threads, -(-(k // 8) // cfg.threads)
+
+
+def _per_thread(x, k):
+    """x [..., K] -> [..., J, T, 8] fp32: thread t's vectors t, t + T, ... (zeros past K)."""
+    T, J = _blocks(k)
+    return F.pad(x.float(), (0, J * T * 8 - k)).unflatten(-1, (J, T, 8))
+
+
+def _butterfly(v):
+    """[..., 32] lanes -> the xor-butterfly total (every lane's: the adds commute)."""
+    lane = torch.arange(32, device=v.device)
+    for offset in (16, 8, 4, 2, 1):
+        v = v + v[..., lane ^ offset]
+    return v[..., 0]
+
+
+def _in_order(v):
+    total = v[..., 0]
+    for i in range(1, v.shape[-1]):
+        total = total + v[..., i]
+    return total
+
+
+def kernel_sums(x, w):
+    """The kernel's fp32 sums Σ_k x[m, k]·w[n, k], bit for bit: thread t adds its elements in
+    order (bf16 products are exact in fp32, so its fused multiply-adds round as these adds do),
+    a butterfly over each warp's lanes, then the warps in order. The order depends on K alone,
+    not on R, M or the variant."""
+    k = x.shape[1]
+    xv, wv = _per_thread(x, k), _per_thread(w, k)
+    T, J = _blocks(k)
+    acc = torch.zeros(x.shape[0], w.shape[0], T, device=x.device)
+    for j in range(J):
+        for e in range(8):
+            acc += xv[:, None, j, :, e] * wv[None, :, j, :, e]
+    return _in_order(_butterfly(acc.unflatten(-1, (T // 32, 32))))
+
+
+def norm_model(x, g, eps, m_bucket):
+    """(x̂, rstd) of the norm prologue: the kernel's sum of squares (per thread in vector order,
+    warp butterflies, then block_sum across warps: lane k adds column k in order at >= 4 values,
+    a butterfly over the zero-padded warp totals below), rstd = rsqrt(ss / K + eps) (torch's
+    rsqrt standing in for the kernel's approximate one), x̂ rounded as rms_norm_ref rounds it."""
+    k = x.shape[1]
+    T, _ = _blocks(k)
+    xv = _per_thread(x, k)
+    s = torch.zeros(x.shape[0], T, device=x.device)
+    for j in range(xv.shape[1]):
+        for e in range(8):
+            s = s + xv[:, j, :, e] ** 2
+    warps = _butterfly(s.unflatten(-1, (T // 32, 32)))
+    ss = _in_order(warps) if m_bucket >= 4 else _butterfly(F.pad(warps, (0, 32 - T // 32)))
+    rstd = torch.rsqrt(ss / k + eps)
+    return _normalised(x, g, rstd), rstd
+
+
+def _normalised(x, g, rstd):
+    return ((x.float() * rstd[:, None]).bfloat16().float() * g.float()).bfloat16()
+
+
+def norm_inputs(gen, m, n=HIDDEN, k=LATENT, residual=True):
+    device = gen.device
+    u = (3 * torch.randn(m, k, generator=gen, device=device)).bfloat16()
+    g = (1 + 0.1 * torch.randn(k, generator=gen, device=device)).bfloat16()
+    w = (torch.randn(n, k, generator=gen, device=device) / k ** 0.5).bfloat16()
+    r = torch.randn(m, n, generator=gen, device=device).bfloat16() if residual else None
+    return u, g, w, r
+
+
+def gate_up_inputs(gen, m, width=SHARED, k=HIDDEN):
+    device = gen.device
+    x = torch.randn(m, k, generator=gen, device=device).bfloat16()
+    wg, wu = ((torch.randn(width, k, generator=gen, device=device) / k ** 0.5).bfloat16()
+              for _ in range(2))
+    return x, wg, wu
+
+
+def close_bf16(out, want):
+    torch.testing.assert_close(out.float(), want.float(), **TOL["bf16"])
+    assert rel_err(out, want) < TOL["bf16_rel_norm"]
+
+
+@pytest.mark.parametrize("m", [1, 5, 16])
+@pytest.mark.parametrize("residual", [False, True])
+def test_norm_model_rounds_as_the_reference(cpu_gen, m, residual):
+    """x̂ takes rms_norm_ref's two roundings (bitwise where rstd is the reference's); the
+    kernel's order of the squares moves rstd by a few ulps in some rows, where some x · rstd
+    (all of one bf16 mantissa at a time) round one bf16 ulp apart; the whole op (fp32 sums, the residual
+    added before one rounding) is norm_linear_ref's within the bf16 tolerance. At the TP16
+    shape: latent 3584 -> hidden 7168."""
+    u, g, w, r = norm_inputs(cpu_gen, m, residual=residual)
+    want_rstd = torch.rsqrt(u.float().pow(2).mean(-1) + EPS)
+    ref = rms_norm_ref(u, g, EPS)
+    assert torch.equal(_normalised(u, g, want_rstd), ref)
+    xhat, rstd = norm_model(u, g, EPS, dsl.bucket(m))
+    torch.testing.assert_close(rstd, want_rstd, rtol=2 ** -21, atol=0)
+    same = rstd == want_rstd
+    assert torch.equal(xhat[same], ref[same])
+    # one bf16 ulp of x · rstd at most, which g scales before the second rounding
+    h, want_h = ((u.float() * s[:, None]).bfloat16().float() for s in (rstd, want_rstd))
+    assert ((h - want_h).abs() <= want_h.abs() * 2 ** -7).all(), "more than one bf16 ulp"
+    assert ((xhat.float() - ref.float()).abs() <= ref.float().abs() * 2 ** -6).all()
+    y = kernel_sums(xhat, w)
+    y = (y if r is None else y + r.float()).bfloat16()
+    close_bf16(y, norm_linear_ref(u, g, w, EPS, r))
+
+
+@pytest.mark.parametrize("m", [1, 4, 16])
+@pytest.mark.parametrize("width", [SHARED, DENSE])
+def test_situ_model_is_the_reference(cpu_gen, m, width):
+    """SiTU of the bf16-rounded gate and up sums (the GEMM output the reference rounds too):
+    the reference's roundings, its sums in another order. Shared experts and dense layer 0."""
+    x, wg, wu = gate_up_inputs(cpu_gen, m, width)
+    sums = kernel_sums(x, torch.cat([wg, wu]))
+    got = situ_ref(sums[:, :width].bfloat16(), sums[:, width:].bfloat16(), BETA, LINEAR_BETA)
+    close_bf16(got, situ_gate_up_ref(x, wg, wu, BETA, LINEAR_BETA))
+
+
+@pytest.mark.parametrize("m", [1, 16])
+def test_split_model_is_the_reference(cpu_gen, m):
+    """Router logits (fp32 sums of exact products: the reference's up to their order) and the
+    latent z (bf16) from one pass over [W_r; W_d]."""
+    x, w_r, _ = gate_up_inputs(cpu_gen, m, EXPERTS)
+    w_d = (torch.randn(LATENT, HIDDEN, generator=cpu_gen) / HIDDEN ** 0.5).bfloat16()
+    sums = kernel_sums(x, torch.cat([w_r, w_d]))
+    want_logits, want_z = moe_front_ref(x, w_r, w_d)
+    assert rel_err(sums[:, :EXPERTS], want_logits) < 1e-5
+    close_bf16(sums[:, EXPERTS:].bfloat16(), want_z)
+
+
+def test_kernel_sums_are_the_gemm(cpu_gen):
+    x, w = torch.randn(3, 1032, generator=cpu_gen).bfloat16(), torch.randn(40, 1032).bfloat16()
+    torch.testing.assert_close(kernel_sums(x, w), model(x, w, out_dtype=torch.float32),
+                               **FP32_SUMS)
+
+
+def test_variant_refusals():
+    """Metadata only (meta tensors)."""
+    def t(*shape, dtype=torch.bfloat16):
+        return torch.empty(*shape, dtype=dtype, device="meta")
+
+    x, w, g = t(1, LATENT), t(HIDDEN, LATENT), t(LATENT)
+    refuse = kernel.fused_refusal
+    assert refuse(kernel.NORM, x, w, t(1, HIDDEN), norm_weight=g) is None
+    assert "norm weight" in refuse(kernel.NORM, x, w)
+    assert "norm weight" in refuse(kernel.NORM, x, w, norm_weight=t(LATENT, dtype=torch.float32))
+    assert "norm weight" in refuse(kernel.NORM, x, w, norm_weight=t(2 * LATENT)[::2])
+    assert "K 32768" in refuse(kernel.NORM, t(1, 32768), t(64, 32768), norm_weight=t(32768))
+    assert "batch above 16" in refuse(kernel.NORM, t(17, LATENT), w, norm_weight=g)
+    gu = t(2 * SHARED, HIDDEN)
+    assert refuse(kernel.SITU, t(1, HIDDEN), gu) is None
+    assert "SiTU" in refuse(kernel.SITU, t(1, HIDDEN), t(2 * SHARED + 1, HIDDEN))
+    assert "SiTU" in refuse(kernel.SITU, t(1, HIDDEN), gu, t(1, 2 * SHARED))
+    assert "SiTU" in refuse(kernel.SITU, t(1, HIDDEN), gu, out_dtype=torch.float32)
+    front = t(EXPERTS + LATENT, HIDDEN)
+    split = kernel.Fusion(split=EXPERTS)
+    assert refuse(split, t(1, HIDDEN), front, out_dtype=torch.float32) is None
+    assert "split at row" in refuse(kernel.Fusion(split=EXPERTS + LATENT), t(1, HIDDEN), front)
+    assert "residual" in refuse(split, t(1, HIDDEN), front, t(1, EXPERTS + LATENT))
+    assert "dtype" in refuse(split, t(1, HIDDEN, dtype=torch.float32), front)
+
+
+def test_variant_configs():
+    """The plain configs do not move; SiTU pairs rows (R even); the norm prologue's registers
+    count."""
+    for n, k in [*SHAPES, ODD]:
+        for b in kernel.BUCKETS:
+            assert kernel.config(n, k, b, kernel.PLAIN) == kernel.config(n, k, b)
+            assert kernel.config(n, k, b, kernel.Fusion(split=1)) == kernel.config(n, k, b)
+            assert kernel.config(n, k, b, kernel.SITU).rows_per_cta % 2 == 0
+            norm = kernel.config(n, k, b, kernel.NORM)
+            assert norm.rows_per_cta <= kernel.config(n, k, b).rows_per_cta
+
+
+def test_fusion_is_in_the_compile_key(monkeypatch):
+    builds = []
+    monkeypatch.setattr(kernel, "_cache", dsl.CompileCache(kernel.OP))
+    monkeypatch.setattr(kernel, "build", lambda *_, pdl=False, fusion=kernel.PLAIN, **__:
+                        builds.append((pdl, fusion)) or (pdl, fusion))
+    cfg = kernel.config(768, 7168, 1)
+    fusions = [kernel.PLAIN, kernel.NORM, kernel.SITU, kernel.Fusion(split=256)]
+    for pdl in (False, True, False):
+        monkeypatch.setattr(dsl, "PDL", pdl)
+        for f in fusions:
+            assert kernel.compiled(768, 7168, 1, False, False, cfg, fusion=f) == (pdl, f)
+    assert builds == [(p, f) for p in (False, True) for f in fusions], "one build per key"
+
+
+def test_switch_is_off_by_default_and_read_at_call_time(monkeypatch):
+    if "K3_GEMV_FUSED" not in os.environ:
+        assert kernel.FUSED is False, "the validated two-launch paths stay the default"
+    for flag in (True, False, True):
+        monkeypatch.setattr(kernel, "FUSED", flag)
+        assert kernel.fused_enabled() is flag
+    assert not kernel.fused_takes(torch.empty(1, 64))  # a CPU tensor: the reference runs
+
+
+# GPU: each variant through its wrapper, poisoned outputs, fresh inputs, the TP16 shapes
+
+
+@on_gpu
+@pytest.mark.parametrize("m", kernel.BUCKETS)
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("n,k", [(HIDDEN, LATENT), ODD], ids=str)
+def test_norm_variant(gen, n, k, m, residual):
+    """Against norm_linear_ref, and against its own model (x̂ from torch's rsqrt: within one
+    bf16 rounding of the output)."""
+    u, g, w, r = norm_inputs(gen, m, n, k, residual)
+    out = poisoned(m, n)
+    assert kernel.gemv_norm_cuda(u, g, w, EPS, r, out=out) is out, "fell back"
+    assert_written(out)
+    close_bf16(out, norm_linear_ref(u, g, w, EPS, r))
+    y = kernel_sums(norm_model(u, g, EPS, dsl.bucket(m))[0], w)
+    close_bf16(out, y if r is None else y + r.float())
+
+
+@on_gpu
+@pytest.mark.parametrize("m", kernel.BUCKETS)
+@pytest.mark.parametrize("width,k", [(SHARED, HIDDEN), (DENSE, HIDDEN), (1000, 1032)], ids=str)
+def test_situ_variant(gen, width, k, m):
+    """Against situ_gate_up_ref, and bitwise against the two launches it replaces (gemv, then
+    the situ kernel): the same sums, rounded and activated alike."""
+    from k3compile.kernels import situ
+
+    x, wg, wu = gate_up_inputs(gen, m, width, k)
+    w = torch.cat([wg, wu])
+    out = poisoned(m, width)
+    assert kernel.gemv_situ_cuda(x, w, BETA, LINEAR_BETA, out=out) is out, "fell back"
+    assert_written(out)
+    close_bf16(out, situ_gate_up_ref(x, wg, wu, BETA, LINEAR_BETA))
+    gate_up = kernel.gemv_cuda(x, w, out=poisoned(m, 2 * width))
+    assert torch.equal(out, situ.situ_cuda(gate_up, BETA, LINEAR_BETA, out=poisoned(m, width)))
+
+
+@on_gpu
+@pytest.mark.parametrize("m", kernel.BUCKETS)
+@pytest.mark.parametrize("split,n,k", [(EXPERTS, EXPERTS + LATENT, HIDDEN), (333, 1000, 1032)],
+                         ids=str)
+def test_split_variant(gen, split, n, k, m):
+    """Router logits and latent z of one launch are bitwise the two gemv launches' (333: CTAs
+    straddle the split), and moe_front_ref's within its tolerances."""
+    x, w = make_inputs(gen, m, n, k)
+    out, out2 = poisoned(m, split, dtype=torch.float32), poisoned(m, n - split)
+    got = kernel.gemv_split_cuda(x, w, split, out=out, out2=out2)
+    assert got[0] is out and got[1] is out2, "fell back"
+    assert_written(out, out2)
+    assert torch.equal(out, kernel.gemv_cuda(x, w[:split], out_dtype=torch.float32))
+    assert torch.equal(out2, kernel.gemv_cuda(x, w[split:]))
+    want_logits, want_z = moe_front_ref(x, w[:split], w[split:])
+    assert rel_err(out, want_logits) < 1e-5
+    close_bf16(out2, want_z)
+
+
+@on_gpu
+@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("n,k", [(EXPERTS, HIDDEN), (HIDDEN, LATENT), ODD], ids=str)
+def test_model_is_the_kernel_bit_for_bit(gen, n, k, m):
+    """`kernel_sums` is what the kernel computes (fp32 output), so the CPU tests of the variants'
+    math test the kernel's."""
+    x, w = make_inputs(gen, m, n, k)
+    assert torch.equal(kernel.gemv_cuda(x, w, out_dtype=torch.float32), kernel_sums(x, w))
+
+
+@on_gpu
+def test_variants_fall_back_on_refused_inputs(gen, caplog):
+    u, g, w, r = norm_inputs(gen, 2, 256, 1032)
+    with caplog.at_level(logging.DEBUG, logger="k3compile.kernels"):
+        y = kernel.gemv_norm_cuda(u, g.float(), w, EPS, r)  # an fp32 norm weight
+        a = kernel.gemv_situ_cuda(u.float(), w, BETA, LINEAR_BETA)  # fp32 activations
+        logits, z = kernel.gemv_split_cuda(u, w, 256)  # nothing past the split
+    assert "gemv_norm" in caplog.text and "gemv_situ" in caplog.text
+    assert "gemv_split" in caplog.text
+    assert torch.equal(y, kernel.gemv_ref(rms_norm_ref(u, g.float(), EPS), w, r, torch.bfloat16))
+    gate, up = kernel.gemv_ref(u.float(), w).split(128, dim=-1)
+    assert torch.equal(a, situ_ref(gate, up, BETA, LINEAR_BETA))
+    assert torch.equal(logits, kernel.gemv_ref(u, w, out_dtype=torch.float32))
+    assert z.shape == (2, 0)

@@ -1,10 +1,13 @@
 """SiTU-GLU kernel and `situ_gate_up`'s CUDA path (GEMM over [W_g; W_u] + the kernel)
-against the torch reference, at the TP16 shared-expert width for every bucket, plus odd widths."""
+against the torch reference, at the TP16 shared-expert width for every bucket, plus odd widths;
+with K3_GEMV_FUSED on (`gemv.FUSED`) the op at one row is gemv's SiTU-epilogue variant, equal to
+the two launches (tests/kernels/test_gemv.py tests the variant itself)."""
 
 import logging
 
 import pytest
 import torch
+from k3compile.kernels import gemv
 from k3compile.kernels import situ as kernel
 from kernel_checks import BUCKETS, TOL, assert_written, poisoned, rel_err
 
@@ -60,3 +63,22 @@ def test_refused_input_falls_back(gen, caplog):
         y = kernel.situ_cuda(gate_up, BETA, LINEAR_BETA)
     g, u = gate_up.split(12, dim=-1)
     assert torch.equal(y, situ_ref(g, u, BETA, LINEAR_BETA))
+
+
+@pytest.mark.parametrize("n", BUCKETS)
+@pytest.mark.parametrize("width", [SHARED, 2112])  # shared experts, dense layer 0 (per rank)
+def test_situ_gate_up_fused(gen, monkeypatch, n, width):
+    x = torch.randn(n, HIDDEN, generator=gen, device="cuda").bfloat16()
+    wg, wu = ((torch.randn(width, HIDDEN, generator=gen, device="cuda") * HIDDEN**-0.5)
+              .bfloat16() for _ in range(2))
+    calls, real = [], gemv.gemv_situ_cuda
+    monkeypatch.setattr(gemv, "gemv_situ_cuda", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    got = {}
+    for flag in (False, True):
+        monkeypatch.setattr(gemv, "FUSED", flag)
+        got[flag] = torch.ops.k3.situ_gate_up(x, wg, wu, BETA, LINEAR_BETA)
+    assert len(calls) == (n <= gemv.GEMV_MAX_M), "the one-launch variant at gemv's rows only"
+    assert_written(got[True])
+    for want in (got[False], situ_gate_up_ref(x, wg, wu, BETA, LINEAR_BETA)):
+        torch.testing.assert_close(got[True].float(), want.float(), **TOL["bf16"])
+        assert rel_err(got[True], want) < TOL["bf16_rel_norm"]
