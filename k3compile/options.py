@@ -37,6 +37,13 @@ class Options:
     # bytes it saves per rank outweigh the all-gather it adds (k3compile.shard.worth_sharding);
     # "on" shards every one it can, "off" none. K3_SHARD_MOE=on|off|auto.
     shard_moe: str = "auto"
+    # Side streams (stage `streams`: the shared experts; stage `prefetch`: beside fused
+    # collectives). None: on under the "aten" executor (GPU-tested), off under Inductor until
+    # its CUDA-graph test has passed on the GPU. K3_SIDE_STREAMS=1|0.
+    side_streams: bool | None = None
+
+    def streams_on(self) -> bool:
+        return self.executor == "aten" if self.side_streams is None else self.side_streams
 
     @classmethod
     def make(cls, options: dict[str, Any] | None = None) -> Options:
@@ -58,6 +65,8 @@ class Options:
             opts["buckets"] = buckets
         if os.environ.get("K3_FUSE_ALL", "") not in ("", "0"):
             opts.setdefault("fuse_without_kernels", True)
+        if os.environ.get("K3_SIDE_STREAMS", "") != "":
+            opts.setdefault("side_streams", os.environ["K3_SIDE_STREAMS"] != "0")
         if os.environ.get("K3_EXECUTOR"):
             opts.setdefault("executor", os.environ["K3_EXECUTOR"])
         if os.environ.get("K3_SHARD_MOE"):

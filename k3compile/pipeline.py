@@ -144,6 +144,9 @@ def shard(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
 def streams(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
     from k3compile.streams import schedule_shared_experts
 
+    if not ctx.options.streams_on():  # see Options.side_streams
+        ctx.notes["streams"] = []
+        return gm
     ctx.notes["streams"] = schedule_shared_experts(gm.graph)
     gm.recompile()
     return gm
@@ -152,11 +155,12 @@ def streams(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
 def prefetch(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
     from k3compile.prefetch import insert_prefetches, l2_bytes
 
-    # beside fused collectives only where the executor honours side streams (Inductor's runs
-    # every k3 op on one stream, where that prefetch would only delay the next GEMMs)
+    # beside fused collectives on stream 2 (where side streams are on): the prefetch's call
+    # names its stream, and fork/join order it by data dependence in whatever order Inductor
+    # launches
     ctx.notes["prefetch"] = insert_prefetches(gm.graph, l2_bytes(ctx.options.l2_bytes, gm.graph),
                                                joins=ctx.options.prefetch_on_join,
-                                               beside=ctx.options.executor == "aten")
+                                               beside=ctx.options.streams_on())
     gm.recompile()
     return gm
 
@@ -238,9 +242,8 @@ class Pipeline:
             self.observer.graphs[batch] = aten_gm.graph
             if self.options.executor == "inductor":
                 return inductor.compile_fx_inner(aten_gm, aten_inputs, **kwargs)
-            from k3compile.streams import runner  # side-stream nodes on their streams (CUDA)
-
-            return inductor.make_boxed_func(runner(aten_gm))
+            # the graph as it is: side-stream ops name their stream in their calls
+            return inductor.make_boxed_func(aten_gm.forward)
 
         patches = {"fx_graph_cache": False, "emulate_precision_casts": True,
                    **inductor.GRAPH_PASSES_OFF}  # see there: Inductor's pattern passes off

@@ -14,13 +14,19 @@ there the prefetch runs on its own side stream, forked on the op's input and joi
 of the span it covers (the next anchor, or the graph output: a CUDA-graph capture must see the
 side stream rejoined):
 
-    fork([partial], 2) ; allreduce_attn_res_mix_norm(partial, ..) ; prefetch_l2(..) (stream 2)
-    ; the GEMMs ... ; join([partial], 2) ; the next anchor
+    p = fork([partial], 2)[0] ; allreduce_attn_res_mix_norm(p, ..)
+    ; q = prefetch_l2([W_a, W_b, ...], nbytes, stream=2, after=[p])[0] ; the GEMMs ...
+    ; join([q, <the span end's inputs>], 2) ; the span's end
 
-The prefetch comes after the op in graph order so that the collective is launched first; on
-stream 2 it waits only for the fork. The "aten" executor honours the streams; Inductor's runs
-the k3 ops in graph order on one stream, where the prefetch would only delay the GEMMs after the
-collective, so the pipeline inserts these prefetches under the aten executor only (`beside`).
+The prefetch carries its stream in the call (`stream=2`), so both executors run it there. Its
+place holds in every order Inductor's wrapper may pick, by data dependence alone: it reads the
+fork's alias (`after`: launched after the fork), the join reads its output (the join after it),
+the op reads its input through the fork (the fork before the op: stream 2 does not wait for the
+collective), and the join takes the main-stream activations the span's end reads (the join not
+before the GEMMs it is meant to leave alone). In graph order the prefetch comes after the op, so
+that under the aten executor the collective is launched first; on stream 2 it waits only for the
+fork, and in a CUDA graph only the dependencies count. (A main-stream prefetch before a wait has
+no such anchor: Inductor may launch it earlier than the wait; it only reads weights.)
 
 Stream 2, not the shared experts' 1: on one stream the prefetch would queue behind a shared-expert
 branch still running, and its join would make the main stream wait for that branch early.
@@ -42,13 +48,21 @@ from torch import fx
 
 import k3compile.ops  # noqa: F401  (the k3 ops named below)
 from k3compile.graph_edit import call
-from k3compile.streams import is_collective, root, view_chain, written_inputs
+from k3compile.streams import (
+    fork,
+    is_collective,
+    join,
+    root,
+    set_stream,
+    view_chain,
+    written_inputs,
+)
 
 H200_L2_BYTES = 60 * 2**20
 SHARE = 0.5  # of the L2 one prefetch may fill
 SIDE = 2  # the stream of the prefetches that overlap a fused collective
 _PREFETCH = torch.ops.k3.prefetch_l2.default
-_FORK, _JOIN = torch.ops.k3.stream_fork.default, torch.ops.k3.stream_join.default
+_JOIN = torch.ops.k3.stream_join.default
 _NOT_GEMMS = {"moe_route", "moe_experts", "stream_fork", "stream_join", "prefetch_l2"}
 _TRANSPOSES = {"permute", "t", "transpose"}
 
@@ -155,22 +169,22 @@ def _beside_collective(graph: fx.Graph, op: fx.Node, weights: list, nbytes: int)
     end = _span_end(op)
     x = next(a for a in op.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor))
     with graph.inserting_before(op):
-        fork = call(graph, _FORK, ([x], SIDE), like=op)
-        x_side = call(graph, operator.getitem, (fork, 0), like=op)
+        x_side = fork(graph, x, SIDE, op, [op])
     with graph.inserting_after(op):
-        node = call(graph, _PREFETCH, (weights, nbytes), like=op)
-    with graph.inserting_before(end):  # x_side too: x must live until the main stream waited
-        join = call(graph, _JOIN, ([x_side], SIDE), like=op)
-    fork.meta["k3_stream"] = join.meta["k3_stream"] = 0
-    x_side.meta["k3_stream"] = SIDE
+        node = call(graph, _PREFETCH, (weights, nbytes), {"stream": SIDE, "after": [x_side]},
+                    like=op)
+    with graph.inserting_after(node):
+        done = call(graph, operator.getitem, (node, 0), like=op)
+    set_stream(node, SIDE)
+    done.meta["k3_stream"] = SIDE
+    join(graph, [done], SIDE, end, like=op)  # x's alias: x lives until the main stream waited
     return node
 
 
 def insert_prefetches(graph: fx.Graph, l2: int, joins: bool = True,
                       beside: bool = True) -> list[Prefetch]:
     """Prefetch before every collective wait (and side-stream join when `joins`), and beside
-    every fused collective on stream SIDE when `beside` (only where the executor runs streams:
-    on one stream the prefetch would just delay the GEMMs after the collective)."""
+    every fused collective on stream SIDE when `beside`."""
     budget = int(l2 * SHARE)
     written = written_inputs(graph)
     plans = []

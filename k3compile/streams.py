@@ -4,17 +4,47 @@ with the routed path (vLLM does the same with an aux stream, spec §3.3 / §5.1)
     x ──► moe_front ─► route ─► experts ─► [all-reduce] ─► norm_linear ──┐
     │                                                                     add ─► delta
     └─► stream_fork ─► situ_gate_up ─► down GEMM ─► stream_join ─► [all-reduce] ─┘
-                       (side stream 1)
+                       (stream=1)      (stream=1)
 
 The branch is everything the shared SiTU gate/up op starts that needs nothing from the main
-stream but its input: it is moved up to right after its input is made (so the side stream starts
-as early as possible), opened by `k3.stream_fork` and closed by `k3.stream_join` placed just
-before the first main-stream consumer (so the main stream waits as late as possible).
-Collectives always stay on the main stream. Every node's stream is recorded in
-`meta["k3_stream"]` (0 = main), which the tools show and the executor honours (`runner`).
+stream but its input and that can run on a side stream: views (no kernel) and ops whose schema
+takes `stream` (`k3.situ_gate_up`, `k3.linear`). Each of its ops carries its stream in the call
+(`stream=1`): its CUDA implementation launches and allocates on that side stream (`ops.sched`).
+So the graph alone says where every kernel runs, and both executors run the same thing: the aten
+executor in graph order, Inductor in whatever order its wrapper picks. `meta["k3_stream"]` records
+the same for the tools and `hazards`, which checks that the two agree.
+
+Correct in every order, by data dependence only (an Inductor wrapper keeps producers before
+consumers, nothing else):
+- `k3.stream_fork` (main records an event, the side stream waits for it) returns aliases of x:
+  the branch reads x only through it, so every branch launch comes after the fork. The main
+  stream's readers of x read it through the fork too, so the fork comes before them (the side
+  stream then waits for nothing of the routed path).
+- `k3.stream_join` (the side stream records, main waits) takes every value the branch made, x's
+  alias, and the main-stream activations its first consumer reads; its outputs replace the
+  branch's outputs for the main stream. So it comes after every branch launch, and after the
+  routed path (Inductor's `reorder_for_locality` would otherwise pull the routed path below it,
+  making it wait for the branch), and the main stream reads nothing of the branch before it.
+- Main-stream ops can land anywhere, between fork and join included: the side stream never reads
+  what they make (it only waited at the fork), and they read the branch only after the join.
+
+Memory, the caching allocator and Inductor's buffer reuse (which knows nothing of streams):
+- x, read on the side stream: the join holds an alias of it (Inductor treats fork/join outputs as
+  aliases), so neither the allocator nor Inductor's planner hands its block out before the main
+  stream has waited for the branch.
+- What the branch makes is allocated on the side stream. The join holds all of it, so Inductor
+  reuses none of it for a main-stream buffer while the side stream may still touch it.
+- After the join such a block may serve the main stream (a joined output, or a buffer Inductor
+  put in it) up to a point the side stream knows nothing of, and a later side-stream allocation
+  could take it back while the main stream still reads it (Inductor may launch main work between
+  the next fork and a branch op). So the side-stream ops mark their outputs used by the caller's
+  stream (`record_stream`, in `ops.sched.on_stream`): the allocator hands such a block out again
+  only after the main stream has passed its free (within a CUDA-graph capture: not before the
+  capture ends). Side-stream temporaries freed inside an op stay on the side stream: in order.
 
 `hazards` checks the schedule: with the happens-before relation of stream order plus fork/join
-events, no buffer may be read on one stream while another writes it without an event between.
+events, no buffer may be read on one stream while another writes it without an event between;
+collectives stay on the main stream; each node's stream argument equals its `k3_stream`.
 """
 
 from __future__ import annotations
@@ -31,6 +61,7 @@ from k3compile.graph_edit import call
 
 SIDE = 1
 _FORK, _JOIN = torch.ops.k3.stream_fork.default, torch.ops.k3.stream_join.default
+_PREFETCH = torch.ops.k3.prefetch_l2.default
 _SHARED, _FRONT = torch.ops.k3.situ_gate_up.default, torch.ops.k3.moe_front.default
 _VIEWS = {"view", "_unsafe_view", "reshape", "permute", "t", "transpose", "slice", "select",
           "expand", "unsqueeze", "squeeze", "alias", "as_strided", "detach", "getitem"}
@@ -56,6 +87,20 @@ def _is_view(node: fx.Node) -> bool:
     return node.op == "call_function" and (_name(node) in _VIEWS or node.target in (_FORK, _JOIN))
 
 
+def takes_stream(node: fx.Node) -> bool:
+    """An op that runs on the stream its `stream` argument names (a k3 op's CUDA path)."""
+    schema = getattr(node.target, "_schema", None)
+    return (node.op == "call_function" and schema is not None
+            and any(a.name == "stream" and a.kwarg_only for a in schema.arguments))
+
+
+def set_stream(node: fx.Node, stream: int) -> None:
+    """Schedule node on `stream`: its call's stream argument (ops that take one) and its meta."""
+    if takes_stream(node):
+        node.kwargs = {**node.kwargs, "stream": stream}
+    node.meta["k3_stream"] = stream
+
+
 def written_inputs(graph: fx.Graph) -> set[fx.Node]:
     return {root(b) for n in graph.nodes if n.op == "call_function" for b in _writes(n)}
 
@@ -64,6 +109,39 @@ def _free(node, written) -> bool:
     """A weight: a view chain down to a graph input that nothing writes."""
     r = root(node)
     return isinstance(r, fx.Node) and r.op == "placeholder" and r not in written
+
+
+def fork(graph: fx.Graph, x: fx.Node, stream: int, like: fx.Node,
+         main_users: list[fx.Node]) -> fx.Node:
+    """`k3.stream_fork([x], stream)` at the insertion point; returns x's alias for the side stream.
+    `main_users` read x through the fork's other alias from then on, so in every order of the
+    graph they come after the fork (and the side stream does not wait for them)."""
+    node = call(graph, _FORK, ([x], stream), like=like)
+    x_side = call(graph, operator.getitem, (node, 0), like=like)
+    x_main = call(graph, operator.getitem, (node, 0), like=like)
+    for user in main_users:
+        user.replace_input_with(x, x_main)
+    node.meta["k3_stream"] = x_main.meta["k3_stream"] = 0
+    x_side.meta["k3_stream"] = stream
+    return x_side
+
+
+def join(graph: fx.Graph, values: list[fx.Node], stream: int, before: fx.Node,
+         like: fx.Node) -> fx.Node:
+    """`k3.stream_join` just before `before`, over the side stream's `values` and, to pin it
+    after them in every order of the graph, the main-stream activations `before` reads."""
+    pins = [a for a in before.all_input_nodes if a not in values and _activation(a)
+            and a.meta.get("k3_stream", 0) == 0]
+    with graph.inserting_before(before):
+        node = call(graph, _JOIN, ([*values, *pins], stream), like=like)
+    node.meta["k3_stream"] = 0
+    return node
+
+
+def _activation(node: fx.Node) -> bool:
+    r = root(node)
+    return (isinstance(node.meta.get("val"), torch.Tensor) and isinstance(r, fx.Node)
+            and r.op != "placeholder")
 
 
 # ---- the stage -----------------------------------------------------------------------------------
@@ -83,10 +161,11 @@ def schedule_shared_experts(graph: fx.Graph) -> list[Branch]:
 
 
 def _grow(seed: fx.Node, written) -> list[fx.Node]:
-    """seed and every node after it that reads only the branch and weights (no collectives)."""
+    """seed and every view or stream-taking op after it that reads only the branch and weights
+    (a collective or any other op stays on the main stream, after the join)."""
     branch = {seed}
     for node in seed.graph.nodes:  # graph order: a node's inputs are decided before it
-        if node in branch or node.op != "call_function" or is_collective(node):
+        if node in branch or not (_is_view(node) or takes_stream(node)) or is_collective(node):
             continue
         inputs = node.all_input_nodes
         if any(i in branch for i in inputs) and all(i in branch or _free(i, written)
@@ -101,33 +180,46 @@ def _split_off(graph: fx.Graph, seed: fx.Node, written) -> Branch:
     weights = [v for n in nodes for i in n.all_input_nodes if i not in nodes and i is not x
                for v in view_chain(i)]
     # the fork right after x, then the branch (and the weight views it reads) right after it
-    with graph.inserting_after(x):
-        fork = call(graph, _FORK, ([x], SIDE), like=seed)
-    with graph.inserting_after(fork):
-        x_side = call(graph, operator.getitem, (fork, 0), like=seed)
-    anchor = x_side
+    with graph.inserting_before(x.next):
+        x_side = fork(graph, x, SIDE, seed, [u for u in x.users if u not in nodes])
+    anchor = x_side.next  # x_main
     for node in [*dict.fromkeys(weights), *nodes]:
         anchor.append(node)
         anchor = node
     for node in nodes:
         node.replace_input_with(x, x_side)
-    for node in [x_side, *weights, *nodes]:
-        node.meta["k3_stream"] = SIDE
-    fork.meta["k3_stream"] = 0
-    # the join just before the first main-stream consumer of anything the branch made
+    for node in [*weights, *nodes]:
+        set_stream(node, SIDE)
+    _check_inputs(nodes, x_side, written)
+    # the join just before the first main-stream consumer of anything the branch made; it holds
+    # all the branch made and x_side: none of it may be reused before the main stream waited
     outs = [n for n in nodes if any(u not in nodes for u in n.users)]
+    made = [n for n in nodes if not _is_view(n) and n not in outs]
     consumers = [u for n in outs for u in n.users if u not in nodes]
     first = min(consumers, key=_position(graph))
-    with graph.inserting_before(first):  # x_side too: it must live until the main stream waited
-        join = call(graph, _JOIN, ([*outs, x_side], SIDE), like=outs[-1])
-        joined = [call(graph, operator.getitem, (join, i), like=outs[-1])
+    node = join(graph, [*outs, *made, x_side], SIDE, first, like=outs[-1])
+    with graph.inserting_before(first):
+        joined = [call(graph, operator.getitem, (node, i), like=outs[-1])
                   for i in range(len(outs))]
     for out, new in zip(outs, joined):
-        for user in [u for u in out.users if u not in nodes and u is not join]:
+        for user in [u for u in out.users if u not in nodes and u is not node]:
             user.replace_input_with(out, new)
-    for n in (join, *joined):
+    for n in joined:
         n.meta["k3_stream"] = 0
-    return Branch(fork, join, nodes)
+    return Branch(x_side.args[0], node, nodes)
+
+
+def _check_inputs(nodes: list[fx.Node], x_side: fx.Node, written) -> None:
+    """The side stream waited only at the fork: a branch op may read the forked x, the branch's
+    own values and weights, nothing else the main stream makes."""
+    inside = set(nodes)
+    for n in nodes:
+        for i in n.all_input_nodes:
+            if not (i in inside or i is x_side or _free(i, written)):
+                raise AssertionError(f"streams: {n.name} on stream {SIDE} reads {i.name}, which "
+                                     f"does not come through the fork")
+        if not (_is_view(n) or takes_stream(n)):
+            raise AssertionError(f"streams: {n.name} has no stream argument")
 
 
 def _position(graph: fx.Graph):
@@ -138,14 +230,17 @@ def _position(graph: fx.Graph):
 # ---- the hazard check ----------------------------------------------------------------------------
 
 def root(node):
-    """The buffer a value lives in: through views and fork/join aliases to the node that made it
-    (for one output of a multi-output op, that op)."""
+    """The buffer a value lives in: through views and fork/join/prefetch aliases to the node that
+    made it (for one output of a multi-output op, that op)."""
     while isinstance(node, fx.Node) and node.op == "call_function":
         if node.target is operator.getitem:
             src = node.args[0]
-            if src.target not in (_FORK, _JOIN):
+            if src.target is _PREFETCH:
+                node = src.kwargs["after"][node.args[1]]
+            elif src.target in (_FORK, _JOIN):
+                node = src.args[0][node.args[1]]
+            else:
                 return src
-            node = src.args[0][node.args[1]]
         elif _is_view(node):
             node = node.args[0]
         else:
@@ -197,9 +292,11 @@ def happens_before(graph: fx.Graph) -> nx.DiGraph:
 
 def hazards(graph: fx.Graph) -> list[str]:
     """Every cross-stream access pair to one buffer (one of them a write) that no chain of stream
-    order and events orders, and every collective off the main stream."""
+    order and events orders, every collective off the main stream, and every node whose stream
+    argument is not its `k3_stream` (what runs is the argument; what was checked, the meta)."""
     problems = [f"{n.name}: collective on stream {n.meta['k3_stream']}" for n in graph.nodes
                 if is_collective(n) and n.meta.get("k3_stream", 0) != 0]
+    problems += _disagreements(graph)
     hb = happens_before(graph)
     accesses: dict[fx.Node, list[tuple[fx.Node, bool]]] = {}
     for node in hb.nodes:
@@ -231,25 +328,15 @@ def hazards(graph: fx.Graph) -> list[str]:
     return problems
 
 
-# ---- the executor --------------------------------------------------------------------------------
-
-class _StreamInterpreter(fx.Interpreter):
-    def run_node(self, n: fx.Node):
-        stream = n.meta.get("k3_stream", 0)
-        if stream and n.op == "call_function":
-            from k3compile.ops.sched import side_stream
-
-            with torch.cuda.stream(side_stream(torch.device("cuda"), stream)):
-                return super().run_node(n)
-        return super().run_node(n)
-
-
-def runner(gm: fx.GraphModule):
-    """The graph's callable: its own forward, or on CUDA with side-stream nodes an interpreter
-    that launches each node on its stream (CUDA graphs then replay it without the Python)."""
-    on_cuda = any(isinstance(v := n.meta.get("val"), torch.Tensor) and v.is_cuda
-                  for n in gm.graph.nodes if n.op == "placeholder")
-    if not on_cuda or not any(n.meta.get("k3_stream", 0) for n in gm.graph.nodes):
-        return gm.forward
-    interpreter = _StreamInterpreter(gm)
-    return lambda *args: interpreter.run(*args)
+def _disagreements(graph: fx.Graph) -> list[str]:
+    out = []
+    for n in graph.nodes:
+        meta = n.meta.get("k3_stream", 0)
+        if takes_stream(n) and n.kwargs.get("stream", 0) != meta:
+            out.append(f"{n.name}: scheduled on stream {meta}, runs on stream "
+                       f"{n.kwargs.get('stream', 0)} (its stream argument)")
+        elif (meta and n.op == "call_function" and not takes_stream(n) and not _is_view(n)
+              and not is_collective(n)):
+            out.append(f"{n.name}: scheduled on stream {meta}, but has no stream argument: "
+                       "runs on the main stream")
+    return out

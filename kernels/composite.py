@@ -37,7 +37,7 @@ from k3compile.ops.linear import concatenated
 from . import gemv
 from .attn_res_mix_norm import attn_res_mix_norm_cuda
 from .common import collective
-from .common.dsl import flat_rows
+from .common.dsl import flat_rows, on_stream
 from .gemv import linear
 from .rms_norm import rms_norm_cuda
 
@@ -97,4 +97,5 @@ def linear_cuda(x, w):
 
 def register() -> None:
     for op in OPS:
-        torch.library.register_kernel(f"k3::{op}", "cuda", flat_rows(globals()[f"{op}_cuda"]))
+        torch.library.register_kernel(f"k3::{op}", "cuda",
+                                      on_stream(flat_rows(globals()[f"{op}_cuda"])))

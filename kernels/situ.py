@@ -34,6 +34,7 @@ from .common.dsl import (
     fake_stream,
     fallback,
     flat_rows,
+    on_stream,
     pdl_enabled,
     pdl_launch_dependents,
     pdl_wait,
@@ -167,4 +168,5 @@ def situ_gate_up_cuda(x, wg, wu, beta, linear_beta):
 
 
 def register() -> None:
-    torch.library.register_kernel("k3::situ_gate_up", "cuda", flat_rows(situ_gate_up_cuda))
+    torch.library.register_kernel("k3::situ_gate_up", "cuda",
+                                  on_stream(flat_rows(situ_gate_up_cuda)))

@@ -6,7 +6,9 @@ end. A no-op on CPU: the compiled TP=2 model (2 gloo processes) still equals eag
 from __future__ import annotations
 
 import datetime
+import operator
 import os
+import re
 import socket
 
 import torch
@@ -120,16 +122,25 @@ def test_fused_collective_prefetch_runs_on_a_side_stream():
     (anchor,) = [n for n in graph.nodes if n.target is FUSED]
     (fork,) = [n for n in graph.nodes if n.target is FORK]
     (join,) = [n for n in graph.nodes if n.target is JOIN]
-    x_side = anchor.prev
-    # fork on the all-reduce's input just before it; the prefetch launched after it, on SIDE
-    assert (x_side.prev, x_side.args) == (fork, (fork, 0))
-    assert fork.args == ([anchor.args[0]], SIDE) and anchor.args[0].name == "partial_1"
+    (out,) = [n for n in graph.nodes if n.op == "output"]
+    x_side, x_main = fork.next, anchor.prev
+    # fork on the all-reduce's input just before it, the op reading it through the fork (so that
+    # every order keeps the fork before the collective)
+    assert x_side.args == x_main.args == (fork, 0) and x_main.next is anchor
+    (partial,) = fork.args[0]
+    assert fork.args[1] == SIDE and partial.name == "partial_1" and anchor.args[0] is x_main
+    # the prefetch launched after it on SIDE, reading the fork's alias (after the fork in every
+    # order), its alias read by the join (before the join)
     assert node.prev is anchor and found.node is node
+    assert node.kwargs == {"stream": SIDE, "after": [x_side]}
+    done = node.next
+    assert done.args == (node, 0)
     assert [w.name for w in node.args[0]] == ["w_a_1", "w_b_1"]  # not the op's own mix weights
     assert node.args[1] == 4 * (128 * 64 + 32 * 128)
-    # joined at the span's end: here the graph output
-    assert join.args == ([x_side], SIDE) and join.next.op == "output"
-    assert [n.meta["k3_stream"] for n in (fork, x_side, node, join)] == [0, SIDE, SIDE, 0]
+    # joined at the span's end, here the graph output, after the activations it returns
+    assert join.args == ([done, *out.all_input_nodes], SIDE) and join.next is out
+    assert [n.meta["k3_stream"] for n in (fork, x_side, x_main, node, done, join)] == [
+        0, SIDE, 0, SIDE, SIDE, 0]
     assert node.meta["k3_prefetch"] == {
         "before": anchor.name, "weights": ["w_a_1", "w_b_1"], "bytes": node.args[1],
         "gemms": ["mm", "mm_1"], "stream": SIDE}
@@ -139,6 +150,31 @@ def test_fused_collective_prefetch_runs_on_a_side_stream():
     (point,) = diff._stream_info([node], {})[2]
     assert point.text() == (f"k3.prefetch_l2 beside {anchor.name} on stream {SIDE} @ ?: "
                             "2 weights, 0.05 MiB (w_a_1, w_b_1)")
+
+
+def test_inductor_wrapper_keeps_the_prefetch_between_fork_and_join():
+    """Under executor inductor the prefetch beside a fused collective is inserted too: its
+    wrapper launches the fork, the prefetch on stream 2 (reading the fork's alias) and the join
+    in that order, the collective reading its input through the fork. Compiled, not run (the
+    collective needs a process group)."""
+    from torch._inductor.utils import run_and_get_code
+
+    from k3compile.pipeline import Observer, Pipeline
+    from tests.test_streams import check_side_calls, wrapper_calls
+
+    pipeline = Pipeline(Options.make({"executor": "inductor", "side_streams": True}), Observer())
+    gm = torch.fx.symbolic_trace(fused_step)
+    _, (code,) = run_and_get_code(lambda: pipeline.compile(gm, _fused_inputs(), None))
+    (prefetch,) = check_side_calls(code, SIDE)
+    calls, producer, _ = wrapper_calls(code)
+    (fork,), (join,), (op,) = ([c for c in calls if c.op == name] for name in
+                               ("stream_fork", "stream_join", "allreduce_attn_res_mix_norm"))
+    assert prefetch.op == "prefetch_l2" and fork.line < prefetch.line < join.line
+    assert producer[re.search(r"after=\[(buf\d+)\]", prefetch.args)[1]] == fork.out
+    assert producer[op.reads[0]] == fork.out and fork.line < op.line
+    linears = [c for c in calls if c.op == "linear"]
+    assert len(linears) == 2 and all(c.line < join.line for c in linears)  # joined at the end
+    assert op.line < join.line
 
 
 def fused_then_wait(partial, prefix, block, w_mix_norm, w_mix_proj, w_norm, w_a, w_b):
@@ -208,6 +244,13 @@ def _span_weights(op, written) -> list[str]:
     return names
 
 
+def _through_fork(node):
+    """The value a fork's alias stands for (the next anchor reads its input through its fork)."""
+    if node.target is operator.getitem and node.args[0].target is FORK:
+        return node.args[0].args[0][node.args[1]]
+    return node
+
+
 def _anchor_facts(graph) -> list[dict]:
     """For each fused collective, what surrounds it, as plain data for the main process."""
     from k3compile.streams import written_inputs
@@ -215,17 +258,20 @@ def _anchor_facts(graph) -> list[dict]:
     written, order = written_inputs(graph), {n: i for i, n in enumerate(graph.nodes)}
     facts = []
     for op in [n for n in graph.nodes if n.target is FUSED]:
-        x_side, prefetch = op.prev, op.next
-        fork = x_side.args[0]
-        (join,) = [u for u in x_side.users if u.target is JOIN]
+        x_main, prefetch = op.args[0], op.next
+        fork, done = x_main.args[0], prefetch.next
+        (x_side,) = [u for u in fork.users if u.meta["k3_stream"] == SIDE]
+        (join,) = [u for u in done.users if u.target is JOIN]
         end = next(n for n in graph.nodes if order[n] > order[op] and _ends_span(n))
         facts.append({
-            "fork": (fork.target is FORK, fork.args[0] == [op.args[0]], fork.args[1]),
+            "fork": (fork.target is FORK, x_main.args == (fork, 0), fork.args[1]),
             "prefetch": (prefetch.target is PREFETCH, prefetch.meta.get("k3_stream"),
+                         prefetch.kwargs == {"stream": SIDE, "after": [x_side]},
                          prefetch.meta.get("k3_prefetch", {}).get("before") == op.name),
             "weights": prefetch.meta["k3_prefetch"]["weights"],
             "expected": _span_weights(op, written),
-            "join": (join.args[1], join.meta["k3_stream"], order[op] < order[join] < order[end]),
+            "join": (join.args[1], join.meta["k3_stream"], order[op] < order[join] < order[end],
+                     set(join.args[0][1:]) <= {_through_fork(a) for a in end.all_input_nodes}),
         })
     return facts
 
@@ -271,6 +317,6 @@ def test_tp2_prefetch_beside_every_fused_collective(tmp_path):
         assert r["sched"] == ["k3.stream_fork.default"] * 3 + ["k3.stream_join.default"] * 3
         for f in r["facts"]:
             assert f["fork"] == (True, True, SIDE), f
-            assert f["prefetch"] == (True, SIDE, True), f
+            assert f["prefetch"] == (True, SIDE, True, True), f
             assert f["weights"] and f["weights"] == f["expected"], f
-            assert f["join"] == (SIDE, 0, True), f
+            assert f["join"] == (SIDE, 0, True, True), f

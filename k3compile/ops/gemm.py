@@ -8,6 +8,8 @@
 `situ_gate_up` runs one GEMM over [W_g; W_u]: the concatenation is built once per weight pair
 and cached with `k3.linear_concat`'s (a second copy of the two weights; on a GPU it is made by
 the first, uncaptured run, so a CUDA graph never replays a cat).
+With `stream=s` it runs on side stream s (stage `streams`: the shared experts beside the routed
+path; `k3compile.ops.sched`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch.nn.functional as F
 
 from k3compile.ops.linear import concatenated
 from k3compile.ops.norms import rms_norm_ref
+from k3compile.ops.sched import run_on_stream
 
 
 def situ_ref(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float):
@@ -87,13 +90,16 @@ def situ_gate_up_refusal(x, wg, wu) -> str | None:
     return None
 
 
-@torch.library.custom_op("k3::situ_gate_up", mutates_args=())
-def situ_gate_up(x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, beta: float,
-                 linear_beta: float) -> torch.Tensor:
-    """x [..., D], W_g/W_u [I, D] -> SiTU(x·W_gᵀ, x·W_uᵀ) [..., I] in x's dtype."""
-    return situ_gate_up_ref(x, wg, wu, beta, linear_beta)
+@torch.library.custom_op(
+    "k3::situ_gate_up", mutates_args=(),
+    schema="(Tensor x, Tensor wg, Tensor wu, float beta, float linear_beta, *, int stream=0)"
+           " -> Tensor")
+def situ_gate_up(x, wg, wu, beta, linear_beta, *, stream=0):
+    """x [..., D], W_g/W_u [I, D] -> SiTU(x·W_gᵀ, x·W_uᵀ) [..., I] in x's dtype, on CUDA side
+    stream `stream` when it is not 0 (stage `streams`: the shared experts)."""
+    return run_on_stream(stream, situ_gate_up_ref, x, wg, wu, beta, linear_beta)
 
 
 @situ_gate_up.register_fake
-def _(x, wg, wu, beta, linear_beta):
+def _(x, wg, wu, beta, linear_beta, *, stream=0):
     return x.new_empty((*x.shape[:-1], wg.shape[0]))

@@ -3,7 +3,8 @@ step 1), and one GEMM that no fusion took.
 
     k3.linear_concat:  y = x · [W_0; W_1; ...; W_{n-1}]ᵀ   [..., Σ N_i]; the caller splits it
     k3.linear:         y = x · Wᵀ                          [..., N]: a plain GEMM, routed on CUDA
-                       to our skinny GEMM (kernels/gemv.py, x1.2-1.8 over cuBLAS at one row)
+                       to our skinny GEMM (kernels/gemv.py, x1.2-1.8 over cuBLAS at one row);
+                       `stream=s` runs it on side stream s (the shared experts' down GEMM)
 
 The concatenated weight is built once per set of weights and cached, keyed by every weight's
 (data_ptr, _version, shape, dtype, device): a weight updated in place (`load_state_dict`, `copy_`)
@@ -24,6 +25,8 @@ from __future__ import annotations
 import weakref
 
 import torch
+
+from k3compile.ops.sched import run_on_stream
 
 _CACHE: dict[tuple, tuple] = {}  # key of the weights -> (weakrefs to them, the concatenation)
 
@@ -86,13 +89,15 @@ def linear_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.linear(x, w)
 
 
-@torch.library.custom_op("k3::linear", mutates_args=())
-def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [..., K], w [N, K] -> x·wᵀ [..., N] in x's dtype. The reference is the very call the
-    unfused graph makes (F.linear without bias is mm(x, wᵀ)), so CPU results do not change."""
-    return linear_ref(x, w)
+@torch.library.custom_op("k3::linear", mutates_args=(),
+                         schema="(Tensor x, Tensor w, *, int stream=0) -> Tensor")
+def linear(x, w, *, stream=0):
+    """x [..., K], w [N, K] -> x·wᵀ [..., N] in x's dtype, on CUDA side stream `stream` when it
+    is not 0 (stage `streams`). The reference is the very call the unfused graph makes (F.linear
+    without bias is mm(x, wᵀ)), so CPU results do not change."""
+    return run_on_stream(stream, linear_ref, x, w)
 
 
 @linear.register_fake
-def _(x, w):
+def _(x, w, *, stream=0):
     return x.new_empty((*x.shape[:-1], w.shape[0]))

@@ -1,34 +1,54 @@
-"""Scheduling ops that the `streams` and `prefetch` stages insert. They do no math.
+"""Scheduling ops that the `streams` and `prefetch` stages insert, and the `stream` argument of the
+ops they put on a side stream. The scheduling ops do no math.
 
     ys = k3.stream_fork(xs, stream_id)   the side stream waits for what the main stream has queued
     ys = k3.stream_join(xs, stream_id)   the main stream waits for what the side stream has queued
-    k3.prefetch_l2(weights, nbytes)      read the first nbytes of the weights so they sit in L2
+    ys = k3.prefetch_l2(weights, nbytes, stream=s, after=xs)
+                                         read the first nbytes of the weights so they sit in L2
 
 Fork and join return their inputs (aliases: no copy), and the branch consumes the forked values and
 the main stream the joined ones, so neither op is dead code and each orders its consumers after
-itself. On a GPU they record an event on one stream and make the other wait on it. Which stream
-runs the nodes in between is the node's `meta["k3_stream"]`, honoured by the executor
-(`k3compile.streams.runner`). On CPU both are identities.
+itself: in graph order (the aten executor) and in any order Inductor's wrapper picks. On a GPU
+they record an event on one stream and make the other wait on it. On CPU both are identities.
 
-Memory: the join also takes the forked tensors, so they live until the main stream has waited for
-the side stream, and no later main-stream allocation can take their blocks while the side stream
-still reads them. (`record_stream` would do the same outside CUDA graphs, but inside a capture the
-event it records at free time is side-stream work after the join, which the capture refuses.)
+Where an op runs is an argument of its call: the ops that a stage puts on a side stream
+(`k3.situ_gate_up`, `k3.linear`, `k3.prefetch_l2`) take a keyword-only `int stream=0`, and their
+CUDA implementation runs with that side stream current (`on_stream`: launches and allocations).
+References and fake implementations ignore it; on CPU it changes nothing. An op that runs between
+a fork and its join without the argument runs on the main stream (the `hazards` check of
+`k3compile.streams` flags a node whose `meta["k3_stream"]` says otherwise).
 
-`prefetch_l2` returns nothing; it is marked side-effecting so dead-code elimination keeps it. On a
-GPU it runs a reduction over the bytes it names (one per weight); on CPU it is a no-op. The join
-that closes a prefetch's side stream has no consumer (nothing waits for a prefetch's data), so
-`stream_join` is side-effecting too: it still orders the streams, and a capture needs it.
+Memory (the case for each kind of buffer is in `k3compile.streams`): the join takes the forked
+tensors and everything the side stream made, so none of them is reused before the main stream has
+waited for the side stream. What a side-stream op returns is marked used by the calling stream
+(`record_stream`), so that after the join, once the main stream has used and freed it, a later
+side-stream allocation takes the block only after the main stream has passed the free. Within a
+CUDA-graph capture the allocator defers such a block's reuse to the capture's end (no event is
+recorded during a capture): a little more pool memory, nothing recorded on a joined stream. The
+forked tensors need no such mark: the join holds them until the main stream waited.
+
+`prefetch_l2` passes `after` through (aliases): on a side stream it reads the fork's alias and the
+join reads its output, so in every order it is launched after the fork and before the join. On
+the main stream `after` is empty and the op returns nothing anyone reads; it is marked
+side-effecting so dead-code elimination keeps it. On a GPU it runs a reduction over the bytes it
+names (one per weight); on CPU it is a no-op. The join that closes a prefetch's side stream has no
+consumer (nothing waits for a prefetch's data), so `stream_join` is side-effecting too: it still
+orders the streams, and a capture needs it.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch.fx.node import has_side_effect
+from torch.utils._pytree import tree_leaves
 
 _lib = torch.library.Library("k3", "FRAGMENT")
 _lib.define("stream_fork(Tensor(a)[] xs, int stream_id) -> Tensor(a)[]")
 _lib.define("stream_join(Tensor(a)[] xs, int stream_id) -> Tensor(a)[]")
+_lib.define("prefetch_l2(Tensor[] weights, int nbytes, *, int stream=0, Tensor(a)[]? after=None)"
+            " -> Tensor(a)[]")
 
 _STREAMS: dict[tuple[int, int], torch.cuda.Stream] = {}  # (device, stream_id) -> side stream
 
@@ -44,7 +64,38 @@ def side_stream(device: torch.device, stream_id: int) -> torch.cuda.Stream:
 
 
 def _cuda_device(xs) -> torch.device | None:
-    return next((x.device for x in xs if x.is_cuda), None)
+    return next((x.device for x in xs if isinstance(x, torch.Tensor) and x.is_cuda), None)
+
+
+def run_on_stream(stream: int, fn, *args, **kwargs):
+    """fn(*args, **kwargs) with side stream `stream` current on the device of the first CUDA
+    tensor in args; its tensor outputs marked used by the calling stream (see the module
+    docstring). Just the call for stream 0 or without a CUDA tensor (CPU)."""
+    device = _cuda_device(tree_leaves(args)) if stream else None
+    if device is None:
+        return fn(*args, **kwargs)
+    caller = torch.cuda.current_stream(device)
+    with torch.cuda.stream(side_stream(device, stream)):
+        out = fn(*args, **kwargs)
+    for t in tree_leaves(out):
+        if isinstance(t, torch.Tensor) and t.is_cuda:
+            t.record_stream(caller)
+    return out
+
+
+def on_stream(fn):
+    """The CUDA implementation of an op with a `stream` argument, from one without it:
+
+        torch.library.register_kernel("k3::op", "cuda", on_stream(flat_rows(op_cuda)))
+
+    The dispatcher passes `stream` only when it is not 0, as a keyword (keyword-only in the
+    schemas); an implementation of an op without the argument runs unchanged."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, stream: int = 0, **kwargs):
+        return run_on_stream(stream, fn, *args, **kwargs)
+
+    return wrapper
 
 
 def _hand_over(waiting: torch.cuda.Stream, recording: torch.cuda.Stream) -> None:
@@ -77,11 +128,16 @@ for _name in ("stream_fork", "stream_join"):
     _lib.impl(_name, _alias, "Meta")
 
 
-@torch.library.custom_op("k3::prefetch_l2", mutates_args=())
-def prefetch_l2(weights: list[torch.Tensor], nbytes: int) -> None:
-    """Touch the first nbytes of weights (in order) so the next GEMMs find them in L2."""
-    if not weights or not weights[0].is_cuda or nbytes <= 0:
-        return
+def prefetch_l2(weights: list[torch.Tensor], nbytes: int, *, stream: int = 0,
+                after: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """Touch the first nbytes of weights (in order) so the next GEMMs find them in L2, on side
+    stream `stream` when it is not 0; returns aliases of `after`."""
+    if weights and weights[0].is_cuda and nbytes > 0:
+        run_on_stream(stream, _touch, weights, nbytes)
+    return _prefetch_alias(weights, nbytes, after=after)
+
+
+def _touch(weights: list[torch.Tensor], nbytes: int) -> None:
     parts, left = [], nbytes
     for w in weights:
         if left <= 0:
@@ -94,10 +150,12 @@ def prefetch_l2(weights: list[torch.Tensor], nbytes: int) -> None:
         torch.amax(part)
 
 
-@prefetch_l2.register_fake
-def _(weights, nbytes):
-    return None
+def _prefetch_alias(weights, nbytes, *, stream=0, after=None):
+    return [x.view_as(x) for x in after or ()]
 
+
+_lib.impl("prefetch_l2", prefetch_l2, "CompositeExplicitAutograd")
+_lib.impl("prefetch_l2", _prefetch_alias, "Meta")
 
 has_side_effect(torch.ops.k3.prefetch_l2.default)
 has_side_effect(torch.ops.k3.stream_join.default)

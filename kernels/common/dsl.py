@@ -9,6 +9,9 @@
 * `fallback(op, reason)`: the one place that logs why a CUDA call went to the torch reference.
 * `PDL` / `pdl_enabled()`, `pdl_launch_dependents(on)`, `pdl_wait(on)`: programmatic dependent
   launch between our kernels (below).
+* `flat_rows(fn)`, `on_stream(fn)`: what wraps a kernel function into an op's CUDA implementation
+  (`register_kernel("k3::op", "cuda", on_stream(flat_rows(op_cuda)))`): [B, T, D] activations as
+  rows, and the op's `stream` argument (k3compile.ops.sched).
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import threading
 from collections.abc import Callable, Hashable
 
 import torch
+
+from k3compile.ops.sched import on_stream  # noqa: F401  (re-exported: the kernels' wrappers)
 
 log = logging.getLogger("k3compile.kernels")
 

@@ -1,7 +1,12 @@
 """On a GPU: each bucket's step captured once in a CUDA graph and replayed; 50 decode steps of the
-tiny and small configs equal to eager (state buffers and inputs static, so replays stay right)."""
+tiny and small configs equal to eager (state buffers and inputs static, so replays stay right);
+under executor inductor with the shared experts on a side stream, 24 steps equal to eager and a
+captured graph that really branches."""
 
 from __future__ import annotations
+
+import collections
+import re
 
 import pytest
 import torch
@@ -21,7 +26,7 @@ pytestmark = pytest.mark.gpu
 def test_cuda_graph_replay_equals_eager(config, executor):
     torch._dynamo.reset()
     cfg = get_config(config)
-    kw = dict(device="cuda", dtype=torch.float32, max_batch=8, max_seq_len=64)
+    kw = {"device": "cuda", "dtype": torch.float32, "max_batch": 8, "max_seq_len": 64}
     eager, model = build_model(cfg, **kw), build_model(cfg, **kw)
     # every fused op in the graph (also those without a GPU kernel yet): their CUDA paths and
     # the capture of all of them are under test
@@ -38,7 +43,7 @@ def test_cuda_graph_replay_equals_eager(config, executor):
             torch._dynamo.maybe_mark_dynamic(t, 0)
         got, want = step(ids, pos, slots), eager(ids, pos, slots)
         worst = max(worst, rel_err(got, want))
-    compiled = next(c for c in k3be._compiled if c.guards)
+    compiled = next(c for c in reversed(k3be._compiled) if c.guards)  # this test's
     entry = compiled.buckets[next(iter(compiled.buckets))]
     assert entry.graph is not None, "the bucket was not captured in a CUDA graph"
     assert entry.runs == 50
@@ -46,3 +51,51 @@ def test_cuda_graph_replay_equals_eager(config, executor):
     for (name, a), (_, b) in zip(model.named_buffers(), eager.named_buffers()):
         if a.dim() >= 3 and a.dtype != torch.uint8:
             assert rel_err(a[:8], b[:8]) <= TOL["inductor_fp32"], name
+
+
+def _edges(dot: str) -> list[tuple[str, str]]:
+    return re.findall(r'"([^"]+)"\s*->\s*"([^"]+)"', dot)
+
+
+def test_inductor_cuda_graph_with_side_streams_equals_eager(tmp_path):
+    """Executor inductor under CUDA graphs with the shared experts on side stream 1 (their ops'
+    `stream=1`): 24 replays equal eager, and the captured graph branches (on one stream a capture
+    is a chain: no node with two successors). Three layers, one bucket: Inductor's GPU compile of
+    the full configs outruns a device call."""
+    from k3compile.streams import hazards, takes_stream
+
+    torch._dynamo.reset()
+    cfg = get_config("tiny").with_layers(3)  # dense layer 0, two MoE layers: two side branches
+    kw = {"device": "cuda", "dtype": torch.float32, "max_batch": 8, "max_seq_len": 64}
+    eager, model = build_model(cfg, **kw), build_model(cfg, **kw)
+    options = {"buckets": (4,), "fuse_without_kernels": True, "executor": "inductor",
+               "side_streams": True}
+    step = torch.compile(model, backend="k3", fullgraph=True, options=options)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    worst, steps = 0.0, 24
+    for i in range(steps):
+        batch = 3 if i % 2 else 4  # bucket 4, with and without a padding row
+        ids = torch.randint(0, cfg.vocab_size, (batch,), device="cuda", generator=gen)
+        pos = torch.full((batch,), i, device="cuda")
+        slots = torch.arange(batch, device="cuda")
+        for t in (ids, pos, slots):
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+        worst = max(worst, rel_err(step(ids, pos, slots), eager(ids, pos, slots)))
+    compiled = next(c for c in reversed(k3be._compiled) if c.guards)  # this test's
+    (entry,) = compiled.buckets.values()
+    assert entry.graph is not None and entry.runs == steps
+    assert worst <= TOL["inductor_fp32"], f"worst relative logit error {worst:.3g}"
+    graph = compiled.observer.graphs[4]
+    side = [n for n in graph.nodes if takes_stream(n) and n.kwargs.get("stream")]
+    assert [str(n.target) for n in side] == ["k3.situ_gate_up.default", "k3.linear.default"] * 2
+    assert hazards(graph) == []
+    # capture the bucket's step once more, with the graph's debug dump
+    g = torch.cuda.CUDAGraph()
+    g.enable_debug_mode()
+    torch.cuda.synchronize()
+    with torch.cuda.graph(g):
+        entry.fn(*entry.static_in)
+    g.debug_dump(str(tmp_path / "step.dot"))
+    edges = _edges((tmp_path / "step.dot").read_text())
+    succ, pred = collections.Counter(a for a, _ in edges), collections.Counter(b for _, b in edges)
+    assert edges and max(succ.values()) >= 2 and max(pred.values()) >= 2, "one stream only"
