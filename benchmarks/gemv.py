@@ -161,6 +161,18 @@ def write_json(out: str | None, name: str, rows, gbps: float, **extra) -> None:
                    "rows": rows}, f, indent=1)
 
 
+def chain_main(doc: str, name: str, run, default_m: str) -> None:
+    """The command line of a benchmark that times `run(ms)` at --m rows and writes its rows to
+    --out/<name>.json (pdl_chain, gemv_fused)."""
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
+    ap.add_argument("--m", default=default_m)
+    ap.add_argument("--out", help="folder (or .json path) for the JSON")
+    opts = ap.parse_args()
+    opts.only = None
+    ms, _, gbps = setup(opts, [])
+    write_json(opts.out, name, run(ms), gbps)
+
+
 def report(rows, gbps, opts, name: str, key: str) -> None:
     """rows to OUT/<name>.json (--out: a folder, or a .json path) and, unless sweeping, a table
     of the kernel (its row fields `<key>_us` ...) against torch.mm."""

@@ -12,10 +12,9 @@ the weights so that the L2 does not serve them; median µs per call), with PDL o
 split; within the bf16 tolerance for the norm, whose sum of squares is added in another order).
 """
 
-import argparse
 
 import torch
-from gemv import graph_us, setup, weight_copies, write_json
+from gemv import chain_main, graph_us, weight_copies
 from k3compile.kernels import gemv, rms_norm, situ
 from k3compile.kernels.common import dsl
 
@@ -99,15 +98,5 @@ def run(ms):
     return rows
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--m", default="1")
-    ap.add_argument("--out", help="folder (or .json path) for the JSON")
-    opts = ap.parse_args()
-    opts.only = None
-    ms, _, gbps = setup(opts, [])
-    write_json(opts.out, "gemv_fused", run(ms), gbps)
-
-
 if __name__ == "__main__":
-    main()
+    chain_main(__doc__, "gemv_fused", run, "1")

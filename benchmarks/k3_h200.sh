@@ -10,20 +10,7 @@
 # KERNEL_TESTS="tests/kernels/test_x.py ..." narrows step 1; GRAPH=0 skips the CUDA-graph
 # tests, YARD=0 step 3.
 # Default timeouts sum to ~520 s, inside one device call's 600 s.
-# Keep PYTHONPATH's prelude entries: they are where the CuTe DSL lives (overwriting it silently
-# turns every kernel into its torch fallback, as one run of 2026-11-29 found).
-set -u
-OUT=${1:-out}
-mkdir -p "$OUT"
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-python3 -c "import cutlass.cute, tvm_ffi" || { echo "CuTe DSL / TVM-FFI not importable: source .devcarry/prelude.sh first"; exit 2; }
-t0=$(date +%s)
-step() {  # $1: name, $2: timeout (s), rest: command
-  local name=$1 limit=$2; shift 2
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
-  echo "$name: exit $? after $(( $(date +%s) - t0 )) s (124: timed out)" | tee -a "$OUT/steps.txt"
-  tail -3 "$OUT/$name.log"
-}
+source benchmarks/device_call.sh "${1:-out}"  # $OUT, PYTHONPATH, the DSL check, step()
 graph=
 if [ "${GRAPH:-1}" != 0 ]; then
   timeout "${GRAPH_TIMEOUT:-200}" python3 -m pytest -q -p no:cacheprovider \

@@ -10,10 +10,9 @@ of both GEMM weights (enough copies that the L2 does not serve them); median µs
 settings must give bitwise the same outputs.
 """
 
-import argparse
 
 import torch
-from gemv import graph_us, setup, weight_copies, write_json
+from gemv import chain_main, graph_us, weight_copies
 from k3compile.kernels import attn_res_mix_norm, gemm_tc, gemv, rms_norm, situ
 from k3compile.kernels.common import dsl
 
@@ -71,15 +70,5 @@ def run(ms):
     return rows
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--m", default="1,8")
-    ap.add_argument("--out", help="folder (or .json path) for the JSON")
-    opts = ap.parse_args()
-    opts.only = None
-    ms, _, gbps = setup(opts, [])
-    write_json(opts.out, "pdl_chain", run(ms), gbps)
-
-
 if __name__ == "__main__":
-    main()
+    chain_main(__doc__, "pdl_chain", run, "1,8")

@@ -7,19 +7,7 @@
 # 3. gemm_tc --sweep at GEMM_M rows on GEMM_SHAPES, merged shape by shape into a copy of the
 #    shipped table: $OUT/gemm_tc_tuned.json (copy it over kernels/ to ship it).
 # Each step has its own timeout (seconds: TESTS_TIMEOUT, MOE_TIMEOUT, GEMM_TIMEOUT).
-# Keep PYTHONPATH's prelude entries (see k3_h200.sh).
-set -u
-OUT=${1:-out}
-mkdir -p "$OUT"
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-python3 -c "import cutlass.cute, tvm_ffi" || { echo "CuTe DSL / TVM-FFI not importable: source .devcarry/prelude.sh first"; exit 2; }
-t0=$(date +%s)
-step() {  # $1: name, $2: timeout (s), rest: command
-  local name=$1 limit=$2; shift 2
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
-  echo "$name: exit $? after $(( $(date +%s) - t0 )) s (124: timed out)" | tee -a "$OUT/steps.txt"
-  tail -3 "$OUT/$name.log"
-}
+source benchmarks/device_call.sh "${1:-out}"  # $OUT, PYTHONPATH, the DSL check, step()
 step tests "${TESTS_TIMEOUT:-120}" python3 -m pytest -q -p no:cacheprovider -n 6 \
   ${TESTS:-tests/backend/test_cuda_graphs.py tests/kernels/test_composite.py}
 step moe_sweep "${MOE_TIMEOUT:-110}" python3 benchmarks/moe_experts.py --sweep \

@@ -18,6 +18,23 @@ from tests.conftest import TOL, rel_err
 pytestmark = pytest.mark.gpu
 
 
+def _decode(step, eager, cfg, steps: int) -> float:
+    """`steps` decode steps of the compiled and the eager model on the same random tokens,
+    alternating batch 4 and 3 (bucket 4 with and without a padding row); the worst relative
+    logit error."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    worst = 0.0
+    for i in range(steps):
+        batch = 3 if i % 2 else 4
+        ids = torch.randint(0, cfg.vocab_size, (batch,), device="cuda", generator=gen)
+        pos = torch.full((batch,), i, device="cuda")
+        slots = torch.arange(batch, device="cuda")
+        for t in (ids, pos, slots):
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+        worst = max(worst, rel_err(step(ids, pos, slots), eager(ids, pos, slots)))
+    return worst
+
+
 # Both run the fused graph op by op (executor aten): what is under test is the capture and replay
 # of every fused op's CUDA path; Inductor's GPU compile of the two configs outran the minutes a
 # device call gives this test (2026-11-29), and the yardstick (benchmarks/decode_layer.py) checks
@@ -32,17 +49,7 @@ def test_cuda_graph_replay_equals_eager(config, executor):
     # the capture of all of them are under test
     options = {"buckets": (4, 8), "fuse_without_kernels": True, "executor": executor}
     step = torch.compile(model, backend="k3", fullgraph=True, options=options)
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    worst = 0.0
-    for i in range(50):
-        batch = 3 if i % 2 else 4  # bucket 4, with and without a padding row
-        ids = torch.randint(0, cfg.vocab_size, (batch,), device="cuda", generator=gen)
-        pos = torch.full((batch,), i, device="cuda")
-        slots = torch.arange(batch, device="cuda")
-        for t in (ids, pos, slots):
-            torch._dynamo.maybe_mark_dynamic(t, 0)
-        got, want = step(ids, pos, slots), eager(ids, pos, slots)
-        worst = max(worst, rel_err(got, want))
+    worst = _decode(step, eager, cfg, 50)
     compiled = next(c for c in reversed(k3be._compiled) if c.guards)  # this test's
     entry = compiled.buckets[next(iter(compiled.buckets))]
     assert entry.graph is not None, "the bucket was not captured in a CUDA graph"
@@ -71,16 +78,8 @@ def test_inductor_cuda_graph_with_side_streams_equals_eager(tmp_path):
     options = {"buckets": (4,), "fuse_without_kernels": True, "executor": "inductor",
                "side_streams": True}
     step = torch.compile(model, backend="k3", fullgraph=True, options=options)
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    worst, steps = 0.0, 24
-    for i in range(steps):
-        batch = 3 if i % 2 else 4  # bucket 4, with and without a padding row
-        ids = torch.randint(0, cfg.vocab_size, (batch,), device="cuda", generator=gen)
-        pos = torch.full((batch,), i, device="cuda")
-        slots = torch.arange(batch, device="cuda")
-        for t in (ids, pos, slots):
-            torch._dynamo.maybe_mark_dynamic(t, 0)
-        worst = max(worst, rel_err(step(ids, pos, slots), eager(ids, pos, slots)))
+    steps = 24
+    worst = _decode(step, eager, cfg, steps)
     compiled = next(c for c in reversed(k3be._compiled) if c.guards)  # this test's
     (entry,) = compiled.buckets.values()
     assert entry.graph is not None and entry.runs == steps

@@ -267,6 +267,16 @@ def test_other_shapes(gen, shape):
         check(*make_tokens(gen, n, latent, n_exp, top_k, "cuda"), experts)
 
 
+def replay_and_check(graph, out, z, ids, w, experts):
+    """Replay into a poisoned `out` and check it against the model of the kernels."""
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_written(out)
+    assert rel_err(out, kernels_model(z, ids, w, *experts, BETA, LINEAR_BETA)) < \
+        TOL["bf16_rel_norm"]
+
+
 @pytest.mark.gpu
 @gpu
 def test_cuda_graph_replay(gen, tp16_experts):
@@ -279,12 +289,7 @@ def test_cuda_graph_replay(gen, tp16_experts):
     for _ in range(3):
         for static, fresh in zip((z, ids, w), make_tokens(gen, 8, LATENT, EXPERTS, TOP_K, "cuda")):
             static.copy_(fresh)
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert_written(out)
-        model = kernels_model(z, ids, w, *tp16_experts, BETA, LINEAR_BETA)
-        assert rel_err(out, model) < TOL["bf16_rel_norm"]
+        replay_and_check(graph, out, z, ids, w, tp16_experts)
 
 
 @pytest.mark.gpu
@@ -316,12 +321,7 @@ def test_after_the_route_kernel_with_pdl(gen, tp16_experts, monkeypatch):
         for i in range(3):
             logits.copy_(torch.randn(8, EXPERTS, generator=torch.Generator("cuda").manual_seed(i),
                                      device="cuda"))
-            out.fill_(float("nan"))
-            graph.replay()
-            torch.cuda.synchronize()
-            assert_written(out)
-            model = kernels_model(z, ids, w, *tp16_experts, BETA, LINEAR_BETA)
-            assert rel_err(out, model) < TOL["bf16_rel_norm"]
+            replay_and_check(graph, out, z, ids, w, tp16_experts)
             got.append(out.clone())
         outs[flag] = got
     for on, off in zip(outs[True], outs[False]):

@@ -1,0 +1,17 @@
+# Sourced by the device-call scripts (k3_h200.sh, tune_h200.sh): $OUT from the first argument,
+# the repository on PYTHONPATH after the prelude's entries (where the CuTe DSL lives:
+# overwriting PYTHONPATH silently turns every kernel into its torch fallback, as one run of
+# 2026-11-29 found), a check that the DSL imports, and `step NAME TIMEOUT CMD...` (its output in
+# $OUT/NAME.log, its exit code and time in $OUT/steps.txt).
+set -u
+OUT=${1:-out}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+python3 -c "import cutlass.cute, tvm_ffi" || { echo "CuTe DSL / TVM-FFI not importable: source .devcarry/prelude.sh first"; exit 2; }
+t0=$(date +%s)
+step() {  # $1: name, $2: timeout (s), rest: command
+  local name=$1 limit=$2; shift 2
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  echo "$name: exit $? after $(( $(date +%s) - t0 )) s (124: timed out)" | tee -a "$OUT/steps.txt"
+  tail -3 "$OUT/$name.log"
+}
