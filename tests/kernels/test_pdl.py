@@ -242,10 +242,15 @@ def replay(chain, graph):
 CHAINS = {"shared_expert": SharedExpertChain, "front": FrontChain}
 
 
-@pytest.mark.gpu
-@pytest.mark.usefixtures("cuda_kernels")
-@pytest.mark.parametrize("m", [1, 8])
-@pytest.mark.parametrize("name", CHAINS)
+def on_every_chain(test):
+    """Every chain at M = 1 (gemv) and 8 (gemm_tc), on a GPU with the kernels registered."""
+    for mark in (pytest.mark.parametrize("name", CHAINS), pytest.mark.parametrize("m", [1, 8]),
+                 pytest.mark.usefixtures("cuda_kernels"), pytest.mark.gpu):
+        test = mark(test)
+    return test
+
+
+@on_every_chain
 def test_chain_with_pdl_under_graph_replay(gen, monkeypatch, name, m):
     chain = CHAINS[name](gen, m)
     graph = capture(chain, True, monkeypatch)
@@ -254,10 +259,7 @@ def test_chain_with_pdl_under_graph_replay(gen, monkeypatch, name, m):
         chain.check(replay(chain, graph))
 
 
-@pytest.mark.gpu
-@pytest.mark.usefixtures("cuda_kernels")
-@pytest.mark.parametrize("m", [1, 8])
-@pytest.mark.parametrize("name", CHAINS)
+@on_every_chain
 def test_pdl_on_and_off_agree_bitwise(gen, monkeypatch, name, m):
     chain = CHAINS[name](gen, m)
     graphs = {pdl: capture(chain, pdl, monkeypatch) for pdl in (True, False)}
