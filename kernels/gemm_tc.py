@@ -50,13 +50,12 @@ from .common.dsl import (
     compile_kernel,
     fake_rows,
     fake_stream,
-    fallback,
     log,
     pdl_enabled,
     pdl_launch_dependents,
     pdl_wait,
 )
-from .gemv import gemm_refusal, gemv_ref, launch_refusal
+from .gemv import gemm_refusal, gemv_ref, run_gemm
 
 OP = "gemm_tc"
 BUCKETS = (2, 4, 8, 16, 32, 64)
@@ -425,23 +424,16 @@ def linear_tc(x, w, residual=None, out_dtype=None):
 
 
 def gemm_tc_cuda(x, w, residual=None, *, out=None, out_dtype=None, cfg: Config | None = None):
-    """y = x · wᵀ [+ residual] with the kernel, or with torch (`gemv_ref`, reason logged) when it
-    refuses the inputs. `out` [M, N] (last dim contiguous) is written only when the kernel runs;
-    the fallback returns a new tensor. `cfg` overrides `config()` (sweeps)."""
-    if out_dtype is None:
-        out_dtype = out.dtype if out is not None else x.dtype
-    reason = launch_refusal(refusal, x, w, residual, out, out_dtype)
-    if reason:
-        fallback(OP, reason)
-        return gemv_ref(x, w, residual, out_dtype)
-    (m, k), n = x.shape, w.shape[0]
-    y = x.new_empty((m, n), dtype=out_dtype) if out is None else out
-    if m:
-        cfg = cfg or config(n, k, bucket(m))
-        if cfg.tile_tokens < m:
-            raise ValueError(f"{cfg} holds {cfg.tile_tokens} tokens, not {m}")
-        compiled(n, k, out_dtype == torch.float32, residual is not None, cfg)(x, w, residual, y)
-    return y
+    """y = x · wᵀ [+ residual] with the kernel, or with torch when it refuses the inputs
+    (`gemv.run_gemm`). `cfg` overrides `config()` (sweeps)."""
+    def launch(y, dtype):
+        (m, k), n = x.shape, w.shape[0]
+        chosen = cfg or config(n, k, bucket(m))
+        if chosen.tile_tokens < m:
+            raise ValueError(f"{chosen} holds {chosen.tile_tokens} tokens, not {m}")
+        compiled(n, k, dtype == torch.float32, residual is not None, chosen)(x, w, residual, y)
+
+    return run_gemm(OP, refusal, launch, x, w, residual, out, out_dtype)
 
 
 def register() -> None:

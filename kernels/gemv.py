@@ -554,23 +554,29 @@ def gemv_ref(x, w, residual=None, out_dtype=None):
     return y.to(out_dtype)
 
 
-def gemv_cuda(x, w, residual=None, *, out=None, out_dtype=None):
-    """y = x · wᵀ [+ residual] with the kernel, or with torch (`gemv_ref`, reason logged) when it
-    refuses the inputs (M > 16 included). `out` [M, N] (last dim contiguous) is written only when
-    the kernel runs; the fallback returns a new tensor."""
+def run_gemm(op: str, refusal_of, launch, x, w, residual, out, out_dtype):
+    """The host side of a skinny-GEMM kernel (this one, gemm_tc): y = x · wᵀ [+ residual] by
+    `launch(y, out_dtype)` where `refusal_of` takes the inputs, else torch (`gemv_ref`, reason
+    logged). `out` [M, N] (last dim contiguous) is written only when the kernel runs; the
+    fallback returns a new tensor."""
     if out_dtype is None:
         out_dtype = out.dtype if out is not None else x.dtype
-    reason = launch_refusal(refusal, x, w, residual, out, out_dtype)
+    reason = launch_refusal(refusal_of, x, w, residual, out, out_dtype)
     if reason:
-        fallback(OP, reason)
+        fallback(op, reason)
         return gemv_ref(x, w, residual, out_dtype)
-    (m, k), n = x.shape, w.shape[0]
-    y = x.new_empty((m, n), dtype=out_dtype) if out is None else out
-    if m:
-        b = bucket(m)
-        compiled(n, k, b, out_dtype == torch.float32, residual is not None,
-                 config(n, k, b))(x, w, residual, y)
+    y = x.new_empty((len(x), w.shape[0]), dtype=out_dtype) if out is None else out
+    if len(x):
+        launch(y, out_dtype)
     return y
+
+
+def gemv_cuda(x, w, residual=None, *, out=None, out_dtype=None):
+    """y = x · wᵀ [+ residual] with the kernel, or with torch when it refuses the inputs (M > 16
+    included): `run_gemm`."""
+    return run_gemm(OP, refusal, lambda y, dtype: _launch(PLAIN, x, w, residual,
+                                                          dtype == torch.float32, y),
+                    x, w, residual, out, out_dtype)
 
 
 # ---- the one-launch variants of the composites ---------------------------------------------------
