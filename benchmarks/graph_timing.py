@@ -48,3 +48,13 @@ def versus_row(us: dict[str, float], moved: int, gbps: float, label: str, **fiel
           f"(x{row['vs_inductor']:.2f})  eager {us['eager']:8.2f} us (x{row['vs_eager']:.2f})  "
           f"{label}", flush=True)
     return row
+
+
+def versus_table(rows) -> None:
+    """The `versus_row` rows as a markdown table (per B and T)."""
+    print("\n| B | T | kernel µs | GB/s | % copy | Inductor µs | eager µs | vs Inductor |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['B']} | {r['T']} | {r['kernel_us']:.2f} | {r['kernel_GBps']} | "
+              f"{r['kernel_pct_copy']} | {r['inductor_us']:.2f} | {r['eager_us']:.2f} | "
+              f"x{r['vs_inductor']:.2f} |")

@@ -16,12 +16,10 @@ weights; "% copy" compares bytes / time with a 4 GiB device-to-device copy of th
 
 import argparse
 import functools
-import json
-from pathlib import Path
 
 import torch
-from gemv import copy_gbps
-from graph_timing import graph_us, versus_row
+from gemv import copy_gbps, write_json
+from graph_timing import graph_us, versus_row, versus_table
 from k3compile.kernels import kda_decode as kernel
 from k3compile.kernels.common.dsl import runtime_refusal
 
@@ -155,22 +153,10 @@ def main():
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; "
           f"4 GiB device copy: {gbps:.0f} GB/s (read + write)", flush=True)
     rows = sweep(bs, ts) if opts.sweep else run(bs, ts, gbps, not opts.no_inductor)
-    if opts.out:
-        path = Path(opts.out)
-        if path.suffix != ".json":  # a folder, like the other benchmarks take
-            path.mkdir(parents=True, exist_ok=True)
-            path = path / ("kda_decode_sweep.json" if opts.sweep else "kda_decode.json")
-        with open(path, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "copy_GBps": round(gbps),
-                       "heads": H, "sweep": opts.sweep, "rows": rows}, f, indent=1)
-    if opts.sweep:
-        return
-    print("\n| B | T | kernel µs | GB/s | % copy | Inductor µs | eager µs | vs Inductor |")
-    print("|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['B']} | {r['T']} | {r['kernel_us']:.2f} | {r['kernel_GBps']} | "
-              f"{r['kernel_pct_copy']} | {r['inductor_us']:.2f} | {r['eager_us']:.2f} | "
-              f"x{r['vs_inductor']:.2f} |")
+    write_json(opts.out, "kda_decode_sweep" if opts.sweep else "kda_decode", rows, gbps, heads=H,
+               sweep=opts.sweep)
+    if not opts.sweep:
+        versus_table(rows)
 
 
 if __name__ == "__main__":
