@@ -37,3 +37,11 @@ def strided(t: torch.Tensor) -> torch.Tensor:
     wide = torch.empty(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype, device=t.device)
     wide[..., ::2] = t
     return wide[..., ::2]
+
+
+def assert_refused(refusal, args, i, value, words: str) -> None:
+    """`refusal(*args)` with argument i replaced by `value` gives a reason containing `words`."""
+    bad = list(args)
+    bad[i] = value
+    why = refusal(*bad)
+    assert why and words in why, why

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from k3compile.kernels import gemv
 from k3compile.kernels import kda_decode as kernel
-from kernel_checks import BUCKETS, TOL, assert_written, poisoned, rel_err, strided
+from kernel_checks import BUCKETS, TOL, assert_refused, assert_written, poisoned, rel_err, strided
 
 from k3compile.ops.kda import kda_decode_ref
 
@@ -365,10 +365,7 @@ def test_refusals():
     assert kernel.refusal(*args) is None
 
     def refused(i, value, words):
-        bad = list(args)
-        bad[i] = value
-        why = kernel.refusal(*bad)
-        assert why and words in why, why
+        assert_refused(kernel.refusal, args, i, value, words)
 
     refused(0, inp.q.float(), "q:")
     refused(7, inp.state[:, :, :64, :64], "K = 128")

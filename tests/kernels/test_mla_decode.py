@@ -19,7 +19,7 @@ import logging
 import pytest
 import torch
 from k3compile.kernels import mla_decode as kernel
-from kernel_checks import BUCKETS, assert_written, poisoned, rel_err, strided
+from kernel_checks import BUCKETS, assert_refused, assert_written, poisoned, rel_err, strided
 
 from k3compile.ops.mla import mla_decode_ref
 
@@ -234,31 +234,29 @@ def _cpu_gen():
     return torch.Generator().manual_seed(seed)
 
 
+def check_split_model(inp, n_splits):
+    """The split model's cache and output equal the reference's."""
+    got_cache, ref_cache = inp.cache.clone(), inp.cache.clone()
+    got = split_model(*inp.args(got_cache), n_splits)
+    ref = mla_decode_ref(*inp.args(ref_cache))
+    assert torch.equal(got_cache, ref_cache)
+    torch.testing.assert_close(got.float(), ref.float(), **REF_TOL)
+    assert rel_err(got, ref) < REF_REL_NORM
+
+
 @pytest.mark.parametrize("n_splits", [1, 3, 7, 64])
 @pytest.mark.parametrize("T", [1, 3, 8])
 def test_split_model_matches_reference(T, n_splits):
     gen = _cpu_gen()
     for where in ("start", "mid", "end"):
-        inp = Inputs(gen, 3, T, H=2, L=300, where=where, device="cpu")
-        got_cache, ref_cache = inp.cache.clone(), inp.cache.clone()
-        got = split_model(*inp.args(got_cache), n_splits)
-        ref = mla_decode_ref(*inp.args(ref_cache))
-        assert torch.equal(got_cache, ref_cache)
-        torch.testing.assert_close(got.float(), ref.float(), **REF_TOL)
-        assert rel_err(got, ref) < REF_REL_NORM
+        check_split_model(Inputs(gen, 3, T, H=2, L=300, where=where, device="cpu"), n_splits)
 
 
 def test_split_model_at_tp16_shape():
     """One request, 6 heads, 8 rows at the end of a 4160-row cache, the split count the kernel
     picks at B = 1."""
     inp = Inputs(_cpu_gen(), 1, 8, where="end", device="cpu", extra_slots=1)
-    n = kernel.splits(1, 8, H_TP16, L_CACHE)
-    got_cache, ref_cache = inp.cache.clone(), inp.cache.clone()
-    got = split_model(*inp.args(got_cache), n)
-    ref = mla_decode_ref(*inp.args(ref_cache))
-    assert torch.equal(got_cache, ref_cache)
-    torch.testing.assert_close(got.float(), ref.float(), **REF_TOL)
-    assert rel_err(got, ref) < REF_REL_NORM
+    check_split_model(inp, kernel.splits(1, 8, H_TP16, L_CACHE))
 
 
 def test_lane_scores():
@@ -298,10 +296,7 @@ def test_refusals():
     assert kernel.refusal(*args) is None
 
     def refused(i, value, words):
-        bad = list(args)
-        bad[i] = value
-        why = kernel.refusal(*bad)
-        assert why and words in why, why
+        assert_refused(kernel.refusal, args, i, value, words)
 
     refused(0, inp.q_lat.float(), "q_lat:")
     refused(0, inp.q_lat[..., :384], "latent")
