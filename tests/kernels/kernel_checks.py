@@ -1,5 +1,6 @@
 """Tolerances and checks shared by the kernel tests (one table for all kernels)."""
 
+import pytest
 import torch
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -45,3 +46,45 @@ def assert_refused(refusal, args, i, value, words: str) -> None:
     bad[i] = value
     why = refusal(*bad)
     assert why and words in why, why
+
+
+def on_gpu(test):
+    """A GPU test with every kernel registered (the `cuda_kernels` fixture skips without one)."""
+    return pytest.mark.gpu(pytest.mark.usefixtures("cuda_kernels")(test))
+
+
+# ---- the skinny GEMMs (gemv, gemm_tc) ----------------------------------------------------------
+
+
+def gemm_inputs(gen, m, n, k):
+    """x [m, k] and W [n, k] in bf16, W scaled so that the sums stay ~N(0, 1)."""
+    x = torch.randn(m, k, generator=gen, device="cuda").bfloat16()
+    w = (torch.randn(n, k, generator=gen, device="cuda") / k ** 0.5).bfloat16()
+    return x, w
+
+
+def gemm_model(x, w, residual=None, out_dtype=torch.bfloat16):
+    """x · wᵀ [+ residual] in float64, rounded once."""
+    y = x.double() @ w.double().t()
+    if residual is not None:
+        y = y + residual.double()
+    return y.to(out_dtype)
+
+
+def check_gemm(run, x, w, residual=None, out_dtype=torch.bfloat16, *, fp32_tol, out=None,
+               **kw):
+    """`run(x, w, residual, out=out, **kw)` wrote every element of a poisoned `out` (it did not
+    fall back) and agrees with `gemm_model`: within `fp32_tol` for fp32 output, the bf16
+    tolerances otherwise."""
+    if out is None:
+        out = poisoned(x.shape[0], w.shape[0], dtype=out_dtype)
+    y = run(x, w, residual, out=out, **kw)
+    assert y is out, "the kernel did not run (fallback)"
+    assert_written(out)
+    ref = gemm_model(x, w, residual, out_dtype)
+    if out_dtype == torch.float32:
+        torch.testing.assert_close(out, ref, **fp32_tol)
+    else:
+        torch.testing.assert_close(out.float(), ref.float(), **TOL["bf16"])
+        assert rel_err(out, ref) < TOL["bf16_rel_norm"]
+    return out

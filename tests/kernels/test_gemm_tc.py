@@ -11,7 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 from k3compile.kernels import gemm_tc as kernel
-from kernel_checks import TOL, assert_written, poisoned, rel_err
+from kernel_checks import (
+    TOL,
+    check_gemm,
+    gemm_inputs,
+    gemm_model,
+    on_gpu,
+    poisoned,
+)
 
 # [N, K] of one TP16 rank: KDA in-proj, MLA q_a|kv_a, latent down, latent up, router, o_proj,
 # gates / shared gate_up, MLA q_b, shared down, KDA f_b
@@ -24,36 +31,12 @@ ROUTER = (896, 7168)
 TC_FP32_SUMS = {"rtol": 1e-4, "atol": 3e-4}
 
 
-def on_gpu(fn):
-    return pytest.mark.gpu(pytest.mark.usefixtures("cuda_kernels")(fn))
-
-
-def make_inputs(gen, m, n, k):
-    x = torch.randn(m, k, generator=gen, device="cuda").bfloat16()
-    w = (torch.randn(n, k, generator=gen, device="cuda") / k ** 0.5).bfloat16()
-    return x, w
-
-
-def model(x, w, residual=None, out_dtype=torch.bfloat16):
-    y = x.double() @ w.double().t()
-    if residual is not None:
-        y = y + residual.double()
-    return y.to(out_dtype)
+make_inputs, model = gemm_inputs, gemm_model
 
 
 def check(x, w, residual=None, out_dtype=torch.bfloat16, out=None, cfg=None):
-    if out is None:
-        out = poisoned(x.shape[0], w.shape[0], dtype=out_dtype)
-    y = kernel.gemm_tc_cuda(x, w, residual, out=out, cfg=cfg)
-    assert y is out, "the kernel did not run (fallback)"
-    assert_written(out)
-    ref = model(x, w, residual, out_dtype)
-    if out_dtype == torch.float32:
-        torch.testing.assert_close(out, ref, **TC_FP32_SUMS)
-    else:
-        torch.testing.assert_close(out.float(), ref.float(), **TOL["bf16"])
-        assert rel_err(out, ref) < TOL["bf16_rel_norm"]
-    return out
+    return check_gemm(kernel.gemm_tc_cuda, x, w, residual, out_dtype, fp32_tol=TC_FP32_SUMS,
+                      out=out, cfg=cfg)
 
 
 @on_gpu

@@ -16,16 +16,20 @@ import torch
 import torch.nn.functional as F
 from k3compile.kernels import gemv as kernel
 from k3compile.kernels.common import dsl
-from kernel_checks import TOL, assert_written, poisoned, rel_err
+from kernel_checks import (
+    TOL,
+    assert_written,
+    check_gemm,
+    gemm_inputs,
+    gemm_model,
+    on_gpu,
+    poisoned,
+    rel_err,
+)
 
 from k3compile.ops.gemm import norm_linear_ref, situ_gate_up_ref, situ_ref
 from k3compile.ops.moe import moe_front_ref
 from k3compile.ops.norms import rms_norm_ref
-
-
-def on_gpu(fn):
-    return pytest.mark.gpu(pytest.mark.usefixtures("cuda_kernels")(fn))
-
 
 # [N, K] of one TP16 rank: KDA in-proj, MLA q_a|kv_a, latent down, latent up, router, gates /
 # shared gate_up, o_proj, MLA q_b, shared down, KDA f_b
@@ -37,31 +41,11 @@ ROUTER = (896, 7168)
 FP32_SUMS = {"rtol": 1e-4, "atol": 1e-4}
 
 
-def make_inputs(gen, m, n, k):
-    x = torch.randn(m, k, generator=gen, device="cuda").bfloat16()
-    w = (torch.randn(n, k, generator=gen, device="cuda") / k ** 0.5).bfloat16()
-    return x, w
-
-
-def model(x, w, residual=None, out_dtype=torch.bfloat16):
-    y = x.double() @ w.double().t()
-    if residual is not None:
-        y = y + residual.double()
-    return y.to(out_dtype)
+make_inputs, model = gemm_inputs, gemm_model
 
 
 def check(x, w, residual=None, out_dtype=torch.bfloat16):
-    out = poisoned(x.shape[0], w.shape[0], dtype=out_dtype)
-    y = kernel.gemv_cuda(x, w, residual, out=out)
-    assert y is out, "the kernel did not run (fallback)"
-    assert_written(out)
-    ref = model(x, w, residual, out_dtype)
-    if out_dtype == torch.float32:
-        torch.testing.assert_close(out, ref, **FP32_SUMS)
-    else:
-        torch.testing.assert_close(out.float(), ref.float(), **TOL["bf16"])
-        assert rel_err(out, ref) < TOL["bf16_rel_norm"]
-    return out
+    return check_gemm(kernel.gemv_cuda, x, w, residual, out_dtype, fp32_tol=FP32_SUMS)
 
 
 @on_gpu
