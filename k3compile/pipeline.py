@@ -92,7 +92,8 @@ def normalize(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
 def _deferral(graph: fx.Graph, options) -> Callable | None:
     """On a CUDA graph, skip the patterns whose op has no GPU kernel yet (unless
     `fuse_without_kernels`): its reference would run op by op, slower than Inductor's code for
-    the unfused subgraph. CPU graphs fuse everything (the references are the CPU kernels)."""
+    the unfused subgraph; likewise a site its kernel refuses (`kernels_only`). CPU graphs fuse
+    everything (the references are the CPU kernels)."""
     on_cuda = any(isinstance(v := n.meta.get("val"), torch.Tensor) and v.is_cuda
                   for n in graph.nodes if n.op == "placeholder")
     if not on_cuda or options.fuse_without_kernels:
@@ -116,8 +117,10 @@ def _scalar_adds_as_tensor_adds(graph: fx.Graph) -> None:
 def fuse(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
     from k3compile.patterns import all_patterns
 
+    deferred = _deferral(gm.graph, ctx.options)
     report = apply_patterns(gm.graph, all_patterns(), ctx.batch, ctx.options.pattern_enabled,
-                            verify=ctx.options.verify, deferred=_deferral(gm.graph, ctx.options))
+                            verify=ctx.options.verify, deferred=deferred,
+                            kernels_only=deferred is not None)
     ctx.report.merge(report)
     _drop_self_copies(gm.graph)
     gm.recompile()

@@ -79,6 +79,10 @@ class Pattern:
         torch.bfloat16: 2e-2, torch.float16: 5e-3, torch.float32: 1e-4})
     # verify mode: random inputs for a site (default: randn floats, zero ints, the captured scalars)
     random_inputs: Callable[[dict[str, Any]], list] | None = None
+    # on a GPU graph: why the op's CUDA kernel would refuse this site (shapes past its limits),
+    # or None. A refused site stays unfused for Inductor, as an op without a kernel does: the
+    # op's reference would run eagerly (e.g. the experts dequantised op by op)
+    kernel_refusal: Callable[[inductor.Match], str | None] | None = None
 
     @functools.cached_property
     def expr(self) -> inductor.PatternExpr:
@@ -181,11 +185,13 @@ def _resembles(pattern: Pattern, node: fx.Node) -> bool:
 def apply_patterns(graph: fx.Graph, patterns: Sequence[Pattern], batch: int | None = None,
                    enabled: Callable[[str], bool] = lambda name: True,
                    verify: bool = False,
-                   deferred: Callable[[Pattern], str | None] | None = None) -> RewriteReport:
+                   deferred: Callable[[Pattern], str | None] | None = None,
+                   kernels_only: bool = False) -> RewriteReport:
     """Match every pattern, in priority order, at every node of the graph; replace the matches
     that pass their check (and, with `verify`, agree numerically with the unfused pattern on
     fresh random inputs of the site's shapes). `deferred(pattern)` names a reason to skip a
-    pattern for this graph (its op has no kernel on the graph's device), recorded per op.
+    pattern for this graph (its op has no kernel on the graph's device), recorded per op; with
+    `kernels_only`, a site whose kernel refuses it (`Pattern.kernel_refusal`) is deferred so too.
     Returns hits, near misses, reverted sites and deferred ops."""
     report = RewriteReport()
     neutral_sites: set[str] = set()  # nodes a NEUTRAL op (a plain GEMM) took
@@ -212,6 +218,11 @@ def apply_patterns(graph: fx.Graph, patterns: Sequence[Pattern], batch: int | No
             if reason:
                 report.near_misses.append(NearMiss(pattern.name, node.name, f"check refused: {reason}",
                                                    module_path(node)))
+                continue
+            if kernels_only and pattern.kernel_refusal and (reason := pattern.kernel_refusal(m)):
+                report.deferred.setdefault(pattern.op.split(".")[-1], f"kernel refuses: {reason}")
+                report.near_misses.append(NearMiss(pattern.name, node.name, f"kernel refused: {reason} "
+                                                   "(left to Inductor)", module_path(node)))
                 continue
             where, stack = module_path(node), node.meta.get("nn_module_stack")
             args = [m.kwargs[a] for a in pattern.argnames]

@@ -59,6 +59,13 @@ def check(match) -> str | None:
     return moe_experts_refusal(*metas)
 
 
+def kernel_refusal(match) -> str | None:
+    """The CUDA kernel's limits (e.g. intermediate sizes past its register plan, as at TP 2)."""
+    from k3compile.kernels import moe_experts as kernel
+
+    return kernel.refusal(*(tensor_meta(match.kwargs[k]) for k in NAMES))
+
+
 def _variant(dtype: torch.dtype, rows: int) -> Pattern:
     def example_inputs():  # distinct sizes, so no view of the trace is a no-op by accident
         n, k, e, inter, latent = rows, 2, 5, 64, 96
@@ -79,6 +86,7 @@ def _variant(dtype: torch.dtype, rows: int) -> Pattern:
         name=f"moe_experts[{str(dtype).removeprefix('torch.')},{'one_row' if rows == 1 else 'rows'}]",
         search=search, replace=replace,
         example_inputs=example_inputs, op="k3.moe_experts", check=check,
+        kernel_refusal=kernel_refusal,
         scalars={"beta": 4.1, "linear_beta": 25.3}, distinctive=("exp2", "bitwise_and", "tanh"),
         joint_passes=True,
     )

@@ -89,7 +89,7 @@ def test_inductor_cuda_graph_with_side_streams_equals_eager(tmp_path):
     assert [str(n.target) for n in side] == ["k3.situ_gate_up.default", "k3.linear.default"] * 2
     assert hazards(graph) == []
     # capture the bucket's step once more, with the graph's debug dump
-    g = torch.cuda.CUDAGraph()
+    g = torch.cuda.CUDAGraph(keep_graph=True)  # else the graph is gone before the dump
     g.enable_debug_mode()
     torch.cuda.synchronize()
     with torch.cuda.graph(g):

@@ -17,10 +17,10 @@ def graph(fn, *args, joint: bool = False):
     return trace(fn, list(args))
 
 
-def rewrite(fn, args, patterns, joint: bool = False):
-    """(graph module after the patterns, report)."""
+def rewrite(fn, args, patterns, joint: bool = False, kernels_only: bool = False):
+    """(graph module after the patterns, report); `kernels_only` as on a GPU graph."""
     gm = graph(fn, *args, joint=joint)
-    report = apply_patterns(gm.graph, patterns)
+    report = apply_patterns(gm.graph, patterns, kernels_only=kernels_only)
     gm.recompile()
     return gm, report
 

@@ -66,3 +66,20 @@ def test_check_refuses_more_choices_than_experts():
     args[1] = torch.randint(0, 6, (3, 8))
     _, report = rewrite(experts, args, moe_experts.patterns(), joint=True)
     assert_near_miss(report, "moe_experts", "check refused", "top_k 8 > 6 experts")
+
+
+def test_site_the_kernel_refuses_stays_unfused_on_gpu_graphs():
+    """Where only sites with a CUDA kernel fuse (GPU graphs), top_k 17 (past the kernel's 16)
+    stays for Inductor: deferred, with the kernel's reason; elsewhere it fuses (the reference)."""
+    args = _inputs(3, top_k=17, experts=20)
+    gm, report = rewrite(experts, args, moe_experts.patterns(), joint=True, kernels_only=True)
+    assert not report.hits and "k3.moe_experts.default" not in [str(n.target) for n in gm.graph.nodes]
+    assert "top_k 17" in report.deferred["moe_experts"]
+    assert_near_miss(report, "moe_experts", "kernel refused", "top_k 17")
+    torch.testing.assert_close(gm(*args), experts(*args), rtol=0, atol=0)
+    gm, report = rewrite(experts, args, moe_experts.patterns(), joint=True)
+    assert_rewritten_equal(gm, report, experts, args, "k3.moe_experts")
+    # the kernel's shapes fuse on GPU graphs too
+    args = _inputs(3)
+    gm, report = rewrite(experts, args, moe_experts.patterns(), joint=True, kernels_only=True)
+    assert_rewritten_equal(gm, report, experts, args, "k3.moe_experts")
