@@ -14,7 +14,7 @@
 source benchmarks/device_call.sh "${1:-out}"  # $OUT, PYTHONPATH, the DSL check, step()
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 GPUS=$(nvidia-smi -L | wc -l)
-CUDA_VISIBLE_DEVICES=$((GPUS - 1)) timeout "${GRAPH_TIMEOUT:-150}" python3 -m pytest -q -v \
+CUDA_VISIBLE_DEVICES=$((GPUS - 1)) timeout "${GRAPH_TIMEOUT:-150}" python3 -m pytest -q -rA \
   -p no:cacheprovider -o faulthandler_timeout=140 tests/backend/test_cuda_graphs.py \
   > "$OUT/graph_tests.log" 2>&1 &
 graph=$!
@@ -30,7 +30,7 @@ if [ "${AR:-1}" != 0 ]; then
   step allreduce "${AR_TIMEOUT:-70}" python3 -m torch.distributed.run --nproc-per-node "$GPUS" \
     benchmarks/allreduce.py --out "$OUT" --buckets 1,2,4,8,16,32,64 --replays 100
 fi
-if [ "${STREAMS:-}" = auto ] && grep -q "side_streams_equals_eager PASSED" "$OUT/graph_tests.log"; then
+if [ "${STREAMS:-}" = auto ] && grep -q "PASSED .*side_streams_equals_eager" "$OUT/graph_tests.log"; then
   export K3_SIDE_STREAMS=1; echo "tp_decode with K3_SIDE_STREAMS=1" | tee -a "$OUT/steps.txt"
 fi
 step tp_decode "${TP_TIMEOUT:-250}" python3 -m torch.distributed.run --nproc-per-node "$GPUS" \

@@ -22,10 +22,10 @@ GEMM output to bf16 before adding the residual; `addmm` adds it in fp32 and roun
 the bf16 tolerance of the GPU tests. Each falls back to its torch reference when a kernel refuses
 its inputs (the kernel wrappers log why).
 
-With K3_GEMV_FUSED=1 (`gemv.FUSED`, read at every call), norm_linear and moe_front launch once
-at M <= gemv.GEMV_MAX_M: gemv's norm-prologue variant, and its split-output variant over the
-cached [W_r; W_d] (a second copy of both weights, 64 MB per layer at TP16, as linear_concat
-keeps for the in-projections). A refused call logs why and takes the two launches.
+Where K3_GEMV_FUSED names them (`gemv.FUSED`, read at every call), norm_linear and moe_front
+launch once at M <= gemv.GEMV_MAX_M: gemv's norm-prologue variant ("norm", on by default), and
+its split-output variant over the cached [W_r; W_d] ("split", opt-in: a second copy of both
+weights, 64 MB per layer at TP16). A refused call logs why and takes the two launches.
 """
 
 import torch
@@ -63,7 +63,7 @@ def allreduce_attn_res_mix_norm_cuda(partial, prefix, blocks, mix_norm_weight, m
 
 def norm_linear_cuda(u, norm_w, w, eps, residual=None):
     # u [N, L] rows; w [O, L]; residual [N, O]
-    if gemv.fused_takes(u) and gemv.fused_ok("norm", gemv.fused_launch_refusal(
+    if gemv.fused_takes(u, "norm") and gemv.fused_ok("norm", gemv.fused_launch_refusal(
             gemv.NORM, u, w, residual, norm_weight=norm_w)):
         return gemv.gemv_norm_cuda(u, norm_w, w, eps, residual)
     return linear(rms_norm_cuda(u, norm_w, eps), w, residual)
@@ -73,7 +73,7 @@ def moe_front_cuda(x, router_w, down_w):
     # x [N, D] bf16 rows; router_w [E, D], down_w [L, D]
     if x.dtype != router_w.dtype:  # the reference's fp32 math
         return linear(x.float(), router_w.float()), linear(x, down_w)
-    if gemv.fused_takes(x) and gemv.fused_ok("split", _front_refusal(x, router_w, down_w)):
+    if gemv.fused_takes(x, "split") and gemv.fused_ok("split", _front_refusal(x, router_w, down_w)):
         return gemv.gemv_split_cuda(x, concatenated([router_w, down_w]), router_w.shape[0])
     return linear(x, router_w, out_dtype=torch.float32), linear(x, down_w)
 

@@ -23,8 +23,9 @@ cuBLAS: on the H200 (2026-11-29, BENCHMARKS.md) at M = 1 on all ten TP16-rank sh
 x1.84, 74-85% of the copy bandwidth on the >= 10 MB weights); at M = 8 only on two of them and at
 M = 16 on none, so `GEMV_MAX_M` keeps larger batches on cuBLAS until a tensor-core variant exists.
 
-One-launch variants (`Fusion`, compile-time; the composites take them at M <= GEMV_MAX_M under
-K3_GEMV_FUSED=1), each replacing a gemv plus a second launch:
+One-launch variants (`Fusion`, compile-time; the composites take them at M <= GEMV_MAX_M where
+K3_GEMV_FUSED names them: norm and situ by default, `FUSED`), each replacing a gemv plus a second
+launch:
     norm   (norm_linear):   y = Σ_k W[n, k] · x̂[m, k] [+ r],  x̂ = bf16(g · bf16(x · rstd_m)),
                             rstd_m = rsqrt(mean(x_m²) + eps): every CTA first sums the squares of
                             the x vectors its threads multiply (one block sum), then rounds x̂ as
@@ -581,22 +582,45 @@ def gemv_cuda(x, w, residual=None, *, out=None, out_dtype=None):
 
 # ---- the one-launch variants of the composites ---------------------------------------------------
 
-# K3_GEMV_FUSED=1: norm_linear, situ_gate_up and moe_front take their one-launch variant at
-# M <= GEMV_MAX_M (kernels/composite.py, kernels/situ.py); off until its GPU tests pass, so the
-# validated two-launch paths stay the default
-FUSED = os.environ.get("K3_GEMV_FUSED", "0") == "1"
+# K3_GEMV_FUSED: which composites take their one-launch variant at M <= GEMV_MAX_M
+# (kernels/composite.py, kernels/situ.py). Default "norm,situ": on the H200 (2026-11-29) their
+# GPU tests passed and the B1 yardstick with PDL went 106.1 -> 103.9 us per layer (18.5 -> 15.5
+# launches, with "split" too). "split" (moe_front) is opt-in: it caches [W_r; W_d], a second
+# copy of both weights (64 MB per layer per GPU at TP16) for one launch. "1" / "all": the three;
+# "0": none (the two-launch paths).
+VARIANTS = ("norm", "situ", "split")
+DEFAULT_FUSED = frozenset({"norm", "situ"})
 
 
-def fused_enabled() -> bool:
-    """Whether the composites take the one-launch variants now (read at every call: tests flip
-    `FUSED`)."""
-    return FUSED
+def parse_fused(value: str | None) -> frozenset[str]:
+    """K3_GEMV_FUSED's variants: unset -> DEFAULT_FUSED, "0" none, "1" / "all" every one, else a
+    comma list of VARIANTS."""
+    if value is None:
+        return DEFAULT_FUSED
+    if value.strip() in ("", "0"):
+        return frozenset()
+    if value.strip() in ("1", "all"):
+        return frozenset(VARIANTS)
+    names = frozenset(v.strip() for v in value.split(",") if v.strip())
+    if unknown := names - set(VARIANTS):
+        raise ValueError(f"K3_GEMV_FUSED: unknown variants {sorted(unknown)} (of {VARIANTS})")
+    return names
 
 
-def fused_takes(x) -> bool:
-    """Whether a composite with rows x takes its one-launch variant: the switch is on and
+FUSED = parse_fused(os.environ.get("K3_GEMV_FUSED"))
+
+
+def fused_enabled(variant: str) -> bool:
+    """Whether the composites take this one-launch variant now (read at every call: tests
+    replace `FUSED`)."""
+    return variant in FUSED
+
+
+def fused_takes(x, variant: str) -> bool:
+    """Whether a composite with rows x takes its one-launch variant: the switch names it and
     `linear` would run this kernel at this M."""
-    return fused_enabled() and x.dim() == 2 and x.is_cuda and x.shape[0] <= GEMV_MAX_M
+    return (fused_enabled(variant) and x.dim() == 2 and x.is_cuda
+            and x.shape[0] <= GEMV_MAX_M)
 
 
 def fused_ok(name: str, reason: str | None) -> bool:

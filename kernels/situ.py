@@ -7,7 +7,7 @@ in fp32 and stores one 16-byte vector of y (with PDL, `common.dsl.PDL`, after
 `griddepcontrol.wait`: gate_up is all activation). With `situ_gate_up_cuda` (one GEMM over the cached
 [W_g; W_u] through `gemv.linear`: our skinny GEMM at one row, cuBLAS above; then this kernel)
 the op becomes two launches on the GPU, which lets the backend fuse it there and put the shared
-experts on the side stream; with K3_GEMV_FUSED=1 one launch at gemv's rows (gemv's SiTU epilogue:
+experts on the side stream; with K3_GEMV_FUSED's "situ" (the default) one launch at gemv's rows (gemv's SiTU epilogue:
 this kernel's math on the GEMM's bf16 outputs). `tests/kernels/test_situ.py` passed on the H200
 (2026-11-29).
 
@@ -159,10 +159,10 @@ def situ_cuda(gate_up, beta, linear_beta, *, out=None):
 
 def situ_gate_up_cuda(x, wg, wu, beta, linear_beta):
     """k3::situ_gate_up on CUDA: one GEMM over the cached [W_g; W_u], then the kernel; with
-    K3_GEMV_FUSED=1 (`gemv.FUSED`) at M <= gemv.GEMV_MAX_M one launch, gemv's SiTU-epilogue
+    K3_GEMV_FUSED's "situ" (`gemv.FUSED`, the default) at M <= gemv.GEMV_MAX_M one launch, gemv's SiTU-epilogue
     variant (a refused call logs why and takes the two launches)."""
     w = gate_up_weight(wg, wu)
-    if gemv.fused_takes(x) and gemv.fused_ok("situ", gemv.fused_launch_refusal(gemv.SITU, x, w)):
+    if gemv.fused_takes(x, "situ") and gemv.fused_ok("situ", gemv.fused_launch_refusal(gemv.SITU, x, w)):
         return gemv.gemv_situ_cuda(x, w, beta, linear_beta)
     return situ_cuda(linear(x, w), beta, linear_beta)
 

@@ -128,7 +128,7 @@ def both_ways(monkeypatch, op, *args):
     """op(*args) with the switch off, then on."""
     got = []
     for flag in (False, True):
-        monkeypatch.setattr(gemv, "FUSED", flag)
+        monkeypatch.setattr(gemv, "FUSED", frozenset(gemv.VARIANTS) if flag else frozenset())
         got.append(op(*args))
     return got
 
@@ -171,7 +171,7 @@ def test_moe_front_fused(gen, monkeypatch, n):
 def test_fused_composites_refuse_to_two_launches(gen, monkeypatch, caplog):
     """A call the variant refuses (a norm weight in fp32, router weights with strided rows) runs
     the two launches, with the reason logged."""
-    monkeypatch.setattr(gemv, "FUSED", True)
+    monkeypatch.setattr(gemv, "FUSED", frozenset(gemv.VARIANTS))
     u, wnorm, w, eps, r = _norm_linear_inputs(gen, 1, True)
     with caplog.at_level("DEBUG", logger="k3compile.kernels"):
         torch.ops.k3.norm_linear(u, wnorm.float(), w, eps, r)
@@ -235,7 +235,7 @@ def _replay(graph, outs):
 def test_fused_composites_under_cuda_graphs_with_and_without_pdl(gen, monkeypatch):
     """Each one-launch variant captured with PDL on and off, replayed on fresh inputs (outputs
     poisoned first) against the references; both captures give bitwise the same outputs."""
-    monkeypatch.setattr(gemv, "FUSED", True)
+    monkeypatch.setattr(gemv, "FUSED", frozenset(gemv.VARIANTS))
     calls = [spy(monkeypatch, f"gemv_{v}_cuda") for v in ("norm", "situ", "split")]
     ops = FusedOps(gen)
     graphs = {pdl: _capture(ops, pdl, monkeypatch) for pdl in (True, False)}

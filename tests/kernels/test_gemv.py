@@ -323,13 +323,19 @@ def test_fusion_is_in_the_compile_key(monkeypatch):
     assert builds == [(p, f) for p in (False, True) for f in fusions], "one build per key"
 
 
-def test_switch_is_off_by_default_and_read_at_call_time(monkeypatch):
+def test_switch_names_variants_and_is_read_at_call_time(monkeypatch):
     if "K3_GEMV_FUSED" not in os.environ:
-        assert kernel.FUSED is False, "the validated two-launch paths stay the default"
-    for flag in (True, False, True):
-        monkeypatch.setattr(kernel, "FUSED", flag)
-        assert kernel.fused_enabled() is flag
-    assert not kernel.fused_takes(torch.empty(1, 64))  # a CPU tensor: the reference runs
+        assert kernel.FUSED == {"norm", "situ"}, "split (a second weight copy) is opt-in"
+    assert kernel.parse_fused(None) == kernel.DEFAULT_FUSED
+    assert kernel.parse_fused("0") == kernel.parse_fused("") == frozenset()
+    assert kernel.parse_fused("1") == kernel.parse_fused("all") == set(kernel.VARIANTS)
+    assert kernel.parse_fused(" split,norm ") == {"split", "norm"}
+    with pytest.raises(ValueError, match="unknown variants"):
+        kernel.parse_fused("norm,gate")
+    for names in ({"split"}, set(), {"norm", "situ"}):
+        monkeypatch.setattr(kernel, "FUSED", frozenset(names))
+        assert [kernel.fused_enabled(v) for v in kernel.VARIANTS] == [v in names for v in kernel.VARIANTS]
+    assert not kernel.fused_takes(torch.empty(1, 64), "norm")  # a CPU tensor: the reference runs
 
 
 # GPU: each variant through its wrapper, poisoned outputs, fresh inputs, the TP16 shapes

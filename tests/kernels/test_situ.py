@@ -75,7 +75,7 @@ def test_situ_gate_up_fused(gen, monkeypatch, n, width):
     monkeypatch.setattr(gemv, "gemv_situ_cuda", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     got = {}
     for flag in (False, True):
-        monkeypatch.setattr(gemv, "FUSED", flag)
+        monkeypatch.setattr(gemv, "FUSED", frozenset({"situ"} if flag else ()))
         got[flag] = torch.ops.k3.situ_gate_up(x, wg, wu, BETA, LINEAR_BETA)
     assert len(calls) == (n <= gemv.GEMV_MAX_M), "the one-launch variant at gemv's rows only"
     assert_written(got[True])
