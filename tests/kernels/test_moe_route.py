@@ -97,10 +97,26 @@ def test_all_equal_scores(gen):
     torch.testing.assert_close(weights, torch.full_like(weights, SCALING / TOP_K))
 
 
-@pytest.mark.parametrize("n_experts,top_k", [(64, 4), (100, 8), (256, 8), (1024, 32), (8, 8)])
+@pytest.mark.parametrize("n_experts,top_k", [(64, 4), (100, 8), (256, 8), (1024, 32), (8, 8),
+                                             (4, 4), (4, 1), (896, 1), (128, 32)])
 def test_other_sizes(gen, n_experts, top_k):
     for n in (1, 8, 33):
         check(*make_inputs(gen, n, n_experts), top_k=top_k)
+
+
+@pytest.mark.parametrize("n_equal", [16, 40, 61, 62, 300])
+def test_equal_keys_at_the_cut(gen, n_equal):
+    """n_equal experts at random places (across lanes and float4 slots) share the top logit, a
+    few distinct ones lie above it: up to 64 candidates (61 + 3: the cap) take the ranked way,
+    more the serial rounds; both give the equal experts in ascending order after the distinct
+    ones."""
+    n = 8
+    logits = torch.rand(n, EXPERTS, generator=gen, device="cuda") - 6  # far below the cut
+    for r in range(n):
+        perm = torch.randperm(EXPERTS, generator=gen, device="cuda")
+        logits[r, perm[:n_equal]] = 2.0
+        logits[r, perm[n_equal:n_equal + 3]] = torch.tensor([4.0, 3.5, 3.0], device="cuda")
+    check(logits, torch.zeros(EXPERTS, device="cuda"), exact_ties=True)
 
 
 def test_strided_logits(gen):
