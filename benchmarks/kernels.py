@@ -7,7 +7,9 @@ For every case and bucket, two callables are captured REPS times each into one C
 k3 op (its CUDA implementation is our kernel) and `torch.compile` (Inductor, default mode, static
 shapes: compiled for each bucket) of the op's `*_ref` function. The time per call is the median over replays of graph time / REPS, so it
 includes the gap between back-to-back kernels in a graph. Inputs stay L2-resident, as they are in
-a decode step (the previous kernel just wrote them). Shapes are one K3 TP16 rank's.
+a decode step (the previous kernel just wrote them). Shapes are one K3 TP16 rank's. Our kernels
+are timed with programmatic dependent launch off and on (`common.dsl.PDL`; on, the next launch's
+prologue overlaps the previous kernel, as in a decode step's graph).
 """
 
 import argparse
@@ -17,6 +19,7 @@ import math
 import torch
 from graph_timing import graph_us as replay_us
 from k3compile.kernels import attn_res_mix_norm, register_all
+from k3compile.kernels.common import dsl
 from k3compile.kernels.common.dsl import pick_threads
 
 from k3compile.ops.attn_res import attn_res_mix_norm_ref
@@ -121,19 +124,26 @@ def main():
     floor = graph_us(lambda: floor_x.add_(1))
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; "
           f"launch floor (tiny elementwise kernel in a graph): {floor:.2f} us")
-    rows = []
+    rows, default_pdl = [], dsl.PDL
     torch._dynamo.config.cache_size_limit = 64  # one compile per case and bucket
     torch._dynamo.config.accumulated_cache_size_limit = 1024
     for name in opts.only.split(","):
         for n in buckets:
             ours, bind, ref, moved = CASES[name](n)
             ref_c = torch.compile(ref, dynamic=False)
-            t_ours, t_ind = graph_us(ours), graph_us(bind(ref_c))
+            t_pdl = {}
+            for pdl in (False, True):
+                dsl.PDL = pdl
+                t_pdl[pdl] = graph_us(ours)
+            dsl.PDL = default_pdl
+            t_ours, t_ind = t_pdl[False], graph_us(bind(ref_c))
             rows.append({"kernel": name, "batch": n, "cute_us": round(t_ours, 2),
+                         "cute_pdl_us": round(t_pdl[True], 2),
                          "inductor_us": round(t_ind, 2), "speedup": round(t_ind / t_ours, 2),
                          "GB/s": round(moved / t_ours / 1e3, 1)})
-            print(f"{name:18s} N={n:3d}  cute {t_ours:6.2f} us  inductor {t_ind:6.2f} us  "
-                  f"x{t_ind / t_ours:4.2f}  {moved / t_ours / 1e3:7.1f} GB/s", flush=True)
+            print(f"{name:18s} N={n:3d}  cute {t_ours:6.2f} us (PDL {t_pdl[True]:6.2f})  "
+                  f"inductor {t_ind:6.2f} us  x{t_ind / t_ours:4.2f}  "
+                  f"{moved / t_ours / 1e3:7.1f} GB/s", flush=True)
     if opts.out:
         with open(opts.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "floor_us": floor, "rows": rows},
