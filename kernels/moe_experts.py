@@ -13,10 +13,16 @@ bytes once and decodes them in registers; no bf16 weight is written. Two launche
      math. z[n] is staged per CTA in shared memory as fp32 (16-byte chunks XOR-swizzled so the
      lanes read their groups without bank conflicts). Warp butterfly sums (identical in every
      lane); lane r rounds hg, hu to bf16 as the reference's einsums do and writes bf16(SiTU)
-     to the act scratch [N·k, I].
+     to the act scratch [N·k, I]. Registers and shared memory do not depend on I (I = 3072:
+     384 CTAs per pair).
   2. FC2 + finalize, grid (N, L / R): thread (l, j) dots act[n, j] with row l of W2[ids[n, j]]
-     (its I/32 vectors and scales loaded first), rounds to bf16 as the reference does, times
-     w[n, j]; each l's k terms are summed in shared memory in order j = 0..k-1, rounded once.
+     (up to I = 512 its I/32 vectors and scales loaded first; above, chunks of 12 vectors in two
+     register buffers that take turns, chunk c + 1 loaded before the math of chunk c, in a
+     rolled loop so the compiler cannot hoist every load: ~105-115 registers at I 768-3072
+     against 136 at I = 512), one fp32 sum over the I/32 partials in order whatever the
+     chunks, rounds to bf16 as the reference does, times w[n, j]; each l's k terms are summed
+     in shared memory in order j = 0..k-1, rounded once. act[n] is staged in shared memory as
+     fp32, k·(I + 4)·4 bytes (197 KB at k = 16, I = 3072: one CTA per SM there).
      Launched with PDL: its weight loads overlap FC1's tail (FC1 signals once its loads are
      issued) and `griddepcontrol.wait` precedes the act reads. FC1 itself is launched with PDL
      after the route kernel when `common.dsl.PDL` is on; it waits first (its ids pick the
@@ -39,6 +45,7 @@ L = 3584 (112 vectors per row) leaves half the lanes idle. Its GPU tests pass on
 (2026-11-29); in `KERNELS` (`register()` makes `moe_experts_cuda` the op's CUDA path). Measured
 there (benchmarks/moe_experts.py, TP16 rank, CUDA-graph replay): 12.95 µs at 1 token (31% of
 copy bandwidth for its 17.6 MB), 58.4 at 8 (52%), 406.9 at 64 (38%); x6.7-x9.8 vs Inductor.
+I > 512 (FC2's chunks; TP4/TP2/TP1 ranks) builds for sm_90a; its GPU tests are not yet run.
 
 Constraints:
     * z bf16 [N, L], last dim contiguous, row stride a multiple of 8, 16-byte aligned; ids
@@ -46,7 +53,8 @@ Constraints:
       64 rows with the 64-row configs).
     * Experts stacked, contiguous uint8: w1/w3 packed [E, I, L/2] + scales [E, I, L/32], w2
       packed [E, L, I/2] + scales [E, L, I/32]; packed data 16-byte aligned.
-    * L % 32 == 0, 32 <= L <= 8192; I % 32 == 0, 32 <= I <= 512.
+    * L % 32 == 0, 32 <= L <= 8192; I % 32 == 0, 32 <= I <= 512, or I % 384 == 0 up to 3072
+      (FC2's chunks: I/W at TP W = 16, 8, 4, 2, 1 is 192, 384, 768, 1536, 3072).
     * ids outside [0, E) are clamped (the reference raises); |z| < 2^32; scale bytes <= 224
       (2^97; 255 is E8M0's NaN); scale 0 (2^-127) is exact.
 """
@@ -77,7 +85,10 @@ OP = "moe_experts"
 OPS = ("moe_experts",)
 MAX_TOP_K = 16
 MAX_LATENT = 8192
-MAX_INTER = 512
+MAX_INTER = 3072  # TP1 (3072 / W per rank under TP W)
+ROW_VECTORS = 16  # FC2 keeps a whole W2 row in registers up to I = 512 (16 vectors) ...
+CHUNK_VECTORS = 12  # ... and above, two chunks of 12 (I % 384 == 0): ~105-115 registers
+STAGE_VECTORS = 8  # most act vectors per thread in flight while FC2 stages act in shared memory
 Z_SHIFT = 96  # activations are staged times 2^Z_SHIFT (see the docstring)
 SCALE_BIAS = 126 - Z_SHIFT  # fp32 exponent field of a group's factor = scale byte + SCALE_BIAS
 PAIR_SHIFT = (12, 8, 4, 0)  # word << PAIR_SHIFT[i] puts inputs i, i + 4 atop the two halves
@@ -110,6 +121,12 @@ def config(stage: str, latent: int, inter: int, top_k: int, batch_bucket: int):
     return FC2Config(rows, -(-rows * top_k // 32) * 32)
 
 
+def _chunk_vectors(n_vec: int) -> int:
+    """W2 vectors per FC2 chunk: the whole row up to ROW_VECTORS, else CHUNK_VECTORS. (Chunks of
+    8 or 16 left a stack frame or ~180 registers at some I on sm_90a.)"""
+    return n_vec if n_vec <= ROW_VECTORS else CHUNK_VECTORS
+
+
 def _lane_vectors(latent: int) -> int:
     return -(-(latent // 32) // 32)
 
@@ -124,6 +141,8 @@ def refusal(z, ids, weights, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed
     n_exp, inter, latent = w1_packed.shape[0], w1_packed.shape[1], z.shape[-1]
     if not 32 <= latent <= MAX_LATENT or not 32 <= inter <= MAX_INTER:
         return f"latent {latent} / intermediate {inter} (want <= {MAX_LATENT} / {MAX_INTER})"
+    if inter > 32 * ROW_VECTORS and inter % (32 * CHUNK_VECTORS):
+        return f"intermediate {inter} > {32 * ROW_VECTORS}: want a multiple of {32 * CHUNK_VECTORS}"
     if why := rows_ok(z, latent, torch.bfloat16):
         return f"z: {why}"
     if not 1 <= ids.shape[-1] <= MAX_TOP_K:
@@ -298,6 +317,28 @@ def _kernels():
             self.nvi = inter // 32  # packed vectors (and scales) per W2 row
             self.rows, self.threads = cfg.rows_per_cta, cfg.threads
             self.pitch = inter + 4  # act row pitch in smem (fp32): rows j, j+1 on other banks
+            # W2 vectors (and scales) per chunk: the whole row for I <= 512, else two buffers of
+            # `chunk` that take turns (loads of one in flight during the math of the other)
+            self.chunk = _chunk_vectors(self.nvi)
+            self.n_chunks = self.nvi // self.chunk
+
+        def load_chunk(self, gW, mS2, row, rW, rS, first):
+            """W2 row vectors first .. first + chunk - 1 and their scales -> rW (4, chunk), rS
+            (chunk,); `first` may be a runtime value."""
+            for c in range(self.chunk):
+                cute.autovec_copy(gW[None, first + c], rW[None, c])
+            for c in range(self.chunk):
+                rS[c] = Uint32(mS2[row, first + c])
+
+        def chunk_dot(self, acc, sRow, rZ, rW, rS, first):
+            """acc + the chunk's 32-input partials times their factors, added in order c."""
+            rZ4 = cute.zipped_divide(rZ, (4,))  # (4, 8)
+            for c in range(self.chunk):
+                for q in range(8):
+                    cute.autovec_copy(sRow[None, 8 * (first + c) + q], rZ4[None, q])
+                words = rW[None, c].load().bitcast(Uint32)
+                acc = acc + decode_dot(words, rZ.load()) * group_factor(rS[c])
+            return acc
 
         @cute.jit
         def __call__(self, mActRows: cute.Tensor, mIds: cute.Tensor, mWt: cute.Tensor,
@@ -320,49 +361,56 @@ def _kernels():
                 (K, self.pitch), stride=(self.pitch, 1)), 16)
             sRed = smem.allocate_tensor(Float32, cute.make_layout((K, R), stride=(R, 1)), 16)
 
-            # Thread (l, j): row l of W2[ids[n, j]], all its vectors and scales first. Threads
-            # past R·k (odd k) mirror the last one and write nothing.
+            # Thread (l, j): row l of W2[ids[n, j]]; its first chunk (the whole row for I <= 512)
+            # loads before the wait. Threads past R·k (odd k) mirror the last one, write nothing.
             t = cutlass.min(tidx, R * K - 1)
             j, l = t // R, blk * R + t % R
             n_exp = mW2.shape[0] // L
             e = cutlass.max(cutlass.min(Int32(mIds[n, j]), n_exp - 1), 0)
             row = e * L + cutlass.min(l, L - 1)
             gW = row_vectors(mW2, row)  # (4, I/32)
-            rW = make_frag(Int32, NVI)  # (4, I/32)
-            rS = cute.make_rmem_tensor(cute.make_layout((NVI,)), Uint32)
-            for c in cutlass.range_constexpr(NVI):
-                cute.autovec_copy(gW[None, c], rW[None, c])
-            for c in cutlass.range_constexpr(NVI):
-                rS[c] = Uint32(mS2[row, c])
+            C, NC = self.chunk, self.n_chunks
+            rW = [make_frag(Int32, C) for _ in range(min(NC, 2))]  # (4, C) each
+            rS = [cute.make_rmem_tensor(cute.make_layout((C,)), Uint32) for _ in range(min(NC, 2))]
+            self.load_chunk(gW, mS2, row, rW[0], rS[0], 0)
             wt = mWt[n, j]
 
             # act rows of token n (written by FC1) -> shared fp32 times 2^Z_SHIFT
             cute.arch.griddepcontrol_wait()
             per_row = self.inter // 8
             AV = -(-(K * per_row) // self.threads)
-            rA8 = make_frag(BFloat16, AV)  # (8, AV)
-            load_vectors(row_vectors(mActRows, n), rA8, tidx, self.threads, K * per_row)
             rF = cute.make_rmem_tensor(cute.make_layout((8,)), Float32)
             rF4 = cute.zipped_divide(rF, (4,))  # (4, 2)
-            for s in cutlass.range_constexpr(AV):
-                v = s * self.threads + tidx
-                if v < K * per_row:
-                    ja, q = v // per_row, v % per_row
-                    rF.store(rA8[None, s].load().to(Float32) * Float32(2.0 ** Z_SHIFT))
-                    sRow = cute.zipped_divide(sAct[ja, None], (4,))  # (4, pitch/4)
-                    cute.autovec_copy(rF4[None, 0], sRow[None, 2 * q])
-                    cute.autovec_copy(rF4[None, 1], sRow[None, 2 * q + 1])
+            for s0 in cutlass.range_constexpr(0, AV, STAGE_VECTORS):
+                rA8 = make_frag(BFloat16, min(AV - s0, STAGE_VECTORS))  # (8, <= STAGE_VECTORS)
+                load_vectors(row_vectors(mActRows, n), rA8, tidx, self.threads,
+                             K * per_row - s0 * self.threads, s0 * self.threads)
+                for s in cutlass.range_constexpr(s0, min(AV, s0 + STAGE_VECTORS)):
+                    v = s * self.threads + tidx
+                    if v < K * per_row:
+                        ja, q = v // per_row, v % per_row
+                        rF.store(rA8[None, s - s0].load().to(Float32) * Float32(2.0 ** Z_SHIFT))
+                        sRow = cute.zipped_divide(sAct[ja, None], (4,))  # (4, pitch/4)
+                        cute.autovec_copy(rF4[None, 0], sRow[None, 2 * q])
+                        cute.autovec_copy(rF4[None, 1], sRow[None, 2 * q + 1])
             cute.arch.barrier()
 
-            acc = Float32(0.0)
+            acc = Float32(0.0)  # one fp32 sum over c = 0 .. I/32 - 1 in order, whatever the chunks
             sRow = cute.zipped_divide(sAct[j, None], (4,))
             rZ = cute.make_rmem_tensor(cute.make_layout((32,)), Float32)
-            rZ4 = cute.zipped_divide(rZ, (4,))  # (4, 8)
-            for c in cutlass.range_constexpr(NVI):
-                for q in cutlass.range_constexpr(8):
-                    cute.autovec_copy(sRow[None, 8 * c + q], rZ4[None, q])
-                words = rW[None, c].load().bitcast(Uint32)
-                acc = acc + decode_dot(words, rZ.load()) * group_factor(rS[c])
+            if const_expr(NC > 1):
+                # chunks 2p, 2p + 1 in buffers 0, 1; a loop kept rolled, its count hidden from
+                # the compiler (mW2 has E·L >= 1 rows, so 1 - E·L <= 0), so that no later chunk's
+                # loads (registers) are hoisted above an earlier chunk's math
+                for p in cutlass.range(cutlass.max(Int32(NC // 2), 1 - mW2.shape[0]), unroll=1):
+                    first = 2 * C * p
+                    self.load_chunk(gW, mS2, row, rW[1], rS[1], first + C)
+                    acc = self.chunk_dot(acc, sRow, rZ, rW[0], rS[0], first)
+                    if first + 2 * C < NVI:
+                        self.load_chunk(gW, mS2, row, rW[0], rS[0], first + 2 * C)
+                    acc = self.chunk_dot(acc, sRow, rZ, rW[1], rS[1], first + C)
+            if const_expr(NC % 2):  # the last chunk in buffer 0 (the whole row for I <= 512)
+                acc = self.chunk_dot(acc, sRow, rZ, rW[0], rS[0], (NC - 1) * C)
             y = acc.to(BFloat16).to(Float32)  # the reference's FC2 einsum rounds to bf16
             if tidx < R * K:
                 sRed[j, t % R] = wt * y

@@ -88,11 +88,17 @@ def _cases():
             for out_fp32, residual in variants.get((n, k), [(False, False)]):
                 seen.append((gemv, (n, k, b, out_fp32, residual), gemv.config(n, k, b)))
     # moe_experts: (stage, L, I, k, int64 ids) at one TP16 rank (one config for every bucket),
-    # int32 ids, the largest L and I, and small shapes with partial lane steps and odd k
+    # int32 ids, the largest L and I = 512 (FC2's whole W2 row in registers), and small shapes
+    # with partial lane steps and odd k; FC2 in chunks above I = 512: a TP2 and a TP4 rank
+    # (I 1536, 768), an odd chunk count with odd k (1152), k = 1, the largest L and I
     for stage, latent, inter, top_k, ids64 in [
             ("fc1", 3584, 192, 16, True), ("fc2", 3584, 192, 16, True),
             ("fc2", 3584, 192, 16, False), ("fc1", 8192, 512, 16, True),
-            ("fc2", 8192, 512, 16, True), ("fc1", 1056, 32, 1, True), ("fc2", 96, 64, 3, False)]:
+            ("fc2", 8192, 512, 16, True), ("fc1", 1056, 32, 1, True), ("fc2", 96, 64, 3, False),
+            ("fc1", 3584, 1536, 16, True), ("fc2", 3584, 1536, 16, True),
+            ("fc2", 3584, 768, 16, True), ("fc2", 1056, 1152, 3, False),
+            ("fc2", 96, 768, 1, True), ("fc1", 8192, 3072, 16, True),
+            ("fc2", 8192, 3072, 16, True)]:
         for b in BUCKETS:
             case = (moe_experts, (stage, latent, inter, top_k, ids64),
                     moe_experts.config(stage, latent, inter, top_k, b))

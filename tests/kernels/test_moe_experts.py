@@ -4,10 +4,14 @@
 On CPU (always run): the model's decode (the kernels' integer ops on packed words, the 2^Z_SHIFT
 staging, the scale-byte factor) is exactly MXFP4 dequantisation; the model's blocking and
 roundings (bf16 hg/hu, act, y; fp32 finalize in order j) agree with the reference at the TP16
-shapes and a small odd one; the refusal reasons; the logged fallback.
+shapes, a small odd one and the intermediate sizes of TP4, TP2, TP1 ranks (I 768, 1536, 3072, on
+few experts and a small L); FC2's chunks of W2 above I = 512; the refusal reasons; the logged
+fallback.
 On a GPU: one TP16 rank (896 experts, top-16, L 3584, I 192) at every batch bucket and rows
 between them, an 8-row verify step whose rows share experts, repeated experts, int32 ids, small
-odd shapes (partial lane steps, odd k), determinism, CUDA-graph replay (FC2 launches with PDL)."""
+odd shapes (partial lane steps, odd k, an odd number of FC2 chunks, the largest L and I),
+determinism, CUDA-graph replay (FC2 launches with PDL); a TP2 rank (I 1536) and a TP4 rank
+(I 768) at a few buckets (FC2 in chunks, its act staging above 48 KB of shared memory)."""
 
 import logging
 
@@ -119,8 +123,10 @@ def test_decode_model_is_dequantisation():
     assert torch.equal(got.view(128, 256), want)
 
 
-@pytest.mark.parametrize("shape", [(20, LATENT, INTER, TOP_K, 3), (7, 96, 64, 3, 5)],
-                         ids=["tp16", "odd"])
+@pytest.mark.parametrize("shape", [(20, LATENT, INTER, TOP_K, 3), (7, 96, 64, 3, 5),
+                                   (6, 256, 768, 4, 3), (5, 128, 1536, 3, 2),
+                                   (4, 96, 3072, 2, 3)],
+                         ids=["tp16", "odd", "i768", "i1536", "i3072"])
 def test_kernels_model_matches_reference(cpu_gen, shape):
     n_exp, latent, inter, top_k, n = shape
     experts = make_experts(cpu_gen, n_exp, latent, inter, "cpu")
@@ -129,6 +135,18 @@ def test_kernels_model_matches_reference(cpu_gen, shape):
     ref = moe_experts_ref(z, ids, w, *experts, BETA, LINEAR_BETA)
     torch.testing.assert_close(got.float(), ref.float(), **TOL["bf16"])
     assert rel_err(got, ref) < TOL["bf16_rel_norm"]
+
+
+@pytest.mark.parametrize("inter", [32, 192, 512, 768, 1152, 1536, 2304, 3072])
+def test_fc2_chunks_cover_the_row_in_order(inter):
+    """FC2's W2 row: whole up to I = 512, else two buffers of CHUNK_VECTORS taking turns; the
+    chunks tile the row's I/32 vectors in order (the fp32 sum runs c = 0 .. I/32 - 1)."""
+    n_vec = inter // 32
+    chunk = kernel._chunk_vectors(n_vec)
+    assert chunk == (n_vec if inter <= 512 else kernel.CHUNK_VECTORS)
+    assert n_vec % chunk == 0
+    order = [c for first in range(0, n_vec, chunk) for c in range(first, first + chunk)]
+    assert order == list(range(n_vec))
 
 
 def _meta(n=4, n_exp=EXPERTS, latent=LATENT, inter=INTER, top_k=TOP_K, **over):
@@ -155,7 +173,9 @@ REFUSALS = {
     "weights_bf16": (_meta(weights=torch.empty(4, TOP_K, dtype=torch.bfloat16, device="meta")),
                      "weights:"),
     "latent_not_32": (_meta(latent=3600), "not multiples of 32"),
-    "intermediate_1024": (_meta(inter=1024), "intermediate 1024"),
+    "intermediate_3104": (_meta(inter=3104), "intermediate 3104"),
+    "intermediate_4096": (_meta(inter=4096), "intermediate 4096"),
+    "intermediate_1024": (_meta(inter=1024), "multiple of 384"),  # FC2's chunks of 12 vectors
     "latent_16384": (_meta(latent=16384), "latent 16384"),
     "packed_strided": (_meta(w2_packed=torch.empty(EXPERTS, INTER // 2, LATENT, dtype=torch.uint8,
                                                    device="meta").transpose(1, 2)),
@@ -176,7 +196,9 @@ def test_refusal_reasons(case):
 
 
 @pytest.mark.parametrize("shape", [{}, {"n": 64, "top_k": 1}, {"latent": 8192, "inter": 512},
-                                   {"latent": 96, "inter": 64, "n_exp": 5, "top_k": 2}])
+                                   {"latent": 96, "inter": 64, "n_exp": 5, "top_k": 2},
+                                   {"inter": 768}, {"inter": 1536}, {"inter": 1152, "top_k": 3},
+                                   {"latent": 8192, "inter": 3072}])
 def test_accepted_shapes(shape):
     assert kernel.refusal(**_meta(**shape)) is None
     n, top_k = shape.get("n", 4), shape.get("top_k", TOP_K)
@@ -257,14 +279,44 @@ def test_tp16_int32_ids_and_determinism(gen, tp16_experts):
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("shape", [(5, 96, 64, 2), (7, 512, 96, 3), (9, 1056, 32, 1),
-                                   (6, 1536, 64, 4), (20, 8192, 512, 16)], ids=str)
+                                   (6, 1536, 64, 4), (20, 8192, 512, 16), (7, 512, 1152, 3),
+                                   (5, 96, 768, 1), (10, 2048, 3072, 8)], ids=str)
 def test_other_shapes(gen, shape):
     """Partial lane steps (L/32 = 3, 33 vectors), the W1/W3-split step alone (16) and after a
-    full one (48), odd k, k = 1, the largest L and I."""
+    full one (48), odd k, k = 1, the largest L and I = 512 (the whole W2 row in registers); above
+    it FC2's chunks: an odd count (I 1152: 3) with odd k, two with k = 1, the largest I (8)."""
     n_exp, latent, inter, top_k = shape
     experts = make_experts(gen, n_exp, latent, inter, "cuda")
     for n in (1, 7, 33):  # 33: the 64-row bucket
         check(*make_tokens(gen, n, latent, n_exp, top_k, "cuda"), experts)
+
+
+@pytest.fixture(scope="module", params=[(2, 1536), (4, 768)], ids=["tp2", "tp4"])
+def rank_experts(request):
+    """A TP2 or TP4 rank's 896 experts (I = 3072 / W; ~7.4 GB of packed weights at TP2)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    seed = int(torch.randint(1 << 30, ()).item())
+    print(f"experts seed {seed}")
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    _, inter = request.param
+    return make_experts(gen, EXPERTS, LATENT, inter, "cuda")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("n", [1, 2, 8, 64, 5])
+def test_tp_rank_rows(gen, rank_experts, n):
+    """TP2 (I 1536: FC2 in 4 chunks, 99 KB of staged act) and TP4 (I 768: 2 chunks, 49 KB)."""
+    check(*make_tokens(gen, n, LATENT, EXPERTS, TOP_K, "cuda"), rank_experts)
+
+
+@pytest.mark.gpu
+@gpu
+def test_tp_rank_verify_step_and_determinism(gen, rank_experts):
+    z, ids, w = make_tokens(gen, 8, LATENT, EXPERTS, TOP_K, "cuda", pool=24)
+    first = check(z, ids.int(), w, rank_experts)
+    assert torch.equal(first, check(z, ids, w, rank_experts)), "int32 and int64 ids differ"
 
 
 def replay_and_check(graph, out, z, ids, w, experts):
