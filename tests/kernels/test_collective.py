@@ -27,8 +27,8 @@ def test_allreduce_algorithms_and_fused_op_under_cuda_graphs(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={WORLD}",
            "--master-port", str(_free_port()), str(worker), str(tmp_path)]
     try:
-        run = subprocess.run(cmd, capture_output=True, text=True, timeout=float(os.environ.get("K3_COLLECTIVE_TIMEOUT", "150")),
-                             check=False)
+        limit = float(os.environ.get("K3_COLLECTIVE_TIMEOUT", "150"))
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=limit, check=False)
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"timed out; output:\n{(e.stdout or '')[-3000:]}\n{(e.stderr or '')[-3000:]}")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
