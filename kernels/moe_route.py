@@ -25,7 +25,9 @@ and compares; before: a 28-step cache scan, 2k = 32 redux with a pop between, an
 sum of the weights. More than CAP candidates (many exactly equal keys around the cut) take the
 former exact rounds instead (`serial_topk`); so do most E = 1024, k = 32 rows (~100
 candidates). With PDL (`common.dsl.PDL`) the bias loads before `griddepcontrol.wait`, the logits
-after it.
+after it. On the H200 (2026-11-29) its GPU tests pass (ties at the cut on both paths, k = 1 and
+32, E = 4; CUDA-graph and PDL chains) and it takes 2.42 / 2.60 / 2.72 µs at 1 / 8 / 64 rows
+(2.09 / 2.14 / 2.22 with PDL; the former scheme 4.94 / 5.62 / 5.80), x6.8-x7.6 vs Inductor.
 
 Constraints:
     * logits fp32 [N, E] with contiguous rows, row stride a multiple of 4 elements and 16-byte
