@@ -19,7 +19,8 @@ name, resolved through c10d). A graph without collectives (W = 1) is left alone.
 Whether it pays is a cost question (option `shard_moe`, default "auto"): a rank saves reading
 (W-1)/W of the weights but waits on one all-gather (plus its pack / unpack kernels) per sharded
 op. On two H200s (2026-11-29, BENCHMARKS.md) sharding both ops saved 57.8 MB per rank per layer
-(~14 µs at the copy bandwidth) and cost +37 µs at B1, +50 µs at B8: ~18 µs per sharded op. "auto"
+(~14 µs at the copy bandwidth) and cost +37 µs at B1, +50 µs at B8: ~18 µs per sharded op
+(session 5, with every decode kernel in: +30 µs at B1, +14 µs at B8, so 7-15 µs an op). "auto"
 shards an op only where its saved read time exceeds that measured cost (`GATHER_US`), so on the
 H200 with NCCL all-gathers it keeps the projections replicated at every TP size and says why in
 the report; "on" shards every one it can (the rewrite above), "off" none.
