@@ -1,8 +1,9 @@
 """Stage `ranks`: under tensor parallelism every rank must have compiled the same graph, or their
 collectives pair up wrongly and hang or mix up data. Each rank fingerprints its final graph
-(ops, their argument structure, shapes and dtypes, the bucket and the backend options; every
-CuTe kernel's config is a pure function of its op's shapes and the bucket, so equal summaries
-mean equal kernel configs) and the fingerprints are all-gathered over the graph's TP group; a mismatch fails
+(ops, their argument structure, shapes and dtypes, the bucket, the backend options and the
+process's kernel settings: registered kernels, PDL and gemv switches, DSL version, tuning
+table; every CuTe kernel's config is a pure function of these and its op's shapes, so equal
+summaries mean equal kernel configs) and the fingerprints are all-gathered over the graph's TP group; a mismatch fails
 the compile on every rank at once, with a diff of the first differing rank against rank 0.
 
     rank 0: 3f2a...   rank 1: 3f2a...   -> same graph, compile goes on
@@ -81,10 +82,12 @@ def _options_text(options) -> str:
 
 
 def summary(graph: fx.Graph, batch: int | None = None, options=None) -> list[str]:
-    """The bucket and options, then one line per node: position, op, target, arguments by
+    """The bucket, options and kernel settings, then one line per node: position, op, target, arguments by
     position, output dtypes and shapes."""
+    from k3compile.kernels import settings
+
     index = {n: i for i, n in enumerate(graph.nodes)}
-    lines = [f"bucket {batch}", f"options {_options_text(options)}"]
+    lines = [f"bucket {batch}", f"options {_options_text(options)}", *settings()]
     for node in graph.nodes:
         target = "" if node.op == "placeholder" else getattr(node.target, "__name__",
                                                                str(node.target))

@@ -61,6 +61,30 @@ def skipped_kernels() -> tuple[str, ...]:
     return names
 
 
+def settings() -> list[str]:
+    """What picks the CUDA kernels and their configs in this process beyond the graph itself: the
+    kernels registered (DSL present, K3_KERNELS_EXTRA / K3_KERNELS_SKIP), the PDL and gemv
+    switches, the DSL version and the shipped tuning table's digest. Tensor-parallel ranks must
+    agree on all of it (`k3compile.ranks` adds it to each rank's fingerprint): a replicated op
+    computed by different kernels could round differently on different ranks."""
+    import hashlib
+
+    from k3compile.kernels import gemm_tc, gemv
+    from k3compile.kernels.common import dsl
+
+    skip = skipped_kernels()
+    names = [n for n in KERNELS + extra_kernels() if n not in skip] if dsl.have_dsl() else []
+    try:
+        from importlib.metadata import version
+
+        dsl_version = version("nvidia-cutlass-dsl")
+    except Exception:  # noqa: BLE001 - not installed (or no metadata): recorded as such
+        dsl_version = None
+    table = hashlib.sha256(gemm_tc.TABLE.read_bytes()).hexdigest()[:12] if gemm_tc.TABLE.exists() else None
+    return [f"kernels {names}", f"pdl {dsl.PDL}", f"gemv_fused {sorted(gemv.FUSED)}",
+            f"cutlass_dsl {dsl_version}", f"gemm_tc_table {table}"]
+
+
 def cuda_ops() -> set[str]:
     """The k3 ops that run well on CUDA now: a registered kernel (or kernel composite) or a
     native reference. The others run their torch reference there, op by op (many small launches,

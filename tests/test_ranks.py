@@ -60,13 +60,17 @@ def test_no_collective_no_check():
     assert check_ranks(graph, 1) is None
 
 
-def _worker(rank: int, port: int, out_dir: str, differ: bool):
+def _worker(rank: int, port: int, out_dir: str, differ: bool, pdl_differs: bool = False):
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     dist.init_process_group("gloo", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=300))  # a hang fails
     try:
         name = dist.group.WORLD.group_name
         graph = _graph(extra=differ and rank == 1, group=name)
+        if pdl_differs and rank == 1:  # e.g. K3_PDL set on one rank's launcher only
+            from k3compile.kernels.common import dsl
+
+            dsl.PDL = not dsl.PDL
         try:
             result = ("ok", check_ranks(graph, 4))
         except RanksDiffer as e:
@@ -93,3 +97,23 @@ def test_ranks_agree_or_fail_together(tmp_path, differ):
         for kind, text in results:  # both ranks raise, and say where the graphs part
             assert kind == "differ", text
             assert "rank 0" in text and "rank 1" in text and "relu" in text, text
+
+
+def test_summary_holds_the_kernel_settings(monkeypatch):
+    """The process's kernel switches are part of what ranks must agree on."""
+    from k3compile.kernels import gemv
+    from k3compile.kernels.common import dsl
+
+    lines = summary(_graph(False), 4)
+    assert any(line.startswith("gemm_tc_table ") and "None" not in line for line in lines)
+    monkeypatch.setattr(dsl, "PDL", not dsl.PDL)
+    assert summary(_graph(False), 4) != lines
+    monkeypatch.setattr(dsl, "PDL", not dsl.PDL)
+    monkeypatch.setattr(gemv, "FUSED", frozenset({"split"}))
+    assert summary(_graph(False), 4) != lines
+
+
+def test_ranks_with_different_kernel_switches_fail_together(tmp_path):
+    mp.spawn(_worker, args=(_free_port(), str(tmp_path), False, True), nprocs=2, join=True)
+    for kind, text in (torch.load(tmp_path / f"rank{r}.pt") for r in range(2)):
+        assert kind == "differ" and "pdl" in text, text
