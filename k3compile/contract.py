@@ -1,8 +1,10 @@
 """The fusion contract: each layer template declares the fused ops it expects; after compiling,
 plan vs actual per layer. A shortfall warns, or raises with `strict`.
 
-Templates (spec §5): `dense` (layer 0: KDA + dense SiTU MLP), `kda_moe`, `mla_moe`, and `last`
-(the last layer, MLA + MoE, which also owns the final depth mix + norm).
+Templates (spec §5): `dense` (layer 0: KDA + dense SiTU MLP), `kda_moe`, `mla_moe`, `last` (the
+last layer: MLA + MoE, as mla_moe) and `final`, the model's own final depth mix + norm
+(`language_model.model.norm`: it belongs to no layer), reported with the rest of the model's
+own ops (embedding, lm_head) as pseudo-layer FINAL.
 """
 
 from __future__ import annotations
@@ -37,8 +39,10 @@ PLANS: dict[str, dict[str, int]] = {
     "dense": {"rms_norm": 1, **_KDA_PLAN, **_POST, "situ_gate_up": 1},
     "kda_moe": {"attn_res_mix_norm": 1, **_KDA_PLAN, **_POST, **_MOE_PLAN},
     "mla_moe": {"attn_res_mix_norm": 1, **_MLA_PLAN, **_POST, **_MOE_PLAN},
-    "last": {"attn_res_mix_norm": 2, **_MLA_PLAN, **_POST, **_MOE_PLAN},  # K3's last layer is MLA
+    "last": {"attn_res_mix_norm": 1, **_MLA_PLAN, **_POST, **_MOE_PLAN},  # K3's last layer is MLA
+    "final": {"attn_res_mix_norm": 1},  # the model's final depth mix + norm, after every layer
 }
+FINAL = -1  # the pseudo-layer of the model's final mix + norm (k3compile.diff: outside the layers)
 
 # a fused op that takes the planned op's place: at W > 1 the collective variant is the
 # post-attention mix (o_proj stays a GEMM before it, spec §5.2 row 5's GEMM + all-reduce)
@@ -49,6 +53,9 @@ SATISFIES = {"allreduce_attn_res_mix_norm": "oproj_attn_res_mix_norm"}
 # its GEMMs to it) and on the world size (o_proj at W > 1), so the plans, which declare fusions,
 # leave it out: never planned, never a shortfall, not counted as a fused op; reported as GEMMs.
 # (`NEUTRAL` lives in k3compile.rewrite, whose near misses it also concerns.)
+
+# k3 ops that schedule rather than compute: side-stream fork / join (events) and the L2 prefetch
+SCHEDULE = frozenset({"stream_fork", "stream_join", "prefetch_l2"})
 
 # ATen ops that launch no kernel of their own (views, metadata, getitem of multi-output ops)
 _NO_KERNEL = {"view", "reshape", "_unsafe_view", "permute", "unsqueeze", "squeeze", "expand",
@@ -84,7 +91,9 @@ class LayerReport:
 
     @property
     def fused_ops(self) -> int:
-        return sum(n for op, n in self.actual.items() if op not in NEUTRAL)
+        """The layer's fused compute ops: not its plain GEMMs (NEUTRAL) nor the stream and
+        prefetch bookkeeping (SCHEDULE: events and an L2 hint, no compute of the model's)."""
+        return sum(n for op, n in self.actual.items() if op not in NEUTRAL | SCHEDULE)
 
     @property
     def gemm_ops(self) -> int:
@@ -131,21 +140,23 @@ def layer_templates(graph: fx.Graph) -> dict[int, str]:
         moe = any(_MOE.search(p) for p in ps)
         out[layer] = "last" if layer == last and layer > 0 else (
             "dense" if not moe else "mla_moe" if mla else "kda_moe")
+    if final:
+        out[FINAL] = "final"
     return out
 
 
 def layer_ops(graph: fx.Graph) -> dict[int, tuple[collections.Counter, collections.Counter]]:
-    """layer -> (k3 ops, other compute ops). The final mix/norm counts toward the last layer."""
+    """layer -> (k3 ops, other compute ops); what lies outside the layers (the final mix + norm,
+    lm_head, ...) under FINAL where the graph has the final norm (a whole model)."""
     templates = layer_templates(graph)
-    last = max(templates, default=None)
     fused = collections.defaultdict(collections.Counter)
     other = collections.defaultdict(collections.Counter)
     for node in graph.nodes:
         if node.op != "call_function":
             continue
         layer = _layer_of(node)
-        if layer is None:
-            layer = last if _is_final(module_path(node)) else None
+        if layer is None:  # outside the layers: embedding, the final mix + norm, lm_head
+            layer = FINAL if FINAL in templates else None
         if layer is None:
             continue
         target = str(node.target)
@@ -189,6 +200,7 @@ def format_contract(report: ContractReport, batch) -> str:
     for lr in report.layers:
         plan = ", ".join(f"{op} {lr.actual[op]}/{n}" + (" deferred" if op in lr.deferred else "")
                          for op, n in lr.expected.items())
-        lines.append(f"  {lr.layer:>5} {lr.template:<8} {lr.fused_ops:>9} {lr.gemm_ops:>9} "
+        name = "model" if lr.layer == FINAL else lr.layer
+        lines.append(f"  {name:>5} {lr.template:<8} {lr.fused_ops:>9} {lr.gemm_ops:>9} "
                      f"{sum(lr.other_ops.values()):>16}  {plan}")
     return "\n".join(lines)

@@ -247,15 +247,11 @@ def launches(node: fx.Node) -> bool:
     return isinstance(t, torch._ops.HigherOrderOperator)
 
 
-def _layer_index(path: str, last: int | None) -> int:
+def _layer_index(path: str) -> int:
     m = _LAYER.search(path)
     if m:
         return int(m.group(1))
-    # as the contract counts it: the final depth mix and norm belong to the last layer
-    tail = path.startswith("language_model.model.norm") or "output_attn_res" in path
-    if last is not None and tail:
-        return last
-    return OUTSIDE
+    return OUTSIDE  # the final depth mix + norm too: the model's, not a layer's (contract.FINAL)
 
 
 def _suffix(module: str) -> str:
@@ -266,11 +262,9 @@ def _suffix(module: str) -> str:
 
 def _split_layers(graph: fx.Graph) -> dict[int, list[fx.Node]]:
     nodes = [n for n in graph.nodes if n.op == "call_function"]
-    found = [int(m.group(1)) for n in nodes if (m := _LAYER.search(module_path(n)))]
-    last = max(found, default=None)
     out: dict[int, list[fx.Node]] = collections.defaultdict(list)
     for n in nodes:
-        out[_layer_index(module_path(n), last)].append(n)
+        out[_layer_index(module_path(n))].append(n)
     return out
 
 
@@ -607,17 +601,17 @@ def _ranges(xs: Sequence[int]) -> str:
     return ",".join(parts)
 
 
-def _rewrites_by_layer(rewrites, final: fx.Graph, last: int | None):
+def _rewrites_by_layer(rewrites, final: fx.Graph):
     """The engine's hits, near misses (reasons made readable) and reverted rewrites per layer."""
     nodes = {n.name: n for n in final.nodes}
     hits, misses, reverted = (collections.defaultdict(list) for _ in range(3))
     for h in getattr(rewrites, "hits", ()):
-        hits[_layer_index(h.module, last)].append(h)
+        hits[_layer_index(h.module)].append(h)
     for nm in getattr(rewrites, "near_misses", ()):
-        i, (reason, kind) = _layer_index(nm.module, last), _tidy(nm.reason, nodes)
+        i, (reason, kind) = _layer_index(nm.module), _tidy(nm.reason, nodes)
         misses[i].append(Miss(i, nm.module, nm.node, nm.pattern, reason, kind, "engine"))
     for r in getattr(rewrites, "reverted", ()):
-        reverted[_layer_index(r.module, last)].append(f"{r.pattern} @ {r.module}: {r.error}")
+        reverted[_layer_index(r.module)].append(f"{r.pattern} @ {r.module}: {r.error}")
     return hits, misses, reverted
 
 
@@ -628,10 +622,9 @@ def _bucket_report(compiled, bucket) -> BucketReport:
     has_before = before_graph is not None
     after = _split_layers(final)
     before = _split_layers(before_graph) if has_before else {}
-    last = max((i for i in after if i != OUTSIDE), default=None)
     contract = compiled.contracts.get(bucket)
     plan = {lr.layer: lr for lr in contract.layers} if contract else {}
-    hits, misses, reverted = _rewrites_by_layer(obs.reports.get(bucket), final, last)
+    hits, misses, reverted = _rewrites_by_layer(obs.reports.get(bucket), final)
     rewritten = {h.node: h.pattern for hs in hits.values() for h in hs}
     for i, lr in plan.items():
         for op in lr.shortfall:
@@ -647,13 +640,14 @@ def _bucket_report(compiled, bucket) -> BucketReport:
     read_before = layer_templates(before_graph) if has_before else names
     misread = {i: (read_before[i], n) for i, n in names.items() if read_before.get(i, n) != n}
     inputs = _input_names(compiled, final)
+    names.pop(OUTSIDE, None)  # the contract's FINAL row is the outside row's plan
     layers = {i: _layer_info(i, (read_before.get(i, "?"), names.get(i, "?")),
                              before.get(i, []) if has_before else None,
                              after[i], hits[i], misses[i], reverted[i], plan.get(i), inputs)
               for i in sorted(after) if i != OUTSIDE}
     outside = _layer_info(OUTSIDE, ("", ""), before.get(OUTSIDE, []) if has_before else None,
                           after.get(OUTSIDE, []), hits[OUTSIDE], misses[OUTSIDE],
-                          reverted[OUTSIDE], None, inputs)
+                          reverted[OUTSIDE], plan.get(OUTSIDE), inputs)
     templates = _templates(layers, has_before)
     drawings = {t.representative: _drawing(before.get(t.representative, []),
                                            after[t.representative])
@@ -921,7 +915,7 @@ def _bucket_text(b: BucketReport, s, max_diff_lines: int) -> list[str]:
                    f"{L.kernels_after:<5} {sum(L.fused.values()):>6}  {plan}")
     o = b.outside
     out.append(f"  {'other':>5}  {'':<13} {o.kernels_before:>5} -> {o.kernels_after:<5} "
-               f"{sum(o.fused.values()):>6}  (embedding, lm_head, state write-back)")
+               f"{sum(o.fused.values()):>6}  (embedding, final mix + norm, lm_head, state write-back)")
     when = "before the pipeline" if b.has_before else "after the pipeline (no input captured)"
     out.append(s("\nlayer templates", "bold") + "  (Weisfeiler-Lehman hash of each layer's kernel "
                f"graph {when}: op names as labels, views contracted)")

@@ -17,6 +17,7 @@ import torch
 from torch import fx
 
 from k3compile import backend, cli, diff
+from k3compile.contract import FINAL
 from k3compile.models import build_model, get_config
 from k3compile.models.k3 import RMSNorm
 
@@ -64,9 +65,11 @@ def test_counts_are_the_backend_counters(broken):
     engine = [m for L in everywhere for m in L.near_misses if m.source == "engine"]
     assert len(engine) == len(rewrites.near_misses)
     contract = compiled.contracts[bucket.bucket]
-    assert [lr.layer for lr in contract.layers] == list(bucket.layers)
+    # the model's final mix + norm is the contract's FINAL row and the report's outside row
+    rows = {**bucket.layers, FINAL: bucket.outside}
+    assert [lr.layer for lr in contract.layers] == [*bucket.layers, FINAL]
     for lr in contract.layers:
-        mine = bucket.layers[lr.layer]
+        mine = rows[lr.layer]
         assert +mine.fused == +lr.actual, lr.layer
         assert mine.expected == lr.expected and mine.shortfall == lr.shortfall
         assert mine.contract_template == lr.template
@@ -133,7 +136,7 @@ def test_stage_diff(broken):
     _, bucket, compiled = broken
     d = bucket.stage_diff
     rows = {op: (a, b) for op, a, b in d.histogram}
-    hits = Counter(h.op for L in bucket.layers.values() for h in L.hits)
+    hits = Counter(h.op for L in [*bucket.layers.values(), bucket.outside] for h in L.hits)
     # the o_proj fusion consumes an attn_res_mix_norm op made earlier in the same stage
     made = hits["k3.attn_res_mix_norm"] - hits["k3.oproj_attn_res_mix_norm"]
     assert rows["k3.attn_res_mix_norm"] == (0, made)

@@ -80,7 +80,11 @@ def test_fusion_contract_met(pair):
     for batch, report in compiled.contracts.items():
         assert report.met, compiled.summary()
         templates = {lr.template for lr in report.layers}
-        assert templates == {"dense", "kda_moe", "mla_moe", "last"}
+        assert templates == {"dense", "kda_moe", "mla_moe", "last", "final"}
+        # the bar: at most 13 fused ops in every layer (the model's final mix + norm,
+        # which belongs to no layer, is the `final` row's one op)
+        assert all(lr.fused_ops <= 13 for lr in report.layers), compiled.summary()
+        assert [lr.fused_ops for lr in report.layers if lr.template == "final"] == [1]
 
 
 def test_padding_never_touches_other_slots(pair):

@@ -87,7 +87,7 @@ def test_every_layer_holds_its_attention_plan(bf16_run):
     assert len(compiled) == 2  # one graph for T = 1, one for T = 8
     for c in compiled:
         for batch, report in c.contracts.items():
-            assert {lr.template for lr in report.layers} == {"dense", "kda_moe", "mla_moe", "last"}
+            assert {lr.template for lr in report.layers} == {"dense", "kda_moe", "mla_moe", "last", "final"}
             for lr in report.layers:
                 want = {op: n for op, n in PLANS[lr.template].items() if op in ATTENTION_OPS}
                 got = {op: n for op, n in lr.actual.items() if op in ATTENTION_OPS}
