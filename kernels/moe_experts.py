@@ -419,12 +419,14 @@ def _kernels():
                 for r in cutlass.range_constexpr(RW):
                     for mat, mW in enumerate((mW1, mW3)):
                         dst = sW[None, lane, (mm * RW + r) * 2 + mat, warp]
+                        src = row_vectors(mW, rows[r])[None, col]
                         if const_expr(32 * (mm + 1) <= NV):
-                            cute.copy(atom, row_vectors(mW, rows[r])[None, col], dst)
-                        elif col < NV:
-                            cute.copy(atom, row_vectors(mW, rows[r])[None, col], dst)
+                            cute.copy(atom, src, dst)
                         else:
-                            dst.fill(0)
+                            if col < NV:
+                                cute.copy(atom, src, dst)
+                            else:
+                                dst.fill(0)
                 cute.arch.cp_async_commit_group()
             if const_expr(self.split):
                 col = 32 * M + lane % 16
