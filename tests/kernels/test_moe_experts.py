@@ -11,7 +11,8 @@ On a GPU: one TP16 rank (896 experts, top-16, L 3584, I 192) at every batch buck
 between them, an 8-row verify step whose rows share experts, repeated experts, int32 ids, small
 odd shapes (partial lane steps, odd k, an odd number of FC2 chunks, the largest L and I),
 determinism, CUDA-graph replay (FC2 launches with PDL); a TP2 rank (I 1536) and a TP4 rank
-(I 768) at a few buckets (FC2 in chunks, its act staging above 48 KB of shared memory)."""
+(I 768) at a few buckets (FC2 in chunks, its act staging above 48 KB of shared memory); FC1
+with cp.async (`FC1Config.cp_async`) bit for bit the default FC1 at TP16 and small shapes."""
 
 import dataclasses
 import logging
