@@ -4,7 +4,7 @@ TP16 rank (896 experts, top-16, L 3584, I 192).
 
     python benchmarks/moe_experts.py [--batches 1,8,64] [--variants kernel,eager,inductor]
                                      [--out DIR or r.json]
-    python benchmarks/moe_experts.py --sweep [--batches 1,8,64]   # FC1 / FC2 configs
+    python benchmarks/moe_experts.py --sweep [--batches 1,8,64] [--out DIR]   # FC1 / FC2 configs
 
 Each variant is captured into a CUDA graph of CALLS calls (benchmarks/graph_timing.py); time per
 call = median over replays of graph time / calls. Every call has its own rows and routing: at
@@ -116,9 +116,11 @@ def run(batches, variants, gbps, experts, save):
 
 
 def sweep(batches, experts, save):
-    """Time the kernels with every FC1 config (FC2 at its default), then every FC2 config."""
+    """Time the kernels with every FC1 config (FC2 at its default), then every FC2 config. FC1:
+    warps x rows per warp, weights to registers (the default) or by cp.async per lane step."""
     default = kernel.config
-    cands = [("fc1", kernel.FC1Config(w, r)) for w in (2, 4, 8) for r in (1, 2, 4)]
+    cands = [("fc1", kernel.FC1Config(w, r, a)) for a in (False, True) for w in (2, 4, 8)
+             for r in (1, 2, 4) if kernel.fc1_fits(LATENT, kernel.FC1Config(w, r, a))]
     cands += [("fc2", kernel.FC2Config(r, r * TOP_K)) for r in (8, 16, 32, 64)]
     rows = []
     try:

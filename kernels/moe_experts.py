@@ -27,6 +27,24 @@ bytes once and decodes them in registers; no bf16 weight is written. Two launche
      issued) and `griddepcontrol.wait` precedes the act reads. FC1 itself is launched with PDL
      after the route kernel when `common.dsl.PDL` is on; it waits first (its ids pick the
      weights), so that hides only the launch.
+FC1 with `FC1Config.cp_async` (off by default; `benchmarks/moe_experts.py --sweep` times it):
+the same math in the same order, the weights streamed to shared memory. The plain FC1 at one
+token is two phases: its 384 CTAs (~3 per SM, one wave) issue every load, then decode; in its
+sm_90a SASS ptxas puts all 14 weight vectors of a lane on one scoreboard, and z, whose staging
+and CTA barrier precede the math, is loaded after them: no math before a warp's last vector
+lands, so the ~2.8 µs of FC1 bytes (11.7 MB) and the ~2.6 µs of decode issue add up. With
+cp.async each lane step (the RW x 2 vectors lane + 32s, then the split step) is one commit
+group into the lane's own slots (16 B x 32 lanes per slot: conflict-free reads), z and the
+scale bytes are loaded before them (a warp barrier keeps ptxas from sinking them below the
+copies), and step s starts after `cp.async.wait_group(S - 1 - s)` (`DEPBAR.LE SB0, S - 1 - s`)
+with later steps in flight. Every CTA issues step 0 first, so the memory system returns all
+steps 0 in the first ~1/S of the stream while steps 1.. are in flight: model ≈ ids + latency +
+2.8 µs + the last step's decode (~0.4 µs) instead of + 2.6 µs. Why not the alternatives: a
+rolled loop of two register buffers (FC2's) serialises a memory latency per pair of steps, and
+a lane has only 4 steps at L 3584; loads to registers in step order gave the same one-scoreboard
+SASS; smaller CTAs change neither the one wave nor the late z (and load z once more per CTA).
+Costs: 16 KB of shared memory per warp of 2 rows at L 3584 (47 KB per CTA of 4 warps, 4 CTAs
+per SM), one LDS.128 per 32 inputs; registers fall from 128 to 72 (sm_90a, 4 warps x 2 rows).
 No atomics, no split-K: deterministic. Pairs are the fastest grid dimension, so pairs sharing
 an expert read the same rows at about the same time (the second from L2).
 
@@ -91,6 +109,7 @@ MAX_INTER = 3072  # TP1 (3072 / W per rank under TP W)
 ROW_VECTORS = 16  # FC2 keeps a whole W2 row in registers up to I = 512 (16 vectors) ...
 CHUNK_VECTORS = 12  # ... and above, two chunks of 12 (I % 384 == 0): ~105-115 registers
 STAGE_VECTORS = 8  # most act vectors per thread in flight while FC2 stages act in shared memory
+SMEM_BYTES = 227 * 1024  # per CTA on sm_90
 Z_SHIFT = 96  # activations are staged times 2^Z_SHIFT (see the docstring)
 SCALE_BIAS = 126 - Z_SHIFT  # fp32 exponent field of a group's factor = scale byte + SCALE_BIAS
 PAIR_SHIFT = (12, 8, 4, 0)  # word << PAIR_SHIFT[i] puts inputs i, i + 4 atop the two halves
@@ -101,6 +120,9 @@ SIGN_MASK, MAG_MASK = 0x80008000, 0x01C001C0
 class FC1Config:
     warps: int
     rows_per_warp: int  # rows of W1 and of W3 per warp
+    # weights by cp.async into shared memory, one group per lane step, the math of a step after
+    # its group alone arrived (see the docstring); off: every load to registers, then the math
+    cp_async: bool = False
 
     @property
     def threads(self) -> int:
@@ -127,6 +149,26 @@ def _chunk_vectors(n_vec: int) -> int:
     """W2 vectors per FC2 chunk: the whole row up to ROW_VECTORS, else CHUNK_VECTORS. (Chunks of
     8 or 16 left a stack frame or ~180 registers at some I on sm_90a.)"""
     return n_vec if n_vec <= ROW_VECTORS else CHUNK_VECTORS
+
+
+def _lane_steps(latent: int) -> tuple[int, bool]:
+    """FC1's full lane steps M over a row and whether a split step follows (NV % 32 == 16: lanes
+    0-15 take the W1 tail, 16-31 the W3 tail)."""
+    nv = latent // 32
+    return (nv // 32, True) if nv % 32 == 16 else (_lane_vectors(latent), False)
+
+
+def fc1_smem(latent: int, cfg: FC1Config) -> int:
+    """FC1's shared memory per CTA: z as fp32, and with cp.async every lane's 16-byte vector of
+    every lane step, row and matrix (47 KB at L 3584 with 4 warps of 2 rows)."""
+    if not cfg.cp_async:
+        return 4 * latent + 64
+    m, split = _lane_steps(latent)
+    return 4 * latent + 64 + 16 * 32 * 2 * cfg.rows_per_warp * (m + split) * cfg.warps
+
+
+def fc1_fits(latent: int, cfg: FC1Config) -> bool:
+    return 32 <= cfg.threads <= 1024 and fc1_smem(latent, cfg) <= SMEM_BYTES
 
 
 def _lane_vectors(latent: int) -> int:
@@ -172,6 +214,7 @@ def can_implement(z, ids, weights, w1_packed, w1_scale, w3_packed, w3_scale, w2_
 def _kernels():
     import cutlass
     from cutlass import BFloat16, Float32, Int32, Uint32, const_expr, cute
+    from cutlass.cute.nvgpu import cpasync
 
     from .common.copy import load_vectors, make_frag, row_vectors
 
@@ -206,10 +249,43 @@ def _kernels():
             self.nv = latent // 32  # packed vectors (and scales) per weight row
             # Lane steps over both matrices; with NV % 32 == 16 (L = 3584: 112 vectors) a last
             # step gives lanes 0-15 the W1 tail and lanes 16-31 the W3 tail (no idle lanes).
-            self.split = self.nv % 32 == 16
-            self.m = self.nv // 32 if self.split else _lane_vectors(latent)
-            self.rw, self.warps, self.threads = cfg.rows_per_warp, cfg.warps, cfg.threads
+            self.m, self.split = _lane_steps(latent)
+            self.cfg, self.rw, self.warps, self.threads = cfg, cfg.rows_per_warp, cfg.warps, \
+                cfg.threads
             self.rows = cfg.warps * cfg.rows_per_warp
+            self.cp_async = cfg.cp_async
+            self.steps = self.m + self.split  # cp.async groups per lane
+            if not fc1_fits(latent, cfg):
+                raise ValueError(f"{cfg} at L {latent}: {fc1_smem(latent, cfg)} B of shared memory")
+
+        @cute.jit
+        def stage_z(self, rZ8: cute.Tensor, sZ: cute.Tensor, tidx: Int32):
+            """rZ8 (8, ZV) bf16 z vectors of this thread -> sZ fp32 times 2^Z_SHIFT, chunk q of
+            group c at 8c + (q ^ (c & 7)); then the CTA barrier."""
+            rF = cute.make_rmem_tensor(cute.make_layout((8,)), Float32)
+            rF4 = cute.zipped_divide(rF, (4,))  # (4, 2)
+            for s in cutlass.range_constexpr(cute.size(rZ8, mode=[1])):
+                v = s * self.threads + tidx
+                if v < self.latent // 8:
+                    rF.store(rZ8[None, s].load().to(Float32) * Float32(2.0 ** Z_SHIFT))
+                    c, q = v // 4, 2 * (v % 4)
+                    cute.autovec_copy(rF4[None, 0], sZ[None, 8 * c + (q ^ (c % 8))])
+                    cute.autovec_copy(rF4[None, 1], sZ[None, 8 * c + ((q + 1) ^ (c % 8))])
+            cute.arch.barrier()
+
+        @cute.jit
+        def finish(self, acc, lane, pair, i0, mAct, beta, linear_beta):
+            """Warp sums of the RW (W1, W3) partials; lane r writes bf16(SiTU) of row i0 + r."""
+            for r in cutlass.range_constexpr(self.rw):
+                hg = cute.arch.warp_reduction(acc[r][0], operator.add)
+                hu = cute.arch.warp_reduction(acc[r][1], operator.add)
+                if (lane == r) & (i0 + r < self.inter):
+                    g = hg.to(BFloat16).to(Float32)  # the reference's einsums round to bf16
+                    u = hu.to(BFloat16).to(Float32)
+                    sig = 1.0 / (1.0 + cute.math.exp(-g, fastmath=True))
+                    gate = beta * cute.math.tanh(g / beta, fastmath=False) * sig
+                    lin = linear_beta * cute.math.tanh(u / linear_beta, fastmath=False)
+                    mAct[pair, i0 + r] = (gate * lin).to(BFloat16)
 
         @cute.jit
         def __call__(self, mZ: cute.Tensor, mIds: cute.Tensor, mW1: cute.Tensor,
@@ -217,9 +293,10 @@ def _kernels():
                      beta: Float32, linear_beta: Float32, stream):
             # mZ: (N, L) bf16; mIds: (N, k); mW1, mW3: (E·I, L/8) int32 words of packed
             # nibbles; mS1, mS3: (E·I, L/32) uint8; mAct: (N·k, I) bf16
-            self.kernel(mZ, mIds, mW1, mS1, mW3, mS3, mAct, beta, linear_beta).launch(
+            kernel = self.kernel_async if const_expr(self.cp_async) else self.kernel
+            kernel(mZ, mIds, mW1, mS1, mW3, mS3, mAct, beta, linear_beta).launch(
                 grid=[mZ.shape[0] * self.top_k, -(-self.inter // self.rows), 1],
-                block=[self.threads, 1, 1], smem=4 * self.latent + 64, stream=stream,
+                block=[self.threads, 1, 1], smem=fc1_smem(self.latent, self.cfg), stream=stream,
                 use_pdl=self.pdl)
 
         @cute.kernel
@@ -270,16 +347,7 @@ def _kernels():
             rZ8 = make_frag(BFloat16, ZV)  # (8, ZV)
             load_vectors(row_vectors(mZ, n), rZ8, tidx, self.threads, self.latent // 8)
             cute.arch.griddepcontrol_launch_dependents()
-            rF = cute.make_rmem_tensor(cute.make_layout((8,)), Float32)
-            rF4 = cute.zipped_divide(rF, (4,))  # (4, 2)
-            for s in cutlass.range_constexpr(ZV):
-                v = s * self.threads + tidx
-                if v < self.latent // 8:
-                    rF.store(rZ8[None, s].load().to(Float32) * Float32(2.0 ** Z_SHIFT))
-                    c, q = v // 4, 2 * (v % 4)
-                    cute.autovec_copy(rF4[None, 0], sZ[None, 8 * c + (q ^ (c % 8))])
-                    cute.autovec_copy(rF4[None, 1], sZ[None, 8 * c + ((q + 1) ^ (c % 8))])
-            cute.arch.barrier()
+            self.stage_z(rZ8, sZ, tidx)
 
             acc = [[Float32(0.0), Float32(0.0)] for _ in range(RW)]
             rZ = cute.make_rmem_tensor(cute.make_layout((32,)), Float32)  # one 32-input group
@@ -301,17 +369,102 @@ def _kernels():
                         rST[r])
                     acc[r][0] = acc[r][0] + Float32(cutlass.select_(first, t, Float32(0.0)))
                     acc[r][1] = acc[r][1] + Float32(cutlass.select_(first, Float32(0.0), t))
+            self.finish(acc, lane, pair, i0, mAct, beta, linear_beta)
 
+        @cute.kernel
+        def kernel_async(self, mZ: cute.Tensor, mIds: cute.Tensor, mW1: cute.Tensor,
+                         mS1: cute.Tensor, mW3: cute.Tensor, mS3: cute.Tensor,
+                         mAct: cute.Tensor, beta: Float32, linear_beta: Float32):
+            """`kernel` with the weights streamed by cp.async: same math, same order."""
+            pdl_wait(self.pdl)
+            tidx, _, _ = cute.arch.thread_idx()
+            pair, blk, _ = cute.arch.block_idx()
+            lane, warp = cute.arch.lane_idx(), cute.arch.warp_idx()
+            I, NV, M, RW, S = self.inter, self.nv, self.m, self.rw, self.steps
+            n, j = pair // self.top_k, pair % self.top_k
+            # z first: it does not depend on the ids, and no math starts before it is staged
+            rZ8 = make_frag(BFloat16, -(-(self.latent // 8) // self.threads))  # (8, ZV)
+            load_vectors(row_vectors(mZ, n), rZ8, tidx, self.threads, self.latent // 8)
+            n_exp = mW1.shape[0] // I
+            e = cutlass.max(cutlass.min(Int32(mIds[n, j]), n_exp - 1), 0)
+            i0 = blk * self.rows + warp * RW
+            smem = cutlass.memory.SmemAllocator()
+            sZ = smem.allocate_tensor(Float32, cute.make_layout((4, 8 * NV)), 16)  # chunks
+            # slot (s·RW + r)·2 + mat of a lane: its vector of lane step s, row r, W1 or W3
+            sW = smem.allocate_tensor(Int32, cute.make_layout(
+                (4, 32, 2 * RW * S, self.warps), stride=(1, 4, 128, 256 * RW * S)), 16)
+            rows = [e * I + cutlass.min(i0 + r, I - 1) for r in range(RW)]
+
+            # The scales (byte loads) first, then one cp.async group per lane step s: the RW rows
+            # x (W1, W3) vectors lane + 32s (a lane's columns past NV are zeros in shared memory,
+            # their scale column clamped); the split step's vector in slot mat = 0.
+            rS = [[cute.make_rmem_tensor(cute.make_layout((max(M, 1),)), Uint32)
+                   for _ in range(2)] for _ in range(RW)]
+            rST = cute.make_rmem_tensor(cute.make_layout((RW,)), Uint32)
             for r in cutlass.range_constexpr(RW):
-                hg = cute.arch.warp_reduction(acc[r][0], operator.add)
-                hu = cute.arch.warp_reduction(acc[r][1], operator.add)
-                if (lane == r) & (i0 + r < I):
-                    g = hg.to(BFloat16).to(Float32)  # the reference's einsums round to bf16
-                    u = hu.to(BFloat16).to(Float32)
-                    sig = 1.0 / (1.0 + cute.math.exp(-g, fastmath=True))
-                    gate = beta * cute.math.tanh(g / beta, fastmath=False) * sig
-                    lin = linear_beta * cute.math.tanh(u / linear_beta, fastmath=False)
-                    mAct[pair, i0 + r] = (gate * lin).to(BFloat16)
+                for mat, mS in enumerate((mS1, mS3)):
+                    for mm in cutlass.range_constexpr(M):
+                        rS[r][mat][mm] = Uint32(mS[rows[r], cutlass.min(lane + 32 * mm, NV - 1)])
+                if const_expr(self.split):
+                    col = 32 * M + lane % 16
+                    rST[r] = Uint32(cutlass.select_(lane < 16, Uint32(mS1[rows[r], col]),
+                                                    Uint32(mS3[rows[r], col])))
+            # (ptxas would sink the z and scale loads below the copies: the warp barrier, a
+            # memory fence, keeps them first, so that waiting for them waits for no weight)
+            cute.arch.sync_warp()
+            atom = cute.make_copy_atom(cpasync.CopyG2SOp(cpasync.LoadCacheMode.GLOBAL), Int32,
+                                       num_bits_per_copy=128)
+            for mm in cutlass.range_constexpr(M):
+                col = lane + 32 * mm
+                for r in cutlass.range_constexpr(RW):
+                    for mat, mW in enumerate((mW1, mW3)):
+                        dst = sW[None, lane, (mm * RW + r) * 2 + mat, warp]
+                        src = row_vectors(mW, rows[r])[None, col]
+                        if const_expr(32 * (mm + 1) <= NV):
+                            cute.copy(atom, src, dst)
+                        else:
+                            if col < NV:
+                                cute.copy(atom, src, dst)
+                            else:
+                                dst.fill(0)
+                cute.arch.cp_async_commit_group()
+            if const_expr(self.split):
+                col = 32 * M + lane % 16
+                for r in cutlass.range_constexpr(RW):
+                    dst = sW[None, lane, (M * RW + r) * 2, warp]
+                    if lane < 16:
+                        cute.copy(atom, row_vectors(mW1, rows[r])[None, col], dst)
+                    else:
+                        cute.copy(atom, row_vectors(mW3, rows[r])[None, col], dst)
+                cute.arch.cp_async_commit_group()
+            cute.arch.griddepcontrol_launch_dependents()
+            self.stage_z(rZ8, sZ, tidx)
+
+            # Step s waits only for its own group (S - 1 - s groups may still be in flight).
+            acc = [[Float32(0.0), Float32(0.0)] for _ in range(RW)]
+            rZ = cute.make_rmem_tensor(cute.make_layout((32,)), Float32)  # one 32-input group
+            rW = [[make_frag(Int32, 1) for _ in range(2)] for _ in range(RW)]  # (4, 1)
+            for mm in cutlass.range_constexpr(M):
+                cute.arch.cp_async_wait_group(S - 1 - mm)
+                z = group_z(sZ, cutlass.min(lane + 32 * mm, NV - 1), rZ)
+                for r in cutlass.range_constexpr(RW):
+                    for mat in cutlass.range_constexpr(2):
+                        cute.autovec_copy(sW[None, lane, (mm * RW + r) * 2 + mat, warp],
+                                          rW[r][mat][None, 0])
+                        words = rW[r][mat][None, 0].load().bitcast(Uint32)
+                        acc[r][mat] = acc[r][mat] + decode_dot(words, z) * group_factor(
+                            rS[r][mat][mm])
+            if const_expr(self.split):
+                cute.arch.cp_async_wait_group(0)
+                z = group_z(sZ, 32 * M + lane % 16, rZ)
+                first = lane < 16
+                for r in cutlass.range_constexpr(RW):
+                    cute.autovec_copy(sW[None, lane, (M * RW + r) * 2, warp], rW[r][0][None, 0])
+                    t = decode_dot(rW[r][0][None, 0].load().bitcast(Uint32), z) * group_factor(
+                        rST[r])
+                    acc[r][0] = acc[r][0] + Float32(cutlass.select_(first, t, Float32(0.0)))
+                    acc[r][1] = acc[r][1] + Float32(cutlass.select_(first, Float32(0.0), t))
+            self.finish(acc, lane, pair, i0, mAct, beta, linear_beta)
 
     class FC2:
         def __init__(self, latent: int, inter: int, top_k: int, cfg: FC2Config):

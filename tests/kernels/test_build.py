@@ -104,6 +104,17 @@ def _cases():
                     moe_experts.config(stage, latent, inter, top_k, b))
             if case not in seen:
                 seen.append(case)
+    # moe_experts FC1 with cp.async (not a default yet): the TP16 rank at the sweep's warps x
+    # rows per warp (1 to 8 warps, 1 to 4 rows), a partial lane step (L 1056), the split step
+    # alone (512) and after a full one (1536), the largest L
+    fc1 = moe_experts.FC1Config
+    for latent, inter, top_k, cfg in [
+            (3584, 192, 16, fc1(4, 2, True)), (3584, 192, 16, fc1(4, 1, True)),
+            (3584, 192, 16, fc1(2, 2, True)), (3584, 192, 16, fc1(8, 1, True)),
+            (3584, 192, 16, fc1(8, 4, True)), (1056, 32, 1, fc1(4, 2, True)),
+            (512, 96, 3, fc1(4, 2, True)), (1536, 64, 4, fc1(2, 1, True)),
+            (8192, 512, 16, fc1(4, 1, True))]:
+        seen.append((moe_experts, ("fc1", latent, inter, top_k, True), cfg))
     return seen
 
 

@@ -11,9 +11,12 @@ On a GPU: one TP16 rank (896 experts, top-16, L 3584, I 192) at every batch buck
 between them, an 8-row verify step whose rows share experts, repeated experts, int32 ids, small
 odd shapes (partial lane steps, odd k, an odd number of FC2 chunks, the largest L and I),
 determinism, CUDA-graph replay (FC2 launches with PDL); a TP2 rank (I 1536) and a TP4 rank
-(I 768) at a few buckets (FC2 in chunks, its act staging above 48 KB of shared memory)."""
+(I 768) at a few buckets (FC2 in chunks, its act staging above 48 KB of shared memory); FC1
+with cp.async (`FC1Config.cp_async`) bit for bit the default FC1 at TP16 and small shapes."""
 
+import dataclasses
 import logging
+import re
 
 import pytest
 import torch
@@ -402,6 +405,86 @@ def test_fc1_builds_with_pdl(monkeypatch, tmp_path):
     assert "ld.global" not in ptx[:wait], "a load before the wait"
     plain = ptx_of(kernel.build(*scalars, arch="sm_90a", dump_dir=str(off)))
     assert "griddepcontrol.wait;" not in plain
+
+
+# FC1 with cp.async (FC1Config.cp_async): the same math in the same order as the default FC1
+FC1_CP_ASYNC = [kernel.FC1Config(4, 2, True), kernel.FC1Config(4, 1, True),
+                kernel.FC1Config(2, 2, True), kernel.FC1Config(8, 1, True)]
+
+
+def _cfg_id(cfg):
+    return f"w{cfg.warps}r{cfg.rows_per_warp}"
+
+
+@pytest.fixture
+def force_fc1(monkeypatch):
+    """force_fc1(cfg): FC1 runs with cfg at every bucket (as the benchmark's sweep does)."""
+    default = kernel.config
+
+    def force(cfg):
+        monkeypatch.setattr(kernel, "config",
+                            lambda stage, *a: cfg if stage == "fc1" else default(stage, *a))
+    return force
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("cfg", FC1_CP_ASYNC, ids=_cfg_id)
+@pytest.mark.parametrize("n", [1, 8, 3])
+def test_tp16_fc1_cp_async(gen, tp16_experts, force_fc1, cfg, n):
+    """Against the model and the reference, and bit for bit the default FC1's output."""
+    z, ids, w = make_tokens(gen, n, LATENT, EXPERTS, TOP_K, "cuda")
+    plain = check(z, ids, w, tp16_experts)
+    force_fc1(cfg)
+    assert torch.equal(check(z, ids, w, tp16_experts), plain), "cp.async FC1 differs"
+
+
+@pytest.mark.gpu
+@gpu
+def test_tp16_fc1_cp_async_verify_step(gen, tp16_experts, force_fc1):
+    """8 rows within 24 experts (pairs share expert rows), int32 ids."""
+    z, ids, w = make_tokens(gen, 8, LATENT, EXPERTS, TOP_K, "cuda", pool=24)
+    plain = check(z, ids, w, tp16_experts)
+    force_fc1(FC1_CP_ASYNC[0])
+    assert torch.equal(check(z, ids.int(), w, tp16_experts), plain)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("shape", [(5, 96, 64, 2), (7, 512, 96, 3), (9, 1056, 32, 1),
+                                   (6, 1536, 64, 4), (20, 8192, 512, 16)], ids=str)
+def test_other_shapes_fc1_cp_async(gen, force_fc1, shape):
+    """cp.async FC1 (the default warps and rows) at a partial lane step (L/32 = 3, 33), the split
+    step alone (16) and after a full one (48), the largest L; equal to the default FC1."""
+    n_exp, latent, inter, top_k = shape
+    experts = make_experts(gen, n_exp, latent, inter, "cuda")
+    cfg = dataclasses.replace(kernel.config("fc1", latent, inter, top_k, 1), cp_async=True)
+    tokens = [make_tokens(gen, n, latent, n_exp, top_k, "cuda") for n in (1, 7)]
+    plain = [check(*t, experts) for t in tokens]
+    force_fc1(cfg)
+    for t, want in zip(tokens, plain):
+        assert torch.equal(check(*t, experts), want)
+
+
+@pytest.mark.dsl
+@pytest.mark.parametrize("shape", [(3584, 192, 2), (1056, 32, 2), (512, 96, 2)], ids=str)
+def test_fc1_cp_async_groups(monkeypatch, tmp_path, shape):
+    """One cp.async group per lane step, waited for in order (S - 1 .. 0 still pending); z and
+    the scale bytes (ld.global) issued before the first copy; with PDL nothing before the wait."""
+    from k3compile.kernels.common.dsl import ptx_of
+
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    latent, inter, rows = shape
+    ptx = ptx_of(kernel.build("fc1", latent, inter, TOP_K, True, kernel.FC1Config(4, rows, True),
+                              arch="sm_90a", dump_dir=str(tmp_path), pdl=True))
+    m, split = kernel._lane_steps(latent)
+    steps = m + split
+    assert ptx.count("cp.async.commit_group;") == steps
+    waits = [int(x) for x in re.findall(r"cp\.async\.wait_group\s+(\d+);", ptx)]
+    assert waits == list(range(steps - 1, -1, -1))
+    first_copy = ptx.index("cp.async.cg.shared.global")
+    assert "ld.global" not in ptx[first_copy:], "a register load after the copies"
+    assert "ld.global" not in ptx[:ptx.index("griddepcontrol.wait;")]
 
 
 @pytest.mark.gpu
