@@ -60,13 +60,13 @@ def weight_copies(n, k):
     return [w] + [w.clone() for _ in range(count - 1)]
 
 
-def gemv_call(x, out):
-    return lambda w: gemv.gemv_cuda(x, w, out=out)
+def gemv_call(x, out, cfg=None):
+    return lambda w: gemv.gemv_cuda(x, w, out=out, cfg=cfg)
 
 
-def check(x, w, out):
+def check(x, w, out, cfg=None):
     """The kernel ran and agrees with cuBLAS (a benchmark of wrong results is worthless)."""
-    y = gemv.gemv_cuda(x, w, out=out)
+    y = gemv.gemv_cuda(x, w, out=out, cfg=cfg)
     assert y is out, f"gemv refused {tuple(x.shape)} x {tuple(w.shape)} (see the log)"
     ref = F.linear(x, w).float()
     err = ((y.float() - ref).norm() / ref.norm()).item()
@@ -102,33 +102,28 @@ def run(shapes, ms, gbps):
 
 def sweep(shapes, ms):
     """Every Config at each shape and M (tunes `gemv.config`)."""
-    default = gemv.config
     rows = []
-    try:
-        for n, k in shapes:
-            weights = weight_copies(n, k)
-            for m in ms:
-                x = torch.randn(m, k, device="cuda").bfloat16()
-                out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-                results = {}
-                for cfg in gemv.configs(n, k, gemv.bucket(m)):
-                    gemv.config = lambda *_, cfg=cfg: cfg
-                    check(x, weights[0], out)
-                    results[cfg] = graph_us(gemv_call(x, out), weights)
-                best = min(results, key=results.get)
-                chosen = default(n, k, gemv.bucket(m))
-                rows.append({"N": n, "K": k, "M": m, "default": str(chosen),
-                             "best": str(best), "us": {str(c): round(t, 2)
-                                                       for c, t in results.items()}})
-                print(f"{n:5d} x {k:5d} M={m:2d}  default R{chosen.rows_per_cta}/T"
-                      f"{chosen.threads} {results.get(chosen, float('nan')):.2f} us  best "
-                      f"R{best.rows_per_cta}/T{best.threads} {results[best]:.2f} us | " + "  ".join(
-                          f"R{c.rows_per_cta}/T{c.threads}={t:.2f}" for c, t in results.items()),
-                      flush=True)
-            del weights
-            torch.cuda.empty_cache()
-    finally:
-        gemv.config = default
+    for n, k in shapes:
+        weights = weight_copies(n, k)
+        for m in ms:
+            x = torch.randn(m, k, device="cuda").bfloat16()
+            out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+            results = {}
+            for cfg in gemv.configs(n, k, gemv.bucket(m)):
+                check(x, weights[0], out, cfg)
+                results[cfg] = graph_us(gemv_call(x, out, cfg), weights)
+            best = min(results, key=results.get)
+            chosen = gemv.config(n, k, gemv.bucket(m))
+            rows.append({"N": n, "K": k, "M": m, "default": str(chosen),
+                         "best": str(best), "us": {str(c): round(t, 2)
+                                                   for c, t in results.items()}})
+            print(f"{n:5d} x {k:5d} M={m:2d}  default R{chosen.rows_per_cta}/T"
+                  f"{chosen.threads} {results.get(chosen, float('nan')):.2f} us  best "
+                  f"R{best.rows_per_cta}/T{best.threads} {results[best]:.2f} us | " + "  ".join(
+                      f"R{c.rows_per_cta}/T{c.threads}={t:.2f}" for c, t in results.items()),
+                  flush=True)
+        del weights
+        torch.cuda.empty_cache()
     return rows
 
 

@@ -32,20 +32,18 @@ from k3compile.ops.attn_res import attn_res_mix_norm_ref
 from .common.dsl import (
     BUCKETS,
     CompileCache,
-    aligned16,
     bucket,
     compile_kernel,
     fake_rows,
     fake_stream,
     fake_vector,
-    fallback,
     flat_rows,
     pdl_enabled,
     pdl_launch_dependents,
     pdl_wait,
     pick_threads,
+    refused,
     rows_ok,
-    runtime_refusal,
 )
 
 OP = "attn_res_mix_norm"
@@ -282,11 +280,8 @@ def attn_res_mix_norm_cuda(prefix, delta, blocks, mix_norm_weight, mix_proj_weig
     tensors = [prefix, *blocks, mix_norm_weight, mix_proj_weight, norm_weight]
     if delta is not None:
         tensors.append(delta)
-    reason = (runtime_refusal()
-              or refusal(prefix, delta, blocks, mix_norm_weight, mix_proj_weight, norm_weight)
-              or (None if aligned16(*tensors) else "data not 16-byte aligned"))
-    if reason:
-        fallback(OP, reason)
+    if refused(OP, lambda: refusal(prefix, delta, blocks, mix_norm_weight, mix_proj_weight,
+                                   norm_weight), *tensors):
         p, x = attn_res_mix_norm_ref(prefix, delta, blocks, mix_norm_weight, mix_proj_weight,
                                      norm_weight, mix_eps, norm_eps)
         return (p.clone() if delta is None else p), x

@@ -572,11 +572,11 @@ def run_gemm(op: str, refusal_of, launch, x, w, residual, out, out_dtype):
     return y
 
 
-def gemv_cuda(x, w, residual=None, *, out=None, out_dtype=None):
+def gemv_cuda(x, w, residual=None, *, out=None, out_dtype=None, cfg: Config | None = None):
     """y = x · wᵀ [+ residual] with the kernel, or with torch when it refuses the inputs (M > 16
-    included): `run_gemm`."""
+    included): `run_gemm`. `cfg` overrides `config()` (sweeps)."""
     return run_gemm(OP, refusal, lambda y, dtype: _launch(PLAIN, x, w, residual,
-                                                          dtype == torch.float32, y),
+                                                          dtype == torch.float32, y, cfg=cfg),
                     x, w, residual, out, out_dtype)
 
 
@@ -631,11 +631,11 @@ def fused_ok(name: str, reason: str | None) -> bool:
     return reason is None
 
 
-def _launch(fusion, x, w, residual, out_fp32, *rest):
+def _launch(fusion, x, w, residual, out_fp32, *rest, cfg: Config | None = None):
     (m, k), n = x.shape, w.shape[0]
     if m:
         b = bucket(m)
-        compiled(n, k, b, out_fp32, residual is not None, config(n, k, b, fusion),
+        compiled(n, k, b, out_fp32, residual is not None, cfg or config(n, k, b, fusion),
                  fusion=fusion)(x, w, residual, *rest)
 
 

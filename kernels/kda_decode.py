@@ -398,32 +398,32 @@ def _kernel_class():
                 vals = [x + cute.arch.shuffle_sync_bfly(x, off) for x in vals]
             return vals
 
+        def state_pass(self, rS, rg, t, sX, sY, update):
+            """One sweep over the thread's R x 4 state tile at token t: S[i, j] <- update(S[i, j],
+            x_i, j), then the column sums Σ_i S[i, j]·y_i of the updated state (`column_sum`);
+            x_i, y_i: rows rg + rw·i of sX, sY."""
+            rw = self.tile.rw
+            acc = [Float32(0.0) for _ in range(VEC)]
+            for i in range(self.R):
+                x, y = sX[t, rg + rw * i], sY[t, rg + rw * i]
+                for j in range(VEC):
+                    s = update(rS[j, i], x, j)
+                    rS[j, i] = s
+                    acc[j] = acc[j] + s * y
+            return self.column_sum(acc)
+
         @cute.jit
         def recurrence(self, rS, rg, lc0, sQ, sK, sA, sV, sO, sBeta):
             """The delta rule over the T tokens on the thread's R x 4 state tile. o' = bf16(o) of
             the owned columns goes to sO; returns each token's Σ o'² over the thread's columns
             (row group 0 only, so the CTA sum counts every column once)."""
-            R, rw = self.R, self.tile.rw
             ss = []
             for t in cutlass.range_constexpr(self.T):
-                kv = [Float32(0.0) for _ in range(VEC)]
-                for i in cutlass.range_constexpr(R):
-                    a, kk = sA[t, rg + rw * i], sK[t, rg + rw * i]
-                    for j in cutlass.range_constexpr(VEC):
-                        s = rS[j, i] * a
-                        rS[j, i] = s
-                        kv[j] = kv[j] + s * kk
-                kv = self.column_sum(kv)
+                kv = self.state_pass(rS, rg, t, sA, sK, lambda s, a, j: s * a)
                 beta = sBeta[t]
                 u = [beta * (sV[t, lc0 + j] - kv[j]) for j in range(VEC)]
-                o = [Float32(0.0) for _ in range(VEC)]
-                for i in cutlass.range_constexpr(R):
-                    kk, qq = sK[t, rg + rw * i], sQ[t, rg + rw * i]
-                    for j in cutlass.range_constexpr(VEC):
-                        s = rS[j, i] + kk * u[j]
-                        rS[j, i] = s
-                        o[j] = o[j] + s * qq
-                o = [bf16_round(x) for x in self.column_sum(o)]
+                o = self.state_pass(rS, rg, t, sK, sQ, lambda s, kk, j, u=u: s + kk * u[j])
+                o = [bf16_round(x) for x in o]
                 if rg == 0:
                     for j in cutlass.range_constexpr(VEC):
                         sO[t, lc0 + j] = o[j]

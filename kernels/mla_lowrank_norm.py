@@ -25,20 +25,18 @@ from k3compile.ops.norms import rms_norm_ref
 from .common.dsl import (
     BUCKETS,
     CompileCache,
-    aligned16,
     bucket,
     compile_kernel,
     fake_rows,
     fake_stream,
     fake_vector,
-    fallback,
     flat_rows,
     pdl_enabled,
     pdl_launch_dependents,
     pdl_wait,
     pick_threads,
+    refused,
     rows_ok,
-    runtime_refusal,
 )
 
 OP = "mla_lowrank_norm"
@@ -182,11 +180,8 @@ def build(q_dim, c_dim, r_dim, cfg, arch=None, dump_dir=None, pdl=False):
 
 def mla_lowrank_norm_cuda(cq, ckv, q_weight, kv_weight, eps, *, out=None):
     """CUDA implementation of k3::mla_lowrank_norm: the kernel, or the reference if refused."""
-    reason = (runtime_refusal() or refusal(cq, ckv, q_weight, kv_weight)
-              or (None if aligned16(cq, ckv, q_weight, kv_weight) else "data not 16-byte aligned"))
     c_dim = kv_weight.shape[0]
-    if reason:
-        fallback(OP, reason)
+    if refused(OP, lambda: refusal(cq, ckv, q_weight, kv_weight), cq, ckv, q_weight, kv_weight):
         return (rms_norm_ref(cq, q_weight, eps), rms_norm_ref(ckv[..., :c_dim], kv_weight, eps),
                 ckv[..., c_dim:].clone())
     (n, q_dim), r_dim = cq.shape, ckv.shape[1] - c_dim

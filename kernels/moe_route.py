@@ -46,20 +46,18 @@ from k3compile.ops.moe import moe_route_ref
 from .common.dsl import (
     BUCKETS,
     CompileCache,
-    aligned16,
     bucket,
     compile_kernel,
     fake_rows,
     fake_stream,
     fake_vector,
-    fallback,
     flat_rows,
     pdl_enabled,
     pdl_launch_dependents,
     pdl_wait,
     pick_threads,
+    refused,
     rows_ok,
-    runtime_refusal,
 )
 
 OP = "moe_route"
@@ -332,10 +330,7 @@ def build(n_experts, top_k, cfg, arch=None, dump_dir=None, pdl=False):
 
 def moe_route_cuda(logits, bias, top_k, scaling, *, out=None):
     """CUDA implementation of k3::moe_route: the kernel, or the reference if refused."""
-    reason = (runtime_refusal() or refusal(logits, bias, top_k)
-              or (None if aligned16(logits, bias) else "data not 16-byte aligned"))
-    if reason:
-        fallback(OP, reason)
+    if refused(OP, lambda: refusal(logits, bias, top_k), logits, bias):
         return moe_route_ref(logits, bias, top_k, scaling)
     n, n_experts = logits.shape
     ids, weights = out if out is not None else (

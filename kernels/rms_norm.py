@@ -22,20 +22,18 @@ from k3compile.ops.norms import rms_norm_ref
 from .common.dsl import (
     BUCKETS,
     CompileCache,
-    aligned16,
     bucket,
     compile_kernel,
     fake_rows,
     fake_stream,
     fake_vector,
-    fallback,
     flat_rows,
     pdl_enabled,
     pdl_launch_dependents,
     pdl_wait,
     pick_threads,
+    refused,
     rows_ok,
-    runtime_refusal,
 )
 
 OP = "rms_norm"
@@ -150,10 +148,7 @@ def build(dim, cfg, arch=None, dump_dir=None, pdl=False):
 
 def rms_norm_cuda(x, weight, eps, *, out=None):
     """CUDA implementation of k3::rms_norm: the kernel, or the reference if refused."""
-    reason = (runtime_refusal() or refusal(x, weight)
-              or (None if aligned16(x, weight) else "data not 16-byte aligned"))
-    if reason:
-        fallback(OP, reason)
+    if refused(OP, lambda: refusal(x, weight), x, weight):
         return rms_norm_ref(x, weight, eps)
     n, dim = x.shape
     y = torch.empty((n, dim), dtype=x.dtype, device=x.device) if out is None else out

@@ -27,20 +27,18 @@ from . import gemv
 from .common.dsl import (
     BUCKETS,
     CompileCache,
-    aligned16,
     bucket,
     compile_kernel,
     fake_rows,
     fake_stream,
-    fallback,
     flat_rows,
     on_stream,
     pdl_enabled,
     pdl_launch_dependents,
     pdl_wait,
     pick_threads,
+    refused,
     rows_ok,
-    runtime_refusal,
 )
 from .gemv import linear
 
@@ -143,11 +141,8 @@ def build(width, cfg, arch=None, dump_dir=None, pdl=False):
 
 def situ_cuda(gate_up, beta, linear_beta, *, out=None):
     """SiTU-GLU of gate_up [N, 2I] -> [N, I]: the kernel, or the reference if refused."""
-    reason = runtime_refusal() or refusal(gate_up) or (
-        None if aligned16(gate_up) else "data not 16-byte aligned")
     width = gate_up.shape[-1] // 2
-    if reason:
-        fallback(OP, reason)
+    if refused(OP, lambda: refusal(gate_up), gate_up):
         gate, up = gate_up.split(width, dim=-1)
         return situ_ref(gate, up, beta, linear_beta)
     n = gate_up.shape[0]

@@ -6,7 +6,8 @@
 * `bucket(n)`: the batch bucket (1, 2, 4, ..., 64) whose launch config a row count uses.
 * `CompileCache`: `cute.compile` is slow, uncached on disk and not thread-safe, so every kernel
   keeps one in-process cache keyed by scalars (dtype, sizes, config); fill it before capture.
-* `fallback(op, reason)`: the one place that logs why a CUDA call went to the torch reference.
+* `fallback(op, reason)`: the one place that logs why a CUDA call went to the torch reference;
+  `refused(op, refusal, *tensors)` the check before a launch that the small kernels share.
 * `PDL` / `pdl_enabled()`, `pdl_launch_dependents(on)`, `pdl_wait(on)`: programmatic dependent
   launch between our kernels (below).
 * `flat_rows(fn)`, `on_stream(fn)`: what wraps a kernel function into an op's CUDA implementation
@@ -200,6 +201,17 @@ def runtime_refusal() -> str | None:
 
 def aligned16(*tensors) -> bool:
     return all(t.data_ptr() % 16 == 0 for t in tensors)
+
+
+def refused(op: str, refusal: Callable[[], str | None], *tensors) -> bool:
+    """Whether a CUDA call of `op` runs the torch reference instead of its kernel (the reason
+    logged by `fallback`): no runtime, the kernel's `refusal()` (called only where the runtime
+    can launch), or the data of one of `tensors` not 16-byte aligned."""
+    reason = (runtime_refusal() or refusal()
+              or (None if aligned16(*tensors) else "data not 16-byte aligned"))
+    if reason:
+        fallback(op, reason)
+    return bool(reason)
 
 
 def rows_ok(t, dim: int, dtype) -> str | None:
