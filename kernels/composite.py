@@ -11,6 +11,10 @@ one row (x1.2-1.8 over cuBLAS there), cuBLAS above.
                                   with fp32 output), z = x · W_dᵀ
     linear_concat:                x · [W_0; W_1; ...]ᵀ over the cached concatenation
     linear:                       x · Wᵀ, a plain GEMM that no fusion took
+    mla_uv_gate:                  o = o_lat · W_UVᵀ per head, times sigmoid(g): gemv's gate
+                                  variant at one row where K3_GEMV_FUSED names "gate" (opt-in,
+                                  not yet GPU-tested), else the reference; its pattern defers
+                                  every other site to Inductor (`kernel_refusal`)
 
 The reference (like the model) upcasts the router weight every step (`w.float()`: a 2-byte
 read, a 4-byte write and a 4-byte read of 896 × 7168 values, ~64 MB per layer at TP16 instead of
@@ -28,11 +32,14 @@ its split-output variant over the cached [W_r; W_d] ("split", opt-in: a second c
 weights, 64 MB per layer at TP16). A refused call logs why and takes the two launches.
 """
 
+import weakref
+
 import torch
 import torch.distributed as dist
 
 from k3compile.ops.attn_res import mix_norm_after
 from k3compile.ops.linear import concatenated
+from k3compile.ops.mla import mla_uv_gate_ref
 
 from . import gemv
 from .attn_res_mix_norm import attn_res_mix_norm_cuda
@@ -42,7 +49,7 @@ from .gemv import linear
 from .rms_norm import rms_norm_cuda
 
 OPS = ("oproj_attn_res_mix_norm", "allreduce_attn_res_mix_norm", "norm_linear", "moe_front",
-       "linear_concat", "linear")
+       "linear_concat", "linear", "mla_uv_gate")
 
 
 def oproj_attn_res_mix_norm_cuda(o, o_proj_weight, prefix, blocks, mix_norm_weight,
@@ -93,6 +100,41 @@ def linear_concat_cuda(x, weights):
 def linear_cuda(x, w):
     # x [N, K] rows; w [O, K]
     return linear(x, w)
+
+
+def mla_uv_gate_cuda(o_lat, w_uv, g):
+    # o_lat [B, T, H, C], w_uv [H, V, C] (a view of kv_b's weight), g [B, T, H·V]
+    (b, t, h, c), v = o_lat.shape, w_uv.shape[1]
+    x, gate = o_lat.reshape(b * t, h * c), g.reshape(b * t, h * v)
+    if gemv.fused_takes(x, "gate"):
+        rows = uv_rows(w_uv)
+        if gemv.fused_ok("gate", gemv.gate_refusal(x, rows, gate, v)):
+            return gemv.gemv_gate_cuda(x, rows, gate, v).view(b, t, h * v)
+    return mla_uv_gate_ref(o_lat, w_uv, g)
+
+
+def _even_heads(w_uv) -> bool:
+    return w_uv.stride(2) == 1 and w_uv.stride(0) == w_uv.shape[1] * w_uv.stride(1)
+
+
+_UV_ROWS: dict = {}
+
+
+def uv_rows(w_uv):
+    """W_UV [H, V, C] as [H·V, C] rows: a view where the heads are evenly spaced, else a copy
+    made once per weight (the model's W_UV is a view of kv_b's weight with W_UK's rows between
+    heads) and reused while that weight lives unchanged."""
+    h, v, c = w_uv.shape
+    if _even_heads(w_uv):
+        return w_uv.reshape(h * v, c)
+    base = w_uv._base if w_uv._base is not None else w_uv
+    key = (id(base), w_uv.storage_offset(), tuple(w_uv.shape), w_uv.stride(), base._version)
+    hit = _UV_ROWS.get(key)
+    if hit is None or hit[0]() is not base:
+        for k in [k for k, (ref, _) in _UV_ROWS.items() if ref() is None or k[0] == key[0]]:
+            del _UV_ROWS[k]
+        hit = _UV_ROWS[key] = (weakref.ref(base), w_uv.reshape(h * v, c).contiguous())
+    return hit[1]
 
 
 def register() -> None:

@@ -34,6 +34,10 @@ launch:
                             W_u: y[m, n] = bf16(SiTU(bf16(g), bf16(u))), the situ kernel's math
     split  (moe_front):     W = [W_r; W_d]; rows < split are stored to y (fp32), the others to
                             y2 (bf16) (a row predicate: CTAs may straddle the split)
+    gate   (mla_uv_gate):   rows in groups of V, group h reading x's columns [h·K, (h + 1)·K)
+                            (MLA's per-head W_UV over the latent attention output), and
+                            y = bf16(bf16(Σ) · bf16(sigmoid(g[m, n]))), the reference's roundings;
+                            R divides V, so a CTA reads one x slice
 Each row's sum is the plain kernel's bit for bit (its order depends on K alone), so situ and split
 equal the two-launch paths exactly. Built from a second entry (`Gemv.fused`) so that the plain
 kernel's build is unchanged.
@@ -46,7 +50,8 @@ Constraints:
     * Output bf16 (default) or fp32 (router logits) [M, N], last dim contiguous; optional residual
       r bf16 [M, N], last dim contiguous, added in fp32 before the rounding.
     * Variants: K <= 16384 with norm or SiTU; norm weight bf16 [K] contiguous; SiTU: N even,
-      bf16 output [M, N / 2], no residual; split: 0 < split < N, no residual.
+      bf16 output [M, N / 2], no residual; split: 0 < split < N, no residual; gate: V | N,
+      x [M, (N / V)·K], g bf16 [M, N] with contiguous rows, bf16 output, no residual.
 """
 
 import functools
@@ -95,6 +100,7 @@ class Fusion:
     norm: bool = False  # RMSNorm prologue on x, weight and eps as operands (norm_linear)
     situ: bool = False  # SiTU-GLU epilogue on rows n and I + n of W = [W_g; W_u] (situ_gate_up)
     split: int = 0  # rows < split to the first output, the others to a second, bf16 (moe_front)
+    gate: int = 0  # V: rows per x slice, times sigmoid(g) after rounding (mla_uv_gate)
 
 
 PLAIN, NORM, SITU = Fusion(), Fusion(norm=True), Fusion(situ=True)
@@ -113,7 +119,7 @@ def config(n: int, k: int, m_bucket: int, fusion: Fusion = PLAIN) -> Config:
     j = _vec_per_thread(k, threads)
     least = 2 if fusion.situ else 1
     extra = 4 * j + m_bucket if fusion.norm else 0
-    fits = [r for r in (1, 2, 4, 8) if r % least == 0 and (r == least or (
+    fits = [r for r in (1, 2, 4, 8) if r % least == 0 and fusion.gate % r == 0 and (r == least or (
         r * j <= 16 and 4 * r * j + 3 * r * m_bucket + extra <= 128 and -(-n // r) >= 4 * SMS))]
     if m_bucket <= 2:
         return Config(next((r for r in fits if r * j >= 4), fits[-1]), threads)
@@ -207,6 +213,23 @@ def fused_refusal(fusion: Fusion, x, w, residual=None, *, norm_weight=None,
     return None
 
 
+def gate_refusal(x, w, g, group: int) -> str | None:
+    """Why the gate variant cannot take x [M, (N/group)·K], w [N, K], g [M, N], or None
+    (metadata only)."""
+    if x.dim() != 2 or w.dim() != 2 or g.dim() != 2:
+        return f"x {tuple(x.shape)}, w {tuple(w.shape)}, g {tuple(g.shape)} (want 2-d)"
+    (m, kx), (n, k) = x.shape, w.shape
+    if group < 1 or n % group or kx != (n // group) * k:
+        return f"x [{m}, {kx}] / w [{n}, {k}] are not {n // max(group, 1)} slices of {group} rows"
+    if reason := refusal(x[:, :k], w):
+        return reason
+    if k > MAX_FUSED_K:
+        return f"K {k} above {MAX_FUSED_K} with the gate epilogue"
+    if g.dtype != torch.bfloat16 or tuple(g.shape) != (m, n) or g.stride(-1) != 1:
+        return f"gate: {g.dtype} {tuple(g.shape)} {g.stride()} (want bf16 [{m}, {n}], rows)"
+    return None
+
+
 def fused_launch_refusal(fusion: Fusion, x, w, residual=None, *, norm_weight=None,
                          out_dtype=None, outs=()) -> str | None:
     """Why the variant cannot run this call now (as `launch_refusal`); `outs`: (buffer or None,
@@ -279,7 +302,7 @@ def _kernel_class():
         def fused(self, mX: cute.Tensor, mW: cute.Tensor, mR, mY: cute.Tensor, mY2, mG, eps,
                   beta, linear_beta, stream):
             # mY: (M, N), (M, N/2) with SiTU, (M, split) with a split; mY2: (M, N - split);
-            # mG: (K,) the norm weight
+            # mG: (K,) the norm weight, or (M, N) the gate; mX: (M, (N/V)·K) with a gate
             self.kernel_fused(mX, mW, mR, mY, mY2, mG, eps, beta, linear_beta).launch(
                 grid=[self.ctas, 1, 1], block=[self.threads, 1, 1],
                 smem=4 * self.n_warps * (self.n_vals + self.mb) + 128, stream=stream,
@@ -364,6 +387,8 @@ def _kernel_class():
 
             acc = [Float32(0.0) for _ in range(R * MB)]  # index m·R + r
             rX = make_frag(BFloat16, 1)  # (8, 1)
+            # gate: this CTA's rows share one x slice, vectors h·K/8 on (R divides V)
+            x_first = (first // fusion.gate) * nv if const_expr(fusion.gate) else 0
             for j in cutlass.range_constexpr(J):
                 w = [bf16_halves(rW[r][None, j].load()) for r in range(R)]  # (even, odd) fp32
                 vec = j * T + tidx
@@ -371,14 +396,15 @@ def _kernel_class():
                     g = rG[None, j].load().to(Float32)
                 for m in cutlass.range_constexpr(MB):
                     if const_expr(m == 0 and (j + 1) * T <= nv):
-                        cute.autovec_copy(row_vectors(mX, m)[None, vec], rX[None, 0])
+                        cute.autovec_copy(row_vectors(mX, m)[None, x_first + vec], rX[None, 0])
                     else:
                         rX.fill(0)
                         pred = m < n_rows
                         if const_expr((j + 1) * T > nv):
                             pred = pred & (vec < nv)
                         if pred:
-                            cute.autovec_copy(row_vectors(mX, m)[None, vec], rX[None, 0])
+                            cute.autovec_copy(row_vectors(mX, m)[None, x_first + vec],
+                                              rX[None, 0])
                     x = rX.load()
                     if const_expr(fusion.norm):  # rms_norm's roundings: bf16(g · bf16(x · rstd))
                         x = ((x.to(Float32) * rstd[m]).to(BFloat16).to(Float32) * g).to(BFloat16)
@@ -413,6 +439,10 @@ def _kernel_class():
                         total = self.total(sRed, tidx)
                         if const_expr(self.has_residual):
                             total = total + mR[out_m, out_col].to(Float32)
+                        if const_expr(fusion.gate):  # o · sigmoid(g), each rounded as torch
+                            gate = mG[out_m, out_col].to(Float32)
+                            sig = (1.0 / (1.0 + cute.math.exp(-gate, fastmath=False))).to(BFloat16)
+                            total = total.to(BFloat16).to(Float32) * sig.to(Float32)
                         if const_expr(fusion.split):
                             if out_col >= fusion.split:
                                 mY2[out_m, out_col - fusion.split] = total.to(BFloat16)
@@ -498,10 +528,13 @@ def build(n, k, m_bucket, out_fp32, residual, cfg, arch=None, dump_dir=None, pdl
     if fusion == PLAIN:
         return compile_kernel(gemv, x, w, r, out_rows(y), fake_stream(), arch=arch,
                               dump_dir=dump_dir)
-    split, norm, situ = fusion.split, fusion.norm, fusion.situ
+    split, norm, situ, gate = fusion.split, fusion.norm, fusion.situ, fusion.gate
+    if gate:
+        x = fake_rows(bf16, m, k * (n // gate))
+    g = fake_vector(bf16, k) if norm else out_rows(bf16) if gate else None
     return compile_kernel(
         gemv.fused, x, w, r, out_rows(bf16 if situ else y, n // 2 if situ else split or n),
-        out_rows(bf16, n - split) if split else None, fake_vector(bf16, k) if norm else None,
+        out_rows(bf16, n - split) if split else None, g,
         f32(1e-5) if norm else None, f32(4.0) if situ else None, f32(25.0) if situ else None,
         fake_stream(), arch=arch, dump_dir=dump_dir)
 
@@ -586,9 +619,10 @@ def gemv_cuda(x, w, residual=None, *, out=None, out_dtype=None, cfg: Config | No
 # (kernels/composite.py, kernels/situ.py). Default "norm,situ": on the H200 (2026-11-29) their
 # GPU tests passed and the B1 yardstick with PDL went 106.1 -> 103.9 us per layer (18.5 -> 15.5
 # launches, with "split" too). "split" (moe_front) is opt-in: it caches [W_r; W_d], a second
-# copy of both weights (64 MB per layer per GPU at TP16) for one launch. "1" / "all": the three;
-# "0": none (the two-launch paths).
-VARIANTS = ("norm", "situ", "split")
+# copy of both weights (64 MB per layer per GPU at TP16) for one launch. "gate" (mla_uv_gate:
+# W_UV and the sigmoid output gate in one launch) is opt-in until its GPU tests run. "1" /
+# "all": every one; "0": none (the two-launch paths).
+VARIANTS = ("norm", "situ", "split", "gate")
 DEFAULT_FUSED = frozenset({"norm", "situ"})
 
 
@@ -632,7 +666,7 @@ def fused_ok(name: str, reason: str | None) -> bool:
 
 
 def _launch(fusion, x, w, residual, out_fp32, *rest, cfg: Config | None = None):
-    (m, k), n = x.shape, w.shape[0]
+    m, (n, k) = x.shape[0], w.shape  # x [M, K], or [M, (N/V)·K] with a gate
     if m:
         b = bucket(m)
         compiled(n, k, b, out_fp32, residual is not None, cfg or config(n, k, b, fusion),
@@ -671,6 +705,25 @@ def gemv_situ_cuda(x, w, beta, linear_beta, *, out=None):
     _launch(SITU, x, w, None, False, y, None, None, None, float(beta), float(linear_beta))
     return y
 
+
+
+def gemv_gate_cuda(x, w, g, group: int, *, out=None):
+    """y = bf16(bf16(x_h · wᵀ) · bf16(sigmoid(g))) with row n of w reading slice h = n // group
+    of x (x [M, (N/group)·K], w [N, K], g [M, N]) in one launch (k3::mla_uv_gate's W_UV and
+    gate); torch (reason logged) when refused."""
+    n, k = w.shape
+    reason = gate_refusal(x, w, g, group) or fused_launch_refusal(
+        PLAIN, x[:, :k], w, outs=[(out, (len(x), n), torch.bfloat16)])
+    if reason is None and not aligned16(x):
+        reason = "data not 16-byte aligned"
+    if reason:
+        fallback("gemv_gate", reason)
+        o = torch.einsum("mhk,hvk->mhv", x.view(len(x), n // group, k),
+                         w.view(n // group, group, k)).reshape(len(x), n)
+        return o * torch.sigmoid(g)
+    y = x.new_empty((len(x), n)) if out is None else out
+    _launch(Fusion(gate=group), x, w, None, False, y, None, g, None, None, None)
+    return y
 
 def gemv_split_cuda(x, w, split, *, out=None, out2=None):
     """(x · w[:split]ᵀ in fp32, x · w[split:]ᵀ in bf16) in one launch (k3::moe_front over the

@@ -48,6 +48,21 @@ def check(match) -> str | None:
     return None
 
 
+def kernel_refusal(match) -> str | None:
+    """On GPU graphs the op's CUDA path is gemv's gate variant at one row, opt-in: every other
+    site stays with Inductor (the reference would run einsum and gate op by op)."""
+    from k3compile.kernels import gemv
+
+    o_lat, w_uv, g = (tensor_meta(match.kwargs[k]) for k in ("o_lat", "w_uv", "g"))
+    (b, t, h, c), v = o_lat.shape, w_uv.shape[1]
+    if not gemv.fused_enabled("gate"):
+        return "gemv's gate variant is off (K3_GEMV_FUSED without \"gate\")"
+    if b * t > gemv.GEMV_MAX_M:
+        return f"{b * t} rows: the gate variant takes {gemv.GEMV_MAX_M}"
+    return gemv.gate_refusal(o_lat.reshape(b * t, h * c), w_uv.new_empty(h * v, c),
+                             g.reshape(b * t, h * v), v)
+
+
 def _variant(B: int, T: int, dtype: torch.dtype = torch.bfloat16) -> Pattern:
     def example_inputs():
         # o_lat as the model has it: an einsum result (a permuted view), W_UV a view of kv_b
@@ -59,7 +74,8 @@ def _variant(B: int, T: int, dtype: torch.dtype = torch.bfloat16) -> Pattern:
     return Pattern(
         name=f"mla_uv_gate[B={'1' if B == 1 else 'n'},T={'1' if T == 1 else 'n'}]",
         search=search, replace=replace, example_inputs=example_inputs, op="k3.mla_uv_gate",
-        check=check, distinctive=("bmm", "sigmoid"), joint_passes=True,
+        check=check, kernel_refusal=kernel_refusal, distinctive=("bmm", "sigmoid"),
+        joint_passes=True,
     )
 
 

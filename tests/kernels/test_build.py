@@ -161,12 +161,14 @@ def test_builds_with_pdl(module, scalars, cfg, monkeypatch, tmp_path):
 # gemv's one-launch variants (n, k, fp32 output, residual, fusion), every bucket: the norm
 # prologue at the routed-latent up-projection (with the shared experts' residual), SiTU at the
 # shared experts and dense layer 0 (I = 2112 per rank), the split front [W_r; W_d]; small shapes
-# with partial CTAs, vector tails and a split inside a CTA
+# with partial CTAs, vector tails and a split inside a CTA; the gate epilogue at MLA's W_UV
 GEMV_VARIANTS = [(7168, 3584, False, False, gemv.NORM), (7168, 3584, False, True, gemv.NORM),
                  (1000, 1032, True, True, gemv.NORM), (768, 7168, False, False, gemv.SITU),
                  (4224, 7168, False, False, gemv.SITU), (2000, 1032, False, False, gemv.SITU),
                  (4480, 7168, True, False, gemv.Fusion(split=896)),
-                 (1000, 1032, True, False, gemv.Fusion(split=333))]
+                 (1000, 1032, True, False, gemv.Fusion(split=333)),
+                 (768, 512, False, False, gemv.Fusion(gate=128)),  # W_UV, 6 heads of 128
+                 (192, 1032, False, False, gemv.Fusion(gate=64))]
 # sha256 (first 16 hex digits) of plain gemv cubins built by nvidia-cutlass-dsl 4.8.1 before the
 # variants existed: (n, k, bucket, fp32 output, residual, pdl) -> digest
 PLAIN_GEMV_CUBINS = {
@@ -183,7 +185,8 @@ PLAIN_GEMV_CUBINS = {
 
 def _variant_id(v):
     return f"{v[0]}x{v[1]}-{'fp32' if v[2] else 'bf16'}{'-r' if v[3] else ''}-" + (
-        "norm" if v[4].norm else "situ" if v[4].situ else f"split{v[4].split}")
+        "norm" if v[4].norm else "situ" if v[4].situ else f"gate{v[4].gate}" if v[4].gate
+        else f"split{v[4].split}")
 
 
 @pytest.mark.parametrize("b", gemv.BUCKETS)

@@ -331,7 +331,7 @@ def test_switch_names_variants_and_is_read_at_call_time(monkeypatch):
     assert kernel.parse_fused("1") == kernel.parse_fused("all") == set(kernel.VARIANTS)
     assert kernel.parse_fused(" split,norm ") == {"split", "norm"}
     with pytest.raises(ValueError, match="unknown variants"):
-        kernel.parse_fused("norm,gate")
+        kernel.parse_fused("norm,bias")
     for names in ({"split"}, set(), {"norm", "situ"}):
         monkeypatch.setattr(kernel, "FUSED", frozenset(names))
         assert [kernel.fused_enabled(v) for v in kernel.VARIANTS] == [v in names for v in kernel.VARIANTS]
@@ -418,3 +418,101 @@ def test_variants_fall_back_on_refused_inputs(gen, caplog):
     assert torch.equal(a, situ_ref(gate, up, BETA, LINEAR_BETA))
     assert torch.equal(logits, kernel.gemv_ref(u, w, out_dtype=torch.float32))
     assert z.shape == (2, 0)
+
+
+# ---- the gate variant (mla_uv_gate: per-head W_UV + sigmoid output gate), opt-in ----------------
+
+MLA_HEADS, MLA_V, MLA_NOPE, MLA_C = 6, 128, 128, 512  # one TP16 rank
+
+
+def uv_inputs(gen, m, heads=MLA_HEADS, v=MLA_V, c=MLA_C, device="cuda"):
+    """o_lat [m, 1, H, C], W_UV as the model has it (a view of kv_b's weight [H, N + V, C]) and
+    the gate g [m, 1, H·V]."""
+    kv_b = (torch.randn(heads * (MLA_NOPE + v), c, generator=gen, device=device)
+            * c**-0.5).bfloat16()
+    w_uv = kv_b.view(heads, MLA_NOPE + v, c)[:, MLA_NOPE:]
+    o_lat = torch.randn(m, 1, heads, c, generator=gen, device=device).bfloat16()
+    g = (2 * torch.randn(m, 1, heads * v, generator=gen, device=device)).bfloat16()
+    return o_lat, w_uv, g
+
+
+def test_gate_refusals_and_configs():
+    def t(*shape, dtype=torch.bfloat16):
+        return torch.empty(*shape, dtype=dtype, device="meta")
+
+    n, k = MLA_HEADS * MLA_V, MLA_C
+    x, w, g = t(1, MLA_HEADS * k), t(n, k), t(1, n)
+    assert kernel.gate_refusal(x, w, g, MLA_V) is None
+    assert "slices" in kernel.gate_refusal(t(1, k), w, g, MLA_V)
+    assert "slices" in kernel.gate_refusal(x, w, g, 100)
+    assert "gate" in kernel.gate_refusal(x, w, t(1, n, dtype=torch.float32), MLA_V)
+    assert "gate" in kernel.gate_refusal(x, w, t(2, n), MLA_V)
+    assert "dtype" in kernel.gate_refusal(t(1, MLA_HEADS * k, dtype=torch.float32), w, g, MLA_V)
+    for b in kernel.BUCKETS:  # a CTA's rows never straddle two x slices
+        assert MLA_V % kernel.config(n, k, b, kernel.Fusion(gate=MLA_V)).rows_per_cta == 0
+        assert 48 % kernel.config(480, k, b, kernel.Fusion(gate=48)).rows_per_cta == 0
+
+
+def test_gate_off_by_default_and_the_cpu_path_is_the_reference(cpu_gen, monkeypatch):
+    from k3compile.kernels import composite
+
+    from k3compile.ops.mla import mla_uv_gate_ref
+
+    if "K3_GEMV_FUSED" not in os.environ:
+        assert not kernel.fused_enabled("gate"), "opt-in until its GPU tests pass"
+    monkeypatch.setattr(kernel, "FUSED", frozenset({"gate"}))
+    o_lat, w_uv, g = uv_inputs(cpu_gen, 1, heads=2, v=16, c=32, device="cpu")
+    want = mla_uv_gate_ref(o_lat, w_uv, g)
+    assert torch.equal(composite.mla_uv_gate_cuda(o_lat, w_uv, g), want)  # CPU: the reference
+    x, rows = o_lat.reshape(1, -1), composite.uv_rows(w_uv)
+    got = kernel.gemv_gate_cuda(x, rows, g.reshape(1, -1), 16)  # refused off the GPU: torch
+    assert torch.equal(got, want.reshape(1, -1))
+
+
+def test_uv_rows_view_or_cached_copy(cpu_gen):
+    from k3compile.kernels import composite
+
+    _, w_uv, _ = uv_inputs(cpu_gen, 1, heads=2, v=16, c=32, device="cpu")
+    rows = composite.uv_rows(w_uv)
+    assert torch.equal(rows, w_uv.reshape(32, 32)) and rows.is_contiguous()
+    assert composite.uv_rows(w_uv) is rows, "one copy per weight"
+    even = torch.randn(2, 16, 32)
+    assert composite.uv_rows(even).data_ptr() == even.data_ptr(), "evenly spaced heads: a view"
+    w_uv._base.mul_(2)  # the weight changed: a new copy
+    assert torch.equal(composite.uv_rows(w_uv), w_uv.reshape(32, 32))
+
+
+@on_gpu
+@pytest.mark.parametrize("m", [1, 2])
+def test_gate_variant(gen, m):
+    """W_UV per head + sigmoid gate in one launch against mla_uv_gate_ref (the same roundings:
+    within one bf16 rounding), through the op with the variant switched on."""
+    from k3compile.kernels import composite
+
+    from k3compile.ops.mla import mla_uv_gate_ref
+
+    o_lat, w_uv, g = uv_inputs(gen, m)
+    n = MLA_HEADS * MLA_V
+    out = poisoned(m, n)
+    x, rows = o_lat.reshape(m, -1), composite.uv_rows(w_uv)
+    assert kernel.gemv_gate_cuda(x, rows, g.reshape(m, n), MLA_V, out=out) is out, "fell back"
+    assert_written(out)
+    want = mla_uv_gate_ref(o_lat, w_uv, g).reshape(m, n)
+    close_bf16(out, want)
+    # the sums are the plain kernel's, then the reference's two roundings
+    o = kernel.gemv_cuda(x.view(m, MLA_HEADS, MLA_C)[:, 0].contiguous(), rows[:MLA_V])
+    torch.testing.assert_close(out[:, :MLA_V], o * torch.sigmoid(g.reshape(m, n)[:, :MLA_V]),
+                               rtol=0, atol=0)
+
+
+@on_gpu
+def test_gate_through_the_op(gen, monkeypatch):
+    from k3compile.ops.mla import mla_uv_gate_ref
+
+    o_lat, w_uv, g = uv_inputs(gen, 1)
+    calls, real = [], kernel.gemv_gate_cuda
+    monkeypatch.setattr(kernel, "gemv_gate_cuda", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.setattr(kernel, "FUSED", frozenset({"gate"}))
+    got = torch.ops.k3.mla_uv_gate(o_lat, w_uv, g)
+    assert calls == [1], "the one-launch variant at one row"
+    close_bf16(got, mla_uv_gate_ref(o_lat, w_uv, g))

@@ -67,3 +67,22 @@ def test_escaping_ungated_output_is_a_near_miss():
 def test_check_refuses_float64():
     _, report = rewrite(uv_gate, _args(3, 8, torch.float64), mla_uv_gate.patterns(), joint=True)
     assert_near_miss(report, "mla_uv_gate", "check refused", "float64")
+
+
+@pytest.mark.parametrize("gate_on,batch,fused", [(False, 1, False), (True, 1, True),
+                                                 (True, 3, False)])
+def test_gpu_graphs_fuse_only_what_the_gate_variant_takes(monkeypatch, gate_on, batch, fused):
+    """Where only sites with a CUDA kernel fuse (GPU graphs): one row with gemv's gate variant
+    switched on (K3_GEMV_FUSED "gate"); otherwise Inductor keeps the site, with the reason."""
+    from k3compile.kernels import gemv
+
+    monkeypatch.setattr(gemv, "FUSED", frozenset({"gate"} if gate_on else ()))
+    args = _args(batch, 1)
+    gm, report = rewrite(uv_gate, args, mla_uv_gate.patterns(), joint=True, kernels_only=True)
+    if fused:
+        assert_rewritten_equal(gm, report, uv_gate, args, "k3.mla_uv_gate")
+    else:
+        assert not report.hits
+        why = report.deferred["mla_uv_gate"]
+        assert ("variant is off" if not gate_on else "3 rows") in why, why
+        torch.testing.assert_close(gm(*args), uv_gate(*args), rtol=0, atol=0)
