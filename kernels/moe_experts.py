@@ -198,13 +198,13 @@ def expert_runs(ids: torch.Tensor, n_exp: int, cap: int) -> torch.Tensor:
     row 1 the pair n·k + j, row 2 how many pairs from this sorted position on one CTA takes:
     min(cap, pairs left in the run) at every cap-th position of a run, else 0 (the CTA exits).
     Fixed shapes, no host sync, deterministic: capturable in a CUDA graph."""
-    flat = ids.reshape(-1).clamp(0, n_exp - 1)
+    flat = ids.reshape(-1).clamp(0, n_exp - 1).int()
     experts, pairs = torch.sort(flat, stable=True)
-    pos = torch.arange(flat.numel(), device=ids.device)
-    first = torch.searchsorted(experts, experts)  # the run's first sorted position
-    end = torch.searchsorted(experts, experts, right=True)  # one past its last
+    pos = torch.arange(flat.numel(), device=ids.device, dtype=torch.int32)
+    first = torch.searchsorted(experts, experts, out_int32=True)  # the run's first position
+    end = torch.searchsorted(experts, experts, right=True, out_int32=True)  # one past its last
     count = torch.where((pos - first) % cap == 0, (end - pos).clamp(max=cap), 0)
-    return torch.stack((experts.int(), pairs.int(), count.int()))
+    return torch.stack((experts, pairs.int(), count))
 
 
 def _log2(x: int) -> int:
