@@ -4,6 +4,7 @@ dependent launch also with it on (`common.dsl.PDL`), checked in their PTX; gemv'
 variants (norm prologue, SiTU epilogue, split output) with PDL off and on, and its plain build
 byte for byte as before them. Needs only the DSL."""
 
+import dataclasses
 import hashlib
 import struct
 from importlib.metadata import version
@@ -127,6 +128,14 @@ def _cases():
             (1536, 64, 4, True, fc1(2, 1, run=4)), (96, 64, 2, True, fc1(4, 2, run=4)),
             (8192, 512, 16, True, fc1(4, 1, run=2))]:
         seen.append((moe_experts, ("fc1", latent, inter, top_k, ids64), cfg))
+    # ... and the default warps and rows with runs of 4 and 2 at the GPU tests' small shapes
+    for latent, inter, top_k in [(96, 64, 2), (512, 96, 3), (1056, 32, 1), (1536, 64, 4),
+                                 (8192, 512, 16)]:
+        for run in (4, 2):
+            cfg = dataclasses.replace(moe_experts.config("fc1", latent, inter, top_k, 1), run=run)
+            case = (moe_experts, ("fc1", latent, inter, top_k, True), cfg)
+            if case not in seen:
+                seen.append(case)
     return seen
 
 

@@ -655,8 +655,9 @@ def test_other_shapes_fc1_grouped(gen, force_fc1, shape):
     experts = make_experts(gen, n_exp, latent, inter, "cuda")
     tokens = [make_tokens(gen, n, latent, n_exp, top_k, "cuda") for n in (1, 7, 33)]
     plain = [check(*t, experts) for t in tokens]
+    default = kernel.config("fc1", latent, inter, top_k, 1)
     for run in (4, 2):
-        force_fc1(dataclasses.replace(kernel.config("fc1", latent, inter, top_k, 1), run=run))
+        force_fc1(dataclasses.replace(default, run=run))
         for t, want in zip(tokens, plain):
             assert torch.equal(check(*t, experts), want)
 
@@ -667,6 +668,7 @@ def test_other_shapes_fc1_grouped(gen, force_fc1, shape):
 def test_fc1_grouped_cuda_graph(gen, tp16_experts, force_fc1, cfg):
     """The plan and both kernels captured once at 64 rows, replayed on new routings (uniform,
     then all rows within 16 and 20 experts): each replay bit for bit the default eager output."""
+    default = kernel.config("fc1", LATENT, INTER, TOP_K, 64)  # before force_fc1 patches it
     z, ids, w = make_tokens(gen, 64, LATENT, EXPERTS, TOP_K, "cuda")
     force_fc1(cfg)
     out = poisoned(*z.shape)
@@ -678,7 +680,7 @@ def test_fc1_grouped_cuda_graph(gen, tp16_experts, force_fc1, cfg):
              for pool in (None, 16, 20)]
     want = []
     for tokens in fresh:
-        force_fc1(kernel.config("fc1", LATENT, INTER, TOP_K, 64))  # the default FC1, eager
+        force_fc1(default)  # the default FC1, eager
         want.append(check(*tokens, tp16_experts).clone())
     force_fc1(cfg)
     for tokens, expect in zip(fresh, want):
