@@ -6,13 +6,16 @@ staging, the scale-byte factor) is exactly MXFP4 dequantisation; the model's blo
 roundings (bf16 hg/hu, act, y; fp32 finalize in order j) agree with the reference at the TP16
 shapes, a small odd one and the intermediate sizes of TP4, TP2, TP1 ranks (I 768, 1536, 3072, on
 few experts and a small L); FC2's chunks of W2 above I = 512; the refusal reasons; the logged
-fallback.
+fallback; the grouped FC1's plan (`expert_runs`) against a plain reference and under fake
+tensors (no data-dependent op: capturable), and a model of its tile layout's slots and banks.
 On a GPU: one TP16 rank (896 experts, top-16, L 3584, I 192) at every batch bucket and rows
 between them, an 8-row verify step whose rows share experts, repeated experts, int32 ids, small
 odd shapes (partial lane steps, odd k, an odd number of FC2 chunks, the largest L and I),
 determinism, CUDA-graph replay (FC2 launches with PDL); a TP2 rank (I 1536) and a TP4 rank
 (I 768) at a few buckets (FC2 in chunks, its act staging above 48 KB of shared memory); FC1
-with cp.async (`FC1Config.cp_async`) bit for bit the default FC1 at TP16 and small shapes."""
+with cp.async (`FC1Config.cp_async`) and grouped by expert (`FC1Config.run`: uniform and skewed
+routing, runs longer than the cap, CUDA-graph replay) bit for bit the default FC1 at TP16 and
+small shapes."""
 
 import dataclasses
 import logging
