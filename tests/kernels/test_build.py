@@ -4,6 +4,7 @@ dependent launch also with it on (`common.dsl.PDL`), checked in their PTX; gemv'
 variants (norm prologue, SiTU epilogue, split output) with PDL off and on, and its plain build
 byte for byte as before them. Needs only the DSL."""
 
+import dataclasses
 import hashlib
 import struct
 from importlib.metadata import version
@@ -115,6 +116,26 @@ def _cases():
             (512, 96, 3, fc1(4, 2, True)), (1536, 64, 4, fc1(2, 1, True)),
             (8192, 512, 16, fc1(4, 1, True))]:
         seen.append((moe_experts, ("fc1", latent, inter, top_k, True), cfg))
+    # moe_experts FC1 grouped by expert (`FC1Config.run`, not a default yet): the TP16 rank at
+    # the sweep's warps x rows per warp with runs of 4 and 2 pairs (4 x 2 rows, run 4: the most
+    # registers), int32 ids, the small shapes above and the largest L
+    for latent, inter, top_k, ids64, cfg in [
+            (3584, 192, 16, True, fc1(4, 2, run=4)), (3584, 192, 16, True, fc1(4, 1, run=4)),
+            (3584, 192, 16, True, fc1(4, 2, run=2)), (3584, 192, 16, True, fc1(4, 1, run=2)),
+            (3584, 192, 16, True, fc1(8, 1, run=4)), (3584, 192, 16, True, fc1(8, 2, run=4)),
+            (3584, 192, 16, True, fc1(2, 2, run=4)), (3584, 192, 16, False, fc1(4, 2, run=4)),
+            (1056, 32, 1, True, fc1(4, 2, run=4)), (512, 96, 3, True, fc1(4, 2, run=2)),
+            (1536, 64, 4, True, fc1(2, 1, run=4)), (96, 64, 2, True, fc1(4, 2, run=4)),
+            (8192, 512, 16, True, fc1(4, 1, run=2))]:
+        seen.append((moe_experts, ("fc1", latent, inter, top_k, ids64), cfg))
+    # ... and the default warps and rows with runs of 4 and 2 at the GPU tests' small shapes
+    for latent, inter, top_k in [(96, 64, 2), (512, 96, 3), (1056, 32, 1), (1536, 64, 4),
+                                 (8192, 512, 16)]:
+        for run in (4, 2):
+            cfg = dataclasses.replace(moe_experts.config("fc1", latent, inter, top_k, 1), run=run)
+            case = (moe_experts, ("fc1", latent, inter, top_k, True), cfg)
+            if case not in seen:
+                seen.append(case)
     return seen
 
 
