@@ -68,18 +68,20 @@ def settings() -> list[str]:
     agree on all of it (`k3compile.ranks` adds it to each rank's fingerprint): a replicated op
     computed by different kernels could round differently on different ranks."""
     import hashlib
+    from importlib.metadata import PackageNotFoundError, version
 
     from k3compile.kernels import gemm_tc, gemv
     from k3compile.kernels.common import dsl
 
-    skip = skipped_kernels()
-    names = [n for n in KERNELS + extra_kernels() if n not in skip] if dsl.have_dsl() else []
+    # the DSL by its package metadata: importing cutlass here would start its threads in every
+    # rank process (a gloo worker aborted at exit with "terminate called without an active
+    # exception" once it did)
     try:
-        from importlib.metadata import version
-
         dsl_version = version("nvidia-cutlass-dsl")
-    except Exception:  # noqa: BLE001 - not installed (or no metadata): recorded as such
+    except PackageNotFoundError:
         dsl_version = None
+    skip = skipped_kernels()
+    names = [n for n in KERNELS + extra_kernels() if n not in skip] if dsl_version else []
     table = hashlib.sha256(gemm_tc.TABLE.read_bytes()).hexdigest()[:12] if gemm_tc.TABLE.exists() else None
     return [f"kernels {names}", f"pdl {dsl.PDL}", f"gemv_fused {sorted(gemv.FUSED)}",
             f"cutlass_dsl {dsl_version}", f"gemm_tc_table {table}"]
