@@ -53,7 +53,7 @@ def main(out_dir: str):
             for algo in collective.ALGORITHMS:
                 os.environ["K3_ALLREDUCE"] = algo
 
-                def step():
+                def step(static=static, wn=wn, wp=wp, wnorm=wnorm):  # this size's buffers
                     partial, prefix, *blocks = static
                     return (collective.all_reduce(partial, group, world),
                             *torch.ops.k3.allreduce_attn_res_mix_norm(
