@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from gemv import graph_us, report, setup, weight_copies
+from gemv import graph_us, report, setup, sweep_inputs, time_configs, weight_copies
 from k3compile.kernels import gemm_tc, gemv
 
 # [N, K] of one TP16 rank (see tests/kernels/test_gemm_tc.py)
@@ -88,30 +88,21 @@ def short(cfg) -> str:
 def sweep(shapes, ms):
     """Every config at each shape and M (tunes `gemm_tc.config`)."""
     rows = []
-    for n, k in shapes:
-        weights = weight_copies(n, k)
-        for m in ms:
-            x = torch.randn(m, k, device="cuda").bfloat16()
-            out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-            results = {}
-            for cfg in gemm_tc.configs(n, k, gemm_tc.bucket(m)):
-                check(x, weights[0], out, cfg)
-                results[cfg] = graph_us(tc_call(x, out, cfg), weights)
-            t_mm = graph_us(functools.partial(F.linear, x), weights)
-            ranked = sorted(results, key=results.get)
-            chosen = gemm_tc.config(n, k, gemm_tc.bucket(m))
-            if chosen not in results:
-                check(x, weights[0], out, chosen)
-                results[chosen] = graph_us(tc_call(x, out, chosen), weights)
-            rows.append({"N": n, "K": k, "M": m, "default": str(chosen), "best": str(ranked[0]),
-                         "mm_us": round(t_mm, 2),
-                         "us": {str(c): round(results[c], 2) for c in ranked}})
-            print(f"{n:5d} x {k:5d} M={m:2d}  mm {t_mm:.2f} us  default {short(chosen)} "
-                  f"{results[chosen]:.2f} us  best {short(ranked[0])} {results[ranked[0]]:.2f} us"
-                  " | " + "  ".join(f"{short(c)}={results[c]:.2f}" for c in ranked[:8]),
-                  flush=True)
-        del weights
-        torch.cuda.empty_cache()
+    for n, k, m, x, out, weights in sweep_inputs(shapes, ms):
+        results = time_configs(gemm_tc.configs(n, k, gemm_tc.bucket(m)), x, weights, out, tc_call,
+                               check)
+        t_mm = graph_us(functools.partial(F.linear, x), weights)
+        ranked = sorted(results, key=results.get)
+        chosen = gemm_tc.config(n, k, gemm_tc.bucket(m))
+        if chosen not in results:
+            results |= time_configs([chosen], x, weights, out, tc_call, check)
+        rows.append({"N": n, "K": k, "M": m, "default": str(chosen), "best": str(ranked[0]),
+                     "mm_us": round(t_mm, 2),
+                     "us": {str(c): round(results[c], 2) for c in ranked}})
+        print(f"{n:5d} x {k:5d} M={m:2d}  mm {t_mm:.2f} us  default {short(chosen)} "
+              f"{results[chosen]:.2f} us  best {short(ranked[0])} {results[ranked[0]]:.2f} us"
+              " | " + "  ".join(f"{short(c)}={results[c]:.2f}" for c in ranked[:8]),
+              flush=True)
     return rows
 
 

@@ -100,30 +100,42 @@ def run(shapes, ms, gbps):
     return rows
 
 
-def sweep(shapes, ms):
-    """Every Config at each shape and M (tunes `gemv.config`)."""
-    rows = []
+def sweep_inputs(shapes, ms):
+    """(n, k, m, x, out, weights) for every shape and M of a config sweep: x and a bf16 output per
+    M, the weight copies rotated past L2 per shape (freed after it)."""
     for n, k in shapes:
         weights = weight_copies(n, k)
         for m in ms:
             x = torch.randn(m, k, device="cuda").bfloat16()
-            out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-            results = {}
-            for cfg in gemv.configs(n, k, gemv.bucket(m)):
-                check(x, weights[0], out, cfg)
-                results[cfg] = graph_us(gemv_call(x, out, cfg), weights)
-            best = min(results, key=results.get)
-            chosen = gemv.config(n, k, gemv.bucket(m))
-            rows.append({"N": n, "K": k, "M": m, "default": str(chosen),
-                         "best": str(best), "us": {str(c): round(t, 2)
-                                                   for c, t in results.items()}})
-            print(f"{n:5d} x {k:5d} M={m:2d}  default R{chosen.rows_per_cta}/T"
-                  f"{chosen.threads} {results.get(chosen, float('nan')):.2f} us  best "
-                  f"R{best.rows_per_cta}/T{best.threads} {results[best]:.2f} us | " + "  ".join(
-                      f"R{c.rows_per_cta}/T{c.threads}={t:.2f}" for c, t in results.items()),
-                  flush=True)
+            yield n, k, m, x, torch.empty(m, n, device="cuda", dtype=torch.bfloat16), weights
         del weights
         torch.cuda.empty_cache()
+
+
+def time_configs(configs, x, weights, out, call, check) -> dict:
+    """µs per call of each config (`call(x, out, cfg)`), each checked first (`check`)."""
+    results = {}
+    for cfg in configs:
+        check(x, weights[0], out, cfg)
+        results[cfg] = graph_us(call(x, out, cfg), weights)
+    return results
+
+
+def sweep(shapes, ms):
+    """Every Config at each shape and M (tunes `gemv.config`)."""
+    rows = []
+    for n, k, m, x, out, weights in sweep_inputs(shapes, ms):
+        results = time_configs(gemv.configs(n, k, gemv.bucket(m)), x, weights, out, gemv_call,
+                               check)
+        best = min(results, key=results.get)
+        chosen = gemv.config(n, k, gemv.bucket(m))
+        rows.append({"N": n, "K": k, "M": m, "default": str(chosen),
+                     "best": str(best), "us": {str(c): round(t, 2) for c, t in results.items()}})
+        print(f"{n:5d} x {k:5d} M={m:2d}  default R{chosen.rows_per_cta}/T"
+              f"{chosen.threads} {results.get(chosen, float('nan')):.2f} us  best "
+              f"R{best.rows_per_cta}/T{best.threads} {results[best]:.2f} us | " + "  ".join(
+                  f"R{c.rows_per_cta}/T{c.threads}={t:.2f}" for c, t in results.items()),
+              flush=True)
     return rows
 
 
