@@ -32,8 +32,6 @@ its split-output variant over the cached [W_r; W_d] ("split", opt-in: a second c
 weights, 64 MB per layer at TP16). A refused call logs why and takes the two launches.
 """
 
-import weakref
-
 import torch
 import torch.distributed as dist
 
@@ -117,24 +115,12 @@ def _even_heads(w_uv) -> bool:
     return w_uv.stride(2) == 1 and w_uv.stride(0) == w_uv.shape[1] * w_uv.stride(1)
 
 
-_UV_ROWS: dict = {}
-
-
 def uv_rows(w_uv):
-    """W_UV [H, V, C] as [H·V, C] rows: a view where the heads are evenly spaced, else a copy
-    made once per weight (the model's W_UV is a view of kv_b's weight with W_UK's rows between
+    """W_UV [H, V, C] as [H·V, C] rows: a view where the heads are evenly spaced, else the heads
+    concatenated once (the model's W_UV is a view of kv_b's weight with W_UK's rows between
     heads) and reused while that weight lives unchanged."""
     h, v, c = w_uv.shape
-    if _even_heads(w_uv):
-        return w_uv.reshape(h * v, c)
-    base = w_uv._base if w_uv._base is not None else w_uv
-    key = (id(base), w_uv.storage_offset(), tuple(w_uv.shape), w_uv.stride(), base._version)
-    hit = _UV_ROWS.get(key)
-    if hit is None or hit[0]() is not base:
-        for k in [k for k, (ref, _) in _UV_ROWS.items() if ref() is None or k[0] == key[0]]:
-            del _UV_ROWS[k]
-        hit = _UV_ROWS[key] = (weakref.ref(base), w_uv.reshape(h * v, c).contiguous())
-    return hit[1]
+    return w_uv.reshape(h * v, c) if _even_heads(w_uv) else concatenated(list(w_uv))
 
 
 def register() -> None:

@@ -38,31 +38,40 @@ def _version(t: torch.Tensor) -> int:
         return 0
 
 
+def _owner(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose storage t views (t itself if it is no view): views made per call (a
+    weight sliced in the graph) die at once, their owner lives as long as the weight does."""
+    return t._base if t._base is not None else t
+
+
 def _key(weights: list[torch.Tensor]) -> tuple:
-    return tuple((w.data_ptr(), _version(w), tuple(w.shape), w.dtype, w.device) for w in weights)
+    return tuple((w.data_ptr(), _version(w), tuple(w.shape), w.stride(), w.dtype, w.device)
+                 for w in weights)
 
 
 def _stale(refs, key, now) -> bool:
-    """An entry is stale when one of its weights is gone (its memory may be reused) or is one of
-    the weights at hand in another version (updated in place since)."""
+    """An entry is stale when one of its weights' owners is gone (its memory may be reused) or
+    is one of the owners at hand in another version (updated in place since; views share their
+    owner's version counter)."""
     for ref, k in zip(refs, key):
         w = ref()
-        if w is None or now.get(id(w), k) != k:
+        if w is None or now.get(id(w), k[1]) != k[1]:
             return True
     return False
 
 
 def concatenated(weights: list[torch.Tensor]) -> torch.Tensor:
-    """torch.cat(weights), built on first use and reused while every weight lives unchanged."""
+    """torch.cat(weights), built on first use and reused while every weight lives unchanged
+    (weights may be views, e.g. per-head slices of a parameter)."""
     key = _key(weights)
     hit = _CACHE.get(key)
     if hit is not None and all(r() is not None for r in hit[0]):
         return hit[1]
-    now = {id(w): k for w, k in zip(weights, key)}
+    now = {id(_owner(w)): k[1] for w, k in zip(weights, key)}
     for k in [k for k, (refs, _) in _CACHE.items() if _stale(refs, k, now)]:
         del _CACHE[k]
     cat = torch.cat(weights)
-    _CACHE[key] = (tuple(weakref.ref(w) for w in weights), cat)
+    _CACHE[key] = (tuple(weakref.ref(_owner(w)) for w in weights), cat)
     return cat
 
 
