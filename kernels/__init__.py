@@ -32,12 +32,18 @@ def register_all() -> list[str]:
         return []
     import k3compile.ops  # noqa: F401  (the ops must exist before kernels attach to them)
 
-    skip = skipped_kernels()
-    for name in KERNELS + extra_kernels():
-        if name not in _registered and name not in skip:
+    for name in selected_kernels():
+        if name not in _registered:
             importlib.import_module(f"{__name__}.{name}").register()
             _registered.append(name)
     return list(_registered)
+
+
+def selected_kernels() -> list[str]:
+    """The kernels this process registers where the DSL is present: KERNELS and
+    K3_KERNELS_EXTRA's, less K3_KERNELS_SKIP's."""
+    skip = skipped_kernels()
+    return [n for n in KERNELS + extra_kernels() if n not in skip]
 
 
 def extra_kernels() -> tuple[str, ...]:
@@ -80,8 +86,7 @@ def settings() -> list[str]:
         dsl_version = version("nvidia-cutlass-dsl")
     except PackageNotFoundError:
         dsl_version = None
-    skip = skipped_kernels()
-    names = [n for n in KERNELS + extra_kernels() if n not in skip] if dsl_version else []
+    names = selected_kernels() if dsl_version else []
     table = hashlib.sha256(gemm_tc.TABLE.read_bytes()).hexdigest()[:12] if gemm_tc.TABLE.exists() else None
     return [f"kernels {names}", f"pdl {dsl.PDL}", f"gemv_fused {sorted(gemv.FUSED)}",
             f"cutlass_dsl {dsl_version}", f"gemm_tc_table {table}"]
