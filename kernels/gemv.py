@@ -62,6 +62,7 @@ import torch
 import torch.nn.functional as F
 
 from k3compile.ops.gemm import situ_ref
+from k3compile.ops.mla import mla_uv_gate_ref
 from k3compile.ops.norms import rms_norm_ref
 
 from .common.dsl import (
@@ -718,9 +719,9 @@ def gemv_gate_cuda(x, w, g, group: int, *, out=None):
         reason = "data not 16-byte aligned"
     if reason:
         fallback("gemv_gate", reason)
-        o = torch.einsum("mhk,hvk->mhv", x.view(len(x), n // group, k),
-                         w.view(n // group, group, k)).reshape(len(x), n)
-        return o * torch.sigmoid(g)
+        m, heads = len(x), n // group
+        return mla_uv_gate_ref(x.view(m, 1, heads, k), w.view(heads, group, k),
+                               g.view(m, 1, n)).view(m, n)
     y = x.new_empty((len(x), n)) if out is None else out
     _launch(Fusion(gate=group), x, w, None, False, y, None, g, None, None, None)
     return y
