@@ -48,6 +48,7 @@ from .rms_norm import rms_norm_cuda
 
 OPS = ("oproj_attn_res_mix_norm", "allreduce_attn_res_mix_norm", "norm_linear", "moe_front",
        "linear_concat", "linear", "mla_uv_gate")
+OWN_SHAPES = frozenset({"mla_uv_gate"})  # per-head operands: flat_rows would merge the heads
 
 
 def oproj_attn_res_mix_norm_cuda(o, o_proj_weight, prefix, blocks, mix_norm_weight,
@@ -125,5 +126,6 @@ def uv_rows(w_uv):
 
 def register() -> None:
     for op in OPS:
+        fn = globals()[f"{op}_cuda"]
         torch.library.register_kernel(f"k3::{op}", "cuda",
-                                      on_stream(flat_rows(globals()[f"{op}_cuda"])))
+                                      on_stream(fn if op in OWN_SHAPES else flat_rows(fn)))
