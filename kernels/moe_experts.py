@@ -155,10 +155,14 @@ class FC2Config:
 
 
 def config(stage: str, latent: int, inter: int, top_k: int, batch_bucket: int):
-    """FC1: 4 warps; 2 rows per warp while a lane's loads stay <= 16 vectors (L <= 4096), else
-    1. FC2: R·k >= 128 threads where k allows, whole warps (R a multiple of 32 for odd k).
-    The same at every bucket for now (untuned: `benchmarks/moe_experts.py --sweep`)."""
+    """FC1: 4 warps; at one row 1 row per warp with cp.async (the H200 sweep of 2026-11-29 at
+    the TP16 rank: 11.75 µs per call vs 13.26 for the plain 4 x 2; BENCHMARKS.md session 6),
+    above it plain with 2 rows per warp while a lane's loads stay <= 16 vectors (L <= 4096),
+    else 1 (the sweep's best or within 1% at 8-64 rows; grouped FC1 lost at 16-64).
+    FC2: R·k >= 128 threads where k allows, whole warps (R a multiple of 32 for odd k)."""
     if stage == "fc1":
+        if batch_bucket == 1 and fc1_fits(latent, cp := FC1Config(4, 1, cp_async=True)):
+            return cp
         return FC1Config(4, 2 if _lane_vectors(latent) <= 4 else 1)
     rows = 64 if top_k <= 2 else 32 if top_k <= 4 or top_k % 2 else 16
     return FC2Config(rows, -(-rows * top_k // 32) * 32)
@@ -776,10 +780,10 @@ _cache = CompileCache(OP)
 
 
 def compiled(stage: str, latent: int, inter: int, top_k: int, ids64: bool, cfg,
-             arch: str | None = None):
+             arch: str | None = None, rows: int = 1):
     """The compiled kernel of one stage ("fc1" or "fc2") for these scalars and the PDL setting
     now (FC1's launch; FC2 always follows FC1 with PDL) (cached)."""
-    pdl = stage == "fc1" and pdl_enabled()
+    pdl = stage == "fc1" and pdl_enabled(rows)
     return _cache.get((stage, latent, inter, top_k, ids64, cfg, arch, pdl),
                       lambda: build(stage, latent, inter, top_k, ids64, cfg, arch, pdl=pdl))
 
@@ -790,7 +794,7 @@ def prepare(latent: int, inter: int, top_k: int, buckets=(1, 2, 4, 8, 16, 32, 64
     for b in buckets:
         for stage in ("fc1", "fc2"):
             compiled(stage, latent, inter, top_k, ids_dtype == torch.int64,
-                     config(stage, latent, inter, top_k, b))
+                     config(stage, latent, inter, top_k, b), rows=b)
 
 
 def build(stage, latent, inter, top_k, ids64, cfg, arch=None, dump_dir=None, pdl=False):
@@ -850,7 +854,7 @@ def moe_experts_cuda(z, ids, weights, w1_packed, w1_scale, w3_packed, w3_scale, 
         act = z.new_empty((n * top_k, inter))
         fc1 = config("fc1", latent, inter, top_k, b)
         idx = expert_runs(ids, w1_packed.shape[0], fc1.run) if fc1.run else ids
-        compiled("fc1", latent, inter, top_k, ids64, fc1)(
+        compiled("fc1", latent, inter, top_k, ids64, fc1, rows=b)(
             z, idx, _words(w1_packed), w1_scale.view(-1, latent // 32), _words(w3_packed),
             w3_scale.view(-1, latent // 32), act, float(beta), float(linear_beta))
         compiled("fc2", latent, inter, top_k, ids64, config("fc2", latent, inter, top_k, b))(

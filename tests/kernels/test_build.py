@@ -132,7 +132,7 @@ def _cases():
     for latent, inter, top_k in [(96, 64, 2), (512, 96, 3), (1056, 32, 1), (1536, 64, 4),
                                  (8192, 512, 16)]:
         for run in (4, 2):
-            cfg = dataclasses.replace(moe_experts.config("fc1", latent, inter, top_k, 1), run=run)
+            cfg = dataclasses.replace(moe_experts.config("fc1", latent, inter, top_k, 8), run=run)
             case = (moe_experts, ("fc1", latent, inter, top_k, True), cfg)
             if case not in seen:
                 seen.append(case)

@@ -377,6 +377,7 @@ def test_after_the_route_kernel_with_pdl(gen, tp16_experts, monkeypatch):
     outs = {}
     for flag in (True, False):
         monkeypatch.setattr(dsl, "PDL", flag)
+        monkeypatch.setattr(dsl, "PDL_MAX_ROWS", 64)  # PDL at every bucket
         out = poisoned(*z.shape)
         step(out)  # compile
         graph = torch.cuda.CUDAGraph()
@@ -410,7 +411,8 @@ def test_fc1_builds_with_pdl(monkeypatch, tmp_path):
     assert "griddepcontrol.wait;" not in plain
 
 
-# FC1 with cp.async (FC1Config.cp_async): the same math in the same order as the default FC1
+# FC1 with cp.async (FC1Config.cp_async): the same math in the same order as the plain FC1
+PLAIN_FC1 = kernel.FC1Config(4, 2)
 FC1_CP_ASYNC = [kernel.FC1Config(4, 2, True), kernel.FC1Config(4, 1, True),
                 kernel.FC1Config(2, 2, True), kernel.FC1Config(8, 1, True)]
 
@@ -437,6 +439,7 @@ def force_fc1(monkeypatch):
 def test_tp16_fc1_cp_async(gen, tp16_experts, force_fc1, cfg, n):
     """Against the model and the reference, and bit for bit the default FC1's output."""
     z, ids, w = make_tokens(gen, n, LATENT, EXPERTS, TOP_K, "cuda")
+    force_fc1(PLAIN_FC1)
     plain = check(z, ids, w, tp16_experts)
     force_fc1(cfg)
     assert torch.equal(check(z, ids, w, tp16_experts), plain), "cp.async FC1 differs"
@@ -447,6 +450,7 @@ def test_tp16_fc1_cp_async(gen, tp16_experts, force_fc1, cfg, n):
 def test_tp16_fc1_cp_async_verify_step(gen, tp16_experts, force_fc1):
     """8 rows within 24 experts (pairs share expert rows), int32 ids."""
     z, ids, w = make_tokens(gen, 8, LATENT, EXPERTS, TOP_K, "cuda", pool=24)
+    force_fc1(PLAIN_FC1)
     plain = check(z, ids, w, tp16_experts)
     force_fc1(FC1_CP_ASYNC[0])
     assert torch.equal(check(z, ids.int(), w, tp16_experts), plain)
@@ -461,8 +465,9 @@ def test_other_shapes_fc1_cp_async(gen, force_fc1, shape):
     step alone (16) and after a full one (48), the largest L; equal to the default FC1."""
     n_exp, latent, inter, top_k = shape
     experts = make_experts(gen, n_exp, latent, inter, "cuda")
-    cfg = dataclasses.replace(kernel.config("fc1", latent, inter, top_k, 1), cp_async=True)
+    cfg = dataclasses.replace(kernel.config("fc1", latent, inter, top_k, 8), cp_async=True)
     tokens = [make_tokens(gen, n, latent, n_exp, top_k, "cuda") for n in (1, 7)]
+    force_fc1(dataclasses.replace(cfg, cp_async=False))
     plain = [check(*t, experts) for t in tokens]
     force_fc1(cfg)
     for t, want in zip(tokens, plain):
@@ -657,8 +662,9 @@ def test_other_shapes_fc1_grouped(gen, force_fc1, shape):
     n_exp, latent, inter, top_k = shape
     experts = make_experts(gen, n_exp, latent, inter, "cuda")
     tokens = [make_tokens(gen, n, latent, n_exp, top_k, "cuda") for n in (1, 7, 33)]
+    default = kernel.config("fc1", latent, inter, top_k, 8)
+    force_fc1(default)
     plain = [check(*t, experts) for t in tokens]
-    default = kernel.config("fc1", latent, inter, top_k, 1)
     for run in (4, 2):
         force_fc1(dataclasses.replace(default, run=run))
         for t, want in zip(tokens, plain):
