@@ -16,7 +16,8 @@ variants="${INDUCTOR:+inductor,}k3"
 for run in ${RUNS:-pdl1:K3_PDL=1 pdl0:K3_PDL=0}; do
   name=${run%%:*}; vars=${run#*:}
   mkdir -p "$OUT/$name"
-  step "yard_$name" $(( ${BUDGET:-80} + 45 )) env ${vars//,/ } python3 benchmarks/decode_layer.py \
+  # a comma starts the next VAR=V only before a name and "=" (K3_GEMV_FUSED=norm,situ stays whole)
+  step "yard_$name" $(( ${BUDGET:-80} + 45 )) env $(sed -E 's/,([A-Za-z_][A-Za-z0-9_]*=)/ \1/g' <<< "$vars") python3 benchmarks/decode_layer.py \
     --variants "$variants" --batches "${BATCHES:-1,8,64}" --verify "${VERIFY:-8}" \
     --out "$OUT/$name" --time-budget "${BUDGET:-80}" --max-time-s 2
   grep -E "^(B[0-9]|bucket)" "$OUT/yard_$name.log" | tail -5
