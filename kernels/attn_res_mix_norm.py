@@ -242,9 +242,10 @@ def _kernel_class():
 _cache = CompileCache(OP)
 
 
-def compiled(dim: int, n_blocks: int, has_delta: bool, cfg: Config, arch: str | None = None):
+def compiled(dim: int, n_blocks: int, has_delta: bool, cfg: Config, arch: str | None = None,
+             rows: int = 1):
     """The compiled kernel for these scalars and the PDL setting now (cached)."""
-    pdl = pdl_enabled()
+    pdl = pdl_enabled(rows)
     return _cache.get((dim, n_blocks, has_delta, cfg, arch, pdl),
                       lambda: build(dim, n_blocks, has_delta, cfg, arch, pdl=pdl))
 
@@ -252,7 +253,7 @@ def compiled(dim: int, n_blocks: int, has_delta: bool, cfg: Config, arch: str | 
 def prepare(dim: int, n_blocks: int, has_delta: bool, buckets=BUCKETS) -> None:
     """Compile the kernel of every batch bucket for these scalars (call before graph capture)."""
     for b in buckets:
-        compiled(dim, n_blocks, has_delta, config(dim, n_blocks, has_delta, b))
+        compiled(dim, n_blocks, has_delta, config(dim, n_blocks, has_delta, b), rows=b)
 
 
 def build(dim, n_blocks, has_delta, cfg, arch=None, dump_dir=None, pdl=False):
@@ -291,7 +292,7 @@ def attn_res_mix_norm_cuda(prefix, delta, blocks, mix_norm_weight, mix_proj_weig
     if n:
         cfg = config(dim, len(blocks), delta is not None, bucket(n))
         has_mix = len(blocks) > 0
-        compiled(dim, len(blocks), delta is not None, cfg)(
+        compiled(dim, len(blocks), delta is not None, cfg, rows=bucket(n))(
             prefix, delta, tuple(blocks) or None, mix_norm_weight if has_mix else None,
             mix_proj_weight.view(-1) if has_mix else None, norm_weight, prefix_out, x,
             float(mix_eps), float(norm_eps))

@@ -380,10 +380,10 @@ _cache = CompileCache(OP)
 
 
 def compiled(n: int, k: int, out_fp32: bool, residual: bool, cfg: Config,
-             arch: str | None = None):
+             arch: str | None = None, rows: int = 1):
     """The compiled kernel for these scalars and the PDL setting now (cached). Buckets with one
     config share it."""
-    pdl = pdl_enabled()
+    pdl = pdl_enabled(rows)
     return _cache.get((n, k, out_fp32, residual, cfg, arch, pdl),
                       lambda: build(n, k, out_fp32, residual, cfg, arch, pdl=pdl))
 
@@ -392,7 +392,7 @@ def prepare(n: int, k: int, buckets=BUCKETS, *, out_dtype=torch.bfloat16,
             residual: bool = False) -> None:
     """Compile the kernel of every batch bucket for this weight (call before graph capture)."""
     for b in buckets:
-        compiled(n, k, out_dtype == torch.float32, residual, config(n, k, b))
+        compiled(n, k, out_dtype == torch.float32, residual, config(n, k, b), rows=b)
 
 
 def build(n, k, out_fp32, residual, cfg, arch=None, dump_dir=None, pdl=False):
@@ -431,7 +431,8 @@ def gemm_tc_cuda(x, w, residual=None, *, out=None, out_dtype=None, cfg: Config |
         chosen = cfg or config(n, k, bucket(m))
         if chosen.tile_tokens < m:
             raise ValueError(f"{chosen} holds {chosen.tile_tokens} tokens, not {m}")
-        compiled(n, k, dtype == torch.float32, residual is not None, chosen)(x, w, residual, y)
+        compiled(n, k, dtype == torch.float32, residual is not None, chosen, rows=bucket(m))(
+            x, w, residual, y)
 
     return run_gemm(OP, refusal, launch, x, w, residual, out, out_dtype)
 

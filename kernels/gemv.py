@@ -493,7 +493,7 @@ _cache = CompileCache(OP)
 def compiled(n: int, k: int, m_bucket: int, out_fp32: bool, residual: bool, cfg: Config,
              arch: str | None = None, fusion: Fusion = PLAIN):
     """The compiled kernel for these scalars and the PDL setting now (cached)."""
-    pdl = pdl_enabled()
+    pdl = pdl_enabled(m_bucket)
     return _cache.get((n, k, m_bucket, out_fp32, residual, cfg, arch, pdl, fusion),
                       lambda: build(n, k, m_bucket, out_fp32, residual, cfg, arch, pdl=pdl,
                                     fusion=fusion))
@@ -620,11 +620,12 @@ def gemv_cuda(x, w, residual=None, *, out=None, out_dtype=None, cfg: Config | No
 # (kernels/composite.py, kernels/situ.py). Default "norm,situ": on the H200 (2026-11-29) their
 # GPU tests passed and the B1 yardstick with PDL went 106.1 -> 103.9 us per layer (18.5 -> 15.5
 # launches, with "split" too). "split" (moe_front) is opt-in: it caches [W_r; W_d], a second
-# copy of both weights (64 MB per layer per GPU at TP16) for one launch. "gate" (mla_uv_gate:
-# W_UV and the sigmoid output gate in one launch) is opt-in until its GPU tests run. "1" /
-# "all": every one; "0": none (the two-launch paths).
+# copy of both weights (64 MB per layer per GPU at TP16) for one launch. "gate" (mla_uv_gate at
+# one row: W_UV and the sigmoid output gate in one launch) on by default since session 6: its
+# GPU tests passed and the B1 yardstick went 103.5 -> 100.1 us per layer. "1" / "all": every
+# one; "0": none (the two-launch paths).
 VARIANTS = ("norm", "situ", "split", "gate")
-DEFAULT_FUSED = frozenset({"norm", "situ"})
+DEFAULT_FUSED = frozenset({"norm", "situ", "gate"})
 
 
 def parse_fused(value: str | None) -> frozenset[str]:

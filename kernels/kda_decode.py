@@ -495,9 +495,10 @@ def _kernel_class():
 _cache = CompileCache(OP)
 
 
-def compiled(tokens: int, n_heads: int, taps: int, cfg: Config, arch: str | None = None):
+def compiled(tokens: int, n_heads: int, taps: int, cfg: Config, arch: str | None = None,
+             rows: int = 1):
     """The compiled kernel for these scalars and the PDL setting now (cached)."""
-    pdl = pdl_enabled()
+    pdl = pdl_enabled(rows)
     return _cache.get((tokens, n_heads, taps, cfg, arch, pdl),
                       lambda: build(tokens, n_heads, taps, cfg, arch, pdl=pdl))
 
@@ -505,7 +506,7 @@ def compiled(tokens: int, n_heads: int, taps: int, cfg: Config, arch: str | None
 def prepare(tokens: int, n_heads: int, taps: int = 4, buckets=BUCKETS) -> None:
     """Compile the kernel of every batch bucket for these scalars (call before graph capture)."""
     for b in buckets:
-        compiled(tokens, n_heads, taps, config(tokens, n_heads, taps, b))
+        compiled(tokens, n_heads, taps, config(tokens, n_heads, taps, b), rows=b)
 
 
 def build(tokens, n_heads, taps, cfg, arch=None, dump_dir=None, pdl=False):
@@ -564,7 +565,7 @@ def kda_decode_cuda(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_c
     o = q.new_empty((B, T, H, K)) if out is None else out
     if B:
         taps = conv_state.shape[2] + 1
-        compiled(T, H, taps, config(T, H, taps, bucket(B)))(
+        compiled(T, H, taps, config(T, H, taps, bucket(B)), rows=bucket(B))(
             *args, o, float(lower_bound), float(l2_eps), float(q_scale), float(norm_eps))
     return o
 

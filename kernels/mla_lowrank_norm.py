@@ -152,8 +152,9 @@ def _kernel_class():
 _cache = CompileCache(OP)
 
 
-def compiled(q_dim: int, c_dim: int, r_dim: int, cfg: Config, arch: str | None = None):
-    pdl = pdl_enabled()
+def compiled(q_dim: int, c_dim: int, r_dim: int, cfg: Config, arch: str | None = None,
+             rows: int = 1):
+    pdl = pdl_enabled(rows)
     return _cache.get((q_dim, c_dim, r_dim, cfg, arch, pdl),
                       lambda: build(q_dim, c_dim, r_dim, cfg, arch, pdl=pdl))
 
@@ -161,7 +162,7 @@ def compiled(q_dim: int, c_dim: int, r_dim: int, cfg: Config, arch: str | None =
 def prepare(q_dim: int, c_dim: int, r_dim: int, buckets=BUCKETS) -> None:
     """Compile the kernel of every batch bucket for these widths (call before graph capture)."""
     for b in buckets:
-        compiled(q_dim, c_dim, r_dim, config(q_dim, c_dim, r_dim, b))
+        compiled(q_dim, c_dim, r_dim, config(q_dim, c_dim, r_dim, b), rows=b)
 
 
 def build(q_dim, c_dim, r_dim, cfg, arch=None, dump_dir=None, pdl=False):
@@ -188,7 +189,7 @@ def mla_lowrank_norm_cuda(cq, ckv, q_weight, kv_weight, eps, *, out=None):
     q, kv, pe = out if out is not None else (
         cq.new_empty((n, q_dim)), cq.new_empty((n, c_dim)), cq.new_empty((n, r_dim)))
     if n:
-        compiled(q_dim, c_dim, r_dim, config(q_dim, c_dim, r_dim, bucket(n)))(
+        compiled(q_dim, c_dim, r_dim, config(q_dim, c_dim, r_dim, bucket(n)), rows=bucket(n))(
             cq, ckv, q_weight, kv_weight, q, kv, pe if r_dim else None, float(eps))
     return q, kv, pe
 

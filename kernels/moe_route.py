@@ -300,8 +300,9 @@ def _kernel_class():
 _cache = CompileCache(OP)
 
 
-def compiled(n_experts: int, top_k: int, cfg: Config, arch: str | None = None):
-    pdl = pdl_enabled()
+def compiled(n_experts: int, top_k: int, cfg: Config, arch: str | None = None,
+             rows: int = 1):
+    pdl = pdl_enabled(rows)
     return _cache.get((n_experts, top_k, cfg, arch, pdl),
                       lambda: build(n_experts, top_k, cfg, arch, pdl=pdl))
 
@@ -309,7 +310,7 @@ def compiled(n_experts: int, top_k: int, cfg: Config, arch: str | None = None):
 def prepare(n_experts: int, top_k: int, buckets=BUCKETS) -> None:
     """Compile the kernel of every batch bucket for these sizes (call before graph capture)."""
     for b in buckets:
-        compiled(n_experts, top_k, config(n_experts, top_k, b))
+        compiled(n_experts, top_k, config(n_experts, top_k, b), rows=b)
 
 
 def build(n_experts, top_k, cfg, arch=None, dump_dir=None, pdl=False):
@@ -336,7 +337,7 @@ def moe_route_cuda(logits, bias, top_k, scaling, *, out=None):
     ids, weights = out if out is not None else (
         logits.new_empty((n, top_k), dtype=torch.int64), logits.new_empty((n, top_k)))
     if n:
-        compiled(n_experts, top_k, config(n_experts, top_k, bucket(n)))(
+        compiled(n_experts, top_k, config(n_experts, top_k, bucket(n)), rows=bucket(n))(
             logits, bias, ids, weights, float(scaling))
     return ids, weights
 

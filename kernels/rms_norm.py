@@ -124,15 +124,15 @@ def _kernel_class():
 _cache = CompileCache(OP)
 
 
-def compiled(dim: int, cfg: Config, arch: str | None = None):
-    pdl = pdl_enabled()
+def compiled(dim: int, cfg: Config, arch: str | None = None, rows: int = 1):
+    pdl = pdl_enabled(rows)
     return _cache.get((dim, cfg, arch, pdl), lambda: build(dim, cfg, arch, pdl=pdl))
 
 
 def prepare(dim: int, buckets=BUCKETS) -> None:
     """Compile the kernel of every batch bucket for this width (call before graph capture)."""
     for b in buckets:
-        compiled(dim, config(dim, b))
+        compiled(dim, config(dim, b), rows=b)
 
 
 def build(dim, cfg, arch=None, dump_dir=None, pdl=False):
@@ -153,7 +153,7 @@ def rms_norm_cuda(x, weight, eps, *, out=None):
     n, dim = x.shape
     y = torch.empty((n, dim), dtype=x.dtype, device=x.device) if out is None else out
     if n:
-        compiled(dim, config(dim, bucket(n)))(x, weight, y, float(eps))
+        compiled(dim, config(dim, bucket(n)), rows=bucket(n))(x, weight, y, float(eps))
     return y
 
 

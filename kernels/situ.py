@@ -117,15 +117,15 @@ def _kernel_class():
 _cache = CompileCache(OP)
 
 
-def compiled(width: int, cfg: Config, arch: str | None = None):
-    pdl = pdl_enabled()
+def compiled(width: int, cfg: Config, arch: str | None = None, rows: int = 1):
+    pdl = pdl_enabled(rows)
     return _cache.get((width, cfg, arch, pdl), lambda: build(width, cfg, arch, pdl=pdl))
 
 
 def prepare(width: int, buckets=BUCKETS) -> None:
     """Compile the kernel of every batch bucket for this width (call before graph capture)."""
     for b in buckets:
-        compiled(width, config(width, b))
+        compiled(width, config(width, b), rows=b)
 
 
 def build(width, cfg, arch=None, dump_dir=None, pdl=False):
@@ -148,7 +148,7 @@ def situ_cuda(gate_up, beta, linear_beta, *, out=None):
     n = gate_up.shape[0]
     y = gate_up.new_empty((n, width)) if out is None else out
     if n:
-        compiled(width, config(width, bucket(n)))(gate_up, y, float(beta), float(linear_beta))
+        compiled(width, config(width, bucket(n)), rows=bucket(n))(gate_up, y, float(beta), float(linear_beta))
     return y
 
 

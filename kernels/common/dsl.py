@@ -40,9 +40,12 @@ WARP = 32
 # store only after it, and every CTA waits before it exits (so a later kernel's wait covers the
 # earlier kernels too). Each kernel compiles it in as a constant (`pdl` in its compile key: both
 # builds coexist; without it the build is the plain one). On by default since the H200 yardstick
-# of 2026-11-29 (B1 118.4 -> 106.1 us per layer; B64 and T = 8 within the run's noise);
-# K3_PDL=0 turns it off for the process.
+# of 2026-11-29 (B1 118.4 -> 106.1 us per layer), for launches of at most PDL_MAX_ROWS rows
+# (their bucket): at B64 it cost time in every A/B (634 and 645 vs 624; 640.9 vs 609.8 in
+# session 6), at B8 it was not decided. K3_PDL=0 turns it off for the process,
+# K3_PDL_MAX_ROWS=64 on at every bucket.
 PDL = os.environ.get("K3_PDL", "1") == "1"
+PDL_MAX_ROWS = int(os.environ.get("K3_PDL_MAX_ROWS", "4"))
 
 
 @functools.cache
@@ -63,9 +66,11 @@ def have_tvm_ffi() -> bool:
     return True
 
 
-def pdl_enabled() -> bool:
-    """Whether kernels compile and launch with PDL now (read at every call: tests flip `PDL`)."""
-    return PDL
+def pdl_enabled(rows: int = 1) -> bool:
+    """Whether a kernel launched for `rows` rows (its bucket) compiles and launches with PDL now
+    (read at every call: tests flip `PDL` and `PDL_MAX_ROWS`). Kernels with and without PDL mix
+    safely in one stream: a PDL launch waits for its predecessor either way."""
+    return PDL and rows <= PDL_MAX_ROWS
 
 
 def pdl_launch_dependents(on: bool) -> None:

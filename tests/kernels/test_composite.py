@@ -217,6 +217,7 @@ class FusedOps:
 
 def _capture(ops, pdl, monkeypatch):
     monkeypatch.setattr(dsl, "PDL", pdl)
+    monkeypatch.setattr(dsl, "PDL_MAX_ROWS", 64)  # PDL at every bucket
     ops.run()  # compiles and builds the concatenations outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

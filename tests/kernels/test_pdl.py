@@ -72,6 +72,25 @@ def test_pdl_is_in_the_compile_key(module, monkeypatch):
     assert got == [False, True, False, True], "a call gets the build of the setting now"
 
 
+def test_pdl_only_up_to_its_row_limit(monkeypatch):
+    """PDL at launches of at most PDL_MAX_ROWS rows (their bucket); above it the plain build, in
+    every kernel's compile key (gemv's rows are its m_bucket)."""
+    monkeypatch.setattr(dsl, "PDL", True)
+    monkeypatch.setattr(dsl, "PDL_MAX_ROWS", 4)
+    assert dsl.pdl_enabled() and dsl.pdl_enabled(4) and not dsl.pdl_enabled(8)
+    monkeypatch.setattr(dsl, "PDL", False)
+    assert not dsl.pdl_enabled(1)
+    monkeypatch.setattr(dsl, "PDL", True)
+    for module, args in COMPILE_ARGS.items():
+        monkeypatch.setattr(module, "_cache", dsl.CompileCache(module.OP))
+        monkeypatch.setattr(module, "build", lambda *_, pdl=False, **__: pdl)
+        if module is gemv:
+            small, big = (module.compiled(*args[:2], m, *args[3:]) for m in (1, 64))
+        else:
+            small, big = module.compiled(*args, rows=2), module.compiled(*args, rows=64)
+        assert (small, big) == (True, False), module.__name__
+
+
 def gemm(x, w, residual=None, *, out):
     """The weight-streaming GEMM of this row count: gemv at one row, gemm_tc above."""
     run = gemv.gemv_cuda if x.shape[0] == 1 else gemm_tc.gemm_tc_cuda
@@ -219,6 +238,7 @@ def capture(chain, pdl, monkeypatch):
     """The chain in a CUDA graph, its kernels built with PDL on or off (compiled first, outside
     the capture)."""
     monkeypatch.setattr(dsl, "PDL", pdl)
+    monkeypatch.setattr(dsl, "PDL_MAX_ROWS", 64)  # PDL at every bucket
     saved = [t.clone() for t in chain.state()]
     chain.run()
     for t, s in zip(chain.state(), saved, strict=True):
