@@ -147,7 +147,7 @@ def shard(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
 def streams(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
     from k3compile.streams import schedule_shared_experts
 
-    if not ctx.options.streams_on():  # see Options.side_streams
+    if not ctx.options.side_streams:  # see Options.side_streams
         ctx.notes["streams"] = []
         return gm
     ctx.notes["streams"] = schedule_shared_experts(gm.graph)
@@ -163,7 +163,7 @@ def prefetch(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
     # launches
     ctx.notes["prefetch"] = insert_prefetches(gm.graph, l2_bytes(ctx.options.l2_bytes, gm.graph),
                                                joins=ctx.options.prefetch_on_join,
-                                               beside=ctx.options.streams_on())
+                                               beside=ctx.options.side_streams)
     gm.recompile()
     return gm
 

@@ -325,7 +325,7 @@ def test_fusion_is_in_the_compile_key(monkeypatch):
 
 def test_switch_names_variants_and_is_read_at_call_time(monkeypatch):
     if "K3_GEMV_FUSED" not in os.environ:
-        assert kernel.FUSED == {"norm", "situ"}, "split (a second weight copy) is opt-in"
+        assert kernel.FUSED == {"norm", "situ", "gate"}, "split (a second weight copy) is opt-in"
     assert kernel.parse_fused(None) == kernel.DEFAULT_FUSED
     assert kernel.parse_fused("0") == kernel.parse_fused("") == frozenset()
     assert kernel.parse_fused("1") == kernel.parse_fused("all") == set(kernel.VARIANTS)
@@ -453,13 +453,13 @@ def test_gate_refusals_and_configs():
         assert 48 % kernel.config(480, k, b, kernel.Fusion(gate=48)).rows_per_cta == 0
 
 
-def test_gate_off_by_default_and_the_cpu_path_is_the_reference(cpu_gen, monkeypatch):
+def test_gate_on_by_default_and_the_cpu_path_is_the_reference(cpu_gen, monkeypatch):
     from k3compile.kernels import composite
 
     from k3compile.ops.mla import mla_uv_gate_ref
 
     if "K3_GEMV_FUSED" not in os.environ:
-        assert not kernel.fused_enabled("gate"), "opt-in until its GPU tests pass"
+        assert kernel.fused_enabled("gate"), "on since its GPU tests passed (session 6)"
     monkeypatch.setattr(kernel, "FUSED", frozenset({"gate"}))
     o_lat, w_uv, g = uv_inputs(cpu_gen, 1, heads=2, v=16, c=32, device="cpu")
     want = mla_uv_gate_ref(o_lat, w_uv, g)
