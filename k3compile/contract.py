@@ -138,7 +138,9 @@ def layer_templates(graph: fx.Graph) -> dict[int, str]:
     for layer, ps in sorted(paths.items()):
         mla = any(_MLA.search(p) for p in ps)
         moe = any(_MOE.search(p) for p in ps)
-        out[layer] = "last" if layer == last and layer > 0 else (
+        # K3's last layer is MLA; a model cut to its first layers (`K3Config.with_layers`) may
+        # end on a KDA layer, which keeps its own template
+        out[layer] = "last" if layer == last and layer > 0 and mla else (
             "dense" if not moe else "mla_moe" if mla else "kda_moe")
     if final:
         out[FINAL] = "final"

@@ -50,6 +50,10 @@ def test_logits_and_states_equal_eager(run):
 def test_moe_ops_per_layer_and_contract(run):
     compiled = run[3]
     (report,) = compiled.contracts.values()
+    # the tiny model cut to 3 layers ends on a KDA layer: it keeps its template (K3's own last
+    # layer, MLA, is `last`), and the contract holds
+    assert {lr.layer: lr.template for lr in report.layers}[LAYERS - 1] == "kda_moe"
+    assert report.met, [(lr.layer, lr.template, lr.actual) for lr in report.layers]
     for layer in report.layers:
         want = {op: n for op, n in PLANS[layer.template].items() if op in MOE_OPS}
         assert {op: layer.actual[op] for op in want} == want, (layer.layer, layer.actual)
