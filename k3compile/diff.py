@@ -203,6 +203,7 @@ class BucketReport:
     stage_texts: dict[str, str]
     stage_diff: StageDiff | None = None
     deferred: dict[str, str] = dataclasses.field(default_factory=dict)  # op -> why not fused
+    pack: str = ""  # stage `pack`'s summary (fused groups' weights stored as one buffer)
 
 
 @dataclasses.dataclass
@@ -657,6 +658,7 @@ def _bucket_report(compiled, bucket) -> BucketReport:
     texts.update({r.name: r.graph_after for r in records})
     return BucketReport(
         deferred=dict(getattr(obs.reports.get(bucket), "deferred", {}) or {}),
+        pack=str(obs.notes.get(bucket, {}).get("pack", "")),
         bucket=bucket, met=contract.met if contract else True,
         stages=[StageRow(r.name, r.seconds, sum(r.ops_before.values()), sum(r.ops_after.values()))
                 for r in records],
@@ -903,6 +905,8 @@ def _bucket_text(b: BucketReport, s, max_diff_lines: int) -> list[str]:
     if b.deferred:
         out.append(s("left unfused on this device: ", "yellow") + ", ".join(
             f"{op} ({why})" for op, why in sorted(b.deferred.items())))
+    if b.pack:
+        out.append(f"weights: {b.pack}")
     out.append(s("\nlayers", "bold") + "  (kernels: the rule at the end)")
     out.append(f"  {'layer':>5}  {'template':<13} {'kernels':>13}  {'k3 ops':>6}  plan")
     for i, L in b.layers.items():

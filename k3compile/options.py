@@ -41,6 +41,10 @@ class Options:
     # collectives). On under both executors: the Inductor CUDA-graph test passed on the H200 and
     # the B1 yardstick went 103.5 -> 91.7 us per layer (session 6). K3_SIDE_STREAMS=1|0.
     side_streams: bool = True
+    # Stage `pack`: each fused group's weights (linear_concat, moe_front) moved once into one
+    # buffer, the parameters views of it, so no concatenated copy exists (k3compile.weights).
+    # K3_PACK_WEIGHTS=0 turns it off.
+    pack_weights: bool = True
 
     @classmethod
     def make(cls, options: dict[str, Any] | None = None) -> Options:
@@ -64,6 +68,8 @@ class Options:
             opts.setdefault("fuse_without_kernels", True)
         if os.environ.get("K3_SIDE_STREAMS", "") != "":
             opts.setdefault("side_streams", os.environ["K3_SIDE_STREAMS"] != "0")
+        if os.environ.get("K3_PACK_WEIGHTS", "") != "":
+            opts.setdefault("pack_weights", os.environ["K3_PACK_WEIGHTS"] != "0")
         if os.environ.get("K3_EXECUTOR"):
             opts.setdefault("executor", os.environ["K3_EXECUTOR"])
         if os.environ.get("K3_SHARD_MOE"):

@@ -4,7 +4,8 @@ Inductor's own machinery lowers the Dynamo graph (functionalisation, decompositi
 only); `Pipeline.inner_compile` then receives the ATen graph, runs the stages, and hands what the
 patterns left to Inductor (`compile` stage). Which rewrites are on is decided once, here, as data.
 
-    normalize -> fuse -> shard -> streams -> prefetch -> verify -> check -> ranks -> compile
+    normalize -> fuse -> shard -> streams -> prefetch -> verify -> check -> ranks -> pack
+    -> compile
 
 An `Observer` wraps every stage: wall time, op histogram before/after, a printed copy of the graph,
 and the rewrite report. The graph-diff tool and the fusion contract read what it records.
@@ -35,6 +36,7 @@ class Context:
     batch: int | None  # the bucket this graph is specialised to (None: not bucketed)
     report: RewriteReport = dataclasses.field(default_factory=RewriteReport)
     notes: dict[str, Any] = dataclasses.field(default_factory=dict)
+    inputs: list = dataclasses.field(default_factory=list)  # Dynamo's real example inputs
 
 
 @dataclasses.dataclass
@@ -207,6 +209,15 @@ def ranks(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
     return gm
 
 
+def pack(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
+    """Last, after every check: it moves real weights (k3compile.weights)."""
+    from k3compile.weights import pack_concatenated
+
+    if ctx.options.pack_weights:
+        ctx.notes["pack"] = pack_concatenated(gm.graph, ctx.inputs)
+    return gm
+
+
 STAGES: list[tuple[str, Callable[[fx.GraphModule, Context], fx.GraphModule]]] = [
     ("normalize", normalize),
     ("fuse", fuse),
@@ -216,6 +227,7 @@ STAGES: list[tuple[str, Callable[[fx.GraphModule, Context], fx.GraphModule]]] = 
     ("verify", verify),
     ("check", check),
     ("ranks", ranks),
+    ("pack", pack),
 ]
 
 
@@ -227,7 +239,7 @@ class Pipeline:
         self.observer = observer
 
     def compile(self, gm: fx.GraphModule, example_inputs: list, batch: int | None) -> Callable:
-        ctx = Context(self.options, batch)
+        ctx = Context(self.options, batch, inputs=list(example_inputs))
         if any(isinstance(x, torch.Tensor) and x.is_cuda for x in example_inputs):
             from k3compile.kernels import register_all
 
@@ -240,6 +252,9 @@ class Pipeline:
                 if name in self.options.disabled_stages:
                     continue
                 aten_gm = self.observer.run(name, stage, aten_gm, ctx)
+            from k3compile.weights import remember
+
+            remember(ctx.inputs)  # later compiles never move what this one was handed
             self.observer.reports[batch] = ctx.report
             self.observer.notes[batch] = ctx.notes
             self.observer.graphs[batch] = aten_gm.graph

@@ -12,9 +12,10 @@ bumps its `_version` and gets a fresh concatenation; nothing is concatenated per
 call fills the cache, so under CUDA graphs the first (eager) run of a bucket, which the backend
 makes before capturing, is the one that allocates; replays only read the cached weight.
 
-The cache holds a second copy of the fused weights (KDA in-proj 46 MB per layer per GPU at TP16):
-a loader that stores the weights pre-concatenated (and the module's weights as views of it) makes
-the copy unnecessary.
+Weights that already lie back to back in one buffer (the backend's `pack` stage,
+`k3compile.weights`, stores every fused group so) are returned as one view of it: no copy and no
+cache entry. Otherwise the cache holds a second copy of the fused weights (KDA in-proj 46 MB per
+layer per GPU at TP16).
 
 Output is one tensor rather than a list: the split is a view, and consumers (the KDA decode and MLA
 low-rank norm kernels) read column slices of it, as vLLM's fused in-projection does.
@@ -61,8 +62,15 @@ def _stale(refs, key, now) -> bool:
 
 
 def concatenated(weights: list[torch.Tensor]) -> torch.Tensor:
-    """torch.cat(weights), built on first use and reused while every weight lives unchanged
-    (weights may be views, e.g. per-head slices of a parameter)."""
+    """torch.cat(weights): a view where they lie back to back in one buffer, else built on first
+    use and reused while every weight lives unchanged (weights may be views, e.g. per-head slices
+    of a parameter)."""
+    from k3compile.weights import adjacent
+
+    if adjacent(weights):
+        first = weights[0].detach()
+        return first.as_strided((sum(w.shape[0] for w in weights), first.shape[1]),
+                                first.stride())
     key = _key(weights)
     hit = _CACHE.get(key)
     if hit is not None and all(r() is not None for r in hit[0]):

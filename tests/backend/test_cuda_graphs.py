@@ -54,6 +54,9 @@ def test_cuda_graph_replay_equals_eager(config, executor):
     entry = compiled.buckets[next(iter(compiled.buckets))]
     assert entry.graph is not None, "the bucket was not captured in a CUDA graph"
     assert entry.runs == 50
+    # the replays read the fused groups' weights packed into one buffer each (stage `pack`)
+    packs = [notes["pack"] for notes in compiled.observer.notes.values() if "pack" in notes]
+    assert any(p.packed for p in packs), packs
     assert worst <= TOL["inductor_fp32"], f"worst relative logit error {worst:.3g}"
     for (name, a), (_, b) in zip(model.named_buffers(), eager.named_buffers()):
         if a.dim() >= 3 and a.dtype != torch.uint8:

@@ -1,0 +1,147 @@
+"""Stage `pack`: the weights a fused GEMM reads as one matrix are stored as one matrix.
+
+`k3.linear_concat` (KDA q|k|v|g|f_a|b, MLA q_a|kv_a|g) and `k3.moe_front` (router | latent-down,
+one launch with gemv's split variant) read [W_0; W_1; ...] as one weight. Left alone, the first
+call concatenates the weights into a cached copy (`k3compile.ops.linear.concatenated`): a
+second copy of every fused weight, ~46 MB per KDA layer per GPU at TP16, 64 MB more per MoE layer
+with the split variant. This stage moves each group's weights, once, into one buffer and makes
+every weight a view of its rows (`param.data = rows`): the values, shapes, strides, the
+parameters' identity and `state_dict` stay what they were, `load_state_dict` / `copy_` write
+through to the buffer, and `concatenated` finds the weights back to back and returns a view of
+them instead of a copy.
+
+The stage runs last, after every check, on the real tensors Dynamo handed the backend (the ATen
+graph's placeholders in the same order). Only weights no earlier k3 compile in this process was
+handed move (`remember`): a CUDA graph captured for another bucket or graph reads the addresses
+it saw, so the first compile packs and later ones find the groups packed. A group is left as it
+is, with the reason in the stage's report, where a weight is no plain graph input (a slice made
+in the graph: a sharded front), the weights differ in dtype, device or width, are not
+contiguous, require grad in grad mode, are tensor subclasses, were seen by an earlier compile,
+or one of them already belongs to another group. A reference to a weight's old `.data` taken
+before the compile keeps the old storage and no longer sees updates. Options.pack_weights /
+K3_PACK_WEIGHTS=0 turn the stage off.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+from torch import fx
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.utils.weak import WeakIdKeyDictionary
+
+log = logging.getLogger("k3compile")
+
+_K3 = torch.ops.k3
+_SEEN = WeakIdKeyDictionary()  # every tensor a k3 compile was handed (by identity)
+
+
+def remember(inputs) -> None:
+    """Note the tensors a compile was handed: later compiles never move them."""
+    for x in inputs:
+        if isinstance(x, torch.Tensor):
+            _SEEN[x] = True
+
+
+@dataclasses.dataclass
+class PackReport:
+    packed: list[str] = dataclasses.field(default_factory=list)  # "node: n weights, MB"
+    already: list[str] = dataclasses.field(default_factory=list)  # groups packed earlier
+    skipped: list[str] = dataclasses.field(default_factory=list)  # "node: why"
+    saved_bytes: int = 0  # the concatenated copies that no longer exist
+
+    def __str__(self) -> str:
+        return (f"{len(self.packed)} groups packed ({self.saved_bytes / 1e6:.1f} MB of copies "
+                f"saved), {len(self.already)} already packed, {len(self.skipped)} left")
+
+
+def _groups(graph: fx.Graph):
+    """(node, weight nodes) of every op that reads its weights as one concatenation."""
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target is _K3.linear_concat.default:
+            yield node, list(node.args[1])
+        elif node.target is _K3.moe_front.default:
+            yield node, [node.args[1], node.args[2]]
+
+
+def adjacent(weights: list[torch.Tensor]) -> bool:
+    """Whether the 2-D weights lie back to back, row after row, in one buffer."""
+    first = weights[0]
+    ptr = first.data_ptr()
+    for w in weights:
+        if (w.dim() != 2 or not w.is_contiguous() or w.dtype != first.dtype
+                or w.device != first.device or w.shape[1] != first.shape[1]
+                or w.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+                or w.data_ptr() != ptr):
+            return False
+        ptr += w.numel() * w.element_size()
+    return True
+
+
+def _refusal(weights: list[torch.Tensor]) -> str | None:
+    first = weights[0]
+    if any(type(w) not in (torch.Tensor, torch.nn.Parameter) for w in weights):
+        return "a weight is a tensor subclass (its storage is not ours to move)"
+    if any(w.dim() != 2 for w in weights):
+        return "a weight is not 2-D"
+    if len({(w.dtype, w.device, w.shape[1]) for w in weights}) > 1:
+        return ("weights differ in dtype, device or width: "
+                + ", ".join(f"{w.dtype} {tuple(w.shape)} {w.device}" for w in weights))
+    if any(not w.is_contiguous() for w in weights):
+        return "a weight is not contiguous"
+    if torch.is_grad_enabled() and any(w.requires_grad for w in weights):
+        return "a weight requires grad in grad mode"
+    if first.is_meta:
+        return "meta weights hold no data"
+    return None
+
+
+def pack_concatenated(graph: fx.Graph, inputs: list) -> PackReport:
+    """Pack every group's weights into one buffer (see the module docstring); `inputs` are the
+    real tensors of the graph's placeholders, in order."""
+    report = PackReport()
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(inputs):
+        report.skipped.append(f"graph: {len(placeholders)} placeholders for {len(inputs)} inputs")
+        return report
+    real = dict(zip(placeholders, inputs, strict=True))
+    taken: dict[int, str] = {}  # id of a weight -> the group that packed it
+    for node, args in _groups(graph):
+        if not all(isinstance(a, fx.Node) and a in real for a in args):
+            report.skipped.append(f"{node.name}: a weight is computed in the graph")
+            continue
+        weights = [real[a] for a in args]
+        if not all(isinstance(w, torch.Tensor) for w in weights):
+            report.skipped.append(f"{node.name}: a weight input is no tensor")
+            continue
+        if len({id(w) for w in weights}) < len(weights):
+            report.skipped.append(f"{node.name}: one weight appears twice")
+            continue
+        if (why := _refusal(weights)) is not None:
+            report.skipped.append(f"{node.name}: {why}")
+            continue
+        if adjacent(weights):
+            report.already.append(node.name)
+            taken.update({id(w): node.name for w in weights})
+            continue
+        if any(w in _SEEN for w in weights):
+            report.skipped.append(f"{node.name}: an earlier compile was handed these weights")
+            continue
+        if other := next((taken[id(w)] for w in weights if id(w) in taken), None):
+            report.skipped.append(f"{node.name}: a weight is packed with {other}")
+            continue
+        # the stage runs inside Inductor's compile, under its fake-tensor mode: real work here
+        with unset_fake_temporarily(), torch.no_grad():
+            buffer = torch.cat([w.detach() for w in weights])
+            for w, rows in zip(weights, buffer.split([w.shape[0] for w in weights]), strict=True):
+                w.data = rows
+        taken.update({id(w): node.name for w in weights})
+        report.packed.append(f"{node.name}: {len(weights)} weights, {buffer.nbytes / 1e6:.1f} MB")
+        if node.target is _K3.linear_concat.default:  # moe_front copies only with gemv's split
+            report.saved_bytes += buffer.nbytes
+    log.info("k3 pack: %s", report)
+    return report
