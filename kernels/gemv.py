@@ -617,11 +617,13 @@ def gemv_cuda(x, w, residual=None, *, out=None, out_dtype=None, cfg: Config | No
 # ---- the one-launch variants of the composites ---------------------------------------------------
 
 # K3_GEMV_FUSED: which composites take their one-launch variant at M <= GEMV_MAX_M
-# (kernels/composite.py, kernels/situ.py). Default "norm,situ": on the H200 (2026-11-29) their
+# (kernels/composite.py, kernels/situ.py). "norm" and "situ" on: on the H200 (2026-11-29) their
 # GPU tests passed and the B1 yardstick with PDL went 106.1 -> 103.9 us per layer (18.5 -> 15.5
-# launches, with "split" too). "split" (moe_front) is opt-in: it caches [W_r; W_d], a second
-# copy of both weights (64 MB per layer per GPU at TP16) for one launch. "gate" (mla_uv_gate at
-# one row: W_UV and the sigmoid output gate in one launch) on by default since session 6: its
+# launches, with "split" too). "split" (moe_front) is opt-in: it reads [W_r; W_d] as one weight,
+# a second copy of both (64 MB per layer per GPU at TP16) unless the backend's `pack` stage
+# stored them as one buffer (then a view: k3compile.weights), for one launch and no measured
+# time (103.9 with it vs 103.2 without, within noise); to be A/B'd with packing. "gate"
+# (mla_uv_gate at one row: W_UV and the sigmoid output gate in one launch) on since session 6: its
 # GPU tests passed and the B1 yardstick went 103.5 -> 100.1 us per layer. "1" / "all": every
 # one; "0": none (the two-launch paths).
 VARIANTS = ("norm", "situ", "split", "gate")
