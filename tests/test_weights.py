@@ -132,6 +132,12 @@ def test_groups_left_alone_say_why():
     assert not report.packed
     reasons = " | ".join(report.skipped)
     assert "differ in dtype" in reasons and "appears twice" in reasons, reasons
+    class Sub(torch.Tensor):
+        pass
+
+    sub = weights.pack_concatenated(_front_graph(), [x, *(torch.randn(2, 8).as_subclass(Sub)
+                                                         for _ in range(4))])
+    assert not sub.packed and all("subclass" in why for why in sub.skipped), sub.skipped
     short = weights.pack_concatenated(_front_graph(), [x, router])
     assert short.skipped == ["graph: 5 placeholders for 2 inputs"]
     ok = [torch.randn(4, 8), torch.randn(6, 8), torch.randn(3, 8), torch.randn(2, 8)]
