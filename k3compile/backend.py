@@ -263,6 +263,9 @@ class K3Compiled:
         lines = []
         for batch, report in self.contracts.items():
             lines.append(format_contract(report, batch))
+        packs = [f"{b}: {n['pack']}" for b, n in self.observer.notes.items() if "pack" in n]
+        if packs:  # stage `pack`: the fused groups' weights stored as one buffer each
+            lines.append("weights, by bucket compiled: " + "; ".join(packs))
         if self.guards:
             lines.append("bucket guards: " + ", ".join(f"{b}: {g}" for b, g in self.guards.items()))
         return "\n".join(lines)
