@@ -16,7 +16,8 @@ handed move (`remember`): a CUDA graph captured for another bucket or graph read
 it saw, so the first compile packs and later ones find the groups packed. A group is left as it
 is, with the reason in the stage's report, where a weight is no plain graph input (a slice made
 in the graph: a sharded front), the weights differ in dtype, device or width, are not
-contiguous, require grad in grad mode, are tensor subclasses, were seen by an earlier compile,
+contiguous or have rows of bytes not a multiple of 16 (every weight after the first would start
+unaligned), require grad in grad mode, are tensor subclasses, were seen by an earlier compile,
 or one of them already belongs to another group. A reference to a weight's old `.data` taken
 before the compile keeps the old storage and no longer sees updates. Options.pack_weights /
 K3_PACK_WEIGHTS=0 turn the stage off.
@@ -95,6 +96,10 @@ def _refusal(weights: list[torch.Tensor]) -> str | None:
                 + ", ".join(f"{w.dtype} {tuple(w.shape)} {w.device}" for w in weights))
     if any(not w.is_contiguous() for w in weights):
         return "a weight is not contiguous"
+    if first.shape[1] * first.element_size() % 16:
+        # the weights after the first would start off 16-byte alignment, which Inductor's and
+        # our kernels assume of their inputs (Inductor would copy them back on every call)
+        return f"rows of {first.shape[1] * first.element_size()} bytes (not a multiple of 16)"
     if torch.is_grad_enabled() and any(w.requires_grad for w in weights):
         return "a weight requires grad in grad mode"
     if first.is_meta:

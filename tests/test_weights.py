@@ -138,6 +138,9 @@ def test_groups_left_alone_say_why():
     sub = weights.pack_concatenated(_front_graph(), [x, *(torch.randn(2, 8).as_subclass(Sub)
                                                          for _ in range(4))])
     assert not sub.packed and all("subclass" in why for why in sub.skipped), sub.skipped
+    odd = weights.pack_concatenated(_front_graph(), [x, *(torch.randn(2, 7).bfloat16()
+                                                         for _ in range(4))])
+    assert not odd.packed and all("multiple of 16" in why for why in odd.skipped), odd.skipped
     short = weights.pack_concatenated(_front_graph(), [x, router])
     assert short.skipped == ["graph: 5 placeholders for 2 inputs"]
     ok = [torch.randn(4, 8), torch.randn(6, 8), torch.randn(3, 8), torch.randn(2, 8)]
