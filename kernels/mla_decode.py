@@ -79,6 +79,7 @@ SMS = 132  # H200
 LATENT = (256, 512)
 ROPE = (32, 64)
 MAX_SPLITS = 128
+COMBINE_UNROLL = 8  # splits the merge launch reads at once
 GROUP = 4  # tile rows whose warp sums are scattered together (one row per 8 lanes)
 
 
@@ -398,14 +399,18 @@ def _kernel_class():
             t, h = q // self.H, q % self.H
             n_splits = mWsO.shape[1]
             cute.arch.griddepcontrol_wait()  # PDL: every attend CTA has finished and flushed
+            # both loops unrolled by COMBINE_UNROLL: their loads do not depend on each other, so
+            # that many are in flight at once. One at a time, the 2 x 128 L2 round trips of B1
+            # (128 splits) would take tens of µs: the likely bulk of the op's 62.7 µs there
+            # (BENCHMARKS.md session 4; not yet re-measured). The sums keep split order.
             m_all = Float32(NEG_INF)
-            for s in cutlass.range(n_splits, unroll=1):
+            for s in cutlass.range(n_splits, unroll=COMBINE_UNROLL):
                 m_all = cute.arch.fmax(m_all, mWsML[b, s, q, 0])
             total = Float32(0.0)
             rAcc = cute.make_rmem_tensor(cute.make_layout((8,)), Float32)
             rAcc.fill(0.0)
             rO = cute.make_rmem_tensor(cute.make_layout((4,)), Float32)
-            for s in cutlass.range(n_splits, unroll=1):
+            for s in cutlass.range(n_splits, unroll=COMBINE_UNROLL):
                 w = cute.math.exp(mWsML[b, s, q, 0] - m_all)  # 0 for an empty split (m = -inf)
                 total = total + mWsML[b, s, q, 1] * w
                 for half in cutlass.range_constexpr(2):
