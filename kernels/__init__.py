@@ -88,8 +88,9 @@ def settings() -> list[str]:
         dsl_version = None
     names = selected_kernels() if dsl_version else []
     table = hashlib.sha256(gemm_tc.TABLE.read_bytes()).hexdigest()[:12] if gemm_tc.TABLE.exists() else None
-    return [f"kernels {names}", f"pdl {dsl.PDL} rows<={dsl.PDL_MAX_ROWS}", f"gemv_fused {sorted(gemv.FUSED)}",
-            f"cutlass_dsl {dsl_version}", f"gemm_tc_table {table}"]
+    return [f"kernels {names}", f"pdl {dsl.PDL} rows<={dsl.PDL_MAX_ROWS}",
+            f"gemv_fused {sorted(gemv.FUSED)}", f"cutlass_dsl {dsl_version}",
+            f"gemm_tc_table {table}"]
 
 
 def cuda_ops() -> set[str]:

@@ -290,9 +290,10 @@ def attn_res_mix_norm_cuda(prefix, delta, blocks, mix_norm_weight, mix_proj_weig
     prefix_out, x = out if out is not None else (prefix.new_empty((n, dim)),
                                                  prefix.new_empty((n, dim)))
     if n:
-        cfg = config(dim, len(blocks), delta is not None, bucket(n))
+        b = bucket(n)
+        cfg = config(dim, len(blocks), delta is not None, b)
         has_mix = len(blocks) > 0
-        compiled(dim, len(blocks), delta is not None, cfg, rows=bucket(n))(
+        compiled(dim, len(blocks), delta is not None, cfg, rows=b)(
             prefix, delta, tuple(blocks) or None, mix_norm_weight if has_mix else None,
             mix_proj_weight.view(-1) if has_mix else None, norm_weight, prefix_out, x,
             float(mix_eps), float(norm_eps))

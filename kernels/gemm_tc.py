@@ -428,10 +428,11 @@ def gemm_tc_cuda(x, w, residual=None, *, out=None, out_dtype=None, cfg: Config |
     (`gemv.run_gemm`). `cfg` overrides `config()` (sweeps)."""
     def launch(y, dtype):
         (m, k), n = x.shape, w.shape[0]
-        chosen = cfg or config(n, k, bucket(m))
+        b = bucket(m)
+        chosen = cfg or config(n, k, b)
         if chosen.tile_tokens < m:
             raise ValueError(f"{chosen} holds {chosen.tile_tokens} tokens, not {m}")
-        compiled(n, k, dtype == torch.float32, residual is not None, chosen, rows=bucket(m))(
+        compiled(n, k, dtype == torch.float32, residual is not None, chosen, rows=b)(
             x, w, residual, y)
 
     return run_gemm(OP, refusal, launch, x, w, residual, out, out_dtype)

@@ -565,7 +565,8 @@ def kda_decode_cuda(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_c
     o = q.new_empty((B, T, H, K)) if out is None else out
     if B:
         taps = conv_state.shape[2] + 1
-        compiled(T, H, taps, config(T, H, taps, bucket(B)), rows=bucket(B))(
+        bb = bucket(B)
+        compiled(T, H, taps, config(T, H, taps, bb), rows=bb)(
             *args, o, float(lower_bound), float(l2_eps), float(q_scale), float(norm_eps))
     return o
 

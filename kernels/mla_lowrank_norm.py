@@ -189,7 +189,8 @@ def mla_lowrank_norm_cuda(cq, ckv, q_weight, kv_weight, eps, *, out=None):
     q, kv, pe = out if out is not None else (
         cq.new_empty((n, q_dim)), cq.new_empty((n, c_dim)), cq.new_empty((n, r_dim)))
     if n:
-        compiled(q_dim, c_dim, r_dim, config(q_dim, c_dim, r_dim, bucket(n)), rows=bucket(n))(
+        b = bucket(n)
+        compiled(q_dim, c_dim, r_dim, config(q_dim, c_dim, r_dim, b), rows=b)(
             cq, ckv, q_weight, kv_weight, q, kv, pe if r_dim else None, float(eps))
     return q, kv, pe
 

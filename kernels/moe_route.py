@@ -337,7 +337,8 @@ def moe_route_cuda(logits, bias, top_k, scaling, *, out=None):
     ids, weights = out if out is not None else (
         logits.new_empty((n, top_k), dtype=torch.int64), logits.new_empty((n, top_k)))
     if n:
-        compiled(n_experts, top_k, config(n_experts, top_k, bucket(n)), rows=bucket(n))(
+        b = bucket(n)
+        compiled(n_experts, top_k, config(n_experts, top_k, b), rows=b)(
             logits, bias, ids, weights, float(scaling))
     return ids, weights
 

@@ -153,7 +153,8 @@ def rms_norm_cuda(x, weight, eps, *, out=None):
     n, dim = x.shape
     y = torch.empty((n, dim), dtype=x.dtype, device=x.device) if out is None else out
     if n:
-        compiled(dim, config(dim, bucket(n)), rows=bucket(n))(x, weight, y, float(eps))
+        b = bucket(n)
+        compiled(dim, config(dim, b), rows=b)(x, weight, y, float(eps))
     return y
 
 

@@ -148,7 +148,8 @@ def situ_cuda(gate_up, beta, linear_beta, *, out=None):
     n = gate_up.shape[0]
     y = gate_up.new_empty((n, width)) if out is None else out
     if n:
-        compiled(width, config(width, bucket(n)), rows=bucket(n))(gate_up, y, float(beta), float(linear_beta))
+        b = bucket(n)
+        compiled(width, config(width, b), rows=b)(gate_up, y, float(beta), float(linear_beta))
     return y
 
 
