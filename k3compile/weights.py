@@ -33,6 +33,8 @@ from torch import fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.utils.weak import WeakIdKeyDictionary
 
+from k3compile.ops.linear import adjacent
+
 log = logging.getLogger("k3compile")
 
 _K3 = torch.ops.k3
@@ -69,20 +71,6 @@ def _groups(graph: fx.Graph):
             yield node, list(node.args[1])
         elif node.target is _K3.moe_front.default:
             yield node, [node.args[1], node.args[2]]
-
-
-def adjacent(weights: list[torch.Tensor]) -> bool:
-    """Whether the 2-D weights lie back to back, row after row, in one buffer."""
-    first = weights[0]
-    ptr = first.data_ptr()
-    for w in weights:
-        if (w.dim() != 2 or not w.is_contiguous() or w.dtype != first.dtype
-                or w.device != first.device or w.shape[1] != first.shape[1]
-                or w.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
-                or w.data_ptr() != ptr):
-            return False
-        ptr += w.numel() * w.element_size()
-    return True
 
 
 def _refusal(weights: list[torch.Tensor]) -> str | None:

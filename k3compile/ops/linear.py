@@ -61,12 +61,24 @@ def _stale(refs, key, now) -> bool:
     return False
 
 
+def adjacent(weights: list[torch.Tensor]) -> bool:
+    """Whether the 2-D weights lie back to back, row after row, in one buffer."""
+    first = weights[0]
+    ptr = first.data_ptr()
+    for w in weights:
+        if (w.dim() != 2 or not w.is_contiguous() or w.dtype != first.dtype
+                or w.device != first.device or w.shape[1] != first.shape[1]
+                or w.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+                or w.data_ptr() != ptr):
+            return False
+        ptr += w.numel() * w.element_size()
+    return True
+
+
 def concatenated(weights: list[torch.Tensor]) -> torch.Tensor:
     """torch.cat(weights): a view where they lie back to back in one buffer, else built on first
     use and reused while every weight lives unchanged (weights may be views, e.g. per-head slices
     of a parameter)."""
-    from k3compile.weights import adjacent
-
     if adjacent(weights):
         first = weights[0].detach()
         return first.as_strided((sum(w.shape[0] for w in weights), first.shape[1]),
