@@ -229,12 +229,18 @@ def test_cpu_tensors_fall_back_to_reference(cpu_gen, caplog):
 @pytest.fixture(scope="module")
 def tp16_experts():
     """One TP16 rank's 896 experts (~1 GB of packed weights), made once per module."""
+    return rank_experts_of(INTER)
+
+
+def rank_experts_of(inter: int):
+    """A rank's 896 experts of intermediate size `inter` on the GPU, from a printed seed (module
+    fixtures set up before the function-scoped GPU check, so they skip here themselves)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     seed = int(torch.randint(1 << 30, ()).item())
     print(f"experts seed {seed}")
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    return make_experts(gen, EXPERTS, LATENT, INTER, "cuda")
+    return make_experts(gen, EXPERTS, LATENT, inter, "cuda")
 
 
 def check(z, ids, w, experts, out=None):
@@ -307,13 +313,7 @@ def test_other_shapes(gen, shape):
 @pytest.fixture(scope="module", params=[(2, 1536), (4, 768)], ids=["tp2", "tp4"])
 def rank_experts(request):
     """A TP2 or TP4 rank's 896 experts (I = 3072 / W; ~7.4 GB of packed weights at TP2)."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    seed = int(torch.randint(1 << 30, ()).item())
-    print(f"experts seed {seed}")
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    _, inter = request.param
-    return make_experts(gen, EXPERTS, LATENT, inter, "cuda")
+    return rank_experts_of(request.param[1])
 
 
 @pytest.mark.gpu
