@@ -5,7 +5,7 @@
 #    last GPU: TESTS (default: the CUDA-graph replay tests), then BENCH (benchmarks/<name>.py
 #      each, e.g. "kernels --only moe_route");
 #    GPU 0:    KERNEL_TESTS (test files, if set), then with AB=streams the per-layer yardstick
-#      (AB_BATCHES) with K3_SIDE_STREAMS=1 and =0 (folders streams_on/, streams_off/);
+#      (AB_BATCHES) with K3_SIDE_STREAMS=1 and =0 (folders streams1/, streams0/);
 # 2. the 2-GPU collective test (NCCL / one-shot / two-shot under CUDA graphs, torchrun);
 # 3. the all-reduce benchmark per bucket (AR=0: skip);
 # 4. the tensor-parallel yardstick (TP_VARIANTS of eager, k3, k3 without shard, Inductor) at

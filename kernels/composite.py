@@ -12,9 +12,9 @@ one row (x1.2-1.8 over cuBLAS there), cuBLAS above.
     linear_concat:                x · [W_0; W_1; ...]ᵀ over the cached concatenation
     linear:                       x · Wᵀ, a plain GEMM that no fusion took
     mla_uv_gate:                  o = o_lat · W_UVᵀ per head, times sigmoid(g): gemv's gate
-                                  variant at one row where K3_GEMV_FUSED names "gate" (opt-in,
-                                  not yet GPU-tested), else the reference; its pattern defers
-                                  every other site to Inductor (`kernel_refusal`)
+                                  variant at one row where K3_GEMV_FUSED names "gate" (on by
+                                  default), else the reference; its pattern defers every other
+                                  site to Inductor (`kernel_refusal`)
 
 The reference (like the model) upcasts the router weight every step (`w.float()`: a 2-byte
 read, a 4-byte write and a 4-byte read of 896 × 7168 values, ~64 MB per layer at TP16 instead of
@@ -28,8 +28,9 @@ its inputs (the kernel wrappers log why).
 
 Where K3_GEMV_FUSED names them (`gemv.FUSED`, read at every call), norm_linear and moe_front
 launch once at M <= gemv.GEMV_MAX_M: gemv's norm-prologue variant ("norm", on by default), and
-its split-output variant over the cached [W_r; W_d] ("split", opt-in: a second copy of both
-weights, 64 MB per layer at TP16). A refused call logs why and takes the two launches.
+its split-output variant over [W_r; W_d] ("split", opt-in: `concatenated`, a view where the
+backend's `pack` stage stored both as one buffer, else a second copy of both weights, 64 MB per
+layer at TP16). A refused call logs why and takes the two launches.
 """
 
 import torch

@@ -49,8 +49,9 @@ def check(match) -> str | None:
 
 
 def kernel_refusal(match) -> str | None:
-    """On GPU graphs the op's CUDA path is gemv's gate variant at one row, opt-in: every other
-    site stays with Inductor (the reference would run einsum and gate op by op)."""
+    """On GPU graphs the op's CUDA path is gemv's gate variant at one row (K3_GEMV_FUSED's
+    "gate", on by default): every other site stays with Inductor (the reference would run
+    einsum and gate op by op)."""
     from k3compile.kernels import gemv
 
     o_lat, w_uv, g = (tensor_meta(match.kwargs[k]) for k in ("o_lat", "w_uv", "g"))
