@@ -8,11 +8,12 @@
 
 Timed as benchmarks/gemv.py times a GEMM (CUDA-graph replay, each call reading the next copy of
 the weights so that the L2 does not serve them; median µs per call), with PDL off and on
-(`common.dsl.PDL`). The fused results must equal the two launches' (bitwise for SiTU and the
+(`common.settings.KERNELS.pdl`). The fused results must equal the two launches' (bitwise for SiTU and the
 split; within the bf16 tolerance for the norm, whose sum of squares is added in another order).
 """
 
 
+from k3compile import settings
 import torch
 from gemv import chain_main, graph_us, weight_copies
 from k3compile.kernels import gemv, rms_norm, situ
@@ -78,7 +79,7 @@ def run(ms):
             weights = weight_copies(n, k)
             row = {"op": name, "M": m, "N": n, "K": k}
             for pdl in (False, True):
-                dsl.PDL = pdl
+                settings.KERNELS.pdl = pdl
                 want, got = outputs(two, weights[0]), outputs(one, weights[0])
                 for g, w in zip(got, want, strict=True):
                     if exact:
@@ -88,7 +89,7 @@ def run(ms):
                 tag = "pdl" if pdl else "plain"
                 row[f"two_{tag}_us"] = round(graph_us(two, weights), 2)
                 row[f"one_{tag}_us"] = round(graph_us(one, weights), 2)
-            dsl.PDL = False
+            settings.KERNELS.pdl = False
             rows.append(row)
             print(f"{name:13s} M={m:2d}  two launches {row['two_plain_us']:6.2f} us (PDL "
                   f"{row['two_pdl_us']:6.2f})  one {row['one_plain_us']:6.2f} us (PDL "

@@ -8,10 +8,11 @@ k3 op (its CUDA implementation is our kernel) and `torch.compile` (Inductor, def
 shapes: compiled for each bucket) of the op's `*_ref` function. The time per call is the median over replays of graph time / REPS, so it
 includes the gap between back-to-back kernels in a graph. Inputs stay L2-resident, as they are in
 a decode step (the previous kernel just wrote them). Shapes are one K3 TP16 rank's. Our kernels
-are timed with programmatic dependent launch off and on (`common.dsl.PDL`; on, the next launch's
+are timed with programmatic dependent launch off and on (`common.settings.KERNELS.pdl`; on, the next launch's
 prologue overlaps the previous kernel, as in a decode step's graph).
 """
 
+from k3compile import settings
 import argparse
 import json
 import math
@@ -124,7 +125,7 @@ def main():
     floor = graph_us(lambda: floor_x.add_(1))
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; "
           f"launch floor (tiny elementwise kernel in a graph): {floor:.2f} us")
-    rows, default_pdl = [], dsl.PDL
+    rows, default_pdl = [], settings.KERNELS.pdl
     torch._dynamo.config.cache_size_limit = 64  # one compile per case and bucket
     torch._dynamo.config.accumulated_cache_size_limit = 1024
     for name in opts.only.split(","):
@@ -133,9 +134,9 @@ def main():
             ref_c = torch.compile(ref, dynamic=False)
             t_pdl = {}
             for pdl in (False, True):
-                dsl.PDL = pdl
+                settings.KERNELS.pdl = pdl
                 t_pdl[pdl] = graph_us(ours)
-            dsl.PDL = default_pdl
+            settings.KERNELS.pdl = default_pdl
             t_ours, t_ind = t_pdl[False], graph_us(bind(ref_c))
             rows.append({"kernel": name, "batch": n, "cute_us": round(t_ours, 2),
                          "cute_pdl_us": round(t_pdl[True], 2),

@@ -1,4 +1,4 @@
-"""A chain of our decode kernels with programmatic dependent launch off and on (`common.dsl.PDL`).
+"""A chain of our decode kernels with programmatic dependent launch off and on (`common.settings.KERNELS.pdl`).
 
     python benchmarks/pdl_chain.py [--m 1,8] [--out DIR or r.json]
 
@@ -11,6 +11,7 @@ settings must give bitwise the same outputs.
 """
 
 
+from k3compile import settings
 import torch
 from gemv import chain_main, graph_us, weight_copies
 from k3compile.kernels import attn_res_mix_norm, gemm_tc, gemv, rms_norm, situ
@@ -54,7 +55,7 @@ def run(ms):
         b = buffers(m)
         us, outs = {}, {}
         for pdl in (False, True):
-            dsl.PDL = pdl
+            settings.KERNELS.pdl = pdl
             chain(b, weights[0])
             outs[pdl] = [b[k].clone() for k in ("h", "gu", "a", "d", "p", "y")]
             us[pdl] = graph_us(lambda w, b=b: chain(b, w), weights)

@@ -22,9 +22,10 @@ import sympy
 import torch
 from torch import fx
 
-from k3compile.contract import ContractReport, check_contract
-from k3compile.options import Options
-from k3compile.pipeline import Observer, Pipeline
+from k3compile.stages.contract import ContractReport, check_contract
+from k3compile.settings import Options
+from k3compile.observe import Observer
+from k3compile.pipeline import Pipeline
 
 log = logging.getLogger("k3compile")
 
@@ -258,7 +259,7 @@ class K3Compiled:
     # ---- reports -----------------------------------------------------------------------------
 
     def summary(self) -> str:
-        from k3compile.contract import format_contract
+        from k3compile.stages.contract import format_contract
 
         lines = []
         for batch, report in self.contracts.items():

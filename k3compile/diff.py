@@ -47,9 +47,9 @@ import torch
 from torch import fx
 
 from k3compile import backend
-from k3compile.contract import NEUTRAL, layer_templates
-from k3compile.options import Options
-from k3compile.pipeline import Observer
+from k3compile.stages.contract import NEUTRAL, layer_templates
+from k3compile.settings import Options
+from k3compile.observe import Observer
 from k3compile.rewrite import Hit, module_path
 
 KERNEL_RULE = ("kernels: one per call of an ATen/prims/k3/collective op other than views and "

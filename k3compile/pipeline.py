@@ -23,8 +23,9 @@ from typing import Any
 import torch
 from torch import fx
 
-from k3compile import inductor
-from k3compile.options import Options
+from k3compile.rewrite import inductor
+from k3compile.settings import Options
+from k3compile.observe import Observer
 from k3compile.rewrite import RewriteReport, apply_patterns
 
 log = logging.getLogger("k3compile")
@@ -37,49 +38,6 @@ class Context:
     report: RewriteReport = dataclasses.field(default_factory=RewriteReport)
     notes: dict[str, Any] = dataclasses.field(default_factory=dict)
     inputs: list = dataclasses.field(default_factory=list)  # Dynamo's real example inputs
-
-
-@dataclasses.dataclass
-class StageRecord:
-    name: str
-    seconds: float
-    ops_before: collections.Counter
-    ops_after: collections.Counter
-    graph_after: str
-
-
-def op_histogram(graph: fx.Graph) -> collections.Counter:
-    return collections.Counter(
-        str(n.target).replace("aten.", "").replace(".default", "")
-        for n in graph.nodes if n.op == "call_function")
-
-
-class Observer:
-    """Records every stage of every compiled bucket: time, op histograms, graph text."""
-
-    def __init__(self, keep_graphs: bool = True):
-        self.keep_graphs = keep_graphs
-        self.records: dict[int | None, list[StageRecord]] = collections.defaultdict(list)
-        self.reports: dict[int | None, RewriteReport] = {}
-        self.notes: dict[int | None, dict[str, Any]] = {}  # what each stage reported, by bucket
-        self.graphs: dict[int | None, fx.Graph] = {}  # the final graph of each bucket
-
-    def run(self, name: str, stage: Callable, gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
-        before = op_histogram(gm.graph)
-        t0 = time.perf_counter()
-        gm = stage(gm, ctx) or gm
-        seconds = time.perf_counter() - t0
-        text = gm.print_readable(print_output=False) if self.keep_graphs else ""
-        self.records[ctx.batch].append(StageRecord(name, seconds, before, op_histogram(gm.graph), text))
-        log.debug("stage %s (batch %s): %.3fs", name, ctx.batch, seconds)
-        return gm
-
-    def stage(self, name: str, batch: int | None = None) -> StageRecord:
-        batch = batch if batch in self.records else next(iter(self.records), None)
-        for rec in self.records[batch]:
-            if rec.name == name:
-                return rec
-        raise KeyError(f"no stage {name!r} recorded (stages: {[r.name for r in self.records[batch]]})")
 
 
 # ---- stages -------------------------------------------------------------------------------------
@@ -139,7 +97,7 @@ def _drop_self_copies(graph: fx.Graph) -> None:
 
 
 def shard(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
-    from k3compile.shard import shard_replicated
+    from k3compile.stages.shard import shard_replicated
 
     ctx.notes["shard"] = shard_replicated(gm.graph, policy=ctx.options.shard_moe)
     gm.recompile()
@@ -147,7 +105,7 @@ def shard(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
 
 
 def streams(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
-    from k3compile.streams import schedule_shared_experts
+    from k3compile.stages.streams import schedule_shared_experts
 
     if not ctx.options.side_streams:  # see Options.side_streams
         ctx.notes["streams"] = []
@@ -158,7 +116,7 @@ def streams(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
 
 
 def prefetch(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
-    from k3compile.prefetch import insert_prefetches, l2_bytes
+    from k3compile.stages.prefetch import insert_prefetches, l2_bytes
 
     # beside fused collectives on stream 2 (where side streams are on): the prefetch's call
     # names its stream, and fork/join order it by data dependence in whatever order Inductor
@@ -201,17 +159,17 @@ def _written_args(node: fx.Node) -> list:
 
 
 def ranks(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
-    """Under tensor parallelism, every rank compiled the same graph (k3compile.ranks)."""
+    """Under tensor parallelism, every rank compiled the same graph (k3compile.stages.ranks)."""
     if ctx.options.check_ranks:
-        from k3compile.ranks import check_ranks
+        from k3compile.stages.ranks import check_ranks
 
         ctx.notes["ranks"] = check_ranks(gm.graph, ctx.batch, ctx.options)
     return gm
 
 
 def pack(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
-    """Last, after every check: it moves real weights (k3compile.weights)."""
-    from k3compile.weights import pack_concatenated
+    """Last, after every check: it moves real weights (k3compile.stages.pack)."""
+    from k3compile.stages.pack import pack_concatenated
 
     if ctx.options.pack_weights:
         ctx.notes["pack"] = pack_concatenated(gm.graph, ctx.inputs)
@@ -252,7 +210,7 @@ class Pipeline:
                 if name in self.options.disabled_stages:
                     continue
                 aten_gm = self.observer.run(name, stage, aten_gm, ctx)
-            from k3compile.weights import remember
+            from k3compile.stages.pack import remember
 
             remember(ctx.inputs)  # later compiles never move what this one was handed
             self.observer.reports[batch] = ctx.report

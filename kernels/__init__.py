@@ -10,7 +10,8 @@ take a call (inputs it refuses, or no TVM-FFI to launch through) logs why and ru
 
 import importlib
 import importlib.util
-import os
+
+from k3compile import settings
 
 KERNELS = ("attn_res_mix_norm", "mla_lowrank_norm", "rms_norm", "moe_route", "situ", "composite",
            "moe_experts", "kda_decode", "gemm_tc")
@@ -50,7 +51,7 @@ def extra_kernels() -> tuple[str, ...]:
     """Kernel modules not yet in KERNELS (written, awaiting their GPU tests) that
     `K3_KERNELS_EXTRA=name,name` registers too: a device call can then test a new kernel and
     measure its effect in the yardstick in one go. Its tests decide whether it joins KERNELS."""
-    names = tuple(n for n in os.environ.get("K3_KERNELS_EXTRA", "").split(",") if n)
+    names = settings.KERNELS.extra
     for name in names:
         if importlib.util.find_spec(f"{__name__}.{name}") is None:
             raise ValueError(f"K3_KERNELS_EXTRA: no kernel module {__name__}.{name}")
@@ -61,23 +62,22 @@ def skipped_kernels() -> tuple[str, ...]:
     """Kernels `K3_KERNELS_SKIP=name,name` leaves unregistered (their ops run the torch reference
     on CUDA and their patterns are deferred there): a kernel whose GPU test fails on a machine
     can be set aside without a code change, the rest of a run keeps going."""
-    names = tuple(n for n in os.environ.get("K3_KERNELS_SKIP", "").split(",") if n)
+    names = settings.KERNELS.skip
     if unknown := set(names) - set(KERNELS) - set(extra_kernels()):
         raise ValueError(f"K3_KERNELS_SKIP: no kernel {sorted(unknown)} (of {KERNELS})")
     return names
 
 
-def settings() -> list[str]:
+def fingerprint() -> list[str]:
     """What picks the CUDA kernels and their configs in this process beyond the graph itself: the
     kernels registered (DSL present, K3_KERNELS_EXTRA / K3_KERNELS_SKIP), the PDL and gemv
     switches, the DSL version and the shipped tuning table's digest. Tensor-parallel ranks must
-    agree on all of it (`k3compile.ranks` adds it to each rank's fingerprint): a replicated op
+    agree on all of it (`k3compile.stages.ranks` adds it to each rank's fingerprint): a replicated op
     computed by different kernels could round differently on different ranks."""
     import hashlib
     from importlib.metadata import PackageNotFoundError, version
 
-    from k3compile.kernels import gemm_tc, gemv
-    from k3compile.kernels.common import dsl
+    from k3compile.kernels import gemm_tc
 
     # the DSL by its package metadata: importing cutlass here would start its threads in every
     # rank process (a gloo worker aborted at exit with "terminate called without an active
@@ -88,8 +88,7 @@ def settings() -> list[str]:
         dsl_version = None
     names = selected_kernels() if dsl_version else []
     table = hashlib.sha256(gemm_tc.TABLE.read_bytes()).hexdigest()[:12] if gemm_tc.TABLE.exists() else None
-    return [f"kernels {names}", f"pdl {dsl.PDL} rows<={dsl.PDL_MAX_ROWS}",
-            f"gemv_fused {sorted(gemv.FUSED)}", f"cutlass_dsl {dsl_version}",
+    return [f"kernels {names}", *settings.KERNELS.fingerprint(), f"cutlass_dsl {dsl_version}",
             f"gemm_tc_table {table}"]
 
 

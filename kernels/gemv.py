@@ -55,7 +55,6 @@ Constraints:
 """
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
@@ -64,6 +63,8 @@ import torch.nn.functional as F
 from k3compile.ops.gemm import situ_ref
 from k3compile.ops.mla import mla_uv_gate_ref
 from k3compile.ops.norms import rms_norm_ref
+
+from k3compile.settings import KERNELS
 
 from .common.dsl import (
     CompileCache,
@@ -616,42 +617,14 @@ def gemv_cuda(x, w, residual=None, *, out=None, out_dtype=None, cfg: Config | No
 
 # ---- the one-launch variants of the composites ---------------------------------------------------
 
-# K3_GEMV_FUSED: which composites take their one-launch variant at M <= GEMV_MAX_M
-# (kernels/composite.py, kernels/situ.py). "norm" and "situ" on: on the H200 (2026-11-29) their
-# GPU tests passed and the B1 yardstick with PDL went 106.1 -> 103.9 us per layer (18.5 -> 15.5
-# launches, with "split" too). "split" (moe_front) is opt-in: it reads [W_r; W_d] as one weight,
-# a second copy of both (64 MB per layer per GPU at TP16) unless the backend's `pack` stage
-# stored them as one buffer (then a view: k3compile.weights), for one launch and no measured
-# time (103.9 with it vs 103.2 without, within noise); to be A/B'd with packing. "gate"
-# (mla_uv_gate at one row: W_UV and the sigmoid output gate in one launch) on since session 6: its
-# GPU tests passed and the B1 yardstick went 103.5 -> 100.1 us per layer. "1" / "all": every
-# one; "0": none (the two-launch paths).
-VARIANTS = ("norm", "situ", "split", "gate")
-DEFAULT_FUSED = frozenset({"norm", "situ", "gate"})
-
-
-def parse_fused(value: str | None) -> frozenset[str]:
-    """K3_GEMV_FUSED's variants: unset -> DEFAULT_FUSED, "0" none, "1" / "all" every one, else a
-    comma list of VARIANTS."""
-    if value is None:
-        return DEFAULT_FUSED
-    if value.strip() in ("", "0"):
-        return frozenset()
-    if value.strip() in ("1", "all"):
-        return frozenset(VARIANTS)
-    names = frozenset(v.strip() for v in value.split(",") if v.strip())
-    if unknown := names - set(VARIANTS):
-        raise ValueError(f"K3_GEMV_FUSED: unknown variants {sorted(unknown)} (of {VARIANTS})")
-    return names
-
-
-FUSED = parse_fused(os.environ.get("K3_GEMV_FUSED"))
+# K3_GEMV_FUSED (settings.KERNELS.gemv_fused): which composites take their one-launch variant at
+# M <= GEMV_MAX_M. Measurements behind the default: docs/decisions.md.
 
 
 def fused_enabled(variant: str) -> bool:
     """Whether the composites take this one-launch variant now (read at every call: tests
     replace `FUSED`)."""
-    return variant in FUSED
+    return variant in KERNELS.gemv_fused
 
 
 def fused_takes(x, variant: str) -> bool:

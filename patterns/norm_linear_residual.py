@@ -3,7 +3,7 @@
 
 Runs after `norm_linear` and matches its op's output plus a tensor of the same shape (the shared
 experts' down-projection, or its all-reduce at W > 1). The shared branch runs on the side stream
-(`k3compile.streams`): its join then lands before this op, which becomes its consumer.
+(`k3compile.stages.streams`): its join then lands before this op, which becomes its consumer.
 
 Before: y = k3.norm_linear(u, norm_w, w, eps); out = add(y, shared)
 After:  out = k3.norm_linear(u, norm_w, w, eps, shared)

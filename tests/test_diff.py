@@ -17,7 +17,7 @@ import torch
 from torch import fx
 
 from k3compile import backend, cli, diff
-from k3compile.contract import FINAL
+from k3compile.stages.contract import FINAL
 from k3compile.models import build_model, get_config
 from k3compile.models.k3 import RMSNorm
 

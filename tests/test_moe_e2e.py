@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import k3compile.backend as k3be
-from k3compile.contract import PLANS
+from k3compile.stages.contract import PLANS
 from k3compile.models import build_model, get_config
 
 MOE_OPS = ("moe_front", "moe_route", "moe_experts", "norm_linear", "situ_gate_up")

@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from k3compile import inductor
-from k3compile.options import Options
-from k3compile.prefetch import H200_L2_BYTES, SHARE, SIDE, insert_prefetches, l2_bytes
+from k3compile.rewrite import inductor
+from k3compile.settings import Options
+from k3compile.stages.prefetch import H200_L2_BYTES, SHARE, SIDE, insert_prefetches, l2_bytes
 
 _c10d = torch.ops._c10d_functional
 PREFETCH = torch.ops.k3.prefetch_l2.default
@@ -113,7 +113,7 @@ def _fused_inputs():
 
 def test_fused_collective_prefetch_runs_on_a_side_stream():
     from k3compile import diff
-    from k3compile.streams import happens_before, hazards
+    from k3compile.stages.streams import happens_before, hazards
 
     graph = inductor.fwd_only_fake(fused_step, _fused_inputs()).graph
     (found,) = insert_prefetches(graph, l2=1 << 30)
@@ -159,7 +159,8 @@ def test_inductor_wrapper_keeps_the_prefetch_between_fork_and_join():
     collective needs a process group)."""
     from torch._inductor.utils import run_and_get_code
 
-    from k3compile.pipeline import Observer, Pipeline
+    from k3compile.observe import Observer
+    from k3compile.pipeline import Pipeline
     from tests.test_streams import check_side_calls, wrapper_calls
 
     pipeline = Pipeline(Options.make({"executor": "inductor", "side_streams": True}), Observer())
@@ -226,7 +227,7 @@ def _span_weights(op, written) -> list[str]:
     """The weights the GEMMs read between fused collective `op` and the next anchor: the graph
     inputs (≥ 2-D float, never written) under the operands of every k3 op or mm there, but the
     routed experts, whose weights the routing picks at run time."""
-    from k3compile.streams import root
+    from k3compile.stages.streams import root
 
     skip = {FORK, JOIN, PREFETCH, torch.ops.k3.moe_route.default,
             torch.ops.k3.moe_experts.default}
@@ -253,7 +254,7 @@ def _through_fork(node):
 
 def _anchor_facts(graph) -> list[dict]:
     """For each fused collective, what surrounds it, as plain data for the main process."""
-    from k3compile.streams import written_inputs
+    from k3compile.stages.streams import written_inputs
 
     written, order = written_inputs(graph), {n: i for i, n in enumerate(graph.nodes)}
     facts = []
@@ -284,7 +285,7 @@ def _tp2_worker(rank: int, port: int, out_dir: str):
     try:
         import k3compile.backend as k3be
         from k3compile.models import build_model, get_config
-        from k3compile.streams import hazards
+        from k3compile.stages.streams import hazards
         from tests.conftest import rel_err
 
         cfg = get_config("tiny").with_tp(2).with_layers(2)  # dense layer 0, one MoE layer

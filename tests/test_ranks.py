@@ -3,6 +3,7 @@ fingerprints are all-gathered over the graph's TP group; ranks that compiled dif
 fail together, with a diff. Two gloo processes on CPU, hand-built graphs."""
 
 from __future__ import annotations
+from k3compile import settings
 
 import datetime
 import os
@@ -14,8 +15,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import fx
 
-from k3compile import inductor
-from k3compile.ranks import RanksDiffer, check_ranks, summary
+from k3compile.rewrite import inductor
+from k3compile.stages.ranks import RanksDiffer, check_ranks, summary
 
 _c10d = torch.ops._c10d_functional
 
@@ -70,7 +71,7 @@ def _worker(rank: int, port: int, out_dir: str, differ: bool, pdl_differs: bool 
         if pdl_differs and rank == 1:  # e.g. K3_PDL set on one rank's launcher only
             from k3compile.kernels.common import dsl
 
-            dsl.PDL = not dsl.PDL
+            settings.KERNELS.pdl = not settings.KERNELS.pdl
         try:
             result = ("ok", check_ranks(graph, 4))
         except RanksDiffer as e:
@@ -106,10 +107,10 @@ def test_summary_holds_the_kernel_settings(monkeypatch):
 
     lines = summary(_graph(False), 4)
     assert any(line.startswith("gemm_tc_table ") and "None" not in line for line in lines)
-    monkeypatch.setattr(dsl, "PDL", not dsl.PDL)
+    monkeypatch.setattr(settings.KERNELS, "pdl", not settings.KERNELS.pdl)
     assert summary(_graph(False), 4) != lines
-    monkeypatch.setattr(dsl, "PDL", not dsl.PDL)
-    monkeypatch.setattr(gemv, "FUSED", frozenset({"split"}))
+    monkeypatch.setattr(settings.KERNELS, "pdl", not settings.KERNELS.pdl)
+    monkeypatch.setattr(settings.KERNELS, "gemv_fused", frozenset({"split"}))
     assert summary(_graph(False), 4) != lines
 
 

@@ -29,7 +29,7 @@ def _free_port() -> int:
 
 def _gemm_weight_bytes(graph) -> dict[str, int]:
     """Bytes of graph-input weights read by the fused MoE projections, per weight input."""
-    from k3compile.graph_edit import weight_root
+    from k3compile.graph import weight_root
 
     out = {}
     for node in graph.nodes:
@@ -115,7 +115,7 @@ def test_auto_keeps_projections_replicated_where_the_gather_costs_more():
     """K3's router + latent down (64 MB) at TP 2 save 32 MB of reads (~7.6 µs) per rank, less
     than the ~18 µs an all-gather cost on the H200: "auto" keeps them, saying why; "on" shards;
     a front 4x larger would pay at TP 16."""
-    from k3compile.shard import GATHER_US, worth_sharding
+    from k3compile.stages.shard import GATHER_US, worth_sharding
 
     front = _front_node(896, 3584)
     why = worth_sharding(front, 2, "auto")
@@ -126,7 +126,7 @@ def test_auto_keeps_projections_replicated_where_the_gather_costs_more():
 
 
 def test_shard_moe_option_is_checked():
-    from k3compile.options import Options
+    from k3compile.settings import Options
 
     assert Options.make().shard_moe == "auto"
     with pytest.raises(ValueError, match="shard_moe"):

@@ -18,10 +18,10 @@ from torch import fx
 from torch._inductor.utils import run_and_get_code
 
 import k3compile.backend as k3be
-from k3compile import inductor
+from k3compile.rewrite import inductor
 from k3compile.models import build_model, get_config
 from k3compile.ops.sched import on_stream
-from k3compile.streams import happens_before, hazards, takes_stream
+from k3compile.stages.streams import happens_before, hazards, takes_stream
 from tests.conftest import TOL, rel_err
 
 FORK, JOIN = torch.ops.k3.stream_fork.default, torch.ops.k3.stream_join.default
@@ -350,7 +350,7 @@ def test_inductor_wrapper_side_calls(inductor_run):
 def test_side_streams_default_and_overrides(monkeypatch):
     """Side streams are on by default under both executors (measured on the H200, session 6);
     the option and K3_SIDE_STREAMS (the option first) turn them off."""
-    from k3compile.options import Options
+    from k3compile.settings import Options
 
     monkeypatch.delenv("K3_SIDE_STREAMS", raising=False)
     assert Options.make({"executor": "aten"}).side_streams

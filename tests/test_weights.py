@@ -1,4 +1,4 @@
-"""Stage `pack` (k3compile.weights): each fused group's weights moved into one buffer, the
+"""Stage `pack` (k3compile.stages.pack): each fused group's weights moved into one buffer, the
 parameters views of it, `concatenated` a view instead of a copy; values, state_dict and in-place
 updates as before. CPU, the tiny model, executor "aten"."""
 
@@ -9,7 +9,7 @@ import torch
 from torch import fx
 
 import k3compile.backend as k3be
-from k3compile import weights
+from k3compile.stages import pack as weights
 from k3compile.models import build_model, get_config
 from k3compile.ops import linear
 

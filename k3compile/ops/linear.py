@@ -13,7 +13,7 @@ call fills the cache, so under CUDA graphs the first (eager) run of a bucket, wh
 makes before capturing, is the one that allocates; replays only read the cached weight.
 
 Weights that already lie back to back in one buffer (the backend's `pack` stage,
-`k3compile.weights`, stores every fused group so) are returned as one view of it: no copy and no
+`k3compile.stages.pack`, stores every fused group so) are returned as one view of it: no copy and no
 cache entry. Otherwise the cache holds a second copy of the fused weights (KDA in-proj 46 MB per
 layer per GPU at TP16).
 

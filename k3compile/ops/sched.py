@@ -16,9 +16,9 @@ Where an op runs is an argument of its call: the ops that a stage puts on a side
 CUDA implementation runs with that side stream current (`on_stream`: launches and allocations).
 References and fake implementations ignore it; on CPU it changes nothing. An op that runs between
 a fork and its join without the argument runs on the main stream (the `hazards` check of
-`k3compile.streams` flags a node whose `meta["k3_stream"]` says otherwise).
+`k3compile.stages.streams` flags a node whose `meta["k3_stream"]` says otherwise).
 
-Memory (the case for each kind of buffer is in `k3compile.streams`): the join takes the forked
+Memory (the case for each kind of buffer is in `k3compile.stages.streams`): the join takes the forked
 tensors and everything the side stream made, so none of them is reused before the main stream has
 waited for the side stream. What a side-stream op returns is marked used by the calling stream
 (`record_stream`), so that after the join, once the main stream has used and freed it, a later

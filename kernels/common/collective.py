@@ -24,14 +24,15 @@ unavailable (no P2P, an old torch, a CPU group), the NCCL path runs and the reas
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
+
+from k3compile.settings import ALLREDUCE_ALGORITHMS, KERNELS, torch_env_default
 
 log = logging.getLogger("k3compile.kernels")
 
 c10d = torch.ops._c10d_functional
-ALGORITHMS = ("one_shot", "two_shot", "nccl")
+ALGORITHMS = ALLREDUCE_ALGORITHMS
 # Largest message (bytes) per algorithm at world size 2..8 on the H200's NVLink; larger goes to
 # the next. World size 2 measured by benchmarks/allreduce.py (BENCHMARKS.md, 2026-11-29: one-shot
 # fastest at every decode bucket, 8.0 µs at 14 KB .. 15.3 µs at 0.9 MB, NCCL 12.2 .. 17.6);
@@ -45,10 +46,7 @@ _unavailable: dict[str, str] = {}
 
 
 def algorithm(nbytes: int, world: int) -> str:
-    forced = os.environ.get("K3_ALLREDUCE")
-    if forced:
-        if forced not in ALGORITHMS:
-            raise ValueError(f"K3_ALLREDUCE={forced!r}: expected one of {ALGORITHMS}")
+    if forced := KERNELS.allreduce:
         return forced
     w = min((k for k in ONE_SHOT_MAX if k >= world), default=8)
     if nbytes <= ONE_SHOT_MAX[w]:
@@ -67,7 +65,7 @@ def _symmetric_buffer(x: torch.Tensor, group_name: str) -> torch.Tensor | None:
     if buf is not None and buf.numel() >= x.numel():
         return buf
     try:
-        os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+        torch_env_default("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
         from torch.distributed import _symmetric_memory as symm_mem
 
         numel = max(x.numel(), MIN_BUFFER_BYTES // x.element_size())

@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import threading
 from collections.abc import Callable, Hashable
 
 import torch
 
+from k3compile.settings import KERNELS
 from k3compile.ops.sched import on_stream  # noqa: F401  (re-exported: the kernels' wrappers)
 
 log = logging.getLogger("k3compile.kernels")
@@ -44,8 +44,6 @@ WARP = 32
 # (their bucket): at B64 it cost time in every A/B (634 and 645 vs 624; 640.9 vs 609.8 in
 # session 6), at B8 it was not decided. K3_PDL=0 turns it off for the process,
 # K3_PDL_MAX_ROWS=64 on at every bucket.
-PDL = os.environ.get("K3_PDL", "1") == "1"
-PDL_MAX_ROWS = int(os.environ.get("K3_PDL_MAX_ROWS", "4"))
 
 
 @functools.cache
@@ -68,9 +66,9 @@ def have_tvm_ffi() -> bool:
 
 def pdl_enabled(rows: int = 1) -> bool:
     """Whether a kernel launched for `rows` rows (its bucket) compiles and launches with PDL now
-    (read at every call: tests flip `PDL` and `PDL_MAX_ROWS`). Kernels with and without PDL mix
+    (read at every call: tests flip `settings.KERNELS.pdl` and `.pdl_max_rows`). Kernels with and without PDL mix
     safely in one stream: a PDL launch waits for its predecessor either way."""
-    return PDL and rows <= PDL_MAX_ROWS
+    return KERNELS.pdl and rows <= KERNELS.pdl_max_rows
 
 
 def pdl_launch_dependents(on: bool) -> None:

@@ -72,7 +72,7 @@ def test_inductor_cuda_graph_with_side_streams_equals_eager(tmp_path):
     `stream=1`): 24 replays equal eager, and the captured graph branches (on one stream a capture
     is a chain: no node with two successors). Three layers, one bucket: Inductor's GPU compile of
     the full configs outruns a device call."""
-    from k3compile.streams import hazards, takes_stream
+    from k3compile.stages.streams import hazards, takes_stream
 
     torch._dynamo.reset()
     cfg = get_config("tiny").with_layers(3)  # dense layer 0, two MoE layers: two side branches

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from k3compile.patterns import attn_res_mix_norm as arm
 
 import k3compile.ops  # noqa: F401
-from k3compile import inductor
+from k3compile.rewrite import inductor
 from k3compile.rewrite import apply_patterns
 
 
@@ -119,7 +119,7 @@ def test_deferred_pattern_is_skipped_and_recorded(inputs):
 
 
 def test_cpu_graphs_defer_nothing(inputs):
-    from k3compile.options import Options
+    from k3compile.settings import Options
     from k3compile.pipeline import _deferral
 
     gm = _graph(lambda *a: _mix(*a), *inputs)
@@ -129,7 +129,7 @@ def test_cpu_graphs_defer_nothing(inputs):
 def test_contract_does_not_count_deferred_ops_as_missing():
     import collections
 
-    from k3compile.contract import LayerReport
+    from k3compile.stages.contract import LayerReport
 
     lr = LayerReport(1, "kda_moe", {"kda_decode": 1, "rms_norm": 1},
                      collections.Counter({"rms_norm": 1}), collections.Counter())

@@ -1,9 +1,10 @@
 """Every kernel compiles for the H200 (sm_90a) on a machine without a GPU: at the TP16-rank
 shapes with the config of every batch bucket, and at small shapes; the kernels with programmatic
-dependent launch also with it on (`common.dsl.PDL`), checked in their PTX; gemv's one-launch
+dependent launch also with it on (`common.settings.KERNELS.pdl`), checked in their PTX; gemv's one-launch
 variants (norm prologue, SiTU epilogue, split output) with PDL off and on, and its plain build
 byte for byte as before them. Needs only the DSL."""
 
+from k3compile import settings
 import dataclasses
 import hashlib
 import struct

@@ -1,10 +1,11 @@
 """The kernel composites (cuBLAS GEMM + one CuTe kernel) against their ops' torch references, at
 the TP16-rank shapes, through the ops' CUDA dispatch: o_proj + post-attention mix + norm, and the
 routed-latent norm + up-projection (+ the shared experts' residual). With K3_GEMV_FUSED on
-(`gemv.FUSED`), norm_linear, moe_front and situ_gate_up at one row take gemv's one-launch
+(`settings.KERNELS.gemv_fused`), norm_linear, moe_front and situ_gate_up at one row take gemv's one-launch
 variants: equal to the switch-off composites within tolerance (moe_front bitwise), also captured
 in a CUDA graph with PDL on and off."""
 
+from k3compile import settings
 import pytest
 import torch
 from k3compile.kernels import gemv
@@ -128,7 +129,7 @@ def both_ways(monkeypatch, op, *args):
     """op(*args) with the switch off, then on."""
     got = []
     for flag in (False, True):
-        monkeypatch.setattr(gemv, "FUSED", frozenset(gemv.VARIANTS) if flag else frozenset())
+        monkeypatch.setattr(settings.KERNELS, "gemv_fused", frozenset(settings.GEMV_VARIANTS) if flag else frozenset())
         got.append(op(*args))
     return got
 
@@ -171,7 +172,7 @@ def test_moe_front_fused(gen, monkeypatch, n):
 def test_fused_composites_refuse_to_two_launches(gen, monkeypatch, caplog):
     """A call the variant refuses (a norm weight in fp32, router weights with strided rows) runs
     the two launches, with the reason logged."""
-    monkeypatch.setattr(gemv, "FUSED", frozenset(gemv.VARIANTS))
+    monkeypatch.setattr(settings.KERNELS, "gemv_fused", frozenset(settings.GEMV_VARIANTS))
     u, wnorm, w, eps, r = _norm_linear_inputs(gen, 1, True)
     with caplog.at_level("DEBUG", logger="k3compile.kernels"):
         torch.ops.k3.norm_linear(u, wnorm.float(), w, eps, r)
@@ -216,8 +217,8 @@ class FusedOps:
 
 
 def _capture(ops, pdl, monkeypatch):
-    monkeypatch.setattr(dsl, "PDL", pdl)
-    monkeypatch.setattr(dsl, "PDL_MAX_ROWS", 64)  # PDL at every bucket
+    monkeypatch.setattr(settings.KERNELS, "pdl", pdl)
+    monkeypatch.setattr(settings.KERNELS, "pdl_max_rows", 64)  # PDL at every bucket
     ops.run()  # compiles and builds the concatenations outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -236,7 +237,7 @@ def _replay(graph, outs):
 def test_fused_composites_under_cuda_graphs_with_and_without_pdl(gen, monkeypatch):
     """Each one-launch variant captured with PDL on and off, replayed on fresh inputs (outputs
     poisoned first) against the references; both captures give bitwise the same outputs."""
-    monkeypatch.setattr(gemv, "FUSED", frozenset(gemv.VARIANTS))
+    monkeypatch.setattr(settings.KERNELS, "gemv_fused", frozenset(settings.GEMV_VARIANTS))
     calls = [spy(monkeypatch, f"gemv_{v}_cuda") for v in ("norm", "situ", "split")]
     ops = FusedOps(gen)
     graphs = {pdl: _capture(ops, pdl, monkeypatch) for pdl in (True, False)}

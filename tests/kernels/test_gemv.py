@@ -8,6 +8,7 @@ its normalised x) against each op's reference at the real TP16 shapes, refusals,
 compile key; on the GPU each variant against its op's reference and against the two launches it
 replaces, and the model against the kernel."""
 
+from k3compile import settings
 import logging
 import os
 
@@ -317,7 +318,7 @@ def test_fusion_is_in_the_compile_key(monkeypatch):
     cfg = kernel.config(768, 7168, 1)
     fusions = [kernel.PLAIN, kernel.NORM, kernel.SITU, kernel.Fusion(split=256)]
     for pdl in (False, True, False):
-        monkeypatch.setattr(dsl, "PDL", pdl)
+        monkeypatch.setattr(settings.KERNELS, "pdl", pdl)
         for f in fusions:
             assert kernel.compiled(768, 7168, 1, False, False, cfg, fusion=f) == (pdl, f)
     assert builds == [(p, f) for p in (False, True) for f in fusions], "one build per key"
@@ -325,16 +326,16 @@ def test_fusion_is_in_the_compile_key(monkeypatch):
 
 def test_switch_names_variants_and_is_read_at_call_time(monkeypatch):
     if "K3_GEMV_FUSED" not in os.environ:
-        assert kernel.FUSED == {"norm", "situ", "gate"}, "split (a second weight copy) is opt-in"
-    assert kernel.parse_fused(None) == kernel.DEFAULT_FUSED
-    assert kernel.parse_fused("0") == kernel.parse_fused("") == frozenset()
-    assert kernel.parse_fused("1") == kernel.parse_fused("all") == set(kernel.VARIANTS)
-    assert kernel.parse_fused(" split,norm ") == {"split", "norm"}
+        assert settings.KERNELS.gemv_fused == {"norm", "situ", "gate"}, "split (a second weight copy) is opt-in"
+    assert settings.parse_gemv_fused(None) == settings.GEMV_DEFAULT
+    assert settings.parse_gemv_fused("0") == settings.parse_gemv_fused("") == frozenset()
+    assert settings.parse_gemv_fused("1") == settings.parse_gemv_fused("all") == set(settings.GEMV_VARIANTS)
+    assert settings.parse_gemv_fused(" split,norm ") == {"split", "norm"}
     with pytest.raises(ValueError, match="unknown variants"):
-        kernel.parse_fused("norm,bias")
+        settings.parse_gemv_fused("norm,bias")
     for names in ({"split"}, set(), {"norm", "situ"}):
-        monkeypatch.setattr(kernel, "FUSED", frozenset(names))
-        assert [kernel.fused_enabled(v) for v in kernel.VARIANTS] == [v in names for v in kernel.VARIANTS]
+        monkeypatch.setattr(settings.KERNELS, "gemv_fused", frozenset(names))
+        assert [kernel.fused_enabled(v) for v in settings.GEMV_VARIANTS] == [v in names for v in settings.GEMV_VARIANTS]
     assert not kernel.fused_takes(torch.empty(1, 64), "norm")  # a CPU tensor: the reference runs
 
 
@@ -460,7 +461,7 @@ def test_gate_on_by_default_and_the_cpu_path_is_the_reference(cpu_gen, monkeypat
 
     if "K3_GEMV_FUSED" not in os.environ:
         assert kernel.fused_enabled("gate"), "on since its GPU tests passed (session 6)"
-    monkeypatch.setattr(kernel, "FUSED", frozenset({"gate"}))
+    monkeypatch.setattr(settings.KERNELS, "gemv_fused", frozenset({"gate"}))
     o_lat, w_uv, g = uv_inputs(cpu_gen, 1, heads=2, v=16, c=32, device="cpu")
     want = mla_uv_gate_ref(o_lat, w_uv, g)
     assert torch.equal(composite.mla_uv_gate_cuda(o_lat, w_uv, g), want)  # CPU: the reference
@@ -512,7 +513,7 @@ def test_gate_through_the_op(gen, monkeypatch):
     o_lat, w_uv, g = uv_inputs(gen, 1)
     calls, real = [], kernel.gemv_gate_cuda
     monkeypatch.setattr(kernel, "gemv_gate_cuda", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    monkeypatch.setattr(kernel, "FUSED", frozenset({"gate"}))
+    monkeypatch.setattr(settings.KERNELS, "gemv_fused", frozenset({"gate"}))
     got = torch.ops.k3.mla_uv_gate(o_lat, w_uv, g)
     assert calls == [1], "the one-launch variant at one row"
     close_bf16(got, mla_uv_gate_ref(o_lat, w_uv, g))

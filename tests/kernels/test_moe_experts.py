@@ -17,6 +17,7 @@ with cp.async (`FC1Config.cp_async`) and grouped by expert (`FC1Config.run`: uni
 routing, runs longer than the cap, CUDA-graph replay) bit for bit the default FC1 at TP16 and
 small shapes."""
 
+from k3compile import settings
 import dataclasses
 import logging
 import re
@@ -360,7 +361,7 @@ def test_cuda_graph_replay(gen, tp16_experts):
 @pytest.mark.gpu
 @gpu
 def test_after_the_route_kernel_with_pdl(gen, tp16_experts, monkeypatch):
-    """moe_route -> FC1 -> FC2 captured in a CUDA graph with PDL (`common.dsl.PDL`): FC1 starts
+    """moe_route -> FC1 -> FC2 captured in a CUDA graph with PDL (`common.settings.KERNELS.pdl`): FC1 starts
     while the route kernel ends and must wait for its ids; outputs equal the PDL-off graph's."""
     from k3compile.kernels import moe_route
     from k3compile.kernels.common import dsl
@@ -376,8 +377,8 @@ def test_after_the_route_kernel_with_pdl(gen, tp16_experts, monkeypatch):
 
     outs = {}
     for flag in (True, False):
-        monkeypatch.setattr(dsl, "PDL", flag)
-        monkeypatch.setattr(dsl, "PDL_MAX_ROWS", 64)  # PDL at every bucket
+        monkeypatch.setattr(settings.KERNELS, "pdl", flag)
+        monkeypatch.setattr(settings.KERNELS, "pdl_max_rows", 64)  # PDL at every bucket
         out = poisoned(*z.shape)
         step(out)  # compile
         graph = torch.cuda.CUDAGraph()

@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (`common.dsl.PDL`) across chains of our kernels.
+"""Programmatic dependent launch (`common.settings.KERNELS.pdl`) across chains of our kernels.
 
 CPU: the flag is in every PDL kernel's compile key, so both builds coexist in its cache.
 GPU (marked `gpu`): two chains at one K3 TP16 rank's shapes, at 1 row (gemv) and 8 (gemm_tc),
@@ -12,6 +12,7 @@ same graph captured with PDL off gives bitwise the same outputs (the math does n
     of ours) on carried states.
 """
 
+from k3compile import settings
 import pytest
 import torch
 import torch.nn.functional as F
@@ -66,7 +67,7 @@ def test_pdl_is_in_the_compile_key(module, monkeypatch):
     monkeypatch.setattr(module, "build", lambda *_, pdl=False, **__: builds.append(pdl) or pdl)
     got = []
     for flag in (False, True, False, True):
-        monkeypatch.setattr(dsl, "PDL", flag)
+        monkeypatch.setattr(settings.KERNELS, "pdl", flag)
         got.append(module.compiled(*COMPILE_ARGS[module]))
     assert builds == [False, True], "one build per setting, each cached"
     assert got == [False, True, False, True], "a call gets the build of the setting now"
@@ -75,12 +76,12 @@ def test_pdl_is_in_the_compile_key(module, monkeypatch):
 def test_pdl_only_up_to_its_row_limit(monkeypatch):
     """PDL at launches of at most PDL_MAX_ROWS rows (their bucket); above it the plain build, in
     every kernel's compile key (gemv's rows are its m_bucket)."""
-    monkeypatch.setattr(dsl, "PDL", True)
-    monkeypatch.setattr(dsl, "PDL_MAX_ROWS", 4)
+    monkeypatch.setattr(settings.KERNELS, "pdl", True)
+    monkeypatch.setattr(settings.KERNELS, "pdl_max_rows", 4)
     assert dsl.pdl_enabled() and dsl.pdl_enabled(4) and not dsl.pdl_enabled(8)
-    monkeypatch.setattr(dsl, "PDL", False)
+    monkeypatch.setattr(settings.KERNELS, "pdl", False)
     assert not dsl.pdl_enabled(1)
-    monkeypatch.setattr(dsl, "PDL", True)
+    monkeypatch.setattr(settings.KERNELS, "pdl", True)
     for module, args in COMPILE_ARGS.items():
         monkeypatch.setattr(module, "_cache", dsl.CompileCache(module.OP))
         monkeypatch.setattr(module, "build", lambda *_, pdl=False, **__: pdl)
@@ -237,8 +238,8 @@ def close(out, want, tol=None):
 def capture(chain, pdl, monkeypatch):
     """The chain in a CUDA graph, its kernels built with PDL on or off (compiled first, outside
     the capture)."""
-    monkeypatch.setattr(dsl, "PDL", pdl)
-    monkeypatch.setattr(dsl, "PDL_MAX_ROWS", 64)  # PDL at every bucket
+    monkeypatch.setattr(settings.KERNELS, "pdl", pdl)
+    monkeypatch.setattr(settings.KERNELS, "pdl_max_rows", 64)  # PDL at every bucket
     saved = [t.clone() for t in chain.state()]
     chain.run()
     for t, s in zip(chain.state(), saved, strict=True):

@@ -1,8 +1,9 @@
 """SiTU-GLU kernel and `situ_gate_up`'s CUDA path (GEMM over [W_g; W_u] + the kernel)
 against the torch reference, at the TP16 shared-expert width for every bucket, plus odd widths;
-with K3_GEMV_FUSED on (`gemv.FUSED`) the op at one row is gemv's SiTU-epilogue variant, equal to
+with K3_GEMV_FUSED on (`settings.KERNELS.gemv_fused`) the op at one row is gemv's SiTU-epilogue variant, equal to
 the two launches (tests/kernels/test_gemv.py tests the variant itself)."""
 
+from k3compile import settings
 import logging
 
 import pytest
@@ -75,7 +76,7 @@ def test_situ_gate_up_fused(gen, monkeypatch, n, width):
     monkeypatch.setattr(gemv, "gemv_situ_cuda", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     got = {}
     for flag in (False, True):
-        monkeypatch.setattr(gemv, "FUSED", frozenset({"situ"} if flag else ()))
+        monkeypatch.setattr(settings.KERNELS, "gemv_fused", frozenset({"situ"} if flag else ()))
         got[flag] = torch.ops.k3.situ_gate_up(x, wg, wu, BETA, LINEAR_BETA)
     assert len(calls) == (n <= gemv.GEMV_MAX_M), "the one-launch variant at gemv's rows only"
     assert_written(got[True])

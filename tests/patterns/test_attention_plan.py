@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import k3compile.backend as k3be
-from k3compile.contract import PLANS
+from k3compile.stages.contract import PLANS
 from k3compile.models import build_model, get_config
 from k3compile.rewrite import module_path
 from tests.conftest import TOL, rel_err

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from k3compile.patterns import ORDER, all_patterns, linear
 
 import k3compile.backend as k3be
-from k3compile.contract import NEUTRAL, PLANS, SCHEDULE
+from k3compile.stages.contract import NEUTRAL, PLANS, SCHEDULE
 from k3compile.models import build_model, get_config
 from k3compile.rewrite import apply_patterns, module_path
 

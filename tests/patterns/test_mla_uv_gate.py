@@ -1,6 +1,7 @@
 """mla_uv_gate: Gated MLA's W_UV up-projection (absorbed form) and sigmoid output gate as one op."""
 
 from __future__ import annotations
+from k3compile import settings
 
 import itertools
 
@@ -76,7 +77,7 @@ def test_gpu_graphs_fuse_only_what_the_gate_variant_takes(monkeypatch, gate_on, 
     switched on (K3_GEMV_FUSED "gate"); otherwise Inductor keeps the site, with the reason."""
     from k3compile.kernels import gemv
 
-    monkeypatch.setattr(gemv, "FUSED", frozenset({"gate"} if gate_on else ()))
+    monkeypatch.setattr(settings.KERNELS, "gemv_fused", frozenset({"gate"} if gate_on else ()))
     args = _args(batch, 1)
     gm, report = rewrite(uv_gate, args, mla_uv_gate.patterns(), joint=True, kernels_only=True)
     if fused:

@@ -47,7 +47,7 @@ def test_check_refuses_a_broadcast_weight():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_swapped_products_and_sums_match(dtype):
-    """Every binary mul/add matches either operand order (k3compile.inductor.commutative)."""
+    """Every binary mul/add matches either operand order (k3compile.rewrite.inductor.commutative)."""
     def swapped(x, w):
         h = x.float()
         h = torch.rsqrt(1e-5 + h.pow(2).mean(-1, keepdim=True)) * h

@@ -14,7 +14,7 @@ manual form but adds eps with `add.Scalar`, which the `normalize` stage rewrites
 `add.Tensor` that `h + eps` traces to), and the swapped operands of a product or sum:
 `rms_weight_last` (`h * weight`), `gate_first` (`sigmoid(g) * o`), `situ_lin_first`
 (`lin * act`), `mix_alpha_last` (`sources * alpha`), `bias_first` (`bias + scores`): every
-binary add/mul of a pattern matches either operand order (`k3compile.inductor.commutative`).
+binary add/mul of a pattern matches either operand order (`k3compile.rewrite.inductor.commutative`).
 `delta_first` (`a + prefix`): attn_res_mix_norm binds its two operands in swapped roles (the
 same sum), and `oproj_attn_res_mix_norm`'s `swapped` variants take o_proj in that role.
 

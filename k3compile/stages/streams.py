@@ -57,7 +57,7 @@ import torch
 from torch import fx
 
 import k3compile.ops  # noqa: F401  (the k3 ops named below)
-from k3compile.graph_edit import call
+from k3compile.graph import call
 
 SIDE = 1
 _FORK, _JOIN = torch.ops.k3.stream_fork.default, torch.ops.k3.stream_join.default

@@ -47,8 +47,8 @@ import torch
 from torch import fx
 
 import k3compile.ops  # noqa: F401  (the k3 ops named below)
-from k3compile.graph_edit import call
-from k3compile.streams import (
+from k3compile.graph import call
+from k3compile.stages.streams import (
     fork,
     is_collective,
     join,

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from k3compile import inductor
+from k3compile.rewrite import inductor
 
 # ops outside the fusion plans: the plain GEMMs `patterns/linear.py` takes after every fusion
 NEUTRAL = frozenset({"linear"})

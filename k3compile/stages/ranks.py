@@ -27,7 +27,8 @@ import hashlib
 import torch
 from torch import fx
 
-from k3compile.shard import tp_group
+from k3compile import kernels
+from k3compile.stages.shard import tp_group
 
 
 class RanksDiffer(RuntimeError):
@@ -84,10 +85,8 @@ def _options_text(options) -> str:
 def summary(graph: fx.Graph, batch: int | None = None, options=None) -> list[str]:
     """The bucket, options and kernel settings, then one line per node: position, op, target, arguments by
     position, output dtypes and shapes."""
-    from k3compile.kernels import settings
-
     index = {n: i for i, n in enumerate(graph.nodes)}
-    lines = [f"bucket {batch}", f"options {_options_text(options)}", *settings()]
+    lines = [f"bucket {batch}", f"options {_options_text(options)}", *kernels.fingerprint()]
     for node in graph.nodes:
         target = "" if node.op == "placeholder" else getattr(node.target, "__name__",
                                                                str(node.target))
@@ -116,7 +115,7 @@ def check_ranks(graph: fx.Graph, batch: int | None = None, options=None) -> str 
     lines = summary(graph, batch, options)
     mine = (fingerprint(lines), lines)
     gathered: list = [None] * group.size()
-    from k3compile.inductor import unset_fake_temporarily
+    from k3compile.rewrite.inductor import unset_fake_temporarily
 
     with unset_fake_temporarily():  # the compile runs under fake mode; the gather moves real bytes
         dist.all_gather_object(gathered, mine, group=group)

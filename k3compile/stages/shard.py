@@ -36,7 +36,7 @@ import torch
 from torch import fx
 
 import k3compile.ops  # noqa: F401  (the k3 ops named below)
-from k3compile.graph_edit import call
+from k3compile.graph import call
 
 log = logging.getLogger("k3compile")
 

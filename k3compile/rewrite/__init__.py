@@ -1,0 +1,20 @@
+"""The rewrite engine: patterns matched with Inductor's pattern matcher (behind
+`k3compile.rewrite.inductor`, the one module that imports `torch._inductor`), checks, near
+misses, verify mode. Patterns import what they need from here."""
+
+from k3compile.rewrite.engine import (
+    NEUTRAL,
+    Hit,
+    NearMiss,
+    Pattern,
+    Reverted,
+    RewriteReport,
+    apply_patterns,
+    module_path,
+    tensor_meta,
+    verify_site,
+    with_signature,
+)
+
+__all__ = ["NEUTRAL", "Hit", "NearMiss", "Pattern", "Reverted", "RewriteReport",
+           "apply_patterns", "module_path", "tensor_meta", "verify_site", "with_signature"]

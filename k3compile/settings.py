@@ -1,0 +1,212 @@
+"""Every `K3_*` switch, in one place: the per-compile backend `Options` and the per-process
+kernel settings, one parser and one rule for booleans.
+
+    torch.compile(model, backend="k3", options={...})   ->  Options.make(options)  (env fills gaps)
+    settings.KERNELS.pdl, .gemv_fused, ...               ->  read by the kernels at each call
+
+Booleans: `1 true yes on` are true, `0 false no off` (and unset or empty) are false, anything
+else is an error naming the variable. No other module reads `os.environ` for a `K3_*` switch
+(tests/engine/test_layout.py checks it); README's "Switches" table lists `SWITCHES` (tested).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+from typing import Any
+
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+GEMV_VARIANTS = ("norm", "situ", "gate", "split")
+GEMV_DEFAULT = frozenset({"norm", "situ", "gate"})
+ALLREDUCE_ALGORITHMS = ("one_shot", "two_shot", "nccl")
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off", "")
+
+# name -> (what it sets, default as a user writes it): the README's table is checked against this
+SWITCHES: dict[str, tuple[str, str]] = {
+    "K3_VERIFY": ("option `verify`: check every rewrite numerically at compile time", "0"),
+    "K3_STRICT": ("option `strict`: a fusion-contract shortfall raises", "0"),
+    "K3_FUSE_ALL": ("option `fuse_without_kernels`: on CUDA also fuse ops without a kernel", "0"),
+    "K3_SIDE_STREAMS": ("option `side_streams`: shared experts and prefetch on side streams", "1"),
+    "K3_PACK_WEIGHTS": ("option `pack_weights`: each fused group's weights in one buffer", "1"),
+    "K3_EXECUTOR": ("option `executor`: `inductor` or `aten`", "inductor"),
+    "K3_SHARD_MOE": ("option `shard_moe`: `auto`, `on` or `off`", "auto"),
+    "K3_PDL": ("kernels: programmatic dependent launch", "1"),
+    "K3_PDL_MAX_ROWS": ("kernels: PDL only for launches of at most this many rows", "4"),
+    "K3_GEMV_FUSED": ("kernels: gemv's one-launch variants (`norm,situ,gate,split`, `all`, `0`)",
+                      "norm,situ,gate"),
+    "K3_KERNELS_EXTRA": ("kernels: also register these opt-in kernel modules", ""),
+    "K3_KERNELS_SKIP": ("kernels: leave these kernels unregistered (their sites go to Inductor)",
+                        ""),
+    "K3_ALLREDUCE": ("kernels: force the TP all-reduce (`one_shot`, `two_shot`, `nccl`)", ""),
+    "K3_COLLECTIVE_TIMEOUT": ("tests: seconds the multi-process collective test waits", "150"),
+}
+
+
+def env(name: str) -> str | None:
+    """The raw value of a registered switch (None: unset)."""
+    if name not in SWITCHES:
+        raise KeyError(f"{name} is not a k3 switch (k3compile.settings.SWITCHES)")
+    return os.environ.get(name)
+
+
+def parse_bool(name: str, value: str | None) -> bool | None:
+    """None when unset; the one rule for booleans otherwise."""
+    if value is None:
+        return None
+    v = value.strip().lower()
+    if v in _TRUE:
+        return True
+    if v in _FALSE:
+        return False
+    raise ValueError(f"{name}={value!r}: expected one of {_TRUE + _FALSE[:-1]}")
+
+
+def env_bool(name: str) -> bool | None:
+    return parse_bool(name, env(name))
+
+
+def env_list(name: str) -> tuple[str, ...]:
+    return tuple(n.strip() for n in (env(name) or "").split(",") if n.strip())
+
+
+def parse_gemv_fused(value: str | None) -> frozenset[str]:
+    """K3_GEMV_FUSED: unset -> the default; `1`/`all` every variant; `0` none; else names."""
+    if value is None:
+        return GEMV_DEFAULT
+    if value.strip().lower() in ("all",) or parse_bool_or_none(value) is True:
+        return frozenset(GEMV_VARIANTS)
+    if parse_bool_or_none(value) is False:
+        return frozenset()
+    names = frozenset(v.strip() for v in value.split(",") if v.strip())
+    if unknown := names - set(GEMV_VARIANTS):
+        raise ValueError(f"K3_GEMV_FUSED: unknown variants {sorted(unknown)} (of {GEMV_VARIANTS})")
+    return names
+
+
+def parse_bool_or_none(value: str) -> bool | None:
+    v = value.strip().lower()
+    return True if v in _TRUE else False if v in _FALSE else None
+
+
+# ---- per compile ---------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """Backend options: `torch.compile(model, backend="k3", options={...})` or environment."""
+
+    buckets: tuple[int, ...] = DEFAULT_BUCKETS
+    strict: bool = False  # a fusion-contract shortfall raises instead of warning
+    verify: bool = False  # check every rewrite numerically at compile time (K3_VERIFY=1)
+    cuda_graphs: bool = True  # capture each bucket in a CUDA graph (GPU only)
+    disabled_patterns: frozenset[str] = frozenset()  # names or name prefixes
+    disabled_stages: frozenset[str] = frozenset()
+    scratch_slot: int | None = None  # state slot for padding rows; inferred when None
+    keep_graphs: bool = True  # the observer keeps each stage's graph text (for the tools)
+    # What runs the graph the patterns leave: "inductor" (default), or "aten": the fused ATen
+    # graph op by op, no codegen (CPU tests: Inductor's C++ build costs ~30 s per bucket there).
+    executor: str = "inductor"
+    # L2 bytes the `prefetch` stage budgets from (None: the GPU's own; on CPU an H200's 60 MB)
+    l2_bytes: int | None = None
+    # Prefetch also before side-stream joins. Off: on the H200 at world size 1 the join hides
+    # almost nothing and the prefetch's own read cost more (docs/decisions.md).
+    prefetch_on_join: bool = False
+    # On CUDA, fuse also the ops that have no GPU kernel yet (they then run their torch reference
+    # op by op: correct, slower than Inductor on the unfused graph). K3_FUSE_ALL=1.
+    fuse_without_kernels: bool = False
+    # under tensor parallelism, all-gather a fingerprint of each rank's compiled graph and fail
+    # on a mismatch (stage `ranks`)
+    check_ranks: bool = True
+    # Stage `shard` (TP > 1): "auto" shards a replicated MoE projection only where the weight
+    # bytes it saves per rank outweigh the all-gather it adds; "on" every one it can; "off" none.
+    shard_moe: str = "auto"
+    # Side streams (stage `streams`: the shared experts; stage `prefetch`: beside fused
+    # collectives). K3_SIDE_STREAMS=1|0.
+    side_streams: bool = True
+    # Stage `pack`: each fused group's weights moved once into one buffer, the parameters views
+    # of it, so no concatenated copy exists. K3_PACK_WEIGHTS=0 turns it off.
+    pack_weights: bool = True
+
+    @classmethod
+    def make(cls, options: dict[str, Any] | None = None) -> Options:
+        opts = dict(options or {})
+        unknown = set(opts) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"unknown k3 backend options {sorted(unknown)}")
+        for key, var in (("verify", "K3_VERIFY"), ("strict", "K3_STRICT"),
+                         ("fuse_without_kernels", "K3_FUSE_ALL"),
+                         ("side_streams", "K3_SIDE_STREAMS"),
+                         ("pack_weights", "K3_PACK_WEIGHTS")):
+            if (value := env_bool(var)) is not None and env(var) != "":
+                opts.setdefault(key, value)
+        for key, var in (("executor", "K3_EXECUTOR"), ("shard_moe", "K3_SHARD_MOE")):
+            if env(var):
+                opts.setdefault(key, env(var))
+        for key in ("disabled_patterns", "disabled_stages"):
+            if key in opts:
+                opts[key] = frozenset(opts[key])
+        if "buckets" in opts:
+            buckets = tuple(sorted(set(int(b) for b in opts["buckets"])))
+            if not buckets or buckets[0] < 1:
+                raise ValueError(f"buckets must be positive batch sizes, got {opts['buckets']}")
+            opts["buckets"] = buckets
+        if opts.get("shard_moe", "auto") not in ("auto", "on", "off"):
+            raise ValueError(f"shard_moe must be 'auto', 'on' or 'off', got {opts['shard_moe']!r}")
+        if opts.get("executor", "inductor") not in ("inductor", "aten"):
+            raise ValueError(f"executor must be 'inductor' or 'aten', got {opts['executor']!r}")
+        return cls(**opts)
+
+    def pattern_enabled(self, name: str) -> bool:
+        return not any(name == d or name.startswith(d) for d in self.disabled_patterns)
+
+
+# ---- per process (the kernels) -------------------------------------------------------------------
+
+@dataclasses.dataclass
+class KernelSettings:
+    """What picks the CUDA kernels and their builds in this process. Read once from the
+    environment into `KERNELS`; kernels read its fields at each call (tests and benchmarks set
+    them with monkeypatch)."""
+
+    pdl: bool = True
+    pdl_max_rows: int = 4
+    gemv_fused: frozenset[str] = GEMV_DEFAULT
+    extra: tuple[str, ...] = ()
+    skip: tuple[str, ...] = ()
+    allreduce: str | None = None
+
+    @classmethod
+    def from_env(cls) -> KernelSettings:
+        pdl = env_bool("K3_PDL")
+        rows = env("K3_PDL_MAX_ROWS")
+        allreduce = env("K3_ALLREDUCE") or None
+        if allreduce is not None and allreduce not in ALLREDUCE_ALGORITHMS:
+            raise ValueError(f"K3_ALLREDUCE={allreduce!r}: expected one of {ALLREDUCE_ALGORITHMS}")
+        return cls(pdl=True if pdl is None else pdl,
+                   pdl_max_rows=int(rows) if rows else 4,
+                   gemv_fused=parse_gemv_fused(env("K3_GEMV_FUSED")),
+                   extra=env_list("K3_KERNELS_EXTRA"), skip=env_list("K3_KERNELS_SKIP"),
+                   allreduce=allreduce)
+
+    def fingerprint(self) -> list[str]:
+        """Tensor-parallel ranks must agree on all of it (stage `ranks`)."""
+        return [f"pdl {self.pdl} rows<={self.pdl_max_rows}",
+                f"gemv_fused {sorted(self.gemv_fused)}", f"extra {list(self.extra)}",
+                f"skip {list(self.skip)}", f"allreduce {self.allreduce}"]
+
+
+KERNELS = KernelSettings.from_env()
+
+
+def fingerprint(options: Options) -> str:
+    """One digest of the compile options and the process's kernel settings."""
+    text = repr(sorted(dataclasses.asdict(options).items())) + repr(KERNELS.fingerprint())
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def torch_env_default(name: str, value: str) -> None:
+    """Set a torch environment variable unless the user did (e.g. symmetric memory's
+    TORCH_SYMM_MEM_DISABLE_MULTICAST, which the collectives need off on lent machines)."""
+    os.environ.setdefault(name, value)

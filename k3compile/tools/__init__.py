@@ -1,0 +1,1 @@
+"""User tools: the graph-diff report (`k3compile diff`)."""
