@@ -110,7 +110,8 @@ def route_top_k(logits: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: f
 # E2M1 nibbles per byte, the low nibble the even input; `scale` uint8 [out, in/32], one E8M0
 # exponent per 32 inputs.
 GROUP = 32
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+               -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
 def e2m1_table(device=None, dtype=torch.float32) -> torch.Tensor:
