@@ -62,7 +62,7 @@ def main(argv=None):
     from k3compile.kernels.common import collective
 
     import k3compile.ops  # noqa: F401
-    from k3compile.ops.attn_res import attn_res_mix_norm_ref
+    from k3compile.ops.attn_res_mix_norm import attn_res_mix_norm_ref
 
     register_all()
     gen = torch.Generator(device="cuda").manual_seed(1234)  # the same shared inputs on all ranks

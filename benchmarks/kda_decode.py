@@ -23,7 +23,7 @@ from graph_timing import graph_us, versus_row, versus_table
 from k3compile.kernels import kda_decode as kernel
 from k3compile.kernels.common.dsl import runtime_refusal
 
-from k3compile.ops.kda import kda_decode_ref
+from k3compile.ops.kda_decode import kda_decode_ref
 
 H, K, TAPS = 96 // 16, 128, 4
 W = H * K

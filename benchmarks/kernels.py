@@ -23,9 +23,9 @@ from k3compile.kernels import attn_res_mix_norm, register_all
 from k3compile.kernels.common import dsl
 from k3compile.kernels.common.dsl import pick_threads
 
-from k3compile.ops.attn_res import attn_res_mix_norm_ref
-from k3compile.ops.moe import moe_route_ref
-from k3compile.ops.norms import rms_norm_ref
+from k3compile.ops.attn_res_mix_norm import attn_res_mix_norm_ref
+from k3compile.ops.moe_route import moe_route_ref
+from k3compile.ops.rms_norm import rms_norm_ref
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 HIDDEN, LATENT, EXPERTS, TOP_K = 7168, 3584, 896, 16

@@ -26,7 +26,7 @@ from graph_timing import graph_us, versus_row, versus_table
 from k3compile.kernels import mla_decode as kernel
 from k3compile.kernels.common.dsl import runtime_refusal
 
-from k3compile.ops.mla import mla_decode_ref
+from k3compile.ops.mla_decode import mla_decode_ref
 
 H, C, R = 96 // 16, 512, 64
 ROW = (C + R) * 2

@@ -1,5 +1,5 @@
 """Routed MXFP4 experts: the kernels (kernels/moe_experts.py) against the op's torch reference
-(eager) and Inductor's code for the model's math (torch.compile of `experts_math`), at one K3
+(eager) and Inductor's code for the model's math (torch.compile of `mxfp4_experts`), at one K3
 TP16 rank (896 experts, top-16, L 3584, I 192).
 
     python benchmarks/moe_experts.py [--batches 1,8,64] [--variants kernel,eager,inductor]
@@ -28,8 +28,9 @@ from gemv import copy_gbps
 from graph_timing import graph_us
 from k3compile.kernels import moe_experts as kernel
 
+from k3compile.math import mxfp4_experts
 from k3compile.models import mxfp4
-from k3compile.ops.moe import e2m1_table, experts_math, moe_experts_ref
+from k3compile.ops.moe_experts import e2m1_table, moe_experts_ref
 
 EXPERTS, TOP_K, LATENT, INTER = 896, 16, 3584, 192
 BETA, LINEAR_BETA = 4.0, 25.0
@@ -92,7 +93,7 @@ def run(batches, variants, gbps, experts, save):
     order = [v for v in ("kernel", "eager") if v in variants]
     plan = [(n, v) for v in order for n in batches]
     plan += [(n, "inductor") for n in batches if "inductor" in variants]
-    compiled = torch.compile(experts_math, dynamic=False) if "inductor" in variants else None
+    compiled = torch.compile(mxfp4_experts, dynamic=False) if "inductor" in variants else None
     for n, name in plan:
         calls = inputs[n]
         if n not in rows:

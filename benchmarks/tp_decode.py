@@ -67,7 +67,7 @@ COLLECTIVE_ENV = {  # NVLink multicast off: it can put a shared host's GPUs out 
 }
 # Bytes of device memory one token costs eager per element of one routed expert matrix it
 # dequantises (k x I x L per matrix): the int64 nibble codes, the looked-up values, their stack
-# and scaled copy, and the two matrices already dequantised (mxfp4.dequantize, MXFP4Experts).
+# and scaled copy, and the two matrices already dequantised (math.mxfp4_dequant, MXFP4Experts).
 DEQUANT_BYTES = {torch.bfloat16: 20, torch.float32: 30}
 MEMORY_SHARE = 0.6  # of the free device memory an eager or fp32 reference call may take
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from k3compile.ops.attn_res import attn_res_mix_norm_ref
+from k3compile.ops.attn_res_mix_norm import attn_res_mix_norm_ref
 
 from .common.dsl import (
     BUCKETS,

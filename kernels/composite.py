@@ -36,9 +36,9 @@ layer at TP16). A refused call logs why and takes the two launches.
 import torch
 import torch.distributed as dist
 
-from k3compile.ops.attn_res import mix_norm_after
-from k3compile.ops.linear import concatenated
-from k3compile.ops.mla import mla_uv_gate_ref
+from k3compile.ops.attn_res_mix_norm import mix_norm_after
+from k3compile.ops.linear_concat import concatenated
+from k3compile.ops.mla_uv_gate import mla_uv_gate_ref
 
 from . import gemv
 from .attn_res_mix_norm import attn_res_mix_norm_cuda

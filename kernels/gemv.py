@@ -60,9 +60,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from k3compile.ops.gemm import situ_ref
-from k3compile.ops.mla import mla_uv_gate_ref
-from k3compile.ops.norms import rms_norm_ref
+from k3compile.math import situ as situ_ref
+from k3compile.ops.mla_uv_gate import mla_uv_gate_ref
+from k3compile.ops.rms_norm import rms_norm_ref
 
 from k3compile.settings import KERNELS
 

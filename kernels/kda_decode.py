@@ -69,7 +69,7 @@ from dataclasses import dataclass
 
 import torch
 
-from k3compile.ops.kda import kda_decode_ref
+from k3compile.ops.kda_decode import kda_decode_ref
 
 from .common.dsl import (
     BUCKETS,

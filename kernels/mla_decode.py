@@ -62,7 +62,7 @@ from dataclasses import dataclass
 
 import torch
 
-from k3compile.ops.mla import mla_decode_ref
+from k3compile.ops.mla_decode import mla_decode_ref
 
 from .common.dsl import (
     CompileCache,

@@ -100,7 +100,7 @@ from dataclasses import dataclass
 
 import torch
 
-from k3compile.ops.moe import moe_experts_ref, moe_experts_refusal
+from k3compile.ops.moe_experts import moe_experts_ref, moe_experts_refusal
 
 from .common.dsl import (
     CompileCache,

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
-from k3compile.ops.moe import moe_route_ref
+from k3compile.ops.moe_route import moe_route_ref
 
 from .common.dsl import (
     BUCKETS,

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from k3compile.ops.norms import rms_norm_ref
+from k3compile.ops.rms_norm import rms_norm_ref
 
 from .common.dsl import (
     BUCKETS,

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from k3compile.ops.gemm import gate_up_weight, situ_ref
+from k3compile.math import situ as situ_ref
+from k3compile.ops.situ_gate_up import gate_up_weight
 
 from . import gemv
 from .common.dsl import (

@@ -17,27 +17,18 @@ from __future__ import annotations
 import itertools
 
 import torch
-import torch.nn.functional as F
 
+from k3compile.math import depth_mix_weights, rms_norm
 from k3compile.rewrite import Pattern, tensor_meta, with_signature
 
 MAX_BLOCKS = 8
 SHAPE = (2, 1, 64)  # [B, T, D] for tracing; matching ignores sizes
 
 
-def rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)
-
-
 def mix_norm(prefix, delta, blocks, w_mix_norm, w_mix_proj, w_norm, mix_eps, norm_eps):
     prefix_out = prefix if delta is None else prefix + delta
-    sources = torch.stack([*blocks, prefix_out])
-    scores = F.linear(rms(sources, w_mix_norm, mix_eps), w_mix_proj).squeeze(-1).float()
-    alpha = torch.softmax(scores, dim=0)
-    h = (alpha.unsqueeze(-1) * sources.float()).sum(0).to(prefix_out.dtype)
-    return prefix_out, rms(h, w_norm, norm_eps)
+    h = depth_mix_weights(prefix_out, blocks, w_mix_norm, w_mix_proj, mix_eps)
+    return prefix_out, rms_norm(h, w_norm, norm_eps)
 
 
 def check(match) -> str | None:

@@ -24,6 +24,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from k3compile.math import delta_rule_step, l2norm, rms_norm
 from k3compile.rewrite import Pattern, tensor_meta, with_signature
 
 # Tokens per request with a variant: decode (1) and the DSpark verify block (anchor + 7 drafts).
@@ -37,16 +38,6 @@ NAMES = ("q", "k", "v", "g", "graw", "b", "conv_state", "recurrent_state", "slot
          "q_conv_weight", "k_conv_weight", "v_conv_weight", "A_log", "dt_bias", "o_norm_weight",
          "lower_bound", "l2_eps", "q_scale", "norm_eps")
 SCALARS = {"lower_bound": -5.1, "l2_eps": 1.1e-6, "q_scale": 0.37, "norm_eps": 1.3e-5}
-
-
-def _l2norm(x, eps):
-    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
-
-
-def _rms(x, weight, eps):
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)
 
 
 def setitem(buf, index, value):
@@ -85,8 +76,8 @@ def _step(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weight
     conv = (conv * torch.sigmoid(conv) if silu_written_out else F.silu(conv))
     conv = conv.to(q.dtype).transpose(1, 2)
     cq, ck, cv = conv.split(nh * hd, dim=-1)
-    cq = _l2norm(cq.float().view(B, T, nh, hd), l2_eps) * q_scale
-    ck = _l2norm(ck.float().view(B, T, nh, hd), l2_eps)
+    cq = l2norm(cq.float().view(B, T, nh, hd), l2_eps) * q_scale
+    ck = l2norm(ck.float().view(B, T, nh, hd), l2_eps)
     cv = cv.float().view(B, T, nh, hd)
     gate = torch.exp(A_log.float()).view(nh, 1) * (graw.float().view(B, T, nh, hd)
                                                     + dt_bias.view(nh, hd))
@@ -94,14 +85,11 @@ def _step(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weight
     state = recurrent_state[slots]
     outs = []
     for t in range(T):
-        state = state * decay[:, t].unsqueeze(-1)
-        kv = torch.einsum("bhkv,bhk->bhv", state, ck[:, t])
-        u = beta[:, t].unsqueeze(-1) * (cv[:, t] - kv)
-        state = state + ck[:, t].unsqueeze(-1) * u.unsqueeze(-2)
-        outs.append(torch.einsum("bhkv,bhk->bhv", state, cq[:, t]))
+        state, o_t = delta_rule_step(state, cq, ck, cv, beta, decay, t)
+        outs.append(o_t)
     state_out = setitem(recurrent_state, (slots,), state)
     o = torch.stack(outs, dim=1)
-    o = _rms(o.to(q.dtype), o_norm_weight, norm_eps) * torch.sigmoid(g.view(B, T, nh, hd))
+    o = rms_norm(o.to(q.dtype), o_norm_weight, norm_eps) * torch.sigmoid(g.view(B, T, nh, hd))
     return state_out, conv_state_out, o
 
 

@@ -15,15 +15,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from k3compile.math import rms_norm
 from k3compile.rewrite import Pattern, tensor_meta
 
 DTYPES = (torch.bfloat16, torch.float32)
-
-
-def rms(x, weight, eps):
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)
 
 
 def search(x, w_qa, w_kva, w_qn, w_kvn, q_eps, kv_eps):
@@ -31,7 +26,7 @@ def search(x, w_qa, w_kva, w_qn, w_kvn, q_eps, kv_eps):
     ckv = F.linear(x, w_kva)
     c = w_kvn.shape[0]
     c_kv, k_pe = ckv.split([c, ckv.shape[-1] - c], dim=-1)
-    return rms(c_kv, w_kvn, kv_eps), k_pe, rms(cq, w_qn, q_eps)
+    return rms_norm(c_kv, w_kvn, kv_eps), k_pe, rms_norm(cq, w_qn, q_eps)
 
 
 def replace(x, w_qa, w_kva, w_qn, w_kvn, q_eps, kv_eps):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from k3compile.ops import registry
 from k3compile.rewrite import Pattern, tensor_meta
 
 # (B, T) of the examples: the einsum's graph has two forms, one when B == T == 1 and one for every
@@ -49,19 +50,11 @@ def check(match) -> str | None:
 
 
 def kernel_refusal(match) -> str | None:
-    """On GPU graphs the op's CUDA path is gemv's gate variant at one row (K3_GEMV_FUSED's
-    "gate", on by default): every other site stays with Inductor (the reference would run
-    einsum and gate op by op)."""
-    from k3compile.kernels import gemv
-
-    o_lat, w_uv, g = (tensor_meta(match.kwargs[k]) for k in ("o_lat", "w_uv", "g"))
-    (b, t, h, c), v = o_lat.shape, w_uv.shape[1]
-    if not gemv.fused_enabled("gate"):
-        return "gemv's gate variant is off (K3_GEMV_FUSED without \"gate\")"
-    if b * t > gemv.GEMV_MAX_M:
-        return f"{b * t} rows: the gate variant takes {gemv.GEMV_MAX_M}"
-    return gemv.gate_refusal(o_lat.reshape(b * t, h * c), w_uv.new_empty(h * v, c),
-                             g.reshape(b * t, h * v), v)
+    """On GPU graphs the op's kernel (gemv's gate variant at one row, on by default) says which
+    sites it takes; every other site stays with Inductor (the reference would run einsum and gate
+    op by op)."""
+    return registry.kernel_refusal(
+        "mla_uv_gate", *(tensor_meta(match.kwargs[k]) for k in ("o_lat", "w_uv", "g")))
 
 
 def _variant(B: int, T: int, dtype: torch.dtype = torch.bfloat16) -> Pattern:

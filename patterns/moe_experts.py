@@ -20,8 +20,9 @@ import itertools
 
 import torch
 
-from k3compile.models import mxfp4
-from k3compile.ops.moe import experts_math, moe_experts_refusal
+from k3compile.math import e2m1_table, mxfp4_experts
+from k3compile.ops import registry
+from k3compile.ops.moe_experts import moe_experts_refusal
 from k3compile.rewrite import Pattern, tensor_meta
 
 DTYPES = (torch.bfloat16, torch.float32)
@@ -32,8 +33,8 @@ NAMES = ("z", "ids", "weights", "w1_packed", "w1_scale", "w3_packed", "w3_scale"
 
 def search(z, ids, weights, lut, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale,
            beta, linear_beta):
-    return experts_math(z, ids, weights, lut.to(z.dtype), w1_packed, w1_scale, w3_packed,
-                        w3_scale, w2_packed, w2_scale, beta, linear_beta)
+    return mxfp4_experts(z, ids, weights, lut.to(z.dtype), w1_packed, w1_scale, w3_packed,
+                         w3_scale, w2_packed, w2_scale, beta, linear_beta)
 
 
 def replace(z, ids, weights, lut, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale,
@@ -61,9 +62,7 @@ def check(match) -> str | None:
 
 def kernel_refusal(match) -> str | None:
     """The CUDA kernel's limits (e.g. intermediate sizes past its register plan, as at TP 2)."""
-    from k3compile.kernels import moe_experts as kernel
-
-    return kernel.refusal(*(tensor_meta(match.kwargs[k]) for k in NAMES))
+    return registry.kernel_refusal("moe_experts", *(tensor_meta(match.kwargs[k]) for k in NAMES))
 
 
 def _variant(dtype: torch.dtype, rows: int) -> Pattern:
@@ -72,7 +71,7 @@ def _variant(dtype: torch.dtype, rows: int) -> Pattern:
         u8 = {"dtype": torch.uint8}
         return [
             torch.randn(n, latent, dtype=dtype), torch.randint(0, e, (n, k)), torch.rand(n, k),
-            mxfp4.e2m1_table(dtype=dtype),
+            e2m1_table(dtype=dtype),
             torch.randint(0, 255, (e, inter, latent // 2), **u8),
             torch.randint(120, 130, (e, inter, latent // 32), **u8),
             torch.randint(0, 255, (e, inter, latent // 2), **u8),

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from k3compile.ops.moe import moe_front_refusal
+from k3compile.ops.moe_front import moe_front_refusal
 from k3compile.rewrite import Pattern, tensor_meta
 
 DTYPES = (torch.bfloat16, torch.float32)

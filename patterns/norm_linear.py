@@ -13,16 +13,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from k3compile.ops.gemm import norm_linear_refusal
+from k3compile.math import rms_norm
+from k3compile.ops.norm_linear import norm_linear_refusal
 from k3compile.rewrite import Pattern, tensor_meta
 
 DTYPES = (torch.bfloat16, torch.float32)
 
 
 def search(u, norm_w, w, eps):
-    h = u.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return F.linear(norm_w * h.to(u.dtype), w)
+    return F.linear(rms_norm(u, norm_w, eps), w)
 
 
 def replace(u, norm_w, w, eps):

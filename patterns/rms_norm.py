@@ -12,15 +12,14 @@ from __future__ import annotations
 
 import torch
 
+from k3compile.math import rms_norm
 from k3compile.rewrite import Pattern, tensor_meta
 
 DTYPES = (torch.bfloat16, torch.float32)  # fp32 models trace no casts
 
 
 def search(x, weight, eps):
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)
+    return rms_norm(x, weight, eps)
 
 
 def replace(x, weight, eps):

@@ -16,7 +16,8 @@ import itertools
 import torch
 import torch.nn.functional as F
 
-from k3compile.ops.gemm import situ_gate_up_refusal, situ_ref
+from k3compile.math import situ
+from k3compile.ops.situ_gate_up import situ_gate_up_refusal
 from k3compile.rewrite import Pattern, tensor_meta
 
 DTYPES = (torch.bfloat16, torch.float32)
@@ -24,7 +25,7 @@ RANKS = (2, 3)  # x [N, D] or [B, T, D]
 
 
 def search(x, wg, wu, beta, linear_beta):
-    return situ_ref(F.linear(x, wg), F.linear(x, wu), beta, linear_beta)
+    return situ(F.linear(x, wg), F.linear(x, wu), beta, linear_beta)
 
 
 def replace(x, wg, wu, beta, linear_beta):

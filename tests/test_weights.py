@@ -11,7 +11,7 @@ from torch import fx
 import k3compile.backend as k3be
 from k3compile.stages import pack as weights
 from k3compile.models import build_model, get_config
-from k3compile.ops import linear
+from k3compile.ops.linear_concat import concatenated
 
 KDA_GROUP = ("q_proj", "k_proj", "v_proj", "g_proj", "f_a_proj", "b_proj")
 
@@ -19,10 +19,10 @@ KDA_GROUP = ("q_proj", "k_proj", "v_proj", "g_proj", "f_a_proj", "b_proj")
 def test_concatenated_is_a_view_of_weights_back_to_back():
     buffer = torch.randn(10, 4)
     rows = list(buffer.split([3, 7]))
-    got = linear.concatenated(rows)
+    got = concatenated(rows)
     assert got.data_ptr() == buffer.data_ptr() and torch.equal(got, buffer)
     apart = [torch.randn(3, 4), torch.randn(7, 4)]
-    copy = linear.concatenated(apart)
+    copy = concatenated(apart)
     assert copy.data_ptr() not in (w.data_ptr() for w in apart)
     assert torch.equal(copy, torch.cat(apart))
     assert not weights.adjacent([rows[1], rows[0]]), "out of order"

@@ -24,6 +24,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from k3compile.math import (delta_rule_step, depth_mix, e2m1_table, l2norm, mxfp4_experts,
+                            rms_norm, route_top_k, situ)
 from k3compile.models import mxfp4
 from k3compile.models.config import K3Config
 
@@ -45,29 +47,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
-
-
-def situ(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float) -> torch.Tensor:
-    """SiTU-GLU: beta*tanh(g/beta)*sigmoid(g) * linear_beta*tanh(u/linear_beta), fp32 math."""
-    g = gate.float()
-    u = up.float()
-    act = beta * torch.tanh(g / beta) * torch.sigmoid(g)
-    lin = linear_beta * torch.tanh(u / linear_beta)
-    return (act * lin).to(gate.dtype)
-
-
-def attn_res_mix(prefix: torch.Tensor, blocks: list[torch.Tensor], norm: RMSNorm, proj: nn.Linear):
-    """Depth mix: softmax over sources of a learned pseudo-query against RMS-normalised sources,
-    applied to the raw sources in fp32. With no completed blocks it is the identity."""
-    if not blocks:
-        return prefix
-    sources = torch.stack([*blocks, prefix])  # [S, ..., D]
-    scores = proj(norm(sources)).squeeze(-1).float()  # [S, ...]
-    alpha = torch.softmax(scores, dim=0)
-    return (alpha.unsqueeze(-1) * sources.float()).sum(0).to(prefix.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class KimiDeltaAttention(nn.Module):
@@ -113,7 +93,7 @@ class KimiDeltaAttention(nn.Module):
         )
 
     def _l2norm(self, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + self.l2_eps)
+        return l2norm(x, self.l2_eps)
 
     def forward(self, x: torch.Tensor, slots: torch.Tensor, group=None) -> torch.Tensor:
         # x: [B, T, D]; rows of one request are consecutive tokens
@@ -144,11 +124,8 @@ class KimiDeltaAttention(nn.Module):
         state = self.recurrent_state[slots]  # [B, H, K, V]
         outs = []
         for t in range(T):
-            state = state * decay[:, t].unsqueeze(-1)
-            kv = torch.einsum("bhkv,bhk->bhv", state, k[:, t])
-            u = beta[:, t].unsqueeze(-1) * (v[:, t] - kv)
-            state = state + k[:, t].unsqueeze(-1) * u.unsqueeze(-2)
-            outs.append(torch.einsum("bhkv,bhk->bhv", state, q[:, t]))
+            state, o_t = delta_rule_step(state, q, k, v, beta, decay, t)
+            outs.append(o_t)
         self.recurrent_state[slots] = state
         o = torch.stack(outs, dim=1)  # [B, T, H, V] fp32
 
@@ -238,11 +215,7 @@ class MoEGate(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = F.linear(x.float(), self.weight.float())
-        scores = torch.sigmoid(logits)
-        _, idx = torch.topk(scores + self.e_score_correction_bias, self.top_k, dim=-1)
-        weights = scores.gather(-1, idx)  # unbiased scores of the biased choice
-        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-        return idx, weights * self.scaling
+        return route_top_k(logits, self.e_score_correction_bias, self.top_k, self.scaling)
 
 
 class MXFP4Experts(nn.Module):
@@ -260,20 +233,14 @@ class MXFP4Experts(nn.Module):
         self.w3_scale = nn.Parameter(torch.zeros(E, inter, L // 32, **u8), requires_grad=False)
         self.w2_packed = nn.Parameter(torch.zeros(E, L, inter // 2, **u8), requires_grad=False)
         self.w2_scale = nn.Parameter(torch.zeros(E, L, inter // 32, **u8), requires_grad=False)
-        self.register_buffer("e2m1", mxfp4.e2m1_table(), persistent=False)
+        self.register_buffer("e2m1", e2m1_table(), persistent=False)
         self.beta, self.linear_beta = config.situ_beta, config.situ_linear_beta
 
     def forward(self, z: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         # z [N, L], idx/weights [N, k]; W4A16: dequantise the selected experts, bf16 GEMMs
-        lut = self.e2m1.to(z.dtype)
-        w1 = mxfp4.dequantize(self.w1_packed[idx], self.w1_scale[idx], lut)  # [N, k, I, L]
-        w3 = mxfp4.dequantize(self.w3_packed[idx], self.w3_scale[idx], lut)
-        w2 = mxfp4.dequantize(self.w2_packed[idx], self.w2_scale[idx], lut)  # [N, k, L, I]
-        hg = torch.einsum("nl,nkil->nki", z, w1)
-        hu = torch.einsum("nl,nkil->nki", z, w3)
-        act = situ(hg, hu, self.beta, self.linear_beta)
-        y = torch.einsum("nki,nkli->nkl", act, w2)
-        return (weights.unsqueeze(-1) * y.float()).sum(1).to(z.dtype)
+        return mxfp4_experts(z, idx, weights, self.e2m1.to(z.dtype), self.w1_packed, self.w1_scale,
+                             self.w3_packed, self.w3_scale, self.w2_packed, self.w2_scale,
+                             self.beta, self.linear_beta)
 
 
 class LatentMoE(nn.Module):
@@ -330,14 +297,14 @@ class K3DecoderLayer(nn.Module):
             prefix = prefix + delta
         if starts_block:
             blocks = [*blocks, prefix]
-        h = attn_res_mix(prefix, blocks[:n], self.self_attention_res_norm, self.self_attention_res_proj)
+        h = depth_mix(prefix, blocks[:n], self.self_attention_res_norm, self.self_attention_res_proj)
         x = self.input_layernorm(h)
         if self.is_mla:
             a = self.self_attn(x, slots, positions, group)
         else:
             a = self.self_attn(x, slots, group)
         prefix = a if starts_block else prefix + a
-        h2 = attn_res_mix(prefix, blocks[: n + starts_block], self.mlp_res_norm, self.mlp_res_proj)
+        h2 = depth_mix(prefix, blocks[: n + starts_block], self.mlp_res_norm, self.mlp_res_proj)
         delta = self.mlp(self.post_attention_layernorm(h2), group)
         return prefix, delta, blocks
 
@@ -359,7 +326,7 @@ class K3Model(nn.Module):
         for layer in self.layers:
             prefix, delta, blocks = layer(prefix, delta, blocks, slots, positions, group)
         prefix = prefix + delta
-        h = attn_res_mix(prefix, blocks, self.output_attn_res_norm, self.output_attn_res_proj)
+        h = depth_mix(prefix, blocks, self.output_attn_res_norm, self.output_attn_res_proj)
         return self.norm(h)
 
 
@@ -491,4 +458,4 @@ def build_model(config: K3Config, device=None, dtype=torch.bfloat16, seed: int =
     return model.eval().requires_grad_(False)
 
 
-__all__ = ["K3ForCausalLM", "RMSNorm", "attn_res_mix", "build_model", "situ"]
+__all__ = ["K3ForCausalLM", "RMSNorm", "build_model"]

@@ -1,4 +1,5 @@
-"""MXFP4 (OCP microscaling FP4) as stored in K3's routed experts.
+"""MXFP4 (OCP microscaling FP4) as stored in K3's routed experts: quantising and random packed
+weights. The format and its dequantisation are the reference math's (`k3compile.math`).
 
 `weight_packed` uint8 [out, in/2]: two E2M1 nibbles per byte, the low nibble is the even input.
 `weight_scale` uint8 [out, in/32]: one E8M0 exponent per 32 inputs. w = e2m1 * 2^(scale - 127).
@@ -8,23 +9,7 @@ from __future__ import annotations
 
 import torch
 
-GROUP = 32
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-
-
-def e2m1_table(device=None, dtype=torch.float32) -> torch.Tensor:
-    return torch.tensor(E2M1_VALUES, dtype=dtype, device=device)
-
-
-def dequantize(packed: torch.Tensor, scale: torch.Tensor, lut: torch.Tensor) -> torch.Tensor:
-    """[..., out, in/2] uint8 + [..., out, in/32] uint8 -> [..., out, in] in lut's dtype."""
-    lo = (packed & 0x0F).long()
-    hi = (packed >> 4).long()
-    vals = torch.stack((lut[lo], lut[hi]), dim=-1).flatten(-2)  # [..., out, in]
-    *lead, out, width = vals.shape
-    grouped = vals.view(*lead, out, width // GROUP, GROUP)
-    factor = torch.exp2(scale.to(torch.float32) - 127.0).to(lut.dtype).unsqueeze(-1)
-    return (grouped * factor).view(*lead, out, width)
+from k3compile.math import GROUP, e2m1_table
 
 
 def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

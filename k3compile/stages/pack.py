@@ -2,7 +2,7 @@
 
 `k3.linear_concat` (KDA q|k|v|g|f_a|b, MLA q_a|kv_a|g) and `k3.moe_front` (router | latent-down,
 one launch with gemv's split variant) read [W_0; W_1; ...] as one weight. Left alone, the first
-call concatenates the weights into a cached copy (`k3compile.ops.linear.concatenated`): a
+call concatenates the weights into a cached copy (`k3compile.ops.linear_concat.concatenated`): a
 second copy of every fused weight, ~46 MB per KDA layer per GPU at TP16, 64 MB more per MoE layer
 with the split variant. This stage moves each group's weights, once, into one buffer and makes
 every weight a view of its rows (`param.data = rows`): the values, shapes, strides, the
@@ -33,7 +33,7 @@ from torch import fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.utils.weak import WeakIdKeyDictionary
 
-from k3compile.ops.linear import adjacent
+from k3compile.ops.linear_concat import adjacent
 
 log = logging.getLogger("k3compile")
 

@@ -9,8 +9,8 @@ with the routed path (vLLM does the same with an aux stream, spec §3.3 / §5.1)
 The branch is everything the shared SiTU gate/up op starts that needs nothing from the main
 stream but its input and that can run on a side stream: views (no kernel) and ops whose schema
 takes `stream` (`k3.situ_gate_up`, `k3.linear`). Each of its ops carries its stream in the call
-(`stream=1`): its CUDA implementation launches and allocates on that side stream (`ops.sched`).
-So the graph alone says where every kernel runs, and both executors run the same thing: the aten
+(`stream=1`): its CUDA implementation launches and allocates on that side stream
+(`ops.side_streams`). So the graph alone says where every kernel runs, and both executors run the same thing: the aten
 executor in graph order, Inductor in whatever order its wrapper picks. `meta["k3_stream"]` records
 the same for the tools and `hazards`, which checks that the two agree.
 
@@ -38,8 +38,8 @@ Memory, the caching allocator and Inductor's buffer reuse (which knows nothing o
   put in it) up to a point the side stream knows nothing of, and a later side-stream allocation
   could take it back while the main stream still reads it (Inductor may launch main work between
   the next fork and a branch op). So the side-stream ops mark their outputs used by the caller's
-  stream (`record_stream`, in `ops.sched.on_stream`): the allocator hands such a block out again
-  only after the main stream has passed its free (within a CUDA-graph capture: not before the
+  stream (`record_stream`, in `ops.side_streams.on_stream`): the allocator hands such a block out
+  again only after the main stream has passed its free (within a CUDA-graph capture: not before the
   capture ends). Side-stream temporaries freed inside an op stay on the side stream: in order.
 
 `hazards` checks the schedule: with the happens-before relation of stream order plus fork/join

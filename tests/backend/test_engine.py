@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from k3compile.patterns import attn_res_mix_norm as arm
 
 import k3compile.ops  # noqa: F401
+from k3compile.math import rms_norm
 from k3compile.rewrite import inductor
 from k3compile.rewrite import apply_patterns
 
@@ -52,10 +53,10 @@ def test_escaping_intermediate_is_a_near_miss(inputs):
     def escaped(prefix, delta, block, wn, wp, w):
         prefix_out = prefix + delta
         sources = torch.stack([block, prefix_out])
-        scores = F.linear(arm.rms(sources, wn, 1e-5), wp).squeeze(-1).float()
+        scores = F.linear(rms_norm(sources, wn, 1e-5), wp).squeeze(-1).float()
         alpha = torch.softmax(scores, dim=0)  # also returned: escapes the pattern
         h = (alpha.unsqueeze(-1) * sources.float()).sum(0).to(prefix_out.dtype)
-        return prefix_out, arm.rms(h, w, 1e-5), alpha
+        return prefix_out, rms_norm(h, w, 1e-5), alpha
 
     gm = _graph(escaped, *inputs)
     report = apply_patterns(gm.graph, [_variant()])

@@ -39,7 +39,7 @@ def main(out_dir: str):
         from k3compile.kernels.common import collective
 
         import k3compile.ops  # noqa: F401
-        from k3compile.ops.attn_res import attn_res_mix_norm_ref
+        from k3compile.ops.attn_res_mix_norm import attn_res_mix_norm_ref
 
         register_all()
         group = dist.group.WORLD.group_name

@@ -77,7 +77,7 @@ def _gloo_worker(rank: int, port: int, out_dir: str):
         from k3compile.kernels.common import collective
 
         import k3compile.ops  # noqa: F401
-        from k3compile.ops.attn_res import allreduce_attn_res_mix_norm
+        from k3compile.ops.allreduce_attn_res_mix_norm import allreduce_attn_res_mix_norm
 
         group = dist.group.WORLD.group_name
         gen = torch.Generator().manual_seed(3)  # the same draws on both ranks

@@ -12,9 +12,10 @@ from k3compile.kernels import gemv
 from k3compile.kernels.common import dsl
 from kernel_checks import BUCKETS, TOL, assert_written, rel_err
 
-from k3compile.ops.attn_res import attn_res_mix_norm_ref
-from k3compile.ops.gemm import norm_linear_ref, situ_gate_up_ref
-from k3compile.ops.moe import moe_front_ref
+from k3compile.ops.attn_res_mix_norm import attn_res_mix_norm_ref
+from k3compile.ops.norm_linear import norm_linear_ref
+from k3compile.ops.situ_gate_up import situ_gate_up_ref
+from k3compile.ops.moe_front import moe_front_ref
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("cuda_kernels")]
 

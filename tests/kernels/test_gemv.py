@@ -28,9 +28,11 @@ from kernel_checks import (
     rel_err,
 )
 
-from k3compile.ops.gemm import norm_linear_ref, situ_gate_up_ref, situ_ref
-from k3compile.ops.moe import moe_front_ref
-from k3compile.ops.norms import rms_norm_ref
+from k3compile.math import situ as situ_ref
+from k3compile.ops.norm_linear import norm_linear_ref
+from k3compile.ops.situ_gate_up import situ_gate_up_ref
+from k3compile.ops.moe_front import moe_front_ref
+from k3compile.ops.rms_norm import rms_norm_ref
 
 # [N, K] of one TP16 rank: KDA in-proj, MLA q_a|kv_a, latent down, latent up, router, gates /
 # shared gate_up, o_proj, MLA q_b, shared down, KDA f_b
@@ -457,7 +459,7 @@ def test_gate_refusals_and_configs():
 def test_gate_on_by_default_and_the_cpu_path_is_the_reference(cpu_gen, monkeypatch):
     from k3compile.kernels import composite
 
-    from k3compile.ops.mla import mla_uv_gate_ref
+    from k3compile.ops.mla_uv_gate import mla_uv_gate_ref
 
     if "K3_GEMV_FUSED" not in os.environ:
         assert kernel.fused_enabled("gate"), "on since its GPU tests passed (session 6)"
@@ -490,7 +492,7 @@ def test_gate_variant(gen, m):
     within one bf16 rounding), through the op with the variant switched on."""
     from k3compile.kernels import composite
 
-    from k3compile.ops.mla import mla_uv_gate_ref
+    from k3compile.ops.mla_uv_gate import mla_uv_gate_ref
 
     o_lat, w_uv, g = uv_inputs(gen, m)
     n = MLA_HEADS * MLA_V
@@ -508,7 +510,7 @@ def test_gate_variant(gen, m):
 
 @on_gpu
 def test_gate_through_the_op(gen, monkeypatch):
-    from k3compile.ops.mla import mla_uv_gate_ref
+    from k3compile.ops.mla_uv_gate import mla_uv_gate_ref
 
     o_lat, w_uv, g = uv_inputs(gen, 1)
     calls, real = [], kernel.gemv_gate_cuda

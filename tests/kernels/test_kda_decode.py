@@ -22,7 +22,7 @@ from k3compile.kernels import gemv
 from k3compile.kernels import kda_decode as kernel
 from kernel_checks import BUCKETS, TOL, assert_refused, assert_written, poisoned, rel_err, strided
 
-from k3compile.ops.kda import kda_decode_ref
+from k3compile.ops.kda_decode import kda_decode_ref
 
 K, TAPS = 128, 4
 H_TP16 = 96 // 16  # KDA heads per rank at TP16 (k3_arch.md §4.2)

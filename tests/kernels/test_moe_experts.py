@@ -27,9 +27,10 @@ import torch
 from k3compile.kernels import moe_experts as kernel
 from kernel_checks import BUCKETS, TOL, assert_written, poisoned, rel_err
 
+from k3compile.math import e2m1_table, mxfp4_dequant
 from k3compile.models import mxfp4
-from k3compile.ops.gemm import situ_ref
-from k3compile.ops.moe import moe_experts_ref
+from k3compile.math import situ as situ_ref
+from k3compile.ops.moe_experts import moe_experts_ref
 
 gpu = pytest.mark.usefixtures("cuda_kernels")
 
@@ -126,7 +127,7 @@ def test_decode_model_is_dequantisation():
     scale = (torch.arange(128 * 8) % 225).to(torch.uint8).view(128, 8)  # 0 .. 224
     got = decode_model(packed).view(128, 8, 32) * 2.0 ** kernel.Z_SHIFT \
         * factor_model(scale).unsqueeze(-1)
-    want = mxfp4.dequantize(packed, scale, mxfp4.e2m1_table(dtype=torch.float32))
+    want = mxfp4_dequant(packed, scale, e2m1_table(dtype=torch.float32))
     assert torch.equal(got.view(128, 256), want)
 
 

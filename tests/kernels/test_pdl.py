@@ -39,7 +39,7 @@ from test_moe_route import by_id
 from test_moe_route import expected as route_expected
 from test_situ import model as situ_model
 
-from k3compile.ops.kda import kda_decode_ref
+from k3compile.ops.kda_decode import kda_decode_ref
 
 HIDDEN, SHARED, EPS, BETA, LINEAR_BETA = 7168, 384, 1e-5, 4.0, 25.0
 EXPERTS, TOP_K, SCALING = 896, 16, 2.5

@@ -12,7 +12,8 @@ from k3compile.kernels import gemv
 from k3compile.kernels import situ as kernel
 from kernel_checks import BUCKETS, TOL, assert_written, poisoned, rel_err
 
-from k3compile.ops.gemm import situ_gate_up_ref, situ_ref
+from k3compile.math import situ as situ_ref
+from k3compile.ops.situ_gate_up import situ_gate_up_ref
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("cuda_kernels")]
 

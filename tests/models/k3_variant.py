@@ -38,6 +38,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from k3compile.math import mxfp4_dequant
 from k3compile.models import k3
 from k3compile.models.k3 import _all_reduce
 
@@ -199,9 +200,9 @@ class MoEGate(k3.MoEGate):
 class MXFP4Experts(k3.MXFP4Experts):
     def forward(self, z, idx, weights):
         lut = self.e2m1.to(z.dtype)
-        w1 = k3.mxfp4.dequantize(self.w1_packed[idx], self.w1_scale[idx], lut)
-        w3 = k3.mxfp4.dequantize(self.w3_packed[idx], self.w3_scale[idx], lut)
-        w2 = k3.mxfp4.dequantize(self.w2_packed[idx], self.w2_scale[idx], lut)
+        w1 = mxfp4_dequant(self.w1_packed[idx], self.w1_scale[idx], lut)
+        w3 = mxfp4_dequant(self.w3_packed[idx], self.w3_scale[idx], lut)
+        w2 = mxfp4_dequant(self.w2_packed[idx], self.w2_scale[idx], lut)
         hg = torch.einsum("nl,nkil->nki", z, w1)
         hu = torch.einsum("nl,nkil->nki", z, w3)
         act = situ(self.spellings, hg, hu, self.beta, self.linear_beta)

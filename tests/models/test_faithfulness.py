@@ -13,8 +13,8 @@ import pytest
 import torch
 from model_checks import TOL, assert_rel
 
-from k3compile.models import build_model, get_config, mxfp4
-from k3compile.models.k3 import attn_res_mix, situ
+from k3compile.math import depth_mix, e2m1_table, mxfp4_dequant, situ
+from k3compile.models import build_model, get_config
 
 DTYPES = [torch.float32, torch.bfloat16]
 MAX_BATCH, MAX_LEN = 4, 32
@@ -106,7 +106,7 @@ def test_model_dequant_matches_naive():
     gen = torch.Generator().manual_seed(0)
     packed = torch.randint(0, 256, (8, 64), generator=gen, dtype=torch.int32).to(torch.uint8)
     scale = torch.randint(110, 140, (8, 4), generator=gen, dtype=torch.int32).to(torch.uint8)
-    got = mxfp4.dequantize(packed, scale, mxfp4.e2m1_table(dtype=torch.float64))
+    got = mxfp4_dequant(packed, scale, e2m1_table(dtype=torch.float64))
     assert torch.equal(got, nk.dequant_mxfp4(packed, scale))
 
 
@@ -133,7 +133,7 @@ def test_attn_res_mix(model, weights, layer_idx):
         (layer.self_attention_res_norm, layer.self_attention_res_proj, "self_attention_res"),
         (layer.mlp_res_norm, layer.mlp_res_proj, "mlp_res"),
     ):
-        got = attn_res_mix(sources[-1], sources[:-1], norm, proj)
+        got = depth_mix(sources[-1], sources[:-1], norm, proj)
         want = torch.empty(B, T, D, dtype=torch.float64)
         for b in range(B):
             for t in range(T):
@@ -148,7 +148,7 @@ def test_attn_res_mix(model, weights, layer_idx):
 def test_attn_res_mix_without_blocks_is_identity(model):
     layer = _layers(model)[0]
     x = _x((3, 1, model.config.hidden_size), torch.float32)
-    assert attn_res_mix(x, [], layer.self_attention_res_norm, layer.self_attention_res_proj) is x
+    assert depth_mix(x, [], layer.self_attention_res_norm, layer.self_attention_res_proj) is x
 
 
 @pytest.mark.parametrize("layer_idx", [0, 2])

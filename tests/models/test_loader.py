@@ -10,7 +10,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from k3compile.models import build_model, get_config, mxfp4
+from k3compile.math import e2m1_table, mxfp4_dequant
+from k3compile.models import build_model, get_config
 from k3compile.models.loader import load_checkpoint, save_checkpoint, shard_state_dict
 
 CFG = get_config("tiny")
@@ -174,15 +175,15 @@ def test_tp2_slices_follow_the_spec(full, tp_models):
 def test_tp2_expert_slices_dequantise_consistently(full, tp_models):
     """A rank's w2 packed and scale columns cover the same inputs: dequantising each rank's slice
     and concatenating along the input dim gives the full expert."""
-    lut = mxfp4.e2m1_table(dtype=torch.float64)
+    lut = e2m1_table(dtype=torch.float64)
     full_exp = full.language_model.model.layers[2].mlp.experts
-    want = mxfp4.dequantize(full_exp.w2_packed, full_exp.w2_scale, lut)  # [E, L, I]
+    want = mxfp4_dequant(full_exp.w2_packed, full_exp.w2_scale, lut)  # [E, L, I]
     parts = []
     for m in tp_models:
         exp = m.language_model.model.layers[2].mlp.experts
         assert exp.w2_packed.shape == (E, L, INTER // 2 // 2)
         assert exp.w2_scale.shape == (E, L, INTER // 2 // 32)
-        parts.append(mxfp4.dequantize(exp.w2_packed, exp.w2_scale, lut))
+        parts.append(mxfp4_dequant(exp.w2_packed, exp.w2_scale, lut))
     assert torch.equal(torch.cat(parts, -1), want)
 
 

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from k3compile.patterns import linear_concat
 
-import k3compile.ops.linear as linear_op
+import k3compile.ops.linear_concat as linear_concat_op
 from k3compile.rewrite import apply_patterns
 
 from .attention_checks import escape
@@ -100,17 +100,17 @@ def test_mla_g_computed_in_the_graph_is_refused():
 
 
 def test_weights_are_concatenated_once_and_refreshed_when_updated():
-    linear_op.clear_cache()
+    linear_concat_op.clear_cache()
     x, *ws = _kda_args()
     ws = ws[:5]
-    first = linear_op.concatenated(ws)
+    first = linear_concat_op.concatenated(ws)
     torch.ops.k3.linear_concat(x, ws)
-    assert linear_op.concatenated(ws) is first and len(linear_op._CACHE) == 1
-    pair = linear_op.concatenated(ws[:2])  # a second set sharing weights does not evict the first
-    assert linear_op.concatenated(ws) is first and linear_op.concatenated(ws[:2]) is pair
+    assert linear_concat_op.concatenated(ws) is first and len(linear_concat_op._CACHE) == 1
+    pair = linear_concat_op.concatenated(ws[:2])  # a second set sharing weights does not evict the first
+    assert linear_concat_op.concatenated(ws) is first and linear_concat_op.concatenated(ws[:2]) is pair
     ws[1].mul_(2)  # an in-place update (a weight load) bumps the version: both sets are stale
     y = torch.ops.k3.linear_concat(x, ws)
-    assert len(linear_op._CACHE) == 1
+    assert len(linear_concat_op._CACHE) == 1
     torch.testing.assert_close(y[..., W:2 * W], F.linear(x, ws[1]), rtol=0, atol=0)
 
 

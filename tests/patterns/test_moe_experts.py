@@ -7,8 +7,8 @@ import pytest
 import torch
 from k3compile.patterns import moe_experts
 
+from k3compile.math import e2m1_table, mxfp4_dequant, situ
 from k3compile.models import mxfp4
-from k3compile.models.k3 import situ
 
 from .pattern_checks import assert_near_miss, assert_rewritten_equal, rewrite
 
@@ -21,7 +21,7 @@ def _inputs(rows, top_k=2, experts=6, inter=64, latent=96, dtype=torch.bfloat16)
     ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(rows)])
     weights = torch.rand(rows, top_k, generator=g)
     z = torch.randn(rows, latent, generator=g).to(dtype)
-    return [z, ids, weights / weights.sum(-1, keepdim=True), mxfp4.e2m1_table(dtype=dtype),
+    return [z, ids, weights / weights.sum(-1, keepdim=True), e2m1_table(dtype=dtype),
             *w1, *w3, *w2]
 
 
@@ -32,9 +32,9 @@ def experts(z, ids, weights, e2m1, w1p, w1s, w3p, w3s, w2p, w2s):
 
 def _experts(z, ids, weights, e2m1, w1p, w1s, w3p, w3s, w2p, w2s, hidden):
     lut = e2m1.to(z.dtype)
-    w1 = mxfp4.dequantize(w1p[ids], w1s[ids], lut)
-    w3 = mxfp4.dequantize(w3p[ids], w3s[ids], lut)
-    w2 = mxfp4.dequantize(w2p[ids], w2s[ids], lut)
+    w1 = mxfp4_dequant(w1p[ids], w1s[ids], lut)
+    w3 = mxfp4_dequant(w3p[ids], w3s[ids], lut)
+    w2 = mxfp4_dequant(w2p[ids], w2s[ids], lut)
     hg = torch.einsum("nl,nkil->nki", z, w1)
     hu = torch.einsum("nl,nkil->nki", z, w3)
     act = situ(hg, hu, 4.0, 25.0)

@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from k3compile.patterns import situ_gate_up
 
-from k3compile.models.k3 import situ
-from k3compile.ops import gemm
+from k3compile.math import situ
+from k3compile.ops.situ_gate_up import gate_up_weight
 
 from .pattern_checks import assert_near_miss, assert_rewritten_equal, rewrite
 
@@ -35,12 +35,12 @@ def test_rewrites(lead, dtype):
 
 def test_concatenated_weight_is_built_once():
     x, wg, wu = _inputs()
-    first = gemm.gate_up_weight(wg, wu)
-    assert gemm.gate_up_weight(wg, wu) is first
+    first = gate_up_weight(wg, wu)
+    assert gate_up_weight(wg, wu) is first
     torch.ops.k3.situ_gate_up(x, wg, wu, 4.0, 25.0)
-    assert gemm.gate_up_weight(wg, wu) is first
+    assert gate_up_weight(wg, wu) is first
     wg.add_(1.0)  # an in-place update bumps the version: a fresh concatenation
-    assert gemm.gate_up_weight(wg, wu) is not first
+    assert gate_up_weight(wg, wu) is not first
 
 
 def test_escaping_gate_is_a_near_miss():

@@ -1,4 +1,5 @@
-"""The KDA recurrent step of one layer, whole (spec §3.1 steps 3-7; vLLM's fused_kda_decode):
+"""`o = k3.kda_decode(q, k, v, g, graw, b, conv_state!, recurrent_state!, slots, ...)`: the KDA
+recurrent step of one layer, whole (spec §3.1 steps 3-7; vLLM's fused_kda_decode):
 
     window = [conv_state, q|k|v]  ->  conv_state <- last K-1 inputs
     q, k, v = SiLU(depthwise conv(window))                      (fp32 math, cast back)
@@ -9,6 +10,7 @@
 
 T >= 1 tokens per request (T > 1: speculative verify rows, the recurrence sequential over them).
 `slots` picks each request's rows of the state buffers, which are updated in place.
+`k3.fb_kda_decode` is this step with the decay's low-rank up-projection in its prologue.
 """
 
 from __future__ import annotations
@@ -16,11 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from k3compile.ops.norms import rms_norm_ref
-
-
-def _l2norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
+from k3compile.math import delta_rule_step, l2norm, rms_norm
 
 
 def kda_decode_ref(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weight,
@@ -41,23 +39,29 @@ def kda_decode_ref(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_co
     conv = F.silu(conv).to(dtype).transpose(1, 2)  # [B, T, 3W]
     q, k, v = conv.split(W, dim=-1)
 
-    q = _l2norm(q.float().view(B, T, H, K), l2_eps) * q_scale
-    k = _l2norm(k.float().view(B, T, H, K), l2_eps)
+    q = l2norm(q.float().view(B, T, H, K), l2_eps) * q_scale
+    k = l2norm(k.float().view(B, T, H, K), l2_eps)
     v = v.float().view(B, T, H, K)
-    gate = torch.exp(A_log.float()).view(H, 1) * (graw.float().view(B, T, H, K) + dt_bias.view(H, K))
+    gate = torch.exp(A_log.float()).view(H, 1) * (graw.float().view(B, T, H, K)
+                                                   + dt_bias.view(H, K))
     decay = torch.exp(lower_bound * torch.sigmoid(gate))
 
     state = recurrent_state[slots]  # [B, H, K, V] fp32
     outs = []
     for t in range(T):
-        state = state * decay[:, t].unsqueeze(-1)
-        kv = torch.einsum("bhkv,bhk->bhv", state, k[:, t])
-        u = beta[:, t].unsqueeze(-1) * (v[:, t] - kv)
-        state = state + k[:, t].unsqueeze(-1) * u.unsqueeze(-2)
-        outs.append(torch.einsum("bhkv,bhk->bhv", state, q[:, t]))
+        state, o_t = delta_rule_step(state, q, k, v, beta, decay, t)
+        outs.append(o_t)
     recurrent_state[slots] = state
     o = torch.stack(outs, dim=1)  # [B, T, H, V] fp32
-    return rms_norm_ref(o.to(dtype), o_norm_weight, norm_eps) * torch.sigmoid(g.view(B, T, H, K))
+    return rms_norm(o.to(dtype), o_norm_weight, norm_eps) * torch.sigmoid(g.view(B, T, H, K))
+
+
+def kda_decode_fake(q, recurrent_state, g, o_norm_weight) -> torch.Tensor:
+    """The output both KDA decode ops return: [B, T, H, K] in the activations' dtype."""
+    B, T, _ = q.shape
+    H, K = recurrent_state.shape[1], recurrent_state.shape[2]
+    dtype = torch.promote_types(torch.promote_types(o_norm_weight.dtype, q.dtype), g.dtype)
+    return q.new_empty((B, T, H, K), dtype=dtype)
 
 
 @torch.library.custom_op("k3::kda_decode", mutates_args=("conv_state", "recurrent_state"))
@@ -80,34 +84,4 @@ def kda_decode(
 @kda_decode.register_fake
 def _(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weight, k_conv_weight,
       v_conv_weight, A_log, dt_bias, o_norm_weight, lower_bound, l2_eps, q_scale, norm_eps):
-    B, T, _ = q.shape
-    H, K = recurrent_state.shape[1], recurrent_state.shape[2]
-    dtype = torch.promote_types(torch.promote_types(o_norm_weight.dtype, q.dtype), g.dtype)
-    return q.new_empty((B, T, H, K), dtype=dtype)
-
-
-@torch.library.custom_op("k3::fb_kda_decode", mutates_args=("conv_state", "recurrent_state"))
-def fb_kda_decode(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, fa: torch.Tensor,
-    fb_weight: torch.Tensor, b: torch.Tensor, conv_state: torch.Tensor,
-    recurrent_state: torch.Tensor, slots: torch.Tensor, q_conv_weight: torch.Tensor,
-    k_conv_weight: torch.Tensor, v_conv_weight: torch.Tensor, A_log: torch.Tensor,
-    dt_bias: torch.Tensor, o_norm_weight: torch.Tensor, lower_bound: float, l2_eps: float,
-    q_scale: float, norm_eps: float,
-) -> torch.Tensor:
-    """`kda_decode` with the decay's low-rank up-projection in its prologue: graw = fa · W_fbᵀ
-    (fa [B, T, R], W_fb [H·K, R]; R = head_dim, a 128-wide GEMM at K3's sizes)."""
-    graw = F.linear(fa, fb_weight)
-    return kda_decode_ref(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weight,
-                          k_conv_weight, v_conv_weight, A_log, dt_bias, o_norm_weight, lower_bound,
-                          l2_eps, q_scale, norm_eps)
-
-
-@fb_kda_decode.register_fake
-def _(q, k, v, g, fa, fb_weight, b, conv_state, recurrent_state, slots, q_conv_weight,
-      k_conv_weight, v_conv_weight, A_log, dt_bias, o_norm_weight, lower_bound, l2_eps, q_scale,
-      norm_eps):
-    B, T, _ = q.shape
-    H, K = recurrent_state.shape[1], recurrent_state.shape[2]
-    dtype = torch.promote_types(torch.promote_types(o_norm_weight.dtype, q.dtype), g.dtype)
-    return q.new_empty((B, T, H, K), dtype=dtype)
+    return kda_decode_fake(q, recurrent_state, g, o_norm_weight)

@@ -1,0 +1,30 @@
+"""`ids, weights = k3.moe_route(logits, bias, top_k, scaling)`: LatentMoE's bias-corrected top-k
+routing (spec §3.3 step 3; `k3compile.math.route_top_k`):
+
+    ids = top_k(sigmoid(logits) + bias),  w = s[ids] / (Σ s[ids] + 1e-20) · scaling
+"""
+
+from __future__ import annotations
+
+import torch
+
+from k3compile.math import route_top_k
+
+
+def moe_route_ref(logits: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float):
+    return route_top_k(logits.float(), bias, top_k, scaling)
+
+
+@torch.library.custom_op("k3::moe_route", mutates_args=())
+def moe_route(logits: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits fp32 [N, E], bias fp32 [E] -> (ids int64 [N, k], weights fp32 [N, k]).
+    Ties in score + bias may resolve to any of the tied experts."""
+    return moe_route_ref(logits, bias, top_k, scaling)
+
+
+@moe_route.register_fake
+def _(logits, bias, top_k, scaling):
+    n = logits.shape[:-1]
+    return (logits.new_empty((*n, top_k), dtype=torch.int64),
+            logits.new_empty((*n, top_k), dtype=torch.float32))
