@@ -373,6 +373,8 @@ def replacement_mismatch(pattern: Pattern, m: Any, args: list) -> str | None:
 
 
 def _random_like(val: Any, gen: torch.Generator) -> Any:
+    if isinstance(val, (list, tuple)):
+        return type(val)(_random_like(v, gen) for v in val)
     if not isinstance(val, torch.Tensor):
         return val
     shape = [int(d) for d in val.shape]
@@ -398,10 +400,11 @@ def verify_site(pattern: Pattern, site: Any, seed: int = 0,
 
 def _verify_site(pattern: Pattern, values: dict[str, Any], seed: int,
                  expected: Sequence[Any] | None) -> str | None:
-    for val in values.values():
-        if isinstance(val, torch.Tensor) and any(not isinstance(d, int) for d in val.shape):
-            return None  # symbolic shapes: nothing concrete to test at this site
-    device = next((v.device for v in values.values() if isinstance(v, torch.Tensor)), "cpu")
+    tensors = [v for v in torch.utils._pytree.tree_leaves(list(values.values()))
+               if isinstance(v, torch.Tensor)]
+    if any(not isinstance(d, int) for v in tensors for d in v.shape):
+        return None  # symbolic shapes: nothing concrete to test at this site
+    device = tensors[0].device if tensors else "cpu"
     gen = torch.Generator().manual_seed(seed)
     try:
         inputs = (pattern.random_inputs(values) if pattern.random_inputs
