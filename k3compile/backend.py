@@ -22,10 +22,10 @@ import sympy
 import torch
 from torch import fx
 
-from k3compile.stages.contract import ContractReport, check_contract
-from k3compile.settings import Options
 from k3compile.observe import Observer
 from k3compile.pipeline import Pipeline
+from k3compile.settings import Options
+from k3compile.stages.contract import ContractReport, format_contract
 
 log = logging.getLogger("k3compile")
 
@@ -82,7 +82,6 @@ class K3Compiled:
         self.observer = Observer(options.keep_graphs)
         self.pipeline = Pipeline(options, self.observer)
         self.buckets: dict[tuple, _Bucket] = {}
-        self.contracts: dict[int | None, ContractReport] = {}
         self._warned: set[str] = set()
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         self.inputs = self._classify(placeholders, example_inputs)
@@ -181,7 +180,6 @@ class K3Compiled:
     def _compile_bucket(self, key: tuple, inputs: list, batch: int | None) -> _Bucket:
         fn = self.pipeline.compile(self.gm, list(inputs), batch)
         bucket = self.buckets[key] = _Bucket(fn, batch)
-        self.contracts[batch] = check_contract(self.observer, batch, self.options.strict)
         return bucket
 
     def _warn_once(self, key: str, msg: str, *args):
@@ -258,9 +256,12 @@ class K3Compiled:
 
     # ---- reports -----------------------------------------------------------------------------
 
-    def summary(self) -> str:
-        from k3compile.stages.contract import format_contract
+    @property
+    def contracts(self) -> dict[int | None, ContractReport]:
+        """The fusion contract of each compiled bucket (stage `contract`'s report)."""
+        return {b: n["contract"] for b, n in self.observer.notes.items() if "contract" in n}
 
+    def summary(self) -> str:
         lines = []
         for batch, report in self.contracts.items():
             lines.append(format_contract(report, batch))

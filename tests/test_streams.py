@@ -8,6 +8,7 @@ weights and each other, with nothing they touch reused before the join."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import operator
 import re
@@ -107,6 +108,24 @@ def test_shared_branch_on_side_stream(compiled):
 
 def test_schedule_has_no_hazard(compiled):
     assert hazards(compiled[2]) == []
+
+
+def test_check_stage_runs_the_hazard_checker(compiled):
+    """Stage `check` (after `streams` and `prefetch`) runs `hazards` on the graph they made: the
+    schedule the test above found clean passed it, and a broken one fails it."""
+    from k3compile.settings import Options
+    from k3compile.stages import Context
+    from k3compile.stages.check import InvariantError, check
+
+    records = next(iter(k3be.last_compiled().observer.records.values()))
+    names = [r.name for r in records]
+    assert names.index("streams") < names.index("prefetch") < names.index("check")
+    graph = copy.deepcopy(compiled[2])
+    gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+    shared = next(n for n in graph.nodes if n.target is SHARED and n.kwargs.get("stream"))
+    shared.kwargs = {**shared.kwargs, "stream": 0}  # runs on main; the schedule says side
+    with pytest.raises(InvariantError, match="stream"):
+        check(gm, Context(Options(), None))
 
 
 def _check_stream_arguments(graph):

@@ -8,13 +8,17 @@ from k3compile.rewrite.engine import (
     NearMiss,
     Pattern,
     Reverted,
+    Rewrite,
     RewriteReport,
     apply_patterns,
     module_path,
+    revert,
     tensor_meta,
+    verify_rewrites,
     verify_site,
     with_signature,
 )
 
-__all__ = ["NEUTRAL", "Hit", "NearMiss", "Pattern", "Reverted", "RewriteReport",
-           "apply_patterns", "module_path", "tensor_meta", "verify_site", "with_signature"]
+__all__ = ["NEUTRAL", "Hit", "NearMiss", "Pattern", "Reverted", "Rewrite", "RewriteReport",
+           "apply_patterns", "module_path", "revert", "tensor_meta", "verify_rewrites",
+           "verify_site", "with_signature"]

@@ -1,7 +1,7 @@
 """The rewrite engine: patterns written as plain torch code, traced, matched on the functional ATen
 graph and replaced by one `torch.ops.k3.*` call each.
 
-Invariants (checked by the pipeline's last stage):
+Invariants (checked by the pipeline's `check` stage):
 * the graph stays functional except for the declared state buffers (index_put_ / copy_ into
   graph inputs that Inductor's functionalization put back);
 * every node a rewrite creates carries `meta["val"]`.
@@ -11,6 +11,13 @@ node metadata, the scalars captured as keyword arguments (eps), an optional batc
 The registry's order (`patterns/__init__.py`) is the priority order. Each application records
 hits per pattern and, for sites that resemble a pattern but did not rewrite, a near miss naming
 the node and the failed condition.
+
+A replacement never changes what the graph says a value is: one whose outputs differ in dtype,
+shape or device from the matched nodes' `meta["val"]` is refused (a near miss with the reason),
+so a pattern traced in one dtype cannot take a site of another (issue 18: `moe_front[float32]`'s
+fp32 logits at a bf16 site). Every rewrite is recorded (`Rewrite`) so the `verify` stage can
+check it numerically afterwards and `revert` it: the pattern's search, traced at the site, is
+spliced back in place of the replacement.
 """
 
 from __future__ import annotations
@@ -136,6 +143,23 @@ class Reverted:
     error: str
 
 
+@dataclasses.dataclass(eq=False)
+class Rewrite:
+    """One rewrite as `apply_patterns` made it: what the `verify` stage needs to check it on
+    random inputs shaped like the site and to splice the unfused computation back."""
+
+    pattern: Pattern
+    hit: Hit
+    args: list  # the site's arguments (graph nodes, lists of them, literals), pattern.argnames order
+    values: dict[str, Any]  # their meta["val"] (fake tensors) or literal values, by argument name
+    site: list  # the matched outputs' meta["val"] leaves: what the graph says the site computes
+    outputs: list  # the replacement's output leaves, in the search's output order
+    nodes: list  # the nodes the replacement added
+    uses: list  # per output: (user, leaf index) uses the matched output had before the rewrite
+    stack: Any = None  # the site's nn_module_stack
+    consumed_by: Rewrite | None = None  # a later rewrite whose match took some of `nodes`
+
+
 @dataclasses.dataclass
 class RewriteReport:
     hits: list[Hit] = dataclasses.field(default_factory=list)
@@ -143,6 +167,7 @@ class RewriteReport:
     reverted: list[Reverted] = dataclasses.field(default_factory=list)  # failed verification
     verified: int = 0
     deferred: dict[str, str] = dataclasses.field(default_factory=dict)  # op -> why not applied
+    rewrites: list[Rewrite] = dataclasses.field(default_factory=list)  # in the order made
 
     @property
     def counts(self) -> collections.Counter:
@@ -154,6 +179,7 @@ class RewriteReport:
         self.reverted += other.reverted
         self.verified += other.verified
         self.deferred.update(other.deferred)
+        self.rewrites += other.rewrites
 
 
 def _cone_ops(node: fx.Node, limit: int) -> collections.Counter:
@@ -184,17 +210,17 @@ def _resembles(pattern: Pattern, node: fx.Node) -> bool:
 
 def apply_patterns(graph: fx.Graph, patterns: Sequence[Pattern], batch: int | None = None,
                    enabled: Callable[[str], bool] = lambda name: True,
-                   verify: bool = False,
                    deferred: Callable[[Pattern], str | None] | None = None,
                    kernels_only: bool = False) -> RewriteReport:
     """Match every pattern, in priority order, at every node of the graph; replace the matches
-    that pass their check (and, with `verify`, agree numerically with the unfused pattern on
-    fresh random inputs of the site's shapes). `deferred(pattern)` names a reason to skip a
-    pattern for this graph (its op has no kernel on the graph's device), recorded per op; with
-    `kernels_only`, a site whose kernel refuses it (`Pattern.kernel_refusal`) is deferred so too.
-    Returns hits, near misses, reverted sites and deferred ops."""
+    that pass their check and whose replacement computes what the graph's metadata says the
+    site computes (dtype, shape, device of every output). `deferred(pattern)` names a reason to
+    skip a pattern for this graph (its op has no kernel on the graph's device), recorded per op;
+    with `kernels_only`, a site whose kernel refuses it (`Pattern.kernel_refusal`) is deferred so
+    too. Returns hits, near misses, deferred ops and every rewrite made (for `verify_rewrites`)."""
     report = RewriteReport()
     neutral_sites: set[str] = set()  # nodes a NEUTRAL op (a plain GEMM) took
+    made_by: dict[fx.Node, Rewrite] = {}  # node a replacement added -> its rewrite
     for pattern in patterns:
         if not enabled(pattern.name):
             continue
@@ -224,27 +250,18 @@ def apply_patterns(graph: fx.Graph, patterns: Sequence[Pattern], batch: int | No
                 report.near_misses.append(NearMiss(pattern.name, node.name, f"kernel refused: {reason} "
                                                    "(left to Inductor)", module_path(node)))
                 continue
-            where, stack = module_path(node), node.meta.get("nn_module_stack")
             args = [m.kwargs[a] for a in pattern.argnames]
-            if verify:
-                error = verify_site(pattern, m)
-                if error is not None:
-                    report.reverted.append(Reverted(pattern.name, node.name, where, error))
-                    log.warning("k3 verify: %s at %s reverted: %s", pattern.name, where or node.name, error)
-                    continue
-                report.verified += 1
-            before = set(graph.nodes)
-            m.replace_by_example(pattern.replace, args)
-            # the nodes the replacement added (torch 2.11's replace_by_example returns None)
-            new_nodes = [n for n in graph.nodes if n not in before]
-            # the replacement goes before the site's first output, which can precede the
-            # definition of another input (W_UK is cut from kv_b after q is split): reorder
-            inductor.stable_topological_sort(graph)
-            for n in new_nodes:
-                n.meta["k3_pattern"] = pattern.name
-                if stack is not None:
-                    n.meta["nn_module_stack"] = stack
-            report.hits.append(Hit(pattern.name, node.name, where, pattern.op))
+            if reason := replacement_mismatch(pattern, m, args):
+                report.near_misses.append(NearMiss(pattern.name, node.name, f"replacement refused: {reason}",
+                                                   module_path(node)))
+                continue
+            rewrite = _replace(graph, pattern, m, args, node)
+            for taken in m.nodes:  # a later fusion over an earlier one's op (fb_kda_decode, ...)
+                if (earlier := made_by.get(taken)) is not None and earlier.consumed_by is None:
+                    earlier.consumed_by = rewrite
+            made_by.update((n, rewrite) for n in rewrite.nodes)
+            report.rewrites.append(rewrite)
+            report.hits.append(rewrite.hit)
             if pattern.op.split(".")[-1] in NEUTRAL:
                 neutral_sites.update(n.name for n in m.nodes)
     graph.eliminate_dead_code()
@@ -255,7 +272,109 @@ def apply_patterns(graph: fx.Graph, patterns: Sequence[Pattern], batch: int | No
     return report
 
 
+def _keep(*_):  # the target of a temporary node that holds the replacement's outputs
+    return None
+
+
+def _leaf_uses(node: fx.Node) -> list[tuple[fx.Node, int]]:
+    """(user, index among the user's flattened args and kwargs) for every use of node."""
+    out = []
+    for user in node.users:
+        leaves = torch.utils._pytree.tree_leaves((user.args, user.kwargs))
+        out += [(user, i) for i, leaf in enumerate(leaves) if leaf is node]
+    return out
+
+
+def _replace(graph: fx.Graph, pattern: Pattern, m: Any, args: list, node: fx.Node) -> Rewrite:
+    """m.replace_by_example, recording what the rewrite did (a `Rewrite`)."""
+    where, stack = module_path(node), node.meta.get("nn_module_stack")
+    olds = m.output_nodes()
+    site = [v for o in olds if isinstance(o, fx.Node)
+            for v in torch.utils._pytree.tree_leaves(o.meta.get("val"))]
+    uses = [_leaf_uses(o) if isinstance(o, fx.Node) else [] for o in olds]
+    values = {name: (a.meta.get("val") if isinstance(a, fx.Node)
+                     else fx.map_arg(a, lambda n: n.meta.get("val"))) for name, a in zip(pattern.argnames, args)}
+    before = set(graph.nodes)
+    # a node holding the outputs learns their replacements (Inductor rewires it with the other
+    # users); not where one output node stands for several values (rewired through getitems)
+    plain = all(o is None or isinstance(o.meta.get("val"), torch.Tensor) for o in olds)
+    holder = graph.call_function(_keep, tuple(olds)) if plain else None
+    m.replace_by_example(pattern.replace, args)
+    outputs = list(holder.args) if holder is not None else []
+    if holder is not None:
+        graph.erase_node(holder)
+    # the nodes the replacement added (torch 2.11's replace_by_example returns None)
+    new_nodes = [n for n in graph.nodes if n not in before]
+    # the replacement goes before the site's first output, which can precede the definition of
+    # another input (W_UK is cut from kv_b after q is split): reorder
+    inductor.stable_topological_sort(graph)
+    for n in new_nodes:
+        n.meta["k3_pattern"] = pattern.name
+        if stack is not None:
+            n.meta["nn_module_stack"] = stack
+    hit = Hit(pattern.name, node.name, where, pattern.op)
+    return Rewrite(pattern, hit, args, values, site, outputs, new_nodes, uses, stack)
+
+
+def _fake_mode(values: Sequence[Any]):
+    leaves = [v for v in torch.utils._pytree.tree_leaves(list(values)) if isinstance(v, torch.Tensor)]
+    mode = torch._guards.detect_fake_mode(leaves)
+    if mode is None:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+    return mode
+
+
+def _same_size(a: Any, b: Any) -> bool:
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return bool(statically_known_true(a == b))
+
+
+def _describe_val(v: Any) -> str:
+    if not isinstance(v, torch.Tensor):
+        return repr(v)
+    return f"{str(v.dtype).removeprefix('torch.')}{list(v.shape)} on {v.device.type}"
+
+
+def output_mismatch(got: Sequence[Any], want: Sequence[Any]) -> str | None:
+    """Where the values `got` differ from `want` in count, dtype, shape or device (None: they
+    agree; a value of unknown metadata agrees with anything)."""
+    if len(got) != len(want):
+        return f"{len(got)} outputs where the site has {len(want)}"
+    for i, (g, w) in enumerate(zip(got, want)):
+        if not isinstance(g, torch.Tensor) or not isinstance(w, torch.Tensor):
+            continue
+        if (g.dtype != w.dtype or g.device.type != w.device.type or g.dim() != w.dim()
+                or not all(_same_size(a, b) for a, b in zip(g.shape, w.shape))):
+            return f"output {i} is {_describe_val(g)} where the graph has {_describe_val(w)}"
+    return None
+
+
+def replacement_mismatch(pattern: Pattern, m: Any, args: list) -> str | None:
+    """Run the replacement on the site's fake values: why its outputs are not what the matched
+    nodes' meta["val"] say (dtype, shape, device), or None."""
+    site = [v for o in m.output_nodes() if isinstance(o, fx.Node)
+            for v in torch.utils._pytree.tree_leaves(o.meta.get("val"))]
+    if not site or any(v is None for v in site):
+        return None  # nothing recorded to compare with
+    vals = [fx.map_arg(a, lambda n: n.meta.get("val")) for a in args]
+    if any(isinstance(a, fx.Node) and v is None for a, v in zip(args, vals)):
+        return None
+    try:
+        with _fake_mode(vals):
+            got = torch.utils._pytree.tree_leaves(pattern.replace(*vals))
+    except Exception as e:  # noqa: BLE001  (a replacement that cannot run here cannot replace)
+        return f"the replacement raised {type(e).__name__} on the site's metadata: {e}"
+    return output_mismatch(got, site)
+
+
 def _random_like(val: Any, gen: torch.Generator) -> Any:
+    if isinstance(val, (list, tuple)):
+        return type(val)(_random_like(v, gen) for v in val)
     if not isinstance(val, torch.Tensor):
         return val
     shape = [int(d) for d in val.shape]
@@ -266,22 +385,26 @@ def _random_like(val: Any, gen: torch.Generator) -> Any:
     return torch.zeros(shape, dtype=val.dtype)
 
 
-def verify_site(pattern: Pattern, match: Any, seed: int = 0) -> str | None:
+def verify_site(pattern: Pattern, site: Any, seed: int = 0,
+                expected: Sequence[Any] | None = None) -> str | None:
     """Run the unfused pattern and the fused replacement on the same fresh random inputs of the
-    site's shapes; None when they agree within the pattern's tolerance, else the error."""
+    site's shapes (`site`: a match, or the site's argument values by name); None when they agree
+    in dtype, shape and value (within the pattern's tolerance), and with `expected` (the
+    metadata of the site's outputs) in dtype and shape, else the error."""
+    values = site if isinstance(site, dict) else {
+        n: (site.kwargs[n].meta.get("val") if isinstance(site.kwargs[n], fx.Node) else site.kwargs[n])
+        for n in pattern.argnames}
     with inductor.unset_fake_temporarily():  # compile runs under fake mode; this needs real data
-        return _verify_site(pattern, match, seed)
+        return _verify_site(pattern, values, seed, expected)
 
 
-def _verify_site(pattern: Pattern, match: Any, seed: int) -> str | None:
-    values = {}
-    for name in pattern.argnames:
-        arg = match.kwargs[name]
-        val = arg.meta.get("val") if isinstance(arg, fx.Node) else arg
-        if isinstance(val, torch.Tensor) and any(not isinstance(d, int) for d in val.shape):
-            return None  # symbolic shapes: nothing concrete to test at this site
-        values[name] = val
-    device = next((v.device for v in values.values() if isinstance(v, torch.Tensor)), "cpu")
+def _verify_site(pattern: Pattern, values: dict[str, Any], seed: int,
+                 expected: Sequence[Any] | None) -> str | None:
+    tensors = [v for v in torch.utils._pytree.tree_leaves(list(values.values()))
+               if isinstance(v, torch.Tensor)]
+    if any(not isinstance(d, int) for v in tensors for d in v.shape):
+        return None  # symbolic shapes: nothing concrete to test at this site
+    device = tensors[0].device if tensors else "cpu"
     gen = torch.Generator().manual_seed(seed)
     try:
         inputs = (pattern.random_inputs(values) if pattern.random_inputs
@@ -293,7 +416,13 @@ def _verify_site(pattern: Pattern, match: Any, seed: int) -> str | None:
             got = torch.utils._pytree.tree_leaves(pattern.replace(*clone(inputs)))
     except Exception as e:  # a replacement that cannot run is as bad as a wrong one
         return f"raised {type(e).__name__}: {e}"
+    if len(want) != len(got):
+        return f"{len(got)} outputs, the pattern has {len(want)}"
     for i, (w, g) in enumerate(zip(want, got)):
+        if not isinstance(w, torch.Tensor) or not isinstance(g, torch.Tensor):
+            if w != g:
+                return f"output {i}: {g!r} != {w!r}"
+            continue
         if w.shape != g.shape or w.dtype != g.dtype:
             return f"output {i}: {g.dtype}{list(g.shape)} != {w.dtype}{list(w.shape)}"
         tol = pattern.tolerance.get(w.dtype, 0.0)
@@ -303,7 +432,132 @@ def _verify_site(pattern: Pattern, match: Any, seed: int) -> str | None:
                 return f"output {i}: relative error {err:.3g} > {tol:.3g}"
         elif not torch.equal(w, g):
             return f"output {i}: integer outputs differ"
+    if expected is not None and (why := output_mismatch(got, list(expected))):
+        return f"against the site's metadata: {why}"
     return None
+
+
+def verify_rewrites(graph: fx.Graph, report: RewriteReport, seed: int = 0) -> None:
+    """Verify mode: check every rewrite in `report` (`verify_site`, against the site's metadata
+    too) and revert each one that fails, splicing the pattern's search back at its site. A
+    rewrite a failing one's op was fused into (`consumed_by`) is reverted first, then the failing
+    one where the later search put its op back. Updates the report: `verified`, `reverted`, and
+    a reverted rewrite's hit removed."""
+    failed: dict[Rewrite, str] = {}
+    for rw in report.rewrites:
+        error = verify_site(rw.pattern, rw.values, seed, rw.site)
+        if error is None:
+            report.verified += 1
+        else:
+            failed[rw] = error
+    undo = dict(failed)
+    for rw in failed:  # what was built on a failing rewrite goes with it
+        later = rw.consumed_by
+        while later is not None and later not in undo:
+            undo[later] = f"built on {rw.pattern.name}'s op at {rw.hit.node}, which failed"
+            later = later.consumed_by
+    for rw in reversed(report.rewrites):  # latest first
+        if rw not in undo:
+            continue
+        error = undo[rw]
+        why = revert(graph, rw, report.rewrites)
+        if why is not None:
+            error += f" (NOT reverted: {why})"
+        else:
+            report.hits = [h for h in report.hits if h is not rw.hit]
+        report.reverted.append(Reverted(rw.pattern.name, rw.hit.node, rw.hit.module, error))
+        log.warning("k3 verify: %s at %s reverted: %s", rw.pattern.name,
+                    rw.hit.module or rw.hit.node, error)
+    if undo:
+        graph.eliminate_dead_code()
+
+
+def _search_trace(pattern: Pattern):
+    if pattern.joint_passes:
+        return inductor.fwd_only_joint
+    return inductor.fwd_only_fake if pattern.fake_trace else inductor.fwd_only
+
+
+def revert(graph: fx.Graph, rw: Rewrite, rewrites: Sequence[Rewrite] = ()) -> str | None:
+    """Splice the unfused computation back in place of rewrite `rw`: the pattern's search traced
+    on the site's values, its outputs taking the replacement's uses. An earlier rewrite of
+    `rewrites` whose op `rw` had consumed finds its op again in what was spliced back (so it can
+    be reverted next). None when done, else why it cannot be."""
+    if not rw.outputs:
+        return "its outputs were not recorded"
+    if rw.consumed_by is not None and any(n._erased for n in rw.nodes):
+        return f"a later rewrite ({rw.consumed_by.pattern.name}) holds its op"
+    live = [n for n in rw.nodes if not n._erased]
+    if any(isinstance(o, fx.Node) and o._erased for o in rw.outputs) or not live:
+        return "its outputs are no longer in the graph"
+    vals = [fx.map_arg(a, lambda n: n.meta["val"]) for a in rw.args]
+    with _fake_mode(vals):
+        gm = _search_trace(rw.pattern)(rw.pattern.search, vals)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    leaves = torch.utils._pytree.tree_leaves(rw.args)
+    if len(placeholders) != len(leaves):
+        return f"the search traced {len(placeholders)} inputs for {len(leaves)} arguments"
+    before = set(graph.nodes)
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    with graph.inserting_before(min(live, key=order.__getitem__)):
+        result = graph.graph_copy(gm.graph, dict(zip(placeholders, leaves)))
+    new = torch.utils._pytree.tree_leaves(result)
+    if len(new) != len(rw.outputs):
+        return f"the search gave {len(new)} outputs for the replacement's {len(rw.outputs)}"
+    made = set(rw.nodes)
+    for i, (old, value) in enumerate(zip(rw.outputs, new)):
+        if old in made:
+            old.replace_all_uses_with(value)
+        else:  # the replacement passed an input through (a state it updates in place)
+            for user, leaf in rw.uses[i]:
+                if user._erased:
+                    continue
+                flat, spec = torch.utils._pytree.tree_flatten((user.args, user.kwargs))
+                flat[leaf] = value
+                user.args, user.kwargs = torch.utils._pytree.tree_unflatten(flat, spec)
+    for n in reversed(rw.nodes):
+        if not n._erased and not n.users:
+            graph.erase_node(n)
+    spliced = [n for n in graph.nodes if n not in before]
+    for n in spliced:
+        n.meta["k3_reverted"] = rw.pattern.name
+        if rw.stack is not None:
+            n.meta["nn_module_stack"] = rw.stack
+    for earlier in rewrites:
+        if earlier.consumed_by is rw:
+            _relocate(earlier, spliced)
+    inductor.stable_topological_sort(graph)
+    return None
+
+
+def _relocate(rw: Rewrite, spliced: list[fx.Node]) -> bool:
+    """Point `rw` at the twins of its erased nodes among `spliced` (same target, same arguments
+    up to the nodes already mapped): a later rewrite took its op, and reverting that one put an
+    equal op back."""
+    mapping: dict[fx.Node, fx.Node] = {}
+    pool = list(spliced)
+    for n in rw.nodes:
+        if not n._erased:
+            continue
+        args = fx.map_arg((n.args, n.kwargs), lambda a: mapping.get(a, a))
+        twin = next((s for s in pool if s.target == n.target
+                     and _same_args((s.args, s.kwargs), args)), None)
+        if twin is None:
+            return False
+        pool.remove(twin)
+        mapping[n] = twin
+    rw.nodes = [mapping.get(n, n) for n in rw.nodes]
+    rw.outputs = [mapping.get(o, o) for o in rw.outputs]
+    rw.uses = [[(mapping.get(u, u), i) for u, i in uses] for uses in rw.uses]
+    rw.consumed_by = None
+    return True
+
+
+def _same_args(a: Any, b: Any) -> bool:
+    la, sa = torch.utils._pytree.tree_flatten(a)
+    lb, sb = torch.utils._pytree.tree_flatten(b)
+    return len(la) == len(lb) and all(x is y if isinstance(x, fx.Node) or isinstance(y, fx.Node)
+                                      else x == y for x, y in zip(la, lb))
 
 
 def _describe(x: Any) -> str:
@@ -332,7 +586,9 @@ def tensor_meta(node: Any) -> torch.Tensor | None:
     return node.meta.get("val") if isinstance(node, fx.Node) else None
 
 
-__all__ = ["Hit", "NearMiss", "Pattern", "RewriteReport", "apply_patterns", "module_path", "tensor_meta"]
+__all__ = ["Hit", "NearMiss", "Pattern", "Rewrite", "RewriteReport", "apply_patterns", "module_path",
+           "output_mismatch", "replacement_mismatch", "revert", "tensor_meta", "verify_rewrites",
+           "verify_site"]
 
 
 def with_signature(fn: Callable[..., Any], names: Sequence[str]) -> Callable[..., Any]:

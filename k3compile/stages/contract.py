@@ -1,5 +1,5 @@
-"""The fusion contract: each layer template declares the fused ops it expects; after compiling,
-plan vs actual per layer. A shortfall warns, or raises with `strict`.
+"""Stage `contract`, the fusion contract: each layer template declares the fused ops it expects;
+after the other stages, plan vs actual per layer. A shortfall warns, or raises with `strict`.
 
 Templates (spec §5): `dense` (layer 0: KDA + dense SiTU MLP), `kda_moe`, `mla_moe`, `last` (the
 last layer: MLA + MoE, as mla_moe) and `final`, the model's own final depth mix + norm
@@ -172,14 +172,18 @@ def layer_ops(graph: fx.Graph) -> dict[int, tuple[collections.Counter, collectio
     return {layer: (fused[layer], other[layer]) for layer in templates}
 
 
-def check_contract(observer, batch, strict: bool) -> ContractReport:
-    rec = observer.stage("check", batch) if observer.records.get(batch) else None
-    graph = observer.graphs.get(batch)
-    if graph is None and rec is None:
-        return ContractReport([])
+def contract(gm: fx.GraphModule, ctx) -> fx.GraphModule:
+    """The stage: plan vs actual on the final graph, in the notes as "contract" (the backend's
+    `contracts`); a shortfall warns, or raises with `Options.strict`."""
+    ctx.notes["contract"] = check_contract(gm.graph, ctx.report, ctx.options.strict)
+    return gm
+
+
+def check_contract(graph: fx.Graph, rewrites=None, strict: bool = False) -> ContractReport:
+    """Plan vs actual per layer of `graph`; `rewrites` (a RewriteReport) names the ops deferred
+    on this device (reported, not a shortfall)."""
     templates = layer_templates(graph)
     ops = layer_ops(graph)
-    rewrites = observer.reports.get(batch)
     deferred = frozenset(rewrites.deferred) if rewrites is not None else frozenset()
     layers = [LayerReport(layer, t, PLANS.get(t, {}), *ops[layer], deferred=deferred)
               for layer, t in templates.items()]

@@ -140,3 +140,9 @@ def pack_concatenated(graph: fx.Graph, inputs: list) -> PackReport:
             report.saved_bytes += buffer.nbytes
     log.info("k3 pack: %s", report)
     return report
+
+
+def pack(gm: fx.GraphModule, ctx) -> fx.GraphModule:
+    """The stage (on with `Options.pack_weights`), last: it moves real weights."""
+    ctx.notes["pack"] = pack_concatenated(gm.graph, ctx.inputs)
+    return gm

@@ -209,3 +209,14 @@ def insert_prefetches(graph: fx.Graph, l2: int, joins: bool = True,
                                     "gemms": gemms, "stream": stream}
         out.append(Prefetch(node, anchor.name, names, nbytes, gemms, stream))
     return out
+
+
+def prefetch(gm: fx.GraphModule, ctx) -> fx.GraphModule:
+    """The stage. Beside fused collectives on stream 2 where side streams are on: the prefetch's
+    call names its stream, and fork/join order it by data dependence in whatever order Inductor
+    launches."""
+    ctx.notes["prefetch"] = insert_prefetches(gm.graph, l2_bytes(ctx.options.l2_bytes, gm.graph),
+                                               joins=ctx.options.prefetch_on_join,
+                                               beside=ctx.options.side_streams)
+    gm.recompile()
+    return gm

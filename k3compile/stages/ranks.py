@@ -128,3 +128,9 @@ def check_ranks(graph: fx.Graph, batch: int | None = None, options=None) -> str 
             raise RanksDiffer(f"k3: tensor-parallel ranks compiled different graphs (bucket "
                               f"{batch}); rank 0 {first[0]} vs rank {rank} {other[0]}:\n{text}")
     return first[0]
+
+
+def ranks(gm: fx.GraphModule, ctx) -> fx.GraphModule:
+    """The stage (on with `Options.check_ranks`): every TP rank compiled the same graph."""
+    ctx.notes["ranks"] = check_ranks(gm.graph, ctx.batch, ctx.options)
+    return gm

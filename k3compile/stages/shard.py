@@ -196,3 +196,10 @@ def _as_words(graph, part: fx.Node, like) -> fx.Node:
 
 def _getitems(node) -> dict[int, fx.Node]:
     return {u.args[1]: u for u in node.users if u.target is operator.getitem}
+
+
+def shard(gm: fx.GraphModule, ctx) -> fx.GraphModule:
+    """The stage: shard what pays under the graph's TP group (policy `Options.shard_moe`)."""
+    ctx.notes["shard"] = shard_replicated(gm.graph, policy=ctx.options.shard_moe)
+    gm.recompile()
+    return gm

@@ -340,3 +340,10 @@ def _disagreements(graph: fx.Graph) -> list[str]:
             out.append(f"{n.name}: scheduled on stream {meta}, but has no stream argument: "
                        "runs on the main stream")
     return out
+
+
+def streams(gm: fx.GraphModule, ctx) -> fx.GraphModule:
+    """The stage (on with `Options.side_streams`): each MoE layer's shared experts on stream 1."""
+    ctx.notes["streams"] = schedule_shared_experts(gm.graph)
+    gm.recompile()
+    return gm

@@ -11,7 +11,7 @@ from k3compile.patterns import attn_res_mix_norm as arm
 import k3compile.ops  # noqa: F401
 from k3compile.math import rms_norm
 from k3compile.rewrite import inductor
-from k3compile.rewrite import apply_patterns
+from k3compile.rewrite import apply_patterns, verify_rewrites
 
 
 def _graph(fn, *args):
@@ -89,9 +89,12 @@ def test_verify_reverts_a_wrong_replacement(inputs):
     wrong.replace = lambda *a: tuple(t * 1.5 for t in broken.replace(*a))  # a buggy kernel
     gm = _graph(lambda *a: _mix(*a), *inputs)
     want = gm(*inputs)
-    report = apply_patterns(gm.graph, [wrong], verify=True)
+    report = apply_patterns(gm.graph, [wrong])
+    assert report.hits and len(report.rewrites) == 1
+    verify_rewrites(gm.graph, report)  # what stage `verify` does
     gm.recompile()
-    assert not report.hits and len(report.reverted) == 1
+    assert not report.hits and len(report.reverted) == 1 and report.verified == 0
+    assert not any("k3." in str(n.target) for n in gm.graph.nodes)
     assert "relative error" in report.reverted[0].error
     for g, w in zip(gm(*inputs), want):
         torch.testing.assert_close(g, w, rtol=0, atol=0)
@@ -121,10 +124,10 @@ def test_deferred_pattern_is_skipped_and_recorded(inputs):
 
 def test_cpu_graphs_defer_nothing(inputs):
     from k3compile.settings import Options
-    from k3compile.pipeline import _deferral
+    from k3compile.stages.fuse import deferral
 
     gm = _graph(lambda *a: _mix(*a), *inputs)
-    assert _deferral(gm.graph, Options()) is None  # CPU: the references are the kernels
+    assert deferral(gm.graph, Options()) is None  # CPU: the references are the kernels
 
 
 def test_contract_does_not_count_deferred_ops_as_missing():

@@ -1,0 +1,55 @@
+"""Stage `fuse`: every enabled pattern, in priority order (`k3compile.patterns.all_patterns`),
+applied by the rewrite engine; each rewrite is recorded in the context's report for stage
+`verify`. Stage `writeback` (after `verify`, which may splice unfused code back) drops the
+functional write-backs that the fused state-updating ops took over."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import fx
+
+from k3compile.rewrite import apply_patterns
+
+
+def fuse(gm: fx.GraphModule, ctx) -> fx.GraphModule:
+    from k3compile.patterns import all_patterns  # patterns trace on first use, not at import
+
+    deferred = deferral(gm.graph, ctx.options)
+    report = apply_patterns(gm.graph, all_patterns(), ctx.batch, ctx.options.pattern_enabled,
+                            deferred=deferred, kernels_only=deferred is not None)
+    ctx.report.merge(report)
+    gm.recompile()
+    return gm
+
+
+def deferral(graph: fx.Graph, options) -> Callable | None:
+    """On a CUDA graph, skip the patterns whose op has no GPU kernel yet (unless
+    `fuse_without_kernels`): its reference would run op by op, slower than Inductor's code for
+    the unfused subgraph; likewise a site its kernel refuses (`kernels_only`). CPU graphs fuse
+    everything (the references are the CPU kernels)."""
+    on_cuda = any(isinstance(v := n.meta.get("val"), torch.Tensor) and v.is_cuda
+                  for n in graph.nodes if n.op == "placeholder")
+    if not on_cuda or options.fuse_without_kernels:
+        return None
+    from k3compile.kernels import cuda_ops
+
+    ready = cuda_ops()
+    return lambda p: (None if p.op.split(".")[-1] in ready
+                      else "no CUDA kernel yet (its torch reference would run op by op)")
+
+
+def writeback(gm: fx.GraphModule, ctx) -> fx.GraphModule:
+    drop_self_copies(gm.graph)
+    gm.recompile()
+    return gm
+
+
+def drop_self_copies(graph: fx.Graph) -> None:
+    """A k3 op that updates a state buffer in place (KDA state, MLA cache) takes over the graph's
+    functional write-back: `copy_(buf, index_put(buf, ...))` became `copy_(buf, buf)`: gone."""
+    for node in list(graph.nodes):
+        if (node.target is torch.ops.aten.copy_.default and node.args[0] is node.args[1]
+                and not node.users):
+            graph.erase_node(node)
