@@ -14,7 +14,7 @@ source benchmarks/device_call.sh "${1:-out}"  # $OUT, PYTHONPATH, the DSL check,
 graph=
 if [ "${GRAPH:-1}" != 0 ]; then
   timeout "${GRAPH_TIMEOUT:-200}" python3 -m pytest -q -p no:cacheprovider \
-    tests/backend/test_cuda_graphs.py > "$OUT/graph_tests.log" 2>&1 &
+    tests/e2e/test_cuda_graphs.py > "$OUT/graph_tests.log" 2>&1 &
   graph=$!
 fi
 # KERNEL_TESTS: which test files (default all); the kernels' compiles are CPU-bound and the

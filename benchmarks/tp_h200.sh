@@ -19,7 +19,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 GPUS=$(nvidia-smi -L | wc -l)
 lane_last() {
   step tests "${GRAPH_TIMEOUT:-150}" python3 -m pytest -q -rA -p no:cacheprovider \
-    ${TESTS:-tests/backend/test_cuda_graphs.py}
+    ${TESTS:-tests/e2e/test_cuda_graphs.py}
   if [ -n "${BENCH:-}" ]; then
     step bench "${BENCH_TIMEOUT:-90}" python3 benchmarks/$BENCH --out "$OUT/bench.json"
   fi

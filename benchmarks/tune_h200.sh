@@ -9,7 +9,7 @@
 # Each step has its own timeout (seconds: TESTS_TIMEOUT, MOE_TIMEOUT, GEMM_TIMEOUT).
 source benchmarks/device_call.sh "${1:-out}"  # $OUT, PYTHONPATH, the DSL check, step()
 step tests "${TESTS_TIMEOUT:-120}" python3 -m pytest -q -p no:cacheprovider -n 6 \
-  ${TESTS:-tests/backend/test_cuda_graphs.py tests/kernels/test_composite.py}
+  ${TESTS:-tests/e2e/test_cuda_graphs.py tests/kernels/test_composite.py}
 step moe_sweep "${MOE_TIMEOUT:-110}" python3 benchmarks/moe_experts.py --sweep \
   --batches "${MOE_BATCHES:-1,8,64}" --out "$OUT"
 cp kernels/gemm_tc_tuned.json "$OUT/gemm_tc_tuned.json"

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from k3compile.rewrite import Pattern, tensor_meta
 
 # (B, T) of the examples: the einsum's graph has two forms, one when B or T is 1 and one when
-# neither is; no casts, so one trace serves every dtype (tests/patterns checks every (B, T, dtype)
+# neither is; no casts, so one trace serves every dtype (tests/fusions checks every (B, T, dtype)
 # traces to one of these).
 SIZES = ((1, 1), (2, 2))
 H, N, R, V, Q, C = 2, 8, 4, 8, 16, 12  # tracing sizes; matching ignores sizes

@@ -17,7 +17,7 @@ from k3compile.ops import registry
 from k3compile.rewrite import Pattern, tensor_meta
 
 # (B, T) of the examples: the einsum's graph has two forms, one when B == T == 1 and one for every
-# other B, T; no casts, so one trace serves every dtype (tests/patterns checks every (B, T, dtype)
+# other B, T; no casts, so one trace serves every dtype (tests/fusions checks every (B, T, dtype)
 # traces to one of these).
 SIZES = ((1, 1), (2, 2))
 H, N, V, C, L = 2, 8, 8, 12, 6  # tracing sizes; matching ignores sizes

@@ -30,7 +30,7 @@ computes bit for bit what the reference computes, up to the CPU eager kernels' o
 models), and `F.silu`'s vectorised kernel may differ from
 `x * sigmoid(x)` by an ulp in eager. `topk_sort` picks the same set as `topk` unless two biased
 scores tie. Which spellings the backend fuses as it fuses the reference is the business of
-`tests/patterns/test_robustness.py`.
+`tests/e2e/test_spellings.py`.
 """
 
 from __future__ import annotations

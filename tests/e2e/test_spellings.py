@@ -42,7 +42,7 @@ from k3compile.models import build_model, get_config
 from tests.conftest import TOL, rel_err
 from tests.models.k3_variant import SPELLINGS, to_variant
 
-from .attention_checks import one_thread  # noqa: F401
+from tests.fusions.attention_checks import one_thread  # noqa: F401
 
 # Every template (dense, kda_moe, mla_moe, last) in 4 layers, as in test_attention_plan
 CFG = dataclasses.replace(get_config("tiny"), num_hidden_layers=4, full_attn_layers=(2, 3))

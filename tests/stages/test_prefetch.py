@@ -161,7 +161,7 @@ def test_inductor_wrapper_keeps_the_prefetch_between_fork_and_join():
 
     from k3compile.observe import Observer
     from k3compile.pipeline import Pipeline
-    from tests.test_streams import check_side_calls, wrapper_calls
+    from tests.stages.test_streams import check_side_calls, wrapper_calls
 
     pipeline = Pipeline(Options.make({"executor": "inductor", "side_streams": True}), Observer())
     gm = torch.fx.symbolic_trace(fused_step)

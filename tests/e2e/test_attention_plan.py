@@ -18,7 +18,7 @@ from k3compile.models import build_model, get_config
 from k3compile.rewrite import module_path
 from tests.conftest import TOL, rel_err
 
-from .attention_checks import one_thread  # noqa: F401
+from tests.fusions.attention_checks import one_thread  # noqa: F401
 
 ATTENTION_OPS = ("rms_norm", "linear_concat", "kda_decode", "fb_kda_decode", "mla_lowrank_norm",
                  "mla_q_absorb", "mla_decode", "mla_uv_gate")
