@@ -7,10 +7,11 @@ condition that failed. One explanation serves two callers:
   (`explain`: every pattern of the missing op tried, read only, at the layer's anchors in the
   graph the pipeline received).
 
-A site resembles a pattern when the anchor's inputs, as deep as the pattern's search graph
-reaches (breadth first: a depth-first cut at the pattern's node count wandered off into the
-producers on wide graphs and missed the site), hold every distinctive op of the pattern and 85%
-of its ops. Reasons name the node (`view_41 (view bfloat16[2, 256] @ layers.0.mlp)`); a
+A site resembles a pattern when the anchor's inputs hold every distinctive op of the pattern and
+85% of its ops. The inputs are cut two ways: while rewriting, at the pattern's node count (tight:
+few sites qualify, which keeps the record short); where the contract proves a fusion missing, as
+deep as the pattern's search graph reaches, breadth first (the tight cut can wander off into the
+producers on a wide graph and miss the very site to explain). Reasons name the node (`view_41 (view bfloat16[2, 256] @ layers.0.mlp)`); a
 reason's `kind` leaves out node names and sizes, so that sites failing alike group together.
 """
 
@@ -101,21 +102,42 @@ def reach(pattern) -> int:
     return depth(pattern) + 2
 
 
-def resembles(pattern, inputs: dict[fx.Node, int]) -> bool:
-    """`inputs`: the anchor's cone as deep as the pattern reaches (`cone(anchor, reach(p))`)."""
-    have, want = cone_ops(inputs), pattern.op_signature
+def _covers(pattern, have: collections.Counter) -> bool:
+    """The one resemblance test: every distinctive op of the pattern, and 85% of its ops."""
+    want = pattern.op_signature
     if any(have[k] < want[k] for k in pattern.distinctive):
         return False
     return sum(min(v, have[k]) for k, v in want.items()) >= 0.85 * sum(want.values())
 
 
+def resembles(pattern, inputs: dict[fx.Node, int]) -> bool:
+    """`inputs`: the anchor's cone as deep as the pattern reaches (`cone(anchor, reach(p))`)."""
+    return _covers(pattern, cone_ops(inputs))
+
+
+def _nearest(node: fx.Node, limit: int) -> list[fx.Node]:
+    """The engine's cut: the first `limit` nodes of a depth-first walk up the node's inputs."""
+    seen, todo, out = {node}, [node], []
+    while todo and len(seen) < limit:
+        n = todo.pop()
+        out.append(n)
+        for a in n.all_input_nodes:
+            if a not in seen:
+                seen.add(a)
+                todo.append(a)
+    return out
+
+
 def failed(pattern, node: fx.Node, failure: Any, module: str = "") -> NearMiss | None:
     """The engine's near miss for a failed match at an anchor, or None where the site does not
-    resemble the pattern."""
-    inputs = cone(node, reach(pattern))
-    if not resembles(pattern, inputs):
+    resemble the pattern. While rewriting, the cone is cut at the pattern's size (the site's
+    inputs counted too: an op with 16 inputs, the KDA step, would otherwise spend the budget on
+    them before reaching its prologue's ops): every variant is tried at every anchor, and the
+    wider cone of `explain` would record most of them at most sites."""
+    budget = sum(pattern.op_signature.values()) + len(pattern.argnames) + 8
+    if not _covers(pattern, cone_ops(_nearest(node, budget))):
         return None
-    reason, kind, _ = explain_failure(failure, inputs)
+    reason, kind, _ = explain_failure(failure, cone(node, reach(pattern)))
     return NearMiss(pattern.name, node.name, reason, module, kind)
 
 
