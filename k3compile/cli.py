@@ -8,7 +8,8 @@ from collections.abc import Sequence
 
 # subcommand -> (module with `add_arguments(parser)` setting `run`, one-line help)
 COMMANDS = {
-    "diff": ("k3compile.diff", "what the k3 backend did to a model's graph, per layer template"),
+    "diff": ("k3compile.tools.diff.cli",
+             "what the k3 backend did to a model's graph, per layer template"),
 }
 
 

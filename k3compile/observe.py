@@ -1,19 +1,25 @@
 """The observer: one wrapper around every pipeline stage that records wall time, op histograms
 before/after, a printed copy of the graph and the rewrite report, per bucket. The fusion
-contract and the graph-diff tool read what it records."""
+contract reads what it records; tools subscribe to it (`Observer.subscribe`) to see every
+stage as it runs, e.g. the graph a bucket enters the pipeline with (the stages rewrite it in
+place)."""
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from torch import fx
 
 from k3compile.rewrite import RewriteReport
+
+if TYPE_CHECKING:
+    from k3compile.stages import Context
 
 log = logging.getLogger("k3compile")
 
@@ -33,8 +39,28 @@ def op_histogram(graph: fx.Graph) -> collections.Counter:
         for n in graph.nodes if n.op == "call_function")
 
 
+@dataclasses.dataclass(frozen=True)
+class StageEvent:
+    """What a subscriber sees, twice per stage: before it runs (`record` None; `gm` the graph it
+    receives) and after (`record` the stage's record; `gm` the graph it returned). The graph is
+    the pipeline's own, rewritten in place by later stages: copy what you keep."""
+
+    observer: Observer
+    batch: int | None  # the bucket being compiled
+    stage: str
+    gm: fx.GraphModule
+    record: StageRecord | None = None
+    first: bool = False  # before the bucket's first stage: `gm` is the graph the pipeline received
+
+
+Listener = Callable[[StageEvent], None]
+
+
 class Observer:
-    """Records every stage of every compiled bucket: time, op histograms, graph text."""
+    """Records every stage of every compiled bucket: time, op histograms, graph text; calls the
+    subscribed listeners around each stage."""
+
+    _listeners: ClassVar[list[Listener]] = []
 
     def __init__(self, keep_graphs: bool = True):
         self.keep_graphs = keep_graphs
@@ -43,13 +69,32 @@ class Observer:
         self.notes: dict[int | None, dict[str, Any]] = {}  # what each stage reported, by bucket
         self.graphs: dict[int | None, fx.Graph] = {}  # the final graph of each bucket
 
+    @classmethod
+    @contextlib.contextmanager
+    def subscribe(cls, listener: Listener) -> Iterator[Listener]:
+        """Call `listener(event)` before and after every stage that any Observer of this process
+        runs while the block is open (the backend makes its observers inside `torch.compile`, so
+        the subscription is per process, not per observer). Yields the listener."""
+        cls._listeners.append(listener)
+        try:
+            yield listener
+        finally:
+            cls._listeners.remove(listener)
+
+    def _notify(self, event: StageEvent) -> None:
+        for listener in list(self._listeners):
+            listener(event)
+
     def run(self, name: str, stage: Callable, gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
+        self._notify(StageEvent(self, ctx.batch, name, gm, first=not self.records.get(ctx.batch)))
         before = op_histogram(gm.graph)
         t0 = time.perf_counter()
         gm = stage(gm, ctx) or gm
         seconds = time.perf_counter() - t0
         text = gm.print_readable(print_output=False) if self.keep_graphs else ""
-        self.records[ctx.batch].append(StageRecord(name, seconds, before, op_histogram(gm.graph), text))
+        record = StageRecord(name, seconds, before, op_histogram(gm.graph), text)
+        self.records[ctx.batch].append(record)
+        self._notify(StageEvent(self, ctx.batch, name, gm, record))
         log.debug("stage %s (batch %s): %.3fs", name, ctx.batch, seconds)
         return gm
 

@@ -24,8 +24,16 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from k3compile.math import (delta_rule_step, depth_mix, e2m1_table, l2norm, mxfp4_experts,
-                            rms_norm, route_top_k, situ)
+from k3compile.math import (
+    delta_rule_step,
+    depth_mix,
+    e2m1_table,
+    l2norm,
+    mxfp4_experts,
+    rms_norm,
+    route_top_k,
+    situ,
+)
 from k3compile.models import mxfp4
 from k3compile.models.config import K3Config
 

@@ -33,20 +33,13 @@ from typing import Any
 import torch
 from torch import fx
 
-from k3compile.rewrite import inductor
+from k3compile.rewrite import inductor, near_miss
+from k3compile.rewrite.near_miss import NearMiss, module_path
 
 # ops outside the fusion plans: the plain GEMMs `patterns/linear.py` takes after every fusion
 NEUTRAL = frozenset({"linear"})
 
 log = logging.getLogger("k3compile.rewrite")
-
-
-@dataclasses.dataclass(frozen=True)
-class NearMiss:
-    pattern: str
-    node: str  # the node the match was tried at
-    reason: str  # which node and which condition failed
-    module: str = ""  # the model's module path at that node, when known
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,20 +112,7 @@ class Pattern:
         self.expr  # noqa: B018 (traces the search graph)
         out = next(n for n in self._search_gm.graph.nodes if n.op == "output")
         first = torch.utils._pytree.tree_leaves(out.args[0])[0]
-        return _cone_ops(first, len(self._search_gm.graph.nodes) + 1)
-
-
-def _opname(node: fx.Node) -> str:
-    t = node.target
-    return getattr(t, "__name__", str(t)).split(".")[0]
-
-
-def module_path(node: fx.Node) -> str:
-    stack = node.meta.get("nn_module_stack")
-    if not stack:
-        return ""
-    path = list(stack.values())[-1][0]
-    return path.replace("L['self'].", "").replace("L__self___", "")
+        return near_miss.cone_ops(near_miss.cone(first, len(self._search_gm.graph.nodes)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,32 +162,6 @@ class RewriteReport:
         self.rewrites += other.rewrites
 
 
-def _cone_ops(node: fx.Node, limit: int) -> collections.Counter:
-    seen, todo, ops = {node}, [node], collections.Counter()
-    while todo and len(seen) < limit:
-        n = todo.pop()
-        if n.op == "call_function":
-            ops[_opname(n)] += 1
-        for a in n.all_input_nodes:
-            if a not in seen:
-                seen.add(a)
-                todo.append(a)
-    return ops
-
-
-def _resembles(pattern: Pattern, node: fx.Node) -> bool:
-    """A site resembles a pattern when the node's input cone, cut at the pattern's size, holds
-    every distinctive op and most of the pattern's ops."""
-    want = pattern.op_signature
-    # the cut counts the site's inputs too, so the budget does: an op with 16 inputs (the KDA
-    # step) would otherwise spend it on them before reaching its prologue's ops
-    have = _cone_ops(node, sum(want.values()) + len(pattern.argnames) + 8)
-    if any(have[k] < want[k] for k in pattern.distinctive):
-        return False
-    covered = sum(min(v, have[k]) for k, v in want.items())
-    return covered >= 0.85 * sum(want.values())
-
-
 def apply_patterns(graph: fx.Graph, patterns: Sequence[Pattern], batch: int | None = None,
                    enabled: Callable[[str], bool] = lambda name: True,
                    deferred: Callable[[Pattern], str | None] | None = None,
@@ -237,8 +191,8 @@ def apply_patterns(graph: fx.Graph, patterns: Sequence[Pattern], batch: int | No
                 continue
             m = inductor.match(pattern.expr, node)
             if not m:
-                if _resembles(pattern, node):
-                    report.near_misses.append(NearMiss(pattern.name, node.name, _reason(m), module_path(node)))
+                if (nm := near_miss.failed(pattern, node, m, module_path(node))) is not None:
+                    report.near_misses.append(nm)
                 continue
             reason = pattern.check(m) if pattern.check else None
             if reason:
@@ -558,28 +512,6 @@ def _same_args(a: Any, b: Any) -> bool:
     lb, sb = torch.utils._pytree.tree_flatten(b)
     return len(la) == len(lb) and all(x is y if isinstance(x, fx.Node) or isinstance(y, fx.Node)
                                       else x == y for x, y in zip(la, lb))
-
-
-def _describe(x: Any) -> str:
-    if isinstance(x, fx.Node):
-        val = x.meta.get("val")
-        kind = _opname(x) if x.op == "call_function" else x.op
-        shape = f" {str(val.dtype).replace('torch.', '')}{list(val.shape)}" if isinstance(val, torch.Tensor) else ""
-        return f"{x.name} ({kind}{shape})"
-    fns = getattr(x, "fns", None)
-    if fns:
-        return "/".join(getattr(f, "__name__", str(f)) for f in fns)
-    return repr(x) if len(repr(x)) < 60 else type(x).__name__
-
-
-def _reason(failed: Any) -> str:
-    """FailedMatch -> 'which node, which condition' without the whole pattern repr."""
-    kw = getattr(failed, "kwargs", {}) or {}
-    head = getattr(failed, "format_string", str(failed)).split(":")[0]
-    if "node" in kw and "pattern" in kw:
-        return f"{head}: {_describe(kw['node'])} where the pattern expects {_describe(kw['pattern'])}"
-    text = str(failed)
-    return text if len(text) < 200 else text[:197] + "..."
 
 
 def tensor_meta(node: Any) -> torch.Tensor | None:

@@ -1,1 +1,1 @@
-"""User tools: the graph-diff report (`k3compile diff`)."""
+"""User tools: the graph-diff report (`k3compile diff`, `k3compile.tools.diff`)."""

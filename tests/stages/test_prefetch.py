@@ -112,7 +112,7 @@ def _fused_inputs():
 
 
 def test_fused_collective_prefetch_runs_on_a_side_stream():
-    from k3compile import diff
+    from k3compile.tools.diff.layers import stream_info
     from k3compile.stages.streams import happens_before, hazards
 
     graph = inductor.fwd_only_fake(fused_step, _fused_inputs()).graph
@@ -147,7 +147,7 @@ def test_fused_collective_prefetch_runs_on_a_side_stream():
     hb = happens_before(graph)
     assert hb.has_edge(fork, node) and hb.has_edge(node, join)
     assert hazards(graph) == []
-    (point,) = diff._stream_info([node], {})[2]
+    (point,) = stream_info([node], {})[2]
     assert point.text() == (f"k3.prefetch_l2 beside {anchor.name} on stream {SIDE} @ ?: "
                             "2 weights, 0.05 MiB (w_a_1, w_b_1)")
 

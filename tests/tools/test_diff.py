@@ -10,16 +10,20 @@ check wants a compile-time float); layer 4 has layer 2's structure and stays int
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
 from torch import fx
 
-from k3compile import backend, cli, diff
-from k3compile.stages.contract import FINAL
+from k3compile import backend, cli
 from k3compile.models import build_model, get_config
 from k3compile.models.k3 import RMSNorm
+from k3compile.stages.contract import FINAL
+from k3compile.tools import diff
+from k3compile.tools.diff.layers import stream_info
 
 
 class LeakyNorm(RMSNorm):
@@ -183,7 +187,7 @@ def test_streams_and_prefetch_points():
     mm = g.call_function(torch.ops.aten.mm.default, (x, w))
     mm.meta["k3_stream"] = 1
     join = g.call_function(torch.ops.k3difftest.stream_join.default, (mm,))
-    streams, sync, points = diff._stream_info([prefetch, mm, join], {"arg1_1": "layers.1.w"})
+    streams, sync, points = stream_info([prefetch, mm, join], {"arg1_1": "layers.1.w"})
     assert streams == Counter({("1", "mm"): 1})
     assert sync == ["k3difftest.stream_join @ ?"]
     assert [pf.text() for pf in points] == ["k3difftest.prefetch_l2 @ ?: 1 weights (layers.1.w)"]
@@ -196,3 +200,91 @@ def test_ops_left_unfused_on_the_device_are_reported(broken):
     shown = dataclasses.replace(bucket, deferred={"kda_decode": "no CUDA kernel yet"})
     text = diff.format_text(dataclasses.replace(report, buckets=[shown]), color=False)
     assert "left unfused on this device: kda_decode (no CUDA kernel yet)" in text
+
+
+def test_met_templates_do_not_list_their_near_misses(broken):
+    report, bucket, _ = broken
+    met = [t for t in bucket.templates
+           if not any(bucket.layers[i].shortfall for i in t.layers)
+           and any(bucket.layers[i].near_misses for i in t.layers)]
+    assert met, "the broken model has a template that meets its plan and records near misses"
+    text = diff.format_text(report, color=False)
+    every = diff.format_text(report, color=False, near_misses="all")
+    for t in met:
+        block = text.split(f"--- {t.id} ")[1].split("\n---")[0]
+        assert "recorded, none listed: the plan is met here" in block
+        assert "e.g. layer" not in block
+        assert "e.g. layer" in every.split(f"--- {t.id} ")[1].split("\n---")[0]
+    short = bucket.layers[2]  # the refused eps: its template lists the misses
+    assert short.shortfall and "check refused: norm_eps" in text
+
+
+def test_observer_subscription_sees_every_stage():
+    from k3compile.observe import Observer
+
+    g = fx.Graph()
+    x = g.placeholder("x")
+    g.output(g.call_function(torch.ops.aten.relu.default, (x,)))
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    ctx = type("Ctx", (), {"batch": 4})()
+    events = []
+    obs = Observer()
+    with Observer.subscribe(events.append):
+        obs.run("a", lambda gm, ctx: gm, gm, ctx)
+        obs.run("b", lambda gm, ctx: gm, gm, ctx)
+    obs.run("c", lambda gm, ctx: gm, gm, ctx)  # after the block: no listener
+    assert [(e.stage, e.record is None, e.first, e.batch) for e in events] == [
+        ("a", True, True, 4), ("a", False, False, 4), ("b", True, False, 4), ("b", False, False, 4)]
+    assert events[1].record is obs.records[4][0] and events[0].gm is gm
+    assert Observer._listeners == []
+
+
+# issue 22: every bad argument is one argparse error line (exit status 2), before any compile
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--layers", "0"], "argument --layers: must be at least 1, got 0"),
+    (["--layers", "99"], "--layers 99: config tiny has 6 layers"),
+    (["--world-size", "0"], "argument --world-size: must be at least 1, got 0"),
+    (["--option", "executor=foo"],
+     "argument --option: executor must be 'inductor' or 'aten', got 'foo'"),
+    (["--executor", "inductor", "--option", "executor=aten"],
+     "--executor inductor contradicts --option executor=aten"),
+    (["--option", "nope=1"], "argument --option: unknown k3 backend options ['nope']"),
+    (["--option", "verify"], "argument --option: 'verify' is not KEY=VALUE"),
+    (["--batch", "0"], "argument --batch: must be at least 1, got 0"),
+    (["--batch", "two"], "argument --batch: 'two' is not an integer"),
+    (["--batch", "100"], ("--batch 100 is above the largest bucket 64 (it would run uncompiled): "
+                          "add a bucket with --option buckets=[...]")),
+    (["--T", "0"], "argument --T: must be at least 1, got 0"),
+    (["--dtype", "nope"], ("argument --dtype: invalid choice: 'nope' (choose from 'bfloat16', "
+                           "'float16', 'float32')")),
+    (["--option", "buckets=[1,x]"], ("argument --option: buckets=[1,x]: not a JSON list of "
+                                     "positive batch sizes (e.g. buckets=[1,2,4])")),
+    (["--option", "buckets=3"], ("argument --option: buckets=3: not a JSON list of positive "
+                                 "batch sizes (e.g. buckets=[1,2,4])")),
+    (["--option", "buckets=[]"], "argument --option: buckets must be positive batch sizes, got []"),
+    (["--config", "nope"], ("--config nope: unknown config 'nope'; known: ['k3', 'k3_tp16', "
+                            "'k3_tp8', 'small', 'tiny']")),
+    (["--model", "nomodule"], "--model nomodule: wants module:factory, got 'nomodule'"),
+    (["--stages", "input", "nope"], ("--stages: unknown stage nope; the stages: input, normalize, "
+                                     "fuse, shard, streams, prefetch, verify, check, ranks, pack")),
+])
+def test_bad_arguments_are_one_line_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["diff", *argv])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.splitlines()[-1] == f"k3compile diff: error: {message}"
+
+
+def test_readme_sample_is_the_generated_report():
+    """README's excerpt is the start of docs/diff_example.txt (regenerated by
+    `python -m k3compile.diff --config tiny --batch 2 --color never > docs/diff_example.txt`),
+    times aside."""
+    root = Path(__file__).resolve().parent.parent
+    readme = (root / "README.md").read_text()
+    sample = readme.split("\n```\nk3compile diff: ", 1)[1].split("\n```", 1)[0]
+    sample = ("k3compile diff: " + sample).splitlines()
+    example = (root / "docs" / "diff_example.txt").read_text().splitlines()
+    times = re.compile(r"\d+\.\d+ ?s\b")
+    assert [times.sub("#s", x) for x in sample] == [times.sub("#s", x) for x in example[:len(sample)]]

@@ -1,0 +1,270 @@
+"""Near misses: sites that resemble a pattern but were not rewritten, each with the node and the
+condition that failed. One explanation serves two callers:
+
+* the engine, while it rewrites (`failed`: a match failed at an anchor; a refused check or
+  kernel is recorded by the engine as `NearMiss(..., "check refused: ...")`);
+* the diff tool, where the fusion contract fell short and the engine recorded nothing
+  (`explain`: every pattern of the missing op tried, read only, at the layer's anchors in the
+  graph the pipeline received).
+
+A site resembles a pattern when the anchor's inputs hold every distinctive op of the pattern and
+85% of its ops. The inputs are cut two ways: while rewriting, at the pattern's node count (tight:
+few sites qualify, which keeps the record short); where the contract proves a fusion missing, as
+deep as the pattern's search graph reaches, breadth first (the tight cut can wander off into the
+producers on a wide graph and miss the very site to explain). Reasons name the node (`view_41 (view bfloat16[2, 256] @ layers.0.mlp)`); a
+reason's `kind` leaves out node names and sizes, so that sites failing alike group together.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import re
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import fx
+
+_SIZES = re.compile(r"\[[\d, ]*\]|\b\d+\b")
+_depths: dict[int, tuple[Any, int]] = {}  # id(pattern) -> (pattern, depth): patterns are unhashable
+
+
+@dataclasses.dataclass(frozen=True)
+class NearMiss:
+    pattern: str
+    node: str  # the node the match was tried at
+    reason: str  # which node and which condition failed
+    module: str = ""  # the model's module path at that node, when known
+    kind: str = ""  # the reason without node names and sizes (derived when not given)
+
+    def __post_init__(self):
+        if not self.kind:
+            object.__setattr__(self, "kind", _SIZES.sub("#", self.reason))
+
+
+def op_name(node: fx.Node) -> str:
+    """`mm`, `getitem`, `attn_res_mix_norm`: the op without namespace or overload."""
+    t = node.target
+    if isinstance(t, torch._ops.OpOverload):
+        return t._opname
+    return getattr(t, "__name__", str(t)).split(".")[0]
+
+
+def op_label(node: fx.Node) -> str:
+    """The observer's op naming (`mul.Tensor`, `k3.rms_norm.default`), Python operators by name."""
+    t = node.target
+    if isinstance(t, torch._ops.OpOverload):
+        return str(t).replace("aten.", "").replace(".default", "")
+    return getattr(t, "__name__", str(t))
+
+
+def module_path(node: fx.Node) -> str:
+    """The model module a node came from (`language_model.model.layers.1.mlp.gate`), or ""."""
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    return path.replace("L['self'].", "").replace("L__self___", "")
+
+
+def cone(node: fx.Node, max_depth: int) -> dict[fx.Node, int]:
+    """The node's inputs, transitively, up to max_depth edges away, with their distance."""
+    dist, todo = {node: 0}, collections.deque([node])
+    while todo:
+        n = todo.popleft()
+        if dist[n] >= max_depth:
+            continue
+        for a in n.all_input_nodes:
+            if a not in dist:
+                dist[a] = dist[n] + 1
+                todo.append(a)
+    return dist
+
+
+def cone_ops(nodes: Iterable[fx.Node]) -> collections.Counter:
+    return collections.Counter(op_name(n) for n in nodes if n.op == "call_function")
+
+
+def depth(pattern) -> int:
+    """The longest input-to-output path of the pattern's search graph."""
+    if (hit := _depths.get(id(pattern))) is not None and hit[0] is pattern:
+        return hit[1]
+    pattern.expr  # noqa: B018 (traces the search graph)
+    d: dict[fx.Node, int] = {}
+    for n in pattern._search_gm.graph.nodes:
+        d[n] = 1 + max((d[a] for a in n.all_input_nodes), default=-1)
+    _depths[id(pattern)] = (pattern, out := max(d.values(), default=0))
+    return out
+
+
+def reach(pattern) -> int:
+    return depth(pattern) + 2
+
+
+def _covers(pattern, have: collections.Counter) -> bool:
+    """The one resemblance test: every distinctive op of the pattern, and 85% of its ops."""
+    want = pattern.op_signature
+    if any(have[k] < want[k] for k in pattern.distinctive):
+        return False
+    return sum(min(v, have[k]) for k, v in want.items()) >= 0.85 * sum(want.values())
+
+
+def resembles(pattern, inputs: dict[fx.Node, int]) -> bool:
+    """`inputs`: the anchor's cone as deep as the pattern reaches (`cone(anchor, reach(p))`)."""
+    return _covers(pattern, cone_ops(inputs))
+
+
+def _nearest(node: fx.Node, limit: int) -> list[fx.Node]:
+    """The engine's cut: the first `limit` nodes of a depth-first walk up the node's inputs."""
+    seen, todo, out = {node}, [node], []
+    while todo and len(seen) < limit:
+        n = todo.pop()
+        out.append(n)
+        for a in n.all_input_nodes:
+            if a not in seen:
+                seen.add(a)
+                todo.append(a)
+    return out
+
+
+def failed(pattern, node: fx.Node, failure: Any, module: str = "") -> NearMiss | None:
+    """The engine's near miss for a failed match at an anchor, or None where the site does not
+    resemble the pattern. While rewriting, the cone is cut at the pattern's size (the site's
+    inputs counted too: an op with 16 inputs, the KDA step, would otherwise spend the budget on
+    them before reaching its prologue's ops): every variant is tried at every anchor, and the
+    wider cone of `explain` would record most of them at most sites."""
+    budget = sum(pattern.op_signature.values()) + len(pattern.argnames) + 8
+    if not _covers(pattern, cone_ops(_nearest(node, budget))):
+        return None
+    reason, kind, _ = explain_failure(failure, cone(node, reach(pattern)))
+    return NearMiss(pattern.name, node.name, reason, module, kind)
+
+
+# ---- reasons ------------------------------------------------------------------------------------
+
+def value_type(node: fx.Node) -> str:
+    """`bfloat16[2, 256]`, a tuple of them, or "" (from meta["val"])."""
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return f"{str(val.dtype).replace('torch.', '')}{list(val.shape)}"
+    if isinstance(val, (tuple, list)):
+        return "(" + ", ".join(f"{str(v.dtype).replace('torch.', '')}{list(v.shape)}"
+                               for v in val if isinstance(v, torch.Tensor)) + ")"
+    return ""
+
+
+def describe(node: fx.Node, module: str = "") -> str:
+    """`view_41 (view bfloat16[2, 256] @ language_model.model.layers.0.mlp)`."""
+    kind = op_label(node) if node.op == "call_function" else node.op
+    parts = [kind, value_type(node), f"@ {module}" if module else ""]
+    return f"{node.name} ({' '.join(p for p in parts if p)})"
+
+
+def _expected(pattern: Any) -> str:
+    fns = getattr(pattern, "fns", None)
+    if fns:
+        return "/".join(str(f) for f in fns)
+    return repr(pattern) if len(repr(pattern)) < 60 else type(pattern).__name__
+
+
+def _mismatch(node: Any, expected: str) -> tuple[str, str]:
+    if isinstance(node, fx.Node):
+        site = describe(node, module_path(node))
+        return (f"function_mismatch: {site} where the pattern expects {expected}",
+                f"function_mismatch: a {op_label(node)} where the pattern expects {expected}")
+    return (f"function_mismatch: the constant {node!r} where the pattern expects {expected}",
+            f"function_mismatch: a constant where the pattern expects {expected}")
+
+
+def _one_line(reason: str) -> tuple[str, str]:
+    if reason.startswith("args_structure"):  # two printed TreeSpecs, many lines
+        text = ("args_structure: the arguments are structured unlike the pattern's (another "
+                "list length: another variant's site)")
+        return text, text
+    reason = " ".join(reason.split())
+    reason = reason if len(reason) < 200 else reason[:197] + "..."
+    return reason, _SIZES.sub("#", reason)
+
+
+def explain_failure(failure: Any, inputs: dict[fx.Node, int]) -> tuple[str, str, int]:
+    """Inductor's FailedMatch as (reason, kind) and how deep the match got before it failed
+    (`inputs`: the anchor's cone; FailedMatch prints the whole pattern, this names the node)."""
+    head = getattr(failure, "format_string", "").split(":")[0].split(" ")[0] or "no match"
+    args, kw = getattr(failure, "args", ()), getattr(failure, "kwargs", {}) or {}
+    if head == "function_mismatch" and (len(args) == 2 or {"node", "pattern"} <= set(kw)):
+        node, pat = args if len(args) == 2 else (kw["node"], kw["pattern"])
+        return (*_mismatch(node, _expected(pat)),
+                inputs.get(node, 1) if isinstance(node, fx.Node) else 1)
+    if head == "multiple_users" and args:
+        fns = set(getattr(args[0], "fns", ()))
+        for n, d in sorted(inputs.items(), key=lambda kv: kv[1]):
+            if d and n.op == "call_function" and n.target in fns and len(n.users) > 1:
+                users = ", ".join(u.name for u in n.users)
+                tail = "users; an intermediate the pattern would absorb is also used outside it"
+                site = describe(n, module_path(n))
+                reason = f"multiple_users: {site} has {len(n.users)} {tail} ({users})"
+                return reason, f"multiple_users: a {op_label(n)} has {len(n.users)} {tail}", d
+        text = (f"multiple_users: a {_expected(args[0])} the pattern would absorb is also used "
+                "outside it")
+        return text, text, 1
+    return (*_one_line(str(failure)), 1)
+
+
+# ---- where a planned fusion is missing ----------------------------------------------------------
+
+def _outcome(p, m, enabled: Callable[[str], bool], bucket: int | None,
+             hits: dict[str, str]) -> str:
+    """Why a pattern that matches the site did not fire."""
+    if not enabled(p.name):
+        return "pattern disabled by options (disabled_patterns)"
+    if p.buckets and bucket is not None and not p.buckets[0] <= bucket <= p.buckets[1]:
+        return f"bucket {bucket} is outside the pattern's buckets {p.buckets}"
+    refused = p.check(m) if p.check else None
+    if refused:
+        return f"check refused: {refused}"
+    taken = sorted({hits[n.name] for n in m.nodes if n.name in hits})
+    if taken:
+        return f"matches the input graph, but {', '.join(taken)} rewrote part of the site first"
+    return "matches the input graph but did not fire"
+
+
+def explain(nodes: Sequence[fx.Node], family: Sequence, enabled: Callable[[str], bool],
+            bucket: int | None, hits: dict[str, str]) -> list[NearMiss]:
+    """Why none of `family` (the patterns of one missing op) fired at `nodes` (the layer's nodes
+    in the graph the pipeline received: read only, the site as the patterns first saw it).
+    Every pattern is tried at every anchor; the attempts that got furthest are kept, one record
+    per site and failure, variants folded into the first name. `hits`: rewritten anchor node ->
+    pattern (a site the family rewrote is no miss; one another pattern took first is named)."""
+    tries = []
+    names = {p.name for p in family}
+    cones: dict[tuple[fx.Node, int], dict[fx.Node, int]] = {}
+    for p in family:
+        anchors = p.anchors
+        for node in nodes:
+            if node.target not in anchors:
+                continue
+            m = p.expr.match(node)
+            if m and any(hits.get(n.name) in names for n in m.nodes):
+                continue  # the family did fire here
+            if m:
+                outcome = _outcome(p, m, enabled, bucket, hits)
+                tries.append((1000 + len(m.nodes), p.name, node, (outcome, outcome)))
+                continue
+            key = (node, reach(p))
+            inputs = cones.get(key) or cones.setdefault(key, cone(node, key[1]))
+            if resembles(p, inputs):
+                reason, kind, how_far = explain_failure(m, inputs)
+                tries.append((how_far, p.name, node, (reason, kind)))
+    best = max((t[0] for t in tries), default=None)
+    sites: dict[tuple[fx.Node, tuple[str, str]], list[str]] = collections.defaultdict(list)
+    for how_far, name, node, reason in tries:
+        if how_far == best:
+            sites[(node, reason)].append(name)
+    return [NearMiss(found[0] + (f" (+{len(found) - 1} variants)" if len(found) > 1 else ""),
+                     node.name, reason, module_path(node), kind)
+            for (node, (reason, kind)), found in sites.items()]
+
+
+__all__ = ["NearMiss", "cone", "cone_ops", "describe", "explain", "explain_failure", "failed",
+           "module_path", "op_label", "op_name", "resembles", "value_type"]
