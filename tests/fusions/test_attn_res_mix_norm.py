@@ -1,0 +1,93 @@
+"""attn_res_mix_norm: the Attention-Residual depth mix (stack, RMS-normalised scores against the
+pseudo-query, softmax over sources, fp32 weighted sum) and the RMSNorm after it, with and without
+the prefix add, per number of completed blocks and per dtype."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from k3compile.patterns import attn_res_mix_norm
+
+from k3compile.math import depth_mix_weights, rms_norm
+
+from .pattern_checks import assert_near_miss, assert_rewritten_equal, rewrite
+
+D, MIX_EPS, NORM_EPS = 64, 1e-6, 1e-5  # two eps, so the op's arguments show which was captured
+PATTERNS = attn_res_mix_norm.patterns()  # traced once, on first use
+
+
+def _inputs(n_blocks=2, with_delta=True, dtype=torch.bfloat16, norm_width=D):
+    g = torch.Generator().manual_seed(n_blocks)
+    rnd = lambda *s: torch.randn(*s, generator=g).to(dtype)
+    acts = [rnd(3, 1, D) for _ in range(1 + with_delta + n_blocks)]  # prefix, [delta], blocks
+    weights = [(1 + 0.1 * torch.randn(D, generator=g)).to(dtype), rnd(1, D),
+               (1 + 0.1 * torch.randn(norm_width, generator=g)).to(dtype)]
+    return [*acts, *weights]
+
+
+def _model(with_delta):
+    """The model's unfused spelling (k3compile.math, as models/k3.py calls it)."""
+    def with_prefix_add(prefix, delta, *rest):
+        *blocks, wmn, wmp, wn = rest
+        prefix_out = prefix + delta
+        h = depth_mix_weights(prefix_out, blocks, wmn, wmp, MIX_EPS)
+        return rms_norm(h, wn, NORM_EPS), prefix_out
+
+    def block_start(prefix, *rest):  # no delta: the prefix is the mix's own source
+        *blocks, wmn, wmp, wn = rest
+        return rms_norm(depth_mix_weights(prefix, blocks, wmn, wmp, MIX_EPS), wn, NORM_EPS)
+
+    return with_prefix_add if with_delta else block_start
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("with_delta", [True, False])
+@pytest.mark.parametrize("n_blocks", [1, 3, 8])
+def test_rewrites_and_equals_eager(n_blocks, with_delta, dtype):
+    fn, args = _model(with_delta), _inputs(n_blocks, with_delta, dtype)
+    gm, report = rewrite(fn, args, PATTERNS)
+    assert_rewritten_equal(gm, report, fn, args, "k3.attn_res_mix_norm")
+    assert report.hits[0].pattern.startswith(f"attn_res_mix_norm[blocks={n_blocks},")
+    op = next(n for n in gm.graph.nodes if str(n.target) == "k3.attn_res_mix_norm.default")
+    assert (op.args[1] is None) == (not with_delta)
+    assert len(op.args[2]) == n_blocks
+    assert op.args[-2:] == (MIX_EPS, NORM_EPS)  # the graph's eps, not the pattern's examples
+    # the whole mix is gone: no softmax, stack or norm left beside the op
+    assert not any(k in str(n.target) for n in gm.graph.nodes for k in ("amax", "rsqrt", "cat"))
+
+
+def test_escaping_softmax_is_a_near_miss():
+    def leaky(prefix, delta, b0, b1, wmn, wmp, wn):
+        prefix_out = prefix + delta
+        sources = torch.stack([b0, b1, prefix_out])
+        normed = rms_norm(sources, wmn, MIX_EPS)
+        scores = torch.nn.functional.linear(normed, wmp).squeeze(-1).float()
+        alpha = torch.softmax(scores, dim=0)  # also returned: the mix weights escape the fusion
+        h = (alpha.unsqueeze(-1) * sources.float()).sum(0).to(prefix.dtype)
+        return rms_norm(h, wn, NORM_EPS), prefix_out, alpha
+
+    args = _inputs()
+    gm, report = rewrite(leaky, args, PATTERNS)
+    assert_near_miss(report, "attn_res_mix_norm[blocks=2", "multiple_users: div")  # softmax's div
+    for got, want in zip(gm(*args), leaky(*args)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_check_refuses_a_tensor_eps():
+    """torch.compile(dynamic=True) makes a float attribute a graph input: the norm's eps is then
+    a node, which the op's float argument cannot hold."""
+    def eps_input(prefix, delta, b0, b1, wmn, wmp, wn, norm_eps):
+        prefix_out = prefix + delta
+        h = depth_mix_weights(prefix_out, [b0, b1], wmn, wmp, MIX_EPS)
+        return rms_norm(h, wn, norm_eps), prefix_out
+
+    args = [*_inputs(), torch.tensor(NORM_EPS)]
+    _, report = rewrite(eps_input, args, PATTERNS)
+    assert_near_miss(report, "attn_res_mix_norm[blocks=2", "check refused",
+                     "norm_eps is not a compile-time float")
+
+
+def test_check_refuses_a_broadcast_norm_weight():
+    _, report = rewrite(_model(True), _inputs(norm_width=1), PATTERNS)
+    assert_near_miss(report, "attn_res_mix_norm[blocks=2", "check refused",
+                     "w_norm shape [1] is not [hidden=64]")
