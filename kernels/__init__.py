@@ -13,8 +13,11 @@ import importlib.util
 
 from k3compile import settings
 
-KERNELS = ("attn_res_mix_norm", "mla_lowrank_norm", "rms_norm", "moe_route", "situ", "composite",
-           "moe_experts", "kda_decode", "gemm_tc")
+# op names: kernels/<op>.py is the CUDA implementation of k3.<op>
+KERNELS = ("attn_res_mix_norm", "mla_lowrank_norm", "rms_norm", "moe_route", "situ_gate_up",
+           "oproj_attn_res_mix_norm", "allreduce_attn_res_mix_norm", "norm_linear", "moe_front",
+           "linear_concat", "linear", "mla_uv_gate", "moe_experts", "kda_decode", "fb_kda_decode",
+           "gemm_tc")
 
 # ops whose torch reference is already what a GPU should run (one GEMM over cached concatenated
 # weights; stream and prefetch bookkeeping): as fast on CUDA as the unfused graph under Inductor
@@ -100,5 +103,5 @@ def cuda_ops() -> set[str]:
     ops = set(NATIVE)
     for name in register_all():
         module = importlib.import_module(f"{__name__}.{name}")
-        ops.update(getattr(module, "OPS", None) or (module.OP,))
+        ops.add(module.OP)
     return ops

@@ -83,10 +83,8 @@ from .common.dsl import (
     pdl_wait,
     runtime_refusal,
 )
-from .gemv import linear
 
 OP = "kda_decode"
-OPS = ("kda_decode", "fb_kda_decode")
 HEAD_DIM = 128
 MAX_TOKENS = 16
 MAX_TAPS = 8
@@ -571,18 +569,5 @@ def kda_decode_cuda(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_c
     return o
 
 
-def fb_kda_decode_cuda(q, k, v, g, fa, fb_weight, b, conv_state, recurrent_state, slots,
-                       q_conv_weight, k_conv_weight, v_conv_weight, A_log, dt_bias,
-                       o_norm_weight, lower_bound, l2_eps, q_scale, norm_eps, *, out=None):
-    """k3::fb_kda_decode on CUDA: graw = fa · W_fbᵀ (`gemv.linear` on the flat rows: our skinny
-    GEMM at one row, cuBLAS above), then the kernel."""
-    B, T, R = fa.shape
-    graw = linear(fa.reshape(B * T, R), fb_weight).view(B, T, -1)
-    return kda_decode_cuda(q, k, v, g, graw, b, conv_state, recurrent_state, slots,
-                           q_conv_weight, k_conv_weight, v_conv_weight, A_log, dt_bias,
-                           o_norm_weight, lower_bound, l2_eps, q_scale, norm_eps, out=out)
-
-
 def register() -> None:
-    torch.library.register_kernel("k3::kda_decode", "cuda", kda_decode_cuda)
-    torch.library.register_kernel("k3::fb_kda_decode", "cuda", fb_kda_decode_cuda)
+    torch.library.register_kernel(f"k3::{OP}", "cuda", kda_decode_cuda)

@@ -117,7 +117,6 @@ from .common.dsl import (
 )
 
 OP = "moe_experts"
-OPS = ("moe_experts",)
 MAX_TOP_K = 16
 MAX_LATENT = 8192
 MAX_INTER = 3072  # TP1 (3072 / W per rank under TP W)

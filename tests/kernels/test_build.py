@@ -24,7 +24,7 @@ from k3compile.kernels import (
     moe_experts,
     moe_route,
     rms_norm,
-    situ,
+    situ_gate_up,
 )
 from k3compile.kernels.common.dsl import BUCKETS, cubin_of, cubin_resources, ptx_of
 
@@ -33,7 +33,7 @@ pytestmark = pytest.mark.dsl
 ARCH = "sm_90a"
 # kernels whose build takes `pdl` (moe_experts and mla_decode use PDL between their own launches)
 PDL_KERNELS = (attn_res_mix_norm, gemm_tc, gemv, kda_decode, mla_lowrank_norm, moe_route,
-               rms_norm, situ)
+               rms_norm, situ_gate_up)
 WAIT, TRIGGER = "griddepcontrol.wait;", "griddepcontrol.launch_dependents;"
 # what streams a weight before the wait: 16-byte loads of W (gemv), TMA of W slices (gemm_tc)
 WEIGHT_STREAM = {gemv: "ld.global.v4", gemm_tc: "cp.async.bulk.tensor"}
@@ -55,8 +55,8 @@ def _cases():
         (rms_norm, (1024,)),
         (moe_route, (896, 16)),
         (moe_route, (64, 4)),
-        (situ, (384,)),  # shared experts' SiTU at TP16 (768 / 2 per rank)
-        (situ, (1000,)),  # predicated vectors
+        (situ_gate_up, (384,)),  # shared experts' SiTU at TP16 (768 / 2 per rank)
+        (situ_gate_up, (1000,)),  # predicated vectors
         (kda_decode, (1, 6, 4)),  # (T, heads, taps): decode at one TP16 rank
         (kda_decode, (8, 6, 4)),  # DSpark verify rows
         (mla_decode, (1, 6, 512, 64)),  # (T, heads, latent, rope): decode at one TP16 rank

@@ -364,7 +364,7 @@ def test_norm_variant(gen, n, k, m, residual):
 def test_situ_variant(gen, width, k, m):
     """Against situ_gate_up_ref, and bitwise against the two launches it replaces (gemv, then
     the situ kernel): the same sums, rounded and activated alike."""
-    from k3compile.kernels import situ
+    from k3compile.kernels import situ_gate_up
 
     x, wg, wu = gate_up_inputs(gen, m, width, k)
     w = torch.cat([wg, wu])
@@ -373,7 +373,7 @@ def test_situ_variant(gen, width, k, m):
     assert_written(out)
     close_bf16(out, situ_gate_up_ref(x, wg, wu, BETA, LINEAR_BETA))
     gate_up = kernel.gemv_cuda(x, w, out=poisoned(m, 2 * width))
-    assert torch.equal(out, situ.situ_cuda(gate_up, BETA, LINEAR_BETA, out=poisoned(m, width)))
+    assert torch.equal(out, situ_gate_up.situ_cuda(gate_up, BETA, LINEAR_BETA, out=poisoned(m, width)))
 
 
 @on_gpu
@@ -455,7 +455,7 @@ def test_gate_refusals_and_configs():
 
 
 def test_gate_on_by_default_and_the_cpu_path_is_the_reference(cpu_gen, monkeypatch):
-    from k3compile.kernels import composite
+    from k3compile.kernels import mla_uv_gate
 
     from k3compile.ops.mla import mla_uv_gate_ref
 
@@ -464,23 +464,23 @@ def test_gate_on_by_default_and_the_cpu_path_is_the_reference(cpu_gen, monkeypat
     monkeypatch.setattr(settings.KERNELS, "gemv_fused", frozenset({"gate"}))
     o_lat, w_uv, g = uv_inputs(cpu_gen, 1, heads=2, v=16, c=32, device="cpu")
     want = mla_uv_gate_ref(o_lat, w_uv, g)
-    assert torch.equal(composite.mla_uv_gate_cuda(o_lat, w_uv, g), want)  # CPU: the reference
-    x, rows = o_lat.reshape(1, -1), composite.uv_rows(w_uv)
+    assert torch.equal(mla_uv_gate.mla_uv_gate_cuda(o_lat, w_uv, g), want)  # CPU: the reference
+    x, rows = o_lat.reshape(1, -1), mla_uv_gate.uv_rows(w_uv)
     got = kernel.gemv_gate_cuda(x, rows, g.reshape(1, -1), 16)  # refused off the GPU: torch
     assert torch.equal(got, want.reshape(1, -1))
 
 
 def test_uv_rows_view_or_cached_copy(cpu_gen):
-    from k3compile.kernels import composite
+    from k3compile.kernels import mla_uv_gate
 
     _, w_uv, _ = uv_inputs(cpu_gen, 1, heads=2, v=16, c=32, device="cpu")
-    rows = composite.uv_rows(w_uv)
+    rows = mla_uv_gate.uv_rows(w_uv)
     assert torch.equal(rows, w_uv.reshape(32, 32)) and rows.is_contiguous()
-    assert composite.uv_rows(w_uv) is rows, "one copy per weight"
+    assert mla_uv_gate.uv_rows(w_uv) is rows, "one copy per weight"
     even = torch.randn(2, 16, 32)
-    assert composite.uv_rows(even).data_ptr() == even.data_ptr(), "evenly spaced heads: a view"
+    assert mla_uv_gate.uv_rows(even).data_ptr() == even.data_ptr(), "evenly spaced heads: a view"
     w_uv._base.mul_(2)  # the weight changed: a new copy
-    assert torch.equal(composite.uv_rows(w_uv), w_uv.reshape(32, 32))
+    assert torch.equal(mla_uv_gate.uv_rows(w_uv), w_uv.reshape(32, 32))
 
 
 @on_gpu
@@ -488,14 +488,14 @@ def test_uv_rows_view_or_cached_copy(cpu_gen):
 def test_gate_variant(gen, m):
     """W_UV per head + sigmoid gate in one launch against mla_uv_gate_ref (the same roundings:
     within one bf16 rounding), through the op with the variant switched on."""
-    from k3compile.kernels import composite
+    from k3compile.kernels import mla_uv_gate
 
     from k3compile.ops.mla import mla_uv_gate_ref
 
     o_lat, w_uv, g = uv_inputs(gen, m)
     n = MLA_HEADS * MLA_V
     out = poisoned(m, n)
-    x, rows = o_lat.reshape(m, -1), composite.uv_rows(w_uv)
+    x, rows = o_lat.reshape(m, -1), mla_uv_gate.uv_rows(w_uv)
     assert kernel.gemv_gate_cuda(x, rows, g.reshape(m, n), MLA_V, out=out) is out, "fell back"
     assert_written(out)
     want = mla_uv_gate_ref(o_lat, w_uv, g).reshape(m, n)

@@ -24,7 +24,7 @@ from k3compile.kernels import (
     mla_lowrank_norm,
     moe_route,
     rms_norm,
-    situ,
+    situ_gate_up,
 )
 from k3compile.kernels.common import dsl
 from kernel_checks import TOL, assert_written, poisoned, rel_err
@@ -52,7 +52,7 @@ COMPILE_ARGS = {
     gemv: (768, 7168, 1, False, False, gemv.config(768, 7168, 1)),
     gemm_tc: (768, 7168, False, False, gemm_tc.config(768, 7168, 8)),
     rms_norm: (3584, rms_norm.config(3584, 1)),
-    situ: (384, situ.config(384, 1)),
+    situ_gate_up: (384, situ_gate_up.config(384, 1)),
     attn_res_mix_norm: (7168, 8, True, attn_res_mix_norm.config(7168, 8, True, 1)),
     mla_lowrank_norm: (Q, C, R, mla_lowrank_norm.config(Q, C, R, 1)),
     moe_route: (EXPERTS, TOP_K, moe_route.config(EXPERTS, TOP_K, 1)),
@@ -131,7 +131,7 @@ class SharedExpertChain:
         mix = self.mix
         assert rms_norm.rms_norm_cuda(self.x, self.norm_w, EPS, out=self.h) is self.h
         gemm(self.h, self.w_gu, out=self.gu)
-        assert situ.situ_cuda(self.gu, BETA, LINEAR_BETA, out=self.a) is self.a
+        assert situ_gate_up.situ_cuda(self.gu, BETA, LINEAR_BETA, out=self.a) is self.a
         gemm(self.a, self.w_down, self.x, out=self.d)
         got = attn_res_mix_norm.attn_res_mix_norm_cuda(
             mix["prefix"], self.d, mix["blocks"], mix["mix_norm_weight"], mix["mix_proj_weight"],

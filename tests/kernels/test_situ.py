@@ -9,7 +9,7 @@ import logging
 import pytest
 import torch
 from k3compile.kernels import gemv
-from k3compile.kernels import situ as kernel
+from k3compile.kernels import situ_gate_up as kernel
 from kernel_checks import BUCKETS, TOL, assert_written, poisoned, rel_err
 
 from k3compile.ops.gemm import situ_gate_up_ref, situ_ref

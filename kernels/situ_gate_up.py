@@ -42,8 +42,7 @@ from .common.dsl import (
 )
 from .gemv import linear
 
-OP = "situ"
-OPS = ("situ_gate_up",)
+OP = "situ_gate_up"
 MAX_WIDTH = 8192
 
 
@@ -164,5 +163,5 @@ def situ_gate_up_cuda(x, wg, wu, beta, linear_beta):
 
 
 def register() -> None:
-    torch.library.register_kernel("k3::situ_gate_up", "cuda",
+    torch.library.register_kernel(f"k3::{OP}", "cuda",
                                   on_stream(flat_rows(situ_gate_up_cuda)))
