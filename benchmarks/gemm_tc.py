@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from gemv import graph_us, report, setup, sweep_inputs, time_configs, weight_copies
-from k3compile.kernels import gemm_tc, gemv
+from k3compile.kernels.common import gemm_tc, gemv
 
 # [N, K] of one TP16 rank (see tests/kernels/test_gemm_tc.py)
 SHAPES = [(3206, 7168), (2112, 7168), (3584, 7168), (7168, 3584), (896, 7168), (7168, 768),

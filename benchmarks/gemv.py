@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from graph_timing import graph_us as replay_us
-from k3compile.kernels import gemv
+from k3compile.kernels.common import gemv
 
 # [N, K] of one TP16 rank (see tests/kernels/test_gemv.py)
 SHAPES = [(3206, 7168), (2112, 7168), (3584, 7168), (7168, 3584), (896, 7168), (7168, 768),

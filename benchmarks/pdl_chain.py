@@ -14,8 +14,8 @@ settings must give bitwise the same outputs.
 from k3compile import settings
 import torch
 from gemv import chain_main, graph_us, weight_copies
-from k3compile.kernels import attn_res_mix_norm, gemm_tc, gemv, rms_norm, situ_gate_up
-from k3compile.kernels.common import dsl
+from k3compile.kernels import attn_res_mix_norm, rms_norm, situ_gate_up
+from k3compile.kernels.common import gemm_tc, gemv
 
 HIDDEN, SHARED, BLOCKS, EPS, BETA, LINEAR_BETA = 7168, 384, 8, 1e-5, 4.0, 25.0
 KERNELS = 5  # launches per chain

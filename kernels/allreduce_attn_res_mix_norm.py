@@ -12,6 +12,7 @@ Constraints:
 import torch
 import torch.distributed as dist
 
+from k3compile.ops import registry
 from k3compile.ops.attn_res import mix_norm_after
 
 from .attn_res_mix_norm import attn_res_mix_norm_cuda
@@ -30,5 +31,6 @@ def allreduce_attn_res_mix_norm_cuda(partial, prefix, blocks, mix_norm_weight, m
 
 
 def register() -> None:
+    registry.register_kernel(OP)  # refused inputs take the unfused launches
     torch.library.register_kernel(f"k3::{OP}", "cuda",
                                   on_stream(flat_rows(allreduce_attn_res_mix_norm_cuda)))

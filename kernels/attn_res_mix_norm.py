@@ -27,24 +27,24 @@ from dataclasses import dataclass
 
 import torch
 
+from k3compile.ops import registry
 from k3compile.ops.attn_res import attn_res_mix_norm_ref
 
 from .common.dsl import (
     BUCKETS,
-    CompileCache,
     bucket,
     compile_kernel,
     fake_rows,
     fake_stream,
     fake_vector,
+    flat_refusal,
     flat_rows,
-    pdl_enabled,
     pdl_launch_dependents,
     pdl_wait,
     pick_threads,
-    refused,
     rows_ok,
 )
+from .common.launch import Kernel
 
 OP = "attn_res_mix_norm"
 MAX_BLOCKS = 8
@@ -90,7 +90,8 @@ def can_implement(prefix, delta, blocks, mix_norm_weight, mix_proj_weight, norm_
     return refusal(prefix, delta, blocks, mix_norm_weight, mix_proj_weight, norm_weight) is None
 
 
-def refusal(prefix, delta, blocks, mix_norm_weight, mix_proj_weight, norm_weight) -> str | None:
+def refusal(prefix, delta, blocks, mix_norm_weight, mix_proj_weight, norm_weight,
+            *_) -> str | None:
     """Why the kernel cannot take these inputs (shapes, dtypes, strides), or None. Works on fake
     tensors; data alignment is checked at launch."""
     bf16 = torch.bfloat16
@@ -239,21 +240,10 @@ def _kernel_class():
     return AttnResMixNorm
 
 
-_cache = CompileCache(OP)
-
-
-def compiled(dim: int, n_blocks: int, has_delta: bool, cfg: Config, arch: str | None = None,
-             rows: int = 1):
-    """The compiled kernel for these scalars and the PDL setting now (cached)."""
-    pdl = pdl_enabled(rows)
-    return _cache.get((dim, n_blocks, has_delta, cfg, arch, pdl),
-                      lambda: build(dim, n_blocks, has_delta, cfg, arch, pdl=pdl))
-
-
 def prepare(dim: int, n_blocks: int, has_delta: bool, buckets=BUCKETS) -> None:
     """Compile the kernel of every batch bucket for these scalars (call before graph capture)."""
     for b in buckets:
-        compiled(dim, n_blocks, has_delta, config(dim, n_blocks, has_delta, b), rows=b)
+        KERNEL.compiled(dim, n_blocks, has_delta, config(dim, n_blocks, has_delta, b), rows=b)
 
 
 def build(dim, n_blocks, has_delta, cfg, arch=None, dump_dir=None, pdl=False):
@@ -273,6 +263,9 @@ def build(dim, n_blocks, has_delta, cfg, arch=None, dump_dir=None, pdl=False):
         dump_dir=dump_dir)
 
 
+KERNEL = Kernel(OP, build)
+
+
 def attn_res_mix_norm_cuda(prefix, delta, blocks, mix_norm_weight, mix_proj_weight, norm_weight,
                            mix_eps, norm_eps, *, out=None):
     """CUDA implementation of k3::attn_res_mix_norm: the kernel, or the reference if refused.
@@ -281,24 +274,30 @@ def attn_res_mix_norm_cuda(prefix, delta, blocks, mix_norm_weight, mix_proj_weig
     tensors = [prefix, *blocks, mix_norm_weight, mix_proj_weight, norm_weight]
     if delta is not None:
         tensors.append(delta)
-    if refused(OP, lambda: refusal(prefix, delta, blocks, mix_norm_weight, mix_proj_weight,
-                                   norm_weight), *tensors):
+
+    def reference():
         p, x = attn_res_mix_norm_ref(prefix, delta, blocks, mix_norm_weight, mix_proj_weight,
                                      norm_weight, mix_eps, norm_eps)
         return (p.clone() if delta is None else p), x
-    n, dim = prefix.shape
-    prefix_out, x = out if out is not None else (prefix.new_empty((n, dim)),
-                                                 prefix.new_empty((n, dim)))
-    if n:
-        b = bucket(n)
-        cfg = config(dim, len(blocks), delta is not None, b)
-        has_mix = len(blocks) > 0
-        compiled(dim, len(blocks), delta is not None, cfg, rows=b)(
-            prefix, delta, tuple(blocks) or None, mix_norm_weight if has_mix else None,
-            mix_proj_weight.view(-1) if has_mix else None, norm_weight, prefix_out, x,
-            float(mix_eps), float(norm_eps))
-    return prefix_out, x
+
+    def launch():
+        n, dim = prefix.shape
+        prefix_out, x = out if out is not None else (prefix.new_empty((n, dim)),
+                                                     prefix.new_empty((n, dim)))
+        if n:
+            b = bucket(n)
+            cfg = config(dim, len(blocks), delta is not None, b)
+            has_mix = len(blocks) > 0
+            KERNEL.compiled(dim, len(blocks), delta is not None, cfg, rows=b)(
+                prefix, delta, tuple(blocks) or None, mix_norm_weight if has_mix else None,
+                mix_proj_weight.view(-1) if has_mix else None, norm_weight, prefix_out, x,
+                float(mix_eps), float(norm_eps))
+        return prefix_out, x
+
+    return KERNEL.run(lambda: refusal(prefix, delta, blocks, mix_norm_weight, mix_proj_weight,
+                                      norm_weight), reference, launch, *tensors)
 
 
 def register() -> None:
+    registry.register_kernel(OP, refusal=flat_refusal(refusal))
     torch.library.register_kernel(f"k3::{OP}", "cuda", flat_rows(attn_res_mix_norm_cuda))

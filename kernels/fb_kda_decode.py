@@ -13,10 +13,19 @@ Constraints:
 
 import torch
 
-from .gemv import linear
+from k3compile.ops import registry
+
+from . import kda_decode
+from .common.router import linear
 from .kda_decode import kda_decode_cuda
 
 OP = "fb_kda_decode"
+
+
+def refusal(q, k, v, g, fa, fb_weight, b, *rest) -> str | None:
+    """The kda_decode kernel's limits, with graw [B, T, H·K] as the GEMM writes it."""
+    graw = torch.empty((*fa.shape[:2], fb_weight.shape[0]), dtype=fa.dtype, device="meta")
+    return kda_decode.refusal(q, k, v, g, graw, b, *rest)
 
 
 def fb_kda_decode_cuda(q, k, v, g, fa, fb_weight, b, conv_state, recurrent_state, slots,
@@ -30,4 +39,5 @@ def fb_kda_decode_cuda(q, k, v, g, fa, fb_weight, b, conv_state, recurrent_state
 
 
 def register() -> None:
+    registry.register_kernel(OP, refusal=refusal)
     torch.library.register_kernel(f"k3::{OP}", "cuda", fb_kda_decode_cuda)

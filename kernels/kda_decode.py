@@ -69,20 +69,18 @@ from dataclasses import dataclass
 
 import torch
 
+from k3compile.ops import registry
 from k3compile.ops.kda import kda_decode_ref
 
 from .common.dsl import (
     BUCKETS,
-    CompileCache,
     bucket,
     compile_kernel,
     fake_stream,
-    fallback,
-    pdl_enabled,
     pdl_launch_dependents,
     pdl_wait,
-    runtime_refusal,
 )
+from .common.launch import Kernel
 
 OP = "kda_decode"
 HEAD_DIM = 128
@@ -490,21 +488,10 @@ def _kernel_class():
     return KDADecode
 
 
-_cache = CompileCache(OP)
-
-
-def compiled(tokens: int, n_heads: int, taps: int, cfg: Config, arch: str | None = None,
-             rows: int = 1):
-    """The compiled kernel for these scalars and the PDL setting now (cached)."""
-    pdl = pdl_enabled(rows)
-    return _cache.get((tokens, n_heads, taps, cfg, arch, pdl),
-                      lambda: build(tokens, n_heads, taps, cfg, arch, pdl=pdl))
-
-
 def prepare(tokens: int, n_heads: int, taps: int = 4, buckets=BUCKETS) -> None:
     """Compile the kernel of every batch bucket for these scalars (call before graph capture)."""
     for b in buckets:
-        compiled(tokens, n_heads, taps, config(tokens, n_heads, taps, b), rows=b)
+        KERNEL.compiled(tokens, n_heads, taps, config(tokens, n_heads, taps, b), rows=b)
 
 
 def build(tokens, n_heads, taps, cfg, arch=None, dump_dir=None, pdl=False):
@@ -539,6 +526,9 @@ def build(tokens, n_heads, taps, cfg, arch=None, dump_dir=None, pdl=False):
         dump_dir=dump_dir)
 
 
+KERNEL = Kernel(OP, build)
+
+
 def kda_decode_cuda(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weight,
                     k_conv_weight, v_conv_weight, A_log, dt_bias, o_norm_weight, lower_bound,
                     l2_eps, q_scale, norm_eps, *, out=None):
@@ -546,28 +536,35 @@ def kda_decode_cuda(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_c
     logged). `out` [B, T, H, K] bf16 contiguous is written only when the kernel runs."""
     args = (q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weight,
             k_conv_weight, v_conv_weight, A_log, dt_bias, o_norm_weight)
-    reason = runtime_refusal() or refusal(*args) or (
-        None if recurrent_state.data_ptr() % 16 == 0 else "recurrent_state not 16-byte aligned")
     B, T = q.shape[:2]
-    if reason is None and not all(t.is_cuda and t.device == q.device for t in args):
-        reason = "inputs not all on one CUDA device"
-    if reason is None and out is not None and (
-            out.dtype != torch.bfloat16 or not out.is_contiguous()
-            or tuple(out.shape) != (B, T, *recurrent_state.shape[1:3])
-            or out.data_ptr() % 16):
-        reason = f"out: {out.dtype} {tuple(out.shape)} {out.stride()}"
-    if reason:
-        fallback(OP, reason)
-        return kda_decode_ref(*args, lower_bound, l2_eps, q_scale, norm_eps)
-    H, K = recurrent_state.shape[1:3]
-    o = q.new_empty((B, T, H, K)) if out is None else out
-    if B:
-        taps = conv_state.shape[2] + 1
-        bb = bucket(B)
-        compiled(T, H, taps, config(T, H, taps, bb), rows=bb)(
-            *args, o, float(lower_bound), float(l2_eps), float(q_scale), float(norm_eps))
-    return o
+
+    def call_refusal():
+        if reason := refusal(*args):
+            return reason
+        if not all(t.is_cuda and t.device == q.device for t in args):
+            return "inputs not all on one CUDA device"
+        if out is not None and (
+                out.dtype != torch.bfloat16 or not out.is_contiguous()
+                or tuple(out.shape) != (B, T, *recurrent_state.shape[1:3])
+                or out.data_ptr() % 16):
+            return f"out: {out.dtype} {tuple(out.shape)} {out.stride()}"
+        return None
+
+    def launch():
+        H, K = recurrent_state.shape[1:3]
+        o = q.new_empty((B, T, H, K)) if out is None else out
+        if B:
+            taps = conv_state.shape[2] + 1
+            bb = bucket(B)
+            KERNEL.compiled(T, H, taps, config(T, H, taps, bb), rows=bb)(
+                *args, o, float(lower_bound), float(l2_eps), float(q_scale), float(norm_eps))
+        return o
+
+    return KERNEL.run(call_refusal,
+                      lambda: kda_decode_ref(*args, lower_bound, l2_eps, q_scale, norm_eps),
+                      launch, recurrent_state)
 
 
 def register() -> None:
+    registry.register_kernel(OP, refusal=refusal)
     torch.library.register_kernel(f"k3::{OP}", "cuda", kda_decode_cuda)

@@ -12,10 +12,11 @@ Constraints:
 
 import torch
 
+from k3compile.ops import registry
 from k3compile.ops.linear import concatenated
 
 from .common.dsl import flat_rows, on_stream
-from .gemv import linear
+from .common.router import linear
 
 OP = "linear_concat"
 
@@ -26,4 +27,5 @@ def linear_concat_cuda(x, weights):
 
 
 def register() -> None:
+    registry.register_kernel(OP, native=True)
     torch.library.register_kernel(f"k3::{OP}", "cuda", on_stream(flat_rows(linear_concat_cuda)))

@@ -62,16 +62,15 @@ from dataclasses import dataclass
 
 import torch
 
+from k3compile.ops import registry
 from k3compile.ops.mla import mla_decode_ref
 
 from .common.dsl import (
-    CompileCache,
     bucket,
     compile_kernel,
     fake_stream,
-    fallback,
-    runtime_refusal,
 )
+from .common.launch import Kernel
 
 OP = "mla_decode"
 MAX_TOKENS = 16
@@ -431,19 +430,9 @@ def _kernel_class():
     return MLADecode
 
 
-_cache = CompileCache(OP)
-
-
-def compiled(tokens: int, n_heads: int, latent: int, rope: int, cfg: Config,
-             arch: str | None = None):
-    """The compiled kernel for these scalars (cached)."""
-    return _cache.get((tokens, n_heads, latent, rope, cfg, arch),
-                      lambda: build(tokens, n_heads, latent, rope, cfg, arch))
-
-
 def prepare(tokens: int, n_heads: int, latent: int = 512, rope: int = 64) -> None:
     """Compile the kernel for these scalars (call before graph capture; every batch shares it)."""
-    compiled(tokens, n_heads, latent, rope, config(tokens, n_heads, latent, rope))
+    KERNEL.compiled(tokens, n_heads, latent, rope, config(tokens, n_heads, latent, rope))
 
 
 def build(tokens, n_heads, latent, rope, cfg, arch=None, dump_dir=None):
@@ -479,33 +468,41 @@ def build(tokens, n_heads, latent, rope, cfg, arch=None, dump_dir=None):
         f32((C + R) ** -0.5), fake_stream(), arch=arch, dump_dir=dump_dir)
 
 
+KERNEL = Kernel(OP, build, pdl=False)  # no PDL build: it runs between its own launches
+
+
 def mla_decode_cuda(q_lat, q_pe, c_kv, k_pe, kv_cache, slots, positions, scale, *, out=None):
     """CUDA implementation of k3::mla_decode: the kernel, or the reference if refused (reason
     logged). `out` [B, T, H, C] bf16 contiguous is written only when the kernel runs."""
     args = (q_lat, q_pe, c_kv, k_pe, kv_cache, slots, positions)
-    reason = runtime_refusal() or refusal(*args)
-    if reason is None and not all(t.is_cuda and t.device == q_lat.device for t in args):
-        reason = "inputs not all on one CUDA device"
-    if reason is None and any(t.data_ptr() % 16 for t in args[:5]):
-        reason = "q_lat, q_pe, c_kv, k_pe or kv_cache data not 16-byte aligned"
-    if reason is None and out is not None and (
-            out.dtype != torch.bfloat16 or not out.is_contiguous()
-            or out.shape != q_lat.shape or out.data_ptr() % 16):
-        reason = f"out: {out.dtype} {tuple(out.shape)} {out.stride()}"
-    if reason:
-        fallback(OP, reason)
-        return mla_decode_ref(*args, scale).contiguous()
-    B, T, H, C = q_lat.shape
-    R = q_pe.shape[-1]
-    o = torch.empty_like(q_lat, memory_format=torch.contiguous_format) if out is None else out
-    if B:
-        cfg = config(T, H, C, R)
-        n = splits(B, T, H, kv_cache.shape[1], C, R)
-        ws_o = q_lat.new_empty((B, n, H * T, C), dtype=torch.float32)
-        ws_ml = q_lat.new_empty((B, n, H * T, 2), dtype=torch.float32)
-        compiled(T, H, C, R, cfg)(*args, ws_o, ws_ml, o, float(scale))
-    return o
+
+    def call_refusal():
+        if reason := refusal(*args):
+            return reason
+        if not all(t.is_cuda and t.device == q_lat.device for t in args):
+            return "inputs not all on one CUDA device"
+        if any(t.data_ptr() % 16 for t in args[:5]):
+            return "q_lat, q_pe, c_kv, k_pe or kv_cache data not 16-byte aligned"
+        if out is not None and (out.dtype != torch.bfloat16 or not out.is_contiguous()
+                                or out.shape != q_lat.shape or out.data_ptr() % 16):
+            return f"out: {out.dtype} {tuple(out.shape)} {out.stride()}"
+        return None
+
+    def launch():
+        B, T, H, C = q_lat.shape
+        R = q_pe.shape[-1]
+        o = torch.empty_like(q_lat, memory_format=torch.contiguous_format) if out is None else out
+        if B:
+            cfg = config(T, H, C, R)
+            n = splits(B, T, H, kv_cache.shape[1], C, R)
+            ws_o = q_lat.new_empty((B, n, H * T, C), dtype=torch.float32)
+            ws_ml = q_lat.new_empty((B, n, H * T, 2), dtype=torch.float32)
+            KERNEL.compiled(T, H, C, R, cfg)(*args, ws_o, ws_ml, o, float(scale))
+        return o
+
+    return KERNEL.run(call_refusal, lambda: mla_decode_ref(*args, scale).contiguous(), launch)
 
 
 def register() -> None:
-    torch.library.register_kernel("k3::mla_decode", "cuda", mla_decode_cuda)
+    registry.register_kernel(OP, refusal=refusal)
+    torch.library.register_kernel(f"k3::{OP}", "cuda", mla_decode_cuda)

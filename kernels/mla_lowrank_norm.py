@@ -20,24 +20,24 @@ from dataclasses import dataclass
 
 import torch
 
+from k3compile.ops import registry
 from k3compile.ops.norms import rms_norm_ref
 
 from .common.dsl import (
     BUCKETS,
-    CompileCache,
     bucket,
     compile_kernel,
     fake_rows,
     fake_stream,
     fake_vector,
+    flat_refusal,
     flat_rows,
-    pdl_enabled,
     pdl_launch_dependents,
     pdl_wait,
     pick_threads,
-    refused,
     rows_ok,
 )
+from .common.launch import Kernel
 
 OP = "mla_lowrank_norm"
 MAX_DIM = 8192
@@ -59,7 +59,7 @@ def can_implement(cq, ckv, q_weight, kv_weight) -> bool:
     return refusal(cq, ckv, q_weight, kv_weight) is None
 
 
-def refusal(cq, ckv, q_weight, kv_weight) -> str | None:
+def refusal(cq, ckv, q_weight, kv_weight, *_) -> str | None:
     q_dim, c_dim = cq.shape[-1], kv_weight.shape[0]
     r_dim = ckv.shape[-1] - c_dim
     if any(d % 8 for d in (q_dim, c_dim, r_dim)) or not (
@@ -149,20 +149,10 @@ def _kernel_class():
     return MLALowRankNorm
 
 
-_cache = CompileCache(OP)
-
-
-def compiled(q_dim: int, c_dim: int, r_dim: int, cfg: Config, arch: str | None = None,
-             rows: int = 1):
-    pdl = pdl_enabled(rows)
-    return _cache.get((q_dim, c_dim, r_dim, cfg, arch, pdl),
-                      lambda: build(q_dim, c_dim, r_dim, cfg, arch, pdl=pdl))
-
-
 def prepare(q_dim: int, c_dim: int, r_dim: int, buckets=BUCKETS) -> None:
     """Compile the kernel of every batch bucket for these widths (call before graph capture)."""
     for b in buckets:
-        compiled(q_dim, c_dim, r_dim, config(q_dim, c_dim, r_dim, b), rows=b)
+        KERNEL.compiled(q_dim, c_dim, r_dim, config(q_dim, c_dim, r_dim, b), rows=b)
 
 
 def build(q_dim, c_dim, r_dim, cfg, arch=None, dump_dir=None, pdl=False):
@@ -179,21 +169,31 @@ def build(q_dim, c_dim, r_dim, cfg, arch=None, dump_dir=None, pdl=False):
         fake_stream(), arch=arch, dump_dir=dump_dir)
 
 
+KERNEL = Kernel(OP, build)
+
+
 def mla_lowrank_norm_cuda(cq, ckv, q_weight, kv_weight, eps, *, out=None):
     """CUDA implementation of k3::mla_lowrank_norm: the kernel, or the reference if refused."""
     c_dim = kv_weight.shape[0]
-    if refused(OP, lambda: refusal(cq, ckv, q_weight, kv_weight), cq, ckv, q_weight, kv_weight):
+
+    def reference():
         return (rms_norm_ref(cq, q_weight, eps), rms_norm_ref(ckv[..., :c_dim], kv_weight, eps),
                 ckv[..., c_dim:].clone())
-    (n, q_dim), r_dim = cq.shape, ckv.shape[1] - c_dim
-    q, kv, pe = out if out is not None else (
-        cq.new_empty((n, q_dim)), cq.new_empty((n, c_dim)), cq.new_empty((n, r_dim)))
-    if n:
-        b = bucket(n)
-        compiled(q_dim, c_dim, r_dim, config(q_dim, c_dim, r_dim, b), rows=b)(
-            cq, ckv, q_weight, kv_weight, q, kv, pe if r_dim else None, float(eps))
-    return q, kv, pe
+
+    def launch():
+        (n, q_dim), r_dim = cq.shape, ckv.shape[1] - c_dim
+        q, kv, pe = out if out is not None else (
+            cq.new_empty((n, q_dim)), cq.new_empty((n, c_dim)), cq.new_empty((n, r_dim)))
+        if n:
+            b = bucket(n)
+            KERNEL.compiled(q_dim, c_dim, r_dim, config(q_dim, c_dim, r_dim, b), rows=b)(
+                cq, ckv, q_weight, kv_weight, q, kv, pe if r_dim else None, float(eps))
+        return q, kv, pe
+
+    return KERNEL.run(lambda: refusal(cq, ckv, q_weight, kv_weight), reference, launch,
+                      cq, ckv, q_weight, kv_weight)
 
 
 def register() -> None:
+    registry.register_kernel(OP, refusal=flat_refusal(refusal))
     torch.library.register_kernel(f"k3::{OP}", "cuda", flat_rows(mla_lowrank_norm_cuda))

@@ -13,10 +13,11 @@ Constraints:
 
 import torch
 
+from k3compile.ops import registry
 from k3compile.ops.linear import concatenated
 from k3compile.ops.mla import mla_uv_gate_ref
 
-from . import gemv
+from .common import gemv
 from .common.dsl import on_stream
 
 OP = "mla_uv_gate"
@@ -57,5 +58,6 @@ def uv_rows(w_uv):
 
 
 def register() -> None:
+    registry.register_kernel(OP, refusal=refusal)
     # per-head operands: flat_rows would merge the heads
     torch.library.register_kernel(f"k3::{OP}", "cuda", on_stream(mla_uv_gate_cuda))

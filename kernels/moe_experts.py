@@ -100,21 +100,19 @@ from dataclasses import dataclass
 
 import torch
 
+from k3compile.ops import registry
 from k3compile.ops.moe import moe_experts_ref, moe_experts_refusal
 
 from .common.dsl import (
-    CompileCache,
     aligned16,
     bucket,
     compile_kernel,
     fake_rows,
     fake_stream,
-    fallback,
-    pdl_enabled,
     pdl_wait,
     rows_ok,
-    runtime_refusal,
 )
+from .common.launch import Kernel
 
 OP = "moe_experts"
 MAX_TOP_K = 16
@@ -219,12 +217,10 @@ def _lane_vectors(latent: int) -> int:
 
 
 def refusal(z, ids, weights, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed,
-            w2_scale) -> str | None:
-    """Why the kernels cannot take these inputs, or None. Metadata only (fake tensors work);
-    data alignment is checked at launch."""
-    if why := moe_experts_refusal(z, ids, weights, w1_packed, w1_scale, w3_packed, w3_scale,
-                                  w2_packed, w2_scale):
-        return why
+            w2_scale, *_) -> str | None:
+    """Why the kernels cannot take operands that meet the op's constraints (k3compile.ops.moe
+    `moe_experts_refusal`, which the pattern checks first), or None: the kernels' own limits.
+    Metadata only (fake tensors work); data alignment is checked at launch."""
     n_exp, inter, latent = w1_packed.shape[0], w1_packed.shape[1], z.shape[-1]
     if not 32 <= latent <= MAX_LATENT or not 32 <= inter <= MAX_INTER:
         return f"latent {latent} / intermediate {inter} (want <= {MAX_LATENT} / {MAX_INTER})"
@@ -247,10 +243,9 @@ def refusal(z, ids, weights, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed
     return None
 
 
-def can_implement(z, ids, weights, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed,
-                  w2_scale) -> bool:
-    return refusal(z, ids, weights, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed,
-                   w2_scale) is None
+def can_implement(*args) -> bool:
+    """Whether the kernels take this call's operands: the op's constraints and their limits."""
+    return moe_experts_refusal(*args) is None and refusal(*args) is None
 
 
 @functools.cache
@@ -775,25 +770,14 @@ def _kernels():
     return FC1, FC2
 
 
-_cache = CompileCache(OP)
-
-
-def compiled(stage: str, latent: int, inter: int, top_k: int, ids64: bool, cfg,
-             arch: str | None = None, rows: int = 1):
-    """The compiled kernel of one stage ("fc1" or "fc2") for these scalars and the PDL setting
-    now (FC1's launch; FC2 always follows FC1 with PDL) (cached)."""
-    pdl = stage == "fc1" and pdl_enabled(rows)
-    return _cache.get((stage, latent, inter, top_k, ids64, cfg, arch, pdl),
-                      lambda: build(stage, latent, inter, top_k, ids64, cfg, arch, pdl=pdl))
-
-
 def prepare(latent: int, inter: int, top_k: int, buckets=(1, 2, 4, 8, 16, 32, 64),
             ids_dtype=torch.int64) -> None:
     """Compile both stages for every batch bucket (call before graph capture)."""
     for b in buckets:
         for stage in ("fc1", "fc2"):
-            compiled(stage, latent, inter, top_k, ids_dtype == torch.int64,
-                     config(stage, latent, inter, top_k, b), rows=b)
+            KERNEL.compiled(stage, latent, inter, top_k, ids_dtype == torch.int64,
+                            config(stage, latent, inter, top_k, b), rows=b,
+                            pdl=None if stage == "fc1" else False)
 
 
 def build(stage, latent, inter, top_k, ids64, cfg, arch=None, dump_dir=None, pdl=False):
@@ -825,6 +809,9 @@ def build(stage, latent, inter, top_k, ids64, cfg, arch=None, dump_dir=None, pdl
                           dump_dir=dump_dir)
 
 
+KERNEL = Kernel(OP, build)
+
+
 def _words(packed: torch.Tensor) -> torch.Tensor:
     """[E, O, W] uint8 -> [E·O, W/4] int32 (a view)."""
     return packed.view(torch.int32).view(-1, packed.shape[-1] // 4)
@@ -835,17 +822,24 @@ def moe_experts_cuda(z, ids, weights, w1_packed, w1_scale, w3_packed, w3_scale, 
     """k3::moe_experts with the two kernels, or the reference (reason logged) when they refuse
     the inputs. `out` [N, L] bf16 (last dim contiguous) is written only when the kernels run."""
     args = (z, ids, weights, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale)
-    reason = (runtime_refusal() or refusal(*args)
-              or (None if all(t.is_cuda for t in args) else "not on a CUDA device")
-              or (None if aligned16(z, w1_packed, w3_packed, w2_packed) else
-                  "data not 16-byte aligned"))
-    if reason is None and out is not None and (
-            out.dtype != torch.bfloat16 or out.shape != z.shape or out.stride(-1) != 1
-            or out.stride(0) % 8 or not aligned16(out)):
-        reason = f"out: {out.dtype} {tuple(out.shape)} {out.stride()}"
-    if reason:
-        fallback(OP, reason)
-        return moe_experts_ref(*args, beta, linear_beta)
+
+    def call_refusal():
+        if reason := moe_experts_refusal(*args) or refusal(*args) or (None if all(t.is_cuda for t in args)
+                                        else "not on a CUDA device"):
+            return reason
+        if out is not None and (
+                out.dtype != torch.bfloat16 or out.shape != z.shape or out.stride(-1) != 1
+                or out.stride(0) % 8 or not aligned16(out)):
+            return f"out: {out.dtype} {tuple(out.shape)} {out.stride()}"
+        return None
+
+    return KERNEL.run(call_refusal, lambda: moe_experts_ref(*args, beta, linear_beta),
+                      lambda: _launch(args, beta, linear_beta, out),
+                      z, w1_packed, w3_packed, w2_packed)
+
+
+def _launch(args, beta, linear_beta, out):
+    z, ids, weights, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale = args
     (n, latent), top_k, inter = z.shape, ids.shape[-1], w1_packed.shape[1]
     y = z.new_empty((n, latent)) if out is None else out
     if n:
@@ -853,14 +847,17 @@ def moe_experts_cuda(z, ids, weights, w1_packed, w1_scale, w3_packed, w3_scale, 
         act = z.new_empty((n * top_k, inter))
         fc1 = config("fc1", latent, inter, top_k, b)
         idx = expert_runs(ids, w1_packed.shape[0], fc1.run) if fc1.run else ids
-        compiled("fc1", latent, inter, top_k, ids64, fc1, rows=b)(
+        KERNEL.compiled("fc1", latent, inter, top_k, ids64, fc1, rows=b)(
             z, idx, _words(w1_packed), w1_scale.view(-1, latent // 32), _words(w3_packed),
             w3_scale.view(-1, latent // 32), act, float(beta), float(linear_beta))
-        compiled("fc2", latent, inter, top_k, ids64, config("fc2", latent, inter, top_k, b))(
+        # FC2 always follows FC1 with PDL (its own build has no switch)
+        KERNEL.compiled("fc2", latent, inter, top_k, ids64,
+                        config("fc2", latent, inter, top_k, b), pdl=False)(
             act.view(n, top_k * inter), ids, weights, _words(w2_packed),
             w2_scale.view(-1, inter // 32), y)
     return y
 
 
 def register() -> None:
-    torch.library.register_kernel("k3::moe_experts", "cuda", moe_experts_cuda)
+    registry.register_kernel(OP, refusal=refusal)
+    torch.library.register_kernel(f"k3::{OP}", "cuda", moe_experts_cuda)

@@ -16,11 +16,12 @@ Constraints:
 
 import torch
 
+from k3compile.ops import registry
 from k3compile.ops.linear import concatenated
 
-from . import gemv
+from .common import gemv
 from .common.dsl import flat_rows, on_stream
-from .gemv import linear
+from .common.router import linear
 
 OP = "moe_front"
 
@@ -42,4 +43,5 @@ def _split_refusal(x, router_w, down_w):
 
 
 def register() -> None:
+    registry.register_kernel(OP)  # refused inputs take the unfused launches
     torch.library.register_kernel(f"k3::{OP}", "cuda", on_stream(flat_rows(moe_front_cuda)))

@@ -41,24 +41,24 @@ from dataclasses import dataclass
 
 import torch
 
+from k3compile.ops import registry
 from k3compile.ops.moe import moe_route_ref
 
 from .common.dsl import (
     BUCKETS,
-    CompileCache,
     bucket,
     compile_kernel,
     fake_rows,
     fake_stream,
     fake_vector,
+    flat_refusal,
     flat_rows,
-    pdl_enabled,
     pdl_launch_dependents,
     pdl_wait,
     pick_threads,
-    refused,
     rows_ok,
 )
+from .common.launch import Kernel
 
 OP = "moe_route"
 MAX_EXPERTS = 1024
@@ -82,7 +82,7 @@ def can_implement(logits, bias, top_k: int) -> bool:
     return refusal(logits, bias, top_k) is None
 
 
-def refusal(logits, bias, top_k: int) -> str | None:
+def refusal(logits, bias, top_k: int, *_) -> str | None:
     n_experts = logits.shape[-1]
     if n_experts % 4 or not 4 <= n_experts <= MAX_EXPERTS:
         return f"{n_experts} experts (want a multiple of 4 in [4, {MAX_EXPERTS}])"
@@ -297,20 +297,10 @@ def _kernel_class():
     return MoERoute
 
 
-_cache = CompileCache(OP)
-
-
-def compiled(n_experts: int, top_k: int, cfg: Config, arch: str | None = None,
-             rows: int = 1):
-    pdl = pdl_enabled(rows)
-    return _cache.get((n_experts, top_k, cfg, arch, pdl),
-                      lambda: build(n_experts, top_k, cfg, arch, pdl=pdl))
-
-
 def prepare(n_experts: int, top_k: int, buckets=BUCKETS) -> None:
     """Compile the kernel of every batch bucket for these sizes (call before graph capture)."""
     for b in buckets:
-        compiled(n_experts, top_k, config(n_experts, top_k, b), rows=b)
+        KERNEL.compiled(n_experts, top_k, config(n_experts, top_k, b), rows=b)
 
 
 def build(n_experts, top_k, cfg, arch=None, dump_dir=None, pdl=False):
@@ -329,19 +319,25 @@ def build(n_experts, top_k, cfg, arch=None, dump_dir=None, pdl=False):
         f32(1.0), fake_stream(), arch=arch, dump_dir=dump_dir)
 
 
+KERNEL = Kernel(OP, build)
+
+
 def moe_route_cuda(logits, bias, top_k, scaling, *, out=None):
     """CUDA implementation of k3::moe_route: the kernel, or the reference if refused."""
-    if refused(OP, lambda: refusal(logits, bias, top_k), logits, bias):
-        return moe_route_ref(logits, bias, top_k, scaling)
-    n, n_experts = logits.shape
-    ids, weights = out if out is not None else (
-        logits.new_empty((n, top_k), dtype=torch.int64), logits.new_empty((n, top_k)))
-    if n:
-        b = bucket(n)
-        compiled(n_experts, top_k, config(n_experts, top_k, b), rows=b)(
-            logits, bias, ids, weights, float(scaling))
-    return ids, weights
+    def launch():
+        n, n_experts = logits.shape
+        ids, weights = out if out is not None else (
+            logits.new_empty((n, top_k), dtype=torch.int64), logits.new_empty((n, top_k)))
+        if n:
+            b = bucket(n)
+            KERNEL.compiled(n_experts, top_k, config(n_experts, top_k, b), rows=b)(
+                logits, bias, ids, weights, float(scaling))
+        return ids, weights
+
+    return KERNEL.run(lambda: refusal(logits, bias, top_k),
+                      lambda: moe_route_ref(logits, bias, top_k, scaling), launch, logits, bias)
 
 
 def register() -> None:
+    registry.register_kernel(OP, refusal=flat_refusal(refusal))
     torch.library.register_kernel(f"k3::{OP}", "cuda", flat_rows(moe_route_cuda))

@@ -12,9 +12,11 @@ Constraints:
 
 import torch
 
-from . import gemv
+from k3compile.ops import registry
+
+from .common import gemv
 from .common.dsl import flat_rows, on_stream
-from .gemv import linear
+from .common.router import linear
 from .rms_norm import rms_norm_cuda
 
 OP = "norm_linear"
@@ -29,4 +31,5 @@ def norm_linear_cuda(u, norm_w, w, eps, residual=None):
 
 
 def register() -> None:
+    registry.register_kernel(OP)  # refused inputs take the unfused launches
     torch.library.register_kernel(f"k3::{OP}", "cuda", on_stream(flat_rows(norm_linear_cuda)))

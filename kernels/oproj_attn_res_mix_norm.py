@@ -10,11 +10,12 @@ Constraints:
 
 import torch
 
+from k3compile.ops import registry
 from k3compile.ops.attn_res import mix_norm_after
 
 from .attn_res_mix_norm import attn_res_mix_norm_cuda
 from .common.dsl import flat_rows, on_stream
-from .gemv import linear
+from .common.router import linear
 
 OP = "oproj_attn_res_mix_norm"
 
@@ -28,5 +29,6 @@ def oproj_attn_res_mix_norm_cuda(o, o_proj_weight, prefix, blocks, mix_norm_weig
 
 
 def register() -> None:
+    registry.register_kernel(OP)  # refused inputs take the unfused launches
     torch.library.register_kernel(f"k3::{OP}", "cuda",
                                   on_stream(flat_rows(oproj_attn_res_mix_norm_cuda)))

@@ -17,24 +17,24 @@ from dataclasses import dataclass
 
 import torch
 
+from k3compile.ops import registry
 from k3compile.ops.norms import rms_norm_ref
 
 from .common.dsl import (
     BUCKETS,
-    CompileCache,
     bucket,
     compile_kernel,
     fake_rows,
     fake_stream,
     fake_vector,
+    flat_refusal,
     flat_rows,
-    pdl_enabled,
     pdl_launch_dependents,
     pdl_wait,
     pick_threads,
-    refused,
     rows_ok,
 )
+from .common.launch import Kernel
 
 OP = "rms_norm"
 MAX_DIM = 32768
@@ -56,7 +56,7 @@ def can_implement(x, weight) -> bool:
     return refusal(x, weight) is None
 
 
-def refusal(x, weight) -> str | None:
+def refusal(x, weight, *_) -> str | None:
     dim = x.shape[-1]
     if dim % 8 or not 8 <= dim <= MAX_DIM:
         return f"width {dim} (want a multiple of 8 in [8, {MAX_DIM}])"
@@ -121,18 +121,10 @@ def _kernel_class():
     return RMSNorm
 
 
-_cache = CompileCache(OP)
-
-
-def compiled(dim: int, cfg: Config, arch: str | None = None, rows: int = 1):
-    pdl = pdl_enabled(rows)
-    return _cache.get((dim, cfg, arch, pdl), lambda: build(dim, cfg, arch, pdl=pdl))
-
-
 def prepare(dim: int, buckets=BUCKETS) -> None:
     """Compile the kernel of every batch bucket for this width (call before graph capture)."""
     for b in buckets:
-        compiled(dim, config(dim, b), rows=b)
+        KERNEL.compiled(dim, config(dim, b), rows=b)
 
 
 def build(dim, cfg, arch=None, dump_dir=None, pdl=False):
@@ -146,17 +138,23 @@ def build(dim, cfg, arch=None, dump_dir=None, pdl=False):
                           cutlass.Float32(1e-5), fake_stream(), arch=arch, dump_dir=dump_dir)
 
 
+KERNEL = Kernel(OP, build)
+
+
 def rms_norm_cuda(x, weight, eps, *, out=None):
     """CUDA implementation of k3::rms_norm: the kernel, or the reference if refused."""
-    if refused(OP, lambda: refusal(x, weight), x, weight):
-        return rms_norm_ref(x, weight, eps)
-    n, dim = x.shape
-    y = torch.empty((n, dim), dtype=x.dtype, device=x.device) if out is None else out
-    if n:
-        b = bucket(n)
-        compiled(dim, config(dim, b), rows=b)(x, weight, y, float(eps))
-    return y
+    def launch():
+        n, dim = x.shape
+        y = torch.empty((n, dim), dtype=x.dtype, device=x.device) if out is None else out
+        if n:
+            b = bucket(n)
+            KERNEL.compiled(dim, config(dim, b), rows=b)(x, weight, y, float(eps))
+        return y
+
+    return KERNEL.run(lambda: refusal(x, weight), lambda: rms_norm_ref(x, weight, eps), launch,
+                      x, weight)
 
 
 def register() -> None:
+    registry.register_kernel(OP, refusal=flat_refusal(refusal))
     torch.library.register_kernel(f"k3::{OP}", "cuda", flat_rows(rms_norm_cuda))

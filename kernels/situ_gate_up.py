@@ -21,26 +21,25 @@ from dataclasses import dataclass
 
 import torch
 
+from k3compile.ops import registry
 from k3compile.ops.gemm import gate_up_weight, situ_ref
 
-from . import gemv
+from .common import gemv
 from .common.dsl import (
     BUCKETS,
-    CompileCache,
     bucket,
     compile_kernel,
     fake_rows,
     fake_stream,
     flat_rows,
     on_stream,
-    pdl_enabled,
     pdl_launch_dependents,
     pdl_wait,
     pick_threads,
-    refused,
     rows_ok,
 )
-from .gemv import linear
+from .common.launch import Kernel
+from .common.router import linear
 
 OP = "situ_gate_up"
 MAX_WIDTH = 8192
@@ -113,18 +112,10 @@ def _kernel_class():
     return SiTU
 
 
-_cache = CompileCache(OP)
-
-
-def compiled(width: int, cfg: Config, arch: str | None = None, rows: int = 1):
-    pdl = pdl_enabled(rows)
-    return _cache.get((width, cfg, arch, pdl), lambda: build(width, cfg, arch, pdl=pdl))
-
-
 def prepare(width: int, buckets=BUCKETS) -> None:
     """Compile the kernel of every batch bucket for this width (call before graph capture)."""
     for b in buckets:
-        compiled(width, config(width, b), rows=b)
+        KERNEL.compiled(width, config(width, b), rows=b)
 
 
 def build(width, cfg, arch=None, dump_dir=None, pdl=False):
@@ -138,18 +129,25 @@ def build(width, cfg, arch=None, dump_dir=None, pdl=False):
                           cutlass.Float32(25.0), fake_stream(), arch=arch, dump_dir=dump_dir)
 
 
+KERNEL = Kernel(OP, build)
+
+
 def situ_cuda(gate_up, beta, linear_beta, *, out=None):
     """SiTU-GLU of gate_up [N, 2I] -> [N, I]: the kernel, or the reference if refused."""
     width = gate_up.shape[-1] // 2
-    if refused(OP, lambda: refusal(gate_up), gate_up):
-        gate, up = gate_up.split(width, dim=-1)
-        return situ_ref(gate, up, beta, linear_beta)
-    n = gate_up.shape[0]
-    y = gate_up.new_empty((n, width)) if out is None else out
-    if n:
-        b = bucket(n)
-        compiled(width, config(width, b), rows=b)(gate_up, y, float(beta), float(linear_beta))
-    return y
+
+    def launch():
+        n = gate_up.shape[0]
+        y = gate_up.new_empty((n, width)) if out is None else out
+        if n:
+            b = bucket(n)
+            KERNEL.compiled(width, config(width, b), rows=b)(gate_up, y, float(beta),
+                                                             float(linear_beta))
+        return y
+
+    return KERNEL.run(lambda: refusal(gate_up),
+                      lambda: situ_ref(*gate_up.split(width, dim=-1), beta, linear_beta), launch,
+                      gate_up)
 
 
 def situ_gate_up_cuda(x, wg, wu, beta, linear_beta):
@@ -163,5 +161,6 @@ def situ_gate_up_cuda(x, wg, wu, beta, linear_beta):
 
 
 def register() -> None:
+    registry.register_kernel(OP)  # a refused SiTU runs its reference after the GEMM
     torch.library.register_kernel(f"k3::{OP}", "cuda",
                                   on_stream(flat_rows(situ_gate_up_cuda)))

@@ -4,7 +4,6 @@ dependent launch also with it on (`common.settings.KERNELS.pdl`), checked in the
 variants (norm prologue, SiTU epilogue, split output) with PDL off and on, and its plain build
 byte for byte as before them. Needs only the DSL."""
 
-from k3compile import settings
 import dataclasses
 import hashlib
 import struct
@@ -14,10 +13,9 @@ import pytest
 
 pytest.importorskip("cutlass")
 
+from k3compile.kernels.common import gemm_tc, gemv
 from k3compile.kernels import (
     attn_res_mix_norm,
-    gemm_tc,
-    gemv,
     kda_decode,
     mla_decode,
     mla_lowrank_norm,

@@ -8,8 +8,7 @@ in a CUDA graph with PDL on and off."""
 from k3compile import settings
 import pytest
 import torch
-from k3compile.kernels import gemv
-from k3compile.kernels.common import dsl
+from k3compile.kernels.common import gemv
 from kernel_checks import BUCKETS, TOL, assert_written, rel_err
 
 from k3compile.ops.attn_res import attn_res_mix_norm_ref

@@ -15,7 +15,8 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from k3compile.kernels import gemv as kernel
+from k3compile.kernels.common import gemv as kernel
+from k3compile.kernels.common.launch import Kernel
 from k3compile.kernels.common import dsl
 from kernel_checks import (
     TOL,
@@ -112,8 +113,8 @@ def test_refused_inputs_fall_back_to_torch(gen, caplog, case):
     assert "gemv" in caplog.text
     if case == "batch_17":
         assert "batch above 16: cuBLAS" in caplog.text
-    assert torch.equal(y, kernel.gemv_ref(x, w))
-    assert torch.equal(y_res, kernel.gemv_ref(x, w, r))
+    assert torch.equal(y, kernel.gemm_ref(x, w))
+    assert torch.equal(y_res, kernel.gemm_ref(x, w, r))
     tol = TOL["bf16"] if y.dtype == torch.bfloat16 else FP32_SUMS
     torch.testing.assert_close(y.float(), model(x, w, None, y.dtype).float(), **tol)
     torch.testing.assert_close(y_res.float(), model(x, w, r, y.dtype).float(), **tol)
@@ -312,15 +313,15 @@ def test_variant_configs():
 
 def test_fusion_is_in_the_compile_key(monkeypatch):
     builds = []
-    monkeypatch.setattr(kernel, "_cache", dsl.CompileCache(kernel.OP))
-    monkeypatch.setattr(kernel, "build", lambda *_, pdl=False, fusion=kernel.PLAIN, **__:
-                        builds.append((pdl, fusion)) or (pdl, fusion))
+    monkeypatch.setattr(kernel, "KERNEL", Kernel(kernel.OP, lambda *_, pdl, fusion, **__:
+                                                 builds.append((pdl, fusion)) or (pdl, fusion)))
     cfg = kernel.config(768, 7168, 1)
     fusions = [kernel.PLAIN, kernel.NORM, kernel.SITU, kernel.Fusion(split=256)]
     for pdl in (False, True, False):
         monkeypatch.setattr(settings.KERNELS, "pdl", pdl)
         for f in fusions:
-            assert kernel.compiled(768, 7168, 1, False, False, cfg, fusion=f) == (pdl, f)
+            assert kernel.KERNEL.compiled(768, 7168, 1, False, False, cfg,
+                                          fusion=f) == (pdl, f)
     assert builds == [(p, f) for p in (False, True) for f in fusions], "one build per key"
 
 
@@ -414,10 +415,10 @@ def test_variants_fall_back_on_refused_inputs(gen, caplog):
         logits, z = kernel.gemv_split_cuda(u, w, 256)  # nothing past the split
     assert "gemv_norm" in caplog.text and "gemv_situ" in caplog.text
     assert "gemv_split" in caplog.text
-    assert torch.equal(y, kernel.gemv_ref(rms_norm_ref(u, g.float(), EPS), w, r, torch.bfloat16))
-    gate, up = kernel.gemv_ref(u.float(), w).split(128, dim=-1)
+    assert torch.equal(y, kernel.gemm_ref(rms_norm_ref(u, g.float(), EPS), w, r, torch.bfloat16))
+    gate, up = kernel.gemm_ref(u.float(), w).split(128, dim=-1)
     assert torch.equal(a, situ_ref(gate, up, BETA, LINEAR_BETA))
-    assert torch.equal(logits, kernel.gemv_ref(u, w, out_dtype=torch.float32))
+    assert torch.equal(logits, kernel.gemm_ref(u, w, out_dtype=torch.float32))
     assert z.shape == (2, 0)
 
 

@@ -16,10 +16,9 @@ from k3compile import settings
 import pytest
 import torch
 import torch.nn.functional as F
+from k3compile.kernels.common import gemm_tc, gemv
 from k3compile.kernels import (
     attn_res_mix_norm,
-    gemm_tc,
-    gemv,
     kda_decode,
     mla_lowrank_norm,
     moe_route,
@@ -27,6 +26,7 @@ from k3compile.kernels import (
     situ_gate_up,
 )
 from k3compile.kernels.common import dsl
+from k3compile.kernels.common.launch import Kernel
 from kernel_checks import TOL, assert_written, poisoned, rel_err
 from test_attn_res_mix_norm import make_inputs as mix_inputs
 from test_attn_res_mix_norm import model as mix_model
@@ -47,7 +47,7 @@ Q, C, R = 1536, 512, 64  # MLA q_a | kv_a (+ k_pe) widths
 KDA_HEADS, KDA_K = 6, 128  # KDA heads per rank at TP16, head dim
 REPLAYS = 3
 
-# compiled(*scalars, cfg) of each kernel with PDL (any valid scalars: no compile happens)
+# KERNEL.compiled(*scalars, cfg) of each kernel with PDL (any valid scalars: no compile happens)
 COMPILE_ARGS = {
     gemv: (768, 7168, 1, False, False, gemv.config(768, 7168, 1)),
     gemm_tc: (768, 7168, False, False, gemm_tc.config(768, 7168, 8)),
@@ -63,12 +63,12 @@ COMPILE_ARGS = {
 @pytest.mark.parametrize("module", COMPILE_ARGS, ids=lambda m: m.__name__.rsplit(".")[-1])
 def test_pdl_is_in_the_compile_key(module, monkeypatch):
     builds = []
-    monkeypatch.setattr(module, "_cache", dsl.CompileCache(module.OP))
-    monkeypatch.setattr(module, "build", lambda *_, pdl=False, **__: builds.append(pdl) or pdl)
+    monkeypatch.setattr(module, "KERNEL",
+                        Kernel(module.OP, lambda *_, pdl=False, **__: builds.append(pdl) or pdl))
     got = []
     for flag in (False, True, False, True):
         monkeypatch.setattr(settings.KERNELS, "pdl", flag)
-        got.append(module.compiled(*COMPILE_ARGS[module]))
+        got.append(module.KERNEL.compiled(*COMPILE_ARGS[module]))
     assert builds == [False, True], "one build per setting, each cached"
     assert got == [False, True, False, True], "a call gets the build of the setting now"
 
@@ -83,12 +83,8 @@ def test_pdl_only_up_to_its_row_limit(monkeypatch):
     assert not dsl.pdl_enabled(1)
     monkeypatch.setattr(settings.KERNELS, "pdl", True)
     for module, args in COMPILE_ARGS.items():
-        monkeypatch.setattr(module, "_cache", dsl.CompileCache(module.OP))
-        monkeypatch.setattr(module, "build", lambda *_, pdl=False, **__: pdl)
-        if module is gemv:
-            small, big = (module.compiled(*args[:2], m, *args[3:]) for m in (1, 64))
-        else:
-            small, big = module.compiled(*args, rows=2), module.compiled(*args, rows=64)
+        monkeypatch.setattr(module, "KERNEL", Kernel(module.OP, lambda *_, pdl=False, **__: pdl))
+        small, big = (module.KERNEL.compiled(*args, rows=m) for m in (2, 64))
         assert (small, big) == (True, False), module.__name__
 
 

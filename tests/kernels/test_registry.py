@@ -41,3 +41,56 @@ class _Stub:
     @staticmethod
     def register():
         pass
+
+
+def _meta(*shape, dtype=None):
+    import torch
+
+    return torch.empty(shape, dtype=dtype or torch.bfloat16, device="meta")
+
+
+def test_register_all_fills_the_op_registry(monkeypatch):
+    """Every kernel module registers its op (and its limits) in the op registry; the natives
+    register without a kernel; cuda_ops() is the registry's."""
+    pytest.importorskip("cutlass")
+    from k3compile.ops import registry
+
+    monkeypatch.setattr(settings.KERNELS, "extra", ())
+    monkeypatch.setattr(settings.KERNELS, "skip", ())
+    kernels.register_all()
+    ops = kernels.cuda_ops()
+    assert ops == registry.cuda_ops()
+    assert set(kernels.KERNELS) | set(kernels.NATIVE) <= ops
+    assert all(registry.entry(op).native for op in kernels.NATIVE)
+    assert registry.kernel_refusal("no_such_op") is not None
+
+
+def test_registered_refusals_take_metas(monkeypatch):
+    """The limits a pattern asks for through the registry, on tensor metas: mla_uv_gate's gate
+    variant (one row, K3_GEMV_FUSED "gate") and moe_experts' intermediate size."""
+    import torch
+
+    pytest.importorskip("cutlass")
+    from k3compile.ops import registry
+
+    kernels.register_all()
+    monkeypatch.setattr(settings.KERNELS, "gemv_fused", frozenset({"gate"}))
+    o_lat, w_uv, g = _meta(1, 1, 6, 512), _meta(6, 128, 512), _meta(1, 1, 768)
+    assert registry.kernel_refusal("mla_uv_gate", o_lat, w_uv, g) is None
+    assert "3 rows" in registry.kernel_refusal("mla_uv_gate", _meta(3, 1, 6, 512), w_uv,
+                                               _meta(3, 1, 768))
+    monkeypatch.setattr(settings.KERNELS, "gemv_fused", frozenset())
+    assert "off" in registry.kernel_refusal("mla_uv_gate", o_lat, w_uv, g)
+
+    u8 = torch.uint8
+    n, k, e, latent = 2, 4, 8, 3584
+
+    def experts(inter):
+        return (_meta(n, latent), _meta(n, k, dtype=torch.int64), _meta(n, k, dtype=torch.float32),
+                _meta(e, inter, latent // 2, dtype=u8), _meta(e, inter, latent // 32, dtype=u8),
+                _meta(e, inter, latent // 2, dtype=u8), _meta(e, inter, latent // 32, dtype=u8),
+                _meta(e, latent, inter // 2, dtype=u8), _meta(e, latent, inter // 32, dtype=u8))
+
+    assert registry.kernel_refusal("moe_experts", *experts(192)) is None
+    assert "intermediate" in registry.kernel_refusal("moe_experts", *experts(4096))
+    assert registry.kernel_refusal("rms_norm", _meta(2, 3, 7168), _meta(7168), 1e-5) is None

@@ -8,7 +8,7 @@ import logging
 
 import pytest
 import torch
-from k3compile.kernels import gemv
+from k3compile.kernels.common import gemv
 from k3compile.kernels import situ_gate_up as kernel
 from kernel_checks import BUCKETS, TOL, assert_written, poisoned, rel_err
 

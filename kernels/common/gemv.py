@@ -58,16 +58,13 @@ import functools
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from k3compile.ops.gemm import situ_ref
 from k3compile.ops.mla import mla_uv_gate_ref
 from k3compile.ops.norms import rms_norm_ref
-
 from k3compile.settings import KERNELS
 
-from .common.dsl import (
-    CompileCache,
+from .dsl import (
     aligned16,
     bucket,
     compile_kernel,
@@ -75,19 +72,26 @@ from .common.dsl import (
     fake_stream,
     fake_vector,
     fallback,
-    pdl_enabled,
     pdl_launch_dependents,
     pdl_wait,
     runtime_refusal,
 )
+from .gemm import (  # noqa: F401  (launch_refusal: the fused ops check their weights with it)
+    GEMV_MAX_M,
+    MAX_K,
+    OUT_DTYPES,
+    gemm_ref,
+    gemm_refusal,
+    launch_refusal,
+    run_gemm,
+)
+from .launch import Kernel
 
 OP = "gemv"
 BUCKETS = (1, 2, 4, 8, 16)
 MAX_M = BUCKETS[-1]
-MAX_K = 65536
 SMS = 132  # H200
 MAX_FUSED_K = 16384  # norm prologue, SiTU epilogue: <= 8 more vectors per thread in registers
-OUT_DTYPES = (torch.bfloat16, torch.float32)
 
 
 @dataclass(frozen=True)
@@ -147,48 +151,6 @@ def refusal(x, w, residual=None, *, out_dtype=None) -> str | None:
     """Why the kernel cannot take these inputs, or None. Metadata only (fake tensors work); data
     alignment is checked at launch."""
     return gemm_refusal(x, w, residual, out_dtype, max_m=MAX_M, min_k=8)
-
-
-def gemm_refusal(x, w, residual, out_dtype, *, max_m: int, min_k: int) -> str | None:
-    """The constraints this kernel and the tensor-core one (gemm_tc) share: bf16 x [M <= max_m,
-    K] and w [N, K] with 16-byte rows, min_k <= K <= MAX_K a multiple of 8, an optional bf16
-    residual [M, N], bf16 or fp32 output."""
-    bf16 = torch.bfloat16
-    if x.dim() != 2 or w.dim() != 2:
-        return f"x {tuple(x.shape)}, w {tuple(w.shape)} (want x [M, K], w [N, K])"
-    (m, k), n = x.shape, w.shape[0]
-    if m > max_m:
-        return f"batch above {max_m}: cuBLAS"
-    if n < 1:
-        return "w has no rows"
-    if k % 8 or not min_k <= k <= MAX_K or w.shape[1] != k:
-        return (f"K {k}, w {tuple(w.shape)} (want w [N, K], K a multiple of 8 in "
-                f"[{min_k}, {MAX_K}])")
-    for name, t in (("x", x), ("w", w)):
-        if t.dtype != bf16:
-            return f"{name}: dtype {t.dtype} (want {bf16})"
-        if t.stride(-1) != 1 or t.stride(0) % 8:
-            return f"{name}: strides {t.stride()} (last dim contiguous, rows 16-byte aligned)"
-    if residual is not None and (residual.dtype != bf16 or residual.shape != (m, n)
-                                 or residual.stride(-1) != 1):
-        return (f"residual: {residual.dtype} {tuple(residual.shape)} {residual.stride()} "
-                f"(want bf16 [{m}, {n}], last dim contiguous)")
-    if out_dtype is not None and out_dtype not in OUT_DTYPES:
-        return f"output dtype {out_dtype} (want bf16 or fp32)"
-    return None
-
-
-def launch_refusal(refuse, x, w, residual, out, out_dtype) -> str | None:
-    """Why a GEMM kernel with refusal `refuse` cannot run this call now (shapes, device,
-    alignment, the `out` buffer), or None."""
-    reason = (runtime_refusal() or refuse(x, w, residual, out_dtype=out_dtype)
-              or (None if x.is_cuda and w.is_cuda else "not on a CUDA device")
-              or (None if aligned16(x, w) else "data not 16-byte aligned"))
-    if reason is None and out is not None and (
-            out.dtype != out_dtype or out.shape != (x.shape[0], w.shape[0])
-            or out.stride(-1) != 1):
-        reason = f"out: {out.dtype} {tuple(out.shape)} {out.stride()}"
-    return reason
 
 
 def fused_refusal(fusion: Fusion, x, w, residual=None, *, norm_weight=None,
@@ -253,8 +215,8 @@ def _kernel_class():
     import cutlass
     from cutlass import BFloat16, Float32, const_expr, cute
 
-    from .common.copy import bf16_halves, load_vectors, make_frag, row_vectors, vectors
-    from .common.reduce import block_sum
+    from .copy import bf16_halves, load_vectors, make_frag, row_vectors, vectors
+    from .reduce import block_sum
 
     def warp_reduce_scatter(vals: list) -> list:
         """Butterfly sum over the warp of 2^v values per lane. While a lane holds several, it
@@ -488,24 +450,12 @@ def _kernel_class():
     return Gemv
 
 
-_cache = CompileCache(OP)
-
-
-def compiled(n: int, k: int, m_bucket: int, out_fp32: bool, residual: bool, cfg: Config,
-             arch: str | None = None, fusion: Fusion = PLAIN):
-    """The compiled kernel for these scalars and the PDL setting now (cached)."""
-    pdl = pdl_enabled(m_bucket)
-    return _cache.get((n, k, m_bucket, out_fp32, residual, cfg, arch, pdl, fusion),
-                      lambda: build(n, k, m_bucket, out_fp32, residual, cfg, arch, pdl=pdl,
-                                    fusion=fusion))
-
-
 def prepare(n: int, k: int, buckets=BUCKETS, *, out_dtype=torch.bfloat16,
             residual: bool = False, fusion: Fusion = PLAIN) -> None:
     """Compile the kernel of every batch bucket for this weight (call before graph capture)."""
     for b in buckets:
-        compiled(n, k, b, out_dtype == torch.float32, residual, config(n, k, b, fusion),
-                 fusion=fusion)
+        KERNEL.compiled(n, k, b, out_dtype == torch.float32, residual, config(n, k, b, fusion),
+                        rows=b, fusion=fusion)
 
 
 def build(n, k, m_bucket, out_fp32, residual, cfg, arch=None, dump_dir=None, pdl=False,
@@ -541,76 +491,14 @@ def build(n, k, m_bucket, out_fp32, residual, cfg, arch=None, dump_dir=None, pdl
         fake_stream(), arch=arch, dump_dir=dump_dir)
 
 
-# Rows up to which `linear` takes the kernel instead of cuBLAS (measured: see the docstring)
-GEMV_MAX_M = 1
-# The tensor-core skinny GEMM for the rows above (kernels/gemm_tc.py), once its `register()`
-# has run (it is in KERNELS, or K3_KERNELS_EXTRA names it); None: cuBLAS there
-_tensor_core = None
-
-
-def use_tensor_cores(module) -> None:
-    """Route GEMV_MAX_M < M <= module.MAX_M through `module.gemm_tc_cuda` (its refusals fall back
-    to cuBLAS)."""
-    global _tensor_core
-    _tensor_core = module
-
-
-def linear(x, w, residual=None, *, out_dtype=None):
-    """y = x · wᵀ [+ residual] for x [M, K] rows: this kernel at M <= GEMV_MAX_M, the
-    tensor-core kernel above where it is registered and not measured slower than cuBLAS
-    (`gemm_tc.prefers`), cuBLAS (`gemv_ref`) otherwise, each where it takes the inputs. The
-    choice is by shape only, fixed per bucket."""
-    if x.dim() == 2 and x.is_cuda:
-        m, tc = x.shape[0], _tensor_core
-        if m <= GEMV_MAX_M and can_implement(x, w, residual, out_dtype=out_dtype):
-            return gemv_cuda(x, w, residual, out_dtype=out_dtype)
-        if tc is not None and m <= tc.MAX_M and tc.prefers(w.shape[0], x.shape[1], m) and \
-                tc.can_implement(x, w, residual, out_dtype=out_dtype):
-            return tc.gemm_tc_cuda(x, w, residual, out_dtype=out_dtype)
-    return gemv_ref(x, w, residual, out_dtype)
-
-
-def gemv_ref(x, w, residual=None, out_dtype=None):
-    """torch: one cuBLAS call when every dtype agrees (addmm adds the residual before its single
-    rounding, like the kernel); a 16-bit GEMM writing fp32 on a GPU (exact products, fp32 sums:
-    no upcast copy of w); otherwise fp32 math, cast once."""
-    out_dtype = out_dtype or x.dtype
-    if (out_dtype == torch.float32 and x.is_cuda and residual is None and x.dim() == 2
-            and x.dtype == w.dtype and x.dtype in (torch.bfloat16, torch.float16)):
-        return torch.mm(x, w.t(), out_dtype=torch.float32)
-    if x.dtype == w.dtype == out_dtype and (residual is None or residual.dtype == out_dtype):
-        if residual is None:
-            return F.linear(x, w)
-        lead = x.shape[:-1]
-        y = torch.addmm(residual.reshape(-1, w.shape[0]), x.reshape(-1, x.shape[-1]), w.t())
-        return y.view(*lead, w.shape[0])
-    y = F.linear(x.float(), w.float())
-    if residual is not None:
-        y = y + residual.float()
-    return y.to(out_dtype)
-
-
-def run_gemm(op: str, refusal_of, launch, x, w, residual, out, out_dtype):
-    """The host side of a skinny-GEMM kernel (this one, gemm_tc): y = x · wᵀ [+ residual] by
-    `launch(y, out_dtype)` where `refusal_of` takes the inputs, else torch (`gemv_ref`, reason
-    logged). `out` [M, N] (last dim contiguous) is written only when the kernel runs; the
-    fallback returns a new tensor."""
-    if out_dtype is None:
-        out_dtype = out.dtype if out is not None else x.dtype
-    reason = launch_refusal(refusal_of, x, w, residual, out, out_dtype)
-    if reason:
-        fallback(op, reason)
-        return gemv_ref(x, w, residual, out_dtype)
-    y = x.new_empty((len(x), w.shape[0]), dtype=out_dtype) if out is None else out
-    if len(x):
-        launch(y, out_dtype)
-    return y
+# the compile cache and call skeleton; a build's key holds its fusion (`Gemv.fused` for variants)
+KERNEL = Kernel(OP, build)
 
 
 def gemv_cuda(x, w, residual=None, *, out=None, out_dtype=None, cfg: Config | None = None):
     """y = x · wᵀ [+ residual] with the kernel, or with torch when it refuses the inputs (M > 16
     included): `run_gemm`. `cfg` overrides `config()` (sweeps)."""
-    return run_gemm(OP, refusal, lambda y, dtype: _launch(PLAIN, x, w, residual,
+    return run_gemm(KERNEL, refusal, lambda y, dtype: _launch(PLAIN, x, w, residual,
                                                           dtype == torch.float32, y, cfg=cfg),
                     x, w, residual, out, out_dtype)
 
@@ -646,8 +534,8 @@ def _launch(fusion, x, w, residual, out_fp32, *rest, cfg: Config | None = None):
     m, (n, k) = x.shape[0], w.shape  # x [M, K], or [M, (N/V)·K] with a gate
     if m:
         b = bucket(m)
-        compiled(n, k, b, out_fp32, residual is not None, cfg or config(n, k, b, fusion),
-                 fusion=fusion)(x, w, residual, *rest)
+        KERNEL.compiled(n, k, b, out_fp32, residual is not None, cfg or config(n, k, b, fusion),
+                        rows=b, fusion=fusion)(x, w, residual, *rest)
 
 
 def gemv_norm_cuda(x, norm_weight, w, eps, residual=None, *, out=None, out_dtype=None):
@@ -657,15 +545,18 @@ def gemv_norm_cuda(x, norm_weight, w, eps, residual=None, *, out=None, out_dtype
     if out_dtype is None:
         out_dtype = out.dtype if out is not None else x.dtype
     n = w.shape[0]
-    reason = fused_launch_refusal(NORM, x, w, residual, norm_weight=norm_weight,
-                                  out_dtype=out_dtype, outs=[(out, (len(x), n), out_dtype)])
-    if reason:
-        fallback("gemv_norm", reason)
-        return gemv_ref(rms_norm_ref(x, norm_weight, eps), w, residual, out_dtype)
-    y = x.new_empty((x.shape[0], n), dtype=out_dtype) if out is None else out
-    _launch(NORM, x, w, residual, out_dtype == torch.float32, y, None, norm_weight, float(eps),
-            None, None)
-    return y
+
+    def launch():
+        y = x.new_empty((x.shape[0], n), dtype=out_dtype) if out is None else out
+        _launch(NORM, x, w, residual, out_dtype == torch.float32, y, None, norm_weight,
+                float(eps), None, None)
+        return y
+
+    return KERNEL.run(
+        lambda: fused_launch_refusal(NORM, x, w, residual, norm_weight=norm_weight,
+                                     out_dtype=out_dtype, outs=[(out, (len(x), n), out_dtype)]),
+        lambda: gemm_ref(rms_norm_ref(x, norm_weight, eps), w, residual, out_dtype), launch,
+        op="gemv_norm")
 
 
 def gemv_situ_cuda(x, w, beta, linear_beta, *, out=None):
@@ -673,15 +564,19 @@ def gemv_situ_cuda(x, w, beta, linear_beta, *, out=None):
     (k3::situ_gate_up) in one launch: the GEMM output rounded as the two-launch path stores
     it, then the situ kernel's math; torch (reason logged) when refused."""
     width = w.shape[0] // 2
-    reason = fused_launch_refusal(SITU, x, w, outs=[(out, (len(x), width), torch.bfloat16)])
-    if reason:
-        fallback("gemv_situ", reason)
-        gate, up = gemv_ref(x, w).split(width, dim=-1)
-        return situ_ref(gate, up, beta, linear_beta)
-    y = x.new_empty((x.shape[0], width)) if out is None else out
-    _launch(SITU, x, w, None, False, y, None, None, None, float(beta), float(linear_beta))
-    return y
 
+    def reference():
+        gate, up = gemm_ref(x, w).split(width, dim=-1)
+        return situ_ref(gate, up, beta, linear_beta)
+
+    def launch():
+        y = x.new_empty((x.shape[0], width)) if out is None else out
+        _launch(SITU, x, w, None, False, y, None, None, None, float(beta), float(linear_beta))
+        return y
+
+    return KERNEL.run(
+        lambda: fused_launch_refusal(SITU, x, w, outs=[(out, (len(x), width), torch.bfloat16)]),
+        reference, launch, op="gemv_situ")
 
 
 def gemv_gate_cuda(x, w, g, group: int, *, out=None):
@@ -689,32 +584,38 @@ def gemv_gate_cuda(x, w, g, group: int, *, out=None):
     of x (x [M, (N/group)·K], w [N, K], g [M, N]) in one launch (k3::mla_uv_gate's W_UV and
     gate); torch (reason logged) when refused."""
     n, k = w.shape
-    reason = gate_refusal(x, w, g, group) or fused_launch_refusal(
-        PLAIN, x[:, :k], w, outs=[(out, (len(x), n), torch.bfloat16)])
-    if reason is None and not aligned16(x):
-        reason = "data not 16-byte aligned"
-    if reason:
-        fallback("gemv_gate", reason)
+
+    def reference():
         m, heads = len(x), n // group
         return mla_uv_gate_ref(x.view(m, 1, heads, k), w.view(heads, group, k),
                                g.view(m, 1, n)).view(m, n)
-    y = x.new_empty((len(x), n)) if out is None else out
-    _launch(Fusion(gate=group), x, w, None, False, y, None, g, None, None, None)
-    return y
+
+    def launch():
+        y = x.new_empty((len(x), n)) if out is None else out
+        _launch(Fusion(gate=group), x, w, None, False, y, None, g, None, None, None)
+        return y
+
+    return KERNEL.run(
+        lambda: gate_refusal(x, w, g, group) or fused_launch_refusal(
+            PLAIN, x[:, :k], w, outs=[(out, (len(x), n), torch.bfloat16)]),
+        reference, launch, x, op="gemv_gate")
+
 
 def gemv_split_cuda(x, w, split, *, out=None, out2=None):
     """(x · w[:split]ᵀ in fp32, x · w[split:]ᵀ in bf16) in one launch (k3::moe_front over the
     cached [W_r; W_d]): the sums of two `gemv_cuda` calls, stored as each would; torch (reason
     logged) when refused."""
     fusion, m, n = Fusion(split=split), len(x), w.shape[0]
-    reason = fused_launch_refusal(fusion, x, w, out_dtype=torch.float32,
-                                  outs=[(out, (m, split), torch.float32),
-                                        (out2, (m, n - split), torch.bfloat16)])
-    if reason:
-        fallback("gemv_split", reason)
-        return (gemv_ref(x, w[:split], out_dtype=torch.float32),
-                gemv_ref(x, w[split:], out_dtype=torch.bfloat16))
-    y = x.new_empty((m, split), dtype=torch.float32) if out is None else out
-    y2 = x.new_empty((m, n - split)) if out2 is None else out2
-    _launch(fusion, x, w, None, True, y, y2, None, None, None, None)
-    return y, y2
+
+    def launch():
+        y = x.new_empty((m, split), dtype=torch.float32) if out is None else out
+        y2 = x.new_empty((m, n - split)) if out2 is None else out2
+        _launch(fusion, x, w, None, True, y, y2, None, None, None, None)
+        return y, y2
+
+    return KERNEL.run(
+        lambda: fused_launch_refusal(fusion, x, w, out_dtype=torch.float32,
+                                     outs=[(out, (m, split), torch.float32),
+                                           (out2, (m, n - split), torch.bfloat16)]),
+        lambda: (gemm_ref(x, w[:split], out_dtype=torch.float32),
+                 gemm_ref(x, w[split:], out_dtype=torch.bfloat16)), launch, op="gemv_split")

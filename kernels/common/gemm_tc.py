@@ -45,17 +45,16 @@ from pathlib import Path
 
 import torch
 
-from .common.dsl import (
-    CompileCache,
+from .dsl import (
     compile_kernel,
     fake_rows,
     fake_stream,
     log,
-    pdl_enabled,
     pdl_launch_dependents,
     pdl_wait,
 )
-from .gemv import gemm_refusal, gemv_ref, run_gemm
+from .gemm import gemm_ref, gemm_refusal, run_gemm
+from .launch import Kernel
 
 OP = "gemm_tc"
 BUCKETS = (2, 4, 8, 16, 32, 64)
@@ -376,23 +375,11 @@ def _kernel_class():
     return GemmTC
 
 
-_cache = CompileCache(OP)
-
-
-def compiled(n: int, k: int, out_fp32: bool, residual: bool, cfg: Config,
-             arch: str | None = None, rows: int = 1):
-    """The compiled kernel for these scalars and the PDL setting now (cached). Buckets with one
-    config share it."""
-    pdl = pdl_enabled(rows)
-    return _cache.get((n, k, out_fp32, residual, cfg, arch, pdl),
-                      lambda: build(n, k, out_fp32, residual, cfg, arch, pdl=pdl))
-
-
 def prepare(n: int, k: int, buckets=BUCKETS, *, out_dtype=torch.bfloat16,
             residual: bool = False) -> None:
     """Compile the kernel of every batch bucket for this weight (call before graph capture)."""
     for b in buckets:
-        compiled(n, k, out_dtype == torch.float32, residual, config(n, k, b), rows=b)
+        KERNEL.compiled(n, k, out_dtype == torch.float32, residual, config(n, k, b), rows=b)
 
 
 def build(n, k, out_fp32, residual, cfg, arch=None, dump_dir=None, pdl=False):
@@ -415,33 +402,28 @@ def build(n, k, out_fp32, residual, cfg, arch=None, dump_dir=None, pdl=False):
         dump_dir=dump_dir)
 
 
+# Buckets with one config share a build (the bucket is not in the key)
+KERNEL = Kernel(OP, build)
+
+
 def linear_tc(x, w, residual=None, out_dtype=None):
     """y = x · wᵀ [+ residual] for x [M, K]: the kernel where it takes the inputs (M <= 64 on a
-    GPU), torch (`gemv_ref`: cuBLAS) otherwise."""
+    GPU), torch (`gemm_ref`: cuBLAS) otherwise."""
     if x.dim() == 2 and x.is_cuda and can_implement(x, w, residual, out_dtype=out_dtype):
         return gemm_tc_cuda(x, w, residual, out_dtype=out_dtype)
-    return gemv_ref(x, w, residual, out_dtype)
+    return gemm_ref(x, w, residual, out_dtype)
 
 
 def gemm_tc_cuda(x, w, residual=None, *, out=None, out_dtype=None, cfg: Config | None = None):
     """y = x · wᵀ [+ residual] with the kernel, or with torch when it refuses the inputs
-    (`gemv.run_gemm`). `cfg` overrides `config()` (sweeps)."""
+    (`gemm.run_gemm`). `cfg` overrides `config()` (sweeps)."""
     def launch(y, dtype):
         (m, k), n = x.shape, w.shape[0]
         b = bucket(m)
         chosen = cfg or config(n, k, b)
         if chosen.tile_tokens < m:
             raise ValueError(f"{chosen} holds {chosen.tile_tokens} tokens, not {m}")
-        compiled(n, k, dtype == torch.float32, residual is not None, chosen, rows=b)(
+        KERNEL.compiled(n, k, dtype == torch.float32, residual is not None, chosen, rows=b)(
             x, w, residual, y)
 
-    return run_gemm(OP, refusal, launch, x, w, residual, out, out_dtype)
-
-
-def register() -> None:
-    """Take the GEMMs of `gemv.linear` (every composite's GEMM) at 2 <= M <= 64."""
-    import sys
-
-    from . import gemv
-
-    gemv.use_tensor_cores(sys.modules[__name__])
+    return run_gemm(KERNEL, refusal, launch, x, w, residual, out, out_dtype)
