@@ -126,7 +126,6 @@ Z_SHIFT = 96  # activations are staged times 2^Z_SHIFT (see the docstring)
 SCALE_BIAS = 126 - Z_SHIFT  # fp32 exponent field of a group's factor = scale byte + SCALE_BIAS
 PAIR_SHIFT = (12, 8, 4, 0)  # word << PAIR_SHIFT[i] puts inputs i, i + 4 atop the two halves
 SIGN_MASK, MAG_MASK = 0x80008000, 0x01C001C0
-RUNS = (0, 2, 4)  # FC1Config.run: off, or the most pairs of one expert per CTA
 
 
 @dataclass(frozen=True)
@@ -136,9 +135,6 @@ class FC1Config:
     # weights by cp.async into shared memory, one group per lane step, the math of a step after
     # its group alone arrived (see the docstring); off: every load to registers, then the math
     cp_async: bool = False
-    # expert-grouped (0: off): a CTA takes up to `run` pairs (2 or 4) that share an expert,
-    # loads and decodes its rows once and multiplies them with each pair's z (`expert_runs`)
-    run: int = 0
 
     @property
     def threads(self) -> int:
@@ -179,37 +175,16 @@ def _lane_steps(latent: int) -> tuple[int, bool]:
 
 
 def fc1_smem(latent: int, cfg: FC1Config) -> int:
-    """FC1's shared memory per CTA: z as fp32 (of `run` tokens when grouped: 57 KB at L 3584
-    and 4), and with cp.async every lane's 16-byte vector of every lane step, row and matrix
+    """FC1's shared memory per CTA: z as fp32, and with cp.async every lane's 16-byte vector of every lane step, row and matrix
     (47 KB at L 3584 with 4 warps of 2 rows)."""
     if not cfg.cp_async:
-        return 4 * latent * max(cfg.run, 1) + 64
+        return 4 * latent + 64
     m, split = _lane_steps(latent)
     return 4 * latent + 64 + 16 * 32 * 2 * cfg.rows_per_warp * (m + split) * cfg.warps
 
 
 def fc1_fits(latent: int, cfg: FC1Config) -> bool:
-    return (32 <= cfg.threads <= 1024 and fc1_smem(latent, cfg) <= SMEM_BYTES
-            and cfg.run in RUNS and not (cfg.run and cfg.cp_async))
-
-
-def expert_runs(ids: torch.Tensor, n_exp: int, cap: int) -> torch.Tensor:
-    """The grouped FC1's plan: int32 [3, N·k] over the pairs sorted by expert (stable, so pairs
-    of one expert keep their order): row 0 the expert (clamped to [0, E) as the kernels clamp),
-    row 1 the pair n·k + j, row 2 how many pairs from this sorted position on one CTA takes:
-    min(cap, pairs left in the run) at every cap-th position of a run, else 0 (the CTA exits).
-    Fixed shapes, no host sync, deterministic: capturable in a CUDA graph."""
-    flat = ids.reshape(-1).clamp(0, n_exp - 1).int()
-    experts, pairs = torch.sort(flat, stable=True)
-    pos = torch.arange(flat.numel(), device=ids.device, dtype=torch.int32)
-    first = torch.searchsorted(experts, experts, out_int32=True)  # the run's first position
-    end = torch.searchsorted(experts, experts, right=True, out_int32=True)  # one past its last
-    count = torch.where((pos - first) % cap == 0, (end - pos).clamp(max=cap), 0)
-    return torch.stack((experts, pairs.int(), count))
-
-
-def _log2(x: int) -> int:
-    return x.bit_length() - 1
+    return 32 <= cfg.threads <= 1024 and fc1_smem(latent, cfg) <= SMEM_BYTES
 
 
 def _lane_vectors(latent: int) -> int:
@@ -269,28 +244,6 @@ def _kernels():
                 p = p + (bits & Uint32(0xFFFF0000)).bitcast(Float32) * z[8 * w + i + 4]
         return p
 
-    def tile_dot(sZ, c, words, rA, rB):
-        """decode_dot of each vector in `words` ((4,) Uint32 each) with the z of every pair of
-        a tile, sZ (T, 32·NV) (`FC1.stage_tile`), group c: each input pair decoded once, then
-        its products added to every pair's partial in decode_dot's order. -> [vector][pair]."""
-        T = cute.size(sZ, mode=[0])
-        x = c % (32 // T)
-        ps = [[Float32(0.0) for _ in range(T)] for _ in words]
-        for w in range(4):
-            for i in range(4):
-                cute.autovec_copy(sZ[None, 32 * c + ((8 * w + i) ^ x)], rA)
-                cute.autovec_copy(sZ[None, 32 * c + ((8 * w + i + 4) ^ x)], rB)
-                za, zb = rA.load(), rB.load()
-                for v, q in enumerate(words):
-                    t = q[w] << PAIR_SHIFT[i] if PAIR_SHIFT[i] else q[w]
-                    bits = (t & Uint32(SIGN_MASK)) | ((t >> 6) & Uint32(MAG_MASK))
-                    lo = (bits << 16).bitcast(Float32)
-                    hi = (bits & Uint32(0xFFFF0000)).bitcast(Float32)
-                    for n in range(T):
-                        ps[v][n] = ps[v][n] + lo * za[n]
-                        ps[v][n] = ps[v][n] + hi * zb[n]
-        return ps
-
     def group_z(sZ, c, rZ):
         """32-input group c of the staged z (chunk q at 8c + (q ^ (c & 7))) -> (32,) fp32."""
         rZ4 = cute.zipped_divide(rZ, (4,))  # (4, 8)
@@ -313,7 +266,7 @@ def _kernels():
             self.cfg, self.rw, self.warps, self.threads = cfg, cfg.rows_per_warp, cfg.warps, \
                 cfg.threads
             self.rows = cfg.warps * cfg.rows_per_warp
-            self.cp_async, self.run = cfg.cp_async, cfg.run
+            self.cp_async = cfg.cp_async
             self.steps = self.m + self.split  # cp.async groups per lane
             if not fc1_fits(latent, cfg):
                 raise ValueError(f"{cfg} at L {latent}: {fc1_smem(latent, cfg)} B of shared memory")
@@ -348,83 +301,12 @@ def _kernels():
                     mAct[pair, i0 + r] = (gate * lin).to(BFloat16)
 
         @cute.jit
-        def stage_tile(self, mZ: cute.Tensor, mPlan: cute.Tensor, p: Int32, count: Int32,
-                       sZ: cute.Tensor, tidx: Int32):
-            """z of the tile's T pairs (the last pair's again past `count`) -> sZ (T, 32·NV)
-            fp32 times 2^Z_SHIFT; then the CTA barrier. Thread u of a 32-thread block takes
-            vector 4(u % 8) + u // 8 of the block's 32 (inputs 8(v % 4) .. + 7 of group
-            c = v // 4) of every pair and stores its 8 slots of T values: the 8 (T = 4) or 16
-            (T = 2) threads of one shared-memory wavefront hit distinct banks."""
-            T, NV8 = cute.size(sZ, mode=[0]), self.latent // 8
-            rows = [Int32(mPlan[1, p + cutlass.min(t, count - 1)]) // self.top_k
-                    for t in range(T)]
-            rZ8 = make_frag(BFloat16, T)  # (8, T): one vector of each pair
-            rF = cute.make_rmem_tensor(cute.make_layout((T, 8)), Float32)  # (T, 8)
-            for s in cutlass.range_constexpr(-(-NV8 // self.threads)):
-                u = s * self.threads + tidx
-                v = u - u % 32 + 4 * (u % 8) + (u % 32) // 8
-                if v < NV8:
-                    for t in cutlass.range_constexpr(T):
-                        cute.autovec_copy(row_vectors(mZ, rows[t])[None, v], rZ8[None, t])
-                    for t in cutlass.range_constexpr(T):
-                        rF[t, None].store(rZ8[None, t].load().to(Float32)
-                                          * Float32(2.0 ** Z_SHIFT))
-                    c = v // 4
-                    for q in cutlass.range_constexpr(8):
-                        slot = 32 * c + ((8 * (v % 4) + q) ^ (c % (32 // T)))
-                        cute.autovec_copy(rF[None, q], sZ[None, slot])
-            cute.arch.barrier()
-
-        @cute.jit
-        def tile_dot_finish(self, w, sZ: cute.Tensor, mPlan: cute.Tensor, p: Int32,
-                            count: Int32, lane: Int32, i0: Int32, mAct: cute.Tensor,
-                            beta: Float32, linear_beta: Float32):
-            """`dot_finish` for the tile's pairs t < count: each weight vector decoded once, its
-            products with every pair's z summed per pair in decode_dot's order."""
-            rW, rS, rT, rST = w
-            T, NV, M, RW = cute.size(sZ, mode=[0]), self.nv, self.m, self.rw
-            acc = [[[Float32(0.0) for _ in range(T)] for _ in range(2)] for _ in range(RW)]
-            rA = cute.make_rmem_tensor(cute.make_layout((T,)), Float32)  # input a, T pairs
-            rB = cute.make_rmem_tensor(cute.make_layout((T,)), Float32)  # input a + 4
-            for mm in cutlass.range_constexpr(M):
-                c = lane + 32 * mm
-                if const_expr(32 * (mm + 1) > NV):
-                    c = cutlass.min(c, NV - 1)
-                words = [rW[r][mat][None, mm].load().bitcast(Uint32) for r in range(RW)
-                         for mat in range(2)]
-                ps = tile_dot(sZ, c, words, rA, rB)
-                for r in cutlass.range_constexpr(RW):
-                    for mat in cutlass.range_constexpr(2):
-                        f = group_factor(rS[r][mat][mm])
-                        for t in cutlass.range_constexpr(T):
-                            acc[r][mat][t] = acc[r][mat][t] + ps[2 * r + mat][t] * f
-            if const_expr(self.split):
-                words = [rT[r][None, 0].load().bitcast(Uint32) for r in range(RW)]
-                ps = tile_dot(sZ, 32 * M + lane % 16, words, rA, rB)
-                first = lane < 16
-                for r in cutlass.range_constexpr(RW):
-                    f = group_factor(rST[r])
-                    for t in cutlass.range_constexpr(T):
-                        x = ps[r][t] * f
-                        acc[r][0][t] = acc[r][0][t] + Float32(
-                            cutlass.select_(first, x, Float32(0.0)))
-                        acc[r][1][t] = acc[r][1][t] + Float32(
-                            cutlass.select_(first, Float32(0.0), x))
-            for t in cutlass.range_constexpr(T):
-                if t < count:
-                    self.finish([[acc[r][0][t], acc[r][1][t]] for r in range(RW)], lane,
-                                Int32(mPlan[1, p + t]), i0, mAct, beta, linear_beta)
-
-        @cute.jit
         def __call__(self, mZ: cute.Tensor, mIdx: cute.Tensor, mW1: cute.Tensor,
                      mS1: cute.Tensor, mW3: cute.Tensor, mS3: cute.Tensor, mAct: cute.Tensor,
                      beta: Float32, linear_beta: Float32, stream):
-            # mZ: (N, L) bf16; mIdx: ids (N, k), or grouped the plan (3, N·k) int32 of
-            # `expert_runs`; mW1, mW3: (E·I, L/8) int32 words of packed nibbles; mS1, mS3:
-            # (E·I, L/32) uint8; mAct: (N·k, I) bf16
+            # mZ: (N, L) bf16; mIdx: ids (N, k); mW1, mW3: (E·I, L/8) int32 words of packed
+            # nibbles; mS1, mS3: (E·I, L/32) uint8; mAct: (N·k, I) bf16
             kernel = self.kernel_async if const_expr(self.cp_async) else self.kernel
-            if const_expr(self.run):
-                kernel = self.kernel_grouped
             kernel(mZ, mIdx, mW1, mS1, mW3, mS3, mAct, beta, linear_beta).launch(
                 grid=[mZ.shape[0] * self.top_k, -(-self.inter // self.rows), 1],
                 block=[self.threads, 1, 1], smem=fc1_smem(self.latent, self.cfg), stream=stream,
@@ -520,47 +402,6 @@ def _kernels():
             cute.arch.griddepcontrol_launch_dependents()
             self.stage_z(rZ8, sZ, tidx)
             self.dot_finish(w, sZ, lane, pair, i0, mAct, beta, linear_beta)
-
-        @cute.kernel
-        def kernel_grouped(self, mZ: cute.Tensor, mPlan: cute.Tensor, mW1: cute.Tensor,
-                           mS1: cute.Tensor, mW3: cute.Tensor, mS3: cute.Tensor,
-                           mAct: cute.Tensor, beta: Float32, linear_beta: Float32):
-            """CTA p takes the mPlan[2, p] pairs (0: none) from sorted position p on, all of
-            expert mPlan[0, p]: one weight load and, above one pair, one decode for all."""
-            pdl_wait(self.pdl)
-            tidx, _, _ = cute.arch.thread_idx()
-            p, blk, _ = cute.arch.block_idx()
-            lane, warp = cute.arch.lane_idx(), cute.arch.warp_idx()
-            smem = cutlass.memory.SmemAllocator()
-            # z of `run` pairs (fp32, 4·L·run bytes), viewed by the path the count takes
-            sBuf = smem.allocate_tensor(Float32, cute.make_layout((4, 8 * self.run * self.nv)),
-                                        16)
-            count = Int32(mPlan[2, p])
-            if count > 0:
-                n_exp = mW1.shape[0] // self.inter
-                e = cutlass.max(cutlass.min(Int32(mPlan[0, p]), n_exp - 1), 0)
-                i0 = blk * self.rows + warp * self.rw
-                w = self.weight_frags()
-                self.load_weights(w, mW1, mS1, mW3, mS3, e, i0, lane)
-                if count == 1:  # the plain kernel's z staging and math
-                    pair = Int32(mPlan[1, p])
-                    rZ8 = make_frag(BFloat16, -(-(self.latent // 8) // self.threads))  # (8, ZV)
-                    load_vectors(row_vectors(mZ, pair // self.top_k), rZ8, tidx, self.threads,
-                                 self.latent // 8)
-                    cute.arch.griddepcontrol_launch_dependents()
-                    sZ = cute.make_tensor(sBuf.iterator, cute.make_layout((4, 8 * self.nv)))
-                    self.stage_z(rZ8, sZ, tidx)
-                    self.dot_finish(w, sZ, lane, pair, i0, mAct, beta, linear_beta)
-                for t in cutlass.range_constexpr(1, _log2(self.run) + 1):
-                    T = 2 ** t  # counts T/2 + 1 .. T: a tile of T pairs
-                    if (count > T // 2) & (count <= T):
-                        sZ = cute.make_tensor(sBuf.iterator, cute.make_layout(
-                            (T, 32 * self.nv)))  # (T pairs, slots): input i of group c at
-                        # slot 32c + (i ^ (c % (32 / T))), the T pairs' values side by side
-                        cute.arch.griddepcontrol_launch_dependents()
-                        self.stage_tile(mZ, mPlan, p, count, sZ, tidx)
-                        self.tile_dot_finish(w, sZ, mPlan, p, count, lane, i0, mAct, beta,
-                                             linear_beta)
 
         @cute.kernel
         def kernel_async(self, mZ: cute.Tensor, mIds: cute.Tensor, mW1: cute.Tensor,
@@ -796,10 +637,9 @@ def build(stage, latent, inter, top_k, ids64, cfg, arch=None, dump_dir=None, pdl
 
     ids = dense(cutlass.Int64 if ids64 else i32, n, top_k, 8 if ids64 else 4, cute.sym_int())
     FC1, FC2 = _kernels()
-    if stage == "fc1":  # act as (N·k, I) rows; grouped, the plan (3, N·k) for the ids
+    if stage == "fc1":  # act as (N·k, I) rows
         w, s = dense(i32, rows, latent // 8, 16), dense(u8, rows, latent // 32, 1)
-        idx = dense(i32, 3, pairs, 4) if cfg.run else ids
-        return compile_kernel(FC1(latent, inter, top_k, cfg, pdl), fake_rows(bf16, n, latent), idx,
+        return compile_kernel(FC1(latent, inter, top_k, cfg, pdl), fake_rows(bf16, n, latent), ids,
                               w, s, w, s, dense(bf16, pairs, inter, 16), cutlass.Float32(4.0),
                               cutlass.Float32(25.0), fake_stream(), arch=arch, dump_dir=dump_dir)
     return compile_kernel(FC2(latent, inter, top_k, cfg), dense(bf16, n, top_k * inter, 16),
@@ -846,9 +686,8 @@ def _launch(args, beta, linear_beta, out):
         b, ids64 = bucket(n), ids.dtype == torch.int64
         act = z.new_empty((n * top_k, inter))
         fc1 = config("fc1", latent, inter, top_k, b)
-        idx = expert_runs(ids, w1_packed.shape[0], fc1.run) if fc1.run else ids
         KERNEL.compiled("fc1", latent, inter, top_k, ids64, fc1, rows=b)(
-            z, idx, _words(w1_packed), w1_scale.view(-1, latent // 32), _words(w3_packed),
+            z, ids, _words(w1_packed), w1_scale.view(-1, latent // 32), _words(w3_packed),
             w3_scale.view(-1, latent // 32), act, float(beta), float(linear_beta))
         # FC2 always follows FC1 with PDL (its own build has no switch)
         KERNEL.compiled("fc2", latent, inter, top_k, ids64,

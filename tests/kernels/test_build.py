@@ -4,7 +4,6 @@ dependent launch also with it on (`common.settings.KERNELS.pdl`), checked in the
 variants (norm prologue, SiTU epilogue, split output) with PDL off and on, and its plain build
 byte for byte as before them. Needs only the DSL."""
 
-import dataclasses
 import hashlib
 import struct
 from importlib.metadata import version
@@ -57,6 +56,8 @@ def _cases():
         (situ_gate_up, (1000,)),  # predicated vectors
         (kda_decode, (1, 6, 4)),  # (T, heads, taps): decode at one TP16 rank
         (kda_decode, (8, 6, 4)),  # DSpark verify rows
+        (kda_decode, (2, 6, 4)),  # T < taps - 1: the conv-state shift
+        (kda_decode, (5, 4, 2)),  # two taps
         (mla_decode, (1, 6, 512, 64)),  # (T, heads, latent, rope): decode at one TP16 rank
         (mla_decode, (8, 6, 512, 64)),  # verify rows: 4 queries per warp, 2 query groups
         (mla_decode, (3, 2, 256, 32)),  # small latent and rope, 6 one-query warps
@@ -66,10 +67,6 @@ def _cases():
             case = (module, scalars, module.config(*scalars, b))
             if case not in seen:
                 seen.append(case)
-    # kda_decode: T < taps - 1 (conv-state shift) on one-warp CTAs in clusters of 8; 32 state
-    # rows per thread (the most registers)
-    seen += [(kda_decode, (2, 6, 4), kda_decode.Config(8, 16)),
-             (kda_decode, (5, 4, 2), kda_decode.Config(1, 32))]
     # gemm_tc: (n, k, fp32 output, residual) with the config of one bucket: a cluster of 8 over
     # K at 8 tokens, R = 128 rows with the residual at 64, one CTA per tile (S = 1) with fp32
     # output, and partial row tiles and K slices (1000 x 1032)
@@ -104,37 +101,11 @@ def _cases():
                     moe_experts.config(stage, latent, inter, top_k, b))
             if case not in seen:
                 seen.append(case)
-    # moe_experts FC1 with cp.async (not a default yet): the TP16 rank at the sweep's warps x
-    # rows per warp (1 to 8 warps, 1 to 4 rows), a partial lane step (L 1056), the split step
-    # alone (512) and after a full one (1536), the largest L
+    # moe_experts FC1 with cp.async (config()'s choice at one row: 4 warps x 1 row) at the split
+    # step alone (L 512) and after a full lane step (L 1536)
     fc1 = moe_experts.FC1Config
-    for latent, inter, top_k, cfg in [
-            (3584, 192, 16, fc1(4, 2, True)), (3584, 192, 16, fc1(4, 1, True)),
-            (3584, 192, 16, fc1(2, 2, True)), (3584, 192, 16, fc1(8, 1, True)),
-            (3584, 192, 16, fc1(8, 4, True)), (1056, 32, 1, fc1(4, 2, True)),
-            (512, 96, 3, fc1(4, 2, True)), (1536, 64, 4, fc1(2, 1, True)),
-            (8192, 512, 16, fc1(4, 1, True))]:
-        seen.append((moe_experts, ("fc1", latent, inter, top_k, True), cfg))
-    # moe_experts FC1 grouped by expert (`FC1Config.run`, not a default yet): the TP16 rank at
-    # the sweep's warps x rows per warp with runs of 4 and 2 pairs (4 x 2 rows, run 4: the most
-    # registers), int32 ids, the small shapes above and the largest L
-    for latent, inter, top_k, ids64, cfg in [
-            (3584, 192, 16, True, fc1(4, 2, run=4)), (3584, 192, 16, True, fc1(4, 1, run=4)),
-            (3584, 192, 16, True, fc1(4, 2, run=2)), (3584, 192, 16, True, fc1(4, 1, run=2)),
-            (3584, 192, 16, True, fc1(8, 1, run=4)), (3584, 192, 16, True, fc1(8, 2, run=4)),
-            (3584, 192, 16, True, fc1(2, 2, run=4)), (3584, 192, 16, False, fc1(4, 2, run=4)),
-            (1056, 32, 1, True, fc1(4, 2, run=4)), (512, 96, 3, True, fc1(4, 2, run=2)),
-            (1536, 64, 4, True, fc1(2, 1, run=4)), (96, 64, 2, True, fc1(4, 2, run=4)),
-            (8192, 512, 16, True, fc1(4, 1, run=2))]:
-        seen.append((moe_experts, ("fc1", latent, inter, top_k, ids64), cfg))
-    # ... and the default warps and rows with runs of 4 and 2 at the GPU tests' small shapes
-    for latent, inter, top_k in [(96, 64, 2), (512, 96, 3), (1056, 32, 1), (1536, 64, 4),
-                                 (8192, 512, 16)]:
-        for run in (4, 2):
-            cfg = dataclasses.replace(moe_experts.config("fc1", latent, inter, top_k, 8), run=run)
-            case = (moe_experts, ("fc1", latent, inter, top_k, True), cfg)
-            if case not in seen:
-                seen.append(case)
+    for latent, inter, top_k in [(512, 96, 3), (1536, 64, 4)]:
+        seen.append((moe_experts, ("fc1", latent, inter, top_k, True), fc1(4, 1, True)))
     return seen
 
 
