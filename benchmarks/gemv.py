@@ -1,4 +1,4 @@
-"""Weight-streaming GEMV (kernels/gemv.py) against cuBLAS (F.linear) at one K3 TP16 rank's shapes.
+"""Weight-streaming GEMV (kernels/common/gemv.py) against cuBLAS (F.linear) at one K3 TP16 rank's shapes.
 
     python benchmarks/gemv.py [--m 1,8,16] [--only 3206x7168,896x7168] [--out DIR or r.json]
     python benchmarks/gemv.py --sweep [--m 1,16]   # every Config per shape and M, best first

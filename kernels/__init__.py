@@ -21,8 +21,8 @@ from k3compile.ops import registry
 KERNELS = ("attn_res_mix_norm", "mla_lowrank_norm", "rms_norm", "moe_route", "situ_gate_up",
            "oproj_attn_res_mix_norm", "allreduce_attn_res_mix_norm", "norm_linear", "moe_front",
            "linear_concat", "linear", "mla_uv_gate", "moe_experts", "kda_decode", "fb_kda_decode")
-# shared GEMM engines (kernels/common/) that K3_KERNELS_SKIP may also name: `gemm_tc` there keeps the
-# GEMM router on cuBLAS above one row
+# shared GEMM engines (kernels/common/) that K3_KERNELS_SKIP may also name: `gemm_tc` there keeps
+# the GEMM router on cuBLAS above one row
 ENGINES = ("gemm_tc",)
 
 # ops whose torch reference is already what a GPU should run (stream and prefetch bookkeeping;
@@ -99,7 +99,8 @@ def fingerprint() -> list[str]:
     except PackageNotFoundError:
         dsl_version = None
     names = selected_kernels() if dsl_version else []
-    table = hashlib.sha256(gemm_tc.TABLE.read_bytes()).hexdigest()[:12] if gemm_tc.TABLE.exists() else None
+    table = (hashlib.sha256(gemm_tc.TABLE.read_bytes()).hexdigest()[:12]
+             if gemm_tc.TABLE.exists() else None)
     return [f"kernels {names}", *settings.KERNELS.fingerprint(), f"cutlass_dsl {dsl_version}",
             f"gemm_tc_table {table}"]
 

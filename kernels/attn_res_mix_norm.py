@@ -1,17 +1,9 @@
 """CuTe DSL kernel for `k3::attn_res_mix_norm`: prefix add + AttnRes depth mix + RMSNorm (spec §2).
 
-    p = bf16(prefix + delta); s_i = rstd(v_i)·Σ_d v_i·wn·wp, v = (*blocks, p); α = softmax(s);
-    h = bf16(Σ_i α_i·v_i); x = bf16(wx · bf16(h · rstd(h)))
+    p = bf16(prefix + delta); α = softmax_i(rstd(v_i)·Σ_d v_i·wn·wp), v = (*blocks, p);
+    h = bf16(Σ_i α_i·v_i); x = bf16(wx · bf16(h · rstd(h)))      (scores in fp32)
 
-A token row is split over a cluster of 1, 2, 4 or 8 CTAs (more SMs per row at small batch: the
-kernel is bound by instruction issue, not bytes); each CTA keeps its slice of every source row in
-registers (16-byte coalesced loads), the cluster sums the 2·S partials (Σv², Σv·wn·wp per source)
-through distributed shared memory, every CTA mixes its slice in fp32, and a second cluster sum
-gives Σh². The same kernel serves the pre-attention form (delta = MLP output), the post-attention
-form (delta = attention output, or no delta when a block just started) and, with no blocks, a
-plain prefix add + RMSNorm. Scores are fp32 throughout: the reference's bf16 roundings of
-v·rstd·wn and of the score itself are skipped. prefix_out is bit-exact; x agrees to bf16 rounding.
-With PDL (`common.dsl.PDL`) wn and wp load before `griddepcontrol.wait`, the sources after it.
+Design and measurements: docs/kernels.md, attn_res_mix_norm.
 
 Constraints:
     * bf16 tensors; prefix, delta, blocks [N, D] with contiguous rows, row stride a multiple of 8
@@ -20,6 +12,8 @@ Constraints:
       sources up to D = 8192, prefix + delta alone up to 16384); clusters of c CTAs only when
       D % (8·c) == 0.
     * 0 <= len(blocks) <= 8 (at most 9 sources); mix_eps, norm_eps are runtime scalars.
+    * With PDL (settings.KERNELS.pdl, launches of at most .pdl_max_rows rows): wn and wp load
+      before `griddepcontrol.wait`, the sources after it.
 """
 
 import functools

@@ -3,7 +3,7 @@ KDA recurrent step.
 
     graw = fa · W_fbᵀ;  o = kda_decode(q, k, v, g, graw, b, ...)
 
-Two launches: `gemv.linear` on the flat rows (our skinny GEMM at one row, cuBLAS above), then the
+Two launches: `router.linear` on the flat rows (our skinny GEMM at one row, cuBLAS above), then the
 kda_decode kernel (its device code).
 
 Constraints:

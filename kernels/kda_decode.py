@@ -1,54 +1,12 @@
-"""CuTe DSL kernel for `k3::kda_decode` and `k3::fb_kda_decode`: the whole KDA recurrent step of
-one layer in one launch (spec §3.1 steps 3-7; `kda_decode_ref` in k3compile/ops/kda.py is the
-math and the rounding it matches).
+"""CuTe DSL kernel for `k3::kda_decode`: the whole KDA recurrent step of one layer in one launch
+(spec §3.1 steps 3-7; `kda_decode_ref` in k3compile/ops/kda.py is the math and the rounding).
 
-    x̃ = bf16(SiLU(Σ_j w_j·[conv_state, x]_{t+j}));  q̂ = l2n(q̃)·s, k̂ = l2n(k̃);  β = σ(b)
-    α = exp(lb·σ(e^A·(graw + dt)));  per t: S ← αS;  u = β(ṽ − Sᵀk̂);  S += k̂uᵀ;  o_t = Sᵀq̂
-    out = bf16(bf16(w ⊙ bf16(o'·rstd(o'))) ⊙ bf16(σ(g))),  o' = bf16(o)
+    x̃ = bf16(SiLU(conv(x))); q̂ = l2n(q̃)·s; k̂ = l2n(k̃); β = σ(b); α = exp(lb·σ(e^A·(graw+dt)))
+    per t: S ← αS; S += k̂·(β(ṽ − Sᵀk̂))ᵀ; o_t = Sᵀq̂
+    out = bf16(bf16(w ⊙ rms(bf16(o))) ⊙ bf16(σ(g)))
 
-Work split. A cluster of C CTAs serves one (request, head); CTA `rank` owns the value columns
-[rank·K/C, (rank+1)·K/C) of that head's fp32 state S [K, K] (rows = key channels): no two CTAs
-touch the same state, conv-state or output bytes, so there are no races and no atomics. Within a
-CTA a thread owns 4 adjacent columns (one 16-byte vector per row) of R rows k = rg + (K/R)·i; the
-K/R threads sharing a column group are lanes of one warp (lane = rg·cw + cg), so Sᵀk̂ and Sᵀq̂ are
-in-thread sums plus a butterfly over those lanes (log2(K/R) shuffles, every lane gets the same
-total, no shared memory, no barrier). A warp's load instruction reads K/R rows × 4R contiguous
-bytes (64 at R = 16): whole 32-byte sectors. The state is read once and written once per launch;
-the T tokens run on registers.
-
-Prologue (all threads, work items over the CTA): each CTA computes the conv + SiLU of all K q and
-k channels (l2norm needs them all) and of its own v columns, α of all K key channels and β, from
-scalar loads (q|k|v|g|graw|b are column slices of the in-projection's output, whose row stride
-need not keep 16-byte alignment), into shared memory as fp32; one warp per (token, q or k) then
-l2-normalises in place. The state loads are issued first so that they fly during the prologue.
-Epilogue: o of the owned columns goes to shared memory, the per-token Σo'² is summed over the
-cluster (one DSMEM round, `row_sum`), and the gated RMSNorm writes 16-byte output vectors. The
-conv state is written last, after that cluster barrier, by the CTA owning each channel's column
-slice: every CTA of the cluster has read the old conv rows by then.
-
-With PDL (`common.dsl.PDL`) every thread executes `griddepcontrol.wait` first: the slots, the
-in-projection's slices and both states (the previous step wrote them) are activations, and the
-weights' loads are interleaved with theirs in the prologue, so nothing useful precedes the wait.
-
-C > 1 trades redundant q/k prologue work for more SMs pulling state bytes at small batch (at B=1
-and 6 heads per rank only 6 CTAs would otherwise stream 64 KB each); `config` picks C per batch
-bucket (untuned: `benchmarks/kda_decode.py --sweep` times every config). T, H, taps and the
-config are compile-time; the batch is the grid's z size.
-
-Rounding: every bf16 rounding of the reference is kept (conv output, o, the normalised o, w ⊙ it,
-σ(g), the product). fp32 sums run in another order (conv taps, Σx², Sᵀk̂, Sᵀq̂) and the state
-update is one FMA, so the state agrees to fp32 rounding and the output to bf16 rounding, except
-where a conv output lands on a bf16 rounding boundary (one ulp then, in that channel).
-
-fb_kda_decode runs graw = fa · W_fbᵀ first (`gemv.linear`: a second launch; the in-projection's
-f_a column slice has an unaligned row stride, so that GEMM is cuBLAS's). Folding the 128-wide
-GEMM into the prologue (each CTA needs 128 rows of W_fb: 32 KB) is the next step.
-
-Status: builds for sm_90a (tests/kernels/test_build.py); the CPU model of its blocking
-(tests/kernels/test_kda_decode.py::test_blocking_model_*) matches the reference; its GPU tests
-pass on the H200 (2026-11-29), so it is in kernels.KERNELS. Measured there
-(benchmarks/kda_decode.py, 6 heads): 7.05 µs at B = 1, 7.83 at 8, 22.2 at 64 (T = 1);
-x3.3-x9.4 vs Inductor's code for the same step.
+`k3::fb_kda_decode` (kernels/fb_kda_decode.py) runs this device code after its GEMM. Work split,
+rounding and measurements: docs/kernels.md, kda_decode.
 
 Constraints:
     * q, k, v, g, graw bf16 [B, T, H·K], b bf16 [B, T, H]: last dim contiguous, any other strides;
@@ -60,6 +18,8 @@ Constraints:
     * conv weights bf16 [H·K, 1, taps], A_log fp32 [H], dt_bias fp32 [H·K], o_norm_weight bf16
       [K], all contiguous; lower_bound, l2_eps, q_scale, norm_eps are runtime scalars.
     * Output bf16 [B, T, H, K], contiguous.
+    * With PDL (settings.KERNELS.pdl) every thread waits first: everything it reads but the
+      weights was written by the previous step.
 """
 
 import functools

@@ -3,7 +3,7 @@
     y = x · Wᵀ
 
 Constraints:
-    * x [N, K] rows, W [O, K]: `gemv.linear` picks our skinny GEMM, the tensor-core one or cuBLAS
+    * x [N, K] rows, W [O, K]: `router.linear` picks our skinny GEMM, the tensor-core one or cuBLAS
       by shape (each where it takes the inputs).
 """
 

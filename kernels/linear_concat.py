@@ -3,7 +3,7 @@
     y = x · [W_0; W_1; ...]ᵀ
 
 The reference is already what a GPU should run (the op registers native): on CUDA the GEMM goes
-through `gemv.linear` (our skinny GEMM at one row, cuBLAS above).
+through `router.linear` (our skinny GEMM at one row, cuBLAS above).
 
 Constraints:
     * x [N, D] rows, W_i [N_i, D]; `concatenated` caches the concatenation while the weights live

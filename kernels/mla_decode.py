@@ -1,49 +1,12 @@
 """CuTe DSL kernel for `k3::mla_decode`: the latent-cache write of the T new rows and absorbed MLA
-decode attention, flash-decoding style (split-KV), in two launches of one compiled function
-(`mla_decode_ref` in k3compile/ops/mla.py is the math and the rounding it follows).
+decode attention, split-KV, in two launches of one compiled function (`mla_decode_ref` in
+k3compile/ops/mla.py is the math and the rounding it follows).
 
-    cache[slot, pos+t] <- [c_kv_t | k_pe_t];   s = bf16(bf16(q_lat·c_kv) + bf16(q_pe·k_pe))·scale
-    o_lat[t, h] = bf16(Σ_{i <= pos+t} softmax_i(s)·c_kv_i)                (one request, query (t, h))
+    cache[slot, pos+t] <- [c_kv_t | k_pe_t];  o_lat[t, h] = bf16(Σ_{i<=pos+t} softmax_i(s)·c_kv_i)
+    s = bf16(bf16(q_lat·c_kv) + bf16(q_pe·k_pe))·scale
 
-Work split. Launch 1 has a grid (splits, query groups, B): CTA (s, g, b) takes the rows
-[s·len, min((s+1)·len, n)) of request b's visible context, n = pos + T, len = ⌈n / splits⌉
-rounded up to a tile of 32 rows, and the queries g·Q .. (g+1)·Q - 1 of the H·T query rows
-(index t·H + h). A tile of 32 cache rows (32 x 576 bf16 = 36 KB) goes to shared memory with
-16-byte vector loads, each row read once for the CTA's Q queries. The new rows pos .. pos+T-1 are
-taken from c_kv / k_pe instead of the cache and written to the cache by the CTA of query group 0
-whose range holds them: no CTA reads a cache row any CTA writes, so the write needs no ordering.
-Each warp owns `queries_per_warp` queries (in registers, fp32) and, per lane, the latent columns
-of 16-byte vectors lane and lane + 32 (+ 2 rope columns): a score is a warp sum (nope and rope
-parts reduced separately, as the reference rounds each einsum to bf16), four rows at a time by a
-reduce-scatter (`reduce_scatter`: 6 shuffles for 4 rows), each tile row's score ending in one
-lane (`lane_row`); the tile's max and Σp are warp reductions; p·c_kv accumulates per lane in
-fp32, p broadcast from its lane (`row_lane`) by a shuffle. Each CTA writes its partial (m, l, acc [C]) fp32 to a
-workspace. Launch 2 (grid (H·T, B), one thread per 8 columns) merges the splits in fixed order
-(M = max m, L = Σ l·e^(m-M), o = Σ acc·e^(m-M) / L) and writes o_lat bf16: deterministic, no
-atomics; it is launched with PDL, so its launch overlaps the attention's tail. Splits are
-chosen on the host per batch bucket (one compile serves every bucket).
-
-Rounding. Scores follow the reference (each einsum's fp32 sum rounded to bf16, their sum
-rounded to bf16, then fp32 · scale); fp32 sums run in another order, so a score may land one
-bf16 ulp away where its sum sits on a rounding boundary. Deviation: p is rounded to bf16 before
-p·c_kv as e^(s - m_running) (flash-attention style), the reference rounds the normalised
-softmax; both are one bf16 rounding of the same weight, normalised in fp32 (our l sums the
-unrounded p), so o_lat agrees to ~2.7e-3 relative in norm (the CPU model in the tests; they
-allow 6e-3). exp is the hardware's ex2.approx.
-
-Cost. CUDA-core FMAs: 2·(C + R) per query and row, plus ~9 shuffle, add and select instructions
-per lane; ~60 warp instructions per (row, query). Estimated from instruction counts, not
-measured: ~1.5-2x the cache bytes' time at T = 1, B = 64; ~8x at T = 8, where 48 queries share
-each row. The next
-step is mma.sync (m16n8k16 bf16, fp32 accumulators) for both products, FlashMLA-style. The
-workspace is splits·H·T·(C + 2) fp32 per request (L2-resident; `splits` keeps it below the
-cache bytes read).
-
-Status: builds for sm_90a (tests/kernels/test_build.py); the CPU model of the split/tile
-online softmax (tests/kernels/test_mla_decode.py::test_split_model_*) matches the reference;
-its GPU tests passed on the H200 (session 4), but it was slower than Inductor's code there
-(B1 62.7 vs 21.6 µs), hence not in kernels.KERNELS (K3_KERNELS_EXTRA=mla_decode registers it):
-add it once benchmarks/mla_decode.py shows it ahead.
+Opt-in (not in kernels.KERNELS; K3_KERNELS_EXTRA=mla_decode registers it). Work split,
+rounding, cost and measurements: docs/kernels.md, mla_decode.
 
 Constraints:
     * q_lat bf16 [B, T, H, C], q_pe bf16 [B, T, H, R], c_kv bf16 [B, T, C], k_pe bf16 [B, T, R]:
@@ -54,7 +17,8 @@ Constraints:
       torch indexing does; two requests on one slot race, as in the reference's index_put).
       positions + T <= L is the caller's precondition (the reference raises): rows at or past L
       are neither written nor attended.
-    * Output bf16 [B, T, H, C], contiguous.
+    * Output bf16 [B, T, H, C], contiguous. p is rounded to bf16 before p·c_kv (flash-attention
+      style): o_lat agrees with the reference to ~3e-3 relative in norm.
 """
 
 import functools

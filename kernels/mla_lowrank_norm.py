@@ -1,18 +1,17 @@
 """CuTe DSL kernel for `k3::mla_lowrank_norm`: both Gated-MLA low-rank norms in one launch
 (spec §3.2 step 2).
 
-    q = bf16(wq · bf16(cq · rstd(cq)));  kv = bf16(wkv · bf16(c · rstd(c))), c = ckv[:, :C];
-    pe = ckv[:, C:]                                      (copied, never rotated: K3 is NoPE)
+    q = bf16(wq·bf16(cq·rstd(cq)));  kv = bf16(wkv·bf16(c·rstd(c))), c = ckv[:, :C];
+    pe = ckv[:, C:]                                     (copied, never rotated: K3 is NoPE)
 
-One CTA per token row loads its cq row and ckv row (16-byte coalesced), reduces Σcq² and Σc² in a
-single block reduction and writes the three outputs. With PDL (`common.dsl.PDL`) the two norm
-weights load before `griddepcontrol.wait`, the rows after it.
+Design: docs/kernels.md, mla_lowrank_norm.
 
 Constraints:
     * bf16; cq [N, Q] and ckv [N, C + R] with contiguous rows, row strides multiples of 8 elements
       and 16-byte-aligned data (column slices of the fused q_a|kv_a GEMM output qualify);
       q_weight [Q], kv_weight [C] contiguous; eps is a runtime scalar.
     * Q, C, R multiples of 8 (so k_pe starts 16-byte aligned), 8 <= Q, C <= 8192, 0 <= R <= 8192.
+    * With PDL (settings.KERNELS.pdl): the norm weights load before `griddepcontrol.wait`.
 """
 
 import functools

@@ -1,86 +1,10 @@
 """CuTe DSL kernels for `k3::moe_experts`: the routed MXFP4 experts, read packed (W4A16).
 
-    u[n] = bf16(Σ_j w[n,j] · bf16(SiTU(bf16(z[n]·W1[e]ᵀ), bf16(z[n]·W3[e]ᵀ)) · W2[e]ᵀ)),
-    e = ids[n, j], W = e2m1 · 2^(scale − 127) decoded in registers, fp32 products and sums
+    u[n] = bf16(Σ_j w[n,j]·bf16(SiTU(bf16(z[n]·W1[e]ᵀ), bf16(z[n]·W3[e]ᵀ))·W2[e]ᵀ)), e = ids[n,j]
 
-Torch dequantises every selected expert to bf16 in memory before its GEMMs (48 µs per layer at
-one row on an H200 TP16 rank, 2950 µs at 64). Here each (token, expert) pair streams the packed
-bytes once and decodes them in registers; no bf16 weight is written. Two launches:
-
-  1. FC1 + SiTU, grid (N·k pairs, I / rows): a CTA takes one pair and `rows` rows of W1 and W3,
-     rows_per_warp of each per warp; lane l reads 16-byte vectors l, l + 32, ... of a row (one
-     vector = 32 inputs = one E8M0 scale, a byte load beside it), every load issued before any
-     math. z[n] is staged per CTA in shared memory as fp32 (16-byte chunks XOR-swizzled so the
-     lanes read their groups without bank conflicts). Warp butterfly sums (identical in every
-     lane); lane r rounds hg, hu to bf16 as the reference's einsums do and writes bf16(SiTU)
-     to the act scratch [N·k, I]. Registers and shared memory do not depend on I (I = 3072:
-     384 CTAs per pair).
-  2. FC2 + finalize, grid (N, L / R): thread (l, j) dots act[n, j] with row l of W2[ids[n, j]]
-     (up to I = 512 its I/32 vectors and scales loaded first; above, chunks of 12 vectors in two
-     register buffers that take turns, chunk c + 1 loaded before the math of chunk c, in a
-     rolled loop so the compiler cannot hoist every load: ~105-115 registers at I 768-3072
-     against 136 at I = 512), one fp32 sum over the I/32 partials in order whatever the
-     chunks, rounds to bf16 as the reference does, times w[n, j]; each l's k terms are summed
-     in shared memory in order j = 0..k-1, rounded once. act[n] is staged in shared memory as
-     fp32, k·(I + 4)·4 bytes (197 KB at k = 16, I = 3072: one CTA per SM there).
-     Launched with PDL: its weight loads overlap FC1's tail (FC1 signals once its loads are
-     issued) and `griddepcontrol.wait` precedes the act reads. FC1 itself is launched with PDL
-     after the route kernel when `common.dsl.PDL` is on; it waits first (its ids pick the
-     weights), so that hides only the launch.
-FC1 with `FC1Config.cp_async` (off by default; `benchmarks/moe_experts.py --sweep` times it):
-the same math in the same order, the weights streamed to shared memory. The plain FC1 at one
-token is two phases: its 384 CTAs (~3 per SM, one wave) issue every load, then decode; in its
-sm_90a SASS ptxas puts all 14 weight vectors of a lane on one scoreboard, and z, whose staging
-and CTA barrier precede the math, is loaded after them: no math before a warp's last vector
-lands, so the ~2.8 µs of FC1 bytes (11.7 MB) and the ~2.6 µs of decode issue add up. With
-cp.async each lane step (the RW x 2 vectors lane + 32s, then the split step) is one commit
-group into the lane's own slots (16 B x 32 lanes per slot: conflict-free reads), z and the
-scale bytes are loaded before them (a warp barrier keeps ptxas from sinking them below the
-copies), and step s starts after `cp.async.wait_group(S - 1 - s)` (`DEPBAR.LE SB0, S - 1 - s`)
-with later steps in flight. Every CTA issues step 0 first, so the memory system returns all
-steps 0 in the first ~1/S of the stream while steps 1.. are in flight: model ≈ ids + latency +
-2.8 µs + the last step's decode (~0.4 µs) instead of + 2.6 µs. Why not the alternatives: a
-rolled loop of two register buffers (FC2's) serialises a memory latency per pair of steps, and
-a lane has only 4 steps at L 3584; loads to registers in step order gave the same one-scoreboard
-SASS; smaller CTAs change neither the one wave nor the late z (and load z once more per CTA).
-Costs: 16 KB of shared memory per warp of 2 rows at L 3584 (47 KB per CTA of 4 warps, 4 CTAs
-per SM), one LDS.128 per 32 inputs; registers fall from 128 to 72 (sm_90a, 4 warps x 2 rows).
-No atomics, no split-K: deterministic. Pairs are the fastest grid dimension, so pairs sharing
-an expert read the same rows at about the same time (the second from L2).
-FC1 grouped by expert, `FC1Config.run` = 2 or 4 (off by default; the sweep times it at 16-64
-rows): pairs that share an expert read and decode its rows once. `expert_runs` (a few torch ops
-on the GPU: a stable sort of the N·k expert ids and two searchsorted, no host sync, capturable)
-gives CTA p of the same grid (N·k x I/rows) the count of pairs it takes from sorted position p
-on: up to `run` at every run-th position of an expert's run, else 0 and it exits before any
-load. One pair: the plain kernel's z staging and math. 2, or 3-4 pairs (run 4): a tile of T = 2
-or 4 whose z is staged as fp32 with the T values of an input side by side (input i of group c at
-slot 32c + (i ^ (c % (32/T))): one conflict-free LDS.64 / LDS.128 per input, the staging's
-stores conflict-free too); each nibble pair is decoded once and FMA'd into T partials in
-decode_dot's order, so every act row is bit for bit the plain kernel's. At 64 rows of a TP16
-rank (uniform routing) the 1024 pairs fall in ~611 runs (~326 of one pair, ~189 of 2, ~96 of
-3+); with run 4, 617 CTAs per row block read W1/W3 (~450 MB instead of ~750) and the issue per
-input row falls from ~4.25 to ~3.25 + T per CTA (~70% of the plain kernel's in all). Costs:
-4·L·run bytes of shared memory (57 KB at L 3584, run 4: 3 CTAs per SM), 173 registers at 4 warps
-x 2 rows with run 4 (2 CTAs per SM), 127 with run 2, ~100 with 1 row per warp (sm_90a).
-
-Decode (`decode_dot`; tests/kernels/test_moe_experts.py models it in torch): a 32-bit word holds
-inputs 0..7, one nibble each from the low end; t = word << (12 − 4i) puts inputs i and i + 4 atop
-its halves, and (t & 0x80008000) | ((t >> 6) & 0x01C001C0) is that pair in bf16 times 2^-126
-(the E2M1 exponent in bf16's low exponent bits, its 0.5 a bf16 subnormal), widened to fp32 by a
-shift and a mask. z is staged times 2^Z_SHIFT so products stay normal (the FMAs keep subnormal
-inputs: no .ftz), and each 32-input partial is scaled by 2^(s − 127 + 126 − Z_SHIFT), made from
-the scale byte's bits. sm_90a build: ~2 ALU ops (LOP3, SHF) and ~1 IMAD per input besides its
-FFMA, against ~36 inputs per clock per SM of HBM bandwidth: decode, not memory, may bound it.
-
-Compiled per batch bucket (1, 2, 4, ..., 64 rows; N <= bucket a runtime size): the bucket picks
-the configs; buckets with equal configs share a compile. Untuned, and the last lane step at
-L = 3584 (112 vectors per row) leaves half the lanes idle. Its GPU tests pass on the H200
-(2026-11-29); in `KERNELS` (`register()` makes `moe_experts_cuda` the op's CUDA path). Measured
-there (benchmarks/moe_experts.py, TP16 rank, CUDA-graph replay): 12.95 µs at 1 token (31% of
-copy bandwidth for its 17.6 MB), 58.4 at 8 (52%), 406.9 at 64 (38%); x6.7-x9.8 vs Inductor.
-I > 512 (FC2's chunks; TP4/TP2/TP1 ranks): its GPU tests at TP2 (I 1536) and TP4 (I 768) pass
-on the H200 x2 (2026-11-29; 74 of 75, the 64-row TP2 case ran the test's torch models out of
-memory: they now run in row chunks), and TP2 decode went 773 (Inductor) -> 332 µs per layer.
+W = e2m1 · 2^(scale − 127) decoded in registers, fp32 products and sums. Two launches: FC1 +
+SiTU, then FC2 + finalize (launched with PDL after FC1); `config` takes FC1 with cp.async at
+one row, to registers above. Design, decode and measurements: docs/kernels.md, moe_experts.
 
 Constraints:
     * z bf16 [N, L], last dim contiguous, row stride a multiple of 8, 16-byte aligned; ids
@@ -92,6 +16,8 @@ Constraints:
       (FC2's chunks: I/W at TP W = 16, 8, 4, 2, 1 is 192, 384, 768, 1536, 3072).
     * ids outside [0, E) are clamped (the reference raises); |z| < 2^32; scale bytes <= 224
       (2^97; 255 is E8M0's NaN); scale 0 (2^-127) is exact.
+    * The op's own constraints (k3compile.ops.moe `moe_experts_refusal`) are checked first;
+      `refusal` holds only these kernels' limits (registered in the op registry).
 """
 
 import functools
@@ -175,7 +101,8 @@ def _lane_steps(latent: int) -> tuple[int, bool]:
 
 
 def fc1_smem(latent: int, cfg: FC1Config) -> int:
-    """FC1's shared memory per CTA: z as fp32, and with cp.async every lane's 16-byte vector of every lane step, row and matrix
+    """FC1's shared memory per CTA: z as fp32, and with cp.async every lane's 16-byte vector of
+    every lane step, row and matrix
     (47 KB at L 3584 with 4 warps of 2 rows)."""
     if not cfg.cp_async:
         return 4 * latent + 64
@@ -381,7 +308,7 @@ def _kernels():
         def kernel(self, mZ: cute.Tensor, mIds: cute.Tensor, mW1: cute.Tensor,
                    mS1: cute.Tensor, mW3: cute.Tensor, mS3: cute.Tensor, mAct: cute.Tensor,
                    beta: Float32, linear_beta: Float32):
-            # with PDL (common.dsl.PDL) no weight load can go first: the ids that pick the
+            # with PDL (settings.KERNELS.pdl) no weight load can go first: the ids that pick the
             # experts are the route kernel's output
             pdl_wait(self.pdl)
             tidx, _, _ = cute.arch.thread_idx()

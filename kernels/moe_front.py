@@ -6,7 +6,7 @@ bf16 × bf16 products are exact in fp32, so a bf16 GEMM accumulating and writing
 reference's sums (in another order) without its fp32 copy of W_r.
 One launch at M <= gemv.GEMV_MAX_M where settings.KERNELS.gemv_fused names "split" (opt-in):
 gemv's split-output variant over [W_r; W_d] (`concatenated`: a view where the `pack` stage stored
-both as one buffer, else a second copy of both weights); otherwise two `gemv.linear` calls.
+both as one buffer, else a second copy of both weights); otherwise two `router.linear` calls.
 
 Constraints:
     * x [N, D] rows, W_r [E, D], W_d [L, D]; non-bf16 activations take the reference's fp32 math.

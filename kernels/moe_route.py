@@ -3,37 +3,16 @@
 
     s = sigmoid(logits); ids = topk(s + bias, k); w = s[ids] / (Σ s[ids] + 1e-20) · scaling
 
-One CTA per token row. Every thread turns its float4s of the row into scores and order-preserving
-32-bit keys of s + bias, both to shared memory (the exp and reciprocal are spread over all four
-SM sub-partitions); behind one barrier warp 0 selects, lane l holding the keys of vectors l,
-l + 32, ... The order: descending key, equal keys by ascending expert (ids come out in that
-order; torch.topk leaves ties unspecified).
-
-Selection without serial rounds (the former scheme, k rounds of two dependent `redux.sync` and a
-cache pop, cost ~16 · 70 cycles at k = 16):
-    1. bound = the k-th largest of the 32 lanes' maximum keys (each lane counts the maxima at or
-       above its own; one `redux.sync`). At least k keys reach it, so every winner does too.
-    2. Candidates = keys >= bound, typically ~1.4 k of them (k = 16 of 896 random keys: ~22).
-       Their count per lane is scanned over the warp by one ballot per bit of the count (five
-       at 28 keys a lane, all independent; no shuffle chain), and each candidate is written to
-       shared memory as (key << 32 | 1023 - expert): unique, and larger means earlier in order.
-    3. Rank = how many candidates are larger (one pass over them, independent loads); candidate
-       ranks below k write their expert and score to output slot `rank`.
-Dependent steps after the keys: one CTA barrier, one redux, one ballot, three warp-synchronous
-shared-memory round trips (lane maxima, candidates, winners) and a loop of ~C independent loads
-and compares; before: a 28-step cache scan, 2k = 32 redux with a pop between, and a five-shuffle
-sum of the weights. More than CAP candidates (many exactly equal keys around the cut) take the
-former exact rounds instead (`serial_topk`); so do most E = 1024, k = 32 rows (~100
-candidates). With PDL (`common.dsl.PDL`) the bias loads before `griddepcontrol.wait`, the logits
-after it. On the H200 (2026-11-29) its GPU tests pass (ties at the cut on both paths, k = 1 and
-32, E = 4; CUDA-graph and PDL chains) and it takes 2.42 / 2.60 / 2.72 µs at 1 / 8 / 64 rows
-(2.09 / 2.14 / 2.22 with PDL; the former scheme 4.94 / 5.62 / 5.80), x6.8-x7.6 vs Inductor.
+Ids come out in descending key order, equal keys by ascending expert (torch.topk leaves ties
+unspecified). The selection without serial rounds, its fallback (`serial_topk`) and the
+measurements: docs/kernels.md, moe_route.
 
 Constraints:
     * logits fp32 [N, E] with contiguous rows, row stride a multiple of 4 elements and 16-byte
       aligned data; bias fp32 [E] contiguous; outputs ids int64 [N, k], weights fp32 [N, k].
     * E % 4 == 0, 4 <= E <= 1024; 1 <= k <= min(32, E); scaling is a runtime scalar.
     * NaN logits are not ordered (their selection is unspecified).
+    * With PDL (settings.KERNELS.pdl): the bias loads before `griddepcontrol.wait`.
 """
 
 import functools

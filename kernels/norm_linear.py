@@ -3,7 +3,7 @@
     y = rms_norm(u; g, eps) · Wᵀ [+ r]      (the residual added in the GEMM's fp32 epilogue)
 
 One launch at M <= gemv.GEMV_MAX_M where settings.KERNELS.gemv_fused names "norm" (the default):
-gemv's norm-prologue variant; otherwise two, the rms_norm kernel and `gemv.linear`.
+gemv's norm-prologue variant; otherwise two, the rms_norm kernel and `router.linear`.
 
 Constraints:
     * u [N, L] rows, W [O, L], r [N, O]; the one-launch variant takes gemv's limits (a refused call

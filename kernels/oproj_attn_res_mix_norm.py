@@ -1,9 +1,9 @@
-"""CUDA implementation of `k3::oproj_attn_res_mix_norm`: the output projection, then the depth mix.
+"""CUDA implementation of `k3::oproj_attn_res_mix_norm`: the output projection, then the mix.
 
     a = o · W_oᵀ;  (h, x) = attn_res_mix_norm(prefix + a, blocks)      (the reference's roundings)
 
 Constraints:
-    * The GEMM goes through `gemv.linear` (any shape: cuBLAS where our GEMMs refuse).
+    * The GEMM goes through `router.linear` (any shape: cuBLAS where our GEMMs refuse).
     * The mix takes the attn_res_mix_norm kernel's limits; refused inputs run its reference
       (reason logged).
 """

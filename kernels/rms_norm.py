@@ -2,14 +2,13 @@
 
     y = bf16(w · bf16(x · rsqrt(mean(x²) + eps)))        (K3's order: normalise, cast, weight)
 
-One CTA per row: 16-byte coalesced loads of x and w into registers, one block reduction of Σx²
-(fp32), one pass to write y. With PDL (`common.dsl.PDL`) w loads before `griddepcontrol.wait`,
-x after it.
+One CTA per row (docs/kernels.md, rms_norm).
 
 Constraints:
     * x bf16 [N, D], contiguous rows, row stride a multiple of 8 elements, 16-byte-aligned data;
       weight bf16 [D] contiguous; eps is a runtime scalar.
     * D % 8 == 0 and 8 <= D <= 32768.
+    * With PDL (settings.KERNELS.pdl): w loads before `griddepcontrol.wait`, x after it.
 """
 
 import functools

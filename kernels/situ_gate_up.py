@@ -1,19 +1,17 @@
-"""CuTe DSL kernel for the SiTU-GLU activation of `k3::situ_gate_up` (spec §3.3 step 8):
+"""CUDA implementation of `k3::situ_gate_up`: one GEMM over the cached [W_g; W_u], then this
+file's CuTe DSL kernel for the SiTU-GLU activation (spec §3.3 step 8).
 
-    y = bf16( β·tanh(g/β)·σ(g) · β₂·tanh(u/β₂) )      g, u = the two halves of gate_up, fp32 math
+    y = bf16(β·tanh(g/β)·σ(g) · β₂·tanh(u/β₂)),  [g | u] = x · [W_g; W_u]ᵀ,  fp32 math
 
-One CTA per row: each thread loads one 16-byte vector of g and the matching vector of u, computes
-in fp32 and stores one 16-byte vector of y (with PDL, `common.dsl.PDL`, after
-`griddepcontrol.wait`: gate_up is all activation). With `situ_gate_up_cuda` (one GEMM over the cached
-[W_g; W_u] through `gemv.linear`: our skinny GEMM at one row, cuBLAS above; then this kernel)
-the op becomes two launches on the GPU, which lets the backend fuse it there and put the shared
-experts on the side stream; with K3_GEMV_FUSED's "situ" (the default) one launch at gemv's rows (gemv's SiTU epilogue:
-this kernel's math on the GEMM's bf16 outputs). `tests/kernels/test_situ.py` passed on the H200
-(2026-11-29).
+One launch at M <= gemv.GEMV_MAX_M where settings.KERNELS.gemv_fused names "situ" (the
+default): gemv's SiTU epilogue, this kernel's math on the GEMM's bf16 outputs; otherwise two
+(`router.linear`, then this kernel). docs/kernels.md, situ_gate_up.
 
 Constraints:
-    * gate_up bf16 [N, 2I], contiguous rows (row stride a multiple of 8 elements), 16-byte-aligned;
-      I % 8 == 0 and 8 <= I <= 8192; β, β₂ runtime scalars.
+    * The kernel: gate_up bf16 [N, 2I], contiguous rows (row stride a multiple of 8 elements),
+      16-byte-aligned; I % 8 == 0 and 8 <= I <= 8192; β, β₂ runtime scalars (refused: the
+      reference, reason logged).
+    * With PDL (settings.KERNELS.pdl) everything it reads is activation: it waits first.
 """
 
 import functools
@@ -151,11 +149,12 @@ def situ_cuda(gate_up, beta, linear_beta, *, out=None):
 
 
 def situ_gate_up_cuda(x, wg, wu, beta, linear_beta):
-    """k3::situ_gate_up on CUDA: one GEMM over the cached [W_g; W_u], then the kernel; with
-    K3_GEMV_FUSED's "situ" (`gemv.FUSED`, the default) at M <= gemv.GEMV_MAX_M one launch, gemv's SiTU-epilogue
-    variant (a refused call logs why and takes the two launches)."""
+    """k3::situ_gate_up on CUDA: one GEMM over the cached [W_g; W_u], then the kernel; where
+    settings.KERNELS.gemv_fused names "situ" (the default), at M <= gemv.GEMV_MAX_M one launch:
+    gemv's SiTU-epilogue variant (a refused call logs why and takes the two launches)."""
     w = gate_up_weight(wg, wu)
-    if gemv.fused_takes(x, "situ") and gemv.fused_ok("situ", gemv.fused_launch_refusal(gemv.SITU, x, w)):
+    if gemv.fused_takes(x, "situ") and gemv.fused_ok(
+            "situ", gemv.fused_launch_refusal(gemv.SITU, x, w)):
         return gemv.gemv_situ_cuda(x, w, beta, linear_beta)
     return situ_cuda(linear(x, w), beta, linear_beta)
 

@@ -2,33 +2,11 @@
 
     y[m, n] = out(Σ_k x[m, k] · W[n, k] + r[m, n])      (bf16 products, fp32 sums, one rounding)
 
-At M >= 8 the CUDA-core `gemv` runs out of FMA throughput and cuBLAS reaches only 30-68% of the
-copy bandwidth, so this kernel streams W through warpgroup MMAs, "swap AB": W's rows are the MMA's
-M side (a CTA takes 64 or 128 of them) and the tokens its N side (the bucket rounded up to 8, so
-wgmma m64nNk16 with N = 8..64 serves M = 1..64). One warpgroup per CTA; one lane of warp 0 keeps
-`stages` TMA loads of 64-wide K slices of W [rows, 64] and x [tokens, 64] in flight through an
-mbarrier pipeline (128-byte swizzle; x is re-read from L2 by every CTA, W is read once). TMA
-zero-fills rows of x past M, rows of W past N and columns past K, so any M <= 64, N and
-K % 8 == 0 need no predicates in the main loop.
-
-Split-K without atomics or workspace: the `splits` CTAs of one row tile form a cluster (1, S, 1),
-each sums its share of the K slices; the fp32 partial tiles go to shared memory (over the W
-buffers), one cluster barrier, then CTA s adds up rows s·R/S ... (s + 1)·R/S - 1 of all S tiles
-through distributed shared memory in the fixed order 0..S-1 (deterministic), applies the epilogue
-(+ r, bf16 or fp32) and writes them; a second cluster barrier keeps every tile alive until its
-peers have read it. Grid: ceil(N / R) x S CTAs.
-
-With PDL (`common.dsl.PDL`) warp 0 acquires the first `stages` pipeline stages and starts their W
-slices' TMA before `griddepcontrol.wait` (W streams into shared memory while the previous kernel
-finishes), and their x slices after it; each stage's barrier expects both, so the main loop is
-unchanged. The residual is read and y written after the wait, which every thread executes.
-
-Its GPU tests pass on the H200 (2026-11-29); in `KERNELS`. `register()` routes every
-`gemv.linear` at 2 <= M <= 64 (the composites' GEMMs) here where the tuned table
-(gemm_tc_tuned.json, written by `benchmarks/gemm_tc.py --table`) has it faster than cuBLAS, with
-the table's config; shapes not in the table take `heuristic_config`. Measured with the heuristic
-configs: x1.2-x1.6 vs cuBLAS on the narrow-N shapes (3206, 896, 768 x 7168; 1152 x 1536), about
-even on 3584 x 7168, slower at N = 7168 with M >= 16 (x0.64-x0.88).
+TMA + wgmma "swap AB" (W's rows on the MMA's M side), split-K over a cluster summed through
+distributed shared memory in a fixed order (deterministic). The router (`router.linear`) takes it
+at GEMV_MAX_M < M <= 64 where the tuned table (gemm_tc_tuned.json, `benchmarks/gemm_tc.py
+--table`) has it faster than cuBLAS and K3_KERNELS_SKIP does not name gemm_tc; shapes not in the
+table take `heuristic_config`. Design and measurements: docs/kernels.md, gemm_tc.
 
 Constraints:
     * x bf16 [M, K], 1 <= M <= 64 (buckets 2, 4, 8, 16, 32, 64; more rows go to cuBLAS), last dim
@@ -36,6 +14,8 @@ Constraints:
       K % 8 == 0 (a partial last K slice is zero-filled), 64 <= K <= 65536; N >= 1.
     * Output bf16 (default) or fp32 [M, N], last dim contiguous; optional residual r bf16 [M, N],
       last dim contiguous, added in fp32 before the rounding.
+    * With PDL (settings.KERNELS.pdl): the first stages' W slices are fetched before
+      `griddepcontrol.wait`; x, the residual and every store after it.
 """
 
 import functools

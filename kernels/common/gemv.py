@@ -2,45 +2,16 @@
 
     y[m, n] = out(Σ_k x[m, k] · W[n, k] + r[m, n])      (fp32 products and sums, one rounding)
 
-Decode time is the time to stream W from HBM, and cuBLAS reaches 55-70% of the copy bandwidth at
-M = 1 on the TP16-rank shapes, so this kernel only streams W: CUDA cores, no tensor cores (at
-M <= 8 the FMAs hide under the loads; at M = 16 they roughly equal them). One CTA takes R
-consecutive rows of W; its T threads stride over each row's K/8 16-byte vectors (thread t: t,
-t + T, ...) and issue all R x ceil(K/8/T) loads of W before any math. Each thread reads the
-matching x vectors (small, L1/L2-resident) and keeps R x M fp32 partial dot products; a
-butterfly reduce-scatter across each warp (every lane ends with distinct sums) and one pass
-over shared memory across warps give the R x M results in a fixed order (deterministic, no
-atomics, no split-K). Grid: ceil(N / R) CTAs, several resident per SM. With PDL
-(`common.dsl.PDL`) the W loads are issued before `griddepcontrol.wait`, so they stream while the
-previous kernel finishes; x and the residual are read, and y written, after it.
-
-Batch buckets: the kernel is compiled per bucket (1, 2, 4, 8, 16), which fixes the number of
-accumulators; the row count M <= bucket is a runtime size. Rows of x past M read as zeros and
-their sums are never written, so callers pass their M rows as they are (no padding copies).
-
-Used through `linear()` by the fused ops' CUDA paths (kernels/composite.py) where it beats
-cuBLAS: on the H200 (2026-11-29, BENCHMARKS.md) at M = 1 on all ten TP16-rank shapes (x1.19 to
-x1.84, 74-85% of the copy bandwidth on the >= 10 MB weights); at M = 8 only on two of them and at
-M = 16 on none, so `GEMV_MAX_M` keeps larger batches on cuBLAS until a tensor-core variant exists.
-
-One-launch variants (`Fusion`, compile-time; the composites take them at M <= GEMV_MAX_M where
-K3_GEMV_FUSED names them: norm and situ by default, `FUSED`), each replacing a gemv plus a second
-launch:
-    norm   (norm_linear):   y = Σ_k W[n, k] · x̂[m, k] [+ r],  x̂ = bf16(g · bf16(x · rstd_m)),
-                            rstd_m = rsqrt(mean(x_m²) + eps): every CTA first sums the squares of
-                            the x vectors its threads multiply (one block sum), then rounds x̂ as
-                            rms_norm does; g loads with W, before the PDL wait
-    situ   (situ_gate_up):  W = [W_g; W_u]; a CTA takes R/2 rows n of W_g and the rows I + n of
-                            W_u: y[m, n] = bf16(SiTU(bf16(g), bf16(u))), the situ kernel's math
-    split  (moe_front):     W = [W_r; W_d]; rows < split are stored to y (fp32), the others to
-                            y2 (bf16) (a row predicate: CTAs may straddle the split)
-    gate   (mla_uv_gate):   rows in groups of V, group h reading x's columns [h·K, (h + 1)·K)
-                            (MLA's per-head W_UV over the latent attention output), and
-                            y = bf16(bf16(Σ) · bf16(sigmoid(g[m, n]))), the reference's roundings;
-                            R divides V, so a CTA reads one x slice
-Each row's sum is the plain kernel's bit for bit (its order depends on K alone), so situ and split
-equal the two-launch paths exactly. Built from a second entry (`Gemv.fused`) so that the plain
-kernel's build is unchanged.
+CUDA cores only; compiled per batch bucket (1, 2, 4, 8, 16); the router (`router.linear`) takes
+it at M <= GEMV_MAX_M. One-launch variants (`Fusion`, compile-time, from a second entry
+`Gemv.fused` so the plain build is unchanged), taken by the fused ops where
+settings.KERNELS.gemv_fused names them:
+    norm  (norm_linear):   y = Σ_k W[n, k] · x̂[m, k] [+ r],  x̂ = bf16(g · bf16(x · rstd_m))
+    situ  (situ_gate_up):  W = [W_g; W_u]; y[m, n] = bf16(SiTU(bf16(g), bf16(u)))
+    split (moe_front):     W = [W_r; W_d]; rows < split to y (fp32), the others to y2 (bf16)
+    gate  (mla_uv_gate):   rows in groups of V reading x's columns [h·K, (h + 1)·K);
+                           y = bf16(bf16(Σ) · bf16(sigmoid(g[m, n])))
+Each row's sum is the plain kernel's bit for bit. Design and measurements: docs/kernels.md, gemv.
 
 Constraints:
     * x bf16 [M, K], 1 <= M <= 16 (more rows go to cuBLAS), contiguous rows, row stride a
@@ -52,6 +23,8 @@ Constraints:
     * Variants: K <= 16384 with norm or SiTU; norm weight bf16 [K] contiguous; SiTU: N even,
       bf16 output [M, N / 2], no residual; split: 0 < split < N, no residual; gate: V | N,
       x [M, (N / V)·K], g bf16 [M, N] with contiguous rows, bf16 output, no residual.
+    * With PDL (settings.KERNELS.pdl): W (and the norm weight) load before `griddepcontrol.wait`;
+      x, the residual and every store after it.
 """
 
 import functools
@@ -510,8 +483,8 @@ def gemv_cuda(x, w, residual=None, *, out=None, out_dtype=None, cfg: Config | No
 
 
 def fused_enabled(variant: str) -> bool:
-    """Whether the composites take this one-launch variant now (read at every call: tests
-    replace `FUSED`)."""
+    """Whether the fused ops take this one-launch variant now (settings.KERNELS.gemv_fused, read
+    at every call)."""
     return variant in KERNELS.gemv_fused
 
 

@@ -103,7 +103,7 @@ def test_linear_concat(gen, n):
 @pytest.mark.parametrize("n", BUCKETS)
 def test_linear(gen, n):
     """`k3.linear` (the plain GEMMs the patterns leave: shared-expert down, lm_head, ...) through
-    `gemv.linear`, against the fp32 reference GEMM, [N, K] and [B, T, K] rows."""
+    `router.linear`, against the fp32 reference GEMM, [N, K] and [B, T, K] rows."""
     x = _bf16(gen, n, LATENT)
     w = _bf16(gen, HIDDEN, LATENT, scale=LATENT ** -0.5)
     got = torch.ops.k3.linear(x, w)
