@@ -24,8 +24,8 @@ from collections.abc import Callable, Hashable
 
 import torch
 
-from k3compile.settings import KERNELS
 from k3compile.ops.sched import on_stream  # noqa: F401  (re-exported: the kernels' wrappers)
+from k3compile.settings import KERNELS
 
 log = logging.getLogger("k3compile.kernels")
 
