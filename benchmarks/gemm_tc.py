@@ -1,10 +1,10 @@
-"""Tensor-core skinny GEMM (kernels/gemm_tc.py) against cuBLAS (F.linear) at one K3 TP16 rank's
+"""Tensor-core skinny GEMM (kernels/common/gemm_tc.py) against cuBLAS (F.linear) at one K3 TP16 rank's
 shapes, M = 2..64 rows.
 
     python benchmarks/gemm_tc.py [--m 2,8,64] [--only 768x7168] [--gemv] [--out DIR]
     python benchmarks/gemm_tc.py --sweep --m 8,64 --only 768x7168,7168x768 [--out DIR]
-    python benchmarks/gemm_tc.py [--sweep] --table kernels/gemm_tc_tuned.json   # ship the winners
-    python benchmarks/gemm_tc.py --table-from DIR/gemm_tc.json --table kernels/gemm_tc_tuned.json
+    python benchmarks/gemm_tc.py [--sweep] --table kernels/common/gemm_tc_tuned.json   # ship the winners
+    python benchmarks/gemm_tc.py --table-from DIR/gemm_tc.json --table kernels/common/gemm_tc_tuned.json
 
 Timing as benchmarks/gemv.py (whose helpers it uses): both sides captured into CUDA graphs, each
 call reading the next copy of W (>= 2 x 60 MB of weights between two reads of one copy), x
@@ -13,7 +13,7 @@ L2-resident; µs per call = median over replays of graph time / calls. GB/s coun
 CUDA-core gemv at M <= 16. The sweep times every `gemm_tc.configs()` entry (each checked against
 cuBLAS first), best first. JSON: DIR/gemm_tc.json or DIR/gemm_tc_sweep.json. `--table` merges
 the measured winner of every (shape, bucket) into the table `gemm_tc.tuned()` reads: the best
-config, or cuBLAS where it was faster (`gemv.linear` then keeps cuBLAS for that shape).
+config, or cuBLAS where it was faster (`router.linear` then keeps cuBLAS for that shape).
 """
 
 import argparse
@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from gemv import graph_us, report, setup, sweep_inputs, time_configs, weight_copies
-from k3compile.kernels import gemm_tc, gemv
+from k3compile.kernels.common import gemm_tc, gemv
 
 # [N, K] of one TP16 rank (see tests/kernels/test_gemm_tc.py)
 SHAPES = [(3206, 7168), (2112, 7168), (3584, 7168), (7168, 3584), (896, 7168), (7168, 768),

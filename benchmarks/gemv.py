@@ -1,4 +1,4 @@
-"""Weight-streaming GEMV (kernels/gemv.py) against cuBLAS (F.linear) at one K3 TP16 rank's shapes.
+"""Weight-streaming GEMV (kernels/common/gemv.py) against cuBLAS (F.linear) at one K3 TP16 rank's shapes.
 
     python benchmarks/gemv.py [--m 1,8,16] [--only 3206x7168,896x7168] [--out DIR or r.json]
     python benchmarks/gemv.py --sweep [--m 1,16]   # every Config per shape and M, best first
@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from graph_timing import graph_us as replay_us
-from k3compile.kernels import gemv
+from k3compile.kernels.common import gemv
 
 # [N, K] of one TP16 rank (see tests/kernels/test_gemv.py)
 SHAPES = [(3206, 7168), (2112, 7168), (3584, 7168), (7168, 3584), (896, 7168), (7168, 768),

@@ -16,8 +16,8 @@ split; within the bf16 tolerance for the norm, whose sum of squares is added in 
 from k3compile import settings
 import torch
 from gemv import chain_main, graph_us, weight_copies
-from k3compile.kernels import gemv, rms_norm, situ
-from k3compile.kernels.common import dsl
+from k3compile.kernels import rms_norm, situ_gate_up
+from k3compile.kernels.common import gemv
 
 HIDDEN, LATENT, EXPERTS, SHARED, EPS, BETA, LINEAR_BETA = 7168, 3584, 896, 384, 1e-5, 4.0, 25.0
 
@@ -44,7 +44,7 @@ def situ_case(m):
 
     def two(w):
         gemv.gemv_cuda(x, w, out=gu)
-        return situ.situ_cuda(gu, BETA, LINEAR_BETA, out=a)
+        return situ_gate_up.situ_cuda(gu, BETA, LINEAR_BETA, out=a)
 
     return (2 * SHARED, HIDDEN), two, \
         lambda w: gemv.gemv_situ_cuda(x, w, BETA, LINEAR_BETA, out=a), True

@@ -20,7 +20,6 @@ import math
 import torch
 from graph_timing import graph_us as replay_us
 from k3compile.kernels import attn_res_mix_norm, register_all
-from k3compile.kernels.common import dsl
 from k3compile.kernels.common.dsl import pick_threads
 
 from k3compile.ops.attn_res_mix_norm import attn_res_mix_norm_ref

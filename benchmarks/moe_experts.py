@@ -5,7 +5,6 @@ TP16 rank (896 experts, top-16, L 3584, I 192).
     python benchmarks/moe_experts.py [--batches 1,8,64] [--variants kernel,eager,inductor]
                                      [--out DIR or r.json]
     python benchmarks/moe_experts.py --sweep [--batches 1,8,64] [--out DIR]   # FC1 / FC2 configs
-                                     (FC1 grouped by expert as well at 16, 32, 64 rows)
 
 Each variant is captured into a CUDA graph of CALLS calls (benchmarks/graph_timing.py); time per
 call = median over replays of graph time / calls. Every call has its own rows and routing: at
@@ -117,17 +116,13 @@ def run(batches, variants, gbps, experts, save):
     return list(rows.values())
 
 
-GROUPED_BATCHES = (16, 32, 64)  # the grouped FC1 is timed there (below, few runs of 2+)
 
 
 def candidates(n: int):
     """(stage, config) timed at batch n: FC1 warps x rows per warp, weights to registers (the
-    default) or by cp.async per lane step; at 16-64 rows also grouped by expert (runs of up to 2
-    or 4 pairs per CTA, registers); then every FC2 config."""
+    default) or by cp.async per lane step; then every FC2 config."""
     fc1 = kernel.FC1Config
     cands = [fc1(w, r, a) for a in (False, True) for w in (2, 4, 8) for r in (1, 2, 4)]
-    if n in GROUPED_BATCHES:
-        cands += [fc1(w, r, run=g) for g in (2, 4) for w in (2, 4, 8) for r in (1, 2)]
     out = [("fc1", c) for c in cands if kernel.fc1_fits(LATENT, c)]
     return out + [("fc2", kernel.FC2Config(r, r * TOP_K)) for r in (8, 16, 32, 64)]
 

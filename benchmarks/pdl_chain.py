@@ -14,8 +14,8 @@ settings must give bitwise the same outputs.
 from k3compile import settings
 import torch
 from gemv import chain_main, graph_us, weight_copies
-from k3compile.kernels import attn_res_mix_norm, gemm_tc, gemv, rms_norm, situ
-from k3compile.kernels.common import dsl
+from k3compile.kernels import attn_res_mix_norm, rms_norm, situ_gate_up
+from k3compile.kernels.common import gemm_tc, gemv
 
 HIDDEN, SHARED, BLOCKS, EPS, BETA, LINEAR_BETA = 7168, 384, 8, 1e-5, 4.0, 25.0
 KERNELS = 5  # launches per chain
@@ -40,7 +40,7 @@ def chain(b, weights):
     gemm = gemv.gemv_cuda if b["x"].shape[0] == 1 else gemm_tc.gemm_tc_cuda
     ran = [rms_norm.rms_norm_cuda(b["x"], b["norm_w"], EPS, out=b["h"]) is b["h"],
            gemm(b["h"], w_gu, out=b["gu"]) is b["gu"],
-           situ.situ_cuda(b["gu"], BETA, LINEAR_BETA, out=b["a"]) is b["a"],
+           situ_gate_up.situ_cuda(b["gu"], BETA, LINEAR_BETA, out=b["a"]) is b["a"],
            gemm(b["a"], w_down, b["x"], out=b["d"]) is b["d"],
            attn_res_mix_norm.attn_res_mix_norm_cuda(
                b["prefix"], b["d"], [b["bank"][:, j] for j in range(BLOCKS)], b["mix_norm_w"],

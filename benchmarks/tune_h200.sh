@@ -12,7 +12,7 @@ step tests "${TESTS_TIMEOUT:-120}" python3 -m pytest -q -p no:cacheprovider -n 6
   ${TESTS:-tests/e2e/test_cuda_graphs.py tests/kernels/test_composite.py}
 step moe_sweep "${MOE_TIMEOUT:-110}" python3 benchmarks/moe_experts.py --sweep \
   --batches "${MOE_BATCHES:-1,8,64}" --out "$OUT"
-cp kernels/gemm_tc_tuned.json "$OUT/gemm_tc_tuned.json"
+cp kernels/common/gemm_tc_tuned.json "$OUT/gemm_tc_tuned.json"
 step gemm_sweep "${GEMM_TIMEOUT:-230}" python3 benchmarks/gemm_tc.py --sweep --m "${GEMM_M:-8,64}" \
   ${GEMM_SHAPES:+--only "$GEMM_SHAPES"} --table "$OUT/gemm_tc_tuned.json" --out "$OUT"
 echo "total: $(( $(date +%s) - t0 )) s"

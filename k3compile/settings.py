@@ -210,3 +210,14 @@ def torch_env_default(name: str, value: str) -> None:
     """Set a torch environment variable unless the user did (e.g. symmetric memory's
     TORCH_SYMM_MEM_DISABLE_MULTICAST, which the collectives need off on lent machines)."""
     os.environ.setdefault(name, value)
+
+
+def set_torch_env(name: str, value: str) -> None:
+    """Set a variable torch itself reads (e.g. MASTER_ADDR / MASTER_PORT for a gloo group the
+    diff tool starts), overriding what was there."""
+    os.environ[name] = value
+
+
+def color_wanted() -> bool:
+    """The https://no-color.org convention: colour unless NO_COLOR is set."""
+    return "NO_COLOR" not in os.environ

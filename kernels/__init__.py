@@ -1,23 +1,33 @@
-"""CuTe DSL kernels, one per file; each is the CUDA implementation of a `k3` op.
+"""CuTe DSL kernels: `kernels/<op>.py` is the CUDA implementation of `k3.<op>`; the shared GEMM
+engines, the launcher and the DSL helpers are in `kernels/common/`.
 
-    register_all()   # plug every kernel in as its op's CUDA implementation
+    register_all()   # plug every kernel in as its op's CUDA implementation, and into the op
+                     # registry (k3compile.ops.registry) with its limits
+    cuda_ops()       # the ops that run well on CUDA now (registry.cuda_ops())
 
-Importing this package imports no `cutlass`: each kernel module defines its CuTe classes lazily,
-so `can_implement` (which the patterns call) and the torch references work without the DSL.
-`register_all` registers the kernels only where the DSL imports; a registered kernel that cannot
-take a call (inputs it refuses, or no TVM-FFI to launch through) logs why and runs the reference.
+Importing this package imports no `cutlass`: device code is compiled on first use, so the
+refusals and the torch references work without the DSL. `register_all` registers the kernels
+only where the DSL imports; a registered kernel that cannot take a call (inputs it refuses, or
+no TVM-FFI to launch through) logs why and runs the reference.
 """
 
 import importlib
 import importlib.util
 
 from k3compile import settings
+from k3compile.ops import registry
 
-KERNELS = ("attn_res_mix_norm", "mla_lowrank_norm", "rms_norm", "moe_route", "situ", "composite",
-           "moe_experts", "kda_decode", "gemm_tc")
+# op names: kernels/<op>.py is the CUDA implementation of k3.<op>
+KERNELS = ("attn_res_mix_norm", "mla_lowrank_norm", "rms_norm", "moe_route", "situ_gate_up",
+           "oproj_attn_res_mix_norm", "allreduce_attn_res_mix_norm", "norm_linear", "moe_front",
+           "linear_concat", "linear", "mla_uv_gate", "moe_experts", "kda_decode", "fb_kda_decode")
+# shared GEMM engines (kernels/common/) that K3_KERNELS_SKIP may also name: `gemm_tc` there keeps
+# the GEMM router on cuBLAS above one row
+ENGINES = ("gemm_tc",)
 
-# ops whose torch reference is already what a GPU should run (one GEMM over cached concatenated
-# weights; stream and prefetch bookkeeping): as fast on CUDA as the unfused graph under Inductor
+# ops whose torch reference is already what a GPU should run (stream and prefetch bookkeeping;
+# linear_concat's one GEMM over cached concatenated weights, whose module also registers it
+# native): as fast on CUDA as the unfused graph under Inductor. Registered with or without the DSL.
 NATIVE = ("linear_concat", "stream_fork", "stream_join", "prefetch_l2")
 
 _registered: list[str] = []
@@ -28,6 +38,8 @@ def register_all() -> list[str]:
     (empty without the DSL). Idempotent."""
     from k3compile.kernels.common.dsl import have_dsl, log
 
+    for op in NATIVE:
+        registry.register_kernel(op, native=True)
     if not have_dsl():
         log.info("nvidia-cutlass-dsl not importable: k3 ops keep their torch references on CUDA")
         return []
@@ -63,7 +75,7 @@ def skipped_kernels() -> tuple[str, ...]:
     on CUDA and their patterns are deferred there): a kernel whose GPU test fails on a machine
     can be set aside without a code change, the rest of a run keeps going."""
     names = settings.KERNELS.skip
-    if unknown := set(names) - set(KERNELS) - set(extra_kernels()):
+    if unknown := set(names) - set(KERNELS) - set(ENGINES) - set(extra_kernels()):
         raise ValueError(f"K3_KERNELS_SKIP: no kernel {sorted(unknown)} (of {KERNELS})")
     return names
 
@@ -77,7 +89,7 @@ def fingerprint() -> list[str]:
     import hashlib
     from importlib.metadata import PackageNotFoundError, version
 
-    from k3compile.kernels import gemm_tc
+    from k3compile.kernels.common import gemm_tc
 
     # the DSL by its package metadata: importing cutlass here would start its threads in every
     # rank process (a gloo worker aborted at exit with "terminate called without an active
@@ -87,18 +99,17 @@ def fingerprint() -> list[str]:
     except PackageNotFoundError:
         dsl_version = None
     names = selected_kernels() if dsl_version else []
-    table = hashlib.sha256(gemm_tc.TABLE.read_bytes()).hexdigest()[:12] if gemm_tc.TABLE.exists() else None
+    table = (hashlib.sha256(gemm_tc.TABLE.read_bytes()).hexdigest()[:12]
+             if gemm_tc.TABLE.exists() else None)
     return [f"kernels {names}", *settings.KERNELS.fingerprint(), f"cutlass_dsl {dsl_version}",
             f"gemm_tc_table {table}"]
 
 
-def cuda_ops() -> set[str]:
+def cuda_ops() -> frozenset[str]:
     """The k3 ops that run well on CUDA now: a registered kernel (or kernel composite) or a
-    native reference. The others run their torch reference there, op by op (many small launches,
-    slower than Inductor's code for the unfused graph), so the backend leaves them unfused on
-    CUDA unless told otherwise (option `fuse_without_kernels`)."""
-    ops = set(NATIVE)
-    for name in register_all():
-        module = importlib.import_module(f"{__name__}.{name}")
-        ops.update(getattr(module, "OPS", None) or (module.OP,))
-    return ops
+    native reference (`registry.cuda_ops()` after `register_all`). The others run their torch
+    reference there, op by op (many small launches, slower than Inductor's code for the unfused
+    graph), so the backend leaves them unfused on CUDA unless told otherwise (option
+    `fuse_without_kernels`)."""
+    register_all()
+    return registry.cuda_ops()

@@ -1,17 +1,9 @@
 """CuTe DSL kernel for `k3::attn_res_mix_norm`: prefix add + AttnRes depth mix + RMSNorm (spec §2).
 
-    p = bf16(prefix + delta); s_i = rstd(v_i)·Σ_d v_i·wn·wp, v = (*blocks, p); α = softmax(s);
-    h = bf16(Σ_i α_i·v_i); x = bf16(wx · bf16(h · rstd(h)))
+    p = bf16(prefix + delta); α = softmax_i(rstd(v_i)·Σ_d v_i·wn·wp), v = (*blocks, p);
+    h = bf16(Σ_i α_i·v_i); x = bf16(wx · bf16(h · rstd(h)))      (scores in fp32)
 
-A token row is split over a cluster of 1, 2, 4 or 8 CTAs (more SMs per row at small batch: the
-kernel is bound by instruction issue, not bytes); each CTA keeps its slice of every source row in
-registers (16-byte coalesced loads), the cluster sums the 2·S partials (Σv², Σv·wn·wp per source)
-through distributed shared memory, every CTA mixes its slice in fp32, and a second cluster sum
-gives Σh². The same kernel serves the pre-attention form (delta = MLP output), the post-attention
-form (delta = attention output, or no delta when a block just started) and, with no blocks, a
-plain prefix add + RMSNorm. Scores are fp32 throughout: the reference's bf16 roundings of
-v·rstd·wn and of the score itself are skipped. prefix_out is bit-exact; x agrees to bf16 rounding.
-With PDL (`common.dsl.PDL`) wn and wp load before `griddepcontrol.wait`, the sources after it.
+Design and measurements: docs/kernels.md, attn_res_mix_norm.
 
 Constraints:
     * bf16 tensors; prefix, delta, blocks [N, D] with contiguous rows, row stride a multiple of 8
@@ -20,31 +12,30 @@ Constraints:
       sources up to D = 8192, prefix + delta alone up to 16384); clusters of c CTAs only when
       D % (8·c) == 0.
     * 0 <= len(blocks) <= 8 (at most 9 sources); mix_eps, norm_eps are runtime scalars.
+    * With PDL (settings.KERNELS.pdl, launches of at most .pdl_max_rows rows): wn and wp load
+      before `griddepcontrol.wait`, the sources after it.
 """
 
-import functools
 from dataclasses import dataclass
 
 import torch
 
+from k3compile.ops import registry
 from k3compile.ops.attn_res_mix_norm import attn_res_mix_norm_ref
 
 from .common.dsl import (
     BUCKETS,
-    CompileCache,
     bucket,
     compile_kernel,
     fake_rows,
     fake_stream,
     fake_vector,
+    flat_refusal,
     flat_rows,
-    pdl_enabled,
-    pdl_launch_dependents,
-    pdl_wait,
     pick_threads,
-    refused,
     rows_ok,
 )
+from .common.launch import Kernel
 
 OP = "attn_res_mix_norm"
 MAX_BLOCKS = 8
@@ -90,7 +81,8 @@ def can_implement(prefix, delta, blocks, mix_norm_weight, mix_proj_weight, norm_
     return refusal(prefix, delta, blocks, mix_norm_weight, mix_proj_weight, norm_weight) is None
 
 
-def refusal(prefix, delta, blocks, mix_norm_weight, mix_proj_weight, norm_weight) -> str | None:
+def refusal(prefix, delta, blocks, mix_norm_weight, mix_proj_weight, norm_weight,
+            *_) -> str | None:
     """Why the kernel cannot take these inputs (shapes, dtypes, strides), or None. Works on fake
     tensors; data alignment is checked at launch."""
     bf16 = torch.bfloat16
@@ -114,146 +106,10 @@ def refusal(prefix, delta, blocks, mix_norm_weight, mix_proj_weight, norm_weight
     return None
 
 
-@functools.cache
-def _kernel_class():
-    import cutlass
-    from cutlass import BFloat16, Float32, const_expr, cute
-
-    from .common.copy import (
-        bf16_halves,
-        load_vectors,
-        make_frag,
-        row_vectors,
-        store_vectors,
-        vectors,
-    )
-    from .common.reduce import row_sum
-
-    class AttnResMixNorm:
-        def __init__(self, dim: int, n_blocks: int, has_delta: bool, cfg: Config,
-                     pdl: bool = False):
-            self.dim, self.n_blocks, self.has_delta, self.pdl = dim, n_blocks, has_delta, pdl
-            self.n_src = n_blocks + 1
-            self.threads, self.v, self.cluster_n = cfg.threads, cfg.vec_per_thread, cfg.cluster_n
-            self.n_vec = dim // 8 // cfg.cluster_n  # vectors of a row per CTA
-            self.n_warps = cfg.threads // 32
-            self.smem_bytes = 4 * cfg.cluster_n * self.n_warps * (2 * self.n_src + 1) + 64
-
-        @cute.jit
-        def __call__(self, mPrefix: cute.Tensor, mDelta, blocks, mWn, mWp, mWx: cute.Tensor,
-                     mPrefixOut: cute.Tensor, mX: cute.Tensor, mix_eps: Float32,
-                     norm_eps: Float32, stream):
-            # mPrefix, mDelta, blocks[i], mPrefixOut, mX: (N, D); mWn, mWp, mWx: (D,)
-            C = self.cluster_n
-            self.kernel(mPrefix, mDelta, blocks, mWn, mWp, mWx, mPrefixOut, mX, mix_eps,
-                        norm_eps).launch(grid=[C, mPrefix.shape[0], 1], block=[self.threads, 1, 1],
-                                         cluster=[C, 1, 1] if const_expr(C > 1) else None,
-                                         smem=self.smem_bytes, stream=stream,
-                                         use_pdl=self.pdl)
-
-        @cute.kernel
-        def kernel(self, mPrefix: cute.Tensor, mDelta, blocks, mWn, mWp, mWx: cute.Tensor,
-                   mPrefixOut: cute.Tensor, mX: cute.Tensor, mix_eps: Float32,
-                   norm_eps: Float32):
-            pdl_launch_dependents(self.pdl)
-            tidx, _, _ = cute.arch.thread_idx()
-            rank, row, _ = cute.arch.block_idx()  # rank: this CTA's column slice of the row
-            T, nv, S, C, V = self.threads, self.n_vec, self.n_src, self.cluster_n, self.v
-            if const_expr(C > 1):
-                cute.arch.cluster_arrive_relaxed()  # matched in the first row_sum
-            first = rank * nv
-            smem = cutlass.memory.SmemAllocator()
-            sMix = smem.allocate_tensor(Float32, cute.make_layout((C * self.n_warps, 2 * S)), 16)
-            sNorm = smem.allocate_tensor(Float32, cute.make_layout((C * self.n_warps, 1)), 16)
-
-            # Issue every load first: sources (blocks..., prefix) and delta, then wn and wp (with
-            # PDL wn and wp first: they load while the previous kernel finishes).
-            if const_expr(S > 1):
-                rWn, rWp = make_frag(BFloat16, V), make_frag(BFloat16, V)
-                if const_expr(self.pdl):
-                    load_vectors(vectors(mWn), rWn, tidx, T, nv, first)
-                    load_vectors(vectors(mWp), rWp, tidx, T, nv, first)
-            pdl_wait(self.pdl)
-            rSrc = [make_frag(BFloat16, V) for _ in range(S)]  # each (8, V)
-            for i in cutlass.range_constexpr(S - 1):
-                load_vectors(row_vectors(blocks[i], row), rSrc[i], tidx, T, nv, first)
-            load_vectors(row_vectors(mPrefix, row), rSrc[S - 1], tidx, T, nv, first)
-            if const_expr(self.has_delta):
-                rDelta = make_frag(BFloat16, V)
-                load_vectors(row_vectors(mDelta, row), rDelta, tidx, T, nv, first)
-            if const_expr(S > 1 and not self.pdl):
-                load_vectors(vectors(mWn), rWn, tidx, T, nv, first)
-                load_vectors(vectors(mWp), rWp, tidx, T, nv, first)
-
-            if const_expr(self.has_delta):  # the bf16 add of the model: round before reuse
-                p = rSrc[S - 1].load().to(Float32) + rDelta.load().to(Float32)
-                rSrc[S - 1].store(p.to(BFloat16))
-            store_vectors(rSrc[S - 1], row_vectors(mPrefixOut, row), tidx, T, nv, first)
-
-            rWx = make_frag(BFloat16, V)
-            h = rSrc[S - 1].load().to(Float32)
-            if const_expr(S > 1):
-                # Widen through integer ops here and through cvt in the mix below: the compiler
-                # would otherwise keep one fp32 copy of every source live across the barrier.
-                wn_lo, wn_hi = bf16_halves(rWn.load())
-                wp_lo, wp_hi = bf16_halves(rWp.load())
-                w_lo, w_hi = wn_lo * wp_lo, wn_hi * wp_hi
-                partial = []
-                for i in cutlass.range_constexpr(S):
-                    lo, hi = bf16_halves(rSrc[i].load())
-                    ss, dot = Float32(0.0), Float32(0.0)
-                    for e in cutlass.range_constexpr(4 * V):  # one fma per element and sum
-                        ss = ss + lo[e] * lo[e]
-                        ss = ss + hi[e] * hi[e]
-                        dot = dot + lo[e] * w_lo[e]
-                        dot = dot + hi[e] * w_hi[e]
-                    partial += [ss, dot]
-                # wx is needed last: load it now, behind the barrier, once wn/wp are dead.
-                load_vectors(vectors(mWx), rWx, tidx, T, nv, first)
-                total = row_sum(partial, sMix, self.n_warps, C, True)
-                scores = [total[2 * i + 1] * cute.math.rsqrt(total[2 * i] / self.dim + mix_eps,
-                                                             fastmath=True) for i in range(S)]
-                s_max = scores[0]
-                for i in cutlass.range_constexpr(1, S):
-                    s_max = cute.arch.fmax(s_max, scores[i])
-                e = [cute.math.exp(s - s_max, fastmath=True) for s in scores]
-                z = e[0]
-                for i in cutlass.range_constexpr(1, S):
-                    z = z + e[i]
-                inv_z = 1.0 / z
-                h = rSrc[0].load().to(Float32) * (e[0] * inv_z)
-                for i in cutlass.range_constexpr(1, S):
-                    h = h + rSrc[i].load().to(Float32) * (e[i] * inv_z)
-            else:
-                load_vectors(vectors(mWx), rWx, tidx, T, nv, first)
-
-            hb = h.to(BFloat16).to(Float32)  # the mix output is a bf16 tensor in the model
-            ss = row_sum([(hb * hb).reduce(cute.ReductionOp.ADD, 0.0, reduction_profile=0)],
-                         sNorm, self.n_warps, C, S == 1)[0]
-            rstd = cute.math.rsqrt(ss / self.dim + norm_eps, fastmath=True)
-            y = (hb * rstd).to(BFloat16).to(Float32) * rWx.load().to(Float32)
-            rOut = make_frag(BFloat16, V)
-            rOut.store(y.to(BFloat16))
-            store_vectors(rOut, row_vectors(mX, row), tidx, T, nv, first)
-
-    return AttnResMixNorm
-
-
-_cache = CompileCache(OP)
-
-
-def compiled(dim: int, n_blocks: int, has_delta: bool, cfg: Config, arch: str | None = None,
-             rows: int = 1):
-    """The compiled kernel for these scalars and the PDL setting now (cached)."""
-    pdl = pdl_enabled(rows)
-    return _cache.get((dim, n_blocks, has_delta, cfg, arch, pdl),
-                      lambda: build(dim, n_blocks, has_delta, cfg, arch, pdl=pdl))
-
-
 def prepare(dim: int, n_blocks: int, has_delta: bool, buckets=BUCKETS) -> None:
     """Compile the kernel of every batch bucket for these scalars (call before graph capture)."""
     for b in buckets:
-        compiled(dim, n_blocks, has_delta, config(dim, n_blocks, has_delta, b), rows=b)
+        KERNEL.compiled(dim, n_blocks, has_delta, config(dim, n_blocks, has_delta, b), rows=b)
 
 
 def build(dim, n_blocks, has_delta, cfg, arch=None, dump_dir=None, pdl=False):
@@ -261,16 +117,21 @@ def build(dim, n_blocks, has_delta, cfg, arch=None, dump_dir=None, pdl=False):
     import cutlass
     from cutlass import cute
 
+    from .device.attn_res_mix_norm import AttnResMixNorm
+
     bf16 = cutlass.BFloat16
     n = cute.sym_int()
     weight = (lambda: fake_vector(bf16, dim)) if n_blocks else (lambda: None)
     return compile_kernel(
-        _kernel_class()(dim, n_blocks, has_delta, cfg, pdl),
+        AttnResMixNorm(dim, n_blocks, has_delta, cfg, pdl),
         fake_rows(bf16, n, dim), fake_rows(bf16, n, dim) if has_delta else None,
         tuple(fake_rows(bf16, n, dim) for _ in range(n_blocks)) or None, weight(), weight(),
         fake_vector(bf16, dim), fake_rows(bf16, n, dim, dim), fake_rows(bf16, n, dim, dim),
         cutlass.Float32(1e-5), cutlass.Float32(1e-5), fake_stream(), arch=arch,
         dump_dir=dump_dir)
+
+
+KERNEL = Kernel(OP, build)
 
 
 def attn_res_mix_norm_cuda(prefix, delta, blocks, mix_norm_weight, mix_proj_weight, norm_weight,
@@ -281,24 +142,30 @@ def attn_res_mix_norm_cuda(prefix, delta, blocks, mix_norm_weight, mix_proj_weig
     tensors = [prefix, *blocks, mix_norm_weight, mix_proj_weight, norm_weight]
     if delta is not None:
         tensors.append(delta)
-    if refused(OP, lambda: refusal(prefix, delta, blocks, mix_norm_weight, mix_proj_weight,
-                                   norm_weight), *tensors):
+
+    def reference():
         p, x = attn_res_mix_norm_ref(prefix, delta, blocks, mix_norm_weight, mix_proj_weight,
                                      norm_weight, mix_eps, norm_eps)
         return (p.clone() if delta is None else p), x
-    n, dim = prefix.shape
-    prefix_out, x = out if out is not None else (prefix.new_empty((n, dim)),
-                                                 prefix.new_empty((n, dim)))
-    if n:
-        b = bucket(n)
-        cfg = config(dim, len(blocks), delta is not None, b)
-        has_mix = len(blocks) > 0
-        compiled(dim, len(blocks), delta is not None, cfg, rows=b)(
-            prefix, delta, tuple(blocks) or None, mix_norm_weight if has_mix else None,
-            mix_proj_weight.view(-1) if has_mix else None, norm_weight, prefix_out, x,
-            float(mix_eps), float(norm_eps))
-    return prefix_out, x
+
+    def launch():
+        n, dim = prefix.shape
+        prefix_out, x = out if out is not None else (prefix.new_empty((n, dim)),
+                                                     prefix.new_empty((n, dim)))
+        if n:
+            b = bucket(n)
+            cfg = config(dim, len(blocks), delta is not None, b)
+            has_mix = len(blocks) > 0
+            KERNEL.compiled(dim, len(blocks), delta is not None, cfg, rows=b)(
+                prefix, delta, tuple(blocks) or None, mix_norm_weight if has_mix else None,
+                mix_proj_weight.view(-1) if has_mix else None, norm_weight, prefix_out, x,
+                float(mix_eps), float(norm_eps))
+        return prefix_out, x
+
+    return KERNEL.run(lambda: refusal(prefix, delta, blocks, mix_norm_weight, mix_proj_weight,
+                                      norm_weight), reference, launch, *tensors)
 
 
 def register() -> None:
+    registry.register_kernel(OP, refusal=flat_refusal(refusal))
     torch.library.register_kernel(f"k3::{OP}", "cuda", flat_rows(attn_res_mix_norm_cuda))

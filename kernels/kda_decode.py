@@ -1,54 +1,12 @@
-"""CuTe DSL kernel for `k3::kda_decode` and `k3::fb_kda_decode`: the whole KDA recurrent step of
-one layer in one launch (spec §3.1 steps 3-7; `kda_decode_ref` in k3compile/ops/kda.py is the
-math and the rounding it matches).
+"""CuTe DSL kernel for `k3::kda_decode`: the whole KDA recurrent step of one layer in one launch
+(spec §3.1 steps 3-7; `kda_decode_ref` in k3compile/ops/kda.py is the math and the rounding).
 
-    x̃ = bf16(SiLU(Σ_j w_j·[conv_state, x]_{t+j}));  q̂ = l2n(q̃)·s, k̂ = l2n(k̃);  β = σ(b)
-    α = exp(lb·σ(e^A·(graw + dt)));  per t: S ← αS;  u = β(ṽ − Sᵀk̂);  S += k̂uᵀ;  o_t = Sᵀq̂
-    out = bf16(bf16(w ⊙ bf16(o'·rstd(o'))) ⊙ bf16(σ(g))),  o' = bf16(o)
+    x̃ = bf16(SiLU(conv(x))); q̂ = l2n(q̃)·s; k̂ = l2n(k̃); β = σ(b); α = exp(lb·σ(e^A·(graw+dt)))
+    per t: S ← αS; S += k̂·(β(ṽ − Sᵀk̂))ᵀ; o_t = Sᵀq̂
+    out = bf16(bf16(w ⊙ rms(bf16(o))) ⊙ bf16(σ(g)))
 
-Work split. A cluster of C CTAs serves one (request, head); CTA `rank` owns the value columns
-[rank·K/C, (rank+1)·K/C) of that head's fp32 state S [K, K] (rows = key channels): no two CTAs
-touch the same state, conv-state or output bytes, so there are no races and no atomics. Within a
-CTA a thread owns 4 adjacent columns (one 16-byte vector per row) of R rows k = rg + (K/R)·i; the
-K/R threads sharing a column group are lanes of one warp (lane = rg·cw + cg), so Sᵀk̂ and Sᵀq̂ are
-in-thread sums plus a butterfly over those lanes (log2(K/R) shuffles, every lane gets the same
-total, no shared memory, no barrier). A warp's load instruction reads K/R rows × 4R contiguous
-bytes (64 at R = 16): whole 32-byte sectors. The state is read once and written once per launch;
-the T tokens run on registers.
-
-Prologue (all threads, work items over the CTA): each CTA computes the conv + SiLU of all K q and
-k channels (l2norm needs them all) and of its own v columns, α of all K key channels and β, from
-scalar loads (q|k|v|g|graw|b are column slices of the in-projection's output, whose row stride
-need not keep 16-byte alignment), into shared memory as fp32; one warp per (token, q or k) then
-l2-normalises in place. The state loads are issued first so that they fly during the prologue.
-Epilogue: o of the owned columns goes to shared memory, the per-token Σo'² is summed over the
-cluster (one DSMEM round, `row_sum`), and the gated RMSNorm writes 16-byte output vectors. The
-conv state is written last, after that cluster barrier, by the CTA owning each channel's column
-slice: every CTA of the cluster has read the old conv rows by then.
-
-With PDL (`common.dsl.PDL`) every thread executes `griddepcontrol.wait` first: the slots, the
-in-projection's slices and both states (the previous step wrote them) are activations, and the
-weights' loads are interleaved with theirs in the prologue, so nothing useful precedes the wait.
-
-C > 1 trades redundant q/k prologue work for more SMs pulling state bytes at small batch (at B=1
-and 6 heads per rank only 6 CTAs would otherwise stream 64 KB each); `config` picks C per batch
-bucket (untuned: `benchmarks/kda_decode.py --sweep` times every config). T, H, taps and the
-config are compile-time; the batch is the grid's z size.
-
-Rounding: every bf16 rounding of the reference is kept (conv output, o, the normalised o, w ⊙ it,
-σ(g), the product). fp32 sums run in another order (conv taps, Σx², Sᵀk̂, Sᵀq̂) and the state
-update is one FMA, so the state agrees to fp32 rounding and the output to bf16 rounding, except
-where a conv output lands on a bf16 rounding boundary (one ulp then, in that channel).
-
-fb_kda_decode runs graw = fa · W_fbᵀ first (`gemv.linear`: a second launch; the in-projection's
-f_a column slice has an unaligned row stride, so that GEMM is cuBLAS's). Folding the 128-wide
-GEMM into the prologue (each CTA needs 128 rows of W_fb: 32 KB) is the next step.
-
-Status: builds for sm_90a (tests/kernels/test_build.py); the CPU model of its blocking
-(tests/kernels/test_kda_decode.py::test_blocking_model_*) matches the reference; its GPU tests
-pass on the H200 (2026-11-29), so it is in kernels.KERNELS. Measured there
-(benchmarks/kda_decode.py, 6 heads): 7.05 µs at B = 1, 7.83 at 8, 22.2 at 64 (T = 1);
-x3.3-x9.4 vs Inductor's code for the same step.
+`k3::fb_kda_decode` (kernels/fb_kda_decode.py) runs this device code after its GEMM. Work split,
+rounding and measurements: docs/kernels.md, kda_decode.
 
 Constraints:
     * q, k, v, g, graw bf16 [B, T, H·K], b bf16 [B, T, H]: last dim contiguous, any other strides;
@@ -60,33 +18,27 @@ Constraints:
     * conv weights bf16 [H·K, 1, taps], A_log fp32 [H], dt_bias fp32 [H·K], o_norm_weight bf16
       [K], all contiguous; lower_bound, l2_eps, q_scale, norm_eps are runtime scalars.
     * Output bf16 [B, T, H, K], contiguous.
+    * With PDL (settings.KERNELS.pdl) every thread waits first: everything it reads but the
+      weights was written by the previous step.
 """
 
-import functools
 import math
-import operator
 from dataclasses import dataclass
 
 import torch
 
+from k3compile.ops import registry
 from k3compile.ops.kda_decode import kda_decode_ref
 
 from .common.dsl import (
     BUCKETS,
-    CompileCache,
     bucket,
     compile_kernel,
     fake_stream,
-    fallback,
-    pdl_enabled,
-    pdl_launch_dependents,
-    pdl_wait,
-    runtime_refusal,
 )
-from .gemv import linear
+from .common.launch import Kernel
 
 OP = "kda_decode"
-OPS = ("kda_decode", "fb_kda_decode")
 HEAD_DIM = 128
 MAX_TOKENS = 16
 MAX_TAPS = 8
@@ -237,276 +189,10 @@ def refusal(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weig
     return None
 
 
-@functools.cache
-def _kernel_class():
-    import cutlass
-    from cutlass import BFloat16, Float32, Int64, const_expr, cute
-
-    from .common.copy import vectors
-    from .common.reduce import row_sum
-
-    def sigmoid(x):
-        return 1.0 / (1.0 + cute.math.exp(-x))
-
-    def bf16_round(x):
-        return x.to(BFloat16).to(Float32)
-
-    class KDADecode:
-        def __init__(self, tokens: int, n_heads: int, taps: int, cfg: Config, pdl: bool = False):
-            self.T, self.H, self.taps, self.pdl = tokens, n_heads, taps, pdl
-            self.K = HEAD_DIM
-            self.W = n_heads * HEAD_DIM
-            self.tile = tile(cfg)
-            self.C, self.R = cfg.cluster_n, cfg.rows_per_thread
-            self.threads, self.warps = self.tile.threads, self.tile.warps
-            T, K, vc = tokens, HEAD_DIM, self.tile.vc
-            # sQ, sK, sA (T, K); sV, sO (T, vc); sBeta (T,); sRed (C·warps, T); 16-byte padding each
-            words = 3 * T * K + 2 * T * vc + T + self.C * self.warps * T
-            self.smem_bytes = 4 * words + 16 * 7
-
-        @cute.jit
-        def __call__(self, mQ, mK, mV, mG, mGraw, mB, mConv, mState, mSlots, mWq, mWk, mWv,
-                     mALog, mDt, mWo, mOut, lower_bound: Float32, l2_eps: Float32,
-                     q_scale: Float32, norm_eps: Float32, stream):
-            # mQ, mK, mV, mG, mGraw: (B, T, W); mB: (B, T, H); mConv: (S, 3W, taps-1);
-            # mState: (S, H, K, K); mSlots: (B,); mW*: (W, 1, taps); mALog: (H,); mDt: (W,);
-            # mWo: (K,); mOut: (B, T, H, K)
-            C = self.C
-            self.kernel(mQ, mK, mV, mG, mGraw, mB, mConv, mState, mSlots, mWq, mWk, mWv, mALog,
-                        mDt, mWo, mOut, lower_bound, l2_eps, q_scale, norm_eps).launch(
-                grid=[C, self.H, mQ.shape[0]], block=[self.threads, 1, 1],
-                cluster=[C, 1, 1] if const_expr(C > 1) else None, smem=self.smem_bytes,
-                stream=stream, use_pdl=self.pdl)
-
-        @cute.kernel
-        def kernel(self, mQ, mK, mV, mG, mGraw, mB, mConv, mState, mSlots, mWq, mWk, mWv, mALog,
-                   mDt, mWo, mOut, lower_bound: Float32, l2_eps: Float32, q_scale: Float32,
-                   norm_eps: Float32):
-            pdl_launch_dependents(self.pdl)
-            tidx, _, _ = cute.arch.thread_idx()
-            rank, h, req = cute.arch.block_idx()
-            T, K, R, C, tl = self.T, self.K, self.R, self.C, self.tile
-            if const_expr(C > 1):
-                cute.arch.cluster_arrive_relaxed()  # matched in row_sum
-            pdl_wait(self.pdl)
-            slot = mSlots[req]
-            slot = Int64(cutlass.select_(slot < 0, slot + Int64(mState.shape[0]), slot))
-            smem = cutlass.memory.SmemAllocator()
-            sQ = smem.allocate_tensor(Float32, cute.make_layout((T, K), stride=(K, 1)), 16)
-            sK = smem.allocate_tensor(Float32, cute.make_layout((T, K), stride=(K, 1)), 16)
-            sA = smem.allocate_tensor(Float32, cute.make_layout((T, K), stride=(K, 1)), 16)
-            sV = smem.allocate_tensor(Float32, cute.make_layout((T, tl.vc), stride=(tl.vc, 1)), 16)
-            sO = smem.allocate_tensor(Float32, cute.make_layout((T, tl.vc), stride=(tl.vc, 1)), 16)
-            sBeta = smem.allocate_tensor(Float32, cute.make_layout((T,)), 16)
-            sRed = smem.allocate_tensor(Float32, cute.make_layout(
-                (C * self.warps, T), stride=(T, 1)), 16)
-
-            # The state first: R 16-byte loads per thread, in flight during the prologue.
-            rg, lc0 = tl.thread(tidx)
-            vg = (rank * tl.vc + lc0) // VEC
-            gS = mState[slot, h, None, None]  # (K, K): key rows, value columns
-            rS = cute.make_rmem_tensor(cute.make_layout((VEC, R)), Float32)  # (4 cols, R rows)
-            for i in cutlass.range_constexpr(R):
-                cute.autovec_copy(vectors(gS[rg + tl.rw * i, None])[None, vg], rS[None, i])
-
-            self.prologue(tidx, rank, h, req, slot, mQ, mK, mV, mGraw, mB, mConv, mWq, mWk,
-                          mWv, mALog, mDt, sQ, sK, sV, sA, sBeta, lower_bound)
-            cute.arch.barrier()
-            self.l2norm(sQ, sK, l2_eps, q_scale)
-            cute.arch.barrier()
-            ss = self.recurrence(rS, rg, lc0, sQ, sK, sA, sV, sO, sBeta)
-            for i in cutlass.range_constexpr(R):
-                cute.autovec_copy(rS[None, i], vectors(gS[rg + tl.rw * i, None])[None, vg])
-            if const_expr(C * self.warps == 1):
-                cute.arch.barrier()  # row_sum has none for a single warp; sO must be visible
-            totals = row_sum(ss, sRed, self.warps, C, True)  # Σ o'² per token over the head
-            self.epilogue(tidx, rank, h, req, totals, sO, mG, mWo, mOut, norm_eps)
-            self.write_conv_state(tidx, rank, h, req, slot, mQ, mK, mV, mConv)
-
-        @cute.jit
-        def prologue(self, tidx, rank, h, req, slot, mQ, mK, mV, mGraw, mB, mConv, mWq, mWk,
-                     mWv, mALog, mDt, sQ, sK, sV, sA, sBeta, lower_bound: Float32):
-            """Conv + SiLU of q, k (all channels), v (own columns); α; β -> shared memory."""
-            T, tl, n = self.T, self.tile, self.threads
-            items = tl.prologue_items()
-            plan = tl.plan(items)
-            for p in cutlass.range_constexpr(len(plan)):
-                it, s, full = plan[p]
-                kind, lo, hi = items[s]
-                item = it * n + tidx
-                if const_expr(full):
-                    self.prologue_item(kind, item - lo, rank, h, req, slot, mQ, mK, mV, mGraw,
-                                       mConv, mWq, mWk, mWv, mALog, mDt, sQ, sK, sV, sA,
-                                       lower_bound)
-                else:
-                    if (item >= lo) & (item < hi):
-                        self.prologue_item(kind, item - lo, rank, h, req, slot, mQ, mK, mV,
-                                           mGraw, mConv, mWq, mWk, mWv, mALog, mDt, sQ, sK, sV,
-                                           sA, lower_bound)
-            if tidx < T:
-                sBeta[tidx] = sigmoid(mB[req, tidx, h].to(Float32))
-
-        def prologue_item(self, kind, c, rank, h, req, slot, mQ, mK, mV, mGraw, mConv, mWq,
-                          mWk, mWv, mALog, mDt, sQ, sK, sV, sA, lower_bound):
-            T, K, W, taps = self.T, self.K, self.W, self.taps
-            if kind == "alpha":
-                ch = h * K + c
-                e = cute.math.exp(mALog[h])
-                dt = mDt[ch]
-                for t in range(T):
-                    gate = e * (mGraw[req, t, ch].to(Float32) + dt)
-                    sA[t, c] = cute.math.exp(lower_bound * sigmoid(gate))
-            else:
-                s = "qkv".index(kind)
-                mX, mW, sX = (mQ, mWq, sQ) if s == 0 else (mK, mWk, sK) if s == 1 else (
-                    mV, mWv, sV)
-                ch = h * K + (rank * self.tile.vc if s == 2 else 0) + c
-                win = [mConv[slot, s * W + ch, j].to(Float32) for j in range(taps - 1)]
-                win += [mX[req, t, ch].to(Float32) for t in range(T)]
-                w = [mW[ch, 0, j].to(Float32) for j in range(taps)]
-                for t in range(T):
-                    acc = win[t] * w[0]
-                    for j in range(1, taps):
-                        acc = acc + win[t + j] * w[j]
-                    sX[t, c] = bf16_round(acc / (1.0 + cute.math.exp(-acc)))  # SiLU
-
-        @cute.jit
-        def l2norm(self, sQ, sK, l2_eps: Float32, q_scale: Float32):
-            """One warp per (token, q or k): x <- x·rsqrt(Σx² + eps) (·q_scale for q), in place."""
-            warp, lane = cute.arch.warp_idx(), cute.arch.lane_idx()
-            for p in cutlass.range_constexpr(2 * self.T):
-                sX, t, scale = (sQ, p // 2, q_scale) if p % 2 == 0 else (sK, p // 2, None)
-                if const_expr(self.warps == 1):
-                    self.l2norm_row(sX, t, lane, l2_eps, scale)
-                else:
-                    if warp == p % self.warps:
-                        self.l2norm_row(sX, t, lane, l2_eps, scale)
-
-        def l2norm_row(self, sX, t, lane, l2_eps, scale):
-            x = [sX[t, lane + 32 * j] for j in range(self.K // 32)]
-            ss = x[0] * x[0]
-            for j in range(1, len(x)):
-                ss = ss + x[j] * x[j]
-            inv = cute.math.rsqrt(cute.arch.warp_reduction(ss, operator.add) + l2_eps)
-            for j in range(len(x)):
-                y = x[j] * inv
-                sX[t, lane + 32 * j] = y if scale is None else y * scale
-
-        def column_sum(self, vals):
-            """Butterfly over the lanes of a column group: each lane gets the column totals."""
-            for off in self.tile.bfly_offsets():
-                vals = [x + cute.arch.shuffle_sync_bfly(x, off) for x in vals]
-            return vals
-
-        def state_pass(self, rS, rg, t, sX, sY, update):
-            """One sweep over the thread's R x 4 state tile at token t: S[i, j] <- update(S[i, j],
-            x_i, j), then the column sums Σ_i S[i, j]·y_i of the updated state (`column_sum`);
-            x_i, y_i: rows rg + rw·i of sX, sY."""
-            rw = self.tile.rw
-            acc = [Float32(0.0) for _ in range(VEC)]
-            for i in range(self.R):
-                x, y = sX[t, rg + rw * i], sY[t, rg + rw * i]
-                for j in range(VEC):
-                    s = update(rS[j, i], x, j)
-                    rS[j, i] = s
-                    acc[j] = acc[j] + s * y
-            return self.column_sum(acc)
-
-        @cute.jit
-        def recurrence(self, rS, rg, lc0, sQ, sK, sA, sV, sO, sBeta):
-            """The delta rule over the T tokens on the thread's R x 4 state tile. o' = bf16(o) of
-            the owned columns goes to sO; returns each token's Σ o'² over the thread's columns
-            (row group 0 only, so the CTA sum counts every column once)."""
-            ss = []
-            for t in cutlass.range_constexpr(self.T):
-                kv = self.state_pass(rS, rg, t, sA, sK, lambda s, a, j: s * a)
-                beta = sBeta[t]
-                u = [beta * (sV[t, lc0 + j] - kv[j]) for j in range(VEC)]
-                o = self.state_pass(rS, rg, t, sK, sQ, lambda s, kk, j, u=u: s + kk * u[j])
-                o = [bf16_round(x) for x in o]
-                if rg == 0:
-                    for j in cutlass.range_constexpr(VEC):
-                        sO[t, lc0 + j] = o[j]
-                sq = o[0] * o[0]
-                for j in cutlass.range_constexpr(1, VEC):
-                    sq = sq + o[j] * o[j]
-                ss.append(Float32(cutlass.select_(rg == 0, sq, Float32(0.0))))
-            return ss
-
-        @cute.jit
-        def epilogue(self, tidx, rank, h, req, totals, sO, mG, mWo, mOut, norm_eps: Float32):
-            """out = bf16(bf16(w·bf16(o'·rstd))·bf16(σ(g))), one 16-byte vector per item."""
-            total, n = self.tile.out_vectors(self.T), self.threads
-            for it in cutlass.range_constexpr(-(-total // n)):
-                item = it * n + tidx
-                if const_expr((it + 1) * n <= total):
-                    self.out_vector(item, rank, h, req, totals, sO, mG, mWo, mOut, norm_eps)
-                else:
-                    if item < total:
-                        self.out_vector(item, rank, h, req, totals, sO, mG, mWo, mOut, norm_eps)
-
-        def out_vector(self, item, rank, h, req, totals, sO, mG, mWo, mOut, norm_eps):
-            T, K, vc = self.T, self.K, self.tile.vc
-            t, lc = item // (vc // 8), item % (vc // 8) * 8
-            col = rank * vc + lc
-            ms = totals[0]
-            for tt in range(1, T):
-                ms = Float32(cutlass.select_(t == tt, totals[tt], ms))
-            rstd = cute.math.rsqrt(ms / K + norm_eps)
-            rY = cute.make_rmem_tensor(cute.make_layout((8,)), Float32)
-            for e in range(8):
-                y = bf16_round(mWo[col + e].to(Float32) * bf16_round(sO[t, lc + e] * rstd))
-                rY[e] = y * bf16_round(sigmoid(mG[req, t, h * K + col + e].to(Float32)))
-            rOut = cute.make_rmem_tensor(cute.make_layout((8,)), BFloat16)
-            rOut.store(rY.load().to(BFloat16))
-            cute.autovec_copy(rOut, vectors(mOut[req, t, h, None])[None, col // 8])
-
-        @cute.jit
-        def write_conv_state(self, tidx, rank, h, req, slot, mQ, mK, mV, mConv):
-            """conv_state <- the last taps-1 window inputs, for this CTA's channels of q, k, v.
-            Runs after the cluster barrier: every CTA has read the old rows."""
-            K, n, tl = self.K, self.threads, self.tile
-            items = tl.conv_write_items()
-            plan = tl.plan(items)
-            for p in cutlass.range_constexpr(len(plan)):
-                it, s, full = plan[p]
-                _, lo, hi = items[s]
-                item = it * n + tidx
-                ch = h * K + rank * tl.vc + item - lo
-                mX = mQ if s == 0 else mK if s == 1 else mV
-                if const_expr(full):
-                    self.conv_row(s, ch, req, slot, mX, mConv)
-                else:
-                    if (item >= lo) & (item < hi):
-                        self.conv_row(s, ch, req, slot, mX, mConv)
-
-        def conv_row(self, s, ch, req, slot, mX, mConv):
-            """Channel ch of q|k|v (s = 0|1|2): window positions T .. T + taps - 2, old inputs
-            while below taps - 1. All read before any is written (T < taps - 1 shifts the row)."""
-            T, keep, row = self.T, self.taps - 1, s * self.W + ch
-            new = [mConv[slot, row, T + j] if T + j < keep else mX[req, T + j - keep, ch]
-                   for j in range(keep)]
-            for j in range(keep):
-                mConv[slot, row, j] = new[j]
-
-    return KDADecode
-
-
-_cache = CompileCache(OP)
-
-
-def compiled(tokens: int, n_heads: int, taps: int, cfg: Config, arch: str | None = None,
-             rows: int = 1):
-    """The compiled kernel for these scalars and the PDL setting now (cached)."""
-    pdl = pdl_enabled(rows)
-    return _cache.get((tokens, n_heads, taps, cfg, arch, pdl),
-                      lambda: build(tokens, n_heads, taps, cfg, arch, pdl=pdl))
-
-
 def prepare(tokens: int, n_heads: int, taps: int = 4, buckets=BUCKETS) -> None:
     """Compile the kernel of every batch bucket for these scalars (call before graph capture)."""
     for b in buckets:
-        compiled(tokens, n_heads, taps, config(tokens, n_heads, taps, b), rows=b)
+        KERNEL.compiled(tokens, n_heads, taps, config(tokens, n_heads, taps, b), rows=b)
 
 
 def build(tokens, n_heads, taps, cfg, arch=None, dump_dir=None, pdl=False):
@@ -514,6 +200,8 @@ def build(tokens, n_heads, taps, cfg, arch=None, dump_dir=None, pdl=False):
     import cutlass
     from cutlass import cute
     from cutlass.cute.runtime import make_fake_tensor
+
+    from .device.kda_decode import KDADecode
 
     bf16, f32 = cutlass.BFloat16, cutlass.Float32
     T, H, K = tokens, n_heads, HEAD_DIM
@@ -529,7 +217,7 @@ def build(tokens, n_heads, taps, cfg, arch=None, dump_dir=None, pdl=False):
 
     conv_w = [weight(bf16, (W, 1, taps), (taps, taps, 1)) for _ in range(3)]
     return compile_kernel(
-        _kernel_class()(T, H, taps, cfg, pdl), act(W), act(W), act(W), act(W), act(W), act(H),
+        KDADecode(T, H, taps, cfg, pdl), act(W), act(W), act(W), act(W), act(W), act(H),
         make_fake_tensor(bf16, (cute.sym_int(), 3 * W, taps - 1),
                          stride=(cute.sym_int64(), taps - 1, 1), assumed_align=2),
         make_fake_tensor(f32, (cute.sym_int(), H, K, K),
@@ -541,6 +229,9 @@ def build(tokens, n_heads, taps, cfg, arch=None, dump_dir=None, pdl=False):
         dump_dir=dump_dir)
 
 
+KERNEL = Kernel(OP, build)
+
+
 def kda_decode_cuda(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weight,
                     k_conv_weight, v_conv_weight, A_log, dt_bias, o_norm_weight, lower_bound,
                     l2_eps, q_scale, norm_eps, *, out=None):
@@ -548,41 +239,35 @@ def kda_decode_cuda(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_c
     logged). `out` [B, T, H, K] bf16 contiguous is written only when the kernel runs."""
     args = (q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weight,
             k_conv_weight, v_conv_weight, A_log, dt_bias, o_norm_weight)
-    reason = runtime_refusal() or refusal(*args) or (
-        None if recurrent_state.data_ptr() % 16 == 0 else "recurrent_state not 16-byte aligned")
     B, T = q.shape[:2]
-    if reason is None and not all(t.is_cuda and t.device == q.device for t in args):
-        reason = "inputs not all on one CUDA device"
-    if reason is None and out is not None and (
-            out.dtype != torch.bfloat16 or not out.is_contiguous()
-            or tuple(out.shape) != (B, T, *recurrent_state.shape[1:3])
-            or out.data_ptr() % 16):
-        reason = f"out: {out.dtype} {tuple(out.shape)} {out.stride()}"
-    if reason:
-        fallback(OP, reason)
-        return kda_decode_ref(*args, lower_bound, l2_eps, q_scale, norm_eps)
-    H, K = recurrent_state.shape[1:3]
-    o = q.new_empty((B, T, H, K)) if out is None else out
-    if B:
-        taps = conv_state.shape[2] + 1
-        bb = bucket(B)
-        compiled(T, H, taps, config(T, H, taps, bb), rows=bb)(
-            *args, o, float(lower_bound), float(l2_eps), float(q_scale), float(norm_eps))
-    return o
 
+    def call_refusal():
+        if reason := refusal(*args):
+            return reason
+        if not all(t.is_cuda and t.device == q.device for t in args):
+            return "inputs not all on one CUDA device"
+        if out is not None and (
+                out.dtype != torch.bfloat16 or not out.is_contiguous()
+                or tuple(out.shape) != (B, T, *recurrent_state.shape[1:3])
+                or out.data_ptr() % 16):
+            return f"out: {out.dtype} {tuple(out.shape)} {out.stride()}"
+        return None
 
-def fb_kda_decode_cuda(q, k, v, g, fa, fb_weight, b, conv_state, recurrent_state, slots,
-                       q_conv_weight, k_conv_weight, v_conv_weight, A_log, dt_bias,
-                       o_norm_weight, lower_bound, l2_eps, q_scale, norm_eps, *, out=None):
-    """k3::fb_kda_decode on CUDA: graw = fa · W_fbᵀ (`gemv.linear` on the flat rows: our skinny
-    GEMM at one row, cuBLAS above), then the kernel."""
-    B, T, R = fa.shape
-    graw = linear(fa.reshape(B * T, R), fb_weight).view(B, T, -1)
-    return kda_decode_cuda(q, k, v, g, graw, b, conv_state, recurrent_state, slots,
-                           q_conv_weight, k_conv_weight, v_conv_weight, A_log, dt_bias,
-                           o_norm_weight, lower_bound, l2_eps, q_scale, norm_eps, out=out)
+    def launch():
+        H, K = recurrent_state.shape[1:3]
+        o = q.new_empty((B, T, H, K)) if out is None else out
+        if B:
+            taps = conv_state.shape[2] + 1
+            bb = bucket(B)
+            KERNEL.compiled(T, H, taps, config(T, H, taps, bb), rows=bb)(
+                *args, o, float(lower_bound), float(l2_eps), float(q_scale), float(norm_eps))
+        return o
+
+    return KERNEL.run(call_refusal,
+                      lambda: kda_decode_ref(*args, lower_bound, l2_eps, q_scale, norm_eps),
+                      launch, recurrent_state)
 
 
 def register() -> None:
-    torch.library.register_kernel("k3::kda_decode", "cuda", kda_decode_cuda)
-    torch.library.register_kernel("k3::fb_kda_decode", "cuda", fb_kda_decode_cuda)
+    registry.register_kernel(OP, refusal=refusal)
+    torch.library.register_kernel(f"k3::{OP}", "cuda", kda_decode_cuda)

@@ -1,43 +1,39 @@
 """CuTe DSL kernel for `k3::mla_lowrank_norm`: both Gated-MLA low-rank norms in one launch
 (spec §3.2 step 2).
 
-    q = bf16(wq · bf16(cq · rstd(cq)));  kv = bf16(wkv · bf16(c · rstd(c))), c = ckv[:, :C];
-    pe = ckv[:, C:]                                      (copied, never rotated: K3 is NoPE)
+    q = bf16(wq·bf16(cq·rstd(cq)));  kv = bf16(wkv·bf16(c·rstd(c))), c = ckv[:, :C];
+    pe = ckv[:, C:]                                     (copied, never rotated: K3 is NoPE)
 
-One CTA per token row loads its cq row and ckv row (16-byte coalesced), reduces Σcq² and Σc² in a
-single block reduction and writes the three outputs. With PDL (`common.dsl.PDL`) the two norm
-weights load before `griddepcontrol.wait`, the rows after it.
+Design: docs/kernels.md, mla_lowrank_norm.
 
 Constraints:
     * bf16; cq [N, Q] and ckv [N, C + R] with contiguous rows, row strides multiples of 8 elements
       and 16-byte-aligned data (column slices of the fused q_a|kv_a GEMM output qualify);
       q_weight [Q], kv_weight [C] contiguous; eps is a runtime scalar.
     * Q, C, R multiples of 8 (so k_pe starts 16-byte aligned), 8 <= Q, C <= 8192, 0 <= R <= 8192.
+    * With PDL (settings.KERNELS.pdl): the norm weights load before `griddepcontrol.wait`.
 """
 
-import functools
 from dataclasses import dataclass
 
 import torch
 
+from k3compile.ops import registry
 from k3compile.ops.rms_norm import rms_norm_ref
 
 from .common.dsl import (
     BUCKETS,
-    CompileCache,
     bucket,
     compile_kernel,
     fake_rows,
     fake_stream,
     fake_vector,
+    flat_refusal,
     flat_rows,
-    pdl_enabled,
-    pdl_launch_dependents,
-    pdl_wait,
     pick_threads,
-    refused,
     rows_ok,
 )
+from .common.launch import Kernel
 
 OP = "mla_lowrank_norm"
 MAX_DIM = 8192
@@ -59,7 +55,7 @@ def can_implement(cq, ckv, q_weight, kv_weight) -> bool:
     return refusal(cq, ckv, q_weight, kv_weight) is None
 
 
-def refusal(cq, ckv, q_weight, kv_weight) -> str | None:
+def refusal(cq, ckv, q_weight, kv_weight, *_) -> str | None:
     q_dim, c_dim = cq.shape[-1], kv_weight.shape[0]
     r_dim = ckv.shape[-1] - c_dim
     if any(d % 8 for d in (q_dim, c_dim, r_dim)) or not (
@@ -76,93 +72,10 @@ def refusal(cq, ckv, q_weight, kv_weight) -> str | None:
     return None
 
 
-@functools.cache
-def _kernel_class():
-    import cutlass
-    from cutlass import BFloat16, Float32, const_expr, cute
-
-    from .common.copy import (
-        load_vectors,
-        make_frag,
-        row_vectors,
-        store_vectors,
-        vectors,
-    )
-    from .common.reduce import block_sum
-
-    class MLALowRankNorm:
-        def __init__(self, q_dim: int, c_dim: int, r_dim: int, cfg: Config, pdl: bool = False):
-            self.q_dim, self.c_dim, self.r_dim, self.pdl = q_dim, c_dim, r_dim, pdl
-            self.nq, self.nc, self.nr = q_dim // 8, c_dim // 8, r_dim // 8
-            self.threads, self.n_warps = cfg.threads, cfg.threads // 32
-
-        @cute.jit
-        def __call__(self, mCq: cute.Tensor, mCkv: cute.Tensor, mWq: cute.Tensor,
-                     mWkv: cute.Tensor, mQ: cute.Tensor, mKv: cute.Tensor, mPe,
-                     eps: Float32, stream):
-            # mCq, mQ: (N, Q); mCkv: (N, C + R); mKv: (N, C); mPe: (N, R); mWq: (Q,); mWkv: (C,)
-            self.kernel(mCq, mCkv, mWq, mWkv, mQ, mKv, mPe, eps).launch(
-                grid=[mCq.shape[0], 1, 1], block=[self.threads, 1, 1],
-                smem=8 * self.n_warps + 64, stream=stream, use_pdl=self.pdl)
-
-        @cute.kernel
-        def kernel(self, mCq: cute.Tensor, mCkv: cute.Tensor, mWq: cute.Tensor,
-                   mWkv: cute.Tensor, mQ: cute.Tensor, mKv: cute.Tensor, mPe, eps: Float32):
-            pdl_launch_dependents(self.pdl)
-            tidx, _, _ = cute.arch.thread_idx()
-            row, _, _ = cute.arch.block_idx()
-            T = self.threads
-            smem = cutlass.memory.SmemAllocator()
-            sSum = smem.allocate_tensor(Float32, cute.make_layout((self.n_warps, 2)), 16)
-            vq, vc = -(-self.nq // T), -(-self.nc // T)
-            gCkv = row_vectors(mCkv, row)  # (8, (C + R) / 8): c vectors, then k_pe vectors
-            rCq, rWq = make_frag(BFloat16, vq), make_frag(BFloat16, vq)  # (8, vq)
-            rC, rWkv = make_frag(BFloat16, vc), make_frag(BFloat16, vc)  # (8, vc)
-            if const_expr(self.pdl):  # the weights first: they load while the producer ends
-                load_vectors(vectors(mWq), rWq, tidx, T, self.nq)
-                load_vectors(vectors(mWkv), rWkv, tidx, T, self.nc)
-            pdl_wait(self.pdl)
-            load_vectors(row_vectors(mCq, row), rCq, tidx, T, self.nq)
-            load_vectors(gCkv, rC, tidx, T, self.nc)
-            if const_expr(self.nr > 0):
-                rPe = make_frag(BFloat16, -(-self.nr // T))
-                load_vectors(gCkv, rPe, tidx, T, self.nr, first=self.nc)
-            if const_expr(not self.pdl):
-                load_vectors(vectors(mWq), rWq, tidx, T, self.nq)
-                load_vectors(vectors(mWkv), rWkv, tidx, T, self.nc)
-            if const_expr(self.nr > 0):
-                store_vectors(rPe, row_vectors(mPe, row), tidx, T, self.nr)
-
-            q, c = rCq.load().to(Float32), rC.load().to(Float32)
-            ss_q, ss_c = block_sum([(q * q).reduce(cute.ReductionOp.ADD, 0.0, reduction_profile=0),
-                                    (c * c).reduce(cute.ReductionOp.ADD, 0.0, reduction_profile=0)],
-                                   sSum, self.n_warps)
-            rstd_q = cute.math.rsqrt(ss_q / self.q_dim + eps, fastmath=True)
-            rstd_c = cute.math.rsqrt(ss_c / self.c_dim + eps, fastmath=True)
-            rCq.store(((q * rstd_q).to(BFloat16).to(Float32) * rWq.load().to(Float32))
-                      .to(BFloat16))
-            rC.store(((c * rstd_c).to(BFloat16).to(Float32) * rWkv.load().to(Float32))
-                     .to(BFloat16))
-            store_vectors(rCq, row_vectors(mQ, row), tidx, T, self.nq)
-            store_vectors(rC, row_vectors(mKv, row), tidx, T, self.nc)
-
-    return MLALowRankNorm
-
-
-_cache = CompileCache(OP)
-
-
-def compiled(q_dim: int, c_dim: int, r_dim: int, cfg: Config, arch: str | None = None,
-             rows: int = 1):
-    pdl = pdl_enabled(rows)
-    return _cache.get((q_dim, c_dim, r_dim, cfg, arch, pdl),
-                      lambda: build(q_dim, c_dim, r_dim, cfg, arch, pdl=pdl))
-
-
 def prepare(q_dim: int, c_dim: int, r_dim: int, buckets=BUCKETS) -> None:
     """Compile the kernel of every batch bucket for these widths (call before graph capture)."""
     for b in buckets:
-        compiled(q_dim, c_dim, r_dim, config(q_dim, c_dim, r_dim, b), rows=b)
+        KERNEL.compiled(q_dim, c_dim, r_dim, config(q_dim, c_dim, r_dim, b), rows=b)
 
 
 def build(q_dim, c_dim, r_dim, cfg, arch=None, dump_dir=None, pdl=False):
@@ -170,30 +83,42 @@ def build(q_dim, c_dim, r_dim, cfg, arch=None, dump_dir=None, pdl=False):
     import cutlass
     from cutlass import cute
 
+    from .device.mla_lowrank_norm import MLALowRankNorm
+
     bf16, n = cutlass.BFloat16, cute.sym_int()
     return compile_kernel(
-        _kernel_class()(q_dim, c_dim, r_dim, cfg, pdl), fake_rows(bf16, n, q_dim),
+        MLALowRankNorm(q_dim, c_dim, r_dim, cfg, pdl), fake_rows(bf16, n, q_dim),
         fake_rows(bf16, n, c_dim + r_dim), fake_vector(bf16, q_dim), fake_vector(bf16, c_dim),
         fake_rows(bf16, n, q_dim, q_dim), fake_rows(bf16, n, c_dim, c_dim),
         fake_rows(bf16, n, r_dim, r_dim) if r_dim else None, cutlass.Float32(1e-6),
         fake_stream(), arch=arch, dump_dir=dump_dir)
 
 
+KERNEL = Kernel(OP, build)
+
+
 def mla_lowrank_norm_cuda(cq, ckv, q_weight, kv_weight, eps, *, out=None):
     """CUDA implementation of k3::mla_lowrank_norm: the kernel, or the reference if refused."""
     c_dim = kv_weight.shape[0]
-    if refused(OP, lambda: refusal(cq, ckv, q_weight, kv_weight), cq, ckv, q_weight, kv_weight):
+
+    def reference():
         return (rms_norm_ref(cq, q_weight, eps), rms_norm_ref(ckv[..., :c_dim], kv_weight, eps),
                 ckv[..., c_dim:].clone())
-    (n, q_dim), r_dim = cq.shape, ckv.shape[1] - c_dim
-    q, kv, pe = out if out is not None else (
-        cq.new_empty((n, q_dim)), cq.new_empty((n, c_dim)), cq.new_empty((n, r_dim)))
-    if n:
-        b = bucket(n)
-        compiled(q_dim, c_dim, r_dim, config(q_dim, c_dim, r_dim, b), rows=b)(
-            cq, ckv, q_weight, kv_weight, q, kv, pe if r_dim else None, float(eps))
-    return q, kv, pe
+
+    def launch():
+        (n, q_dim), r_dim = cq.shape, ckv.shape[1] - c_dim
+        q, kv, pe = out if out is not None else (
+            cq.new_empty((n, q_dim)), cq.new_empty((n, c_dim)), cq.new_empty((n, r_dim)))
+        if n:
+            b = bucket(n)
+            KERNEL.compiled(q_dim, c_dim, r_dim, config(q_dim, c_dim, r_dim, b), rows=b)(
+                cq, ckv, q_weight, kv_weight, q, kv, pe if r_dim else None, float(eps))
+        return q, kv, pe
+
+    return KERNEL.run(lambda: refusal(cq, ckv, q_weight, kv_weight), reference, launch,
+                      cq, ckv, q_weight, kv_weight)
 
 
 def register() -> None:
+    registry.register_kernel(OP, refusal=flat_refusal(refusal))
     torch.library.register_kernel(f"k3::{OP}", "cuda", flat_rows(mla_lowrank_norm_cuda))

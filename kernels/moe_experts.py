@@ -1,86 +1,10 @@
 """CuTe DSL kernels for `k3::moe_experts`: the routed MXFP4 experts, read packed (W4A16).
 
-    u[n] = bf16(Σ_j w[n,j] · bf16(SiTU(bf16(z[n]·W1[e]ᵀ), bf16(z[n]·W3[e]ᵀ)) · W2[e]ᵀ)),
-    e = ids[n, j], W = e2m1 · 2^(scale − 127) decoded in registers, fp32 products and sums
+    u[n] = bf16(Σ_j w[n,j]·bf16(SiTU(bf16(z[n]·W1[e]ᵀ), bf16(z[n]·W3[e]ᵀ))·W2[e]ᵀ)), e = ids[n,j]
 
-Torch dequantises every selected expert to bf16 in memory before its GEMMs (48 µs per layer at
-one row on an H200 TP16 rank, 2950 µs at 64). Here each (token, expert) pair streams the packed
-bytes once and decodes them in registers; no bf16 weight is written. Two launches:
-
-  1. FC1 + SiTU, grid (N·k pairs, I / rows): a CTA takes one pair and `rows` rows of W1 and W3,
-     rows_per_warp of each per warp; lane l reads 16-byte vectors l, l + 32, ... of a row (one
-     vector = 32 inputs = one E8M0 scale, a byte load beside it), every load issued before any
-     math. z[n] is staged per CTA in shared memory as fp32 (16-byte chunks XOR-swizzled so the
-     lanes read their groups without bank conflicts). Warp butterfly sums (identical in every
-     lane); lane r rounds hg, hu to bf16 as the reference's einsums do and writes bf16(SiTU)
-     to the act scratch [N·k, I]. Registers and shared memory do not depend on I (I = 3072:
-     384 CTAs per pair).
-  2. FC2 + finalize, grid (N, L / R): thread (l, j) dots act[n, j] with row l of W2[ids[n, j]]
-     (up to I = 512 its I/32 vectors and scales loaded first; above, chunks of 12 vectors in two
-     register buffers that take turns, chunk c + 1 loaded before the math of chunk c, in a
-     rolled loop so the compiler cannot hoist every load: ~105-115 registers at I 768-3072
-     against 136 at I = 512), one fp32 sum over the I/32 partials in order whatever the
-     chunks, rounds to bf16 as the reference does, times w[n, j]; each l's k terms are summed
-     in shared memory in order j = 0..k-1, rounded once. act[n] is staged in shared memory as
-     fp32, k·(I + 4)·4 bytes (197 KB at k = 16, I = 3072: one CTA per SM there).
-     Launched with PDL: its weight loads overlap FC1's tail (FC1 signals once its loads are
-     issued) and `griddepcontrol.wait` precedes the act reads. FC1 itself is launched with PDL
-     after the route kernel when `common.dsl.PDL` is on; it waits first (its ids pick the
-     weights), so that hides only the launch.
-FC1 with `FC1Config.cp_async` (off by default; `benchmarks/moe_experts.py --sweep` times it):
-the same math in the same order, the weights streamed to shared memory. The plain FC1 at one
-token is two phases: its 384 CTAs (~3 per SM, one wave) issue every load, then decode; in its
-sm_90a SASS ptxas puts all 14 weight vectors of a lane on one scoreboard, and z, whose staging
-and CTA barrier precede the math, is loaded after them: no math before a warp's last vector
-lands, so the ~2.8 µs of FC1 bytes (11.7 MB) and the ~2.6 µs of decode issue add up. With
-cp.async each lane step (the RW x 2 vectors lane + 32s, then the split step) is one commit
-group into the lane's own slots (16 B x 32 lanes per slot: conflict-free reads), z and the
-scale bytes are loaded before them (a warp barrier keeps ptxas from sinking them below the
-copies), and step s starts after `cp.async.wait_group(S - 1 - s)` (`DEPBAR.LE SB0, S - 1 - s`)
-with later steps in flight. Every CTA issues step 0 first, so the memory system returns all
-steps 0 in the first ~1/S of the stream while steps 1.. are in flight: model ≈ ids + latency +
-2.8 µs + the last step's decode (~0.4 µs) instead of + 2.6 µs. Why not the alternatives: a
-rolled loop of two register buffers (FC2's) serialises a memory latency per pair of steps, and
-a lane has only 4 steps at L 3584; loads to registers in step order gave the same one-scoreboard
-SASS; smaller CTAs change neither the one wave nor the late z (and load z once more per CTA).
-Costs: 16 KB of shared memory per warp of 2 rows at L 3584 (47 KB per CTA of 4 warps, 4 CTAs
-per SM), one LDS.128 per 32 inputs; registers fall from 128 to 72 (sm_90a, 4 warps x 2 rows).
-No atomics, no split-K: deterministic. Pairs are the fastest grid dimension, so pairs sharing
-an expert read the same rows at about the same time (the second from L2).
-FC1 grouped by expert, `FC1Config.run` = 2 or 4 (off by default; the sweep times it at 16-64
-rows): pairs that share an expert read and decode its rows once. `expert_runs` (a few torch ops
-on the GPU: a stable sort of the N·k expert ids and two searchsorted, no host sync, capturable)
-gives CTA p of the same grid (N·k x I/rows) the count of pairs it takes from sorted position p
-on: up to `run` at every run-th position of an expert's run, else 0 and it exits before any
-load. One pair: the plain kernel's z staging and math. 2, or 3-4 pairs (run 4): a tile of T = 2
-or 4 whose z is staged as fp32 with the T values of an input side by side (input i of group c at
-slot 32c + (i ^ (c % (32/T))): one conflict-free LDS.64 / LDS.128 per input, the staging's
-stores conflict-free too); each nibble pair is decoded once and FMA'd into T partials in
-decode_dot's order, so every act row is bit for bit the plain kernel's. At 64 rows of a TP16
-rank (uniform routing) the 1024 pairs fall in ~611 runs (~326 of one pair, ~189 of 2, ~96 of
-3+); with run 4, 617 CTAs per row block read W1/W3 (~450 MB instead of ~750) and the issue per
-input row falls from ~4.25 to ~3.25 + T per CTA (~70% of the plain kernel's in all). Costs:
-4·L·run bytes of shared memory (57 KB at L 3584, run 4: 3 CTAs per SM), 173 registers at 4 warps
-x 2 rows with run 4 (2 CTAs per SM), 127 with run 2, ~100 with 1 row per warp (sm_90a).
-
-Decode (`decode_dot`; tests/kernels/test_moe_experts.py models it in torch): a 32-bit word holds
-inputs 0..7, one nibble each from the low end; t = word << (12 − 4i) puts inputs i and i + 4 atop
-its halves, and (t & 0x80008000) | ((t >> 6) & 0x01C001C0) is that pair in bf16 times 2^-126
-(the E2M1 exponent in bf16's low exponent bits, its 0.5 a bf16 subnormal), widened to fp32 by a
-shift and a mask. z is staged times 2^Z_SHIFT so products stay normal (the FMAs keep subnormal
-inputs: no .ftz), and each 32-input partial is scaled by 2^(s − 127 + 126 − Z_SHIFT), made from
-the scale byte's bits. sm_90a build: ~2 ALU ops (LOP3, SHF) and ~1 IMAD per input besides its
-FFMA, against ~36 inputs per clock per SM of HBM bandwidth: decode, not memory, may bound it.
-
-Compiled per batch bucket (1, 2, 4, ..., 64 rows; N <= bucket a runtime size): the bucket picks
-the configs; buckets with equal configs share a compile. Untuned, and the last lane step at
-L = 3584 (112 vectors per row) leaves half the lanes idle. Its GPU tests pass on the H200
-(2026-11-29); in `KERNELS` (`register()` makes `moe_experts_cuda` the op's CUDA path). Measured
-there (benchmarks/moe_experts.py, TP16 rank, CUDA-graph replay): 12.95 µs at 1 token (31% of
-copy bandwidth for its 17.6 MB), 58.4 at 8 (52%), 406.9 at 64 (38%); x6.7-x9.8 vs Inductor.
-I > 512 (FC2's chunks; TP4/TP2/TP1 ranks): its GPU tests at TP2 (I 1536) and TP4 (I 768) pass
-on the H200 x2 (2026-11-29; 74 of 75, the 64-row TP2 case ran the test's torch models out of
-memory: they now run in row chunks), and TP2 decode went 773 (Inductor) -> 332 µs per layer.
+W = e2m1 · 2^(scale − 127) decoded in registers, fp32 products and sums. Two launches: FC1 +
+SiTU, then FC2 + finalize (launched with PDL after FC1); `config` takes FC1 with cp.async at
+one row, to registers above. Design, decode and measurements: docs/kernels.md, moe_experts.
 
 Constraints:
     * z bf16 [N, L], last dim contiguous, row stride a multiple of 8, 16-byte aligned; ids
@@ -92,32 +16,28 @@ Constraints:
       (FC2's chunks: I/W at TP W = 16, 8, 4, 2, 1 is 192, 384, 768, 1536, 3072).
     * ids outside [0, E) are clamped (the reference raises); |z| < 2^32; scale bytes <= 224
       (2^97; 255 is E8M0's NaN); scale 0 (2^-127) is exact.
+    * The op's own constraints (k3compile.ops.moe `moe_experts_refusal`) are checked first;
+      `refusal` holds only these kernels' limits (registered in the op registry).
 """
 
-import functools
-import operator
 from dataclasses import dataclass
 
 import torch
 
+from k3compile.ops import registry
 from k3compile.ops.moe_experts import moe_experts_ref, moe_experts_refusal
 
 from .common.dsl import (
-    CompileCache,
     aligned16,
     bucket,
     compile_kernel,
     fake_rows,
     fake_stream,
-    fallback,
-    pdl_enabled,
-    pdl_wait,
     rows_ok,
-    runtime_refusal,
 )
+from .common.launch import Kernel
 
 OP = "moe_experts"
-OPS = ("moe_experts",)
 MAX_TOP_K = 16
 MAX_LATENT = 8192
 MAX_INTER = 3072  # TP1 (3072 / W per rank under TP W)
@@ -129,7 +49,6 @@ Z_SHIFT = 96  # activations are staged times 2^Z_SHIFT (see the docstring)
 SCALE_BIAS = 126 - Z_SHIFT  # fp32 exponent field of a group's factor = scale byte + SCALE_BIAS
 PAIR_SHIFT = (12, 8, 4, 0)  # word << PAIR_SHIFT[i] puts inputs i, i + 4 atop the two halves
 SIGN_MASK, MAG_MASK = 0x80008000, 0x01C001C0
-RUNS = (0, 2, 4)  # FC1Config.run: off, or the most pairs of one expert per CTA
 
 
 @dataclass(frozen=True)
@@ -139,9 +58,6 @@ class FC1Config:
     # weights by cp.async into shared memory, one group per lane step, the math of a step after
     # its group alone arrived (see the docstring); off: every load to registers, then the math
     cp_async: bool = False
-    # expert-grouped (0: off): a CTA takes up to `run` pairs (2 or 4) that share an expert,
-    # loads and decodes its rows once and multiplies them with each pair's z (`expert_runs`)
-    run: int = 0
 
     @property
     def threads(self) -> int:
@@ -182,37 +98,17 @@ def _lane_steps(latent: int) -> tuple[int, bool]:
 
 
 def fc1_smem(latent: int, cfg: FC1Config) -> int:
-    """FC1's shared memory per CTA: z as fp32 (of `run` tokens when grouped: 57 KB at L 3584
-    and 4), and with cp.async every lane's 16-byte vector of every lane step, row and matrix
+    """FC1's shared memory per CTA: z as fp32, and with cp.async every lane's 16-byte vector of
+    every lane step, row and matrix
     (47 KB at L 3584 with 4 warps of 2 rows)."""
     if not cfg.cp_async:
-        return 4 * latent * max(cfg.run, 1) + 64
+        return 4 * latent + 64
     m, split = _lane_steps(latent)
     return 4 * latent + 64 + 16 * 32 * 2 * cfg.rows_per_warp * (m + split) * cfg.warps
 
 
 def fc1_fits(latent: int, cfg: FC1Config) -> bool:
-    return (32 <= cfg.threads <= 1024 and fc1_smem(latent, cfg) <= SMEM_BYTES
-            and cfg.run in RUNS and not (cfg.run and cfg.cp_async))
-
-
-def expert_runs(ids: torch.Tensor, n_exp: int, cap: int) -> torch.Tensor:
-    """The grouped FC1's plan: int32 [3, N·k] over the pairs sorted by expert (stable, so pairs
-    of one expert keep their order): row 0 the expert (clamped to [0, E) as the kernels clamp),
-    row 1 the pair n·k + j, row 2 how many pairs from this sorted position on one CTA takes:
-    min(cap, pairs left in the run) at every cap-th position of a run, else 0 (the CTA exits).
-    Fixed shapes, no host sync, deterministic: capturable in a CUDA graph."""
-    flat = ids.reshape(-1).clamp(0, n_exp - 1).int()
-    experts, pairs = torch.sort(flat, stable=True)
-    pos = torch.arange(flat.numel(), device=ids.device, dtype=torch.int32)
-    first = torch.searchsorted(experts, experts, out_int32=True)  # the run's first position
-    end = torch.searchsorted(experts, experts, right=True, out_int32=True)  # one past its last
-    count = torch.where((pos - first) % cap == 0, (end - pos).clamp(max=cap), 0)
-    return torch.stack((experts, pairs.int(), count))
-
-
-def _log2(x: int) -> int:
-    return x.bit_length() - 1
+    return 32 <= cfg.threads <= 1024 and fc1_smem(latent, cfg) <= SMEM_BYTES
 
 
 def _lane_vectors(latent: int) -> int:
@@ -220,12 +116,10 @@ def _lane_vectors(latent: int) -> int:
 
 
 def refusal(z, ids, weights, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed,
-            w2_scale) -> str | None:
-    """Why the kernels cannot take these inputs, or None. Metadata only (fake tensors work);
-    data alignment is checked at launch."""
-    if why := moe_experts_refusal(z, ids, weights, w1_packed, w1_scale, w3_packed, w3_scale,
-                                  w2_packed, w2_scale):
-        return why
+            w2_scale, *_) -> str | None:
+    """Why the kernels cannot take operands that meet the op's constraints (k3compile.ops.moe
+    `moe_experts_refusal`, which the pattern checks first), or None: the kernels' own limits.
+    Metadata only (fake tensors work); data alignment is checked at launch."""
     n_exp, inter, latent = w1_packed.shape[0], w1_packed.shape[1], z.shape[-1]
     if not 32 <= latent <= MAX_LATENT or not 32 <= inter <= MAX_INTER:
         return f"latent {latent} / intermediate {inter} (want <= {MAX_LATENT} / {MAX_INTER})"
@@ -248,544 +142,9 @@ def refusal(z, ids, weights, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed
     return None
 
 
-def can_implement(z, ids, weights, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed,
-                  w2_scale) -> bool:
-    return refusal(z, ids, weights, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed,
-                   w2_scale) is None
-
-
-@functools.cache
-def _kernels():
-    import cutlass
-    from cutlass import BFloat16, Float32, Int32, Uint32, const_expr, cute
-    from cutlass.cute.nvgpu import cpasync
-
-    from .common.copy import load_vectors, make_frag, row_vectors
-
-    def decode_dot(words, z):
-        """Σ of 32 products: words (4,) Uint32 = one packed 16-byte vector, z (32,) fp32 in
-        input order (times 2^Z_SHIFT). The result is the partial times 2^(Z_SHIFT - 126)."""
-        p = Float32(0.0)
-        for w in range(4):
-            q = words[w]  # inputs 8w .. 8w + 7, one nibble each from the low end
-            for i in range(4):
-                t = q << PAIR_SHIFT[i] if PAIR_SHIFT[i] else q
-                bits = (t & Uint32(SIGN_MASK)) | ((t >> 6) & Uint32(MAG_MASK))
-                p = p + (bits << 16).bitcast(Float32) * z[8 * w + i]
-                p = p + (bits & Uint32(0xFFFF0000)).bitcast(Float32) * z[8 * w + i + 4]
-        return p
-
-    def tile_dot(sZ, c, words, rA, rB):
-        """decode_dot of each vector in `words` ((4,) Uint32 each) with the z of every pair of
-        a tile, sZ (T, 32·NV) (`FC1.stage_tile`), group c: each input pair decoded once, then
-        its products added to every pair's partial in decode_dot's order. -> [vector][pair]."""
-        T = cute.size(sZ, mode=[0])
-        x = c % (32 // T)
-        ps = [[Float32(0.0) for _ in range(T)] for _ in words]
-        for w in range(4):
-            for i in range(4):
-                cute.autovec_copy(sZ[None, 32 * c + ((8 * w + i) ^ x)], rA)
-                cute.autovec_copy(sZ[None, 32 * c + ((8 * w + i + 4) ^ x)], rB)
-                za, zb = rA.load(), rB.load()
-                for v, q in enumerate(words):
-                    t = q[w] << PAIR_SHIFT[i] if PAIR_SHIFT[i] else q[w]
-                    bits = (t & Uint32(SIGN_MASK)) | ((t >> 6) & Uint32(MAG_MASK))
-                    lo = (bits << 16).bitcast(Float32)
-                    hi = (bits & Uint32(0xFFFF0000)).bitcast(Float32)
-                    for n in range(T):
-                        ps[v][n] = ps[v][n] + lo * za[n]
-                        ps[v][n] = ps[v][n] + hi * zb[n]
-        return ps
-
-    def group_z(sZ, c, rZ):
-        """32-input group c of the staged z (chunk q at 8c + (q ^ (c & 7))) -> (32,) fp32."""
-        rZ4 = cute.zipped_divide(rZ, (4,))  # (4, 8)
-        for q in range(8):
-            cute.autovec_copy(sZ[None, 8 * c + (q ^ (c % 8))], rZ4[None, q])
-        return rZ.load()
-
-    def group_factor(scale):
-        """2^(scale − 127 + 126 − Z_SHIFT) from an E8M0 byte (as Uint32)."""
-        return ((scale + Uint32(SCALE_BIAS)) << Uint32(23)).bitcast(Float32)
-
-    class FC1:
-        def __init__(self, latent: int, inter: int, top_k: int, cfg: FC1Config,
-                     pdl: bool = False):
-            self.latent, self.inter, self.top_k, self.pdl = latent, inter, top_k, pdl
-            self.nv = latent // 32  # packed vectors (and scales) per weight row
-            # Lane steps over both matrices; with NV % 32 == 16 (L = 3584: 112 vectors) a last
-            # step gives lanes 0-15 the W1 tail and lanes 16-31 the W3 tail (no idle lanes).
-            self.m, self.split = _lane_steps(latent)
-            self.cfg, self.rw, self.warps, self.threads = cfg, cfg.rows_per_warp, cfg.warps, \
-                cfg.threads
-            self.rows = cfg.warps * cfg.rows_per_warp
-            self.cp_async, self.run = cfg.cp_async, cfg.run
-            self.steps = self.m + self.split  # cp.async groups per lane
-            if not fc1_fits(latent, cfg):
-                raise ValueError(f"{cfg} at L {latent}: {fc1_smem(latent, cfg)} B of shared memory")
-
-        @cute.jit
-        def stage_z(self, rZ8: cute.Tensor, sZ: cute.Tensor, tidx: Int32):
-            """rZ8 (8, ZV) bf16 z vectors of this thread -> sZ fp32 times 2^Z_SHIFT, chunk q of
-            group c at 8c + (q ^ (c & 7)); then the CTA barrier."""
-            rF = cute.make_rmem_tensor(cute.make_layout((8,)), Float32)
-            rF4 = cute.zipped_divide(rF, (4,))  # (4, 2)
-            for s in cutlass.range_constexpr(cute.size(rZ8, mode=[1])):
-                v = s * self.threads + tidx
-                if v < self.latent // 8:
-                    rF.store(rZ8[None, s].load().to(Float32) * Float32(2.0 ** Z_SHIFT))
-                    c, q = v // 4, 2 * (v % 4)
-                    cute.autovec_copy(rF4[None, 0], sZ[None, 8 * c + (q ^ (c % 8))])
-                    cute.autovec_copy(rF4[None, 1], sZ[None, 8 * c + ((q + 1) ^ (c % 8))])
-            cute.arch.barrier()
-
-        @cute.jit
-        def finish(self, acc, lane, pair, i0, mAct, beta, linear_beta):
-            """Warp sums of the RW (W1, W3) partials; lane r writes bf16(SiTU) of row i0 + r."""
-            for r in cutlass.range_constexpr(self.rw):
-                hg = cute.arch.warp_reduction(acc[r][0], operator.add)
-                hu = cute.arch.warp_reduction(acc[r][1], operator.add)
-                if (lane == r) & (i0 + r < self.inter):
-                    g = hg.to(BFloat16).to(Float32)  # the reference's einsums round to bf16
-                    u = hu.to(BFloat16).to(Float32)
-                    sig = 1.0 / (1.0 + cute.math.exp(-g, fastmath=True))
-                    gate = beta * cute.math.tanh(g / beta, fastmath=False) * sig
-                    lin = linear_beta * cute.math.tanh(u / linear_beta, fastmath=False)
-                    mAct[pair, i0 + r] = (gate * lin).to(BFloat16)
-
-        @cute.jit
-        def stage_tile(self, mZ: cute.Tensor, mPlan: cute.Tensor, p: Int32, count: Int32,
-                       sZ: cute.Tensor, tidx: Int32):
-            """z of the tile's T pairs (the last pair's again past `count`) -> sZ (T, 32·NV)
-            fp32 times 2^Z_SHIFT; then the CTA barrier. Thread u of a 32-thread block takes
-            vector 4(u % 8) + u // 8 of the block's 32 (inputs 8(v % 4) .. + 7 of group
-            c = v // 4) of every pair and stores its 8 slots of T values: the 8 (T = 4) or 16
-            (T = 2) threads of one shared-memory wavefront hit distinct banks."""
-            T, NV8 = cute.size(sZ, mode=[0]), self.latent // 8
-            rows = [Int32(mPlan[1, p + cutlass.min(t, count - 1)]) // self.top_k
-                    for t in range(T)]
-            rZ8 = make_frag(BFloat16, T)  # (8, T): one vector of each pair
-            rF = cute.make_rmem_tensor(cute.make_layout((T, 8)), Float32)  # (T, 8)
-            for s in cutlass.range_constexpr(-(-NV8 // self.threads)):
-                u = s * self.threads + tidx
-                v = u - u % 32 + 4 * (u % 8) + (u % 32) // 8
-                if v < NV8:
-                    for t in cutlass.range_constexpr(T):
-                        cute.autovec_copy(row_vectors(mZ, rows[t])[None, v], rZ8[None, t])
-                    for t in cutlass.range_constexpr(T):
-                        rF[t, None].store(rZ8[None, t].load().to(Float32)
-                                          * Float32(2.0 ** Z_SHIFT))
-                    c = v // 4
-                    for q in cutlass.range_constexpr(8):
-                        slot = 32 * c + ((8 * (v % 4) + q) ^ (c % (32 // T)))
-                        cute.autovec_copy(rF[None, q], sZ[None, slot])
-            cute.arch.barrier()
-
-        @cute.jit
-        def tile_dot_finish(self, w, sZ: cute.Tensor, mPlan: cute.Tensor, p: Int32,
-                            count: Int32, lane: Int32, i0: Int32, mAct: cute.Tensor,
-                            beta: Float32, linear_beta: Float32):
-            """`dot_finish` for the tile's pairs t < count: each weight vector decoded once, its
-            products with every pair's z summed per pair in decode_dot's order."""
-            rW, rS, rT, rST = w
-            T, NV, M, RW = cute.size(sZ, mode=[0]), self.nv, self.m, self.rw
-            acc = [[[Float32(0.0) for _ in range(T)] for _ in range(2)] for _ in range(RW)]
-            rA = cute.make_rmem_tensor(cute.make_layout((T,)), Float32)  # input a, T pairs
-            rB = cute.make_rmem_tensor(cute.make_layout((T,)), Float32)  # input a + 4
-            for mm in cutlass.range_constexpr(M):
-                c = lane + 32 * mm
-                if const_expr(32 * (mm + 1) > NV):
-                    c = cutlass.min(c, NV - 1)
-                words = [rW[r][mat][None, mm].load().bitcast(Uint32) for r in range(RW)
-                         for mat in range(2)]
-                ps = tile_dot(sZ, c, words, rA, rB)
-                for r in cutlass.range_constexpr(RW):
-                    for mat in cutlass.range_constexpr(2):
-                        f = group_factor(rS[r][mat][mm])
-                        for t in cutlass.range_constexpr(T):
-                            acc[r][mat][t] = acc[r][mat][t] + ps[2 * r + mat][t] * f
-            if const_expr(self.split):
-                words = [rT[r][None, 0].load().bitcast(Uint32) for r in range(RW)]
-                ps = tile_dot(sZ, 32 * M + lane % 16, words, rA, rB)
-                first = lane < 16
-                for r in cutlass.range_constexpr(RW):
-                    f = group_factor(rST[r])
-                    for t in cutlass.range_constexpr(T):
-                        x = ps[r][t] * f
-                        acc[r][0][t] = acc[r][0][t] + Float32(
-                            cutlass.select_(first, x, Float32(0.0)))
-                        acc[r][1][t] = acc[r][1][t] + Float32(
-                            cutlass.select_(first, Float32(0.0), x))
-            for t in cutlass.range_constexpr(T):
-                if t < count:
-                    self.finish([[acc[r][0][t], acc[r][1][t]] for r in range(RW)], lane,
-                                Int32(mPlan[1, p + t]), i0, mAct, beta, linear_beta)
-
-        @cute.jit
-        def __call__(self, mZ: cute.Tensor, mIdx: cute.Tensor, mW1: cute.Tensor,
-                     mS1: cute.Tensor, mW3: cute.Tensor, mS3: cute.Tensor, mAct: cute.Tensor,
-                     beta: Float32, linear_beta: Float32, stream):
-            # mZ: (N, L) bf16; mIdx: ids (N, k), or grouped the plan (3, N·k) int32 of
-            # `expert_runs`; mW1, mW3: (E·I, L/8) int32 words of packed nibbles; mS1, mS3:
-            # (E·I, L/32) uint8; mAct: (N·k, I) bf16
-            kernel = self.kernel_async if const_expr(self.cp_async) else self.kernel
-            if const_expr(self.run):
-                kernel = self.kernel_grouped
-            kernel(mZ, mIdx, mW1, mS1, mW3, mS3, mAct, beta, linear_beta).launch(
-                grid=[mZ.shape[0] * self.top_k, -(-self.inter // self.rows), 1],
-                block=[self.threads, 1, 1], smem=fc1_smem(self.latent, self.cfg), stream=stream,
-                use_pdl=self.pdl)
-
-        def weight_frags(self):
-            """Registers of a lane's weights: RW rows x (W1, W3) x M vectors (4, M) and their
-            scales (M,), the split step's vector (4, 1) per row and its scales (RW,)."""
-            M, RW = max(self.m, 1), self.rw
-            rW = [[make_frag(Int32, M) for _ in range(2)] for _ in range(RW)]
-            rS = [[cute.make_rmem_tensor(cute.make_layout((M,)), Uint32) for _ in range(2)]
-                  for _ in range(RW)]
-            rT = [make_frag(Int32, 1) for _ in range(RW)]
-            return rW, rS, rT, cute.make_rmem_tensor(cute.make_layout((RW,)), Uint32)
-
-        @cute.jit
-        def load_weights(self, w, mW1, mS1, mW3, mS3, e: Int32, i0: Int32, lane: Int32):
-            """Every weight load of a lane into `w` (`weight_frags`): RW rows x (W1, W3) x M
-            vectors and the scales (a lane's columns past NV load zeros, their scale column is
-            clamped), then the split step's vector and scale."""
-            rW, rS, rT, rST = w
-            I, NV, M = self.inter, self.nv, self.m
-            for r in cutlass.range_constexpr(self.rw):
-                row = e * I + cutlass.min(i0 + r, I - 1)
-                for mat, (mW, mS) in enumerate(((mW1, mS1), (mW3, mS3))):
-                    if const_expr(M):
-                        load_vectors(row_vectors(mW, row), rW[r][mat], lane, 32, min(NV, 32 * M))
-                    for mm in cutlass.range_constexpr(M):
-                        col = lane + 32 * mm
-                        if const_expr(32 * (mm + 1) > NV):
-                            col = cutlass.min(col, NV - 1)
-                        rS[r][mat][mm] = Uint32(mS[row, col])
-                if const_expr(self.split):
-                    col = 32 * M + lane % 16
-                    if lane < 16:
-                        cute.autovec_copy(row_vectors(mW1, row)[None, col], rT[r][None, 0])
-                    else:
-                        cute.autovec_copy(row_vectors(mW3, row)[None, col], rT[r][None, 0])
-                    rST[r] = Uint32(cutlass.select_(lane < 16, Uint32(mS1[row, col]),
-                                                    Uint32(mS3[row, col])))
-
-        @cute.jit
-        def dot_finish(self, w, sZ: cute.Tensor, lane: Int32, pair: Int32, i0: Int32,
-                       mAct: cute.Tensor, beta: Float32, linear_beta: Float32):
-            """One pair: the lane's dots of its weights `w` with the staged z (`stage_z`), per
-            row and matrix in order mm = 0 .. M - 1 then the split step; then `finish`."""
-            rW, rS, rT, rST = w
-            NV, M = self.nv, self.m
-            acc = [[Float32(0.0), Float32(0.0)] for _ in range(self.rw)]
-            rZ = cute.make_rmem_tensor(cute.make_layout((32,)), Float32)  # one 32-input group
-            for mm in cutlass.range_constexpr(M):
-                c = lane + 32 * mm
-                if const_expr(32 * (mm + 1) > NV):
-                    c = cutlass.min(c, NV - 1)  # zero weights there: any finite z will do
-                z = group_z(sZ, c, rZ)
-                for r in cutlass.range_constexpr(self.rw):
-                    for mat in cutlass.range_constexpr(2):
-                        words = rW[r][mat][None, mm].load().bitcast(Uint32)
-                        acc[r][mat] = acc[r][mat] + decode_dot(words, z) * group_factor(
-                            rS[r][mat][mm])
-            if const_expr(self.split):
-                z = group_z(sZ, 32 * M + lane % 16, rZ)
-                first = lane < 16
-                for r in cutlass.range_constexpr(self.rw):
-                    t = decode_dot(rT[r][None, 0].load().bitcast(Uint32), z) * group_factor(
-                        rST[r])
-                    acc[r][0] = acc[r][0] + Float32(cutlass.select_(first, t, Float32(0.0)))
-                    acc[r][1] = acc[r][1] + Float32(cutlass.select_(first, Float32(0.0), t))
-            self.finish(acc, lane, pair, i0, mAct, beta, linear_beta)
-
-        @cute.kernel
-        def kernel(self, mZ: cute.Tensor, mIds: cute.Tensor, mW1: cute.Tensor,
-                   mS1: cute.Tensor, mW3: cute.Tensor, mS3: cute.Tensor, mAct: cute.Tensor,
-                   beta: Float32, linear_beta: Float32):
-            # with PDL (common.dsl.PDL) no weight load can go first: the ids that pick the
-            # experts are the route kernel's output
-            pdl_wait(self.pdl)
-            tidx, _, _ = cute.arch.thread_idx()
-            pair, blk, _ = cute.arch.block_idx()
-            lane, warp = cute.arch.lane_idx(), cute.arch.warp_idx()
-            n, j = pair // self.top_k, pair % self.top_k
-            n_exp = mW1.shape[0] // self.inter
-            e = cutlass.max(cutlass.min(Int32(mIds[n, j]), n_exp - 1), 0)
-            i0 = blk * self.rows + warp * self.rw
-            smem = cutlass.memory.SmemAllocator()
-            sZ = smem.allocate_tensor(Float32, cute.make_layout((4, 8 * self.nv)), 16)  # chunks
-
-            w = self.weight_frags()  # every weight load first
-            self.load_weights(w, mW1, mS1, mW3, mS3, e, i0, lane)
-            # z[n] -> shared fp32 times 2^Z_SHIFT; chunk q of group c at 8c + (q ^ (c & 7)).
-            rZ8 = make_frag(BFloat16, -(-(self.latent // 8) // self.threads))  # (8, ZV)
-            load_vectors(row_vectors(mZ, n), rZ8, tidx, self.threads, self.latent // 8)
-            cute.arch.griddepcontrol_launch_dependents()
-            self.stage_z(rZ8, sZ, tidx)
-            self.dot_finish(w, sZ, lane, pair, i0, mAct, beta, linear_beta)
-
-        @cute.kernel
-        def kernel_grouped(self, mZ: cute.Tensor, mPlan: cute.Tensor, mW1: cute.Tensor,
-                           mS1: cute.Tensor, mW3: cute.Tensor, mS3: cute.Tensor,
-                           mAct: cute.Tensor, beta: Float32, linear_beta: Float32):
-            """CTA p takes the mPlan[2, p] pairs (0: none) from sorted position p on, all of
-            expert mPlan[0, p]: one weight load and, above one pair, one decode for all."""
-            pdl_wait(self.pdl)
-            tidx, _, _ = cute.arch.thread_idx()
-            p, blk, _ = cute.arch.block_idx()
-            lane, warp = cute.arch.lane_idx(), cute.arch.warp_idx()
-            smem = cutlass.memory.SmemAllocator()
-            # z of `run` pairs (fp32, 4·L·run bytes), viewed by the path the count takes
-            sBuf = smem.allocate_tensor(Float32, cute.make_layout((4, 8 * self.run * self.nv)),
-                                        16)
-            count = Int32(mPlan[2, p])
-            if count > 0:
-                n_exp = mW1.shape[0] // self.inter
-                e = cutlass.max(cutlass.min(Int32(mPlan[0, p]), n_exp - 1), 0)
-                i0 = blk * self.rows + warp * self.rw
-                w = self.weight_frags()
-                self.load_weights(w, mW1, mS1, mW3, mS3, e, i0, lane)
-                if count == 1:  # the plain kernel's z staging and math
-                    pair = Int32(mPlan[1, p])
-                    rZ8 = make_frag(BFloat16, -(-(self.latent // 8) // self.threads))  # (8, ZV)
-                    load_vectors(row_vectors(mZ, pair // self.top_k), rZ8, tidx, self.threads,
-                                 self.latent // 8)
-                    cute.arch.griddepcontrol_launch_dependents()
-                    sZ = cute.make_tensor(sBuf.iterator, cute.make_layout((4, 8 * self.nv)))
-                    self.stage_z(rZ8, sZ, tidx)
-                    self.dot_finish(w, sZ, lane, pair, i0, mAct, beta, linear_beta)
-                for t in cutlass.range_constexpr(1, _log2(self.run) + 1):
-                    T = 2 ** t  # counts T/2 + 1 .. T: a tile of T pairs
-                    if (count > T // 2) & (count <= T):
-                        sZ = cute.make_tensor(sBuf.iterator, cute.make_layout(
-                            (T, 32 * self.nv)))  # (T pairs, slots): input i of group c at
-                        # slot 32c + (i ^ (c % (32 / T))), the T pairs' values side by side
-                        cute.arch.griddepcontrol_launch_dependents()
-                        self.stage_tile(mZ, mPlan, p, count, sZ, tidx)
-                        self.tile_dot_finish(w, sZ, mPlan, p, count, lane, i0, mAct, beta,
-                                             linear_beta)
-
-        @cute.kernel
-        def kernel_async(self, mZ: cute.Tensor, mIds: cute.Tensor, mW1: cute.Tensor,
-                         mS1: cute.Tensor, mW3: cute.Tensor, mS3: cute.Tensor,
-                         mAct: cute.Tensor, beta: Float32, linear_beta: Float32):
-            """`kernel` with the weights streamed by cp.async: same math, same order."""
-            pdl_wait(self.pdl)
-            tidx, _, _ = cute.arch.thread_idx()
-            pair, blk, _ = cute.arch.block_idx()
-            lane, warp = cute.arch.lane_idx(), cute.arch.warp_idx()
-            I, NV, M, RW, S = self.inter, self.nv, self.m, self.rw, self.steps
-            n, j = pair // self.top_k, pair % self.top_k
-            # z first: it does not depend on the ids, and no math starts before it is staged
-            rZ8 = make_frag(BFloat16, -(-(self.latent // 8) // self.threads))  # (8, ZV)
-            load_vectors(row_vectors(mZ, n), rZ8, tidx, self.threads, self.latent // 8)
-            n_exp = mW1.shape[0] // I
-            e = cutlass.max(cutlass.min(Int32(mIds[n, j]), n_exp - 1), 0)
-            i0 = blk * self.rows + warp * RW
-            smem = cutlass.memory.SmemAllocator()
-            sZ = smem.allocate_tensor(Float32, cute.make_layout((4, 8 * NV)), 16)  # chunks
-            # slot (s·RW + r)·2 + mat of a lane: its vector of lane step s, row r, W1 or W3
-            sW = smem.allocate_tensor(Int32, cute.make_layout(
-                (4, 32, 2 * RW * S, self.warps), stride=(1, 4, 128, 256 * RW * S)), 16)
-            rows = [e * I + cutlass.min(i0 + r, I - 1) for r in range(RW)]
-
-            # The scales (byte loads) first, then one cp.async group per lane step s: the RW rows
-            # x (W1, W3) vectors lane + 32s (a lane's columns past NV are zeros in shared memory,
-            # their scale column clamped); the split step's vector in slot mat = 0.
-            rS = [[cute.make_rmem_tensor(cute.make_layout((max(M, 1),)), Uint32)
-                   for _ in range(2)] for _ in range(RW)]
-            rST = cute.make_rmem_tensor(cute.make_layout((RW,)), Uint32)
-            for r in cutlass.range_constexpr(RW):
-                for mat, mS in enumerate((mS1, mS3)):
-                    for mm in cutlass.range_constexpr(M):
-                        rS[r][mat][mm] = Uint32(mS[rows[r], cutlass.min(lane + 32 * mm, NV - 1)])
-                if const_expr(self.split):
-                    col = 32 * M + lane % 16
-                    rST[r] = Uint32(cutlass.select_(lane < 16, Uint32(mS1[rows[r], col]),
-                                                    Uint32(mS3[rows[r], col])))
-            # (ptxas would sink the z and scale loads below the copies: the warp barrier, a
-            # memory fence, keeps them first, so that waiting for them waits for no weight)
-            cute.arch.sync_warp()
-            atom = cute.make_copy_atom(cpasync.CopyG2SOp(cpasync.LoadCacheMode.GLOBAL), Int32,
-                                       num_bits_per_copy=128)
-            for mm in cutlass.range_constexpr(M):
-                col = lane + 32 * mm
-                for r in cutlass.range_constexpr(RW):
-                    for mat, mW in enumerate((mW1, mW3)):
-                        dst = sW[None, lane, (mm * RW + r) * 2 + mat, warp]
-                        src = row_vectors(mW, rows[r])[None, col]
-                        if const_expr(32 * (mm + 1) <= NV):
-                            cute.copy(atom, src, dst)
-                        else:
-                            if col < NV:
-                                cute.copy(atom, src, dst)
-                            else:
-                                dst.fill(0)
-                cute.arch.cp_async_commit_group()
-            if const_expr(self.split):
-                col = 32 * M + lane % 16
-                for r in cutlass.range_constexpr(RW):
-                    dst = sW[None, lane, (M * RW + r) * 2, warp]
-                    if lane < 16:
-                        cute.copy(atom, row_vectors(mW1, rows[r])[None, col], dst)
-                    else:
-                        cute.copy(atom, row_vectors(mW3, rows[r])[None, col], dst)
-                cute.arch.cp_async_commit_group()
-            cute.arch.griddepcontrol_launch_dependents()
-            self.stage_z(rZ8, sZ, tidx)
-
-            # Step s waits only for its own group (S - 1 - s groups may still be in flight).
-            acc = [[Float32(0.0), Float32(0.0)] for _ in range(RW)]
-            rZ = cute.make_rmem_tensor(cute.make_layout((32,)), Float32)  # one 32-input group
-            rW = [[make_frag(Int32, 1) for _ in range(2)] for _ in range(RW)]  # (4, 1)
-            for mm in cutlass.range_constexpr(M):
-                cute.arch.cp_async_wait_group(S - 1 - mm)
-                z = group_z(sZ, cutlass.min(lane + 32 * mm, NV - 1), rZ)
-                for r in cutlass.range_constexpr(RW):
-                    for mat in cutlass.range_constexpr(2):
-                        cute.autovec_copy(sW[None, lane, (mm * RW + r) * 2 + mat, warp],
-                                          rW[r][mat][None, 0])
-                        words = rW[r][mat][None, 0].load().bitcast(Uint32)
-                        acc[r][mat] = acc[r][mat] + decode_dot(words, z) * group_factor(
-                            rS[r][mat][mm])
-            if const_expr(self.split):
-                cute.arch.cp_async_wait_group(0)
-                z = group_z(sZ, 32 * M + lane % 16, rZ)
-                first = lane < 16
-                for r in cutlass.range_constexpr(RW):
-                    cute.autovec_copy(sW[None, lane, (M * RW + r) * 2, warp], rW[r][0][None, 0])
-                    t = decode_dot(rW[r][0][None, 0].load().bitcast(Uint32), z) * group_factor(
-                        rST[r])
-                    acc[r][0] = acc[r][0] + Float32(cutlass.select_(first, t, Float32(0.0)))
-                    acc[r][1] = acc[r][1] + Float32(cutlass.select_(first, Float32(0.0), t))
-            self.finish(acc, lane, pair, i0, mAct, beta, linear_beta)
-
-    class FC2:
-        def __init__(self, latent: int, inter: int, top_k: int, cfg: FC2Config):
-            self.latent, self.inter, self.top_k = latent, inter, top_k
-            self.nvi = inter // 32  # packed vectors (and scales) per W2 row
-            self.rows, self.threads = cfg.rows_per_cta, cfg.threads
-            self.pitch = inter + 4  # act row pitch in smem (fp32): rows j, j+1 on other banks
-            # W2 vectors (and scales) per chunk: the whole row for I <= 512, else two buffers of
-            # `chunk` that take turns (loads of one in flight during the math of the other)
-            self.chunk = _chunk_vectors(self.nvi)
-            self.n_chunks = self.nvi // self.chunk
-
-        def load_chunk(self, gW, mS2, row, rW, rS, first):
-            """W2 row vectors first .. first + chunk - 1 and their scales -> rW (4, chunk), rS
-            (chunk,); `first` may be a runtime value."""
-            for c in range(self.chunk):
-                cute.autovec_copy(gW[None, first + c], rW[None, c])
-            for c in range(self.chunk):
-                rS[c] = Uint32(mS2[row, first + c])
-
-        def chunk_dot(self, acc, sRow, rZ, rW, rS, first):
-            """acc + the chunk's 32-input partials times their factors, added in order c."""
-            rZ4 = cute.zipped_divide(rZ, (4,))  # (4, 8)
-            for c in range(self.chunk):
-                for q in range(8):
-                    cute.autovec_copy(sRow[None, 8 * (first + c) + q], rZ4[None, q])
-                words = rW[None, c].load().bitcast(Uint32)
-                acc = acc + decode_dot(words, rZ.load()) * group_factor(rS[c])
-            return acc
-
-        @cute.jit
-        def __call__(self, mActRows: cute.Tensor, mIds: cute.Tensor, mWt: cute.Tensor,
-                     mW2: cute.Tensor, mS2: cute.Tensor, mY: cute.Tensor, stream):
-            # mActRows: (N, k·I) bf16 (act, one row per token); mIds, mWt: (N, k);
-            # mW2: (E·L, I/8) int32 words; mS2: (E·L, I/32) uint8; mY: (N, L) bf16
-            smem = 4 * self.top_k * (self.pitch + self.rows) + 64
-            self.kernel(mActRows, mIds, mWt, mW2, mS2, mY).launch(
-                grid=[mY.shape[0], -(-self.latent // self.rows), 1],
-                block=[self.threads, 1, 1], smem=smem, stream=stream, use_pdl=True)
-
-        @cute.kernel
-        def kernel(self, mActRows: cute.Tensor, mIds: cute.Tensor, mWt: cute.Tensor,
-                   mW2: cute.Tensor, mS2: cute.Tensor, mY: cute.Tensor):
-            tidx, _, _ = cute.arch.thread_idx()
-            n, blk, _ = cute.arch.block_idx()
-            L, K, R, NVI = self.latent, self.top_k, self.rows, self.nvi
-            smem = cutlass.memory.SmemAllocator()
-            sAct = smem.allocate_tensor(Float32, cute.make_layout(
-                (K, self.pitch), stride=(self.pitch, 1)), 16)
-            sRed = smem.allocate_tensor(Float32, cute.make_layout((K, R), stride=(R, 1)), 16)
-
-            # Thread (l, j): row l of W2[ids[n, j]]; its first chunk (the whole row for I <= 512)
-            # loads before the wait. Threads past R·k (odd k) mirror the last one, write nothing.
-            t = cutlass.min(tidx, R * K - 1)
-            j, l = t // R, blk * R + t % R
-            n_exp = mW2.shape[0] // L
-            e = cutlass.max(cutlass.min(Int32(mIds[n, j]), n_exp - 1), 0)
-            row = e * L + cutlass.min(l, L - 1)
-            gW = row_vectors(mW2, row)  # (4, I/32)
-            C, NC = self.chunk, self.n_chunks
-            rW = [make_frag(Int32, C) for _ in range(min(NC, 2))]  # (4, C) each
-            rS = [cute.make_rmem_tensor(cute.make_layout((C,)), Uint32) for _ in range(min(NC, 2))]
-            self.load_chunk(gW, mS2, row, rW[0], rS[0], 0)
-            wt = mWt[n, j]
-
-            # act rows of token n (written by FC1) -> shared fp32 times 2^Z_SHIFT
-            cute.arch.griddepcontrol_wait()
-            per_row = self.inter // 8
-            AV = -(-(K * per_row) // self.threads)
-            rF = cute.make_rmem_tensor(cute.make_layout((8,)), Float32)
-            rF4 = cute.zipped_divide(rF, (4,))  # (4, 2)
-            for s0 in cutlass.range_constexpr(0, AV, STAGE_VECTORS):
-                rA8 = make_frag(BFloat16, min(AV - s0, STAGE_VECTORS))  # (8, <= STAGE_VECTORS)
-                load_vectors(row_vectors(mActRows, n), rA8, tidx, self.threads,
-                             K * per_row - s0 * self.threads, s0 * self.threads)
-                for s in cutlass.range_constexpr(s0, min(AV, s0 + STAGE_VECTORS)):
-                    v = s * self.threads + tidx
-                    if v < K * per_row:
-                        ja, q = v // per_row, v % per_row
-                        rF.store(rA8[None, s - s0].load().to(Float32) * Float32(2.0 ** Z_SHIFT))
-                        sRow = cute.zipped_divide(sAct[ja, None], (4,))  # (4, pitch/4)
-                        cute.autovec_copy(rF4[None, 0], sRow[None, 2 * q])
-                        cute.autovec_copy(rF4[None, 1], sRow[None, 2 * q + 1])
-            cute.arch.barrier()
-
-            acc = Float32(0.0)  # one fp32 sum over c = 0 .. I/32 - 1 in order, whatever the chunks
-            sRow = cute.zipped_divide(sAct[j, None], (4,))
-            rZ = cute.make_rmem_tensor(cute.make_layout((32,)), Float32)
-            if const_expr(NC > 1):
-                # chunks 2p, 2p + 1 in buffers 0, 1; a loop kept rolled, its count hidden from
-                # the compiler (mW2 has E·L >= 1 rows, so 1 - E·L <= 0), so that no later chunk's
-                # loads (registers) are hoisted above an earlier chunk's math
-                for p in cutlass.range(cutlass.max(Int32(NC // 2), 1 - mW2.shape[0]), unroll=1):
-                    first = 2 * C * p
-                    self.load_chunk(gW, mS2, row, rW[1], rS[1], first + C)
-                    acc = self.chunk_dot(acc, sRow, rZ, rW[0], rS[0], first)
-                    if first + 2 * C < NVI:
-                        self.load_chunk(gW, mS2, row, rW[0], rS[0], first + 2 * C)
-                    acc = self.chunk_dot(acc, sRow, rZ, rW[1], rS[1], first + C)
-            if const_expr(NC % 2):  # the last chunk in buffer 0 (the whole row for I <= 512)
-                acc = self.chunk_dot(acc, sRow, rZ, rW[0], rS[0], (NC - 1) * C)
-            y = acc.to(BFloat16).to(Float32)  # the reference's FC2 einsum rounds to bf16
-            if tidx < R * K:
-                sRed[j, t % R] = wt * y
-            cute.arch.barrier()
-            if (tidx < R) & (blk * R + tidx < L):
-                total = sRed[0, tidx]
-                for jj in cutlass.range_constexpr(1, K):
-                    total = total + sRed[jj, tidx]
-                mY[n, blk * R + tidx] = total.to(BFloat16)
-
-    return FC1, FC2
-
-
-_cache = CompileCache(OP)
-
-
-def compiled(stage: str, latent: int, inter: int, top_k: int, ids64: bool, cfg,
-             arch: str | None = None, rows: int = 1):
-    """The compiled kernel of one stage ("fc1" or "fc2") for these scalars and the PDL setting
-    now (FC1's launch; FC2 always follows FC1 with PDL) (cached)."""
-    pdl = stage == "fc1" and pdl_enabled(rows)
-    return _cache.get((stage, latent, inter, top_k, ids64, cfg, arch, pdl),
-                      lambda: build(stage, latent, inter, top_k, ids64, cfg, arch, pdl=pdl))
+def can_implement(*args) -> bool:
+    """Whether the kernels take this call's operands: the op's constraints and their limits."""
+    return moe_experts_refusal(*args) is None and refusal(*args) is None
 
 
 def prepare(latent: int, inter: int, top_k: int, buckets=(1, 2, 4, 8, 16, 32, 64),
@@ -793,8 +152,9 @@ def prepare(latent: int, inter: int, top_k: int, buckets=(1, 2, 4, 8, 16, 32, 64
     """Compile both stages for every batch bucket (call before graph capture)."""
     for b in buckets:
         for stage in ("fc1", "fc2"):
-            compiled(stage, latent, inter, top_k, ids_dtype == torch.int64,
-                     config(stage, latent, inter, top_k, b), rows=b)
+            KERNEL.compiled(stage, latent, inter, top_k, ids_dtype == torch.int64,
+                            config(stage, latent, inter, top_k, b), rows=b,
+                            pdl=None if stage == "fc1" else False)
 
 
 def build(stage, latent, inter, top_k, ids64, cfg, arch=None, dump_dir=None, pdl=False):
@@ -804,6 +164,8 @@ def build(stage, latent, inter, top_k, ids64, cfg, arch=None, dump_dir=None, pdl
     from cutlass import cute
     from cutlass.cute.runtime import make_fake_tensor
 
+    from .device.moe_experts import FC1, FC2
+
     bf16, i32, u8 = cutlass.BFloat16, cutlass.Int32, cutlass.Uint8
     n, pairs, rows = cute.sym_int(), cute.sym_int(), cute.sym_int()
 
@@ -812,11 +174,9 @@ def build(stage, latent, inter, top_k, ids64, cfg, arch=None, dump_dir=None, pdl
         return make_fake_tensor(dtype, (n_rows, width), stride=stride, assumed_align=align)
 
     ids = dense(cutlass.Int64 if ids64 else i32, n, top_k, 8 if ids64 else 4, cute.sym_int())
-    FC1, FC2 = _kernels()
-    if stage == "fc1":  # act as (N·k, I) rows; grouped, the plan (3, N·k) for the ids
+    if stage == "fc1":  # act as (N·k, I) rows
         w, s = dense(i32, rows, latent // 8, 16), dense(u8, rows, latent // 32, 1)
-        idx = dense(i32, 3, pairs, 4) if cfg.run else ids
-        return compile_kernel(FC1(latent, inter, top_k, cfg, pdl), fake_rows(bf16, n, latent), idx,
+        return compile_kernel(FC1(latent, inter, top_k, cfg, pdl), fake_rows(bf16, n, latent), ids,
                               w, s, w, s, dense(bf16, pairs, inter, 16), cutlass.Float32(4.0),
                               cutlass.Float32(25.0), fake_stream(), arch=arch, dump_dir=dump_dir)
     return compile_kernel(FC2(latent, inter, top_k, cfg), dense(bf16, n, top_k * inter, 16),
@@ -824,6 +184,9 @@ def build(stage, latent, inter, top_k, ids64, cfg, arch=None, dump_dir=None, pdl
                           dense(i32, rows, inter // 8, 16), dense(u8, rows, inter // 32, 1),
                           fake_rows(bf16, n, latent), fake_stream(), arch=arch,
                           dump_dir=dump_dir)
+
+
+KERNEL = Kernel(OP, build)
 
 
 def _words(packed: torch.Tensor) -> torch.Tensor:
@@ -836,32 +199,42 @@ def moe_experts_cuda(z, ids, weights, w1_packed, w1_scale, w3_packed, w3_scale, 
     """k3::moe_experts with the two kernels, or the reference (reason logged) when they refuse
     the inputs. `out` [N, L] bf16 (last dim contiguous) is written only when the kernels run."""
     args = (z, ids, weights, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale)
-    reason = (runtime_refusal() or refusal(*args)
-              or (None if all(t.is_cuda for t in args) else "not on a CUDA device")
-              or (None if aligned16(z, w1_packed, w3_packed, w2_packed) else
-                  "data not 16-byte aligned"))
-    if reason is None and out is not None and (
-            out.dtype != torch.bfloat16 or out.shape != z.shape or out.stride(-1) != 1
-            or out.stride(0) % 8 or not aligned16(out)):
-        reason = f"out: {out.dtype} {tuple(out.shape)} {out.stride()}"
-    if reason:
-        fallback(OP, reason)
-        return moe_experts_ref(*args, beta, linear_beta)
+
+    def call_refusal():
+        if reason := moe_experts_refusal(*args) or refusal(*args):
+            return reason
+        if not all(t.is_cuda for t in args):
+            return "not on a CUDA device"
+        if out is not None and (
+                out.dtype != torch.bfloat16 or out.shape != z.shape or out.stride(-1) != 1
+                or out.stride(0) % 8 or not aligned16(out)):
+            return f"out: {out.dtype} {tuple(out.shape)} {out.stride()}"
+        return None
+
+    return KERNEL.run(call_refusal, lambda: moe_experts_ref(*args, beta, linear_beta),
+                      lambda: _launch(args, beta, linear_beta, out),
+                      z, w1_packed, w3_packed, w2_packed)
+
+
+def _launch(args, beta, linear_beta, out):
+    z, ids, weights, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale = args
     (n, latent), top_k, inter = z.shape, ids.shape[-1], w1_packed.shape[1]
     y = z.new_empty((n, latent)) if out is None else out
     if n:
         b, ids64 = bucket(n), ids.dtype == torch.int64
         act = z.new_empty((n * top_k, inter))
         fc1 = config("fc1", latent, inter, top_k, b)
-        idx = expert_runs(ids, w1_packed.shape[0], fc1.run) if fc1.run else ids
-        compiled("fc1", latent, inter, top_k, ids64, fc1, rows=b)(
-            z, idx, _words(w1_packed), w1_scale.view(-1, latent // 32), _words(w3_packed),
+        KERNEL.compiled("fc1", latent, inter, top_k, ids64, fc1, rows=b)(
+            z, ids, _words(w1_packed), w1_scale.view(-1, latent // 32), _words(w3_packed),
             w3_scale.view(-1, latent // 32), act, float(beta), float(linear_beta))
-        compiled("fc2", latent, inter, top_k, ids64, config("fc2", latent, inter, top_k, b))(
+        # FC2 always follows FC1 with PDL (its own build has no switch)
+        KERNEL.compiled("fc2", latent, inter, top_k, ids64,
+                        config("fc2", latent, inter, top_k, b), pdl=False)(
             act.view(n, top_k * inter), ids, weights, _words(w2_packed),
             w2_scale.view(-1, inter // 32), y)
     return y
 
 
 def register() -> None:
-    torch.library.register_kernel("k3::moe_experts", "cuda", moe_experts_cuda)
+    registry.register_kernel(OP, refusal=refusal)
+    torch.library.register_kernel(f"k3::{OP}", "cuda", moe_experts_cuda)

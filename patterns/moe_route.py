@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from k3compile.ops import registry
 from k3compile.rewrite import Pattern, tensor_meta
 
 TOP_K, SCALING = 3, 1.7  # traced with these unique literals, captured as arguments
@@ -31,12 +32,12 @@ def replace(logits, bias, top_k, scaling):
     return weights, ids
 
 
-def _kernel_refusal(logits, bias, top_k):
-    try:
-        from k3compile.kernels.moe_route import refusal
-    except ImportError:  # no kernel module: only the reference's own limits apply
-        return None
-    return refusal(logits, bias, top_k)
+def kernel_refusal(match) -> str | None:
+    """The CUDA kernel's limits (experts a multiple of 4 up to its maximum, top_k), from the op
+    registry: on GPU graphs a site past them stays with Inductor."""
+    m = match.kwargs
+    return registry.kernel_refusal("moe_route", tensor_meta(m["logits"]), tensor_meta(m["bias"]),
+                                   m["top_k"])
 
 
 def check(match) -> str | None:
@@ -48,7 +49,7 @@ def check(match) -> str | None:
         return f"logits {getattr(logits, 'dtype', None)} are not fp32"
     if logits.dim() != 2 or tuple(bias.shape) != (logits.shape[-1],):
         return f"logits {tuple(logits.shape)} / bias {tuple(bias.shape)} (want [N, E] / [E])"
-    return _kernel_refusal(logits, bias, top_k)
+    return None
 
 
 def example_inputs():
@@ -58,7 +59,7 @@ def example_inputs():
 def patterns() -> list[Pattern]:
     return [Pattern(
         name="moe_route", search=search, replace=replace, example_inputs=example_inputs,
-        op="k3.moe_route", check=check, scalars={"top_k": TOP_K, "scaling": SCALING},
+        op="k3.moe_route", check=check, kernel_refusal=kernel_refusal, scalars={"top_k": TOP_K, "scaling": SCALING},
         # gather + sigmoid mark a router: a top-k spelled otherwise (a sort) is then a near miss
         # naming the node where the top-k was expected
         distinctive=("gather", "sigmoid"),

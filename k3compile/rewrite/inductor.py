@@ -95,13 +95,16 @@ _COMMUTATIVE = {torch.ops.aten.add.Tensor, torch.ops.aten.mul.Tensor}
 class _CommutativeCall(CallFunction):
     """A binary add/mul that also matches with its operands swapped (`h * w` and `w * h`, `a + b`
     and `b + a` are one op to the model's author, two graphs to a positional matcher). The
-    written order is tried first; a failed try leaves no trace in the match context."""
+    written order is tried first; a failed try leaves no trace in the match context. Where both
+    fail, the failure of the order that matched more of the pattern is reported (the near miss
+    names the condition that stopped the right order, not the wrong order's first operand)."""
 
     def _match(self, node, ctx):
         saved = dict(ctx.pattern_to_node), list(ctx.exclusive_node_set)
         first = super()._match(node, ctx)
         if is_match(first) or len(self.args) != 2:
             return first
+        first_depth = len(ctx.pattern_to_node)
         swapped = self.__dict__.get("_swapped")
         if swapped is None:
             swapped = self._swapped = CallFunction(self.fns, self.args[1], self.args[0],
@@ -111,8 +114,16 @@ class _CommutativeCall(CallFunction):
         second = CallFunction._match(swapped, node, ctx)
         if is_match(second):
             return second
+        second_depth = len(ctx.pattern_to_node)
         _restore(ctx, saved)
-        return first
+        return second if _progress(second, second_depth) > _progress(first, first_depth) else first
+
+
+def _progress(failure, depth: int) -> tuple[int, int]:
+    """How far a failed order got: pattern nodes bound, then a failure past the first operand
+    (e.g. multiple_users on an inner node) over a function_mismatch at it."""
+    head = str(getattr(failure, "format_string", ""))
+    return depth, 0 if head.startswith("function_mismatch") else 1
 
 
 def _restore(ctx, saved) -> None:

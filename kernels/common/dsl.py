@@ -5,11 +5,11 @@
   torch tensors directly and checks them against the compiled signature.
 * `bucket(n)`: the batch bucket (1, 2, 4, ..., 64) whose launch config a row count uses.
 * `CompileCache`: `cute.compile` is slow, uncached on disk and not thread-safe, so every kernel
-  keeps one in-process cache keyed by scalars (dtype, sizes, config); fill it before capture.
-* `fallback(op, reason)`: the one place that logs why a CUDA call went to the torch reference;
-  `refused(op, refusal, *tensors)` the check before a launch that the small kernels share.
-* `PDL` / `pdl_enabled()`, `pdl_launch_dependents(on)`, `pdl_wait(on)`: programmatic dependent
-  launch between our kernels (below).
+  keeps one in-process cache keyed by scalars (dtype, sizes, config), through `launch.Kernel`.
+* `fallback(op, reason)`: the one place that logs why a CUDA call went to the torch reference
+  (`launch.Kernel.run` calls it).
+* `pdl_enabled(rows)` (settings.KERNELS.pdl / .pdl_max_rows), `pdl_launch_dependents(on)`,
+  `pdl_wait(on)`: programmatic dependent launch between our kernels (below).
 * `flat_rows(fn)`, `on_stream(fn)`: what wraps a kernel function into an op's CUDA implementation
   (`register_kernel("k3::op", "cuda", on_stream(flat_rows(op_cuda)))`): [B, T, D] activations as
   rows, and the op's `stream` argument (k3compile.ops.sched).
@@ -24,8 +24,8 @@ from collections.abc import Callable, Hashable
 
 import torch
 
-from k3compile.settings import KERNELS
 from k3compile.ops.side_streams import on_stream  # noqa: F401  (re-exported: the kernels' wrappers)
+from k3compile.settings import KERNELS
 
 log = logging.getLogger("k3compile.kernels")
 
@@ -206,17 +206,6 @@ def aligned16(*tensors) -> bool:
     return all(t.data_ptr() % 16 == 0 for t in tensors)
 
 
-def refused(op: str, refusal: Callable[[], str | None], *tensors) -> bool:
-    """Whether a CUDA call of `op` runs the torch reference instead of its kernel (the reason
-    logged by `fallback`): no runtime, the kernel's `refusal()` (called only where the runtime
-    can launch), or the data of one of `tensors` not 16-byte aligned."""
-    reason = (runtime_refusal() or refusal()
-              or (None if aligned16(*tensors) else "data not 16-byte aligned"))
-    if reason:
-        fallback(op, reason)
-    return bool(reason)
-
-
 def rows_ok(t, dim: int, dtype) -> str | None:
     """Refusal reason for a row tensor the kernels read as [rows, dim] with a free row stride.
     Metadata only (fake tensors work); data alignment is checked at launch (`aligned16`)."""
@@ -260,17 +249,18 @@ def cubin_resources(cubin: bytes) -> dict[str, int]:
     return out
 
 
+def _flatten(t, lead: list):
+    if isinstance(t, torch.Tensor) and t.dim() > 2:
+        lead.append(t.shape[:-1])
+        return t.reshape(-1, t.shape[-1])
+    if isinstance(t, (list, tuple)):
+        return type(t)(_flatten(x, lead) for x in t)
+    return t
+
+
 def flat_rows(fn):
     """Kernels take rows [N, D]; the model hands activations as [B, T, D]. Flatten every tensor
     argument of rank > 2 to rows (a view) and give the outputs the callers' leading dims back."""
-
-    def flatten(t, lead):
-        if isinstance(t, torch.Tensor) and t.dim() > 2:
-            lead.append(t.shape[:-1])
-            return t.reshape(-1, t.shape[-1])
-        if isinstance(t, (list, tuple)):
-            return type(t)(flatten(x, lead) for x in t)
-        return t
 
     def unflatten(o, lead):
         if isinstance(o, torch.Tensor) and o.dim() == 2:
@@ -280,12 +270,23 @@ def flat_rows(fn):
     @functools.wraps(fn)
     def wrapper(*args):
         leads: list = []
-        out = fn(*(flatten(a, leads) for a in args))
+        out = fn(*(_flatten(a, leads) for a in args))
         if not leads:
             return out
         lead = leads[0]
         if isinstance(out, tuple):
             return tuple(unflatten(o, lead) for o in out)
         return unflatten(out, lead)
+
+    return wrapper
+
+
+def flat_refusal(refusal):
+    """A row kernel's refusal for its op's arguments (tensors or metas): [B, T, D] as the rows
+    `flat_rows` hands the kernel. For the op registry."""
+
+    @functools.wraps(refusal)
+    def wrapper(*args):
+        return refusal(*(_flatten(a, []) for a in args))
 
     return wrapper

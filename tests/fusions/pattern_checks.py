@@ -52,3 +52,14 @@ def assert_near_miss(report: RewriteReport, pattern_prefix: str, *words: str):
     for w in words:
         assert w.lower() in reasons.lower(), reasons
     return misses
+
+
+def with_kernel_limits(monkeypatch, op: str) -> None:
+    """Register `op`'s CUDA kernel limits in the op registry for one test, as `register_all`
+    does on a GPU machine (patterns read them there, never from a kernel module)."""
+    import importlib
+
+    from k3compile.ops import registry
+
+    kernel = importlib.import_module(f"k3compile.kernels.{op}")
+    monkeypatch.setitem(registry._entries, op, registry.KernelEntry(op, kernel.refusal))

@@ -9,7 +9,12 @@ import pytest
 import torch
 from k3compile.patterns import mla_uv_gate
 
-from .pattern_checks import assert_near_miss, assert_rewritten_equal, rewrite
+from .pattern_checks import (
+    assert_near_miss,
+    assert_rewritten_equal,
+    rewrite,
+    with_kernel_limits,
+)
 
 H, N, V, C, L = 4, 32, 32, 64, 24
 
@@ -75,8 +80,7 @@ def test_check_refuses_float64():
 def test_gpu_graphs_fuse_only_what_the_gate_variant_takes(monkeypatch, gate_on, batch, fused):
     """Where only sites with a CUDA kernel fuse (GPU graphs): one row with gemv's gate variant
     switched on (K3_GEMV_FUSED "gate"); otherwise Inductor keeps the site, with the reason."""
-    from k3compile.kernels import gemv
-
+    with_kernel_limits(monkeypatch, "mla_uv_gate")
     monkeypatch.setattr(settings.KERNELS, "gemv_fused", frozenset({"gate"} if gate_on else ()))
     args = _args(batch, 1)
     gm, report = rewrite(uv_gate, args, mla_uv_gate.patterns(), joint=True, kernels_only=True)

@@ -10,7 +10,12 @@ from k3compile.patterns import moe_experts
 from k3compile.math import e2m1_table, mxfp4_dequant, situ
 from k3compile.models import mxfp4
 
-from .pattern_checks import assert_near_miss, assert_rewritten_equal, rewrite
+from .pattern_checks import (
+    assert_near_miss,
+    assert_rewritten_equal,
+    rewrite,
+    with_kernel_limits,
+)
 
 
 def _inputs(rows, top_k=2, experts=6, inter=64, latent=96, dtype=torch.bfloat16):
@@ -68,9 +73,10 @@ def test_check_refuses_more_choices_than_experts():
     assert_near_miss(report, "moe_experts", "check refused", "top_k 8 > 6 experts")
 
 
-def test_site_the_kernel_refuses_stays_unfused_on_gpu_graphs():
+def test_site_the_kernel_refuses_stays_unfused_on_gpu_graphs(monkeypatch):
     """Where only sites with a CUDA kernel fuse (GPU graphs), top_k 17 (past the kernel's 16)
     stays for Inductor: deferred, with the kernel's reason; elsewhere it fuses (the reference)."""
+    with_kernel_limits(monkeypatch, "moe_experts")
     args = _inputs(3, top_k=17, experts=20)
     gm, report = rewrite(experts, args, moe_experts.patterns(), joint=True, kernels_only=True)
     assert not report.hits and "k3.moe_experts.default" not in [str(n.target) for n in gm.graph.nodes]

@@ -51,16 +51,18 @@ def test_algorithm_by_message_size(world, monkeypatch):
     """CPU: decode's small messages take one-shot, the largest NCCL; K3_ALLREDUCE forces one."""
     from k3compile.kernels.common import collective
 
-    monkeypatch.delenv("K3_ALLREDUCE", raising=False)
+    from k3compile import settings
+
+    monkeypatch.setattr(settings.KERNELS, "allreduce", None)
     row = HIDDEN * 2
     assert collective.algorithm(row, world) == "one_shot"
     assert collective.algorithm(64 << 20, world) == "nccl"
     assert collective.algorithm(collective.ONE_SHOT_MAX[world] + 1, world) != "one_shot"
-    monkeypatch.setenv("K3_ALLREDUCE", "two_shot")
+    monkeypatch.setattr(settings.KERNELS, "allreduce", "two_shot")
     assert collective.algorithm(row, world) == "two_shot"
     monkeypatch.setenv("K3_ALLREDUCE", "ring")
     with pytest.raises(ValueError, match="K3_ALLREDUCE"):
-        collective.algorithm(row, world)
+        settings.KernelSettings.from_env()
 
 
 def _gloo_worker(rank: int, port: int, out_dir: str):
@@ -73,7 +75,7 @@ def _gloo_worker(rank: int, port: int, out_dir: str):
     dist.init_process_group("gloo", rank=rank, world_size=WORLD,
                             timeout=datetime.timedelta(seconds=120))
     try:
-        from k3compile.kernels import composite
+        from k3compile.kernels import allreduce_attn_res_mix_norm as kernel
         from k3compile.kernels.common import collective
 
         import k3compile.ops  # noqa: F401
@@ -88,7 +90,7 @@ def _gloo_worker(rank: int, port: int, out_dir: str):
         summed = collective.all_reduce(parts[rank], group, WORLD)
         # the op's CUDA implementation, called on CPU tensors: the collective (NCCL path: funcol,
         # here over gloo) and the mix kernel's logged fallback, against the op's reference
-        got = composite.allreduce_attn_res_mix_norm_cuda(
+        got = kernel.allreduce_attn_res_mix_norm_cuda(
             parts[rank], prefix, blocks, wn, wp, wnorm, 1e-5, 1e-5, group)
         want = allreduce_attn_res_mix_norm(parts[rank], prefix, blocks, wn, wp, wnorm, 1e-5, 1e-5,
                                            group)

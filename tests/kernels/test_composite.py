@@ -5,17 +5,16 @@ routed-latent norm + up-projection (+ the shared experts' residual). With K3_GEM
 variants: equal to the switch-off composites within tolerance (moe_front bitwise), also captured
 in a CUDA graph with PDL on and off."""
 
-from k3compile import settings
 import pytest
 import torch
-from k3compile.kernels import gemv
-from k3compile.kernels.common import dsl
+from k3compile.kernels.common import gemv
 from kernel_checks import BUCKETS, TOL, assert_written, rel_err
 
+from k3compile import settings
 from k3compile.ops.attn_res_mix_norm import attn_res_mix_norm_ref
+from k3compile.ops.moe_front import moe_front_ref
 from k3compile.ops.norm_linear import norm_linear_ref
 from k3compile.ops.situ_gate_up import situ_gate_up_ref
-from k3compile.ops.moe_front import moe_front_ref
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("cuda_kernels")]
 
@@ -105,7 +104,7 @@ def test_linear_concat(gen, n):
 @pytest.mark.parametrize("n", BUCKETS)
 def test_linear(gen, n):
     """`k3.linear` (the plain GEMMs the patterns leave: shared-expert down, lm_head, ...) through
-    `gemv.linear`, against the fp32 reference GEMM, [N, K] and [B, T, K] rows."""
+    `router.linear`, against the fp32 reference GEMM, [N, K] and [B, T, K] rows."""
     x = _bf16(gen, n, LATENT)
     w = _bf16(gen, HIDDEN, LATENT, scale=LATENT ** -0.5)
     got = torch.ops.k3.linear(x, w)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from k3compile.kernels import gemm_tc as kernel
+from k3compile.kernels.common import gemm_tc as kernel
 from kernel_checks import (
     TOL,
     check_gemm,
@@ -118,29 +118,34 @@ def test_linear_tc(gen):
     x, w = make_inputs(gen, 8, 2112, 7168)
     torch.testing.assert_close(kernel.linear_tc(x, w).float(), model(x, w).float(), **TOL["bf16"])
     x65 = torch.randn(65, 7168, generator=gen, device="cuda").bfloat16()
-    assert torch.equal(kernel.linear_tc(x65, w), kernel.gemv_ref(x65, w))
+    assert torch.equal(kernel.linear_tc(x65, w), kernel.gemm_ref(x65, w))
 
 
 @on_gpu
-def test_registered_it_takes_the_composites_gemms(gen, monkeypatch):
-    """After `register()`, `gemv.linear` (every composite's GEMM) runs this kernel at 2..64 rows
-    where the tuned table has it faster than cuBLAS, cuBLAS where not, and still the CUDA-core
-    GEMV at one row."""
-    from k3compile.kernels import gemv
+def test_the_router_takes_it_above_one_row(gen, monkeypatch):
+    """`router.linear` (every fused op's GEMM) runs this kernel at 2..64 rows where the tuned
+    table has it faster than cuBLAS, cuBLAS where not or where K3_KERNELS_SKIP names gemm_tc,
+    and still the CUDA-core GEMV at one row."""
+    from k3compile.kernels.common import router
 
-    monkeypatch.setattr(gemv, "_tensor_core", None)
+    from k3compile import settings
+
+    monkeypatch.setattr(settings.KERNELS, "skip", ())
     calls = []
     real = kernel.gemm_tc_cuda
     monkeypatch.setattr(kernel, "gemm_tc_cuda", lambda *a, **kw: calls.append(a[0].shape[0])
                         or real(*a, **kw))
-    kernel.register()
     x, w = make_inputs(gen, 8, 3206, 7168)
-    torch.testing.assert_close(gemv.linear(x, w).float(), model(x, w).float(), **TOL["bf16"])
-    gemv.linear(x[:1], w)
+    torch.testing.assert_close(router.linear(x, w).float(), model(x, w).float(), **TOL["bf16"])
+    router.linear(x[:1], w)
     assert calls == [8]
     x, w = make_inputs(gen, 64, 7168, 3584)  # cuBLAS measured faster: the table says so
     assert not kernel.prefers(7168, 3584, 64)
-    assert torch.equal(gemv.linear(x, w), kernel.gemv_ref(x, w))
+    assert torch.equal(router.linear(x, w), kernel.gemm_ref(x, w))
+    assert calls == [8]
+    monkeypatch.setattr(settings.KERNELS, "skip", ("gemm_tc",))
+    x, w = make_inputs(gen, 8, 3206, 7168)
+    assert torch.equal(router.linear(x, w), kernel.gemm_ref(x, w))
     assert calls == [8]
 
 
@@ -160,8 +165,8 @@ def test_refused_inputs_fall_back_to_torch(gen, caplog, case):
     assert "gemm_tc" in caplog.text
     if case == "batch_65":
         assert "batch above 64: cuBLAS" in caplog.text
-    assert torch.equal(y, kernel.gemv_ref(x, w))
-    assert torch.equal(y_res, kernel.gemv_ref(x, w, r))
+    assert torch.equal(y, kernel.gemm_ref(x, w))
+    assert torch.equal(y_res, kernel.gemm_ref(x, w, r))
 
 
 def test_refusals_on_any_machine():
@@ -187,7 +192,7 @@ def test_refusals_on_any_machine():
 def test_linear_tc_on_cpu_is_the_reference():
     x, w = torch.randn(8, 256).bfloat16(), torch.randn(512, 256).bfloat16()
     r = torch.randn(8, 512).bfloat16()
-    assert torch.equal(kernel.linear_tc(x, w, r), kernel.gemv_ref(x, w, r))
+    assert torch.equal(kernel.linear_tc(x, w, r), kernel.gemm_ref(x, w, r))
     assert kernel.linear_tc(x, w, out_dtype=torch.float32).dtype == torch.float32
 
 

@@ -8,15 +8,15 @@ its normalised x) against each op's reference at the real TP16 shapes, refusals,
 compile key; on the GPU each variant against its op's reference and against the two launches it
 replaces, and the model against the kernel."""
 
-from k3compile import settings
 import logging
 import os
 
 import pytest
 import torch
 import torch.nn.functional as F
-from k3compile.kernels import gemv as kernel
 from k3compile.kernels.common import dsl
+from k3compile.kernels.common import gemv as kernel
+from k3compile.kernels.common.launch import Kernel
 from kernel_checks import (
     TOL,
     assert_written,
@@ -28,11 +28,12 @@ from kernel_checks import (
     rel_err,
 )
 
+from k3compile import settings
 from k3compile.math import situ as situ_ref
-from k3compile.ops.norm_linear import norm_linear_ref
-from k3compile.ops.situ_gate_up import situ_gate_up_ref
 from k3compile.ops.moe_front import moe_front_ref
+from k3compile.ops.norm_linear import norm_linear_ref
 from k3compile.ops.rms_norm import rms_norm_ref
+from k3compile.ops.situ_gate_up import situ_gate_up_ref
 
 # [N, K] of one TP16 rank: KDA in-proj, MLA q_a|kv_a, latent down, latent up, router, gates /
 # shared gate_up, o_proj, MLA q_b, shared down, KDA f_b
@@ -114,8 +115,8 @@ def test_refused_inputs_fall_back_to_torch(gen, caplog, case):
     assert "gemv" in caplog.text
     if case == "batch_17":
         assert "batch above 16: cuBLAS" in caplog.text
-    assert torch.equal(y, kernel.gemv_ref(x, w))
-    assert torch.equal(y_res, kernel.gemv_ref(x, w, r))
+    assert torch.equal(y, kernel.gemm_ref(x, w))
+    assert torch.equal(y_res, kernel.gemm_ref(x, w, r))
     tol = TOL["bf16"] if y.dtype == torch.bfloat16 else FP32_SUMS
     torch.testing.assert_close(y.float(), model(x, w, None, y.dtype).float(), **tol)
     torch.testing.assert_close(y_res.float(), model(x, w, r, y.dtype).float(), **tol)
@@ -314,15 +315,15 @@ def test_variant_configs():
 
 def test_fusion_is_in_the_compile_key(monkeypatch):
     builds = []
-    monkeypatch.setattr(kernel, "_cache", dsl.CompileCache(kernel.OP))
-    monkeypatch.setattr(kernel, "build", lambda *_, pdl=False, fusion=kernel.PLAIN, **__:
-                        builds.append((pdl, fusion)) or (pdl, fusion))
+    monkeypatch.setattr(kernel, "KERNEL", Kernel(kernel.OP, lambda *_, pdl, fusion, **__:
+                                                 builds.append((pdl, fusion)) or (pdl, fusion)))
     cfg = kernel.config(768, 7168, 1)
     fusions = [kernel.PLAIN, kernel.NORM, kernel.SITU, kernel.Fusion(split=256)]
     for pdl in (False, True, False):
         monkeypatch.setattr(settings.KERNELS, "pdl", pdl)
         for f in fusions:
-            assert kernel.compiled(768, 7168, 1, False, False, cfg, fusion=f) == (pdl, f)
+            assert kernel.KERNEL.compiled(768, 7168, 1, False, False, cfg,
+                                          fusion=f) == (pdl, f)
     assert builds == [(p, f) for p in (False, True) for f in fusions], "one build per key"
 
 
@@ -366,7 +367,7 @@ def test_norm_variant(gen, n, k, m, residual):
 def test_situ_variant(gen, width, k, m):
     """Against situ_gate_up_ref, and bitwise against the two launches it replaces (gemv, then
     the situ kernel): the same sums, rounded and activated alike."""
-    from k3compile.kernels import situ
+    from k3compile.kernels import situ_gate_up
 
     x, wg, wu = gate_up_inputs(gen, m, width, k)
     w = torch.cat([wg, wu])
@@ -375,7 +376,7 @@ def test_situ_variant(gen, width, k, m):
     assert_written(out)
     close_bf16(out, situ_gate_up_ref(x, wg, wu, BETA, LINEAR_BETA))
     gate_up = kernel.gemv_cuda(x, w, out=poisoned(m, 2 * width))
-    assert torch.equal(out, situ.situ_cuda(gate_up, BETA, LINEAR_BETA, out=poisoned(m, width)))
+    assert torch.equal(out, situ_gate_up.situ_cuda(gate_up, BETA, LINEAR_BETA, out=poisoned(m, width)))
 
 
 @on_gpu
@@ -416,10 +417,10 @@ def test_variants_fall_back_on_refused_inputs(gen, caplog):
         logits, z = kernel.gemv_split_cuda(u, w, 256)  # nothing past the split
     assert "gemv_norm" in caplog.text and "gemv_situ" in caplog.text
     assert "gemv_split" in caplog.text
-    assert torch.equal(y, kernel.gemv_ref(rms_norm_ref(u, g.float(), EPS), w, r, torch.bfloat16))
-    gate, up = kernel.gemv_ref(u.float(), w).split(128, dim=-1)
+    assert torch.equal(y, kernel.gemm_ref(rms_norm_ref(u, g.float(), EPS), w, r, torch.bfloat16))
+    gate, up = kernel.gemm_ref(u.float(), w).split(128, dim=-1)
     assert torch.equal(a, situ_ref(gate, up, BETA, LINEAR_BETA))
-    assert torch.equal(logits, kernel.gemv_ref(u, w, out_dtype=torch.float32))
+    assert torch.equal(logits, kernel.gemm_ref(u, w, out_dtype=torch.float32))
     assert z.shape == (2, 0)
 
 
@@ -457,7 +458,7 @@ def test_gate_refusals_and_configs():
 
 
 def test_gate_on_by_default_and_the_cpu_path_is_the_reference(cpu_gen, monkeypatch):
-    from k3compile.kernels import composite
+    from k3compile.kernels import mla_uv_gate
 
     from k3compile.ops.mla_uv_gate import mla_uv_gate_ref
 
@@ -466,23 +467,23 @@ def test_gate_on_by_default_and_the_cpu_path_is_the_reference(cpu_gen, monkeypat
     monkeypatch.setattr(settings.KERNELS, "gemv_fused", frozenset({"gate"}))
     o_lat, w_uv, g = uv_inputs(cpu_gen, 1, heads=2, v=16, c=32, device="cpu")
     want = mla_uv_gate_ref(o_lat, w_uv, g)
-    assert torch.equal(composite.mla_uv_gate_cuda(o_lat, w_uv, g), want)  # CPU: the reference
-    x, rows = o_lat.reshape(1, -1), composite.uv_rows(w_uv)
+    assert torch.equal(mla_uv_gate.mla_uv_gate_cuda(o_lat, w_uv, g), want)  # CPU: the reference
+    x, rows = o_lat.reshape(1, -1), mla_uv_gate.uv_rows(w_uv)
     got = kernel.gemv_gate_cuda(x, rows, g.reshape(1, -1), 16)  # refused off the GPU: torch
     assert torch.equal(got, want.reshape(1, -1))
 
 
 def test_uv_rows_view_or_cached_copy(cpu_gen):
-    from k3compile.kernels import composite
+    from k3compile.kernels import mla_uv_gate
 
     _, w_uv, _ = uv_inputs(cpu_gen, 1, heads=2, v=16, c=32, device="cpu")
-    rows = composite.uv_rows(w_uv)
+    rows = mla_uv_gate.uv_rows(w_uv)
     assert torch.equal(rows, w_uv.reshape(32, 32)) and rows.is_contiguous()
-    assert composite.uv_rows(w_uv) is rows, "one copy per weight"
+    assert mla_uv_gate.uv_rows(w_uv) is rows, "one copy per weight"
     even = torch.randn(2, 16, 32)
-    assert composite.uv_rows(even).data_ptr() == even.data_ptr(), "evenly spaced heads: a view"
+    assert mla_uv_gate.uv_rows(even).data_ptr() == even.data_ptr(), "evenly spaced heads: a view"
     w_uv._base.mul_(2)  # the weight changed: a new copy
-    assert torch.equal(composite.uv_rows(w_uv), w_uv.reshape(32, 32))
+    assert torch.equal(mla_uv_gate.uv_rows(w_uv), w_uv.reshape(32, 32))
 
 
 @on_gpu
@@ -490,14 +491,14 @@ def test_uv_rows_view_or_cached_copy(cpu_gen):
 def test_gate_variant(gen, m):
     """W_UV per head + sigmoid gate in one launch against mla_uv_gate_ref (the same roundings:
     within one bf16 rounding), through the op with the variant switched on."""
-    from k3compile.kernels import composite
+    from k3compile.kernels import mla_uv_gate
 
     from k3compile.ops.mla_uv_gate import mla_uv_gate_ref
 
     o_lat, w_uv, g = uv_inputs(gen, m)
     n = MLA_HEADS * MLA_V
     out = poisoned(m, n)
-    x, rows = o_lat.reshape(m, -1), composite.uv_rows(w_uv)
+    x, rows = o_lat.reshape(m, -1), mla_uv_gate.uv_rows(w_uv)
     assert kernel.gemv_gate_cuda(x, rows, g.reshape(m, n), MLA_V, out=out) is out, "fell back"
     assert_written(out)
     want = mla_uv_gate_ref(o_lat, w_uv, g).reshape(m, n)

@@ -18,8 +18,8 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from k3compile.kernels import gemv
 from k3compile.kernels import kda_decode as kernel
+from k3compile.kernels.common import gemv, router
 from kernel_checks import BUCKETS, TOL, assert_refused, assert_written, poisoned, rel_err, strided
 
 from k3compile.ops.kda_decode import kda_decode_ref
@@ -111,7 +111,7 @@ def check_step(inp, steps=1, gen=None, fb=False):
         if fb:  # the reference's graw from the same GEMM (tests/kernels/test_gemv.py checks it):
             # one bf16 rounding flip of graw moves α by up to ~8% where e^A·σ' is large
             rows = inp.fa.reshape(-1, K)
-            graw = gemv.linear(rows, inp.fb_weight)
+            graw = router.linear(rows, inp.fb_weight)
             torch.testing.assert_close(graw.float(), F.linear(rows, inp.fb_weight).float(),
                                        **TOL["bf16"])
             inp.graw = graw.view(inp.B, inp.T, -1)

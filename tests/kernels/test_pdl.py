@@ -12,21 +12,19 @@ same graph captured with PDL off gives bitwise the same outputs (the math does n
     of ours) on carried states.
 """
 
-from k3compile import settings
 import pytest
 import torch
 import torch.nn.functional as F
 from k3compile.kernels import (
     attn_res_mix_norm,
-    gemm_tc,
-    gemv,
     kda_decode,
     mla_lowrank_norm,
     moe_route,
     rms_norm,
-    situ,
+    situ_gate_up,
 )
-from k3compile.kernels.common import dsl
+from k3compile.kernels.common import dsl, gemm_tc, gemv
+from k3compile.kernels.common.launch import Kernel
 from kernel_checks import TOL, assert_written, poisoned, rel_err
 from test_attn_res_mix_norm import make_inputs as mix_inputs
 from test_attn_res_mix_norm import model as mix_model
@@ -39,6 +37,7 @@ from test_moe_route import by_id
 from test_moe_route import expected as route_expected
 from test_situ import model as situ_model
 
+from k3compile import settings
 from k3compile.ops.kda_decode import kda_decode_ref
 
 HIDDEN, SHARED, EPS, BETA, LINEAR_BETA = 7168, 384, 1e-5, 4.0, 25.0
@@ -47,12 +46,12 @@ Q, C, R = 1536, 512, 64  # MLA q_a | kv_a (+ k_pe) widths
 KDA_HEADS, KDA_K = 6, 128  # KDA heads per rank at TP16, head dim
 REPLAYS = 3
 
-# compiled(*scalars, cfg) of each kernel with PDL (any valid scalars: no compile happens)
+# KERNEL.compiled(*scalars, cfg) of each kernel with PDL (any valid scalars: no compile happens)
 COMPILE_ARGS = {
     gemv: (768, 7168, 1, False, False, gemv.config(768, 7168, 1)),
     gemm_tc: (768, 7168, False, False, gemm_tc.config(768, 7168, 8)),
     rms_norm: (3584, rms_norm.config(3584, 1)),
-    situ: (384, situ.config(384, 1)),
+    situ_gate_up: (384, situ_gate_up.config(384, 1)),
     attn_res_mix_norm: (7168, 8, True, attn_res_mix_norm.config(7168, 8, True, 1)),
     mla_lowrank_norm: (Q, C, R, mla_lowrank_norm.config(Q, C, R, 1)),
     moe_route: (EXPERTS, TOP_K, moe_route.config(EXPERTS, TOP_K, 1)),
@@ -63,12 +62,12 @@ COMPILE_ARGS = {
 @pytest.mark.parametrize("module", COMPILE_ARGS, ids=lambda m: m.__name__.rsplit(".")[-1])
 def test_pdl_is_in_the_compile_key(module, monkeypatch):
     builds = []
-    monkeypatch.setattr(module, "_cache", dsl.CompileCache(module.OP))
-    monkeypatch.setattr(module, "build", lambda *_, pdl=False, **__: builds.append(pdl) or pdl)
+    monkeypatch.setattr(module, "KERNEL",
+                        Kernel(module.OP, lambda *_, pdl=False, **__: builds.append(pdl) or pdl))
     got = []
     for flag in (False, True, False, True):
         monkeypatch.setattr(settings.KERNELS, "pdl", flag)
-        got.append(module.compiled(*COMPILE_ARGS[module]))
+        got.append(module.KERNEL.compiled(*COMPILE_ARGS[module]))
     assert builds == [False, True], "one build per setting, each cached"
     assert got == [False, True, False, True], "a call gets the build of the setting now"
 
@@ -83,12 +82,8 @@ def test_pdl_only_up_to_its_row_limit(monkeypatch):
     assert not dsl.pdl_enabled(1)
     monkeypatch.setattr(settings.KERNELS, "pdl", True)
     for module, args in COMPILE_ARGS.items():
-        monkeypatch.setattr(module, "_cache", dsl.CompileCache(module.OP))
-        monkeypatch.setattr(module, "build", lambda *_, pdl=False, **__: pdl)
-        if module is gemv:
-            small, big = (module.compiled(*args[:2], m, *args[3:]) for m in (1, 64))
-        else:
-            small, big = module.compiled(*args, rows=2), module.compiled(*args, rows=64)
+        monkeypatch.setattr(module, "KERNEL", Kernel(module.OP, lambda *_, pdl=False, **__: pdl))
+        small, big = (module.KERNEL.compiled(*args, rows=m) for m in (2, 64))
         assert (small, big) == (True, False), module.__name__
 
 
@@ -131,7 +126,7 @@ class SharedExpertChain:
         mix = self.mix
         assert rms_norm.rms_norm_cuda(self.x, self.norm_w, EPS, out=self.h) is self.h
         gemm(self.h, self.w_gu, out=self.gu)
-        assert situ.situ_cuda(self.gu, BETA, LINEAR_BETA, out=self.a) is self.a
+        assert situ_gate_up.situ_cuda(self.gu, BETA, LINEAR_BETA, out=self.a) is self.a
         gemm(self.a, self.w_down, self.x, out=self.d)
         got = attn_res_mix_norm.attn_res_mix_norm_cuda(
             mix["prefix"], self.d, mix["blocks"], mix["mix_norm_weight"], mix["mix_proj_weight"],

@@ -3,15 +3,15 @@ against the torch reference, at the TP16 shared-expert width for every bucket, p
 with K3_GEMV_FUSED on (`settings.KERNELS.gemv_fused`) the op at one row is gemv's SiTU-epilogue variant, equal to
 the two launches (tests/kernels/test_gemv.py tests the variant itself)."""
 
-from k3compile import settings
 import logging
 
 import pytest
 import torch
-from k3compile.kernels import gemv
-from k3compile.kernels import situ as kernel
+from k3compile.kernels import situ_gate_up as kernel
+from k3compile.kernels.common import gemv
 from kernel_checks import BUCKETS, TOL, assert_written, poisoned, rel_err
 
+from k3compile import settings
 from k3compile.math import situ as situ_ref
 from k3compile.ops.situ_gate_up import situ_gate_up_ref
 

@@ -102,9 +102,6 @@ def test_ranks_agree_or_fail_together(tmp_path, differ):
 
 def test_summary_holds_the_kernel_settings(monkeypatch):
     """The process's kernel switches are part of what ranks must agree on."""
-    from k3compile.kernels import gemv
-    from k3compile.kernels.common import dsl
-
     lines = summary(_graph(False), 4)
     assert any(line.startswith("gemm_tc_table ") and "None" not in line for line in lines)
     monkeypatch.setattr(settings.KERNELS, "pdl", not settings.KERNELS.pdl)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from k3compile import backend
+from k3compile import backend, settings
 from k3compile.tools.diff.analyze import analyze, capture
 from k3compile.tools.diff.report import DiffReport
 
@@ -121,7 +121,8 @@ def _compile(spec: Spec, group=None, world_size: int = 1) -> DiffReport:
 def _worker(rank: int, spec: Spec, port: int, out: str):
     import torch.distributed as dist
 
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    settings.set_torch_env("MASTER_ADDR", "127.0.0.1")
+    settings.set_torch_env("MASTER_PORT", str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=spec.world_size)
     try:

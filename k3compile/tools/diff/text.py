@@ -12,11 +12,11 @@ and the HTML report keeps every record.
 from __future__ import annotations
 
 import collections
-import os
 import sys
 from collections import Counter
 from typing import ClassVar
 
+from k3compile import settings
 from k3compile.tools.diff.layers import KERNEL_RULE, suffix
 from k3compile.tools.diff.report import (
     BucketReport,
@@ -53,7 +53,7 @@ def format_text(report: DiffReport, color: bool | None = None, max_diff_lines: i
     if near_misses not in NEAR_MISSES:
         raise ValueError(f"near_misses must be one of {NEAR_MISSES}, got {near_misses!r}")
     if color is None:
-        color = sys.stdout.isatty() and "NO_COLOR" not in os.environ
+        color = sys.stdout.isatty() and settings.color_wanted()
     s = Style(color)
     out = [s(f"k3compile diff: {report.source}", "bold") +
            f"  batch {','.join(map(str, report.batches))}, T={report.T}, "

@@ -1,0 +1,353 @@
+"""CuTe DSL weight-streaming skinny GEMM ("GEMV") for decode: y = x · Wᵀ [+ r] at M <= 16 rows.
+
+    y[m, n] = out(Σ_k x[m, k] · W[n, k] + r[m, n])      (fp32 products and sums, one rounding)
+
+CUDA cores only; compiled per batch bucket (1, 2, 4, 8, 16); the router (`router.linear`) takes
+it at M <= GEMV_MAX_M. One-launch variants (`Fusion`, compile-time, from a second entry
+`Gemv.fused` so the plain build is unchanged), taken by the fused ops where
+settings.KERNELS.gemv_fused names them:
+    norm  (norm_linear):   y = Σ_k W[n, k] · x̂[m, k] [+ r],  x̂ = bf16(g · bf16(x · rstd_m))
+    situ  (situ_gate_up):  W = [W_g; W_u]; y[m, n] = bf16(SiTU(bf16(g), bf16(u)))
+    split (moe_front):     W = [W_r; W_d]; rows < split to y (fp32), the others to y2 (bf16)
+    gate  (mla_uv_gate):   rows in groups of V reading x's columns [h·K, (h + 1)·K);
+                           y = bf16(bf16(Σ) · bf16(sigmoid(g[m, n])))
+Each row's sum is the plain kernel's bit for bit. Design and measurements: docs/kernels.md, gemv.
+
+Constraints:
+    * x bf16 [M, K], 1 <= M <= 16 (more rows go to cuBLAS), contiguous rows, row stride a
+      multiple of 8 elements, 16-byte-aligned data; W bf16 [N, K] likewise (any row stride that
+      keeps rows 16-byte aligned); K % 8 == 0, 8 <= K <= 65536; N >= 1 and N rows past a
+      multiple of R are predicated off.
+    * Output bf16 (default) or fp32 (router logits) [M, N], last dim contiguous; optional residual
+      r bf16 [M, N], last dim contiguous, added in fp32 before the rounding.
+    * Variants: K <= 16384 with norm or SiTU; norm weight bf16 [K] contiguous; SiTU: N even,
+      bf16 output [M, N / 2], no residual; split: 0 < split < N, no residual; gate: V | N,
+      x [M, (N / V)·K], g bf16 [M, N] with contiguous rows, bf16 output, no residual.
+    * With PDL (settings.KERNELS.pdl): W (and the norm weight) load before `griddepcontrol.wait`;
+      x, the residual and every store after it.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from k3compile.math import situ as situ_ref
+from k3compile.ops.mla_uv_gate import mla_uv_gate_ref
+from k3compile.ops.rms_norm import rms_norm_ref
+from k3compile.settings import KERNELS
+
+from .dsl import (
+    aligned16,
+    bucket,
+    compile_kernel,
+    fake_rows,
+    fake_stream,
+    fake_vector,
+    fallback,
+    runtime_refusal,
+)
+from .gemm import (  # noqa: F401  (launch_refusal: the fused ops check their weights with it)
+    GEMV_MAX_M,
+    MAX_K,
+    OUT_DTYPES,
+    gemm_ref,
+    gemm_refusal,
+    launch_refusal,
+    run_gemm,
+)
+from .launch import Kernel
+
+OP = "gemv"
+BUCKETS = (1, 2, 4, 8, 16)
+MAX_M = BUCKETS[-1]
+SMS = 132  # H200
+MAX_FUSED_K = 16384  # norm prologue, SiTU epilogue: <= 8 more vectors per thread in registers
+
+
+@dataclass(frozen=True)
+class Config:
+    rows_per_cta: int  # R: rows of W per CTA
+    threads: int  # T: 128 or 256
+
+
+@dataclass(frozen=True)
+class Fusion:
+    """What one launch does around the GEMM (compile-time; at most one of them)."""
+    norm: bool = False  # RMSNorm prologue on x, weight and eps as operands (norm_linear)
+    situ: bool = False  # SiTU-GLU epilogue on rows n and I + n of W = [W_g; W_u] (situ_gate_up)
+    split: int = 0  # rows < split to the first output, the others to a second, bf16 (moe_front)
+    gate: int = 0  # V: rows per x slice, times sigmoid(g) after rounding (mla_uv_gate)
+
+
+PLAIN, NORM, SITU = Fusion(), Fusion(norm=True), Fusion(situ=True)
+
+
+def config(n: int, k: int, m_bucket: int, fusion: Fusion = PLAIN) -> Config:
+    """T = 256 for K >= 4096 (fewer passes over a row), else 128. R must fit: at most 16 W
+    vectors in flight per thread and at most ~128 registers (two CTAs of 256 per SM; sm_90a
+    builds: 4 per W vector and ~3 per accumulator) with >= 4 CTAs per SM. M <= 2 takes the
+    smallest such R with >= 4 vectors in flight per thread (the most CTAs: x reuse does not
+    matter), larger M the largest (each x vector read from L1 serves R rows). Untuned:
+    `benchmarks/gemv.py --sweep` times every config. The SiTU epilogue needs an even R (a
+    CTA pairs gate and up rows); the norm prologue holds the norm weight's J vectors and an
+    rstd per row besides."""
+    threads = 256 if k >= 4096 else 128
+    j = _vec_per_thread(k, threads)
+    least = 2 if fusion.situ else 1
+    extra = 4 * j + m_bucket if fusion.norm else 0
+    fits = [r for r in (1, 2, 4, 8) if r % least == 0 and fusion.gate % r == 0 and (r == least or (
+        r * j <= 16 and 4 * r * j + 3 * r * m_bucket + extra <= 128 and -(-n // r) >= 4 * SMS))]
+    if m_bucket <= 2:
+        return Config(next((r for r in fits if r * j >= 4), fits[-1]), threads)
+    return Config(fits[-1], threads)
+
+
+def configs(n: int, k: int, m_bucket: int) -> list[Config]:
+    """Every config worth timing at these sizes (for sweeps): up to 16 W vectors per thread and
+    64 accumulators (beyond that, sm_90a builds spill)."""
+    return [Config(r, t) for t in (128, 256) for r in (1, 2, 4, 8)
+            if r * _vec_per_thread(k, t) <= 16 and r * m_bucket <= 64]
+
+
+def _vec_per_thread(k: int, threads: int) -> int:
+    return -(-(k // 8) // threads)
+
+
+def can_implement(x, w, residual=None, *, out_dtype=None) -> bool:
+    return refusal(x, w, residual, out_dtype=out_dtype) is None
+
+
+def refusal(x, w, residual=None, *, out_dtype=None) -> str | None:
+    """Why the kernel cannot take these inputs, or None. Metadata only (fake tensors work); data
+    alignment is checked at launch."""
+    return gemm_refusal(x, w, residual, out_dtype, max_m=MAX_M, min_k=8)
+
+
+def fused_refusal(fusion: Fusion, x, w, residual=None, *, norm_weight=None,
+                  out_dtype=None) -> str | None:
+    """Why the one-launch variant `fusion` cannot take these inputs, or None (metadata only)."""
+    if reason := refusal(x, w, residual, out_dtype=out_dtype):
+        return reason
+    k, n = x.shape[1], w.shape[0]
+    if (fusion.norm or fusion.situ) and k > MAX_FUSED_K:
+        return f"K {k} above {MAX_FUSED_K} with a norm prologue or a SiTU epilogue (registers)"
+    g = norm_weight
+    if fusion.norm and (g is None or g.dtype != torch.bfloat16 or tuple(g.shape) != (k,)
+                        or g.stride(0) != 1):
+        what = "none" if g is None else f"{g.dtype} {tuple(g.shape)} {g.stride()}"
+        return f"norm weight: {what} (want contiguous bf16 [{k}])"
+    if fusion.situ and (n % 2 or residual is not None
+                        or out_dtype not in (None, torch.bfloat16)):
+        return (f"SiTU epilogue: w [{n}, {k}], residual {residual is not None}, output "
+                f"{out_dtype} (want [W_g; W_u] with an even row count, no residual, bf16)")
+    if fusion.split and not 0 < fusion.split < n:
+        return f"split at row {fusion.split} of {n} (want 0 < split < N)"
+    if fusion.split and residual is not None:
+        return "no residual with a split output"
+    return None
+
+
+def gate_refusal(x, w, g, group: int) -> str | None:
+    """Why the gate variant cannot take x [M, (N/group)·K], w [N, K], g [M, N], or None
+    (metadata only)."""
+    if x.dim() != 2 or w.dim() != 2 or g.dim() != 2:
+        return f"x {tuple(x.shape)}, w {tuple(w.shape)}, g {tuple(g.shape)} (want 2-d)"
+    (m, kx), (n, k) = x.shape, w.shape
+    if group < 1 or n % group or kx != (n // group) * k:
+        return f"x [{m}, {kx}] / w [{n}, {k}] are not {n // max(group, 1)} slices of {group} rows"
+    if reason := refusal(x[:, :k], w):
+        return reason
+    if k > MAX_FUSED_K:
+        return f"K {k} above {MAX_FUSED_K} with the gate epilogue"
+    if g.dtype != torch.bfloat16 or tuple(g.shape) != (m, n) or g.stride(-1) != 1:
+        return f"gate: {g.dtype} {tuple(g.shape)} {g.stride()} (want bf16 [{m}, {n}], rows)"
+    return None
+
+
+def fused_launch_refusal(fusion: Fusion, x, w, residual=None, *, norm_weight=None,
+                         out_dtype=None, outs=()) -> str | None:
+    """Why the variant cannot run this call now (as `launch_refusal`); `outs`: (buffer or None,
+    its shape, its dtype) of each output."""
+    reason = (runtime_refusal() or fused_refusal(fusion, x, w, residual,
+                                                 norm_weight=norm_weight, out_dtype=out_dtype)
+              or (None if x.is_cuda and w.is_cuda else "not on a CUDA device")
+              or (None if aligned16(x, w, *([norm_weight] if fusion.norm else []))
+                  else "data not 16-byte aligned"))
+    for out, shape, dtype in outs:
+        if reason is None and out is not None and (
+                out.dtype != dtype or tuple(out.shape) != shape or out.stride(-1) != 1):
+            reason = f"out: {out.dtype} {tuple(out.shape)} {out.stride()}"
+    return reason
+
+
+def prepare(n: int, k: int, buckets=BUCKETS, *, out_dtype=torch.bfloat16,
+            residual: bool = False, fusion: Fusion = PLAIN) -> None:
+    """Compile the kernel of every batch bucket for this weight (call before graph capture)."""
+    for b in buckets:
+        KERNEL.compiled(n, k, b, out_dtype == torch.float32, residual, config(n, k, b, fusion),
+                        rows=b, fusion=fusion)
+
+
+def build(n, k, m_bucket, out_fp32, residual, cfg, arch=None, dump_dir=None, pdl=False,
+          fusion=PLAIN):
+    """Compile now, uncached (`dump_dir` keeps the cubin and PTX; `pdl`: with PDL; `fusion`:
+    the one-launch variant, compiled from its own entry so that the plain kernel stays as it
+    was)."""
+    import cutlass
+    from cutlass import cute
+    from cutlass.cute.runtime import make_fake_tensor
+
+    from ..device.gemv import Gemv
+
+    bf16, f32, m = cutlass.BFloat16, cutlass.Float32, cute.sym_int()
+
+    def out_rows(dtype, width=n):  # [M, width] rows with any row stride
+        return make_fake_tensor(dtype, (m, width), stride=(cute.sym_int64(), 1),
+                                assumed_align=dtype.width // 8)
+
+    gemv = Gemv(n, k, m_bucket, cfg, out_fp32, residual, pdl, fusion)
+    x, w = fake_rows(bf16, m, k), fake_rows(bf16, n, k)
+    r = out_rows(bf16) if residual else None
+    y = f32 if out_fp32 else bf16
+    if fusion == PLAIN:
+        return compile_kernel(gemv, x, w, r, out_rows(y), fake_stream(), arch=arch,
+                              dump_dir=dump_dir)
+    split, norm, situ, gate = fusion.split, fusion.norm, fusion.situ, fusion.gate
+    if gate:
+        x = fake_rows(bf16, m, k * (n // gate))
+    g = fake_vector(bf16, k) if norm else out_rows(bf16) if gate else None
+    return compile_kernel(
+        gemv.fused, x, w, r, out_rows(bf16 if situ else y, n // 2 if situ else split or n),
+        out_rows(bf16, n - split) if split else None, g,
+        f32(1e-5) if norm else None, f32(4.0) if situ else None, f32(25.0) if situ else None,
+        fake_stream(), arch=arch, dump_dir=dump_dir)
+
+
+# the compile cache and call skeleton; a build's key holds its fusion (`Gemv.fused` for variants)
+KERNEL = Kernel(OP, build)
+
+
+def gemv_cuda(x, w, residual=None, *, out=None, out_dtype=None, cfg: Config | None = None):
+    """y = x · wᵀ [+ residual] with the kernel, or with torch when it refuses the inputs (M > 16
+    included): `run_gemm`. `cfg` overrides `config()` (sweeps)."""
+    return run_gemm(KERNEL, refusal, lambda y, dtype: _launch(PLAIN, x, w, residual,
+                                                          dtype == torch.float32, y, cfg=cfg),
+                    x, w, residual, out, out_dtype)
+
+
+# ---- the one-launch variants of the composites ---------------------------------------------------
+
+# K3_GEMV_FUSED (settings.KERNELS.gemv_fused): which composites take their one-launch variant at
+# M <= GEMV_MAX_M. Measurements behind the default: docs/decisions.md.
+
+
+def fused_enabled(variant: str) -> bool:
+    """Whether the fused ops take this one-launch variant now (settings.KERNELS.gemv_fused, read
+    at every call)."""
+    return variant in KERNELS.gemv_fused
+
+
+def fused_takes(x, variant: str) -> bool:
+    """Whether a composite with rows x takes its one-launch variant: the switch names it and
+    `linear` would run this kernel at this M."""
+    return (fused_enabled(variant) and x.dim() == 2 and x.is_cuda
+            and x.shape[0] <= GEMV_MAX_M)
+
+
+def fused_ok(name: str, reason: str | None) -> bool:
+    """A composite's choice: True (one launch) where the variant takes the call; its refusal
+    is logged and the composite runs its two launches."""
+    if reason:
+        fallback(f"gemv_{name}", f"{reason}; two launches")
+    return reason is None
+
+
+def _launch(fusion, x, w, residual, out_fp32, *rest, cfg: Config | None = None):
+    m, (n, k) = x.shape[0], w.shape  # x [M, K], or [M, (N/V)·K] with a gate
+    if m:
+        b = bucket(m)
+        KERNEL.compiled(n, k, b, out_fp32, residual is not None, cfg or config(n, k, b, fusion),
+                        rows=b, fusion=fusion)(x, w, residual, *rest)
+
+
+def gemv_norm_cuda(x, norm_weight, w, eps, residual=None, *, out=None, out_dtype=None):
+    """y = RMSNorm(x; norm_weight, eps) · wᵀ [+ residual] (k3::norm_linear) in one launch:
+    x̂ = bf16(g · bf16(x · rstd)) as the rms_norm kernel and the reference round it, the GEMM
+    and the residual as `gemv_cuda`; torch (reason logged) when refused."""
+    if out_dtype is None:
+        out_dtype = out.dtype if out is not None else x.dtype
+    n = w.shape[0]
+
+    def launch():
+        y = x.new_empty((x.shape[0], n), dtype=out_dtype) if out is None else out
+        _launch(NORM, x, w, residual, out_dtype == torch.float32, y, None, norm_weight,
+                float(eps), None, None)
+        return y
+
+    return KERNEL.run(
+        lambda: fused_launch_refusal(NORM, x, w, residual, norm_weight=norm_weight,
+                                     out_dtype=out_dtype, outs=[(out, (len(x), n), out_dtype)]),
+        lambda: gemm_ref(rms_norm_ref(x, norm_weight, eps), w, residual, out_dtype), launch,
+        op="gemv_norm")
+
+
+def gemv_situ_cuda(x, w, beta, linear_beta, *, out=None):
+    """a = bf16(SiTU(bf16(x · W_gᵀ), bf16(x · W_uᵀ))) for w = [W_g; W_u] [2I, K]
+    (k3::situ_gate_up) in one launch: the GEMM output rounded as the two-launch path stores
+    it, then the situ kernel's math; torch (reason logged) when refused."""
+    width = w.shape[0] // 2
+
+    def reference():
+        gate, up = gemm_ref(x, w).split(width, dim=-1)
+        return situ_ref(gate, up, beta, linear_beta)
+
+    def launch():
+        y = x.new_empty((x.shape[0], width)) if out is None else out
+        _launch(SITU, x, w, None, False, y, None, None, None, float(beta), float(linear_beta))
+        return y
+
+    return KERNEL.run(
+        lambda: fused_launch_refusal(SITU, x, w, outs=[(out, (len(x), width), torch.bfloat16)]),
+        reference, launch, op="gemv_situ")
+
+
+def gemv_gate_cuda(x, w, g, group: int, *, out=None):
+    """y = bf16(bf16(x_h · wᵀ) · bf16(sigmoid(g))) with row n of w reading slice h = n // group
+    of x (x [M, (N/group)·K], w [N, K], g [M, N]) in one launch (k3::mla_uv_gate's W_UV and
+    gate); torch (reason logged) when refused."""
+    n, k = w.shape
+
+    def reference():
+        m, heads = len(x), n // group
+        return mla_uv_gate_ref(x.view(m, 1, heads, k), w.view(heads, group, k),
+                               g.view(m, 1, n)).view(m, n)
+
+    def launch():
+        y = x.new_empty((len(x), n)) if out is None else out
+        _launch(Fusion(gate=group), x, w, None, False, y, None, g, None, None, None)
+        return y
+
+    return KERNEL.run(
+        lambda: gate_refusal(x, w, g, group) or fused_launch_refusal(
+            PLAIN, x[:, :k], w, outs=[(out, (len(x), n), torch.bfloat16)]),
+        reference, launch, x, op="gemv_gate")
+
+
+def gemv_split_cuda(x, w, split, *, out=None, out2=None):
+    """(x · w[:split]ᵀ in fp32, x · w[split:]ᵀ in bf16) in one launch (k3::moe_front over the
+    cached [W_r; W_d]): the sums of two `gemv_cuda` calls, stored as each would; torch (reason
+    logged) when refused."""
+    fusion, m, n = Fusion(split=split), len(x), w.shape[0]
+
+    def launch():
+        y = x.new_empty((m, split), dtype=torch.float32) if out is None else out
+        y2 = x.new_empty((m, n - split)) if out2 is None else out2
+        _launch(fusion, x, w, None, True, y, y2, None, None, None, None)
+        return y, y2
+
+    return KERNEL.run(
+        lambda: fused_launch_refusal(fusion, x, w, out_dtype=torch.float32,
+                                     outs=[(out, (m, split), torch.float32),
+                                           (out2, (m, n - split), torch.bfloat16)]),
+        lambda: (gemm_ref(x, w[:split], out_dtype=torch.float32),
+                 gemm_ref(x, w[split:], out_dtype=torch.bfloat16)), launch, op="gemv_split")

@@ -1,0 +1,206 @@
+"""`GemmTC`, the CuTe DSL kernel of kernels/common/gemm_tc.py.
+
+Imports `cutlass` at the top: the host module imports this one only in `build`, so importing
+the host needs no DSL."""
+
+import cutlass
+import cutlass.utils.hopper_helpers as sm90
+from cutlass import AddressSpace, BFloat16, Float32, Int32, const_expr, cute, pipeline
+from cutlass._mlir.dialects import llvm, nvvm
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cutlass_dsl import dsl_user_op
+from cutlass.tensor_utils import LayoutEnum
+
+from ..common.dsl import pdl_launch_dependents, pdl_wait
+from ..common.gemm_tc import THREADS, TILE_K, Config, _partial_stride, _w_buffer_elems
+
+
+@dsl_user_op
+def load_from_peer(ptr: cute.Pointer, peer, *, loc=None, ip=None) -> Float32:
+    """ld.shared::cluster of one fp32 at the same smem address in cluster CTA `peer`."""
+    remote = nvvm.mapa(llvm.PointerType.get(AddressSpace.dsmem),
+                       ptr.to_llvm_ptr(loc=loc, ip=ip), Int32(peer).ir_value(loc=loc, ip=ip),
+                       loc=loc, ip=ip)
+    return Float32(llvm.load(Float32.mlir_type, remote, loc=loc, ip=ip))
+
+class GemmTC:
+    def __init__(self, n: int, k: int, cfg: Config, out_fp32: bool, has_residual: bool,
+                 pdl: bool = False):
+        self.n, self.k_tiles, self.pdl = n, -(-k // TILE_K), pdl
+        self.rows, self.tokens = cfg.tile_rows, cfg.tile_tokens
+        self.stages, self.splits = cfg.stages, cfg.splits
+        self.p_stride, self.w_elems = _partial_stride(cfg), _w_buffer_elems(cfg)
+        self.out_fp32, self.has_residual = out_fp32, has_residual
+
+    @cute.jit
+    def __call__(self, mX: cute.Tensor, mW: cute.Tensor, mR, mY: cute.Tensor, stream):
+        # mX: (M, K); mW: (N, K); mR, mY: (M, N)
+        k_major = LayoutEnum.ROW_MAJOR
+        tiled_mma = sm90.make_trivial_tiled_mma(
+            BFloat16, BFloat16, k_major.sm90_mma_major_mode(), k_major.sm90_mma_major_mode(),
+            Float32, (1, 1, 1), tiler_mn=(64, self.tokens))
+        tile_mnk = (self.rows, self.tokens, TILE_K)
+        sW_layout = sm90.make_smem_layout_a(k_major, tile_mnk, BFloat16, self.stages)
+        sX_layout = sm90.make_smem_layout_b(k_major, tile_mnk, BFloat16, self.stages)
+        tma_w, tW = cpasync.make_tiled_tma_atom(  # tW: (N, K) as TMA coordinates
+            cpasync.CopyBulkTensorTileG2SOp(), mW, cute.slice_(sW_layout, (None, None, 0)),
+            (self.rows, TILE_K))
+        tma_x, tX = cpasync.make_tiled_tma_atom(  # tX: (M, K)
+            cpasync.CopyBulkTensorTileG2SOp(), mX, cute.slice_(sX_layout, (None, None, 0)),
+            (self.tokens, TILE_K))
+
+        @cute.struct
+        class Storage:
+            bars: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
+            sW: cute.struct.Align[cute.struct.MemRange[BFloat16, self.w_elems], 1024]
+            sX: cute.struct.Align[
+                cute.struct.MemRange[BFloat16, self.stages * self.tokens * TILE_K], 1024]
+
+        self.storage = Storage
+        self.kernel(tma_w, tW, tma_x, tX, mR, mY, tiled_mma, sW_layout, sX_layout).launch(
+            grid=[-(-self.n // self.rows), self.splits, 1], block=[THREADS, 1, 1],
+            cluster=[1, self.splits, 1], stream=stream, use_pdl=self.pdl)
+
+    def load_slice(self, pipe, state, tma_w, tWgW, tWsW, tma_x, tXgX, tXsX, k_first):
+        """TMA of K slice k_first + state.count of W and x into stage state.index."""
+        self.load_w(pipe, state, tma_w, tWgW, tWsW, k_first)
+        self.load_x(pipe, state, tma_x, tXgX, tXsX, k_first)
+
+    def load_w(self, pipe, state, tma_w, tWgW, tWsW, k_first):
+        """Acquire stage state.index (its barrier now expects the W and x bytes) and start the
+        TMA of W's K slice k_first + state.count into it."""
+        pipe.producer_acquire(state)
+        cute.copy(tma_w, tWgW[None, k_first + state.count], tWsW[None, state.index],
+                  tma_bar_ptr=pipe.producer_get_barrier(state))
+
+    def load_x(self, pipe, state, tma_x, tXgX, tXsX, k_first):
+        """The TMA of x's K slice into the stage `load_w` acquired: it completes the stage."""
+        cute.copy(tma_x, tXgX[None, k_first + state.count], tXsX[None, state.index],
+                  tma_bar_ptr=pipe.producer_get_barrier(state))
+        pipe.producer_commit(state)
+
+    @cute.kernel
+    def kernel(self, tma_w: cute.CopyAtom, tW: cute.Tensor, tma_x: cute.CopyAtom,
+               tX: cute.Tensor, mR, mY: cute.Tensor, tiled_mma: cute.TiledMma,
+               sW_layout: cute.ComposedLayout, sX_layout: cute.ComposedLayout):
+        pdl_launch_dependents(self.pdl)
+        tidx, _, _ = cute.arch.thread_idx()
+        tile, split, _ = cute.arch.block_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp == 0:
+            cpasync.prefetch_descriptor(tma_w)
+            cpasync.prefetch_descriptor(tma_x)
+        storage = cutlass.utils.SmemAllocator().allocate(self.storage)
+        pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.bars.data_ptr(), num_stages=self.stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, THREADS // 32),
+            tx_count=(self.rows + self.tokens) * TILE_K * 2,
+            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)), defer_sync=True)
+        pipeline.pipeline_init_arrive()
+        pipeline.pipeline_init_wait()
+
+        sW = storage.sW.get_tensor(sW_layout.outer, swizzle=sW_layout.inner)  # (R, 64, st)
+        sX = storage.sX.get_tensor(sX_layout.outer, swizzle=sX_layout.inner)  # (T, 64, st)
+        gW = cute.local_tile(tW, (self.rows, TILE_K), (tile, None))  # (R, 64, k_tiles)
+        gX = cute.local_tile(tX, (self.tokens, TILE_K), (0, None))  # (T, 64, k_tiles)
+        tWsW, tWgW = cpasync.tma_partition(tma_w, 0, cute.make_layout(1),
+                                           cute.group_modes(sW, 0, 2),
+                                           cute.group_modes(gW, 0, 2))
+        tXsX, tXgX = cpasync.tma_partition(tma_x, 0, cute.make_layout(1),
+                                           cute.group_modes(sX, 0, 2),
+                                           cute.group_modes(gX, 0, 2))
+        thr_mma = tiled_mma.get_slice(tidx)
+        tCrW = tiled_mma.make_fragment_A(thr_mma.partition_A(sW))  # (MMA, MMA_M, 4, st)
+        tCrX = tiled_mma.make_fragment_B(thr_mma.partition_B(sX))  # (MMA, MMA_N, 4, st)
+        acc = cute.make_rmem_tensor(tiled_mma.partition_shape_C((self.rows, self.tokens)),
+                                    Float32)
+        acc.fill(0.0)
+
+        # This CTA's K slices: an even share (S <= k_tiles, so none is empty).
+        k_first = split * self.k_tiles // self.splits
+        k_count = (split + 1) * self.k_tiles // self.splits - k_first
+        loads = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        if const_expr(self.pdl):
+            # W (a weight) before the wait, x (the previous kernel's output) after it
+            if warp == 0:
+                for _ in cutlass.range(cutlass.min(self.stages, k_count), unroll=1):
+                    self.load_w(pipe, loads, tma_w, tWgW, tWsW, k_first)
+                    loads.advance()
+            pdl_wait(True)
+            if warp == 0:
+                xs = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
+                                                  self.stages)
+                for _ in cutlass.range(cutlass.min(self.stages, k_count), unroll=1):
+                    self.load_x(pipe, xs, tma_x, tXgX, tXsX, k_first)
+                    xs.advance()
+        else:
+            if warp == 0:
+                for _ in cutlass.range(cutlass.min(self.stages, k_count), unroll=1):
+                    self.load_slice(pipe, loads, tma_w, tWgW, tWsW, tma_x, tXgX, tXsX,
+                                    k_first)
+                    loads.advance()
+        reads = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+        for _ in cutlass.range(k_count, unroll=1):
+            pipe.consumer_wait(reads)
+            warpgroup.fence()
+            for kb in cutlass.range_constexpr(cute.size(tCrW, mode=[2])):
+                cute.gemm(tiled_mma, acc, tCrW[None, None, kb, reads.index],
+                          tCrX[None, None, kb, reads.index], acc)
+            warpgroup.commit_group()
+            # The MMAs are tiny next to a slice's load: finish them, so the stage refills now.
+            warpgroup.wait_group(0)
+            pipe.consumer_release(reads)
+            reads.advance()
+            if warp == 0 and loads.count < k_count:
+                self.load_slice(pipe, loads, tma_w, tWgW, tWsW, tma_x, tXgX, tXsX, k_first)
+                loads.advance()
+
+        # Partial tile over the (now idle) W stages: sP (R, T) fp32, columns p_stride apart.
+        cute.arch.barrier()
+        sP = cute.make_tensor(
+            cute.recast_ptr(storage.sW.data_ptr(), dtype=Float32),
+            cute.make_layout((self.rows, self.tokens), stride=(1, self.p_stride)))
+        tCsP = thr_mma.partition_C(sP)
+        tCsP.store(acc.load())
+        if const_expr(self.splits > 1):
+            cute.arch.cluster_arrive()  # release: the partials are visible to the peers
+            cute.arch.cluster_wait()
+        else:
+            cute.arch.barrier()
+        self.reduce_store(sP, tile, tidx, mR, mY)
+        if const_expr(self.splits > 1):
+            cute.arch.cluster_arrive()  # the peers may still read this CTA's tile
+            cute.arch.cluster_wait()
+
+    @cute.jit
+    def reduce_store(self, sP: cute.Tensor, tile, tidx, mR, mY: cute.Tensor):
+        """This CTA's rows of the tile, summed over the cluster's partials in rank order:
+        element e = token · R/S + row, so consecutive threads write consecutive columns of y."""
+        share = self.rows // self.splits
+        rank = cute.arch.block_idx_in_cluster()
+        n_tokens = mY.shape[0]
+        for j in cutlass.range_constexpr(-(-share * self.tokens // THREADS)):
+            e = j * THREADS + tidx
+            local = rank * share + e % share
+            m, col = e // share, tile * self.rows + local
+            write = m < n_tokens
+            if const_expr(self.n % self.rows):
+                write = write & (col < self.n)
+            if const_expr((j + 1) * THREADS > share * self.tokens):
+                write = write & (e < share * self.tokens)
+            if write:
+                total = Float32(0.0)
+                if const_expr(self.splits == 1):
+                    total = sP[local, m]
+                else:
+                    ptr = sP.iterator + cute.crd2idx((local, m), sP.layout)
+                    for p in cutlass.range_constexpr(self.splits):
+                        total = total + load_from_peer(ptr, p)
+                if const_expr(self.has_residual):
+                    total = total + mR[m, col].to(Float32)
+                if const_expr(self.out_fp32):
+                    mY[m, col] = total
+                else:
+                    mY[m, col] = total.to(BFloat16)

@@ -1,0 +1,259 @@
+"""`KDADecode`, the CuTe DSL kernel of kernels/kda_decode.py.
+
+Imports `cutlass` at the top: the host module imports this one only in `build`, so importing
+the host needs no DSL."""
+
+import operator
+
+import cutlass
+from cutlass import BFloat16, Float32, Int64, const_expr, cute
+
+from ..common.copy import vectors
+from ..common.dsl import pdl_launch_dependents, pdl_wait
+from ..common.reduce import row_sum
+from ..kda_decode import HEAD_DIM, VEC, Config, tile
+
+
+def sigmoid(x):
+    return 1.0 / (1.0 + cute.math.exp(-x))
+
+def bf16_round(x):
+    return x.to(BFloat16).to(Float32)
+
+class KDADecode:
+    def __init__(self, tokens: int, n_heads: int, taps: int, cfg: Config, pdl: bool = False):
+        self.T, self.H, self.taps, self.pdl = tokens, n_heads, taps, pdl
+        self.K = HEAD_DIM
+        self.W = n_heads * HEAD_DIM
+        self.tile = tile(cfg)
+        self.C, self.R = cfg.cluster_n, cfg.rows_per_thread
+        self.threads, self.warps = self.tile.threads, self.tile.warps
+        T, K, vc = tokens, HEAD_DIM, self.tile.vc
+        # sQ, sK, sA (T, K); sV, sO (T, vc); sBeta (T,); sRed (C·warps, T); 16-byte padding each
+        words = 3 * T * K + 2 * T * vc + T + self.C * self.warps * T
+        self.smem_bytes = 4 * words + 16 * 7
+
+    @cute.jit
+    def __call__(self, mQ, mK, mV, mG, mGraw, mB, mConv, mState, mSlots, mWq, mWk, mWv,
+                 mALog, mDt, mWo, mOut, lower_bound: Float32, l2_eps: Float32,
+                 q_scale: Float32, norm_eps: Float32, stream):
+        # mQ, mK, mV, mG, mGraw: (B, T, W); mB: (B, T, H); mConv: (S, 3W, taps-1);
+        # mState: (S, H, K, K); mSlots: (B,); mW*: (W, 1, taps); mALog: (H,); mDt: (W,);
+        # mWo: (K,); mOut: (B, T, H, K)
+        C = self.C
+        self.kernel(mQ, mK, mV, mG, mGraw, mB, mConv, mState, mSlots, mWq, mWk, mWv, mALog,
+                    mDt, mWo, mOut, lower_bound, l2_eps, q_scale, norm_eps).launch(
+            grid=[C, self.H, mQ.shape[0]], block=[self.threads, 1, 1],
+            cluster=[C, 1, 1] if const_expr(C > 1) else None, smem=self.smem_bytes,
+            stream=stream, use_pdl=self.pdl)
+
+    @cute.kernel
+    def kernel(self, mQ, mK, mV, mG, mGraw, mB, mConv, mState, mSlots, mWq, mWk, mWv, mALog,
+               mDt, mWo, mOut, lower_bound: Float32, l2_eps: Float32, q_scale: Float32,
+               norm_eps: Float32):
+        pdl_launch_dependents(self.pdl)
+        tidx, _, _ = cute.arch.thread_idx()
+        rank, h, req = cute.arch.block_idx()
+        T, K, R, C, tl = self.T, self.K, self.R, self.C, self.tile
+        if const_expr(C > 1):
+            cute.arch.cluster_arrive_relaxed()  # matched in row_sum
+        pdl_wait(self.pdl)
+        slot = mSlots[req]
+        slot = Int64(cutlass.select_(slot < 0, slot + Int64(mState.shape[0]), slot))
+        smem = cutlass.memory.SmemAllocator()
+        sQ = smem.allocate_tensor(Float32, cute.make_layout((T, K), stride=(K, 1)), 16)
+        sK = smem.allocate_tensor(Float32, cute.make_layout((T, K), stride=(K, 1)), 16)
+        sA = smem.allocate_tensor(Float32, cute.make_layout((T, K), stride=(K, 1)), 16)
+        sV = smem.allocate_tensor(Float32, cute.make_layout((T, tl.vc), stride=(tl.vc, 1)), 16)
+        sO = smem.allocate_tensor(Float32, cute.make_layout((T, tl.vc), stride=(tl.vc, 1)), 16)
+        sBeta = smem.allocate_tensor(Float32, cute.make_layout((T,)), 16)
+        sRed = smem.allocate_tensor(Float32, cute.make_layout(
+            (C * self.warps, T), stride=(T, 1)), 16)
+
+        # The state first: R 16-byte loads per thread, in flight during the prologue.
+        rg, lc0 = tl.thread(tidx)
+        vg = (rank * tl.vc + lc0) // VEC
+        gS = mState[slot, h, None, None]  # (K, K): key rows, value columns
+        rS = cute.make_rmem_tensor(cute.make_layout((VEC, R)), Float32)  # (4 cols, R rows)
+        for i in cutlass.range_constexpr(R):
+            cute.autovec_copy(vectors(gS[rg + tl.rw * i, None])[None, vg], rS[None, i])
+
+        self.prologue(tidx, rank, h, req, slot, mQ, mK, mV, mGraw, mB, mConv, mWq, mWk,
+                      mWv, mALog, mDt, sQ, sK, sV, sA, sBeta, lower_bound)
+        cute.arch.barrier()
+        self.l2norm(sQ, sK, l2_eps, q_scale)
+        cute.arch.barrier()
+        ss = self.recurrence(rS, rg, lc0, sQ, sK, sA, sV, sO, sBeta)
+        for i in cutlass.range_constexpr(R):
+            cute.autovec_copy(rS[None, i], vectors(gS[rg + tl.rw * i, None])[None, vg])
+        if const_expr(C * self.warps == 1):
+            cute.arch.barrier()  # row_sum has none for a single warp; sO must be visible
+        totals = row_sum(ss, sRed, self.warps, C, True)  # Σ o'² per token over the head
+        self.epilogue(tidx, rank, h, req, totals, sO, mG, mWo, mOut, norm_eps)
+        self.write_conv_state(tidx, rank, h, req, slot, mQ, mK, mV, mConv)
+
+    @cute.jit
+    def prologue(self, tidx, rank, h, req, slot, mQ, mK, mV, mGraw, mB, mConv, mWq, mWk,
+                 mWv, mALog, mDt, sQ, sK, sV, sA, sBeta, lower_bound: Float32):
+        """Conv + SiLU of q, k (all channels), v (own columns); α; β -> shared memory."""
+        T, tl, n = self.T, self.tile, self.threads
+        items = tl.prologue_items()
+        plan = tl.plan(items)
+        for p in cutlass.range_constexpr(len(plan)):
+            it, s, full = plan[p]
+            kind, lo, hi = items[s]
+            item = it * n + tidx
+            if const_expr(full):
+                self.prologue_item(kind, item - lo, rank, h, req, slot, mQ, mK, mV, mGraw,
+                                   mConv, mWq, mWk, mWv, mALog, mDt, sQ, sK, sV, sA,
+                                   lower_bound)
+            else:
+                if (item >= lo) & (item < hi):
+                    self.prologue_item(kind, item - lo, rank, h, req, slot, mQ, mK, mV,
+                                       mGraw, mConv, mWq, mWk, mWv, mALog, mDt, sQ, sK, sV,
+                                       sA, lower_bound)
+        if tidx < T:
+            sBeta[tidx] = sigmoid(mB[req, tidx, h].to(Float32))
+
+    def prologue_item(self, kind, c, rank, h, req, slot, mQ, mK, mV, mGraw, mConv, mWq,
+                      mWk, mWv, mALog, mDt, sQ, sK, sV, sA, lower_bound):
+        T, K, W, taps = self.T, self.K, self.W, self.taps
+        if kind == "alpha":
+            ch = h * K + c
+            e = cute.math.exp(mALog[h])
+            dt = mDt[ch]
+            for t in range(T):
+                gate = e * (mGraw[req, t, ch].to(Float32) + dt)
+                sA[t, c] = cute.math.exp(lower_bound * sigmoid(gate))
+        else:
+            s = "qkv".index(kind)
+            mX, mW, sX = (mQ, mWq, sQ) if s == 0 else (mK, mWk, sK) if s == 1 else (
+                mV, mWv, sV)
+            ch = h * K + (rank * self.tile.vc if s == 2 else 0) + c
+            win = [mConv[slot, s * W + ch, j].to(Float32) for j in range(taps - 1)]
+            win += [mX[req, t, ch].to(Float32) for t in range(T)]
+            w = [mW[ch, 0, j].to(Float32) for j in range(taps)]
+            for t in range(T):
+                acc = win[t] * w[0]
+                for j in range(1, taps):
+                    acc = acc + win[t + j] * w[j]
+                sX[t, c] = bf16_round(acc / (1.0 + cute.math.exp(-acc)))  # SiLU
+
+    @cute.jit
+    def l2norm(self, sQ, sK, l2_eps: Float32, q_scale: Float32):
+        """One warp per (token, q or k): x <- x·rsqrt(Σx² + eps) (·q_scale for q), in place."""
+        warp, lane = cute.arch.warp_idx(), cute.arch.lane_idx()
+        for p in cutlass.range_constexpr(2 * self.T):
+            sX, t, scale = (sQ, p // 2, q_scale) if p % 2 == 0 else (sK, p // 2, None)
+            if const_expr(self.warps == 1):
+                self.l2norm_row(sX, t, lane, l2_eps, scale)
+            else:
+                if warp == p % self.warps:
+                    self.l2norm_row(sX, t, lane, l2_eps, scale)
+
+    def l2norm_row(self, sX, t, lane, l2_eps, scale):
+        x = [sX[t, lane + 32 * j] for j in range(self.K // 32)]
+        ss = x[0] * x[0]
+        for j in range(1, len(x)):
+            ss = ss + x[j] * x[j]
+        inv = cute.math.rsqrt(cute.arch.warp_reduction(ss, operator.add) + l2_eps)
+        for j in range(len(x)):
+            y = x[j] * inv
+            sX[t, lane + 32 * j] = y if scale is None else y * scale
+
+    def column_sum(self, vals):
+        """Butterfly over the lanes of a column group: each lane gets the column totals."""
+        for off in self.tile.bfly_offsets():
+            vals = [x + cute.arch.shuffle_sync_bfly(x, off) for x in vals]
+        return vals
+
+    def state_pass(self, rS, rg, t, sX, sY, update):
+        """One sweep over the thread's R x 4 state tile at token t: S[i, j] <- update(S[i, j],
+        x_i, j), then the column sums Σ_i S[i, j]·y_i of the updated state (`column_sum`);
+        x_i, y_i: rows rg + rw·i of sX, sY."""
+        rw = self.tile.rw
+        acc = [Float32(0.0) for _ in range(VEC)]
+        for i in range(self.R):
+            x, y = sX[t, rg + rw * i], sY[t, rg + rw * i]
+            for j in range(VEC):
+                s = update(rS[j, i], x, j)
+                rS[j, i] = s
+                acc[j] = acc[j] + s * y
+        return self.column_sum(acc)
+
+    @cute.jit
+    def recurrence(self, rS, rg, lc0, sQ, sK, sA, sV, sO, sBeta):
+        """The delta rule over the T tokens on the thread's R x 4 state tile. o' = bf16(o) of
+        the owned columns goes to sO; returns each token's Σ o'² over the thread's columns
+        (row group 0 only, so the CTA sum counts every column once)."""
+        ss = []
+        for t in cutlass.range_constexpr(self.T):
+            kv = self.state_pass(rS, rg, t, sA, sK, lambda s, a, j: s * a)
+            beta = sBeta[t]
+            u = [beta * (sV[t, lc0 + j] - kv[j]) for j in range(VEC)]
+            o = self.state_pass(rS, rg, t, sK, sQ, lambda s, kk, j, u=u: s + kk * u[j])
+            o = [bf16_round(x) for x in o]
+            if rg == 0:
+                for j in cutlass.range_constexpr(VEC):
+                    sO[t, lc0 + j] = o[j]
+            sq = o[0] * o[0]
+            for j in cutlass.range_constexpr(1, VEC):
+                sq = sq + o[j] * o[j]
+            ss.append(Float32(cutlass.select_(rg == 0, sq, Float32(0.0))))
+        return ss
+
+    @cute.jit
+    def epilogue(self, tidx, rank, h, req, totals, sO, mG, mWo, mOut, norm_eps: Float32):
+        """out = bf16(bf16(w·bf16(o'·rstd))·bf16(σ(g))), one 16-byte vector per item."""
+        total, n = self.tile.out_vectors(self.T), self.threads
+        for it in cutlass.range_constexpr(-(-total // n)):
+            item = it * n + tidx
+            if const_expr((it + 1) * n <= total):
+                self.out_vector(item, rank, h, req, totals, sO, mG, mWo, mOut, norm_eps)
+            else:
+                if item < total:
+                    self.out_vector(item, rank, h, req, totals, sO, mG, mWo, mOut, norm_eps)
+
+    def out_vector(self, item, rank, h, req, totals, sO, mG, mWo, mOut, norm_eps):
+        T, K, vc = self.T, self.K, self.tile.vc
+        t, lc = item // (vc // 8), item % (vc // 8) * 8
+        col = rank * vc + lc
+        ms = totals[0]
+        for tt in range(1, T):
+            ms = Float32(cutlass.select_(t == tt, totals[tt], ms))
+        rstd = cute.math.rsqrt(ms / K + norm_eps)
+        rY = cute.make_rmem_tensor(cute.make_layout((8,)), Float32)
+        for e in range(8):
+            y = bf16_round(mWo[col + e].to(Float32) * bf16_round(sO[t, lc + e] * rstd))
+            rY[e] = y * bf16_round(sigmoid(mG[req, t, h * K + col + e].to(Float32)))
+        rOut = cute.make_rmem_tensor(cute.make_layout((8,)), BFloat16)
+        rOut.store(rY.load().to(BFloat16))
+        cute.autovec_copy(rOut, vectors(mOut[req, t, h, None])[None, col // 8])
+
+    @cute.jit
+    def write_conv_state(self, tidx, rank, h, req, slot, mQ, mK, mV, mConv):
+        """conv_state <- the last taps-1 window inputs, for this CTA's channels of q, k, v.
+        Runs after the cluster barrier: every CTA has read the old rows."""
+        K, n, tl = self.K, self.threads, self.tile
+        items = tl.conv_write_items()
+        plan = tl.plan(items)
+        for p in cutlass.range_constexpr(len(plan)):
+            it, s, full = plan[p]
+            _, lo, hi = items[s]
+            item = it * n + tidx
+            ch = h * K + rank * tl.vc + item - lo
+            mX = mQ if s == 0 else mK if s == 1 else mV
+            if const_expr(full):
+                self.conv_row(s, ch, req, slot, mX, mConv)
+            else:
+                if (item >= lo) & (item < hi):
+                    self.conv_row(s, ch, req, slot, mX, mConv)
+
+    def conv_row(self, s, ch, req, slot, mX, mConv):
+        """Channel ch of q|k|v (s = 0|1|2): window positions T .. T + taps - 2, old inputs
+        while below taps - 1. All read before any is written (T < taps - 1 shifts the row)."""
+        T, keep, row = self.T, self.taps - 1, s * self.W + ch
+        new = [mConv[slot, row, T + j] if T + j < keep else mX[req, T + j - keep, ch]
+               for j in range(keep)]
+        for j in range(keep):
+            mConv[slot, row, j] = new[j]

@@ -1,0 +1,254 @@
+"""`MLADecode`, the CuTe DSL kernel of kernels/mla_decode.py.
+
+Imports `cutlass` at the top: the host module imports this one only in `build`, so importing
+the host needs no DSL."""
+
+import cutlass
+from cutlass import BFloat16, Float32, Int32, Int64, const_expr, cute
+
+from ..common.copy import vectors
+from ..mla_decode import COMBINE_UNROLL, GROUP, TILE, Config, lane_row, reduce_scatter, row_lane
+
+NEG_INF = float("-inf")
+
+def bf16_round(x):
+    return x.to(BFloat16).to(Float32)
+
+class MLADecode:
+    def __init__(self, tokens: int, n_heads: int, latent: int, rope: int, cfg: Config):
+        self.T, self.H, self.C, self.R = tokens, n_heads, latent, rope
+        self.QW, self.warps, self.threads = cfg.queries_per_warp, cfg.warps, cfg.threads
+        self.Q = self.QW * self.warps  # queries per CTA
+        self.groups = cfg.groups(tokens, n_heads)
+        self.NV = latent // 256  # latent 16-byte vectors per lane: lane + 32·k
+        self.NP = rope // 32  # rope columns per lane: C + NP·lane + e
+        self.VR = (latent + rope) // 8  # 16-byte vectors per cache row
+        self.smem_bytes = TILE * (latent + rope) * 2 + 64
+
+    @cute.jit
+    def __call__(self, mQ, mQpe, mCkv, mKpe, mKV, mSlots, mPos, mWsO, mWsML, mOut,
+                 scale: Float32, stream):
+        # mQ: (B, T, H, C); mQpe: (B, T, H, R); mCkv: (B, T, C); mKpe: (B, T, R);
+        # mKV: (S, L, C + R); mSlots, mPos: (B,); mWsO: (B, splits, H·T, C) fp32;
+        # mWsML: (B, splits, H·T, 2) fp32; mOut: (B, T, H, C)
+        B, n_splits = mQ.shape[0], mWsO.shape[1]
+        self.attend(mQ, mQpe, mCkv, mKpe, mKV, mSlots, mPos, mWsO, mWsML, scale).launch(
+            grid=[n_splits, self.groups, B], block=[self.threads, 1, 1],
+            smem=self.smem_bytes, stream=stream)
+        self.combine(mWsO, mWsML, mOut).launch(
+            grid=[self.H * self.T, B, 1], block=[self.C // 8, 1, 1], stream=stream,
+            use_pdl=True)
+
+    @cute.kernel
+    def attend(self, mQ, mQpe, mCkv, mKpe, mKV, mSlots, mPos, mWsO, mWsML, scale: Float32):
+        tidx, _, _ = cute.arch.thread_idx()
+        split, group, b = cute.arch.block_idx()
+        lane, warp = cute.arch.lane_idx(), cute.arch.warp_idx()
+        cute.arch.griddepcontrol_launch_dependents()  # combine waits for our completion
+        T, H, QW, NV, NP, C = self.T, self.H, self.QW, self.NV, self.NP, self.C
+        slot = mSlots[b]
+        slot = Int64(cutlass.select_(slot < 0, slot + Int64(mKV.shape[0]), slot))
+        pos = Int32(mPos[b])
+        n_vis = cutlass.min(pos + T, Int32(mKV.shape[1]))
+        n_splits = Int32(mWsO.shape[1])
+        length = ((n_vis + n_splits - 1) // n_splits + TILE - 1) // TILE * TILE
+        lo = split * length
+        hi = cutlass.min(lo + length, n_vis)
+        n_tiles = cutlass.max(hi - lo + TILE - 1, 0) // TILE
+
+        smem = cutlass.memory.SmemAllocator()
+        sKV = smem.allocate_tensor(BFloat16, cute.make_layout(
+            (TILE, C + self.R), stride=(C + self.R, 1)), 16)  # (32 rows, C + R)
+
+        # The warp's queries: latent columns of vectors lane + 32·k, rope columns NP·lane + e.
+        q0 = group * self.Q + warp * QW
+        rQ = cute.make_rmem_tensor(cute.make_layout((QW, 8 * NV + NP)), Float32)
+        rV = cute.make_rmem_tensor(cute.make_layout((8,)), BFloat16)
+        limit = []  # the last visible row of each query: pos + t
+        for j in cutlass.range_constexpr(QW):
+            t, h = (q0 + j) // H, (q0 + j) % H
+            limit.append(pos + t)
+            for k in cutlass.range_constexpr(NV):
+                cute.autovec_copy(vectors(mQ[b, t, h, None])[None, lane + 32 * k], rV)
+                for e in cutlass.range_constexpr(8):
+                    rQ[j, 8 * k + e] = rV[e].to(Float32)
+            for e in cutlass.range_constexpr(NP):
+                rQ[j, 8 * NV + e] = mQpe[b, t, h, NP * lane + e].to(Float32)
+
+        rM = cute.make_rmem_tensor(cute.make_layout((QW,)), Float32)  # running max
+        rL = cute.make_rmem_tensor(cute.make_layout((QW,)), Float32)  # running Σp
+        rS = cute.make_rmem_tensor(cute.make_layout((QW,)), Float32)  # score of row `lane`
+        rP = cute.make_rmem_tensor(cute.make_layout((QW,)), Float32)  # bf16(p) of row `lane`
+        rAcc = cute.make_rmem_tensor(cute.make_layout((QW, 8 * NV)), Float32)
+        rM.fill(NEG_INF)
+        rL.fill(0.0)
+        rAcc.fill(0.0)
+        rK = cute.make_rmem_tensor(cute.make_layout((8 * NV + NP,)), Float32)
+
+        for tile in cutlass.range(n_tiles, unroll=1):
+            base = lo + tile * TILE
+            self.load_tile(tidx, b, group, slot, pos, base, hi, mCkv, mKpe, mKV, sKV)
+            cute.arch.barrier()
+            for g in cutlass.range(TILE // GROUP, unroll=1):
+                self.group_scores(sKV, g, lane, rQ, rK, rS, scale)
+            i = base + lane_row(lane)
+            for j in cutlass.range_constexpr(QW):
+                rS[j] = Float32(cutlass.select_((i < hi) & (i <= limit[j]), rS[j],
+                                                Float32(NEG_INF)))
+            for j in cutlass.range_constexpr(QW):
+                self.softmax_step(j, rS, rM, rL, rP, rAcc)
+            for r in cutlass.range(TILE, unroll=2):
+                self.row_values(sKV, r, lane, rK, False)
+                for j in cutlass.range_constexpr(QW):
+                    p = cute.arch.shuffle_sync(rP[j], row_lane(r))
+                    for e in cutlass.range_constexpr(8 * NV):
+                        rAcc[j, e] = rAcc[j, e] + p * rK[e]
+            cute.arch.barrier()  # the tile is read before the next load overwrites it
+
+        rOut = cute.make_rmem_tensor(cute.make_layout((4,)), Float32)
+        for j in cutlass.range_constexpr(QW):
+            q = q0 + j
+            for k in cutlass.range_constexpr(NV):
+                for half in cutlass.range_constexpr(2):
+                    for e in cutlass.range_constexpr(4):
+                        rOut[e] = rAcc[j, 8 * k + 4 * half + e]
+                    cute.autovec_copy(rOut, vectors4(mWsO[b, split, q, None])[
+                        None, 2 * (lane + 32 * k) + half])
+            if lane == 0:
+                mWsML[b, split, q, 0] = rM[j]
+                mWsML[b, split, q, 1] = rL[j]
+
+    @cute.jit
+    def load_tile(self, tidx, b, group, slot, pos, base, hi, mCkv, mKpe, mKV, sKV):
+        """Cache rows base .. base + 31 -> sKV (rows at or past hi zero-filled); the new rows
+        (>= pos) come from c_kv | k_pe and are written to the cache here (by query group 0
+        only: the other groups' CTAs load the same tile)."""
+        VR, n = self.VR, self.threads
+        rV = cute.make_rmem_tensor(cute.make_layout((8,)), BFloat16)
+        total = TILE * VR
+        for it in cutlass.range_constexpr(-(-total // n)):
+            item = it * n + tidx
+            if const_expr((it + 1) * n <= total):
+                self.load_vector(item, b, group, slot, pos, base, hi, mCkv, mKpe, mKV, sKV,
+                                 rV)
+            else:
+                if item < total:
+                    self.load_vector(item, b, group, slot, pos, base, hi, mCkv, mKpe, mKV,
+                                     sKV, rV)
+
+    @cute.jit
+    def load_vector(self, item, b, group, slot, pos, base, hi, mCkv, mKpe, mKV, sKV, rV):
+        VR, CV = self.VR, self.C // 8
+        r, v = item // VR, item % VR
+        i = base + r
+        rV.fill(0.0)
+        if i < hi:
+            gRow = vectors(mKV[slot, i, None])
+            if i >= pos:
+                if v < CV:
+                    cute.autovec_copy(vectors(mCkv[b, i - pos, None])[None, v], rV)
+                else:
+                    cute.autovec_copy(vectors(mKpe[b, i - pos, None])[None, v - CV], rV)
+                if group == 0:
+                    cute.autovec_copy(rV, gRow[None, v])
+            else:
+                cute.autovec_copy(gRow[None, v], rV)
+        cute.autovec_copy(rV, vectors(sKV[r, None])[None, v])
+
+    @cute.jit
+    def group_scores(self, sKV, g, lane, rQ, rK, rS, scale: Float32):
+        """Scores of tile rows GROUP·g .. GROUP·g + 3 for the warp's queries; lanes with
+        lane & 7 == g keep theirs (row lane_row(lane)) in rS."""
+        QW, NV, NP = self.QW, self.NV, self.NP
+        nope = [[None] * GROUP for _ in range(QW)]
+        rope = [[None] * GROUP for _ in range(QW)]
+        for k in cutlass.range_constexpr(GROUP):
+            self.row_values(sKV, GROUP * g + k, lane, rK, True)
+            for j in cutlass.range_constexpr(QW):
+                sn = rQ[j, 0] * rK[0]
+                for e in cutlass.range_constexpr(1, 8 * NV):
+                    sn = sn + rQ[j, e] * rK[e]
+                sp = rQ[j, 8 * NV] * rK[8 * NV]
+                for e in cutlass.range_constexpr(1, NP):
+                    sp = sp + rQ[j, 8 * NV + e] * rK[8 * NV + e]
+                nope[j][k], rope[j][k] = sn, sp
+
+        def lane_bit(off):
+            return (lane & off) != 0
+
+        def shfl_xor(v, off):
+            return cute.arch.shuffle_sync_bfly(v, off)
+
+        def select(c, a, b):
+            return Float32(cutlass.select_(c, a, b))
+
+        mine = (lane & 7) == g
+        for j in cutlass.range_constexpr(QW):
+            sn = reduce_scatter(nope[j], lane_bit, shfl_xor, select)
+            sp = reduce_scatter(rope[j], lane_bit, shfl_xor, select)
+            s = bf16_round(bf16_round(sn) + bf16_round(sp)) * scale
+            rS[j] = Float32(cutlass.select_(mine, s, rS[j]))
+
+    @cute.jit
+    def row_values(self, sKV, r, lane, rK, with_rope: cutlass.Constexpr[bool]):
+        """Tile row r's lane columns -> rK fp32 (latent vectors lane + 32·k, then rope)."""
+        NV, NP, C = self.NV, self.NP, self.C
+        rV = cute.make_rmem_tensor(cute.make_layout((8,)), BFloat16)
+        row = sKV[r, None]
+        for k in cutlass.range_constexpr(NV):
+            cute.autovec_copy(vectors(row)[None, lane + 32 * k], rV)
+            for e in cutlass.range_constexpr(8):
+                rK[8 * k + e] = rV[e].to(Float32)
+        if const_expr(with_rope):
+            for e in cutlass.range_constexpr(NP):
+                rK[8 * NV + e] = row[C + NP * lane + e].to(Float32)
+
+    @cute.jit
+    def softmax_step(self, j: cutlass.Constexpr[int], rS, rM, rL, rP, rAcc):
+        """Online softmax over one tile for query j: lane r holds row r's score."""
+        s = rS[j]
+        m_new = cute.arch.fmax(rM[j], cute.arch.warp_reduction_max(s))
+        m_use = Float32(cutlass.select_(m_new == Float32(NEG_INF), Float32(0.0), m_new))
+        p = cute.math.exp(s - m_use)
+        corr = cute.math.exp(rM[j] - m_use)
+        rL[j] = rL[j] * corr + cute.arch.warp_reduction(p, lambda x, y: x + y)
+        rM[j] = m_new
+        rP[j] = bf16_round(p)
+        for e in cutlass.range_constexpr(8 * self.NV):
+            rAcc[j, e] = rAcc[j, e] * corr
+
+    @cute.kernel
+    def combine(self, mWsO, mWsML, mOut):
+        """o_lat[b, t, h, 8·tidx ..] from every split's partial, in split order."""
+        tidx, _, _ = cute.arch.thread_idx()
+        q, b, _ = cute.arch.block_idx()
+        t, h = q // self.H, q % self.H
+        n_splits = mWsO.shape[1]
+        cute.arch.griddepcontrol_wait()  # PDL: every attend CTA has finished and flushed
+        # both loops unrolled by COMBINE_UNROLL: their loads do not depend on each other, so
+        # that many are in flight at once. One at a time, the 2 x 128 L2 round trips of B1
+        # (128 splits) would take tens of µs: the likely bulk of the op's 62.7 µs there
+        # (BENCHMARKS.md session 4; not yet re-measured). The sums keep split order.
+        m_all = Float32(NEG_INF)
+        for s in cutlass.range(n_splits, unroll=COMBINE_UNROLL):
+            m_all = cute.arch.fmax(m_all, mWsML[b, s, q, 0])
+        total = Float32(0.0)
+        rAcc = cute.make_rmem_tensor(cute.make_layout((8,)), Float32)
+        rAcc.fill(0.0)
+        rO = cute.make_rmem_tensor(cute.make_layout((4,)), Float32)
+        for s in cutlass.range(n_splits, unroll=COMBINE_UNROLL):
+            w = cute.math.exp(mWsML[b, s, q, 0] - m_all)  # 0 for an empty split (m = -inf)
+            total = total + mWsML[b, s, q, 1] * w
+            for half in cutlass.range_constexpr(2):
+                cute.autovec_copy(vectors4(mWsO[b, s, q, None])[None, 2 * tidx + half], rO)
+                for e in cutlass.range_constexpr(4):
+                    rAcc[4 * half + e] = rAcc[4 * half + e] + rO[e] * w
+        inv = 1.0 / total
+        rOut = cute.make_rmem_tensor(cute.make_layout((8,)), BFloat16)
+        for e in cutlass.range_constexpr(8):
+            rOut[e] = (rAcc[e] * inv).to(BFloat16)
+        cute.autovec_copy(rOut, vectors(mOut[b, t, h, None])[None, tidx])
+
+def vectors4(mX):
+    """fp32 row (dim,) -> (4, dim / 4): 16-byte vectors."""
+    return cute.zipped_divide(mX, (4,))

@@ -1,0 +1,405 @@
+"""`FC1` and `FC2`, the CuTe DSL kernels of kernels/moe_experts.py.
+
+Imports `cutlass` at the top: the host module imports this one only in `build`, so importing
+the host needs no DSL."""
+
+import operator
+
+import cutlass
+from cutlass import BFloat16, Float32, Int32, Uint32, const_expr, cute
+from cutlass.cute.nvgpu import cpasync
+
+from ..common.copy import load_vectors, make_frag, row_vectors
+from ..common.dsl import pdl_wait
+from ..moe_experts import (
+    MAG_MASK,
+    PAIR_SHIFT,
+    SCALE_BIAS,
+    SIGN_MASK,
+    STAGE_VECTORS,
+    Z_SHIFT,
+    FC1Config,
+    FC2Config,
+    _chunk_vectors,
+    _lane_steps,
+    fc1_fits,
+    fc1_smem,
+)
+
+
+def decode_dot(words, z):
+    """Σ of 32 products: words (4,) Uint32 = one packed 16-byte vector, z (32,) fp32 in
+    input order (times 2^Z_SHIFT). The result is the partial times 2^(Z_SHIFT - 126)."""
+    p = Float32(0.0)
+    for w in range(4):
+        q = words[w]  # inputs 8w .. 8w + 7, one nibble each from the low end
+        for i in range(4):
+            t = q << PAIR_SHIFT[i] if PAIR_SHIFT[i] else q
+            bits = (t & Uint32(SIGN_MASK)) | ((t >> 6) & Uint32(MAG_MASK))
+            p = p + (bits << 16).bitcast(Float32) * z[8 * w + i]
+            p = p + (bits & Uint32(0xFFFF0000)).bitcast(Float32) * z[8 * w + i + 4]
+    return p
+
+def group_z(sZ, c, rZ):
+    """32-input group c of the staged z (chunk q at 8c + (q ^ (c & 7))) -> (32,) fp32."""
+    rZ4 = cute.zipped_divide(rZ, (4,))  # (4, 8)
+    for q in range(8):
+        cute.autovec_copy(sZ[None, 8 * c + (q ^ (c % 8))], rZ4[None, q])
+    return rZ.load()
+
+def group_factor(scale):
+    """2^(scale − 127 + 126 − Z_SHIFT) from an E8M0 byte (as Uint32)."""
+    return ((scale + Uint32(SCALE_BIAS)) << Uint32(23)).bitcast(Float32)
+
+class FC1:
+    def __init__(self, latent: int, inter: int, top_k: int, cfg: FC1Config,
+                 pdl: bool = False):
+        self.latent, self.inter, self.top_k, self.pdl = latent, inter, top_k, pdl
+        self.nv = latent // 32  # packed vectors (and scales) per weight row
+        # Lane steps over both matrices; with NV % 32 == 16 (L = 3584: 112 vectors) a last
+        # step gives lanes 0-15 the W1 tail and lanes 16-31 the W3 tail (no idle lanes).
+        self.m, self.split = _lane_steps(latent)
+        self.cfg, self.rw, self.warps, self.threads = cfg, cfg.rows_per_warp, cfg.warps, \
+            cfg.threads
+        self.rows = cfg.warps * cfg.rows_per_warp
+        self.cp_async = cfg.cp_async
+        self.steps = self.m + self.split  # cp.async groups per lane
+        if not fc1_fits(latent, cfg):
+            raise ValueError(f"{cfg} at L {latent}: {fc1_smem(latent, cfg)} B of shared memory")
+
+    @cute.jit
+    def stage_z(self, rZ8: cute.Tensor, sZ: cute.Tensor, tidx: Int32):
+        """rZ8 (8, ZV) bf16 z vectors of this thread -> sZ fp32 times 2^Z_SHIFT, chunk q of
+        group c at 8c + (q ^ (c & 7)); then the CTA barrier."""
+        rF = cute.make_rmem_tensor(cute.make_layout((8,)), Float32)
+        rF4 = cute.zipped_divide(rF, (4,))  # (4, 2)
+        for s in cutlass.range_constexpr(cute.size(rZ8, mode=[1])):
+            v = s * self.threads + tidx
+            if v < self.latent // 8:
+                rF.store(rZ8[None, s].load().to(Float32) * Float32(2.0 ** Z_SHIFT))
+                c, q = v // 4, 2 * (v % 4)
+                cute.autovec_copy(rF4[None, 0], sZ[None, 8 * c + (q ^ (c % 8))])
+                cute.autovec_copy(rF4[None, 1], sZ[None, 8 * c + ((q + 1) ^ (c % 8))])
+        cute.arch.barrier()
+
+    @cute.jit
+    def finish(self, acc, lane, pair, i0, mAct, beta, linear_beta):
+        """Warp sums of the RW (W1, W3) partials; lane r writes bf16(SiTU) of row i0 + r."""
+        for r in cutlass.range_constexpr(self.rw):
+            hg = cute.arch.warp_reduction(acc[r][0], operator.add)
+            hu = cute.arch.warp_reduction(acc[r][1], operator.add)
+            if (lane == r) & (i0 + r < self.inter):
+                g = hg.to(BFloat16).to(Float32)  # the reference's einsums round to bf16
+                u = hu.to(BFloat16).to(Float32)
+                sig = 1.0 / (1.0 + cute.math.exp(-g, fastmath=True))
+                gate = beta * cute.math.tanh(g / beta, fastmath=False) * sig
+                lin = linear_beta * cute.math.tanh(u / linear_beta, fastmath=False)
+                mAct[pair, i0 + r] = (gate * lin).to(BFloat16)
+
+    @cute.jit
+    def __call__(self, mZ: cute.Tensor, mIdx: cute.Tensor, mW1: cute.Tensor,
+                 mS1: cute.Tensor, mW3: cute.Tensor, mS3: cute.Tensor, mAct: cute.Tensor,
+                 beta: Float32, linear_beta: Float32, stream):
+        # mZ: (N, L) bf16; mIdx: ids (N, k); mW1, mW3: (E·I, L/8) int32 words of packed
+        # nibbles; mS1, mS3: (E·I, L/32) uint8; mAct: (N·k, I) bf16
+        kernel = self.kernel_async if const_expr(self.cp_async) else self.kernel
+        kernel(mZ, mIdx, mW1, mS1, mW3, mS3, mAct, beta, linear_beta).launch(
+            grid=[mZ.shape[0] * self.top_k, -(-self.inter // self.rows), 1],
+            block=[self.threads, 1, 1], smem=fc1_smem(self.latent, self.cfg), stream=stream,
+            use_pdl=self.pdl)
+
+    def weight_frags(self):
+        """Registers of a lane's weights: RW rows x (W1, W3) x M vectors (4, M) and their
+        scales (M,), the split step's vector (4, 1) per row and its scales (RW,)."""
+        M, RW = max(self.m, 1), self.rw
+        rW = [[make_frag(Int32, M) for _ in range(2)] for _ in range(RW)]
+        rS = [[cute.make_rmem_tensor(cute.make_layout((M,)), Uint32) for _ in range(2)]
+              for _ in range(RW)]
+        rT = [make_frag(Int32, 1) for _ in range(RW)]
+        return rW, rS, rT, cute.make_rmem_tensor(cute.make_layout((RW,)), Uint32)
+
+    @cute.jit
+    def load_weights(self, w, mW1, mS1, mW3, mS3, e: Int32, i0: Int32, lane: Int32):
+        """Every weight load of a lane into `w` (`weight_frags`): RW rows x (W1, W3) x M
+        vectors and the scales (a lane's columns past NV load zeros, their scale column is
+        clamped), then the split step's vector and scale."""
+        rW, rS, rT, rST = w
+        I, NV, M = self.inter, self.nv, self.m
+        for r in cutlass.range_constexpr(self.rw):
+            row = e * I + cutlass.min(i0 + r, I - 1)
+            for mat, (mW, mS) in enumerate(((mW1, mS1), (mW3, mS3))):
+                if const_expr(M):
+                    load_vectors(row_vectors(mW, row), rW[r][mat], lane, 32, min(NV, 32 * M))
+                for mm in cutlass.range_constexpr(M):
+                    col = lane + 32 * mm
+                    if const_expr(32 * (mm + 1) > NV):
+                        col = cutlass.min(col, NV - 1)
+                    rS[r][mat][mm] = Uint32(mS[row, col])
+            if const_expr(self.split):
+                col = 32 * M + lane % 16
+                if lane < 16:
+                    cute.autovec_copy(row_vectors(mW1, row)[None, col], rT[r][None, 0])
+                else:
+                    cute.autovec_copy(row_vectors(mW3, row)[None, col], rT[r][None, 0])
+                rST[r] = Uint32(cutlass.select_(lane < 16, Uint32(mS1[row, col]),
+                                                Uint32(mS3[row, col])))
+
+    @cute.jit
+    def dot_finish(self, w, sZ: cute.Tensor, lane: Int32, pair: Int32, i0: Int32,
+                   mAct: cute.Tensor, beta: Float32, linear_beta: Float32):
+        """One pair: the lane's dots of its weights `w` with the staged z (`stage_z`), per
+        row and matrix in order mm = 0 .. M - 1 then the split step; then `finish`."""
+        rW, rS, rT, rST = w
+        NV, M = self.nv, self.m
+        acc = [[Float32(0.0), Float32(0.0)] for _ in range(self.rw)]
+        rZ = cute.make_rmem_tensor(cute.make_layout((32,)), Float32)  # one 32-input group
+        for mm in cutlass.range_constexpr(M):
+            c = lane + 32 * mm
+            if const_expr(32 * (mm + 1) > NV):
+                c = cutlass.min(c, NV - 1)  # zero weights there: any finite z will do
+            z = group_z(sZ, c, rZ)
+            for r in cutlass.range_constexpr(self.rw):
+                for mat in cutlass.range_constexpr(2):
+                    words = rW[r][mat][None, mm].load().bitcast(Uint32)
+                    acc[r][mat] = acc[r][mat] + decode_dot(words, z) * group_factor(
+                        rS[r][mat][mm])
+        if const_expr(self.split):
+            z = group_z(sZ, 32 * M + lane % 16, rZ)
+            first = lane < 16
+            for r in cutlass.range_constexpr(self.rw):
+                t = decode_dot(rT[r][None, 0].load().bitcast(Uint32), z) * group_factor(
+                    rST[r])
+                acc[r][0] = acc[r][0] + Float32(cutlass.select_(first, t, Float32(0.0)))
+                acc[r][1] = acc[r][1] + Float32(cutlass.select_(first, Float32(0.0), t))
+        self.finish(acc, lane, pair, i0, mAct, beta, linear_beta)
+
+    @cute.kernel
+    def kernel(self, mZ: cute.Tensor, mIds: cute.Tensor, mW1: cute.Tensor,
+               mS1: cute.Tensor, mW3: cute.Tensor, mS3: cute.Tensor, mAct: cute.Tensor,
+               beta: Float32, linear_beta: Float32):
+        # with PDL (settings.KERNELS.pdl) no weight load can go first: the ids that pick the
+        # experts are the route kernel's output
+        pdl_wait(self.pdl)
+        tidx, _, _ = cute.arch.thread_idx()
+        pair, blk, _ = cute.arch.block_idx()
+        lane, warp = cute.arch.lane_idx(), cute.arch.warp_idx()
+        n, j = pair // self.top_k, pair % self.top_k
+        n_exp = mW1.shape[0] // self.inter
+        e = cutlass.max(cutlass.min(Int32(mIds[n, j]), n_exp - 1), 0)
+        i0 = blk * self.rows + warp * self.rw
+        smem = cutlass.memory.SmemAllocator()
+        sZ = smem.allocate_tensor(Float32, cute.make_layout((4, 8 * self.nv)), 16)  # chunks
+
+        w = self.weight_frags()  # every weight load first
+        self.load_weights(w, mW1, mS1, mW3, mS3, e, i0, lane)
+        # z[n] -> shared fp32 times 2^Z_SHIFT; chunk q of group c at 8c + (q ^ (c & 7)).
+        rZ8 = make_frag(BFloat16, -(-(self.latent // 8) // self.threads))  # (8, ZV)
+        load_vectors(row_vectors(mZ, n), rZ8, tidx, self.threads, self.latent // 8)
+        cute.arch.griddepcontrol_launch_dependents()
+        self.stage_z(rZ8, sZ, tidx)
+        self.dot_finish(w, sZ, lane, pair, i0, mAct, beta, linear_beta)
+
+    @cute.kernel
+    def kernel_async(self, mZ: cute.Tensor, mIds: cute.Tensor, mW1: cute.Tensor,
+                     mS1: cute.Tensor, mW3: cute.Tensor, mS3: cute.Tensor,
+                     mAct: cute.Tensor, beta: Float32, linear_beta: Float32):
+        """`kernel` with the weights streamed by cp.async: same math, same order."""
+        pdl_wait(self.pdl)
+        tidx, _, _ = cute.arch.thread_idx()
+        pair, blk, _ = cute.arch.block_idx()
+        lane, warp = cute.arch.lane_idx(), cute.arch.warp_idx()
+        I, NV, M, RW, S = self.inter, self.nv, self.m, self.rw, self.steps
+        n, j = pair // self.top_k, pair % self.top_k
+        # z first: it does not depend on the ids, and no math starts before it is staged
+        rZ8 = make_frag(BFloat16, -(-(self.latent // 8) // self.threads))  # (8, ZV)
+        load_vectors(row_vectors(mZ, n), rZ8, tidx, self.threads, self.latent // 8)
+        n_exp = mW1.shape[0] // I
+        e = cutlass.max(cutlass.min(Int32(mIds[n, j]), n_exp - 1), 0)
+        i0 = blk * self.rows + warp * RW
+        smem = cutlass.memory.SmemAllocator()
+        sZ = smem.allocate_tensor(Float32, cute.make_layout((4, 8 * NV)), 16)  # chunks
+        # slot (s·RW + r)·2 + mat of a lane: its vector of lane step s, row r, W1 or W3
+        sW = smem.allocate_tensor(Int32, cute.make_layout(
+            (4, 32, 2 * RW * S, self.warps), stride=(1, 4, 128, 256 * RW * S)), 16)
+        rows = [e * I + cutlass.min(i0 + r, I - 1) for r in range(RW)]
+
+        # The scales (byte loads) first, then one cp.async group per lane step s: the RW rows
+        # x (W1, W3) vectors lane + 32s (a lane's columns past NV are zeros in shared memory,
+        # their scale column clamped); the split step's vector in slot mat = 0.
+        rS = [[cute.make_rmem_tensor(cute.make_layout((max(M, 1),)), Uint32)
+               for _ in range(2)] for _ in range(RW)]
+        rST = cute.make_rmem_tensor(cute.make_layout((RW,)), Uint32)
+        for r in cutlass.range_constexpr(RW):
+            for mat, mS in enumerate((mS1, mS3)):
+                for mm in cutlass.range_constexpr(M):
+                    rS[r][mat][mm] = Uint32(mS[rows[r], cutlass.min(lane + 32 * mm, NV - 1)])
+            if const_expr(self.split):
+                col = 32 * M + lane % 16
+                rST[r] = Uint32(cutlass.select_(lane < 16, Uint32(mS1[rows[r], col]),
+                                                Uint32(mS3[rows[r], col])))
+        # (ptxas would sink the z and scale loads below the copies: the warp barrier, a
+        # memory fence, keeps them first, so that waiting for them waits for no weight)
+        cute.arch.sync_warp()
+        atom = cute.make_copy_atom(cpasync.CopyG2SOp(cpasync.LoadCacheMode.GLOBAL), Int32,
+                                   num_bits_per_copy=128)
+        for mm in cutlass.range_constexpr(M):
+            col = lane + 32 * mm
+            for r in cutlass.range_constexpr(RW):
+                for mat, mW in enumerate((mW1, mW3)):
+                    dst = sW[None, lane, (mm * RW + r) * 2 + mat, warp]
+                    src = row_vectors(mW, rows[r])[None, col]
+                    if const_expr(32 * (mm + 1) <= NV):
+                        cute.copy(atom, src, dst)
+                    else:
+                        if col < NV:
+                            cute.copy(atom, src, dst)
+                        else:
+                            dst.fill(0)
+            cute.arch.cp_async_commit_group()
+        if const_expr(self.split):
+            col = 32 * M + lane % 16
+            for r in cutlass.range_constexpr(RW):
+                dst = sW[None, lane, (M * RW + r) * 2, warp]
+                if lane < 16:
+                    cute.copy(atom, row_vectors(mW1, rows[r])[None, col], dst)
+                else:
+                    cute.copy(atom, row_vectors(mW3, rows[r])[None, col], dst)
+            cute.arch.cp_async_commit_group()
+        cute.arch.griddepcontrol_launch_dependents()
+        self.stage_z(rZ8, sZ, tidx)
+
+        # Step s waits only for its own group (S - 1 - s groups may still be in flight).
+        acc = [[Float32(0.0), Float32(0.0)] for _ in range(RW)]
+        rZ = cute.make_rmem_tensor(cute.make_layout((32,)), Float32)  # one 32-input group
+        rW = [[make_frag(Int32, 1) for _ in range(2)] for _ in range(RW)]  # (4, 1)
+        for mm in cutlass.range_constexpr(M):
+            cute.arch.cp_async_wait_group(S - 1 - mm)
+            z = group_z(sZ, cutlass.min(lane + 32 * mm, NV - 1), rZ)
+            for r in cutlass.range_constexpr(RW):
+                for mat in cutlass.range_constexpr(2):
+                    cute.autovec_copy(sW[None, lane, (mm * RW + r) * 2 + mat, warp],
+                                      rW[r][mat][None, 0])
+                    words = rW[r][mat][None, 0].load().bitcast(Uint32)
+                    acc[r][mat] = acc[r][mat] + decode_dot(words, z) * group_factor(
+                        rS[r][mat][mm])
+        if const_expr(self.split):
+            cute.arch.cp_async_wait_group(0)
+            z = group_z(sZ, 32 * M + lane % 16, rZ)
+            first = lane < 16
+            for r in cutlass.range_constexpr(RW):
+                cute.autovec_copy(sW[None, lane, (M * RW + r) * 2, warp], rW[r][0][None, 0])
+                t = decode_dot(rW[r][0][None, 0].load().bitcast(Uint32), z) * group_factor(
+                    rST[r])
+                acc[r][0] = acc[r][0] + Float32(cutlass.select_(first, t, Float32(0.0)))
+                acc[r][1] = acc[r][1] + Float32(cutlass.select_(first, Float32(0.0), t))
+        self.finish(acc, lane, pair, i0, mAct, beta, linear_beta)
+
+class FC2:
+    def __init__(self, latent: int, inter: int, top_k: int, cfg: FC2Config):
+        self.latent, self.inter, self.top_k = latent, inter, top_k
+        self.nvi = inter // 32  # packed vectors (and scales) per W2 row
+        self.rows, self.threads = cfg.rows_per_cta, cfg.threads
+        self.pitch = inter + 4  # act row pitch in smem (fp32): rows j, j+1 on other banks
+        # W2 vectors (and scales) per chunk: the whole row for I <= 512, else two buffers of
+        # `chunk` that take turns (loads of one in flight during the math of the other)
+        self.chunk = _chunk_vectors(self.nvi)
+        self.n_chunks = self.nvi // self.chunk
+
+    def load_chunk(self, gW, mS2, row, rW, rS, first):
+        """W2 row vectors first .. first + chunk - 1 and their scales -> rW (4, chunk), rS
+        (chunk,); `first` may be a runtime value."""
+        for c in range(self.chunk):
+            cute.autovec_copy(gW[None, first + c], rW[None, c])
+        for c in range(self.chunk):
+            rS[c] = Uint32(mS2[row, first + c])
+
+    def chunk_dot(self, acc, sRow, rZ, rW, rS, first):
+        """acc + the chunk's 32-input partials times their factors, added in order c."""
+        rZ4 = cute.zipped_divide(rZ, (4,))  # (4, 8)
+        for c in range(self.chunk):
+            for q in range(8):
+                cute.autovec_copy(sRow[None, 8 * (first + c) + q], rZ4[None, q])
+            words = rW[None, c].load().bitcast(Uint32)
+            acc = acc + decode_dot(words, rZ.load()) * group_factor(rS[c])
+        return acc
+
+    @cute.jit
+    def __call__(self, mActRows: cute.Tensor, mIds: cute.Tensor, mWt: cute.Tensor,
+                 mW2: cute.Tensor, mS2: cute.Tensor, mY: cute.Tensor, stream):
+        # mActRows: (N, k·I) bf16 (act, one row per token); mIds, mWt: (N, k);
+        # mW2: (E·L, I/8) int32 words; mS2: (E·L, I/32) uint8; mY: (N, L) bf16
+        smem = 4 * self.top_k * (self.pitch + self.rows) + 64
+        self.kernel(mActRows, mIds, mWt, mW2, mS2, mY).launch(
+            grid=[mY.shape[0], -(-self.latent // self.rows), 1],
+            block=[self.threads, 1, 1], smem=smem, stream=stream, use_pdl=True)
+
+    @cute.kernel
+    def kernel(self, mActRows: cute.Tensor, mIds: cute.Tensor, mWt: cute.Tensor,
+               mW2: cute.Tensor, mS2: cute.Tensor, mY: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        n, blk, _ = cute.arch.block_idx()
+        L, K, R, NVI = self.latent, self.top_k, self.rows, self.nvi
+        smem = cutlass.memory.SmemAllocator()
+        sAct = smem.allocate_tensor(Float32, cute.make_layout(
+            (K, self.pitch), stride=(self.pitch, 1)), 16)
+        sRed = smem.allocate_tensor(Float32, cute.make_layout((K, R), stride=(R, 1)), 16)
+
+        # Thread (l, j): row l of W2[ids[n, j]]; its first chunk (the whole row for I <= 512)
+        # loads before the wait. Threads past R·k (odd k) mirror the last one, write nothing.
+        t = cutlass.min(tidx, R * K - 1)
+        j, l = t // R, blk * R + t % R
+        n_exp = mW2.shape[0] // L
+        e = cutlass.max(cutlass.min(Int32(mIds[n, j]), n_exp - 1), 0)
+        row = e * L + cutlass.min(l, L - 1)
+        gW = row_vectors(mW2, row)  # (4, I/32)
+        C, NC = self.chunk, self.n_chunks
+        rW = [make_frag(Int32, C) for _ in range(min(NC, 2))]  # (4, C) each
+        rS = [cute.make_rmem_tensor(cute.make_layout((C,)), Uint32) for _ in range(min(NC, 2))]
+        self.load_chunk(gW, mS2, row, rW[0], rS[0], 0)
+        wt = mWt[n, j]
+
+        # act rows of token n (written by FC1) -> shared fp32 times 2^Z_SHIFT
+        cute.arch.griddepcontrol_wait()
+        per_row = self.inter // 8
+        AV = -(-(K * per_row) // self.threads)
+        rF = cute.make_rmem_tensor(cute.make_layout((8,)), Float32)
+        rF4 = cute.zipped_divide(rF, (4,))  # (4, 2)
+        for s0 in cutlass.range_constexpr(0, AV, STAGE_VECTORS):
+            rA8 = make_frag(BFloat16, min(AV - s0, STAGE_VECTORS))  # (8, <= STAGE_VECTORS)
+            load_vectors(row_vectors(mActRows, n), rA8, tidx, self.threads,
+                         K * per_row - s0 * self.threads, s0 * self.threads)
+            for s in cutlass.range_constexpr(s0, min(AV, s0 + STAGE_VECTORS)):
+                v = s * self.threads + tidx
+                if v < K * per_row:
+                    ja, q = v // per_row, v % per_row
+                    rF.store(rA8[None, s - s0].load().to(Float32) * Float32(2.0 ** Z_SHIFT))
+                    sRow = cute.zipped_divide(sAct[ja, None], (4,))  # (4, pitch/4)
+                    cute.autovec_copy(rF4[None, 0], sRow[None, 2 * q])
+                    cute.autovec_copy(rF4[None, 1], sRow[None, 2 * q + 1])
+        cute.arch.barrier()
+
+        acc = Float32(0.0)  # one fp32 sum over c = 0 .. I/32 - 1 in order, whatever the chunks
+        sRow = cute.zipped_divide(sAct[j, None], (4,))
+        rZ = cute.make_rmem_tensor(cute.make_layout((32,)), Float32)
+        if const_expr(NC > 1):
+            # chunks 2p, 2p + 1 in buffers 0, 1; a loop kept rolled, its count hidden from
+            # the compiler (mW2 has E·L >= 1 rows, so 1 - E·L <= 0), so that no later chunk's
+            # loads (registers) are hoisted above an earlier chunk's math
+            for p in cutlass.range(cutlass.max(Int32(NC // 2), 1 - mW2.shape[0]), unroll=1):
+                first = 2 * C * p
+                self.load_chunk(gW, mS2, row, rW[1], rS[1], first + C)
+                acc = self.chunk_dot(acc, sRow, rZ, rW[0], rS[0], first)
+                if first + 2 * C < NVI:
+                    self.load_chunk(gW, mS2, row, rW[0], rS[0], first + 2 * C)
+                acc = self.chunk_dot(acc, sRow, rZ, rW[1], rS[1], first + C)
+        if const_expr(NC % 2):  # the last chunk in buffer 0 (the whole row for I <= 512)
+            acc = self.chunk_dot(acc, sRow, rZ, rW[0], rS[0], (NC - 1) * C)
+        y = acc.to(BFloat16).to(Float32)  # the reference's FC2 einsum rounds to bf16
+        if tidx < R * K:
+            sRed[j, t % R] = wt * y
+        cute.arch.barrier()
+        if (tidx < R) & (blk * R + tidx < L):
+            total = sRed[0, tidx]
+            for jj in cutlass.range_constexpr(1, K):
+                total = total + sRed[jj, tidx]
+            mY[n, blk * R + tidx] = total.to(BFloat16)

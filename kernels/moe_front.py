@@ -1,0 +1,47 @@
+"""CUDA implementation of `k3::moe_front`: the router logits and the latent down-projection.
+
+    logits = x · W_rᵀ (fp32 out of bf16 operands),  z = x · W_dᵀ (bf16)
+
+bf16 × bf16 products are exact in fp32, so a bf16 GEMM accumulating and writing fp32 computes the
+reference's sums (in another order) without its fp32 copy of W_r.
+One launch at M <= gemv.GEMV_MAX_M where settings.KERNELS.gemv_fused names "split" (opt-in):
+gemv's split-output variant over [W_r; W_d] (`concatenated`: a view where the `pack` stage stored
+both as one buffer, else a second copy of both weights); otherwise two `router.linear` calls.
+
+Constraints:
+    * x [N, D] rows, W_r [E, D], W_d [L, D]; non-bf16 activations take the reference's fp32 math.
+    * The split variant takes gemv's limits on both weights (a refused call logs why and takes
+      the two launches).
+"""
+
+import torch
+
+from k3compile.ops import registry
+from k3compile.ops.linear_concat import concatenated
+
+from .common import gemv
+from .common.dsl import flat_rows, on_stream
+from .common.router import linear
+
+OP = "moe_front"
+
+
+def moe_front_cuda(x, router_w, down_w):
+    # x [N, D] bf16 rows; router_w [E, D], down_w [L, D]
+    if x.dtype != router_w.dtype:  # the reference's fp32 math
+        return linear(x.float(), router_w.float()), linear(x, down_w)
+    if gemv.fused_takes(x, "split") and gemv.fused_ok("split", _split_refusal(x, router_w, down_w)):
+        return gemv.gemv_split_cuda(x, concatenated([router_w, down_w]), router_w.shape[0])
+    return linear(x, router_w, out_dtype=torch.float32), linear(x, down_w)
+
+
+def _split_refusal(x, router_w, down_w):
+    """Why the split variant cannot take the front, checked on the two weights before their
+    concatenation is built."""
+    return (gemv.launch_refusal(gemv.refusal, x, router_w, None, None, torch.float32)
+            or gemv.launch_refusal(gemv.refusal, x, down_w, None, None, torch.bfloat16))
+
+
+def register() -> None:
+    registry.register_kernel(OP)  # refused inputs take the unfused launches
+    torch.library.register_kernel(f"k3::{OP}", "cuda", on_stream(flat_rows(moe_front_cuda)))

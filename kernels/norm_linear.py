@@ -1,0 +1,35 @@
+"""CUDA implementation of `k3::norm_linear`: RMSNorm, then a GEMM with the residual.
+
+    y = rms_norm(u; g, eps) · Wᵀ [+ r]      (the residual added in the GEMM's fp32 epilogue)
+
+One launch at M <= gemv.GEMV_MAX_M where settings.KERNELS.gemv_fused names "norm" (the default):
+gemv's norm-prologue variant; otherwise two, the rms_norm kernel and `router.linear`.
+
+Constraints:
+    * u [N, L] rows, W [O, L], r [N, O]; the one-launch variant takes gemv's limits (a refused call
+      logs why and takes the two launches); the rms_norm kernel's limits (refused: its reference).
+"""
+
+import torch
+
+from k3compile.ops import registry
+
+from .common import gemv
+from .common.dsl import flat_rows, on_stream
+from .common.router import linear
+from .rms_norm import rms_norm_cuda
+
+OP = "norm_linear"
+
+
+def norm_linear_cuda(u, norm_w, w, eps, residual=None):
+    # u [N, L] rows; w [O, L]; residual [N, O]
+    if gemv.fused_takes(u, "norm") and gemv.fused_ok("norm", gemv.fused_launch_refusal(
+            gemv.NORM, u, w, residual, norm_weight=norm_w)):
+        return gemv.gemv_norm_cuda(u, norm_w, w, eps, residual)
+    return linear(rms_norm_cuda(u, norm_w, eps), w, residual)
+
+
+def register() -> None:
+    registry.register_kernel(OP)  # refused inputs take the unfused launches
+    torch.library.register_kernel(f"k3::{OP}", "cuda", on_stream(flat_rows(norm_linear_cuda)))
