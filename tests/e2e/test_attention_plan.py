@@ -13,11 +13,10 @@ import pytest
 import torch
 
 import k3compile.backend as k3be
-from k3compile.stages.contract import PLANS
 from k3compile.models import build_model, get_config
 from k3compile.rewrite import module_path
+from k3compile.stages.contract import PLANS
 from tests.conftest import TOL, rel_err
-
 from tests.fusions.attention_checks import one_thread  # noqa: F401
 
 ATTENTION_OPS = ("rms_norm", "linear_concat", "kda_decode", "fb_kda_decode", "mla_lowrank_norm",

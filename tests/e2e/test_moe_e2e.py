@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import k3compile.backend as k3be
-from k3compile.stages.contract import PLANS
 from k3compile.models import build_model, get_config
+from k3compile.stages.contract import PLANS
 
 MOE_OPS = ("moe_front", "moe_route", "moe_experts", "norm_linear", "situ_gate_up")
 LAYERS = 3  # dense layer 0, KDA + MoE layers 1 and 2 (the last): each MoE template once

@@ -40,9 +40,8 @@ import torch
 import k3compile.backend as k3be
 from k3compile.models import build_model, get_config
 from tests.conftest import TOL, rel_err
-from tests.models.k3_variant import SPELLINGS, to_variant
-
 from tests.fusions.attention_checks import one_thread  # noqa: F401
+from tests.models.k3_variant import SPELLINGS, to_variant
 
 # Every template (dense, kda_moe, mla_moe, last) in 4 layers, as in test_attention_plan
 CFG = dataclasses.replace(get_config("tiny"), num_hidden_layers=4, full_attn_layers=(2, 3))

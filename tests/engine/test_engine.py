@@ -10,8 +10,7 @@ from k3compile.patterns import attn_res_mix_norm as arm
 
 import k3compile.ops  # noqa: F401
 from k3compile.math import rms_norm
-from k3compile.rewrite import inductor
-from k3compile.rewrite import apply_patterns, verify_rewrites
+from k3compile.rewrite import apply_patterns, inductor, verify_rewrites
 
 
 def _graph(fn, *args):

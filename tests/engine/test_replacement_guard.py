@@ -10,9 +10,9 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
+from k3compile.patterns import moe_front
 
 import k3compile.ops  # noqa: F401
-from k3compile.patterns import moe_front
 from k3compile.rewrite import Pattern, apply_patterns, inductor, verify_rewrites
 
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 
+import k3compile.patterns
 import torch
 
 import k3compile.backend as k3be
-import k3compile.patterns
 from k3compile.models import build_model, get_config
 from tests.conftest import TOL, rel_err
 

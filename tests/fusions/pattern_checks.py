@@ -6,8 +6,7 @@ from __future__ import annotations
 import torch
 
 import k3compile.ops  # noqa: F401  (the k3 ops exist before patterns trace)
-from k3compile.rewrite import inductor
-from k3compile.rewrite import RewriteReport, apply_patterns
+from k3compile.rewrite import RewriteReport, apply_patterns, inductor
 
 
 def graph(fn, *args, joint: bool = False):

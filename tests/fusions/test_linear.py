@@ -13,9 +13,9 @@ import torch.nn.functional as F
 from k3compile.patterns import ORDER, all_patterns, linear
 
 import k3compile.backend as k3be
-from k3compile.stages.contract import NEUTRAL, PLANS, SCHEDULE
 from k3compile.models import build_model, get_config
 from k3compile.rewrite import apply_patterns, module_path
+from k3compile.stages.contract import NEUTRAL, PLANS, SCHEDULE
 
 from .pattern_checks import assert_near_miss, assert_rewritten_equal, graph, rewrite, targets
 from .test_norm_linear import _inputs as norm_linear_inputs

@@ -1,13 +1,14 @@
 """mla_uv_gate: Gated MLA's W_UV up-projection (absorbed form) and sigmoid output gate as one op."""
 
 from __future__ import annotations
-from k3compile import settings
 
 import itertools
 
 import pytest
 import torch
 from k3compile.patterns import mla_uv_gate
+
+from k3compile import settings
 
 from .pattern_checks import (
     assert_near_miss,

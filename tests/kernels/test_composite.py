@@ -8,13 +8,13 @@ in a CUDA graph with PDL on and off."""
 import pytest
 import torch
 from k3compile.kernels.common import gemv
-from kernel_checks import BUCKETS, TOL, assert_written, rel_err
 
 from k3compile import settings
 from k3compile.ops.attn_res_mix_norm import attn_res_mix_norm_ref
 from k3compile.ops.moe_front import moe_front_ref
 from k3compile.ops.norm_linear import norm_linear_ref
 from k3compile.ops.situ_gate_up import situ_gate_up_ref
+from tests.kernel_checks import BUCKETS, TOL, assert_written, rel_err
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("cuda_kernels")]
 

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 from k3compile.kernels.common import gemm_tc as kernel
-from kernel_checks import (
+
+from tests.kernel_checks import (
     TOL,
     check_gemm,
     gemm_inputs,

@@ -17,7 +17,14 @@ import torch.nn.functional as F
 from k3compile.kernels.common import dsl
 from k3compile.kernels.common import gemv as kernel
 from k3compile.kernels.common.launch import Kernel
-from kernel_checks import (
+
+from k3compile import settings
+from k3compile.math import situ as situ_ref
+from k3compile.ops.moe_front import moe_front_ref
+from k3compile.ops.norm_linear import norm_linear_ref
+from k3compile.ops.rms_norm import rms_norm_ref
+from k3compile.ops.situ_gate_up import situ_gate_up_ref
+from tests.kernel_checks import (
     TOL,
     assert_written,
     check_gemm,
@@ -27,13 +34,6 @@ from kernel_checks import (
     poisoned,
     rel_err,
 )
-
-from k3compile import settings
-from k3compile.math import situ as situ_ref
-from k3compile.ops.moe_front import moe_front_ref
-from k3compile.ops.norm_linear import norm_linear_ref
-from k3compile.ops.rms_norm import rms_norm_ref
-from k3compile.ops.situ_gate_up import situ_gate_up_ref
 
 # [N, K] of one TP16 rank: KDA in-proj, MLA q_a|kv_a, latent down, latent up, router, gates /
 # shared gate_up, o_proj, MLA q_b, shared down, KDA f_b

@@ -25,20 +25,20 @@ from k3compile.kernels import (
 )
 from k3compile.kernels.common import dsl, gemm_tc, gemv
 from k3compile.kernels.common.launch import Kernel
-from kernel_checks import TOL, assert_written, poisoned, rel_err
-from test_attn_res_mix_norm import make_inputs as mix_inputs
-from test_attn_res_mix_norm import model as mix_model
-from test_gemm_tc import TC_FP32_SUMS
-from test_gemv import model as gemm_model
-from test_kda_decode import Inputs as KDAInputs
-from test_kda_decode import compare as kda_compare
-from test_mla_lowrank_norm import model as norm_model
-from test_moe_route import by_id
-from test_moe_route import expected as route_expected
-from test_situ import model as situ_model
 
 from k3compile import settings
 from k3compile.ops.kda_decode import kda_decode_ref
+from tests.fusions.test_attn_res_mix_norm_kernel import make_inputs as mix_inputs
+from tests.fusions.test_attn_res_mix_norm_kernel import model as mix_model
+from tests.fusions.test_kda_decode_kernel import Inputs as KDAInputs
+from tests.fusions.test_kda_decode_kernel import compare as kda_compare
+from tests.fusions.test_mla_lowrank_norm_kernel import model as norm_model
+from tests.fusions.test_moe_route_kernel import by_id
+from tests.fusions.test_moe_route_kernel import expected as route_expected
+from tests.fusions.test_situ_gate_up_kernel import model as situ_model
+from tests.kernel_checks import TOL, assert_written, poisoned, rel_err
+from tests.kernels.test_gemm_tc import TC_FP32_SUMS
+from tests.kernels.test_gemv import model as gemm_model
 
 HIDDEN, SHARED, EPS, BETA, LINEAR_BETA = 7168, 384, 1e-5, 4.0, 25.0
 EXPERTS, TOP_K, SCALING = 896, 16, 2.5

@@ -9,9 +9,9 @@ import torch
 from torch import fx
 
 import k3compile.backend as k3be
-from k3compile.stages import pack as weights
 from k3compile.models import build_model, get_config
 from k3compile.ops.linear_concat import concatenated
+from k3compile.stages import pack as weights
 
 KDA_GROUP = ("q_proj", "k_proj", "v_proj", "g_proj", "f_a_proj", "b_proj")
 

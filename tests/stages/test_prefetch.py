@@ -112,8 +112,8 @@ def _fused_inputs():
 
 
 def test_fused_collective_prefetch_runs_on_a_side_stream():
-    from k3compile.tools.diff.layers import stream_info
     from k3compile.stages.streams import happens_before, hazards
+    from k3compile.tools.diff.layers import stream_info
 
     graph = inductor.fwd_only_fake(fused_step, _fused_inputs()).graph
     (found,) = insert_prefetches(graph, l2=1 << 30)

@@ -3,7 +3,6 @@ fingerprints are all-gathered over the graph's TP group; ranks that compiled dif
 fail together, with a diff. Two gloo processes on CPU, hand-built graphs."""
 
 from __future__ import annotations
-from k3compile import settings
 
 import datetime
 import os
@@ -15,6 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import fx
 
+from k3compile import settings
 from k3compile.rewrite import inductor
 from k3compile.stages.ranks import RanksDiffer, check_ranks, summary
 
@@ -69,7 +69,6 @@ def _worker(rank: int, port: int, out_dir: str, differ: bool, pdl_differs: bool 
         name = dist.group.WORLD.group_name
         graph = _graph(extra=differ and rank == 1, group=name)
         if pdl_differs and rank == 1:  # e.g. K3_PDL set on one rank's launcher only
-            from k3compile.kernels.common import dsl
 
             settings.KERNELS.pdl = not settings.KERNELS.pdl
         try:

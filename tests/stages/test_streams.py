@@ -19,9 +19,9 @@ from torch import fx
 from torch._inductor.utils import run_and_get_code
 
 import k3compile.backend as k3be
-from k3compile.rewrite import inductor
 from k3compile.models import build_model, get_config
 from k3compile.ops.side_streams import on_stream
+from k3compile.rewrite import inductor
 from k3compile.stages.streams import happens_before, hazards, takes_stream
 from tests.conftest import TOL, rel_err
 

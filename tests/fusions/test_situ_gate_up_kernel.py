@@ -9,11 +9,11 @@ import pytest
 import torch
 from k3compile.kernels import situ_gate_up as kernel
 from k3compile.kernels.common import gemv
-from kernel_checks import BUCKETS, TOL, assert_written, poisoned, rel_err
 
 from k3compile import settings
 from k3compile.math import situ as situ_ref
 from k3compile.ops.situ_gate_up import situ_gate_up_ref
+from tests.kernel_checks import BUCKETS, TOL, assert_written, poisoned, rel_err
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("cuda_kernels")]
 

@@ -19,9 +19,9 @@ import logging
 import pytest
 import torch
 from k3compile.kernels import mla_decode as kernel
-from kernel_checks import BUCKETS, assert_refused, assert_written, poisoned, rel_err, strided
 
 from k3compile.ops.mla_decode import mla_decode_ref
+from tests.kernel_checks import BUCKETS, assert_refused, assert_written, poisoned, rel_err, strided
 
 H_TP16 = 96 // 16  # MLA heads per rank at TP16 (k3_arch.md §4.2; config num_attention_heads)
 C, R = 512, 64

@@ -20,9 +20,17 @@ import torch
 import torch.nn.functional as F
 from k3compile.kernels import kda_decode as kernel
 from k3compile.kernels.common import gemv, router
-from kernel_checks import BUCKETS, TOL, assert_refused, assert_written, poisoned, rel_err, strided
 
 from k3compile.ops.kda_decode import kda_decode_ref
+from tests.kernel_checks import (
+    BUCKETS,
+    TOL,
+    assert_refused,
+    assert_written,
+    poisoned,
+    rel_err,
+    strided,
+)
 
 K, TAPS = 128, 4
 H_TP16 = 96 // 16  # KDA heads per rank at TP16 (k3_arch.md §4.2)

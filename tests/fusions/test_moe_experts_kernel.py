@@ -21,13 +21,13 @@ import re
 import pytest
 import torch
 from k3compile.kernels import moe_experts as kernel
-from kernel_checks import BUCKETS, TOL, assert_written, poisoned, rel_err
 
 from k3compile import settings
 from k3compile.math import e2m1_table, mxfp4_dequant
 from k3compile.math import situ as situ_ref
 from k3compile.models import mxfp4
 from k3compile.ops.moe_experts import moe_experts_ref, moe_experts_refusal
+from tests.kernel_checks import BUCKETS, TOL, assert_written, poisoned, rel_err
 
 gpu = pytest.mark.usefixtures("cuda_kernels")
 

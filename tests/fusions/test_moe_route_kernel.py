@@ -6,9 +6,9 @@ import logging
 import pytest
 import torch
 from k3compile.kernels import moe_route as kernel
-from kernel_checks import BUCKETS, TOL, assert_written, poisoned
 
 from k3compile.ops.moe_route import moe_route_ref
+from tests.kernel_checks import BUCKETS, TOL, assert_written, poisoned
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("cuda_kernels")]
 

@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 from k3compile.kernels import attn_res_mix_norm as kernel
-from kernel_checks import BUCKETS, TOL, assert_written, poisoned, rel_err
 
 from k3compile.ops.attn_res_mix_norm import attn_res_mix_norm_ref
+from tests.kernel_checks import BUCKETS, TOL, assert_written, poisoned, rel_err
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("cuda_kernels")]
 

@@ -5,9 +5,9 @@ import logging
 import pytest
 import torch
 from k3compile.kernels import rms_norm as kernel
-from kernel_checks import BUCKETS, TOL, assert_written, poisoned, rel_err
 
 from k3compile.ops.rms_norm import rms_norm_ref
+from tests.kernel_checks import BUCKETS, TOL, assert_written, poisoned, rel_err
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("cuda_kernels")]
 
