@@ -18,6 +18,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from k3compile.kernels import fb_kda_decode as fb_kernel
 from k3compile.kernels import kda_decode as kernel
 from k3compile.kernels.common import gemv, router
 
@@ -113,7 +114,7 @@ def check_step(inp, steps=1, gen=None, fb=False):
             inp.new_activations(gen)
         conv0, state0 = conv.clone(), state.clone()
         out = poisoned(inp.B, inp.T, inp.H, K)
-        run = kernel.fb_kda_decode_cuda if fb else kernel.kda_decode_cuda
+        run = fb_kernel.fb_kda_decode_cuda if fb else kernel.kda_decode_cuda
         got = run(*inp.args(conv, state, fb=fb), out=out)
         assert got is out, "the kernel did not run (fallback)"
         if fb:  # the reference's graw from the same GEMM (tests/kernels/test_gemv.py checks it):

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from k3compile.kernels import (
     attn_res_mix_norm,
+    fb_kda_decode,
     kda_decode,
     mla_lowrank_norm,
     moe_route,
@@ -196,7 +197,7 @@ class FrontChain:
         assert got[0] is self.q, "mla_lowrank_norm fell back"
         gemm(self.x, self.w_in, out=self.inproj)
         k = self.kda
-        assert kda_decode.fb_kda_decode_cuda(*k.args(k.conv_state, k.state, fb=True),
+        assert fb_kda_decode.fb_kda_decode_cuda(*k.args(k.conv_state, k.state, fb=True),
                                              out=self.o) is self.o, "kda_decode fell back"
 
     def check(self, state0):
