@@ -120,10 +120,10 @@ class _CommutativeCall(CallFunction):
 
 
 def _progress(failure, depth: int) -> tuple[int, int]:
-    """How far a failed order got: pattern nodes bound, then a failure past the first operand
-    (e.g. multiple_users on an inner node) over a function_mismatch at it."""
+    """How far a failed order got: a failure past the operands' ops (e.g. multiple_users on an
+    inner node: the structure matched) over a function_mismatch, then pattern nodes bound."""
     head = str(getattr(failure, "format_string", ""))
-    return depth, 0 if head.startswith("function_mismatch") else 1
+    return 0 if head.startswith("function_mismatch") else 1, depth
 
 
 def _restore(ctx, saved) -> None:

@@ -159,7 +159,7 @@ def _named_misses(reference, gaps, pattern):
     last = max(reference)
     out = collections.defaultdict(list)
     for nm in _near_misses(gaps[2]):
-        if nm.pattern.split("[")[0] == pattern and re.search(r"node=|\(\w+ \w+\[", nm.reason):
+        if nm.pattern.split("[")[0] == pattern and re.search(r"node=|\(\S+ \w+\[", nm.reason):
             out[_layer_of(nm.module, last)].append(nm)
     return out
 
