@@ -1,5 +1,5 @@
 """CuTe DSL kernel for `k3::kda_decode`: the whole KDA recurrent step of one layer in one launch
-(spec §3.1 steps 3-7; `kda_decode_ref` in k3compile/ops/kda.py is the math and the rounding).
+(spec §3.1 steps 3-7; `kda_decode_ref` in k3compile/ops/kda_decode.py is the math and the rounding).
 
     x̃ = bf16(SiLU(conv(x))); q̂ = l2n(q̃)·s; k̂ = l2n(k̃); β = σ(b); α = exp(lb·σ(e^A·(graw+dt)))
     per t: S ← αS; S += k̂·(β(ṽ − Sᵀk̂))ᵀ; o_t = Sᵀq̂

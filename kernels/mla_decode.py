@@ -1,6 +1,6 @@
 """CuTe DSL kernel for `k3::mla_decode`: the latent-cache write of the T new rows and absorbed MLA
 decode attention, split-KV, in two launches of one compiled function (`mla_decode_ref` in
-k3compile/ops/mla.py is the math and the rounding it follows).
+k3compile/ops/mla_decode.py is the math and the rounding it follows).
 
     cache[slot, pos+t] <- [c_kv_t | k_pe_t];  o_lat[t, h] = bf16(Σ_{i<=pos+t} softmax_i(s)·c_kv_i)
     s = bf16(bf16(q_lat·c_kv) + bf16(q_pe·k_pe))·scale

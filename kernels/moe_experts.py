@@ -16,7 +16,7 @@ Constraints:
       (FC2's chunks: I/W at TP W = 16, 8, 4, 2, 1 is 192, 384, 768, 1536, 3072).
     * ids outside [0, E) are clamped (the reference raises); |z| < 2^32; scale bytes <= 224
       (2^97; 255 is E8M0's NaN); scale 0 (2^-127) is exact.
-    * The op's own constraints (k3compile.ops.moe `moe_experts_refusal`) are checked first;
+    * The op's own constraints (k3compile.ops.moe_experts `moe_experts_refusal`) are checked first;
       `refusal` holds only these kernels' limits (registered in the op registry).
 """
 
@@ -117,8 +117,9 @@ def _lane_vectors(latent: int) -> int:
 
 def refusal(z, ids, weights, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed,
             w2_scale, *_) -> str | None:
-    """Why the kernels cannot take operands that meet the op's constraints (k3compile.ops.moe
-    `moe_experts_refusal`, which the pattern checks first), or None: the kernels' own limits.
+    """Why the kernels cannot take operands that meet the op's constraints
+    (`k3compile.ops.moe_experts.moe_experts_refusal`, which the pattern checks first), or None:
+    the kernels' own limits.
     Metadata only (fake tensors work); data alignment is checked at launch."""
     n_exp, inter, latent = w1_packed.shape[0], w1_packed.shape[1], z.shape[-1]
     if not 32 <= latent <= MAX_LATENT or not 32 <= inter <= MAX_INTER:

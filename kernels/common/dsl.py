@@ -12,7 +12,7 @@
   `pdl_wait(on)`: programmatic dependent launch between our kernels (below).
 * `flat_rows(fn)`, `on_stream(fn)`: what wraps a kernel function into an op's CUDA implementation
   (`register_kernel("k3::op", "cuda", on_stream(flat_rows(op_cuda)))`): [B, T, D] activations as
-  rows, and the op's `stream` argument (k3compile.ops.sched).
+  rows, and the op's `stream` argument (k3compile.ops.side_streams).
 """
 
 from __future__ import annotations
