@@ -65,7 +65,9 @@ def parse_bool(name: str, value: str | None) -> bool | None:
 
 
 def env_bool(name: str) -> bool | None:
-    return parse_bool(name, env(name))
+    """A boolean switch; None where it is unset or empty (the default applies)."""
+    value = env(name)
+    return None if value is None or not value.strip() else parse_bool(name, value)
 
 
 def env_list(name: str) -> tuple[str, ...]:
@@ -76,19 +78,15 @@ def parse_gemv_fused(value: str | None) -> frozenset[str]:
     """K3_GEMV_FUSED: unset -> the default; `1`/`all` every variant; `0` none; else names."""
     if value is None:
         return GEMV_DEFAULT
-    if value.strip().lower() in ("all",) or parse_bool_or_none(value) is True:
+    v = value.strip().lower()
+    if v == "all" or v in _TRUE:
         return frozenset(GEMV_VARIANTS)
-    if parse_bool_or_none(value) is False:
+    if v in _FALSE:
         return frozenset()
     names = frozenset(v.strip() for v in value.split(",") if v.strip())
     if unknown := names - set(GEMV_VARIANTS):
         raise ValueError(f"K3_GEMV_FUSED: unknown variants {sorted(unknown)} (of {GEMV_VARIANTS})")
     return names
-
-
-def parse_bool_or_none(value: str) -> bool | None:
-    v = value.strip().lower()
-    return True if v in _TRUE else False if v in _FALSE else None
 
 
 # ---- per compile ---------------------------------------------------------------------------------
@@ -139,7 +137,7 @@ class Options:
                          ("fuse_without_kernels", "K3_FUSE_ALL"),
                          ("side_streams", "K3_SIDE_STREAMS"),
                          ("pack_weights", "K3_PACK_WEIGHTS")):
-            if (value := env_bool(var)) is not None and env(var) != "":
+            if (value := env_bool(var)) is not None:
                 opts.setdefault(key, value)
         for key, var in (("executor", "K3_EXECUTOR"), ("shard_moe", "K3_SHARD_MOE")):
             if env(var):
