@@ -4,7 +4,7 @@ Inductor's own machinery lowers the Dynamo graph (functionalisation, decompositi
 only); `Pipeline.inner_compile` then receives the ATen graph, runs the stages, and hands what the
 patterns left to Inductor (or, with executor "aten", runs it as it is).
 
-    normalize -> fuse -> verify -> writeback -> shard -> streams -> prefetch -> check -> ranks
+    normalize -> canonicalize -> fuse -> verify -> writeback -> shard -> streams -> prefetch -> check -> ranks
     -> contract -> pack
 
 `STAGES` is every stage in its order; `stages(options)` is the list one compile runs, decided
@@ -27,6 +27,7 @@ from k3compile.observe import Observer
 from k3compile.rewrite import inductor
 from k3compile.settings import Options
 from k3compile.stages import Context
+from k3compile.stages.canonicalize import canonicalize
 from k3compile.stages.check import check
 from k3compile.stages.contract import contract
 from k3compile.stages.fuse import fuse, writeback
@@ -46,6 +47,7 @@ Stage = Callable[[fx.GraphModule, Context], fx.GraphModule]
 # moves real weights, so only after every check has passed.
 STAGES: list[tuple[str, Stage]] = [
     ("normalize", normalize),
+    ("canonicalize", canonicalize),  # every spelling -> the one the patterns are written against
     ("fuse", fuse),
     ("verify", verify),
     ("writeback", writeback),

@@ -101,6 +101,7 @@ class Options:
     cuda_graphs: bool = True  # capture each bucket in a CUDA graph (GPU only)
     disabled_patterns: frozenset[str] = frozenset()  # names or name prefixes
     disabled_stages: frozenset[str] = frozenset()
+    disabled_rules: frozenset[str] = frozenset()  # canonical-form rules (k3compile.canonical)
     scratch_slot: int | None = None  # state slot for padding rows; inferred when None
     keep_graphs: bool = True  # the observer keeps each stage's graph text (for the tools)
     # What runs the graph the patterns leave: "inductor" (default), or "aten": the fused ATen
@@ -142,7 +143,7 @@ class Options:
         for key, var in (("executor", "K3_EXECUTOR"), ("shard_moe", "K3_SHARD_MOE")):
             if env(var):
                 opts.setdefault(key, env(var))
-        for key in ("disabled_patterns", "disabled_stages"):
+        for key in ("disabled_patterns", "disabled_stages", "disabled_rules"):
             if key in opts:
                 opts[key] = frozenset(opts[key])
         if "buckets" in opts:

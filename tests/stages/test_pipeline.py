@@ -23,8 +23,8 @@ def _names(**options):
 def test_default_stage_list(monkeypatch):
     for var in ("K3_VERIFY", "K3_SIDE_STREAMS", "K3_PACK_WEIGHTS"):
         monkeypatch.delenv(var, raising=False)
-    assert ALL == ["normalize", "fuse", "verify", "writeback", "shard", "streams", "prefetch",
-                   "check", "ranks", "contract", "pack"]
+    assert ALL == ["normalize", "canonicalize", "fuse", "verify", "writeback", "shard", "streams",
+                   "prefetch", "check", "ranks", "contract", "pack"]
     assert _names() == [n for n in ALL if n != "verify"]  # verify is off by default
 
 

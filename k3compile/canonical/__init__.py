@@ -1,0 +1,45 @@
+"""Canonical forms: the rules that stage `canonicalize` applies before `fuse`, so that the patterns
+are written against one spelling of each K3 computation, not against our model's.
+
+A user's K3 spells the same math many ways (a short conv as `F.conv1d` or as a window sum; a state
+write as `index_put`, `copy_` or slice assignment; a projection as `mm`, `bmm`, `matmul` or
+`einsum`; ...). Each rule rewrites the spellings of one computation into its canonical form, the
+form `k3compile/math.py` (and so our model and every pattern's search) traces to. A rule is small,
+named, and only ever replaces a subgraph by one that computes the same values with the same dtype
+and shape; its tests (`tests/canonical/test_<rule>.py`) show each spelling it takes (positive) and
+look-alikes it must leave alone (negative), numerically against the unrewritten graph.
+
+`ORDER` is the order the stage applies them in (a later rule may rely on an earlier one's form).
+Each module `k3compile/canonical/<name>.py` defines `RULE`, a `Rule`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+from collections.abc import Callable
+
+from torch import fx
+
+ORDER: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """One canonicalisation. `apply(graph)` rewrites every site it finds in place and returns how
+    many it rewrote; it leaves every new node with `meta["val"]` (`k3compile.graph.call`) and the
+    module stack of the node it replaces, so per-layer tools still place it."""
+
+    name: str
+    apply: Callable[[fx.Graph], int]
+    summary: str  # one line: spellings in -> canonical form out
+
+
+@functools.cache
+def all_rules() -> tuple[Rule, ...]:
+    """Every rule, in `ORDER`."""
+    return tuple(importlib.import_module(f"{__name__}.{name}").RULE for name in ORDER)
+
+
+__all__ = ["ORDER", "Rule", "all_rules"]
