@@ -26,7 +26,7 @@ KERNELS = ("attn_res_mix_norm", "mla_lowrank_norm", "rms_norm", "moe_route", "si
 ENGINES = ("gemm_tc",)
 
 # ops whose torch reference is already what a GPU should run (stream and prefetch bookkeeping;
-# linear_concat's one GEMM over cached concatenated weights, whose module also registers it
+# linear_concat's one GEMM over the concatenated weights, whose module also registers it
 # native): as fast on CUDA as the unfused graph under Inductor. Registered with or without the DSL.
 NATIVE = ("linear_concat", "stream_fork", "stream_join", "prefetch_l2")
 

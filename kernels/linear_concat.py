@@ -1,4 +1,4 @@
-"""CUDA implementation of `k3::linear_concat`: one GEMM over the cached concatenated weights.
+"""CUDA implementation of `k3::linear_concat`: one GEMM over the concatenated weights.
 
     y = x · [W_0; W_1; ...]ᵀ
 
@@ -6,8 +6,8 @@ The reference is already what a GPU should run (the op registers native): on CUD
 through `router.linear` (our skinny GEMM at one row, cuBLAS above).
 
 Constraints:
-    * x [N, D] rows, W_i [N_i, D]; `concatenated` caches the concatenation while the weights live
-      unchanged (a view where the `pack` stage stored them as one buffer).
+    * x [N, D] rows, W_i [N_i, D]; `concatenated` is a view where the `pack` stage stored them
+      as one buffer, else a fresh concatenation per call (nothing cached: never stale).
 """
 
 import torch

@@ -4,9 +4,9 @@ with SiTU in the epilogue (shared experts, dense MLP).
     a = SiTU(x·W_gᵀ, x·W_uᵀ)     SiTU(g, u) = β·tanh(g/β)·sigmoid(g) · β₂·tanh(u/β₂), fp32 math,
                                  cast to the GEMM dtype (`k3compile.math.situ`)
 
-One GEMM over [W_g; W_u]: the concatenation is built once per weight pair and cached with
-`k3.linear_concat`'s (a second copy of the two weights; on a GPU it is made by the first,
-uncaptured run, so a CUDA graph never replays a cat). With `stream=s` it runs on side stream s
+The CUDA kernel runs one GEMM over [W_g; W_u]: a view where stage `pack` stored the pair back to
+back, else concatenated at every call (`k3compile.ops.linear_concat.concatenated`: no cached copy
+can go stale). The reference computes the two GEMMs apart, as the unfused graph does. With `stream=s` it runs on side stream s
 (stage `streams`: the shared experts beside the routed path; `k3compile.ops.side_streams`).
 """
 
@@ -21,14 +21,12 @@ from k3compile.ops.side_streams import run_on_stream
 
 
 def gate_up_weight(wg: torch.Tensor, wu: torch.Tensor) -> torch.Tensor:
-    """[W_g; W_u], concatenated once per weight pair (the cache `k3.linear_concat` keeps)."""
+    """[W_g; W_u] for the kernel's one GEMM (a view where packed, else a fresh copy)."""
     return concatenated([wg, wu])
 
 
 def situ_gate_up_ref(x, wg, wu, beta: float, linear_beta: float) -> torch.Tensor:
-    gate_up = F.linear(x, gate_up_weight(wg, wu))
-    gate, up = gate_up.split(wg.shape[0], dim=-1)
-    return situ(gate, up, beta, linear_beta)
+    return situ(F.linear(x, wg), F.linear(x, wu), beta, linear_beta)
 
 
 def situ_gate_up_refusal(x, wg, wu) -> str | None:

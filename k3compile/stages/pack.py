@@ -1,10 +1,10 @@
 """Stage `pack`: the weights a fused GEMM reads as one matrix are stored as one matrix.
 
 `k3.linear_concat` (KDA q|k|v|g|f_a|b, MLA q_a|kv_a|g) and `k3.moe_front` (router | latent-down,
-one launch with gemv's split variant) read [W_0; W_1; ...] as one weight. Left alone, the first
-call concatenates the weights into a cached copy (`k3compile.ops.linear_concat.concatenated`): a
-second copy of every fused weight, ~46 MB per KDA layer per GPU at TP16, 64 MB more per MoE layer
-with the split variant. This stage moves each group's weights, once, into one buffer and makes
+one launch with gemv's split variant) read [W_0; W_1; ...] as one weight. Left alone, their CUDA
+kernels concatenate the weights at every call (`k3compile.ops.linear_concat.concatenated`; no
+copy is cached, so none can go stale): ~46 MB copied per KDA layer per step per GPU at TP16, 64 MB
+more per MoE layer with the split variant. This stage moves each group's weights, once, into one buffer and makes
 every weight a view of its rows (`param.data = rows`): the values, shapes, strides, the
 parameters' identity and `state_dict` stay what they were, `load_state_dict` / `copy_` write
 through to the buffer, and `concatenated` finds the weights back to back and returns a view of

@@ -33,14 +33,13 @@ def test_rewrites(lead, dtype):
     assert_rewritten_equal(gm, report, mlp_gate_up, args, "k3.situ_gate_up")
 
 
-def test_concatenated_weight_is_built_once():
+def test_reference_reads_weights_at_every_call():
     x, wg, wu = _inputs()
-    first = gate_up_weight(wg, wu)
-    assert gate_up_weight(wg, wu) is first
-    torch.ops.k3.situ_gate_up(x, wg, wu, 4.0, 25.0)
-    assert gate_up_weight(wg, wu) is first
-    wg.add_(1.0)  # an in-place update bumps the version: a fresh concatenation
-    assert gate_up_weight(wg, wu) is not first
+    want = situ(F.linear(x, wg), F.linear(x, wu), 4.0, 25.0)
+    torch.testing.assert_close(torch.ops.k3.situ_gate_up(x, wg, wu, 4.0, 25.0), want, rtol=0, atol=0)
+    wg.data.copy_(torch.randn_like(wg))  # no version bump: a cached [W_g; W_u] would be stale
+    want = situ(F.linear(x, wg), F.linear(x, wu), 4.0, 25.0)
+    torch.testing.assert_close(torch.ops.k3.situ_gate_up(x, wg, wu, 4.0, 25.0), want, rtol=0, atol=0)
 
 
 def test_escaping_gate_is_a_near_miss():
