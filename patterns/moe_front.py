@@ -2,7 +2,10 @@
 `k3.moe_front` (spec §5.2 row 7: one launch reads x once and writes both).
 
 Matches MoEGate's `sigmoid(F.linear(x.float(), W_router.float()))` and LatentMoE's
-`routed_expert_down_proj(x)` on the same 2-D x.
+`routed_expert_down_proj(x)` on the same 2-D x, where the scores choose experts: the sigmoid
+feeds a top-k or sort (through the bias add). Without that anchor two GEMMs on one input with a
+sigmoid on the first are not a router: KDA's β (sigmoid(b_proj)) beside q_proj and MLA's output
+gate (sigmoid(g_proj)) beside q_a_proj look the same (issue 18).
 
 Before: sigmoid(mm(convert(x, f32), permute(convert(W_r, f32)))); mm(x, permute(W_d))
 After:  logits, z = k3.moe_front(x, W_r, W_d); sigmoid(logits)
@@ -30,10 +33,29 @@ def replace(x, router_w, down_w):
     return torch.sigmoid(logits), z
 
 
+# what a router's scores feed within a few steps (the bias add, a cast, a view in between)
+_CHOOSERS = frozenset({torch.ops.aten.topk.default, torch.ops.aten.sort.default,
+                       torch.ops.aten.sort.stable})
+_CHOOSER_DEPTH = 3
+
+
+def feeds_top_k(node) -> bool:
+    """node's value reaches a top-k or sort through at most `_CHOOSER_DEPTH` ops."""
+    frontier = {node}
+    for _ in range(_CHOOSER_DEPTH):
+        frontier = {u for n in frontier for u in n.users}
+        if any(u.target in _CHOOSERS for u in frontier):
+            return True
+    return False
+
+
 def check(match) -> str | None:
     x, wr, wd = (tensor_meta(match.kwargs[k]) for k in ("x", "router_w", "down_w"))
     if any(t is None for t in (x, wr, wd)):
         return "an input has no tensor metadata"
+    scores = next(n for n in match.nodes if n.target is torch.ops.aten.sigmoid.default)
+    if not feeds_top_k(scores):
+        return f"the sigmoid {scores.name} feeds no top-k or sort (not a router's scores)"
     return moe_front_refusal(x, wr, wd)
 
 

@@ -15,7 +15,12 @@ def _inputs(d=64, dtype=torch.bfloat16):
             torch.randn(32, d, generator=g).to(dtype)]
 
 
-def front(x, wr, wd):  # MoEGate's scores and LatentMoE's routed_expert_down_proj
+def front(x, wr, wd):  # MoEGate's scores choosing experts and LatentMoE's routed_expert_down_proj
+    scores = torch.sigmoid(F.linear(x.float(), wr.float()))
+    return scores, F.linear(x, wd), torch.topk(scores + 0.5, 4, dim=-1)[1]
+
+
+def gated(x, wr, wd):  # KDA's beta or MLA's output gate beside another GEMM: no top-k
     return torch.sigmoid(F.linear(x.float(), wr.float())), F.linear(x, wd)
 
 
@@ -30,10 +35,18 @@ def test_rewrites_bf16_and_fp32():
 def test_escaping_logits_is_a_near_miss():
     def escaped(x, wr, wd):
         logits = F.linear(x.float(), wr.float())  # also read outside: escapes the fusion
-        return torch.sigmoid(logits), F.linear(x, wd), logits * 2
+        scores = torch.sigmoid(logits)
+        return scores, F.linear(x, wd), logits * 2, torch.topk(scores, 4, dim=-1)[1]
 
     _, report = rewrite(escaped, _inputs(), moe_front.patterns())
     assert_near_miss(report, "moe_front", "user")
+
+
+def test_a_sigmoid_that_chooses_nothing_is_no_router():
+    for dtype in (torch.bfloat16, torch.float32):  # fp32: the casts vanish, any two GEMMs look alike
+        gm, report = rewrite(gated, _inputs(dtype=dtype), moe_front.patterns())
+        assert not report.hits and "k3.moe_front.default" not in targets(gm)
+        assert_near_miss(report, "moe_front", "check refused", "feeds no top-k")
 
 
 def test_check_refuses_unaligned_hidden():
