@@ -11,7 +11,8 @@ Two spellings:
   the canonical form, fused with q_a by `linear_concat`).
 * separate gate and up GEMMs concatenated and then sliced again (Moonshot's `SituAndMul` on
   `cat([w1(x), w3(x)], -1)`): a slice that is exactly one of the cat's inputs is that input.
-  Exact, and a copy less, whatever the tensors are.
+  The same values whatever the tensors are (elementwise CPU kernels may round an ulp apart on a
+  contiguous tensor and a strided slice), and a copy less.
 """
 
 from __future__ import annotations
