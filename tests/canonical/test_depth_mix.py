@@ -104,7 +104,7 @@ def test_one_source_at_batch_one():
 
 
 def _not_a_mix(*args):
-    *srcs, wn, wp = args
+    *srcs, _, _ = args
     return torch.cat([s.unsqueeze(0) for s in srcs]).amax(0)  # a cat of sources, no softmax
 
 
@@ -137,7 +137,7 @@ def _escaping_alpha(*args):
 
 
 def _softmax_over_batch(*args):
-    *srcs, wn, wp = args
+    *srcs, _, wp = args
     x = torch.stack(srcs, dim=1)  # [B, S, T, D]: dim 0 is the batch
     alpha = torch.softmax(F.linear(x, wp).squeeze(-1), dim=0)
     return torch.einsum("bstd,bst->std", x, alpha)

@@ -77,9 +77,9 @@ def test_bf16_window_convolves_in_fp32(upcast):
     inputs, and the conv runs in fp32."""
     x, w = _window(dtype=torch.bfloat16)
     if upcast == "before_squeeze":
-        fn = lambda x, w: (x.float() * w.float().squeeze(1)).sum(-1)  # noqa: E731
+        fn = lambda x, w: (x.float() * w.float().squeeze(1)).sum(-1)
     else:
-        fn = lambda x, w: (x.float() * w.squeeze(1).float()).sum(-1)  # noqa: E731
+        fn = lambda x, w: (x.float() * w.squeeze(1).float()).sum(-1)
     before, after, n = _rewrite(fn, x, w)
     assert n == 1
     conv = next(node for node in after.graph.nodes if str(node.target) == CONV)
