@@ -1,0 +1,199 @@
+"""Rule `gate_up_split`: a GLU's gate and up halves taken from one concatenated tensor -> the two
+GEMMs that separate gate and up linears trace to, the form `patterns/situ_gate_up.py` matches.
+
+Two spellings:
+* one GEMM over the stacked weight [W_g; W_u], its output halved by `chunk(2, -1)`, `split(I, -1)`
+  or `[..., :I]` / `[..., I:]`: each half becomes the GEMM of x with the weight's rows of that half,
+  `mm(x, permute(slice(W_gu, 0, 0, I)))`, as `F.linear(x, W_g)` traces (a column of a GEMM's
+  output depends only on its weight row: the values are the same up to the GEMM's blocking).
+  Only where the two halves meet in an elementwise product (SiTU, SwiGLU, GeGLU ...): a GEMM whose
+  output is split for other uses keeps its one GEMM (MLA's kv_a [latent | rope] is one GEMM in
+  the canonical form, fused with q_a by `linear_concat`).
+* separate gate and up GEMMs concatenated and then sliced again (Moonshot's `SituAndMul` on
+  `cat([w1(x), w3(x)], -1)`): a slice that is exactly one of the cat's inputs is that input.
+  The same values whatever the tensors are (elementwise CPU kernels may round an ulp apart on a
+  contiguous tensor and a strided slice), and a copy less.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch import fx
+
+from k3compile.canonical import Rule
+from k3compile.graph import call
+
+aten = torch.ops.aten
+_END = 2**63 - 1  # slice's "to the end"
+_POINTWISE = {aten.mul.Tensor, aten.div.Tensor, aten.add.Tensor, aten.sub.Tensor, aten.tanh.default,
+              aten.sigmoid.default, aten.silu.default, aten.gelu.default, aten.exp.default,
+              aten.neg.default, aten.relu.default, aten.reciprocal.default, aten.clamp.default,
+              aten.pow.Tensor_Scalar, aten.erf.default, aten.rsqrt.default, aten.sqrt.default,
+              torch.ops.prims.convert_element_type.default}
+
+
+def _shape(node) -> tuple[int, ...] | None:
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return tuple(val.shape) if isinstance(val, torch.Tensor) else None
+
+
+# ---- the pieces a tensor is cut into along its last dim -----------------------------------------
+
+
+def _pieces(node: fx.Node) -> list[tuple[fx.Node, int, int]] | None:
+    """[(piece, start, end)] if every user of node cuts it along the last dim with step 1."""
+    rank, width = len(_shape(node)), _shape(node)[-1]
+    out = []
+    for user in node.users:
+        if user.target is aten.slice.Tensor:
+            cut = _slice(user, rank, width)
+            if cut is None:
+                return None
+            out.append((user, *cut))
+        elif user.target in (aten.split.Tensor, aten.split_with_sizes.default):
+            cuts = _split(user, rank, width)
+            if cuts is None:
+                return None
+            out += cuts
+        else:
+            return None
+    return out
+
+
+def _slice(node: fx.Node, rank: int, width: int) -> tuple[int, int] | None:
+    args = [*node.args[1:], *[None] * 4]
+    dim, start, end, step = (args[0] or 0), (args[1] or 0), args[2], (args[3] or 1)
+    end = width if end is None or end >= width else end
+    start, end = (start + width if start < 0 else start), (end + width if end < 0 else end)
+    if dim % rank != rank - 1 or step != 1 or not 0 <= start < end <= width:
+        return None
+    return start, end
+
+
+def _split(split: fx.Node, rank: int, width: int) -> list[tuple[fx.Node, int, int]] | None:
+    sizes, dim = split.args[1], split.args[2] if len(split.args) > 2 else 0
+    if dim % rank != rank - 1 or any(u.target is not operator.getitem for u in split.users):
+        return None
+    if isinstance(sizes, int):
+        sizes = [min(sizes, width - s) for s in range(0, width, sizes)]
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return [(u, starts[u.args[1]], starts[u.args[1]] + sizes[u.args[1]]) for u in split.users]
+
+
+# ---- halves of one GEMM that meet in a GLU product ---------------------------------------------
+
+
+def _meet(a: fx.Node, b: fx.Node, reach: int = 200) -> bool:
+    """a and b flow only through elementwise ops until one product consumes both (a GLU)."""
+    sides = {a: {0}, b: {1}}
+    node = min(a, b, key=_position).next
+    for _ in range(reach):
+        if node.op == "output":
+            return False
+        ins = [sides[x] for x in node.all_input_nodes if x in sides]
+        if ins:
+            if node.target not in _POINTWISE:
+                return False
+            sides[node] = set().union(*ins)
+            if sides[node] == {0, 1}:
+                # nothing on the way escapes around the product
+                return node.target is aten.mul.Tensor and all(
+                    n is node or all(u in sides for u in n.users) for n in sides)
+        node = node.next
+    return False
+
+
+def _position(node: fx.Node) -> int:
+    """node's place in its graph: the walk starts at the earlier half (graphs are topological)."""
+    n, i = node, 0
+    while n.op != "root":
+        n, i = n.prev, i + 1
+    return i
+
+
+def _gemm(node: fx.Node):
+    """(mm or addmm, the view from [M, N] to [..., N] or None) that node is the output of."""
+    view = None
+    if node.target is aten.view.default and len(node.users) and _shape(node.args[0]):
+        src = node.args[0]
+        if len(src.users) == 1 and _shape(src)[-1] == _shape(node)[-1]:
+            view, node = node, src
+    return (node, view) if node.target in (aten.mm.default, aten.addmm.default) else None
+
+
+def _split_gemm(graph: fx.Graph, out: fx.Node) -> int:
+    found = _gemm(out)
+    pieces = _pieces(out) if found else None
+    if not pieces or len(pieces) != 2:
+        return 0
+    (g, g0, g1), (u, u0, u1) = sorted(pieces, key=lambda p: p[1])
+    if (g0, g1 - g0, u0, u1) != (0, u1 - u0, g1, _shape(out)[-1]) or not _meet(g, u):
+        return 0
+    gemm, view = found
+    for piece, start, end in ((g, g0, g1), (u, u0, u1)):
+        with graph.inserting_before(piece):
+            new = _gemm_of_rows(graph, gemm, view, start, end, piece)
+        piece.replace_all_uses_with(new)
+    return 1
+
+
+def _gemm_of_rows(graph, gemm, view, start, end, like):
+    """The GEMM of the weight's output rows [start, end) (and the bias's), viewed as `like`."""
+    if gemm.target is aten.addmm.default:
+        bias, x, w = gemm.args[:3]
+        bias = call(graph, aten.slice.Tensor, (bias, -1, start, end), like=like)
+    else:
+        bias, (x, w) = None, gemm.args[:2]
+    if w.target is aten.permute.default and list(w.args[1]) == [1, 0]:  # F.linear's W.t()
+        rows = call(graph, aten.slice.Tensor, (w.args[0], 0, start, end), like=like)
+        w = call(graph, aten.permute.default, (rows, [1, 0]), like=like)
+    else:
+        w = call(graph, aten.slice.Tensor, (w, 1, start, end), like=like)
+    if view is not None and x.target is aten.view.default:  # F.linear flattens x per GEMM
+        x = call(graph, aten.view.default, tuple(x.args), like=like)
+    y = (call(graph, aten.addmm.default, (bias, x, w, *gemm.args[3:]), gemm.kwargs, like=like)
+         if bias is not None else call(graph, aten.mm.default, (x, w), like=like))
+    if view is not None:
+        y = call(graph, aten.view.default, (y, list(_shape(like))), like=like)
+    return y
+
+
+# ---- slices of a cat that are one of its inputs --------------------------------------------------
+
+
+def _uncat_slices(cat: fx.Node) -> int:
+    inputs, dim = cat.args[0], cat.args[1] if len(cat.args) > 1 else 0
+    rank = len(_shape(cat))
+    if dim % rank != rank - 1:
+        return 0
+    bounds, start = {}, 0
+    for x in inputs:
+        width = _shape(x)[-1]
+        bounds[(start, start + width)] = x
+        start += width
+    rewritten = 0
+    for piece, lo, hi in _pieces(cat) or ():
+        x = bounds.get((lo, hi))
+        if x is not None and _shape(x) == _shape(piece) and x.meta["val"].dtype == piece.meta[
+                "val"].dtype:
+            piece.replace_all_uses_with(x)
+            rewritten += 1
+    return rewritten
+
+
+def apply(graph: fx.Graph) -> int:
+    rewritten = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or not _shape(node):
+            continue
+        if node.target is aten.cat.default:
+            rewritten += _uncat_slices(node)
+        else:
+            rewritten += _split_gemm(graph, node)
+    return rewritten
+
+
+RULE = Rule("gate_up_split", apply, "GLU halves of one gate|up GEMM -> two GEMMs on weight row "
+            "slices; a slice of a cat that is one of its inputs -> that input")

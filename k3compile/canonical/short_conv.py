@@ -1,0 +1,230 @@
+"""Rule `short_conv`: KDA's depthwise short convolution written as a window sum -> the
+`convolution` that `F.conv1d(window, taps, groups=C)` traces to (`patterns/kda_decode.py`).
+
+A decode step convolves the window [B, C, L] (the conv state's last taps-1 inputs and the new
+ones) with one filter per channel [C, 1, taps]. Code written elsewhere (fla's
+`ShortConvolution.step`, hand-written decoders) spells it as
+    (window * w).sum(-1)                        w [C, taps], [C, 1, taps] squeezed, either order
+    (window.unfold(-1, taps, 1) * w).sum(-1)    L = T + taps - 1, w [C, 1, taps]: [B, C, T]
+    sum(window[..., j] * w[:, j] for j in range(taps))
+which this rule rewrites to `convolution(window, w[C, 1, taps], None, [1], [0], [1], False, [0],
+C)`, followed by a view where the sum had dropped the output's length-1 dim.
+
+Only fp32 products are rewritten: the canonical form convolves in fp32 (the model's
+`window.float()`, `taps.float()`), and fp32 upcasts of a bf16 operand are exact, so conv and window
+sum differ only by summation order (measured on CPU at K3's 3·4096 channels, B 1-64: ~38% of the
+outputs differ, by at most 1.7e-7 of the largest, 1-2 ulps). A window sum multiplied in bf16
+rounds every product to bf16, a different computation: left alone.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+from k3compile.canonical import Rule
+from k3compile.graph import call
+
+aten = torch.ops.aten
+# a short conv's width (K3: 4); a long weighted sum over the last dim is some other reduction,
+# which Inductor fuses better than as a convolution
+MAX_TAPS = 16
+
+# ops that only re-index a tensor without changing the order of its elements
+_ORDER_KEEPING = {aten.squeeze.dim, aten.squeeze.default, aten.squeeze.dims, aten.unsqueeze.default,
+                  aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+
+
+def _shape(node) -> tuple[int, ...] | None:
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return tuple(val.shape) if isinstance(val, torch.Tensor) else None
+
+
+def _dtype(node) -> torch.dtype | None:
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return val.dtype if isinstance(val, torch.Tensor) else None
+
+
+def _squeezed(shape) -> tuple[int, ...]:
+    """shape without its leading size-1 dims (broadcasting adds them)."""
+    shape = tuple(shape)
+    while shape and shape[0] == 1:
+        shape = shape[1:]
+    return shape
+
+
+def _filters(node: fx.Node, C: int, taps: int) -> fx.Node | None:
+    """The [C, 1, taps] tensor that `node` (C x taps filter values, in order) is an
+    order-keeping view or exact fp32 upcast of, if the graph holds one."""
+    while isinstance(node, fx.Node) and node.op == "call_function":
+        if _shape(node) == (C, 1, taps):
+            return node
+        if node.target is aten.select.int and (_shape(node.args[0]) or (0,) * 8)[node.args[1]] == 1:
+            node = node.args[0]  # w[:, 0]: a squeeze
+        elif node.target in _ORDER_KEEPING or _is_upcast(node):
+            node = node.args[0]
+        else:
+            return None
+    return node if _shape(node) == (C, 1, taps) else None
+
+
+def _is_upcast(node: fx.Node) -> bool:
+    return (node.target is torch.ops.prims.convert_element_type.default
+            and node.args[1] == torch.float32
+            and _dtype(node.args[0]) in (torch.bfloat16, torch.float16, torch.float32))
+
+
+def _as_filters(graph: fx.Graph, weight: fx.Node, C: int, taps: int, like: fx.Node) -> fx.Node:
+    """`weight` (C x taps values) as the conv's fp32 [C, 1, taps] weight."""
+    w = _filters(weight, C, taps)
+    if w is None:
+        w = call(graph, aten.reshape.default, (weight, [C, 1, taps]), like=like)
+    return _fp32(graph, w, like)
+
+
+def _fp32(graph: fx.Graph, node: fx.Node, like: fx.Node) -> fx.Node:
+    if _dtype(node) == torch.float32:
+        return node
+    return call(graph, torch.ops.prims.convert_element_type.default, (node, torch.float32),
+                like=like)
+
+
+def _convolve(graph: fx.Graph, site: fx.Node, window: fx.Node, weight: fx.Node, C: int,
+              taps: int) -> None:
+    """Replace `site` by the canonical depthwise conv of window [B, C, L] with weight."""
+    with graph.inserting_before(site):
+        w = _as_filters(graph, weight, C, taps, site)
+        x = _fp32(graph, window, site)
+        conv = call(graph, aten.convolution.default,
+                    (x, w, None, [1], [0], [1], False, [0], C), like=site)
+        if _shape(conv) != _shape(site):
+            conv = call(graph, aten.view.default, (conv, list(_shape(site))), like=site)
+    site.replace_all_uses_with(conv)
+
+
+# ---- (window * w).sum(-1) and its unfold form --------------------------------------------------
+
+
+def _weight_fits(weight: fx.Node, want: tuple[int, ...]) -> bool:
+    """weight broadcasts as the filters: its shape (leading 1s aside) is `want`."""
+    shape = _shape(weight)
+    return shape is not None and _squeezed(shape) == _squeezed(want) and len(shape) <= len(want) + 1
+
+
+def _window_sum(node: fx.Node) -> tuple[fx.Node, fx.Node, int, int] | None:
+    """(window [B, C, L], weight, C, taps) if node is the sum over taps of window * weight."""
+    if node.target is not aten.sum.dim_IntList or node.kwargs.get("dtype") is not None:
+        return None
+    prod, dims = node.args[0], node.args[1]
+    if not (isinstance(prod, fx.Node) and prod.target is aten.mul.Tensor and len(prod.users) == 1
+            and _dtype(prod) == torch.float32 and dims is not None and len(dims) == 1):
+        return None
+    shape = _shape(prod)
+    if len(shape) not in (3, 4) or dims[0] % len(shape) != len(shape) - 1:
+        return None
+    a, b = prod.args
+    for window, weight in ((a, b), (b, a)):
+        if isinstance(window, fx.Node) and isinstance(weight, fx.Node) and _shape(window) == shape:
+            found = _window_and_filters(window, weight, shape)
+            if found is not None:
+                return found
+    return None
+
+
+def _window_and_filters(window, weight, shape):
+    C, taps = shape[1], shape[-1]
+    if taps > MAX_TAPS:
+        return None
+    if len(shape) == 3:  # [B, C, taps] * [C, taps]
+        return (window, weight, C, taps) if _weight_fits(weight, (C, taps)) else None
+    # [B, C, T, taps] = window.unfold(-1, taps, 1) * [C, 1, taps]
+    if window.target is not aten.unfold.default:
+        return None
+    src, dim, size, step = window.args
+    if (len(_shape(src)) != 3 or dim % 3 != 2 or size != taps or step != 1
+            or not _weight_fits(weight, (C, 1, taps))):
+        return None
+    return src, weight, C, taps
+
+
+# ---- sum(window[..., j] * w[:, j] for j in range(taps)) ----------------------------------------
+
+
+def _terms(node: fx.Node, inner: set) -> list[fx.Node] | None:
+    """The products an add tree sums (a Python sum's leading `0 +` dropped); the tree's inner
+    adds go to `inner`."""
+    if node.target is aten.add.Tensor and len(node.args) == 2 and not node.kwargs:
+        parts = []
+        for arg in node.args:
+            if arg == 0:
+                continue
+            if not isinstance(arg, fx.Node) or len(arg.users) != 1:
+                return None
+            sub = _terms(arg, inner)
+            if sub is None:
+                return None
+            parts += sub
+        inner.add(node)
+        return parts
+    return [node] if node.target is aten.mul.Tensor else None
+
+
+def _tap(prod: fx.Node) -> tuple[fx.Node, fx.Node, int] | None:
+    """(window, weight, j) for window[..., j] * weight[..., j] (either order)."""
+    a, b = prod.args
+    for x, w in ((a, b), (b, a)):
+        if not all(isinstance(n, fx.Node) and n.target is aten.select.int for n in (x, w)):
+            continue
+        window, weight = x.args[0], w.args[0]
+        xs, ws = _shape(window), _shape(weight)
+        if (xs and ws and len(xs) == 3 and x.args[1] % 3 == 2 and w.args[1] % len(ws) == len(ws) - 1
+                and x.args[2] % xs[2] == w.args[2] % ws[-1]):
+            return window, weight, x.args[2] % xs[2]
+    return None
+
+
+def _tap_loop(node: fx.Node) -> tuple[fx.Node, fx.Node, int, int, set] | None:
+    """(window [B, C, taps], weight, C, taps, inner adds) if node sums one product per tap."""
+    inner: set = set()
+    prods = _terms(node, inner)
+    if not prods or len(prods) < 2 or not inner or _dtype(node) != torch.float32:
+        return None
+    taps_ = [_tap(p) for p in prods]
+    if any(t is None for t in taps_) or any(len(p.users) != 1 for p in prods):
+        return None
+    windows = {t[0] for t in taps_}
+    if len(windows) != 1:
+        return None
+    (window,) = windows
+    _, C, taps = _shape(window)
+    if (taps > MAX_TAPS or sorted(t[2] for t in taps_) != list(range(taps))
+            or _shape(node) != (_shape(window)[0], C)):
+        return None
+    weights = {_filters(t[1], C, taps) or t[1] for t in taps_}  # one tensor, however indexed
+    if len(weights) != 1:
+        return None
+    (weight,) = weights
+    if _shape(weight) != (C, 1, taps) and not _weight_fits(weight, (C, taps)):
+        return None
+    return window, weight, C, taps, inner
+
+
+def apply(graph: fx.Graph) -> int:
+    rewritten, done = 0, set()
+    for node in reversed(list(graph.nodes)):  # a loop's outermost add first
+        if node.op != "call_function" or node in done:
+            continue
+        found = _window_sum(node)
+        if found is None:
+            loop = _tap_loop(node)
+            if loop is None:
+                continue
+            *found, inner = loop
+            done |= inner
+        _convolve(graph, node, *found)
+        rewritten += 1
+    return rewritten
+
+
+RULE = Rule("short_conv", apply, "depthwise short conv as window sum / unfold / tap loop -> "
+            "convolution(window, w[C,1,taps], groups=C)")

@@ -1,0 +1,189 @@
+"""depth_mix: the AttnRes depth mix with its sources stacked by a cat of unsqueezes, or its
+weighted sum written as an einsum, a matmul or a Python loop, becomes the form
+`k3compile.math.depth_mix` traces to (stack = cat + view; Σ over dim 0 of alpha[..., None] ·
+sources in fp32) with equal values, dtype and shape; other cats and weighted sums stay."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import k3compile.backend as k3be
+from k3compile.canonical import depth_mix
+from k3compile.math import rms_norm
+from tests.conftest import TOL, rel_err
+from tests.fusions.attention_checks import compile_with
+from tests.fusions.pattern_checks import graph, targets
+
+B, T, D, EPS = 2, 1, 16, 1e-6
+
+
+def _rewrite(fn, *args):
+    before, after = graph(fn, *args), graph(fn, *args)
+    n = depth_mix.apply(after.graph)
+    after.graph.eliminate_dead_code()
+    after.recompile()
+    return before, after, n
+
+
+def _args(n_blocks=2, dtype=torch.float32):
+    g = torch.Generator().manual_seed(n_blocks)
+    acts = [torch.randn(B, T, D, generator=g).to(dtype) for _ in range(n_blocks + 1)]
+    return [*acts, (1 + 0.1 * torch.randn(D, generator=g)).to(dtype),
+            torch.randn(1, D, generator=g).to(dtype)]
+
+
+def _stack(srcs, how):
+    return torch.cat([s.unsqueeze(0) for s in srcs]) if how == "cat" else torch.stack(srcs)
+
+
+def _alpha(sources, wn, wp):
+    return torch.softmax(F.linear(rms_norm(sources, wn, EPS), wp).squeeze(-1).float(), dim=0)
+
+
+WEIGHTED_SUMS = {
+    "canonical": lambda a, v, srcs: (a.unsqueeze(-1) * v.float()).sum(0),
+    "einsum": lambda a, v, srcs: torch.einsum("sbtd,sbt->btd", v.float(), a),
+    "einsum_ellipsis": lambda a, v, srcs: torch.einsum("s...,s...d->...d", a, v.float()),
+    "matmul": lambda a, v, srcs: torch.matmul(a.permute(1, 2, 0).unsqueeze(-2),
+                                              v.float().permute(1, 2, 0, 3)).squeeze(-2),
+    "loop_stack": lambda a, v, srcs: sum(a[i].unsqueeze(-1) * v[i].float() for i in range(len(v))),
+    "loop_sources": lambda a, v, srcs: sum(a[i, ..., None] * s.float() for i, s in enumerate(srcs)),
+}
+
+
+def _mix(stack: str, weighted_sum: str):
+    def mix(*args):
+        *srcs, wn, wp = args
+        sources = _stack(srcs, stack)
+        alpha = _alpha(sources, wn, wp)
+        return WEIGHTED_SUMS[weighted_sum](alpha, sources, srcs).to(srcs[-1].dtype)
+
+    return mix
+
+
+def _is_canonical(gm) -> bool:
+    """torch.stack's cat + view, and the weighted sum as sum(mul(unsqueeze(softmax), .), [0])."""
+    nodes = list(gm.graph.nodes)
+    cat = next(n for n in nodes if str(n.target) == "aten.cat.default")
+    total = [n for n in nodes if str(n.target) == "aten.sum.dim_IntList" and n.args[1] == [0]
+             and not n.args[2:]]  # the softmax's own sum keeps its dim
+    stacked = (all(str(s.target) != "aten.unsqueeze.default" for s in cat.args[0])
+               and [str(u.target) for u in cat.users] == ["aten.view.default"])
+    weighted = len(total) == 1 and str(total[0].args[0].target) == "aten.mul.Tensor" and any(
+        str(a.target) == "aten.unsqueeze.default" and str(a.args[0].target) == "aten.div.Tensor"
+        for a in total[0].args[0].args)
+    return stacked and weighted and "aten.bmm.default" not in targets(gm)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("weighted_sum", sorted(WEIGHTED_SUMS))
+@pytest.mark.parametrize("stack", ["stack", "cat"])
+def test_spelling_becomes_the_canonical_mix(stack, weighted_sum, dtype):
+    fn, args = _mix(stack, weighted_sum), _args(3, dtype)
+    before, after, n = _rewrite(fn, *args)
+    assert n == (stack == "cat") + (weighted_sum != "canonical")
+    assert _is_canonical(after)
+    got, want = after(*args), before(*args)
+    assert got.dtype == want.dtype == dtype and got.shape == want.shape
+    if dtype == torch.float32:
+        assert rel_err(got, want) <= 1e-6  # summation order only
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)  # the same fp32 sum, in bf16
+
+
+def test_one_source_at_batch_one():
+    """Size-1 dims everywhere ([1, 1, D] sources): the loop still becomes the canonical sum."""
+    args = [a[:1] if a.dim() == 3 else a for a in _args(1)]
+    fn = _mix("cat", "loop_sources")
+    before, after, n = _rewrite(fn, *args)
+    assert n == 2 and _is_canonical(after)
+    assert rel_err(after(*args), before(*args)) <= 1e-6
+
+
+def _not_a_mix(*args):
+    *srcs, _, _ = args
+    return torch.cat([s.unsqueeze(0) for s in srcs]).amax(0)  # a cat of sources, no softmax
+
+
+def _bf16_weighted_sum(*args):
+    *srcs, wn, wp = args
+    sources = torch.stack(srcs)
+    alpha = _alpha(sources, wn, wp).to(torch.bfloat16)
+    return torch.einsum("sbtd,sbt->btd", sources, alpha)  # rounds in bf16: not the fp32 sum
+
+
+def _squared_weights(*args):
+    *srcs, wn, wp = args
+    sources = torch.stack(srcs)
+    alpha = _alpha(sources, wn, wp)
+    return torch.einsum("sbtd,sbt->btd", sources.float(), alpha * alpha)
+
+
+def _other_values(*args):
+    *srcs, wn, wp = args
+    sources = torch.stack(srcs)
+    alpha = _alpha(sources, wn, wp)
+    return torch.einsum("sbtd,sbt->btd", sources.float().tanh(), alpha)
+
+
+def _escaping_alpha(*args):
+    *srcs, wn, wp = args
+    sources = torch.stack(srcs)
+    alpha = _alpha(sources, wn, wp)
+    return torch.einsum("sbtd,sbt->btd", sources.float(), alpha), alpha
+
+
+def _softmax_over_batch(*args):
+    *srcs, _, wp = args
+    x = torch.stack(srcs, dim=1)  # [B, S, T, D]: dim 0 is the batch
+    alpha = torch.softmax(F.linear(x, wp).squeeze(-1), dim=0)
+    return torch.einsum("bstd,bst->std", x, alpha)
+
+
+LOOK_ALIKES = {"not_a_mix": _not_a_mix, "bf16_weighted_sum": _bf16_weighted_sum,
+               "squared_weights": _squared_weights, "other_values": _other_values,
+               "escaping_alpha": _escaping_alpha, "softmax_over_batch": _softmax_over_batch}
+
+
+@pytest.mark.parametrize("name", sorted(LOOK_ALIKES))
+def test_look_alike_is_left_alone(name):
+    args = _args(2, torch.bfloat16 if name.startswith("bf16") else torch.float32)
+    before, after, n = _rewrite(LOOK_ALIKES[name], *args)
+    assert n == 0
+    assert targets(after) == targets(before)
+    for got, want in zip(*(torch.utils._pytree.tree_leaves(f(*args)) for f in (after, before))):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+class MixNorm(nn.Module):
+    """The post-attention mix and norm of an AttnRes layer, sources stacked by a cat of
+    unsqueezes and summed by an einsum."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(3)
+        self.mix_norm = nn.Parameter(1 + 0.1 * torch.randn(D, generator=g))
+        self.mix_proj = nn.Parameter(torch.randn(1, D, generator=g))
+        self.norm = nn.Parameter(1 + 0.1 * torch.randn(D, generator=g))
+
+    def forward(self, prefix, delta, b0, b1):
+        prefix = prefix + delta
+        sources = torch.cat([s.unsqueeze(0) for s in (b0, b1, prefix)])
+        alpha = _alpha(sources, self.mix_norm, self.mix_proj)
+        h = torch.einsum("sbtd,sbt->btd", sources.float(), alpha).to(prefix.dtype)
+        return rms_norm(h, self.norm, 1e-5), prefix
+
+
+@pytest.mark.slow
+def test_mix_written_with_cat_and_einsum_fuses():
+    torch._dynamo.reset()
+    model = MixNorm().requires_grad_(False)
+    args = [torch.randn(B, T, D) for _ in range(4)]
+    got = compile_with(model, "attn_res_mix_norm")(*args)
+    report = next(iter(k3be.last_compiled().observer.reports.values()))
+    assert [h.op for h in report.hits] == ["k3.attn_res_mix_norm"]
+    for g, w in zip(got, model(*args)):
+        assert rel_err(g, w) <= TOL["aten_cpu"]

@@ -1,0 +1,138 @@
+"""short_conv: every window-sum spelling of KDA's depthwise short conv becomes the convolution
+`F.conv1d(window, taps, groups=C)` traces to, with the same values (up to summation order: the
+measured difference is one fp32 ulp of the result), dtype and shape; look-alikes stay."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from k3compile.canonical import short_conv
+from k3compile.models import k3 as k3_model
+from tests.conftest import TOL, rel_err
+from tests.fusions.attention_checks import one_thread, step_pair  # noqa: F401
+from tests.fusions.pattern_checks import graph, targets
+
+B, C, TAPS = 3, 24, 4
+CONV = "aten.convolution.default"
+
+
+def _rewrite(fn, *args):
+    """(unrewritten graph, rewritten graph, sites) of fn traced as the backend sees it."""
+    before, after = graph(fn, *args), graph(fn, *args)
+    n = short_conv.apply(after.graph)
+    after.graph.eliminate_dead_code()
+    after.recompile()
+    return before, after, n
+
+
+def _window(T=1, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(B, C, TAPS - 1 + T, generator=g).to(dtype),
+            torch.randn(C, 1, TAPS, generator=g).to(dtype))
+
+
+SPELLINGS = {  # name: (fn(window, w[C, 1, taps]), tokens)
+    "sum_squeezed": (lambda x, w: (x * w.squeeze(1)).sum(-1), 1),
+    "sum_weight_first": (lambda x, w: (w[:, 0] * x).sum(dim=2), 1),
+    "sum_keepdim": (lambda x, w: (x * w.view(C, TAPS)).sum(-1, keepdim=True), 1),
+    "sum_2d_weight": (lambda x, w: (x * w.reshape(1, C, TAPS)).sum(-1), 1),
+    "unfold": (lambda x, w: (x.unfold(-1, TAPS, 1) * w).sum(-1), 1),
+    "unfold_T3": (lambda x, w: (x.unfold(2, TAPS, 1) * w).sum(-1), 3),
+    "loop_view": (lambda x, w: sum(x[..., j] * w.view(C, TAPS)[:, j] for j in range(TAPS)), 1),
+    "loop_index": (lambda x, w: sum(w[:, 0, j] * x[:, :, j] for j in range(TAPS)), 1),
+    "loop_acc": (lambda x, w: _acc_loop(x, w.squeeze(1)), 1),
+}
+
+
+def _acc_loop(x, w):
+    out = x[..., 0] * w[:, 0]
+    for j in range(1, TAPS):
+        out = out + x[..., j] * w[:, j]
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(SPELLINGS))
+def test_spelling_becomes_the_conv(name):
+    fn, T = SPELLINGS[name]
+    args = _window(T)
+    before, after, n = _rewrite(fn, *args)
+    assert n == 1
+    conv = next(node for node in after.graph.nodes if str(node.target) == CONV)
+    assert conv.args[2:] == (None, [1], [0], [1], False, [0], C)  # depthwise, no padding
+    assert tuple(conv.args[1].meta["val"].shape) == (C, 1, TAPS)
+    assert not {"aten.sum.dim_IntList", "aten.unfold.default"} & set(targets(after))
+    got, want = after(*args), before(*args)
+    assert got.shape == want.shape and got.dtype == want.dtype == torch.float32
+    assert rel_err(got, want) <= 1e-6  # conv and window sum: summation order only
+    torch.testing.assert_close(got.reshape(B, C, T), F.conv1d(*args, groups=C), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("upcast", ["before_squeeze", "after_squeeze"])
+def test_bf16_window_convolves_in_fp32(upcast):
+    """`window.float() * taps.float()` in a bf16 model: the exact upcasts stay on the conv's
+    inputs, and the conv runs in fp32."""
+    x, w = _window(dtype=torch.bfloat16)
+    if upcast == "before_squeeze":
+        fn = lambda x, w: (x.float() * w.float().squeeze(1)).sum(-1)
+    else:
+        fn = lambda x, w: (x.float() * w.squeeze(1).float()).sum(-1)
+    before, after, n = _rewrite(fn, x, w)
+    assert n == 1
+    conv = next(node for node in after.graph.nodes if str(node.target) == CONV)
+    assert all(a.meta["val"].dtype == torch.float32 for a in conv.args[:2])
+    assert tuple(conv.args[1].meta["val"].shape) == (C, 1, TAPS)
+    got, want = after(x, w), before(x, w)
+    assert got.dtype == want.dtype == torch.float32 and got.shape == want.shape
+    assert rel_err(got, want) <= 1e-6
+
+
+LOOK_ALIKES = {
+    # a real conv (padding 3, the causal conv of a prefill) is a convolution already: not touched
+    "padded_conv": lambda x, w: F.conv1d(x, w, padding=TAPS - 1, groups=C),
+    # products rounded to bf16 before the sum: not the fp32 conv
+    "bf16_products": lambda x, w: (x.bfloat16() * w.bfloat16().squeeze(1)).sum(-1).float(),
+    # weights that differ per batch row: no filter
+    "per_row_weights": lambda x, w: (x * x.flip(0)).sum(-1),
+    # a dot over a long axis: a reduction, not a short conv
+    "long_dot": lambda x, w: (x.repeat(1, 1, 8) * w.squeeze(1).repeat(1, 8)).sum(-1),
+    # a loop that misses a tap, and one that takes a tap twice
+    "loop_missing_tap": lambda x, w: sum(x[..., j] * w[:, 0, j] for j in range(TAPS - 1)),
+    "loop_tap_twice": lambda x, w: sum(x[..., j] * w[:, 0, j] for j in (0, 1, 2, 2)),
+    # a loop pairing tap j of the window with tap j+1 of the filter
+    "loop_shifted": lambda x, w: sum(x[..., j] * w[:, 0, (j + 1) % TAPS] for j in range(TAPS)),
+    # the sum over channels, not taps
+    "sum_over_channels": lambda x, w: (x * w.squeeze(1)).sum(1),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LOOK_ALIKES))
+def test_look_alike_is_left_alone(name):
+    args = _window()
+    before, after, n = _rewrite(LOOK_ALIKES[name], *args)
+    assert n == 0
+    assert targets(after) == targets(before)
+    torch.testing.assert_close(after(*args), LOOK_ALIKES[name](*args), rtol=0, atol=0)
+
+
+def _unfold_conv1d(window, taps, groups):
+    return (window.unfold(-1, taps.shape[-1], 1) * taps).sum(-1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tokens", [1, 8])
+def test_kda_with_an_unfolded_conv_fuses(monkeypatch, tokens):
+    """The model's KDA block with its conv written as an unfold window sum gets k3.kda_decode
+    under backend="k3", and equals its own eager run."""
+    conv1d = types.SimpleNamespace(**{**vars(F), "conv1d": _unfold_conv1d})
+    monkeypatch.setattr(k3_model, "F", conv1d)
+    want, got, eager_states, states, report = step_pair("kda", torch.float32, 2, tokens, 2,
+                                                        "kda_decode")
+    assert [h.op for h in report.hits] == ["k3.kda_decode"]
+    for g, w in zip(got, want):
+        assert rel_err(g, w) <= TOL["aten_cpu"]
+    for name, s in states.items():
+        assert rel_err(s, eager_states[name]) <= TOL["aten_cpu"], name
