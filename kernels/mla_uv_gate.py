@@ -51,8 +51,10 @@ def _even_heads(w_uv) -> bool:
 
 def uv_rows(w_uv):
     """W_UV [H, V, C] as [H·V, C] rows: a view where the heads are evenly spaced, else the heads
-    concatenated once (the model's W_UV is a view of kv_b's weight with W_UK's rows between
-    heads) and reused while that weight lives unchanged."""
+    concatenated at every call (the model's W_UV is a view of kv_b's weight with W_UK's rows
+    between heads; a cached copy would miss writes through `.data`). One copy kernel per MLA
+    layer (2.6 µs at TP16 on the H200, BENCHMARKS.md session 8) until gemv's gate variant
+    takes the head stride."""
     h, v, c = w_uv.shape
     return w_uv.reshape(h * v, c) if _even_heads(w_uv) else concatenated(list(w_uv))
 

@@ -1,7 +1,8 @@
 """Stage `pack`: the weights a fused GEMM reads as one matrix are stored as one matrix.
 
-`k3.linear_concat` (KDA q|k|v|g|f_a|b, MLA q_a|kv_a|g) and `k3.moe_front` (router | latent-down,
-one launch with gemv's split variant) read [W_0; W_1; ...] as one weight. Left alone, their CUDA
+`k3.linear_concat` (KDA q|k|v|g|f_a|b, MLA q_a|kv_a|g), `k3.moe_front` (router | latent-down,
+one launch with gemv's split variant) and `k3.situ_gate_up` (gate | up) read [W_0; W_1; ...] as
+one weight. Left alone, their CUDA
 kernels concatenate the weights at every call (`k3compile.ops.linear_concat.concatenated`; no
 copy is cached, so none can go stale): ~46 MB copied per KDA layer per step per GPU at TP16, 64 MB
 more per MoE layer with the split variant. This stage moves each group's weights, once, into one buffer and makes
@@ -69,7 +70,7 @@ def _groups(graph: fx.Graph):
             continue
         if node.target is _K3.linear_concat.default:
             yield node, list(node.args[1])
-        elif node.target is _K3.moe_front.default:
+        elif node.target in (_K3.moe_front.default, _K3.situ_gate_up.default):
             yield node, [node.args[1], node.args[2]]
 
 
@@ -136,7 +137,7 @@ def pack_concatenated(graph: fx.Graph, inputs: list) -> PackReport:
                 w.data = rows
         taken.update({id(w): node.name for w in weights})
         report.packed.append(f"{node.name}: {len(weights)} weights, {buffer.nbytes / 1e6:.1f} MB")
-        if node.target is _K3.linear_concat.default:  # moe_front copies only with gemv's split
+        if node.target is not _K3.moe_front.default:  # moe_front copies only with gemv's split
             report.saved_bytes += buffer.nbytes
     log.info("k3 pack: %s", report)
     return report

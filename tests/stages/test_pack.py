@@ -56,7 +56,11 @@ def test_pack_keeps_values_state_and_updates(tiny):
     for i in kda:
         assert weights.adjacent(_kda(model, i)), f"layer {i}: KDA in-projection not packed"
     assert report.saved_bytes == sum(sum(w.nbytes for w in _kda(model, i)) for i in kda) + sum(
-        _mla_bytes(layers[i]) for i in range(len(layers)) if i not in kda)
+        _mla_bytes(layers[i]) for i in range(len(layers)) if i not in kda) + sum(
+        _gate_up_bytes(layer) for layer in layers)
+    for layer in layers:  # situ_gate_up's [W_g; W_u]: shared experts, the dense MLP
+        mlp = getattr(layer.mlp, "shared_experts", layer.mlp)
+        assert weights.adjacent([mlp.gate_proj.weight, mlp.up_proj.weight])
     after = model.state_dict()
     assert after.keys() == before.keys()
     assert all(torch.equal(after[k], v) for k, v in before.items()), "packing changed a value"
@@ -73,6 +77,11 @@ def _args(i):
     gen = torch.Generator().manual_seed(i)
     return (torch.randint(0, get_config("tiny").vocab_size, (2,), generator=gen),
             torch.tensor([i, 7 + i]), torch.tensor([1, 0]))
+
+
+def _gate_up_bytes(layer) -> int:
+    mlp = getattr(layer.mlp, "shared_experts", layer.mlp)
+    return mlp.gate_proj.weight.nbytes + mlp.up_proj.weight.nbytes
 
 
 def _mla_bytes(layer) -> int:
