@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 from torch import fx
 
-ORDER: tuple[str, ...] = ("gemm",)
+ORDER: tuple[str, ...] = ("state_write", "gemm")
 
 
 @dataclasses.dataclass(frozen=True)
