@@ -82,6 +82,17 @@ def test_projection_spellings_become_the_linear_form(spelling, rows):
     assert rel_err(c.output, _eager(m, x)) <= 1e-6
 
 
+@pytest.mark.parametrize("spelling", ["bmm", "einsum_w_first", "matmul_column"])
+def test_bf16_projection_keeps_dtype_and_values(spelling):
+    """bmm and mm accumulate a bf16 product alike (measured bit-equal on CPU); at most one bf16
+    ulp of the largest output is allowed."""
+    m, x = Proj(SPELLINGS[spelling]).to(torch.bfloat16), _x((2, 4)).bfloat16()
+    c = canonicalize(None, {"x": x}, module=m)
+    assert c.counts["gemm"] == 1 and len(_projections(c)) == 1
+    assert c.output.dtype == torch.bfloat16
+    assert_same_values(c, rel=2**-7)
+
+
 @pytest.mark.parametrize("rows", [(2, 1), (2, 4)], ids=["decode", "verify"])
 @pytest.mark.parametrize("stack", ["param", "rows_of_2d"])
 def test_stacked_bmm_becomes_one_mm_per_weight(stack, rows):
