@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 from torch import fx
 
-ORDER: tuple[str, ...] = ()
+ORDER: tuple[str, ...] = ("mla_absorb",)
 
 
 @dataclasses.dataclass(frozen=True)
