@@ -353,8 +353,7 @@ def _compose(lay: Layout, strides, coord, inner: Layout) -> Layout | None:
     """Sub-dims of `lay` (over a contiguous space of `strides`, starting at `coord`) read through
     `inner`, which maps that space's coordinates (one dim each) onto inner.root."""
     offset, dims = inner.offset, []
-    inner_dims = [_merged(d) for d in inner.dims]
-    shape = [inner_dims and math.prod(x for x, _ in d) for d in inner_dims]
+    inner_dims, shape = [_merged(d) for d in inner.dims], inner.shape
     for axis, c in enumerate(coord):
         if c:
             if len(inner_dims[axis]) != 1:
@@ -477,8 +476,10 @@ def _cache_reads(graph: fx.Graph):
         write = node.args[0]
         if getattr(write, "target", None) != aten.index_put.default or len(write.args[1]) != 2:
             continue
-        if node.meta["val"].dim() == 3 and write.args[1][1].meta["val"].dim() == 2:
-            yield node, write.args[1][1]
+        pos = write.args[1][1]
+        if isinstance(pos, fx.Node) and node.meta["val"].dim() == 3 \
+                and pos.meta["val"].dim() == 2 and pos.meta["val"].dtype == torch.int64:
+            yield node, pos
 
 
 def find_site(read: fx.Node, pos: fx.Node) -> Site | str:

@@ -14,6 +14,7 @@ import dataclasses
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from k3compile.models.k3 import GatedMLA
 
@@ -26,7 +27,15 @@ class Spelling:
     cat_rope: bool = True  # k = cat(k_nope, k_pe), else scores = nope term + rope term
     weight_views: bool = False  # kv_b_proj.weight split into w_kc / w_vc, else the nn.Linear
     heads_first: bool = True  # [B, H, T, *] as HF code, else [B, T, H, *] with einsum
+    # look-alikes the rule must leave alone (not MLA as the canonical form computes it)
+    window: int | None = None  # also mask cache rows older than pos - window (sliding window)
+    scale_nope_only: bool = False  # the scale on q_nope only, not on the rope part
 
+
+LOOKALIKES = {
+    "sliding_window": Spelling(window=4),
+    "scale_nope_only": Spelling(scale_nope_only=True),
+}
 
 SPELLINGS = {
     "hf": Spelling(),
@@ -56,15 +65,20 @@ class NonAbsorbedMLA(GatedMLA):
         k_nope, v = self._up_project(latents, B, L)  # [B, L, H, N], [B, L, H, V]
         if s.scale_on_q:
             q = q * self.softmax_scale
+        if s.scale_nope_only:
+            q = torch.cat([q[..., :N] * self.softmax_scale, q[..., N:]], dim=-1)
         if s.heads_first:
             scores = self._scores_heads_first(q, k_nope, rope)
         else:
             q_nope, q_pe = q.split([N, R], dim=-1)
             scores = (torch.einsum("bthd,blhd->bhtl", q_nope, k_nope)
                       + torch.einsum("bthr,blr->bhtl", q_pe, rope))
-        if not s.scale_on_q:
+        if not (s.scale_on_q or s.scale_nope_only):
             scores = scores * self.softmax_scale
         future = torch.arange(L, device=x.device).view(1, 1, L) > pos.view(B, T, 1)  # [B, T, L]
+        if s.window is not None:
+            future = future | (torch.arange(L, device=x.device).view(1, 1, L)
+                               <= pos.view(B, T, 1) - s.window)
         if s.additive_mask:
             bias = torch.zeros(B, 1, T, L, dtype=scores.dtype, device=x.device)
             scores = scores + bias.masked_fill(future.unsqueeze(1), float("-inf"))
@@ -110,3 +124,35 @@ def non_absorbed(reference: GatedMLA, config, spelling: Spelling) -> NonAbsorbed
     m = m.to(reference.q_a_proj.weight.dtype).requires_grad_(False)
     m.register_buffer("kv_cache", reference.kv_cache.clone(), persistent=False)
     return m
+
+
+class CachedMHA(nn.Module):
+    """Ordinary multi-head attention over a K/V cache [slots, max_len, H·D] (3-D and written
+    with the same index assignment as the latent cache): the look-alike whose K/V are no
+    projection of latents."""
+
+    def __init__(self, hidden: int, heads: int, head_dim: int, slots: int, max_len: int):
+        super().__init__()
+        self.heads, self.head_dim = heads, head_dim
+        self.qkv = nn.Linear(hidden, 3 * heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
+        for name in ("k_cache", "v_cache"):
+            self.register_buffer(name, torch.zeros(slots, max_len, heads * head_dim),
+                                 persistent=False)
+
+    def forward(self, x, positions, slots):
+        (B, T, _), H, D = x.shape, self.heads, self.head_dim
+        q, k, v = self.qkv(x).split(H * D, dim=-1)
+        pos = positions.view(B, 1) + torch.arange(T, device=x.device)
+        self.k_cache[slots.view(B, 1), pos] = k
+        self.v_cache[slots.view(B, 1), pos] = v
+        L = self.k_cache.shape[1]
+        q = q.view(B, T, H, D)
+        keys = self.k_cache[slots].view(B, L, H, D)
+        values = self.v_cache[slots].view(B, L, H, D)
+        scores = torch.einsum("bthd,blhd->bhtl", q, keys) * D ** -0.5
+        future = torch.arange(keys.shape[1]).view(1, 1, -1) > pos.unsqueeze(-1)
+        scores = scores.masked_fill(future.unsqueeze(1), float("-inf"))
+        p = torch.softmax(scores.float(), dim=-1).to(x.dtype)
+        o = torch.einsum("bhtl,blhd->bthd", p, values).reshape(B, T, H * D)
+        return self.o_proj(o)
