@@ -35,6 +35,7 @@ import torch
 from torch import fx
 
 from k3compile.canonical import Rule
+from k3compile.graph import call
 from k3compile.rewrite import inductor
 
 log = logging.getLogger("k3compile")
@@ -822,16 +823,56 @@ def rewrite(graph: fx.Graph, site: Site, z: Sizes, scale: float) -> str | None:
 
 
 def apply(graph: fx.Graph) -> int:
-    """Rewrite every non-absorbed MLA attention over a just-written latent cache; returns how
-    many. A site that does not read as one is left alone (logged at debug level, with why)."""
+    """Rewrite every non-absorbed MLA attention over a just-written latent cache, and the rows it
+    was written at into `positions.view(B, 1) + arange(T)`; returns how many sites changed. A
+    site that does not read as MLA is left alone (logged at debug level, with why)."""
     done = 0
     for read, pos in list(_cache_reads(graph)):
         why = _apply_one(graph, read, pos)
-        if why is None:
-            done += 1
-        else:
+        if why is not None:
             log.debug("k3 mla_absorb: %s left alone: %s", read.name, why)
+        if _canonical_rows(graph, pos) or why is None:
+            done += 1
     return done
+
+
+def _canonical_rows(graph: fx.Graph, pos: fx.Node) -> bool:
+    """The latent cache write's indices as mla_decode's search traces them: slots as
+    `view(slots, [B, 1])`, pos as `add(view(positions, [B, 1]), iota(T))` (foreign code writes
+    `unsqueeze(1)`, `[:, None]`, or the sum the other way round). True when it changed any."""
+    write = next(u for u in pos.users if u.target == aten.index_put.default)
+    changed = False
+    slots = _as_column(graph, write.args[1][0])
+    if slots is not None:
+        write.args = (write.args[0], [slots, pos], *write.args[2:])
+        changed = True
+    if pos.target != aten.add.Tensor or len(pos.args) != 2 or pos.kwargs:
+        return changed
+    rows, steps = pos.args if getattr(pos.args[1], "target", None) == prims.iota.default \
+        else reversed(pos.args)
+    if getattr(steps, "target", None) != prims.iota.default:
+        return changed
+    column = _as_column(graph, rows)
+    if column is not None or pos.args[0] is not rows:
+        pos.args = (column or rows, steps)
+        changed = True
+    return changed
+
+
+def _as_column(graph: fx.Graph, node) -> fx.Node | None:
+    """A new `view(x, [B, 1])` for node when node is x [B] (int) as a column spelled otherwise;
+    None when it already is that view, or is no column of a 1-D tensor."""
+    lay = layout(node) if isinstance(node, fx.Node) else None
+    if lay is None or lay.root is node or lay.scale != 1.0 or lay.root.meta["val"].dim() != 1:
+        return None
+    if node.target == aten.view.default and node.args[0] is lay.root:
+        return None
+    B = int(lay.root.meta["val"].shape[0])
+    if list(node.meta["val"].shape) != [B, 1] or \
+            labels(lay, [("b", B, 0)]) != [[("b", B, 0)] if B > 1 else [], []]:
+        return None
+    with graph.inserting_before(node):
+        return call(graph, aten.view.default, (lay.root, [B, 1]), like=node)
 
 
 def _apply_one(graph: fx.Graph, read: fx.Node, pos: fx.Node) -> str | None:

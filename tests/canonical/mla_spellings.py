@@ -27,6 +27,8 @@ class Spelling:
     cat_rope: bool = True  # k = cat(k_nope, k_pe), else scores = nope term + rope term
     weight_views: bool = False  # kv_b_proj.weight split into w_kc / w_vc, else the nn.Linear
     heads_first: bool = True  # [B, H, T, *] as HF code, else [B, T, H, *] with einsum
+    # cache rows written at slots[:, None], arange(T) + positions.unsqueeze(1), else .view(B, 1)
+    unsqueezed_rows: bool = False
     # look-alikes the rule must leave alone (not MLA as the canonical form computes it)
     window: int | None = None  # also mask cache rows older than pos - window (sliding window)
     scale_nope_only: bool = False  # the scale on q_nope only, not on the rope part
@@ -43,6 +45,7 @@ SPELLINGS = {
     "scale_q_additive": Spelling(scale_on_q=True, additive_mask=True),
     "two_terms_weight_views": Spelling(cat_rope=False, weight_views=True),
     "einsum": Spelling(heads_first=False, cat_rope=False, additive_mask=True),
+    "unsqueezed_rows": Spelling(unsqueezed_rows=True),
 }
 
 
@@ -58,8 +61,11 @@ class NonAbsorbedMLA(GatedMLA):
         N, R, V, C = self.nope, self.rope, self.v_dim, self.kv_lora_rank
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))).view(B, T, H, N + R)
         c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([C, R], dim=-1)
-        pos = positions.view(B, 1) + torch.arange(T, device=x.device)
-        self.kv_cache[slots.view(B, 1), pos] = torch.cat([self.kv_a_layernorm(c_kv), k_pe], -1)
+        if s.unsqueezed_rows:
+            pos, rows = torch.arange(T, device=x.device) + positions.unsqueeze(1), slots[:, None]
+        else:
+            pos, rows = positions.view(B, 1) + torch.arange(T, device=x.device), slots.view(B, 1)
+        self.kv_cache[rows, pos] = torch.cat([self.kv_a_layernorm(c_kv), k_pe], -1)
         latents, rope = self.kv_cache[slots].split([C, R], dim=-1)  # [B, L, C], [B, L, R]
         L = latents.shape[1]
         k_nope, v = self._up_project(latents, B, L)  # [B, L, H, N], [B, L, H, V]
