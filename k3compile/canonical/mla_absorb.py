@@ -5,17 +5,20 @@ mla_uv_gate match.
 DeepSeek/HF-style code up-projects every cached latent, kv = c·W_kvbᵀ [B, L, H·(N + V)], splits it
 per head into k_nope | v, scores q against cat(k_nope, k_pe) (or as a nope and a rope term), masks,
 softmaxes and takes p·v. The rewrite is algebraic, q·(W_UK·c)ᵀ = (W_UKᵀ·q)·cᵀ and
-p·(c·W_UVᵀ) = (p·c)·W_UVᵀ, so it rounds differently (measured in the tests: fp32 ~1e-7 relative).
+p·(c·W_UVᵀ) = (p·c)·W_UVᵀ, so it rounds differently: against the non-absorbed eager code the
+rewritten graph is within 6e-7 relative in fp32 (tests), and bit for bit our model's graph.
 
 Matching is structural, not by spelling: from each read of a cache that was just written
 (`index(index_put(cache, [slots, pos], rows), [slots])`) the rule follows the contractions
-(`mm`/`bmm`, however einsum/matmul/linear lowered them) through view-like ops (view, permute,
-expand, slices, split, cat, clone, scalar multiples) and reads each one as an einsum over named
-axes: kv = c·W_kvbᵀ, scores = q_nope·k_nopeᵀ + q_pe·k_peᵀ, o = p·v, o flattened to [B, T, H·V].
+(`mm`/`bmm`, however einsum/matmul/linear lowered them) through view-like ops and reads each one
+as an einsum over named axes (`k3compile.canonical.layout`): kv = c·W_kvbᵀ, scores =
+q_nope·k_nopeᵀ + q_pe·k_peᵀ, o = p·v, o flattened to [B, T, H·V].
 Head count and head dims are solved from the shapes (every head count dividing both projections is
 tried). What lies between the scores and p (scale, mask as -inf fill or additive bias, softmax in
 fp32 or not, casts) is not matched but evaluated: on random scores and positions it must equal the
-canonical scale -> causal mask over `pos` -> fp32 softmax, or the site is left alone.
+canonical scale -> causal mask over `pos` -> fp32 softmax, or the site is left alone. The cache
+write's row indices are put in mla_decode's form too (`slots.view(B, 1)`, `positions.view(B, 1) +
+arange(T)` for foreign `unsqueeze(1)` / `[:, None]`).
 
 Before: bmm(c, W_kvbᵀ), view, split, cat(k_nope, expand(k_pe)), bmm(q, kᵀ), mul, where/add, softmax,
     bmm(p, v), permute, view
@@ -29,12 +32,24 @@ import contextlib
 import dataclasses
 import logging
 import math
-import operator
 
 import torch
 from torch import fx
 
 from k3compile.canonical import Rule
+from k3compile.canonical.layout import (
+    SPLITS,
+    Axis,
+    Einsum,
+    einsum,
+    flat,
+    is_contraction,
+    is_scalar,
+    labels,
+    layout,
+    layout_source,
+    terms,
+)
 from k3compile.graph import call
 from k3compile.rewrite import inductor
 
@@ -44,397 +59,6 @@ aten, prims = torch.ops.aten, torch.ops.prims
 # p (the softmax output) against the canonical one on random scores, relative to max |p| = 1:
 # the canonical form scales and masks in fp32, a bf16 spelling may round the scaled scores first
 TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-9, torch.bfloat16: 3e-2, torch.float16: 5e-3}
-
-Axis = tuple[str, int, int]  # name, size, first index of the name's range it covers
-
-
-# ---- layouts: a tensor as a strided map into a root node's contiguous index space --------------
-
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    """`root` read through view-like ops: per dim, row-major sub-dims (size, stride) into the
-    root's contiguous index space, a start offset there, and the scalar it was multiplied by."""
-
-    root: fx.Node
-    dims: tuple[tuple[tuple[int, int], ...], ...]
-    offset: int = 0
-    scale: float = 1.0
-
-    @staticmethod
-    def of_root(node: fx.Node) -> Layout:
-        shape = [int(d) for d in node.meta["val"].shape]
-        strides = [math.prod(shape[i + 1:]) for i in range(len(shape))]
-        return Layout(node, tuple(((s, t),) if s != 1 else () for s, t in zip(shape, strides)))
-
-    @property
-    def shape(self) -> list[int]:
-        return [math.prod(s for s, _ in d) for d in self.dims]
-
-    def with_dims(self, dims, offset=None, scale=None) -> Layout:
-        return dataclasses.replace(self, dims=tuple(tuple(d) for d in dims),
-                                   offset=self.offset if offset is None else offset,
-                                   scale=self.scale if scale is None else scale)
-
-
-def _merged(dim) -> list[tuple[int, int]]:
-    out: list[tuple[int, int]] = []
-    for s, t in dim:
-        if s == 1:
-            continue
-        if out and out[-1][1] == s * t:
-            out[-1] = (out[-1][0] * s, t)
-        else:
-            out.append((s, t))
-    return out
-
-
-def _reshape(lay: Layout, shape) -> Layout | None:
-    subs = [st for d in lay.dims for st in _merged(d)]
-    shape = list(shape)
-    if -1 in shape:
-        known = math.prod(s for s in shape if s != -1)
-        shape[shape.index(-1)] = math.prod(lay.shape) // known
-    dims = []
-    for size in shape:
-        group, got = [], 1
-        while got < size:
-            if not subs:
-                return None
-            s, t = subs.pop(0)
-            if got * s <= size and size % (got * s) == 0:
-                group.append((s, t))
-                got *= s
-            elif s % (size // got) == 0:
-                k = size // got
-                group.append((k, t * (s // k)))
-                subs.insert(0, (s // k, t))
-                got = size
-            else:
-                return None
-        dims.append(group)
-    return lay.with_dims(dims) if not subs else None
-
-
-def _slice(lay: Layout, dim: int, start: int, length: int, step: int = 1) -> Layout | None:
-    dim %= len(lay.dims)
-    subs = _merged(lay.dims[dim])
-    if len(subs) != 1:
-        return None if subs or length != 1 else lay
-    (_, t), dims = subs[0], list(lay.dims)
-    dims[dim] = [(length, t * step)]
-    return lay.with_dims(dims, offset=lay.offset + start * t)
-
-
-def _expand(lay: Layout, sizes) -> Layout:
-    old = [()] * (len(sizes) - len(lay.dims)) + list(lay.dims)
-    shape = [1] * (len(sizes) - len(lay.dims)) + lay.shape
-    return lay.with_dims([d if n in (-1, s) else [(n, 0)] for d, s, n in zip(old, shape, sizes)])
-
-
-def _split_piece(node: fx.Node):
-    """(source, dim, start, length) of getitem(split(x, ...), i)."""
-    split, i = node.args
-    x, sizes, dim = (list(split.args) + [0])[:3]
-    if split.target == aten.split.Tensor:
-        full = int(x.meta["val"].shape[dim])
-        sizes = [min(sizes, full - k) for k in range(0, full, sizes)]
-    return x, dim, sum(sizes[:i]), sizes[i]
-
-
-_SPLITS = {aten.split_with_sizes.default, aten.split.Tensor}
-_VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
-_SAME = {aten.clone.default, aten.alias.default}
-
-
-def _is_scalar(a) -> bool:
-    return isinstance(a, (int, float)) and not isinstance(a, bool)
-
-
-def layout_source(node) -> fx.Node | None:
-    """The one tensor input of a view-like op (a node `layout` looks through), else None."""
-    if not isinstance(node, fx.Node) or node.op != "call_function":
-        return None
-    t = node.target
-    if t is operator.getitem and getattr(node.args[0], "target", None) in _SPLITS:
-        return node.args[0].args[0]
-    if t in _VIEWS | _SAME or t in (aten.permute.default, aten.transpose.int, aten.t.default,
-                                   aten.unsqueeze.default, aten.squeeze.dim, aten.expand.default,
-                                   aten.slice.Tensor, aten.select.int):
-        return node.args[0]
-    if t in (aten.mul.Tensor, aten.div.Tensor) and _is_scalar(node.args[1]):
-        return node.args[0]
-    return None
-
-
-def layout(node: fx.Node) -> Layout | None:
-    """node as a Layout over the first node up its chain of view-like ops (None: not readable)."""
-    src = layout_source(node)
-    if src is None:
-        return Layout.of_root(node) if isinstance(node.meta.get("val"), torch.Tensor) else None
-    lay = layout(src)
-    return None if lay is None else _step(node, lay)
-
-
-def _step(node: fx.Node, lay: Layout) -> Layout | None:  # noqa: PLR0911 (one case per op)
-    t, a = node.target, node.args
-    if t is operator.getitem:
-        _, dim, start, length = _split_piece(node)
-        return _slice(lay, dim, start, length)
-    if t in _VIEWS:
-        return _reshape(lay, a[1])
-    if t in _SAME:
-        return lay
-    if t in (aten.permute.default, aten.transpose.int, aten.t.default):
-        order = list(range(len(lay.dims)))
-        if t == aten.permute.default:
-            order = [d % len(order) for d in a[1]]
-        else:
-            i, j = (a[1] % len(order), a[2] % len(order)) if t == aten.transpose.int else (0, 1)
-            order[i], order[j] = order[j], order[i]
-        return lay.with_dims([lay.dims[d] for d in order])
-    if t == aten.unsqueeze.default:
-        dims = list(lay.dims)
-        dims.insert(a[1] % (len(dims) + 1), ())
-        return lay.with_dims(dims)
-    if t == aten.squeeze.dim:
-        dims = list(lay.dims)
-        if lay.shape[a[1] % len(dims)] == 1:
-            dims.pop(a[1] % len(dims))
-        return lay.with_dims(dims)
-    if t == aten.expand.default:
-        return _expand(lay, list(a[1]))
-    if t == aten.slice.Tensor:
-        dim, start, end = (list(a[1:4]) + [0, None, None])[:3]
-        size = lay.shape[dim % len(lay.dims)]
-        start, end = max(0, start or 0), min(size, end if end is not None else size)
-        step = a[4] if len(a) > 4 else 1
-        return _slice(lay, dim, start, max(0, (end - start + step - 1) // step), step)
-    if t == aten.select.int:
-        cut = _slice(lay, a[1], a[2] % lay.shape[a[1] % len(lay.dims)], 1)
-        if cut is None:
-            return None
-        return cut.with_dims([d for i, d in enumerate(cut.dims) if i != a[1] % len(cut.dims)])
-    factor = a[1] if t == aten.mul.Tensor else 1.0 / a[1]
-    return lay.with_dims(lay.dims, scale=lay.scale * factor)
-
-
-# ---- contractions as einsums over named axes -------------------------------------------------
-
-def _axes_strides(axes: list[Axis]) -> list[tuple[str, int, int, int]]:
-    return [(n, s, st, math.prod(x[1] for x in axes[i + 1:])) for i, (n, s, st) in enumerate(axes)]
-
-
-def labels(lay: Layout, axes: list[Axis]) -> list[list[Axis]] | None:
-    """Each dim of `lay` as the root's named axes it walks (name, size, start); broadcast dims are
-    named "*". None where a dim cuts an axis in a way no einsum over these axes reads."""
-    table, starts, rest = _axes_strides(axes), {}, lay.offset
-    for name, size, base, stride in table:
-        starts[name], rest = base + rest // stride, rest % stride
-    out, seen = [], set()
-    for dim in lay.dims:
-        got = []
-        for s, t in reversed(_merged(dim)):
-            pieces = []
-            while s > 1:
-                if t == 0:
-                    pieces.append(("*", s, 0))
-                    break
-                hit = next((x for x in table if x[3] == t), None)
-                if hit is None or hit[0] in seen:
-                    return None
-                name, size, base, _ = hit
-                seen.add(name)
-                if s <= size - (starts[name] - base):
-                    pieces.append((name, s, starts[name]))
-                    break
-                if s % size or starts[name] != base:
-                    return None
-                pieces.append((name, size, base))
-                s, t = s // size, t * size
-            got = list(reversed(pieces)) + got
-        out.append(got)
-    return out
-
-
-@dataclasses.dataclass(frozen=True)
-class Term:
-    """One product of a contraction: out[G, M, N] += Σ_K a[G, M, K]·b[G, K, N], a and b read from
-    their roots."""
-
-    a: Layout
-    b: Layout
-
-
-def _align(xs: list[Axis], ys: list[Axis]):
-    """xs and ys split into pieces of equal sizes, pairwise (only broadcast axes split)."""
-    xs, ys, out_x, out_y = list(xs), list(ys), [], []
-    while xs and ys:
-        x, y = xs.pop(0), ys.pop(0)
-        if x[1] == y[1]:
-            out_x.append(x), out_y.append(y)
-            continue
-        big, small, rest = (x, y, xs) if x[1] > y[1] else (y, x, ys)
-        if big[0] != "*" or big[1] % small[1]:
-            return None
-        rest.insert(0, ("*", big[1] // small[1], 0))
-        (out_x if big is x else out_y).append(("*", small[1], 0))
-        (out_y if big is x else out_x).append(small)
-    return None if xs or ys else (out_x, out_y)
-
-
-def _is_contraction(node) -> bool:
-    return isinstance(node, fx.Node) and node.target in (aten.bmm.default, aten.mm.default)
-
-
-def terms(node: fx.Node) -> list[Term] | None:
-    """The contraction `node` as products of non-cat roots: a cat along the contracted dim on
-    either side splits it into one term per piece."""
-    a, b = layout(node.args[0]), layout(node.args[1])
-    if a is None or b is None:
-        return None
-    cuts = {0, a.shape[-1]}
-    for lay, k in ((a, -1), (b, -2)):
-        if lay.root.target == aten.cat.default:
-            piece_cuts = _cat_cuts(lay, k)
-            if piece_cuts is None:
-                return None
-            cuts |= piece_cuts
-    out = []
-    for lo, hi in zip(sorted(cuts), sorted(cuts)[1:]):
-        pa, pb = _slice(a, -1, lo, hi - lo), _slice(b, -2, lo, hi - lo)
-        pa, pb = pa and _uncat(pa), pb and _uncat(pb)
-        if pa is None or pb is None:
-            return None
-        out.append(Term(pa, pb))
-    return out
-
-
-def _cat_cuts(lay: Layout, k: int) -> set[int] | None:
-    """Where lay's dim k crosses from one piece of its root cat to the next (the cat axis must be
-    that dim's one sub-dim)."""
-    cat = lay.root
-    pieces, dim = cat.args[0], (cat.args[1] if len(cat.args) > 1 else 0)
-    shape = [int(s) for s in cat.meta["val"].shape]
-    dim %= len(shape)
-    stride = math.prod(shape[dim + 1:])
-    subs = _merged(lay.dims[k])
-    if len(subs) != 1 or subs[0][1] != stride or (lay.offset // stride) % shape[dim]:
-        return None
-    edges = [0]
-    for p in pieces:
-        edges.append(edges[-1] + int(p.meta["val"].shape[dim]))
-    return {e for e in edges if 0 < e < subs[0][0]}
-
-
-def _uncat(lay: Layout) -> Layout | None:
-    """lay over a cat root -> the same tensor over the one piece it reads (composed with the
-    piece's own layout); lay itself when its root is no cat."""
-    cat = lay.root
-    if cat.target != aten.cat.default:
-        return lay
-    pieces, dim = cat.args[0], (cat.args[1] if len(cat.args) > 1 else 0)
-    shape = [int(s) for s in cat.meta["val"].shape]
-    dim %= len(shape)
-    strides = [math.prod(shape[i + 1:]) for i in range(len(shape))]
-    coord = [(lay.offset // st) % n for st, n in zip(strides, shape)]
-    edge = 0
-    for p in pieces:
-        width = int(p.meta["val"].shape[dim])
-        if edge <= coord[dim] < edge + width:
-            break
-        edge += width
-    else:
-        return None
-    coord[dim] -= edge
-    inner = layout(p)
-    return None if inner is None else _compose(lay, strides, coord, inner)
-
-
-def _compose(lay: Layout, strides, coord, inner: Layout) -> Layout | None:
-    """Sub-dims of `lay` (over a contiguous space of `strides`, starting at `coord`) read through
-    `inner`, which maps that space's coordinates (one dim each) onto inner.root."""
-    offset, dims = inner.offset, []
-    inner_dims, shape = [_merged(d) for d in inner.dims], inner.shape
-    for axis, c in enumerate(coord):
-        if c:
-            if len(inner_dims[axis]) != 1:
-                return None
-            offset += c * inner_dims[axis][0][1]
-    for dim in lay.dims:
-        group = []
-        for s, t in _merged(dim):
-            for axis, size, step in _by_axis(s, t, strides, shape) or [(None, 0, 0)]:
-                if axis is None:
-                    return None
-                subs = inner_dims[axis] if step else [(1, 0)]
-                if len(subs) == 1:
-                    group.append((size, step * subs[0][1]))
-                elif step == 1 and size == shape[axis] and not coord[axis]:
-                    group += subs
-                else:
-                    return None
-        dims.append(group)
-    return Layout(inner.root, tuple(tuple(d) for d in dims), offset, lay.scale * inner.scale)
-
-
-def _by_axis(s: int, t: int, strides, shape) -> list[tuple[int | None, int, int]] | None:
-    """Sub-dim (s, t) of a contiguous space as (axis, size, step) pieces, row-major; a broadcast
-    (t = 0) as one piece of step 0."""
-    if t == 0:
-        return [(0, s, 0)]
-    out = []
-    while s > 1:
-        axis = next((i for i, st in enumerate(strides) if t % st == 0 and t // st < shape[i]), None)
-        if axis is None:
-            return None
-        step = t // strides[axis]
-        if s * step <= shape[axis]:
-            out.append((axis, s, step))
-            break
-        inner = shape[axis] // step
-        if inner * step != shape[axis] or s % inner or axis == 0:
-            return None
-        out.append((axis, inner, step))
-        s, t = s // inner, strides[axis - 1]
-    return list(reversed(out))
-
-
-@dataclasses.dataclass(frozen=True)
-class Einsum:
-    out: list[Axis]  # the contraction's output axes, row-major
-    k: list[tuple[Axis, Axis]]  # contracted: (a's axis, b's axis)
-    roots: tuple[fx.Node, fx.Node]
-    scale: float
-
-
-def einsum(term: Term, axes: dict[fx.Node, list[Axis]], batched: bool) -> Einsum | None:
-    """term read as an einsum over the named axes of its roots. An axis both sides name must be a
-    batch (G) or contracted (K) axis of both, else the product is an outer product where a
-    diagonal is meant; "*" (broadcast) pairs with any axis."""
-    if term.a.root not in axes or term.b.root not in axes:
-        return None
-    la, lb = labels(term.a, axes[term.a.root]), labels(term.b, axes[term.b.root])
-    if la is None or lb is None:
-        return None
-    g = 1 if batched else 0
-    ga, m, ka = sum(la[:g], []), sum(la[g:-1], []), la[-1]
-    gb, kb, n = sum(lb[:g], []), lb[-2], sum(lb[g + 1:], [])
-    ga, gb = _align(ga, gb) or (None, None)
-    ka, kb = _align(ka, kb) or (None, None)
-    if ga is None or ka is None:
-        return None
-    both = {x[0] for x in sum(la, [])} & {x[0] for x in sum(lb, [])} - {"*"}
-    paired = {xa[0] for xa, xb in zip(ga + ka, gb + kb) if xa[0] == xb[0]}
-    if both - paired:
-        return None
-    out = []
-    for xa, xb in zip(ga, gb):
-        if "*" not in (xa[0], xb[0]) and xa != xb:
-            return None
-        out.append(xb if xa[0] == "*" else xa)
-    return Einsum(out + m + n, list(zip(ka, kb)), (term.a.root, term.b.root),
-                  term.a.scale * term.b.scale)
-
 
 # ---- the site ---------------------------------------------------------------------------------
 
@@ -459,7 +83,7 @@ def _forward(node: fx.Node, through) -> list[fx.Node]:
             if u in seen:
                 continue
             seen.add(u)
-            if _is_contraction(u):
+            if is_contraction(u):
                 found.append(u)
             elif through(u):
                 todo.append(u)
@@ -467,7 +91,7 @@ def _forward(node: fx.Node, through) -> list[fx.Node]:
 
 
 def _viewlike(n: fx.Node) -> bool:
-    return layout_source(n) is not None or n.target == aten.cat.default or n.target in _SPLITS
+    return layout_source(n) is not None or n.target == aten.cat.default or n.target in SPLITS
 
 
 def _cache_reads(graph: fx.Graph):
@@ -500,7 +124,7 @@ def find_site(read: fx.Node, pos: fx.Node) -> Site | str:
     weight, projections = next(iter(by_weight.items()))
     products = {s for p in projections for s in _forward(p, _viewlike)}
     products |= set(from_read) - set(projections)
-    pv = [s for s in products if _reads_softmax(s)]
+    pv = [s for s in products if _softmax_root(s) is not None]
     if len(pv) != 1:
         return f"{len(pv)} products of softmax probabilities with projected values (want one)"
     pv, scores = pv[0], sorted(products - {pv[0]}, key=_order(read))
@@ -509,18 +133,19 @@ def find_site(read: fx.Node, pos: fx.Node) -> Site | str:
     out = _flat_output(pv)
     if out is None:
         return "the attention output is never flattened to [B, T, heads x v_dim]"
-    p = next(t.a.root for t in terms(pv))
-    return Site(read, pos, weight, projections, scores, pv, p, out)
+    return Site(read, pos, weight, projections, scores, pv, _softmax_root(pv), out)
 
 
 def _order(read: fx.Node):
     return {n: i for i, n in enumerate(read.graph.nodes)}.__getitem__
 
 
-def _reads_softmax(node: fx.Node) -> bool:
-    """node's first operand comes from a softmax (exp over a sum of exps, maybe cast)."""
+def _softmax_root(node: fx.Node) -> fx.Node | None:
+    """The root of node's operand that comes from a softmax (exp over a sum of exps, maybe
+    cast), if node is one product."""
     ts = terms(node) or []
-    return len(ts) == 1 and _softmax_like(ts[0].a.root)
+    roots = [r for r in ((ts[0].a.root, ts[0].b.root) if len(ts) == 1 else ()) if _softmax_like(r)]
+    return roots[0] if len(roots) == 1 else None
 
 
 def _softmax_like(node: fx.Node) -> bool:
@@ -579,6 +204,9 @@ def read_site(site: Site) -> tuple[Sizes, dict] | str:
     q = _query(site)
     if q is None:
         return "the scores do not read one query tensor"
+    dtypes = {n.meta["val"].dtype for n in (q, site.weight, site.read, site.out)}
+    if len(dtypes) != 1:
+        return f"queries, W_kvb, cache and output in {sorted(map(str, dtypes))}: not one dtype"
     Jq, rem = divmod(q.meta["val"].numel(), B * T)
     if rem:
         return f"queries {list(q.meta['val'].shape)} are not [B={B}, T={T}, ...]"
@@ -688,7 +316,7 @@ def _probability_axes(site: Site, axes) -> list[Axis] | None:
     dims = labels(layout(view), axes[s]) if view is not s else [[x] for x in axes[s]]
     if dims is None or list(site.p.meta["val"].shape) != list(view.meta["val"].shape):
         return None
-    return sum(dims, [])
+    return flat(dims)
 
 
 def _cone(outputs: list[fx.Node], stop: set[fx.Node]) -> list[fx.Node]:
@@ -712,7 +340,7 @@ def _chain_scale(site: Site) -> float:
         if n in after or not any(a in after for a in n.all_input_nodes):
             continue
         after.add(n)
-        if n.target in (aten.mul.Tensor, aten.div.Tensor) and _is_scalar(n.args[1]):
+        if n.target in (aten.mul.Tensor, aten.div.Tensor) and is_scalar(n.args[1]):
             scale = scale * n.args[1] if n.target == aten.mul.Tensor else scale / n.args[1]
     return scale
 
@@ -828,7 +456,11 @@ def apply(graph: fx.Graph) -> int:
     site that does not read as MLA is left alone (logged at debug level, with why)."""
     done = 0
     for read, pos in list(_cache_reads(graph)):
-        why = _apply_one(graph, read, pos)
+        try:
+            why = _apply_one(graph, read, pos)
+        except Exception as e:  # noqa: BLE001 (a site the rule cannot read stays as it is)
+            log.warning("k3 mla_absorb: %s left alone: %s: %s", read.name, type(e).__name__, e)
+            why = "raised"
         if why is not None:
             log.debug("k3 mla_absorb: %s left alone: %s", read.name, why)
         if _canonical_rows(graph, pos) or why is None:

@@ -32,11 +32,13 @@ class Spelling:
     # look-alikes the rule must leave alone (not MLA as the canonical form computes it)
     window: int | None = None  # also mask cache rows older than pos - window (sliding window)
     scale_nope_only: bool = False  # the scale on q_nope only, not on the rope part
+    fp32_scores: bool = False  # q and k upcast to fp32 for the scores (other roundings)
 
 
 LOOKALIKES = {
     "sliding_window": Spelling(window=4),
     "scale_nope_only": Spelling(scale_nope_only=True),
+    "fp32_scores": Spelling(fp32_scores=True),
 }
 
 SPELLINGS = {
@@ -73,6 +75,8 @@ class NonAbsorbedMLA(GatedMLA):
             q = q * self.softmax_scale
         if s.scale_nope_only:
             q = torch.cat([q[..., :N] * self.softmax_scale, q[..., N:]], dim=-1)
+        if s.fp32_scores:
+            q, k_nope, rope = q.float(), k_nope.float(), rope.float()
         if s.heads_first:
             scores = self._scores_heads_first(q, k_nope, rope)
         else:
@@ -91,9 +95,9 @@ class NonAbsorbedMLA(GatedMLA):
         else:
             scores = scores.masked_fill(future.unsqueeze(1), float("-inf"))
         if s.softmax_fp32:
-            p = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+            p = F.softmax(scores, dim=-1, dtype=torch.float32).to(x.dtype)
         else:
-            p = F.softmax(scores, dim=-1)
+            p = F.softmax(scores, dim=-1).to(x.dtype)
         if s.heads_first:
             o = torch.matmul(p, v.transpose(1, 2)).transpose(1, 2)  # [B, T, H, V]
         else:
