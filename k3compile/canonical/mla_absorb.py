@@ -56,9 +56,10 @@ from k3compile.rewrite import inductor
 log = logging.getLogger("k3compile")
 aten, prims = torch.ops.aten, torch.ops.prims
 
-# p (the softmax output) against the canonical one on random scores, relative to max |p| = 1:
-# the canonical form scales and masks in fp32, a bf16 spelling may round the scaled scores first
-TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-9, torch.bfloat16: 3e-2, torch.float16: 5e-3}
+# p (the softmax output, <= 1) against the canonical one on random scores, absolute: the canonical
+# form scales and masks in fp32, a bf16 spelling may round the scaled scores first (measured on
+# the test spellings: bf16 <= 1e-3, fp32 <= 6e-8)
+TOLERANCE = {torch.float32: 1e-6, torch.float64: 1e-12, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
 # ---- the site ---------------------------------------------------------------------------------
 
@@ -463,9 +464,15 @@ def apply(graph: fx.Graph) -> int:
             why = "raised"
         if why is not None:
             log.debug("k3 mla_absorb: %s left alone: %s", read.name, why)
-        if _canonical_rows(graph, pos) or why is None:
-            done += 1
+        rows = _latent(read) and _canonical_rows(graph, pos)
+        done += why is None or rows
     return done
+
+
+def _latent(read: fx.Node) -> bool:
+    """read is split along its last dim into two parts ([c_kv | k_pe]): a latent cache."""
+    return any(len(u.args) == 3 and len(u.args[1]) == 2 and u.args[2] in (-1, 2)
+               for u in read.users if u.target == aten.split_with_sizes.default)
 
 
 def _canonical_rows(graph: fx.Graph, pos: fx.Node) -> bool:
