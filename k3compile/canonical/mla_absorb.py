@@ -348,19 +348,51 @@ def _chain_scale(site: Site) -> float:
 
 def probe(site: Site, z: Sizes, axes: dict, scale: float, seed: int = 0) -> str | None:
     """Run what lies between the score products and p on random scores and positions; None when
-    it equals scale -> causal mask over `pos` -> fp32 softmax -> cast (the canonical chain)."""
+    it equals scale -> causal mask over `pos` -> fp32 softmax -> cast (the canonical chain).
+    The verdict is kept per chain (ops, literals, shapes): the layers of one model share it."""
     nodes = _cone([site.p, site.pos], set(site.scores))
+    key = (_chain_key(nodes, site), scale,
+           *(tuple(axes[n]) for n in (site.p, *site.scores)))
+    if key not in _PROBED:
+        if len(_PROBED) > 256:
+            _PROBED.clear()
+        _PROBED[key] = _run_probe(site, z, axes, scale, nodes, seed)
+    return _PROBED[key]
+
+
+_PROBED: dict[tuple, str | None] = {}
+
+
+def _chain_key(nodes: list[fx.Node], site: Site) -> tuple:
+    where = {n: i for i, n in enumerate(nodes)}
+    roles = {site.p: "p", site.pos: "pos", **{s: "scores" for s in site.scores}}
+
+    def describe(n: fx.Node):
+        val = n.meta.get("val")
+        meta = (str(val.dtype), tuple(val.shape), str(val.device)) if isinstance(val, torch.Tensor) \
+            else None
+        if n in site.scores or n.op != "call_function":
+            return roles.get(n, n.op), meta
+        args = fx.map_arg((n.args, n.kwargs), lambda a: ("node", where[a]))
+        return roles.get(n, n.op), str(n.target), repr(args), meta
+
+    return tuple(describe(n) for n in nodes)
+
+
+def _run_probe(site: Site, z: Sizes, axes: dict, scale: float, nodes: list[fx.Node],
+               seed: int) -> str | None:
     gen = torch.Generator().manual_seed(seed)
     env: dict[fx.Node, object] = {}
     with inductor.unset_fake_temporarily():
         for n in nodes:
             val = n.meta.get("val")
             if n in site.scores:
-                env[n] = torch.randn(list(val.shape), generator=gen).to(val.dtype)
+                env[n] = torch.randn(list(val.shape), generator=gen).to(val.device, val.dtype)
             elif n.op == "placeholder":
                 if val.dtype != torch.int64 or val.dim() != 1:
                     return f"the mask reads {n.name} ({val.dtype}{list(val.shape)})"
-                env[n] = torch.randint(0, z.L - z.T + 1, list(val.shape), generator=gen)
+                env[n] = torch.randint(0, z.L - z.T + 1, list(val.shape), generator=gen) \
+                    .to(val.device)
             elif n.op == "call_function" and not _writes(n):
                 args, kwargs = fx.map_arg((n.args, n.kwargs), env.__getitem__)
                 env[n] = n.target(*args, **kwargs)
@@ -392,7 +424,8 @@ def _canonical_p(site: Site, z: Sizes, axes: dict, env: dict, scale: float) -> t
         v = v.permute([names.index(n) for n in order if n in names])
         total = total + v.reshape(z.B, z.H, z.T, z.L)
     dtype = env[site.scores[0]].dtype
-    visible = torch.arange(z.L).view(1, 1, -1) <= env[site.pos].unsqueeze(-1)
+    pos = env[site.pos]
+    visible = torch.arange(z.L, device=pos.device).view(1, 1, -1) <= pos.unsqueeze(-1)
     scores = (total.float() * scale).masked_fill(~visible.unsqueeze(1), float("-inf"))
     p = torch.softmax(scores, dim=-1).to(dtype)  # [B, H, T, L]
     names = [x[0] for x in axes[site.p]]
