@@ -22,7 +22,8 @@ from collections.abc import Callable
 
 from torch import fx
 
-ORDER: tuple[str, ...] = ("state_write", "gemm", "short_conv", "gate_up_split", "depth_mix")
+ORDER: tuple[str, ...] = ("state_write", "mla_absorb", "gemm", "short_conv", "gate_up_split",
+                          "depth_mix")
 
 
 @dataclasses.dataclass(frozen=True)

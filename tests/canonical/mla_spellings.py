@@ -1,0 +1,168 @@
+"""Non-absorbed Gated MLA, as DeepSeek/HF-style code writes it, over our model's latent cache.
+
+`NonAbsorbedMLA` holds the same weights and state as `k3compile.models.k3.GatedMLA` (kv_b_proj
+[H·(N + V), C], a latent cache [slots, max_len, C + R] written with the same index assignment) but
+attends the way foreign code does: K/V up-projected from every cached latent, split per head,
+k_pe broadcast over the heads. The `Spelling` flags pick the variations stage `canonicalize`
+must take (rule `mla_absorb`): softmax dtype, where the scale goes, how the mask is applied, how
+the rope part enters the scores, and how kv_b_proj is applied.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from k3compile.models.k3 import GatedMLA
+
+
+@dataclasses.dataclass(frozen=True)
+class Spelling:
+    softmax_fp32: bool = True  # softmax(..., dtype=float32).to(dtype), else in the input dtype
+    scale_on_q: bool = False  # q·scale before the product, else scores·scale
+    additive_mask: bool = False  # scores + (0 | -inf), else masked_fill
+    cat_rope: bool = True  # k = cat(k_nope, k_pe), else scores = nope term + rope term
+    weight_views: bool = False  # kv_b_proj.weight split into w_kc / w_vc, else the nn.Linear
+    heads_first: bool = True  # [B, H, T, *] as HF code, else [B, T, H, *] with einsum
+    # cache rows written at slots[:, None], arange(T) + positions.unsqueeze(1), else .view(B, 1)
+    unsqueezed_rows: bool = False
+    # look-alikes the rule must leave alone (not MLA as the canonical form computes it)
+    window: int | None = None  # also mask cache rows older than pos - window (sliding window)
+    scale_nope_only: bool = False  # the scale on q_nope only, not on the rope part
+    fp32_scores: bool = False  # q and k upcast to fp32 for the scores (other roundings)
+
+
+LOOKALIKES = {
+    "sliding_window": Spelling(window=4),
+    "scale_nope_only": Spelling(scale_nope_only=True),
+    "fp32_scores": Spelling(fp32_scores=True),
+}
+
+SPELLINGS = {
+    "hf": Spelling(),
+    "hf_bf16_softmax": Spelling(softmax_fp32=False),
+    "scale_q_additive": Spelling(scale_on_q=True, additive_mask=True),
+    "two_terms_weight_views": Spelling(cat_rope=False, weight_views=True),
+    "einsum": Spelling(heads_first=False, cat_rope=False, additive_mask=True),
+    "unsqueezed_rows": Spelling(unsqueezed_rows=True),
+}
+
+
+class NonAbsorbedMLA(GatedMLA):
+    """GatedMLA's weights and cache, the non-absorbed attention of `spelling`."""
+
+    def __init__(self, config, layer_idx: int, spelling: Spelling = Spelling()):
+        super().__init__(config, layer_idx)
+        self.spelling = spelling
+
+    def forward(self, x, slots, positions, group=None) -> torch.Tensor:
+        s, (B, T, _), H = self.spelling, x.shape, self.num_heads
+        N, R, V, C = self.nope, self.rope, self.v_dim, self.kv_lora_rank
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))).view(B, T, H, N + R)
+        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([C, R], dim=-1)
+        if s.unsqueezed_rows:
+            pos, rows = torch.arange(T, device=x.device) + positions.unsqueeze(1), slots[:, None]
+        else:
+            pos, rows = positions.view(B, 1) + torch.arange(T, device=x.device), slots.view(B, 1)
+        self.kv_cache[rows, pos] = torch.cat([self.kv_a_layernorm(c_kv), k_pe], -1)
+        latents, rope = self.kv_cache[slots].split([C, R], dim=-1)  # [B, L, C], [B, L, R]
+        L = latents.shape[1]
+        k_nope, v = self._up_project(latents, B, L)  # [B, L, H, N], [B, L, H, V]
+        if s.scale_on_q:
+            q = q * self.softmax_scale
+        if s.scale_nope_only:
+            q = torch.cat([q[..., :N] * self.softmax_scale, q[..., N:]], dim=-1)
+        if s.fp32_scores:
+            q, k_nope, rope = q.float(), k_nope.float(), rope.float()
+        if s.heads_first:
+            scores = self._scores_heads_first(q, k_nope, rope)
+        else:
+            q_nope, q_pe = q.split([N, R], dim=-1)
+            scores = (torch.einsum("bthd,blhd->bhtl", q_nope, k_nope)
+                      + torch.einsum("bthr,blr->bhtl", q_pe, rope))
+        if not (s.scale_on_q or s.scale_nope_only):
+            scores = scores * self.softmax_scale
+        future = torch.arange(L, device=x.device).view(1, 1, L) > pos.view(B, T, 1)  # [B, T, L]
+        if s.window is not None:
+            future = future | (torch.arange(L, device=x.device).view(1, 1, L)
+                               <= pos.view(B, T, 1) - s.window)
+        if s.additive_mask:
+            bias = torch.zeros(B, 1, T, L, dtype=scores.dtype, device=x.device)
+            scores = scores + bias.masked_fill(future.unsqueeze(1), float("-inf"))
+        else:
+            scores = scores.masked_fill(future.unsqueeze(1), float("-inf"))
+        if s.softmax_fp32:
+            p = F.softmax(scores, dim=-1, dtype=torch.float32).to(x.dtype)
+        else:
+            p = F.softmax(scores, dim=-1).to(x.dtype)
+        if s.heads_first:
+            o = torch.matmul(p, v.transpose(1, 2)).transpose(1, 2)  # [B, T, H, V]
+        else:
+            o = torch.einsum("bhtl,blhv->bthv", p, v)
+        o = o.reshape(B, T, H * V)
+        o = o * torch.sigmoid(self.g_proj(x))
+        return self.o_proj(o)
+
+    def _up_project(self, latents, B, L):
+        H, N, V = self.num_heads, self.nope, self.v_dim
+        if self.spelling.weight_views:
+            w_kc, w_vc = self.kv_b_proj.weight.view(H, N + V, -1).split([N, V], dim=1)
+            return (torch.einsum("blc,hdc->blhd", latents, w_kc),
+                    torch.einsum("blc,hvc->blhv", latents, w_vc))
+        kv = self.kv_b_proj(latents).view(B, L, H, N + V)
+        return kv.split([N, V], dim=-1)
+
+    def _scores_heads_first(self, q, k_nope, rope):
+        H, N = self.num_heads, self.nope
+        q = q.transpose(1, 2)  # [B, H, T, N + R]
+        k_nope = k_nope.transpose(1, 2)  # [B, H, L, N]
+        k_pe = rope.unsqueeze(1).expand(-1, H, -1, -1)  # [B, H, L, R]
+        if self.spelling.cat_rope:
+            return torch.matmul(q, torch.cat([k_nope, k_pe], dim=-1).transpose(-1, -2))
+        q_nope, q_pe = q.split([N, q.shape[-1] - N], dim=-1)
+        return (torch.matmul(q_nope, k_nope.transpose(-1, -2))
+                + torch.matmul(q_pe, k_pe.transpose(-1, -2)))
+
+
+def non_absorbed(reference: GatedMLA, config, spelling: Spelling) -> NonAbsorbedMLA:
+    """A NonAbsorbedMLA of `config` with `reference`'s weights and a copy of its cache."""
+    m = NonAbsorbedMLA(config, reference.layer_idx, spelling)
+    m.load_state_dict(reference.state_dict())
+    m = m.to(reference.q_a_proj.weight.dtype).requires_grad_(False)
+    m.register_buffer("kv_cache", reference.kv_cache.clone(), persistent=False)
+    return m
+
+
+class CachedMHA(nn.Module):
+    """Ordinary multi-head attention over a K/V cache [slots, max_len, H·D] (3-D and written
+    with the same index assignment as the latent cache): the look-alike whose K/V are no
+    projection of latents."""
+
+    def __init__(self, hidden: int, heads: int, head_dim: int, slots: int, max_len: int):
+        super().__init__()
+        self.heads, self.head_dim = heads, head_dim
+        self.qkv = nn.Linear(hidden, 3 * heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
+        for name in ("k_cache", "v_cache"):
+            self.register_buffer(name, torch.zeros(slots, max_len, heads * head_dim),
+                                 persistent=False)
+
+    def forward(self, x, positions, slots):
+        (B, T, _), H, D = x.shape, self.heads, self.head_dim
+        q, k, v = self.qkv(x).split(H * D, dim=-1)
+        pos = positions.view(B, 1) + torch.arange(T, device=x.device)
+        self.k_cache[slots.view(B, 1), pos] = k
+        self.v_cache[slots.view(B, 1), pos] = v
+        L = self.k_cache.shape[1]
+        q = q.view(B, T, H, D)
+        keys = self.k_cache[slots].view(B, L, H, D)
+        values = self.v_cache[slots].view(B, L, H, D)
+        scores = torch.einsum("bthd,blhd->bhtl", q, keys) * D ** -0.5
+        future = torch.arange(keys.shape[1]).view(1, 1, -1) > pos.unsqueeze(-1)
+        scores = scores.masked_fill(future.unsqueeze(1), float("-inf"))
+        p = torch.softmax(scores.float(), dim=-1).to(x.dtype)
+        o = torch.einsum("bhtl,blhd->bthd", p, values).reshape(B, T, H * D)
+        return self.o_proj(o)
