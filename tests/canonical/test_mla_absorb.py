@@ -76,7 +76,7 @@ def test_spelling_becomes_our_absorbed_graph(name, dtype, batch, tokens):
     module = foreign(SPELLINGS[name], dtype)
     want, want_cache = eager(copy.deepcopy(module), dtype, batch, tokens)
     got, cache, graph, counts, _ = run(module, dtype, batch, tokens, disabled_stages=["fuse"])
-    assert counts == {"mla_absorb": 1}
+    assert counts["mla_absorb"] == 1  # (other rules may take other sites: einsum projections)
     for g, w in zip(got, want):
         assert g.dtype == w.dtype and g.shape == w.shape
         assert rel_err(g, w) <= REWRITE_TOL[dtype]
@@ -94,7 +94,7 @@ def test_lookalike_is_left_alone(name):
     module = foreign(LOOKALIKES[name], dtype)
     want, _ = eager(copy.deepcopy(module), dtype, batch, tokens)
     got, _, graph, counts, _ = run(module, dtype, batch, tokens, disabled_stages=["fuse"])
-    assert counts == {"mla_absorb": 0}
+    assert counts["mla_absorb"] == 0
     assert "aten.index_put.default" in ops(graph)  # the site was there to be taken
     for g, w in zip(got, want):
         assert rel_err(g, w) <= REWRITE_TOL[dtype]
@@ -109,7 +109,7 @@ def test_multi_head_attention_over_a_kv_cache_is_left_alone():
             p.copy_(torch.randn(p.shape, generator=gen) * p.shape[-1] ** -0.5)
     want, _ = eager(copy.deepcopy(module), dtype, batch, tokens)
     got, _, graph, counts, _ = run(module, dtype, batch, tokens, disabled_stages=["fuse"])
-    assert counts == {"mla_absorb": 0}
+    assert counts["mla_absorb"] == 0
     assert ops(graph)["aten.index.Tensor"] == 2  # two 3-D cache reads the rule looked at
     for g, w in zip(got, want):
         assert rel_err(g, w) <= REWRITE_TOL[dtype]
@@ -119,7 +119,7 @@ def test_our_absorbed_model_is_left_alone():
     dtype, batch, tokens = torch.float32, 2, 1
     _, _, _, counts, _ = run(attention("mla", dtype), dtype, batch, tokens,
                              disabled_stages=["fuse"])
-    assert counts == {"mla_absorb": 0}
+    assert counts["mla_absorb"] == 0
 
 
 @pytest.mark.slow
