@@ -23,8 +23,9 @@ over a stacked weight (`gemm`), the window-sum short conv and the `index_copy_` 
 sliced gate|up (`gate_up_split`), the MXFP4 LUT dequant over per-expert modules
 (`mxfp4_dequant`, `expert_stack`), the non-absorbed MLA (`mla_absorb`), the router's
 `topk(..., sorted=False)` and `bias.unsqueeze(0)` (no rule planned: `moe_route` reports a
-near miss), and layers found by module names (`layers`: `block_sparse_moe` is not a MoE to the
-contract, and `model.output_res` / `model.norm` are not the final mix).
+near miss), the delta rule's `k_t = k[:, t]` used twice (kda_decode's search has one select per
+read; no rule planned), and layers found by module names (`layers`: `block_sparse_moe` is not a
+MoE to the contract, and `model.output_res` / `model.norm` are not the final mix).
 """
 
 from __future__ import annotations
@@ -49,10 +50,13 @@ TEMPLATES = {0: "dense", 1: "kda_moe", 2: "mla_moe", 3: "last", FINAL: "final"}
 _MIX = {"attn_res_mix_norm": "depth_mix"}
 _POST_MIX = {"oproj_attn_res_mix_norm": "depth_mix"}
 _KDA = {"linear_concat": "gemm (q|k|v as a bmm over a stacked weight)",
-        "fb_kda_decode": "short_conv + state_write (window sum, index_copy_)"}
-_MLA = {op: "mla_absorb" for op in ("mla_q_absorb", "mla_decode", "mla_uv_gate")}
+        "fb_kda_decode": "short_conv + state_write (window sum, index_copy_); and none yet "
+                         "for k_t = k[:, t] read once, used twice (kda_decode wants two selects)"}
+_MLA = {"mla_q_absorb": "mla_absorb", "mla_uv_gate": "mla_absorb",
+        "mla_decode": "mla_absorb + state_write (the cache write indexes with unsqueeze(1) "
+                      "where the search has view(B, 1); the mask is arange > pos)"}
 _SITU = {"situ_gate_up": "gate_up_split"}
-_MOE = {"moe_route": "none yet (topk sorted=False, bias [1, E])",
+_MOE = {"moe_route": "none yet (topk(sorted=False); bias.unsqueeze(0) refused by the check)",
         "moe_experts": "mxfp4_dequant + expert_stack", **_SITU}
 KNOWN_GAPS: dict[str, dict[str, str]] = {
     "dense": {**_KDA, **_POST_MIX, **_SITU},
