@@ -1,0 +1,215 @@
+"""The transformers-style second spelling of K3 (`tests/models/hf_k3.py`, issue 18 item 4) against
+the built-in model, eagerly and under backend="k3" (tiny config, 4 layers: every template).
+
+1. Eager, same weights (`from_reference`): fp32 logits and decode states equal the built-in
+   model's over decode steps and a [B, T] verify step (rounding only: measured <= 8e-6). bf16:
+   a model without MLA layers is bit-equal to the built-in one (measured), and the non-absorbed
+   MLA block, on the same inputs, is within the one-block bf16 tolerance of the absorbed one (it
+   rounds K and V to bf16 where the absorbed form rounds q_lat and o_lat; measured <= 7e-3).
+   Whole-model bf16 logits are not compared: the tiny model amplifies that rounding difference
+   by ~30x and top-k near ties then flip (see TOL["bfloat16"]).
+2. Compiled (fullgraph, executor aten, one static batch) in fp32 and bf16: equal to its own
+   eager copy, logits and states; the backend finds the scratch slot through `slots`.
+3. The fused plan per layer: the built-in model meets `PLANS[template]` at every layer
+   (tests/e2e/test_backend.py); this spelling gets that plan less `KNOWN_GAPS`, today's
+   shortfall as data (template -> op -> the canonical rule that should close it), plus plain
+   norms left where a norm-carrying fusion is lost. The test fails when a gap closes (move the
+   op out of KNOWN_GAPS) or a new one opens, and on any fused op the plan does not place there
+   (a mis-fusion). The contract's own template labels are checked the same way (`MISLABELLED`).
+
+Known gaps today (no canonical rule has landed on this branch's base): the KDA in-proj as bmm
+over a stacked weight (`gemm`), the window-sum short conv and the `index_copy_` state write
+(`short_conv`, `state_write`), the depth mix built with `cat` on dim -2 (`depth_mix`), SiTU on a
+sliced gate|up (`gate_up_split`), the MXFP4 LUT dequant over per-expert modules
+(`mxfp4_dequant`, `expert_stack`), the non-absorbed MLA (`mla_absorb`), the router's
+`topk(..., sorted=False)` and `bias.unsqueeze(0)` (no rule planned: `moe_route` reports a
+near miss), the delta rule's `k_t = k[:, t]` used twice (kda_decode's search has one select per
+read; no rule planned), and layers found by module names (`layers`: `block_sparse_moe` is not a
+MoE to the contract, and `model.output_res` / `model.norm` are not the final mix).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import pytest
+import torch
+
+import k3compile.backend as k3be
+from k3compile.models import build_model, get_config
+from k3compile.rewrite import NEUTRAL
+from k3compile.stages.contract import FINAL, PLANS, SCHEDULE
+from tests.conftest import TOL, rel_err
+from tests.fusions.attention_checks import one_thread  # noqa: F401
+from tests.models.hf_k3 import converted_state_dict, from_reference
+
+CFG = dataclasses.replace(get_config("tiny"), num_hidden_layers=4, full_attn_layers=(2, 3))
+TEMPLATES = {0: "dense", 1: "kda_moe", 2: "mla_moe", 3: "last", FINAL: "final"}
+
+_MIX = {"attn_res_mix_norm": "depth_mix"}
+_POST_MIX = {"oproj_attn_res_mix_norm": "depth_mix"}
+_KDA = {"linear_concat": "gemm (q|k|v as a bmm over a stacked weight)",
+        "fb_kda_decode": "short_conv + state_write (window sum, index_copy_); and none yet "
+                         "for k_t = k[:, t] read once, used twice (kda_decode wants two selects)"}
+_MLA = {"mla_q_absorb": "mla_absorb", "mla_uv_gate": "mla_absorb",
+        "mla_decode": "mla_absorb + state_write (the cache write indexes with unsqueeze(1) "
+                      "where the search has view(B, 1); the mask is arange > pos)"}
+_SITU = {"situ_gate_up": "gate_up_split"}
+_MOE = {"moe_route": "none yet (topk(sorted=False); bias.unsqueeze(0) refused by the check)",
+        "moe_experts": "mxfp4_dequant + expert_stack", **_SITU}
+KNOWN_GAPS: dict[str, dict[str, str]] = {
+    "dense": {**_KDA, **_POST_MIX, **_SITU},
+    "kda_moe": {**_MIX, **_KDA, **_POST_MIX, **_MOE},
+    "mla_moe": {**_MIX, **_MLA, **_POST_MIX, **_MOE},
+    "last": {**_MIX, **_MLA, **_POST_MIX, **_MOE},
+    "final": {"attn_res_mix_norm": "depth_mix + layers (the final mix found by structure)"},
+}
+# what the contract calls each layer where it differs from TEMPLATES (rule `layers`); None: the
+# final mix + norm is not found at all
+MISLABELLED = {1: "dense", 2: "dense", 3: "dense", FINAL: None}
+# a lost fusion that carried a norm leaves it as a plain k3.rms_norm
+LEFTOVERS = frozenset({"rms_norm"})
+
+STATES = {"conv_state": "conv_state", "recurrent_state": "recurrent_state",
+          "kv_cache": "latent_cache"}  # built-in buffer -> ours, per layer's self_attn
+STEPS = 3
+BUCKET = 4
+
+
+def _pair(cfg, dtype, seed=0):
+    ref = build_model(cfg, dtype=dtype, max_batch=4, max_seq_len=64, seed=seed)
+    return ref, from_reference(ref)
+
+
+def _inputs(cfg, batch: int = 2, verify_rows: int = 0):
+    """Decode steps for `batch` requests (slots out of order, other positions), then a [B, T]
+    verify step."""
+    gen = torch.Generator().manual_seed(0)
+    pos, slots = torch.tensor([0, 5, 9][:batch]), torch.tensor([2, 0, 3][:batch])
+    for _ in range(STEPS):
+        yield torch.randint(0, cfg.vocab_size, (batch,), generator=gen), pos, slots
+        pos = pos + 1
+    if verify_rows:
+        yield torch.randint(0, cfg.vocab_size, (batch, verify_rows), generator=gen), pos, slots
+
+
+def _state_errors(ref, hf) -> dict[str, float]:
+    ours = dict(hf.named_buffers())
+    errs = {}
+    for name, buf in ref.named_buffers():
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf in STATES:
+            mine = name.replace("language_model.", "").rsplit(".", 1)[0] + "." + STATES[leaf]
+            errs[name] = rel_err(ours[mine], buf)
+    return errs
+
+
+# ---- 1. eager, against the built-in model --------------------------------------------------------
+
+
+def test_converted_weights_are_the_reference_weights():
+    ref, hf = _pair(CFG, torch.float32)
+    by_dtype = collections.defaultdict(lambda: ([], []))
+    for i, module in enumerate((ref, hf)):
+        for t in module.state_dict().values():
+            by_dtype[t.dtype][i].append(t.flatten().float())
+    for dtype, (want, got) in by_dtype.items():  # the same values, each used once
+        assert torch.equal(torch.cat(got).sort().values, torch.cat(want).sort().values), dtype
+    assert converted_state_dict(ref).keys() == hf.state_dict().keys()
+
+
+def test_eager_fp32_equals_the_builtin_model():
+    ref, hf = _pair(CFG, torch.float32)
+    for ids, pos, slots in _inputs(CFG, verify_rows=3):
+        err = rel_err(hf(ids, pos, slots), ref(ids, pos, slots))
+        assert err <= TOL["float32"], (tuple(ids.shape), err)
+    state_err = _state_errors(ref, hf)
+    assert len(state_err) == 6  # KDA conv + recurrent state of layers 0, 1; MLA cache of 2, 3
+    assert all(e <= TOL["float32"] for e in state_err.values()), state_err
+
+
+def test_eager_bf16_without_mla_equals_the_builtin_model():
+    cfg = dataclasses.replace(CFG, full_attn_layers=())
+    ref, hf = _pair(cfg, torch.bfloat16)
+    for ids, pos, slots in _inputs(cfg, verify_rows=3):
+        err = rel_err(hf(ids, pos, slots), ref(ids, pos, slots))
+        assert err <= TOL["bfloat16"], (tuple(ids.shape), err)
+    state_err = _state_errors(ref, hf)
+    assert len(state_err) == 8 and all(e <= TOL["bfloat16"] for e in state_err.values()), state_err
+
+
+def test_eager_bf16_non_absorbed_mla_block_equals_the_absorbed_one():
+    ref, hf = _pair(CFG, torch.bfloat16)
+    want, got = ref.language_model.model.layers[2].self_attn, hf.model.layers[2].self_attn
+    gen = torch.Generator().manual_seed(0)
+    pos, slots = torch.tensor([0, 5]), torch.tensor([2, 0])
+    for rows in (1, 1, 1, 3):
+        x = torch.randn(2, rows, CFG.hidden_size, generator=gen).to(torch.bfloat16)
+        err = rel_err(got(x, slots, pos), want(x, slots, pos))
+        assert err <= TOL["bfloat16"], (rows, err)
+        pos = pos + rows
+    assert rel_err(got.latent_cache, want.kv_cache) <= TOL["bfloat16"]
+
+
+# ---- 2. and 3. under backend="k3" ----------------------------------------------------------------
+
+
+def _compile_and_step(dtype):
+    """Compile one bucket (4) of a dynamic batch and step this spelling at batch 3 (one padding
+    row, on the scratch slot) against its eager copy; returns (worst logits error, state errors
+    outside the scratch slot, the compiled graph)."""
+    torch._dynamo.reset()
+    (_, model), (_, eager) = _pair(CFG, dtype), _pair(CFG, dtype)
+    step = torch.compile(model, backend="k3", fullgraph=True,
+                         options={"executor": "aten", "buckets": (BUCKET,), "keep_graphs": False})
+    err = 0.0
+    for ids, pos, slots in _inputs(CFG, batch=BUCKET - 1):
+        for t in (ids, pos, slots):
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+        err = max(err, rel_err(step(ids, pos, slots), eager(ids, pos, slots)))
+    ours, real = dict(model.named_buffers()), slice(0, model.scratch_slot)
+    state_err = {n: rel_err(ours[n][real], b[real]) for n, b in eager.named_buffers()
+                 if n.endswith(tuple(STATES.values()))}
+    return err, state_err, k3be.last_compiled()
+
+
+@pytest.fixture(scope="module", params=[torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def compiled(request):
+    return _compile_and_step(request.param)
+
+
+@pytest.mark.slow
+def test_compiled_equals_its_eager(compiled):
+    err, state_err, step = compiled
+    assert [key[0] for key in step.buckets] == [BUCKET], list(step.buckets)  # padded, ran there
+    assert err <= TOL["aten_cpu"], err
+    assert len(state_err) == 6
+    assert all(e <= TOL["aten_cpu"] for e in state_err.values()), state_err
+
+
+def _fused_ops(compiled) -> dict[int, collections.Counter]:
+    (report,) = compiled.contracts.values()
+    return {lr.layer: collections.Counter(
+        {op: n for op, n in lr.actual.items() if op not in NEUTRAL | SCHEDULE})
+        for lr in report.layers}
+
+
+@pytest.mark.slow
+def test_fused_plan_is_the_builtin_plan_less_the_known_gaps(compiled):
+    got = _fused_ops(compiled[2])
+    for layer, template in TEMPLATES.items():
+        plan, have = collections.Counter(PLANS[template]), got.get(layer, collections.Counter())
+        lost = {op: n for op, n in (plan - have).items()}
+        assert lost == {op: plan[op] for op in KNOWN_GAPS[template]}, (
+            f"layer {layer} ({template}) lost {lost}; known gaps {KNOWN_GAPS[template]}")
+        extra = have - plan
+        assert set(extra) <= LEFTOVERS, f"layer {layer} ({template}): ops off the plan {extra}"
+
+
+@pytest.mark.slow
+def test_contract_labels_the_layers_as_known(compiled):
+    (report,) = compiled[2].contracts.values()
+    labels = {lr.layer: lr.template for lr in report.layers}
+    want = {layer: MISLABELLED.get(layer, t) for layer, t in TEMPLATES.items()}
+    assert labels == {layer: t for layer, t in want.items() if t is not None}
