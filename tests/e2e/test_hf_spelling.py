@@ -17,15 +17,12 @@ the built-in model, eagerly and under backend="k3" (tiny config, 4 layers: every
    op out of KNOWN_GAPS) or a new one opens, and on any fused op the plan does not place there
    (a mis-fusion). The contract's own template labels are checked the same way (`MISLABELLED`).
 
-Known gaps today (no canonical rule has landed on this branch's base): the KDA in-proj as bmm
-over a stacked weight (`gemm`), the window-sum short conv and the `index_copy_` state write
-(`short_conv`, `state_write`), the depth mix built with `cat` on dim -2 (`depth_mix`), SiTU on a
-sliced gate|up (`gate_up_split`), the MXFP4 LUT dequant over per-expert modules
-(`mxfp4_dequant`, `expert_stack`), the non-absorbed MLA (`mla_absorb`), the router's
-`topk(..., sorted=False)` and `bias.unsqueeze(0)` (no rule planned: `moe_route` reports a
-near miss), the delta rule's `k_t = k[:, t]` used twice (kda_decode's search has one select per
-read; no rule planned), and layers found by module names (`layers`: `block_sparse_moe` is not a
-MoE to the contract, and `model.output_res` / `model.norm` are not the final mix).
+Taken by the canonical rules (k3compile/canonical): SiTU on a sliced gate|up (`gate_up_split`),
+the non-absorbed MLA and its cache write (`mla_absorb`), the window-sum short conv
+(`short_conv`), the stacked q|k|v bmm (`gemm`). Known gaps today (`KNOWN_GAPS` says which):
+the depth mix over [B, S, D] sources, the KDA in-proj concat and the delta rule's `k_t` read
+once and used twice, the router's `topk(sorted=False)` / `bias.unsqueeze(0)`, the experts over
+per-expert modules, and layers found by module names (`MISLABELLED`).
 """
 
 from __future__ import annotations
@@ -47,22 +44,19 @@ from tests.models.hf_k3 import converted_state_dict, from_reference
 CFG = dataclasses.replace(get_config("tiny"), num_hidden_layers=4, full_attn_layers=(2, 3))
 TEMPLATES = {0: "dense", 1: "kda_moe", 2: "mla_moe", 3: "last", FINAL: "final"}
 
-_MIX = {"attn_res_mix_norm": "depth_mix"}
-_POST_MIX = {"oproj_attn_res_mix_norm": "depth_mix"}
-_KDA = {"linear_concat": "gemm (q|k|v as a bmm over a stacked weight)",
-        "fb_kda_decode": "short_conv + state_write (window sum, index_copy_); and none yet "
-                         "for k_t = k[:, t] read once, used twice (kda_decode wants two selects)"}
-_MLA = {"mla_q_absorb": "mla_absorb", "mla_uv_gate": "mla_absorb",
-        "mla_decode": "mla_absorb + state_write (the cache write indexes with unsqueeze(1) "
-                      "where the search has view(B, 1); the mask is arange > pos)"}
-_SITU = {"situ_gate_up": "gate_up_split"}
+_MIX = {"attn_res_mix_norm": "depth_mix: the mix over [B, S, D] sources (cat on dim -2, softmax "
+                             "over -1) is not taken yet"}
+_POST_MIX = {"oproj_attn_res_mix_norm": _MIX["attn_res_mix_norm"]}
+_KDA = {"linear_concat": "gemm splits the stacked q|k|v bmm into mm's; linear_concat still misses",
+        "fb_kda_decode": "none yet for k_t = k[:, t] read once, used twice (kda_decode's search "
+                         "has one select per read)"}
 _MOE = {"moe_route": "none yet (topk(sorted=False); bias.unsqueeze(0) refused by the check)",
-        "moe_experts": "mxfp4_dequant + expert_stack", **_SITU}
+        "moe_experts": "mxfp4_dequant + expert_stack"}
 KNOWN_GAPS: dict[str, dict[str, str]] = {
-    "dense": {**_KDA, **_POST_MIX, **_SITU},
+    "dense": {**_KDA, **_POST_MIX},
     "kda_moe": {**_MIX, **_KDA, **_POST_MIX, **_MOE},
-    "mla_moe": {**_MIX, **_MLA, **_POST_MIX, **_MOE},
-    "last": {**_MIX, **_MLA, **_POST_MIX, **_MOE},
+    "mla_moe": {**_MIX, **_POST_MIX, **_MOE},
+    "last": {**_MIX, **_POST_MIX, **_MOE},
     "final": {"attn_res_mix_norm": "depth_mix + layers (the final mix found by structure)"},
 }
 # what the contract calls each layer where it differs from TEMPLATES (rule `layers`); None: the
@@ -171,7 +165,7 @@ def _compile_and_step(dtype):
     ours, real = dict(model.named_buffers()), slice(0, model.scratch_slot)
     state_err = {n: rel_err(ours[n][real], b[real]) for n, b in eager.named_buffers()
                  if n.endswith(tuple(STATES.values()))}
-    return err, state_err, k3be.last_compiled()
+    return err, state_err, k3be.last_compiled(), dtype
 
 
 @pytest.fixture(scope="module", params=[torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -181,11 +175,14 @@ def compiled(request):
 
 @pytest.mark.slow
 def test_compiled_equals_its_eager(compiled):
-    err, state_err, step = compiled
+    err, state_err, step, dtype = compiled
     assert [key[0] for key in step.buckets] == [BUCKET], list(step.buckets)  # padded, ran there
-    assert err <= TOL["aten_cpu"], err
+    # bf16: canonical rule mla_absorb computes the MLA layers in the absorbed order, which rounds
+    # differently from this spelling's non-absorbed eager code (fp32: within the CPU tolerance)
+    tol = TOL["aten_cpu"] if dtype == torch.float32 else TOL["bfloat16"]
+    assert err <= tol, err
     assert len(state_err) == 6
-    assert all(e <= TOL["aten_cpu"] for e in state_err.values()), state_err
+    assert all(e <= tol for e in state_err.values()), state_err
 
 
 def _fused_ops(compiled) -> dict[int, collections.Counter]:
