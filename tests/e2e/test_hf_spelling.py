@@ -8,8 +8,10 @@ the built-in model, eagerly and under backend="k3" (tiny config, 4 layers: every
    rounds K and V to bf16 where the absorbed form rounds q_lat and o_lat; measured <= 7e-3).
    Whole-model bf16 logits are not compared: the tiny model amplifies that rounding difference
    by ~30x and top-k near ties then flip (see TOL["bfloat16"]).
-2. Compiled (fullgraph, executor aten, one static batch) in fp32 and bf16: equal to its own
-   eager copy, logits and states; the backend finds the scratch slot through `slots`.
+2. Compiled (fullgraph, executor aten, one static batch, verify mode) in fp32 and bf16: equal to
+   its own eager copy, logits and states; the backend finds the scratch slot through `slots`;
+   verify mode checked every canonical rule on the whole graph and every rewrite, and reverted
+   none.
 3. The fused plan per layer: the built-in model meets `PLANS[template]` at every layer
    (tests/e2e/test_backend.py); this spelling gets that plan less `KNOWN_GAPS`, today's
    shortfall as data (template -> op -> the canonical rule that should close it), plus plain
@@ -156,7 +158,8 @@ def _compile_and_step(dtype):
     torch._dynamo.reset()
     (_, model), (_, eager) = _pair(CFG, dtype), _pair(CFG, dtype)
     step = torch.compile(model, backend="k3", fullgraph=True,
-                         options={"executor": "aten", "buckets": (BUCKET,), "keep_graphs": False})
+                         options={"executor": "aten", "buckets": (BUCKET,), "keep_graphs": False,
+                                  "verify": True})
     err = 0.0
     for ids, pos, slots in _inputs(CFG, batch=BUCKET - 1):
         for t in (ids, pos, slots):
@@ -183,6 +186,8 @@ def test_compiled_equals_its_eager(compiled):
     assert err <= tol, err
     assert len(state_err) == 6
     assert all(e <= tol for e in state_err.values()), state_err
+    (report,) = step.observer.reports.values()  # verify mode: every canonical rule and rewrite
+    assert report.verified and not report.reverted, report.reverted
 
 
 def _fused_ops(compiled) -> dict[int, collections.Counter]:
