@@ -23,7 +23,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import fx
@@ -241,8 +241,9 @@ BIG_FUSIONS: dict[str, tuple[tuple[str, ...], ...]] = {
     "mla": (("mla_decode",),),
     "moe": (("moe_route",), ("moe_experts",)),
 }
-SHOWN = {"kda": "the KDA state write", "mla": "the MLA softmax over the cache",
-         "moe": "the MoE routing"}
+# kind -> what its evidence node is, and whether the big fusion's anchor lies upstream of it
+SHOWN = {"kda": ("the KDA state write", False), "mla": ("the MLA softmax over the cache", True),
+         "moe": ("the MoE routing", False)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -252,9 +253,12 @@ class Probe:
     miss: NearMiss  # why it would not happen, tried before stage fuse
 
 
-def probe_fusions(graph: fx.Graph, layers: Layers, patterns, enabled, bucket) -> list[Probe]:
-    """Before stage `fuse`: for every big fusion a layer's structure calls for, why its patterns
-    would not take the site (`near_miss.probe` at the evidence node; `patterns`: every pattern)."""
+def probe_fusions(graph: fx.Graph, layers: Layers, patterns, enabled, bucket,
+                  wanted: Callable[[int, tuple[str, ...]], bool] = lambda i, ops: True
+                  ) -> list[Probe]:
+    """Before stage `fuse`: for every big fusion a layer's structure calls for (and `wanted`),
+    why its patterns would not take the site (`near_miss.probe` at the evidence node;
+    `patterns`: every pattern)."""
     by_name = {n.name: n for n in graph.nodes}
     by_layer = nodes_by_layer(graph)
     out = []
@@ -265,8 +269,9 @@ def probe_fusions(graph: fx.Graph, layers: Layers, patterns, enabled, bucket) ->
                 continue  # fused already (a graph compiled twice)
             for ops in BIG_FUSIONS[kind]:
                 family = [p for p in patterns if p.op.split(".")[-1] == ops[0]]
-                if family:
-                    miss = near_miss.probe(node, by_layer[i], family, enabled, bucket, SHOWN[kind])
+                if family and wanted(i, ops):
+                    miss = near_miss.probe(node, by_layer[i], family, enabled, bucket,
+                                           *SHOWN[kind])
                     out.append(Probe(i, ops, miss))
     return out
 

@@ -276,27 +276,26 @@ def explain(nodes: Sequence[fx.Node], family: Sequence, enabled: Callable[[str],
 # ---- where the structure shows a fusion ----------------------------------------------------------
 
 def probe(evidence: fx.Node, nodes: Sequence[fx.Node], family: Sequence,
-          enabled: Callable[[str], bool], bucket: int | None, shown: str) -> NearMiss:
+          enabled: Callable[[str], bool], bucket: int | None, shown: str,
+          upstream: bool = False) -> NearMiss:
     """Why `family` (the patterns of one fusion) would or would not take the site that
     `evidence` shows (`shown`: what it shows, e.g. "the KDA state write"). Every enabled pattern
     is tried at each of its anchors in `nodes` (the layer) within the pattern's reach of
-    `evidence`, upstream or downstream (read only); the attempt that got furthest is the reason,
-    which names the node and the condition. Without such an anchor, the reason says so at
-    `evidence`."""
+    `evidence`: downstream (the site reads it: the experts after the routing) or, `upstream`,
+    among its inputs (the cache write before the softmax over the cache); read only. The
+    attempt that got furthest is the reason, which names the node and the condition. Without
+    such an anchor, the reason says so at `evidence`."""
     context = f"{shown} {describe(evidence, module_path(evidence))}"
     live = [p for p in family if enabled(p.name)]
     if not live:
         reason = "every pattern of the fusion is disabled by options (disabled_patterns)"
         return NearMiss(family[0].name, evidence.name, f"{reason}; at {context}",
                         module_path(evidence), f"{reason}; at {shown}")
-    tries, near = [], {}
+    tries = []
     for p in live:
         depth, anchors = reach(p), p.anchors
-        if depth not in near:
-            near[depth] = cone(evidence, depth).keys() | _users(evidence, depth)
-        for node in nodes:
-            if node.target not in anchors or node not in near[depth]:
-                continue
+        near = cone(evidence, depth) if upstream else _users(evidence, depth)
+        for node in (n for n in nodes if n.target in anchors and n in near):
             m = inductor.match(p.expr, node)
             if m:
                 outcome = _outcome(p, m, enabled, bucket, {})

@@ -49,6 +49,8 @@ PLANS: dict[str, dict[str, int]] = {
     "final": {"attn_res_mix_norm": 1},  # the model's final depth mix + norm, after every layer
 }
 
+NO_LAYER = "no K3 layer found"  # the report of a graph without a KDA or MLA layer
+
 # a fused op that takes the planned op's place: at W > 1 the collective variant is the
 # post-attention mix (o_proj stays a GEMM before it, spec §5.2 row 5's GEMM + all-reduce)
 SATISFIES = {"allreduce_attn_res_mix_norm": "oproj_attn_res_mix_norm"}
@@ -120,7 +122,7 @@ class ContractReport:
 
     @property
     def status(self) -> str:
-        return "no K3 layer found" if not self.found else "met" if self.met else "NOT met"
+        return NO_LAYER if not self.found else "met" if self.met else "NOT met"
 
 
 def _op_name(node: fx.Node) -> str:
@@ -188,7 +190,7 @@ def check_contract(graph: fx.Graph, rewrites=None, strict: bool = False,
             + [f"layer {i} is no K3 layer (no KDA or MLA attention found)"
                for i in report.unrecognised])
         if not report.found:
-            msg = "k3 fusion contract: no K3 layer found (no layer with KDA or MLA attention)"
+            msg = f"k3 fusion contract: {NO_LAYER} (no layer with KDA or MLA attention)"
         if strict:
             raise ContractError(msg)
         log.warning(msg)

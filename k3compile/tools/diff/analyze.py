@@ -19,6 +19,7 @@ from collections.abc import Iterator
 
 from torch import fx
 
+from k3compile import layers as k3layers
 from k3compile.observe import Observer, StageEvent
 from k3compile.rewrite import near_miss
 from k3compile.rewrite.near_miss import op_label
@@ -134,6 +135,25 @@ def _explain_shortfalls(plan, misses, hits, nodes_of, options, bucket) -> None:
                                                       bucket, rewritten)]
 
 
+def _probe_shortfalls(plan, misses, graph: fx.Graph, options, bucket) -> None:
+    """Where a layer misses a big fusion its structure calls for (`k3compile.layers`) and no near
+    miss explains it yet (the engine recorded none, e.g. stage fuse was off, and `explain` found
+    no resembling site), the structural probe at the layer's evidence node: such a layer is
+    never without one."""
+    from k3compile.patterns import all_patterns
+
+    def wanted(i: int, ops: tuple[str, ...]) -> bool:
+        lr = plan.get(i)
+        return (lr is not None and not set(lr.shortfall).isdisjoint(ops)
+                and not any(m.family in ops for m in misses[i]))
+
+    for p in k3layers.probe_fusions(graph, k3layers.find_layers(graph), all_patterns(),
+                                    options.pattern_enabled, bucket, wanted):
+        nm = p.miss
+        misses[p.layer].append(Miss(p.layer, nm.module, nm.node, nm.pattern, nm.reason, nm.kind,
+                                    "diff"))
+
+
 # ---- templates and deviations -------------------------------------------------------------------
 
 def _templates(layers: dict[int, LayerInfo], has_before: bool) -> list[Template]:
@@ -211,6 +231,8 @@ def _bucket_report(compiled, bucket, captured: dict) -> BucketReport:
     _explain_shortfalls(plan, misses, hits,
                         lambda i: (before.get(i) if has_before else after.get(i)) or [],
                         compiled.options, bucket)
+    _probe_shortfalls(plan, misses, before_graph if has_before else final, compiled.options,
+                      bucket)
     # the contract's templates (read as its graph entered stage fuse); the input graph's own
     # reading differs only where a stage before fuse changed what a layer computes
     names = ({lr.layer: lr.template for lr in contract.layers} if contract

@@ -10,9 +10,7 @@ from collections import Counter
 from collections.abc import Sequence
 
 from k3compile.rewrite import Hit
-
-
-NO_LAYER = "no K3 layer found"  # the contract's status for a graph without one
+from k3compile.stages.contract import NO_LAYER
 
 
 @dataclasses.dataclass
@@ -153,9 +151,8 @@ class DiffReport:
     @property
     def verdict(self) -> str:
         """"met", "NOT met", or "no K3 layer found" where no bucket's graph holds one."""
-        none = NO_LAYER
-        if self.buckets and all(b.verdict == none for b in self.buckets):
-            return none
+        if self.buckets and all(b.verdict == NO_LAYER for b in self.buckets):
+            return NO_LAYER
         return "met" if self.met else "NOT met"
 
     @property
