@@ -5,7 +5,12 @@ condition that failed. One explanation serves two callers:
   kernel is recorded by the engine as `NearMiss(..., "check refused: ...")`);
 * the diff tool, where the fusion contract fell short and the engine recorded nothing
   (`explain`: every pattern of the missing op tried, read only, at the layer's anchors in the
-  graph the pipeline received).
+  graph the pipeline received);
+* stage `fuse`, where a layer's structure shows a big fusion (`k3compile.layers`: a KDA state,
+  an attention over a cache, a routing top-k) that may not happen (`probe`: the fusion's
+  patterns tried, read only, at the anchors around that node before any pattern runs; kept
+  where the fusion did not happen and the engine recorded nothing, so such a layer always has
+  a near miss naming a node and a condition).
 
 A site resembles a pattern when the anchor's inputs hold every distinctive op of the pattern and
 85% of its ops. The inputs are cut two ways: while rewriting, at the pattern's node count (tight:
@@ -25,6 +30,8 @@ from typing import Any
 
 import torch
 from torch import fx
+
+from k3compile.rewrite import inductor
 
 _SIZES = re.compile(r"\[[\d, ]*\]|\b\d+\b")
 _depths: dict[int, tuple[Any, int]] = {}  # id(pattern) -> (pattern, depth): patterns are unhashable
@@ -266,5 +273,61 @@ def explain(nodes: Sequence[fx.Node], family: Sequence, enabled: Callable[[str],
             for (node, (reason, kind)), found in sites.items()]
 
 
+# ---- where the structure shows a fusion ----------------------------------------------------------
+
+def probe(evidence: fx.Node, nodes: Sequence[fx.Node], family: Sequence,
+          enabled: Callable[[str], bool], bucket: int | None, shown: str,
+          upstream: bool = False) -> NearMiss:
+    """Why `family` (the patterns of one fusion) would or would not take the site that
+    `evidence` shows (`shown`: what it shows, e.g. "the KDA state write"). Every enabled pattern
+    is tried at each of its anchors in `nodes` (the layer) within the pattern's reach of
+    `evidence`: downstream (the site reads it: the experts after the routing) or, `upstream`,
+    among its inputs (the cache write before the softmax over the cache); read only. The
+    attempt that got furthest is the reason, which names the node and the condition. Without
+    such an anchor, the reason says so at `evidence`."""
+    context = f"{shown} {describe(evidence, module_path(evidence))}"
+    live = [p for p in family if enabled(p.name)]
+    if not live:
+        reason = "every pattern of the fusion is disabled by options (disabled_patterns)"
+        return NearMiss(family[0].name, evidence.name, f"{reason}; at {context}",
+                        module_path(evidence), f"{reason}; at {shown}")
+    tries = []
+    for p in live:
+        depth, anchors = reach(p), p.anchors
+        near = cone(evidence, depth) if upstream else _users(evidence, depth)
+        for node in (n for n in nodes if n.target in anchors and n in near):
+            m = inductor.match(p.expr, node)
+            if m:
+                outcome = _outcome(p, m, enabled, bucket, {})
+                tries.append((1000 + len(m.nodes), p.name, node, outcome, outcome))
+            else:
+                reason, kind, how_far = explain_failure(m, cone(node, depth))
+                tries.append((how_far, p.name, node, reason, kind))
+    if not tries:
+        ops = sorted({str(a).replace("aten.", "") for p in live for a in p.anchors})
+        reason = (f"no {'/'.join(ops)} node of this layer lies within the pattern's reach of it: "
+                  "no site to try (an unknown spelling)")
+        return NearMiss(live[0].name, evidence.name, f"{reason}; at {context}",
+                        module_path(evidence), f"no anchor within reach; at {shown}")
+    best = max(t[0] for t in tries)
+    _, name, node, reason, kind = next(t for t in tries if t[0] == best)
+    more = len({t[1] for t in tries if t[0] == best}) - 1
+    return NearMiss(name + (f" (+{more} variants)" if more else ""), node.name,
+                    f"{reason}; at {context}", module_path(node), f"{kind}; at {shown}")
+
+
+def _users(node: fx.Node, max_depth: int) -> set[fx.Node]:
+    """The nodes that read `node`, transitively, up to max_depth edges away (`cone` forwards)."""
+    dist, todo = {node: 0}, collections.deque([node])
+    while todo:
+        n = todo.popleft()
+        if dist[n] < max_depth:
+            for u in n.users:
+                if u not in dist:
+                    dist[u] = dist[n] + 1
+                    todo.append(u)
+    return set(dist)
+
+
 __all__ = ["NearMiss", "cone", "cone_ops", "describe", "explain", "explain_failure", "failed",
-           "module_path", "op_label", "op_name", "resembles", "value_type"]
+           "module_path", "op_label", "op_name", "probe", "resembles", "value_type"]

@@ -1,10 +1,13 @@
 """Stage `contract`, the fusion contract: each layer template declares the fused ops it expects;
 after the other stages, plan vs actual per layer. A shortfall warns, or raises with `strict`.
 
-Templates (spec §5): `dense` (layer 0: KDA + dense SiTU MLP), `kda_moe`, `mla_moe`, `last` (the
-last layer: MLA + MoE, as mla_moe) and `final`, the model's own final depth mix + norm
-(`language_model.model.norm`: it belongs to no layer), reported with the rest of the model's
-own ops (embedding, lm_head) as pseudo-layer FINAL.
+Templates (spec §5): `dense` (KDA + dense SiTU MLP, K3's layer 0), `kda_moe`, `mla_moe`, `last`
+(the last layer: MLA + MoE, as mla_moe) and `final`, the model's own final depth mix + norm (it
+belongs to no layer), reported with the rest of the model's own ops (embedding, lm_head) as
+pseudo-layer FINAL. Layers and templates are read off the graph's structure, not its module
+names (`k3compile.layers`), on the graph as it entered stage `fuse` (the notes' "layers": the
+plan comes from what the model computes, not from what the fusions made of it); a graph in
+which no K3 layer is found says so and is never "met".
 """
 
 from __future__ import annotations
@@ -12,11 +15,11 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-import re
 
 import torch
 from torch import fx
 
+from k3compile.layers import FINAL, OTHER, Layers, find_layers, layer_index
 from k3compile.rewrite import NEUTRAL, module_path
 
 log = logging.getLogger("k3compile")
@@ -40,9 +43,13 @@ PLANS: dict[str, dict[str, int]] = {
     "kda_moe": {"attn_res_mix_norm": 1, **_KDA_PLAN, **_POST, **_MOE_PLAN},
     "mla_moe": {"attn_res_mix_norm": 1, **_MLA_PLAN, **_POST, **_MOE_PLAN},
     "last": {"attn_res_mix_norm": 1, **_MLA_PLAN, **_POST, **_MOE_PLAN},  # K3's last layer is MLA
+    # no K3 layer is MLA + dense, a user's model may be; its pre-attention mix or plain norm
+    # depends on its place in the AttnRes blocks, so it is left out
+    "mla_dense": {**_MLA_PLAN, **_POST, "situ_gate_up": 1},
     "final": {"attn_res_mix_norm": 1},  # the model's final depth mix + norm, after every layer
 }
-FINAL = -1  # the pseudo-layer of the model's final mix + norm (k3compile.diff: outside the layers)
+
+NO_LAYER = "no K3 layer found"  # the report of a graph without a KDA or MLA layer
 
 # a fused op that takes the planned op's place: at W > 1 the collective variant is the
 # post-attention mix (o_proj stays a GEMM before it, spec §5.2 row 5's GEMM + all-reduce)
@@ -61,12 +68,6 @@ SCHEDULE = frozenset({"stream_fork", "stream_join", "prefetch_l2"})
 _NO_KERNEL = {"view", "reshape", "_unsafe_view", "permute", "unsqueeze", "squeeze", "expand",
               "slice", "select", "split", "split_with_sizes", "t", "transpose", "getitem",
               "alias", "detach", "sym_size", "_to_copy"}
-
-_LAYER = re.compile(r"layers\.(\d+)\.")
-_MOE = re.compile(r"\.mlp\.(gate|experts|routed_expert_\w+)(\.|$)")
-# MLA's own submodules; after fusion the q_a/kv_a GEMMs are gone but the fused ops keep the
-# norms' (or kv_b's) paths
-_MLA = re.compile(r"\.self_attn\.(q_a_\w+|kv_a_\w+|q_b_proj|kv_b_proj)(\.|$)")
 
 
 class ContractError(AssertionError):
@@ -106,8 +107,22 @@ class ContractReport:
     layers: list[LayerReport]
 
     @property
+    def found(self) -> bool:
+        """Whether the graph holds a K3 layer at all (KDA or MLA attention)."""
+        return any(lr.template not in (OTHER, "final") for lr in self.layers)
+
+    @property
+    def unrecognised(self) -> list[int]:
+        """Layers of a K3 graph that are no K3 layer: a spelling the classifier does not read."""
+        return [lr.layer for lr in self.layers if lr.template == OTHER]
+
+    @property
     def met(self) -> bool:
-        return all(not lr.shortfall for lr in self.layers)
+        return self.found and not self.unrecognised and all(not lr.shortfall for lr in self.layers)
+
+    @property
+    def status(self) -> str:
+        return NO_LAYER if not self.found else "met" if self.met else "NOT met"
 
 
 def _op_name(node: fx.Node) -> str:
@@ -116,47 +131,22 @@ def _op_name(node: fx.Node) -> str:
     return node.target._opname
 
 
-def _is_final(path: str) -> bool:
-    return path.startswith("language_model.model.norm") or "output_attn_res" in path
-
-
-def _layer_of(node: fx.Node) -> int | None:
-    m = _LAYER.search(module_path(node) + ".")
-    return int(m.group(1)) if m else None
-
-
 def layer_templates(graph: fx.Graph) -> dict[int, str]:
-    paths = collections.defaultdict(set)
-    for node in graph.nodes:
-        layer = _layer_of(node)
-        if layer is not None:
-            paths[layer].add(module_path(node))
-    # `last` owns the final mix + norm; a bare stack of layers (benchmarks) has none
-    final = any(_is_final(module_path(n)) for n in graph.nodes)
-    last = max(paths, default=-1) if final else -1
-    out = {}
-    for layer, ps in sorted(paths.items()):
-        mla = any(_MLA.search(p) for p in ps)
-        moe = any(_MOE.search(p) for p in ps)
-        # K3's last layer is MLA; a model cut to its first layers (`K3Config.with_layers`) may
-        # end on a KDA layer, which keeps its own template
-        out[layer] = "last" if layer == last and layer > 0 and mla else (
-            "dense" if not moe else "mla_moe" if mla else "kda_moe")
-    if final:
-        out[FINAL] = "final"
-    return out
+    """layer -> template, read off the graph's structure (`k3compile.layers`)."""
+    return find_layers(graph).templates()
 
 
-def layer_ops(graph: fx.Graph) -> dict[int, tuple[collections.Counter, collections.Counter]]:
+def layer_ops(graph: fx.Graph, templates: dict[int, str] | None = None
+              ) -> dict[int, tuple[collections.Counter, collections.Counter]]:
     """layer -> (k3 ops, other compute ops); what lies outside the layers (the final mix + norm,
     lm_head, ...) under FINAL where the graph has the final norm (a whole model)."""
-    templates = layer_templates(graph)
+    templates = layer_templates(graph) if templates is None else templates
     fused = collections.defaultdict(collections.Counter)
     other = collections.defaultdict(collections.Counter)
     for node in graph.nodes:
         if node.op != "call_function":
             continue
-        layer = _layer_of(node)
+        layer = layer_index(module_path(node))
         if layer is None:  # outside the layers: embedding, the final mix + norm, lm_head
             layer = FINAL if FINAL in templates else None
         if layer is None:
@@ -175,15 +165,18 @@ def layer_ops(graph: fx.Graph) -> dict[int, tuple[collections.Counter, collectio
 def contract(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     """The stage: plan vs actual on the final graph, in the notes as "contract" (the backend's
     `contracts`); a shortfall warns, or raises with `Options.strict`."""
-    ctx.notes["contract"] = check_contract(gm.graph, ctx.report, ctx.options.strict)
+    ctx.notes["contract"] = check_contract(gm.graph, ctx.report, ctx.options.strict,
+                                           ctx.notes.get("layers"))
     return gm
 
 
-def check_contract(graph: fx.Graph, rewrites=None, strict: bool = False) -> ContractReport:
+def check_contract(graph: fx.Graph, rewrites=None, strict: bool = False,
+                   layers: Layers | None = None) -> ContractReport:
     """Plan vs actual per layer of `graph`; `rewrites` (a RewriteReport) names the ops deferred
-    on this device (reported, not a shortfall)."""
-    templates = layer_templates(graph)
-    ops = layer_ops(graph)
+    on this device (reported, not a shortfall); `layers`: the layers as read before fusion
+    (default: read off `graph`, whose fused ops show the kinds too)."""
+    templates = (layers or find_layers(graph)).templates()
+    ops = layer_ops(graph, templates)
     deferred = frozenset(rewrites.deferred) if rewrites is not None else frozenset()
     layers = [LayerReport(layer, t, PLANS.get(t, {}), *ops[layer], deferred=deferred)
               for layer, t in templates.items()]
@@ -192,7 +185,12 @@ def check_contract(graph: fx.Graph, rewrites=None, strict: bool = False) -> Cont
         log.info("k3: left unfused on this device (no kernel yet): %s", sorted(deferred))
     if not report.met:
         msg = "k3 fusion contract not met: " + "; ".join(
-            f"layer {lr.layer} ({lr.template}) missing {lr.shortfall}" for lr in layers if lr.shortfall)
+            [f"layer {lr.layer} ({lr.template}) missing {lr.shortfall}"
+             for lr in layers if lr.shortfall]
+            + [f"layer {i} is no K3 layer (no KDA or MLA attention found)"
+               for i in report.unrecognised])
+        if not report.found:
+            msg = f"k3 fusion contract: {NO_LAYER} (no layer with KDA or MLA attention)"
         if strict:
             raise ContractError(msg)
         log.warning(msg)
@@ -200,7 +198,7 @@ def check_contract(graph: fx.Graph, rewrites=None, strict: bool = False) -> Cont
 
 
 def format_contract(report: ContractReport, batch) -> str:
-    lines = [f"fusion plan vs actual (batch bucket {batch}): {'met' if report.met else 'NOT met'}"]
+    lines = [f"fusion plan vs actual (batch bucket {batch}): {report.status}"]
     lines.append(f"  {'layer':>5} {'template':<8} {'fused ops':>9} {'k3.linear':>9} "
                  f"{'left to Inductor':>16}  plan")
     for lr in report.layers:

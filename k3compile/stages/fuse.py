@@ -1,7 +1,10 @@
 """Stage `fuse`: every enabled pattern, in priority order (`k3compile.patterns.all_patterns`),
 applied by the rewrite engine; each rewrite is recorded in the context's report for stage
-`verify`. Stage `writeback` (after `verify`, which may splice unfused code back) drops the
-functional write-backs that the fused state-updating ops took over."""
+`verify`. The layers are read off the graph first (`k3compile.layers`, in the notes as "layers":
+the fusion contract's plan), and a big fusion a layer's structure calls for that did not happen
+gets a near miss even where the engine recorded none. Stage `writeback` (after `verify`, which
+may splice unfused code back) drops the functional write-backs that the fused state-updating
+ops took over."""
 
 from __future__ import annotations
 
@@ -10,15 +13,23 @@ from collections.abc import Callable
 import torch
 from torch import fx
 
+from k3compile import layers
 from k3compile.rewrite import apply_patterns
 
 
 def fuse(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     from k3compile.patterns import all_patterns  # patterns trace on first use, not at import
 
+    # the layers as the model computes them, before any fusion (the contract's plan), and why
+    # each big fusion their structure calls for would not happen
+    ctx.notes["layers"] = layers.find_layers(gm.graph)
+    probes = layers.probe_fusions(gm.graph, ctx.notes["layers"], all_patterns(),
+                                  ctx.options.pattern_enabled, ctx.batch)
     deferred = deferral(gm.graph, ctx.options)
     report = apply_patterns(gm.graph, all_patterns(), ctx.batch, ctx.options.pattern_enabled,
                             deferred=deferred, kernels_only=deferred is not None)
+    report.near_misses += layers.unexplained(probes, gm.graph, report.near_misses,
+                                             report.deferred)
     ctx.report.merge(report)
     gm.recompile()
     return gm

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 
 from torch import fx
 
+from k3compile import layers as k3layers
 from k3compile.observe import Observer, StageEvent
 from k3compile.rewrite import near_miss
 from k3compile.rewrite.near_miss import op_label
@@ -134,6 +135,25 @@ def _explain_shortfalls(plan, misses, hits, nodes_of, options, bucket) -> None:
                                                       bucket, rewritten)]
 
 
+def _probe_shortfalls(plan, misses, graph: fx.Graph, options, bucket) -> None:
+    """Where a layer misses a big fusion its structure calls for (`k3compile.layers`) and no near
+    miss explains it yet (the engine recorded none, e.g. stage fuse was off, and `explain` found
+    no resembling site), the structural probe at the layer's evidence node: such a layer is
+    never without one."""
+    from k3compile.patterns import all_patterns
+
+    def wanted(i: int, ops: tuple[str, ...]) -> bool:
+        lr = plan.get(i)
+        return (lr is not None and not set(lr.shortfall).isdisjoint(ops)
+                and not any(m.family in ops for m in misses[i]))
+
+    for p in k3layers.probe_fusions(graph, k3layers.find_layers(graph), all_patterns(),
+                                    options.pattern_enabled, bucket, wanted):
+        nm = p.miss
+        misses[p.layer].append(Miss(p.layer, nm.module, nm.node, nm.pattern, nm.reason, nm.kind,
+                                    "diff"))
+
+
 # ---- templates and deviations -------------------------------------------------------------------
 
 def _templates(layers: dict[int, LayerInfo], has_before: bool) -> list[Template]:
@@ -184,11 +204,13 @@ def _deviations(layers: dict[int, LayerInfo], templates: list[Template],
                 delta = _hist_delta(rep.fused, layers[i].fused)
                 out[i].append(f"fused differently from layer {rep.index} of {t.id}: k3 ops {delta}")
     for i, (before, final) in misread.items():
-        out[i].append(f"the contract read this layer as {final!r} from the fused graph; before "
-                      f"the pipeline its modules read as {before!r}")
+        out[i].append(f"the contract read this layer as {final!r}; the graph the pipeline "
+                      f"received reads as {before!r}")
     for i, info in layers.items():
         if info.shortfall:
-            why = Counter(m.family for m in info.near_misses if m.family in info.shortfall)
+            # a missing fb_kda_decode is explained by kda_decode's near misses too
+            families = {f for op in info.shortfall for f in (op, BUILDS_ON.get(op))}
+            why = Counter(m.family for m in info.near_misses if m.family in families)
             out[i].append(f"contract shortfall: missing {info.shortfall}; near misses: "
                           f"{dict(why) or 'none recorded'}")
     return dict(sorted(out.items()))
@@ -209,8 +231,12 @@ def _bucket_report(compiled, bucket, captured: dict) -> BucketReport:
     _explain_shortfalls(plan, misses, hits,
                         lambda i: (before.get(i) if has_before else after.get(i)) or [],
                         compiled.options, bucket)
-    names = layer_templates(final)
-    # the contract reads templates off the fused graph; the input graph still has every module
+    _probe_shortfalls(plan, misses, before_graph if has_before else final, compiled.options,
+                      bucket)
+    # the contract's templates (read as its graph entered stage fuse); the input graph's own
+    # reading differs only where a stage before fuse changed what a layer computes
+    names = ({lr.layer: lr.template for lr in contract.layers} if contract
+             else layer_templates(final))
     read_before = layer_templates(before_graph) if has_before else names
     misread = {i: (read_before[i], n) for i, n in names.items() if read_before.get(i, n) != n}
     inputs = input_names(compiled, final)
@@ -233,6 +259,7 @@ def _bucket_report(compiled, bucket, captured: dict) -> BucketReport:
         deferred=dict(getattr(obs.reports.get(bucket), "deferred", {}) or {}),
         pack=str(obs.notes.get(bucket, {}).get("pack", "")),
         bucket=bucket, met=contract.met if contract else True,
+        status=contract.status if contract else "",
         stages=[StageRow(r.name, r.seconds, sum(r.ops_before.values()), sum(r.ops_after.values()))
                 for r in records],
         layers=layers, outside=outside, templates=templates,

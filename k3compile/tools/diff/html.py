@@ -73,7 +73,8 @@ def write_html(report: DiffReport, folder: str | os.PathLike) -> Path:
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     e = html.escape
-    verdict = '<b class="good">met</b>' if report.met else '<b class="bad">NOT met</b>'
+    verdict = ('<b class="good">met</b>' if report.met
+               else f'<b class="bad">{html.escape(report.verdict)}</b>')
     title = f"k3compile diff: {e(report.source)}"
     parts = [f"<!doctype html><meta charset=utf-8><title>{title}</title>",
              f"<style>{_CSS}</style><h1>k3compile diff: {e(report.source)}</h1>",
@@ -91,7 +92,7 @@ def write_html(report: DiffReport, folder: str | os.PathLike) -> Path:
 
 def _bucket_html(b: BucketReport, folder: Path) -> list[str]:
     e = html.escape
-    verdict = "met" if b.met else "<span class=bad>NOT met</span>"
+    verdict = "met" if b.met else f"<span class=bad>{html.escape(b.verdict)}</span>"
     out = [f"<h2>bucket {b.bucket}: contract {verdict}</h2>",
            _html_table(["stage", "seconds", "ops before", "ops after"],
                        [(r.name, f"{r.seconds:.3f}", r.ops_before, r.ops_after) for r in b.stages])]

@@ -1,4 +1,5 @@
-"""Reading a compiled graph layer by layer: which nodes belong to which layer (by module path),
+"""Reading a compiled graph layer by layer: which nodes belong to which layer (the first
+`<container>.<int>` of the module path, `k3compile.layers`),
 which of them launch a kernel (`KERNEL_RULE`), each layer's kernel graph and its
 Weisfeiler-Lehman hash (what groups layers into templates), side streams and prefetch points,
 and the before/after drawing of a layer."""
@@ -14,6 +15,7 @@ import networkx as nx
 import torch
 from torch import fx
 
+from k3compile import layers
 from k3compile.rewrite import module_path
 from k3compile.rewrite.near_miss import op_label, value_type
 from k3compile.tools.diff.report import DrawNode, PrefetchPoint
@@ -29,9 +31,10 @@ _NO_LAUNCH = frozenset({
     "select", "split", "split_with_sizes", "unbind", "t", "transpose", "alias", "detach",
     "as_strided", "empty", "empty_like", "empty_strided", "sym_size", "sym_stride", "sym_numel",
     "wait_tensor", "stream_fork", "stream_join"})  # the last three: events, not launches
-_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 _SYNC = re.compile(r"fork|join|event|stream")
-OUTSIDE = -1  # the pseudo-layer of the nodes outside every layer (embedding, lm_head, state copies)
+# the pseudo-layer of the nodes outside every layer (embedding, lm_head, state copies); the
+# contract's FINAL
+OUTSIDE = layers.FINAL
 
 
 def launches(node: fx.Node) -> bool:
@@ -44,16 +47,15 @@ def launches(node: fx.Node) -> bool:
 
 
 def layer_index(path: str) -> int:
-    m = _LAYER.search(path)
-    if m:
-        return int(m.group(1))
-    return OUTSIDE  # the final depth mix + norm too: the model's, not a layer's (contract.FINAL)
+    index = layers.layer_index(path)
+    # the final depth mix + norm too: the model's, not a layer's (contract.FINAL)
+    return OUTSIDE if index is None else index
 
 
 def suffix(module: str) -> str:
     """The module path below the layer (`self_attn.q_proj`; `(layer)`: the layer's own code)."""
-    m = _LAYER.search(module)
-    return (module[m.end():] or "(layer)") if m else module or "(top)"
+    below = layers.below_layer(module)
+    return (below or "(layer)") if below is not None else module or "(top)"
 
 
 def split_layers(graph: fx.Graph) -> dict[int, list[fx.Node]]:

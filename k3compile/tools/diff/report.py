@@ -10,6 +10,7 @@ from collections import Counter
 from collections.abc import Sequence
 
 from k3compile.rewrite import Hit
+from k3compile.stages.contract import NO_LAYER
 
 
 @dataclasses.dataclass
@@ -63,8 +64,8 @@ class PrefetchPoint:
 @dataclasses.dataclass
 class LayerInfo:
     index: int
-    reads_as: str  # dense / kda_moe / mla_moe / last, from the input graph's module paths
-    contract_template: str  # what the contract checked (it reads the fused graph)
+    reads_as: str  # dense / kda_moe / mla_moe / last, from the input graph's structure
+    contract_template: str  # what the contract checked (the graph as it entered stage fuse)
     wl_before: str
     wl_after: str
     ops_before: Counter
@@ -122,6 +123,11 @@ class BucketReport:
     stage_diff: StageDiff | None = None
     deferred: dict[str, str] = dataclasses.field(default_factory=dict)  # op -> why not fused
     pack: str = ""  # stage `pack`'s summary (fused groups' weights stored as one buffer)
+    status: str = ""  # the contract's: "met", "NOT met", "no K3 layer found" ("": from `met`)
+
+    @property
+    def verdict(self) -> str:
+        return self.status or ("met" if self.met else "NOT met")
 
 
 @dataclasses.dataclass
@@ -141,6 +147,13 @@ class DiffReport:
     @property
     def met(self) -> bool:
         return all(b.met for b in self.buckets)
+
+    @property
+    def verdict(self) -> str:
+        """"met", "NOT met", or "no K3 layer found" where no bucket's graph holds one."""
+        if self.buckets and all(b.verdict == NO_LAYER for b in self.buckets):
+            return NO_LAYER
+        return "met" if self.met else "NOT met"
 
     @property
     def exit_code(self) -> int:

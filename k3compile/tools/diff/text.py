@@ -63,7 +63,7 @@ def format_text(report: DiffReport, color: bool | None = None, max_diff_lines: i
     out.append(guards_text(report, s))
     for b in report.buckets:
         out += _bucket_text(b, s, max_diff_lines, near_misses == "all")
-    verdict = s("met", "green") if report.met else s("NOT met", "red", "bold")
+    verdict = s("met", "green") if report.met else s(report.verdict, "red", "bold")
     out.append(s(f"\n{KERNEL_RULE}", "dim"))
     out.append(f"fusion contract: {verdict} (exit status {report.exit_code})")
     return "\n".join(out)
@@ -79,7 +79,7 @@ def guards_text(report: DiffReport, s) -> str:
 
 
 def _bucket_text(b: BucketReport, s, max_diff_lines: int, all_misses: bool) -> list[str]:
-    out = [s(f"\n=== bucket {b.bucket}: fusion contract {'met' if b.met else 'NOT met'} ===",
+    out = [s(f"\n=== bucket {b.bucket}: fusion contract {b.verdict} ===",
              "bold", "green" if b.met else "red")]
     out.append("stages: " + "  ".join(f"{r.name} {r.seconds:.2f}s ({r.ops_before}->{r.ops_after})"
                                       for r in b.stages) + "  (seconds, ops before->after)")
