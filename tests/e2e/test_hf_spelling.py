@@ -17,14 +17,15 @@ the built-in model, eagerly and under backend="k3" (tiny config, 4 layers: every
    shortfall as data (template -> op -> the canonical rule that should close it), plus plain
    norms left where a norm-carrying fusion is lost. The test fails when a gap closes (move the
    op out of KNOWN_GAPS) or a new one opens, and on any fused op the plan does not place there
-   (a mis-fusion). The contract's own template labels are checked the same way (`MISLABELLED`).
+   (a mis-fusion). The contract labels every layer as the built-in model's, from the graph's
+   structure (`k3compile.layers`: this spelling's module names are not ours).
 
 Taken by the canonical rules (k3compile/canonical): SiTU on a sliced gate|up (`gate_up_split`),
 the non-absorbed MLA and its cache write (`mla_absorb`), the window-sum short conv
 (`short_conv`), the stacked q|k|v bmm (`gemm`). Known gaps today (`KNOWN_GAPS` says which):
 the depth mix over [B, S, D] sources, the KDA in-proj concat and the delta rule's `k_t` read
-once and used twice, the router's `topk(sorted=False)` / `bias.unsqueeze(0)`, the experts over
-per-expert modules, and layers found by module names (`MISLABELLED`).
+once and used twice, the router's `topk(sorted=False)` / `bias.unsqueeze(0)` and the experts over
+per-expert modules.
 """
 
 from __future__ import annotations
@@ -61,9 +62,6 @@ KNOWN_GAPS: dict[str, dict[str, str]] = {
     "last": {**_MIX, **_POST_MIX, **_MOE},
     "final": {"attn_res_mix_norm": "depth_mix + layers (the final mix found by structure)"},
 }
-# what the contract calls each layer where it differs from TEMPLATES (rule `layers`); None: the
-# final mix + norm is not found at all
-MISLABELLED = {1: "dense", 2: "dense", 3: "dense", FINAL: None}
 # a lost fusion that carried a norm leaves it as a plain k3.rms_norm
 LEFTOVERS = frozenset({"rms_norm"})
 
@@ -210,8 +208,6 @@ def test_fused_plan_is_the_builtin_plan_less_the_known_gaps(compiled):
 
 
 @pytest.mark.slow
-def test_contract_labels_the_layers_as_known(compiled):
+def test_contract_labels_the_layers_by_structure(compiled):
     (report,) = compiled[2].contracts.values()
-    labels = {lr.layer: lr.template for lr in report.layers}
-    want = {layer: MISLABELLED.get(layer, t) for layer, t in TEMPLATES.items()}
-    assert labels == {layer: t for layer, t in want.items() if t is not None}
+    assert {lr.layer: lr.template for lr in report.layers} == TEMPLATES
