@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 from torch import fx
 
-ORDER: tuple[str, ...] = ()
+ORDER: tuple[str, ...] = ("mxfp4_dequant",)
 
 
 @dataclasses.dataclass(frozen=True)

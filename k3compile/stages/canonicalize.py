@@ -15,6 +15,7 @@ log = logging.getLogger("k3compile")
 
 def canonicalize(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     counts = {}
+    gm.meta["real_inputs"] = ctx.inputs  # the placeholders' real tensors (constant tables)
     for rule in all_rules():
         if rule.name in ctx.options.disabled_rules:
             continue
