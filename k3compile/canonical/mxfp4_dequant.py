@@ -53,9 +53,10 @@ _FACTORIES = {aten.arange.default, aten.arange.start, aten.arange.start_step, at
               aten.scalar_tensor.default, aten.zeros.default, aten.ones.default,
               prims.iota.default}  # deterministic: never `empty` or a random op
 
-_BYTES = torch.arange(256, dtype=torch.uint8)
-_PAIR_B = _BYTES.repeat_interleave(256)  # (byte, scale) pairs: every byte with every scale
-_PAIR_S = _BYTES.repeat(256)
+with inductor.unset_fake_temporarily():  # real even when first imported inside a compile
+    _BYTES = torch.arange(256, dtype=torch.uint8)
+    _PAIR_B = _BYTES.repeat_interleave(256)  # (byte, scale) pairs: every byte with every scale
+    _PAIR_S = _BYTES.repeat(256)
 
 
 @dataclasses.dataclass
@@ -398,7 +399,8 @@ def _table(graph: fx.Graph, dtype: torch.dtype, cache: dict) -> fx.Node:
     first = next(n for n in graph.nodes if n.op != "placeholder")
     if torch.float32 not in cache:
         if not hasattr(module, TABLE_ATTR):
-            module.register_buffer(TABLE_ATTR, e2m1_table(), persistent=False)
+            with inductor.unset_fake_temporarily():  # a real table, read at run time
+                module.register_buffer(TABLE_ATTR, e2m1_table(), persistent=False)
         with graph.inserting_before(first):
             node = graph.get_attr(TABLE_ATTR)
         node.meta["val"] = _fake_mode(graph).from_tensor(getattr(module, TABLE_ATTR))
@@ -492,7 +494,8 @@ def apply(graph: fx.Graph) -> int:
     tables: dict = {}
     traced: dict = {}
     count = 0
-    found, streams = sites(graph)
+    with inductor.unset_fake_temporarily():  # the probes are real tensors, whatever mode is on
+        found, streams = sites(graph)
     for site, stream in found:
         count += _splice(site, stream, streams, tables, traced)
     if count:
