@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 from torch import fx
 
-ORDER: tuple[str, ...] = ("mxfp4_dequant",)
+ORDER: tuple[str, ...] = ("mxfp4_dequant", "expert_stack", "expert_gemm")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,170 @@
+"""Rule `expert_gemm`: the per-token expert GEMMs written as batched matrix-vector products
+(`bmm` over [N*k, O, I] x [N*k, I, 1], `matmul(w, x.unsqueeze(-1)).squeeze(-1)`, ...) -> the
+lowered form of the einsums `k3compile.math.mxfp4_experts` writes, which
+`patterns/moe_experts.py` matches:
+
+    FC1  y[n,k,o] = sum_l z[n,l] W[n,k,o,l]       einsum("nl,nkil->nki", z, W)
+         (x is the token z broadcast over the k routed experts)
+    FC2  y[n,k,o] = sum_i x[n,k,i] W[n,k,o,i]     einsum("nki,nkli->nkl", x, W)
+
+Matched structurally: a `bmm(A, B)` with A [N*k, O, I] and B [N*k, I, 1] where A is W [N, k, O, I]
+and B is x [N, k, I] with the first two dims merged (through views, reshapes, contiguous clones,
+identity permutes, same-shape expands and a trailing unsqueeze), and the product read back as
+[N, k, O] (views / a trailing squeeze). Where x is z [N, I] broadcast to [N, k, I]
+(`expand(unsqueeze(z, 1))`) the FC1 form is produced, else the FC2 form. The einsum is traced
+(Inductor's joint passes, as the model's graph is) at the site's shapes and dtypes, so the row
+count's lowering (N = 1 or more) is the one the pattern's variant for it has. The canonical bmm
+reduces over the same index in the same dtype; CPU GEMM blocking may round the fp32 sum
+differently (within 1e-6 relative).
+
+Left alone: any product that is not this batched matrix-vector shape (a real GEMM, x not
+[N, k, I], a permuted W, a result not read back as [N, k, O]).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+from k3compile.canonical import Rule
+from k3compile.rewrite import inductor
+
+aten = torch.ops.aten
+_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.alias.default}
+
+
+def _shape(node) -> tuple | None:
+    v = node.meta.get("val") if isinstance(node, fx.Node) else None
+    if not isinstance(v, torch.Tensor) or not all(isinstance(d, int) for d in v.shape):
+        return None
+    return tuple(v.shape)
+
+
+def _transparent(node: fx.Node) -> bool:
+    """An op that keeps the elements and their row-major order (only the shape may change)."""
+    if node.op != "call_function" or not isinstance(node.args[0], fx.Node):
+        return False
+    t, src = node.target, _shape(node.args[0])
+    if t in _VIEWS or t is aten.clone.default:
+        return True
+    if t is aten.expand.default:
+        return src == _shape(node)
+    if t is aten.permute.default:
+        return list(node.args[1]) == list(range(len(node.args[1])))
+    if t is aten.unsqueeze.default or t is aten.squeeze.dim:
+        return node.args[1] in (-1, len(_shape(node) or ()) - (t is aten.unsqueeze.default))
+    return False
+
+
+def _source(node: fx.Node, want) -> fx.Node | None:
+    """The earliest node up the transparent chain from node whose shape satisfies want."""
+    found = None
+    while isinstance(node, fx.Node):
+        shape = _shape(node)
+        if shape is not None and want(shape):
+            found = node
+        if not _transparent(node):
+            break
+        node = node.args[0]
+    return found
+
+
+def _result(bmm: fx.Node, want: tuple) -> fx.Node | None:
+    """The node down the single-use transparent chain from bmm whose shape is want."""
+    node = bmm
+    while True:
+        if _shape(node) == want and node is not bmm:
+            return node
+        if len(node.users) != 1:
+            return None
+        node = next(iter(node.users))
+        if not _transparent(node):
+            return None
+
+
+def _broadcast_token(x: fx.Node, n: int, k: int) -> fx.Node | None:
+    """z [N, I] where x = expand(unsqueeze(z, 1), [N, k, I])."""
+    if x.target is not aten.expand.default:
+        return None
+    u = x.args[0]
+    if not (isinstance(u, fx.Node) and u.target is aten.unsqueeze.default and u.args[1] == 1):
+        return None
+    z = u.args[0]
+    shape = _shape(z)
+    return z if shape is not None and len(shape) == 2 and shape[0] == n else None
+
+
+def _site(bmm: fx.Node):
+    """(W, x or z, is_fc1, result node) of a batched matrix-vector product, else None."""
+    a, b = bmm.args[:2]
+    sa, sb = _shape(a), _shape(b)
+    if sa is None or sb is None or len(sa) != 3 or sb[1:] != (sa[2], 1) or sa[1] < 2:
+        return None
+    batch, out, width = sa
+    w = _source(a, lambda s: len(s) == 4 and s[0] * s[1] == batch and s[2:] == (out, width))
+    if w is None:
+        return None
+    n, k = _shape(w)[:2]
+    x = _source(b, lambda s: s == (n, k, width))
+    result = _result(bmm, (n, k, out))
+    if x is None or result is None:
+        return None
+    z = _broadcast_token(x, n, k)
+    return (w, z, True, result) if z is not None else (w, x, False, result)
+
+
+def _fc1(z, w):
+    return torch.einsum("nl,nkil->nki", z, w)
+
+
+def _fc2(x, w):
+    return torch.einsum("nki,nkli->nkl", x, w)
+
+
+def _splice(site: tuple, traced: dict) -> bool:
+    w, x, fc1, result = site
+    graph = result.graph
+    fn = _fc1 if fc1 else _fc2
+    key = (fc1, _shape(x), _shape(w), x.meta["val"].dtype, w.meta["val"].dtype)
+    if key not in traced:
+        mode = torch._guards.detect_fake_mode([x.meta["val"], w.meta["val"]])
+        with mode:
+            traced[key] = inductor.fwd_only_joint(fn, [x.meta["val"], w.meta["val"]])
+    gm = traced[key]
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    with graph.inserting_before(result):
+        out = graph.graph_copy(gm.graph, dict(zip(placeholders, [x, w])))
+    new = out[0] if isinstance(out, (list, tuple)) else out
+    want = result.meta["val"]
+    if _shape(new) != _shape(result) or new.meta["val"].dtype != want.dtype:
+        return False
+    stack = result.meta.get("nn_module_stack")
+    if stack:
+        for n in graph.nodes:
+            if "nn_module_stack" not in n.meta and n.op == "call_function":
+                n.meta["nn_module_stack"] = stack
+    result.replace_all_uses_with(new)
+    return True
+
+
+def apply(graph: fx.Graph) -> int:
+    if graph.owning_module is None:
+        return 0
+    traced: dict = {}
+    count = 0
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target is aten.bmm.default:
+            site = _site(node)
+            if site is not None:
+                count += _splice(site, traced)
+    if count:
+        inductor.stable_topological_sort(graph)
+        graph.eliminate_dead_code()
+    return count
+
+
+RULE = Rule("expert_gemm", apply,
+            "per-token expert GEMMs as bmm / matmul matrix-vector products over [N, k, O, I] "
+            "-> the lowered einsums nl,nkil->nki (z broadcast) / nki,nkli->nkl")
+
+__all__ = ["RULE", "apply"]
