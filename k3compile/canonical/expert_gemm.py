@@ -17,8 +17,10 @@ count's lowering (N = 1 or more) is the one the pattern's variant for it has. Th
 reduces over the same index in the same dtype; CPU GEMM blocking may round the fp32 sum
 differently (within 1e-6 relative).
 
-Left alone: any product that is not this batched matrix-vector shape (a real GEMM, x not
-[N, k, I], a permuted W, a result not read back as [N, k, O]).
+Left alone: a product that is not this batched matrix-vector shape (a real GEMM), an x whose
+batch is not W's [N, k] in the same order, a result not read back as [N, k, O]. W may be any
+[N, k, O, I] tensor; a site the patterns then do not fuse keeps the einsum's lowering, the form our
+own model's unfused experts have.
 """
 
 from __future__ import annotations

@@ -1,0 +1,84 @@
+"""Rule `expert_gemm`: per-token expert GEMMs written as bmm / matmul matrix-vector products
+become the lowered einsums of `math.mxfp4_experts` (FC1 "nl,nkil->nki" where x is the token
+broadcast over k, FC2 "nki,nkli->nkl" otherwise): the same graph the einsum traces to, equal to
+the original; real GEMMs and other layouts stay."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from k3compile.canonical import expert_gemm as rule
+
+from .rule_checks import assert_same, targets, trace
+
+K, OUT, WIDTH = 2, 64, 96
+TOL = {torch.float32: 1e-6, torch.bfloat16: 1e-2}  # bf16: the GEMMs' last rounding may differ
+
+
+def _bmm(w, x):
+    n, k, out, width = w.shape
+    return torch.bmm(w.reshape(n * k, out, width), x.reshape(n * k, width, 1)).view(n, k, out)
+
+
+def _matmul(w, x):
+    return torch.matmul(w, x.unsqueeze(-1)).squeeze(-1)
+
+
+GEMMS = {"bmm": _bmm, "matmul": _matmul}
+
+
+def _fc1(gemm):
+    def f(z, w):
+        return gemm(w, z.unsqueeze(1).expand(z.shape[0], K, z.shape[1]))
+    return f
+
+
+def _fc2(gemm):
+    return lambda x, w: gemm(w, x)
+
+
+def _inputs(fc1, rows, dtype):
+    x = torch.randn(rows, WIDTH) if fc1 else torch.randn(rows, K, WIDTH)
+    return [x.to(dtype), torch.randn(rows, K, OUT, WIDTH).to(dtype)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("gemm", sorted(GEMMS))
+@pytest.mark.parametrize("fc1", [True, False], ids=["fc1", "fc2"])
+def test_matrix_vector_becomes_the_einsum(fc1, gemm, rows, dtype):
+    fn = (_fc1 if fc1 else _fc2)(GEMMS[gemm])
+    args = _inputs(fc1, rows, dtype)
+    gm = trace(fn, args)
+    assert rule.apply(gm.graph) == 1
+    gm.recompile()
+    spec = "nl,nkil->nki" if fc1 else "nki,nkli->nkl"
+    canonical = trace(lambda x, w: torch.einsum(spec, x, w), args)
+    assert targets(gm) == targets(canonical)  # the pattern's form, op for op
+    assert_same(gm(*args), canonical(*args))
+    got, want = gm(*args), fn(*args)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=TOL[dtype], atol=TOL[dtype] * want.abs().max())
+
+
+@pytest.mark.parametrize("case", ["real_gemm", "batch_orders_differ", "flat_weight", "other_view"])
+def test_look_alikes_are_left_alone(case):
+    n = 3
+    w4, x3 = torch.randn(n, K, OUT, WIDTH), torch.randn(n, K, WIDTH)
+    fns = {
+        "real_gemm": (lambda w, x: torch.bmm(w.reshape(n * K, OUT, WIDTH),
+                                             x.reshape(n * K, WIDTH, 1).expand(n * K, WIDTH, 4)),
+                      [w4, x3]),
+        "batch_orders_differ": (lambda w, x: torch.bmm(w.reshape(n * K, OUT, WIDTH),
+                                                       x.reshape(n * K, WIDTH, 1)).view(n, K, OUT),
+                                [w4, torch.randn(K, n, WIDTH)]),  # x is [k, N, I]
+        "flat_weight": (lambda w, x: torch.bmm(w, x.unsqueeze(-1)).squeeze(-1),
+                        [torch.randn(n * K, OUT, WIDTH), torch.randn(n * K, WIDTH)]),
+        "other_view": (lambda w, x: torch.bmm(w.reshape(n * K, OUT, WIDTH),
+                                              x.reshape(n * K, WIDTH, 1)).flatten(), [w4, x3]),
+    }
+    fn, args = fns[case]
+    gm = trace(fn, args)
+    before = targets(gm)
+    assert rule.apply(gm.graph) == 0 and targets(gm) == before

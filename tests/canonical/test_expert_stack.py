@@ -1,0 +1,101 @@
+"""Rule `expert_stack` and op `k3.expert_stack`: a stack of per-expert graph inputs indexed by the
+routed ids becomes `k3.expert_stack(parts)[ids]`, equal to the original; the op is a view of the
+parts where they lie back to back (no copy) and a fresh stack otherwise (never stale); look-alikes
+stay."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from k3compile.canonical import expert_stack as rule
+from k3compile.ops.expert_stack import back_to_back
+
+from .rule_checks import assert_same, targets, trace
+
+E, ROWS, WIDTH = 5, 6, 16
+STACK = "k3.expert_stack.default"
+
+
+def _parts(dtype=torch.uint8):
+    return [torch.randint(0, 255, (ROWS, WIDTH)).to(dtype) for _ in range(E)]
+
+
+def _ids():
+    return torch.tensor([[0, 4], [2, 2], [3, 1]])
+
+
+def _check(fn, parts, ids, want_count):
+    args = [ids, *parts]
+    gm = trace(fn, args)
+    count = rule.apply(gm.graph)
+    gm.recompile()
+    assert count == want_count
+    assert (STACK in targets(gm)) == bool(want_count)
+    assert_same(gm(*args), fn(*args))
+    return gm
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.bfloat16, torch.float32], ids=str)
+def test_stack_indexed_by_ids_becomes_expert_stack(dtype):
+    def select(ids, *parts):
+        return torch.stack(list(parts))[ids]
+
+    gm = _check(select, _parts(dtype), _ids(), 1)
+    assert "aten.cat.default" not in targets(gm)
+    stacked = next(n for n in gm.graph.nodes if str(n.target) == STACK)
+    assert [u.target for u in stacked.users] == [torch.ops.aten.index.Tensor]
+
+
+def test_cat_of_unsqueezes_and_two_selections():
+    def select(ids, *parts):
+        stacked = torch.cat([p.unsqueeze(0) for p in parts])
+        return stacked[ids] + 1, stacked[ids[:, :1]]
+
+    _check(select, _parts(torch.float32), _ids(), 1)
+
+
+def _whole_and_selected(stacked, ids):
+    return stacked.sum(0) + stacked[ids].sum()
+
+
+@pytest.mark.parametrize("case", ["computed_parts", "other_dim", "mixed_shapes", "read_whole",
+                                  "index_dim1"])
+def test_look_alikes_are_left_alone(case):
+    parts = _parts(torch.float32)
+    if case == "mixed_shapes":
+        parts[-1] = torch.randn(ROWS, WIDTH // 2)
+    fns = {
+        "computed_parts": lambda ids, *p: torch.stack([x * 2 for x in p])[ids],
+        "other_dim": lambda ids, *p: torch.stack(list(p), dim=1)[ids],
+        "mixed_shapes": lambda ids, *p: torch.stack([x[:, :WIDTH // 2] for x in p[:-1]]
+                                                    + [p[-1]])[ids],
+        "read_whole": lambda ids, *p: _whole_and_selected(torch.stack(list(p)), ids),
+        "index_dim1": lambda ids, *p: torch.stack(list(p))[:, ids[0]],
+    }
+    _check(fns[case], parts, _ids(), 0)
+
+
+def test_op_is_a_view_of_back_to_back_parts():
+    buffer = torch.randn(E, ROWS, WIDTH)
+    parts = list(buffer.unbind(0))
+    assert back_to_back(parts)
+    out = torch.ops.k3.expert_stack(parts)
+    assert out.data_ptr() == buffer.data_ptr() and torch.equal(out, buffer)
+    parts[2].copy_(torch.ones(ROWS, WIDTH))  # an in-place update is seen
+    assert torch.equal(torch.ops.k3.expert_stack(parts)[2], torch.ones(ROWS, WIDTH))
+
+
+@pytest.mark.parametrize("layout", ["separate", "reordered", "gap", "rebound"])
+def test_op_copies_where_parts_are_not_back_to_back(layout):
+    buffer = torch.randn(E + 1, ROWS, WIDTH)
+    parts = {"separate": [torch.randn(ROWS, WIDTH) for _ in range(E)],
+             "reordered": list(buffer[:E].unbind(0))[::-1],
+             "gap": list(buffer[::2].unbind(0)) + [buffer[1]],
+             "rebound": list(buffer[:E].unbind(0))}[layout]
+    if layout == "rebound":  # a part replaced after packing: read the new one, never the buffer
+        parts[3] = torch.full((ROWS, WIDTH), 7.0)
+    assert not back_to_back(parts)
+    out = torch.ops.k3.expert_stack(parts)
+    assert torch.equal(out, torch.stack(parts))
+    assert out.untyped_storage().data_ptr() != buffer.untyped_storage().data_ptr()
