@@ -8,9 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+import k3compile.backend as be
 from k3compile.canonical import expert_stack as rule
 from k3compile.ops.expert_stack import back_to_back
+from tests.conftest import TOL
 
+from . import expert_spellings as sp
 from .rule_checks import assert_same, targets, trace
 
 E, ROWS, WIDTH = 5, 6, 16
@@ -99,3 +102,42 @@ def test_op_copies_where_parts_are_not_back_to_back(layout):
     out = torch.ops.k3.expert_stack(parts)
     assert torch.equal(out, torch.stack(parts))
     assert out.untyped_storage().data_ptr() != buffer.untyped_storage().data_ptr()
+
+
+# --- end to end: per-expert ModuleList experts, LUT dequant, stack + index, bmm / matmul -------
+
+def _list_experts(gemm: str, dequant: str = "lut_stack", seed: int = 0) -> sp.ListExperts:
+    torch.manual_seed(seed)
+    model = sp.ListExperts(4, 64, 64, gemm=gemm, dequant=dequant)
+    for proj in (p for e in model.experts for p in (e.gate_proj, e.up_proj, e.down_proj)):
+        proj.weight_packed.data.copy_(torch.randint(0, 256, proj.weight_packed.shape))
+        proj.weight_scale.data.copy_(torch.randint(120, 130, proj.weight_scale.shape))
+    return model
+
+
+def _compiled_ops(model, args):
+    step = torch.compile(model, backend="k3", fullgraph=True, options={"executor": "aten"})
+    out = step(*args)
+    graph = next(iter(be.last_compiled().observer.graphs.values()))
+    return out, [str(n.target) for n in graph.nodes if n.op == "call_function"]
+
+
+def _rel(got, want) -> float:
+    return ((got.float() - want.float()).norm() / want.float().norm()).item()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("gemm,rows", [("bmm", 3), ("matmul", 1)])
+def test_list_experts_fuse_into_moe_experts(gemm, rows, dtype):
+    torch._dynamo.reset()
+    model = _list_experts(gemm)
+    z = torch.randn(rows, 64).to(dtype)
+    args = (z, torch.tensor([[0, 2], [3, 3], [1, 0]])[:rows], torch.rand(rows, 2))
+    want = model(*args)
+    got, ops = _compiled_ops(model, args)
+    assert ops.count("k3.moe_experts.default") == 1, ops
+    assert ops.count("k3.expert_stack.default") == 6  # the only other ops: no GEMM, no dequant
+    assert set(ops) == {"k3.moe_experts.default", "k3.expert_stack.default"}, ops
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert _rel(got, want) <= (1e-6 if dtype == torch.float32 else TOL["bf16_rel_norm"])
