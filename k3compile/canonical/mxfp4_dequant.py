@@ -134,6 +134,14 @@ class _Constants:
             return value.detach().cpu().clone()
 
 
+def known_value(node) -> torch.Tensor | None:
+    """The real value of a small tensor the graph knows at compile time (a constant, a graph
+    input stage `canonicalize` handed over, or computed from those), else None."""
+    if not isinstance(node, fx.Node) or node.graph.owning_module is None:
+        return None
+    return _Constants(node.graph)(node)
+
+
 def _pointwise(node: fx.Node) -> bool:
     t = node.target
     return (isinstance(t, torch._ops.OpOverload) and torch.Tag.pointwise in t.tags) or t in _CASTS
@@ -508,4 +516,4 @@ RULE = Rule("mxfp4_dequant", apply,
             "E2M1 x E8M0 dequant by bit ops / LUT gathers / ldexp / E8M0 tables, any interleave "
             "-> math.mxfp4_dequant's gather + stack + exp2(scale - 127) per 32")
 
-__all__ = ["RULE", "apply", "canonical_probes", "is_exact", "sites"]
+__all__ = ["RULE", "apply", "canonical_probes", "is_exact", "known_value", "sites"]

@@ -16,6 +16,7 @@ from k3compile.rewrite import apply_patterns
 def fuse(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     from k3compile.patterns import all_patterns  # patterns trace on first use, not at import
 
+    gm.meta.setdefault("real_inputs", ctx.inputs)  # checks read constant tables (moe_experts)
     deferred = deferral(gm.graph, ctx.options)
     report = apply_patterns(gm.graph, all_patterns(), ctx.batch, ctx.options.pattern_enabled,
                             deferred=deferred, kernels_only=deferred is not None)
