@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import fx
 
 import k3compile.backend as be
 from k3compile.canonical import expert_stack as rule
 from k3compile.ops.expert_stack import back_to_back
+from k3compile.stages import pack
 from tests.conftest import TOL
 
 from . import expert_spellings as sp
@@ -141,3 +143,57 @@ def test_list_experts_fuse_into_moe_experts(gemm, rows, dtype):
     assert set(ops) == {"k3.moe_experts.default", "k3.expert_stack.default"}, ops
     assert got.dtype == want.dtype and got.shape == want.shape
     assert _rel(got, want) <= (1e-6 if dtype == torch.float32 else TOL["bf16_rel_norm"])
+
+
+def _stack_graph(n: int) -> fx.Graph:
+    graph = fx.Graph()
+    parts = [graph.placeholder(f"p{i}") for i in range(n)]
+    graph.output(graph.call_function(torch.ops.k3.expert_stack.default, (parts,)))
+    return graph
+
+
+def test_pack_stores_an_expert_stack_as_one_buffer_or_says_why_not():
+    parts = _parts(torch.float32)
+    values = [p.clone() for p in parts]
+    report = pack.pack_concatenated(_stack_graph(E), parts)
+    assert len(report.packed) == 1 and back_to_back(parts), report
+    assert all(torch.equal(p, v) for p, v in zip(parts, values))
+    stacked = torch.ops.k3.expert_stack(parts)
+    assert stacked.data_ptr() == parts[0].data_ptr() and torch.equal(stacked, torch.stack(values))
+    odd = [torch.randn(3, 1) for _ in range(E)]  # 12 bytes an expert: the next would be unaligned
+    report = pack.pack_concatenated(_stack_graph(E), odd)
+    assert not report.packed and "experts of 12 bytes" in report.skipped[0], report
+    assert not back_to_back(odd)
+
+
+@pytest.mark.slow
+def test_packed_list_experts_see_every_weight_update():
+    """After the compile the experts lie back to back (no copy per step); in-place writes, a
+    state dict load and a rebound `.data` are all seen by the compiled step (issue 20)."""
+    torch._dynamo.reset()
+    model = _list_experts("bmm")
+    args = (torch.randn(3, 64), torch.tensor([[0, 2], [3, 3], [1, 0]]), torch.rand(3, 2))
+    step = torch.compile(model, backend="k3", fullgraph=True, options={"executor": "aten"})
+    step(*args)
+    compiles = len(be._compiled)
+    for attr in ("weight_packed", "weight_scale"):
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            assert back_to_back([getattr(getattr(e, name), attr) for e in model.experts])
+    note = next(iter(be.last_compiled().observer.notes.values()))["pack"]
+    assert len(note.packed) == 6, note
+
+    def assert_current():
+        assert _rel(step(*args), model(*args)) <= 1e-6
+
+    assert_current()
+    written = model.experts[2].down_proj.weight_packed
+    written.data.copy_(torch.randint(0, 256, written.shape))
+    assert_current()
+    other = _list_experts("bmm", seed=1).state_dict()
+    model.load_state_dict(other)
+    assert_current()
+    rebound = model.experts[1].up_proj
+    rebound.weight_scale.data = torch.full_like(rebound.weight_scale, 126)
+    assert not back_to_back([e.up_proj.weight_scale for e in model.experts])
+    assert_current()
+    assert len(be._compiled) == compiles  # the compiled step saw it, not a recompile
