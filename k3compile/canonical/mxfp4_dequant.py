@@ -27,8 +27,9 @@ than a pattern per spelling, the rule separates what moves data from what comput
   differ from the canonical form's are left alone; so is a table held by a graph input whose
   real value stage `canonicalize` did not hand over (`gm.meta["real_inputs"]`).
 
-The canonical form reads one E2M1 table the rule adds to the graph module (`_k3_e2m1`, fp32,
-converted once per dtype), so every site of a graph shares one table node, as the pattern needs.
+The canonical form reads one E2M1 table the rule computes in the graph (from an iota by the
+E2M1 bit rule, fp32, converted once per dtype; on the packed weights' device), so every site of a
+graph shares one table node, as the pattern needs.
 """
 
 from __future__ import annotations
@@ -44,7 +45,6 @@ from k3compile.rewrite import inductor
 
 aten, prims = torch.ops.aten, torch.ops.prims
 
-TABLE_ATTR = "_k3_e2m1"
 MAX_TABLE = 4096  # a constant larger than this is no lookup table
 _CASTS = {prims.convert_element_type.default, aten._to_copy.default, aten.clone.default,
           aten.alias.default, aten.lift_fresh_copy.default}
@@ -399,27 +399,53 @@ def is_exact(stream: Stream, dtype: torch.dtype) -> bool:
                 and _same_bits(stream.probes[1][spec], hi[spec]))
 
 
-def _table(graph: fx.Graph, dtype: torch.dtype, cache: dict) -> fx.Node:
-    """The graph's one E2M1 table node in dtype (the fp32 constant, converted once per dtype)."""
-    if dtype in cache:
-        return cache[dtype]
-    module = graph.owning_module
-    first = next(n for n in graph.nodes if n.op != "placeholder")
-    if torch.float32 not in cache:
-        if not hasattr(module, TABLE_ATTR):
-            with inductor.unset_fake_temporarily():  # a real table, read at run time
-                module.register_buffer(TABLE_ATTR, e2m1_table(), persistent=False)
+def _table(graph: fx.Graph, dtype: torch.dtype, device, cache: dict) -> fx.Node:
+    """The graph's one E2M1 table node per dtype and device: computed in the graph from an
+    iota by the E2M1 bit rule (fp32, converted once per dtype), not a tensor attribute: a real
+    constant breaks Inductor's fake-tensor propagation and sits on one device. The table reads
+    nothing, so it folds away where `k3.moe_experts` (which builds its own) takes the site."""
+    if (dtype, device) in cache:
+        return cache[dtype, device]
+    if (torch.float32, device) not in cache:
+        first = next(n for n in graph.nodes if n.op != "placeholder")
         with graph.inserting_before(first):
-            node = graph.get_attr(TABLE_ATTR)
-        node.meta["val"] = _fake_mode(graph).from_tensor(getattr(module, TABLE_ATTR))
-        cache[torch.float32] = node
+            cache[torch.float32, device] = _e2m1_nodes(graph, device)
+    node = cache[torch.float32, device]
     if dtype != torch.float32:
-        with graph.inserting_after(cache[torch.float32]):
-            from k3compile.graph import call
+        with graph.inserting_after(node):
+            node = _insert(graph, prims.convert_element_type.default, (node, dtype))
+        cache[dtype, device] = node
+    return node
 
-            cache[dtype] = call(graph, prims.convert_element_type.default,
-                                (cache[torch.float32], dtype))
-    return cache[dtype]
+
+def _insert(graph: fx.Graph, target, args: tuple, kwargs: dict | None = None) -> fx.Node:
+    """A call with meta["val"] computed under the graph's fake mode (no input may carry it)."""
+    node = graph.call_function(target, args, kwargs or {})
+    vals, kw = fx.map_arg((args, kwargs or {}), lambda n: n.meta["val"])
+    with _fake_mode(graph):
+        node.meta["val"] = target(*vals, **kw)
+    return node
+
+
+def _e2m1_nodes(graph: fx.Graph, device) -> fx.Node:
+    """E2M1 of codes 0..15: sign bit 3, exponent bits 2-1 (bias 1), mantissa bit 0."""
+    def op(target, *args):
+        return _insert(graph, target, args)
+
+    codes = _insert(graph, prims.iota.default, (16,), {"start": 0, "step": 1, "dtype": torch.int64,
+                    "device": device, "requires_grad": False})  # arange, as decomposed
+
+    def bits(shift, mask):  # (codes >> shift) & mask, as fp32
+        shifted = op(aten.__rshift__.Scalar, codes, shift) if shift else codes
+        return op(prims.convert_element_type.default, op(aten.bitwise_and.Scalar, shifted, mask),
+                  torch.float32)
+
+    mant, exp, sign = bits(0, 1), bits(1, 3), bits(3, 1)
+    # (1 + m/2) * 2^(e-1) for e >= 1, m/2 for e = 0: (min(e, 1) + m/2) * 2^(max(e, 1) - 1)
+    lead = op(aten.add.Tensor, op(aten.clamp_max.default, exp, 1.0), op(aten.mul.Tensor, mant, 0.5))
+    power = op(aten.exp2.default, op(aten.sub.Tensor, op(aten.clamp_min.default, exp, 1.0), 1.0))
+    signed = op(aten.add.Tensor, op(aten.mul.Tensor, sign, -2.0), 1.0)  # 1 - 2 s
+    return op(aten.mul.Tensor, op(aten.mul.Tensor, lead, power), signed)  # code 8: -0.0
 
 
 def _fake_mode(graph: fx.Graph):
@@ -438,7 +464,7 @@ def _canonical_graph(packed: fx.Node, scale: fx.Node, dtype: torch.dtype,
     key = (_shape(packed), _shape(scale), dtype)
     if key not in traced:
         with _fake_mode(packed.graph) as mode:
-            table = mode.from_tensor(e2m1_table(dtype=dtype))
+            table = mode.from_tensor(e2m1_table(dtype=dtype), static_shapes=True)
             traced[key] = inductor.fwd_only_joint(
                 mxfp4_dequant, [packed.meta["val"], scale.meta["val"], table])
     return traced[key]
@@ -464,7 +490,7 @@ def _splice(site: fx.Node, stream: Stream, streams: dict, tables: dict, traced: 
     canonical = sorted(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
     if _cone_targets(site, {stream.root, stream.scale}, streams) == canonical:
         return False  # already the canonical form
-    table = _table(graph, dtype, tables)
+    table = _table(graph, dtype, stream.root.meta["val"].device, tables)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     with graph.inserting_before(site):
         out = graph.graph_copy(gm.graph, dict(zip(placeholders, [stream.root, stream.scale,
