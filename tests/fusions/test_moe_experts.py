@@ -9,7 +9,6 @@ from k3compile.patterns import moe_experts
 
 from k3compile.math import e2m1_table, mxfp4_dequant, situ
 from k3compile.models import mxfp4
-
 from k3compile.rewrite import apply_patterns
 
 from .pattern_checks import (
