@@ -1,16 +1,17 @@
 """Rule `expert_gemm`: the per-token expert GEMMs written as batched matrix-vector products
-(`bmm` over [N*k, O, I] x [N*k, I, 1], `matmul(w, x.unsqueeze(-1)).squeeze(-1)`, ...) -> the
-lowered form of the einsums `k3compile.math.mxfp4_experts` writes, which
+(`bmm` over [N*k, O, I] x [N*k, I, 1], `matmul(w, x.unsqueeze(-1)).squeeze(-1)`, `x @ w.mT`,
+...) -> the lowered form of the einsums `k3compile.math.mxfp4_experts` writes, which
 `patterns/moe_experts.py` matches:
 
     FC1  y[n,k,o] = sum_l z[n,l] W[n,k,o,l]       einsum("nl,nkil->nki", z, W)
          (x is the token z broadcast over the k routed experts)
     FC2  y[n,k,o] = sum_i x[n,k,i] W[n,k,o,i]     einsum("nki,nkli->nkl", x, W)
 
-Matched structurally: a `bmm(A, B)` with A [N*k, O, I] and B [N*k, I, 1] where A is W [N, k, O, I]
-and B is x [N, k, I] with the first two dims merged (through views, reshapes, contiguous clones,
-identity permutes, same-shape expands and a trailing unsqueeze), and the product read back as
-[N, k, O] (views / a trailing squeeze). Where x is z [N, I] broadcast to [N, k, I]
+Matched structurally: a `bmm(A, B)` with A [N*k, O, I] and B [N*k, I, 1] (W·x), or A [N*k, 1, I]
+and B [N*k, I, O] (x·Wᵀ, the last two dims of W swapped by a permute), where W is [N, k, O, I] and
+x is [N, k, I] with the first two dims merged (through views, reshapes, contiguous clones,
+identity permutes, same-shape expands, size-1 unsqueezes / squeezes: ops that keep the elements'
+order), and the product read back as [N, k, O] (views / a squeeze). Where x is z [N, I] broadcast to [N, k, I]
 (`expand(unsqueeze(z, 1))`) the FC1 form is produced, else the FC2 form. The einsum is traced
 (Inductor's joint passes, as the model's graph is) at the site's shapes and dtypes, so the row
 count's lowering (N = 1 or more) is the one the pattern's variant for it has. The canonical bmm
@@ -52,10 +53,16 @@ def _transparent(node: fx.Node) -> bool:
     if t is aten.expand.default:
         return src == _shape(node)
     if t is aten.permute.default:
-        return list(node.args[1]) == list(range(len(node.args[1])))
-    if t is aten.unsqueeze.default or t is aten.squeeze.dim:
-        return node.args[1] in (-1, len(_shape(node) or ()) - (t is aten.unsqueeze.default))
-    return False
+        order = _moved_dims(node)
+        return order == sorted(order)
+    return t in (aten.unsqueeze.default, aten.squeeze.dim)  # a size-1 dim: the order stays
+
+
+def _moved_dims(permute: fx.Node) -> list[int]:
+    """The input dims of size > 1 in the order the permute puts them (size-1 dims carry no
+    order: a permute that only moves them keeps the elements' order)."""
+    shape = _shape(permute.args[0]) or ()
+    return [d % len(shape) for d in permute.args[1] if shape[d] != 1]
 
 
 def _source(node: fx.Node, want) -> fx.Node | None:
@@ -96,18 +103,44 @@ def _broadcast_token(x: fx.Node, n: int, k: int) -> fx.Node | None:
     return z if shape is not None and len(shape) == 2 and shape[0] == n else None
 
 
+def _weight(node, batch: int, out: int, width: int) -> fx.Node | None:
+    """W [N, k, O, I] whose first two dims merged make node [N*k, O, I]."""
+    return _source(node, lambda s: len(s) == 4 and s[0] * s[1] == batch and s[2:] == (out, width))
+
+
+def _transposed_weight(node, batch: int, out: int, width: int) -> fx.Node | None:
+    """W [N, k, O, I] where node [N*k, I, O] is its merge with the last two dims swapped (a
+    permute of them anywhere up the transparent chain)."""
+    while isinstance(node, fx.Node) and node.op == "call_function":
+        if node.target is aten.permute.default:
+            order = _moved_dims(node)
+            if len(order) >= 2 and order[:-2] + order[-2:][::-1] == sorted(order):
+                return _weight(node.args[0], batch, out, width)
+        if not _transparent(node):
+            return None
+        node = node.args[0]
+    return None
+
+
 def _site(bmm: fx.Node):
-    """(W, x or z, is_fc1, result node) of a batched matrix-vector product, else None."""
+    """(W, x or z, is_fc1, result node) of a batched matrix-vector product, else None: W·x
+    (bmm([N*k, O, I], [N*k, I, 1])) or x·Wᵀ (bmm([N*k, 1, I], [N*k, I, O]))."""
     a, b = bmm.args[:2]
     sa, sb = _shape(a), _shape(b)
-    if sa is None or sb is None or len(sa) != 3 or sb[1:] != (sa[2], 1) or sa[1] < 2:
+    if sa is None or sb is None or len(sa) != 3 or len(sb) != 3 or sa[0] != sb[0]:
         return None
-    batch, out, width = sa
-    w = _source(a, lambda s: len(s) == 4 and s[0] * s[1] == batch and s[2:] == (out, width))
+    if sb[1:] == (sa[2], 1) and sa[1] > 1:  # W·x
+        (batch, out, width), vector = sa, b
+        w = _weight(a, batch, out, width)
+    elif sa[1] == 1 and sb[1] == sa[2] and sb[2] > 1:  # x·Wᵀ
+        (batch, width, out), vector = sb, a
+        w = _transposed_weight(b, batch, out, width)
+    else:
+        return None
     if w is None:
         return None
     n, k = _shape(w)[:2]
-    x = _source(b, lambda s: s == (n, k, width))
+    x = _source(vector, lambda s: s == (n, k, width))
     result = _result(bmm, (n, k, out))
     if x is None or result is None:
         return None
@@ -123,6 +156,24 @@ def _fc2(x, w):
     return torch.einsum("nki,nkli->nkl", x, w)
 
 
+def _op(node: fx.Node) -> str:
+    """A node's target and its non-node arguments (dims, shapes)."""
+    return f"{node.target}{fx.map_arg(node.args, lambda _: '%')}"
+
+
+def _cone(result: fx.Node, roots: set) -> list[str]:
+    """The ops between the roots and result."""
+    seen, stack, out = set(), [result], []
+    while stack:
+        n = stack.pop()
+        if n in seen or n in roots or n.op != "call_function":
+            continue
+        seen.add(n)
+        out.append(_op(n))
+        stack.extend(n.all_input_nodes)
+    return sorted(out)
+
+
 def _splice(site: tuple, traced: dict) -> bool:
     w, x, fc1, result = site
     graph = result.graph
@@ -133,6 +184,9 @@ def _splice(site: tuple, traced: dict) -> bool:
         with mode:
             traced[key] = inductor.fwd_only_joint(fn, [x.meta["val"], w.meta["val"]])
     gm = traced[key]
+    canonical = sorted(_op(n) for n in gm.graph.nodes if n.op == "call_function")
+    if _cone(result, {w, x}) == canonical:
+        return False  # already the einsum's form
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     with graph.inserting_before(result):
         out = graph.graph_copy(gm.graph, dict(zip(placeholders, [x, w])))

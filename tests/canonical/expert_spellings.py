@@ -106,7 +106,7 @@ class Expert(nn.Module):
 class ListExperts(nn.Module):
     """transformers-style routed experts: `experts.{e}.gate_proj.weight_packed`, ...; the routed
     ones selected by stacking the list and indexing it with the top-k ids, LUT dequant, then
-    per-token `bmm` (or `matmul`) GEMMs, SiTU, and the fp32 weighted sum."""
+    per-token `bmm` (or `matmul`, W·x or x·Wᵀ) GEMMs, SiTU, and the fp32 weighted sum."""
 
     def __init__(self, num_experts: int, hidden: int, inter: int, beta: float = 4.0,
                  linear_beta: float = 25.0, gemm: str = "bmm", dequant: str = "lut_stack"):
@@ -127,6 +127,8 @@ class ListExperts(nn.Module):
         if self.gemm == "bmm":
             y = torch.bmm(w.reshape(n * k, out, width), x.reshape(n * k, width, 1))
             return y.view(n, k, out)
+        if self.gemm == "x_first":  # x·Wᵀ
+            return torch.matmul(x.unsqueeze(-2), w.transpose(-1, -2)).squeeze(-2)
         return torch.matmul(w, x.unsqueeze(-1)).squeeze(-1)
 
     def forward(self, z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,19 @@ def _matmul(w, x):
     return torch.matmul(w, x.unsqueeze(-1)).squeeze(-1)
 
 
-GEMMS = {"bmm": _bmm, "matmul": _matmul}
+def _bmm_x_first(w, x):  # x·Wᵀ
+    n, k, out, width = w.shape
+    return torch.bmm(x.reshape(n * k, 1, width),
+                     w.reshape(n * k, out, width).transpose(1, 2)).view(n, k, out)
+
+
+def _matmul_x_first(w, x):
+    return torch.matmul(x.unsqueeze(-2), w.transpose(-1, -2)).squeeze(-2)
+
+
+GEMMS = {"bmm": _bmm, "matmul": _matmul, "bmm_x_first": _bmm_x_first,
+         "matmul_x_first": _matmul_x_first,
+         "einsum_nkoi": lambda w, x: torch.einsum("nkoi,nki->nko", w, x)}
 
 
 def _fc1(gemm):
@@ -80,5 +92,14 @@ def test_look_alikes_are_left_alone(case):
     }
     fn, args = fns[case]
     gm = trace(fn, args)
+    before = targets(gm)
+    assert rule.apply(gm.graph) == 0 and targets(gm) == before
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("spec", ["nl,nkil->nki", "nki,nkli->nkl"])
+def test_canonical_einsums_are_left_as_they_are(spec, rows):
+    args = _inputs(spec.startswith("nl"), rows, torch.float32)
+    gm = trace(lambda x, w: torch.einsum(spec, x, w), args)
     before = targets(gm)
     assert rule.apply(gm.graph) == 0 and targets(gm) == before

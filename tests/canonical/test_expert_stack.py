@@ -129,11 +129,13 @@ def _rel(got, want) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("gemm,rows", [("bmm", 3), ("matmul", 1)])
-def test_list_experts_fuse_into_moe_experts(gemm, rows, dtype):
+@pytest.mark.parametrize("gemm,rows,dequant,dtype", [
+    ("bmm", 3, "lut_stack", torch.float32), ("bmm", 3, "lut_stack", torch.bfloat16),
+    ("matmul", 1, "lut_stack", torch.float32), ("matmul", 1, "codes_first", torch.bfloat16),
+    ("x_first", 3, "bits_ldexp", torch.float32)], ids=str)
+def test_list_experts_fuse_into_moe_experts(gemm, rows, dequant, dtype):
     torch._dynamo.reset()
-    model = _list_experts(gemm)
+    model = _list_experts(gemm, dequant)
     z = torch.randn(rows, 64).to(dtype)
     args = (z, torch.tensor([[0, 2], [3, 3], [1, 0]])[:rows], torch.rand(rows, 2))
     want = model(*args)
