@@ -45,7 +45,7 @@ def _shape(node) -> tuple | None:
 
 def _transparent(node: fx.Node) -> bool:
     """An op that keeps the elements and their row-major order (only the shape may change)."""
-    if node.op != "call_function" or not isinstance(node.args[0], fx.Node):
+    if node.op != "call_function" or not node.args or not isinstance(node.args[0], fx.Node):
         return False
     t, src = node.target, _shape(node.args[0])
     if t in _VIEWS or t is aten.clone.default:
@@ -96,7 +96,8 @@ def _broadcast_token(x: fx.Node, n: int, k: int) -> fx.Node | None:
     if x.target is not aten.expand.default:
         return None
     u = x.args[0]
-    if not (isinstance(u, fx.Node) and u.target is aten.unsqueeze.default and u.args[1] == 1):
+    if not (isinstance(u, fx.Node) and u.target is aten.unsqueeze.default
+            and u.args[1] in (1, -2)):
         return None
     z = u.args[0]
     shape = _shape(z)

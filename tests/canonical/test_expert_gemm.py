@@ -42,7 +42,7 @@ GEMMS = {"bmm": _bmm, "matmul": _matmul, "bmm_x_first": _bmm_x_first,
 
 def _fc1(gemm):
     def f(z, w):
-        return gemm(w, z.unsqueeze(1).expand(z.shape[0], K, z.shape[1]))
+        return gemm(w, z.unsqueeze(-2).expand(z.shape[0], K, z.shape[1]))
     return f
 
 
