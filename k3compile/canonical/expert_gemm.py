@@ -18,10 +18,12 @@ count's lowering (N = 1 or more) is the one the pattern's variant for it has. Th
 reduces over the same index in the same dtype; CPU GEMM blocking may round the fp32 sum
 differently (within 1e-6 relative).
 
-Left alone: a product that is not this batched matrix-vector shape (a real GEMM), an x whose
-batch is not W's [N, k] in the same order, a result not read back as [N, k, O]. W may be any
-[N, k, O, I] tensor; a site the patterns then do not fuse keeps the einsum's lowering, the form our
-own model's unfused experts have.
+Only expert GEMMs: W must be made from experts gathered by the routed ids (an `index` by one
+integer [N, k] tensor up its inputs, e.g. the dequant of `w_packed[ids]`); the same shapes occur
+elsewhere (KDA's state [B, H, d, d] times a vector), and those are left as they are. Also left
+alone: a product that is not this batched matrix-vector shape (a real GEMM), an x whose batch is
+not W's [N, k] in the same order, a result not read back as [N, k, O]. A site the patterns then
+do not fuse keeps the einsum's lowering, the form our own model's unfused experts have.
 """
 
 from __future__ import annotations
@@ -123,6 +125,26 @@ def _transposed_weight(node, batch: int, out: int, width: int) -> fx.Node | None
     return None
 
 
+def _routed(w: fx.Node, n: int, k: int, limit: int = 256) -> bool:
+    """Whether W [N, k, O, I] is made from experts gathered by the routed ids: an `index` by one
+    integer [N, k] tensor up its inputs (what makes the product an expert GEMM, not, say, a
+    recurrent state [B, H, d, d] times a vector)."""
+    seen, stack = set(), [w]
+    while stack and len(seen) < limit:
+        node = stack.pop()
+        if node in seen or not isinstance(node, fx.Node) or node.op != "call_function":
+            continue
+        seen.add(node)
+        if node.target is aten.index.Tensor and len(node.args[1]) == 1:
+            ids = node.args[1][0]
+            val = ids.meta.get("val") if isinstance(ids, fx.Node) else None
+            if (isinstance(val, torch.Tensor) and tuple(val.shape) == (n, k)
+                    and val.dtype in (torch.int64, torch.int32)):
+                return True
+        stack.extend(node.all_input_nodes)
+    return False
+
+
 def _site(bmm: fx.Node):
     """(W, x or z, is_fc1, result node) of a batched matrix-vector product, else None: W·x
     (bmm([N*k, O, I], [N*k, I, 1])) or x·Wᵀ (bmm([N*k, 1, I], [N*k, I, O]))."""
@@ -141,6 +163,8 @@ def _site(bmm: fx.Node):
     if w is None:
         return None
     n, k = _shape(w)[:2]
+    if not _routed(w, n, k):
+        return None
     x = _source(vector, lambda s: s == (n, k, width))
     result = _result(bmm, (n, k, out))
     if x is None or result is None:

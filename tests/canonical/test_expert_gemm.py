@@ -12,7 +12,7 @@ from k3compile.canonical import expert_gemm as rule
 
 from .rule_checks import assert_same, targets, trace
 
-K, OUT, WIDTH = 2, 64, 96
+E, K, OUT, WIDTH = 5, 2, 64, 96
 TOL = {torch.float32: 1e-6, torch.bfloat16: 1e-2}  # bf16: the GEMMs' last rounding may differ
 
 
@@ -41,18 +41,19 @@ GEMMS = {"bmm": _bmm, "matmul": _matmul, "bmm_x_first": _bmm_x_first,
 
 
 def _fc1(gemm):
-    def f(z, w):
-        return gemm(w, z.unsqueeze(-2).expand(z.shape[0], K, z.shape[1]))
+    def f(z, experts, ids):
+        return gemm(experts[ids], z.unsqueeze(-2).expand(z.shape[0], K, z.shape[1]))
     return f
 
 
 def _fc2(gemm):
-    return lambda x, w: gemm(w, x)
+    return lambda x, experts, ids: gemm(experts[ids], x)
 
 
 def _inputs(fc1, rows, dtype):
+    """x (the token [N, I] or [N, k, I]), the stacked experts [E, O, I], the routed ids [N, k]."""
     x = torch.randn(rows, WIDTH) if fc1 else torch.randn(rows, K, WIDTH)
-    return [x.to(dtype), torch.randn(rows, K, OUT, WIDTH).to(dtype)]
+    return [x.to(dtype), torch.randn(E, OUT, WIDTH).to(dtype), torch.randint(0, E, (rows, K))]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -66,7 +67,7 @@ def test_matrix_vector_becomes_the_einsum(fc1, gemm, rows, dtype):
     assert rule.apply(gm.graph) == 1
     gm.recompile()
     spec = "nl,nkil->nki" if fc1 else "nki,nkli->nkl"
-    canonical = trace(lambda x, w: torch.einsum(spec, x, w), args)
+    canonical = trace(lambda x, e, i: torch.einsum(spec, x, e[i]), args)
     assert targets(gm) == targets(canonical)  # the pattern's form, op for op
     assert_same(gm(*args), canonical(*args))
     got, want = gm(*args), fn(*args)
@@ -74,25 +75,33 @@ def test_matrix_vector_becomes_the_einsum(fc1, gemm, rows, dtype):
     torch.testing.assert_close(got, want, rtol=TOL[dtype], atol=TOL[dtype] * want.abs().max())
 
 
-@pytest.mark.parametrize("case", ["real_gemm", "batch_orders_differ", "flat_weight", "other_view"])
+def _merged(w, x, columns=1):
+    return torch.bmm(w.reshape(-1, OUT, WIDTH), x.reshape(-1, WIDTH, 1).expand(-1, WIDTH, columns))
+
+
+LOOK_ALIKES = {  # (fn, extra inputs); every fn gets (experts [E, O, I], ids [N, k], *extra)
+    "real_gemm": (lambda e, i, x: _merged(e[i], x, 4), [torch.randn(3, K, WIDTH)]),
+    "batch_orders_differ": (lambda e, i, x: _merged(e[i], x).view(3, K, OUT),
+                            [torch.randn(K, 3, WIDTH)]),  # x is [k, N, I]
+    "flat_weight": (lambda e, i, x: _merged(e[i.flatten()], x).squeeze(-1),
+                    [torch.randn(3 * K, WIDTH)]),
+    "other_view": (lambda e, i, x: _merged(e[i], x).flatten(), [torch.randn(3, K, WIDTH)]),
+    # the shapes of an expert GEMM, but no routed gather: KDA's state [B, H, d, d] times a vector
+    "state_times_vector": (lambda e, i, state, slots, q: _merged(state[slots], q).view(3, K, OUT),
+                           [torch.randn(4, K, OUT, WIDTH), torch.tensor([2, 0, 1]),
+                            torch.randn(3, K, WIDTH)]),
+    "ungathered_weight": (lambda e, i, w, x: _merged(w, x).view(3, K, OUT),
+                          [torch.randn(3, K, OUT, WIDTH), torch.randn(3, K, WIDTH)]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(LOOK_ALIKES))
 def test_look_alikes_are_left_alone(case):
-    n = 3
-    w4, x3 = torch.randn(n, K, OUT, WIDTH), torch.randn(n, K, WIDTH)
-    fns = {
-        "real_gemm": (lambda w, x: torch.bmm(w.reshape(n * K, OUT, WIDTH),
-                                             x.reshape(n * K, WIDTH, 1).expand(n * K, WIDTH, 4)),
-                      [w4, x3]),
-        "batch_orders_differ": (lambda w, x: torch.bmm(w.reshape(n * K, OUT, WIDTH),
-                                                       x.reshape(n * K, WIDTH, 1)).view(n, K, OUT),
-                                [w4, torch.randn(K, n, WIDTH)]),  # x is [k, N, I]
-        "flat_weight": (lambda w, x: torch.bmm(w, x.unsqueeze(-1)).squeeze(-1),
-                        [torch.randn(n * K, OUT, WIDTH), torch.randn(n * K, WIDTH)]),
-        "other_view": (lambda w, x: torch.bmm(w.reshape(n * K, OUT, WIDTH),
-                                              x.reshape(n * K, WIDTH, 1)).flatten(), [w4, x3]),
-    }
-    fn, args = fns[case]
+    fn, extra = LOOK_ALIKES[case]
+    args = [torch.randn(E, OUT, WIDTH), torch.randint(0, E, (3, K)), *extra]
     gm = trace(fn, args)
     before = targets(gm)
+    assert "aten.bmm.default" in before
     assert rule.apply(gm.graph) == 0 and targets(gm) == before
 
 
@@ -100,6 +109,6 @@ def test_look_alikes_are_left_alone(case):
 @pytest.mark.parametrize("spec", ["nl,nkil->nki", "nki,nkli->nkl"])
 def test_canonical_einsums_are_left_as_they_are(spec, rows):
     args = _inputs(spec.startswith("nl"), rows, torch.float32)
-    gm = trace(lambda x, w: torch.einsum(spec, x, w), args)
+    gm = trace(lambda x, e, i: torch.einsum(spec, x, e[i]), args)
     before = targets(gm)
     assert rule.apply(gm.graph) == 0 and targets(gm) == before
