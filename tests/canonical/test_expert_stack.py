@@ -199,3 +199,20 @@ def test_packed_list_experts_see_every_weight_update():
     assert not back_to_back([e.up_proj.weight_scale for e in model.experts])
     assert_current()
     assert len(be._compiled) == compiles  # the compiled step saw it, not a recompile
+
+
+@pytest.mark.slow
+def test_expert_stack_under_inductor_executor():
+    """The default executor (Inductor) takes the view-returning op (an alias annotation, not a
+    custom op's copy) and reads the packed experts as they are now."""
+    torch._dynamo.reset()
+    model = _list_experts("bmm")
+    args = (torch.randn(3, 64), torch.tensor([[0, 2], [3, 3], [1, 0]]), torch.rand(3, 2))
+    step = torch.compile(model, backend="k3", fullgraph=True, options={"executor": "inductor"})
+    assert _rel(step(*args), model(*args)) <= 1e-6
+    graph = next(iter(be.last_compiled().observer.graphs.values()))
+    assert "k3.moe_experts.default" in [str(n.target) for n in graph.nodes]
+    assert back_to_back([e.gate_proj.weight_packed for e in model.experts])
+    rebound = model.experts[1].up_proj
+    rebound.weight_scale.data = torch.full_like(rebound.weight_scale, 126)
+    assert _rel(step(*args), model(*args)) <= 1e-6
