@@ -3,7 +3,9 @@ weighted finalize -> `k3.moe_experts` (spec §3.3 steps 4-5; §5.2 row 11).
 
 Matches MXFP4Experts.forward: gathers of the packed nibbles and E8M0 scales by the routed ids,
 the E2M1 lookup (the model's `e2m1` buffer, a [16] table in z's dtype), the three einsums with
-SiTU between, and Σ_k w_k·y_k in fp32. The fused op builds the E2M1 table itself.
+SiTU between, and Σ_k w_k·y_k in fp32. The fused op builds the E2M1 table itself, so the check
+reads the matched table's real value (a graph constant, or a graph input whose real tensor the
+compile handed over in `gm.meta["real_inputs"]`) and refuses any table that is not E2M1.
 
 einsum lowers to permute/view/bmm chains whose shape depends on whether there is one token row
 (N = 1: a size-1 batch dim of the bmm is moved differently), so there is a variant per case,
@@ -20,10 +22,11 @@ import itertools
 
 import torch
 
-from k3compile.math import e2m1_table, mxfp4_experts
+from k3compile.canonical.mxfp4_dequant import known_value
+from k3compile.math import E2M1_VALUES, e2m1_table, mxfp4_experts
 from k3compile.ops import registry
 from k3compile.ops.moe_experts import moe_experts_refusal
-from k3compile.rewrite import Pattern, tensor_meta
+from k3compile.rewrite import Pattern, inductor, tensor_meta
 
 DTYPES = (torch.bfloat16, torch.float32)
 ROWS = (1, 3)  # token rows N traced: one row, or several (the einsum lowering differs)
@@ -53,11 +56,25 @@ def check(match) -> str | None:
     z, lut = metas[0], tensor_meta(match.kwargs["lut"])
     if lut is None or tuple(lut.shape) != (16,) or not lut.dtype.is_floating_point:
         return f"the nibble table {getattr(lut, 'shape', None)} is not a 16-entry E2M1 table"
+    if (why := _not_e2m1(match.kwargs["lut"])) is not None:
+        return why
     if z.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return f"z dtype {z.dtype} is not a float type"
     if any(t.dtype != torch.uint8 for t in metas[3:]):
         return "expert weights are not uint8 MXFP4 (packed E2M1 + E8M0 scales)"
     return moe_experts_refusal(*metas)
+
+
+def _not_e2m1(lut_node) -> str | None:
+    """The fused op builds the E2M1 table itself: any other table (or one whose value the compile
+    cannot read) would be fused into wrong values."""
+    with inductor.unset_fake_temporarily():  # real tensors, inside the compile's fake mode
+        table = known_value(lut_node)
+        if table is None:
+            return "the nibble table's value is unknown at compile time (not a constant or input)"
+        if not torch.equal(table.double(), e2m1_table(dtype=torch.float64)):
+            return f"the nibble table {table.tolist()} is not E2M1 {list(E2M1_VALUES)}"
+    return None
 
 
 def kernel_refusal(match) -> str | None:

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from torch import fx
 
 ORDER: tuple[str, ...] = ("state_write", "mla_absorb", "gemm", "short_conv", "gate_up_split",
-                          "depth_mix")
+                          "depth_mix", "mxfp4_dequant", "expert_stack", "expert_gemm")
 
 
 @dataclasses.dataclass(frozen=True)

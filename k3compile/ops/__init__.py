@@ -13,6 +13,7 @@ the scheduling ops (`stream_fork`, `stream_join`, `prefetch_l2`).
 from k3compile.ops import (
     allreduce_attn_res_mix_norm,
     attn_res_mix_norm,
+    expert_stack,
     fb_kda_decode,
     kda_decode,
     linear,
@@ -34,7 +35,7 @@ from k3compile.ops import (
 )
 
 __all__ = [
-    "allreduce_attn_res_mix_norm", "attn_res_mix_norm", "fb_kda_decode", "kda_decode", "linear",
+    "allreduce_attn_res_mix_norm", "attn_res_mix_norm", "expert_stack", "fb_kda_decode", "kda_decode", "linear",
     "linear_concat", "mla_decode", "mla_lowrank_norm", "mla_q_absorb", "mla_uv_gate",
     "moe_experts", "moe_front", "moe_route", "norm_linear", "oproj_attn_res_mix_norm",
     "prefetch_l2", "rms_norm", "situ_gate_up", "stream_fork", "stream_join",

@@ -30,6 +30,7 @@ TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 5e-3, torch.float32: 1e-4, tor
 
 def canonicalize(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     counts = {}
+    gm.meta["real_inputs"] = ctx.inputs  # the placeholders' real tensors (constant tables)
     verify = ctx.options.verify and _runnable(gm, ctx.inputs)
     for rule in all_rules():
         if rule.name in ctx.options.disabled_rules:

@@ -62,7 +62,7 @@ SATISFIES = {"allreduce_attn_res_mix_norm": "oproj_attn_res_mix_norm"}
 # (`NEUTRAL` lives in k3compile.rewrite, whose near misses it also concerns.)
 
 # k3 ops that schedule rather than compute: side-stream fork / join (events) and the L2 prefetch
-SCHEDULE = frozenset({"stream_fork", "stream_join", "prefetch_l2"})
+SCHEDULE = frozenset({"stream_fork", "stream_join", "prefetch_l2", "expert_stack"})  # + a view
 
 # ATen ops that launch no kernel of their own (views, metadata, getitem of multi-output ops)
 _NO_KERNEL = {"view", "reshape", "_unsafe_view", "permute", "unsqueeze", "squeeze", "expand",

@@ -20,6 +20,7 @@ from k3compile.rewrite import apply_patterns
 def fuse(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     from k3compile.patterns import all_patterns  # patterns trace on first use, not at import
 
+    gm.meta.setdefault("real_inputs", ctx.inputs)  # checks read constant tables (moe_experts)
     # the layers as the model computes them, before any fusion (the contract's plan), and why
     # each big fusion their structure calls for would not happen
     ctx.notes["layers"] = layers.find_layers(gm.graph)

@@ -2,14 +2,16 @@
 
 `k3.linear_concat` (KDA q|k|v|g|f_a|b, MLA q_a|kv_a|g), `k3.moe_front` (router | latent-down,
 one launch with gemv's split variant) and `k3.situ_gate_up` (gate | up) read [W_0; W_1; ...] as
-one weight. Left alone, their CUDA
-kernels concatenate the weights at every call (`k3compile.ops.linear_concat.concatenated`; no
-copy is cached, so none can go stale): ~46 MB copied per KDA layer per step per GPU at TP16, 64 MB
-more per MoE layer with the split variant. This stage moves each group's weights, once, into one buffer and makes
+one weight. Left alone, their CUDA kernels concatenate the weights at every call
+(`k3compile.ops.linear_concat.concatenated`; no copy is cached, so none can go stale): ~46 MB
+copied per KDA layer per step per GPU at TP16, 64 MB more per MoE layer with the split variant.
+`k3.expert_stack` (the per-expert parameters of a ModuleList, stacked for `k3.moe_experts`)
+reads [E_0, E_1, ...] as one [E, ...] tensor and, left alone, copies every expert on every
+call. This stage moves each group's weights, once, into one buffer and makes
 every weight a view of its rows (`param.data = rows`): the values, shapes, strides, the
 parameters' identity and `state_dict` stay what they were, `load_state_dict` / `copy_` write
-through to the buffer, and `concatenated` finds the weights back to back and returns a view of
-them instead of a copy.
+through to the buffer, and `concatenated` / `expert_stack` find the weights back to back and
+return a view of them instead of a copy.
 
 The stage runs last, after every check, on the real tensors Dynamo handed the backend (the ATen
 graph's placeholders in the same order). Only weights no earlier k3 compile in this process was
@@ -18,9 +20,10 @@ it saw, so the first compile packs and later ones find the groups packed. A grou
 is, with the reason in the stage's report, where a weight is no plain graph input (a slice made
 in the graph: a sharded front), the weights differ in dtype, device or width, are not
 contiguous or have rows of bytes not a multiple of 16 (every weight after the first would start
-unaligned), require grad in grad mode, are tensor subclasses, were seen by an earlier compile,
-or one of them already belongs to another group. A reference to a weight's old `.data` taken
-before the compile keeps the old storage and no longer sees updates. Options.pack_weights /
+unaligned; for an expert stack: experts of bytes not a multiple of 16, the unit it steps by),
+require grad in grad mode, are tensor subclasses, were seen by an earlier compile, or one of them
+already belongs to another group. A reference to a weight's old `.data` taken before the compile
+keeps the old storage and no longer sees updates. Options.pack_weights /
 K3_PACK_WEIGHTS=0 turn the stage off.
 """
 
@@ -72,9 +75,11 @@ def _groups(graph: fx.Graph):
             yield node, list(node.args[1])
         elif node.target in (_K3.moe_front.default, _K3.situ_gate_up.default):
             yield node, [node.args[1], node.args[2]]
+        elif node.target is _K3.expert_stack.default:
+            yield node, list(node.args[0])
 
 
-def _refusal(weights: list[torch.Tensor]) -> str | None:
+def _refusal(weights: list[torch.Tensor], experts: bool = False) -> str | None:
     first = weights[0]
     if any(type(w) not in (torch.Tensor, torch.nn.Parameter) for w in weights):
         return "a weight is a tensor subclass (its storage is not ours to move)"
@@ -85,7 +90,11 @@ def _refusal(weights: list[torch.Tensor]) -> str | None:
                 + ", ".join(f"{w.dtype} {tuple(w.shape)} {w.device}" for w in weights))
     if any(not w.is_contiguous() for w in weights):
         return "a weight is not contiguous"
-    if first.shape[1] * first.element_size() % 16:
+    if experts and len({w.shape for w in weights}) > 1:
+        return "experts differ in shape"
+    if experts and first.nbytes % 16:  # an expert stack steps by whole experts
+        return f"experts of {first.nbytes} bytes (not a multiple of 16)"
+    if not experts and first.shape[1] * first.element_size() % 16:
         # the weights after the first would start off 16-byte alignment, which Inductor's and
         # our kernels assume of their inputs (Inductor would copy them back on every call)
         return f"rows of {first.shape[1] * first.element_size()} bytes (not a multiple of 16)"
@@ -117,7 +126,7 @@ def pack_concatenated(graph: fx.Graph, inputs: list) -> PackReport:
         if len({id(w) for w in weights}) < len(weights):
             report.skipped.append(f"{node.name}: one weight appears twice")
             continue
-        if (why := _refusal(weights)) is not None:
+        if (why := _refusal(weights, node.target is _K3.expert_stack.default)) is not None:
             report.skipped.append(f"{node.name}: {why}")
             continue
         if adjacent(weights):

@@ -13,7 +13,9 @@ def graph(fn, *args, joint: bool = False):
     """fn's functional ATen graph, one fake mode for all meta as in Inductor; `joint` also runs
     Inductor's joint-graph passes, which the model's graph has been through (einsum folding)."""
     trace = inductor.fwd_only_joint if joint else inductor.fwd_only_fake
-    return trace(fn, list(args))
+    gm = trace(fn, list(args))
+    gm.meta["real_inputs"] = list(args)  # as the pipeline hands them over (constant tables)
+    return gm
 
 
 def rewrite(fn, args, patterns, joint: bool = False, kernels_only: bool = False):

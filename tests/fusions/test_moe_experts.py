@@ -9,10 +9,12 @@ from k3compile.patterns import moe_experts
 
 from k3compile.math import e2m1_table, mxfp4_dequant, situ
 from k3compile.models import mxfp4
+from k3compile.rewrite import apply_patterns
 
 from .pattern_checks import (
     assert_near_miss,
     assert_rewritten_equal,
+    graph,
     rewrite,
     with_kernel_limits,
 )
@@ -89,3 +91,21 @@ def test_site_the_kernel_refuses_stays_unfused_on_gpu_graphs(monkeypatch):
     args = _inputs(3)
     gm, report = rewrite(experts, args, moe_experts.patterns(), joint=True, kernels_only=True)
     assert_rewritten_equal(gm, report, experts, args, "k3.moe_experts")
+
+
+@pytest.mark.parametrize("table", ["scaled", "reordered", "unknown"])
+def test_table_that_is_not_e2m1_is_a_near_miss(table):
+    """The fused op builds the E2M1 table itself: another table (or one of unknown value) would
+    fuse into wrong values, so the check reads the real table and refuses."""
+    args = _inputs(3)
+    if table == "scaled":
+        args[3] = args[3] * 1.25
+    elif table == "reordered":  # sign-magnitude halves swapped
+        args[3] = torch.cat([args[3][8:], args[3][:8]])
+    gm = graph(experts, *args, joint=True)
+    if table == "unknown":
+        gm.meta.pop("real_inputs")
+    report = apply_patterns(gm.graph, moe_experts.patterns())
+    assert_near_miss(report, "moe_experts", "check refused", "nibble table")
+    gm.recompile()
+    torch.testing.assert_close(gm(*args), experts(*args), rtol=0, atol=0)  # left as it was

@@ -30,7 +30,7 @@ _NO_LAUNCH = frozenset({
     "view", "reshape", "_unsafe_view", "permute", "unsqueeze", "squeeze", "expand", "slice",
     "select", "split", "split_with_sizes", "unbind", "t", "transpose", "alias", "detach",
     "as_strided", "empty", "empty_like", "empty_strided", "sym_size", "sym_stride", "sym_numel",
-    "wait_tensor", "stream_fork", "stream_join"})  # the last three: events, not launches
+    "wait_tensor", "stream_fork", "stream_join", "expert_stack"})  # events; a packed stack view
 _SYNC = re.compile(r"fork|join|event|stream")
 # the pseudo-layer of the nodes outside every layer (embedding, lm_head, state copies); the
 # contract's FINAL
