@@ -178,7 +178,8 @@ class K3Compiled:
         return None
 
     def _compile_bucket(self, key: tuple, inputs: list, batch: int | None) -> _Bucket:
-        fn = self.pipeline.compile(self.gm, list(inputs), batch)
+        user = frozenset(i.index for i in self.inputs if i.user)
+        fn = self.pipeline.compile(self.gm, list(inputs), batch, user_inputs=user)
         bucket = self.buckets[key] = _Bucket(fn, batch)
         return bucket
 

@@ -97,8 +97,11 @@ class Pipeline:
         self.observer.graphs[ctx.batch] = gm.graph
         return gm
 
-    def compile(self, gm: fx.GraphModule, example_inputs: list, batch: int | None) -> Callable:
-        ctx = Context(self.options, batch, inputs=list(example_inputs))
+    def compile(self, gm: fx.GraphModule, example_inputs: list, batch: int | None,
+                user_inputs: frozenset[int] = frozenset()) -> Callable:
+        """`user_inputs`: the positions of the inputs the caller passes anew each step (ids,
+        positions, slots), as opposed to the module's parameters and buffers."""
+        ctx = Context(self.options, batch, inputs=list(example_inputs), user_inputs=user_inputs)
         if any(isinstance(x, torch.Tensor) and x.is_cuda for x in example_inputs):
             from k3compile.kernels import register_all
 

@@ -22,8 +22,8 @@ from collections.abc import Callable
 
 from torch import fx
 
-ORDER: tuple[str, ...] = ("state_write", "mla_absorb", "gemm", "short_conv", "gate_up_split",
-                          "depth_mix", "mxfp4_dequant", "expert_stack", "expert_gemm")
+ORDER: tuple[str, ...] = ("state_write", "mla_absorb", "mxfp4_dequant", "expert_stack",
+                          "expert_gemm", "gemm", "short_conv", "gate_up_split", "depth_mix")
 
 
 @dataclasses.dataclass(frozen=True)

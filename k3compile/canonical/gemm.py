@@ -141,8 +141,8 @@ def _pieces(w_op: fx.Node, transposed: bool, batched: bool) -> list[Piece] | Non
     """Per batch, the weight piece the operand is the transpose of; None if it is not one."""
     chain = _chain(w_op)
     root, shape = chain[0], _shape(chain[0])
-    if (root.op != "placeholder" or shape is None or len(shape) not in (2, 3) or _written(root)
-            or root.meta["val"].dtype not in FLOATS):
+    if (root.op != "placeholder" or root.meta.get("k3_user_input") or shape is None
+            or len(shape) not in (2, 3) or _written(root) or root.meta["val"].dtype not in FLOATS):
         return None
     t = _replay(_meta(shape), chain[1:])
     if t is None:

@@ -23,3 +23,5 @@ class Context:
     report: RewriteReport = dataclasses.field(default_factory=RewriteReport)
     notes: dict[str, Any] = dataclasses.field(default_factory=dict)
     inputs: list = dataclasses.field(default_factory=list)  # Dynamo's real example inputs
+    # positions of the inputs the caller passes each step (not parameters or buffers)
+    user_inputs: frozenset[int] = frozenset()

@@ -2,6 +2,9 @@
 patterns of stage `fuse` meet one spelling of each K3 computation whatever spelling the user's
 model chose. What each rule rewrote is in the notes as "canonicalize" (rule -> sites) and logged.
 
+The placeholders of the inputs the caller passes each step (ids, positions, slots, activations;
+not parameters or buffers) carry `meta["k3_user_input"]`: rules that need a weight read it.
+
 With `Options.verify` (K3_VERIFY=1) each rule that rewrote something is checked on the whole
 graph: the graph before and after the rule run on copies of the compile's real inputs, and every
 output and every input the graph writes (the state buffers) must agree in dtype, shape and value
@@ -31,6 +34,7 @@ TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 5e-3, torch.float32: 1e-4, tor
 def canonicalize(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     counts = {}
     gm.meta["real_inputs"] = ctx.inputs  # the placeholders' real tensors (constant tables)
+    mark_user_inputs(gm.graph, ctx.user_inputs)
     verify = ctx.options.verify and _runnable(gm, ctx.inputs)
     for rule in all_rules():
         if rule.name in ctx.options.disabled_rules:
@@ -52,6 +56,13 @@ def canonicalize(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         log.info("k3 canonicalize (batch %s): %s", ctx.batch,
                  ", ".join(f"{name} {n}" for name, n in counts.items() if n))
     return gm
+
+
+def mark_user_inputs(graph: fx.Graph, user_inputs: frozenset[int]) -> None:
+    """`meta["k3_user_input"]` on the placeholders of the inputs the caller passes each step: a
+    rule that needs a weight (a parameter) never takes one of them for it."""
+    for i, node in enumerate(n for n in graph.nodes if n.op == "placeholder"):
+        node.meta["k3_user_input"] = i in user_inputs
 
 
 def _runnable(gm: fx.GraphModule, inputs: list) -> bool:
