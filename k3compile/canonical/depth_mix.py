@@ -48,6 +48,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+import logging
 
 import torch
 from torch import fx
@@ -59,6 +60,7 @@ from k3compile.math import depth_mix_weights
 from k3compile.rewrite import inductor
 
 aten, prims = torch.ops.aten, torch.ops.prims
+log = logging.getLogger("k3compile")
 RTOL = 1e-5  # summation order in fp32
 _VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.permute.default,
           aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.default, aten.squeeze.dims,
@@ -346,6 +348,8 @@ def _site(alpha: fx.Node, k: int) -> Site | None:
     srcs = _stacked_along(alpha, k)
     if not srcs or any(_val(s).dtype != _val(srcs[0]).dtype for s in srcs):
         return None
+    if not all(isinstance(d, int) for d in _shape(srcs[0])):  # evaluated on concrete sizes
+        return None
     closing = _closing(alpha, _shape(srcs[0]), limit=8 * len(srcs) + 40)
     if closing is None:
         return None
@@ -354,7 +358,8 @@ def _site(alpha: fx.Node, k: int) -> Site | None:
     if nodes is None:
         return None
     width = _shape(srcs[0])[-1]
-    weights = [x for x in leaves if _val(x) is not None and _val(x).numel() > 0]
+    first_use = {x: i for i, n in reversed(list(enumerate(nodes))) for x in n.all_input_nodes}
+    weights = sorted((x for x in leaves if _val(x).numel() > 0), key=first_use.__getitem__)
     if len(weights) != 2 or any(_val(w).numel() != width for w in weights):
         return None
     eps = [a for n in nodes if n.target in (aten.add.Tensor, aten.add.Scalar)
@@ -377,7 +382,7 @@ def _unflattened(srcs: list[fx.Node], out: fx.Node
         cast = end.args[1]
     if (len(end.users) != 1 or next(iter(end.users)).target not in _FLATTEN
             or _shape(next(iter(end.users))) != shape or shape == _shape(srcs[0])
-            or any(_shape(t) != shape for t in tokens)):
+            or shape[-1] != _shape(srcs[0])[-1] or any(_shape(t) != shape for t in tokens)):
         return srcs, out, None
     return tokens, next(iter(end.users)), cast
 
@@ -391,6 +396,8 @@ def _between(out: fx.Node, srcs: set, limit: int):
         if x in srcs or x in nodes or x in leaves:
             continue
         if x.op in ("placeholder", "get_attr") or (_val(x) is not None and _val(x).numel() == 0):
+            if _val(x) is None or not all(isinstance(d, int) for d in _val(x).shape):
+                return None, None
             leaves.add(x)
             continue
         if x.op != "call_function" or not x.all_input_nodes or len(nodes) >= limit:
@@ -480,18 +487,22 @@ def _rebuilt(graph: fx.Graph, alpha: fx.Node) -> int:
     for (wn, wp), eps in itertools.product(_roles(site.weights), dict.fromkeys(site.eps)):
         try:
             gm = _canonical_trace(site.tokens, wn, wp, eps)
-        except RuntimeError:  # e.g. a projection weight of another dtype than the sources
+            equal = _equals_canonical(site, gm, wn, wp)
+        except Exception as e:  # noqa: BLE001 (e.g. a projection weight of another dtype)
+            log.debug("k3 depth_mix: %s left alone: %s: %s", alpha.name, type(e).__name__, e)
             continue
-        if _equals_canonical(site, gm, wn, wp):
+        if equal:
             _splice(graph, gm, site, wn, wp)
             return 1
     return 0
 
 
 def _roles(weights: list[fx.Node]) -> list[tuple[fx.Node, fx.Node]]:
-    """(norm weight, projection weight) in the order to try: a [1, D] weight is the projection."""
-    a, b = weights
-    return [(b, a), (a, b)] if _shape(a) == (1, _shape(a)[-1]) else [(a, b), (b, a)]
+    """(norm weight, projection weight) in the order to try: a [1, D] weight is the projection,
+    else the one used first is the norm's (fp32 takes either: the product is symmetric)."""
+    a, b = weights  # in the order of first use
+    row = (1, _shape(a)[-1])
+    return [(b, a), (a, b)] if _shape(a) == row and _shape(b) != row else [(a, b), (b, a)]
 
 
 def apply(graph: fx.Graph) -> int:

@@ -291,6 +291,29 @@ def test_relaid_spelling_becomes_the_canonical_mix(name, dtype):
         assert rel_err(got, want) <= (1e-6 if dtype == torch.float32 else 0)
 
 
+def test_pseudo_query_as_a_vector():
+    """A pseudo-query kept as a [D] vector and applied by `(normed * q).sum(-1)`: both weights
+    have D values, the evaluation decides which is the norm's; the canonical projection takes
+    q viewed as [1, D] (fp32: the mm's summation order only)."""
+    *srcs, wn, wp = args = [*_tokens(2)[:-1], _tokens(2)[-1].view(D)]
+
+    def mix(*args):
+        *srcs, wn, q = args
+        values = torch.stack(srcs, dim=-2)
+        probs = (rms_norm(values, wn, EPS) * q).sum(-1).softmax(-1)
+        return (probs.unsqueeze(-1) * values).sum(-2)
+
+    before, after, n = _rewrite(mix, *args)
+    assert n == 1
+    q = [n for n in after.graph.nodes if n.op == "placeholder"][-1]
+    (as_row,) = q.users  # q.view(1, D), then the canonical projection's permute
+    shape, uses = as_row.args[1], [str(u.target) for u in as_row.users]
+    assert list(shape) == [1, D] and uses == ["aten.permute.default"]
+    rest = [str(n.target) for n in after.graph.nodes if n.op == "call_function" and n is not as_row]
+    assert rest == _canonical_targets([*srcs, wn, wp.view(1, D)])
+    assert rel_err(after(*args), before(*args)) <= 1e-6
+
+
 def test_folded_norm_weight_in_bf16_is_left_alone():
     """Moonshot's fold `(w_norm * w_proj)` applied to the fp32-normalised sources skips the
     roundings to bf16 of the canonical form (normalised sources, times w_norm, the projection):
