@@ -17,11 +17,38 @@ the rule rewrites
   an equal region differs from it by summation order only (fp32, checked to 1e-5 relative); a
   weighted sum computed in bf16, or of other weights, fails the check and is left alone.
 
-Not rewritten: sources stacked along another dim (Moonshot's `[N, S, D]` block residual with the
-softmax over -1), whose canonical form also needs the scores re-laid out.
+Sources stacked along another dim (`[B, T, S, D]` from `torch.cat` of `unsqueeze(-2)`s or
+`torch.stack(dim=-2)`, `[N, S, D]` from `stack(dim=1)` or Moonshot's block list grown by cats
+from `new_zeros(N, 0, D)`), the softmax over that dim (scores squeezed or kept `[.., S, .., 1]`),
+the weighted sum over it in any spelling (`sum(-2)`, einsum, `matmul` / `bmm`): the whole mix,
+from the sources to its fp32 weighted sum, is replaced by `k3compile.math.depth_mix_weights`
+traced over the same sources, with the two weights of D values and the eps the scores read.
+Where the sources are [B, T, D] tensors flattened to tokens (`.view(-1, D)`) and the mix is
+viewed back, the canonical mix takes the unflattened sources. The mix is read structurally
+(sources, weights, eps, where the sum closes) and taken only if it evaluates, on random sources
+and weights, to the canonical mix within RTOL (which role each weight plays is decided there).
+
+What that check admits, and why it is sound: in fp32 the canonical form rounds only in fp32, so
+a spelling that differs by summation order (the mm's dot products, the weighted sum) or by the
+association of a product is within its rounding. Moonshot's fold `(w_norm * w_proj)` applied to
+the normalised sources is one: Σ_d h_d·fl(wn_d·wp_d) against Σ_d fl(wn_d·h_d)·wp_d, the same
+three fp32 factors per term, each side within 2 roundings of the exact term (measured: <= 3e-7
+relative on the mix), so the fold is taken in fp32. In bf16 the canonical form rounds the
+normalised sources, their product with w_norm and the projection to bf16, which the fold (all
+in fp32) does not: the mix differs by up to 7e-3 (measured), not rounding order: left alone. A
+bf16 spelling with the canonical roundings (transformers' RMSNorm + `nn.Linear`, as in
+tests/models/hf_k3.py) evaluates bit-equal and is taken.
+
+Not rewritten: a softmax over sources stacked on dim 0 whose scores are not already canonical
+(the first path above keeps them as they are).
 """
 
 from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import logging
 
 import torch
 from torch import fx
@@ -29,8 +56,11 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from k3compile.canonical import Rule
 from k3compile.graph import call
+from k3compile.math import depth_mix_weights
+from k3compile.rewrite import inductor
 
 aten, prims = torch.ops.aten, torch.ops.prims
+log = logging.getLogger("k3compile")
 RTOL = 1e-5  # summation order in fp32
 _VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.permute.default,
           aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.default, aten.squeeze.dims,
@@ -40,6 +70,7 @@ _VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, at
 _RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default,
              aten.permute.default, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.default,
              aten.squeeze.dims, aten.clone.default, aten.alias.default}
+_FLATTEN = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 # what a weighted sum of sources may be spelled with
 _SUM_OPS = _VIEWS | {aten.mul.Tensor, aten.add.Tensor, aten.sum.dim_IntList, aten.bmm.default,
                      aten.mm.default, aten.div.Tensor, aten.sub.Tensor}
@@ -63,15 +94,21 @@ def _is(node, target) -> bool:
 # ---- the anchor: softmax over the sources --------------------------------------------------------
 
 
-def _softmax0(div: fx.Node) -> bool:
-    """div is softmax(x, dim=0) as it decomposes: exp(x - amax(x, 0)) / sum(., 0)."""
-    if not _is(div, aten.div.Tensor):
-        return False
+def _softmax_dim(div: fx.Node) -> int | None:
+    """d (>= 0) if div is softmax(x, dim=d) as it decomposes: exp(x - amax(x, d)) / sum(., d)."""
+    if not _is(div, aten.div.Tensor) or _val(div) is None:
+        return None
     exp, total = div.args
-    return (_is(exp, aten.exp.default) and _is(total, aten.sum.dim_IntList)
-            and total.args[0] is exp and list(total.args[1]) == [0]
-            and _is(exp.args[0], aten.sub.Tensor) and _is(exp.args[0].args[1], aten.amax.default)
-            and list(exp.args[0].args[1].args[1]) == [0])
+    if not (_is(exp, aten.exp.default) and _is(total, aten.sum.dim_IntList) and total.args[0] is exp
+            and _is(exp.args[0], aten.sub.Tensor) and _is(exp.args[0].args[1], aten.amax.default)):
+        return None
+    dims = {_dims(total.args[1], div), _dims(exp.args[0].args[1].args[1], div)}
+    return dims.pop()[0] if len(dims) == 1 and len(next(iter(dims))) == 1 else None
+
+
+def _dims(dims, node: fx.Node) -> tuple[int, ...]:
+    rank = _val(node).dim()
+    return tuple(sorted(d % rank for d in dims))
 
 
 # ---- the stacked sources ------------------------------------------------------------------------
@@ -230,11 +267,250 @@ def _weighted_sum(graph: fx.Graph, alpha: fx.Node, stack: fx.Node, srcs: list[fx
     return 1
 
 
+# ---- sources stacked along another dim: the whole mix rebuilt -----------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Site:
+    """A depth mix over sources stacked along dim k of [..., S, ..., D], up to `out`, the fp32
+    weighted sum; `nodes` the graph between the sources and weights and out, in graph order."""
+
+    srcs: list[fx.Node]
+    out: fx.Node
+    nodes: list[fx.Node]
+    weights: list[fx.Node]  # the two graph inputs of D values the scores read
+    eps: list[float]  # the float constants the scores add (the norm's eps among them)
+    # the canonical mix's sources and the node it replaces: srcs and out, or, where the sources
+    # are tokens flattened to [N, D] and out is viewed back (Moonshot's `.view(-1, D)`), the
+    # unflattened sources and that view (out cast to `cast` on the way)
+    tokens: list[fx.Node]
+    end: fx.Node
+    cast: torch.dtype | None = None
+
+
+def _parts(node: fx.Node, k: int) -> list[fx.Node] | None:
+    """The sources a tensor stacked along dim k is built of: unsqueeze(src, k), cats along k of
+    such parts (nested: a block list grown one cat at a time), torch.stack's cat + view, clones,
+    and empty parts (a list started as `new_zeros(N, 0, D)`)."""
+    val = _val(node)
+    if val is None:
+        return None
+    rank = val.dim()
+    if val.shape[k] == 0:
+        return []
+    if _is(node, aten.clone.default) or _is(node, aten.alias.default):
+        return _parts(node.args[0], k)
+    if _is(node, aten.unsqueeze.default) and node.args[1] % rank == k:
+        return [node.args[0]]
+    if _is(node, aten.cat.default) and _cat_dim(node) == k:
+        found = [_parts(p, k) for p in node.args[0]]
+        return None if any(f is None for f in found) else [s for f in found for s in f]
+    if _is(node, aten.view.default) and _is(node.args[0], aten.cat.default):
+        cat = node.args[0]
+        srcs = list(cat.args[0])
+        shape = _shape(srcs[0])
+        if (_cat_dim(cat) == k and all(_shape(s) == shape for s in srcs)
+                and _shape(node) == (*shape[:k], len(srcs), *shape[k:])):
+            return srcs
+    return None
+
+
+def _cat_dim(cat: fx.Node) -> int:
+    dim = cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", 0)
+    return dim % _val(cat).dim()
+
+
+def _stacked_along(alpha: fx.Node, k: int) -> list[fx.Node] | None:
+    """The sources of the stack [.., S (dim k), .., D] that alpha's scores are computed from,
+    alpha being [.., S, ..] or [.., S, .., 1]."""
+    want = _shape(alpha)
+    seen, frontier = set(), [alpha]
+    for _ in range(REACH):
+        nxt = []
+        for node in frontier:
+            for x in node.all_input_nodes:
+                if x in seen:
+                    continue
+                seen.add(x)
+                shape = _shape(x)
+                if shape and k < len(shape) - 1 and want in (shape[:-1], (*shape[:-1], 1)):
+                    srcs = _parts(x, k)
+                    if srcs and all(_shape(s) == _shape(srcs[0]) for s in srcs):
+                        return srcs
+                nxt.append(x)
+        frontier = nxt
+    return None
+
+
+def _site(alpha: fx.Node, k: int) -> Site | None:
+    """The mix alpha belongs to: its sources, where its weighted sum closes, and what the graph
+    between reads besides the sources (two weights of D values, constants; nothing else)."""
+    srcs = _stacked_along(alpha, k)
+    if not srcs or any(_val(s).dtype != _val(srcs[0]).dtype for s in srcs):
+        return None
+    if not all(isinstance(d, int) for d in _shape(srcs[0])):  # evaluated on concrete sizes
+        return None
+    closing = _closing(alpha, _shape(srcs[0]), limit=8 * len(srcs) + 40)
+    if closing is None:
+        return None
+    out = closing[0]
+    nodes, leaves = _between(out, set(srcs), limit=40 + 12 * len(srcs))
+    if nodes is None:
+        return None
+    width = _shape(srcs[0])[-1]
+    first_use = {x: i for i, n in reversed(list(enumerate(nodes))) for x in n.all_input_nodes}
+    weights = sorted((x for x in leaves if _val(x).numel() > 0), key=first_use.__getitem__)
+    if len(weights) != 2 or any(_val(w).numel() != width for w in weights):
+        return None
+    eps = [a for n in nodes if n.target in (aten.add.Tensor, aten.add.Scalar)
+           for a in n.args if isinstance(a, float)]
+    return Site(srcs, out, nodes, weights, eps, *_unflattened(srcs, out))
+
+
+def _unflattened(srcs: list[fx.Node], out: fx.Node
+                 ) -> tuple[list[fx.Node], fx.Node, torch.dtype | None]:
+    """(sources, the node the canonical mix replaces, the cast on the way): the reshaped tensors
+    and the reshape back where every source is a flattening of one shape and out's only use is
+    (a cast and) the reshape back to it, else (srcs, out, None)."""
+    if not all(x.target in _FLATTEN for x in srcs):
+        return srcs, out, None
+    tokens = [x.args[0] for x in srcs]
+    shape = _shape(tokens[0])
+    end, cast = out, None
+    if len(end.users) == 1 and _is(next(iter(end.users)), prims.convert_element_type.default):
+        end = next(iter(end.users))
+        cast = end.args[1]
+    if (len(end.users) != 1 or next(iter(end.users)).target not in _FLATTEN
+            or _shape(next(iter(end.users))) != shape or shape == _shape(srcs[0])
+            or shape[-1] != _shape(srcs[0])[-1] or any(_shape(t) != shape for t in tokens)):
+        return srcs, out, None
+    return tokens, next(iter(end.users)), cast
+
+
+def _between(out: fx.Node, srcs: set, limit: int):
+    """(the nodes out is computed by from srcs and graph inputs, in graph order; those inputs),
+    or (None, None) past `limit` nodes or at a node computed from nothing (not an empty tensor)."""
+    nodes, leaves, todo = set(), set(), [out]
+    while todo:
+        x = todo.pop()
+        if x in srcs or x in nodes or x in leaves:
+            continue
+        if x.op in ("placeholder", "get_attr") or (_val(x) is not None and _val(x).numel() == 0):
+            if _val(x) is None or not all(isinstance(d, int) for d in _val(x).shape):
+                return None, None
+            leaves.add(x)
+            continue
+        if x.op != "call_function" or not x.all_input_nodes or len(nodes) >= limit:
+            return None, None
+        nodes.add(x)
+        todo += x.all_input_nodes
+    order = {n: i for i, n in enumerate(out.graph.nodes)}
+    return sorted(nodes, key=order.__getitem__), leaves
+
+
+def _canonical_trace(srcs: list[fx.Node], wn: fx.Node, wp: fx.Node, eps: float) -> fx.GraphModule:
+    """`k3compile.math.depth_mix_weights` over the sources, traced as the patterns trace it."""
+    width = _shape(srcs[0])[-1]
+
+    def mix(w_norm, w_proj, *sources):
+        w_norm = w_norm if w_norm.shape == (width,) else w_norm.view(width)
+        w_proj = w_proj if w_proj.shape == (1, width) else w_proj.view(1, width)
+        return depth_mix_weights(sources[-1], list(sources[:-1]), w_norm, w_proj, eps)
+
+    vals = [_val(n) for n in (wn, wp, *srcs)]
+    with torch._guards.detect_fake_mode(vals) or contextlib.nullcontext():
+        return inductor.fwd_only_fake(mix, vals)
+
+
+def _fp32_sum(gm: fx.GraphModule) -> fx.Node:
+    """The canonical mix's fp32 weighted sum: its output, or what its final cast casts."""
+    out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    out = out[0] if isinstance(out, (list, tuple)) else out
+    return out.args[0] if _is(out, prims.convert_element_type.default) else out
+
+
+def _run(nodes, env: dict) -> dict:
+    for node in nodes:
+        args, kwargs = fx.map_arg((node.args, node.kwargs), env.__getitem__)
+        env[node] = node.target(*args, **kwargs)
+    return env
+
+
+def _random(node: fx.Node, gen: torch.Generator, scale: float = 1.0, shift: float = 0.0):
+    val = _val(node)
+    return (shift + scale * torch.randn(tuple(val.shape), generator=gen)).to(val.dtype)
+
+
+def _equals_canonical(site: Site, gm: fx.GraphModule, wn: fx.Node, wp: fx.Node) -> bool:
+    """site.out, run on random sources and weights, equals the canonical mix's fp32 sum within
+    RTOL (the canonical form's own rounding in fp32: summation order, reassociated products)."""
+    gen = torch.Generator().manual_seed(0)
+    width = _shape(site.srcs[0])[-1]
+    with unset_fake_temporarily():
+        tokens = {t: _random(t, gen) for t in dict.fromkeys(site.tokens)}
+        env = {s: tokens[t].reshape(_shape(s)) for s, t in zip(site.srcs, site.tokens)}
+        env[wn] = _random(wn, gen, 0.1, 1.0)
+        env[wp] = _random(wp, gen, width ** -0.5)
+        for x in {a for n in site.nodes for a in n.all_input_nodes} - set(env) - set(site.nodes):
+            env[x] = torch.empty(tuple(_val(x).shape), dtype=_val(x).dtype)  # empty parts
+        got = _run(site.nodes, env)[site.out]
+        inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        mine = dict(zip(inputs, [env[wn], env[wp], *(tokens[t] for t in site.tokens)]))
+        want = _run([n for n in gm.graph.nodes if n.op == "call_function"], mine)[_fp32_sum(gm)]
+        if got.dtype != want.dtype or got.numel() != want.numel():
+            return False
+        want = want.reshape(got.shape)
+        return float((got - want).abs().max()) <= RTOL * float(want.abs().max().clamp_min(1e-30))
+
+
+def _splice(graph: fx.Graph, gm: fx.GraphModule, site: Site, wn: fx.Node, wp: fx.Node) -> None:
+    """The traced canonical mix, inserted before site.out, takes its uses."""
+    inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    env = dict(zip(inputs, [wn, wp, *site.tokens]))
+    with graph.inserting_before(site.end):
+        for n in gm.graph.nodes:
+            if n.op == "call_function":
+                args, kwargs = fx.map_arg((n.args, n.kwargs), env.__getitem__)
+                env[n] = call(graph, n.target, args, kwargs, like=site.out)
+        mix = env[_fp32_sum(gm)]
+        if site.cast is not None:
+            mix = call(graph, prims.convert_element_type.default, (mix, site.cast), like=site.end)
+    site.end.replace_all_uses_with(mix)
+
+
+def _rebuilt(graph: fx.Graph, alpha: fx.Node) -> int:
+    """A mix over sources stacked along a dim other than 0, replaced by the canonical mix of the
+    same sources, weights and eps when it evaluates to the same values (1), else left (0)."""
+    site = _site(alpha, _softmax_dim(alpha))
+    if site is None:
+        return 0
+    for (wn, wp), eps in itertools.product(_roles(site.weights), dict.fromkeys(site.eps)):
+        try:
+            gm = _canonical_trace(site.tokens, wn, wp, eps)
+            equal = _equals_canonical(site, gm, wn, wp)
+        except Exception as e:  # noqa: BLE001 (e.g. a projection weight of another dtype)
+            log.debug("k3 depth_mix: %s left alone: %s: %s", alpha.name, type(e).__name__, e)
+            continue
+        if equal:
+            _splice(graph, gm, site, wn, wp)
+            return 1
+    return 0
+
+
+def _roles(weights: list[fx.Node]) -> list[tuple[fx.Node, fx.Node]]:
+    """(norm weight, projection weight) in the order to try: a [1, D] weight is the projection,
+    else the one used first is the norm's (fp32 takes either: the product is symmetric)."""
+    a, b = weights  # in the order of first use
+    row = (1, _shape(a)[-1])
+    return [(b, a), (a, b)] if _shape(a) == row and _shape(b) != row else [(a, b), (b, a)]
+
+
 def apply(graph: fx.Graph) -> int:
     rewritten = 0
-    for alpha in [n for n in graph.nodes if _softmax0(n)]:
-        found = _sources(alpha)
+    for alpha in [n for n in graph.nodes if _softmax_dim(n) is not None]:
+        found = _sources(alpha) if _softmax_dim(alpha) == 0 else None
         if found is None:
+            rewritten += _rebuilt(graph, alpha)
             continue
         stack, srcs = found
         if _is(stack, aten.cat.default):
@@ -245,4 +521,5 @@ def apply(graph: fx.Graph) -> int:
 
 
 RULE = Rule("depth_mix", apply, "AttnRes depth mix: cat of unsqueezed sources -> stack's cat + "
-            "view; einsum / loop / matmul weighted sum -> (alpha[..., None] * sources).sum(0)")
+            "view; einsum / loop / matmul weighted sum -> (alpha[..., None] * sources).sum(0); "
+            "a mix over sources stacked on another dim -> math.depth_mix_weights")

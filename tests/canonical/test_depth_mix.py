@@ -1,7 +1,10 @@
 """depth_mix: the AttnRes depth mix with its sources stacked by a cat of unsqueezes, or its
 weighted sum written as an einsum, a matmul or a Python loop, becomes the form
 `k3compile.math.depth_mix` traces to (stack = cat + view; Σ over dim 0 of alpha[..., None] ·
-sources in fp32) with equal values, dtype and shape; other cats and weighted sums stay."""
+sources in fp32) with equal values, dtype and shape; other cats and weighted sums stay. A mix over
+sources stacked on another dim ([B, T, S, D], [N, S, D]: transformers' and Moonshot's spellings)
+becomes the whole canonical mix, bit-equal in bf16 where the spelling rounds as the canonical form
+does, within fp32 rounding otherwise (Moonshot's folded norm weight, fp32 only)."""
 
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ from torch import nn
 
 import k3compile.backend as k3be
 from k3compile.canonical import depth_mix
-from k3compile.math import rms_norm
+from k3compile.math import depth_mix_weights, rms_norm
 from tests.conftest import TOL, rel_err
 from tests.fusions.attention_checks import compile_with
 from tests.fusions.pattern_checks import graph, targets
@@ -181,6 +184,219 @@ class MixNorm(nn.Module):
 def test_mix_written_with_cat_and_einsum_fuses():
     torch._dynamo.reset()
     model = MixNorm().requires_grad_(False)
+    args = [torch.randn(B, T, D) for _ in range(4)]
+    got = compile_with(model, "attn_res_mix_norm")(*args)
+    report = next(iter(k3be.last_compiled().observer.reports.values()))
+    assert [h.op for h in report.hits] == ["k3.attn_res_mix_norm"]
+    for g, w in zip(got, model(*args)):
+        assert rel_err(g, w) <= TOL["aten_cpu"]
+
+
+# ---- sources stacked along another dim ([.., S, .., D]): the whole mix rebuilt -----------------
+
+
+def _tokens(n_blocks=2, dtype=torch.float32, shape=(B, T, D)):
+    """Sources [*shape] and the mix's weights (norm [D], pseudo-query [1, D])."""
+    g = torch.Generator().manual_seed(10 + n_blocks)
+    acts = [torch.randn(shape, generator=g).to(dtype) for _ in range(n_blocks + 1)]
+    return [*acts, (1 + 0.1 * torch.randn(D, generator=g)).to(dtype),
+            (torch.randn(1, D, generator=g) / D ** 0.5).to(dtype)]
+
+
+def _scores(values, wn, wp):
+    return F.linear(rms_norm(values, wn, EPS), wp).squeeze(-1).float()
+
+
+def _hf(*args):
+    """transformers-style: cat of unsqueeze(-2) [B, T, S, D], softmax over -1, sum over -2."""
+    *srcs, wn, wp = args
+    values = torch.cat([s.unsqueeze(-2) for s in srcs], dim=-2)
+    probs = _scores(values, wn, wp).softmax(dim=-1)
+    return (probs.unsqueeze(-1) * values.float()).sum(dim=-2).to(srcs[-1].dtype)
+
+
+def _stack1_keepdim(*args):
+    """torch.stack(dim=1) [B, S, T, D], scores kept [B, S, T, 1], softmax over dim 1."""
+    *srcs, wn, wp = args
+    values = torch.stack(srcs, dim=1)
+    probs = F.linear(rms_norm(values, wn, EPS), wp).float().softmax(dim=1)
+    return (probs * values.float()).sum(1).to(srcs[-1].dtype)
+
+
+def _einsum(*args):
+    """torch.stack(dim=-2) [B, T, S, D] and an einsum over the sources."""
+    *srcs, wn, wp = args
+    values = torch.stack(srcs, dim=-2)
+    probs = torch.softmax(_scores(values, wn, wp), dim=-1)
+    return torch.einsum("btsd,bts->btd", values.float(), probs).to(srcs[-1].dtype)
+
+
+def _moonshot(*args, flat: bool = True):
+    """Moonshot's dataflow: tokens [N, D], the block list grown by cats from `new_zeros(N, 0,
+    D)`, the norm weight folded into the pseudo-query in fp32, `matmul` over the sources."""
+    *srcs, wn, wp = args
+    shape = srcs[0].shape
+    if not flat:
+        srcs = [s.view(-1, D) for s in srcs]
+    blocks = srcs[0].new_zeros(srcs[0].shape[0], 0, D)
+    for s in srcs[:-1]:
+        blocks = torch.cat([blocks, s.unsqueeze(1)], dim=1)
+    v = torch.cat((blocks, srcs[-1].unsqueeze(1)), dim=1).float()
+    k = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + EPS)
+    probs = (k * (wn.float() * wp.squeeze(0).float())).sum(-1).softmax(-1).unsqueeze(1)
+    out = torch.matmul(probs, v).squeeze(1).to(srcs[-1].dtype)
+    return out if flat else out.view(shape)
+
+
+def _moonshot_tokens(*args):
+    """Moonshot's mix of [B, T, D] sources flattened to tokens and viewed back."""
+    return _moonshot(*args, flat=False)
+
+
+def _bmm(*args):
+    """stack(dim=1) of [N, D] tokens and a bmm of the weights [N, 1, S] with them."""
+    *srcs, wn, wp = args
+    values = torch.stack(srcs, dim=1)
+    probs = _scores(values, wn, wp).softmax(dim=1)
+    return torch.bmm(probs.unsqueeze(1), values.float()).squeeze(1).to(srcs[-1].dtype)
+
+
+# name -> (fn, source shape, dtypes it is taken in: bf16 Moonshot in
+# test_folded_norm_weight_in_bf16_is_left_alone)
+FP32, BOTH = (torch.float32,), (torch.float32, torch.bfloat16)
+RELAID = {"hf": (_hf, (B, T, D), BOTH), "stack1_keepdim": (_stack1_keepdim, (B, T, D), BOTH),
+          "einsum": (_einsum, (B, T, D), BOTH), "bmm": (_bmm, (3, D), BOTH),
+          "moonshot": (_moonshot, (3, D), FP32),
+          "moonshot_tokens": (_moonshot_tokens, (B, T, D), FP32)}
+
+
+def _canonical_targets(args) -> list[str]:
+    *srcs, wn, wp = args
+    return targets(graph(lambda *a: depth_mix_weights(a[-3], list(a[:-3]), a[-2], a[-1], EPS),
+                         *srcs, wn, wp))
+
+
+@pytest.mark.parametrize(("name", "dtype"), [(name, t) for name in sorted(RELAID)
+                                             for t in RELAID[name][2]])
+def test_relaid_spelling_becomes_the_canonical_mix(name, dtype):
+    fn, shape, _ = RELAID[name]
+    for n_blocks in (1, 3):
+        args = _tokens(n_blocks, dtype, shape)
+        before, after, n = _rewrite(fn, *args)
+        assert n == 1
+        assert targets(after) == _canonical_targets(args)  # the form the patterns match
+        got, want = after(*args), before(*args)
+        assert got.dtype == want.dtype == dtype and got.shape == want.shape
+        # fp32: summation order and the folded weight's association; bf16: the same roundings
+        assert rel_err(got, want) <= (1e-6 if dtype == torch.float32 else 0)
+
+
+def test_pseudo_query_as_a_vector():
+    """A pseudo-query kept as a [D] vector and applied by `(normed * q).sum(-1)`: both weights
+    have D values, the evaluation decides which is the norm's; the canonical projection takes
+    q viewed as [1, D] (fp32: the mm's summation order only)."""
+    *srcs, wn, wp = args = [*_tokens(2)[:-1], _tokens(2)[-1].view(D)]
+
+    def mix(*args):
+        *srcs, wn, q = args
+        values = torch.stack(srcs, dim=-2)
+        probs = (rms_norm(values, wn, EPS) * q).sum(-1).softmax(-1)
+        return (probs.unsqueeze(-1) * values).sum(-2)
+
+    before, after, n = _rewrite(mix, *args)
+    assert n == 1
+    q = [n for n in after.graph.nodes if n.op == "placeholder"][-1]
+    (as_row,) = q.users  # q.view(1, D), then the canonical projection's permute
+    shape, uses = as_row.args[1], [str(u.target) for u in as_row.users]
+    assert list(shape) == [1, D] and uses == ["aten.permute.default"]
+    rest = [str(n.target) for n in after.graph.nodes if n.op == "call_function" and n is not as_row]
+    assert rest == _canonical_targets([*srcs, wn, wp.view(1, D)])
+    assert rel_err(after(*args), before(*args)) <= 1e-6
+
+
+def test_folded_norm_weight_in_bf16_is_left_alone():
+    """Moonshot's fold `(w_norm * w_proj)` applied to the fp32-normalised sources skips the
+    roundings to bf16 of the canonical form (normalised sources, times w_norm, the projection):
+    other values, not taken."""
+    for fn, shape in ((_moonshot, (3, D)), (_moonshot_tokens, (B, T, D))):
+        args = _tokens(2, torch.bfloat16, shape)
+        before, after, n = _rewrite(fn, *args)
+        assert n == 0 and targets(after) == targets(before)
+        torch.testing.assert_close(after(*args), before(*args), rtol=0, atol=0)
+
+
+def _unnormalised(*args):
+    *srcs, _, wp = args
+    values = torch.stack(srcs, dim=-2)
+    probs = F.linear(values, wp).squeeze(-1).softmax(-1)  # no norm: one weight
+    return (probs.unsqueeze(-1) * values).sum(-2)
+
+
+def _tempered(*args):
+    *srcs, wn, wp = args
+    values = torch.stack(srcs, dim=-2)
+    probs = (_scores(values, wn, wp) / 2.0).softmax(-1)  # a temperature: other weights
+    return (probs.unsqueeze(-1) * values).sum(-2)
+
+
+def _sum_over_tokens(*args):
+    *srcs, wn, wp = args
+    values = torch.stack(srcs, dim=-2)  # [B, T, S, D]
+    probs = _scores(values, wn, wp).softmax(-1)
+    return (probs.unsqueeze(-1) * values).sum(-3)  # over T, not the sources
+
+
+def _escaping_probs(*args):
+    *srcs, wn, wp = args
+    values = torch.stack(srcs, dim=-2)
+    probs = _scores(values, wn, wp).softmax(-1)
+    return (probs.unsqueeze(-1) * values).sum(-2), probs
+
+
+def _gated_sources(*args):
+    *srcs, wn, wp = args
+    values = torch.stack(srcs, dim=-2)
+    probs = _scores(values, wn, wp).softmax(-1)
+    return (probs.unsqueeze(-1) * values.sigmoid()).sum(-2)  # mixes other values
+
+
+RELAID_LOOK_ALIKES = {"unnormalised": _unnormalised, "tempered": _tempered,
+                      "sum_over_tokens": _sum_over_tokens, "escaping_probs": _escaping_probs,
+                      "gated_sources": _gated_sources}
+
+
+@pytest.mark.parametrize("name", sorted(RELAID_LOOK_ALIKES))
+def test_relaid_look_alike_is_left_alone(name):
+    args = _tokens(2)
+    before, after, n = _rewrite(RELAID_LOOK_ALIKES[name], *args)
+    assert n == 0
+    assert targets(after) == targets(before)
+    for got, want in zip(*(torch.utils._pytree.tree_leaves(f(*args)) for f in (after, before))):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+class RelaidMixNorm(nn.Module):
+    """The post-attention mix and norm of an AttnRes layer in a spelling of RELAID."""
+
+    def __init__(self, mix):
+        super().__init__()
+        *_, wn, wp = _tokens(2)
+        self.mix = mix
+        self.mix_norm, self.mix_proj = nn.Parameter(wn), nn.Parameter(wp)
+        gen = torch.Generator().manual_seed(4)
+        self.norm = nn.Parameter(1 + 0.1 * torch.randn(D, generator=gen))
+
+    def forward(self, prefix, delta, b0, b1):
+        prefix = prefix + delta
+        h = self.mix(b0, b1, prefix, self.mix_norm, self.mix_proj)
+        return rms_norm(h, self.norm, 1e-5), prefix
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["hf", "moonshot_tokens"])
+def test_relaid_mix_fuses(name):
+    torch._dynamo.reset()
+    model = RelaidMixNorm(RELAID[name][0]).requires_grad_(False)
     args = [torch.randn(B, T, D) for _ in range(4)]
     got = compile_with(model, "attn_res_mix_norm")(*args)
     report = next(iter(k3be.last_compiled().observer.reports.values()))

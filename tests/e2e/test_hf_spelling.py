@@ -22,10 +22,9 @@ the built-in model, eagerly and under backend="k3" (tiny config, 4 layers: every
 
 Taken by the canonical rules (k3compile/canonical): SiTU on a sliced gate|up (`gate_up_split`),
 the non-absorbed MLA and its cache write (`mla_absorb`), the window-sum short conv
-(`short_conv`), the stacked q|k|v bmm (`gemm`). Known gaps today (`KNOWN_GAPS` says which):
-the depth mix over [B, S, D] sources, the KDA in-proj concat and the delta rule's `k_t` read
-once and used twice, the router's `topk(sorted=False)` / `bias.unsqueeze(0)` and the experts over
-per-expert modules.
+(`short_conv`), the stacked q|k|v bmm (`gemm`), the depth mix over sources stacked on dim -2
+(`depth_mix`), the per-expert MXFP4 experts with a LUT dequant (`mxfp4_dequant`,
+`expert_stack`, `expert_gemm`). Known gaps today: `KNOWN_GAPS`.
 """
 
 from __future__ import annotations
@@ -47,20 +46,18 @@ from tests.models.hf_k3 import converted_state_dict, from_reference
 CFG = dataclasses.replace(get_config("tiny"), num_hidden_layers=4, full_attn_layers=(2, 3))
 TEMPLATES = {0: "dense", 1: "kda_moe", 2: "mla_moe", 3: "last", FINAL: "final"}
 
-_MIX = {"attn_res_mix_norm": "depth_mix: the mix over [B, S, D] sources (cat on dim -2, softmax "
-                             "over -1) is not taken yet"}
-_POST_MIX = {"oproj_attn_res_mix_norm": _MIX["attn_res_mix_norm"]}
 _KDA = {"linear_concat": "gemm splits the stacked q|k|v bmm into mm's; linear_concat still misses",
         "fb_kda_decode": "none yet for k_t = k[:, t] read once, used twice (kda_decode's search "
                          "has one select per read)"}
 _MOE = {"moe_route": "none yet (topk(sorted=False); bias.unsqueeze(0) refused by the check)",
-        "moe_experts": "mxfp4_dequant + expert_stack"}
+        "moe_experts": "expert_gemm does not take this spelling's batched expert GEMM "
+                       "(bmm of [N, k*I, L] by [N, L, 1])"}
 KNOWN_GAPS: dict[str, dict[str, str]] = {
-    "dense": {**_KDA, **_POST_MIX},
-    "kda_moe": {**_MIX, **_KDA, **_POST_MIX, **_MOE},
-    "mla_moe": {**_MIX, **_POST_MIX, **_MOE},
-    "last": {**_MIX, **_POST_MIX, **_MOE},
-    "final": {"attn_res_mix_norm": "depth_mix + layers (the final mix found by structure)"},
+    "dense": {**_KDA},
+    "kda_moe": {**_KDA, **_MOE},
+    "mla_moe": {**_MOE},
+    "last": {**_MOE},
+    "final": {},
 }
 # a lost fusion that carried a norm leaves it as a plain k3.rms_norm
 LEFTOVERS = frozenset({"rms_norm"})
