@@ -23,7 +23,7 @@ from collections.abc import Callable
 from torch import fx
 
 ORDER: tuple[str, ...] = ("state_write", "mla_absorb", "gemm", "short_conv", "gate_up_split",
-                          "depth_mix")
+                          "depth_mix", "group_limit", "noop_view", "broadcast", "topk_sorted")
 
 
 @dataclasses.dataclass(frozen=True)
