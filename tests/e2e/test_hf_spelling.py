@@ -19,10 +19,11 @@ the built-in model, eagerly and under backend="k3" (tiny config, 4 layers: every
 
 Taken by the canonical rules (k3compile/canonical): SiTU on a sliced gate|up (`gate_up_split`),
 the non-absorbed MLA and its cache write (`mla_absorb`), the window-sum short conv
-(`short_conv`), the stacked q|k|v bmm (`gemm`). Known gaps today (`KNOWN_GAPS` says which):
+(`short_conv`), the stacked q|k|v bmm (`gemm`), the router's `topk(sorted=False)` and
+`bias.unsqueeze(0)` (`topk_sorted`, `broadcast`). Known gaps today (`KNOWN_GAPS` says which):
 the depth mix over [B, S, D] sources, the KDA in-proj concat and the delta rule's `k_t` read
-once and used twice, the router's `topk(sorted=False)` / `bias.unsqueeze(0)`, the experts over
-per-expert modules, and layers found by module names (`MISLABELLED`).
+once and used twice, the experts over per-expert modules, and layers found by module names
+(`MISLABELLED`).
 """
 
 from __future__ import annotations
@@ -50,8 +51,7 @@ _POST_MIX = {"oproj_attn_res_mix_norm": _MIX["attn_res_mix_norm"]}
 _KDA = {"linear_concat": "gemm splits the stacked q|k|v bmm into mm's; linear_concat still misses",
         "fb_kda_decode": "none yet for k_t = k[:, t] read once, used twice (kda_decode's search "
                          "has one select per read)"}
-_MOE = {"moe_route": "none yet (topk(sorted=False); bias.unsqueeze(0) refused by the check)",
-        "moe_experts": "mxfp4_dequant + expert_stack"}
+_MOE = {"moe_experts": "mxfp4_dequant + expert_stack"}
 KNOWN_GAPS: dict[str, dict[str, str]] = {
     "dense": {**_KDA, **_POST_MIX},
     "kda_moe": {**_MIX, **_KDA, **_POST_MIX, **_MOE},
