@@ -5,11 +5,11 @@ K3 code reshapes defensively: `scores.view(-1, num_experts)` on scores that are 
 flattened the tokens (Moonshot), `x.reshape(x.shape)`. Our model and the patterns do not write
 these, so a no-op view between two ops of a fusion hides it (moe_route: sigmoid -> view -> add).
 
-Taken: one `view` / `_unsafe_view` / `reshape` / `expand` / `alias` / whole-dim `slice` whose
-output has its input's shape. Exact: the same tensor. A use by the graph's output stays (the
-output would alias its input). Chains of views that come back to their start (`x.view(B, 1, D)`
-... `.view(B, D)`) stay: our model writes such round trips around its projections (the KDA
-f_a -> f_b pair), and the patterns with it.
+Taken: one `view` / `_unsafe_view` / `reshape` whose output has its input's shape. Exact: the
+same tensor. A use by the graph's output stays (the output would alias its input). Left as they
+are: chains of views that come back to their start (`x.view(B, 1, D)` ... `.view(B, D)`), which
+our model writes around its projections (the KDA f_a -> f_b pair) and the patterns with it, and
+expands to the own shape, which `matmul`'s lowering writes before its bmm (rule `gemm` reads it).
 """
 
 from __future__ import annotations
@@ -20,8 +20,7 @@ from torch import fx
 from k3compile.canonical import Rule
 
 aten = torch.ops.aten
-_VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.expand.default,
-          aten.alias.default, aten.slice.Tensor}
+_VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
 
 
 def _shape(node) -> tuple[int, ...] | None:
@@ -36,15 +35,9 @@ def _is_view(node) -> bool:
             and isinstance(node.args[0], fx.Node))
 
 
-def _whole_slice(node: fx.Node) -> bool:
-    args = [*node.args[1:], *[None] * 4]
-    start, step = args[1] or 0, args[3] or 1
-    return start == 0 and step == 1
-
-
 def _same_tensor(node: fx.Node) -> fx.Node | None:
     """The input of `node` if node is a view that gives its input's own shape back."""
-    if not _is_view(node) or (node.target is aten.slice.Tensor and not _whole_slice(node)):
+    if not _is_view(node):
         return None
     shape = _shape(node)
     return node.args[0] if shape is not None and _shape(node.args[0]) == shape else None
@@ -63,4 +56,4 @@ def apply(graph: fx.Graph) -> int:
     return sites
 
 
-RULE = Rule("noop_view", apply, "view / reshape / expand to the input's own shape -> the input")
+RULE = Rule("noop_view", apply, "view / reshape to the input's own shape -> the input")
