@@ -23,7 +23,8 @@ from collections.abc import Callable
 from torch import fx
 
 ORDER: tuple[str, ...] = ("state_write", "mla_absorb", "mxfp4_dequant", "expert_stack",
-                          "expert_gemm", "gemm", "short_conv", "gate_up_split", "depth_mix")
+                          "expert_gemm", "gemm", "short_conv", "gate_up_split", "depth_mix",
+                          "group_limit", "noop_view", "broadcast", "topk_sorted")
 
 
 @dataclasses.dataclass(frozen=True)
