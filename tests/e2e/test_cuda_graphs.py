@@ -101,3 +101,31 @@ def test_inductor_cuda_graph_with_side_streams_equals_eager(tmp_path):
     edges = _edges((tmp_path / "step.dot").read_text())
     succ, pred = collections.Counter(a for a, _ in edges), collections.Counter(b for _, b in edges)
     assert edges and max(succ.values()) >= 2 and max(pred.values()) >= 2, "one stream only"
+
+
+def test_second_spelling_replays_equal_to_eager_and_sees_weight_updates():
+    """The transformers-style spelling (tests/models/hf_k3.py: per-expert modules stacked by
+    `k3.expert_stack`, LUT dequant, non-absorbed MLA, ...) captured and replayed: equal to its
+    eager copy, and a write through `.data` into an expert's packed weights and into a KDA
+    projection after capture is what the next replay computes with."""
+    from tests.models.hf_k3 import from_reference
+
+    torch._dynamo.reset()
+    cfg = get_config("tiny")
+    kw = {"device": "cuda", "dtype": torch.float32, "max_batch": 8, "max_seq_len": 64}
+    eager, model = (from_reference(build_model(cfg, **kw)) for _ in range(2))
+    options = {"buckets": (4,), "fuse_without_kernels": True, "executor": "aten"}
+    step = torch.compile(model, backend="k3", fullgraph=True, options=options)
+    assert _decode(step, eager, cfg, 6) <= TOL["inductor_fp32"]
+    compiled = next(c for c in reversed(k3be._compiled) if c.guards)
+    entry = compiled.buckets[next(iter(compiled.buckets))]
+    assert entry.graph is not None, "the bucket was not captured in a CUDA graph"
+    (graph,) = compiled.observer.graphs.values()
+    stacks = [n for n in graph.nodes if n.target is torch.ops.k3.expert_stack.default]
+    assert stacks, "the per-expert weights are not read through k3.expert_stack"
+    shape = eager.model.layers[1].block_sparse_moe.experts[0].gate_proj.weight_packed.shape
+    new = torch.randint(0, 256, shape, device="cuda", dtype=torch.uint8)
+    for m in (model, eager):  # the same update on both, through .data (no version bump)
+        m.model.layers[1].block_sparse_moe.experts[0].gate_proj.weight_packed.data.copy_(new)
+        m.model.layers[1].self_attn.o_proj.weight.data.mul_(1.5)
+    assert _decode(step, eager, cfg, 4) <= TOL["inductor_fp32"]
