@@ -72,7 +72,7 @@ def _not_e2m1(lut_node) -> str | None:
         table = known_value(lut_node)
         if table is None:
             return "the nibble table's value is unknown at compile time (not a constant or input)"
-        if not torch.equal(table.double(), e2m1_table(dtype=torch.float64)):
+        if not torch.equal(table.detach().double().cpu(), e2m1_table(dtype=torch.float64)):
             return f"the nibble table {table.tolist()} is not E2M1 {list(E2M1_VALUES)}"
     return None
 

@@ -40,7 +40,7 @@ import torch
 from torch import fx
 
 from k3compile.canonical import Rule
-from k3compile.math import GROUP, e2m1_table, mxfp4_dequant
+from k3compile.math import E2M1_VALUES, GROUP, e2m1_table, mxfp4_dequant
 from k3compile.rewrite import inductor
 
 aten, prims = torch.ops.aten, torch.ops.prims
@@ -461,10 +461,12 @@ def _fake_mode(graph: fx.Graph):
 def _canonical_graph(packed: fx.Node, scale: fx.Node, dtype: torch.dtype,
                      traced: dict) -> fx.GraphModule:
     """math.mxfp4_dequant traced as the model's graph is (one trace per shapes and dtype)."""
-    key = (_shape(packed), _shape(scale), dtype)
+    device = packed.meta["val"].device
+    key = (_shape(packed), _shape(scale), dtype, device)
     if key not in traced:
-        with _fake_mode(packed.graph) as mode:
-            table = mode.from_tensor(e2m1_table(dtype=dtype), static_shapes=True)
+        with _fake_mode(packed.graph):
+            # a fake table on the weights' device: its values do not enter the trace
+            table = torch.empty(len(E2M1_VALUES), dtype=dtype, device=device)
             traced[key] = inductor.fwd_only_joint(
                 mxfp4_dequant, [packed.meta["val"], scale.meta["val"], table])
     return traced[key]

@@ -5,6 +5,9 @@ model chose. What each rule rewrote is in the notes as "canonicalize" (rule -> s
 The placeholders of the inputs the caller passes each step (ids, positions, slots, activations;
 not parameters or buffers) carry `meta["k3_user_input"]`: rules that need a weight read it.
 
+A rule that raises is undone (the graph before it restored), reported as reverted and logged;
+the compile goes on without it.
+
 With `Options.verify` (K3_VERIFY=1) each rule that rewrote something is checked on the whole
 graph: the graph before and after the rule run on copies of the compile's real inputs, and every
 output and every input the graph writes (the state buffers) must agree in dtype, shape and value
@@ -39,9 +42,18 @@ def canonicalize(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     for rule in all_rules():
         if rule.name in ctx.options.disabled_rules:
             continue
-        saved = _copy(gm.graph) if verify else None
-        counts[rule.name] = rule.apply(gm.graph)
-        if saved is None or not counts[rule.name]:
+        saved = _copy(gm.graph)
+        try:
+            counts[rule.name] = rule.apply(gm.graph)
+        except Exception as e:  # noqa: BLE001 (a rule's bug costs its rewrites, not the compile)
+            gm.graph = saved
+            counts[rule.name] = 0
+            ctx.report.reverted.append(Reverted(f"canonical.{rule.name}", "(graph)", "",
+                                                f"raised {type(e).__name__}: {e}"))
+            log.warning("k3 canonicalize: rule %s raised %s: %s; its rewrites are undone and "
+                        "the compile goes on without them", rule.name, type(e).__name__, e)
+            continue
+        if not verify or not counts[rule.name]:
             continue
         gm.recompile()
         if (error := _disagreement(gm, saved, ctx.inputs)) is not None:

@@ -53,7 +53,13 @@ def _drop_state_write(graph):  # the written state no longer changes
     return 1
 
 
+def _raise_midway(graph):  # a buggy rule: edits the graph, then raises
+    _retarget(aten.mul.Tensor, aten.add.Tensor)(graph)
+    raise RuntimeError("a bug in a rule")
+
+
 RULES = {
+    "raises": Rule("raises", _raise_midway, "edits, then raises"),
     "noop": Rule("noop", lambda graph: 1, "claims a rewrite, changes nothing"),
     "mul_as_add": Rule("mul_as_add", _retarget(aten.mul.Tensor, aten.add.Tensor), "wrong"),
     "to_double": Rule("to_double", _to_double, "wrong dtype"),
@@ -85,6 +91,14 @@ def test_a_rule_that_changes_the_graph_is_undone(monkeypatch, bad, why):
     assert [r.pattern for r in report.reverted] == [f"canonical.{bad}"]
     assert why in report.reverted[0].error, report.reverted[0].error
     assert counts == {"noop": 1, bad: 0}
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_a_rule_that_raises_is_undone_and_the_compile_goes_on(monkeypatch, verify):
+    report, counts = _compile(monkeypatch, ["raises", "noop"], verify=verify)
+    assert [r.pattern for r in report.reverted] == ["canonical.raises"]
+    assert "a bug in a rule" in report.reverted[0].error
+    assert counts == {"raises": 0, "noop": 1}
 
 
 def test_without_verify_nothing_is_checked(monkeypatch):
