@@ -23,7 +23,8 @@ from collections.abc import Callable
 from torch import fx
 
 ORDER: tuple[str, ...] = ("state_write", "mla_absorb", "gemm", "short_conv", "gate_up_split",
-                          "depth_mix")
+                          "depth_mix", "view_chains", "reshape_fold",
+                          "stack_cat")
 
 
 @dataclasses.dataclass(frozen=True)

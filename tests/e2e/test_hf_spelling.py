@@ -19,10 +19,13 @@ the built-in model, eagerly and under backend="k3" (tiny config, 4 layers: every
 
 Taken by the canonical rules (k3compile/canonical): SiTU on a sliced gate|up (`gate_up_split`),
 the non-absorbed MLA and its cache write (`mla_absorb`), the window-sum short conv
-(`short_conv`), the stacked q|k|v bmm (`gemm`). Known gaps today (`KNOWN_GAPS` says which):
-the depth mix over [B, S, D] sources, the KDA in-proj concat and the delta rule's `k_t` read
-once and used twice, the router's `topk(sorted=False)` / `bias.unsqueeze(0)`, the experts over
-per-expert modules, and layers found by module names (`MISLABELLED`).
+(`short_conv`), the stacked q|k|v bmm (`gemm`) and its stack as a concat (`stack_cat`), the
+delta rule's `k_t` read once and used twice (`view_chains`), the T=1 conv output reshaped to
+[B, C] and back around its SiLU (`reshape_fold`): the KDA step fuses (`fb_kda_decode`). Known
+gaps today (`KNOWN_GAPS` says which): the depth mix over [B, S, D] sources, the KDA in-proj
+concat (its q|k|v weights are views of one stacked parameter), the router's `topk(sorted=False)`
+/ `bias.unsqueeze(0)`, the experts over per-expert modules, and layers found by module names
+(`MISLABELLED`).
 """
 
 from __future__ import annotations
@@ -47,9 +50,8 @@ TEMPLATES = {0: "dense", 1: "kda_moe", 2: "mla_moe", 3: "last", FINAL: "final"}
 _MIX = {"attn_res_mix_norm": "depth_mix: the mix over [B, S, D] sources (cat on dim -2, softmax "
                              "over -1) is not taken yet"}
 _POST_MIX = {"oproj_attn_res_mix_norm": _MIX["attn_res_mix_norm"]}
-_KDA = {"linear_concat": "gemm splits the stacked q|k|v bmm into mm's; linear_concat still misses",
-        "fb_kda_decode": "none yet for k_t = k[:, t] read once, used twice (kda_decode's search "
-                         "has one select per read)"}
+_KDA = {"linear_concat": "the pattern matches (gemm, stack_cat), its check refuses: w_q|w_k|w_v are "
+                         "selects of the stacked qkv weight, which stage pack cannot pack"}
 _MOE = {"moe_route": "none yet (topk(sorted=False); bias.unsqueeze(0) refused by the check)",
         "moe_experts": "mxfp4_dequant + expert_stack"}
 KNOWN_GAPS: dict[str, dict[str, str]] = {
