@@ -42,7 +42,10 @@ def _shape(node: fx.Node) -> tuple[int, ...]:
 
 
 def _is_reshape(node: fx.Node) -> bool:
-    return node.op == "call_function" and node.target in RESHAPES
+    """A reshape, or a plain copy (`stack` of one traces to unsqueeze + clone): both keep the
+    values and their order, and the rewrite drops both."""
+    return node.op == "call_function" and (node.target in RESHAPES or (
+        node.target is aten.clone.default and not node.kwargs))
 
 
 def _elementwise_on(node: fx.Node, inside: set[fx.Node]) -> bool:
@@ -60,10 +63,15 @@ def _elementwise_on(node: fx.Node, inside: set[fx.Node]) -> bool:
     return ok and all(t in inside for t in tensors)
 
 
+def _twins(first: fx.Node) -> set[fx.Node]:
+    """first and the other reshapes of its source to the same shape (a squeeze per read)."""
+    return {u for u in first.args[0].users if _is_reshape(u) and _shape(u) == _shape(first)}
+
+
 def _region(first: fx.Node) -> list[fx.Node]:
-    """The elementwise ops and reshapes computed from `first` alone (scalars aside), each with
-    first's number of elements, in graph order."""
-    inside, numel = {first}, first.meta["val"].numel()
+    """The elementwise ops and reshapes computed from `first` and its twins alone (scalars
+    aside), each with first's number of elements, in graph order."""
+    inside, numel = _twins(first), first.meta["val"].numel()
     while True:
         grown = {u for n in inside for u in n.users if u not in inside
                  and isinstance(u.meta.get("val"), torch.Tensor)
@@ -73,7 +81,7 @@ def _region(first: fx.Node) -> list[fx.Node]:
             break
         inside |= grown
     index = {n: i for i, n in enumerate(first.graph.nodes)}
-    return sorted(inside - {first}, key=index.__getitem__)
+    return sorted(inside - _twins(first), key=index.__getitem__)
 
 
 def _composition(src: tuple[int, ...], dst: tuple[int, ...]) -> list[int] | None:
@@ -96,14 +104,15 @@ def _fold(graph: fx.Graph, first: fx.Node) -> int:
     region = _region(first)
     if not any(not _is_reshape(n) for n in region):
         return 0  # a reshape chain alone (F.linear's view of a view) is left as it is
-    inside = {first, *region}
-    exits = [n for n in [first, *region] if any(u not in inside for u in n.users)]
+    twins = sorted(_twins(first), key=list(graph.nodes).index)
+    inside = {*twins, *region}
+    exits = [n for n in [*twins, *region] if any(u not in inside for u in n.users)]
     if any(u in inside for n in exits for u in n.users):
         return 0  # a value read both by the region and outside it: not one tube of ops
     perms = [_composition(_shape(source), _shape(n)) for n in exits]
     if not exits or any(p is None for p in perms):
         return 0
-    clones = {first: source}
+    clones = dict.fromkeys(twins, source)
     for node in region:
         if _is_reshape(node):
             clones[node] = clones[node.args[0]]

@@ -11,6 +11,8 @@ The canonical form (`k3compile/math.py`: `torch.cat([q, k, v], dim=-1)` of the p
 [B, T, W] outputs) then has the reshape on each piece where it keeps the concatenated dims:
     cat([view(x, s[:k] + x.shape[j:]) ...], k - len(s))     where s[k:] == cat's shape[j:]
 and otherwise view(cat(...), s). A `clone` between them (contiguous copy) changes no values.
+A stack may come as `cat(xs, d)` viewed with dim d split into [G, x's] (a decomposition's):
+taken alike.
 Left alone: stacks read by anything else, a stacked dim that stays a dim of its own or is
 merged with the dim before it (an interleave, not a concatenation).
 """
@@ -36,8 +38,27 @@ def _shape(node: fx.Node) -> list[int]:
     return list(node.meta["val"].shape)
 
 
+def _stacked(node: fx.Node) -> tuple[list[fx.Node], int] | None:
+    """(pieces, dim) where node is `stack(pieces, dim)`, or `view(cat(pieces, dim), shape)` that
+    splits the concatenated dim into [G, piece's] (a stack as decompositions write it)."""
+    if node.target is aten.stack.default:
+        return node.args[0], node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    if node.target in RESHAPES and isinstance(cat := node.args[0], fx.Node) and \
+            cat.target is aten.cat.default and len(cat.users) == 1 and \
+            isinstance(cat.args[0], (list, tuple)) and cat.args[0]:
+        pieces, shapes = cat.args[0], {tuple(_shape(x)) for x in cat.args[0]}
+        if len(shapes) == 1:
+            shape = list(shapes.pop())
+            c = (cat.args[1] if len(cat.args) > 1 else 0) % len(shape)
+            if _shape(node) == shape[:c] + [len(pieces)] + shape[c:]:
+                return pieces, c
+    return None
+
+
 def _rewrite(graph: fx.Graph, stack: fx.Node) -> int:
-    pieces, d = stack.args[0], stack.args[1] if len(stack.args) > 1 else stack.kwargs.get("dim", 0)
+    if (found := _stacked(stack)) is None:
+        return 0
+    pieces, d = found
     rank = len(_shape(stack))
     d %= rank
     node, perm = _only_user(stack), list(range(rank))
@@ -59,7 +80,8 @@ def _rewrite(graph: fx.Graph, stack: fx.Node) -> int:
         tail[0] *= len(xs)
         k = len(target) - len(tail)
         if k >= 0 and target[k:] == tail:
-            xs = [call(graph, aten.view.default, (x, target[:k] + _shape(x)[j:]), like=node)
+            xs = [x if _shape(x) == target[:k] + _shape(x)[j:] else
+                  call(graph, aten.view.default, (x, target[:k] + _shape(x)[j:]), like=node)
                   for x in xs]
             new = call(graph, aten.cat.default, (xs, k - len(target)), like=node)
         else:
@@ -71,7 +93,7 @@ def _rewrite(graph: fx.Graph, stack: fx.Node) -> int:
 
 def apply(graph: fx.Graph) -> int:
     return sum(_rewrite(graph, n) for n in list(graph.nodes)
-               if n.op == "call_function" and n.target is aten.stack.default)
+               if n.op == "call_function" and not n._erased)
 
 
 RULE = Rule("stack_cat", apply,
