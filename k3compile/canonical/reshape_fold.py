@@ -11,6 +11,10 @@ their composition where that is the identity (dropped) or moves only size-1 dims
 a `transpose` of a size-1 dim traces to). Where the composition is any other reshape, nothing is
 rewritten: moving a view across ops is then no closer to a canonical form.
 
+The region is every elementwise op, reshape and plain copy computed from one reshape of a
+source (and its twins: the same reshape made once per read) and nothing else; it is rewritten
+only when it holds an op (a chain of reshapes alone, like F.linear's view of a view, is our
+model's own form and stays) and no value in it is read both inside and outside it (a norm's x).
 Elementwise: the unary float ops and dtype casts, binary ops with a Python scalar, and binary
 ops whose two tensor operands both come from the reshaped value (silu's `x / (1 + exp(-x))`).
 """
