@@ -6,9 +6,11 @@ the same re-indexing share the chain's first links is an accident of the code, n
     ... k[:, t].unsqueeze(3) ... k[:, t].unsqueeze(-1)            (a select per read)
 The patterns (`patterns/kda_decode.py`'s delta rule, `k3compile/math.py` `delta_rule_step`) are
 traced from the second, and the matcher refuses a pattern whose intermediate node is also used
-outside it. The canonical form is the second: a view node read by a further view and by anything
-else gives each view user its own copy of it (recursively up the chain), so no chain shares a
-prefix with another.
+outside it. The canonical form is the second: a view node read by a further whole view and by
+anything else gives each such reader its own copy of it (recursively up the chain), so no chain
+shares a prefix with another. Only readers that re-index the whole view count: selects or slices of a
+view take parts of it (`v[:, t]` per token of one `v.view(B, T, H, K)`, as the patterns' own
+loops do), and reading different parts of one value shares its chain in every spelling.
 
 A chain's last view, the value ops compute on, stays shared by its non-view users (x in
 `x * rsqrt(x.pow(2).sum(-1))` is one value read twice in every spelling, and patterns bind it as
@@ -30,14 +32,23 @@ VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, ate
          aten.expand.default, aten.alias.default}
 
 
+# views that re-index all of their input's elements (a select or slice takes a part)
+WHOLE = VIEWS - {aten.select.int, aten.slice.Tensor}
+
+
 def is_view(node) -> bool:
     return isinstance(node, fx.Node) and node.op == "call_function" and node.target in VIEWS
 
 
+def is_whole_view(node) -> bool:
+    return isinstance(node, fx.Node) and node.op == "call_function" and node.target in WHOLE
+
+
 def _split(graph: fx.Graph, view: fx.Node) -> int:
-    """Give each view user of `view` beyond the first reader its own copy; returns the copies."""
+    """Give each whole-view reader of `view` (beyond the first, where all readers are such) its
+    own copy; returns the copies."""
     users = list(view.users)
-    view_users = [u for u in users if is_view(u)]
+    view_users = [u for u in users if is_whole_view(u)]
     if len(users) < 2 or not view_users:
         return 0
     keep_first = len(view_users) == len(users)  # all readers are views: the first keeps it
@@ -58,4 +69,4 @@ def apply(graph: fx.Graph) -> int:
 
 
 RULE = Rule("view_chains", apply,
-            "a view chain forking into views (k_t = k[:, t] read twice) -> one chain per read")
+            "a view read whole by two re-indexings (k_t = k[:, t] used twice) -> a chain per read")
