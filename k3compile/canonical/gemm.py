@@ -300,8 +300,9 @@ def _rewrite(graph: fx.Graph, site: Site) -> None:
     node = site.node
     k = site.pieces[0].k
     with graph.inserting_before(node):
-        x2d = _reshaped(graph, site.x, (site.rows, k), node)
-        ys = [call(graph, aten.mm.default, (x2d, _weight_t(graph, p, node)), like=node)
+        # a view of x per mm, as each F.linear traces (a shared one would tie the mm's together)
+        ys = [call(graph, aten.mm.default, (_reshaped(graph, site.x, (site.rows, k), node),
+                                            _weight_t(graph, p, node)), like=node)
               for p in site.pieces]
     if len(ys) == 1:
         _settle(graph, ys[0], node, _output_of(node, site.transposed), node)

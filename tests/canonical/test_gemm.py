@@ -12,6 +12,7 @@ from k3compile.patterns import ORDER as PATTERNS
 from torch import nn
 
 import k3compile.backend as k3be
+from k3compile.canonical import ORDER as CANONICAL
 from tests.conftest import rel_err
 
 from .compiled import assert_same_values, canonicalize, targets
@@ -108,7 +109,11 @@ def test_stacked_bmm_becomes_one_mm_per_weight(stack, rows):
     c = canonicalize(None, {"x": x}, module=m)
     assert c.counts["gemm"] == 1
     mms = _projections(c)
-    assert len(mms) == G and len({mm.args[0] for mm in mms}) == 1  # one x2d, G weights
+    assert len(mms) == G
+    # one x, G weights; each mm reads x through its own view (as each F.linear traces)
+    x2ds = [mm.args[0] for mm in mms]
+    assert len({x.args[0] if str(x.target) == "aten.view.default" else x for x in x2ds}) == 1
+    assert all(len(x.users) == 1 for x in x2ds if str(x.target) == "aten.view.default")
     assert "aten.bmm.default" not in targets(c.after)
     assert_same_values(c)
     for got, want in zip(c.output, _eager(m, x)):
@@ -149,7 +154,8 @@ def test_several_projections_of_one_input_share_it():
 # ---- look-alikes left alone -------------------------------------------------------------------
 
 def _left_alone(m, args: dict):
-    c = canonicalize(None, args, module=m)
+    # gemm's own doing: the view rules after it split e.g. a view read by two products
+    c = canonicalize(None, args, module=m, disabled_rules=CANONICAL[CANONICAL.index("gemm") + 1:])
     assert c.counts["gemm"] == 0
     assert targets(c.after) == targets(c.before)
     return c

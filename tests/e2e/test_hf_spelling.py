@@ -22,7 +22,9 @@ the built-in model, eagerly and under backend="k3" (tiny config, 4 layers: every
 
 Taken by the canonical rules (k3compile/canonical): SiTU on a sliced gate|up (`gate_up_split`),
 the non-absorbed MLA and its cache write (`mla_absorb`), the window-sum short conv
-(`short_conv`), the stacked q|k|v bmm (`gemm`), the depth mix over sources stacked on dim -2
+(`short_conv`), the stacked q|k|v bmm (`gemm`) and its stack as a concat (`stack_cat`), the
+delta rule's `k_t` read once and used twice (`view_chains`), the T=1 conv output reshaped to
+[B, C] and back around its SiLU (`reshape_fold`), the depth mix over sources stacked on dim -2
 (`depth_mix`), the per-expert MXFP4 experts with a LUT dequant (`mxfp4_dequant`,
 `expert_stack`, `expert_gemm`), the router's `topk(sorted=False)` and `bias.unsqueeze(0)`
 (`topk_sorted`, `broadcast`). Known gaps today: `KNOWN_GAPS`.
@@ -47,9 +49,8 @@ from tests.models.hf_k3 import converted_state_dict, from_reference
 CFG = dataclasses.replace(get_config("tiny"), num_hidden_layers=4, full_attn_layers=(2, 3))
 TEMPLATES = {0: "dense", 1: "kda_moe", 2: "mla_moe", 3: "last", FINAL: "final"}
 
-_KDA = {"linear_concat": "gemm splits the stacked q|k|v bmm into mm's; linear_concat still misses",
-        "fb_kda_decode": "none yet for k_t = k[:, t] read once, used twice (kda_decode's search "
-                         "has one select per read)"}
+_KDA = {"linear_concat": "the pattern matches (gemm, stack_cat), its check refuses: w_q|w_k|w_v are "
+                         "selects of the stacked qkv weight, which stage pack cannot pack"}
 _MOE = {"moe_experts": "expert_gemm does not take this spelling's batched expert GEMM "
                        "(bmm of [N, k*I, L] by [N, L, 1])"}
 KNOWN_GAPS: dict[str, dict[str, str]] = {
