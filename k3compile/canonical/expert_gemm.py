@@ -11,12 +11,14 @@ Matched structurally: a `bmm(A, B)` with A [N*k, O, I] and B [N*k, I, 1] (W·x),
 and B [N*k, I, O] (x·Wᵀ, the last two dims of W swapped by a permute), where W is [N, k, O, I] and
 x is [N, k, I] with the first two dims merged (through views, reshapes, contiguous clones,
 identity permutes, same-shape expands, size-1 unsqueezes / squeezes: ops that keep the elements'
-order), and the product read back as [N, k, O] (views / a squeeze). Where x is z [N, I] broadcast to [N, k, I]
-(`expand(unsqueeze(z, 1))`) the FC1 form is produced, else the FC2 form. The einsum is traced
-(Inductor's joint passes, as the model's graph is) at the site's shapes and dtypes, so the row
-count's lowering (N = 1 or more) is the one the pattern's variant for it has. The canonical bmm
-reduces over the same index in the same dtype; CPU GEMM blocking may round the fp32 sum
-differently (within 1e-6 relative).
+order), and the product read back as [N, k, O] (views / a squeeze). Where x is z [N, I] broadcast
+to [N, k, I] (`expand(unsqueeze(z, 1))`) the FC1 form is produced, else the FC2 form. Also FC1 is
+the per-token product, one token per batch and its k experts' rows stacked: A [N, k*O, I] (W's
+middle two dims merged) and B [N, I, 1] (z as a column), or z [N, 1, I] times that A transposed.
+The einsum is traced (Inductor's joint passes, as the model's graph is) at the site's shapes and
+dtypes, so the row count's lowering (N = 1 or more) is the one the pattern's variant for it
+has. The canonical bmm reduces over the same index in the same dtype; CPU GEMM blocking may round
+the fp32 sum differently (within 1e-6 relative).
 
 Only expert GEMMs: W must be made from experts gathered by the routed ids (an `index` by one
 integer [N, k] tensor up its inputs, e.g. the dequant of `w_packed[ids]`); the same shapes occur
@@ -107,13 +109,18 @@ def _broadcast_token(x: fx.Node, n: int, k: int) -> fx.Node | None:
 
 
 def _weight(node, batch: int, out: int, width: int) -> fx.Node | None:
-    """W [N, k, O, I] whose first two dims merged make node [N*k, O, I]."""
-    return _source(node, lambda s: len(s) == 4 and s[0] * s[1] == batch and s[2:] == (out, width))
+    """W [N, k, O, I] whose first two dims merged make node [N*k, O, I] (the per-expert batch),
+    or whose middle two dims merged make node [N, k*O, I] (the per-token batch, the k experts'
+    rows stacked)."""
+    def want(s):
+        return len(s) == 4 and s[3] == width and (
+            (s[0] * s[1] == batch and s[2] == out) or (s[0] == batch and s[1] * s[2] == out))
+    return _source(node, want)
 
 
 def _transposed_weight(node, batch: int, out: int, width: int) -> fx.Node | None:
-    """W [N, k, O, I] where node [N*k, I, O] is its merge with the last two dims swapped (a
-    permute of them anywhere up the transparent chain)."""
+    """W [N, k, O, I] where node [N*k, I, O] or [N, I, k*O] is its merge (as in `_weight`) with
+    the last two dims swapped (a permute of them anywhere up the transparent chain)."""
     while isinstance(node, fx.Node) and node.op == "call_function":
         if node.target is aten.permute.default:
             order = _moved_dims(node)
@@ -147,7 +154,8 @@ def _routed(w: fx.Node, n: int, k: int, limit: int = 256) -> bool:
 
 def _site(bmm: fx.Node):
     """(W, x or z, is_fc1, result node) of a batched matrix-vector product, else None: W·x
-    (bmm([N*k, O, I], [N*k, I, 1])) or x·Wᵀ (bmm([N*k, 1, I], [N*k, I, O]))."""
+    (bmm([B, O', I], [B, I, 1])) or x·Wᵀ (bmm([B, 1, I], [B, I, O'])), where B O' is N*k O
+    (one expert per batch) or N k*O (one token per batch, its k experts' rows stacked)."""
     a, b = bmm.args[:2]
     sa, sb = _shape(a), _shape(b)
     if sa is None or sb is None or len(sa) != 3 or len(sb) != 3 or sa[0] != sb[0]:
@@ -162,15 +170,20 @@ def _site(bmm: fx.Node):
         return None
     if w is None:
         return None
-    n, k = _shape(w)[:2]
+    n, k, o = _shape(w)[:3]
     if not _routed(w, n, k):
         return None
-    x = _source(vector, lambda s: s == (n, k, width))
-    result = _result(bmm, (n, k, out))
-    if x is None or result is None:
+    result = _result(bmm, (n, k, o))
+    if result is None:
         return None
-    z = _broadcast_token(x, n, k)
-    return (w, z, True, result) if z is not None else (w, x, False, result)
+    x = _source(vector, lambda s: s == (n, k, width)) if (batch, out) == (n * k, o) else None
+    if x is not None:  # per expert: x [N, k, I], maybe z broadcast over k
+        z = _broadcast_token(x, n, k)
+        return (w, z, True, result) if z is not None else (w, x, False, result)
+    if (batch, out) == (n, k * o):  # per token: one z [N, I] for all k experts
+        z = _source(vector, lambda s: s == (n, width))
+        return None if z is None else (w, z, True, result)
+    return None
 
 
 def _fc1(z, w):

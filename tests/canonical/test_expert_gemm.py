@@ -40,6 +40,21 @@ GEMMS = {"bmm": _bmm, "matmul": _matmul, "bmm_x_first": _bmm_x_first,
          "einsum_nkoi": lambda w, x: torch.einsum("nkoi,nki->nko", w, x)}
 
 
+def _per_token(w, z):  # the k experts' rows stacked: [N, k*O, I] x [N, I, 1]
+    return torch.bmm(w.flatten(1, 2), z.unsqueeze(-1)).view(w.shape[0], K, -1)
+
+
+def _per_token_matmul(w, z):
+    return torch.matmul(w.flatten(1, 2), z.unsqueeze(-1)).squeeze(-1).unflatten(1, (K, OUT))
+
+
+def _per_token_x_first(w, z):  # z·Wᵀ: [N, 1, I] x [N, I, k*O]
+    return torch.bmm(z.unsqueeze(1), w.flatten(1, 2).transpose(1, 2)).view(w.shape[0], K, OUT)
+
+
+PER_TOKEN = {"bmm": _per_token, "matmul": _per_token_matmul, "bmm_x_first": _per_token_x_first}
+
+
 def _fc1(gemm):
     def f(z, experts, ids):
         return gemm(experts[ids], z.unsqueeze(-2).expand(z.shape[0], K, z.shape[1]))
@@ -75,6 +90,26 @@ def test_matrix_vector_becomes_the_einsum(fc1, gemm, rows, dtype):
     torch.testing.assert_close(got, want, rtol=TOL[dtype], atol=TOL[dtype] * want.abs().max())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("gemm", sorted(PER_TOKEN))
+def test_per_token_product_becomes_the_fc1_einsum(gemm, rows, dtype):
+    """One token z per bmm batch, its k experts' weights stacked as [N, k*O, I]: FC1."""
+    def fn(z, experts, ids):
+        return PER_TOKEN[gemm](experts[ids], z)
+
+    args = _inputs(True, rows, dtype)
+    gm = trace(fn, args)
+    assert rule.apply(gm.graph) == 1
+    gm.recompile()
+    canonical = trace(lambda z, e, i: torch.einsum("nl,nkil->nki", z, e[i]), args)
+    assert targets(gm) == targets(canonical)
+    assert_same(gm(*args), canonical(*args))
+    got, want = gm(*args), fn(*args)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=TOL[dtype], atol=TOL[dtype] * want.abs().max())
+
+
 def _merged(w, x, columns=1):
     return torch.bmm(w.reshape(-1, OUT, WIDTH), x.reshape(-1, WIDTH, 1).expand(-1, WIDTH, columns))
 
@@ -92,6 +127,22 @@ LOOK_ALIKES = {  # (fn, extra inputs); every fn gets (experts [E, O, I], ids [N,
                             torch.randn(3, K, WIDTH)]),
     "ungathered_weight": (lambda e, i, w, x: _merged(w, x).view(3, K, OUT),
                           [torch.randn(3, K, OUT, WIDTH), torch.randn(3, K, WIDTH)]),
+    # per token ([N, k*O, I] x [N, I, 1]): a real GEMM, rows stacked [O, k] not [k, O], the
+    # product read back flat, KDA's state [B, H*d, d] times q, an ungathered weight
+    "per_token_real_gemm": (lambda e, i, z: torch.bmm(e[i].flatten(1, 2), z),
+                            [torch.randn(3, WIDTH, 4)]),
+    "per_token_rows_o_k": (lambda e, i, z: torch.bmm(e[i].transpose(1, 2).flatten(1, 2),
+                                                     z.unsqueeze(-1)).view(3, K, OUT),
+                           [torch.randn(3, WIDTH)]),
+    "per_token_flat_result": (lambda e, i, z: torch.bmm(e[i].flatten(1, 2), z.unsqueeze(-1)),
+                              [torch.randn(3, WIDTH)]),
+    "per_token_state_times_vector": (
+        lambda e, i, state, slots, q: torch.bmm(state[slots].flatten(1, 2),
+                                                q.unsqueeze(-1)).view(3, K, OUT),
+        [torch.randn(4, K, OUT, WIDTH), torch.tensor([2, 0, 1]), torch.randn(3, WIDTH)]),
+    "per_token_ungathered_weight": (
+        lambda e, i, w, z: torch.bmm(w.flatten(1, 2), z.unsqueeze(-1)).view(3, K, OUT),
+        [torch.randn(3, K, OUT, WIDTH), torch.randn(3, WIDTH)]),
 }
 
 
