@@ -25,9 +25,12 @@ def _variant(name: str) -> Pattern:
 
 
 def _gate_and_q_a(x, g_w, q_a_w):
-    """MLA's output-gate projection and q_a on one bf16 input: two GEMMs on x, the first under a
-    sigmoid, no fp32 casts (a bf16 model): what moe_front[float32] took for a router (issue 18)."""
-    return torch.sigmoid(F.linear(x, g_w)), F.linear(x, q_a_w)
+    """Two GEMMs on one bf16 input, the first under a sigmoid, no fp32 casts (a bf16 model): what
+    moe_front[float32] took for a router (issue 18: MLA's output gate and q_a). Here the sigmoid
+    also feeds a top-k, so moe_front's own anchor (scores that choose) holds and only the
+    engine's guard stands between the fp32 variant and this bf16 site."""
+    scores = torch.sigmoid(F.linear(x, g_w))
+    return scores, F.linear(x, q_a_w), torch.topk(scores, 4, dim=-1)[1]
 
 
 @pytest.fixture
