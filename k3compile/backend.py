@@ -6,7 +6,8 @@ second batch size) is compiled lazily once per bucket with the batch specialised
 the bucket is chosen at run time by guards that are sympy relations over the batch symbol
 (`lo < B <= hi`). A batch between buckets is padded to the bucket above: padding rows point at the
 scratch state slot, so they never touch a real request's state. A batch above the largest bucket
-runs Dynamo's graph eagerly (correct, slower) with a logged warning. On a GPU each bucket is
+runs Dynamo's graph eagerly (correct, slower) with a logged warning; so does an empty batch
+(eager's empty result, nothing compiled for it). On a GPU each bucket is
 captured once in a CUDA graph after its first (real) run and replayed afterwards.
 """
 
@@ -93,7 +94,8 @@ class K3Compiled:
         self.outputs_batched = self._batched_outputs()
         if self.symbol is None:  # a static graph: Dynamo already guards the exact batch size
             self.static_batch = self._static_batch(example_inputs)
-            self._compile_bucket((), example_inputs, self.static_batch)
+            if self.static_batch != 0:  # an empty batch runs Dynamo's graph as eager would
+                self._compile_bucket((), example_inputs, self.static_batch)
 
     # ---- graph analysis ----------------------------------------------------------------------
 
@@ -190,8 +192,12 @@ class K3Compiled:
 
     def __call__(self, *args):
         if self.symbol is None:
+            if self.static_batch == 0:
+                return self.gm(*args)
             return self._run(self.buckets[()], list(args), None, None)
         batch = int(args[self._lead.index].shape[0])
+        if batch == 0:  # nothing to compute: Dynamo's graph gives eager's empty result
+            return self.gm(*args)
         if any(int(args[i.index].shape[0]) != batch for i in self.inputs if i.batched):
             raise ValueError("k3: the batched inputs disagree on the batch size: "
                              + ", ".join(f"{i.name}={tuple(args[i.index].shape)}" for i in self.inputs if i.batched))
