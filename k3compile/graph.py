@@ -46,3 +46,15 @@ def weight_root(node: Any) -> fx.Node | None:
             return None
         node = node.args[0]
     return node if isinstance(node, fx.Node) and node.op == "placeholder" else None
+
+
+def written_in_place(node: fx.Node) -> bool:
+    """Some op of the graph writes `node` in place (a state buffer's write-back: copy_,
+    index_put_), read off the users' schemas."""
+    for user in node.users:
+        schema = getattr(user.target, "_schema", None)
+        for i, arg in enumerate(schema.arguments if schema is not None else ()):
+            bound = user.args[i] if i < len(user.args) else user.kwargs.get(arg.name)
+            if bound is node and arg.alias_info is not None and arg.alias_info.is_write:
+                return True
+    return False

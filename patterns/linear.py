@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import fx
 
+from k3compile.graph import written_in_place
 from k3compile.rewrite import Pattern, tensor_meta
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -37,17 +37,6 @@ def replace(x, w):
     return torch.ops.k3.linear(x, w)
 
 
-def _written(node: fx.Node) -> bool:
-    """Some op of the graph writes `node` in place (state write-back: copy_, index_put_)."""
-    for user in node.users:
-        schema = getattr(user.target, "_schema", None)
-        for i, arg in enumerate(schema.arguments if schema is not None else ()):
-            bound = user.args[i] if i < len(user.args) else user.kwargs.get(arg.name)
-            if bound is node and arg.alias_info is not None and arg.alias_info.is_write:
-                return True
-    return False
-
-
 def check(match) -> str | None:
     x, w = tensor_meta(match.kwargs["x"]), tensor_meta(match.kwargs["w"])
     if x is None or w is None:
@@ -55,7 +44,7 @@ def check(match) -> str | None:
     node = match.kwargs["w"]
     if node.op != "placeholder":
         return f"w is computed in the graph ({node.name}), not a weight input"
-    if _written(node):
+    if written_in_place(node):
         return f"w ({node.name}) is state the graph writes in place, not a weight"
     if w.dim() != 2:
         return f"w {list(w.shape)} is not a 2-D weight"

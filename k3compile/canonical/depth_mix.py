@@ -133,22 +133,13 @@ def _stacked(node: fx.Node, width: int | None = None) -> list[fx.Node] | None:
 
 def _sources(alpha: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:
     """(stacked sources [S, ..., D], the sources) that alpha's scores are computed from."""
-    seen, frontier = set(), [alpha]
-    for _ in range(REACH):
-        nxt = []
-        for node in frontier:
-            for x in node.all_input_nodes:
-                if x in seen:
-                    continue
-                seen.add(x)
-                shape = _shape(x)
-                if shape and shape[:-1] == _shape(alpha):
-                    srcs = _stacked(x)
-                    if srcs is not None:
-                        return x, srcs
-                nxt.append(x)
-        frontier = nxt
-    return None
+    def found(x):
+        shape = _shape(x)
+        if shape and shape[:-1] == _shape(alpha) and (srcs := _stacked(x)) is not None:
+            return x, srcs
+        return None
+
+    return _nearest_input(alpha, found)
 
 
 def _as_stack(graph: fx.Graph, cat: fx.Node, srcs: list[fx.Node]) -> fx.Node:
@@ -324,19 +315,31 @@ def _stacked_along(alpha: fx.Node, k: int) -> list[fx.Node] | None:
     """The sources of the stack [.., S (dim k), .., D] that alpha's scores are computed from,
     alpha being [.., S, ..] or [.., S, .., 1]."""
     want = _shape(alpha)
-    seen, frontier = set(), [alpha]
+
+    def found(x):
+        shape = _shape(x)
+        if shape and k < len(shape) - 1 and want in (shape[:-1], (*shape[:-1], 1)):
+            srcs = _parts(x, k)
+            if srcs and all(_shape(s) == _shape(srcs[0]) for s in srcs):
+                return srcs
+        return None
+
+    return _nearest_input(alpha, found)
+
+
+def _nearest_input(node: fx.Node, found):
+    """found(x) of the first input x (breadth first, at most REACH steps up from node) for which
+    it is not None, else None."""
+    seen, frontier = set(), [node]
     for _ in range(REACH):
         nxt = []
-        for node in frontier:
-            for x in node.all_input_nodes:
+        for n in frontier:
+            for x in n.all_input_nodes:
                 if x in seen:
                     continue
                 seen.add(x)
-                shape = _shape(x)
-                if shape and k < len(shape) - 1 and want in (shape[:-1], (*shape[:-1], 1)):
-                    srcs = _parts(x, k)
-                    if srcs and all(_shape(s) == _shape(srcs[0]) for s in srcs):
-                        return srcs
+                if (hit := found(x)) is not None:
+                    return hit
                 nxt.append(x)
         frontier = nxt
     return None

@@ -39,7 +39,7 @@ import torch
 from torch import fx
 
 from k3compile.canonical import Rule
-from k3compile.graph import call
+from k3compile.graph import call, written_in_place
 
 aten = torch.ops.aten
 
@@ -126,23 +126,12 @@ def _is_reshape_of(t: torch.Tensor, base: torch.Tensor) -> bool:
 
 # ---- the weight operand -----------------------------------------------------------------------
 
-def _written(node: fx.Node) -> bool:
-    """Some op of the graph writes `node` in place (a state buffer's write-back)."""
-    for user in node.users:
-        schema = getattr(user.target, "_schema", None)
-        for i, arg in enumerate(schema.arguments if schema is not None else ()):
-            bound = user.args[i] if i < len(user.args) else user.kwargs.get(arg.name)
-            if bound is node and arg.alias_info is not None and arg.alias_info.is_write:
-                return True
-    return False
-
-
 def _pieces(w_op: fx.Node, transposed: bool, batched: bool) -> list[Piece] | None:
     """Per batch, the weight piece the operand is the transpose of; None if it is not one."""
     chain = _chain(w_op)
     root, shape = chain[0], _shape(chain[0])
     if (root.op != "placeholder" or root.meta.get("k3_user_input") or shape is None
-            or len(shape) not in (2, 3) or _written(root) or root.meta["val"].dtype not in FLOATS):
+            or len(shape) not in (2, 3) or written_in_place(root) or root.meta["val"].dtype not in FLOATS):
         return None
     t = _replay(_meta(shape), chain[1:])
     if t is None:
