@@ -193,7 +193,6 @@ class Plan:
     T: int
     steps: int
     batches: list[int]
-    backends: list[str]
     options: dict
 
 
@@ -426,7 +425,7 @@ def _generate(args: argparse.Namespace, device: torch.device, options: dict) -> 
     say(f"prompt: {prompt.shape[1]} ids{' (left-padded to a multiple of T)' if len(args.ids) % T else ''}"
         f"; {1 + steps * T} tokens per request: 1 from the prompt's last step, then {steps} timed "
         f"step(s) of T={T} at batch {', '.join(map(str, batches))}")
-    plan = Plan(model, cfg.num_hidden_layers, prompt, T, steps, batches, args.backends, options)
+    plan = Plan(model, cfg.num_hidden_layers, prompt, T, steps, batches, options)
     with torch.no_grad():
         refs = {b: reference(plan, b) for b in batches}
     rows = []
