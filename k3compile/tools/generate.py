@@ -215,11 +215,27 @@ def reference(plan: Plan, batch: int) -> torch.Tensor:
     return tokens
 
 
+def verify_summary(first: int) -> str | None:
+    """Verify mode's count over the k3 graphs compiled since `backend._compiled[first]`."""
+    from k3compile import backend
+
+    reports = [r for c in backend._compiled[first:] if c.options.verify
+               for r in c.observer.reports.values()]
+    if not reports:
+        return None
+    reverted = [x for r in reports for x in r.reverted]
+    return (f"verify: {sum(r.verified for r in reports)} rewrites verified, {len(reverted)} "
+            "reverted" + "".join(f"\n  reverted: {x.pattern} @ {x.module}: {x.error}" for x in reverted))
+
+
 def run_backend(name: str, plan: Plan, drafts: dict[int, torch.Tensor],
                 say: Callable[[str], None]) -> list[Row]:
+    from k3compile import backend
+
     executor = f", executor {plan.options['executor']}" if name == "k3" else ""
     say(f"{name}: {'warming up' if name == 'eager' else 'compiling'} batch "
         f"{', '.join(map(str, plan.batches))} (T={plan.T}{executor}) ...")
+    first = len(backend._compiled)
     step = make_step(name, plan.model, plan.options)
     rows = []
     with torch.no_grad():
@@ -235,6 +251,9 @@ def run_backend(name: str, plan: Plan, drafts: dict[int, torch.Tensor],
             say(f"{name}: batch {batch} ready in {ready:.1f} s{built}")
             rows.append(Row(name, batch, plan.T, plan.steps, seconds, ready, recompiles, tokens,
                             plan.layers))
+    verified = verify_summary(first) if name == "k3" else None
+    if verified:
+        say(f"{name}: {verified}")
     return rows
 
 
@@ -426,6 +445,7 @@ def _generate(args: argparse.Namespace, device: torch.device, options: dict) -> 
         f"; {1 + steps * T} tokens per request: 1 from the prompt's last step, then {steps} timed "
         f"step(s) of T={T} at batch {', '.join(map(str, batches))}")
     plan = Plan(model, cfg.num_hidden_layers, prompt, T, steps, batches, options)
+    say("reference: eager greedy decode, one row per step (untimed) ...")
     with torch.no_grad():
         refs = {b: reference(plan, b) for b in batches}
     rows = []

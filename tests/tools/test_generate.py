@@ -168,10 +168,11 @@ def test_plot_or_a_message(tmp_path, capsys, monkeypatch):
 
 @pytest.mark.slow
 def test_k3_tokens_equal_eager(tmp_path, capsys):
-    """The README's kind of run, cut to 4 layers (every layer kind): eager and k3 (executor aten)
-    at batch 3 (padded to bucket 4), plain decode; k3's tokens are the plain greedy loop's."""
+    """The README's kind of run, cut to 4 layers (every layer kind): eager and k3 (executor aten,
+    verify mode) at batch 3 (padded to bucket 4), plain decode; k3's tokens are the plain greedy
+    loop's, and verify mode's count is printed."""
     code, out, data = generate_cli(["--backends", "eager,k3", "--option", "executor=aten",
-                                    "--layers", "4", "--batch", "3", "--prompt-ids", "3,1,4,1",
+                                    "--option", "verify=true", "--layers", "4", "--batch", "3", "--prompt-ids", "3,1,4,1",
                                     "--tokens", "5"], tmp_path, capsys)
     assert code == 0, out
     want = greedy(tiny(layers=4), [3, 1, 4, 1], 3, 5)
@@ -184,6 +185,8 @@ def test_k3_tokens_equal_eager(tmp_path, capsys):
     assert "k3: compiling batch 3 (T=1, executor aten) ..." in out
     assert re.search(r"k3: batch 3 ready in [\d.]+ s: 1 Dynamo graph\(s\), 1 k3 bucket", out)
     assert "every backend produced eager's greedy tokens" in out
+    verified = re.search(r"^k3: verify: (\d+) rewrites verified, 0 reverted$", out, re.M)
+    assert verified and int(verified[1]) > 0, out
 
 
 @pytest.mark.parametrize(("argv", "message"), [
