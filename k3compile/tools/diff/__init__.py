@@ -14,6 +14,8 @@ the backend's observer recorded, and reports per bucket:
   every matched site (module path, pattern), near misses with the failing condition (listed for
   templates short of their plan; `--near-misses all` for every template), stream assignment and
   prefetch points when the pipeline made any, and the bucket guards;
+* in verify mode (`--option verify=true` or `K3_VERIFY=1`) the count of rewrites verified and
+  reverted, per bucket;
 * `--stages A B`: op histogram and unified text diff between any two pipeline stages.
 
 The exit status is 1 when a bucket's fusion contract is not met, so CI can gate on it; 2 for a

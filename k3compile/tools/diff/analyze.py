@@ -255,7 +255,11 @@ def _bucket_report(compiled, bucket, captured: dict) -> BucketReport:
     records = obs.records.get(bucket, [])
     texts = {"input": before_text} if before_text else {}
     texts.update({r.name: r.graph_after for r in records})
+    rewrites = obs.reports.get(bucket)
+    verified = ((rewrites.verified, len(rewrites.reverted))
+                if compiled.options.verify and rewrites is not None else None)
     return BucketReport(
+        verified=verified,
         deferred=dict(getattr(obs.reports.get(bucket), "deferred", {}) or {}),
         pack=str(obs.notes.get(bucket, {}).get("pack", "")),
         bucket=bucket, met=contract.met if contract else True,

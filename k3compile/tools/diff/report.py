@@ -124,6 +124,7 @@ class BucketReport:
     deferred: dict[str, str] = dataclasses.field(default_factory=dict)  # op -> why not fused
     pack: str = ""  # stage `pack`'s summary (fused groups' weights stored as one buffer)
     status: str = ""  # the contract's: "met", "NOT met", "no K3 layer found" ("": from `met`)
+    verified: tuple[int, int] | None = None  # verify mode: (rewrites verified, reverted)
 
     @property
     def verdict(self) -> str:

@@ -83,6 +83,10 @@ def _bucket_text(b: BucketReport, s, max_diff_lines: int, all_misses: bool) -> l
              "bold", "green" if b.met else "red")]
     out.append("stages: " + "  ".join(f"{r.name} {r.seconds:.2f}s ({r.ops_before}->{r.ops_after})"
                                       for r in b.stages) + "  (seconds, ops before->after)")
+    if b.verified is not None:
+        done, reverted = b.verified
+        out.append(s(f"verify: {done} rewrites verified, {reverted} reverted", "red" if reverted
+                     else "green") + " (each checked numerically against its unfused pattern)")
     if b.deferred:
         out.append(s("left unfused on this device: ", "yellow") + ", ".join(
             f"{op} ({why})" for op, why in sorted(b.deferred.items())))
