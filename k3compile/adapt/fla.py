@@ -55,15 +55,19 @@ class ShortConvolution(nn.Conv1d):
 
 def short_convolution(conv: nn.Conv1d, x, residual=None, mask=None, cache=None,
                       output_final_state=False, cu_seqlens=None):
-    """y [B, T, D] and the new cache [B, D, W] (the last W inputs) of `conv` (any module with a
-    depthwise `weight` [D, 1, W], optional `bias` and `activation`) over x [B, T, D]."""
+    """y [B, T, D] and the new cache of `conv` (any module with a depthwise `weight` [D, 1, W],
+    optional `bias` and `activation`) over x [B, T, D]. The cache is fla's [B, D, W] (the last W
+    inputs; the oldest is never read again) or, as k3compile's adapter keeps it, [B, D, W - 1]:
+    the new cache has the width of the one given."""
     _no_varlen(cu_seqlens)
     width = conv.weight.shape[-1]
     if mask is not None:
         x = x * mask.unsqueeze(-1)
     if cache is None:
         cache = x.new_zeros(x.shape[0], x.shape[2], width)
-    window = torch.cat([cache[..., 1:], x.transpose(1, 2)], dim=-1)  # [B, D, W - 1 + T]
+    kept = cache.shape[-1]  # the width handed back
+    past = cache if kept == width - 1 else cache[..., kept - width + 1:]
+    window = torch.cat([past, x.transpose(1, 2)], dim=-1)  # [B, D, W - 1 + T]
     bias = None if conv.bias is None else conv.bias.float()
     y = F.conv1d(window.float(), conv.weight.float(), bias, groups=conv.weight.shape[0])
     if conv.activation in ("silu", "swish"):
@@ -71,7 +75,7 @@ def short_convolution(conv: nn.Conv1d, x, residual=None, mask=None, cache=None,
     y = y.to(x.dtype).transpose(1, 2)
     if residual is not None:
         y = y + residual
-    return y, (window[..., -width:] if output_final_state else None)
+    return y, (window[..., window.shape[-1] - kept:] if output_final_state else None)
 
 
 class FusedRMSNormGated(nn.Module):
@@ -136,7 +140,7 @@ def fused_recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None,
     decay = kda_decay(g, A_log, dt_bias, lower_bound) if use_gate_in_kernel else torch.exp(g.float())
     beta = beta.float()
     if use_beta_sigmoid_in_kernel:
-        beta = torch.sigmoid(beta) * (2 if allow_neg_eigval else 1)
+        beta = torch.sigmoid(beta) * 2 if allow_neg_eigval else torch.sigmoid(beta)
     if initial_state is None:
         state = q.new_zeros(B, H, K, v.shape[-1])
     else:

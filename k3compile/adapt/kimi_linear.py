@@ -8,8 +8,8 @@ and the KDA core is a call into fla's Triton kernels. The adapter replaces exact
 
 * a structural clone of the model whose parameters and buffers *are* the model's (no copy; the
   user's model is left as it was, so it stays the eager reference);
-* static per-slot state on the clone's attention modules: KDA conv state [S, 3D, W] (q|k|v, fla's
-  layout) and fp32 recurrent state [S, H, K, V]; MLA a latent cache [S, L, kv_lora_rank + rope],
+* static per-slot state on the clone's attention modules: KDA conv state [S, 3D, W - 1] (q|k|v:
+  the inputs the next step's window reads; fla keeps W, the oldest never read again) and fp32 recurrent state [S, H, K, V]; MLA a latent cache [S, L, kv_lora_rank + rope],
   S = max_batch + 1 (the last slot is scratch for batch padding);
 * `SlotCache`, handed to Moonshot's decoder layers as their cache: it gathers and writes the
   state rows of `slots`;
@@ -63,7 +63,7 @@ class SlotCache:
 
 
 class _ConvStates:
-    """conv_states[layer]: (q, k, v) states [B, D, W] of the slots; assignment writes them."""
+    """conv_states[layer]: (q, k, v) states [B, D, W - 1] of the slots; assignment writes them."""
 
     def __init__(self, cache: SlotCache):
         self.cache = cache
@@ -238,7 +238,7 @@ class MoonshotStep(nn.Module):
                 width = conv.weight.shape[0] + attn.k_conv1d.weight.shape[0] + \
                     attn.v_conv1d.weight.shape[0]
                 attn.register_buffer("conv_state", torch.zeros(
-                    slots, width, conv.weight.shape[-1], device=device, dtype=dtype),
+                    slots, width, conv.weight.shape[-1] - 1, device=device, dtype=dtype),
                     persistent=False)
                 attn.register_buffer("recurrent_state", torch.zeros(
                     slots, attn.num_heads, attn.head_k_dim, attn.head_dim, device=device,
