@@ -110,4 +110,6 @@ def test_compiled_step_is_one_graph_equal_to_eager_with_the_plan_less_known_gaps
     for layer in report.layers:
         assert set(layer.shortfall) == set(KNOWN_GAPS[layer.template]), layer.layer
         extra = {op for op, n in layer.actual.items() if n > layer.expected.get(op, 0)}
-        assert extra <= NEUTRAL | SCHEDULE | {"expert_stack"}, (layer.layer, extra)
+        # where kda_decode is lost its o_norm fuses alone; GEMMs a lost fusion held stay k3.linear
+        lost = {"rms_norm"} if "fb_kda_decode" in KNOWN_GAPS[layer.template] else set()
+        assert extra <= NEUTRAL | SCHEDULE | {"expert_stack", "linear"} | lost, (layer.layer, extra)
