@@ -9,3 +9,5 @@ if (_root / "patterns" / "__init__.py").exists() and not (Path(__file__).parent 
     __path__.append(str(_root))
 
 __version__ = "0.1.0"
+
+from k3compile.adapt import adapt  # noqa: E402  (Moonshot's model as the decode step)

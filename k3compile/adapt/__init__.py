@@ -1,0 +1,12 @@
+"""Adapters: a foreign K3 implementation made into the built-in decode step
+`step(input_ids, positions, slots) -> logits` (k3compile/models/k3.py), so that
+`torch.compile(step, backend="k3")` sees one static graph per step.
+
+`adapt(model, max_batch=..., max_seq_len=...)` takes Moonshot's released `KimiLinearForCausalLM`
+or `KimiK3ForConditionalGeneration` (`kimi_linear.py`; their files are found through
+K3_MOONSHOT_DIR, `moonshot.py`; fla's kernels are replaced by torch stand-ins, `fla.py`).
+"""
+
+from k3compile.adapt.kimi_linear import MoonshotStep, adapt
+
+__all__ = ["MoonshotStep", "adapt"]

@@ -1,0 +1,73 @@
+"""Rule `router_input`: the router GEMM and the GEMM beside it each flattening x -> one [N, D] x.
+
+Moonshot's MoE block flattens its input twice: inside the gate (`hidden_states.view(-1, h)`, then
+the fp32 router GEMM) and again for the latent down-projection (`hidden_states.view(-1,
+hidden_states.shape[-1])`). Our model reshapes once and hands both GEMMs the same [N, D] value, and
+pattern `moe_front` (router and down-projection on one x) binds x to one node. Exact: a view
+computes nothing.
+
+Taken: views with the same target, input and arguments, each read only by a GEMM (through a cast
+for the fp32 router), where one GEMM is a router's (its output reaches a top-k or sort within a
+few ops) and exactly one other reads an equal view. Left alone: equal views of GEMMs with no
+router among them: `F.linear` on a [B, T, D] input traces to a view per GEMM, which is the
+canonical form of every other projection (q|k|v, gate|up) and what their patterns match.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+from k3compile.canonical import Rule
+from k3compile.canonical.view_chains import is_view
+
+aten = torch.ops.aten
+_GEMMS = {aten.mm.default, aten.addmm.default}
+_CASTS = {aten._to_copy.default, torch.ops.prims.convert_element_type.default}
+_CHOOSERS = {aten.topk.default, aten.sort.default, aten.sort.stable}
+_DEPTH = 4  # sigmoid/softmax, the bias add, a view or cast, then the top-k
+
+
+def _gemm_of(view: fx.Node) -> fx.Node | None:
+    """The one GEMM that reads view (directly or through one cast), else None."""
+    users = list(view.users)
+    if len(users) != 1:
+        return None
+    user = users[0]
+    if user.target in _CASTS and len(user.users) == 1:
+        user = next(iter(user.users))
+    return user if user.target in _GEMMS else None
+
+
+def _routes(gemm: fx.Node) -> bool:
+    frontier = {gemm}
+    for _ in range(_DEPTH):
+        frontier = {u for n in frontier for u in n.users}
+        if any(u.target in _CHOOSERS for u in frontier):
+            return True
+    return False
+
+
+def _key(node: fx.Node):
+    return (node.target, repr(node.args), repr(sorted(node.kwargs.items())))
+
+
+def apply(graph: fx.Graph) -> int:
+    sites = 0
+    for source in list(graph.nodes):
+        groups: dict = {}
+        for view in source.users:
+            if is_view(view) and _gemm_of(view) is not None:
+                groups.setdefault(_key(view), []).append(view)
+        for views in groups.values():
+            routers = [v for v in views if _routes(_gemm_of(v))]
+            if len(views) != 2 or len(routers) != 1:
+                continue
+            other = next(v for v in views if v is not routers[0])
+            other.replace_all_uses_with(routers[0])
+            sites += 1
+    return sites
+
+
+RULE = Rule("router_input", apply,
+            "router GEMM and its sibling GEMM on two equal views of x -> one view")

@@ -1,0 +1,58 @@
+"""permute_fold: a state read or written through a permute and its inverse (handed out
+transposed and transposed back, as Moonshot's KDA layer and fla's V-first state layout do) loses
+both permutes, with the same values; pairs elsewhere (einsum's lowering writes them inside the MLA
+patterns' forms), pairs that do not cancel, single permutes and reads by the output stay."""
+
+from __future__ import annotations
+
+import torch
+
+from k3compile.canonical import permute_fold
+from tests.canonical.rewrite_checks import assert_same, ops, rewrite
+
+
+def _inputs(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(3, 2, 4, 5, generator=g), torch.tensor([2, 0])
+
+
+def round_trip(buf, slots):  # cache hands out V-first, the kernel's stand-in takes it back
+    state = buf[slots].transpose(-1, -2).transpose(-1, -2)
+    return torch.index_put(buf, (slots,), (state * 0.5).transpose(2, 3).transpose(3, 2))
+
+
+def as_is(buf, slots):
+    return torch.index_put(buf, (slots,), buf[slots] * 0.5)
+
+
+def test_transpose_round_trips_vanish():
+    args = _inputs()
+    before, after, n = rewrite(permute_fold, round_trip, *args)
+    assert n == 2 and ops(before)["permute"] == 4 and "permute" not in ops(after)
+    _, canonical, _ = rewrite(permute_fold, as_is, *args)
+    assert ops(after) == ops(canonical)
+    assert_same(before, after, args)
+    torch.testing.assert_close(after(*args), as_is(*args), rtol=0, atol=0)
+
+
+def test_pairs_away_from_state_and_pairs_that_do_not_cancel_stay():
+    def fn(buf, slots):
+        a = buf.transpose(-1, -2).transpose(-1, -2) * 2  # cancels, but no state read or write
+        b = buf[slots].permute(1, 0, 3, 2).permute(0, 2, 3, 1)  # a state read, no identity
+        return a, b
+
+    args = _inputs(1)
+    before, after, n = rewrite(permute_fold, fn, *args)
+    assert n == 0 and ops(after) == ops(before)
+    assert_same(before, after, args)
+
+
+def test_single_permutes_and_output_reads_stay():
+    def fn(buf, slots):
+        state = buf[slots]
+        return state.transpose(0, 1) * 2, state.transpose(-1, -2).transpose(-1, -2)
+
+    args = _inputs(2)
+    before, after, n = rewrite(permute_fold, fn, *args)
+    assert n == 0 and ops(after) == ops(before)
+    assert_same(before, after, args)
