@@ -51,6 +51,16 @@ def ensure_registered() -> None:
         torch._dynamo.register_backend(k3_backend, name="k3")
 
 
+def mark_batch(*inputs: torch.Tensor) -> None:
+    """Mark dim 0 of the step's inputs (ids, positions, slots) as the batch, before the first
+    call: one Dynamo graph then serves every batch size, and the backend compiles each bucket
+    once. The batch is unbacked: Dynamo neither specialises batch 1 (as it does a backed size)
+    nor guards on comparisons that torch's fake kernels make (conv's `16 <= B` on CPU); the
+    backend specialises it per bucket. Marking later calls too is harmless."""
+    for t in inputs:
+        torch._dynamo.decorators.mark_unbacked(t, 0)
+
+
 def last_compiled() -> K3Compiled:
     if not _compiled:
         raise RuntimeError("nothing has been compiled with backend='k3' in this process")
