@@ -23,7 +23,9 @@ def decode(step, prompt: torch.Tensor, tokens: int, max_batch: int):
     """Feed the prompt one token at a time, then greedily extend it; returns (tokens, seconds)."""
     batch, plen = prompt.shape
     slots = torch.arange(batch, device=prompt.device)
-    out, ids = [], prompt[:, 0]
+    # a prompt column is a strided view; contiguous like the generated ids, or Dynamo guards on
+    # the stride and recompiles when generation starts
+    out, ids = [], prompt[:, 0].contiguous()
     start = None
     for pos in range(plen + tokens - 1):
         if pos == plen:  # time the generated part only
@@ -31,10 +33,9 @@ def decode(step, prompt: torch.Tensor, tokens: int, max_batch: int):
                 torch.cuda.synchronize()
             start = time.perf_counter()
         positions = torch.full((batch,), pos, device=prompt.device)
-        for t in (ids, positions, slots):
-            torch._dynamo.maybe_mark_dynamic(t, 0)
+        k3compile.backend.mark_batch(ids, positions, slots)  # one graph for every batch size
         logits = step(ids, positions, slots)
-        ids = prompt[:, pos + 1] if pos + 1 < plen else logits.argmax(-1)
+        ids = prompt[:, pos + 1].contiguous() if pos + 1 < plen else logits.argmax(-1)
         if pos + 1 >= plen:
             out.append(ids)
     if prompt.is_cuda:

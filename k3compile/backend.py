@@ -9,6 +9,11 @@ scratch state slot, so they never touch a real request's state. A batch above th
 runs Dynamo's graph eagerly (correct, slower) with a logged warning; so does an empty batch
 (eager's empty result, nothing compiled for it). On a GPU each bucket is
 captured once in a CUDA graph after its first (real) run and replayed afterwards.
+
+A float that Dynamo lifts to a graph input (`specialize_float` off: a second model whose RMSNorm
+eps differs recompiles with every float attribute as a 0-d tensor read by `.item()`) is baked
+back in as the constant it is in the call: the compiled steps are keyed by those values too, so
+the patterns see their literal eps and each model gets its own step.
 """
 
 from __future__ import annotations
@@ -46,6 +51,16 @@ def ensure_registered() -> None:
         torch._dynamo.register_backend(k3_backend, name="k3")
 
 
+def mark_batch(*inputs: torch.Tensor) -> None:
+    """Mark dim 0 of the step's inputs (ids, positions, slots) as the batch, before the first
+    call: one Dynamo graph then serves every batch size, and the backend compiles each bucket
+    once. The batch is unbacked: Dynamo neither specialises batch 1 (as it does a backed size)
+    nor guards on comparisons that torch's fake kernels make (conv's `16 <= B` on CPU); the
+    backend specialises it per bucket. Marking later calls too is harmless."""
+    for t in inputs:
+        torch._dynamo.decorators.mark_unbacked(t, 0)
+
+
 def last_compiled() -> K3Compiled:
     if not _compiled:
         raise RuntimeError("nothing has been compiled with backend='k3' in this process")
@@ -56,6 +71,12 @@ def _is_module_state(name: str) -> bool:
     return name.lower().startswith("l_self") or "_modules_" in name or "_parameters_" in name
 
 
+def _lifted_float(node: fx.Node, example) -> bool:
+    return (isinstance(example, torch.Tensor) and example.dim() == 0
+            and example.dtype.is_floating_point and bool(node.users)
+            and all(u.op == "call_method" and u.target == "item" for u in node.users))
+
+
 @dataclasses.dataclass
 class _Input:
     index: int
@@ -64,6 +85,7 @@ class _Input:
     symint: bool  # a SymInt placeholder (its value is a size)
     expr: Any = None  # the SymInt's sympy expression
     user: bool = False  # a tensor the caller passes anew each step (copied in on graph replay)
+    scalar: bool = False  # a float Dynamo lifted to a 0-d tensor input, read only by `.item()`
 
 
 class _Bucket:
@@ -95,7 +117,8 @@ class K3Compiled:
         if self.symbol is None:  # a static graph: Dynamo already guards the exact batch size
             self.static_batch = self._static_batch(example_inputs)
             if self.static_batch != 0:  # an empty batch runs Dynamo's graph as eager would
-                self._compile_bucket((), example_inputs, self.static_batch)
+                self._compile_bucket(self._scalars(example_inputs), example_inputs,
+                                     self.static_batch)
 
     # ---- graph analysis ----------------------------------------------------------------------
 
@@ -107,14 +130,16 @@ class K3Compiled:
             self._examples.append(ex)
             if isinstance(ex, torch.SymInt):
                 out.append(_Input(i, node.name, False, True, ex.node.expr))
+            elif _lifted_float(node, ex):
+                out.append(_Input(i, node.name, False, False, scalar=True))
             else:
                 user = isinstance(ex, torch.Tensor) and not _is_module_state(node.name)
                 out.append(_Input(i, node.name, False, False, user=user))
         return out
 
     def _user_tensors(self):
-        return [inp for inp in self.inputs if not inp.symint and not _is_module_state(inp.name)
-                and isinstance(self._examples[inp.index], torch.Tensor)]
+        return [inp for inp in self.inputs if not inp.symint and not inp.scalar
+                and not _is_module_state(inp.name) and isinstance(self._examples[inp.index], torch.Tensor)]
 
     def _batch_symbol(self):
         users = self._user_tensors()
@@ -179,9 +204,30 @@ class K3Compiled:
                 return b
         return None
 
+    def _scalars(self, args) -> tuple[float, ...]:
+        """The lifted floats' values in this call (part of every bucket key)."""
+        return tuple(float(args[i.index]) for i in self.inputs if i.scalar)
+
+    def _with_scalars(self, key_scalars: tuple[float, ...]) -> fx.GraphModule:
+        """Dynamo's graph with each lifted float's `.item()` replaced by its value."""
+        scalars = [i for i in self.inputs if i.scalar]
+        if not scalars:
+            return self.gm
+        graph = fx.Graph()
+        graph.output(graph.graph_copy(self.gm.graph, {}))
+        placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+        for inp, value in zip(scalars, key_scalars):
+            for item in list(placeholders[inp.index].users):
+                item.replace_all_uses_with(value)  # type: ignore[arg-type]
+                graph.erase_node(item)
+        gm = fx.GraphModule(self.gm, graph)
+        gm.meta.update(self.gm.meta)
+        return gm
+
     def _compile_bucket(self, key: tuple, inputs: list, batch: int | None) -> _Bucket:
         user = frozenset(i.index for i in self.inputs if i.user)
-        fn = self.pipeline.compile(self.gm, list(inputs), batch, user_inputs=user)
+        gm = self._with_scalars(self._scalars(inputs))
+        fn = self.pipeline.compile(gm, list(inputs), batch, user_inputs=user)
         bucket = self.buckets[key] = _Bucket(fn, batch)
         return bucket
 
@@ -194,7 +240,9 @@ class K3Compiled:
         if self.symbol is None:
             if self.static_batch == 0:
                 return self.gm(*args)
-            return self._run(self.buckets[()], list(args), None, None)
+            key = self._scalars(args)
+            entry = self.buckets.get(key) or self._compile_bucket(key, list(args), self.static_batch)
+            return self._run(entry, list(args), None, None)
         batch = int(args[self._lead.index].shape[0])
         if batch == 0:  # nothing to compute: Dynamo's graph gives eager's empty result
             return self.gm(*args)
@@ -211,7 +259,8 @@ class K3Compiled:
                             "exactly (pass slots= to use buckets)", batch)
             bucket = batch
         padded = self._pad(args, batch, bucket)
-        key = (bucket, *(int(a) for a, inp in zip(padded, self.inputs) if inp.symint))
+        key = (bucket, *(int(a) for a, inp in zip(padded, self.inputs) if inp.symint),
+               *self._scalars(args))
         # other symbols (verify rows T, ...) are specialised to their run-time values
         entry = self.buckets.get(key) or self._compile_bucket(key, padded, bucket)
         return self._run(entry, padded, batch, bucket)

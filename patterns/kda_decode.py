@@ -6,7 +6,9 @@ SiLU in fp32, L2-normalised q (scaled) and k, the lower-bounded decay and β, th
 T tokens on the fp32 recurrent state gathered by `slots` and written back, the per-head RMSNorm
 and the sigmoid output gate. The recurrence is unrolled in the graph, so there is one variant per
 T in TOKENS, per batch 1 or more (size-1 dims change the graph) and per activation dtype (fp32
-models trace no casts). A T without a variant stays unfused and shows as a near miss.
+models trace no casts). Only the variants of the T a graph's KDA sites have are traced (`fits`:
+the short conv's output length is T); a T without a variant stays unfused, and its near miss
+says so.
 
 Before (T=1, ~75 ATen ops): cat, permute, index, cat, slice, index_put, cat, convert, convolution,
     neg, exp, add, div, convert, split, ... pow, sum, add, rsqrt, mul, ... exp, sigmoid, mul, exp,
@@ -23,13 +25,14 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch import fx
 
 from k3compile.math import delta_rule_step, l2norm, rms_norm
 from k3compile.rewrite import Pattern, tensor_meta, with_signature
 
-# Tokens per request with a variant: decode (1) and the DSpark verify block (anchor + 7 drafts).
-# Each T is its own pattern (~0.5 s of tracing per variant, once per process).
-TOKENS = (1, 8)
+# Tokens per request with a variant: decode (1) up to the DSpark verify block (anchor + 7 drafts).
+# Each T is its own pattern (~0.5 s of tracing per variant, once per process, for the T in use).
+TOKENS = tuple(range(1, 9))
 # Size-1 dims change the graph (einsum and index_put fold them), so batch 1 has its own variants.
 BATCHES = (1, 2)
 DTYPES = (torch.bfloat16, torch.float32)
@@ -139,6 +142,30 @@ def check(match) -> str | None:
     return None
 
 
+_rows_seen: list = [None, frozenset()]  # (graph, its sites' T): every variant asks of one graph
+
+
+def site_rows(graph: fx.Graph) -> frozenset[int]:
+    """T of each KDA site in the graph: its depthwise short conv's output length."""
+    if _rows_seen[0] is not graph:
+        vals = (n.meta.get("val") for n in graph.nodes
+                if n.target is torch.ops.aten.convolution.default)
+        _rows_seen[:] = graph, frozenset(int(v.shape[-1]) for v in vals
+                                         if isinstance(v, torch.Tensor) and v.dim() == 3)
+    return _rows_seen[1]
+
+
+def _fits(T: int):
+    def fits(graph: fx.Graph) -> str | None:
+        rows = site_rows(graph)
+        if T in rows:
+            return None
+        return (f"the KDA sites have T = {sorted(rows)} tokens per request; kda_decode unrolls "
+                f"its recurrence for T in {TOKENS[0]}..{TOKENS[-1]}" if rows
+                else "no short conv (a KDA site) in the graph")
+    return fits
+
+
 def _variant(T: int, B: int, dtype: torch.dtype, silu_written_out: bool = False) -> Pattern:
     def example_inputs():
         W = H * K
@@ -158,6 +185,7 @@ def _variant(T: int, B: int, dtype: torch.dtype, silu_written_out: bool = False)
         search=search, replace=replace,
         example_inputs=example_inputs, op="k3.kda_decode", check=check, scalars=dict(SCALARS),
         distinctive=("convolution", "index_put", "bmm", "rsqrt"), joint_passes=True,
+        fits=_fits(T),
     )
 
 

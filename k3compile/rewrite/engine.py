@@ -83,6 +83,10 @@ class Pattern:
     # or None. A refused site stays unfused for Inductor, as an op without a kernel does: the
     # op's reference would run eagerly (e.g. the experts dequantised op by op)
     kernel_refusal: Callable[[inductor.Match], str | None] | None = None
+    # why this variant cannot match anywhere in a graph, read off the graph before any tracing
+    # (e.g. a recurrence unrolled for another T), or None. Stage `fuse` leaves such variants
+    # untraced; where no variant of an op fits, the reason is its near miss
+    fits: Callable[[fx.Graph], str | None] | None = None
 
     @functools.cached_property
     def expr(self) -> inductor.PatternExpr:
@@ -183,6 +187,8 @@ def apply_patterns(graph: fx.Graph, patterns: Sequence[Pattern], batch: int | No
             continue
         if pattern.buckets and batch is not None and not pattern.buckets[0] <= batch <= pattern.buckets[1]:
             continue
+        if pattern.fits is not None and pattern.fits(graph) is not None:
+            continue  # cannot match here: left untraced
         anchors = pattern.anchors
         for node in reversed(list(graph.nodes)):
             if node.op != "call_function" or node.target not in anchors or not node.graph:

@@ -186,7 +186,7 @@ def check_contract(graph: fx.Graph, rewrites=None, strict: bool = False,
     if not report.met:
         msg = "k3 fusion contract not met: " + "; ".join(
             [f"layer {lr.layer} ({lr.template}) missing {lr.shortfall}"
-             for lr in layers if lr.shortfall]
+             + _why(lr, rewrites) for lr in layers if lr.shortfall]
             + [f"layer {i} is no K3 layer (no KDA or MLA attention found)"
                for i in report.unrecognised])
         if not report.found:
@@ -195,6 +195,21 @@ def check_contract(graph: fx.Graph, rewrites=None, strict: bool = False,
             raise ContractError(msg)
         log.warning(msg)
     return report
+
+
+def _why(lr: LayerReport, rewrites) -> str:
+    """The first near miss of a missing op's patterns in the layer (or of the whole graph): the
+    reason, so that the warning names one. A fusion built on another (fb_kda_decode on
+    kda_decode) is explained by the misses of the op it builds on."""
+    misses = getattr(rewrites, "near_misses", ())
+    for miss in misses:
+        family = miss.pattern.split("[")[0].split(" ")[0]
+        where = layer_index(miss.module) if miss.module else lr.layer
+        if where == lr.layer and any(op == family or op.endswith("_" + family)
+                                     for op in lr.shortfall):
+            reason = miss.reason if len(miss.reason) < 240 else miss.reason[:237] + "..."
+            return f" (near miss {miss.pattern}: {reason})"
+    return ""
 
 
 def format_contract(report: ContractReport, batch) -> str:

@@ -15,6 +15,7 @@ from torch import fx
 
 from k3compile import layers
 from k3compile.rewrite import apply_patterns
+from k3compile.rewrite.near_miss import NearMiss
 
 
 def fuse(gm: fx.GraphModule, ctx) -> fx.GraphModule:
@@ -24,16 +25,29 @@ def fuse(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     # the layers as the model computes them, before any fusion (the contract's plan), and why
     # each big fusion their structure calls for would not happen
     ctx.notes["layers"] = layers.find_layers(gm.graph)
-    probes = layers.probe_fusions(gm.graph, ctx.notes["layers"], all_patterns(),
+    patterns, unfit = fitting(gm.graph, all_patterns())
+    probes = layers.probe_fusions(gm.graph, ctx.notes["layers"], patterns,
                                   ctx.options.pattern_enabled, ctx.batch)
     deferred = deferral(gm.graph, ctx.options)
-    report = apply_patterns(gm.graph, all_patterns(), ctx.batch, ctx.options.pattern_enabled,
+    report = apply_patterns(gm.graph, patterns, ctx.batch, ctx.options.pattern_enabled,
                             deferred=deferred, kernels_only=deferred is not None)
-    report.near_misses += layers.unexplained(probes, gm.graph, report.near_misses,
-                                             report.deferred)
+    report.near_misses += unfit + layers.unexplained(probes, gm.graph, report.near_misses,
+                                                     report.deferred)
     ctx.report.merge(report)
     gm.recompile()
     return gm
+
+
+def fitting(graph: fx.Graph, patterns) -> tuple[list, list[NearMiss]]:
+    """The patterns that may match in `graph` (`Pattern.fits`; the others are never traced),
+    and a near miss for each op none of whose variants fits, with the first variant's reason."""
+    fit, unfit = [], {}
+    for p in patterns:
+        reason = p.fits(graph) if p.fits is not None else None
+        (unfit.setdefault(p.op, reason) if reason else fit.append(p))
+    ops = {p.op for p in fit}
+    return fit, [NearMiss(f"{op.split('.')[-1]} (every variant)", "", f"no variant fits: {reason}")
+                 for op, reason in unfit.items() if op not in ops]
 
 
 def deferral(graph: fx.Graph, options) -> Callable | None:

@@ -1,6 +1,7 @@
 """Stage `normalize`: the graph as the patterns expect to find it: dead code gone, and
 `add.Scalar(x, c)` (F.rms_norm's decomposition adds its eps so) as `add.Tensor(x, c)`, the form
-`h + eps` traces to and the patterns search for."""
+`h + eps` traces to and the patterns search for. Runtime asserts that the bucket's concrete sizes
+already decided (`_assert_scalar(True, ...)`, left by an unbacked batch symbol) go too."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from torch import fx
 
 
 def normalize(gm: fx.GraphModule, ctx) -> fx.GraphModule:
+    drop_decided_asserts(gm.graph)
     gm.graph.eliminate_dead_code()
     scalar_adds_as_tensor_adds(gm.graph)
     gm.recompile()
@@ -21,3 +23,11 @@ def scalar_adds_as_tensor_adds(graph: fx.Graph) -> None:
         if (node.target is torch.ops.aten.add.Scalar and len(node.args) == 2 and not node.kwargs
                 and isinstance(node.args[1], float)):
             node.target = torch.ops.aten.add.Tensor
+
+
+def drop_decided_asserts(graph: fx.Graph) -> None:
+    """`_assert_scalar(True, msg)`: a size check (e.g. `u0 >= 0` on an unbacked batch) that the
+    bucket's concrete batch already proved; it computes nothing and has no value to propagate."""
+    for node in list(graph.nodes):
+        if node.target is torch.ops.aten._assert_scalar.default and node.args[0] is True:
+            graph.erase_node(node)

@@ -24,6 +24,7 @@ from k3compile.observe import Observer, StageEvent
 from k3compile.rewrite import near_miss
 from k3compile.rewrite.near_miss import op_label
 from k3compile.stages.contract import NEUTRAL, layer_templates
+from k3compile.stages.fuse import fitting
 from k3compile.tools.diff.layers import (
     OUTSIDE,
     drawing,
@@ -147,7 +148,8 @@ def _probe_shortfalls(plan, misses, graph: fx.Graph, options, bucket) -> None:
         return (lr is not None and not set(lr.shortfall).isdisjoint(ops)
                 and not any(m.family in ops for m in misses[i]))
 
-    for p in k3layers.probe_fusions(graph, k3layers.find_layers(graph), all_patterns(),
+    fit, _ = fitting(graph, all_patterns())
+    for p in k3layers.probe_fusions(graph, k3layers.find_layers(graph), fit,
                                     options.pattern_enabled, bucket, wanted):
         nm = p.miss
         misses[p.layer].append(Miss(p.layer, nm.module, nm.node, nm.pattern, nm.reason, nm.kind,
