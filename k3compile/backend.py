@@ -77,6 +77,17 @@ def _lifted_float(node: fx.Node, example) -> bool:
             and all(u.op == "call_method" and u.target == "item" for u in node.users))
 
 
+def _fallback_line() -> str | None:
+    """The CUDA calls of this process that a kernel refused and ran the torch reference, by op
+    and reason (kernels/common/dsl.py counts them), or None."""
+    from k3compile.kernels.common.dsl import fallback_counts  # kernels import no stage: lazily
+
+    if counts := fallback_counts():
+        return "reference fallbacks: " + ", ".join(
+            f"{op} ({reason}) x {n}" for (op, reason), n in sorted(counts.items()))
+    return None
+
+
 @dataclasses.dataclass
 class _Input:
     index: int
@@ -326,4 +337,6 @@ class K3Compiled:
             lines.append("weights, by bucket compiled: " + "; ".join(packs))
         if self.guards:
             lines.append("bucket guards: " + ", ".join(f"{b}: {g}" for b, g in self.guards.items()))
+        if fell := _fallback_line():
+            lines.append(fell)
         return "\n".join(lines)

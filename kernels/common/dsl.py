@@ -7,7 +7,7 @@
 * `CompileCache`: `cute.compile` is slow, uncached on disk and not thread-safe, so every kernel
   keeps one in-process cache keyed by scalars (dtype, sizes, config), through `launch.Kernel`.
 * `fallback(op, reason)`: the one place that logs why a CUDA call went to the torch reference
-  (`launch.Kernel.run` calls it).
+  (`launch.Kernel.run` calls it) and counts it (`fallback_counts()`, shown by `summary()`).
 * `pdl_enabled(rows)` (settings.KERNELS.pdl / .pdl_max_rows), `pdl_launch_dependents(on)`,
   `pdl_wait(on)`: programmatic dependent launch between our kernels (below).
 * `flat_rows(fn)`, `on_stream(fn)`: what wraps a kernel function into an op's CUDA implementation
@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+from collections import Counter
 from collections.abc import Callable, Hashable
 
 import torch
@@ -181,16 +182,29 @@ def ptx_of(compiled) -> str | None:
     return getattr(getattr(compiled, "artifacts", None), "PTX", None)
 
 
-_refused: set[tuple[str, str]] = set()
+_fallbacks: Counter[tuple[str, str]] = Counter()  # (op, reason) -> calls that ran the reference
 
 
 def fallback(op: str, reason: str) -> None:
-    """Log (once per distinct reason) that a CUDA call of `op` runs the torch reference instead."""
-    if (op, reason) not in _refused:
-        _refused.add((op, reason))
+    """Count a CUDA call of `op` that runs the torch reference instead, and log it (a warning
+    once per distinct reason, debug after)."""
+    _fallbacks[op, reason] += 1
+    if _fallbacks[op, reason] == 1:
         log.warning("k3::%s: CuTe kernel refused (%s); running the torch reference", op, reason)
     else:
         log.debug("k3::%s: fallback (%s)", op, reason)
+
+
+def fallback_counts() -> dict[tuple[str, str], int]:
+    """(op, reason) -> how many calls of this process ran the torch reference for that reason.
+    Counted where the choice is made, in Python: a CUDA-graph replay repeats its capture's
+    launches without passing here, so a captured fallback counts once per capture."""
+    return dict(_fallbacks)
+
+
+def reset_fallback_counts() -> None:
+    """Forget the counts (and log the next fallback of each reason as a warning again)."""
+    _fallbacks.clear()
 
 
 def runtime_refusal() -> str | None:
