@@ -41,6 +41,7 @@ SWITCHES: dict[str, tuple[str, str]] = {
     "K3_KERNELS_SKIP": ("kernels: leave these kernels unregistered (their sites go to Inductor)",
                         ""),
     "K3_ALLREDUCE": ("kernels: force the TP all-reduce (`one_shot`, `two_shot`, `nccl`)", ""),
+    "K3_QUIET": ("no compile progress on stderr (buckets, stages, kernels built)", "0"),
     "K3_COLLECTIVE_TIMEOUT": ("tests: seconds the multi-process collective test waits", "150"),
 }
 
@@ -197,6 +198,11 @@ class KernelSettings:
 
 
 KERNELS = KernelSettings.from_env()
+
+
+def quiet() -> bool:
+    """K3_QUIET=1: the backend shows no compile progress (read at each compile)."""
+    return bool(env_bool("K3_QUIET"))
 
 
 def fingerprint(options: Options) -> str:
