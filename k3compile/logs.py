@@ -19,14 +19,13 @@ which a program that configures `logging` itself, or pytest's caplog, would not 
 (`register`, from k3compile/observe.py), so `set_logs` takes them in process. A source tree used through PYTHONPATH has no
 entry point: there `TORCH_LOGS=+k3compile` (a module name) works instead.
 
-This module imports only the standard library at import time: torch calls the entry point while
-`import torch` is still running.
+This module imports only the standard library at import time (and `k3compile.settings`, which
+does too, in the entry point): torch calls the entry point while `import torch` is running.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import re
 from typing import TYPE_CHECKING, Any
 
@@ -66,7 +65,9 @@ def torch_entry_point() -> None:
     parses TORCH_LOGS: registers where TORCH_LOGS names a k3 log or artifact. Never raises:
     torch's import would fail with it."""
     try:
-        if names_k3(os.environ.get("TORCH_LOGS", "")):
+        from k3compile.settings import torch_env
+
+        if names_k3(torch_env("TORCH_LOGS") or ""):
             register()
     except Exception as e:  # noqa: BLE001
         logging.getLogger(LOGGER).warning("k3: TORCH_LOGS names not registered: %s", e)

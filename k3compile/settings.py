@@ -211,6 +211,11 @@ def fingerprint(options: Options) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def torch_env(name: str) -> str | None:
+    """A variable torch itself reads (e.g. TORCH_LOGS, whose k3 names k3compile.logs registers)."""
+    return os.environ.get(name)
+
+
 def torch_env_default(name: str, value: str) -> None:
     """Set a torch environment variable unless the user did (e.g. symmetric memory's
     TORCH_SYMM_MEM_DISABLE_MULTICAST, which the collectives need off on lent machines)."""
