@@ -16,8 +16,10 @@ registers there (`torch_entry_point`) when TORCH_LOGS names a k3 log. Only then:
 setup makes every registered logger stop propagating to the root logger (it prints them itself),
 which a program that configures `logging` itself, or pytest's caplog, would not expect of
 `k3compile` when it asked torch for nothing. Otherwise importing the backend registers the names
-(`register`, from k3compile/observe.py), so `set_logs` takes them in process. A source tree used through PYTHONPATH has no
-entry point: there `TORCH_LOGS=+k3compile` (a module name) works instead.
+(`register`, from k3compile/observe.py), so `set_logs` takes them in process. A source tree
+used through PYTHONPATH has no entry point: there `set_logs` after importing the backend is the
+way (`TORCH_LOGS=+k3compile`, a module name, would import every module under the package
+inside torch's import).
 
 This module imports only the standard library at import time (and `k3compile.settings`, which
 does too, in the entry point): torch calls the entry point while `import torch` is running.
