@@ -335,6 +335,10 @@ class K3Compiled:
         packs = [f"{b}: {n['pack']}" for b, n in self.observer.notes.items() if "pack" in n]
         if packs:  # stage `pack`: the fused groups' weights stored as one buffer each
             lines.append("weights, by bucket compiled: " + "; ".join(packs))
+        if self.options.verify:  # K3_VERIFY: what stage `verify` checked and reverted
+            lines.append("verify, by bucket compiled: " + "; ".join(
+                f"{b}: {r.verified} rewrites verified, {len(r.reverted)} reverted"
+                for b, r in self.observer.reports.items()))
         if self.guards:
             lines.append("bucket guards: " + ", ".join(f"{b}: {g}" for b, g in self.guards.items()))
         if fell := _fallback_line():

@@ -2,7 +2,8 @@
 before/after, a printed copy of the graph and the rewrite report, per bucket. The fusion
 contract reads what it records; tools subscribe to it (`Observer.subscribe`) to see every
 stage as it runs, e.g. the graph a bucket enters the pipeline with (the stages rewrite it in
-place)."""
+place). It also hands each stage's graphs and rewrites to torch's logging (`k3compile.logs`:
+TORCH_LOGS artifacts k3_graphs / k3_fusion, TORCH_TRACE)."""
 
 from __future__ import annotations
 
@@ -14,14 +15,17 @@ import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, ClassVar
 
+import torch
 from torch import fx
 
+from k3compile import logs
 from k3compile.rewrite import RewriteReport
 
 if TYPE_CHECKING:
     from k3compile.stages import Context
 
 log = logging.getLogger("k3compile")
+logs.register()  # the names TORCH_LOGS and set_logs take ("k3", "k3_fusion", ...)
 
 
 @dataclasses.dataclass
@@ -68,6 +72,9 @@ class Observer:
         self.reports: dict[int | None, RewriteReport] = {}
         self.notes: dict[int | None, dict[str, Any]] = {}  # what each stage reported, by bucket
         self.graphs: dict[int | None, fx.Graph] = {}  # the final graph of each bucket
+        # Dynamo's compile of the frame (the backend makes its observer inside it); buckets
+        # compile later, outside it, and their structured logs name this one
+        self.compile_id = torch._guards.CompileContext.current_compile_id()
 
     @classmethod
     @contextlib.contextmanager
@@ -86,7 +93,10 @@ class Observer:
             listener(event)
 
     def run(self, name: str, stage: Callable, gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
-        self._notify(StageEvent(self, ctx.batch, name, gm, first=not self.records.get(ctx.batch)))
+        first = not self.records.get(ctx.batch)
+        if first:
+            logs.stage_graph(name, "before", gm, ctx, None, self.compile_id)
+        self._notify(StageEvent(self, ctx.batch, name, gm, first=first))
         before = op_histogram(gm.graph)
         t0 = time.perf_counter()
         gm = stage(gm, ctx) or gm
@@ -96,6 +106,8 @@ class Observer:
         self.records[ctx.batch].append(record)
         self._notify(StageEvent(self, ctx.batch, name, gm, record))
         log.debug("stage %s (batch %s): %.3fs", name, ctx.batch, seconds)
+        logs.stage_graph(name, "after", gm, ctx, seconds, self.compile_id, text or None)
+        logs.stage_report(name, ctx, self.compile_id)
         return gm
 
     def stage(self, name: str, batch: int | None = None) -> StageRecord:

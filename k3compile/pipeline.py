@@ -13,7 +13,8 @@ that switches it (`SWITCHED_BY`) is false. Stage functions never decide whether 
 stage lives in `k3compile/stages/<module>.py` and is a plain `(gm, Context) -> gm` function.
 
 An `Observer` wraps every stage: wall time, op histogram before/after, a printed copy of the graph,
-and the rewrite report. The graph-diff tool and the fusion contract read what it records.
+and the rewrite report. The graph-diff tool and the fusion contract read what it records. A
+`BucketProgress` (k3compile/progress.py) shows each bucket's compile and first run on stderr.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 from torch import fx
 
 from k3compile.observe import Observer
+from k3compile.progress import BucketProgress
 from k3compile.rewrite import inductor
 from k3compile.settings import Options
 from k3compile.stages import Context
@@ -119,9 +121,11 @@ class Pipeline:
 
         patches = {"fx_graph_cache": False, "emulate_precision_casts": True,
                    **inductor.GRAPH_PASSES_OFF}  # see there: Inductor's pattern passes off
-        with torch._functorch.config.patch(enable_autograd_cache=False):
-            return inductor.compile_fx(gm, example_inputs, inner_compile=inner_compile,
-                                       config_patches=patches)
+        progress = BucketProgress(self.observer, ctx, [name for name, _ in self.stages])
+        with progress.compiling(), torch._functorch.config.patch(enable_autograd_cache=False):
+            fn = inductor.compile_fx(gm, example_inputs, inner_compile=inner_compile,
+                                     config_patches=patches)
+        return progress.first_run(fn)  # on a GPU the first run builds the kernels
 
 
 __all__ = ["STAGES", "SWITCHED_BY", "Context", "Pipeline", "Stage", "stages"]

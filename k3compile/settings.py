@@ -41,6 +41,7 @@ SWITCHES: dict[str, tuple[str, str]] = {
     "K3_KERNELS_SKIP": ("kernels: leave these kernels unregistered (their sites go to Inductor)",
                         ""),
     "K3_ALLREDUCE": ("kernels: force the TP all-reduce (`one_shot`, `two_shot`, `nccl`)", ""),
+    "K3_QUIET": ("no compile progress on stderr (buckets, stages, kernels built)", "0"),
     "K3_COLLECTIVE_TIMEOUT": ("tests: seconds the multi-process collective test waits", "150"),
     "K3_MOONSHOT_DIR": ("`k3compile.adapt`: folder holding Moonshot's modeling files", ""),
 }
@@ -200,10 +201,20 @@ class KernelSettings:
 KERNELS = KernelSettings.from_env()
 
 
+def quiet() -> bool:
+    """K3_QUIET=1: the backend shows no compile progress (read at each compile)."""
+    return bool(env_bool("K3_QUIET"))
+
+
 def fingerprint(options: Options) -> str:
     """One digest of the compile options and the process's kernel settings."""
     text = repr(sorted(dataclasses.asdict(options).items())) + repr(KERNELS.fingerprint())
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def torch_env(name: str) -> str | None:
+    """A variable torch itself reads (e.g. TORCH_LOGS, whose k3 names k3compile.logs registers)."""
+    return os.environ.get(name)
 
 
 def torch_env_default(name: str, value: str) -> None:

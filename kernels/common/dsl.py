@@ -6,6 +6,8 @@
 * `bucket(n)`: the batch bucket (1, 2, 4, ..., 64) whose launch config a row count uses.
 * `CompileCache`: `cute.compile` is slow, uncached on disk and not thread-safe, so every kernel
   keeps one in-process cache keyed by scalars (dtype, sizes, config), through `launch.Kernel`.
+* `watch_builds(listener)`: tells `listener(name, seconds)` of every `cute.compile` while open
+  (the backend's progress display counts kernel builds so; this layer knows nothing of it).
 * `fallback(op, reason)`: the one place that logs why a CUDA call went to the torch reference
   (`launch.Kernel.run` calls it) and counts it (`fallback_counts()`, shown by `summary()`).
 * `pdl_enabled(rows)` (settings.KERNELS.pdl / .pdl_max_rows), `pdl_launch_dependents(on)`,
@@ -17,11 +19,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import threading
+import time
 from collections import Counter
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 
 import torch
 
@@ -133,6 +137,21 @@ class CompileCache:
         self._entries.clear()
 
 
+BuildListener = Callable[[str, float], None]
+_build_listeners: list[BuildListener] = []
+
+
+@contextlib.contextmanager
+def watch_builds(listener: BuildListener) -> Iterator[BuildListener]:
+    """Call `listener(kernel name, seconds)` after every kernel build (`compile_kernel`) of this
+    process while the block is open."""
+    _build_listeners.append(listener)
+    try:
+        yield listener
+    finally:
+        _build_listeners.remove(listener)
+
+
 def compile_kernel(host, *args, arch: str | None = None, dump_dir: str | None = None):
     """cute.compile with the options every kernel uses. `arch` (e.g. "sm_90a") overrides the
     target, as CUTE_DSL_ARCH does; with neither, a machine without a GPU silently targets sm_100a.
@@ -145,7 +164,12 @@ def compile_kernel(host, *args, arch: str | None = None, dump_dir: str | None = 
         options.append(f"--gpu-arch={arch}")
     if dump_dir:
         options += ["--keep-cubin", "--keep-ptx", f"--dump-dir={dump_dir}"]
-    return cute.compile(host, *args, options=" ".join(options))
+    t0 = time.perf_counter()
+    compiled = cute.compile(host, *args, options=" ".join(options))
+    name = getattr(host, "__name__", None) or type(host).__name__
+    for listener in _build_listeners:
+        listener(name, time.perf_counter() - t0)
+    return compiled
 
 
 def fake_stream():
