@@ -9,7 +9,7 @@ asks `fetch` below its in-process cache.
 Route: the DSL's own export. With TVM-FFI (how every kernel launches) the in-process compiled
 function is already an object file linked by JITLink, whose `__tvm_ffi_<name>` symbol becomes a
 `tvm_ffi.Function`; `export_to_c` writes that object (host launch code, launch config, PDL
-attribute and the cubin inside, the entry symbol renamed), and `cutlass.cute.runtime.load_module`
+attribute and the cubin inside, the entry symbol renamed to one per key), and `cutlass.cute.runtime.load_module`
 links it again the same way. So the warm process runs the very binary the cold one built, through
 public DSL API. The alternatives were weaker: a cubin plus a launcher of ours (`cuModuleLoadData`
 + `cuLaunchKernelEx`) would re-implement the DSL's host code (argument packing, cluster and PDL
@@ -57,7 +57,6 @@ from .dsl import compile_options, have_dsl, have_tvm_ffi, log
 
 FORMAT = 1
 MAGIC = b"K3KERNEL\n"
-SYMBOL = "k3_kernel"
 PACKAGE = Path(__file__).resolve().parent.parent  # kernels/
 
 # what this process did: loaded, built, stored, rebuilt (bad entries), unstored (not storable)
@@ -84,7 +83,7 @@ def fetch(op: str, key: Hashable, build: Callable[[], object], *, arch: str | No
     path = entry_path(folder, op, text)
     if path.exists():
         try:
-            compiled = load(read_entry(path, text))
+            compiled = load(read_entry(path, text), symbol(text))
             STATS["loaded"] += 1
             log.debug("k3::%s: loaded %s from %s", op, key, path)
             return compiled
@@ -102,7 +101,7 @@ def fetch(op: str, key: Hashable, build: Callable[[], object], *, arch: str | No
 def store(path: Path, text: str, compiled, op: str) -> bool:
     """Write `compiled`'s entry (False: not exportable, or the folder is not writable)."""
     try:
-        payload = export(compiled)
+        payload = export(compiled, symbol(text))
         if payload is not None:
             write_entry(path, text, payload)
             STATS["stored"] += 1
@@ -129,6 +128,11 @@ def key_text(op: str, key: Hashable, arch: str | None, module: str) -> str | Non
 
 def entry_path(folder: Path, op: str, text: str) -> Path:
     return folder / op / f"{hashlib.sha256(text.encode()).hexdigest()}.k3kernel"
+
+
+def symbol(text: str) -> str:
+    """The exported entry symbol: one per key, so no two loaded kernels share a name."""
+    return f"k3_{hashlib.sha256(text.encode()).hexdigest()[:24]}"
 
 
 def dsl_settings() -> str:
@@ -214,7 +218,7 @@ def flavour() -> str:
     return "tvm_ffi" if have_tvm_ffi() else "c"
 
 
-def export(compiled) -> bytes | None:
+def export(compiled, name: str) -> bytes | None:
     """The object file of a compiled kernel (None: not a DSL function, or not loadable as one)."""
     from cutlass.base_dsl.jit_executor import JitCompiledFunction
 
@@ -227,10 +231,10 @@ def export(compiled) -> bytes | None:
         return None
     if flavour() == "c":
         _link_runtime()
-        return compiled.dump_to_object(SYMBOL)
+        return compiled.dump_to_object(name)
     with tempfile.TemporaryDirectory(prefix="k3-export-") as tmp:
         out = os.path.join(tmp, "kernel.o")
-        compiled.export_to_c(out, function_name=SYMBOL)
+        compiled.export_to_c(out, function_name=name)
         return Path(out).read_bytes()
 
 
@@ -246,7 +250,7 @@ def _link_runtime() -> None:
         ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
 
 
-def load(payload: bytes):
+def load(payload: bytes, name: str):
     """Link an exported object file again (the DSL's loader reads it from a path)."""
     from cutlass.cute.runtime import load_module
 
@@ -254,7 +258,7 @@ def load(payload: bytes):
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(payload)
-        return load_module(path, enable_tvm_ffi=flavour() == "tvm_ffi")[SYMBOL]
+        return load_module(path, enable_tvm_ffi=flavour() == "tvm_ffi")[name]
     finally:
         os.unlink(path)
 

@@ -73,6 +73,10 @@ def key_text(key=KEY, arch=ARCH, module=rms_norm.__name__):
     return disk_cache.key_text("rms_norm", key, arch, module)
 
 
+def exported(compiled) -> bytes:
+    return disk_cache.export(compiled, disk_cache.symbol(key_text()))
+
+
 def entries(folder: Path) -> list[Path]:
     return sorted(folder.rglob("*.k3kernel"))
 
@@ -96,7 +100,7 @@ def test_a_kernel_is_stored_then_loaded_instead_of_compiled(cache_dir, cold):
     [entry] = entries(cache_dir)
     assert entry == disk_cache.entry_path(cache_dir / "kernels", "rms_norm", key_text())
     payload = disk_cache.read_entry(entry, key_text())
-    assert payload == disk_cache.export(compiled), "stored: what the cold compile exports"
+    assert payload == exported(compiled), "stored: what the cold compile exports"
     assert cold[1] in payload, "the stored object carries the cold compile's cubin"
 
     again = Kernel("rms_norm", counted(rms_norm.build, builds)).compiled(DIM, CFG, arch=ARCH,
@@ -105,6 +109,20 @@ def test_a_kernel_is_stored_then_loaded_instead_of_compiled(cache_dir, cold):
     assert disk_cache.stats() == {"built": 1, "stored": 1, "loaded": 1}
     assert type(again).__name__ == loaded_type()
     assert entries(cache_dir) == [entry], "no temporary file left behind"
+    if not have_tvm_ffi():  # a JitCompiledFunction names its kernels; a tvm_ffi.Function not
+        assert again.kernel_info == compiled.kernel_info
+
+
+@pytest.mark.skipif(have_tvm_ffi(), reason="a tvm_ffi.Function does not name its kernels")
+def test_kernels_loaded_in_one_process_stay_apart(cache_dir):
+    """Each entry exports its own symbol: two kernels loaded together are each their own."""
+    kernel, dims = Kernel("rms_norm", rms_norm.build), (DIM, 2 * DIM)
+    cold = [kernel.compiled(d, rms_norm.config(d, 1), arch=ARCH, pdl=False) for d in dims]
+    kernel = Kernel("rms_norm", rms_norm.build)
+    warm = [kernel.compiled(d, rms_norm.config(d, 1), arch=ARCH, pdl=False) for d in dims]
+    assert disk_cache.stats() == {"built": 2, "stored": 2, "loaded": 2}
+    assert cold[0].kernel_info != cold[1].kernel_info
+    assert [w.kernel_info for w in warm] == [c.kernel_info for c in cold]
 
 
 WORKER = """
@@ -182,7 +200,7 @@ def test_an_entry_whose_object_does_not_link_is_rebuilt(cache_dir, cold, caplog)
         got = disk_cache.fetch("rms_norm", KEY, lambda: compiled, arch=ARCH,
                                module=rms_norm.__name__)
     assert got is compiled and "rebuilding" in caplog.text
-    assert disk_cache.read_entry(path, text) == disk_cache.export(compiled)
+    assert disk_cache.read_entry(path, text) == exported(compiled)
 
 
 def test_read_entry_accepts_only_its_own_key(cache_dir, cold):
