@@ -98,7 +98,7 @@ def parse_cache_dir(value: str | None) -> str | None:
     if v.lower() in _FALSE[:-1]:
         return None
     if v:
-        return os.path.expanduser(v)
+        return os.path.abspath(os.path.expanduser(v))
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "k3compile")
 

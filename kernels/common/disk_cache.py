@@ -43,6 +43,7 @@ import ast
 import functools
 import hashlib
 import json
+import logging
 import os
 import platform
 import sys
@@ -107,9 +108,15 @@ def store(path: Path, text: str, compiled, op: str) -> bool:
             STATS["stored"] += 1
             return True
     except Exception as e:  # noqa: BLE001 - a cache that cannot write only costs time
-        log.warning("k3::%s: kernel not cached (%s: %s)", op, type(e).__name__, e)
+        why = f"{type(e).__name__}: {e}"
+        log.log(logging.DEBUG if why in _unwritable else logging.WARNING,
+                "k3::%s: kernel not cached (%s)", op, why)
+        _unwritable.add(why)
     STATS["unstored"] += 1
     return False
+
+
+_unwritable: set[str] = set()  # reasons already logged as warnings (a read-only folder: once)
 
 
 # ---- key ---------------------------------------------------------------------------------------

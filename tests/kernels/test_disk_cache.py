@@ -49,6 +49,7 @@ def cache_dir(tmp_path, monkeypatch):
     """A fresh cache folder and fresh counters for this test."""
     monkeypatch.setattr(settings.KERNELS, "cache_dir", str(tmp_path / "k3cache"))
     monkeypatch.setattr(disk_cache, "STATS", Counter())
+    monkeypatch.setattr(disk_cache, "_unwritable", set())
     return tmp_path / "k3cache"
 
 
@@ -232,11 +233,17 @@ def test_an_unwritable_folder_only_costs_the_cache(tmp_path, cold, monkeypatch, 
     blocker.write_text("not a folder")
     monkeypatch.setattr(settings.KERNELS, "cache_dir", str(blocker))
     monkeypatch.setattr(disk_cache, "STATS", Counter())
+    monkeypatch.setattr(disk_cache, "_unwritable", set())
     with caplog.at_level(logging.WARNING, "k3compile.kernels"):
         got = disk_cache.fetch("rms_norm", KEY, lambda: cold[0], arch=ARCH,
                                module=rms_norm.__name__)
     assert got is cold[0] and "not cached" in caplog.text
     assert blocker.read_text() == "not a folder"
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, "k3compile.kernels"):
+        disk_cache.fetch("rms_norm", KEY, lambda: cold[0], arch=ARCH, module=rms_norm.__name__)
+    assert caplog.text == "", "the same reason is a warning once"
+    assert disk_cache.stats() == {"built": 2, "unstored": 2}
 
 
 def test_results_that_are_not_dsl_functions_pass_through(cache_dir):
@@ -266,6 +273,7 @@ def test_the_switch(monkeypatch, tmp_path):
     for off in ("0", "off", "False", "no"):
         assert settings.parse_cache_dir(off) is None
     assert settings.parse_cache_dir("~/k3") == os.path.expanduser("~/k3")
+    assert settings.parse_cache_dir("rel") == os.path.join(os.getcwd(), "rel")
     monkeypatch.setenv("K3_CACHE_DIR", str(tmp_path / "here"))
     assert settings.KernelSettings.from_env().cache_dir == str(tmp_path / "here")
 
