@@ -9,14 +9,15 @@ asks `fetch` below its in-process cache.
 Route: the DSL's own export. With TVM-FFI (how every kernel launches) the in-process compiled
 function is already an object file linked by JITLink, whose `__tvm_ffi_<name>` symbol becomes a
 `tvm_ffi.Function`; `export_to_c` writes that object (host launch code, launch config, PDL
-attribute and the cubin inside, the entry symbol renamed to one per key), and `cutlass.cute.runtime.load_module`
-links it again the same way. So the warm process runs the very binary the cold one built, through
-public DSL API. The alternatives were weaker: a cubin plus a launcher of ours (`cuModuleLoadData`
-+ `cuLaunchKernelEx`) would re-implement the DSL's host code (argument packing, cluster and PDL
-launch attributes, the TVM-FFI tensor checks) and drift from it; a pickled JIT function holds an
-MLIR module and a live execution engine, which do not pickle. Without TVM-FFI (a CPU machine
-with the DSL only) the object comes from `dump_to_object` and loads as a `JitCompiledFunction`:
-nothing launches that way, but the cache logic is the same there (CI tests it).
+attribute and the cubin inside, the entry symbol renamed to one per key), and
+`cutlass.cute.runtime.load_module` links it again the same way. So the warm process runs the very
+binary the cold one built, through public DSL API. The alternatives were weaker: a cubin plus a
+launcher of ours (`cuModuleLoadData` + `cuLaunchKernelEx`) would re-implement the DSL's host code
+(argument packing, cluster and PDL launch attributes, the TVM-FFI tensor checks) and drift from
+it; a pickled JIT function holds an MLIR module and a live execution engine, which do not
+pickle. Without TVM-FFI (a CPU machine with the DSL only) the object comes from
+`dump_to_object` and loads as a `JitCompiledFunction`: nothing launches that way, but the cache
+logic is the same there (CI tests it).
 
 Key (the entry's file name is its sha256): the op and its compile key (scalars, arch, PDL,
 build options), the sources of the kernel's module and of every `kernels/` module it imports,
@@ -152,14 +153,19 @@ def dsl_settings() -> str:
 
 @functools.cache
 def toolchain() -> dict[str, object]:
-    from importlib.metadata import distributions, version
+    """Versions of what builds and links the binary (the DSL's packages, also where they are
+    only on the path without metadata), TVM-FFI, torch and CUDA, and the host's machine type."""
+    from importlib.metadata import distributions
 
+    import cutlass
     import torch
 
     dsl = sorted(f"{d.metadata['Name']}=={d.version}" for d in distributions()
                  if (d.metadata["Name"] or "").lower().startswith("nvidia-cutlass-dsl"))
-    return {"dsl": dsl, "tvm_ffi": version("apache-tvm-ffi") if have_tvm_ffi() else None,
-            "torch": torch.__version__, "cuda": torch.version.cuda, "host": platform.machine()}
+    tvm_ffi = sys.modules["tvm_ffi"].__version__ if have_tvm_ffi() else None
+    return {"dsl": [f"cutlass=={getattr(cutlass, '__version__', '?')}", *dsl],
+            "tvm_ffi": tvm_ffi, "torch": torch.__version__, "cuda": torch.version.cuda,
+            "host": platform.machine()}
 
 
 @functools.cache
