@@ -11,8 +11,9 @@ temporary folder): K3_CACHE_DIR (compiled CuTe DSL kernels) and TORCHINDUCTOR_CA
 (`torch.compile(stack, backend=k3, dynamic=False, options={"cuda_graphs": False})`, timed up to
 the end of its first call) from one state snapshot. Pass 1 (cold) fills the caches, pass 2
 (warm) is what a restarted server pays. Per bucket: seconds, kernels built / loaded from the
-cache, Inductor FX-graph cache hits, and a digest of the outputs; the warm pass must build no
-kernel and give bitwise the outputs of the cold one (exit status 1 otherwise).
+cache and the seconds that took, Inductor FX-graph cache hits, and a digest of the outputs;
+the warm pass must build no kernel and give bitwise the outputs of the cold one (exit status 1
+otherwise).
 Writes compile_time.json under --out.
 """
 
@@ -85,6 +86,7 @@ def run_pass(args) -> dict:
             inputs = yardstick.make_inputs(model, bucket, args.context, gen)
             yardstick.restore(bufs, start)
             kernels0, graphs0 = disk_cache.stats(), yardstick._cache_counters()
+            kernel_s0 = disk_cache.seconds()
             t0 = time.perf_counter()
             outputs = torch.compile(stack, backend=backend, dynamic=False, options=options)(
                 *inputs)
@@ -93,6 +95,7 @@ def run_pass(args) -> dict:
         result["buckets"].append({
             "name": bucket.name, "compile_s": round(seconds, 2),
             "kernels": _delta(disk_cache.stats(), kernels0),
+            "kernel_s": _delta(disk_cache.seconds(), kernel_s0),
             "fx_graph_cache": yardstick._cache_counters(graphs0),
             "outputs_sha256": digest(outputs)})
         print(f"{args.which} {bucket.name}: {seconds:.1f} s, kernels "
@@ -103,7 +106,7 @@ def run_pass(args) -> dict:
 
 
 def _delta(now: dict, before: dict) -> dict:
-    return {k: v - before.get(k, 0) for k, v in now.items() if v - before.get(k, 0)}
+    return {k: round(v - before.get(k, 0), 2) for k, v in now.items() if v - before.get(k, 0)}
 
 
 def digest(outputs) -> str:

@@ -41,6 +41,7 @@ stored.
 from __future__ import annotations
 
 import ast
+import contextlib
 import functools
 import hashlib
 import json
@@ -49,6 +50,7 @@ import os
 import platform
 import sys
 import tempfile
+import time
 from collections import Counter
 from collections.abc import Callable, Hashable
 from pathlib import Path
@@ -61,8 +63,10 @@ FORMAT = 1
 MAGIC = b"K3KERNEL\n"
 PACKAGE = Path(__file__).resolve().parent.parent  # kernels/
 
-# what this process did: loaded, built, stored, rebuilt (bad entries), unstored (not storable)
+# what this process did: loaded, built, stored, rebuilt (bad entries), unstored (not storable);
+# and the seconds it spent loading and building kernels
 STATS: Counter[str] = Counter()
+SECONDS: Counter[str] = Counter()
 
 
 class BadEntry(Exception):
@@ -85,7 +89,8 @@ def fetch(op: str, key: Hashable, build: Callable[[], object], *, arch: str | No
     path = entry_path(folder, op, text)
     if path.exists():
         try:
-            compiled = load(read_entry(path, text), symbol(text))
+            with _timed("load"):
+                compiled = load(read_entry(path, text), symbol(text))
             STATS["loaded"] += 1
             log.debug("k3::%s: loaded %s from %s", op, key, path)
             return compiled
@@ -94,10 +99,20 @@ def fetch(op: str, key: Hashable, build: Callable[[], object], *, arch: str | No
                         type(e).__name__, e)
             STATS["rebuilt"] += 1
             path.unlink(missing_ok=True)
-    compiled = build()
+    with _timed("build"):
+        compiled = build()
     STATS["built"] += 1
     store(path, text, compiled, op)
     return compiled
+
+
+@contextlib.contextmanager
+def _timed(what: str):
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        SECONDS[what] += time.perf_counter() - t0
 
 
 def store(path: Path, text: str, compiled, op: str) -> bool:
@@ -314,3 +329,8 @@ def read_entry(path: Path, text: str) -> bytes:
 
 def stats() -> dict[str, int]:
     return dict(STATS)
+
+
+def seconds() -> dict[str, float]:
+    """Seconds this process spent building and loading kernels through the cache."""
+    return dict(SECONDS)

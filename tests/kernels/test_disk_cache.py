@@ -49,6 +49,7 @@ def cache_dir(tmp_path, monkeypatch):
     """A fresh cache folder and fresh counters for this test."""
     monkeypatch.setattr(settings.KERNELS, "cache_dir", str(tmp_path / "k3cache"))
     monkeypatch.setattr(disk_cache, "STATS", Counter())
+    monkeypatch.setattr(disk_cache, "SECONDS", Counter())
     monkeypatch.setattr(disk_cache, "_unwritable", set())
     return tmp_path / "k3cache"
 
@@ -108,6 +109,7 @@ def test_a_kernel_is_stored_then_loaded_instead_of_compiled(cache_dir, cold):
                                                                          pdl=False)
     assert len(builds) == 1, "compiled again"
     assert disk_cache.stats() == {"built": 1, "stored": 1, "loaded": 1}
+    assert set(disk_cache.seconds()) == {"build", "load"}
     assert type(again).__name__ == loaded_type()
     assert entries(cache_dir) == [entry], "no temporary file left behind"
     if not have_tvm_ffi():  # a JitCompiledFunction names its kernels; a tvm_ffi.Function not
