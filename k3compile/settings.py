@@ -42,6 +42,8 @@ SWITCHES: dict[str, tuple[str, str]] = {
                         ""),
     "K3_ALLREDUCE": ("kernels: force the TP all-reduce (`one_shot`, `two_shot`, `nccl`)", ""),
     "K3_QUIET": ("no compile progress on stderr (buckets, stages, kernels built)", "0"),
+    "K3_CACHE_DIR": ("kernels: the on-disk cache of compiled kernels (`0`: none)",
+                     "~/.cache/k3compile"),
     "K3_COLLECTIVE_TIMEOUT": ("tests: seconds the multi-process collective test waits", "150"),
     "K3_MOONSHOT_DIR": ("`k3compile.adapt`: folder holding Moonshot's modeling files", ""),
 }
@@ -89,6 +91,18 @@ def parse_gemv_fused(value: str | None) -> frozenset[str]:
     if unknown := names - set(GEMV_VARIANTS):
         raise ValueError(f"K3_GEMV_FUSED: unknown variants {sorted(unknown)} (of {GEMV_VARIANTS})")
     return names
+
+
+def parse_cache_dir(value: str | None) -> str | None:
+    """K3_CACHE_DIR: unset or empty -> $XDG_CACHE_HOME/k3compile (else ~/.cache/k3compile);
+    `0 false no off` -> None (no on-disk cache); anything else is the folder."""
+    v = (value or "").strip()
+    if v.lower() in _FALSE[:-1]:
+        return None
+    if v:
+        return os.path.abspath(os.path.expanduser(v))
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "k3compile")
 
 
 # ---- per compile ---------------------------------------------------------------------------------
@@ -177,6 +191,7 @@ class KernelSettings:
     extra: tuple[str, ...] = ()
     skip: tuple[str, ...] = ()
     allreduce: str | None = None
+    cache_dir: str | None = None  # compiled kernels on disk (kernels/common/disk_cache.py)
 
     @classmethod
     def from_env(cls) -> KernelSettings:
@@ -189,7 +204,7 @@ class KernelSettings:
                    pdl_max_rows=int(rows) if rows else 4,
                    gemv_fused=parse_gemv_fused(env("K3_GEMV_FUSED")),
                    extra=env_list("K3_KERNELS_EXTRA"), skip=env_list("K3_KERNELS_SKIP"),
-                   allreduce=allreduce)
+                   allreduce=allreduce, cache_dir=parse_cache_dir(env("K3_CACHE_DIR")))
 
     def fingerprint(self) -> list[str]:
         """Tensor-parallel ranks must agree on all of it (stage `ranks`)."""

@@ -4,8 +4,10 @@
   launching them from torch goes through TVM-FFI (`apache-tvm-ffi`), whose ~8 us host path takes
   torch tensors directly and checks them against the compiled signature.
 * `bucket(n)`: the batch bucket (1, 2, 4, ..., 64) whose launch config a row count uses.
-* `CompileCache`: `cute.compile` is slow, uncached on disk and not thread-safe, so every kernel
-  keeps one in-process cache keyed by scalars (dtype, sizes, config), through `launch.Kernel`.
+* `CompileCache`: `cute.compile` is slow and not thread-safe, so every kernel keeps one
+  in-process cache keyed by scalars (dtype, sizes, config), through `launch.Kernel`; below it
+  `disk_cache` keeps the compiled kernels across processes.
+* `compile_kernel(host, *args, arch=)`: `cute.compile` with `compile_options(arch)`.
 * `watch_builds(listener)`: tells `listener(name, seconds)` of every `cute.compile` while open
   (the backend's progress display counts kernel builds so; this layer knows nothing of it).
 * `fallback(op, reason)`: the one place that logs why a CUDA call went to the torch reference
@@ -159,17 +161,22 @@ def compile_kernel(host, *args, arch: str | None = None, dump_dir: str | None = 
     otherwise."""
     from cutlass import cute
 
+    t0 = time.perf_counter()
+    compiled = cute.compile(host, *args, options=compile_options(arch, dump_dir))
+    name = getattr(host, "__name__", None) or type(host).__name__
+    for listener in _build_listeners:
+        listener(name, time.perf_counter() - t0)
+    return compiled
+
+
+def compile_options(arch: str | None = None, dump_dir: str | None = None) -> str:
+    """The `cute.compile` options of every kernel (part of the disk cache's key)."""
     options = ["--enable-tvm-ffi"] if have_tvm_ffi() else []
     if arch:
         options.append(f"--gpu-arch={arch}")
     if dump_dir:
         options += ["--keep-cubin", "--keep-ptx", f"--dump-dir={dump_dir}"]
-    t0 = time.perf_counter()
-    compiled = cute.compile(host, *args, options=" ".join(options))
-    name = getattr(host, "__name__", None) or type(host).__name__
-    for listener in _build_listeners:
-        listener(name, time.perf_counter() - t0)
-    return compiled
+    return " ".join(options)
 
 
 def fake_stream():

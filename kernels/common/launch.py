@@ -5,9 +5,10 @@
     KERNEL.compiled(dim, cfg, rows=b)                   # cached by (scalars, arch, pdl, options)
     KERNEL.run(lambda: refusal(x, w), lambda: reference(x, w), launch, x, w)
 
-`cute.compile` is slow, uncached on disk and not thread-safe, so each kernel keeps one in-process
-cache keyed by scalars (dtype, sizes, config, PDL); fill it before CUDA-graph capture
-(`prepare`). Pure Python: `cutlass` is imported by `build`, on the first compile.
+`cute.compile` is slow and not thread-safe, so each kernel keeps one in-process cache keyed by
+scalars (dtype, sizes, config, PDL); fill it before CUDA-graph capture (`prepare`). Below it the
+on-disk cache (`disk_cache`, K3_CACHE_DIR) hands a new process what an earlier one compiled.
+Pure Python: `cutlass` is imported by `build`, on the first compile.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TypeVar
 
+from . import disk_cache
 from .dsl import CompileCache, aligned16, fallback, pdl_enabled, runtime_refusal
 
 T = TypeVar("T")
@@ -36,7 +38,9 @@ class Kernel:
         if self.pdl:
             kw["pdl"] = pdl_enabled(rows) if pdl is None else pdl
         key = (*scalars, arch, *sorted(kw.items()))
-        return self.cache.get(key, lambda: self.build(*scalars, arch=arch, **kw))
+        return self.cache.get(key, lambda: disk_cache.fetch(
+            self.op, key, lambda: self.build(*scalars, arch=arch, **kw), arch=arch,
+            module=self.build.__module__))
 
     def refusal(self, refusal: Callable[[], str | None], *aligned) -> str | None:
         """Why this call cannot launch: no runtime, the kernel's `refusal()` (called only where

@@ -1,0 +1,183 @@
+"""Cold and warm compile time of the yardstick's buckets under `backend="k3"` (issue 22 item 2).
+
+    python benchmarks/compile_time.py --out out            # GPU: B1..B64 and B1xT8, fresh caches
+    python benchmarks/compile_time.py --config tiny --device cpu --batches 2 --verify 0 \\
+        --executor aten --context 64 --out out             # CPU: the same code paths
+
+Two processes, one after the other, share one fresh cache folder (--cache-dir, default a new
+temporary folder): K3_CACHE_DIR (compiled CuTe DSL kernels) and TORCHINDUCTOR_CACHE_DIR
+(Inductor's FX graph and Triton caches) under it. Each builds the yardstick's 4 layers
+(benchmarks/decode_layer.py), then compiles every bucket in turn as the yardstick does
+(`torch.compile(stack, backend=k3, dynamic=False, options={"cuda_graphs": False})`, timed up to
+the end of its first call) from one state snapshot. Pass 1 (cold) fills the caches, pass 2
+(warm) is what a restarted server pays. Per bucket: seconds, kernels built / loaded from the
+cache and the seconds that took, Inductor FX-graph cache hits, and a digest of the outputs;
+the warm pass must build no kernel and give bitwise the outputs of the cold one (exit status 1
+otherwise).
+Writes compile_time.json under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import decode_layer as yardstick
+
+PASSES = ("cold", "warm")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", default="k3_tp16")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--context", type=int, default=4096, help="MLA context")
+    p.add_argument("--batches", default="1,2,4,8,16,32,64", help="comma list of batch buckets")
+    p.add_argument("--verify", type=int, default=8, help="T of the B=1 verify bucket (0: none)")
+    p.add_argument("--executor", default="inductor", choices=("inductor", "aten"))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cache-dir", help="a fresh folder for both passes' caches (default: a new "
+                                       "temporary folder)")
+    p.add_argument("--out", default="out")
+    p.add_argument("--pass", dest="which", choices=PASSES, help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    a.batches = [int(b) for b in a.batches.split(",") if b.strip()]
+    return a
+
+
+def buckets(args) -> list[yardstick.Bucket]:
+    out = [yardstick.Bucket(b) for b in args.batches]
+    return out + ([yardstick.Bucket(1, args.verify)] if args.verify else [])
+
+
+# ---- one pass (a child process) ----------------------------------------------------------------
+
+def run_pass(args) -> dict:
+    from k3compile.kernels.common import disk_cache
+
+    t_start = time.perf_counter()
+    yardstick.configure_dynamo(argparse.Namespace(compile_only=False))
+    backend, note = yardstick.resolve_k3()
+    if backend is None:
+        raise SystemExit(note)
+    device = torch.device(args.device)
+    max_batch = max(b.batch for b in buckets(args))
+    with torch.no_grad():
+        _, model, stack = yardstick.build(args.config, device, max_batch, args.context, args.seed)
+    bufs = yardstick.state_buffers(stack)
+    start = yardstick.snapshot(bufs)
+    result = {"pass": args.which, "build_s": time.perf_counter() - t_start, "buckets": []}
+    options = {"cuda_graphs": False, "executor": args.executor}
+    for bucket in buckets(args):
+        gen = torch.Generator(device=device).manual_seed(args.seed + 1000 * bucket.batch
+                                                         + bucket.tokens)
+        with torch.no_grad():
+            inputs = yardstick.make_inputs(model, bucket, args.context, gen)
+            yardstick.restore(bufs, start)
+            kernels0, graphs0 = disk_cache.stats(), yardstick._cache_counters()
+            kernel_s0 = disk_cache.seconds()
+            t0 = time.perf_counter()
+            outputs = torch.compile(stack, backend=backend, dynamic=False, options=options)(
+                *inputs)
+            yardstick.sync(device)
+            seconds = time.perf_counter() - t0
+        result["buckets"].append({
+            "name": bucket.name, "compile_s": round(seconds, 2),
+            "kernels": _delta(disk_cache.stats(), kernels0),
+            "kernel_s": _delta(disk_cache.seconds(), kernel_s0),
+            "fx_graph_cache": yardstick._cache_counters(graphs0),
+            "outputs_sha256": digest(outputs)})
+        print(f"{args.which} {bucket.name}: {seconds:.1f} s, kernels "
+              f"{result['buckets'][-1]['kernels']}", flush=True)
+    result["compile_s"] = round(sum(b["compile_s"] for b in result["buckets"]), 2)
+    result["process_s"] = round(time.perf_counter() - t_start, 2)
+    return result
+
+
+def _delta(now: dict, before: dict) -> dict:
+    return {k: round(v - before.get(k, 0), 2) for k, v in now.items() if v - before.get(k, 0)}
+
+
+def digest(outputs) -> str:
+    h = hashlib.sha256()
+    for t in outputs if isinstance(outputs, (tuple, list)) else (outputs,):
+        h.update(t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+# ---- the parent ----------------------------------------------------------------------------------
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.which:
+        Path(args.result).write_text(json.dumps(run_pass(args)))
+        return 0
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    cache = Path(args.cache_dir or tempfile.mkdtemp(prefix="k3-compile-time-"))
+    if cache.exists() and any(cache.iterdir()):
+        raise SystemExit(f"--cache-dir {cache} is not empty: the cold pass needs fresh caches")
+    env = {**os.environ, "K3_CACHE_DIR": str(cache / "k3"),
+           "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor")}
+    forwarded = list(argv if argv is not None else sys.argv[1:])
+    passes = {}
+    for which in PASSES:
+        result = out / f"compile_time_{which}.json"
+        t0 = time.perf_counter()
+        subprocess.run([sys.executable, __file__, *forwarded, "--pass", which, "--result",
+                        str(result)], env=env, check=True)
+        passes[which] = json.loads(result.read_text())
+        passes[which]["wall_s"] = round(time.perf_counter() - t0, 2)
+    report = {"meta": meta(args, cache), **passes, "problems": problems(passes)}
+    (out / "compile_time.json").write_text(json.dumps(report, indent=1))
+    print(table(passes))
+    for line in report["problems"]:
+        print("PROBLEM:", line)
+    print(f"json: {out / 'compile_time.json'}")
+    return 1 if report["problems"] else 0
+
+
+def meta(args, cache: Path) -> dict:
+    device = torch.device(args.device)
+    return {"date": time.strftime("%Y-%m-%d"), "config": args.config, "device": str(device),
+            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "torch": torch.__version__, "executor": args.executor, "context": args.context,
+            "buckets": [b.name for b in buckets(args)], "cache_dir": str(cache)}
+
+
+def problems(passes: dict) -> list[str]:
+    """What the warm pass must satisfy: no kernel built, bitwise the cold pass's outputs."""
+    found = []
+    for cold, warm in zip(passes["cold"]["buckets"], passes["warm"]["buckets"], strict=True):
+        if warm["kernels"].get("built"):
+            found.append(f"{warm['name']}: the warm pass built {warm['kernels']['built']} kernels")
+        if warm["outputs_sha256"] != cold["outputs_sha256"]:
+            found.append(f"{warm['name']}: warm outputs differ from cold")
+    return found
+
+
+def table(passes: dict) -> str:
+    rows = [f"{'bucket':<10}{'cold s':>9}{'warm s':>9}  kernels cold -> warm"]
+    for cold, warm in zip(passes["cold"]["buckets"], passes["warm"]["buckets"], strict=True):
+        rows.append(f"{cold['name']:<10}{cold['compile_s']:>9.1f}{warm['compile_s']:>9.1f}  "
+                    f"{cold['kernels']} -> {warm['kernels']}")
+    rows.append(f"{'compile':<10}{passes['cold']['compile_s']:>9.1f}"
+                f"{passes['warm']['compile_s']:>9.1f}")
+    rows.append(f"{'process':<10}{passes['cold']['wall_s']:>9.1f}{passes['warm']['wall_s']:>9.1f}"
+                "  (imports, model build and every bucket)")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,336 @@
+"""Compiled kernels on disk, so a second process reuses every kernel the first one compiled.
+
+    fetch(op, key, build, arch=, module=)   # a valid entry -> loaded; else build(), then stored
+
+`cute.compile` keeps nothing on disk: every process paid the whole CuTe DSL compile again (on the
+H200, most of the 104 s first compile of the yardstick's B1 bucket). `launch.Kernel.compiled`
+asks `fetch` below its in-process cache.
+
+Route: the DSL's own export. With TVM-FFI (how every kernel launches) the in-process compiled
+function is already an object file linked by JITLink, whose `__tvm_ffi_<name>` symbol becomes a
+`tvm_ffi.Function`; `export_to_c` writes that object (host launch code, launch config, PDL
+attribute and the cubin inside, the entry symbol renamed to one per key), and
+`cutlass.cute.runtime.load_module` links it again the same way. So the warm process runs the very
+binary the cold one built, through public DSL API. The alternatives were weaker: a cubin plus a
+launcher of ours (`cuModuleLoadData` + `cuLaunchKernelEx`) would re-implement the DSL's host code
+(argument packing, cluster and PDL launch attributes, the TVM-FFI tensor checks) and drift from
+it; a pickled JIT function holds an MLIR module and a live execution engine, which do not
+pickle. Without TVM-FFI (a CPU machine with the DSL only) the object comes from
+`dump_to_object` and loads as a `JitCompiledFunction`: nothing launches that way, but the cache
+logic is the same there (CI tests it).
+
+Key (the entry's file name is its sha256): the op and its compile key (scalars, arch, PDL,
+build options), the sources of the kernel's module and of every `kernels/` module it imports,
+transitively (`source_digest`), the `cute.compile` options, the DSL's distributions and its own
+compile-affecting settings (`envar.cache_key_str()`: the target arch, detected or
+CUTE_DSL_ARCH, the runtime libraries, line info, ...), the TVM-FFI, torch and CUDA versions and
+the host machine. A compile key whose repr is not stable across processes is not stored.
+
+Entry: one file `<K3_CACHE_DIR>/kernels/<op>/<sha256>.k3kernel` = MAGIC, a JSON header line
+(format, the full key text, payload size and sha256), the object file. Written to a temporary
+file in the same folder and renamed (atomic: a reader sees a whole entry or none; concurrent
+writers of one key each rename a whole entry). An entry that is unreadable, of another format or
+key, fails its checksum or does not load is logged, removed and rebuilt, never used. Entries of
+old keys are never looked up again; delete the folder to reclaim them.
+
+Constraint: the loaded function takes positional arguments only (every kernel's launch passes
+them so); a compiled kernel with keyword or default arguments or raw pointer arguments is not
+stored.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import functools
+import hashlib
+import json
+import logging
+import os
+import platform
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable, Hashable
+from pathlib import Path
+
+from k3compile.settings import KERNELS
+
+from .dsl import compile_options, have_dsl, have_tvm_ffi, log
+
+FORMAT = 1
+MAGIC = b"K3KERNEL\n"
+PACKAGE = Path(__file__).resolve().parent.parent  # kernels/
+
+# what this process did: loaded, built, stored, rebuilt (bad entries), unstored (not storable);
+# and the seconds it spent loading and building kernels
+STATS: Counter[str] = Counter()
+SECONDS: Counter[str] = Counter()
+
+
+class BadEntry(Exception):
+    """An entry that must not be loaded (corrupt, truncated, another format or key)."""
+
+
+def root() -> Path | None:
+    """The folder of compiled kernels (K3_CACHE_DIR/kernels), or None where the cache is off."""
+    return Path(KERNELS.cache_dir) / "kernels" if KERNELS.cache_dir else None
+
+
+def fetch(op: str, key: Hashable, build: Callable[[], object], *, arch: str | None,
+          module: str) -> object:
+    """The compiled kernel of `op` for `key`: loaded from a valid entry, else `build()` and stored
+    for the next process. `module`: where `build` is defined (its sources are in the key)."""
+    folder = root()
+    text = key_text(op, key, arch, module) if folder is not None and have_dsl() else None
+    if text is None:
+        return build()
+    path = entry_path(folder, op, text)
+    if path.exists():
+        try:
+            with _timed("load"):
+                compiled = load(read_entry(path, text), symbol(text))
+            STATS["loaded"] += 1
+            log.debug("k3::%s: loaded %s from %s", op, key, path)
+            return compiled
+        except Exception as e:  # noqa: BLE001 - whatever is wrong with it, it is rebuilt
+            log.warning("k3::%s: kernel cache entry %s unusable (%s: %s); rebuilding", op, path,
+                        type(e).__name__, e)
+            STATS["rebuilt"] += 1
+            path.unlink(missing_ok=True)
+    with _timed("build"):
+        compiled = build()
+    STATS["built"] += 1
+    store(path, text, compiled, op)
+    return compiled
+
+
+@contextlib.contextmanager
+def _timed(what: str):
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        SECONDS[what] += time.perf_counter() - t0
+
+
+def store(path: Path, text: str, compiled, op: str) -> bool:
+    """Write `compiled`'s entry (False: not exportable, or the folder is not writable)."""
+    try:
+        payload = export(compiled, symbol(text))
+        if payload is not None:
+            write_entry(path, text, payload)
+            STATS["stored"] += 1
+            return True
+    except Exception as e:  # noqa: BLE001 - a cache that cannot write only costs time
+        why = f"{type(e).__name__}: {e}"
+        log.log(logging.DEBUG if why in _unwritable else logging.WARNING,
+                "k3::%s: kernel not cached (%s)", op, why)
+        _unwritable.add(why)
+    STATS["unstored"] += 1
+    return False
+
+
+_unwritable: set[str] = set()  # reasons already logged as warnings (a read-only folder: once)
+
+
+# ---- key ---------------------------------------------------------------------------------------
+
+def key_text(op: str, key: Hashable, arch: str | None, module: str) -> str | None:
+    """Everything that changes the binary, as one JSON text; None where the key's repr is not
+    stable across processes (an object's default repr carries its address) or `module` has no
+    source file."""
+    scalars, source = repr(key), source_digest(module)
+    if " at 0x" in scalars or source is None:
+        return None
+    return json.dumps({"format": FORMAT, "op": op, "key": scalars, "arch": arch,
+                       "source": source, "options": compile_options(arch),
+                       "dsl_settings": dsl_settings(), **toolchain()}, sort_keys=True)
+
+
+def entry_path(folder: Path, op: str, text: str) -> Path:
+    return folder / op / f"{hashlib.sha256(text.encode()).hexdigest()}.k3kernel"
+
+
+def symbol(text: str) -> str:
+    """The exported entry symbol: one per key, so no two loaded kernels share a name."""
+    return f"k3_{hashlib.sha256(text.encode()).hexdigest()[:24]}"
+
+
+def dsl_settings() -> str:
+    """The DSL's compile-affecting settings (arch, runtime libraries, line info, debug...), as its
+    own JIT cache key renders them. Read at every call: the DSL's settings object is mutable."""
+    from cutlass.cutlass_dsl import CuTeDSL
+
+    return CuTeDSL._get_dsl().envar.cache_key_str()
+
+
+@functools.cache
+def toolchain() -> dict[str, object]:
+    """Versions of what builds and links the binary (the DSL's packages, also where they are
+    only on the path without metadata), TVM-FFI, torch and CUDA, and the host's machine type."""
+    from importlib.metadata import distributions
+
+    import cutlass
+    import torch
+
+    dsl = sorted(f"{d.metadata['Name']}=={d.version}" for d in distributions()
+                 if (d.metadata["Name"] or "").lower().startswith("nvidia-cutlass-dsl"))
+    tvm_ffi = sys.modules["tvm_ffi"].__version__ if have_tvm_ffi() else None
+    return {"dsl": [f"cutlass=={getattr(cutlass, '__version__', '?')}", *dsl],
+            "tvm_ffi": tvm_ffi, "torch": torch.__version__, "cuda": torch.version.cuda,
+            "host": platform.machine()}
+
+
+@functools.cache
+def source_digest(module: str) -> str | None:
+    """sha256 over the source of `module` and of every module under kernels/ it imports,
+    transitively (relative or `k3compile.kernels.` imports, at any depth of the file); None for
+    a module without a source file."""
+    source = getattr(sys.modules.get(module), "__file__", None)
+    if not source or not source.endswith(".py"):
+        return None
+    files = _kernel_imports(Path(source).resolve())
+    digest = hashlib.sha256()
+    for path in sorted(files):
+        name = path.relative_to(PACKAGE) if path.is_relative_to(PACKAGE) else path.name
+        digest.update(f"{name}\0".encode() + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def _kernel_imports(start: Path) -> set[Path]:
+    seen, todo = set(), [start]
+    while todo:
+        path = todo.pop()
+        if path in seen:
+            continue
+        seen.add(path)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = _import_base(path, node)
+                for name in [None] + [a.name for a in node.names]:
+                    todo += _module_files(base, node.module, name)
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    todo += _module_files(None, alias.name, None)
+    return seen
+
+
+def _import_base(path: Path, node: ast.ImportFrom) -> Path | None:
+    """The folder a relative import starts from (None: an absolute import)."""
+    if not node.level:
+        return None
+    base = path.parent
+    for _ in range(node.level - 1):
+        base = base.parent
+    return base
+
+
+def _module_files(base: Path | None, module: str | None, name: str | None) -> list[Path]:
+    """The file of `module` (and of `module.name`, where `name` is a submodule) under kernels/."""
+    if base is None:
+        prefix = "k3compile.kernels"
+        if not module or not (module == prefix or module.startswith(prefix + ".")):
+            return []
+        base, module = PACKAGE, module[len(prefix) + 1:]
+    parts = [p for p in (module or "").split(".") if p] + ([name] if name else [])
+    target = base.joinpath(*parts)
+    found = [f for f in (target.with_suffix(".py"), target / "__init__.py") if f.is_file()]
+    return [f.resolve() for f in found if f.resolve().is_relative_to(PACKAGE)]
+
+
+# ---- entries -----------------------------------------------------------------------------------
+
+def flavour() -> str:
+    return "tvm_ffi" if have_tvm_ffi() else "c"
+
+
+def export(compiled, name: str) -> bytes | None:
+    """The object file of a compiled kernel (None: not a DSL function, or not loadable as one)."""
+    from cutlass.base_dsl.jit_executor import JitCompiledFunction
+
+    if not isinstance(compiled, JitCompiledFunction):
+        return None
+    args = compiled.execution_args
+    if args.has_pointer_address_arg_specs or any(
+            p.default is not p.empty or p.kind is p.KEYWORD_ONLY
+            for p in args.original_signature.parameters.values()):
+        return None
+    if flavour() == "c":
+        _link_runtime()
+        return compiled.dump_to_object(name)
+    with tempfile.TemporaryDirectory(prefix="k3-export-") as tmp:
+        out = os.path.join(tmp, "kernel.o")
+        compiled.export_to_c(out, function_name=name)
+        return Path(out).read_bytes()
+
+
+@functools.cache
+def _link_runtime() -> None:
+    """Without TVM-FFI the DSL links the object it dumps against its runtime library in this
+    process, which a compile for another arch than this machine's (no JIT engine) never loaded."""
+    import ctypes
+
+    from cutlass.runtime import find_runtime_libraries
+
+    for path in find_runtime_libraries(enable_tvm_ffi=False):
+        ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+
+
+def load(payload: bytes, name: str):
+    """Link an exported object file again (the DSL's loader reads it from a path)."""
+    from cutlass.cute.runtime import load_module
+
+    fd, path = tempfile.mkstemp(prefix="k3-kernel-", suffix=".o")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(payload)
+        return load_module(path, enable_tvm_ffi=flavour() == "tvm_ffi")[name]
+    finally:
+        os.unlink(path)
+
+
+def write_entry(path: Path, text: str, payload: bytes) -> None:
+    header = json.dumps({"format": FORMAT, "key": text, "size": len(payload),
+                         "sha256": hashlib.sha256(payload).hexdigest()}, sort_keys=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(MAGIC + header.encode() + b"\n" + payload)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def read_entry(path: Path, text: str) -> bytes:
+    """The payload of a whole, checked entry for this key text; BadEntry otherwise."""
+    data = path.read_bytes()
+    if not data.startswith(MAGIC):
+        raise BadEntry("not a k3 kernel entry")
+    end = data.find(b"\n", len(MAGIC))
+    try:
+        header = json.loads(data[len(MAGIC):end])
+    except ValueError as e:
+        raise BadEntry(f"unreadable header ({e})") from None
+    if not isinstance(header, dict) or header.get("format") != FORMAT:
+        raise BadEntry(f"format {header.get('format') if isinstance(header, dict) else '?'}"
+                       f" (this is {FORMAT})")
+    if header.get("key") != text:
+        raise BadEntry("built for another key (toolchain, source or scalars)")
+    payload = data[end + 1:]
+    if len(payload) != header.get("size") or (
+            hashlib.sha256(payload).hexdigest() != header.get("sha256")):
+        raise BadEntry("checksum mismatch")
+    return payload
+
+
+def stats() -> dict[str, int]:
+    return dict(STATS)
+
+
+def seconds() -> dict[str, float]:
+    """Seconds this process spent building and loading kernels through the cache."""
+    return dict(SECONDS)
