@@ -53,6 +53,7 @@ log = logging.getLogger("k3compile")
 
 _K3 = torch.ops.k3
 _SEEN = WeakIdKeyDictionary()  # every tensor a k3 compile was handed, and its storage
+_REPOINTED = WeakIdKeyDictionary()  # every old storage `_move` re-pointed at packed rows
 
 
 def remember(inputs) -> None:
@@ -130,6 +131,8 @@ def _unmovable(weights: list[torch.Tensor]) -> str | None:
     """Why the group's weights cannot move with every alias following them, or None."""
     if len({w.untyped_storage().data_ptr() for w in weights}) < len(weights):
         return "two weights share one storage (tied)"
+    if any(w.untyped_storage() in _REPOINTED for w in weights):
+        return "a weight shares its storage with a weight packed before (tied)"
     if not all(_owns_its_storage(w) for w in weights):
         return ("a weight is a view into a larger storage (what else lives there would not "
                 "follow it)")
@@ -150,6 +153,7 @@ def _move(weights: list[torch.Tensor]) -> torch.Tensor:
             old = w.untyped_storage()
             w.data = r
             old._swap_data_ptr_(export)  # `export` now holds the old memory, freed with it
+            _REPOINTED[old] = True
     return buffer
 
 
