@@ -14,7 +14,8 @@ through a `state_dict()` tensor taken after the compile, through a `state_dict()
 (a new tensor for the parameter: the compiled step reads the parameter, so it sees the new one):
 all seen. `.to(dtype)` and a second `torch.compile` of the same model: Dynamo's dtype guard
 recompiles, and the recompile sees the new weights (pack leaves them where they are: an earlier
-compile was handed them). The CUDA-graph path of the same matrix: tests/e2e/test_weight_updates_gpu.py.
+compile was handed them). The CUDA-graph path of the same matrix:
+tests/e2e/test_weight_updates_gpu.py.
 """
 
 from __future__ import annotations
@@ -181,10 +182,10 @@ def test_pack_leaves_tied_and_embedded_weights_where_they_are():
 @pytest.mark.slow
 @pytest.mark.parametrize("pack", [True, False], ids=["packed", "unpacked"])
 def test_dtype_change_and_second_compile_are_seen(pack):
-    """A bf16 model: a second `torch.compile` of it (other options), then `model.float()` (`.to(torch.float32)`,
-    Dynamo recompiles on the dtype guard) and an update after it: each step equal to eager. Back
-    to bf16 the model's own eager step raises (its fp32 states become bf16): so does the compiled
-    one, it never runs on the old weights."""
+    """A bf16 model: a second `torch.compile` of it (other options), then `model.float()`
+    (`.to(torch.float32)`: Dynamo recompiles on the dtype guard) and an update after it: each
+    step equal to eager. Back to bf16 the model's own eager step raises (its fp32 states become
+    bf16): so does the compiled one, it never runs on the old weights."""
     torch._dynamo.reset()
     compiles = len(k3be._compiled)
     options = {"executor": "aten", "pack_weights": pack, "buckets": (4,)}

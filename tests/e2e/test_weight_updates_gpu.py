@@ -13,8 +13,17 @@ import torch
 import k3compile.backend as k3be
 from tests.conftest import TOL, rel_err
 from tests.e2e.test_weight_updates import (
-    LAYER, TARGETS, _copy, aliases_before, build_pair, logits, pack_report, perturbed, run_matrix,
-    step_args)
+    LAYER,
+    TARGETS,
+    _copy,
+    aliases_before,
+    build_pair,
+    logits,
+    pack_report,
+    perturbed,
+    run_matrix,
+    step_args,
+)
 
 pytestmark = pytest.mark.gpu
 
