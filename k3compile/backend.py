@@ -104,8 +104,20 @@ class _Bucket:
         self.fn, self.batch = fn, batch
         self.graph: torch.cuda.CUDAGraph | None = None
         self.static_in: list | None = None
+        self.fixed: list[int] = []  # the inputs the graph reads where they are (not copied in)
+        self.pointers: list[int | None] = []  # their addresses at capture
         self.static_out: Any = None
         self.runs = 0
+
+
+def _moved(entry: _Bucket, args: list) -> bool:
+    """Whether a module tensor the captured graph reads (a parameter, a state buffer) has other
+    memory now: a captured graph reads the addresses it saw, so it must be captured again. One C++
+    call over every such input (torch's CUDA-graph trees check their static inputs with it)."""
+    same = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)  # CUDA builds only
+    if same is not None:
+        return not same(args, entry.pointers, entry.fixed)
+    return any(args[i].data_ptr() != entry.pointers[i] for i in entry.fixed)
 
 
 class K3Compiled:
@@ -291,6 +303,10 @@ class K3Compiled:
     def _run(self, entry: _Bucket, args: list, batch: int | None, bucket: int | None):
         use_graph = (self.options.cuda_graphs and torch.cuda.is_available()
                      and any(isinstance(a, torch.Tensor) and a.is_cuda for a in args))
+        if entry.graph is not None and _moved(entry, args):  # `param.data = t`, `.to()` and back
+            self._warn_once("moved", "k3: a parameter or buffer has new memory since the step's "
+                            "CUDA-graph capture; capturing it again")
+            entry.graph = None
         if entry.graph is not None:
             outs = self._replay(entry, args)
         else:
@@ -305,6 +321,11 @@ class K3Compiled:
     def _capture(self, entry: _Bucket, args: list):
         """Record the step once; replays reuse these input/output buffers."""
         entry.static_in = [a.clone() if self.inputs[i].user else a for i, a in enumerate(args)]
+        entry.fixed = [i for i, a in enumerate(args)
+                       if isinstance(a, torch.Tensor) and not self.inputs[i].user]
+        entry.pointers = [None] * len(args)
+        for i in entry.fixed:
+            entry.pointers[i] = args[i].data_ptr()
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
@@ -315,8 +336,6 @@ class K3Compiled:
         for i, (static, a) in enumerate(zip(entry.static_in, args)):
             if self.inputs[i].user:
                 static.copy_(a)
-            elif isinstance(a, torch.Tensor) and a is not static and a.data_ptr() != static.data_ptr():
-                raise RuntimeError(f"k3: input {self.inputs[i].name} moved since CUDA-graph capture")
         entry.graph.replay()
         entry.runs += 1
         return tuple(o.clone() if isinstance(o, torch.Tensor) else o for o in entry.static_out)

@@ -20,6 +20,11 @@ TOL = {
     # written to round like the unfused model code; Inductor's decompositions may still regroup
     # a sum (in bf16 that was 1-2 ulp on T = 8 verify rows, compounding through the states)
     "aten_cpu": 1e-4,
+    # CPU, executor aten, fp32, the whole compiled model against eager (tests/e2e/test_numerics.py):
+    # every k3 rewrite is bit-exact and so is the model up to batch 3; from batch 8 torch's own
+    # lowering (AOT/Inductor decompositions, the same with every k3 stage off) rounds differently:
+    # measured <= 4.1e-6 (‖·‖ relative; tiny, batch 8 and 64, 3 steps)
+    "aten_cpu_vs_eager": 5e-5,
     # CPU, fp32, tensor parallel against the TP=1 model: the all-reduces regroup the sums and the
     # rounding compounds through the layers and states (tests/models: TOL["float32_decode"])
     "tp_fp32": 5e-4,

@@ -6,8 +6,8 @@ Where the parts lie back to back in one buffer (stage `pack` stores them so) the
 of it: no copy, no launch. Otherwise it is `torch.stack(parts)`, a copy of every expert per call:
 slow, but it reads the parts as they are now, so it is never stale. The check is made on every
 call (E pointer comparisons), so a part rebound after packing (`param.data = ...`) makes the next
-call copy, not read the old buffer; under a CUDA graph, whose replays skip Python, the backend's
-replay refuses a weight input that moved since capture.
+call copy, not read the old buffer; under a CUDA graph, whose replays skip Python, the backend
+captures the step again when a weight input moved since capture.
 
 A `torch.library` custom op may not return a view of its inputs, so the op is declared with an
 alias annotation (`Tensor(a)[] -> Tensor(a)`), as `k3.stream_join` is; stage `canonicalize`

@@ -21,10 +21,20 @@ is, with the reason in the stage's report, where a weight is no plain graph inpu
 in the graph: a sharded front), the weights differ in dtype, device or width, are not
 contiguous or have rows of bytes not a multiple of 16 (every weight after the first would start
 unaligned; for an expert stack: experts of bytes not a multiple of 16, the unit it steps by),
-require grad in grad mode, are tensor subclasses, were seen by an earlier compile, or one of them
-already belongs to another group. A reference to a weight's old `.data` taken before the compile
-keeps the old storage and no longer sees updates. Options.pack_weights /
-K3_PACK_WEIGHTS=0 turn the stage off.
+require grad in grad mode, are tensor subclasses, were seen by an earlier compile, one of them
+already belongs to another group, two share one storage (tied), or one is a view into a larger
+storage. Options.pack_weights / K3_PACK_WEIGHTS=0 turn the stage off.
+
+Aliases taken before the compile. `param.data = rows` alone would leave every other tensor on a
+weight's old storage behind: a `model.state_dict()` tensor or a `w = param.data` taken before the
+first call would no longer alias the parameter, and writes through it would reach neither the
+module nor the compiled step (issue 20, item 2). Counting the storage's other users
+(`torch._C._storage_Use_Count`) could only refuse such groups, and the count includes whatever
+Dynamo and AOTAutograd hold at that moment. Instead each old storage is re-pointed at the weight's
+rows in the buffer (`UntypedStorage._swap_data_ptr_`, which torch's FSDP and CUDA-graph trees use;
+the rows are handed over as a DLPack export, whose deleter keeps the buffer alive): every tensor
+on it, whoever holds it, then reads and writes the packed rows. That needs the weight to own its
+whole storage, hence the last refusal above.
 """
 
 from __future__ import annotations
@@ -42,14 +52,22 @@ from k3compile.ops.linear_concat import adjacent
 log = logging.getLogger("k3compile")
 
 _K3 = torch.ops.k3
-_SEEN = WeakIdKeyDictionary()  # every tensor a k3 compile was handed (by identity)
+_SEEN = WeakIdKeyDictionary()  # every tensor a k3 compile was handed, and its storage
+_REPOINTED = WeakIdKeyDictionary()  # every old storage `_move` re-pointed at packed rows
 
 
 def remember(inputs) -> None:
-    """Note the tensors a compile was handed: later compiles never move them."""
+    """Note the tensors a compile was handed, and their storages: later compiles never move
+    them, nor re-point a storage an earlier compile reads through another tensor."""
     for x in inputs:
         if isinstance(x, torch.Tensor):
             _SEEN[x] = True
+            if type(x) in (torch.Tensor, torch.nn.Parameter):
+                _SEEN[x.untyped_storage()] = True
+
+
+def _seen(w: torch.Tensor) -> bool:
+    return w in _SEEN or w.untyped_storage() in _SEEN
 
 
 @dataclasses.dataclass
@@ -105,6 +123,40 @@ def _refusal(weights: list[torch.Tensor], experts: bool = False) -> str | None:
     return None
 
 
+def _owns_its_storage(w: torch.Tensor) -> bool:
+    return w.storage_offset() == 0 and w.untyped_storage().nbytes() == w.nbytes
+
+
+def _unmovable(weights: list[torch.Tensor]) -> str | None:
+    """Why the group's weights cannot move with every alias following them, or None."""
+    if len({w.untyped_storage().data_ptr() for w in weights}) < len(weights):
+        return "two weights share one storage (tied)"
+    if any(w.untyped_storage() in _REPOINTED for w in weights):
+        return "a weight shares its storage with a weight packed before (tied)"
+    if not all(_owns_its_storage(w) for w in weights):
+        return ("a weight is a view into a larger storage (what else lives there would not "
+                "follow it)")
+    return None
+
+
+def _move(weights: list[torch.Tensor]) -> torch.Tensor:
+    """Copy the weights into one buffer and make each a view of its rows, then re-point each
+    weight's old storage at the same rows: a `state_dict()` tensor or a `.data` taken before the
+    compile (any tensor on the old storage) reads and writes what the compiled step reads. The
+    old storage's new pointer holds the buffer alive (a DLPack export of the rows)."""
+    # the stage runs inside Inductor's compile, under its fake-tensor mode: real work here
+    with unset_fake_temporarily(), torch.no_grad():
+        buffer = torch.cat([w.detach() for w in weights])
+        rows = buffer.split([w.shape[0] for w in weights])
+        exports = [torch.from_dlpack(r).untyped_storage() for r in rows]  # before anything moves
+        for w, r, export in zip(weights, rows, exports, strict=True):
+            old = w.untyped_storage()
+            w.data = r
+            old._swap_data_ptr_(export)  # `export` now holds the old memory, freed with it
+            _REPOINTED[old] = True
+    return buffer
+
+
 def pack_concatenated(graph: fx.Graph, inputs: list) -> PackReport:
     """Pack every group's weights into one buffer (see the module docstring); `inputs` are the
     real tensors of the graph's placeholders, in order."""
@@ -133,17 +185,16 @@ def pack_concatenated(graph: fx.Graph, inputs: list) -> PackReport:
             report.already.append(node.name)
             taken.update({id(w): node.name for w in weights})
             continue
-        if any(w in _SEEN for w in weights):
+        if any(_seen(w) for w in weights):
             report.skipped.append(f"{node.name}: an earlier compile was handed these weights")
             continue
         if other := next((taken[id(w)] for w in weights if id(w) in taken), None):
             report.skipped.append(f"{node.name}: a weight is packed with {other}")
             continue
-        # the stage runs inside Inductor's compile, under its fake-tensor mode: real work here
-        with unset_fake_temporarily(), torch.no_grad():
-            buffer = torch.cat([w.detach() for w in weights])
-            for w, rows in zip(weights, buffer.split([w.shape[0] for w in weights]), strict=True):
-                w.data = rows
+        if (why := _unmovable(weights)) is not None:
+            report.skipped.append(f"{node.name}: {why}")
+            continue
+        buffer = _move(weights)
         taken.update({id(w): node.name for w in weights})
         report.packed.append(f"{node.name}: {len(weights)} weights, {buffer.nbytes / 1e6:.1f} MB")
         if node.target is not _K3.moe_front.default:  # moe_front copies only with gemv's split
