@@ -197,6 +197,20 @@ def test_inputs_that_disagree_on_the_batch_are_refused():
     _assert_untouched(h.model, before, None)
 
 
+def test_ids_must_be_integers():
+    """Dynamo recompiles on a dtype change (and its trace then fails on a float index); the check
+    is for a caller of the compiled graph itself."""
+    h = Harness(lambda: _toy(IndexingDecode), "static", "host", scratch=4)
+    args = [None] * len(h.compiled.inputs)
+    for lim in h.compiled.checks.limits:
+        args[lim.index] = torch.tensor([0, 2, 1])
+    ids = next(lim for lim in h.compiled.checks.limits if lim.role == "ids")
+    h.compiled.checks.before(args, None)  # integers: accepted
+    args[ids.index] = torch.tensor([1.0, 2.0, 3.0])
+    with pytest.raises(ValueError, match="input_ids has dtype torch.float32"):
+        h.compiled.checks.before(args, None)
+
+
 def test_off_checks_nothing():
     h = Harness(lambda: _toy(IndexingDecode), "static", "off", scratch=4)
     assert h.compiled.checks.mode == "off"
