@@ -103,7 +103,7 @@ class _Use:
     embedding: bool
 
 
-# ---- analysis (once per compiled graph) -----------------------------------------------------------
+# ---- analysis (once per compiled graph) ----------------------------------------------------------
 
 def analyse(graph: fx.Graph, inputs: Sequence, scratch: int | None = None) -> list[Limit]:
     """The limits of the caller's inputs (`inputs`: the backend's `_Input`s, in placeholder
@@ -222,7 +222,7 @@ def _limit(inp, uses: list[_Use], scratch: int | None) -> Limit:
     rows = [u.size for u in uses if u.state and u.dim == 0]
     if rows:
         scratch = min(rows) - 1 if scratch is None else scratch
-        why = f"the state buffers have {min(rows)} rows; {scratch} is the padding rows' scratch slot"
+        why = f"the state buffers have {min(rows)} rows; {scratch} is the scratch slot"
         return Limit(inp.index, name, "slots", lo, hi, why, inp.batched, scratch)
     if caches := [u for u in uses if u.state]:
         c = min(caches, key=lambda u: u.size - 1 - u.hi_off)
@@ -260,7 +260,7 @@ def _reached(arg: Any, reach) -> bool:
     return isinstance(arg, fx.Node) and arg in reach
 
 
-# ---- the checks (every call) ----------------------------------------------------------------------
+# ---- the checks (every call) ---------------------------------------------------------------------
 
 class InputChecks:
     """The backend's hooks: `analysing` around a bucket's compile, `guard` on its compiled step,

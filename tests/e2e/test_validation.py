@@ -14,6 +14,7 @@ tests/models/hf_k3.py; slow). The GPU test: a rejected CUDA-graph replay.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -24,7 +25,7 @@ from k3compile.models import build_model, get_config
 from tests.conftest import TOL, rel_err
 from tests.models.hf_k3 import from_reference
 
-# ---- two small decode modules: the same step, spelled two ways -------------------------------
+# ---- two small decode modules: the same step, spelled two ways -----------------------------------
 
 
 class IndexingDecode(nn.Module):
@@ -81,7 +82,7 @@ def _toy(cls):
     return cls().eval().requires_grad_(False)
 
 
-# ---- helpers -----------------------------------------------------------------------------------
+# ---- helpers -------------------------------------------------------------------------------------
 
 
 def _states(model) -> dict[str, torch.Tensor]:
@@ -171,7 +172,7 @@ def test_roles_found_from_the_graph_not_the_names():
     """Both spellings give the same limits; the argument names are the caller's."""
     limits = {}
     for cls in (IndexingDecode, ForeignDecode):
-        h = Harness(lambda: _toy(cls), "static", "host", scratch=4)
+        h = Harness(functools.partial(_toy, cls), "static", "host", scratch=4)
         limits[cls] = {(lim.name, lim.role, lim.lo, lim.hi, lim.scratch)
                        for lim in h.compiled.checks.limits}
     assert limits[IndexingDecode] == {("input_ids", "ids", 0, 31, None),
@@ -257,7 +258,7 @@ def test_k3_rejects_bad_input_before_writing(k3, case):
     k3.rejects(*call, match=match)
 
 
-# ---- GPU: the check inside the CUDA graph ---------------------------------------------------------
+# ---- GPU: the check inside the CUDA graph --------------------------------------------------------
 
 
 @pytest.mark.gpu
