@@ -93,7 +93,8 @@ class K3Compiled:
         self.guards = self._make_guards() if self.symbol is not None else {}
         self.scratch = options.scratch_slot if options.scratch_slot is not None else self._scratch()
         self.outputs_batched = self._batched_outputs()
-        self.checks = InputChecks(self.inputs, options.validate, self.scratch)
+        self.checks = InputChecks(self.inputs, options.validate, self.scratch,
+                                  pads=self.symbol is not None or options.scratch_slot is not None)
         if self.symbol is None:  # a static graph: Dynamo already guards the exact batch size
             self.static_batch = self._static_batch(example_inputs)
             if self.static_batch != 0:  # an empty batch runs Dynamo's graph as eager would

@@ -13,8 +13,10 @@ checks). A caller's input whose values reach an index operand (`index`, `index_p
 `index_copy`, `index_select`, `embedding`, `gather`, `scatter`, ...) through views, integer casts
 and added constants or aranges (T verify rows: `positions + arange(T)`) is
   * a **slot** input where it indexes dim 0 of a state buffer (a graph input written in place):
-    values in [0, rows), pairwise distinct, never the scratch slot (the last row, or
-    `Options.scratch_slot`: padding rows use it);
+    values in [0, rows), pairwise distinct, and never the scratch slot (the last row, or
+    `Options.scratch_slot`) where something else writes it: a bucketed graph's padding rows, the
+    device-side check, or padding the options announce (a static graph checked on the host
+    takes the last row, as eager does);
   * a **position** input where it indexes another dim of a state buffer (a cache's sequence dim):
     value + offset in range for every offset the graph adds ([0, max_seq_len - T]);
   * an **id** input where it indexes an embedding's rows ([0, vocab)); any other index input
@@ -266,8 +268,10 @@ class InputChecks:
     """The backend's hooks: `analysing` around a bucket's compile, `guard` on its compiled step,
     `before` / `after` around each run, `before_eager` for a batch that runs uncompiled."""
 
-    def __init__(self, inputs: Sequence, setting: str, scratch: int | None):
-        self.inputs, self.setting, self.scratch = inputs, setting, scratch
+    def __init__(self, inputs: Sequence, setting: str, scratch: int | None, pads: bool):
+        """`pads`: padding rows may use the scratch slot (a bucketed graph, or a scratch slot the
+        options name), so no request may."""
+        self.inputs, self.setting, self.scratch, self.pads = inputs, setting, scratch, pads
         self.limits: list[Limit] | None = None  # None: not analysed yet
         self.mode: str | None = None  # "host", "device" or "off", fixed at the first guard
         self.steps = 0
@@ -296,6 +300,8 @@ class InputChecks:
         """The compiled step, with the device check in front where the mode is `device`."""
         if self.mode is None:
             self.mode = self._resolve(example_inputs)
+            if self.mode == "host" and not self.pads:  # nothing writes the scratch row
+                self.limits = [dataclasses.replace(lim, scratch=None) for lim in self.limits]
         if self.mode != "device":
             return fn
 
@@ -409,7 +415,7 @@ class InputChecks:
                                  f"[{lim.lo}, {lim.hi}] ({lim.why})")
             if lim.role != "slots":
                 continue
-            if lim.scratch in values:
+            if lim.scratch is not None and lim.scratch in values:
                 raise ValueError(f"k3: {lim.name} {shown}: {lim.scratch} is the scratch slot "
                                  f"(padding rows write it; no request may use it)")
             if dups := sorted(v for v, c in collections.Counter(values).items() if c > 1):
