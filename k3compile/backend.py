@@ -32,6 +32,7 @@ from k3compile.observe import Observer
 from k3compile.pipeline import Pipeline
 from k3compile.settings import Options
 from k3compile.stages.contract import ContractReport, format_contract
+from k3compile.validate import InputChecks
 
 log = logging.getLogger("k3compile")
 
@@ -137,6 +138,8 @@ class K3Compiled:
         self.guards = self._make_guards() if self.symbol is not None else {}
         self.scratch = options.scratch_slot if options.scratch_slot is not None else self._scratch()
         self.outputs_batched = self._batched_outputs()
+        self.checks = InputChecks(self.inputs, options.validate, self.scratch,
+                                  pads=self.symbol is not None or options.scratch_slot is not None)
         if self.symbol is None:  # a static graph: Dynamo already guards the exact batch size
             self.static_batch = self._static_batch(example_inputs)
             if self.static_batch != 0:  # an empty batch runs Dynamo's graph as eager would
@@ -250,8 +253,9 @@ class K3Compiled:
     def _compile_bucket(self, key: tuple, inputs: list, batch: int | None) -> _Bucket:
         user = frozenset(i.index for i in self.inputs if i.user)
         gm = self._with_scalars(self._scalars(inputs))
-        fn = self.pipeline.compile(gm, list(inputs), batch, user_inputs=user)
-        bucket = self.buckets[key] = _Bucket(fn, batch)
+        with self.checks.analysing(self.observer):
+            fn = self.pipeline.compile(gm, list(inputs), batch, user_inputs=user)
+        bucket = self.buckets[key] = _Bucket(self.checks.guard(fn, list(inputs)), batch)
         return bucket
 
     def _warn_once(self, key: str, msg: str, *args):
@@ -276,6 +280,7 @@ class K3Compiled:
         if bucket is None:
             self._warn_once("above", "k3: batch %d is above the largest bucket %d; running the "
                             "uncompiled graph (correct, slow)", batch, max(self.options.buckets))
+            self.checks.before_eager(list(args))
             return self.gm(*args)
         if bucket != batch and self.scratch is None:
             self._warn_once("noslots", "k3: no `slots` input to pad safely; compiling batch %d "
@@ -301,6 +306,7 @@ class K3Compiled:
         return out
 
     def _run(self, entry: _Bucket, args: list, batch: int | None, bucket: int | None):
+        self.checks.before(args, batch)  # a bad input raises here, before any state is written
         use_graph = (self.options.cuda_graphs and torch.cuda.is_available()
                      and any(isinstance(a, torch.Tensor) and a.is_cuda for a in args))
         if entry.graph is not None and _moved(entry, args):  # `param.data = t`, `.to()` and back
@@ -314,6 +320,7 @@ class K3Compiled:
             entry.runs += 1
             if use_graph:
                 self._capture(entry, args)
+        self.checks.after()
         if batch is None or batch == bucket:
             return outs
         return tuple(o[:batch] if flag else o for o, flag in zip(outs, self.outputs_batched))

@@ -33,6 +33,7 @@ SWITCHES: dict[str, tuple[str, str]] = {
     "K3_PACK_WEIGHTS": ("option `pack_weights`: each fused group's weights in one buffer", "1"),
     "K3_EXECUTOR": ("option `executor`: `inductor` or `aten`", "inductor"),
     "K3_SHARD_MOE": ("option `shard_moe`: `auto`, `on` or `off`", "auto"),
+    "K3_VALIDATE": ("option `validate`: input checks `auto`, `host`, `device` or `off`", "auto"),
     "K3_PDL": ("kernels: programmatic dependent launch", "1"),
     "K3_PDL_MAX_ROWS": ("kernels: PDL only for launches of at most this many rows", "4"),
     "K3_GEMV_FUSED": ("kernels: gemv's one-launch variants (`norm,situ,gate,split`, `all`, `0`)",
@@ -143,6 +144,9 @@ class Options:
     # Stage `pack`: each fused group's weights moved once into one buffer, the parameters views
     # of it, so no concatenated copy exists. K3_PACK_WEIGHTS=0 turns it off.
     pack_weights: bool = True
+    # The step's input checks (k3compile/validate.py): "auto" (on the host for CPU inputs, inside
+    # the step for CUDA ones), "host", "device" (also on CPU: the tests) or "off". K3_VALIDATE.
+    validate: str = "auto"
 
     @classmethod
     def make(cls, options: dict[str, Any] | None = None) -> Options:
@@ -156,7 +160,8 @@ class Options:
                          ("pack_weights", "K3_PACK_WEIGHTS")):
             if (value := env_bool(var)) is not None:
                 opts.setdefault(key, value)
-        for key, var in (("executor", "K3_EXECUTOR"), ("shard_moe", "K3_SHARD_MOE")):
+        for key, var in (("executor", "K3_EXECUTOR"), ("shard_moe", "K3_SHARD_MOE"),
+                         ("validate", "K3_VALIDATE")):
             if env(var):
                 opts.setdefault(key, env(var))
         for key in ("disabled_patterns", "disabled_stages", "disabled_rules"):
@@ -169,6 +174,9 @@ class Options:
             opts["buckets"] = buckets
         if opts.get("shard_moe", "auto") not in ("auto", "on", "off"):
             raise ValueError(f"shard_moe must be 'auto', 'on' or 'off', got {opts['shard_moe']!r}")
+        if opts.get("validate", "auto") not in ("auto", "host", "device", "off"):
+            raise ValueError(f"validate must be 'auto', 'host', 'device' or 'off', got "
+                             f"{opts['validate']!r}")
         if opts.get("executor", "inductor") not in ("inductor", "aten"):
             raise ValueError(f"executor must be 'inductor' or 'aten', got {opts['executor']!r}")
         return cls(**opts)
