@@ -3,7 +3,7 @@
 Two copies of the tiny fp32 model, one compiled (executor aten), one eager; each update is applied
 to both the same way, then both step on the same inputs and must agree. The weights are those of
 fused groups: KDA's q_proj (`k3.linear_concat`), the shared experts' gate (`k3.situ_gate_up`),
-the router (`k3.moe_front`), and in the transformers-style spelling (tests/models/hf_k3.py) the
+the router (`k3.moe_front`), and in the transformers-style spelling (k3compile/models/hf_k3.py) the
 stacked q|k|v parameter [3, W, D] whose rows `k3.linear_concat` reads as three weights, with
 stage `pack` on (the groups live in one buffer, parameters are
 views of it) and off (each weight its own tensor: the fused ops used to cache a concatenation,
@@ -22,8 +22,8 @@ import torch
 
 import k3compile.backend as k3be
 from k3compile.models import build_model, get_config
+from k3compile.models.hf_k3 import from_reference
 from tests.conftest import TOL, rel_err
-from tests.models.hf_k3 import from_reference
 
 LAYER = "language_model.model.layers.1."
 TARGETS = ("self_attn.q_proj.weight", "mlp.shared_experts.gate_proj.weight", "mlp.gate.weight")
@@ -98,9 +98,8 @@ def test_updates_of_a_stacked_qkv_parameter_are_seen(pack):
     step = torch.compile(model, backend="k3", fullgraph=True,
                          options={"executor": "aten", "pack_weights": pack, "buckets": (4,)})
     assert rel_err(step(*_args(0)), eager(*_args(0))) <= TOL["aten_cpu"]
-    compiled = k3be.last_compiled()
-    ops = [n for n in compiled.observer.graphs[4].nodes
-           if n.target is torch.ops.k3.linear_concat.default]
+    (graph,) = k3be.last_compiled().observer.graphs.values()
+    ops = [n for n in graph.nodes if n.target is torch.ops.k3.linear_concat.default]
     assert len(ops) == 1 and sum(w.op != "placeholder" for w in ops[0].args[1]) == 3
     attn = model.model.layers[0].self_attn
     group = [getattr(attn, n).weight for n in ("qkv_proj", "g_proj", "f_a_proj", "b_proj")]

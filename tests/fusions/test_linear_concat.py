@@ -53,7 +53,7 @@ def test_fp32_projections_agree():
 
 
 # q|k|v as rows of one parameter, as code that runs them as one batched GEMM stores them (after
-# rule gemm split that GEMM: tests/models/hf_k3.py): each spelling of the rows of one weight input
+# rule gemm split that GEMM: k3compile/models/hf_k3.py): each spelling of the rows of one weight input
 STACKED_QKV = {
     "select of [3, W, D]": (lambda ws: torch.stack(ws), lambda w: (w[0], w[1], w[2])),
     "row slices of [3W, D]": (lambda ws: torch.cat(ws), lambda w: (w[:W], w[W:2 * W], w[2 * W:])),
