@@ -95,8 +95,9 @@ def hf_smoke(tmp_path_factory):
     env = pytest.MonkeyPatch()
     env.setenv("K3_EXECUTOR", "aten")  # Inductor's C++ build would take minutes on 2 cores
     try:
+        # one bucket (the verify rows' graph would double a minute of compiling)
         bench.main(["--config", "tiny", "--smoke", "--device", "cpu", "--model", "hf",
-                    "--variants", "eager,k3", "--out", str(out)])
+                    "--verify", "0", "--variants", "eager,k3", "--out", str(out)])
     finally:
         env.undo()
         torch._dynamo.reset()
@@ -107,7 +108,7 @@ def hf_smoke(tmp_path_factory):
 def test_hf_smoke_times_and_checks_the_second_spelling_under_k3(hf_smoke):
     tiny = get_config("tiny")
     assert hf_smoke["meta"]["model"] == "hf" and not hf_smoke["skipped"]
-    assert {b["name"] for b in hf_smoke["buckets"]} == {"B2", "B1xT2"}
+    assert [b["name"] for b in hf_smoke["buckets"]] == ["B2"]
     for b in hf_smoke["buckets"]:
         assert b["model"] == "hf"
         assert b["check_routing_distinct_experts"] == [tiny.num_experts_per_token] * 4
