@@ -3,6 +3,14 @@ kernels and bytes per layer for eager, Inductor + CUDA graph and `backend="k3"` 
 
     python benchmarks/decode_layer.py                          # GPU: k3_tp16, bf16, MLA context 4096
     python benchmarks/decode_layer.py --config tiny --smoke    # CPU, seconds: the same code paths (CI)
+    python benchmarks/decode_layer.py --model hf               # the second spelling, same shapes
+
+`--model hf`: the same layers written the second way (`k3compile/models/hf_k3.py`, transformers
+style), built from the built-in model with its weights shared (`from_reference(share=True)`: only
+the stacked q|k|v and gate|up are new tensors) and its state copied, fed the same inputs (its
+layer 1 reads prefix + delta, the running sum), timed and checked the same way; the JSON says
+which model (`meta.model`, per bucket `model`) and is decode_layer_hf.json. Bytes are counted on
+the built-in layers: the same weights and state.
 
 Per batch bucket (B = 1..64 single-token decode, and B = 1 with T = 8 verify rows):
 
@@ -44,6 +52,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from k3compile.models import build_model, get_config
+from k3compile.models.hf_k3 import from_reference
 
 STACK_LAYERS = (1, 2, 3, 4)
 VARIANTS = ("eager", "inductor", "k3")
@@ -51,7 +60,9 @@ VARIANTS = ("eager", "inductor", "k3")
 # and state error is at most `factor` x eager-bf16's own (max_err: x `factor_max`), or `floor`.
 # Errors: max_err = max|out - ref| / max|ref|, rel_l2 = |out - ref| / |ref|.
 TOL = {"factor": 2.0, "factor_max": 3.0, "floor": 1e-3}
-STATE_BUFFERS = ("conv_state", "recurrent_state", "kv_cache")
+STATE_BUFFERS = ("conv_state", "recurrent_state", "kv_cache", "latent_cache")  # latent: hf
+CACHES = ("kv_cache", "latent_cache")  # MLA: [slots, max_len, C + R]
+MODELS = ("k3", "hf")
 
 
 @dataclass(frozen=True)
@@ -69,6 +80,8 @@ class LayerStack(nn.Module):
     first AttnRes block, whose bank holds only the embedding. `group`: the tensor-parallel process
     group the layers all-reduce over (None: world size 1)."""
 
+    outputs = ("prefix", "delta")
+
     def __init__(self, layers, group=None):
         super().__init__()
         self.layers = nn.ModuleList(layers)
@@ -79,6 +92,25 @@ class LayerStack(nn.Module):
         for layer in self.layers:
             prefix, delta, blocks = layer(prefix, delta, blocks, slots, positions, self.group)
         return prefix, delta
+
+
+class HFLayerStack(nn.Module):
+    """Decoder layers of the second spelling (`k3compile/models/hf_k3.py`), called as its model
+    calls them, on the built-in stack's inputs: the running sum is prefix + delta, the completed
+    blocks the embedding alone. Returns the running sum after the last layer."""
+
+    outputs = ("hidden",)
+
+    def __init__(self, layers):
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+        self.group = None  # one rank at world size 1: the spelling has no collectives
+
+    def forward(self, prefix, delta, embedding, slots, positions):
+        hidden, blocks = prefix + delta, [embedding]
+        for layer in self.layers:
+            hidden, blocks = layer(hidden, blocks, slots, positions)
+        return (hidden,)
 
 
 class TopkRecorder(TorchFunctionMode):
@@ -188,8 +220,10 @@ def graph_nodes(graph) -> dict:
 
 # ---- model, state, inputs ----------------------------------------------------------------------
 
-def build(config, device: torch.device, max_batch: int, context: int, seed: int, group=None):
-    """config: a name or a K3Config; group: the tensor-parallel process group (None: world 1)."""
+def build(config, device: torch.device, max_batch: int, context: int, seed: int, group=None,
+          spelling: str = "k3"):
+    """config: a name or a K3Config; group: the tensor-parallel process group (None: world 1);
+    spelling "hf": the stack is `hf_stack` of the built model (world 1)."""
     cfg = get_config(config) if isinstance(config, str) else config
     cfg = cfg.with_layers(max(STACK_LAYERS) + 1)
     model = build_model(cfg, device=device, seed=seed, group=group, max_batch=max_batch,
@@ -201,7 +235,23 @@ def build(config, device: torch.device, max_batch: int, context: int, seed: int,
         for name, buf in state_buffers(model).items():
             scale = 0.05 if name.endswith("recurrent_state") else 1.0
             buf.copy_(torch.randn(buf.shape, generator=gen, device=device) * scale)
-    return cfg, model, stack
+    return cfg, model, hf_stack(model) if spelling == "hf" else stack
+
+
+def hf_stack(model) -> HFLayerStack:
+    """The stack's layers in the second spelling: the built-in model's weights shared (q|k|v and
+    gate|up the only new tensors), its decode state copied."""
+    hf = from_reference(model, share=True)
+    ours = {"conv_state": "conv_state", "recurrent_state": "recurrent_state",
+            "latent_cache": "kv_cache"}
+    for mine, theirs in zip(hf.model.layers, model.language_model.model.layers, strict=True):
+        for name, buf in mine.self_attn.named_buffers():
+            buf.copy_(getattr(theirs.self_attn, ours[name]))
+    return HFLayerStack([hf.model.layers[i] for i in STACK_LAYERS])
+
+
+def builtin_stack(model) -> LayerStack:
+    return LayerStack([model.language_model.model.layers[i] for i in STACK_LAYERS], model.group)
 
 
 def state_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -222,7 +272,7 @@ def written_state(bufs: dict[str, torch.Tensor], bucket: Bucket, context: int) -
     B, T = bucket.batch, bucket.tokens
     out = {}
     for n, b in bufs.items():
-        out[n] = b[:B, context - T:context] if n.endswith("kv_cache") else b[:B]
+        out[n] = b[:B, context - T:context] if n.endswith(CACHES) else b[:B]
     return {n: t.clone() for n, t in out.items()}
 
 
@@ -260,7 +310,7 @@ def check_weights(stack: LayerStack, seed: int) -> dict[str, torch.Tensor]:
             bias = torch.full((E,), -10.0)
             bias[chosen] = 10.0 + 2.0 * torch.arange(k, dtype=torch.float32)
             out[name] = bias.to(p)
-        elif name.endswith("res_proj.weight"):
+        elif name.endswith(("res_proj.weight", "res.query.weight")):  # ours, hf
             out[name] = p * p.shape[-1] ** -0.5
     return out
 
@@ -346,8 +396,8 @@ def check(got: dict, eager: dict, ref32: dict) -> dict:
     }
 
 
-def step_result(outs, bufs, bucket: Bucket, context: int) -> dict:
-    res = {name: t.clone() for name, t in zip(("prefix", "delta"), outs)}
+def step_result(outs, bufs, bucket: Bucket, context: int, names=("prefix", "delta")) -> dict:
+    res = {name: t.clone() for name, t in zip(names, outs, strict=True)}
     res.update({f"state:{n}": t for n, t in written_state(bufs, bucket, context).items()})
     return res
 
@@ -449,7 +499,11 @@ def compiled_variants(args, device) -> dict[str, dict]:
 def run_bucket(args, device, model, stack, twin, bucket: Bucket, variants: dict) -> dict:
     gen = torch.Generator(device=device).manual_seed(args.seed + 1000 * bucket.batch + bucket.tokens)
     bufs = state_buffers(stack)
-    res = {"name": bucket.name, "batch": bucket.batch, "tokens": bucket.tokens, "variants": {}}
+    res = {"name": bucket.name, "batch": bucket.batch, "tokens": bucket.tokens,
+           "model": args.model, "variants": {}}
+
+    def result(outs, buffers):
+        return step_result(outs, buffers, bucket, args.context, stack.outputs)
 
     # correctness under `check_weights`, every variant from one state snapshot
     tamed = check_weights(stack, args.seed)
@@ -459,10 +513,10 @@ def run_bucket(args, device, model, stack, twin, bucket: Bucket, variants: dict)
     inputs = make_inputs(model, bucket, args.context, gen)
     s0 = snapshot(bufs)
     restore(state_buffers(twin), s0)
-    ref32 = step_result(twin(*[t.float() if t.is_floating_point() else t for t in inputs]),
-                        state_buffers(twin), bucket, args.context)
+    ref32 = result(twin(*[t.float() if t.is_floating_point() else t for t in inputs]),
+                   state_buffers(twin))
     with TopkRecorder() as rec:
-        eager = step_result(stack(*inputs), bufs, bucket, args.context)
+        eager = result(stack(*inputs), bufs)
     res["check_routing_distinct_experts"] = [int(i.unique().numel()) for i in rec.indices]
     restore(bufs, s0)
     runners = {"eager": Runner("eager", stack, inputs, device)}
@@ -480,8 +534,7 @@ def run_bucket(args, device, model, stack, twin, bucket: Bucket, variants: dict)
             entry["fx_graph_cache"] = _cache_counters(hits0)
             entry["cuda_graph"] = runner.graph is not None
             restore(bufs, s0)
-            entry["check"] = check(step_result(runner.run(), bufs, bucket, args.context), eager,
-                                   ref32)
+            entry["check"] = check(result(runner.run(), bufs), eager, ref32)
             entry["status"] = "ok" if entry["check"]["passed"] else "check failed"
             runners[name] = runner
         except Exception as e:  # noqa: BLE001 - one variant failing must not end the run
@@ -504,7 +557,8 @@ def run_bucket(args, device, model, stack, twin, bucket: Bucket, variants: dict)
     with TopkRecorder() as rec:
         stack(*inputs)
     restore(bufs, s0)
-    res["bytes"] = stack_bytes(stack, bucket, args.context, rec.indices)
+    # the built-in layers: the same weights and state as the second spelling's
+    res["bytes"] = stack_bytes(builtin_stack(model), bucket, args.context, rec.indices)
     for name, runner in runners.items():
         entry = res["variants"][name]  # a failed check is reported, and timed all the same
         times = time_calls(runner.run, device, args.warmup, args.iters, args.max_time_s)
@@ -592,7 +646,8 @@ def plot(results: dict, path: Path) -> str:
     ax.set_yscale("log")
     ax.set_ylabel("µs per layer")
     meta = results["meta"]
-    ax.set_title(f"K3 layers 1-4 ({meta['config']}, ctx {meta['context']}) on {meta['device_name']}")
+    ax.set_title(f"K3 layers 1-4 ({meta['config']}, model {meta.get('model', 'k3')}, "
+                 f"ctx {meta['context']}) on {meta['device_name']}")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -601,8 +656,13 @@ def plot(results: dict, path: Path) -> str:
     return f"plot: {path}"
 
 
+def json_name(model: str) -> str:
+    return "decode_layer.json" if model == "k3" else f"decode_layer_{model}.json"
+
+
 def write(results: dict, out: Path):
-    (out / "decode_layer.json").write_text(json.dumps(results, indent=1, default=str))
+    name = json_name(results["meta"].get("model", "k3"))
+    (out / name).write_text(json.dumps(results, indent=1, default=str))
 
 
 # ---- main --------------------------------------------------------------------------------------
@@ -610,6 +670,8 @@ def write(results: dict, out: Path):
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="k3_tp16")
+    p.add_argument("--model", choices=MODELS, default="k3",
+                   help="hf: the second spelling (k3compile/models/hf_k3.py) of the same layers")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--context", type=int, help="MLA context (default 4096; smoke 64)")
     p.add_argument("--batches", help="comma list or none (default 1,2,4,8,16,32,64; smoke 2)")
@@ -685,7 +747,8 @@ def main(argv=None) -> dict:
     max_batch = max(args.max_batch or 0, *(b.batch for b in buckets))
 
     meta = {
-        "date": time.strftime("%Y-%m-%d"), "config": args.config, "context": args.context,
+        "date": time.strftime("%Y-%m-%d"), "config": args.config, "model": args.model,
+        "context": args.context,
         "layers": list(STACK_LAYERS), "dtype": "bfloat16", "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda"
         else platform.processor() or "cpu",
@@ -705,12 +768,14 @@ def main(argv=None) -> dict:
 
     t0 = time.perf_counter()
     with torch.no_grad():
-        cfg, model, stack = build(args.config, device, max_batch, args.context, args.seed)
+        cfg, model, stack = build(args.config, device, max_batch, args.context, args.seed,
+                                  spelling=args.model)
         sync(device)
     meta["build_s"] = time.perf_counter() - t0
     meta["stack_weight_bytes"] = sum(p.numel() * p.element_size() for p in stack.parameters())
     twin = None if args.compile_only else fp32_twin(stack)
-    log(f"built {args.config} ({cfg.num_hidden_layers} layers) on {device} in {meta['build_s']:.1f} s;"
+    log(f"built {args.config} ({cfg.num_hidden_layers} layers, model {args.model}) on {device} in "
+        f"{meta['build_s']:.1f} s;"
         f" layers {STACK_LAYERS} hold {meta['stack_weight_bytes'] / 1e9:.2f} GB")
     variants = compiled_variants(args, device)
     meta["variants"] = {n: v.get("na", v.get("label")) for n, v in variants.items()}
@@ -741,8 +806,8 @@ def main(argv=None) -> dict:
         return results
     write(results, out)
     log("\n" + table(results))
-    log(plot(results, out / "decode_layer.png"))
-    log(f"json: {out / 'decode_layer.json'}")
+    log(plot(results, out / json_name(args.model).replace(".json", ".png")))
+    log(f"json: {out / json_name(args.model)}")
     return results
 
 

@@ -48,6 +48,38 @@ def weight_root(node: Any) -> fx.Node | None:
     return node if isinstance(node, fx.Node) and node.op == "placeholder" else None
 
 
+# views that take whole rows of a weight, in the order it stores them (narrow is a slice in ATen)
+ROW_VIEWS = frozenset({
+    torch.ops.aten.select.int, torch.ops.aten.slice.Tensor, torch.ops.aten.view.default,
+    torch.ops.aten._unsafe_view.default, torch.ops.aten.reshape.default,
+    torch.ops.aten.alias.default, torch.ops.aten.squeeze.dim, torch.ops.aten.squeeze.dims,
+    torch.ops.aten.squeeze.default, torch.ops.aten.unsqueeze.default,
+    # several views, read by getitem: `q, k, v = w.unbind(0)` / `.split(W)` / `.chunk(3)`
+    torch.ops.aten.unbind.int, torch.ops.aten.split.Tensor, torch.ops.aten.split_with_sizes.default,
+    operator.getitem})
+
+
+def input_view(node: Any) -> tuple[fx.Node, list[fx.Node]] | None:
+    """(graph input, [view, ...]) where node is a graph input (no views) or a chain of ROW_VIEWS
+    of one whose other arguments are constants, e.g. `select(qkv_weight, 0, 1)`: the same chain
+    replayed on the real input gives node's value. None otherwise."""
+    chain = []
+    while isinstance(node, fx.Node) and node.op == "call_function":
+        if node.target not in ROW_VIEWS or any(
+                isinstance(a, fx.Node) for a in (*node.args[1:], *node.kwargs.values())):
+            return None
+        chain.insert(0, node)
+        node = node.args[0]
+    return (node, chain) if isinstance(node, fx.Node) and node.op == "placeholder" else None
+
+
+def replay(chain: list[fx.Node], value: torch.Tensor) -> torch.Tensor:
+    """The views of `input_view`'s chain applied to a real value of its input."""
+    for node in chain:
+        value = node.target(value, *node.args[1:], **node.kwargs)
+    return value
+
+
 def written_in_place(node: fx.Node) -> bool:
     """Some op of the graph writes `node` in place (a state buffer's write-back: copy_,
     index_put_), read off the users' schemas."""

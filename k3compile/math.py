@@ -12,6 +12,7 @@ Spelling a line differently here changes both.
     l2norm(x)              = x / sqrt(Σx² + eps)
     delta_rule_step        S <- Diag(α_t)·S;  S <- S + k_t·(β_t(v_t − Sᵀk_t))ᵀ;  o_t = Sᵀq_t
     route_top_k            ids = top_k(σ(logits) + bias), w = σ[ids] / (Σ σ[ids] + 1e-20) · scaling
+                           (another eps, or max(Σ σ[ids], eps) with `clamp`: foreign routers)
     mxfp4_dequant          w = e2m1[nibble] · 2^(scale − 127), one E8M0 scale per 32 inputs
     mxfp4_experts          Σ_k w_k · (situ(z·W1[ids_k]ᵀ, z·W3[ids_k]ᵀ) · W2[ids_k]ᵀ)   fp32 finalize
 """
@@ -95,14 +96,16 @@ def delta_rule_step(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
 # ---- LatentMoE routing and MXFP4 experts (spec §3.3) --------------------------------------------
 
 
-def route_top_k(logits: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+def route_top_k(logits: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float,
+                eps: float = 1e-20, clamp: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 router logits [N, E] -> (ids [N, k] chosen by score + bias, their unbiased scores
-    renormalised and scaled [N, k])."""
+    renormalised and scaled [N, k]). The renormalisation divides by Σ + eps, or by max(Σ, eps)
+    with `clamp`."""
     scores = torch.sigmoid(logits)
     _, ids = torch.topk(scores + bias, top_k, dim=-1)
     weights = scores.gather(-1, ids)  # unbiased scores of the biased choice
-    weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    total = weights.sum(-1, keepdim=True)
+    weights = weights / (total.clamp_min(eps) if clamp else total + eps)
     return ids, weights * scaling
 
 

@@ -11,6 +11,7 @@ Constraints:
     * logits fp32 [N, E] with contiguous rows, row stride a multiple of 4 elements and 16-byte
       aligned data; bias fp32 [E] contiguous; outputs ids int64 [N, k], weights fp32 [N, k].
     * E % 4 == 0, 4 <= E <= 1024; 1 <= k <= min(32, E); scaling is a runtime scalar.
+    * the op's renormalisation as K3's: eps 1e-20 added (another eps or a clamp: the reference).
     * NaN logits are not ordered (their selection is unspecified).
     * With PDL (settings.KERNELS.pdl): the bias loads before `griddepcontrol.wait`.
 """
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from k3compile.ops import registry
-from k3compile.ops.moe_route import moe_route_ref
+from k3compile.ops.moe_route import EPS, moe_route_ref
 
 from .common.dsl import (
     BUCKETS,
@@ -58,7 +59,11 @@ def can_implement(logits, bias, top_k: int) -> bool:
     return refusal(logits, bias, top_k) is None
 
 
-def refusal(logits, bias, top_k: int, *_) -> str | None:
+def refusal(logits, bias, top_k: int, scaling=None, eps: float = EPS, clamp: bool = False
+            ) -> str | None:
+    if eps != EPS or clamp:
+        return f"renormalises by {'max(sum, eps)' if clamp else 'sum + eps'}, eps {eps} " \
+               f"(the kernel adds {EPS})"
     n_experts = logits.shape[-1]
     if n_experts % 4 or not 4 <= n_experts <= MAX_EXPERTS:
         return f"{n_experts} experts (want a multiple of 4 in [4, {MAX_EXPERTS}])"
@@ -98,7 +103,7 @@ def build(n_experts, top_k, cfg, arch=None, dump_dir=None, pdl=False):
 KERNEL = Kernel(OP, build)
 
 
-def moe_route_cuda(logits, bias, top_k, scaling, *, out=None):
+def moe_route_cuda(logits, bias, top_k, scaling, eps=EPS, clamp=False, *, out=None):
     """CUDA implementation of k3::moe_route: the kernel, or the reference if refused."""
     def launch():
         n, n_experts = logits.shape
@@ -110,8 +115,9 @@ def moe_route_cuda(logits, bias, top_k, scaling, *, out=None):
                 logits, bias, ids, weights, float(scaling))
         return ids, weights
 
-    return KERNEL.run(lambda: refusal(logits, bias, top_k),
-                      lambda: moe_route_ref(logits, bias, top_k, scaling), launch, logits, bias)
+    return KERNEL.run(lambda: refusal(logits, bias, top_k, scaling, eps, clamp),
+                      lambda: moe_route_ref(logits, bias, top_k, scaling, eps, clamp), launch,
+                      logits, bias)
 
 
 def register() -> None:

@@ -7,7 +7,10 @@
   input (`linear_concat[mla+g]`; without a g_proj there, `linear_concat[mla]` takes q_a|kv_a).
 
 Weights bind distinct graph nodes (`exclusive`): the same-shaped linears of one input are
-otherwise interchangeable to the matcher.
+otherwise interchangeable to the matcher, which binds them in no particular order. A weight is a
+graph input or contiguous rows of one (`select` / `slice` / `view` of a stacked q|k|v parameter
+[3, W, D], as code that runs q|k|v as one batched GEMM stores them; rule `gemm` splits that GEMM
+per `select`); stage `pack` orders the group by storage and stores it as one buffer.
 
 Before (KDA): 7 x (permute, view, mm, view)         Before (MLA): 2 x (permute, view, mm, view),
 After:  y = k3.linear_concat(x, [Wq, Wk, Wv, Wg, Wfa, Wb]);   mla_lowrank_norm(cq, ckv, ...)
@@ -20,6 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from k3compile.graph import input_view, written_in_place
 from k3compile.rewrite import Pattern, tensor_meta
 
 KDA_WEIGHTS = ("w_q", "w_k", "w_v", "w_g", "w_fa", "w_b")
@@ -72,10 +76,23 @@ def check_weights(match, names) -> str | None:
         if w is None or w.dim() != 2 or w.shape[1] != x.shape[-1] or w.dtype != x.dtype:
             return (f"{name} {getattr(w, 'dtype', None)}{list(getattr(w, 'shape', []))} is not a "
                     f"[N, {x.shape[-1]}] {x.dtype} weight")
-        if match.kwargs[name].op != "placeholder":
-            # the concatenation is cached per weight tensor: one computed every step would be
-            # concatenated every step
-            return f"{name} is computed in the graph ({match.kwargs[name].name}), not a weight input"
+        if why := _not_a_weight(name, match.kwargs[name]):
+            return why
+    return None
+
+
+def _not_a_weight(name, node) -> str | None:
+    """Why node is no weight the group can be stored with: a graph input, or contiguous rows of one
+    (q|k|v selected from a stacked [3, W, D] parameter), which stage pack stores back to back.
+    A weight computed every step would be concatenated every step."""
+    found = input_view(node)
+    if found is None:
+        return f"{name} is computed in the graph ({node.name}), not a weight input or a view of one"
+    root, chain = found
+    if root.meta.get("k3_user_input") or written_in_place(root):
+        return f"{name} ({node.name}) is a step input or state the graph writes, not a weight"
+    if chain and not tensor_meta(node).is_contiguous():
+        return f"{name} ({node.name}) is a view of {root.name} that is not contiguous rows"
     return None
 
 

@@ -13,12 +13,21 @@ parameters' identity and `state_dict` stay what they were, `load_state_dict` / `
 through to the buffer, and `concatenated` / `expert_stack` find the weights back to back and
 return a view of them instead of a copy.
 
+A weight may also be rows of a graph input (`select` / `slice` / `split` / `view` in the graph:
+q|k|v of a stacked [3, W, D] parameter). Then the input is what moves (`input.data = rows`,
+viewed in its own shape), and the graph's views of it land back to back where the group reads
+each input whole, in its order; a `linear_concat`'s weights, which the matcher binds in no
+particular order, are first put in storage order (the op's weight list and its split's readers
+permuted together: the same GEMMs). Views already back to back (a gate|up parameter sliced in
+two) are the packed buffer already: nothing moves.
+
 The stage runs last, after every check, on the real tensors Dynamo handed the backend (the ATen
 graph's placeholders in the same order). Only weights no earlier k3 compile in this process was
 handed move (`remember`): a CUDA graph captured for another bucket or graph reads the addresses
 it saw, so the first compile packs and later ones find the groups packed. A group is left as it
-is, with the reason in the stage's report, where a weight is no plain graph input (a slice made
-in the graph: a sharded front), the weights differ in dtype, device or width, are not
+is, with the reason in the stage's report, where a weight is neither a graph input nor rows of
+one, the group reads part of an input (a sharded front's row slice) or, for ops whose weights have
+roles, an input's rows out of order, the weights differ in dtype, device or width, are not
 contiguous or have rows of bytes not a multiple of 16 (every weight after the first would start
 unaligned; for an expert stack: experts of bytes not a multiple of 16, the unit it steps by),
 require grad in grad mode, are tensor subclasses, were seen by an earlier compile, one of them
@@ -41,12 +50,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import operator
 
 import torch
 from torch import fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.utils.weak import WeakIdKeyDictionary
 
+from k3compile.graph import fake_value, input_view, replay
 from k3compile.ops.linear_concat import adjacent
 
 log = logging.getLogger("k3compile")
@@ -97,10 +108,17 @@ def _groups(graph: fx.Graph):
             yield node, list(node.args[0])
 
 
+def _refusal_of_inputs(roots: list[torch.Tensor]) -> str | None:
+    """Why the graph inputs the weights are (or are views of) cannot move."""
+    if any(type(r) not in (torch.Tensor, torch.nn.Parameter) for r in roots):
+        return "a weight is a tensor subclass (its storage is not ours to move)"
+    if torch.is_grad_enabled() and any(r.requires_grad for r in roots):
+        return "a weight requires grad in grad mode"
+    return None
+
+
 def _refusal(weights: list[torch.Tensor], experts: bool = False) -> str | None:
     first = weights[0]
-    if any(type(w) not in (torch.Tensor, torch.nn.Parameter) for w in weights):
-        return "a weight is a tensor subclass (its storage is not ours to move)"
     if any(w.dim() != 2 for w in weights):
         return "a weight is not 2-D"
     if len({(w.dtype, w.device, w.shape[1]) for w in weights}) > 1:
@@ -116,8 +134,6 @@ def _refusal(weights: list[torch.Tensor], experts: bool = False) -> str | None:
         # the weights after the first would start off 16-byte alignment, which Inductor's and
         # our kernels assume of their inputs (Inductor would copy them back on every call)
         return f"rows of {first.shape[1] * first.element_size()} bytes (not a multiple of 16)"
-    if torch.is_grad_enabled() and any(w.requires_grad for w in weights):
-        return "a weight requires grad in grad mode"
     if first.is_meta:
         return "meta weights hold no data"
     return None
@@ -139,22 +155,147 @@ def _unmovable(weights: list[torch.Tensor]) -> str | None:
     return None
 
 
-def _move(weights: list[torch.Tensor]) -> torch.Tensor:
-    """Copy the weights into one buffer and make each a view of its rows, then re-point each
-    weight's old storage at the same rows: a `state_dict()` tensor or a `.data` taken before the
-    compile (any tensor on the old storage) reads and writes what the compiled step reads. The
-    old storage's new pointer holds the buffer alive (a DLPack export of the rows)."""
+def _move(roots: list[torch.Tensor], width: int) -> torch.Tensor:
+    """Copy the weight inputs into one buffer of rows `width` wide and make each a view of its
+    rows, then re-point each input's old storage at the same rows: a `state_dict()` tensor or a
+    `.data` taken before the compile (any tensor on the old storage) reads and writes what the
+    compiled step reads. The old storage's new pointer holds the buffer alive (a DLPack export of
+    the rows)."""
     # the stage runs inside Inductor's compile, under its fake-tensor mode: real work here
     with unset_fake_temporarily(), torch.no_grad():
-        buffer = torch.cat([w.detach() for w in weights])
-        rows = buffer.split([w.shape[0] for w in weights])
-        exports = [torch.from_dlpack(r).untyped_storage() for r in rows]  # before anything moves
-        for w, r, export in zip(weights, rows, exports, strict=True):
-            old = w.untyped_storage()
-            w.data = r
+        buffer = torch.cat([r.detach().reshape(-1, width) for r in roots])
+        parts = [rows.view(r.shape) for r, rows in
+                 zip(roots, buffer.split([r.numel() // width for r in roots]), strict=True)]
+        exports = [torch.from_dlpack(p).untyped_storage() for p in parts]  # before anything moves
+        for r, part, export in zip(roots, parts, exports, strict=True):
+            old = r.untyped_storage()
+            r.data = part
             old._swap_data_ptr_(export)  # `export` now holds the old memory, freed with it
             _REPOINTED[old] = True
     return buffer
+@dataclasses.dataclass
+class _Weight:
+    arg: fx.Node  # the op's weight argument
+    root: torch.Tensor  # the real graph input it is (or is rows of)
+    value: torch.Tensor  # its real value: the root, or the view the graph takes of it
+
+
+def _weights(args: list, real: dict) -> list[_Weight] | str:
+    """The group's weights on the real inputs, or why they are not inputs or views of them."""
+    weights = []
+    for arg in args:
+        found = input_view(arg) if isinstance(arg, fx.Node) else None
+        if found is None or found[0] not in real:
+            return "a weight is computed in the graph (not an input or a view of one)"
+        root = real[found[0]]
+        if not isinstance(root, torch.Tensor):
+            return "a weight input is no tensor"
+        with unset_fake_temporarily():
+            weights.append(_Weight(arg, root, replay(found[1], root)))
+    return weights
+
+
+def _in_storage_order(node: fx.Node, weights: list[_Weight]) -> list[_Weight]:
+    """A linear_concat's weights that share a storage (views of one input; inputs packed by an
+    earlier compile) in the order it holds them, at the place of the first of them: the matcher
+    binds same-shaped weights in no particular order, and the op's output order is ours to
+    choose (`_reorder`). Other ops' weights have roles: as they are."""
+    if node.target is not _K3.linear_concat.default:
+        return weights
+    first: dict[int, int] = {}  # storage -> where its first weight is
+    for i, w in enumerate(weights):
+        first.setdefault(_storage(w.value), i)
+    return sorted(weights, key=lambda w: (first[_storage(w.value)], w.value.data_ptr()))
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _untiled(weights: list[_Weight]) -> str | None:
+    """Why the inputs cannot be packed whole with the weights laid out in their order: each input's
+    weights must follow one another and cover it exactly, in its storage order (a row slice of a
+    shard's front reads part of a parameter)."""
+    runs: list[list[_Weight]] = []
+    for w in weights:
+        if runs and runs[-1][0].root is w.root:
+            runs[-1].append(w)
+        elif any(run[0].root is w.root for run in runs):
+            return "views of one input are split by other weights"
+        else:
+            runs.append([w])
+    for run in runs:
+        root = run[0].root
+        if not root.is_contiguous():
+            return "a weight input is not contiguous"
+        if (run[0].value.data_ptr() != root.data_ptr() or not adjacent([w.value for w in run])
+                or sum(w.value.nbytes for w in run) != root.nbytes):
+            return (f"the group does not read an input {tuple(root.shape)} whole in its order "
+                    "(as " + ", ".join(str(tuple(w.value.shape)) for w in run) + ")")
+    return None
+
+
+def _reorder(node: fx.Node, order: list[fx.Node]) -> str | None:
+    """Make linear_concat `node` take its weights in `order`, its output's split consumers reading
+    the same pieces; why not where they are not one split of it into the weights' rows."""
+    old = list(node.args[1])
+    rows = [w.meta["val"].shape[0] for w in old]
+    split = next(iter(node.users)) if len(node.users) == 1 else None
+    if (split is None or split.target is not torch.ops.aten.split_with_sizes.default
+            or list(split.args[1]) != rows
+            or (split.args[2] if len(split.args) > 2 else 0) not in (-1, node.meta["val"].dim() - 1)
+            or any(u.target is not operator.getitem for u in split.users)):
+        return "its output is read otherwise than as one split into the weights' outputs"
+    moved = [old.index(w) for w in order]  # new position -> old position
+    node.args = (node.args[0], order, *node.args[2:])
+    split.args = (node, [rows[i] for i in moved], *split.args[2:])
+    split.meta["val"] = fake_value(split.target, split.args, split.kwargs)
+    for piece in list(split.users):
+        piece.args = (split, moved.index(piece.args[1]))
+    return None
+
+
+def _pack_group(node: fx.Node, args: list, real: dict, taken: dict, report: PackReport) -> None:
+    weights = _weights(args, real)
+    if isinstance(weights, str):
+        report.skipped.append(f"{node.name}: {weights}")
+        return
+    values = [w.value for w in weights]
+    roots = list({id(w.root): w.root for w in weights}.values())
+    if (why := _refusal_of_inputs(roots)
+            or _refusal(values, node.target is _K3.expert_stack.default)) is not None:
+        report.skipped.append(f"{node.name}: {why}")
+        return
+    if len({(v.data_ptr(), v.shape) for v in values}) < len(values):
+        report.skipped.append(f"{node.name}: one weight appears twice")
+        return
+    weights = _in_storage_order(node, weights)
+    values = [w.value for w in weights]
+    order = [w.arg for w in weights]
+    why = _untiled(weights)
+    if why is None and order != args:
+        why = _reorder(node, order)
+    if why is not None:
+        report.skipped.append(f"{node.name}: {why}")
+        return
+    if adjacent(values):
+        report.already.append(node.name)
+        taken.update({id(r): node.name for r in roots})
+        return
+    if any(_seen(r) for r in roots):
+        report.skipped.append(f"{node.name}: an earlier compile was handed these weights")
+        return
+    if other := next((taken[id(r)] for r in roots if id(r) in taken), None):
+        report.skipped.append(f"{node.name}: a weight is packed with {other}")
+        return
+    if (why := _unmovable(roots)) is not None:
+        report.skipped.append(f"{node.name}: {why}")
+        return
+    buffer = _move(roots, values[0].shape[1])
+    taken.update({id(r): node.name for r in roots})
+    report.packed.append(f"{node.name}: {len(values)} weights, {buffer.nbytes / 1e6:.1f} MB")
+    if node.target is not _K3.moe_front.default:  # moe_front copies only with gemv's split
+        report.saved_bytes += buffer.nbytes
 
 
 def pack_concatenated(graph: fx.Graph, inputs: list) -> PackReport:
@@ -166,39 +307,9 @@ def pack_concatenated(graph: fx.Graph, inputs: list) -> PackReport:
         report.skipped.append(f"graph: {len(placeholders)} placeholders for {len(inputs)} inputs")
         return report
     real = dict(zip(placeholders, inputs, strict=True))
-    taken: dict[int, str] = {}  # id of a weight -> the group that packed it
-    for node, args in _groups(graph):
-        if not all(isinstance(a, fx.Node) and a in real for a in args):
-            report.skipped.append(f"{node.name}: a weight is computed in the graph")
-            continue
-        weights = [real[a] for a in args]
-        if not all(isinstance(w, torch.Tensor) for w in weights):
-            report.skipped.append(f"{node.name}: a weight input is no tensor")
-            continue
-        if len({id(w) for w in weights}) < len(weights):
-            report.skipped.append(f"{node.name}: one weight appears twice")
-            continue
-        if (why := _refusal(weights, node.target is _K3.expert_stack.default)) is not None:
-            report.skipped.append(f"{node.name}: {why}")
-            continue
-        if adjacent(weights):
-            report.already.append(node.name)
-            taken.update({id(w): node.name for w in weights})
-            continue
-        if any(_seen(w) for w in weights):
-            report.skipped.append(f"{node.name}: an earlier compile was handed these weights")
-            continue
-        if other := next((taken[id(w)] for w in weights if id(w) in taken), None):
-            report.skipped.append(f"{node.name}: a weight is packed with {other}")
-            continue
-        if (why := _unmovable(weights)) is not None:
-            report.skipped.append(f"{node.name}: {why}")
-            continue
-        buffer = _move(weights)
-        taken.update({id(w): node.name for w in weights})
-        report.packed.append(f"{node.name}: {len(weights)} weights, {buffer.nbytes / 1e6:.1f} MB")
-        if node.target is not _K3.moe_front.default:  # moe_front copies only with gemv's split
-            report.saved_bytes += buffer.nbytes
+    taken: dict[int, str] = {}  # id of a weight input -> the group that packed it
+    for node, args in list(_groups(graph)):
+        _pack_group(node, args, real, taken, report)
     log.info("k3 pack: %s", report)
     return report
 

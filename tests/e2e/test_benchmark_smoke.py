@@ -1,5 +1,7 @@
-"""benchmarks/decode_layer.py: its smoke mode in process (tiny config, CPU), its correctness check
-on a negative case, and its byte model against the K3 TP16 numbers of k3_arch.md §6."""
+"""benchmarks/decode_layer.py: its smoke mode in process (tiny config, CPU), also of the second
+spelling (`--model hf`: its stack against the built-in one on the same inputs, then the smoke run
+with backend="k3"), its correctness check on a negative case, and its byte model against the K3
+TP16 numbers of k3_arch.md §6."""
 
 from __future__ import annotations
 
@@ -9,9 +11,9 @@ import math
 import pytest
 import torch
 
-from k3compile.models import get_config
+from k3compile.models import build_model, get_config
 from k3compile.models.k3 import K3DecoderLayer
-from tests.conftest import load_benchmark
+from tests.conftest import TOL, load_benchmark, rel_err
 
 bench = load_benchmark("decode_layer")
 
@@ -59,6 +61,67 @@ def test_smoke_check_compares_outputs_and_state(smoke):
         assert math.isfinite(c["max_err_vs_eager"]) and c["max_err"] <= c["tol_max_err"]
         kinds = {name.rsplit(".", 1)[-1] for name in c["parts"]}
         assert kinds == {"prefix", "delta", "conv_state", "recurrent_state", "kv_cache"}
+        for part in c["parts"].values():
+            assert part["passed"] and part["eager_vs_fp32"]["rel_l2"] > 0  # bf16 really differs
+
+
+def test_hf_stack_computes_the_builtin_stack():
+    """The second spelling's layers 1-4 (weights shared, state copied) on the yardstick's inputs:
+    the built-in stack's running sum (prefix + delta) and state writes, fp32."""
+    cfg = get_config("tiny").with_layers(max(bench.STACK_LAYERS) + 1)
+    model = build_model(cfg, dtype=torch.float32, max_batch=2, max_seq_len=64)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for buf in bench.state_buffers(model).values():
+            buf.copy_(torch.randn(buf.shape, generator=gen) * 0.05)
+        hf, ours = bench.hf_stack(model), bench.builtin_stack(model)
+        assert hf.layers[0].self_attn.o_proj.weight.data_ptr() == \
+            ours.layers[0].self_attn.o_proj.weight.data_ptr()  # shared, not copied
+        for bucket in (bench.Bucket(2), bench.Bucket(1, 2)):
+            inputs = bench.make_inputs(model, bucket, 64, gen)
+            (got,) = hf(*inputs)
+            prefix, delta = ours(*inputs)
+            assert rel_err(got, prefix + delta) <= TOL["float32"], bucket
+    theirs = {n.replace("kv_cache", "latent_cache"): b
+              for n, b in bench.state_buffers(ours).items()}
+    mine = bench.state_buffers(hf)
+    assert mine.keys() == theirs.keys() and len(mine) == 7  # conv + recurrent x 3 KDA, 1 cache
+    assert all(rel_err(mine[n], theirs[n]) <= TOL["float32"] for n in mine)
+
+
+@pytest.fixture(scope="module")
+def hf_smoke(tmp_path_factory):
+    out = tmp_path_factory.mktemp("decode_layer_hf")
+    env = pytest.MonkeyPatch()
+    env.setenv("K3_EXECUTOR", "aten")  # Inductor's C++ build would take minutes on 2 cores
+    try:
+        # one bucket (the verify rows' graph would double a minute of compiling)
+        bench.main(["--config", "tiny", "--smoke", "--device", "cpu", "--model", "hf",
+                    "--verify", "0", "--variants", "eager,k3", "--out", str(out)])
+    finally:
+        env.undo()
+        torch._dynamo.reset()
+    return json.loads((out / "decode_layer_hf.json").read_text())
+
+
+@pytest.mark.slow
+def test_hf_smoke_times_and_checks_the_second_spelling_under_k3(hf_smoke):
+    tiny = get_config("tiny")
+    assert hf_smoke["meta"]["model"] == "hf" and not hf_smoke["skipped"]
+    assert [b["name"] for b in hf_smoke["buckets"]] == ["B2"]
+    for b in hf_smoke["buckets"]:
+        assert b["model"] == "hf"
+        assert b["check_routing_distinct_experts"] == [tiny.num_experts_per_token] * 4
+        assert _finite_positive(b["bytes"]["per_layer_mean"])
+        for name in ("eager", "k3"):
+            v = b["variants"][name]
+            assert v["status"] == "ok", v
+            for key in ("us_per_layer", "kernels_per_layer", "gbps", "over_floor"):
+                assert _finite_positive(v[key]), (b["name"], name, key, v.get(key))
+        c = b["variants"]["k3"]["check"]
+        assert c["passed"] and c["max_err"] <= c["tol_max_err"]
+        kinds = {name.rsplit(".", 1)[-1] for name in c["parts"]}
+        assert kinds == {"hidden", "conv_state", "recurrent_state", "latent_cache"}
         for part in c["parts"].values():
             assert part["passed"] and part["eager_vs_fp32"]["rel_l2"] > 0  # bf16 really differs
 

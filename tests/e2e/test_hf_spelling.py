@@ -1,5 +1,5 @@
-"""The transformers-style second spelling of K3 (`tests/models/hf_k3.py`, issue 18 item 4) against
-the built-in model, eagerly and under backend="k3" (tiny config, 4 layers: every template).
+"""The transformers-style second spelling of K3 (`k3compile/models/hf_k3.py`, issue 18 item 4)
+against the built-in model, eagerly and under backend="k3" (tiny config, 4 layers: every template).
 
 1. Eager, same weights (`from_reference`): fp32 logits and decode states equal the built-in
    model's over decode steps and a [B, T] verify step (rounding only: measured <= 8e-6). bf16:
@@ -28,7 +28,9 @@ delta rule's `k_t` read once and used twice (`view_chains`), the T=1 conv output
 (`depth_mix`), the per-expert MXFP4 experts with a LUT dequant (`mxfp4_dequant`,
 `expert_stack`, `expert_gemm`, which also takes the per-token bmm of the k experts' rows
 stacked, [N, k*I, L] by [N, L, 1]), the router's `topk(sorted=False)` and `bias.unsqueeze(0)`
-(`topk_sorted`, `broadcast`). Known gaps today: `KNOWN_GAPS`.
+(`topk_sorted`, `broadcast`); the KDA in-projection over q|k|v `select`s of the stacked
+parameter (`linear_concat` takes rows of one input; stage `pack` stores the group as one buffer,
+the stacked parameter among its rows). Known gaps today: `KNOWN_GAPS` (none).
 """
 
 from __future__ import annotations
@@ -41,24 +43,17 @@ import torch
 
 import k3compile.backend as k3be
 from k3compile.models import build_model, get_config
+from k3compile.models.hf_k3 import converted_state_dict, from_reference
 from k3compile.rewrite import NEUTRAL
 from k3compile.stages.contract import FINAL, PLANS, SCHEDULE
 from tests.conftest import TOL, rel_err
 from tests.fusions.attention_checks import one_thread  # noqa: F401
-from tests.models.hf_k3 import converted_state_dict, from_reference
 
 CFG = dataclasses.replace(get_config("tiny"), num_hidden_layers=4, full_attn_layers=(2, 3))
 TEMPLATES = {0: "dense", 1: "kda_moe", 2: "mla_moe", 3: "last", FINAL: "final"}
 
-_KDA = {"linear_concat": "the pattern matches (gemm, stack_cat), its check refuses: w_q|w_k|w_v are "
-                         "selects of the stacked qkv weight, which stage pack cannot pack"}
-KNOWN_GAPS: dict[str, dict[str, str]] = {
-    "dense": {**_KDA},
-    "kda_moe": {**_KDA},
-    "mla_moe": {},
-    "last": {},
-    "final": {},
-}
+KNOWN_GAPS: dict[str, dict[str, str]] = {"dense": {}, "kda_moe": {}, "mla_moe": {}, "last": {},
+                                         "final": {}}
 # a lost fusion that carried a norm leaves it as a plain k3.rms_norm
 LEFTOVERS = frozenset({"rms_norm"})
 
@@ -118,6 +113,27 @@ def test_eager_fp32_equals_the_builtin_model():
     state_err = _state_errors(ref, hf)
     assert len(state_err) == 6  # KDA conv + recurrent state of layers 0, 1; MLA cache of 2, 3
     assert all(e <= TOL["float32"] for e in state_err.values()), state_err
+
+
+def test_one_tp_rank_and_shared_weights_equal_the_builtin_model():
+    """At tp_size 2 (world size 1: one rank's share, no collectives, as the yardstick times
+    TP16) with the built-in model's own tensors shared (`share`): the same logits and states;
+    the layouts that agree share storage (an expert is a view of the built-in stack)."""
+    cfg = CFG.with_tp(2)
+    ref = build_model(cfg, dtype=torch.float32, max_batch=4, max_seq_len=64)
+    hf = from_reference(ref, share=True)
+    lm, ours = ref.language_model.model, hf.model
+    assert ours.layers[2].self_attn.o_proj.weight.data_ptr() == \
+        lm.layers[2].self_attn.o_proj.weight.data_ptr()
+    experts = lm.layers[1].mlp.experts.w1_packed
+    assert ours.layers[1].block_sparse_moe.experts[3].gate_proj.weight_packed.data_ptr() == \
+        experts[3].data_ptr()
+    assert hf.model.layers[0].self_attn.qkv_proj.weight.shape[1] == cfg.kda_heads_local * \
+        cfg.kda_head_dim
+    for ids, pos, slots in _inputs(cfg, verify_rows=3):
+        err = rel_err(hf(ids, pos, slots), ref(ids, pos, slots))
+        assert err <= TOL["float32"], (tuple(ids.shape), err)
+    assert all(e <= TOL["float32"] for e in _state_errors(ref, hf).values())
 
 
 def test_eager_bf16_without_mla_equals_the_builtin_model():

@@ -4,6 +4,8 @@ Two copies of a two-layer tiny fp32 model (dense layer 0, KDA + MoE layer 1: eve
 group), one compiled (executor aten), one eager; each update is applied to both the same way, then
 both step on the same inputs and must agree. The weights are those of fused groups: KDA's q_proj
 (`k3.linear_concat`), the shared experts' gate (`k3.situ_gate_up`), the router (`k3.moe_front`),
+and in the transformers-style spelling (k3compile/models/hf_k3.py) the stacked q|k|v parameter
+[3, W, D] whose rows `k3.linear_concat` reads as three weights,
 with stage `pack` on (each group lives in one buffer, the parameters are views of it) and off
 (each weight its own tensor: the fused ops used to cache a concatenation keyed on the version
 counter, which `param.data.copy_` does not bump).
@@ -20,11 +22,14 @@ tests/e2e/test_weight_updates_gpu.py.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 import k3compile.backend as k3be
 from k3compile.models import build_model, get_config
+from k3compile.models.hf_k3 import from_reference
 from tests.conftest import TOL, rel_err
 
 CFG = get_config("tiny").with_layers(2)
@@ -148,7 +153,7 @@ def test_pack_repoints_aliases_and_keeps_values():
                for r in (3, 5, 2)]
     values = [w.detach().clone() for w in weights]
     data, detached, row = weights[1].data, weights[1].detach(), weights[2].data[1]
-    buffer = _move(weights)
+    buffer = _move(weights, 8)
     assert all(torch.equal(w, v) for w, v in zip(weights, values, strict=True))
     assert weights[1].data_ptr() == buffer.data_ptr() + 3 * 8 * 4
     data.fill_(1.0)  # `.data` and `detach()` taken before: the packed rows
@@ -174,9 +179,41 @@ def test_pack_leaves_tied_and_embedded_weights_where_they_are():
     assert _unmovable([torch.randn(3, 8), torch.randn(4, 8)]) is None
     weight = torch.nn.Parameter(torch.randn(4, 8), requires_grad=False)
     twin = torch.nn.Parameter(weight.data, requires_grad=False)  # tied, another parameter
-    _move([weight, torch.randn(2, 8)])
+    _move([weight, torch.randn(2, 8)], 8)
     assert "packed before" in _unmovable([twin, torch.randn(2, 8)])
     assert torch.equal(twin, weight) and twin.data_ptr() == weight.data_ptr()
+
+
+@pytest.mark.parametrize("pack", [True, False], ids=["packed", "unpacked"])
+def test_updates_of_a_stacked_qkv_parameter_are_seen(pack):
+    """One KDA layer of the second spelling: q|k|v are `select`s of one [3, W, D] parameter that
+    `k3.linear_concat` reads (packed: the parameter is rows of the group's buffer)."""
+    torch._dynamo.reset()
+    cfg = dataclasses.replace(get_config("tiny"), num_hidden_layers=1, full_attn_layers=())
+    ref = build_model(cfg, dtype=torch.float32, max_batch=4, max_seq_len=64)
+    model, eager = from_reference(ref), from_reference(ref)
+    before = {"model": aliases_before(model), "eager": aliases_before(eager)}
+    step = torch.compile(model, backend="k3", fullgraph=True,
+                         options={"executor": "aten", "pack_weights": pack, "buckets": (4,)})
+    assert rel_err(logits(step(*step_args(0))), logits(eager(*step_args(0)))) <= TOL["aten_cpu"]
+    (graph,) = k3be.last_compiled().observer.graphs.values()
+    ops = [n for n in graph.nodes if n.target is torch.ops.k3.linear_concat.default]
+    assert len(ops) == 1 and sum(w.op != "placeholder" for w in ops[0].args[1]) == 3
+    attn = model.model.layers[0].self_attn
+    group = [getattr(attn, n).weight for n in ("qkv_proj", "g_proj", "f_a_proj", "b_proj")]
+    one_buffer = {w.untyped_storage().nbytes() for w in group} == {sum(w.nbytes for w in group)}
+    assert one_buffer == pack
+    gen, i = torch.Generator().manual_seed(1), 1
+    for how, update in UPDATES.items():
+        for name in ("model.layers.0.self_attn.qkv_proj.weight",
+                     "model.layers.0.self_attn.g_proj.weight"):
+            new = perturbed(eager, name, gen)
+            update(model, before["model"], name, new)
+            update(eager, before["eager"], name, new)
+            want, got = logits(eager(*step_args(i))), logits(step(*step_args(i)))
+            assert torch.equal(model.get_parameter(name), new), (how, name)
+            assert rel_err(got, want) <= TOL["aten_cpu"], (how, name, rel_err(got, want))
+            i += 1
 
 
 @pytest.mark.slow

@@ -1,5 +1,6 @@
 """linear_concat: the linears that read one input as one GEMM over their concatenated weights
-(cached, never concatenated per step): KDA's q|k|v|g|f_a|b, MLA's q_a|kv_a."""
+(never cached; stage pack stores them back to back): KDA's q|k|v|g|f_a|b, also with q|k|v rows of
+one stacked parameter; MLA's q_a|kv_a."""
 
 from __future__ import annotations
 
@@ -49,6 +50,52 @@ def test_fp32_projections_agree():
     assert [h.pattern for h in report.hits] == ["linear_concat[kda]"]
     for got, want in zip(gm(*args), kda_projections(*args)):  # the wider GEMM may regroup sums
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+# q|k|v as rows of one parameter, as code that runs them as one batched GEMM stores them (after
+# rule gemm split that GEMM: k3compile/models/hf_k3.py): each spelling of the rows of one weight input
+STACKED_QKV = {
+    "select of [3, W, D]": (lambda ws: torch.stack(ws), lambda w: (w[0], w[1], w[2])),
+    "row slices of [3W, D]": (lambda ws: torch.cat(ws), lambda w: (w[:W], w[W:2 * W], w[2 * W:])),
+    "narrow of [3W, D]": (lambda ws: torch.cat(ws),
+                          lambda w: tuple(w.narrow(0, i * W, W) for i in range(3))),
+    "unbind of [3W, D] viewed [3, W, D]": (lambda ws: torch.cat(ws),
+                                           lambda w: w.view(3, W, D).unbind(0)),
+    "split of [3W, D]": (lambda ws: torch.cat(ws), lambda w: w.split(W)),
+    "chunk of [3W, D]": (lambda ws: torch.cat(ws), lambda w: w.chunk(3)),
+    "q|k stacked, v its own": (lambda ws: torch.stack(ws[:2]), lambda w: (w[0], w[1])),
+}
+
+
+@pytest.mark.parametrize("spelling", STACKED_QKV)
+def test_kda_q_k_v_rows_of_one_stacked_weight(spelling):
+    stack, rows = STACKED_QKV[spelling]
+    x, w_q, w_k, w_v, *rest = _kda_args()
+    stacked = stack([w_q, w_k, w_v])
+    own = [] if stacked.numel() == 3 * W * D else [w_v]
+
+    def projections(x, stacked, *ws):
+        return kda_projections(x, *rows(stacked), *ws)
+
+    args = [x, stacked, *own, *rest]
+    gm, report = rewrite(projections, args, linear_concat.patterns(), joint=True)
+    assert_rewritten_equal(gm, report, projections, args, "k3.linear_concat")  # bf16: exact
+    for got, want in zip(gm(*args), kda_projections(x, w_q, w_k, w_v, *rest)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    (op,) = (n for n in gm.graph.nodes if str(n.target) == "k3.linear_concat.default")
+    views = [w for w in op.args[1] if w.op != "placeholder"]
+    assert len(views) == 3 - len(own)
+    assert {v.meta["val"].storage_offset() for v in views} == {i * W * D for i in range(len(views))}
+
+
+def test_kda_weight_columns_are_refused():
+    """A [W, D] slice of the columns of a wider weight: no rows the group can be stored with."""
+    x, w_q, *rest = _kda_args()
+    wide = torch.cat([w_q, w_q], dim=1)  # [W, 2D]
+    _, report = rewrite(lambda x, wide, *ws: kda_projections(x, wide[:, :D], *ws),
+                        [x, wide, *rest], linear_concat.patterns()[:1], joint=True)
+    assert not report.hits
+    assert_near_miss(report, "linear_concat[kda]", "check refused", "not contiguous rows")
 
 
 def mla_in_proj(x, w_qa, w_kva, w_g, w_qn, w_kvn):

@@ -158,3 +158,120 @@ def test_groups_left_alone_say_why():
     assert len(report.packed) == 2 and report.saved_bytes == (3 + 2) * 8 * 4, report
     assert weights.adjacent(ok[:2]) and weights.adjacent(ok[2:])
     assert all(torch.equal(w, v) for w, v in zip(ok, values))
+
+
+# ---- weights that are views of one input (q|k|v rows of a stacked parameter) -------------------
+
+def _views_graph(pick):
+    """x -> k3.linear_concat(x, pick(a, stacked, b)) split into its outputs."""
+
+    def in_proj(x, a, stacked, b):
+        ws = pick(a, stacked, b)
+        return torch.ops.k3.linear_concat(x, ws).split([w.shape[0] for w in ws], -1)
+
+    return in_proj
+
+
+def _stacked_inputs():
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randn(s, generator=gen) for s in ((2, 8), (4, 8), (3, 5, 8), (6, 8))]
+
+
+def _pack_traced(pick, inputs):
+    from tests.fusions.pattern_checks import graph
+
+    fn = _views_graph(pick)
+    gm = graph(fn, *inputs)
+    want = fn(*[t.clone() for t in inputs])
+    report = weights.pack_concatenated(gm.graph, inputs)
+    gm.recompile()
+    return gm, fn, want, report
+
+
+def _op_weights(gm):
+    (op,) = (n for n in gm.graph.nodes if n.target is torch.ops.k3.linear_concat.default)
+    return op.args[1]
+
+
+def test_rows_of_one_input_are_ordered_by_storage_and_packed():
+    """The matcher binds q|k|v in no particular order: pack puts the views of one input in the
+    order it stores them, the split's readers follow, and the input becomes rows of the buffer."""
+    inputs = _stacked_inputs()
+    _, a, stacked, b = inputs
+    values = [t.clone() for t in inputs]
+    pick = lambda a, s, b: [a, s[1], s[0], s[2], b]
+    gm, fn, want, report = _pack_traced(pick, inputs)
+    assert len(report.packed) == 1 and not report.skipped, report
+    assert report.saved_bytes == (4 + 15 + 6) * 8 * 4
+    order = [(w.target, w.args[1:]) for w in _op_weights(gm)]
+    assert order[1:4] == [(torch.ops.aten.select.int, (0, i)) for i in range(3)]
+    assert weights.adjacent([a, *stacked.unbind(0), b])
+    assert all(torch.equal(t, v) for t, v in zip(inputs, values)), "packing changed a value"
+    for got, w in zip(gm(*inputs), want, strict=True):  # every output where its readers look
+        assert torch.equal(got, w)
+    with torch.no_grad():
+        stacked[1].mul_(-2)  # an update of the stacked parameter is seen
+    for got, w in zip(gm(*inputs), fn(*inputs), strict=True):
+        assert torch.equal(got, w)
+
+
+def test_rows_of_one_input_back_to_back_are_already_packed():
+    inputs = _stacked_inputs()
+    ptr = inputs[2].data_ptr()
+    gm, _, want, report = _pack_traced(lambda a, s, b: [s[0], s[1], s[2]], inputs)
+    assert report.already and not report.packed and not report.skipped, report
+    assert inputs[2].data_ptr() == ptr
+    assert all(torch.equal(g, w) for g, w in zip(gm(*inputs), want, strict=True))
+
+
+def test_rows_of_one_input_in_pieces_are_packed():
+    inputs = _stacked_inputs()
+    gm, _, want, report = _pack_traced(lambda a, s, b: [s[0, 4:], s[1], a, s[2], s[0, :4]], inputs)
+    assert len(report.packed) == 1 and not report.skipped, report
+    assert weights.adjacent([inputs[2].flatten(0, 1), inputs[1]])  # in the order first read
+    assert all(torch.equal(g, w) for g, w in zip(gm(*inputs), want, strict=True))
+
+
+def test_a_shards_rows_of_an_input_stay():
+    """A row slice of a sharded front reads part of a parameter: packing it would move rows no
+    group reads."""
+    inputs = _stacked_inputs()
+    ptrs = [t.data_ptr() for t in inputs]
+    gm, _, want, report = _pack_traced(lambda a, s, b: [a, s[0], s[2]], inputs)
+    assert not report.packed and len(report.skipped) == 1, report
+    assert "does not read an input (3, 5, 8) whole" in report.skipped[0], report
+    assert [t.data_ptr() for t in inputs] == ptrs
+    assert all(torch.equal(g, w) for g, w in zip(gm(*inputs), want, strict=True))
+
+
+def test_roles_out_of_storage_order_stay():
+    """situ_gate_up's gate and up have roles: up stored before gate cannot be one view."""
+    from tests.fusions.pattern_checks import graph
+
+    def up_first(x, s):
+        return torch.ops.k3.situ_gate_up(x, s[1], s[0], 4.0, 25.0)
+
+    gen = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(2, 8, generator=gen), torch.randn(2, 5, 8, generator=gen)]
+    gm = graph(up_first, *inputs)
+    report = weights.pack_concatenated(gm.graph, inputs)
+    assert not report.packed and "whole in its order" in report.skipped[0], report
+    report = weights.pack_concatenated(graph(lambda x, s: torch.ops.k3.situ_gate_up(
+        x, s[0], s[1], 4.0, 25.0), *inputs).graph, inputs)
+    assert report.already and not report.skipped, report  # a gate|up parameter sliced in two
+
+
+def test_views_out_of_order_read_otherwise_stay():
+    """The op's output read whole (not split into the weights' outputs): no order but its own."""
+    from tests.fusions.pattern_checks import graph
+
+    def whole(x, a, s, b):
+        return torch.ops.k3.linear_concat(x, [a, s[1], s[0], s[2], b])
+
+    inputs = _stacked_inputs()
+    gm = graph(whole, *inputs)
+    want = whole(*inputs)
+    report = weights.pack_concatenated(gm.graph, inputs)
+    gm.recompile()
+    assert not report.packed and "read otherwise" in report.skipped[0], report
+    assert torch.equal(gm(*inputs), want)
