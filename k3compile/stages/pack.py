@@ -49,6 +49,7 @@ whole storage, hence the last refusal above.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import operator
 
@@ -64,6 +65,8 @@ log = logging.getLogger("k3compile")
 
 _K3 = torch.ops.k3
 _SEEN = WeakIdKeyDictionary()  # every tensor a k3 compile was handed, and its storage
+# torch's private storage swap (FSDP and CUDA-graph trees use it); older torch lacks it (2.11)
+CAN_REPOINT = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
 _REPOINTED = WeakIdKeyDictionary()  # every old storage `_move` re-pointed at packed rows
 
 
@@ -170,9 +173,22 @@ def _move(roots: list[torch.Tensor], width: int) -> torch.Tensor:
         for r, part, export in zip(roots, parts, exports, strict=True):
             old = r.untyped_storage()
             r.data = part
-            old._swap_data_ptr_(export)  # `export` now holds the old memory, freed with it
-            _REPOINTED[old] = True
+            if CAN_REPOINT:
+                old._swap_data_ptr_(export)  # `export` now holds the old memory, freed with it
+                _REPOINTED[old] = True
+    if not CAN_REPOINT:
+        _warn_no_repoint()
     return buffer
+
+
+@functools.cache
+def _warn_no_repoint() -> None:
+    log.warning("k3 pack: this torch (%s) has no UntypedStorage._swap_data_ptr_: a state_dict() "
+                "tensor or a .data taken before the first compile no longer aliases a packed "
+                "weight (writes through it are not seen; K3_PACK_WEIGHTS=0 keeps them)",
+                torch.__version__)
+
+
 @dataclasses.dataclass
 class _Weight:
     arg: fx.Node  # the op's weight argument

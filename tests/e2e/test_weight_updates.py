@@ -30,6 +30,7 @@ import torch
 import k3compile.backend as k3be
 from k3compile.models import build_model, get_config
 from k3compile.models.hf_k3 import from_reference
+from k3compile.stages.pack import CAN_REPOINT
 from tests.conftest import TOL, rel_err
 
 CFG = get_config("tiny").with_layers(2)
@@ -111,6 +112,8 @@ def run_matrix(step, model, eager, before, tol, first_step=1, device="cpu"):
     """Every update of UPDATES on every target, each followed by one step of both models."""
     gen, i = torch.Generator().manual_seed(1), first_step
     for how, update in UPDATES.items():
+        if how in ALIASED_BEFORE and not CAN_REPOINT:  # README "Weights": needs the storage swap
+            continue
         for target in TARGETS:
             name = LAYER + target
             new = perturbed(eager, name, gen)
@@ -144,6 +147,7 @@ def test_every_update_is_seen_by_the_compiled_step(pack):
     run_matrix(step, model, eager, before, TOL["aten_cpu"])
 
 
+@pytest.mark.skipif(not CAN_REPOINT, reason="this torch has no UntypedStorage._swap_data_ptr_")
 def test_pack_repoints_aliases_and_keeps_values():
     """Stage `pack` alone, on real tensors: the values and every alias taken before it."""
     from k3compile.stages.pack import _move
@@ -168,6 +172,7 @@ def test_pack_repoints_aliases_and_keeps_values():
     assert torch.UntypedStorage._expired(held)  # and nothing else does
 
 
+@pytest.mark.skipif(not CAN_REPOINT, reason="this torch has no UntypedStorage._swap_data_ptr_")
 def test_pack_leaves_tied_and_embedded_weights_where_they_are():
     """Look-alikes `_move` must not touch: two weights on one storage, a weight in a larger one,
     a weight tied to one packed before."""
@@ -205,6 +210,8 @@ def test_updates_of_a_stacked_qkv_parameter_are_seen(pack):
     assert one_buffer == pack
     gen, i = torch.Generator().manual_seed(1), 1
     for how, update in UPDATES.items():
+        if how in ALIASED_BEFORE and not CAN_REPOINT:
+            continue
         for name in ("model.layers.0.self_attn.qkv_proj.weight",
                      "model.layers.0.self_attn.g_proj.weight"):
             new = perturbed(eager, name, gen)

@@ -404,7 +404,7 @@ def gpu_worker(out_path: str) -> None:
     torch.cuda.synchronize()
     torch.save({k: [t.cpu() for t in (v if isinstance(v, tuple) else (v,))]
                 for k, v in out.items()}, out_path)
-    print(json.dumps({"stats": disk_cache.stats(), "fallbacks": sorted(map(list, dsl._refused))}))
+    print(json.dumps({"stats": disk_cache.stats(), "fallbacks": sorted(map(list, dsl.fallback_counts()))}))
 
 
 def _run_gpu_worker(cache: Path, out: Path) -> dict:
