@@ -338,7 +338,8 @@ class InputChecks:
         rejected; `batch`: the real rows of a padded batch (None: no padding)."""
         if self.mode in (None, "off"):
             return
-        self.raise_finished()
+        if not _capturing():  # a caller's own CUDA-graph capture may not query events
+            self.raise_finished()
         self._check_shapes(args)
         if self.mode == "host":
             self._check_values(args, batch)
@@ -358,6 +359,11 @@ class InputChecks:
             if bits := int(self._mask):
                 raise ValueError(self._describe(bits, self.steps))
             return
+        if _capturing():
+            # the caller captures the step in its own CUDA graph (a benchmark, a server's graph):
+            # the check and the redirect are in that graph, but no host read-back can be: a
+            # rejected replay writes only the scratch row and `mask` holds its failed checks
+            return
         pinned = self._pinned.pop() if self._pinned else torch.empty(
             (), dtype=torch.int64, pin_memory=True)
         pinned.copy_(self._mask, non_blocking=True)
@@ -373,6 +379,12 @@ class InputChecks:
             self.raise_finished()
             self._check_shapes(args)
             self._check_values(args, None)
+
+    @property
+    def mask(self) -> torch.Tensor | None:
+        """The device check's bitmask of the last step (0: every input passed); the one place a
+        step replayed from the caller's own CUDA graph reports a rejection."""
+        return self._mask
 
     def wait(self) -> None:
         """Wait for every device-checked step and raise if one was rejected."""
@@ -448,6 +460,10 @@ class InputChecks:
         return (f"k3: step {step} was rejected by its device-side input check: "
                 + "; ".join(failed) + ". Its state writes went to the scratch slot (no request's "
                 "state changed) and its outputs are meaningless.")
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def _any(bad: torch.Tensor, real: torch.Tensor | None) -> torch.Tensor:
