@@ -42,6 +42,8 @@ SWITCHES: dict[str, tuple[str, str]] = {
                         ""),
     "K3_ALLREDUCE": ("kernels: force the TP all-reduce (`one_shot`, `two_shot`, `nccl`)", ""),
     "K3_COLLECTIVE_TIMEOUT": ("tests: seconds the multi-process collective test waits", "150"),
+    "K3_DIFFSUITE": ("tests: `full` runs every differential-suite cell (`bounded`: a few)",
+                     "bounded"),
 }
 
 
