@@ -185,14 +185,14 @@ def run_tp(cell: Cell, out_dir: str) -> list[CellResult]:
     import torch.multiprocessing as mp
 
     mp.spawn(_rank, args=(cell, _free_port(), out_dir), nprocs=cell.world, join=True)
-    results = []
-    for rank in range(cell.world):
-        outcome = torch.load(os.path.join(out_dir, f"rank{rank}.pt"), weights_only=False)
-        if isinstance(outcome, str):
-            last = outcome.strip().splitlines()[-1]
-            raise CellFailure(f"rank {rank}: {last}\n{outcome}")
-        results.append(outcome)
-    return results
+    outcomes = [torch.load(os.path.join(out_dir, f"rank{rank}.pt"), weights_only=False)
+                for rank in range(cell.world)]
+    failed = {rank: o for rank, o in enumerate(outcomes) if isinstance(o, str)}
+    if failed:  # every failing rank's last line first (a peer of the failing rank sees a
+        # closed connection), then the tracebacks
+        lines = [f"rank {rank}: {tb.strip().splitlines()[-1]}" for rank, tb in failed.items()]
+        raise CellFailure("\n".join(lines + list(failed.values())))
+    return outcomes
 
 
 def run(cell: Cell, out_dir: str) -> list[CellResult]:
