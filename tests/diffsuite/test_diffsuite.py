@@ -38,11 +38,24 @@ FULL = [Cell(s, dtype, T, world, buckets, seed=0, steps=50)
             SPELLINGS, (fp32, bf16), (1, 8), (1, 2), BUCKET_LISTS)]
 
 
+# Findings: failing cells, minimised, reported to the lead (non-strict: they pass when fixed).
+XFAIL = {
+    "builtin-fp32-T8-w2-b3-8-s0-n50": (
+        "step 40 (batch 3): logits 1.03e-4 > TOL['aten_cpu'] 1e-4, a one-step spike (states stay "
+        "<= 1.5e-5, no drift; the same schedule at world size 1 peaks at 8.6e-5): the compiled "
+        "fp32 step is not bit-exact (issue 20 item 7) and the seeded depth-mix queries (std 1, "
+        "scores of std ~D^0.5) amplify a last-bit difference; scaled by D^-1/2 the world-size-1 "
+        "cell peaks at 2.4e-6"),
+}
+
+
 def _params(cells, *marks):
     out = []
     for cell in cells:
         reason = cell.skip_reason()
         skip = [pytest.mark.skip(reason=reason)] if reason else []
+        if cell.id in XFAIL:
+            skip.append(pytest.mark.xfail(reason=XFAIL[cell.id], raises=CellFailure, strict=False))
         out.append(pytest.param(cell, id=cell.id, marks=[*marks, *skip]))
     return out
 
