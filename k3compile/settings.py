@@ -47,6 +47,8 @@ SWITCHES: dict[str, tuple[str, str]] = {
                      "~/.cache/k3compile"),
     "K3_COLLECTIVE_TIMEOUT": ("tests: seconds the multi-process collective test waits", "150"),
     "K3_MOONSHOT_DIR": ("`k3compile.adapt`: folder holding Moonshot's modeling files", ""),
+    "K3_DIFFSUITE": ("tests: `full` runs every differential-suite cell (`bounded`: a few)",
+                     "bounded"),
 }
 
 

@@ -1,0 +1,199 @@
+"""One cell of the differential suite: a K3 spelling under backend="k3" against its eager twin.
+
+A cell is (spelling, dtype, T, world size, buckets, seed, steps). The spelling is built twice
+with one seed (equal weights, separately owned state); one copy is compiled (fullgraph,
+executor "aten", batch marked dynamic) and both run the same seeded request schedule
+(`schedule.py`). After every step the logits and every state buffer (every real slot; the
+scratch slot is where padding rows write, by design) are compared, and so is every other
+buffer. The first tensor over the cell's tolerance stops the cell with a `CellFailure` naming
+the cell, the step, the tensor and its max relative error (max|a - b| / max|b|).
+
+World size 2 runs the cell in 2 gloo processes (`run_tp`), each rank holding its TP shard of
+both copies; every rank must agree.
+
+The cell also checks that the comparison compared something: every step ran a compiled bucket
+(none fell back to Dynamo's graph), and the compiled graphs hold fused k3 ops.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import socket
+import traceback
+
+import torch
+
+import k3compile.backend as k3be
+from k3compile.models import get_config
+from tests.conftest import TOL, rel_err
+from tests.diffsuite.schedule import schedule
+from tests.diffsuite.spellings import SPELLINGS, reset_slot, state_buffers
+
+# The tiny config with 4 layers: every layer template (dense, kda_moe, mla_moe, last) once.
+CONFIG = dataclasses.replace(get_config("tiny"), num_hidden_layers=4, full_attn_layers=(2, 3))
+MAX_SEQ_LEN = 64
+SPARE_SLOTS = 2  # slots beyond the largest bucket: requests that wait while others run
+
+# The tolerance per dtype, from the one table (tests/conftest.py TOL; bf16: see its entry)
+TOLERANCE = {torch.float32: TOL["aten_cpu"], torch.bfloat16: TOL["diffsuite_bf16"]}
+
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+    spelling: str
+    dtype: torch.dtype
+    T: int
+    world: int
+    buckets: tuple[int, ...]
+    seed: int = 0
+    steps: int = 50
+    # the smallest batch drawn; 2 leaves out batch 1, which Dynamo specialises into a graph of
+    # its own (a second compile: the bounded cells cannot afford it)
+    min_rows: int = 1
+
+    @property
+    def id(self) -> str:
+        dtype = {torch.float32: "fp32", torch.bfloat16: "bf16"}[self.dtype]
+        buckets = "-".join(map(str, self.buckets))
+        rows = "" if self.min_rows == 1 else f"-r{self.min_rows}"
+        return (f"{self.spelling}-{dtype}-T{self.T}-w{self.world}-b{buckets}{rows}-s{self.seed}"
+                f"-n{self.steps}")
+
+    @property
+    def max_batch(self) -> int:
+        return max(self.buckets) + SPARE_SLOTS
+
+    def skip_reason(self) -> str | None:
+        return SPELLINGS[self.spelling].skip(self.world)
+
+
+class CellFailure(AssertionError):
+    pass
+
+
+@dataclasses.dataclass
+class CellResult:
+    cell: Cell
+    worst: dict[str, float]  # tensor kind ("logits", buffer leaf name) -> max rel error seen
+    fused_ops: int
+    buckets_run: dict[int, int]
+
+    def summary(self) -> str:
+        errs = ", ".join(f"{k} {v:.2e}" for k, v in sorted(self.worst.items()))
+        return f"{self.cell.id}: worst {errs}; {self.fused_ops} fused ops; runs {self.buckets_run}"
+
+
+def _mark_batch(*tensors):
+    for t in tensors:
+        torch._dynamo.maybe_mark_dynamic(t, 0)
+
+
+def _fused_ops(compiled: list) -> int:
+    return sum(len(report.hits) for c in compiled for report in c.observer.reports.values())
+
+
+def _compare(cell: Cell, step, got, want, eager, model, worst: dict[str, float]):
+    tol = TOLERANCE[cell.dtype]
+    slots = cell.max_batch + 1
+    pairs = [("logits", got, want)]
+    mine = dict(model.named_buffers())
+    states = state_buffers(eager, slots)
+    for name, buf in eager.named_buffers():
+        rows = slice(0, cell.max_batch) if name in states else slice(None)
+        pairs.append((name, mine[name][rows], buf[rows]))
+    for name, a, b in pairs:
+        if a.dtype == torch.uint8 or not a.is_floating_point():
+            err = 0.0 if torch.equal(a, b) else float("inf")
+        else:
+            err = rel_err(a, b)
+        kind = name.rsplit(".", 1)[-1]
+        worst[kind] = max(worst.get(kind, 0.0), err)
+        if not err <= tol:  # NaN fails too
+            raise CellFailure(f"{cell.id}: step {step.index} ({step.describe()}): {name} max rel "
+                              f"error {err:.3e} > {tol:.0e}")
+
+
+def run_cell(cell: Cell, group=None) -> CellResult:
+    """Run `cell` in this process (world size 1, or one rank of `run_tp`)."""
+    if reason := cell.skip_reason():
+        raise ValueError(f"{cell.id} cannot run: {reason}")
+    torch._dynamo.reset()
+    cfg = CONFIG.with_tp(cell.world) if cell.world > 1 else CONFIG
+    build = SPELLINGS[cell.spelling].build
+    args = (cfg, cell.dtype, group, cell.max_batch, MAX_SEQ_LEN, cell.seed)
+    eager, model = build(*args), build(*args)
+    first = len(k3be._compiled)
+    step_fn = torch.compile(model, backend="k3", fullgraph=True,
+                            options={"executor": "aten", "buckets": cell.buckets})
+    worst: dict[str, float] = {}
+    plan = schedule(cell.seed, cell.steps, max_batch=cell.max_batch, T=cell.T,
+                    rows=(cell.min_rows, max(cell.buckets)), max_seq_len=MAX_SEQ_LEN,
+                    vocab=cfg.vocab_size)
+    with torch.no_grad():
+        for step in plan:
+            for slot in step.started:
+                reset_slot(eager, cell.max_batch + 1, slot)
+                reset_slot(model, cell.max_batch + 1, slot)
+            _mark_batch(step.input_ids, step.positions, step.slots)
+            got = step_fn(step.input_ids, step.positions, step.slots)
+            want = eager(step.input_ids, step.positions, step.slots)
+            _compare(cell, step, got, want, eager, model, worst)
+    compiled = k3be._compiled[first:]
+    runs = {}
+    for c in compiled:
+        for entry in c.buckets.values():
+            runs[entry.batch] = runs.get(entry.batch, 0) + entry.runs
+    if sum(runs.values()) != cell.steps:
+        raise CellFailure(f"{cell.id}: {sum(runs.values())} of {cell.steps} steps ran a compiled "
+                          f"bucket ({runs}); the rest ran Dynamo's graph uncompiled")
+    result = CellResult(cell, worst, _fused_ops(compiled), runs)
+    if result.fused_ops == 0:
+        raise CellFailure(f"{cell.id}: the compiled graphs hold no fused k3 op")
+    return result
+
+
+# ---- world size 2: one gloo process per rank -----------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank(rank: int, cell: Cell, port: int, out_dir: str):
+    import torch.distributed as dist
+
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=cell.world,
+                            timeout=datetime.timedelta(seconds=300))  # a hang fails
+    try:
+        try:
+            outcome = run_cell(cell, dist.group.WORLD)
+        except Exception:  # noqa: BLE001 - reported by the parent, with the rank
+            outcome = traceback.format_exc()
+        torch.save(outcome, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_tp(cell: Cell, out_dir: str) -> list[CellResult]:
+    """Run `cell` on `cell.world` gloo processes; a failure on any rank raises, naming it."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_rank, args=(cell, _free_port(), out_dir), nprocs=cell.world, join=True)
+    outcomes = [torch.load(os.path.join(out_dir, f"rank{rank}.pt"), weights_only=False)
+                for rank in range(cell.world)]
+    failed = {rank: o for rank, o in enumerate(outcomes) if isinstance(o, str)}
+    if failed:  # every failing rank's last line first (a peer of the failing rank sees a
+        # closed connection), then the tracebacks
+        lines = [f"rank {rank}: {tb.strip().splitlines()[-1]}" for rank, tb in failed.items()]
+        raise CellFailure("\n".join(lines + list(failed.values())))
+    return outcomes
+
+
+def run(cell: Cell, out_dir: str) -> list[CellResult]:
+    return run_tp(cell, out_dir) if cell.world > 1 else [run_cell(cell)]
