@@ -135,7 +135,9 @@ def stage_report(stage: str, ctx: Context, compile_id: Any = None) -> None:
 def fusion_lines(stage: str, ctx: Context) -> list[str]:
     """One line per rewrite `stage` made (canonicalize: per rule; fuse: per site), or verify's
     count and what it reverted."""
-    report = ctx.report
+    report = getattr(ctx, "report", None)
+    if report is None:  # a context of a stage run alone (tools, tests): no fusion report
+        return []
     if stage == "canonicalize":
         counts = ctx.notes.get("canonicalize", {})
         return [f"canonical rule {rule}: {n} rewrites" for rule, n in counts.items() if n]
