@@ -90,3 +90,17 @@ def written_in_place(node: fx.Node) -> bool:
             if bound is node and arg.alias_info is not None and arg.alias_info.is_write:
                 return True
     return False
+
+
+CHOOSERS = frozenset({torch.ops.aten.topk.default, torch.ops.aten.sort.default,
+                      torch.ops.aten.sort.stable})
+
+
+def feeds_top_k(node: fx.Node, depth: int) -> bool:
+    """`node`'s value reaches a top-k or sort (a router's choice) through at most `depth` ops."""
+    frontier = {node}
+    for _ in range(depth):
+        frontier = {u for n in frontier for u in n.users}
+        if any(u.target in CHOOSERS for u in frontier):
+            return True
+    return False

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from k3compile.ops.moe_front import moe_front_refusal
+from k3compile.graph import feeds_top_k as reaches_top_k
 from k3compile.rewrite import Pattern, tensor_meta
 
 DTYPES = (torch.bfloat16, torch.float32)
@@ -34,19 +35,12 @@ def replace(x, router_w, down_w):
 
 
 # what a router's scores feed within a few steps (the bias add, a cast, a view in between)
-_CHOOSERS = frozenset({torch.ops.aten.topk.default, torch.ops.aten.sort.default,
-                       torch.ops.aten.sort.stable})
 _CHOOSER_DEPTH = 3
 
 
 def feeds_top_k(node) -> bool:
     """node's value reaches a top-k or sort through at most `_CHOOSER_DEPTH` ops."""
-    frontier = {node}
-    for _ in range(_CHOOSER_DEPTH):
-        frontier = {u for n in frontier for u in n.users}
-        if any(u.target in _CHOOSERS for u in frontier):
-            return True
-    return False
+    return reaches_top_k(node, _CHOOSER_DEPTH)
 
 
 def check(match) -> str | None:

@@ -20,11 +20,11 @@ from torch import fx
 
 from k3compile.canonical import Rule
 from k3compile.canonical.view_chains import is_view
+from k3compile.graph import feeds_top_k
 
 aten = torch.ops.aten
 _GEMMS = {aten.mm.default, aten.addmm.default}
 _CASTS = {aten._to_copy.default, torch.ops.prims.convert_element_type.default}
-_CHOOSERS = {aten.topk.default, aten.sort.default, aten.sort.stable}
 _DEPTH = 4  # sigmoid/softmax, the bias add, a view or cast, then the top-k
 
 
@@ -40,12 +40,7 @@ def _gemm_of(view: fx.Node) -> fx.Node | None:
 
 
 def _routes(gemm: fx.Node) -> bool:
-    frontier = {gemm}
-    for _ in range(_DEPTH):
-        frontier = {u for n in frontier for u in n.users}
-        if any(u.target in _CHOOSERS for u in frontier):
-            return True
-    return False
+    return feeds_top_k(gemm, _DEPTH)
 
 
 def _key(node: fx.Node):
