@@ -28,7 +28,8 @@ role the graph does not show is logged once and not checked: a valid call is nev
   * `host` (`auto` on CPU): before the step, on the host. A rejected call ran nothing: every
     state buffer is bit-equal, and the error lists the bad values.
   * `device` (`auto` on CUDA; on CPU it runs the same code, for the tests): a host check would
-    synchronise every step, so the check is part of the step (inside its CUDA graph). It computes
+    synchronise every step, so the check is part of the step (inside its CUDA graph; on CUDA one
+    Inductor-compiled function per bucket, a few fused kernels, not ~8 per input). It computes
     a bitmask of failed checks on the device; where it is nonzero, every checked input is replaced
     by a safe value (slots by the scratch slot, the others by their lowest valid value), so the
     step writes only the scratch row and no request's state changes. The host copies the mask
@@ -53,6 +54,7 @@ from typing import Any
 
 import torch
 from torch import fx
+from torch.fx.experimental.proxy_tensor import make_fx
 
 from k3compile.graph import written_in_place
 from k3compile.observe import Observer
@@ -279,6 +281,8 @@ class InputChecks:
         self._mask: torch.Tensor | None = None  # device path: the last step's failed checks
         self._pending: collections.deque = collections.deque()  # (pinned mask, event, step)
         self._pinned: list[torch.Tensor] = []
+        # the device check compiled by Inductor: None on CUDA only, True always (tests), False never
+        self.compiled: bool | None = None
 
     # ---- compile time
 
@@ -305,17 +309,42 @@ class InputChecks:
         if self.mode != "device":
             return fn
 
+        redirect = self._redirect(example_inputs)
+
         def checked_step(*args):
             args = list(args)
-            mask = self._device_mask(args)
-            self._mask.copy_(mask)
-            ok = mask == 0
-            for lim in self.limits:
-                safe = lim.scratch if lim.role == "slots" else lim.lo
-                args[lim.index] = torch.where(ok, args[lim.index], safe)
+            safe = redirect(self._rows, self._mask, *(args[lim.index] for lim in self.limits))
+            for lim, t in zip(self.limits, safe):
+                args[lim.index] = t
             return fn(*args)
 
         return checked_step
+
+    def _redirect(self, example_inputs: list):
+        """`(rows, mask, *checked) -> checked'`: the device check and the redirect, writing the
+        failed checks into `mask`. On CUDA one Inductor-compiled function per bucket (its shapes):
+        a few fused kernels inside the step's CUDA graph instead of ~8 per checked input; on CPU
+        (the tests) the same function run eagerly."""
+        limits = tuple(self.limits)
+
+        def redirect(rows, mask, *checked):
+            bits = _device_mask(limits, checked, rows)
+            mask.copy_(bits)
+            ok = bits == 0
+            return tuple(torch.where(ok, t, lim.scratch if lim.role == "slots" else lim.lo)
+                         for lim, t in zip(limits, checked))
+
+        checked = [example_inputs[lim.index] for lim in limits]
+        cuda = all(t.is_cuda for t in checked)
+        if not (self.compiled or self.compiled is None and cuda):
+            return redirect
+        scalar = torch.zeros((), dtype=torch.int64, device=checked[0].device)
+        examples = [scalar, scalar.clone(), *(t.contiguous() for t in checked)]
+        from torch._inductor import compile_fx
+
+        compiled = compile_fx.compile_fx(make_fx(redirect)(*examples), examples)
+        # Inductor's code asserts the example's strides: a strided view of ids is copied first
+        return lambda rows, mask, *args: compiled(rows, mask, *(t.contiguous() for t in args))
 
     def _resolve(self, example_inputs: list) -> str:
         if self.setting == "off" or not self.limits:
@@ -434,24 +463,6 @@ class InputChecks:
                 raise ValueError(f"k3: {lim.name} {shown}: {_show(dups)} used by more than one "
                                  f"row (each request needs its own state row)")
 
-    def _device_mask(self, args: list) -> torch.Tensor:
-        """The failed checks as bits of one int64, computed without leaving the device."""
-        bits = []
-        for k, lim in enumerate(self.limits):
-            t = args[lim.index]
-            real = self._real_rows(t) if lim.batched and t.dim() else None
-            inside = (t >= lim.lo) & (t <= lim.hi)
-            bits.append(_any(~inside, real) * (1 << (3 * k + RANGE)))
-            if lim.role == "slots":
-                bits.append(_any(t == lim.scratch, real) * (1 << (3 * k + SCRATCH)))
-                bits.append(_duplicates(t, inside if real is None else inside & real)
-                            * (1 << (3 * k + DUPLICATE)))
-        return torch.stack(bits).sum()
-
-    def _real_rows(self, t: torch.Tensor) -> torch.Tensor:
-        rows = torch.arange(t.shape[0], device=t.device) < self._rows
-        return rows.view(-1, *[1] * (t.dim() - 1)).expand_as(t)
-
     def _describe(self, bits: int, step: int) -> str:
         failed = [f"{lim.name} {_CHECKS[check]}"
                   + (f" [{lim.lo}, {lim.hi}] ({lim.why})" if check == RANGE else "")
@@ -460,6 +471,27 @@ class InputChecks:
         return (f"k3: step {step} was rejected by its device-side input check: "
                 + "; ".join(failed) + ". Its state writes went to the scratch slot (no request's "
                 "state changed) and its outputs are meaningless.")
+
+
+def _device_mask(limits: Sequence[Limit], checked: Sequence[torch.Tensor],
+                 rows: torch.Tensor) -> torch.Tensor:
+    """The failed checks as bits of one int64, computed without leaving the device; `rows`: the
+    real (unpadded) batch, a 0-dim tensor."""
+    bits = []
+    for k, (lim, t) in enumerate(zip(limits, checked)):
+        real = _real_rows(t, rows) if lim.batched and t.dim() else None
+        inside = (t >= lim.lo) & (t <= lim.hi)
+        bits.append(_any(~inside, real) * (1 << (3 * k + RANGE)))
+        if lim.role == "slots":
+            bits.append(_any(t == lim.scratch, real) * (1 << (3 * k + SCRATCH)))
+            bits.append(_duplicates(t, inside if real is None else inside & real)
+                        * (1 << (3 * k + DUPLICATE)))
+    return torch.stack(bits).sum()
+
+
+def _real_rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    real = torch.arange(t.shape[0], device=t.device) < rows
+    return real.view(-1, *[1] * (t.dim() - 1)).expand_as(t)
 
 
 def _capturing() -> bool:

@@ -293,3 +293,36 @@ def test_rejected_cuda_graph_replay_leaves_state_and_raises():
     _assert_untouched(model, before, scratch=MAX_BATCH)
     got, want = step(*args((0, 2, 1))), eager(*args((0, 2, 1)))
     assert rel_err(got, want) <= TOL["gpu_bf16"]
+
+
+@pytest.mark.slow
+def test_inductor_compiled_device_check_equals_eager():
+    """On CUDA the device check is one Inductor-compiled function per bucket (a few fused kernels
+    in the step's CUDA graph); forced here on CPU: the same mask and redirected inputs as the
+    eager check for valid and each kind of bad input, a strided ids view included."""
+    from k3compile.validate import InputChecks, Limit
+
+    limits = [Limit(0, "ids", "ids", 0, 99, "vocab", True),
+              Limit(1, "positions", "positions", 0, 31, "cache", True),
+              Limit(2, "slots", "slots", 0, 7, "rows", True, 8)]
+    calls = [((1, 2, 3, 0), (0, 3, 5, 0), (0, 1, 2, 8)),  # valid, one padding row
+             ((1, 2, 3, 0), (0, 3, 5, 0), (0, 1, 1, 8)),  # duplicate slots
+             ((1, 200, 3, 0), (0, 3, 5, 0), (0, 1, 2, 8)),  # an id past the vocabulary
+             ((1, 2, 3, 0), (0, -1, 40, 0), (8, 1, 2, 8)),  # positions out of range, scratch
+             ((1, 2, 3, 0), (0, 3, 5, 0), (0, 1, 2, 3))]  # the padding row is not checked
+    seen = {}
+    for compiled in (False, True):
+        checks = InputChecks([], "device", 8, True)
+        checks.limits, checks.compiled = limits, compiled
+        checks._resolve = lambda example_inputs: "device"
+        example = [torch.arange(4) for _ in limits]
+        step = checks.guard(lambda *args: [a.clone() for a in args], example)
+        for ids, positions, slots in calls:
+            checks._rows, checks._mask = torch.tensor(3), torch.tensor(-1)
+            wide = torch.tensor([ids, ids]).t()[:, 0]  # ids as a strided view
+            args = step(wide, torch.tensor(positions), torch.tensor(slots))
+            seen.setdefault(compiled, []).append((int(checks._mask), *args))
+    assert [m for m, *_ in seen[False]] == [0, 1 << 8, 1, (1 << 3) + (1 << 6) + (1 << 7), 0]
+    for (want_mask, *want), (got_mask, *got) in zip(seen[False], seen[True]):
+        assert got_mask == want_mask
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
