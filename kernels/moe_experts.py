@@ -80,13 +80,16 @@ class FC2Config:
 @dataclass(frozen=True)
 class GroupedConfig:
     """A grouped stage (`fc1g`, `fc2g`): warps of 16 weight rows (the MMA's M) per row block,
-    row blocks per warp one after another, steps (128 inputs per row) loaded ahead, and the
-    batch bucket (the shared memory of the pair list)."""
+    row blocks per warp one after another, steps (128 inputs per row) loaded ahead, the batch
+    bucket (the shared memory of the pair list), and experts per CTA (E / that CTAs per row
+    tile, each taking every (E / that)-th expert: an unselected expert costs a ballot, not a
+    CTA)."""
 
     warps: int
     row_blocks: int
     prefetch: int
     rows: int
+    experts_per_cta: int = 1
 
 
 def grouped(n_rows: int) -> bool:
@@ -119,10 +122,10 @@ def config(stage: str, latent: int, inter: int, top_k: int, batch_bucket: int):
     above it plain with 2 rows per warp while a lane's loads stay <= 16 vectors (L <= 4096),
     else 1 (the sweep's best or within 1% at 8-64 rows; grouped FC1 lost at 16-64).
     FC2: R·k >= 128 threads where k allows, whole warps (R a multiple of 32 for odd k)."""
-    if stage == "fc1g":  # 64 rows of W1 and of W3 per CTA (3 CTAs per expert at I 192)
-        return GroupedConfig(4, 1, 2, batch_bucket)
-    if stage == "fc2g":  # 256 rows of W2 per CTA
-        return GroupedConfig(4, 4, 2, batch_bucket)
+    if stage == "fc1g":  # 64 rows of W1 and of W3 per CTA (3 row tiles at I 192)
+        return GroupedConfig(4, 1, 2, batch_bucket, 4)
+    if stage == "fc2g":  # 256 rows of W2 per CTA (14 row tiles at L 3584)
+        return GroupedConfig(4, 4, 2, batch_bucket, 8)
     if stage == "fc1":
         if batch_bucket == 1 and fc1_fits(latent, cp := FC1Config(4, 1, cp_async=True)):
             return cp

@@ -62,8 +62,9 @@ def scale_factor(scale):
 
 
 class GroupedMMA:
-    """One CTA: expert e (grid x) and a tile of rows of its matrices (grid y); the pairs
-    routed to e in tiles of TILE_TOKENS tokens (the MMA's N). `fc1`: W1 and W3 over z, output
+    """One CTA: experts x, x + X, ... (grid X, experts_per_cta of them) and a tile of rows of
+    their matrices (grid y); the pairs routed to each in tiles of TILE_TOKENS tokens (the MMA's
+    N). `fc1`: W1 and W3 over z, output
     bf16 SiTU act [N·k, I]; else W2 over act, output bf16 y [N·k, L]."""
 
     def __init__(self, fc1: bool, latent: int, inter: int, top_k: int, rows: int,
@@ -86,28 +87,35 @@ class GroupedMMA:
         # mX: fc1 z (N, L), fc2 act (N·k, I) bf16; mIds: (N, k); mWa, mWb: (E·R, D/8) int32
         # words (fc2: mWb = mWa, unused); mSa, mSb: (E·R, D/32) uint8; mOut: (N·k, R) bf16
         n_exp = mWa.shape[0] // self.out_rows
+        ep = self.cfg.experts_per_cta
         self.kernel(mX, mIds, mWa, mSa, mWb, mSb, mOut, beta, linear_beta).launch(
-            grid=[n_exp, -(-self.out_rows // self.cta_rows), 1], block=[self.threads, 1, 1],
+            grid=[(n_exp + ep - 1) // ep, -(-self.out_rows // self.cta_rows), 1], block=[self.threads, 1, 1],
             smem=self.smem, stream=stream, use_pdl=self.pdl or not self.fc1)
 
     @cute.jit
-    def collect_pairs(self, mIds: cute.Tensor, e: Int32, n_exp: Int32, sPairs: cute.Tensor,
-                      sCnt: cute.Tensor, tidx: Int32) -> Int32:
-        """The pairs p = n·k + j with ids[n, j] == e, in order of p, -> sPairs; their count.
-        Every id is loaded first; a ballot per warp and load, the offsets from shared counts."""
-        K, W = self.top_k, self.warps
-        V = -(-self.cap // self.threads)
-        lane, warp = tidx % 32, tidx // 32
+    def load_ids(self, mIds: cute.Tensor, n_exp: Int32, tidx: Int32) -> cute.Tensor:
+        """Ids of pairs p = v·threads + tidx (p = n·k + j), clamped to [0, E); -1 past N·k."""
+        K = self.top_k
         n_pairs = mIds.shape[0] * K
-        hits = []
-        for v in cutlass.range_constexpr(V):
+        rIds = cute.make_rmem_tensor(cute.make_layout((-(-self.cap // self.threads),)), Int32)
+        for v in cutlass.range_constexpr(cute.size(rIds)):
             p = v * self.threads + tidx
             pc = cutlass.min(p, n_pairs - 1)
             ident = cutlass.max(cutlass.min(Int32(mIds[pc // K, pc % K]), n_exp - 1), 0)
-            hits.append((p < n_pairs) & (ident == e))
+            rIds[v] = cutlass.select_(p < n_pairs, ident, Int32(-1))
+        return rIds
+
+    @cute.jit
+    def collect_pairs(self, rIds: cute.Tensor, e: Int32, sPairs: cute.Tensor,
+                      sCnt: cute.Tensor, tidx: Int32) -> Int32:
+        """The pairs p with id e (`load_ids`), in order of p, -> sPairs; their count. A ballot
+        per warp and id register, each (register, warp)'s offset from the counts before it."""
+        W, V = self.warps, cute.size(rIds)
+        lane, warp = tidx % 32, tidx // 32
+        cute.arch.barrier()  # the previous expert's reads of sPairs and sCnt are done
         masks = []
         for v in cutlass.range_constexpr(V):
-            masks.append(Uint32(cute.arch.vote_ballot_sync(hits[v])))
+            masks.append(Uint32(cute.arch.vote_ballot_sync(rIds[v] == e)))
             if lane == 0:
                 sCnt[v * W + warp] = Int32(cute.arch.popc(masks[v]))
         cute.arch.barrier()
@@ -119,7 +127,7 @@ class GroupedMMA:
                 total = total + sCnt[v * W + w]
         below = cute.arch.lanemask_lt()
         for v in cutlass.range_constexpr(V):
-            if hits[v]:
+            if rIds[v] == e:
                 sPairs[bases[v] + Int32(cute.arch.popc(masks[v] & below))] = \
                     v * self.threads + tidx
         cute.arch.barrier()
@@ -213,25 +221,30 @@ class GroupedMMA:
                linear_beta: Float32):
         pdl_wait(self.pdl)  # fc1: the ids are the previous kernel's output
         tidx, _, _ = cute.arch.thread_idx()
-        e, blk, _ = cute.arch.block_idx()
+        first_e, blk, _ = cute.arch.block_idx()
+        n_blocks, _, _ = cute.arch.grid_dim()
         lane, warp = cute.arch.lane_idx(), cute.arch.warp_idx()
-        R, NG = self.out_rows, self.ng
-        n_exp = mWa.shape[0] // R
+        n_exp = mWa.shape[0] // self.out_rows
         smem = cutlass.memory.SmemAllocator()
         sX = smem.allocate_tensor(Uint32, cute.make_layout((4, TILE_TOKENS * self.pitch)), 16)
         sPairs = smem.allocate_tensor(Int32, cute.make_layout((self.cap,)), 16)
         sCnt = smem.allocate_tensor(
             Int32, cute.make_layout((-(-self.cap // self.threads) * self.warps,)), 16)
-        count = self.collect_pairs(mIds, e, n_exp, sPairs, sCnt, tidx)
+        rIds = self.load_ids(mIds, n_exp, tidx)
         cute.arch.griddepcontrol_launch_dependents()
         if const_expr(not self.fc1):
             cute.arch.griddepcontrol_wait()  # act is FC1's output
-        for t in cutlass.range((count + TILE_TOKENS - 1) // TILE_TOKENS, unroll=1):
-            cute.arch.barrier()  # the previous tile's reads of sX are done
-            self.stage_tokens(mX, sPairs, sX, t * TILE_TOKENS, count, tidx)
-            cute.arch.barrier()
-            self.tile(mats_of(mWa, mSa, mWb, mSb, self.mats), sX, sPairs, mOut, e, blk,
-                      t * TILE_TOKENS, count, lane, warp, beta, linear_beta)
+        # experts first_e, first_e + grid x, ...: an unselected one costs a ballot, no launch
+        for i in cutlass.range(self.cfg.experts_per_cta, unroll=1):
+            e = first_e + i * n_blocks
+            if e < n_exp:
+                count = self.collect_pairs(rIds, e, sPairs, sCnt, tidx)
+                for t in cutlass.range((count + TILE_TOKENS - 1) // TILE_TOKENS, unroll=1):
+                    cute.arch.barrier()  # the previous tile's reads of sX are done
+                    self.stage_tokens(mX, sPairs, sX, t * TILE_TOKENS, count, tidx)
+                    cute.arch.barrier()
+                    self.tile(mats_of(mWa, mSa, mWb, mSb, self.mats), sX, sPairs, mOut, e,
+                              blk, t * TILE_TOKENS, count, lane, warp, beta, linear_beta)
 
     def tile(self, mats, sX, sPairs, mOut, e, blk, first, count, lane, warp, beta,
              linear_beta):

@@ -15,9 +15,9 @@ the reference): the tensor cores sum in another order than the reference's einsu
 
 import pytest
 import torch
+from k3compile.kernels import moe_experts as kernel
 
 from k3compile import settings
-from k3compile.kernels import moe_experts as kernel
 from k3compile.math import e2m1_table, mxfp4_dequant
 from k3compile.ops.moe_experts import moe_experts_ref
 from tests.fusions.test_moe_experts_kernel import (
