@@ -4,7 +4,10 @@
 
 W = e2m1 · 2^(scale − 127) decoded in registers, fp32 products and sums. Two launches: FC1 +
 SiTU, then FC2 + finalize (launched with PDL after FC1); `config` takes FC1 with cp.async at
-one row, to registers above. Design, decode and measurements: docs/kernels.md, moe_experts.
+one row, to registers above. With K3_MOE_GROUPED at 8-64 rows (`grouped`): by expert instead,
+three launches (kernels/device/moe_experts_grouped.py): FC1 + SiTU and FC2 per (expert, row tile)
+on bf16 mma.sync, each expert's weights streamed once per 8 of its tokens, then the weighted sum
+over k. Design, decode and measurements: docs/kernels.md, moe_experts.
 
 Constraints:
     * z bf16 [N, L], last dim contiguous, row stride a multiple of 8, 16-byte aligned; ids
@@ -16,6 +19,8 @@ Constraints:
       (FC2's chunks: I/W at TP W = 16, 8, 4, 2, 1 is 192, 384, 768, 1536, 3072).
     * ids outside [0, E) are clamped (the reference raises); |z| < 2^32; scale bytes <= 224
       (2^97; 255 is E8M0's NaN); scale 0 (2^-127) is exact.
+    * Grouped (K3_MOE_GROUPED): scale bytes 50..176 (a weight is exact in bf16 times
+      2^-G_SHIFT there; outside, subnormal or infinite), |z| and |act| < 2^79.
     * The op's own constraints (k3compile.ops.moe_experts `moe_experts_refusal`) are checked first;
       `refusal` holds only these kernels' limits (registered in the op registry).
 """
