@@ -2,10 +2,12 @@
 (eager) and Inductor's code for the model's math (torch.compile of `mxfp4_experts`), at one K3
 TP16 rank (896 experts, top-16, L 3584, I 192).
 
-    python benchmarks/moe_experts.py [--batches 1,8,64] [--variants kernel,eager,inductor]
+    python benchmarks/moe_experts.py [--batches 1,8,64] [--variants kernel,grouped,eager,inductor]
                                      [--out DIR or r.json]
     python benchmarks/moe_experts.py --sweep [--batches 1,8,64] [--out DIR]   # FC1 / FC2 configs
 
+`kernel` is the per-pair kernels, `grouped` the kernels by expert (K3_MOE_GROUPED; at 8-64 rows,
+below it the same as `kernel`), each forced for its rows whatever the environment says.
 Each variant is captured into a CUDA graph of CALLS calls (benchmarks/graph_timing.py); time per
 call = median over replays of graph time / calls. Every call has its own rows and routing: at
 one row the calls take disjoint experts (a shuffled cycle over all 896), above it each row draws
@@ -17,6 +19,7 @@ last; the JSON is rewritten after every row, so a timeout keeps what was measure
 """
 
 import argparse
+import contextlib
 import functools
 import json
 import time
@@ -27,6 +30,7 @@ from gemv import copy_gbps
 from graph_timing import graph_us
 from k3compile.kernels import moe_experts as kernel
 
+from k3compile import settings
 from k3compile.math import mxfp4_experts
 from k3compile.models import mxfp4
 from k3compile.ops.moe_experts import e2m1_table, moe_experts_ref
@@ -59,10 +63,23 @@ def make_calls(n: int):
     return calls
 
 
+@contextlib.contextmanager
+def grouped_kernels(on: bool):
+    """settings.KERNELS.moe_grouped = on while open (the choice is made at each call)."""
+    before = settings.KERNELS.moe_grouped
+    settings.KERNELS.moe_grouped = on
+    try:
+        yield
+    finally:
+        settings.KERNELS.moe_grouped = before
+
+
 def variant_fn(name: str, experts, compiled=None):
-    if name == "kernel":
-        return lambda z, ids, w, out: kernel.moe_experts_cuda(z, ids, w, *experts, BETA,
-                                                              LINEAR_BETA, out=out)
+    if name in ("kernel", "grouped"):
+        def call(z, ids, w, out):
+            with grouped_kernels(name == "grouped"):
+                return kernel.moe_experts_cuda(z, ids, w, *experts, BETA, LINEAR_BETA, out=out)
+        return call
     if name == "eager":
         return lambda z, ids, w, out: moe_experts_ref(z, ids, w, *experts, BETA, LINEAR_BETA)
     lut = e2m1_table(torch.device("cuda"), torch.bfloat16)
@@ -75,11 +92,12 @@ def time_variant(fn, calls) -> float:
     return graph_us(steps, steps[:2], REPLAYS)
 
 
-def check(experts, calls):
+def check(experts, calls, grouped=False):
     """The kernels ran and agree with the reference (a benchmark of wrong results is worthless)."""
     z, ids, w = calls[0]
     out = torch.empty_like(z)
-    got = kernel.moe_experts_cuda(z, ids, w, *experts, BETA, LINEAR_BETA, out=out)
+    with grouped_kernels(grouped):
+        got = kernel.moe_experts_cuda(z, ids, w, *experts, BETA, LINEAR_BETA, out=out)
     assert got is out, "moe_experts refused the inputs (see the log)"
     ref = moe_experts_ref(z, ids, w, *experts, BETA, LINEAR_BETA).float()
     err = ((out.float() - ref).norm() / ref.norm()).item()
@@ -89,12 +107,14 @@ def check(experts, calls):
 def run(batches, variants, gbps, experts, save):
     rows = {}
     inputs = {n: make_calls(n) for n in batches}
-    order = [v for v in ("kernel", "eager") if v in variants]
+    order = [v for v in ("kernel", "grouped", "eager") if v in variants]
     plan = [(n, v) for v in order for n in batches]
     plan += [(n, "inductor") for n in batches if "inductor" in variants]
     compiled = torch.compile(mxfp4_experts, dynamic=False) if "inductor" in variants else None
     for n, name in plan:
         calls = inputs[n]
+        if name == "grouped":
+            check(experts, calls, grouped=True)
         if n not in rows:
             check(experts, calls)
             distinct = sum(len(torch.unique(ids)) for _, ids, _ in calls) / len(calls)
@@ -109,6 +129,8 @@ def run(batches, variants, gbps, experts, save):
         for other in ("eager", "inductor"):
             if f"{other}_us" in row and "kernel_us" in row:
                 row[f"kernel_speedup_vs_{other}"] = round(row[f"{other}_us"] / row["kernel_us"], 2)
+        if "grouped_us" in row and "kernel_us" in row:
+            row["grouped_speedup_vs_kernel"] = round(row["kernel_us"] / row["grouped_us"], 2)
         print(f"B{n:<3} {name:9s} {us:9.2f} us  {row[f'{name}_pct_copy']:5.1f}% of copy  "
               f"({row['distinct_experts']} experts, {row['MB']} MB, floor {row['floor_us']} us; "
               f"{time.time() - t0:.0f} s)", flush=True)
@@ -151,7 +173,7 @@ def sweep(batches, experts, save):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batches", default="1,8,64")
-    ap.add_argument("--variants", default="kernel,eager,inductor")
+    ap.add_argument("--variants", default="kernel,grouped,eager,inductor")
     ap.add_argument("--sweep", action="store_true", help="time the kernels' configs instead")
     ap.add_argument("--out")
     opts = ap.parse_args()
@@ -179,12 +201,13 @@ def main():
         sweep(batches, experts, save)
         return
     rows = run(batches, opts.variants.split(","), gbps, experts, save)
-    print("\n| batch | experts | MB | floor µs | kernel µs | % copy | eager µs | inductor µs | "
-          "vs eager | vs inductor |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("\n| batch | experts | MB | floor µs | kernel µs | % copy | grouped µs | % copy | "
+          "eager µs | inductor µs | vs eager | vs inductor |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['batch']} | {r['distinct_experts']} | {r['MB']} | {r['floor_us']} | "
               f"{r.get('kernel_us', '-')} | {r.get('kernel_pct_copy', '-')} | "
+              f"{r.get('grouped_us', '-')} | {r.get('grouped_pct_copy', '-')} | "
               f"{r.get('eager_us', '-')} | {r.get('inductor_us', '-')} | "
               f"x{r.get('kernel_speedup_vs_eager', '-')} | "
               f"x{r.get('kernel_speedup_vs_inductor', '-')} |")

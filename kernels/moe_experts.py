@@ -4,7 +4,10 @@
 
 W = e2m1 · 2^(scale − 127) decoded in registers, fp32 products and sums. Two launches: FC1 +
 SiTU, then FC2 + finalize (launched with PDL after FC1); `config` takes FC1 with cp.async at
-one row, to registers above. Design, decode and measurements: docs/kernels.md, moe_experts.
+one row, to registers above. With K3_MOE_GROUPED at 8-64 rows (`grouped`): by expert instead,
+three launches (kernels/device/moe_experts_grouped.py): FC1 + SiTU and FC2 per (expert, row tile)
+on bf16 mma.sync, each expert's weights streamed once per 8 of its tokens, then the weighted sum
+over k. Design, decode and measurements: docs/kernels.md, moe_experts.
 
 Constraints:
     * z bf16 [N, L], last dim contiguous, row stride a multiple of 8, 16-byte aligned; ids
@@ -16,6 +19,8 @@ Constraints:
       (FC2's chunks: I/W at TP W = 16, 8, 4, 2, 1 is 192, 384, 768, 1536, 3072).
     * ids outside [0, E) are clamped (the reference raises); |z| < 2^32; scale bytes <= 224
       (2^97; 255 is E8M0's NaN); scale 0 (2^-127) is exact.
+    * Grouped (K3_MOE_GROUPED): scale bytes 50..176 (a weight is exact in bf16 times
+      2^-G_SHIFT there; outside, subnormal or infinite), |z| and |act| < 2^79.
     * The op's own constraints (k3compile.ops.moe_experts `moe_experts_refusal`) are checked first;
       `refusal` holds only these kernels' limits (registered in the op registry).
 """
@@ -26,6 +31,7 @@ import torch
 
 from k3compile.ops import registry
 from k3compile.ops.moe_experts import moe_experts_ref, moe_experts_refusal
+from k3compile.settings import KERNELS
 
 from .common.dsl import (
     aligned16,
@@ -49,6 +55,12 @@ Z_SHIFT = 96  # activations are staged times 2^Z_SHIFT (see the docstring)
 SCALE_BIAS = 126 - Z_SHIFT  # fp32 exponent field of a group's factor = scale byte + SCALE_BIAS
 PAIR_SHIFT = (12, 8, 4, 0)  # word << PAIR_SHIFT[i] puts inputs i, i + 4 atop the two halves
 SIGN_MASK, MAG_MASK = 0x80008000, 0x01C001C0
+# the grouped kernels (K3_MOE_GROUPED): tokens per MMA tile (the N of m16n8k16), the rows they
+# take, and the power of two their B operand is staged times (bf16 weights stay normal for
+# scale bytes 50..176: the decoded pair times 2^(scale - 1 - G_SHIFT))
+TILE_TOKENS = 8
+GROUPED_ROWS = (8, 64)
+G_SHIFT = 48
 
 
 @dataclass(frozen=True)
@@ -70,12 +82,55 @@ class FC2Config:
     threads: int  # R·k threads, whole warps
 
 
+@dataclass(frozen=True)
+class GroupedConfig:
+    """A grouped stage (`fc1g`, `fc2g`): warps of 16 weight rows (the MMA's M) per row block,
+    row blocks per warp one after another, steps (128 inputs per row) loaded ahead, the batch
+    bucket (the shared memory of the pair list), and experts per CTA (E / that CTAs per row
+    tile, each taking every (E / that)-th expert: an unselected expert costs a ballot, not a
+    CTA)."""
+
+    warps: int
+    row_blocks: int
+    prefetch: int
+    rows: int
+    experts_per_cta: int = 1
+
+
+def grouped(n_rows: int) -> bool:
+    """Whether a call of n_rows takes the grouped kernels: K3_MOE_GROUPED at 8-64 rows."""
+    return KERNELS.moe_grouped and GROUPED_ROWS[0] <= n_rows <= GROUPED_ROWS[1]
+
+
+def grouped_steps(depth: int) -> tuple[int, int]:
+    """(steps Q of 128 inputs over a row of `depth` inputs, the pitch in 16-byte chunks of a
+    token's staged row: 16 Q + 1, so that rows g, g + 1 start 16 bytes apart in the banks)."""
+    q = -(-depth // 128)
+    return q, 16 * q + 1
+
+
+def pair_capacity(rows: int, top_k: int) -> int:
+    return rows * top_k
+
+
+def grouped_smem(depth: int, rows: int, top_k: int, cfg: GroupedConfig) -> int:
+    """Shared memory of a grouped CTA: the staged tile, the pair list, the ballot counts."""
+    _, pitch = grouped_steps(depth)
+    cap = pair_capacity(rows, top_k)
+    counts = -(-cap // (32 * cfg.warps)) * cfg.warps
+    return 16 * TILE_TOKENS * pitch + 4 * cap + 4 * counts + 64
+
+
 def config(stage: str, latent: int, inter: int, top_k: int, batch_bucket: int):
     """FC1: 4 warps; at one row 1 row per warp with cp.async (the H200 sweep of 2026-11-29 at
     the TP16 rank: 11.75 µs per call vs 13.26 for the plain 4 x 2; BENCHMARKS.md session 6),
     above it plain with 2 rows per warp while a lane's loads stay <= 16 vectors (L <= 4096),
     else 1 (the sweep's best or within 1% at 8-64 rows; grouped FC1 lost at 16-64).
     FC2: R·k >= 128 threads where k allows, whole warps (R a multiple of 32 for odd k)."""
+    if stage == "fc1g":  # 64 rows of W1 and of W3 per CTA (3 row tiles at I 192)
+        return GroupedConfig(4, 1, 2, batch_bucket, 4)
+    if stage == "fc2g":  # 256 rows of W2 per CTA (14 row tiles at L 3584)
+        return GroupedConfig(4, 4, 2, batch_bucket, 8)
     if stage == "fc1":
         if batch_bucket == 1 and fc1_fits(latent, cp := FC1Config(4, 1, cp_async=True)):
             return cp
@@ -150,10 +205,18 @@ def can_implement(*args) -> bool:
 
 def prepare(latent: int, inter: int, top_k: int, buckets=(1, 2, 4, 8, 16, 32, 64),
             ids_dtype=torch.int64) -> None:
-    """Compile both stages for every batch bucket (call before graph capture)."""
+    """Compile the stages of every batch bucket (call before graph capture): FC1 and FC2,
+    or where `grouped` takes the bucket, the grouped FC1, FC2 and the sum."""
+    ids64 = ids_dtype == torch.int64
     for b in buckets:
+        if grouped(b):
+            for stage in ("fc1g", "fc2g", "fin"):
+                cfg = None if stage == "fin" else config(stage, latent, inter, top_k, b)
+                KERNEL.compiled(stage, latent, inter, top_k, ids64, cfg, rows=b,
+                                pdl=None if stage == "fc1g" else False)
+            continue
         for stage in ("fc1", "fc2"):
-            KERNEL.compiled(stage, latent, inter, top_k, ids_dtype == torch.int64,
+            KERNEL.compiled(stage, latent, inter, top_k, ids64,
                             config(stage, latent, inter, top_k, b), rows=b,
                             pdl=None if stage == "fc1" else False)
 
@@ -165,8 +228,6 @@ def build(stage, latent, inter, top_k, ids64, cfg, arch=None, dump_dir=None, pdl
     from cutlass import cute
     from cutlass.cute.runtime import make_fake_tensor
 
-    from .device.moe_experts import FC1, FC2
-
     bf16, i32, u8 = cutlass.BFloat16, cutlass.Int32, cutlass.Uint8
     n, pairs, rows = cute.sym_int(), cute.sym_int(), cute.sym_int()
 
@@ -175,6 +236,10 @@ def build(stage, latent, inter, top_k, ids64, cfg, arch=None, dump_dir=None, pdl
         return make_fake_tensor(dtype, (n_rows, width), stride=stride, assumed_align=align)
 
     ids = dense(cutlass.Int64 if ids64 else i32, n, top_k, 8 if ids64 else 4, cute.sym_int())
+    if stage in ("fc1g", "fc2g", "fin"):
+        return _build_grouped(stage, latent, inter, top_k, cfg, ids, dense, arch, dump_dir, pdl)
+    from .device.moe_experts import FC1, FC2
+
     if stage == "fc1":  # act as (N·k, I) rows
         w, s = dense(i32, rows, latent // 8, 16), dense(u8, rows, latent // 32, 1)
         return compile_kernel(FC1(latent, inter, top_k, cfg, pdl), fake_rows(bf16, n, latent), ids,
@@ -185,6 +250,28 @@ def build(stage, latent, inter, top_k, ids64, cfg, arch=None, dump_dir=None, pdl
                           dense(i32, rows, inter // 8, 16), dense(u8, rows, inter // 32, 1),
                           fake_rows(bf16, n, latent), fake_stream(), arch=arch,
                           dump_dir=dump_dir)
+
+
+def _build_grouped(stage, latent, inter, top_k, cfg, ids, dense, arch, dump_dir, pdl):
+    import cutlass
+    from cutlass import cute
+
+    from .device.moe_experts_grouped import Finalize, GroupedMMA
+
+    bf16, i32, u8, f32 = cutlass.BFloat16, cutlass.Int32, cutlass.Uint8, cutlass.Float32
+    n, pairs, rows = cute.sym_int(), cute.sym_int(), cute.sym_int()
+    if stage == "fin":
+        return compile_kernel(Finalize(latent, top_k), dense(bf16, pairs, latent, 16),
+                              dense(f32, n, top_k, 4, cute.sym_int()),
+                              fake_rows(bf16, n, latent), fake_stream(), arch=arch,
+                              dump_dir=dump_dir)
+    fc1 = stage == "fc1g"
+    depth, out = (latent, inter) if fc1 else (inter, latent)
+    x = fake_rows(bf16, n, latent) if fc1 else dense(bf16, pairs, inter, 16)
+    w, s = dense(i32, rows, depth // 8, 16), dense(u8, rows, depth // 32, 1)
+    host = GroupedMMA(fc1, latent, inter, top_k, cfg.rows, cfg, pdl and fc1)
+    return compile_kernel(host, x, ids, w, s, w, s, dense(bf16, pairs, out, 16),
+                          f32(4.0), f32(25.0), fake_stream(), arch=arch, dump_dir=dump_dir)
 
 
 KERNEL = Kernel(OP, build)
@@ -221,7 +308,9 @@ def _launch(args, beta, linear_beta, out):
     z, ids, weights, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale = args
     (n, latent), top_k, inter = z.shape, ids.shape[-1], w1_packed.shape[1]
     y = z.new_empty((n, latent)) if out is None else out
-    if n:
+    if n and grouped(n):
+        _launch_grouped(args, beta, linear_beta, y)
+    elif n:
         b, ids64 = bucket(n), ids.dtype == torch.int64
         act = z.new_empty((n * top_k, inter))
         fc1 = config("fc1", latent, inter, top_k, b)
@@ -234,6 +323,24 @@ def _launch(args, beta, linear_beta, out):
             act.view(n, top_k * inter), ids, weights, _words(w2_packed),
             w2_scale.view(-1, inter // 32), y)
     return y
+
+
+def _launch_grouped(args, beta, linear_beta, y):
+    """FC1 + SiTU by expert -> act [N·k, I]; FC2 by expert -> y per pair [N·k, L] (bf16, as the
+    reference rounds it); the weighted sum over k. FC2 and the sum launch with PDL."""
+    z, ids, weights, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale = args
+    (n, latent), top_k, inter = z.shape, ids.shape[-1], w1_packed.shape[1]
+    b, ids64 = bucket(n), ids.dtype == torch.int64
+    act = z.new_empty((n * top_k, inter))
+    y_pairs = z.new_empty((n * top_k, latent))
+    scalars = (latent, inter, top_k, ids64)
+    KERNEL.compiled("fc1g", *scalars, config("fc1g", latent, inter, top_k, b), rows=b)(
+        z, ids, _words(w1_packed), w1_scale.view(-1, latent // 32), _words(w3_packed),
+        w3_scale.view(-1, latent // 32), act, float(beta), float(linear_beta))
+    w2, s2 = _words(w2_packed), w2_scale.view(-1, inter // 32)
+    KERNEL.compiled("fc2g", *scalars, config("fc2g", latent, inter, top_k, b), pdl=False)(
+        act, ids, w2, s2, w2, s2, y_pairs, float(beta), float(linear_beta))
+    KERNEL.compiled("fin", *scalars, None, pdl=False)(y_pairs, weights, y)
 
 
 def register() -> None:

@@ -1,0 +1,323 @@
+"""`GroupedMMA` and `Finalize`, the CuTe DSL kernels of kernels/moe_experts.py's grouped path
+(FC1 + SiTU and FC2 by expert on bf16 mma.sync, then the weighted sum over k per token).
+
+Imports `cutlass` at the top: the host module imports this one only in `build`, so importing
+the host needs no DSL."""
+
+import cutlass
+from cutlass import BFloat16, Float32, Int32, Uint32, const_expr, cute
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+from ..common.copy import make_frag, row_vectors
+from ..common.dsl import pdl_wait
+from ..moe_experts import (
+    G_SHIFT,
+    MAG_MASK,
+    PAIR_SHIFT,
+    SIGN_MASK,
+    TILE_TOKENS,
+    GroupedConfig,
+    grouped_smem,
+    grouped_steps,
+    pair_capacity,
+)
+
+
+@dsl_user_op
+def mul_bf16x2(a: Uint32, b: Uint32, *, loc=None, ip=None) -> Uint32:
+    """Two bf16 products in one instruction (mul.rn.bf16x2; subnormals kept, no .ftz)."""
+    return Uint32(llvm.inline_asm(
+        T.i32(), [Uint32(a).ir_value(loc=loc, ip=ip), Uint32(b).ir_value(loc=loc, ip=ip)],
+        "mul.rn.bf16x2 $0, $1, $2;", "=r,r,r", has_side_effects=False, is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def mma_16816(a, b, c, *, loc=None, ip=None):
+    """D = A·B + C, m16n8k16, bf16 inputs, fp32 sums: a 4 and b 2 packed bf16x2 registers,
+    c 4 fp32 values, in the PTX fragment order (see `decode_a`)."""
+    regs = [Uint32(x).ir_value(loc=loc, ip=ip) for x in (*a, *b)]
+    regs += [Float32(x).ir_value(loc=loc, ip=ip) for x in c]
+    res = llvm.inline_asm(
+        llvm.StructType.get_literal([T.f32()] * 4), regs,
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
+        "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", has_side_effects=False, is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+    return [Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip)) for i in range(4)]
+
+
+def decode_pair(word, i):
+    """Inputs i and i + 4 of a packed word as bf16x2 (low half input i), times 2^-126."""
+    t = word << PAIR_SHIFT[i] if PAIR_SHIFT[i] else word
+    return (t & Uint32(SIGN_MASK)) | ((t >> 6) & Uint32(MAG_MASK))
+
+
+def scale_factor(scale):
+    """bf16x2 2^(scale - 1 - G_SHIFT) in both halves from an E8M0 byte (as Uint32): a decoded
+    pair times it is W · 2^-G_SHIFT, exact in bf16 for scale bytes 50..176."""
+    f = (scale + Uint32(126 - G_SHIFT)) << Uint32(7)
+    return f | (f << Uint32(16))
+
+
+class GroupedMMA:
+    """One CTA: experts x, x + X, ... (grid X, experts_per_cta of them) and a tile of rows of
+    their matrices (grid y); the pairs routed to each in tiles of TILE_TOKENS tokens (the MMA's
+    N). `fc1`: W1 and W3 over z, output
+    bf16 SiTU act [N·k, I]; else W2 over act, output bf16 y [N·k, L]."""
+
+    def __init__(self, fc1: bool, latent: int, inter: int, top_k: int, rows: int,
+                 cfg: GroupedConfig, pdl: bool = False):
+        self.fc1, self.top_k, self.cfg, self.pdl = fc1, top_k, cfg, pdl
+        self.depth = latent if fc1 else inter  # K of the GEMMs
+        self.out_rows = inter if fc1 else latent  # weight rows per expert
+        self.mats = 2 if fc1 else 1
+        self.warps, self.threads = cfg.warps, 32 * cfg.warps
+        self.cta_rows = 16 * cfg.warps * cfg.row_blocks
+        self.ng = self.depth // 32  # 32-input groups (one E8M0 scale, one 16-byte vector)
+        self.q, self.pitch = grouped_steps(self.depth)
+        self.cap = pair_capacity(rows, top_k)
+        self.smem = grouped_smem(self.depth, rows, top_k, cfg)
+
+    @cute.jit
+    def __call__(self, mX: cute.Tensor, mIds: cute.Tensor, mWa: cute.Tensor,
+                 mSa: cute.Tensor, mWb: cute.Tensor, mSb: cute.Tensor, mOut: cute.Tensor,
+                 beta: Float32, linear_beta: Float32, stream):
+        # mX: fc1 z (N, L), fc2 act (N·k, I) bf16; mIds: (N, k); mWa, mWb: (E·R, D/8) int32
+        # words (fc2: mWb = mWa, unused); mSa, mSb: (E·R, D/32) uint8; mOut: (N·k, R) bf16
+        n_exp = mWa.shape[0] // self.out_rows
+        ep = self.cfg.experts_per_cta
+        self.kernel(mX, mIds, mWa, mSa, mWb, mSb, mOut, beta, linear_beta).launch(
+            grid=[(n_exp + ep - 1) // ep, -(-self.out_rows // self.cta_rows), 1], block=[self.threads, 1, 1],
+            smem=self.smem, stream=stream, use_pdl=self.pdl or not self.fc1)
+
+    @cute.jit
+    def load_ids(self, mIds: cute.Tensor, n_exp: Int32, tidx: Int32) -> cute.Tensor:
+        """Ids of pairs p = v·threads + tidx (p = n·k + j), clamped to [0, E); -1 past N·k."""
+        K = self.top_k
+        n_pairs = mIds.shape[0] * K
+        rIds = cute.make_rmem_tensor(cute.make_layout((-(-self.cap // self.threads),)), Int32)
+        for v in cutlass.range_constexpr(cute.size(rIds)):
+            p = v * self.threads + tidx
+            pc = cutlass.min(p, n_pairs - 1)
+            ident = cutlass.max(cutlass.min(Int32(mIds[pc // K, pc % K]), n_exp - 1), 0)
+            rIds[v] = cutlass.select_(p < n_pairs, ident, Int32(-1))
+        return rIds
+
+    @cute.jit
+    def collect_pairs(self, rIds: cute.Tensor, e: Int32, sPairs: cute.Tensor,
+                      sCnt: cute.Tensor, tidx: Int32) -> Int32:
+        """The pairs p with id e (`load_ids`), in order of p, -> sPairs; their count. A ballot
+        per warp and id register, each (register, warp)'s offset from the counts before it."""
+        W, V = self.warps, cute.size(rIds)
+        lane, warp = tidx % 32, tidx // 32
+        cute.arch.barrier()  # the previous expert's reads of sPairs and sCnt are done
+        masks = []
+        for v in cutlass.range_constexpr(V):
+            masks.append(Uint32(cute.arch.vote_ballot_sync(rIds[v] == e)))
+            if lane == 0:
+                sCnt[v * W + warp] = Int32(cute.arch.popc(masks[v]))
+        cute.arch.barrier()
+        total = Int32(0)
+        bases = [Int32(0) for _ in range(V)]
+        for v in cutlass.range_constexpr(V):
+            for w in cutlass.range_constexpr(W):
+                bases[v] = cutlass.select_(warp == w, total, bases[v])
+                total = total + sCnt[v * W + w]
+        below = cute.arch.lanemask_lt()
+        for v in cutlass.range_constexpr(V):
+            if rIds[v] == e:
+                sPairs[bases[v] + Int32(cute.arch.popc(masks[v] & below))] = \
+                    v * self.threads + tidx
+        cute.arch.barrier()
+        return total
+
+    @cute.jit
+    def stage_tokens(self, mX: cute.Tensor, sPairs: cute.Tensor, sX: cute.Tensor,
+                     first: Int32, count: Int32, tidx: Int32):
+        """Rows of the tile's TILE_TOKENS pairs (z[n] for fc1, act[p] for fc2) -> sX as bf16
+        times 2^G_SHIFT, each 8-input vector as the pairs (i, i + 4) the A fragments hold;
+        slot s, group G, word w at chunk s·pitch + 4G + (w ^ 2·(G/2 % 2)) (conflict-free LDS.128
+        in `mma_steps`); slots past the count and groups past the depth are zeros."""
+        per_slot = 4 * 4 * self.q  # chunks of a slot (groups padded to whole steps)
+        total = TILE_TOKENS * per_slot
+        rF = cute.make_rmem_tensor(cute.make_layout((8,)), BFloat16)
+        rP = cute.make_rmem_tensor(cute.make_layout((4,)), Uint32)
+        for s in cutlass.range(-(-total // self.threads), unroll=4):
+            idx = s * self.threads + tidx
+            if idx < total:
+                slot, v = idx // per_slot, idx % per_slot
+                grp, w = v // 4, v % 4
+                rP.fill(0)
+                if (first + slot < count) & (grp < self.ng):
+                    pair = sPairs[first + slot]
+                    row = pair // self.top_k if const_expr(self.fc1) else pair
+                    rX = cute.make_rmem_tensor(cute.make_layout((8,)), BFloat16)
+                    cute.autovec_copy(row_vectors(mX, row)[None, v], rX)
+                    rF.store((rX.load().to(Float32) * Float32(2.0 ** G_SHIFT)).to(BFloat16))
+                    x = rF.load().bitcast(Uint32)  # (z0 z1) (z2 z3) (z4 z5) (z6 z7)
+                    rP[0] = (x[0] & Uint32(0xFFFF)) | (x[2] << Uint32(16))
+                    rP[1] = (x[0] >> Uint32(16)) | (x[2] & Uint32(0xFFFF0000))
+                    rP[2] = (x[1] & Uint32(0xFFFF)) | (x[3] << Uint32(16))
+                    rP[3] = (x[1] >> Uint32(16)) | (x[3] & Uint32(0xFFFF0000))
+                chunk = slot * self.pitch + 4 * grp + (w ^ (2 * ((grp // 2) % 2)))
+                cute.autovec_copy(rP, sX[None, chunk])
+
+    def load_step(self, mats, rows, grp):
+        """A lane's weights of one step: group `grp` of each matrix and row -> (4, mats·2)
+        words and (mats·2,) scale bytes, column 2m + r."""
+        rW = make_frag(Int32, 2 * self.mats)
+        rS = cute.make_rmem_tensor(cute.make_layout((2 * self.mats,)), Uint32)
+        for m, (mW, mS) in enumerate(mats):
+            for r, row in enumerate(rows):
+                cute.autovec_copy(row_vectors(mW, row)[None, grp], rW[None, 2 * m + r])
+                rS[2 * m + r] = Uint32(mS[row, grp])
+        return rW, rS
+
+    def mma_step(self, acc, rW, rS, sX, slot_chunk):
+        """One step (128 inputs per row: group 4q + c of lane c's rows g, g + 8) for every
+        matrix: 8 MMAs each, k slots 2c, 2c + 1 <- pair (w, 2h), 2c + 8, 2c + 9 <- (w, 2h + 1)."""
+        rB = cute.make_rmem_tensor(cute.make_layout((4,)), Uint32)
+        for w in range(4):
+            cute.autovec_copy(sX[None, slot_chunk(w)], rB)
+            b = rB.load()
+            for m in range(self.mats):
+                fa, fb = scale_factor(rS[2 * m]), scale_factor(rS[2 * m + 1])
+                wa = rW[None, 2 * m].load().bitcast(Uint32)
+                wb = rW[None, 2 * m + 1].load().bitcast(Uint32)
+                for h in range(2):
+                    a = (mul_bf16x2(decode_pair(wa[w], 2 * h), fa),
+                         mul_bf16x2(decode_pair(wb[w], 2 * h), fb),
+                         mul_bf16x2(decode_pair(wa[w], 2 * h + 1), fa),
+                         mul_bf16x2(decode_pair(wb[w], 2 * h + 1), fb))
+                    acc[m] = mma_16816(a, (b[2 * h], b[2 * h + 1]), acc[m])
+        return acc
+
+    @cute.jit
+    def epilogue(self, acc, sPairs, mOut, first, count, row_a, lane, beta, linear_beta):
+        """Thread (g, c) holds rows row_a, row_a + 8 x slots 2c, 2c + 1: fc1 bf16(SiTU) of the
+        bf16-rounded W1 and W3 sums, fc2 the bf16-rounded W2 sum, to mOut[pair, row]."""
+        c = lane % 4
+        for half in cutlass.range_constexpr(2):
+            row = row_a + 8 * half
+            for col in cutlass.range_constexpr(2):
+                slot = first + 2 * c + col
+                if (slot < count) & (row < self.out_rows):
+                    pair = sPairs[slot]
+                    g = acc[0][2 * half + col].to(BFloat16).to(Float32)
+                    if const_expr(self.fc1):
+                        u = acc[1][2 * half + col].to(BFloat16).to(Float32)
+                        sig = 1.0 / (1.0 + cute.math.exp(-g, fastmath=True))
+                        gate = beta * cute.math.tanh(g / beta, fastmath=False) * sig
+                        lin = linear_beta * cute.math.tanh(u / linear_beta, fastmath=False)
+                        mOut[pair, row] = (gate * lin).to(BFloat16)
+                    else:
+                        mOut[pair, row] = g.to(BFloat16)
+
+    @cute.kernel
+    def kernel(self, mX: cute.Tensor, mIds: cute.Tensor, mWa: cute.Tensor, mSa: cute.Tensor,
+               mWb: cute.Tensor, mSb: cute.Tensor, mOut: cute.Tensor, beta: Float32,
+               linear_beta: Float32):
+        pdl_wait(self.pdl)  # fc1: the ids are the previous kernel's output
+        tidx, _, _ = cute.arch.thread_idx()
+        first_e, blk, _ = cute.arch.block_idx()
+        n_blocks, _, _ = cute.arch.grid_dim()
+        lane, warp = cute.arch.lane_idx(), cute.arch.warp_idx()
+        n_exp = mWa.shape[0] // self.out_rows
+        smem = cutlass.memory.SmemAllocator()
+        sX = smem.allocate_tensor(Uint32, cute.make_layout((4, TILE_TOKENS * self.pitch)), 16)
+        sPairs = smem.allocate_tensor(Int32, cute.make_layout((self.cap,)), 16)
+        sCnt = smem.allocate_tensor(
+            Int32, cute.make_layout((-(-self.cap // self.threads) * self.warps,)), 16)
+        rIds = self.load_ids(mIds, n_exp, tidx)
+        cute.arch.griddepcontrol_launch_dependents()
+        if const_expr(not self.fc1):
+            cute.arch.griddepcontrol_wait()  # act is FC1's output
+        # experts first_e, first_e + grid x, ...: an unselected one costs a ballot, no launch
+        for i in cutlass.range(self.cfg.experts_per_cta, unroll=1):
+            e = first_e + i * n_blocks
+            if e < n_exp:
+                count = self.collect_pairs(rIds, e, sPairs, sCnt, tidx)
+                for t in cutlass.range((count + TILE_TOKENS - 1) // TILE_TOKENS, unroll=1):
+                    cute.arch.barrier()  # the previous tile's reads of sX are done
+                    self.stage_tokens(mX, sPairs, sX, t * TILE_TOKENS, count, tidx)
+                    cute.arch.barrier()
+                    self.tile(mats_of(mWa, mSa, mWb, mSb, self.mats), sX, sPairs, mOut, e,
+                              blk, t * TILE_TOKENS, count, lane, warp, beta, linear_beta)
+
+    def tile(self, mats, sX, sPairs, mOut, e, blk, first, count, lane, warp, beta,
+             linear_beta):
+        """One token tile over the CTA's rows: the steps (row block, q) in order, each
+        step's weights loaded `prefetch` steps ahead; a row block's epilogue after its last."""
+        R, NG, D = self.out_rows, self.ng, self.cfg.prefetch
+        g, c = lane // 4, lane % 4
+        row_a = [blk * self.cta_rows + (rb * self.warps + warp) * 16 + g
+                 for rb in range(self.cfg.row_blocks)]
+        steps = [(rb, q) for rb in range(self.cfg.row_blocks) for q in range(self.q)]
+        loads = {}
+
+        def issue(i):
+            rb, q = steps[i]
+            rows = [e * R + cutlass.min(row_a[rb] + 8 * h, R - 1) for h in range(2)]
+            grp = 4 * q + c
+            if 4 * q + 4 > NG:
+                grp = cutlass.min(grp, NG - 1)  # zeros in sX there: any finite weight will do
+            loads[i] = self.load_step(mats, rows, grp)
+
+        for i in range(min(D, len(steps))):
+            issue(i)
+        acc = None
+        for i, (rb, q) in enumerate(steps):
+            if i + D < len(steps):
+                issue(i + D)
+            if q == 0:
+                acc = [[Float32(0.0)] * 4 for _ in range(self.mats)]
+            rW, rS = loads.pop(i)
+            grp = 4 * q + c
+            base, sw = g * self.pitch + 4 * grp, 2 * ((grp // 2) % 2)
+            acc = self.mma_step(acc, rW, rS, sX, lambda w, base=base, sw=sw: base + (w ^ sw))
+            if q == self.q - 1:
+                self.epilogue(acc, sPairs, mOut, first, count, row_a[rb], lane, beta,
+                              linear_beta)
+
+
+def mats_of(mWa, mSa, mWb, mSb, n):
+    return ((mWa, mSa), (mWb, mSb))[:n]
+
+
+class Finalize:
+    """u[n] = bf16(Σ_j w[n, j] · y[n·k + j]) in order j = 0..k-1, fp32; one thread per
+    8-column vector of u."""
+
+    THREADS = 128
+
+    def __init__(self, latent: int, top_k: int):
+        self.latent, self.top_k = latent, top_k
+
+    @cute.jit
+    def __call__(self, mY: cute.Tensor, mWt: cute.Tensor, mU: cute.Tensor, stream):
+        # mY: (N·k, L) bf16; mWt: (N, k) fp32; mU: (N, L) bf16
+        self.kernel(mY, mWt, mU).launch(
+            grid=[mU.shape[0], -(-(self.latent // 8) // self.THREADS), 1],
+            block=[self.THREADS, 1, 1], stream=stream, use_pdl=True)
+
+    @cute.kernel
+    def kernel(self, mY: cute.Tensor, mWt: cute.Tensor, mU: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        n, blk, _ = cute.arch.block_idx()
+        v = blk * self.THREADS + tidx
+        cute.arch.griddepcontrol_wait()
+        if v < self.latent // 8:
+            rY = cute.make_rmem_tensor(cute.make_layout((8,)), BFloat16)
+            total = cute.make_rmem_tensor(cute.make_layout((8,)), Float32)
+            for j in cutlass.range_constexpr(self.top_k):
+                cute.autovec_copy(row_vectors(mY, n * self.top_k + j)[None, v], rY)
+                term = rY.load().to(Float32) * mWt[n, j]
+                if const_expr(j == 0):
+                    total.store(term)
+                else:
+                    total.store(total.load() + term)
+            rU = cute.make_rmem_tensor(cute.make_layout((8,)), BFloat16)
+            rU.store(total.load().to(BFloat16))
+            cute.autovec_copy(rU, row_vectors(mU, n)[None, v])
