@@ -37,6 +37,7 @@ on-disk caches before the timed run (see BENCHMARKS.md).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import math
@@ -55,7 +56,10 @@ from k3compile.models import build_model, get_config
 from k3compile.models.hf_k3 import from_reference
 
 STACK_LAYERS = (1, 2, 3, 4)
-VARIANTS = ("eager", "inductor", "k3")
+VARIANTS = ("eager", "inductor", "k3", "k3-novalidate", "k3-grouped")
+# A/B variants of k3 (need k3 in --variants): k3-novalidate is `validate="off"` (the input
+# check's cost), k3-grouped `K3_MOE_GROUPED` (the routed experts by expert at 8-64 rows)
+DEFAULT_VARIANTS = VARIANTS[:3]
 # A variant passes where, against an fp32 evaluation of the same weights and inputs, each output
 # and state error is at most `factor` x eager-bf16's own (max_err: x `factor_max`), or `floor`.
 # Errors: max_err = max|out - ref| / max|ref|, rel_l2 = |out - ref| / |ref|.
@@ -474,6 +478,21 @@ class Runner:
         return info
 
 
+@contextlib.contextmanager
+def kernel_settings(changes: dict):
+    """`settings.KERNELS` with `changes` while a variant compiles and captures its graph."""
+    from k3compile.settings import KERNELS
+
+    old = {k: getattr(KERNELS, k) for k in changes}
+    for k, v in changes.items():
+        setattr(KERNELS, k, v)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            setattr(KERNELS, k, v)
+
+
 def compiled_variants(args, device) -> dict[str, dict]:
     """name -> how to build it, or a note why it is not run."""
     out: dict[str, dict] = {}
@@ -491,6 +510,12 @@ def compiled_variants(args, device) -> dict[str, dict]:
             # capture it exactly as Inductor is captured
             out["k3"] = {"backend": backend, "options": {"cuda_graphs": False}, "graphs": True,
                          "label": "k3"}
+            if "k3-novalidate" in args.variants:
+                out["k3-novalidate"] = {**out["k3"], "label": "k3 validate=off",
+                                        "options": {"cuda_graphs": False, "validate": "off"}}
+            if "k3-grouped" in args.variants:
+                out["k3-grouped"] = {**out["k3"], "label": "k3 K3_MOE_GROUPED",
+                                     "kernels": {"moe_grouped": True}}
     return out
 
 
@@ -528,8 +553,9 @@ def run_bucket(args, device, model, stack, twin, bucket: Bucket, variants: dict)
         entry = res["variants"][name] = {"backend": spec["label"]}
         try:
             hits0 = _cache_counters()
-            runner = Runner(name, stack, inputs, device, spec["backend"], spec["options"],
-                            spec["graphs"])
+            with kernel_settings(spec.get("kernels", {})):  # captured with them
+                runner = Runner(name, stack, inputs, device, spec["backend"], spec["options"],
+                                spec["graphs"])
             entry["compile_s"] = runner.compile_s
             entry["fx_graph_cache"] = _cache_counters(hits0)
             entry["cuda_graph"] = runner.graph is not None
@@ -679,7 +705,8 @@ def parse_args(argv):
     p.add_argument("--max-batch", type=int,
                    help="state slots (default: the largest bucket); the graphs, and so Inductor's "
                         "cache keys, depend on it")
-    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+                   help=f"comma list of {', '.join(VARIANTS)}")
     p.add_argument("--cpu-backend", default="aot_eager",
                    help="the 'inductor' variant's backend on CPU (Inductor's C++ build takes about "
                         "a minute per bucket on 2 cores)")
@@ -819,7 +846,8 @@ def compile_bucket(args, device, model, stack, bucket, variants):
             continue
         t0 = time.perf_counter()
         try:
-            Runner(name, stack, inputs, device, spec["backend"], spec["options"], graphs=False)
+            with kernel_settings(spec.get("kernels", {})):
+                Runner(name, stack, inputs, device, spec["backend"], spec["options"], graphs=False)
             log(f"  compile-only {bucket.name} {name}: {time.perf_counter() - t0:.1f} s")
         except Exception as e:  # noqa: BLE001
             log(f"  compile-only {bucket.name} {name}: {type(e).__name__}: {e}"[:500])
