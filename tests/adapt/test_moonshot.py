@@ -84,11 +84,14 @@ def test_adapter_shares_parameters_and_leaves_the_model_alone(moonshot):
 
 
 # today's shortfall against the built-in plan, as data: dtype -> template -> op -> why
-EXPERTS = "bf16/fp32 nn.Linear experts: moe_experts is MXFP4 only"
+EXPERTS = ("bf16/fp32 nn.Linear experts: moe_experts is MXFP4 only (a dense variant needs an op and "
+           "a kernel of its own; the release's experts are MXFP4)")
 FLA_GATED_NORM = ("fla's FusedRMSNormGated (o_norm) normalises and gates in fp32 and rounds once; "
                   "kda_decode's o_norm rounds the norm to bf16 before the weight and the gate: "
                   "another bf16 computation, left unfused")
-ATTN_RES_BF16 = "Moonshot's bf16 AttnRes mix does not match attn_res_mix_norm (not yet read)"
+ATTN_RES_BF16 = ("Moonshot's _apply_attn_res scores the sources in fp32 (normalised sources times "
+                 "norm.w * proj.w, one sum); the canonical depth mix rounds the normalised "
+                 "sources to bf16 before a bf16 GEMM: another bf16 computation, left unfused")
 KNOWN_GAPS = {
     torch.float32: {"dense": {}, "kda_moe": {"moe_experts": EXPERTS},
                     "mla_moe": {"moe_experts": EXPERTS}, "last": {"moe_experts": EXPERTS},
