@@ -23,12 +23,12 @@ Exact: a depthwise conv computes each channel alone, `post` is the same pointwis
 most one permute) in every branch, so applying it to the concatenation and splitting gives the
 same values; the casts are exact upcasts, applied to the concatenation instead of the pieces.
 
-Taken: >= 2 depthwise convs (stride 1, no padding or dilation, weights [C_i, 1, taps], no bias or
-every one a bias) whose state pieces are the consecutive slices, together the whole, of one
-tensor along dim 1, with equal taps, batch and T, and isomorphic `post` chains. Left alone:
-convs over separate state buffers (no single buffer to write the merged window to), pieces of
-two tensors, overlapping or partial pieces, different taps, a `post` that differs per branch or
-is read in its middle.
+Taken: >= 2 depthwise convs (stride 1, no padding or dilation, weights [C_i, 1, taps] of one
+dtype, inputs of one dtype, no bias or every one a bias) whose state pieces are the consecutive
+slices, together the whole, of one tensor along dim 1, with equal taps, batch and T, and
+isomorphic `post` chains. Left alone: convs over separate state buffers (no single buffer to
+write the merged window to), pieces of two tensors, overlapping or partial pieces, different
+taps, a `post` that differs per branch or is read in its middle.
 """
 
 from __future__ import annotations
@@ -207,7 +207,7 @@ def _groups(graph: fx.Graph) -> list[list[Branch]]:
         if b is not None:
             batch, _, rows = _shape(b.conv)
             key = (b.source, _shape(b.weight)[2], batch, rows, b.window_cast is None,
-                   b.weight_cast is None)
+                   b.weight_cast is None, _val(b.x).dtype, _val(b.weight).dtype)  # cat: one dtype
             by_source.setdefault(key, []).append(b)
     groups = []
     for (source, *_), branches in by_source.items():
