@@ -63,7 +63,9 @@ class SlotCache:
 
 
 class _ConvStates:
-    """conv_states[layer]: (q, k, v) states [B, D, W - 1] of the slots; assignment writes them."""
+    """conv_states[layer]: (q, k, v) states [B, D, W - 1] of the slots; assignment writes them.
+    The three are slices of one gathered buffer, written back as one: what lets the canonical rule
+    `conv_merge` make Moonshot's three ShortConvolutions the one q|k|v conv kda_decode takes."""
 
     def __init__(self, cache: SlotCache):
         self.cache = cache

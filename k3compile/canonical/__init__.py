@@ -23,8 +23,8 @@ from collections.abc import Callable
 from torch import fx
 
 ORDER: tuple[str, ...] = ("state_write", "mla_absorb", "mxfp4_dequant", "expert_stack",
-                          "expert_gemm", "gemm", "short_conv", "gate_up_split", "depth_mix",
-                          "group_limit", "noop_view", "broadcast", "topk_sorted", "view_chains",
+                          "expert_gemm", "gemm", "short_conv", "conv_merge", "gate_up_split",
+                          "depth_mix", "group_limit", "noop_view", "broadcast", "topk_sorted", "view_chains",
                           "reshape_fold", "stack_cat", "router_input", "permute_fold")
 
 
