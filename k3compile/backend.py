@@ -5,7 +5,9 @@ A graph whose batch size is symbolic (`dynamic=True`, or Dynamo's automatic dyna
 second batch size) is compiled lazily once per bucket with the batch specialised to the bucket;
 the bucket is chosen at run time by guards that are sympy relations over the batch symbol
 (`lo < B <= hi`). A batch between buckets is padded to the bucket above: padding rows point at the
-scratch state slot, so they never touch a real request's state. A batch above the largest bucket
+scratch state slot, so they never touch a real request's state. Which input picks the state slot
+is read off the graph at the first compile (k3compile/validate.py), whatever the argument is
+called; the first compile of a bucket sees placeholder padding, each run the real one. A batch above the largest bucket
 runs Dynamo's graph eagerly (correct, slower) with a logged warning; so does an empty batch
 (eager's empty result, nothing compiled for it). On a GPU each bucket is
 captured once in a CUDA graph after its first (real) run and replayed afterwards.
@@ -14,25 +16,30 @@ A float that Dynamo lifts to a graph input (`specialize_float` off: a second mod
 eps differs recompiles with every float attribute as a 0-d tensor read by `.item()`) is baked
 back in as the constant it is in the call: the compiled steps are keyed by those values too, so
 the patterns see their literal eps and each model gets its own step.
+
+A call Dynamo cannot trace (a float id, batch sizes that disagree) fails inside Dynamo, which
+hands the caller its own error; the module Dynamo traced gets k3compile/calls.py's pre-hook after
+its first compile, so from then on such a call raises our `ValueError` before Dynamo sees it (the
+built-in models register it themselves, which covers their first call too).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import operator
 from collections.abc import Callable
 from typing import Any
 
 import sympy
 import torch
-from torch import fx
+from torch import fx, nn
 
+from k3compile.calls import batch_error, check_calls
 from k3compile.observe import Observer
 from k3compile.pipeline import Pipeline
 from k3compile.settings import Options
 from k3compile.stages.contract import ContractReport, format_contract
-from k3compile.validate import InputChecks
+from k3compile.validate import InputChecks, arg_name
 
 log = logging.getLogger("k3compile")
 
@@ -40,9 +47,25 @@ _compiled: list[K3Compiled] = []  # every compiled graph of this process, newest
 
 
 def k3_backend(gm: fx.GraphModule, example_inputs: list, options: dict | None = None, **_):
-    compiled = K3Compiled(gm, example_inputs, Options.make(options))
+    compiled = K3Compiled(gm, example_inputs, Options.make(options), _traced_module())
     _compiled.append(compiled)
     return compiled
+
+
+def _traced_module() -> nn.Module | None:
+    """The module whose `forward` Dynamo is tracing (the `self` of its frame), or None: the one
+    place the backend sees the module, to give it the call check (Dynamo's own API has no hook
+    around a call)."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        tx = InstructionTranslator.current_tx()
+        code = tx.f_code
+        me = tx.f_locals.get(code.co_varnames[0]) if code.co_argcount else None
+    except Exception:  # noqa: BLE001 (a private API: without it the check comes later, in the step)
+        return None
+    forward = getattr(type(me), "forward", None)
+    return me if isinstance(me, nn.Module) and getattr(forward, "__code__", None) is code else None
 
 
 def ensure_registered() -> None:
@@ -124,8 +147,9 @@ def _moved(entry: _Bucket, args: list) -> bool:
 class K3Compiled:
     """The callable Dynamo receives; dispatches each call to its bucket's compiled step."""
 
-    def __init__(self, gm: fx.GraphModule, example_inputs: list, options: Options):
-        self.gm, self.options = gm, options
+    def __init__(self, gm: fx.GraphModule, example_inputs: list, options: Options,
+                 module: nn.Module | None = None):
+        self.gm, self.options, self.module = gm, options, module
         self.observer = Observer(options.keep_graphs)
         self.pipeline = Pipeline(options, self.observer)
         self.buckets: dict[tuple, _Bucket] = {}
@@ -136,9 +160,8 @@ class K3Compiled:
         self.symbol = self._batch_symbol()
         self._lead = next((i for i in self.inputs if i.batched), None)
         self.guards = self._make_guards() if self.symbol is not None else {}
-        self.scratch = options.scratch_slot if options.scratch_slot is not None else self._scratch()
         self.outputs_batched = self._batched_outputs()
-        self.checks = InputChecks(self.inputs, options.validate, self.scratch,
+        self.checks = InputChecks(self.inputs, options.validate, options.scratch_slot,
                                   pads=self.symbol is not None or options.scratch_slot is not None)
         if self.symbol is None:  # a static graph: Dynamo already guards the exact batch size
             self.static_batch = self._static_batch(example_inputs)
@@ -196,17 +219,14 @@ class K3Compiled:
             lo = b
         return guards
 
-    def _scratch(self) -> int | None:
-        """Padding rows use the last row of the state buffers that `slots` indexes."""
-        slots = [n for n in self.gm.graph.nodes if n.op == "placeholder" and "slots" in n.name]
-        rows = []
-        for s in slots:
-            for user in s.users:
-                if user.target in (operator.getitem, operator.setitem) and user.args[1] is s:
-                    val = user.args[0].meta.get("example_value")
-                    if isinstance(val, torch.Tensor):
-                        rows.append(int(val.shape[0]))
-        return min(rows) - 1 if rows else None
+    @property
+    def scratch(self) -> int | None:
+        """The state slot padding rows use: the options', else the last row of the state buffers
+        the step's slot input indexes (None: not compiled yet, or no input picks state rows)."""
+        if self.options.scratch_slot is not None:
+            return self.options.scratch_slot
+        slots = self.checks.slots
+        return None if slots is None else slots.scratch
 
     def _batched_outputs(self) -> list[bool]:
         out = next(n for n in self.gm.graph.nodes if n.op == "output")
@@ -256,7 +276,14 @@ class K3Compiled:
         with self.checks.analysing(self.observer):
             fn = self.pipeline.compile(gm, list(inputs), batch, user_inputs=user)
         bucket = self.buckets[key] = _Bucket(self.checks.guard(fn, list(inputs)), batch)
+        self._check_module_calls()
         return bucket
+
+    def _check_module_calls(self) -> None:
+        """Give the traced module the call check over the inputs the graph indexes with."""
+        if self.module is not None and self.checks.limits and self.options.validate != "off":
+            check_calls(self.module, [lim.name for lim in self.checks.limits])
+            self.module = None
 
     def _warn_once(self, key: str, msg: str, *args):
         if key not in self._warned:
@@ -271,37 +298,47 @@ class K3Compiled:
             entry = self.buckets.get(key) or self._compile_bucket(key, list(args), self.static_batch)
             return self._run(entry, list(args), None, None)
         batch = int(args[self._lead.index].shape[0])
+        if error := batch_error([(arg_name(i.name), args[i.index], "")
+                                 for i in self.inputs if i.batched]):
+            raise ValueError(error)
         if batch == 0:  # nothing to compute: Dynamo's graph gives eager's empty result
             return self.gm(*args)
-        if any(int(args[i.index].shape[0]) != batch for i in self.inputs if i.batched):
-            raise ValueError("k3: the batched inputs disagree on the batch size: "
-                             + ", ".join(f"{i.name}={tuple(args[i.index].shape)}" for i in self.inputs if i.batched))
         bucket = self.bucket_for(batch)
         if bucket is None:
             self._warn_once("above", "k3: batch %d is above the largest bucket %d; running the "
                             "uncompiled graph (correct, slow)", batch, max(self.options.buckets))
             self.checks.before_eager(list(args))
             return self.gm(*args)
-        if bucket != batch and self.scratch is None:
-            self._warn_once("noslots", "k3: no `slots` input to pad safely; compiling batch %d "
-                            "exactly (pass slots= to use buckets)", batch)
-            bucket = batch
+        entry = self._entry(args, batch, bucket)
+        if entry.batch != batch and self.scratch is None:
+            self._warn_once("noslots", "k3: no input of the step picks state rows, so padding "
+                            "rows cannot be sent to a scratch slot; compiling batch %d exactly",
+                            batch)
+            entry = self._entry(args, batch, batch)
+        return self._run(entry, self._pad(args, batch, entry.batch), batch, entry.batch)
+
+    def _entry(self, args, batch: int, bucket: int) -> _Bucket:
+        """The bucket's compiled step, compiled now if new (its first compile pads with
+        placeholder rows: which input holds the slots is known only after it)."""
         padded = self._pad(args, batch, bucket)
+        # other symbols (verify rows T, ...) are specialised to their run-time values
         key = (bucket, *(int(a) for a, inp in zip(padded, self.inputs) if inp.symint),
                *self._scalars(args))
-        # other symbols (verify rows T, ...) are specialised to their run-time values
-        entry = self.buckets.get(key) or self._compile_bucket(key, padded, bucket)
-        return self._run(entry, padded, batch, bucket)
+        return self.buckets.get(key) or self._compile_bucket(key, padded, bucket)
 
     def _pad(self, args, batch: int, bucket: int) -> list:
+        """Rows batch..bucket of each batched input: the scratch slot for the slot input, the
+        lowest valid value for other checked inputs, else 0."""
+        fills = {lim.index: lim.lo for lim in self.checks.limits or ()}
+        if (slots := self.checks.slots) is not None and self.scratch is not None:
+            fills[slots.index] = self.scratch
         out = list(args)
         for inp in self.inputs:
             a = args[inp.index]
             if inp.symint and inp.expr in self.batch_symbols:
                 out[inp.index] = bucket
             elif inp.batched and bucket != batch:
-                fill = self.scratch if "slots" in inp.name else 0
-                pad = a.new_full((bucket - batch, *a.shape[1:]), fill)
+                pad = a.new_full((bucket - batch, *a.shape[1:]), fills.get(inp.index, 0))
                 out[inp.index] = torch.cat([a, pad])
         return out
 

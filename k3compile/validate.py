@@ -56,6 +56,7 @@ import torch
 from torch import fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from k3compile.calls import integer_dtype, structure_error
 from k3compile.graph import written_in_place
 from k3compile.observe import Observer
 
@@ -109,9 +110,10 @@ class _Use:
 
 # ---- analysis (once per compiled graph) ----------------------------------------------------------
 
-def analyse(graph: fx.Graph, inputs: Sequence, scratch: int | None = None) -> list[Limit]:
+def analyse(graph: fx.Graph, inputs: Sequence, scratch: int | None = None,
+            quiet: bool = False) -> list[Limit]:
     """The limits of the caller's inputs (`inputs`: the backend's `_Input`s, in placeholder
-    order), read off the ATen graph's index operands."""
+    order), read off the ATen graph's index operands; `quiet`: no warning for a missing role."""
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     callers = {placeholders[i.index]: i for i in inputs if i.user and i.index < len(placeholders)}
     reach: dict[fx.Node, tuple[int, int, int]] = {n: (i.index, 0, 0) for n, i in callers.items()}
@@ -126,7 +128,8 @@ def analyse(graph: fx.Graph, inputs: Sequence, scratch: int | None = None) -> li
             reach[node] = carried
     by_index = {i.index: i for i in inputs}
     limits = [_limit(by_index[k], u, scratch) for k, u in sorted(uses.items())]
-    _log_missing(limits)
+    if not quiet:
+        _log_missing(limits)
     return limits
 
 
@@ -219,7 +222,7 @@ def _root(node: fx.Node) -> fx.Node:
 
 
 def _limit(inp, uses: list[_Use], scratch: int | None) -> Limit:
-    name = _arg_name(inp.name)
+    name = arg_name(inp.name)
     bound = min(uses, key=lambda u: u.size - 1 - u.hi_off)
     lo = max(-u.lo_off for u in uses)
     hi = bound.size - 1 - bound.hi_off
@@ -249,15 +252,14 @@ def _log_missing(limits: list[Limit]) -> None:
             log.warning("k3 input checks: %s, so no input is checked as %s", what, role)
 
 
-def _arg_name(placeholder: str) -> str:
+def arg_name(placeholder: str) -> str:
     """Dynamo's placeholder name (`l_input_ids_`) as the caller wrote the argument."""
     return re.sub(r"^l_(kwargs_)?|_$", "", placeholder)
 
 
 def _is_integer(node: fx.Node) -> bool:
     val = node.meta.get("val")
-    return isinstance(val, torch.Tensor) and not val.dtype.is_floating_point \
-        and not val.dtype.is_complex and val.dtype != torch.bool
+    return isinstance(val, torch.Tensor) and integer_dtype(val.dtype)
 
 
 def _reached(arg: Any, reach) -> bool:
@@ -288,17 +290,25 @@ class InputChecks:
 
     @contextlib.contextmanager
     def analysing(self, observer: Observer) -> Iterator[None]:
-        """Analyse the ATen graph the first compile of this graph hands its first stage."""
-        if self.limits is not None or self.setting == "off":
+        """Analyse the ATen graph the first compile of this graph hands its first stage (also
+        where nothing is checked: the backend pads the slot input found here)."""
+        if self.limits is not None:
             yield
             return
 
         def listen(event):
             if event.observer is observer and event.first and self.limits is None:
-                self.limits = analyse(event.gm.graph, self.inputs, self.scratch)
+                self.limits = analyse(event.gm.graph, self.inputs, self.scratch,
+                                      quiet=self.setting == "off")
 
         with Observer.subscribe(listen):
             yield
+
+    @property
+    def slots(self) -> Limit | None:
+        """The input that picks each row's state slot, found from the graph (None: not
+        analysed yet, or no input indexes the rows of a state buffer)."""
+        return next((lim for lim in self.limits or () if lim.role == "slots"), None)
 
     def guard(self, fn, example_inputs: list):
         """The compiled step, with the device check in front where the mode is `device`."""
@@ -434,16 +444,8 @@ class InputChecks:
     # ---- the checks
 
     def _check_shapes(self, args: list) -> None:
-        for lim in self.limits:
-            t = args[lim.index]
-            if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
-                raise ValueError(f"k3: {lim.name} has dtype {t.dtype}; it must be an integer "
-                                 f"tensor ({lim.why})")
-        leads = {lim.name: tuple(args[lim.index].shape) for lim in self.limits
-                 if args[lim.index].dim() > 0}
-        if len({shape[0] for shape in leads.values()}) > 1:
-            raise ValueError("k3: the inputs disagree on the batch size (dim 0): "
-                             + ", ".join(f"{n} {list(s)}" for n, s in leads.items()))
+        if error := structure_error([(lim.name, args[lim.index], lim.why) for lim in self.limits]):
+            raise ValueError(error)
 
     def _check_values(self, args: list, batch: int | None) -> None:
         for lim in self.limits:

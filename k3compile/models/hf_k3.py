@@ -56,6 +56,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from k3compile.calls import check_calls
 from k3compile.models.config import K3Config
 
 # E2M1 code -> value (bit 3 the sign, then 2 exponent bits and 1 mantissa bit)
@@ -453,6 +454,7 @@ class KimiK3ForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size // config.tp_size,
                                  bias=False)
         self.max_batch = 0
+        check_calls(self, ("input_ids", "positions", "slots"))  # before Dynamo traces
 
     @property
     def scratch_slot(self) -> int:

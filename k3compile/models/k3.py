@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from k3compile.calls import check_calls
 from k3compile.math import (
     delta_rule_step,
     depth_mix,
@@ -360,6 +361,7 @@ class K3ForCausalLM(nn.Module):
         self.group = group  # a ProcessGroup for tensor parallelism, None for world size 1
         self.language_model = K3LanguageModel(config)
         self.max_batch = 0
+        check_calls(self, ("input_ids", "positions", "slots"))  # before Dynamo traces
 
     @property
     def scratch_slot(self) -> int:
