@@ -80,9 +80,17 @@ def mark_batch(*inputs: torch.Tensor) -> None:
     call: one Dynamo graph then serves every batch size, and the backend compiles each bucket
     once. The batch is unbacked: Dynamo neither specialises batch 1 (as it does a backed size)
     nor guards on comparisons that torch's fake kernels make (conv's `16 <= B` on CPU); the
-    backend specialises it per bucket. Marking later calls too is harmless."""
+    backend specialises it per bucket. Marking later calls too is harmless. The batch is at least 1
+    (`min=1`: code that reshapes a permuted batch, as the second spelling's q|k|v does, traces
+    only when it cannot be 0); an empty batch is left unmarked and gets its own graph, which
+    returns eager's empty result."""
     for t in inputs:
-        torch._dynamo.decorators.mark_unbacked(t, 0)
+        if t.dim() and t.shape[0] == 0:
+            continue
+        try:
+            torch._dynamo.decorators.mark_unbacked(t, 0, min=1)
+        except TypeError:  # a torch without `min` (the bound is then >= 0)
+            torch._dynamo.decorators.mark_unbacked(t, 0)
 
 
 def last_compiled() -> K3Compiled:
