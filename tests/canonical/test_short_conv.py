@@ -204,7 +204,7 @@ def _read_twice(x, w):
 def test_per_token_look_alike_keeps_its_convs(name):
     fn = TOKEN_LOOK_ALIKES[name]
     x, w = _window(T + 3)
-    before, after, _ = _rewrite(fn, x, w)
+    _, after, _ = _rewrite(fn, x, w)
     convs = [node for node in after.graph.nodes if str(node.target) == CONV]
     assert len(convs) == T and all(c.meta["val"].shape[-1] == 1 for c in convs)
     for got, want in zip(torch.utils._pytree.tree_leaves(after(x, w)),

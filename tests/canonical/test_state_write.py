@@ -145,7 +145,7 @@ def test_copy_into_an_advanced_index_writes_nothing_as_in_eager():
     assert not {"aten.index_put.default", "aten.copy_.default"} & set(targets(c.after))
 
 
-# ---- batch 1: the value as Tensor.__setitem__ hands it over ---------------------------------------
+# ---- batch 1: the value as Tensor.__setitem__ hands it over -----------------------------------
 
 
 def _value_of_write(c) -> fx.Node:
@@ -167,7 +167,8 @@ def test_batch_1_writes_drop_the_leading_size_1_dim(spelling):
 
 
 def test_batch_1_setitem_is_already_canonical():
-    c, state, eager_state = _step(CANONICAL["setitem"], x_shape=(1, C, L), slots=torch.tensor([3]))
+    c, state, eager_state = _step(CANONICAL["setitem"], x_shape=(1, C, L),
+                                  slots=torch.tensor([3]))
     assert c.counts["state_write"] == 0
     assert tuple(_value_of_write(c).meta["val"].shape) == (C, L)
     assert torch.equal(state, eager_state)

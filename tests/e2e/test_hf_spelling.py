@@ -27,13 +27,13 @@ against the built-in model, eagerly and under backend="k3" (tiny config, 4 layer
 Taken by the canonical rules (k3compile/canonical): SiTU on a sliced gate|up (`gate_up_split`),
 the non-absorbed MLA and its cache write (`mla_absorb`), the window-sum short conv
 (`short_conv`; at T > 1 one window sum per token, merged into one conv), the conv state's
-`index_copy_` (`state_write`; at batch 1 its value viewed as setitem does), the stacked q|k|v bmm (`gemm`) and its stack as a concat (`stack_cat`), the
-delta rule's `k_t` read once and used twice (`view_chains`), the T=1 conv output reshaped to
-[B, C] and back around its SiLU (`reshape_fold`), the depth mix over sources stacked on dim -2
-(`depth_mix`), the per-expert MXFP4 experts with a LUT dequant (`mxfp4_dequant`,
-`expert_stack`, `expert_gemm`, which also takes the per-token bmm of the k experts' rows
-stacked, [N, k*I, L] by [N, L, 1]), the router's `topk(sorted=False)` and `bias.unsqueeze(0)`
-(`topk_sorted`, `broadcast`); the KDA in-projection over q|k|v `select`s of the stacked
+`index_copy_` (`state_write`; at batch 1 its value viewed as setitem does), the stacked q|k|v
+bmm (`gemm`) and its stack as a concat (`stack_cat`), the delta rule's `k_t` read once and used
+twice (`view_chains`), the T=1 conv output reshaped to [B, C] and back around its SiLU
+(`reshape_fold`), the depth mix over sources stacked on dim -2 (`depth_mix`), the per-expert
+MXFP4 experts with a LUT dequant (`mxfp4_dequant`, `expert_stack`, `expert_gemm`, which also
+takes the per-token bmm of the k experts' rows stacked, [N, k*I, L] by [N, L, 1]), the router's
+`topk(sorted=False)` and `bias.unsqueeze(0)` (`topk_sorted`, `broadcast`); the KDA in-projection over q|k|v `select`s of the stacked
 parameter (`linear_concat` takes rows of one input; stage `pack` stores the group as one buffer,
 the stacked parameter among its rows). Known gaps today: `KNOWN_GAPS` (none).
 """
@@ -233,7 +233,7 @@ def test_contract_labels_the_layers_by_structure(compiled):
     assert {lr.layer: lr.template for lr in report.layers} == TEMPLATES
 
 
-# ---- 4. one TP16 rank's shapes, bf16, batch 1 (the yardstick's B1 and B1xT8 buckets) ----------------
+# ---- 4. one TP16 rank's shapes, bf16, batch 1 (the yardstick's B1 and B1xT8 buckets) -------
 
 # k3_tp16's per-rank widths (KDA 6 heads x 128, MLA 6 heads, experts 192 wide) in a narrower model
 # (hidden 1024, 16 experts, vocab 1024): the KDA step, MLA and expert shapes are the rank's.
@@ -294,7 +294,8 @@ def test_tp16_bf16_batch_1_kda_step_fuses(tokens):
     cfg = dataclasses.replace(TP16, num_hidden_layers=1, full_attn_layers=())
     err, state_err, compiled = _tp16_step(cfg, "hf", tokens)
     assert err <= TOL["bfloat16"], err
-    assert len(state_err) == 2 and all(e <= TOL["bfloat16"] for e in state_err.values()), state_err
+    assert len(state_err) == 2, state_err
+    assert all(e <= TOL["bfloat16"] for e in state_err.values()), state_err
     layer = _fused_ops(compiled)[0]
     assert layer["fb_kda_decode"] == 1, layer
 
