@@ -33,9 +33,9 @@ twice (`view_chains`), the T=1 conv output reshaped to [B, C] and back around it
 (`reshape_fold`), the depth mix over sources stacked on dim -2 (`depth_mix`), the per-expert
 MXFP4 experts with a LUT dequant (`mxfp4_dequant`, `expert_stack`, `expert_gemm`, which also
 takes the per-token bmm of the k experts' rows stacked, [N, k*I, L] by [N, L, 1]), the router's
-`topk(sorted=False)` and `bias.unsqueeze(0)` (`topk_sorted`, `broadcast`); the KDA in-projection over q|k|v `select`s of the stacked
-parameter (`linear_concat` takes rows of one input; stage `pack` stores the group as one buffer,
-the stacked parameter among its rows). Known gaps today: `KNOWN_GAPS` (none).
+`topk(sorted=False)` and `bias.unsqueeze(0)` (`topk_sorted`, `broadcast`); the KDA in-projection
+over q|k|v `select`s of the stacked parameter (`linear_concat` takes rows of one input; stage
+`pack` stores the group as one buffer, the stacked parameter among its rows). Known gaps today: `KNOWN_GAPS` (none).
 """
 
 from __future__ import annotations
