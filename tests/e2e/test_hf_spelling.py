@@ -35,7 +35,8 @@ MXFP4 experts with a LUT dequant (`mxfp4_dequant`, `expert_stack`, `expert_gemm`
 takes the per-token bmm of the k experts' rows stacked, [N, k*I, L] by [N, L, 1]), the router's
 `topk(sorted=False)` and `bias.unsqueeze(0)` (`topk_sorted`, `broadcast`); the KDA in-projection
 over q|k|v `select`s of the stacked parameter (`linear_concat` takes rows of one input; stage
-`pack` stores the group as one buffer, the stacked parameter among its rows). Known gaps today: `KNOWN_GAPS` (none).
+`pack` stores the group as one buffer, the stacked parameter among its rows). Known gaps today:
+`KNOWN_GAPS` (none).
 """
 
 from __future__ import annotations
