@@ -3,6 +3,7 @@ kernels and bytes per layer for eager, Inductor + CUDA graph and `backend="k3"` 
 
     python benchmarks/decode_layer.py                          # GPU: k3_tp16, bf16, MLA context 4096
     python benchmarks/decode_layer.py --config tiny --smoke    # CPU, seconds: the same code paths (CI)
+                                                               # (k3 on CPU: executor aten, --cpu-executor)
     python benchmarks/decode_layer.py --model hf               # the second spelling, same shapes
 
 `--model hf`: the same layers written the second way (`k3compile/models/hf_k3.py`, transformers
@@ -508,11 +509,13 @@ def compiled_variants(args, device) -> dict[str, dict]:
         else:
             # the backend captures CUDA graphs itself unless told not to: switch that off and
             # capture it exactly as Inductor is captured
-            out["k3"] = {"backend": backend, "options": {"cuda_graphs": False}, "graphs": True,
-                         "label": "k3"}
+            options = {"cuda_graphs": False}
+            if device.type != "cuda" and args.cpu_executor:
+                options["executor"] = args.cpu_executor
+            out["k3"] = {"backend": backend, "options": options, "graphs": True, "label": "k3"}
             if "k3-novalidate" in args.variants:
                 out["k3-novalidate"] = {**out["k3"], "label": "k3 validate=off",
-                                        "options": {"cuda_graphs": False, "validate": "off"}}
+                                        "options": {**options, "validate": "off"}}
             if "k3-grouped" in args.variants:
                 out["k3-grouped"] = {**out["k3"], "label": "k3 K3_MOE_GROUPED",
                                      "kernels": {"moe_grouped": True}}
@@ -710,6 +713,10 @@ def parse_args(argv):
     p.add_argument("--cpu-backend", default="aot_eager",
                    help="the 'inductor' variant's backend on CPU (Inductor's C++ build takes about "
                         "a minute per bucket on 2 cores)")
+    p.add_argument("--cpu-executor", default="aten",
+                   help="the 'k3' variant's executor on CPU (aten: the rewritten graph op by op; "
+                        "'' leaves K3_EXECUTOR's; Inductor's C++ build takes ~30 s per graph "
+                        "on 2 cores)")
     p.add_argument("--iters", type=int, help="timed calls (default 50; smoke 3)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--max-time-s", type=float, default=3.0, help="stop timing a variant after")

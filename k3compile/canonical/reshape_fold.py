@@ -84,8 +84,7 @@ def _region(first: fx.Node) -> list[fx.Node]:
         if not grown:
             break
         inside |= grown
-    index = {n: i for i, n in enumerate(first.graph.nodes)}
-    return sorted(inside - _twins(first), key=index.__getitem__)
+    return sorted(inside - _twins(first))  # graph order (fx nodes compare by position)
 
 
 def _composition(src: tuple[int, ...], dst: tuple[int, ...]) -> list[int] | None:
@@ -108,7 +107,7 @@ def _fold(graph: fx.Graph, first: fx.Node) -> int:
     region = _region(first)
     if not any(not _is_reshape(n) for n in region):
         return 0  # a reshape chain alone (F.linear's view of a view) is left as it is
-    twins = sorted(_twins(first), key=list(graph.nodes).index)
+    twins = sorted(_twins(first))
     inside = {*twins, *region}
     exits = [n for n in [*twins, *region] if any(u not in inside for u in n.users)]
     if any(u in inside for n in exits for u in n.users):

@@ -8,7 +8,10 @@ ones) with one filter per channel [C, 1, taps]. Code written elsewhere (fla's
     (window.unfold(-1, taps, 1) * w).sum(-1)    L = T + taps - 1, w [C, 1, taps]: [B, C, T]
     sum(window[..., j] * w[:, j] for j in range(taps))
 which this rule rewrites to `convolution(window, w[C, 1, taps], None, [1], [0], [1], False, [0],
-C)`, followed by a view where the sum had dropped the output's length-1 dim.
+C)`, followed by a view where the sum had dropped the output's length-1 dim. A verify step of T
+tokens written as one such sum per token over the window's slices `window[..., t:t + taps]`,
+stacked on the last dim (`torch.stack(outs, -1)`, or a cat of [B, C, 1] pieces), is then one
+convolution over the window's T + taps - 1 columns: each output column is the same dot product.
 
 Only fp32 products are rewritten: the canonical form convolves in fp32 (the model's
 `window.float()`, `taps.float()`), and fp32 upcasts of a bf16 operand are exact, so conv and window
@@ -209,7 +212,85 @@ def _tap_loop(node: fx.Node) -> tuple[fx.Node, fx.Node, int, int, set] | None:
     return window, weight, C, taps, inner
 
 
+# ---- one conv per token, stacked on the last dim -----------------------------------------------
+
+_CONV_ARGS = ([1], [0], [1], False, [0])  # stride, padding, dilation, transposed, output_padding
+
+
+def _through_views(node: fx.Node) -> fx.Node:
+    """The node under the single-user order-keeping views that `node` is."""
+    while node.target in _ORDER_KEEPING and len(node.args[0].users) == 1:
+        node = node.args[0]
+    return node
+
+
+def _unupcast(node: fx.Node) -> tuple[fx.Node, bool]:
+    return (node.args[0], True) if _is_upcast(node) else (node, False)
+
+
+def _token_conv(piece: fx.Node) -> tuple | None:
+    """(window, first column, weight source, upcast) if `piece` [B, C, 1] is the depthwise conv
+    of window[..., t:t + taps] (upcast to fp32 or not), with one output column."""
+    conv = _through_views(piece)
+    if (conv.target is not aten.convolution.default or len(conv.users) != 1
+            or _shape(conv) != _shape(piece) or conv.args[2] is not None
+            or list(conv.args[3:8]) != list(_CONV_ARGS)):
+        return None
+    (x, upcast), weight = _unupcast(conv.args[0]), conv.args[1]
+    if (x.target is not aten.slice.Tensor or len(x.args) > 4 and x.args[4] != 1
+            or x.args[1] % 3 != 2 or len(_shape(x) or ()) != 3):
+        return None
+    window, start, taps = x.args[0], x.args[2], _shape(x)[2]
+    if start is None or start < 0 or _shape(weight) != (_shape(x)[1], 1, taps):
+        return None
+    return window, start, _unupcast(weight)[0], upcast, conv.args[8]
+
+
+def _stacked_convs(node: fx.Node) -> tuple | None:
+    """(window, first column, a piece's conv) if node is cat(pieces, -1) of T >= 2 one-column
+    convs over consecutive columns of one window, with one weight."""
+    if node.target is not aten.cat.default or len(node.args[0]) < 2:
+        return None
+    pieces, dim = node.args[0], node.args[1] if len(node.args) > 1 else 0
+    shape = _shape(node)
+    if shape is None or len(shape) != 3 or dim % 3 != 2:
+        return None
+    found = [_token_conv(p) if isinstance(p, fx.Node) and len(p.users) == 1 else None
+             for p in pieces]
+    if any(f is None for f in found) or len({(f[0], f[2], f[3], f[4]) for f in found}) != 1:
+        return None
+    start = found[0][1]
+    if [f[1] for f in found] != list(range(start, start + len(found))):
+        return None
+    return found[0][0], start, _through_views(pieces[0])
+
+
+def _merge_token_convs(graph: fx.Graph, cat: fx.Node, window: fx.Node, start: int,
+                       conv: fx.Node) -> None:
+    """cat of T one-column convs -> the conv of window[..., start:start + T + taps - 1]."""
+    T, taps = _shape(cat)[2], _shape(conv.args[1])[2]
+    end = start + T + taps - 1
+    with graph.inserting_before(cat):
+        x = window
+        if (start, end) != (0, _shape(window)[2]):
+            x = call(graph, aten.slice.Tensor, (window, 2, start, end), like=cat)
+        if _is_upcast(conv.args[0]):
+            x = call(graph, torch.ops.prims.convert_element_type.default, (x, torch.float32),
+                     like=cat)
+        merged = call(graph, aten.convolution.default, (x, *conv.args[1:]), like=cat)
+    cat.replace_all_uses_with(merged)
+
+
 def apply(graph: fx.Graph) -> int:
+    rewritten = _window_sums(graph)
+    for node in list(graph.nodes):
+        if node.op == "call_function" and (found := _stacked_convs(node)) is not None:
+            _merge_token_convs(graph, node, *found)
+            rewritten += 1
+    return rewritten
+
+
+def _window_sums(graph: fx.Graph) -> int:
     rewritten, done = 0, set()
     for node in reversed(list(graph.nodes)):  # a loop's outermost add first
         if node.op != "call_function" or node in done:

@@ -13,6 +13,11 @@ buffer plus a final `copy_(buf, new)`. Spellings and what AOT makes of them:
                  .expand_as(x), x)
     buf[:, :, -L:].copy_(y)                           slice_scatter(buf, y, 2, -L, end)
 
+The canonical value has no leading size-1 dims: `buf[slots] = x` (Tensor.__setitem__) views them
+away before index_put, so at batch 1 our model writes index_put(buf, [slots], view(x, x[0].shape))
+where `index_copy_`, `index_put_` or a scatter write x itself. index_put broadcasts its value
+over the indexed rows, and broadcasting prepends size-1 dims, so the view changes no value.
+
 A slice_scatter whose slice is the whole buffer is its source (a whole-range write), and
 index_put into the whole slice of buf is index_put into buf; a scatter along dim 0 whose index
 is one slot per row, broadcast over whole rows, is index_put(buf, [slots], x); an index_copy
@@ -120,6 +125,27 @@ def _index_copy(graph: fx.Graph, node: fx.Node) -> bool:
     return True
 
 
+def _leading_ones(shape: tuple) -> int:
+    lead = 0
+    while lead < len(shape) and shape[lead] == 1:
+        lead += 1
+    return lead
+
+
+def _strip_leading_ones(graph: fx.Graph, node: fx.Node) -> bool:
+    """index_put(buf, idx, x) with x [1, .., 1, *rest] -> index_put(buf, idx, view(x, rest)), the
+    value as Tensor.__setitem__ hands it over."""
+    value = node.args[2]
+    shape = _shape(value)
+    lead = _leading_ones(shape) if shape is not None else 0
+    if not lead:
+        return False
+    with graph.inserting_before(node):
+        stripped = call(graph, aten.view.default, (value, list(shape[lead:])), like=node)
+    node.replace_input_with(value, stripped)
+    return True
+
+
 REWRITES = {
     aten.slice_scatter.default: _whole_slice_scatter,
     aten.scatter.src: _scatter_rows,
@@ -133,8 +159,12 @@ def apply(graph: fx.Graph) -> int:
         rewrite = REWRITES.get(node.target) if node.op == "call_function" else None
         if rewrite is not None and _reaches_state(node) and rewrite(graph, node):
             done += 1
+    for node in list(graph.nodes):  # every state write's value, the ones made above too
+        if node.target is aten.index_put.default and _reaches_state(node):
+            done += _strip_leading_ones(graph, node)
     return done
 
 
 RULE = Rule("state_write", apply, "whole-row state writes (whole-range slice_scatter, row "
-                                  "scatter, index_copy) -> index_put(buf, [slots], x)")
+                                  "scatter, index_copy) -> index_put(buf, [slots], x), x without "
+                                  "leading size-1 dims")

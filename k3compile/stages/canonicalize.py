@@ -39,28 +39,35 @@ def canonicalize(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     gm.meta["real_inputs"] = ctx.inputs  # the placeholders' real tensors (constant tables)
     mark_user_inputs(gm.graph, ctx.user_inputs)
     verify = ctx.options.verify and _runnable(gm, ctx.inputs)
+    saved = None  # the graph before the rule, to undo it (a rule that rewrote nothing left
+    # the graph as it was: the copy taken before it still holds; a copy is O(graph), and a
+    # model with per-expert parameters has tens of thousands of placeholders)
     for rule in all_rules():
         if rule.name in ctx.options.disabled_rules:
             continue
-        saved = _copy(gm.graph)
+        if saved is None:
+            saved = _copy(gm.graph)
         try:
             counts[rule.name] = rule.apply(gm.graph)
         except Exception as e:  # noqa: BLE001 (a rule's bug costs its rewrites, not the compile)
-            gm.graph = saved
+            gm.graph, saved = saved, None
             counts[rule.name] = 0
             ctx.report.reverted.append(Reverted(f"canonical.{rule.name}", "(graph)", "",
                                                 f"raised {type(e).__name__}: {e}"))
             log.warning("k3 canonicalize: rule %s raised %s: %s; its rewrites are undone and "
                         "the compile goes on without them", rule.name, type(e).__name__, e)
             continue
-        if not verify or not counts[rule.name]:
-            continue
-        gm.recompile()
-        if (error := _disagreement(gm, saved, ctx.inputs)) is not None:
-            gm.graph = saved
-            ctx.report.reverted.append(Reverted(f"canonical.{rule.name}", "(graph)", "", error))
-            log.warning("k3 verify: canonical rule %s reverted: %s", rule.name, error)
-            counts[rule.name] = 0
+        if not counts[rule.name]:
+            continue  # `saved` is still the graph
+        if verify:
+            gm.recompile()
+            if (error := _disagreement(gm, saved, ctx.inputs)) is not None:
+                gm.graph = saved
+                ctx.report.reverted.append(Reverted(f"canonical.{rule.name}", "(graph)", "",
+                                                    error))
+                log.warning("k3 verify: canonical rule %s reverted: %s", rule.name, error)
+                counts[rule.name] = 0
+        saved = None  # the graph changed, or is the copy itself again
     gm.graph.eliminate_dead_code()
     gm.recompile()
     ctx.notes["canonicalize"] = counts

@@ -136,3 +136,77 @@ def test_kda_with_an_unfolded_conv_fuses(monkeypatch, tokens):
         assert rel_err(g, w) <= TOL["aten_cpu"]
     for name, s in states.items():
         assert rel_err(s, eager_states[name]) <= TOL["aten_cpu"], name
+
+
+# ---- a verify step written as one conv per token -------------------------------------------------
+
+T = 3
+
+
+def _per_token(x, w, starts=range(T), dim=-1, weight=lambda w, t: w.squeeze(1)):
+    return torch.stack([(x[..., t:t + TAPS] * weight(w, t)).sum(-1) for t in starts], dim)
+
+
+TOKEN_SPELLINGS = {  # name: (fn(window, w), window dtype, window columns before token 0)
+    "stack_of_sums": (lambda x, w: _per_token(x, w), torch.float32, 0),
+    "stack_of_bf16_upcasts": (lambda x, w: torch.stack(
+        [(x[..., t:t + TAPS].float() * w.squeeze(1).float()).sum(-1) for t in range(T)], -1),
+        torch.bfloat16, 0),
+    "cat_of_keepdim_sums": (lambda x, w: torch.cat(
+        [(x[..., t:t + TAPS] * w.view(C, TAPS)).sum(-1, keepdim=True) for t in range(T)], -1),
+        torch.float32, 0),
+    "cat_of_conv1d": (lambda x, w: torch.cat(
+        [F.conv1d(x[..., t:t + TAPS], w, groups=C) for t in range(T)], dim=2), torch.float32, 0),
+    "window_with_older_columns": (lambda x, w: _per_token(x, w, starts=range(2, 2 + T)),
+                                  torch.float32, 2),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TOKEN_SPELLINGS))
+def test_one_conv_per_token_becomes_one_conv(name):
+    fn, dtype, skip = TOKEN_SPELLINGS[name]
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(B, C, skip + TAPS - 1 + T, generator=g).to(dtype)
+    w = torch.randn(C, 1, TAPS, generator=g).to(dtype)
+    before, after, n = _rewrite(fn, x, w)
+    assert n >= 1
+    (conv,) = [node for node in after.graph.nodes if str(node.target) == CONV]
+    assert tuple(conv.meta["val"].shape) == (B, C, T)  # the step's T columns, one conv
+    assert conv.args[2:] == (None, [1], [0], [1], False, [0], C)
+    assert "aten.cat.default" not in targets(after) and "aten.stack.default" not in targets(after)
+    got, want = after(x, w), before(x, w)
+    assert got.dtype == want.dtype == torch.float32 and got.shape == want.shape
+    assert rel_err(got, want) <= 1e-6
+    torch.testing.assert_close(got, F.conv1d(x[..., skip:].float(), w.float(), groups=C),
+                               rtol=0, atol=0)
+
+
+TOKEN_LOOK_ALIKES = {
+    # every other column: a dilated window, not T consecutive tokens
+    "every_other_column": lambda x, w: _per_token(x[..., :TAPS + 2 * T], w, starts=(0, 2, 4)),
+    # the tokens in reverse order
+    "tokens_reversed": lambda x, w: _per_token(x, w, starts=reversed(range(T))),
+    # another filter per token
+    "filter_per_token": lambda x, w: _per_token(x, w, weight=lambda w, t: w.squeeze(1) * (t + 1)),
+    # stacked as [B, T, C]: the token dim is not the conv's output dim
+    "stacked_on_dim_1": lambda x, w: _per_token(x, w, dim=1),
+    # a token's output read on its own as well
+    "token_read_twice": lambda x, w: _read_twice(x, w),
+}
+
+
+def _read_twice(x, w):
+    outs = [(x[..., t:t + TAPS] * w.squeeze(1)).sum(-1) for t in range(T)]
+    return torch.stack(outs, -1), outs[1] * 2
+
+
+@pytest.mark.parametrize("name", sorted(TOKEN_LOOK_ALIKES))
+def test_per_token_look_alike_keeps_its_convs(name):
+    fn = TOKEN_LOOK_ALIKES[name]
+    x, w = _window(T + 3)
+    _, after, _ = _rewrite(fn, x, w)
+    convs = [node for node in after.graph.nodes if str(node.target) == CONV]
+    assert len(convs) == T and all(c.meta["val"].shape[-1] == 1 for c in convs)
+    for got, want in zip(torch.utils._pytree.tree_leaves(after(x, w)),
+                         torch.utils._pytree.tree_leaves(fn(x, w)), strict=True):
+        assert rel_err(got, want) <= 1e-6

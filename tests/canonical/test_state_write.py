@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
+from torch import fx, nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from k3compile.canonical import state_write
@@ -31,10 +31,10 @@ class State(nn.Module):
         return x * 2
 
 
-def _step(write, shape=(S, C, L), x_shape=(2, C, L)):
+def _step(write, shape=(S, C, L), x_shape=(2, C, L), slots=None):
     """Compile and run the step once; returns (Canonicalized, state after compiled, after eager)."""
     x = torch.randn(*x_shape, generator=torch.Generator().manual_seed(0))
-    slots = torch.tensor([3, 1])
+    slots = torch.tensor([3, 1]) if slots is None else slots
     compiled, eager = State(write, shape), State(write, shape)
     c = canonicalize(None, {"x": x, "slots": slots}, module=compiled)
     with torch.no_grad():
@@ -143,3 +143,42 @@ def test_copy_into_an_advanced_index_writes_nothing_as_in_eager():
     assert torch.equal(eager_state, before) and torch.equal(state, before)
     assert c.counts["state_write"] == 0
     assert not {"aten.index_put.default", "aten.copy_.default"} & set(targets(c.after))
+
+
+# ---- batch 1: the value as Tensor.__setitem__ hands it over -----------------------------------
+
+
+def _value_of_write(c) -> fx.Node:
+    (put,) = [n for n in c.after.graph.nodes if n.target is aten.index_put.default]
+    return put.args[2]
+
+
+@pytest.mark.parametrize("spelling", ["index_put_", "index_copy_", "row_scatter"])
+def test_batch_1_writes_drop_the_leading_size_1_dim(spelling):
+    """At batch 1, `buf[slots] = x` writes view(x, [C, L]); the other spellings write x [1, C, L]
+    itself: they get that view, and compute the same new state."""
+    write = {**CANONICAL, **SPELLINGS}[spelling]
+    c, state, eager_state = _step(write, x_shape=(1, C, L), slots=torch.tensor([3]))
+    assert c.counts["state_write"] >= 1
+    _canonical_write(c)
+    assert tuple(_value_of_write(c).meta["val"].shape) == (C, L)
+    assert_same_values(c, rel=0)
+    assert torch.equal(state, eager_state)
+
+
+def test_batch_1_setitem_is_already_canonical():
+    c, state, eager_state = _step(CANONICAL["setitem"], x_shape=(1, C, L),
+                                  slots=torch.tensor([3]))
+    assert c.counts["state_write"] == 0
+    assert tuple(_value_of_write(c).meta["val"].shape) == (C, L)
+    assert torch.equal(state, eager_state)
+
+
+def test_batch_1_index_put_that_writes_no_state_is_left_alone():
+    """An out-of-place index_put returned as an output (no buffer written back) keeps its value."""
+    args = {"z": torch.randn(S, C, L), "x": torch.randn(1, C, L), "slots": torch.tensor([3])}
+    c = canonicalize(lambda z, x, slots: z.index_put((slots,), x), args)
+    assert c.counts["state_write"] == 0
+    assert targets(c.after) == targets(c.before)
+    assert tuple(_value_of_write(c).meta["val"].shape) == (1, C, L)
+    assert torch.equal(c.output, args["z"].index_put((args["slots"],), args["x"]))

@@ -19,18 +19,24 @@ against the built-in model, eagerly and under backend="k3" (tiny config, 4 layer
    op out of KNOWN_GAPS) or a new one opens, and on any fused op the plan does not place there
    (a mis-fusion). The contract labels every layer as the built-in model's, from the graph's
    structure (`k3compile.layers`: this spelling's module names are not ours).
+4. At one TP16 rank's shapes in bf16 and batch 1 (the yardstick's B1 and B1xT8 buckets, where
+   the H200 run's KDA step missed): the KDA step fuses at T = 1 and 8, and per layer this
+   spelling launches as many kernels and fuses the same ops as the built-in model, each equal
+   to its own eager copy.
 
 Taken by the canonical rules (k3compile/canonical): SiTU on a sliced gate|up (`gate_up_split`),
 the non-absorbed MLA and its cache write (`mla_absorb`), the window-sum short conv
-(`short_conv`), the stacked q|k|v bmm (`gemm`) and its stack as a concat (`stack_cat`), the
-delta rule's `k_t` read once and used twice (`view_chains`), the T=1 conv output reshaped to
-[B, C] and back around its SiLU (`reshape_fold`), the depth mix over sources stacked on dim -2
-(`depth_mix`), the per-expert MXFP4 experts with a LUT dequant (`mxfp4_dequant`,
-`expert_stack`, `expert_gemm`, which also takes the per-token bmm of the k experts' rows
-stacked, [N, k*I, L] by [N, L, 1]), the router's `topk(sorted=False)` and `bias.unsqueeze(0)`
-(`topk_sorted`, `broadcast`); the KDA in-projection over q|k|v `select`s of the stacked
-parameter (`linear_concat` takes rows of one input; stage `pack` stores the group as one buffer,
-the stacked parameter among its rows). Known gaps today: `KNOWN_GAPS` (none).
+(`short_conv`; at T > 1 one window sum per token, merged into one conv), the conv state's
+`index_copy_` (`state_write`; at batch 1 its value viewed as setitem does), the stacked q|k|v
+bmm (`gemm`) and its stack as a concat (`stack_cat`), the delta rule's `k_t` read once and used
+twice (`view_chains`), the T=1 conv output reshaped to [B, C] and back around its SiLU
+(`reshape_fold`), the depth mix over sources stacked on dim -2 (`depth_mix`), the per-expert
+MXFP4 experts with a LUT dequant (`mxfp4_dequant`, `expert_stack`, `expert_gemm`, which also
+takes the per-token bmm of the k experts' rows stacked, [N, k*I, L] by [N, L, 1]), the router's
+`topk(sorted=False)` and `bias.unsqueeze(0)` (`topk_sorted`, `broadcast`); the KDA in-projection
+over q|k|v `select`s of the stacked parameter (`linear_concat` takes rows of one input; stage
+`pack` stores the group as one buffer, the stacked parameter among its rows). Known gaps today:
+`KNOWN_GAPS` (none).
 """
 
 from __future__ import annotations
@@ -46,7 +52,9 @@ from k3compile.models import build_model, get_config
 from k3compile.models.hf_k3 import converted_state_dict, from_reference
 from k3compile.rewrite import NEUTRAL
 from k3compile.stages.contract import FINAL, PLANS, SCHEDULE
+from k3compile.tools.diff.layers import launches, split_layers
 from tests.conftest import TOL, rel_err
+from tests.diffsuite.spellings import condition_for_bf16
 from tests.fusions.attention_checks import one_thread  # noqa: F401
 
 CFG = dataclasses.replace(get_config("tiny"), num_hidden_layers=4, full_attn_layers=(2, 3))
@@ -224,3 +232,87 @@ def test_fused_plan_is_the_builtin_plan_less_the_known_gaps(compiled):
 def test_contract_labels_the_layers_by_structure(compiled):
     (report,) = compiled[2].contracts.values()
     assert {lr.layer: lr.template for lr in report.layers} == TEMPLATES
+
+
+# ---- 4. one TP16 rank's shapes, bf16, batch 1 (the yardstick's B1 and B1xT8 buckets) -------
+
+# k3_tp16's per-rank widths (KDA 6 heads x 128, MLA 6 heads, experts 192 wide) in a narrower model
+# (hidden 1024, 16 experts, vocab 1024): the KDA step, MLA and expert shapes are the rank's.
+# Layers: 0 dense KDA, 1 KDA + MoE, 2 MLA + MoE (the last).
+TP16 = dataclasses.replace(
+    get_config("k3_tp16"), vocab_size=1024, hidden_size=1024, intermediate_size=2048,
+    num_experts=16, num_experts_per_token=4, routed_expert_hidden_size=512, num_hidden_layers=3,
+    full_attn_layers=(2,))
+
+
+@torch.no_grad()
+def _tp16_pair(cfg, spelling: str):
+    """(compiled copy, eager copy) of one spelling with equal weights (routing fixed by the
+    router bias, `condition_for_bf16`) and equal random decode state."""
+    models = []
+    for _ in range(2):
+        ref = condition_for_bf16(build_model(cfg, dtype=torch.bfloat16, max_batch=4,
+                                             max_seq_len=64, seed=0), seed=0)
+        model = from_reference(ref) if spelling == "hf" else ref
+        gen = torch.Generator().manual_seed(1)
+        for name, buf in model.named_buffers():
+            if name.endswith(tuple(STATES) + tuple(STATES.values())):
+                scale = 0.05 if name.endswith("recurrent_state") else 1.0
+                buf.copy_((torch.randn(buf.shape, generator=gen) * scale).to(buf.dtype))
+        models.append(model)
+    return models
+
+
+def _tp16_step(cfg, spelling: str, tokens: int):
+    """Compile batch 1 (T tokens) of a spelling, step it once against its eager copy; returns
+    (logits error, state errors, the compiled graph)."""
+    torch._dynamo.reset()
+    model, eager = _tp16_pair(cfg, spelling)
+    step = torch.compile(model, backend="k3", fullgraph=True,
+                         options={"executor": "aten", "buckets": (1,)})
+    ids = torch.randint(0, cfg.vocab_size, (1,) if tokens == 1 else (1, tokens),
+                        generator=torch.Generator().manual_seed(2))
+    pos, slots = torch.tensor([5]), torch.tensor([2])
+    with torch.no_grad():
+        err = rel_err(step(ids, pos, slots), eager(ids, pos, slots))
+    ours = dict(model.named_buffers())
+    state_err = {n: rel_err(ours[n], b) for n, b in eager.named_buffers()
+                 if n.endswith(tuple(STATES) + tuple(STATES.values()))}
+    return err, state_err, k3be.last_compiled()
+
+
+def _launches_per_layer(compiled) -> dict[int, int]:
+    (graph,) = compiled.observer.graphs.values()
+    return {i: sum(map(launches, nodes)) for i, nodes in split_layers(graph).items()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tokens", [1, 8])
+def test_tp16_bf16_batch_1_kda_step_fuses(tokens):
+    """Batch 1 at a TP16 rank's KDA shapes in bf16 (the H200 log's near miss: the conv state
+    written with index_copy_ keeps its [1, C, taps-1] value where setitem views it to [C, taps-1];
+    T = 8: one window sum per token). The KDA step fuses and equals eager."""
+    cfg = dataclasses.replace(TP16, num_hidden_layers=1, full_attn_layers=())
+    err, state_err, compiled = _tp16_step(cfg, "hf", tokens)
+    assert err <= TOL["bfloat16"], err
+    assert len(state_err) == 2, state_err
+    assert all(e <= TOL["bfloat16"] for e in state_err.values()), state_err
+    layer = _fused_ops(compiled)[0]
+    assert layer["fb_kda_decode"] == 1, layer
+
+
+@pytest.mark.slow
+def test_tp16_bf16_batch_1_kernels_per_layer_equal_the_builtin_model():
+    """At a TP16 rank's shapes, bf16, batch 1: per layer, this spelling launches as many kernels
+    and fuses the same ops as the built-in model, and each equals its own eager copy."""
+    got = {}
+    for spelling in ("hf", "builtin"):
+        err, state_err, compiled = _tp16_step(TP16, spelling, 1)
+        assert err <= TOL["bfloat16"], (spelling, err)
+        assert len(state_err) == 5, state_err  # 2 KDA layers x (conv, recurrent), 1 MLA cache
+        assert all(e <= TOL["bfloat16"] for e in state_err.values()), (spelling, state_err)
+        got[spelling] = _launches_per_layer(compiled), _fused_ops(compiled)
+    (hf_kernels, hf_fused), (our_kernels, our_fused) = got["hf"], got["builtin"]
+    assert hf_fused == our_fused
+    assert hf_kernels == our_kernels
+    assert {i: n for i, n in our_kernels.items() if i >= 0} == {0: 6, 1: 10, 2: 13}

@@ -58,8 +58,15 @@ def _raise_midway(graph):  # a buggy rule: edits the graph, then raises
     raise RuntimeError("a bug in a rule")
 
 
+def _raise_after_add_as_sub(graph):
+    _retarget(aten.add.Tensor, aten.sub.Tensor)(graph)
+    raise RuntimeError("a bug in a rule")
+
+
 RULES = {
     "raises": Rule("raises", _raise_midway, "edits, then raises"),
+    "raises_late": Rule("raises_late", _raise_after_add_as_sub, "edits add, then raises"),
+    "idle": Rule("idle", lambda graph: 0, "finds nothing"),
     "noop": Rule("noop", lambda graph: 1, "claims a rewrite, changes nothing"),
     "mul_as_add": Rule("mul_as_add", _retarget(aten.mul.Tensor, aten.add.Tensor), "wrong"),
     "to_double": Rule("to_double", _to_double, "wrong dtype"),
@@ -110,3 +117,31 @@ def test_without_verify_nothing_is_checked(monkeypatch):
     torch.testing.assert_close(step(x, torch.tensor([0, 1])), want)
     (report,) = k3be.last_compiled().observer.reports.values()
     assert not report.reverted
+
+
+def test_rules_that_rewrite_nothing_share_one_undo_copy(monkeypatch):
+    """The copy to undo a rule is taken again only after the graph changed (a graph copy costs
+    O(nodes): tens of thousands of placeholders with per-expert parameters)."""
+    copies = []
+    copy = stage._copy
+    monkeypatch.setattr(stage, "_copy", lambda graph: copies.append(1) or copy(graph))
+    report, counts = _compile(monkeypatch, ["idle", "idle", "noop", "idle", "raises", "idle"],
+                              verify=False)
+    assert len(copies) == 3  # before the first idle, after noop, after the undone raise
+    assert [r.pattern for r in report.reverted] == ["canonical.raises"]
+    assert counts == {"idle": 0, "noop": 1, "raises": 0}
+
+
+def test_an_undo_after_a_kept_rewrite_keeps_it(monkeypatch):
+    """mul_as_add (not verified) stands; the rule raising after an idle one is undone to the
+    graph with mul_as_add's rewrite, not to an older copy."""
+    monkeypatch.setattr(stage, "all_rules",
+                        lambda: tuple(RULES[n] for n in ("idle", "mul_as_add", "idle",
+                                                         "raises_late")))
+    torch._dynamo.reset()
+    step = torch.compile(Step(), backend="k3", fullgraph=True, options={"executor": "aten"})
+    x = torch.randn(2, 8)
+    want = torch.sigmoid(x @ step._orig_mod.w.t()) + 3.0
+    torch.testing.assert_close(step(x, torch.tensor([0, 1])), want)
+    (report,) = k3be.last_compiled().observer.reports.values()
+    assert [r.pattern for r in report.reverted] == ["canonical.raises_late"]
