@@ -107,6 +107,37 @@ def build(config, dtype: torch.dtype = torch.float32, seed: int = 0,
     return model.to(dtype).eval().requires_grad_(False)
 
 
+def from_pretrained(path: str | Path, dtype: torch.dtype = torch.bfloat16,
+                    module: types.ModuleType | None = None, **kwargs):
+    """`KimiLinearForCausalLM.from_pretrained(path)` with Moonshot's class from K3_MOONSHOT_DIR
+    (the offline equivalent of `AutoModelForCausalLM.from_pretrained(repo,
+    trust_remote_code=True)`), eval mode, eager attention. A `quantization_config` in the
+    checkpoint's config.json goes through transformers' quantizer as usual (compressed-tensors
+    MXFP4 experts stay packed until the model's first forward).
+
+    One fix: under transformers 5, Moonshot's `_init_weights` (`weight.data.normal_`, not
+    transformers' guarded init functions) re-draws every loaded Linear and Embedding weight after
+    loading; here it skips modules whose parameters were all loaded."""
+    module = module or load()
+    cls = module.KimiLinearForCausalLM
+    owner = next(c for c in cls.__mro__ if "_init_weights" in c.__dict__)
+    original = owner._init_weights
+
+    def init_missing(self, sub):
+        own = list(sub.parameters(recurse=False))
+        if own and all(getattr(p, "_is_hf_initialized", False) for p in own):
+            return
+        original(self, sub)
+
+    owner._init_weights = init_missing
+    try:
+        model = cls.from_pretrained(path, dtype=dtype, **kwargs)
+    finally:
+        owner._init_weights = original
+    model.config._attn_implementation = "eager"
+    return model.eval().requires_grad_(False)
+
+
 @torch.no_grad()
 def randomize(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
     """Seeded weights by parameter name, at the scales the built-in model's init uses."""
