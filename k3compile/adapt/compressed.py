@@ -16,7 +16,8 @@ A projection quantised any other way (another group size, NVFP4's FP8 scales and
 zero point, scales not uint8, or a packed/scale shape that is not [out, in/2] / [out, in/32]) is
 refused when adapting (`UnsupportedExperts`), never run through this layout. Experts that
 compressed-tensors has already decompressed (the loaded model's first forward does that, in
-place) are dense `weight`s again: they run unfused, with a warning.
+place, and wraps every module for offloading) are refused (`check_not_wrapped`): adapt the
+freshly loaded model. Experts quantised but dense (not compressed) run unfused, with a warning.
 """
 
 from __future__ import annotations
@@ -75,6 +76,19 @@ def refusal(linear: nn.Module) -> str | None:
     return None
 
 
+def check_not_wrapped(model: nn.Module) -> None:
+    """Refuse a model compressed-tensors has wrapped for offloading: its first forward
+    decompresses the experts and swaps every module's parameters for an offload cache with a
+    forward that moves tensors (`compressed_tensors.offload`), which Dynamo cannot trace."""
+    wrapped = [name for name, m in model.named_modules()
+               if any(c.__name__ == "OffloadCache" for c in type(m._parameters).__mro__)]
+    if wrapped:
+        raise UnsupportedExperts(
+            f"{wrapped[0] or 'the model'} (and {len(wrapped) - 1} more modules) is wrapped by "
+            "compressed-tensors' offloading, which its first forward installs while it "
+            "decompresses the experts: adapt the freshly loaded model, before any forward")
+
+
 def check_experts(name: str, experts: nn.ModuleList) -> bool:
     """Whether the block's experts are compressed-tensors MXFP4 (True) or dense (False); raises
     `UnsupportedExperts` for packed experts in another layout."""
@@ -83,9 +97,9 @@ def check_experts(name: str, experts: nn.ModuleList) -> bool:
     packed = [(n, lin) for n, lin in projections if is_packed(lin)]
     if not packed:
         if any(is_quantized(lin) for _, lin in projections):
-            warnings.warn(f"{name}: compressed-tensors has decompressed these experts (the loaded "
-                          "model ran a forward before adapt): they run dense and unfused; adapt "
-                          "the model before its first forward to keep them MXFP4", stacklevel=3)
+            warnings.warn(f"{name}: compressed-tensors experts that are not packed (decompressed) "
+                          "run dense and unfused; adapt the model as loaded to keep them MXFP4",
+                          stacklevel=3)
         return False
     if len(packed) != len(projections):
         raise UnsupportedExperts(f"{name}: some expert projections are packed, some are not")

@@ -293,4 +293,5 @@ def adapt(model: nn.Module, max_batch: int = 8, max_seq_len: int = 256, device=N
                                                         "layers"):
         raise TypeError(f"adapt takes Moonshot's KimiLinearForCausalLM or "
                         f"KimiK3ForConditionalGeneration, not {type(model).__name__}")
+    compressed.check_not_wrapped(causal_lm)
     return MoonshotStep(causal_lm, max_batch, max_seq_len, device, dtype).eval()

@@ -109,6 +109,24 @@ def checkpoint(moonshot, tmp_path_factory):
     return make
 
 
+def dense_twin(moonshot, loaded):
+    """Moonshot's model of the loaded one's config and weights, its experts dense `nn.Linear`s
+    holding compressed-tensors' decompression of the loaded packed experts."""
+    dtype = loaded.lm_head.weight.dtype
+    twin = moonshot.build(loaded.config, dtype=dtype)
+    twin.load_state_dict({n: t for n, t in loaded.state_dict().items() if ".experts." not in n},
+                         strict=False)
+    fields = SCHEMES["mxfp4"][0]
+    scheme = QuantizationScheme(targets=["Linear"], **fields)
+    mine = dict(twin.named_modules())
+    for name, linear in loaded.named_modules():
+        if ".experts." in name and hasattr(linear, "weight_packed"):
+            packed = {"weight_packed": linear.weight_packed, "weight_scale": linear.weight_scale}
+            weight = MXFP4PackedCompressor.decompress(packed, scheme)["weight"]
+            mine[name].weight.data.copy_(weight)
+    return twin
+
+
 def expert_linears(model):
     return [m for n, m in model.named_modules() if ".experts." in n and hasattr(m, "in_features")]
 
@@ -198,6 +216,8 @@ def test_eager_step_equals_the_loaded_models_forward_and_holds_the_packed_bytes(
     assert not any(hasattr(m, "weight") for m in adapted)  # no dequantised copy
     step.reset_cache()
     assert all(torch.equal(g, w) for g, w in zip(step_greedy(step), got, strict=True))
+    with pytest.raises(compressed.UnsupportedExperts, match="before any forward"):
+        adapt(model)  # compressed-tensors' first forward wrapped it: refused, clearly
 
 
 # ---- 3. compiled ------------------------------------------------------------------------------
@@ -217,6 +237,9 @@ def _kernels(report) -> dict[int, int]:
 
 
 def _decode(compiled, eager, steps=3):
+    """Greedy decode by eager from empty slots; compiled steps the same inputs (its slots empty
+    too: a fresh adapter)."""
+    eager.reset_cache()
     ids, pos, slots = torch.tensor([3, 5]), torch.tensor([0, 0]), torch.tensor([0, 1])
     out = []
     for i in range(steps):
@@ -230,7 +253,7 @@ def _decode(compiled, eager, steps=3):
 def test_compiled_fp32_experts_fuse_and_equal_eager(moonshot, checkpoint, capsys):
     """fp32, 3 layers (dense KDA, KDA + MoE, MLA + MoE): the whole plan is met, `moe_experts` in
     both MoE layers; logits equal the eager adapter; per-layer kernels against the same
-    checkpoint with its experts decompressed (dense, what ran before)."""
+    weights with dense experts (what ran before: `nn.Linear` experts do not fuse)."""
     path = checkpoint(dtype=torch.float32, layers=3)
     model = moonshot.from_pretrained(path, dtype=torch.float32)
     eager = adapt(model, max_batch=4, max_seq_len=32)
@@ -241,12 +264,7 @@ def test_compiled_fp32_experts_fuse_and_equal_eager(moonshot, checkpoint, capsys
     assert after.met, k3be.last_compiled().summary()
     assert [lr.actual["moe_experts"] for lr in after.layers] == [0, 1, 1, 0]
 
-    dense = moonshot.from_pretrained(path, dtype=torch.float32)
-    dense.hf_quantizer.compressor.decompress_model(dense)  # what a first forward does
-    for m in expert_linears(dense):  # compressed-tensors decompresses to bf16 (exact values)
-        m.weight.data = m.weight.data.float()
-    with pytest.warns(UserWarning, match="decompressed these experts"):
-        dense_step = adapt(dense, max_batch=4, max_seq_len=32)
+    dense_step = adapt(dense_twin(moonshot, model), max_batch=4, max_seq_len=32)
     for got, want in _decode(_compile(dense_step), eager):
         assert rel(got, want) <= 1e-5  # the same weights, dense: compressed-tensors' values
     (before,) = k3be.last_compiled().contracts.values()
