@@ -20,6 +20,7 @@ code path; `k3compile.adapt.moonshot.from_pretrained`).
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -28,15 +29,21 @@ import torch
 import k3compile.backend as k3be
 from k3compile import math
 from k3compile.adapt import adapt, compressed
-from tests.adapt.test_moonshot import (PROMPT, STEPS, TOL_COMPILED_BF16, moonshot_greedy, rel,
-                                      step_greedy)
+from tests.adapt.test_moonshot import (
+    PROMPT,
+    STEPS,
+    TOL_COMPILED_BF16,
+    moonshot_greedy,
+    rel,
+    step_greedy,
+)
 
 ct = pytest.importorskip("compressed_tensors", reason="compressed-tensors is not installed")
-from compressed_tensors.compressors.mxfp4.base import MXFP4PackedCompressor  # noqa: E402
-from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor  # noqa: E402
-from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme  # noqa: E402
-from compressed_tensors.quantization.quant_scheme import MXFP4A16, NVFP4A16  # noqa: E402
-from compressed_tensors.quantization.utils.mxfp_utils import generate_mx_scales  # noqa: E402
+from compressed_tensors.compressors.mxfp4.base import MXFP4PackedCompressor
+from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor
+from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
+from compressed_tensors.quantization.quant_scheme import MXFP4A16, NVFP4A16
+from compressed_tensors.quantization.utils.mxfp_utils import generate_mx_scales
 
 # the release's ignore list (attention, shared experts, dense MLP, lm_head) and the model's other
 # non-expert Linears (AttnRes and latent projections); vision has no module in a text model
@@ -61,10 +68,10 @@ def nvfp4(weight: torch.Tensor, scheme) -> dict:
 
 
 SCHEMES = {
-    "mxfp4": (dict(format="mxfp4-pack-quantized", **MXFP4A16), mxfp4),
-    "mxfp4_g64": (dict(format="mxfp4-pack-quantized",
-                       weights=MXFP4A16["weights"].model_copy(update={"group_size": 64})), mxfp4),
-    "nvfp4": (dict(format="nvfp4-pack-quantized", **NVFP4A16), nvfp4),
+    "mxfp4": ({"format": "mxfp4-pack-quantized", **MXFP4A16}, mxfp4),
+    "mxfp4_g64": ({"format": "mxfp4-pack-quantized",
+                   "weights": MXFP4A16["weights"].model_copy(update={"group_size": 64})}, mxfp4),
+    "nvfp4": ({"format": "nvfp4-pack-quantized", **NVFP4A16}, nvfp4),
 }
 
 
@@ -257,12 +264,24 @@ def test_compiled_fp32_experts_fuse_and_equal_eager(moonshot, checkpoint, capsys
     path = checkpoint(dtype=torch.float32, layers=3)
     model = moonshot.from_pretrained(path, dtype=torch.float32)
     eager = adapt(model, max_batch=4, max_seq_len=32)
-    for got, want in _decode(_compile(adapt(model, max_batch=4, max_seq_len=32)), eager):
+    compiled = _compile(adapt(model, max_batch=4, max_seq_len=32))
+    first = _decode(compiled, eager)
+    for got, want in first:
         assert got.dtype == want.dtype and got.shape == want.shape and rel(got, want) <= 1e-5
         assert torch.equal(got.argmax(-1), want.argmax(-1))
     (after,) = k3be.last_compiled().contracts.values()
     assert after.met, k3be.last_compiled().summary()
     assert [lr.actual["moe_experts"] for lr in after.layers] == [0, 1, 1, 0]
+
+    # a later weight load into the model (in place, as load_state_dict does) is seen
+    state = {n: t.clone() for n, t in model.state_dict().items() if ".experts." in n}
+    model.load_state_dict({n.replace(".experts.0.", ".experts.1."): state[n] for n in state
+                           if ".experts.0." in n}, strict=False)
+    compiled.reset_cache()
+    second = _decode(compiled, eager)
+    assert not torch.equal(second[-1][1], first[-1][1])  # expert 1 is routed: the load matters
+    assert all(rel(got, want) <= 1e-5 for got, want in second)
+    model.load_state_dict(state, strict=False)
 
     dense_step = adapt(dense_twin(moonshot, model), max_batch=4, max_seq_len=32)
     for got, want in _decode(_compile(dense_step), eager):
@@ -305,3 +324,30 @@ def test_other_packings_are_refused(moonshot, checkpoint, kind, why):
     assert all(hasattr(m, "weight_packed") for m in expert_linears(model))
     with pytest.raises(compressed.UnsupportedExperts, match=why):
         adapt(model, max_batch=2, max_seq_len=16)
+
+
+def _tampered(linear, what):
+    bad = copy.deepcopy(linear)
+    scheme = bad.quantization_scheme
+    if what == "asymmetric":
+        scheme.weights = scheme.weights.model_copy(update={"symmetric": False})
+    elif what == "activations":
+        scheme.input_activations = scheme.weights
+    elif what == "scale dtype":
+        bad.weight_scale = torch.nn.Parameter(bad.weight_scale.float(), requires_grad=False)
+    elif what == "packed shape":
+        bad.weight_packed = torch.nn.Parameter(bad.weight_packed[:, :-1], requires_grad=False)
+    return bad
+
+
+@pytest.mark.parametrize("what, why", [("asymmetric", "asymmetric"),
+                                       ("activations", "quantised activations"),
+                                       ("scale dtype", "weight_scale"),
+                                       ("packed shape", "weight_packed")])
+def test_look_alike_projections_are_refused_with_the_reason(moonshot, checkpoint, what, why):
+    model = moonshot.from_pretrained(checkpoint())
+    block = model.model.layers[1].block_sparse_moe
+    assert compressed.check_experts("moe", block.experts)
+    block.experts[3].w2 = _tampered(block.experts[3].w2, what)
+    with pytest.raises(compressed.UnsupportedExperts, match=f"moe.3.w2: .*{why}"):
+        compressed.check_experts("moe", block.experts)
