@@ -6,9 +6,10 @@ The checkpoint is written here: Moonshot's tiny config, seeded weights, each rou
 projection quantised and packed by compressed-tensors' own functions (`generate_mx_scales`,
 `MXFP4PackedCompressor.compress`), saved as safetensors with the release's tensor names and a
 config.json with the `quantization_config`. It is loaded as a user loads the release:
-`KimiLinearForCausalLM.from_pretrained` (transformers' compressed-tensors quantizer), with
-Moonshot's class from K3_MOONSHOT_DIR instead of `trust_remote_code` (no Hub; the same class and
-code path; `k3compile.adapt.moonshot.from_pretrained`).
+`from_pretrained` through transformers' compressed-tensors quantizer, with Moonshot's class from
+K3_MOONSHOT_DIR (`k3compile.adapt.moonshot.from_pretrained`); `AutoModelForCausalLM` with
+`trust_remote_code` and their files next to the checkpoint loads the same model (one test: it
+needs `moonshot.loaded_weights_kept`, Moonshot's `_init_weights` fails under transformers 5).
 
 1. compressed-tensors' packing is `k3.moe_experts`'s: nibble order and scale bias, bit for bit;
 2. eager: the adapted step equals the loaded model's own forward (compressed-tensors decompresses
@@ -22,13 +23,14 @@ from __future__ import annotations
 
 import copy
 import json
+import shutil
 
 import pytest
 import torch
 
 import k3compile.backend as k3be
 from k3compile import math
-from k3compile.adapt import adapt, compressed
+from k3compile.adapt import adapt, compressed, fla
 from tests.adapt.test_moonshot import (
     PROMPT,
     STEPS,
@@ -201,6 +203,41 @@ def test_loaded_checkpoint_keeps_packed_experts_and_its_other_weights(moonshot, 
     linears = expert_linears(model)
     assert linears and all(not hasattr(m, "weight") and m.weight_packed.dtype == torch.uint8
                            and m.weight_scale.dtype == torch.uint8 for m in linears)
+
+
+def test_remote_code_load_is_the_same_model(moonshot, checkpoint, tmp_path, monkeypatch):
+    """`AutoModelForCausalLM.from_pretrained(..., trust_remote_code=True)` with Moonshot's files
+    next to the checkpoint (as in the Hugging Face repo; fla's stand-ins where fla cannot run)
+    loads the model `moonshot.from_pretrained` loads, once `loaded_weights_kept` stops Moonshot's
+    `_init_weights` (which, under transformers 5, fails on the MXFP4 experts)."""
+    import transformers.dynamic_module_utils as dynamic
+    from transformers import AutoModelForCausalLM
+
+    folder = tmp_path / "remote"
+    shutil.copytree(checkpoint(), folder)
+    for name in moonshot.NEEDED:  # a copy in the test's tmp folder only
+        shutil.copy(moonshot.moonshot_dir() / name, folder / name)
+    config = json.loads((folder / "config.json").read_text())
+    config["auto_map"] = {"AutoConfig": "configuration_kimi_k3.KimiLinearConfig",
+                          "AutoModelForCausalLM": "modeling_kimi_linear.KimiLinearForCausalLM"}
+    (folder / "config.json").write_text(json.dumps(config))
+    monkeypatch.setattr(dynamic, "HF_MODULES_CACHE", str(tmp_path / "modules"))
+    with fla.installed():
+        with pytest.raises(AttributeError, match="has no attribute 'weight'"):
+            AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
+        with moonshot.loaded_weights_kept():
+            remote = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True,
+                                                          dtype=torch.bfloat16)
+    remote.config._attn_implementation = "eager"
+    local = moonshot.from_pretrained(folder)
+    assert type(remote).__module__ != type(local).__module__  # Moonshot's code, loaded twice
+    want = local.state_dict()
+    assert {n: t.dtype for n, t in remote.state_dict().items()} == \
+        {n: t.dtype for n, t in want.items()}
+    assert all(torch.equal(t, want[n]) for n, t in remote.state_dict().items())
+    ids, pos = torch.tensor([3, 4]), torch.zeros(2, dtype=torch.long)
+    got = adapt(remote.eval(), max_batch=2, max_seq_len=8)(ids, pos)
+    assert torch.equal(got, adapt(local, max_batch=2, max_seq_len=8)(ids, pos))
 
 
 def test_eager_step_equals_the_loaded_models_forward_and_holds_the_packed_bytes(moonshot,
