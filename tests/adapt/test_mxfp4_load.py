@@ -388,3 +388,20 @@ def test_look_alike_projections_are_refused_with_the_reason(moonshot, checkpoint
     block.experts[3].w2 = _tampered(block.experts[3].w2, what)
     with pytest.raises(compressed.UnsupportedExperts, match=f"moe.3.w2: .*{why}"):
         compressed.check_experts("moe", block.experts)
+
+
+def test_decompressed_experts_run_dense_with_a_warning(moonshot, checkpoint):
+    """Experts compressed-tensors decompressed in place without wrapping the model (its
+    per-module decompression) are dense bf16 Linears: the adapter warns and runs them dense,
+    equal to the packed experts (the dequantisation is exact)."""
+    packed = moonshot.from_pretrained(checkpoint())
+    dense = moonshot.from_pretrained(checkpoint())
+    for linear in expert_linears(dense):
+        MXFP4PackedCompressor.decompress_module(linear)
+    assert all(m.weight.dtype == torch.bfloat16 for m in expert_linears(dense))
+    with pytest.warns(UserWarning, match="not packed"):
+        dense_step = adapt(dense, max_batch=2, max_seq_len=16)
+    assert not dense_step.lm.model.layers[1].block_sparse_moe.mxfp4_experts
+    got = step_greedy(dense_step, steps=2)
+    want = step_greedy(adapt(packed, max_batch=2, max_seq_len=16), steps=2)
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
