@@ -4,7 +4,9 @@
 
 `adapt(model, max_batch=..., max_seq_len=...)` takes Moonshot's released `KimiLinearForCausalLM`
 or `KimiK3ForConditionalGeneration` (`kimi_linear.py`; their files are found through
-K3_MOONSHOT_DIR, `moonshot.py`; fla's kernels are replaced by torch stand-ins, `fla.py`).
+K3_MOONSHOT_DIR, `moonshot.py`; fla's kernels are replaced by torch stand-ins, `fla.py`). The
+release's routed experts, compressed-tensors MXFP4 loaded by `moonshot.from_pretrained`, are read
+packed and fuse into `k3.moe_experts` (`compressed.py`).
 """
 
 from k3compile.adapt.kimi_linear import MoonshotStep, adapt

@@ -13,7 +13,10 @@ and the KDA core is a call into fla's Triton kernels. The adapter replaces exact
   S = max_batch + 1 (the last slot is scratch for batch padding);
 * `SlotCache`, handed to Moonshot's decoder layers as their cache: it gathers and writes the
   state rows of `slots`;
-* the expert loop as per-token gathers of the stacked expert weights (`moe_infer` below);
+* the expert loop as per-token gathers of the stacked expert weights (`moe_infer` below); experts
+  loaded as compressed-tensors MXFP4 (the release's checkpoint) are gathered packed and
+  dequantised as compressed-tensors does (`k3compile.adapt.compressed`), so they fuse into
+  `k3.moe_experts`; packed experts in another layout are refused;
 * the MLA forward over the latent cache (kv_b applied to the cached latents: the non-absorbed form
   the canonical rule `mla_absorb` rewrites), the rest of the layer as Moonshot wrote it;
 * fla's entry points bound to k3compile's torch stand-ins (`k3compile.adapt.fla`).
@@ -32,7 +35,7 @@ import types
 import torch
 from torch import nn
 
-from k3compile.adapt import fla
+from k3compile.adapt import compressed, fla
 
 
 class SlotCache:
@@ -99,9 +102,9 @@ def moe_infer(self, x, topk_ids, topk_weight):
     """`KimiSparseMoeBlock.moe_infer` without the host loop: each token's k experts' weights
     gathered from the stacked expert weights, the expert's activation on its GEMMs, the same
     fp32-weighted sum."""
-    w1 = torch.stack([expert_weight(e.w1) for e in self.experts])[topk_ids]  # [N, k, F, D]
-    w3 = torch.stack([expert_weight(e.w3) for e in self.experts])[topk_ids]
-    w2 = torch.stack([expert_weight(e.w2) for e in self.experts])[topk_ids]  # [N, k, D, F]
+    w1 = expert_weights(self, "w1", topk_ids, x.dtype)  # [N, k, F, D]
+    w3 = expert_weights(self, "w3", topk_ids, x.dtype)
+    w2 = expert_weights(self, "w2", topk_ids, x.dtype)  # [N, k, D, F]
     gate = torch.einsum("nd,nkfd->nkf", x, w1)
     up = torch.einsum("nd,nkfd->nkf", x, w3)
     expert = self.experts[0]
@@ -113,9 +116,14 @@ def moe_infer(self, x, topk_ids, topk_weight):
     return y.type(topk_weight.dtype).mul(topk_weight.unsqueeze(-1)).sum(dim=1).type(y.dtype)
 
 
-def expert_weight(linear: nn.Module) -> torch.Tensor:
-    """An expert projection's weight [out, in] in the activation dtype."""
-    return linear.weight
+def expert_weights(block: nn.Module, projection: str, ids: torch.Tensor,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """The `projection` ("w1", "w3", "w2") weights [N, k, out, in] of each token's experts:
+    gathered from the stacked weights, or dequantised from the stacked packed bytes of
+    compressed-tensors MXFP4 experts (`k3compile.adapt.compressed`)."""
+    if block.mxfp4_experts:
+        return compressed.stacked(block.experts, projection, ids, dtype)
+    return torch.stack([getattr(e, projection).weight for e in block.experts])[ids]
 
 
 def mla_forward(attention_fn):
@@ -173,6 +181,7 @@ def _subclass(cls: type, **methods) -> type:
 def _adapt_modules(lm: nn.Module) -> None:
     """Swap the classes of the clone's modules whose forward is plumbing (in place)."""
     made: dict[type, type] = {}
+    names = {module: name for name, module in lm.named_modules()}
 
     def swap(module, **methods):
         cls = type(module)
@@ -185,6 +194,7 @@ def _adapt_modules(lm: nn.Module) -> None:
         globals_ = sys.modules[type(module).__module__].__dict__
         if name == "KimiSparseMoeBlock":
             swap(module, moe_infer=moe_infer)
+            module.mxfp4_experts = compressed.check_experts(names[module], module.experts)
         elif name == "KimiMLAAttention":
             swap(module, forward=mla_forward(globals_["eager_attention_forward"]))
         elif name == "KimiDeltaAttention":
@@ -283,4 +293,5 @@ def adapt(model: nn.Module, max_batch: int = 8, max_seq_len: int = 256, device=N
                                                         "layers"):
         raise TypeError(f"adapt takes Moonshot's KimiLinearForCausalLM or "
                         f"KimiK3ForConditionalGeneration, not {type(model).__name__}")
+    compressed.check_not_wrapped(causal_lm)
     return MoonshotStep(causal_lm, max_batch, max_seq_len, device, dtype).eval()

@@ -13,6 +13,7 @@ config's widths, seeded weights that keep activations finite (Moonshot's own ini
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import sys
@@ -105,6 +106,44 @@ def build(config, dtype: torch.dtype = torch.float32, seed: int = 0,
     model.config._attn_implementation = "eager"
     randomize(model, seed)
     return model.to(dtype).eval().requires_grad_(False)
+
+
+def from_pretrained(path: str | Path, dtype: torch.dtype = torch.bfloat16,
+                    module: types.ModuleType | None = None, **kwargs):
+    """`KimiLinearForCausalLM.from_pretrained(path)` with Moonshot's class from K3_MOONSHOT_DIR
+    (what `AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)` runs, without
+    copying their files next to the checkpoint), under `loaded_weights_kept`; eval mode, eager
+    attention. A `quantization_config` in the checkpoint's config.json goes through transformers'
+    quantizer as usual (compressed-tensors MXFP4 experts stay packed until the first forward)."""
+    module = module or load()
+    with loaded_weights_kept():
+        model = module.KimiLinearForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
+    model.config._attn_implementation = "eager"
+    return model.eval().requires_grad_(False)
+
+
+@contextlib.contextmanager
+def loaded_weights_kept():
+    """Within the block, transformers' post-load init skips modules whose parameters were all
+    loaded. Needed for Moonshot's code under transformers 5: its `_init_weights` writes
+    `weight.data.normal_` (not transformers' guarded init functions), so after loading it
+    re-draws every loaded Linear and Embedding weight, and fails on an MXFP4 expert (an
+    `nn.Linear` without `weight`)."""
+    from transformers import PreTrainedModel
+
+    original = PreTrainedModel._initialize_weights
+
+    def initialize(self, sub):
+        own = list(sub.parameters(recurse=False))
+        if own and all(getattr(p, "_is_hf_initialized", False) for p in own):
+            return
+        original(self, sub)
+
+    PreTrainedModel._initialize_weights = initialize
+    try:
+        yield
+    finally:
+        PreTrainedModel._initialize_weights = original
 
 
 @torch.no_grad()
