@@ -110,12 +110,12 @@ def test_readers_see_a_whole_entry_or_none_while_writers_race(entry, monkeypatch
     for seen in got[3:]:
         assert isinstance(seen, dict), seen
         assert not [k for k in seen if str(k).startswith("bad") or k == "wrong"], seen
-        assert sum(v for k, v in seen.items() if k in writers) > 0, f"never read a whole entry: {seen}"
+        assert sum(v for k, v in seen.items() if k in writers) > 0, f"no whole entry read: {seen}"
     assert disk_cache.read_entry(entry, TEXT) in payload_of.values()
     assert sorted(p.name for p in entry.parent.iterdir()) == [entry.name], "temporary file left"
 
 
-# ---- one build per entry --------------------------------------------------------------------------
+# ---- one build per entry -------------------------------------------------------------------------
 
 def _fetch(mine: bytes, build_seconds: float) -> dict:
     """fetch in this process: what it got, and whether it built, loaded or rebuilt."""
