@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from k3compile import settings
 from k3compile.backend import ensure_registered
 
 ensure_registered()  # a source tree on PYTHONPATH (the GPU machine) has no entry point
@@ -80,6 +81,17 @@ def _have_dsl() -> bool:
         return importlib.util.find_spec("cutlass") is not None
     except (ImportError, ValueError):
         return False
+
+
+LEAN = "not slow and not diffsuite"  # pyproject's addopts: the default run
+
+
+def pytest_configure(config):
+    """`K3_DIFFSUITE=full` asks for the full differential suite, which the default run's marker
+    expression deselects: it then selects the default run and the full suite's cells."""
+    full = (settings.env("K3_DIFFSUITE") or "").strip().lower() == "full"
+    if full and config.option.markexpr == LEAN:
+        config.option.markexpr = "not slow or diffsuite"
 
 
 def pytest_collection_modifyitems(config, items):

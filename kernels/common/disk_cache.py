@@ -29,8 +29,11 @@ the host machine. A compile key whose repr is not stable across processes is not
 Entry: one file `<K3_CACHE_DIR>/kernels/<op>/<sha256>.k3kernel` = MAGIC, a JSON header line
 (format, the full key text, payload size and sha256), the object file. Written to a temporary
 file in the same folder and renamed (atomic: a reader sees a whole entry or none; concurrent
-writers of one key each rename a whole entry). An entry that is unreadable, of another format or
-key, fails its checksum or does not load is logged, removed and rebuilt, never used. Entries of
+writers of one key each rename a whole entry). A miss is built under a file lock per entry
+(`.<sha256>.lock` beside it, filelock, torch's own dependency): TP ranks compiling the same kernel
+at once wait for the first and load its entry, and a bad entry is removed only by the lock's
+holder, so never one another process just wrote. An entry that is unreadable, of another format
+or key, fails its checksum or does not load is logged, removed and rebuilt, never used. Entries of
 old keys are never looked up again; delete the folder to reclaim them.
 
 Constraint: the loaded function takes positional arguments only (every kernel's launch passes
@@ -55,6 +58,8 @@ from collections import Counter
 from collections.abc import Callable, Hashable
 from pathlib import Path
 
+from filelock import FileLock, Timeout
+
 from k3compile.settings import KERNELS
 
 from .dsl import compile_options, have_dsl, have_tvm_ffi, log
@@ -62,6 +67,7 @@ from .dsl import compile_options, have_dsl, have_tvm_ffi, log
 FORMAT = 1
 MAGIC = b"K3KERNEL\n"
 PACKAGE = Path(__file__).resolve().parent.parent  # kernels/
+LOCK_SECONDS = 600.0  # longest wait for another process's build of one entry (then build too)
 
 # what this process did: loaded, built, stored, rebuilt (bad entries), unstored (not storable);
 # and the seconds it spent loading and building kernels
@@ -81,29 +87,66 @@ def root() -> Path | None:
 def fetch(op: str, key: Hashable, build: Callable[[], object], *, arch: str | None,
           module: str) -> object:
     """The compiled kernel of `op` for `key`: loaded from a valid entry, else `build()` and stored
-    for the next process. `module`: where `build` is defined (its sources are in the key)."""
+    for the next process. `module`: where `build` is defined (its sources are in the key).
+
+    A miss builds under the entry's lock: processes compiling one kernel at once (TP ranks) wait
+    for the first, then load what it stored, instead of each compiling it."""
     folder = root()
     text = key_text(op, key, arch, module) if folder is not None and have_dsl() else None
     if text is None:
         return build()
     path = entry_path(folder, op, text)
-    if path.exists():
-        try:
-            with _timed("load"):
-                compiled = load(read_entry(path, text), symbol(text))
-            STATS["loaded"] += 1
-            log.debug("k3::%s: loaded %s from %s", op, key, path)
+    with contextlib.suppress(Exception):  # a bad entry is judged (and removed) under the lock
+        if (compiled := _load(path, text, op)) is not None:
             return compiled
+    with entry_lock(path):
+        try:
+            if (compiled := _load(path, text, op)) is not None:
+                return compiled  # stored by the process that held the lock
         except Exception as e:  # noqa: BLE001 - whatever is wrong with it, it is rebuilt
             log.warning("k3::%s: kernel cache entry %s unusable (%s: %s); rebuilding", op, path,
                         type(e).__name__, e)
             STATS["rebuilt"] += 1
             path.unlink(missing_ok=True)
-    with _timed("build"):
-        compiled = build()
-    STATS["built"] += 1
-    store(path, text, compiled, op)
+        with _timed("build"):
+            compiled = build()
+        STATS["built"] += 1
+        store(path, text, compiled, op)
+        return compiled
+
+
+def _load(path: Path, text: str, op: str) -> object | None:
+    """The kernel of the entry at `path` (None: no entry); raises where the entry is bad."""
+    if not path.exists():
+        return None
+    with _timed("load"):
+        compiled = load(read_entry(path, text), symbol(text))
+    STATS["loaded"] += 1
+    log.debug("k3::%s: loaded %s", op, path)
     return compiled
+
+
+@contextlib.contextmanager
+def entry_lock(path: Path, timeout: float | None = None):
+    """Held while one process checks, builds and writes the entry at `path` (a file lock on
+    `.<name>.lock` beside it; the OS drops it when its holder dies). Past `timeout` seconds
+    (default LOCK_SECONDS), or where no lock file can be made (a read-only folder: `store` says
+    so), the caller goes on without it: the write is atomic anyway, the lock only saves the
+    duplicate compiles."""
+    timeout = LOCK_SECONDS if timeout is None else timeout
+    lock, held = FileLock(path.parent / f".{path.stem}.lock", timeout=timeout), False
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        held = lock.acquire() is not None
+    except Timeout:
+        log.warning("k3: waited %.0f s for the lock of %s; building it here too", timeout, path)
+    except OSError as e:
+        log.debug("k3: building %s without its lock (%s: %s)", path.name, type(e).__name__, e)
+    try:
+        yield
+    finally:
+        if held:
+            lock.release()
 
 
 @contextlib.contextmanager

@@ -244,7 +244,14 @@ def runtime_refusal() -> str | None:
         return "nvidia-cutlass-dsl is not importable"
     if not have_tvm_ffi():
         return "apache-tvm-ffi is not installed (kernels launch through TVM-FFI)"
+    if not have_cuda():
+        return "no CUDA device"  # the DSL and TVM-FFI alone compile and export (CI's CPU)
     return None
+
+
+@functools.cache
+def have_cuda() -> bool:
+    return torch.cuda.is_available()
 
 
 def aligned16(*tensors) -> bool:

@@ -19,6 +19,9 @@ from k3compile.stages.contract import PLANS
 from tests.conftest import TOL, rel_err
 from tests.fusions.attention_checks import one_thread  # noqa: F401
 
+# two 4-layer compiles; the default run has test_backend's contract, diffsuite's bf16 T=8 cell
+pytestmark = pytest.mark.slow
+
 ATTENTION_OPS = ("rms_norm", "linear_concat", "kda_decode", "fb_kda_decode", "mla_lowrank_norm",
                  "mla_q_absorb", "mla_decode", "mla_uv_gate")
 # relative error (max|a - b| / max|b|): bf16 within one ulp (it is exact today), fp32 as the

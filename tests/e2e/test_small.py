@@ -12,6 +12,8 @@ import k3compile.backend as k3be
 from k3compile.models import build_model, get_config
 from tests.conftest import TOL, rel_err
 
+pytestmark = pytest.mark.slow  # the 13-layer config compiles longest; test_backend checks tiny
+
 
 def _states(model):
     return {n: b.clone() for n, b in model.named_buffers() if b.dim() >= 3 and b.dtype != torch.uint8}

@@ -8,9 +8,13 @@ import datetime
 import os
 import socket
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+# two processes compile the whole tiny model; the default run's TP2 compile: stages/test_prefetch
+pytestmark = pytest.mark.slow
 
 TP = 2
 

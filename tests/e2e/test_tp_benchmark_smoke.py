@@ -46,6 +46,7 @@ def _finite_positive(x) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
 
 
+@pytest.mark.slow  # torchrun, 2 processes compiling (the default run: test_benchmark_smoke)
 def test_smoke_runs_every_variant_equal_on_every_rank(smoke):
     data, stdout = smoke
     meta = data["meta"]
@@ -79,6 +80,7 @@ def test_smoke_runs_every_variant_equal_on_every_rank(smoke):
     assert _finite_positive(b["ratios"]["k3_over_k3_noshard"])
 
 
+@pytest.mark.slow
 def test_smoke_k3_shards_the_replicated_projections(smoke):
     data, _ = smoke
     (b,) = data["buckets"]

@@ -2,7 +2,8 @@
 shapes with the config of every batch bucket, and at small shapes; the kernels with programmatic
 dependent launch also with it on (`settings.KERNELS.pdl`), checked in their PTX; gemv's one-launch
 variants (norm prologue, SiTU epilogue, split output) with PDL off and on, and its plain build
-byte for byte as before them. Needs only the DSL."""
+byte for byte as before them. Needs only the DSL. The default run builds the first case of each
+kernel and of each gemv variant (a few seconds a build); the rest are `slow` (CI builds them)."""
 
 import hashlib
 import struct
@@ -125,7 +126,23 @@ def _id(v):
     return v.__name__.rsplit(".")[-1] if hasattr(v, "__name__") else str(v)
 
 
-@pytest.mark.parametrize("module,scalars,cfg", _cases(), ids=_id)
+def _first_of_each(cases, kind):
+    """`cases` as params: the first of each `kind(case)` in the default run, the others `slow`
+    (each build costs seconds; CI's slow run builds them all)."""
+    seen = set()
+    out = []
+    for case in cases:
+        key = kind(case)
+        out.append(pytest.param(*case, marks=[pytest.mark.slow] if key in seen else []))
+        seen.add(key)
+    return out
+
+
+def _module(case):
+    return case[0]
+
+
+@pytest.mark.parametrize("module,scalars,cfg", _first_of_each(_cases(), _module), ids=_id)
 def test_builds_for_sm90a(module, scalars, cfg, monkeypatch, tmp_path):
     monkeypatch.setenv("CUTE_DSL_ARCH", ARCH)  # a machine without a GPU would target sm_100a
     compiled = module.build(*scalars, cfg, arch=ARCH, dump_dir=str(tmp_path))
@@ -134,7 +151,7 @@ def test_builds_for_sm90a(module, scalars, cfg, monkeypatch, tmp_path):
         assert "griddepcontrol" not in ptx_of(compiled)
 
 
-@pytest.mark.parametrize("module,scalars,cfg", _pdl_cases(), ids=_id)
+@pytest.mark.parametrize("module,scalars,cfg", _first_of_each(_pdl_cases(), _module), ids=_id)
 def test_builds_with_pdl(module, scalars, cfg, monkeypatch, tmp_path):
     monkeypatch.setenv("CUTE_DSL_ARCH", ARCH)
     compiled = module.build(*scalars, cfg, arch=ARCH, dump_dir=str(tmp_path), pdl=True)
@@ -201,8 +218,14 @@ def _variant_id(v):
         else f"split{v[4].split}")
 
 
-@pytest.mark.parametrize("b", gemv.BUCKETS)
-@pytest.mark.parametrize("variant", GEMV_VARIANTS, ids=_variant_id)
+def _fusion_kind(case):
+    fusion = case[0][4]
+    return fusion.norm, fusion.situ, bool(fusion.split), bool(fusion.gate), *case[1:]
+
+
+@pytest.mark.parametrize("variant,b", _first_of_each(
+    [(v, b) for b in gemv.BUCKETS for v in GEMV_VARIANTS], lambda c: _fusion_kind(c)[:4]),
+    ids=lambda v: _variant_id(v) if isinstance(v, tuple) else str(v))
 def test_gemv_variants_build(variant, b, monkeypatch, tmp_path):
     monkeypatch.setenv("CUTE_DSL_ARCH", ARCH)
     n, k, out_fp32, residual, fusion = variant
@@ -214,7 +237,8 @@ def test_gemv_variants_build(variant, b, monkeypatch, tmp_path):
     assert "griddepcontrol" not in ptx and "kernel_fused" in ptx
 
 
-@pytest.mark.parametrize("variant", GEMV_VARIANTS, ids=_variant_id)
+@pytest.mark.parametrize("variant", _first_of_each([(v,) for v in GEMV_VARIANTS], _fusion_kind),
+                         ids=_variant_id)
 def test_gemv_variants_build_with_pdl(variant, monkeypatch, tmp_path):
     """The PDL rule in every variant: W (and the norm weight) load before the wait, x after it,
     nothing stored before it."""
@@ -233,7 +257,8 @@ def test_gemv_variants_build_with_pdl(variant, monkeypatch, tmp_path):
     assert "ld.global" in after  # x
 
 
-@pytest.mark.parametrize("key", PLAIN_GEMV_CUBINS, ids=str)
+@pytest.mark.parametrize("key", _first_of_each([(k,) for k in PLAIN_GEMV_CUBINS],
+                                               lambda case: case[0][-1]), ids=str)
 def test_plain_gemv_build_is_unchanged(key, monkeypatch, tmp_path):
     """With every variant flag off the build is byte for byte the one from before the variants
     (the variants compile from a second entry, `Gemv.fused`)."""

@@ -221,7 +221,7 @@ def close_bf16(out, want):
     assert rel_err(out, want) < TOL["bf16_rel_norm"]
 
 
-@pytest.mark.parametrize("m", [1, 5, 16])
+@pytest.mark.parametrize("m", [1, 5, pytest.param(16, marks=pytest.mark.slow)])  # m 16: ~6 s each
 @pytest.mark.parametrize("residual", [False, True])
 def test_norm_model_rounds_as_the_reference(cpu_gen, m, residual):
     """x̂ takes rms_norm_ref's two roundings (bitwise where rstd is the reference's); the
@@ -246,7 +246,7 @@ def test_norm_model_rounds_as_the_reference(cpu_gen, m, residual):
     close_bf16(y, norm_linear_ref(u, g, w, EPS, r))
 
 
-@pytest.mark.parametrize("m", [1, 4, 16])
+@pytest.mark.parametrize("m", [1, 4, pytest.param(16, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("width", [SHARED, DENSE])
 def test_situ_model_is_the_reference(cpu_gen, m, width):
     """SiTU of the bf16-rounded gate and up sums (the GEMM output the reference rounds too):
@@ -257,7 +257,7 @@ def test_situ_model_is_the_reference(cpu_gen, m, width):
     close_bf16(got, situ_gate_up_ref(x, wg, wu, BETA, LINEAR_BETA))
 
 
-@pytest.mark.parametrize("m", [1, 16])
+@pytest.mark.parametrize("m", [1, pytest.param(16, marks=pytest.mark.slow)])
 def test_split_model_is_the_reference(cpu_gen, m):
     """Router logits (fp32 sums of exact products: the reference's up to their order) and the
     latent z (bf16) from one pass over [W_r; W_d]."""

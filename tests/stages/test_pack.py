@@ -91,6 +91,7 @@ def _mla_bytes(layer) -> int:
     return sum(getattr(attn, n).weight.nbytes for n in names)
 
 
+@pytest.mark.slow  # its own compile; the default run: test_pack_keeps_values_state_and_updates
 def test_a_later_compile_finds_the_groups_packed(tiny):
     model, _ = tiny
     step = torch.compile(model, backend="k3", options={"executor": "aten", "buckets": [2, 4]})
@@ -104,6 +105,7 @@ def test_a_later_compile_finds_the_groups_packed(tiny):
     assert [w.data_ptr() for w in _kda(model)] == ptrs
 
 
+@pytest.mark.slow
 def test_off_by_option_and_never_after_an_unpacked_compile(tiny, monkeypatch):
     model, eager = tiny
     monkeypatch.setenv("K3_PACK_WEIGHTS", "0")
