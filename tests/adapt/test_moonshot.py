@@ -44,12 +44,14 @@ def moonshot_greedy(model, steps=STEPS):
     return logits
 
 
-def step_greedy(step, steps=STEPS):
+def step_greedy(step, steps=STEPS, decode=None):
+    """The prompt through `step`, then greedy decode steps through `decode` (default `step`)."""
+    decode = step if decode is None else decode
     B, T = PROMPT.shape
     slots, start = torch.arange(B), torch.zeros(B, dtype=torch.long)
     logits = [step(PROMPT, start, slots)[:, -1]]
     for i in range(steps):
-        logits.append(step(logits[-1].argmax(-1), start + T + i, slots))
+        logits.append(decode(logits[-1].argmax(-1), start + T + i, slots))
     return logits
 
 
@@ -121,7 +123,7 @@ def _assert_plan_less_known_gaps(dtype):
         assert extra <= NEUTRAL | SCHEDULE | {"expert_stack", "linear"} | lost, (layer.layer, extra)
 
 
-def _compile(step):
+def compile_step(step):
     k3be.ensure_registered()
     torch._dynamo.reset()
     return torch.compile(step, backend="k3", fullgraph=True,
@@ -132,7 +134,7 @@ def _compile(step):
 def test_compiled_step_is_one_graph_equal_to_eager_with_the_plan_less_known_gaps(moonshot):
     model = moonshot.build(moonshot.tiny_config())
     eager = adapt(model, max_batch=4, max_seq_len=32)
-    compiled = _compile(adapt(model, max_batch=4, max_seq_len=32))
+    compiled = compile_step(adapt(model, max_batch=4, max_seq_len=32))
     n0 = len(k3be._compiled)
     ids, pos, slots = torch.tensor([3, 5]), torch.tensor([0, 0]), torch.tensor([0, 1])
     for i in range(3):
@@ -150,12 +152,7 @@ def test_compiled_bf16_decode_equals_moonshot_eager(moonshot):
     model = moonshot.build(moonshot.tiny_config(), dtype=torch.bfloat16)
     want = moonshot_greedy(model)
     step = adapt(model, max_batch=4, max_seq_len=32)
-    compiled = _compile(step)
-    B, T = PROMPT.shape
-    slots, start = torch.arange(B), torch.zeros(B, dtype=torch.long)
-    got = [step(PROMPT, start, slots)[:, -1]]
-    for i in range(STEPS):
-        got.append(compiled(got[-1].argmax(-1), start + T + i, slots))
+    got = step_greedy(step, decode=compile_step(step))
     for g, w in zip(got, want, strict=True):
         assert g.dtype == w.dtype == torch.bfloat16 and g.shape == w.shape
         assert rel(g, w) <= TOL_COMPILED_BF16

@@ -32,9 +32,8 @@ import k3compile.backend as k3be
 from k3compile import math
 from k3compile.adapt import adapt, compressed, fla
 from tests.adapt.test_moonshot import (
-    PROMPT,
-    STEPS,
     TOL_COMPILED_BF16,
+    compile_step,
     moonshot_greedy,
     rel,
     step_greedy,
@@ -267,13 +266,6 @@ def test_eager_step_equals_the_loaded_models_forward_and_holds_the_packed_bytes(
 # ---- 3. compiled ------------------------------------------------------------------------------
 
 
-def _compile(step):
-    k3be.ensure_registered()
-    torch._dynamo.reset()
-    return torch.compile(step, backend="k3", fullgraph=True,
-                         options={"executor": "aten", "strict": False})
-
-
 def _kernels(report) -> dict[int, int]:
     """Per layer: fused ops + plain GEMMs + ATen ops left to Inductor."""
     return {lr.layer: lr.fused_ops + lr.gemm_ops + sum(lr.other_ops.values())
@@ -301,7 +293,7 @@ def test_compiled_fp32_experts_fuse_and_equal_eager(moonshot, checkpoint, capsys
     path = checkpoint(dtype=torch.float32, layers=3)
     model = moonshot.from_pretrained(path, dtype=torch.float32)
     eager = adapt(model, max_batch=4, max_seq_len=32)
-    compiled = _compile(adapt(model, max_batch=4, max_seq_len=32))
+    compiled = compile_step(adapt(model, max_batch=4, max_seq_len=32))
     first = _decode(compiled, eager)
     for got, want in first:
         assert got.dtype == want.dtype and got.shape == want.shape and rel(got, want) <= 1e-5
@@ -321,7 +313,7 @@ def test_compiled_fp32_experts_fuse_and_equal_eager(moonshot, checkpoint, capsys
     model.load_state_dict(state, strict=False)
 
     dense_step = adapt(dense_twin(moonshot, model), max_batch=4, max_seq_len=32)
-    for got, want in _decode(_compile(dense_step), eager):
+    for got, want in _decode(compile_step(dense_step), eager):
         assert rel(got, want) <= 1e-5  # the same weights, dense: compressed-tensors' values
     (before,) = k3be.last_compiled().contracts.values()
     kernels = {"before": _kernels(before), "after": _kernels(after)}
@@ -338,12 +330,7 @@ def test_compiled_bf16_decode_equals_the_loaded_models_forward(moonshot, checkpo
     model = moonshot.from_pretrained(checkpoint())
     step = adapt(model, max_batch=4, max_seq_len=32)
     want = moonshot_greedy(model)
-    compiled = _compile(step)
-    B, T = PROMPT.shape
-    slots, start = torch.arange(B), torch.zeros(B, dtype=torch.long)
-    got = [step(PROMPT, start, slots)[:, -1]]
-    for i in range(STEPS):
-        got.append(compiled(got[-1].argmax(-1), start + T + i, slots))
+    got = step_greedy(step, decode=compile_step(step))
     for g, w in zip(got, want, strict=True):
         assert g.dtype == w.dtype == torch.bfloat16 and rel(g, w) <= TOL_COMPILED_BF16
     assert [t.argmax(-1).tolist() for t in got] == [t.argmax(-1).tolist() for t in want]
