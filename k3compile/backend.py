@@ -328,11 +328,12 @@ class K3Compiled:
     def _entry(self, args, batch: int, bucket: int) -> _Bucket:
         """The bucket's compiled step, compiled now if new (its first compile pads with
         placeholder rows: which input holds the slots is known only after it)."""
-        padded = self._pad(args, batch, bucket)
         # other symbols (verify rows T, ...) are specialised to their run-time values
-        key = (bucket, *(int(a) for a, inp in zip(padded, self.inputs) if inp.symint),
+        key = (bucket, *(bucket if inp.expr in self.batch_symbols else int(args[inp.index])
+                         for inp in self.inputs if inp.symint),
                *self._scalars(args))
-        return self.buckets.get(key) or self._compile_bucket(key, padded, bucket)
+        entry = self.buckets.get(key)
+        return entry or self._compile_bucket(key, self._pad(args, batch, bucket), bucket)
 
     def _pad(self, args, batch: int, bucket: int) -> list:
         """Rows batch..bucket of each batched input: the scratch slot for the slot input, the
