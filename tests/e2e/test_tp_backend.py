@@ -4,14 +4,13 @@ CPU implementation does the all-reduce), and the compiled TP=2 model equals the 
 
 from __future__ import annotations
 
-import datetime
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from tests import gloo
 
 # two processes compile the whole tiny model; the default run's TP2 compile: stages/test_prefetch
 pytestmark = pytest.mark.slow
@@ -19,49 +18,37 @@ pytestmark = pytest.mark.slow
 TP = 2
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
+def _worker(rank: int, out_dir: str):
+    import k3compile.backend as k3be
+    from k3compile.models import build_model, get_config
+    from tests.conftest import rel_err
 
-def _worker(rank: int, port: int, out_dir: str):
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=TP,
-                            timeout=datetime.timedelta(seconds=300))  # a hang fails
-    try:
-        import k3compile.backend as k3be
-        from k3compile.models import build_model, get_config
-        from tests.conftest import rel_err
-
-        cfg = get_config("tiny").with_tp(TP)
-        kw = dict(dtype=torch.float32, group=dist.group.WORLD, max_batch=4, max_seq_len=32)
-        eager, model = build_model(cfg, **kw), build_model(cfg, **kw)
-        step = torch.compile(model, backend="k3", fullgraph=True, options={"executor": "aten"})
-        errors = []
-        for i, T in enumerate((1, 1, 1)):  # one graph: each compile costs ~30 s per rank here
-            gen = torch.Generator().manual_seed(i)
-            ids = torch.randint(0, cfg.vocab_size, (3, T) if T > 1 else (3,), generator=gen)
-            pos, slots = torch.full((3,), 8 * i), torch.tensor([2, 0, 1])
-            errors.append(rel_err(step(ids, pos, slots) * 1, eager(ids, pos, slots) * 1))
-        counts = {}
-        for c in k3be._compiled:
-            for report in c.observer.reports.values():
-                for hit in report.hits:
-                    key = hit.pattern.split("[")[0]
-                    counts[key] = counts.get(key, 0) + 1
-        prints = [n.get("ranks") for c in k3be._compiled for n in c.observer.notes.values()]
-        torch.save({"errors": errors, "counts": counts, "prints": prints},
-                   os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+    cfg = get_config("tiny").with_tp(TP)
+    kw = dict(dtype=torch.float32, group=dist.group.WORLD, max_batch=4, max_seq_len=32)
+    eager, model = build_model(cfg, **kw), build_model(cfg, **kw)
+    step = torch.compile(model, backend="k3", fullgraph=True, options={"executor": "aten"})
+    errors = []
+    for i, T in enumerate((1, 1, 1)):  # one graph: each compile costs ~30 s per rank here
+        gen = torch.Generator().manual_seed(i)
+        ids = torch.randint(0, cfg.vocab_size, (3, T) if T > 1 else (3,), generator=gen)
+        pos, slots = torch.full((3,), 8 * i), torch.tensor([2, 0, 1])
+        errors.append(rel_err(step(ids, pos, slots) * 1, eager(ids, pos, slots) * 1))
+    counts = {}
+    for c in k3be._compiled:
+        for report in c.observer.reports.values():
+            for hit in report.hits:
+                key = hit.pattern.split("[")[0]
+                counts[key] = counts.get(key, 0) + 1
+    prints = [n.get("ranks") for c in k3be._compiled for n in c.observer.notes.values()]
+    torch.save({"errors": errors, "counts": counts, "prints": prints},
+               os.path.join(out_dir, f"rank{rank}.pt"))
 
 
 def test_tp2_compiled_equals_eager_with_fused_allreduce(tmp_path):
     from tests.conftest import TOL
 
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=TP, join=True)
+    gloo.spawn(_worker, str(tmp_path), world=TP)
     layers = 6  # tiny: every layer's post-attention mix follows the attention all-reduce
     for rank in range(TP):
         result = torch.load(tmp_path / f"rank{rank}.pt")

@@ -5,13 +5,14 @@ reference, and both stay right when captured in a CUDA graph and replayed on new
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests import gloo
 
 WORLD, HIDDEN = 2, 7168
 
@@ -25,7 +26,7 @@ def test_allreduce_algorithms_and_fused_op_under_cuda_graphs(tmp_path):
         pytest.skip(f"needs {WORLD} GPUs")
     worker = Path(__file__).with_name("collective_worker.py")
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={WORLD}",
-           "--master-port", str(_free_port()), str(worker), str(tmp_path)]
+           "--master-port", str(gloo.free_port()), str(worker), str(tmp_path)]
     try:
         limit = float(os.environ.get("K3_COLLECTIVE_TIMEOUT", "150"))
         run = subprocess.run(cmd, capture_output=True, text=True, timeout=limit, check=False)
@@ -38,12 +39,6 @@ def test_allreduce_algorithms_and_fused_op_under_cuda_graphs(tmp_path):
         for case, (summed, fused) in errors.items():
             assert summed < 1e-2, f"rank {rank} {case}: all-reduce off the exact sum by {summed:.3g}"
             assert fused < 2e-2, f"rank {rank} {case}: fused op off its reference by {fused:.3g}"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])
@@ -65,49 +60,37 @@ def test_algorithm_by_message_size(world, monkeypatch):
         settings.KernelSettings.from_env()
 
 
-def _gloo_worker(rank: int, port: int, out_dir: str):
-    import datetime
-    import os
-
+def _gloo_worker(rank: int, out_dir: str):
     import torch.distributed as dist
+    from k3compile.kernels import allreduce_attn_res_mix_norm as kernel
+    from k3compile.kernels.common import collective
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD,
-                            timeout=datetime.timedelta(seconds=120))
-    try:
-        from k3compile.kernels import allreduce_attn_res_mix_norm as kernel
-        from k3compile.kernels.common import collective
+    import k3compile.ops  # noqa: F401
+    from k3compile.ops.allreduce_attn_res_mix_norm import allreduce_attn_res_mix_norm
 
-        import k3compile.ops  # noqa: F401
-        from k3compile.ops.allreduce_attn_res_mix_norm import allreduce_attn_res_mix_norm
-
-        group = dist.group.WORLD.group_name
-        gen = torch.Generator().manual_seed(3)  # the same draws on both ranks
-        parts = [torch.randn(2, 64, generator=gen) for _ in range(WORLD)]
-        prefix, blocks = torch.randn(2, 64, generator=gen), [torch.randn(2, 64, generator=gen)]
-        wn, wp, wnorm = torch.randn(64, generator=gen), torch.randn(1, 64, generator=gen), \
-            1 + 0.1 * torch.randn(64, generator=gen)
-        summed = collective.all_reduce(parts[rank], group, WORLD)
-        # the op's CUDA implementation, called on CPU tensors: the collective (NCCL path: funcol,
-        # here over gloo) and the mix kernel's logged fallback, against the op's reference
-        got = kernel.allreduce_attn_res_mix_norm_cuda(
-            parts[rank], prefix, blocks, wn, wp, wnorm, 1e-5, 1e-5, group)
-        want = allreduce_attn_res_mix_norm(parts[rank], prefix, blocks, wn, wp, wnorm, 1e-5, 1e-5,
-                                           group)
-        torch.save({"sum": (summed - sum(parts)).abs().max().item(),
-                    "fused": max((g - w).abs().max().item() for g, w in zip(got, want))},
-                   f"{out_dir}/rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+    group = dist.group.WORLD.group_name
+    gen = torch.Generator().manual_seed(3)  # the same draws on both ranks
+    parts = [torch.randn(2, 64, generator=gen) for _ in range(WORLD)]
+    prefix, blocks = torch.randn(2, 64, generator=gen), [torch.randn(2, 64, generator=gen)]
+    wn, wp, wnorm = torch.randn(64, generator=gen), torch.randn(1, 64, generator=gen), \
+        1 + 0.1 * torch.randn(64, generator=gen)
+    summed = collective.all_reduce(parts[rank], group, WORLD)
+    # the op's CUDA implementation, called on CPU tensors: the collective (NCCL path: funcol,
+    # here over gloo) and the mix kernel's logged fallback, against the op's reference
+    got = kernel.allreduce_attn_res_mix_norm_cuda(
+        parts[rank], prefix, blocks, wn, wp, wnorm, 1e-5, 1e-5, group)
+    want = allreduce_attn_res_mix_norm(parts[rank], prefix, blocks, wn, wp, wnorm, 1e-5, 1e-5,
+                                       group)
+    torch.save({"sum": (summed - sum(parts)).abs().max().item(),
+                "fused": max((g - w).abs().max().item() for g, w in zip(got, want))},
+               f"{out_dir}/rank{rank}.pt")
 
 
 def test_collective_path_on_cpu_processes(tmp_path):
     """CPU, 2 gloo processes: `collective.all_reduce` off CUDA takes the funcol path, and the fused
     op's CUDA implementation (group lookup, world size, all-reduce, mix + norm) equals its
     reference."""
-    import torch.multiprocessing as mp
-
-    mp.spawn(_gloo_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    gloo.spawn(_gloo_worker, str(tmp_path), world=WORLD, timeout_s=120)
     for rank in range(WORLD):
         r = torch.load(tmp_path / f"rank{rank}.pt")
         assert r["sum"] < 1e-5 and r["fused"] < 1e-5, r

@@ -7,27 +7,20 @@ with gather_dim=-1 for the vocab-split lm_head) directly on gloo.
 
 from __future__ import annotations
 
-import datetime
 import os
-import socket
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
-import torch.multiprocessing as mp
 from model_checks import TOL, rel_err
 
 from k3compile.models import build_model, get_config
 from k3compile.models.loader import shard_state_dict
+from tests import gloo
 
 TP = 2
 STEPS = [1, 3, 1]  # tokens per request per step
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _check_collectives(rank: int, group) -> list[str]:
@@ -42,41 +35,30 @@ def _check_collectives(rank: int, group) -> list[str]:
     return problems
 
 
-def _worker(rank: int, port: int, out_dir: str):
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=TP,
-                            timeout=datetime.timedelta(seconds=300))  # a hang fails
-    try:
-        group = dist.group.WORLD
-        result = {"problems": _check_collectives(rank, group), "errors": []}
-        cfg = get_config("tiny")
-        full = build_model(cfg, dtype=torch.float32, max_batch=4, max_seq_len=32)
-        part = build_model(cfg.with_tp(TP), dtype=torch.float32, group=group, max_batch=4,
-                           max_seq_len=32, seed=123)
-        part.load_state_dict(shard_state_dict(full.state_dict(), part.config, rank))
-        gen = torch.Generator().manual_seed(7)
-        positions, slots = torch.tensor([0, 4, 9]), torch.tensor([1, 3, 0])
-        for T in STEPS:
-            ids = torch.randint(0, cfg.vocab_size, (3, T), generator=gen)
-            ref = full(ids, positions, slots)
-            got = part(ids, positions, slots) * 1  # `* 1` waits on an async collective result
-            if got.shape != ref.shape:
-                result["problems"].append(f"logits shape {tuple(got.shape)} != {tuple(ref.shape)}")
-                break
-            result["errors"].append(rel_err(got, ref))
-            positions = positions + T
-        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-        # both ranks done before teardown: a rank that tore gloo down while the other still had
-        # a collective in flight aborted once in CI-like runs ("terminate called without an
-        # active exception")
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+def _worker(rank: int, out_dir: str):
+    group = dist.group.WORLD
+    result = {"problems": _check_collectives(rank, group), "errors": []}
+    cfg = get_config("tiny")
+    full = build_model(cfg, dtype=torch.float32, max_batch=4, max_seq_len=32)
+    part = build_model(cfg.with_tp(TP), dtype=torch.float32, group=group, max_batch=4,
+                       max_seq_len=32, seed=123)
+    part.load_state_dict(shard_state_dict(full.state_dict(), part.config, rank))
+    gen = torch.Generator().manual_seed(7)
+    positions, slots = torch.tensor([0, 4, 9]), torch.tensor([1, 3, 0])
+    for T in STEPS:
+        ids = torch.randint(0, cfg.vocab_size, (3, T), generator=gen)
+        ref = full(ids, positions, slots)
+        got = part(ids, positions, slots) * 1  # `* 1` waits on an async collective result
+        if got.shape != ref.shape:
+            result["problems"].append(f"logits shape {tuple(got.shape)} != {tuple(ref.shape)}")
+            break
+        result["errors"].append(rel_err(got, ref))
+        positions = positions + T
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
 def test_tp2_matches_tp1_over_decode_steps(tmp_path):
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=TP, join=True)
+    gloo.spawn(_worker, str(tmp_path), world=TP)
     # both models fp32: the sums only regroup, but rounding compounds through the steps as in
     # the whole-model comparison against float64
     tol = TOL["float32_decode"]

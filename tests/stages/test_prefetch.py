@@ -5,19 +5,17 @@ end. A no-op on CPU: the compiled TP=2 model (2 gloo processes) still equals eag
 
 from __future__ import annotations
 
-import datetime
 import operator
 import os
 import re
-import socket
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from k3compile.rewrite import inductor
 from k3compile.settings import Options
 from k3compile.stages.prefetch import H200_L2_BYTES, SHARE, SIDE, insert_prefetches, l2_bytes
+from tests import gloo
 
 _c10d = torch.ops._c10d_functional
 PREFETCH = torch.ops.k3.prefetch_l2.default
@@ -211,11 +209,6 @@ def test_world_size_1_fused_op_is_no_anchor():
 
 # ---- the pipeline at world size 2 (2 gloo processes) ---------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _ends_span(node) -> bool:
     """A collective wait, the shared experts' join, the next fused collective, or the output."""
@@ -277,37 +270,29 @@ def _anchor_facts(graph) -> list[dict]:
     return facts
 
 
-def _tp2_worker(rank: int, port: int, out_dir: str):
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=300))  # a hang fails
-    try:
-        import k3compile.backend as k3be
-        from k3compile.models import build_model, get_config
-        from k3compile.stages.streams import hazards
-        from tests.conftest import rel_err
+def _tp2_worker(rank: int, out_dir: str):
+    import k3compile.backend as k3be
+    from k3compile.models import build_model, get_config
+    from k3compile.stages.streams import hazards
+    from tests.conftest import rel_err
 
-        cfg = get_config("tiny").with_tp(2).with_layers(2)  # dense layer 0, one MoE layer
-        eager, model = (build_model(cfg, dtype=torch.float32, group=dist.group.WORLD,
-                                    max_batch=4, max_seq_len=32) for _ in range(2))
-        step = torch.compile(model, backend="k3", fullgraph=True, options={"executor": "aten"})
-        args = (torch.tensor([5, 7, 1]), torch.tensor([0, 4, 2]), torch.tensor([1, 0, 2]))
-        error = rel_err(step(*args) * 1, eager(*args) * 1)  # `* 1`: waits on the collective
-        graph = next(iter(k3be.last_compiled().observer.graphs.values()))
-        side = [n for n in graph.nodes if n.target in (FORK, JOIN) and n.args[1] == SIDE]
-        torch.save({"error": error, "facts": _anchor_facts(graph), "hazards": hazards(graph),
-                    "sched": sorted(str(n.target) for n in side)},
-                   os.path.join(out_dir, f"rank{rank}.pt"))
-        dist.barrier()  # both ranks done before teardown
-    finally:
-        dist.destroy_process_group()
+    cfg = get_config("tiny").with_tp(2).with_layers(2)  # dense layer 0, one MoE layer
+    eager, model = (build_model(cfg, dtype=torch.float32, group=dist.group.WORLD,
+                                max_batch=4, max_seq_len=32) for _ in range(2))
+    step = torch.compile(model, backend="k3", fullgraph=True, options={"executor": "aten"})
+    args = (torch.tensor([5, 7, 1]), torch.tensor([0, 4, 2]), torch.tensor([1, 0, 2]))
+    error = rel_err(step(*args) * 1, eager(*args) * 1)  # `* 1`: waits on the collective
+    graph = next(iter(k3be.last_compiled().observer.graphs.values()))
+    side = [n for n in graph.nodes if n.target in (FORK, JOIN) and n.args[1] == SIDE]
+    torch.save({"error": error, "facts": _anchor_facts(graph), "hazards": hazards(graph),
+                "sched": sorted(str(n.target) for n in side)},
+               os.path.join(out_dir, f"rank{rank}.pt"))
 
 
 def test_tp2_prefetch_beside_every_fused_collective(tmp_path):
     from tests.conftest import TOL
 
-    mp.spawn(_tp2_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    gloo.spawn(_tp2_worker, str(tmp_path))
     for rank in range(2):
         r = torch.load(tmp_path / f"rank{rank}.pt")
         assert r["error"] <= TOL["aten_cpu"], r["error"]

@@ -4,19 +4,17 @@ fail together, with a diff. Two gloo processes on CPU, hand-built graphs."""
 
 from __future__ import annotations
 
-import datetime
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import fx
 
 from k3compile import settings
 from k3compile.rewrite import inductor
 from k3compile.stages.ranks import RanksDiffer, check_ranks, summary
+from tests import gloo
 
 _c10d = torch.ops._c10d_functional
 
@@ -61,34 +59,20 @@ def test_no_collective_no_check():
     assert check_ranks(graph, 1) is None
 
 
-def _worker(rank: int, port: int, out_dir: str, differ: bool, pdl_differs: bool = False):
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=300))  # a hang fails
+def _worker(rank: int, out_dir: str, differ: bool, pdl_differs: bool = False):
+    graph = _graph(extra=differ and rank == 1, group=dist.group.WORLD.group_name)
+    if pdl_differs and rank == 1:  # e.g. K3_PDL set on one rank's launcher only
+        settings.KERNELS.pdl = not settings.KERNELS.pdl
     try:
-        name = dist.group.WORLD.group_name
-        graph = _graph(extra=differ and rank == 1, group=name)
-        if pdl_differs and rank == 1:  # e.g. K3_PDL set on one rank's launcher only
-
-            settings.KERNELS.pdl = not settings.KERNELS.pdl
-        try:
-            result = ("ok", check_ranks(graph, 4))
-        except RanksDiffer as e:
-            result = ("differ", str(e))
-        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        result = ("ok", check_ranks(graph, 4))
+    except RanksDiffer as e:
+        result = ("differ", str(e))
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
 @pytest.mark.parametrize("differ", [False, True])
 def test_ranks_agree_or_fail_together(tmp_path, differ):
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path), differ), nprocs=2, join=True)
+    gloo.spawn(_worker, str(tmp_path), differ)
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     if not differ:
         assert results[0][0] == results[1][0] == "ok"
@@ -111,6 +95,6 @@ def test_summary_holds_the_kernel_settings(monkeypatch):
 
 
 def test_ranks_with_different_kernel_switches_fail_together(tmp_path):
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path), False, True), nprocs=2, join=True)
+    gloo.spawn(_worker, str(tmp_path), False, True)
     for kind, text in (torch.load(tmp_path / f"rank{r}.pt") for r in range(2)):
         assert kind == "differ" and "pdl" in text, text

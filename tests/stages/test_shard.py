@@ -7,24 +7,17 @@ the 2 cores of CI, and each compiles once."""
 
 from __future__ import annotations
 
-import datetime
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from tests import gloo
 from tests.conftest import TOL
 
 MOE_ONLY = ["attn_res", "allreduce", "kda", "mla", "linear_concat", "rms_norm"]
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _gemm_weight_bytes(graph) -> dict[str, int]:
@@ -42,51 +35,44 @@ def _gemm_weight_bytes(graph) -> dict[str, int]:
     return out
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str):
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=300))  # a hang fails
-    try:
-        import k3compile.backend as k3be
-        from k3compile.models import build_model, get_config
-        from k3compile.models.loader import shard_state_dict
-        from tests.conftest import rel_err
+def _worker(rank: int, world: int, out_dir: str):
+    import k3compile.backend as k3be
+    from k3compile.models import build_model, get_config
+    from k3compile.models.loader import shard_state_dict
+    from tests.conftest import rel_err
 
-        cfg = get_config("tiny").with_layers(2)
-        kw = {"dtype": torch.float32, "max_batch": 4, "max_seq_len": 32}
-        full = build_model(cfg, **kw)
-        parts = [build_model(cfg.with_tp(world), group=dist.group.WORLD, **kw) for _ in range(2)]
-        for p in parts:
-            p.load_state_dict(shard_state_dict(full.state_dict(), p.config, rank))
-        eager, model = parts
-        step = torch.compile(model, backend="k3", fullgraph=True,
-                             options={"executor": "aten", "disabled_patterns": MOE_ONLY,
-                                      "shard_moe": "on"})
-        result = {"vs_full": [], "vs_tp_eager": []}
-        pos, slots = torch.tensor([0, 5, 9]), torch.tensor([2, 0, 1])
-        for i in range(3):
-            ids = torch.randint(0, cfg.vocab_size, (3,), generator=torch.Generator().manual_seed(i))
-            got = step(ids, pos + i, slots) * 1  # `* 1` waits on an async collective result
-            result["vs_full"].append(rel_err(got, full(ids, pos + i, slots)))
-            result["vs_tp_eager"].append(rel_err(got, eager(ids, pos + i, slots) * 1))
-        compiled = k3be.last_compiled()
-        graph = next(iter(compiled.observer.graphs.values()))
-        result["bytes"] = _gemm_weight_bytes(graph)
-        result["gathers"] = sum(n.meta.get("k3_shard") == "gather" for n in graph.nodes)
-        result["sharded"] = sorted(n.meta["k3_shard"] for n in graph.nodes if "k3_shard" in n.meta
-                                   and str(n.target).startswith("k3."))
-        moe = model.language_model.model.layers[1].mlp
-        result["full_bytes"] = sum(t.numel() * t.element_size() for t in (
-            moe.gate.weight, moe.routed_expert_down_proj.weight, moe.routed_expert_up_proj.weight))
-        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+    cfg = get_config("tiny").with_layers(2)
+    kw = {"dtype": torch.float32, "max_batch": 4, "max_seq_len": 32}
+    full = build_model(cfg, **kw)
+    parts = [build_model(cfg.with_tp(world), group=dist.group.WORLD, **kw) for _ in range(2)]
+    for p in parts:
+        p.load_state_dict(shard_state_dict(full.state_dict(), p.config, rank))
+    eager, model = parts
+    step = torch.compile(model, backend="k3", fullgraph=True,
+                         options={"executor": "aten", "disabled_patterns": MOE_ONLY,
+                                  "shard_moe": "on"})
+    result = {"vs_full": [], "vs_tp_eager": []}
+    pos, slots = torch.tensor([0, 5, 9]), torch.tensor([2, 0, 1])
+    for i in range(3):
+        ids = torch.randint(0, cfg.vocab_size, (3,), generator=torch.Generator().manual_seed(i))
+        got = step(ids, pos + i, slots) * 1  # `* 1` waits on an async collective result
+        result["vs_full"].append(rel_err(got, full(ids, pos + i, slots)))
+        result["vs_tp_eager"].append(rel_err(got, eager(ids, pos + i, slots) * 1))
+    compiled = k3be.last_compiled()
+    graph = next(iter(compiled.observer.graphs.values()))
+    result["bytes"] = _gemm_weight_bytes(graph)
+    result["gathers"] = sum(n.meta.get("k3_shard") == "gather" for n in graph.nodes)
+    result["sharded"] = sorted(n.meta["k3_shard"] for n in graph.nodes if "k3_shard" in n.meta
+                               and str(n.target).startswith("k3."))
+    moe = model.language_model.model.layers[1].mlp
+    result["full_bytes"] = sum(t.numel() * t.element_size() for t in (
+        moe.gate.weight, moe.routed_expert_down_proj.weight, moe.routed_expert_up_proj.weight))
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
 @pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])  # 4 procs, 2 cores
 def test_sharded_moe_projections_match_unsharded_model(tmp_path, world):
-    mp.spawn(_worker, args=(world, _free_port(), str(tmp_path)), nprocs=world, join=True)
+    gloo.spawn(_worker, world, str(tmp_path), world=world)
     for rank in range(world):
         r = torch.load(tmp_path / f"rank{rank}.pt")
         # TP=W against TP=1 regroups the all-reduced sums: fp32 rounding through the layers

@@ -1,0 +1,58 @@
+"""Tests at world size > 1 on CPU: `spawn(worker, *args, world=2)` runs `worker(rank, *args)` in
+`world` fresh processes joined in one gloo process group.
+
+A failing rank prints its traceback at once (before the spawn machinery reports it), and a rank
+still inside a collective or a compile after `timeout_s` dumps every thread's stack to stderr, so
+a hang on a slow CI machine says where it hung instead of only "Timed out waiting for send". A
+rank that failed does not tear its group down: gloo's teardown could wait on a peer that is
+itself waiting in a collective, and the spawn machinery ends the peers anyway.
+"""
+
+from __future__ import annotations
+
+import datetime
+import faulthandler
+import os
+import socket
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+TIMEOUT_S = 300  # generous: a diffsuite rank compiles several buckets between two collectives
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(worker, *args, world: int = 2, timeout_s: int = TIMEOUT_S) -> None:
+    """Run `worker(rank, *args)` on every rank of a `world`-process gloo group; raises the first
+    rank's error (the spawn machinery's `ProcessRaisedException`)."""
+    mp.spawn(_rank, args=(worker, world, free_port(), timeout_s, args), nprocs=world, join=True)
+
+
+def _rank(rank: int, worker, world: int, port: int, timeout_s: int, args: tuple) -> None:
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    torch.set_num_threads(1)  # the ranks share the machine's cores
+    faulthandler.dump_traceback_later(timeout_s - 10, exit=False)  # before gloo's own timeout
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s))  # a hang fails
+    try:
+        worker(rank, *args)
+    except BaseException:
+        print(f"rank {rank} of {world} failed:", file=sys.stderr)
+        traceback.print_exc()
+        sys.stderr.flush()
+        raise
+    else:
+        # every rank done before any tears down: a rank that tore gloo down while another still
+        # had a collective in flight aborted once ("terminate called without an active exception")
+        dist.barrier()
+        dist.destroy_process_group()
+    finally:
+        faulthandler.cancel_dump_traceback_later()
