@@ -8,7 +8,9 @@ them back; the new state makes the same round trip on its way into the buffer. O
 writes the state as it is. Exact: permutes compute nothing.
 
 Taken: `permute(permute(x, p), q)` composing to the identity where x is a state read (`index`, a
-gather by slots) or where the pair only feeds a state write (`index_put`'s value). Left alone:
+gather by slots) or where the pair only feeds a state write (`index_put`'s value), directly or
+through views (at batch 1 `buf[slots] = value` views the value without its leading size-1 dim
+first). Left alone:
 other permute pairs, which einsum's lowering writes inside the patterns' own forms (MLA), a pair
 that does not cancel, and a read by the graph's output (it would alias its input).
 """
@@ -22,6 +24,8 @@ from k3compile.canonical import Rule
 
 aten = torch.ops.aten
 _WRITES = {aten.index_put.default, aten.index_put_.default}
+_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.squeeze.dim,
+          aten.squeeze.dims, aten.squeeze.default}
 
 
 def _is_permute(node) -> bool:
@@ -45,9 +49,14 @@ def _cancels(outer: fx.Node) -> bool:
 def _at_state(outer: fx.Node) -> bool:
     source = outer.args[0].args[0]
     read = isinstance(source, fx.Node) and source.target is aten.index.Tensor
-    written = bool(outer.users) and all(
-        u.target in _WRITES and len(u.args) > 2 and u.args[2] is outer for u in outer.users)
-    return read or written
+    return read or _only_written(outer)
+
+
+def _only_written(node: fx.Node) -> bool:
+    """Every use of node is a state write's value, directly or through views of it."""
+    return bool(node.users) and all(
+        (u.target in _WRITES and len(u.args) > 2 and u.args[2] is node)
+        or (u.target in _VIEWS and u.args[0] is node and _only_written(u)) for u in node.users)
 
 
 def apply(graph: fx.Graph) -> int:

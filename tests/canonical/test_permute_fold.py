@@ -35,6 +35,24 @@ def test_transpose_round_trips_vanish():
     torch.testing.assert_close(after(*args), as_is(*args), rtol=0, atol=0)
 
 
+def test_a_write_through_a_view_at_batch_1_loses_its_round_trip():
+    """`buf[slots] = value` at one slot views the value without its leading size-1 dim first."""
+    def written(buf, slots):
+        state = buf[slots] * 0.5
+        return torch.index_put(buf, (slots,), state.transpose(-1, -2).transpose(-1, -2).view(
+            state.shape[1:]))
+
+    def plain(buf, slots):
+        state = buf[slots] * 0.5
+        return torch.index_put(buf, (slots,), state.view(state.shape[1:]))
+
+    args = _inputs(3)[0], torch.tensor([1])
+    before, after, n = rewrite(permute_fold, written, *args)
+    assert n == 1 and ops(before)["permute"] == 2 and "permute" not in ops(after)
+    assert_same(before, after, args)
+    torch.testing.assert_close(after(*args), plain(*args), rtol=0, atol=0)
+
+
 def test_pairs_away_from_state_and_pairs_that_do_not_cancel_stay():
     def fn(buf, slots):
         a = buf.transpose(-1, -2).transpose(-1, -2) * 2  # cancels, but no state read or write
