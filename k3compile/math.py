@@ -34,6 +34,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * h.to(x.dtype)
 
 
+def rms_norm_gated_fp32(x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor,
+                        eps: float) -> torch.Tensor:
+    """RMSNorm(x; weight) ⊙ sigmoid(gate) in fp32 throughout, one rounding to x's dtype (fla's
+    `FusedRMSNormGated`, Moonshot's KDA output norm). `rms_norm(x) * sigmoid(gate)` rounds the
+    norm, its product with the weight and the gate to x's dtype instead (the same in fp32)."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    h = h * weight.float()
+    return (h * torch.sigmoid(gate.float())).to(x.dtype)
+
+
 Fn = Callable[[torch.Tensor], torch.Tensor]
 
 

@@ -147,10 +147,14 @@ def can_implement(*args) -> bool:
 
 
 def refusal(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weight,
-            k_conv_weight, v_conv_weight, A_log, dt_bias, o_norm_weight, *_) -> str | None:
+            k_conv_weight, v_conv_weight, A_log, dt_bias, o_norm_weight, lower_bound=None,
+            l2_eps=None, q_scale=None, norm_eps=None, norm_fp32=False) -> str | None:
     """Why the kernel cannot take these inputs, or None. Metadata only (fake tensors work);
     data alignment is checked at launch."""
     bf16, f32 = torch.bfloat16, torch.float32
+    if norm_fp32:
+        return ("norm_fp32 (fla's gated norm in fp32, one rounding): the kernel rounds the output "
+                "norm as the built-in model does")
     if q.dim() != 3 or recurrent_state.dim() != 4 or conv_state.dim() != 3:
         return (f"ranks q {q.dim()}, recurrent_state {recurrent_state.dim()}, conv_state "
                 f"{conv_state.dim()} (want 3, 4, 3)")
@@ -234,7 +238,7 @@ KERNEL = Kernel(OP, build)
 
 def kda_decode_cuda(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weight,
                     k_conv_weight, v_conv_weight, A_log, dt_bias, o_norm_weight, lower_bound,
-                    l2_eps, q_scale, norm_eps, *, out=None):
+                    l2_eps, q_scale, norm_eps, norm_fp32=False, *, out=None):
     """CUDA implementation of k3::kda_decode: the kernel, or the reference if refused (reason
     logged). `out` [B, T, H, K] bf16 contiguous is written only when the kernel runs."""
     args = (q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weight,
@@ -242,7 +246,7 @@ def kda_decode_cuda(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_c
     B, T = q.shape[:2]
 
     def call_refusal():
-        if reason := refusal(*args):
+        if reason := refusal(*args, norm_fp32=norm_fp32):
             return reason
         if not all(t.is_cuda and t.device == q.device for t in args):
             return "inputs not all on one CUDA device"
@@ -264,7 +268,8 @@ def kda_decode_cuda(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_c
         return o
 
     return KERNEL.run(call_refusal,
-                      lambda: kda_decode_ref(*args, lower_bound, l2_eps, q_scale, norm_eps),
+                      lambda: kda_decode_ref(*args, lower_bound, l2_eps, q_scale, norm_eps,
+                                             norm_fp32),
                       launch, recurrent_state)
 
 

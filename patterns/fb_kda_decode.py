@@ -14,9 +14,10 @@ import types
 
 import torch
 import torch.nn.functional as F
+from k3compile.ops import registry
 from k3compile.patterns import kda_decode
 
-from k3compile.rewrite import Pattern, tensor_meta
+from k3compile.rewrite import Pattern, tensor_meta, with_signature
 
 NAMES = (*kda_decode.NAMES[:4], "fa", "fb_weight", *kda_decode.NAMES[5:])
 R = 8  # f_a's width (head_dim in K3) for tracing; matching ignores sizes
@@ -24,20 +25,20 @@ R = 8  # f_a's width (head_dim in K3) for tracing; matching ignores sizes
 
 def search(q, k, v, g, fa, fb_weight, b, conv_state, recurrent_state, slots, q_conv_weight,
            k_conv_weight, v_conv_weight, A_log, dt_bias, o_norm_weight, lower_bound, l2_eps,
-           q_scale, norm_eps):
+           q_scale, norm_eps, *norm_fp32):
     return torch.ops.k3.kda_decode(q, k, v, g, F.linear(fa, fb_weight), b, conv_state,
                                    recurrent_state, slots, q_conv_weight, k_conv_weight,
                                    v_conv_weight, A_log, dt_bias, o_norm_weight, lower_bound,
-                                   l2_eps, q_scale, norm_eps)
+                                   l2_eps, q_scale, norm_eps, *norm_fp32)
 
 
 def replace(q, k, v, g, fa, fb_weight, b, conv_state, recurrent_state, slots, q_conv_weight,
             k_conv_weight, v_conv_weight, A_log, dt_bias, o_norm_weight, lower_bound, l2_eps,
-            q_scale, norm_eps):
+            q_scale, norm_eps, *norm_fp32):
     return torch.ops.k3.fb_kda_decode(q, k, v, g, fa, fb_weight, b, conv_state, recurrent_state,
                                       slots, q_conv_weight, k_conv_weight, v_conv_weight, A_log,
                                       dt_bias, o_norm_weight, lower_bound, l2_eps, q_scale,
-                                      norm_eps)
+                                      norm_eps, *norm_fp32)
 
 
 def check(match) -> str | None:
@@ -67,10 +68,27 @@ def example_inputs(dtype: torch.dtype = torch.bfloat16) -> list:
     return [*act, *fa, b, *state, *weights, *kda_decode.SCALARS.values()]
 
 
+def kernel_refusal(match) -> str | None:
+    """fla's fp32 output norm has no kernel: its sites stay unfused on a GPU (reported)."""
+    return registry.kernel_refusal("fb_kda_decode", *(tensor_meta(match.kwargs[n]) for n in NAMES
+                                                      if n not in kda_decode.SCALARS),
+                                   norm_fp32=True)
+
+
+def _variant(norm_fp32: bool) -> Pattern:
+    """The step as kda_decode fused it: with the built-in output norm, or fla's fp32 one (the op's
+    `norm_fp32` argument, passed through)."""
+    extra = (True,) if norm_fp32 else ()
+    return Pattern(
+        name="fb_kda_decode[norm_fp32]" if norm_fp32 else "fb_kda_decode",
+        search=with_signature(lambda *a: search(*a, *extra), NAMES),
+        replace=with_signature(lambda *a: replace(*a, *extra), NAMES),
+        example_inputs=example_inputs, op="k3.fb_kda_decode", check=check,
+        scalars=dict(kda_decode.SCALARS), fake_trace=True, distinctive=("mm", "kda_decode"),
+        kernel_refusal=kernel_refusal if norm_fp32 else None,
+    )
+
+
 def patterns() -> list[Pattern]:
     # one variant for every T, batch and dtype: the op hides the step, the GEMM has no casts
-    return [Pattern(
-        name="fb_kda_decode", search=search, replace=replace, example_inputs=example_inputs,
-        op="k3.fb_kda_decode", check=check, scalars=dict(kda_decode.SCALARS), fake_trace=True,
-        distinctive=("mm", "kda_decode"),
-    )]
+    return [_variant(False), _variant(True)]

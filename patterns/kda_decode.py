@@ -6,7 +6,10 @@ SiLU in fp32, L2-normalised q (scaled) and k, the lower-bounded decay and β, th
 T tokens on the fp32 recurrent state gathered by `slots` and written back, the per-head RMSNorm
 and the sigmoid output gate. The recurrence is unrolled in the graph, so there is one variant per
 T in TOKENS, per batch 1 or more (size-1 dims change the graph) and per activation dtype (fp32
-models trace no casts). Only the variants of the T a graph's KDA sites have are traced (`fits`:
+models trace no casts), and in bf16 per output norm: the built-in model's (`rms_norm(o) *
+sigmoid(g)`, rounded to bf16 after the norm, the weight and the gate) or fla's
+`FusedRMSNormGated` (Moonshot's KDA layer: fp32 throughout, one rounding), which fuses into the op
+with `norm_fp32=True` (in fp32 the two are one graph). Only the variants of the T a graph's KDA sites have are traced (`fits`:
 the short conv's output length is T); a T without a variant stays unfused, and its near miss
 says so.
 
@@ -27,7 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
-from k3compile.math import delta_rule_step, l2norm, rms_norm
+from k3compile.math import delta_rule_step, l2norm, rms_norm, rms_norm_gated_fp32
+from k3compile.ops import registry
 from k3compile.rewrite import Pattern, tensor_meta, with_signature
 
 # Tokens per request with a variant: decode (1) up to the DSpark verify block (anchor + 7 drafts).
@@ -64,7 +68,7 @@ def kda_step(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_wei
 
 def _step(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weight, k_conv_weight,
           v_conv_weight, A_log, dt_bias, o_norm_weight, lower_bound, l2_eps, q_scale, norm_eps,
-          silu_written_out):
+          silu_written_out, norm_fp32=False):
     """KimiDeltaAttention.forward after the projections, with the state writes made functional
     (as they are in the graph). Returns (new recurrent state, new conv state, o)."""
     B, T, _ = q.shape
@@ -91,16 +95,20 @@ def _step(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weight
         state, o_t = delta_rule_step(state, cq, ck, cv, beta, decay, t)
         outs.append(o_t)
     state_out = setitem(recurrent_state, (slots,), state)
-    o = torch.stack(outs, dim=1)
-    o = rms_norm(o.to(q.dtype), o_norm_weight, norm_eps) * torch.sigmoid(g.view(B, T, nh, hd))
+    o = torch.stack(outs, dim=1).to(q.dtype)
+    if norm_fp32:
+        return state_out, conv_state_out, rms_norm_gated_fp32(o, o_norm_weight,
+                                                              g.view(B, T, nh, hd), norm_eps)
+    o = rms_norm(o, o_norm_weight, norm_eps) * torch.sigmoid(g.view(B, T, nh, hd))
     return state_out, conv_state_out, o
 
 
 def replace(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weight, k_conv_weight,
-            v_conv_weight, A_log, dt_bias, o_norm_weight, lower_bound, l2_eps, q_scale, norm_eps):
+            v_conv_weight, A_log, dt_bias, o_norm_weight, lower_bound, l2_eps, q_scale, norm_eps,
+            *norm_fp32):
     o = torch.ops.k3.kda_decode(q, k, v, g, graw, b, conv_state, recurrent_state, slots,
                                 q_conv_weight, k_conv_weight, v_conv_weight, A_log, dt_bias,
-                                o_norm_weight, lower_bound, l2_eps, q_scale, norm_eps)
+                                o_norm_weight, lower_bound, l2_eps, q_scale, norm_eps, *norm_fp32)
     return recurrent_state, conv_state, o
 
 
@@ -165,7 +173,14 @@ def _fits(T: int):
     return fits
 
 
-def _variant(T: int, B: int, dtype: torch.dtype, silu_written_out: bool = False) -> Pattern:
+def kernel_refusal(match) -> str | None:
+    """fla's fp32 output norm has no kernel: its sites stay unfused on a GPU (reported)."""
+    return registry.kernel_refusal("kda_decode", *(tensor_meta(match.kwargs[n]) for n in NAMES
+                                                   if n not in SCALARS), norm_fp32=True)
+
+
+def _variant(T: int, B: int, dtype: torch.dtype, silu_written_out: bool = False,
+             norm_fp32: bool = False) -> Pattern:
     def example_inputs():
         W = H * K
         act = [torch.randn(B, T, W, dtype=dtype) for _ in range(5)]
@@ -177,17 +192,23 @@ def _variant(T: int, B: int, dtype: torch.dtype, silu_written_out: bool = False)
         return [*act, b, *state, *weights, *SCALARS.values()]
 
     # written out: the same step; its op computes silu as torch does (an ulp apart)
-    search = with_signature(lambda *a: _step(*a, silu_written_out=silu_written_out), NAMES)
+    search = with_signature(lambda *a: _step(*a, silu_written_out=silu_written_out,
+                                             norm_fp32=norm_fp32), NAMES)
     return Pattern(
         name=f"kda_decode[T={T},B={'1' if B == 1 else 'n'},{str(dtype).removeprefix('torch.')}"
-             f"{',silu_written_out' if silu_written_out else ''}]",
-        search=search, replace=replace,
+             f"{',silu_written_out' if silu_written_out else ''}"
+             f"{',norm_fp32' if norm_fp32 else ''}]",
+        search=search, replace=with_signature(lambda *a: replace(*a, True), NAMES)
+        if norm_fp32 else replace,
         example_inputs=example_inputs, op="k3.kda_decode", check=check, scalars=dict(SCALARS),
+        kernel_refusal=kernel_refusal if norm_fp32 else None,
         distinctive=("convolution", "index_put", "bmm", "rsqrt"), joint_passes=True,
         fits=_fits(T),
     )
 
 
 def patterns() -> list[Pattern]:
-    return [_variant(t, b, d, w) for w, t, b, d in
-            itertools.product((False, True), TOKENS, BATCHES, DTYPES)]
+    # fla's fp32 output norm differs from ours only where the activations round (not in fp32)
+    return [_variant(t, b, d, w, n) for n, w, t, b, d in
+            itertools.product((False, True), (False, True), TOKENS, BATCHES, DTYPES)
+            if not (n and d == torch.float32)]

@@ -3,7 +3,7 @@
 
     graw = fa · W_fbᵀ      fa [B, T, R], W_fb [H·K, R]; R = head_dim, a 128-wide GEMM at K3's sizes
 
-then the KDA step of `k3compile.ops.kda_decode`.
+then the KDA step of `k3compile.ops.kda_decode` (`norm_fp32`: its fp32 output norm, as there).
 """
 
 from __future__ import annotations
@@ -21,16 +21,16 @@ def fb_kda_decode(
     recurrent_state: torch.Tensor, slots: torch.Tensor, q_conv_weight: torch.Tensor,
     k_conv_weight: torch.Tensor, v_conv_weight: torch.Tensor, A_log: torch.Tensor,
     dt_bias: torch.Tensor, o_norm_weight: torch.Tensor, lower_bound: float, l2_eps: float,
-    q_scale: float, norm_eps: float,
+    q_scale: float, norm_eps: float, norm_fp32: bool = False,
 ) -> torch.Tensor:
     graw = F.linear(fa, fb_weight)
     return kda_decode_ref(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weight,
                           k_conv_weight, v_conv_weight, A_log, dt_bias, o_norm_weight, lower_bound,
-                          l2_eps, q_scale, norm_eps)
+                          l2_eps, q_scale, norm_eps, norm_fp32)
 
 
 @fb_kda_decode.register_fake
 def _(q, k, v, g, fa, fb_weight, b, conv_state, recurrent_state, slots, q_conv_weight,
       k_conv_weight, v_conv_weight, A_log, dt_bias, o_norm_weight, lower_bound, l2_eps, q_scale,
-      norm_eps):
-    return kda_decode_fake(q, recurrent_state, g, o_norm_weight)
+      norm_eps, norm_fp32=False):
+    return kda_decode_fake(q, recurrent_state, g, o_norm_weight, norm_fp32)

@@ -8,6 +8,10 @@ recurrent step of one layer, whole (spec §3.1 steps 3-7; vLLM's fused_kda_decod
     per token t: S <- Diag(α_t)·S;  S <- S + k̂_t·(β_t(v_t − Sᵀk̂_t))ᵀ;  o_t = Sᵀq̂_t   (fp32 S)
     o = RMSNorm_head(o; o_norm_weight) ⊙ sigmoid(g)
 
+`norm_fp32`: the output norm and gate in fp32 with one rounding (fla's `FusedRMSNormGated`, which
+Moonshot's KDA layer calls), not rounded to the activations' dtype after the norm, the weight and
+the gate as the built-in model does; the two differ only in bf16/fp16.
+
 T >= 1 tokens per request (T > 1: speculative verify rows, the recurrence sequential over them).
 `slots` picks each request's rows of the state buffers, which are updated in place.
 `k3.fb_kda_decode` is this step with the decay's low-rank up-projection in its prologue.
@@ -18,12 +22,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from k3compile.math import delta_rule_step, l2norm, rms_norm
+from k3compile.math import delta_rule_step, l2norm, rms_norm, rms_norm_gated_fp32
 
 
 def kda_decode_ref(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weight,
                    k_conv_weight, v_conv_weight, A_log, dt_bias, o_norm_weight, lower_bound,
-                   l2_eps, q_scale, norm_eps):
+                   l2_eps, q_scale, norm_eps, norm_fp32=False):
     """The model's KDA step (`KimiDeltaAttention.forward` between the projections and o_proj),
     op for op, so that it rounds like eager. Mutates conv_state and recurrent_state."""
     B, T, W = q.shape
@@ -52,15 +56,18 @@ def kda_decode_ref(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_co
         state, o_t = delta_rule_step(state, q, k, v, beta, decay, t)
         outs.append(o_t)
     recurrent_state[slots] = state
-    o = torch.stack(outs, dim=1)  # [B, T, H, V] fp32
-    return rms_norm(o.to(dtype), o_norm_weight, norm_eps) * torch.sigmoid(g.view(B, T, H, K))
+    o = torch.stack(outs, dim=1).to(dtype)  # [B, T, H, V]
+    if norm_fp32:
+        return rms_norm_gated_fp32(o, o_norm_weight, g.view(B, T, H, K), norm_eps)
+    return rms_norm(o, o_norm_weight, norm_eps) * torch.sigmoid(g.view(B, T, H, K))
 
 
-def kda_decode_fake(q, recurrent_state, g, o_norm_weight) -> torch.Tensor:
+def kda_decode_fake(q, recurrent_state, g, o_norm_weight, norm_fp32=False) -> torch.Tensor:
     """The output both KDA decode ops return: [B, T, H, K] in the activations' dtype."""
     B, T, _ = q.shape
     H, K = recurrent_state.shape[1], recurrent_state.shape[2]
-    dtype = torch.promote_types(torch.promote_types(o_norm_weight.dtype, q.dtype), g.dtype)
+    dtype = q.dtype if norm_fp32 else torch.promote_types(
+        torch.promote_types(o_norm_weight.dtype, q.dtype), g.dtype)
     return q.new_empty((B, T, H, K), dtype=dtype)
 
 
@@ -70,7 +77,7 @@ def kda_decode(
     b: torch.Tensor, conv_state: torch.Tensor, recurrent_state: torch.Tensor, slots: torch.Tensor,
     q_conv_weight: torch.Tensor, k_conv_weight: torch.Tensor, v_conv_weight: torch.Tensor,
     A_log: torch.Tensor, dt_bias: torch.Tensor, o_norm_weight: torch.Tensor,
-    lower_bound: float, l2_eps: float, q_scale: float, norm_eps: float,
+    lower_bound: float, l2_eps: float, q_scale: float, norm_eps: float, norm_fp32: bool = False,
 ) -> torch.Tensor:
     """q, k, v, g, graw [B, T, H·K] (pre-conv projections, output gate, low-rank decay input),
     b [B, T, H] (β logits); conv_state [S, 3·H·K, taps-1]; recurrent_state fp32 [S, H, K, K];
@@ -78,10 +85,11 @@ def kda_decode(
     o_norm_weight [K]. Returns o [B, T, H, K] in the activations' dtype."""
     return kda_decode_ref(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weight,
                           k_conv_weight, v_conv_weight, A_log, dt_bias, o_norm_weight, lower_bound,
-                          l2_eps, q_scale, norm_eps)
+                          l2_eps, q_scale, norm_eps, norm_fp32)
 
 
 @kda_decode.register_fake
 def _(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weight, k_conv_weight,
-      v_conv_weight, A_log, dt_bias, o_norm_weight, lower_bound, l2_eps, q_scale, norm_eps):
-    return kda_decode_fake(q, recurrent_state, g, o_norm_weight)
+      v_conv_weight, A_log, dt_bias, o_norm_weight, lower_bound, l2_eps, q_scale, norm_eps,
+      norm_fp32=False):
+    return kda_decode_fake(q, recurrent_state, g, o_norm_weight, norm_fp32)

@@ -75,3 +75,35 @@ def test_silu_written_out_is_the_same_step():
     got = gm(*[a.clone() if isinstance(a, torch.Tensor) else a for a in args])
     for g, w in zip(got, want):
         torch.testing.assert_close(g.float(), w.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_fla_gated_norm_fuses_as_the_fp32_norm_variant(batch):
+    """fla's `FusedRMSNormGated` (Moonshot's KDA output norm: fp32 throughout, one rounding) is
+    another bf16 computation than the built-in norm: its own variant takes the site, the op runs
+    with norm_fp32=True and equals the unfused graph bit for bit (states too)."""
+    def fla_norm(*args):
+        return kda_decode._step(*args, silu_written_out=False, norm_fp32=True)
+
+    args = _site()
+    if batch == 1:
+        for name in ("q", "k", "v", "g", "graw", "b", "slots"):
+            i = kda_decode.NAMES.index(name)
+            args[i] = args[i][:1].contiguous()
+    state = args[kda_decode.NAMES.index("recurrent_state")]
+    args[kda_decode.NAMES.index("recurrent_state")] = state * 0.05
+    args[kda_decode.NAMES.index("q_scale")] = state.shape[-1] ** -0.5
+    gm = graph(fla_norm, *args, joint=True)
+    want = gm(*[a.clone() if isinstance(a, torch.Tensor) else a for a in args])
+    report = apply_patterns(gm.graph, family("kda_decode"))
+    gm.recompile()
+    B = "1" if batch == 1 else "n"
+    assert [h.pattern for h in report.hits] == [f"kda_decode[T=1,B={B},bfloat16,norm_fp32]"]
+    (op,) = [n for n in gm.graph.nodes if n.target is torch.ops.k3.kda_decode.default]
+    assert op.args[-1] is True
+    got = gm(*[a.clone() if isinstance(a, torch.Tensor) else a for a in args])
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+    # the built-in norm rounds in between: the two differ in bf16
+    plain = kda_decode.kda_step(*[a.clone() if isinstance(a, torch.Tensor) else a for a in args])
+    assert not torch.equal(plain[-1], want[-1])
