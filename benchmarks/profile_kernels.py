@@ -1,0 +1,59 @@
+"""The kernels issue 21 asks to profile, not guess at, for Nsight Compute: the routed MXFP4 experts
+(FC1 and FC2, per-pair kernels) at 8 and 64 rows, and the weight-streaming GEMV at M = 1 on the
+two shapes that fall short of copy bandwidth (2112x7168, 896x7168) beside one that does not
+(3206x7168). Each case is compiled and warmed outside the profiled range, then called once inside a
+profiler range (and an NVTX range named after the case), with weights that are not L2-resident.
+
+    ncu --clock-control none --profile-from-start off --nvtx --set full \
+        -o OUT/kernels python3 benchmarks/profile_kernels.py [all|gemv|moe]
+    (benchmarks/profile_h200.sh runs it and writes the per-kernel tables)
+"""
+
+import functools
+import sys
+
+import torch
+from gemv import check as gemv_check
+from gemv import weight_copies
+from k3compile.kernels import moe_experts as kernel
+from k3compile.kernels.common import gemv
+from moe_experts import BETA, LINEAR_BETA, make_calls, make_experts
+
+GEMV_SHAPES = [(2112, 7168), (896, 7168), (3206, 7168)]
+MOE_ROWS = [8, 64]
+
+
+def profiled(name: str, fn) -> None:
+    torch.cuda.synchronize()
+    torch.cuda.profiler.start()  # ncu --profile-from-start off: only what runs in here
+    torch.cuda.nvtx.range_push(name)
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda.nvtx.range_pop()
+    torch.cuda.profiler.stop()
+
+
+def main(which: str) -> None:
+    for n, k in GEMV_SHAPES if which in ("all", "gemv") else []:
+        weights = weight_copies(n, k)
+        x = torch.randn(1, k, device="cuda").bfloat16()
+        out = torch.empty(1, n, device="cuda", dtype=torch.bfloat16)
+        gemv_check(x, weights[0], out)  # compiles, and the kernel agrees with cuBLAS
+        profiled(f"gemv_{n}x{k}", functools.partial(gemv.gemv_cuda, x, weights[-1], out=out))
+        print(f"gemv {n}x{k}: profiled", flush=True)
+    if which not in ("all", "moe"):
+        return
+    experts = make_experts()
+    for rows in MOE_ROWS:
+        (z, ids, w), *_ = make_calls(rows)
+        out = torch.empty_like(z)
+        got = kernel.moe_experts_cuda(z, ids, w, *experts, BETA, LINEAR_BETA, out=out)
+        assert got is out, "moe_experts refused the inputs (see the log)"
+        (z, ids, w), *_ = make_calls(rows)  # other experts: not L2-resident from the warm-up
+        profiled(f"moe_experts_{rows}", functools.partial(
+            kernel.moe_experts_cuda, z, ids, w, *experts, BETA, LINEAR_BETA, out=out))
+        print(f"moe_experts {rows} rows: profiled", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "all")
