@@ -132,3 +132,43 @@ def stacked(experts: nn.ModuleList, projection: str, ids: torch.Tensor,
     packed = torch.stack([lin.weight_packed for lin in linears])[ids]
     scale = torch.stack([lin.weight_scale for lin in linears])[ids]
     return dequant(packed, scale, dtype)
+
+
+# w1 (gate) and w3 (up) split their output rows, w2 (down) its input columns: each rank holds
+# 1/W of every expert's intermediate, and the ranks' expert outputs sum to the whole
+_SPLIT = {"w1": 0, "w3": 0, "w2": 1}
+
+
+@torch.no_grad()
+def shard_experts(model: nn.Module, rank: int, world: int) -> nn.Module:
+    """Keep this rank's 1/W of every routed expert's intermediate, in place: packed MXFP4
+    (`weight_packed` [out, in/2], `weight_scale` [out, in/32]) or dense (`weight`). w2's columns
+    are packed two per byte and scaled one per 32, so intermediate / W must be a multiple of
+    32: no byte or scale group straddles two ranks. Each MoE block records `expert_shard =
+    (rank, world)`, which `adapt` checks against its group."""
+    if not 0 <= rank < world:
+        raise ValueError(f"rank {rank} is outside a world of {world}")
+    for block in [m for m in model.modules() if type(m).__name__ == "KimiSparseMoeBlock"]:
+        for expert in block.experts:
+            for projection, dim in _SPLIT.items():
+                _keep_part(getattr(expert, projection), dim, rank, world)
+        block.expert_shard = (rank, world)
+    return model
+
+
+def _keep_part(linear: nn.Linear, dim: int, rank: int, world: int) -> None:
+    full = (linear.out_features, linear.in_features)[dim]
+    part = full // world
+    if full % world or (dim == 1 and part % GROUP):
+        raise ValueError(f"an expert intermediate of {full} does not split over {world} ranks"
+                         + (f" in whole groups of {GROUP}" if dim == 1 else ""))
+    names = ("weight_packed", "weight_scale") if is_packed(linear) else ("weight",)
+    for name in names:
+        t = getattr(linear, name)
+        width = t.shape[dim] // world  # packed and scale columns: in/2 and in/32 per rank
+        setattr(linear, name, nn.Parameter(t.narrow(dim, rank * width, width).clone(),
+                                           requires_grad=False))
+    if dim == 0:
+        linear.out_features = part
+    else:
+        linear.in_features = part

@@ -17,6 +17,8 @@ and the KDA core is a call into fla's Triton kernels. The adapter replaces exact
   loaded as compressed-tensors MXFP4 (the release's checkpoint) are gathered packed and
   dequantised as compressed-tensors does (`k3compile.adapt.compressed`), so they fuse into
   `k3.moe_experts`; packed experts in another layout are refused;
+  at W > 1 ranks (`adapt(..., group=)`, experts loaded 1/W per rank by
+  `moonshot.from_pretrained(..., group=)`) the ranks' expert outputs are summed (all-reduce);
 * the MLA forward over the latent cache (kv_b applied to the cached latents: the non-absorbed form
   the canonical rule `mla_absorb` rewrites), the rest of the layer as Moonshot wrote it;
 * fla's entry points bound to k3compile's torch stand-ins (`k3compile.adapt.fla`).
@@ -33,6 +35,8 @@ import sys
 import types
 
 import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch import nn
 
 from k3compile.adapt import compressed, fla
@@ -113,7 +117,10 @@ def moe_infer(self, x, topk_ids, topk_weight):
     else:
         act = expert.act_fn(gate) * up
     y = torch.einsum("nkf,nkdf->nkd", act, w2)
-    return y.type(topk_weight.dtype).mul(topk_weight.unsqueeze(-1)).sum(dim=1).type(y.dtype)
+    y = y.type(topk_weight.dtype).mul(topk_weight.unsqueeze(-1)).sum(dim=1).type(y.dtype)
+    if self.expert_group is not None:  # this rank's intermediate slice: a partial sum
+        y = funcol.all_reduce(y, "sum", self.expert_group)
+    return y
 
 
 def expert_weights(block: nn.Module, projection: str, ids: torch.Tensor,
@@ -178,7 +185,7 @@ def _subclass(cls: type, **methods) -> type:
     return type(f"Adapted{cls.__name__}", (cls,), {"__module__": __name__, **methods})
 
 
-def _adapt_modules(lm: nn.Module) -> None:
+def _adapt_modules(lm: nn.Module, group=None) -> None:
     """Swap the classes of the clone's modules whose forward is plumbing (in place)."""
     made: dict[type, type] = {}
     names = {module: name for name, module in lm.named_modules()}
@@ -195,6 +202,7 @@ def _adapt_modules(lm: nn.Module) -> None:
         if name == "KimiSparseMoeBlock":
             swap(module, moe_infer=moe_infer)
             module.mxfp4_experts = compressed.check_experts(names[module], module.experts)
+            module.expert_group = _expert_group(names[module], module, group)
         elif name == "KimiMLAAttention":
             swap(module, forward=mla_forward(globals_["eager_attention_forward"]))
         elif name == "KimiDeltaAttention":
@@ -204,6 +212,18 @@ def _adapt_modules(lm: nn.Module) -> None:
             swap(module, forward=fla.ShortConvolution.forward)
         elif name == "FusedRMSNormGated" and not isinstance(module, fla.FusedRMSNormGated):
             swap(module, forward=fla.FusedRMSNormGated.forward)
+
+
+def _expert_group(name: str, block: nn.Module, group):
+    """The group whose ranks' expert outputs the block sums (None: experts whole), checked
+    against the part of the experts the block holds (`compressed.shard_experts`)."""
+    rank, world = getattr(block, "expert_shard", (0, 1))
+    ranks = (0, 1) if group is None else (dist.get_rank(group), dist.get_world_size(group))
+    if (rank, world) != ranks:
+        raise ValueError(f"{name} holds expert part {rank} of {world}, adapted as rank "
+                         f"{ranks[0]} of {ranks[1]}: load with moonshot.from_pretrained(..., "
+                         "group=) and adapt with the same group")
+    return group if world > 1 else None
 
 
 def structural_clone(module: nn.Module) -> nn.Module:
@@ -221,10 +241,10 @@ class MoonshotStep(nn.Module):
     """
 
     def __init__(self, causal_lm: nn.Module, max_batch: int, max_seq_len: int, device=None,
-                 dtype=None):
+                 dtype=None, group=None):
         super().__init__()
         self.lm = structural_clone(causal_lm)
-        _adapt_modules(self.lm)
+        _adapt_modules(self.lm, group)
         self.config = self.lm.config
         self.setup_cache(max_batch, max_seq_len, device, dtype)
 
@@ -285,13 +305,14 @@ class MoonshotStep(nn.Module):
 
 
 def adapt(model: nn.Module, max_batch: int = 8, max_seq_len: int = 256, device=None,
-          dtype=None) -> MoonshotStep:
+          dtype=None, group=None) -> MoonshotStep:
     """The built-in decode-step call over Moonshot's model (`KimiLinearForCausalLM`, or a
-    `KimiK3ForConditionalGeneration`'s language model), sharing its parameters."""
+    `KimiK3ForConditionalGeneration`'s language model), sharing its parameters. `group`: the
+    ranks a model loaded by `moonshot.from_pretrained(..., group=)` splits its experts over."""
     causal_lm = getattr(model, "language_model", model)
     if not hasattr(causal_lm, "lm_head") or not hasattr(getattr(causal_lm, "model", None),
                                                         "layers"):
         raise TypeError(f"adapt takes Moonshot's KimiLinearForCausalLM or "
                         f"KimiK3ForConditionalGeneration, not {type(model).__name__}")
     compressed.check_not_wrapped(causal_lm)
-    return MoonshotStep(causal_lm, max_batch, max_seq_len, device, dtype).eval()
+    return MoonshotStep(causal_lm, max_batch, max_seq_len, device, dtype, group).eval()

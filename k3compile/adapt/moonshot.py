@@ -8,7 +8,12 @@ them against k3compile's torch stand-ins for fla (`k3compile.adapt.fla`).
 
 `tiny_config` and `randomize` build the CPU test model: K3's structure at the built-in `tiny`
 config's widths, seeded weights that keep activations finite (Moonshot's own init leaves
-`dt_bias` and the router bias uninitialised).
+`dt_bias` and the router bias uninitialised); `tiny_k3_config` wraps it in the release's class,
+`KimiK3ForConditionalGeneration` (its text model under `language_model.`, a vision tower beside).
+
+Under transformers 5 Moonshot's code needs two shims, both in `compatible()`: its `_init_weights`
+re-draws loaded weights (`loaded_weights_kept`), and `KimiK3ForConditionalGeneration.tie_weights`
+takes no arguments where transformers now passes some (`tie_weights_takes_arguments`).
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.util
+import inspect
+import json
 import sys
 import types
 from pathlib import Path
@@ -97,29 +104,101 @@ def tiny_config(num_hidden_layers: int = 4, mla_layers: tuple[int, ...] = (2, 3)
     return config_cls(**fields)
 
 
-def build(config, dtype: torch.dtype = torch.float32, seed: int = 0,
-          module: types.ModuleType | None = None):
-    """Moonshot's `KimiLinearForCausalLM` of `config`, seeded random weights, eval mode, eager
-    attention (Moonshot's constructor selects flash-attention 2, which a CPU lacks)."""
-    module = module or load()
-    model = module.KimiLinearForCausalLM(config)
-    model.config._attn_implementation = "eager"
+def tiny_k3_config(**text):
+    """A `KimiK3Config` (the release's `KimiK3ForConditionalGeneration`): `tiny_config(**text)` as
+    its text config, a one-block vision tower (not part of decode: there so that a checkpoint
+    holds the release's `vision_tower.` / `mm_projector.` tensors beside `language_model.`)."""
+    configs = load("configuration_kimi_k3")
+    text_config = tiny_config(**text)
+    vision = configs.KimiK3VisionConfig(
+        init_pos_emb_height=4, init_pos_emb_width=4, init_pos_emb_time=2,
+        vt_num_attention_heads=2, vt_num_hidden_layers=1, vt_hidden_size=64,
+        vt_intermediate_size=128, qkv_hidden_size=64, text_hidden_size=text_config.hidden_size,
+        _attn_implementation="eager")
+    return configs.KimiK3Config(text_config=text_config, vision_config=vision,
+                                pad_token_id=text_config.pad_token_id)
+
+
+def model_class(model_type: str):
+    """Moonshot's class for a config's `model_type`: `kimi_k3` (the release's config.json) is
+    `KimiK3ForConditionalGeneration`, anything else `KimiLinearForCausalLM`."""
+    if model_type == "kimi_k3":
+        return load("modeling_kimi_k3").KimiK3ForConditionalGeneration
+    return load().KimiLinearForCausalLM
+
+
+def build(config, dtype: torch.dtype = torch.float32, seed: int = 0):
+    """Moonshot's model of `config` (`KimiLinearForCausalLM`, or `KimiK3ForConditionalGeneration`
+    for a `KimiK3Config`), seeded random weights, eval mode, eager attention."""
+    with compatible():
+        model = model_class(config.model_type)(config)
     randomize(model, seed)
-    return model.to(dtype).eval().requires_grad_(False)
+    return _eager(model.to(dtype))
 
 
-def from_pretrained(path: str | Path, dtype: torch.dtype = torch.bfloat16,
-                    module: types.ModuleType | None = None, **kwargs):
-    """`KimiLinearForCausalLM.from_pretrained(path)` with Moonshot's class from K3_MOONSHOT_DIR
-    (what `AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)` runs, without
-    copying their files next to the checkpoint), under `loaded_weights_kept`; eval mode, eager
-    attention. A `quantization_config` in the checkpoint's config.json goes through transformers'
-    quantizer as usual (compressed-tensors MXFP4 experts stay packed until the first forward)."""
-    module = module or load()
-    with loaded_weights_kept():
-        model = module.KimiLinearForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
+def from_pretrained(path: str | Path, dtype: torch.dtype = torch.bfloat16, group=None,
+                    **kwargs):
+    """Moonshot's `from_pretrained(path)` (`KimiLinearForCausalLM`, or the release's
+    `KimiK3ForConditionalGeneration` when config.json says `kimi_k3`) with their classes from
+    K3_MOONSHOT_DIR: what `AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)`
+    runs, without copying their files next to the checkpoint, under `compatible()`; eval mode,
+    eager attention. A `quantization_config` in config.json goes through transformers' quantizer
+    as usual (compressed-tensors MXFP4 experts stay packed until the first forward).
+
+    `group` (a process group of W > 1 ranks): this rank keeps its 1/W of every routed expert's
+    intermediate rows (`compressed.shard_experts`); `adapt(model, group=group)` then sums the
+    ranks' expert outputs. The rest of the model is replicated."""
+    model_type = json.loads((Path(path) / "config.json").read_text()).get("model_type")
+    with compatible():
+        model = model_class(model_type).from_pretrained(path, dtype=dtype, **kwargs)
+    if group is not None:
+        import torch.distributed as dist
+
+        from k3compile.adapt import compressed
+
+        compressed.shard_experts(model, dist.get_rank(group), dist.get_world_size(group))
+    return _eager(model)
+
+
+def _eager(model):
+    """Eager attention (Moonshot's constructor selects flash-attention 2, which a CPU lacks)."""
     model.config._attn_implementation = "eager"
+    text = getattr(model.config, "text_config", None)
+    if text is not None:
+        text._attn_implementation = "eager"
     return model.eval().requires_grad_(False)
+
+
+@contextlib.contextmanager
+def compatible():
+    """Moonshot's code under transformers 5: `loaded_weights_kept` and
+    `tie_weights_takes_arguments`. Wrap `AutoModelForCausalLM.from_pretrained(...,
+    trust_remote_code=True)` in it too."""
+    with loaded_weights_kept(), tie_weights_takes_arguments():
+        yield
+
+
+@contextlib.contextmanager
+def tie_weights_takes_arguments():
+    """Within the block, a model whose class overrides `tie_weights()` without transformers 5's
+    arguments (`missing_keys`, `recompute_mapping`) gets them accepted and dropped: Moonshot's
+    `KimiK3ForConditionalGeneration.tie_weights()` (it ties its language model's weights, which
+    takes no arguments either) otherwise fails in `post_init` with a TypeError."""
+    from transformers import PreTrainedModel
+
+    original = PreTrainedModel.post_init
+
+    def post_init(self):
+        tie = type(self).tie_weights
+        if "recompute_mapping" not in inspect.signature(tie).parameters:
+            self.tie_weights = lambda missing_keys=None, recompute_mapping=True: tie(self)
+        original(self)
+
+    PreTrainedModel.post_init = post_init
+    try:
+        yield
+    finally:
+        PreTrainedModel.post_init = original
 
 
 @contextlib.contextmanager

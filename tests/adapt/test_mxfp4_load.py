@@ -76,9 +76,10 @@ SCHEMES = {
 }
 
 
-def write_checkpoint(path, model, kind: str = "mxfp4"):
+def write_checkpoint(path, model, kind: str = "mxfp4", ignore=tuple(IGNORE)):
     """model's weights as safetensors, its routed experts packed as `kind`, and a config.json
-    with the `quantization_config` compressed-tensors writes."""
+    with the `quantization_config` compressed-tensors writes (where the release's config.json
+    has it: in `text_config` for a `KimiK3Config`, which lifts it to the top when loaded)."""
     from safetensors.torch import save_file
 
     fields, pack = SCHEMES[kind]
@@ -93,10 +94,10 @@ def write_checkpoint(path, model, kind: str = "mxfp4"):
               metadata={"format": "pt"})
     model.config.save_pretrained(path)
     quant = QuantizationConfig(config_groups={"group_0": scheme}, format=fields["format"],
-                               quantization_status="compressed", ignore=IGNORE)
+                               quantization_status="compressed", ignore=list(ignore))
     config = json.loads((path / "config.json").read_text())
-    config["quantization_config"] = {**quant.model_dump(mode="json"),
-                                     "quant_method": "compressed-tensors"}
+    config.get("text_config", config)["quantization_config"] = {
+        **quant.model_dump(mode="json"), "quant_method": "compressed-tensors"}
     (path / "config.json").write_text(json.dumps(config, indent=1))
     return path
 
