@@ -1,5 +1,6 @@
-"""Moonshot's released Kimi K3 modeling code under `backend="k3"`: build a tiny
-`KimiLinearForCausalLM` from their files, adapt it to the decode-step call, compile, decode.
+"""Moonshot's released Kimi K3 modeling code under `backend="k3"`: build a tiny model from their
+files (`KimiLinearForCausalLM`, or with `--model k3` the release's
+`KimiK3ForConditionalGeneration`), adapt it to the decode-step call, compile, decode.
 
     K3_MOONSHOT_DIR=/path/to/moonshot python examples/moonshot.py            # CPU, tiny config
     K3_MOONSHOT_DIR=... python examples/moonshot.py --device cuda --tokens 32
@@ -8,7 +9,10 @@ K3_MOONSHOT_DIR names a folder holding modeling_kimi_linear.py and configuration
 Hugging Face repo moonshotai/Kimi-K3); `pip install -e ".[moonshot]"`. On CUDA with fla
 installed, Moonshot's eager model runs fla's kernels; the adapted step always runs k3compile's
 torch stand-ins, which the backend fuses. Prints tokens/s of Moonshot's eager generate loop and
-of the compiled step, whether both produced the same tokens, and the per-layer fusion plan.
+of the compiled step (on CPU the fused ops run their torch references: slower than eager), the
+prompt and the compiled step's tokens, whether Moonshot's loop produced the same tokens, and the
+per-layer fusion plan. The tiny model's experts are dense `nn.Linear`s, which `k3.moe_experts`
+(MXFP4 only) does not take: the plan says so in each MoE layer.
 """
 
 from __future__ import annotations
@@ -64,13 +68,16 @@ def main(argv=None):
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--executor", default="aten", choices=["aten", "inductor"])
+    ap.add_argument("--model", default="kimi_linear", choices=["kimi_linear", "k3"])
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     k3compile.backend.ensure_registered()
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
 
-    model = moonshot.build(moonshot.tiny_config(), dtype=dtype).to(device)
-    prompt = torch.randint(3, model.config.vocab_size, (args.batch, args.prompt_len),
+    config = moonshot.tiny_k3_config() if args.model == "k3" else moonshot.tiny_config()
+    model = moonshot.build(config, dtype=dtype).to(device)
+    vocab = model.get_output_embeddings().weight.shape[0]
+    prompt = torch.randint(3, vocab, (args.batch, args.prompt_len),
                            generator=torch.Generator().manual_seed(0)).to(device)
     want, t_eager = moonshot_decode(model, prompt, args.tokens)
 
@@ -86,7 +93,9 @@ def main(argv=None):
     n = args.batch * args.tokens
     print(f"moonshot eager: {n / t_eager:8.1f} tokens/s")
     print(f"adapted + k3:   {n / t_k3:8.1f} tokens/s")
-    print(f"same tokens: {torch.equal(got, want)}")
+    print(f"prompt: {prompt.tolist()}")
+    print(f"tokens: {got.tolist()}")
+    print(f"same tokens as Moonshot's eager loop: {torch.equal(got, want)}")
     print(k3compile.backend.last_compiled().summary())
 
 

@@ -142,9 +142,9 @@ _SPLIT = {"w1": 0, "w3": 0, "w2": 1}
 @torch.no_grad()
 def shard_experts(model: nn.Module, rank: int, world: int) -> nn.Module:
     """Keep this rank's 1/W of every routed expert's intermediate, in place: packed MXFP4
-    (`weight_packed` [out, in/2], `weight_scale` [out, in/32]) or dense (`weight`). w2's columns
-    are packed two per byte and scaled one per 32, so intermediate / W must be a multiple of
-    32: no byte or scale group straddles two ranks. Each MoE block records `expert_shard =
+    (`weight_packed` [out, in/2], `weight_scale` [out, in/32]) or dense (`weight`). Packed w2
+    columns come two per byte and one scale per 32, so there intermediate / W must be a
+    multiple of 32: no byte or scale group straddles two ranks. Each MoE block records `expert_shard =
     (rank, world)`, which `adapt` checks against its group."""
     if not 0 <= rank < world:
         raise ValueError(f"rank {rank} is outside a world of {world}")
@@ -157,12 +157,12 @@ def shard_experts(model: nn.Module, rank: int, world: int) -> nn.Module:
 
 
 def _keep_part(linear: nn.Linear, dim: int, rank: int, world: int) -> None:
-    full = (linear.out_features, linear.in_features)[dim]
+    full, packed = (linear.out_features, linear.in_features)[dim], is_packed(linear)
     part = full // world
-    if full % world or (dim == 1 and part % GROUP):
+    if full % world or (packed and part % GROUP):
         raise ValueError(f"an expert intermediate of {full} does not split over {world} ranks"
-                         + (f" in whole groups of {GROUP}" if dim == 1 else ""))
-    names = ("weight_packed", "weight_scale") if is_packed(linear) else ("weight",)
+                         + (f" in whole groups of {GROUP}" if packed else ""))
+    names = ("weight_packed", "weight_scale") if packed else ("weight",)
     for name in names:
         t = getattr(linear, name)
         width = t.shape[dim] // world  # packed and scale columns: in/2 and in/32 per rank

@@ -121,7 +121,7 @@ def checkpoint(moonshot, tmp_path_factory):
 def dense_twin(moonshot, loaded):
     """Moonshot's model of the loaded one's config and weights, its experts dense `nn.Linear`s
     holding compressed-tensors' decompression of the loaded packed experts."""
-    dtype = loaded.lm_head.weight.dtype
+    dtype = loaded.get_output_embeddings().weight.dtype
     twin = moonshot.build(loaded.config, dtype=dtype)
     twin.load_state_dict({n: t for n, t in loaded.state_dict().items() if ".experts." not in n},
                          strict=False)
