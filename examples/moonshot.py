@@ -9,8 +9,8 @@ K3_MOONSHOT_DIR names a folder holding modeling_kimi_linear.py and configuration
 Hugging Face repo moonshotai/Kimi-K3); `pip install -e ".[moonshot]"`. On CUDA with fla
 installed, Moonshot's eager model runs fla's kernels; the adapted step always runs k3compile's
 torch stand-ins, which the backend fuses. Prints tokens/s of Moonshot's eager generate loop and
-of the compiled step (on CPU the fused ops run their torch references: slower than eager), the
-prompt and the compiled step's tokens, whether Moonshot's loop produced the same tokens, and the
+of the compiled step (on a CPU the fused ops run their torch references), the prompt and the
+compiled step's tokens, whether Moonshot's loop produced the same tokens, and the
 per-layer fusion plan. The tiny model's experts are dense `nn.Linear`s, which `k3.moe_experts`
 (MXFP4 only) does not take: the plan says so in each MoE layer.
 """

@@ -6,7 +6,8 @@
 or `KimiK3ForConditionalGeneration` (`kimi_linear.py`; their files are found through
 K3_MOONSHOT_DIR, `moonshot.py`; fla's kernels are replaced by torch stand-ins, `fla.py`). The
 release's routed experts, compressed-tensors MXFP4 loaded by `moonshot.from_pretrained`, are read
-packed and fuse into `k3.moe_experts` (`compressed.py`).
+packed and fuse into `k3.moe_experts` (`compressed.py`); at TP > 1 each rank loads its slice of
+the experts (`moonshot.from_pretrained(..., group=)`) and `adapt(..., group=)` sums them.
 """
 
 from k3compile.adapt.kimi_linear import MoonshotStep, adapt

@@ -144,8 +144,8 @@ def shard_experts(model: nn.Module, rank: int, world: int) -> nn.Module:
     """Keep this rank's 1/W of every routed expert's intermediate, in place: packed MXFP4
     (`weight_packed` [out, in/2], `weight_scale` [out, in/32]) or dense (`weight`). Packed w2
     columns come two per byte and one scale per 32, so there intermediate / W must be a
-    multiple of 32: no byte or scale group straddles two ranks. Each MoE block records `expert_shard =
-    (rank, world)`, which `adapt` checks against its group."""
+    multiple of 32: no byte or scale group straddles two ranks. Each MoE block records
+    `expert_shard = (rank, world)`, which `adapt` checks against its group."""
     if not 0 <= rank < world:
         raise ValueError(f"rank {rank} is outside a world of {world}")
     for block in [m for m in model.modules() if type(m).__name__ == "KimiSparseMoeBlock"]:

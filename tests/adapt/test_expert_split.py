@@ -25,8 +25,11 @@ from tests.conftest import TOL
 from tests.stages.test_shard import _free_port
 
 pytest.importorskip("compressed_tensors", reason="compressed-tensors is not installed")
-from tests.adapt.test_kimi_k3 import k3_checkpoint, k3_model  # noqa: E402, F401
-from tests.adapt.test_mxfp4_load import expert_linears  # noqa: E402
+from tests.adapt import test_kimi_k3
+from tests.adapt.test_kimi_k3 import k3_model
+from tests.adapt.test_mxfp4_load import expert_linears
+
+k3_checkpoint = test_kimi_k3.k3_checkpoint  # the fixture, shared
 
 
 def _expert_bytes(model) -> int:
