@@ -1,7 +1,7 @@
 """The release's checkpoint at TP 2: each rank loads its half of every routed expert's
 intermediate (`moonshot.from_pretrained(path, group=)`: w1/w3 rows, w2 columns, packed bytes and
 E8M0 scales alike) and `adapt(model, group=)` sums the ranks' expert outputs; the rest of the
-model is replicated. Two gloo processes on CPU, as tests/stages/test_shard.py spawns them; a
+model is replicated. Two gloo processes on CPU (`tests/gloo.spawn`); a
 tiny `KimiK3ForConditionalGeneration` checkpoint (fp32, 3 layers, MXFP4 experts) in the
 release's layout (tests/adapt/test_kimi_k3.py).
 
@@ -13,16 +13,14 @@ split in whole groups of 32.
 
 from __future__ import annotations
 
-import datetime
 import os
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from tests import gloo
 from tests.conftest import TOL
-from tests.stages.test_shard import _free_port
 
 pytest.importorskip("compressed_tensors", reason="compressed-tensors is not installed")
 from tests.adapt import test_kimi_k3
@@ -36,36 +34,29 @@ def _expert_bytes(model) -> int:
     return sum(t.numel() for m in expert_linears(model) for t in (m.weight_packed, m.weight_scale))
 
 
-def _worker(rank: int, world: int, port: int, path: str, out_dir: str):
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=300))  # a hang fails
-    try:
-        import k3compile.backend as k3be
-        from k3compile.adapt import adapt, moonshot
-        from tests.adapt.test_moonshot import compile_step, step_greedy
+def _worker(rank: int, path: str, out_dir: str):
+    import k3compile.backend as k3be
+    from k3compile.adapt import adapt, moonshot
+    from tests.adapt.test_moonshot import compile_step, step_greedy
 
-        kw = {"max_batch": 4, "max_seq_len": 32}
-        full = moonshot.from_pretrained(path, dtype=torch.float32)
-        part = moonshot.from_pretrained(path, dtype=torch.float32, group=dist.group.WORLD)
-        result = {"tp1": step_greedy(adapt(full, **kw)),
-                  "bytes": (_expert_bytes(part), _expert_bytes(full))}
-        step = adapt(part, group=dist.group.WORLD, **kw)
-        result["eager"] = step_greedy(step)
-        step.reset_cache()
-        result["compiled"] = step_greedy(step, decode=compile_step(step))
-        (report,) = k3be.last_compiled().contracts.values()
-        result["moe_experts"] = [lr.actual["moe_experts"] for lr in report.layers]
-        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+    kw = {"max_batch": 4, "max_seq_len": 32}
+    full = moonshot.from_pretrained(path, dtype=torch.float32)
+    part = moonshot.from_pretrained(path, dtype=torch.float32, group=dist.group.WORLD)
+    result = {"tp1": step_greedy(adapt(full, **kw)),
+              "bytes": (_expert_bytes(part), _expert_bytes(full))}
+    step = adapt(part, group=dist.group.WORLD, **kw)
+    result["eager"] = step_greedy(step)
+    step.reset_cache()
+    result["compiled"] = step_greedy(step, decode=compile_step(step))
+    (report,) = k3be.last_compiled().contracts.values()
+    result["moe_experts"] = [lr.actual["moe_experts"] for lr in report.layers]
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
 @pytest.mark.slow
 def test_tp2_expert_split_gives_the_tp1_logits(k3_checkpoint, tmp_path, capsys):
     path, _ = k3_checkpoint(torch.float32, layers=3)
-    mp.spawn(_worker, args=(2, _free_port(), str(path), str(tmp_path)), nprocs=2, join=True)
+    gloo.spawn(_worker, str(path), str(tmp_path), world=2)
     for rank in range(2):
         r = torch.load(tmp_path / f"rank{rank}.pt")
         for kind in ("eager", "compiled"):

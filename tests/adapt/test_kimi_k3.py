@@ -4,11 +4,11 @@
 (`moonshot.tiny_k3_config`: the tiny text config, a one-block vision tower).
 
 1. eager: the adapted step's prefill + greedy decode equal the K3 class's own forward (fp32 to
-   rounding, bf16 bit-equal), tokens identical; the adapter shares `language_model`'s parameters;
+   rounding), tokens identical; the adapter shares `language_model`'s parameters;
 2. the release's checkpoint layout: tensors named `language_model.` / `vision_tower.` /
    `mm_projector.`, the `quantization_config` inside `text_config` with the release's ignore
    list, routed experts compressed-tensors MXFP4: `moonshot.from_pretrained` loads the K3 class
-   with packed experts, and the adapted step equals the loaded model's forward;
+   with packed experts, and the adapted step equals the loaded model's forward (bf16, bit-equal);
 3. compiled (slow): one graph per decode step, logits equal Moonshot's eager K3 class (its
    experts compressed-tensors' fp32 decompression of the packed ones), tokens identical, and
    per layer the same kernels as the `KimiLinearForCausalLM` path on a checkpoint of the same
@@ -43,22 +43,22 @@ RELEASE_IGNORE = ["re:.*self_attn.*", "re:.*shared_experts.*",
 DENSE_TOO = ["re:.*_res_proj$", "re:.*routed_expert_(down|up)_proj$"]
 
 
-def k3_model(moonshot, dtype=torch.float32, layers=4):
-    config = moonshot.tiny_k3_config(num_hidden_layers=layers, mla_layers=(layers - 2, layers - 1)
-                                     if layers > 2 else (layers - 1,))
+def k3_model(moonshot, dtype=torch.float32, layers=3):
+    """Layer 0 dense KDA, MoE after, the last layer MLA."""
+    config = moonshot.tiny_k3_config(num_hidden_layers=layers, mla_layers=(layers - 1,))
     return moonshot.build(config, dtype=dtype)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_eager_step_equals_the_k3_class(moonshot, dtype):
-    model = k3_model(moonshot, dtype)
+def test_eager_step_equals_the_k3_class(moonshot):
+    """fp32 (bf16, bit-equal: the release-layout test below)."""
+    model = k3_model(moonshot)
     assert type(model).__name__ == "KimiK3ForConditionalGeneration"
     step = adapt(model, max_batch=4, max_seq_len=32)
     assert {id(p) for p in step.parameters()} == \
         {id(p) for p in model.language_model.parameters()}
-    want, got = moonshot_greedy(model), step_greedy(step)
+    want, got = moonshot_greedy(model, steps=2), step_greedy(step, steps=2)
     for g, w in zip(got, want, strict=True):
-        assert g.dtype == w.dtype and g.shape == w.shape and rel(g, w) <= TOL[dtype]
+        assert g.dtype == w.dtype and g.shape == w.shape and rel(g, w) <= TOL[torch.float32]
     assert [t.argmax(-1).tolist() for t in got] == [t.argmax(-1).tolist() for t in want]
 
 
@@ -100,7 +100,8 @@ def test_release_layout_loads_as_the_k3_class(moonshot, k3_checkpoint):
                            for m in linears)
 
     step = adapt(model, max_batch=4, max_seq_len=32)
-    got, want = step_greedy(step), moonshot_greedy(model)  # adapted first: packed experts
+    got = step_greedy(step, steps=2)  # adapted first: the experts still packed
+    want = moonshot_greedy(model, steps=2)
     assert all(rel(g, w) == 0.0 for g, w in zip(got, want, strict=True))  # measured bit-equal
     assert [t.argmax(-1).tolist() for t in got] == [t.argmax(-1).tolist() for t in want]
 
