@@ -9,6 +9,8 @@
    `mm_projector.`, the `quantization_config` inside `text_config` with the release's ignore
    list, routed experts compressed-tensors MXFP4: `moonshot.from_pretrained` loads the K3 class
    with packed experts, and the adapted step equals the loaded model's forward (bf16, bit-equal);
+   `AutoModelForCausalLM` with `trust_remote_code` (the release's auto_map) loads the same model
+   under `moonshot.compatible()` and fails without it;
 3. compiled (slow): one graph per decode step, logits equal Moonshot's eager K3 class (its
    experts compressed-tensors' fp32 decompression of the packed ones), tokens identical, and
    per layer the same kernels as the `KimiLinearForCausalLM` path on a checkpoint of the same
@@ -144,3 +146,40 @@ def test_compiled_k3_class_equals_eager_with_the_kimi_linear_kernels(moonshot, k
               f"{kernels_linear}; max rel err vs Moonshot's eager {err:.1e}")
     assert kernels == kernels_linear, (kernels, kernels_linear)
     assert all(torch.equal(g, w) for g, w in zip(got, got_linear, strict=True))
+
+
+def test_remote_code_load_of_the_k3_class(moonshot, k3_checkpoint, tmp_path, monkeypatch):
+    """`AutoModelForCausalLM.from_pretrained(..., trust_remote_code=True)` with the release's
+    auto_map and Moonshot's files next to the checkpoint fails under transformers 5 (Moonshot's
+    `tie_weights`), and under `moonshot.compatible()` loads the model `moonshot.from_pretrained`
+    loads."""
+    import shutil
+
+    import transformers.dynamic_module_utils as dynamic
+    from transformers import AutoModelForCausalLM
+
+    from k3compile.adapt import fla
+
+    folder = tmp_path / "remote"
+    shutil.copytree(k3_checkpoint()[0], folder)
+    for name in (*moonshot.NEEDED, "modeling_kimi_k3.py"):  # a copy in the test's tmp folder only
+        shutil.copy(moonshot.moonshot_dir() / name, folder / name)
+    config = json.loads((folder / "config.json").read_text())
+    config["auto_map"] = {"AutoConfig": "configuration_kimi_k3.KimiK3Config",
+                          "AutoModelForCausalLM": "modeling_kimi_k3.KimiK3ForConditionalGeneration"}
+    (folder / "config.json").write_text(json.dumps(config))
+    monkeypatch.setattr(dynamic, "HF_MODULES_CACHE", str(tmp_path / "modules"))
+    with fla.installed():
+        with pytest.raises(TypeError, match="recompute_mapping"):
+            AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
+        with moonshot.compatible():
+            remote = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True,
+                                                          dtype=torch.bfloat16)
+    assert type(remote).__name__ == "KimiK3ForConditionalGeneration"
+    local = moonshot.from_pretrained(folder)
+    want = local.state_dict()
+    assert remote.state_dict().keys() == want.keys()
+    assert all(torch.equal(t, want[n]) for n, t in remote.state_dict().items())
+    ids, pos = torch.tensor([3, 4]), torch.zeros(2, dtype=torch.long)
+    got = adapt(remote.eval(), max_batch=2, max_seq_len=8)(ids, pos)
+    assert torch.equal(got, adapt(local, max_batch=2, max_seq_len=8)(ids, pos))
