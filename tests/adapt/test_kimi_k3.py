@@ -31,8 +31,11 @@ from tests.adapt.test_moonshot import TOL, compile_step, moonshot_greedy, rel, s
 pytest.importorskip("compressed_tensors", reason="compressed-tensors is not installed")
 from tests.adapt.test_mxfp4_load import (
     _kernels,
+    assert_same_model,
     dense_twin,
     expert_linears,
+    remote_code_folder,
+    remote_load,
     write_checkpoint,
 )
 
@@ -153,33 +156,11 @@ def test_remote_code_load_of_the_k3_class(moonshot, k3_checkpoint, tmp_path, mon
     auto_map and Moonshot's files next to the checkpoint fails under transformers 5 (Moonshot's
     `tie_weights`), and under `moonshot.compatible()` loads the model `moonshot.from_pretrained`
     loads."""
-    import shutil
-
-    import transformers.dynamic_module_utils as dynamic
-    from transformers import AutoModelForCausalLM
-
-    from k3compile.adapt import fla
-
-    folder = tmp_path / "remote"
-    shutil.copytree(k3_checkpoint()[0], folder)
-    for name in (*moonshot.NEEDED, "modeling_kimi_k3.py"):  # a copy in the test's tmp folder only
-        shutil.copy(moonshot.moonshot_dir() / name, folder / name)
-    config = json.loads((folder / "config.json").read_text())
-    config["auto_map"] = {"AutoConfig": "configuration_kimi_k3.KimiK3Config",
-                          "AutoModelForCausalLM": "modeling_kimi_k3.KimiK3ForConditionalGeneration"}
-    (folder / "config.json").write_text(json.dumps(config))
-    monkeypatch.setattr(dynamic, "HF_MODULES_CACHE", str(tmp_path / "modules"))
-    with fla.installed():
-        with pytest.raises(TypeError, match="recompute_mapping"):
-            AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
-        with moonshot.compatible():
-            remote = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True,
-                                                          dtype=torch.bfloat16)
+    folder = remote_code_folder(
+        moonshot, k3_checkpoint()[0], tmp_path, monkeypatch,
+        {"AutoConfig": "configuration_kimi_k3.KimiK3Config",
+         "AutoModelForCausalLM": "modeling_kimi_k3.KimiK3ForConditionalGeneration"},
+        files=["modeling_kimi_k3.py"])
+    remote = remote_load(folder, moonshot.compatible, fails=(TypeError, "recompute_mapping"))
     assert type(remote).__name__ == "KimiK3ForConditionalGeneration"
-    local = moonshot.from_pretrained(folder)
-    want = local.state_dict()
-    assert remote.state_dict().keys() == want.keys()
-    assert all(torch.equal(t, want[n]) for n, t in remote.state_dict().items())
-    ids, pos = torch.tensor([3, 4]), torch.zeros(2, dtype=torch.long)
-    got = adapt(remote.eval(), max_batch=2, max_seq_len=8)(ids, pos)
-    assert torch.equal(got, adapt(local, max_batch=2, max_seq_len=8)(ids, pos))
+    assert_same_model(moonshot, remote, folder)

@@ -205,30 +205,41 @@ def test_loaded_checkpoint_keeps_packed_experts_and_its_other_weights(moonshot, 
                            and m.weight_scale.dtype == torch.uint8 for m in linears)
 
 
-def test_remote_code_load_is_the_same_model(moonshot, checkpoint, tmp_path, monkeypatch):
-    """`AutoModelForCausalLM.from_pretrained(..., trust_remote_code=True)` with Moonshot's files
-    next to the checkpoint (as in the Hugging Face repo; fla's stand-ins where fla cannot run)
-    loads the model `moonshot.from_pretrained` loads, once `loaded_weights_kept` stops Moonshot's
-    `_init_weights` (which, under transformers 5, fails on the MXFP4 experts)."""
+def remote_code_folder(moonshot, checkpoint_dir, tmp_path, monkeypatch, auto_map: dict,
+                       files=()):
+    """A copy of the checkpoint with Moonshot's files (NEEDED and `files`) beside it, as in the
+    Hugging Face repo (a copy in the test's tmp folder only), config.json's `auto_map` set; transformers' module
+    cache in tmp_path."""
     import transformers.dynamic_module_utils as dynamic
-    from transformers import AutoModelForCausalLM
 
     folder = tmp_path / "remote"
-    shutil.copytree(checkpoint(), folder)
-    for name in moonshot.NEEDED:  # a copy in the test's tmp folder only
+    shutil.copytree(checkpoint_dir, folder)
+    for name in (*moonshot.NEEDED, *files):
         shutil.copy(moonshot.moonshot_dir() / name, folder / name)
     config = json.loads((folder / "config.json").read_text())
-    config["auto_map"] = {"AutoConfig": "configuration_kimi_k3.KimiLinearConfig",
-                          "AutoModelForCausalLM": "modeling_kimi_linear.KimiLinearForCausalLM"}
+    config["auto_map"] = auto_map
     (folder / "config.json").write_text(json.dumps(config))
     monkeypatch.setattr(dynamic, "HF_MODULES_CACHE", str(tmp_path / "modules"))
+    return folder
+
+
+def remote_load(folder, shim, fails: tuple[type, str]):
+    """`AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)` (fla's stand-ins
+    where fla cannot run): raises `fails` (exception type, message) without `shim()`, and within
+    it loads the model in bf16."""
+    from transformers import AutoModelForCausalLM
+
     with fla.installed():
-        with pytest.raises(AttributeError, match="has no attribute 'weight'"):
+        with pytest.raises(fails[0], match=fails[1]):
             AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
-        with moonshot.loaded_weights_kept():
-            remote = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True,
-                                                          dtype=torch.bfloat16)
-    remote.config._attn_implementation = "eager"
+        with shim():
+            return AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True,
+                                                        dtype=torch.bfloat16)
+
+
+def assert_same_model(moonshot, remote, folder):
+    """`remote` (loaded with trust_remote_code) is the model `moonshot.from_pretrained` loads:
+    the same tensors, the same adapted step."""
     local = moonshot.from_pretrained(folder)
     assert type(remote).__module__ != type(local).__module__  # Moonshot's code, loaded twice
     want = local.state_dict()
@@ -238,6 +249,20 @@ def test_remote_code_load_is_the_same_model(moonshot, checkpoint, tmp_path, monk
     ids, pos = torch.tensor([3, 4]), torch.zeros(2, dtype=torch.long)
     got = adapt(remote.eval(), max_batch=2, max_seq_len=8)(ids, pos)
     assert torch.equal(got, adapt(local, max_batch=2, max_seq_len=8)(ids, pos))
+
+
+def test_remote_code_load_is_the_same_model(moonshot, checkpoint, tmp_path, monkeypatch):
+    """`AutoModelForCausalLM.from_pretrained(..., trust_remote_code=True)` with Moonshot's files
+    next to the checkpoint (as in the Hugging Face repo; fla's stand-ins where fla cannot run)
+    loads the model `moonshot.from_pretrained` loads, once `loaded_weights_kept` stops Moonshot's
+    `_init_weights` (which, under transformers 5, fails on the MXFP4 experts)."""
+    folder = remote_code_folder(
+        moonshot, checkpoint(), tmp_path, monkeypatch,
+        {"AutoConfig": "configuration_kimi_k3.KimiLinearConfig",
+         "AutoModelForCausalLM": "modeling_kimi_linear.KimiLinearForCausalLM"})
+    remote = remote_load(folder, moonshot.loaded_weights_kept,
+                         fails=(AttributeError, "has no attribute 'weight'"))
+    assert_same_model(moonshot, remote, folder)
 
 
 def test_eager_step_equals_the_loaded_models_forward_and_holds_the_packed_bytes(moonshot,
