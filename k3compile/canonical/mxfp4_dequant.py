@@ -35,6 +35,7 @@ graph shares one table node, as the pattern needs.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 from torch import fx
@@ -369,8 +370,11 @@ def _pairs_with(packed: fx.Node, scale: fx.Node) -> bool:
             and 2 * p[-1] == GROUP * s[-1])
 
 
+@functools.cache
 def canonical_probes(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """The canonical dequant of every (byte, scale) pair, low and high nibble, in dtype."""
+    """The canonical dequant of every (byte, scale) pair, low and high nibble, in dtype. Computed
+    once per dtype (~1M values; every candidate site of every bucket compares against it), so
+    callers only read the tensors."""
     packed = _PAIR_B.unsqueeze(-1).expand(-1, GROUP // 2).contiguous()
     out = mxfp4_dequant(packed, _PAIR_S.unsqueeze(-1), e2m1_table(dtype=dtype))
     return out[:, 0], out[:, 1]
