@@ -10,10 +10,12 @@ temporary folder): K3_CACHE_DIR (compiled CuTe DSL kernels) and TORCHINDUCTOR_CA
 (benchmarks/decode_layer.py), then compiles every bucket in turn as the yardstick does
 (`torch.compile(stack, backend=k3, dynamic=False, options={"cuda_graphs": False})`, timed up to
 the end of its first call) from one state snapshot. Pass 1 (cold) fills the caches, pass 2
-(warm) is what a restarted server pays. Per bucket: seconds, kernels built / loaded from the
-cache and the seconds that took, Inductor FX-graph cache hits, and a digest of the outputs;
-the warm pass must build no kernel and give bitwise the outputs of the cold one (exit status 1
-otherwise).
+(warm) is what a restarted server pays. Per bucket: seconds, the pipeline's stage seconds
+("torch": the rest, Dynamo, AOT and Inductor, and the first call), kernels built / loaded from
+the cache and the seconds that took, pattern traces made / loaded from the cache
+(k3compile/rewrite/trace_cache.py), Inductor FX-graph cache hits, and a digest of the outputs;
+the warm pass must build no kernel, trace no pattern and give bitwise the outputs of the cold
+one (exit status 1 otherwise).
 Writes compile_time.json under --out.
 """
 
@@ -27,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -65,6 +68,8 @@ def buckets(args) -> list[yardstick.Bucket]:
 
 def run_pass(args) -> dict:
     from k3compile.kernels.common import disk_cache
+    from k3compile.observe import Observer
+    from k3compile.rewrite import trace_cache
 
     t_start = time.perf_counter()
     yardstick.configure_dynamo(argparse.Namespace(compile_only=False))
@@ -86,14 +91,19 @@ def run_pass(args) -> dict:
             inputs = yardstick.make_inputs(model, bucket, args.context, gen)
             yardstick.restore(bufs, start)
             kernels0, graphs0 = disk_cache.stats(), yardstick._cache_counters()
-            kernel_s0 = disk_cache.seconds()
+            kernel_s0, traces0 = disk_cache.seconds(), trace_cache.stats()
+            stages: dict[str, float] = {}
             t0 = time.perf_counter()
-            outputs = torch.compile(stack, backend=backend, dynamic=False, options=options)(
-                *inputs)
+            with Observer.subscribe(_stage_timer(stages)):
+                outputs = torch.compile(stack, backend=backend, dynamic=False,
+                                        options=options)(*inputs)
             yardstick.sync(device)
             seconds = time.perf_counter() - t0
+        stages["torch"] = seconds - sum(stages.values())
         result["buckets"].append({
             "name": bucket.name, "compile_s": round(seconds, 2),
+            "stages": {k: round(v, 2) for k, v in stages.items()},
+            "patterns": _delta(trace_cache.stats(), traces0),
             "kernels": _delta(disk_cache.stats(), kernels0),
             "kernel_s": _delta(disk_cache.seconds(), kernel_s0),
             "fx_graph_cache": yardstick._cache_counters(graphs0),
@@ -103,6 +113,14 @@ def run_pass(args) -> dict:
     result["compile_s"] = round(sum(b["compile_s"] for b in result["buckets"]), 2)
     result["process_s"] = round(time.perf_counter() - t_start, 2)
     return result
+
+
+def _stage_timer(stages: dict[str, float]):
+    """An Observer listener summing each stage's seconds into `stages`."""
+    def on(event):
+        if event.record is not None:
+            stages[event.stage] = stages.get(event.stage, 0.0) + event.record.seconds
+    return on
 
 
 def _delta(now: dict, before: dict) -> dict:
@@ -162,6 +180,9 @@ def problems(passes: dict) -> list[str]:
     for cold, warm in zip(passes["cold"]["buckets"], passes["warm"]["buckets"], strict=True):
         if warm["kernels"].get("built"):
             found.append(f"{warm['name']}: the warm pass built {warm['kernels']['built']} kernels")
+        if warm["patterns"].get("traced"):
+            found.append(f"{warm['name']}: the warm pass traced {warm['patterns']['traced']} "
+                         "patterns")
         if warm["outputs_sha256"] != cold["outputs_sha256"]:
             found.append(f"{warm['name']}: warm outputs differ from cold")
     return found
@@ -176,7 +197,23 @@ def table(passes: dict) -> str:
                 f"{passes['warm']['compile_s']:>9.1f}")
     rows.append(f"{'process':<10}{passes['cold']['wall_s']:>9.1f}{passes['warm']['wall_s']:>9.1f}"
                 "  (imports, model build and every bucket)")
+    rows.append("seconds by stage, all buckets (cold -> warm): " + ", ".join(
+        f"{name} {cold:.1f} -> {warm:.1f}" for name, (cold, warm) in stage_totals(passes).items()))
+    rows.append("pattern traces (cold -> warm): " + " -> ".join(
+        str(dict(sum((Counter(b["patterns"]) for b in passes[p]["buckets"]), Counter())))
+        for p in PASSES))
     return "\n".join(rows)
+
+
+def stage_totals(passes: dict) -> dict[str, tuple[float, float]]:
+    """Each stage's seconds summed over the buckets, per pass, the largest first."""
+    sums = {p: Counter() for p in PASSES}
+    for p in PASSES:
+        for b in passes[p]["buckets"]:
+            sums[p].update(b["stages"])
+    names = sorted(set(sums["cold"]) | set(sums["warm"]), key=lambda n: -sums["cold"][n])
+    return {n: (sums["cold"][n], sums["warm"][n]) for n in names
+            if max(sums["cold"][n], sums["warm"][n]) >= 0.05}
 
 
 if __name__ == "__main__":

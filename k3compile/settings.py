@@ -44,7 +44,7 @@ SWITCHES: dict[str, tuple[str, str]] = {
                         ""),
     "K3_ALLREDUCE": ("kernels: force the TP all-reduce (`one_shot`, `two_shot`, `nccl`)", ""),
     "K3_QUIET": ("no compile progress on stderr (buckets, stages, kernels built)", "0"),
-    "K3_CACHE_DIR": ("kernels: the on-disk cache of compiled kernels (`0`: none)",
+    "K3_CACHE_DIR": ("the on-disk cache of compiled kernels and traced patterns (`0`: none)",
                      "~/.cache/k3compile"),
     "K3_COLLECTIVE_TIMEOUT": ("tests: seconds the multi-process collective test waits", "150"),
     "K3_MOONSHOT_DIR": ("`k3compile.adapt`: folder holding Moonshot's modeling files", ""),
@@ -202,7 +202,7 @@ class KernelSettings:
     extra: tuple[str, ...] = ()
     skip: tuple[str, ...] = ()
     allreduce: str | None = None
-    cache_dir: str | None = None  # compiled kernels on disk (kernels/common/disk_cache.py)
+    cache_dir: str | None = None  # kernels/common/disk_cache.py, k3compile/rewrite/trace_cache.py
     moe_grouped: bool = False  # moe_experts by expert at 8-64 rows (kernels/moe_experts.py)
 
     @classmethod

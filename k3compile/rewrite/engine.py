@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from k3compile.rewrite import inductor, near_miss
+from k3compile.rewrite import inductor, near_miss, trace_cache
 from k3compile.rewrite.near_miss import NearMiss, module_path
 
 # ops outside the fusion plans: the plain GEMMs `patterns/linear.py` takes after every fusion
@@ -94,7 +94,8 @@ class Pattern:
         if self.joint_passes:
             trace = inductor.fwd_only_joint
         expr, self._search_gm = inductor.gen_pattern_and_search_gm(
-            self.search, self.example_inputs(), trace, self.scalars, self.exclusive)
+            self.search, self.example_inputs(), trace_cache.cached(trace, self.name),
+            self.scalars, self.exclusive)
         if self.strings:
             inductor.wildcard_strings(expr, {v: k for k, v in self.strings.items()})
         inductor.commutative(expr)
