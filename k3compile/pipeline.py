@@ -19,6 +19,7 @@ and the rewrite report. The graph-diff tool and the fusion contract read what it
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
@@ -26,7 +27,7 @@ from torch import fx
 
 from k3compile.observe import Observer
 from k3compile.progress import BucketProgress
-from k3compile.rewrite import inductor
+from k3compile.rewrite import inductor, trace_cache
 from k3compile.settings import Options
 from k3compile.stages import Context
 from k3compile.stages.canonicalize import canonicalize
@@ -119,10 +120,18 @@ class Pipeline:
             # the graph as it is: side-stream ops name their stream in their calls
             return inductor.make_boxed_func(aten_gm.forward)
 
-        patches = {"fx_graph_cache": False, "emulate_precision_casts": True,
+        patches = {"emulate_precision_casts": True,
                    **inductor.GRAPH_PASSES_OFF}  # see there: Inductor's pattern passes off
+        tagged = inductor.graph_cache_tagged(trace_cache.package_digest())
+        if tagged is None:  # a key that cannot tell our ops' versions apart: no FX graph cache
+            patches["fx_graph_cache"] = False
         progress = BucketProgress(self.observer, ctx, [name for name, _ in self.stages])
-        with progress.compiling(), torch._functorch.config.patch(enable_autograd_cache=False):
+        # AOTAutograd's cache stays off: its key is Dynamo's graph, without our options, and a
+        # hit skips `inner_compile`, i.e. every stage (and `pack`, which moves the weights the
+        # compiled graph expects packed). Inductor's FX graph cache (torch's default, or
+        # TORCHINDUCTOR_FX_GRAPH_CACHE) serves what the stages made: its key is that graph.
+        with (progress.compiling(), torch._functorch.config.patch(enable_autograd_cache=False),
+              tagged or contextlib.nullcontext()):
             fn = inductor.compile_fx(gm, example_inputs, inner_compile=inner_compile,
                                      config_patches=patches)
         return progress.first_run(fn)  # on a GPU the first run builds the kernels

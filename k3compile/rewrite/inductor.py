@@ -43,6 +43,19 @@ def fwd_only_fake(fn, args, *, get_decomp_fn=None):
 GRAPH_PASSES_OFF = {"pattern_matcher": False, "shape_padding": False}
 
 
+def graph_cache_tagged(tag: str):
+    """A context under which Inductor's FX graph cache keys also hold `tag` (torch's
+    `cache_key_tag`, after the user's own), or None where this torch has no such tag. The key
+    holds the graph Inductor receives, our k3 ops by name; what an op's fake kernel says of its
+    outputs (sizes, strides) is baked into the generated code, so the tag is the digest of the
+    package that defines them: an edited op never reuses code generated for the old one."""
+    config = torch.compiler.config
+    if not hasattr(config, "cache_key_tag"):
+        return None
+    user = config.cache_key_tag
+    return config.patch(cache_key_tag=f"{user}|k3:{tag}" if user else f"k3:{tag}")
+
+
 def fwd_only_joint(fn, args, *, get_decomp_fn=None):
     """`fwd_only_fake`, then Inductor's joint-graph passes: the search graph takes the form the
     model's graph has when our stages see it (e.g. the permute pairs of an einsum folded away)."""
@@ -185,6 +198,7 @@ __all__ = [
     "fwd_only_fake",
     "fwd_only_joint",
     "gen_pattern_and_search_gm",
+    "graph_cache_tagged",
     "inductor_config",
     "make_boxed_func",
     "match",

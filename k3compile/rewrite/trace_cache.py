@@ -170,6 +170,11 @@ def sources(folders: tuple[str, ...]) -> str:
     return h.hexdigest()
 
 
+def package_digest() -> str:
+    """The digest of the `k3compile` package's Python sources (ops, stages, rewrites)."""
+    return sources(())
+
+
 def _safe(name: str) -> str:
     return "".join(c if c.isalnum() or c in "._-" else "_" for c in name)
 
