@@ -13,7 +13,6 @@ from torch._dynamo.utils import counters
 import k3compile.ops  # noqa: F401
 from k3compile.rewrite import trace_cache
 
-
 # the step is written in k3 ops already: no pattern to trace (CPU Inductor builds are slow enough)
 OPTIONS = {"executor": "inductor", "disabled_stages": ("canonicalize", "fuse")}
 
