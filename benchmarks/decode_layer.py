@@ -604,7 +604,7 @@ def run_bucket(args, device, model, stack, twin, bucket: Bucket, variants: dict)
 def _cache_counters(before: dict | None = None) -> dict:
     from torch._dynamo.utils import counters
 
-    now = {k: counters["inductor"].get(f"fxgraph_cache_{k}", 0) for k in ("hit", "miss")}
+    now = {k: counters["inductor"].get(f"fxgraph_cache_{k}", 0) for k in ("hit", "miss", "bypass")}
     return now if before is None else {k: now[k] - before[k] for k in now}
 
 
