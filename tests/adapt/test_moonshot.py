@@ -8,7 +8,9 @@ MoE after, MLA at layers 2 and 3, AttnRes blocks of 3):
 3. compiled with backend="k3" (fullgraph, executor aten): one graph per step shape, logits equal
    to the adapted eager step, and the fused plan per layer: the built-in plan less `KNOWN_GAPS`;
 4. compiled in bf16: greedy decode equal to Moonshot's eager bf16 decode (tokens identical, logits
-   within TOL_COMPILED_BF16), the bf16 plan less its `KNOWN_GAPS`.
+   within TOL_COMPILED_BF16), the bf16 plan less its `KNOWN_GAPS`; B1 x T8 prompt steps within
+   TOL_COMPILED_BF16 of Moonshot's eager and as close to an fp32 copy of the weights as eager is.
+   bf16 weights are conditioned as the diffsuite's bf16 cells are (routing fixed by the router bias).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from k3compile.adapt import adapt
 from k3compile.rewrite import NEUTRAL
 from k3compile.stages.contract import SCHEDULE
 from tests import conftest
+from tests.diffsuite.spellings import condition_for_bf16
 
 PROMPT = torch.tensor([[5, 7, 9, 11], [3, 4, 5, 6]])
 STEPS = 4
@@ -150,8 +153,11 @@ def test_compiled_step_is_one_graph_equal_to_eager_with_the_plan_less_known_gaps
 @pytest.mark.slow
 def test_compiled_bf16_decode_equals_moonshot_eager(moonshot):
     """bf16: the prompt by the eager adapter (bit-equal to Moonshot's prefill, test above), then
-    compiled greedy decode steps against Moonshot's own eager decode with its cache."""
-    model = moonshot.build(moonshot.tiny_config(), dtype=torch.bfloat16)
+    compiled greedy decode steps against Moonshot's own eager decode with its cache. Weights
+    conditioned as below: on the seeded ones bf16 noise flips near-tie choices (measured, 4 prompts
+    x 8 teacher-forced steps: one greedy token of 32 differs; eager itself up to 1.67 from its
+    fp32 copy)."""
+    model = condition_for_bf16(moonshot.build(moonshot.tiny_config(), dtype=torch.bfloat16), 0)
     want = moonshot_greedy(model)
     step = adapt(model, max_batch=4, max_seq_len=32)
     got = step_greedy(step, decode=compile_step(step))
@@ -173,8 +179,6 @@ def test_compiled_bf16_prompt_step_is_as_close_to_fp32_as_moonshot_eager(moonsho
     eager absorbed form, compiled without mla_absorb bit-equal to eager), so no bound separates
     rounding from a bug there. Conditioned, 16 prompts: compiled vs eager <= 0.022 (median 0.013),
     each vs fp32 <= 0.046, compiled's error / eager's error 0.70-1.33."""
-    from tests.diffsuite.spellings import condition_for_bf16
-
     model = condition_for_bf16(moonshot.build(moonshot.tiny_config(), dtype=torch.bfloat16), 0)
     reference = copy.deepcopy(model).float()
     step = adapt(model, max_batch=4, max_seq_len=32)
