@@ -6,7 +6,11 @@ DeepSeek/HF-style code up-projects every cached latent, kv = c·W_kvbᵀ [B, L, 
 per head into k_nope | v, scores q against cat(k_nope, k_pe) (or as a nope and a rope term), masks,
 softmaxes and takes p·v. The rewrite is algebraic, q·(W_UK·c)ᵀ = (W_UKᵀ·q)·cᵀ and
 p·(c·W_UVᵀ) = (p·c)·W_UVᵀ, so it rounds differently: against the non-absorbed eager code the
-rewritten graph is within 6e-7 relative in fp32 (tests), and bit for bit our model's graph.
+rewritten graph is within 6e-7 relative in fp32 (tests), and bit for bit our model's graph. In
+bf16 both forms round every product to bf16 and softmax in fp32; they round at different points
+(absorbed: q·W_UK, the two score terms and their sum, p·c; non-absorbed: c·W_kvbᵀ, the scores and
+their bf16 scaling), so a near-tie top-k downstream may go either way: tests/adapt checks the
+compiled bf16 step is as close to an fp32 copy of the weights as Moonshot's eager is.
 
 Matching is structural, not by spelling: from each read of a cache that was just written
 (`index(index_put(cache, [slots, pos], rows), [slots])`) the rule follows the contractions
