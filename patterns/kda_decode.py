@@ -97,8 +97,9 @@ def _step(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weight
     state_out = setitem(recurrent_state, (slots,), state)
     o = torch.stack(outs, dim=1).to(q.dtype)
     if norm_fp32:
-        return state_out, conv_state_out, rms_norm_gated_fp32(o, o_norm_weight,
-                                                              g.view(B, T, nh, hd), norm_eps)
+        # fla casts the gate inside: cast, then split into heads (rule `cast_view`)
+        return state_out, conv_state_out, rms_norm_gated_fp32(
+            o, o_norm_weight, g.float().view(B, T, nh, hd), norm_eps)
     o = rms_norm(o, o_norm_weight, norm_eps) * torch.sigmoid(g.view(B, T, nh, hd))
     return state_out, conv_state_out, o
 

@@ -24,8 +24,9 @@ from torch import fx
 
 ORDER: tuple[str, ...] = ("state_write", "mla_absorb", "mxfp4_dequant", "expert_stack",
                           "expert_gemm", "gemm", "short_conv", "conv_merge", "gate_up_split",
-                          "depth_mix", "group_limit", "noop_view", "broadcast", "topk_sorted", "view_chains",
-                          "reshape_fold", "stack_cat", "router_input", "permute_fold")
+                          "depth_mix", "group_limit", "noop_view", "cast_view", "broadcast",
+                          "topk_sorted", "view_chains", "reshape_fold", "stack_cat",
+                          "router_input", "permute_fold")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,77 @@
+"""Rule `cast_view`: a dtype cast of a head split -> the cast, then the split.
+
+Splitting the last dim into heads and casting commute (a cast is elementwise, a view moves no
+value), and code does them in either order. Moonshot's KDA layer splits q, k, v and the decay
+input into heads in the activations' dtype (`rearrange(x, '... (h d) -> ... h d')`), and fla's
+kernels cast to fp32 inside; `k3compile/math.py` and the `kda_decode` pattern cast first
+(`x.float().view(B, T, H, D)`):
+    view(x, [B, T, H, D]) -> convert_element_type(fp32)      (Moonshot + fla)
+    convert_element_type(x, fp32) -> view([B, T, H, D])     (canonical)
+Exact: the same values, dtype and shape.
+
+Taken: a `convert_element_type` to another dtype whose input is a view / reshape that keeps the
+leading dims and splits the last one in two (into more than one head). Left alone: casts after other views (a linear's
+`[N, O] -> [B, T, O]` before `b.float()`, which the patterns bind as the value itself), casts to
+the view's own dtype, and a split also read whole elsewhere keeps its view for those reads.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from k3compile.canonical import Rule
+from k3compile.graph import call
+
+aten = torch.ops.aten
+CAST = torch.ops.prims.convert_element_type.default
+_VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
+
+
+def _val(node) -> torch.Tensor | None:
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return val if isinstance(val, torch.Tensor) else None
+
+
+def _same(a, b) -> bool:
+    return statically_known_true(a == b)
+
+
+def _head_split(view) -> bool:
+    """view: [..., H·D] -> [..., H, D], the leading dims kept."""
+    if not (isinstance(view, fx.Node) and view.op == "call_function" and view.target in _VIEWS):
+        return False
+    src, out = _val(view.args[0]), _val(view)
+    if src is None or out is None or src.dim() < 1 or out.dim() != src.dim() + 1:
+        return False
+    lead = all(_same(a, b) for a, b in zip(src.shape[:-1], out.shape[:-2], strict=True))
+    # a size-1 "head" dim is no split (at batch 1, `[N, O] -> [B, T, O]` looks like one)
+    return (lead and _same(out.shape[-2] * out.shape[-1], src.shape[-1])
+            and not _same(out.shape[-1], src.shape[-1]))
+
+
+def _site(node: fx.Node) -> bool:
+    if not (node.op == "call_function" and node.target is CAST and _head_split(node.args[0])):
+        return False
+    val, src = _val(node), _val(node.args[0])
+    return val is not None and src is not None and val.dtype != src.dtype
+
+
+def apply(graph: fx.Graph) -> int:
+    sites = 0
+    for cast in list(graph.nodes):
+        if not _site(cast):
+            continue
+        view = cast.args[0]
+        with graph.inserting_before(cast):
+            first = call(graph, CAST, (view.args[0], *cast.args[1:]), cast.kwargs, like=cast)
+            split = call(graph, view.target, (first, *view.args[1:]), view.kwargs, like=cast)
+        cast.replace_all_uses_with(split)
+        graph.erase_node(cast)
+        sites += 1
+    return sites
+
+
+RULE = Rule("cast_view", apply, "a dtype cast after a head split (view [..., H·D] -> "
+                                "[..., H, D]) -> the cast, then the split")
