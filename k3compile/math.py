@@ -69,6 +69,22 @@ def depth_mix_weights(prefix: torch.Tensor, blocks: list[torch.Tensor], norm_wei
                      lambda s: F.linear(s, proj_weight))
 
 
+def depth_mix_scores_fp32(prefix: torch.Tensor, blocks: list[torch.Tensor],
+                          norm_weight: torch.Tensor, proj_weight: torch.Tensor,
+                          eps: float) -> torch.Tensor:
+    """`depth_mix_weights` with the scores in fp32 throughout (Moonshot's `_apply_attn_res`):
+    each source normalised in fp32 and dotted with w_norm·w_proj in fp32. `depth_mix_weights`
+    rounds the normalised sources, their product with w_norm and the projection to the sources'
+    dtype instead (the same in fp32)."""
+    if not blocks:
+        return prefix
+    sources = torch.stack([*blocks, prefix]).float()  # [S, ..., D]
+    h = sources * torch.rsqrt(sources.pow(2).mean(-1, keepdim=True) + eps)
+    scores = (h * (norm_weight.float() * proj_weight.float().view(-1))).sum(-1)  # [S, ...]
+    alpha = torch.softmax(scores, dim=0)
+    return (alpha.unsqueeze(-1) * sources).sum(0).to(prefix.dtype)
+
+
 # ---- SiTU-GLU (spec §3.3) -----------------------------------------------------------------------
 
 

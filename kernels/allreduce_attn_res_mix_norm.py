@@ -6,7 +6,7 @@ Constraints:
     * partial [N, D] rows; the all-reduce is one-shot or two-shot over symmetric memory or NCCL,
       by size (common/collective.py; K3_ALLREDUCE forces one).
     * The mix takes the attn_res_mix_norm kernel's limits; refused inputs run its reference
-      (reason logged).
+      (reason logged). `scores_fp32` (Moonshot's fp32 scores) is refused so.
 """
 
 import torch
@@ -23,11 +23,12 @@ OP = "allreduce_attn_res_mix_norm"
 
 
 def allreduce_attn_res_mix_norm_cuda(partial, prefix, blocks, mix_norm_weight, mix_proj_weight,
-                                     norm_weight, mix_eps, norm_eps, group_name):
+                                     norm_weight, mix_eps, norm_eps, group_name,
+                                     scores_fp32=False):
     world = dist.get_world_size(dist.distributed_c10d._resolve_process_group(group_name))
     a = collective.all_reduce(partial.contiguous(), group_name, world)
     return mix_norm_after(a, prefix, list(blocks), mix_norm_weight, mix_proj_weight, norm_weight,
-                          mix_eps, norm_eps, mix_norm=attn_res_mix_norm_cuda)
+                          mix_eps, norm_eps, scores_fp32, mix_norm=attn_res_mix_norm_cuda)
 
 
 def register() -> None:

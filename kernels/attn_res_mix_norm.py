@@ -12,6 +12,7 @@ Constraints:
       sources up to D = 8192, prefix + delta alone up to 16384); clusters of c CTAs only when
       D % (8·c) == 0.
     * 0 <= len(blocks) <= 8 (at most 9 sources); mix_eps, norm_eps are runtime scalars.
+    * Not `scores_fp32` (scores in fp32 throughout): refused, the reference runs (logged).
     * With PDL (settings.KERNELS.pdl, launches of at most .pdl_max_rows rows): wn and wp load
       before `griddepcontrol.wait`, the sources after it.
 """
@@ -81,11 +82,14 @@ def can_implement(prefix, delta, blocks, mix_norm_weight, mix_proj_weight, norm_
     return refusal(prefix, delta, blocks, mix_norm_weight, mix_proj_weight, norm_weight) is None
 
 
-def refusal(prefix, delta, blocks, mix_norm_weight, mix_proj_weight, norm_weight,
-            *_) -> str | None:
+def refusal(prefix, delta, blocks, mix_norm_weight, mix_proj_weight, norm_weight, mix_eps=None,
+            norm_eps=None, scores_fp32=False) -> str | None:
     """Why the kernel cannot take these inputs (shapes, dtypes, strides), or None. Works on fake
     tensors; data alignment is checked at launch."""
     bf16 = torch.bfloat16
+    if scores_fp32 and blocks:
+        return ("scores_fp32 (the depth-mix scores in fp32, Moonshot's): the kernel rounds the "
+                "normalised sources and the projection to bf16 as the built-in model does")
     dim = prefix.shape[-1]
     if dim % 8 or not 8 <= dim <= MAX_DIM:
         return f"hidden {dim} (want a multiple of 8 in [8, {MAX_DIM}])"
@@ -135,7 +139,7 @@ KERNEL = Kernel(OP, build)
 
 
 def attn_res_mix_norm_cuda(prefix, delta, blocks, mix_norm_weight, mix_proj_weight, norm_weight,
-                           mix_eps, norm_eps, *, out=None):
+                           mix_eps, norm_eps, scores_fp32=False, *, out=None):
     """CUDA implementation of k3::attn_res_mix_norm: the kernel, or the reference if refused.
     `out` = (prefix_out, x) preallocated [N, D] contiguous (tests poison them)."""
     blocks = list(blocks)
@@ -145,7 +149,7 @@ def attn_res_mix_norm_cuda(prefix, delta, blocks, mix_norm_weight, mix_proj_weig
 
     def reference():
         p, x = attn_res_mix_norm_ref(prefix, delta, blocks, mix_norm_weight, mix_proj_weight,
-                                     norm_weight, mix_eps, norm_eps)
+                                     norm_weight, mix_eps, norm_eps, scores_fp32)
         return (p.clone() if delta is None else p), x
 
     def launch():
@@ -163,7 +167,8 @@ def attn_res_mix_norm_cuda(prefix, delta, blocks, mix_norm_weight, mix_proj_weig
         return prefix_out, x
 
     return KERNEL.run(lambda: refusal(prefix, delta, blocks, mix_norm_weight, mix_proj_weight,
-                                      norm_weight), reference, launch, *tensors)
+                                      norm_weight, scores_fp32=scores_fp32),
+                      reference, launch, *tensors)
 
 
 def register() -> None:

@@ -5,7 +5,7 @@
 Constraints:
     * The GEMM goes through `router.linear` (any shape: cuBLAS where our GEMMs refuse).
     * The mix takes the attn_res_mix_norm kernel's limits; refused inputs run its reference
-      (reason logged).
+      (reason logged). `scores_fp32` (Moonshot's fp32 scores) is refused so.
 """
 
 import torch
@@ -21,11 +21,12 @@ OP = "oproj_attn_res_mix_norm"
 
 
 def oproj_attn_res_mix_norm_cuda(o, o_proj_weight, prefix, blocks, mix_norm_weight,
-                                 mix_proj_weight, norm_weight, mix_eps, norm_eps):
+                                 mix_proj_weight, norm_weight, mix_eps, norm_eps,
+                                 scores_fp32=False):
     # o, prefix, blocks: [N, ·] rows (flat_rows)
     a = linear(o, o_proj_weight)
     return mix_norm_after(a, prefix, list(blocks), mix_norm_weight, mix_proj_weight, norm_weight,
-                          mix_eps, norm_eps, mix_norm=attn_res_mix_norm_cuda)
+                          mix_eps, norm_eps, scores_fp32, mix_norm=attn_res_mix_norm_cuda)
 
 
 def register() -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import itertools
 
 import torch
-from k3compile.patterns.attn_res_mix_norm import DTYPES, MAX_BLOCKS, SHAPE
+from k3compile.patterns.attn_res_mix_norm import KINDS, MAX_BLOCKS, SHAPE, scores_fp32_refusal
 
 from k3compile.rewrite import Pattern, tensor_meta, with_signature
 
@@ -32,7 +32,8 @@ def check(match) -> str | None:
     return None
 
 
-def _variant(n_blocks: int, with_prefix: bool, dtype: torch.dtype = torch.bfloat16) -> Pattern:
+def _variant(n_blocks: int, with_prefix: bool, dtype: torch.dtype = torch.bfloat16,
+             scores_fp32: bool = False) -> Pattern:
     blocks = [f"block{i}" for i in range(n_blocks)]
     names = ["partial", *(["prefix"] if with_prefix else []), *blocks,
              "w_mix_norm", "w_mix_proj", "w_norm", "mix_eps", "norm_eps", "group_name"]
@@ -42,19 +43,22 @@ def _variant(n_blocks: int, with_prefix: bool, dtype: torch.dtype = torch.bfloat
         prefix = args[1] if with_prefix else None
         return args[0], prefix, list(args[1 + np_:1 + np_ + n_blocks]), *args[1 + np_ + n_blocks:]
 
+    extra = (True,) if scores_fp32 else ()  # the mix's scores in fp32 (Moonshot's)
+
     def search(*args):
         partial, prefix, blks, wmn, wmp, wn, me, ne, group = split(args)
         a = _c10d.wait_tensor(_c10d.all_reduce(partial, "sum", GROUP))
         if with_prefix:
-            prefix_out, x = torch.ops.k3.attn_res_mix_norm(prefix, a, blks, wmn, wmp, wn, me, ne)
+            prefix_out, x = torch.ops.k3.attn_res_mix_norm(prefix, a, blks, wmn, wmp, wn, me, ne,
+                                                           *extra)
             return x, prefix_out
         # a block starts: `a` is also the next prefix, so it is an output (it has other users)
-        return torch.ops.k3.attn_res_mix_norm(a, None, blks, wmn, wmp, wn, me, ne)[1], a
+        return torch.ops.k3.attn_res_mix_norm(a, None, blks, wmn, wmp, wn, me, ne, *extra)[1], a
 
     def replace(*args):
         partial, prefix, blks, wmn, wmp, wn, me, ne, group = split(args)
         prefix_out, x = torch.ops.k3.allreduce_attn_res_mix_norm(partial, prefix, blks, wmn, wmp,
-                                                                 wn, me, ne, group)
+                                                                 wn, me, ne, group, *extra)
         return x, prefix_out
 
     def example_inputs():
@@ -65,14 +69,16 @@ def _variant(n_blocks: int, with_prefix: bool, dtype: torch.dtype = torch.bfloat
 
     return Pattern(
         name=f"allreduce_attn_res_mix_norm[blocks={n_blocks},{'prefix' if with_prefix else 'new_block'}"
-             f"{'' if dtype == torch.bfloat16 else ',' + str(dtype).split('.')[-1]}]",
+             f"{'' if dtype == torch.bfloat16 else ',' + str(dtype).split('.')[-1]}"
+             f"{',scores_fp32' if scores_fp32 else ''}]",
         search=with_signature(search, names), replace=with_signature(replace, names),
         example_inputs=example_inputs, op="k3.allreduce_attn_res_mix_norm", check=check,
+        kernel_refusal=scores_fp32_refusal if scores_fp32 else None,
         scalars={"mix_eps": 1.1e-5, "norm_eps": 1.3e-5}, strings={"group_name": GROUP},
         fake_trace=True, distinctive=("all_reduce", "attn_res_mix_norm"),
     )
 
 
 def patterns() -> list[Pattern]:
-    return [_variant(n, p, t) for t, n, p in
-            itertools.product(DTYPES, range(MAX_BLOCKS, 0, -1), (True, False))]
+    return [_variant(n, p, t, f) for (t, f), n, p in
+            itertools.product(KINDS, range(MAX_BLOCKS, 0, -1), (True, False))]

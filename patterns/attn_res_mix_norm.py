@@ -3,8 +3,12 @@
 Matches the model's `prefix + delta` (absent when a block starts), the stack of the completed
 blocks and the prefix, the RMS-normalised scores against the pseudo-query, the softmax over
 sources, the fp32 weighted sum, and the following RMSNorm (input_layernorm, post_attention_layernorm
-or the final norm). One variant per number of blocks (1..8, K3 has at most 9 sources) and per
-presence of the prefix add.
+or the final norm). One variant per number of blocks (1..8, K3 has at most 9 sources), per
+presence of the prefix add, per dtype (fp32 traces no casts) and in bf16 per scores: the built-in
+model's (`depth_mix_weights`: normalised sources, their product with the norm weight and the
+projection rounded to bf16) or fp32 throughout (`depth_mix_scores_fp32`, Moonshot's
+`_apply_attn_res`, rule `depth_mix`), which fuses into the op with `scores_fp32=True` (no kernel
+takes it: left unfused on a GPU, reported).
 
 Before (per mix, ~25 ATen ops):  add, cat, convert, pow, mean, add, rsqrt, mul, convert, mul, mm,
     convert, amax, sub, exp, sum, div, mul, sum, convert, ... rsqrt, mul, convert, mul
@@ -18,16 +22,19 @@ import itertools
 
 import torch
 
-from k3compile.math import depth_mix_weights, rms_norm
+from k3compile.math import depth_mix_scores_fp32, depth_mix_weights, rms_norm
+from k3compile.ops import registry
 from k3compile.rewrite import Pattern, tensor_meta, with_signature
 
 MAX_BLOCKS = 8
 SHAPE = (2, 1, 64)  # [B, T, D] for tracing; matching ignores sizes
 
 
-def mix_norm(prefix, delta, blocks, w_mix_norm, w_mix_proj, w_norm, mix_eps, norm_eps):
+def mix_norm(prefix, delta, blocks, w_mix_norm, w_mix_proj, w_norm, mix_eps, norm_eps,
+             scores_fp32=False):
     prefix_out = prefix if delta is None else prefix + delta
-    h = depth_mix_weights(prefix_out, blocks, w_mix_norm, w_mix_proj, mix_eps)
+    mix = depth_mix_scores_fp32 if scores_fp32 else depth_mix_weights
+    h = mix(prefix_out, blocks, w_mix_norm, w_mix_proj, mix_eps)
     return prefix_out, rms_norm(h, w_norm, norm_eps)
 
 
@@ -52,7 +59,16 @@ def check(match) -> str | None:
     return None
 
 
-def _variant(n_blocks: int, with_delta: bool, dtype: torch.dtype = torch.bfloat16) -> Pattern:
+def scores_fp32_refusal(match) -> str | None:
+    """The fp32 scores have no kernel (for this pattern and the two that extend its op): the
+    site stays unfused on a GPU, reported."""
+    blocks = [tensor_meta(v) for k, v in match.kwargs.items() if k.startswith("block")]
+    return registry.kernel_refusal("attn_res_mix_norm", None, None, blocks, None, None, None,
+                                   None, None, True)
+
+
+def _variant(n_blocks: int, with_delta: bool, dtype: torch.dtype = torch.bfloat16,
+             scores_fp32: bool = False) -> Pattern:
     blocks = [f"block{i}" for i in range(n_blocks)]
     names = ["prefix", *(["delta"] if with_delta else []), *blocks,
              "w_mix_norm", "w_mix_proj", "w_norm", "mix_eps", "norm_eps"]
@@ -63,13 +79,16 @@ def _variant(n_blocks: int, with_delta: bool, dtype: torch.dtype = torch.bfloat1
         return args[0], delta, list(args[1 + nd:1 + nd + n_blocks]), *args[1 + nd + n_blocks:]
 
     # x first: the matcher anchors on the first output, which must be computed by the pattern
+    extra = (True,) if scores_fp32 else ()
+
     def search(*args):
-        prefix_out, x = mix_norm(*split(args))
+        prefix_out, x = mix_norm(*split(args), *extra)
         return (x, prefix_out) if with_delta else x
 
     def replace(*args):
         prefix, delta, blks, wmn, wmp, wn, me, ne = split(args)
-        prefix_out, x = torch.ops.k3.attn_res_mix_norm(prefix, delta, blks, wmn, wmp, wn, me, ne)
+        prefix_out, x = torch.ops.k3.attn_res_mix_norm(prefix, delta, blks, wmn, wmp, wn, me, ne,
+                                                       *extra)
         return (x, prefix_out) if with_delta else x
 
     def example_inputs():
@@ -80,17 +99,21 @@ def _variant(n_blocks: int, with_delta: bool, dtype: torch.dtype = torch.bfloat1
 
     return Pattern(
         name=f"attn_res_mix_norm[blocks={n_blocks},{'delta' if with_delta else 'no_delta'}"
-             f"{'' if dtype == torch.bfloat16 else ',' + str(dtype).split('.')[-1]}]",
+             f"{'' if dtype == torch.bfloat16 else ',' + str(dtype).split('.')[-1]}"
+             f"{',scores_fp32' if scores_fp32 else ''}]",
         search=with_signature(search, names), replace=with_signature(replace, names),
         example_inputs=example_inputs, op="k3.attn_res_mix_norm", check=check,
+        kernel_refusal=scores_fp32_refusal if scores_fp32 else None,
         scalars={"mix_eps": 1.1e-5, "norm_eps": 1.3e-5}, distinctive=("amax", "rsqrt", "cat", "exp"),
     )
 
 
-# fp32 models trace without the bf16 casts, so the dtype is a variant of the pattern's graph
+# fp32 models trace without the bf16 casts, so the dtype is a variant of the pattern's graph;
+# the fp32 scores differ from the built-in ones only where the sources round (not in fp32)
 DTYPES = (torch.bfloat16, torch.float32)
+KINDS = ((torch.bfloat16, False), (torch.float32, False), (torch.bfloat16, True))
 
 
 def patterns() -> list[Pattern]:
-    return [_variant(n, d, t) for t, n, d in
-            itertools.product(DTYPES, range(MAX_BLOCKS, 0, -1), (True, False))]
+    return [_variant(n, d, t, f) for (t, f), n, d in
+            itertools.product(KINDS, range(MAX_BLOCKS, 0, -1), (True, False))]

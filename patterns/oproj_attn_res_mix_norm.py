@@ -10,7 +10,8 @@ Before: a = view(mm(view(o), permute(W_o))); p, x = k3.attn_res_mix_norm(prefix,
 After:  p, x = k3.oproj_attn_res_mix_norm(o, W_o, prefix, [blocks], ...)
 
 A model that writes the prefix add as `a + prefix` gets an attn_res_mix_norm with the two in
-swapped roles (the `swapped` variants; the sum is the same in IEEE arithmetic).
+swapped roles (the `swapped` variants; the sum is the same in IEEE arithmetic). The mix's
+`scores_fp32` variants (bf16) carry that argument over.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import itertools
 
 import torch
 import torch.nn.functional as F
-from k3compile.patterns.attn_res_mix_norm import DTYPES, MAX_BLOCKS, SHAPE
+from k3compile.patterns.attn_res_mix_norm import KINDS, MAX_BLOCKS, SHAPE, scores_fp32_refusal
 
 from k3compile.rewrite import Pattern, module_path, tensor_meta, with_signature
 
@@ -44,7 +45,7 @@ def check(match) -> str | None:
 
 
 def _variant(n_blocks: int, with_prefix: bool, dtype: torch.dtype = torch.bfloat16,
-             swapped: bool = False) -> Pattern:
+             swapped: bool = False, scores_fp32: bool = False) -> Pattern:
     blocks = [f"block{i}" for i in range(n_blocks)]
     names = ["o", "o_proj_weight", *(["prefix"] if with_prefix else []), *blocks,
              "w_mix_norm", "w_mix_proj", "w_norm", "mix_eps", "norm_eps"]
@@ -55,18 +56,20 @@ def _variant(n_blocks: int, with_prefix: bool, dtype: torch.dtype = torch.bfloat
         return (args[0], args[1], prefix, list(args[2 + np_:2 + np_ + n_blocks]),
                 *args[2 + np_ + n_blocks:])
 
+    extra = (True,) if scores_fp32 else ()  # the mix's scores in fp32 (Moonshot's)
+
     def search(*args):
         o, w_o, prefix, blks, wmn, wmp, wn, me, ne = split(args)
         a = F.linear(o, w_o)
         if with_prefix:
             first, second = (a, prefix) if swapped else (prefix, a)
             prefix_out, x = torch.ops.k3.attn_res_mix_norm(first, second, blks, wmn, wmp, wn, me,
-                                                           ne)
+                                                           ne, *extra)
             return x, prefix_out
-        return torch.ops.k3.attn_res_mix_norm(a, None, blks, wmn, wmp, wn, me, ne)[1], a
+        return torch.ops.k3.attn_res_mix_norm(a, None, blks, wmn, wmp, wn, me, ne, *extra)[1], a
 
     def replace(*args):
-        prefix_out, x = torch.ops.k3.oproj_attn_res_mix_norm(*split(args))
+        prefix_out, x = torch.ops.k3.oproj_attn_res_mix_norm(*split(args), *extra)
         return x, prefix_out
 
     def example_inputs():
@@ -79,9 +82,11 @@ def _variant(n_blocks: int, with_prefix: bool, dtype: torch.dtype = torch.bfloat
     return Pattern(
         name=f"oproj_attn_res_mix_norm[blocks={n_blocks},{'prefix' if with_prefix else 'new_block'}"
              f"{',swapped' if swapped else ''}"
-             f"{'' if dtype == torch.bfloat16 else ',' + str(dtype).split('.')[-1]}]",
+             f"{'' if dtype == torch.bfloat16 else ',' + str(dtype).split('.')[-1]}"
+             f"{',scores_fp32' if scores_fp32 else ''}]",
         search=with_signature(search, names), replace=with_signature(replace, names),
         example_inputs=example_inputs, op="k3.oproj_attn_res_mix_norm", check=check,
+        kernel_refusal=scores_fp32_refusal if scores_fp32 else None,
         scalars={"mix_eps": 1.1e-5, "norm_eps": 1.3e-5}, fake_trace=True,
         distinctive=("mm", "attn_res_mix_norm"),
     )
@@ -89,6 +94,7 @@ def _variant(n_blocks: int, with_prefix: bool, dtype: torch.dtype = torch.bfloat
 
 def patterns() -> list[Pattern]:
     out = []
-    for t, n in itertools.product(DTYPES, range(MAX_BLOCKS, 0, -1)):
-        out += [_variant(n, True, t), _variant(n, False, t), _variant(n, True, t, swapped=True)]
+    for (t, f), n in itertools.product(KINDS, range(MAX_BLOCKS, 0, -1)):
+        out += [_variant(n, True, t, False, f), _variant(n, False, t, False, f),
+                _variant(n, True, t, True, f)]
     return out

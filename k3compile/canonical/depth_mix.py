@@ -35,9 +35,11 @@ the normalised sources is one: Σ_d h_d·fl(wn_d·wp_d) against Σ_d fl(wn_d·h_
 three fp32 factors per term, each side within 2 roundings of the exact term (measured: <= 3e-7
 relative on the mix), so the fold is taken in fp32. In bf16 the canonical form rounds the
 normalised sources, their product with w_norm and the projection to bf16, which the fold (all
-in fp32) does not: the mix differs by up to 7e-3 (measured), not rounding order: left alone. A
-bf16 spelling with the canonical roundings (transformers' RMSNorm + `nn.Linear`, as in
-tests/models/hf_k3.py) evaluates bit-equal and is taken.
+in fp32) does not: the mix differs by up to 7e-3 (measured), not rounding order. A bf16 spelling
+with the canonical roundings (transformers' RMSNorm + `nn.Linear`, as in tests/models/hf_k3.py)
+evaluates bit-equal and is taken. A mix that is not the built-in form is then tried against the
+second canonical form, the scores in fp32 throughout (`k3compile.math.depth_mix_scores_fp32`,
+Moonshot's bf16 mix; `attn_res_mix_norm`'s `scores_fp32` variants), by the same check.
 
 Not rewritten: a softmax over sources stacked on dim 0 whose scores are not already canonical
 (the first path above keeps them as they are).
@@ -56,7 +58,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from k3compile.canonical import Rule
 from k3compile.graph import call
-from k3compile.math import depth_mix_weights
+from k3compile.math import depth_mix_scores_fp32, depth_mix_weights
 from k3compile.rewrite import inductor
 
 aten, prims = torch.ops.aten, torch.ops.prims
@@ -75,6 +77,7 @@ _FLATTEN = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 _SUM_OPS = _VIEWS | {aten.mul.Tensor, aten.add.Tensor, aten.sum.dim_IntList, aten.bmm.default,
                      aten.mm.default, aten.div.Tensor, aten.sub.Tensor}
 REACH = 24  # how far back from the softmax the stacked sources may be
+FORMS = (depth_mix_weights, depth_mix_scores_fp32)  # the canonical mixes, in the order tried
 
 
 def _val(node):
@@ -411,14 +414,16 @@ def _between(out: fx.Node, srcs: set, limit: int):
     return sorted(nodes, key=order.__getitem__), leaves
 
 
-def _canonical_trace(srcs: list[fx.Node], wn: fx.Node, wp: fx.Node, eps: float) -> fx.GraphModule:
-    """`k3compile.math.depth_mix_weights` over the sources, traced as the patterns trace it."""
+def _canonical_trace(srcs: list[fx.Node], wn: fx.Node, wp: fx.Node, eps: float,
+                     form=depth_mix_weights) -> fx.GraphModule:
+    """A canonical mix (`form`: `k3compile.math.depth_mix_weights` or `depth_mix_scores_fp32`)
+    over the sources, traced as the patterns trace it."""
     width = _shape(srcs[0])[-1]
 
     def mix(w_norm, w_proj, *sources):
         w_norm = w_norm if w_norm.shape == (width,) else w_norm.view(width)
         w_proj = w_proj if w_proj.shape == (1, width) else w_proj.view(1, width)
-        return depth_mix_weights(sources[-1], list(sources[:-1]), w_norm, w_proj, eps)
+        return form(sources[-1], list(sources[:-1]), w_norm, w_proj, eps)
 
     vals = [_val(n) for n in (wn, wp, *srcs)]
     with torch._guards.detect_fake_mode(vals) or contextlib.nullcontext():
@@ -487,9 +492,11 @@ def _rebuilt(graph: fx.Graph, alpha: fx.Node) -> int:
     site = _site(alpha, _softmax_dim(alpha))
     if site is None:
         return 0
-    for (wn, wp), eps in itertools.product(_roles(site.weights), dict.fromkeys(site.eps)):
+    # the built-in form first: in fp32 the two forms are the same values and it is the one taken
+    for form, (wn, wp), eps in itertools.product(FORMS, _roles(site.weights),
+                                                 dict.fromkeys(site.eps)):
         try:
-            gm = _canonical_trace(site.tokens, wn, wp, eps)
+            gm = _canonical_trace(site.tokens, wn, wp, eps, form)
             equal = _equals_canonical(site, gm, wn, wp)
         except Exception as e:  # noqa: BLE001 (e.g. a projection weight of another dtype)
             log.debug("k3 depth_mix: %s left alone: %s: %s", alpha.name, type(e).__name__, e)

@@ -5,6 +5,9 @@ depth mix and the RMSNorm after it (spec §2), pre- and post-attention.
     h          = Mix(prefix_out, blocks)   (identity when there are no completed blocks)
     x          = RMSNorm(h; norm_weight)
 
+`scores_fp32`: the scores in fp32 throughout, no rounding to the activations' dtype (Moonshot's
+`_apply_attn_res`, `k3compile.math.depth_mix_scores_fp32`); the two differ only in bf16/fp16.
+
 The post-attention form fed by a collective or by o_proj is `k3.allreduce_attn_res_mix_norm` /
 `k3.oproj_attn_res_mix_norm`; both compute the mix through `mix_norm_after`.
 """
@@ -13,38 +16,39 @@ from __future__ import annotations
 
 import torch
 
-from k3compile.math import depth_mix_weights, rms_norm
+from k3compile.math import depth_mix_scores_fp32, depth_mix_weights, rms_norm
 
 
 def attn_res_mix_norm_ref(prefix, delta, blocks, mix_norm_weight, mix_proj_weight, norm_weight,
-                          mix_eps, norm_eps):
+                          mix_eps, norm_eps, scores_fp32=False):
     prefix_out = prefix if delta is None else prefix + delta
-    h = depth_mix_weights(prefix_out, list(blocks), mix_norm_weight, mix_proj_weight, mix_eps)
+    mix = depth_mix_scores_fp32 if scores_fp32 else depth_mix_weights
+    h = mix(prefix_out, list(blocks), mix_norm_weight, mix_proj_weight, mix_eps)
     return prefix_out, rms_norm(h, norm_weight, norm_eps)
 
 
 def mix_norm_after(a, prefix, blocks, mix_norm_weight, mix_proj_weight, norm_weight, mix_eps,
-                   norm_eps, mix_norm=attn_res_mix_norm_ref):
+                   norm_eps, scores_fp32=False, mix_norm=attn_res_mix_norm_ref):
     """The post-attention mix fed by the attention output a: prefix + a, or a where a block
     starts (no prefix). `mix_norm` computes it: the reference, or a kernel on CUDA."""
-    if prefix is None:
-        return mix_norm(a, None, blocks, mix_norm_weight, mix_proj_weight, norm_weight, mix_eps,
-                        norm_eps)
-    return mix_norm(prefix, a, blocks, mix_norm_weight, mix_proj_weight, norm_weight, mix_eps,
-                    norm_eps)
+    first, second = (a, None) if prefix is None else (prefix, a)
+    return mix_norm(first, second, blocks, mix_norm_weight, mix_proj_weight, norm_weight, mix_eps,
+                    norm_eps, scores_fp32)
 
 
 @torch.library.custom_op("k3::attn_res_mix_norm", mutates_args=())
 def attn_res_mix_norm(
     prefix: torch.Tensor, delta: torch.Tensor | None, blocks: list[torch.Tensor],
     mix_norm_weight: torch.Tensor, mix_proj_weight: torch.Tensor, norm_weight: torch.Tensor,
-    mix_eps: float, norm_eps: float,
+    mix_eps: float, norm_eps: float, scores_fp32: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     prefix_out, x = attn_res_mix_norm_ref(prefix, delta, blocks, mix_norm_weight,
-                                          mix_proj_weight, norm_weight, mix_eps, norm_eps)
+                                          mix_proj_weight, norm_weight, mix_eps, norm_eps,
+                                          scores_fp32)
     return prefix_out.clone() if delta is None else prefix_out, x  # outputs never alias inputs
 
 
 @attn_res_mix_norm.register_fake
-def _(prefix, delta, blocks, mix_norm_weight, mix_proj_weight, norm_weight, mix_eps, norm_eps):
+def _(prefix, delta, blocks, mix_norm_weight, mix_proj_weight, norm_weight, mix_eps, norm_eps,
+      scores_fp32=False):
     return torch.empty_like(prefix), torch.empty_like(prefix)

@@ -4,7 +4,8 @@ weighted sum written as an einsum, a matmul or a Python loop, becomes the form
 sources in fp32) with equal values, dtype and shape; other cats and weighted sums stay. A mix over
 sources stacked on another dim ([B, T, S, D], [N, S, D]: transformers' and Moonshot's spellings)
 becomes the whole canonical mix, bit-equal in bf16 where the spelling rounds as the canonical form
-does, within fp32 rounding otherwise (Moonshot's folded norm weight, fp32 only)."""
+does, within fp32 rounding otherwise (Moonshot's folded norm weight in fp32); a bf16 mix whose
+scores are fp32 throughout (Moonshot's) becomes the fp32-scores canonical mix."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from torch import nn
 
 import k3compile.backend as k3be
 from k3compile.canonical import depth_mix
-from k3compile.math import depth_mix_weights, rms_norm
+from k3compile.math import depth_mix_scores_fp32, depth_mix_weights, rms_norm
 from tests.conftest import TOL, rel_err
 from tests.fusions.attention_checks import compile_with
 from tests.fusions.pattern_checks import graph, targets
@@ -262,7 +263,7 @@ def _bmm(*args):
 
 
 # name -> (fn, source shape, dtypes it is taken in: bf16 Moonshot in
-# test_folded_norm_weight_in_bf16_is_left_alone)
+# test_fp32_scores_in_bf16_become_the_fp32_scores_mix)
 FP32, BOTH = (torch.float32,), (torch.float32, torch.bfloat16)
 RELAID = {"hf": (_hf, (B, T, D), BOTH), "stack1_keepdim": (_stack1_keepdim, (B, T, D), BOTH),
           "einsum": (_einsum, (B, T, D), BOTH), "bmm": (_bmm, (3, D), BOTH),
@@ -314,15 +315,42 @@ def test_pseudo_query_as_a_vector():
     assert rel_err(after(*args), before(*args)) <= 1e-6
 
 
-def test_folded_norm_weight_in_bf16_is_left_alone():
-    """Moonshot's fold `(w_norm * w_proj)` applied to the fp32-normalised sources skips the
-    roundings to bf16 of the canonical form (normalised sources, times w_norm, the projection):
-    other values, not taken."""
-    for fn, shape in ((_moonshot, (3, D)), (_moonshot_tokens, (B, T, D))):
-        args = _tokens(2, torch.bfloat16, shape)
+def _fp32_scores_linear(*args):
+    """The scores in fp32 as a norm then a projection (not folded), sources stacked on dim -2,
+    an einsum for the weighted sum."""
+    *srcs, wn, wp = args
+    values = torch.stack(srcs, dim=-2).float()
+    normed = values * torch.rsqrt(values.pow(2).mean(-1, keepdim=True) + EPS) * wn.float()
+    probs = F.linear(normed, wp.float()).squeeze(-1).softmax(-1)
+    return torch.einsum("btsd,bts->btd", values, probs).to(srcs[-1].dtype)
+
+
+FP32_SCORES = {"moonshot": (_moonshot, (3, D)), "moonshot_tokens": (_moonshot_tokens, (B, T, D)),
+               "linear": (_fp32_scores_linear, (B, T, D))}
+
+
+def _fp32_scores_targets(args) -> list[str]:
+    *srcs, wn, wp = args
+    return targets(graph(lambda *a: depth_mix_scores_fp32(a[-3], list(a[:-3]), a[-2], a[-1], EPS),
+                         *srcs, wn, wp))
+
+
+@pytest.mark.parametrize("name", sorted(FP32_SCORES))
+def test_fp32_scores_in_bf16_become_the_fp32_scores_mix(name):
+    """A bf16 mix whose scores are fp32 throughout (Moonshot's fold `(w_norm * w_proj)` on the
+    fp32-normalised sources, or a norm and a projection in fp32) skips the roundings to bf16 of
+    the built-in form: it becomes the second canonical form, `depth_mix_scores_fp32` (fp32
+    summation order only: at most an ulp of the bf16 result apart)."""
+    fn, shape = FP32_SCORES[name]
+    for n_blocks in (1, 3):
+        args = _tokens(n_blocks, torch.bfloat16, shape)
         before, after, n = _rewrite(fn, *args)
-        assert n == 0 and targets(after) == targets(before)
-        torch.testing.assert_close(after(*args), before(*args), rtol=0, atol=0)
+        assert n == 1 and targets(after) == _fp32_scores_targets(args)
+        got, want = after(*args), before(*args)
+        assert got.dtype == want.dtype == torch.bfloat16 and got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=8e-3, atol=0)
+        built_in = depth_mix_weights(args[n_blocks], list(args[:n_blocks]), *args[-2:], EPS)
+        assert not torch.equal(built_in.view(want.shape), want)  # another bf16 computation
 
 
 def _unnormalised(*args):
@@ -393,13 +421,21 @@ class RelaidMixNorm(nn.Module):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["hf", "moonshot_tokens"])
-def test_relaid_mix_fuses(name):
+@pytest.mark.parametrize(("name", "dtype"), [("hf", torch.float32),
+                                             ("moonshot_tokens", torch.float32),
+                                             ("moonshot_tokens", torch.bfloat16),
+                                             ("fp32_scores_linear", torch.bfloat16)])
+def test_relaid_mix_fuses(name, dtype):
+    """Under the backend; bf16 with fp32 scores (Moonshot's, and a norm + projection in fp32) as
+    the op's scores_fp32 variant."""
     torch._dynamo.reset()
-    model = RelaidMixNorm(RELAID[name][0]).requires_grad_(False)
-    args = [torch.randn(B, T, D) for _ in range(4)]
+    mix = RELAID[name][0] if name in RELAID else _fp32_scores_linear
+    model = RelaidMixNorm(mix).requires_grad_(False).to(dtype)
+    args = [torch.randn(B, T, D).to(dtype) for _ in range(4)]
     got = compile_with(model, "attn_res_mix_norm")(*args)
     report = next(iter(k3be.last_compiled().observer.reports.values()))
     assert [h.op for h in report.hits] == ["k3.attn_res_mix_norm"]
+    assert report.hits[0].pattern.endswith(",scores_fp32]") == (dtype == torch.bfloat16)
     for g, w in zip(got, model(*args)):
-        assert rel_err(g, w) <= TOL["aten_cpu"]
+        assert g.dtype == w.dtype == dtype
+        assert rel_err(g, w) <= (TOL["aten_cpu"] if dtype == torch.float32 else TOL["bfloat16"])

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from k3compile.patterns import allreduce_attn_res_mix_norm, attn_res_mix_norm
 
-from k3compile.math import depth_mix_weights, rms_norm
+from k3compile.math import depth_mix_scores_fp32, depth_mix_weights, rms_norm
 from k3compile.rewrite import apply_patterns
 
 from .pattern_checks import assert_near_miss, assert_rewritten_equal, rewrite, targets
@@ -45,18 +45,19 @@ def _reduce(partial, group_name):
     return _c10d.wait_tensor(_c10d.all_reduce(partial, "sum", group_name))
 
 
-def _model(with_prefix, group_name):
-    """The model's unfused spelling under TP: all-reduce, then the mix and norm (k3compile.math)."""
+def _model(with_prefix, group_name, mix=depth_mix_weights):
+    """The model's unfused spelling under TP: all-reduce, then the mix and norm (k3compile.math;
+    `mix` depth_mix_scores_fp32: Moonshot's fp32 scores in canonical form)."""
     def post_mix(partial, prefix, *rest):
         *blocks, wmn, wmp, wn = rest
         prefix_out = prefix + _reduce(partial, group_name)
-        h = depth_mix_weights(prefix_out, blocks, wmn, wmp, MIX_EPS)
+        h = mix(prefix_out, blocks, wmn, wmp, MIX_EPS)
         return rms_norm(h, wn, NORM_EPS), prefix_out
 
     def new_block(partial, *rest):  # a block starts: the reduced output is the next prefix
         *blocks, wmn, wmp, wn = rest
         a = _reduce(partial, group_name)
-        return rms_norm(depth_mix_weights(a, blocks, wmn, wmp, MIX_EPS), wn, NORM_EPS), a
+        return rms_norm(mix(a, blocks, wmn, wmp, MIX_EPS), wn, NORM_EPS), a
 
     return post_mix if with_prefix else new_block
 
@@ -82,6 +83,22 @@ def test_rewrites_and_equals_eager(group, n_blocks, with_prefix, dtype):
     left = " ".join(targets(gm))
     assert "all_reduce" not in left and "wait_tensor" not in left
     assert "k3.attn_res_mix_norm" not in left
+
+
+@pytest.mark.parametrize("with_prefix", [True, False])
+def test_fp32_scores_carry_over(group, with_prefix):
+    """The mix's fp32-scores variant (Moonshot's, bf16) folds the all-reduce in too and passes
+    scores_fp32=True on; bit-equal to the unfused graph."""
+    fn, args = _model(with_prefix, group, depth_mix_scores_fp32), _inputs(2, with_prefix)
+    gm, mixed = rewrite(fn, args, MIX)
+    assert [h.pattern.endswith(",scores_fp32]") for h in mixed.hits] == [True]
+    report = apply_patterns(gm.graph, FUSED)
+    gm.recompile()
+    assert_rewritten_equal(gm, report, fn, args, "k3.allreduce_attn_res_mix_norm")
+    assert report.hits[0].pattern.endswith(",scores_fp32]")
+    op = next(n for n in gm.graph.nodes
+              if str(n.target) == "k3.allreduce_attn_res_mix_norm.default")
+    assert op.args[-4:] == (MIX_EPS, NORM_EPS, group, True)
 
 
 def _post_mix_op(group_name, escape=False):

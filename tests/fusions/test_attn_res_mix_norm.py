@@ -1,6 +1,7 @@
 """attn_res_mix_norm: the Attention-Residual depth mix (stack, RMS-normalised scores against the
 pseudo-query, softmax over sources, fp32 weighted sum) and the RMSNorm after it, with and without
-the prefix add, per number of completed blocks and per dtype."""
+the prefix add, per number of completed blocks and per dtype; in bf16 also with the scores in fp32
+throughout (Moonshot's, `scores_fp32`: no kernel takes it, left unfused on a GPU)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,9 @@ import pytest
 import torch
 from k3compile.patterns import attn_res_mix_norm
 
-from k3compile.math import depth_mix_weights, rms_norm
+from k3compile.math import depth_mix_scores_fp32, depth_mix_weights, rms_norm
 
-from .pattern_checks import assert_near_miss, assert_rewritten_equal, rewrite
+from .pattern_checks import assert_near_miss, assert_rewritten_equal, rewrite, with_kernel_limits
 
 D, MIX_EPS, NORM_EPS = 64, 1e-6, 1e-5  # two eps, so the op's arguments show which was captured
 PATTERNS = attn_res_mix_norm.patterns()  # traced once, on first use
@@ -25,17 +26,18 @@ def _inputs(n_blocks=2, with_delta=True, dtype=torch.bfloat16, norm_width=D):
     return [*acts, *weights]
 
 
-def _model(with_delta):
-    """The model's unfused spelling (k3compile.math, as models/k3.py calls it)."""
+def _model(with_delta, mix=depth_mix_weights):
+    """The model's unfused spelling (k3compile.math, as models/k3.py calls it; `mix`
+    depth_mix_scores_fp32: the canonical form of Moonshot's fp32 scores)."""
     def with_prefix_add(prefix, delta, *rest):
         *blocks, wmn, wmp, wn = rest
         prefix_out = prefix + delta
-        h = depth_mix_weights(prefix_out, blocks, wmn, wmp, MIX_EPS)
+        h = mix(prefix_out, blocks, wmn, wmp, MIX_EPS)
         return rms_norm(h, wn, NORM_EPS), prefix_out
 
     def block_start(prefix, *rest):  # no delta: the prefix is the mix's own source
         *blocks, wmn, wmp, wn = rest
-        return rms_norm(depth_mix_weights(prefix, blocks, wmn, wmp, MIX_EPS), wn, NORM_EPS)
+        return rms_norm(mix(prefix, blocks, wmn, wmp, MIX_EPS), wn, NORM_EPS)
 
     return with_prefix_add if with_delta else block_start
 
@@ -91,3 +93,46 @@ def test_check_refuses_a_broadcast_norm_weight():
     _, report = rewrite(_model(True), _inputs(norm_width=1), PATTERNS)
     assert_near_miss(report, "attn_res_mix_norm[blocks=2", "check refused",
                      "w_norm shape [1] is not [hidden=64]")
+
+
+@pytest.mark.parametrize("with_delta", [True, False])
+@pytest.mark.parametrize("n_blocks", [1, 3])
+def test_fp32_scores_fuse_as_their_variant(n_blocks, with_delta):
+    """bf16 scores in fp32 throughout are another computation than the built-in ones: their own
+    variant takes the site and the op runs with scores_fp32=True, bit-equal to the unfused graph."""
+    fn, args = _model(with_delta, depth_mix_scores_fp32), _inputs(n_blocks, with_delta)
+    gm, report = rewrite(fn, args, PATTERNS)
+    assert_rewritten_equal(gm, report, fn, args, "k3.attn_res_mix_norm")
+    kind = "delta" if with_delta else "no_delta"
+    assert [h.pattern for h in report.hits] == [f"attn_res_mix_norm[blocks={n_blocks},{kind},"
+                                                "scores_fp32]"]
+    op = next(n for n in gm.graph.nodes if str(n.target) == "k3.attn_res_mix_norm.default")
+    assert op.args[-3:] == (MIX_EPS, NORM_EPS, True)
+    built_in = _model(with_delta)(*args)
+    assert not torch.equal(built_in[0] if with_delta else built_in,
+                           gm(*args)[0] if with_delta else gm(*args))
+
+
+def test_fp32_scores_stay_unfused_where_only_kernels_fuse(monkeypatch):
+    """On a GPU graph the kernel's refusal defers the fp32-scores site (reason reported), and the
+    built-in form still fuses there."""
+    with_kernel_limits(monkeypatch, "attn_res_mix_norm")
+    args = _inputs(2, True)
+    fn = _model(True, depth_mix_scores_fp32)
+    gm, report = rewrite(fn, args, PATTERNS, kernels_only=True)
+    assert not report.hits and "scores_fp32" in report.deferred["attn_res_mix_norm"]
+    for got, want in zip(gm(*args), fn(*args)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    _, report = rewrite(_model(True), args, PATTERNS, kernels_only=True)
+    assert [h.op for h in report.hits] == ["k3.attn_res_mix_norm"]
+
+
+def test_kernel_refuses_fp32_scores_with_a_reason():
+    from k3compile.kernels import attn_res_mix_norm as kernel
+
+    prefix, delta, *blocks, wmn, wmp, wn = [a.view(-1, D) if a.dim() == 3 else a
+                                            for a in _inputs(2, True)]
+    assert kernel.refusal(prefix, delta, blocks, wmn, wmp, wn) is None
+    why = kernel.refusal(prefix, delta, blocks, wmn, wmp, wn, MIX_EPS, NORM_EPS, True)
+    assert why.startswith("scores_fp32")
+    assert kernel.refusal(prefix, delta, [], wmn, wmp, wn, MIX_EPS, NORM_EPS, True) is None

@@ -1,5 +1,6 @@
 """oproj_attn_res_mix_norm: the attention's o_proj GEMM folded into the post-attention depth mix +
-RMSNorm op (world size 1), with the prefix add and where a block starts."""
+RMSNorm op (world size 1), with the prefix add and where a block starts, and with the mix's
+scores in fp32 (Moonshot's, `scores_fp32`)."""
 
 from __future__ import annotations
 
@@ -42,6 +43,29 @@ def test_rewrites_and_equals_eager(fn, dtype):
     gm, report = rewrite(fn, args, oproj_attn_res_mix_norm.patterns())
     assert_rewritten_equal(gm, report, fn, args, "k3.oproj_attn_res_mix_norm")
     assert not any("mm" in str(n.target) for n in gm.graph.nodes)
+
+
+def post_mix_fp32(o, w_o, prefix, b0, b1, wmn, wmp, wn):  # the mix's scores in fp32
+    a = F.linear(o, w_o)
+    prefix_out, x = torch.ops.k3.attn_res_mix_norm(prefix, a, [b0, b1], wmn, wmp, wn, EPS, EPS,
+                                                   True)
+    return x, prefix_out
+
+
+def new_block_fp32(o, w_o, prefix, b0, b1, wmn, wmp, wn):
+    a = F.linear(o, w_o)
+    x = torch.ops.k3.attn_res_mix_norm(a, None, [b0, b1], wmn, wmp, wn, EPS, EPS, True)[1]
+    return x, a * 2
+
+
+@pytest.mark.parametrize("fn", [post_mix_fp32, new_block_fp32])
+def test_fp32_scores_carry_over(fn):
+    args = _inputs()
+    gm, report = rewrite(fn, args, oproj_attn_res_mix_norm.patterns())
+    assert_rewritten_equal(gm, report, fn, args, "k3.oproj_attn_res_mix_norm")
+    assert report.hits[0].pattern.endswith(",scores_fp32]")
+    op = next(n for n in gm.graph.nodes if str(n.target) == "k3.oproj_attn_res_mix_norm.default")
+    assert op.args[-3:] == (EPS, EPS, True)
 
 
 def test_escaping_projection_is_a_near_miss():
