@@ -104,8 +104,8 @@ def test_fp32_scores_fuse_as_their_variant(n_blocks, with_delta):
     gm, report = rewrite(fn, args, PATTERNS)
     assert_rewritten_equal(gm, report, fn, args, "k3.attn_res_mix_norm")
     kind = "delta" if with_delta else "no_delta"
-    assert [h.pattern for h in report.hits] == [f"attn_res_mix_norm[blocks={n_blocks},{kind},"
-                                                "scores_fp32]"]
+    name = f"attn_res_mix_norm[blocks={n_blocks},{kind},scores_fp32]"
+    assert [h.pattern for h in report.hits] == [name]
     op = next(n for n in gm.graph.nodes if str(n.target) == "k3.attn_res_mix_norm.default")
     assert op.args[-3:] == (MIX_EPS, NORM_EPS, True)
     built_in = _model(with_delta)(*args)
