@@ -39,21 +39,8 @@ FULL = [Cell(s, dtype, T, world, buckets, seed=0, steps=50)
 
 
 # Findings: failing cells, minimised, reported to the lead (non-strict: they pass when fixed).
-XFAIL = {
-    "builtin-fp32-T8-w2-b3-8-s0-n50": (
-        "step 40 (batch 3): logits 1.03e-4 > TOL['aten_cpu'] 1e-4, a one-step spike (states stay "
-        "<= 1.5e-5, no drift; the same schedule at world size 1 peaks at 8.6e-5): the compiled "
-        "fp32 step is not bit-exact (issue 20 item 7) and the seeded depth-mix queries (std 1, "
-        "scores of std ~D^0.5) amplify a last-bit difference; scaled by D^-1/2 the world-size-1 "
-        "cell peaks at 2.4e-6"),
-    # session 10's full run (the first one past the first cells; stopped after 16 of 66 for
-    # time): the same kind of fp32 spike, at larger padded batches and verify rows
-    "builtin-fp32-T1-w1-b3-8-s0-n50": (
-        "step 48 (batch 7 in bucket 8): logits 2.04e-4 > 1e-4; the fp32 step is not bit-exact "
-        "above batch 3 (README, issue 20 item 7) and the seeded depth-mix queries amplify it"),
-    "builtin-fp32-T8-w1-b1-2-4-s0-n50": (
-        "step 31 (batch 4, T 8): logits 1.54e-4 > 1e-4; as above"),
-}
+# None now: the fp32 spikes of session 10 came from seeded depth-mix queries of std 1 (spellings.py)
+XFAIL: dict[str, str] = {}
 
 
 def _params(cells, *marks):
