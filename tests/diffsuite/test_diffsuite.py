@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from k3compile import settings
-from tests.diffsuite.driver import SPARE_SLOTS, Cell, CellFailure, _compare, run
+from tests.diffsuite.driver import SPARE_SLOTS, Cell, CellFailure, _compare, run, run_cell, run_tp
 from tests.diffsuite.schedule import Step, schedule
 from tests.diffsuite.spellings import SPELLINGS
 
@@ -67,16 +67,50 @@ def _check(cell: Cell, tmp_path):
         print(result.summary())
 
 
+# world size > 1: the first cell of a (spelling, dtype, world) group that this session runs
+# runs the group's selected cells in one pair of processes (driver.run_tp); each cell's test then
+# reports its own outcome
+_TP_OUTCOMES: dict[str, list | CellFailure] = {}
+
+
+def _tp_group(cell: Cell, node) -> list[Cell]:
+    """`cell` and the cells of its group that this session runs after it."""
+    key = (cell.spelling, cell.dtype, cell.world)
+    items = node.session.items
+    group = [cell]
+    for item in items[items.index(node) + 1:] if node in items else []:
+        other = getattr(item, "callspec", None) and item.callspec.params.get("cell")
+        if (getattr(item, "originalname", None) == "test_full_cell" and isinstance(other, Cell)
+                and (other.spelling, other.dtype, other.world) == key
+                and not other.skip_reason()):
+            group.append(other)
+    return group
+
+
+def _check_full(cell: Cell, request, tmp_path_factory):
+    if cell.world == 1:
+        print(run_cell(cell).summary())
+        return
+    if cell.id not in _TP_OUTCOMES:
+        out_dir = tmp_path_factory.mktemp(f"tp-{cell.id}")
+        _TP_OUTCOMES.update(run_tp(_tp_group(cell, request.node), str(out_dir)))
+    outcome = _TP_OUTCOMES.pop(cell.id)
+    if isinstance(outcome, CellFailure):
+        raise outcome
+    for result in outcome:
+        print(result.summary())
+
+
 @pytest.mark.parametrize("cell", _params(BOUNDED))
 def test_bounded_cell(cell, tmp_path):
     _check(cell, tmp_path)
 
 
 @pytest.mark.parametrize("cell", _params(FULL, pytest.mark.slow, pytest.mark.diffsuite))
-def test_full_cell(cell, tmp_path, request):
+def test_full_cell(cell, request, tmp_path_factory):
     if not _full_requested(request.config):
         pytest.skip("the full differential suite: K3_DIFFSUITE=full or pytest -m diffsuite")
-    _check(cell, tmp_path)
+    _check_full(cell, request, tmp_path_factory)
 
 
 # ---- the driver's own checks (no compile) --------------------------------------------------------
