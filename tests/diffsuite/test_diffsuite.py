@@ -113,6 +113,36 @@ def test_full_cell(cell, request, tmp_path_factory):
     _check_full(cell, request, tmp_path_factory)
 
 
+@pytest.mark.slow
+@torch.no_grad()
+def test_fp32_cells_are_well_conditioned():
+    """What TOL["aten_cpu"] rests on: over a full cell's schedule, eager fp32 with every embedding
+    entry moved by one ulp up or down (the last-bit differences a padded bucket makes, README
+    "Numerics") moves the logits by far less than the tolerance. Measured 2026-12-02: 4.4e-6;
+    5.3e-5 with the depth-mix pseudo-queries drawn at std 1 (before that day)."""
+    from tests.conftest import TOL, rel_err
+    from tests.diffsuite.driver import CONFIG, MAX_SEQ_LEN
+    from tests.diffsuite.spellings import reset_slot
+
+    cell = Cell("builtin", fp32, T=1, world=1, buckets=(3, 8))
+    build = SPELLINGS["builtin"].build
+    base, nudged = (build(CONFIG, fp32, None, cell.max_batch, MAX_SEQ_LEN, 0) for _ in range(2))
+    gen = torch.Generator().manual_seed(1)
+    table = nudged.language_model.model.embed_tokens.weight
+    away = (torch.randint(0, 2, table.shape, generator=gen) * 2 - 1) * float("inf")
+    table.copy_(torch.nextafter(table, away))
+    worst = 0.0
+    for step in schedule(0, 50, max_batch=cell.max_batch, rows=(1, 8), max_seq_len=MAX_SEQ_LEN,
+                         T=1, vocab=CONFIG.vocab_size):
+        for model in (base, nudged):
+            for slot in step.started:
+                reset_slot(model, cell.max_batch + 1, slot)
+        args = (step.input_ids, step.positions, step.slots)
+        worst = max(worst, rel_err(nudged(*args), base(*args)))
+    print(f"logits moved by {worst:.2e}")
+    assert worst <= TOL["aten_cpu"] / 10, worst
+
+
 # ---- the driver's own checks (no compile) --------------------------------------------------------
 
 
