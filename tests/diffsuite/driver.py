@@ -21,9 +21,7 @@ The cell also checks that the comparison compared something: every step ran a co
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import os
-import socket
 import time
 import traceback
 
@@ -31,6 +29,7 @@ import torch
 
 import k3compile.backend as k3be
 from k3compile.models import get_config
+from tests import gloo
 from tests.conftest import TOL, rel_err
 from tests.diffsuite.schedule import schedule
 from tests.diffsuite.spellings import SPELLINGS, reset_slot, state_buffers
@@ -164,42 +163,26 @@ def run_cell(cell: Cell, group=None) -> CellResult:
 # ---- world size 2: one gloo process per rank -----------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _outcome_path(out_dir: str, cell: Cell, rank: int) -> str:
     return os.path.join(out_dir, f"{cell.id}.rank{rank}.pt")
 
 
-def _rank(rank: int, cells: list[Cell], port: int, out_dir: str):
+def _worker(rank: int, cells: list[Cell], out_dir: str):
     import torch.distributed as dist
 
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=cells[0].world,
-                            timeout=datetime.timedelta(seconds=300))  # a hang fails
-    try:
-        for cell in cells:
-            try:
-                outcome = run_cell(cell, dist.group.WORLD)
-            except Exception:  # noqa: BLE001 - reported by the parent, with the rank
-                outcome = traceback.format_exc()
-            torch.save(outcome, _outcome_path(out_dir, cell, rank))
-            if isinstance(outcome, str):  # the peer may be inside a collective of this cell
-                break
-    finally:
-        dist.destroy_process_group()
+    for cell in cells:
+        try:
+            outcome = run_cell(cell, dist.group.WORLD)
+        except Exception:  # reported by the parent, with the rank; the peers may be inside a
+            torch.save(traceback.format_exc(), _outcome_path(out_dir, cell, rank))  # collective
+            raise  # of this cell, so the spawn ends them (tests/gloo.py)
+        torch.save(outcome, _outcome_path(out_dir, cell, rank))
 
 
 def run_tp(cells: list[Cell], out_dir: str) -> dict[str, list[CellResult] | CellFailure]:
     """Run `cells` (one world size) on `world` gloo processes: per cell id, every rank's result,
-    or a `CellFailure` naming the failing ranks. A cell after a failed one runs in new processes
-    (the failing rank stops; its peer sees a closed connection, in that cell or the next)."""
-    import torch.multiprocessing as mp
-
+    or a `CellFailure` naming the failing ranks. The cells after a failed one run in new
+    processes."""
     world = cells[0].world
     assert all(c.world == world for c in cells), [c.id for c in cells]
     done: dict[str, list[CellResult] | CellFailure] = {}
@@ -209,25 +192,28 @@ def run_tp(cells: list[Cell], out_dir: str) -> dict[str, list[CellResult] | Cell
             for rank in range(world):
                 if os.path.exists(path := _outcome_path(out_dir, cell, rank)):
                     os.remove(path)
-        mp.spawn(_rank, args=(todo, _free_port(), out_dir), nprocs=world, join=True)
+        spawn_error = None
+        try:
+            gloo.spawn(_worker, todo, out_dir, world=world)
+        except Exception as error:  # noqa: BLE001 - the failing rank's outcome file says where
+            spawn_error = error
         ran = 0
         for cell in todo:
-            paths = [_outcome_path(out_dir, cell, rank) for rank in range(world)]
-            if not all(os.path.exists(p) for p in paths):
+            outcomes = {rank: torch.load(path, weights_only=False) for rank in range(world)
+                        if os.path.exists(path := _outcome_path(out_dir, cell, rank))}
+            failed = {rank: o for rank, o in outcomes.items() if isinstance(o, str)}
+            if not failed and len(outcomes) < world:
                 break
-            outcomes = [torch.load(p, weights_only=False) for p in paths]
             ran += 1
-            failed = {rank: o for rank, o in enumerate(outcomes) if isinstance(o, str)}
             if not failed:
-                done[cell.id] = outcomes
+                done[cell.id] = [outcomes[rank] for rank in range(world)]
                 continue
-            # every failing rank's last line first (a peer of the failing rank sees a closed
-            # connection), then the tracebacks
+            # every failing rank's last line first, then the tracebacks
             lines = [f"rank {rank}: {tb.strip().splitlines()[-1]}" for rank, tb in failed.items()]
             done[cell.id] = CellFailure("\n".join(lines + list(failed.values())))
             break
         if ran == 0:
-            raise CellFailure(f"{todo[0].id}: no rank reported an outcome")
+            raise CellFailure(f"{todo[0].id}: no rank reported an outcome") from spawn_error
         todo = todo[ran:]
     return done
 
