@@ -39,7 +39,7 @@ TOL = {
     "inductor_fp32": 1e-3,
     # GPU, Inductor + CuTe kernels, bf16 model with fixed routing (no top-k flips)
     "gpu_bf16": 3e-2,
-    # CPU, executor "aten", bf16 model (routing fixed by margins, tamed depth mix: see
+    # CPU, executor "aten", bf16 model (routing fixed by margins; depth-mix queries at D^-1/2: see
     # tests/diffsuite/spellings.py) against its own bf16 eager twin after every step of a request
     # schedule (tests/diffsuite). Measured worst over a cell: logits 1.8e-2 / MLA cache 6.6e-3
     # (built-in, T = 8, 50 steps), 2.2e-2 / 1.2e-2 (hf, T = 1, 50 steps; T = 8, 30 steps: 2.1e-2:
