@@ -18,8 +18,8 @@ Per batch bucket (B = 1..64 single-token decode, and B = 1 with T = 8 verify row
 * correctness: every compiled variant on fresh random inputs, outputs (prefix, delta) and state
   updates (KDA recurrent and conv state, the MLA cache rows written), against eager bf16 and an
   fp32 copy of the stack; it passes where its error to fp32 is within 2x eager bf16's own (3x for
-  the max). Weights for the check (`check_weights`): a router bias that alone decides the top-k
-  and tamed AttnRes pseudo-queries, so no rounding difference can flip an expert or a depth mix;
+  the max). Weights for the check (`check_weights`): a router bias that alone decides the top-k,
+  so no rounding difference can flip an expert;
 * time: the model's own weights again; CUDA events, median over CUDA-graph replays (eager: over
   plain calls), one step of 4 layers divided by 4;
 * kernels: CUDA kernels of one step (profiler; for graphs also the graph's kernel nodes), / 4;
@@ -301,10 +301,8 @@ def check_weights(stack: LayerStack, seed: int) -> dict[str, torch.Tensor]:
     Router: a bias that alone decides the top-k: k random experts at 10, 12, 14, ..., all others
     at -10. Sigmoid scores lie in (0, 1), so no rounding difference between variants can change
     which experts are chosen or their order; the unbiased scores still weight them.
-    AttnRes pseudo-queries (`*_res_proj`): the seeded init draws them with std 1, so over D dims
-    the depth-mix scores have std ~sqrt(D) (85 for K3), and the model rounds them to bf16 (ulp
-    0.5 there) before the softmax: a near one-hot mix that a last-bit difference upstream swings
-    by tens of percent. Scaled by D^-1/2, the scores are O(1) and the softmax smooth.
+    The AttnRes pseudo-queries (`*_res_proj`) need nothing: the seeded init draws them like every
+    linear (std D^-1/2), so the depth-mix scores are O(1) and the softmax smooth.
     """
     gen = torch.Generator().manual_seed(seed + 2)
     out = {}
@@ -315,8 +313,6 @@ def check_weights(stack: LayerStack, seed: int) -> dict[str, torch.Tensor]:
             bias = torch.full((E,), -10.0)
             bias[chosen] = 10.0 + 2.0 * torch.arange(k, dtype=torch.float32)
             out[name] = bias.to(p)
-        elif name.endswith(("res_proj.weight", "res.query.weight")):  # ours, hf
-            out[name] = p * p.shape[-1] ** -0.5
     return out
 
 
@@ -790,9 +786,8 @@ def main(argv=None) -> dict:
         "max_batch": max_batch,
         "argv": sys.argv if argv is None else ["benchmarks/decode_layer.py", *argv],
         "smoke": args.smoke, "tol": TOL,
-        "check_weights": "router bias alone decides top-k; AttnRes pseudo-queries x D^-1/2 "
-                         "(see check_weights); timing and bytes: the model's own weights, fresh "
-                         "inputs",
+        "check_weights": "router bias alone decides top-k (see check_weights); timing and "
+                         "bytes: the model's own weights, fresh inputs",
     }
     copy_bytes = (4 << 30) if device.type == "cuda" else (256 << 20)
     if not args.compile_only:

@@ -446,9 +446,9 @@ def _init_param(name: str, p: nn.Parameter, gen: torch.Generator, c: K3Config):
         p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen, device=p.device))
     elif "conv1d" in name:
         p.copy_(torch.randn(p.shape, generator=gen, device=p.device) * 0.5)
-    elif "res_proj" in name or name.endswith("embed_tokens.weight"):
+    elif name.endswith("embed_tokens.weight"):
         p.copy_(torch.randn(p.shape, generator=gen, device=p.device))
-    else:  # linear [out, in]
+    else:  # linear [out, in], the depth mixes' pseudo-queries `*_res_proj` [1, D] among them
         fan_in = p.shape[-1]
         p.copy_(torch.randn(p.shape, generator=gen, device=p.device) * fan_in**-0.5)
 

@@ -9,7 +9,10 @@ buffer. The first tensor over the cell's tolerance stops the cell with a `CellFa
 the cell, the step, the tensor and its max relative error (max|a - b| / max|b|).
 
 World size 2 runs the cell in 2 gloo processes (`run_tp`), each rank holding its TP shard of
-both copies; every rank must agree.
+both copies; every rank must agree. `run_tp` takes several cells of one world size and runs them
+in one pair of processes, one after another (a process start, the imports and the pattern traces
+once, not per cell); after a failed cell the ranks' collectives are out of step, so the cells
+after it run in fresh processes.
 
 The cell also checks that the comparison compared something: every step ran a compiled bucket
 (none fell back to Dynamo's graph), and the compiled graphs hold fused k3 ops.
@@ -18,15 +21,15 @@ The cell also checks that the comparison compared something: every step ran a co
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import os
-import socket
+import time
 import traceback
 
 import torch
 
 import k3compile.backend as k3be
 from k3compile.models import get_config
+from tests import gloo
 from tests.conftest import TOL, rel_err
 from tests.diffsuite.schedule import schedule
 from tests.diffsuite.spellings import SPELLINGS, reset_slot, state_buffers
@@ -79,10 +82,12 @@ class CellResult:
     worst: dict[str, float]  # tensor kind ("logits", buffer leaf name) -> max rel error seen
     fused_ops: int
     buckets_run: dict[int, int]
+    seconds: float = 0.0  # wall time of the cell (the build, the compiles, the steps)
 
     def summary(self) -> str:
         errs = ", ".join(f"{k} {v:.2e}" for k, v in sorted(self.worst.items()))
-        return f"{self.cell.id}: worst {errs}; {self.fused_ops} fused ops; runs {self.buckets_run}"
+        return (f"{self.cell.id}: worst {errs}; {self.fused_ops} fused ops; runs "
+                f"{self.buckets_run}; {self.seconds:.0f} s")
 
 
 def _mark_batch(*tensors):
@@ -119,6 +124,7 @@ def run_cell(cell: Cell, group=None) -> CellResult:
     """Run `cell` in this process (world size 1, or one rank of `run_tp`)."""
     if reason := cell.skip_reason():
         raise ValueError(f"{cell.id} cannot run: {reason}")
+    start = time.perf_counter()
     torch._dynamo.reset()
     cfg = CONFIG.with_tp(cell.world) if cell.world > 1 else CONFIG
     build = SPELLINGS[cell.spelling].build
@@ -148,7 +154,7 @@ def run_cell(cell: Cell, group=None) -> CellResult:
     if sum(runs.values()) != cell.steps:
         raise CellFailure(f"{cell.id}: {sum(runs.values())} of {cell.steps} steps ran a compiled "
                           f"bucket ({runs}); the rest ran Dynamo's graph uncompiled")
-    result = CellResult(cell, worst, _fused_ops(compiled), runs)
+    result = CellResult(cell, worst, _fused_ops(compiled), runs, time.perf_counter() - start)
     if result.fused_ops == 0:
         raise CellFailure(f"{cell.id}: the compiled graphs hold no fused k3 op")
     return result
@@ -157,43 +163,65 @@ def run_cell(cell: Cell, group=None) -> CellResult:
 # ---- world size 2: one gloo process per rank -----------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _outcome_path(out_dir: str, cell: Cell, rank: int) -> str:
+    return os.path.join(out_dir, f"{cell.id}.rank{rank}.pt")
 
 
-def _rank(rank: int, cell: Cell, port: int, out_dir: str):
+def _worker(rank: int, cells: list[Cell], out_dir: str):
     import torch.distributed as dist
 
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=cell.world,
-                            timeout=datetime.timedelta(seconds=300))  # a hang fails
-    try:
+    for cell in cells:
         try:
             outcome = run_cell(cell, dist.group.WORLD)
-        except Exception:  # noqa: BLE001 - reported by the parent, with the rank
-            outcome = traceback.format_exc()
-        torch.save(outcome, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+        except Exception:  # reported by the parent, with the rank; the peers may be inside a
+            torch.save(traceback.format_exc(), _outcome_path(out_dir, cell, rank))  # collective
+            raise  # of this cell, so the spawn ends them (tests/gloo.py)
+        torch.save(outcome, _outcome_path(out_dir, cell, rank))
 
 
-def run_tp(cell: Cell, out_dir: str) -> list[CellResult]:
-    """Run `cell` on `cell.world` gloo processes; a failure on any rank raises, naming it."""
-    import torch.multiprocessing as mp
-
-    mp.spawn(_rank, args=(cell, _free_port(), out_dir), nprocs=cell.world, join=True)
-    outcomes = [torch.load(os.path.join(out_dir, f"rank{rank}.pt"), weights_only=False)
-                for rank in range(cell.world)]
-    failed = {rank: o for rank, o in enumerate(outcomes) if isinstance(o, str)}
-    if failed:  # every failing rank's last line first (a peer of the failing rank sees a
-        # closed connection), then the tracebacks
-        lines = [f"rank {rank}: {tb.strip().splitlines()[-1]}" for rank, tb in failed.items()]
-        raise CellFailure("\n".join(lines + list(failed.values())))
-    return outcomes
+def run_tp(cells: list[Cell], out_dir: str) -> dict[str, list[CellResult] | CellFailure]:
+    """Run `cells` (one world size) on `world` gloo processes: per cell id, every rank's result,
+    or a `CellFailure` naming the failing ranks. The cells after a failed one run in new
+    processes."""
+    world = cells[0].world
+    assert all(c.world == world for c in cells), [c.id for c in cells]
+    done: dict[str, list[CellResult] | CellFailure] = {}
+    todo = list(cells)
+    while todo:
+        for cell in todo:  # a rank that dies before it reports must not read as an old outcome
+            for rank in range(world):
+                if os.path.exists(path := _outcome_path(out_dir, cell, rank)):
+                    os.remove(path)
+        spawn_error = None
+        try:
+            gloo.spawn(_worker, todo, out_dir, world=world)
+        except Exception as error:  # noqa: BLE001 - the failing rank's outcome file says where
+            spawn_error = error
+        ran = 0
+        for cell in todo:
+            outcomes = {rank: torch.load(path, weights_only=False) for rank in range(world)
+                        if os.path.exists(path := _outcome_path(out_dir, cell, rank))}
+            failed = {rank: o for rank, o in outcomes.items() if isinstance(o, str)}
+            if not failed and len(outcomes) < world:
+                break
+            ran += 1
+            if not failed:
+                done[cell.id] = [outcomes[rank] for rank in range(world)]
+                continue
+            # every failing rank's last line first, then the tracebacks
+            lines = [f"rank {rank}: {tb.strip().splitlines()[-1]}" for rank, tb in failed.items()]
+            done[cell.id] = CellFailure("\n".join(lines + list(failed.values())))
+            break
+        if ran == 0:
+            raise CellFailure(f"{todo[0].id}: no rank reported an outcome") from spawn_error
+        todo = todo[ran:]
+    return done
 
 
 def run(cell: Cell, out_dir: str) -> list[CellResult]:
-    return run_tp(cell, out_dir) if cell.world > 1 else [run_cell(cell)]
+    if cell.world == 1:
+        return [run_cell(cell)]
+    outcome = run_tp([cell], out_dir)[cell.id]
+    if isinstance(outcome, CellFailure):
+        raise outcome
+    return outcome

@@ -267,9 +267,10 @@ def test_single_token_input_shape():
     cfg = get_config("tiny")
     model = build_model(cfg, dtype=torch.float32, max_batch=2, max_seq_len=8)
     ids = torch.tensor([5, 9])
+    states = _naive_states(model, cfg)  # before the step writes the model's
     got = model(ids, torch.tensor([0, 0]))
-    want = nk.decode_step(nk.Weights(model.state_dict()), cfg, _naive_states(model, cfg),
-                          ids.unsqueeze(1), torch.tensor([0, 0]), torch.tensor([0, 1]))
+    want = nk.decode_step(nk.Weights(model.state_dict()), cfg, states, ids.unsqueeze(1),
+                          torch.tensor([0, 0]), torch.tensor([0, 1]))
     assert got.shape == (2, cfg.vocab_size)
     assert_rel(got, want.squeeze(1), TOL["float32"], "logits")
 
