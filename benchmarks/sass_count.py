@@ -56,7 +56,7 @@ SASS_GROUPS = {
 # epilogue instruction (transcendental, call, store, conversion)
 SASS_BOUNDARY, PTX_BOUNDARY = {"BAR", "EXIT", "RET"}, {"bar", "barrier", "ret", "exit"}
 SASS_END = {"BRA", "MUFU", "CALL", "STG", "STS", "F2F", "F2FP", "BSYNC"}
-PTX_END = {"bra", "ex2", "rcp", "tanh", "call", "st", "cvt"}
+PTX_END = {"bra", "ex2", "rcp", "tanh", "call", "st", "cvt.rn.bf16.f32", "cvt.rn.f16.f32"}
 
 
 @dataclass
@@ -171,7 +171,8 @@ def hot_phase(instrs: list[Instr], ptx: bool) -> tuple[int, int]:
     start, stop = max(zip([c + 1 for c in cuts], cuts[1:]), key=lambda r: sum(
         group(ins.op) == "ffma" for ins in instrs[r[0]:r[1]]))
     first = next((i for i in range(start, stop) if group(instrs[i].op) == "ffma"), stop)
-    end = next((i for i in range(first, stop) if instrs[i].base in end_ops), stop)
+    end = next((i for i in range(first, stop)
+                if instrs[i].base in end_ops or instrs[i].op in end_ops), stop)
     return start, end
 
 
@@ -206,7 +207,7 @@ def count(text: str, ptx: bool, weights: int, per_vector: int) -> dict:
         "instructions": len(instrs),
         "static_mix": dict(mix(instrs, ptx)),
         "hot": {"first": start, "count": len(hot), "mix": dict(hot_mix),
-                "opcodes": dict(Counter(i.op for i in hot).most_common(12))},
+                "opcodes": dict(Counter(i.op for i in hot).most_common())},
         "weights_per_thread": weights,
         "per_vector": round(len(hot) / vectors, 2),
         "per_weight": round(len(hot) / weights, 3),
@@ -281,7 +282,7 @@ def show(name: str, cfg, r: dict) -> None:
     print(f"  per thread {r['weights_per_thread']} weights: {r['per_vector']} per 16-byte vector,"
           f" {r['per_weight']} per weight")
     print("  per weight: " + ", ".join(f"{g} {v}" for g, v in r["per_weight_mix"].items()))
-    print("  hot opcodes: " + ", ".join(f"{op} {n}" for op, n in hot["opcodes"].items()))
+    print("  hot opcodes: " + ", ".join(f"{op} {n}" for op, n in list(hot["opcodes"].items())[:12]))
     for lp in r["loops"]:
         print(f"  loop #{lp['first']}-#{lp['last']}: {lp['count']} instructions {lp['mix']}")
 
