@@ -1,0 +1,121 @@
+"""A numpy emulation of the MXFP4 decode of the per-pair MoE kernels (`decode_dot`,
+kernels/device/moe_experts.py) and of a proposed cheaper one, both against the torch reference
+(k3compile.math `mxfp4_dequant`, the E2M1 table). Nothing here runs in a kernel.
+
+    python benchmarks/decode_bits.py      # checks both on every byte value and random experts
+
+Both decode a 32-bit word of 8 nibbles (inputs 8w .. 8w + 7) as four *pair views*: a word
+whose 16-bit halves are the bf16-like patterns (sign at bit 15, e1 e0 m at bits 8..6) of inputs
+i and i + 4; the low half << 16 and the high half & 0xFFFF0000 are then fp32 weights times
+2^-126 (E2M1 0.5 lands on a subnormal, exactly).
+
+* `decode_current`: the kernels' layout (nibble j of the word is input 8w + j). A view takes
+  t = q << (12, 8, 4, 0)[i], (t & 0x80008000) | ((t >> 6) & 0x01C001C0). In SASS
+  (benchmarks/sass_count.py, FC2 at I = 32): 7 shifts + 8 LOP3 (two immediates cost two
+  LOP3) per word for the views, then 4 shifts + 4 LOP3 for the halves: 23 per 8 weights.
+* `decode_repacked`: the same views from a word whose bits are permuted once, at weight load
+  (`repack`): per half, pair 0's e1 e0 m at bits 8..6 and sign at 15 (view = q & MASK),
+  pair 1's at 5..3 and 12 (view = (q << 3) & MASK), pair 2's at 2..0 and 13, pair 3's at
+  11..9 and 14 (sign and magnitude from two shifts each). 5 shifts + 6 LOP3 per word for the
+  views, the halves as before: 19 per 8 weights (no three contiguous bits are left over for a
+  fourth one-mask view: at most three translates of MASK fit in a word, at shifts 0, 3, 6).
+"""
+
+import numpy as np
+
+SIGN, MAG, MASK = 0x80008000, 0x01C001C0, 0x81C081C0
+PAIR_SHIFT = (12, 8, 4, 0)
+# the repacked layout, per half: (bit of e1 e0 m's lowest bit, bit of the sign) of pair i
+REPACKED = ((6, 15), (3, 12), (0, 13), (9, 14))
+
+
+def words_of(packed: np.ndarray) -> np.ndarray:
+    """[..., in/2] uint8 (the low nibble the even input) -> [..., in/8] uint32, as the kernels
+    read them (little-endian int32 words)."""
+    return np.ascontiguousarray(packed).view("<u4")
+
+
+def nibbles_of(words: np.ndarray) -> np.ndarray:
+    """[..., W] uint32 -> [..., W, 8] nibbles in input order."""
+    return (words[..., None] >> (4 * np.arange(8, dtype=np.uint32))) & 0xF
+
+
+def halves(view: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A pair view -> (input i, input i + 4) as fp32 times 2^-126."""
+    lo = (view << np.uint32(16)).view(np.float32)
+    hi = (view & np.uint32(0xFFFF0000)).view(np.float32)
+    return lo, hi
+
+
+def _assemble(words: np.ndarray, views) -> np.ndarray:
+    out = np.empty(words.shape + (8,), np.float32)
+    for i, view in enumerate(views):
+        out[..., i], out[..., i + 4] = halves(view)
+    return out.reshape(*words.shape[:-1], -1)
+
+
+def decode_current(words: np.ndarray) -> np.ndarray:
+    """`decode_dot`'s weights: [..., W] uint32 -> [..., 8W] fp32 times 2^-126."""
+    q = words.astype(np.uint32)
+    views = []
+    for s in PAIR_SHIFT:
+        t = q << np.uint32(s)
+        views.append((t & np.uint32(SIGN)) | ((t >> np.uint32(6)) & np.uint32(MAG)))
+    return _assemble(q, views)
+
+
+def repack(words: np.ndarray) -> np.ndarray:
+    """The kernels' words -> the permuted layout of `decode_repacked` (once, at load)."""
+    nib = nibbles_of(words.astype(np.uint32))
+    out = np.zeros(words.shape, np.uint32)
+    for i, (mag_at, sign_at) in enumerate(REPACKED):
+        for half, j in ((0, i), (1, i + 4)):
+            n = nib[..., j]
+            out |= ((n & 7) << np.uint32(mag_at + 16 * half)) | (
+                (n >> 3) << np.uint32(sign_at + 16 * half))
+    return out
+
+
+def decode_repacked(words: np.ndarray) -> np.ndarray:
+    """The proposed decode of `repack`ed words: 5 shifts + 6 LOP3 for the four views."""
+    q = words.astype(np.uint32)
+    u = np.uint32
+    views = [
+        q & u(MASK),  # 1 LOP3
+        (q << u(3)) & u(MASK),  # 1 shift, 1 LOP3
+        ((q << u(2)) & u(SIGN)) | ((q << u(6)) & u(MAG)),  # 2 shifts, 2 LOP3
+        ((q << u(1)) & u(SIGN)) | ((q >> u(3)) & u(MAG)),  # 2 shifts, 2 LOP3
+    ]
+    return _assemble(q, views)
+
+
+def dequant(decoded: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """fp32 weights times 2^-126 and E8M0 scales [..., in/32] -> the weights, as fp64."""
+    factor = np.exp2(scale.astype(np.float64) - 127.0 + 126.0)
+    return (decoded.astype(np.float64).reshape(*scale.shape, 32) * factor[..., None]).reshape(
+        decoded.shape)
+
+
+def check(seed: int = 0) -> dict:
+    """Both decodes against `mxfp4_dequant` on every byte value and on random experts: the
+    largest absolute difference of each (0.0 is exact)."""
+    import torch
+
+    from k3compile.math import e2m1_table, mxfp4_dequant
+
+    rng = np.random.default_rng(seed)
+    every = np.tile(np.arange(256, dtype=np.uint8), 8).reshape(4, 512)  # 4 rows of 1024 inputs
+    packed = np.concatenate([every, rng.integers(0, 256, (60, 512), dtype=np.uint8)])
+    scale = rng.integers(0, 225, (64, 32), dtype=np.uint8)  # the kernels take bytes <= 224
+    ref = mxfp4_dequant(torch.from_numpy(packed), torch.from_numpy(scale),
+                        e2m1_table(dtype=torch.float32)).double().numpy()
+    words = words_of(packed)
+    out = {}
+    for name, got in (("current", decode_current(words)),
+                      ("repacked", decode_repacked(repack(words)))):
+        out[name] = float(np.abs(dequant(got, scale) - ref).max())
+    return out
+
+
+if __name__ == "__main__":
+    print(check())
