@@ -119,3 +119,60 @@ def check(seed: int = 0) -> dict:
 
 if __name__ == "__main__":
     print(check())
+
+
+# ---- a probe kernel for benchmarks/sass_count.py: one 16-byte vector per thread, decoded by
+# `decode_dot` or the repacked decode (a benchmark's kernel, not a k3 kernel) ----
+
+
+def decode_dot_repacked(words, z):
+    """`decode_dot` on `repack`ed words: the same sum, in the same order."""
+    from cutlass import Float32, Uint32
+
+    p = Float32(0.0)
+    for w in range(4):
+        q = words[w]
+        views = (q & Uint32(MASK), (q << 3) & Uint32(MASK),
+                 ((q << 2) & Uint32(SIGN)) | ((q << 6) & Uint32(MAG)),
+                 ((q << 1) & Uint32(SIGN)) | ((q >> 3) & Uint32(MAG)))
+        for i, bits in enumerate(views):
+            p = p + (bits << 16).bitcast(Float32) * z[8 * w + i]
+            p = p + (bits & Uint32(0xFFFF0000)).bitcast(Float32) * z[8 * w + i + 4]
+    return p
+
+
+def build_probe(repacked: bool, arch: str = "sm_90a", dump_dir: str | None = None):
+    """Compile the probe: thread t reads words row t (4 int32) and z row t (32 fp32) from
+    global memory and writes the dot to y[t]."""
+    import cutlass
+    from cutlass import Float32, Int32, Uint32, cute
+    from cutlass.cute.runtime import make_fake_tensor
+    from k3compile.kernels.common.copy import make_frag, row_vectors
+    from k3compile.kernels.common.dsl import compile_kernel, fake_stream
+    from k3compile.kernels.device.moe_experts import decode_dot
+
+    dot = decode_dot_repacked if repacked else decode_dot
+
+    class DecodeProbe:
+        @cute.jit
+        def __call__(self, mW: cute.Tensor, mZ: cute.Tensor, mY: cute.Tensor, stream):
+            self.kernel(mW, mZ, mY).launch(grid=[1, 1, 1], block=[32, 1, 1], stream=stream)
+
+        @cute.kernel
+        def kernel(self, mW: cute.Tensor, mZ: cute.Tensor, mY: cute.Tensor):
+            tidx, _, _ = cute.arch.thread_idx()
+            rW = make_frag(Int32, 1)  # (4, 1)
+            cute.autovec_copy(row_vectors(mW, tidx)[None, 0], rW[None, 0])
+            rZ = cute.make_rmem_tensor(cute.make_layout((32,)), Float32)
+            rZ4 = cute.zipped_divide(rZ, (4,))  # (4, 8)
+            gZ = row_vectors(mZ, tidx)  # (4, 8)
+            for q in cutlass.range_constexpr(8):
+                cute.autovec_copy(gZ[None, q], rZ4[None, q])
+            mY[tidx] = dot(rW[None, 0].load().bitcast(Uint32), rZ.load())
+
+    n = cute.sym_int()
+    return compile_kernel(
+        DecodeProbe(), make_fake_tensor(Int32, (n, 4), stride=(4, 1), assumed_align=16),
+        make_fake_tensor(Float32, (n, 32), stride=(32, 1), assumed_align=16),
+        make_fake_tensor(Float32, (n,), stride=(1,), assumed_align=4), fake_stream(),
+        arch=arch, dump_dir=dump_dir)

@@ -4,6 +4,7 @@
     python benchmarks/sass_count.py --cases fc1:64 --keep DIR   # also writes DIR/fc1_64.sass
     python benchmarks/sass_count.py --json r.json [--ptx]       # --ptx: count PTX, not SASS
     python benchmarks/sass_count.py --text k.sass --weights 448 [--per-vector 32]  # a saved one
+    python benchmarks/sass_count.py --cases decode:current,decode:repacked  # decode_bits.py
 
 Builds each case's kernel (kernels/*.py `build` with a dump_dir), disassembles the cubin with
 nvdisasm or cuobjdump (pip: nvidia-cuda-nvdisasm, nvidia-cuda-cuobjdump; found on PATH or in
@@ -245,9 +246,26 @@ def gemv_case(n: int, k: int, m_rows: int):
     return ("gemv", n, k, m_rows, cfg), build, weights, 8
 
 
+def decode_case(variant: str):
+    """benchmarks/decode_bits.py's probe: one 16-byte vector per thread by `decode_dot`
+    ('current') or the repacked decode ('repacked'); the loads from global memory count."""
+    spec = importlib.util.spec_from_file_location("decode_bits", Path(__file__).with_name(
+        "decode_bits.py"))
+    bits = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bits)
+    if variant not in ("current", "repacked"):
+        raise SystemExit(f"decode:{variant}? (decode:current, decode:repacked)")
+    build = lambda dump: bits.build_probe(variant == "repacked", dump_dir=dump,
+                                          arch=os.environ.get("CUTE_DSL_ARCH", "sm_90a"))
+    return ("decode", variant), build, 32, 32
+
+
 def case(spec: str):
-    """'fc1:64', 'fc2:8' (TP16 shapes), 'fc1:64:3584:192:16', 'gemv:896:7168:1'."""
+    """'fc1:64', 'fc2:8' (TP16 shapes), 'fc1:64:3584:192:16', 'gemv:896:7168:1',
+    'decode:current', 'decode:repacked'."""
     name, *nums = spec.split(":")
+    if name == "decode":
+        return decode_case(*nums)
     nums = [int(x) for x in nums]
     if name in ("fc1", "fc2"):
         return moe_case(name, *nums)

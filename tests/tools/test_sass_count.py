@@ -73,3 +73,26 @@ def test_fc2_one_vector_matches_decode_dot(monkeypatch):
         assert s["isa"] == "sass" and s["hot"]["opcodes"]["FFMA"] == 33
         assert s["hot"]["opcodes"]["LDS.128"] == 8
         assert mix["int"] + mix.get("imad", 0) <= r["hot"]["mix"]["int"]
+
+
+@pytest.mark.dsl
+def test_decode_probe_repacked_saves_four_per_word(monkeypatch):
+    """benchmarks/decode_bits.py's probe, one vector per thread. Per word (8 weights), PTX:
+    `decode_dot` and 12, or 4, shl 9, shr 2; the repacked decode and 10, or 2, shl 8, shr 1
+    (views: q & MASK; (q << 3) & MASK; two of (q << a) & SIGN | (q <</>> b) & MAG; then the
+    halves: << 16, & 0xFFFF0000). Two shl address the rows. In SASS, 4 fewer per word."""
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    want = {"current": (48, 16, 36, 8), "repacked": (40, 8, 32, 4)}
+    got = {}
+    for variant, (n_and, n_or, n_shl, n_shr) in want.items():
+        _, build, weights, per_vector = sc.case(f"decode:{variant}")
+        ops = sc.measure(build, weights, per_vector, tool=None)["hot"]["opcodes"]
+        assert (ops["and.b32"], ops["or.b32"], ops["shr.u32"]) == (n_and, n_or, n_shr), variant
+        assert ops["shl.b32"] - n_shl == 2 and ops["fma.rn.f32"] == 32, variant
+        if tool := sc.disassembler():
+            got[variant] = sc.measure(build, weights, per_vector, tool)["hot"]
+    if got:
+        mix = {v: h["mix"] for v, h in got.items()}
+        assert mix["current"]["ffma"] == mix["repacked"]["ffma"] == 32
+        integer = {v: m["int"] + m["imad"] for v, m in mix.items()}
+        assert integer["current"] - integer["repacked"] == 16, integer
