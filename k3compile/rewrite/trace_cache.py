@@ -154,11 +154,19 @@ def _describe_fn(fn, folders: set[str], depth: int = 3) -> list:
             continue
         if hasattr(v, "__code__") and depth:
             out.append([name, _describe_fn(v, folders, depth - 1)])
-        elif v is None or isinstance(v, (bool, int, float, str)):
+        elif _plain(v):
             out.append([name, repr(v)])
         else:
             raise Unstorable(f"closed-over {name} of type {type(v).__name__}")
     return out
+
+
+def _plain(v) -> bool:
+    """A value whose repr describes it in every process: a scalar, a string, a dtype, or a
+    tuple / list of those (a variant's extra op arguments, e.g. `(True,)`)."""
+    if v is None or isinstance(v, (bool, int, float, str, torch.dtype)):
+        return True
+    return isinstance(v, (tuple, list)) and all(_plain(x) for x in v)
 
 
 @functools.cache
