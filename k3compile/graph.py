@@ -10,6 +10,10 @@ from typing import Any
 import torch
 from torch import fx
 
+# the ops that only reshape (a view of the same elements in the same order)
+RESHAPES = frozenset({torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default,
+                      torch.ops.aten.reshape.default})
+
 
 def fake_value(target, args: tuple, kwargs: dict | None = None) -> Any:
     """What `target` returns on the fake values of args (run under their fake mode)."""

@@ -22,11 +22,10 @@ from torch import fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from k3compile.canonical import Rule
-from k3compile.graph import call
+from k3compile.graph import RESHAPES, call
 
 aten = torch.ops.aten
 CAST = torch.ops.prims.convert_element_type.default
-_VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
 
 
 def _val(node) -> torch.Tensor | None:
@@ -40,7 +39,7 @@ def _same(a, b) -> bool:
 
 def _head_split(view) -> bool:
     """view: [..., H·D] -> [..., H, D], the leading dims kept."""
-    if not (isinstance(view, fx.Node) and view.op == "call_function" and view.target in _VIEWS):
+    if not (isinstance(view, fx.Node) and view.op == "call_function" and view.target in RESHAPES):
         return False
     src, out = _val(view.args[0]), _val(view)
     if src is None or out is None or src.dim() < 1 or out.dim() != src.dim() + 1:

@@ -31,10 +31,9 @@ import torch
 from torch import fx
 
 from k3compile.canonical import Rule
-from k3compile.graph import call
+from k3compile.graph import RESHAPES, call
 
 aten = torch.ops.aten
-_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 
 
 def _val(node):
@@ -47,7 +46,7 @@ def _stack_parts(node: fx.Node) -> list[fx.Node] | None:
     view [E, *shape] of a cat of the parts), else None."""
     if node.op != "call_function":
         return None
-    if node.target in _VIEWS:
+    if node.target in RESHAPES:
         cat, out = node.args[0], _val(node)
         if not (isinstance(cat, fx.Node) and cat.target is aten.cat.default and out is not None
                 and _cat_dim(cat) == 0 and len(cat.users) == 1):

@@ -39,13 +39,12 @@ import torch
 from torch import fx
 
 from k3compile.canonical import Rule
-from k3compile.graph import call, written_in_place
+from k3compile.graph import RESHAPES, call, written_in_place
 
 aten = torch.ops.aten
 
 # view ops whose result is a function of their input's elements only (replayed on meta tensors);
 # the reshapes among them are replayed as `view`, which refuses where a copy would be needed
-RESHAPES = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
 VIEWS = RESHAPES | {
     aten.permute.default, aten.t.default, aten.transpose.int, aten.unsqueeze.default,
     aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.expand.default,

@@ -41,6 +41,7 @@ import torch
 from torch import fx
 
 from k3compile.canonical import Rule
+from k3compile.graph import RESHAPES
 from k3compile.math import E2M1_VALUES, GROUP, e2m1_table, mxfp4_dequant
 from k3compile.rewrite import inductor
 
@@ -49,7 +50,6 @@ aten, prims = torch.ops.aten, torch.ops.prims
 MAX_TABLE = 4096  # a constant larger than this is no lookup table
 _CASTS = {prims.convert_element_type.default, aten._to_copy.default, aten.clone.default,
           aten.alias.default, aten.lift_fresh_copy.default}
-_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 _FACTORIES = {aten.arange.default, aten.arange.start, aten.arange.start_step, aten.full.default,
               aten.scalar_tensor.default, aten.zeros.default, aten.ones.default,
               prims.iota.default}  # deterministic: never `empty` or a random op
@@ -121,7 +121,7 @@ class _Constants:
         elif node.op == "placeholder":
             value = self.inputs.get(node)
         elif node.op == "call_function" and (node.target in _FACTORIES or _pointwise(node)
-                                             or node.target in _VIEWS):
+                                             or node.target in RESHAPES):
             if any(self(a) is None for a in node.all_input_nodes):
                 return None
             args, kwargs = fx.map_arg((node.args, node.kwargs), self)
@@ -185,7 +185,7 @@ class _Analysis:
             return self._unsqueeze(node)
         if t is aten.cat.default:
             return self._interleave(node)
-        if t in _VIEWS:
+        if t in RESHAPES:
             return self._view(node)
         if t is aten.expand.default:
             return self._expand(node)

@@ -18,9 +18,9 @@ import torch
 from torch import fx
 
 from k3compile.canonical import Rule
+from k3compile.graph import RESHAPES
 
 aten = torch.ops.aten
-_VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
 
 
 def _shape(node) -> tuple[int, ...] | None:
@@ -31,7 +31,7 @@ def _shape(node) -> tuple[int, ...] | None:
 
 
 def _is_view(node) -> bool:
-    return (isinstance(node, fx.Node) and node.op == "call_function" and node.target in _VIEWS
+    return (isinstance(node, fx.Node) and node.op == "call_function" and node.target in RESHAPES
             and isinstance(node.args[0], fx.Node))
 
 

@@ -23,10 +23,9 @@ import torch
 from torch import fx
 
 from k3compile.canonical import Rule
-from k3compile.graph import call
+from k3compile.graph import RESHAPES, call
 
 aten = torch.ops.aten
-RESHAPES = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
 CLONES = {aten.clone.default}
 
 
