@@ -36,8 +36,6 @@ import hashlib
 import json
 import logging
 import operator
-import os
-import tempfile
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -46,6 +44,7 @@ from typing import Any
 import torch
 from torch import fx
 
+from k3compile.files import write_atomic
 from k3compile.rewrite import inductor
 from k3compile.settings import KERNELS
 
@@ -199,15 +198,7 @@ def store(path: Path, text: str, gm: fx.GraphModule, name: str) -> bool:
         body = json.dumps(graph)  # kwargs in their order: the matcher compares it
         entry = json.dumps({"format": FORMAT, "key": text, "graph": body,
                             "sha256": hashlib.sha256(body.encode()).hexdigest()})
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(entry)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_atomic(path, entry.encode())
     except (Unstorable, OSError) as e:
         log.debug("k3 pattern %s: trace not cached (%s: %s)", name, type(e).__name__, e)
         STATS["unstored"] += 1

@@ -60,6 +60,7 @@ from pathlib import Path
 
 from filelock import FileLock, Timeout
 
+from k3compile.files import write_atomic
 from k3compile.settings import KERNELS
 
 from .dsl import compile_options, have_dsl, have_tvm_ffi, log
@@ -337,15 +338,7 @@ def load(payload: bytes, name: str):
 def write_entry(path: Path, text: str, payload: bytes) -> None:
     header = json.dumps({"format": FORMAT, "key": text, "size": len(payload),
                          "sha256": hashlib.sha256(payload).hexdigest()}, sort_keys=True)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(MAGIC + header.encode() + b"\n" + payload)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomic(path, MAGIC + header.encode() + b"\n" + payload)
 
 
 def read_entry(path: Path, text: str) -> bytes:
