@@ -51,9 +51,11 @@ PLANS: dict[str, dict[str, int]] = {
 
 NO_LAYER = "no K3 layer found"  # the report of a graph without a KDA or MLA layer
 
-# a fused op that takes the planned op's place: at W > 1 the collective variant is the
-# post-attention mix (o_proj stays a GEMM before it, spec §5.2 row 5's GEMM + all-reduce)
-SATISFIES = {"allreduce_attn_res_mix_norm": "oproj_attn_res_mix_norm"}
+# a fused op that takes a planned op's place, and the planned ops it may stand for, in the order
+# they are filled: at W > 1 the collective variant is the post-attention mix (o_proj stays a
+# GEMM before it, spec §5.2 row 5's GEMM + all-reduce), and also the pre-attention mix of a
+# layer after a dense one (the dense MLP's down GEMM ends in an all-reduce too)
+SATISFIES = {"allreduce_attn_res_mix_norm": ("oproj_attn_res_mix_norm", "attn_res_mix_norm")}
 
 # Ops that are one GEMM each, not a fusion: `k3.linear` is a plain x·Wᵀ that no fusion took (our
 # skinny GEMM on CUDA). Which GEMMs it takes depends on the device (a fusion deferred there leaves
@@ -153,13 +155,29 @@ def layer_ops(graph: fx.Graph, templates: dict[int, str] | None = None
             continue
         target = str(node.target)
         if target.startswith("k3."):
-            op = target.split(".")[1]
-            fused[layer][SATISFIES.get(op, op)] += 1
+            fused[layer][target.split(".")[1]] += 1
         else:
             name = _op_name(node)
             if name not in _NO_KERNEL:
                 other[layer][name] += 1
-    return {layer: (fused[layer], other[layer]) for layer in templates}
+    return {layer: (_stand_in(fused[layer], PLANS.get(t, {})), other[layer])
+            for layer, t in templates.items()}
+
+
+def _stand_in(ops: collections.Counter, plan: dict[str, int]) -> collections.Counter:
+    """`ops` with each stand-in op (SATISFIES) counted as the planned ops it takes the place of:
+    it fills its targets' shortfalls in order, and any left over counts as its first target."""
+    out = collections.Counter({op: n for op, n in ops.items() if op not in SATISFIES})
+    for op, targets in SATISFIES.items():
+        left = ops[op]
+        for target in targets:
+            take = min(left, max(plan.get(target, 0) - out[target], 0))
+            if take:
+                out[target] += take
+                left -= take
+        if left:
+            out[targets[0]] += left
+    return out
 
 
 def contract(gm: fx.GraphModule, ctx) -> fx.GraphModule:

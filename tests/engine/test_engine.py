@@ -129,6 +129,22 @@ def test_cpu_graphs_defer_nothing(inputs):
     assert deferral(gm.graph, Options()) is None  # CPU: the references are the kernels
 
 
+def test_contract_counts_the_fused_collective_as_either_mix():
+    import collections
+
+    from k3compile.stages.contract import PLANS, _stand_in
+
+    # TP2, the layer after a dense one: both mixes follow an all-reduce and take its fused form
+    ops = collections.Counter({"allreduce_attn_res_mix_norm": 2, "fb_kda_decode": 1})
+    counted = _stand_in(ops, PLANS["kda_moe"])
+    assert counted == {"oproj_attn_res_mix_norm": 1, "attn_res_mix_norm": 1, "fb_kda_decode": 1}
+    # the usual case: the post-attention mix only; a surplus counts as the first target
+    assert _stand_in(collections.Counter({"allreduce_attn_res_mix_norm": 1}),
+                     PLANS["kda_moe"]) == {"oproj_attn_res_mix_norm": 1}
+    assert _stand_in(collections.Counter({"allreduce_attn_res_mix_norm": 3}),
+                     PLANS["dense"]) == {"oproj_attn_res_mix_norm": 3}
+
+
 def test_contract_does_not_count_deferred_ops_as_missing():
     import collections
 

@@ -284,7 +284,9 @@ def _tp2_worker(rank: int, out_dir: str):
     error = rel_err(step(*args) * 1, eager(*args) * 1)  # `* 1`: waits on the collective
     graph = next(iter(k3be.last_compiled().observer.graphs.values()))
     side = [n for n in graph.nodes if n.target in (FORK, JOIN) and n.args[1] == SIDE]
-    torch.save({"error": error, "facts": _anchor_facts(graph), "hazards": hazards(graph),
+    contract = next(iter(k3be.last_compiled().observer.notes.values()))["contract"]
+    torch.save({"error": error, "shortfall": {lr.layer: lr.shortfall for lr in contract.layers},
+                "met": contract.met, "facts": _anchor_facts(graph), "hazards": hazards(graph),
                 "sched": sorted(str(n.target) for n in side)},
                os.path.join(out_dir, f"rank{rank}.pt"))
 
@@ -297,6 +299,8 @@ def test_tp2_prefetch_beside_every_fused_collective(tmp_path):
         r = torch.load(tmp_path / f"rank{rank}.pt")
         assert r["error"] <= TOL["aten_cpu"], r["error"]
         assert r["hazards"] == [], r["hazards"]
+        # the fused collective stands for either mix it took the place of
+        assert r["met"], r["shortfall"]
         # layer 0's and layer 1's post-attention mixes, and layer 1's pre-attention mix (the
         # dense MLP's all-reduce fused into it)
         assert len(r["facts"]) == 3, r["facts"]
