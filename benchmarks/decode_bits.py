@@ -19,11 +19,15 @@ i and i + 4; the low half << 16 and the high half & 0xFFFF0000 are then fp32 wei
   11..9 and 14 (sign and magnitude from two shifts each). 5 shifts + 6 LOP3 per word for the
   views, the halves as before: 19 per 8 weights (no three contiguous bits are left over for a
   fourth one-mask view: at most three translates of MASK fit in a word, at shifts 0, 3, 6).
+* `decode_f16x2` (issue 21's option a, fp16 not bf16): the kernels' layout, views in fp16
+  bits, (t & SIGN) | ((t >> 3) & F16_MAG), 2^-14 times E2M1, consumed by fma.rn.f16x2 (no
+  halves widened, half the FMAs); `f16_error` measures what the fp16 sums cost.
 """
 
 import numpy as np
 
 SIGN, MAG, MASK = 0x80008000, 0x01C001C0, 0x81C081C0
+F16_MAG = 0x0E000E00  # e1 e0 m in fp16 bits (exponent bits 11, 10, mantissa bit 9)
 PAIR_SHIFT = (12, 8, 4, 0)
 # the repacked layout, per half: (bit of e1 e0 m's lowest bit, bit of the sign) of pair i
 REPACKED = ((6, 15), (3, 12), (0, 13), (9, 14))
@@ -89,6 +93,48 @@ def decode_repacked(words: np.ndarray) -> np.ndarray:
     return _assemble(q, views)
 
 
+def decode_f16x2(words: np.ndarray) -> np.ndarray:
+    """The packed option (`decode_dot_f16x2`): native words, views in fp16 bits,
+    (t & SIGN) | ((t >> 3) & F16_MAG): [..., W] uint32 -> [..., 8W] fp32 times 2^-126 (the
+    fp16 values, exactly 2^-14 times E2M1, rescaled to compare with the other decodes)."""
+    q = words.astype(np.uint32)
+    out = np.empty(q.shape + (8,), np.float32)
+    for i, s in enumerate(PAIR_SHIFT):
+        t = q << np.uint32(s)
+        view = (t & np.uint32(SIGN)) | ((t >> np.uint32(3)) & np.uint32(F16_MAG))
+        for half, j in ((0, i), (1, i + 4)):
+            h = ((view >> np.uint32(16 * half)) & np.uint32(0xFFFF)).astype(np.uint16)
+            out[..., j] = h.view(np.float16).astype(np.float32) * np.float32(2.0 ** -112)
+    return out.reshape(*q.shape[:-1], -1)
+
+
+def f16_error(rows: int = 256, depth: int = 3584, seed: int = 0) -> dict:
+    """What fp16 sums cost (option a, `decode_dot_f16x2`): rows of random E2M1 weights (one
+    scale) dotted with one bf16 z of heavy-tailed magnitudes, staged times 2^c so that max |z|
+    lands in [2^14, 2^15) (fp16 products of a bf16 z and an E2M1 weight are then exact), each
+    32-input group summed by two fp16 lanes of 16 fused multiply-adds (one rounding each),
+    widened, the groups summed in fp64. ‖err‖ / ‖exact‖ of that ('f16x2') and of the bf16
+    rounding that the reference applies to the same exact sums ('bf16_output')."""
+    rng = np.random.default_rng(seed)
+    table = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6])
+    w = table[rng.integers(0, 16, (rows, depth))]
+    z = rng.standard_normal(depth) * np.exp(rng.standard_normal(depth))
+    z = (z.astype(np.float32).view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32)
+    exact = w @ z.astype(np.float64)
+    c = 14 - np.floor(np.log2(np.abs(z).max()))
+    prod = (w * 2.0 ** -14) * (z * 2.0 ** c)  # exact in fp64 (and in fp16)
+    lanes = prod.reshape(rows, depth // 32, 4, 2, 4).transpose(0, 1, 3, 2, 4).reshape(
+        rows, depth // 32, 2, 16)  # lane 0: inputs i of each word's pairs, lane 1: i + 4
+    acc = np.zeros(lanes.shape[:-1], np.float16)
+    for k in range(16):
+        acc = (acc.astype(np.float64) + lanes[..., k]).astype(np.float16)
+    got = acc.astype(np.float64).sum((-1, -2)) * 2.0 ** (14 - c)
+    bf16 = (exact.astype(np.float32).view(np.uint32) + np.uint32(0x8000)) & np.uint32(
+        0xFFFF0000)  # round half up: enough for a norm
+    rel = lambda a: float(np.linalg.norm(a - exact) / np.linalg.norm(exact))
+    return {"f16x2": rel(got), "bf16_output": rel(bf16.view(np.float32).astype(np.float64))}
+
+
 def dequant(decoded: np.ndarray, scale: np.ndarray) -> np.ndarray:
     """fp32 weights times 2^-126 and E8M0 scales [..., in/32] -> the weights, as fp64."""
     factor = np.exp2(scale.astype(np.float64) - 127.0 + 126.0)
@@ -112,13 +158,15 @@ def check(seed: int = 0) -> dict:
     words = words_of(packed)
     out = {}
     for name, got in (("current", decode_current(words)),
-                      ("repacked", decode_repacked(repack(words)))):
+                      ("repacked", decode_repacked(repack(words))),
+                      ("f16x2", decode_f16x2(words))):
         out[name] = float(np.abs(dequant(got, scale) - ref).max())
     return out
 
 
 if __name__ == "__main__":
     print(check())
+    print(f16_error())
 
 
 # ---- a probe kernel for benchmarks/sass_count.py: one 16-byte vector per thread, decoded by
@@ -141,9 +189,55 @@ def decode_dot_repacked(words, z):
     return p
 
 
-def build_probe(repacked: bool, arch: str = "sm_90a", dump_dir: str | None = None):
-    """Compile the probe: thread t reads words row t (4 int32) and z row t (32 fp32) from
-    global memory and writes the dot to y[t]."""
+def fma_f16x2(a, b, c):
+    """a·b + c on two fp16 lanes in one instruction (fma.rn.f16x2, subnormals kept)."""
+    from cutlass import Uint32
+    from cutlass._mlir import ir
+    from cutlass._mlir.dialects import llvm
+
+    i32 = ir.IntegerType.get_signless(32)
+    return Uint32(llvm.inline_asm(
+        i32, [Uint32(x).ir_value() for x in (a, b, c)], "fma.rn.f16x2 $0, $1, $2, $3;",
+        "=r,r,r,r", has_side_effects=False, is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+def f16x2_sum(a):
+    """The two fp16 lanes of a, widened to fp32 and added."""
+    from cutlass import Float32, Uint32
+    from cutlass._mlir import ir
+    from cutlass._mlir.dialects import llvm
+
+    f32 = ir.F32Type.get()
+    lanes = [Float32(llvm.inline_asm(
+        f32, [Uint32(a).ir_value()],
+        f"{{.reg .f16 l, h; mov.b32 {{l, h}}, $1; cvt.f32.f16 $0, {half};}}", "=f,r",
+        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+        for half in ("l", "h")]
+    return lanes[0] + lanes[1]
+
+
+def decode_dot_f16x2(words, z2):
+    """The packed alternative (issue 21, option a): native words, each pair view built in
+    fp16 bits (sign at 15, e1 e0 m at 11..9: the pair times 2^-14, 0.5 a subnormal), one
+    fma.rn.f16x2 per pair into two fp16 lanes, widened once per 32 inputs. z2 (16,) Uint32:
+    z as fp16x2 pairs (inputs 8w + i, 8w + i + 4) at 4w + i."""
+    from cutlass import Uint32
+
+    acc = Uint32(0)
+    for w in range(4):
+        q = words[w]
+        for i in range(4):
+            t = q << PAIR_SHIFT[i] if PAIR_SHIFT[i] else q
+            bits = (t & Uint32(SIGN)) | ((t >> 3) & Uint32(F16_MAG))
+            acc = fma_f16x2(bits, z2[4 * w + i], acc)
+    return f16x2_sum(acc)
+
+
+def build_probe(repacked, arch: str = "sm_90a", dump_dir: str | None = None):
+    """Compile the probe: thread t reads words row t (4 int32) and z row t (32 fp32, or for
+    'f16x2' 16 fp16x2 words) from global memory and writes the dot to y[t]. `repacked`:
+    False (`decode_dot`), True (`decode_dot_repacked`) or 'f16x2' (`decode_dot_f16x2`)."""
     import cutlass
     from cutlass import Float32, Int32, Uint32, cute
     from cutlass.cute.runtime import make_fake_tensor
@@ -151,7 +245,8 @@ def build_probe(repacked: bool, arch: str = "sm_90a", dump_dir: str | None = Non
     from k3compile.kernels.common.dsl import compile_kernel, fake_stream
     from k3compile.kernels.device.moe_experts import decode_dot
 
-    dot = decode_dot_repacked if repacked else decode_dot
+    f16 = repacked == "f16x2"
+    dot = decode_dot_f16x2 if f16 else decode_dot_repacked if repacked else decode_dot
 
     class DecodeProbe:
         @cute.jit
@@ -163,16 +258,18 @@ def build_probe(repacked: bool, arch: str = "sm_90a", dump_dir: str | None = Non
             tidx, _, _ = cute.arch.thread_idx()
             rW = make_frag(Int32, 1)  # (4, 1)
             cute.autovec_copy(row_vectors(mW, tidx)[None, 0], rW[None, 0])
-            rZ = cute.make_rmem_tensor(cute.make_layout((32,)), Float32)
-            rZ4 = cute.zipped_divide(rZ, (4,))  # (4, 8)
-            gZ = row_vectors(mZ, tidx)  # (4, 8)
-            for q in cutlass.range_constexpr(8):
+            zn = 16 if f16 else 32
+            rZ = cute.make_rmem_tensor(cute.make_layout((zn,)), Uint32 if f16 else Float32)
+            rZ4 = cute.zipped_divide(rZ, (4,))  # (4, zn/4)
+            gZ = row_vectors(mZ, tidx)  # (4, zn/4)
+            for q in cutlass.range_constexpr(zn // 4):
                 cute.autovec_copy(gZ[None, q], rZ4[None, q])
             mY[tidx] = dot(rW[None, 0].load().bitcast(Uint32), rZ.load())
 
     n = cute.sym_int()
     return compile_kernel(
         DecodeProbe(), make_fake_tensor(Int32, (n, 4), stride=(4, 1), assumed_align=16),
+        make_fake_tensor(Uint32, (n, 16), stride=(16, 1), assumed_align=16) if f16 else
         make_fake_tensor(Float32, (n, 32), stride=(32, 1), assumed_align=16),
         make_fake_tensor(Float32, (n,), stride=(1,), assumed_align=4), fake_stream(),
         arch=arch, dump_dir=dump_dir)

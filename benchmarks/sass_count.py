@@ -4,7 +4,7 @@
     python benchmarks/sass_count.py --cases fc1:64 --keep DIR   # also writes DIR/fc1_64.sass
     python benchmarks/sass_count.py --json r.json [--ptx]       # --ptx: count PTX, not SASS
     python benchmarks/sass_count.py --text k.sass --weights 448 [--per-vector 32]  # a saved one
-    python benchmarks/sass_count.py --cases decode:current,decode:repacked  # decode_bits.py
+    python benchmarks/sass_count.py --cases decode:current,decode:repacked,decode:f16x2  # decode_bits.py
 
 Builds each case's kernel (kernels/*.py `build` with a dump_dir), disassembles the cubin with
 nvdisasm or cuobjdump (pip: nvidia-cuda-nvdisasm, nvidia-cuda-cuobjdump; found on PATH or in
@@ -55,6 +55,7 @@ SASS_GROUPS = {
 }
 # the hot phase: between block-wide boundaries, from its first FFMA up to the first branch or
 # epilogue instruction (transcendental, call, store, conversion)
+PACKED_FMA = {"HFMA2", "fma.rn.f16x2"}  # packed math counts as the FMAs of a hot phase too
 SASS_BOUNDARY, PTX_BOUNDARY = {"BAR", "EXIT", "RET"}, {"bar", "barrier", "ret", "exit"}
 SASS_END = {"BRA", "MUFU", "CALL", "STG", "STS", "F2F", "F2FP", "BSYNC"}
 PTX_END = {"bra", "ex2", "rcp", "tanh", "call", "st", "cvt.rn.bf16.f32", "cvt.rn.f16.f32"}
@@ -169,9 +170,10 @@ def hot_phase(instrs: list[Instr], ptx: bool) -> tuple[int, int]:
     group = group_ptx if ptx else group_sass
     boundary, end_ops = (PTX_BOUNDARY, PTX_END) if ptx else (SASS_BOUNDARY, SASS_END)
     cuts = [-1] + [i for i, ins in enumerate(instrs) if ins.base in boundary] + [len(instrs)]
+    fma = lambda ins: group(ins.op) == "ffma" or ins.base in PACKED_FMA
     start, stop = max(zip([c + 1 for c in cuts], cuts[1:]), key=lambda r: sum(
-        group(ins.op) == "ffma" for ins in instrs[r[0]:r[1]]))
-    first = next((i for i in range(start, stop) if group(instrs[i].op) == "ffma"), stop)
+        fma(ins) for ins in instrs[r[0]:r[1]]))
+    first = next((i for i in range(start, stop) if fma(instrs[i])), stop)
     end = next((i for i in range(first, stop)
                 if instrs[i].base in end_ops or instrs[i].op in end_ops), stop)
     return start, end
@@ -248,14 +250,16 @@ def gemv_case(n: int, k: int, m_rows: int):
 
 def decode_case(variant: str):
     """benchmarks/decode_bits.py's probe: one 16-byte vector per thread by `decode_dot`
-    ('current') or the repacked decode ('repacked'); the loads from global memory count."""
+    ('current'), the repacked decode ('repacked') or packed fp16 math ('f16x2'); the loads
+    from global memory count."""
     spec = importlib.util.spec_from_file_location("decode_bits", Path(__file__).with_name(
         "decode_bits.py"))
     bits = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bits)
-    if variant not in ("current", "repacked"):
-        raise SystemExit(f"decode:{variant}? (decode:current, decode:repacked)")
-    build = lambda dump: bits.build_probe(variant == "repacked", dump_dir=dump,
+    kinds = {"current": False, "repacked": True, "f16x2": "f16x2"}
+    if variant not in kinds:
+        raise SystemExit(f"decode:{variant}? (decode:current, decode:repacked, decode:f16x2)")
+    build = lambda dump: bits.build_probe(kinds[variant], dump_dir=dump,
                                           arch=os.environ.get("CUTE_DSL_ARCH", "sm_90a"))
     return ("decode", variant), build, 32, 32
 

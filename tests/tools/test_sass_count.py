@@ -96,3 +96,20 @@ def test_decode_probe_repacked_saves_four_per_word(monkeypatch):
         assert mix["current"]["ffma"] == mix["repacked"]["ffma"] == 32
         integer = {v: m["int"] + m["imad"] for v, m in mix.items()}
         assert integer["current"] - integer["repacked"] == 16, integer
+
+
+@pytest.mark.dsl
+def test_decode_probe_f16x2_has_no_widening(monkeypatch):
+    """The packed option's probe: per word the same four pair views as `decode_dot` (8 and,
+    4 or) but no halves widened to fp32 and 4 fma.rn.f16x2 instead of 8 fma.rn.f32; in SASS
+    at least a quarter fewer instructions per vector."""
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    _, build, weights, per_vector = sc.case("decode:f16x2")
+    ops = sc.measure(build, weights, per_vector, tool=None)["hot"]["opcodes"]
+    assert (ops["and.b32"], ops["or.b32"], ops["fma.rn.f16x2"]) == (32, 16, 16), ops
+    assert "fma.rn.f32" not in ops
+    if tool := sc.disassembler():
+        r = {v: sc.measure(sc.case(f"decode:{v}")[1], weights, per_vector, tool)
+             for v in ("current", "f16x2")}
+        assert r["f16x2"]["hot"]["mix"].get("ffma", 0) == 0
+        assert r["f16x2"]["per_vector"] <= 0.75 * r["current"]["per_vector"], r
