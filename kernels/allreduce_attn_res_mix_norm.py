@@ -5,8 +5,8 @@
 Constraints:
     * partial [N, D] rows; the all-reduce is one-shot or two-shot over symmetric memory or NCCL,
       by size (common/collective.py; K3_ALLREDUCE forces one).
-    * The mix takes the attn_res_mix_norm kernel's limits; refused inputs run its reference
-      (reason logged). `scores_fp32` (Moonshot's fp32 scores) is refused so.
+    * The mix takes the attn_res_mix_norm kernel's limits (both score variants); refused inputs
+      run its reference (reason logged).
 """
 
 import torch

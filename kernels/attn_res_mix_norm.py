@@ -12,7 +12,9 @@ Constraints:
       sources up to D = 8192, prefix + delta alone up to 16384); clusters of c CTAs only when
       D % (8·c) == 0.
     * 0 <= len(blocks) <= 8 (at most 9 sources); mix_eps, norm_eps are runtime scalars.
-    * Not `scores_fp32` (scores in fp32 throughout): refused, the reference runs (logged).
+    * One build for both score variants: its scores are `scores_fp32`'s math (Moonshot's, to
+      fp32 summation order); the default reference rounds v·rstd, its product with wn and the
+      score to bf16, which the kernel skips (docs/kernels.md, attn_res_mix_norm).
     * With PDL (settings.KERNELS.pdl, launches of at most .pdl_max_rows rows): wn and wp load
       before `griddepcontrol.wait`, the sources after it.
 """
@@ -87,9 +89,7 @@ def refusal(prefix, delta, blocks, mix_norm_weight, mix_proj_weight, norm_weight
     """Why the kernel cannot take these inputs (shapes, dtypes, strides), or None. Works on fake
     tensors; data alignment is checked at launch."""
     bf16 = torch.bfloat16
-    if scores_fp32 and blocks:
-        return ("scores_fp32 (the depth-mix scores in fp32, Moonshot's): the kernel rounds the "
-                "normalised sources and the projection to bf16 as the built-in model does")
+    del scores_fp32  # the kernel's scores are fp32 throughout either way
     dim = prefix.shape[-1]
     if dim % 8 or not 8 <= dim <= MAX_DIM:
         return f"hidden {dim} (want a multiple of 8 in [8, {MAX_DIM}])"
@@ -167,8 +167,7 @@ def attn_res_mix_norm_cuda(prefix, delta, blocks, mix_norm_weight, mix_proj_weig
         return prefix_out, x
 
     return KERNEL.run(lambda: refusal(prefix, delta, blocks, mix_norm_weight, mix_proj_weight,
-                                      norm_weight, scores_fp32=scores_fp32),
-                      reference, launch, *tensors)
+                                      norm_weight), reference, launch, *tensors)
 
 
 def register() -> None:

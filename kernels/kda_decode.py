@@ -3,7 +3,8 @@
 
     x̃ = bf16(SiLU(conv(x))); q̂ = l2n(q̃)·s; k̂ = l2n(k̃); β = σ(b); α = exp(lb·σ(e^A·(graw+dt)))
     per t: S ← αS; S += k̂·(β(ṽ − Sᵀk̂))ᵀ; o_t = Sᵀq̂
-    out = bf16(bf16(w ⊙ rms(bf16(o))) ⊙ bf16(σ(g)))
+    out = bf16(bf16(w ⊙ rms(bf16(o))) ⊙ bf16(σ(g)))       (`norm_fp32`: bf16(w ⊙ rms(bf16(o)) ⊙ σ(g)),
+                                                          fla's FusedRMSNormGated, one rounding)
 
 `k3::fb_kda_decode` (kernels/fb_kda_decode.py) runs this device code after its GEMM. Work split,
 rounding and measurements: docs/kernels.md, kda_decode.
@@ -152,9 +153,7 @@ def refusal(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weig
     """Why the kernel cannot take these inputs, or None. Metadata only (fake tensors work);
     data alignment is checked at launch."""
     bf16, f32 = torch.bfloat16, torch.float32
-    if norm_fp32:
-        return ("norm_fp32 (fla's gated norm in fp32, one rounding): the kernel rounds the output "
-                "norm as the built-in model does")
+    del norm_fp32  # both output norms: a compile-time flag of the kernel
     if q.dim() != 3 or recurrent_state.dim() != 4 or conv_state.dim() != 3:
         return (f"ranks q {q.dim()}, recurrent_state {recurrent_state.dim()}, conv_state "
                 f"{conv_state.dim()} (want 3, 4, 3)")
@@ -193,14 +192,22 @@ def refusal(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weig
     return None
 
 
-def prepare(tokens: int, n_heads: int, taps: int = 4, buckets=BUCKETS) -> None:
+def prepare(tokens: int, n_heads: int, taps: int = 4, buckets=BUCKETS, norm_fp32=False) -> None:
     """Compile the kernel of every batch bucket for these scalars (call before graph capture)."""
     for b in buckets:
-        KERNEL.compiled(tokens, n_heads, taps, config(tokens, n_heads, taps, b), rows=b)
+        compiled(tokens, n_heads, taps, b, norm_fp32)
 
 
-def build(tokens, n_heads, taps, cfg, arch=None, dump_dir=None, pdl=False):
-    """Compile now, uncached (`dump_dir` keeps the cubin and PTX; `pdl`: with PDL)."""
+def compiled(tokens: int, n_heads: int, taps: int, batch_bucket: int, norm_fp32: bool):
+    """The cached kernel; `norm_fp32` enters the key only when set (the default's key and build
+    are those from before the variant)."""
+    return KERNEL.compiled(tokens, n_heads, taps, config(tokens, n_heads, taps, batch_bucket),
+                           rows=batch_bucket, **({"norm_fp32": True} if norm_fp32 else {}))
+
+
+def build(tokens, n_heads, taps, cfg, arch=None, dump_dir=None, pdl=False, norm_fp32=False):
+    """Compile now, uncached (`dump_dir` keeps the cubin and PTX; `pdl`: with PDL; `norm_fp32`:
+    the output norm in fp32 with one rounding)."""
     import cutlass
     from cutlass import cute
     from cutlass.cute.runtime import make_fake_tensor
@@ -221,7 +228,7 @@ def build(tokens, n_heads, taps, cfg, arch=None, dump_dir=None, pdl=False):
 
     conv_w = [weight(bf16, (W, 1, taps), (taps, taps, 1)) for _ in range(3)]
     return compile_kernel(
-        KDADecode(T, H, taps, cfg, pdl), act(W), act(W), act(W), act(W), act(W), act(H),
+        KDADecode(T, H, taps, cfg, pdl, norm_fp32), act(W), act(W), act(W), act(W), act(W), act(H),
         make_fake_tensor(bf16, (cute.sym_int(), 3 * W, taps - 1),
                          stride=(cute.sym_int64(), taps - 1, 1), assumed_align=2),
         make_fake_tensor(f32, (cute.sym_int(), H, K, K),
@@ -261,9 +268,7 @@ def kda_decode_cuda(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_c
         H, K = recurrent_state.shape[1:3]
         o = q.new_empty((B, T, H, K)) if out is None else out
         if B:
-            taps = conv_state.shape[2] + 1
-            bb = bucket(B)
-            KERNEL.compiled(T, H, taps, config(T, H, taps, bb), rows=bb)(
+            compiled(T, H, conv_state.shape[2] + 1, bucket(B), norm_fp32)(
                 *args, o, float(lower_bound), float(l2_eps), float(q_scale), float(norm_eps))
         return o
 

@@ -4,8 +4,8 @@
 
 Constraints:
     * The GEMM goes through `router.linear` (any shape: cuBLAS where our GEMMs refuse).
-    * The mix takes the attn_res_mix_norm kernel's limits; refused inputs run its reference
-      (reason logged). `scores_fp32` (Moonshot's fp32 scores) is refused so.
+    * The mix takes the attn_res_mix_norm kernel's limits (both score variants); refused inputs
+      run its reference (reason logged).
 """
 
 import torch

@@ -21,8 +21,9 @@ def bf16_round(x):
     return x.to(BFloat16).to(Float32)
 
 class KDADecode:
-    def __init__(self, tokens: int, n_heads: int, taps: int, cfg: Config, pdl: bool = False):
-        self.T, self.H, self.taps, self.pdl = tokens, n_heads, taps, pdl
+    def __init__(self, tokens: int, n_heads: int, taps: int, cfg: Config, pdl: bool = False,
+                 norm_fp32: bool = False):
+        self.T, self.H, self.taps, self.pdl, self.norm_fp32 = tokens, n_heads, taps, pdl, norm_fp32
         self.K = HEAD_DIM
         self.W = n_heads * HEAD_DIM
         self.tile = tile(cfg)
@@ -204,7 +205,8 @@ class KDADecode:
 
     @cute.jit
     def epilogue(self, tidx, rank, h, req, totals, sO, mG, mWo, mOut, norm_eps: Float32):
-        """out = bf16(bf16(w·bf16(o'·rstd))·bf16(σ(g))), one 16-byte vector per item."""
+        """out = bf16(bf16(w·bf16(o'·rstd))·bf16(σ(g))), or with `norm_fp32` bf16(o'·rstd·w·σ(g))
+        in fp32; one 16-byte vector per item."""
         total, n = self.tile.out_vectors(self.T), self.threads
         for it in cutlass.range_constexpr(-(-total // n)):
             item = it * n + tidx
@@ -224,8 +226,12 @@ class KDADecode:
         rstd = cute.math.rsqrt(ms / K + norm_eps)
         rY = cute.make_rmem_tensor(cute.make_layout((8,)), Float32)
         for e in range(8):
-            y = bf16_round(mWo[col + e].to(Float32) * bf16_round(sO[t, lc + e] * rstd))
-            rY[e] = y * bf16_round(sigmoid(mG[req, t, h * K + col + e].to(Float32)))
+            if const_expr(self.norm_fp32):  # fla's FusedRMSNormGated: one rounding, at the store
+                y = sO[t, lc + e] * rstd * mWo[col + e].to(Float32)
+                rY[e] = y * sigmoid(mG[req, t, h * K + col + e].to(Float32))
+            else:
+                y = bf16_round(mWo[col + e].to(Float32) * bf16_round(sO[t, lc + e] * rstd))
+                rY[e] = y * bf16_round(sigmoid(mG[req, t, h * K + col + e].to(Float32)))
         rOut = cute.make_rmem_tensor(cute.make_layout((8,)), BFloat16)
         rOut.store(rY.load().to(BFloat16))
         cute.autovec_copy(rOut, vectors(mOut[req, t, h, None])[None, col // 8])

@@ -2,14 +2,16 @@
 
 GPU (marked `gpu`): one K3 TP16 rank (6 heads of 128, conv taps 4) at every batch bucket with
 T = 1 and T = 8, other T (conv-state shift when T < taps - 1), other head counts, every config,
-several consecutive steps on carried states, and fb_kda_decode. Activations are column slices of
+several consecutive steps on carried states, and fb_kda_decode; both ops' `norm_fp32` build (fla's
+gated norm, one rounding) at B 1, 8, 64 and T 1, 8. Activations are column slices of
 one in-projection row (stride 3206, as the fused GEMM produces them), slots are a permutation
 of a larger state pool whose other slots must stay untouched, and the last request of a batch
 is a padding row on the scratch slot (-1: the pool's last). Outputs are poisoned beforehand.
 
 CPU: a model of the kernel's blocking (its work split from `kernel.Tile`, the butterfly sums,
 the cluster sum, the ownership of outputs and conv-state writes) against the reference, for
-every config; refusals; the fallback off the GPU.
+every config, and each output norm against its reference variant; refusals; the fallback off the
+GPU.
 """
 
 import logging
@@ -105,8 +107,9 @@ def compare(got, ref, conv, ref_conv, state, ref_state, inp, conv0, state0):
     assert torch.equal(state[mask], state0[mask]) and torch.equal(conv[mask], conv0[mask])
 
 
-def check_step(inp, steps=1, gen=None, fb=False):
-    """Kernel and reference from the same states for `steps` consecutive steps."""
+def check_step(inp, steps=1, gen=None, fb=False, norm_fp32=False):
+    """Kernel and reference (of the `norm_fp32` variant) from the same states for `steps`
+    consecutive steps."""
     conv, state = inp.conv_state.clone(), inp.state.clone()
     ref_conv, ref_state = inp.conv_state.clone(), inp.state.clone()
     for step in range(steps):
@@ -115,7 +118,7 @@ def check_step(inp, steps=1, gen=None, fb=False):
         conv0, state0 = conv.clone(), state.clone()
         out = poisoned(inp.B, inp.T, inp.H, K)
         run = fb_kernel.fb_kda_decode_cuda if fb else kernel.kda_decode_cuda
-        got = run(*inp.args(conv, state, fb=fb), out=out)
+        got = run(*inp.args(conv, state, fb=fb), norm_fp32, out=out)
         assert got is out, "the kernel did not run (fallback)"
         if fb:  # the reference's graw from the same GEMM (tests/kernels/test_gemv.py checks it):
             # one bf16 rounding flip of graw moves α by up to ~8% where e^A·σ' is large
@@ -124,8 +127,16 @@ def check_step(inp, steps=1, gen=None, fb=False):
             torch.testing.assert_close(graw.float(), F.linear(rows, inp.fb_weight).float(),
                                        **TOL["bf16"])
             inp.graw = graw.view(inp.B, inp.T, -1)
-        ref = kda_decode_ref(*inp.args(ref_conv, ref_state))
+        other = kda_decode_ref(*inp.args(ref_conv.clone(), ref_state.clone()), not norm_fp32)
+        ref = kda_decode_ref(*inp.args(ref_conv, ref_state), norm_fp32)
         compare(got, ref, conv, ref_conv, state, ref_state, inp, conv0, state0)
+        assert_own_norm(got, ref, other)
+
+
+def assert_own_norm(got, ref, other):
+    """The two output norms differ by ~3.6e-3 (relative norm, measured on the CPU model), under
+    TOL["bf16_rel_norm"]: the output must be far closer to its own variant's reference."""
+    assert 4 * rel_err(got, ref) < rel_err(got, other), (rel_err(got, ref), rel_err(got, other))
 
 
 @pytest.mark.parametrize("T", [1, 8])
@@ -171,6 +182,17 @@ def test_consecutive_steps(gen, B, T):
 @pytest.mark.gpu
 def test_fb_kda_decode(gen, B, T):
     check_step(Inputs(gen, B, T), steps=2, gen=gen, fb=True)
+
+
+@pytest.mark.parametrize("fb", [False, True], ids=["kda_decode", "fb_kda_decode"])
+@pytest.mark.parametrize("T", [1, 8])
+@pytest.mark.parametrize("B", [1, 8, 64])
+@pytest.mark.usefixtures("cuda_kernels")
+@pytest.mark.gpu
+def test_norm_fp32(gen, B, T, fb):
+    """fla's gated norm (Moonshot's, fp32 with one rounding): the kernel's norm_fp32 build
+    against the reference's norm_fp32, two steps on carried states."""
+    check_step(Inputs(gen, B, T), steps=2, gen=gen, fb=fb, norm_fp32=True)
 
 
 @pytest.mark.usefixtures("cuda_kernels")
@@ -287,9 +309,10 @@ def _recurrence(sm, tile_state, tl, T):
     return sO, ss
 
 
-def blocking_model(inp, args, cfg):
+def blocking_model(inp, args, cfg, norm_fp32=False):
     """The kernel's algorithm in torch, CTA by CTA; updates args' state buffers like the kernel
-    and returns the output. Asserts every output and conv-state element is written once."""
+    and returns the output (`norm_fp32`: the fp32 output norm, one rounding). Asserts every
+    output and conv-state element is written once."""
     q, k, v, g = args[:4]
     conv_state, state, slots, o_norm_weight, norm_eps = args[6], args[7], args[8], args[14], \
         args[-1]
@@ -318,9 +341,13 @@ def blocking_model(inp, args, cfg):
                     t, lc = item // (tl.vc // 8), item % (tl.vc // 8) * 8
                     col = rank * tl.vc + lc
                     assert out[req, t, h, col:col + 8].isnan().all(), "output written twice"
-                    normed = (sO[rank][t, lc:lc + 8] * rstd[t]).bfloat16()
-                    y = o_norm_weight[col:col + 8] * normed
-                    out[req, t, h, col:col + 8] = y * torch.sigmoid(g[req, t, h * K + col:][:8])
+                    normed, w = sO[rank][t, lc:lc + 8] * rstd[t], o_norm_weight[col:col + 8]
+                    gate = g[req, t, h * K + col:][:8]
+                    if norm_fp32:
+                        y = normed * w.float() * torch.sigmoid(gate.float())
+                    else:
+                        y = w * normed.bfloat16() * torch.sigmoid(gate)
+                    out[req, t, h, col:col + 8] = y
                 for s, c in _items(tl, tl.conv_write_items()):
                     ch = s * W + h * K + rank * tl.vc + c
                     window = torch.cat([old_conv[ch], (q, k, v)[s][req, :, ch % W]])
@@ -371,10 +398,28 @@ def test_blocking_model_matches_reference(cfg):
         assert torch.equal(state[mask], state0[mask]) and torch.equal(conv[mask], conv0[mask])
 
 
+@pytest.mark.parametrize("norm_fp32", [False, True], ids=["norm_bf16", "norm_fp32"])
+def test_blocking_model_takes_its_output_norm(norm_fp32):
+    """Each output norm of the kernel (the config of batch 1) against its reference variant,
+    and far from the other variant's (which it differs from by under TOL["bf16_rel_norm"])."""
+    gen = _cpu_gen()
+    for T in (1, 8):
+        inp = Inputs(gen, 3, T, H=2, device="cpu")
+        got = blocking_model(inp, inp.args(inp.conv_state.clone(), inp.state.clone()),
+                             kernel.config(T, 2, TAPS, 1), norm_fp32)
+        ref, other = (kda_decode_ref(*inp.args(inp.conv_state.clone(), inp.state.clone()), v)
+                      for v in (norm_fp32, not norm_fp32))
+        torch.testing.assert_close(got.float(), ref.float(), **TOL["bf16"])
+        assert rel_err(got, ref) < TOL["bf16_rel_norm"]
+        assert_own_norm(got, ref, other)
+
+
 def test_refusals():
     inp = Inputs(_cpu_gen(), 2, 1, H=2, device="cpu")
     args = list(inp.args(inp.conv_state, inp.state))
     assert kernel.refusal(*args) is None
+    assert kernel.refusal(*args, norm_fp32=True) is None  # a build of its own
+    assert_refused(lambda *a: kernel.refusal(*a, norm_fp32=True), args, 0, inp.q.float(), "q:")
 
     def refused(i, value, words):
         assert_refused(kernel.refusal, args, i, value, words)
