@@ -7,8 +7,8 @@ or the final norm). One variant per number of blocks (1..8, K3 has at most 9 sou
 presence of the prefix add, per dtype (fp32 traces no casts) and in bf16 per scores: the built-in
 model's (`depth_mix_weights`: normalised sources, their product with the norm weight and the
 projection rounded to bf16) or fp32 throughout (`depth_mix_scores_fp32`, Moonshot's
-`_apply_attn_res`, rule `depth_mix`), which fuses into the op with `scores_fp32=True` (no kernel
-takes it: left unfused on a GPU, reported).
+`_apply_attn_res`, rule `depth_mix`), which fuses into the op with `scores_fp32=True` (the
+kernel's own score math: both variants run one build).
 
 Before (per mix, ~25 ATen ops):  add, cat, convert, pow, mean, add, rsqrt, mul, convert, mul, mm,
     convert, amax, sub, exp, sum, div, mul, sum, convert, ... rsqrt, mul, convert, mul
@@ -23,7 +23,6 @@ import itertools
 import torch
 
 from k3compile.math import depth_mix_scores_fp32, depth_mix_weights, rms_norm
-from k3compile.ops import registry
 from k3compile.rewrite import Pattern, tensor_meta, with_signature
 
 MAX_BLOCKS = 8
@@ -57,14 +56,6 @@ def check(match) -> str | None:
     if any(b is None or b.shape != prefix.shape for b in blocks):
         return "a block source's shape differs from the prefix"
     return None
-
-
-def scores_fp32_refusal(match) -> str | None:
-    """The fp32 scores have no kernel (for this pattern and the two that extend its op): the
-    site stays unfused on a GPU, reported."""
-    blocks = [tensor_meta(v) for k, v in match.kwargs.items() if k.startswith("block")]
-    return registry.kernel_refusal("attn_res_mix_norm", None, None, blocks, None, None, None,
-                                   None, None, True)
 
 
 def _variant(n_blocks: int, with_delta: bool, dtype: torch.dtype = torch.bfloat16,
@@ -103,7 +94,6 @@ def _variant(n_blocks: int, with_delta: bool, dtype: torch.dtype = torch.bfloat1
              f"{',scores_fp32' if scores_fp32 else ''}]",
         search=with_signature(search, names), replace=with_signature(replace, names),
         example_inputs=example_inputs, op="k3.attn_res_mix_norm", check=check,
-        kernel_refusal=scores_fp32_refusal if scores_fp32 else None,
         scalars={"mix_eps": 1.1e-5, "norm_eps": 1.3e-5}, distinctive=("amax", "rsqrt", "cat", "exp"),
     )
 

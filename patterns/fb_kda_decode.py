@@ -14,7 +14,6 @@ import types
 
 import torch
 import torch.nn.functional as F
-from k3compile.ops import registry
 from k3compile.patterns import kda_decode
 
 from k3compile.rewrite import Pattern, tensor_meta, with_signature
@@ -68,13 +67,6 @@ def example_inputs(dtype: torch.dtype = torch.bfloat16) -> list:
     return [*act, *fa, b, *state, *weights, *kda_decode.SCALARS.values()]
 
 
-def kernel_refusal(match) -> str | None:
-    """fla's fp32 output norm has no kernel: its sites stay unfused on a GPU (reported)."""
-    return registry.kernel_refusal("fb_kda_decode", *(tensor_meta(match.kwargs[n]) for n in NAMES
-                                                      if n not in kda_decode.SCALARS),
-                                   norm_fp32=True)
-
-
 def _variant(norm_fp32: bool) -> Pattern:
     """The step as kda_decode fused it: with the built-in output norm, or fla's fp32 one (the op's
     `norm_fp32` argument, passed through)."""
@@ -85,7 +77,6 @@ def _variant(norm_fp32: bool) -> Pattern:
         replace=with_signature(lambda *a: replace(*a, *extra), NAMES),
         example_inputs=example_inputs, op="k3.fb_kda_decode", check=check,
         scalars=dict(kda_decode.SCALARS), fake_trace=True, distinctive=("mm", "kda_decode"),
-        kernel_refusal=kernel_refusal if norm_fp32 else None,
     )
 
 

@@ -31,7 +31,6 @@ import torch.nn.functional as F
 from torch import fx
 
 from k3compile.math import delta_rule_step, l2norm, rms_norm, rms_norm_gated_fp32
-from k3compile.ops import registry
 from k3compile.rewrite import Pattern, tensor_meta, with_signature
 
 # Tokens per request with a variant: decode (1) up to the DSpark verify block (anchor + 7 drafts).
@@ -174,12 +173,6 @@ def _fits(T: int):
     return fits
 
 
-def kernel_refusal(match) -> str | None:
-    """fla's fp32 output norm has no kernel: its sites stay unfused on a GPU (reported)."""
-    return registry.kernel_refusal("kda_decode", *(tensor_meta(match.kwargs[n]) for n in NAMES
-                                                   if n not in SCALARS), norm_fp32=True)
-
-
 def _variant(T: int, B: int, dtype: torch.dtype, silu_written_out: bool = False,
              norm_fp32: bool = False) -> Pattern:
     def example_inputs():
@@ -202,7 +195,6 @@ def _variant(T: int, B: int, dtype: torch.dtype, silu_written_out: bool = False,
         search=search, replace=with_signature(lambda *a: replace(*a, True), NAMES)
         if norm_fp32 else replace,
         example_inputs=example_inputs, op="k3.kda_decode", check=check, scalars=dict(SCALARS),
-        kernel_refusal=kernel_refusal if norm_fp32 else None,
         distinctive=("convolution", "index_put", "bmm", "rsqrt"), joint_passes=True,
         fits=_fits(T),
     )

@@ -20,7 +20,7 @@ import itertools
 
 import torch
 import torch.nn.functional as F
-from k3compile.patterns.attn_res_mix_norm import KINDS, MAX_BLOCKS, SHAPE, scores_fp32_refusal
+from k3compile.patterns.attn_res_mix_norm import KINDS, MAX_BLOCKS, SHAPE
 
 from k3compile.rewrite import Pattern, module_path, tensor_meta, with_signature
 
@@ -86,7 +86,6 @@ def _variant(n_blocks: int, with_prefix: bool, dtype: torch.dtype = torch.bfloat
              f"{',scores_fp32' if scores_fp32 else ''}]",
         search=with_signature(search, names), replace=with_signature(replace, names),
         example_inputs=example_inputs, op="k3.oproj_attn_res_mix_norm", check=check,
-        kernel_refusal=scores_fp32_refusal if scores_fp32 else None,
         scalars={"mix_eps": 1.1e-5, "norm_eps": 1.3e-5}, fake_trace=True,
         distinctive=("mm", "attn_res_mix_norm"),
     )

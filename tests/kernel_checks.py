@@ -2,6 +2,8 @@
 bf16 outputs may differ from a float64 model of the same math by one bf16 rounding, 2^-8
 relative, in a few elements; fp32 router weights by a few ulps, the exp approximation)."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -25,6 +27,16 @@ def assert_written(*outs):
     for t in outs:
         bad = t.isnan() if t.dtype.is_floating_point else t < 0
         assert not bad.any(), f"{int(bad.sum())} of {t.numel()} elements not written"
+
+
+@contextlib.contextmanager
+def no_fallback():
+    """Every kernel called inside launches: no call runs its torch reference (fallback count)."""
+    from k3compile.kernels.common import dsl
+
+    before = dsl.fallback_counts()
+    yield
+    assert dsl.fallback_counts() == before, "a kernel fell back to its reference"
 
 
 def strided(t: torch.Tensor) -> torch.Tensor:

@@ -96,7 +96,7 @@ def test_adapter_shares_parameters_and_leaves_the_model_alone(moonshot):
 EXPERTS = ("bf16/fp32 nn.Linear experts: moe_experts is MXFP4 only (a dense variant needs an op and "
            "a kernel of its own; the release's experts are MXFP4: docs/decisions.md, session 11)")
 # fla's gated norm and Moonshot's fp32 depth-mix scores fuse as their ops' fp32 variants in bf16
-# (kda_decode / fb_kda_decode norm_fp32, the mix ops' scores_fp32; no kernel takes them yet)
+# (kda_decode / fb_kda_decode norm_fp32, the mix ops' scores_fp32; their kernels take them)
 MOE_GAPS = {"dense": {}, "kda_moe": {"moe_experts": EXPERTS}, "mla_moe": {"moe_experts": EXPERTS},
             "last": {"moe_experts": EXPERTS}, "final": {}}
 KNOWN_GAPS = {torch.float32: MOE_GAPS, torch.bfloat16: MOE_GAPS}

@@ -439,3 +439,55 @@ def test_relaid_mix_fuses(name, dtype):
     for g, w in zip(got, model(*args)):
         assert g.dtype == w.dtype == dtype
         assert rel_err(g, w) <= (TOL["aten_cpu"] if dtype == torch.float32 else TOL["bfloat16"])
+
+
+def _moonshot_with(normed, fold, scores_dtype=torch.float32):
+    """Moonshot's mix of [N, D] tokens with the normalised sources and the folded weight spelled
+    by `normed(v_fp32, rstd)` and `fold(wn, wp)`, the scores summed in `scores_dtype`."""
+    def mix(*args):
+        *srcs, wn, wp = args
+        v = torch.stack(srcs, dim=1).float()
+        k = normed(v, torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + EPS))
+        score_weight = fold(wn, wp.squeeze(0))
+        scores = (k.to(scores_dtype) * score_weight.to(scores_dtype)).sum(-1).float()
+        probs = scores.softmax(-1).unsqueeze(1)
+        return torch.matmul(probs, v).squeeze(1).to(srcs[-1].dtype)
+
+    return mix
+
+
+# one bf16 rounding away from the fp32-scores form (and from the built-in one)
+FP32_SCORES_LOOK_ALIKES = {
+    # the scores in bf16, the weights multiplied first (in bf16)
+    "bf16_scores_fold_first": _moonshot_with(lambda v, r: v * r, lambda wn, wp: wn * wp,
+                                             torch.bfloat16),
+    # fp32 scores, but the fold wn·wp rounded to bf16
+    "fold_rounded": _moonshot_with(lambda v, r: v * r, lambda wn, wp: (wn * wp).float()),
+    # fp32 scores, but the normalised sources rounded to bf16 once
+    "normed_rounded": _moonshot_with(lambda v, r: (v * r).bfloat16().float(),
+                                     lambda wn, wp: wn.float() * wp.float()),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FP32_SCORES_LOOK_ALIKES))
+def test_fp32_scores_look_alike_is_left_alone(name):
+    """A bf16 mix one rounding away from Moonshot's fp32 scores is neither canonical form: left
+    as it is (no scores_fp32 variant can take it), bit-equal."""
+    fn = FP32_SCORES_LOOK_ALIKES[name]
+    for n_blocks in (1, 3):
+        args = _tokens(n_blocks, torch.bfloat16, (3, D))
+        before, after, n = _rewrite(fn, *args)
+        assert n == 0 and targets(after) == targets(before)
+        torch.testing.assert_close(after(*args), before(*args), rtol=0, atol=0)
+        exact = _moonshot_with(lambda v, r: v * r, lambda wn, wp: wn.float() * wp.float())
+        assert not torch.equal(fn(*args), exact(*args))  # another bf16 computation
+
+
+def test_fp32_scores_spelled_with_the_helper_is_taken():
+    """The same helper with every factor in fp32 (Moonshot's spelling) is taken as the
+    fp32-scores form: the look-alikes above fail by their one rounding, not by their spelling."""
+    fn = _moonshot_with(lambda v, r: v * r, lambda wn, wp: wn.float() * wp.float())
+    args = _tokens(3, torch.bfloat16, (3, D))
+    before, after, n = _rewrite(fn, *args)
+    assert n == 1 and targets(after) == _fp32_scores_targets(args)
+    torch.testing.assert_close(after(*args), before(*args), rtol=8e-3, atol=0)

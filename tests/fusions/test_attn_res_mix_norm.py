@@ -1,7 +1,7 @@
 """attn_res_mix_norm: the Attention-Residual depth mix (stack, RMS-normalised scores against the
 pseudo-query, softmax over sources, fp32 weighted sum) and the RMSNorm after it, with and without
 the prefix add, per number of completed blocks and per dtype; in bf16 also with the scores in fp32
-throughout (Moonshot's, `scores_fp32`: no kernel takes it, left unfused on a GPU)."""
+throughout (Moonshot's, `scores_fp32`: the kernel's own score math, fused on a GPU too)."""
 
 from __future__ import annotations
 
@@ -113,26 +113,45 @@ def test_fp32_scores_fuse_as_their_variant(n_blocks, with_delta):
                            gm(*args)[0] if with_delta else gm(*args))
 
 
-def test_fp32_scores_stay_unfused_where_only_kernels_fuse(monkeypatch):
-    """On a GPU graph the kernel's refusal defers the fp32-scores site (reason reported), and the
-    built-in form still fuses there."""
+@pytest.mark.parametrize("mix", [depth_mix_scores_fp32, depth_mix_weights], ids=["fp32", "bf16"])
+def test_both_score_variants_fuse_where_only_kernels_fuse(monkeypatch, mix):
+    """On a GPU graph (the kernel's limits in the registry) each score variant fuses as itself,
+    bit-equal to the unfused graph on the CPU."""
     with_kernel_limits(monkeypatch, "attn_res_mix_norm")
     args = _inputs(2, True)
-    fn = _model(True, depth_mix_scores_fp32)
+    fn = _model(True, mix)
     gm, report = rewrite(fn, args, PATTERNS, kernels_only=True)
-    assert not report.hits and "scores_fp32" in report.deferred["attn_res_mix_norm"]
-    for got, want in zip(gm(*args), fn(*args)):
-        torch.testing.assert_close(got, want, rtol=0, atol=0)
-    _, report = rewrite(_model(True), args, PATTERNS, kernels_only=True)
-    assert [h.op for h in report.hits] == ["k3.attn_res_mix_norm"]
+    assert_rewritten_equal(gm, report, fn, args, "k3.attn_res_mix_norm")
+    assert [h.pattern.endswith(",scores_fp32]") for h in report.hits] == [
+        mix is depth_mix_scores_fp32]
 
 
-def test_kernel_refuses_fp32_scores_with_a_reason():
+def test_kernel_takes_fp32_scores_whose_math_it_already_is():
+    """The kernel refuses neither score variant (only what it cannot take), and its documented
+    math (tests/fusions/test_attn_res_mix_norm_kernel.py `model`, float64) is the fp32-scores
+    reference to the kernel tolerances, not the built-in one (its bf16 score roundings)."""
     from k3compile.kernels import attn_res_mix_norm as kernel
 
+    from k3compile.ops.attn_res_mix_norm import attn_res_mix_norm_ref
+    from tests.fusions.test_attn_res_mix_norm_kernel import model
+    from tests.kernel_checks import TOL, rel_err
+
     prefix, delta, *blocks, wmn, wmp, wn = [a.view(-1, D) if a.dim() == 3 else a
-                                            for a in _inputs(2, True)]
-    assert kernel.refusal(prefix, delta, blocks, wmn, wmp, wn) is None
-    why = kernel.refusal(prefix, delta, blocks, wmn, wmp, wn, MIX_EPS, NORM_EPS, True)
-    assert why.startswith("scores_fp32")
-    assert kernel.refusal(prefix, delta, [], wmn, wmp, wn, MIX_EPS, NORM_EPS, True) is None
+                                            for a in _inputs(8, True)]
+    for scores_fp32 in (False, True):
+        assert kernel.refusal(prefix, delta, blocks, wmn, wmp, wn, MIX_EPS, NORM_EPS,
+                              scores_fp32) is None
+        why = kernel.refusal(prefix.float(), delta, blocks, wmn, wmp, wn, MIX_EPS, NORM_EPS,
+                             scores_fp32)
+        assert why.startswith("prefix")
+    g = torch.Generator().manual_seed(0)
+    prefix, delta, *blocks = [(torch.randn(64, 1024, generator=g) * (1 + i / 4)).bfloat16()
+                              for i in range(10)]
+    wmn = (1 + 0.2 * torch.randn(1024, generator=g)).bfloat16()
+    wmp = (torch.randn(1, 1024, generator=g) * 3 / 32).bfloat16()  # scores ~ N(0, 9)
+    args = (prefix, delta, blocks, wmn, wmp, wmn, MIX_EPS, NORM_EPS)
+    _, x = model(*args)
+    _, fp32 = attn_res_mix_norm_ref(*args, True)
+    _, built_in = attn_res_mix_norm_ref(*args)
+    torch.testing.assert_close(x.float(), fp32.float(), **TOL["bf16"])
+    assert rel_err(x, fp32) < TOL["bf16_rel_norm"] and 4 * rel_err(x, fp32) < rel_err(x, built_in)

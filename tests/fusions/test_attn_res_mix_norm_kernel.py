@@ -1,5 +1,6 @@
 """k3::attn_res_mix_norm kernel against a float64 model of its math and against the op's
-reference, at the TP16-rank shape (hidden 7168, up to 9 sources) for every batch bucket."""
+reference, at the TP16-rank shape (hidden 7168, up to 9 sources) for every batch bucket; with
+`scores_fp32` (Moonshot's scores, the kernel's own math) against that reference variant."""
 
 import logging
 import math
@@ -9,7 +10,7 @@ import torch
 from k3compile.kernels import attn_res_mix_norm as kernel
 
 from k3compile.ops.attn_res_mix_norm import attn_res_mix_norm_ref
-from tests.kernel_checks import BUCKETS, TOL, assert_written, poisoned, rel_err
+from tests.kernel_checks import BUCKETS, TOL, assert_written, no_fallback, poisoned, rel_err
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("cuda_kernels")]
 
@@ -62,10 +63,10 @@ def model(prefix, delta, blocks, mix_norm_weight, mix_proj_weight, norm_weight, 
     return p, (xn.double() * norm_weight.double()).bfloat16()
 
 
-def run_kernel(inputs):
+def run_kernel(inputs, scores_fp32=False):
     n, dim = inputs["prefix"].shape
     out = (poisoned(n, dim), poisoned(n, dim))
-    got = kernel.attn_res_mix_norm_cuda(**inputs, out=out)
+    got = kernel.attn_res_mix_norm_cuda(**inputs, scores_fp32=scores_fp32, out=out)
     assert got[0] is out[0] and got[1] is out[1], "the kernel did not run (fallback)"
     assert_written(*out)
     return out
@@ -95,6 +96,26 @@ def test_small_and_odd_widths(gen, dim, n_blocks):
     (predicates), with clusters of 4 and 2 CTAs per row (5120, 3104)."""
     for n in (1, 8, 37):
         check(make_inputs(gen, n, dim, n_blocks, True))
+
+
+@pytest.mark.parametrize("n", [1, 8, 64])
+@pytest.mark.parametrize("n_blocks", [8, 1])
+@pytest.mark.parametrize("has_delta", [True, False], ids=["delta", "no_delta"])
+def test_scores_fp32(gen, n, n_blocks, has_delta):
+    """Moonshot's fp32 scores: the same build, now within the kernel tolerances of its reference
+    variant (the default reference is up to ~6e-3 away: its bf16 score roundings), and through
+    the op's dispatch too."""
+    inputs = make_inputs(gen, n, HIDDEN, n_blocks, has_delta)
+    p, x = run_kernel(inputs, scores_fp32=True)
+    want_p, want_x = attn_res_mix_norm_ref(**inputs, scores_fp32=True)
+    assert torch.equal(p, want_p)
+    torch.testing.assert_close(x.float(), want_x.float(), **TOL["bf16"])
+    assert rel_err(x, want_x) < TOL["bf16_rel_norm"]
+    _, built_in = attn_res_mix_norm_ref(**inputs)
+    assert 4 * rel_err(x, want_x) < rel_err(x, built_in)
+    with no_fallback():
+        p, x = torch.ops.k3.attn_res_mix_norm(**inputs, scores_fp32=True)
+    assert torch.equal(p, want_p) and rel_err(x, want_x) < TOL["bf16_rel_norm"]
 
 
 def test_contiguous_blocks_and_op_dispatch(gen):

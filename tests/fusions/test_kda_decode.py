@@ -107,3 +107,39 @@ def test_fla_gated_norm_fuses_as_the_fp32_norm_variant(batch):
     # the built-in norm rounds in between: the two differ in bf16
     plain = kda_decode.kda_step(*[a.clone() if isinstance(a, torch.Tensor) else a for a in args])
     assert not torch.equal(plain[-1], want[-1])
+
+
+def _norm_rounded_again(x, weight, gate, eps):
+    """fla's gated norm with the normalised o rounded to bf16 before the weight: once too often."""
+    h = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+    return (h.to(x.dtype).float() * weight.float() * torch.sigmoid(gate.float())).to(x.dtype)
+
+
+def _gate_rounded(x, weight, gate, eps):
+    """fla's gated norm with σ(g) rounded to bf16 (the built-in model's gate) before the product."""
+    h = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+    return (h * torch.sigmoid(gate.float()).to(x.dtype).float()).to(x.dtype)
+
+
+@pytest.mark.parametrize("norm", [_norm_rounded_again, _gate_rounded], ids=lambda f: f.__name__)
+def test_fp32_norm_look_alike_is_neither_variant(norm, monkeypatch):
+    """A gated norm one bf16 rounding away from fla's (and from the built-in norm) is another
+    bf16 computation: no kda_decode variant takes it, the graph computes what it did."""
+    args = _site()
+    state = args[kda_decode.NAMES.index("recurrent_state")]
+    args[kda_decode.NAMES.index("recurrent_state")] = state * 0.05
+    args[kda_decode.NAMES.index("q_scale")] = state.shape[-1] ** -0.5  # what check() wants
+    with monkeypatch.context() as patch:  # the look-alike only while this graph is traced
+        patch.setattr(kda_decode, "rms_norm_gated_fp32", norm)
+        gm = graph(lambda *a: kda_decode._step(*a, silu_written_out=False, norm_fp32=True),
+                   *args, joint=True)
+    want = gm(*[a.clone() if isinstance(a, torch.Tensor) else a for a in args])
+    report = apply_patterns(gm.graph, family("kda_decode"))
+    gm.recompile()
+    assert_near_miss(report, "kda_decode")
+    got = gm(*[a.clone() if isinstance(a, torch.Tensor) else a for a in args])
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+    fla = kda_decode._step(*[a.clone() if isinstance(a, torch.Tensor) else a for a in args],
+                           silu_written_out=False, norm_fp32=True)
+    assert not torch.equal(fla[-1], want[-1])  # the spelling is not fla's in disguise

@@ -3,9 +3,10 @@
     python -m torch.distributed.run --nproc-per-node 2 tests/kernels/collective_worker.py OUT
 
 Per size (1, 8, 64 rows of 7168) and all-reduce algorithm: the all-reduce alone and the fused
-`k3.allreduce_attn_res_mix_norm`, run eagerly, captured in a CUDA graph, then replayed twice on
-fresh inputs copied into the captured buffers; writes OUT/rank{r}.pt with each case's errors
-(all-reduce vs the exact sum, fused op vs its reference) and exits without tearing the process
+`k3.allreduce_attn_res_mix_norm` (and its `scores_fp32` variant), run eagerly, captured in a CUDA
+graph, then replayed twice on fresh inputs copied into the captured buffers; writes OUT/rank{r}.pt
+with each case's errors (all-reduce vs the exact sum, fused op vs its reference, the variant vs
+its reference on the step's own all-reduced sum) and exits without tearing the process
 group down (see the end of `main`). A rank still waiting after 120 s dumps
 its stack to stderr (the test gives up at 150 s); each case prints a line as it passes.
 """
@@ -59,7 +60,9 @@ def main(out_dir: str):
                     partial, prefix, *blocks = static
                     return (collective.all_reduce(partial, group, world),
                             *torch.ops.k3.allreduce_attn_res_mix_norm(
-                                partial, prefix, blocks, wn, wp, wnorm, EPS, EPS, group))
+                                partial, prefix, blocks, wn, wp, wnorm, EPS, EPS, group),
+                            *torch.ops.k3.allreduce_attn_res_mix_norm(
+                                partial, prefix, blocks, wn, wp, wnorm, EPS, EPS, group, True))
 
                 # eager first (buffers, kernels compiled) on a side stream, then both ranks
                 # capture together: the benchmarks' recipe (graph_timing.graph_us), which runs
@@ -82,12 +85,15 @@ def main(out_dir: str):
                     exact = torch.stack([p.float() for p in parts]).sum(0)
                     want = attn_res_mix_norm_ref(prefix, exact.bfloat16(), blocks, wn, wp, wnorm,
                                                  EPS, EPS)
+                    want32 = attn_res_mix_norm_ref(prefix, outs[0], blocks, wn, wp, wnorm, EPS,
+                                                   EPS, True)
                     summed = ((outs[0].float() - exact).abs().max() / exact.abs().max()).item()
-                    fused = max(((g.float() - r.float()).norm() / r.float().norm()).item()
-                                for g, r in zip(outs[1:], want))
-                    errors[f"{algo} n={n} trial {trial}"] = (summed, fused)
-                    print(f"rank {rank}: {algo} n={n} trial {trial}: {summed:.3g} {fused:.3g}",
-                          flush=True)
+                    fused, fused32 = (max(((g.float() - r.float()).norm() / r.float().norm()
+                                           ).item() for g, r in zip(got, ref))
+                                      for got, ref in ((outs[1:3], want), (outs[3:], want32)))
+                    errors[f"{algo} n={n} trial {trial}"] = (summed, fused, fused32)
+                    print(f"rank {rank}: {algo} n={n} trial {trial}: {summed:.3g} {fused:.3g} "
+                          f"{fused32:.3g}", flush=True)
         os.environ.pop("K3_ALLREDUCE", None)
         code = 0
     except BaseException:  # noqa: BLE001 (reported, then the exit code says it)

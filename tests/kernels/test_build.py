@@ -2,7 +2,7 @@
 shapes with the config of every batch bucket, and at small shapes; the kernels with programmatic
 dependent launch also with it on (`settings.KERNELS.pdl`), checked in their PTX; gemv's one-launch
 variants (norm prologue, SiTU epilogue, split output) with PDL off and on, and its plain build
-byte for byte as before them. Needs only the DSL. The default run builds the first case of each
+byte for byte as before them; kda_decode's norm_fp32 build. Needs only the DSL. The default run builds the first case of each
 kernel and of each gemv variant (a few seconds a build); the rest are `slow` (CI builds them)."""
 
 import hashlib
@@ -164,6 +164,27 @@ def test_builds_with_pdl(module, scalars, cfg, monkeypatch, tmp_path):
     assert not stores, f"{stores} before the wait"
     if module in WEIGHT_STREAM:
         assert WEIGHT_STREAM[module] in before, "the weight stream does not start before the wait"
+
+
+# kda_decode's norm_fp32 build (fla's gated norm, one rounding) at (T, heads, taps): decode and
+# verify rows at one TP16 rank with the configs of batch 1 and 64 (clusters of 4 and 1). The mix
+# kernel's scores_fp32 needs no build of its own (its scores are that math already).
+NORM_FP32 = [((1, 6, 4), 1), ((8, 6, 4), 64), ((1, 6, 4), 64), ((8, 6, 4), 1)]
+
+
+@pytest.mark.parametrize("scalars,b", _first_of_each(NORM_FP32, lambda case: "kda"), ids=str)
+def test_kda_norm_fp32_builds(scalars, b, monkeypatch, tmp_path):
+    """The variant compiles for sm_90a without spills, and the flag reaches the device code: two
+    fewer bf16 roundings per output element than the default build (w·norm and σ(g))."""
+    monkeypatch.setenv("CUTE_DSL_ARCH", ARCH)
+    cfg = kda_decode.config(*scalars, b)
+    variant = kda_decode.build(*scalars, cfg, arch=ARCH, dump_dir=str(tmp_path / "v"),
+                               norm_fp32=True)
+    _check_cubin(variant)
+    default = kda_decode.build(*scalars, cfg, arch=ARCH, dump_dir=str(tmp_path / "d"))
+    cvt = "cvt.rn.bf16.f32"
+    out_per_thread = -(-kda_decode.tile(cfg).out_vectors(scalars[0]) // cfg.threads) * 8
+    assert ptx_of(default).count(cvt) - ptx_of(variant).count(cvt) == 2 * out_per_thread
 
 
 # gemv's one-launch variants (n, k, fp32 output, residual, fusion), every bucket: the norm

@@ -14,7 +14,7 @@ from k3compile.ops.attn_res_mix_norm import attn_res_mix_norm_ref
 from k3compile.ops.moe_front import moe_front_ref
 from k3compile.ops.norm_linear import norm_linear_ref
 from k3compile.ops.situ_gate_up import situ_gate_up_ref
-from tests.kernel_checks import BUCKETS, TOL, assert_written, rel_err
+from tests.kernel_checks import BUCKETS, TOL, assert_written, no_fallback, rel_err
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("cuda_kernels")]
 
@@ -26,27 +26,44 @@ def _bf16(gen, *shape, scale=1.0):
     return (torch.randn(*shape, generator=gen, device="cuda") * scale).bfloat16()
 
 
-def _oproj_ref(o, w, prefix, blocks, wn, wp, wnorm):
+def _oproj_ref(o, w, prefix, blocks, wn, wp, wnorm, scores_fp32=False):
     a = torch.nn.functional.linear(o, w)
-    if prefix is None:
-        return attn_res_mix_norm_ref(a, None, blocks, wn, wp, wnorm, EPS, EPS)
-    return attn_res_mix_norm_ref(prefix, a, blocks, wn, wp, wnorm, EPS, EPS)
+    first, second = (a, None) if prefix is None else (prefix, a)
+    return attn_res_mix_norm_ref(first, second, blocks, wn, wp, wnorm, EPS, EPS, scores_fp32)
 
 
-@pytest.mark.parametrize("n", BUCKETS)
-@pytest.mark.parametrize("n_blocks,with_prefix", [(8, True), (3, False), (0, True)])
-def test_oproj_attn_res_mix_norm(gen, n, n_blocks, with_prefix):
+def _oproj_inputs(gen, n, n_blocks, with_prefix):
     o = _bf16(gen, n, O_IN)
     w = _bf16(gen, HIDDEN, O_IN, scale=O_IN ** -0.5)
     prefix = _bf16(gen, n, HIDDEN) if with_prefix else None
     blocks = [_bf16(gen, n, HIDDEN) for _ in range(n_blocks)]
     wn, wp = _bf16(gen, HIDDEN), _bf16(gen, 1, HIDDEN, scale=HIDDEN ** -0.5)
     wnorm = (1 + 0.1 * torch.randn(HIDDEN, generator=gen, device="cuda")).bfloat16()
-    got = torch.ops.k3.oproj_attn_res_mix_norm(o, w, prefix, blocks, wn, wp, wnorm, EPS, EPS)
-    want = _oproj_ref(o, w, prefix, blocks, wn, wp, wnorm)
+    return o, w, prefix, blocks, wn, wp, wnorm
+
+
+@pytest.mark.parametrize("n", BUCKETS)
+@pytest.mark.parametrize("n_blocks,with_prefix", [(8, True), (3, False), (0, True)])
+def test_oproj_attn_res_mix_norm(gen, n, n_blocks, with_prefix):
+    args = _oproj_inputs(gen, n, n_blocks, with_prefix)
+    got = torch.ops.k3.oproj_attn_res_mix_norm(*args, EPS, EPS)
+    want = _oproj_ref(*args)
     for g, r in zip(got, want):
         assert g.dtype == r.dtype and g.shape == r.shape
         assert rel_err(g, r) < TOL["vs_reference_rel_norm"]
+
+
+@pytest.mark.parametrize("n", [1, 8, 64])
+@pytest.mark.parametrize("n_blocks,with_prefix", [(8, True), (3, False)])
+def test_oproj_attn_res_mix_norm_scores_fp32(gen, n, n_blocks, with_prefix):
+    """Moonshot's fp32 scores: the mix kernel runs (no fallback) and is as close to the
+    reference variant as a GEMM's bf16 roundings allow."""
+    args = _oproj_inputs(gen, n, n_blocks, with_prefix)
+    with no_fallback():
+        got = torch.ops.k3.oproj_attn_res_mix_norm(*args, EPS, EPS, True)
+    for g, r in zip(got, _oproj_ref(*args, scores_fp32=True)):
+        assert g.dtype == r.dtype and g.shape == r.shape
+        assert rel_err(g, r) < TOL["bf16_rel_norm"]
 
 
 @pytest.mark.parametrize("n", BUCKETS)
