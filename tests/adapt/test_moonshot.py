@@ -212,3 +212,35 @@ def test_launches_per_layer(moonshot, dtype, batch, tokens):
     assert tuple(per_layer[i] for i in (0, 1, 2, 3, FINAL)) == LAUNCHES[dtype], per_layer
     _assert_plan_less_known_gaps(dtype)
     assert rel(got, want) <= (1e-5 if dtype == torch.float32 else TOL_COMPILED_BF16)
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("cuda_kernels")
+def test_bf16_fp32_variants_run_as_kernels_on_a_gpu(moonshot):
+    """On a GPU: Moonshot's bf16 step, KDA heads of 128 (the kernel's head dim), fuses fla's
+    gated norm and the fp32 depth-mix scores as the ops' fp32 variants, and their kernels run
+    them: no reference fallback of kda_decode or of a mix op (the reasons are in the message);
+    two decode steps equal to the adapted eager step."""
+    from k3compile.kernels.common import dsl
+
+    config = moonshot.tiny_config()
+    config.linear_attn_config["head_dim"] = 128
+    model = condition_for_bf16(moonshot.build(config, dtype=torch.bfloat16), 0).cuda()
+    eager = adapt(model, max_batch=4, max_seq_len=32)
+    k3be.ensure_registered()
+    torch._dynamo.reset()
+    compiled = torch.compile(adapt(model, max_batch=4, max_seq_len=32), backend="k3",
+                             fullgraph=True, options={"strict": False})
+    ids, pos, slots = torch.tensor([3, 5]).cuda(), torch.zeros(2).long().cuda(), torch.arange(2).cuda()
+    dsl.reset_fallback_counts()
+    for i in range(2):
+        got, want = compiled(ids, pos + i, slots), eager(ids, pos + i, slots)
+        assert got.dtype == want.dtype == torch.bfloat16 and rel(got, want) <= TOL_COMPILED_BF16
+        ids = want.argmax(-1)
+    hits = {h.pattern for r in k3be.last_compiled().observer.reports.values() for h in r.hits}
+    assert any(p.endswith("norm_fp32]") for p in hits), sorted(hits)
+    assert any(p.endswith(",scores_fp32]") for p in hits), sorted(hits)
+    variants = {"kda_decode", "fb_kda_decode", "attn_res_mix_norm", "oproj_attn_res_mix_norm",
+                "allreduce_attn_res_mix_norm"}
+    fell = {(op, why): n for (op, why), n in dsl.fallback_counts().items() if op in variants}
+    assert not fell, fell

@@ -178,6 +178,8 @@ def test_kda_norm_fp32_builds(scalars, b, monkeypatch, tmp_path):
     fewer bf16 roundings per output element than the default build (w·norm and σ(g))."""
     monkeypatch.setenv("CUTE_DSL_ARCH", ARCH)
     cfg = kda_decode.config(*scalars, b)
+    for sub in ("v", "d"):
+        (tmp_path / sub).mkdir()
     variant = kda_decode.build(*scalars, cfg, arch=ARCH, dump_dir=str(tmp_path / "v"),
                                norm_fp32=True)
     _check_cubin(variant)
