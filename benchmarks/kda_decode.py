@@ -3,6 +3,7 @@ torch.compile (Inductor), at one K3 TP16 rank (6 heads of 128, conv taps 4).
 
     python benchmarks/kda_decode.py [--b 1,8,64] [--t 1,8] [--no-inductor] [--out dir|r.json]
     python benchmarks/kda_decode.py --sweep [--b 1,8,64] [--t 1,8]   # every kernel Config
+    python benchmarks/kda_decode.py --norm-fp32 ...   # the norm_fp32 build (fla's gated norm)
 
 Each side is captured into one CUDA graph (benchmarks/graph_timing.py). The kernel's calls cycle
 through a pool of state slots holding >= 2 x 60 MB of recurrent + conv state, each call on the
@@ -42,8 +43,9 @@ def moved_bytes(b: int, t: int) -> int:
     return 2 * state_bytes(b) + acts + weights
 
 
-def make_case(b, t):
-    """Activations as column slices of one in-projection row, a state pool of `copies` x b slots."""
+def make_case(b, t, norm_fp32=False):
+    """Activations as column slices of one in-projection row, a state pool of `copies` x b slots;
+    the op's arguments end with `norm_fp32`."""
     copies = max(4, -(-int(2 * L2_BYTES) // state_bytes(b)) + 1)
     row = torch.randn(b, t, 4 * W + K + H, device="cuda").bfloat16()
     q, k, v, g = (row[..., i * W:(i + 1) * W] for i in range(4))
@@ -57,7 +59,8 @@ def make_case(b, t):
     slots = [torch.arange(i * b, (i + 1) * b, device="cuda") for i in range(copies)]
 
     def args(slot):
-        return (q, k, v, g, graw, row[..., 4 * W + K:], conv, state, slot, *weights, *SCALARS)
+        return (q, k, v, g, graw, row[..., 4 * W + K:], conv, state, slot, *weights, *SCALARS,
+                norm_fp32)
 
     return args, slots
 
@@ -89,14 +92,14 @@ def timed(fn, args, slots, calls=None):
                     [functools.partial(fn, *args(s)) for s in slots[:2]], REPLAYS)
 
 
-def run(bs, ts, gbps, inductor=True):
+def run(bs, ts, gbps, inductor=True, norm_fp32=False):
     rows = []
     torch._dynamo.config.cache_size_limit = 64
     compiled_ref = torch.compile(kda_decode_ref, dynamic=False)
     nan = float("nan")
     for t in ts:
         for b in bs:
-            args, slots = make_case(b, t)
+            args, slots = make_case(b, t, norm_fp32)
             check(args, slots)
             us = {"kernel": timed(kernel.kda_decode_cuda, args, slots),
                   "eager": timed(kda_decode_ref, args, slots, REF_CALLS),
@@ -108,14 +111,14 @@ def run(bs, ts, gbps, inductor=True):
     return rows
 
 
-def sweep(bs, ts):
+def sweep(bs, ts, norm_fp32=False):
     """Every kernel Config at each (B, T) (tunes `kernel.config`)."""
     default = kernel.config
     rows = []
     try:
         for t in ts:
             for b in bs:
-                args, slots = make_case(b, t)
+                args, slots = make_case(b, t, norm_fp32)
                 results = {}
                 for cfg in kernel.configs():
                     kernel.config = lambda *_, cfg=cfg: cfg
@@ -143,6 +146,7 @@ def main():
     ap.add_argument("--t", default="1,8")
     ap.add_argument("--sweep", action="store_true", help="time every kernel config instead")
     ap.add_argument("--no-inductor", action="store_true", help="skip torch.compile (slow)")
+    ap.add_argument("--norm-fp32", action="store_true", help="the norm_fp32 variant's build")
     ap.add_argument("--out")
     opts = ap.parse_args()
     assert torch.cuda.is_available() and not runtime_refusal(), runtime_refusal() or "no GPU"
@@ -152,9 +156,10 @@ def main():
     gbps = copy_gbps()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; "
           f"4 GiB device copy: {gbps:.0f} GB/s (read + write)", flush=True)
-    rows = sweep(bs, ts) if opts.sweep else run(bs, ts, gbps, not opts.no_inductor)
+    rows = (sweep(bs, ts, opts.norm_fp32) if opts.sweep
+            else run(bs, ts, gbps, not opts.no_inductor, opts.norm_fp32))
     write_json(opts.out, "kda_decode_sweep" if opts.sweep else "kda_decode", rows, gbps, heads=H,
-               sweep=opts.sweep)
+               sweep=opts.sweep, norm_fp32=opts.norm_fp32)
     if not opts.sweep:
         versus_table(rows)
 
