@@ -19,13 +19,21 @@ config, or cuBLAS where it was faster (`router.linear` then keeps cuBLAS for tha
 import argparse
 import functools
 import json
-import re
 from datetime import date
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from gemv import graph_us, report, setup, sweep_inputs, time_configs, weight_copies
+from gemv import (
+    graph_us,
+    merge_table,
+    parse_config,
+    report,
+    setup,
+    sweep_inputs,
+    time_configs,
+    weight_copies,
+)
 from k3compile.kernels.common import gemm_tc, gemv
 
 # [N, K] of one TP16 rank (see tests/kernels/test_gemm_tc.py)
@@ -106,11 +114,6 @@ def sweep(shapes, ms):
     return rows
 
 
-def parse_config(text: str) -> dict:
-    """'Config(tile_rows=64, ...)' -> {'tile_rows': 64, ...}"""
-    return {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", text)}
-
-
 def table_entries(rows) -> list[dict]:
     """The winner per (N, K, bucket) of run rows (the default config vs cuBLAS) or sweep rows
     (every config vs cuBLAS): its config, None where cuBLAS was faster."""
@@ -128,16 +131,7 @@ def table_entries(rows) -> list[dict]:
 
 def write_table(path, rows, device: str, source: str) -> None:
     """Merge this run's winners into the table at `path` (entries of other shapes kept)."""
-    path = Path(path)
-    old = json.loads(path.read_text()) if path.exists() else {"entries": []}
-    new = table_entries(rows)
-    keys = {(e["N"], e["K"], e["bucket"]) for e in new}
-    kept = [e for e in old["entries"] if (e["N"], e["K"], e["bucket"]) not in keys
-            and old.get("device") == device]
-    entries = sorted(kept + new, key=lambda e: (e["N"], e["K"], e["bucket"]))
-    lines = ",\n  ".join(json.dumps(e) for e in entries)  # one entry per line
-    path.write_text(f'{{"device": {json.dumps(device)}, "source": {json.dumps(source)},\n'
-                    f' "entries": [\n  {lines}\n]}}\n')
+    entries = merge_table(path, table_entries(rows), device, source)
     wins = sum(e["config"] is not None for e in entries)
     print(f"{path}: {len(entries)} entries, gemm_tc faster than cuBLAS on {wins}")
 

@@ -1,18 +1,28 @@
 """Weight-streaming GEMV (kernels/common/gemv.py) against cuBLAS (F.linear) at one K3 TP16 rank's shapes.
 
     python benchmarks/gemv.py [--m 1,8,16] [--only 3206x7168,896x7168] [--out DIR or r.json]
-    python benchmarks/gemv.py --sweep [--m 1,16]   # every Config per shape and M, best first
+    python benchmarks/gemv.py --sweep [--m 1,16] [--budget 150] --out DIR   # every Config per shape
+    python benchmarks/gemv.py --table-from DIR/gemv_sweep.json --table kernels/common/gemv_tuned.json
 
 Both sides are captured into CUDA graphs, >= CALLS calls per graph, each call reading the next
 copy of W (enough copies that >= 2 x 60 MB of weights pass between two reads of one copy, so the
 L2 does not serve them); x stays L2-resident, as in a decode step. Time per call = median over
 replays of graph time / calls. GB/s counts W bytes only; "% copy" compares it with a 4 GiB
 device-to-device copy measured in the same run (read + write bytes).
+
+The sweep times every `gemv.configs()` entry (R rows per block, T threads, C persistent CTAs per
+SM) and the heuristic config, each checked against cuBLAS first, and prints the best against the
+copy bandwidth. With --out it writes DIR/gemv_sweep.json and, shape by shape (a sweep cut short
+by --budget keeps what it timed), the table `gemv.tuned()` reads: DIR/gemv_tuned.json (copy it
+over kernels/common/ to ship it; --table PATH writes it elsewhere).
 """
 
 import argparse
 import functools
 import json
+import re
+import time
+from datetime import date
 from pathlib import Path
 
 import torch
@@ -25,6 +35,7 @@ SHAPES = [(3206, 7168), (2112, 7168), (3584, 7168), (7168, 3584), (896, 7168), (
           (768, 7168), (1152, 1536), (7168, 384), (768, 128)]
 L2_BYTES = 60e6
 CALLS, REPLAYS = 24, 30
+NOISE = 0.02  # a tuned config replaces the heuristic's only when faster by more than this
 
 
 def copy_gbps() -> float:
@@ -121,22 +132,69 @@ def time_configs(configs, x, weights, out, call, check) -> dict:
     return results
 
 
-def sweep(shapes, ms):
-    """Every Config at each shape and M (tunes `gemv.config`)."""
+def short(cfg) -> str:
+    return f"R{cfg.rows_per_cta}/T{cfg.threads}" + (f"/C{cfg.ctas_per_sm}" if cfg.ctas_per_sm
+                                                     else "")
+
+
+def sweep(shapes, ms, gbps):
+    """Every Config at each shape and M, and the heuristic's (tunes `gemv.config`)."""
     rows = []
     for n, k, m, x, out, weights in sweep_inputs(shapes, ms):
-        results = time_configs(gemv.configs(n, k, gemv.bucket(m)), x, weights, out, gemv_call,
-                               check)
-        best = min(results, key=results.get)
-        chosen = gemv.config(n, k, gemv.bucket(m))
-        rows.append({"N": n, "K": k, "M": m, "default": str(chosen),
-                     "best": str(best), "us": {str(c): round(t, 2) for c, t in results.items()}})
-        print(f"{n:5d} x {k:5d} M={m:2d}  default R{chosen.rows_per_cta}/T"
-              f"{chosen.threads} {results.get(chosen, float('nan')):.2f} us  best "
-              f"R{best.rows_per_cta}/T{best.threads} {results[best]:.2f} us | " + "  ".join(
-                  f"R{c.rows_per_cta}/T{c.threads}={t:.2f}" for c, t in results.items()),
-              flush=True)
+        default = gemv.heuristic_config(n, k, gemv.bucket(m))
+        results = time_configs(list(dict.fromkeys([default, *gemv.configs(n, k, gemv.bucket(m))])),
+                               x, weights, out, gemv_call, check)
+        ranked = sorted(results, key=results.get)
+        best, moved = ranked[0], 2 * n * k
+        pct = {c: round(100 * moved / results[c] / 1e3 / gbps, 1) for c in ranked}
+        rows.append({"N": n, "K": k, "M": m, "default": str(default), "best": str(best),
+                     "us": {str(c): round(results[c], 2) for c in ranked},
+                     "pct_copy": {str(c): pct[c] for c in ranked}})
+        print(f"{n:5d} x {k:5d} M={m:2d}  default {short(default)} {results[default]:.2f} us "
+              f"{pct[default]:.1f}%  best {short(best)} {results[best]:.2f} us "
+              f"{round(moved / results[best] / 1e3)} GB/s {pct[best]:.1f}% of copy | " +
+              "  ".join(f"{short(c)}={results[c]:.2f}" for c in ranked[1:8]), flush=True)
     return rows
+
+
+def parse_config(text: str) -> dict:
+    """'Config(tile_rows=64, ...)' -> {'tile_rows': 64, ...}"""
+    return {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", text)}
+
+
+def merge_table(path, new: list[dict], device: str, source: str) -> list[dict]:
+    """Merge `new` entries ({"N", "K", "bucket", ...}) into the tuned table at `path`, one entry
+    a line; entries of other shapes are kept where measured on this device. Returns them all."""
+    path = Path(path)
+    old = json.loads(path.read_text()) if path.exists() else {"entries": []}
+    keys = {(e["N"], e["K"], e["bucket"]) for e in new}
+    kept = [e for e in old["entries"] if (e["N"], e["K"], e["bucket"]) not in keys
+            and old.get("device") == device]
+    entries = sorted(kept + new, key=lambda e: (e["N"], e["K"], e["bucket"]))
+    lines = ",\n  ".join(json.dumps(e) for e in entries)
+    path.write_text(f'{{"device": {json.dumps(device)}, "source": {json.dumps(source)},\n'
+                    f' "entries": [\n  {lines}\n]}}\n')
+    return entries
+
+
+def table_entries(rows) -> list[dict]:
+    """The config per (N, K, bucket) of sweep rows: the fastest, unless the heuristic's is within
+    NOISE of it (then the heuristic's: a change must pay); of several M per bucket, the largest."""
+    best = {}
+    for r in rows:
+        pick = r["best"] if r["us"][r["best"]] < (1 - NOISE) * r["us"][r["default"]] \
+            else r["default"]
+        key = (r["N"], r["K"], gemv.bucket(r["M"]))
+        best[key] = {"N": r["N"], "K": r["K"], "bucket": key[2], "M": r["M"],
+                     "config": parse_config(pick), "us": r["us"][pick],
+                     "default_us": r["us"][r["default"]], "pct_copy": r["pct_copy"][pick]}
+    return list(best.values())
+
+
+def write_table(path, rows, device: str, source: str) -> None:
+    entries = merge_table(path, table_entries(rows), device, source)
+    print(f"{path}: {len(entries)} entries, "
+          f"{sum(e['us'] < e['default_us'] for e in entries)} off the heuristic")
 
 
 def setup(opts, shapes_default) -> tuple[list[int], list[tuple[int, int]], float]:
@@ -200,11 +258,30 @@ def main():
     ap.add_argument("--m", default="1,8,16")
     ap.add_argument("--only", help="shapes as NxK, comma-separated")
     ap.add_argument("--sweep", action="store_true", help="time every config instead")
+    ap.add_argument("--budget", type=float, help="sweep: start no shape after this many seconds")
     ap.add_argument("--out", help="folder (or .json path) for the JSON")
+    ap.add_argument("--table", help="sweep: the tuned table to merge the winners into (default: "
+                    "OUT/gemv_tuned.json with a folder --out)")
+    ap.add_argument("--table-from", help="take the sweep rows from this saved JSON instead")
     opts = ap.parse_args()
+    if opts.table_from:
+        saved = json.loads(Path(opts.table_from).read_text())
+        write_table(opts.table, saved["rows"], saved["device"], opts.table_from)
+        return
     ms, shapes, gbps = setup(opts, SHAPES)
-    rows = sweep(shapes, ms) if opts.sweep else run(shapes, ms, gbps)
-    report(rows, gbps, opts, "gemv", "gemv")
+    if not opts.sweep:
+        return report(run(shapes, ms, gbps), gbps, opts, "gemv", "gemv")
+    table = opts.table or (opts.out and Path(opts.out).suffix != ".json"
+                           and Path(opts.out) / "gemv_tuned.json")
+    source, start, rows = f"benchmarks/gemv.py --sweep, {date.today()}", time.time(), []
+    for shape in shapes:
+        if opts.budget and time.time() - start > opts.budget:
+            print(f"budget of {opts.budget:.0f} s spent: shapes from {shape} on not swept")
+            break
+        rows += sweep([shape], ms, gbps)
+        report(rows, gbps, opts, "gemv", "gemv")
+        if table:
+            write_table(table, rows, torch.cuda.get_device_name(), source)
 
 
 if __name__ == "__main__":

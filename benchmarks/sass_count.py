@@ -238,10 +238,12 @@ def moe_case(stage: str, rows: int, latent=L_TP16, inter=I_TP16, top_k=K_TP16):
     return (stage, latent, inter, top_k, cfg), build, weights, 32
 
 
-def gemv_case(n: int, k: int, m_rows: int):
+def gemv_case(n: int, k: int, m_rows: int, *knobs: int):
+    """`knobs`: R, T[, C] of a gemv Config (default: `gemv.config`). Weights: one row block's
+    (a persistent grid's loop body holds two)."""
     from k3compile.kernels.common import gemv
 
-    cfg = gemv.config(n, k, m_rows)
+    cfg = gemv.Config(*knobs) if knobs else gemv.config(n, k, m_rows)
     weights = 8 * cfg.rows_per_cta * gemv._vec_per_thread(k, cfg.threads)  # static slots
     build = lambda dump: gemv.build(n, k, m_rows, False, False, cfg, dump_dir=dump,
                                     arch=os.environ.get("CUTE_DSL_ARCH", "sm_90a"))
@@ -266,7 +268,7 @@ def decode_case(variant: str):
 
 def case(spec: str):
     """'fc1:64', 'fc2:8' (TP16 shapes), 'fc1:64:3584:192:16', 'gemv:896:7168:1',
-    'decode:current', 'decode:repacked'."""
+    'gemv:896:7168:1:2:256:2' (R, T, C), 'decode:current', 'decode:repacked'."""
     name, *nums = spec.split(":")
     if name == "decode":
         return decode_case(*nums)
@@ -275,7 +277,7 @@ def case(spec: str):
         return moe_case(name, *nums)
     if name == "gemv":
         return gemv_case(*nums)
-    raise SystemExit(f"unknown case {spec!r} (fc1:ROWS, fc2:ROWS, gemv:N:K:M)")
+    raise SystemExit(f"unknown case {spec!r} (fc1:ROWS, fc2:ROWS, gemv:N:K:M[:R:T[:C]])")
 
 
 def measure(build, weights: int, per_vector: int, tool: str | None, ptx: bool = False,

@@ -89,7 +89,7 @@ def fingerprint() -> list[str]:
     import hashlib
     from importlib.metadata import PackageNotFoundError, version
 
-    from k3compile.kernels.common import gemm_tc
+    from k3compile.kernels.common import gemm_tc, gemv
 
     # the DSL by its package metadata: importing cutlass here would start its threads in every
     # rank process (a gloo worker aborted at exit with "terminate called without an active
@@ -99,10 +99,10 @@ def fingerprint() -> list[str]:
     except PackageNotFoundError:
         dsl_version = None
     names = selected_kernels() if dsl_version else []
-    table = (hashlib.sha256(gemm_tc.TABLE.read_bytes()).hexdigest()[:12]
-             if gemm_tc.TABLE.exists() else None)
+    tables = [f"{m.OP}_table " + (hashlib.sha256(m.TABLE.read_bytes()).hexdigest()[:12]
+                                  if m.TABLE.exists() else "None") for m in (gemm_tc, gemv)]
     return [f"kernels {names}", *settings.KERNELS.fingerprint(), f"cutlass_dsl {dsl_version}",
-            f"gemm_tc_table {table}"]
+            *tables]
 
 
 def cuda_ops() -> frozenset[str]:

@@ -8,10 +8,13 @@ Constraints shared by both engines:
     * Output bf16 or fp32 [M, N], last dim contiguous; optional residual bf16 [M, N].
 """
 
+import json
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 
-from .dsl import aligned16, runtime_refusal
+from .dsl import aligned16, log, runtime_refusal
 from .launch import Kernel
 
 MAX_K = 65536
@@ -61,6 +64,21 @@ def launch_refusal(refuse, x, w, residual, out, out_dtype) -> str | None:
             or out.stride(-1) != 1):
         reason = f"out: {out.dtype} {tuple(out.shape)} {out.stride()}"
     return reason
+
+
+def load_tuned(path: Path, op: str, make_config) -> dict:
+    """A tuned table {(N, K, bucket): make_config(entry's config), or None where the entry has
+    none}, from the JSON a benchmark's `--table` writes; empty when there is no table or it was
+    measured on another GPU than this process's (its choices need not hold there)."""
+    if not path.exists():
+        return {}
+    data = json.loads(path.read_text())
+    if torch.cuda.is_available() and torch.cuda.get_device_name() != data["device"]:
+        log.info("%s: tuned on %s, not %s: heuristic configs", op, data["device"],
+                 torch.cuda.get_device_name())
+        return {}
+    return {(e["N"], e["K"], e["bucket"]): e["config"] and make_config(e["config"])
+            for e in data["entries"]}
 
 
 def gemm_ref(x, w, residual=None, out_dtype=None):

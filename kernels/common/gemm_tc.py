@@ -19,7 +19,6 @@ Constraints:
 """
 
 import functools
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,9 +28,8 @@ from .dsl import (
     compile_kernel,
     fake_rows,
     fake_stream,
-    log,
 )
-from .gemm import gemm_ref, gemm_refusal, run_gemm
+from .gemm import gemm_ref, gemm_refusal, load_tuned, run_gemm
 from .launch import Kernel
 
 OP = "gemm_tc"
@@ -63,15 +61,8 @@ TABLE = Path(__file__).with_name("gemm_tc_tuned.json")
 @functools.cache
 def tuned() -> dict[tuple[int, int, int], Config | None]:
     """The measured winners, {(N, K, bucket): the fastest config, or None where cuBLAS was
-    faster}, from `TABLE` (written by `benchmarks/gemm_tc.py --table`). Empty when the table was
-    measured on another GPU than this process's (its choices need not hold there)."""
-    data = json.loads(TABLE.read_text())
-    if torch.cuda.is_available() and torch.cuda.get_device_name() != data["device"]:
-        log.info("%s: tuned on %s, not %s: heuristic configs", OP, data["device"],
-                 torch.cuda.get_device_name())
-        return {}
-    return {(e["N"], e["K"], e["bucket"]): e["config"] and Config(**e["config"])
-            for e in data["entries"]}
+    faster}, from `TABLE` (written by `benchmarks/gemm_tc.py --table`; `load_tuned`)."""
+    return load_tuned(TABLE, OP, lambda c: Config(**c))
 
 
 def prefers(n: int, k: int, m: int) -> bool:

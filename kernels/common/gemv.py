@@ -27,7 +27,9 @@ Constraints:
       x, the residual and every store after it.
 """
 
+import functools
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -53,6 +55,7 @@ from .gemm import (  # noqa: F401  (launch_refusal: the fused ops check their we
     gemm_ref,
     gemm_refusal,
     launch_refusal,
+    load_tuned,
     run_gemm,
 )
 from .launch import Kernel
@@ -66,8 +69,11 @@ MAX_FUSED_K = 16384  # norm prologue, SiTU epilogue: <= 8 more vectors per threa
 
 @dataclass(frozen=True)
 class Config:
-    rows_per_cta: int  # R: rows of W per CTA
-    threads: int  # T: 128 or 256
+    rows_per_cta: int  # R: rows of W per row block (a CTA's rows at a time)
+    threads: int  # T: 128, 256 or 512 (sets the summation order, with K)
+    # C: 0, one CTA per row block; C > 0, a persistent grid of min(blocks, SMS·C) CTAs, each
+    # looping over its row blocks with the next block's R·J loads in flight during the math
+    ctas_per_sm: int = 0
 
 
 @dataclass(frozen=True)
@@ -82,31 +88,87 @@ class Fusion:
 PLAIN, NORM, SITU = Fusion(), Fusion(norm=True), Fusion(situ=True)
 
 
+TABLE = Path(__file__).with_name("gemv_tuned.json")
+
+
+@functools.cache
+def tuned() -> dict[tuple[int, int, int], Config]:
+    """The sweep's winners {(N, K, bucket): config} from `TABLE` (written by `benchmarks/gemv.py
+    --sweep --table`); empty where there is none or it was measured on another GPU."""
+    return load_tuned(TABLE, OP, lambda c: Config(**c))
+
+
 def config(n: int, k: int, m_bucket: int, fusion: Fusion = PLAIN) -> Config:
+    """The tuned config of this weight shape and bucket (`tuned()`) where it fits the variant
+    (`fits`), else `heuristic_config`."""
+    cfg = tuned().get((n, k, m_bucket))
+    return cfg if cfg and fits(cfg, k, m_bucket, fusion) else heuristic_config(n, k, m_bucket,
+                                                                                fusion)
+
+
+def heuristic_config(n: int, k: int, m_bucket: int, fusion: Fusion = PLAIN) -> Config:
     """T = 256 for K >= 4096 (fewer passes over a row), else 128. R must fit: at most 16 W
     vectors in flight per thread and at most ~128 registers (two CTAs of 256 per SM; sm_90a
     builds: 4 per W vector and ~3 per accumulator) with >= 4 CTAs per SM. M <= 2 takes the
     smallest such R with >= 4 vectors in flight per thread (the most CTAs: x reuse does not
-    matter), larger M the largest (each x vector read from L1 serves R rows). Untuned:
-    `benchmarks/gemv.py --sweep` times every config. The SiTU epilogue needs an even R (a
-    CTA pairs gate and up rows); the norm prologue holds the norm weight's J vectors and an
-    rstd per row besides."""
+    matter), larger M the largest (each x vector read from L1 serves R rows). One CTA per row
+    block. The SiTU epilogue needs an even R (a CTA pairs gate and up rows); the norm prologue
+    holds the norm weight's J vectors and an rstd per row besides."""
     threads = 256 if k >= 4096 else 128
     j = _vec_per_thread(k, threads)
     least = 2 if fusion.situ else 1
-    extra = 4 * j + m_bucket if fusion.norm else 0
-    fits = [r for r in (1, 2, 4, 8) if r % least == 0 and fusion.gate % r == 0 and (r == least or (
-        r * j <= 16 and 4 * r * j + 3 * r * m_bucket + extra <= 128 and -(-n // r) >= 4 * SMS))]
+    fits_ = [r for r in (1, 2, 4, 8) if fits(Config(r, threads), k, m_bucket, fusion) and (
+        r == least or (r * j <= 16 and _registers(Config(r, threads), k, m_bucket, fusion) <= 128
+                       and -(-n // r) >= 4 * SMS))]
     if m_bucket <= 2:
-        return Config(next((r for r in fits if r * j >= 4), fits[-1]), threads)
-    return Config(fits[-1], threads)
+        return Config(next((r for r in fits_ if r * j >= 4), fits_[-1]), threads)
+    return Config(fits_[-1], threads)
+
+
+def fits(cfg: Config, k: int, m_bucket: int, fusion: Fusion = PLAIN) -> bool:
+    """Whether the variant can take this config: an even R with SiTU, R dividing V with the
+    gate, at most 16 W vectors per thread (both register sets of a persistent grid) and ~160
+    registers with the norm prologue."""
+    r, least = cfg.rows_per_cta, 2 if fusion.situ else 1
+    return (r % least == 0 and fusion.gate % r == 0
+            and (not fusion.norm or _registers(cfg, k, m_bucket, fusion) <= 160)
+            and (r == least or _w_vectors(cfg, k) <= 16))
 
 
 def configs(n: int, k: int, m_bucket: int) -> list[Config]:
-    """Every config worth timing at these sizes (for sweeps): up to 16 W vectors per thread and
-    64 accumulators (beyond that, sm_90a builds spill)."""
-    return [Config(r, t) for t in (128, 256) for r in (1, 2, 4, 8)
-            if r * _vec_per_thread(k, t) <= 16 and r * m_bucket <= 64]
+    """Every config worth timing at these sizes (for sweeps): R in 1..8 rows, T in 128..512
+    threads (no more threads than a row has vectors), one CTA per row block or a persistent
+    grid of 1, 2 or 4 CTAs per SM (where it has fewer CTAs than blocks); up to 16 W vectors per
+    thread and 64 accumulators (beyond that, sm_90a builds spill)."""
+    out = []
+    for t in (128, 256, 512):
+        if t > 128 and k // 8 < t:
+            continue
+        for r in (1, 2, 4, 8):
+            for c in (0, 1, 2, 4):
+                cfg = Config(r, t, c)
+                if (_w_vectors(cfg, k) <= 16 and r * m_bucket <= 64 and c * t <= 2048
+                        and (c == 0 or -(-n // r) > c * SMS)):
+                    out.append(cfg)
+    return out
+
+
+def grid_size(blocks: int, cfg: Config) -> int:
+    """CTAs of a launch over `blocks` row blocks: one per block, or the persistent grid."""
+    return min(blocks, SMS * cfg.ctas_per_sm) if cfg.ctas_per_sm else blocks
+
+
+def _w_vectors(cfg: Config, k: int) -> int:
+    """W vectors a thread holds: R·J, twice that in a persistent grid (the next block's)."""
+    return (2 if cfg.ctas_per_sm else 1) * cfg.rows_per_cta * _vec_per_thread(k, cfg.threads)
+
+
+def _registers(cfg: Config, k: int, m_bucket: int, fusion: Fusion) -> int:
+    """sm_90a builds: ~4 registers per W vector, ~3 per accumulator, and with the norm
+    prologue 4 per norm-weight vector and one rstd per row."""
+    j = _vec_per_thread(k, cfg.threads)
+    extra = 4 * j + m_bucket if fusion.norm else 0
+    return 4 * _w_vectors(cfg, k) + 3 * cfg.rows_per_cta * m_bucket + extra
 
 
 def _vec_per_thread(k: int, threads: int) -> int:

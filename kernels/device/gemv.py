@@ -8,7 +8,7 @@ from cutlass import BFloat16, Float32, const_expr, cute
 
 from ..common.copy import bf16_halves, load_vectors, make_frag, row_vectors, vectors
 from ..common.dsl import pdl_launch_dependents, pdl_wait
-from ..common.gemv import PLAIN, Config, Fusion, _vec_per_thread
+from ..common.gemv import PLAIN, Config, Fusion, _vec_per_thread, grid_size
 from ..common.reduce import block_sum
 
 
@@ -47,14 +47,18 @@ class Gemv:
         self.k, self.fusion = k, fusion
         # SiTU: a CTA's R rows are R/2 rows of W_g and the same R/2 rows of W_u
         self.pairs, self.width = cfg.rows_per_cta // 2, n // 2
-        self.ctas = -(-self.width // self.pairs) if fusion.situ else -(-n // self.rows)
+        self.blocks = -(-self.width // self.pairs) if fusion.situ else -(-n // self.rows)
+        # persistent: fewer CTAs than row blocks, each looping over blocks cta, cta + G, ...
+        self.ctas = grid_size(self.blocks, cfg)
+        self.persistent = self.ctas < self.blocks
+        self.red_bytes = 4 * self.n_warps * self.n_vals * (2 if self.persistent else 1)
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mW: cute.Tensor, mR, mY: cute.Tensor, stream):
         # mX: (M, K); mW: (N, K); mR, mY: (M, N)
         self.kernel(mX, mW, mR, mY).launch(
-            grid=[-(-self.n // self.rows), 1, 1], block=[self.threads, 1, 1],
-            smem=4 * self.n_warps * self.n_vals + 64, stream=stream, use_pdl=self.pdl)
+            grid=[self.ctas, 1, 1], block=[self.threads, 1, 1],
+            smem=self.red_bytes + 64, stream=stream, use_pdl=self.pdl)
 
     @cute.jit
     def fused(self, mX: cute.Tensor, mW: cute.Tensor, mR, mY: cute.Tensor, mY2, mG, eps,
@@ -63,7 +67,7 @@ class Gemv:
         # mG: (K,) the norm weight, or (M, N) the gate; mX: (M, (N/V)·K) with a gate
         self.kernel_fused(mX, mW, mR, mY, mY2, mG, eps, beta, linear_beta).launch(
             grid=[self.ctas, 1, 1], block=[self.threads, 1, 1],
-            smem=4 * self.n_warps * (self.n_vals + self.mb) + 128, stream=stream,
+            smem=self.red_bytes + 4 * self.n_warps * self.mb + 128, stream=stream,
             use_pdl=self.pdl)
 
     @cute.kernel
@@ -75,16 +79,16 @@ class Gemv:
                      eps, beta, linear_beta):
         self.body(mX, mW, mR, mY, mY2, mG, eps, beta, linear_beta)
 
-    def w_row(self, cta, r):
-        """Row of W behind sum r of this CTA (rows past the end re-read the last one)."""
+    def w_row(self, blk, r):
+        """Row of W behind sum r of row block `blk` (rows past the end re-read the last one)."""
         R, fusion = self.rows, self.fusion
         if const_expr(fusion.situ):  # gate rows, then the same up rows (I further)
             h, I = r % self.pairs, self.width
-            row = cta * self.pairs + h
+            row = blk * self.pairs + h
             if const_expr(I % self.pairs):
                 row = cutlass.min(row, I - 1)
             return row if r < self.pairs else row + I
-        row = cta * R + r
+        row = blk * R + r
         if const_expr(self.n % R):
             row = cutlass.min(row, self.n - 1)
         return row
@@ -114,6 +118,14 @@ class Gemv:
         return [cute.math.rsqrt(t / self.k + eps, fastmath=True) for t in totals]
 
     @cute.jit
+    def load_w(self, mW: cute.Tensor, rW: list, blk, tidx):
+        """Every W load of row block `blk` into rW (R fragments (8, J)), issued before any math
+        (a `sync_warp` after them fences them); rows past N re-read row N - 1."""
+        for r in cutlass.range_constexpr(self.rows):
+            load_vectors(row_vectors(mW, self.w_row(blk, r)), rW[r], tidx, self.threads,
+                         self.n_vec)
+
+    @cute.jit
     def body(self, mX: cute.Tensor, mW: cute.Tensor, mR, mY: cute.Tensor, mY2, mG, eps,
              beta, linear_beta):
         pdl_launch_dependents(self.pdl)
@@ -122,27 +134,55 @@ class Gemv:
         T, nv, R, MB, J = self.threads, self.n_vec, self.rows, self.mb, self.j
         fusion = self.fusion
         n_rows = mX.shape[0]  # M <= MB
-        first = cta * R
         smem = cutlass.memory.SmemAllocator()
-        sRed = smem.allocate_tensor(Float32, cute.make_layout(
-            (self.n_warps, self.n_vals), stride=(self.n_vals, 1)), 16)
+        red = cute.make_layout((self.n_warps, self.n_vals), stride=(self.n_vals, 1))
+        sRed = smem.allocate_tensor(Float32, red, 16)
 
-        # Every W load first: R rows x J vectors per thread. Rows past N re-read row N - 1.
         rW = [make_frag(BFloat16, J) for _ in range(R)]  # each (8, J)
-        for r in cutlass.range_constexpr(R):
-            load_vectors(row_vectors(mW, self.w_row(cta, r)), rW[r], tidx, T, nv)
-        if const_expr(fusion.norm):  # the norm weight's vectors too: a weight
-            rG = make_frag(BFloat16, J)  # (8, J)
+        self.load_w(mW, rW, cta, tidx)
+        # the norm weight's vectors (8, J), loaded as a weight
+        rG = make_frag(BFloat16, J) if const_expr(fusion.norm) else None
+        if const_expr(fusion.norm):
             load_vectors(vectors(mG), rG, tidx, T, nv)
         # A scheduling fence: ptxas would otherwise sink later loads below the first FMAs,
         # so each thread would wait for one load round trip before issuing the next.
         cute.arch.sync_warp()
         pdl_wait(self.pdl)  # x and the residual come from earlier kernels
+        rstd = None
         if const_expr(fusion.norm):
             sSq = smem.allocate_tensor(Float32, cute.make_layout(
                 (self.n_warps, MB), stride=(MB, 1)), 16)
             rstd = self.row_rstd(mX, eps, sSq, tidx, n_rows)
+        args = (mX, mR, mY, mY2, mG, rG, rstd, tidx, n_rows, beta, linear_beta)
+        if const_expr(not self.persistent):
+            self.row_block(rW, sRed, cta, *args)
+        else:
+            # Two register sets and two reduction buffers: block b's math and reduction run
+            # while block b + G's loads are in flight (G = the grid). A thread reads buffer s's
+            # sums before the barrier of the other buffer's block, and writes s again only
+            # after it, so the buffers need no barrier of their own.
+            rW2 = [make_frag(BFloat16, J) for _ in range(R)]  # each (8, J)
+            sRed2 = smem.allocate_tensor(Float32, red, 16)
+            G, blocks = self.ctas, self.blocks
+            for blk in cutlass.range(cta, blocks, 2 * G, unroll=1):
+                if blk + G < blocks:
+                    self.load_w(mW, rW2, blk + G, tidx)
+                cute.arch.sync_warp()
+                self.row_block(rW, sRed, blk, *args)
+                if blk + 2 * G < blocks:
+                    self.load_w(mW, rW, blk + 2 * G, tidx)
+                cute.arch.sync_warp()
+                if blk + G < blocks:
+                    self.row_block(rW2, sRed2, blk + G, *args)
 
+    @cute.jit
+    def row_block(self, rW: list, sRed: cute.Tensor, blk, mX: cute.Tensor, mR, mY: cute.Tensor,
+                  mY2, mG, rG: cute.Tensor, rstd: list, tidx, n_rows, beta, linear_beta):
+        """The sums of row block `blk` from its W vectors rW, x and the epilogue: R x M sums
+        per thread in vector order, warp butterflies, the warps in order through sRed."""
+        T, nv, R, MB, J = self.threads, self.n_vec, self.rows, self.mb, self.j
+        fusion = self.fusion
+        first = blk * R
         acc = [Float32(0.0) for _ in range(R * MB)]  # index m·R + r
         rX = make_frag(BFloat16, 1)  # (8, 1)
         # gate: this CTA's rows share one x slice, vectors h·K/8 on (R divides V)
@@ -186,7 +226,7 @@ class Gemv:
                 sRed[warp, lane // (32 // V)] = part[0]
         cute.arch.barrier()
         if const_expr(fusion.situ):
-            self.store_situ(sRed, mY, tidx, cta, n_rows, beta, linear_beta)
+            self.store_situ(sRed, mY, tidx, blk, n_rows, beta, linear_beta)
         else:
             if tidx < V:
                 out_m, out_col = tidx // R, first + tidx % R
@@ -222,14 +262,14 @@ class Gemv:
             mY[m, col] = total.to(BFloat16)
 
     @cute.jit
-    def store_situ(self, sRed: cute.Tensor, mY: cute.Tensor, tidx, cta, n_rows,
+    def store_situ(self, sRed: cute.Tensor, mY: cute.Tensor, tidx, blk, n_rows,
                    beta: Float32, linear_beta: Float32):
         """y[m, n] = bf16(SiTU(g, u)) from the sums of rows n and I + n, rounded to bf16
         first like the GEMM output the situ kernel reads; then the situ kernel's math."""
         H, R = self.pairs, self.rows
         if tidx < self.mb * H:
             out_m, h = tidx // H, tidx % H
-            col = cta * H + h
+            col = blk * H + h
             write = out_m < n_rows
             if const_expr(self.width % H):
                 write = write & (col < self.width)
