@@ -11,7 +11,10 @@ settings.KERNELS.gemv_fused names them:
     split (moe_front):     W = [W_r; W_d]; rows < split to y (fp32), the others to y2 (bf16)
     gate  (mla_uv_gate):   rows in groups of V reading x's columns [h·K, (h + 1)·K);
                            y = bf16(bf16(Σ) · bf16(sigmoid(g[m, n])))
-Each row's sum is the plain kernel's bit for bit. Design and measurements: docs/kernels.md, gemv.
+Each row's sum is the plain kernel's bit for bit at the same T (threads per CTA): its order
+depends on K and T only. Configs (R rows per block, T, C persistent CTAs per SM): the tuned table
+gemv_tuned.json (`benchmarks/gemv.py --sweep`) where it has the shape and bucket, else
+`heuristic_config`. Design and measurements: docs/kernels.md, gemv.
 
 Constraints:
     * x bf16 [M, K], 1 <= M <= 16 (more rows go to cuBLAS), contiguous rows, row stride a
@@ -23,8 +26,8 @@ Constraints:
     * Variants: K <= 16384 with norm or SiTU; norm weight bf16 [K] contiguous; SiTU: N even,
       bf16 output [M, N / 2], no residual; split: 0 < split < N, no residual; gate: V | N,
       x [M, (N / V)·K], g bf16 [M, N] with contiguous rows, bf16 output, no residual.
-    * With PDL (settings.KERNELS.pdl): W (and the norm weight) load before `griddepcontrol.wait`;
-      x, the residual and every store after it.
+    * With PDL (settings.KERNELS.pdl): W of a CTA's first row block (and the norm weight) load
+      before `griddepcontrol.wait`; x, the residual, later blocks' W and every store after it.
 """
 
 import functools
@@ -117,8 +120,9 @@ def heuristic_config(n: int, k: int, m_bucket: int, fusion: Fusion = PLAIN) -> C
     threads = 256 if k >= 4096 else 128
     j = _vec_per_thread(k, threads)
     least = 2 if fusion.situ else 1
-    fits_ = [r for r in (1, 2, 4, 8) if fits(Config(r, threads), k, m_bucket, fusion) and (
-        r == least or (r * j <= 16 and _registers(Config(r, threads), k, m_bucket, fusion) <= 128
+    extra = 4 * j + m_bucket if fusion.norm else 0
+    fits_ = [r for r in (1, 2, 4, 8) if r % least == 0 and fusion.gate % r == 0 and (
+        r == least or (r * j <= 16 and 4 * r * j + 3 * r * m_bucket + extra <= 128
                        and -(-n // r) >= 4 * SMS))]
     if m_bucket <= 2:
         return Config(next((r for r in fits_ if r * j >= 4), fits_[-1]), threads)
@@ -126,31 +130,23 @@ def heuristic_config(n: int, k: int, m_bucket: int, fusion: Fusion = PLAIN) -> C
 
 
 def fits(cfg: Config, k: int, m_bucket: int, fusion: Fusion = PLAIN) -> bool:
-    """Whether the variant can take this config: an even R with SiTU, R dividing V with the
-    gate, at most 16 W vectors per thread (both register sets of a persistent grid) and ~160
-    registers with the norm prologue."""
+    """Whether this config builds for the variant without spilling and with its C CTAs
+    resident per SM: an even R with SiTU, R dividing V with the gate, at most 16 W vectors per
+    thread (both register sets of a persistent grid), at most 64 accumulators, and `registers`
+    within the register file's share (65536 / (T·C), at most 255)."""
     r, least = cfg.rows_per_cta, 2 if fusion.situ else 1
-    return (r % least == 0 and fusion.gate % r == 0
-            and (not fusion.norm or _registers(cfg, k, m_bucket, fusion) <= 160)
-            and (r == least or _w_vectors(cfg, k) <= 16))
+    share = min(255, 65536 // (cfg.threads * max(cfg.ctas_per_sm, 1)))
+    return (r % least == 0 and fusion.gate % r == 0 and r * m_bucket <= 64
+            and _w_vectors(cfg, k) <= 16 and registers(cfg, k, m_bucket, fusion) <= share)
 
 
 def configs(n: int, k: int, m_bucket: int) -> list[Config]:
     """Every config worth timing at these sizes (for sweeps): R in 1..8 rows, T in 128..512
     threads (no more threads than a row has vectors), one CTA per row block or a persistent
-    grid of 1, 2 or 4 CTAs per SM (where it has fewer CTAs than blocks); up to 16 W vectors per
-    thread and 64 accumulators (beyond that, sm_90a builds spill)."""
-    out = []
-    for t in (128, 256, 512):
-        if t > 128 and k // 8 < t:
-            continue
-        for r in (1, 2, 4, 8):
-            for c in (0, 1, 2, 4):
-                cfg = Config(r, t, c)
-                if (_w_vectors(cfg, k) <= 16 and r * m_bucket <= 64 and c * t <= 2048
-                        and (c == 0 or -(-n // r) > c * SMS)):
-                    out.append(cfg)
-    return out
+    grid of 1, 2 or 4 CTAs per SM (where it has fewer CTAs than blocks), each that `fits`."""
+    return [Config(r, t, c) for t in (128, 256, 512) for r in (1, 2, 4, 8) for c in (0, 1, 2, 4)
+            if (t == 128 or k // 8 >= t) and (c == 0 or -(-n // r) > c * SMS)
+            and fits(Config(r, t, c), k, m_bucket)]
 
 
 def grid_size(blocks: int, cfg: Config) -> int:
@@ -163,12 +159,16 @@ def _w_vectors(cfg: Config, k: int) -> int:
     return (2 if cfg.ctas_per_sm else 1) * cfg.rows_per_cta * _vec_per_thread(k, cfg.threads)
 
 
-def _registers(cfg: Config, k: int, m_bucket: int, fusion: Fusion) -> int:
-    """sm_90a builds: ~4 registers per W vector, ~3 per accumulator, and with the norm
-    prologue 4 per norm-weight vector and one rstd per row."""
-    j = _vec_per_thread(k, cfg.threads)
+def registers(cfg: Config, k: int, m_bucket: int, fusion: Fusion = PLAIN) -> int:
+    """Registers per thread of an sm_90a build, an upper estimate fitted to the builds' counts
+    (docs/kernels.md, gemv, 2026-12-03): 4 per W vector, 3 per accumulator and 16 more; a
+    persistent grid about 16 per W vector of a block, 5 per accumulator and 24 more; the norm
+    prologue 4 per norm-weight vector and one rstd per row besides."""
+    j, r = _vec_per_thread(k, cfg.threads), cfg.rows_per_cta
     extra = 4 * j + m_bucket if fusion.norm else 0
-    return 4 * _w_vectors(cfg, k) + 3 * cfg.rows_per_cta * m_bucket + extra
+    if cfg.ctas_per_sm:
+        return 16 * r * j + 5 * r * m_bucket + 24 + extra
+    return 4 * r * j + 3 * r * m_bucket + 16 + extra
 
 
 def _vec_per_thread(k: int, threads: int) -> int:

@@ -289,11 +289,90 @@ def test_plain_gemv_build_is_unchanged(key, monkeypatch, tmp_path):
         pytest.skip("digests recorded with nvidia-cutlass-dsl 4.8.1")
     monkeypatch.setenv("CUTE_DSL_ARCH", ARCH)
     n, k, b, out_fp32, residual, pdl = key
-    compiled = gemv.build(n, k, b, out_fp32, residual, gemv.config(n, k, b), arch=ARCH,
-                          dump_dir=str(tmp_path), pdl=pdl)
+    compiled = gemv.build(n, k, b, out_fp32, residual, gemv.heuristic_config(n, k, b),
+                          arch=ARCH, dump_dir=str(tmp_path), pdl=pdl)
     assert "kernel_fused" not in ptx_of(compiled)
     table = PLAIN_GEMV_CUBINS_CU13 if _dsl_cuda_flavour() == "cu13" else PLAIN_GEMV_CUBINS
     assert hashlib.sha256(cubin_of(compiled)).hexdigest()[:16] == table[key]
+
+
+# gemv configs the tuned table may pick (`benchmarks/gemv.py --sweep`): R > 1 at one row, T = 512
+# and persistent grids (C CTAs per SM looping over row blocks), plain at TP16 shapes and the odd
+# one (partial blocks, a vector tail), each variant with a config that fits it: ((n, k, bucket,
+# fp32 output, residual), config, fusion)
+GEMV_TUNED = [((3206, 7168, 1, False, False), gemv.Config(1, 256, 2), gemv.PLAIN),
+              ((896, 7168, 1, True, False), gemv.Config(2, 512, 1), gemv.PLAIN),
+              ((2112, 7168, 2, False, False), gemv.Config(4, 512), gemv.PLAIN),
+              ((7168, 768, 16, False, True), gemv.Config(2, 128, 1), gemv.PLAIN),
+              ((1000, 1032, 16, True, True), gemv.Config(1, 128, 2), gemv.PLAIN),
+              ((1000, 1032, 4, True, True), gemv.Config(8, 128), gemv.PLAIN),
+              ((7168, 3584, 4, False, True), gemv.Config(2, 256, 1), gemv.NORM),
+              ((768, 7168, 2, False, False), gemv.Config(2, 256, 1), gemv.SITU),
+              ((4480, 7168, 1, True, False), gemv.Config(1, 256, 2), gemv.Fusion(split=896)),
+              ((768, 512, 2, False, False), gemv.Config(2, 128, 1), gemv.Fusion(gate=128))]
+
+
+def _tuned_id(v):
+    if isinstance(v, gemv.Config):
+        return f"R{v.rows_per_cta}T{v.threads}C{v.ctas_per_sm}"
+    if isinstance(v, gemv.Fusion):
+        return "plain" if v == gemv.PLAIN else _variant_id((0, 0, 0, 0, v)).split("-")[-1]
+    return "x".join(map(str, v))
+
+
+@pytest.mark.parametrize("pdl", [False, True])
+@pytest.mark.parametrize("scalars,cfg,fusion", _first_of_each(
+    GEMV_TUNED, lambda c: (c[1].ctas_per_sm > 0, c[2] == gemv.PLAIN)), ids=_tuned_id)
+def test_gemv_tuned_configs_build(scalars, cfg, fusion, pdl, monkeypatch, tmp_path):
+    """No spills; with PDL the first row block's W (and the norm weight) load before the wait,
+    nothing is stored before it, and a persistent grid's loop loads both register sets (the
+    next blocks' W) after it."""
+    monkeypatch.setenv("CUTE_DSL_ARCH", ARCH)
+    n, k, b, out_fp32, residual = scalars
+    assert gemv.fits(cfg, k, b, fusion)
+    compiled = gemv.build(n, k, b, out_fp32, residual, cfg, arch=ARCH, dump_dir=str(tmp_path),
+                          pdl=pdl, fusion=fusion)
+    _check_cubin(compiled)
+    ptx = ptx_of(compiled)
+    blocks = -(-n // cfg.rows_per_cta)  # with SiTU: (N / 2) / (R / 2)
+    persistent = gemv.grid_size(blocks, cfg) < blocks
+    assert persistent == (cfg.ctas_per_sm > 0)
+    if not pdl:
+        assert "griddepcontrol" not in ptx
+        return
+    before = ptx[:ptx.index(WAIT)]
+    assert not [op for op in ("st.global", "red.global", "atom.global") if op in before]
+    vectors = -(-(k // 8) // cfg.threads)
+    assert before.count("ld.global.v4") == (cfg.rows_per_cta + fusion.norm) * vectors
+    loads_after = ptx[ptx.index(WAIT):].count("ld.global.v4")  # x, and the loop's W
+    assert loads_after >= (2 * cfg.rows_per_cta * vectors if persistent else 1)
+
+
+def _sweep_builds():
+    """Every `gemv.configs()` entry at the TP16 shapes and the odd one, buckets 1 and 16, once
+    per distinct build shape (K, bucket, R, T, persistent)."""
+    seen, out = set(), []
+    for n, k in [(3206, 7168), (7168, 3584), (896, 7168), (7168, 768), (1152, 1536),
+                 (7168, 384), (768, 128), (1000, 1032)]:
+        for b in (1, 16):
+            for cfg in gemv.configs(n, k, b):
+                key = (k, b, cfg.rows_per_cta, cfg.threads, cfg.ctas_per_sm > 0)
+                if key not in seen:
+                    seen.add(key)
+                    out.append(pytest.param((n, k, b), cfg, marks=pytest.mark.slow))
+    return out
+
+
+@pytest.mark.parametrize("shape,cfg", _sweep_builds(), ids=str)
+def test_gemv_sweep_configs_build_without_spills(shape, cfg, monkeypatch, tmp_path):
+    """What the sweep times builds for sm_90a without spills, and fits CTAs per SM as asked
+    (registers x threads x C within the register file)."""
+    monkeypatch.setenv("CUTE_DSL_ARCH", ARCH)
+    n, k, b = shape
+    compiled = gemv.build(n, k, b, False, False, cfg, arch=ARCH, dump_dir=str(tmp_path))
+    _check_cubin(compiled)
+    regs = cubin_resources(cubin_of(compiled))["regs"]
+    assert -(-regs // 8) * 8 * cfg.threads * max(cfg.ctas_per_sm, 1) <= 65536, f"{regs} registers"
 
 
 def _check_cubin(compiled):

@@ -135,15 +135,16 @@ def cpu_gen():
     return torch.Generator().manual_seed(seed)
 
 
-def _blocks(k):
-    """(T, J): the kernel's threads per CTA and vectors per thread for width K."""
-    cfg = kernel.config(1, k, 1)
-    return cfg.threads, -(-(k // 8) // cfg.threads)
+def _blocks(k, threads=None):
+    """(T, J): the kernel's threads per CTA (default: the heuristic's at width K) and vectors per
+    thread."""
+    threads = threads or kernel.heuristic_config(1, k, 1).threads
+    return threads, -(-(k // 8) // threads)
 
 
-def _per_thread(x, k):
+def _per_thread(x, k, threads=None):
     """x [..., K] -> [..., J, T, 8] fp32: thread t's vectors t, t + T, ... (zeros past K)."""
-    T, J = _blocks(k)
+    T, J = _blocks(k, threads)
     return F.pad(x.float(), (0, J * T * 8 - k)).unflatten(-1, (J, T, 8))
 
 
@@ -162,14 +163,14 @@ def _in_order(v):
     return total
 
 
-def kernel_sums(x, w):
-    """The kernel's fp32 sums Σ_k x[m, k]·w[n, k], bit for bit: thread t adds its elements in
-    order (bf16 products are exact in fp32, so its fused multiply-adds round as these adds do),
-    a butterfly over each warp's lanes, then the warps in order. The order depends on K alone,
-    not on R, M or the variant."""
+def kernel_sums(x, w, threads=None):
+    """The kernel's fp32 sums Σ_k x[m, k]·w[n, k], bit for bit: thread t of T adds its elements
+    in order (bf16 products are exact in fp32, so its fused multiply-adds round as these adds
+    do), a butterfly over each warp's lanes, then the warps in order. The order depends on K and
+    T alone, not on R, the grid, M or the variant."""
     k = x.shape[1]
-    xv, wv = _per_thread(x, k), _per_thread(w, k)
-    T, J = _blocks(k)
+    xv, wv = _per_thread(x, k, threads), _per_thread(w, k, threads)
+    T, J = _blocks(k, threads)
     acc = torch.zeros(x.shape[0], w.shape[0], T, device=x.device)
     for j in range(J):
         for e in range(8):
@@ -177,14 +178,14 @@ def kernel_sums(x, w):
     return _in_order(_butterfly(acc.unflatten(-1, (T // 32, 32))))
 
 
-def norm_model(x, g, eps, m_bucket):
+def norm_model(x, g, eps, m_bucket, threads=None):
     """(x̂, rstd) of the norm prologue: the kernel's sum of squares (per thread in vector order,
     warp butterflies, then block_sum across warps: lane k adds column k in order at >= 4 values,
     a butterfly over the zero-padded warp totals below), rstd = rsqrt(ss / K + eps) (torch's
     rsqrt standing in for the kernel's approximate one), x̂ rounded as rms_norm_ref rounds it."""
     k = x.shape[1]
-    T, _ = _blocks(k)
-    xv = _per_thread(x, k)
+    T, _ = _blocks(k, threads)
+    xv = _per_thread(x, k, threads)
     s = torch.zeros(x.shape[0], T, device=x.device)
     for j in range(xv.shape[1]):
         for e in range(8):
@@ -303,14 +304,16 @@ def test_variant_refusals():
 
 def test_variant_configs():
     """The plain configs do not move; SiTU pairs rows (R even); the norm prologue's registers
-    count."""
+    count; every variant's config fits it (tuned or not)."""
     for n, k in [*SHAPES, ODD]:
         for b in kernel.BUCKETS:
             assert kernel.config(n, k, b, kernel.PLAIN) == kernel.config(n, k, b)
             assert kernel.config(n, k, b, kernel.Fusion(split=1)) == kernel.config(n, k, b)
             assert kernel.config(n, k, b, kernel.SITU).rows_per_cta % 2 == 0
-            norm = kernel.config(n, k, b, kernel.NORM)
-            assert norm.rows_per_cta <= kernel.config(n, k, b).rows_per_cta
+            norm = kernel.heuristic_config(n, k, b, kernel.NORM)
+            assert norm.rows_per_cta <= kernel.heuristic_config(n, k, b).rows_per_cta
+            for f in (kernel.PLAIN, kernel.NORM, kernel.SITU, kernel.Fusion(gate=64)):
+                assert kernel.fits(kernel.config(n, k, b, f), k, b, f)
 
 
 def test_fusion_is_in_the_compile_key(monkeypatch):
@@ -357,7 +360,8 @@ def test_norm_variant(gen, n, k, m, residual):
     assert kernel.gemv_norm_cuda(u, g, w, EPS, r, out=out) is out, "fell back"
     assert_written(out)
     close_bf16(out, norm_linear_ref(u, g, w, EPS, r))
-    y = kernel_sums(norm_model(u, g, EPS, dsl.bucket(m))[0], w)
+    t = kernel.config(n, k, dsl.bucket(m), kernel.NORM).threads
+    y = kernel_sums(norm_model(u, g, EPS, dsl.bucket(m), t)[0], w, t)
     close_bf16(out, y if r is None else y + r.float())
 
 
@@ -375,7 +379,8 @@ def test_situ_variant(gen, width, k, m):
     assert kernel.gemv_situ_cuda(x, w, BETA, LINEAR_BETA, out=out) is out, "fell back"
     assert_written(out)
     close_bf16(out, situ_gate_up_ref(x, wg, wu, BETA, LINEAR_BETA))
-    gate_up = kernel.gemv_cuda(x, w, out=poisoned(m, 2 * width))
+    cfg = kernel.config(2 * width, k, dsl.bucket(m), kernel.SITU)  # its summation order
+    gate_up = kernel.gemv_cuda(x, w, out=poisoned(m, 2 * width), cfg=cfg)
     assert torch.equal(out, situ_gate_up.situ_cuda(gate_up, BETA, LINEAR_BETA, out=poisoned(m, width)))
 
 
@@ -391,8 +396,9 @@ def test_split_variant(gen, split, n, k, m):
     got = kernel.gemv_split_cuda(x, w, split, out=out, out2=out2)
     assert got[0] is out and got[1] is out2, "fell back"
     assert_written(out, out2)
-    assert torch.equal(out, kernel.gemv_cuda(x, w[:split], out_dtype=torch.float32))
-    assert torch.equal(out2, kernel.gemv_cuda(x, w[split:]))
+    cfg = kernel.config(n, k, dsl.bucket(m), kernel.Fusion(split=split))  # its summation order
+    assert torch.equal(out, kernel.gemv_cuda(x, w[:split], out_dtype=torch.float32, cfg=cfg))
+    assert torch.equal(out2, kernel.gemv_cuda(x, w[split:], cfg=cfg))
     want_logits, want_z = moe_front_ref(x, w[:split], w[split:])
     assert rel_err(out, want_logits) < 1e-5
     close_bf16(out2, want_z)
@@ -405,7 +411,8 @@ def test_model_is_the_kernel_bit_for_bit(gen, n, k, m):
     """`kernel_sums` is what the kernel computes (fp32 output), so the CPU tests of the variants'
     math test the kernel's."""
     x, w = make_inputs(gen, m, n, k)
-    assert torch.equal(kernel.gemv_cuda(x, w, out_dtype=torch.float32), kernel_sums(x, w))
+    t = kernel.config(n, k, dsl.bucket(m)).threads
+    assert torch.equal(kernel.gemv_cuda(x, w, out_dtype=torch.float32), kernel_sums(x, w, t))
 
 
 @on_gpu
@@ -503,7 +510,8 @@ def test_gate_variant(gen, m):
     want = mla_uv_gate_ref(o_lat, w_uv, g).reshape(m, n)
     close_bf16(out, want)
     # the sums are the plain kernel's, then the reference's two roundings
-    o = kernel.gemv_cuda(x.view(m, MLA_HEADS, MLA_C)[:, 0].contiguous(), rows[:MLA_V])
+    cfg = kernel.config(n, MLA_C, dsl.bucket(m), kernel.Fusion(gate=MLA_V))
+    o = kernel.gemv_cuda(x.view(m, MLA_HEADS, MLA_C)[:, 0].contiguous(), rows[:MLA_V], cfg=cfg)
     torch.testing.assert_close(out[:, :MLA_V], o * torch.sigmoid(g.reshape(m, n)[:, :MLA_V]),
                                rtol=0, atol=0)
 
@@ -519,3 +527,100 @@ def test_gate_through_the_op(gen, monkeypatch):
     got = torch.ops.k3.mla_uv_gate(o_lat, w_uv, g)
     assert calls == [1], "the one-launch variant at one row"
     close_bf16(got, mla_uv_gate_ref(o_lat, w_uv, g))
+
+
+# ---- configs off the heuristic (what the tuned table may pick) -----------------------------------
+
+# R > 1 at one row, T = 512 and persistent grids (C CTAs per SM looping over the row blocks: at
+# N = 3206 and C = 1 a CTA takes 24-25 blocks, so both halves of the loop's pipeline end some
+# CTA); N = 1003 is a multiple of no R (a partial last block) and K = 1032 a predicated vector
+# tail, where T = 256 leaves most threads without a vector
+TUNED = [kernel.Config(2, 256), kernel.Config(4, 512), kernel.Config(8, 128),
+         kernel.Config(1, 256, 2), kernel.Config(2, 256, 1), kernel.Config(1, 128, 4),
+         kernel.Config(2, 512, 1)]
+ODD_N = (1003, 1032)
+
+
+def _cfg_id(cfg):
+    return f"R{cfg.rows_per_cta}T{cfg.threads}C{cfg.ctas_per_sm}"
+
+
+@on_gpu
+@pytest.mark.parametrize("cfg", TUNED, ids=_cfg_id)
+@pytest.mark.parametrize("m", [1, 2, 8, 16])
+@pytest.mark.parametrize("n,k", [(896, 7168), (2112, 7168), (3206, 7168), ODD_N], ids=str)
+def test_tuned_configs(gen, n, k, m, cfg):
+    """Against the reference (bf16 output, poisoned), and the fp32 sums bit for bit the model's
+    at the config's T: rows per block and the persistent grid leave the order as it was."""
+    if not kernel.fits(cfg, k, dsl.bucket(m)):
+        pytest.skip(f"{cfg} does not fit K {k} at {m} rows")
+    x, w = make_inputs(gen, m, n, k)
+    check(x, w, cfg=cfg)
+    got = kernel.gemv_cuda(x, w, out_dtype=torch.float32, cfg=cfg)
+    assert torch.equal(got, kernel_sums(x, w, cfg.threads))
+
+
+# (variant, weight rows, K) and a config of each kind that fits it: SiTU pairs rows (R even),
+# the gate's R divides V = 128
+TUNED_VARIANTS = [
+    ("norm", HIDDEN, LATENT, kernel.Config(2, 256, 1)), ("norm", *ODD, kernel.Config(1, 512)),
+    ("situ", 2 * SHARED, HIDDEN, kernel.Config(2, 256, 1)),
+    ("situ", 2 * DENSE, HIDDEN, kernel.Config(4, 512)),
+    ("split", EXPERTS + LATENT, HIDDEN, kernel.Config(1, 256, 2)),
+    ("split", *ODD, kernel.Config(4, 128, 1)),
+    ("gate", MLA_HEADS * MLA_V, MLA_C, kernel.Config(2, 128, 1)),
+]
+
+
+@on_gpu
+@pytest.mark.parametrize("m", [1, 2, 8, 16])
+@pytest.mark.parametrize("variant,n,k,cfg", TUNED_VARIANTS,
+                         ids=lambda v: _cfg_id(v) if isinstance(v, kernel.Config) else str(v))
+def test_variants_take_tuned_configs(gen, monkeypatch, variant, n, k, cfg, m):
+    """Each one-launch variant through its wrapper with a tuned-table entry for its weight
+    shape (`config` takes it where it fits): against its op's reference, and its sums bit for bit
+    the model's at the config's T."""
+    b = dsl.bucket(m)
+    monkeypatch.setattr(kernel, "tuned", lambda: {(n, k, b): cfg})
+    fusion = {"norm": kernel.NORM, "situ": kernel.SITU, "split": kernel.Fusion(split=n // 4),
+              "gate": kernel.Fusion(gate=MLA_V)}[variant]
+    if not kernel.fits(cfg, k, b, fusion):
+        pytest.skip(f"{cfg} does not fit the {variant} variant at {m} rows")
+    assert kernel.config(n, k, b, fusion) == cfg
+    t = cfg.threads
+    if variant == "norm":
+        u, g, w, r = norm_inputs(gen, m, n, k)
+        out = kernel.gemv_norm_cuda(u, g, w, EPS, r, out=poisoned(m, n))
+        assert_written(out)
+        close_bf16(out, norm_linear_ref(u, g, w, EPS, r))
+        close_bf16(out, kernel_sums(norm_model(u, g, EPS, b, t)[0], w, t) + r.float())
+    elif variant == "situ":
+        from k3compile.kernels import situ_gate_up
+
+        x, wg, wu = gate_up_inputs(gen, m, n // 2, k)
+        out = kernel.gemv_situ_cuda(x, torch.cat([wg, wu]), BETA, LINEAR_BETA,
+                                    out=poisoned(m, n // 2))
+        assert_written(out)
+        close_bf16(out, situ_gate_up_ref(x, wg, wu, BETA, LINEAR_BETA))
+        gate_up = kernel.gemv_cuda(x, torch.cat([wg, wu]), out=poisoned(m, n), cfg=cfg)
+        assert torch.equal(gate_up, kernel_sums(x, torch.cat([wg, wu]), t).bfloat16())
+        assert torch.equal(out, situ_gate_up.situ_cuda(gate_up, BETA, LINEAR_BETA,
+                                                       out=poisoned(m, n // 2)))
+    elif variant == "split":
+        x, w = make_inputs(gen, m, n, k)
+        split = fusion.split
+        out, out2 = poisoned(m, split, dtype=torch.float32), poisoned(m, n - split)
+        kernel.gemv_split_cuda(x, w, split, out=out, out2=out2)
+        assert_written(out, out2)
+        sums = kernel_sums(x, w, t)
+        assert torch.equal(out, sums[:, :split]) and torch.equal(out2, sums[:, split:].bfloat16())
+    else:
+        from k3compile.kernels import mla_uv_gate
+
+        from k3compile.ops.mla_uv_gate import mla_uv_gate_ref
+
+        o_lat, w_uv, g = uv_inputs(gen, m)
+        x, rows = o_lat.reshape(m, -1), mla_uv_gate.uv_rows(w_uv)
+        out = kernel.gemv_gate_cuda(x, rows, g.reshape(m, n), MLA_V, out=poisoned(m, n))
+        assert_written(out)
+        close_bf16(out, mla_uv_gate_ref(o_lat, w_uv, g).reshape(m, n))
