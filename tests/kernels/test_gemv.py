@@ -8,6 +8,7 @@ its normalised x) against each op's reference at the real TP16 shapes, refusals,
 compile key; on the GPU each variant against its op's reference and against the two launches it
 replaces, and the model against the kernel."""
 
+import json
 import logging
 import os
 
@@ -48,8 +49,8 @@ FP32_SUMS = {"rtol": 1e-4, "atol": 1e-4}
 make_inputs, model = gemm_inputs, gemm_model
 
 
-def check(x, w, residual=None, out_dtype=torch.bfloat16):
-    return check_gemm(kernel.gemv_cuda, x, w, residual, out_dtype, fp32_tol=FP32_SUMS)
+def check(x, w, residual=None, out_dtype=torch.bfloat16, **kw):
+    return check_gemm(kernel.gemv_cuda, x, w, residual, out_dtype, fp32_tol=FP32_SUMS, **kw)
 
 
 @on_gpu
@@ -316,6 +317,61 @@ def test_variant_configs():
                 assert kernel.fits(kernel.config(n, k, b, f), k, b, f)
 
 
+def test_tuned_table_picks_configs_that_fit(monkeypatch):
+    """`config` takes the table's entry where it fits the variant and the heuristic's elsewhere;
+    without a table (none shipped yet) every config is the heuristic's. The sweep's configs all
+    fit."""
+    if not kernel.TABLE.exists():
+        assert kernel.tuned() == {}
+        for n, k in [*SHAPES, ODD]:
+            assert kernel.config(n, k, 1) == kernel.heuristic_config(n, k, 1)
+    odd, paired = kernel.Config(1, 256, 2), kernel.Config(2, 512, 1)
+    monkeypatch.setattr(kernel, "tuned", lambda: {(768, 7168, 1): odd, (3584, 7168, 1): paired,
+                                                  (768, 7168, 16): kernel.Config(8, 128)})
+    assert kernel.config(768, 7168, 1) == odd
+    assert kernel.config(768, 7168, 1, kernel.SITU) == kernel.heuristic_config(768, 7168, 1,
+                                                                               kernel.SITU)
+    assert kernel.config(3584, 7168, 1, kernel.SITU) == paired
+    assert kernel.config(3584, 7168, 2) == kernel.heuristic_config(3584, 7168, 2)  # no entry
+    # R 8 x T 128 at K 7168: 56 W vectors per thread, no fit: the heuristic's
+    assert kernel.config(768, 7168, 16) == kernel.heuristic_config(768, 7168, 16)
+    for n, k in [*SHAPES, ODD]:
+        for b in (1, 16):
+            cfgs = kernel.configs(n, k, b)
+            assert cfgs and all(kernel.fits(c, k, b) for c in cfgs)
+            assert all(c.ctas_per_sm == 0 or kernel.grid_size(-(-n // c.rows_per_cta), c)
+                       < -(-n // c.rows_per_cta) for c in cfgs), "a persistent grid that is not"
+
+
+def test_sweep_table(tmp_path, monkeypatch):
+    """`benchmarks/gemv.py --sweep` writes per (shape, bucket) the fastest config, or the
+    heuristic's where that is within NOISE; merged into the entries of other shapes already
+    there; `tuned()`'s loader reads it back."""
+    from pathlib import Path
+
+    from k3compile.kernels.common.gemm import load_tuned
+
+    from tests.conftest import load_benchmark
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    bench = load_benchmark("gemv")
+    h, p, q = (str(c) for c in (kernel.Config(1, 256), kernel.Config(2, 256, 1),
+                                kernel.Config(4, 512)))
+    rows = [{"N": 896, "K": 7168, "M": 1, "default": h, "best": p, "us": {p: 3.9, h: 5.2},
+             "pct_copy": {p: 78.0, h: 58.5}},
+            {"N": 2112, "K": 7168, "M": 1, "default": h, "best": q, "us": {q: 9.4, h: 9.5},
+             "pct_copy": {q: 76.0, h: 75.2}}]
+    path = tmp_path / "gemv_tuned.json"
+    bench.write_table(path, rows[:1], "GPU", "test")
+    bench.write_table(path, rows[1:], "GPU", "test")
+    table = load_tuned(path, "gemv", lambda c: kernel.Config(**c))
+    assert table == {(896, 7168, 1): kernel.Config(2, 256, 1),
+                     (2112, 7168, 1): kernel.Config(1, 256)}  # 1% faster: noise
+    bench.write_table(path, rows[1:], "another GPU", "test")  # other devices' entries go
+    saved = json.loads(path.read_text())
+    assert saved["device"] == "another GPU" and len(saved["entries"]) == 1
+
+
 def test_fusion_is_in_the_compile_key(monkeypatch):
     builds = []
     monkeypatch.setattr(kernel, "KERNEL", Kernel(kernel.OP, lambda *_, pdl, fusion, **__:
@@ -532,9 +588,9 @@ def test_gate_through_the_op(gen, monkeypatch):
 # ---- configs off the heuristic (what the tuned table may pick) -----------------------------------
 
 # R > 1 at one row, T = 512 and persistent grids (C CTAs per SM looping over the row blocks: at
-# N = 3206 and C = 1 a CTA takes 24-25 blocks, so both halves of the loop's pipeline end some
-# CTA); N = 1003 is a multiple of no R (a partial last block) and K = 1032 a predicated vector
-# tail, where T = 256 leaves most threads without a vector
+# N = 3206, R = 2 and C = 1 a CTA takes 12 or 13 blocks, so each half of the loop's two-block
+# pipeline is some CTA's last); N = 1003 is a multiple of no R (a partial last block) and
+# K = 1032 a predicated vector tail, where T = 256 leaves most threads without a vector
 TUNED = [kernel.Config(2, 256), kernel.Config(4, 512), kernel.Config(8, 128),
          kernel.Config(1, 256, 2), kernel.Config(2, 256, 1), kernel.Config(1, 128, 4),
          kernel.Config(2, 512, 1)]
