@@ -1,7 +1,7 @@
 """Weight-streaming GEMV (kernels/common/gemv.py) against cuBLAS (F.linear) at one K3 TP16 rank's shapes.
 
     python benchmarks/gemv.py [--m 1,8,16] [--only 3206x7168,896x7168] [--out DIR or r.json]
-    python benchmarks/gemv.py --sweep [--m 1,16] [--budget 150] --out DIR   # every Config per shape
+    python benchmarks/gemv.py --sweep [--m 1,16] [--jobs 12] [--budget 150] --out DIR  # every Config
     python benchmarks/gemv.py --table-from DIR/gemv_sweep.json --table kernels/common/gemv_tuned.json
 
 Both sides are captured into CUDA graphs, >= CALLS calls per graph, each call reading the next
@@ -12,7 +12,8 @@ device-to-device copy measured in the same run (read + write bytes).
 
 The sweep times every `gemv.configs()` entry (R rows per block, T threads, C persistent CTAs per
 SM) and the heuristic config, each checked against cuBLAS first, and prints the best against the
-copy bandwidth. With --out it writes DIR/gemv_sweep.json and, shape by shape (a sweep cut short
+copy bandwidth; above GEMV_MAX_M rows also what `router.linear` runs there now (gemm_tc or
+cuBLAS), for the routing decision. With --out it writes DIR/gemv_sweep.json and, shape by shape (a sweep cut short
 by --budget keeps what it timed), the table `gemv.tuned()` reads: DIR/gemv_tuned.json (copy it
 over kernels/common/ to ship it; --table PATH writes it elsewhere).
 """
@@ -28,7 +29,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from graph_timing import graph_us as replay_us
-from k3compile.kernels.common import gemv
+from k3compile.kernels.common import gemv, router
+from k3compile.kernels.common.gemm import GEMV_MAX_M
 
 # [N, K] of one TP16 rank (see tests/kernels/test_gemv.py)
 SHAPES = [(3206, 7168), (2112, 7168), (3584, 7168), (7168, 3584), (896, 7168), (7168, 768),
@@ -132,6 +134,31 @@ def time_configs(configs, x, weights, out, call, check) -> dict:
     return results
 
 
+def sweep_configs(n: int, k: int, m: int) -> list:
+    """The heuristic's config and every `gemv.configs()` entry at this shape and M."""
+    b = gemv.bucket(m)
+    return list(dict.fromkeys([gemv.heuristic_config(n, k, b), *gemv.configs(n, k, b)]))
+
+
+def precompile(shapes, ms, jobs: int) -> None:
+    """Build every config the sweep times in `jobs` processes first, into the on-disk kernel
+    cache (K3_CACHE_DIR), so that the timing loop loads them instead of compiling one by one."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    work = [(n, k, m, cfg) for n, k in shapes for m in ms for cfg in sweep_configs(n, k, m)]
+    start = time.time()
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        list(pool.map(_compile, work, chunksize=2))
+    print(f"{len(work)} builds in {jobs} processes: {time.time() - start:.0f} s", flush=True)
+
+
+def _compile(item) -> None:
+    n, k, m, cfg = item  # as gemv_cuda compiles it: bf16 output, no residual
+    b = gemv.bucket(m)
+    gemv.KERNEL.compiled(n, k, b, False, False, cfg, rows=b, fusion=gemv.PLAIN)
+
+
 def short(cfg) -> str:
     return f"R{cfg.rows_per_cta}/T{cfg.threads}" + (f"/C{cfg.ctas_per_sm}" if cfg.ctas_per_sm
                                                      else "")
@@ -142,17 +169,22 @@ def sweep(shapes, ms, gbps):
     rows = []
     for n, k, m, x, out, weights in sweep_inputs(shapes, ms):
         default = gemv.heuristic_config(n, k, gemv.bucket(m))
-        results = time_configs(list(dict.fromkeys([default, *gemv.configs(n, k, gemv.bucket(m))])),
-                               x, weights, out, gemv_call, check)
+        results = time_configs(sweep_configs(n, k, m), x, weights, out, gemv_call, check)
         ranked = sorted(results, key=results.get)
         best, moved = ranked[0], 2 * n * k
         pct = {c: round(100 * moved / results[c] / 1e3 / gbps, 1) for c in ranked}
-        rows.append({"N": n, "K": k, "M": m, "default": str(default), "best": str(best),
-                     "us": {str(c): round(results[c], 2) for c in ranked},
-                     "pct_copy": {str(c): pct[c] for c in ranked}})
+        row = {"N": n, "K": k, "M": m, "default": str(default), "best": str(best),
+               "us": {str(c): round(results[c], 2) for c in ranked},
+               "pct_copy": {str(c): pct[c] for c in ranked}}
+        other = ""
+        if m > GEMV_MAX_M:  # what decode runs at this M now: gemm_tc or cuBLAS (router.linear)
+            row["router_us"] = round(graph_us(lambda w, x=x: router.linear(x, w), weights), 2)
+            other = (f"  router {row['router_us']:.2f} us "
+                     f"{100 * moved / row['router_us'] / 1e3 / gbps:.1f}%")
+        rows.append(row)
         print(f"{n:5d} x {k:5d} M={m:2d}  default {short(default)} {results[default]:.2f} us "
               f"{pct[default]:.1f}%  best {short(best)} {results[best]:.2f} us "
-              f"{round(moved / results[best] / 1e3)} GB/s {pct[best]:.1f}% of copy | " +
+              f"{round(moved / results[best] / 1e3)} GB/s {pct[best]:.1f}% of copy{other} | " +
               "  ".join(f"{short(c)}={results[c]:.2f}" for c in ranked[1:8]), flush=True)
     return rows
 
@@ -187,7 +219,8 @@ def table_entries(rows) -> list[dict]:
         key = (r["N"], r["K"], gemv.bucket(r["M"]))
         best[key] = {"N": r["N"], "K": r["K"], "bucket": key[2], "M": r["M"],
                      "config": parse_config(pick), "us": r["us"][pick],
-                     "default_us": r["us"][r["default"]], "pct_copy": r["pct_copy"][pick]}
+                     "default_us": r["us"][r["default"]], "pct_copy": r["pct_copy"][pick],
+                     **({"router_us": r["router_us"]} if "router_us" in r else {})}
     return list(best.values())
 
 
@@ -259,6 +292,8 @@ def main():
     ap.add_argument("--only", help="shapes as NxK, comma-separated")
     ap.add_argument("--sweep", action="store_true", help="time every config instead")
     ap.add_argument("--budget", type=float, help="sweep: start no shape after this many seconds")
+    ap.add_argument("--jobs", type=int, default=0,
+                    help="sweep: build every config in this many processes first (disk cache)")
     ap.add_argument("--out", help="folder (or .json path) for the JSON")
     ap.add_argument("--table", help="sweep: the tuned table to merge the winners into (default: "
                     "OUT/gemv_tuned.json with a folder --out)")
@@ -273,6 +308,8 @@ def main():
         return report(run(shapes, ms, gbps), gbps, opts, "gemv", "gemv")
     table = opts.table or (opts.out and Path(opts.out).suffix != ".json"
                            and Path(opts.out) / "gemv_tuned.json")
+    if opts.jobs:
+        precompile(shapes, ms, opts.jobs)
     source, start, rows = f"benchmarks/gemv.py --sweep, {date.today()}", time.time(), []
     for shape in shapes:
         if opts.budget and time.time() - start > opts.budget:

@@ -360,14 +360,19 @@ def test_sweep_table(tmp_path, monkeypatch):
     rows = [{"N": 896, "K": 7168, "M": 1, "default": h, "best": p, "us": {p: 3.9, h: 5.2},
              "pct_copy": {p: 78.0, h: 58.5}},
             {"N": 2112, "K": 7168, "M": 1, "default": h, "best": q, "us": {q: 9.4, h: 9.5},
-             "pct_copy": {q: 76.0, h: 75.2}}]
+             "pct_copy": {q: 76.0, h: 75.2}},
+            {"N": 2112, "K": 7168, "M": 8, "default": q, "best": p, "us": {q: 12.0, p: 11.0},
+             "pct_copy": {q: 60.0, p: 65.5}, "router_us": 10.0}]
     path = tmp_path / "gemv_tuned.json"
     bench.write_table(path, rows[:1], "GPU", "test")
     bench.write_table(path, rows[1:], "GPU", "test")
     table = load_tuned(path, "gemv", lambda c: kernel.Config(**c))
     assert table == {(896, 7168, 1): kernel.Config(2, 256, 1),
-                     (2112, 7168, 1): kernel.Config(1, 256)}  # 1% faster: noise
-    bench.write_table(path, rows[1:], "another GPU", "test")  # other devices' entries go
+                     (2112, 7168, 1): kernel.Config(1, 256),  # 1% faster: noise
+                     (2112, 7168, 8): kernel.Config(2, 256, 1)}
+    entries = json.loads(path.read_text())["entries"]
+    assert [e.get("router_us") for e in entries] == [None, None, 10.0]
+    bench.write_table(path, rows[1:2], "another GPU", "test")  # other devices' entries go
     saved = json.loads(path.read_text())
     assert saved["device"] == "another GPU" and len(saved["entries"]) == 1
 
