@@ -83,7 +83,7 @@ def skipped_kernels() -> tuple[str, ...]:
 def fingerprint() -> list[str]:
     """What picks the CUDA kernels and their configs in this process beyond the graph itself: the
     kernels registered (DSL present, K3_KERNELS_EXTRA / K3_KERNELS_SKIP), the PDL and gemv
-    switches, the DSL version and the shipped tuning table's digest. Tensor-parallel ranks must
+    switches, the DSL version and the shipped tuning tables' digests (gemm_tc, gemv). Ranks must
     agree on all of it (`k3compile.stages.ranks` adds it to each rank's fingerprint): a replicated op
     computed by different kernels could round differently on different ranks."""
     import hashlib
