@@ -68,7 +68,6 @@ BUCKETS = (1, 2, 4, 8, 16)
 MAX_M = BUCKETS[-1]
 SMS = 132  # H200
 MAX_FUSED_K = 16384  # norm prologue, SiTU epilogue: <= 8 more vectors per thread in registers
-X_HELD = 8  # x vectors per thread a persistent grid holds in registers for all its row blocks
 
 
 @dataclass(frozen=True)
@@ -161,17 +160,15 @@ def _w_vectors(cfg: Config, k: int) -> int:
 
 
 def registers(cfg: Config, k: int, m_bucket: int, fusion: Fusion = PLAIN) -> int:
-    """Registers per thread of an sm_90a build: an upper envelope of 149 builds' counts
-    (docs/kernels.md, gemv, 2026-12-03). 4 per W vector, 3 per accumulator and 18 more; a
-    persistent grid 12 per W vector of a block, 4 per accumulator, 8 per x vector it holds (up
-    to X_HELD) and 38 more; the norm prologue 4 per norm-weight vector and one rstd per row
-    besides."""
+    """Registers per thread of an sm_90a build, an upper estimate fitted to the builds' counts
+    (docs/kernels.md, gemv, 2026-12-03): 4 per W vector, 3 per accumulator and 16 more; a
+    persistent grid about 16 per W vector of a block, 5 per accumulator and 24 more; the norm
+    prologue 4 per norm-weight vector and one rstd per row besides."""
     j, r = _vec_per_thread(k, cfg.threads), cfg.rows_per_cta
     extra = 4 * j + m_bucket if fusion.norm else 0
     if cfg.ctas_per_sm:
-        held = 8 * m_bucket * j if m_bucket * j <= X_HELD and not fusion.gate else 0
-        return 12 * r * j + 4 * r * m_bucket + held + 38 + extra
-    return 4 * r * j + 3 * r * m_bucket + 18 + extra
+        return 16 * r * j + 5 * r * m_bucket + 24 + extra
+    return 4 * r * j + 3 * r * m_bucket + 16 + extra
 
 
 def _vec_per_thread(k: int, threads: int) -> int:

@@ -8,7 +8,7 @@ from cutlass import BFloat16, Float32, const_expr, cute
 
 from ..common.copy import bf16_halves, load_vectors, make_frag, row_vectors, vectors
 from ..common.dsl import pdl_launch_dependents, pdl_wait
-from ..common.gemv import PLAIN, X_HELD, Config, Fusion, _vec_per_thread, grid_size
+from ..common.gemv import PLAIN, Config, Fusion, _vec_per_thread, grid_size
 from ..common.reduce import block_sum
 
 
@@ -51,7 +51,6 @@ class Gemv:
         # persistent: fewer CTAs than row blocks, each looping over blocks cta, cta + G, ...
         self.ctas = grid_size(self.blocks, cfg)
         self.persistent = self.ctas < self.blocks
-        self.x_held = self.persistent and not fusion.gate and m_bucket * self.j <= X_HELD
         self.red_bytes = 4 * self.n_warps * self.n_vals * (2 if self.persistent else 1)
 
     @cute.jit
@@ -154,14 +153,7 @@ class Gemv:
             sSq = smem.allocate_tensor(Float32, cute.make_layout(
                 (self.n_warps, MB), stride=(MB, 1)), 16)
             rstd = self.row_rstd(mX, eps, sSq, tidx, n_rows)
-        # x is the same for every row block but the gate's: a persistent grid loads its vectors
-        # once where they take <= 32 registers
-        rXc = make_frag(BFloat16, MB * J) if const_expr(self.x_held) else None
-        if const_expr(self.x_held):
-            for m in cutlass.range_constexpr(MB):
-                for j in cutlass.range_constexpr(J):
-                    self.load_x(mX, rXc, m * J + j, m, j, 0, tidx, n_rows)
-        args = (mX, mR, mY, mY2, mG, rG, rstd, rXc, tidx, n_rows, beta, linear_beta)
+        args = (mX, mR, mY, mY2, mG, rG, rstd, tidx, n_rows, beta, linear_beta)
         if const_expr(not self.persistent):
             self.row_block(rW, sRed, cta, *args)
         else:
@@ -184,28 +176,11 @@ class Gemv:
                     self.row_block(rW2, sRed2, blk + G, *args)
 
     @cute.jit
-    def load_x(self, mX: cute.Tensor, rX: cute.Tensor, slot, m, j, x_first, tidx, n_rows):
-        """This thread's vector j of x row m (from vector x_first on: the gate's slice) into
-        rX[None, slot]; zeros for rows past M and vectors past K."""
-        T, nv = self.threads, self.n_vec
-        vec = j * T + tidx
-        if const_expr(m == 0 and (j + 1) * T <= nv):
-            cute.autovec_copy(row_vectors(mX, m)[None, x_first + vec], rX[None, slot])
-        else:
-            rX[None, slot].fill(0)
-            pred = m < n_rows
-            if const_expr((j + 1) * T > nv):
-                pred = pred & (vec < nv)
-            if pred:
-                cute.autovec_copy(row_vectors(mX, m)[None, x_first + vec], rX[None, slot])
-
-    @cute.jit
     def row_block(self, rW: list, sRed: cute.Tensor, blk, mX: cute.Tensor, mR, mY: cute.Tensor,
-                  mY2, mG, rG: cute.Tensor, rstd: list, rXc, tidx, n_rows, beta, linear_beta):
-        """The sums of row block `blk` from its W vectors rW, x (from rXc (8, M·J) where the
-        persistent grid holds it, else loaded here) and the epilogue: R x M sums per thread in
-        vector order, warp butterflies, the warps in order through sRed."""
-        nv, R, MB, J = self.n_vec, self.rows, self.mb, self.j
+                  mY2, mG, rG: cute.Tensor, rstd: list, tidx, n_rows, beta, linear_beta):
+        """The sums of row block `blk` from its W vectors rW, x and the epilogue: R x M sums
+        per thread in vector order, warp butterflies, the warps in order through sRed."""
+        T, nv, R, MB, J = self.threads, self.n_vec, self.rows, self.mb, self.j
         fusion = self.fusion
         first = blk * R
         acc = [Float32(0.0) for _ in range(R * MB)]  # index m·R + r
@@ -214,14 +189,21 @@ class Gemv:
         x_first = (first // fusion.gate) * nv if const_expr(fusion.gate) else 0
         for j in cutlass.range_constexpr(J):
             w = [bf16_halves(rW[r][None, j].load()) for r in range(R)]  # (even, odd) fp32
+            vec = j * T + tidx
             if const_expr(fusion.norm):
                 g = rG[None, j].load().to(Float32)
             for m in cutlass.range_constexpr(MB):
-                if const_expr(rXc is not None):
-                    x = rXc[None, m * J + j].load()
+                if const_expr(m == 0 and (j + 1) * T <= nv):
+                    cute.autovec_copy(row_vectors(mX, m)[None, x_first + vec], rX[None, 0])
                 else:
-                    self.load_x(mX, rX, 0, m, j, x_first, tidx, n_rows)
-                    x = rX.load()
+                    rX.fill(0)
+                    pred = m < n_rows
+                    if const_expr((j + 1) * T > nv):
+                        pred = pred & (vec < nv)
+                    if pred:
+                        cute.autovec_copy(row_vectors(mX, m)[None, x_first + vec],
+                                          rX[None, 0])
+                x = rX.load()
                 if const_expr(fusion.norm):  # rms_norm's roundings: bf16(g · bf16(x · rstd))
                     x = ((x.to(Float32) * rstd[m]).to(BFloat16).to(Float32) * g).to(BFloat16)
                 x_even, x_odd = bf16_halves(x)
