@@ -160,15 +160,15 @@ def _w_vectors(cfg: Config, k: int) -> int:
 
 
 def registers(cfg: Config, k: int, m_bucket: int, fusion: Fusion = PLAIN) -> int:
-    """Registers per thread of an sm_90a build, an upper estimate fitted to the builds' counts
-    (docs/kernels.md, gemv, 2026-12-03): 4 per W vector, 3 per accumulator and 16 more; a
-    persistent grid about 16 per W vector of a block, 5 per accumulator and 24 more; the norm
+    """Registers per thread of an sm_90a build: an upper envelope of 71 builds' counts
+    (docs/kernels.md, gemv, 2026-12-03). 4 per W vector, 3 per accumulator and 18 more; a
+    persistent grid 12 per W vector of a block, 5 per accumulator and 24 more; the norm
     prologue 4 per norm-weight vector and one rstd per row besides."""
     j, r = _vec_per_thread(k, cfg.threads), cfg.rows_per_cta
     extra = 4 * j + m_bucket if fusion.norm else 0
     if cfg.ctas_per_sm:
-        return 16 * r * j + 5 * r * m_bucket + 24 + extra
-    return 4 * r * j + 3 * r * m_bucket + 16 + extra
+        return 12 * r * j + 5 * r * m_bucket + 24 + extra
+    return 4 * r * j + 3 * r * m_bucket + 18 + extra
 
 
 def _vec_per_thread(k: int, threads: int) -> int:
