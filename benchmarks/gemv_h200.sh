@@ -12,7 +12,7 @@
 source benchmarks/device_call.sh "${1:-out}"  # $OUT, PYTHONPATH, the DSL check, step()
 step gemv_tests "${TESTS_TIMEOUT:-110}" python3 -m pytest -q -p no:cacheprovider -n 8 \
   tests/kernels/test_gemv.py
-step gemv_sweep "${SWEEP_TIMEOUT:-170}" python3 benchmarks/gemv.py --sweep --m "${SWEEP_M:-1}" \
+step gemv_sweep "${SWEEP_TIMEOUT:-150}" python3 benchmarks/gemv.py --sweep --m "${SWEEP_M:-1}" \
   ${SWEEP_SHAPES:+--only "$SWEEP_SHAPES"} --jobs "${SWEEP_JOBS:-12}" \
-  --budget "${SWEEP_BUDGET:-130}" --out "$OUT"
+  --budget "${SWEEP_BUDGET:-100}" --out "$OUT"
 echo "total: $(( $(date +%s) - t0 )) s"
