@@ -19,7 +19,8 @@ i and i + 4; the low half << 16 and the high half & 0xFFFF0000 are then fp32 wei
   11..9 and 14 (sign and magnitude from two shifts each). 5 shifts + 6 LOP3 per word for the
   views, the halves as before: 19 per 8 weights (no three contiguous bits are left over for a
   fourth one-mask view: at most three translates of MASK fit in a word, at shifts 0, 3, 6).
-* `decode_f16x2` (issue 21's option a, fp16 not bf16): the kernels' layout, views in fp16
+* `decode_f16x2` (issue 21's option a, fp16 not bf16; FC1's K3_MOE_F16 build,
+  `decode_dot_f16x2` in kernels/device/moe_experts.py): the kernels' layout, views in fp16
   bits, (t & SIGN) | ((t >> 3) & F16_MAG), 2^-14 times E2M1, consumed by fma.rn.f16x2 (no
   halves widened, half the FMAs); `f16_error` measures what the fp16 sums cost.
 """
@@ -189,51 +190,6 @@ def decode_dot_repacked(words, z):
     return p
 
 
-def fma_f16x2(a, b, c):
-    """a·b + c on two fp16 lanes in one instruction (fma.rn.f16x2, subnormals kept)."""
-    from cutlass import Uint32
-    from cutlass._mlir import ir
-    from cutlass._mlir.dialects import llvm
-
-    i32 = ir.IntegerType.get_signless(32)
-    return Uint32(llvm.inline_asm(
-        i32, [Uint32(x).ir_value() for x in (a, b, c)], "fma.rn.f16x2 $0, $1, $2, $3;",
-        "=r,r,r,r", has_side_effects=False, is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT))
-
-
-def f16x2_sum(a):
-    """The two fp16 lanes of a, widened to fp32 and added."""
-    from cutlass import Float32, Uint32
-    from cutlass._mlir import ir
-    from cutlass._mlir.dialects import llvm
-
-    f32 = ir.F32Type.get()
-    lanes = [Float32(llvm.inline_asm(
-        f32, [Uint32(a).ir_value()],
-        f"{{.reg .f16 l, h; mov.b32 {{l, h}}, $1; cvt.f32.f16 $0, {half};}}", "=f,r",
-        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
-        for half in ("l", "h")]
-    return lanes[0] + lanes[1]
-
-
-def decode_dot_f16x2(words, z2):
-    """The packed alternative (issue 21, option a): native words, each pair view built in
-    fp16 bits (sign at 15, e1 e0 m at 11..9: the pair times 2^-14, 0.5 a subnormal), one
-    fma.rn.f16x2 per pair into two fp16 lanes, widened once per 32 inputs. z2 (16,) Uint32:
-    z as fp16x2 pairs (inputs 8w + i, 8w + i + 4) at 4w + i."""
-    from cutlass import Uint32
-
-    acc = Uint32(0)
-    for w in range(4):
-        q = words[w]
-        for i in range(4):
-            t = q << PAIR_SHIFT[i] if PAIR_SHIFT[i] else q
-            bits = (t & Uint32(SIGN)) | ((t >> 3) & Uint32(F16_MAG))
-            acc = fma_f16x2(bits, z2[4 * w + i], acc)
-    return f16x2_sum(acc)
-
-
 def build_probe(repacked, arch: str = "sm_90a", dump_dir: str | None = None):
     """Compile the probe: thread t reads words row t (4 int32) and z row t (32 fp32, or for
     'f16x2' 16 fp16x2 words) from global memory and writes the dot to y[t]. `repacked`:
@@ -243,7 +199,7 @@ def build_probe(repacked, arch: str = "sm_90a", dump_dir: str | None = None):
     from cutlass.cute.runtime import make_fake_tensor
     from k3compile.kernels.common.copy import make_frag, row_vectors
     from k3compile.kernels.common.dsl import compile_kernel, fake_stream
-    from k3compile.kernels.device.moe_experts import decode_dot
+    from k3compile.kernels.device.moe_experts import decode_dot, decode_dot_f16x2
 
     f16 = repacked == "f16x2"
     dot = decode_dot_f16x2 if f16 else decode_dot_repacked if repacked else decode_dot

@@ -2,12 +2,15 @@
 (eager) and Inductor's code for the model's math (torch.compile of `mxfp4_experts`), at one K3
 TP16 rank (896 experts, top-16, L 3584, I 192).
 
-    python benchmarks/moe_experts.py [--batches 1,8,64] [--variants kernel,grouped,eager,inductor]
+    python benchmarks/moe_experts.py [--batches 1,8,64]
+                                     [--variants kernel,kernel_f16,grouped,eager,inductor]
                                      [--out DIR or r.json]
-    python benchmarks/moe_experts.py --sweep [--batches 1,8,64] [--out DIR]   # FC1 / FC2 configs
+    python benchmarks/moe_experts.py --sweep [--f16] [--batches 1,8,64] [--out DIR]   # configs
 
-`kernel` is the per-pair kernels, `grouped` the kernels by expert (K3_MOE_GROUPED; at 8-64 rows,
-below it the same as `kernel`), each forced for its rows whatever the environment says.
+`kernel` is the per-pair kernels, `kernel_f16` the same with FC1's packed fp16 decode
+(K3_MOE_F16), `grouped` the kernels by expert (K3_MOE_GROUPED; at 8-64 rows, below it the same as
+`kernel`), each forced for its rows whatever the environment says (the default variants time
+`kernel` and `kernel_f16` at one batch before the next: an A/B in one process).
 Each variant is captured into a CUDA graph of CALLS calls (benchmarks/graph_timing.py); time per
 call = median over replays of graph time / calls. Every call has its own rows and routing: at
 one row the calls take disjoint experts (a shuffled cycle over all 896), above it each row draws
@@ -63,21 +66,30 @@ def make_calls(n: int):
     return calls
 
 
+# the kernel variants: settings.KERNELS fields forced while they run
+KERNEL_VARIANTS = {"kernel": {"moe_grouped": False, "moe_f16": False},
+                   "kernel_f16": {"moe_grouped": False, "moe_f16": True},
+                   "grouped": {"moe_grouped": True, "moe_f16": False}}
+
+
 @contextlib.contextmanager
-def grouped_kernels(on: bool):
-    """settings.KERNELS.moe_grouped = on while open (the choice is made at each call)."""
-    before = settings.KERNELS.moe_grouped
-    settings.KERNELS.moe_grouped = on
+def kernel_variant(name: str):
+    """`KERNEL_VARIANTS[name]` set on settings.KERNELS while open (read at each call)."""
+    values = KERNEL_VARIANTS[name]
+    before = {k: getattr(settings.KERNELS, k) for k in values}
+    for k, v in values.items():
+        setattr(settings.KERNELS, k, v)
     try:
         yield
     finally:
-        settings.KERNELS.moe_grouped = before
+        for k, v in before.items():
+            setattr(settings.KERNELS, k, v)
 
 
 def variant_fn(name: str, experts, compiled=None):
-    if name in ("kernel", "grouped"):
+    if name in KERNEL_VARIANTS:
         def call(z, ids, w, out):
-            with grouped_kernels(name == "grouped"):
+            with kernel_variant(name):
                 return kernel.moe_experts_cuda(z, ids, w, *experts, BETA, LINEAR_BETA, out=out)
         return call
     if name == "eager":
@@ -92,11 +104,11 @@ def time_variant(fn, calls) -> float:
     return graph_us(steps, steps[:2], REPLAYS)
 
 
-def check(experts, calls, grouped=False):
+def check(experts, calls, variant="kernel"):
     """The kernels ran and agree with the reference (a benchmark of wrong results is worthless)."""
     z, ids, w = calls[0]
     out = torch.empty_like(z)
-    with grouped_kernels(grouped):
+    with kernel_variant(variant):
         got = kernel.moe_experts_cuda(z, ids, w, *experts, BETA, LINEAR_BETA, out=out)
     assert got is out, "moe_experts refused the inputs (see the log)"
     ref = moe_experts_ref(z, ids, w, *experts, BETA, LINEAR_BETA).float()
@@ -107,14 +119,15 @@ def check(experts, calls, grouped=False):
 def run(batches, variants, gbps, experts, save):
     rows = {}
     inputs = {n: make_calls(n) for n in batches}
-    order = [v for v in ("kernel", "grouped", "eager") if v in variants]
-    plan = [(n, v) for v in order for n in batches]
+    order = [v for v in ("kernel", "kernel_f16", "grouped", "eager") if v in variants]
+    plan = [(n, v) for n in batches for v in order if v.startswith("kernel")]
+    plan += [(n, v) for v in order for n in batches if not v.startswith("kernel")]
     plan += [(n, "inductor") for n in batches if "inductor" in variants]
     compiled = torch.compile(mxfp4_experts, dynamic=False) if "inductor" in variants else None
     for n, name in plan:
         calls = inputs[n]
-        if name == "grouped":
-            check(experts, calls, grouped=True)
+        if name in ("grouped", "kernel_f16"):
+            check(experts, calls, name)
         if n not in rows:
             check(experts, calls)
             distinct = sum(len(torch.unique(ids)) for _, ids, _ in calls) / len(calls)
@@ -129,8 +142,9 @@ def run(batches, variants, gbps, experts, save):
         for other in ("eager", "inductor"):
             if f"{other}_us" in row and "kernel_us" in row:
                 row[f"kernel_speedup_vs_{other}"] = round(row[f"{other}_us"] / row["kernel_us"], 2)
-        if "grouped_us" in row and "kernel_us" in row:
-            row["grouped_speedup_vs_kernel"] = round(row["kernel_us"] / row["grouped_us"], 2)
+        for other in ("grouped", "kernel_f16"):
+            if f"{other}_us" in row and "kernel_us" in row:
+                row[f"{other}_speedup_vs_kernel"] = round(row["kernel_us"] / row[f"{other}_us"], 2)
         print(f"B{n:<3} {name:9s} {us:9.2f} us  {row[f'{name}_pct_copy']:5.1f}% of copy  "
               f"({row['distinct_experts']} experts, {row['MB']} MB, floor {row['floor_us']} us; "
               f"{time.time() - t0:.0f} s)", flush=True)
@@ -140,16 +154,17 @@ def run(batches, variants, gbps, experts, save):
 
 
 
-def candidates(n: int):
+def candidates(n: int, f16: bool = False):
     """(stage, config) timed at batch n: FC1 warps x rows per warp, weights to registers (the
-    default) or by cp.async per lane step; then every FC2 config."""
+    default) or by cp.async per lane step (`f16`: with the packed fp16 decode); then every FC2
+    config."""
     fc1 = kernel.FC1Config
-    cands = [fc1(w, r, a) for a in (False, True) for w in (2, 4, 8) for r in (1, 2, 4)]
+    cands = [fc1(w, r, a, f16) for a in (False, True) for w in (2, 4, 8) for r in (1, 2, 4)]
     out = [("fc1", c) for c in cands if kernel.fc1_fits(LATENT, c)]
     return out + [("fc2", kernel.FC2Config(r, r * TOP_K)) for r in (8, 16, 32, 64)]
 
 
-def sweep(batches, experts, save):
+def sweep(batches, experts, save, f16=False):
     """Time the kernels with every FC1 config of `candidates` (FC2 at its default), then every
     FC2 config (FC1 at its default)."""
     default = kernel.config
@@ -157,7 +172,7 @@ def sweep(batches, experts, save):
     try:
         for n in batches:
             calls = make_calls(n)
-            for stage, cfg in candidates(n):
+            for stage, cfg in candidates(n, f16):
                 kernel.config = lambda s, *a, stage=stage, cfg=cfg: cfg if s == stage \
                     else default(s, *a)
                 check(experts, calls)
@@ -173,8 +188,9 @@ def sweep(batches, experts, save):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batches", default="1,8,64")
-    ap.add_argument("--variants", default="kernel,grouped,eager,inductor")
+    ap.add_argument("--variants", default="kernel,kernel_f16,grouped,eager,inductor")
     ap.add_argument("--sweep", action="store_true", help="time the kernels' configs instead")
+    ap.add_argument("--f16", action="store_true", help="--sweep: FC1 configs with K3_MOE_F16")
     ap.add_argument("--out")
     opts = ap.parse_args()
     from k3compile.kernels.common.dsl import runtime_refusal
@@ -198,15 +214,16 @@ def main():
 
     experts = make_experts()
     if opts.sweep:
-        sweep(batches, experts, save)
+        sweep(batches, experts, save, opts.f16)
         return
     rows = run(batches, opts.variants.split(","), gbps, experts, save)
-    print("\n| batch | experts | MB | floor µs | kernel µs | % copy | grouped µs | % copy | "
-          "eager µs | inductor µs | vs eager | vs inductor |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("\n| batch | experts | MB | floor µs | kernel µs | % copy | kernel_f16 µs | % copy | "
+          "grouped µs | % copy | eager µs | inductor µs | vs eager | vs inductor |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['batch']} | {r['distinct_experts']} | {r['MB']} | {r['floor_us']} | "
               f"{r.get('kernel_us', '-')} | {r.get('kernel_pct_copy', '-')} | "
+              f"{r.get('kernel_f16_us', '-')} | {r.get('kernel_f16_pct_copy', '-')} | "
               f"{r.get('grouped_us', '-')} | {r.get('grouped_pct_copy', '-')} | "
               f"{r.get('eager_us', '-')} | {r.get('inductor_us', '-')} | "
               f"x{r.get('kernel_speedup_vs_eager', '-')} | "

@@ -5,6 +5,7 @@
     python benchmarks/sass_count.py --json r.json [--ptx]       # --ptx: count PTX, not SASS
     python benchmarks/sass_count.py --text k.sass --weights 448 [--per-vector 32]  # a saved one
     python benchmarks/sass_count.py --cases decode:current,decode:repacked,decode:f16x2  # decode_bits.py
+    K3_MOE_F16=1 python benchmarks/sass_count.py --cases fc1:1,fc1:8,fc2:8   # fp16 decode
 
 Builds each case's kernel (kernels/*.py `build` with a dump_dir), disassembles the cubin with
 nvdisasm or cuobjdump (pip: nvidia-cuda-nvdisasm, nvidia-cuda-cuobjdump; found on PATH or in

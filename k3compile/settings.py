@@ -39,6 +39,7 @@ SWITCHES: dict[str, tuple[str, str]] = {
     "K3_GEMV_FUSED": ("kernels: gemv's one-launch variants (`norm,situ,gate,split`, `all`, `0`)",
                       "norm,situ,gate"),
     "K3_MOE_GROUPED": ("kernels: `moe_experts` by expert on tensor cores at 8-64 rows", "0"),
+    "K3_MOE_F16": ("kernels: `moe_experts` FC1 decodes into packed fp16 math (fma.rn.f16x2)", "0"),
     "K3_KERNELS_EXTRA": ("kernels: also register these opt-in kernel modules", ""),
     "K3_KERNELS_SKIP": ("kernels: leave these kernels unregistered (their sites go to Inductor)",
                         ""),
@@ -204,6 +205,7 @@ class KernelSettings:
     allreduce: str | None = None
     cache_dir: str | None = None  # kernels/common/disk_cache.py, k3compile/rewrite/trace_cache.py
     moe_grouped: bool = False  # moe_experts by expert at 8-64 rows (kernels/moe_experts.py)
+    moe_f16: bool = False  # moe_experts FC1's packed fp16 decode (kernels/moe_experts.py)
 
     @classmethod
     def from_env(cls) -> KernelSettings:
@@ -217,14 +219,15 @@ class KernelSettings:
                    gemv_fused=parse_gemv_fused(env("K3_GEMV_FUSED")),
                    extra=env_list("K3_KERNELS_EXTRA"), skip=env_list("K3_KERNELS_SKIP"),
                    allreduce=allreduce, cache_dir=parse_cache_dir(env("K3_CACHE_DIR")),
-                   moe_grouped=bool(env_bool("K3_MOE_GROUPED")))
+                   moe_grouped=bool(env_bool("K3_MOE_GROUPED")),
+                   moe_f16=bool(env_bool("K3_MOE_F16")))
 
     def fingerprint(self) -> list[str]:
         """Tensor-parallel ranks must agree on all of it (stage `ranks`)."""
         return [f"pdl {self.pdl} rows<={self.pdl_max_rows}",
                 f"gemv_fused {sorted(self.gemv_fused)}", f"extra {list(self.extra)}",
                 f"skip {list(self.skip)}", f"allreduce {self.allreduce}",
-                f"moe_grouped {self.moe_grouped}"]
+                f"moe_grouped {self.moe_grouped}", f"moe_f16 {self.moe_f16}"]
 
 
 KERNELS = KernelSettings.from_env()

@@ -7,7 +7,9 @@ SiTU, then FC2 + finalize (launched with PDL after FC1); `config` takes FC1 with
 one row, to registers above. With K3_MOE_GROUPED at 8-64 rows (`grouped`): by expert instead,
 three launches (kernels/device/moe_experts_grouped.py): FC1 + SiTU and FC2 per (expert, row tile)
 on bf16 mma.sync, each expert's weights streamed once per 8 of its tokens, then the weighted sum
-over k. Design, decode and measurements: docs/kernels.md, moe_experts.
+over k. With K3_MOE_F16 (`FC1Config.f16`, `FC2Config.f16`) FC1 and FC2 (I <= 512) decode into
+fma.rn.f16x2: z (act) staged as fp16 pairs times 2^c per row, fp16 sums of 16 products, fp32
+above. Design, decode and measurements: docs/kernels.md, moe_experts.
 
 Constraints:
     * z bf16 [N, L], last dim contiguous, row stride a multiple of 8, 16-byte aligned; ids
@@ -19,6 +21,9 @@ Constraints:
       (FC2's chunks: I/W at TP W = 16, 8, 4, 2, 1 is 192, 384, 768, 1536, 3072).
     * ids outside [0, E) are clamped (the reference raises); |z| < 2^32; scale bytes <= 224
       (2^97; 255 is E8M0's NaN); scale 0 (2^-127) is exact.
+    * K3_MOE_F16: any z (c from the row's max |z|); scale bytes >= 24 keep a group's fp32
+      partial normal; ~1 extra bf16 rounding of the output against the reference, more where
+      |hg| >> beta (docs/kernels.md, 2026-12-03).
     * Grouped (K3_MOE_GROUPED): scale bytes 50..176 (a weight is exact in bf16 times
       2^-G_SHIFT there; outside, subnormal or infinite), |z| and |act| < 2^79.
     * The op's own constraints (k3compile.ops.moe_experts `moe_experts_refusal`) are checked first;
@@ -55,6 +60,15 @@ Z_SHIFT = 96  # activations are staged times 2^Z_SHIFT (see the docstring)
 SCALE_BIAS = 126 - Z_SHIFT  # fp32 exponent field of a group's factor = scale byte + SCALE_BIAS
 PAIR_SHIFT = (12, 8, 4, 0)  # word << PAIR_SHIFT[i] puts inputs i, i + 4 atop the two halves
 SIGN_MASK, MAG_MASK = 0x80008000, 0x01C001C0
+# FC1 with K3_MOE_F16 (`FC1Config.f16`): the pair view in fp16 bits, (t & SIGN_MASK) |
+# ((t >> 3) & F16_MAG_MASK), is E2M1 times 2^-14; z is staged as fp16 pairs times 2^c,
+# c = F16_Z_TOP - (the exponent field of the row's max |z|), clamped to F16_C_RANGE (both 2^c
+# and the final 2^(13 - c) normal fp32); a group's factor 2^(scale - 126) has the field
+# scale + F16_SCALE_BIAS. Bounds: docs/kernels.md, moe_experts, 2026-12-03 (hmoe2).
+F16_MAG_MASK, F16_MAG_SHIFT = 0x0E000E00, 3
+F16_Z_TOP = 141  # max |z| times 2^c in [2^14, 2^15): bf16 z times E2M1 exact in fp16
+F16_C_RANGE = (-114, 127)
+F16_SCALE_BIAS = 1
 # the grouped kernels (K3_MOE_GROUPED): tokens per MMA tile (the N of m16n8k16), the rows they
 # take, and the power of two their B operand is staged times (bf16 weights stay normal for
 # scale bytes 50..176: the decoded pair times 2^(scale - 1 - G_SHIFT))
@@ -70,6 +84,8 @@ class FC1Config:
     # weights by cp.async into shared memory, one group per lane step, the math of a step after
     # its group alone arrived (see the docstring); off: every load to registers, then the math
     cp_async: bool = False
+    # packed fp16 decode (K3_MOE_F16): z staged as fp16 pairs, fma.rn.f16x2 per pair of weights
+    f16: bool = False
 
     @property
     def threads(self) -> int:
@@ -80,6 +96,9 @@ class FC1Config:
 class FC2Config:
     rows_per_cta: int  # R output columns l per CTA
     threads: int  # R·k threads, whole warps
+    # packed fp16 decode (K3_MOE_F16, I <= 512: the whole W2 row in registers): act staged as
+    # fp16 pairs times 2^c per row (n, j)
+    f16: bool = False
 
 
 @dataclass(frozen=True)
@@ -132,11 +151,13 @@ def config(stage: str, latent: int, inter: int, top_k: int, batch_bucket: int):
     if stage == "fc2g":  # 256 rows of W2 per CTA (14 row tiles at L 3584)
         return GroupedConfig(4, 4, 2, batch_bucket, 8)
     if stage == "fc1":
-        if batch_bucket == 1 and fc1_fits(latent, cp := FC1Config(4, 1, cp_async=True)):
+        f16 = KERNELS.moe_f16
+        if batch_bucket == 1 and fc1_fits(latent, cp := FC1Config(4, 1, True, f16)):
             return cp
-        return FC1Config(4, 2 if _lane_vectors(latent) <= 4 else 1)
+        return FC1Config(4, 2 if _lane_vectors(latent) <= 4 else 1, f16=f16)
     rows = 64 if top_k <= 2 else 32 if top_k <= 4 or top_k % 2 else 16
-    return FC2Config(rows, -(-rows * top_k // 32) * 32)
+    f16 = KERNELS.moe_f16 and inter <= 32 * ROW_VECTORS
+    return FC2Config(rows, -(-rows * top_k // 32) * 32, f16)
 
 
 def _chunk_vectors(n_vec: int) -> int:
@@ -153,13 +174,14 @@ def _lane_steps(latent: int) -> tuple[int, bool]:
 
 
 def fc1_smem(latent: int, cfg: FC1Config) -> int:
-    """FC1's shared memory per CTA: z as fp32, and with cp.async every lane's 16-byte vector of
-    every lane step, row and matrix
+    """FC1's shared memory per CTA: z as fp32 (with `f16` as fp16 and the warps' |z| maxima),
+    and with cp.async every lane's 16-byte vector of every lane step, row and matrix
     (47 KB at L 3584 with 4 warps of 2 rows)."""
+    z = 2 * latent + 4 * cfg.warps + 64 if cfg.f16 else 4 * latent + 64
     if not cfg.cp_async:
-        return 4 * latent + 64
+        return z
     m, split = _lane_steps(latent)
-    return 4 * latent + 64 + 16 * 32 * 2 * cfg.rows_per_warp * (m + split) * cfg.warps
+    return z + 16 * 32 * 2 * cfg.rows_per_warp * (m + split) * cfg.warps
 
 
 def fc1_fits(latent: int, cfg: FC1Config) -> bool:

@@ -22,6 +22,7 @@ from ..moe_experts import (
     grouped_steps,
     pair_capacity,
 )
+from .moe_experts import pairs_i_i4
 
 
 @dsl_user_op
@@ -156,11 +157,9 @@ class GroupedMMA:
                     rX = cute.make_rmem_tensor(cute.make_layout((8,)), BFloat16)
                     cute.autovec_copy(row_vectors(mX, row)[None, v], rX)
                     rF.store((rX.load().to(Float32) * Float32(2.0 ** G_SHIFT)).to(BFloat16))
-                    x = rF.load().bitcast(Uint32)  # (z0 z1) (z2 z3) (z4 z5) (z6 z7)
-                    rP[0] = (x[0] & Uint32(0xFFFF)) | (x[2] << Uint32(16))
-                    rP[1] = (x[0] >> Uint32(16)) | (x[2] & Uint32(0xFFFF0000))
-                    rP[2] = (x[1] & Uint32(0xFFFF)) | (x[3] << Uint32(16))
-                    rP[3] = (x[1] >> Uint32(16)) | (x[3] & Uint32(0xFFFF0000))
+                    pairs = pairs_i_i4(rF.load().bitcast(Uint32))
+                    for k in cutlass.range_constexpr(4):
+                        rP[k] = pairs[k]
                 chunk = slot * self.pitch + 4 * grp + (w ^ (2 * ((grp // 2) % 2)))
                 cute.autovec_copy(rP, sX[None, chunk])
 

@@ -5,6 +5,7 @@ variants (norm prologue, SiTU epilogue, split output) with PDL off and on, and i
 byte for byte as before them; kda_decode's norm_fp32 build. Needs only the DSL. The default run builds the first case of each
 kernel and of each gemv variant (a few seconds a build); the rest are `slow` (CI builds them)."""
 
+import dataclasses
 import hashlib
 import struct
 from importlib.metadata import version
@@ -107,6 +108,19 @@ def _cases():
     fc1 = moe_experts.FC1Config
     for latent, inter, top_k in [(512, 96, 3), (1536, 64, 4)]:
         seen.append((moe_experts, ("fc1", latent, inter, top_k, True), fc1(4, 1, True)))
+    # the packed fp16 decode (K3_MOE_F16): FC1 with the configs of 1 and of 8-64 rows at the
+    # TP16 rank, a partial lane step with k = 1, the split step alone, the largest L; FC2 (up
+    # to I 512) at the TP16 rank, small with odd k and int32 ids, the largest L and I
+    for latent, inter, top_k in [(3584, 192, 16), (1056, 32, 1), (512, 96, 3), (8192, 512, 16)]:
+        for b in (1, 8):
+            cfg = moe_experts.config("fc1", latent, inter, top_k, b)
+            seen.append((moe_experts, ("fc1", latent, inter, top_k, True),
+                         dataclasses.replace(cfg, f16=True)))
+    for latent, inter, top_k, ids64 in [(3584, 192, 16, True), (96, 64, 3, False),
+                                        (8192, 512, 16, True)]:
+        cfg = moe_experts.config("fc2", latent, inter, top_k, 8)
+        seen.append((moe_experts, ("fc2", latent, inter, top_k, ids64),
+                     dataclasses.replace(cfg, f16=True)))
     return seen
 
 
