@@ -156,12 +156,12 @@ def run(batches, variants, gbps, experts, save):
 
 def candidates(n: int, f16: bool = False):
     """(stage, config) timed at batch n: FC1 warps x rows per warp, weights to registers (the
-    default) or by cp.async per lane step (`f16`: with the packed fp16 decode); then every FC2
-    config."""
+    default) or by cp.async per lane step; then every FC2 config (`f16`: all with the packed
+    fp16 decode)."""
     fc1 = kernel.FC1Config
     cands = [fc1(w, r, a, f16) for a in (False, True) for w in (2, 4, 8) for r in (1, 2, 4)]
     out = [("fc1", c) for c in cands if kernel.fc1_fits(LATENT, c)]
-    return out + [("fc2", kernel.FC2Config(r, r * TOP_K)) for r in (8, 16, 32, 64)]
+    return out + [("fc2", kernel.FC2Config(r, r * TOP_K, f16)) for r in (8, 16, 32, 64)]
 
 
 def sweep(batches, experts, save, f16=False):
