@@ -44,7 +44,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from k3compile.files import write_atomic
+from k3compile.files import BadEntry, read_entry, write_entry
 from k3compile.rewrite import inductor
 from k3compile.settings import KERNELS
 
@@ -59,10 +59,6 @@ PACKAGE = Path(__file__).resolve().parent.parent  # k3compile/
 log = logging.getLogger("k3compile.rewrite")
 
 STATS: Counter[str] = Counter()  # loaded, traced, stored, rebuilt (bad entries), unstored
-
-
-class BadEntry(Exception):
-    """An entry that must not be loaded (corrupt, truncated, another format or key)."""
 
 
 class Unstorable(Exception):
@@ -196,9 +192,7 @@ def store(path: Path, text: str, gm: fx.GraphModule, name: str) -> bool:
     try:
         graph = encode_graph(gm.graph)
         body = json.dumps(graph)  # kwargs in their order: the matcher compares it
-        entry = json.dumps({"format": FORMAT, "key": text, "graph": body,
-                            "sha256": hashlib.sha256(body.encode()).hexdigest()})
-        write_atomic(path, entry.encode())
+        write_entry(path, FORMAT, text, body, field="graph")
     except (Unstorable, OSError) as e:
         log.debug("k3 pattern %s: trace not cached (%s: %s)", name, type(e).__name__, e)
         STATS["unstored"] += 1
@@ -209,17 +203,7 @@ def store(path: Path, text: str, gm: fx.GraphModule, name: str) -> bool:
 
 def load(path: Path, text: str) -> fx.GraphModule:
     """The traced graph of a whole, checked entry for this key text; BadEntry otherwise."""
-    try:
-        entry = json.loads(path.read_text())
-    except ValueError as e:
-        raise BadEntry(f"unreadable ({e})") from None
-    if not isinstance(entry, dict) or entry.get("format") != FORMAT:
-        raise BadEntry("another format")
-    if entry.get("key") != text:
-        raise BadEntry("traced for another key (source, torch or inputs)")
-    body = entry.get("graph")
-    if not isinstance(body, str) or hashlib.sha256(body.encode()).hexdigest() != entry.get("sha256"):
-        raise BadEntry("checksum mismatch")
+    body = read_entry(path, FORMAT, text, field="graph")
     return _GraphModule(torch.nn.Module(), decode_graph(json.loads(body)))
 
 
@@ -318,6 +302,9 @@ def _decode(v: Any, env: dict[str, fx.Node]) -> Any:
             raise BadEntry(f"{kind} {x!r}")
         return value
     raise BadEntry(f"value kind {kind!r}")
+
+
+encode_value, decode_value = _encode, _decode  # node metadata as data (k3compile/stage_cache.py)
 
 
 def stats() -> dict[str, int]:
