@@ -7,6 +7,10 @@ patterns left to Inductor (or, with executor "aten", runs it as it is).
     normalize -> canonicalize -> fuse -> verify -> writeback -> shard -> streams -> prefetch -> check -> ranks
     -> contract -> pack
 
+Where the stage cache is on (`Options.stage_cache`, K3_CACHE_DIR; k3compile/stage_cache.py), a
+stage "cache" first looks the graph up: a hit stands for every stage before `ranks`, whose
+output a second process then loads; `ranks`, `contract` and `pack` run on every compile.
+
 `STAGES` is every stage in its order; `stages(options)` is the list one compile runs, decided
 once, here, as data: a stage is off where `Options.disabled_stages` names it or where the option
 that switches it (`SWITCHED_BY`) is false. Stage functions never decide whether they run. Each
@@ -25,6 +29,7 @@ from collections.abc import Callable
 import torch
 from torch import fx
 
+from k3compile import stage_cache
 from k3compile.observe import Observer
 from k3compile.progress import BucketProgress
 from k3compile.rewrite import inductor, trace_cache
@@ -92,8 +97,37 @@ class Pipeline:
         self.stages = stages(options)
 
     def run(self, gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
-        """Every stage on gm, each under the observer; what they reported kept by bucket."""
-        for name, stage in self.stages:
+        """Every stage on gm, each under the observer; what they reported kept by bucket. The
+        stages before `stage_cache.REPLAYED` are looked up in the stage cache first (stage
+        "cache", where the cache is on): a hit stands for them, a miss runs them and stores
+        their graph; the replayed stages run on every compile."""
+        cached, replayed = stage_cache.split(self.stages)
+        text = (stage_cache.key_text(gm, ctx, [name for name, _ in self.stages])
+                if cached and self.options.stage_cache else None)
+        path = stage_cache.path_of(text) if text is not None else None
+        hit = None
+        if path is not None:  # stage "cache": the lookup, and on a hit the stages' output
+
+            def lookup(given: fx.GraphModule, _ctx: Context) -> fx.GraphModule:
+                nonlocal hit
+                hit = stage_cache.lookup(path, text, given, ctx.inputs)
+                return given if hit is None else hit.gm
+
+            gm = self.observer.run("cache", lookup, gm, ctx)
+        if hit is not None:
+            self.observer.records[ctx.batch] += hit.records  # what "cache" stood for
+            ctx.report.merge(hit.report)
+            ctx.notes.update(hit.notes)
+        else:
+            given = gm
+            for name, stage in cached:
+                gm = self.observer.run(name, stage, gm, ctx)
+            if path is not None:
+                gm.meta.setdefault("inputs_read", set()).update(given.meta.get("inputs_read", ()))
+                stage_cache.store(path, text, gm, ctx.inputs,
+                                  self.observer.records[ctx.batch][-len(cached):], ctx.report,
+                                  ctx.notes)
+        for name, stage in replayed:
             gm = self.observer.run(name, stage, gm, ctx)
         self.observer.reports[ctx.batch] = ctx.report
         self.observer.notes[ctx.batch] = ctx.notes

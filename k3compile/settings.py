@@ -45,7 +45,10 @@ SWITCHES: dict[str, tuple[str, str]] = {
                         ""),
     "K3_ALLREDUCE": ("kernels: force the TP all-reduce (`one_shot`, `two_shot`, `nccl`)", ""),
     "K3_QUIET": ("no compile progress on stderr (buckets, stages, kernels built)", "0"),
-    "K3_CACHE_DIR": ("the on-disk cache of compiled kernels and traced patterns (`0`: none)",
+    "K3_STAGE_CACHE": ("option `stage_cache`: each bucket's stage output cached under "
+                       "K3_CACHE_DIR", "1"),
+    "K3_CACHE_DIR": ("the on-disk cache of compiled kernels, traced patterns and stage outputs "
+                     "(`0`: none)",
                      "~/.cache/k3compile"),
     "K3_COLLECTIVE_TIMEOUT": ("tests: seconds the multi-process collective test waits", "150"),
     "K3_MOONSHOT_DIR": ("`k3compile.adapt`: folder holding Moonshot's modeling files", ""),
@@ -151,6 +154,9 @@ class Options:
     # The step's input checks (k3compile/validate.py): "auto" (on the host for CPU inputs, inside
     # the step for CUDA ones), "host", "device" (also on CPU: the tests) or "off". K3_VALIDATE.
     validate: str = "auto"
+    # Each bucket's stage output on disk (k3compile/stage_cache.py, under K3_CACHE_DIR): a second
+    # process compiling the same graph loads it. K3_STAGE_CACHE=0 runs every stage every time.
+    stage_cache: bool = True
 
     @classmethod
     def make(cls, options: dict[str, Any] | None = None) -> Options:
@@ -161,7 +167,8 @@ class Options:
         for key, var in (("verify", "K3_VERIFY"), ("strict", "K3_STRICT"),
                          ("fuse_without_kernels", "K3_FUSE_ALL"),
                          ("side_streams", "K3_SIDE_STREAMS"),
-                         ("pack_weights", "K3_PACK_WEIGHTS")):
+                         ("pack_weights", "K3_PACK_WEIGHTS"),
+                         ("stage_cache", "K3_STAGE_CACHE")):
             if (value := env_bool(var)) is not None:
                 opts.setdefault(key, value)
         for key, var in (("executor", "K3_EXECUTOR"), ("shard_moe", "K3_SHARD_MOE"),

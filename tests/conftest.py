@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
@@ -12,6 +13,9 @@ import torch
 from k3compile import settings
 from k3compile.backend import ensure_registered
 
+# Tests monkeypatch stages, patterns and kernel tables in-process, which no cache key sees: the
+# stage cache is off unless a test asks for it (tests/stages/test_stage_cache.py)
+os.environ.setdefault("K3_STAGE_CACHE", "0")
 ensure_registered()  # a source tree on PYTHONPATH (the GPU machine) has no entry point
 
 # The one tolerance table, by named metric. Backend entries: relative tolerance

@@ -103,6 +103,9 @@ class _Constants:
         inputs = meta.get("real_inputs") or []
         placeholders = [n for n in graph.nodes if n.op == "placeholder"]
         self.inputs = dict(zip(placeholders, inputs)) if len(inputs) == len(placeholders) else {}
+        self.index = {n: i for i, n in enumerate(placeholders)}
+        # the inputs whose values a rewrite depended on (k3compile/stage_cache.py keys by them)
+        self.read = meta.setdefault("inputs_read", set()) if isinstance(meta, dict) else set()
         self.memo: dict[fx.Node, torch.Tensor | None] = {}
 
     def __call__(self, node) -> torch.Tensor | None:
@@ -120,6 +123,8 @@ class _Constants:
             value = getattr(self.module, node.target, None)
         elif node.op == "placeholder":
             value = self.inputs.get(node)
+            if value is not None:
+                self.read.add(self.index[node])
         elif node.op == "call_function" and (node.target in _FACTORIES or _pointwise(node)
                                              or node.target in RESHAPES):
             if any(self(a) is None for a in node.all_input_nodes):

@@ -1,0 +1,284 @@
+"""Each bucket's stage output on disk, so a second process compiling the same model skips the
+stages it would repeat (issue 22, the warm start).
+
+    aten graph -> key -> hit:  the stored graph + report + notes, then the replayed stages
+                      -> miss: every stage; the graph before the replayed stages is stored
+
+A compile's cost in a warm process was mostly our stages (canonicalize and fuse: matching 230
+traced patterns against the graph) and torch's lowering (Dynamo, AOTAutograd), which this cache
+does not touch (docs/decisions.md, session 12). The stages are a pure function of the ATen graph
+the pipeline receives, the options, the process's kernel settings and the sources, except where
+they read real values: the small constant tables `canonical/mxfp4_dequant` reads off graph
+inputs (recorded in `gm.meta["inputs_read"]`, stored by their digest and compared on load), and
+the stages that act on the process: `ranks` (a collective), `contract` (warns or raises) and
+`pack` (moves the real weights). Those are never cached: they run after every load on the
+loaded graph (`REPLAYED`), so a hit moves the same weights a miss would. With `verify` on the
+stages run the graph on the real weights: no entry is read or written.
+
+Key (the entry's file name is its sha256): the ATen graph as data (`trace_cache.encode_graph`:
+ops by qualified name, arguments, node names), each placeholder's dtype, shape, stride and device
+(the parameters' metadata, never their values), each node's module path, the bucket, the user
+inputs' positions, the options and kernel settings (`settings.fingerprint`), the stages that run,
+the package digest (k3compile, patterns, kernels), the process's rank and world size (stage
+shard cuts each rank's rows), torch's version, Inductor's and functorch's config hashes and, on
+CUDA, the GPU and the ops with a kernel there. A graph the format does not describe (a constant attribute, a
+symbolic size) is compiled in each process, never cached.
+
+Entry: `<K3_CACHE_DIR>/stages/<sha256>.json`: format, the full key text, the graph before the
+replayed stages (as data, with each node's module path), the digests of the inputs the stages
+read, the stages' own node metadata (`meta["k3_*"]`), each skipped stage's record (op
+histograms, graph text) and, pickled, the rewrite report and the stages' notes (our dataclasses
+of names and numbers; a note holding graph nodes is kept as its text); a sha256 over all of it. Written
+through `files.write_atomic`. An entry that is unreadable, of another format or key, fails its
+checksum, names an op this torch lacks, or was made from other table values is logged, removed
+and rebuilt by running the stages, never used. Node values (`meta["val"]`) are computed again
+from the loaded graph's inputs (`graph.fake_value`), as every stage does for the nodes it adds.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import hashlib
+import importlib.util
+import json
+import logging
+import pickle
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import fx
+
+from k3compile.files import BadEntry, read_entry, write_entry
+from k3compile.graph import fake_value
+from k3compile.rewrite import inductor, trace_cache
+from k3compile.settings import KERNELS, fingerprint
+
+FORMAT = 1
+REPLAYED = ("ranks", "contract", "pack")  # they act on the process: run on every compile
+
+log = logging.getLogger("k3compile")
+
+STATS: Counter[str] = Counter()  # loaded, stored, rebuilt (bad entries), unstored, missed
+
+
+@dataclasses.dataclass
+class Entry:
+    """What a hit hands the pipeline: the graph before the replayed stages and what the skipped
+    stages reported."""
+
+    gm: fx.GraphModule
+    records: list  # the skipped stages' StageRecords (seconds 0: nothing ran)
+    report: Any  # the RewriteReport
+    notes: dict[str, Any]
+
+
+def root() -> Path | None:
+    """The folder of stage outputs (K3_CACHE_DIR/stages), or None where the cache is off."""
+    return Path(KERNELS.cache_dir) / "stages" if KERNELS.cache_dir else None
+
+
+def split(stages: list[tuple[str, Any]]) -> tuple[list, list]:
+    """(the stages an entry stands for, the stages every compile runs), in order: the cached
+    ones are those before the first replayed stage."""
+    first = next((i for i, (name, _) in enumerate(stages) if name in REPLAYED), len(stages))
+    return stages[:first], stages[first:]
+
+
+# ---- key ---------------------------------------------------------------------------------------
+
+def key_text(gm: fx.GraphModule, ctx, stage_names: list[str]) -> str | None:
+    """Everything the cached stages' output depends on but the read table values, as one JSON
+    text; None where part of it has no stable description."""
+    if ctx.options.verify:
+        return None  # the stages run the graph on the real weights
+    try:
+        graph = trace_cache.encode_graph(gm.graph)
+        inputs = [_describe_value(n.meta.get("val")) for n in gm.graph.nodes
+                  if n.op == "placeholder"]
+    except trace_cache.Unstorable:
+        return None
+    return json.dumps({
+        "format": FORMAT, "graph": graph, "inputs": inputs,
+        "stacks": _stacks(gm.graph, keys=False),
+        "batch": ctx.batch, "user_inputs": sorted(ctx.user_inputs),
+        "options": fingerprint(ctx.options), "stages": stage_names,
+        "source": _sources(), "device": _device(inputs), "rank": _rank(),
+        "configs": [inductor.inductor_config.get_hash().hex(),
+                    torch._functorch.config.get_hash().hex()],
+        "torch": [torch.__version__, torch.version.git_version]}, sort_keys=True)
+
+
+def _sources() -> str:
+    """The digest of the package's sources: k3compile/ and the folders the patterns and the
+    kernels live in (beside it in a source tree)."""
+    folders = []
+    for name in ("k3compile.patterns", "k3compile.kernels"):
+        spec = importlib.util.find_spec(name)
+        for where in (spec.submodule_search_locations or []) if spec else []:
+            top = Path(where).resolve()
+            folders += [str(top), *(str(d) for d in top.rglob("*")
+                                    if d.is_dir() and d.name != "__pycache__")]
+    return trace_cache.sources(tuple(sorted(folders)))
+
+
+def _describe_value(v) -> list:
+    if isinstance(v, torch.Tensor):
+        if not all(isinstance(d, int) for d in (*v.shape, *v.stride())):
+            raise trace_cache.Unstorable("a symbolic size")
+        return ["tensor", str(v.dtype), list(v.shape), list(v.stride()), str(v.device)]
+    if isinstance(v, (bool, int, float)) or v is None:
+        return [type(v).__name__, repr(v)]
+    raise trace_cache.Unstorable(f"an input of type {type(v).__name__}")
+
+
+def _stacks(graph: fx.Graph, keys: bool = True) -> dict[str, list[list[str]]]:
+    """Each node's module stack as [key, path, type name] (the reports name layers by it); the
+    keys (Dynamo's, holding a module's id) only where `keys`: the cache key leaves them out."""
+    return {n.name: [[str(k), str(path), getattr(t, "__qualname__", str(t))][0 if keys else 1:]
+                     for k, (path, t) in n.meta["nn_module_stack"].items()]
+            for n in graph.nodes if n.meta.get("nn_module_stack")}
+
+
+def _rank() -> list[int] | None:
+    """This process's rank and world size (stage shard cuts each rank's own rows)."""
+    dist = torch.distributed
+    return [dist.get_rank(), dist.get_world_size()] if dist.is_available() and \
+        dist.is_initialized() else None
+
+
+def _device(inputs: list) -> list:
+    """On CUDA, the GPU and the ops with a kernel there (stage fuse defers the others)."""
+    if not any(d[0] == "tensor" and d[4].startswith("cuda") for d in inputs):
+        return []
+    from k3compile.kernels import cuda_ops
+
+    return [torch.cuda.get_device_name(), list(torch.cuda.get_device_capability()),
+            sorted(cuda_ops())]
+
+
+# ---- entries -----------------------------------------------------------------------------------
+
+def path_of(text: str) -> Path | None:
+    folder = root()
+    return None if folder is None else folder / f"{hashlib.sha256(text.encode()).hexdigest()}.json"
+
+
+def lookup(path: Path, text: str, gm: fx.GraphModule, inputs: list) -> Entry | None:
+    """The entry at `path` for this key and these inputs' table values, or None (a bad entry is
+    logged and removed: the stages run and store it again)."""
+    if not path.exists():
+        STATS["missed"] += 1
+        return None
+    try:
+        entry = load(path, text, gm, inputs)
+    except Exception as e:  # noqa: BLE001 - whatever is wrong with it, the stages run again
+        log.warning("k3 stage cache: entry %s unusable (%s: %s); running the stages", path,
+                    type(e).__name__, e)
+        STATS["rebuilt"] += 1
+        path.unlink(missing_ok=True)
+        return None
+    STATS["loaded"] += 1
+    return entry
+
+
+def store(path: Path, text: str, gm: fx.GraphModule, inputs: list, records: list, report,
+          notes: dict) -> bool:
+    """Write the entry for the graph the cached stages made (False: not describable)."""
+    try:
+        body = json.dumps({
+            "graph": trace_cache.encode_graph(gm.graph), "stacks": _stacks(gm.graph),
+            "meta": _k3_meta(gm.graph), "reads": _reads(gm, inputs),
+            "records": [[r.name, dict(r.ops_before), dict(r.ops_after), r.graph_after]
+                        for r in records],
+            # the rewrites hold graph nodes, for stage verify only (never run with the cache)
+            "state": base64.b64encode(pickle.dumps(
+                (dataclasses.replace(report, rewrites=[]), _plain_notes(notes)))).decode()})
+        write_entry(path, FORMAT, text, body)
+    except Exception as e:  # noqa: BLE001 - an entry not written costs a compile, never a failure
+        log.debug("k3 stage cache: bucket not cached (%s: %s)", type(e).__name__, e)
+        STATS["unstored"] += 1
+        return False
+    STATS["stored"] += 1
+    return True
+
+
+def _plain_notes(notes: dict) -> dict:
+    """The notes as stored: each as it is where it pickles (names and numbers: the layers, the
+    rules' counts), else as its text (the streams' and prefetches' lists hold graph nodes; no
+    reader takes them after their stage)."""
+    out = {}
+    for name, note in notes.items():
+        try:
+            pickle.dumps(note)
+            out[name] = note
+        except Exception:  # noqa: BLE001 - fx nodes, ops: not data
+            out[name] = repr(note)
+    return out
+
+
+def _k3_meta(graph: fx.Graph) -> dict[str, dict]:
+    """The stages' own node metadata (`meta["k3_*"]`: streams, prefetches, shards), as data."""
+    return {n.name: {k: trace_cache.encode_value(v) for k, v in n.meta.items()
+                     if k.startswith("k3_")}
+            for n in graph.nodes if any(k.startswith("k3_") for k in n.meta)}
+
+
+def load(path: Path, text: str, gm: fx.GraphModule, inputs: list) -> Entry:
+    """The entry's graph on `gm`'s placeholders' values, its records and state; BadEntry where
+    it must not be used."""
+    body = read_entry(path, FORMAT, text)
+    body = json.loads(body)
+    if (changed := [i for i, digest in body["reads"].items()
+                    if _digest(inputs[int(i)]) != digest]):
+        raise BadEntry(f"the tables the stages read differ (inputs {changed})")
+    graph = trace_cache.decode_graph(body["graph"])
+    _annotate(graph, gm, body["stacks"], body["meta"])
+    out = fx.GraphModule(gm, graph)
+    out.meta.update(gm.meta)
+    from k3compile.observe import StageRecord  # observe imports the pipeline's stages' types
+
+    records = [StageRecord(name, 0.0, Counter(before), Counter(after), text)
+               for name, before, after, text in body["records"]]
+    report, notes = pickle.loads(base64.b64decode(body["state"]))
+    return Entry(out, records, report, notes)
+
+
+def _annotate(graph: fx.Graph, gm: fx.GraphModule, stacks: dict[str, list],
+              meta: dict[str, dict]) -> None:
+    """Node values from the placeholders' (those of the graph the pipeline received), in order,
+    each node's module stack and the stages' own metadata."""
+    given = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    mine = [n for n in graph.nodes if n.op == "placeholder"]
+    if len(given) != len(mine):
+        raise BadEntry(f"{len(mine)} placeholders for {len(given)} inputs")
+    for n, g in zip(mine, given, strict=True):
+        n.meta["val"] = g.meta["val"]
+    for n in graph.nodes:
+        if n.op == "call_function":
+            n.meta["val"] = fake_value(n.target, n.args, n.kwargs)
+        if n.name in stacks:
+            n.meta["nn_module_stack"] = {k: (path, t) for k, path, t in stacks[n.name]}
+    env = {n.name: n for n in graph.nodes}
+    for name, values in meta.items():
+        env[name].meta.update({k: trace_cache.decode_value(v, env) for k, v in values.items()})
+
+
+def _reads(gm: fx.GraphModule, inputs: list) -> dict[str, str]:
+    """The digest of each graph input whose real value a stage read (its index -> digest)."""
+    return {str(i): _digest(inputs[i]) for i in sorted(gm.meta.get("inputs_read", ()))}
+
+
+def _digest(x) -> str:
+    if not isinstance(x, torch.Tensor):
+        return repr(x)
+    with inductor.unset_fake_temporarily():
+        t = x.detach().cpu().contiguous()
+        return hashlib.sha256(str((t.dtype, tuple(t.shape))).encode()
+                              + t.view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def stats() -> dict[str, int]:
+    return dict(STATS)

@@ -1,0 +1,184 @@
+"""Each bucket's stage output on disk (k3compile/stage_cache.py, K3_CACHE_DIR/stages).
+
+A recompile of the same graph in a fresh Dynamo (as in a new process) loads the stages' graph
+instead of running them: the same final graph, bitwise the same outputs, the same rewrite report
+and contract; `pack` still moves the new module's weights. A changed option or model shape misses;
+a corrupt entry, or one made from other table values, is logged, rebuilt and never loaded.
+`slow`: a second process compiling the tiny model loads every bucket and matches the first.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import k3compile.ops  # noqa: F401
+from k3compile import stage_cache
+from k3compile.backend import last_compiled
+from k3compile.math import rms_norm, situ
+from k3compile.ops.linear_concat import adjacent
+
+ROOT = Path(__file__).resolve().parents[2]
+OPTIONS = {"executor": "aten", "stage_cache": True, "buckets": (4,)}
+
+
+class Block(nn.Module):
+    """A norm feeding one GEMM (k3.norm_linear) and a SiTU gate|up pair (k3.situ_gate_up, whose
+    two weights stage `pack` stores as one buffer)."""
+
+    def __init__(self, seed: int, d: int = 32, f: int = 64):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.norm = nn.Parameter(1 + 0.1 * torch.randn(d, generator=g))
+        self.w = nn.Parameter(torch.randn(f, d, generator=g) / d ** 0.5)
+        self.gate = nn.Parameter(torch.randn(f, d, generator=g) / d ** 0.5)
+        self.up = nn.Parameter(torch.randn(f, d, generator=g) / d ** 0.5)
+
+    def forward(self, x):
+        h = F.linear(rms_norm(x, self.norm, 1e-6), self.w)
+        return situ(F.linear(x, self.gate), F.linear(x, self.up), 4.0, 20.0) + h
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    """A fresh stage cache (the traced patterns stay in the user's cache: tracing is slow)."""
+    monkeypatch.setattr(stage_cache, "root", lambda: tmp_path / "k3cache" / "stages")
+    monkeypatch.setattr(stage_cache, "STATS", Counter())
+    return tmp_path / "k3cache"
+
+
+def _compile(x, seed: int = 0, f: int = 64, **options):
+    """A fresh module and a fresh Dynamo (as in a new process): outputs, compiled, stats delta."""
+    torch._dynamo.reset()
+    before = Counter(stage_cache.STATS)
+    model = Block(seed, f=f)
+    with torch.no_grad():
+        out = torch.compile(model, backend="k3", options={**OPTIONS, **options})(x)
+    compiled = last_compiled()
+    return out, compiled, model, dict(Counter(stage_cache.STATS) - before)
+
+
+def _entries(folder: Path) -> list[Path]:
+    return sorted(folder.glob("stages/*.json"))
+
+
+def _final(compiled) -> str:
+    graph = next(iter(compiled.observer.graphs.values()))
+    return fx.GraphModule(torch.nn.Module(), graph).code
+
+
+def test_warm_equals_cold(cache_dir):
+    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(1))
+    cold, c_cold, _, s_cold = _compile(x)
+    warm, c_warm, model, s_warm = _compile(x)
+    assert s_cold == {"missed": 1, "stored": 1} and s_warm == {"loaded": 1}
+    assert len(_entries(cache_dir)) == 1
+    assert torch.equal(cold, warm)
+    torch.testing.assert_close(warm, Block(0)(x), rtol=1e-5, atol=1e-5)
+    assert _final(c_cold) == _final(c_warm)
+    assert "k3.norm_linear" in _final(c_warm)
+    r_cold, r_warm = (next(iter(c.observer.reports.values())) for c in (c_cold, c_warm))
+    assert r_cold.counts == r_warm.counts and r_cold.counts
+    assert [str(m) for m in r_cold.near_misses] == [str(m) for m in r_warm.near_misses]
+    assert c_cold.summary() == c_warm.summary()
+    assert [r.name for r in c_warm.observer.records[4]][:2] == ["cache", "normalize"]
+    # `pack` ran on the loaded graph: the new module's gate|up are one buffer
+    pack = next(iter(c_warm.observer.notes.values()))["pack"]
+    assert pack.packed and adjacent([model.gate, model.up])
+
+
+def test_a_changed_option_or_shape_misses(cache_dir):
+    x = torch.randn(4, 32)
+    _, cold, _, _ = _compile(x)
+    _, other, _, stats = _compile(x, disabled_patterns=("norm_linear",))
+    assert stats == {"missed": 1, "stored": 1}
+    assert "k3.norm_linear" not in _final(other)
+    _, _, _, stats = _compile(x, f=48)  # another model config: other weight shapes
+    assert stats == {"missed": 1, "stored": 1}
+    assert len(_entries(cache_dir)) == 3
+    _, _, _, stats = _compile(x, stage_cache=False)
+    assert stats == {} and len(_entries(cache_dir)) == 3
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "not_json", "format", "key"])
+def test_a_corrupt_entry_is_rebuilt(cache_dir, damage, caplog):
+    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(2))
+    cold, c_cold, _, _ = _compile(x)
+    path, = _entries(cache_dir)
+    data = path.read_bytes()
+    entry = json.loads(data)
+    if damage == "flip":  # one byte of the body: the checksum fails
+        i = data.index(b'"body"') + 40
+        data = data[:i] + bytes([data[i] ^ 1]) + data[i + 1:]
+    elif damage == "truncate":
+        data = data[: len(data) // 2]
+    elif damage == "not_json":
+        data = b"\x00garbage"
+    elif damage == "format":
+        data = json.dumps({**entry, "format": -1}).encode()
+    else:
+        data = json.dumps({**entry, "key": entry["key"] + " "}).encode()
+    path.write_bytes(data)
+    with caplog.at_level(logging.WARNING, logger="k3compile"):
+        warm, c_warm, _, stats = _compile(x)
+    assert stats == {"rebuilt": 1, "stored": 1}
+    assert "unusable" in caplog.text
+    assert torch.equal(cold, warm) and _final(c_cold) == _final(c_warm)
+    assert json.loads(path.read_text())["sha256"] == entry["sha256"]  # whole again
+    assert _compile(x)[3] == {"loaded": 1}
+
+
+def test_other_table_values_are_not_loaded(cache_dir):
+    """An entry records the digest of each input a stage read the value of (the MXFP4 tables);
+    other values there make it unusable."""
+
+    def graph_module():
+        gm = torch.fx.symbolic_trace(lambda lut, x: torch.ops.aten.mul.Tensor(x, lut))
+        mode = FakeTensorMode()
+        for n in gm.graph.nodes:
+            if n.op == "placeholder":
+                n.meta["val"] = mode.from_tensor(torch.empty(16))
+        return gm
+
+    gm = graph_module()
+    gm.meta["inputs_read"] = {0}
+    lut = torch.arange(16.0)
+    path = cache_dir / "stages" / "x.json"
+    assert stage_cache.store(path, "key", gm, [lut, None], [], _report(), {})
+    assert stage_cache.lookup(path, "key", graph_module(), [lut.clone(), None]) is not None
+    assert stage_cache.lookup(path, "key", graph_module(), [lut.flip(0), None]) is None
+    assert stage_cache.STATS["rebuilt"] == 1 and not path.exists()
+
+
+def _report():
+    from k3compile.rewrite import RewriteReport
+
+    return RewriteReport()
+
+
+@pytest.mark.slow
+def test_a_second_process_loads_every_bucket(tmp_path):
+    """benchmarks/compile_time.py on the tiny model (CPU, two buckets and B1xT8): the warm pass
+    loads every bucket's stages, traces no pattern and gives bitwise the cold pass's outputs."""
+    env = {**os.environ, "K3_STAGE_CACHE": "1", "K3_QUIET": "1"}
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "compile_time.py"), "--config", "tiny",
+         "--device", "cpu", "--batches", "1,4", "--verify", "8", "--executor", "aten",
+         "--context", "64", "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path)],
+        env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads((tmp_path / "compile_time.json").read_text())
+    assert all(b["stage_cache"] == {"missed": 1, "stored": 1} for b in report["cold"]["buckets"])
+    assert all(b["stage_cache"] == {"loaded": 1} for b in report["warm"]["buckets"])
+    assert report["problems"] == []
