@@ -69,6 +69,7 @@ def buckets(args) -> list[yardstick.Bucket]:
 def run_pass(args) -> dict:
     from k3compile.kernels.common import disk_cache
 
+    from k3compile import stage_cache
     from k3compile.observe import Observer
     from k3compile.rewrite import trace_cache
 
@@ -93,6 +94,7 @@ def run_pass(args) -> dict:
             yardstick.restore(bufs, start)
             kernels0, graphs0 = disk_cache.stats(), yardstick._cache_counters()
             kernel_s0, traces0 = disk_cache.seconds(), trace_cache.stats()
+            stages0, phases0 = stage_cache.stats(), torch_phases()
             stages: dict[str, float] = {}
             t0, cpu0 = time.perf_counter(), time.process_time()
             with Observer.subscribe(_stage_timer(stages)):
@@ -104,6 +106,8 @@ def run_pass(args) -> dict:
         result["buckets"].append({
             "name": bucket.name, "compile_s": round(seconds, 2), "cpu_s": round(cpu, 2),
             "stages": {k: round(v, 2) for k, v in stages.items()},
+            "torch_phases": _delta(torch_phases(), phases0),
+            "stage_cache": _delta(stage_cache.stats(), stages0),
             "patterns": _delta(trace_cache.stats(), traces0),
             "kernels": _delta(disk_cache.stats(), kernels0),
             "kernel_s": _delta(disk_cache.seconds(), kernel_s0),
@@ -115,6 +119,14 @@ def run_pass(args) -> dict:
     result["cpu_s"] = round(sum(b["cpu_s"] for b in result["buckets"]), 2)
     result["process_s"] = round(time.perf_counter() - t_start, 2)
     return result
+
+
+def torch_phases() -> dict[str, float]:
+    """Seconds torch's own timers (`dynamo_timed`: Dynamo's trace, AOTAutograd, Inductor's
+    compile, our backend's call inside them) have summed so far in this process, by name."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    return {name: sum(times) for name, times in compilation_time_metrics.items()}
 
 
 def _stage_timer(stages: dict[str, float]):
@@ -185,15 +197,20 @@ def problems(passes: dict) -> list[str]:
         if warm["patterns"].get("traced"):
             found.append(f"{warm['name']}: the warm pass traced {warm['patterns']['traced']} "
                          "patterns")
+        if cold.get("stage_cache", {}).get("stored") and not warm["stage_cache"].get("loaded"):
+            found.append(f"{warm['name']}: the warm pass ran the stages the cold one stored")
         if warm["outputs_sha256"] != cold["outputs_sha256"]:
             found.append(f"{warm['name']}: warm outputs differ from cold")
     return found
 
 
 def table(passes: dict) -> str:
-    rows = [f"{'bucket':<10}{'cold s':>9}{'warm s':>9}  kernels cold -> warm"]
+    rows = [f"{'bucket':<10}{'cold s':>9}{'warm s':>9}{'cold cpu':>9}{'warm cpu':>9}  "
+            "warm stages; kernels cold -> warm"]
     for cold, warm in zip(passes["cold"]["buckets"], passes["warm"]["buckets"], strict=True):
-        rows.append(f"{cold['name']:<10}{cold['compile_s']:>9.1f}{warm['compile_s']:>9.1f}  "
+        shown = ", ".join(f"{k} {v:.1f}" for k, v in warm["stages"].items() if v >= 0.05)
+        rows.append(f"{cold['name']:<10}{cold['compile_s']:>9.1f}{warm['compile_s']:>9.1f}"
+                    f"{cold['cpu_s']:>9.1f}{warm['cpu_s']:>9.1f}  {shown}; "
                     f"{cold['kernels']} -> {warm['kernels']}")
     rows.append(f"{'compile':<10}{passes['cold']['compile_s']:>9.1f}"
                 f"{passes['warm']['compile_s']:>9.1f}")
@@ -202,19 +219,26 @@ def table(passes: dict) -> str:
     rows.append(f"{'process':<10}{passes['cold']['wall_s']:>9.1f}{passes['warm']['wall_s']:>9.1f}"
                 "  (imports, model build and every bucket)")
     rows.append("seconds by stage, all buckets (cold -> warm): " + ", ".join(
-        f"{name} {cold:.1f} -> {warm:.1f}" for name, (cold, warm) in stage_totals(passes).items()))
+        f"{name} {cold:.1f} -> {warm:.1f}" for name, (cold, warm) in totals(passes).items()))
+    rows.append("torch's timers, all buckets (cold -> warm): " + ", ".join(
+        f"{name} {cold:.1f} -> {warm:.1f}" for name, (cold, warm) in
+        list(totals(passes, "torch_phases").items())[:8]) + " (nested: they overlap)")
+    rows.append("stage cache (cold -> warm): " + " -> ".join(
+        str(dict(sum((Counter(b["stage_cache"]) for b in passes[p]["buckets"]), Counter())))
+        for p in PASSES))
     rows.append("pattern traces (cold -> warm): " + " -> ".join(
         str(dict(sum((Counter(b["patterns"]) for b in passes[p]["buckets"]), Counter())))
         for p in PASSES))
     return "\n".join(rows)
 
 
-def stage_totals(passes: dict) -> dict[str, tuple[float, float]]:
-    """Each stage's seconds summed over the buckets, per pass, the largest first."""
+def totals(passes: dict, field: str = "stages") -> dict[str, tuple[float, float]]:
+    """Each stage's (or torch timer's) seconds summed over the buckets, per pass, the largest
+    first."""
     sums = {p: Counter() for p in PASSES}
     for p in PASSES:
         for b in passes[p]["buckets"]:
-            sums[p].update(b["stages"])
+            sums[p].update(b.get(field, {}))
     names = sorted(set(sums["cold"]) | set(sums["warm"]), key=lambda n: -sums["cold"][n])
     return {n: (sums["cold"][n], sums["warm"][n]) for n in names
             if max(sums["cold"][n], sums["warm"][n]) >= 0.05}
