@@ -5,7 +5,8 @@
         --executor aten --context 64 --out out             # CPU: the same code paths
 
 Two processes, one after the other, share one fresh cache folder (--cache-dir, default a new
-temporary folder): K3_CACHE_DIR (compiled CuTe DSL kernels) and TORCHINDUCTOR_CACHE_DIR
+temporary folder): K3_CACHE_DIR (compiled CuTe DSL kernels, traced patterns, each bucket's stage
+output: k3compile/stage_cache.py) and TORCHINDUCTOR_CACHE_DIR
 (Inductor's FX graph and Triton caches) under it. Each builds the yardstick's 4 layers
 (benchmarks/decode_layer.py), then compiles every bucket in turn as the yardstick does
 (`torch.compile(stack, backend=k3, dynamic=False, options={"cuda_graphs": False})`, timed up to
@@ -13,9 +14,11 @@ the end of its first call) from one state snapshot. Pass 1 (cold) fills the cach
 (warm) is what a restarted server pays. Per bucket: seconds (and CPU seconds), the pipeline's stage seconds
 ("torch": the rest, Dynamo, AOT and Inductor, and the first call), kernels built / loaded from
 the cache and the seconds that took, pattern traces made / loaded from the cache
-(k3compile/rewrite/trace_cache.py), Inductor FX-graph cache hits, and a digest of the outputs;
-the warm pass must build no kernel, trace no pattern and give bitwise the outputs of the cold
-one (exit status 1 otherwise).
+(k3compile/rewrite/trace_cache.py), stage-cache lookups, torch's own compile timers
+(`dynamo_timed`: Dynamo's trace, AOTAutograd, our stages inside it; nested), Inductor FX-graph
+cache hits, and a digest of the outputs; the warm pass must build no kernel, trace no pattern,
+load every bucket's stages the cold pass stored and give bitwise the outputs of the cold one
+(exit status 1 otherwise).
 Writes compile_time.json under --out.
 """
 
