@@ -65,6 +65,23 @@ def test_pipeline_runs_its_list(monkeypatch):
     assert "contract" in p.observer.notes[None]
 
 
+def test_no_tensor_leaves_the_stages_in_the_graph_modules_meta(monkeypatch):
+    """Inductor's FX graph cache pickles the GraphModule, meta included, hashing each tensor
+    there by value: the real inputs the stages read (every weight) must not reach it."""
+    from torch._inductor.codecache import FxGraphCachePickler
+
+    from k3compile.observe import Observer
+
+    monkeypatch.delenv("K3_VERIFY", raising=False)
+    p = pipeline.Pipeline(Options.make({"disabled_stages": {"pack", "ranks"}}), Observer())
+    weight = torch.randn(256, 1024)
+    gm = inductor.fwd_only_fake(lambda x, w: x @ w.t(), [torch.randn(2, 1024), weight])
+    gm = p.run(gm, Context(p.options, None, inputs=[torch.randn(2, 1024), weight]))
+    leaves = torch.utils._pytree.tree_leaves(dict(gm.meta))
+    assert not any(isinstance(x, torch.Tensor) for x in leaves), gm.meta.keys()
+    assert len(FxGraphCachePickler(gm).dumps(gm)) < weight.numel()  # no weight's values in it
+
+
 # ---- check: invariants and hazards ----------------------------------------------------------------
 
 def _ctx():
