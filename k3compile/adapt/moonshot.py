@@ -13,7 +13,11 @@ config's widths, seeded weights that keep activations finite (Moonshot's own ini
 
 Under transformers 5 Moonshot's code needs two shims, both in `compatible()`: its `_init_weights`
 re-draws loaded weights (`loaded_weights_kept`), and `KimiK3ForConditionalGeneration.tie_weights`
-takes no arguments where transformers now passes some (`tie_weights_takes_arguments`).
+takes no arguments where transformers now passes some (`tie_weights_takes_arguments`). Their
+files import transformers 5.1.0's names; where a later transformers moved or changed one
+(`OutputRecorder`, `check_model_inputs`, `create_causal_mask`: `stand_ins`),
+`released_names()` provides it with 5.1.0's meaning while their files are imported (`load()`,
+`compatible()`), and changes nothing under 5.1.0.
 """
 
 from __future__ import annotations
@@ -72,10 +76,8 @@ def load(name: str = "modeling_kimi_linear", directory: str | Path | None = None
         return sys.modules[full]
     if standins is None:
         standins = not fla_available()
-    if standins:
-        with fla.installed():
-            return importlib.import_module(full)
-    return importlib.import_module(full)
+    with released_names(), (fla.installed() if standins else contextlib.nullcontext()):
+        return importlib.import_module(full)
 
 
 def tiny_config(num_hidden_layers: int = 4, mla_layers: tuple[int, ...] = (2, 3), **overrides):
@@ -171,11 +173,113 @@ def _eager(model):
 
 @contextlib.contextmanager
 def compatible():
-    """Moonshot's code under transformers 5: `loaded_weights_kept` and
-    `tie_weights_takes_arguments`. Wrap `AutoModelForCausalLM.from_pretrained(...,
-    trust_remote_code=True)` in it too."""
-    with loaded_weights_kept(), tie_weights_takes_arguments():
+    """Moonshot's code under transformers 5: `released_names` (their import),
+    `loaded_weights_kept` and `tie_weights_takes_arguments`. Wrap
+    `AutoModelForCausalLM.from_pretrained(..., trust_remote_code=True)` in it too (it imports
+    their files)."""
+    with released_names(), loaded_weights_kept(), tie_weights_takes_arguments():
         yield
+
+
+def stand_ins(generic, capturing, masking) -> dict[str, tuple[types.ModuleType, str, object]]:
+    """The transformers names Moonshot's modeling_kimi_linear.py imports (as of transformers
+    5.1.0, the version it was released against) that the installed transformers no longer has
+    with the meaning their code uses: {name: (module, attribute, stand-in)}, empty under 5.1.0.
+    `generic`, `capturing`, `masking`: `transformers.utils.generic`,
+    `transformers.utils.output_capturing` (None before 5.2.0), `transformers.masking_utils`.
+
+    * `generic.OutputRecorder` (removed in 5.2.0, moved to `output_capturing`): their
+      `_can_record_outputs` names the router logits with it, and transformers' hooks test
+      `isinstance(spec, OutputRecorder)` against the moved class: the stand-in *is* that class.
+    * `generic.check_model_inputs` (5.2.0 split it into `merge_with_config_defaults` and
+      `capture_outputs`; the name later came back as a deprecated alias of the first alone, as in
+      5.17): it decorates `KimiLinearModel.forward` for config defaults (`use_cache`), output
+      capture (`_can_record_outputs`: `output_hidden_states`, `output_attentions`,
+      `output_router_logits`) and `return_dict`; the stand-in applies both halves, in the order
+      transformers' own models stack them.
+    * `masking.create_causal_mask` (5.2.0 renamed `input_embeds` to `inputs_embeds`, deprecated;
+      by 5.17 `cache_position` is gone and the mask asks the cache `get_query_offset(layer)` and
+      `get_mask_sizes(query_length, layer)`, where their `KimiDynamicCache` has
+      `get_mask_sizes(cache_position, layer)` and no query offset): `causal_mask` below."""
+    names = {}
+    if not hasattr(generic, "OutputRecorder") and capturing is not None:
+        names["OutputRecorder"] = (generic, "OutputRecorder", capturing.OutputRecorder)
+    if capturing is not None and hasattr(capturing, "capture_outputs"):
+        merge, capture = generic.merge_with_config_defaults, capturing.capture_outputs
+        names["check_model_inputs"] = (generic, "check_model_inputs",
+                                       lambda forward: merge(capture(forward)))
+    original = masking.create_causal_mask
+    if "cache_position" not in inspect.signature(original).parameters:
+        names["create_causal_mask"] = (masking, "create_causal_mask", causal_mask(original))
+    return names
+
+
+def causal_mask(create):
+    """transformers' `create_causal_mask` (`create`, >= 5.17's signature) called as Moonshot's
+    code calls it (5.1.0's: `input_embeds`, `cache_position`): their cache is asked through
+    `_CachePositions`, so the query rows are `cache_position` and the key length is what their
+    `get_mask_sizes(cache_position, layer)` says, as under 5.1.0. A call without those
+    keywords (transformers' own models, imported while the stand-in is installed) passes through."""
+
+    def create_causal_mask(*args, input_embeds=None, cache_position=None, **kwargs):
+        if input_embeds is not None:
+            kwargs["inputs_embeds"] = input_embeds
+        cache = kwargs.get("past_key_values")
+        if cache_position is not None and cache is not None:
+            kwargs["past_key_values"] = _CachePositions(cache, cache_position)
+        return create(*args, **kwargs)
+
+    return create_causal_mask
+
+
+class _CachePositions:
+    """A cache seen by transformers >= 5.17's mask functions, with the query positions
+    `cache_position` (5.1.0's mask took them as an argument): everything else is the cache's."""
+
+    def __init__(self, cache, cache_position: torch.Tensor):
+        self._cache, self._positions = cache, cache_position
+
+    def get_query_offset(self, layer_idx: int = 0):
+        return self._positions[0]
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self._cache.get_mask_sizes(self._positions, layer_idx)
+
+    def __getattr__(self, name):
+        return getattr(self._cache, name)
+
+
+def transformers_modules():
+    """The installed transformers' modules `stand_ins` reads: `utils.generic`,
+    `utils.output_capturing` (None before 5.2.0), `masking_utils`."""
+    from transformers import masking_utils
+    from transformers.utils import generic
+
+    try:
+        from transformers.utils import output_capturing
+    except ImportError:  # transformers < 5.2.0
+        output_capturing = None
+    return generic, output_capturing, masking_utils
+
+
+@contextlib.contextmanager
+def released_names():
+    """Within the block, the transformers names Moonshot's code imports mean what they meant in
+    transformers 5.1.0 (`stand_ins`); nothing changes where transformers still has them. Their
+    module binds the stand-ins at import; transformers' modules are restored after."""
+    missing = object()
+    saved = []
+    try:
+        for module, attribute, stand_in in stand_ins(*transformers_modules()).values():
+            saved.append((module, attribute, getattr(module, attribute, missing)))
+            setattr(module, attribute, stand_in)
+        yield
+    finally:
+        for module, attribute, value in reversed(saved):
+            if value is missing:
+                delattr(module, attribute)
+            else:
+                setattr(module, attribute, value)
 
 
 @contextlib.contextmanager
@@ -212,11 +316,11 @@ def loaded_weights_kept():
 
     original = PreTrainedModel._initialize_weights
 
-    def initialize(self, sub):
+    def initialize(self, sub, *args, **kwargs):  # 5.17 adds `is_custom_code`
         own = list(sub.parameters(recurse=False))
         if own and all(getattr(p, "_is_hf_initialized", False) for p in own):
             return
-        original(self, sub)
+        original(self, sub, *args, **kwargs)
 
     PreTrainedModel._initialize_weights = initialize
     try:

@@ -21,7 +21,9 @@ needs `moonshot.loaded_weights_kept`, Moonshot's `_init_weights` fails under tra
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import inspect
 import json
 import shutil
 
@@ -209,7 +211,7 @@ def remote_code_folder(moonshot, checkpoint_dir, tmp_path, monkeypatch, auto_map
                        files=()):
     """A copy of the checkpoint with Moonshot's files (NEEDED and `files`) beside it, as in the
     Hugging Face repo (a copy in the test's tmp folder only), config.json's `auto_map` set; transformers' module
-    cache in tmp_path."""
+    cache in the session's temp folder."""
     import transformers.dynamic_module_utils as dynamic
 
     folder = tmp_path / "remote"
@@ -219,18 +221,27 @@ def remote_code_folder(moonshot, checkpoint_dir, tmp_path, monkeypatch, auto_map
     config = json.loads((folder / "config.json").read_text())
     config["auto_map"] = auto_map
     (folder / "config.json").write_text(json.dumps(config))
-    monkeypatch.setattr(dynamic, "HF_MODULES_CACHE", str(tmp_path / "modules"))
+    # one module cache per pytest session (its base temp folder): transformers puts each cache on
+    # sys.path, and 5.17 imports the files' relative imports through the `transformers_modules`
+    # package an earlier test's cache defined
+    monkeypatch.setattr(dynamic, "HF_MODULES_CACHE", str(tmp_path.parent / "hf_modules"))
     return folder
 
 
-def remote_load(folder, shim, fails: tuple[type, str]):
+def remote_load(folder, shim, fails: tuple[type, str] | None):
     """`AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)` (fla's stand-ins
-    where fla cannot run): raises `fails` (exception type, message) without `shim()`, and within
-    it loads the model in bf16."""
+    where fla cannot run): raises `fails` (exception type, message; None: loads) without
+    `shim()`, and within it loads the model in bf16. The load without `shim()` imports
+    Moonshot's files under `moonshot.released_names()` (what their import needs from this
+    transformers), so `fails` is what `shim` itself fixes."""
     from transformers import AutoModelForCausalLM
 
+    from k3compile.adapt.moonshot import released_names
+
     with fla.installed():
-        with pytest.raises(fails[0], match=fails[1]):
+        raises = contextlib.nullcontext() if fails is None else pytest.raises(fails[0],
+                                                                              match=fails[1])
+        with raises, released_names():
             AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
         with shim():
             return AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True,
@@ -255,13 +266,17 @@ def test_remote_code_load_is_the_same_model(moonshot, checkpoint, tmp_path, monk
     """`AutoModelForCausalLM.from_pretrained(..., trust_remote_code=True)` with Moonshot's files
     next to the checkpoint (as in the Hugging Face repo; fla's stand-ins where fla cannot run)
     loads the model `moonshot.from_pretrained` loads, once `loaded_weights_kept` stops Moonshot's
-    `_init_weights` (which, under transformers 5, fails on the MXFP4 experts)."""
+    `_init_weights` (which, under transformers 5.1, fails on the MXFP4 experts; 5.17 skips
+    remote code's init of loaded modules itself: `_initialize_weights(..., is_custom_code)`)."""
+    from transformers import PreTrainedModel
+
     folder = remote_code_folder(
         moonshot, checkpoint(), tmp_path, monkeypatch,
         {"AutoConfig": "configuration_kimi_k3.KimiLinearConfig",
          "AutoModelForCausalLM": "modeling_kimi_linear.KimiLinearForCausalLM"})
+    guarded = "is_custom_code" in inspect.signature(PreTrainedModel._initialize_weights).parameters
     remote = remote_load(folder, moonshot.loaded_weights_kept,
-                         fails=(AttributeError, "has no attribute 'weight'"))
+                         fails=None if guarded else (AttributeError, "has no attribute 'weight'"))
     assert_same_model(moonshot, remote, folder)
 
 
