@@ -16,6 +16,12 @@ pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("cuda_kernels")]
 
 HIDDEN = 7168
 EPS = 1e-5
+# Element-wise against the float64 model: three bf16 roundings in a chain (h, the normalised row,
+# the weighted output). Where the kernel's fp32 mix lands h on the other side of a rounding
+# boundary than float64 does (1 ulp, <= 2^-7 relative), the two later roundings add up to half
+# an ulp each: 2^-7 + 2 * 2^-8 relative (session 12: 1 element of 458,752 was 0.047 off at
+# |x| ~ 3.5, over TOL["bf16"]'s 0.045). The norm-wise bound below stays TOL["bf16_rel_norm"].
+TOL_CHAIN = {"rtol": 2**-7 + 2 * 2**-8, "atol": TOL["bf16"]["atol"]}
 
 
 def make_inputs(gen, n, dim, n_blocks, has_delta, bank=True):
@@ -76,7 +82,7 @@ def check(inputs):
     p, x = run_kernel(inputs)
     want_p, want_x = model(**inputs)
     assert torch.equal(p, want_p), "prefix_out is not the bf16 sum"
-    torch.testing.assert_close(x.float(), want_x.float(), **TOL["bf16"])
+    torch.testing.assert_close(x.float(), want_x.float(), **TOL_CHAIN)
     assert rel_err(x, want_x) < TOL["bf16_rel_norm"]
     _, ref_x = attn_res_mix_norm_ref(**inputs)
     assert rel_err(x, ref_x) < TOL["vs_reference_rel_norm"]
