@@ -1,13 +1,18 @@
 """Kimi K3 checkpoints in the released Hugging Face layout, and one tensor-parallel rank's slice.
 
 The model's parameter names already are the checkpoint's (`language_model.model.layers.3....`)
-except for two tensors the model keeps in a more convenient shape:
+except for an MoE layer's module name and two tensors the model keeps in a more convenient shape:
 
+* an MoE layer's `mlp.` is `block_sparse_moe.` in the checkpoint (`released_name`): the attribute
+  Moonshot's `KimiDecoderLayer` loads it into, router (`gate.`), shared experts and latent
+  projections included; the dense layer 0 keeps `mlp.`, as theirs does;
 * routed experts: the model stacks them (`mlp.experts.w1_packed` [E, I, L/2], `w1_scale`, `w3_*`,
   `w2_*`); the checkpoint stores them per expert as compressed-tensors MXFP4
-  (`mlp.experts.{e}.w1.weight_packed`, `mlp.experts.{e}.w1.weight_scale`; w1 = gate, w3 = up,
+  (`block_sparse_moe.experts.{e}.w1.weight_packed`, `....weight_scale`; w1 = gate, w3 = up,
   w2 = down);
-* KDA `A_log`: the model holds one entry per head; the checkpoint zero-pads it to a multiple of 128.
+* KDA `A_log`: the model holds one entry per head; the release zero-pads it to a multiple of 128
+  (`save_checkpoint(pad_a_log=False)` writes it per head, the shape Moonshot's `KimiDeltaAttention`
+  declares: transformers refuses the padded one there). Loading takes either.
 
 Tensor-parallel slicing follows `../shared/k3_arch.md` §4.2 (vLLM's layout): heads and expert
 intermediates are split, the low-rank latents, router and latent MoE projections replicated. One
@@ -29,13 +34,11 @@ from k3compile.models.config import K3Config
 
 INDEX_FILE = "model.safetensors.index.json"
 A_LOG_PAD = 128
+MOE_MODULE = "block_sparse_moe"  # an MoE layer's `mlp` in the checkpoint (Moonshot's name)
 _EXPERT_PROJ = ("w1", "w3", "w2")  # gate, up, down
 _EXPERT_PARTS = {"packed": "weight_packed", "scale": "weight_scale"}
 
 _STACKED = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<proj>w[123])_(?P<part>packed|scale)$")
-_PER_EXPERT = re.compile(
-    r"^(?P<prefix>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>w[123])\.weight_(?P<part>packed|scale)$"
-)
 _LAYER = re.compile(r"^language_model\.model\.layers\.(?P<i>\d+)\.(?P<rest>.+)$")
 
 # Dim split across ranks, by the name inside a layer; absent = replicated. Column-parallel
@@ -109,35 +112,48 @@ def shard_state_dict(full_state_dict: dict[str, torch.Tensor], config: K3Config,
 # checkpoint names
 
 
-def _to_checkpoint(name: str, t: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+def released_name(name: str, config: K3Config) -> str:
+    """Model tensor `name` under the checkpoint's module names: an MoE layer's `mlp.` is
+    `block_sparse_moe.` (the one renaming; the expert split is `checkpoint_names`)."""
+    m = _LAYER.match(name)
+    if m is None or not m["rest"].startswith("mlp.") or not config.is_moe(int(m["i"])):
+        return name
+    return f"language_model.model.layers.{m['i']}.{MOE_MODULE}.{m['rest'].removeprefix('mlp.')}"
+
+
+def _to_checkpoint(name: str, t: torch.Tensor, config: K3Config,
+                   pad_a_log: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """(checkpoint name, tensor) pairs for one model tensor."""
-    m = _STACKED.match(name)
-    if m is not None:
-        for e in range(t.shape[0]):
-            # clone: safetensors refuses tensors that share storage
-            yield f"{m['prefix']}.{e}.{m['proj']}.{_EXPERT_PARTS[m['part']]}", t[e].clone()
-    elif name.endswith(".A_log"):
+    if _STACKED.match(name):
+        for ck, e in zip(checkpoint_names(name, t.shape[0], config), range(t.shape[0]),
+                         strict=True):
+            yield ck, t[e].clone()  # clone: safetensors refuses tensors that share storage
+    elif name.endswith(".A_log") and pad_a_log:
         padded = t.new_zeros(-(-t.numel() // A_LOG_PAD) * A_LOG_PAD)
         padded[: t.numel()] = t.reshape(-1)
         yield name, padded
     else:
-        yield name, t
+        yield released_name(name, config), t
 
 
-def checkpoint_names(model_name: str, num_experts: int) -> list[str]:
+def checkpoint_names(model_name: str, num_experts: int, config: K3Config) -> list[str]:
     """The checkpoint tensors a model tensor is read from (one, or one per expert)."""
+    name = released_name(model_name, config)
     m = _STACKED.match(model_name)
     if m is None:
-        return [model_name]
+        return [name]
     part = _EXPERT_PARTS[m["part"]]
-    return [f"{m['prefix']}.{e}.{m['proj']}.{part}" for e in range(num_experts)]
+    prefix = name.rsplit(".", 1)[0]  # ...block_sparse_moe.experts
+    return [f"{prefix}.{e}.{m['proj']}.{part}" for e in range(num_experts)]
 
 
-def save_checkpoint(model: nn.Module, directory: str | Path, shard_bytes: int = 5 * 2**30) -> Path:
+def save_checkpoint(model: nn.Module, directory: str | Path, shard_bytes: int = 5 * 2**30,
+                    pad_a_log: bool = True) -> Path:
     """Write the model as HF-style safetensors shards plus `model.safetensors.index.json`.
 
     Shards are filled in parameter order and closed when the next tensor would pass `shard_bytes`
     (a tensor larger than that gets a shard of its own). Tensors are saved in the model's dtypes.
+    `pad_a_log=False`: KDA's A_log per head (what Moonshot's code loads), not padded as released.
     Returns the index path.
     """
     from safetensors.torch import save_file
@@ -150,7 +166,7 @@ def save_checkpoint(model: nn.Module, directory: str | Path, shard_bytes: int = 
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = total = 0
     for name, p in model.named_parameters():
-        for ck_name, t in _to_checkpoint(name, p.detach()):
+        for ck_name, t in _to_checkpoint(name, p.detach(), model.config, pad_a_log):
             nbytes = t.numel() * t.element_size()
             if shards[-1] and size + nbytes > shard_bytes:
                 shards.append({})
@@ -243,7 +259,7 @@ def _load_one(shards: _Shards, name: str, local: torch.Tensor, config: K3Config,
     if _STACKED.match(name):
         per_expert = full[1:]  # the split dim is negative, so it indexes one expert's tensor too
         parts = []
-        for ck in checkpoint_names(name, local.shape[0]):
+        for ck in checkpoint_names(name, local.shape[0], config):
             _check_shape(ck, shards.shape(ck), per_expert)
             if dim is None:
                 parts.append(shards.read(ck))
@@ -254,15 +270,17 @@ def _load_one(shards: _Shards, name: str, local: torch.Tensor, config: K3Config,
 
     if name.endswith(".A_log"):
         heads = full[0]
-        _check_shape(name, shards.shape(name), [-(-heads // A_LOG_PAD) * A_LOG_PAD])
+        if shards.shape(name) != [heads]:  # as released: padded
+            _check_shape(name, shards.shape(name), [-(-heads // A_LOG_PAD) * A_LOG_PAD])
         lo, hi = _rank_range(heads, tp, rank, name) if dim is not None else (0, heads)
         return shards.read(name, 0, lo, hi)
 
-    _check_shape(name, shards.shape(name), full)
+    ck = released_name(name, config)
+    _check_shape(ck, shards.shape(ck), full)
     if dim is None:
-        return shards.read(name)
-    lo, hi = _rank_range(full[dim], tp, rank, name)
-    return shards.read(name, dim, lo, hi)
+        return shards.read(ck)
+    lo, hi = _rank_range(full[dim], tp, rank, ck)
+    return shards.read(ck, dim, lo, hi)
 
 
 def _check_shape(name: str, got: list[int], want: list[int]):
@@ -296,4 +314,5 @@ def load_checkpoint(model: nn.Module, directory: str | Path, rank: int = 0,
     return model
 
 
-__all__ = ["checkpoint_names", "load_checkpoint", "save_checkpoint", "shard_state_dict"]
+__all__ = ["checkpoint_names", "load_checkpoint", "released_name", "save_checkpoint",
+           "shard_state_dict"]

@@ -50,7 +50,7 @@ def test_checkpoint_uses_released_names(full, ckpt):
     assert index["metadata"]["total_size"] == nbytes
     assert len(set(index["weight_map"].values())) > 1, "1 MiB shards: the tiny model needs several"
 
-    pre = "language_model.model.layers.1.mlp.experts."
+    pre = "language_model.model.layers.1.block_sparse_moe.experts."
     assert tensors[pre + "3.w2.weight_packed"].shape == (L, INTER // 2)
     assert tensors[pre + "3.w2.weight_scale"].shape == (L, INTER // 32)
     assert tensors[pre + "3.w1.weight_packed"].shape == (INTER, L // 2)
@@ -69,13 +69,30 @@ def test_checkpoint_uses_released_names(full, ckpt):
     assert not a_log[heads:].any()
 
     params = dict(full.named_parameters())
-    for name, p in params.items():  # everything else verbatim under the model's name
+    for name, p in params.items():  # everything else verbatim, MoE layers under Moonshot's name
         if ".experts." not in name and not name.endswith("A_log"):
-            assert torch.equal(tensors[name], p), name
+            moe = CFG.is_moe(int(name.split("layers.")[1].split(".")[0])) if "layers." in name \
+                else False
+            saved = name.replace(".mlp.", ".block_sparse_moe.") if moe else name
+            assert torch.equal(tensors[saved], p), name
+    assert "language_model.model.layers.0.mlp.gate_proj.weight" in tensors  # dense: `mlp.`
+    assert "language_model.model.layers.2.block_sparse_moe.gate.e_score_correction_bias" in tensors
+    assert not any(".mlp." in n for n in tensors if ".layers.0." not in n)
     moe_layers = sum(CFG.is_moe(i) for i in range(CFG.num_hidden_layers))
     assert len(tensors) == len(params) + moe_layers * 6 * (E - 1)
     assert "language_model.lm_head.weight" in tensors
     assert "language_model.model.layers.3.self_attn.kv_a_proj_with_mqa.weight" in tensors
+
+
+def test_a_log_per_head_round_trips(full, tmp_path):
+    """`pad_a_log=False` writes A_log [heads] (Moonshot's parameter shape); it loads back."""
+    save_checkpoint(full, tmp_path, pad_a_log=False)
+    a_log = _read_all(tmp_path)["language_model.model.layers.1.self_attn.A_log"]
+    assert torch.equal(a_log, full.language_model.model.layers[1].self_attn.A_log)
+    fresh = build_model(CFG, dtype=torch.bfloat16, seed=1, max_batch=2, max_seq_len=8)
+    load_checkpoint(fresh, tmp_path)
+    assert all(torch.equal(a, b) for a, b in zip(full.parameters(), fresh.parameters(),
+                                                   strict=True))
 
 
 def test_round_trip_gives_identical_logits(full, ckpt):
@@ -198,7 +215,7 @@ def test_a_log_slices_by_head(full, tp_models):
 def test_missing_tensor_raises(full, tmp_path):
     save_checkpoint(full, tmp_path, shard_bytes=1 << 20)
     index = json.loads((tmp_path / INDEX).read_text())
-    gone = "language_model.model.layers.2.mlp.experts.5.w3.weight_scale"
+    gone = "language_model.model.layers.2.block_sparse_moe.experts.5.w3.weight_scale"
     del index["weight_map"][gone]
     (tmp_path / INDEX).write_text(json.dumps(index))
     with pytest.raises(KeyError, match=gone.replace(".", r"\.")):
