@@ -5,6 +5,7 @@ kernels and bytes per layer for eager, Inductor + CUDA graph and `backend="k3"` 
     python benchmarks/decode_layer.py --config tiny --smoke    # CPU, seconds: the same code paths (CI)
                                                                # (k3 on CPU: executor aten, --cpu-executor)
     python benchmarks/decode_layer.py --model hf               # the second spelling, same shapes
+    K3_MOONSHOT_DIR=... python benchmarks/decode_layer.py --model moonshot   # Moonshot's code
 
 `--model hf`: the same layers written the second way (`k3compile/models/hf_k3.py`, transformers
 style), built from the built-in model with its weights shared (`from_reference(share=True)`: only
@@ -12,6 +13,16 @@ the stacked q|k|v and gate|up are new tensors) and its state copied, fed the sam
 layer 1 reads prefix + delta, the running sum), timed and checked the same way; the JSON says
 which model (`meta.model`, per bucket `model`) and is decode_layer_hf.json. Bytes are counted on
 the built-in layers: the same weights and state.
+
+`--model moonshot`: the same layers in Moonshot's released modeling code (K3_MOONSHOT_DIR), loaded
+as a user loads the release and adapted by `k3compile.adapt`: the built-in model at one rank's
+widths as a TP1 model (`rank_config`: heads, intermediates and vocab / tp) written as a checkpoint
+in the release's layout (`save_checkpoint`; experts compressed-tensors MXFP4, group 32) beside a
+config.json derived from the release's (`moonshot_config`: the rank's widths, its 5 layers, the
+release's `quantization_config`), `moonshot.from_pretrained` (`load_moonshot`; needs
+compressed-tensors), `adapt` with the built-in model's decode state copied in (`moonshot_stack`),
+fed the same inputs as `--model hf`. Bytes are counted on the built-in layers.
+decode_layer_moonshot.json.
 
 Per batch bucket (B = 1..64 single-token decode, and B = 1 with T = 8 verify rows):
 
@@ -40,11 +51,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import dataclasses
 import json
 import math
 import platform
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,7 +80,7 @@ DEFAULT_VARIANTS = VARIANTS[:3]
 TOL = {"factor": 2.0, "factor_max": 3.0, "floor": 1e-3}
 STATE_BUFFERS = ("conv_state", "recurrent_state", "kv_cache", "latent_cache")  # latent: hf
 CACHES = ("kv_cache", "latent_cache")  # MLA: [slots, max_len, C + R]
-MODELS = ("k3", "hf")
+MODELS = ("k3", "hf", "moonshot")
 
 
 @dataclass(frozen=True)
@@ -115,6 +128,34 @@ class HFLayerStack(nn.Module):
         hidden, blocks = prefix + delta, [embedding]
         for layer in self.layers:
             hidden, blocks = layer(hidden, blocks, slots, positions)
+        return (hidden,)
+
+
+class MoonshotLayerStack(nn.Module):
+    """Moonshot's decoder layers, adapted (`k3compile.adapt`), called as their model calls them on
+    the built-in stack's inputs: the prefix sum is prefix + delta, the block residual the
+    embedding alone [B*T, 1, D] (layer 0's bank), their cache the adapter's `SlotCache` over these layers' state.
+    Returns the prefix sum after the last layer."""
+
+    outputs = ("hidden",)
+
+    def __init__(self, layers):
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+        self.group = None  # one rank at world size 1
+
+    def forward(self, prefix, delta, embedding, slots, positions):
+        from k3compile.adapt.kimi_linear import SlotCache
+
+        hidden = prefix + delta
+        D = hidden.shape[-1]
+        # the bank as their model builds it: empty, then layer 0 appends its input (the embedding)
+        blocks = torch.cat([hidden.new_zeros(hidden[..., 0].numel(), 0, D),
+                            embedding.view(-1, D).unsqueeze(1)], dim=1)
+        cache = SlotCache({layer.layer_idx: layer.self_attn for layer in self.layers}, slots,
+                          positions)
+        for layer in self.layers:
+            hidden, blocks = layer(hidden, past_key_values=cache, block_residual=blocks)
         return (hidden,)
 
 
@@ -228,9 +269,12 @@ def graph_nodes(graph) -> dict:
 def build(config, device: torch.device, max_batch: int, context: int, seed: int, group=None,
           spelling: str = "k3"):
     """config: a name or a K3Config; group: the tensor-parallel process group (None: world 1);
-    spelling "hf": the stack is `hf_stack` of the built model (world 1)."""
+    spelling "hf": the stack is `hf_stack` of the built model (world 1); "moonshot": the model is
+    built at `rank_config` and the stack is `moonshot_stack` of it (world 1)."""
     cfg = get_config(config) if isinstance(config, str) else config
     cfg = cfg.with_layers(max(STACK_LAYERS) + 1)
+    if spelling == "moonshot":
+        cfg = rank_config(cfg)
     model = build_model(cfg, device=device, seed=seed, group=group, max_batch=max_batch,
                         max_seq_len=context)
     stack = LayerStack([model.language_model.model.layers[i] for i in STACK_LAYERS], group)
@@ -240,6 +284,8 @@ def build(config, device: torch.device, max_batch: int, context: int, seed: int,
         for name, buf in state_buffers(model).items():
             scale = 0.05 if name.endswith("recurrent_state") else 1.0
             buf.copy_(torch.randn(buf.shape, generator=gen, device=device) * scale)
+    if spelling == "moonshot":
+        return cfg, model, moonshot_stack(load_moonshot(model), model, max_batch, context)
     return cfg, model, hf_stack(model) if spelling == "hf" else stack
 
 
@@ -253,6 +299,97 @@ def hf_stack(model) -> HFLayerStack:
         for name, buf in mine.self_attn.named_buffers():
             buf.copy_(getattr(theirs.self_attn, ours[name]))
     return HFLayerStack([hf.model.layers[i] for i in STACK_LAYERS])
+
+
+def rank_config(cfg):
+    """One tensor-parallel rank's widths as a TP1 model (what Moonshot's code, which has no
+    tensor parallelism, builds): heads, intermediates and vocabulary / tp; the latents, router
+    and expert count replicated as a rank holds them."""
+    tp = cfg.tp_size
+    return dataclasses.replace(
+        cfg, tp_size=1, name=f"{cfg.name}_rank", vocab_size=cfg.vocab_size // tp,
+        intermediate_size=cfg.intermediate_size // tp, kda_num_heads=cfg.kda_num_heads // tp,
+        moe_intermediate_size=cfg.moe_intermediate_size // tp,
+        num_attention_heads=cfg.num_attention_heads // tp)
+
+
+def moonshot_config(cfg) -> dict:
+    """The release's config.json (K3_MOONSHOT_DIR) at `cfg`'s widths and layers, its
+    `quantization_config` (compressed-tensors MXFP4, group 32, its ignore list) kept, the
+    AttnRes and latent projections added to the ignore list; the vision
+    tower cut to one block (decode never runs it; transformers initialises it, not in the
+    checkpoint); the padding id the vocabulary's last, as in the release."""
+    from k3compile.adapt import moonshot
+
+    release = json.loads((moonshot.moonshot_dir() / "config.json").read_text())
+    text = release["text_config"]
+    layers = range(1, cfg.num_hidden_layers + 1)  # the release numbers layers from 1
+    text.update(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+        num_hidden_layers=cfg.num_hidden_layers, intermediate_size=cfg.intermediate_size,
+        rms_norm_eps=cfg.rms_norm_eps, activation_situ_beta=cfg.situ_beta,
+        activation_situ_linear_beta=cfg.situ_linear_beta,
+        first_k_dense_replace=cfg.first_k_dense_replace, num_experts=cfg.num_experts,
+        num_experts_per_token=cfg.num_experts_per_token,
+        num_shared_experts=cfg.num_shared_experts,
+        moe_intermediate_size=cfg.moe_intermediate_size,
+        routed_expert_hidden_size=cfg.routed_expert_hidden_size,
+        routed_scaling_factor=cfg.routed_scaling_factor,
+        num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_attention_heads,
+        q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank,
+        qk_nope_head_dim=cfg.qk_nope_head_dim, qk_rope_head_dim=cfg.qk_rope_head_dim,
+        v_head_dim=cfg.v_head_dim, attn_res_block_size=cfg.attn_res_block_size)
+    text["linear_attn_config"].update(
+        num_heads=cfg.kda_num_heads, head_dim=cfg.kda_head_dim,
+        short_conv_kernel_size=cfg.short_conv_kernel_size, gate_lower_bound=cfg.gate_lower_bound,
+        kda_layers=[i for i in layers if not cfg.is_mla(i - 1)],
+        full_attn_layers=[i for i in layers if cfg.is_mla(i - 1)])
+    # Linears the release's ignore list leaves targeted that its code cannot run packed (the
+    # AttnRes projections' `.weight` is read directly; the latent projections run as plain
+    # Linears): dense, as in tests/adapt/test_kimi_k3.py
+    text["quantization_config"]["ignore"] += ["re:.*_res_proj$",
+                                              "re:.*routed_expert_(down|up)_proj$"]
+    for entry in (release, text):  # the release's (last) id, within the cut vocabulary
+        entry["pad_token_id"] = cfg.vocab_size - 1
+    release["vision_config"].update(vt_num_hidden_layers=1, text_hidden_size=cfg.hidden_size,
+                                    _attn_implementation="eager")
+    return release
+
+
+def load_moonshot(model):
+    """Moonshot's model of `model`'s weights, loaded as a user loads the release: a checkpoint in
+    the release's layout with `moonshot_config`, `moonshot.from_pretrained` (transformers'
+    compressed-tensors quantizer: the experts stay packed), on `model`'s device."""
+    import importlib.util
+
+    from k3compile.adapt import moonshot
+    from k3compile.models.loader import save_checkpoint
+
+    if importlib.util.find_spec("compressed_tensors") is None:
+        raise SystemExit("--model moonshot: compressed-tensors is not installed; transformers "
+                         "needs it to load the release's MXFP4 experts (pip install "
+                         "compressed-tensors)")
+    weight = model.language_model.lm_head.weight
+    with tempfile.TemporaryDirectory(prefix="k3-moonshot-") as folder:
+        # A_log per head: transformers refuses the release's padded [128] in their KDA module
+        save_checkpoint(model, folder, pad_a_log=False)
+        (Path(folder) / "config.json").write_text(json.dumps(moonshot_config(model.config)))
+        loaded = moonshot.from_pretrained(folder, dtype=weight.dtype)
+    return loaded.to(weight.device)
+
+
+def moonshot_stack(loaded, model, max_batch: int, context: int) -> MoonshotLayerStack:
+    """Layers `STACK_LAYERS` of `k3compile.adapt(loaded)`, `model`'s decode state copied into the
+    adapter's."""
+    from k3compile.adapt import adapt
+
+    step = adapt(loaded, max_batch=max_batch, max_seq_len=context)
+    for mine, theirs in zip(step.lm.model.layers, model.language_model.model.layers,
+                            strict=True):
+        for name, buf in mine.self_attn.named_buffers():
+            if name in STATE_BUFFERS:
+                buf.copy_(getattr(theirs.self_attn, name))
+    return MoonshotLayerStack([step.lm.model.layers[i] for i in STACK_LAYERS])
 
 
 def builtin_stack(model) -> LayerStack:
@@ -696,7 +833,8 @@ def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="k3_tp16")
     p.add_argument("--model", choices=MODELS, default="k3",
-                   help="hf: the second spelling (k3compile/models/hf_k3.py) of the same layers")
+                   help="hf: the second spelling (k3compile/models/hf_k3.py) of the same layers; "
+                        "moonshot: Moonshot's released code (K3_MOONSHOT_DIR), adapted")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--context", type=int, help="MLA context (default 4096; smoke 64)")
     p.add_argument("--batches", help="comma list or none (default 1,2,4,8,16,32,64; smoke 2)")
