@@ -17,6 +17,7 @@ import torch
 
 from tests.adapt.test_moonshot import TOL, rel
 from tests.conftest import load_benchmark
+
 pytest.importorskip("compressed_tensors", reason="compressed-tensors is not installed")
 from compressed_tensors.compressors.mxfp4.base import MXFP4PackedCompressor
 
