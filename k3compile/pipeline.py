@@ -24,6 +24,7 @@ and the rewrite report. The graph-diff tool and the fusion contract read what it
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable
 
 import torch
@@ -44,6 +45,8 @@ from k3compile.stages.pack import pack, remember
 from k3compile.stages.prefetch import prefetch
 from k3compile.stages.ranks import ranks
 from k3compile.stages.shard import shard
+
+log = logging.getLogger("k3compile")
 from k3compile.stages.streams import streams
 from k3compile.stages.verify import verify
 
@@ -169,10 +172,26 @@ class Pipeline:
         # compiled graph expects packed). Inductor's FX graph cache (torch's default, or
         # TORCHINDUCTOR_FX_GRAPH_CACHE) serves what the stages made: its key is that graph.
         with (progress.compiling(), torch._functorch.config.patch(enable_autograd_cache=False),
-              tagged or contextlib.nullcontext()):
+              tagged or contextlib.nullcontext(), inference_only(example_inputs)):
             fn = inductor.compile_fx(gm, example_inputs, inner_compile=inner_compile,
                                      config_patches=patches)
         return progress.first_run(fn)  # on a GPU the first run builds the kernels
+
+
+def inference_only(example_inputs: list) -> contextlib.AbstractContextManager:
+    """A decode step is compiled for inference. Called with grad mode on and parameters that
+    require grad (a user's model not put under `torch.no_grad()` / `requires_grad_(False)`),
+    AOTAutograd would build a training graph: its state writes leave the graph for a runtime
+    epilogue, so no stage would see the model's state (no layer found, no input checked, nothing
+    fused). Compiled under `no_grad` instead, with a warning: the step's outputs carry no
+    autograd graph (using them in a backward raises; values are eager's)."""
+    if not torch.is_grad_enabled() or not any(
+            isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs):
+        return contextlib.nullcontext()
+    log.warning("k3: grad mode is on and parameters require grad; the decode step is compiled "
+                "for inference (its outputs carry no autograd graph). Call it under "
+                "torch.no_grad() or set requires_grad_(False) to silence this.")
+    return torch.no_grad()
 
 
 __all__ = ["STAGES", "SWITCHED_BY", "Context", "Pipeline", "Stage", "stages"]

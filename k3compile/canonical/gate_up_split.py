@@ -2,8 +2,8 @@
 GEMMs that separate gate and up linears trace to, the form `patterns/situ_gate_up.py` matches.
 
 Two spellings:
-* one GEMM over the stacked weight [W_g; W_u], its output halved by `chunk(2, -1)`, `split(I, -1)`
-  or `[..., :I]` / `[..., I:]`: each half becomes the GEMM of x with the weight's rows of that half,
+* one GEMM over the stacked weight [W_g; W_u], its output halved by `chunk(2, -1)`, `split(I, -1)`,
+  `[..., :I]` / `[..., I:]` or `view(..., 2, I).unbind(-2)`: each half becomes the GEMM of x with the weight's rows of that half,
   `mm(x, permute(slice(W_gu, 0, 0, I)))`, as `F.linear(x, W_g)` traces (a column of a GEMM's
   output depends only on its weight row: the values are the same up to the GEMM's blocking).
   Only where the two halves meet in an elementwise product (SiTU, SwiGLU, GeGLU ...): a GEMM whose
@@ -57,6 +57,11 @@ def _pieces(node: fx.Node) -> list[tuple[fx.Node, int, int]] | None:
             if cuts is None:
                 return None
             out += cuts
+        elif user.target is aten.view.default:
+            cuts = _unbind(user, rank, width)
+            if cuts is None:
+                return None
+            out += cuts
         else:
             return None
     return out
@@ -80,6 +85,21 @@ def _split(split: fx.Node, rank: int, width: int) -> list[tuple[fx.Node, int, in
         sizes = [min(sizes, width - s) for s in range(0, width, sizes)]
     starts = [sum(sizes[:i]) for i in range(len(sizes))]
     return [(u, starts[u.args[1]], starts[u.args[1]] + sizes[u.args[1]]) for u in split.users]
+
+
+def _unbind(view: fx.Node, rank: int, width: int) -> list[tuple[fx.Node, int, int]] | None:
+    """`view(y, [..., k, width // k]).unbind(-2)`: the k pieces of y's last dim, in order."""
+    shape, lead = _shape(view), _shape(view.args[0])[:-1]
+    if (shape is None or len(shape) != rank + 1 or tuple(shape[:-2]) != tuple(lead)
+            or shape[-2] * shape[-1] != width or len(view.users) != 1):
+        return None
+    (unbind,) = view.users
+    dim = unbind.args[1] if len(unbind.args) > 1 else unbind.kwargs.get("dim", 0)
+    if (unbind.target is not aten.unbind.int or dim % (rank + 1) != rank - 1
+            or any(u.target is not operator.getitem for u in unbind.users)):
+        return None
+    k = shape[-1]
+    return [(u, u.args[1] * k, (u.args[1] + 1) * k) for u in unbind.users]
 
 
 # ---- halves of one GEMM that meet in a GLU product ---------------------------------------------

@@ -48,6 +48,13 @@ def _swiglu_split(x, w):
     return F.silu(g) * u
 
 
+def _situ_unbind(x, w):
+    """gate|up as [..., 2, I] halves unbound (tests/spellings/blind_k3.py's shared experts)."""
+    y = F.linear(x, w)
+    g, u = y.view(*y.shape[:-1], 2, I).unbind(-2)
+    return situ(g, u, BETA, LBETA)
+
+
 def _situ_negative_slice(x, w):
     y = F.linear(x, w)
     return situ(y[..., :-I], y[..., -I:], BETA, LBETA)
@@ -63,7 +70,7 @@ def _moonshot_cat(x, w):
 
 
 SPLIT_GEMM = {"chunk": _situ_chunk, "slices": _situ_slices, "swiglu_split": _swiglu_split,
-              "negative_slice": _situ_negative_slice}
+              "unbind": _situ_unbind, "negative_slice": _situ_negative_slice}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -133,6 +140,20 @@ def _interleaved(x, w):
     return F.silu(y[..., 0::2]) * y[..., 1::2]
 
 
+def _unbind_interleaved(x, w):
+    """[..., I, 2].unbind(-1) takes every other column: not the two halves."""
+    y = F.linear(x, w)
+    g, u = y.view(*y.shape[:-1], I, 2).unbind(-1)
+    return F.silu(g) * u
+
+
+def _unbind_not_last(x, w):
+    """a view splitting a leading dim, unbound there: no cut of the GEMM's columns."""
+    y = F.linear(x, w)
+    a, b = y.view(2, -1, y.shape[-1])[:, :1].unbind(0) if y.dim() == 3 else (y, y)
+    return a * b
+
+
 def _cat_slice_straddles(x, w):
     gate_up = torch.cat([F.linear(x, w[:I]), F.linear(x, w[I:])], dim=-1)
     return gate_up[..., 4:I + 4]
@@ -141,6 +162,7 @@ def _cat_slice_straddles(x, w):
 LOOK_ALIKES = {"kv_a_split": _kv_a_split, "escaping_half": _escaping_half,
                "reductions": _reductions, "whole_also_used": _whole_also_used,
                "three_parts": _three_parts, "interleaved": _interleaved,
+               "unbind_interleaved": _unbind_interleaved, "unbind_not_last": _unbind_not_last,
                "cat_slice_straddles": _cat_slice_straddles}
 
 
@@ -155,7 +177,8 @@ def test_look_alike_is_left_alone(name):
 
 
 class GateUpMLP(nn.Module):
-    """A SiTU-GLU MLP written with one gate|up linear (or Moonshot's cat of two)."""
+    """A SiTU-GLU MLP written with one gate|up linear (chunked or unbound; or Moonshot's cat of
+    two)."""
 
     def __init__(self, spelling: str):
         super().__init__()
@@ -166,11 +189,13 @@ class GateUpMLP(nn.Module):
     def forward(self, x):
         if self.spelling == "cat":
             return self.down(_moonshot_cat(x, self.gate_up.weight))
+        if self.spelling == "unbind":
+            return self.down(_situ_unbind(x, self.gate_up.weight))
         g, u = self.gate_up(x).chunk(2, dim=-1)
         return self.down(situ(g, u, BETA, LBETA))
 
 
-@pytest.mark.parametrize("spelling", ["chunk", "cat"])
+@pytest.mark.parametrize("spelling", ["chunk", "cat", "unbind"])
 def test_mlp_with_one_gate_up_linear_fuses(spelling):
     torch._dynamo.reset()
     torch.manual_seed(0)
