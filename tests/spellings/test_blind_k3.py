@@ -34,13 +34,38 @@ STEPS = 2
 TOL = {torch.float32: conftest.TOL["aten_cpu_vs_eager"], torch.bfloat16: conftest.TOL["diffsuite_bf16"]}
 LAYERS = (0, 1, 2, 3)  # dense (KDA + dense SiTU), kda_moe, mla_moe, last (MLA + MoE)
 
-# ---- the fusion outcome, as measured (session 13, before any fix) -------------------------------
-# The contract found no K3 layer at all ("no K3 layer found"): every layer unrecognised, so no
-# layer template, no plan and no shortfall reported; the blind spelling differs from what the
-# layer classifier reads (see docs/decisions.md, 2026-12-03).
-FOUND = False
-# kernel launches per layer (0, 1, 2, 3, FINAL) by (dtype, T); filled from the measured run
-LAUNCHES: dict[tuple[torch.dtype, int], tuple[int, ...]] = {}
+# ---- the fusion outcome, as measured (session 13) ------------------------------------------------
+# Before the session's fixes the contract found no K3 layer at all: with grad mode on and
+# parameters requiring grad (this model, called as a user would) AOTAutograd built a training
+# graph whose state writes are no graph ops, so nothing read as KDA / MLA state, no slot input
+# was found, and `mark_batch` at B3 crashed (symbolic `_assert_scalar` without a value). Fixed in
+# k3compile/pipeline.py (`inference_only`). Now every layer is recognised; what is still missing,
+# by template, with the near miss the contract reports (docs/decisions.md, 2026-12-03):
+KDA_GAPS = {
+    # q|k|v one Linear (chunked after the conv), g by `x @ W.T`, b by einsum: near miss at the
+    # l2-norm's mul "where the pattern expects aten.mm" (the KDA in-proj group is not found)
+    "linear_concat": "KDA in-proj: q|k|v one Linear + g by @ + b by einsum",
+    # conv as unfold + einsum, recurrence as einsums over [B, H, K, V]: no near miss of its own
+    # (the contract names linear_concat's)
+    "fb_kda_decode": "KDA step: unfold+einsum conv, einsum delta rule",
+}
+MLA_GAPS = {
+    # near miss mla_decode: the cache write's index `slots.unsqueeze(1)` where the pattern
+    # expects a view (a pattern anchored on the index spelling); the rest of the chain hangs on it
+    "linear_concat": "q_a | kv_a", "mla_lowrank_norm": "q/kv low-rank norms",
+    "mla_q_absorb": "W_UK einsum", "mla_decode": "cache index by unsqueeze, two score terms",
+}
+# o_proj not taken into the post-attention mix in any layer (the mix itself fuses)
+POST_GAP = {"oproj_attn_res_mix_norm": "o_proj of a [B, T, H*V] attention output"}
+GAPS = {"dense": {**KDA_GAPS, **POST_GAP}, "kda_moe": {**KDA_GAPS, **POST_GAP},
+        "mla_moe": {**MLA_GAPS, **POST_GAP}, "last": {**MLA_GAPS, **POST_GAP}, "final": {}}
+FOUND = True
+# kernel launches per layer (0, 1, 2, 3, FINAL) by (dtype, T, batch); our own tiny model: 6-13
+LAUNCHES: dict[tuple[torch.dtype, int, int], tuple[int, ...]] = {
+    (torch.float32, 1, 1): (48, 59, 36, 36, 2),
+    (torch.float32, 1, 3): (49, 60, 36, 36, 2),
+    (torch.float32, 1, 8): (49, 60, 36, 36, 2),
+}
 
 
 def rel(a, b) -> float:
@@ -48,7 +73,10 @@ def rel(a, b) -> float:
 
 
 def states(model) -> dict[str, torch.Tensor]:
-    return {n: b for n, b in model.named_buffers() if n.endswith(("conv_cache", "rec_state", "latent_cache"))}
+    """The per-slot state buffers, less their last row (the spare slot a padded batch's padding
+    rows write)."""
+    return {n: b[:-1] for n, b in model.named_buffers()
+            if n.endswith(("conv_cache", "rec_state", "latent_cache"))}
 
 
 def test_prompt_step_equals_single_token_steps():
@@ -107,8 +135,11 @@ def test_compiled_equals_eager_with_the_recorded_fusion_outcome(dtype, tokens):
     measured = run_cell(dtype, tokens)
     print(dtype, tokens, measured)
     (report,) = list(k3be.last_compiled().contracts.values())[-1:]
-    assert report.found == FOUND
-    if (dtype, tokens) in LAUNCHES:
-        for batch, per_layer in measured.items():
+    assert report.found == FOUND and not report.unrecognised
+    if dtype == torch.float32 and tokens == 1:
+        for layer in report.layers:
+            assert set(layer.shortfall) == set(GAPS[layer.template]), (layer.layer, layer.shortfall)
+    for batch, per_layer in measured.items():
+        if (dtype, tokens, batch) in LAUNCHES:
             got = tuple(per_layer.get(i, 0) for i in (*LAYERS, FINAL))
-            assert got == LAUNCHES[dtype, tokens], (batch, got)
+            assert got == LAUNCHES[dtype, tokens, batch], (batch, got)
