@@ -45,10 +45,10 @@ from k3compile.stages.pack import pack, remember
 from k3compile.stages.prefetch import prefetch
 from k3compile.stages.ranks import ranks
 from k3compile.stages.shard import shard
-
-log = logging.getLogger("k3compile")
 from k3compile.stages.streams import streams
 from k3compile.stages.verify import verify
+
+log = logging.getLogger("k3compile")
 
 Stage = Callable[[fx.GraphModule, Context], fx.GraphModule]
 
