@@ -124,16 +124,6 @@ def dequant(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> to
     return (values.view(*lead, out, features // GROUP, GROUP) * factor).view(*lead, out, features)
 
 
-def stacked(experts: nn.ModuleList, projection: str, ids: torch.Tensor,
-            dtype: torch.dtype) -> torch.Tensor:
-    """The `projection` weights of each token's experts [N, k, out, in] in dtype, dequantised
-    from the packed bytes of the selected experts only."""
-    linears = [getattr(e, projection) for e in experts]
-    packed = torch.stack([lin.weight_packed for lin in linears])[ids]
-    scale = torch.stack([lin.weight_scale for lin in linears])[ids]
-    return dequant(packed, scale, dtype)
-
-
 # w1 (gate) and w3 (up) split their output rows, w2 (down) its input columns: each rank holds
 # 1/W of every expert's intermediate, and the ranks' expert outputs sum to the whole
 _SPLIT = {"w1": 0, "w3": 0, "w2": 1}

@@ -31,6 +31,7 @@ consumes its prompt as one [B, T] step at position 0.
 from __future__ import annotations
 
 import copy
+import logging
 import sys
 import types
 
@@ -40,6 +41,10 @@ import torch.distributed._functional_collectives as funcol
 from torch import nn
 
 from k3compile.adapt import compressed, fla
+from k3compile.ops.expert_stack import back_to_back
+from k3compile.stages.pack import stack_parts
+
+log = logging.getLogger("k3compile")
 
 
 class SlotCache:
@@ -129,8 +134,69 @@ def expert_weights(block: nn.Module, projection: str, ids: torch.Tensor,
     gathered from the stacked weights, or dequantised from the stacked packed bytes of
     compressed-tensors MXFP4 experts (`k3compile.adapt.compressed`)."""
     if block.mxfp4_experts:
-        return compressed.stacked(block.experts, projection, ids, dtype)
-    return torch.stack([getattr(e, projection).weight for e in block.experts])[ids]
+        packed, scale = expert_tensors(block, projection)
+        return compressed.dequant(packed[ids], scale[ids], dtype)
+    (weight,) = expert_tensors(block, projection)
+    return weight[ids]
+
+
+def _tensor_names(block: nn.Module) -> tuple[str, ...]:
+    return ("weight_packed", "weight_scale") if block.mxfp4_experts else ("weight",)
+
+
+def expert_tensors(block: nn.Module, projection: str) -> list[torch.Tensor]:
+    """The experts' `projection` tensors stacked [E, ...] (weight; or packed bytes and scales):
+    the block's stacks (`stack_experts`), one graph input each, or else stacked from the E
+    experts' parameters (the canonical rule `expert_stack` makes that a view)."""
+    names = _tensor_names(block)
+    if block.expert_stacks is not None:
+        return [getattr(block, f"stacked_{projection}_{name}") for name in names]
+    return [torch.stack([getattr(getattr(e, projection), name) for e in block.experts])
+            for name in names]
+
+
+def stack_experts(name: str, block: nn.Module) -> str | None:
+    """Store each projection's expert tensors in one [E, ...] buffer per block (the block's
+    `stacked_<projection>_<tensor>`, not in its state_dict) and make every expert's parameter a
+    view of its row, as stage `pack` stores an expert stack (`stack_parts`: the same refusals,
+    aliases taken before re-pointed): the step then reads one input per tensor instead of one
+    per expert, and in-place updates of the parameters write the stack. Where a tensor cannot
+    move, the block reads its experts one by one (why: returned, and logged)."""
+    stacks = {}
+    for projection in ("w1", "w3", "w2"):
+        for tensor in _tensor_names(block):
+            parts = [getattr(getattr(e, projection), tensor) for e in block.experts]
+            stack = stack_parts(parts)
+            if isinstance(stack, str):
+                why = f"{name}.experts.*.{projection}.{tensor}: {stack}"
+                log.info("k3 adapt: experts read one by one, %s", why)
+                block.expert_stacks = None
+                return why
+            stacks[f"stacked_{projection}_{tensor}"] = stack
+    for key, stack in stacks.items():
+        block.register_buffer(key, stack, persistent=False)
+    block.expert_stacks = sorted(stacks)
+    return None
+
+
+def restack(lm: nn.Module) -> None:
+    """After `nn.Module._apply` (`.to()`, `.float()`, ...) moved parameters and stacks apart:
+    stack again where a block's experts are no longer views of its stacks."""
+    for name, block in lm.named_modules():
+        if getattr(block, "expert_stacks", None) is not None and not stacks_intact(block):
+            stack_experts(name, block)
+
+
+def stacks_intact(block: nn.Module) -> bool:
+    """Whether every expert tensor is still its row of the block's stack."""
+    for projection in ("w1", "w3", "w2"):
+        for tensor in _tensor_names(block):
+            parts = [getattr(getattr(e, projection), tensor) for e in block.experts]
+            stack = getattr(block, f"stacked_{projection}_{tensor}")
+            if not (back_to_back(parts) and parts[0].data_ptr() == stack.data_ptr()
+                    and parts[0].dtype == stack.dtype and parts[0].device == stack.device):
+                return False
+    return True
 
 
 def mla_forward(attention_fn):
@@ -203,6 +269,7 @@ def _adapt_modules(lm: nn.Module, group=None) -> None:
             swap(module, moe_infer=moe_infer)
             module.mxfp4_experts = compressed.check_experts(names[module], module.experts)
             module.expert_group = _expert_group(names[module], module, group)
+            stack_experts(names[module], module)
         elif name == "KimiMLAAttention":
             swap(module, forward=mla_forward(globals_["eager_attention_forward"]))
         elif name == "KimiDeltaAttention":
@@ -275,6 +342,11 @@ class MoonshotStep(nn.Module):
                 attn.register_buffer("recurrent_state", torch.zeros(
                     slots, attn.num_heads, attn.head_k_dim, attn.head_dim, device=device,
                     dtype=torch.float32), persistent=False)
+        return self
+
+    def _apply(self, fn, *args, **kwargs):
+        super()._apply(fn, *args, **kwargs)
+        restack(self.lm)
         return self
 
     def reset_cache(self):

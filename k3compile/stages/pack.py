@@ -59,6 +59,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.utils.weak import WeakIdKeyDictionary
 
 from k3compile.graph import fake_value, input_view, replay
+from k3compile.ops.expert_stack import back_to_back, expert_stack
 from k3compile.ops.linear_concat import adjacent
 
 log = logging.getLogger("k3compile")
@@ -312,6 +313,23 @@ def _pack_group(node: fx.Node, args: list, real: dict, taken: dict, report: Pack
     report.packed.append(f"{node.name}: {len(values)} weights, {buffer.nbytes / 1e6:.1f} MB")
     if node.target is not _K3.moe_front.default:  # moe_front copies only with gemv's split
         report.saved_bytes += buffer.nbytes
+
+
+def stack_parts(parts: list[torch.Tensor]) -> torch.Tensor | str:
+    """Per-expert tensors [O, W] as one [E, O, W] tensor that the parts are views of, or why
+    not: moved once into one buffer as this stage moves an expert stack's group (every old
+    storage re-pointed at its rows), under the same refusals; parts back to back already (an
+    earlier stacking) are a view of themselves. For a model's code that reads its experts
+    stacked (`k3compile.adapt`), so the graph reads one input instead of E."""
+    if back_to_back(parts):
+        return expert_stack(parts)
+    if (why := _refusal_of_inputs(parts) or _refusal(parts, experts=True)) is not None:
+        return why
+    if any(_seen(p) for p in parts):
+        return "an earlier compile was handed these weights"
+    if (why := _unmovable(parts)) is not None:
+        return why
+    return _move(parts, parts[0].shape[1]).view(len(parts), *parts[0].shape)
 
 
 def pack_concatenated(graph: fx.Graph, inputs: list) -> PackReport:
