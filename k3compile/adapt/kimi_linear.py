@@ -149,6 +149,9 @@ def expert_tensors(block: nn.Module, projection: str) -> list[torch.Tensor]:
     the block's stacks (`stack_experts`), one graph input each, or else stacked from the E
     experts' parameters (the canonical rule `expert_stack` makes that a view)."""
     names = _tensor_names(block)
+    if block.expert_stacks is not None and not torch.compiler.is_compiling() \
+            and not stacks_intact(block):
+        reattach(block)  # eager, after `param.data = t`
     if block.expert_stacks is not None:
         return [getattr(block, f"stacked_{projection}_{name}") for name in names]
     return [torch.stack([getattr(getattr(e, projection), name) for e in block.experts])
@@ -180,11 +183,35 @@ def stack_experts(name: str, block: nn.Module) -> str | None:
 
 
 def restack(lm: nn.Module) -> None:
-    """After `nn.Module._apply` (`.to()`, `.float()`, ...) moved parameters and stacks apart:
-    stack again where a block's experts are no longer views of its stacks."""
-    for name, block in lm.named_modules():
+    """After `nn.Module._apply` (`.to()`, `.float()`, ...) converted parameters and stacks
+    apart: each block's experts views of its stacks again."""
+    for block in lm.modules():
         if getattr(block, "expert_stacks", None) is not None and not stacks_intact(block):
-            stack_experts(name, block)
+            reattach(block)
+
+
+@torch.no_grad()
+def reattach(block: nn.Module) -> None:
+    """Make every expert tensor the row of its stack again: a tensor rebound since
+    (`param.data = t`) is copied into its row first; a stack of another dtype or device than
+    the experts (converted apart) is made again from them. A rebound tensor no longer aliases
+    `t` (its memory is the row's)."""
+    for projection in ("w1", "w3", "w2"):
+        for tensor in _tensor_names(block):
+            parts = [getattr(getattr(e, projection), tensor) for e in block.experts]
+            key = f"stacked_{projection}_{tensor}"
+            stack = getattr(block, key)
+            if (stack.dtype, stack.device) != (parts[0].dtype, parts[0].device):
+                stack = torch.stack(parts)
+                block.register_buffer(key, stack, persistent=False)
+            for e, part in enumerate(parts):
+                if part.shape != stack.shape[1:]:
+                    raise ValueError(f"expert {e}'s {projection}.{tensor} became "
+                                     f"{tuple(part.shape)}; its stack holds "
+                                     f"{tuple(stack.shape[1:])}: adapt the model again")
+                if part.data_ptr() != stack[e].data_ptr():
+                    stack[e].copy_(part)
+                    part.data = stack[e]
 
 
 def stacks_intact(block: nn.Module) -> bool:

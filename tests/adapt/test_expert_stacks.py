@@ -126,6 +126,10 @@ def test_updates_through_expert_parameters_are_seen_eager(moonshot):
     before = model.state_dict()
     step = adapt(model, max_batch=2, max_seq_len=16)
     _assert_updates_seen(model, step, before)
+    rebound = _w2(model, 3)
+    rebound.data = rebound.data + 0.5  # new memory: the eager step stacks again
+    want = moonshot_logits(model)
+    assert rel(prompt_logits(step), want) <= 1e-5
     step.double()  # parameters and stacks converted apart: stacked again
     assert all(kimi_linear.stacks_intact(b) for b in _blocks(step))
     assert all(b.stacked_w1_weight.dtype == torch.float64 for b in _blocks(step))
