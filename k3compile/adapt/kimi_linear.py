@@ -31,7 +31,6 @@ consumes its prompt as one [B, T] step at position 0.
 from __future__ import annotations
 
 import copy
-import logging
 import sys
 import types
 
@@ -41,10 +40,7 @@ import torch.distributed._functional_collectives as funcol
 from torch import nn
 
 from k3compile.adapt import compressed, fla
-from k3compile.ops.expert_stack import back_to_back
-from k3compile.stages.pack import stack_parts
-
-log = logging.getLogger("k3compile")
+from k3compile.adapt.stacks import stack_experts, tensor_names
 
 
 class SlotCache:
@@ -140,90 +136,15 @@ def expert_weights(block: nn.Module, projection: str, ids: torch.Tensor,
     return weight[ids]
 
 
-def _tensor_names(block: nn.Module) -> tuple[str, ...]:
-    return ("weight_packed", "weight_scale") if block.mxfp4_experts else ("weight",)
-
-
 def expert_tensors(block: nn.Module, projection: str) -> list[torch.Tensor]:
     """The experts' `projection` tensors stacked [E, ...] (weight; or packed bytes and scales):
-    the block's stacks (`stack_experts`), one graph input each, or else stacked from the E
+    the block's stacks (`stacks.stack_experts`), one graph input each, or else stacked from the E
     experts' parameters (the canonical rule `expert_stack` makes that a view)."""
-    names = _tensor_names(block)
-    if block.expert_stacks is not None and not torch.compiler.is_compiling() \
-            and not stacks_intact(block):
-        reattach(block)  # eager, after `param.data = t`
+    names = tensor_names(block)
     if block.expert_stacks is not None:
         return [getattr(block, f"stacked_{projection}_{name}") for name in names]
     return [torch.stack([getattr(getattr(e, projection), name) for e in block.experts])
             for name in names]
-
-
-def stack_experts(name: str, block: nn.Module) -> str | None:
-    """Store each projection's expert tensors in one [E, ...] buffer per block (the block's
-    `stacked_<projection>_<tensor>`, not in its state_dict) and make every expert's parameter a
-    view of its row, as stage `pack` stores an expert stack (`stack_parts`: the same refusals,
-    aliases taken before re-pointed): the step then reads one input per tensor instead of one
-    per expert, and in-place updates of the parameters write the stack. Where a tensor cannot
-    move, the block reads its experts one by one (why: returned, and logged)."""
-    stacks = {}
-    for projection in ("w1", "w3", "w2"):
-        for tensor in _tensor_names(block):
-            parts = [getattr(getattr(e, projection), tensor) for e in block.experts]
-            stack = stack_parts(parts)
-            if isinstance(stack, str):
-                why = f"{name}.experts.*.{projection}.{tensor}: {stack}"
-                log.info("k3 adapt: experts read one by one, %s", why)
-                block.expert_stacks = None
-                return why
-            stacks[f"stacked_{projection}_{tensor}"] = stack
-    for key, stack in stacks.items():
-        block.register_buffer(key, stack, persistent=False)
-    block.expert_stacks = sorted(stacks)
-    return None
-
-
-def restack(lm: nn.Module) -> None:
-    """After `nn.Module._apply` (`.to()`, `.float()`, ...) converted parameters and stacks
-    apart: each block's experts views of its stacks again."""
-    for block in lm.modules():
-        if getattr(block, "expert_stacks", None) is not None and not stacks_intact(block):
-            reattach(block)
-
-
-@torch.no_grad()
-def reattach(block: nn.Module) -> None:
-    """Make every expert tensor the row of its stack again: a tensor rebound since
-    (`param.data = t`) is copied into its row first; a stack of another dtype or device than
-    the experts (converted apart) is made again from them. A rebound tensor no longer aliases
-    `t` (its memory is the row's)."""
-    for projection in ("w1", "w3", "w2"):
-        for tensor in _tensor_names(block):
-            parts = [getattr(getattr(e, projection), tensor) for e in block.experts]
-            key = f"stacked_{projection}_{tensor}"
-            stack = getattr(block, key)
-            if (stack.dtype, stack.device) != (parts[0].dtype, parts[0].device):
-                stack = torch.stack(parts)
-                block.register_buffer(key, stack, persistent=False)
-            for e, part in enumerate(parts):
-                if part.shape != stack.shape[1:]:
-                    raise ValueError(f"expert {e}'s {projection}.{tensor} became "
-                                     f"{tuple(part.shape)}; its stack holds "
-                                     f"{tuple(stack.shape[1:])}: adapt the model again")
-                if part.data_ptr() != stack[e].data_ptr():
-                    stack[e].copy_(part)
-                    part.data = stack[e]
-
-
-def stacks_intact(block: nn.Module) -> bool:
-    """Whether every expert tensor is still its row of the block's stack."""
-    for projection in ("w1", "w3", "w2"):
-        for tensor in _tensor_names(block):
-            parts = [getattr(getattr(e, projection), tensor) for e in block.experts]
-            stack = getattr(block, f"stacked_{projection}_{tensor}")
-            if not (back_to_back(parts) and parts[0].data_ptr() == stack.data_ptr()
-                    and parts[0].dtype == stack.dtype and parts[0].device == stack.device):
-                return False
-    return True
 
 
 def mla_forward(attention_fn):
@@ -278,8 +199,9 @@ def _subclass(cls: type, **methods) -> type:
     return type(f"Adapted{cls.__name__}", (cls,), {"__module__": __name__, **methods})
 
 
-def _adapt_modules(lm: nn.Module, group=None) -> None:
-    """Swap the classes of the clone's modules whose forward is plumbing (in place)."""
+def _adapt_modules(lm: nn.Module, users: nn.Module, group=None) -> None:
+    """Swap the classes of the clone's modules whose forward is plumbing (in place); `users`:
+    the model `lm` is a clone of."""
     made: dict[type, type] = {}
     names = {module: name for name, module in lm.named_modules()}
 
@@ -296,7 +218,7 @@ def _adapt_modules(lm: nn.Module, group=None) -> None:
             swap(module, moe_infer=moe_infer)
             module.mxfp4_experts = compressed.check_experts(names[module], module.experts)
             module.expert_group = _expert_group(names[module], module, group)
-            stack_experts(names[module], module)
+            stack_experts(names[module], module, users.get_submodule(names[module]))
         elif name == "KimiMLAAttention":
             swap(module, forward=mla_forward(globals_["eager_attention_forward"]))
         elif name == "KimiDeltaAttention":
@@ -338,7 +260,7 @@ class MoonshotStep(nn.Module):
                  dtype=None, group=None):
         super().__init__()
         self.lm = structural_clone(causal_lm)
-        _adapt_modules(self.lm, group)
+        _adapt_modules(self.lm, causal_lm, group)
         self.config = self.lm.config
         self.setup_cache(max_batch, max_seq_len, device, dtype)
 
@@ -369,11 +291,6 @@ class MoonshotStep(nn.Module):
                 attn.register_buffer("recurrent_state", torch.zeros(
                     slots, attn.num_heads, attn.head_k_dim, attn.head_dim, device=device,
                     dtype=torch.float32), persistent=False)
-        return self
-
-    def _apply(self, fn, *args, **kwargs):
-        super()._apply(fn, *args, **kwargs)
-        restack(self.lm)
         return self
 
     def reset_cache(self):

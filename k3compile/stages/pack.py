@@ -174,12 +174,32 @@ def _move(roots: list[torch.Tensor], width: int) -> torch.Tensor:
         for r, part, export in zip(roots, parts, exports, strict=True):
             old = r.untyped_storage()
             r.data = part
-            if CAN_REPOINT:
-                old._swap_data_ptr_(export)  # `export` now holds the old memory, freed with it
-                _REPOINTED[old] = True
+            _repoint(old, export)
+    return buffer
+
+
+def _repoint(old: torch.UntypedStorage, export: torch.UntypedStorage) -> None:
     if not CAN_REPOINT:
         _warn_no_repoint()
-    return buffer
+        return
+    old._swap_data_ptr_(export)  # `export` now holds the old memory, freed with it
+    _REPOINTED[old] = True
+
+
+def unwritable(t: torch.Tensor) -> str | None:
+    """Why `write_through(t, rows)` could not take every alias of t along, or None."""
+    if _seen(t):
+        return "an earlier compile was handed it"
+    return _unmovable([t])
+
+
+@torch.no_grad()
+def write_through(t: torch.Tensor, rows: torch.Tensor) -> None:
+    """Copy t into `rows` (of a packed buffer) and re-point t's storage at them, as a weight's old
+    storage is when it moves: every tensor on it then reads and writes the rows."""
+    export = torch.from_dlpack(rows.detach()).untyped_storage()
+    rows.copy_(t)
+    _repoint(t.untyped_storage(), export)
 
 
 @functools.cache
