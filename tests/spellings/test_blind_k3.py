@@ -41,14 +41,11 @@ LAYERS = (0, 1, 2, 3)  # dense (KDA + dense SiTU), kda_moe, mla_moe, last (MLA +
 # was found, and `mark_batch` at B3 crashed (symbolic `_assert_scalar` without a value). Fixed in
 # k3compile/pipeline.py (`inference_only`). Now every layer is recognised; what is still missing,
 # by template, with the near miss the contract reports (docs/decisions.md, 2026-12-03):
-KDA_GAPS = {
-    # q|k|v one Linear (chunked after the conv), g by `x @ W.T`, b by einsum: near miss at the
-    # l2-norm's mul "where the pattern expects aten.mm" (the KDA in-proj group is not found)
-    "linear_concat": "KDA in-proj: q|k|v one Linear + g by @ + b by einsum",
-    # conv as unfold + einsum, recurrence as einsums over [B, H, K, V]: no near miss of its own
-    # (the contract names linear_concat's)
-    "fb_kda_decode": "KDA step: unfold+einsum conv, einsum delta rule",
-}
+# KDA (session 13, helper hbkda): fused since rules conv_einsum (unfold + einsum conv), qkv_split
+# (q|k|v one Linear chunked after the conv), l2_norm (x / sqrt(sum(x*x) + eps)), bias_view
+# (dt_bias added before the head split) and delta_einsum (the delta rule's einsums): linear_concat
+# and fb_kda_decode fire in both KDA layers (fp32; bf16 not yet, docs/decisions.md)
+KDA_GAPS: dict[str, str] = {}
 MLA_GAPS = {
     # near miss mla_decode: the cache write's index `slots.unsqueeze(1)` where the pattern
     # expects a view (a pattern anchored on the index spelling); the rest of the chain hangs on it

@@ -1,0 +1,128 @@
+"""Rule `conv_einsum`: KDA's depthwise short conv written as a contraction over an `unfold`ed
+window (`einsum("bctk,ck->btc", window.unfold(-1, taps, 1), w)`, `unfold(...) @ w[..., None]`, ...
+lowered to a bmm) -> the `convolution` of the canonical form (`patterns/kda_decode.py`), and the
+pointwise tail of the conv (SiLU, casts) before the transpose back to [B, T, C], where the
+canonical form has it.
+
+    y = permute(bmm(view(permute(unfold(window))), view(w)))  [B, T, C]   (any such view chain)
+    ->  y = permute(convolution(window, w.reshape(C, 1, taps), groups=C), [0, 2, 1])
+    then silu(permute(c)) -> permute(silu(c))     (a pointwise region read only at its end)
+
+Found structurally: an `unfold(window [B, C, L], -1, taps, 1)` whose chain of views reaches a
+bmm with a [C, taps] (or [C, 1, taps]) weight on the other side, read back as [B, T, C] or
+[B, C, T] (T = L - taps + 1); taken only where that region, run on random values
+(`canonical.region`), equals the conv within 1e-5 of the largest value (fp32 summation order).
+fp32 only: a bf16 bmm rounds its output, the canonical conv runs in fp32 and rounds after the
+SiLU (another computation). Moving pointwise ops ahead of a permute is exact (each element is
+computed alike).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import fx
+
+from k3compile.canonical import Rule
+from k3compile.canonical.gate_up_split import _POINTWISE
+from k3compile.canonical.region import VIEWS, below, refresh, replace, root, shape, val
+from k3compile.canonical.short_conv import MAX_TAPS
+from k3compile.graph import call
+
+aten = torch.ops.aten
+RTOL = 1e-5
+
+
+def _conv(window, w):
+    C, taps = w.shape[0], w.shape[-1]
+    return F.conv1d(window, w.reshape(C, 1, taps), groups=C)
+
+
+def _conv_t(window, w):
+    return _conv(window, w).transpose(1, 2)
+
+
+def _site(unfold: fx.Node):
+    window = unfold.args[0]
+    s = shape(window)
+    if (s is None or len(s) != 3 or unfold.args[1] % 3 != 2 or unfold.args[3] != 1
+            or val(window).dtype != torch.float32):
+        return None
+    B, C, L = s
+    taps = unfold.args[2]
+    T = L - taps + 1
+    if taps > MAX_TAPS or T < 1:
+        return None
+    node = unfold
+    while len(node.users) == 1 and (user := next(iter(node.users))).target in VIEWS:
+        node = user
+    (bmm,) = node.users if len(node.users) == 1 else (None,)
+    if bmm is None or bmm.target is not aten.bmm.default or node not in bmm.args:
+        return None
+    other = bmm.args[1] if bmm.args[0] is node else bmm.args[0]
+    w = root(other)
+    if shape(w) not in ((C, taps), (C, 1, taps)) or val(w).dtype != torch.float32:
+        return None
+    for want, fn in (((B, T, C), _conv_t), ((B, C, T), _conv)):
+        out = below(bmm, want)
+        if out is not None:
+            return [window, w], out, fn
+    return None
+
+
+def _sink_pointwise(graph: fx.Graph, perm: fx.Node) -> bool:
+    """f(permute(c)) -> permute(f(c)) for a pointwise region f that reads only the permute (and
+    scalars), takes every use of it, and is read from outside only at its last node."""
+    def inside(n):
+        return n.target in _POINTWISE and shape(n) == shape(perm)
+
+    region, todo = set(), list(perm.users)
+    while todo:
+        n = todo.pop()
+        if n not in region and inside(n):
+            region.add(n)
+            todo += n.users
+    ends = [n for n in region if any(u not in region for u in n.users)]
+    if (not region or len(ends) != 1 or any(u not in region for u in perm.users)
+            or any(a is not perm and a not in region for n in region for a in n.all_input_nodes)):
+        return False
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    (end,) = ends
+    env = {perm: perm.args[0]}
+    with graph.inserting_before(end):
+        for n in sorted(region, key=order.__getitem__):
+            args, kwargs = fx.map_arg((n.args, n.kwargs), env.__getitem__)
+            env[n] = call(graph, n.target, args, kwargs, like=n)
+        moved = call(graph, aten.permute.default, (env[end], list(perm.args[1])), like=perm)
+    end.replace_all_uses_with(moved)
+    refresh([moved])
+    return True
+
+
+def apply(graph: fx.Graph) -> int:
+    if graph.owning_module is None:
+        return 0
+    cache: dict = {}
+    count = 0
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target is aten.unfold.default:
+            found = _site(node)
+            if found is None:
+                continue
+            inputs, out, fn = found
+            new = replace(inputs, out, fn, RTOL, cache, fn.__name__)
+            if new is None:
+                continue
+            count += 1
+            if new.target is aten.permute.default:
+                _sink_pointwise(graph, new)
+    if count:
+        graph.eliminate_dead_code()
+    return count
+
+
+RULE = Rule("conv_einsum", apply,
+            "depthwise short conv as an einsum / bmm over unfold(window) -> "
+            "convolution(window, w[C,1,taps], groups=C), its pointwise tail before the transpose")
+
+__all__ = ["RULE", "apply"]

@@ -1,0 +1,95 @@
+"""Rule `delta_einsum`: the gated delta rule's two products spelled in other einsum orders or by
+hand -> the lowering of `k3compile.math.delta_rule_step`'s own (`patterns/kda_decode.py`):
+
+    read   o[b,h,v] = Σ_k S[b,h,k,v] x[b,h,k]   einsum("bhkv,bhk->bhv", S, x)   (S·k, S·q)
+    write  d[b,h,k,v] = k[b,h,k] u[b,h,v]       k.unsqueeze(-1) * u.unsqueeze(-2)
+
+e.g. `einsum("bhk,bhkv->bhv", k, S)` (the operands swapped: another chain of permutes and clones
+around another bmm), `(x.unsqueeze(-2) @ S).squeeze(-2)`, `einsum("bhk,bhv->bhkv", k, u)` (a mul
+of permuted unsqueezes). Found structurally: a `bmm` whose operands are view chains of a 4-D
+fp32 matrix S [B, H, K, V] and a 3-D vector x [B, H, K], read back through views as [B, H, V]; a
+4-D `mul` of two view chains of 3-D tensors that each insert a unit dim. Taken only where the
+region, run on random values (`canonical.region`), equals the canonical product: the read within
+1e-5 of the largest value (fp32 summation order), the write exactly. A matrix-vector product
+over V, a product of other ranks or dtypes, a mul that is no outer product: left alone.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+from k3compile.canonical import Rule
+from k3compile.canonical.region import VIEWS, below, replace, root, shape, val
+
+aten = torch.ops.aten
+READ_RTOL = 1e-5
+
+
+def read(S, x):
+    return torch.einsum("bhkv,bhk->bhv", S, x)
+
+
+def write(k, u):
+    return k.unsqueeze(-1) * u.unsqueeze(-2)
+
+
+def _read_site(bmm: fx.Node):
+    roots = [root(a) for a in bmm.args]
+    by_rank = {len(shape(r) or ()): r for r in roots}
+    S, x = by_rank.get(4), by_rank.get(3)
+    if S is None or x is None or len(set(roots)) != 2:
+        return None
+    B, H, K, V = shape(S)
+    if val(S).dtype != torch.float32 or shape(x) != (B, H, K) or val(x).dtype != torch.float32:
+        return None
+    out = below(bmm, (B, H, V))
+    return None if out is None else ([S, x], out)
+
+
+def _inserts_unit_dim(node: fx.Node) -> bool:
+    while node.op == "call_function" and node.target in VIEWS:
+        if node.target is aten.unsqueeze.default:
+            return True
+        node = node.args[0]
+    return False
+
+
+def _write_site(mul: fx.Node):
+    out = shape(mul)
+    if out is None or len(out) != 4 or len(mul.args) != 2:
+        return None
+    a, b = mul.args
+    if not all(isinstance(n, fx.Node) and _inserts_unit_dim(n) for n in (a, b)):
+        return None
+    ra, rb = root(a), root(b)
+    if len(shape(ra) or ()) != 3 or len(shape(rb) or ()) != 3 or ra is rb:
+        return None
+    for k, u in ((ra, rb), (rb, ra)):
+        if shape(k)[:2] == out[:2] and (shape(k)[2], shape(u)[2]) == out[2:]:
+            return [k, u]
+    return None
+
+
+def apply(graph: fx.Graph) -> int:
+    if graph.owning_module is None:
+        return 0
+    cache: dict = {}
+    count = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target is aten.bmm.default and (site := _read_site(node)) is not None:
+            count += replace(*site, read, READ_RTOL, cache, "read") is not None
+        elif node.target is aten.mul.Tensor and (ins := _write_site(node)) is not None:
+            count += replace(ins, node, write, 0.0, cache, "write") is not None
+    if count:
+        graph.eliminate_dead_code()
+    return count
+
+
+RULE = Rule("delta_einsum", apply,
+            "delta-rule products in any einsum order (S·x over K, k ⊗ u) -> "
+            "einsum('bhkv,bhk->bhv') / k.unsqueeze(-1) * u.unsqueeze(-2)")
+
+__all__ = ["RULE", "apply"]

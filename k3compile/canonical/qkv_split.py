@@ -1,0 +1,131 @@
+"""Rule `qkv_split`: q|k|v as ONE projection whose short-conv output (not the GEMM output) is cut
+into q, k and v -> one GEMM per piece on the weight's row slices, concatenated before the conv,
+and the conv's taps as the concatenation of the pieces' row slices: the canonical form
+(`patterns/kda_decode.py`: `cat([q, k, v], -1)` of three linears, `cat([wq, wk, wv])` taps), which
+`linear_concat` then fuses with the layer's other in-projections.
+
+    y = view(mm(x, permute(W)))  [B, T, C];  window = cat([state[slots], permute(y)], -1)
+    c = convolution(window(.float()), w(.float()), groups=C);  ... split(c', C_i, -1)
+    ->  y = cat([view(mm(x, permute(W[a_i:b_i]))) ...], -1);  w = cat([w[a_i:b_i] ...])
+
+Exact up to the GEMM's blocking: a column of a GEMM's output depends only on its weight row, the
+conv is depthwise (each channel alone), and a cat of consecutive row slices is the tensor itself.
+Taken where the conv's output reaches a split of its channels through pointwise ops, casts and
+one permute only (`gate_up_split` names the pointwise ops), each piece wider than one channel.
+Left alone: a conv that is not depthwise, pieces of a conv output read whole elsewhere, a GEMM
+output read by anything but the window.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+from k3compile.canonical import Rule
+from k3compile.canonical.gate_up_split import _POINTWISE, _gemm, _split
+from k3compile.canonical.region import refresh, root, shape
+from k3compile.graph import call
+
+aten = torch.ops.aten
+_CAST = torch.ops.prims.convert_element_type.default
+
+
+def _past_pointwise(node: fx.Node) -> fx.Node | None:
+    """The one node a pointwise region fed by node alone ends at (node where none follows)."""
+    region, todo = set(), list(node.users)
+    while todo:
+        n = todo.pop()
+        if n not in region and n.target in _POINTWISE and shape(n) == shape(node):
+            region.add(n)
+            todo += n.users
+    if not region:
+        return node
+    ends = [n for n in region if any(u not in region for u in n.users)]
+    if (len(ends) != 1 or any(u not in region for u in node.users)
+            or any(a is not node and a not in region for n in region for a in n.all_input_nodes)):
+        return None
+    return ends[0]
+
+
+def _cuts(conv: fx.Node) -> list[tuple[int, int]] | None:
+    """The channel ranges the conv output is split into (through pointwise ops, casts and
+    permutes), in order."""
+    node, channel = conv, 1
+    while (node := _past_pointwise(node)) is not None and len(node.users) == 1:
+        (node,) = node.users
+        if node.target is aten.permute.default:
+            channel = list(node.args[1]).index(channel)
+        elif node.target in (aten.split.Tensor, aten.split_with_sizes.default):
+            rank = len(shape(node.args[0]))
+            dim = node.args[2] if len(node.args) > 2 else 0
+            if dim % rank != channel or channel != rank - 1:
+                return None
+            pieces = _split(node, rank, shape(node.args[0])[channel])
+            return None if not pieces else sorted((a, b) for _, a, b in pieces)
+        else:
+            return None
+    return None
+
+
+def _site(conv: fx.Node):
+    x, w = root(conv.args[0], {_CAST}), root(conv.args[1], {_CAST})
+    C = (shape(w) or (0,))[0]
+    if (conv.args[8] != C or shape(w) != (C, 1, shape(w)[2]) or x.target is not aten.cat.default
+            or len(x.args[0]) != 2):
+        return None
+    new = x.args[0][1]
+    if new.target is not aten.permute.default or list(new.args[1]) != [0, 2, 1]:
+        return None
+    y = new.args[0]
+    found = _gemm(y) if len(y.users) == 1 and len(shape(y)) == 3 else None
+    if found and (found[0].target is not aten.mm.default or found[1] is None
+                  or found[0].args[1].target is not aten.permute.default):
+        found = None
+    cuts = _cuts(conv) if found else None
+    if not cuts or len(cuts) < 2 or cuts[0][0] != 0 or cuts[-1][1] != C:
+        return None
+    return y, found, w, cuts
+
+
+def _rows(graph: fx.Graph, gemm: fx.Node, y: fx.Node, a: int, b: int) -> fx.Node:
+    """y's columns [a, b) as the GEMM of the weight's rows [a, b), the way F.linear traces."""
+    x, wt = gemm.args[:2]
+    if x.target is aten.view.default:  # F.linear flattens x per GEMM
+        x = call(graph, aten.view.default, tuple(x.args), like=y)
+    rows = call(graph, aten.slice.Tensor, (wt.args[0], 0, a, b), like=y)
+    wt = call(graph, aten.permute.default, (rows, [1, 0]), like=y)
+    out = call(graph, aten.mm.default, (x, wt), like=y)
+    return call(graph, aten.view.default, (out, [*shape(y)[:-1], b - a]), like=y)
+
+
+def _rewrite(graph: fx.Graph, conv: fx.Node, site) -> None:
+    y, (gemm, _), w, cuts = site
+    with graph.inserting_before(y):
+        parts = [_rows(graph, gemm, y, a, b) for a, b in cuts]
+        y_new = call(graph, aten.cat.default, (parts, -1), like=y)
+    y.replace_all_uses_with(y_new)
+    refresh([y_new])
+    with graph.inserting_before(conv):
+        taps = [call(graph, aten.slice.Tensor, (w, 0, a, b), like=conv) for a, b in cuts]
+        w_new = call(graph, aten.cat.default, (taps,), like=conv)
+    (conv if conv.args[1] is w else conv.args[1]).replace_input_with(w, w_new)
+
+
+def apply(graph: fx.Graph) -> int:
+    count = 0
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target is aten.convolution.default:
+            site = _site(node)
+            if site is not None:
+                _rewrite(graph, node, site)
+                count += 1
+    if count:
+        graph.eliminate_dead_code()
+    return count
+
+
+RULE = Rule("qkv_split", apply,
+            "one q|k|v GEMM whose depthwise-conv output is split -> one GEMM per piece on weight "
+            "row slices, cat before the conv; taps as a cat of row slices")
+
+__all__ = ["RULE", "apply"]

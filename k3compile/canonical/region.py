@@ -1,0 +1,163 @@
+"""A graph region read as a function of a few input nodes, checked against a canonical torch
+function on random values and replaced by that function's traced form (shared by the rules that
+take an einsum's many lowerings: `conv_einsum`, `delta_einsum`).
+
+Why: einsum, matmul and hand-written transposes lower to one of many equivalent chains of views
+around a bmm or a broadcast mul. Instead of matching each chain, a rule names the region's inputs
+and output (found structurally) and the canonical function it should compute; `replace` runs the
+region and the function on the same random inputs, and only where they agree (within `rtol` of
+the largest value: summation order) splices in the function as Inductor's joint passes trace it,
+which is the form the patterns' searches have. Nothing is replaced where the region reads any
+node other than its inputs (a constant table aside: nodes with no inputs), or already is the
+canonical form.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+from k3compile.graph import call, fake_value
+from k3compile.rewrite import inductor
+
+aten = torch.ops.aten
+
+# ops that only re-read a tensor's elements (no arithmetic): what an einsum's lowering wraps
+# around its bmm or mul
+VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.alias.default,
+         aten.permute.default, aten.transpose.int, aten.t.default, aten.clone.default,
+         aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.default, aten.squeeze.dims,
+         aten.expand.default}
+
+
+def val(node) -> torch.Tensor | None:
+    v = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def shape(node) -> tuple[int, ...] | None:
+    v = val(node)
+    return tuple(v.shape) if v is not None else None
+
+
+def root(node: fx.Node, through=VIEWS) -> fx.Node:
+    """The first node up node's chain of `through` ops."""
+    while isinstance(node, fx.Node) and node.op == "call_function" and node.target in through:
+        node = node.args[0]
+    return node
+
+
+def below(node: fx.Node, want: tuple[int, ...], through=VIEWS) -> fx.Node | None:
+    """The first node of shape `want` down node's chain of single-user `through` ops."""
+    while shape(node) != want:
+        if len(node.users) != 1:
+            return None
+        (node,) = node.users
+        if node.target not in through:
+            return None
+    return node
+
+
+def nodes_between(inputs: list[fx.Node], output: fx.Node, limit: int = 64) -> list[fx.Node] | None:
+    """The call_function nodes output is computed from, stopping at inputs, in graph order; None
+    where it reads a placeholder or other outside node, or is larger than `limit`."""
+    seen, todo = set(inputs), [output]
+    region: list[fx.Node] = []
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op != "call_function" or len(region) >= limit:
+            return None
+        region.append(n)
+        todo += n.all_input_nodes
+    order = {n: i for i, n in enumerate(output.graph.nodes)}
+    return sorted(region, key=order.__getitem__)
+
+
+def _signature(nodes) -> list[str]:
+    return sorted(f"{n.target}{fx.map_arg(n.args, lambda _: '%')}" for n in nodes)
+
+
+def _random(node: fx.Node, gen: torch.Generator) -> torch.Tensor:
+    v = val(node)
+    return torch.randn(tuple(v.shape), generator=gen).to(v.dtype)
+
+
+def agrees(inputs: list[fx.Node], output: fx.Node, region: list[fx.Node], fn, rtol: float) -> bool:
+    """region(random inputs) == fn(the same inputs) within rtol of the largest value, in dtype and
+    shape too."""
+    gen = torch.Generator().manual_seed(0)
+    with unset_fake_temporarily():
+        env = {x: _random(x, gen) for x in inputs}
+        want = fn(*env.values())
+        for n in region:
+            args, kwargs = fx.map_arg((n.args, n.kwargs), env.__getitem__)
+            env[n] = n.target(*args, **kwargs)
+        got = env[output]
+        if got.shape != want.shape or got.dtype != want.dtype:
+            return False
+        scale = float(want.abs().max().clamp_min(1e-30))
+        return float((got.float() - want.float()).abs().max()) <= rtol * scale
+
+
+def replace(inputs: list[fx.Node], output: fx.Node, fn, rtol: float, cache: dict,
+            key=None) -> fx.Node | None:
+    """Splice fn's traced form in place of output where the region between inputs and output
+    computes fn (checked on random values); the new output node, or None (nothing changed)."""
+    region = nodes_between(inputs, output)
+    if region is None:
+        return None
+    key = (key, *((shape(x), val(x).dtype) for x in inputs))
+    if key not in cache:
+        fakes = [val(x) for x in inputs]
+        with torch._guards.detect_fake_mode(fakes):
+            # contiguous, as the patterns' example inputs are: the lowering (which permutes need
+            # a clone) then is the one their searches have
+            fakes = [torch.empty(f.shape, dtype=f.dtype, device=f.device) for f in fakes]
+            cache[key] = inductor.fwd_only_joint(fn, fakes)
+    gm = cache[key]
+    body = [n for n in gm.graph.nodes if n.op == "call_function"]
+    if _signature(region) == _signature(body) or not agrees(inputs, output, region, fn, rtol):
+        return None
+    graph = output.graph
+    env = dict(zip([n for n in gm.graph.nodes if n.op == "placeholder"], inputs))
+    with graph.inserting_before(output):
+        for n in body:
+            args, kwargs = fx.map_arg((n.args, n.kwargs), env.__getitem__)
+            env[n] = call(graph, n.target, args, kwargs, like=output)
+    out = gm.graph.output_node().args[0]
+    new = env[out[0] if isinstance(out, (list, tuple)) else out]
+    if shape(new) != shape(output) or val(new).dtype != val(output).dtype:
+        return None
+    output.replace_all_uses_with(new)
+    refresh([new])
+    return new
+
+
+def refresh(changed: list[fx.Node]) -> None:
+    """Recompute meta["val"] downstream of nodes a rewrite put in place of others: their users'
+    recorded strides were derived from the old ones (a view chain that was valid on them may
+    not be on the new layout)."""
+    if not changed:
+        return
+    graph, changed = changed[0].graph, set(changed)
+    for node in graph.nodes:
+        if node.op != "call_function" or not any(a in changed for a in node.all_input_nodes):
+            continue
+        old = node.meta.get("val")
+        new = fake_value(node.target, node.args, node.kwargs)
+        if isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor) and (
+                old.shape != new.shape or old.dtype != new.dtype):
+            raise ValueError(f"{node.name}: {old.dtype}{list(old.shape)} became "
+                             f"{new.dtype}{list(new.shape)}")
+        node.meta["val"] = new
+        if not (isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor)
+                and old.stride() == new.stride()):
+            changed.add(node)
+
+
+__all__ = ["VIEWS", "agrees", "below", "nodes_between", "refresh", "replace", "root", "shape",
+           "val"]

@@ -1,0 +1,82 @@
+"""conv_einsum and qkv_split: KDA's short conv as an einsum over an unfolded window becomes the
+canonical depthwise convolution (SiLU before the transpose), and one q|k|v GEMM whose conv output
+is split becomes three GEMMs on weight row slices with the taps as a cat of row slices (the form
+linear_concat and kda_decode take); look-alikes stay."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from k3compile.canonical import conv_einsum, qkv_split
+from tests.conftest import rel_err
+from tests.fusions.pattern_checks import graph, targets
+
+B, T, W, D, TAPS = 2, 1, 16, 32, 4
+
+
+def _rewrite(fn, args, rules=(conv_einsum, qkv_split)):
+    before, after = graph(fn, *args, joint=True), graph(fn, *args, joint=True)
+    counts = [rule.apply(after.graph) for rule in rules]
+    after.recompile()
+    return before, after, counts
+
+
+def _blind(x, w, state, slots, taps):
+    """tests/spellings/blind_k3.py's KDA front: one q|k|v Linear, unfold + einsum, SiLU, chunk."""
+    hist = torch.cat([state[slots], F.linear(x, w).transpose(1, 2)], dim=-1)
+    conv = torch.einsum("bctk,ck->btc", hist.unfold(-1, TAPS, 1), taps)
+    conv = conv * torch.sigmoid(conv)
+    q, k, v = conv.chunk(3, dim=-1)
+    return q * 2, k + 1, v, hist[..., T:]
+
+
+def _args(tokens=T, dtype=torch.float32):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(B, tokens, D, generator=g).to(dtype),
+            torch.randn(3 * W, D, generator=g).to(dtype),
+            torch.randn(5, 3 * W, TAPS - 1, generator=g).to(dtype), torch.tensor([3, 1]),
+            torch.randn(3 * W, TAPS, generator=g).to(dtype)]
+
+
+@pytest.mark.parametrize("tokens", [1, 8])
+def test_blind_front_becomes_three_gemms_and_one_conv(tokens):
+    args = _args(tokens)
+    before, after, counts = _rewrite(_blind, args)
+    assert counts == [1, 1]
+    t = targets(after)
+    assert "aten.convolution.default" in t and "aten.unfold.default" not in t
+    assert t.count("aten.mm.default") == 3 and "aten.bmm.default" not in t
+    conv = next(n for n in after.graph.nodes if str(n.target) == "aten.convolution.default")
+    assert str(conv.args[1].target) == "aten.cat.default"  # taps as q|k|v row slices
+    assert str(next(iter(conv.users)).target) in ("aten.sigmoid.default", "aten.mul.Tensor")
+    for got, want in zip(after(*args), before(*args), strict=True):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert rel_err(got, want) <= 1e-5
+
+
+def _mixing(x, w, state, slots, taps):
+    """channels mixed by the taps (not depthwise): not a short conv"""
+    hist = torch.cat([state[slots], F.linear(x, w).transpose(1, 2)], dim=-1)
+    return torch.einsum("bctk,dk->btd", hist.unfold(-1, TAPS, 1), taps[:TAPS])
+
+
+def _whole_read(x, w, state, slots, taps):
+    """the conv output read whole besides its pieces: the GEMM stays one"""
+    hist = torch.cat([state[slots], F.linear(x, w).transpose(1, 2)], dim=-1)
+    conv = F.silu(torch.einsum("bctk,ck->btc", hist.unfold(-1, TAPS, 1), taps))
+    q, k, v = conv.chunk(3, dim=-1)
+    return q * k * v, conv
+
+
+@pytest.mark.parametrize(("fn", "dtype", "want"), [(_mixing, torch.float32, [0, 0]),
+                                                   (_blind, torch.bfloat16, [0, 0]),
+                                                   (_whole_read, torch.float32, [1, 0])])
+def test_look_alikes_stay(fn, dtype, want):
+    args = _args(dtype=dtype)
+    before, after, counts = _rewrite(fn, args)
+    assert counts == want
+    assert targets(after).count("aten.mm.default") == 1
+    for got, ref in zip(after(*args), before(*args), strict=True):
+        assert rel_err(got, ref) <= 1e-5

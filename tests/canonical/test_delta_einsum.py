@@ -1,0 +1,79 @@
+"""delta_einsum: the delta rule's state read (S·x over K) and write (k ⊗ u) in other einsum
+orders become the lowering of math.delta_rule_step's own; other products stay."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from k3compile.canonical import delta_einsum
+from tests.conftest import rel_err
+from tests.fusions.pattern_checks import graph, targets
+
+B, H, K = 2, 2, 16
+
+
+def _rewrite(fn, *args):
+    before, after = graph(fn, *args, joint=True), graph(fn, *args, joint=True)
+    n = delta_einsum.apply(after.graph)
+    after.recompile()
+    return before, after, n
+
+
+def _canonical(S, k, u):
+    return delta_einsum.read(S, k), delta_einsum.write(k, u)
+
+
+def _swapped(S, k, u):
+    """tests/spellings/blind_k3.py: einsum("bhk,bhkv->bhv", k, S), einsum("bhk,bhv->bhkv")."""
+    return torch.einsum("bhk,bhkv->bhv", k, S), torch.einsum("bhk,bhv->bhkv", k, u)
+
+
+def _matmul(S, k, u):
+    return (k.unsqueeze(-2) @ S).squeeze(-2), k[..., :, None] * u[..., None, :]
+
+
+def _args(dtype=torch.float32):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(s, generator=g).to(dtype) for s in ((B, H, K, K), (B, H, K), (B, H, K))]
+
+
+@pytest.mark.parametrize("fn", [_swapped, _matmul])
+def test_spellings_become_the_canonical_lowering(fn):
+    args = _args()
+    before, after, n = _rewrite(fn, *args)
+    assert n == 2
+    assert sorted(targets(after)) == sorted(targets(graph(_canonical, *args, joint=True)))
+    for got, want in zip(after(*args), before(*args), strict=True):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert rel_err(got, want) <= 1e-6
+
+
+def test_canonical_form_is_left_as_it_is():
+    args = _args()
+    _, after, n = _rewrite(_canonical, *args)
+    assert n == 0
+
+
+def _over_v(S, k, u):
+    """a product over V (no read of the state), and u ⊗ k: an outer product (taken, exact)"""
+    return torch.einsum("bhkv,bhv->bhk", S, k), torch.einsum("bhk,bhv->bhvk", k, u)
+
+
+def _not_outer(S, k, u):
+    """the read taken; a mul by a 4-D tensor is no outer product"""
+    return torch.einsum("bhk,bhkv->bhv", k, S), (k * u).unsqueeze(-1) * S
+
+
+@pytest.mark.parametrize(("fn", "dtype"), [(_over_v, torch.float32), (_swapped, torch.bfloat16),
+                                           (_not_outer, torch.float32)])
+def test_other_products_stay(fn, dtype):
+    """bf16: the read rounds its output (not the fp32 state read); the write is exact, taken"""
+    args = _args(dtype)
+    before, after, n = _rewrite(fn, *args)
+    assert n == 1
+    bmms = [t for t in targets(after) if t == "aten.bmm.default"]
+    assert len(bmms) == (0 if fn is _not_outer else 1)
+    for got, want in zip(after(*args), before(*args), strict=True):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert rel_err(got, want) <= (1e-6 if dtype == torch.float32 else 0)
