@@ -58,10 +58,12 @@ GAPS = {"dense": {**KDA_GAPS, **POST_GAP}, "kda_moe": {**KDA_GAPS, **POST_GAP},
         "mla_moe": {**MLA_GAPS, **POST_GAP}, "last": {**MLA_GAPS, **POST_GAP}, "final": {}}
 FOUND = True
 # kernel launches per layer (0, 1, 2, 3, FINAL) by (dtype, T, batch); our own tiny model: 6-13
+# (hbkda: the KDA layers fuse at B3 / B8; the batch-1 bucket's KDA step does not yet, cause not
+# found: its B=1 variants' near miss is to be read)
 LAUNCHES: dict[tuple[torch.dtype, int, int], tuple[int, ...]] = {
     (torch.float32, 1, 1): (48, 59, 36, 36, 2),
-    (torch.float32, 1, 3): (49, 60, 36, 36, 2),
-    (torch.float32, 1, 8): (49, 60, 36, 36, 2),
+    (torch.float32, 1, 3): (7, 14, 36, 36, 2),
+    (torch.float32, 1, 8): (7, 14, 36, 36, 2),
 }
 
 
