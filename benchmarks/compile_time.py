@@ -10,7 +10,10 @@ output: k3compile/stage_cache.py) and TORCHINDUCTOR_CACHE_DIR
 (Inductor's FX graph and Triton caches) under it. Each builds the yardstick's 4 layers
 (benchmarks/decode_layer.py), then compiles every bucket in turn as the yardstick does
 (`torch.compile(stack, backend=k3, dynamic=False, options={"cuda_graphs": False})`, timed up to
-the end of its first call) from one state snapshot. Pass 1 (cold) fills the caches, pass 2
+the end of its first call) from one state snapshot. `--dynamic`: as a server does, one
+`torch.compile` for B1..B64 with the batch marked (`mark_batch`), so Dynamo traces the step once
+and the backend compiles each bucket from that one graph (B1xT8 stays a graph of its own);
+`--against REPORT` then also requires each bucket's outputs to equal that (per-bucket) report's. Pass 1 (cold) fills the caches, pass 2
 (warm) is what a restarted server pays. Per bucket: seconds (and CPU seconds), the pipeline's stage seconds
 ("torch": the rest, Dynamo, AOT and Inductor, and the first call), kernels built / loaded from
 the cache and the seconds that took, pattern traces made / loaded from the cache
@@ -52,6 +55,9 @@ def parse_args(argv=None):
     p.add_argument("--verify", type=int, default=8, help="T of the B=1 verify bucket (0: none)")
     p.add_argument("--executor", default="inductor", choices=("inductor", "aten"))
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dynamic", action="store_true",
+                   help="one Dynamo graph for B1..B64 (mark_batch), not one per bucket")
+    p.add_argument("--against", help="a compile_time.json whose outputs each bucket must equal")
     p.add_argument("--cache-dir", help="a fresh folder for both passes' caches (default: a new "
                                        "temporary folder)")
     p.add_argument("--out", default="out")
@@ -73,6 +79,7 @@ def run_pass(args) -> dict:
     from k3compile.kernels.common import disk_cache
 
     from k3compile import stage_cache
+    from k3compile.backend import mark_batch
     from k3compile.observe import Observer
     from k3compile.rewrite import trace_cache
 
@@ -89,6 +96,10 @@ def run_pass(args) -> dict:
     start = yardstick.snapshot(bufs)
     result = {"pass": args.which, "build_s": time.perf_counter() - t_start, "buckets": []}
     options = {"cuda_graphs": False, "executor": args.executor}
+    batched = None  # --dynamic: the one compiled step of every [B] bucket
+    if args.dynamic:
+        options["buckets"] = tuple(args.batches)
+        batched = torch.compile(stack, backend=backend, options=options)
     for bucket in buckets(args):
         gen = torch.Generator(device=device).manual_seed(args.seed + 1000 * bucket.batch
                                                          + bucket.tokens)
@@ -99,10 +110,15 @@ def run_pass(args) -> dict:
             kernel_s0, traces0 = disk_cache.seconds(), trace_cache.stats()
             stages0, phases0 = stage_cache.stats(), torch_phases()
             stages: dict[str, float] = {}
+            dynamo0 = torch._dynamo.utils.counters["stats"]["unique_graphs"]
             t0, cpu0 = time.perf_counter(), time.process_time()
             with Observer.subscribe(_stage_timer(stages)):
-                outputs = torch.compile(stack, backend=backend, dynamic=False,
-                                        options=options)(*inputs)
+                if batched is not None and bucket.tokens == 1:
+                    mark_batch(*inputs)
+                    outputs = batched(*inputs)
+                else:
+                    outputs = torch.compile(stack, backend=backend, dynamic=False,
+                                            options=options)(*inputs)
             yardstick.sync(device)
             seconds, cpu = time.perf_counter() - t0, time.process_time() - cpu0
         stages["torch"] = seconds - sum(stages.values())
@@ -115,6 +131,7 @@ def run_pass(args) -> dict:
             "kernels": _delta(disk_cache.stats(), kernels0),
             "kernel_s": _delta(disk_cache.seconds(), kernel_s0),
             "fx_graph_cache": yardstick._cache_counters(graphs0),
+            "dynamo_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"] - dynamo0,
             "outputs_sha256": digest(outputs)})
         print(f"{args.which} {bucket.name}: {seconds:.1f} s, kernels "
               f"{result['buckets'][-1]['kernels']}", flush=True)
@@ -174,7 +191,8 @@ def main(argv=None) -> int:
                         str(result)], env=env, check=True)
         passes[which] = json.loads(result.read_text())
         passes[which]["wall_s"] = round(time.perf_counter() - t0, 2)
-    report = {"meta": meta(args, cache), **passes, "problems": problems(passes)}
+    against = json.loads(Path(args.against).read_text()) if args.against else None
+    report = {"meta": meta(args, cache), **passes, "problems": problems(passes, against)}
     (out / "compile_time.json").write_text(json.dumps(report, indent=1))
     print(table(passes))
     for line in report["problems"]:
@@ -188,12 +206,19 @@ def meta(args, cache: Path) -> dict:
     return {"date": time.strftime("%Y-%m-%d"), "config": args.config, "device": str(device),
             "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "torch": torch.__version__, "executor": args.executor, "context": args.context,
+            "dynamic": args.dynamic,
             "buckets": [b.name for b in buckets(args)], "cache_dir": str(cache)}
 
 
-def problems(passes: dict) -> list[str]:
-    """What the warm pass must satisfy: no kernel built, bitwise the cold pass's outputs."""
+def problems(passes: dict, against: dict | None = None) -> list[str]:
+    """What the warm pass must satisfy: no kernel built, bitwise the cold pass's outputs (and,
+    with `against`, bitwise that report's)."""
     found = []
+    if against is not None:
+        theirs = {b["name"]: b["outputs_sha256"] for b in against["cold"]["buckets"]}
+        found += [f"{b['name']}: outputs differ from the --against report's"
+                  for b in passes["cold"]["buckets"]
+                  if theirs.get(b["name"], b["outputs_sha256"]) != b["outputs_sha256"]]
     for cold, warm in zip(passes["cold"]["buckets"], passes["warm"]["buckets"], strict=True):
         if warm["kernels"].get("built"):
             found.append(f"{warm['name']}: the warm pass built {warm['kernels']['built']} kernels")
@@ -208,12 +233,13 @@ def problems(passes: dict) -> list[str]:
 
 
 def table(passes: dict) -> str:
-    rows = [f"{'bucket':<10}{'cold s':>9}{'warm s':>9}{'cold cpu':>9}{'warm cpu':>9}  "
-            "warm stages; kernels cold -> warm"]
+    rows = [f"{'bucket':<10}{'cold s':>9}{'warm s':>9}{'cold cpu':>9}{'warm cpu':>9}"
+            f"{'graphs':>7}  warm stages; kernels cold -> warm"]
     for cold, warm in zip(passes["cold"]["buckets"], passes["warm"]["buckets"], strict=True):
         shown = ", ".join(f"{k} {v:.1f}" for k, v in warm["stages"].items() if v >= 0.05)
         rows.append(f"{cold['name']:<10}{cold['compile_s']:>9.1f}{warm['compile_s']:>9.1f}"
-                    f"{cold['cpu_s']:>9.1f}{warm['cpu_s']:>9.1f}  {shown}; "
+                    f"{cold['cpu_s']:>9.1f}{warm['cpu_s']:>9.1f}"
+                    f"{warm.get('dynamo_graphs', 0):>7}  {shown}; "
                     f"{cold['kernels']} -> {warm['kernels']}")
     rows.append(f"{'compile':<10}{passes['cold']['compile_s']:>9.1f}"
                 f"{passes['warm']['compile_s']:>9.1f}")
