@@ -233,8 +233,8 @@ def problems(passes: dict, against: dict | None = None) -> list[str]:
 
 
 def table(passes: dict) -> str:
-    rows = [f"{'bucket':<10}{'cold s':>9}{'warm s':>9}{'cold cpu':>9}{'warm cpu':>9}"
-            f"{'graphs':>7}  warm stages; kernels cold -> warm"]
+    head = f"{'bucket':<10}{'cold s':>9}{'warm s':>9}{'cold cpu':>9}{'warm cpu':>9}{'graphs':>7}"
+    rows = [head + "  warm stages; kernels cold -> warm"]
     for cold, warm in zip(passes["cold"]["buckets"], passes["warm"]["buckets"], strict=True):
         shown = ", ".join(f"{k} {v:.1f}" for k, v in warm["stages"].items() if v >= 0.05)
         rows.append(f"{cold['name']:<10}{cold['compile_s']:>9.1f}{warm['compile_s']:>9.1f}"

@@ -9,7 +9,11 @@ patterns left to Inductor (or, with executor "aten", runs it as it is).
 
 Where the stage cache is on (`Options.stage_cache`, K3_CACHE_DIR; k3compile/stage_cache.py), a
 stage "cache" first looks the graph up: a hit stands for every stage before `ranks`, whose
-output a second process then loads; `ranks`, `contract` and `pack` run on every compile.
+output a second process then loads; `ranks`, `contract` and `pack` run on every compile. A link
+entry keyed by Dynamo's graph (`Options.skip_aot`) lets a second process skip AOTAutograd too:
+the ATen graph is decoded from the stage key the link names and goes through the same stages,
+and the executor gets it without AOTAutograd's runtime wrappers, which the first process found
+to do nothing for that graph (`inductor.aot_wrappers`).
 
 `STAGES` is every stage in its order; `stages(options)` is the list one compile runs, decided
 once, here, as data: a stage is off where `Options.disabled_stages` names it or where the option
@@ -99,14 +103,15 @@ class Pipeline:
         self.observer = observer
         self.stages = stages(options)
 
-    def run(self, gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
+    def run(self, gm: fx.GraphModule, ctx: Context, text: str | None = None) -> fx.GraphModule:
         """Every stage on gm, each under the observer; what they reported kept by bucket. The
         stages before `stage_cache.REPLAYED` are looked up in the stage cache first (stage
         "cache", where the cache is on): a hit stands for them, a miss runs them and stores
-        their graph; the replayed stages run on every compile."""
+        their graph; the replayed stages run on every compile. `text`: gm's stage key, where a
+        link gave it (gm was decoded from it)."""
         cached, replayed = stage_cache.split(self.stages)
-        text = (stage_cache.key_text(gm, ctx, [name for name, _ in self.stages])
-                if cached and self.options.stage_cache else None)
+        if text is None and cached and self.options.stage_cache:
+            text = stage_cache.key_text(gm, ctx, [name for name, _ in self.stages])
         path = stage_cache.path_of(text) if text is not None else None
         hit = None
         if path is not None:  # stage "cache": the lookup, and on a hit the stages' output
@@ -117,6 +122,7 @@ class Pipeline:
                 return given if hit is None else hit.gm
 
             gm = self.observer.run("cache", lookup, gm, ctx)
+            ctx.stage_key = text
         if hit is not None:
             self.observer.records[ctx.batch] += hit.records  # what "cache" stood for
             ctx.report.merge(hit.report)
@@ -151,31 +157,64 @@ class Pipeline:
 
             register_all()  # CuTe DSL kernels replace the references on CUDA where the DSL is
 
+        cached, _ = stage_cache.split(self.stages)
+        names = [name for name, _ in self.stages]
+        link_text = (stage_cache.dynamo_key_text(gm, example_inputs, ctx, names)
+                     if cached and self.options.stage_cache and self.options.skip_aot else None)
+        link_path = stage_cache.path_of(link_text, "links") if link_text is not None else None
+        patches = {"emulate_precision_casts": True,
+                   **inductor.GRAPH_PASSES_OFF}  # see there: Inductor's pattern passes off
+
         def inner_compile(aten_gm: fx.GraphModule, aten_inputs, **kwargs):
             import k3compile.ops  # noqa: F401  (the k3 ops must exist before patterns trace)
 
+            why = (inductor.aot_wrappers(aten_gm, stage_cache.describe, example_inputs, kwargs)
+                   if link_path is not None else None)
             aten_gm = self.run(aten_gm, ctx)
-            remember(ctx.inputs)  # later compiles never move what this one was handed
-            if self.options.executor == "inductor":
-                return inductor.compile_fx_inner(aten_gm, aten_inputs, **kwargs)
-            # the graph as it is: side-stream ops name their stream in their calls
-            return inductor.make_boxed_func(aten_gm.forward)
+            if link_path is not None and ctx.stage_key is not None:
+                direct = None if why else {"bumps": inductor.graph_bumps(),
+                                           **inductor.compile_kwargs(kwargs)}
+                stage_cache.store_link(link_path, link_text, ctx.stage_key, direct, why)
+            return self._executor(aten_gm, aten_inputs, kwargs, ctx)
 
-        patches = {"emulate_precision_casts": True,
-                   **inductor.GRAPH_PASSES_OFF}  # see there: Inductor's pattern passes off
         tagged = inductor.graph_cache_tagged(trace_cache.package_digest())
         if tagged is None:  # a key that cannot tell our ops' versions apart: no FX graph cache
             patches["fx_graph_cache"] = False
-        progress = BucketProgress(self.observer, ctx, [name for name, _ in self.stages])
+        progress = BucketProgress(self.observer, ctx, names)
+        link = stage_cache.link(link_path, link_text) if link_path is not None else None
         # AOTAutograd's cache stays off: its key is Dynamo's graph, without our options, and a
         # hit skips `inner_compile`, i.e. every stage (and `pack`, which moves the weights the
         # compiled graph expects packed). Inductor's FX graph cache (torch's default, or
         # TORCHINDUCTOR_FX_GRAPH_CACHE) serves what the stages made: its key is that graph.
         with (progress.compiling(), torch._functorch.config.patch(enable_autograd_cache=False),
               tagged or contextlib.nullcontext(), inference_only(example_inputs)):
-            fn = inductor.compile_fx(gm, example_inputs, inner_compile=inner_compile,
-                                     config_patches=patches)
+            if link is not None and link["direct"] is not None:
+                fn = self._direct(link, ctx, example_inputs, patches)
+            else:
+                fn = inductor.compile_fx(gm, example_inputs, inner_compile=inner_compile,
+                                         config_patches=patches)
         return progress.first_run(fn)  # on a GPU the first run builds the kernels
+
+    def _executor(self, aten_gm: fx.GraphModule, aten_inputs, kwargs, ctx: Context) -> Callable:
+        remember(ctx.inputs)  # later compiles never move what this one was handed
+        if self.options.executor == "inductor":
+            return inductor.compile_fx_inner(aten_gm, aten_inputs, **kwargs)
+        # the graph as it is: side-stream ops name their stream in their calls
+        return inductor.make_boxed_func(aten_gm.forward)
+
+    def _direct(self, link: dict, ctx: Context, example_inputs: list, patches: dict) -> Callable:
+        """The bucket without AOTAutograd: the ATen graph the link's stage key holds, on fake
+        copies of Dynamo's inputs, through the stages (stage "cache" loads their output), then
+        the executor, called as AOTAutograd's trivial wrappers would."""
+        direct = link["direct"]
+        with inductor.fake_inputs(example_inputs, patches) as fakes:
+            aten_gm = self.run(stage_cache.aten_graph(link["aten"], fakes), ctx, link["aten"])
+            remember(ctx.inputs)
+            stage_cache.STATS["direct"] += 1
+            if self.options.executor == "inductor":
+                compiled = inductor.compile_fx_inner_direct(aten_gm, fakes, direct)
+                return inductor.plain_call(compiled, direct["bumps"], boxed=True)
+        return inductor.plain_call(aten_gm.forward, direct["bumps"], boxed=False)
 
 
 def inference_only(example_inputs: list) -> contextlib.AbstractContextManager:

@@ -47,6 +47,8 @@ SWITCHES: dict[str, tuple[str, str]] = {
     "K3_QUIET": ("no compile progress on stderr (buckets, stages, kernels built)", "0"),
     "K3_STAGE_CACHE": ("option `stage_cache`: each bucket's stage output cached under "
                        "K3_CACHE_DIR", "1"),
+    "K3_SKIP_AOT": ("option `skip_aot`: a stage-cache hit by Dynamo's graph skips AOTAutograd "
+                    "where its runtime wrappers do nothing", "1"),
     "K3_CACHE_DIR": ("the on-disk cache of compiled kernels, traced patterns and stage outputs "
                      "(`0`: none)",
                      "~/.cache/k3compile"),
@@ -157,6 +159,10 @@ class Options:
     # Each bucket's stage output on disk (k3compile/stage_cache.py, under K3_CACHE_DIR): a second
     # process compiling the same graph loads it. K3_STAGE_CACHE=0 runs every stage every time.
     stage_cache: bool = True
+    # With the stage cache: a bucket whose Dynamo graph and inputs a link entry knows loads the
+    # stages' graph without AOTAutograd's lowering, where AOTAutograd's runtime wrappers were
+    # found to do nothing for it (k3compile/stage_cache.py). K3_SKIP_AOT=0: AOTAutograd always.
+    skip_aot: bool = True
 
     @classmethod
     def make(cls, options: dict[str, Any] | None = None) -> Options:
@@ -168,7 +174,7 @@ class Options:
                          ("fuse_without_kernels", "K3_FUSE_ALL"),
                          ("side_streams", "K3_SIDE_STREAMS"),
                          ("pack_weights", "K3_PACK_WEIGHTS"),
-                         ("stage_cache", "K3_STAGE_CACHE")):
+                         ("stage_cache", "K3_STAGE_CACHE"), ("skip_aot", "K3_SKIP_AOT")):
             if (value := env_bool(var)) is not None:
                 opts.setdefault(key, value)
         for key, var in (("executor", "K3_EXECUTOR"), ("shard_moe", "K3_SHARD_MOE"),

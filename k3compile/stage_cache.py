@@ -37,6 +37,7 @@ from the loaded graph's inputs (`graph.fake_value`), as every stage does for the
 
 from __future__ import annotations
 
+import ast
 import base64
 import dataclasses
 import hashlib
@@ -61,7 +62,9 @@ REPLAYED = ("ranks", "contract", "pack")  # they act on the process: run on ever
 
 log = logging.getLogger("k3compile")
 
-STATS: Counter[str] = Counter()  # loaded, stored, rebuilt (bad entries), unstored, missed
+# loaded, stored, rebuilt (bad entries), unstored, missed; linked (a link stored), direct (a
+# compile that skipped AOTAutograd)
+STATS: Counter[str] = Counter()
 
 
 @dataclasses.dataclass
@@ -100,15 +103,41 @@ def key_text(gm: fx.GraphModule, ctx, stage_names: list[str]) -> str | None:
                   if n.op == "placeholder"]
     except trace_cache.Unstorable:
         return None
-    return json.dumps({
-        "format": FORMAT, "graph": graph, "inputs": inputs,
-        "stacks": _stacks(gm.graph, keys=False),
-        "batch": ctx.batch, "user_inputs": sorted(ctx.user_inputs),
-        "options": fingerprint(ctx.options), "stages": stage_names,
-        "source": _sources(), "device": _device(inputs), "rank": _rank(),
-        "configs": [inductor.inductor_config.get_hash().hex(),
-                    torch._functorch.config.get_hash().hex()],
-        "torch": [torch.__version__, torch.version.git_version]}, sort_keys=True)
+    return json.dumps({"format": FORMAT, "graph": graph, "inputs": inputs,
+                       "stacks": _stacks(gm.graph, keys=False),
+                       **_context(ctx, stage_names, inputs)}, sort_keys=True)
+
+
+def dynamo_key_text(gm: fx.GraphModule, inputs: list, ctx, stage_names: list[str]) -> str | None:
+    """The key of a link entry: Dynamo's graph (its code, each node's module path), the real
+    inputs' metadata (with requires_grad and which inputs share storage: AOTAutograd's views and
+    aliases depend on them), grad and autocast modes, and what `key_text` holds beside its
+    graph. None where the graph holds an attribute (a value the code does not show) or an input
+    has no stable description."""
+    if ctx.options.verify or any(n.op == "get_attr" for n in gm.graph.nodes):
+        return None
+    try:
+        described = [_describe_value(x) for x in inputs]
+    except trace_cache.Unstorable:
+        return None
+    storages: dict[tuple, int] = {}
+    shared = [[storages.setdefault((x.untyped_storage().data_ptr(), str(x.device)), i),
+               x.storage_offset(),
+               x.requires_grad] if isinstance(x, torch.Tensor) else None
+              for i, x in enumerate(inputs)]
+    return json.dumps({"format": FORMAT, "dynamo": gm.code, "inputs": described,
+                       "shared": shared, "stacks": _stacks(gm.graph, keys=False),
+                       "modes": [torch.is_grad_enabled(), torch._C._is_any_autocast_enabled()],
+                       **_context(ctx, stage_names, described)}, sort_keys=True)
+
+
+def _context(ctx, stage_names: list[str], inputs: list) -> dict:
+    return {"batch": ctx.batch, "user_inputs": sorted(ctx.user_inputs),
+            "options": fingerprint(ctx.options), "stages": stage_names,
+            "source": _sources(), "device": _device(inputs), "rank": _rank(),
+            "configs": [inductor.inductor_config.get_hash().hex(),
+                        torch._functorch.config.get_hash().hex()],
+            "torch": [torch.__version__, torch.version.git_version]}
 
 
 def _sources() -> str:
@@ -132,6 +161,9 @@ def _describe_value(v) -> list:
     if isinstance(v, (bool, int, float)) or v is None:
         return [type(v).__name__, repr(v)]
     raise trace_cache.Unstorable(f"an input of type {type(v).__name__}")
+
+
+describe = _describe_value  # an input's metadata as the keys hold it
 
 
 def _stacks(graph: fx.Graph, keys: bool = True) -> dict[str, list[list[str]]]:
@@ -161,9 +193,13 @@ def _device(inputs: list) -> list:
 
 # ---- entries -----------------------------------------------------------------------------------
 
-def path_of(text: str) -> Path | None:
+def path_of(text: str, kind: str = "") -> Path | None:
+    """The entry's file for this key text (`kind` "links": a link entry's, in a folder of their
+    own)."""
     folder = root()
-    return None if folder is None else folder / f"{hashlib.sha256(text.encode()).hexdigest()}.json"
+    if folder is None:
+        return None
+    return (folder / kind if kind else folder) / f"{hashlib.sha256(text.encode()).hexdigest()}.json"
 
 
 def lookup(path: Path, text: str, gm: fx.GraphModule, inputs: list) -> Entry | None:
@@ -235,7 +271,8 @@ def load(path: Path, text: str, gm: fx.GraphModule, inputs: list) -> Entry:
                     if _digest(inputs[int(i)]) != digest]):
         raise BadEntry(f"the tables the stages read differ (inputs {changed})")
     graph = trace_cache.decode_graph(body["graph"])
-    _annotate(graph, gm, body["stacks"], body["meta"])
+    _annotate(graph, [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"],
+              body["stacks"], body["meta"])
     out = fx.GraphModule(gm, graph)
     out.meta.update(gm.meta)
     from k3compile.observe import StageRecord  # observe imports the pipeline's stages' types
@@ -246,24 +283,67 @@ def load(path: Path, text: str, gm: fx.GraphModule, inputs: list) -> Entry:
     return Entry(out, records, report, notes)
 
 
-def _annotate(graph: fx.Graph, gm: fx.GraphModule, stacks: dict[str, list],
+def _annotate(graph: fx.Graph, values: list, stacks: dict[str, list],
               meta: dict[str, dict]) -> None:
-    """Node values from the placeholders' (those of the graph the pipeline received), in order,
-    each node's module stack and the stages' own metadata."""
-    given = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    """Node values from the placeholders' `values` (those of the graph the pipeline received),
+    in order, each node's module stack ([key, path, type], or [path, type] as a key holds them)
+    and the stages' own metadata."""
     mine = [n for n in graph.nodes if n.op == "placeholder"]
-    if len(given) != len(mine):
-        raise BadEntry(f"{len(mine)} placeholders for {len(given)} inputs")
-    for n, g in zip(mine, given, strict=True):
-        n.meta["val"] = g.meta["val"]
+    if len(values) != len(mine):
+        raise BadEntry(f"{len(mine)} placeholders for {len(values)} inputs")
+    for n, v in zip(mine, values, strict=True):
+        n.meta["val"] = v
     for n in graph.nodes:
         if n.op == "call_function":
             n.meta["val"] = fake_value(n.target, n.args, n.kwargs)
         if n.name in stacks:
-            n.meta["nn_module_stack"] = {k: (path, t) for k, path, t in stacks[n.name]}
+            n.meta["nn_module_stack"] = {s[0]: tuple(s[-2:]) for s in stacks[n.name]}
     env = {n.name: n for n in graph.nodes}
-    for name, values in meta.items():
-        env[name].meta.update({k: trace_cache.decode_value(v, env) for k, v in values.items()})
+    for name, data in meta.items():
+        env[name].meta.update({k: trace_cache.decode_value(v, env) for k, v in data.items()})
+
+
+# ---- links: Dynamo's graph -> the stage entry, without AOTAutograd ------------------------------
+
+def store_link(path: Path, text: str, aten_text: str, direct: dict | None, why: str | None):
+    """Link Dynamo's graph (key `text`) to the stage entry of the ATen graph AOTAutograd made of
+    it (whose key text `aten_text` holds that graph); `direct`: how to run the loaded graph
+    without AOTAutograd (None: AOTAutograd's wrappers are needed, `why`)."""
+    try:
+        write_entry(path, FORMAT, text, json.dumps({"aten": aten_text, "direct": direct,
+                                                    "why": why}))
+    except OSError as e:  # an entry not written costs a compile, never a failure
+        log.debug("k3 stage cache: link not stored (%s)", e)
+        return
+    STATS["linked"] += 1
+
+
+def link(path: Path, text: str) -> dict | None:
+    """The link entry at `path` for this key, or None (a bad one is logged and removed)."""
+    if not path.exists():
+        return None
+    try:
+        body = json.loads(read_entry(path, FORMAT, text))
+        json.loads(body["aten"])
+    except Exception as e:  # noqa: BLE001 - whatever is wrong with it, AOTAutograd runs
+        log.warning("k3 stage cache: link %s unusable (%s: %s)", path, type(e).__name__, e)
+        STATS["rebuilt"] += 1
+        path.unlink(missing_ok=True)
+        return None
+    return body
+
+
+def aten_graph(aten_text: str, values: list) -> fx.GraphModule:
+    """The ATen graph a stage key holds, on the placeholders' `values` (Dynamo's inputs, as
+    fake tensors), with node values and module paths: the graph AOTAutograd handed the stages
+    when the link was stored."""
+    key = json.loads(aten_text)
+    graph = trace_cache.decode_graph(key["graph"])
+    # a non-tensor input's value as the graph had it (AOTAutograd leaves a size's unset)
+    values = [v if d[0] == "tensor" else ast.literal_eval(d[1])
+              for v, d in zip(values, key["inputs"], strict=True)]
+    _annotate(graph, values, key["stacks"], {})
+    return fx.GraphModule(torch.nn.Module(), graph)
 
 
 def _reads(gm: fx.GraphModule, inputs: list) -> dict[str, str]:

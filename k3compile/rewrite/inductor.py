@@ -3,6 +3,8 @@ file: pattern tracing/matching (Inductor's pattern matcher) and the compile entr
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch._functorch.aot_autograd import make_boxed_func
 from torch._inductor import config as inductor_config
@@ -54,6 +56,109 @@ def graph_cache_tagged(tag: str):
         return None
     user = config.cache_key_tag
     return config.patch(cache_key_tag=f"{user}|k3:{tag}" if user else f"k3:{tag}")
+
+
+def aot_wrappers(aten_gm: torch.fx.GraphModule, describe, inputs: list, kwargs: dict) -> str | None:
+    """Why AOTAutograd's runtime wrappers around this ATen graph do more than call it with
+    Dynamo's arguments and return its outputs, or None where they do nothing else: read, inside
+    our `inner_compile`, off the `ViewAndMutationMeta` AOTAutograd left in the tracing context.
+    Nothing else: an inference graph (grad off in the call), input mutations kept in the graph,
+    no aliased outputs, no intermediate bases, no effect tokens, no subclasses, no functionalized
+    RNG, no autocast, and the graph takes exactly Dynamo's inputs (no duplicate dropped, no
+    synthetic base): `describe` of each placeholder's value equals that of each input (or the
+    input is a size the graph does not read)."""
+    from torch._functorch._aot_autograd.schemas import PlainTensorMeta
+
+    context = torch._guards.TracingContext.try_get()
+    meta = getattr(context, "fw_metadata", None)
+    placeholders = [n for n in aten_gm.graph.nodes if n.op == "placeholder"]
+    checks = [
+        (meta is not None, "no AOTAutograd metadata"),
+        (kwargs.get("is_inference") is True, "not an inference graph"),
+        (meta is None or meta.num_mutated_inp_runtime_indices == 0,
+         "input mutations applied by the wrapper"),
+        (meta is None or meta.num_outputs_aliased == 0, "aliased outputs"),
+        (meta is None or meta.num_intermediate_bases == 0, "intermediate bases"),
+        (meta is None or not meta.tokens, "effect tokens"),
+        (meta is None or meta.grad_enabled_mutation is None, "a grad-mode change"),
+        (meta is None or not meta.is_rng_op_functionalized, "functionalized RNG"),
+        (meta is None or all(isinstance(m, (int, PlainTensorMeta))
+                             for m in (*meta.subclass_inp_meta, *meta.subclass_fw_graph_out_meta)),
+         "tensor subclasses"),
+        (not torch._C._is_any_autocast_enabled(), "autocast"),
+        (len(placeholders) == len(inputs) and all(
+            describe(n.meta.get("val")) == describe(x) or (
+                not isinstance(x, torch.Tensor) and n.meta.get("val") is None and not n.users)
+            for n, x in zip(placeholders, inputs)),
+         "the graph's inputs are not Dynamo's (deduplicated or a synthetic base)"),
+    ]
+    return next((why for ok, why in checks if not ok), None)
+
+
+def graph_bumps() -> list[int]:
+    """The inputs whose version counters AOTAutograd's wrapper bumps per call (mutated inside
+    the graph, seen by autograd)."""
+    meta = torch._guards.TracingContext.try_get().fw_metadata
+    return list(meta.mutated_graph_handled_indices_seen_by_autograd)
+
+
+def compile_kwargs(kwargs: dict) -> dict:
+    """Inductor's `compile_fx_inner` arguments as data (for a compile without AOTAutograd)."""
+    return {"static_input_idxs": list(kwargs.get("static_input_idxs") or ()),
+            "cudagraphs": bool(getattr(kwargs.get("cudagraphs"), "value", False)),
+            "graph_id": kwargs.get("graph_id"), "is_inference": True}
+
+
+def plain_call(graph_fn, bumps: list[int], boxed: bool):
+    """What AOTAutograd's runtime wrapper does around an inference graph whose wrappers are
+    trivial (`aot_wrappers`): grad off, the version bumps, the outputs as a list."""
+    increment = torch.autograd.graph.increment_version
+
+    def call(*args):
+        if bumps:
+            increment(tuple(args[i] for i in bumps))
+        with torch.no_grad():
+            outs = graph_fn(list(args)) if boxed else graph_fn(*args)
+        return list(outs) if isinstance(outs, (tuple, list)) else [outs]
+
+    return call
+
+
+def compile_fx_inner_direct(aten_gm: torch.fx.GraphModule, fakes: list, data: dict):
+    """Inductor's `compile_fx_inner` on an ATen graph without AOTAutograd around it (inside
+    `fake_inputs`), with the arguments `compile_kwargs` stored; a boxed callable."""
+    from torch._inductor.cudagraph_utils import BoxedDeviceIndex
+    from torch._inductor.decomposition import select_decomp_table
+    from torch._inductor.utils import BoxedBool
+
+    output = next(n for n in reversed(aten_gm.graph.nodes) if n.op == "output")
+    output.meta["user_visible_output_idxs"] = [
+        i for i, a in enumerate(output.args[0]) if isinstance(a, torch.fx.Node)]
+    return compile_fx_inner(
+        aten_gm, fakes, static_input_idxs=data["static_input_idxs"],
+        cudagraphs=BoxedBool(data["cudagraphs"]), graph_id=data["graph_id"],
+        is_inference=True, boxed_forward_device_index=BoxedDeviceIndex(None),
+        get_decomp_fn=select_decomp_table)
+
+
+@contextlib.contextmanager
+def fake_inputs(inputs: list, patches: dict):
+    """Each tensor as a fake tensor of one new fake mode (static shapes), other values as they
+    are, under what `compile_fx` sets around AOTAutograd and our `inner_compile`: a tracing
+    context of that mode (not Dynamo's, whose fake tensors these must not meet), the mode as
+    Inductor's, its config `patches` and functorch's two patches (torch 2.13)."""
+    from torch._functorch import config as functorch_config
+    from torch._inductor.virtualized import V
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fakes = [mode.from_tensor(x, static_shapes=True) if isinstance(x, torch.Tensor) else x
+             for x in inputs]
+    with (inductor_config.patch(patches), V.set_fake_mode(mode),
+          torch._guards.tracing(torch._guards.TracingContext(mode)),
+          functorch_config.patch(unlift_effect_tokens=True,
+                                 selective_decompose=inductor_config.selective_decompose)):
+        yield fakes
 
 
 def fwd_only_joint(fn, args, *, get_decomp_fn=None):
@@ -191,17 +296,23 @@ __all__ = [
     "Match",
     "MultiOutputPattern",
     "PatternExpr",
+    "aot_wrappers",
     "commutative",
     "compile_fx",
     "compile_fx_inner",
+    "compile_fx_inner_direct",
+    "compile_kwargs",
+    "fake_inputs",
     "fwd_only",
     "fwd_only_fake",
     "fwd_only_joint",
     "gen_pattern_and_search_gm",
+    "graph_bumps",
     "graph_cache_tagged",
     "inductor_config",
     "make_boxed_func",
     "match",
+    "plain_call",
     "stable_topological_sort",
     "unset_fake_temporarily",
     "wildcard_strings",

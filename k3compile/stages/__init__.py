@@ -25,3 +25,4 @@ class Context:
     inputs: list = dataclasses.field(default_factory=list)  # Dynamo's real example inputs
     # positions of the inputs the caller passes each step (not parameters or buffers)
     user_inputs: frozenset[int] = frozenset()
+    stage_key: str | None = None  # the stage cache's key text of the ATen graph (None: uncached)
