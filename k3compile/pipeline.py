@@ -133,9 +133,13 @@ class Pipeline:
                 gm = self.observer.run(name, stage, gm, ctx)
             if path is not None:
                 gm.meta.setdefault("inputs_read", set()).update(given.meta.get("inputs_read", ()))
-                stage_cache.store(path, text, gm, ctx.inputs,
-                                  self.observer.records[ctx.batch][-len(cached):], ctx.report,
-                                  ctx.notes)
+                stored = stage_cache.store(path, text, gm, ctx.inputs,
+                                           self.observer.records[ctx.batch][-len(cached):],
+                                           ctx.report, ctx.notes)
+                if stored and self.options.executor == "inductor":
+                    # Inductor gets the graph a later process loads: its FX graph cache key
+                    # (the GraphModule's code and class) is then the same there
+                    gm = stage_cache.reloaded(path, text, given, ctx.inputs, gm)
         for name, stage in replayed:
             gm = self.observer.run(name, stage, gm, ctx)
         # The stages' real inputs (every weight) leave with them: Inductor's FX graph cache

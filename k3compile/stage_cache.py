@@ -273,14 +273,25 @@ def load(path: Path, text: str, gm: fx.GraphModule, inputs: list) -> Entry:
     graph = trace_cache.decode_graph(body["graph"])
     _annotate(graph, [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"],
               body["stacks"], body["meta"])
+    # no metadata of gm's (the cold compile's holds the stages' notes to themselves): the
+    # GraphModule a later process hands Inductor is then the cold one's, to its FX graph cache
     out = fx.GraphModule(gm, graph)
-    out.meta.update(gm.meta)
     from k3compile.observe import StageRecord  # observe imports the pipeline's stages' types
 
     records = [StageRecord(name, 0.0, Counter(before), Counter(after), text)
                for name, before, after, text in body["records"]]
     report, notes = pickle.loads(base64.b64decode(body["state"]))
     return Entry(out, records, report, notes)
+
+
+def reloaded(path: Path, text: str, given: fx.GraphModule, inputs: list,
+             gm: fx.GraphModule) -> fx.GraphModule:
+    """The graph of the entry just stored, as `lookup` will load it (gm where it cannot be)."""
+    try:
+        return load(path, text, given, inputs).gm
+    except Exception as e:  # noqa: BLE001 - the stages' own graph is as good, only keyed otherwise
+        log.debug("k3 stage cache: entry %s not reloaded (%s: %s)", path, type(e).__name__, e)
+        return gm
 
 
 def _annotate(graph: fx.Graph, values: list, stacks: dict[str, list],

@@ -150,10 +150,13 @@ def fake_inputs(inputs: list, patches: dict):
     from torch._functorch import config as functorch_config
     from torch._inductor.virtualized import V
     from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    fakes = [mode.from_tensor(x, static_shapes=True) if isinstance(x, torch.Tensor) else x
-             for x in inputs]
+    # a shape env, though every size is static: Inductor's FX graph cache bypasses without one
+    mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
+    # detached, as AOTAutograd hands an inference graph's inputs (Inductor's cache key holds it)
+    fakes = [mode.from_tensor(x.detach(), static_shapes=True) if isinstance(x, torch.Tensor)
+             else x for x in inputs]
     with (inductor_config.patch(patches), V.set_fake_mode(mode),
           torch._guards.tracing(torch._guards.TracingContext(mode)),
           functorch_config.patch(unlift_effect_tokens=True,

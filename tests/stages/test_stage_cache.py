@@ -4,6 +4,11 @@ A recompile of the same graph in a fresh Dynamo (as in a new process) loads the 
 instead of running them: the same final graph, bitwise the same outputs, the same rewrite report
 and contract; `pack` still moves the new module's weights. A changed option or model shape misses;
 a corrupt entry, or one made from other table values, is logged, rebuilt and never loaded.
+A link entry keyed by Dynamo's graph (`skip_aot`) makes the recompile skip AOTAutograd where
+its wrappers do nothing: bitwise the same outputs and written state (executors aten and
+inductor, a static batch and `mark_batch`'s buckets); a changed option misses; a graph whose
+wrappers do something (an output aliasing an input) takes the full path; a corrupt link is
+rebuilt.
 `slow`: a second process compiling the tiny model loads every bucket and matches the first.
 """
 
@@ -21,16 +26,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import fx, nn
+from torch._dynamo.utils import counters
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import k3compile.ops  # noqa: F401
 from k3compile import stage_cache
-from k3compile.backend import last_compiled
+from k3compile.backend import last_compiled, mark_batch
 from k3compile.math import rms_norm, situ
 from k3compile.ops.linear_concat import adjacent
 
 ROOT = Path(__file__).resolve().parents[2]
-OPTIONS = {"executor": "aten", "stage_cache": True, "buckets": (4,)}
+OPTIONS = {"executor": "aten", "stage_cache": True, "buckets": (4,), "skip_aot": False}
 
 
 class Block(nn.Module):
@@ -167,6 +173,105 @@ def _report():
     return RewriteReport()
 
 
+class Stateful(Block):
+    """Block, writing its output into rows `slots` of a state buffer (an input mutation that
+    AOTAutograd keeps in the graph); `alias`: also returns a view of the state (an output
+    aliasing an input, which AOTAutograd's wrapper regenerates)."""
+
+    def __init__(self, seed: int, alias: bool = False):
+        super().__init__(seed)
+        self.alias = alias
+        self.register_buffer("state", torch.zeros(8, 64))
+
+    def forward(self, x, slots):
+        y = super().forward(x)
+        self.state.index_copy_(0, slots, y)
+        return (y, self.state[:2]) if self.alias else y
+
+
+def _steps(batches, executor="aten", alias=False, marked=False, **options):
+    """Compile a fresh Stateful in a fresh Dynamo and run one step per batch: each step's
+    outputs and state, the compiled graph, the module and the stats delta."""
+    torch._dynamo.reset()
+    before = Counter(stage_cache.STATS)
+    model = Stateful(0, alias)
+    step = torch.compile(model, backend="k3", options={
+        **OPTIONS, "executor": executor, "skip_aot": True, "buckets": tuple(batches), **options})
+    results = []
+    with torch.no_grad():
+        for b in batches:
+            x = torch.randn(b, 32, generator=torch.Generator().manual_seed(b))
+            slots = torch.arange(b) * 2 % 8
+            if marked:
+                mark_batch(x, slots)
+            out = step(x, slots)
+            results.append([o.clone() for o in (out if alias else (out,))] + [model.state.clone()])
+    return results, last_compiled(), model, dict(Counter(stage_cache.STATS) - before)
+
+
+def _equal(a, b) -> bool:
+    return all(torch.equal(x, y) for r, s in zip(a, b, strict=True) for x, y in zip(r, s, strict=True))
+
+
+@pytest.mark.parametrize("executor", ["aten", "inductor"])
+def test_a_link_skips_aot_and_equals_cold(cache_dir, executor):
+    cold, c_cold, _, s_cold = _steps([4], executor)
+    hits = counters["inductor"]["fxgraph_cache_hit"]
+    warm, c_warm, model, s_warm = _steps([4], executor)
+    if executor == "inductor":  # it is handed the graph the cold compile handed it
+        assert counters["inductor"]["fxgraph_cache_hit"] == hits + 1
+    assert s_cold == {"missed": 1, "stored": 1, "linked": 1}
+    assert s_warm == {"loaded": 1, "direct": 1}
+    assert _equal(cold, warm)  # outputs and written state, bit for bit
+    torch.testing.assert_close(warm[0][0], Block(0)(torch.randn(
+        4, 32, generator=torch.Generator().manual_seed(4))), rtol=1e-5, atol=1e-5)
+    assert "k3.norm_linear" in _final(c_warm)
+    if executor == "aten":  # Inductor edits the graph it is handed (reinplacing), or not on a hit
+        assert _final(c_cold) == _final(c_warm)
+    assert c_cold.summary() == c_warm.summary()
+    pack = next(iter(c_warm.observer.notes.values()))["pack"]  # replayed: this module's weights
+    assert pack.packed and adjacent([model.gate, model.up])
+
+
+def test_marked_batch_buckets_skip_aot(cache_dir):
+    """One Dynamo graph for every bucket (`mark_batch`): each bucket's link hits."""
+    cold, _, _, s_cold = _steps([2, 4], marked=True)
+    warm, c_warm, _, s_warm = _steps([2, 4], marked=True)
+    assert s_cold == {"missed": 2, "stored": 2, "linked": 2}
+    assert s_warm == {"loaded": 2, "direct": 2}
+    assert c_warm.symbol is not None and _equal(cold, warm)
+
+
+def test_a_changed_option_misses_the_link(cache_dir):
+    _steps([4])
+    _, other, _, stats = _steps([4], disabled_patterns=("norm_linear",))
+    assert stats == {"missed": 1, "stored": 1, "linked": 1}
+    assert "k3.norm_linear" not in _final(other)
+
+
+def test_wrappers_that_do_something_take_the_full_path(cache_dir):
+    """An output that is a view of the state buffer: AOTAutograd's wrapper makes it again from
+    the buffer, so the link records why and the recompile runs AOTAutograd."""
+    cold, _, _, s_cold = _steps([4], alias=True)
+    warm, _, _, s_warm = _steps([4], alias=True)
+    assert s_cold == {"missed": 1, "stored": 1, "linked": 1}
+    assert s_warm == {"loaded": 1, "linked": 1}  # no "direct"
+    assert _equal(cold, warm)
+    body = json.loads(json.loads(next(cache_dir.glob("stages/links/*.json")).read_text())["body"])
+    assert body["direct"] is None and body["why"] == "aliased outputs"
+
+
+def test_a_corrupt_link_is_rebuilt(cache_dir, caplog):
+    cold, _, _, _ = _steps([4])
+    path, = cache_dir.glob("stages/links/*.json")
+    path.write_bytes(path.read_bytes()[:100])
+    with caplog.at_level(logging.WARNING, logger="k3compile"):
+        warm, _, _, stats = _steps([4])
+    assert "unusable" in caplog.text
+    assert stats == {"rebuilt": 1, "loaded": 1, "linked": 1} and _equal(cold, warm)
+    assert _steps([4])[3] == {"loaded": 1, "direct": 1}
+
+
 @pytest.mark.slow
 def test_a_second_process_loads_every_bucket(tmp_path):
     """benchmarks/compile_time.py on the tiny model (CPU, two buckets and B1xT8): the warm pass
@@ -179,6 +284,7 @@ def test_a_second_process_loads_every_bucket(tmp_path):
         env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads((tmp_path / "compile_time.json").read_text())
-    assert all(b["stage_cache"] == {"missed": 1, "stored": 1} for b in report["cold"]["buckets"])
-    assert all(b["stage_cache"] == {"loaded": 1} for b in report["warm"]["buckets"])
+    assert all(b["stage_cache"] == {"missed": 1, "stored": 1, "linked": 1}
+               for b in report["cold"]["buckets"])
+    assert all(b["stage_cache"] == {"loaded": 1, "direct": 1} for b in report["warm"]["buckets"])
     assert report["problems"] == []
