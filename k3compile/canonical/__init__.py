@@ -22,12 +22,12 @@ from collections.abc import Callable
 
 from torch import fx
 
-ORDER: tuple[str, ...] = ("state_write", "mla_absorb", "mxfp4_dequant", "expert_stack",
-                          "expert_gemm", "gemm", "short_conv",
+ORDER: tuple[str, ...] = ("state_write", "mla_absorb", "mla_absorbed", "mxfp4_dequant",
+                          "expert_stack", "expert_gemm", "gemm", "short_conv",
                           "conv_einsum", "qkv_split", "l2_norm", "bias_view", "delta_einsum",
                           "conv_merge", "gate_up_split",
-                          "depth_mix", "group_limit", "noop_view", "cast_view", "broadcast",
-                          "topk_sorted", "view_chains", "reshape_fold", "stack_cat",
+                          "depth_mix", "slice_split", "group_limit", "noop_view", "cast_view",
+                          "broadcast", "topk_sorted", "view_chains", "reshape_fold", "stack_cat",
                           "router_input", "permute_fold")
 
 

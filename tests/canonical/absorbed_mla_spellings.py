@@ -1,0 +1,98 @@
+"""Gated MLA already absorbed, as DeepSeek-inference-style code writes it, over our model's latent
+cache (rule `mla_absorbed`).
+
+`AbsorbedMLA` holds the same weights and state as `k3compile.models.k3.GatedMLA` and computes the
+same absorbed attention (W_UK into q, W_UV after p·c) in the spelling of `Spelling`: q_nope | q_pe
+and the cache parts by slicing or by split, W_UK / W_UV as slices or a split of kv_b's weight,
+the scale before or after the cast to fp32, the mask by `torch.where` on a [B, T, 1, L]
+comparison or by masked_fill, the cache rows at `slots.unsqueeze(1)` or `.view(B, 1)`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from k3compile.models.k3 import GatedMLA
+
+
+@dataclasses.dataclass(frozen=True)
+class Spelling:
+    sliced: bool = True  # x[..., :N], x[..., N:] for every part, else split
+    scale_before_cast: bool = True  # (s * scale).float(), else s.float() * scale
+    where_mask: bool = True  # where(visible, s, -inf) [B, T, 1, L], else masked_fill(~visible)
+    unsqueezed_rows: bool = True  # slots.unsqueeze(1), positions.unsqueeze(1) + arange
+    # look-alikes the rule must leave alone (not the attention the canonical form computes)
+    window: int | None = None  # also hide cache rows older than pos - window
+    scale_rope_twice: bool = False  # the rope term scaled once more
+
+
+SPELLINGS = {
+    "deepseek_inference": Spelling(),  # the blind spelling's (tests/spellings/blind_k3.py)
+    "split_where": Spelling(sliced=False, scale_before_cast=False),
+    "sliced_masked_fill": Spelling(where_mask=False, unsqueezed_rows=False),
+}
+LOOKALIKES = {
+    "sliding_window": Spelling(window=4),
+    "rope_scaled_twice": Spelling(scale_rope_twice=True),
+}
+
+
+def _parts(x, n: int, dim: int, s: Spelling):
+    if s.sliced:
+        return x.narrow(dim, 0, n), x.narrow(dim, n, x.shape[dim] - n)
+    return x.split([n, x.shape[dim] - n], dim=dim)
+
+
+class AbsorbedMLA(GatedMLA):
+    """GatedMLA's weights and cache, the absorbed attention in `spelling`."""
+
+    def __init__(self, config, layer_idx: int, spelling: Spelling = Spelling()):
+        super().__init__(config, layer_idx)
+        self.spelling = spelling
+
+    def forward(self, x, slots, positions, group=None) -> torch.Tensor:
+        s, (B, T, _), H = self.spelling, x.shape, self.num_heads
+        N, R, V, C = self.nope, self.rope, self.v_dim, self.kv_lora_rank
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))).view(B, T, H, N + R)
+        q_nope, q_pe = _parts(q, N, -1, s)
+        c_kv, k_pe = _parts(self.kv_a_proj_with_mqa(x), C, -1, s)
+        if s.unsqueezed_rows:
+            pos, rows = positions.unsqueeze(1) + torch.arange(T), slots.unsqueeze(1)
+        else:
+            pos, rows = positions.view(B, 1) + torch.arange(T), slots.view(B, 1)
+        self.kv_cache[rows, pos] = torch.cat([self.kv_a_layernorm(c_kv), k_pe], -1)
+        cache = self.kv_cache[slots]
+        w_uk, w_uv = _parts(self.kv_b_proj.weight.view(H, N + V, C), N, 1, s)
+        q_lat = torch.einsum("bthd,hdc->bthc", q_nope, w_uk)
+        latents, rope = _parts(cache, C, -1, s)
+        rope_term = torch.einsum("bthr,blr->bthl", q_pe, rope)
+        if s.scale_rope_twice:
+            rope_term = rope_term * self.softmax_scale
+        scores = torch.einsum("bthc,blc->bthl", q_lat, latents) + rope_term
+        if s.scale_before_cast:
+            scores = (scores * self.softmax_scale).float()
+        else:
+            scores = scores.float() * self.softmax_scale
+        keys = torch.arange(cache.shape[1])
+        visible = keys.view(1, 1, 1, -1) <= pos.view(B, T, 1, 1)
+        if s.window is not None:
+            visible = visible & (keys.view(1, 1, 1, -1) > pos.view(B, T, 1, 1) - s.window)
+        if s.where_mask:
+            scores = torch.where(visible, scores, torch.full_like(scores, float("-inf")))
+        else:
+            scores = scores.masked_fill(~visible, float("-inf"))
+        p = scores.softmax(dim=-1).to(x.dtype)
+        o_lat = torch.einsum("bthl,blc->bthc", p, _parts(cache, C, -1, s)[0])
+        o = torch.einsum("bthc,hvc->bthv", o_lat, w_uv).reshape(B, T, H * V)
+        return self.o_proj(o * torch.sigmoid(self.g_proj(x)))
+
+
+def absorbed(reference: GatedMLA, config, spelling: Spelling) -> AbsorbedMLA:
+    """An AbsorbedMLA of `config` with `reference`'s weights and a copy of its cache."""
+    m = AbsorbedMLA(config, reference.layer_idx, spelling)
+    m.load_state_dict(reference.state_dict())
+    m = m.to(reference.q_a_proj.weight.dtype).requires_grad_(False)
+    m.register_buffer("kv_cache", reference.kv_cache.clone(), persistent=False)
+    return m
