@@ -108,3 +108,26 @@ def feeds_top_k(node: fx.Node, depth: int) -> bool:
         if any(u.target in CHOOSERS for u in frontier):
             return True
     return False
+
+
+def reads_state(node: fx.Node, boundaries: frozenset, limit: int = 4000) -> bool | None:
+    """Whether `node` is computed from a state buffer (a graph input that some op writes in place:
+    the KDA state, the MLA cache, so an attention's output), walking its inputs back to the
+    nearest `boundaries` (op names, `str(target)`, that end a layer's part: the norm before the
+    attention or the MLP): True if it reads one; False if it reaches a boundary without; None if neither (its
+    inputs are plain graph inputs, or the walk passed `limit` nodes)."""
+    seen, todo, bounded = {node}, [node], False
+    while todo and len(seen) <= limit:
+        n = todo.pop()
+        if n.op == "placeholder":
+            if written_in_place(n):
+                return True
+            continue
+        if n is not node and str(n.target) in boundaries:
+            bounded = True
+            continue
+        for a in n.all_input_nodes:
+            if a not in seen:
+                seen.add(a)
+                todo.append(a)
+    return False if bounded and not todo else None

@@ -22,16 +22,22 @@ import torch
 import torch.nn.functional as F
 from k3compile.patterns.attn_res_mix_norm import KINDS, MAX_BLOCKS, SHAPE
 
-from k3compile.rewrite import Pattern, module_path, tensor_meta, with_signature
+from k3compile.graph import reads_state
+from k3compile.rewrite import Pattern, tensor_meta, with_signature
+
+
+# where a layer's attention or MLP input comes from: the depth mix + norm, or a plain norm
+BOUNDARIES = frozenset({"k3.attn_res_mix_norm.default", "k3.rms_norm.default"})
 
 
 def check(match) -> str | None:
     # the dense MLP's down-projection also feeds a mix (the next layer's, as its delta): it is
-    # the MLP's GEMM, not this fusion's (where the graph names the module)
-    gemm = next((n for n in match.nodes if n.target is torch.ops.aten.mm.default), None)
-    where = module_path(gemm) if gemm is not None else ""
-    if where and not where.endswith("o_proj"):
-        return f"the GEMM is {where}, not the attention's o_proj"
+    # the MLP's GEMM, not this fusion's. The attention's o is computed from a state (the KDA
+    # state, the MLA cache); the MLP's activation from the norm before it and no state.
+    o_node = match.kwargs["o"]
+    if isinstance(o_node, torch.fx.Node) and reads_state(o_node, BOUNDARIES) is False:
+        return (f"o ({o_node.name}) reads no state buffer since the norm before it: an MLP's "
+                "GEMM, not the attention's o_proj")
     o, w = tensor_meta(match.kwargs["o"]), tensor_meta(match.kwargs["o_proj_weight"])
     if o is None or w is None:
         return "o or W_o has no tensor metadata"

@@ -20,7 +20,7 @@ import torch
 from torch import fx
 
 from k3compile.layers import FINAL, OTHER, Layers, find_layers, layer_index
-from k3compile.rewrite import NEUTRAL, module_path
+from k3compile.rewrite import NEUTRAL, NearMiss, module_path
 
 log = logging.getLogger("k3compile")
 
@@ -216,18 +216,29 @@ def check_contract(graph: fx.Graph, rewrites=None, strict: bool = False,
 
 
 def _why(lr: LayerReport, rewrites) -> str:
-    """The first near miss of a missing op's patterns in the layer (or of the whole graph): the
-    reason, so that the warning names one. A fusion built on another (fb_kda_decode on
+    """A near miss in the layer for each missing op, so that the warning names why each did not
+    fire: of a missing op's records, a refused check first (the whole pattern matched, its check
+    said no: the most telling), else the first. A fusion built on another (fb_kda_decode on
     kda_decode) is explained by the misses of the op it builds on."""
     misses = getattr(rewrites, "near_misses", ())
+    named: dict[str, tuple[tuple[bool, bool], NearMiss]] = {}
     for miss in misses:
         family = miss.pattern.split("[")[0].split(" ")[0]
         where = layer_index(miss.module) if miss.module else lr.layer
-        if where == lr.layer and any(op == family or op.endswith("_" + family)
-                                     for op in lr.shortfall):
+        if where != lr.layer:
+            continue
+        for op in lr.shortfall:
+            if op == family or op.endswith("_" + family):
+                rank = (op == family, miss.reason.startswith("check refused"))
+                if op not in named or rank > named[op][0]:
+                    named[op] = rank, miss
+    parts = []
+    for op in lr.shortfall:
+        if op in named:
+            miss = named[op][1]
             reason = miss.reason if len(miss.reason) < 240 else miss.reason[:237] + "..."
-            return f" (near miss {miss.pattern}: {reason})"
-    return ""
+            parts.append(f"near miss {miss.pattern}: {reason}")
+    return f" ({'; '.join(parts)})" if parts else ""
 
 
 def format_contract(report: ContractReport, batch) -> str:

@@ -81,3 +81,41 @@ def test_escaping_projection_is_a_near_miss():
 def test_check_refuses_unaligned_width():
     _, report = rewrite(post_mix, _inputs(width=60), oproj_attn_res_mix_norm.patterns())
     assert_near_miss(report, "oproj_attn_res_mix_norm", "check refused", "multiples of 8")
+
+
+def _state_step(state, slots, o_in):
+    """The attention's output as an attention computes it: read from a state it writes."""
+    new = state[slots] + o_in
+    state.index_put_((slots,), new)
+    return new.view(o_in.shape)
+
+
+def test_attention_output_of_a_foreign_module_name_fuses():
+    """o is read from a state the step writes: the attention's o_proj whatever its module is
+    called (the blind spelling's `mixer.out`)."""
+
+    def attn(state, slots, o, w_o, prefix, b0, b1, wmn, wmp, wn):
+        a = F.linear(_state_step(state, slots, o), w_o)
+        prefix_out, x = torch.ops.k3.attn_res_mix_norm(prefix, a, [b0, b1], wmn, wmp, wn, EPS, EPS)
+        return x, prefix_out
+
+    args = [torch.zeros(4, 1, D), torch.tensor([2, 0, 1]), *_inputs(dtype=torch.float32)]
+    gm, report = rewrite(attn, args, oproj_attn_res_mix_norm.patterns())
+    assert [h.op for h in report.hits] == ["k3.oproj_attn_res_mix_norm"]
+
+
+def test_mlp_down_projection_is_refused():
+    """The dense MLP's down GEMM feeds the next mix as its delta; its input comes from the norm
+    before the MLP and no state: a near miss that says so, not an o_proj fusion."""
+
+    def mlp(x0, w_o, prefix, b0, b1, wmn, wmp, wn):
+        _, x = torch.ops.k3.attn_res_mix_norm(prefix, x0, [b0, b1], wmn, wmp, wn, EPS, EPS)
+        a = F.linear(torch.tanh(x), w_o)  # the MLP on the norm's output
+        prefix_out, x2 = torch.ops.k3.attn_res_mix_norm(prefix, a, [b0, b1], wmn, wmp, wn, EPS,
+                                                        EPS)
+        return x2, prefix_out
+
+    args = _inputs(dtype=torch.float32)
+    _, report = rewrite(mlp, [args[2], *args[1:]], oproj_attn_res_mix_norm.patterns())
+    assert_near_miss(report, "oproj_attn_res_mix_norm", "check refused", "reads no state",
+                     "MLP")
