@@ -8,7 +8,9 @@ split. A part read twice (`cache[..., :C]` for the scores and again for p·c) is
 
 Taken: step-1 slices of one node along one dim whose distinct ranges are adjacent and cover the
 dim from 0 to its end, two parts or more. Exact: the parts are the same views. Left as they are:
-slices that leave part of the dim unread (`hist[..., T:]`), overlap, or step.
+slices that leave part of the dim unread (`hist[..., T:]`), overlap, or step, and slices of a
+weight (a graph input or a view of one: rule gate_up_split's row slices, W_UK | W_UV), which the
+later stages read as views of the parameter (`weight_root`: stage pack, the side streams).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch
 from torch import fx
 
 from k3compile.canonical import Rule
-from k3compile.graph import call
+from k3compile.graph import call, weight_root
 
 aten = torch.ops.aten
 
@@ -39,7 +41,7 @@ def _range(node: fx.Node, size: int) -> tuple[int, int] | None:
 def _tiling(source: fx.Node) -> tuple[int, list[tuple[int, int]], dict] | None:
     """(dim, ordered ranges, slice -> range) when source's slices along one dim tile it."""
     val = source.meta.get("val")
-    if not isinstance(val, torch.Tensor):
+    if not isinstance(val, torch.Tensor) or weight_root(source) is not None:
         return None
     by_dim: dict[int, dict[fx.Node, tuple[int, int]]] = {}
     for user in source.users:

@@ -1,6 +1,6 @@
 """Rule slice_split: slices that tile one dim of a tensor (`x[..., :C]`, `x[..., C:]`, `narrow`,
 a part read twice) become one split_with_sizes; bit-equal results. Slices that leave part of the
-dim unread, overlap or step stay."""
+dim unread, overlap or step stay, and so do slices of a graph input (a weight's rows)."""
 
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ LOOKALIKES = {
     "gap": _parts(lambda y: y[:, :3].exp().sum() + y[:, 4:].sum()),
     "overlap": _parts(lambda y: y[:, :5].exp().sum() + y[:, 3:].sum()),
     "strided": _parts(lambda y: y[:, ::2].exp().sum() + y[:, 1::2].sum()),
+    "weight_rows": lambda x: x[:4].exp().sum() + x[4:].sum(),  # x an input: a weight's rows
 }
 
 
