@@ -3,7 +3,10 @@
 
 Runs after `attn_res_mix_norm` and matches its op fed by `F.linear(o, W_o)` (the prefix add
 `prefix + a`, or `a` itself where a block starts: then `a` is also the next prefix, an output).
-One kernel then does the GEMM in its prologue, the prefix update, the mix and the norm. At world
+One kernel then does the GEMM in its prologue, the prefix update, the mix and the norm. The GEMM
+is the attention's by structure, whatever its module is called: o reads a state buffer (the KDA
+state, the MLA cache) since the norm before it; the dense MLP's down GEMM, which also feeds a mix
+(the next layer's, as its delta), reads none and is refused. At world
 size > 1 an all-reduce sits between o_proj and the mix: `allreduce_attn_res_mix_norm` takes it.
 
 Before: a = view(mm(view(o), permute(W_o))); p, x = k3.attn_res_mix_norm(prefix, a, ..)
@@ -24,7 +27,6 @@ from k3compile.patterns.attn_res_mix_norm import KINDS, MAX_BLOCKS, SHAPE
 
 from k3compile.graph import reads_state
 from k3compile.rewrite import Pattern, tensor_meta, with_signature
-
 
 # where a layer's attention or MLP input comes from: the depth mix + norm, or a plain norm
 BOUNDARIES = frozenset({"k3.attn_res_mix_norm.default", "k3.rms_norm.default"})

@@ -15,6 +15,7 @@ later stages read as views of the parameter (`weight_root`: stage pack, the side
 
 from __future__ import annotations
 
+import itertools
 import operator
 
 import torch
@@ -57,7 +58,7 @@ def _tiling(source: fx.Node) -> tuple[int, list[tuple[int, int]], dict] | None:
         ranges = sorted(set(cuts.values()))
         if len(ranges) < 2 or ranges[0][0] != 0 or ranges[-1][1] != val.shape[dim]:
             continue
-        if all(a[1] == b[0] for a, b in zip(ranges, ranges[1:])):
+        if all(a[1] == b[0] for a, b in itertools.pairwise(ranges)):
             return dim, ranges, cuts
     return None
 

@@ -100,7 +100,7 @@ def test_attention_output_of_a_foreign_module_name_fuses():
         return x, prefix_out
 
     args = [torch.zeros(4, 1, D), torch.tensor([2, 0, 1]), *_inputs(dtype=torch.float32)]
-    gm, report = rewrite(attn, args, oproj_attn_res_mix_norm.patterns())
+    _, report = rewrite(attn, args, oproj_attn_res_mix_norm.patterns())
     assert [h.op for h in report.hits] == ["k3.oproj_attn_res_mix_norm"]
 
 
