@@ -63,7 +63,15 @@ LAUNCHES: dict[tuple[torch.dtype, int, int], tuple[int, ...]] = {
     (torch.float32, 1, 1): (47, 56, 13, 13, 2),
     (torch.float32, 1, 3): (48, 57, 13, 13, 2),
     (torch.float32, 1, 8): (48, 57, 13, 13, 2),
+    (torch.float32, 8, 1): (96, 105, 13, 13, 2),
+    (torch.float32, 8, 3): (113, 122, 13, 13, 2),
+    (torch.float32, 8, 8): (113, 122, 13, 13, 2),
+    (torch.bfloat16, 8, 1): (109, 118, 13, 13, 2),
+    (torch.bfloat16, 8, 3): (126, 135, 13, 13, 2),
+    (torch.bfloat16, 8, 8): (126, 135, 13, 13, 2),
 }
+# bf16-T1 fails its value check at B3 (bucket 4), step 1: 0.073 > 0.05, row 0 alone; the same
+# number on main before hbmla's changes and with rule mla_absorbed off (not caused by them; open)
 
 
 def rel(a, b) -> float:
