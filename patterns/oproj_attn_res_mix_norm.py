@@ -28,8 +28,10 @@ from k3compile.patterns.attn_res_mix_norm import KINDS, MAX_BLOCKS, SHAPE
 from k3compile.graph import reads_state
 from k3compile.rewrite import Pattern, tensor_meta, with_signature
 
-# where a layer's attention or MLP input comes from: the depth mix + norm, or a plain norm
-BOUNDARIES = frozenset({"k3.attn_res_mix_norm.default", "k3.rms_norm.default"})
+# where a layer's attention or MLP input comes from: the depth mix + norm (fused alone, with the
+# o_proj before it, or with the all-reduce), or a plain norm
+BOUNDARIES = frozenset({"k3.attn_res_mix_norm.default", "k3.oproj_attn_res_mix_norm.default",
+                        "k3.allreduce_attn_res_mix_norm.default", "k3.rms_norm.default"})
 
 
 def check(match) -> str | None:

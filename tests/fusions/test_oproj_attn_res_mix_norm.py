@@ -119,3 +119,21 @@ def test_mlp_down_projection_is_refused():
     _, report = rewrite(mlp, [args[2], *args[1:]], oproj_attn_res_mix_norm.patterns())
     assert_near_miss(report, "oproj_attn_res_mix_norm", "check refused", "reads no state",
                      "MLP")
+
+
+def test_mlp_after_a_fused_o_proj_is_refused():
+    """Where the post-attention mix already took the o_proj (k3.oproj_attn_res_mix_norm, as in
+    Moonshot's dense layer 0), the MLP reads its x: the walk back from the MLP's activation stops
+    there and never reaches the attention's state."""
+
+    def layer(state, slots, o, w_o, prefix, b0, b1, wmn, wmp, wn):
+        attn = _state_step(state, slots, o)
+        p, x = torch.ops.k3.oproj_attn_res_mix_norm(attn, w_o, prefix, [b0, b1], wmn, wmp, wn,
+                                                    EPS, EPS)
+        a = F.linear(torch.tanh(x), w_o)  # the MLP on the norm's output
+        prefix_out, x2 = torch.ops.k3.attn_res_mix_norm(p, a, [b0, b1], wmn, wmp, wn, EPS, EPS)
+        return x2, prefix_out
+
+    args = [torch.zeros(4, 1, D), torch.tensor([2, 0, 1]), *_inputs(dtype=torch.float32)]
+    _, report = rewrite(layer, args, oproj_attn_res_mix_norm.patterns())
+    assert_near_miss(report, "oproj_attn_res_mix_norm", "check refused", "reads no state")
