@@ -16,7 +16,7 @@ from k3compile.patterns import ORDER as PATTERNS
 from ..conftest import TOL, rel_err
 from ..fusions.attention_checks import CFG, Attention, attention, one_thread  # noqa: F401
 from .absorbed_mla_spellings import LOOKALIKES, SPELLINGS, absorbed
-from .test_mla_absorb import MLA_OPS, REWRITE_TOL, eager, ops, ours, run
+from .test_mla_absorb import MLA_OPS, REWRITE_TOL, assert_becomes_ours, eager, ops, run
 
 CASES = [(torch.float32, 2, 1), (torch.bfloat16, 1, 3)]  # (dtype, batch, tokens per request)
 
@@ -28,19 +28,7 @@ def foreign(spelling, dtype):
 @pytest.mark.parametrize("dtype,batch,tokens", CASES)
 @pytest.mark.parametrize("name", sorted(SPELLINGS))
 def test_spelling_becomes_our_absorbed_graph(name, dtype, batch, tokens):
-    module = foreign(SPELLINGS[name], dtype)
-    want, want_cache = eager(copy.deepcopy(module), dtype, batch, tokens)
-    got, cache, graph, counts, _ = run(module, dtype, batch, tokens, disabled_stages=["fuse"])
-    assert counts["mla_absorbed"] == 1
-    for g, w in zip(got, want):
-        assert g.dtype == w.dtype and g.shape == w.shape
-        assert rel_err(g, w) <= REWRITE_TOL[dtype]
-    torch.testing.assert_close(cache["attn.kv_cache"], want_cache["attn.kv_cache"], rtol=0, atol=0)
-    canonical_outs, canonical_cache, canonical_ops = ours(dtype, batch, tokens)
-    assert ops(graph) == canonical_ops
-    for g, c in zip(got, canonical_outs):
-        torch.testing.assert_close(g, c, rtol=0, atol=0)
-    torch.testing.assert_close(cache["attn.kv_cache"], canonical_cache, rtol=0, atol=0)
+    assert_becomes_ours(foreign(SPELLINGS[name], dtype), "mla_absorbed", dtype, batch, tokens)
 
 
 @pytest.mark.parametrize("name", sorted(LOOKALIKES))
