@@ -28,9 +28,13 @@ Writes compile_time.json under --out.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import cProfile
 import hashlib
+import io
 import json
 import os
+import pstats
 import subprocess
 import sys
 import tempfile
@@ -61,6 +65,9 @@ def parse_args(argv=None):
     p.add_argument("--cache-dir", help="a fresh folder for both passes' caches (default: a new "
                                        "temporary folder)")
     p.add_argument("--out", default="out")
+    p.add_argument("--profile", action="store_true",
+                   help="cProfile each pass's first bucket: profile_<pass>.txt under --out (the "
+                        "functions by cumulative and by own time)")
     p.add_argument("--pass", dest="which", choices=PASSES, help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -112,14 +119,16 @@ def run_pass(args) -> dict:
             stages: dict[str, float] = {}
             dynamo0 = torch._dynamo.utils.counters["stats"]["unique_graphs"]
             t0, cpu0 = time.perf_counter(), time.process_time()
-            with Observer.subscribe(_stage_timer(stages)):
+            profile = args.profile and not result["buckets"]
+            with Observer.subscribe(_stage_timer(stages)), _profiled(
+                    Path(args.out) / f"profile_{args.which}.txt" if profile else None):
                 if batched is not None and bucket.tokens == 1:
                     mark_batch(*inputs)
                     outputs = batched(*inputs)
                 else:
                     outputs = torch.compile(stack, backend=backend, dynamic=False,
                                             options=options)(*inputs)
-            yardstick.sync(device)
+                yardstick.sync(device)
             seconds, cpu = time.perf_counter() - t0, time.process_time() - cpu0
         stages["torch"] = seconds - sum(stages.values())
         result["buckets"].append({
@@ -147,6 +156,27 @@ def torch_phases() -> dict[str, float]:
     from torch._dynamo.utils import compilation_time_metrics
 
     return {name: sum(times) for name, times in compilation_time_metrics.items()}
+
+
+@contextlib.contextmanager
+def _profiled(path: Path | None):
+    """cProfile of the block into `path` (the 60 functions with the most cumulative and the 40
+    with the most own time), or nothing where `path` is None."""
+    if path is None:
+        yield
+        return
+    profile = cProfile.Profile()
+    profile.enable()
+    try:
+        yield
+    finally:
+        profile.disable()
+        text = io.StringIO()
+        stats = pstats.Stats(profile, stream=text)
+        stats.sort_stats("cumulative").print_stats(60)
+        stats.sort_stats("tottime").print_stats(40)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text.getvalue())
 
 
 def _stage_timer(stages: dict[str, float]):

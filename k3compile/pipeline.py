@@ -195,8 +195,7 @@ class Pipeline:
             if link is not None and link["direct"] is not None:
                 fn = self._direct(link, ctx, example_inputs, patches)
             else:
-                fn = inductor.compile_fx(gm, example_inputs, inner_compile=inner_compile,
-                                         config_patches=patches)
+                fn = inductor.compile_fx_static(gm, example_inputs, patches, inner_compile)
         return progress.first_run(fn)  # on a GPU the first run builds the kernels
 
     def _executor(self, aten_gm: fx.GraphModule, aten_inputs, kwargs, ctx: Context) -> Callable:

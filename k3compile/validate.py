@@ -350,9 +350,9 @@ class InputChecks:
             return redirect
         scalar = torch.zeros((), dtype=torch.int64, device=checked[0].device)
         examples = [scalar, scalar.clone(), *(t.contiguous() for t in checked)]
-        from torch._inductor import compile_fx
+        from k3compile.rewrite import inductor
 
-        compiled = compile_fx.compile_fx(make_fx(redirect)(*examples), examples)
+        compiled = inductor.compile_fx_static(make_fx(redirect)(*examples), examples)
         # Inductor's code asserts the example's strides: a strided view of ids is copied first
         return lambda rows, mask, *args: compiled(rows, mask, *(t.contiguous() for t in args))
 

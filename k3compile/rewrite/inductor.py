@@ -4,6 +4,7 @@ file: pattern tracing/matching (Inductor's pattern matcher) and the compile entr
 from __future__ import annotations
 
 import contextlib
+import inspect
 
 import torch
 from torch._functorch.aot_autograd import make_boxed_func
@@ -164,6 +165,22 @@ def fake_inputs(inputs: list, patches: dict):
         yield fakes
 
 
+def compile_fx_static(gm: torch.fx.GraphModule, inputs: list, patches: dict | None = None,
+                      inner_compile=compile_fx_inner):
+    """`compile_fx` of a graph on these inputs with every size and int static, under a fake mode
+    that has a shape env. The backend compiles a bucket at its first call, outside Dynamo's
+    tracing context; there `compile_fx` makes a fake mode without a shape env, and Inductor's FX
+    graph cache then bypasses ("No shape env"): a warm process could never load what a cold one
+    compiled. `ignore_shape_env` keeps AOTAutograd from making the graph's ints and sizes
+    symbols of that env. A torch without that argument compiles as before (no cache)."""
+    patches = patches or {}
+    if "ignore_shape_env" not in inspect.signature(compile_fx).parameters:
+        return compile_fx(gm, inputs, inner_compile=inner_compile, config_patches=patches)
+    with fake_inputs(inputs, patches) as fakes:
+        return compile_fx(gm, fakes, inner_compile=inner_compile, config_patches=patches,
+                          ignore_shape_env=True)
+
+
 def fwd_only_joint(fn, args, *, get_decomp_fn=None):
     """`fwd_only_fake`, then Inductor's joint-graph passes: the search graph takes the form the
     model's graph has when our stages see it (e.g. the permute pairs of an einsum folded away)."""
@@ -304,6 +321,7 @@ __all__ = [
     "compile_fx",
     "compile_fx_inner",
     "compile_fx_inner_direct",
+    "compile_fx_static",
     "compile_kwargs",
     "fake_inputs",
     "fwd_only",

@@ -233,6 +233,22 @@ def test_a_link_skips_aot_and_equals_cold(cache_dir, executor):
     assert pack.packed and adjacent([model.gate, model.up])
 
 
+@pytest.mark.parametrize("marked", [False, True])
+def test_a_cold_compile_reaches_the_fx_graph_cache(cache_dir, marked):
+    """The backend compiles a bucket at its first call, outside Dynamo's tracing context. Its
+    graph must reach Inductor's FX graph cache (stored, or a hit): a bypass ("No shape env", as
+    on the H200 on 2026-12-03, every bucket) leaves a warm process nothing to load."""
+    before = Counter(counters["inductor"])
+    cold, _, _, _ = _steps([2, 4] if marked else [4], "inductor", marked=marked)
+    delta = Counter(counters["inductor"]) - before
+    assert delta["fxgraph_cache_bypass"] == 0
+    assert delta["fxgraph_cache_miss"] + delta["fxgraph_cache_hit"] == (2 if marked else 1)
+    hits = counters["inductor"]["fxgraph_cache_hit"]
+    warm, _, _, _ = _steps([2, 4] if marked else [4], "inductor", marked=marked)
+    assert counters["inductor"]["fxgraph_cache_hit"] == hits + (2 if marked else 1)
+    assert _equal(cold, warm)
+
+
 def test_marked_batch_buckets_skip_aot(cache_dir):
     """One Dynamo graph for every bucket (`mark_batch`): each bucket's link hits."""
     cold, _, _, s_cold = _steps([2, 4], marked=True)
