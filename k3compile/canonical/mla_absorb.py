@@ -492,15 +492,25 @@ def apply(graph: fx.Graph) -> int:
     """Rewrite every non-absorbed MLA attention over a just-written latent cache, and the rows it
     was written at into `positions.view(B, 1) + arange(T)`; returns how many sites changed. A
     site that does not read as MLA is left alone (logged at debug level, with why)."""
+    return apply_at_cache_reads(graph, "mla_absorb", _apply_one)
+
+
+def apply_at_cache_reads(graph: fx.Graph, rule: str, apply_one, clean: bool = False) -> int:
+    """`apply_one(graph, read, pos)` (None: rewritten; else why not) at every read of a
+    just-written latent cache, then the rows the cache was written at in the canonical form;
+    returns how many sites changed. A site that raises is left as it is (logged); `clean`: dead
+    code goes after each rewritten site."""
     done = 0
     for read, pos in list(_cache_reads(graph)):
         try:
-            why = _apply_one(graph, read, pos)
+            why = apply_one(graph, read, pos)
         except Exception as e:  # noqa: BLE001 (a site the rule cannot read stays as it is)
-            log.warning("k3 mla_absorb: %s left alone: %s: %s", read.name, type(e).__name__, e)
+            log.warning("k3 %s: %s left alone: %s: %s", rule, read.name, type(e).__name__, e)
             why = "raised"
         if why is not None:
-            log.debug("k3 mla_absorb: %s left alone: %s", read.name, why)
+            log.debug("k3 %s: %s left alone: %s", rule, read.name, why)
+        elif clean:
+            graph.eliminate_dead_code()
         rows = _latent(read) and _canonical_rows(graph, pos)
         done += why is None or rows
     return done

@@ -34,7 +34,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import logging
 import math
 
 import torch
@@ -45,23 +44,20 @@ from k3compile.canonical.layout import terms
 from k3compile.canonical.mla_absorb import (
     Site,
     Sizes,
-    _cache_reads,
-    _canonical_rows,
     _chain_scale,
     _cone,
     _flat_output,
     _forward,
-    _latent,
     _order,
     _softmax_root,
     _viewlike,
     _writes,
     absorbed,
+    apply_at_cache_reads,
     rewrite,
 )
 from k3compile.rewrite import inductor
 
-log = logging.getLogger("k3compile")
 
 # the site's output against the canonical attention on the same random inputs, relative to its
 # largest magnitude (bf16: a spelling may round the scaled scores to bf16 before the softmax)
@@ -195,20 +191,7 @@ def _apply_one(graph: fx.Graph, read: fx.Node, pos: fx.Node) -> str | None:
 def apply(graph: fx.Graph) -> int:
     """Rewrite every absorbed MLA attention over a just-written latent cache that is not spelled
     in the canonical form, and the rows it was written at; returns how many sites changed."""
-    done = 0
-    for read, pos in list(_cache_reads(graph)):
-        try:
-            why = _apply_one(graph, read, pos)
-        except Exception as e:  # noqa: BLE001 (a site the rule cannot read stays as it is)
-            log.warning("k3 mla_absorbed: %s left alone: %s: %s", read.name, type(e).__name__, e)
-            why = "raised"
-        if why is not None:
-            log.debug("k3 mla_absorbed: %s left alone: %s", read.name, why)
-        else:
-            graph.eliminate_dead_code()
-        rows = _latent(read) and _canonical_rows(graph, pos)
-        done += why is None or rows
-    return done
+    return apply_at_cache_reads(graph, "mla_absorbed", _apply_one, clean=True)
 
 
 RULE = Rule(
