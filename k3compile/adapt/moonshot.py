@@ -145,14 +145,18 @@ def from_pretrained(path: str | Path, dtype: torch.dtype = torch.bfloat16, group
     K3_MOONSHOT_DIR: what `AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)`
     runs, without copying their files next to the checkpoint, under `compatible()`; eval mode,
     eager attention. A `quantization_config` in config.json goes through transformers' quantizer
-    as usual (compressed-tensors MXFP4 experts stay packed until the first forward).
+    as usual (compressed-tensors MXFP4 experts stay packed until the first forward). KDA's
+    A_log stored zero-padded, as the release stores it, is loaded per head (`padded`).
 
     `group` (a process group of W > 1 ranks): this rank keeps its 1/W of every routed expert's
     intermediate rows (`compressed.shard_experts`); `adapt(model, group=group)` then sums the
     ranks' expert outputs. The rest of the model is replicated."""
+    from k3compile.adapt.padded import padded_a_log
+
     model_type = json.loads((Path(path) / "config.json").read_text()).get("model_type")
-    with compatible():
+    with compatible(), padded_a_log(path, load().KimiDeltaAttention) as cut:
         model = model_class(model_type).from_pretrained(path, dtype=dtype, **kwargs)
+        cut(model)
     if group is not None:
         import torch.distributed as dist
 

@@ -12,7 +12,8 @@ except for an MoE layer's module name and two tensors the model keeps in a more 
   w2 = down);
 * KDA `A_log`: the model holds one entry per head; the release zero-pads it to a multiple of 128
   (`save_checkpoint(pad_a_log=False)` writes it per head, the shape Moonshot's `KimiDeltaAttention`
-  declares: transformers refuses the padded one there). Loading takes either.
+  declares). Loading takes either; so does `k3compile.adapt.moonshot.from_pretrained`
+  (`adapt/padded.py`), where transformers alone refuses the padded one.
 
 Tensor-parallel slicing follows `../shared/k3_arch.md` §4.2 (vLLM's layout): heads and expert
 intermediates are split, the low-rank latents, router and latent MoE projections replicated. One
