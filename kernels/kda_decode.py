@@ -16,8 +16,9 @@ Constraints:
       fp32 [S, H, K, K] (inner dims contiguous, 16-byte-aligned data and slot stride); slots int64
       [B] (negative slots count from the end, as torch indexing does; two requests sharing a slot
       race, as they do in the reference's index_put).
-    * conv weights bf16 [H·K, 1, taps], A_log fp32 [H], dt_bias fp32 [H·K], o_norm_weight bf16
-      [K], all contiguous; lower_bound, l2_eps, q_scale, norm_eps are runtime scalars.
+    * conv weights bf16 [H·K, 1, taps], A_log [H] and dt_bias [H·K] each fp32 or bf16 (loaded as
+      fp32, as the reference promotes them), o_norm_weight bf16 [K], all contiguous; lower_bound,
+      l2_eps, q_scale, norm_eps are runtime scalars.
     * Output bf16 [B, T, H, K], contiguous.
     * With PDL (settings.KERNELS.pdl) every thread waits first: everything it reads but the
       weights was written by the previous step.
@@ -185,29 +186,36 @@ def refusal(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weig
             ("q_conv_weight", q_conv_weight, bf16, (W, 1, taps)),
             ("k_conv_weight", k_conv_weight, bf16, (W, 1, taps)),
             ("v_conv_weight", v_conv_weight, bf16, (W, 1, taps)),
-            ("A_log", A_log, f32, (H,)), ("dt_bias", dt_bias, f32, (W,)),
+            ("A_log", A_log, (f32, bf16), (H,)), ("dt_bias", dt_bias, (f32, bf16), (W,)),
             ("o_norm_weight", o_norm_weight, bf16, (K,))):
-        if t.dtype != dtype or tuple(t.shape) != shape or not t.is_contiguous():
-            return f"{name}: {t.dtype} {tuple(t.shape)} (want contiguous {dtype} {list(shape)})"
+        dtypes = dtype if isinstance(dtype, tuple) else (dtype,)
+        if t.dtype not in dtypes or tuple(t.shape) != shape or not t.is_contiguous():
+            want = " or ".join(map(str, dtypes))
+            return f"{name}: {t.dtype} {tuple(t.shape)} (want contiguous {want} {list(shape)})"
     return None
 
 
-def prepare(tokens: int, n_heads: int, taps: int = 4, buckets=BUCKETS, norm_fp32=False) -> None:
+def prepare(tokens: int, n_heads: int, taps: int = 4, buckets=BUCKETS, norm_fp32=False,
+            a_log_bf16=False, dt_bias_bf16=False) -> None:
     """Compile the kernel of every batch bucket for these scalars (call before graph capture)."""
     for b in buckets:
-        compiled(tokens, n_heads, taps, b, norm_fp32)
+        compiled(tokens, n_heads, taps, b, norm_fp32, a_log_bf16, dt_bias_bf16)
 
 
-def compiled(tokens: int, n_heads: int, taps: int, batch_bucket: int, norm_fp32: bool):
-    """The cached kernel; `norm_fp32` enters the key only when set (the default's key and build
-    are those from before the variant)."""
+def compiled(tokens: int, n_heads: int, taps: int, batch_bucket: int, norm_fp32: bool,
+             a_log_bf16: bool = False, dt_bias_bf16: bool = False):
+    """The cached kernel; each build flag enters the key only when set (the default's key and
+    build are those from before the variants)."""
+    flags = {"norm_fp32": norm_fp32, "a_log_bf16": a_log_bf16, "dt_bias_bf16": dt_bias_bf16}
     return KERNEL.compiled(tokens, n_heads, taps, config(tokens, n_heads, taps, batch_bucket),
-                           rows=batch_bucket, **({"norm_fp32": True} if norm_fp32 else {}))
+                           rows=batch_bucket, **{k: True for k, on in flags.items() if on})
 
 
-def build(tokens, n_heads, taps, cfg, arch=None, dump_dir=None, pdl=False, norm_fp32=False):
+def build(tokens, n_heads, taps, cfg, arch=None, dump_dir=None, pdl=False, norm_fp32=False,
+          a_log_bf16=False, dt_bias_bf16=False):
     """Compile now, uncached (`dump_dir` keeps the cubin and PTX; `pdl`: with PDL; `norm_fp32`:
-    the output norm in fp32 with one rounding)."""
+    the output norm in fp32 with one rounding; `a_log_bf16`, `dt_bias_bf16`: that parameter in
+    bf16, e.g. a Moonshot model cast to bf16 whole)."""
     import cutlass
     from cutlass import cute
     from cutlass.cute.runtime import make_fake_tensor
@@ -234,7 +242,8 @@ def build(tokens, n_heads, taps, cfg, arch=None, dump_dir=None, pdl=False, norm_
         make_fake_tensor(f32, (cute.sym_int(), H, K, K),
                          stride=(cute.sym_int64(divisibility=4), K * K, K, 1), assumed_align=16),
         make_fake_tensor(cutlass.Int64, (n,), stride=(1,), assumed_align=8), *conv_w,
-        weight(f32, (H,), (1,)), weight(f32, (W,), (1,)), weight(bf16, (K,), (1,)),
+        weight(bf16 if a_log_bf16 else f32, (H,), (1,)),
+        weight(bf16 if dt_bias_bf16 else f32, (W,), (1,)), weight(bf16, (K,), (1,)),
         make_fake_tensor(bf16, (n, T, H, K), stride=(T * H * K, H * K, K, 1), assumed_align=16),
         f32(-5.0), f32(1e-6), f32(K ** -0.5), f32(1e-5), fake_stream(), arch=arch,
         dump_dir=dump_dir)
@@ -268,7 +277,8 @@ def kda_decode_cuda(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_c
         H, K = recurrent_state.shape[1:3]
         o = q.new_empty((B, T, H, K)) if out is None else out
         if B:
-            compiled(T, H, conv_state.shape[2] + 1, bucket(B), norm_fp32)(
+            compiled(T, H, conv_state.shape[2] + 1, bucket(B), norm_fp32,
+                     A_log.dtype == torch.bfloat16, dt_bias.dtype == torch.bfloat16)(
                 *args, o, float(lower_bound), float(l2_eps), float(q_scale), float(norm_eps))
         return o
 

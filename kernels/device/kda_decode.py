@@ -121,8 +121,8 @@ class KDADecode:
         T, K, W, taps = self.T, self.K, self.W, self.taps
         if kind == "alpha":
             ch = h * K + c
-            e = cute.math.exp(mALog[h])
-            dt = mDt[ch]
+            e = cute.math.exp(mALog[h].to(Float32))  # fp32 or bf16
+            dt = mDt[ch].to(Float32)
             for t in range(T):
                 gate = e * (mGraw[req, t, ch].to(Float32) + dt)
                 sA[t, c] = cute.math.exp(lower_bound * sigmoid(gate))
