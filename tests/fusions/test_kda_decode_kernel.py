@@ -3,15 +3,17 @@
 GPU (marked `gpu`): one K3 TP16 rank (6 heads of 128, conv taps 4) at every batch bucket with
 T = 1 and T = 8, other T (conv-state shift when T < taps - 1), other head counts, every config,
 several consecutive steps on carried states, and fb_kda_decode; both ops' `norm_fp32` build (fla's
-gated norm, one rounding) at B 1, 8, 64 and T 1, 8. Activations are column slices of
+gated norm, one rounding) at B 1, 8, 64 and T 1, 8; A_log and dt_bias in bf16 (each, and both: a
+Moonshot model cast to bf16 whole) with that norm. Activations are column slices of
 one in-projection row (stride 3206, as the fused GEMM produces them), slots are a permutation
 of a larger state pool whose other slots must stay untouched, and the last request of a batch
 is a padding row on the scratch slot (-1: the pool's last). Outputs are poisoned beforehand.
 
 CPU: a model of the kernel's blocking (its work split from `kernel.Tile`, the butterfly sums,
 the cluster sum, the ownership of outputs and conv-state writes) against the reference, for
-every config, and each output norm against its reference variant; refusals; the fallback off the
-GPU.
+every config, and each output norm against its reference variant, and with bf16 A_log and
+dt_bias; the reference's bf16 parameters are their fp32 values exactly; the build flags' cache
+keys; refusals; the fallback off the GPU.
 """
 
 import logging
@@ -88,6 +90,12 @@ class Inputs:
                                                   (self.graw,)), self.b)
         return (*first, conv_state, state, self.slots, *self.conv_w, self.A_log, self.dt_bias,
                 self.o_norm_weight, *SCALARS.values())
+
+    def bf16_params(self, which):
+        """A_log, dt_bias or both in bf16, as `model.to(torch.bfloat16)` leaves them."""
+        for name in (("A_log", "dt_bias") if which == "both" else (which,)):
+            setattr(self, name, getattr(self, name).bfloat16())
+        return self
 
     def untouched(self):
         mask = torch.ones(self.state.shape[0], dtype=torch.bool, device=self.state.device)
@@ -195,6 +203,18 @@ def test_norm_fp32(gen, B, T, fb):
     check_step(Inputs(gen, B, T), steps=2, gen=gen, fb=fb, norm_fp32=True)
 
 
+@pytest.mark.parametrize("fb", [False, True], ids=["kda_decode", "fb_kda_decode"])
+@pytest.mark.parametrize("B,T", [(1, 1), (8, 8), (64, 1)])
+@pytest.mark.parametrize("which", ["A_log", "dt_bias", "both"])
+@pytest.mark.usefixtures("cuda_kernels")
+@pytest.mark.gpu
+def test_bf16_params(gen, which, B, T, fb):
+    """A_log / dt_bias in bf16 (Moonshot's model cast to bf16 whole; with its norm_fp32): the
+    kernel's build for them against the reference, which promotes them to fp32 as the kernel
+    loads them, two steps on carried states."""
+    check_step(Inputs(gen, B, T).bf16_params(which), steps=2, gen=gen, fb=fb, norm_fp32=True)
+
+
 @pytest.mark.usefixtures("cuda_kernels")
 @pytest.mark.gpu
 def test_fb_kda_decode_contiguous_fa(gen):
@@ -274,7 +294,7 @@ def _prologue(inp, args, tl, rank, req, h, old_conv):
     for name, scale in (("q", args[-2]), ("k", 1.0)):
         x = sm[name]
         sm[name] = x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + args[-3]) * scale
-    gate = torch.exp(A_log[h]) * (graw[req, :, h * K:(h + 1) * K].float()
+    gate = torch.exp(A_log[h].float()) * (graw[req, :, h * K:(h + 1) * K].float()
                                   + dt_bias[h * K:(h + 1) * K])
     sm["alpha"] = torch.exp(args[-4] * torch.sigmoid(gate))
     sm["beta"] = torch.sigmoid(b[req, :, h].float())
@@ -414,11 +434,60 @@ def test_blocking_model_takes_its_output_norm(norm_fp32):
         assert_own_norm(got, ref, other)
 
 
+@pytest.mark.parametrize("which", ["A_log", "dt_bias", "both"])
+def test_blocking_model_takes_bf16_params(which):
+    """The kernel loads bf16 A_log / dt_bias and computes the gate in fp32: its model against the
+    reference with the same bf16 parameters (the config of batch 1, fla's norm)."""
+    gen = _cpu_gen()
+    for T in (1, 8):
+        inp = Inputs(gen, 3, T, H=2, device="cpu").bf16_params(which)
+        got = blocking_model(inp, inp.args(inp.conv_state.clone(), inp.state.clone()),
+                             kernel.config(T, 2, TAPS, 1), True)
+        ref = kda_decode_ref(*inp.args(inp.conv_state.clone(), inp.state.clone()), True)
+        torch.testing.assert_close(got.float(), ref.float(), **TOL["bf16"])
+        assert rel_err(got, ref) < TOL["bf16_rel_norm"]
+
+
+def test_reference_takes_bf16_params_as_their_fp32_values():
+    """bf16 A_log and dt_bias are promoted, not computed in bf16: the reference (the op's CPU
+    implementation, and what the kernel is checked against) with them equals it with the same
+    values in fp32, bit for bit, output and states."""
+    gen = _cpu_gen()
+    inp = Inputs(gen, 3, 2, H=2, device="cpu").bf16_params("both")
+    outs = []
+    for cast in (lambda t: t, torch.Tensor.float):
+        args = list(inp.args(inp.conv_state.clone(), inp.state.clone()))
+        args[12], args[13] = cast(args[12]), cast(args[13])
+        outs.append((kda_decode_ref(*args, True), args[6], args[7]))
+    assert outs[1][0].dtype == torch.bfloat16
+    assert all(torch.equal(a, b) for a, b in zip(*outs, strict=True))
+
+
+def test_build_flags_enter_the_key_only_when_set(monkeypatch):
+    """The cached kernel's key without the variants is the key from before them (fp32 A_log and
+    dt_bias, default norm), so existing compiled kernels keep it; each variant adds its flag."""
+    keys = []
+    monkeypatch.setattr(kernel.KERNEL, "compiled", lambda *a, **kw: keys.append((a, kw)))
+    kernel.compiled(1, 6, 4, 1, False)
+    kernel.compiled(1, 6, 4, 1, False, False, False)
+    kernel.compiled(1, 6, 4, 1, True, True, False)
+    kernel.compiled(1, 6, 4, 1, False, False, True)
+    cfg = kernel.config(1, 6, 4, 1)
+    assert keys == [((1, 6, 4, cfg), {"rows": 1})] * 2 + [
+        ((1, 6, 4, cfg), {"rows": 1, "norm_fp32": True, "a_log_bf16": True}),
+        ((1, 6, 4, cfg), {"rows": 1, "dt_bias_bf16": True})]
+
+
 def test_refusals():
     inp = Inputs(_cpu_gen(), 2, 1, H=2, device="cpu")
     args = list(inp.args(inp.conv_state, inp.state))
     assert kernel.refusal(*args) is None
     assert kernel.refusal(*args, norm_fp32=True) is None  # a build of its own
+    for i, t in ((12, inp.A_log), (13, inp.dt_bias)):  # each a build of its own in bf16
+        assert kernel.refusal(*args[:i], t.bfloat16(), *args[i + 1:]) is None
+        assert_refused(kernel.refusal, args, i, t.half(), ("A_log:", "dt_bias:")[i - 12])
+    fb = list(inp.bf16_params("both").args(inp.conv_state, inp.state, fb=True))
+    assert fb_kernel.refusal(*fb, norm_fp32=True) is None
     assert_refused(lambda *a: kernel.refusal(*a, norm_fp32=True), args, 0, inp.q.float(), "q:")
 
     def refused(i, value, words):

@@ -2,7 +2,8 @@
 shapes with the config of every batch bucket, and at small shapes; the kernels with programmatic
 dependent launch also with it on (`settings.KERNELS.pdl`), checked in their PTX; gemv's one-launch
 variants (norm prologue, SiTU epilogue, split output) with PDL off and on, and its plain build
-byte for byte as before them; kda_decode's norm_fp32 build. Needs only the DSL. The default run builds the first case of each
+byte for byte as before them; kda_decode's norm_fp32 build and its builds for bf16 A_log / dt_bias.
+Needs only the DSL. The default run builds the first case of each
 kernel and of each gemv variant (a few seconds a build); the rest are `slow` (CI builds them)."""
 
 import dataclasses
@@ -201,6 +202,34 @@ def test_kda_norm_fp32_builds(scalars, b, monkeypatch, tmp_path):
     cvt = "cvt.rn.bf16.f32"
     out_per_thread = -(-kda_decode.tile(cfg).out_vectors(scalars[0]) // cfg.threads) * 8
     assert ptx_of(default).count(cvt) - ptx_of(variant).count(cvt) == 2 * out_per_thread
+
+
+# kda_decode's builds for bf16 A_log / dt_bias (a Moonshot model cast to bf16 whole), each and
+# both, at one TP16 rank's decode (batch 1: clusters of 4) and verify rows (batch 64: no cluster)
+BF16_PARAMS = [(flags, scalars, b) for scalars, b in [((1, 6, 4), 1), ((8, 6, 4), 64)]
+               for flags in ({"a_log_bf16": True}, {"dt_bias_bf16": True},
+                             {"a_log_bf16": True, "dt_bias_bf16": True})]
+
+
+@pytest.mark.parametrize("flags,scalars,b", _first_of_each(BF16_PARAMS, lambda case: "kda"),
+                         ids=str)
+def test_kda_bf16_params_build(flags, scalars, b, monkeypatch, tmp_path):
+    """The variant compiles for sm_90a without spills, and its flags reach the device code: the
+    same global loads, some of them now 16-bit, each followed by its conversion to fp32."""
+    monkeypatch.setenv("CUTE_DSL_ARCH", ARCH)
+    cfg = kda_decode.config(*scalars, b)
+    for sub in ("v", "d"):
+        (tmp_path / sub).mkdir()
+    variant = kda_decode.build(*scalars, cfg, arch=ARCH, dump_dir=str(tmp_path / "v"), **flags)
+    _check_cubin(variant)
+    default = kda_decode.build(*scalars, cfg, arch=ARCH, dump_dir=str(tmp_path / "d"))
+    count = {name: {op: ptx_of(c).count(op) for op in ("ld.global", "ld.global.b16",
+                                                         "cvt.f32.bf16")}
+             for name, c in (("variant", variant), ("default", default))}
+    more = count["variant"]["ld.global.b16"] - count["default"]["ld.global.b16"]
+    assert more >= len(flags), count
+    assert count["variant"]["ld.global"] == count["default"]["ld.global"], count
+    assert count["variant"]["cvt.f32.bf16"] - count["default"]["cvt.f32.bf16"] == more, count
 
 
 # gemv's one-launch variants (n, k, fp32 output, residual, fusion), every bucket: the norm
