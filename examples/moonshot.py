@@ -75,7 +75,7 @@ def main(argv=None):
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
 
     config = moonshot.tiny_k3_config() if args.model == "k3" else moonshot.tiny_config()
-    model = moonshot.build(config, dtype=dtype).to(device)
+    model = moonshot.build(config, dtype=dtype, device=device)
     vocab = model.get_output_embeddings().weight.shape[0]
     prompt = torch.randint(3, vocab, (args.batch, args.prompt_len),
                            generator=torch.Generator().manual_seed(0)).to(device)

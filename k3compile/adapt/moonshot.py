@@ -3,8 +3,11 @@
 Moonshot's `modeling_kimi_linear.py` / `modeling_kimi_k3.py` (Kimi K3 License) are never part of
 this repository: `K3_MOONSHOT_DIR` names a folder holding them and `configuration_kimi_k3.py`
 (from the Hugging Face repo `moonshotai/Kimi-K3`). `load()` imports that folder as a package, so
-the files' relative imports work, and where fla is not importable (any CPU machine) it imports
-them against k3compile's torch stand-ins for fla (`k3compile.adapt.fla`).
+the files' relative imports work, against k3compile's torch stand-ins for fla
+(`k3compile.adapt.fla`, which run anywhere) or against fla's own package (its Triton kernels run
+CUDA tensors only): `build` and `from_pretrained` pick fla's own only for a model on a CUDA
+device where fla imports (`fla_runs_on`), so a model on the CPU never reaches fla's kernels, fla
+installed or not. Both imports can live in one process (two packages, one config module).
 
 `tiny_config` and `randomize` build the CPU test model: K3's structure at the built-in `tiny`
 config's widths, seeded weights that keep activations finite (Moonshot's own init leaves
@@ -36,8 +39,10 @@ import torch
 from k3compile import settings
 from k3compile.adapt import fla
 
-PACKAGE = "k3compile_moonshot"
-NEEDED = ("modeling_kimi_linear.py", "configuration_kimi_k3.py")
+PACKAGE = "k3compile_moonshot"  # Moonshot's files against k3compile's fla stand-ins
+FLA_PACKAGE = "k3compile_moonshot_fla"  # the same files against fla's own package
+CONFIG = "configuration_kimi_k3"  # imports no fla: one module, shared by both packages
+NEEDED = ("modeling_kimi_linear.py", f"{CONFIG}.py")
 
 
 def moonshot_dir(directory: str | Path | None = None) -> Path:
@@ -53,37 +58,48 @@ def moonshot_dir(directory: str | Path | None = None) -> Path:
     return path
 
 
-def fla_available() -> bool:
-    """fla's kernels are usable: the package imports and a CUDA device exists."""
-    return importlib.util.find_spec("fla") is not None and torch.cuda.is_available()
+def fla_runs_on(device: str | torch.device) -> bool:
+    """fla's kernels can run a model on `device`: a CUDA device, and fla imports (its Triton
+    kernels take no CPU tensors: "Pointer argument cannot be accessed from Triton")."""
+    return torch.device(device).type == "cuda" and importlib.util.find_spec("fla") is not None
 
 
 def load(name: str = "modeling_kimi_linear", directory: str | Path | None = None,
-         standins: bool | None = None) -> types.ModuleType:
+         standins: bool = True) -> types.ModuleType:
     """Moonshot's module `name` (modeling_kimi_linear, modeling_kimi_k3, configuration_kimi_k3),
-    imported once per process. `standins`: import against k3compile's fla stand-ins (default:
-    where fla's kernels are not usable)."""
-    package = sys.modules.get(PACKAGE)
-    path = moonshot_dir(directory) if directory or package is None else Path(package.__path__[0])
-    if package is None or package.__path__ != [str(path)]:
-        for key in [k for k in sys.modules if k == PACKAGE or k.startswith(PACKAGE + ".")]:
-            del sys.modules[key]
-        package = types.ModuleType(PACKAGE, "Moonshot's modeling files (K3_MOONSHOT_DIR)")
-        package.__path__ = [str(path)]
-        sys.modules[PACKAGE] = package
-    full = f"{PACKAGE}.{name}"
+    imported once per process for each `standins`: against k3compile's fla stand-ins (they run
+    on any device), or (False) against fla's own package."""
+    current = sys.modules.get(PACKAGE)
+    path = moonshot_dir(directory) if directory or current is None else Path(current.__path__[0])
+    _package(PACKAGE, path)
+    if standins or name == CONFIG:
+        full = f"{PACKAGE}.{name}"
+    else:
+        _package(FLA_PACKAGE, path)
+        sys.modules.setdefault(f"{FLA_PACKAGE}.{CONFIG}", load(CONFIG))
+        full = f"{FLA_PACKAGE}.{name}"
     if full in sys.modules:
         return sys.modules[full]
-    if standins is None:
-        standins = not fla_available()
     with released_names(), (fla.installed() if standins else contextlib.nullcontext()):
         return importlib.import_module(full)
+
+
+def _package(name: str, path: Path) -> None:
+    """The package `name` importing Moonshot's files from `path` (a new one, and its modules
+    forgotten, where it imported another folder)."""
+    package = sys.modules.get(name)
+    if package is None or package.__path__ != [str(path)]:
+        for key in [k for k in sys.modules if k == name or k.startswith(name + ".")]:
+            del sys.modules[key]
+        package = types.ModuleType(name, "Moonshot's modeling files (K3_MOONSHOT_DIR)")
+        package.__path__ = [str(path)]
+        sys.modules[name] = package
 
 
 def tiny_config(num_hidden_layers: int = 4, mla_layers: tuple[int, ...] = (2, 3), **overrides):
     """A `KimiLinearConfig` with K3's structure at the built-in `tiny` widths: layer 0 dense, MoE
     after; MLA at `mla_layers` (0-based), KDA elsewhere; AttnRes blocks of 3 layers."""
-    config_cls = load("configuration_kimi_k3").KimiLinearConfig
+    config_cls = load(CONFIG).KimiLinearConfig
     layers = range(1, num_hidden_layers + 1)
     fields = dict(
         vocab_size=512, hidden_size=256, num_hidden_layers=num_hidden_layers,
@@ -110,7 +126,7 @@ def tiny_k3_config(**text):
     """A `KimiK3Config` (the release's `KimiK3ForConditionalGeneration`): `tiny_config(**text)` as
     its text config, a one-block vision tower (not part of decode: there so that a checkpoint
     holds the release's `vision_tower.` / `mm_projector.` tensors beside `language_model.`)."""
-    configs = load("configuration_kimi_k3")
+    configs = load(CONFIG)
     text_config = tiny_config(**text)
     vision = configs.KimiK3VisionConfig(
         init_pos_emb_height=4, init_pos_emb_width=4, init_pos_emb_time=2,
@@ -121,25 +137,29 @@ def tiny_k3_config(**text):
                                 pad_token_id=text_config.pad_token_id)
 
 
-def model_class(model_type: str):
+def model_class(model_type: str, device: str | torch.device = "cpu"):
     """Moonshot's class for a config's `model_type`: `kimi_k3` (the release's config.json) is
-    `KimiK3ForConditionalGeneration`, anything else `KimiLinearForCausalLM`."""
+    `KimiK3ForConditionalGeneration`, anything else `KimiLinearForCausalLM`; imported against
+    fla's own package where its kernels run on `device` (`fla_runs_on`), else the stand-ins."""
+    standins = not fla_runs_on(device)
     if model_type == "kimi_k3":
-        return load("modeling_kimi_k3").KimiK3ForConditionalGeneration
-    return load().KimiLinearForCausalLM
+        return load("modeling_kimi_k3", standins=standins).KimiK3ForConditionalGeneration
+    return load(standins=standins).KimiLinearForCausalLM
 
 
-def build(config, dtype: torch.dtype = torch.float32, seed: int = 0):
+def build(config, dtype: torch.dtype = torch.float32, seed: int = 0,
+          device: str | torch.device = "cpu"):
     """Moonshot's model of `config` (`KimiLinearForCausalLM`, or `KimiK3ForConditionalGeneration`
-    for a `KimiK3Config`), seeded random weights, eval mode, eager attention."""
+    for a `KimiK3Config`) on `device` (with fla's kernels where they run there: `model_class`),
+    seeded random weights (the same on every device), eval mode, eager attention."""
     with compatible():
-        model = model_class(config.model_type)(config)
+        model = model_class(config.model_type, device)(config)
     randomize(model, seed)
-    return _eager(model.to(dtype))
+    return _eager(model.to(device, dtype))
 
 
 def from_pretrained(path: str | Path, dtype: torch.dtype = torch.bfloat16, group=None,
-                    **kwargs):
+                    device: str | torch.device = "cpu", **kwargs):
     """Moonshot's `from_pretrained(path)` (`KimiLinearForCausalLM`, or the release's
     `KimiK3ForConditionalGeneration` when config.json says `kimi_k3`) with their classes from
     K3_MOONSHOT_DIR: what `AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)`
@@ -150,12 +170,15 @@ def from_pretrained(path: str | Path, dtype: torch.dtype = torch.bfloat16, group
 
     `group` (a process group of W > 1 ranks): this rank keeps its 1/W of every routed expert's
     intermediate rows (`compressed.shard_experts`); `adapt(model, group=group)` then sums the
-    ranks' expert outputs. The rest of the model is replicated."""
+    ranks' expert outputs. The rest of the model is replicated.
+
+    `device`: where the model goes (fla's kernels where they run there: `model_class`)."""
     from k3compile.adapt.padded import padded_a_log
 
     model_type = json.loads((Path(path) / "config.json").read_text()).get("model_type")
-    with compatible(), padded_a_log(path, load().KimiDeltaAttention) as cut:
-        model = model_class(model_type).from_pretrained(path, dtype=dtype, **kwargs)
+    kda = load(standins=not fla_runs_on(device)).KimiDeltaAttention
+    with compatible(), padded_a_log(path, kda) as cut:
+        model = model_class(model_type, device).from_pretrained(path, dtype=dtype, **kwargs)
         cut(model)
     if group is not None:
         import torch.distributed as dist
@@ -163,7 +186,7 @@ def from_pretrained(path: str | Path, dtype: torch.dtype = torch.bfloat16, group
         from k3compile.adapt import compressed
 
         compressed.shard_experts(model, dist.get_rank(group), dist.get_world_size(group))
-    return _eager(model)
+    return _eager(model.to(device))
 
 
 def _eager(model):
