@@ -81,8 +81,9 @@ def kda_decode(
 ) -> torch.Tensor:
     """q, k, v, g, graw [B, T, H·K] (pre-conv projections, output gate, low-rank decay input),
     b [B, T, H] (β logits); conv_state [S, 3·H·K, taps-1]; recurrent_state fp32 [S, H, K, K];
-    slots int64 [B]; conv weights [H·K, 1, taps]; A_log fp32 [H]; dt_bias fp32 [H·K];
-    o_norm_weight [K]. Returns o [B, T, H, K] in the activations' dtype."""
+    slots int64 [B]; conv weights [H·K, 1, taps]; A_log [H], dt_bias [H·K] (fp32, or bf16 where
+    a model is cast whole: promoted to fp32); o_norm_weight [K]. Returns o [B, T, H, K] in the
+    activations' dtype."""
     return kda_decode_ref(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weight,
                           k_conv_weight, v_conv_weight, A_log, dt_bias, o_norm_weight, lower_bound,
                           l2_eps, q_scale, norm_eps, norm_fp32)
