@@ -374,8 +374,8 @@ def load_moonshot(model):
         # A_log per head: transformers refuses the release's padded [128] in their KDA module
         save_checkpoint(model, folder, pad_a_log=False)
         (Path(folder) / "config.json").write_text(json.dumps(moonshot_config(model.config)))
-        loaded = moonshot.from_pretrained(folder, dtype=weight.dtype)
-    return loaded.to(weight.device)
+        # on a GPU with fla installed, their classes import fla's own (as the user's would)
+        return moonshot.from_pretrained(folder, dtype=weight.dtype, device=weight.device)
 
 
 def moonshot_stack(loaded, model, max_batch: int, context: int) -> MoonshotLayerStack:
