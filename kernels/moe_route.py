@@ -9,7 +9,9 @@ measurements: docs/kernels.md, moe_route.
 
 Constraints:
     * logits fp32 [N, E] with contiguous rows, row stride a multiple of 4 elements and 16-byte
-      aligned data; bias fp32 [E] contiguous; outputs ids int64 [N, k], weights fp32 [N, k].
+      aligned data; bias fp32 or bf16 [E] contiguous, 16-byte-aligned data (a bf16 bias is
+      loaded as fp32, as the reference promotes it: a build of its own); outputs ids int64
+      [N, k], weights fp32 [N, k].
     * E % 4 == 0, 4 <= E <= 1024; 1 <= k <= min(32, E); scaling is a runtime scalar.
     * the op's renormalisation as K3's: eps 1e-20 added (another eps or a clamp: the reference).
     * NaN logits are not ordered (their selection is unspecified).
@@ -71,19 +73,29 @@ def refusal(logits, bias, top_k: int, scaling=None, eps: float = EPS, clamp: boo
         return f"top_k {top_k} (want 1..{min(MAX_TOP_K, n_experts)})"
     if why := rows_ok(logits, n_experts, torch.float32):
         return f"logits: {why}"
-    if bias.dtype != torch.float32 or bias.shape != (n_experts,) or not bias.is_contiguous():
-        return f"bias: {bias.dtype} {tuple(bias.shape)} (want contiguous fp32 [{n_experts}])"
+    if bias.dtype not in (torch.float32, torch.bfloat16) or bias.shape != (n_experts,) \
+            or not bias.is_contiguous():
+        return f"bias: {bias.dtype} {tuple(bias.shape)} " \
+               f"(want contiguous fp32 or bf16 [{n_experts}])"
     return None
 
 
-def prepare(n_experts: int, top_k: int, buckets=BUCKETS) -> None:
+def prepare(n_experts: int, top_k: int, buckets=BUCKETS, bias_bf16=False) -> None:
     """Compile the kernel of every batch bucket for these sizes (call before graph capture)."""
     for b in buckets:
-        KERNEL.compiled(n_experts, top_k, config(n_experts, top_k, b), rows=b)
+        compiled(n_experts, top_k, b, bias_bf16)
 
 
-def build(n_experts, top_k, cfg, arch=None, dump_dir=None, pdl=False):
-    """Compile now, uncached (`dump_dir` keeps the cubin and PTX; `pdl`: with PDL)."""
+def compiled(n_experts: int, top_k: int, batch_bucket: int, bias_bf16: bool = False):
+    """The cached kernel; `bias_bf16` enters the key only when set (the fp32 bias's key and build
+    are those from before the variant)."""
+    return KERNEL.compiled(n_experts, top_k, config(n_experts, top_k, batch_bucket),
+                           rows=batch_bucket, **({"bias_bf16": True} if bias_bf16 else {}))
+
+
+def build(n_experts, top_k, cfg, arch=None, dump_dir=None, pdl=False, bias_bf16=False):
+    """Compile now, uncached (`dump_dir` keeps the cubin and PTX; `pdl`: with PDL; `bias_bf16`:
+    the router bias in bf16, e.g. a Moonshot model cast to bf16 whole)."""
     import cutlass
     from cutlass import cute
     from cutlass.cute.runtime import make_fake_tensor
@@ -94,7 +106,7 @@ def build(n_experts, top_k, cfg, arch=None, dump_dir=None, pdl=False):
     f32 = cutlass.Float32
     return compile_kernel(
         MoERoute(n_experts, top_k, cfg, pdl), fake_rows(f32, n, n_experts),
-        fake_vector(f32, n_experts),
+        fake_vector(cutlass.BFloat16 if bias_bf16 else f32, n_experts),
         make_fake_tensor(cutlass.Int64, (n, top_k), stride=(top_k, 1), assumed_align=8),
         make_fake_tensor(f32, (n, top_k), stride=(top_k, 1), assumed_align=4),
         f32(1.0), fake_stream(), arch=arch, dump_dir=dump_dir)
@@ -110,8 +122,7 @@ def moe_route_cuda(logits, bias, top_k, scaling, eps=EPS, clamp=False, *, out=No
         ids, weights = out if out is not None else (
             logits.new_empty((n, top_k), dtype=torch.int64), logits.new_empty((n, top_k)))
         if n:
-            b = bucket(n)
-            KERNEL.compiled(n_experts, top_k, config(n_experts, top_k, b), rows=b)(
+            compiled(n_experts, top_k, bucket(n), bias.dtype == torch.bfloat16)(
                 logits, bias, ids, weights, float(scaling))
         return ids, weights
 

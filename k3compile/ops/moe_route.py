@@ -26,7 +26,8 @@ def moe_route_ref(logits: torch.Tensor, bias: torch.Tensor, top_k: int, scaling:
 @torch.library.custom_op("k3::moe_route", mutates_args=())
 def moe_route(logits: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float,
               eps: float = EPS, clamp: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits fp32 [N, E], bias fp32 [E] -> (ids int64 [N, k], weights fp32 [N, k]).
+    """logits fp32 [N, E], bias fp32 or bf16 [E] (promoted to fp32) -> (ids int64 [N, k],
+    weights fp32 [N, k]).
     Ties in score + bias may resolve to any of the tied experts."""
     return moe_route_ref(logits, bias, top_k, scaling, eps, clamp)
 

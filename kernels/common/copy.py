@@ -18,13 +18,14 @@ def row_vectors(mX: cute.Tensor, row) -> cute.Tensor:
     return cute.zipped_divide(mX[row, None], (vec_len(mX.element_type),))
 
 
-def vectors(mX: cute.Tensor) -> cute.Tensor:
-    """mX (dim,) -> (vec, n_vec)."""
-    return cute.zipped_divide(mX, (vec_len(mX.element_type),))
+def vectors(mX: cute.Tensor, vec: int | None = None) -> cute.Tensor:
+    """mX (dim,) -> (vec, n_vec); `vec` elements a vector where another tensor's vectors set the
+    split (e.g. bf16 beside fp32: 8-byte vectors), else 16 bytes of them."""
+    return cute.zipped_divide(mX, (vec or vec_len(mX.element_type),))
 
 
-def make_frag(dtype, vec_per_thread: int) -> cute.Tensor:
-    return cute.make_rmem_tensor(cute.make_layout((vec_len(dtype), vec_per_thread)), dtype)
+def make_frag(dtype, vec_per_thread: int, vec: int | None = None) -> cute.Tensor:
+    return cute.make_rmem_tensor(cute.make_layout((vec or vec_len(dtype), vec_per_thread)), dtype)
 
 
 @cute.jit

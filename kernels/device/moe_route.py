@@ -41,7 +41,7 @@ class MoERoute:
     @cute.jit
     def __call__(self, mLogits: cute.Tensor, mBias: cute.Tensor, mIds: cute.Tensor,
                  mW: cute.Tensor, scaling: Float32, stream):
-        # mLogits: (N, E) fp32; mBias: (E,); mIds: (N, k) int64; mW: (N, k) fp32
+        # mLogits: (N, E) fp32; mBias: (E,) fp32 or bf16; mIds: (N, k) int64; mW: (N, k) fp32
         self.kernel(mLogits, mBias, mIds, mW, scaling).launch(
             grid=[mLogits.shape[0], 1, 1], block=[self.threads, 1, 1],
             smem=self.smem_bytes, stream=stream, use_pdl=self.pdl)
@@ -65,17 +65,19 @@ class MoERoute:
         sWinId = smem.allocate_tensor(Uint32, cute.make_layout((k,)), 16)  # (k,)
         sWinScore = smem.allocate_tensor(Float32, cute.make_layout((k,)), 16)  # (k,)
 
-        rB = make_frag(Float32, self.j)  # (4, J)
+        # The bias in its own dtype (fp32, or bf16 in 8-byte vectors), split as the logits' float4s
+        gB = vectors(mBias, 4)  # (4, E/4)
+        rB = make_frag(mBias.element_type, self.j, 4)  # (4, J)
         if const_expr(self.pdl):  # the bias first: it loads while the router GEMM ends
-            load_vectors(vectors(mBias), rB, tidx, T, nv)
+            load_vectors(gB, rB, tidx, T, nv)
         pdl_wait(self.pdl)
         rL = make_frag(Float32, self.j)  # (4, J)
         load_vectors(row_vectors(mLogits, row), rL, tidx, T, nv)
         if const_expr(not self.pdl):
-            load_vectors(vectors(mBias), rB, tidx, T, nv)
+            load_vectors(gB, rB, tidx, T, nv)
         rS = make_frag(Float32, self.j)  # (4, J)
         rS.store(sigmoid(rL.load()))
-        bits = (rS.load() + rB.load()).bitcast(Uint32)  # (4·J,)
+        bits = (rS.load() + rB.load().to(Float32)).bitcast(Uint32)  # (4·J,); bf16: exact
         rK = make_frag(Uint32, self.j)  # (4, J)
         for s in cutlass.range_constexpr(4 * self.j):
             u = bits[s]
