@@ -240,26 +240,24 @@ def bf16_kda128(moonshot, device="cpu"):
     return condition_for_bf16(moonshot.build(config, dtype=torch.bfloat16, device=device), 0)
 
 
-# refusals of a bf16 Moonshot step that cost no fallback: the op's pattern asks the kernel first
-# (`Pattern.kernel_refusal`), so on a GPU the site stays with Inductor, unfused (measured on CPU
-# 2026-12-03). The router bias (`e_score_correction_bias`, declared fp32) is cast to bf16 with
-# the model; moe_route's kernel loads it as fp32 vectors.
-DEFERRED_ON_GPU = {"moe_route": "bias: torch.bfloat16"}
-
-
 @pytest.mark.slow
 @pytest.mark.dsl
 def test_bf16_model_fuses_only_what_the_kernels_take(moonshot):
     """The CPU half of the GPU test below: Moonshot's bf16 step compiled on a CPU (B1), and every
     fused op with a CUDA kernel is called with arguments that kernel's `refusal()` takes
-    (metadata only), so none falls back to its torch reference on a GPU, but DEFERRED_ON_GPU.
-    Moonshot declares A_log and dt_bias fp32 but `.to(bf16)` casts them: the KDA kernel refused
-    them (4 fallbacks per step on the H200) until it took bf16."""
+    (metadata only), so none falls back to its torch reference on a GPU, and no site is left to
+    Inductor by its pattern's kernel check. Moonshot declares A_log, dt_bias and the router's
+    e_score_correction_bias fp32 but `.to(bf16)` casts them: the KDA kernel refused the first two
+    (4 fallbacks per step on the H200) and moe_route's the bias (the routing unfused) until each
+    took bf16."""
     from k3compile.kernels import register_all
 
     register_all()
     model = bf16_kda128(moonshot)
     assert model.model.layers[1].self_attn.dt_bias.dtype == torch.bfloat16  # what a kernel meets
+    biases = [m.e_score_correction_bias for m in model.modules()
+              if hasattr(m, "e_score_correction_bias")]
+    assert biases and all(b.dtype == torch.bfloat16 for b in biases)
     eager = adapt(model, max_batch=4, max_seq_len=32)
     compiled = compile_step(adapt(model, max_batch=4, max_seq_len=32))
     ids, pos, slots = torch.tensor([3]), torch.tensor([0]), torch.tensor([1])
@@ -269,8 +267,7 @@ def test_bf16_model_fuses_only_what_the_kernels_take(moonshot):
     found = kernel_refusals(graph)
     assert {"fb_kda_decode", "attn_res_mix_norm", "mla_uv_gate", "moe_route"} <= found.keys()
     refused = {op: why for op, why in found.items() if why != {None}}
-    assert refused.keys() == DEFERRED_ON_GPU.keys(), refused
-    assert all(why.startswith(DEFERRED_ON_GPU[op]) for op, whys in refused.items() for why in whys)
+    assert not refused, refused
 
 
 @pytest.mark.gpu
@@ -278,9 +275,9 @@ def test_bf16_model_fuses_only_what_the_kernels_take(moonshot):
 def test_bf16_fp32_variants_run_as_kernels_on_a_gpu(moonshot):
     """On a GPU: Moonshot's bf16 step (built on CUDA, so against fla's own package where it
     imports), KDA heads of 128 (the kernel's head dim), fuses fla's gated norm and the fp32
-    depth-mix scores as the ops' fp32 variants, and their kernels run them (A_log and dt_bias in
-    bf16, as `.to(bf16)` leaves them): no reference fallback of any op (the reasons are in the
-    message); two decode steps equal to the adapted eager step."""
+    depth-mix scores as the ops' fp32 variants, and their kernels run them (A_log, dt_bias and the
+    router bias in bf16, as `.to(bf16)` leaves them; the routing fused): no reference fallback of
+    any op (the reasons are in the message); two decode steps equal to the adapted eager step."""
     from k3compile.kernels.common import dsl
 
     model = bf16_kda128(moonshot, "cuda")
@@ -298,4 +295,5 @@ def test_bf16_fp32_variants_run_as_kernels_on_a_gpu(moonshot):
     hits = {h.pattern for r in k3be.last_compiled().observer.reports.values() for h in r.hits}
     assert any(p.endswith("norm_fp32]") for p in hits), sorted(hits)
     assert any(p.endswith(",scores_fp32]") for p in hits), sorted(hits)
+    assert any(p.startswith("moe_route") for p in hits), sorted(hits)  # its bf16 bias taken
     assert not dsl.fallback_counts(), dsl.fallback_counts()  # of any op

@@ -1,5 +1,9 @@
 """k3::moe_route kernel at the K3 router shape (896 experts, top-16) for every batch bucket:
-the selected set (ties to the lower expert index) and the renormalised unbiased weights."""
+the selected set (ties to the lower expert index) and the renormalised unbiased weights; a bf16
+router bias (Moonshot's model cast to bf16 whole) at 1, 8 and 64 rows (GPU, marked `gpu`).
+
+CPU: the reference with a bf16 bias is bit-equal to it with the same values in fp32; the bf16
+build's cache key; refusals."""
 
 import logging
 
@@ -8,16 +12,14 @@ import torch
 from k3compile.kernels import moe_route as kernel
 
 from k3compile.ops.moe_route import moe_route_ref
-from tests.kernel_checks import BUCKETS, TOL, assert_written, poisoned
-
-pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("cuda_kernels")]
+from tests.kernel_checks import BUCKETS, TOL, assert_refused, assert_written, on_gpu, poisoned
 
 EXPERTS, TOP_K, SCALING = 896, 16, 2.5
 
 
-def make_inputs(gen, n, n_experts=EXPERTS, ties=False):
-    logits = torch.randn(n, n_experts, generator=gen, device="cuda") * 2
-    bias = torch.randn(n_experts, generator=gen, device="cuda") * 0.1
+def make_inputs(gen, n, n_experts=EXPERTS, ties=False, device="cuda"):
+    logits = torch.randn(n, n_experts, generator=gen, device=device) * 2
+    bias = torch.randn(n_experts, generator=gen, device=device) * 0.1
     if ties:  # few distinct logits, no bias: many exact ties in s + bias, also at the cut
         logits = (logits * 2).round() / 4
         bias = torch.zeros_like(bias)
@@ -79,17 +81,20 @@ def check(logits, bias, top_k=TOP_K, exact_ties=False):
         torch.testing.assert_close(got[1], other[1], **TOL["fp32"])
 
 
+@on_gpu
 @pytest.mark.parametrize("n", BUCKETS)
 def test_k3_router(gen, n):
     check(*make_inputs(gen, n))
 
 
+@on_gpu
 @pytest.mark.parametrize("n", [1, 8, 64])
 def test_ties_pick_the_lower_index(gen, n):
     logits, bias = make_inputs(gen, n, ties=True)
     check(logits, bias, exact_ties=True)
 
 
+@on_gpu
 def test_all_equal_scores(gen):
     logits = torch.full((8, EXPERTS), 0.25, device="cuda")
     ids, weights = run_kernel(logits, torch.zeros(EXPERTS, device="cuda"))
@@ -97,6 +102,7 @@ def test_all_equal_scores(gen):
     torch.testing.assert_close(weights, torch.full_like(weights, SCALING / TOP_K))
 
 
+@on_gpu
 @pytest.mark.parametrize("n_experts,top_k", [(64, 4), (100, 8), (256, 8), (1024, 32), (8, 8),
                                              (4, 4), (4, 1), (896, 1), (128, 32)])
 def test_other_sizes(gen, n_experts, top_k):
@@ -104,6 +110,7 @@ def test_other_sizes(gen, n_experts, top_k):
         check(*make_inputs(gen, n, n_experts), top_k=top_k)
 
 
+@on_gpu
 @pytest.mark.parametrize("n_equal", [16, 40, 61, 62, 300])
 def test_equal_keys_at_the_cut(gen, n_equal):
     """n_equal experts at random places (across lanes and float4 slots) share the top logit, a
@@ -119,11 +126,13 @@ def test_equal_keys_at_the_cut(gen, n_equal):
     check(logits, torch.zeros(EXPERTS, device="cuda"), exact_ties=True)
 
 
+@on_gpu
 def test_strided_logits(gen):
     wide = torch.randn(16, EXPERTS + 128, generator=gen, device="cuda")
     check(wide[:, :EXPERTS], torch.randn(EXPERTS, generator=gen, device="cuda") * 0.1)
 
 
+@on_gpu
 def test_op_dispatch_and_graph_replay(gen):
     logits, bias = make_inputs(gen, 8)
     ids, w = torch.ops.k3.moe_route(logits, bias, TOP_K, SCALING)
@@ -143,6 +152,7 @@ def test_op_dispatch_and_graph_replay(gen):
         torch.testing.assert_close(got_w, ref_w, **TOL["fp32"])
 
 
+@on_gpu
 def test_refused_inputs_fall_back_to_the_reference(gen, caplog):
     logits, bias = make_inputs(gen, 4, n_experts=90)  # not a multiple of 4
     assert not kernel.can_implement(logits, bias, TOP_K)
@@ -153,9 +163,64 @@ def test_refused_inputs_fall_back_to_the_reference(gen, caplog):
     assert "moe_route" in caplog.text
 
 
+@on_gpu
 def test_can_implement_limits(gen):
     logits, bias = make_inputs(gen, 2)
     assert kernel.can_implement(logits, bias, TOP_K)
     assert not kernel.can_implement(logits, bias, 33)
     assert not kernel.can_implement(logits.bfloat16(), bias, TOP_K)
     assert not kernel.can_implement(logits, bias.double(), TOP_K)
+
+
+@on_gpu
+@pytest.mark.parametrize("n", [1, 8, 64])
+def test_bf16_bias(gen, n):
+    """A bf16 router bias (`model.to(torch.bfloat16)` casts Moonshot's fp32
+    e_score_correction_bias): the kernel's build for it against the reference, and bit-equal to
+    the fp32 build given the same values in fp32 (the bias is converted exactly at the load)."""
+    logits, bias = make_inputs(gen, n)
+    bias = bias.bfloat16()
+    check(logits, bias)
+    got, same = run_kernel(logits, bias), run_kernel(logits, bias.float())
+    assert torch.equal(got[0], same[0]) and torch.equal(got[1], same[1])
+
+
+def _cpu_inputs(n=3, n_experts=64):
+    return make_inputs(torch.Generator().manual_seed(n_experts + n), n, n_experts, device="cpu")
+
+
+def test_reference_takes_a_bf16_bias_as_its_fp32_values():
+    """A bf16 bias is promoted, not computed in bf16: the reference (the op's CPU implementation,
+    and what the kernel is checked against) with it equals it with the same values in fp32, bit
+    for bit, at the K3 router shape."""
+    logits, bias = _cpu_inputs(64, EXPERTS)
+    bias = bias.bfloat16()
+    got, want = moe_route_ref(logits, bias, TOP_K, SCALING), \
+        moe_route_ref(logits, bias.float(), TOP_K, SCALING)
+    assert got[1].dtype == torch.float32
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_bias_bf16_enters_the_key_only_when_set(monkeypatch):
+    """The cached kernel's key for an fp32 bias is the key from before the bf16 build, so
+    existing compiled kernels keep it; a bf16 bias adds its flag."""
+    keys = []
+    monkeypatch.setattr(kernel.KERNEL, "compiled", lambda *a, **kw: keys.append((a, kw)))
+    kernel.compiled(EXPERTS, TOP_K, 8)
+    kernel.compiled(EXPERTS, TOP_K, 8, False)
+    kernel.compiled(EXPERTS, TOP_K, 8, True)
+    cfg = kernel.config(EXPERTS, TOP_K, 8)
+    assert keys == [((EXPERTS, TOP_K, cfg), {"rows": 8})] * 2 + [
+        ((EXPERTS, TOP_K, cfg), {"rows": 8, "bias_bf16": True})]
+
+
+def test_refusals():
+    """fp32 and bf16 biases are taken (each a build of its own); other dtypes, shapes and
+    layouts are refused, and so are bf16 logits."""
+    logits, bias = _cpu_inputs()
+    args = (logits, bias, 4)
+    assert kernel.refusal(*args) is None
+    assert kernel.refusal(logits, bias.bfloat16(), 4) is None
+    for value in (bias.half(), bias.double(), bias[:-4], bias.bfloat16().repeat(2)[::2]):
+        assert_refused(kernel.refusal, args, 1, value, "bias:")
+    assert_refused(kernel.refusal, args, 0, logits.bfloat16(), "logits:")

@@ -2,8 +2,8 @@
 shapes with the config of every batch bucket, and at small shapes; the kernels with programmatic
 dependent launch also with it on (`settings.KERNELS.pdl`), checked in their PTX; gemv's one-launch
 variants (norm prologue, SiTU epilogue, split output) with PDL off and on, and its plain build
-byte for byte as before them; kda_decode's norm_fp32 build and its builds for bf16 A_log / dt_bias.
-Needs only the DSL. The default run builds the first case of each
+byte for byte as before them; kda_decode's norm_fp32 build and its builds for bf16 A_log / dt_bias;
+moe_route's build for a bf16 router bias. Needs only the DSL. The default run builds the first case of each
 kernel and of each gemv variant (a few seconds a build); the rest are `slow` (CI builds them)."""
 
 import dataclasses
@@ -230,6 +230,33 @@ def test_kda_bf16_params_build(flags, scalars, b, monkeypatch, tmp_path):
     assert more >= len(flags), count
     assert count["variant"]["ld.global"] == count["default"]["ld.global"], count
     assert count["variant"]["cvt.f32.bf16"] - count["default"]["cvt.f32.bf16"] == more, count
+
+
+# moe_route's build for a bf16 router bias (a Moonshot model cast to bf16 whole): at the K3 router
+# (896 experts, top-16; one float4 a thread) and E 1024, k 32 (two a thread), PDL off and on
+BF16_BIAS = [((896, 16), False), ((1024, 32), False), ((896, 16), True), ((1024, 32), True)]
+
+
+@pytest.mark.parametrize("scalars,pdl", _first_of_each(BF16_BIAS, lambda case: "route"), ids=str)
+def test_moe_route_bf16_bias_build(scalars, pdl, monkeypatch, tmp_path):
+    """The variant compiles for sm_90a without spills, and the flag reaches the device code: the
+    same global loads, the bias's now 8-byte vectors of four bf16 (one per float4 of logits),
+    each element then converted to fp32."""
+    monkeypatch.setenv("CUTE_DSL_ARCH", ARCH)
+    cfg = moe_route.config(*scalars, 1)
+    for sub in ("v", "d"):
+        (tmp_path / sub).mkdir()
+    variant = moe_route.build(*scalars, cfg, arch=ARCH, dump_dir=str(tmp_path / "v"), pdl=pdl,
+                              bias_bf16=True)
+    _check_cubin(variant)
+    default = moe_route.build(*scalars, cfg, arch=ARCH, dump_dir=str(tmp_path / "d"), pdl=pdl)
+    count = {name: {op: ptx_of(c).count(op) for op in ("ld.global", "ld.global.v4.b16",
+                                                         "cvt.f32.bf16")}
+             for name, c in (("variant", variant), ("default", default))}
+    assert count["default"]["ld.global.v4.b16"] == count["default"]["cvt.f32.bf16"] == 0, count
+    assert count["variant"]["ld.global"] == count["default"]["ld.global"], count
+    assert count["variant"]["ld.global.v4.b16"] == cfg.vec_per_thread, count
+    assert count["variant"]["cvt.f32.bf16"] == 4 * cfg.vec_per_thread, count
 
 
 # gemv's one-launch variants (n, k, fp32 output, residual, fusion), every bucket: the norm
