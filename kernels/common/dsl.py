@@ -258,6 +258,17 @@ def aligned16(*tensors) -> bool:
     return all(t.data_ptr() % 16 == 0 for t in tensors)
 
 
+def unaligned16(*tensors) -> str | None:
+    """"data not 16-byte aligned", naming the first such tensor (its position among `tensors`,
+    dtype, shape, strides and the start's offset from 16 bytes), or None where all are aligned:
+    the reason a fallback logs, so the log says which tensor of which call."""
+    for i, t in enumerate(tensors):
+        if t.data_ptr() % 16:
+            return (f"data not 16-byte aligned: tensor {i} {t.dtype} {tuple(t.shape)} "
+                    f"strides {t.stride()} starts {t.data_ptr() % 16} B past 16")
+    return None
+
+
 def rows_ok(t, dim: int, dtype) -> str | None:
     """Refusal reason for a row tensor the kernels read as [rows, dim] with a free row stride.
     Metadata only (fake tensors work); data alignment is checked at launch (`aligned16`)."""

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .dsl import aligned16, log, runtime_refusal
+from .dsl import log, runtime_refusal, unaligned16
 from .launch import Kernel
 
 MAX_K = 65536
@@ -58,7 +58,7 @@ def launch_refusal(refuse, x, w, residual, out, out_dtype) -> str | None:
     alignment, the `out` buffer), or None."""
     reason = (runtime_refusal() or refuse(x, w, residual, out_dtype=out_dtype)
               or (None if x.is_cuda and w.is_cuda else "not on a CUDA device")
-              or (None if aligned16(x, w) else "data not 16-byte aligned"))
+              or unaligned16(x, w))
     if reason is None and out is not None and (
             out.dtype != out_dtype or out.shape != (x.shape[0], w.shape[0])
             or out.stride(-1) != 1):

@@ -42,7 +42,6 @@ from k3compile.ops.rms_norm import rms_norm_ref
 from k3compile.settings import KERNELS
 
 from .dsl import (
-    aligned16,
     bucket,
     compile_kernel,
     fake_rows,
@@ -50,6 +49,7 @@ from .dsl import (
     fake_vector,
     fallback,
     runtime_refusal,
+    unaligned16,
 )
 from .gemm import (  # noqa: F401  (launch_refusal: the fused ops check their weights with it)
     GEMV_MAX_M,
@@ -233,8 +233,7 @@ def fused_launch_refusal(fusion: Fusion, x, w, residual=None, *, norm_weight=Non
     reason = (runtime_refusal() or fused_refusal(fusion, x, w, residual,
                                                  norm_weight=norm_weight, out_dtype=out_dtype)
               or (None if x.is_cuda and w.is_cuda else "not on a CUDA device")
-              or (None if aligned16(x, w, *([norm_weight] if fusion.norm else []))
-                  else "data not 16-byte aligned"))
+              or unaligned16(x, w, *([norm_weight] if fusion.norm else [])))
     for out, shape, dtype in outs:
         if reason is None and out is not None and (
                 out.dtype != dtype or tuple(out.shape) != shape or out.stride(-1) != 1):

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from . import disk_cache
-from .dsl import CompileCache, aligned16, fallback, pdl_enabled, runtime_refusal
+from .dsl import CompileCache, fallback, pdl_enabled, runtime_refusal, unaligned16
 
 T = TypeVar("T")
 
@@ -45,8 +45,7 @@ class Kernel:
     def refusal(self, refusal: Callable[[], str | None], *aligned) -> str | None:
         """Why this call cannot launch: no runtime, the kernel's `refusal()` (called only where
         the runtime can launch), or the data of one of `aligned` not 16-byte aligned."""
-        return (runtime_refusal() or refusal()
-                or (None if aligned16(*aligned) else "data not 16-byte aligned"))
+        return runtime_refusal() or refusal() or unaligned16(*aligned)
 
     def run(self, refusal: Callable[[], str | None], reference: Callable[[], T],
             launch: Callable[[], T], *aligned, op: str | None = None) -> T:
