@@ -10,8 +10,10 @@ canonical form has it.
 
 Found structurally: an `unfold(window [B, C, L], -1, taps, 1)` whose chain of views reaches a
 bmm with a [C, taps] (or [C, 1, taps]) weight on the other side, read back as [B, T, C] or
-[B, C, T] (T = L - taps + 1); taken only where that region, run on random values
-(`canonical.region`), equals the conv within 1e-5 of the largest value (fp32 summation order).
+[B, C, T] (T = L - taps + 1); at B·T = 1 that bmm is a batch of dot products, which Inductor
+decomposes on CPU into `sum(a.squeeze(1) * b.squeeze(-1), 1, keepdim=True)`: the mul + sum is
+taken as the bmm. Taken only where that region, run on random values (`canonical.region`),
+equals the conv within 1e-5 of the largest value (fp32 summation order).
 fp32 only: a bf16 bmm rounds its output, the canonical conv runs in fp32 and rounds after the
 SiLU (another computation). Moving pointwise ops ahead of a permute is exact (each element is
 computed alike).
@@ -56,17 +58,34 @@ def _site(unfold: fx.Node):
     node = unfold
     while len(node.users) == 1 and (user := next(iter(node.users))).target in VIEWS:
         node = user
-    (bmm,) = node.users if len(node.users) == 1 else (None,)
-    if bmm is None or bmm.target is not aten.bmm.default or node not in bmm.args:
+    product = _product(node)
+    if product is None:
         return None
-    other = bmm.args[1] if bmm.args[0] is node else bmm.args[0]
+    other = product.args[1] if product.args[0] is node else product.args[0]
     w = root(other)
     if shape(w) not in ((C, taps), (C, 1, taps)) or val(w).dtype != torch.float32:
         return None
+    end = product if product.target is aten.bmm.default else next(iter(product.users))
     for want, fn in (((B, T, C), _conv_t), ((B, C, T), _conv)):
-        out = below(bmm, want)
+        out = below(end, want)
         if out is not None:
             return [window, w], out, fn
+    return None
+
+
+def _product(node: fx.Node) -> fx.Node | None:
+    """The window's contraction with the taps: a bmm, or the mul that a bmm of dot products
+    ([C, 1, taps] @ [C, taps, 1], B·T = 1) decomposes to on CPU (`sum(a.squeeze(1) *
+    b.squeeze(-1), 1, keepdim=True)`, Inductor's `bmm` decomposition), its one user the sum."""
+    (user,) = node.users if len(node.users) == 1 else (None,)
+    if user is None or node not in user.args:
+        return None
+    if user.target is aten.bmm.default:
+        return user
+    if user.target is aten.mul.Tensor and len(user.users) == 1:
+        (total,) = user.users
+        if total.target is aten.sum.dim_IntList and total.kwargs.get("dtype") is None:
+            return user
     return None
 
 
