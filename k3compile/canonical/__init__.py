@@ -25,7 +25,7 @@ from torch import fx
 ORDER: tuple[str, ...] = ("state_write", "mla_absorb", "mla_absorbed", "mxfp4_dequant",
                           "expert_stack", "expert_gemm", "gemm", "short_conv",
                           "conv_einsum", "qkv_split", "l2_norm", "bias_view", "delta_einsum",
-                          "conv_merge", "gate_up_split",
+                          "norm_round", "conv_merge", "gate_up_split",
                           "depth_mix", "slice_split", "group_limit", "noop_view", "cast_view",
                           "broadcast", "topk_sorted", "view_chains", "reshape_fold", "stack_cat",
                           "router_input", "permute_fold")

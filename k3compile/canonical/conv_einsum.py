@@ -27,12 +27,24 @@ from torch import fx
 
 from k3compile.canonical import Rule
 from k3compile.canonical.gate_up_split import _POINTWISE
-from k3compile.canonical.region import VIEWS, below, refresh, replace, root, shape, val
+from k3compile.canonical.region import (
+    VIEWS,
+    below,
+    pointwise_tail,
+    refresh,
+    replace,
+    root,
+    shape,
+    val,
+)
 from k3compile.canonical.short_conv import MAX_TAPS
 from k3compile.graph import call
 
 aten = torch.ops.aten
 RTOL = 1e-5
+LOW = (torch.bfloat16, torch.float16)  # conv and SiLU rounded by the user's ops, not once
+# the bmm's decomposition computes in fp32 (`pw_cast_for_opmath`): casts around it
+THROUGH = VIEWS | {torch.ops.prims.convert_element_type.default}
 
 
 def _conv(window, w):
@@ -44,11 +56,24 @@ def _conv_t(window, w):
     return _conv(window, w).transpose(1, 2)
 
 
+def _silu_conv(window, w):
+    """The canonical form in bf16 / fp16: conv and SiLU in fp32, rounded once after."""
+    C, taps = w.shape[0], w.shape[-1]
+    c = F.conv1d(window.float(), w.reshape(C, 1, taps).float(), groups=C)
+    return (c * torch.sigmoid(c)).to(window.dtype)
+
+
+def _silu_conv_t(window, w):
+    return _silu_conv(window, w).transpose(1, 2)
+
+
 def _site(unfold: fx.Node):
+    """([window, w], the region's output, the canonical function, rtol) or None."""
     window = unfold.args[0]
     s = shape(window)
+    dtype = val(window).dtype if s is not None else None
     if (s is None or len(s) != 3 or unfold.args[1] % 3 != 2 or unfold.args[3] != 1
-            or val(window).dtype != torch.float32):
+            or dtype not in (torch.float32, *LOW)):
         return None
     B, C, L = s
     taps = unfold.args[2]
@@ -56,20 +81,27 @@ def _site(unfold: fx.Node):
     if taps > MAX_TAPS or T < 1:
         return None
     node = unfold
-    while len(node.users) == 1 and (user := next(iter(node.users))).target in VIEWS:
+    while len(node.users) == 1 and (user := next(iter(node.users))).target in THROUGH:
         node = user
     product = _product(node)
     if product is None:
         return None
     other = product.args[1] if product.args[0] is node else product.args[0]
-    w = root(other)
-    if shape(w) not in ((C, taps), (C, 1, taps)) or val(w).dtype != torch.float32:
+    w = root(other, THROUGH)
+    if shape(w) not in ((C, taps), (C, 1, taps)) or val(w).dtype != dtype:
         return None
     end = product if product.target is aten.bmm.default else next(iter(product.users))
-    for want, fn in (((B, T, C), _conv_t), ((B, C, T), _conv)):
-        out = below(end, want)
-        if out is not None:
-            return [window, w], out, fn
+    for want, fns in (((B, T, C), (_conv_t, _silu_conv_t)), ((B, C, T), (_conv, _silu_conv))):
+        out = below(end, want, THROUGH)
+        if out is None:
+            continue
+        if dtype == torch.float32:
+            return [window, w], out, fns[0], RTOL
+        # bf16 / fp16: the SiLU that follows goes with the conv (it rounds after it)
+        tail = pointwise_tail(out, _POINTWISE, dtype)
+        if tail is None or not tail[0]:
+            return None
+        return [window, w], tail[1], fns[1], 2 * torch.finfo(dtype).eps
     return None
 
 
@@ -92,24 +124,13 @@ def _product(node: fx.Node) -> fx.Node | None:
 def _sink_pointwise(graph: fx.Graph, perm: fx.Node) -> bool:
     """f(permute(c)) -> permute(f(c)) for a pointwise region f that reads only the permute (and
     scalars), takes every use of it, and is read from outside only at its last node."""
-    def inside(n):
-        return n.target in _POINTWISE and shape(n) == shape(perm)
-
-    region, todo = set(), list(perm.users)
-    while todo:
-        n = todo.pop()
-        if n not in region and inside(n):
-            region.add(n)
-            todo += n.users
-    ends = [n for n in region if any(u not in region for u in n.users)]
-    if (not region or len(ends) != 1 or any(u not in region for u in perm.users)
-            or any(a is not perm and a not in region for n in region for a in n.all_input_nodes)):
+    tail = pointwise_tail(perm, _POINTWISE)
+    if not tail or not tail[0]:
         return False
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    (end,) = ends
+    region, end = tail
     env = {perm: perm.args[0]}
     with graph.inserting_before(end):
-        for n in sorted(region, key=order.__getitem__):
+        for n in region:
             args, kwargs = fx.map_arg((n.args, n.kwargs), env.__getitem__)
             env[n] = call(graph, n.target, args, kwargs, like=n)
         moved = call(graph, aten.permute.default, (env[end], list(perm.args[1])), like=perm)
@@ -128,8 +149,8 @@ def apply(graph: fx.Graph) -> int:
             found = _site(node)
             if found is None:
                 continue
-            inputs, out, fn = found
-            new = replace(inputs, out, fn, RTOL, cache, fn.__name__)
+            inputs, out, fn, rtol = found
+            new = replace(inputs, out, fn, rtol, cache, fn.__name__)
             if new is None:
                 continue
             count += 1

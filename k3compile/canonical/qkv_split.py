@@ -23,7 +23,7 @@ from torch import fx
 
 from k3compile.canonical import Rule
 from k3compile.canonical.gate_up_split import _POINTWISE, _gemm, _split
-from k3compile.canonical.region import refresh, root, shape
+from k3compile.canonical.region import pointwise_tail, refresh, root, shape
 from k3compile.graph import call
 
 aten = torch.ops.aten
@@ -32,19 +32,8 @@ _CAST = torch.ops.prims.convert_element_type.default
 
 def _past_pointwise(node: fx.Node) -> fx.Node | None:
     """The one node a pointwise region fed by node alone ends at (node where none follows)."""
-    region, todo = set(), list(node.users)
-    while todo:
-        n = todo.pop()
-        if n not in region and n.target in _POINTWISE and shape(n) == shape(node):
-            region.add(n)
-            todo += n.users
-    if not region:
-        return node
-    ends = [n for n in region if any(u not in region for u in n.users)]
-    if (len(ends) != 1 or any(u not in region for u in node.users)
-            or any(a is not node and a not in region for n in region for a in n.all_input_nodes)):
-        return None
-    return ends[0]
+    tail = pointwise_tail(node, _POINTWISE)
+    return None if tail is None else tail[1]
 
 
 def _cuts(conv: fx.Node) -> list[tuple[int, int]] | None:
@@ -105,10 +94,11 @@ def _rewrite(graph: fx.Graph, conv: fx.Node, site) -> None:
         y_new = call(graph, aten.cat.default, (parts, -1), like=y)
     y.replace_all_uses_with(y_new)
     refresh([y_new])
-    with graph.inserting_before(conv):
+    reader = conv if conv.args[1] is w else conv.args[1]  # the conv, or the taps' upcast
+    with graph.inserting_before(reader):
         taps = [call(graph, aten.slice.Tensor, (w, 0, a, b), like=conv) for a, b in cuts]
         w_new = call(graph, aten.cat.default, (taps,), like=conv)
-    (conv if conv.args[1] is w else conv.args[1]).replace_input_with(w, w_new)
+    reader.replace_input_with(w, w_new)
 
 
 def apply(graph: fx.Graph) -> int:

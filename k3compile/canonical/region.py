@@ -59,6 +59,32 @@ def below(node: fx.Node, want: tuple[int, ...], through=VIEWS) -> fx.Node | None
     return node
 
 
+def pointwise_tail(node: fx.Node, ops, dtype: torch.dtype | None = None
+                   ) -> tuple[list[fx.Node], fx.Node] | None:
+    """The region of `ops` of node's shape (and `dtype`, where given) fed by node alone, in graph
+    order, and the one node of it read from outside: (region, end); ([], node) where no such op
+    follows node; None where the region does not take every use of node, reads another tensor
+    (scalars aside) or is read from outside at more than one node."""
+    def inside(n):
+        return n.target in ops and shape(n) == shape(node) and (dtype is None
+                                                                 or val(n).dtype == dtype)
+
+    region, todo = set(), list(node.users)
+    while todo:
+        n = todo.pop()
+        if n not in region and inside(n):
+            region.add(n)
+            todo += n.users
+    if not region:
+        return [], node
+    ends = [n for n in region if any(u not in region for u in n.users)]
+    if (len(ends) != 1 or any(u not in region for u in node.users)
+            or any(a is not node and a not in region for n in region for a in n.all_input_nodes)):
+        return None
+    order = {n: i for i, n in enumerate(node.graph.nodes)}
+    return sorted(region, key=order.__getitem__), ends[0]
+
+
 def nodes_between(inputs: list[fx.Node], output: fx.Node, limit: int = 64) -> list[fx.Node] | None:
     """The call_function nodes output is computed from, stopping at inputs, in graph order; None
     where it reads a placeholder or other outside node, or is larger than `limit`."""
@@ -159,5 +185,5 @@ def refresh(changed: list[fx.Node]) -> None:
             changed.add(node)
 
 
-__all__ = ["VIEWS", "agrees", "below", "nodes_between", "refresh", "replace", "root", "shape",
-           "val"]
+__all__ = ["VIEWS", "agrees", "below", "nodes_between", "pointwise_tail", "refresh", "replace",
+           "root", "shape", "val"]
