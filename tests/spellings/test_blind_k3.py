@@ -34,6 +34,14 @@ STEPS = 2
 # fp32: every fused op's CPU reference rounds as the unfused code; torch's own lowering may regroup
 # a sum (TOL["aten_cpu_vs_eager"]); bf16: the diffsuite's bound (~6 bf16 ulp of the max)
 TOL = {torch.float32: conftest.TOL["aten_cpu_vs_eager"], torch.bfloat16: conftest.TOL["diffsuite_bf16"]}
+# bf16: this model carries one bf16 ulp to a few percent of the logits a step later (decisions,
+# session 13, hbf16), so a bound on compiled - eager cannot tell a rounding from a bug once the
+# canonical rules round the KDA conv + SiLU and the output norm as the kernels do (session 14):
+# compiled must instead be as close to the fp32 computation as eager is, within this factor
+# (tests/adapt/test_moonshot.py's criterion; measured 0.4-2.2 here). The rounding alone (an eager
+# twin with the canonical conv + SiLU and norm rounding, no compile) moves T8 B1 logits by 0.11,
+# compiled is 0.017 from that twin (docs/decisions.md, session 14)
+BF16_FACTOR = 3.0
 LAYERS = (0, 1, 2, 3)  # dense (KDA + dense SiTU), kda_moe, mla_moe, last (MLA + MoE)
 
 # ---- the fusion outcome, as measured (session 13) ------------------------------------------------
@@ -57,20 +65,23 @@ KDA_GAPS: dict[str, str] = {}
 # structure (o reads a state since the norm before it).
 GAPS = {"dense": KDA_GAPS, "kda_moe": KDA_GAPS, "mla_moe": {}, "last": {}, "final": {}}
 FOUND = True
-# kernel launches per layer (0, 1, 2, 3, FINAL) by (dtype, T, batch); our own tiny model: 6-13
-# (hbkda: the KDA layers fuse at B3 / B8; the batch-1 bucket's KDA step does not yet, cause not
-# found: its B=1 variants' near miss is to be read). Before hbkda and hbmla: B1 48 / 59 / 36 / 36 /
-# 2, B3 and B8 49 / 60 / 36 / 36 / 2.
+# kernel launches per layer (0, 1, 2, 3, FINAL) by (dtype, T, batch); our own tiny model: 6-13.
+# Before hbkda and hbmla: B1 48 / 59 / 36 / 36 / 2, B3 and B8 49 / 60 / 36 / 36 / 2. The batch-1
+# bucket's KDA step (47 / 56 before session 14) fuses since rule conv_einsum takes the conv's bmm
+# as Inductor decomposes it on CPU at B·T = 1 (a batch of dot products: mul + sum).
 LAUNCHES: dict[tuple[torch.dtype, int, int], tuple[int, ...]] = {
-    (torch.float32, 1, 1): (47, 56, 13, 13, 2),
+    (torch.float32, 1, 1): (6, 11, 13, 13, 2),
     (torch.float32, 1, 3): (6, 11, 13, 13, 2),
     (torch.float32, 1, 8): (6, 11, 13, 13, 2),
     (torch.float32, 8, 1): (6, 11, 13, 13, 2),
     (torch.float32, 8, 3): (6, 11, 13, 13, 2),
     (torch.float32, 8, 8): (6, 11, 13, 13, 2),
-    (torch.bfloat16, 8, 1): (109, 118, 13, 13, 2),
-    (torch.bfloat16, 8, 3): (126, 135, 13, 13, 2),
-    (torch.bfloat16, 8, 8): (126, 135, 13, 13, 2),
+    # bf16 (109-135 before session 14): the KDA step fuses since conv_einsum takes the bf16 conv
+    # + SiLU to rounding and norm_round the output norm; 2 more than fp32 in the KDA layers: the
+    # bf16 A_log and dt_bias cast to fp32 each step (kda_decode takes fp32 ones)
+    (torch.bfloat16, 1, 1): (8, 13, 13, 13, 2),
+    (torch.bfloat16, 1, 3): (8, 13, 13, 13, 2),
+    (torch.bfloat16, 1, 8): (8, 13, 13, 13, 2),
 }
 # bf16: rule depth_mix replaces this spelling's mix by math.depth_mix_scores_fp32, which sums the
 # fp32 score dot products in another order (`(h * q).sum(-1)`, here `h @ q`): within fp32 rounding
@@ -127,14 +138,26 @@ def compile_step(model):
                          options={"executor": "aten", "strict": False, "buckets": BUCKETS})
 
 
+def close(got, want, truth, dtype, where):
+    """fp32: compiled == eager within TOL. bf16: compiled as close to the fp32 computation (truth:
+    an fp32 copy of the same weights) as eager is, within BF16_FACTOR (a bf16 ulp at the least)."""
+    assert got.dtype == want.dtype and got.shape == want.shape, where
+    if truth is None:
+        assert rel(got, want) <= TOL[dtype], where
+    else:
+        assert rel(got, truth) <= BF16_FACTOR * max(rel(want, truth), 2**-8), where
+
+
 def run_cell(dtype, tokens):
     model = build_blind(dtype=dtype, max_batch=MAX_BATCH, max_len=MAX_LEN)
     eager = eager_twin(model, dtype)
+    exact = copy.deepcopy(model).float() if dtype != torch.float32 else None
     step = compile_step(model)
     gen = torch.Generator().manual_seed(0)
     measured = {}
     for batch in (1, 3, 8):
-        model.reset(), eager.reset()
+        for m in (model, eager, exact or model):
+            m.reset()
         slots = torch.randperm(MAX_BATCH, generator=gen)[:batch]
         shape = (batch,) if tokens == 1 else (batch, tokens)
         for i in range(STEPS):
@@ -142,10 +165,14 @@ def run_cell(dtype, tokens):
             pos = torch.full((batch,), i * tokens)
             k3be.mark_batch(ids, pos, slots)
             got, want = step(ids, pos, slots), eager(ids, pos, slots)
-            assert got.dtype == want.dtype and got.shape == want.shape
-            assert rel(got, want) <= TOL[dtype], (batch, i)
-            for (name, a), b in zip(states(model).items(), states(eager).values(), strict=True):
-                assert a.dtype == b.dtype and rel(a, b) <= TOL[dtype], (batch, i, name)
+            truth = exact(ids, pos, slots) if exact is not None else None
+            print(dtype, tokens, batch, i, "compiled-eager", rel(got, want), *(
+                ("to fp32: compiled", rel(got, truth), "eager", rel(want, truth))
+                if exact is not None else ()))
+            close(got, want, truth, dtype, (batch, i))
+            for name, a in states(model).items():
+                close(a, states(eager)[name], states(exact)[name] if exact is not None else None,
+                      dtype, (batch, i, name))
         (graph,) = list(k3be.last_compiled().observer.graphs.values())[-1:]
         per_layer = {i: sum(map(launches, nodes)) for i, nodes in split_layers(graph).items()}
         measured[batch] = per_layer
