@@ -38,7 +38,7 @@ TOL = {torch.float32: conftest.TOL["aten_cpu_vs_eager"], torch.bfloat16: conftes
 # session 13, hbf16), so a bound on compiled - eager cannot tell a rounding from a bug once the
 # canonical rules round the KDA conv + SiLU and the output norm as the kernels do (session 14):
 # compiled must instead be as close to the fp32 computation as eager is, within this factor
-# (tests/adapt/test_moonshot.py's criterion; measured 0.4-2.2 here). The rounding alone (an eager
+# (tests/adapt/test_moonshot.py's criterion; logits measured 0.36-1.97 here). The rounding alone (an eager
 # twin with the canonical conv + SiLU and norm rounding, no compile) moves T8 B1 logits by 0.11,
 # compiled is 0.017 from that twin (docs/decisions.md, session 14)
 BF16_FACTOR = 3.0
@@ -82,6 +82,9 @@ LAUNCHES: dict[tuple[torch.dtype, int, int], tuple[int, ...]] = {
     (torch.bfloat16, 1, 1): (8, 13, 13, 13, 2),
     (torch.bfloat16, 1, 3): (8, 13, 13, 13, 2),
     (torch.bfloat16, 1, 8): (8, 13, 13, 13, 2),
+    (torch.bfloat16, 8, 1): (8, 13, 13, 13, 2),
+    (torch.bfloat16, 8, 3): (8, 13, 13, 13, 2),
+    (torch.bfloat16, 8, 8): (8, 13, 13, 13, 2),
 }
 # bf16: rule depth_mix replaces this spelling's mix by math.depth_mix_scores_fp32, which sums the
 # fp32 score dot products in another order (`(h * q).sum(-1)`, here `h @ q`): within fp32 rounding
