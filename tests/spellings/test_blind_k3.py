@@ -69,23 +69,13 @@ FOUND = True
 # Before hbkda and hbmla: B1 48 / 59 / 36 / 36 / 2, B3 and B8 49 / 60 / 36 / 36 / 2. The batch-1
 # bucket's KDA step (47 / 56 before session 14) fuses since rule conv_einsum takes the conv's bmm
 # as Inductor decomposes it on CPU at B·T = 1 (a batch of dot products: mul + sum).
+# bf16 (109-135 before session 14): the KDA step fuses since conv_einsum takes the bf16 conv + SiLU
+# to rounding and norm_round the output norm; 2 more than fp32 in the KDA layers: the bf16 A_log
+# and dt_bias cast to fp32 each step (kda_decode takes fp32 ones). The same at every (T, batch).
+PER_DTYPE = {torch.float32: (6, 11, 13, 13, 2), torch.bfloat16: (8, 13, 13, 13, 2)}
 LAUNCHES: dict[tuple[torch.dtype, int, int], tuple[int, ...]] = {
-    (torch.float32, 1, 1): (6, 11, 13, 13, 2),
-    (torch.float32, 1, 3): (6, 11, 13, 13, 2),
-    (torch.float32, 1, 8): (6, 11, 13, 13, 2),
-    (torch.float32, 8, 1): (6, 11, 13, 13, 2),
-    (torch.float32, 8, 3): (6, 11, 13, 13, 2),
-    (torch.float32, 8, 8): (6, 11, 13, 13, 2),
-    # bf16 (109-135 before session 14): the KDA step fuses since conv_einsum takes the bf16 conv
-    # + SiLU to rounding and norm_round the output norm; 2 more than fp32 in the KDA layers: the
-    # bf16 A_log and dt_bias cast to fp32 each step (kda_decode takes fp32 ones)
-    (torch.bfloat16, 1, 1): (8, 13, 13, 13, 2),
-    (torch.bfloat16, 1, 3): (8, 13, 13, 13, 2),
-    (torch.bfloat16, 1, 8): (8, 13, 13, 13, 2),
-    (torch.bfloat16, 8, 1): (8, 13, 13, 13, 2),
-    (torch.bfloat16, 8, 3): (8, 13, 13, 13, 2),
-    (torch.bfloat16, 8, 8): (8, 13, 13, 13, 2),
-}
+    (dtype, tokens, batch): launched for dtype, launched in PER_DTYPE.items()
+    for tokens in (1, 8) for batch in (1, 3, 8)}
 # bf16: rule depth_mix replaces this spelling's mix by math.depth_mix_scores_fp32, which sums the
 # fp32 score dot products in another order (`(h * q).sum(-1)`, here `h @ q`): within fp32 rounding
 # (checked at compile time), but a mix value near a bf16 rounding midpoint then rounds the other
