@@ -25,6 +25,12 @@ import torch.nn.functional as F
 from k3compile.math import delta_rule_step, l2norm, rms_norm, rms_norm_gated_fp32
 
 
+# the parameters the KDA ops upcast themselves (the reference reads them as `.float()` or adds
+# them to fp32, both exact for a narrower float): an upcast in the graph before the op is dropped
+# (stage `writeback`), and the kernel takes them in bf16 as well as fp32
+SELF_UPCAST = ("A_log", "dt_bias")
+
+
 def kda_decode_ref(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weight,
                    k_conv_weight, v_conv_weight, A_log, dt_bias, o_norm_weight, lower_bound,
                    l2_eps, q_scale, norm_eps, norm_fp32=False):

@@ -68,8 +68,41 @@ def deferral(graph: fx.Graph, options) -> Callable | None:
 
 def writeback(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     drop_self_copies(gm.graph)
+    drop_self_upcasts(gm.graph)
     gm.recompile()
     return gm
+
+
+def drop_self_upcasts(graph: fx.Graph) -> int:
+    """A fused KDA op's A_log / dt_bias that the graph upcasts first (a bf16 model's parameters,
+    cast to fp32 every step: a launch each) is handed over as it is: the op upcasts it itself
+    (`ops.kda_decode.SELF_UPCAST`), so the value is the same, exactly. How many were dropped."""
+    from k3compile.ops.kda_decode import SELF_UPCAST
+
+    ops = {torch.ops.k3.kda_decode.default, torch.ops.k3.fb_kda_decode.default}
+    dropped = 0
+    for node in list(graph.nodes):
+        if node.target not in ops:
+            continue
+        names = [a.name for a in node.target._schema.arguments]
+        for name in SELF_UPCAST:
+            i = names.index(name)
+            cast = node.args[i] if i < len(node.args) else node.kwargs.get(name)
+            if isinstance(cast, fx.Node) and _exact_upcast(cast):
+                node.replace_input_with(cast, cast.args[0])
+                dropped += 1
+                if not cast.users:
+                    graph.erase_node(cast)
+    return dropped
+
+
+def _exact_upcast(node: fx.Node) -> bool:
+    """node casts a bf16 / fp16 tensor to fp32 (exact), and nothing else."""
+    if node.target is not torch.ops.prims.convert_element_type.default or \
+            node.args[1] is not torch.float32:
+        return False
+    source = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
+    return isinstance(source, torch.Tensor) and source.dtype in (torch.bfloat16, torch.float16)
 
 
 def drop_self_copies(graph: fx.Graph) -> None:
