@@ -1,7 +1,7 @@
 """The differential suite (issue 20): every test spelling of K3 under backend="k3" against eager,
 over seeded random request schedules, logits and every state buffer after every step.
 
-Bounded form (the default run): `BOUNDED`, a few cells of a few steps, one compiled graph each.
+Bounded form (the slow run): `BOUNDED`, a few cells of a few steps, one compiled graph each.
 Full form (`K3_DIFFSUITE=full`, or `pytest -m diffsuite`): `FULL`, every spelling x dtype (fp32,
 bf16) x T (1, 8) x world size (1, 2 over gloo) x bucket list, 50 steps each; cells a spelling
 cannot run are listed as skipped with the reason (`spellings.py`).
@@ -101,7 +101,7 @@ def _check_full(cell: Cell, request, tmp_path_factory):
         print(result.summary())
 
 
-@pytest.mark.parametrize("cell", _params(BOUNDED))
+@pytest.mark.parametrize("cell", _params(BOUNDED, pytest.mark.slow))
 def test_bounded_cell(cell, tmp_path):
     _check(cell, tmp_path)
 

@@ -33,6 +33,7 @@ def _finite_positive(x) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
 
 
+@pytest.mark.slow
 def test_smoke_writes_every_bucket_and_number(smoke):
     assert smoke["meta"]["config"] == "tiny" and _finite_positive(smoke["meta"]["copy_gbps"])
     assert {b["name"] for b in smoke["buckets"]} == {"B2", "B1xT2"}

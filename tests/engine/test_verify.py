@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 import k3compile.patterns
+import pytest
 import torch
 
 import k3compile.backend as k3be
@@ -27,6 +28,7 @@ def _compile_tiny():
     return k3be.last_compiled()
 
 
+@pytest.mark.slow
 def test_verify_mode_on_tiny(monkeypatch):
     monkeypatch.setenv("K3_VERIFY", "1")
     compiled = _compile_tiny()
@@ -37,6 +39,7 @@ def test_verify_mode_on_tiny(monkeypatch):
     assert names.index("verify") == names.index("fuse") + 1
 
 
+@pytest.mark.slow
 def test_verify_reverts_a_wrong_pattern_in_the_pipeline(monkeypatch):
     """A buggy replacement for every plain RMSNorm (x 1.5): fused by `fuse`, reverted by
     `verify`, the step equal to eager (checked in _compile_tiny), the other rewrites kept."""

@@ -9,6 +9,7 @@ import operator
 import os
 import re
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -291,6 +292,7 @@ def _tp2_worker(rank: int, out_dir: str):
                os.path.join(out_dir, f"rank{rank}.pt"))
 
 
+@pytest.mark.slow
 def test_tp2_prefetch_beside_every_fused_collective(tmp_path):
     from tests.conftest import TOL
 

@@ -70,6 +70,7 @@ def _worker(rank: int, out_dir: str, differ: bool, pdl_differs: bool = False):
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("differ", [False, True])
 def test_ranks_agree_or_fail_together(tmp_path, differ):
     gloo.spawn(_worker, str(tmp_path), differ)
