@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import dataclasses
 import hashlib
 import io
 import json
@@ -53,6 +54,13 @@ PASSES = ("cold", "warm")
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="k3_tp16")
+    p.add_argument("--model", choices=yardstick.MODELS, default="k3",
+                   help="the spelling of the layers (decode_layer.py's --model): hf, the second "
+                        "spelling with per-expert parameters; moonshot, Moonshot's code, adapted")
+    p.add_argument("--narrow", type=int, default=0,
+                   help="F > 0: --config with its expert count, heads and ranks, but the widths "
+                        "narrowed (hidden 512F, experts' latent 256F and intermediate 32F per "
+                        "rank, ...): the per-input compile cost on a small CPU")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--context", type=int, default=4096, help="MLA context")
     p.add_argument("--batches", default="1,2,4,8,16,32,64", help="comma list of batch buckets")
@@ -67,12 +75,26 @@ def parse_args(argv=None):
     p.add_argument("--out", default="out")
     p.add_argument("--profile", action="store_true",
                    help="cProfile each pass's first bucket: profile_<pass>.txt under --out (the "
-                        "functions by cumulative and by own time)")
+                        "functions by cumulative and by own time) and profile_<pass>.prof")
     p.add_argument("--pass", dest="which", choices=PASSES, help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     a.batches = [int(b) for b in a.batches.split(",") if b.strip()]
     return a
+
+
+def config(args):
+    """--config, narrowed by --narrow: the same number of experts (each a graph input in the
+    second spelling), of narrower widths."""
+    from k3compile.models import get_config
+
+    cfg = get_config(args.config)
+    if not args.narrow:
+        return cfg
+    f, tp = args.narrow, cfg.tp_size
+    return dataclasses.replace(cfg, hidden_size=512 * f, routed_expert_hidden_size=256 * f,
+                               moe_intermediate_size=32 * f * tp, intermediate_size=64 * f * tp,
+                               vocab_size=512 * f * tp, name=f"{cfg.name}_narrow{f}")
 
 
 def buckets(args) -> list[yardstick.Bucket]:
@@ -98,7 +120,8 @@ def run_pass(args) -> dict:
     device = torch.device(args.device)
     max_batch = max(b.batch for b in buckets(args))
     with torch.no_grad():
-        _, model, stack = yardstick.build(args.config, device, max_batch, args.context, args.seed)
+        _, model, stack = yardstick.build(config(args), device, max_batch, args.context, args.seed,
+                                          spelling=args.model)
     bufs = yardstick.state_buffers(stack)
     start = yardstick.snapshot(bufs)
     result = {"pass": args.which, "build_s": time.perf_counter() - t_start, "buckets": []}
@@ -177,6 +200,7 @@ def _profiled(path: Path | None):
         stats.sort_stats("tottime").print_stats(40)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text.getvalue())
+        profile.dump_stats(path.with_suffix(".prof"))  # for pstats' callers / callees
 
 
 def _stage_timer(stages: dict[str, float]):
@@ -233,7 +257,9 @@ def main(argv=None) -> int:
 
 def meta(args, cache: Path) -> dict:
     device = torch.device(args.device)
-    return {"date": time.strftime("%Y-%m-%d"), "config": args.config, "device": str(device),
+    return {"date": time.strftime("%Y-%m-%d"), "config": args.config, "narrow": args.narrow,
+            "model": args.model,
+            "device": str(device),
             "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "torch": torch.__version__, "executor": args.executor, "context": args.context,
             "dynamic": args.dynamic,

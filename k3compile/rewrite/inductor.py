@@ -45,6 +45,14 @@ def fwd_only_fake(fn, args, *, get_decomp_fn=None):
 # see the same config.
 GRAPH_PASSES_OFF = {"pattern_matcher": False, "shape_padding": False}
 
+# Inductor's per-input size/stride asserts stay out of the code it generates for us. They check
+# again, on every call, what Dynamo's guards have checked already (each tensor input's sizes and
+# strides); and torch 2.13 generates them in O(inputs^2) (`codegen_input_size_asserts` looks each
+# input up in a list of names). A model whose experts are an `nn.ModuleList` hands the step one
+# input per expert weight: at one TP16 rank's 4 layers, 21.6k inputs, ~30 s of its compile on
+# the CPU and 21.6k asserts on each call outside a CUDA graph (docs/decisions.md, session 14).
+INPUT_ASSERTS_OFF = {"size_asserts": False}
+
 
 def graph_cache_tagged(tag: str):
     """A context under which Inductor's FX graph cache keys also hold `tag` (torch's
@@ -312,6 +320,7 @@ def commutative(expr) -> None:
 
 __all__ = [
     "GRAPH_PASSES_OFF",
+    "INPUT_ASSERTS_OFF",
     "FailedMatch",
     "Match",
     "MultiOutputPattern",

@@ -254,13 +254,15 @@ def _untiled(weights: list[_Weight]) -> str | None:
     weights must follow one another and cover it exactly, in its storage order (a row slice of a
     shard's front reads part of a parameter)."""
     runs: list[list[_Weight]] = []
+    began: set[int] = set()  # the roots a run began with (an expert stack: E of them)
     for w in weights:
         if runs and runs[-1][0].root is w.root:
             runs[-1].append(w)
-        elif any(run[0].root is w.root for run in runs):
+        elif id(w.root) in began:
             return "views of one input are split by other weights"
         else:
             runs.append([w])
+            began.add(id(w.root))
     for run in runs:
         root = run[0].root
         if not root.is_contiguous():

@@ -277,3 +277,24 @@ def test_views_out_of_order_read_otherwise_stay():
     gm.recompile()
     assert not report.packed and "read otherwise" in report.skipped[0], report
     assert torch.equal(gm(*inputs), want)
+
+
+def test_views_of_one_input_split_by_another_stay():
+    """An expert stack of rows of one input with another input between them: the input cannot
+    be packed whole in the stack's order (the check is one set lookup per weight: a stack has E
+    of them)."""
+    from tests.fusions.pattern_checks import graph
+
+    def split(a, s):
+        return torch.ops.k3.expert_stack([s[0], a, s[1]])
+
+    gen = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(5, 8, generator=gen), torch.randn(2, 5, 8, generator=gen)]
+    ptrs = [t.data_ptr() for t in inputs]
+    gm = graph(split, *inputs)
+    want = split(*inputs)
+    report = weights.pack_concatenated(gm.graph, inputs)
+    gm.recompile()
+    assert not report.packed and "split by other weights" in report.skipped[0], report
+    assert [t.data_ptr() for t in inputs] == ptrs
+    assert torch.equal(gm(*inputs), want)
