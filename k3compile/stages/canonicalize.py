@@ -35,39 +35,12 @@ TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 5e-3, torch.float32: 1e-4, tor
 
 
 def canonicalize(gm: fx.GraphModule, ctx) -> fx.GraphModule:
-    counts = {}
     gm.meta["real_inputs"] = ctx.inputs  # the placeholders' real tensors (constant tables)
     mark_user_inputs(gm.graph, ctx.user_inputs)
     verify = ctx.options.verify and _runnable(gm, ctx.inputs)
-    saved = None  # the graph before the rule, to undo it (a rule that rewrote nothing left
-    # the graph as it was: the copy taken before it still holds; a copy is O(graph), and a
-    # model with per-expert parameters has tens of thousands of placeholders)
-    for rule in all_rules():
-        if rule.name in ctx.options.disabled_rules:
-            continue
-        if saved is None:
-            saved = _copy(gm.graph)
-        try:
-            counts[rule.name] = rule.apply(gm.graph)
-        except Exception as e:  # noqa: BLE001 (a rule's bug costs its rewrites, not the compile)
-            gm.graph, saved = saved, None
-            counts[rule.name] = 0
-            ctx.report.reverted.append(Reverted(f"canonical.{rule.name}", "(graph)", "",
-                                                f"raised {type(e).__name__}: {e}"))
-            log.warning("k3 canonicalize: rule %s raised %s: %s; its rewrites are undone and "
-                        "the compile goes on without them", rule.name, type(e).__name__, e)
-            continue
-        if not counts[rule.name]:
-            continue  # `saved` is still the graph
-        if verify:
-            gm.recompile()
-            if (error := _disagreement(gm, saved, ctx.inputs)) is not None:
-                gm.graph = saved
-                ctx.report.reverted.append(Reverted(f"canonical.{rule.name}", "(graph)", "",
-                                                    error))
-                log.warning("k3 verify: canonical rule %s reverted: %s", rule.name, error)
-                counts[rule.name] = 0
-        saved = None  # the graph changed, or is the copy itself again
+    skipped = set(ctx.options.disabled_rules)
+    while (counts := _apply(gm, ctx, skipped, verify)) is None:
+        pass  # a rule raised: the pass again from the start, without it
     gm.graph.eliminate_dead_code()
     gm.recompile()
     ctx.notes["canonicalize"] = counts
@@ -75,6 +48,49 @@ def canonicalize(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         log.info("k3 canonicalize (batch %s): %s", ctx.batch,
                  ", ".join(f"{name} {n}" for name, n in counts.items() if n))
     return gm
+
+
+def _apply(gm: fx.GraphModule, ctx, skipped: set[str], verify: bool) -> dict[str, int] | None:
+    """Every rule not in `skipped`, in order; None where one raised (then the graph is as it was
+    before the pass, the rule reported and added to `skipped`). A copy of the graph is O(graph),
+    and a model with per-expert parameters has tens of thousands of placeholders: without
+    verify one copy is taken, before the first rule (rules are deterministic: running the ones
+    before a raising rule again remakes their rewrites); under verify, one before each rule that
+    runs after the graph changed (`saved`: the graph before the rule, to undo it)."""
+    counts = {}
+    start = saved = None
+    for rule in all_rules():
+        if rule.name in skipped:
+            if rule.name not in ctx.options.disabled_rules:
+                counts[rule.name] = 0  # raised in an earlier pass
+            continue
+        if verify and saved is None:
+            saved = _copy(gm.graph)
+        elif not verify and start is None:
+            start = _copy(gm.graph)
+        try:
+            counts[rule.name] = rule.apply(gm.graph)
+        except Exception as e:  # noqa: BLE001 (a rule's bug costs its rewrites, not the compile)
+            gm.graph = saved if verify else start
+            ctx.report.reverted.append(Reverted(f"canonical.{rule.name}", "(graph)", "",
+                                                f"raised {type(e).__name__}: {e}"))
+            log.warning("k3 canonicalize: rule %s raised %s: %s; its rewrites are undone and "
+                        "the compile goes on without them", rule.name, type(e).__name__, e)
+            skipped.add(rule.name)
+            if verify:  # the graph is the one before it: go on from there
+                counts[rule.name], saved = 0, None
+                continue
+            return None
+        if not counts[rule.name] or not verify:
+            continue  # `saved` is still the graph
+        gm.recompile()
+        if (error := _disagreement(gm, saved, ctx.inputs)) is not None:
+            gm.graph = saved
+            ctx.report.reverted.append(Reverted(f"canonical.{rule.name}", "(graph)", "", error))
+            log.warning("k3 verify: canonical rule %s reverted: %s", rule.name, error)
+            counts[rule.name] = 0
+        saved = None  # the graph changed, or is the copy itself again
+    return counts
 
 
 def mark_user_inputs(graph: fx.Graph, user_inputs: frozenset[int]) -> None:
