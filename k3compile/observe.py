@@ -66,7 +66,7 @@ class Observer:
 
     _listeners: ClassVar[list[Listener]] = []
 
-    def __init__(self, keep_graphs: bool = True):
+    def __init__(self, keep_graphs: bool = False):
         self.keep_graphs = keep_graphs
         self.records: dict[int | None, list[StageRecord]] = collections.defaultdict(list)
         self.reports: dict[int | None, RewriteReport] = {}

@@ -129,7 +129,10 @@ class Options:
     disabled_stages: frozenset[str] = frozenset()
     disabled_rules: frozenset[str] = frozenset()  # canonical-form rules (k3compile.canonical)
     scratch_slot: int | None = None  # state slot for padding rows; inferred when None
-    keep_graphs: bool = True  # the observer keeps each stage's graph text (for the tools)
+    # The observer keeps each stage's graph text (the diff tool asks for it). Off by default: a
+    # printed graph is O(nodes) per stage, ~4 s a stage (CPU, profiled) for the second spelling's
+    # 22k-node graph; TORCH_LOGS=k3_graphs / TORCH_TRACE print their own where asked.
+    keep_graphs: bool = False
     # What runs the graph the patterns leave: "inductor" (default), or "aten": the fused ATen
     # graph op by op, no codegen (CPU tests: Inductor's C++ build costs ~30 s per bucket there).
     executor: str = "inductor"

@@ -267,8 +267,10 @@ def _replace(graph: fx.Graph, pattern: Pattern, m: Any, args: list, node: fx.Nod
     # the nodes the replacement added (torch 2.11's replace_by_example returns None)
     new_nodes = [n for n in graph.nodes if n not in before]
     # the replacement goes before the site's first output, which can precede the definition of
-    # another input (W_UK is cut from kv_b after q is split): reorder
-    inductor.stable_topological_sort(graph)
+    # another input (W_UK is cut from kv_b after q is split): reorder, where a new node now
+    # reads one defined after it (the sort is O(graph); this check, O(what was added))
+    if any(not arg < n for n in new_nodes for arg in n.all_input_nodes):
+        inductor.stable_topological_sort(graph)
     for n in new_nodes:
         n.meta["k3_pattern"] = pattern.name
         if stack is not None:

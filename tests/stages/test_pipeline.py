@@ -65,6 +65,22 @@ def test_pipeline_runs_its_list(monkeypatch):
     assert "contract" in p.observer.notes[None]
 
 
+@pytest.mark.parametrize("keep", [None, True])
+def test_graph_text_is_kept_only_where_asked(monkeypatch, keep):
+    """A printed graph is O(nodes) per stage: the records hold one only where the options ask
+    (`keep_graphs`, as the diff tool does), never by default."""
+    from k3compile.observe import Observer
+
+    monkeypatch.delenv("K3_VERIFY", raising=False)
+    options = Options.make({"disabled_stages": {"pack", "ranks"},
+                            **({} if keep is None else {"keep_graphs": keep})})
+    p = pipeline.Pipeline(options, Observer(options.keep_graphs))
+    gm = inductor.fwd_only_fake(lambda x: torch.relu(x) + 1.0, [torch.randn(2, 4)])
+    p.run(gm, Context(p.options, None))
+    texts = [r.graph_after for r in p.observer.records[None]]
+    assert all("relu" in t for t in texts) if keep else not any(texts)
+
+
 def test_no_tensor_leaves_the_stages_in_the_graph_modules_meta(monkeypatch):
     """Inductor's FX graph cache pickles the GraphModule, meta included, hashing each tensor
     there by value: the real inputs the stages read (every weight) must not reach it."""
