@@ -560,14 +560,23 @@ def resolve_k3() -> tuple[object | None, str]:
 class Runner:
     """One variant at one bucket: `run()` executes a step on the static inputs, returns outputs."""
 
-    def __init__(self, name, stack, inputs, device, backend=None, options=None, graphs=True):
+    def __init__(self, name, stack, inputs, device, backend=None, options=None, graphs=True,
+                 compiled=None):
+        """compiled: one `torch.compile` of the stack shared by the [B] buckets (--dynamic); the
+        batch of the inputs is marked (`mark_batch`), so Dynamo traces the stack once."""
         self.name, self.device, self.inputs = name, device, inputs
         self.graph = self.out = None
         self.compile_s = 0.0
-        if backend is None:
+        if backend is None and compiled is None:
             self.fn = stack
             return
-        self.fn = torch.compile(stack, backend=backend, dynamic=False, options=options)
+        if compiled is not None:
+            from k3compile.backend import mark_batch
+
+            mark_batch(*inputs)
+            self.fn = compiled
+        else:
+            self.fn = torch.compile(stack, backend=backend, dynamic=False, options=options)
         t0 = time.perf_counter()
         self.fn(*inputs)  # compiles
         sync(device)
@@ -646,6 +655,9 @@ def compiled_variants(args, device) -> dict[str, dict]:
             if device.type != "cuda" and args.cpu_executor:
                 options["executor"] = args.cpu_executor
             out["k3"] = {"backend": backend, "options": options, "graphs": True, "label": "k3"}
+            if args.dynamic:  # one Dynamo graph for the [B] buckets
+                out["k3"]["buckets"] = tuple(sorted({b.batch for b in buckets_in_order(args)
+                                                     if b.tokens == 1}))
             if "k3-novalidate" in args.variants:
                 out["k3-novalidate"] = {**out["k3"], "label": "k3 validate=off",
                                         "options": {**options, "validate": "off"}}
@@ -653,6 +665,17 @@ def compiled_variants(args, device) -> dict[str, dict]:
                 out["k3-grouped"] = {**out["k3"], "label": "k3 K3_MOE_GROUPED",
                                      "kernels": {"moe_grouped": True}}
     return out
+
+
+def shared(spec: dict, stack, bucket: Bucket):
+    """The variant's one compiled step for every [B] bucket where --dynamic made it one
+    (`spec["buckets"]`), made at its first use; None otherwise (a compile per bucket)."""
+    if not spec.get("buckets") or bucket.tokens != 1:
+        return None
+    if "compiled" not in spec:
+        spec["compiled"] = torch.compile(stack, backend=spec["backend"],
+                                         options={**spec["options"], "buckets": spec["buckets"]})
+    return spec["compiled"]
 
 
 # ---- one bucket --------------------------------------------------------------------------------
@@ -691,7 +714,7 @@ def run_bucket(args, device, model, stack, twin, bucket: Bucket, variants: dict)
             hits0 = _cache_counters()
             with kernel_settings(spec.get("kernels", {})):  # captured with them
                 runner = Runner(name, stack, inputs, device, spec["backend"], spec["options"],
-                                spec["graphs"])
+                                spec["graphs"], shared(spec, stack, bucket))
             entry["compile_s"] = runner.compile_s
             entry["fx_graph_cache"] = _cache_counters(hits0)
             entry["cuda_graph"] = runner.graph is not None
@@ -858,6 +881,10 @@ def parse_args(argv):
                    help="seconds; start no new bucket after (0: none)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--smoke", action="store_true", help="few buckets, small context, 3 iterations")
+    p.add_argument("--dynamic", action="store_true",
+                   help="k3: one torch.compile for the [B] buckets, the batch marked "
+                        "(mark_batch): Dynamo traces the stack once, the backend compiles each "
+                        "bucket from that graph (BxT buckets: their own)")
     p.add_argument("--compile-only", action="store_true",
                    help="only compile the buckets (fills the on-disk caches)")
     p.add_argument("--out", default="out")
@@ -987,7 +1014,8 @@ def compile_bucket(args, device, model, stack, bucket, variants):
         t0 = time.perf_counter()
         try:
             with kernel_settings(spec.get("kernels", {})):
-                Runner(name, stack, inputs, device, spec["backend"], spec["options"], graphs=False)
+                Runner(name, stack, inputs, device, spec["backend"], spec["options"], graphs=False,
+                       compiled=shared(spec, stack, bucket))
             log(f"  compile-only {bucket.name} {name}: {time.perf_counter() - t0:.1f} s")
         except Exception as e:  # noqa: BLE001
             log(f"  compile-only {bucket.name} {name}: {type(e).__name__}: {e}"[:500])
