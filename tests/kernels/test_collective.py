@@ -89,6 +89,7 @@ def _gloo_worker(rank: int, out_dir: str):
                f"{out_dir}/rank{rank}.pt")
 
 
+@pytest.mark.slow
 def test_collective_path_on_cpu_processes(tmp_path):
     """CPU, 2 gloo processes: `collective.all_reduce` off CUDA takes the funcol path, and the fused
     op's CUDA implementation (group lookup, world size, all-reduce, mix + norm) equals its

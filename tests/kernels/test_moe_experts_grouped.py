@@ -175,11 +175,10 @@ def test_grouped_selection(monkeypatch):
 
 
 @pytest.mark.dsl
-@pytest.mark.parametrize("stage,shape", [("fc1g", (3584, 192, 16, 64)),
-                                         ("fc2g", (3584, 192, 16, 64)),
-                                         ("fin", (3584, 192, 16, 64)),
-                                         ("fc1g", (96, 64, 3, 8)), ("fc2g", (96, 64, 3, 8))],
-                         ids=str)
+@pytest.mark.parametrize("stage,shape", [
+    *(pytest.param(stage, (3584, 192, 16, 64), marks=pytest.mark.slow)  # the TP16 shapes: slow
+      for stage in ("fc1g", "fc2g", "fin")),
+    ("fc1g", (96, 64, 3, 8)), ("fc2g", (96, 64, 3, 8))], ids=str)
 def test_builds_for_sm90a(monkeypatch, tmp_path, stage, shape):
     pytest.importorskip("cutlass")
     from k3compile.kernels.common.dsl import cubin_of, cubin_resources, ptx_of

@@ -95,6 +95,7 @@ def test_summary_holds_the_kernel_settings(monkeypatch):
     assert summary(_graph(False), 4) != lines
 
 
+@pytest.mark.slow
 def test_ranks_with_different_kernel_switches_fail_together(tmp_path):
     gloo.spawn(_worker, str(tmp_path), False, True)
     for kind, text in (torch.load(tmp_path / f"rank{r}.pt") for r in range(2)):
