@@ -35,7 +35,7 @@ def stored_lengths(path: str | Path) -> set[int]:
     lengths = set()
     for file in files:
         with safe_open(str(file), "pt") as f:
-            for name in f.keys():
+            for name in f.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
                 if name.endswith(SUFFIX):
                     shape = f.get_slice(name).get_shape()
                     lengths.add(shape[0] if len(shape) == 1 else -1)

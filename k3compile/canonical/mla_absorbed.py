@@ -58,7 +58,6 @@ from k3compile.canonical.mla_absorb import (
 )
 from k3compile.rewrite import inductor
 
-
 # the site's output against the canonical attention on the same random inputs, relative to its
 # largest magnitude (bf16: a spelling may round the scaled scores to bf16 before the softmax)
 TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-12, torch.bfloat16: 2e-2, torch.float16: 5e-3}

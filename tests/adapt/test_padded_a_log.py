@@ -12,8 +12,8 @@ import torch
 
 pytest.importorskip("compressed_tensors", reason="compressed-tensors is not installed")
 
-from tests.adapt.test_moonshot import moonshot_greedy, rel  # noqa: E402
-from tests.adapt.test_mxfp4_load import write_checkpoint  # noqa: E402
+from tests.adapt.test_moonshot import moonshot_greedy, rel
+from tests.adapt.test_mxfp4_load import write_checkpoint
 
 PAD = 128
 

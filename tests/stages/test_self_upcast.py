@@ -5,9 +5,9 @@ each per KDA layer and step in a bf16 model (Moonshot's, the blind spelling)."""
 from __future__ import annotations
 
 import torch
+from k3compile.patterns import kda_decode
 
 import k3compile.ops  # noqa: F401
-from k3compile.patterns import kda_decode
 from k3compile.rewrite.inductor import fwd_only_fake
 from k3compile.stages.fuse import drop_self_upcasts
 from tests.fusions.attention_checks import family
