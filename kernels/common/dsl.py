@@ -255,7 +255,7 @@ def have_cuda() -> bool:
 
 
 def aligned16(*tensors) -> bool:
-    return all(t.data_ptr() % 16 == 0 for t in tensors)
+    return unaligned16(*tensors) is None
 
 
 def unaligned16(*tensors) -> str | None:
