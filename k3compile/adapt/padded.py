@@ -16,7 +16,6 @@ Constraints:
 from __future__ import annotations
 
 import contextlib
-import json
 from pathlib import Path
 
 from torch import nn
@@ -26,20 +25,12 @@ SUFFIX = ".A_log"
 
 def stored_lengths(path: str | Path) -> set[int]:
     """The lengths of the checkpoint's `*.A_log` tensors (safetensors headers only)."""
-    from safetensors import safe_open
+    from k3compile.models.loader import _read_weight_map, _Shards
 
-    path = Path(path)
-    index = path / "model.safetensors.index.json"
-    files = (sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()})
-             if index.exists() else sorted(path.glob("*.safetensors")))
-    lengths = set()
-    for file in files:
-        with safe_open(str(file), "pt") as f:
-            for name in f.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
-                if name.endswith(SUFFIX):
-                    shape = f.get_slice(name).get_shape()
-                    lengths.add(shape[0] if len(shape) == 1 else -1)
-    return lengths
+    weight_map = _read_weight_map(Path(path))
+    with _Shards(Path(path), weight_map) as shards:
+        shapes = [shards.shape(name) for name in weight_map if name.endswith(SUFFIX)]
+    return {shape[0] if len(shape) == 1 else -1 for shape in shapes}
 
 
 @contextlib.contextmanager
