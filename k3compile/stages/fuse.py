@@ -4,7 +4,7 @@ applied by the rewrite engine; each rewrite is recorded in the context's report 
 the fusion contract's plan), and a big fusion a layer's structure calls for that did not happen
 gets a near miss even where the engine recorded none. Stage `writeback` (after `verify`, which
 may splice unfused code back) drops the functional write-backs that the fused state-updating
-ops took over."""
+ops took over, and the upcasts of parameters that a fused op upcasts itself."""
 
 from __future__ import annotations
 
