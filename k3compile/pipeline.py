@@ -201,6 +201,7 @@ class Pipeline:
     def _executor(self, aten_gm: fx.GraphModule, aten_inputs, kwargs, ctx: Context) -> Callable:
         remember(ctx.inputs)  # later compiles never move what this one was handed
         if self.options.executor == "inductor":
+            inductor.register_fallbacks(aten_gm)
             return inductor.compile_fx_inner(aten_gm, aten_inputs, **kwargs)
         # the graph as it is: side-stream ops name their stream in their calls
         return inductor.make_boxed_func(aten_gm.forward)

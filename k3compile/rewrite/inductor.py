@@ -133,6 +133,25 @@ def plain_call(graph_fn, bumps: list[int], boxed: bool):
     return call
 
 
+def register_fallbacks(gm: torch.fx.GraphModule) -> None:
+    """Inductor's fallback lowering for each custom op of the graph that has none yet, registered
+    as Inductor's implicit fallback would (the op's layout tag, else its default). torch 2.11
+    formats the line it logs at that point ("Creating implicit fallback for:" and the op's
+    arguments as IR, each a deep tree printed through `textwrap.indent`) whether or not INFO is
+    on: on the H200, ~55 s of the first bucket of every process for our 13 k3 ops (session 15's
+    profile, BENCHMARKS.md); later buckets found the lowerings registered. torch 2.13 formats
+    it lazily."""
+    from torch._inductor.lowering import lowerings, make_fallback, tag_to_layout_constraint
+    from torch._library.utils import get_layout_constraint_tag, is_builtin
+
+    for node in gm.graph.nodes:
+        op = node.target
+        if (node.op == "call_function" and isinstance(op, torch._ops.OpOverload)
+                and not is_builtin(op) and op not in lowerings):
+            tag = get_layout_constraint_tag(op, with_default=True)
+            make_fallback(op, layout_constraint=tag_to_layout_constraint(tag), warn=False)
+
+
 def compile_fx_inner_direct(aten_gm: torch.fx.GraphModule, fakes: list, data: dict):
     """Inductor's `compile_fx_inner` on an ATen graph without AOTAutograd around it (inside
     `fake_inputs`), with the arguments `compile_kwargs` stored; a boxed callable."""
@@ -140,6 +159,7 @@ def compile_fx_inner_direct(aten_gm: torch.fx.GraphModule, fakes: list, data: di
     from torch._inductor.decomposition import select_decomp_table
     from torch._inductor.utils import BoxedBool
 
+    register_fallbacks(aten_gm)
     output = next(n for n in reversed(aten_gm.graph.nodes) if n.op == "output")
     output.meta["user_visible_output_idxs"] = [
         i for i, a in enumerate(output.args[0]) if isinstance(a, torch.fx.Node)]
@@ -343,6 +363,7 @@ __all__ = [
     "make_boxed_func",
     "match",
     "plain_call",
+    "register_fallbacks",
     "stable_topological_sort",
     "unset_fake_temporarily",
     "wildcard_strings",

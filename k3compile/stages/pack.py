@@ -236,13 +236,20 @@ def _in_storage_order(node: fx.Node, weights: list[_Weight]) -> list[_Weight]:
     """A linear_concat's weights that share a storage (views of one input; inputs packed by an
     earlier compile) in the order it holds them, at the place of the first of them: the matcher
     binds same-shaped weights in no particular order, and the op's output order is ours to
-    choose (`_reorder`). Other ops' weights have roles: as they are."""
+    choose (`_reorder`). A storage whose rows make output columns of bytes not a multiple of 16
+    goes last: each output piece after it would start off 16-byte alignment, which the kernels
+    reading a piece as a column slice refuse (Moonshot's KDA b_proj, 6 rows at TP16, bound
+    before f_a: the f_b gemv ran as its torch reference on the H200, session 15). Other ops'
+    weights have roles: as they are."""
     if node.target is not _K3.linear_concat.default:
         return weights
-    first: dict[int, int] = {}  # storage -> where its first weight is
-    for i, w in enumerate(weights):
-        first.setdefault(_storage(w.value), i)
-    return sorted(weights, key=lambda w: (first[_storage(w.value)], w.value.data_ptr()))
+    runs: dict[int, list[_Weight]] = {}  # storage -> its weights, in the order first bound
+    for w in weights:
+        runs.setdefault(_storage(w.value), []).append(w)
+    ordered = [sorted(run, key=lambda w: w.value.data_ptr()) for run in runs.values()]
+    ordered.sort(key=lambda run: sum(w.value.shape[0] for w in run)
+                 * run[0].value.element_size() % 16 != 0)  # stable: aligned runs first
+    return [w for run in ordered for w in run]
 
 
 def _storage(t: torch.Tensor) -> int:

@@ -29,6 +29,7 @@ import torch
 
 import k3compile.backend as k3be
 from k3compile.adapt import adapt, stacks
+from k3compile.stages.pack import CAN_REPOINT
 from tests.adapt.test_moonshot import PROMPT, TOL_COMPILED_BF16, compile_step, rel
 
 LAYER = "model.layers.1.block_sparse_moe"  # KDA + MoE; layer 2 is MLA + MoE
@@ -123,6 +124,8 @@ def _updates(model, before: dict):
 
 def _assert_updates_seen(model, step, before):
     for what, update in _updates(model, before):
+        if what == "state_dict before adapt" and not CAN_REPOINT:  # torch 2.11: README "Weights"
+            continue
         old = moonshot_logits(model)
         with torch.no_grad():
             update()

@@ -298,3 +298,28 @@ def test_views_of_one_input_split_by_another_stay():
     assert not report.packed and "split by other weights" in report.skipped[0], report
     assert [t.data_ptr() for t in inputs] == ptrs
     assert torch.equal(gm(*inputs), want)
+
+
+def test_a_piece_of_unaligned_width_goes_last():
+    """Moonshot's KDA b_proj (6 rows in bf16 at TP16) bound before f_a put f_a's output piece
+    12 bytes past a 16-byte boundary: the f_b gemv refused it on the H200. Pack puts the storages
+    whose output width is not a multiple of 16 bytes after the others; the readers follow."""
+    from tests.fusions.pattern_checks import graph
+
+    def in_proj(x, a, b, c, d):
+        ws = [a, b, c, d]
+        return torch.ops.k3.linear_concat(x, ws).split([w.shape[0] for w in ws], -1)
+
+    gen = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(s, generator=gen, dtype=torch.bfloat16)
+              for s in ((1, 16), (8, 16), (6, 16), (16, 16), (8, 16))]
+    gm = graph(in_proj, *inputs)
+    want = in_proj(*[t.clone() for t in inputs])
+    report = weights.pack_concatenated(gm.graph, inputs)
+    gm.recompile()
+    assert len(report.packed) == 1 and not report.skipped, report
+    rows = [w.meta["val"].shape[0] for w in _op_weights(gm)]
+    assert rows == [8, 16, 8, 6]
+    assert all(sum(rows[:i]) * 2 % 16 == 0 for i in range(len(rows)))
+    for got, w in zip(gm(*inputs), want, strict=True):
+        assert torch.equal(got, w)
