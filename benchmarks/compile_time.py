@@ -76,6 +76,10 @@ def parse_args(argv=None):
     p.add_argument("--profile", action="store_true",
                    help="cProfile each pass's first bucket: profile_<pass>.txt under --out (the "
                         "functions by cumulative and by own time) and profile_<pass>.prof")
+    p.add_argument("--fx-keys", action="store_true",
+                   help="write every Inductor FX graph cache key each pass computes, with the "
+                        "details it hashed, to fx_keys_<pass>.txt under --out (a warm miss: "
+                        "diff the two files)")
     p.add_argument("--pass", dest="which", choices=PASSES, help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -113,6 +117,8 @@ def run_pass(args) -> dict:
     from k3compile.rewrite import trace_cache
 
     t_start = time.perf_counter()
+    if args.fx_keys:
+        _log_fx_keys(Path(args.out) / f"fx_keys_{args.which}.txt")
     yardstick.configure_dynamo(argparse.Namespace(compile_only=False))
     backend, note = yardstick.resolve_k3()
     if backend is None:
@@ -201,6 +207,24 @@ def _profiled(path: Path | None):
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text.getvalue())
         profile.dump_stats(path.with_suffix(".prof"))  # for pstats' callers / callees
+
+
+def _log_fx_keys(path: Path) -> None:
+    """Inductor's debug line of each FX graph cache key it computes (the key and every detail
+    hashed into it), appended to `path`."""
+    import logging
+
+    class Keys(logging.Handler):
+        def emit(self, record):
+            text = record.getMessage()
+            if text.startswith("FX graph cache hash details"):
+                with path.open("a") as f:
+                    f.write(text + "\n\n")
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    logger = logging.getLogger("torch._inductor.codecache")
+    logger.setLevel(logging.DEBUG)
+    logger.addHandler(Keys(logging.DEBUG))
 
 
 def _stage_timer(stages: dict[str, float]):
