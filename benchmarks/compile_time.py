@@ -271,6 +271,10 @@ def main(argv=None) -> int:
         passes[which]["wall_s"] = round(time.perf_counter() - t0, 2)
     against = json.loads(Path(args.against).read_text()) if args.against else None
     report = {"meta": meta(args, cache), **passes, "problems": problems(passes, against)}
+    if args.fx_keys:
+        report["fx_key_misses"] = fx_key_misses(out)
+        for line in report["fx_key_misses"]:
+            print("FX cache miss:", line)
     (out / "compile_time.json").write_text(json.dumps(report, indent=1))
     print(table(passes))
     for line in report["problems"]:
@@ -309,6 +313,37 @@ def problems(passes: dict, against: dict | None = None) -> list[str]:
             found.append(f"{warm['name']}: the warm pass ran the stages the cold one stored")
         if warm["outputs_sha256"] != cold["outputs_sha256"]:
             found.append(f"{warm['name']}: warm outputs differ from cold")
+    return found
+
+
+def _fx_keys(path: Path) -> dict[str, list[str]]:
+    """key -> the detail lines Inductor hashed into it, from an fx_keys_<pass>.txt."""
+    entries = {}
+    for block in path.read_text().split("FX graph cache hash details for key ")[1:]:
+        key, _, body = block.partition(":\n")
+        entries[key] = body.strip().splitlines()
+    return entries
+
+
+def fx_key_misses(out: Path) -> list[str]:
+    """For each key the warm pass computed and the cold one did not: the detail lines whose
+    hashes differ from the cold key closest to it (the most hashes in common). A line is
+    "[hash] name: value"; the value's text may differ where the hash does not (an address)."""
+    cold, warm = (_fx_keys(out / f"fx_keys_{which}.txt") for which in PASSES)
+
+    def hashed(lines):
+        return {line.partition(": ")[0]: line for line in lines}
+
+    found = []
+    for key, lines in warm.items():
+        if key in cold or not cold:
+            continue
+        mine = hashed(lines)
+        near = max((hashed(theirs) for theirs in cold.values()),
+                   key=lambda theirs: len(mine.keys() & theirs.keys()))
+        diff = ([f"warm: {line[:200]}" for h, line in mine.items() if h not in near]
+                + [f"cold: {line[:200]}" for h, line in near.items() if h not in mine])
+        found.append(f"{key}: {len(diff)} lines differ: " + " | ".join(diff[:6]))
     return found
 
 

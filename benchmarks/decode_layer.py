@@ -711,12 +711,16 @@ def run_bucket(args, device, model, stack, twin, bucket: Bucket, variants: dict)
             continue
         entry = res["variants"][name] = {"backend": spec["label"]}
         try:
-            hits0 = _cache_counters()
+            hits0, dynamo0 = _cache_counters(), _dynamo_counters()
             with kernel_settings(spec.get("kernels", {})):  # captured with them
                 runner = Runner(name, stack, inputs, device, spec["backend"], spec["options"],
                                 spec["graphs"], shared(spec, stack, bucket))
             entry["compile_s"] = runner.compile_s
             entry["fx_graph_cache"] = _cache_counters(hits0)
+            entry["dynamo"] = _dynamo_counters(dynamo0)
+            if entry["dynamo"]["graphs"] > 1 or entry["dynamo"]["graph_breaks"]:
+                log(f"  {bucket.name} {name}: Dynamo made {entry['dynamo']['graphs']} graphs; "
+                    f"graph breaks: {entry['dynamo']['graph_breaks'] or 'none counted'}")
             entry["cuda_graph"] = runner.graph is not None
             restore(bufs, s0)
             entry["check"] = check(result(runner.run(), bufs), eager, ref32)
@@ -762,6 +766,20 @@ def _cache_counters(before: dict | None = None) -> dict:
 
     now = {k: counters["inductor"].get(f"fxgraph_cache_{k}", 0) for k in ("hit", "miss", "bypass")}
     return now if before is None else {k: now[k] - before[k] for k in now}
+
+
+def _dynamo_counters(before: dict | None = None) -> dict:
+    """Dynamo's graphs so far and its graph-break reasons (reason -> count), or their change
+    since `before`: a step that should be one graph and is several says why here."""
+    from torch._dynamo.utils import counters
+
+    now = {"graphs": counters["stats"]["unique_graphs"],
+           "graph_breaks": dict(counters["graph_break"])}
+    if before is None:
+        return now
+    breaks = {k[:300]: v - before["graph_breaks"].get(k, 0)
+              for k, v in now["graph_breaks"].items() if v != before["graph_breaks"].get(k, 0)}
+    return {"graphs": now["graphs"] - before["graphs"], "graph_breaks": breaks}
 
 
 def _ratio(a, b):

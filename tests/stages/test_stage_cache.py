@@ -304,3 +304,28 @@ def test_a_second_process_loads_every_bucket(tmp_path):
                for b in report["cold"]["buckets"])
     assert all(b["stage_cache"] == {"loaded": 1, "direct": 1} for b in report["warm"]["buckets"])
     assert report["problems"] == []
+
+
+def test_fx_key_misses_name_the_details_whose_hashes_differ(tmp_path):
+    """compile_time.py --fx-keys: a warm key the cold pass did not compute is explained by the
+    detail lines whose hashes differ from the nearest cold key (not by a value's text alone, as
+    a function's address that changes between processes)."""
+    from tests.conftest import load_benchmark
+
+    ct = load_benchmark("compile_time")
+    head = "FX graph cache hash details for key "
+
+    def entry(key, *lines):
+        return head + key + ":\n" + "\n".join(lines) + "\n\n"
+
+    same = ("[aaa] gm: graph", "[bbb] fx_kwargs[get_decomp_fn]: <function at 0x1>")
+    (tmp_path / "fx_keys_cold.txt").write_text(
+        entry("k1", *same, "[ccc] fx_kwargs[cudagraphs]: BoxedBool(value=True)")
+        + entry("k9", "[zzz] gm: other"))
+    (tmp_path / "fx_keys_warm.txt").write_text(
+        entry("k1", *same, "[ccc] fx_kwargs[cudagraphs]: BoxedBool(value=True)")
+        + entry("k2", "[aaa] gm: graph", "[bbb] fx_kwargs[get_decomp_fn]: <function at 0x2>",
+                "[ddd] fx_kwargs[cudagraphs]: BoxedBool(value=False)"))
+    (miss,) = ct.fx_key_misses(tmp_path)
+    assert miss.startswith("k2: 2 lines differ")
+    assert "warm: [ddd]" in miss and "cold: [ccc]" in miss and "get_decomp_fn" not in miss
