@@ -718,9 +718,11 @@ def run_bucket(args, device, model, stack, twin, bucket: Bucket, variants: dict)
             entry["compile_s"] = runner.compile_s
             entry["fx_graph_cache"] = _cache_counters(hits0)
             entry["dynamo"] = _dynamo_counters(dynamo0)
-            if entry["dynamo"]["graphs"] > 1 or entry["dynamo"]["graph_breaks"]:
-                log(f"  {bucket.name} {name}: Dynamo made {entry['dynamo']['graphs']} graphs; "
-                    f"graph breaks: {entry['dynamo']['graph_breaks'] or 'none counted'}")
+            dyn = entry["dynamo"]
+            if dyn["graphs"] > 1 or dyn["graph_breaks"] or dyn["unimplemented"]:
+                log(f"  {bucket.name} {name}: Dynamo made {dyn['graphs']} graphs (frames "
+                    f"{dyn['frames']}); graph breaks: {dyn['graph_breaks'] or 'none counted'}; "
+                    f"not traced: {dyn['unimplemented'] or 'nothing counted'}")
             entry["cuda_graph"] = runner.graph is not None
             restore(bufs, s0)
             entry["check"] = check(result(runner.run(), bufs), eager, ref32)
@@ -769,17 +771,22 @@ def _cache_counters(before: dict | None = None) -> dict:
 
 
 def _dynamo_counters(before: dict | None = None) -> dict:
-    """Dynamo's graphs so far and its graph-break reasons (reason -> count), or their change
-    since `before`: a step that should be one graph and is several says why here."""
+    """Dynamo's graphs and frames so far, its graph-break reasons and what it could not trace
+    (reason -> count), or their change since `before`: a step that should be one graph and is
+    several says why here (a frame Dynamo gave up on counts in `unimplemented`, not as a break)."""
     from torch._dynamo.utils import counters
 
     now = {"graphs": counters["stats"]["unique_graphs"],
-           "graph_breaks": dict(counters["graph_break"])}
+           "frames": dict(counters["frames"]),
+           "graph_breaks": dict(counters["graph_break"]),
+           "unimplemented": dict(counters["unimplemented"])}
     if before is None:
         return now
-    breaks = {k[:300]: v - before["graph_breaks"].get(k, 0)
-              for k, v in now["graph_breaks"].items() if v != before["graph_breaks"].get(k, 0)}
-    return {"graphs": now["graphs"] - before["graphs"], "graph_breaks": breaks}
+    change = {"graphs": now["graphs"] - before["graphs"]}
+    for part in ("frames", "graph_breaks", "unimplemented"):
+        change[part] = {str(k)[:300]: v - before[part].get(k, 0) for k, v in now[part].items()
+                        if v != before[part].get(k, 0)}
+    return change
 
 
 def _ratio(a, b):
