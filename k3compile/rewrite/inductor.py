@@ -141,9 +141,11 @@ def register_fallbacks(gm: torch.fx.GraphModule) -> None:
     on: on the H200, ~55 s of the first bucket of every process for our 13 k3 ops (session 15's
     profile, BENCHMARKS.md); later buckets found the lowerings registered. torch 2.13 formats
     it lazily."""
-    from torch._inductor.lowering import lowerings, make_fallback, tag_to_layout_constraint
-    from torch._library.utils import get_layout_constraint_tag, is_builtin
-
+    try:
+        from torch._inductor.lowering import lowerings, make_fallback, tag_to_layout_constraint
+        from torch._library.utils import get_layout_constraint_tag, is_builtin
+    except ImportError:  # a torch without them: Inductor's implicit fallback, as before
+        return
     for node in gm.graph.nodes:
         op = node.target
         if (node.op == "call_function" and isinstance(op, torch._ops.OpOverload)
