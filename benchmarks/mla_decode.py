@@ -5,6 +5,7 @@ against its torch reference, eager and under torch.compile (Inductor), at one K3
     python benchmarks/mla_decode.py [--b 1,8,64] [--t 1,8] [--ctx 4096] [--no-inductor]
                                     [--out dir|r.json]
     python benchmarks/mla_decode.py --sweep [--b 1,8,64] [--t 1,8]   # every split count
+    python benchmarks/mla_decode.py --q-absorb [--b 1,8,64] [--out dir]  # k3::mla_q_absorb
 
 Each side is captured into one CUDA graph (benchmarks/graph_timing.py). The kernel's calls cycle
 through a pool of cache slots holding >= 2 x 60 MB, each call on the next B slots, so the L2 does
@@ -15,20 +16,30 @@ reference's gather of whole slots reads no row the kernel does not.
 bytes = cache rows read (ctx - T old rows, 1152 B each) + new rows read and written + q_lat,
 q_pe in + o_lat out; the split workspace (L2-resident) is not counted. "% copy" compares
 bytes / time with a 4 GiB device-to-device copy of the same run.
+
+--q-absorb times `k3::mla_q_absorb` at B·T = N rows instead (kernels/mla_q_absorb.py: the GEMM
+router's q_b GEMM + the CuTe absorption) against its reference (cuBLAS: F.linear, then the
+per-head einsum), each call on the next copy of (W_qb, kv_b) as benchmarks/gemv.py rotates
+weights (>= 2 x 60 MB between two reads of one copy); also the absorption alone (the CuTe
+kernel on a given q against the reference's einsum). bytes = W_qb + W_UK + cq + q_lat + q_pe.
 """
 
 import argparse
 import functools
 
 import torch
-from gemv import copy_gbps, write_json
+from gemv import copy_gbps, weight_copies, write_json
+from gemv import graph_us as rotated_us
 from graph_timing import graph_us, versus_row, versus_table
 from k3compile.kernels import mla_decode as kernel
-from k3compile.kernels.common.dsl import runtime_refusal
+from k3compile.kernels import mla_q_absorb as absorb
+from k3compile.kernels.common.dsl import bucket, fallback_counts, runtime_refusal
 
 from k3compile.ops.mla_decode import mla_decode_ref
+from k3compile.ops.mla_q_absorb import mla_q_absorb_ref
 
 H, C, R = 96 // 16, 512, 64
+D, V, Q = 128, 128, 1536  # qk_nope, v_head, q_lora (k3_tp16)
 ROW = (C + R) * 2
 SCALE = (128 + 64) ** -0.5
 L2_BYTES = 60e6
@@ -133,12 +144,57 @@ def sweep(bs, ts, ctx):
     return rows
 
 
+def q_absorb_weights():
+    """Copies of (W_qb, W_UK), as many as W_qb alone needs to pass the L2 (>= 2 x 60 MB), W_UK
+    a view of each copy of kv_b's weight as in the model."""
+    kvb = (torch.randn(H * (D + V), C, device="cuda") / C ** 0.5).bfloat16()
+    return [(w, (kvb.clone() if i else kvb).view(H, D + V, C)[:, :D])
+            for i, w in enumerate(weight_copies(H * (D + R), Q))]
+
+
+def q_absorb(ns, gbps):
+    """k3::mla_q_absorb at N rows: the kernel path against the reference (cuBLAS)."""
+    weights = q_absorb_weights()
+    return [q_absorb_row(n, weights, gbps) for n in ns]
+
+
+def q_absorb_row(n, weights, gbps):
+    cq = torch.randn(n, Q, device="cuda").bfloat16()
+    before = dict(fallback_counts())
+    got = absorb.mla_q_absorb_cuda(cq, *weights[0])
+    assert fallback_counts() == before, "mla_q_absorb refused the inputs (see the log)"
+    for g, r in zip(got, mla_q_absorb_ref(cq, *weights[0])):
+        err = ((g.float() - r.float()).norm() / r.float().norm()).item()
+        assert err < 1e-2, f"the kernel path disagrees with the reference: {err:.2e}"
+    q = torch.nn.functional.linear(cq, weights[0][0])
+    q_nope = q.view(n, H, D + R)[..., :D]
+    outs = (torch.empty(n, H * C, device="cuda").bfloat16(),
+            torch.empty(n, H * R, device="cuda").bfloat16())
+    b = bucket(n)
+    kern = absorb.KERNEL.compiled(H, D, R, C, b, absorb.config(D, b), rows=b)
+    us = {"kernel": rotated_us(lambda w: absorb.mla_q_absorb_cuda(cq, *w), weights),
+          "reference": rotated_us(lambda w: mla_q_absorb_ref(cq, *w), weights),
+          "absorb": rotated_us(lambda w: kern(q, w[1], *outs), weights),
+          "einsum": rotated_us(lambda w: torch.einsum("nhd,hdc->nhc", q_nope, w[1]), weights)}
+    moved = 2 * (H * (D + R) * Q + H * D * C + n * (Q + H * (C + R)))
+    row = {"N": n, "config": str(absorb.config(D, b)), "bytes": moved,
+           **{f"{k}_us": round(v, 2) for k, v in us.items()},
+           "kernel_pct_copy": round(100 * moved / us["kernel"] / 1e3 / gbps, 1),
+           "speedup": round(us["reference"] / us["kernel"], 2)}
+    print(f"N={n:2d}  kernel path {us['kernel']:6.2f} us ({row['kernel_pct_copy']}% copy)  "
+          f"reference {us['reference']:6.2f} us  x{row['speedup']:.2f}  |  absorb alone "
+          f"{us['absorb']:6.2f} us, einsum {us['einsum']:6.2f} us  {row['config']}", flush=True)
+    return row
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--b", default="1,8,64")
     ap.add_argument("--t", default="1,8")
     ap.add_argument("--ctx", type=int, default=4096)
     ap.add_argument("--sweep", action="store_true", help="time every split count instead")
+    ap.add_argument("--q-absorb", action="store_true",
+                    help="time k3::mla_q_absorb at N = B rows instead")
     ap.add_argument("--no-inductor", action="store_true", help="skip torch.compile (slow)")
     ap.add_argument("--out")
     opts = ap.parse_args()
@@ -149,6 +205,8 @@ def main():
     gbps = copy_gbps()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; "
           f"4 GiB device copy: {gbps:.0f} GB/s (read + write)", flush=True)
+    if opts.q_absorb:
+        return write_json(opts.out, "mla_q_absorb", q_absorb(bs, gbps), gbps)
     rows = sweep(bs, ts, opts.ctx) if opts.sweep else \
         run(bs, ts, opts.ctx, gbps, not opts.no_inductor)
     write_json(opts.out, "mla_decode_sweep" if opts.sweep else "mla_decode", rows, gbps, heads=H, latent=C, rope=R,
