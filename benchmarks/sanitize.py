@@ -59,7 +59,8 @@ SHARED = CFG.shared_intermediate // CFG.tp_size  # 384
 EPS, BETA, LINEAR_BETA, SCALING = CFG.rms_norm_eps, CFG.situ_beta, CFG.situ_linear_beta, 2.5
 
 BUCKETS = (1, 8, 64)
-VERIFY = {"kda_decode": (1, 8), "fb_kda_decode": (1, 8), "mla_decode": (1, 8)}  # T = 8 at these B
+VERIFY = {"kda_decode": (1, 8), "fb_kda_decode": (1, 8), "mla_decode": (1, 8),
+          "mla_q_absorb": (1, 8)}  # T = 8 at these B
 # Their device code is other cases' kernels (plus cuBLAS, NCCL): `--no-composites` leaves them to
 # memcheck (racecheck and synccheck find nothing new there)
 COMPOSITES = ("oproj_attn_res_mix_norm", "allreduce_attn_res_mix_norm", "fb_kda_decode")
@@ -231,6 +232,13 @@ def mla_uv_gate(gen, device, B, T):
     return Call("mla_uv_gate", (o_lat, w_uv, g), mla_uv_gate_ref)
 
 
+def mla_q_absorb(gen, device, B, T):
+    from k3compile.ops.mla_q_absorb import mla_q_absorb_ref
+    from tests.fusions.test_mla_q_absorb_kernel import make_inputs
+
+    return Call("mla_q_absorb", make_inputs(gen, (B, T), device=device), mla_q_absorb_ref)
+
+
 def moe_experts(gen, device, B, T):
     from k3compile.ops.moe_experts import moe_experts_ref
     from tests.fusions.test_moe_experts_kernel import make_experts, make_tokens
@@ -296,6 +304,7 @@ BUILDERS: dict[str, tuple[Callable[..., Call], str]] = {
     "linear_concat": (linear_concat, f"x [B, {HIDDEN}] x 6 weights, 3206 columns"),
     "linear": (linear, f"x [B, {SHARED}] x [{HIDDEN}, {SHARED}]"),
     "mla_uv_gate": (mla_uv_gate, f"o_lat [B, 1, {CFG.mla_heads_local}, {KV_RANK}]"),
+    "mla_q_absorb": (mla_q_absorb, f"cq [B, T, {Q_RANK}], {CFG.mla_heads_local} heads"),
     "moe_experts": (moe_experts, f"z [B, {LATENT}], {EXPERTS} MXFP4 experts of {EXPERT_INTER}"),
     "kda_decode": (kda_decode, f"{CFG.kda_heads_local} heads of 128, pool of B + 3 slots"),
     "fb_kda_decode": (fb_kda_decode, "kda_decode + fa [B, T, 128] x W_fb"),
