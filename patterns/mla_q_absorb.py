@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from k3compile.ops import registry
 from k3compile.rewrite import Pattern, tensor_meta
 
 # (B, T) of the examples: the einsum's graph has two forms, one when B or T is 1 and one when
@@ -52,6 +53,13 @@ def check(match) -> str | None:
     return None
 
 
+def kernel_refusal(match) -> str | None:
+    """On GPU graphs the op's kernel (opt-in) says which sites it takes (at most 64 bf16 rows);
+    every other site stays with Inductor (mm and bmm, as the reference would run them)."""
+    return registry.kernel_refusal(
+        "mla_q_absorb", *(tensor_meta(match.kwargs[k]) for k in ("cq", "w_qb", "w_uk")))
+
+
 def _variant(B: int, T: int, dtype: torch.dtype = torch.bfloat16) -> Pattern:
     def example_inputs():
         w_kvb = torch.randn(H, N + V, C, dtype=dtype)  # W_UK is a view of it, as in the model
@@ -61,7 +69,8 @@ def _variant(B: int, T: int, dtype: torch.dtype = torch.bfloat16) -> Pattern:
     return Pattern(
         name=f"mla_q_absorb[B={'1' if B == 1 else 'n'},T={'1' if T == 1 else 'n'}]",
         search=search, replace=replace, example_inputs=example_inputs, op="k3.mla_q_absorb",
-        check=check, distinctive=("mm", "bmm", "split_with_sizes"), joint_passes=True,
+        check=check, kernel_refusal=kernel_refusal, distinctive=("mm", "bmm", "split_with_sizes"),
+        joint_passes=True,
     )
 
 

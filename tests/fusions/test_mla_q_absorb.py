@@ -9,7 +9,12 @@ import torch
 import torch.nn.functional as F
 from k3compile.patterns import mla_q_absorb
 
-from .pattern_checks import assert_near_miss, assert_rewritten_equal, rewrite
+from .pattern_checks import (
+    assert_near_miss,
+    assert_rewritten_equal,
+    rewrite,
+    with_kernel_limits,
+)
 
 H, N, R, V, Q, C = 4, 32, 16, 32, 48, 64
 
@@ -61,3 +66,21 @@ def test_escaping_q_nope_is_a_near_miss():
 def test_check_refuses_float64():
     _, report = rewrite(absorb, _args(3, 8, torch.float64), mla_q_absorb.patterns(), joint=True)
     assert_near_miss(report, "mla_q_absorb", "check refused", "float64")
+
+
+@pytest.mark.parametrize("batch,tokens,dtype,words", [(3, 8, torch.bfloat16, None),
+                                                      (9, 8, torch.bfloat16, "72 rows"),
+                                                      (1, 1, torch.float32, "dtypes")])
+def test_gpu_graphs_fuse_only_what_the_kernel_takes(monkeypatch, batch, tokens, dtype, words):
+    """Where only sites with a CUDA kernel fuse (GPU graphs, the kernel opted in): at most 64
+    bf16 rows; otherwise Inductor keeps the site, with the kernel's reason."""
+    with_kernel_limits(monkeypatch, "mla_q_absorb")
+    args = _args(batch, tokens, dtype)
+    gm, report = rewrite(absorb, args, mla_q_absorb.patterns(), joint=True, kernels_only=True)
+    if words is None:
+        assert_rewritten_equal(gm, report, absorb, args, "k3.mla_q_absorb")
+    else:
+        assert not report.hits
+        assert words in report.deferred["mla_q_absorb"], report.deferred
+        for got, want in zip(gm(*args), absorb(*args)):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
