@@ -24,6 +24,7 @@ from k3compile.ops import (
     mla_uv_gate,
     moe_experts,
     moe_front,
+    moe_front_route,
     moe_route,
     norm_linear,
     oproj_attn_res_mix_norm,
@@ -37,7 +38,7 @@ from k3compile.ops import (
 __all__ = [
     "allreduce_attn_res_mix_norm", "attn_res_mix_norm", "expert_stack", "fb_kda_decode", "kda_decode", "linear",
     "linear_concat", "mla_decode", "mla_lowrank_norm", "mla_q_absorb", "mla_uv_gate",
-    "moe_experts", "moe_front", "moe_route", "norm_linear", "oproj_attn_res_mix_norm",
+    "moe_experts", "moe_front", "moe_front_route", "moe_route", "norm_linear", "oproj_attn_res_mix_norm",
     "prefetch_l2", "rms_norm", "situ_gate_up", "stream_fork", "stream_join",
 ]
 OPS = tuple(__all__)  # every module above is the op torch.ops.k3.<its name>

@@ -50,31 +50,48 @@ class MoERoute:
         """Expert held in register slot (element e of vector j): vector j·32 + lane."""
         return Uint32((slot // 4 * 32 + lane) * 4 + slot % 4)
 
+    def allocate(self, smem):
+        """One row's selection buffers: (sKey, sScore, sCand, sMax, sWinId, sWinScore)."""
+        E, k = self.n_experts, self.top_k
+        return (smem.allocate_tensor(Uint32, cute.make_layout((E,)), 16),  # sKey (E,)
+                smem.allocate_tensor(Float32, cute.make_layout((E,)), 16),  # sScore (E,)
+                smem.allocate_tensor(Uint64, cute.make_layout((CAP,)), 16),  # sCand (CAP,)
+                smem.allocate_tensor(Uint32, cute.make_layout((32,)), 16),  # sMax (32,)
+                smem.allocate_tensor(Uint32, cute.make_layout((k,)), 16),  # sWinId (k,)
+                smem.allocate_tensor(Float32, cute.make_layout((k,)), 16))  # sWinScore (k,)
+
+    def load_bias(self, mBias: cute.Tensor, tidx):
+        """The bias in its own dtype (fp32, or bf16 in 8-byte vectors), split as the logits'
+        float4s: rB (4, J)."""
+        rB = make_frag(mBias.element_type, self.j, 4)  # (4, J)
+        load_vectors(vectors(mBias, 4), rB, tidx, self.threads, self.n_vec)
+        return rB
+
     @cute.kernel
     def kernel(self, mLogits: cute.Tensor, mBias: cute.Tensor, mIds: cute.Tensor,
                mW: cute.Tensor, scaling: Float32):
         pdl_launch_dependents(self.pdl)
         tidx = cute.arch.thread_idx()[0]
         row = cute.arch.block_idx()[0]
-        E, k, T, nv = self.n_experts, self.top_k, self.threads, self.n_vec
-        smem = cutlass.memory.SmemAllocator()
-        sKey = smem.allocate_tensor(Uint32, cute.make_layout((E,)), 16)  # (E,)
-        sScore = smem.allocate_tensor(Float32, cute.make_layout((E,)), 16)  # (E,)
-        sCand = smem.allocate_tensor(Uint64, cute.make_layout((CAP,)), 16)  # (CAP,)
-        sMax = smem.allocate_tensor(Uint32, cute.make_layout((32,)), 16)  # (32,)
-        sWinId = smem.allocate_tensor(Uint32, cute.make_layout((k,)), 16)  # (k,)
-        sWinScore = smem.allocate_tensor(Float32, cute.make_layout((k,)), 16)  # (k,)
-
-        # The bias in its own dtype (fp32, or bf16 in 8-byte vectors), split as the logits' float4s
-        gB = vectors(mBias, 4)  # (4, E/4)
-        rB = make_frag(mBias.element_type, self.j, 4)  # (4, J)
+        buffers = self.allocate(cutlass.memory.SmemAllocator())
+        rB = None
         if const_expr(self.pdl):  # the bias first: it loads while the router GEMM ends
-            load_vectors(gB, rB, tidx, T, nv)
+            rB = self.load_bias(mBias, tidx)
         pdl_wait(self.pdl)
+        if const_expr(not self.pdl):
+            rB = self.load_bias(mBias, tidx)
+        self.route_row(mLogits, rB, mIds, mW, scaling, row, tidx, buffers)
+
+    @cute.jit
+    def route_row(self, mLogits: cute.Tensor, rB: cute.Tensor, mIds: cute.Tensor,
+                  mW: cute.Tensor, scaling: Float32, row, tidx, buffers):
+        """Row `row` of the logits -> its ids and weights: every thread's sigmoid scores and
+        keys to shared memory, then warp 0 selects (also k3::moe_front_route's last CTA, once
+        per row; a barrier between rows before the buffers are written again)."""
+        sKey, sScore, sCand, sMax, sWinId, sWinScore = buffers
+        k, T, nv = self.top_k, self.threads, self.n_vec
         rL = make_frag(Float32, self.j)  # (4, J)
         load_vectors(row_vectors(mLogits, row), rL, tidx, T, nv)
-        if const_expr(not self.pdl):
-            load_vectors(gB, rB, tidx, T, nv)
         rS = make_frag(Float32, self.j)  # (4, J)
         rS.store(sigmoid(rL.load()))
         bits = (rS.load() + rB.load().to(Float32)).bitcast(Uint32)  # (4·J,); bf16: exact
