@@ -239,7 +239,7 @@ def _is_norm(n: fx.Node) -> bool:
 BIG_FUSIONS: dict[str, tuple[tuple[str, ...], ...]] = {
     "kda": (("kda_decode", "fb_kda_decode"),),
     "mla": (("mla_decode",),),
-    "moe": (("moe_route",), ("moe_experts",)),
+    "moe": (("moe_route", "moe_front_route"), ("moe_experts",)),
 }
 # kind -> what its evidence node is, and whether the big fusion's anchor lies upstream of it
 SHOWN = {"kda": ("the KDA state write", False), "mla": ("the MLA softmax over the cache", True),

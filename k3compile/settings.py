@@ -36,6 +36,8 @@ SWITCHES: dict[str, tuple[str, str]] = {
     "K3_VALIDATE": ("option `validate`: input checks `auto`, `host`, `device` or `off`", "auto"),
     "K3_PDL": ("kernels: programmatic dependent launch", "1"),
     "K3_PDL_MAX_ROWS": ("kernels: PDL only for launches of at most this many rows", "4"),
+    "K3_FRONT_ROUTE": (("option `front_route`: moe_front + moe_route as one op (CUDA: with "
+                        "K3_KERNELS_EXTRA=moe_front_route)"), "0"),
     "K3_GEMV_FUSED": ("kernels: gemv's one-launch variants (`norm,situ,gate,split`, `all`, `0`)",
                       "norm,situ,gate"),
     "K3_MOE_GROUPED": ("kernels: `moe_experts` by expert on tensor cores at 8-64 rows", "0"),
@@ -166,6 +168,11 @@ class Options:
     # stages' graph without AOTAutograd's lowering, where AOTAutograd's runtime wrappers were
     # found to do nothing for it (k3compile/stage_cache.py). K3_SKIP_AOT=0: AOTAutograd always.
     skip_aot: bool = True
+    # Pattern `moe_front_route`: the MoE front's logits feeding the routing become one op
+    # (exact on CPU). Off: the op changes the graph that stages pack, streams and shard read,
+    # which know moe_front; on CUDA its kernel also needs K3_KERNELS_EXTRA=moe_front_route until
+    # the H200 validates it. K3_FRONT_ROUTE=1.
+    front_route: bool = False
 
     @classmethod
     def make(cls, options: dict[str, Any] | None = None) -> Options:
@@ -177,7 +184,8 @@ class Options:
                          ("fuse_without_kernels", "K3_FUSE_ALL"),
                          ("side_streams", "K3_SIDE_STREAMS"),
                          ("pack_weights", "K3_PACK_WEIGHTS"),
-                         ("stage_cache", "K3_STAGE_CACHE"), ("skip_aot", "K3_SKIP_AOT")):
+                         ("stage_cache", "K3_STAGE_CACHE"), ("skip_aot", "K3_SKIP_AOT"),
+                         ("front_route", "K3_FRONT_ROUTE")):
             if (value := env_bool(var)) is not None:
                 opts.setdefault(key, value)
         for key, var in (("executor", "K3_EXECUTOR"), ("shard_moe", "K3_SHARD_MOE"),
@@ -202,6 +210,8 @@ class Options:
         return cls(**opts)
 
     def pattern_enabled(self, name: str) -> bool:
+        if name.startswith("moe_front_route") and not self.front_route:
+            return False
         return not any(name == d or name.startswith(d) for d in self.disabled_patterns)
 
 

@@ -20,6 +20,7 @@ ORDER = (
     "moe_experts",
     "moe_front",
     "moe_route",  # after moe_front: its logits come from the fused front
+    "moe_front_route",  # consumes moe_front's and moe_route's ops (option front_route)
     "situ_gate_up",
     "norm_linear",
     "norm_linear_residual",  # consumes norm_linear's op where the shared experts' output is added

@@ -56,6 +56,8 @@ NO_LAYER = "no K3 layer found"  # the report of a graph without a KDA or MLA lay
 # GEMM before it, spec §5.2 row 5's GEMM + all-reduce), and also the pre-attention mix of a
 # layer after a dense one (the dense MLP's down GEMM ends in an all-reduce too)
 SATISFIES = {"allreduce_attn_res_mix_norm": ("oproj_attn_res_mix_norm", "attn_res_mix_norm")}
+# a fused op that is several planned ops at once (option front_route: the front and the routing)
+COMBINES = {"moe_front_route": ("moe_front", "moe_route")}
 
 # Ops that are one GEMM each, not a fusion: `k3.linear` is a plain x·Wᵀ that no fusion took (our
 # skinny GEMM on CUDA). Which GEMMs it takes depends on the device (a fusion deferred there leaves
@@ -167,7 +169,11 @@ def layer_ops(graph: fx.Graph, templates: dict[int, str] | None = None
 def _stand_in(ops: collections.Counter, plan: dict[str, int]) -> collections.Counter:
     """`ops` with each stand-in op (SATISFIES) counted as the planned ops it takes the place of:
     it fills its targets' shortfalls in order, and any left over counts as its first target."""
-    out = collections.Counter({op: n for op, n in ops.items() if op not in SATISFIES})
+    out = collections.Counter({op: n for op, n in ops.items()
+                               if op not in SATISFIES and op not in COMBINES})
+    for op, targets in COMBINES.items():
+        for target in targets:
+            out[target] += ops[op]
     for op, targets in SATISFIES.items():
         left = ops[op]
         for target in targets:

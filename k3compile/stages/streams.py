@@ -62,7 +62,8 @@ from k3compile.graph import call
 SIDE = 1
 _FORK, _JOIN = torch.ops.k3.stream_fork.default, torch.ops.k3.stream_join.default
 _PREFETCH = torch.ops.k3.prefetch_l2.default
-_SHARED, _FRONT = torch.ops.k3.situ_gate_up.default, torch.ops.k3.moe_front.default
+_SHARED = torch.ops.k3.situ_gate_up.default
+_FRONTS = (torch.ops.k3.moe_front.default, torch.ops.k3.moe_front_route.default)
 _VIEWS = {"view", "_unsafe_view", "reshape", "permute", "t", "transpose", "slice", "select",
           "expand", "unsqueeze", "squeeze", "alias", "as_strided", "detach", "getitem"}
 
@@ -152,7 +153,7 @@ def schedule_shared_experts(graph: fx.Graph) -> list[Branch]:
     branches = []
     for seed in [n for n in graph.nodes if n.target is _SHARED]:
         x = seed.args[0]
-        if not any(u.target is _FRONT for u in x.users):
+        if not any(u.target in _FRONTS for u in x.users):
             continue  # the dense layer-0 MLP: no routed path to overlap with
         branches.append(_split_off(graph, seed, written))
     for node in graph.nodes:

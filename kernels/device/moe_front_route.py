@@ -6,7 +6,7 @@ Imports `cutlass` at the top: the host module imports this one only in `build`, 
 the host needs no DSL."""
 
 import cutlass
-from cutlass import Float32, Int32, const_expr, cute
+from cutlass import Float32, Int32, cute
 
 from ..common.gemv import Config, Fusion
 from ..moe_route import Config as RouteConfig

@@ -1,0 +1,165 @@
+"""moe_front_route: moe_front's logits feeding moe_route become one op (option front_route,
+off by default). CPU: every renormalisation the graph spells fuses with values equal to eager
+bit for bit; escaping logits and the option off leave the two ops; on GPU graphs the kernel's
+row limit keeps them; the tiny model and the transformers-style spelling (hf_k3) under
+backend="k3" fuse it at every MoE layer, equal to eager; the kernel builds for sm_90a and refuses
+what it cannot take."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from k3compile.kernels import moe_front_route as kernel
+from k3compile.patterns import moe_front, moe_front_route, moe_route
+
+import k3compile.backend as k3be
+from k3compile.models import build_model, get_config
+from k3compile.settings import Options
+
+from .pattern_checks import assert_rewritten_equal, rewrite, targets
+
+PATTERNS = moe_front.patterns() + moe_route.patterns() + moe_front_route.patterns()
+DENOMINATORS = {  # renormalisation -> the (eps, clamp) the op must carry
+    "+ 1e-20": (lambda t: t + 1e-20, 1e-20, False),
+    "+ 1e-6": (lambda t: t + 1e-6, 1e-6, False),
+    "clamp_min": (lambda t: t.clamp_min(1e-12), 1e-12, True),
+    "no eps": (lambda t: t, 0.0, False),
+}
+
+
+def router(denominator=DENOMINATORS["+ 1e-20"][0], top_k=4, scaling=2.5, escape=False):
+    def fn(x, wr, wd, bias):  # MoEGate's routing of its fp32 logits, LatentMoE's latent down
+        logits = F.linear(x.float(), wr.float())
+        scores = torch.sigmoid(logits)
+        _, ids = torch.topk(scores + bias, top_k, dim=-1)
+        w = scores.gather(-1, ids)
+        out = ids, w / denominator(w.sum(-1, keepdim=True)) * scaling, F.linear(x, wd)
+        return (*out, logits * 2) if escape else out
+
+    return fn
+
+
+def _inputs(n=3, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(n)
+    return [torch.randn(n, 64, generator=g).to(dtype), torch.randn(16, 64, generator=g).to(dtype),
+            torch.randn(32, 64, generator=g).to(dtype), 0.1 * torch.randn(16, generator=g)]
+
+
+def _op_args(gm) -> tuple:
+    op = next(n for n in gm.graph.nodes if str(n.target) == "k3.moe_front_route.default")
+    schema = op.target._schema.arguments
+    bound = {a.name: a.default_value for a in schema} | dict(zip([a.name for a in schema],
+                                                                 op.args))
+    return tuple(bound[n] for n in ("top_k", "scaling", "eps", "clamp"))
+
+
+@pytest.mark.parametrize("spelling", DENOMINATORS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_every_renormalisation_fuses_exactly(spelling, dtype):
+    denominator, eps, clamp = DENOMINATORS[spelling]
+    fn, args = router(denominator), _inputs(dtype=dtype)
+    gm, report = rewrite(fn, args, PATTERNS)
+    assert [h.op for h in report.hits][-1] == "k3.moe_front_route"
+    report.hits = report.hits[-1:]  # moe_front's and moe_route's hits came first
+    assert_rewritten_equal(gm, report, fn, args, "k3.moe_front_route")
+    assert "k3.moe_front.default" not in targets(gm) and "k3.moe_route.default" not in targets(gm)
+    assert _op_args(gm) == (4, 2.5, eps, clamp)
+
+
+def test_escaping_logits_keep_the_two_ops():
+    """The logits read elsewhere (here: returned) stay moe_front's output: no fused op."""
+    fn, args = router(escape=True), _inputs()
+    gm, _ = rewrite(fn, args, PATTERNS)
+    assert "k3.moe_front_route.default" not in targets(gm)
+    for got, want in zip(gm(*args), fn(*args)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_off_by_default():
+    assert not Options.make().pattern_enabled("moe_front_route")
+    assert Options.make({"front_route": True}).pattern_enabled("moe_front_route[eps]")
+    assert not Options.make({"front_route": True, "disabled_patterns": ["moe_front_route"]}
+                            ).pattern_enabled("moe_front_route")
+
+
+def test_gpu_graphs_keep_two_launches_past_the_row_limit(monkeypatch):
+    """On a GPU graph the kernel's limits decide: 8 rows fuse, 9 keep moe_front + moe_route
+    (deferred with the kernel's reason), values unchanged."""
+    from k3compile.ops import registry
+
+    monkeypatch.setitem(registry._entries, "moe_front_route",
+                        registry.KernelEntry("moe_front_route", kernel.refusal))
+    monkeypatch.setitem(registry._entries, "moe_front", registry.KernelEntry("moe_front"))
+    monkeypatch.setitem(registry._entries, "moe_route", registry.KernelEntry("moe_route"))
+    fn = router()
+    for n, fused in ((kernel.MAX_ROWS, True), (kernel.MAX_ROWS + 1, False)):
+        args = _inputs(n)
+        gm, report = rewrite(fn, args, PATTERNS, kernels_only=True)
+        assert ("k3.moe_front_route.default" in targets(gm)) == fused, n
+        if not fused:
+            assert "rows" in report.deferred["moe_front_route"]
+        for got, want in zip(gm(*args), fn(*args)):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_kernel_refusals():
+    x, wr, wd, bias = _inputs(2)
+    args = (x, wr, wd, bias, 4, 2.5)
+    assert kernel.refusal(*args) is None
+    assert kernel.refusal(*args, 1e-20, False) is None
+    assert kernel.refusal(x, wr, wd, bias.bfloat16(), 4, 2.5) is None
+    for bad, words in (((torch.randn(9, 64).bfloat16(), wr, wd, bias, 4, 2.5), "9 rows"),
+                       ((x.float(), wr.float(), wd.float(), bias, 4, 2.5), "bf16"),
+                       ((x, wr, wd, bias, 33, 2.5), "top_k"),
+                       ((*args, 1e-6, False), "eps"), ((*args, 1e-20, True), "max(sum"),
+                       ((x, wr[:14], wd, bias[:14], 4, 2.5), "multiple of 4"),
+                       ((x, wr, wd, bias[:8], 4, 2.5), "bias")):
+        assert words in (kernel.refusal(*bad) or ""), (words, kernel.refusal(*bad))
+
+
+def test_kernel_builds_for_sm90a():
+    """The K3 router shape (896 experts, top-8) over one TP16 rank's latent (3584 x 7168) at 1
+    and 8 rows, fp32 and bf16 bias: each compiles for sm_90a (no GPU needed)."""
+    pytest.importorskip("cutlass")
+    from k3compile.kernels.common import gemv
+
+    for rows, bias_bf16 in ((1, False), (8, True)):
+        cfg = gemv.config(896 + 3584, 7168, rows, gemv.Fusion(split=896))
+        assert kernel.build(896 + 3584, 7168, rows, 896, 8, cfg, bias_bf16, arch="sm_90a",
+                            pdl=rows == 1) is not None
+
+
+# ---- the models under backend="k3" ---------------------------------------------------------------
+
+
+def _compiled_equal(model, eager, cfg):
+    torch._dynamo.reset()
+    step = torch.compile(model, backend="k3", fullgraph=True,
+                         options={"executor": "aten", "front_route": True})
+    for i in range(2):
+        gen = torch.Generator().manual_seed(i)
+        ids = torch.randint(0, cfg.vocab_size, (3,), generator=gen)
+        pos, slots = torch.tensor([0, 9, 17]) + i, torch.tensor([2, 0, 1])
+        torch.testing.assert_close(step(ids, pos, slots), eager(ids, pos, slots), rtol=0, atol=0)
+    compiled = k3be.last_compiled()
+    (report,) = compiled.contracts.values()
+    assert report.met, [(lr.layer, lr.template, lr.actual) for lr in report.layers]
+    graph = next(iter(compiled.observer.graphs.values()))
+    ops = [str(n.target) for n in graph.nodes if n.op == "call_function"]
+    moe_layers = sum(lr.template not in ("dense", "final") for lr in report.layers)
+    assert moe_layers and ops.count("k3.moe_front_route.default") == moe_layers
+    assert "k3.moe_front.default" not in ops and "k3.moe_route.default" not in ops
+    assert ops.count("k3.stream_fork.default") == moe_layers  # the shared experts still overlap
+
+
+@pytest.mark.parametrize("spelling", ["k3", "hf_k3"])
+def test_models_fuse_and_equal_eager(spelling):
+    from k3compile.models.hf_k3 import from_reference
+
+    cfg = get_config("tiny").with_layers(3)
+    eager = build_model(cfg, dtype=torch.bfloat16, max_batch=4, max_seq_len=64)
+    model = build_model(cfg, dtype=torch.bfloat16, max_batch=4, max_seq_len=64)
+    if spelling == "hf_k3":
+        eager, model = from_reference(eager), from_reference(model)
+    _compiled_equal(model, eager, cfg)
