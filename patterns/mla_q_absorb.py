@@ -54,8 +54,12 @@ def check(match) -> str | None:
 
 
 def kernel_refusal(match) -> str | None:
-    """On GPU graphs the op's kernel (opt-in) says which sites it takes (at most 64 bf16 rows);
-    every other site stays with Inductor (mm and bmm, as the reference would run them)."""
+    """On GPU graphs the op's kernel (opt-in: K3_KERNELS_EXTRA) says which sites it takes (at
+    most 64 bf16 rows); every other site stays with Inductor (mm and bmm, as the reference would
+    run them). Without the kernel every site fuses as before and the op runs its reference: the
+    MLA patterns after it (mla_decode) read its outputs."""
+    if registry.entry("mla_q_absorb") is None:
+        return None
     return registry.kernel_refusal(
         "mla_q_absorb", *(tensor_meta(match.kwargs[k]) for k in ("cq", "w_qb", "w_uk")))
 

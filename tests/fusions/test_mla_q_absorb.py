@@ -84,3 +84,15 @@ def test_gpu_graphs_fuse_only_what_the_kernel_takes(monkeypatch, batch, tokens, 
         assert words in report.deferred["mla_q_absorb"], report.deferred
         for got, want in zip(gm(*args), absorb(*args)):
             torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_gpu_graphs_without_the_kernel_fuse_as_before(monkeypatch):
+    """The kernel not opted in: GPU graphs fuse every site as before (the op runs its reference;
+    mla_decode's pattern reads its outputs), even one the kernel would refuse."""
+    from k3compile.ops import registry
+
+    monkeypatch.setattr(registry, "_entries", {k: v for k, v in registry._entries.items()
+                                               if k != "mla_q_absorb"})
+    args = _args(9, 8)  # 72 rows: more than the kernel takes
+    gm, report = rewrite(absorb, args, mla_q_absorb.patterns(), joint=True, kernels_only=True)
+    assert_rewritten_equal(gm, report, absorb, args, "k3.mla_q_absorb")
