@@ -1,8 +1,8 @@
 """Stage `pack`: the weights a fused GEMM reads as one matrix are stored as one matrix.
 
-`k3.linear_concat` (KDA q|k|v|g|f_a|b, MLA q_a|kv_a|g), `k3.moe_front` (router | latent-down,
-one launch with gemv's split variant) and `k3.situ_gate_up` (gate | up) read [W_0; W_1; ...] as
-one weight. Left alone, their CUDA kernels concatenate the weights at every call
+`k3.linear_concat` (KDA q|k|v|g|f_a|b, MLA q_a|kv_a|g), `k3.moe_front` and `k3.moe_front_route`
+(router | latent-down, one launch with gemv's split variant) and `k3.situ_gate_up` (gate | up)
+read [W_0; W_1; ...] as one weight. Left alone, their CUDA kernels concatenate the weights at every call
 (`k3compile.ops.linear_concat.concatenated`; no copy is cached, so none can go stale): ~46 MB
 copied per KDA layer per step per GPU at TP16, 64 MB more per MoE layer with the split variant.
 `k3.expert_stack` (the per-expert parameters of a ModuleList, stacked for `k3.moe_experts`)
@@ -106,7 +106,8 @@ def _groups(graph: fx.Graph):
             continue
         if node.target is _K3.linear_concat.default:
             yield node, list(node.args[1])
-        elif node.target in (_K3.moe_front.default, _K3.situ_gate_up.default):
+        elif node.target in (_K3.moe_front.default, _K3.moe_front_route.default,
+                             _K3.situ_gate_up.default):
             yield node, [node.args[1], node.args[2]]
         elif node.target is _K3.expert_stack.default:
             yield node, list(node.args[0])
@@ -340,7 +341,8 @@ def _pack_group(node: fx.Node, args: list, real: dict, taken: dict, report: Pack
     buffer = _move(roots, values[0].shape[1])
     taken.update({id(r): node.name for r in roots})
     report.packed.append(f"{node.name}: {len(values)} weights, {buffer.nbytes / 1e6:.1f} MB")
-    if node.target is not _K3.moe_front.default:  # moe_front copies only with gemv's split
+    # the fronts' weights are copied per step only by gemv's split variant
+    if node.target not in (_K3.moe_front.default, _K3.moe_front_route.default):
         report.saved_bytes += buffer.nbytes
 
 

@@ -151,6 +151,9 @@ def _compiled_equal(model, eager, cfg):
     assert moe_layers and ops.count("k3.moe_front_route.default") == moe_layers
     assert "k3.moe_front.default" not in ops and "k3.moe_route.default" not in ops
     assert ops.count("k3.stream_fork.default") == moe_layers  # the shared experts still overlap
+    (notes,) = compiled.observer.notes.values()  # router | latent-down stored as one buffer
+    fronts = [n.name for n in graph.nodes if n.target is torch.ops.k3.moe_front_route.default]
+    assert sorted(p.split(":")[0] for p in notes["pack"].packed if "front" in p) == sorted(fronts)
 
 
 @pytest.mark.parametrize("spelling", ["k3", "hf_k3"])
