@@ -27,8 +27,8 @@ ORDER: tuple[str, ...] = ("state_write", "mla_absorb", "mla_absorbed", "mxfp4_de
                           "conv_einsum", "qkv_split", "l2_norm", "bias_view", "delta_einsum",
                           "norm_round", "conv_merge", "gate_up_split",
                           "depth_mix", "slice_split", "group_limit", "noop_view", "cast_view",
-                          "broadcast", "topk_sorted", "view_chains", "reshape_fold", "stack_cat",
-                          "router_input", "permute_fold")
+                          "broadcast", "topk_sorted", "view_chains", "view_add", "reshape_fold",
+                          "stack_cat", "router_input", "permute_fold")
 
 
 @dataclasses.dataclass(frozen=True)

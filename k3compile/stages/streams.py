@@ -151,14 +151,27 @@ def schedule_shared_experts(graph: fx.Graph) -> list[Branch]:
     """Put every MoE layer's shared-expert branch on the side stream; returns the branches."""
     written = written_inputs(graph)
     branches = []
+    # the values the routed paths start from; code that flattens the tokens once for the router
+    # and again for the shared experts (Moonshot: `view(-1, D)`, and `nn.Linear` on [B, T, D])
+    # reads two views of one value
+    routed = {_unviewed(n.args[0]) for n in graph.nodes if n.target in _FRONTS}
     for seed in [n for n in graph.nodes if n.target is _SHARED]:
         x = seed.args[0]
-        if not any(u.target in _FRONTS for u in x.users):
+        if _unviewed(x) not in routed:
             continue  # the dense layer-0 MLP: no routed path to overlap with
         branches.append(_split_off(graph, seed, written))
     for node in graph.nodes:
         node.meta.setdefault("k3_stream", 0)
     return branches
+
+
+def _unviewed(node):
+    """The value node is a view (chain) of: through views, not through a multi-output op's
+    getitem (two outputs of one op are two values)."""
+    while (isinstance(node, fx.Node) and node.op == "call_function" and _is_view(node)
+           and node.target is not operator.getitem):
+        node = node.args[0]
+    return node
 
 
 def _grow(seed: fx.Node, written) -> list[fx.Node]:

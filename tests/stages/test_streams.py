@@ -378,3 +378,27 @@ def test_side_streams_default_and_overrides(monkeypatch):
     monkeypatch.setenv("K3_SIDE_STREAMS", "0")
     assert not Options.make({"executor": "inductor"}).side_streams
     assert Options.make({"executor": "aten", "side_streams": True}).side_streams
+
+
+def _two_views_moe(h, wr, wd, wg, wu, w2, wm):
+    """Moonshot's spelling: the router flattens the tokens (`view(-1, D)`) and the shared experts
+    run `nn.Linear` on the [B, T, D] input (a view of their own); a dense MLP reads another value."""
+    D = h.shape[-1]
+    logits, z = torch.ops.k3.moe_front(h.view(-1, D), wr, wd)
+    shared = torch.ops.k3.linear(torch.ops.k3.situ_gate_up(h.view(-1, D), wg, wu, 1.0, 0.5), w2)
+    dense = torch.ops.k3.situ_gate_up((h * 2).view(-1, D), wm, wm, 1.0, 0.5)
+    return logits, z, shared, dense
+
+
+def test_shared_experts_reading_another_view_of_the_routers_input_fork():
+    from k3compile.stages.streams import schedule_shared_experts
+
+    B, T, D, E, L, I = 2, 1, 16, 8, 8, 8
+    shapes = ((B, T, D), (E, D), (L, D), (I, D), (I, D), (D, I), (I, D))
+    args = [torch.randn(s, dtype=torch.bfloat16) for s in shapes]
+    gm = inductor.fwd_only_fake(_two_views_moe, args)
+    branches = schedule_shared_experts(gm.graph)
+    (branch,) = branches  # the shared experts; not the dense MLP (no routed path reads its input)
+    assert [n.target for n in branch.nodes if n.target is not torch.ops.aten.view.default] == [
+        torch.ops.k3.situ_gate_up.default, torch.ops.k3.linear.default]
+    assert not hazards(gm.graph)
