@@ -10,9 +10,11 @@ first, which pattern `norm_linear_residual` folds into the up-projection's epilo
 
 Exact: the same elements are added. Taken: an `add.Tensor` without alpha whose two operands are
 views (`view` / `_unsafe_view` / `reshape`) to one shape of two `mm` outputs of one shape and
-dtype. Left alone: other sources (a view of an activation is how residuals are written
-everywhere, and the patterns read them as they are), sources of different shapes or dtypes
-(broadcast or promotion), views to different shapes.
+dtype, neither computed from the other: two parallel branches, as the routed and the shared
+experts are. Left alone: a residual sum of two sublayers' GEMMs (the second sublayer reads the
+first one's output: the patterns of the mixes after o_proj read that sum as it is), other sources
+(a view of an activation plus another is how residuals are written), sources of different shapes
+or dtypes (broadcast or promotion), views to different shapes.
 """
 
 from __future__ import annotations
@@ -47,7 +49,23 @@ def _site(add: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node] | None:
         return None
     if a.shape != b.shape or a.dtype != b.dtype:
         return None
+    if _reads(sources[0], sources[1]) or _reads(sources[1], sources[0]):
+        return None
     return sources[0], sources[1], views[0]
+
+
+def _reads(node: fx.Node, other: fx.Node) -> bool:
+    """Whether `node` is computed from `other` (other is among its ancestors)."""
+    seen, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        for i in n.all_input_nodes:
+            if i is other:
+                return True
+            if i not in seen:
+                seen.add(i)
+                todo.append(i)
+    return False
 
 
 def apply(graph: fx.Graph) -> int:

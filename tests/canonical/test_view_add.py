@@ -63,3 +63,16 @@ def test_look_alikes_stay(fn):
     before, after, n = _rewrite(fn, *args)
     assert n == 0
     assert targets(after) == targets(before)
+
+
+def _sublayers(h, z, w_up, w_shared):
+    """A residual sum of two sublayers: the second GEMM reads the first one's output."""
+    a = F.linear(z, w_up).view(B, T, D)
+    return a + F.linear(torch.relu(a + h), w_shared)
+
+
+def test_a_residual_sum_of_sublayers_stays():
+    args = _args()
+    before, after, n = _rewrite(_sublayers, *args)
+    assert n == 0
+    assert targets(after) == targets(before)
