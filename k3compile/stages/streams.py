@@ -159,6 +159,8 @@ def schedule_shared_experts(graph: fx.Graph) -> list[Branch]:
         x = seed.args[0]
         if _unviewed(x) not in routed:
             continue  # the dense layer-0 MLP: no routed path to overlap with
+        _merge_same_views(x)  # so the router reads x through the fork too
+        x = seed.args[0]
         branches.append(_split_off(graph, seed, written))
     for node in graph.nodes:
         node.meta.setdefault("k3_stream", 0)
@@ -172,6 +174,19 @@ def _unviewed(node):
            and node.target is not operator.getitem):
         node = node.args[0]
     return node
+
+
+def _merge_same_views(x: fx.Node) -> None:
+    """The views of x's input that are x's own (the same op, input and sizes) become one node,
+    the first in graph order, so every reader (the router too) reads it through the fork."""
+    if not (x.op == "call_function" and _is_view(x) and x.target is not operator.getitem):
+        return
+    same = [v for v in x.args[0].users
+            if v.target is x.target and v.args == x.args and v.kwargs == x.kwargs]
+    first = min(same, key=_position(x.graph))
+    for view in same:
+        if view is not first:
+            view.replace_all_uses_with(first)
 
 
 def _grow(seed: fx.Node, written) -> list[fx.Node]:

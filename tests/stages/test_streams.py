@@ -402,3 +402,9 @@ def test_shared_experts_reading_another_view_of_the_routers_input_fork():
     assert [n.target for n in branch.nodes if n.target is not torch.ops.aten.view.default] == [
         torch.ops.k3.situ_gate_up.default, torch.ops.k3.linear.default]
     assert not hazards(gm.graph)
+    (front,) = (n for n in gm.graph.nodes if n.target is torch.ops.k3.moe_front.default)
+    x = front.args[0]  # the router reads x through the fork too (its view was the same)
+    assert x.target is operator.getitem and x.args[0] is branch.fork.next.args[0].args[0] or (
+        x.args[0].target is torch.ops.k3.stream_fork.default)
+    gm.recompile()
+    torch.testing.assert_close(gm(*args), _two_views_moe(*args), rtol=0, atol=0)
