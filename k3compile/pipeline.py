@@ -5,11 +5,13 @@ only); `Pipeline.inner_compile` then receives the ATen graph, runs the stages, a
 patterns left to Inductor (or, with executor "aten", runs it as it is).
 
     normalize -> canonicalize -> fuse -> verify -> writeback -> shard -> streams -> prefetch -> check -> ranks
-    -> contract -> pack
+    -> contract -> pack -> stack_inputs
 
 Where the stage cache is on (`Options.stage_cache`, K3_CACHE_DIR; k3compile/stage_cache.py), a
 stage "cache" first looks the graph up: a hit stands for every stage before `ranks`, whose
-output a second process then loads; `ranks`, `contract` and `pack` run on every compile. A link
+output a second process then loads; `ranks`, `contract`, `pack` and `stack_inputs` run on every
+compile. `stack_inputs` changes the graph's inputs (an expert stack's parts -> one buffer): the
+executor compiles the graph on its mapping of the inputs and calls it through its wrapper. A link
 entry keyed by Dynamo's graph (`Options.skip_aot`) lets a second process skip AOTAutograd too:
 the ATen graph is decoded from the stage key the link names and goes through the same stages,
 and the executor gets it without AOTAutograd's runtime wrappers, which the first process found
@@ -49,6 +51,7 @@ from k3compile.stages.pack import pack, remember
 from k3compile.stages.prefetch import prefetch
 from k3compile.stages.ranks import ranks
 from k3compile.stages.shard import shard
+from k3compile.stages.stack_inputs import stack_inputs
 from k3compile.stages.streams import streams
 from k3compile.stages.verify import verify
 
@@ -73,6 +76,7 @@ STAGES: list[tuple[str, Stage]] = [
     ("ranks", ranks),
     ("contract", contract),
     ("pack", pack),
+    ("stack_inputs", stack_inputs),  # after pack: the packed expert stacks as one input each
 ]
 
 # stage -> the boolean option that switches it on (the others always run unless disabled)
@@ -81,6 +85,7 @@ SWITCHED_BY: dict[str, str] = {
     "streams": "side_streams",  # K3_SIDE_STREAMS
     "ranks": "check_ranks",
     "pack": "pack_weights",  # K3_PACK_WEIGHTS
+    "stack_inputs": "stack_inputs",  # K3_STACK_INPUTS
 }
 
 
@@ -200,11 +205,16 @@ class Pipeline:
 
     def _executor(self, aten_gm: fx.GraphModule, aten_inputs, kwargs, ctx: Context) -> Callable:
         remember(ctx.inputs)  # later compiles never move what this one was handed
+        stacked = ctx.notes.get("stack_inputs")
+        if stacked is not None:  # the graph takes each packed expert stack as one input
+            aten_inputs = stacked.inputs(aten_inputs)
+            kwargs = {**kwargs, "static_input_idxs": stacked.static(kwargs.get("static_input_idxs"))}
         if self.options.executor == "inductor":
             inductor.register_fallbacks(aten_gm)
-            return inductor.compile_fx_inner(aten_gm, aten_inputs, **kwargs)
-        # the graph as it is: side-stream ops name their stream in their calls
-        return inductor.make_boxed_func(aten_gm.forward)
+            fn = inductor.compile_fx_inner(aten_gm, aten_inputs, **kwargs)
+        else:  # the graph as it is: side-stream ops name their stream in their calls
+            fn = inductor.make_boxed_func(aten_gm.forward)
+        return fn if stacked is None else stacked.wrap(fn)
 
     def _direct(self, link: dict, ctx: Context, example_inputs: list, patches: dict) -> Callable:
         """The bucket without AOTAutograd: the ATen graph the link's stage key holds, on fake
@@ -215,10 +225,17 @@ class Pipeline:
             aten_gm = self.run(stage_cache.aten_graph(link["aten"], fakes), ctx, link["aten"])
             remember(ctx.inputs)
             stage_cache.STATS["direct"] += 1
+            stacked = ctx.notes.get("stack_inputs")
+            if stacked is not None:  # as `_executor` does
+                fakes = stacked.inputs(fakes)
+                direct = {**direct, "static_input_idxs": stacked.static(direct["static_input_idxs"])}
             if self.options.executor == "inductor":
                 compiled = inductor.compile_fx_inner_direct(aten_gm, fakes, direct)
-                return inductor.plain_call(compiled, direct["bumps"], boxed=True)
-        return inductor.plain_call(aten_gm.forward, direct["bumps"], boxed=False)
+            else:
+                compiled = inductor.make_boxed_func(aten_gm.forward)
+            if stacked is not None:
+                compiled = stacked.wrap(compiled)
+        return inductor.plain_call(compiled, direct["bumps"], boxed=True)
 
 
 def inference_only(example_inputs: list) -> contextlib.AbstractContextManager:

@@ -31,6 +31,7 @@ SWITCHES: dict[str, tuple[str, str]] = {
     "K3_FUSE_ALL": ("option `fuse_without_kernels`: on CUDA also fuse ops without a kernel", "0"),
     "K3_SIDE_STREAMS": ("option `side_streams`: shared experts and prefetch on side streams", "1"),
     "K3_PACK_WEIGHTS": ("option `pack_weights`: each fused group's weights in one buffer", "1"),
+    "K3_STACK_INPUTS": ("option `stack_inputs`: a packed expert stack is one graph input", "1"),
     "K3_EXECUTOR": ("option `executor`: `inductor` or `aten`", "inductor"),
     "K3_SHARD_MOE": ("option `shard_moe`: `auto`, `on` or `off`", "auto"),
     "K3_VALIDATE": ("option `validate`: input checks `auto`, `host`, `device` or `off`", "auto"),
@@ -158,6 +159,10 @@ class Options:
     # Stage `pack`: each fused group's weights moved once into one buffer, the parameters views
     # of it, so no concatenated copy exists. K3_PACK_WEIGHTS=0 turns it off.
     pack_weights: bool = True
+    # Stage `stack_inputs` (after `pack`): an expert stack whose parts lie back to back in one
+    # buffer is one input of the graph the executor compiles, not one per expert.
+    # K3_STACK_INPUTS=0 turns it off.
+    stack_inputs: bool = True
     # The step's input checks (k3compile/validate.py): "auto" (on the host for CPU inputs, inside
     # the step for CUDA ones), "host", "device" (also on CPU: the tests) or "off". K3_VALIDATE.
     validate: str = "auto"
@@ -184,6 +189,7 @@ class Options:
                          ("fuse_without_kernels", "K3_FUSE_ALL"),
                          ("side_streams", "K3_SIDE_STREAMS"),
                          ("pack_weights", "K3_PACK_WEIGHTS"),
+                         ("stack_inputs", "K3_STACK_INPUTS"),
                          ("stage_cache", "K3_STAGE_CACHE"), ("skip_aot", "K3_SKIP_AOT"),
                          ("front_route", "K3_FRONT_ROUTE")):
             if (value := env_bool(var)) is not None:

@@ -95,14 +95,23 @@ def wl_hash(nodes: list[fx.Node]) -> str:
 
 def input_names(compiled, graph: fx.Graph) -> dict[str, str]:
     """ATen placeholder -> the parameter or buffer it is (`layers.1.mlp.experts.w1_packed`):
-    the ATen graph takes the Dynamo graph's inputs in order."""
-    ours = [n.name for n in graph.nodes if n.op == "placeholder"]
-    if len(ours) != len(compiled.inputs):
-        return {}
+    the ATen graph takes the Dynamo graph's inputs in order, but for the expert stacks stage
+    `stack_inputs` made one input each (`meta["k3_parts"]`: the parts' positions; named by the
+    first part's name and the count)."""
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    stacked = {i for n in placeholders for i in n.meta.get("k3_parts", ())}
+    dotted = [re.sub(r"_(modules|parameters|buffers)_", ".",
+                     re.sub(r"^l_self_(modules_)?|^l_", "", inp.name).rstrip("_"))
+              for inp in compiled.inputs]
+    kept = iter(i for i in range(len(dotted)) if i not in stacked)
     out = {}
-    for name, inp in zip(ours, compiled.inputs):
-        dotted = re.sub(r"^l_self_(modules_)?|^l_", "", inp.name).rstrip("_")
-        out[name] = re.sub(r"_(modules|parameters|buffers)_", ".", dotted)
+    for n in placeholders:
+        if parts := n.meta.get("k3_parts"):
+            out[n.name] = f"{dotted[parts[0]]} (stack of {len(parts)})"
+        elif (i := next(kept, None)) is not None:
+            out[n.name] = dotted[i]
+    if next(kept, None) is not None or len(out) < len(placeholders):
+        return {}
     return out
 
 
