@@ -42,8 +42,8 @@ import torch
 from torch import fx
 
 from k3compile.graph import call
-from k3compile.rewrite.inductor import unset_fake_temporarily
 from k3compile.ops.expert_stack import back_to_back, expert_stack
+from k3compile.rewrite.inductor import unset_fake_temporarily
 
 log = logging.getLogger("k3compile")
 

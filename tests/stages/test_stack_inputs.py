@@ -73,6 +73,7 @@ def test_parts_apart_are_left_as_they_are():
 CFG = dataclasses.replace(get_config("tiny"), num_hidden_layers=4, full_attn_layers=(2, 3))
 BUCKET = 4
 EXPERT = "model.layers.1.block_sparse_moe.experts.{}.gate_proj.weight_packed"
+_COMPILE = inductor.compile_fx_inner
 
 
 def _model(dtype):
@@ -97,11 +98,9 @@ def _run(dtype, dynamic, stack, executor="aten", monkeypatch=None):
     model = _model(dtype)
     seen = []
     if monkeypatch is not None:  # the inputs Inductor compiles the graph on
-        real = inductor.compile_fx_inner
-
         def spy(gm, inputs, **kw):
             seen.append(len(inputs))
-            return real(gm, inputs, **kw)
+            return _COMPILE(gm, inputs, **kw)
 
         monkeypatch.setattr(inductor, "compile_fx_inner", spy)
     step = torch.compile(model, backend="k3", fullgraph=True,
@@ -140,7 +139,8 @@ def test_inductor_takes_one_input_per_stack(monkeypatch):
               for n in experts}  # layer + weight name: one stack each
     (note,) = notes
     assert len(note["stack_inputs"].stacks) == len(stacks) == 18
-    assert seen_off[-1] - seen_on[-1] == len(experts) - len(stacks)
+    assert len(seen_on) == len(seen_off) == 1
+    assert seen_off[0] - seen_on[0] == len(experts) - len(stacks)
     for a, b in zip(on, off, strict=True):
         assert torch.equal(a, b)
 
