@@ -191,6 +191,26 @@ def moe_front(gen, device, B, T):
     return Call("moe_front", args, moe_front_ref)
 
 
+def moe_front_route(gen, device, B, T):
+    """The front's two weights as rows of one buffer (as stage pack stores them: the kernel
+    takes only that); B > 8 rows runs the two ops (the kernel's row limit)."""
+    from k3compile.ops.moe_front import moe_front_ref
+    from k3compile.ops.moe_front_route import moe_front_route_ref
+
+    x = _randn(gen, device, B, HIDDEN)
+    both = _weight(gen, device, EXPERTS + LATENT, HIDDEN)
+    router_w, down_w = both[:EXPERTS], both[EXPERTS:]
+    bias = _randn(gen, device, EXPERTS, scale=0.1, dtype=torch.float32)
+    logits = moe_front_ref(x, router_w, down_w)[0]
+    routed = route_compare(logits, bias)
+
+    def compare(got, want):
+        return routed(got[:2], want[:2]) + rows_close(got[2:], want[2:])
+
+    return Call("moe_front_route", (x, router_w, down_w, bias, TOP_K, SCALING),
+                moe_front_route_ref, compare=compare)
+
+
 def situ_gate_up(gen, device, B, T):
     from k3compile.ops.situ_gate_up import situ_gate_up_ref
 
@@ -299,6 +319,8 @@ BUILDERS: dict[str, tuple[Callable[..., Call], str]] = {
     "mla_lowrank_norm": (mla_lowrank_norm, f"[B, {Q_RANK} + {KV_RANK + ROPE}] column slices"),
     "moe_route": (moe_route, f"logits fp32 [B, {EXPERTS}], top {TOP_K}"),
     "moe_front": (moe_front, f"x [B, {HIDDEN}] x [{EXPERTS} + {LATENT}, {HIDDEN}]"),
+    "moe_front_route": (moe_front_route, f"x [B, {HIDDEN}] x [{EXPERTS} + {LATENT}, {HIDDEN}], "
+                                         f"top {TOP_K}"),
     "situ_gate_up": (situ_gate_up, f"x [B, {HIDDEN}] x 2 x [{SHARED}, {HIDDEN}]"),
     "norm_linear": (norm_linear, f"u [B, {LATENT}] x [{HIDDEN}, {LATENT}] + residual"),
     "linear_concat": (linear_concat, f"x [B, {HIDDEN}] x 6 weights, 3206 columns"),

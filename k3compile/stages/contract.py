@@ -173,7 +173,8 @@ def _stand_in(ops: collections.Counter, plan: dict[str, int]) -> collections.Cou
                                if op not in SATISFIES and op not in COMBINES})
     for op, targets in COMBINES.items():
         for target in targets:
-            out[target] += ops[op]
+            if ops[op]:
+                out[target] += ops[op]
     for op, targets in SATISFIES.items():
         left = ops[op]
         for target in targets:
