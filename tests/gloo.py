@@ -15,6 +15,7 @@ import faulthandler
 import os
 import socket
 import sys
+import threading
 import traceback
 
 import torch
@@ -24,6 +25,9 @@ import torch.multiprocessing as mp
 # generous: a diffsuite rank compiles several buckets between two collectives, and on a loaded
 # 2-core machine one rank's compile ran past 300 s while the other waited (test_shard, session 13)
 TIMEOUT_S = 900
+
+# a failed rank's error is written for the parent at once; its exit is then forced after this long
+EXIT_GRACE_S = 30
 
 
 def free_port() -> int:
@@ -50,6 +54,7 @@ def _rank(rank: int, worker, world: int, port: int, timeout_s: int, args: tuple)
         print(f"rank {rank} of {world} failed:", file=sys.stderr)
         traceback.print_exc()
         sys.stderr.flush()
+        _exit_soon(EXIT_GRACE_S)
         raise
     else:
         # every rank done before any tears down: a rank that tore gloo down while another still
@@ -58,3 +63,15 @@ def _rank(rank: int, worker, world: int, port: int, timeout_s: int, args: tuple)
         dist.destroy_process_group()
     finally:
         faulthandler.cancel_dump_traceback_later()
+
+
+def _exit_soon(seconds: float) -> None:
+    """End this process `seconds` from now whatever it is doing then. A failed rank raises into
+    the spawn machinery, which writes the error for the parent and exits; but interpreter shutdown
+    can block (a non-daemon thread, a process group's teardown waiting on a peer still inside a
+    collective), and then the parent, which reports the first rank to exit, waits for the peer's
+    collective timeout (900 s) and reports the peer's "Timed out waiting for send" instead of this
+    rank's error: one reading of the test_shard timeout in session 15's CI, whose log was cut."""
+    timer = threading.Timer(seconds, os._exit, (1,))
+    timer.daemon = True
+    timer.start()
