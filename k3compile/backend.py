@@ -26,6 +26,7 @@ built-in models register it themselves, which covers their first call too).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -90,7 +91,23 @@ def mark_batch(*inputs: torch.Tensor) -> None:
         try:
             torch._dynamo.decorators.mark_unbacked(t, 0, min=1)
         except TypeError:  # a torch without `min` (the bound is then >= 0)
+            _warn_no_batch_min()
             torch._dynamo.decorators.mark_unbacked(t, 0)
+
+
+@functools.cache
+def _warn_no_batch_min() -> None:
+    """torch 2.11 (the H200's) has no `mark_unbacked(min=)`: the batch may be 0 to Dynamo, and code
+    that infers a size from it fails to trace, e.g. the second spelling's `bmm(...).permute(1, 0,
+    2).reshape(*lead, -1)` ("Could not guard on data-dependent expression Ne(u2, 0)"). Dynamo then
+    gives up on the whole step ("WON'T CONVERT", at INFO only) and compiles each layer's forward as
+    its own graph: correct, but nothing fuses across layers. Found on the CPU with torch 2.11
+    (session 16); our model and Moonshot's adapted code trace as one graph there."""
+    log.warning("k3: torch %s has no mark_unbacked(min=): the batch is >= 0 to Dynamo, so a step "
+                "that reshapes with -1 over a batch-major size cannot trace as one graph; Dynamo "
+                "then compiles each frame on its own (see TORCH_LOGS=dynamo for 'WON'T CONVERT'). "
+                "Compile per bucket (no mark_batch) or use torch >= 2.12 if that happens.",
+                torch.__version__)
 
 
 def last_compiled() -> K3Compiled:

@@ -9,6 +9,7 @@ backend's compiled steps; every few steps the logits are compared with an eager 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import random
 
 import pytest
@@ -66,3 +67,25 @@ def test_200_steps_any_batch_and_rows_compile_each_bucket_once(first):
     assert graphs == 2, "Dynamo recompiled (one graph per T expected)"
     bucket_of = {b: next(k for k in buckets if b <= k) for b in range(1, 33)}
     assert steps == len({(bucket_of[b], t) for b, t in zip(batches, rows)}), "a bucket recompiled"
+
+
+def test_mark_batch_on_a_torch_without_a_lower_bound_marks_and_warns(monkeypatch, caplog):
+    """torch 2.11's `mark_unbacked` has no `min=`: the batch is still marked (unbacked, so one
+    graph where the code traces), and the user is told once why a step may split per frame."""
+    real = torch._dynamo.decorators.mark_unbacked
+
+    def no_min(t, index, **kw):
+        if "min" in kw:
+            raise TypeError("mark_unbacked() got an unexpected keyword argument 'min'")
+        return real(t, index, **kw)
+
+    monkeypatch.setattr(torch._dynamo.decorators, "mark_unbacked", no_min)
+    backend._warn_no_batch_min.cache_clear()
+    ids, slots = torch.zeros(3, dtype=torch.long), torch.arange(3)
+    with caplog.at_level(logging.WARNING, logger="k3compile"):
+        backend.mark_batch(ids, slots)
+        backend.mark_batch(ids, slots)
+    assert 0 in ids._dynamo_unbacked_indices and 0 in slots._dynamo_unbacked_indices
+    warned = [r for r in caplog.records if "mark_unbacked(min=)" in r.getMessage()]
+    assert len(warned) == 1
+    backend._warn_no_batch_min.cache_clear()
