@@ -115,7 +115,8 @@ def compile_kwargs(kwargs: dict) -> dict:
     """Inductor's `compile_fx_inner` arguments as data (for a compile without AOTAutograd)."""
     return {"static_input_idxs": list(kwargs.get("static_input_idxs") or ()),
             "cudagraphs": bool(getattr(kwargs.get("cudagraphs"), "value", False)),
-            "graph_id": kwargs.get("graph_id"), "is_inference": True}
+            "graph_id": kwargs.get("graph_id"), "is_inference": True,
+            "decomp": "get_decomp_fn" in kwargs}
 
 
 def plain_call(graph_fn, bumps: list[int], boxed: bool):
@@ -165,11 +166,14 @@ def compile_fx_inner_direct(aten_gm: torch.fx.GraphModule, fakes: list, data: di
     output = next(n for n in reversed(aten_gm.graph.nodes) if n.op == "output")
     output.meta["user_visible_output_idxs"] = [
         i for i, a in enumerate(output.args[0]) if isinstance(a, torch.fx.Node)]
+    # only where `compile_fx` passed it too: the FX graph cache hashes these arguments, and a
+    # function's repr holds its address, so an argument the cold compile did not have (torch 2.11's
+    # `compile_fx` passes no `get_decomp_fn`) missed the cache in every warm process (session 16)
+    decomp = {"get_decomp_fn": select_decomp_table} if data.get("decomp", True) else {}
     return compile_fx_inner(
         aten_gm, fakes, static_input_idxs=data["static_input_idxs"],
         cudagraphs=BoxedBool(data["cudagraphs"]), graph_id=data["graph_id"],
-        is_inference=True, boxed_forward_device_index=BoxedDeviceIndex(None),
-        get_decomp_fn=select_decomp_table)
+        is_inference=True, boxed_forward_device_index=BoxedDeviceIndex(None), **decomp)
 
 
 @contextlib.contextmanager

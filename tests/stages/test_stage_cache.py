@@ -34,6 +34,7 @@ from k3compile import stage_cache
 from k3compile.backend import last_compiled, mark_batch
 from k3compile.math import rms_norm, situ
 from k3compile.ops.linear_concat import adjacent
+from k3compile.rewrite import inductor
 
 ROOT = Path(__file__).resolve().parents[2]
 OPTIONS = {"executor": "aten", "stage_cache": True, "buckets": (4,), "skip_aot": False}
@@ -329,3 +330,24 @@ def test_fx_key_misses_name_the_details_whose_hashes_differ(tmp_path):
     (miss,) = ct.fx_key_misses(tmp_path)
     assert miss.startswith("k2: 2 lines differ")
     assert "warm: [ddd]" in miss and "cold: [ccc]" in miss and "get_decomp_fn" not in miss
+
+
+@pytest.mark.parametrize("cold_had_it", [False, True])
+def test_the_direct_compile_passes_inductor_what_the_cold_one_got(monkeypatch, cold_had_it):
+    """Inductor's FX graph cache hashes `compile_fx_inner`'s arguments (a function by its repr,
+    address included). torch 2.11's `compile_fx` passes no `get_decomp_fn`; the direct path
+    passed one anyway, so every warm process missed the cache (2.11 on the CPU, session 16:
+    "fx_kwargs[get_decomp_fn]: <function select_decomp_table at 0x...>" only in the warm key)."""
+    from torch._inductor.decomposition import select_decomp_table
+
+    cold_kwargs = {"static_input_idxs": [1], "graph_id": 3}
+    if cold_had_it:
+        cold_kwargs["get_decomp_fn"] = select_decomp_table
+    data = inductor.compile_kwargs(cold_kwargs)
+    seen = {}
+    monkeypatch.setattr(inductor, "compile_fx_inner", lambda gm, fakes, **kw: seen.update(kw))
+    monkeypatch.setattr(inductor, "register_fallbacks", lambda gm: None)
+    gm = torch.fx.symbolic_trace(lambda x: (x + 1,))
+    inductor.compile_fx_inner_direct(gm, [torch.zeros(2)], data)
+    assert ("get_decomp_fn" in seen) == cold_had_it
+    assert seen["static_input_idxs"] == [1] and seen["graph_id"] == 3
