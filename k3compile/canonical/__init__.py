@@ -10,7 +10,8 @@ and shape; its tests (`tests/canonical/test_<rule>.py`) show each spelling it ta
 look-alikes it must leave alone (negative), numerically against the unrewritten graph.
 
 `ORDER` is the order the stage applies them in (a later rule may rely on an earlier one's form).
-Each module `k3compile/canonical/<name>.py` defines `RULE`, a `Rule`.
+Each module `k3compile/canonical/<name>.py` defines `RULE`, a `Rule`; most state only what they
+match and what they write, and leave the walk over the graph to `rewrite_sites`.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import importlib
 from collections.abc import Callable
 
 from torch import fx
+
+from k3compile.rewrite import inductor
 
 ORDER: tuple[str, ...] = ("state_write", "mla_absorb", "mla_absorbed", "mxfp4_dequant",
                           "expert_stack", "expert_gemm", "gemm", "short_conv",
@@ -42,10 +45,43 @@ class Rule:
     summary: str  # one line: spellings in -> canonical form out
 
 
+def rewrite_sites(graph: fx.Graph, match: Callable, write: Callable, *, targets=None,
+                  reverse: bool = False, traced: bool = False, tidy: bool = True,
+                  sort: bool = False) -> int:
+    """The walk every rule shares; returns how many sites were rewritten.
+
+    Visits each node the graph held when it started (last first with `reverse`), less those
+    erased since and, with `targets`, those that call none of them. `match(node)` returns the
+    node's site (None or False: it is none) and `write(graph, node, site)` rewrites it, returning
+    None (one site rewritten) or how many it rewrote (a bool: one or none). `traced`: the rule
+    splices traced graphs, which need the graph's module (no module: nothing to do), and `write`
+    takes a fourth argument, a dict its sites share (one trace per shape). After any rewrite,
+    `sort` re-sorts the graph topologically (a splice read nodes defined after its site) and
+    `tidy` removes the dead code."""
+    if traced and graph.owning_module is None:
+        return 0
+    shared = ({},) if traced else ()
+    done = 0
+    for node in reversed(list(graph.nodes)) if reverse else list(graph.nodes):
+        if node._erased or targets is not None and (node.op != "call_function"
+                                                    or node.target not in targets):
+            continue
+        site = match(node)
+        if site is None or site is False:
+            continue
+        wrote = write(graph, node, site, *shared)
+        done += 1 if wrote is None else wrote
+    if done and sort:
+        inductor.stable_topological_sort(graph)
+    if done and tidy:
+        graph.eliminate_dead_code()
+    return done
+
+
 @functools.cache
 def all_rules() -> tuple[Rule, ...]:
     """Every rule, in `ORDER`."""
     return tuple(importlib.import_module(f"{__name__}.{name}").RULE for name in ORDER)
 
 
-__all__ = ["ORDER", "Rule", "all_rules"]
+__all__ = ["ORDER", "Rule", "all_rules", "rewrite_sites"]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from k3compile.canonical import Rule
+from k3compile.canonical import Rule, rewrite_sites
 from k3compile.canonical.region import shape
 from k3compile.graph import call
 
@@ -36,25 +36,18 @@ def _site(view: fx.Node):
     return None
 
 
+def _write(graph: fx.Graph, node: fx.Node, site) -> None:
+    add, x, b = site
+    out = list(shape(node))
+    with graph.inserting_before(node):
+        xv = call(graph, aten.view.default, (x, out), like=node)
+        bv = call(graph, aten.view.default, (b, out[-2:]), like=node)
+        new = call(graph, aten.add.Tensor, (xv, bv), like=add)
+    node.replace_all_uses_with(new)
+
+
 def apply(graph: fx.Graph) -> int:
-    count = 0
-    for node in list(graph.nodes):
-        if node.op != "call_function" or node.target is not aten.view.default:
-            continue
-        site = _site(node)
-        if site is None:
-            continue
-        add, x, b = site
-        out = list(shape(node))
-        with graph.inserting_before(node):
-            xv = call(graph, aten.view.default, (x, out), like=node)
-            bv = call(graph, aten.view.default, (b, out[-2:]), like=node)
-            new = call(graph, aten.add.Tensor, (xv, bv), like=add)
-        node.replace_all_uses_with(new)
-        count += 1
-    if count:
-        graph.eliminate_dead_code()
-    return count
+    return rewrite_sites(graph, _site, _write, targets={aten.view.default})
 
 
 RULE = Rule("bias_view", apply, "(x + b[H*K]).view(..., H, K) -> x.view(..., H, K) + b.view(H, K)")

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from k3compile.canonical import Rule
+from k3compile.canonical import Rule, rewrite_sites
 from k3compile.graph import fake_value
 
 aten = torch.ops.aten
@@ -98,12 +98,12 @@ def _narrow_operand(node: fx.Node, i: int) -> bool:
     return False
 
 
+def _write(graph: fx.Graph, node: fx.Node, _) -> int:
+    return sum(_narrow_operand(node, i) for i in range(len(node.args)))
+
+
 def apply(graph: fx.Graph) -> int:
-    sites = 0
-    for node in list(graph.nodes):
-        if _is_elementwise(node):
-            sites += sum(_narrow_operand(node, i) for i in range(len(node.args)))
-    return sites
+    return rewrite_sites(graph, _is_elementwise, _write, tidy=False)
 
 
 RULE = Rule("broadcast", apply,

@@ -21,7 +21,7 @@ import torch
 from torch import fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from k3compile.canonical import Rule
+from k3compile.canonical import Rule, rewrite_sites
 from k3compile.graph import RESHAPES, call
 
 aten = torch.ops.aten
@@ -57,19 +57,17 @@ def _site(node: fx.Node) -> bool:
     return val is not None and src is not None and val.dtype != src.dtype
 
 
+def _write(graph: fx.Graph, cast: fx.Node, _) -> None:
+    view = cast.args[0]
+    with graph.inserting_before(cast):
+        first = call(graph, CAST, (view.args[0], *cast.args[1:]), cast.kwargs, like=cast)
+        split = call(graph, view.target, (first, *view.args[1:]), view.kwargs, like=cast)
+    cast.replace_all_uses_with(split)
+    graph.erase_node(cast)
+
+
 def apply(graph: fx.Graph) -> int:
-    sites = 0
-    for cast in list(graph.nodes):
-        if not _site(cast):
-            continue
-        view = cast.args[0]
-        with graph.inserting_before(cast):
-            first = call(graph, CAST, (view.args[0], *cast.args[1:]), cast.kwargs, like=cast)
-            split = call(graph, view.target, (first, *view.args[1:]), view.kwargs, like=cast)
-        cast.replace_all_uses_with(split)
-        graph.erase_node(cast)
-        sites += 1
-    return sites
+    return rewrite_sites(graph, _site, _write, tidy=False)
 
 
 RULE = Rule("cast_view", apply, "a dtype cast after a head split (view [..., H·D] -> "

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
-from k3compile.canonical import Rule
+from k3compile.canonical import Rule, rewrite_sites
 from k3compile.canonical.gate_up_split import _POINTWISE
 from k3compile.canonical.region import (
     VIEWS,
@@ -145,26 +145,16 @@ def _sink_pointwise(graph: fx.Graph, perm: fx.Node) -> bool:
     return True
 
 
+def _write(graph: fx.Graph, node: fx.Node, site, cache: dict) -> bool:
+    inputs, out, fn, rtol = site
+    new = replace(inputs, out, fn, rtol, cache, fn.__name__)
+    if new is not None and new.target is aten.permute.default:
+        _sink_pointwise(graph, new)
+    return new is not None
+
+
 def apply(graph: fx.Graph) -> int:
-    if graph.owning_module is None:
-        return 0
-    cache: dict = {}
-    count = 0
-    for node in list(graph.nodes):
-        if node.op == "call_function" and node.target is aten.unfold.default:
-            found = _site(node)
-            if found is None:
-                continue
-            inputs, out, fn, rtol = found
-            new = replace(inputs, out, fn, rtol, cache, fn.__name__)
-            if new is None:
-                continue
-            count += 1
-            if new.target is aten.permute.default:
-                _sink_pointwise(graph, new)
-    if count:
-        graph.eliminate_dead_code()
-    return count
+    return rewrite_sites(graph, _site, _write, targets={aten.unfold.default}, traced=True)
 
 
 RULE = Rule("conv_einsum", apply,

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from k3compile.canonical import Rule
+from k3compile.canonical import Rule, rewrite_sites
 from k3compile.canonical.region import VIEWS, below, replace, root, shape, val
 
 aten = torch.ops.aten
@@ -71,21 +71,23 @@ def _write_site(mul: fx.Node):
     return None
 
 
+def _site(node: fx.Node):
+    """(inputs, out, the canonical function, rtol, its name) of a state read or write."""
+    if node.target is aten.bmm.default and (site := _read_site(node)) is not None:
+        return (*site, read, READ_RTOL, "read")
+    if node.target is aten.mul.Tensor and (ins := _write_site(node)) is not None:
+        return ins, node, write, 0.0, "write"
+    return None
+
+
+def _write(graph: fx.Graph, node: fx.Node, site, cache: dict) -> bool:
+    inputs, out, fn, rtol, name = site
+    return replace(inputs, out, fn, rtol, cache, name) is not None
+
+
 def apply(graph: fx.Graph) -> int:
-    if graph.owning_module is None:
-        return 0
-    cache: dict = {}
-    count = 0
-    for node in list(graph.nodes):
-        if node.op != "call_function":
-            continue
-        if node.target is aten.bmm.default and (site := _read_site(node)) is not None:
-            count += replace(*site, read, READ_RTOL, cache, "read") is not None
-        elif node.target is aten.mul.Tensor and (ins := _write_site(node)) is not None:
-            count += replace(ins, node, write, 0.0, cache, "write") is not None
-    if count:
-        graph.eliminate_dead_code()
-    return count
+    return rewrite_sites(graph, _site, _write, targets={aten.bmm.default, aten.mul.Tensor},
+                         traced=True)
 
 
 RULE = Rule("delta_einsum", apply,

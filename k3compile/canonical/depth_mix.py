@@ -56,7 +56,7 @@ import torch
 from torch import fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from k3compile.canonical import Rule
+from k3compile.canonical import Rule, rewrite_sites
 from k3compile.graph import call
 from k3compile.math import depth_mix_scores_fp32, depth_mix_weights
 from k3compile.rewrite import inductor
@@ -515,19 +515,20 @@ def _roles(weights: list[fx.Node]) -> list[tuple[fx.Node, fx.Node]]:
     return [(b, a), (a, b)] if _shape(a) == row and _shape(b) != row else [(a, b), (b, a)]
 
 
-def apply(graph: fx.Graph) -> int:
+def _write(graph: fx.Graph, alpha: fx.Node, _) -> int:
+    found = _sources(alpha) if _softmax_dim(alpha) == 0 else None
+    if found is None:
+        return _rebuilt(graph, alpha)
+    stack, srcs = found
     rewritten = 0
-    for alpha in [n for n in graph.nodes if _softmax_dim(n) is not None]:
-        found = _sources(alpha) if _softmax_dim(alpha) == 0 else None
-        if found is None:
-            rewritten += _rebuilt(graph, alpha)
-            continue
-        stack, srcs = found
-        if _is(stack, aten.cat.default):
-            stack = _as_stack(graph, stack, srcs)
-            rewritten += 1
-        rewritten += _weighted_sum(graph, alpha, stack, srcs)
-    return rewritten
+    if _is(stack, aten.cat.default):
+        stack = _as_stack(graph, stack, srcs)
+        rewritten += 1
+    return rewritten + _weighted_sum(graph, alpha, stack, srcs)
+
+
+def apply(graph: fx.Graph) -> int:
+    return rewrite_sites(graph, lambda n: _softmax_dim(n) is not None, _write, tidy=False)
 
 
 RULE = Rule("depth_mix", apply, "AttnRes depth mix: cat of unsqueezed sources -> stack's cat + "

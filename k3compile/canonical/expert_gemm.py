@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from k3compile.canonical import Rule
+from k3compile.canonical import Rule, rewrite_sites
 from k3compile.rewrite import inductor
 
 aten = torch.ops.aten
@@ -212,9 +212,8 @@ def _cone(result: fx.Node, roots: set) -> list[str]:
     return sorted(out)
 
 
-def _splice(site: tuple, traced: dict) -> bool:
+def _splice(graph: fx.Graph, node: fx.Node, site: tuple, traced: dict) -> bool:
     w, x, fc1, result = site
-    graph = result.graph
     fn = _fc1 if fc1 else _fc2
     key = (fc1, _shape(x), _shape(w), x.meta["val"].dtype, w.meta["val"].dtype)
     if key not in traced:
@@ -242,19 +241,8 @@ def _splice(site: tuple, traced: dict) -> bool:
 
 
 def apply(graph: fx.Graph) -> int:
-    if graph.owning_module is None:
-        return 0
-    traced: dict = {}
-    count = 0
-    for node in list(graph.nodes):
-        if node.op == "call_function" and node.target is aten.bmm.default:
-            site = _site(node)
-            if site is not None:
-                count += _splice(site, traced)
-    if count:
-        inductor.stable_topological_sort(graph)
-        graph.eliminate_dead_code()
-    return count
+    return rewrite_sites(graph, _site, _splice, targets={aten.bmm.default}, traced=True,
+                         sort=True)
 
 
 RULE = Rule("expert_gemm", apply,

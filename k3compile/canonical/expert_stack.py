@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from k3compile.canonical import Rule
+from k3compile.canonical import Rule, rewrite_sites
 from k3compile.graph import RESHAPES, call
 
 aten = torch.ops.aten
@@ -94,19 +94,19 @@ def _gathered_by_ids(node: fx.Node) -> bool:
     return bool(node.users)
 
 
+def _site(node: fx.Node) -> list[fx.Node] | None:
+    parts = _stack_parts(node)
+    return parts if parts is not None and _same_inputs(parts) and _gathered_by_ids(node) else None
+
+
+def _write(graph: fx.Graph, node: fx.Node, parts: list[fx.Node]) -> None:
+    with graph.inserting_before(node):
+        stacked = call(graph, torch.ops.k3.expert_stack.default, (parts,), like=node)
+    node.replace_all_uses_with(stacked)
+
+
 def apply(graph: fx.Graph) -> int:
-    count = 0
-    for node in list(graph.nodes):
-        parts = _stack_parts(node)
-        if parts is None or not _same_inputs(parts) or not _gathered_by_ids(node):
-            continue
-        with graph.inserting_before(node):
-            stacked = call(graph, torch.ops.k3.expert_stack.default, (parts,), like=node)
-        node.replace_all_uses_with(stacked)
-        count += 1
-    if count:
-        graph.eliminate_dead_code()
-    return count
+    return rewrite_sites(graph, _site, _write)
 
 
 RULE = Rule("expert_stack", apply,

@@ -22,7 +22,7 @@ import operator
 import torch
 from torch import fx
 
-from k3compile.canonical import Rule
+from k3compile.canonical import Rule, rewrite_sites
 from k3compile.graph import call
 
 aten = torch.ops.aten
@@ -203,16 +203,13 @@ def _uncat_slices(cat: fx.Node) -> int:
     return rewritten
 
 
+def _write(graph: fx.Graph, node: fx.Node, _) -> int:
+    return _uncat_slices(node) if node.target is aten.cat.default else _split_gemm(graph, node)
+
+
 def apply(graph: fx.Graph) -> int:
-    rewritten = 0
-    for node in list(graph.nodes):
-        if node.op != "call_function" or not _shape(node):
-            continue
-        if node.target is aten.cat.default:
-            rewritten += _uncat_slices(node)
-        else:
-            rewritten += _split_gemm(graph, node)
-    return rewritten
+    return rewrite_sites(graph, lambda n: n.op == "call_function" and bool(_shape(n)), _write,
+                         tidy=False)
 
 
 RULE = Rule("gate_up_split", apply, "GLU halves of one gate|up GEMM -> two GEMMs on weight row "

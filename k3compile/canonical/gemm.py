@@ -38,7 +38,7 @@ import operator
 import torch
 from torch import fx
 
-from k3compile.canonical import Rule
+from k3compile.canonical import Rule, rewrite_sites
 from k3compile.graph import RESHAPES, call, written_in_place
 
 aten = torch.ops.aten
@@ -284,7 +284,7 @@ def _settle(graph: fx.Graph, y: fx.Node, head: fx.Node, head_of_y: list, like: f
         head.replace_all_uses_with(y)
 
 
-def _rewrite(graph: fx.Graph, site: Site) -> None:
+def _rewrite(graph: fx.Graph, _, site: Site) -> None:
     node = site.node
     k = site.pieces[0].k
     with graph.inserting_before(node):
@@ -333,18 +333,13 @@ def _settle_stack(graph: fx.Graph, site: Site, ys: list[fx.Node]) -> None:
         node.replace_all_uses_with(stack)
 
 
+def _new_site(node: fx.Node) -> Site | None:
+    return None if node.target is aten.mm.default and _canonical(node) else _site(node)
+
+
 def apply(graph: fx.Graph) -> int:
-    done = 0
-    for node in list(graph.nodes):
-        if node.op != "call_function" or node.target not in (aten.mm.default, aten.bmm.default):
-            continue
-        if node.target is aten.mm.default and _canonical(node):
-            continue
-        site = _site(node)
-        if site is not None:
-            _rewrite(graph, site)
-            done += 1
-    return done
+    return rewrite_sites(graph, _new_site, _rewrite, targets={aten.mm.default, aten.bmm.default},
+                         tidy=False)
 
 
 RULE = Rule("gemm", apply, "bmm/matmul/einsum/@ of a weight input (or a weight stack) -> "

@@ -27,7 +27,7 @@ import operator
 import torch
 from torch import fx
 
-from k3compile.canonical import Rule
+from k3compile.canonical import Rule, rewrite_sites
 
 aten = torch.ops.aten
 _FILLS = {aten.full.default: 1, aten.full_like.default: 1, aten.new_full.default: 2,
@@ -145,20 +145,23 @@ def _erase_unused(node) -> None:
             _erase_unused(inp)
 
 
+def _site(node: fx.Node) -> fx.Node | None:
+    """The operand node passes on unchanged, where it has node's shape and dtype."""
+    if node.op != "call_function":
+        return None
+    kept, want = _kept_operand(node), _val(node)
+    if kept is None or want is None or _val(kept) is None:
+        return None
+    return kept if (_val(kept).shape, _val(kept).dtype) == (want.shape, want.dtype) else None
+
+
+def _write(graph: fx.Graph, node: fx.Node, kept: fx.Node) -> None:
+    node.replace_all_uses_with(kept)
+    _erase_unused(node)
+
+
 def apply(graph: fx.Graph) -> int:
-    sites = 0
-    for node in list(graph.nodes):
-        if node.op != "call_function":
-            continue
-        kept, want = _kept_operand(node), _val(node)
-        if kept is None or want is None or _val(kept) is None:
-            continue
-        if (_val(kept).shape, _val(kept).dtype) != (want.shape, want.dtype):
-            continue
-        node.replace_all_uses_with(kept)
-        _erase_unused(node)
-        sites += 1
-    return sites
+    return rewrite_sites(graph, _site, _write, tidy=False)
 
 
 RULE = Rule("group_limit", apply,

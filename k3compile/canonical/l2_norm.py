@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from k3compile.canonical import Rule
+from k3compile.canonical import Rule, rewrite_sites
 from k3compile.canonical.region import shape, val
 from k3compile.graph import call
 
@@ -53,26 +53,19 @@ def _site(div: fx.Node):
     return x, add.args[1]
 
 
+def _write(graph: fx.Graph, node: fx.Node, site) -> None:
+    x, eps = site
+    with graph.inserting_before(node):
+        sq = call(graph, aten.pow.Tensor_Scalar, (x, 2), like=node)
+        total = call(graph, aten.sum.dim_IntList, (sq, [-1], True), like=node)
+        inv = call(graph, aten.rsqrt.default,
+                   (call(graph, aten.add.Tensor, (total, eps), like=node),), like=node)
+        out = call(graph, aten.mul.Tensor, (x, inv), like=node)
+    node.replace_all_uses_with(out)
+
+
 def apply(graph: fx.Graph) -> int:
-    count = 0
-    for node in list(graph.nodes):
-        if node.op != "call_function" or node.target is not aten.div.Tensor:
-            continue
-        site = _site(node)
-        if site is None:
-            continue
-        x, eps = site
-        with graph.inserting_before(node):
-            sq = call(graph, aten.pow.Tensor_Scalar, (x, 2), like=node)
-            total = call(graph, aten.sum.dim_IntList, (sq, [-1], True), like=node)
-            inv = call(graph, aten.rsqrt.default,
-                       (call(graph, aten.add.Tensor, (total, eps), like=node),), like=node)
-            out = call(graph, aten.mul.Tensor, (x, inv), like=node)
-        node.replace_all_uses_with(out)
-        count += 1
-    if count:
-        graph.eliminate_dead_code()
-    return count
+    return rewrite_sites(graph, _site, _write, targets={aten.div.Tensor})
 
 
 RULE = Rule("l2_norm", apply, "x / sqrt(sum(x*x, -1) + eps) -> x * rsqrt(x.pow(2).sum(-1) + eps)")

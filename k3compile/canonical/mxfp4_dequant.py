@@ -40,7 +40,7 @@ import functools
 import torch
 from torch import fx
 
-from k3compile.canonical import Rule
+from k3compile.canonical import Rule, rewrite_sites
 from k3compile.graph import RESHAPES
 from k3compile.math import E2M1_VALUES, GROUP, e2m1_table, mxfp4_dequant
 from k3compile.rewrite import inductor
@@ -494,8 +494,9 @@ def _cone_targets(node: fx.Node, roots: set, streams: dict) -> list[str]:
     return sorted(out)
 
 
-def _splice(site: fx.Node, stream: Stream, streams: dict, tables: dict, traced: dict) -> bool:
-    graph = site.graph
+def _splice(graph: fx.Graph, site: fx.Node, found: tuple[Stream, dict], shared: dict) -> bool:
+    stream, streams = found
+    tables, traced = shared.setdefault("tables", {}), shared.setdefault("traced", {})
     dtype = _dtype(site)
     gm = _canonical_graph(stream.root, stream.scale, dtype, traced)
     canonical = sorted(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
@@ -536,17 +537,10 @@ def sites(graph: fx.Graph) -> tuple[list[tuple[fx.Node, Stream]], dict]:
 def apply(graph: fx.Graph) -> int:
     if graph.owning_module is None:
         return 0
-    tables: dict = {}
-    traced: dict = {}
-    count = 0
     with inductor.unset_fake_temporarily():  # the probes are real tensors, whatever mode is on
         found, streams = sites(graph)
-    for site, stream in found:
-        count += _splice(site, stream, streams, tables, traced)
-    if count:
-        inductor.stable_topological_sort(graph)
-        graph.eliminate_dead_code()
-    return count
+    at = {site: (stream, streams) for site, stream in found}
+    return rewrite_sites(graph, at.get, _splice, traced=True, sort=True)
 
 
 RULE = Rule("mxfp4_dequant", apply,

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from k3compile.canonical import Rule
+from k3compile.canonical import Rule, rewrite_sites
 from k3compile.graph import RESHAPES
 
 aten = torch.ops.aten
@@ -43,17 +43,16 @@ def _same_tensor(node: fx.Node) -> fx.Node | None:
     return node.args[0] if shape is not None and _shape(node.args[0]) == shape else None
 
 
+def bypass(graph: fx.Graph, node: fx.Node, source: fx.Node) -> bool:
+    """node's readers read source instead (the graph's outputs keep node); False: none did."""
+    users = [u for u in node.users if u.op != "output"]
+    for user in users:
+        user.replace_input_with(node, source)
+    return bool(users)
+
+
 def apply(graph: fx.Graph) -> int:
-    sites = 0
-    for node in list(graph.nodes):
-        source = _same_tensor(node)
-        if source is None:
-            continue
-        users = [u for u in node.users if u.op != "output"]
-        for user in users:
-            user.replace_input_with(node, source)
-        sites += bool(users)
-    return sites
+    return rewrite_sites(graph, _same_tensor, bypass, tidy=False)
 
 
 RULE = Rule("noop_view", apply, "view / reshape to the input's own shape -> the input")

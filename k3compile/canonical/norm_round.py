@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from k3compile.canonical import Rule
+from k3compile.canonical import Rule, rewrite_sites
 from k3compile.canonical.region import VIEWS, root, shape, val
 from k3compile.graph import call
 
@@ -67,24 +67,19 @@ def _site(mul: fx.Node) -> fx.Node | None:
     return None
 
 
+def _write(graph: fx.Graph, node: fx.Node, x: fx.Node) -> None:
+    dtype = next(iter(node.users)).args[1]
+    inv = node.args[1] if node.args[0] is x else node.args[0]
+    square = inv.args[0].args[0].args[0]
+    with graph.inserting_before(square):
+        low = call(graph, _CAST, (x, dtype), like=node)
+        rounded = call(graph, _CAST, (low, torch.float32), like=node)
+    for reader in (square, node):
+        reader.replace_input_with(x, rounded)
+
+
 def apply(graph: fx.Graph) -> int:
-    count = 0
-    for node in list(graph.nodes):
-        if node.op != "call_function" or node.target is not aten.mul.Tensor:
-            continue
-        x = _site(node)
-        if x is None:
-            continue
-        dtype = next(iter(node.users)).args[1]
-        inv = node.args[1] if node.args[0] is x else node.args[0]
-        square = inv.args[0].args[0].args[0]
-        with graph.inserting_before(square):
-            low = call(graph, _CAST, (x, dtype), like=node)
-            rounded = call(graph, _CAST, (low, torch.float32), like=node)
-        for reader in (square, node):
-            reader.replace_input_with(x, rounded)
-        count += 1
-    return count
+    return rewrite_sites(graph, _site, _write, targets={aten.mul.Tensor}, tidy=False)
 
 
 RULE = Rule("norm_round", apply,

@@ -20,7 +20,8 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from k3compile.canonical import Rule
+from k3compile.canonical import Rule, rewrite_sites
+from k3compile.canonical.noop_view import bypass
 
 aten = torch.ops.aten
 _WRITES = {aten.index_put.default, aten.index_put_.default}
@@ -59,17 +60,15 @@ def _only_written(node: fx.Node) -> bool:
         or (u.target in _VIEWS and u.args[0] is node and _only_written(u)) for u in node.users)
 
 
+def _source(outer: fx.Node) -> fx.Node | None:
+    """What the two permutes read, where outer undoes inner at a state read or write."""
+    if not (_is_permute(outer) and _cancels(outer) and _at_state(outer)):
+        return None
+    return outer.args[0].args[0]
+
+
 def apply(graph: fx.Graph) -> int:
-    sites = 0
-    for outer in list(graph.nodes):
-        if not (_is_permute(outer) and _cancels(outer) and _at_state(outer)):
-            continue
-        source = outer.args[0].args[0]
-        users = [u for u in outer.users if u.op != "output"]
-        for user in users:
-            user.replace_input_with(outer, source)
-        sites += bool(users)
-    return sites
+    return rewrite_sites(graph, _source, bypass, tidy=False)
 
 
 RULE = Rule("permute_fold", apply, "a state read / written through a permute and its inverse "

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from k3compile.canonical import Rule
+from k3compile.canonical import Rule, rewrite_sites
 from k3compile.canonical.gate_up_split import _POINTWISE, _gemm, _split
 from k3compile.canonical.region import pointwise_tail, refresh, root, shape
 from k3compile.graph import call
@@ -102,16 +102,7 @@ def _rewrite(graph: fx.Graph, conv: fx.Node, site) -> None:
 
 
 def apply(graph: fx.Graph) -> int:
-    count = 0
-    for node in list(graph.nodes):
-        if node.op == "call_function" and node.target is aten.convolution.default:
-            site = _site(node)
-            if site is not None:
-                _rewrite(graph, node, site)
-                count += 1
-    if count:
-        graph.eliminate_dead_code()
-    return count
+    return rewrite_sites(graph, _site, _rewrite, targets={aten.convolution.default})
 
 
 RULE = Rule("qkv_split", apply,

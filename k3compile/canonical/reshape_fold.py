@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from k3compile.canonical import Rule
+from k3compile.canonical import Rule, rewrite_sites
 from k3compile.graph import call
 
 aten = torch.ops.aten
@@ -99,7 +99,7 @@ def _composition(src: tuple[int, ...], dst: tuple[int, ...]) -> list[int] | None
     return [next(it_big) if d != 1 else next(it_ones) for d in dst]
 
 
-def _fold(graph: fx.Graph, first: fx.Node) -> int:
+def _fold(graph: fx.Graph, first: fx.Node, _) -> int:
     source = first.args[0]
     if not all(isinstance(n, fx.Node) and isinstance(n.meta.get("val"), torch.Tensor)
                for n in (source, first)):
@@ -137,8 +137,7 @@ def _fold(graph: fx.Graph, first: fx.Node) -> int:
 
 
 def apply(graph: fx.Graph) -> int:
-    return sum(_fold(graph, node) for node in list(graph.nodes)
-               if not node._erased and _is_reshape(node))
+    return rewrite_sites(graph, _is_reshape, _fold, tidy=False)
 
 
 RULE = Rule("reshape_fold", apply,

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from k3compile.canonical import Rule
+from k3compile.canonical import Rule, rewrite_sites
 from k3compile.canonical.view_chains import is_view
 from k3compile.graph import feeds_top_k
 
@@ -47,21 +47,29 @@ def _key(node: fx.Node):
     return (node.target, repr(node.args), repr(sorted(node.kwargs.items())))
 
 
+def _pairs(source: fx.Node) -> list[tuple[fx.Node, fx.Node]] | None:
+    """(the sibling's view, the router's) for each two equal views of source that two GEMMs
+    read, one of them the router."""
+    groups: dict = {}
+    for view in source.users:
+        if is_view(view) and _gemm_of(view) is not None:
+            groups.setdefault(_key(view), []).append(view)
+    pairs = []
+    for views in groups.values():
+        routers = [v for v in views if _routes(_gemm_of(v))]
+        if len(views) == 2 and len(routers) == 1:
+            pairs.append((next(v for v in views if v is not routers[0]), routers[0]))
+    return pairs or None
+
+
+def _write(graph: fx.Graph, source: fx.Node, pairs: list) -> int:
+    for other, router in pairs:
+        other.replace_all_uses_with(router)
+    return len(pairs)
+
+
 def apply(graph: fx.Graph) -> int:
-    sites = 0
-    for source in list(graph.nodes):
-        groups: dict = {}
-        for view in source.users:
-            if is_view(view) and _gemm_of(view) is not None:
-                groups.setdefault(_key(view), []).append(view)
-        for views in groups.values():
-            routers = [v for v in views if _routes(_gemm_of(v))]
-            if len(views) != 2 or len(routers) != 1:
-                continue
-            other = next(v for v in views if v is not routers[0])
-            other.replace_all_uses_with(routers[0])
-            sites += 1
-    return sites
+    return rewrite_sites(graph, _pairs, _write, tidy=False)
 
 
 RULE = Rule("router_input", apply,

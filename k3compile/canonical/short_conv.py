@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from k3compile.canonical import Rule
+from k3compile.canonical import Rule, rewrite_sites
 from k3compile.graph import call
 
 aten = torch.ops.aten
@@ -92,9 +92,9 @@ def _fp32(graph: fx.Graph, node: fx.Node, like: fx.Node) -> fx.Node:
                 like=like)
 
 
-def _convolve(graph: fx.Graph, site: fx.Node, window: fx.Node, weight: fx.Node, C: int,
-              taps: int) -> None:
+def _convolve(graph: fx.Graph, site: fx.Node, found: tuple) -> None:
     """Replace `site` by the canonical depthwise conv of window [B, C, L] with weight."""
+    window, weight, C, taps = found
     with graph.inserting_before(site):
         w = _as_filters(graph, weight, C, taps, site)
         x = _fp32(graph, window, site)
@@ -265,9 +265,9 @@ def _stacked_convs(node: fx.Node) -> tuple | None:
     return found[0][0], start, _through_views(pieces[0])
 
 
-def _merge_token_convs(graph: fx.Graph, cat: fx.Node, window: fx.Node, start: int,
-                       conv: fx.Node) -> None:
+def _merge_token_convs(graph: fx.Graph, cat: fx.Node, found: tuple) -> None:
     """cat of T one-column convs -> the conv of window[..., start:start + T + taps - 1]."""
+    window, start, conv = found
     T, taps = _shape(cat)[2], _shape(conv.args[1])[2]
     end = start + T + taps - 1
     with graph.inserting_before(cat):
@@ -282,29 +282,25 @@ def _merge_token_convs(graph: fx.Graph, cat: fx.Node, window: fx.Node, start: in
 
 
 def apply(graph: fx.Graph) -> int:
-    rewritten = _window_sums(graph)
-    for node in list(graph.nodes):
-        if node.op == "call_function" and (found := _stacked_convs(node)) is not None:
-            _merge_token_convs(graph, node, *found)
-            rewritten += 1
-    return rewritten
+    return _window_sums(graph) + rewrite_sites(
+        graph, lambda n: n.op == "call_function" and _stacked_convs(n),
+        _merge_token_convs, tidy=False)
 
 
 def _window_sums(graph: fx.Graph) -> int:
-    rewritten, done = 0, set()
-    for node in reversed(list(graph.nodes)):  # a loop's outermost add first
+    done = set()  # the inner adds of the tap loops taken
+
+    def site(node: fx.Node):
         if node.op != "call_function" or node in done:
-            continue
+            return None
         found = _window_sum(node)
-        if found is None:
-            loop = _tap_loop(node)
-            if loop is None:
-                continue
+        if found is None and (loop := _tap_loop(node)) is not None:
             *found, inner = loop
-            done |= inner
-        _convolve(graph, node, *found)
-        rewritten += 1
-    return rewritten
+            done.update(inner)
+        return found
+
+    # a loop's outermost add first
+    return rewrite_sites(graph, site, _convolve, reverse=True, tidy=False)
 
 
 RULE = Rule("short_conv", apply, "depthwise short conv as window sum / unfold / tap loop -> "

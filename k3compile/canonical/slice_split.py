@@ -21,7 +21,7 @@ import operator
 import torch
 from torch import fx
 
-from k3compile.canonical import Rule
+from k3compile.canonical import Rule, rewrite_sites
 from k3compile.graph import call, weight_root
 
 aten = torch.ops.aten
@@ -63,24 +63,21 @@ def _tiling(source: fx.Node) -> tuple[int, list[tuple[int, int]], dict] | None:
     return None
 
 
+def _write(graph: fx.Graph, source: fx.Node, found) -> None:
+    dim, ranges, cuts = found
+    first = min(cuts, key=list(graph.nodes).index)
+    with graph.inserting_before(first):
+        split = call(graph, aten.split_with_sizes.default,
+                     (source, [e - s for s, e in ranges], dim), like=first)
+        parts = {r: call(graph, operator.getitem, (split, i), like=first)
+                 for i, r in enumerate(ranges)}
+    for node, cut in cuts.items():
+        node.replace_all_uses_with(parts[cut])
+        graph.erase_node(node)
+
+
 def apply(graph: fx.Graph) -> int:
-    sites = 0
-    for source in list(graph.nodes):
-        found = _tiling(source)
-        if found is None:
-            continue
-        dim, ranges, cuts = found
-        first = min(cuts, key=list(graph.nodes).index)
-        with graph.inserting_before(first):
-            split = call(graph, aten.split_with_sizes.default,
-                         (source, [e - s for s, e in ranges], dim), like=first)
-            parts = {r: call(graph, operator.getitem, (split, i), like=first)
-                     for i, r in enumerate(ranges)}
-        for node, cut in cuts.items():
-            node.replace_all_uses_with(parts[cut])
-            graph.erase_node(node)
-        sites += 1
-    return sites
+    return rewrite_sites(graph, _tiling, _write, tidy=False)
 
 
 RULE = Rule("slice_split", apply, "slices that tile one dim of a tensor (x[..., :C], x[..., C:]) "

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from k3compile.canonical import Rule
+from k3compile.canonical import Rule, rewrite_sites
 from k3compile.graph import RESHAPES, call
 
 aten = torch.ops.aten
@@ -54,9 +54,7 @@ def _stacked(node: fx.Node) -> tuple[list[fx.Node], int] | None:
     return None
 
 
-def _rewrite(graph: fx.Graph, stack: fx.Node) -> int:
-    if (found := _stacked(stack)) is None:
-        return 0
+def _rewrite(graph: fx.Graph, stack: fx.Node, found: tuple[list[fx.Node], int]) -> int:
     pieces, d = found
     rank = len(_shape(stack))
     d %= rank
@@ -91,8 +89,8 @@ def _rewrite(graph: fx.Graph, stack: fx.Node) -> int:
 
 
 def apply(graph: fx.Graph) -> int:
-    return sum(_rewrite(graph, n) for n in list(graph.nodes)
-               if n.op == "call_function" and not n._erased)
+    return rewrite_sites(graph, lambda n: n.op == "call_function" and _stacked(n), _rewrite,
+                         tidy=False)
 
 
 RULE = Rule("stack_cat", apply,

@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from k3compile.canonical import Rule
+from k3compile.canonical import Rule, rewrite_sites
 from k3compile.graph import call
 
 aten = torch.ops.aten
@@ -132,7 +132,7 @@ def _leading_ones(shape: tuple) -> int:
     return lead
 
 
-def _strip_leading_ones(graph: fx.Graph, node: fx.Node) -> bool:
+def _strip_leading_ones(graph: fx.Graph, node: fx.Node, _) -> bool:
     """index_put(buf, idx, x) with x [1, .., 1, *rest] -> index_put(buf, idx, view(x, rest)), the
     value as Tensor.__setitem__ hands it over."""
     value = node.args[2]
@@ -153,16 +153,15 @@ REWRITES = {
 }
 
 
+def _rewrite(graph: fx.Graph, node: fx.Node, _) -> bool:
+    return REWRITES[node.target](graph, node)
+
+
 def apply(graph: fx.Graph) -> int:
-    done = 0
-    for node in list(graph.nodes):
-        rewrite = REWRITES.get(node.target) if node.op == "call_function" else None
-        if rewrite is not None and _reaches_state(node) and rewrite(graph, node):
-            done += 1
-    for node in list(graph.nodes):  # every state write's value, the ones made above too
-        if node.target is aten.index_put.default and _reaches_state(node):
-            done += _strip_leading_ones(graph, node)
-    return done
+    done = rewrite_sites(graph, _reaches_state, _rewrite, targets=REWRITES.keys(), tidy=False)
+    # every state write's value, the ones made above too
+    return done + rewrite_sites(graph, _reaches_state, _strip_leading_ones,
+                                targets={aten.index_put.default}, tidy=False)
 
 
 RULE = Rule("state_write", apply, "whole-row state writes (whole-range slice_scatter, row "

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from k3compile.canonical import Rule
+from k3compile.canonical import Rule, rewrite_sites
 
 aten = torch.ops.aten
 _NAMES = ("self", "k", "dim", "largest", "sorted")
@@ -46,16 +46,18 @@ def _canonical_args(node: fx.Node) -> tuple | None:
     return tuple(args)
 
 
+def _site(node: fx.Node) -> tuple | None:
+    """The canonical arguments, where they are not node's own."""
+    args = _canonical_args(node)
+    return args if args is not None and (args, {}) != (tuple(node.args), dict(node.kwargs)) else None
+
+
+def _write(graph: fx.Graph, node: fx.Node, args: tuple) -> None:
+    node.args, node.kwargs = args, {}
+
+
 def apply(graph: fx.Graph) -> int:
-    sites = 0
-    for node in graph.nodes:
-        if node.op != "call_function" or node.target is not aten.topk.default:
-            continue
-        args = _canonical_args(node)
-        if args is not None and (args, {}) != (tuple(node.args), dict(node.kwargs)):
-            node.args, node.kwargs = args, {}
-            sites += 1
-    return sites
+    return rewrite_sites(graph, _site, _write, targets={aten.topk.default}, tidy=False)
 
 
 RULE = Rule("topk_sorted", apply,

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from k3compile.canonical import Rule
+from k3compile.canonical import Rule, rewrite_sites
 from k3compile.canonical.region import val
 from k3compile.graph import RESHAPES, call
 
@@ -68,21 +68,17 @@ def _reads(node: fx.Node, other: fx.Node) -> bool:
     return False
 
 
+def _write(graph: fx.Graph, node: fx.Node, site) -> None:
+    a, b, view = site
+    with graph.inserting_before(node):
+        total = call(graph, aten.add.Tensor, (a, b), like=node)
+        # the view's own size argument: symbolic sizes stay the graph's nodes
+        new = call(graph, aten.view.default, (total, view.args[1]), like=node)
+    node.replace_all_uses_with(new)
+
+
 def apply(graph: fx.Graph) -> int:
-    count = 0
-    for node in list(graph.nodes):
-        if node.op != "call_function" or (site := _site(node)) is None:
-            continue
-        a, b, view = site
-        with graph.inserting_before(node):
-            total = call(graph, aten.add.Tensor, (a, b), like=node)
-            # the view's own size argument: symbolic sizes stay the graph's nodes
-            new = call(graph, aten.view.default, (total, view.args[1]), like=node)
-        node.replace_all_uses_with(new)
-        count += 1
-    if count:
-        graph.eliminate_dead_code()
-    return count
+    return rewrite_sites(graph, _site, _write, targets={aten.add.Tensor})
 
 
 RULE = Rule("view_add", apply, "a.view(S) + b.view(S) (a, b mm outputs) -> (a + b).view(S)")

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from k3compile.canonical import Rule
+from k3compile.canonical import Rule, rewrite_sites
 
 aten = torch.ops.aten
 
@@ -44,7 +44,7 @@ def is_whole_view(node) -> bool:
     return isinstance(node, fx.Node) and node.op == "call_function" and node.target in WHOLE
 
 
-def _split(graph: fx.Graph, view: fx.Node) -> int:
+def _split(graph: fx.Graph, view: fx.Node, _) -> int:
     """Give each whole-view reader of `view` (beyond the first, where all readers are such) its
     own copy; returns the copies."""
     users = list(view.users)
@@ -65,7 +65,7 @@ def _split(graph: fx.Graph, view: fx.Node) -> int:
 def apply(graph: fx.Graph) -> int:
     """Split every forking view chain, last links first (a copy adds a reader to its input, which
     is then split in turn). Returns the number of copies made."""
-    return sum(_split(graph, node) for node in reversed(list(graph.nodes)) if is_view(node))
+    return rewrite_sites(graph, is_view, _split, reverse=True, tidy=False)
 
 
 RULE = Rule("view_chains", apply,
