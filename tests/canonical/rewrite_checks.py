@@ -1,5 +1,5 @@
-"""Helpers of the view-rule tests: trace a function as the backend sees it, apply one rule, and
-compare the rewritten graph with the unrewritten one on the same inputs."""
+"""Helpers of the view-rule tests: compare a rule's rewritten graph (`rule_checks.rewrite`) with
+the unrewritten one on the same inputs."""
 
 from __future__ import annotations
 
@@ -7,17 +7,7 @@ import collections
 
 import torch
 
-from tests.fusions.pattern_checks import graph, targets
-
-
-def rewrite(rule, fn, *args):
-    """(unrewritten graph, rewritten graph, sites) of fn."""
-    before, after = graph(fn, *args), graph(fn, *args)
-    n = rule.apply(after.graph)
-    after.graph.eliminate_dead_code()
-    after.graph.lint()
-    after.recompile()
-    return before, after, n
+from tests.fusions.pattern_checks import targets
 
 
 def assert_same(before, after, args) -> None:

@@ -1,6 +1,6 @@
 """Helpers of the canonical-rule tests: trace a function as the backend sees it (functionalised,
 decomposed, Inductor's joint-graph passes), with the real inputs handed over as stage
-`canonicalize` does, and compare a rewritten graph with the original function."""
+`canonicalize` does, apply a rule, and compare a rewritten graph with the original function."""
 
 from __future__ import annotations
 
@@ -9,12 +9,25 @@ from torch.func import functionalize
 
 import k3compile.ops  # noqa: F401  (the k3 ops exist before anything traces)
 from k3compile.rewrite import inductor
+from tests.fusions import pattern_checks
 
 
 def trace(fn, args) -> torch.fx.GraphModule:
     gm = inductor.fwd_only_joint(functionalize(fn), list(args))
     gm.meta["real_inputs"] = list(args)
     return gm
+
+
+def rewrite(rule, fn, *args, joint: bool = False):
+    """(unrewritten graph, rewritten graph, sites) of fn traced twice as the patterns' tests trace
+    it (`joint`: through Inductor's joint-graph passes too), `rule` applied to the second, its
+    dead code removed and the graph linted."""
+    before, after = (pattern_checks.graph(fn, *args, joint=joint) for _ in range(2))
+    n = rule.apply(after.graph)
+    after.graph.eliminate_dead_code()
+    after.graph.lint()
+    after.recompile()
+    return before, after, n
 
 
 def targets(gm) -> list[str]:

@@ -3,20 +3,19 @@ other adds and views stay."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
 from k3compile.canonical import bias_view
-from tests.fusions.pattern_checks import graph, targets
+from tests.canonical.rule_checks import rewrite
+from tests.fusions.pattern_checks import targets
 
 B, T, H, K = 2, 1, 2, 8
 
 
-def _rewrite(fn, *args):
-    before, after = graph(fn, *args), graph(fn, *args)
-    n = bias_view.apply(after.graph)
-    after.recompile()
-    return before, after, n
+_rewrite = functools.partial(rewrite, bias_view)
 
 
 def _decay(x, b):

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from k3compile.canonical import cast_view
-from tests.canonical.rewrite_checks import assert_same, ops, rewrite
+from tests.canonical.rewrite_checks import assert_same, ops
+from tests.canonical.rule_checks import rewrite
 
 B, T, H, K = 2, 1, 4, 8
 

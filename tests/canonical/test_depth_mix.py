@@ -9,6 +9,8 @@ scores are fp32 throughout (Moonshot's) becomes the fp32-scores canonical mix.""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -17,6 +19,7 @@ from torch import nn
 import k3compile.backend as k3be
 from k3compile.canonical import depth_mix
 from k3compile.math import depth_mix_scores_fp32, depth_mix_weights, rms_norm
+from tests.canonical.rule_checks import rewrite
 from tests.conftest import TOL, rel_err
 from tests.fusions.attention_checks import compile_with
 from tests.fusions.pattern_checks import graph, targets
@@ -24,12 +27,7 @@ from tests.fusions.pattern_checks import graph, targets
 B, T, D, EPS = 2, 1, 16, 1e-6
 
 
-def _rewrite(fn, *args):
-    before, after = graph(fn, *args), graph(fn, *args)
-    n = depth_mix.apply(after.graph)
-    after.graph.eliminate_dead_code()
-    after.recompile()
-    return before, after, n
+_rewrite = functools.partial(rewrite, depth_mix)
 
 
 def _args(n_blocks=2, dtype=torch.float32):

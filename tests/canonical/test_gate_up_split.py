@@ -4,6 +4,8 @@ inputs become that input; equal values, dtype and shape; other splits of a GEMM 
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,19 +14,15 @@ from torch import nn
 import k3compile.backend as k3be
 from k3compile.canonical import gate_up_split
 from k3compile.math import situ
+from tests.canonical.rule_checks import rewrite
 from tests.conftest import TOL, rel_err
 from tests.fusions.attention_checks import compile_with
-from tests.fusions.pattern_checks import graph, targets
+from tests.fusions.pattern_checks import targets
 
 D, I, BETA, LBETA = 32, 24, 4.0, 25.0
 
 
-def _rewrite(fn, *args):
-    before, after = graph(fn, *args), graph(fn, *args)
-    n = gate_up_split.apply(after.graph)
-    after.graph.eliminate_dead_code()
-    after.recompile()
-    return before, after, n
+_rewrite = functools.partial(rewrite, gate_up_split)
 
 
 def _args(rank, dtype=torch.float32):

@@ -3,21 +3,19 @@ x * rsqrt(x.pow(2).sum(-1) + eps) (fp32, to rounding); other normalisations stay
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from k3compile.canonical import l2_norm
 from k3compile.math import l2norm
+from tests.canonical.rule_checks import rewrite
 from tests.conftest import rel_err
 from tests.fusions.pattern_checks import graph, targets
 
-
-def _rewrite(fn, *args):
-    before, after = graph(fn, *args, joint=True), graph(fn, *args, joint=True)
-    n = l2_norm.apply(after.graph)
-    after.recompile()
-    return before, after, n
+_rewrite = functools.partial(rewrite, l2_norm, joint=True)
 
 
 SPELLINGS = {

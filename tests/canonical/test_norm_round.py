@@ -4,22 +4,20 @@ within one ulp of that dtype; a norm of an upcast, a norm kept in fp32 or read i
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
 from k3compile.canonical import norm_round
 from k3compile.math import rms_norm
-from tests.canonical.rule_checks import assert_same
-from tests.fusions.pattern_checks import graph, targets
+from tests.canonical.rule_checks import assert_same, rewrite
+from tests.fusions.pattern_checks import targets
 
 EPS = 1e-5
 
 
-def _rewrite(fn, *args):
-    before, after = graph(fn, *args, joint=True), graph(fn, *args, joint=True)
-    n = norm_round.apply(after.graph)
-    after.recompile()
-    return before, after, n
+_rewrite = functools.partial(rewrite, norm_round, joint=True)
 
 
 def _fp32_norm(dtype):

@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 
 from k3compile.canonical import permute_fold
-from tests.canonical.rewrite_checks import assert_same, ops, rewrite
+from tests.canonical.rewrite_checks import assert_same, ops
+from tests.canonical.rule_checks import rewrite
 
 
 def _inputs(seed=0):

@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from k3compile.canonical import reshape_fold
-from tests.canonical.rewrite_checks import assert_same, ops, rewrite
+from tests.canonical.rewrite_checks import assert_same, ops
+from tests.canonical.rule_checks import rewrite
 from tests.fusions.pattern_checks import graph
 
 B, C = 3, 24

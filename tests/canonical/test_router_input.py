@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from k3compile.canonical import router_input, view_chains
-from tests.canonical.rewrite_checks import assert_same, ops, rewrite
+from tests.canonical.rewrite_checks import assert_same, ops
+from tests.canonical.rule_checks import rewrite
 
 
 def _inputs(seed=0, dtype=torch.float32):

@@ -4,6 +4,7 @@ measured difference is one fp32 ulp of the result), dtype and shape; look-alikes
 
 from __future__ import annotations
 
+import functools
 import types
 
 import pytest
@@ -12,21 +13,16 @@ import torch.nn.functional as F
 
 from k3compile.canonical import short_conv
 from k3compile.models import k3 as k3_model
+from tests.canonical.rule_checks import rewrite
 from tests.conftest import TOL, rel_err
 from tests.fusions.attention_checks import one_thread, step_pair  # noqa: F401
-from tests.fusions.pattern_checks import graph, targets
+from tests.fusions.pattern_checks import targets
 
 B, C, TAPS = 3, 24, 4
 CONV = "aten.convolution.default"
 
 
-def _rewrite(fn, *args):
-    """(unrewritten graph, rewritten graph, sites) of fn traced as the backend sees it."""
-    before, after = graph(fn, *args), graph(fn, *args)
-    n = short_conv.apply(after.graph)
-    after.graph.eliminate_dead_code()
-    after.recompile()
-    return before, after, n
+_rewrite = functools.partial(rewrite, short_conv)
 
 
 def _window(T=1, dtype=torch.float32, seed=0):

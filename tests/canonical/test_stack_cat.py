@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from k3compile.canonical import stack_cat
-from tests.canonical.rewrite_checks import assert_same, ops, rewrite
+from tests.canonical.rewrite_checks import assert_same, ops
+from tests.canonical.rule_checks import rewrite
 from tests.fusions.pattern_checks import graph
 
 N, W = 2, 8

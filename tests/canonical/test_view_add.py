@@ -3,21 +3,20 @@ become added, then viewed, exactly; other adds of views stay."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from k3compile.canonical import view_add
-from tests.fusions.pattern_checks import graph, targets
+from tests.canonical.rule_checks import rewrite
+from tests.fusions.pattern_checks import targets
 
 B, T, D, L = 3, 1, 16, 8
 
 
-def _rewrite(fn, *args):
-    before, after = graph(fn, *args), graph(fn, *args)
-    n = view_add.apply(after.graph)
-    after.recompile()
-    return before, after, n
+_rewrite = functools.partial(rewrite, view_add)
 
 
 def _moonshot(h, z, w_up, w_shared):

@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 
 from k3compile.canonical import view_chains
-from tests.canonical.rewrite_checks import assert_same, ops, rewrite
+from tests.canonical.rewrite_checks import assert_same, ops
+from tests.canonical.rule_checks import rewrite
 from tests.fusions.pattern_checks import graph
 
 B, T, H, K = 2, 3, 2, 4
