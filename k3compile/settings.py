@@ -47,6 +47,8 @@ SWITCHES: dict[str, tuple[str, str]] = {
     "K3_KERNELS_SKIP": ("kernels: leave these kernels unregistered (their sites go to Inductor)",
                         ""),
     "K3_ALLREDUCE": ("kernels: force the TP all-reduce (`one_shot`, `two_shot`, `nccl`)", ""),
+    "K3_BUILD_WORKERS": (("kernels: worker processes that build a bucket's CuTe kernels at once "
+                          "(needs K3_CACHE_DIR; `0`: one by one)"), "0"),
     "K3_QUIET": ("no compile progress on stderr (buckets, stages, kernels built)", "0"),
     "K3_STAGE_CACHE": ("option `stage_cache`: each bucket's stage output cached under "
                        "K3_CACHE_DIR", "1"),
@@ -116,6 +118,16 @@ def parse_cache_dir(value: str | None) -> str | None:
         return os.path.abspath(os.path.expanduser(v))
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "k3compile")
+
+
+def parse_workers(value: str | None) -> int:
+    """K3_BUILD_WORKERS: unset or empty -> 0 (no pool); else a count >= 0."""
+    v = (value or "").strip()
+    if not v:
+        return 0
+    if not v.isdigit():
+        raise ValueError(f"K3_BUILD_WORKERS={value!r}: expected a number of processes (0: none)")
+    return int(v)
 
 
 # ---- per compile ---------------------------------------------------------------------------------
@@ -238,6 +250,7 @@ class KernelSettings:
     cache_dir: str | None = None  # kernels/common/disk_cache.py, k3compile/rewrite/trace_cache.py
     moe_grouped: bool = False  # moe_experts by expert at 8-64 rows (kernels/moe_experts.py)
     moe_f16: bool = False  # moe_experts FC1's packed fp16 decode (kernels/moe_experts.py)
+    build_workers: int = 0  # a bucket's kernels built by a pool (kernels/common/build_pool.py)
 
     @classmethod
     def from_env(cls) -> KernelSettings:
@@ -252,7 +265,8 @@ class KernelSettings:
                    extra=env_list("K3_KERNELS_EXTRA"), skip=env_list("K3_KERNELS_SKIP"),
                    allreduce=allreduce, cache_dir=parse_cache_dir(env("K3_CACHE_DIR")),
                    moe_grouped=bool(env_bool("K3_MOE_GROUPED")),
-                   moe_f16=bool(env_bool("K3_MOE_F16")))
+                   moe_f16=bool(env_bool("K3_MOE_F16")),
+                   build_workers=parse_workers(env("K3_BUILD_WORKERS")))
 
     def fingerprint(self) -> list[str]:
         """Tensor-parallel ranks must agree on all of it (stage `ranks`)."""

@@ -1,6 +1,7 @@
 """Compiled kernels on disk, so a second process reuses every kernel the first one compiled.
 
     fetch(op, key, build, arch=, module=)   # a valid entry -> loaded; else build(), then stored
+    lookup(op, key, arch=, module=)         # a valid entry -> loaded; else None (nothing built)
 
 `cute.compile` keeps nothing on disk: every process paid the whole CuTe DSL compile again (on the
 H200, most of the 104 s first compile of the yardstick's B1 bucket). `launch.Kernel.compiled`
@@ -92,14 +93,12 @@ def fetch(op: str, key: Hashable, build: Callable[[], object], *, arch: str | No
 
     A miss builds under the entry's lock: processes compiling one kernel at once (TP ranks) wait
     for the first, then load what it stored, instead of each compiling it."""
-    folder = root()
-    text = key_text(op, key, arch, module) if folder is not None and have_dsl() else None
-    if text is None:
+    where = entry_of(op, key, arch, module)
+    if where is None:
         return build()
-    path = entry_path(folder, op, text)
-    with contextlib.suppress(Exception):  # a bad entry is judged (and removed) under the lock
-        if (compiled := _load(path, text, op)) is not None:
-            return compiled
+    path, text = where
+    if (compiled := _peek(path, text, op)) is not None:
+        return compiled
     with entry_lock(path):
         try:
             if (compiled := _load(path, text, op)) is not None:
@@ -114,6 +113,27 @@ def fetch(op: str, key: Hashable, build: Callable[[], object], *, arch: str | No
         STATS["built"] += 1
         store(path, text, compiled, op)
         return compiled
+
+
+def lookup(op: str, key: Hashable, *, arch: str | None, module: str) -> object | None:
+    """The compiled kernel of a valid entry for `key`, else None (no cache, a key that is not
+    stored, no entry, or a bad one: the next `fetch` judges it under the lock and rebuilds)."""
+    where = entry_of(op, key, arch, module)
+    return None if where is None else _peek(*where, op)
+
+
+def entry_of(op: str, key: Hashable, arch: str | None, module: str) -> tuple[Path, str] | None:
+    """(entry path, key text) of `key`, or None where the cache is off or the key not storable
+    (then every process builds it)."""
+    folder = root()
+    text = key_text(op, key, arch, module) if folder is not None and have_dsl() else None
+    return None if text is None else (entry_path(folder, op, text), text)
+
+
+def _peek(path: Path, text: str, op: str) -> object | None:
+    with contextlib.suppress(Exception):  # a bad entry is judged (and removed) under the lock
+        return _load(path, text, op)
+    return None
 
 
 def _load(path: Path, text: str, op: str) -> object | None:

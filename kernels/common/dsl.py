@@ -132,6 +132,9 @@ class CompileCache:
                     entry = self._entries[key] = build()
         return entry
 
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._entries
+
     def __len__(self) -> int:
         return len(self._entries)
 

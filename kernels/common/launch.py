@@ -9,17 +9,94 @@
 scalars (dtype, sizes, config, PDL); fill it before CUDA-graph capture (`prepare`). Below it the
 on-disk cache (`disk_cache`, K3_CACHE_DIR) hands a new process what an earlier one compiled.
 Pure Python: `cutlass` is imported by `build`, on the first compile.
+
+Record mode (`recording()`, for `build_pool`): a kernel neither in the in-process cache nor
+valid on disk is not built; its `Build` is recorded instead. `run` first walks `launch()` with
+every compiled kernel a no-op (so each kernel of a launch of several is recorded and none runs
+on another's unwritten output); where one was missing the call returns `reference()`. A
+`compiled(...)` outside `run` raises `Deferred` for a missing kernel.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import dataclasses
+from collections.abc import Callable, Hashable, Iterator
 from typing import TypeVar
 
 from . import disk_cache
-from .dsl import CompileCache, fallback, pdl_enabled, runtime_refusal, unaligned16
+from .dsl import CompileCache, fallback, log, pdl_enabled, runtime_refusal, unaligned16
 
 T = TypeVar("T")
+
+
+class Deferred(Exception):
+    """A kernel record mode did not build (`recording`): the call runs its reference."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Build:
+    """One kernel to build: what `Kernel.compiled` was called with (a worker process finds the
+    Kernel by `op` in `module` and calls it so, which stores the entry on disk)."""
+
+    op: str
+    module: str
+    scalars: tuple
+    arch: str | None
+    pdl: bool | None
+    options: tuple[tuple[str, object], ...]
+
+    @property
+    def key(self) -> tuple:
+        return compile_key(self.scalars, self.arch, {**dict(self.options), **(
+            {} if self.pdl is None else {"pdl": self.pdl})})
+
+
+def compile_key(scalars: tuple, arch: str | None, options: dict) -> tuple:
+    """A kernel's in-process (and, with its op and module, on-disk) cache key."""
+    return (*scalars, arch, *sorted(options.items()))
+
+
+class Recording:
+    """The kernels one record-mode run met missing, by (op, compile key), in order met."""
+
+    def __init__(self):
+        self.builds: dict[tuple[str, Hashable], Build] = {}
+        self.probing = False  # inside `Kernel.run`'s walk of a launch: nothing launches
+        self.misses = 0
+
+    def probe(self, launch: Callable[[], object]) -> bool:
+        """Walk `launch()` with every compiled kernel a no-op; whether one was missing."""
+        misses, self.probing = self.misses, True
+        try:
+            launch()
+        except Exception as e:  # noqa: BLE001 - a walk that fails runs the reference
+            log.debug("k3: record mode: launch walk stopped (%s: %s)", type(e).__name__, e)
+            self.misses += 1
+        finally:
+            self.probing = False
+        return self.misses > misses
+
+
+_recording: Recording | None = None
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[Recording]:
+    """Record mode while open (this process, one at a time): missing kernels are recorded, not
+    built, and the calls that need them run their references."""
+    global _recording
+    if _recording is not None:
+        raise RuntimeError("record mode is already on")
+    _recording = Recording()
+    try:
+        yield _recording
+    finally:
+        _recording = None
+
+
+def _skipped(*_args) -> None:
+    """A compiled kernel while a launch is walked in record mode: launches nothing."""
 
 
 class Kernel:
@@ -37,10 +114,23 @@ class Kernel:
         kw = dict(options)
         if self.pdl:
             kw["pdl"] = pdl_enabled(rows) if pdl is None else pdl
-        key = (*scalars, arch, *sorted(kw.items()))
+        key = compile_key(scalars, arch, kw)
+        module = self.build.__module__
+        if (rec := _recording) is not None and key not in self.cache:
+            if (found := disk_cache.lookup(self.op, key, arch=arch, module=module)) is not None:
+                self.cache.get(key, lambda: found)
+            elif disk_cache.entry_of(self.op, key, arch, module) is not None:  # a pool can store it
+                rec.builds.setdefault((self.op, key), Build(
+                    self.op, module, scalars, arch, kw.pop("pdl", None), tuple(sorted(kw.items()))))
+                rec.misses += 1
+                if rec.probing:
+                    return _skipped
+                raise Deferred(self.op)
+        if rec is not None and rec.probing:
+            return _skipped
         return self.cache.get(key, lambda: disk_cache.fetch(
             self.op, key, lambda: self.build(*scalars, arch=arch, **kw), arch=arch,
-            module=self.build.__module__))
+            module=module))
 
     def refusal(self, refusal: Callable[[], str | None], *aligned) -> str | None:
         """Why this call cannot launch: no runtime, the kernel's `refusal()` (called only where
@@ -54,4 +144,13 @@ class Kernel:
         if reason := self.refusal(refusal, *aligned):
             fallback(op or self.op, reason)
             return reference()
+        if (rec := _recording) is not None:
+            if rec.probing:  # a kernel op inside another's launch: walked with it
+                return launch()
+            if rec.probe(launch):
+                return reference()
+            try:
+                return launch()
+            except Deferred:
+                return reference()
         return launch()

@@ -1,0 +1,171 @@
+"""A bucket's CuTe DSL kernels built at once by worker processes (K3_BUILD_WORKERS), then loaded.
+
+    pooled = prebuild(step, args, written=, workers=)   # step once in record mode, on clones of
+                                                        # the inputs it writes; what it lacked
+                                                        # built by the pool into the disk cache
+    step(*args)                                         # the real first call loads every kernel
+
+`cute.compile` is slow, single-threaded and not thread-safe: a bucket's first call built its
+kernels one after the other (~25 kernels, ~7 s per bucket of the yardstick on the H200). The
+record run (`launch.recording`) runs each kernel op's torch reference where its kernel is
+missing and collects the missing `launch.Build`s; each worker (a spawned process: the DSL's state
+does not survive a fork) imports the kernel's module, finds its `Kernel` by op and calls
+`compiled(...)`, which stores the entry under K3_CACHE_DIR (`disk_cache.fetch`, under the
+entry's lock: TP ranks' pools never build one entry twice). The pool starts once per process
+(`start`, at the first compile, so the workers import the DSL meanwhile) and serves every bucket.
+
+Constraints:
+    * Needs the on-disk cache (K3_CACHE_DIR); without it `prebuild` does nothing (logged once).
+    * The step must be safe to run twice: only the inputs at `written` are cloned (the caller
+      knows which the step writes); `written=None` (unknown) runs nothing.
+    * Never fails the compile: a failed record run, a failed or dead worker, or a worker's key
+      that is not the main process's is logged, and the real call builds what is missing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import multiprocessing
+import time
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures.process import BrokenProcessPool
+
+from k3compile import settings
+
+from . import disk_cache
+from .dsl import log
+from .launch import Build, Kernel, recording
+
+_pool: ProcessPoolExecutor | None = None
+_workers = 0
+_told: set[str] = set()  # reasons for doing nothing, logged once each
+
+
+@dataclasses.dataclass
+class Pooled:
+    """What `prebuild` did for one bucket."""
+
+    workers: int = 0
+    kernels: int = 0  # built by the workers
+    failed: int = 0  # left to the real call
+    record_seconds: float = 0.0  # the record run
+    build_seconds: float = 0.0  # waiting for the pool
+    why: str | None = None  # why nothing was recorded or built
+
+
+def start(workers: int) -> ProcessPoolExecutor | None:
+    """The process's pool of `workers` spawned processes, started on the first call (each worker
+    imports the DSL at once); None where `workers` is 0 or there is no disk cache."""
+    global _pool, _workers
+    if workers <= 0 or disk_cache.root() is None:
+        return None
+    if _pool is None or _workers != workers:
+        shutdown()
+        _pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+        _workers = workers
+        for _ in range(workers):
+            _pool.submit(_ready)
+    return _pool
+
+
+def shutdown() -> None:
+    """Stop the pool (the next `start` spawns a new one)."""
+    global _pool, _workers
+    if _pool is not None:
+        _pool.shutdown(wait=True, cancel_futures=True)
+    _pool, _workers = None, 0
+
+
+def prebuild(step: Callable, args, *, written: frozenset[int] | None, workers: int,
+             on_build: Callable[[int, int], None] | None = None) -> Pooled:
+    """Run `step(*args)` once in record mode, with clones of the inputs at `written` (its state:
+    the caller's stays as it was), then build the kernels it lacked in the pool (`on_build(n,
+    workers)` first). The outputs of that run are dropped."""
+    if workers <= 0:
+        return Pooled(why="K3_BUILD_WORKERS=0")
+    if disk_cache.root() is None:
+        return _nothing("no on-disk cache (K3_CACHE_DIR=0): kernels build one by one")
+    if written is None:
+        return _nothing("the inputs the step writes are unknown: kernels build one by one")
+    t0 = time.perf_counter()
+    try:
+        with recording() as rec:
+            step(*(a.clone() if i in written else a for i, a in enumerate(args)))
+    except Exception as e:  # noqa: BLE001 - the real call then builds every kernel itself
+        log.warning("k3: the record run failed (%s: %s); kernels build one by one",
+                    type(e).__name__, e)
+        return Pooled(workers, why=f"record run failed: {type(e).__name__}")
+    pooled = Pooled(workers, record_seconds=time.perf_counter() - t0)
+    builds = list(rec.builds.values())
+    if builds:
+        if on_build is not None:
+            on_build(len(builds), workers)
+        t0 = time.perf_counter()
+        pooled.kernels, pooled.failed = build(builds, workers)
+        pooled.build_seconds = time.perf_counter() - t0
+    return pooled
+
+
+def build(builds: list[Build], workers: int) -> tuple[int, int]:
+    """Build `builds` in the pool (each stored in the disk cache); (built, failed)."""
+    pool = start(workers)
+    if pool is None:
+        return 0, len(builds)
+    snapshot = dataclasses.replace(settings.KERNELS)
+    done = failed = 0
+    try:
+        futures = {pool.submit(_build, b, snapshot): b for b in builds}
+        for future in as_completed(futures):
+            b = futures[future]
+            try:
+                name = future.result()
+            except BrokenProcessPool:
+                raise
+            except Exception as e:  # noqa: BLE001 - the real call builds it
+                log.warning("k3::%s: a build worker failed (%s: %s); building it here",
+                            b.op, type(e).__name__, e)
+                failed += 1
+                continue
+            where = disk_cache.entry_of(b.op, b.key, b.arch, b.module)
+            if where is None or where[0].name != name:
+                log.warning("k3::%s: a build worker stored another key (its environment "
+                            "differs); building it here", b.op)
+                failed += 1
+            else:
+                done += 1
+    except BrokenProcessPool as e:
+        log.warning("k3: the build pool died (%s); kernels build one by one", e)
+        shutdown()
+        return done, len(builds) - done
+    return done, failed
+
+
+def _nothing(why: str) -> Pooled:
+    if why not in _told:
+        _told.add(why)
+        log.info("k3: K3_BUILD_WORKERS: %s", why)
+    return Pooled(why=why)
+
+
+# ---- in the workers ------------------------------------------------------------------------------
+
+def _ready() -> None:
+    from .dsl import have_dsl
+
+    have_dsl()  # the DSL imported while the main process compiles
+
+
+def _build(b: Build, kernels: settings.KernelSettings) -> str | None:
+    """Build (or load) one kernel through its `Kernel`, which stores it; its entry's name."""
+    for field in dataclasses.fields(kernels):
+        setattr(settings.KERNELS, field.name, getattr(kernels, field.name))
+    module = importlib.import_module(b.module)
+    kernel = next(k for k in vars(module).values() if isinstance(k, Kernel) and k.op == b.op)
+    kernel.compiled(*b.scalars, arch=b.arch, pdl=b.pdl, **dict(b.options))
+    where = disk_cache.entry_of(b.op, b.key, b.arch, b.module)
+    return None if where is None else where[0].name
+
+
+__all__ = ["Pooled", "build", "prebuild", "shutdown", "start"]
