@@ -25,6 +25,9 @@ stage lives in `k3compile/stages/<module>.py` and is a plain `(gm, Context) -> g
 An `Observer` wraps every stage: wall time, op histogram before/after, a printed copy of the graph,
 and the rewrite report. The graph-diff tool and the fusion contract read what it records. A
 `BucketProgress` (k3compile/progress.py) shows each bucket's compile and first run on stderr.
+With K3_BUILD_WORKERS on CUDA the first run first runs the step in record mode on clones of the
+inputs it writes (`written_inputs`) and has a pool of processes build the kernels it lacked
+(kernels/common/build_pool.py); the real call then loads them from the disk cache.
 """
 
 from __future__ import annotations
@@ -37,10 +40,11 @@ import torch
 from torch import fx
 
 from k3compile import stage_cache
+from k3compile.layers import state_inputs
 from k3compile.observe import Observer
 from k3compile.progress import BucketProgress
 from k3compile.rewrite import inductor, trace_cache
-from k3compile.settings import Options
+from k3compile.settings import KERNELS, Options
 from k3compile.stages import Context
 from k3compile.stages.canonicalize import canonicalize
 from k3compile.stages.check import check
@@ -161,10 +165,13 @@ class Pipeline:
         """`user_inputs`: the positions of the inputs the caller passes anew each step (ids,
         positions, slots), as opposed to the module's parameters and buffers."""
         ctx = Context(self.options, batch, inputs=list(example_inputs), user_inputs=user_inputs)
-        if any(isinstance(x, torch.Tensor) and x.is_cuda for x in example_inputs):
+        cuda = any(isinstance(x, torch.Tensor) and x.is_cuda for x in example_inputs)
+        if cuda:
             from k3compile.kernels import register_all
 
             register_all()  # CuTe DSL kernels replace the references on CUDA where the DSL is
+        written: dict[str, frozenset[int] | None] = {}  # the inputs the step writes
+        prebuild = _prebuilder(written, cuda)
 
         cached, _ = stage_cache.split(self.stages)
         names = [name for name, _ in self.stages]
@@ -179,6 +186,8 @@ class Pipeline:
 
             why = (inductor.aot_wrappers(aten_gm, stage_cache.describe, example_inputs, kwargs)
                    if link_path is not None else None)
+            written["inputs"] = written_inputs(aten_gm, len(example_inputs),
+                                               inductor.written_inputs(len(example_inputs)))
             aten_gm = self.run(aten_gm, ctx)
             if link_path is not None and ctx.stage_key is not None:
                 direct = None if why else {"bumps": inductor.graph_bumps(),
@@ -198,10 +207,10 @@ class Pipeline:
         with (progress.compiling(), torch._functorch.config.patch(enable_autograd_cache=False),
               tagged or contextlib.nullcontext(), inference_only(example_inputs)):
             if link is not None and link["direct"] is not None:
-                fn = self._direct(link, ctx, example_inputs, patches)
+                fn = self._direct(link, ctx, example_inputs, patches, written)
             else:
                 fn = inductor.compile_fx_static(gm, example_inputs, patches, inner_compile)
-        return progress.first_run(fn)  # on a GPU the first run builds the kernels
+        return progress.first_run(fn, prebuild)  # on a GPU the first run builds the kernels
 
     def _executor(self, aten_gm: fx.GraphModule, aten_inputs, kwargs, ctx: Context) -> Callable:
         remember(ctx.inputs)  # later compiles never move what this one was handed
@@ -216,13 +225,16 @@ class Pipeline:
             fn = inductor.make_boxed_func(aten_gm.forward)
         return fn if stacked is None else stacked.wrap(fn)
 
-    def _direct(self, link: dict, ctx: Context, example_inputs: list, patches: dict) -> Callable:
+    def _direct(self, link: dict, ctx: Context, example_inputs: list, patches: dict,
+                written: dict) -> Callable:
         """The bucket without AOTAutograd: the ATen graph the link's stage key holds, on fake
         copies of Dynamo's inputs, through the stages (stage "cache" loads their output), then
         the executor, called as AOTAutograd's trivial wrappers would."""
         direct = link["direct"]
         with inductor.fake_inputs(example_inputs, patches) as fakes:
-            aten_gm = self.run(stage_cache.aten_graph(link["aten"], fakes), ctx, link["aten"])
+            aten_gm = stage_cache.aten_graph(link["aten"], fakes)
+            written["inputs"] = written_inputs(aten_gm, len(example_inputs), [])
+            aten_gm = self.run(aten_gm, ctx, link["aten"])
             remember(ctx.inputs)
             stage_cache.STATS["direct"] += 1
             stacked = ctx.notes.get("stack_inputs")
@@ -236,6 +248,36 @@ class Pipeline:
             if stacked is not None:
                 compiled = stacked.wrap(compiled)
         return inductor.plain_call(compiled, direct["bumps"], boxed=True)
+
+
+def written_inputs(aten_gm: fx.GraphModule, count: int,
+                   by_aot: list[int] | None) -> frozenset[int] | None:
+    """The positions of Dynamo's `count` inputs a step writes: the ATen graph's written
+    placeholders (input mutations kept in the graph) and `by_aot` (what AOTAutograd found
+    written; [] without it); None where the graph's inputs are not Dynamo's."""
+    placeholders = [n for n in aten_gm.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != count or by_aot is None:
+        return None
+    return frozenset(placeholders.index(n) for n in state_inputs(aten_gm.graph)) | set(by_aot)
+
+
+def _prebuilder(written: dict, cuda: bool) -> Callable | None:
+    """K3_BUILD_WORKERS: what the first run does first (`build_pool.prebuild`: a record run on
+    clones of the inputs the step writes, then the missing kernels built by the pool, which
+    starts now so its workers import the DSL while the stages run); None where it is 0 or the
+    step is not on CUDA (no kernel builds there)."""
+    from k3compile.kernels.common import build_pool
+
+    workers = KERNELS.build_workers
+    if not workers or not cuda:
+        return None
+    build_pool.start(workers)
+
+    def prebuild(step: Callable, args, on_build) -> build_pool.Pooled:
+        return build_pool.prebuild(step, args, written=written.get("inputs"), workers=workers,
+                                   on_build=on_build)
+
+    return prebuild
 
 
 def inference_only(example_inputs: list) -> contextlib.AbstractContextManager:

@@ -11,7 +11,10 @@ running, the kernels built so far and the time; then, on any stream, one line pe
     first run 0.2 s
 
 ("torch": Dynamo's graph lowered to ATen before the stages and Inductor's code generation after
-them). `K3_QUIET=1` shows nothing; the TORCH_LOGS artifacts (`k3compile.logs`) are not affected.
+them). With K3_BUILD_WORKERS the first run's kernels are built by a pool of processes first
+(kernels/common/build_pool.py); the line then also says "N built by W workers in S s after a R s
+record run" (the kernels the main process built are those the pool could not). `K3_QUIET=1`
+shows nothing; the TORCH_LOGS artifacts (`k3compile.logs`) are not affected.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ class BucketProgress:
         self.stage_seconds: dict[str, float] = {}
         self.kernels: list[tuple[str, float]] = []
         self.first_run_seconds: float | None = None
+        self.pooled = None  # what the build pool did (build_pool.Pooled), with K3_BUILD_WORKERS
         self.bar = None if settings.quiet() else _bar(self.stream, len(stages) + 1,
                                                       f"k3 bucket {ctx.batch}")
         self._stop = threading.Event()
@@ -56,7 +60,9 @@ class BucketProgress:
                 self.close(failed=True)
                 raise
 
-    def first_run(self, fn: Callable) -> Callable:
+    def first_run(self, fn: Callable, prebuild: Callable | None = None) -> Callable:
+        """`fn`, its first call counted; `prebuild(fn, args, on_build)` (K3_BUILD_WORKERS: the
+        kernels built by a pool, `build_pool.prebuild`) runs before that call."""
         done = False
 
         def run(*args):
@@ -67,6 +73,10 @@ class BucketProgress:
             t0 = time.perf_counter()
             with self._watching():
                 try:
+                    if prebuild is not None:
+                        self._show("record run")
+                        self.pooled = prebuild(fn, args, self._on_pool)
+                        self._show("first run")
                     out = fn(*args)
                 except BaseException:
                     self.close(failed=True)
@@ -102,6 +112,9 @@ class BucketProgress:
         logs.kernel_built(name, seconds, self.ctx.batch)
         self._show(None)
 
+    def _on_pool(self, kernels: int, workers: int) -> None:
+        self._show(f"{kernels} kernels on {workers} workers")
+
     def _tick(self) -> None:
         while not self._stop.wait(1.0):
             self.bar.refresh()
@@ -135,6 +148,12 @@ class BucketProgress:
         built = sum(s for _, s in self.kernels)
         parts.append(f"{len(self.kernels)} kernels built"
                      + (f" in {built:.1f} s" if self.kernels else ""))
+        if (pooled := self.pooled) is not None and pooled.why is None:
+            pool = (f"{pooled.kernels} built by {pooled.workers} workers in "
+                    f"{pooled.build_seconds:.1f} s"
+                    + (f" ({pooled.failed} failed)" if pooled.failed else "")
+                    if pooled.kernels or pooled.failed else f"none for {pooled.workers} workers")
+            parts.append(f"{pool} after a {pooled.record_seconds:.1f} s record run")
         if self.first_run_seconds is not None:
             parts.append(f"first run {self.first_run_seconds:.1f} s")
         return f"{head}: " + "; ".join(parts)

@@ -104,6 +104,16 @@ def aot_wrappers(aten_gm: torch.fx.GraphModule, describe, inputs: list, kwargs: 
     return next((why for ok, why in checks if not ok), None)
 
 
+def written_inputs(count: int) -> list[int] | None:
+    """The positions of the inputs AOTAutograd found written (in the graph or by its wrapper),
+    read inside our `inner_compile`; None outside AOTAutograd or where its inputs are not the
+    `count` Dynamo passed."""
+    meta = getattr(torch._guards.TracingContext.try_get(), "fw_metadata", None)
+    if meta is None or len(meta.input_info) != count:
+        return None
+    return [i for i, m in enumerate(meta.input_info) if m.mutates_data or m.mutates_metadata]
+
+
 def graph_bumps() -> list[int]:
     """The inputs whose version counters AOTAutograd's wrapper bumps per call (mutated inside
     the graph, seen by autograd)."""

@@ -18,11 +18,12 @@ import torch
 
 pytest.importorskip("cutlass")
 
-from k3compile import settings
 from k3compile.kernels import rms_norm
 from k3compile.kernels.common import build_pool, disk_cache, dsl, launch
 from k3compile.kernels.common.dsl import CompileCache, bucket
 from k3compile.kernels.common.launch import Deferred, Kernel, recording
+
+from k3compile import settings
 
 pytestmark = pytest.mark.dsl
 

@@ -1,0 +1,72 @@
+"""K3_BUILD_WORKERS in the pipeline (k3compile/pipeline.py `written_inputs`, `_prebuilder`):
+the first call of a bucket runs the step once in record mode on clones of the inputs it writes,
+then for real. CPU: stage_cache's stateful block (it writes rows of a state buffer), compiled
+with the prebuild forced on (it is for CUDA steps only; on a CPU no kernel is missing, so the
+pool builds nothing): the written input found is the state buffer, the record run writes a
+clone, and each step's outputs and state equal eager's (the state advanced once per step, not
+twice at the first), through AOTAutograd and, in a second compile from the stage cache's link,
+without it; steps after the first run no record run."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from k3compile.kernels.common import build_pool, disk_cache
+
+from k3compile import pipeline, settings
+from tests.stages import test_stage_cache as stage_tests
+
+cache_dir = stage_tests.cache_dir  # a fresh stage cache (fixture)
+
+
+@pytest.fixture
+def prebuilds(cache_dir, monkeypatch):
+    """Each prebuild's written positions and whether the record run got the caller's tensors
+    there (it must get clones)."""
+    monkeypatch.setattr(disk_cache, "root", lambda: cache_dir / "kernels")
+    monkeypatch.setattr(settings.KERNELS, "build_workers", 1)
+    monkeypatch.setattr(build_pool, "start", lambda workers: None)
+    real_prebuilder, real_prebuild, seen = pipeline._prebuilder, build_pool.prebuild, []
+    monkeypatch.setattr(pipeline, "_prebuilder",
+                        lambda written, cuda: real_prebuilder(written, True))
+
+    def prebuild(step, args, *, written, **kw):
+        def recorded(*given):
+            seen.append((written, [given[i] is args[i] for i in sorted(written)],
+                         [args[i].shape for i in sorted(written)]))
+            return step(*given)
+        return real_prebuild(recorded, args, written=written, **kw)
+
+    monkeypatch.setattr(build_pool, "prebuild", prebuild)
+    return seen
+
+
+def eager(batches):
+    model, out = stage_tests.Stateful(0), []
+    with torch.no_grad():
+        for b in batches:
+            x = torch.randn(b, 32, generator=torch.Generator().manual_seed(b))
+            out.append([model(x, torch.arange(b) * 2 % 8), model.state.clone()])
+    return out
+
+
+def test_the_first_call_writes_the_state_once(prebuilds, monkeypatch, capsys):
+    monkeypatch.delenv("K3_QUIET", raising=False)
+    want = eager([4, 4])
+    cold, _, _, s_cold = stage_tests._steps([4, 4])
+    warm, _, _, s_warm = stage_tests._steps([4, 4])
+    assert s_cold["linked"] == 1 and s_warm["direct"] == 1, "the second skipped AOTAutograd"
+    for got in (cold, warm):
+        for g, w in zip(got, want, strict=True):
+            for a, b in zip(g, w, strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert len(prebuilds) == 2, "one record run per compile"
+    for written, same, shapes in prebuilds:
+        assert shapes == [torch.Size([8, 64])], "the state buffer, and only it"
+        assert same == [False], "the record run writes a clone"
+    lines = re.findall(r"^k3: bucket 4 compiled .*$", capsys.readouterr().err, re.MULTILINE)
+    assert len(lines) == 2 and all(
+        re.search(r"; none for 1 workers after a \d+\.\d s record run; first run", line)
+        for line in lines), lines
