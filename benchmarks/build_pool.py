@@ -23,8 +23,6 @@ import time
 from pathlib import Path
 
 import torch
-
-from k3compile import settings
 from k3compile.kernels import (
     attn_res_mix_norm,
     kda_decode,
@@ -38,6 +36,8 @@ from k3compile.kernels import (
 from k3compile.kernels.common import build_pool, disk_cache, gemv
 from k3compile.kernels.common.dsl import CompileCache, have_dsl
 from k3compile.kernels.common.launch import Build, Kernel, recording
+
+from k3compile import settings
 
 B1 = (1,)
 SET = [
@@ -123,8 +123,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if not have_dsl():
         raise SystemExit("needs nvidia-cutlass-dsl")
-    arch = os.environ.get("CUTE_DSL_ARCH") or (torch.cuda.get_device_name()
-                                               if torch.cuda.is_available() else "sm_100a")
+    arch = os.environ.get("CUTE_DSL_ARCH") or "detected"
     with tempfile.TemporaryDirectory(prefix="k3-pool-") as tmp:
         fresh(Path(tmp) / "keys")
         builds = kernel_set()
