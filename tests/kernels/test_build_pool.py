@@ -116,3 +116,57 @@ def test_without_a_disk_cache_prebuild_runs_nothing(cache_dir, monkeypatch):
                                  written=frozenset(), workers=2)
     assert calls == [] and pooled.kernels == 0 and "K3_CACHE_DIR" in pooled.why
     assert build_pool.start(2) is None
+
+
+# ---- GPU: a real step's first call, its kernels built by the pool -----------------------------
+
+def _fresh_kernels(monkeypatch) -> None:
+    """Empty in-process caches of every loaded kernel (as in a new process)."""
+    import sys
+
+    for name, module in list(sys.modules.items()):
+        if name.startswith("k3compile.kernels"):
+            for k in vars(module).values():
+                if isinstance(k, Kernel):
+                    monkeypatch.setattr(k, "cache", CompileCache(k.op))
+
+
+def _tiny_steps(folder, workers: int, monkeypatch) -> tuple[list, dict]:
+    """Three B1 decode steps of the tiny model (bf16, CUDA) compiled with `workers` build
+    processes into a fresh cache `folder`: logits and state buffers, and what the main process
+    did with kernels (disk_cache stats)."""
+    from k3compile.models import build_model, get_config
+
+    torch._dynamo.reset()
+    _fresh_kernels(monkeypatch)
+    monkeypatch.setattr(settings.KERNELS, "cache_dir", str(folder))
+    monkeypatch.setattr(settings.KERNELS, "build_workers", workers)
+    monkeypatch.setattr(disk_cache, "STATS", Counter())
+    cfg = get_config("tiny")
+    torch.manual_seed(0)
+    model = build_model(cfg, device="cuda", dtype=torch.bfloat16, max_batch=8, max_seq_len=64)
+    step = torch.compile(model, backend="k3", fullgraph=True,
+                         options={"buckets": (1,), "cuda_graphs": False, "executor": "aten"})
+    out = []
+    with torch.no_grad():
+        for i in range(3):
+            ids = torch.tensor([7 + i], device="cuda")
+            pos, slots = torch.tensor([i], device="cuda"), torch.tensor([0], device="cuda")
+            out.append(step(ids, pos, slots).clone())
+    out += [b.clone() for b in model.buffers()]
+    return out, dict(disk_cache.STATS)
+
+
+@pytest.mark.gpu
+def test_a_cuda_step_builds_its_first_kernels_in_the_pool(tmp_path, monkeypatch):
+    """The tiny model in bf16 at bucket 1, compiled from a fresh kernel cache one by one and
+    then from another fresh one with 2 build workers: with the pool the main process builds no
+    kernel and loads every one the serial run built, and logits and states are bitwise equal."""
+    try:
+        serial, s_stats = _tiny_steps(tmp_path / "serial", 0, monkeypatch)
+        pooled, p_stats = _tiny_steps(tmp_path / "pooled", 2, monkeypatch)
+    finally:
+        build_pool.shutdown()
+    assert s_stats.get("built", 0) > 0, s_stats
+    assert p_stats.get("built", 0) == 0 and p_stats.get("loaded") == s_stats["built"], p_stats
+    assert all(torch.equal(a, b) for a, b in zip(serial, pooled, strict=True))
