@@ -32,6 +32,8 @@ from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from concurrent.futures.process import BrokenProcessPool
 
+import torch
+
 from k3compile import settings
 
 from . import disk_cache
@@ -92,7 +94,7 @@ def prebuild(step: Callable, args, *, written: frozenset[int] | None, workers: i
     t0 = time.perf_counter()
     try:
         with recording() as rec:
-            step(*(a.clone() if i in written else a for i, a in enumerate(args)))
+            step(*(_copy(a) if i in written else a for i, a in enumerate(args)))
     except Exception as e:  # noqa: BLE001 - the real call then builds every kernel itself
         log.warning("k3: the record run failed (%s: %s); kernels build one by one",
                     type(e).__name__, e)
@@ -140,6 +142,12 @@ def build(builds: list[Build], workers: int) -> tuple[int, int]:
         shutdown()
         return done, len(builds) - done
     return done, failed
+
+
+def _copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy with t's very strides (the compiled step indexes its inputs by the strides it was
+    compiled for; `clone` would compact a strided view)."""
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).copy_(t)
 
 
 def _nothing(why: str) -> Pooled:

@@ -86,12 +86,13 @@ def test_a_launch_of_two_kernels_records_both_and_launches_neither(cache_dir):
 
 
 def test_prebuild_builds_in_workers_then_the_main_process_loads(cache_dir):
-    state = torch.zeros(4)
+    state = torch.zeros(4, 3)[:, 1]  # a strided view: its copy must keep the strides
     xs = [rows(1, d, d) for d in DIMS]
     ws = [rows(1, d, d + 1)[0] for d in DIMS]
 
     def step(state, *args):
-        state.add_(1)  # the step's state write: on a clone in the record run
+        assert state.stride() == (3,)
+        state.add_(1)  # the step's state write: on a copy in the record run
         return [rms_norm.rms_norm_cuda(x, w, EPS) for x, w in zip(xs, ws)]
 
     shown = []
