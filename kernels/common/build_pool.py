@@ -13,6 +13,8 @@ does not survive a fork) imports the kernel's module, finds its `Kernel` by op a
 `compiled(...)`, which stores the entry under K3_CACHE_DIR (`disk_cache.fetch`, under the
 entry's lock: TP ranks' pools never build one entry twice). The pool starts once per process
 (`start`, at the first compile, so the workers import the DSL meanwhile) and serves every bucket.
+Its workers do not import the parent's `__main__` script (`_no_main`): a user's script without a
+main guard is not run again in each.
 
 Constraints:
     * Needs the on-disk cache (K3_CACHE_DIR); without it `prebuild` does nothing (logged once).
@@ -24,10 +26,13 @@ Constraints:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import multiprocessing
+import sys
 import time
+import types
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from concurrent.futures.process import BrokenProcessPool
@@ -67,9 +72,30 @@ def start(workers: int) -> ProcessPoolExecutor | None:
         shutdown()
         _pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
         _workers = workers
-        for _ in range(workers):
-            _pool.submit(_ready)
+        with _no_main():  # each submit spawns one worker, until there are `workers`
+            for _ in range(workers):
+                _pool.submit(_ready)
     return _pool
+
+
+@contextlib.contextmanager
+def _no_main():
+    """A spawned process imports its parent's `__main__` script again, so a user's script
+    without an `if __name__ == "__main__"` guard would run again in every worker: while open,
+    multiprocessing finds no main script to import (a main module named `__main__`)."""
+    main = sys.modules.get("__main__")
+    if main is None:
+        yield
+        return
+    had, spec = hasattr(main, "__spec__"), getattr(main, "__spec__", None)
+    main.__spec__ = types.SimpleNamespace(name="__main__")
+    try:
+        yield
+    finally:
+        if had:
+            main.__spec__ = spec
+        else:
+            del main.__spec__
 
 
 def shutdown() -> None:

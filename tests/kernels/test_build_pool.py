@@ -11,6 +11,9 @@ loads both kernels and builds none. Without a disk cache it does nothing.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections import Counter
 
 import pytest
@@ -108,6 +111,28 @@ def test_prebuild_builds_in_workers_then_the_main_process_loads(cache_dir):
     for d in DIMS:  # the real first call's kernels: loaded
         rms_norm.KERNEL.compiled(d, rms_norm.config(d, 1), rows=1)
     assert disk_cache.stats() == {"loaded": 2}
+
+
+SCRIPT = """
+import sys
+from k3compile import settings
+from k3compile.kernels.common import build_pool
+
+print("script ran", flush=True)  # no main guard: a worker importing this script would print it
+settings.KERNELS.cache_dir = sys.argv[1]
+build_pool.start(1).submit(build_pool._ready).result()
+build_pool.shutdown()
+"""
+
+
+def test_workers_do_not_run_the_parents_script(tmp_path):
+    script = tmp_path / "user_script.py"
+    script.write_text(SCRIPT)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run([sys.executable, str(script), str(tmp_path / "k3cache")], env=env,
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.count("script ran") == 1, done.stdout
 
 
 def test_without_a_disk_cache_prebuild_runs_nothing(cache_dir, monkeypatch):
