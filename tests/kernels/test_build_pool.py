@@ -6,7 +6,9 @@ launch of two kernels (both recorded, neither built nor launched) and for a `com
 outside `Kernel.run` (`Deferred`); a valid disk entry is loaded, not recorded. `prebuild` runs a
 step once in record mode on clones of the inputs it writes (the caller's stay as they were),
 two worker processes build what it lacked into a fresh K3_CACHE_DIR, and the main process then
-loads both kernels and builds none. Without a disk cache it does nothing.
+loads both kernels and builds none (`slow`); the workers do not run the parent's script again
+(`slow`). Without a disk cache it does nothing. GPU: a tiny bf16 step's first kernels, built by
+the pool, loaded by the main process; outputs bitwise those of serial builds.
 """
 
 from __future__ import annotations
@@ -88,6 +90,7 @@ def test_a_launch_of_two_kernels_records_both_and_launches_neither(cache_dir):
     assert rec.builds == {} and len(launched) == 2
 
 
+@pytest.mark.slow  # 23-41 s on 2 shared cores: two spawned workers import torch and the DSL
 def test_prebuild_builds_in_workers_then_the_main_process_loads(cache_dir):
     state = torch.zeros(4, 3)[:, 1]  # a strided view: its copy must keep the strides
     xs = [rows(1, d, d) for d in DIMS]
@@ -125,6 +128,7 @@ build_pool.shutdown()
 """
 
 
+@pytest.mark.slow  # 27-34 s on 2 shared cores: a process and its worker import torch and the DSL
 def test_workers_do_not_run_the_parents_script(tmp_path):
     script = tmp_path / "user_script.py"
     script.write_text(SCRIPT)
