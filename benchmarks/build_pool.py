@@ -83,12 +83,16 @@ def fresh(folder: Path) -> None:
     disk_cache.STATS.clear()
 
 
-def serial(builds: list[Build]) -> tuple[float, float]:
-    """Wall and CPU seconds of building (or loading) `builds` in this process."""
+def serial(builds: list[Build], each: list[float] | None = None) -> tuple[float, float]:
+    """Wall and CPU seconds of building (or loading) `builds` in this process (`each`: gets
+    each one's wall seconds)."""
     t0, c0 = time.perf_counter(), time.process_time()
     for b in builds:
         kernel = next(k for k in kernels() if k.op == b.op)
+        t1 = time.perf_counter()
         kernel.compiled(*b.scalars, arch=b.arch, pdl=b.pdl, **dict(b.options))
+        if each is not None:
+            each.append(round(time.perf_counter() - t1, 2))
     return time.perf_counter() - t0, time.process_time() - c0
 
 
@@ -133,9 +137,11 @@ def main(argv=None) -> int:
         for workers in [int(w) for w in args.workers.split(",")]:
             fresh(Path(tmp) / f"w{workers}")
             if workers == 0:
-                wall, cpu = serial(builds)
+                each: list[float] = []
+                wall, cpu = serial(builds, each)
                 results[workers] = {"build_s": round(wall, 2), "cpu_s": round(cpu, 1),
-                                    "stats": dict(disk_cache.STATS)}
+                                    "stats": dict(disk_cache.STATS),
+                                    "each_s": [(b.op, s) for b, s in zip(builds, each)]}
             else:
                 results[workers] = pooled(builds, workers)
             print(f"workers {workers}: {json.dumps(results[workers])}", flush=True)
