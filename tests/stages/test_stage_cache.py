@@ -9,7 +9,10 @@ its wrappers do nothing: bitwise the same outputs and written state (executors a
 inductor, a static batch and `mark_batch`'s buckets); a changed option misses; a graph whose
 wrappers do something (an output aliasing an input) takes the full path; a corrupt link is
 rebuilt.
-`slow`: a second process compiling the tiny model loads every bucket and matches the first.
+The direct compile hands Inductor the arguments AOTAutograd handed it, as torch 2.13 and as
+2.11 do: the warm compile hits the FX graph cache the cold one stored.
+`slow`: a second process compiling the tiny model loads every bucket and matches the first;
+a second process compiling the same step hits the FX graph cache (2.11's arguments).
 """
 
 from __future__ import annotations
@@ -234,6 +237,82 @@ def test_a_link_skips_aot_and_equals_cold(cache_dir, executor):
     assert pack.packed and adjacent([model.gate, model.up])
 
 
+def _as_torch_2_11(monkeypatch) -> None:
+    """AOTAutograd hands the inner compile what torch 2.11's `compile_fx` hands it: no
+    `get_decomp_fn` (2.13's passes Inductor's default). Every argument the direct compile passes
+    `compile_fx_inner` is part of Inductor's FX graph cache key: on the H200 (torch 2.11, session
+    15) the direct compile passed one the cold compile had not, and every warm bucket missed."""
+    real = inductor.compile_fx
+
+    def compile_fx(gm, inputs, inner_compile, **kwargs):
+        def inner(*args, get_decomp_fn=None, **kw):
+            return inner_compile(*args, **kw)
+
+        return real(gm, inputs, inner_compile=inner, **kwargs)
+
+    monkeypatch.setattr(inductor, "compile_fx", compile_fx)
+
+
+def _fx_cache(delta: Counter) -> tuple[int, int]:
+    return delta["fxgraph_cache_hit"], delta["fxgraph_cache_miss"]
+
+
+@pytest.mark.parametrize("torch_2_11", [False, True])
+def test_the_direct_compile_hands_inductor_aots_arguments(cache_dir, monkeypatch, torch_2_11):
+    """The link records the arguments AOTAutograd handed Inductor, and the direct compile passes
+    exactly those: its FX graph cache key is the cold compile's (a hit), on either torch."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache_dir.parent / "inductor"))
+    if torch_2_11:
+        _as_torch_2_11(monkeypatch)
+    before = Counter(counters["inductor"])
+    cold, _, _, _ = _steps([4], "inductor")
+    middle = Counter(counters["inductor"])
+    warm, _, _, s_warm = _steps([4], "inductor")
+    assert s_warm == {"loaded": 1, "direct": 1}
+    assert _fx_cache(middle - before) == (0, 1)  # a fresh cache: the cold compile stores
+    assert _fx_cache(Counter(counters["inductor"]) - middle) == (1, 0)
+    assert _equal(cold, warm)
+    if torch_2_11:  # (as torch hands it: 2.13 passes Inductor's default, 2.11 none)
+        link = json.loads(next(cache_dir.glob("stages/links/*.json")).read_text())
+        assert json.loads(link["body"])["direct"]["decomp"] is False
+
+
+@pytest.mark.slow
+def test_a_second_process_hits_the_fx_graph_cache(tmp_path):
+    """Two processes compile the same step (executor inductor) on one pair of cache folders, as
+    torch 2.11 hands the inner compile its arguments: the second loads the stages, skips
+    AOTAutograd, hits Inductor's FX graph cache and gives bitwise the first's outputs."""
+    env = {**os.environ, "K3_CACHE_DIR": str(tmp_path / "k3"), "K3_QUIET": "1",
+           "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    runs = []
+    for which in ("cold", "warm"):
+        out = tmp_path / which
+        done = subprocess.run([sys.executable, "-m", "tests.stages.test_stage_cache", str(out)],
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+                              check=False)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        runs.append((json.loads(out.with_suffix(".json").read_text()),
+                     torch.load(out.with_suffix(".pt"))))
+    (cold, cold_out), (warm, warm_out) = runs
+    assert cold == {"fx": [0, 1], "stages": {"missed": 1, "stored": 1, "linked": 1}}
+    assert warm == {"fx": [1, 0], "stages": {"loaded": 1, "direct": 1}}
+    assert _equal(cold_out, warm_out)
+
+
+def _one_process(out: Path) -> None:
+    """test_a_second_process_hits_the_fx_graph_cache's child: one compile and step; the FX graph
+    cache's (hits, misses) and the stage cache's stats to `out`.json, the step to `out`.pt."""
+    from k3compile.backend import ensure_registered
+
+    ensure_registered()
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        _as_torch_2_11(monkeypatch)
+        results, _, _, stats = _steps([4], "inductor")
+    out.with_suffix(".json").write_text(json.dumps(
+        {"fx": _fx_cache(counters["inductor"]), "stages": stats}))
+    torch.save(results, out.with_suffix(".pt"))
+
+
 @pytest.mark.parametrize("marked", [False, True])
 def test_a_cold_compile_reaches_the_fx_graph_cache(cache_dir, marked):
     """The backend compiles a bucket at its first call, outside Dynamo's tracing context. Its
@@ -351,3 +430,7 @@ def test_the_direct_compile_passes_inductor_what_the_cold_one_got(monkeypatch, c
     inductor.compile_fx_inner_direct(gm, [torch.zeros(2)], data)
     assert ("get_decomp_fn" in seen) == cold_had_it
     assert seen["static_input_idxs"] == [1] and seen["graph_id"] == 3
+
+
+if __name__ == "__main__":
+    _one_process(Path(sys.argv[1]))
