@@ -142,7 +142,8 @@ class Kernel:
         """launch() where the kernel takes the call, else reference() (the reason logged once by
         `fallback`, under `op`: a variant's name, or the kernel's)."""
         if reason := self.refusal(refusal, *aligned):
-            fallback(op or self.op, reason)
+            if _recording is None:  # a record run's call is made again for real: counted there
+                fallback(op or self.op, reason)
             return reference()
         if (rec := _recording) is not None:
             if rec.probing:  # a kernel op inside another's launch: walked with it

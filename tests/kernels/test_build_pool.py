@@ -200,3 +200,17 @@ def test_a_cuda_step_builds_its_first_kernels_in_the_pool(tmp_path, monkeypatch)
     assert s_stats.get("built", 0) > 0, s_stats
     assert p_stats.get("built", 0) == 0 and p_stats.get("loaded") == s_stats["built"], p_stats
     assert all(torch.equal(a, b) for a, b in zip(serial, pooled, strict=True))
+
+
+def test_a_refused_call_in_record_mode_is_not_counted_as_a_fallback(cache_dir):
+    """The record run's calls are made again by the real first call: a refusal counts once (in
+    `fallback_counts`, which `summary()` shows), not twice."""
+    x, w = rows(3, DIMS[0])[:, 1:], rows(1, DIMS[0] - 1, 1)[0]  # odd width: the kernel refuses
+    dsl.reset_fallback_counts()
+    with recording() as rec:
+        y = rms_norm.rms_norm_cuda(x, w, EPS)
+    assert dsl.fallback_counts() == {} and rec.builds == {}
+    torch.testing.assert_close(y, rms_norm.rms_norm_ref(x, w, EPS), rtol=0, atol=0)
+    rms_norm.rms_norm_cuda(x, w, EPS)  # the real call
+    assert sum(dsl.fallback_counts().values()) == 1
+    dsl.reset_fallback_counts()
