@@ -214,3 +214,20 @@ def test_a_refused_call_in_record_mode_is_not_counted_as_a_fallback(cache_dir):
     rms_norm.rms_norm_cuda(x, w, EPS)  # the real call
     assert sum(dsl.fallback_counts().values()) == 1
     dsl.reset_fallback_counts()
+
+
+@pytest.mark.parametrize(("value", "local", "want"), [
+    ("", None, 0), ("0", None, 0), ("6", None, 6),
+    ("auto", None, "cores - 1"), ("auto", "2", "cores // 2 - 1"), ("auto", "999", 1)])
+def test_build_workers_setting(monkeypatch, value, local, want):
+    """K3_BUILD_WORKERS: a count, or `auto`: this process's cores shared by the host's ranks
+    (torchrun's LOCAL_WORLD_SIZE), less one, at least one."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    if local is None:
+        monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
+    expected = {"cores - 1": 15, "cores // 2 - 1": 7}.get(want, want)
+    assert settings.parse_workers(value) == expected
+    with pytest.raises(ValueError, match="K3_BUILD_WORKERS"):
+        settings.parse_workers("many")
