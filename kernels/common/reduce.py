@@ -57,21 +57,31 @@ def row_sum(vals: list, sbuf: cute.Tensor, n_warps: cutlass.Constexpr[int],
                     store_to_peer(vals[k], sbuf.iterator + offset, lane)
             cute.arch.cluster_arrive()
             cute.arch.cluster_wait()
-        out = []
-        if const_expr(n_vals >= 4):
-            # Lane k adds up column k, then every lane collects the columns by shuffles.
-            col = Float32(0.0)
-            if lane < n_vals:
-                for r in cutlass.range_constexpr(rows):
-                    col = col + sbuf[r, lane]
-            for k in cutlass.range_constexpr(n_vals):
-                out.append(cute.arch.shuffle_sync(col, k))
-        else:
-            # Every warp re-reduces the rows (lanes past them add zeros; all lanes get the sum).
-            for k in cutlass.range_constexpr(n_vals):
-                t = Float32(0.0)
-                for r0 in cutlass.range_constexpr(0, rows, 32):
-                    if r0 + lane < rows:
-                        t = t + sbuf[r0 + lane, k]
-                out.append(cute.arch.warp_reduction(t, operator.add))
+        out = column_sums(sbuf, rows, n_vals)
+    return out
+
+
+@cute.jit
+def column_sums(sbuf: cute.Tensor, rows: cutlass.Constexpr[int],
+                n_vals: cutlass.Constexpr[int]) -> list:
+    """The sum of each column of sbuf (rows, n_vals) fp32 smem, rows added in order; every
+    thread gets the totals (call behind the barrier that published the rows)."""
+    lane = cute.arch.lane_idx()
+    out = []
+    if const_expr(n_vals >= 4):
+        # Lane k adds up column k, then every lane collects the columns by shuffles.
+        col = Float32(0.0)
+        if lane < n_vals:
+            for r in cutlass.range_constexpr(rows):
+                col = col + sbuf[r, lane]
+        for k in cutlass.range_constexpr(n_vals):
+            out.append(cute.arch.shuffle_sync(col, k))
+    else:
+        # Every warp re-reduces the rows (lanes past them add zeros; all lanes get the sum).
+        for k in cutlass.range_constexpr(n_vals):
+            t = Float32(0.0)
+            for r0 in cutlass.range_constexpr(0, rows, 32):
+                if r0 + lane < rows:
+                    t = t + sbuf[r0 + lane, k]
+            out.append(cute.arch.warp_reduction(t, operator.add))
     return out
