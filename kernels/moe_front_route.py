@@ -9,13 +9,8 @@ for another) routes every row with moe_route's device code (`MoERoute.route_row`
 weights are those of the moe_route kernel on the same logits, bit for bit. Which CTA is last
 changes nothing: the logits are complete and the routing reads only them.
 
-The counter: one int32 per (device, stream) in a buffer per device (`COUNTER_SLOTS` slots),
-allocated and zeroed once, outside any CUDA-graph capture; the last CTA sets it back to 0
-before its grid ends, so every launch (and every replay of a captured one) finds 0. Launches on
-one stream never overlap on the counter: each CTA arrives after its PDL wait, i.e. after the
-previous kernel in the stream, and so after the previous launch's reset; launches on two streams
-(a side stream, a graph captured on its own stream) take two slots. A graph replayed on several
-streams at once would share its slot: not done here (one replay at a time).
+The counter: one int32 per (device, stream), reset by the last CTA (kernels/common/last_cta.py,
+shared with the other last-CTA kernels).
 
 Constraints:
     * moe_front's split variant (bf16 x [N, D], W_r and W_d back to back in one buffer: stage
@@ -37,14 +32,12 @@ from k3compile.ops.moe_route import EPS
 from . import moe_route
 from .common import gemv
 from .common.dsl import bucket, compile_kernel, fake_rows, fake_stream, fake_vector, flat_rows
+from .common.last_cta import counter
 from .common.launch import Kernel
 from .moe_front import moe_front_cuda
 
 OP = "moe_front_route"
 MAX_ROWS = 8
-COUNTER_SLOTS = 64
-_counters: dict[int, torch.Tensor] = {}  # device index -> int32 [COUNTER_SLOTS], zeroed once
-_slots: dict[tuple[int, int], int] = {}  # (device index, stream) -> its slot
 
 
 def refusal(x, router_w, down_w, bias, top_k: int, scaling=None, eps: float = EPS,
@@ -62,21 +55,6 @@ def refusal(x, router_w, down_w, bias, top_k: int, scaling=None, eps: float = EP
         return f"route: {why}"
     both = torch.empty((experts + down_w.shape[0], x.shape[1]), dtype=x.dtype, device="meta")
     return gemv.fused_refusal(gemv.Fusion(split=experts), x, both, out_dtype=torch.float32)
-
-
-def counter(device: torch.device) -> torch.Tensor | str:
-    """This stream's counter (an int32 [1] view), or why there is none."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _counters:
-        if torch.cuda.is_current_stream_capturing():
-            return "no counter allocated before CUDA-graph capture (run once uncaptured first)"
-        _counters[index] = torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=device)
-    key = (index, torch.cuda.current_stream(device).cuda_stream)
-    if key not in _slots:
-        if len([k for k in _slots if k[0] == index]) >= COUNTER_SLOTS:
-            return f"more than {COUNTER_SLOTS} streams launched this kernel"
-        _slots[key] = len([k for k in _slots if k[0] == index])
-    return _counters[index][_slots[key]:_slots[key] + 1]
 
 
 def prepare(n: int, k: int, split: int, top_k: int, buckets=(1, 2, 4, 8),

@@ -11,6 +11,7 @@ from cutlass import Float32, Int32, cute
 from ..common.gemv import Config, Fusion
 from ..moe_route import Config as RouteConfig
 from .gemv import Gemv
+from .last_cta import arrive
 from .moe_route import MoERoute
 
 
@@ -43,24 +44,13 @@ class MoEFrontRoute(Gemv):
     @cute.jit
     def route_if_last(self, mY: cute.Tensor, mBias: cute.Tensor, mIds: cute.Tensor,
                       mWeights: cute.Tensor, mCount: cute.Tensor, scaling: Float32, n_rows):
-        """The "last block" pattern: every thread fences its logits stores (release), the CTA
-        arrives on the counter (thread 0, acq_rel at GPU scope); the CTA that sees every other
-        one arrived resets the counter for the next launch and routes each row. No CTA waits
-        for another."""
+        """The "last block" pattern (`last_cta.arrive`): the last CTA to finish routes each
+        row. No CTA waits for another."""
         tidx = cute.arch.thread_idx()[0]
         smem = cutlass.memory.SmemAllocator()
         sLast = smem.allocate_tensor(Int32, cute.make_layout((4,)), 16)  # (4,): [0] the flag
         buffers = self.router.allocate(smem)
-        cute.arch.fence_acq_rel_gpu()
-        cute.arch.barrier()
-        if tidx == 0:
-            arrived = cute.arch.atomic_add(mCount.iterator, Int32(1), sem="acq_rel", scope="gpu")
-            last = arrived == Int32(self.ctas - 1)
-            if last:
-                cute.arch.atomic_exch(mCount.iterator, Int32(0), sem="relaxed", scope="gpu")
-            sLast[0] = Int32(cutlass.select_(last, Int32(1), Int32(0)))
-        cute.arch.barrier()
-        if sLast[0] != Int32(0):
+        if arrive(mCount, self.ctas, sLast):
             cute.arch.fence_acq_rel_gpu()  # acquire: every CTA's logits are visible
             rB = self.router.load_bias(mBias, tidx)
             for row in cutlass.range(n_rows, unroll=1):
