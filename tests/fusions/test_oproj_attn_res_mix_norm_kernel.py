@@ -14,9 +14,9 @@ import tempfile
 
 import pytest
 import torch
-from k3compile import kernels, settings
 from k3compile.kernels import oproj_attn_res_mix_norm as kernel
 
+from k3compile import kernels, settings
 from k3compile.ops.attn_res_mix_norm import attn_res_mix_norm_ref, mix_norm_after
 from tests.kernel_checks import TOL, assert_written, no_fallback, on_gpu, rel_err
 
