@@ -35,11 +35,11 @@ def make_inputs(gen, n, n_blocks=8, with_prefix=True, device="cuda"):
             EPS, EPS]
 
 
-# ---- CPU: the build, the refusals, the switch ------------------------------------------------------
+# ---- CPU: the build, the refusals, the switch ---------------------------------------------------
 
 
-@pytest.mark.parametrize("rows,n_blocks,with_prefix,pdl", [(1, 8, True, True), (2, 8, False, False),
-                                                            (8, 0, True, False)])
+@pytest.mark.parametrize("rows,n_blocks,with_prefix,pdl",
+                         [(1, 8, True, True), (2, 8, False, False), (8, 0, True, False)])
 def test_builds_for_sm90a_as_one_kernel(rows, n_blocks, with_prefix, pdl):
     """One entry in the PTX (the gemv and the mix in one launch), the PDL wait only with PDL, no
     local memory, and registers that keep >= 4 CTAs of the gemv per SM (128 x 128 threads)."""
@@ -76,7 +76,7 @@ def test_the_extra_is_known(monkeypatch):
     assert kernels.extra_kernels() == ("oproj_mix",)
 
 
-# ---- GPU --------------------------------------------------------------------------------------------
+# ---- GPU ----------------------------------------------------------------------------------------
 
 
 def two_launches(args):
