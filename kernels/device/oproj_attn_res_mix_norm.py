@@ -15,6 +15,7 @@ import operator
 
 import cutlass
 from cutlass import BFloat16, Float32, Int32, const_expr, cute
+from cutlass.cutlass_dsl import dsl_user_op
 
 from ..attn_res_mix_norm import Config as MixConfig
 from ..common.copy import load_vectors, make_frag, row_vectors, store_vectors, vectors
@@ -23,6 +24,12 @@ from ..common.reduce import column_sums
 from .attn_res_mix_norm import AttnResMixNorm
 from .gemv import Gemv
 from .last_cta import arrive
+
+
+@dsl_user_op
+def prefetch_l2(ptr: cute.Pointer, *, loc=None, ip=None) -> None:
+    """prefetch.global.L2 of the line holding ptr: no register waits for it."""
+    cute.arch.prefetch(ptr.to_llvm_ptr(loc=loc, ip=ip), cache_level="L2", loc=loc, ip=ip)
 
 
 class OProjMixNorm(Gemv):
@@ -52,6 +59,7 @@ class OProjMixNorm(Gemv):
                      mWn, mWp, mWx: cute.Tensor, mPrefixOut: cute.Tensor, mX: cute.Tensor,
                      mCount: cute.Tensor, mix_eps: Float32, norm_eps: Float32):
         self.body(mO, mW, None, mA, None, None, None, None, None)
+        self.prefetch(mPrefix, blocks, mWn, mWp, mWx, mO.shape[0])
         smem = cutlass.memory.SmemAllocator()
         sLast = smem.allocate_tensor(Int32, cute.make_layout((4,)), 16)  # (4,): [0] the flag
         S, V = self.mix.n_src, self.virtual
@@ -64,6 +72,31 @@ class OProjMixNorm(Gemv):
             for row in cutlass.range(mO.shape[0], unroll=1):
                 self.mix_row(first, delta, blocks, mWn, mWp, mWx, mPrefixOut, mX, mix_eps,
                              norm_eps, row, sMix, sNorm)
+
+    @cute.jit
+    def prefetch(self, mPrefix, blocks, mWn, mWp, mWx: cute.Tensor, n_rows):
+        """Every CTA, its GEMV done, prefetches into L2 a few 128-byte lines of the mix's inputs
+        (the blocks' and the prefix's rows, then wn, wp, wx), one line a thread over the grid:
+        the last CTA's passes then wait on L2, not on HBM. Changes no value."""
+        cta, _, _ = cute.arch.block_idx()
+        g = cta * self.threads + cute.arch.thread_idx()[0]  # this thread's line over the grid
+        per_row = -(-self.n * 2 // 128)  # lines of a bf16 row of D
+        rows = list(blocks) if const_expr(self.mix.n_blocks > 0) else []
+        if const_expr(self.has_prefix):
+            rows.append(mPrefix)
+        vecs = [mWn, mWp, mWx] if const_expr(self.mix.n_blocks > 0) else [mWx]
+        base = Int32(0)
+        for t in cutlass.range_constexpr(len(rows)):
+            i = g - base
+            if i >= 0 and i < n_rows * per_row:
+                m, c = i // per_row, (i % per_row) * 64
+                prefetch_l2(rows[t].iterator + cute.crd2idx((m, c), rows[t].layout))
+            base = base + n_rows * per_row
+        for t in cutlass.range_constexpr(len(vecs)):
+            i = g - base
+            if i >= 0 and i < per_row:
+                prefetch_l2(vecs[t].iterator + i * 64)
+            base = base + per_row
 
     def share(self, t):
         """Virtual warp of turn t, and its thread index and first vector in the mix's grid."""

@@ -41,8 +41,9 @@ def make_inputs(gen, n, n_blocks=8, with_prefix=True, device="cuda"):
 @pytest.mark.parametrize("rows,n_blocks,with_prefix,pdl",
                          [(1, 8, True, True), (2, 8, False, False), (8, 0, True, False)])
 def test_builds_for_sm90a_as_one_kernel(rows, n_blocks, with_prefix, pdl):
-    """One entry in the PTX (the gemv and the mix in one launch), the PDL wait only with PDL, no
-    local memory, and registers that keep >= 4 CTAs of the gemv per SM (128 x 128 threads)."""
+    """One entry in the PTX (the gemv and the mix in one launch), the PDL wait only with PDL, the
+    counter, an L2 prefetch of each mix input, no local memory, and registers that keep >= 4
+    CTAs of the gemv per SM (128 x 128 threads)."""
     pytest.importorskip("cutlass")
     from k3compile.kernels.common.dsl import cubin_of, cubin_resources, ptx_of
 
@@ -54,6 +55,7 @@ def test_builds_for_sm90a_as_one_kernel(rows, n_blocks, with_prefix, pdl):
     assert len(re.findall(r"\.entry ", ptx)) == 1
     assert ("griddepcontrol.wait;" in ptx) == pdl
     assert "atom.global.acq_rel.add" in ptx  # the last-CTA counter
+    assert ptx.count("prefetch.global.L2") == n_blocks + int(with_prefix) + (3 if n_blocks else 1)
     assert res["frame"] == 0 and res["regs"] <= 128, res
 
 
