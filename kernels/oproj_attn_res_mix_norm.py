@@ -16,8 +16,9 @@ Constraints:
       run its reference (reason logged).
     * One launch: gemv's (bf16 o [N, K], W_o [D, K]) and the mix kernel's limits together, and
       N <= MAX_ROWS: one CTA mixes the rows one after another (three passes over ~9 sources of
-      D; docs/kernels.md, oproj_attn_res_mix_norm), against one launch saved; more rows, or a
-      refused call, take the two launches (the reason logged).
+      D, expected ~3 µs a row against one launch boundary saved; docs/kernels.md,
+      oproj_attn_res_mix_norm; `benchmarks/oproj_mix.py` decides); more rows, or a refused call,
+      take the two launches (the reason logged).
 """
 
 import torch
@@ -42,7 +43,7 @@ from .common.launch import Kernel
 from .common.router import linear
 
 OP = "oproj_attn_res_mix_norm"
-MAX_ROWS = 2
+MAX_ROWS = 1  # expected (not measured): each row costs the last CTA ~3 µs, about a launch
 
 
 def oproj_attn_res_mix_norm_cuda(o, o_proj_weight, prefix, blocks, mix_norm_weight,
@@ -70,7 +71,7 @@ def refusal(o, o_proj_weight, prefix, blocks, mix_norm_weight, mix_proj_weight, 
     return None
 
 
-def prepare(dim: int, k: int, n_blocks: int, has_prefix: bool, buckets=(1, 2)) -> None:
+def prepare(dim: int, k: int, n_blocks: int, has_prefix: bool, buckets=(1,)) -> None:
     """Compile the kernel of every batch bucket for these sizes (call before graph capture)."""
     for b in buckets:
         compiled(dim, k, b, n_blocks, has_prefix)

@@ -2,7 +2,7 @@
 last CTA plays the attn_res_mix_norm kernel's grid. CPU (needs the DSL): it builds for sm_90a as
 one kernel without spills, refuses what it cannot take, and the extra is known. GPU (marked
 `gpu`): at one TP16 rank's o_proj (7168 x 768) and 9 sources, a, prefix_out and x equal the two
-launches' (gemv, then the mix kernel) bit for bit at 1, 2 and 8 rows (8 past MAX_ROWS by a
+launches' (gemv, then the mix kernel) bit for bit at 1, 2 and 8 rows (MAX_ROWS lifted by a
 patch), with a prefix and where a block starts, with and without PDL; x close to the op's
 reference; back-to-back launches and CUDA-graph replays (the counter resets); refused calls
 take the two launches."""
@@ -129,15 +129,17 @@ def test_close_to_the_op_reference(gen):
 
 @on_gpu
 @pytest.mark.parametrize("n", [1, 2])
-def test_back_to_back_and_graph_replay(gen, n):
+def test_back_to_back_and_graph_replay(gen, monkeypatch, n):
     """Consecutive launches on one stream, then a captured launch replayed with fresh inputs
     (twice and more): every launch has its last CTA (a counter left non-zero would mix nothing,
     or early)."""
+    monkeypatch.setattr(kernel, "MAX_ROWS", 8)
     args = make_inputs(gen, n)
     for _ in range(4):
-        check(kernel.oproj_mix_cuda(*args), args)
+        with no_fallback():
+            check(kernel.oproj_mix_cuda(*args), args)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with no_fallback(), torch.cuda.graph(graph):
         captured = kernel.oproj_mix_cuda(*args)
     for _ in range(3):
         fresh = make_inputs(gen, n)
