@@ -65,7 +65,9 @@ VERIFY = {"kda_decode": (1, 8), "fb_kda_decode": (1, 8), "mla_decode": (1, 8),
 # memcheck (racecheck and synccheck find nothing new there)
 COMPOSITES = ("oproj_attn_res_mix_norm", "allreduce_attn_res_mix_norm", "fb_kda_decode")
 ONE_ROW = {"mla_uv_gate": "its kernel takes B·T <= 1 row (gemv's gate variant); more rows run "
-                          "the reference"}
+                          "the reference",
+           "oproj_mix": "its one launch takes <= MAX_ROWS (1) rows; more rows take "
+                        "oproj_attn_res_mix_norm's two launches (that case)"}
 # Largest per-row relative error of a kernel output against its reference, by dtype: bf16 as the
 # kernel tests bound a kernel against a reference that rounds differently; fp32 outputs are fp32
 # states and router weights, which agree to summation order (the KDA state to ~1e-4).
@@ -314,6 +316,9 @@ BUILDERS: dict[str, tuple[Callable[..., Call], str]] = {
     "attn_res_mix_norm": (attn_res_mix_norm, f"prefix, delta [B, {HIDDEN}], 8 blocks"),
     "oproj_attn_res_mix_norm": (oproj_attn_res_mix_norm,
                                 f"o [B, {O_IN}] x W_o [{HIDDEN}, {O_IN}], 3 blocks"),
+    # K3_KERNELS_EXTRA=oproj_mix: the same op in one launch (the gemv's last CTA mixes)
+    "oproj_mix": (oproj_attn_res_mix_norm, f"o [B, {O_IN}] x W_o [{HIDDEN}, {O_IN}], 3 blocks, "
+                                           f"one launch"),
     "allreduce_attn_res_mix_norm": (allreduce_attn_res_mix_norm,
                                     f"partial [B, {HIDDEN}], world 1, 8 blocks"),
     "mla_lowrank_norm": (mla_lowrank_norm, f"[B, {Q_RANK} + {KV_RANK + ROPE}] column slices"),
