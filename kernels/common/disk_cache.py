@@ -2,6 +2,7 @@
 
     fetch(op, key, build, arch=, module=)   # a valid entry -> loaded; else build(), then stored
     lookup(op, key, arch=, module=)         # a valid entry -> loaded; else None (nothing built)
+    build_seconds(op)                       # what building op's stored kernels took, by key
 
 `cute.compile` keeps nothing on disk: every process paid the whole CuTe DSL compile again (on the
 H200, most of the 104 s first compile of the yardstick's B1 bucket). `launch.Kernel.compiled`
@@ -28,7 +29,8 @@ CUTE_DSL_ARCH, the runtime libraries, line info, ...), the TVM-FFI, torch and CU
 the host machine. A compile key whose repr is not stable across processes is not stored.
 
 Entry: one file `<K3_CACHE_DIR>/kernels/<op>/<sha256>.k3kernel` = MAGIC, a JSON header line
-(format, the full key text, payload size and sha256), the object file. Written to a temporary
+(format, the full key text, payload size and sha256, the seconds its build took), the object
+file. Written to a temporary
 file in the same folder and renamed (atomic: a reader sees a whole entry or none; concurrent
 writers of one key each rename a whole entry). A miss is built under a file lock per entry
 (`.<sha256>.lock` beside it, filelock, torch's own dependency): TP ranks compiling the same kernel
@@ -70,6 +72,7 @@ FORMAT = 1
 MAGIC = b"K3KERNEL\n"
 PACKAGE = Path(__file__).resolve().parent.parent  # kernels/
 LOCK_SECONDS = 600.0  # longest wait for another process's build of one entry (then build too)
+HISTORY = 64  # entries of an op whose build seconds `build_seconds` reads (the newest)
 
 # what this process did: loaded, built, stored, rebuilt (bad entries), unstored (not storable);
 # and the seconds it spent loading and building kernels
@@ -108,10 +111,11 @@ def fetch(op: str, key: Hashable, build: Callable[[], object], *, arch: str | No
                         type(e).__name__, e)
             STATS["rebuilt"] += 1
             path.unlink(missing_ok=True)
+        t0 = time.perf_counter()
         with _timed("build"):
             compiled = build()
         STATS["built"] += 1
-        store(path, text, compiled, op)
+        store(path, text, compiled, op, seconds=time.perf_counter() - t0)
         return compiled
 
 
@@ -179,12 +183,13 @@ def _timed(what: str):
         SECONDS[what] += time.perf_counter() - t0
 
 
-def store(path: Path, text: str, compiled, op: str) -> bool:
-    """Write `compiled`'s entry (False: not exportable, or the folder is not writable)."""
+def store(path: Path, text: str, compiled, op: str, seconds: float | None = None) -> bool:
+    """Write `compiled`'s entry, with the `seconds` its build took (False: not exportable, or
+    the folder is not writable)."""
     try:
         payload = export(compiled, symbol(text))
         if payload is not None:
-            write_entry(path, text, payload)
+            write_entry(path, text, payload, seconds)
             STATS["stored"] += 1
             return True
     except Exception as e:  # noqa: BLE001 - a cache that cannot write only costs time
@@ -355,10 +360,13 @@ def load(payload: bytes, name: str):
         os.unlink(path)
 
 
-def write_entry(path: Path, text: str, payload: bytes) -> None:
-    header = json.dumps({"format": FORMAT, "key": text, "size": len(payload),
-                         "sha256": hashlib.sha256(payload).hexdigest()}, sort_keys=True)
-    write_atomic(path, MAGIC + header.encode() + b"\n" + payload)
+def write_entry(path: Path, text: str, payload: bytes, seconds: float | None = None) -> None:
+    header: dict[str, object] = {"format": FORMAT, "key": text, "size": len(payload),
+                                 "sha256": hashlib.sha256(payload).hexdigest()}
+    if seconds is not None:
+        header["seconds"] = round(seconds, 3)
+    line = json.dumps(header, sort_keys=True).encode()
+    write_atomic(path, MAGIC + line + b"\n" + payload)
 
 
 def read_entry(path: Path, text: str) -> bytes:
@@ -381,6 +389,37 @@ def read_entry(path: Path, text: str) -> bytes:
             hashlib.sha256(payload).hexdigest() != header.get("sha256")):
         raise BadEntry("checksum mismatch")
     return payload
+
+
+def build_seconds(op: str, newest: int = HISTORY) -> dict[str, float]:
+    """The build seconds recorded in the newest `newest` entries of `op` (any toolchain, source or
+    arch), by the repr of their compile key (`key_text`'s "key"); entries without them (stored
+    before headers had them, or unreadable) are left out. `build_pool` orders its builds by them."""
+    folder = root()
+    if folder is None or not (folder / op).is_dir():
+        return {}
+    seen: dict[str, float] = {}
+    for path in sorted((folder / op).glob("*.k3kernel"), key=_mtime, reverse=True)[:newest]:
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError, AttributeError):
+            header = _header(path)
+            if isinstance(seconds := header.get("seconds"), int | float):
+                seen.setdefault(json.loads(header["key"])["key"], float(seconds))
+    return seen
+
+
+def _header(path: Path) -> dict:
+    """An entry's header alone (its first line after MAGIC; the object file is not read)."""
+    with path.open("rb") as f:
+        if f.read(len(MAGIC)) != MAGIC:
+            raise ValueError("not a k3 kernel entry")
+        return json.loads(f.readline())
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:  # removed meanwhile (a bad entry, by its lock's holder)
+        return 0.0
 
 
 def stats() -> dict[str, int]:

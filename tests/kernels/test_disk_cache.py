@@ -205,7 +205,8 @@ def test_a_bad_entry_is_rebuilt_never_loaded(damage, cache_dir, cold, caplog):
     assert got is compiled and builds == [1], "a bad entry must not be loaded"
     assert "rebuilding" in caplog.text and str(path) in caplog.text
     assert disk_cache.stats() == {"stored": 2, "rebuilt": 1, "built": 1}
-    assert path.read_bytes() == good, "the entry is written anew"
+    assert disk_cache.read_entry(path, text) == exported(compiled), "the entry is written anew"
+    assert list(disk_cache.build_seconds("rms_norm")) == [repr(KEY)], "with its build seconds"
 
 
 def test_an_entry_whose_object_does_not_link_is_rebuilt(cache_dir, cold, caplog):
