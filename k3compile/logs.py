@@ -2,7 +2,8 @@
 
     TORCH_LOGS="+k3"          the `k3compile` loggers at DEBUG ("k3": INFO), with the artifacts
     TORCH_LOGS="k3_fusion"    which rewrites fired where: canonical rules, fused ops, verify's count
-    TORCH_LOGS="k3_kernels"   every CuTe DSL kernel build (name, seconds)
+    TORCH_LOGS="k3_kernels"   every CuTe DSL kernel build (name, seconds; from the build pool
+                              also op, scalars, worker)
     TORCH_LOGS="k3_graphs"    the graph a bucket enters the pipeline with and after each stage
                               (off by default: "+k3" does not print it, naming it does)
     TORCH_TRACE=dir           tlparse's structured log: the same graphs as `k3_bucket<B>_*`
@@ -156,10 +157,14 @@ def verify_count(ctx: Context) -> str:
     return f"{ctx.report.verified} rewrites verified, {len(ctx.report.reverted)} reverted"
 
 
-def kernel_built(name: str, seconds: float, batch: int | None) -> None:
+def kernel_built(name: str, seconds: float, batch: int | None, by: str | None = None,
+                 loaded: bool = False) -> None:
+    """One kernel build of bucket `batch` (`by`: the op, its scalars and the build worker, for
+    a kernel the build pool built; `loaded`: the worker loaded what another process built)."""
     kernels = artifact("k3_kernels")
     if _on(kernels):
-        kernels.debug("bucket %s: built kernel %s in %.2f s", batch, name, seconds)
+        kernels.debug("bucket %s: %s kernel %s in %.2f s%s", batch,
+                      "loaded" if loaded else "built", name, seconds, f" ({by})" if by else "")
 
 
 __all__ = ["ARTIFACTS", "artifact", "fusion_lines", "kernel_built", "names_k3", "register",

@@ -273,9 +273,9 @@ def _prebuilder(written: dict, cuda: bool) -> Callable | None:
         return None
     build_pool.start(workers)
 
-    def prebuild(step: Callable, args, on_build) -> build_pool.Pooled:
+    def prebuild(step: Callable, args, on_build, on_done) -> build_pool.Pooled:
         return build_pool.prebuild(step, args, written=written.get("inputs"), workers=workers,
-                                   on_build=on_build)
+                                   on_build=on_build, on_done=on_done)
 
     return prebuild
 

@@ -12,9 +12,10 @@ running, the kernels built so far and the time; then, on any stream, one line pe
 
 ("torch": Dynamo's graph lowered to ATen before the stages and Inductor's code generation after
 them). With K3_BUILD_WORKERS the first run's kernels are built by a pool of processes first
-(kernels/common/build_pool.py); the line then also says "N built by W workers in S s after a R s
-record run" (the kernels the main process built are those the pool could not). `K3_QUIET=1`
-shows nothing; the TORCH_LOGS artifacts (`k3compile.logs`) are not affected.
+(kernels/common/build_pool.py): the bar counts them as they arrive ("kernels 12/21"), the
+k3_kernels log names each (with its worker), and the line also says "N built by W workers in S s
+after a R s record run" (the kernels the main process built are those the pool could not).
+`K3_QUIET=1` shows nothing; the TORCH_LOGS artifacts (`k3compile.logs`) are not affected.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ class BucketProgress:
         self.kernels: list[tuple[str, float]] = []
         self.first_run_seconds: float | None = None
         self.pooled = None  # what the build pool did (build_pool.Pooled), with K3_BUILD_WORKERS
+        self.pool_total = self.pool_done = 0  # the pool's builds of this bucket, and those done
         self.bar = None if settings.quiet() else _bar(self.stream, len(stages) + 1,
                                                       f"k3 bucket {ctx.batch}")
         self._stop = threading.Event()
@@ -61,8 +63,9 @@ class BucketProgress:
                 raise
 
     def first_run(self, fn: Callable, prebuild: Callable | None = None) -> Callable:
-        """`fn`, its first call counted; `prebuild(fn, args, on_build)` (K3_BUILD_WORKERS: the
-        kernels built by a pool, `build_pool.prebuild`) runs before that call."""
+        """`fn`, its first call counted; `prebuild(fn, args, on_build, on_done)`
+        (K3_BUILD_WORKERS: the kernels built by a pool, `build_pool.prebuild`) runs before that
+        call."""
         done = False
 
         def run(*args):
@@ -75,7 +78,7 @@ class BucketProgress:
                 try:
                     if prebuild is not None:
                         self._show("record run")
-                        self.pooled = prebuild(fn, args, self._on_pool)
+                        self.pooled = prebuild(fn, args, self._on_pool, self._on_pooled)
                         self._show("first run")
                     out = fn(*args)
                 except BaseException:
@@ -113,7 +116,19 @@ class BucketProgress:
         self._show(None)
 
     def _on_pool(self, kernels: int, workers: int) -> None:
+        self.pool_total, self.pool_done = kernels, 0
         self._show(f"{kernels} kernels on {workers} workers")
+
+    def _on_pooled(self, built) -> None:
+        """One build of the pool finished (`build_pool.Built`; a failed one is logged there)."""
+        self.pool_done += 1
+        b = built.build
+        by = f"k3::{b.op} {b.scalars!r}, {b.arch}, worker {built.worker}"
+        for name, seconds in built.compiles:
+            logs.kernel_built(name, seconds, self.ctx.batch, by=by)
+        if not built.compiles and built.error is None:
+            logs.kernel_built(b.op, built.seconds, self.ctx.batch, by=by, loaded=True)
+        self._show(None)
 
     def _tick(self) -> None:
         while not self._stop.wait(1.0):
@@ -124,7 +139,11 @@ class BucketProgress:
             return
         if stage is not None:
             self.bar.set_description_str(f"k3 bucket {self.ctx.batch}: {stage}", refresh=False)
-        self.bar.set_postfix_str(f"{len(self.kernels)} kernels built")
+        built = f"{len(self.kernels)} kernels built"
+        if self.pool_total:  # the pool's, then what the main process built after it
+            built = f"kernels {self.pool_done}/{self.pool_total}" + (
+                f" + {len(self.kernels)} built" if self.kernels else "")
+        self.bar.set_postfix_str(built)
 
     # ---- the line ----------------------------------------------------------------------------
 

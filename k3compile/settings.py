@@ -49,8 +49,8 @@ SWITCHES: dict[str, tuple[str, str]] = {
                         ""),
     "K3_ALLREDUCE": ("kernels: force the TP all-reduce (`one_shot`, `two_shot`, `nccl`)", ""),
     "K3_BUILD_WORKERS": (("kernels: worker processes that build a bucket's CuTe kernels at once "
-                          "(needs K3_CACHE_DIR; `0`: one by one; `auto`: this process's share of "
-                          "the cores, less one)"), "0"),
+                          "(needs K3_CACHE_DIR; `0`: one by one; `auto`: this rank's share of "
+                          "the cores, less one; 0 where the share is 1 core)"), "0"),
     "K3_QUIET": ("no compile progress on stderr (buckets, stages, kernels built)", "0"),
     "K3_STAGE_CACHE": ("option `stage_cache`: each bucket's stage output cached under "
                        "K3_CACHE_DIR", "1"),
@@ -123,9 +123,11 @@ def parse_cache_dir(value: str | None) -> str | None:
 
 
 def parse_workers(value: str | None) -> int:
-    """K3_BUILD_WORKERS: unset or empty -> 0 (no pool); `auto` -> the cores this process may run
-    on, shared by the ranks of this host (LOCAL_WORLD_SIZE, as torchrun sets it: each rank starts
-    its own pool), less one for the process itself, at least 1; else a count >= 0."""
+    """K3_BUILD_WORKERS: unset or empty -> 0 (no pool); `auto` -> this rank's share of the cores
+    this process may run on (shared by the ranks of this host, LOCAL_WORLD_SIZE as torchrun sets
+    it: each rank starts its own pool), less one for the process itself: at least 1, and 0 (one
+    by one, no pool) where the share is under 2 cores (there a worker would build on the core its
+    waiting rank would build on, after its start: ~9 s of imports); else a count >= 0."""
     v = (value or "").strip()
     if not v:
         return 0
@@ -133,7 +135,8 @@ def parse_workers(value: str | None) -> int:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         local = os.environ.get("LOCAL_WORLD_SIZE", "1")
         ranks = int(local) if local.isdigit() and int(local) > 0 else 1
-        return max(1, (cores or 1) // ranks - 1)
+        share = (cores or 1) // ranks
+        return share - 1 if share >= 2 else 0
     if not v.isdigit():
         raise ValueError(f"K3_BUILD_WORKERS={value!r}: expected a number of processes, or `auto` "
                          f"(0: none)")

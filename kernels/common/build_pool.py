@@ -13,6 +13,10 @@ does not survive a fork) imports the kernel's module, finds its `Kernel` by op a
 `compiled(...)`, which stores the entry under K3_CACHE_DIR (`disk_cache.fetch`, under the
 entry's lock: TP ranks' pools never build one entry twice). The pool starts once per process
 (`start`, at the first compile, so the workers import the DSL meanwhile) and serves every bucket.
+A pool's wait is bounded by its last build to finish, so builds are submitted slowest first
+(`order`: the seconds an entry of the same op recorded, `disk_cache.build_seconds`, else the op's
+`FAMILY_SECONDS`). Each finished build is reported to the main process as it arrives (`Built`,
+`prebuild`'s `on_done`: the progress display counts them, the k3_kernels log names them).
 Its workers do not import the parent's `__main__` script (`_no_main`): a user's script without a
 main guard is not run again in each.
 
@@ -30,6 +34,8 @@ import contextlib
 import dataclasses
 import importlib
 import multiprocessing
+import os
+import statistics
 import sys
 import time
 import types
@@ -42,12 +48,25 @@ import torch
 from k3compile import settings
 
 from . import disk_cache
-from .dsl import log
+from .dsl import log, watch_builds
 from .launch import Build, Kernel, recording
 
 _pool: ProcessPoolExecutor | None = None
 _workers = 0
 _told: set[str] = set()  # reasons for doing nothing, logged once each
+
+# An op's expected build seconds where the disk cache holds none of its entries (a cold cache):
+# measured one by one on a loaded 2-core CPU in session 16 (mla_decode, kda_decode, moe_experts,
+# moe_route, attn_res_mix_norm, gemv, rms_norm, situ_gate_up); the others guessed from their
+# kind (a TMA/WGMMA GEMM like the largest, a fused norm + projection like moe_route). Only their
+# order matters.
+FAMILY_SECONDS = {
+    "mla_decode": 6.3, "gemm_tc": 6.0, "kda_decode": 5.1, "moe_experts": 4.2,
+    "moe_front_route": 3.5, "moe_route": 3.4, "oproj_attn_res_mix_norm": 3.0, "mla_q_absorb": 3.0,
+    "attn_res_mix_norm": 2.5, "gemv": 2.0, "mla_lowrank_norm": 1.5, "rms_norm": 0.9,
+    "situ_gate_up": 0.9,
+}
+UNKNOWN_SECONDS = 2.0  # an op in neither
 
 
 @dataclasses.dataclass
@@ -60,6 +79,17 @@ class Pooled:
     record_seconds: float = 0.0  # the record run
     build_seconds: float = 0.0  # waiting for the pool
     why: str | None = None  # why nothing was recorded or built
+
+
+@dataclasses.dataclass(frozen=True)
+class Built:
+    """One build the pool finished, as the main process learns of it (`prebuild`'s `on_done`)."""
+
+    build: Build
+    worker: int  # the worker's process id
+    seconds: float  # the worker's call: the build, or loading what another process stored
+    compiles: tuple[tuple[str, float], ...] = ()  # its `cute.compile`s (name, s); none: loaded
+    error: str | None = None  # why it is left to the real call
 
 
 def start(workers: int) -> ProcessPoolExecutor | None:
@@ -107,10 +137,11 @@ def shutdown() -> None:
 
 
 def prebuild(step: Callable, args, *, written: frozenset[int] | None, workers: int,
-             on_build: Callable[[int, int], None] | None = None) -> Pooled:
+             on_build: Callable[[int, int], None] | None = None,
+             on_done: Callable[[Built], None] | None = None) -> Pooled:
     """Run `step(*args)` once in record mode, with clones of the inputs at `written` (its state:
     the caller's stays as it was), then build the kernels it lacked in the pool (`on_build(n,
-    workers)` first). The outputs of that run are dropped."""
+    workers)` first, `on_done(built)` as each finishes). The outputs of that run are dropped."""
     if workers <= 0:
         return Pooled(why="K3_BUILD_WORKERS=0")
     if disk_cache.root() is None:
@@ -131,43 +162,73 @@ def prebuild(step: Callable, args, *, written: frozenset[int] | None, workers: i
         if on_build is not None:
             on_build(len(builds), workers)
         t0 = time.perf_counter()
-        pooled.kernels, pooled.failed = build(builds, workers)
+        pooled.kernels, pooled.failed = build(builds, workers, on_done)
         pooled.build_seconds = time.perf_counter() - t0
     return pooled
 
 
-def build(builds: list[Build], workers: int) -> tuple[int, int]:
-    """Build `builds` in the pool (each stored in the disk cache); (built, failed)."""
+def build(builds: list[Build], workers: int,
+          on_done: Callable[[Built], None] | None = None) -> tuple[int, int]:
+    """Build `builds` in the pool, slowest first (each stored in the disk cache; `on_done(built)`
+    as each finishes); (built, failed)."""
     pool = start(workers)
     if pool is None:
         return 0, len(builds)
     snapshot = dataclasses.replace(settings.KERNELS)
     done = failed = 0
     try:
-        futures = {pool.submit(_build, b, snapshot): b for b in builds}
+        futures = {pool.submit(_build, b, snapshot): b for b in order(builds)}
         for future in as_completed(futures):
-            b = futures[future]
-            try:
-                name = future.result()
-            except BrokenProcessPool:
-                raise
-            except Exception as e:  # noqa: BLE001 - the real call builds it
-                log.warning("k3::%s: a build worker failed (%s: %s); building it here",
-                            b.op, type(e).__name__, e)
-                failed += 1
-                continue
-            where = disk_cache.entry_of(b.op, b.key, b.arch, b.module)
-            if where is None or where[0].name != name:
-                log.warning("k3::%s: a build worker stored another key (its environment "
-                            "differs); building it here", b.op)
-                failed += 1
-            else:
-                done += 1
+            built = _checked(futures[future], future)
+            done, failed = done + (built.error is None), failed + (built.error is not None)
+            if on_done is not None:
+                on_done(built)
     except BrokenProcessPool as e:
         log.warning("k3: the build pool died (%s); kernels build one by one", e)
         shutdown()
         return done, len(builds) - done
     return done, failed
+
+
+def _checked(b: Build, future) -> Built:
+    """What the worker did with `b` (BrokenProcessPool raises): its entry must be this process's
+    key, else the real call builds it."""
+    try:
+        entry, compiles, seconds, worker = future.result()
+    except BrokenProcessPool:
+        raise
+    except Exception as e:  # noqa: BLE001 - the real call builds it
+        log.warning("k3::%s: a build worker failed (%s: %s); building it here",
+                    b.op, type(e).__name__, e)
+        return Built(b, 0, 0.0, error=f"{type(e).__name__}: {e}")
+    where = disk_cache.entry_of(b.op, b.key, b.arch, b.module)
+    if where is None or where[0].name != entry:
+        log.warning("k3::%s: a build worker stored another key (its environment differs); "
+                    "building it here", b.op)
+        return Built(b, worker, seconds, compiles, error="another key")
+    return Built(b, worker, seconds, compiles)
+
+
+def order(builds: list[Build]) -> list[Build]:
+    """`builds` slowest first (by `expected_seconds`): a pool's wait is bounded by its last build
+    to finish, so the longest start first; equal ones keep the record run's order."""
+    expected = expected_seconds(builds)
+    ranked = sorted(range(len(builds)), key=lambda i: (-expected[i], i))
+    return [builds[i] for i in ranked]
+
+
+def expected_seconds(builds: list[Build]) -> list[float]:
+    """Each build's expected seconds: what the disk cache's entry of the same op and compile key
+    took (under an older source or toolchain), else the median of that op's entries, else
+    `FAMILY_SECONDS`."""
+    history = {op: disk_cache.build_seconds(op) for op in dict.fromkeys(b.op for b in builds)}
+    out = []
+    for b in builds:
+        seen = history[b.op]
+        same = seen.get(repr(b.key))
+        out.append(same if same is not None else statistics.median(seen.values()) if seen
+                   else FAMILY_SECONDS.get(b.op, UNKNOWN_SECONDS))
+    return out
 
 
 def _copy(t: torch.Tensor) -> torch.Tensor:
@@ -191,15 +252,21 @@ def _ready() -> None:
     have_dsl()  # the DSL imported while the main process compiles
 
 
-def _build(b: Build, kernels: settings.KernelSettings) -> str | None:
-    """Build (or load) one kernel through its `Kernel`, which stores it; its entry's name."""
+def _build(b: Build, kernels: settings.KernelSettings):
+    """Build (or load) one kernel through its `Kernel`, which stores it: (its entry's name, the
+    `cute.compile`s it took (name, seconds), the call's seconds, this worker's process id)."""
     for field in dataclasses.fields(kernels):
         setattr(settings.KERNELS, field.name, getattr(kernels, field.name))
     module = importlib.import_module(b.module)
     kernel = next(k for k in vars(module).values() if isinstance(k, Kernel) and k.op == b.op)
-    kernel.compiled(*b.scalars, arch=b.arch, pdl=b.pdl, **dict(b.options))
+    compiles: list[tuple[str, float]] = []
+    t0 = time.perf_counter()
+    with watch_builds(lambda name, seconds: compiles.append((name, seconds))):
+        kernel.compiled(*b.scalars, arch=b.arch, pdl=b.pdl, **dict(b.options))
+    seconds = time.perf_counter() - t0
     where = disk_cache.entry_of(b.op, b.key, b.arch, b.module)
-    return None if where is None else where[0].name
+    return None if where is None else where[0].name, tuple(compiles), seconds, os.getpid()
 
 
-__all__ = ["Pooled", "build", "prebuild", "shutdown", "start"]
+__all__ = ["FAMILY_SECONDS", "Built", "Pooled", "build", "expected_seconds", "order",
+           "prebuild", "shutdown", "start"]

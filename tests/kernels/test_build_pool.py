@@ -7,16 +7,22 @@ outside `Kernel.run` (`Deferred`); a valid disk entry is loaded, not recorded. `
 step once in record mode on clones of the inputs it writes (the caller's stay as they were),
 two worker processes build what it lacked into a fresh K3_CACHE_DIR, and the main process then
 loads both kernels and builds none (`slow`); the workers do not run the parent's script again
-(`slow`). Without a disk cache it does nothing. GPU: a tiny bf16 step's first kernels, built by
-the pool, loaded by the main process; outputs bitwise those of serial builds.
+(`slow`). Without a disk cache it does nothing. Builds go to the pool slowest first (the seconds
+the disk cache's entries of the op recorded, else the op's family weight); each finished build
+reaches the main process's k3_kernels log and progress bar ("kernels 1/2"), here through a
+stand-in pool that spawns nothing. GPU: a tiny bf16 step's first kernels, built by the pool,
+loaded by the main process; outputs bitwise those of serial builds.
 """
 
 from __future__ import annotations
 
+import io
+import json
 import os
 import subprocess
 import sys
 from collections import Counter
+from concurrent.futures import Future
 
 import pytest
 import torch
@@ -26,9 +32,14 @@ pytest.importorskip("cutlass")
 from k3compile.kernels import rms_norm
 from k3compile.kernels.common import build_pool, disk_cache, dsl, launch
 from k3compile.kernels.common.dsl import CompileCache, bucket
-from k3compile.kernels.common.launch import Deferred, Kernel, recording
+from k3compile.kernels.common.launch import Build, Deferred, Kernel, recording
 
 from k3compile import settings
+from k3compile.observe import Observer
+from k3compile.progress import BucketProgress
+from k3compile.settings import Options
+from k3compile.stages import Context
+from tests.tools.test_logging import k3_logs  # noqa: F401  (a fixture)
 
 pytestmark = pytest.mark.dsl
 
@@ -101,14 +112,19 @@ def test_prebuild_builds_in_workers_then_the_main_process_loads(cache_dir):
         state.add_(1)  # the step's state write: on a copy in the record run
         return [rms_norm.rms_norm_cuda(x, w, EPS) for x, w in zip(xs, ws)]
 
-    shown = []
+    shown, done = [], []
     try:
         pooled = build_pool.prebuild(step, (state, *xs), written=frozenset({0}), workers=2,
-                                     on_build=lambda n, w: shown.append((n, w)))
+                                     on_build=lambda n, w: shown.append((n, w)),
+                                     on_done=done.append)
     finally:
         build_pool.shutdown()
     assert torch.equal(state, torch.zeros(4)), "the caller's state stays as it was"
     assert (pooled.kernels, pooled.failed, pooled.workers, shown) == (2, 0, 2, [(2, 2)])
+    assert all(d.error is None and d.worker not in (0, os.getpid()) and len(d.compiles) == 1
+               for d in done), done
+    assert set(disk_cache.build_seconds(rms_norm.OP)) == {repr(d.build.key) for d in done}, \
+        "each entry's header has its build seconds, under the key the main process records"
     assert disk_cache.stats() == {}, "the main process built nothing"
     assert len(list(cache_dir.rglob("*.k3kernel"))) == 2
     for d in DIMS:  # the real first call's kernels: loaded
@@ -218,10 +234,12 @@ def test_a_refused_call_in_record_mode_is_not_counted_as_a_fallback(cache_dir):
 
 @pytest.mark.parametrize(("value", "local", "want"), [
     ("", None, 0), ("0", None, 0), ("6", None, 6),
-    ("auto", None, "cores - 1"), ("auto", "2", "cores // 2 - 1"), ("auto", "999", 1)])
+    ("auto", None, "cores - 1"), ("auto", "2", "cores // 2 - 1"), ("auto", "8", 1),
+    ("auto", "16", 0), ("auto", "999", 0), ("auto", "x", "cores - 1")])
 def test_build_workers_setting(monkeypatch, value, local, want):
-    """K3_BUILD_WORKERS: a count, or `auto`: this process's cores shared by the host's ranks
-    (torchrun's LOCAL_WORLD_SIZE), less one, at least one."""
+    """K3_BUILD_WORKERS: a count, or `auto`: this process's 16 cores shared by the host's ranks
+    (torchrun's LOCAL_WORLD_SIZE), less one: at least one, none (one by one) where a rank's
+    share is a single core (16 ranks) or less."""
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
     if local is None:
         monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
@@ -231,3 +249,108 @@ def test_build_workers_setting(monkeypatch, value, local, want):
     assert settings.parse_workers(value) == expected
     with pytest.raises(ValueError, match="K3_BUILD_WORKERS"):
         settings.parse_workers("many")
+
+
+# ---- the order of the pool's builds, and what the main process hears of each ---------------------
+
+def fake(op: str, n: int) -> Build:
+    return Build(op, "k3compile.kernels.fake", (n,), "sm_90a", None, ())
+
+
+class _Pool:
+    """A stand-in for the process pool: spawns nothing; each submitted build is finished at
+    once, as if a worker (process 4242) had built it into the entry the main process expects,
+    or (scalars in `loaded`) worker 4243 had loaded what another process stored."""
+
+    def __init__(self):
+        self.submitted: list[Build] = []
+        self.loaded: set[int] = set()
+
+    def submit(self, fn, b: Build, kernels):
+        self.submitted.append(b)
+        entry, n = f"{b.op}-{b.scalars[0]}.k3kernel", b.scalars[0]
+        future = Future()
+        future.set_result((entry, (), 0.05, 4243) if n in self.loaded
+                          else (entry, ((f"{b.op}_host", 1.25),), 1.5, 4242))
+        return future
+
+
+@pytest.fixture
+def pool(cache_dir, monkeypatch):
+    """A stand-in pool, every key storable (its entry named by op and scalars)."""
+    stand_in = _Pool()
+    monkeypatch.setattr(build_pool, "start", lambda workers: stand_in)
+    monkeypatch.setattr(disk_cache, "entry_of", lambda op, key, arch, module: (
+        disk_cache.root() / f"{op}-{key[0]}.k3kernel", "text"))
+    return stand_in
+
+
+def history(op: str, n: int, seconds: float | None, name: str) -> None:
+    """An entry of `op` in the disk cache whose header recorded `seconds` for scalars (n,)."""
+    text = json.dumps({"op": op, "key": repr(fake(op, n).key)})
+    path = disk_cache.root() / op / f"{name}.k3kernel"
+    disk_cache.write_entry(path, text, b"object", seconds)
+    assert disk_cache.read_entry(path, text) == b"object"
+
+
+BUILDS = [fake("rms_norm", 1), fake("gemv", 2), fake("mla_decode", 3), fake("gemv", 4),
+          fake("not_a_family", 5)]
+
+
+def test_without_history_builds_go_slowest_family_first(pool):
+    """A cold cache: the family weights (mla_decode > gemv = an unknown op > rms_norm); equal
+    ones in the record run's order."""
+    assert build_pool.build(BUILDS, 2) == (5, 0)
+    assert [(b.op, b.scalars[0]) for b in pool.submitted] == [
+        ("mla_decode", 3), ("gemv", 2), ("gemv", 4), ("not_a_family", 5), ("rms_norm", 1)]
+
+
+def test_recorded_build_seconds_order_the_builds(pool, cache_dir):
+    """The seconds of an entry of the same key (here: rms_norm's 9 s), else the median of the
+    op's entries (gemv: 0.6 s, below an unknown op's weight); entries without seconds (older
+    headers) or unreadable are left out."""
+    history("rms_norm", 1, 9.0, "old-source")
+    for n, seconds in [(7, 0.5), (8, 0.3), (9, 0.7), (4, 3.0)]:
+        history("gemv", n, seconds, f"e{n}")
+    history("gemv", 2, None, "no-seconds")
+    (cache_dir / "kernels" / "gemv" / "junk.k3kernel").write_bytes(b"not an entry")
+    assert build_pool.expected_seconds(BUILDS) == [9.0, 0.6, 6.3, 3.0, 2.0]
+    assert build_pool.build(BUILDS, 2) == (5, 0)
+    assert [(b.op, b.scalars[0]) for b in pool.submitted] == [
+        ("rms_norm", 1), ("mla_decode", 3), ("gemv", 4), ("not_a_family", 5), ("gemv", 2)]
+
+
+def test_pool_builds_reach_the_kernels_log_and_the_bar(pool, k3_logs):  # noqa: F811
+    """A bucket's first run with the pool (a real record run of two rms_norm calls, the stand-in
+    pool): the k3_kernels artifact gets one line per build as it arrives (name, op and scalars,
+    arch, worker; `loaded` where the worker found another process's entry), and a terminal's
+    bar counts them."""
+    pytest.importorskip("tqdm")
+    set_logs, seen = k3_logs
+    set_logs(k3_kernels=True)
+    pool.loaded = {DIMS[1]}
+    xs, ws = [rows(1, d, d) for d in DIMS], [rows(1, d, d + 1)[0] for d in DIMS]
+    calls = []
+
+    def step():  # the record run calls the kernels; the real call (loading them) is not tested
+        calls.append(len(calls))
+        return [rms_norm.rms_norm_cuda(x, w, EPS) for x, w in zip(xs, ws)] if calls == [0] else []
+
+    def prebuild(fn, args, on_build, on_done):
+        return build_pool.prebuild(fn, args, written=frozenset(), workers=2, on_build=on_build,
+                                   on_done=on_done)
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    tty = Tty()
+    p = BucketProgress(Observer(), Context(Options.make({}), 1), [], stream=tty)
+    p.first_run(step, prebuild)()
+    assert (p.pooled.kernels, p.pooled.failed, p.pool_done, p.pool_total) == (2, 0, 2, 2)
+    cfg = [repr((d, rms_norm.config(d, 1))) for d in DIMS]
+    assert sorted(seen.texts("k3compile.__k3_kernels")) == [
+        (f"bucket 1: built kernel rms_norm_host in 1.25 s (k3::rms_norm {cfg[0]}, None, "
+         f"worker 4242)"),
+        f"bucket 1: loaded kernel rms_norm in 0.05 s (k3::rms_norm {cfg[1]}, None, worker 4243)"]
+    assert "kernels 1/2" in tty.getvalue() and "kernels 2/2" in tty.getvalue()
