@@ -2,6 +2,7 @@
 
     python benchmarks/build_pool.py --workers 0,2            # CPU: builds for CUTE_DSL_ARCH
     python benchmarks/build_pool.py --workers 0,4,8,15 --out out
+    python benchmarks/build_pool.py --workers 4 --order slowest,recorded   # submission orders
 
 The kernels: a B1 set at one K3 TP16 rank's shapes (`SET`: the kernels' `prepare` helpers at
 bucket 1, their keys collected in record mode, kernels/common/launch.py), close to but not
@@ -9,7 +10,9 @@ exactly what the yardstick's B1 graph meets. For each worker count, a fresh K3_C
 builds each in this process (`Kernel.compiled`, as the first call does today); N starts a pool
 of N spawned processes (timed apart: in the backend it starts with the first compile and its
 imports overlap the stages) and builds them there (kernels/common/build_pool.py); then this
-process loads every kernel (none may be built). Prints and writes build_pool.json under --out.
+process loads every kernel (none may be built). `--order`: the pool's submission order, slowest
+first (build_pool.order: a fresh cache, so the ops' FAMILY_SECONDS) or as recorded (results under
+"N:recorded"). Prints and writes build_pool.json under --out.
 """
 
 from __future__ import annotations
@@ -101,7 +104,7 @@ def children_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def pooled(builds: list[Build], workers: int) -> dict:
+def pooled(builds: list[Build], workers: int, recorded: bool = False) -> dict:
     t0 = time.perf_counter()
     c0 = children_cpu()
     pool = build_pool.start(workers)
@@ -109,7 +112,15 @@ def pooled(builds: list[Build], workers: int) -> dict:
         f.result()  # the workers up, the DSL imported
     started = time.perf_counter() - t0
     t0 = time.perf_counter()
-    done, failed = build_pool.build(builds, workers)
+    order = build_pool.order
+    if recorded:
+        build_pool.order = list
+    finished: list[tuple[str, float, int]] = []  # (op, worker seconds, worker) as they end
+    try:
+        done, failed = build_pool.build(builds, workers, lambda b: finished.append(
+            (b.build.op, round(b.seconds, 2), b.worker)))
+    finally:
+        build_pool.order = order
     built = time.perf_counter() - t0
     build_pool.shutdown()
     cpu = children_cpu() - c0  # the workers' whole lives: start, imports, builds
@@ -117,12 +128,14 @@ def pooled(builds: list[Build], workers: int) -> dict:
     loaded, _ = serial(builds)
     return {"start_s": round(started, 2), "build_s": round(built, 2),
             "workers_cpu_s": round(cpu, 1), "built": done, "failed": failed,
-            "load_s": round(loaded, 3), "stats": dict(disk_cache.STATS)}
+            "load_s": round(loaded, 3), "stats": dict(disk_cache.STATS), "finished": finished}
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workers", default="0,2", help="comma list; 0: one by one in this process")
+    p.add_argument("--order", default="slowest",
+                   help="comma list of pool submission orders: slowest, recorded")
     p.add_argument("--out", default="out")
     args = p.parse_args(argv)
     if not have_dsl():
@@ -134,23 +147,26 @@ def main(argv=None) -> int:
         print(f"{len(builds)} kernels ({arch}, {os.cpu_count()} cores, load "
               f"{os.getloadavg()[0]:.1f})", flush=True)
         results = {}
-        for workers in [int(w) for w in args.workers.split(",")]:
-            fresh(Path(tmp) / f"w{workers}")
+        runs = [(int(w), o) for w in args.workers.split(",")
+                for o in (["slowest"] if w == "0" else args.order.split(","))]
+        for workers, order in runs:
+            name = str(workers) if order == "slowest" else f"{workers}:{order}"
+            fresh(Path(tmp) / f"w{workers}{order}")
             if workers == 0:
                 each: list[float] = []
                 wall, cpu = serial(builds, each)
-                results[workers] = {"build_s": round(wall, 2), "cpu_s": round(cpu, 1),
-                                    "stats": dict(disk_cache.STATS),
-                                    "each_s": [(b.op, s) for b, s in zip(builds, each)]}
+                results[name] = {"build_s": round(wall, 2), "cpu_s": round(cpu, 1),
+                                 "stats": dict(disk_cache.STATS),
+                                 "each_s": [(b.op, s) for b, s in zip(builds, each)]}
             else:
-                results[workers] = pooled(builds, workers)
-            print(f"workers {workers}: {json.dumps(results[workers])}", flush=True)
+                results[name] = pooled(builds, workers, recorded=order == "recorded")
+            print(f"workers {name}: {json.dumps(results[name])}", flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "build_pool.json").write_text(json.dumps(
         {"kernels": len(builds), "arch": arch, "cores": os.cpu_count(),
          "ops": sorted({b.op for b in builds}), "results": results}, indent=1))
-    bad = [w for w, r in results.items() if w and (r["failed"] or r["stats"].get("built"))]
+    bad = [w for w, r in results.items() if w != "0" and (r["failed"] or r["stats"].get("built"))]
     return 1 if bad else 0
 
 

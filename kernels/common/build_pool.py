@@ -180,7 +180,10 @@ def build(builds: list[Build], workers: int,
         futures = {pool.submit(_build, b, snapshot): b for b in order(builds)}
         for future in as_completed(futures):
             built = _checked(futures[future], future)
-            done, failed = done + (built.error is None), failed + (built.error is not None)
+            if built.error is None:
+                done += 1
+            else:
+                failed += 1
             if on_done is not None:
                 on_done(built)
     except BrokenProcessPool as e:

@@ -39,12 +39,13 @@ from k3compile.observe import Observer
 from k3compile.progress import BucketProgress
 from k3compile.settings import Options
 from k3compile.stages import Context
-from tests.tools.test_logging import k3_logs  # noqa: F401  (a fixture)
+from tests.tools import test_logging as logging_tests
 
 pytestmark = pytest.mark.dsl
 
 DIMS = (256, 512)
 EPS = 1e-5
+k3_logs = logging_tests.k3_logs  # torch's logging set for a test, reset after (fixture)
 
 
 @pytest.fixture
@@ -320,7 +321,8 @@ def test_recorded_build_seconds_order_the_builds(pool, cache_dir):
         ("rms_norm", 1), ("mla_decode", 3), ("gemv", 4), ("not_a_family", 5), ("gemv", 2)]
 
 
-def test_pool_builds_reach_the_kernels_log_and_the_bar(pool, k3_logs):  # noqa: F811
+@pytest.mark.skipif("TORCH_LOGS" in os.environ, reason="TORCH_LOGS set: torch ignores set_logs")
+def test_pool_builds_reach_the_kernels_log_and_the_bar(pool, k3_logs):
     """A bucket's first run with the pool (a real record run of two rms_norm calls, the stand-in
     pool): the k3_kernels artifact gets one line per build as it arrives (name, op and scalars,
     arch, worker; `loaded` where the worker found another process's entry), and a terminal's
