@@ -255,7 +255,8 @@ def _ready() -> None:
     have_dsl()  # the DSL imported while the main process compiles
 
 
-def _build(b: Build, kernels: settings.KernelSettings):
+def _build(b: Build, kernels: settings.KernelSettings
+           ) -> tuple[str | None, tuple[tuple[str, float], ...], float, int]:
     """Build (or load) one kernel through its `Kernel`, which stores it: (its entry's name, the
     `cute.compile`s it took (name, seconds), the call's seconds, this worker's process id)."""
     for field in dataclasses.fields(kernels):
@@ -268,7 +269,8 @@ def _build(b: Build, kernels: settings.KernelSettings):
         kernel.compiled(*b.scalars, arch=b.arch, pdl=b.pdl, **dict(b.options))
     seconds = time.perf_counter() - t0
     where = disk_cache.entry_of(b.op, b.key, b.arch, b.module)
-    return None if where is None else where[0].name, tuple(compiles), seconds, os.getpid()
+    entry = None if where is None else where[0].name
+    return entry, tuple(compiles), seconds, os.getpid()
 
 
 __all__ = ["FAMILY_SECONDS", "Built", "Pooled", "build", "expected_seconds", "order",
