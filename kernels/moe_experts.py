@@ -184,6 +184,13 @@ def fc1_smem(latent: int, cfg: FC1Config) -> int:
     return z + 16 * 32 * 2 * cfg.rows_per_warp * (m + split) * cfg.warps
 
 
+def fc2_smem(inter: int, top_k: int, cfg: FC2Config) -> int:
+    """FC2's shared memory per CTA: token n's k act rows (fp32, or `f16` fp16 pairs, rows
+    padded by 16 bytes), the R·k weighted products to sum, `f16`'s k maxima."""
+    pitch = (inter // 2 if cfg.f16 else inter) + 4
+    return 4 * top_k * (pitch + cfg.rows_per_cta + cfg.f16) + 64
+
+
 def fc1_fits(latent: int, cfg: FC1Config) -> bool:
     return 32 <= cfg.threads <= 1024 and fc1_smem(latent, cfg) <= SMEM_BYTES
 
@@ -309,21 +316,24 @@ def moe_experts_cuda(z, ids, weights, w1_packed, w1_scale, w3_packed, w3_scale, 
     """k3::moe_experts with the two kernels, or the reference (reason logged) when they refuse
     the inputs. `out` [N, L] bf16 (last dim contiguous) is written only when the kernels run."""
     args = (z, ids, weights, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale)
-
-    def call_refusal():
-        if reason := moe_experts_refusal(*args) or refusal(*args):
-            return reason
-        if not all(t.is_cuda for t in args):
-            return "not on a CUDA device"
-        if out is not None and (
-                out.dtype != torch.bfloat16 or out.shape != z.shape or out.stride(-1) != 1
-                or out.stride(0) % 8 or not aligned16(out)):
-            return f"out: {out.dtype} {tuple(out.shape)} {out.stride()}"
-        return None
-
-    return KERNEL.run(call_refusal, lambda: moe_experts_ref(*args, beta, linear_beta),
+    return KERNEL.run(lambda: call_refusal(args, out),
+                      lambda: moe_experts_ref(*args, beta, linear_beta),
                       lambda: _launch(args, beta, linear_beta, out),
                       z, w1_packed, w3_packed, w2_packed)
+
+
+def call_refusal(args, out) -> str | None:
+    """Why the kernels cannot take this call (the nine tensor operands `args`, `out`), or None."""
+    z = args[0]
+    if reason := moe_experts_refusal(*args) or refusal(*args):
+        return reason
+    if not all(t.is_cuda for t in args):
+        return "not on a CUDA device"
+    if out is not None and (
+            out.dtype != torch.bfloat16 or out.shape != z.shape or out.stride(-1) != 1
+            or out.stride(0) % 8 or not aligned16(out)):
+        return f"out: {out.dtype} {tuple(out.shape)} {out.stride()}"
+    return None
 
 
 def _launch(args, beta, linear_beta, out):

@@ -31,7 +31,9 @@ from ..moe_experts import (
     _lane_steps,
     fc1_fits,
     fc1_smem,
+    fc2_smem,
 )
+from .last_cta import wait_count
 
 
 def decode_dot(words, z):
@@ -262,8 +264,7 @@ class FC1:
                  beta: Float32, linear_beta: Float32, stream):
         # mZ: (N, L) bf16; mIdx: ids (N, k); mW1, mW3: (E·I, L/8) int32 words of packed
         # nibbles; mS1, mS3: (E·I, L/32) uint8; mAct: (N·k, I) bf16
-        kernel = self.kernel_async if const_expr(self.cp_async) else self.kernel
-        kernel(mZ, mIdx, mW1, mS1, mW3, mS3, mAct, beta, linear_beta).launch(
+        self.kernel(mZ, mIdx, mW1, mS1, mW3, mS3, mAct, beta, linear_beta).launch(
             grid=[mZ.shape[0] * self.top_k, -(-self.inter // self.rows), 1],
             block=[self.threads, 1, 1], smem=fc1_smem(self.latent, self.cfg), stream=stream,
             use_pdl=self.pdl)
@@ -338,8 +339,16 @@ class FC1:
         # with PDL (settings.KERNELS.pdl) no weight load can go first: the ids that pick the
         # experts are the route kernel's output
         pdl_wait(self.pdl)
-        tidx, _, _ = cute.arch.thread_idx()
         pair, blk, _ = cute.arch.block_idx()
+        body = self.body_async if const_expr(self.cp_async) else self.body
+        body(pair, blk, mZ, mIds, mW1, mS1, mW3, mS3, mAct, beta, linear_beta)
+
+    @cute.jit
+    def body(self, pair: Int32, blk: Int32, mZ: cute.Tensor, mIds: cute.Tensor,
+             mW1: cute.Tensor, mS1: cute.Tensor, mW3: cute.Tensor, mS3: cute.Tensor,
+             mAct: cute.Tensor, beta: Float32, linear_beta: Float32):
+        """Pair `pair` (n·k + j), row block `blk`: every weight load, then z, then the math."""
+        tidx, _, _ = cute.arch.thread_idx()
         lane, warp = cute.arch.lane_idx(), cute.arch.warp_idx()
         n, j = pair // self.top_k, pair % self.top_k
         n_exp = mW1.shape[0] // self.inter
@@ -357,14 +366,12 @@ class FC1:
         down = self.stage(rZ8, sZ, sMax, tidx)
         self.dot_finish(w, sZ, lane, pair, i0, mAct, beta, linear_beta, down)
 
-    @cute.kernel
-    def kernel_async(self, mZ: cute.Tensor, mIds: cute.Tensor, mW1: cute.Tensor,
-                     mS1: cute.Tensor, mW3: cute.Tensor, mS3: cute.Tensor,
-                     mAct: cute.Tensor, beta: Float32, linear_beta: Float32):
-        """`kernel` with the weights streamed by cp.async: same math, same order."""
-        pdl_wait(self.pdl)
+    @cute.jit
+    def body_async(self, pair: Int32, blk: Int32, mZ: cute.Tensor, mIds: cute.Tensor,
+                   mW1: cute.Tensor, mS1: cute.Tensor, mW3: cute.Tensor, mS3: cute.Tensor,
+                   mAct: cute.Tensor, beta: Float32, linear_beta: Float32):
+        """`body` with the weights streamed by cp.async: same math, same order."""
         tidx, _, _ = cute.arch.thread_idx()
-        pair, blk, _ = cute.arch.block_idx()
         lane, warp = cute.arch.lane_idx(), cute.arch.warp_idx()
         I, NV, M, RW, S = self.inter, self.nv, self.m, self.rw, self.steps
         n, j = pair // self.top_k, pair % self.top_k
@@ -454,7 +461,7 @@ class FC2:
     def __init__(self, latent: int, inter: int, top_k: int, cfg: FC2Config):
         self.latent, self.inter, self.top_k = latent, inter, top_k
         self.nvi = inter // 32  # packed vectors (and scales) per W2 row
-        self.rows, self.threads, self.f16 = cfg.rows_per_cta, cfg.threads, cfg.f16
+        self.cfg, self.rows, self.threads, self.f16 = cfg, cfg.rows_per_cta, cfg.threads, cfg.f16
         # act row pitch in smem, 4-byte words of fp32 (`f16`: of fp16 pairs): rows j, j + 1
         # 16 bytes apart in the banks
         self.pitch = (inter // 2 if cfg.f16 else inter) + 4
@@ -545,16 +552,33 @@ class FC2:
                  mW2: cute.Tensor, mS2: cute.Tensor, mY: cute.Tensor, stream):
         # mActRows: (N, k·I) bf16 (act, one row per token); mIds, mWt: (N, k);
         # mW2: (E·L, I/8) int32 words; mS2: (E·L, I/32) uint8; mY: (N, L) bf16
-        smem = 4 * self.top_k * (self.pitch + self.rows + self.f16) + 64
         self.kernel(mActRows, mIds, mWt, mW2, mS2, mY).launch(
             grid=[mY.shape[0], -(-self.latent // self.rows), 1],
-            block=[self.threads, 1, 1], smem=smem, stream=stream, use_pdl=True)
+            block=[self.threads, 1, 1], smem=fc2_smem(self.inter, self.top_k, self.cfg),
+            stream=stream, use_pdl=True)
 
     @cute.kernel
     def kernel(self, mActRows: cute.Tensor, mIds: cute.Tensor, mWt: cute.Tensor,
                mW2: cute.Tensor, mS2: cute.Tensor, mY: cute.Tensor):
-        tidx, _, _ = cute.arch.thread_idx()
         n, blk, _ = cute.arch.block_idx()
+        self.body(n, blk, mActRows, mIds, mWt, mW2, mS2, mY, None, 0)
+
+    @cute.jit
+    def wait_act(self, mDone, target):
+        """Until token n's act is written: the PDL wait for FC1's grid, or (one launch,
+        kernels/device/moe_one_launch.py) token n's count of finished FC1 CTAs."""
+        if const_expr(mDone is None):
+            cute.arch.griddepcontrol_wait()
+        else:
+            wait_count(mDone, target)
+
+    @cute.jit
+    def body(self, n: Int32, blk: Int32, mActRows: cute.Tensor, mIds: cute.Tensor,
+             mWt: cute.Tensor, mW2: cute.Tensor, mS2: cute.Tensor, mY: cute.Tensor, mDone,
+             target):
+        """Token n, output rows blk·R ..: the first W2 chunk, `wait_act` (mDone, target), act
+        staged, the dots, the weighted sum over k."""
+        tidx, _, _ = cute.arch.thread_idx()
         L, K, R, NVI = self.latent, self.top_k, self.rows, self.nvi
         smem = cutlass.memory.SmemAllocator()
         sAct = smem.allocate_tensor(Uint32 if const_expr(self.f16) else Float32,
@@ -581,10 +605,10 @@ class FC2:
             sMax = smem.allocate_tensor(Int32, cute.make_layout((K,)), 4)
             if tidx < K:
                 sMax[tidx] = Int32(0)
-            cute.arch.griddepcontrol_wait()
+            self.wait_act(mDone, target)
             down = self.stage_act_f16(mActRows, sAct, sMax, n, tidx, j)
         else:
-            cute.arch.griddepcontrol_wait()
+            self.wait_act(mDone, target)
             self.stage_act(mActRows, sAct, n, tidx)
 
         acc = Float32(0.0)  # one fp32 sum over c = 0 .. I/32 - 1 in order, whatever the chunks
