@@ -44,7 +44,7 @@ SWITCHES: dict[str, tuple[str, str]] = {
     "K3_MOE_GROUPED": ("kernels: `moe_experts` by expert on tensor cores at 8-64 rows", "0"),
     "K3_MOE_F16": ("kernels: `moe_experts` FC1 decodes into packed fp16 math (fma.rn.f16x2)", "0"),
     "K3_KERNELS_EXTRA": (("kernels: also register these opt-in kernel modules (not yet run on a GPU: "
-                          "mla_q_absorb, moe_front_route, oproj_mix)"), ""),
+                          "mla_q_absorb, moe_front_route, oproj_mix, moe_one_launch)"), ""),
     "K3_KERNELS_SKIP": ("kernels: leave these kernels unregistered (their sites go to Inductor)",
                         ""),
     "K3_ALLREDUCE": ("kernels: force the TP all-reduce (`one_shot`, `two_shot`, `nccl`)", ""),

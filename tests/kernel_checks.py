@@ -55,6 +55,37 @@ def assert_refused(refusal, args, i, value, words: str) -> None:
     assert why and words in why, why
 
 
+def check_extra_replaces(monkeypatch, extra: str, op, one_fn, two_fn, restore) -> None:
+    """K3_KERNELS_EXTRA=`extra` names a kernel module whose register() makes `one_fn` the CUDA
+    implementation of `op` in place of `two_fn`; `restore()` (the base module's register())
+    puts `two_fn` back."""
+    import importlib
+    import inspect
+
+    from k3compile import kernels, settings
+
+    def impls():  # the functions torch's and our wrappers hold (closures, __wrapped__)
+        found, todo = [], [op._backend_fns["cuda"]]
+        while todo:
+            fn = todo.pop()
+            if fn in found:
+                continue
+            found.append(fn)
+            todo += [c.cell_contents for c in getattr(fn, "__closure__", None) or ()
+                     if inspect.isfunction(c.cell_contents)]
+            todo += [fn.__wrapped__] if hasattr(fn, "__wrapped__") else []
+        return found
+
+    monkeypatch.setattr(settings.KERNELS, "extra", (extra,))
+    assert kernels.extra_kernels() == (extra,)
+    try:
+        importlib.import_module(f"k3compile.kernels.{extra}").register()
+        assert one_fn in impls()
+    finally:
+        restore()
+    assert two_fn in impls() and one_fn not in impls()
+
+
 def on_gpu(test):
     """A GPU test with every kernel registered (the `cuda_kernels` fixture skips without one)."""
     return pytest.mark.gpu(pytest.mark.usefixtures("cuda_kernels")(test))

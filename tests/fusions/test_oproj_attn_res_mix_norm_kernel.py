@@ -16,9 +16,16 @@ import pytest
 import torch
 from k3compile.kernels import oproj_attn_res_mix_norm as kernel
 
-from k3compile import kernels, settings
+from k3compile import settings
 from k3compile.ops.attn_res_mix_norm import attn_res_mix_norm_ref, mix_norm_after
-from tests.kernel_checks import TOL, assert_written, no_fallback, on_gpu, rel_err
+from tests.kernel_checks import (
+    TOL,
+    assert_written,
+    check_extra_replaces,
+    no_fallback,
+    on_gpu,
+    rel_err,
+)
 
 D, K, EPS = 7168, 768, 1e-5  # hidden; one TP16 rank's heads x v_dim
 
@@ -76,33 +83,10 @@ def test_refusals():
 def test_the_extra_replaces_the_two_launches(monkeypatch):
     """K3_KERNELS_EXTRA=oproj_mix names a module; its register() makes the one launch the op's
     CUDA implementation (the two-launch one restored afterwards)."""
-    import inspect
-
-    from k3compile.kernels import oproj_mix
-
     from k3compile.ops.oproj_attn_res_mix_norm import oproj_attn_res_mix_norm as op
 
-    def cuda_impl():  # the functions torch's and our wrappers hold (closures, __wrapped__)
-        found, todo = [], [op._backend_fns["cuda"]]
-        while todo:
-            fn = todo.pop()
-            if fn in found:
-                continue
-            found.append(fn)
-            todo += [c.cell_contents for c in getattr(fn, "__closure__", None) or ()
-                     if inspect.isfunction(c.cell_contents)]
-            todo += [fn.__wrapped__] if hasattr(fn, "__wrapped__") else []
-        return found
-
-    monkeypatch.setattr(settings.KERNELS, "extra", ("oproj_mix",))
-    assert kernels.extra_kernels() == ("oproj_mix",)
-    try:
-        oproj_mix.register()
-        assert kernel.oproj_mix_cuda in cuda_impl()
-    finally:
-        kernel.register()
-    assert kernel.oproj_attn_res_mix_norm_cuda in cuda_impl()
-    assert kernel.oproj_mix_cuda not in cuda_impl()
+    check_extra_replaces(monkeypatch, "oproj_mix", op, kernel.oproj_mix_cuda,
+                         kernel.oproj_attn_res_mix_norm_cuda, kernel.register)
 
 
 # ---- GPU ----------------------------------------------------------------------------------------

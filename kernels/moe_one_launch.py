@@ -1,0 +1,147 @@
+"""K3_KERNELS_EXTRA=moe_one_launch: `k3::moe_experts` at 1..MAX_ROWS rows in one launch, FC1 +
+SiTU and FC2 + finalize in one grid (kernels/device/moe_one_launch.py), bit for bit the two
+launches of kernels/moe_experts.py (same device code, same configs but the block size).
+
+    u[n] = bf16(Σ_j w[n,j]·bf16(SiTU(bf16(z[n]·W1[e]ᵀ), bf16(z[n]·W3[e]ᵀ))·W2[e]ᵀ)), e = ids[n,j]
+
+Each CTA takes a ticket from a global counter: FC1 items first, then FC2 items, which wait for
+their token's FC1 items only (a count per token). The counters are this stream's slot of
+kernels/common/last_cta.py, reset by the last CTA. Opt-in until its GPU tests pass on the H200
+(tests/fusions/test_moe_one_launch_kernel.py); registered after KERNELS, it replaces the
+two-launch CUDA implementation and hands it every call it refuses. Design: docs/kernels.md,
+moe_experts, 2026-12-04.
+
+Constraints (besides kernels/moe_experts.py's):
+    * 1 <= N <= MAX_ROWS (a count per token in the stream's counter slot); not where
+      K3_MOE_GROUPED takes the rows (`moe_experts.grouped`), not with K3_MOE_F16.
+    * One block size, FC1's: FC2 with at most threads / k output rows per CTA (k <= FC1's
+      threads); both bodies' shared memory in one CTA (<= 227 KB).
+"""
+
+import dataclasses
+
+import torch
+
+from k3compile.ops import registry
+from k3compile.settings import KERNELS
+
+from . import moe_experts
+from .common.dsl import bucket, compile_kernel, fake_rows, fake_stream
+from .common.last_cta import counter
+from .common.launch import Kernel
+
+OP = "moe_experts"
+NAME = "moe_one_launch"
+MAX_ROWS = 8
+TICKET_BYTES = 16  # the ticket's shared word, padded to the bodies' 16-byte alignment
+
+
+def configs(latent: int, inter: int, top_k: int, batch_bucket: int):
+    """(FC1Config, FC2Config): the two launches' configs of this bucket in FC1's block size:
+    FC2 takes at most threads / k output rows per CTA (k = 16: 8 rows, not 16; its threads past
+    R·k mirror the last and write nothing). Each thread's dot and each row's sum over j are
+    those of the two launches whatever R, so the values are too; FC1 keeps its registers (a
+    larger FC1 block would hold fewer CTAs per SM)."""
+    fc1 = moe_experts.config("fc1", latent, inter, top_k, batch_bucket)
+    fc2 = moe_experts.config("fc2", latent, inter, top_k, batch_bucket)
+    rows = min(fc2.rows_per_cta, max(fc1.threads // top_k, 1))
+    return fc1, dataclasses.replace(fc2, rows_per_cta=rows, threads=fc1.threads)
+
+
+def shared_bytes(latent: int, inter: int, top_k: int, fc1_cfg, fc2_cfg) -> int:
+    """Shared memory of a CTA: the ticket, then FC1's and FC2's (the DSL places the two bodies'
+    buffers one after the other, though a CTA runs one body)."""
+    return (TICKET_BYTES + moe_experts.fc1_smem(latent, fc1_cfg)
+            + moe_experts.fc2_smem(inter, top_k, fc2_cfg))
+
+
+def refusal(n_rows: int, latent: int, inter: int, top_k: int) -> str | None:
+    """Why one launch does not take n_rows rows of a call the two launches take, or None."""
+    if not 1 <= n_rows <= MAX_ROWS:
+        return f"{n_rows} rows (one launch takes 1..{MAX_ROWS})"
+    if moe_experts.grouped(n_rows) or KERNELS.moe_f16:
+        return "K3_MOE_GROUPED or K3_MOE_F16 takes these rows"
+    fc1, fc2 = configs(latent, inter, top_k, bucket(n_rows))
+    if fc2.rows_per_cta * top_k > fc2.threads:
+        return f"top_k {top_k} > FC1's {fc1.threads} threads"
+    if (smem := shared_bytes(latent, inter, top_k, fc1, fc2)) > moe_experts.SMEM_BYTES:
+        return f"{smem} B of shared memory"
+    return None
+
+
+def build(latent, inter, top_k, ids64, fc1_cfg, fc2_cfg, arch=None, dump_dir=None, pdl=False):
+    """Compile now, uncached (`dump_dir` keeps the cubin and PTX; `pdl`: with PDL)."""
+    import cutlass
+    from cutlass import cute
+    from cutlass.cute.runtime import make_fake_tensor
+
+    from .device.moe_one_launch import MoEOneLaunch
+
+    bf16, f32, i32, u8 = cutlass.BFloat16, cutlass.Float32, cutlass.Int32, cutlass.Uint8
+    n, pairs, rows, rows2 = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
+
+    def dense(dtype, n_rows, width, align, row_stride=None):
+        stride = (width if row_stride is None else row_stride, 1)
+        return make_fake_tensor(dtype, (n_rows, width), stride=stride, assumed_align=align)
+
+    ids = dense(cutlass.Int64 if ids64 else i32, n, top_k, 8 if ids64 else 4, cute.sym_int())
+    w1, s1 = dense(i32, rows, latent // 8, 16), dense(u8, rows, latent // 32, 1)
+    w2, s2 = dense(i32, rows2, inter // 8, 16), dense(u8, rows2, inter // 32, 1)
+    count = make_fake_tensor(i32, (cute.sym_int(),), stride=(1,), assumed_align=4)
+    return compile_kernel(
+        MoEOneLaunch(latent, inter, top_k, fc1_cfg, fc2_cfg, pdl), fake_rows(bf16, n, latent),
+        ids, dense(f32, n, top_k, 4, cute.sym_int()), w1, s1, w1, s1, w2, s2,
+        dense(bf16, pairs, inter, 16), dense(bf16, n, top_k * inter, 16),
+        fake_rows(bf16, n, latent), count, f32(4.0), f32(25.0), fake_stream(), arch=arch,
+        dump_dir=dump_dir)
+
+
+KERNEL = Kernel(NAME, build)
+
+
+def compiled(latent: int, inter: int, top_k: int, ids64: bool, n_rows: int):
+    b = bucket(n_rows)
+    return KERNEL.compiled(latent, inter, top_k, ids64, *configs(latent, inter, top_k, b),
+                           rows=b)
+
+
+def moe_one_launch_cuda(z, ids, weights, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed,
+                        w2_scale, beta, linear_beta, *, out=None):
+    """k3::moe_experts in one launch, or (reason logged) `moe_experts.moe_experts_cuda`."""
+    args = (z, ids, weights, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale)
+    (n, latent), top_k, inter = z.shape, ids.shape[-1], w1_packed.shape[1]
+    count = []  # this stream's counter words, found once the call is taken
+
+    def why():
+        if reason := moe_experts.call_refusal(args, out) or refusal(n, latent, inter, top_k):
+            return reason
+        count.append(counter(z.device, 1 + n))
+        return count[0] if isinstance(count[0], str) else None
+
+    def launch():
+        y = z.new_empty((n, latent)) if out is None else out
+        act = z.new_empty((n * top_k, inter))
+        words = moe_experts._words
+        compiled(latent, inter, top_k, ids.dtype == torch.int64, n)(
+            z, ids, weights, words(w1_packed), w1_scale.view(-1, latent // 32),
+            words(w3_packed), w3_scale.view(-1, latent // 32), words(w2_packed),
+            w2_scale.view(-1, inter // 32), act, act.view(n, top_k * inter), y, count[0],
+            float(beta), float(linear_beta))
+        return y
+
+    return KERNEL.run(why, lambda: moe_experts.moe_experts_cuda(*args, beta, linear_beta,
+                                                                out=out),
+                      launch, z, w1_packed, w3_packed, w2_packed, op=NAME)
+
+
+def prepare(latent: int, inter: int, top_k: int, buckets=(1, 2, 4, 8),
+            ids_dtype=torch.int64) -> None:
+    """Compile the one-launch kernel of each bucket up to MAX_ROWS (call before graph capture)."""
+    for b in buckets:
+        if refusal(b, latent, inter, top_k) is None:
+            compiled(latent, inter, top_k, ids_dtype == torch.int64, b)
+
+
+def register() -> None:
+    registry.register_kernel(OP, refusal=moe_experts.refusal)
+    torch.library.register_kernel(f"k3::{OP}", "cuda", moe_one_launch_cuda)
