@@ -51,17 +51,17 @@ def make_experts():
     return (*w1, *w3, *w2)
 
 
-def make_calls(n: int):
+def make_calls(n: int, top_k: int = TOP_K):
     """CALLS inputs (z, ids, weights) of n rows; see the module docstring for the routing."""
     cycle = torch.randperm(EXPERTS, device="cuda")
     calls = []
     for c in range(CALLS):
         z = torch.randn(n, LATENT, device="cuda").bfloat16()
         if n == 1:
-            ids = cycle[(c * TOP_K + torch.arange(TOP_K, device="cuda")) % EXPERTS][None]
+            ids = cycle[(c * top_k + torch.arange(top_k, device="cuda")) % EXPERTS][None]
         else:
-            ids = torch.rand(n, EXPERTS, device="cuda").argsort(-1)[:, :TOP_K]
-        w = torch.rand(n, TOP_K, device="cuda") + 0.1
+            ids = torch.rand(n, EXPERTS, device="cuda").argsort(-1)[:, :top_k]
+        w = torch.rand(n, top_k, device="cuda") + 0.1
         calls.append((z, ids, w / w.sum(-1, keepdim=True)))
     return calls
 
