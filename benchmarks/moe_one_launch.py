@@ -2,14 +2,17 @@
 ticketed grid) against the two launches it replaces (FC1 + SiTU, then FC2 + finalize with PDL),
 at one K3 TP16 rank (896 experts, L 3584, I 192), CUDA graphs.
 
-    python benchmarks/moe_one_launch.py [--rows 1,2,8] [--top-k 16] [--out DIR or r.json]
+    python benchmarks/moe_one_launch.py [--rows 1,2,8] [--top-k 16] [--blocks fc1,fc2]
+                                        [--out DIR or r.json]
 
 Every call has its own rows and routing (benchmarks/moe_experts.py's `make_calls`: at one row a
 shuffled cycle over all 896 experts, above it uniform top-k draws), so ~1 GB of experts
 rotate and the L2 (60 MB) does not serve a call from an earlier one. Time per call = median
 graph replay / calls (graph_timing.graph_us), with PDL as the settings have it. Before timing,
-the one launch's output is checked bit for bit against the two launches. `saved` = two - one
-(µs per call); the JSON is rewritten after every row.
+each one launch's output is checked bit for bit against the two launches. `saved` = two - one
+(µs per call) for the default block size (moe_one_launch.configs' `block`, "fc1"), `saved_fc2`
+for FC2's where --blocks asks for it (at top-16: FC1 with 8 warps, FC2 with its 16 rows); the
+JSON is rewritten after every row.
 """
 
 import argparse
@@ -34,10 +37,15 @@ def time_fn(fn, calls, experts) -> float:
     return graph_us(steps, steps[:2], REPLAYS)
 
 
+def one_launch(block: str):
+    return functools.partial(moe_one_launch.moe_one_launch_cuda, block=block)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", default="1,2,8")
     ap.add_argument("--top-k", type=int, default=16)
+    ap.add_argument("--blocks", default="fc1,fc2")
     ap.add_argument("--out")
     opts = ap.parse_args()
     from k3compile.kernels.common.dsl import runtime_refusal
@@ -49,27 +57,34 @@ def main():
         out.mkdir(parents=True, exist_ok=True)
         out = out / "moe_one_launch.json"
     experts = make_experts()
+    inter, blocks = experts[0].shape[1], opts.blocks.split(",")
     rows = []
     print(f"{torch.cuda.get_device_name()}  pdl {KERNELS.pdl} (rows <= {KERNELS.pdl_max_rows})"
           f"  top-{opts.top_k}")
     for n in (int(r) for r in opts.rows.split(",")):
-        if why := moe_one_launch.refusal(n, LATENT, experts[0].shape[1], opts.top_k):
+        if why := moe_one_launch.refusal(n, LATENT, inter, opts.top_k):
             print(f"N={n}: skipped ({why})")
             continue
         calls = make_calls(n, opts.top_k)
         z, ids, w = calls[0]
-        one = moe_one_launch.moe_one_launch_cuda(z, ids, w, *experts, BETA, LINEAR_BETA)
         two = moe_experts.moe_experts_cuda(z, ids, w, *experts, BETA, LINEAR_BETA)
-        assert torch.equal(one, two), f"one launch != two launches at {n} rows"
-        us = {name: time_fn(fn, calls, experts) for name, fn in (
-            ("one", moe_one_launch.moe_one_launch_cuda), ("two", moe_experts.moe_experts_cuda))}
-        fc1, fc2 = moe_one_launch.configs(LATENT, experts[0].shape[1], opts.top_k, n)
-        rows.append({"rows": n, "top_k": opts.top_k, "one_us": round(us["one"], 2),
-                     "two_us": round(us["two"], 2), "saved": round(us["two"] - us["one"], 2),
-                     "pdl": KERNELS.pdl and n <= KERNELS.pdl_max_rows,
-                     "fc1": str(fc1), "fc2": str(fc2)})
-        print(f"N={n}  one {us['one']:7.2f} us  two {us['two']:7.2f} us  "
-              f"saved {rows[-1]['saved']:+6.2f} us  ({fc1}, {fc2})", flush=True)
+        for block in blocks:
+            one = one_launch(block)(z, ids, w, *experts, BETA, LINEAR_BETA)
+            assert torch.equal(one, two), f"one launch ({block}) != two launches at {n} rows"
+        us = {"two": time_fn(moe_experts.moe_experts_cuda, calls, experts)}
+        us.update({block: time_fn(one_launch(block), calls, experts) for block in blocks})
+        row = {"rows": n, "top_k": opts.top_k, "two_us": round(us["two"], 2),
+               "pdl": KERNELS.pdl and n <= KERNELS.pdl_max_rows}
+        for block in blocks:
+            suffix = "" if block == "fc1" else f"_{block}"
+            row[f"one{suffix}_us"] = round(us[block], 2)
+            row[f"saved{suffix}"] = round(us["two"] - us[block], 2)
+            row[f"configs{suffix}"] = [str(c) for c in moe_one_launch.configs(
+                LATENT, inter, opts.top_k, n, block)]
+        rows.append(row)
+        print(f"N={n}  two {us['two']:7.2f} us  " + "  ".join(
+            f"one[{b}] {us[b]:7.2f} us (saved {us['two'] - us[b]:+6.2f})" for b in blocks),
+            flush=True)
         if out is not None:
             out.write_text(json.dumps(rows, indent=1))
 

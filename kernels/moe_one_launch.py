@@ -14,8 +14,7 @@ moe_experts, 2026-12-04.
 Constraints (besides kernels/moe_experts.py's):
     * 1 <= N <= MAX_ROWS (a count per token in the stream's counter slot); not where
       K3_MOE_GROUPED takes the rows (`moe_experts.grouped`), not with K3_MOE_F16.
-    * One block size, FC1's: FC2 with at most threads / k output rows per CTA (k <= FC1's
-      threads); both bodies' shared memory in one CTA (<= 227 KB).
+    * One block size (`configs`); both bodies' shared memory in one CTA (<= 227 KB).
 """
 
 import dataclasses
@@ -36,14 +35,20 @@ MAX_ROWS = 8
 TICKET_BYTES = 16  # the ticket's shared word, padded to the bodies' 16-byte alignment
 
 
-def configs(latent: int, inter: int, top_k: int, batch_bucket: int):
-    """(FC1Config, FC2Config): the two launches' configs of this bucket in FC1's block size:
-    FC2 takes at most threads / k output rows per CTA (k = 16: 8 rows, not 16; its threads past
-    R·k mirror the last and write nothing). Each thread's dot and each row's sum over j are
-    those of the two launches whatever R, so the values are too; FC1 keeps its registers (a
-    larger FC1 block would hold fewer CTAs per SM)."""
+def configs(latent: int, inter: int, top_k: int, batch_bucket: int, block: str = "fc1"):
+    """(FC1Config, FC2Config): the two launches' configs of this bucket in one block size.
+    `block` "fc1" (the default, not measured against "fc2"): FC1's, FC2 taking at most
+    threads / k output rows per CTA (k = 16: 8 rows, not 16; its threads past R·k mirror the
+    last and write nothing); "fc2": FC2's where it is larger, FC1 with threads / 32 warps (FC1's
+    2-8 row config then holds one CTA of 130 registers x 256 threads per SM). A thread's dot
+    and a row's sum over j do not depend on R, nor a warp's rows on the warps: the values are
+    the two launches' either way."""
     fc1 = moe_experts.config("fc1", latent, inter, top_k, batch_bucket)
     fc2 = moe_experts.config("fc2", latent, inter, top_k, batch_bucket)
+    if block == "fc2" and fc2.threads > fc1.threads:
+        wide = dataclasses.replace(fc1, warps=fc2.threads // 32)
+        if moe_experts.fc1_fits(latent, wide):
+            return wide, fc2
     rows = min(fc2.rows_per_cta, max(fc1.threads // top_k, 1))
     return fc1, dataclasses.replace(fc2, rows_per_cta=rows, threads=fc1.threads)
 
@@ -55,15 +60,15 @@ def shared_bytes(latent: int, inter: int, top_k: int, fc1_cfg, fc2_cfg) -> int:
             + moe_experts.fc2_smem(inter, top_k, fc2_cfg))
 
 
-def refusal(n_rows: int, latent: int, inter: int, top_k: int) -> str | None:
+def refusal(n_rows: int, latent: int, inter: int, top_k: int, block: str = "fc1") -> str | None:
     """Why one launch does not take n_rows rows of a call the two launches take, or None."""
     if not 1 <= n_rows <= MAX_ROWS:
         return f"{n_rows} rows (one launch takes 1..{MAX_ROWS})"
     if moe_experts.grouped(n_rows) or KERNELS.moe_f16:
         return "K3_MOE_GROUPED or K3_MOE_F16 takes these rows"
-    fc1, fc2 = configs(latent, inter, top_k, bucket(n_rows))
-    if fc2.rows_per_cta * top_k > fc2.threads:
-        return f"top_k {top_k} > FC1's {fc1.threads} threads"
+    fc1, fc2 = configs(latent, inter, top_k, bucket(n_rows), block)
+    if fc2.rows_per_cta * top_k > fc2.threads or fc1.threads != fc2.threads:
+        return f"top_k {top_k}: no one block size ({fc1}, {fc2})"
     if (smem := shared_bytes(latent, inter, top_k, fc1, fc2)) > moe_experts.SMEM_BYTES:
         return f"{smem} B of shared memory"
     return None
@@ -99,21 +104,23 @@ def build(latent, inter, top_k, ids64, fc1_cfg, fc2_cfg, arch=None, dump_dir=Non
 KERNEL = Kernel(NAME, build)
 
 
-def compiled(latent: int, inter: int, top_k: int, ids64: bool, n_rows: int):
+def compiled(latent: int, inter: int, top_k: int, ids64: bool, n_rows: int, block: str):
     b = bucket(n_rows)
-    return KERNEL.compiled(latent, inter, top_k, ids64, *configs(latent, inter, top_k, b),
-                           rows=b)
+    return KERNEL.compiled(latent, inter, top_k, ids64,
+                           *configs(latent, inter, top_k, b, block), rows=b)
 
 
 def moe_one_launch_cuda(z, ids, weights, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed,
-                        w2_scale, beta, linear_beta, *, out=None):
-    """k3::moe_experts in one launch, or (reason logged) `moe_experts.moe_experts_cuda`."""
+                        w2_scale, beta, linear_beta, *, out=None, block: str = "fc1"):
+    """k3::moe_experts in one launch, or (reason logged) `moe_experts.moe_experts_cuda`.
+    `block`: `configs`' (benchmarks/moe_one_launch.py times both)."""
     args = (z, ids, weights, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale)
     (n, latent), top_k, inter = z.shape, ids.shape[-1], w1_packed.shape[1]
     count = []  # this stream's counter words, found once the call is taken
 
     def why():
-        if reason := moe_experts.call_refusal(args, out) or refusal(n, latent, inter, top_k):
+        if reason := (moe_experts.call_refusal(args, out)
+                      or refusal(n, latent, inter, top_k, block)):
             return reason
         count.append(counter(z.device, 1 + n))
         return count[0] if isinstance(count[0], str) else None
@@ -122,7 +129,7 @@ def moe_one_launch_cuda(z, ids, weights, w1_packed, w1_scale, w3_packed, w3_scal
         y = z.new_empty((n, latent)) if out is None else out
         act = z.new_empty((n * top_k, inter))
         words = moe_experts._words
-        compiled(latent, inter, top_k, ids.dtype == torch.int64, n)(
+        compiled(latent, inter, top_k, ids.dtype == torch.int64, n, block)(
             z, ids, weights, words(w1_packed), w1_scale.view(-1, latent // 32),
             words(w3_packed), w3_scale.view(-1, latent // 32), words(w2_packed),
             w2_scale.view(-1, inter // 32), act, act.view(n, top_k * inter), y, count[0],
@@ -139,7 +146,7 @@ def prepare(latent: int, inter: int, top_k: int, buckets=(1, 2, 4, 8),
     """Compile the one-launch kernel of each bucket up to MAX_ROWS (call before graph capture)."""
     for b in buckets:
         if refusal(b, latent, inter, top_k) is None:
-            compiled(latent, inter, top_k, ids_dtype == torch.int64, b)
+            compiled(latent, inter, top_k, ids_dtype == torch.int64, b, "fc1")
 
 
 def register() -> None:

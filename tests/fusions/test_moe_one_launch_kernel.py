@@ -8,6 +8,7 @@ top-8 and top-16, int64 and int32 ids, with and without PDL: y equals the two la
 bit and is close to the op's reference; back-to-back launches, CUDA-graph replays (the counters
 reset) and two streams at once; refused calls take the two launches."""
 
+import dataclasses
 import logging
 import re
 import tempfile
@@ -41,20 +42,21 @@ from tests.kernel_checks import (
 
 
 @pytest.mark.dsl
-@pytest.mark.parametrize("latent,inter,top_k,rows,ids64,pdl", [
-    (LATENT, INTER, 8, 1, True, True), (LATENT, INTER, 16, 1, True, False),
-    (LATENT, INTER, 8, 2, False, False), (LATENT, INTER, 16, 8, True, True),
-    (1056, 64, 3, 1, False, False)])
-def test_builds_for_sm90a_as_one_kernel(latent, inter, top_k, rows, ids64, pdl):
+@pytest.mark.parametrize("latent,inter,top_k,rows,ids64,pdl,block", [
+    (LATENT, INTER, 8, 1, True, True, "fc1"), (LATENT, INTER, 16, 1, True, False, "fc1"),
+    (LATENT, INTER, 8, 2, False, False, "fc1"), (LATENT, INTER, 16, 8, True, True, "fc1"),
+    (1056, 64, 3, 1, False, False, "fc1"), (LATENT, INTER, 16, 1, True, False, "fc2"),
+    (LATENT, INTER, 16, 8, True, False, "fc2")])
+def test_builds_for_sm90a_as_one_kernel(latent, inter, top_k, rows, ids64, pdl, block):
     """One entry; the relaxed ticket, the FC1 items' release add, the FC2 items' acquire loads,
     the last CTA's acq_rel arrival and reset; the PDL wait only with PDL; act never read by
     ld.global.nc (the non-coherent path could serve lines from before the count); no local
     memory. Registers (sm_90a, 2026-12-04): 72 at one row (FC1 by cp.async), 130 at 2-8 rows
-    (the two-launch FC1 alone: 128)."""
+    (the two-launch FC1 alone: 128), for either block size."""
     pytest.importorskip("cutlass")
     from k3compile.kernels.common.dsl import cubin_of, cubin_resources, ptx_of
 
-    cfgs = moe_one_launch.configs(latent, inter, top_k, rows)
+    cfgs = moe_one_launch.configs(latent, inter, top_k, rows, block)
     with tempfile.TemporaryDirectory() as d:
         built = moe_one_launch.build(latent, inter, top_k, ids64, *cfgs, arch="sm_90a",
                                      dump_dir=d, pdl=pdl)
@@ -66,20 +68,23 @@ def test_builds_for_sm90a_as_one_kernel(latent, inter, top_k, rows, ids64, pdl):
         assert op in ptx, op
     assert "ld.global.nc" not in ptx
     assert res["frame"] == 0 and 0 < res["regs"] <= 255, res
-    print(f"{latent} {inter} top-{top_k} rows {rows}: {res}")
+    print(f"{latent} {inter} top-{top_k} rows {rows} block {block}: {res}")
 
 
 @pytest.mark.parametrize("top_k", [1, 2, 3, 8, 16])
 @pytest.mark.parametrize("rows", [1, 2, 4, 8])
-def test_configs_keep_the_two_launches_values(top_k, rows):
-    """FC1's config is the two launches' own; FC2's differs at most in R (output rows per CTA,
-    which no value depends on) and in threads, FC1's, >= R·k."""
-    fc1, fc2 = moe_one_launch.configs(LATENT, INTER, top_k, rows)
-    assert fc1 == moe_experts.config("fc1", LATENT, INTER, top_k, rows)
+@pytest.mark.parametrize("block", ["fc1", "fc2"])
+def test_configs_keep_the_two_launches_values(top_k, rows, block):
+    """Each config differs from the two launches' at most in what no value depends on: FC1's
+    warps, FC2's R (output rows per CTA) and threads (>= R·k); one block size."""
+    fc1, fc2 = moe_one_launch.configs(LATENT, INTER, top_k, rows, block)
+    one = moe_experts.config("fc1", LATENT, INTER, top_k, rows)
     two = moe_experts.config("fc2", LATENT, INTER, top_k, rows)
+    assert dataclasses.replace(fc1, warps=one.warps) == one
     assert fc2.threads == fc1.threads >= fc2.rows_per_cta * top_k and fc2.f16 == two.f16
     assert fc2.rows_per_cta <= two.rows_per_cta
-    assert moe_one_launch.refusal(rows, LATENT, INTER, top_k) is None
+    assert (fc1 == one) == (block == "fc1" or two.threads <= one.threads)
+    assert moe_one_launch.refusal(rows, LATENT, INTER, top_k, block) is None
 
 
 def test_refusals(monkeypatch):
@@ -139,12 +144,13 @@ def check(got, z, ids, w, experts, vs_reference=False):
         assert rel_err(got, ref) < TOL["vs_reference_rel_norm"]
 
 
-def counts_are_zero(device):
-    from k3compile.kernels.common.last_cta import counter
+def counts_are_zero():
+    """Every stream's counter words (the graph's capture stream has a slot of its own) are 0."""
+    from k3compile.kernels.common import last_cta
 
     torch.cuda.synchronize()
-    words = counter(device, 1 + moe_one_launch.MAX_ROWS)
-    assert not words.any(), f"counter words left {words.tolist()}"
+    words = last_cta._counters[torch.cuda.current_device()]
+    assert not words.any(), f"counter words left at {words.nonzero().flatten().tolist()}"
 
 
 @on_gpu
@@ -159,7 +165,7 @@ def test_equals_the_two_launches(gen, experts, monkeypatch, n, top_k, ids_dtype,
         z, ids, w = make_tokens(gen, n, LATENT, EXPERTS, top_k, "cuda")
         ids = ids.to(ids_dtype)
         check(one_launch(z, ids, w, experts), z, ids, w, experts, vs_reference=i == 0)
-    counts_are_zero(z.device)
+    counts_are_zero()
 
 
 @on_gpu
@@ -190,7 +196,7 @@ def test_back_to_back_and_graph_replay(gen, experts, n):
         graph.replay()
         torch.cuda.synchronize()
         check(out, z, ids, w, experts)
-    counts_are_zero(z.device)
+    counts_are_zero()
 
 
 @on_gpu
@@ -199,17 +205,17 @@ def test_two_streams_at_once(gen, experts):
     calls = [make_tokens(gen, 8, LATENT, EXPERTS, 16, "cuda") for _ in range(2)]
     for z, ids, w in calls:  # compile, and the counter buffer, before the streams
         one_launch(z, ids, w, experts)
+    outs = [poisoned(*calls[0][0].shape) for _ in range(2)]
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    outs = [poisoned(*calls[0][0].shape) for _ in range(2)]
     for _ in range(5):
         with torch.cuda.stream(side):
             one_launch(*calls[1], experts, outs[1])
         one_launch(*calls[0], experts, outs[0])
         torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
     for out, (z, ids, w) in zip(outs, calls):
         check(out, z, ids, w, experts)
+    counts_are_zero()
 
 
 @on_gpu

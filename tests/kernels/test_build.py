@@ -475,6 +475,7 @@ def test_device_classes_are_module_level():
             ("attn_res_mix_norm", "attn_res_mix_norm", "AttnResMixNorm"),
             ("kda_decode", "kda_decode", "KDADecode"), ("mla_decode", "mla_decode", "MLADecode"),
             ("moe_experts", "moe_experts", "FC1"), ("moe_experts", "moe_experts", "FC2"),
+            ("moe_one_launch", "moe_one_launch", "MoEOneLaunch"),
             ("common.gemv", "gemv", "Gemv"), ("common.gemm_tc", "gemm_tc", "GemmTC")]:
         module = importlib.import_module(f"k3compile.kernels.device.{name}")
         assert isinstance(getattr(module, cls), type), name
