@@ -333,6 +333,10 @@ BUILDERS: dict[str, tuple[Callable[..., Call], str]] = {
     "mla_uv_gate": (mla_uv_gate, f"o_lat [B, 1, {CFG.mla_heads_local}, {KV_RANK}]"),
     "mla_q_absorb": (mla_q_absorb, f"cq [B, T, {Q_RANK}], {CFG.mla_heads_local} heads"),
     "moe_experts": (moe_experts, f"z [B, {LATENT}], {EXPERTS} MXFP4 experts of {EXPERT_INTER}"),
+    # K3_KERNELS_EXTRA=moe_one_launch: the same op, FC1 + FC2 in one launch up to 8 rows (the
+    # two launches at 64; registered here, it is also what the moe_experts case runs)
+    "moe_one_launch": (moe_experts, (f"z [B, {LATENT}], {EXPERTS} MXFP4 experts of "
+                                     f"{EXPERT_INTER}, one launch")),
     "kda_decode": (kda_decode, f"{CFG.kda_heads_local} heads of 128, pool of B + 3 slots"),
     "fb_kda_decode": (fb_kda_decode, "kda_decode + fa [B, T, 128] x W_fb"),
     "mla_decode": (mla_decode, f"{CFG.mla_heads_local} heads, cache [B + 3, 4160, 576]"),

@@ -25,7 +25,7 @@ from k3compile.ops import registry
 from k3compile.settings import KERNELS
 
 from . import moe_experts
-from .common.dsl import bucket, compile_kernel, fake_rows, fake_stream
+from .common.dsl import bucket, compile_kernel, fake_rows, fake_stream, log
 from .common.last_cta import counter
 from .common.launch import Kernel
 
@@ -112,16 +112,24 @@ def compiled(latent: int, inter: int, top_k: int, ids64: bool, n_rows: int, bloc
 
 def moe_one_launch_cuda(z, ids, weights, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed,
                         w2_scale, beta, linear_beta, *, out=None, block: str = "fc1"):
-    """k3::moe_experts in one launch, or (reason logged) `moe_experts.moe_experts_cuda`.
+    """k3::moe_experts in one launch, or `moe_experts.moe_experts_cuda`: for rows or settings
+    one launch does not take (logged at debug level; not a fallback, the two launches run), or
+    a call the kernels refuse (the two launches' fallback, logged and counted there).
     `block`: `configs`' (benchmarks/moe_one_launch.py times both)."""
     args = (z, ids, weights, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale)
     (n, latent), top_k, inter = z.shape, ids.shape[-1], w1_packed.shape[1]
+
+    def two_launches():
+        return moe_experts.moe_experts_cuda(*args, beta, linear_beta, out=out)
+
+    if moe_experts.call_refusal(args, out) is not None:
+        return two_launches()
+    if reason := refusal(n, latent, inter, top_k, block):
+        log.debug("k3::%s: %s: the two launches", NAME, reason)
+        return two_launches()
     count = []  # this stream's counter words, found once the call is taken
 
     def why():
-        if reason := (moe_experts.call_refusal(args, out)
-                      or refusal(n, latent, inter, top_k, block)):
-            return reason
         count.append(counter(z.device, 1 + n))
         return count[0] if isinstance(count[0], str) else None
 
@@ -136,9 +144,7 @@ def moe_one_launch_cuda(z, ids, weights, w1_packed, w1_scale, w3_packed, w3_scal
             float(beta), float(linear_beta))
         return y
 
-    return KERNEL.run(why, lambda: moe_experts.moe_experts_cuda(*args, beta, linear_beta,
-                                                                out=out),
-                      launch, z, w1_packed, w3_packed, w2_packed, op=NAME)
+    return KERNEL.run(why, two_launches, launch, z, w1_packed, w3_packed, w2_packed, op=NAME)
 
 
 def prepare(latent: int, inter: int, top_k: int, buckets=(1, 2, 4, 8),
