@@ -42,7 +42,11 @@ SMS = 132  # H200
 LATENT = (256, 512)
 ROPE = (32, 64)
 MAX_SPLITS = 128
-COMBINE_UNROLL = 8  # splits the merge launch reads at once
+STAGES = 2  # tiles in shared memory: the next tile's copies fly while this one is used
+TARGET_CTAS = 4 * SMS  # two waves of two CTAs per SM (registers allow two of 192 threads)
+COMBINE_COLS = 64  # o_lat columns per merge CTA
+COMBINE_LANES = 16  # threads per column vector in the merge, each taking every 16th split
+COMBINE_UNROLL = 8  # splits a merge thread reads at once (MAX_SPLITS: one round at 16 lanes)
 GROUP = 4  # tile rows whose warp sums are scattered together (one row per 8 lanes)
 
 
@@ -100,11 +104,11 @@ def config(tokens: int, n_heads: int, latent: int = 512, rope: int = 64,
 
 def splits(batch: int, tokens: int, n_heads: int, max_len: int, latent: int = 512,
            rope: int = 64) -> int:
-    """CTAs per (request, query group) along the context: about two CTAs per SM over the grid,
-    at most MAX_SPLITS and one per tile of the cache's rows, and no more partials (fp32 H·T x C
-    per split) than the cache bytes a request can read."""
+    """CTAs per (request, query group) along the context: TARGET_CTAS over the grid, at most
+    MAX_SPLITS and one per tile of the cache's rows, and no more partials (fp32 H·T x C per
+    split) than the cache bytes a request can read."""
     groups = config(tokens, n_heads, latent, rope).groups(tokens, n_heads)
-    want = -(-2 * SMS // (bucket(batch) * groups))
+    want = -(-TARGET_CTAS // (bucket(batch) * groups))
     by_bytes = max_len * (latent + rope) * 2 // (tokens * n_heads * latent * 4)
     return max(1, min(want, MAX_SPLITS, -(-max_len // TILE), by_bytes))
 
@@ -160,12 +164,11 @@ def build(tokens, n_heads, latent, rope, cfg, arch=None, dump_dir=None):
         strides = tuple(cute.sym_int64(divisibility=8) for _ in shape)
         return make_fake_tensor(bf16, (n, *shape), stride=(*strides, 1), assumed_align=16)
 
-    def ws(width):  # contiguous fp32 workspace; (m, l) pairs are read as scalars
-        vec = width % 4 == 0
+    def ws(width):  # contiguous fp32 workspace: partials in 16-byte, (m, l) in 8-byte vectors
+        vec = 4 if width % 4 == 0 else 2
         return make_fake_tensor(f32, (n, ns, H * T, width),
-                                stride=(cute.sym_int64(divisibility=4 if vec else 1),
-                                        H * T * width, width, 1),
-                                assumed_align=16 if vec else 4)
+                                stride=(cute.sym_int64(divisibility=vec), H * T * width, width, 1),
+                                assumed_align=4 * vec)
 
     return compile_kernel(
         MLADecode(T, H, C, R, cfg), act(T, H, C), act(T, H, R), act(T, C), act(T, R),

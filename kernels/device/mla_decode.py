@@ -5,9 +5,22 @@ the host needs no DSL."""
 
 import cutlass
 from cutlass import BFloat16, Float32, Int32, Int64, const_expr, cute
+from cutlass.cute.nvgpu import cpasync
 
 from ..common.copy import vectors
-from ..mla_decode import COMBINE_UNROLL, GROUP, TILE, Config, lane_row, reduce_scatter, row_lane
+from ..mla_decode import (
+    COMBINE_COLS,
+    COMBINE_LANES,
+    COMBINE_UNROLL,
+    GROUP,
+    MAX_SPLITS,
+    STAGES,
+    TILE,
+    Config,
+    lane_row,
+    reduce_scatter,
+    row_lane,
+)
 
 NEG_INF = float("-inf")
 
@@ -23,7 +36,10 @@ class MLADecode:
         self.NV = latent // 256  # latent 16-byte vectors per lane: lane + 32·k
         self.NP = rope // 32  # rope columns per lane: C + NP·lane + e
         self.VR = (latent + rope) // 8  # 16-byte vectors per cache row
-        self.smem_bytes = TILE * (latent + rope) * 2 + 64
+        self.smem_bytes = STAGES * TILE * (latent + rope) * 2 + 64
+        self.combine_threads = COMBINE_COLS // 4 * COMBINE_LANES
+        assert MAX_SPLITS <= min(self.combine_threads, COMBINE_UNROLL * COMBINE_LANES)
+        assert latent % COMBINE_COLS == 0
 
     @cute.jit
     def __call__(self, mQ, mQpe, mCkv, mKpe, mKV, mSlots, mPos, mWsO, mWsML, mOut,
@@ -36,8 +52,8 @@ class MLADecode:
             grid=[n_splits, self.groups, B], block=[self.threads, 1, 1],
             smem=self.smem_bytes, stream=stream)
         self.combine(mWsO, mWsML, mOut).launch(
-            grid=[self.H * self.T, B, 1], block=[self.C // 8, 1, 1], stream=stream,
-            use_pdl=True)
+            grid=[self.H * self.T, self.C // COMBINE_COLS, B],
+            block=[self.combine_threads, 1, 1], stream=stream, use_pdl=True)
 
     @cute.kernel
     def attend(self, mQ, mQpe, mCkv, mKpe, mKV, mSlots, mPos, mWsO, mWsML, scale: Float32):
@@ -58,7 +74,8 @@ class MLADecode:
 
         smem = cutlass.memory.SmemAllocator()
         sKV = smem.allocate_tensor(BFloat16, cute.make_layout(
-            (TILE, C + self.R), stride=(C + self.R, 1)), 16)  # (32 rows, C + R)
+            (TILE, C + self.R, STAGES), stride=(C + self.R, 1, TILE * (C + self.R))),
+            16)  # (32 rows, C + R, STAGES): a ring of tiles
 
         # The warp's queries: latent columns of vectors lane + 32·k, rope columns NP·lane + e.
         q0 = group * self.Q + warp * QW
@@ -85,12 +102,25 @@ class MLADecode:
         rAcc.fill(0.0)
         rK = cute.make_rmem_tensor(cute.make_layout((8 * NV + NP,)), Float32)
 
+        # Tiles 0 .. STAGES - 2 in flight before the loop; each step issues tile + STAGES - 1
+        # (one cp.async group per tile, empty past the last) and waits for its own tile only.
+        for k in cutlass.range_constexpr(STAGES - 1):
+            if k < n_tiles:
+                self.load_tile(tidx, b, group, slot, pos, lo + k * TILE, hi, mCkv, mKpe, mKV,
+                               sKV[None, None, k])
+            cute.arch.cp_async_commit_group()
         for tile in cutlass.range(n_tiles, unroll=1):
             base = lo + tile * TILE
-            self.load_tile(tidx, b, group, slot, pos, base, hi, mCkv, mKpe, mKV, sKV)
-            cute.arch.barrier()
+            ahead = tile + STAGES - 1
+            if ahead < n_tiles:
+                self.load_tile(tidx, b, group, slot, pos, lo + ahead * TILE, hi, mCkv, mKpe,
+                               mKV, sKV[None, None, ahead % STAGES])
+            cute.arch.cp_async_commit_group()
+            cute.arch.cp_async_wait_group(STAGES - 1)
+            cute.arch.barrier()  # every thread's copies (and zero / new-row stores) landed
+            sTile = sKV[None, None, tile % STAGES]
             for g in cutlass.range(TILE // GROUP, unroll=1):
-                self.group_scores(sKV, g, lane, rQ, rK, rS, scale)
+                self.group_scores(sTile, g, lane, rQ, rK, rS, scale)
             i = base + lane_row(lane)
             for j in cutlass.range_constexpr(QW):
                 rS[j] = Float32(cutlass.select_((i < hi) & (i <= limit[j]), rS[j],
@@ -98,12 +128,12 @@ class MLADecode:
             for j in cutlass.range_constexpr(QW):
                 self.softmax_step(j, rS, rM, rL, rP, rAcc)
             for r in cutlass.range(TILE, unroll=2):
-                self.row_values(sKV, r, lane, rK, False)
+                self.row_values(sTile, r, lane, rK, False)
                 for j in cutlass.range_constexpr(QW):
                     p = cute.arch.shuffle_sync(rP[j], row_lane(r))
                     for e in cutlass.range_constexpr(8 * NV):
                         rAcc[j, e] = rAcc[j, e] + p * rK[e]
-            cute.arch.barrier()  # the tile is read before the next load overwrites it
+            cute.arch.barrier()  # the tile is read before a later step's copies overwrite it
 
         rOut = cute.make_rmem_tensor(cute.make_layout((4,)), Float32)
         for j in cutlass.range_constexpr(QW):
@@ -120,40 +150,60 @@ class MLADecode:
 
     @cute.jit
     def load_tile(self, tidx, b, group, slot, pos, base, hi, mCkv, mKpe, mKV, sKV):
-        """Cache rows base .. base + 31 -> sKV (rows at or past hi zero-filled); the new rows
-        (>= pos) come from c_kv | k_pe and are written to the cache here (by query group 0
-        only: the other groups' CTAs load the same tile)."""
+        """Cache rows base .. base + 31 -> sKV (32, C + R): rows before pos by cp.async (no
+        register round trip, every copy of the tile in flight at once), rows at or past hi
+        zero-filled; the new rows (>= pos) come from c_kv | k_pe and are written to the cache
+        here (by query group 0 only: the other groups' CTAs load the same tile). The caller
+        commits the copies as one group."""
         VR, n = self.VR, self.threads
+        atom = cute.make_copy_atom(cpasync.CopyG2SOp(cpasync.LoadCacheMode.GLOBAL), BFloat16,
+                                   num_bits_per_copy=128)
         rV = cute.make_rmem_tensor(cute.make_layout((8,)), BFloat16)
+        old = cutlass.min(hi, pos)  # rows below this one are the cache's
         total = TILE * VR
-        for it in cutlass.range_constexpr(-(-total // n)):
-            item = it * n + tidx
-            if const_expr((it + 1) * n <= total):
-                self.load_vector(item, b, group, slot, pos, base, hi, mCkv, mKpe, mKV, sKV,
-                                 rV)
-            else:
-                if item < total:
-                    self.load_vector(item, b, group, slot, pos, base, hi, mCkv, mKpe, mKV,
-                                     sKV, rV)
+        if base + TILE <= old:  # every row the cache's (all tiles but the last one or two)
+            for it in cutlass.range_constexpr(-(-total // n)):
+                item = it * n + tidx
+                if const_expr((it + 1) * n <= total):
+                    self.copy_vector(item, slot, base, mKV, sKV, atom)
+                else:
+                    if item < total:
+                        self.copy_vector(item, slot, base, mKV, sKV, atom)
+        else:
+            for it in cutlass.range_constexpr(-(-total // n)):
+                item = it * n + tidx
+                if const_expr((it + 1) * n <= total):
+                    self.load_vector(item, b, group, slot, pos, base, hi, old, mCkv, mKpe, mKV,
+                                     sKV, rV, atom)
+                else:
+                    if item < total:
+                        self.load_vector(item, b, group, slot, pos, base, hi, old, mCkv, mKpe,
+                                         mKV, sKV, rV, atom)
 
     @cute.jit
-    def load_vector(self, item, b, group, slot, pos, base, hi, mCkv, mKpe, mKV, sKV, rV):
+    def copy_vector(self, item, slot, base, mKV, sKV, atom):
+        r, v = item // self.VR, item % self.VR
+        cute.copy(atom, vectors(mKV[slot, base + r, None])[None, v], vectors(sKV[r, None])[None, v])
+
+    @cute.jit
+    def load_vector(self, item, b, group, slot, pos, base, hi, old, mCkv, mKpe, mKV, sKV, rV,
+                    atom):
         VR, CV = self.VR, self.C // 8
         r, v = item // VR, item % VR
         i = base + r
-        rV.fill(0.0)
-        if i < hi:
-            gRow = vectors(mKV[slot, i, None])
-            if i >= pos:
+        dst = vectors(sKV[r, None])[None, v]
+        if i < old:
+            cute.copy(atom, vectors(mKV[slot, i, None])[None, v], dst)
+        else:
+            rV.fill(0.0)
+            if i < hi:
                 if v < CV:
                     cute.autovec_copy(vectors(mCkv[b, i - pos, None])[None, v], rV)
                 else:
                     cute.autovec_copy(vectors(mKpe[b, i - pos, None])[None, v - CV], rV)
                 if group == 0:
-                    cute.autovec_copy(rV, gRow[None, v])
-            else:
-                cute.autovec_copy(gRow[None, v], rV)
-        cute.autovec_copy(rV, vectors(sKV[r, None])[None, v])
+                    cute.autovec_copy(rV, vectors(mKV[slot, i, None])[None, v])
+            cute.autovec_copy(rV, dst)
 
     @cute.jit
     def group_scores(self, sKV, g, lane, rQ, rK, rS, scale: Float32):
@@ -219,35 +269,74 @@ class MLADecode:
 
     @cute.kernel
     def combine(self, mWsO, mWsML, mOut):
-        """o_lat[b, t, h, 8·tidx ..] from every split's partial, in split order."""
+        """o_lat[b, t, h, COMBINE_COLS columns of chunk] from every split's partial: thread
+        (v, k) sums the splits k, k + LANES, ... of column vector v in split order, then the
+        LANES sums meet in shared memory in lane order (a fixed order: deterministic)."""
         tidx, _, _ = cute.arch.thread_idx()
-        q, b, _ = cute.arch.block_idx()
+        q, chunk, b = cute.arch.block_idx()
+        lane, warp = cute.arch.lane_idx(), cute.arch.warp_idx()
         t, h = q // self.H, q % self.H
-        n_splits = mWsO.shape[1]
+        n_splits = Int32(mWsO.shape[1])
+        CV, LANES, warps = COMBINE_COLS // 4, COMBINE_LANES, self.combine_threads // 32
+        smem = cutlass.memory.SmemAllocator()
+        sW = smem.allocate_tensor(Float32, cute.make_layout((self.combine_threads,)), 16)
+        sRed = smem.allocate_tensor(Float32, cute.make_layout((2, warps)), 16)
+        sPart = smem.allocate_tensor(Float32, cute.make_layout(
+            (COMBINE_COLS, LANES), stride=(1, COMBINE_COLS)), 16)  # (columns, lanes)
         cute.arch.griddepcontrol_wait()  # PDL: every attend CTA has finished and flushed
-        # both loops unrolled by COMBINE_UNROLL: their loads do not depend on each other, so
-        # that many are in flight at once. One at a time, the 2 x 128 L2 round trips of B1
-        # (128 splits) would take tens of µs: the likely bulk of the op's 62.7 µs there
-        # (BENCHMARKS.md session 4; not yet re-measured). The sums keep split order.
-        m_all = Float32(NEG_INF)
-        for s in cutlass.range(n_splits, unroll=COMBINE_UNROLL):
-            m_all = cute.arch.fmax(m_all, mWsML[b, s, q, 0])
-        total = Float32(0.0)
-        rAcc = cute.make_rmem_tensor(cute.make_layout((8,)), Float32)
+
+        # Every load first, in one round trip: this thread's U partial vectors (splits k,
+        # k + LANES, ...; MAX_SPLITS <= U·LANES; past n_splits a real split's row, weighed 0),
+        # then (m, l) of split tidx (MAX_SPLITS <= threads). The warp barrier between them keeps
+        # ptxas from putting the (m, l) loads and the reductions that wait for them first.
+        v, k = tidx % CV, tidx // CV
+        U = COMBINE_UNROLL
+        rO = cute.make_rmem_tensor(cute.make_layout((4, U)), Float32)
+        for u in cutlass.range_constexpr(U):
+            s = cutlass.min(k + u * LANES, n_splits - 1)
+            cute.autovec_copy(vectors4(mWsO[b, s, q, None])[None, chunk * CV + v], rO[None, u])
+        cute.arch.sync_warp()
+        s_ml = cutlass.min(tidx, n_splits - 1)
+        rML = cute.make_rmem_tensor(cute.make_layout((2,)), Float32)
+        cute.autovec_copy(mWsML[b, s_ml, q, None], rML)  # one 8-byte load
+        l_s = rML[1]
+        m = Float32(cutlass.select_(tidx < n_splits, rML[0], Float32(NEG_INF)))
+        m_all = self.block_reduce(cute.arch.warp_reduction_max(m), sRed, 0, lane, warp,
+                                  cute.arch.fmax)
+        w = cute.math.exp(m - m_all)  # 0 for an empty split (m = -inf) and past n_splits
+        sW[tidx] = w
+        total = self.block_reduce(cute.arch.warp_reduction(l_s * w, lambda x, y: x + y), sRed,
+                                  1, lane, warp, lambda x, y: x + y)
+
+        col0 = chunk * COMBINE_COLS
+        rAcc = cute.make_rmem_tensor(cute.make_layout((4,)), Float32)
         rAcc.fill(0.0)
-        rO = cute.make_rmem_tensor(cute.make_layout((4,)), Float32)
-        for s in cutlass.range(n_splits, unroll=COMBINE_UNROLL):
-            w = cute.math.exp(mWsML[b, s, q, 0] - m_all)  # 0 for an empty split (m = -inf)
-            total = total + mWsML[b, s, q, 1] * w
-            for half in cutlass.range_constexpr(2):
-                cute.autovec_copy(vectors4(mWsO[b, s, q, None])[None, 2 * tidx + half], rO)
-                for e in cutlass.range_constexpr(4):
-                    rAcc[4 * half + e] = rAcc[4 * half + e] + rO[e] * w
-        inv = 1.0 / total
-        rOut = cute.make_rmem_tensor(cute.make_layout((8,)), BFloat16)
-        for e in cutlass.range_constexpr(8):
-            rOut[e] = (rAcc[e] * inv).to(BFloat16)
-        cute.autovec_copy(rOut, vectors(mOut[b, t, h, None])[None, tidx])
+        for u in cutlass.range_constexpr(U):
+            s = k + u * LANES
+            ws = Float32(cutlass.select_(s < n_splits, sW[cutlass.min(s, MAX_SPLITS - 1)],
+                                         Float32(0.0)))
+            for e in cutlass.range_constexpr(4):
+                rAcc[e] = rAcc[e] + rO[e, u] * ws
+        for e in cutlass.range_constexpr(4):
+            sPart[4 * v + e, k] = rAcc[e]
+        cute.arch.barrier()
+        if tidx < COMBINE_COLS:
+            o = sPart[tidx, 0]
+            for kk in cutlass.range_constexpr(1, LANES):
+                o = o + sPart[tidx, kk]
+            mOut[b, t, h, col0 + tidx] = (o * (1.0 / total)).to(BFloat16)
+
+    @cute.jit
+    def block_reduce(self, x, sRed, row: cutlass.Constexpr[int], lane, warp, op):
+        """The CTA's reduction of x (each warp's value already reduced, identical in its
+        lanes): the warps' values in warp order, the same result in every thread."""
+        if lane == 0:
+            sRed[row, warp] = x
+        cute.arch.barrier()
+        out = sRed[row, 0]
+        for i in cutlass.range_constexpr(1, self.combine_threads // 32):
+            out = op(out, sRed[row, i])
+        return out
 
 def vectors4(mX):
     """fp32 row (dim,) -> (4, dim / 4): 16-byte vectors."""

@@ -9,9 +9,9 @@ model's split makes it), outputs are poisoned beforehand. The cache after the ca
 the reference's bit for bit: the new rows written, every other row untouched.
 
 CPU: a torch model of the kernel's algorithm (context splits, 32-row tiles, online softmax with
-p rounded to bf16 per tile, the fixed-order merge, which CTA writes which new row) against the
-reference, for several split counts; the query split of every config; refusals; the fallback
-off the GPU.
+p rounded to bf16 per tile, the fixed-order merge by split lanes, which CTA writes which new
+row) against the reference, for several split counts (up to MAX_SPLITS); the query split of every
+config; refusals; the fallback off the GPU.
 """
 
 import logging
@@ -115,7 +115,7 @@ def test_other_shapes(gen, B, T, H, latent, rope, L):
         check(Inputs(gen, B, T, H, latent, rope, L, where))
 
 
-@pytest.mark.parametrize("n", [1, 2, 5, 64])
+@pytest.mark.parametrize("n", [1, 2, 5, 17, 64, kernel.MAX_SPLITS])
 @pytest.mark.usefixtures("cuda_kernels")
 @pytest.mark.gpu
 def test_split_counts(gen, n, monkeypatch):
@@ -217,14 +217,18 @@ def split_model(q_lat, q_pe, c_kv, k_pe, kv_cache, slots, positions, scale, n_sp
         assert written.sum() == n_vis - pos
     assert not ws_o.isnan().any() and not ws_ml.isnan().any(), "a partial not written"
     out = torch.empty(B, HT, Cl)
-    for b in range(B):  # the merge, in split order
+    lanes = kernel.COMBINE_LANES
+    for b in range(B):  # the merge: lane k sums splits k, k + lanes, ..., then lanes in order
         m_all = ws_ml[b, :, :, 0].max(0).values
-        total, o = torch.zeros(HT), torch.zeros(HT, Cl)
-        for s in range(n_splits):
-            w = torch.exp(ws_ml[b, s, :, 0] - m_all)
-            total = total + ws_ml[b, s, :, 1] * w
-            o = o + ws_o[b, s] * w[:, None]
-        out[b] = o / total[:, None]
+        w = torch.exp(ws_ml[b, :, :, 0] - m_all)  # (splits, HT)
+        total = (ws_ml[b, :, :, 1] * w).sum(0)
+        o = torch.zeros(HT, Cl)
+        for k in range(lanes):
+            part = torch.zeros(HT, Cl)
+            for s in range(k, n_splits, lanes):
+                part = part + ws_o[b, s] * w[s, :, None]
+            o = o + part
+        out[b] = o * (1.0 / total[:, None])
     return out.bfloat16().view(B, T, H, Cl)
 
 
@@ -244,7 +248,7 @@ def check_split_model(inp, n_splits):
     assert rel_err(got, ref) < REF_REL_NORM
 
 
-@pytest.mark.parametrize("n_splits", [1, 3, 7, 64])
+@pytest.mark.parametrize("n_splits", [1, 3, 7, 64, kernel.MAX_SPLITS])
 @pytest.mark.parametrize("T", [1, 3, 8])
 def test_split_model_matches_reference(T, n_splits):
     gen = _cpu_gen()
