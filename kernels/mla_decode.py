@@ -48,6 +48,8 @@ COMBINE_COLS = 64  # o_lat columns per merge CTA
 COMBINE_LANES = 16  # threads per column vector in the merge, each taking every 16th split
 COMBINE_UNROLL = 8  # splits a merge thread reads at once (MAX_SPLITS: one round at 16 lanes)
 GROUP = 4  # tile rows whose warp sums are scattered together (one row per 8 lanes)
+MMA = True  # config()'s default: scores and p·c_kv on tensor cores (`Config.mma`)
+MMA_QUERIES = 16  # queries per CTA on tensor cores: the m of mma.sync m16n8k16
 
 
 def reduce_scatter(vals, lane_bit, shfl_xor, select):
@@ -76,25 +78,63 @@ def row_lane(row):
     return (row // GROUP) | ((row % GROUP) << 3)
 
 
+def ldsm_rows(lane, warp, col):
+    """Scores (mma): the (tile row, column) of the 16 bytes lane `lane` addresses in the
+    ldmatrix of its warp's 8 rows: matrix i = lane // 8 is rows 8·warp .. + 7 at columns
+    col + 8i, the B fragments of the k-steps at col and col + 16."""
+    return 8 * warp + lane % 8, col + 8 * (lane // 8)
+
+
+def ldsm_queries(lane, col):
+    """Scores (mma): the (query, column) lane `lane` addresses in the ldmatrix of the A
+    fragment of the k-step at col: matrix i is queries 8(i % 2) .. + 7 at columns col + 8(i // 2)."""
+    return lane % 8 + 8 * (lane // 8 % 2), col + 8 * (lane // 16)
+
+
+def ldsm_values(lane, k0, c0):
+    """p·c_kv (mma): the (tile row, column) lane `lane` addresses in the ldmatrix.trans of the
+    B fragments of n-blocks c0 and c0 + 8 for the k-step of rows k0 .. k0 + 15: matrix i is
+    rows k0 + 8(i % 2) .. + 7 at columns c0 + 8(i // 2)."""
+    return k0 + 8 * (lane // 8 % 2) + lane % 8, c0 + 8 * (lane // 16)
+
+
+def frag_c(lane, e):
+    """(row, column) of element e of lane `lane`'s m16n8 accumulator fragment."""
+    return lane // 4 + 8 * (e // 2), 2 * (lane % 4) + e % 2
+
+
+def p_rows(t):
+    """The 8 tile rows of the p values lane t of a quad holds (for its queries g, g + 8), in
+    A-fragment order: k-step ks, half hi, pair element e -> 16ks + 8hi + 2t + e."""
+    return [16 * ks + 8 * hi + 2 * t + e for ks in range(2) for hi in range(2) for e in range(2)]
+
+
 @dataclass(frozen=True)
 class Config:
-    queries_per_warp: int  # QW: queries (t, h) per warp, in registers
+    queries_per_warp: int  # QW: queries (t, h) per warp, in registers (mma: all 16 of the CTA)
     warps: int  # per CTA; a CTA serves QW·warps queries, H·T / (QW·warps) query groups
+    mma: bool = False  # tensor cores: 16 queries (a query group) and 4 warps a CTA
 
     @property
     def threads(self) -> int:
         return 32 * self.warps
 
     def groups(self, tokens: int, n_heads: int) -> int:
+        if self.mma:
+            return -(-tokens * n_heads // MMA_QUERIES)
         return tokens * n_heads // (self.queries_per_warp * self.warps)
 
 
 def config(tokens: int, n_heads: int, latent: int = 512, rope: int = 64,
-           batch_bucket: int = 1) -> Config:
-    """Up to 4 queries per warp (≈ 200 registers at C = 512), at most 8 warps per CTA; the rest
-    of the H·T queries go to more query groups (CTAs reading the same rows, through the L2).
-    The compile does not depend on the batch: `splits` picks the split count at launch."""
+           batch_bucket: int = 1, mma: bool | None = None) -> Config:
+    """Tensor cores (`MMA`, default): 16 queries and 4 warps a CTA, ⌈H·T / 16⌉ query groups.
+    CUDA cores: up to 4 queries per warp (≈ 200 registers at C = 512), at most 8 warps per
+    CTA; the rest of the H·T queries go to more query groups (CTAs reading the same rows,
+    through the L2). The compile does not depend on the batch: `splits` picks the split
+    count at launch."""
     del latent, rope, batch_bucket
+    if MMA if mma is None else mma:
+        return Config(MMA_QUERIES, 4, True)
     n = tokens * n_heads
     most = 1 if n <= 8 else 2 if n <= 16 else 4
     qw = next(q for q in (4, 2, 1) if q <= most and n % q == 0)
@@ -155,6 +195,7 @@ def build(tokens, n_heads, latent, rope, cfg, arch=None, dump_dir=None):
     from cutlass.cute.runtime import make_fake_tensor
 
     from .device.mla_decode import MLADecode
+    from .device.mla_decode_mma import MLADecodeMMA
 
     bf16, f32 = cutlass.BFloat16, cutlass.Float32
     T, H, C, R = tokens, n_heads, latent, rope
@@ -171,7 +212,7 @@ def build(tokens, n_heads, latent, rope, cfg, arch=None, dump_dir=None):
                                 assumed_align=4 * vec)
 
     return compile_kernel(
-        MLADecode(T, H, C, R, cfg), act(T, H, C), act(T, H, R), act(T, C), act(T, R),
+        (MLADecodeMMA if cfg.mma else MLADecode)(T, H, C, R, cfg), act(T, H, C), act(T, H, R), act(T, C), act(T, R),
         make_fake_tensor(bf16, (cute.sym_int(), cute.sym_int(), C + R),
                          stride=(cute.sym_int64(divisibility=8), cute.sym_int64(divisibility=8),
                                  1), assumed_align=16),

@@ -36,7 +36,9 @@ class MLADecode:
         self.NV = latent // 256  # latent 16-byte vectors per lane: lane + 32·k
         self.NP = rope // 32  # rope columns per lane: C + NP·lane + e
         self.VR = (latent + rope) // 8  # 16-byte vectors per cache row
-        self.smem_bytes = STAGES * TILE * (latent + rope) * 2 + 64
+        # shared rows padded by 16 bytes: 8 rows at one column fall in 8 distinct bank quads
+        self.RS = latent + rope + 8
+        self.smem_bytes = STAGES * TILE * self.RS * 2 + 64
         self.combine_threads = COMBINE_COLS // 4 * COMBINE_LANES
         assert MAX_SPLITS <= min(self.combine_threads, COMBINE_UNROLL * COMBINE_LANES)
         assert latent % COMBINE_COLS == 0
@@ -62,20 +64,9 @@ class MLADecode:
         lane, warp = cute.arch.lane_idx(), cute.arch.warp_idx()
         cute.arch.griddepcontrol_launch_dependents()  # combine waits for our completion
         T, H, QW, NV, NP, C = self.T, self.H, self.QW, self.NV, self.NP, self.C
-        slot = mSlots[b]
-        slot = Int64(cutlass.select_(slot < 0, slot + Int64(mKV.shape[0]), slot))
-        pos = Int32(mPos[b])
-        n_vis = cutlass.min(pos + T, Int32(mKV.shape[1]))
-        n_splits = Int32(mWsO.shape[1])
-        length = ((n_vis + n_splits - 1) // n_splits + TILE - 1) // TILE * TILE
-        lo = split * length
-        hi = cutlass.min(lo + length, n_vis)
-        n_tiles = cutlass.max(hi - lo + TILE - 1, 0) // TILE
-
+        slot, pos, lo, hi, n_tiles = self.span(b, split, mSlots, mPos, mKV, mWsO)
         smem = cutlass.memory.SmemAllocator()
-        sKV = smem.allocate_tensor(BFloat16, cute.make_layout(
-            (TILE, C + self.R, STAGES), stride=(C + self.R, 1, TILE * (C + self.R))),
-            16)  # (32 rows, C + R, STAGES): a ring of tiles
+        sKV = self.alloc_tiles(smem)
 
         # The warp's queries: latent columns of vectors lane + 32·k, rope columns NP·lane + e.
         q0 = group * self.Q + warp * QW
@@ -149,47 +140,59 @@ class MLADecode:
                 mWsML[b, split, q, 1] = rL[j]
 
     @cute.jit
+    def span(self, b, split, mSlots, mPos, mKV, mWsO):
+        """Request b's slot and position, and split `split`'s rows [lo, hi) of its visible
+        context in n_tiles tiles."""
+        slot = mSlots[b]
+        slot = Int64(cutlass.select_(slot < 0, slot + Int64(mKV.shape[0]), slot))
+        pos = Int32(mPos[b])
+        n_vis = cutlass.min(pos + self.T, Int32(mKV.shape[1]))
+        n_splits = Int32(mWsO.shape[1])
+        length = ((n_vis + n_splits - 1) // n_splits + TILE - 1) // TILE * TILE
+        lo = split * length
+        hi = cutlass.min(lo + length, n_vis)
+        n_tiles = cutlass.max(hi - lo + TILE - 1, 0) // TILE
+        return slot, pos, lo, hi, n_tiles
+
+    def alloc_tiles(self, smem):
+        """The ring of STAGES tiles, (32 rows, C + R, STAGES), rows RS apart."""
+        return smem.allocate_tensor(BFloat16, cute.make_layout(
+            (TILE, self.C + self.R, STAGES), stride=(self.RS, 1, TILE * self.RS)), 16)
+
+    @cute.jit
     def load_tile(self, tidx, b, group, slot, pos, base, hi, mCkv, mKpe, mKV, sKV):
         """Cache rows base .. base + 31 -> sKV (32, C + R): rows before pos by cp.async (no
         register round trip, every copy of the tile in flight at once), rows at or past hi
         zero-filled; the new rows (>= pos) come from c_kv | k_pe and are written to the cache
         here (by query group 0 only: the other groups' CTAs load the same tile). The caller
-        commits the copies as one group."""
-        VR, n = self.VR, self.threads
+        commits the copies as one group. Thread (row r0, u) of (threads / 8, 8) takes vectors
+        u, u + 8, ... of rows r0, r0 + threads / 8, ...: 8 threads read 128 contiguous bytes,
+        and a thread's addresses are two row bases plus constants."""
+        VR, RP = self.VR, self.threads // 8
         atom = cute.make_copy_atom(cpasync.CopyG2SOp(cpasync.LoadCacheMode.GLOBAL), BFloat16,
                                    num_bits_per_copy=128)
         rV = cute.make_rmem_tensor(cute.make_layout((8,)), BFloat16)
         old = cutlass.min(hi, pos)  # rows below this one are the cache's
-        total = TILE * VR
-        if base + TILE <= old:  # every row the cache's (all tiles but the last one or two)
-            for it in cutlass.range_constexpr(-(-total // n)):
-                item = it * n + tidx
-                if const_expr((it + 1) * n <= total):
-                    self.copy_vector(item, slot, base, mKV, sKV, atom)
-                else:
-                    if item < total:
-                        self.copy_vector(item, slot, base, mKV, sKV, atom)
-        else:
-            for it in cutlass.range_constexpr(-(-total // n)):
-                item = it * n + tidx
-                if const_expr((it + 1) * n <= total):
-                    self.load_vector(item, b, group, slot, pos, base, hi, old, mCkv, mKpe, mKV,
-                                     sKV, rV, atom)
-                else:
-                    if item < total:
-                        self.load_vector(item, b, group, slot, pos, base, hi, old, mCkv, mKpe,
-                                         mKV, sKV, rV, atom)
+        r0, u = tidx // 8, tidx % 8
+        fast = base + TILE <= old  # every row the cache's (all tiles but the last one or two)
+        for jr in cutlass.range_constexpr(-(-TILE // RP)):
+            r = r0 + jr * RP
+            if const_expr((jr + 1) * RP <= TILE) or r < TILE:
+                gRow = vectors(mKV[slot, cutlass.min(base + r, mKV.shape[1] - 1), None])
+                sRow = vectors(sKV[r, None])
+                for k in cutlass.range_constexpr(-(-VR // 8)):
+                    v = u + 8 * k
+                    if const_expr(8 * (k + 1) <= VR) or v < VR:
+                        if fast:
+                            cute.copy(atom, gRow[None, v], sRow[None, v])
+                        else:
+                            self.load_vector(r, v, b, group, slot, pos, base, hi, old, mCkv,
+                                             mKpe, mKV, sKV, rV, atom)
 
     @cute.jit
-    def copy_vector(self, item, slot, base, mKV, sKV, atom):
-        r, v = item // self.VR, item % self.VR
-        cute.copy(atom, vectors(mKV[slot, base + r, None])[None, v], vectors(sKV[r, None])[None, v])
-
-    @cute.jit
-    def load_vector(self, item, b, group, slot, pos, base, hi, old, mCkv, mKpe, mKV, sKV, rV,
+    def load_vector(self, r, v, b, group, slot, pos, base, hi, old, mCkv, mKpe, mKV, sKV, rV,
                     atom):
-        VR, CV = self.VR, self.C // 8
-        r, v = item // VR, item % VR
+        CV = self.C // 8
         i = base + r
         dst = vectors(sKV[r, None])[None, v]
         if i < old:

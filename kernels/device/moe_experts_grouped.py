@@ -10,6 +10,7 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from ..common.copy import make_frag, row_vectors
+from ..common.mma import mma_16816
 from ..common.dsl import pdl_wait
 from ..moe_experts import (
     G_SHIFT,
@@ -32,21 +33,6 @@ def mul_bf16x2(a: Uint32, b: Uint32, *, loc=None, ip=None) -> Uint32:
         T.i32(), [Uint32(a).ir_value(loc=loc, ip=ip), Uint32(b).ir_value(loc=loc, ip=ip)],
         "mul.rn.bf16x2 $0, $1, $2;", "=r,r,r", has_side_effects=False, is_align_stack=False,
         asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
-
-
-@dsl_user_op
-def mma_16816(a, b, c, *, loc=None, ip=None):
-    """D = A·B + C, m16n8k16, bf16 inputs, fp32 sums: a 4 and b 2 packed bf16x2 registers,
-    c 4 fp32 values, in the PTX fragment order (see `decode_a`)."""
-    regs = [Uint32(x).ir_value(loc=loc, ip=ip) for x in (*a, *b)]
-    regs += [Float32(x).ir_value(loc=loc, ip=ip) for x in c]
-    res = llvm.inline_asm(
-        llvm.StructType.get_literal([T.f32()] * 4), regs,
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-        "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
-        "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", has_side_effects=False, is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
-    return [Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip)) for i in range(4)]
 
 
 def decode_pair(word, i):

@@ -1,14 +1,16 @@
 """MLA decode kernel (`k3::mla_decode`) against `mla_decode_ref`.
 
-GPU (marked `gpu`): one K3 TP16 rank (96 / 16 = 6 heads, latent 512, rope 64, a cache of 4160
-rows) at every batch bucket with T = 1 and T = 8, positions near 0, mid-cache and at the end of
-the cache; other head counts (4, 1), latent 256 / rope 32, other T, every split count, several
-consecutive steps on one cache. Slots are a permutation of a larger pool (the last request of a
+GPU (marked `gpu`), each on both compute paths (tensor cores, the default, and CUDA cores):
+one K3 TP16 rank (96 / 16 = 6 heads, latent 512, rope 64, a cache of 4160 rows) at every batch
+bucket with T = 1 and T = 8, positions near 0, mid-cache and at the end of the cache; other head
+counts (4, 1, 8), latent 256 / rope 32, other T (H·T not a multiple of 16: a partial query
+group), several split counts, several consecutive steps on one cache. Slots are a permutation of a larger pool (the last request of a
 batch is a padding row on the scratch slot, -1), k_pe is a column slice of the kv_a row (as the
 model's split makes it), outputs are poisoned beforehand. The cache after the call must equal
 the reference's bit for bit: the new rows written, every other row untouched.
 
-CPU: a torch model of the kernel's algorithm (context splits, 32-row tiles, online softmax with
+CPU: the tensor-core path's fragment plumbing on emulated lanes (ldmatrix, mma.sync); a torch
+model of the kernel's algorithm (context splits, 32-row tiles, online softmax with
 p rounded to bf16 per tile, the fixed-order merge by split lanes, which CTA writes which new
 row) against the reference, for several split counts (up to MAX_SPLITS); the query split of every
 config; refusals; the fallback off the GPU.
@@ -95,10 +97,17 @@ def check(inp, cache=None):
     return got_cache
 
 
+@pytest.fixture(params=["mma", "fma"])
+def path(request, monkeypatch):
+    """Both compute paths of the kernel: tensor cores (`config`'s default) and CUDA cores."""
+    monkeypatch.setattr(kernel, "MMA", request.param == "mma")
+    return request.param
+
+
 @pytest.mark.parametrize("where", ["start", "mid", "end"])
 @pytest.mark.parametrize("T", [1, 8])
 @pytest.mark.parametrize("B", BUCKETS)
-@pytest.mark.usefixtures("cuda_kernels")
+@pytest.mark.usefixtures("cuda_kernels", "path")
 @pytest.mark.gpu
 def test_tp16_rank(gen, B, T, where):
     check(Inputs(gen, B, T, where=where))
@@ -107,8 +116,8 @@ def test_tp16_rank(gen, B, T, where):
 @pytest.mark.parametrize("B,T,H,latent,rope,L", [
     (3, 1, 4, 512, 64, 4160), (5, 8, 4, 512, 64, 1000), (2, 8, 1, 512, 64, 333),
     (3, 3, 6, 512, 64, 777), (6, 16, 6, 512, 64, 2048), (37, 1, 6, 512, 64, 512),
-    (4, 5, 3, 256, 32, 130), (1, 2, 6, 512, 64, 17)])
-@pytest.mark.usefixtures("cuda_kernels")
+    (4, 5, 3, 256, 32, 130), (1, 2, 6, 512, 64, 17), (2, 3, 8, 512, 64, 700)])
+@pytest.mark.usefixtures("cuda_kernels", "path")
 @pytest.mark.gpu
 def test_other_shapes(gen, B, T, H, latent, rope, L):
     for where in ("start", "mid", "end"):
@@ -116,7 +125,7 @@ def test_other_shapes(gen, B, T, H, latent, rope, L):
 
 
 @pytest.mark.parametrize("n", [1, 2, 5, 17, 64, kernel.MAX_SPLITS])
-@pytest.mark.usefixtures("cuda_kernels")
+@pytest.mark.usefixtures("cuda_kernels", "path")
 @pytest.mark.gpu
 def test_split_counts(gen, n, monkeypatch):
     monkeypatch.setattr(kernel, "splits", lambda *_: n)
@@ -126,7 +135,7 @@ def test_split_counts(gen, n, monkeypatch):
 
 
 @pytest.mark.parametrize("B,T", [(1, 1), (8, 8), (64, 1)])
-@pytest.mark.usefixtures("cuda_kernels")
+@pytest.mark.usefixtures("cuda_kernels", "path")
 @pytest.mark.gpu
 def test_consecutive_steps(gen, B, T):
     """Four steps on one cache, each appending T rows after the last."""
@@ -281,17 +290,96 @@ def test_lane_scores():
     torch.testing.assert_close(kept, part.sum(1)[rows])
 
 
+def ldmatrix_emu(smem, addr, trans=False):
+    """ldmatrix.x4 on 32 emulated lanes (PTX ISA): lanes 8i .. 8i + 7 address the rows of
+    matrix i (`addr(lane)` -> (row, column) of 8 values); lane (g, t) = (lane // 4, lane % 4)
+    gets (row g, columns 2t, 2t + 1) of each matrix, or with `trans` (rows 2t, 2t + 1, column
+    g). Returns regs[lane][i], a pair of values (low half first)."""
+    mats = [torch.stack([smem[r, c:c + 8] for r, c in map(addr, range(8 * i, 8 * i + 8))])
+            for i in range(4)]
+    return [[m[2 * (lane % 4):2 * (lane % 4) + 2, lane // 4] if trans else
+             m[lane // 4, 2 * (lane % 4):2 * (lane % 4) + 2] for m in mats] for lane in range(32)]
+
+
+def mma_emu(a, b, c):
+    """mma.sync m16n8k16 on 32 emulated lanes (PTX ISA fragments): a[lane] 4 pairs, b[lane] 2
+    pairs, c[lane] 4 values; returns d[lane] as c."""
+    A, B = torch.zeros(16, 16, dtype=torch.float64), torch.zeros(16, 8, dtype=torch.float64)
+    for lane in range(32):
+        g, t = lane // 4, 2 * (lane % 4)
+        A[g, t:t + 2], A[g + 8, t:t + 2] = a[lane][0], a[lane][1]
+        A[g, t + 8:t + 10], A[g + 8, t + 8:t + 10] = a[lane][2], a[lane][3]
+        B[t:t + 2, g], B[t + 8:t + 10, g] = b[lane][0], b[lane][1]
+    D = A @ B
+    return [[c[lane][e] + D[kernel.frag_c(lane, e)] for e in range(4)] for lane in range(32)]
+
+
+@pytest.mark.parametrize("latent,rope", [(256, 32), (512, 64)])
+def test_mma_fragments(latent, rope):
+    """The tensor-core path's fragment plumbing on 4 x 32 emulated lanes, with the index
+    functions the kernel uses (`ldsm_rows`, `ldsm_queries`, `ldsm_values`, `frag_c`,
+    `p_rows`): each warp's scores of its 8 tile rows (nope and rope apart) and its columns of
+    p · c_kv equal the matrix products."""
+    gen = _cpu_gen()
+    Q = torch.randn(kernel.MMA_QUERIES, latent + rope, generator=gen, dtype=torch.float64)
+    K = torch.randn(kernel.TILE, latent + rope, generator=gen, dtype=torch.float64)
+    P = torch.rand(kernel.MMA_QUERIES, kernel.TILE, generator=gen, dtype=torch.float64)
+    warps, zero = 4, [[0.0] * 4 for _ in range(32)]
+    cw = latent // warps
+    S = torch.full((2, kernel.MMA_QUERIES, kernel.TILE), float("nan"), dtype=torch.float64)
+    O = torch.full((kernel.MMA_QUERIES, latent), float("nan"), dtype=torch.float64)
+    # lane (g, t)'s A fragments of p: a[ks][h + 2hi] = p[g + 8h, rows 4ks + 2hi of p_rows(t)]
+    a = [[[P[lane // 4 + 8 * (k % 2), kernel.p_rows(lane % 4)[4 * ks + 2 * (k // 2)]:][:2]
+           for k in range(4)] for lane in range(32)] for ks in range(2)]
+    for w in range(warps):
+        acc = [zero, zero]  # nope, rope
+        for col in range(0, latent + rope, 32):
+            kb = ldmatrix_emu(K, lambda lane: kernel.ldsm_rows(lane, w, col))
+            for ks in range(2):
+                qa = ldmatrix_emu(Q, lambda lane: kernel.ldsm_queries(lane, col + 16 * ks))
+                part = int(col >= latent)
+                acc[part] = mma_emu(qa, [r[2 * ks:2 * ks + 2] for r in kb], acc[part])
+        for lane in range(32):
+            for e in range(4):
+                m, n = kernel.frag_c(lane, e)
+                S[:, m, 8 * w + n] = torch.tensor([acc[0][lane][e], acc[1][lane][e]])
+        for cb in range(0, cw, 16):
+            for ks in range(2):
+                vb = ldmatrix_emu(K, lambda lane: kernel.ldsm_values(lane, 16 * ks, cw * w + cb),
+                                  trans=True)
+                for n in range(2):
+                    c0 = cw * w + cb + 8 * n
+                    c = [[O[kernel.frag_c(lane, e)[0], c0 + kernel.frag_c(lane, e)[1]]
+                          if ks else 0.0 for e in range(4)] for lane in range(32)]
+                    d = mma_emu(a[ks], [r[2 * n:2 * n + 2] for r in vb], c)
+                    for lane in range(32):
+                        for e in range(4):
+                            m, j = kernel.frag_c(lane, e)
+                            O[m, c0 + j] = d[lane][e]
+    torch.testing.assert_close(S[0], Q[:, :latent] @ K[:, :latent].T)
+    torch.testing.assert_close(S[1], Q[:, latent:] @ K[:, latent:].T)
+    torch.testing.assert_close(O, P @ K[:, :latent])
+    assert sorted(r for t in range(4) for r in kernel.p_rows(t)) == list(range(kernel.TILE))
+
+
 @pytest.mark.parametrize("T", range(1, kernel.MAX_TOKENS + 1))
 @pytest.mark.parametrize("H", [1, 3, 4, 6, 8])
-def test_configs_cover_every_query(T, H):
-    """Queries group·Q + warp·QW + j cover 0 .. H·T - 1 once; whole warps, <= 8 per CTA."""
-    cfg = kernel.config(T, H, C, R)
+def test_configs_cover_every_query(T, H, monkeypatch):
+    """CUDA cores: queries group·Q + warp·QW + j cover 0 .. H·T - 1 once; whole warps, <= 8
+    per CTA. Tensor cores: 16 queries a group, the last group partial. Both: a split count
+    in range at every bucket."""
+    cfg = kernel.config(T, H, C, R, mma=False)
     q = cfg.queries_per_warp * cfg.warps
-    assert 1 <= cfg.warps <= 8 and cfg.queries_per_warp in (1, 2, 4)
+    assert 1 <= cfg.warps <= 8 and cfg.queries_per_warp in (1, 2, 4) and not cfg.mma
     assert cfg.groups(T, H) * q == H * T
-    for b in BUCKETS:
-        n = kernel.splits(b, T, H, L_CACHE)
-        assert 1 <= n <= kernel.MAX_SPLITS
+    cfg = kernel.config(T, H, C, R, mma=True)
+    assert cfg.mma and cfg.warps == 4
+    assert 0 <= cfg.groups(T, H) * kernel.MMA_QUERIES - H * T < kernel.MMA_QUERIES
+    for mma in (False, True):
+        monkeypatch.setattr(kernel, "MMA", mma)
+        for b in BUCKETS:
+            n = kernel.splits(b, T, H, L_CACHE)
+            assert 1 <= n <= kernel.MAX_SPLITS
 
 
 def test_refusals():

@@ -62,14 +62,18 @@ def _cases():
         (kda_decode, (2, 6, 4)),  # T < taps - 1: the conv-state shift
         (kda_decode, (5, 4, 2)),  # two taps
         (mla_decode, (1, 6, 512, 64)),  # (T, heads, latent, rope): decode at one TP16 rank
-        (mla_decode, (8, 6, 512, 64)),  # verify rows: 4 queries per warp, 2 query groups
-        (mla_decode, (3, 2, 256, 32)),  # small latent and rope, 6 one-query warps
+        (mla_decode, (8, 6, 512, 64)),  # verify rows: 48 queries, 3 query groups of 16
+        (mla_decode, (3, 2, 256, 32)),  # small latent and rope, one partial query group
     ]
     for module, scalars in shapes:
         for b in BUCKETS:
             case = (module, scalars, module.config(*scalars, b))
             if case not in seen:
                 seen.append(case)
+    # mla_decode on CUDA cores (config()'s default is tensor cores): T 1 and 8 at one TP16
+    # rank, and the small latent
+    for scalars in [(1, 6, 512, 64), (8, 6, 512, 64), (3, 2, 256, 32)]:
+        seen.append((mla_decode, scalars, mla_decode.config(*scalars, mma=False)))
     # gemm_tc: (n, k, fp32 output, residual) with the config of one bucket: a cluster of 8 over
     # K at 8 tokens, R = 128 rows with the residual at 64, one CTA per tile (S = 1) with fp32
     # output, and partial row tiles and K slices (1000 x 1032)
@@ -474,6 +478,7 @@ def test_device_classes_are_module_level():
             ("moe_route", "moe_route", "MoERoute"),
             ("attn_res_mix_norm", "attn_res_mix_norm", "AttnResMixNorm"),
             ("kda_decode", "kda_decode", "KDADecode"), ("mla_decode", "mla_decode", "MLADecode"),
+            ("mla_decode", "mla_decode_mma", "MLADecodeMMA"),
             ("moe_experts", "moe_experts", "FC1"), ("moe_experts", "moe_experts", "FC2"),
             ("moe_one_launch", "moe_one_launch", "MoEOneLaunch"),
             ("common.gemv", "gemv", "Gemv"), ("common.gemm_tc", "gemm_tc", "GemmTC")]:
