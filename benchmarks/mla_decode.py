@@ -3,8 +3,8 @@ against its torch reference, eager and under torch.compile (Inductor), at one K3
 (96 / 16 = 6 heads, latent 512, rope 64) with a context of 4096 rows (the T new ones included).
 
     python benchmarks/mla_decode.py [--b 1,8,64] [--t 1,8] [--ctx 4096] [--no-inductor]
-                                    [--out dir|r.json]
-    python benchmarks/mla_decode.py --sweep [--b 1,8,64] [--t 1,8]   # every split count
+                                    [--path mma|fma|both] [--out dir|r.json]
+    python benchmarks/mla_decode.py --sweep [--b 1,8,64] [--t 1,8] [--path ...]  # split counts
     python benchmarks/mla_decode.py --q-absorb [--b 1,8,64] [--out dir]  # k3::mla_q_absorb
 
 Each side is captured into one CUDA graph (benchmarks/graph_timing.py). The kernel's calls cycle
@@ -15,7 +15,9 @@ from the L2: their times are then optimistic. The cache has exactly `ctx` rows p
 reference's gather of whole slots reads no row the kernel does not.
 bytes = cache rows read (ctx - T old rows, 1152 B each) + new rows read and written + q_lat,
 q_pe in + o_lat out; the split workspace (L2-resident) is not counted. "% copy" compares
-bytes / time with a 4 GiB device-to-device copy of the same run.
+bytes / time with a 4 GiB device-to-device copy of the same run. `--path` picks the kernel's
+compute path (`kernel.MMA`): tensor cores (mma, config()'s default), CUDA cores (fma), or both,
+one row each (the references are timed once per B, T).
 
 --q-absorb times `k3::mla_q_absorb` at B·T = N rows instead (kernels/mla_q_absorb.py: the GEMM
 router's q_b GEMM + the CuTe absorption) against its reference (cuBLAS: F.linear, then the
@@ -30,7 +32,7 @@ import functools
 import torch
 from gemv import copy_gbps, weight_copies, write_json
 from gemv import graph_us as rotated_us
-from graph_timing import graph_us, versus_row, versus_table
+from graph_timing import graph_us, versus_row
 from k3compile.kernels import mla_decode as kernel
 from k3compile.kernels import mla_q_absorb as absorb
 from k3compile.kernels.common.dsl import bucket, fallback_counts, runtime_refusal
@@ -91,7 +93,7 @@ def timed(fn, args, slots, calls=None):
                     [functools.partial(fn, *args(s)) for s in slots[:2]], REPLAYS)
 
 
-def run(bs, ts, ctx, gbps, inductor=True):
+def run(bs, ts, ctx, gbps, paths, inductor=True):
     rows = []
     torch._dynamo.config.cache_size_limit = 64
     compiled_ref = torch.compile(mla_decode_ref, dynamic=False)
@@ -99,26 +101,30 @@ def run(bs, ts, ctx, gbps, inductor=True):
     for t in ts:
         for b in bs:
             args, slots = make_case(b, t, ctx)
-            check(args, slots)
-            us = {"kernel": timed(kernel.mla_decode_cuda, args, slots),
-                  "eager": timed(mla_decode_ref, args, slots, REF_CALLS),
-                  "inductor": timed(compiled_ref, args, slots, REF_CALLS) if inductor else nan}
-            cfg = kernel.config(t, H, C, R)
-            n_splits = kernel.splits(b, t, H, ctx)
-            rows.append(versus_row(us, moved_bytes(b, t, ctx), gbps, f"{cfg} splits {n_splits}",
-                                   B=b, T=t, ctx=ctx, config=str(cfg), splits=n_splits))
+            refs = {"eager": timed(mla_decode_ref, args, slots, REF_CALLS),
+                    "inductor": timed(compiled_ref, args, slots, REF_CALLS) if inductor else nan}
+            for path in paths:
+                kernel.MMA = path == "mma"
+                check(args, slots)
+                us = {"kernel": timed(kernel.mla_decode_cuda, args, slots), **refs}
+                cfg = kernel.config(t, H, C, R)
+                n_splits = kernel.splits(b, t, H, ctx)
+                rows.append(versus_row(us, moved_bytes(b, t, ctx), gbps,
+                                       f"{path}: {cfg} splits {n_splits}", B=b, T=t, ctx=ctx,
+                                       path=path, config=str(cfg), splits=n_splits))
             del args, slots
             torch.cuda.empty_cache()
     return rows
 
 
-def sweep(bs, ts, ctx):
+def sweep(bs, ts, ctx, paths):
     """The kernel at split counts 1, 2, 4, ..., MAX_SPLITS for each (B, T) (tunes
     `kernel.splits`)."""
     default = kernel.splits
     rows = []
     try:
-        for t in ts:
+        for path, t in ((p, t) for p in paths for t in ts):
+            kernel.MMA = path == "mma"
             for b in bs:
                 args, slots = make_case(b, t, ctx)
                 chosen = default(b, t, H, ctx)
@@ -132,9 +138,10 @@ def sweep(bs, ts, ctx):
                 kernel.splits = default
                 results.setdefault(chosen, timed(kernel.mla_decode_cuda, args, slots))
                 best = min(results, key=results.get)
-                rows.append({"B": b, "T": t, "ctx": ctx, "default": chosen, "best": best,
+                rows.append({"B": b, "T": t, "ctx": ctx, "path": path, "default": chosen,
+                             "best": best,
                              "us": {str(k): round(v, 2) for k, v in sorted(results.items())}})
-                print(f"B={b:2d} T={t}  default {chosen} splits {results[chosen]:.2f} us  best "
+                print(f"{path} B={b:2d} T={t}  default {chosen} splits {results[chosen]:.2f} us  best "
                       f"{best} {results[best]:.2f} us | " + "  ".join(
                           f"{k}={v:.2f}" for k, v in sorted(results.items())), flush=True)
                 del args, slots
@@ -196,6 +203,8 @@ def main():
     ap.add_argument("--q-absorb", action="store_true",
                     help="time k3::mla_q_absorb at N = B rows instead")
     ap.add_argument("--no-inductor", action="store_true", help="skip torch.compile (slow)")
+    ap.add_argument("--path", choices=("mma", "fma", "both"), default="both",
+                    help="the kernel's compute path: tensor cores, CUDA cores, or both")
     ap.add_argument("--out")
     opts = ap.parse_args()
     assert torch.cuda.is_available() and not runtime_refusal(), runtime_refusal() or "no GPU"
@@ -207,12 +216,23 @@ def main():
           f"4 GiB device copy: {gbps:.0f} GB/s (read + write)", flush=True)
     if opts.q_absorb:
         return write_json(opts.out, "mla_q_absorb", q_absorb(bs, gbps), gbps)
-    rows = sweep(bs, ts, opts.ctx) if opts.sweep else \
-        run(bs, ts, opts.ctx, gbps, not opts.no_inductor)
+    paths = ("mma", "fma") if opts.path == "both" else (opts.path,)
+    rows = sweep(bs, ts, opts.ctx, paths) if opts.sweep else \
+        run(bs, ts, opts.ctx, gbps, paths, not opts.no_inductor)
     write_json(opts.out, "mla_decode_sweep" if opts.sweep else "mla_decode", rows, gbps, heads=H, latent=C, rope=R,
                sweep=opts.sweep)
     if not opts.sweep:
-        versus_table(rows)
+        table(rows)
+
+
+def table(rows) -> None:
+    """`run`'s rows as a markdown table, one line per B, T and path."""
+    print("\n| B | T | path | kernel µs | % copy | Inductor µs | eager µs | vs Inductor | splits |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['B']} | {r['T']} | {r['path']} | {r['kernel_us']:.2f} | "
+              f"{r['kernel_pct_copy']} | {r['inductor_us']:.2f} | {r['eager_us']:.2f} | "
+              f"x{r['vs_inductor']:.2f} | {r['splits']} |")
 
 
 if __name__ == "__main__":

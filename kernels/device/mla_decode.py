@@ -63,7 +63,7 @@ class MLADecode:
         split, group, b = cute.arch.block_idx()
         lane, warp = cute.arch.lane_idx(), cute.arch.warp_idx()
         cute.arch.griddepcontrol_launch_dependents()  # combine waits for our completion
-        T, H, QW, NV, NP, C = self.T, self.H, self.QW, self.NV, self.NP, self.C
+        H, QW, NV, NP = self.H, self.QW, self.NV, self.NP
         slot, pos, lo, hi, n_tiles = self.span(b, split, mSlots, mPos, mKV, mWsO)
         smem = cutlass.memory.SmemAllocator()
         sKV = self.alloc_tiles(smem)

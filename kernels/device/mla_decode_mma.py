@@ -89,6 +89,7 @@ class MLADecodeMMA(MLADecode):
             a = self.softmax_step(sS, g, t4, rM, rL, rO)
             self.accumulate(tile_addr, a, lane, warp, rO)
             cute.arch.barrier()  # sS and the tile are read before later steps overwrite them
+        cute.arch.cp_async_wait_group(0)  # an empty split's query copies land before exit
 
         for h in cutlass.range_constexpr(2):
             q = group * MMA_QUERIES + g + 8 * h
@@ -134,7 +135,9 @@ class MLADecodeMMA(MLADecode):
         (bf16 of each einsum's fp32 sum, bf16 of their sum, times scale), masked to -inf past
         hi and past each query's last visible row."""
         C, RS = self.C, self.RS
-        nope = [Float32(0.0)] * 4
+        # four nope accumulators (k-steps 4k + a, a = 0..3), so that the dependent chain of
+        # mma is C / 64 long, not C / 16; rope's is R / 16
+        nope = [[Float32(0.0)] * 4 for _ in range(4)]
         rope = [Float32(0.0)] * 4
         for kc in cutlass.range_constexpr((C + self.R) // 32):
             col = 32 * kc
@@ -144,13 +147,15 @@ class MLADecodeMMA(MLADecode):
                 m, c = ldsm_queries(lane, col + 16 * ks)
                 qa = ldmatrix_x4(q_addr + (m * RS + c) * 2)
                 if const_expr(col < C):
-                    nope = mma_16816(qa, (kb[2 * ks], kb[2 * ks + 1]), nope)
+                    a = 2 * (kc % 2) + ks
+                    nope[a] = mma_16816(qa, (kb[2 * ks], kb[2 * ks + 1]), nope[a])
                 else:
                     rope = mma_16816(qa, (kb[2 * ks], kb[2 * ks + 1]), rope)
         for e in cutlass.range_constexpr(4):
             m, n = frag_c(lane, e)
             row = 8 * warp + n
-            s = bf16_round(bf16_round(nope[e]) + bf16_round(rope[e])) * scale
+            sn = (nope[0][e] + nope[1][e]) + (nope[2][e] + nope[3][e])
+            s = bf16_round(bf16_round(sn) + bf16_round(rope[e])) * scale
             ok = (base + row < hi) & (base + row <= limit[e // 2])
             sS[m, row] = Float32(cutlass.select_(ok, s, Float32(NEG_INF)))
 

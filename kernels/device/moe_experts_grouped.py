@@ -10,8 +10,8 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from ..common.copy import make_frag, row_vectors
-from ..common.mma import mma_16816
 from ..common.dsl import pdl_wait
+from ..common.mma import mma_16816
 from ..moe_experts import (
     G_SHIFT,
     MAG_MASK,

@@ -292,11 +292,10 @@ def test_lane_scores():
 
 def ldmatrix_emu(smem, addr, trans=False):
     """ldmatrix.x4 on 32 emulated lanes (PTX ISA): lanes 8i .. 8i + 7 address the rows of
-    matrix i (`addr(lane)` -> (row, column) of 8 values); lane (g, t) = (lane // 4, lane % 4)
+    matrix i (`addr[lane]`: (row, column) of 8 values); lane (g, t) = (lane // 4, lane % 4)
     gets (row g, columns 2t, 2t + 1) of each matrix, or with `trans` (rows 2t, 2t + 1, column
     g). Returns regs[lane][i], a pair of values (low half first)."""
-    mats = [torch.stack([smem[r, c:c + 8] for r, c in map(addr, range(8 * i, 8 * i + 8))])
-            for i in range(4)]
+    mats = [torch.stack([smem[r, c:c + 8] for r, c in addr[8 * i:8 * i + 8]]) for i in range(4)]
     return [[m[2 * (lane % 4):2 * (lane % 4) + 2, lane // 4] if trans else
              m[lane // 4, 2 * (lane % 4):2 * (lane % 4) + 2] for m in mats] for lane in range(32)]
 
@@ -334,9 +333,10 @@ def test_mma_fragments(latent, rope):
     for w in range(warps):
         acc = [zero, zero]  # nope, rope
         for col in range(0, latent + rope, 32):
-            kb = ldmatrix_emu(K, lambda lane: kernel.ldsm_rows(lane, w, col))
+            kb = ldmatrix_emu(K, [kernel.ldsm_rows(lane, w, col) for lane in range(32)])
             for ks in range(2):
-                qa = ldmatrix_emu(Q, lambda lane: kernel.ldsm_queries(lane, col + 16 * ks))
+                qa = ldmatrix_emu(Q, [kernel.ldsm_queries(lane, col + 16 * ks)
+                                      for lane in range(32)])
                 part = int(col >= latent)
                 acc[part] = mma_emu(qa, [r[2 * ks:2 * ks + 2] for r in kb], acc[part])
         for lane in range(32):
@@ -345,8 +345,8 @@ def test_mma_fragments(latent, rope):
                 S[:, m, 8 * w + n] = torch.tensor([acc[0][lane][e], acc[1][lane][e]])
         for cb in range(0, cw, 16):
             for ks in range(2):
-                vb = ldmatrix_emu(K, lambda lane: kernel.ldsm_values(lane, 16 * ks, cw * w + cb),
-                                  trans=True)
+                vb = ldmatrix_emu(K, [kernel.ldsm_values(lane, 16 * ks, cw * w + cb)
+                                      for lane in range(32)], trans=True)
                 for n in range(2):
                     c0 = cw * w + cb + 8 * n
                     c = [[O[kernel.frag_c(lane, e)[0], c0 + kernel.frag_c(lane, e)[1]]
