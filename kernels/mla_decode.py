@@ -1,6 +1,8 @@
 """CuTe DSL kernel for `k3::mla_decode`: the latent-cache write of the T new rows and absorbed MLA
 decode attention, split-KV, in two launches of one compiled function (`mla_decode_ref` in
-k3compile/ops/mla_decode.py is the math and the rounding it follows).
+k3compile/ops/mla_decode.py is the math and the rounding it follows). Two compute paths
+(`Config.mma`): tensor cores (mma.sync, kernels/device/mla_decode_mma.py; the default) and
+CUDA-core FMAs (kernels/device/mla_decode.py).
 
     cache[slot, pos+t] <- [c_kv_t | k_pe_t];  o_lat[t, h] = bf16(Σ_{i<=pos+t} softmax_i(s)·c_kv_i)
     s = bf16(bf16(q_lat·c_kv) + bf16(q_pe·k_pe))·scale
@@ -19,6 +21,7 @@ Constraints:
       are neither written nor attended.
     * Output bf16 [B, T, H, C], contiguous. p is rounded to bf16 before p·c_kv (flash-attention
       style): o_lat agrees with the reference to ~3e-3 relative in norm.
+    * Tensor cores: C a multiple of 64, C + R of 32 (all the allowed sizes are).
 """
 
 from dataclasses import dataclass
