@@ -46,7 +46,7 @@ LATENT = (256, 512)
 ROPE = (32, 64)
 MAX_SPLITS = 128
 STAGES = 2  # tiles in shared memory: the next tile's copies fly while this one is used
-TARGET_CTAS = 4 * SMS  # two waves of two CTAs per SM (registers allow two of 192 threads)
+RESIDENT = 2  # CTAs per SM that `splits` counts on (96 KB of shared memory on tensor cores)
 COMBINE_COLS = 64  # o_lat columns per merge CTA
 COMBINE_LANES = 16  # threads per column vector in the merge, each taking every 16th split
 COMBINE_UNROLL = 8  # splits a merge thread reads at once (MAX_SPLITS: one round at 16 lanes)
@@ -147,13 +147,21 @@ def config(tokens: int, n_heads: int, latent: int = 512, rope: int = 64,
 
 def splits(batch: int, tokens: int, n_heads: int, max_len: int, latent: int = 512,
            rope: int = 64) -> int:
-    """CTAs per (request, query group) along the context: TARGET_CTAS over the grid, at most
-    MAX_SPLITS and one per tile of the cache's rows, and no more partials (fp32 H·T x C per
-    split) than the cache bytes a request can read."""
+    """CTAs per (request, query group) along the context: the fewest splits whose grid takes
+    at most 5% more tile steps than the best count, steps = rounds x tiles (rounds of
+    RESIDENT·SMS CTAs at once, a CTA's tiles of a max_len context; fewer splits: less to
+    merge, more tiles per CTA to pipeline); at most MAX_SPLITS and one per tile, and no more
+    partials (fp32 H·T x C per split) than the cache bytes a request can read."""
     groups = config(tokens, n_heads, latent, rope).groups(tokens, n_heads)
-    want = -(-TARGET_CTAS // (bucket(batch) * groups))
+    ctas = bucket(batch) * groups
     by_bytes = max_len * (latent + rope) * 2 // (tokens * n_heads * latent * 4)
-    return max(1, min(want, MAX_SPLITS, -(-max_len // TILE), by_bytes))
+    most = max(1, min(MAX_SPLITS, -(-max_len // TILE), by_bytes))
+
+    def steps(n):
+        return -(-n * ctas // (RESIDENT * SMS)) * -(-(-(-max_len // n)) // TILE)
+
+    best = min(steps(n) for n in range(1, most + 1))
+    return next(n for n in range(1, most + 1) if steps(n) <= 1.05 * best)
 
 
 def can_implement(*args) -> bool:

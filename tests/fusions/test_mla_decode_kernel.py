@@ -382,6 +382,18 @@ def test_configs_cover_every_query(T, H, monkeypatch):
             assert 1 <= n <= kernel.MAX_SPLITS
 
 
+def test_splits_at_tp16_rank(monkeypatch):
+    """The split counts of docs/kernels.md (tensor cores, L 4096): at one row a tile per CTA
+    (128 CTAs); at T = 1 every bucket in one round of two CTAs per SM; at T = 8 whole rounds."""
+    monkeypatch.setattr(kernel, "MMA", True)
+    got = {(b, t): kernel.splits(b, t, H_TP16, 4096) for t in (1, 8) for b in BUCKETS}
+    assert [got[b, 1] for b in BUCKETS] == [128, 128, 64, 32, 16, 8, 4]
+    assert [got[b, 8] for b in BUCKETS] == [43, 43, 22, 11, 11, 8, 4]
+    slots = kernel.RESIDENT * kernel.SMS
+    assert all(got[b, 1] * b <= slots for b in BUCKETS)
+    assert -(-4096 // got[1, 1]) <= kernel.TILE
+
+
 def test_refusals():
     inp = Inputs(_cpu_gen(), 2, 1, H=2, L=64, device="cpu")
     args = list(inp.args(inp.cache))
