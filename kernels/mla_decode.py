@@ -158,7 +158,8 @@ def splits(batch: int, tokens: int, n_heads: int, max_len: int, latent: int = 51
     most = max(1, min(MAX_SPLITS, -(-max_len // TILE), by_bytes))
 
     def steps(n):
-        return -(-n * ctas // (RESIDENT * SMS)) * -(-(-(-max_len // n)) // TILE)
+        rows = -(-max_len // n)
+        return -(-n * ctas // (RESIDENT * SMS)) * -(-rows // TILE)
 
     best = min(steps(n) for n in range(1, most + 1))
     return next(n for n in range(1, most + 1) if steps(n) <= 1.05 * best)
