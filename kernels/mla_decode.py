@@ -22,6 +22,8 @@ Constraints:
     * Output bf16 [B, T, H, C], contiguous. p is rounded to bf16 before p·c_kv (flash-attention
       style): o_lat agrees with the reference to ~3e-3 relative in norm.
     * Tensor cores: C a multiple of 64, C + R of 32 (all the allowed sizes are).
+    * With PDL (settings.KERNELS.pdl, at most pdl_max_rows requests) the attention launch waits
+      first (the cache rows are state an earlier step wrote; the merge launch always uses PDL).
 """
 
 from dataclasses import dataclass
@@ -32,6 +34,7 @@ from k3compile.ops import registry
 from k3compile.ops.mla_decode import mla_decode_ref
 
 from .common.dsl import (
+    BUCKETS,
     bucket,
     compile_kernel,
     fake_stream,
@@ -195,13 +198,18 @@ def refusal(q_lat, q_pe, c_kv, k_pe, kv_cache, slots, positions, *_) -> str | No
     return None
 
 
-def prepare(tokens: int, n_heads: int, latent: int = 512, rope: int = 64) -> None:
-    """Compile the kernel for these scalars (call before graph capture; every batch shares it)."""
-    KERNEL.compiled(tokens, n_heads, latent, rope, config(tokens, n_heads, latent, rope))
+def prepare(tokens: int, n_heads: int, latent: int = 512, rope: int = 64,
+            buckets=BUCKETS) -> None:
+    """Compile the kernel for these scalars (call before graph capture): one build for every
+    bucket but for PDL, which the bucket's rows switch (`pdl_enabled`)."""
+    for b in buckets:
+        KERNEL.compiled(tokens, n_heads, latent, rope, config(tokens, n_heads, latent, rope),
+                        rows=b)
 
 
-def build(tokens, n_heads, latent, rope, cfg, arch=None, dump_dir=None):
-    """Compile now, uncached (`dump_dir` keeps the cubin)."""
+def build(tokens, n_heads, latent, rope, cfg, arch=None, dump_dir=None, pdl=False):
+    """Compile now, uncached (`dump_dir` keeps the cubin; `pdl`: the attention launch with
+    PDL, waiting first)."""
     import cutlass
     from cutlass import cute
     from cutlass.cute.runtime import make_fake_tensor
@@ -224,7 +232,8 @@ def build(tokens, n_heads, latent, rope, cfg, arch=None, dump_dir=None):
                                 assumed_align=4 * vec)
 
     return compile_kernel(
-        (MLADecodeMMA if cfg.mma else MLADecode)(T, H, C, R, cfg), act(T, H, C), act(T, H, R), act(T, C), act(T, R),
+        (MLADecodeMMA if cfg.mma else MLADecode)(T, H, C, R, cfg, pdl), act(T, H, C),
+        act(T, H, R), act(T, C), act(T, R),
         make_fake_tensor(bf16, (cute.sym_int(), cute.sym_int(), C + R),
                          stride=(cute.sym_int64(divisibility=8), cute.sym_int64(divisibility=8),
                                  1), assumed_align=16),
@@ -235,7 +244,7 @@ def build(tokens, n_heads, latent, rope, cfg, arch=None, dump_dir=None):
         f32((C + R) ** -0.5), fake_stream(), arch=arch, dump_dir=dump_dir)
 
 
-KERNEL = Kernel(OP, build, pdl=False)  # no PDL build: it runs between its own launches
+KERNEL = Kernel(OP, build)  # PDL: the attention launch's (the merge launch always has it)
 
 
 def mla_decode_cuda(q_lat, q_pe, c_kv, k_pe, kv_cache, slots, positions, scale, *, out=None):
@@ -264,7 +273,8 @@ def mla_decode_cuda(q_lat, q_pe, c_kv, k_pe, kv_cache, slots, positions, scale, 
             n = splits(B, T, H, kv_cache.shape[1], C, R)
             ws_o = q_lat.new_empty((B, n, H * T, C), dtype=torch.float32)
             ws_ml = q_lat.new_empty((B, n, H * T, 2), dtype=torch.float32)
-            KERNEL.compiled(T, H, C, R, cfg)(*args, ws_o, ws_ml, o, float(scale))
+            KERNEL.compiled(T, H, C, R, cfg, rows=bucket(B))(*args, ws_o, ws_ml, o,
+                                                             float(scale))
         return o
 
     return KERNEL.run(call_refusal, lambda: mla_decode_ref(*args, scale).contiguous(), launch)

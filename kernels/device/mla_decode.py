@@ -8,6 +8,7 @@ from cutlass import BFloat16, Float32, Int32, Int64, const_expr, cute
 from cutlass.cute.nvgpu import cpasync
 
 from ..common.copy import vectors
+from ..common.dsl import pdl_wait
 from ..mla_decode import (
     COMBINE_COLS,
     COMBINE_LANES,
@@ -28,8 +29,9 @@ def bf16_round(x):
     return x.to(BFloat16).to(Float32)
 
 class MLADecode:
-    def __init__(self, tokens: int, n_heads: int, latent: int, rope: int, cfg: Config):
-        self.T, self.H, self.C, self.R = tokens, n_heads, latent, rope
+    def __init__(self, tokens: int, n_heads: int, latent: int, rope: int, cfg: Config,
+                 pdl: bool = False):
+        self.T, self.H, self.C, self.R, self.pdl = tokens, n_heads, latent, rope, pdl
         self.QW, self.warps, self.threads = cfg.queries_per_warp, cfg.warps, cfg.threads
         self.Q = self.QW * self.warps  # queries per CTA
         self.groups = cfg.groups(tokens, n_heads)
@@ -52,7 +54,7 @@ class MLADecode:
         B, n_splits = mQ.shape[0], mWsO.shape[1]
         self.attend(mQ, mQpe, mCkv, mKpe, mKV, mSlots, mPos, mWsO, mWsML, scale).launch(
             grid=[n_splits, self.groups, B], block=[self.threads, 1, 1],
-            smem=self.smem_bytes, stream=stream)
+            smem=self.smem_bytes, stream=stream, use_pdl=self.pdl)
         self.combine(mWsO, mWsML, mOut).launch(
             grid=[self.H * self.T, self.C // COMBINE_COLS, B],
             block=[self.combine_threads, 1, 1], stream=stream, use_pdl=True)
@@ -63,6 +65,7 @@ class MLADecode:
         split, group, b = cute.arch.block_idx()
         lane, warp = cute.arch.lane_idx(), cute.arch.warp_idx()
         cute.arch.griddepcontrol_launch_dependents()  # combine waits for our completion
+        pdl_wait(self.pdl)  # PDL: no constant to read first (the cache rows are state)
         H, QW, NV, NP = self.H, self.QW, self.NV, self.NP
         slot, pos, lo, hi, n_tiles = self.span(b, split, mSlots, mPos, mKV, mWsO)
         smem = cutlass.memory.SmemAllocator()

@@ -18,6 +18,7 @@ from cutlass import BFloat16, Float32, const_expr, cute
 from cutlass.cute.nvgpu import cpasync
 
 from ..common.copy import vectors
+from ..common.dsl import pdl_wait
 from ..common.mma import ldmatrix_x4, mma_16816, pack_bf16x2
 from ..mla_decode import (
     MMA_QUERIES,
@@ -35,8 +36,8 @@ SROW = 40  # fp32 words per query row of the tile's scores in shared memory (32 
 
 
 class MLADecodeMMA(MLADecode):
-    def __init__(self, tokens, n_heads, latent, rope, cfg):
-        super().__init__(tokens, n_heads, latent, rope, cfg)
+    def __init__(self, tokens, n_heads, latent, rope, cfg, pdl=False):
+        super().__init__(tokens, n_heads, latent, rope, cfg, pdl)
         assert cfg.warps == 4 and latent % 64 == 0 and (latent + rope) % 32 == 0
         self.CW = latent // cfg.warps  # o columns per warp
         self.smem_bytes += MMA_QUERIES * self.RS * 2 + MMA_QUERIES * SROW * 4 + 32
@@ -47,6 +48,7 @@ class MLADecodeMMA(MLADecode):
         split, group, b = cute.arch.block_idx()
         lane, warp = cute.arch.lane_idx(), cute.arch.warp_idx()
         cute.arch.griddepcontrol_launch_dependents()  # combine waits for our completion
+        pdl_wait(self.pdl)  # PDL: no constant to read first (the cache rows are state)
         C, RS, NB = self.C, self.RS, self.CW // 8
         g, t4 = lane // 4, lane % 4
         slot, pos, lo, hi, n_tiles = self.span(b, split, mSlots, mPos, mKV, mWsO)

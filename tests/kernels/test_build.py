@@ -185,6 +185,26 @@ def test_builds_with_pdl(module, scalars, cfg, monkeypatch, tmp_path):
         assert WEIGHT_STREAM[module] in before, "the weight stream does not start before the wait"
 
 
+@pytest.mark.parametrize("mma", [True, False], ids=["mma", "fma"])
+def test_mla_decode_pdl_build(mma, monkeypatch, tmp_path):
+    """mla_decode's merge launch always waits (PDL after the attention); with `pdl` the
+    attention waits too, before any load or store of its own: two waits in the PTX, not one."""
+    monkeypatch.setenv("CUTE_DSL_ARCH", ARCH)
+    cfg = mla_decode.config(1, 6, 512, 64, mma=mma)
+    for pdl in (False, True):
+        (tmp_path / str(pdl)).mkdir()
+        compiled = mla_decode.build(1, 6, 512, 64, cfg, arch=ARCH,
+                                    dump_dir=str(tmp_path / str(pdl)), pdl=pdl)
+        _check_cubin(compiled)
+        ptx = ptx_of(compiled)
+        assert ptx.count(WAIT) == 1 + pdl and ptx.count(TRIGGER) == 1
+        attend = next(f for f in ptx.split(".entry")[1:] if "attend" in f.split("(")[0])
+        if pdl:
+            first = min(attend.index(op) for op in ("ld.global", "st.global", "cp.async.cg")
+                        if op in attend)
+            assert attend.index(WAIT) < first
+
+
 # kda_decode's norm_fp32 build (fla's gated norm, one rounding) at (T, heads, taps): decode and
 # verify rows at one TP16 rank with the configs of batch 1 and 64 (clusters of 4 and 1). The mix
 # kernel's scores_fp32 needs no build of its own (its scores are that math already).
