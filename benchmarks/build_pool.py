@@ -53,7 +53,7 @@ SET = [
     lambda: moe_route.prepare(896, 16, B1),
     lambda: situ_gate_up.prepare(384, B1),
     lambda: kda_decode.prepare(1, 6, 4, B1),
-    lambda: mla_decode.prepare(1, 6, 512, 64),
+    lambda: mla_decode.prepare(1, 6, 512, 64, B1),
     lambda: moe_experts.prepare(3584, 192, 16, B1),
     *(lambda n=n, k=k: gemv.prepare(n, k, B1) for n, k in [
         (3206, 7168), (2112, 7168), (3584, 7168), (7168, 3584), (768, 7168), (1152, 1536),
