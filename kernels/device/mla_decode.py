@@ -71,6 +71,15 @@ class MLADecode:
         smem = cutlass.memory.SmemAllocator()
         sKV = self.alloc_tiles(smem)
 
+        # Tiles 0 .. STAGES - 2 in flight before the loop; each step issues tile + STAGES - 1
+        # (one cp.async group per tile, empty past the last) and waits for its own tile only. The
+        # queries' loads below fly beside them.
+        for k in cutlass.range_constexpr(STAGES - 1):
+            if k < n_tiles:
+                self.load_tile(tidx, b, group, slot, pos, lo + k * TILE, hi, mCkv, mKpe, mKV,
+                               sKV[None, None, k])
+            cute.arch.cp_async_commit_group()
+
         # The warp's queries: latent columns of vectors lane + 32·k, rope columns NP·lane + e.
         q0 = group * self.Q + warp * QW
         rQ = cute.make_rmem_tensor(cute.make_layout((QW, 8 * NV + NP)), Float32)
@@ -96,13 +105,6 @@ class MLADecode:
         rAcc.fill(0.0)
         rK = cute.make_rmem_tensor(cute.make_layout((8 * NV + NP,)), Float32)
 
-        # Tiles 0 .. STAGES - 2 in flight before the loop; each step issues tile + STAGES - 1
-        # (one cp.async group per tile, empty past the last) and waits for its own tile only.
-        for k in cutlass.range_constexpr(STAGES - 1):
-            if k < n_tiles:
-                self.load_tile(tidx, b, group, slot, pos, lo + k * TILE, hi, mCkv, mKpe, mKV,
-                               sKV[None, None, k])
-            cute.arch.cp_async_commit_group()
         for tile in cutlass.range(n_tiles, unroll=1):
             base = lo + tile * TILE
             ahead = tile + STAGES - 1
