@@ -166,14 +166,14 @@ def q_absorb(ns, gbps):
 
 
 def q_absorb_row(n, weights, gbps):
-    cq = torch.randn(n, Q, device="cuda").bfloat16()
+    cq = torch.randn(n, 1, Q, device="cuda").bfloat16()  # the op's [B, T, Q]
     before = dict(fallback_counts())
     got = absorb.mla_q_absorb_cuda(cq, *weights[0])
     assert fallback_counts() == before, "mla_q_absorb refused the inputs (see the log)"
     for g, r in zip(got, mla_q_absorb_ref(cq, *weights[0])):
         err = ((g.float() - r.float()).norm() / r.float().norm()).item()
         assert err < 1e-2, f"the kernel path disagrees with the reference: {err:.2e}"
-    q = torch.nn.functional.linear(cq, weights[0][0])
+    q = torch.nn.functional.linear(cq.view(n, Q), weights[0][0])
     q_nope = q.view(n, H, D + R)[..., :D]
     outs = (torch.empty(n, H * C, device="cuda").bfloat16(),
             torch.empty(n, H * R, device="cuda").bfloat16())

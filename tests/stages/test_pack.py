@@ -10,7 +10,7 @@ from torch import fx
 
 import k3compile.backend as k3be
 from k3compile.models import build_model, get_config
-from k3compile.ops.linear_concat import concatenated
+from k3compile.ops.linear_concat import adjacent, concatenated
 from k3compile.stages import pack as weights
 
 KDA_GROUP = ("q_proj", "k_proj", "v_proj", "g_proj", "f_a_proj", "b_proj")
@@ -230,7 +230,8 @@ def test_rows_of_one_input_in_pieces_are_packed():
     inputs = _stacked_inputs()
     gm, _, want, report = _pack_traced(lambda a, s, b: [s[0, 4:], s[1], a, s[2], s[0, :4]], inputs)
     assert len(report.packed) == 1 and not report.skipped, report
-    assert weights.adjacent([inputs[2].flatten(0, 1), inputs[1]])  # in the order first read
+    # in the order the op reads them: the run of 15 fp32 rows (60-byte outputs) last
+    assert weights.adjacent([inputs[1], inputs[2].flatten(0, 1)])
     assert all(torch.equal(g, w) for g, w in zip(gm(*inputs), want, strict=True))
 
 
@@ -321,5 +322,8 @@ def test_a_piece_of_unaligned_width_goes_last():
     rows = [w.meta["val"].shape[0] for w in _op_weights(gm)]
     assert rows == [8, 16, 8, 6]
     assert all(sum(rows[:i]) * 2 % 16 == 0 for i in range(len(rows)))
+    # the op reads its weights back to back (the CUDA path's view, not a copy per call)
+    real = dict(zip((n for n in gm.graph.nodes if n.op == "placeholder"), inputs))
+    assert adjacent([real[w] for w in _op_weights(gm)])
     for got, w in zip(gm(*inputs), want, strict=True):
         assert torch.equal(got, w)
