@@ -32,6 +32,10 @@ from .common.launch import Kernel
 OP = "moe_experts"
 NAME = "moe_one_launch"
 MAX_ROWS = 8
+# the rows a call is taken at: on the H200 (2026-12-04) the GPU test and the benchmark stopped
+# answering at 2 rows (a count that never completes is the likely cause, not found yet), and at
+# 1 row one launch took 16.2 µs against the two launches' 11.1 (top-16); docs/kernels.md
+TAKEN_ROWS = 1
 TICKET_BYTES = 16  # the ticket's shared word, padded to the bodies' 16-byte alignment
 
 
@@ -124,7 +128,9 @@ def moe_one_launch_cuda(z, ids, weights, w1_packed, w1_scale, w3_packed, w3_scal
 
     if moe_experts.call_refusal(args, out) is not None:
         return two_launches()
-    if reason := refusal(n, latent, inter, top_k, block):
+    if reason := (refusal(n, latent, inter, top_k, block)
+                  or (f"{n} rows (taken at 1..{TAKEN_ROWS}: more hung on the H200)"
+                      if n > TAKEN_ROWS else None)):
         log.debug("k3::%s: %s: the two launches", NAME, reason)
         return two_launches()
     count = []  # this stream's counter words, found once the call is taken

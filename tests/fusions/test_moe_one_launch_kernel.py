@@ -153,12 +153,22 @@ def counts_are_zero():
     assert not words.any(), f"counter words left at {words.nonzero().flatten().tolist()}"
 
 
+HUNG = pytest.mark.skip(reason="more than 1 row hung on the H200 (2026-12-04): "
+                              "moe_one_launch.TAKEN_ROWS is 1 until that is found")
+
+
+@pytest.fixture
+def all_rows(monkeypatch):
+    """The one launch at every row it builds for (TAKEN_ROWS keeps calls at 1 row)."""
+    monkeypatch.setattr(moe_one_launch, "TAKEN_ROWS", moe_one_launch.MAX_ROWS)
+
+
 @on_gpu
-@pytest.mark.parametrize("n", [1, 2, 8])
+@pytest.mark.parametrize("n", [1, pytest.param(2, marks=HUNG), pytest.param(8, marks=HUNG)])
 @pytest.mark.parametrize("top_k", [8, 16])
 @pytest.mark.parametrize("ids_dtype", [torch.int64, torch.int32], ids=["i64", "i32"])
 @pytest.mark.parametrize("pdl", [True, False], ids=["pdl", "no_pdl"])
-def test_equals_the_two_launches(gen, experts, monkeypatch, n, top_k, ids_dtype, pdl):
+def test_equals_the_two_launches(gen, experts, monkeypatch, all_rows, n, top_k, ids_dtype, pdl):
     monkeypatch.setattr(settings.KERNELS, "pdl", pdl)
     monkeypatch.setattr(settings.KERNELS, "pdl_max_rows", 8)
     for i in range(3):
@@ -169,15 +179,16 @@ def test_equals_the_two_launches(gen, experts, monkeypatch, n, top_k, ids_dtype,
 
 
 @on_gpu
-def test_rows_that_share_experts(gen, experts):
+@HUNG
+def test_rows_that_share_experts(gen, experts, all_rows):
     """8 rows over 12 experts: FC2 items of every token read act rows of shared experts."""
     z, ids, w = make_tokens(gen, 8, LATENT, EXPERTS, 8, "cuda", pool=12)
     check(one_launch(z, ids, w, experts), z, ids, w, experts, vs_reference=True)
 
 
 @on_gpu
-@pytest.mark.parametrize("n", [1, 8])
-def test_back_to_back_and_graph_replay(gen, experts, n):
+@pytest.mark.parametrize("n", [1, pytest.param(8, marks=HUNG)])
+def test_back_to_back_and_graph_replay(gen, experts, all_rows, n):
     """Consecutive launches on one stream, then a captured launch replayed with fresh inputs:
     every launch finds its counters at 0 (a count left over would let FC2 read act early, a
     ticket left over would skip FC1 items)."""
@@ -202,7 +213,7 @@ def test_back_to_back_and_graph_replay(gen, experts, n):
 @on_gpu
 def test_two_streams_at_once(gen, experts):
     """Launches on two streams overlap: each stream has its own counter slot."""
-    calls = [make_tokens(gen, 8, LATENT, EXPERTS, 16, "cuda") for _ in range(2)]
+    calls = [make_tokens(gen, 1, LATENT, EXPERTS, 16, "cuda") for _ in range(2)]
     for z, ids, w in calls:  # compile, and the counter buffer, before the streams
         one_launch(z, ids, w, experts)
     outs = [poisoned(*calls[0][0].shape) for _ in range(2)]
@@ -219,11 +230,12 @@ def test_two_streams_at_once(gen, experts):
 
 
 @on_gpu
-def test_rows_above_max_take_two_launches(gen, experts, caplog):
+@pytest.mark.parametrize("n", [moe_one_launch.TAKEN_ROWS + 1, moe_one_launch.MAX_ROWS + 1])
+def test_rows_above_max_take_two_launches(gen, experts, caplog, n):
     """Rows one launch does not take go to the two launches, logged at debug level and not
     counted as a fallback (the kernels ran)."""
-    z, ids, w = make_tokens(gen, moe_one_launch.MAX_ROWS + 1, LATENT, EXPERTS, 16, "cuda")
+    z, ids, w = make_tokens(gen, n, LATENT, EXPERTS, 16, "cuda")
     with caplog.at_level(logging.DEBUG, logger="k3compile.kernels"), no_fallback():
         got = moe_one_launch.moe_one_launch_cuda(z, ids, w, *experts, BETA, LINEAR_BETA)
     assert torch.equal(got, two_launches(z, ids, w, experts))
-    assert f"moe_one_launch: {moe_one_launch.MAX_ROWS + 1} rows" in caplog.text
+    assert f"moe_one_launch: {n} rows" in caplog.text
