@@ -43,14 +43,16 @@ SWITCHES: dict[str, tuple[str, str]] = {
                       "norm,situ,gate"),
     "K3_MOE_GROUPED": ("kernels: `moe_experts` by expert on tensor cores at 8-64 rows", "0"),
     "K3_MOE_F16": ("kernels: `moe_experts` FC1 decodes into packed fp16 math (fma.rn.f16x2)", "0"),
-    "K3_KERNELS_EXTRA": (("kernels: also register these opt-in kernel modules (not yet run on a GPU: "
-                          "mla_q_absorb, moe_front_route, oproj_mix, moe_one_launch)"), ""),
+    "K3_KERNELS_EXTRA": (("kernels: also register these opt-in kernel modules (slower than the "
+                          "default on the H200: moe_front_route, oproj_mix, moe_one_launch; not "
+                          "timed yet: mla_decode, mla_q_absorb; docs/decisions.md)"), ""),
     "K3_KERNELS_SKIP": ("kernels: leave these kernels unregistered (their sites go to Inductor)",
                         ""),
     "K3_ALLREDUCE": ("kernels: force the TP all-reduce (`one_shot`, `two_shot`, `nccl`)", ""),
     "K3_BUILD_WORKERS": (("kernels: worker processes that build a bucket's CuTe kernels at once "
                           "(needs K3_CACHE_DIR; `0`: one by one; `auto`: this rank's share of "
-                          "the cores, less one; 0 where the share is 1 core)"), "0"),
+                          "the cores, less one; 0 where the share is 1 core; CUDA steps "
+                          "only)"), "auto"),
     "K3_QUIET": ("no compile progress on stderr (buckets, stages, kernels built)", "0"),
     "K3_STAGE_CACHE": ("option `stage_cache`: each bucket's stage output cached under "
                        "K3_CACHE_DIR", "1"),
@@ -123,14 +125,14 @@ def parse_cache_dir(value: str | None) -> str | None:
 
 
 def parse_workers(value: str | None) -> int:
-    """K3_BUILD_WORKERS: unset or empty -> 0 (no pool); `auto` -> this rank's share of the cores
+    """K3_BUILD_WORKERS: unset or empty -> `auto` (the H200, 2026-12-04: the yardstick's 8
+    buckets cold 89.3 s with 15 workers; B1 33.9 -> 29.3 s, B8 12.8 -> 6.5 s against one by one);
+    `auto` -> this rank's share of the cores
     this process may run on (shared by the ranks of this host, LOCAL_WORLD_SIZE as torchrun sets
     it: each rank starts its own pool), less one for the process itself: at least 1, and 0 (one
     by one, no pool) where the share is under 2 cores (there a worker would build on the core its
     waiting rank would build on, after its start: ~9 s of imports); else a count >= 0."""
-    v = (value or "").strip()
-    if not v:
-        return 0
+    v = (value or "").strip() or "auto"
     if v == "auto":
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         local = os.environ.get("LOCAL_WORLD_SIZE", "1")
@@ -263,7 +265,8 @@ class KernelSettings:
     cache_dir: str | None = None  # kernels/common/disk_cache.py, k3compile/rewrite/trace_cache.py
     moe_grouped: bool = False  # moe_experts by expert at 8-64 rows (kernels/moe_experts.py)
     moe_f16: bool = False  # moe_experts FC1's packed fp16 decode (kernels/moe_experts.py)
-    build_workers: int = 0  # a bucket's kernels built by a pool (kernels/common/build_pool.py)
+    build_workers: int = 0  # a bucket's kernels built by a pool (kernels/common/build_pool.py);
+    # from_env's default is `auto` (parse_workers)
 
     @classmethod
     def from_env(cls) -> KernelSettings:

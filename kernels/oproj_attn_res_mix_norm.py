@@ -36,6 +36,7 @@ from .common.dsl import (
     fake_stream,
     fake_vector,
     flat_rows,
+    log,
     on_stream,
 )
 from .common.last_cta import counter
@@ -43,7 +44,8 @@ from .common.launch import Kernel
 from .common.router import linear
 
 OP = "oproj_attn_res_mix_norm"
-MAX_ROWS = 1  # expected (not measured): each row costs the last CTA ~3 µs, about a launch
+MAX_ROWS = 1  # the H200 (2026-12-04): the last CTA's mix costs ~15 µs a row, the two launches
+# with PDL 6.2 µs in all at 1 row (opt-in only)
 
 
 def oproj_attn_res_mix_norm_cuda(o, o_proj_weight, prefix, blocks, mix_norm_weight,
@@ -120,6 +122,10 @@ def oproj_mix_cuda(o, o_proj_weight, prefix, blocks, mix_norm_weight, mix_proj_w
     args = (o, o_proj_weight, prefix, blocks, mix_norm_weight, mix_proj_weight, norm_weight,
             mix_eps, norm_eps, scores_fp32)
     n, dim = o.shape[0], o_proj_weight.shape[0]
+    if n > MAX_ROWS:  # not a fallback: the two launches are this op's kernels too
+        log.debug("k3::oproj_mix: %d rows (one CTA mixes at most %d): the two launches", n,
+                  MAX_ROWS)
+        return oproj_attn_res_mix_norm_cuda(*args)
     count = []  # this stream's counter, found once the call is taken
 
     def why():

@@ -234,11 +234,11 @@ def test_a_refused_call_in_record_mode_is_not_counted_as_a_fallback(cache_dir):
 
 
 @pytest.mark.parametrize(("value", "local", "want"), [
-    ("", None, 0), ("0", None, 0), ("6", None, 6),
+    (None, None, "cores - 1"), ("", None, "cores - 1"), ("0", None, 0), ("6", None, 6),
     ("auto", None, "cores - 1"), ("auto", "2", "cores // 2 - 1"), ("auto", "8", 1),
     ("auto", "16", 0), ("auto", "999", 0), ("auto", "x", "cores - 1")])
 def test_build_workers_setting(monkeypatch, value, local, want):
-    """K3_BUILD_WORKERS: a count, or `auto`: this process's 16 cores shared by the host's ranks
+    """K3_BUILD_WORKERS: a count, or `auto` (also unset): this process's 16 cores shared by the host's ranks
     (torchrun's LOCAL_WORLD_SIZE), less one: at least one, none (one by one) where a rank's
     share is a single core (16 ranks) or less."""
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
