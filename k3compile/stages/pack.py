@@ -345,10 +345,24 @@ def _pack_group(node: fx.Node, args: list, real: dict, taken: dict, report: Pack
         return
     buffer = _move(roots, values[0].shape[1])
     taken.update({id(r): node.name for r in roots})
+    if not _read_back_to_back(node, order, real):  # a bug of this stage, never the user's
+        log.warning("k3 pack: %s: packed, but the op reads its weights out of the buffer's "
+                    "order: its CUDA path copies them on every call", node.name)
     report.packed.append(f"{node.name}: {len(values)} weights, {buffer.nbytes / 1e6:.1f} MB")
     # the fronts' weights are copied per step only by gemv's split variant
     if node.target not in (_K3.moe_front.default, _K3.moe_front_route.default):
         report.saved_bytes += buffer.nbytes
+
+
+def _read_back_to_back(node: fx.Node, args: list, real: dict) -> bool:
+    """After the move: the op's weight arguments, evaluated on the moved inputs, lie back to back
+    in its order (what its CUDA path needs to read one buffer and copy nothing)."""
+    weights = _weights(args, real)
+    if isinstance(weights, str):
+        return False
+    values = [w.value for w in weights]
+    return (back_to_back(values) if node.target is _K3.expert_stack.default
+            else adjacent(values))
 
 
 def stack_parts(parts: list[torch.Tensor]) -> torch.Tensor | str:

@@ -4,6 +4,8 @@ updates as before. CPU, the tiny model, executor "aten"."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from torch import fx
@@ -224,6 +226,22 @@ def test_rows_of_one_input_back_to_back_are_already_packed():
     assert report.already and not report.packed and not report.skipped, report
     assert inputs[2].data_ptr() == ptr
     assert all(torch.equal(g, w) for g, w in zip(gm(*inputs), want, strict=True))
+
+
+def test_a_group_read_out_of_the_buffers_order_is_reported(monkeypatch, caplog):
+    """The stage checks its own work: a group moved in another order than the op reads it (the
+    bug of session 15: a copy per call on the GPU) is logged as such."""
+    move = weights._move
+    monkeypatch.setattr(weights, "_move", lambda roots, width: move(roots[::-1], width))
+    inputs = _stacked_inputs()
+    with caplog.at_level(logging.WARNING, logger="k3compile"):
+        _pack_traced(lambda a, s, b: [a, b], inputs)
+    assert "reads its weights out of the buffer's order" in caplog.text
+    caplog.clear()
+    monkeypatch.setattr(weights, "_move", move)
+    with caplog.at_level(logging.WARNING, logger="k3compile"):
+        _pack_traced(lambda a, s, b: [a, b], _stacked_inputs())
+    assert "out of the buffer's order" not in caplog.text
 
 
 def test_rows_of_one_input_in_pieces_are_packed():
