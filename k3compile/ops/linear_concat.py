@@ -20,8 +20,13 @@ MLA low-rank norm kernels) read column slices of it, as vLLM's fused in-projecti
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
+
+log = logging.getLogger("k3compile")
+_COPIED: set[tuple] = set()  # the groups whose per-call copy was logged (once each)
 
 
 def adjacent(weights: list[torch.Tensor]) -> bool:
@@ -46,6 +51,13 @@ def concatenated(weights: list[torch.Tensor]) -> torch.Tensor:
         first = weights[0].detach()
         return first.as_strided((sum(w.shape[0] for w in weights), first.shape[1]),
                                 first.stride())
+    key = tuple((tuple(w.shape), w.dtype, w.device) for w in weights)
+    if key not in _COPIED:  # the cost a GPU profile shows as a concatenation per step
+        _COPIED.add(key)
+        log.warning("k3: a fused GEMM copies its %d weights (%.1f MB) on every call: they do not "
+                    "lie back to back in one buffer (stage pack's log says why; shapes %s)",
+                    len(weights), sum(w.nbytes for w in weights) / 1e6,
+                    [tuple(w.shape) for w in weights])
     return torch.cat(weights)
 
 

@@ -18,15 +18,20 @@ from k3compile.stages import pack as weights
 KDA_GROUP = ("q_proj", "k_proj", "v_proj", "g_proj", "f_a_proj", "b_proj")
 
 
-def test_concatenated_is_a_view_of_weights_back_to_back():
+def test_concatenated_is_a_view_of_weights_back_to_back(caplog):
     buffer = torch.randn(10, 4)
     rows = list(buffer.split([3, 7]))
-    got = concatenated(rows)
+    with caplog.at_level(logging.WARNING, logger="k3compile"):
+        got = concatenated(rows)
     assert got.data_ptr() == buffer.data_ptr() and torch.equal(got, buffer)
-    apart = [torch.randn(3, 4), torch.randn(7, 4)]
-    copy = concatenated(apart)
+    assert "copies" not in caplog.text
+    apart = [torch.randn(3, 4), torch.randn(5, 4)]
+    with caplog.at_level(logging.WARNING, logger="k3compile"):
+        copy = concatenated(apart)
+        concatenated(apart)  # the copy per call is logged once per group
     assert copy.data_ptr() not in (w.data_ptr() for w in apart)
     assert torch.equal(copy, torch.cat(apart))
+    assert caplog.text.count("copies its 2 weights") == 1, caplog.text
     assert not weights.adjacent([rows[1], rows[0]]), "out of order"
     assert not weights.adjacent([buffer[:, :2], buffer[:, 2:]]), "columns are not rows"
 
