@@ -37,6 +37,23 @@ MAX_ROWS = 8
 # 1 row one launch took 16.2 µs against the two launches' 11.1 (top-16); docs/kernels.md
 TAKEN_ROWS = 1
 TICKET_BYTES = 16  # the ticket's shared word, padded to the bodies' 16-byte alignment
+# The stream's counter slot (kernels/common/last_cta.py) at N rows: word TICKET_WORD takes the
+# tickets, words 1..N the tokens' counts of finished FC1 items, `arrival_word(N)` the FC2 items'
+# arrivals, `arrivals` of them complete it (n_rows: an int, or the kernel's Int32).
+TICKET_WORD = 0
+
+
+def arrival_word(n_rows):
+    return TICKET_WORD
+
+
+def arrivals(n_rows, fc1_per_token, blocks2):
+    """The arrivals on `arrival_word` that make the last one: every ticket, then every FC2 item."""
+    return n_rows * (fc1_per_token + 2 * blocks2)
+
+
+def slot_words(n_rows: int) -> int:
+    return 1 + n_rows
 
 
 def configs(latent: int, inter: int, top_k: int, batch_bucket: int, block: str = "fc1"):
@@ -136,7 +153,7 @@ def moe_one_launch_cuda(z, ids, weights, w1_packed, w1_scale, w3_packed, w3_scal
     count = []  # this stream's counter words, found once the call is taken
 
     def why():
-        count.append(counter(z.device, 1 + n))
+        count.append(counter(z.device, slot_words(n)))
         return count[0] if isinstance(count[0], str) else None
 
     def launch():

@@ -15,7 +15,7 @@ import cutlass
 from cutlass import Float32, Int32, const_expr, cute
 
 from ..common.dsl import pdl_wait
-from ..moe_one_launch import TICKET_BYTES, shared_bytes
+from ..moe_one_launch import TICKET_BYTES, arrival_word, arrivals, shared_bytes
 from .last_cta import arrive, signal, ticket
 from .moe_experts import FC1, FC2
 
@@ -68,9 +68,11 @@ class MoEOneLaunch:
             n = u // B2
             done = cute.make_tensor(mCount.iterator + 1 + n, cute.make_layout((1,)))
             self.fc2.body(n, u % B2, mActRows, mIds, mWt, mW2, mS2, mY, done, K * B1)
-            # every ticket (fc1_items + FC2 items) and every FC2 item's arrival: then no CTA
-            # reads a count any more
-            if arrive(mCount, fc1_items + 2 * n_rows * B2, sTicket):
+            # then no CTA reads a count any more
+            last = arrive(cute.make_tensor(mCount.iterator + arrival_word(n_rows),
+                                           cute.make_layout((1,))), arrivals(n_rows, K * B1, B2),
+                          sTicket)
+            if last:
                 tidx = cute.arch.thread_idx()[0]
                 if tidx < n_rows:
                     mCount[1 + tidx] = Int32(0)
