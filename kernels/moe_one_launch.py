@@ -39,21 +39,26 @@ TAKEN_ROWS = 1
 TICKET_BYTES = 16  # the ticket's shared word, padded to the bodies' 16-byte alignment
 # The stream's counter slot (kernels/common/last_cta.py) at N rows: word TICKET_WORD takes the
 # tickets, words 1..N the tokens' counts of finished FC1 items, `arrival_word(N)` the FC2 items'
-# arrivals, `arrivals` of them complete it (n_rows: an int, or the kernel's Int32).
+# arrivals, `arrivals` of them complete it (n_rows: an int, or the kernel's Int32). The arrivals
+# have a word of their own: an FC2 item can finish before the grid's last CTA takes its ticket
+# (at 2+ rows the FC2 items outnumber the CTAs an H200 holds at once), and an arrival on the
+# ticket word gave that CTA a ticket past the grid's items, waiting on a count no FC1 item adds
+# to (the hang of 2026-12-04; tests/fusions/test_moe_one_launch_protocol.py models it).
 TICKET_WORD = 0
 
 
 def arrival_word(n_rows):
-    return TICKET_WORD
+    return 1 + n_rows
 
 
 def arrivals(n_rows, fc1_per_token, blocks2):
-    """The arrivals on `arrival_word` that make the last one: every ticket, then every FC2 item."""
-    return n_rows * (fc1_per_token + 2 * blocks2)
+    """The arrivals on `arrival_word` that make the last one: every FC2 item's (each took its
+    ticket before, after every FC1 ticket, so the last arrival follows every ticket)."""
+    return n_rows * blocks2
 
 
 def slot_words(n_rows: int) -> int:
-    return 1 + n_rows
+    return 2 + n_rows
 
 
 def configs(latent: int, inter: int, top_k: int, batch_bucket: int, block: str = "fc1"):
