@@ -33,8 +33,9 @@ OP = "moe_experts"
 NAME = "moe_one_launch"
 MAX_ROWS = 8
 # the rows a call is taken at: on the H200 (2026-12-04) the GPU test and the benchmark stopped
-# answering at 2 rows (a count that never completes is the likely cause, not found yet), and at
-# 1 row one launch took 16.2 µs against the two launches' 11.1 (top-16); docs/kernels.md
+# answering at 2 rows (the FC2 items' arrivals on the ticket word, fixed since: `arrival_word`;
+# not yet run on the H200), and at 1 row one launch took 16.2 µs against the two launches' 11.1
+# (top-16); docs/kernels.md
 TAKEN_ROWS = 1
 TICKET_BYTES = 16  # the ticket's shared word, padded to the bodies' 16-byte alignment
 # The stream's counter slot (kernels/common/last_cta.py) at N rows: word TICKET_WORD takes the
