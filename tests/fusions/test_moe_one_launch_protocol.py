@@ -17,9 +17,10 @@ from k3compile.kernels.common.last_cta import SLOT_WORDS
 from tests.fusions.test_moe_experts_kernel import INTER, LATENT
 
 SMS = 132  # H200
-# registers of the sm_90a builds (block "fc1", 2026-12-04, session 17): 74 at one row (FC1 by
-# cp.async), 133 at 2-8 (docs/kernels.md's 72 and 130 hold as many CTAs per SM)
-REGISTERS = {1: 74, 2: 133, 4: 133, 8: 133}
+# registers of the sm_90a builds (2026-12-04, session 17), by block and rows: "fc1" 74 at one
+# row (FC1 by cp.async), 133 at 2-8 (docs/kernels.md's 72 and 130 hold as many CTAs per SM);
+# "fc2" (256 threads at top-16) 78 and 132
+REGISTERS = {"fc1": {1: 74, 2: 133, 4: 133, 8: 133}, "fc2": {1: 78, 2: 132, 4: 132, 8: 132}}
 
 
 def ctas_per_sm(regs: int, threads: int, smem: int) -> int:
@@ -64,16 +65,16 @@ class Run:
         return bool(self.spinning)
 
 
-def simulate(n_rows, top_k, layout, seed=0, latent=LATENT, inter=INTER) -> Run:
+def simulate(n_rows, top_k, layout, seed=0, block="fc1", latent=LATENT, inter=INTER) -> Run:
     """One launch; times in µs drawn per CTA (FC1 item 2-6, FC2 item 1-3 after its wait, a CTA
     starts 0.05 after a slot frees). Ends when no CTA can move."""
-    fc1, fc2 = moe_one_launch.configs(latent, inter, top_k, n_rows)
+    fc1, fc2 = moe_one_launch.configs(latent, inter, top_k, n_rows, block)
     b1 = -(-inter // (fc1.warps * fc1.rows_per_warp))
     b2 = -(-latent // fc2.rows_per_cta)
     k_b1 = top_k * b1
     fc1_items, grid = n_rows * k_b1, n_rows * (k_b1 + b2)
     smem = moe_one_launch.shared_bytes(latent, inter, top_k, fc1, fc2)
-    resident = SMS * ctas_per_sm(REGISTERS[n_rows], fc1.threads, smem)
+    resident = SMS * ctas_per_sm(REGISTERS[block][n_rows], fc1.threads, smem)
     run = Run(grid, fc1_items, resident)
     words = [0] * SLOT_WORDS
     rng = random.Random(seed)
@@ -121,15 +122,17 @@ def simulate(n_rows, top_k, layout, seed=0, latent=LATENT, inter=INTER) -> Run:
     return run
 
 
+@pytest.mark.parametrize("block", ["fc1", "fc2"])
 @pytest.mark.parametrize("top_k", [8, 16])
 @pytest.mark.parametrize("n_rows", [1, 2, 8])
-def test_the_model_hangs_where_the_h200_did(n_rows, top_k):
-    """Before the fix: 1 row ran on the H200, 2 rows (top-8 and top-16) and 8 hung. In the
+def test_the_model_hangs_where_the_h200_did(n_rows, top_k, block):
+    """Before the fix: 1 row ran on the H200 (both blocks at top-16), 2 rows hung (top-8 and
+    top-16; the benchmark's block "fc2" at 2 rows was not reached). In the
     model an FC2 item exits (arrives on the ticket word) before the last CTA started, that CTA
     takes a ticket one too high: past the grid's items, a token N or more, whose count no FC1
     item adds to. Forced whenever the FC2 items (N·B2) outnumber the CTAs that fit at once."""
     for seed in range(3):
-        run = simulate(n_rows, top_k, SHARED, seed)
+        run = simulate(n_rows, top_k, SHARED, seed, block)
         assert run.hung == (n_rows > 1), run.spinning
         assert run.hung == (run.grid - run.fc1_items > run.resident)
         if run.hung:
@@ -137,15 +140,16 @@ def test_the_model_hangs_where_the_h200_did(n_rows, top_k):
             assert len(run.done) < run.grid  # FC2 items never run: wrong rows too
 
 
+@pytest.mark.parametrize("block", ["fc1", "fc2"])
 @pytest.mark.parametrize("top_k", [8, 16])
 @pytest.mark.parametrize("n_rows", [1, 2, 4, 8])
-def test_the_host_layout_completes(n_rows, top_k):
+def test_the_host_layout_completes(n_rows, top_k, block):
     """The host's counter layout: every work item runs once, no CTA is left waiting, every word
     of the slot is 0 for the next launch, and the layout fits the stream's slot."""
     assert moe_one_launch.slot_words(n_rows) <= SLOT_WORDS
     assert moe_one_launch.arrival_word(n_rows) < moe_one_launch.slot_words(n_rows)
     for seed in range(3):
-        run = simulate(n_rows, top_k, host_layout(), seed)
+        run = simulate(n_rows, top_k, host_layout(), seed, block)
         assert not run.hung, run.spinning[:4]
         assert run.done == set(range(run.grid))
         assert not any(run.words), run.words
