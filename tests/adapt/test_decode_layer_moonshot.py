@@ -16,8 +16,8 @@ import json
 import pytest
 import torch
 
-from tests.adapt.test_moonshot import TOL, rel
 from tests import conftest
+from tests.adapt.test_moonshot import TOL, rel
 from tests.conftest import load_benchmark
 
 pytest.importorskip("compressed_tensors", reason="compressed-tensors is not installed")
