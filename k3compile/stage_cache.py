@@ -344,6 +344,35 @@ def link(path: Path, text: str) -> dict | None:
     return body
 
 
+def store_kernels(path: Path, text: str, builds: list) -> None:
+    """Beside the link at `path` (key `text`): the kernels the bucket's first run asked for
+    (`launch.Build`s, pickled), so a later process checks they are all on disk before it skips
+    the record run (the pipeline's `_prebuilder`)."""
+    try:
+        write_entry(_kernels_path(path), FORMAT, text,
+                    base64.b64encode(pickle.dumps(list(builds))).decode())
+    except (OSError, pickle.PicklingError, TypeError, AttributeError) as e:
+        log.debug("k3 stage cache: kernel list not stored (%s: %s)", type(e).__name__, e)
+
+
+def stored_kernels(path: Path, text: str) -> list | None:
+    """The kernels `store_kernels` kept beside the link at `path`, or None (none kept, or an
+    entry that cannot be read: removed; the record run finds what is needed)."""
+    where = _kernels_path(path)
+    if not where.exists():
+        return None
+    try:
+        return pickle.loads(base64.b64decode(read_entry(where, FORMAT, text)))
+    except Exception as e:  # noqa: BLE001 - whatever is wrong with it, the record run runs
+        log.debug("k3 stage cache: kernel list %s unusable (%s: %s)", where, type(e).__name__, e)
+        where.unlink(missing_ok=True)
+        return None
+
+
+def _kernels_path(link_path: Path) -> Path:
+    return link_path.with_name(f"{link_path.stem}.kernels.json")
+
+
 def aten_graph(aten_text: str, values: list) -> fx.GraphModule:
     """The ATen graph a stage key holds, on the placeholders' `values` (Dynamo's inputs, as
     fake tensors), with node values and module paths: the graph AOTAutograd handed the stages
