@@ -33,10 +33,33 @@ OP = "moe_experts"
 NAME = "moe_one_launch"
 MAX_ROWS = 8
 # the rows a call is taken at: on the H200 (2026-12-04) the GPU test and the benchmark stopped
-# answering at 2 rows (a count that never completes is the likely cause, not found yet), and at
-# 1 row one launch took 16.2 µs against the two launches' 11.1 (top-16); docs/kernels.md
+# answering at 2 rows (the FC2 items' arrivals on the ticket word, fixed since: `arrival_word`;
+# not yet run on the H200), and at 1 row one launch took 16.2 µs against the two launches' 11.1
+# (top-16); docs/kernels.md
 TAKEN_ROWS = 1
 TICKET_BYTES = 16  # the ticket's shared word, padded to the bodies' 16-byte alignment
+# The stream's counter slot (kernels/common/last_cta.py) at N rows: word TICKET_WORD takes the
+# tickets, words 1..N the tokens' counts of finished FC1 items, `arrival_word(N)` the FC2 items'
+# arrivals, `arrivals` of them complete it (n_rows: an int, or the kernel's Int32). The arrivals
+# have a word of their own: an FC2 item can finish before the grid's last CTA takes its ticket
+# (at 2+ rows the FC2 items outnumber the CTAs an H200 holds at once), and an arrival on the
+# ticket word gave that CTA a ticket past the grid's items, waiting on a count no FC1 item adds
+# to (the hang of 2026-12-04; tests/fusions/test_moe_one_launch_protocol.py models it).
+TICKET_WORD = 0
+
+
+def arrival_word(n_rows):
+    return 1 + n_rows
+
+
+def arrivals(n_rows, fc1_per_token, blocks2):
+    """The arrivals on `arrival_word` that make the last one: every FC2 item's (each took its
+    ticket before, after every FC1 ticket, so the last arrival follows every ticket)."""
+    return n_rows * blocks2
+
+
+def slot_words(n_rows: int) -> int:
+    return 2 + n_rows
 
 
 def configs(latent: int, inter: int, top_k: int, batch_bucket: int, block: str = "fc1"):
@@ -136,7 +159,7 @@ def moe_one_launch_cuda(z, ids, weights, w1_packed, w1_scale, w3_packed, w3_scal
     count = []  # this stream's counter words, found once the call is taken
 
     def why():
-        count.append(counter(z.device, 1 + n))
+        count.append(counter(z.device, slot_words(n)))
         return count[0] if isinstance(count[0], str) else None
 
     def launch():

@@ -1,8 +1,8 @@
 """The counters of the "last CTA" one-launch kernels (moe_front_route, oproj_attn_res_mix_norm):
 the CTAs of a grid write their results, arrive on a global atomic counter, and the last to
 arrive runs the dependent step (device side: kernels/device/last_cta.py). No CTA waits.
-moe_one_launch also takes tickets on it and waits on counts in the slot's next words (one per
-token) that its last CTA resets too.
+moe_one_launch also takes tickets on it, waits on counts in the slot's next words (one per
+token) and arrives on the word after them; its last CTA resets all of them.
 
 `SLOT_WORDS` int32 per (device, stream) in a buffer per device (`COUNTER_SLOTS` slots),
 allocated and zeroed once, outside any CUDA-graph capture; the last CTA sets the words it used

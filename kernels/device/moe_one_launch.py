@@ -6,8 +6,9 @@ row block), pair-major, the rest FC2 work items (token, row block). An FC1 item 
 rows and `signal`s its token's count; an FC2 item loads its first W2 chunk, waits for its token's
 count to reach k·B1 (`wait_count`), then runs as in the two launches. No deadlock: a CTA only
 holds an FC2 ticket once every FC1 ticket is held by a CTA that runs, and FC1 items wait for
-nothing. The last FC2 item to finish (`arrive` on the ticket counter) resets the counter and the
-tokens' counts for the next launch.
+nothing. The last FC2 item to finish (`arrive` on a word of its own, not the ticket word: tickets
+are still being taken when the first FC2 items finish) resets the tickets, the tokens' counts
+and the arrivals for the next launch.
 
 Imports `cutlass` at the top: the host module imports this one only in `build`."""
 
@@ -15,7 +16,7 @@ import cutlass
 from cutlass import Float32, Int32, const_expr, cute
 
 from ..common.dsl import pdl_wait
-from ..moe_one_launch import TICKET_BYTES, shared_bytes
+from ..moe_one_launch import TICKET_BYTES, TICKET_WORD, arrival_word, arrivals, shared_bytes
 from .last_cta import arrive, signal, ticket
 from .moe_experts import FC1, FC2
 
@@ -38,7 +39,7 @@ class MoEOneLaunch:
                  mCount: cute.Tensor, beta: Float32, linear_beta: Float32, stream):
         # mZ, mY: (N, L) bf16; mIds, mWt: (N, k); mW1, mW3: (E·I, L/8) int32 words, mS1, mS3:
         # (E·I, L/32) uint8; mW2: (E·L, I/8), mS2: (E·L, I/32); mAct: (N·k, I) bf16 and
-        # mActRows its (N, k·I) view; mCount: (1 + N,) int32, 0 between launches
+        # mActRows its (N, k·I) view; mCount: (2 + N,) int32 (`slot_words`), 0 between launches
         n = mZ.shape[0]
         self.kernel(mZ, mIds, mWt, mW1, mS1, mW3, mS3, mW2, mS2, mAct, mActRows, mY, mCount,
                     beta, linear_beta).launch(
@@ -68,9 +69,13 @@ class MoEOneLaunch:
             n = u // B2
             done = cute.make_tensor(mCount.iterator + 1 + n, cute.make_layout((1,)))
             self.fc2.body(n, u % B2, mActRows, mIds, mWt, mW2, mS2, mY, done, K * B1)
-            # every ticket (fc1_items + FC2 items) and every FC2 item's arrival: then no CTA
-            # reads a count any more
-            if arrive(mCount, fc1_items + 2 * n_rows * B2, sTicket):
+            # the last arrival: every FC2 item has read its count
+            last = arrive(cute.make_tensor(mCount.iterator + arrival_word(n_rows),
+                                           cute.make_layout((1,))), arrivals(n_rows, K * B1, B2),
+                          sTicket)
+            if last:  # every ticket taken, every count read
                 tidx = cute.arch.thread_idx()[0]
                 if tidx < n_rows:
                     mCount[1 + tidx] = Int32(0)
+                if tidx == 0:
+                    mCount[TICKET_WORD] = Int32(0)

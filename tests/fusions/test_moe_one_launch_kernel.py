@@ -153,10 +153,6 @@ def counts_are_zero():
     assert not words.any(), f"counter words left at {words.nonzero().flatten().tolist()}"
 
 
-HUNG = pytest.mark.skip(reason="more than 1 row hung on the H200 (2026-12-04): "
-                              "moe_one_launch.TAKEN_ROWS is 1 until that is found")
-
-
 @pytest.fixture
 def all_rows(monkeypatch):
     """The one launch at every row it builds for (TAKEN_ROWS keeps calls at 1 row)."""
@@ -164,7 +160,7 @@ def all_rows(monkeypatch):
 
 
 @on_gpu
-@pytest.mark.parametrize("n", [1, pytest.param(2, marks=HUNG), pytest.param(8, marks=HUNG)])
+@pytest.mark.parametrize("n", [1, 2, 8])
 @pytest.mark.parametrize("top_k", [8, 16])
 @pytest.mark.parametrize("ids_dtype", [torch.int64, torch.int32], ids=["i64", "i32"])
 @pytest.mark.parametrize("pdl", [True, False], ids=["pdl", "no_pdl"])
@@ -179,7 +175,6 @@ def test_equals_the_two_launches(gen, experts, monkeypatch, all_rows, n, top_k, 
 
 
 @on_gpu
-@HUNG
 def test_rows_that_share_experts(gen, experts, all_rows):
     """8 rows over 12 experts: FC2 items of every token read act rows of shared experts."""
     z, ids, w = make_tokens(gen, 8, LATENT, EXPERTS, 8, "cuda", pool=12)
@@ -187,7 +182,7 @@ def test_rows_that_share_experts(gen, experts, all_rows):
 
 
 @on_gpu
-@pytest.mark.parametrize("n", [1, pytest.param(8, marks=HUNG)])
+@pytest.mark.parametrize("n", [1, 8])
 def test_back_to_back_and_graph_replay(gen, experts, all_rows, n):
     """Consecutive launches on one stream, then a captured launch replayed with fresh inputs:
     every launch finds its counters at 0 (a count left over would let FC2 read act early, a
