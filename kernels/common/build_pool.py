@@ -244,11 +244,10 @@ def missing(builds: list[Build]) -> list[Build]:
         try:
             importlib.import_module(b.module)  # its sources are in the entry's key
             where = disk_cache.entry_of(b.op, b.key, b.arch, b.module)
+            if where is not None and not where[0].exists():
+                out.append(b)
         except Exception as e:  # noqa: BLE001 - the record run then finds what is needed
             log.debug("k3::%s: kernel entry not checked (%s: %s)", b.op, type(e).__name__, e)
-            out.append(b)
-            continue
-        if where is not None and not where[0].exists():
             out.append(b)
     return out
 
