@@ -45,7 +45,7 @@ SWITCHES: dict[str, tuple[str, str]] = {
     "K3_MOE_F16": ("kernels: `moe_experts` FC1 decodes into packed fp16 math (fma.rn.f16x2)", "0"),
     "K3_KERNELS_EXTRA": (("kernels: also register these opt-in kernel modules (slower than the "
                           "default on the H200: moe_front_route, oproj_mix, moe_one_launch; not "
-                          "timed yet: mla_decode, mla_q_absorb; docs/decisions.md)"), ""),
+                          "in the yardstick yet: mla_q_absorb; docs/decisions.md)"), ""),
     "K3_KERNELS_SKIP": ("kernels: leave these kernels unregistered (their sites go to Inductor)",
                         ""),
     "K3_ALLREDUCE": ("kernels: force the TP all-reduce (`one_shot`, `two_shot`, `nccl`)", ""),

@@ -20,7 +20,8 @@ from k3compile.ops import registry
 # op names: kernels/<op>.py is the CUDA implementation of k3.<op>
 KERNELS = ("attn_res_mix_norm", "mla_lowrank_norm", "rms_norm", "moe_route", "situ_gate_up",
            "oproj_attn_res_mix_norm", "allreduce_attn_res_mix_norm", "norm_linear", "moe_front",
-           "linear_concat", "linear", "mla_uv_gate", "moe_experts", "kda_decode", "fb_kda_decode")
+           "linear_concat", "linear", "mla_uv_gate", "moe_experts", "kda_decode", "fb_kda_decode",
+           "mla_decode")
 # shared GEMM engines (kernels/common/) that K3_KERNELS_SKIP may also name: `gemm_tc` there keeps
 # the GEMM router on cuBLAS above one row
 ENGINES = ("gemm_tc",)

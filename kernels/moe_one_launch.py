@@ -32,10 +32,10 @@ from .common.launch import Kernel
 OP = "moe_experts"
 NAME = "moe_one_launch"
 MAX_ROWS = 8
-# the rows a call is taken at: on the H200 (2026-12-04) the GPU test and the benchmark stopped
-# answering at 2 rows (the FC2 items' arrivals on the ticket word, fixed since: `arrival_word`;
-# not yet run on the H200), and at 1 row one launch took 16.2 µs against the two launches' 11.1
-# (top-16); docs/kernels.md
+# the rows a call is taken at: the 2-row hang of session 17 (the FC2 items' arrivals on the ticket
+# word) is fixed (`arrival_word`: the H200's GPU tests pass at 1, 2 and 8 rows, session 18), but
+# one launch loses to the two at every row count (top-16: 1 row 16.4 vs 11.2 µs, 2 rows 24.5 vs
+# 19.3, 8 rows 82.6 vs 58.4); docs/kernels.md
 TAKEN_ROWS = 1
 TICKET_BYTES = 16  # the ticket's shared word, padded to the bodies' 16-byte alignment
 # The stream's counter slot (kernels/common/last_cta.py) at N rows: word TICKET_WORD takes the
@@ -152,7 +152,7 @@ def moe_one_launch_cuda(z, ids, weights, w1_packed, w1_scale, w3_packed, w3_scal
     if moe_experts.call_refusal(args, out) is not None:
         return two_launches()
     if reason := (refusal(n, latent, inter, top_k, block)
-                  or (f"{n} rows (taken at 1..{TAKEN_ROWS}: more hung on the H200)"
+                  or (f"{n} rows (taken at 1..{TAKEN_ROWS}: slower than two launches on the H200)"
                       if n > TAKEN_ROWS else None)):
         log.debug("k3::%s: %s: the two launches", NAME, reason)
         return two_launches()

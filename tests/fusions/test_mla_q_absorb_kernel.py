@@ -192,6 +192,15 @@ def test_refusals():
     assert why and "shared memory" in why, why
 
 
+def test_the_fusion_takes_at_most_taken_rows():
+    """The kernel takes 64 rows; the fusion only up to TAKEN_ROWS (slower above on the H200)."""
+    gen = torch.Generator().manual_seed(0)
+    assert kernel.taken_refusal(*make_inputs(gen, (kernel.TAKEN_ROWS, 1), device="cpu")) is None
+    more = make_inputs(gen, (2 * kernel.TAKEN_ROWS, 1), device="cpu")
+    assert kernel.refusal(*more) is None
+    assert f"{2 * kernel.TAKEN_ROWS} rows (taken at most" in kernel.taken_refusal(*more)
+
+
 def test_off_gpu_runs_the_reference(caplog):
     args = make_inputs(torch.Generator().manual_seed(1), (2, 3), device="cpu")
     with caplog.at_level(logging.DEBUG, logger="k3compile.kernels"):

@@ -9,9 +9,9 @@ from k3compile import kernels, settings
 def test_extra_kernels_from_the_settings(monkeypatch):
     monkeypatch.setattr(settings.KERNELS, "extra", ())
     assert kernels.extra_kernels() == ()
-    monkeypatch.setattr(settings.KERNELS, "extra", ("situ_gate_up", "mla_decode"))
-    assert kernels.extra_kernels() == ("mla_decode",)  # situ_gate_up is in KERNELS already
-    monkeypatch.setattr(settings.KERNELS, "extra", ("mla_decode", "no_such_kernel"))
+    monkeypatch.setattr(settings.KERNELS, "extra", ("situ_gate_up", "mla_q_absorb"))
+    assert kernels.extra_kernels() == ("mla_q_absorb",)  # situ_gate_up is in KERNELS already
+    monkeypatch.setattr(settings.KERNELS, "extra", ("mla_q_absorb", "no_such_kernel"))
     with pytest.raises(ValueError, match="no_such_kernel"):
         kernels.extra_kernels()
 
