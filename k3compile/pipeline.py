@@ -177,11 +177,8 @@ class Pipeline:
                      if cached and self.options.stage_cache and self.options.skip_aot else None)
         link_path = stage_cache.path_of(link_text, "links") if link_text is not None else None
         link = stage_cache.link(link_path, link_text) if link_path is not None else None
-        # a bucket an earlier process compiled whole (its link is direct) stored its kernels
-        # then: its first run loads them, and a record run and the pool's start would only cost
-        # (the H200, session 17: warm 24.1 s for 8 buckets with them, B1 10.0 s vs 8.1 s
-        # without); a kernel missing from the disk cache after all builds in the first run
-        prebuild = _prebuilder(written, cuda, warm=link is not None and bool(link["direct"]))
+        warm = _kernels_stored(link, link_path, link_text)
+        prebuild = _prebuilder(written, cuda, warm)
         patches = {"emulate_precision_casts": True,  # see there: Inductor's pattern passes,
                    **inductor.GRAPH_PASSES_OFF, **inductor.INPUT_ASSERTS_OFF}  # its asserts off
 
@@ -213,7 +210,9 @@ class Pipeline:
                 fn = self._direct(link, ctx, example_inputs, patches, written)
             else:
                 fn = inductor.compile_fx_static(gm, example_inputs, patches, inner_compile)
-        return progress.first_run(fn, prebuild)  # on a GPU the first run builds the kernels
+        around = (None if warm or link_path is None else  # keep the kernels the bucket used
+                  lambda: _noting_kernels(link_path, link_text))
+        return progress.first_run(fn, prebuild, around)  # on a GPU the first run builds kernels
 
     def _executor(self, aten_gm: fx.GraphModule, aten_inputs, kwargs, ctx: Context) -> Callable:
         remember(ctx.inputs)  # later compiles never move what this one was handed
@@ -268,8 +267,7 @@ def _prebuilder(written: dict, cuda: bool, warm: bool = False) -> Callable | Non
     """K3_BUILD_WORKERS: what the first run does first (`build_pool.prebuild`: a record run on
     clones of the inputs the step writes, then the missing kernels built by the pool, which
     starts now so its workers import the DSL while the stages run); None where it is 0, the
-    step is not on CUDA (no kernel builds there) or `warm` (an earlier process compiled the
-    bucket whole and stored its kernels)."""
+    step is not on CUDA (no kernel builds there) or `warm` (`_kernels_stored`)."""
     from k3compile.kernels.common import build_pool
 
     workers = KERNELS.build_workers
@@ -282,6 +280,30 @@ def _prebuilder(written: dict, cuda: bool, warm: bool = False) -> Callable | Non
                                    on_build=on_build, on_done=on_done)
 
     return prebuild
+
+
+def _kernels_stored(link: dict | None, path, text: str | None) -> bool:
+    """Whether an earlier process compiled this bucket whole (its link is direct) and every
+    kernel its first run asked for is in the disk cache (a stat each). Then a record run and the
+    pool's start would only cost (the H200, session 17: warm 24.1 s for 8 buckets with them,
+    B1 10.0 s against 8.1 s without); a kernel list missing or a kernel missing (the kernel
+    cache cleared, a new DSL) gets the record run and the pool, as a cold compile does."""
+    if link is None or not link["direct"]:
+        return False
+    from k3compile.kernels.common import build_pool
+
+    builds = stage_cache.stored_kernels(path, text)
+    return builds is not None and not build_pool.missing(builds)
+
+
+@contextlib.contextmanager
+def _noting_kernels(path, text: str):
+    """Open over a bucket's first run: the kernels it asks for, kept beside its link."""
+    from k3compile.kernels.common import launch
+
+    with launch.using() as builds:
+        yield
+    stage_cache.store_kernels(path, text, builds)
 
 
 def inference_only(example_inputs: list) -> contextlib.AbstractContextManager:

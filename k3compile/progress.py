@@ -62,10 +62,12 @@ class BucketProgress:
                 self.close(failed=True)
                 raise
 
-    def first_run(self, fn: Callable, prebuild: Callable | None = None) -> Callable:
+    def first_run(self, fn: Callable, prebuild: Callable | None = None,
+                  around: Callable[[], contextlib.AbstractContextManager] | None = None
+                  ) -> Callable:
         """`fn`, its first call counted; `prebuild(fn, args, on_build, on_done)`
         (K3_BUILD_WORKERS: the kernels built by a pool, `build_pool.prebuild`) runs before that
-        call."""
+        call; `around()` is open over both (the pipeline notes the kernels they ask for)."""
         done = False
 
         def run(*args):
@@ -74,7 +76,7 @@ class BucketProgress:
                 return fn(*args)
             self._show("first run")
             t0 = time.perf_counter()
-            with self._watching():
+            with self._watching(), around() if around is not None else contextlib.nullcontext():
                 try:
                     if prebuild is not None:
                         self._show("record run")

@@ -33,12 +33,17 @@ through `files.write_atomic`. An entry that is unreadable, of another format or 
 checksum, names an op this torch lacks, or was made from other table values is logged, removed
 and rebuilt by running the stages, never used. Node values (`meta["val"]`) are computed again
 from the loaded graph's inputs (`graph.fake_value`), as every stage does for the nodes it adds.
+
+Beside a link (`stages/links/<sha256>.json`, keyed by Dynamo's graph: `store_link`),
+`stages/kernel_lists/<sha256>.json` keeps the kernels the bucket's first run asked for
+(`store_kernels`): a later process skips the record run only where every one is on disk.
 """
 
 from __future__ import annotations
 
 import ast
 import base64
+import contextlib
 import dataclasses
 import hashlib
 import importlib.util
@@ -342,6 +347,43 @@ def link(path: Path, text: str) -> dict | None:
         path.unlink(missing_ok=True)
         return None
     return body
+
+
+def store_kernels(path: Path, text: str, builds: list) -> None:
+    """For the link at `path` (key `text`): the kernels the bucket's first run asked for
+    (`launch.Build`s, pickled), so a later process checks they are all on disk before it skips
+    the record run (the pipeline's `_kernels_stored`)."""
+    try:
+        write_entry(_kernels_path(path), FORMAT, text,
+                    base64.b64encode(pickle.dumps(list(builds))).decode())
+    except Exception as e:  # noqa: BLE001 - a list not kept costs the next process a record run
+        log.debug("k3 stage cache: kernel list not stored (%s: %s)", type(e).__name__, e)
+
+
+def stored_kernels(path: Path, text: str) -> list | None:
+    """The kernels `store_kernels` kept for the link at `path`, or None (none kept, or an entry
+    that cannot be read: removed where it can be; the record run finds what is needed)."""
+    from k3compile.kernels.common.launch import Build
+
+    where = _kernels_path(path)
+    try:
+        if not where.exists():
+            return None
+        builds = pickle.loads(base64.b64decode(read_entry(where, FORMAT, text)))
+        if not isinstance(builds, list) or not all(isinstance(b, Build) for b in builds):
+            raise BadEntry("not a list of kernels")
+    except Exception as e:  # noqa: BLE001 - whatever is wrong with it, the record run runs
+        log.debug("k3 stage cache: kernel list %s unusable (%s: %s)", where, type(e).__name__, e)
+        with contextlib.suppress(OSError):  # a folder there, a read-only cache: left, as bad
+            where.unlink(missing_ok=True)
+        return None
+    return builds
+
+
+def _kernels_path(link_path: Path) -> Path:
+    """The kernel list of the link at `link_path`: its name, in a folder of their own (the
+    links' folder holds links only)."""
+    return link_path.parent.parent / "kernel_lists" / link_path.name
 
 
 def aten_graph(aten_text: str, values: list) -> fx.GraphModule:

@@ -234,6 +234,24 @@ def expected_seconds(builds: list[Build]) -> list[float]:
     return out
 
 
+def missing(builds: list[Build]) -> list[Build]:
+    """The `builds` whose disk-cache entry is absent (a stat each; the entry is not read: a bad
+    one is rebuilt by the call that loads it). A kernel the disk cache cannot hold (no cache, no
+    DSL, a key without a stable text) is not counted: no process can store it, so no pool could
+    help. A module that no longer imports counts as missing."""
+    out = []
+    for b in builds:
+        try:
+            importlib.import_module(b.module)  # its sources are in the entry's key
+            where = disk_cache.entry_of(b.op, b.key, b.arch, b.module)
+            if where is not None and not where[0].exists():
+                out.append(b)
+        except Exception as e:  # noqa: BLE001 - the record run then finds what is needed
+            log.debug("k3::%s: kernel entry not checked (%s: %s)", b.op, type(e).__name__, e)
+            out.append(b)
+    return out
+
+
 def _copy(t: torch.Tensor) -> torch.Tensor:
     """A copy with t's very strides (the compiled step indexes its inputs by the strides it was
     compiled for; `clone` would compact a strided view)."""
@@ -273,5 +291,5 @@ def _build(b: Build, kernels: settings.KernelSettings
     return entry, tuple(compiles), seconds, os.getpid()
 
 
-__all__ = ["FAMILY_SECONDS", "Built", "Pooled", "build", "expected_seconds", "order",
+__all__ = ["FAMILY_SECONDS", "Built", "Pooled", "build", "expected_seconds", "missing", "order",
            "prebuild", "shutdown", "start"]

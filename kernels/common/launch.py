@@ -15,6 +15,10 @@ valid on disk is not built; its `Build` is recorded instead. `run` first walks `
 every compiled kernel a no-op (so each kernel of a launch of several is recorded and none runs
 on another's unwritten output); where one was missing the call returns `reference()`. A
 `compiled(...)` outside `run` raises `Deferred` for a missing kernel.
+
+`using()` collects the `Build` of every kernel `compiled(...)` is asked for while it is open
+(compiled, loaded or missing): the kernels a bucket's first run needs, which the pipeline keeps
+beside the bucket's stage-cache link so a later process can check they are all on disk.
 """
 
 from __future__ import annotations
@@ -95,6 +99,22 @@ def recording() -> Iterator[Recording]:
         _recording = None
 
 
+_using: dict[tuple[str, Hashable], Build] | None = None
+
+
+@contextlib.contextmanager
+def using() -> Iterator[list[Build]]:
+    """The kernels asked for while open (`Kernel.compiled`), in order, once each; the list is
+    filled when the block ends. Nested: the inner block collects, the outer one sees nothing."""
+    global _using
+    outer, _using, out = _using, {}, []
+    try:
+        yield out
+    finally:
+        out += _using.values()
+        _using = outer
+
+
 def _skipped(*_args) -> None:
     """A compiled kernel while a launch is walked in record mode: launches nothing."""
 
@@ -116,12 +136,13 @@ class Kernel:
             kw["pdl"] = pdl_enabled(rows) if pdl is None else pdl
         key = compile_key(scalars, arch, kw)
         module = self.build.__module__
+        if _using is not None and (self.op, key) not in _using:
+            _using[self.op, key] = self._build_of(scalars, arch, kw)
         if (rec := _recording) is not None and key not in self.cache:
             if (found := disk_cache.lookup(self.op, key, arch=arch, module=module)) is not None:
                 self.cache.get(key, lambda: found)
             elif disk_cache.entry_of(self.op, key, arch, module) is not None:  # a pool can store it
-                rec.builds.setdefault((self.op, key), Build(
-                    self.op, module, scalars, arch, kw.pop("pdl", None), tuple(sorted(kw.items()))))
+                rec.builds.setdefault((self.op, key), self._build_of(scalars, arch, kw))
                 rec.misses += 1
                 if rec.probing:
                     return _skipped
@@ -131,6 +152,10 @@ class Kernel:
         return self.cache.get(key, lambda: disk_cache.fetch(
             self.op, key, lambda: self.build(*scalars, arch=arch, **kw), arch=arch,
             module=module))
+
+    def _build_of(self, scalars: tuple, arch: str | None, kw: dict) -> Build:
+        return Build(self.op, self.build.__module__, scalars, arch, kw.get("pdl"),
+                     tuple(sorted((k, v) for k, v in kw.items() if k != "pdl")))
 
     def refusal(self, refusal: Callable[[], str | None], *aligned) -> str | None:
         """Why this call cannot launch: no runtime, the kernel's `refusal()` (called only where

@@ -3,7 +3,8 @@
 CPU (needs the DSL; kernels compiled for sm_90a): record mode (`launch.recording`) records a
 missing kernel instead of building it and the call returns its reference's values, also for a
 launch of two kernels (both recorded, neither built nor launched) and for a `compiled(...)`
-outside `Kernel.run` (`Deferred`); a valid disk entry is loaded, not recorded. `prebuild` runs a
+outside `Kernel.run` (`Deferred`); a valid disk entry is loaded, not recorded. `launch.using`
+lists the kernels asked for and `missing` those without a disk entry. `prebuild` runs a
 step once in record mode on clones of the inputs it writes (the caller's stay as they were),
 two worker processes build what it lacked into a fresh K3_CACHE_DIR, and the main process then
 loads both kernels and builds none (`slow`); the workers do not run the parent's script again
@@ -16,6 +17,7 @@ loaded by the main process; outputs bitwise those of serial builds.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -77,6 +79,27 @@ def test_record_mode_records_the_key_and_returns_the_reference(cache_dir):
     assert len(rms_norm.KERNEL.cache) == 0 and disk_cache.stats() == {}, "nothing built"
     with recording(), pytest.raises(Deferred):  # outside Kernel.run
         rms_norm.prepare(DIMS[0], buckets=(b,))
+
+
+def test_using_lists_the_kernels_asked_for_and_missing_stats_their_entries(cache_dir,
+                                                                          monkeypatch):
+    """`launch.using` lists each kernel asked for once, missing or not; `build_pool.missing` is
+    those without a disk entry (a stat: an empty file counts), a module that does not import
+    among them, and none where the disk cache is off (no process could store one)."""
+    x, w = rows(3, DIMS[0]), rows(1, DIMS[0], 1)[0]
+    with launch.using() as builds, recording() as rec:
+        for _ in range(2):
+            rms_norm.rms_norm_cuda(x, w, EPS)
+    assert builds == list(rec.builds.values()) and len(builds) == 1
+    assert build_pool.missing(builds) == builds
+    (b,) = builds
+    path, _ = disk_cache.entry_of(b.op, b.key, b.arch, b.module)
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"")
+    gone = dataclasses.replace(b, module="k3compile.kernels.no_such_kernel")
+    assert build_pool.missing([b, gone]) == [gone]
+    monkeypatch.setattr(settings.KERNELS, "cache_dir", None)
+    assert build_pool.missing([dataclasses.replace(b, scalars=(1,))]) == []
 
 
 def test_a_launch_of_two_kernels_records_both_and_launches_neither(cache_dir):
