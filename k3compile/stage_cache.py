@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import ast
 import base64
-import contextlib
 import dataclasses
 import hashlib
 import importlib.util
@@ -219,7 +218,7 @@ def lookup(path: Path, text: str, gm: fx.GraphModule, inputs: list) -> Entry | N
         log.warning("k3 stage cache: entry %s unusable (%s: %s); running the stages", path,
                     type(e).__name__, e)
         STATS["rebuilt"] += 1
-        path.unlink(missing_ok=True)
+        _remove(path)
         return None
     STATS["loaded"] += 1
     return entry
@@ -344,9 +343,18 @@ def link(path: Path, text: str) -> dict | None:
     except Exception as e:  # noqa: BLE001 - whatever is wrong with it, AOTAutograd runs
         log.warning("k3 stage cache: link %s unusable (%s: %s)", path, type(e).__name__, e)
         STATS["rebuilt"] += 1
-        path.unlink(missing_ok=True)
+        _remove(path)
         return None
     return body
+
+
+def _remove(path: Path) -> None:
+    """Remove a bad entry where it can be: a folder in its place or a read-only cache leaves it
+    (the next lookup finds it bad again; storing over it fails quietly), never a failed compile."""
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as e:
+        log.warning("k3 stage cache: %s not removed (%s: %s)", path, type(e).__name__, e)
 
 
 def store_kernels(path: Path, text: str, builds: list) -> None:
@@ -374,8 +382,7 @@ def stored_kernels(path: Path, text: str) -> list | None:
             raise BadEntry("not a list of kernels")
     except Exception as e:  # noqa: BLE001 - whatever is wrong with it, the record run runs
         log.debug("k3 stage cache: kernel list %s unusable (%s: %s)", where, type(e).__name__, e)
-        with contextlib.suppress(OSError):  # a folder there, a read-only cache: left, as bad
-            where.unlink(missing_ok=True)
+        _remove(where)
         return None
     return builds
 

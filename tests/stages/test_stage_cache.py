@@ -368,6 +368,19 @@ def test_a_corrupt_link_is_rebuilt(cache_dir, caplog):
     assert _steps([4])[3] == {"loaded": 1, "direct": 1}
 
 
+def test_a_folder_in_place_of_an_entry_or_a_link_never_fails_a_compile(cache_dir, caplog):
+    """A folder where an entry or a link was (or a cache it cannot write) cannot be removed: the
+    compile runs the stages and AOTAutograd again, logs why, and equals the cold one."""
+    cold, _, _, _ = _steps([4])
+    for path in [*_entries(cache_dir), *cache_dir.glob("stages/links/*.json")]:
+        path.unlink()
+        (path / "x").mkdir(parents=True)
+    with caplog.at_level(logging.WARNING, logger="k3compile"):
+        warm, _, _, stats = _steps([4])
+    assert caplog.text.count("not removed (IsADirectoryError") == 2, caplog.text
+    assert stats["rebuilt"] == 2 and _equal(cold, warm)
+
+
 @pytest.mark.slow
 def test_a_second_process_loads_every_bucket(tmp_path):
     """benchmarks/compile_time.py on the tiny model (CPU, two buckets and B1xT8): the warm pass
