@@ -27,7 +27,8 @@ decode_layer_moonshot.json.
 Both other spellings' stacks return the running sum after layer 4, which their layer adds in its
 last line (Moonshot's `prefix_sum = prefix_sum + hidden_states`); the built-in stack returns
 (prefix, delta) unsummed. So their step runs one elementwise add kernel more (+0.25 in
-`kernels_per_layer`), which a whole model's next layer or final depth mix takes (tests/adapt/test_decode_layer_moonshot.py, docs/decisions.md session 18 hidx).
+`kernels_per_layer`), which a whole model's next layer or final depth mix takes
+(tests/adapt/test_decode_layer_moonshot.py, docs/decisions.md session 18 hidx).
 
 Per batch bucket (B = 1..64 single-token decode, and B = 1 with T = 8 verify rows):
 

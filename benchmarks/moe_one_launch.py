@@ -45,8 +45,8 @@ def one_launch(block: str):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", default="1",
-                    help="rows above moe_one_launch.TAKEN_ROWS (1: more hung on the H200) are "
-                         "timed with TAKEN_ROWS raised to them")
+                    help="rows above moe_one_launch.TAKEN_ROWS (1: slower than two launches "
+                         "on the H200) are timed with TAKEN_ROWS raised to them")
     ap.add_argument("--top-k", type=int, default=16)
     ap.add_argument("--blocks", default="fc1,fc2")
     ap.add_argument("--out")
