@@ -69,6 +69,11 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dynamic", action="store_true",
                    help="one Dynamo graph for B1..B64 (mark_batch), not one per bucket")
+    p.add_argument("--precompile", action="store_true",
+                   help="with --dynamic: torch's caching precompile (TORCH_CACHING_PRECOMPILE=1; "
+                        "k3compile/precompile.py) in both passes, B1xT8 through the same "
+                        "torch.compile; the cold pass saves Dynamo's packages, the warm one loads "
+                        "them instead of tracing (the load is timed into its first bucket)")
     p.add_argument("--against", help="a compile_time.json whose outputs each bucket must equal")
     p.add_argument("--cache-dir", help="a fresh folder for both passes' caches (default: a new "
                                        "temporary folder)")
@@ -84,6 +89,8 @@ def parse_args(argv=None):
     p.add_argument("--result", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     a.batches = [int(b) for b in a.batches.split(",") if b.strip()]
+    if a.precompile and not a.dynamic:
+        p.error("--precompile needs --dynamic (one torch.compile, one saved package)")
     return a
 
 
@@ -133,9 +140,13 @@ def run_pass(args) -> dict:
     result = {"pass": args.which, "build_s": time.perf_counter() - t_start, "buckets": []}
     options = {"cuda_graphs": False, "executor": args.executor}
     batched = None  # --dynamic: the one compiled step of every [B] bucket
+    load_s = 0.0  # --precompile: torch.compile installs a saved package here (warm pass)
     if args.dynamic:
         options["buckets"] = tuple(args.batches)
+        t0 = time.perf_counter()
         batched = torch.compile(stack, backend=backend, options=options)
+        load_s = time.perf_counter() - t0
+        result["dynamo_cache"] = dict(torch._dynamo.utils.counters["dynamo_cache"])
     for bucket in buckets(args):
         gen = torch.Generator(device=device).manual_seed(args.seed + 1000 * bucket.batch
                                                          + bucket.tokens)
@@ -154,11 +165,15 @@ def run_pass(args) -> dict:
                 if batched is not None and bucket.tokens == 1:
                     mark_batch(*inputs)
                     outputs = batched(*inputs)
+                elif batched is not None and args.precompile:  # one package for every graph
+                    outputs = batched(*inputs)
                 else:
                     outputs = torch.compile(stack, backend=backend, dynamic=False,
                                             options=options)(*inputs)
                 yardstick.sync(device)
             seconds, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+        if not result["buckets"]:  # the package's load belongs to the first bucket
+            seconds, stages["precompile load"] = seconds + load_s, load_s
         stages["torch"] = seconds - sum(stages.values())
         result["buckets"].append({
             "name": bucket.name, "compile_s": round(seconds, 2), "cpu_s": round(cpu, 2),
@@ -173,6 +188,12 @@ def run_pass(args) -> dict:
             "outputs_sha256": digest(outputs)})
         print(f"{args.which} {bucket.name}: {seconds:.1f} s, kernels "
               f"{result['buckets'][-1]['kernels']}", flush=True)
+    if args.precompile:
+        from k3compile import precompile
+
+        t0 = time.perf_counter()
+        result["precompile_saved"] = precompile.save()
+        result["precompile_save_s"] = round(time.perf_counter() - t0, 2)
     result["compile_s"] = round(sum(b["compile_s"] for b in result["buckets"]), 2)
     result["cpu_s"] = round(sum(b["cpu_s"] for b in result["buckets"]), 2)
     result["process_s"] = round(time.perf_counter() - t_start, 2)
@@ -259,7 +280,8 @@ def main(argv=None) -> int:
     if cache.exists() and any(cache.iterdir()):
         raise SystemExit(f"--cache-dir {cache} is not empty: the cold pass needs fresh caches")
     env = {**os.environ, "K3_CACHE_DIR": str(cache / "k3"),
-           "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor")}
+           "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
+           **({"TORCH_CACHING_PRECOMPILE": "1"} if args.precompile else {})}
     forwarded = list(argv if argv is not None else sys.argv[1:])
     passes = {}
     for which in PASSES:
@@ -290,7 +312,7 @@ def meta(args, cache: Path) -> dict:
             "device": str(device),
             "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "torch": torch.__version__, "executor": args.executor, "context": args.context,
-            "dynamic": args.dynamic,
+            "dynamic": args.dynamic, "precompile": args.precompile,
             "buckets": [b.name for b in buckets(args)], "cache_dir": str(cache)}
 
 
@@ -303,6 +325,11 @@ def problems(passes: dict, against: dict | None = None) -> list[str]:
         found += [f"{b['name']}: outputs differ from the --against report's"
                   for b in passes["cold"]["buckets"]
                   if theirs.get(b["name"], b["outputs_sha256"]) != b["outputs_sha256"]]
+    if "precompile_saved" in passes["cold"]:  # --precompile: the warm pass traces nothing
+        if not passes["warm"].get("dynamo_cache", {}).get("dynamo_cache_hit"):
+            found.append("the warm pass loaded no Dynamo package")
+        if traced := sum(b["dynamo_graphs"] for b in passes["warm"]["buckets"]):
+            found.append(f"the warm pass traced {traced} Dynamo graphs")
     for cold, warm in zip(passes["cold"]["buckets"], passes["warm"]["buckets"], strict=True):
         if warm["kernels"].get("built"):
             found.append(f"{warm['name']}: the warm pass built {warm['kernels']['built']} kernels")

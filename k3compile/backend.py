@@ -35,6 +35,7 @@ import sympy
 import torch
 from torch import fx, nn
 
+from k3compile import precompile
 from k3compile.calls import batch_error, check_calls
 from k3compile.observe import Observer
 from k3compile.pipeline import Pipeline
@@ -49,6 +50,15 @@ _compiled: list[K3Compiled] = []  # every compiled graph of this process, newest
 
 def k3_backend(gm: fx.GraphModule, example_inputs: list, options: dict | None = None, **_):
     compiled = K3Compiled(gm, example_inputs, Options.make(options), _traced_module())
+    _compiled.append(compiled)
+    precompile.record(gm, compiled.signature, options)  # TORCH_CACHING_PRECOMPILE=1 only
+    return compiled
+
+
+def restored(gm: fx.GraphModule, signature: Signature, options: dict | None) -> K3Compiled:
+    """A graph compiled in an earlier process, as Dynamo's warm start (k3compile/precompile.py)
+    hands it back: Dynamo's tracing skipped, each bucket compiled at its first call."""
+    compiled = K3Compiled(gm, None, Options.make(options), signature=signature)
     _compiled.append(compiled)
     return compiled
 
@@ -84,7 +94,13 @@ def mark_batch(*inputs: torch.Tensor) -> None:
     backend specialises it per bucket. Marking later calls too is harmless. The batch is at least 1
     (`min=1`: code that reshapes a permuted batch, as the second spelling's q|k|v does, traces
     only when it cannot be 0); an empty batch is left unmarked and gets its own graph, which
-    returns eager's empty result."""
+    returns eager's empty result.
+
+    In a process whose step Dynamo's warm start restored (k3compile/precompile.py) the batch is
+    already symbolic in the loaded code, and torch 2.13's loaded guards reject a marked tensor
+    ("_has_dynamo_dim_marking ... absent at compile time"): nothing is marked there."""
+    if precompile.RESTORED:
+        return
     for t in inputs:
         if t.dim() and t.shape[0] == 0:
             continue
@@ -148,6 +164,18 @@ class _Input:
     scalar: bool = False  # a float Dynamo lifted to a 0-d tensor input, read only by `.item()`
 
 
+@dataclasses.dataclass
+class Signature:
+    """What the backend reads off Dynamo's graph and example inputs: plain data, so a later process
+    restores the compiled graph without them (k3compile/precompile.py)."""
+
+    inputs: list[_Input]
+    symbol: Any  # the batch symbol (sympy), or None: a static graph
+    batch_symbols: set
+    outputs_batched: list[bool]
+    static_batch: int | None  # a static graph's batch size
+
+
 class _Bucket:
     def __init__(self, fn: Callable, batch: int):
         self.fn, self.batch = fn, batch
@@ -172,27 +200,39 @@ def _moved(entry: _Bucket, args: list) -> bool:
 class K3Compiled:
     """The callable Dynamo receives; dispatches each call to its bucket's compiled step."""
 
-    def __init__(self, gm: fx.GraphModule, example_inputs: list, options: Options,
-                 module: nn.Module | None = None):
+    def __init__(self, gm: fx.GraphModule, example_inputs: list | None, options: Options,
+                 module: nn.Module | None = None, *, signature: Signature | None = None):
+        """`signature`: what an earlier process read off this graph (`example_inputs` is then
+        None, and a static graph's bucket compiles at its first call)."""
         self.gm, self.options, self.module = gm, options, module
         self.observer = Observer(options.keep_graphs)
         self.pipeline = Pipeline(options, self.observer)
         self.buckets: dict[tuple, _Bucket] = {}
         self._warned: set[str] = set()
-        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        self.inputs = self._classify(placeholders, example_inputs)
-        self.batch_symbols: set = set()
-        self.symbol = self._batch_symbol()
+        if signature is None:
+            placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+            self.inputs = self._classify(placeholders, example_inputs)
+            self.batch_symbols: set = set()
+            self.symbol = self._batch_symbol()
+            self.outputs_batched = self._batched_outputs()
+            self.static_batch = None if self.symbol is not None else self._static_batch(example_inputs)
+        else:
+            self.inputs, self.symbol, self.batch_symbols = (
+                signature.inputs, signature.symbol, signature.batch_symbols)
+            self.outputs_batched, self.static_batch = signature.outputs_batched, signature.static_batch
         self._lead = next((i for i in self.inputs if i.batched), None)
         self.guards = self._make_guards() if self.symbol is not None else {}
-        self.outputs_batched = self._batched_outputs()
         self.checks = InputChecks(self.inputs, options.validate, options.scratch_slot,
                                   pads=self.symbol is not None or options.scratch_slot is not None)
-        if self.symbol is None:  # a static graph: Dynamo already guards the exact batch size
-            self.static_batch = self._static_batch(example_inputs)
-            if self.static_batch != 0:  # an empty batch runs Dynamo's graph as eager would
-                self._compile_bucket(self._scalars(example_inputs), example_inputs,
-                                     self.static_batch)
+        # a static graph (Dynamo already guards the exact batch size) compiles now; an empty batch
+        # runs Dynamo's graph as eager would
+        if self.symbol is None and self.static_batch != 0 and example_inputs is not None:
+            self._compile_bucket(self._scalars(example_inputs), example_inputs, self.static_batch)
+
+    @property
+    def signature(self) -> Signature:
+        return Signature(self.inputs, self.symbol, self.batch_symbols, self.outputs_batched,
+                         self.static_batch)
 
     # ---- graph analysis ----------------------------------------------------------------------
 
