@@ -9,7 +9,7 @@ settings.KERNELS.gemv_fused names them:
     norm  (norm_linear):   y = Σ_k W[n, k] · x̂[m, k] [+ r],  x̂ = bf16(g · bf16(x · rstd_m))
     situ  (situ_gate_up):  W = [W_g; W_u]; y[m, n] = bf16(SiTU(bf16(g), bf16(u)))
     split (moe_front):     W = [W_r; W_d]; rows < split to y (fp32), the others to y2 (bf16)
-    gate  (mla_uv_gate):   rows in groups of V reading x's columns [h·K, (h + 1)·K);
+    gate  (mla_uv_gate):   W [H, V, K]; row n = h·V + v reads x's columns [h·K, (h + 1)·K);
                            y = bf16(bf16(Σ) · bf16(sigmoid(g[m, n])))
 Each row's sum is the plain kernel's bit for bit at the same T (threads per CTA): its order
 depends on K and T only. Configs (R rows per block, T, C persistent CTAs per SM): the tuned table
@@ -24,8 +24,10 @@ Constraints:
     * Output bf16 (default) or fp32 (router logits) [M, N], last dim contiguous; optional residual
       r bf16 [M, N], last dim contiguous, added in fp32 before the rounding.
     * Variants: K <= 16384 with norm or SiTU; norm weight bf16 [K] contiguous; SiTU: N even,
-      bf16 output [M, N / 2], no residual; split: 0 < split < N, no residual; gate: V | N,
-      x [M, (N / V)·K], g bf16 [M, N] with contiguous rows, bf16 output, no residual.
+      bf16 output [M, N / 2], no residual; split: 0 < split < N, no residual; gate: W bf16
+      [H, V, K] read in place, row h·V + v at h·stride(0) + v·stride(1) (each a multiple of 8
+      elements, K contiguous: W_UV inside kv_b's weight), x [M, H·K], g bf16 [M, H·V] with
+      contiguous rows, bf16 output, no residual.
     * With PDL (settings.KERNELS.pdl): W of a CTA's first row block (and the norm weight) load
       before `griddepcontrol.wait`; x, the residual, later blocks' W and every store after it.
 """
@@ -209,16 +211,20 @@ def fused_refusal(fusion: Fusion, x, w, residual=None, *, norm_weight=None,
     return None
 
 
-def gate_refusal(x, w, g, group: int) -> str | None:
-    """Why the gate variant cannot take x [M, (N/group)·K], w [N, K], g [M, N], or None
-    (metadata only)."""
-    if x.dim() != 2 or w.dim() != 2 or g.dim() != 2:
-        return f"x {tuple(x.shape)}, w {tuple(w.shape)}, g {tuple(g.shape)} (want 2-d)"
-    (m, kx), (n, k) = x.shape, w.shape
-    if group < 1 or n % group or kx != (n // group) * k:
-        return f"x [{m}, {kx}] / w [{n}, {k}] are not {n // max(group, 1)} slices of {group} rows"
-    if reason := refusal(x[:, :k], w):
+def gate_refusal(x, w, g) -> str | None:
+    """Why the gate variant cannot take x [M, H·K], w [H, V, K] (any head and row strides that
+    keep rows 16-byte aligned: W_UV inside kv_b's weight), g [M, H·V], or None (metadata
+    only)."""
+    if x.dim() != 2 or w.dim() != 3 or g.dim() != 2:
+        return f"x {tuple(x.shape)}, w {tuple(w.shape)}, g {tuple(g.shape)} (want 2-d, 3-d, 2-d)"
+    (m, kx), (h, v, k) = x.shape, w.shape
+    n = h * v
+    if kx != h * k:
+        return f"x [{m}, {kx}] / w [{h}, {v}, {k}] are not {h} slices of {v} rows"
+    if reason := refusal(x[:, :k], w[0]):
         return reason
+    if w.stride(0) % 8:  # the build assumes it, however many heads
+        return f"w: strides {w.stride()} (head stride not a multiple of 16 bytes)"
     if k > MAX_FUSED_K:
         return f"K {k} above {MAX_FUSED_K} with the gate epilogue"
     if g.dtype != torch.bfloat16 or tuple(g.shape) != (m, n) or g.stride(-1) != 1:
@@ -274,8 +280,10 @@ def build(n, k, m_bucket, out_fp32, residual, cfg, arch=None, dump_dir=None, pdl
         return compile_kernel(gemv, x, w, r, out_rows(y), fake_stream(), arch=arch,
                               dump_dir=dump_dir)
     split, norm, situ, gate = fusion.split, fusion.norm, fusion.situ, fusion.gate
-    if gate:
+    if gate:  # W [H, V, K] with any 16-byte head and row strides (`Gemv.fused` walks them)
         x = fake_rows(bf16, m, k * (n // gate))
+        w = make_fake_tensor(bf16, (n // gate, gate, k), stride=(
+            cute.sym_int64(divisibility=8), cute.sym_int64(divisibility=8), 1), assumed_align=16)
     g = fake_vector(bf16, k) if norm else out_rows(bf16) if gate else None
     return compile_kernel(
         gemv.fused, x, w, r, out_rows(bf16 if situ else y, n // 2 if situ else split or n),
@@ -324,7 +332,8 @@ def fused_ok(name: str, reason: str | None) -> bool:
 
 
 def _launch(fusion, x, w, residual, out_fp32, *rest, cfg: Config | None = None):
-    m, (n, k) = x.shape[0], w.shape  # x [M, K], or [M, (N/V)·K] with a gate
+    # x [M, K] and w [N, K], or x [M, H·K] and w [H, V, K] (N = H·V) with a gate
+    m, n, k = x.shape[0], w.shape[:-1].numel(), w.shape[-1]
     if m:
         b = bucket(m)
         KERNEL.compiled(n, k, b, out_fp32, residual is not None, cfg or config(n, k, b, fusion),
@@ -372,25 +381,24 @@ def gemv_situ_cuda(x, w, beta, linear_beta, *, out=None):
         reference, launch, op="gemv_situ")
 
 
-def gemv_gate_cuda(x, w, g, group: int, *, out=None):
-    """y = bf16(bf16(x_h · wᵀ) · bf16(sigmoid(g))) with row n of w reading slice h = n // group
-    of x (x [M, (N/group)·K], w [N, K], g [M, N]) in one launch (k3::mla_uv_gate's W_UV and
-    gate); torch (reason logged) when refused."""
-    n, k = w.shape
+def gemv_gate_cuda(x, w, g, *, out=None):
+    """y = bf16(bf16(x_h · w[h]ᵀ) · bf16(sigmoid(g))) for x [M, H·K] in H slices x_h, w
+    [H, V, K] read in place through its head and row strides, g [M, H·V] (k3::mla_uv_gate's
+    W_UV and gate) in one launch; torch (reason logged) when refused."""
+    h, v, k = w.shape
 
     def reference():
-        m, heads = len(x), n // group
-        return mla_uv_gate_ref(x.view(m, 1, heads, k), w.view(heads, group, k),
-                               g.view(m, 1, n)).view(m, n)
+        m = len(x)
+        return mla_uv_gate_ref(x.view(m, 1, h, k), w, g.view(m, 1, h * v)).view(m, h * v)
 
     def launch():
-        y = x.new_empty((len(x), n)) if out is None else out
-        _launch(Fusion(gate=group), x, w, None, False, y, None, g, None, None, None)
+        y = x.new_empty((len(x), h * v)) if out is None else out
+        _launch(Fusion(gate=v), x, w, None, False, y, None, g, None, None, None)
         return y
 
     return KERNEL.run(
-        lambda: gate_refusal(x, w, g, group) or fused_launch_refusal(
-            PLAIN, x[:, :k], w, outs=[(out, (len(x), n), torch.bfloat16)]),
+        lambda: gate_refusal(x, w, g) or fused_launch_refusal(
+            PLAIN, x[:, :k], w[0], outs=[(out, (len(x), h * v), torch.bfloat16)]),
         reference, launch, x, op="gemv_gate")
 
 

@@ -35,6 +35,14 @@ def warp_reduce_scatter(vals: list) -> list:
         offset //= 2
     return vals
 
+
+def heads_as_rows(mW: cute.Tensor) -> cute.Tensor:
+    """mW (H, V, K) -> ((V, H), K): row n = h·V + v at h·head_stride + v·row_stride, so a row
+    index walks the heads without them being evenly spaced (W_UV inside kv_b's weight)."""
+    return cute.make_tensor(mW.iterator,
+                            cute.group_modes(cute.select(mW.layout, mode=[1, 0, 2]), 0, 2))
+
+
 class Gemv:
     def __init__(self, n: int, k: int, m_bucket: int, cfg: Config, out_fp32: bool,
                  has_residual: bool, pdl: bool = False, fusion: Fusion = PLAIN):
@@ -65,6 +73,8 @@ class Gemv:
               beta, linear_beta, stream):
         # mY: (M, N), (M, N/2) with SiTU, (M, split) with a split; mY2: (M, N - split);
         # mG: (K,) the norm weight, or (M, N) the gate; mX: (M, (N/V)·K) with a gate
+        if const_expr(self.fusion.gate):
+            mW = heads_as_rows(mW)
         self.kernel_fused(mX, mW, mR, mY, mY2, mG, eps, beta, linear_beta).launch(
             grid=[self.ctas, 1, 1], block=[self.threads, 1, 1],
             smem=self.red_bytes + 4 * self.n_warps * self.mb + 128, stream=stream,

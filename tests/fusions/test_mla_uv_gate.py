@@ -92,3 +92,45 @@ def test_gpu_graphs_fuse_only_what_the_gate_variant_takes(monkeypatch, gate_on, 
         why = report.deferred["mla_uv_gate"]
         assert ("variant is off" if not gate_on else "3 rows") in why, why
         torch.testing.assert_close(gm(*args), uv_gate(*args), rtol=0, atol=0)
+
+
+def test_b1_graph_hands_w_uv_to_the_kernel_in_place(monkeypatch):
+    """Issue 21: the B1 graph feeds mla_uv_gate kv_b's weight through views only, and the op's
+    CUDA route hands that view to gemv's gate variant as it is (no concatenation of the heads).
+    The graph runs with `mla_uv_gate_cuda` in the op's place, gemv's launch faked on CPU."""
+    from k3compile.kernels import mla_uv_gate as kernel
+    from k3compile.kernels.common import gemv
+
+    from k3compile.ops.mla_uv_gate import mla_uv_gate_ref
+
+    with_kernel_limits(monkeypatch, "mla_uv_gate")
+    monkeypatch.setattr(settings.KERNELS, "gemv_fused", frozenset({"gate"}))
+    args = _args(1, 1)
+    gm, report = rewrite(uv_gate, args, mla_uv_gate.patterns(), joint=True, kernels_only=True)
+    assert len(report.hits) == 1, report
+    (node,) = [n for n in gm.graph.nodes if n.target == torch.ops.k3.mla_uv_gate.default]
+    copies = ("cat", "clone", "copy", "contiguous", "_to_copy", "stack")
+    w, producers = node.args[1], []
+    while w.op == "call_function":
+        producers.append(getattr(w.target, "__name__", str(w.target)))
+        w = w.args[0]
+    assert w.op == "placeholder" and not [p for p in producers if p.split(".")[0] in copies], \
+        producers
+
+    handed = []
+    monkeypatch.setattr(gemv, "fused_takes", lambda x, variant: True)
+    monkeypatch.setattr(gemv, "gemv_gate_cuda", lambda x, w_uv, g: handed.append(w_uv) or (
+        mla_uv_gate_ref(x.view(len(x), 1, H, C), w_uv, g.view(len(x), 1, H * V)).view(len(x), -1)))
+
+    class CudaRoute(torch.fx.Interpreter):
+        def call_function(self, target, args, kwargs):
+            if target == torch.ops.k3.mla_uv_gate.default:
+                return kernel.mla_uv_gate_cuda(*args, **kwargs)
+            return super().call_function(target, args, kwargs)
+
+    got = CudaRoute(gm).run(*args)
+    torch.testing.assert_close(got, uv_gate(*args), rtol=0, atol=0)
+    (w_uv,) = handed
+    w_kvb = args[2]
+    assert w_uv.data_ptr() == w_kvb.data_ptr() + N * C * w_kvb.element_size(), "not kv_b's view"
+    assert w_uv.stride() == ((N + V) * C, C, 1)

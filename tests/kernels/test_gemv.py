@@ -511,17 +511,26 @@ def uv_inputs(gen, m, heads=MLA_HEADS, v=MLA_V, c=MLA_C, device="cuda"):
 
 
 def test_gate_refusals_and_configs():
-    def t(*shape, dtype=torch.bfloat16):
+    def t(*shape, dtype=torch.bfloat16, stride=None):
+        if stride:
+            return torch.empty_strided(shape, stride, dtype=dtype, device="meta")
         return torch.empty(*shape, dtype=dtype, device="meta")
 
-    n, k = MLA_HEADS * MLA_V, MLA_C
-    x, w, g = t(1, MLA_HEADS * k), t(n, k), t(1, n)
-    assert kernel.gate_refusal(x, w, g, MLA_V) is None
-    assert "slices" in kernel.gate_refusal(t(1, k), w, g, MLA_V)
-    assert "slices" in kernel.gate_refusal(x, w, g, 100)
-    assert "gate" in kernel.gate_refusal(x, w, t(1, n, dtype=torch.float32), MLA_V)
-    assert "gate" in kernel.gate_refusal(x, w, t(2, n), MLA_V)
-    assert "dtype" in kernel.gate_refusal(t(1, MLA_HEADS * k, dtype=torch.float32), w, g, MLA_V)
+    h, v, k = MLA_HEADS, MLA_V, MLA_C
+    n = h * v
+    x, g = t(1, h * k), t(1, n)
+    w = t(h, v, k, stride=((MLA_NOPE + v) * k, k, 1))  # W_UV inside kv_b's weight
+    assert kernel.gate_refusal(x, w, g) is None
+    assert kernel.gate_refusal(x, t(h, v, k), g) is None
+    assert "slices" in kernel.gate_refusal(t(1, k), w, g)
+    assert "3-d" in kernel.gate_refusal(x, t(n, k), g)
+    assert "gate" in kernel.gate_refusal(x, w, t(1, n, dtype=torch.float32))
+    assert "gate" in kernel.gate_refusal(x, w, t(2, n))
+    assert "dtype" in kernel.gate_refusal(t(1, h * k, dtype=torch.float32), w, g)
+    # both strides keep rows 16-byte aligned, K contiguous
+    assert "head stride" in kernel.gate_refusal(x, t(h, v, k, stride=(v * k + 4, k, 1)), g)
+    assert "strides" in kernel.gate_refusal(x, t(h, v, k, stride=(v * (k + 4), k + 4, 1)), g)
+    assert "strides" in kernel.gate_refusal(x, t(h, v, k, stride=(v * k * 2, k * 2, 2)), g)
     for b in kernel.BUCKETS:  # a CTA's rows never straddle two x slices
         assert MLA_V % kernel.config(n, k, b, kernel.Fusion(gate=MLA_V)).rows_per_cta == 0
         assert 48 % kernel.config(480, k, b, kernel.Fusion(gate=48)).rows_per_cta == 0
@@ -538,21 +547,30 @@ def test_gate_on_by_default_and_the_cpu_path_is_the_reference(cpu_gen, monkeypat
     o_lat, w_uv, g = uv_inputs(cpu_gen, 1, heads=2, v=16, c=32, device="cpu")
     want = mla_uv_gate_ref(o_lat, w_uv, g)
     assert torch.equal(mla_uv_gate.mla_uv_gate_cuda(o_lat, w_uv, g), want)  # CPU: the reference
-    x, rows = o_lat.reshape(1, -1), mla_uv_gate.uv_rows(w_uv)
-    got = kernel.gemv_gate_cuda(x, rows, g.reshape(1, -1), 16)  # refused off the GPU: torch
+    got = kernel.gemv_gate_cuda(o_lat.reshape(1, -1), w_uv, g.reshape(1, -1))  # refused: torch
     assert torch.equal(got, want.reshape(1, -1))
 
 
-def test_uv_rows_view_or_fresh_copy(cpu_gen):
+def test_uv_heads_in_place_or_a_fresh_copy(cpu_gen, caplog, monkeypatch):
+    """W_UV reaches the kernel as kv_b's view (no copy); only strides the kernel cannot read
+    make a copy, at every call (a write through .data is seen), the reason logged once."""
     from k3compile.kernels import mla_uv_gate
 
-    _, w_uv, _ = uv_inputs(cpu_gen, 1, heads=2, v=16, c=32, device="cpu")
-    rows = mla_uv_gate.uv_rows(w_uv)
-    assert torch.equal(rows, w_uv.reshape(32, 32)) and rows.is_contiguous()
-    even = torch.randn(2, 16, 32)
-    assert mla_uv_gate.uv_rows(even).data_ptr() == even.data_ptr(), "evenly spaced heads: a view"
-    w_uv._base.data.mul_(2)  # a write through .data bumps no version: nothing may be cached
-    assert torch.equal(mla_uv_gate.uv_rows(w_uv), w_uv.reshape(32, 32))
+    monkeypatch.setattr(mla_uv_gate, "_COPIED", set())
+    o_lat, w_uv, g = uv_inputs(cpu_gen, 1, device="cpu")
+    x, gate = o_lat.reshape(1, -1), g.reshape(1, -1)
+    assert mla_uv_gate.uv_heads(x, w_uv, gate) is w_uv, "kv_b's view, read in place"
+    base = torch.randn(MLA_HEADS, MLA_V, MLA_C + 4).bfloat16()
+    odd = base[..., :MLA_C]  # rows 8 bytes past 16-byte alignment
+    with caplog.at_level(logging.WARNING, logger="k3compile"):
+        copy = mla_uv_gate.uv_heads(x, odd, gate)
+        base.data.mul_(2)  # a write through .data bumps no version: nothing may be cached
+        again = mla_uv_gate.uv_heads(x, odd, gate)
+    assert copy.is_contiguous() and torch.equal(again, odd) and not torch.equal(copy, again)
+    assert caplog.text.count("W_UV copied on every call") == 1, caplog.text
+    assert kernel.gate_refusal(x, again, gate) is None
+    refused = g.reshape(1, -1).float()  # refused whatever W_UV's layout: handed on as it is
+    assert mla_uv_gate.uv_heads(x, odd, refused) is odd
 
 
 @on_gpu
@@ -560,23 +578,39 @@ def test_uv_rows_view_or_fresh_copy(cpu_gen):
 def test_gate_variant(gen, m):
     """W_UV per head + sigmoid gate in one launch against mla_uv_gate_ref (the same roundings:
     within one bf16 rounding), through the op with the variant switched on."""
-    from k3compile.kernels import mla_uv_gate
-
     from k3compile.ops.mla_uv_gate import mla_uv_gate_ref
 
     o_lat, w_uv, g = uv_inputs(gen, m)
     n = MLA_HEADS * MLA_V
     out = poisoned(m, n)
-    x, rows = o_lat.reshape(m, -1), mla_uv_gate.uv_rows(w_uv)
-    assert kernel.gemv_gate_cuda(x, rows, g.reshape(m, n), MLA_V, out=out) is out, "fell back"
+    x = o_lat.reshape(m, -1)
+    assert kernel.gemv_gate_cuda(x, w_uv, g.reshape(m, n), out=out) is out, "fell back"
     assert_written(out)
     want = mla_uv_gate_ref(o_lat, w_uv, g).reshape(m, n)
     close_bf16(out, want)
     # the sums are the plain kernel's, then the reference's two roundings
     cfg = kernel.config(n, MLA_C, dsl.bucket(m), kernel.Fusion(gate=MLA_V))
-    o = kernel.gemv_cuda(x.view(m, MLA_HEADS, MLA_C)[:, 0].contiguous(), rows[:MLA_V], cfg=cfg)
+    o = kernel.gemv_cuda(x.view(m, MLA_HEADS, MLA_C)[:, 0].contiguous(), w_uv[0], cfg=cfg)
     torch.testing.assert_close(out[:, :MLA_V], o * torch.sigmoid(g.reshape(m, n)[:, :MLA_V]),
                                rtol=0, atol=0)
+
+
+@on_gpu
+@pytest.mark.parametrize("m", [1, 2, 8])
+def test_gate_reads_w_uv_in_place(gen, m):
+    """W_UV read through kv_b's head stride gives the concatenated heads' output bit for bit
+    (the same sums in the same order: only addresses differ), at one TP16 rank's shapes."""
+    from k3compile.ops.mla_uv_gate import mla_uv_gate_ref
+
+    o_lat, w_uv, g = uv_inputs(gen, m)
+    n = MLA_HEADS * MLA_V
+    assert w_uv.stride() == ((MLA_NOPE + MLA_V) * MLA_C, MLA_C, 1)
+    x, gate = o_lat.reshape(m, -1), g.reshape(m, n)
+    viewed = kernel.gemv_gate_cuda(x, w_uv, gate, out=poisoned(m, n))
+    copied = kernel.gemv_gate_cuda(x, w_uv.contiguous(), gate, out=poisoned(m, n))
+    assert_written(viewed, copied)
+    assert torch.equal(viewed, copied)
+    close_bf16(viewed, mla_uv_gate_ref(o_lat, w_uv, g).reshape(m, n))
 
 
 @on_gpu
@@ -585,11 +619,29 @@ def test_gate_through_the_op(gen, monkeypatch):
 
     o_lat, w_uv, g = uv_inputs(gen, 1)
     calls, real = [], kernel.gemv_gate_cuda
-    monkeypatch.setattr(kernel, "gemv_gate_cuda", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.setattr(kernel, "gemv_gate_cuda",
+                        lambda x, w, *a, **kw: calls.append(w) or real(x, w, *a, **kw))
     monkeypatch.setattr(settings.KERNELS, "gemv_fused", frozenset({"gate"}))
     got = torch.ops.k3.mla_uv_gate(o_lat, w_uv, g)
-    assert calls == [1], "the one-launch variant at one row"
+    assert len(calls) == 1, "the one-launch variant at one row"
+    assert calls[0].data_ptr() == w_uv.data_ptr() and calls[0].stride() == w_uv.stride()
     close_bf16(got, mla_uv_gate_ref(o_lat, w_uv, g))
+
+
+@on_gpu
+def test_gate_op_is_one_kernel(gen, monkeypatch):
+    """k3::mla_uv_gate at one row launches the gate variant and nothing else (no copy of
+    W_UV's heads: issue 21)."""
+    o_lat, w_uv, g = uv_inputs(gen, 1)
+    monkeypatch.setattr(settings.KERNELS, "gemv_fused", frozenset({"gate"}))
+    torch.ops.k3.mla_uv_gate(o_lat, w_uv, g)  # compiled, and any first-call work done
+    torch.cuda.synchronize()
+    activities = [torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        torch.ops.k3.mla_uv_gate(o_lat, w_uv, g)
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert len(kernels) == 1, kernels
 
 
 # ---- configs off the heuristic (what the tuned table may pick) -----------------------------------
@@ -678,12 +730,10 @@ def test_variants_take_tuned_configs(gen, monkeypatch, variant, n, k, cfg, m):
         sums = kernel_sums(x, w, t)
         assert torch.equal(out, sums[:, :split]) and torch.equal(out2, sums[:, split:].bfloat16())
     else:
-        from k3compile.kernels import mla_uv_gate
-
         from k3compile.ops.mla_uv_gate import mla_uv_gate_ref
 
         o_lat, w_uv, g = uv_inputs(gen, m)
-        x, rows = o_lat.reshape(m, -1), mla_uv_gate.uv_rows(w_uv)
-        out = kernel.gemv_gate_cuda(x, rows, g.reshape(m, n), MLA_V, out=poisoned(m, n))
+        out = kernel.gemv_gate_cuda(o_lat.reshape(m, -1), w_uv, g.reshape(m, n),
+                                    out=poisoned(m, n))
         assert_written(out)
         close_bf16(out, mla_uv_gate_ref(o_lat, w_uv, g).reshape(m, n))
