@@ -20,6 +20,7 @@ format, or one that fails to load, raises `RuntimeError`, on which torch traces 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import pickle
 from typing import Any
@@ -49,11 +50,12 @@ def record(gm: fx.GraphModule, signature: Any, options: dict | None) -> bool:
     backend_id = getattr(gm, "_backend_id", None)
     if not enabled() or backend_id is None:
         return False
-    state = {"format": FORMAT, "gm": _graph_bytes(gm), "stacks": _stacks(gm.graph),
-             "sources": {n.name: n._dynamo_source for n in gm.graph.find_nodes(op="placeholder")
-                         if hasattr(n, "_dynamo_source")},
-             "signature": signature, "options": options, "names": _names_used()}
     try:
+        state = {"format": FORMAT, "gm": _graph_bytes(gm), "stacks": _stacks(gm.graph),
+                 "sources": {n.name: n._dynamo_source
+                             for n in gm.graph.find_nodes(op="placeholder")
+                             if hasattr(n, "_dynamo_source")},
+                 "signature": signature, "options": options, "names": _names_used()}
         content = pickle.dumps(state)
         _load(content)  # what cannot load in the next process is not saved
     except Exception as e:  # noqa: BLE001 (a graph or option pickle cannot hold)
@@ -141,7 +143,26 @@ def _graph_bytes(gm: fx.GraphModule) -> bytes:
     out (fake tensors of this process); `_stacks` keeps what is read of it."""
     from torch.fx._graph_pickler import GraphPickler, Options
 
-    return GraphPickler.dumps(gm, Options(ops_filter=None, node_metadata_key_filter=lambda _: False))
+    with _slices_as_pytrees():
+        return GraphPickler.dumps(gm, Options(ops_filter=None,
+                                              node_metadata_key_filter=lambda _: False))
+
+
+@contextlib.contextmanager
+def _slices_as_pytrees():
+    """A slice whose bound is a node (`x[:, :n]`) reaches the pickler as a raw node unless pytree
+    walks into slices: torch 2.13's GraphPickler registers them itself, 2.11's does not."""
+    from torch.utils import _pytree as pytree
+
+    if slice in pytree.SUPPORTED_NODES:
+        yield
+        return
+    pytree._private_register_pytree_node(
+        slice, lambda x: ([x.start, x.stop, x.step], None), lambda x, _: slice(*x))
+    try:
+        yield
+    finally:
+        pytree._deregister_pytree_node(slice)
 
 
 def _load(content: bytes) -> tuple[fx.GraphModule, dict]:
@@ -151,7 +172,8 @@ def _load(content: bytes) -> tuple[fx.GraphModule, dict]:
     state = pickle.loads(content)
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise RuntimeError(f"another format (want {FORMAT})")
-    gm = GraphPickler.loads(state["gm"], FakeTensorMode())
+    with _slices_as_pytrees():
+        gm = GraphPickler.loads(state["gm"], FakeTensorMode())
     gm.recompile()
     _restore_stacks(gm.graph, state["stacks"])
     for n in gm.graph.find_nodes(op="placeholder"):  # AOTAutograd reads them off Dynamo's graph

@@ -128,6 +128,33 @@ def test_what_cannot_be_pickled_is_logged_and_left_out(recording, caplog):
     assert "__compiled_fn_test" not in recording._backend_artifacts_by_key
 
 
+def test_a_slice_bounded_by_the_batch_round_trips():
+    """`x[:, :n]` with n a graph value: torch 2.11's GraphPickler met it as a raw node (the
+    H200's compile of the yardstick failed so in session 19) unless slices are pytrees."""
+    seen = []
+
+    def backend(gm, _):
+        gm.recompile()
+        seen.append((gm.code, precompile._graph_bytes(gm)))
+        return gm
+
+    fn = torch.compile(lambda x: x[:, : x.shape[0]] * 2, backend=backend, dynamic=True)
+    fn(torch.randn(3, 8))
+    (code, data), = seen
+    with precompile._slices_as_pytrees():
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.fx._graph_pickler import GraphPickler
+
+        loaded = GraphPickler.loads(data, FakeTensorMode())
+    loaded.recompile()
+    assert loaded.code == code
+    x = torch.randn(4, 8)
+    args = [x if n.name.lower().startswith("l_x") else 4
+            for n in loaded.graph.find_nodes(op="placeholder")]
+    (out,) = loaded(*args)
+    assert torch.equal(out, x[:, :4] * 2)
+
+
 @pytest.mark.parametrize("content", [pickle.dumps({"format": -1}), b"not a pickle"])
 def test_an_artifact_of_another_format_is_refused_clearly(content):
     with pytest.raises(RuntimeError, match="does not load.*remove .*start again"):
