@@ -63,10 +63,12 @@ def _run(step, batches, marked=True) -> list[torch.Tensor]:
 
 
 @pytest.fixture
-def recording():
-    """Torch's switch on for this test (Dynamo reads it per torch.compile), a clean context."""
+def recording(monkeypatch):
+    """Torch's switch on for this test (Dynamo reads it per torch.compile), a clean context; what
+    the test restores is forgotten after it (`mark_batch` marks nothing in a restoring process)."""
     from torch._dynamo.precompile_context import PrecompileContext
 
+    monkeypatch.setattr(precompile, "RESTORED", [])
     PrecompileContext.clear()
     torch._dynamo.reset()
     with torch._dynamo.config.patch(caching_precompile=True):
