@@ -157,7 +157,8 @@ def test_a_slice_bounded_by_the_batch_round_trips():
     assert torch.equal(out, x[:, :4] * 2)
 
 
-@pytest.mark.parametrize("content", [pickle.dumps({"format": -1}), b"not a pickle"])
+@pytest.mark.parametrize("content", [pickle.dumps({"format": -1}), b"not a pickle"],
+                         ids=["another format", "not a pickle"])
 def test_an_artifact_of_another_format_is_refused_clearly(content):
     with pytest.raises(RuntimeError, match="does not load.*remove .*start again"):
         precompile.K3Artifact(key="__compiled_fn_x", content=content).after_deserialization()
