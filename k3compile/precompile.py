@@ -13,6 +13,11 @@ the compile itself is saved here.
         torch.compiler.save_cache_artifacts()        #   writes the packages (Inductor's cache dir)
     TORCH_CACHING_PRECOMPILE=1 python serve.py       # process 2: no Dynamo trace
 
+torch keys a package by the compiled function alone (its qualified name and first line), not by
+the backend: a process that compiles one module's `forward` under two backends (k3 and Inductor,
+as `k3compile generate` does to compare them) must not use the warm start, or the second
+process would install the last-saved backend's code under both.
+
 A graph whose artifact cannot be pickled is logged and left out: torch then skips that function's
 package (a warning of its own) and the next process traces it as usual. An artifact of another
 format, or one that fails to load, raises `RuntimeError`, on which torch traces afresh.
