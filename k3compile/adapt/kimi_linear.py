@@ -196,7 +196,14 @@ def _rebound(fn, **names):
 
 
 def _subclass(cls: type, **methods) -> type:
-    return type(f"Adapted{cls.__name__}", (cls,), {"__module__": __name__, **methods})
+    """The adapted class, also bound to its name in this module: pickle finds a class by its
+    module and name, and Dynamo pickles the module types its guards name where torch's warm
+    start is on (`TORCH_CACHING_PRECOMPILE=1`, k3compile/precompile.py); unbound, that pickle
+    failed the whole compile."""
+    name = f"Adapted{cls.__name__}"
+    made = type(name, (cls,), {"__module__": __name__, "__qualname__": name, **methods})
+    globals()[name] = made
+    return made
 
 
 def _adapt_modules(lm: nn.Module, users: nn.Module, group=None) -> None:
@@ -331,4 +338,17 @@ def adapt(model: nn.Module, max_batch: int = 8, max_seq_len: int = 256, device=N
         raise TypeError(f"adapt takes Moonshot's KimiLinearForCausalLM or "
                         f"KimiK3ForConditionalGeneration, not {type(model).__name__}")
     compressed.check_not_wrapped(causal_lm)
+    _einops_ready()
     return MoonshotStep(causal_lm, max_batch, max_seq_len, device, dtype, group).eval()
+
+
+def _einops_ready() -> None:
+    """einops picks its torch backend at its first call and keeps it in a module dict; Dynamo's
+    guards over Moonshot's `rearrange` read that dict's first entry. Torch's warm start
+    (`TORCH_CACHING_PRECOMPILE=1`) builds those guards before the first call, and on an empty
+    dict it failed (IndexError). One call now fills it as the traced process had."""
+    try:
+        import einops
+    except ImportError:
+        return
+    einops.rearrange(torch.zeros(1), "a -> a")

@@ -113,6 +113,19 @@ LAUNCHES = {torch.float32: (6, 26, 29, 29, 3), torch.bfloat16: (6, 31, 34, 34, 3
 LOST_ALONE = {"rms_norm", "linear"}
 
 
+def test_adapted_classes_pickle_by_name(moonshot):
+    """Dynamo pickles the module types its guards name where torch's warm start is on
+    (k3compile/precompile.py): each adapted class is found again by its module and name."""
+    import pickle
+
+    step = adapt(moonshot.build(moonshot.tiny_config(num_hidden_layers=2, mla_layers=(1,))),
+                 max_batch=2, max_seq_len=16)
+    adapted = {type(m) for m in step.modules() if type(m).__name__.startswith("Adapted")}
+    assert {c.__name__ for c in adapted} >= {"AdaptedKimiDeltaAttention", "AdaptedKimiMLAAttention"}
+    for cls in adapted:
+        assert pickle.loads(pickle.dumps(cls)) is cls
+
+
 def _assert_plan_less_known_gaps(dtype):
     (report,) = k3be.last_compiled().contracts.values()
     assert report.found and not report.unrecognised
