@@ -114,8 +114,14 @@ def check_experts(name: str, experts: nn.ModuleList) -> bool:
 def dequant(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """[..., out, in/2] uint8 + [..., out, in/32] uint8 -> [..., out, in] in dtype, as
     compressed-tensors decompresses: the low nibble first, magnitude table times sign, times
-    2^(scale - 127) per group (both exact in bf16 and fp32)."""
-    magnitudes = torch.tensor(E2M1_MAGNITUDES, dtype=torch.float32, device=packed.device)
+    2^(scale - 127) per group (both exact in bf16 and fp32). The magnitude table (E2M1_MAGNITUDES)
+    is computed from its 3-bit codes, not held as a tensor constant: a constant becomes a
+    `get_attr` of the traced graph, which the stage cache cannot key (k3compile/stage_cache.py),
+    so a warm process would run every stage again."""
+    codes = torch.arange(8, device=packed.device)
+    exponent, half = codes >> 1, (codes & 1).to(torch.float32) * 0.5
+    magnitudes = torch.where(exponent == 0, half, (1.0 + half) * torch.exp2(
+        (exponent - 1).to(torch.float32)))
     nibbles = torch.stack((packed & 0x0F, (packed & 0xF0) >> 4), dim=-1).flatten(-2)
     signs = (nibbles & 0x08).to(torch.bool)
     values = (magnitudes[(nibbles & 0x07).long()] * torch.where(signs, -1.0, 1.0)).to(dtype)

@@ -166,6 +166,19 @@ def test_compressed_tensors_mxfp4_is_the_layout_moe_experts_takes(dtype):
     assert not torch.equal(math.mxfp4_dequant(p, s + 1, math.e2m1_table(dtype=dtype)), want)
 
 
+def test_dequant_traces_without_a_tensor_constant():
+    """A tensor constant becomes a `get_attr` of the traced graph, which the stage cache cannot
+    key: Moonshot's compiled step then stored no stage output and a warm process ran every
+    stage again (session 19). The adapter's table is computed from its codes instead."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    p = torch.arange(256, dtype=torch.uint8).view(4, 64)
+    s = torch.full((4, 4), 127, dtype=torch.uint8)
+    gm = make_fx(lambda a, b: compressed.dequant(a, b, torch.bfloat16))(p, s)
+    assert not [n for n in gm.graph.nodes if n.op == "get_attr"]
+    assert torch.equal(gm(p, s), compressed.dequant(p, s, torch.bfloat16))
+
+
 def test_moe_experts_op_on_compressed_tensors_experts_equals_their_dense_weights():
     """`k3.moe_experts` on compressed-tensors' stacked packed experts equals the experts'
     GEMMs on compressed-tensors' decompressed weights (fp32: exact dequant, then fp32 math)."""
