@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from k3compile import precompile
 from k3compile.tools.args import option, positive_int
 
 BACKENDS = ("eager", "inductor", "k3")
@@ -104,9 +105,10 @@ def call_step(step: Callable, ids: torch.Tensor, position: int, slots: torch.Ten
     ([B] or [B, T]), positions and slots, the batch dim marked dynamic."""
     ids = ids.to(torch.long).contiguous()
     positions = torch.full((ids.shape[0],), position, dtype=torch.long, device=ids.device)
-    for t in (ids, positions, slots):
-        # maybe_: a batch of 1 stays Dynamo's static graph instead of raising
-        torch._dynamo.maybe_mark_dynamic(t, 0)
+    if not precompile.RESTORED:  # a restored step has the batch symbolic already (--warm-start)
+        for t in (ids, positions, slots):
+            # maybe_: a batch of 1 stays Dynamo's static graph instead of raising
+            torch._dynamo.maybe_mark_dynamic(t, 0)
     return step(ids, positions, slots)
 
 
@@ -376,6 +378,11 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--option", action="append", default=[], type=option, metavar="KEY=VALUE",
                    help="a k3 backend option (e.g. executor=aten; default executor: aten on "
                    "CPU, inductor on CUDA); repeatable")
+    p.add_argument("--warm-start", action="store_true",
+                   help="torch's caching precompile for the k3 backend (k3compile/precompile.py): "
+                        "this run saves Dynamo's packages, the next run with the same model "
+                        "loads them instead of tracing; not with inductor (torch keys a package "
+                        "by the function, not the backend)")
     p.add_argument("--plot", metavar="PNG", help="plot per-layer time per batch bucket")
     p.add_argument("--json", metavar="PATH", help="also write the rows (and tokens) as JSON")
     p.add_argument("--threads", type=positive_int,
@@ -409,6 +416,10 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[t
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device here")
     args.backends = args.backends or (list(BACKENDS) if device.type == "cuda" else ["eager", "k3"])
+    if args.warm_start and "inductor" in args.backends:
+        parser.error("--warm-start compiles the model's forward under k3 only (torch keys a "
+                     "saved package by the function, not the backend): drop inductor from "
+                     "--backends")
     options = dict(args.option)
     options.setdefault("executor", "inductor" if device.type == "cuda" else "aten")
     buckets = Options.make(options).buckets
@@ -449,8 +460,14 @@ def _generate(args: argparse.Namespace, device: torch.device, options: dict) -> 
     with torch.no_grad():
         refs = {b: reference(plan, b) for b in batches}
     rows = []
+    if args.warm_start:
+        torch._dynamo.config.caching_precompile = True  # read by torch.compile and each trace
     for name in args.backends:
         rows += run_backend(name, plan, refs, say)
+    if args.warm_start:
+        saved = precompile.save()
+        say(f"warm start: {len(precompile.RESTORED)} graph(s) restored without a Dynamo trace, "
+            f"{saved} saved for the next run")
     say("")
     say(table(rows))
     exact = args.dtype == "float32"

@@ -189,6 +189,36 @@ def test_k3_tokens_equal_eager(tmp_path, capsys):
     assert verified and int(verified[1]) > 0, out
 
 
+@pytest.mark.slow
+def test_warm_start_restores_the_step_in_the_next_run(tmp_path):
+    """`--warm-start` twice on one pair of cache folders: the second run traces no Dynamo graph
+    (every k3 graph restored) and decodes the plain greedy loop's tokens."""
+    import os
+    import subprocess
+
+    env = {**os.environ, "K3_QUIET": "1", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "ind"),
+           "K3_CACHE_DIR": str(tmp_path / "k3")}
+    env.pop("TORCH_CACHING_PRECOMPILE", None)  # the flag alone turns it on
+    runs = []
+    for i in range(2):
+        path = tmp_path / f"run{i}.json"
+        done = subprocess.run(
+            [sys.executable, "-m", "k3compile.cli", "generate", "--backends", "k3", "--layers", "4",
+             "--batch", "1", "2", "--prompt-ids", "3,1,4,1", "--tokens", "4", "--threads", "1",
+             "--warm-start", "--json", str(path)],
+            env=env, capture_output=True, text=True, timeout=600, check=False)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        runs.append((done.stdout, json.loads(path.read_text())))
+    (cold, _), (warm, data) = runs
+    saved = re.search(r"warm start: 0 graph\(s\) restored without a Dynamo trace, (\d+) saved", cold)
+    assert saved and int(saved[1]) > 0, cold
+    assert f"warm start: {saved[1]} graph(s) restored" in warm, warm
+    assert re.findall(r"ready in [\d.]+ s: (\d+) Dynamo graph", warm) == ["0", "0"], warm
+    for row in data["rows"]:
+        want = greedy(tiny(layers=4), [3, 1, 4, 1], row["batch"], 4)
+        assert torch.equal(torch.tensor(row["tokens"]), want)
+
+
 @pytest.mark.parametrize(("argv", "message"), [
     (["--batch", "0"], "argument --batch: must be at least 1, got 0"),
     (["--verify-rows", "0"], "argument --verify-rows: must be at least 1, got 0"),
@@ -212,6 +242,9 @@ def test_k3_tokens_equal_eager(tmp_path, capsys):
      ("--prompt TEXT uses the byte tokenizer of the built-in configs; give a checkpoint's token "
       "ids with --prompt-ids")),
     (["--device", "tpu"], "argument --device: 'tpu': want cpu or cuda (cuda:N)"),
+    (["--backends", "inductor,k3", "--warm-start"],
+     ("--warm-start compiles the model's forward under k3 only (torch keys a saved package by "
+      "the function, not the backend): drop inductor from --backends")),
 ])
 def test_bad_arguments_are_one_line_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_:
