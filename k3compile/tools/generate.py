@@ -460,14 +460,15 @@ def _generate(args: argparse.Namespace, device: torch.device, options: dict) -> 
     with torch.no_grad():
         refs = {b: reference(plan, b) for b in batches}
     rows = []
-    if args.warm_start:
-        torch._dynamo.config.caching_precompile = True  # read by torch.compile and each trace
-    for name in args.backends:
-        rows += run_backend(name, plan, refs, say)
-    if args.warm_start:
-        saved = precompile.save()
-        say(f"warm start: {len(precompile.RESTORED)} graph(s) restored without a Dynamo trace, "
-            f"{saved} saved for the next run")
+    # --warm-start: torch's switch, read by torch.compile and each trace, on for the run only
+    with torch._dynamo.config.patch(caching_precompile=args.warm_start or
+                                    torch._dynamo.config.caching_precompile):
+        for name in args.backends:
+            rows += run_backend(name, plan, refs, say)
+        if args.warm_start:
+            saved = precompile.save()
+            say(f"warm start: {len(precompile.RESTORED)} graph(s) restored without a Dynamo "
+                f"trace, {saved} saved for the next run")
     say("")
     say(table(rows))
     exact = args.dtype == "float32"
