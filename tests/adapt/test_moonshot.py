@@ -252,6 +252,8 @@ def bf16_kda128(moonshot, device="cpu"):
     (`.to(torch.bfloat16)`, as `from_pretrained(torch_dtype=bf16)` does), conditioned as above."""
     config = moonshot.tiny_config()
     config.linear_attn_config["head_dim"] = 128
+    # MLA's latent and rope widths mla_decode takes (a default kernel since session 18)
+    config.kv_lora_rank, config.qk_rope_head_dim = 256, 32
     return condition_for_bf16(moonshot.build(config, dtype=torch.bfloat16, device=device), 0)
 
 
