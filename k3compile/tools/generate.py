@@ -103,7 +103,9 @@ def device_type(text: str) -> torch.device:
 def call_step(step: Callable, ids: torch.Tensor, position: int, slots: torch.Tensor):
     """One decode step with the inputs every call of every backend gets: contiguous int64 ids
     ([B] or [B, T]), positions and slots, the batch dim marked dynamic."""
-    ids = ids.to(torch.long).contiguous()
+    # a fresh buffer: a slice of one row keeps its stride through contiguous() (size-1 dims), and
+    # Dynamo would make that stride a graph input of its own
+    ids = ids.to(torch.long).clone(memory_format=torch.contiguous_format)
     positions = torch.full((ids.shape[0],), position, dtype=torch.long, device=ids.device)
     if not precompile.RESTORED:  # a restored step has the batch symbolic already (--warm-start)
         for t in (ids, positions, slots):
