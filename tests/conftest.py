@@ -81,6 +81,23 @@ def load_benchmark(name: str):
     return mod
 
 
+def cold_and_warm(module: str, tmp_path: Path, env: dict) -> list[tuple[dict, object]]:
+    """`python -m module OUT PASS` for PASS cold, then warm, from the repository root with `env`
+    (the caches both share): each child writes OUT.json and OUT.pt, read back in that order."""
+    import json
+    import subprocess
+
+    runs = []
+    for which in ("cold", "warm"):
+        out = tmp_path / which
+        done = subprocess.run([sys.executable, "-m", module, str(out), which], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=600, check=False)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        runs.append((json.loads(out.with_suffix(".json").read_text()),
+                     torch.load(out.with_suffix(".pt"))))
+    return runs
+
+
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     expected = expected.double()
     return float((actual.double() - expected).abs().max() / expected.abs().max().clamp_min(1e-30))

@@ -12,7 +12,6 @@ import json
 import logging
 import os
 import pickle
-import subprocess
 import sys
 from pathlib import Path
 
@@ -24,8 +23,8 @@ from torch._dynamo.utils import counters
 from k3compile import precompile
 from k3compile.backend import K3Compiled, last_compiled, mark_batch
 from k3compile.math import rms_norm
+from tests.conftest import cold_and_warm
 
-ROOT = Path(__file__).resolve().parents[2]
 OPTIONS = {"executor": "aten", "buckets": (2, 4)}
 
 
@@ -168,16 +167,7 @@ def test_an_artifact_of_another_format_is_refused_clearly(content):
 def test_a_second_process_traces_nothing(tmp_path):
     env = {**os.environ, "TORCH_CACHING_PRECOMPILE": "1", "K3_QUIET": "1",
            "K3_CACHE_DIR": str(tmp_path / "k3"), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "ind")}
-    runs = []
-    for which in ("cold", "warm"):
-        out = tmp_path / which
-        done = subprocess.run([sys.executable, "-m", "tests.e2e.test_precompile", str(out), which],
-                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
-                              check=False)
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-        runs.append((json.loads(out.with_suffix(".json").read_text()),
-                     torch.load(out.with_suffix(".pt"))))
-    (cold, cold_out), (warm, warm_out) = runs
+    (cold, cold_out), (warm, warm_out) = cold_and_warm("tests.e2e.test_precompile", tmp_path, env)
     # two graphs: the marked batch's, and the transposed x's (the first one's guards reject it)
     assert cold["dynamo_cache"] == {"dynamo_cache_miss": 1} and cold["saved"] == 2
     assert cold["graphs"] == 2

@@ -38,6 +38,7 @@ from k3compile.backend import last_compiled, mark_batch
 from k3compile.math import rms_norm, situ
 from k3compile.ops.linear_concat import adjacent
 from k3compile.rewrite import inductor
+from tests.conftest import cold_and_warm
 
 ROOT = Path(__file__).resolve().parents[2]
 OPTIONS = {"executor": "aten", "stage_cache": True, "buckets": (4,), "skip_aot": False}
@@ -284,16 +285,8 @@ def test_a_second_process_hits_the_fx_graph_cache(tmp_path):
     AOTAutograd, hits Inductor's FX graph cache and gives bitwise the first's outputs."""
     env = {**os.environ, "K3_CACHE_DIR": str(tmp_path / "k3"), "K3_QUIET": "1",
            "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
-    runs = []
-    for which in ("cold", "warm"):
-        out = tmp_path / which
-        done = subprocess.run([sys.executable, "-m", "tests.stages.test_stage_cache", str(out)],
-                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
-                              check=False)
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-        runs.append((json.loads(out.with_suffix(".json").read_text()),
-                     torch.load(out.with_suffix(".pt"))))
-    (cold, cold_out), (warm, warm_out) = runs
+    (cold, cold_out), (warm, warm_out) = cold_and_warm("tests.stages.test_stage_cache", tmp_path,
+                                                       env)
     assert cold == {"fx": [0, 1], "stages": {"missed": 1, "stored": 1, "linked": 1}}
     assert warm == {"fx": [1, 0], "stages": {"loaded": 1, "direct": 1}}
     assert _equal(cold_out, warm_out)
