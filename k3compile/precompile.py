@@ -55,8 +55,10 @@ def record(gm: fx.GraphModule, signature: Any, options: dict | None) -> bool:
     backend_id = getattr(gm, "_backend_id", None)
     if not enabled() or backend_id is None:
         return False
+    from k3compile.stage_cache import module_stacks
+
     try:
-        state = {"format": FORMAT, "gm": _graph_bytes(gm), "stacks": _stacks(gm.graph),
+        state = {"format": FORMAT, "gm": _graph_bytes(gm), "stacks": module_stacks(gm.graph),
                  "sources": {n.name: n._dynamo_source
                              for n in gm.graph.find_nodes(op="placeholder")
                              if hasattr(n, "_dynamo_source")},
@@ -145,7 +147,8 @@ def _packages() -> str:
 def _graph_bytes(gm: fx.GraphModule) -> bytes:
     """Dynamo's graph node by node (torch's GraphPickler): a GraphModule's own pickle re-traces
     its code, which fails on Dynamo's in-place writes (`state[slots] = x`). Node meta is left
-    out (fake tensors of this process); `_stacks` keeps what is read of it."""
+    out (fake tensors of this process); the state keeps the module stacks, which the stage
+    cache's link key and the reports read."""
     from torch.fx._graph_pickler import GraphPickler, Options
 
     with _slices_as_pytrees():
@@ -174,34 +177,19 @@ def _load(content: bytes) -> tuple[fx.GraphModule, dict]:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx._graph_pickler import GraphPickler
 
+    from k3compile.stage_cache import set_module_stacks
+
     state = pickle.loads(content)
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise RuntimeError(f"another format (want {FORMAT})")
     with _slices_as_pytrees():
         gm = GraphPickler.loads(state["gm"], FakeTensorMode())
     gm.recompile()
-    _restore_stacks(gm.graph, state["stacks"])
+    set_module_stacks(gm.graph, state["stacks"])
     for n in gm.graph.find_nodes(op="placeholder"):  # AOTAutograd reads them off Dynamo's graph
         if n.name in state["sources"]:
             n._dynamo_source = state["sources"][n.name]
     return gm, state
-
-
-def _stacks(graph: fx.Graph) -> dict[str, list[tuple[str, str, str]]]:
-    """Each node's module stack as (key, path, type name): the pickled graph keeps no node meta,
-    and the stage cache's link key and the reports name layers by it."""
-    return {n.name: [(str(k), str(path), getattr(t, "__qualname__", str(t)))
-                     for k, (path, t) in n.meta["nn_module_stack"].items()]
-            for n in graph.nodes if n.meta.get("nn_module_stack")}
-
-
-def _restore_stacks(graph: fx.Graph, stacks: dict[str, list]) -> None:
-    nodes = {n.name: n for n in graph.nodes}
-    missing = set(stacks) - set(nodes)
-    if missing:
-        raise RuntimeError(f"k3 precompile: the restored graph lacks nodes {sorted(missing)[:5]}")
-    for name, stack in stacks.items():
-        nodes[name].meta["nn_module_stack"] = {k: (path, t) for k, path, t in stack}
 
 
 def save() -> int:

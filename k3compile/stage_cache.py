@@ -108,7 +108,7 @@ def key_text(gm: fx.GraphModule, ctx, stage_names: list[str]) -> str | None:
     except trace_cache.Unstorable:
         return None
     return json.dumps({"format": FORMAT, "graph": graph, "inputs": inputs,
-                       "stacks": _stacks(gm.graph, keys=False),
+                       "stacks": module_stacks(gm.graph, keys=False),
                        **_context(ctx, stage_names, inputs)}, sort_keys=True)
 
 
@@ -130,7 +130,7 @@ def dynamo_key_text(gm: fx.GraphModule, inputs: list, ctx, stage_names: list[str
                x.requires_grad] if isinstance(x, torch.Tensor) else None
               for i, x in enumerate(inputs)]
     return json.dumps({"format": FORMAT, "dynamo": gm.code, "inputs": described,
-                       "shared": shared, "stacks": _stacks(gm.graph, keys=False),
+                       "shared": shared, "stacks": module_stacks(gm.graph, keys=False),
                        "modes": [torch.is_grad_enabled(), torch._C._is_any_autocast_enabled()],
                        **_context(ctx, stage_names, described)}, sort_keys=True)
 
@@ -170,12 +170,19 @@ def _describe_value(v) -> list:
 describe = _describe_value  # an input's metadata as the keys hold it
 
 
-def _stacks(graph: fx.Graph, keys: bool = True) -> dict[str, list[list[str]]]:
+def module_stacks(graph: fx.Graph, keys: bool = True) -> dict[str, list[list[str]]]:
     """Each node's module stack as [key, path, type name] (the reports name layers by it); the
     keys (Dynamo's, holding a module's id) only where `keys`: the cache key leaves them out."""
     return {n.name: [[str(k), str(path), getattr(t, "__qualname__", str(t))][0 if keys else 1:]
                      for k, (path, t) in n.meta["nn_module_stack"].items()]
             for n in graph.nodes if n.meta.get("nn_module_stack")}
+
+
+def set_module_stacks(graph: fx.Graph, stacks: dict[str, list]) -> None:
+    """`module_stacks(graph)`'s stacks back on the nodes of those names (the type as its name)."""
+    for n in graph.nodes:
+        if n.name in stacks:
+            n.meta["nn_module_stack"] = {s[0]: tuple(s[-2:]) for s in stacks[n.name]}
 
 
 def _rank() -> list[int] | None:
@@ -229,7 +236,7 @@ def store(path: Path, text: str, gm: fx.GraphModule, inputs: list, records: list
     """Write the entry for the graph the cached stages made (False: not describable)."""
     try:
         body = json.dumps({
-            "graph": trace_cache.encode_graph(gm.graph), "stacks": _stacks(gm.graph),
+            "graph": trace_cache.encode_graph(gm.graph), "stacks": module_stacks(gm.graph),
             "meta": _k3_meta(gm.graph), "reads": _reads(gm, inputs),
             "records": [[r.name, dict(r.ops_before), dict(r.ops_after), r.graph_after]
                         for r in records],
@@ -311,8 +318,7 @@ def _annotate(graph: fx.Graph, values: list, stacks: dict[str, list],
     for n in graph.nodes:
         if n.op == "call_function":
             n.meta["val"] = fake_value(n.target, n.args, n.kwargs)
-        if n.name in stacks:
-            n.meta["nn_module_stack"] = {s[0]: tuple(s[-2:]) for s in stacks[n.name]}
+    set_module_stacks(graph, stacks)
     env = {n.name: n for n in graph.nodes}
     for name, data in meta.items():
         env[name].meta.update({k: trace_cache.decode_value(v, env) for k, v in data.items()})
