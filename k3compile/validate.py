@@ -279,8 +279,9 @@ class InputChecks:
         self.limits: list[Limit] | None = None  # None: not analysed yet
         self.mode: str | None = None  # "host", "device" or "off", fixed at the first guard
         self.steps = 0
-        self._rows: torch.Tensor | None = None  # device path: the real (unpadded) batch
+        self._rows: torch.Tensor | None = None  # device path: the real (unpadded) batch, as read
         self._mask: torch.Tensor | None = None  # device path: the last step's failed checks
+        self._row_count = RowCount()
         self._pending: collections.deque = collections.deque()  # (pinned mask, event, step)
         self._pinned: list[torch.Tensor] = []
         # the device check compiled by Inductor: None on CUDA only, True always (tests), False never
@@ -384,10 +385,10 @@ class InputChecks:
             self._check_values(args, batch)
             return
         lead = args[self.limits[0].index]
-        if self._rows is None or self._rows.device != lead.device:
-            self._rows = torch.zeros((), dtype=torch.int64, device=lead.device)
+        if self._mask is None or self._mask.device != lead.device:
             self._mask = torch.zeros((), dtype=torch.int64, device=lead.device)
-        self._rows.fill_(batch if batch is not None else _lead_size(lead))
+        size = _lead_size(lead)
+        self._rows = self._row_count.tensor(lead.device, batch if batch is not None else size, size)
 
     def after(self) -> None:
         """After a device-checked step: its mask, read now on CPU, later on CUDA."""
@@ -494,6 +495,42 @@ def _device_mask(limits: Sequence[Limit], checked: Sequence[torch.Tensor],
 def _real_rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     real = torch.arange(t.shape[0], device=t.device) < rows
     return real.view(-1, *[1] * (t.dim() - 1)).expand_as(t)
+
+
+class RowCount:
+    """The device check's row count (a 0-d int64 tensor), written only where its value changes.
+
+    One shared tensor serves every call the backend runs itself: its own CUDA graphs read it where
+    they were captured, so a padded batch of another size only refills it, outside the graph, and a
+    step of the same size as the last launches no fill at all. Inside a caller's own capture (a
+    benchmark's, a server's graph) a fill would be recorded and replayed with the graph, so an
+    unpadded call there reads a constant tensor of its size instead (made outside any capture by an
+    earlier call; the first call of a size is never inside the caller's capture for a warmed-up
+    step). A fill that is recorded after all (a padded call, or a size not seen before) may rewrite
+    the shared tensor at any replay, so from then on every call fills it."""
+
+    def __init__(self):
+        self.shared: torch.Tensor | None = None
+        self.value: int | None = None  # the shared tensor's value as last written here
+        self.replays_write = False  # a captured fill may rewrite the shared tensor
+        self.constants: dict[int, torch.Tensor] = {}  # unpadded sizes, on the shared's device
+
+    def tensor(self, device: torch.device, rows: int, size: int) -> torch.Tensor:
+        """The row count `rows` of a call whose checked inputs have `size` rows."""
+        if self.shared is None or self.shared.device != device:
+            self.shared = torch.zeros((), dtype=torch.int64, device=device)
+            self.value, self.constants = 0, {}
+        capturing = _capturing()
+        if rows == size:
+            if capturing and (constant := self.constants.get(rows)) is not None:
+                return constant
+            if not capturing and rows not in self.constants:
+                self.constants[rows] = torch.full((), rows, dtype=torch.int64, device=device)
+        if capturing or self.replays_write or self.value != rows:
+            self.shared.fill_(rows)
+            self.value = rows
+            self.replays_write |= capturing
+        return self.shared
 
 
 def _capturing() -> bool:

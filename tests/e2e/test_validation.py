@@ -326,3 +326,28 @@ def test_inductor_compiled_device_check_equals_eager():
     for (want_mask, *want), (got_mask, *got) in zip(seen[False], seen[True]):
         assert got_mask == want_mask
         assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+def test_row_count_written_only_where_it_changes(monkeypatch):
+    """The device check's row count: the shared tensor is refilled only for a new value (a stale
+    value written behind its back stays: no fill ran); inside a caller's capture an unpadded call
+    reads a constant of its size, and once a fill was captured (a padded call there) every later
+    call fills again, since the caller's replays may rewrite the shared tensor."""
+    from k3compile import validate
+
+    capturing = [False]
+    monkeypatch.setattr(validate, "_capturing", lambda: capturing[0])
+    rows, cpu = validate.RowCount(), torch.device("cpu")
+    shared = rows.tensor(cpu, 3, 4)  # a padded batch: 3 real rows of 4
+    assert int(shared) == 3
+    assert rows.tensor(cpu, 4, 4) is shared and int(shared) == 4  # unpadded, outside a capture
+    shared.fill_(99)  # what a stale tensor would hold
+    assert int(rows.tensor(cpu, 4, 4)) == 99  # same value as last written: no fill
+    assert int(rows.tensor(cpu, 3, 4)) == 3  # a new value: filled
+    capturing[0] = True
+    constant = rows.tensor(cpu, 4, 4)
+    assert constant is not shared and int(constant) == 4 and int(shared) == 3
+    assert rows.tensor(cpu, 2, 4) is shared and int(shared) == 2  # a captured fill
+    capturing[0] = False
+    shared.fill_(99)  # a replay of the caller's graph may write it
+    assert int(rows.tensor(cpu, 2, 4)) == 2  # so it is filled again, though the value is the same
