@@ -272,18 +272,27 @@ def _kernel_imports(start: Path) -> set[Path]:
     seen, todo = set(), [start]
     while todo:
         path = todo.pop()
-        if path in seen:
-            continue
-        seen.add(path)
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom):
-                base = _import_base(path, node)
-                for name in [None] + [a.name for a in node.names]:
-                    todo += _module_files(base, node.module, name)
-            elif isinstance(node, ast.Import):
-                for alias in node.names:
-                    todo += _module_files(None, alias.name, None)
+        if path not in seen:
+            seen.add(path)
+            todo += _direct_imports(path)
     return seen
+
+
+@functools.cache
+def _direct_imports(path: Path) -> list[Path]:
+    """The files under kernels/ that `path` imports itself: each file is parsed once a process
+    (the kernels' modules share most of their imports; parsing them again for every module was
+    0.7 s of a warm process's first bucket on the H200)."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = _import_base(path, node)
+            for name in [None] + [a.name for a in node.names]:
+                out += _module_files(base, node.module, name)
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                out += _module_files(None, alias.name, None)
+    return out
 
 
 def _import_base(path: Path, node: ast.ImportFrom) -> Path | None:
