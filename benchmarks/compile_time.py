@@ -78,9 +78,11 @@ def parse_args(argv=None):
     p.add_argument("--cache-dir", help="a fresh folder for both passes' caches (default: a new "
                                        "temporary folder)")
     p.add_argument("--out", default="out")
-    p.add_argument("--profile", action="store_true",
-                   help="cProfile each pass's first bucket: profile_<pass>.txt under --out (the "
-                        "functions by cumulative and by own time) and profile_<pass>.prof")
+    p.add_argument("--profile", nargs="?", const="first", metavar="BUCKET",
+                   help="cProfile one bucket of each pass, the first one or the named one (B8, "
+                        "B1xT8, ...): profile_<pass>.txt (a named bucket: profile_<pass>_<name>"
+                        ".txt) under --out, the functions by cumulative and by own time, and "
+                        "the .prof beside it")
     p.add_argument("--fx-keys", action="store_true",
                    help="write every Inductor FX graph cache key each pass computes, with the "
                         "details it hashed, to fx_keys_<pass>.txt under --out (a warm miss: "
@@ -159,9 +161,11 @@ def run_pass(args) -> dict:
             stages: dict[str, float] = {}
             dynamo0 = torch._dynamo.utils.counters["stats"]["unique_graphs"]
             t0, cpu0 = time.perf_counter(), time.process_time()
-            profile = args.profile and not result["buckets"]
+            profile = (f"profile_{args.which}.txt" if args.profile == "first"
+                       and not result["buckets"] else f"profile_{args.which}_{bucket.name}.txt"
+                       if args.profile == bucket.name else None)
             with Observer.subscribe(_stage_timer(stages)), _profiled(
-                    Path(args.out) / f"profile_{args.which}.txt" if profile else None):
+                    Path(args.out) / profile if profile else None):
                 if batched is not None and bucket.tokens == 1:
                     mark_batch(*inputs)
                     outputs = batched(*inputs)
