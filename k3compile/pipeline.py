@@ -137,7 +137,7 @@ class Pipeline:
             ctx.report.merge(hit.report)
             ctx.notes.update(hit.notes)
         else:
-            given = gm
+            given = gm = stage_cache.complete(gm)  # a decoded graph's values, for the stages
             for name, stage in cached:
                 gm = self.observer.run(name, stage, gm, ctx)
             if path is not None:
@@ -234,7 +234,7 @@ class Pipeline:
         the executor, called as AOTAutograd's trivial wrappers would."""
         direct = link["direct"]
         with inductor.fake_inputs(example_inputs, patches) as fakes:
-            aten_gm = stage_cache.aten_graph(link["aten"], fakes)
+            aten_gm = stage_cache.aten_graph(link["aten"], fakes, link["aten_key"])
             written["inputs"] = written_inputs(aten_gm, len(example_inputs), [])
             aten_gm = self.run(aten_gm, ctx, link["aten"])
             remember(ctx.inputs)

@@ -58,6 +58,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from k3compile.calls import integer_dtype, structure_error
 from k3compile.graph import written_in_place
+from k3compile import stage_cache
 from k3compile.observe import Observer
 
 log = logging.getLogger("k3compile")
@@ -299,6 +300,7 @@ class InputChecks:
 
         def listen(event):
             if event.observer is observer and event.first and self.limits is None:
+                stage_cache.complete(event.gm)  # a warm bucket's graph: the values it reads
                 self.limits = analyse(event.gm.graph, self.inputs, self.scratch,
                                       quiet=self.setting == "off")
 

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from torch import fx
 
 from k3compile import layers as k3layers
+from k3compile import stage_cache
 from k3compile.observe import Observer, StageEvent
 from k3compile.rewrite import near_miss
 from k3compile.rewrite.near_miss import op_label
@@ -65,6 +66,7 @@ class InputGraphs:
 
     def __call__(self, event: StageEvent) -> None:
         if event.first:
+            stage_cache.complete(event.gm)  # a warm bucket's graph, as a cold compile has it
             text = event.gm.print_readable(print_output=False)
             self.graphs.setdefault(event.observer, {})[event.batch] = (
                 copy.deepcopy(event.gm.graph), text)
