@@ -8,12 +8,16 @@ Moonshot model cast to bf16 whole) with that norm. Activations are column slices
 one in-projection row (stride 3206, as the fused GEMM produces them), slots are a permutation
 of a larger state pool whose other slots must stay untouched, and the last request of a batch
 is a padding row on the scratch slot (-1: the pool's last). Outputs are poisoned beforehand.
+fb_kda_decode in one launch (the f_b build) at B 1, 2, 8, 64 and T 1, 8 with its GEMM forbidden,
+against its two launches, as one kernel per call (profiler), and refused ranks (two launches).
+fa and W_fb lie on a grid (`on_grid`) where graw is exact in any summation order.
 
 CPU: a model of the kernel's blocking (its work split from `kernel.Tile`, the butterfly sums,
 the cluster sum, the ownership of outputs and conv-state writes) against the reference, for
 every config, and each output norm against its reference variant, and with bf16 A_log and
 dt_bias; the reference's bf16 parameters are their fp32 values exactly; the build flags' cache
-keys; refusals; the fallback off the GPU.
+keys; refusals; the fallback off the GPU; the f_b build's refusals, key, W_fb sweep and the
+grid's exactness, and a refused rank's two launches off the GPU.
 """
 
 import logging
