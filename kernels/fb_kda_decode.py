@@ -1,14 +1,18 @@
 """CUDA implementation of `k3::fb_kda_decode`: the KDA gate's low-rank up-projection, then the
 KDA recurrent step.
 
-    graw = fa · W_fbᵀ;  o = kda_decode(q, k, v, g, graw, b, ...)
+    graw = bf16(fa · W_fbᵀ);  o = kda_decode(q, k, v, g, graw, b, ...)
 
-Two launches: `router.linear` on the flat rows (our skinny GEMM at one row, cuBLAS above), then the
-kda_decode kernel (its device code).
+One launch: the kda_decode kernel's f_b build (`fb_rank` R), each CTA computing the graw of its
+head in its prologue (fp32 sums, one bf16 rounding, as the GEMM's output). Where that build
+refuses (reason logged and counted), two launches: `router.linear` on the flat rows (our skinny
+GEMM at one row, cuBLAS above), then the kda_decode kernel.
 
 Constraints:
     * fa [B, T, R], W_fb [H·K, R]; the rest as kda_decode (refused inputs run its reference,
       reason logged).
+    * One launch: kda_decode.fb_refusal (bf16 fa with its last dim contiguous, any row stride;
+      contiguous bf16 W_fb with 16-byte-aligned data; R = 8·2^i <= kda_decode.MAX_FB_RANK).
 """
 
 import torch
@@ -16,14 +20,17 @@ import torch
 from k3compile.ops import registry
 
 from . import kda_decode
+from .common.dsl import bucket, fallback
 from .common.router import linear
-from .kda_decode import kda_decode_cuda
+from .kda_decode import KERNEL, call_refusal, compiled, fb_refusal, kda_decode_cuda
 
 OP = "fb_kda_decode"
 
 
 def refusal(q, k, v, g, fa, fb_weight, b, *rest, **options) -> str | None:
-    """The kda_decode kernel's limits, with graw [B, T, H·K] as the GEMM writes it."""
+    """The kda_decode kernel's limits, with graw [B, T, H·K] as the GEMM writes it. Inputs the
+    one-launch build refuses on top (`kda_decode.fb_refusal`) take the two launches, still our
+    kernels."""
     graw = torch.empty((*fa.shape[:2], fb_weight.shape[0]), dtype=fa.dtype, device="meta")
     return kda_decode.refusal(q, k, v, g, graw, b, *rest, **options)
 
@@ -32,12 +39,33 @@ def fb_kda_decode_cuda(q, k, v, g, fa, fb_weight, b, conv_state, recurrent_state
                        q_conv_weight, k_conv_weight, v_conv_weight, A_log, dt_bias,
                        o_norm_weight, lower_bound, l2_eps, q_scale, norm_eps, norm_fp32=False,
                        *, out=None):
+    args = (q, k, v, g, fa, fb_weight, b, conv_state, recurrent_state, slots, q_conv_weight,
+            k_conv_weight, v_conv_weight, A_log, dt_bias, o_norm_weight)
+    scalars = (lower_bound, l2_eps, q_scale, norm_eps)
     B, T, R = fa.shape
-    graw = linear(fa.reshape(B * T, R), fb_weight).view(B, T, -1)
-    return kda_decode_cuda(q, k, v, g, graw, b, conv_state, recurrent_state, slots,
-                           q_conv_weight, k_conv_weight, v_conv_weight, A_log, dt_bias,
-                           o_norm_weight, lower_bound, l2_eps, q_scale, norm_eps, norm_fp32,
-                           out=out)
+
+    def two_launches():
+        graw = linear(fa.reshape(B * T, R), fb_weight).view(B, T, -1)
+        return kda_decode_cuda(*args[:4], graw, *args[6:], *scalars, norm_fp32, out=out)
+
+    if refusal(*args, norm_fp32=norm_fp32):  # kda_decode's own: its fallback, logged there
+        return two_launches()
+    if reason := fb_refusal(fa, fb_weight, q):
+        fallback(OP, f"{reason}; two launches")
+        return two_launches()
+
+    def launch():
+        H, K = recurrent_state.shape[1:3]
+        o = q.new_empty((B, T, H, K)) if out is None else out
+        if B:
+            compiled(T, H, conv_state.shape[2] + 1, bucket(B), norm_fp32,
+                     A_log.dtype == torch.bfloat16, dt_bias.dtype == torch.bfloat16, R)(
+                *args, o, *map(float, scalars))
+        return o
+
+    # no runtime, devices, out or W_fb's alignment: the two launches (each falls back on its own)
+    return KERNEL.run(lambda: call_refusal(args, q, recurrent_state, out), two_launches, launch,
+                      recurrent_state, fb_weight, op=OP)
 
 
 def register() -> None:

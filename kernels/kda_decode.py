@@ -6,8 +6,9 @@
     out = bf16(bf16(w ⊙ rms(bf16(o))) ⊙ bf16(σ(g)))       (`norm_fp32`: bf16(w ⊙ rms(bf16(o)) ⊙ σ(g)),
                                                           fla's FusedRMSNormGated, one rounding)
 
-`k3::fb_kda_decode` (kernels/fb_kda_decode.py) runs this device code after its GEMM. Work split,
-rounding and measurements: docs/kernels.md, kda_decode.
+`k3::fb_kda_decode` (kernels/fb_kda_decode.py) runs the f_b build (`fb_rank` R): the gate input is
+fa [B, T, R] with W_fb [H·K, R], each CTA computing its head's graw = bf16(fa · W_fbᵀ) (fp32 sums,
+one rounding) in the prologue. Work split, rounding and measurements: docs/kernels.md, kda_decode.
 
 Constraints:
     * q, k, v, g, graw bf16 [B, T, H·K], b bf16 [B, T, H]: last dim contiguous, any other strides;
@@ -20,6 +21,9 @@ Constraints:
       fp32, as the reference promotes them), o_norm_weight bf16 [K], all contiguous; lower_bound,
       l2_eps, q_scale, norm_eps are runtime scalars.
     * Output bf16 [B, T, H, K], contiguous.
+    * The f_b build: fa bf16 [B, T, R] (last dim contiguous, any other strides: read element by
+      element), W_fb bf16 [H·K, R] contiguous with 16-byte-aligned data; R = 8·2^i <=
+      MAX_FB_RANK (`fb_refusal`).
     * With PDL (settings.KERNELS.pdl) every thread waits first: everything it reads but the
       weights was written by the previous step.
 """
@@ -44,6 +48,7 @@ OP = "kda_decode"
 HEAD_DIM = 128
 MAX_TOKENS = 16
 MAX_TAPS = 8
+MAX_FB_RANK = 128  # f_b build: fa's width R (K3's f_a rank); sFa and the unrolled sums grow with it
 VEC = 4  # fp32 state columns per thread: one 16-byte vector of a state row
 
 
@@ -195,6 +200,36 @@ def refusal(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weig
     return None
 
 
+def fb_refusal(fa, fb_weight, q) -> str | None:
+    """Why the f_b build cannot take fa and W_fb beside q [B, T, H·K] (the rest as `refusal`),
+    or None. Metadata only; W_fb's data alignment is checked at launch."""
+    B, T, W = q.shape
+    R = fa.shape[-1]
+    if fa.dtype != torch.bfloat16 or fa.dim() != 3 or tuple(fa.shape[:2]) != (B, T) or \
+            fa.stride(-1) != 1:
+        return (f"fa: {fa.dtype} {tuple(fa.shape)} {fa.stride()} (want bf16 [{B}, {T}, R], "
+                "last dim contiguous)")
+    if R % 8 or (R // 8) & (R // 8 - 1) or not 8 <= R <= MAX_FB_RANK:
+        return f"f_a rank {R} (want 8·2^i <= {MAX_FB_RANK}: R/8 lanes share a W_fb row)"
+    if fb_weight.dtype != torch.bfloat16 or tuple(fb_weight.shape) != (W, R) or \
+            not fb_weight.is_contiguous():
+        return (f"fb_weight: {fb_weight.dtype} {tuple(fb_weight.shape)} {fb_weight.stride()} "
+                f"(want contiguous bf16 [{W}, {R}])")
+    return None
+
+
+def call_refusal(tensors, q, recurrent_state, out) -> str | None:
+    """What only a CUDA call can refuse: devices, and `out` [B, T, H, K] bf16 contiguous."""
+    if not all(t.is_cuda and t.device == q.device for t in tensors):
+        return "inputs not all on one CUDA device"
+    if out is not None and (
+            out.dtype != torch.bfloat16 or not out.is_contiguous()
+            or tuple(out.shape) != (*q.shape[:2], *recurrent_state.shape[1:3])
+            or out.data_ptr() % 16):
+        return f"out: {out.dtype} {tuple(out.shape)} {out.stride()}"
+    return None
+
+
 def prepare(tokens: int, n_heads: int, taps: int = 4, buckets=BUCKETS, norm_fp32=False,
             a_log_bf16=False, dt_bias_bf16=False) -> None:
     """Compile the kernel of every batch bucket for these scalars (call before graph capture)."""
@@ -203,19 +238,22 @@ def prepare(tokens: int, n_heads: int, taps: int = 4, buckets=BUCKETS, norm_fp32
 
 
 def compiled(tokens: int, n_heads: int, taps: int, batch_bucket: int, norm_fp32: bool,
-             a_log_bf16: bool = False, dt_bias_bf16: bool = False):
+             a_log_bf16: bool = False, dt_bias_bf16: bool = False, fb_rank: int = 0):
     """The cached kernel; each build flag enters the key only when set (the default's key and
     build are those from before the variants)."""
     flags = {"norm_fp32": norm_fp32, "a_log_bf16": a_log_bf16, "dt_bias_bf16": dt_bias_bf16}
+    options = {k: True for k, on in flags.items() if on} | ({"fb_rank": fb_rank} if fb_rank
+                                                            else {})
     return KERNEL.compiled(tokens, n_heads, taps, config(tokens, n_heads, taps, batch_bucket),
-                           rows=batch_bucket, **{k: True for k, on in flags.items() if on})
+                           rows=batch_bucket, **options)
 
 
 def build(tokens, n_heads, taps, cfg, arch=None, dump_dir=None, pdl=False, norm_fp32=False,
-          a_log_bf16=False, dt_bias_bf16=False):
+          a_log_bf16=False, dt_bias_bf16=False, fb_rank=0):
     """Compile now, uncached (`dump_dir` keeps the cubin and PTX; `pdl`: with PDL; `norm_fp32`:
     the output norm in fp32 with one rounding; `a_log_bf16`, `dt_bias_bf16`: that parameter in
-    bf16, e.g. a Moonshot model cast to bf16 whole)."""
+    bf16, e.g. a Moonshot model cast to bf16 whole; `fb_rank` R > 0: the f_b build, taking fa
+    [B, T, R] and W_fb [H·K, R] where the default takes graw)."""
     import cutlass
     from cutlass import cute
     from cutlass.cute.runtime import make_fake_tensor
@@ -231,12 +269,16 @@ def build(tokens, n_heads, taps, cfg, arch=None, dump_dir=None, pdl=False, norm_
         return make_fake_tensor(bf16, (n, T, width), stride=(cute.sym_int64(), cute.sym_int64(),
                                                              1), assumed_align=2)
 
-    def weight(dtype, shape, stride):
-        return make_fake_tensor(dtype, shape, stride=stride, assumed_align=dtype.width // 8)
+    def weight(dtype, shape, stride, align=None):
+        return make_fake_tensor(dtype, shape, stride=stride,
+                                assumed_align=align or dtype.width // 8)
 
     conv_w = [weight(bf16, (W, 1, taps), (taps, taps, 1)) for _ in range(3)]
+    kda = KDADecode(T, H, taps, cfg, pdl, norm_fp32, fb_rank)
+    gate_input = [act(fb_rank), weight(bf16, (W, fb_rank), (fb_rank, 1), 16)] if fb_rank else [
+        act(W)]  # fa and W_fb (W_fb's rows 16-byte vectors: assumed_align 16), or graw
     return compile_kernel(
-        KDADecode(T, H, taps, cfg, pdl, norm_fp32), act(W), act(W), act(W), act(W), act(W), act(H),
+        kda.with_fb if fb_rank else kda, act(W), act(W), act(W), act(W), *gate_input, act(H),
         make_fake_tensor(bf16, (cute.sym_int(), 3 * W, taps - 1),
                          stride=(cute.sym_int64(), taps - 1, 1), assumed_align=2),
         make_fake_tensor(f32, (cute.sym_int(), H, K, K),
@@ -261,18 +303,6 @@ def kda_decode_cuda(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_c
             k_conv_weight, v_conv_weight, A_log, dt_bias, o_norm_weight)
     B, T = q.shape[:2]
 
-    def call_refusal():
-        if reason := refusal(*args, norm_fp32=norm_fp32):
-            return reason
-        if not all(t.is_cuda and t.device == q.device for t in args):
-            return "inputs not all on one CUDA device"
-        if out is not None and (
-                out.dtype != torch.bfloat16 or not out.is_contiguous()
-                or tuple(out.shape) != (B, T, *recurrent_state.shape[1:3])
-                or out.data_ptr() % 16):
-            return f"out: {out.dtype} {tuple(out.shape)} {out.stride()}"
-        return None
-
     def launch():
         H, K = recurrent_state.shape[1:3]
         o = q.new_empty((B, T, H, K)) if out is None else out
@@ -282,7 +312,8 @@ def kda_decode_cuda(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_c
                 *args, o, float(lower_bound), float(l2_eps), float(q_scale), float(norm_eps))
         return o
 
-    return KERNEL.run(call_refusal,
+    return KERNEL.run(lambda: refusal(*args, norm_fp32=norm_fp32)
+                      or call_refusal(args, q, recurrent_state, out),
                       lambda: kda_decode_ref(*args, lower_bound, l2_eps, q_scale, norm_eps,
                                              norm_fp32),
                       launch, recurrent_state)

@@ -21,18 +21,26 @@ def bf16_round(x):
     return x.to(BFloat16).to(Float32)
 
 class KDADecode:
+    """`fb_rank` R > 0: the f_b build, whose gate input is fa [B, T, R] with W_fb [W, R] (each
+    CTA computes its head's graw; host entry `with_fb`), not graw [B, T, W] (`__call__`)."""
+
     def __init__(self, tokens: int, n_heads: int, taps: int, cfg: Config, pdl: bool = False,
-                 norm_fp32: bool = False):
+                 norm_fp32: bool = False, fb_rank: int = 0):
         self.T, self.H, self.taps, self.pdl, self.norm_fp32 = tokens, n_heads, taps, pdl, norm_fp32
         self.K = HEAD_DIM
         self.W = n_heads * HEAD_DIM
         self.tile = tile(cfg)
+        # the f_b build: L = R/8 lanes a W_fb row (a power of 2), rows a step of the CTA
+        self.fb_rank, self.fb_lanes = fb_rank, fb_rank // 8
+        self.fb_rows = 32 // self.fb_lanes * self.tile.warps if fb_rank else 0
         self.C, self.R = cfg.cluster_n, cfg.rows_per_thread
         self.threads, self.warps = self.tile.threads, self.tile.warps
         T, K, vc = tokens, HEAD_DIM, self.tile.vc
         # sQ, sK, sA (T, K); sV, sO (T, vc); sBeta (T,); sRed (C·warps, T); 16-byte padding each
         words = 3 * T * K + 2 * T * vc + T + self.C * self.warps * T
         self.smem_bytes = 4 * words + 16 * 7
+        if fb_rank:  # sFa (T, R)
+            self.smem_bytes += 4 * T * fb_rank + 16
 
     @cute.jit
     def __call__(self, mQ, mK, mV, mG, mGraw, mB, mConv, mState, mSlots, mWq, mWk, mWv,
@@ -41,17 +49,31 @@ class KDADecode:
         # mQ, mK, mV, mG, mGraw: (B, T, W); mB: (B, T, H); mConv: (S, 3W, taps-1);
         # mState: (S, H, K, K); mSlots: (B,); mW*: (W, 1, taps); mALog: (H,); mDt: (W,);
         # mWo: (K,); mOut: (B, T, H, K)
+        self.launch(mQ, mK, mV, mG, mGraw, None, mB, mConv, mState, mSlots, mWq, mWk, mWv,
+                    mALog, mDt, mWo, mOut, lower_bound, l2_eps, q_scale, norm_eps, stream)
+
+    @cute.jit
+    def with_fb(self, mQ, mK, mV, mG, mFa, mWfb, mB, mConv, mState, mSlots, mWq, mWk, mWv,
+                mALog, mDt, mWo, mOut, lower_bound: Float32, l2_eps: Float32,
+                q_scale: Float32, norm_eps: Float32, stream):
+        # mFa: (B, T, R); mWfb: (W, R); the rest as __call__
+        self.launch(mQ, mK, mV, mG, mFa, mWfb, mB, mConv, mState, mSlots, mWq, mWk, mWv,
+                    mALog, mDt, mWo, mOut, lower_bound, l2_eps, q_scale, norm_eps, stream)
+
+    def launch(self, mQ, mK, mV, mG, mGate, mWfb, mB, mConv, mState, mSlots, mWq, mWk, mWv,
+               mALog, mDt, mWo, mOut, lower_bound, l2_eps, q_scale, norm_eps, stream):
         C = self.C
-        self.kernel(mQ, mK, mV, mG, mGraw, mB, mConv, mState, mSlots, mWq, mWk, mWv, mALog,
-                    mDt, mWo, mOut, lower_bound, l2_eps, q_scale, norm_eps).launch(
+        self.kernel(mQ, mK, mV, mG, mGate, mWfb, mB, mConv, mState, mSlots, mWq, mWk, mWv,
+                    mALog, mDt, mWo, mOut, lower_bound, l2_eps, q_scale, norm_eps).launch(
             grid=[C, self.H, mQ.shape[0]], block=[self.threads, 1, 1],
             cluster=[C, 1, 1] if const_expr(C > 1) else None, smem=self.smem_bytes,
             stream=stream, use_pdl=self.pdl)
 
     @cute.kernel
-    def kernel(self, mQ, mK, mV, mG, mGraw, mB, mConv, mState, mSlots, mWq, mWk, mWv, mALog,
-               mDt, mWo, mOut, lower_bound: Float32, l2_eps: Float32, q_scale: Float32,
+    def kernel(self, mQ, mK, mV, mG, mGate, mWfb, mB, mConv, mState, mSlots, mWq, mWk, mWv,
+               mALog, mDt, mWo, mOut, lower_bound: Float32, l2_eps: Float32, q_scale: Float32,
                norm_eps: Float32):
+        """mGate: graw (B, T, W), or in the f_b build fa (B, T, R) with mWfb (W, R)."""
         pdl_launch_dependents(self.pdl)
         tidx, _, _ = cute.arch.thread_idx()
         rank, h, req = cute.arch.block_idx()
@@ -70,6 +92,10 @@ class KDADecode:
         sBeta = smem.allocate_tensor(Float32, cute.make_layout((T,)), 16)
         sRed = smem.allocate_tensor(Float32, cute.make_layout(
             (C * self.warps, T), stride=(T, 1)), 16)
+        sFa = None
+        if const_expr(self.fb_rank):
+            sFa = smem.allocate_tensor(Float32, cute.make_layout(
+                (T, self.fb_rank), stride=(self.fb_rank, 1)), 16)
 
         # The state first: R 16-byte loads per thread, in flight during the prologue.
         rg, lc0 = tl.thread(tidx)
@@ -79,7 +105,12 @@ class KDADecode:
         for i in cutlass.range_constexpr(R):
             cute.autovec_copy(vectors(gS[rg + tl.rw * i, None])[None, vg], rS[None, i])
 
-        self.prologue(tidx, rank, h, req, slot, mQ, mK, mV, mGraw, mB, mConv, mWq, mWk,
+        if const_expr(self.fb_rank):
+            self.load_fa(tidx, req, mGate, sFa)
+            cute.arch.barrier()
+            self.fb_graw(h, mWfb, sFa, sA)
+            cute.arch.barrier()
+        self.prologue(tidx, rank, h, req, slot, mQ, mK, mV, mGate, mB, mConv, mWq, mWk,
                       mWv, mALog, mDt, sQ, sK, sV, sA, sBeta, lower_bound)
         cute.arch.barrier()
         self.l2norm(sQ, sK, l2_eps, q_scale)
@@ -94,7 +125,21 @@ class KDADecode:
         self.write_conv_state(tidx, rank, h, req, slot, mQ, mK, mV, mConv)
 
     @cute.jit
-    def prologue(self, tidx, rank, h, req, slot, mQ, mK, mV, mGraw, mB, mConv, mWq, mWk,
+    def load_fa(self, tidx, req, mFa, sFa):
+        """fa of the request -> sFa (T, R) in fp32, one element a thread per pass: any row
+        stride (the in-projection's column slice has rows 4 bytes apart in alignment)."""
+        R, n = self.fb_rank, self.threads
+        total = self.T * R
+        for it in cutlass.range_constexpr(-(-total // n)):
+            item = it * n + tidx
+            if const_expr((it + 1) * n <= total):
+                sFa[item // R, item % R] = mFa[req, item // R, item % R].to(Float32)
+            else:
+                if item < total:
+                    sFa[item // R, item % R] = mFa[req, item // R, item % R].to(Float32)
+
+    @cute.jit
+    def prologue(self, tidx, rank, h, req, slot, mQ, mK, mV, mGate, mB, mConv, mWq, mWk,
                  mWv, mALog, mDt, sQ, sK, sV, sA, sBeta, lower_bound: Float32):
         """Conv + SiLU of q, k (all channels), v (own columns); α; β -> shared memory."""
         T, tl, n = self.T, self.tile, self.threads
@@ -104,27 +149,26 @@ class KDADecode:
             it, s, full = plan[p]
             kind, lo, hi = items[s]
             item = it * n + tidx
+            args = (kind, item - lo, rank, h, req, slot, mQ, mK, mV, mGate, mConv, mWq, mWk,
+                    mWv, mALog, mDt, sQ, sK, sV, sA, lower_bound)
             if const_expr(full):
-                self.prologue_item(kind, item - lo, rank, h, req, slot, mQ, mK, mV, mGraw,
-                                   mConv, mWq, mWk, mWv, mALog, mDt, sQ, sK, sV, sA,
-                                   lower_bound)
+                self.prologue_item(*args)
             else:
                 if (item >= lo) & (item < hi):
-                    self.prologue_item(kind, item - lo, rank, h, req, slot, mQ, mK, mV,
-                                       mGraw, mConv, mWq, mWk, mWv, mALog, mDt, sQ, sK, sV,
-                                       sA, lower_bound)
+                    self.prologue_item(*args)
         if tidx < T:
             sBeta[tidx] = sigmoid(mB[req, tidx, h].to(Float32))
 
-    def prologue_item(self, kind, c, rank, h, req, slot, mQ, mK, mV, mGraw, mConv, mWq,
-                      mWk, mWv, mALog, mDt, sQ, sK, sV, sA, lower_bound):
+    def prologue_item(self, kind, c, rank, h, req, slot, mQ, mK, mV, mGate, mConv, mWq, mWk,
+                      mWv, mALog, mDt, sQ, sK, sV, sA, lower_bound):
         T, K, W, taps = self.T, self.K, self.W, self.taps
         if kind == "alpha":
             ch = h * K + c
             e = cute.math.exp(mALog[h].to(Float32))  # fp32 or bf16
             dt = mDt[ch].to(Float32)
             for t in range(T):
-                gate = e * (mGraw[req, t, ch].to(Float32) + dt)
+                graw = sA[t, c] if const_expr(self.fb_rank) else mGate[req, t, ch].to(Float32)
+                gate = e * (graw + dt)
                 sA[t, c] = cute.math.exp(lower_bound * sigmoid(gate))
         else:
             s = "qkv".index(kind)
@@ -139,6 +183,48 @@ class KDADecode:
                 for j in range(1, taps):
                     acc = acc + win[t + j] * w[j]
                 sX[t, c] = bf16_round(acc / (1.0 + cute.math.exp(-acc)))  # SiLU
+
+    @cute.jit
+    def fb_graw(self, h, mWfb, sFa, sA):
+        """sA[t, c] <- graw[req, t, h·K + c] = bf16(Σ_r fa[t, r]·W_fb[h·K + c, r]) for the head's
+        K channels: fp32 sums, one rounding, as a bf16 GEMM's output. L = R/8 lanes a row, one
+        16-byte vector of W_fb each (a warp's loads cover whole rows), then a butterfly over
+        the L lanes; a step of the CTA takes 32/L rows a warp. The alpha items turn sA into α."""
+        K, L, rows = self.K, self.fb_lanes, self.fb_rows
+        warp, lane = cute.arch.warp_idx(), cute.arch.lane_idx()
+        rW = cute.make_rmem_tensor(cute.make_layout((8,)), BFloat16)
+        rF = cute.make_rmem_tensor(cute.make_layout((8,)), Float32)
+        steps = -(-K // rows)
+        # <= 8 W_fb loads in flight; 4 at 16 tokens (8 spilled at one TP16 rank, batch 1)
+        for step in cutlass.range(steps, unroll=min(steps, 8 if self.T <= 8 else 4)):
+            c = step * rows + warp * (32 // L) + lane // L
+            self.fb_row(h, c, lane % L, mWfb, sFa, sA, rW, rF)
+
+    @cute.jit
+    def fb_row(self, h, c, v, mWfb, sFa, sA, rW, rF):
+        """Row c of the head's W_fb: this lane's vector v, the L lanes' butterfly, lane v = 0
+        stores the T sums."""
+        K, L = self.K, self.fb_lanes
+        if const_expr(self.fb_rows <= K):
+            cute.autovec_copy(vectors(mWfb[h * K + c, None])[None, v], rW)
+        else:  # a step's rows past K (few channels, many warps) load nothing
+            rW.fill(0.0)
+            if c < K:
+                cute.autovec_copy(vectors(mWfb[h * K + c, None])[None, v], rW)
+        w = rW.load().to(Float32)
+        sums = []
+        for t in cutlass.range_constexpr(self.T):
+            cute.autovec_copy(vectors(sFa[t, None], 8)[None, v], rF)
+            f = rF.load()
+            acc = f[0] * w[0]
+            for e in cutlass.range_constexpr(1, 8):
+                acc = acc + f[e] * w[e]
+            sums.append(acc)
+        for i in cutlass.range_constexpr(L.bit_length() - 1):
+            sums = [x + cute.arch.shuffle_sync_bfly(x, 1 << i) for x in sums]
+        if (v == 0) & (c < K):
+            for t in cutlass.range_constexpr(self.T):
+                sA[t, c] = bf16_round(sums[t])
 
     @cute.jit
     def l2norm(self, sQ, sK, l2_eps: Float32, q_scale: Float32):

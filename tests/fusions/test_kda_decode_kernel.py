@@ -8,12 +8,16 @@ Moonshot model cast to bf16 whole) with that norm. Activations are column slices
 one in-projection row (stride 3206, as the fused GEMM produces them), slots are a permutation
 of a larger state pool whose other slots must stay untouched, and the last request of a batch
 is a padding row on the scratch slot (-1: the pool's last). Outputs are poisoned beforehand.
+fb_kda_decode in one launch (the f_b build) at B 1, 2, 8, 64 and T 1, 8 with its GEMM forbidden,
+against its two launches, as one kernel per call (profiler), and refused ranks (two launches).
+fa and W_fb lie on a grid (`on_grid`) where graw is exact in any summation order.
 
 CPU: a model of the kernel's blocking (its work split from `kernel.Tile`, the butterfly sums,
 the cluster sum, the ownership of outputs and conv-state writes) against the reference, for
 every config, and each output norm against its reference variant, and with bf16 A_log and
 dt_bias; the reference's bf16 parameters are their fp32 values exactly; the build flags' cache
-keys; refusals; the fallback off the GPU.
+keys; refusals; the fallback off the GPU; the f_b build's refusals, key, W_fb sweep and the
+grid's exactness, and a refused rank's two launches off the GPU.
 """
 
 import logging
@@ -24,7 +28,6 @@ import torch
 import torch.nn.functional as F
 from k3compile.kernels import fb_kda_decode as fb_kernel
 from k3compile.kernels import kda_decode as kernel
-from k3compile.kernels.common import gemv, router
 
 from k3compile.ops.kda_decode import kda_decode_ref
 from tests.kernel_checks import (
@@ -51,6 +54,28 @@ def cfg_id(cfg):
     return f"C{cfg.cluster_n}R{cfg.rows_per_thread}"
 
 
+def on_grid(x, steps):
+    """x rounded to multiples of 1/steps (|x| < 256/steps: exact in bf16). fa on a grid of 1/4 and
+    W_fb of 1/64 make every partial sum of fa · W_fbᵀ a multiple of 2^-8 below 2^16: exact in fp32,
+    so graw = bf16(the exact sum) whatever the order (our kernel's lanes, gemv, cuBLAS) and a bf16
+    rounding flip of graw (which moves α by up to ~8%) cannot differ between the paths."""
+    return (x.float() * steps).round().clamp(-255, 255) / steps
+
+
+def fb_graw_model(fa, w):
+    """graw as the f_b build sums it (for inputs off the grid): per lane the 8 products of its
+    vector in order, then the butterfly over the R/8 lanes (a pairwise tree), one rounding."""
+    R = fa.shape[-1]
+    prods = fa.float()[..., None, :] * w.float()  # [..., N, R], exact
+    parts = prods.view(*prods.shape[:-1], R // 8, 8)
+    acc = parts[..., 0]
+    for e in range(1, 8):
+        acc = acc + parts[..., e]
+    while acc.shape[-1] > 1:
+        acc = acc[..., 0::2] + acc[..., 1::2]
+    return acc[..., 0].bfloat16()
+
+
 class Inputs:
     """One KDA step's operands at H heads, B requests of T tokens, over a pool of S slots."""
 
@@ -63,7 +88,8 @@ class Inputs:
         row = randn(B, T, 4 * W + K + H).bfloat16()  # the in-projection: q|k|v|g|f_a|b
         self.q, self.k, self.v, self.g = (row[..., i * W:(i + 1) * W] for i in range(4))
         self.fa, self.b = row[..., 4 * W:4 * W + K], row[..., 4 * W + K:]
-        self.fb_weight = randn(W, K, scale=K**-0.5).bfloat16()
+        self.fa.copy_(on_grid(self.fa, 4))
+        self.fb_weight = on_grid(randn(W, K, scale=K**-0.5), 64).bfloat16()
         self.graw = F.linear(self.fa, self.fb_weight)
         S = B + extra_slots
         self.conv_state = randn(S, 3 * W, taps - 1).bfloat16()
@@ -128,17 +154,20 @@ def check_step(inp, steps=1, gen=None, fb=False, norm_fp32=False):
         run = fb_kernel.fb_kda_decode_cuda if fb else kernel.kda_decode_cuda
         got = run(*inp.args(conv, state, fb=fb), norm_fp32, out=out)
         assert got is out, "the kernel did not run (fallback)"
-        if fb:  # the reference's graw from the same GEMM (tests/kernels/test_gemv.py checks it):
-            # one bf16 rounding flip of graw moves α by up to ~8% where e^A·σ' is large
-            rows = inp.fa.reshape(-1, K)
-            graw = router.linear(rows, inp.fb_weight)
-            torch.testing.assert_close(graw.float(), F.linear(rows, inp.fb_weight).float(),
-                                       **TOL["bf16"])
-            inp.graw = graw.view(inp.B, inp.T, -1)
+        if fb:  # the reference's bf16 linear, exact on `on_grid` inputs (any summation order)
+            inp.graw = exact_graw(inp.fa, inp.fb_weight)
         other = kda_decode_ref(*inp.args(ref_conv.clone(), ref_state.clone()), not norm_fp32)
         ref = kda_decode_ref(*inp.args(ref_conv, ref_state), norm_fp32)
         compare(got, ref, conv, ref_conv, state, ref_state, inp, conv0, state0)
         assert_own_norm(got, ref, other)
+
+
+def exact_graw(fa, w):
+    """F.linear(fa, w) on `on_grid` inputs: the exact sum (float64) rounded once, checked equal
+    to the bf16 linear computed in fp32 (cuBLAS's bf16 GEMM may reduce in bf16)."""
+    graw = (fa.double() @ w.double().t()).bfloat16()
+    assert torch.equal(graw, F.linear(fa.float(), w.float()).bfloat16()), "fa, W_fb off the grid"
+    return graw
 
 
 def assert_own_norm(got, ref, other):
@@ -215,15 +244,96 @@ def test_bf16_params(gen, which, B, T, fb):
     check_step(Inputs(gen, B, T).bf16_params(which), steps=2, gen=gen, fb=fb, norm_fp32=True)
 
 
+def no_gemm(monkeypatch):
+    """fb_kda_decode's two-launch path (its GEMM) fails the test if taken."""
+    def gemm(*_):
+        raise AssertionError("fb_kda_decode took its two launches")
+    monkeypatch.setattr(fb_kernel, "linear", gemm)
+
+
+def two_launches(monkeypatch):
+    """fb_kda_decode refuses its one-launch build: the GEMM, then kda_decode."""
+    monkeypatch.setattr(fb_kernel, "fb_refusal", lambda *_: "forced by the test")
+
+
+@pytest.mark.parametrize("T", [1, 8])
+@pytest.mark.parametrize("B", [1, 2, 8, 64])
 @pytest.mark.usefixtures("cuda_kernels")
 @pytest.mark.gpu
-def test_fb_kda_decode_contiguous_fa(gen):
-    """f_a in rows of its own (16-byte-aligned): the skinny GEMM takes f_b at one row; the
-    in-projection's column slice (row stride 3206) goes to cuBLAS."""
-    inp = Inputs(gen, 1, 1)
+def test_fb_one_launch(gen, B, T, monkeypatch):
+    """The f_b build (graw in each CTA's prologue, from the in-projection's column slice of fa)
+    at one TP16 rank (R = 128) against the reference, two steps on carried states."""
+    no_gemm(monkeypatch)
+    inp = Inputs(gen, B, T)
+    assert inp.fa.stride()[:2] != (T * K, K), "fa is a column slice of the in-projection"
+    assert fb_kernel.fb_refusal(inp.fa, inp.fb_weight, inp.q) is None
+    check_step(inp, steps=2, gen=gen, fb=True)
+
+
+@pytest.mark.usefixtures("cuda_kernels")
+@pytest.mark.gpu
+def test_fb_one_launch_contiguous_fa(gen, monkeypatch):
+    """f_a in rows of its own (16-byte-aligned) is taken too."""
+    no_gemm(monkeypatch)
+    inp = Inputs(gen, 2, 1)
     inp.fa = inp.fa.contiguous()
-    assert gemv.can_implement(inp.fa.reshape(-1, K), inp.fb_weight)
     check_step(inp, fb=True)
+
+
+@pytest.mark.parametrize("B,T", [(1, 1), (8, 8), (64, 1)])
+@pytest.mark.usefixtures("cuda_kernels")
+@pytest.mark.gpu
+def test_fb_paths_agree(gen, B, T, monkeypatch):
+    """One launch and two launches (GEMM, then kda_decode) on the same inputs and states: the
+    same graw (exact sums on the grid), so outputs and states agree (in fact bit for bit)."""
+    inp = Inputs(gen, B, T)
+    results = []
+    for one in (True, False):
+        with monkeypatch.context() as m:
+            if one:
+                no_gemm(m)
+            else:
+                two_launches(m)
+            conv, state = inp.conv_state.clone(), inp.state.clone()
+            out = poisoned(B, T, inp.H, K)
+            assert fb_kernel.fb_kda_decode_cuda(*inp.args(conv, state, fb=True), out=out) is out
+            results.append((out, conv, state))
+    (o1, c1, s1), (o2, c2, s2) = results
+    assert_written(o1, o2)
+    torch.testing.assert_close(o1.float(), o2.float(), **TOL["bf16"])
+    assert torch.equal(c1, c2)
+    torch.testing.assert_close(s1, s2, **STATE_TOL)
+
+
+@pytest.mark.parametrize("B,T", [(1, 1), (64, 8)])
+@pytest.mark.usefixtures("cuda_kernels")
+@pytest.mark.gpu
+def test_fb_is_one_kernel(gen, B, T):
+    """k3::fb_kda_decode launches one kernel per call (issue 21: no f_b GEMM of its own)."""
+    inp = Inputs(gen, B, T)
+    args = inp.args(inp.conv_state.clone(), inp.state.clone(), fb=True)
+    torch.ops.k3.fb_kda_decode(*args)  # compiled, and any first-call work done
+    torch.cuda.synchronize()
+    activities = [torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        torch.ops.k3.fb_kda_decode(*args)
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert len(kernels) == 1, kernels
+
+
+@pytest.mark.usefixtures("cuda_kernels")
+@pytest.mark.gpu
+@pytest.mark.parametrize("R", [100, 120])
+def test_fb_refused_rank_takes_two_launches(gen, caplog, R):
+    """f_a rank 100 (not a multiple of 8) and 120 (not 8·2^i): the one-launch build refuses it
+    (logged), the GEMM and the kda_decode kernel run and equal the reference."""
+    inp = Inputs(gen, 2, 1)
+    inp.fa, inp.fb_weight = inp.fa[..., :R], inp.fb_weight[:, :R].contiguous()
+    assert "f_a rank" in fb_kernel.fb_refusal(inp.fa, inp.fb_weight, inp.q)
+    with caplog.at_level(logging.DEBUG, logger="k3compile.kernels"):
+        check_step(inp, fb=True)
+    assert f"f_a rank {R}" in caplog.text and "two launches" in caplog.text
 
 
 @pytest.mark.usefixtures("cuda_kernels")
@@ -476,6 +586,102 @@ def test_build_flags_enter_the_key_only_when_set(monkeypatch):
     assert keys == [((1, 6, 4, cfg), {"rows": 1})] * 2 + [
         ((1, 6, 4, cfg), {"rows": 1, "norm_fp32": True, "a_log_bf16": True}),
         ((1, 6, 4, cfg), {"rows": 1, "dt_bias_bf16": True})]
+
+
+def test_fb_rank_enters_the_key_only_when_set(monkeypatch):
+    """The f_b build is a kernel of its own (key fb_rank = R); without it the key is as before."""
+    keys = []
+    monkeypatch.setattr(kernel.KERNEL, "compiled", lambda *a, **kw: keys.append((a, kw)))
+    kernel.compiled(1, 6, 4, 1, False, False, False, 0)
+    kernel.compiled(1, 6, 4, 1, False, False, False, 128)
+    kernel.compiled(8, 6, 4, 64, True, False, False, 64)
+    cfg1, cfg64 = kernel.config(1, 6, 4, 1), kernel.config(8, 6, 4, 64)
+    assert keys == [((1, 6, 4, cfg1), {"rows": 1}), ((1, 6, 4, cfg1), {"rows": 1, "fb_rank": 128}),
+                    ((8, 6, 4, cfg64), {"rows": 64, "norm_fp32": True, "fb_rank": 64})]
+
+
+@pytest.mark.parametrize("R", [8, 16, 32, 64, 128])
+@pytest.mark.parametrize("cfg", kernel.configs(), ids=cfg_id)
+def test_fb_graw_rows_are_covered_once(cfg, R):
+    """The f_b build's sweep (`KDADecode.fb_graw`: step, warp, lane -> row c, vector v) reads
+    every (row, vector) of the head's W_fb once, and one lane (v = 0) stores each row's sums."""
+    tl = kernel.tile(cfg)
+    L = R // 8
+    rows = 32 // L * tl.warps
+    seen = torch.zeros(K, L, dtype=torch.int)
+    stores = torch.zeros(K, dtype=torch.int)
+    for step in range(-(-K // rows)):
+        for warp in range(tl.warps):
+            for lane in range(32):
+                c, v = step * rows + warp * (32 // L) + lane // L, lane % L
+                if c < K:
+                    seen[c, v] += 1
+                    stores[c] += v == 0
+    assert torch.equal(seen, torch.ones_like(seen)) and torch.equal(stores, torch.ones_like(stores))
+
+
+def test_grid_inputs_make_graw_exact():
+    """On the grid (`on_grid`) the f_b build's order, fp32 F.linear and the float64 sum round to
+    the same graw; off it, the build's order is within the bf16 tolerance of F.linear."""
+    inp = Inputs(_cpu_gen(), 4, 8, H=2, device="cpu")
+    exact = (inp.fa.double() @ inp.fb_weight.double().t()).bfloat16()
+    assert torch.equal(fb_graw_model(inp.fa, inp.fb_weight), exact)
+    assert torch.equal(F.linear(inp.fa.float(), inp.fb_weight.float()).bfloat16(), exact)
+    assert torch.equal(F.linear(inp.fa, inp.fb_weight), exact)
+    fa, w = torch.randn(64, K).bfloat16(), (torch.randn(256, K) / K**0.5).bfloat16()
+    torch.testing.assert_close(fb_graw_model(fa, w).float(), F.linear(fa, w).float(),
+                               **TOL["bf16"])
+
+
+def test_fb_refusals():
+    """The one-launch build's limits (`kda_decode.fb_refusal`): fa bf16 with its last dim
+    contiguous (any row stride: the in-projection's slice), W_fb contiguous bf16 [H·K, R],
+    R = 8·2^i <= 128. fb_kda_decode's own refusal is kda_decode's either way."""
+    inp = Inputs(_cpu_gen(), 2, 3, H=2, device="cpu")
+    fa, w, q = inp.fa, inp.fb_weight, inp.q
+    assert fa.stride(1) == 4 * 2 * K + K + 2 and fb_kernel.fb_refusal(fa, w, q) is None
+    assert fb_kernel.fb_refusal(fa.contiguous(), w, q) is None
+    for R in (8, 16, 32, 64):
+        assert fb_kernel.fb_refusal(fa[..., :R], w[:, :R].contiguous(), q) is None
+    for R in (100, 120, 24, 4, 256):
+        wide = torch.zeros(*fa.shape[:2], R, dtype=torch.bfloat16)
+        why = fb_kernel.fb_refusal(wide, torch.zeros(2 * K, R, dtype=torch.bfloat16), q)
+        assert why and f"f_a rank {R}" in why, why
+
+    def refused(fa_, w_, words):
+        why = fb_kernel.fb_refusal(fa_, w_, q)
+        assert why and words in why, why
+
+    refused(fa.float(), w, "fa:")
+    refused(strided(fa), w, "fa:")
+    refused(fa[:1], w, "fa:")
+    refused(fa, w.float(), "fb_weight:")
+    refused(fa, w.t().contiguous().t(), "fb_weight:")
+    refused(fa, w[:K], "fb_weight:")
+    args = inp.args(inp.conv_state, inp.state, fb=True)
+    assert fb_kernel.refusal(*args) is None
+    bad = list(args)
+    bad[4] = torch.zeros(*fa.shape[:2], 120, dtype=torch.bfloat16)
+    bad[5] = torch.zeros(2 * K, 120, dtype=torch.bfloat16)
+    assert fb_kernel.refusal(*bad) is None, "a rank the one launch refuses: still our kernels"
+    long = Inputs(_cpu_gen(), 1, kernel.MAX_TOKENS + 1, H=1, device="cpu")
+    why = fb_kernel.refusal(*long.args(long.conv_state, long.state, fb=True))
+    assert why and "tokens" in why
+
+
+def test_fb_refused_rank_off_gpu_takes_two_launches(caplog):
+    """fb_kda_decode with a rank its one launch refuses: the refusal is logged (two launches),
+    which off the GPU run their references; the values are the op's reference's."""
+    inp = Inputs(_cpu_gen(), 2, 2, H=2, device="cpu")
+    inp.fa, inp.fb_weight = inp.fa[..., :120], inp.fb_weight[:, :120].contiguous()
+    conv, state = inp.conv_state.clone(), inp.state.clone()
+    with caplog.at_level(logging.DEBUG, logger="k3compile.kernels"):
+        got = fb_kernel.fb_kda_decode_cuda(*inp.args(conv, state, fb=True))
+    assert "f_a rank 120" in caplog.text and "two launches" in caplog.text
+    ref_conv, ref_state = inp.conv_state.clone(), inp.state.clone()
+    inp.graw = F.linear(inp.fa, inp.fb_weight)
+    assert torch.equal(got, kda_decode_ref(*inp.args(ref_conv, ref_state)))
+    assert torch.equal(conv, ref_conv) and torch.equal(state, ref_state)
 
 
 def test_refusals():

@@ -2,7 +2,8 @@
 shapes with the config of every batch bucket, and at small shapes; the kernels with programmatic
 dependent launch also with it on (`settings.KERNELS.pdl`), checked in their PTX; gemv's one-launch
 variants (norm prologue, SiTU epilogue, split output) with PDL off and on, and its plain build
-byte for byte as before them; kda_decode's norm_fp32 build and its builds for bf16 A_log / dt_bias;
+byte for byte as before them; kda_decode's norm_fp32 build, its builds for bf16 A_log / dt_bias and
+its f_b build (fb_kda_decode in one launch);
 moe_route's build for a bf16 router bias. Needs only the DSL. The default run builds the first case of each
 kernel and of each gemv variant (a few seconds a build); the rest are `slow` (CI builds them)."""
 
@@ -254,6 +255,37 @@ def test_kda_bf16_params_build(flags, scalars, b, monkeypatch, tmp_path):
     assert more >= len(flags), count
     assert count["variant"]["ld.global"] == count["default"]["ld.global"], count
     assert count["variant"]["cvt.f32.bf16"] - count["default"]["cvt.f32.bf16"] == more, count
+
+
+# kda_decode's f_b build (fb_kda_decode in one launch) at (T, heads, taps), bucket, R: decode
+# and verify rows at one TP16 rank (R = 128) with the configs of batch 1 and 64 (clusters of 4
+# and 1), 16 tokens (4 W_fb loads in flight), R = 8 (one lane a row: rows past K at 8 warps), 64
+FB = [((1, 6, 4), 1, 128), ((8, 6, 4), 64, 128), ((1, 6, 4), 64, 128), ((8, 6, 4), 1, 128),
+      ((16, 6, 4), 1, 128), ((16, 6, 4), 64, 128), ((1, 6, 4), 64, 8), ((2, 4, 4), 8, 64)]
+
+
+@pytest.mark.parametrize("scalars,b,R", _first_of_each(FB, lambda case: "fb"), ids=str)
+@pytest.mark.parametrize("pdl", [False, True])
+def test_kda_fb_builds(scalars, b, R, pdl, monkeypatch, tmp_path):
+    """The variant compiles for sm_90a without spills; W_fb's rows are read in 16-byte vectors
+    (more of them than the default build's state rows alone) and summed over lanes by shuffles;
+    with PDL nothing is stored before the wait."""
+    monkeypatch.setenv("CUTE_DSL_ARCH", ARCH)
+    cfg = kda_decode.config(*scalars, b)
+    for sub in ("v", "d"):
+        (tmp_path / sub).mkdir()
+    variant = kda_decode.build(*scalars, cfg, arch=ARCH, dump_dir=str(tmp_path / "v"),
+                               pdl=pdl, fb_rank=R)
+    _check_cubin(variant)
+    default = kda_decode.build(*scalars, cfg, arch=ARCH, dump_dir=str(tmp_path / "d"), pdl=pdl)
+    v4 = [sum(ptx_of(c).count(op) for op in ("ld.global.v4", "ld.global.nc.v4"))
+          for c in (variant, default)]
+    assert v4[0] > v4[1], v4
+    shfl = "shfl.sync.bfly"
+    assert (ptx_of(variant).count(shfl) > ptx_of(default).count(shfl)) == (R > 8)
+    if pdl:
+        before = ptx_of(variant)[:ptx_of(variant).index(WAIT)]
+        assert not [op for op in ("st.global", "st.shared") if op in before]
 
 
 # moe_route's build for a bf16 router bias (a Moonshot model cast to bf16 whole): at the K3 router

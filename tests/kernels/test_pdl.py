@@ -8,13 +8,12 @@ same graph captured with PDL off gives bitwise the same outputs (the math does n
   * the shared expert into the next mix: rms_norm -> GEMM (gate|up) -> situ -> GEMM (down,
     + residual) -> attn_res_mix_norm;
   * the layer fronts: router GEMM (fp32) -> moe_route, q_a|kv_a GEMM -> mla_lowrank_norm, KDA
-    in-projection GEMM -> fb_kda_decode (its f_b GEMM is cuBLAS's: a foreign kernel between two
-    of ours) on carried states.
+    in-projection GEMM -> fb_kda_decode (one launch: the f_b sums inside it read fa, the GEMM's
+    column slice, after the wait) on carried states.
 """
 
 import pytest
 import torch
-import torch.nn.functional as F
 from k3compile.kernels import (
     attn_res_mix_norm,
     fb_kda_decode,
@@ -33,6 +32,7 @@ from tests.fusions.test_attn_res_mix_norm_kernel import make_inputs as mix_input
 from tests.fusions.test_attn_res_mix_norm_kernel import model as mix_model
 from tests.fusions.test_kda_decode_kernel import Inputs as KDAInputs
 from tests.fusions.test_kda_decode_kernel import compare as kda_compare
+from tests.fusions.test_kda_decode_kernel import fb_graw_model
 from tests.fusions.test_mla_lowrank_norm_kernel import model as norm_model
 from tests.fusions.test_moe_route_kernel import by_id
 from tests.fusions.test_moe_route_kernel import expected as route_expected
@@ -216,7 +216,8 @@ class FrontChain:
         close(self.inproj, gemm_model(self.x, self.w_in))
         k = self.kda
         conv0, s0 = state0
-        k.graw = F.linear(k.fa.reshape(self.m, KDA_K), k.fb_weight).view(self.m, 1, -1)
+        # graw as fb_kda_decode's one launch sums it (fa is a GEMM's output, off the grid)
+        k.graw = fb_graw_model(k.fa, k.fb_weight)
         ref_conv, ref_state = conv0.clone(), s0.clone()
         ref = kda_decode_ref(*k.args(ref_conv, ref_state))
         kda_compare(self.o, ref, k.conv_state, ref_conv, k.state, ref_state, k, conv0, s0)
