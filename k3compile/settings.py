@@ -18,7 +18,7 @@ from typing import Any
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 GEMV_VARIANTS = ("norm", "situ", "gate", "split")
-GEMV_DEFAULT = frozenset({"norm", "situ", "gate"})
+GEMV_DEFAULT = frozenset({"norm", "situ", "gate", "split"})
 ALLREDUCE_ALGORITHMS = ("one_shot", "two_shot", "nccl")
 
 _TRUE = ("1", "true", "yes", "on")
@@ -40,9 +40,11 @@ SWITCHES: dict[str, tuple[str, str]] = {
     "K3_FRONT_ROUTE": (("option `front_route`: moe_front + moe_route as one op (CUDA: with "
                         "K3_KERNELS_EXTRA=moe_front_route)"), "0"),
     "K3_GEMV_FUSED": ("kernels: gemv's one-launch variants (`norm,situ,gate,split`, `all`, `0`)",
-                      "norm,situ,gate"),
+                      "norm,situ,gate,split"),
     "K3_MOE_GROUPED": ("kernels: `moe_experts` by expert on tensor cores at 8-64 rows", "0"),
     "K3_MOE_F16": ("kernels: `moe_experts` FC1 decodes into packed fp16 math (fma.rn.f16x2)", "0"),
+    "K3_KDA_FB": (("kernels: `fb_kda_decode` in one launch (the KDA kernel computes the f_b "
+                   "projection itself; the default is the f_b GEMM, then the KDA kernel)"), "0"),
     "K3_KERNELS_EXTRA": (("kernels: also register these opt-in kernel modules (slower than the "
                           "default on the H200: moe_front_route, oproj_mix, moe_one_launch; not "
                           "in the yardstick yet: mla_q_absorb; docs/decisions.md)"), ""),
@@ -265,6 +267,7 @@ class KernelSettings:
     cache_dir: str | None = None  # kernels/common/disk_cache.py, k3compile/rewrite/trace_cache.py
     moe_grouped: bool = False  # moe_experts by expert at 8-64 rows (kernels/moe_experts.py)
     moe_f16: bool = False  # moe_experts FC1's packed fp16 decode (kernels/moe_experts.py)
+    kda_fb: bool = False  # fb_kda_decode's one-launch build (kernels/fb_kda_decode.py)
     build_workers: int = 0  # a bucket's kernels built by a pool (kernels/common/build_pool.py);
     # from_env's default is `auto` (parse_workers)
 
@@ -282,6 +285,7 @@ class KernelSettings:
                    allreduce=allreduce, cache_dir=parse_cache_dir(env("K3_CACHE_DIR")),
                    moe_grouped=bool(env_bool("K3_MOE_GROUPED")),
                    moe_f16=bool(env_bool("K3_MOE_F16")),
+                   kda_fb=bool(env_bool("K3_KDA_FB")),
                    build_workers=parse_workers(env("K3_BUILD_WORKERS")))
 
     def fingerprint(self) -> list[str]:
@@ -289,7 +293,8 @@ class KernelSettings:
         return [f"pdl {self.pdl} rows<={self.pdl_max_rows}",
                 f"gemv_fused {sorted(self.gemv_fused)}", f"extra {list(self.extra)}",
                 f"skip {list(self.skip)}", f"allreduce {self.allreduce}",
-                f"moe_grouped {self.moe_grouped}", f"moe_f16 {self.moe_f16}"]
+                f"moe_grouped {self.moe_grouped}", f"moe_f16 {self.moe_f16}",
+                f"kda_fb {self.kda_fb}"]
 
 
 KERNELS = KernelSettings.from_env()

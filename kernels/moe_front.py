@@ -4,9 +4,11 @@
 
 bf16 × bf16 products are exact in fp32, so a bf16 GEMM accumulating and writing fp32 computes the
 reference's sums (in another order) without its fp32 copy of W_r.
-One launch at M <= gemv.GEMV_MAX_M where settings.KERNELS.gemv_fused names "split" (opt-in):
-gemv's split-output variant over [W_r; W_d] (`concatenated`: a view where the `pack` stage stored
-both as one buffer, else a second copy of both weights); otherwise two `router.linear` calls.
+One launch at M <= gemv.GEMV_MAX_M where settings.KERNELS.gemv_fused names "split" (the default
+since session 20: B1 the same time at one kernel fewer per layer on the H200): gemv's
+split-output variant over [W_r; W_d], read in place where the `pack` stage stored both as one
+buffer; otherwise (weights apart: a copy per call would cost more than the launch saves) two
+`router.linear` calls.
 
 Constraints:
     * x [N, D] rows, W_r [E, D], W_d [L, D]; non-bf16 activations take the reference's fp32 math.
@@ -17,7 +19,7 @@ Constraints:
 import torch
 
 from k3compile.ops import registry
-from k3compile.ops.linear_concat import concatenated
+from k3compile.ops.linear_concat import adjacent, concatenated
 
 from .common import gemv
 from .common.dsl import flat_rows, on_stream
@@ -36,8 +38,11 @@ def moe_front_cuda(x, router_w, down_w):
 
 
 def _split_refusal(x, router_w, down_w):
-    """Why the split variant cannot take the front, checked on the two weights before their
-    concatenation is built."""
+    """Why the split variant cannot take the front: weights that do not lie back to back (stage
+    `pack` off or refused: the variant would copy both, ~64 MB at one TP16 rank, on every call),
+    or gemv's limits on either."""
+    if not adjacent([router_w, down_w]):
+        return "the router and latent-down weights are not packed into one buffer"
     return (gemv.launch_refusal(gemv.refusal, x, router_w, None, None, torch.float32)
             or gemv.launch_refusal(gemv.refusal, x, down_w, None, None, torch.bfloat16))
 

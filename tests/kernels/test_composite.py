@@ -173,11 +173,12 @@ def test_norm_linear_fused(gen, monkeypatch, n, residual):
 
 @pytest.mark.parametrize("n", BUCKETS)
 def test_moe_front_fused(gen, monkeypatch, n):
-    """One pass over the cached [W_r; W_d] gives bitwise the two GEMMs' logits and z."""
+    """One pass over [W_r; W_d] packed in one buffer (as stage `pack` stores them) gives bitwise
+    the two GEMMs' logits and z."""
     calls = spy(monkeypatch, "gemv_split_cuda")
     x = _bf16(gen, n, HIDDEN)
-    router_w = _bf16(gen, EXPERTS, HIDDEN, scale=HIDDEN ** -0.5)
-    down_w = _bf16(gen, LATENT, HIDDEN, scale=HIDDEN ** -0.5)
+    packed = _bf16(gen, EXPERTS + LATENT, HIDDEN, scale=HIDDEN ** -0.5)
+    router_w, down_w = packed[:EXPERTS], packed[EXPERTS:]
     off, on = both_ways(monkeypatch, torch.ops.k3.moe_front, x, router_w, down_w)
     assert len(calls) == (n <= gemv.GEMV_MAX_M)
     assert torch.equal(on[0], off[0]) and torch.equal(on[1], off[1])
@@ -265,3 +266,16 @@ def test_fused_composites_under_cuda_graphs_with_and_without_pdl(gen, monkeypatc
         ops.check(results[True])
         for on, off in zip(results[True], results[False], strict=True):
             assert torch.equal(on, off), "PDL changed a result"
+
+
+def test_split_front_takes_packed_weights_only():
+    """The split variant reads [W_r; W_d] in place or not at all: weights apart (stage `pack`
+    off or refused) would be copied on every call, so the front takes its two launches."""
+    from k3compile.kernels.moe_front import _split_refusal
+
+    x = torch.zeros(1, HIDDEN, dtype=torch.bfloat16)
+    apart = [torch.zeros(n, HIDDEN, dtype=torch.bfloat16) for n in (EXPERTS, LATENT)]
+    assert "not packed" in _split_refusal(x, *apart)
+    packed = torch.zeros(EXPERTS + LATENT, HIDDEN, dtype=torch.bfloat16)
+    why = _split_refusal(x, packed[:EXPERTS], packed[EXPERTS:])
+    assert why is None or "not packed" not in why

@@ -395,7 +395,7 @@ def test_fusion_is_in_the_compile_key(monkeypatch):
 
 def test_switch_names_variants_and_is_read_at_call_time(monkeypatch):
     if "K3_GEMV_FUSED" not in os.environ:
-        assert settings.KERNELS.gemv_fused == {"norm", "situ", "gate"}, "split (a second weight copy) is opt-in"
+        assert settings.KERNELS.gemv_fused == {"norm", "situ", "gate", "split"}
     assert settings.parse_gemv_fused(None) == settings.GEMV_DEFAULT
     assert settings.parse_gemv_fused("0") == settings.parse_gemv_fused("") == frozenset()
     assert settings.parse_gemv_fused("1") == settings.parse_gemv_fused("all") == set(settings.GEMV_VARIANTS)
