@@ -3,10 +3,14 @@ KDA recurrent step.
 
     graw = bf16(fa · W_fbᵀ);  o = kda_decode(q, k, v, g, graw, b, ...)
 
-One launch: the kda_decode kernel's f_b build (`fb_rank` R), each CTA computing the graw of its
-head in its prologue (fp32 sums, one bf16 rounding, as the GEMM's output). Where that build
-refuses (reason logged and counted), two launches: `router.linear` on the flat rows (our skinny
-GEMM at one row, cuBLAS above), then the kda_decode kernel.
+Two launches by default: `router.linear` on the flat rows (our skinny GEMM at one row, cuBLAS
+above), then the kda_decode kernel. With K3_KDA_FB (`settings.KERNELS.kda_fb`), one launch: the
+kda_decode kernel's f_b build (`fb_rank` R), each CTA computing the graw of its head in its
+prologue (fp32 sums, one bf16 rounding, as the GEMM's output); where that build refuses (reason
+logged and counted), the two launches. Opt-in: on the H200 (session 20, two machine starts) B1
+went 90.2 -> 92.9 µs per layer with it, inside the spread between processes but the kernel sums
+agree (the graw sums run after the PDL wait, on the critical path, where the GEMM's weight loads
+ran before its wait); an A/B in one machine start decides.
 
 Constraints:
     * fa [B, T, R], W_fb [H·K, R]; the rest as kda_decode (refused inputs run its reference,
@@ -18,6 +22,7 @@ Constraints:
 import torch
 
 from k3compile.ops import registry
+from k3compile.settings import KERNELS
 
 from . import kda_decode
 from .common.dsl import bucket, fallback
@@ -49,6 +54,8 @@ def fb_kda_decode_cuda(q, k, v, g, fa, fb_weight, b, conv_state, recurrent_state
         return kda_decode_cuda(*args[:4], graw, *args[6:], *scalars, norm_fp32, out=out)
 
     if refusal(*args, norm_fp32=norm_fp32):  # kda_decode's own: its fallback, logged there
+        return two_launches()
+    if not KERNELS.kda_fb:  # the default until an A/B in one machine start decides (K3_KDA_FB)
         return two_launches()
     if reason := fb_refusal(fa, fb_weight, q):
         fallback(OP, f"{reason}; two launches")

@@ -30,6 +30,7 @@ from k3compile.kernels import fb_kda_decode as fb_kernel
 from k3compile.kernels import kda_decode as kernel
 
 from k3compile.ops.kda_decode import kda_decode_ref
+from k3compile.settings import KERNELS
 from tests.kernel_checks import (
     BUCKETS,
     TOL,
@@ -48,6 +49,13 @@ SCALARS = {"lower_bound": -5.0, "l2_eps": 1e-6, "q_scale": K**-0.5, "norm_eps": 
 # state row or column by ~1e-4. Indexing errors move it by O(0.1).
 STATE_TOL = {"rtol": 1e-3, "atol": 2e-3}
 STATE_REL_NORM = 1e-4
+
+
+@pytest.fixture(autouse=True)
+def one_launch_fb(monkeypatch):
+    """fb_kda_decode's one-launch build is opt-in (K3_KDA_FB): on for this module's tests, whose
+    two-launch cases force that path themselves (`two_launches`)."""
+    monkeypatch.setattr(KERNELS, "kda_fb", True)
 
 
 def cfg_id(cfg):
@@ -721,5 +729,20 @@ def test_off_gpu_runs_the_reference(caplog):
         got = kernel.kda_decode_cuda(*inp.args(conv, state))
     assert "kda_decode" in caplog.text
     ref_conv, ref_state = inp.conv_state.clone(), inp.state.clone()
+    assert torch.equal(got, kda_decode_ref(*inp.args(ref_conv, ref_state)))
+    assert torch.equal(conv, ref_conv) and torch.equal(state, ref_state)
+
+
+def test_fb_two_launches_by_default(caplog, monkeypatch):
+    """Without K3_KDA_FB, fb_kda_decode takes the GEMM and then kda_decode, logging no refusal
+    (it is the default, not a fallback); off the GPU they run their references: the op's values."""
+    monkeypatch.setattr(KERNELS, "kda_fb", False)
+    inp = Inputs(_cpu_gen(), 2, 2, H=2, device="cpu")
+    conv, state = inp.conv_state.clone(), inp.state.clone()
+    with caplog.at_level(logging.DEBUG, logger="k3compile.kernels"):
+        got = fb_kernel.fb_kda_decode_cuda(*inp.args(conv, state, fb=True))
+    assert "two launches" not in caplog.text
+    ref_conv, ref_state = inp.conv_state.clone(), inp.state.clone()
+    inp.graw = F.linear(inp.fa, inp.fb_weight)
     assert torch.equal(got, kda_decode_ref(*inp.args(ref_conv, ref_state)))
     assert torch.equal(conv, ref_conv) and torch.equal(state, ref_state)

@@ -260,10 +260,17 @@ def replay(chain, graph):
 CHAINS = {"shared_expert": SharedExpertChain, "front": FrontChain}
 
 
+@pytest.fixture
+def one_launch_fb(monkeypatch):
+    """FrontChain's fb_kda_decode as one launch (opt-in, K3_KDA_FB): its graw model is that
+    build's summation order."""
+    monkeypatch.setattr(settings.KERNELS, "kda_fb", True)
+
+
 def on_every_chain(test):
     """Every chain at M = 1 (gemv) and 8 (gemm_tc), on a GPU with the kernels registered."""
     for mark in (pytest.mark.parametrize("name", CHAINS), pytest.mark.parametrize("m", [1, 8]),
-                 pytest.mark.usefixtures("cuda_kernels"), pytest.mark.gpu):
+                 pytest.mark.usefixtures("cuda_kernels", "one_launch_fb"), pytest.mark.gpu):
         test = mark(test)
     return test
 
