@@ -15,6 +15,13 @@ if ls .devcarry/ct/*.whl >/dev/null 2>&1 && ! python3 -c "import compressed_tens
   export PYTHONPATH=$PYTHONPATH:/tmp/ct
 fi
 [ -d .moonshot ] && export K3_MOONSHOT_DIR=${K3_MOONSHOT_DIR:-$PWD/.moonshot}
+# The DSL's bytecode, once per machine: the carry unpacks its sources only (pip --no-compile) and
+# the machine sets PYTHONDONTWRITEBYTECODE, so each process compiled ~560 of them again (2.0 s of
+# the first kernel call, session 20's warm-start profile); a pip install compiles them once.
+if [ -d /tmp/site/nvidia_cutlass_dsl ] && [ ! -f /tmp/site/.k3-bytecode ]; then
+  python3 -m compileall -q -j 0 /tmp/site/nvidia_cutlass_dsl/dsl_packages >/dev/null 2>&1
+  touch /tmp/site/.k3-bytecode
+fi
 t0=$(date +%s)
 step() {  # $1: name, $2: timeout (s), rest: command
   local name=$1 limit=$2; shift 2
