@@ -7,7 +7,7 @@ in a CUDA graph with PDL on and off."""
 
 import pytest
 import torch
-from k3compile.kernels.common import gemv
+from k3compile.kernels.common import dsl, gemv
 
 from k3compile import settings
 from k3compile.ops.attn_res_mix_norm import attn_res_mix_norm_ref
@@ -173,15 +173,24 @@ def test_norm_linear_fused(gen, monkeypatch, n, residual):
 
 @pytest.mark.parametrize("n", BUCKETS)
 def test_moe_front_fused(gen, monkeypatch, n):
-    """One pass over [W_r; W_d] packed in one buffer (as stage `pack` stores them) gives bitwise
-    the two GEMMs' logits and z."""
+    """One pass over [W_r; W_d] packed in one buffer (as stage `pack` stores them) gives the two
+    GEMMs' logits and z: bit for bit where its config sums in their order (the same threads per
+    row, with K), else to the rounding of another summation order (the tuned table can pick
+    other threads for the split's N than for the router's: seen on the H200, session 20)."""
     calls = spy(monkeypatch, "gemv_split_cuda")
     x = _bf16(gen, n, HIDDEN)
     packed = _bf16(gen, EXPERTS + LATENT, HIDDEN, scale=HIDDEN ** -0.5)
     router_w, down_w = packed[:EXPERTS], packed[EXPERTS:]
     off, on = both_ways(monkeypatch, torch.ops.k3.moe_front, x, router_w, down_w)
     assert len(calls) == (n <= gemv.GEMV_MAX_M)
-    assert torch.equal(on[0], off[0]) and torch.equal(on[1], off[1])
+    m = dsl.bucket(n)
+    threads = {gemv.config(EXPERTS + LATENT, HIDDEN, m, gemv.Fusion(split=EXPERTS)).threads,
+               gemv.config(EXPERTS, HIDDEN, m).threads, gemv.config(LATENT, HIDDEN, m).threads}
+    if len(calls) == 0 or len(threads) == 1:
+        assert torch.equal(on[0], off[0]) and torch.equal(on[1], off[1])
+    else:
+        assert rel_err(on[0], off[0]) < 1e-6
+        assert rel_err(on[1], off[1]) < TOL["bf16_rel_norm"]
     want_logits, want_z = moe_front_ref(x, router_w, down_w)
     assert rel_err(on[0], want_logits) < 1e-5
     assert rel_err(on[1], want_z) < TOL["bf16_rel_norm"]
