@@ -7,10 +7,9 @@ Two launches by default: `router.linear` on the flat rows (our skinny GEMM at on
 above), then the kda_decode kernel. With K3_KDA_FB (`settings.KERNELS.kda_fb`), one launch: the
 kda_decode kernel's f_b build (`fb_rank` R), each CTA computing the graw of its head in its
 prologue (fp32 sums, one bf16 rounding, as the GEMM's output); where that build refuses (reason
-logged and counted), the two launches. Opt-in: on the H200 (session 20, two machine starts) B1
-went 90.2 -> 92.9 µs per layer with it, inside the spread between processes but the kernel sums
-agree (the graw sums run after the PDL wait, on the critical path, where the GEMM's weight loads
-ran before its wait); an A/B in one machine start decides.
+logged and counted), the two launches. Opt-in: on the H200 (session 20, A/B/A in one machine
+start) it lost 6.6% at B1 and 5.4% at B1xT8 and tied at B8: the graw sums run after the PDL wait,
+on the critical path, where the GEMM's weight loads ran before its own wait.
 
 Constraints:
     * fa [B, T, R], W_fb [H·K, R]; the rest as kda_decode (refused inputs run its reference,
