@@ -55,6 +55,7 @@ from typing import Any
 
 import torch
 from torch import fx
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from k3compile.files import BadEntry, read_entry, write_entry
 from k3compile.graph import fake_value
@@ -102,14 +103,41 @@ def key_text(gm: fx.GraphModule, ctx, stage_names: list[str]) -> str | None:
     if ctx.options.verify:
         return None  # the stages run the graph on the real weights
     try:
-        graph = trace_cache.encode_graph(gm.graph)
+        graph = trace_cache.encode_graph(gm.graph, attrs=True)
         inputs = [_describe_value(n.meta.get("val")) for n in gm.graph.nodes
                   if n.op == "placeholder"]
-    except trace_cache.Unstorable:
+        constants = {n.target: _describe_constant(getattr(gm, n.target))
+                     for n in gm.graph.nodes if n.op == "get_attr"}
+    except (trace_cache.Unstorable, AttributeError):
         return None
     return json.dumps({"format": FORMAT, "graph": graph, "inputs": inputs,
-                       "stacks": module_stacks(gm.graph, keys=False),
+                       "constants": constants, "stacks": module_stacks(gm.graph, keys=False),
                        **_context(ctx, stage_names, inputs)}, sort_keys=True)
+
+
+MAX_CONSTANT = 4096  # elements of a tensor constant the key holds by value
+
+
+def _describe_constant(v) -> list:
+    """A tensor constant of the graph (`torch.tensor([...])` in the model's code, which
+    AOTAutograd makes an attribute) by value: the key tells other values apart, and a link's
+    graph is rebuilt with it (`_constants`). Large or non-tensor attributes: Unstorable."""
+    if not isinstance(v, torch.Tensor) or isinstance(v, torch.nn.Parameter) or \
+            v.numel() > MAX_CONSTANT or v.is_quantized or v.layout != torch.strided:
+        raise trace_cache.Unstorable("an attribute that is not a small tensor constant")
+    with inductor.unset_fake_temporarily():
+        values = v.detach().cpu().reshape(-1).tolist()
+    return [str(v.dtype), list(v.shape), str(v.device), values]
+
+
+def _constants(described: dict[str, list]) -> dict[str, torch.Tensor]:
+    """The tensors `_describe_constant` described (real, not fake, as AOTAutograd keeps them)."""
+    out = {}
+    with inductor.unset_fake_temporarily():
+        for name, (dtype, shape, device, values) in described.items():
+            dtype = getattr(torch, dtype.removeprefix("torch."))
+            out[name] = torch.tensor(values, dtype=dtype).reshape(shape).to(device)
+    return out
 
 
 def dynamo_key_text(gm: fx.GraphModule, inputs: list, ctx, stage_names: list[str]) -> str | None:
@@ -236,7 +264,8 @@ def store(path: Path, text: str, gm: fx.GraphModule, inputs: list, records: list
     """Write the entry for the graph the cached stages made (False: not describable)."""
     try:
         body = json.dumps({
-            "graph": trace_cache.encode_graph(gm.graph), "stacks": module_stacks(gm.graph),
+            "graph": trace_cache.encode_graph(gm.graph, attrs=True),
+            "stacks": module_stacks(gm.graph),
             "meta": _k3_meta(gm.graph), "reads": _reads(gm, inputs),
             "records": [[r.name, dict(r.ops_before), dict(r.ops_after), r.graph_after]
                         for r in records],
@@ -283,7 +312,7 @@ def load(path: Path, text: str, gm: fx.GraphModule, inputs: list) -> Entry:
         raise BadEntry(f"the tables the stages read differ (inputs {changed})")
     graph = trace_cache.decode_graph(body["graph"])
     _annotate(graph, [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"],
-              body["stacks"], body["meta"])
+              body["stacks"], body["meta"], _attributes(gm, graph))
     # no metadata of gm's (the cold compile's holds the stages' notes to themselves): the
     # GraphModule a later process hands Inductor is then the cold one's, to its FX graph cache
     out = fx.GraphModule(gm, graph)
@@ -306,7 +335,7 @@ def reloaded(path: Path, text: str, given: fx.GraphModule, inputs: list,
 
 
 def _annotate(graph: fx.Graph, values: list, stacks: dict[str, list],
-              meta: dict[str, dict]) -> None:
+              meta: dict[str, dict], constants: dict[str, torch.Tensor]) -> None:
     """Node values from the placeholders' `values` (those of the graph the pipeline received),
     in order, each node's module stack ([key, path, type], or [path, type] as a key holds them)
     and the stages' own metadata."""
@@ -315,9 +344,13 @@ def _annotate(graph: fx.Graph, values: list, stacks: dict[str, list],
         raise BadEntry(f"{len(mine)} placeholders for {len(values)} inputs")
     for n, v in zip(mine, values, strict=True):
         n.meta["val"] = v
+    fake_mode = None
     for n in graph.nodes:
         if n.op == "call_function":
             n.meta["val"] = fake_value(n.target, n.args, n.kwargs)
+        elif n.op == "get_attr":  # a tensor constant, fake in the inputs' mode as AOT has it
+            fake_mode = fake_mode or torch._guards.detect_fake_mode(values) or FakeTensorMode()
+            n.meta["val"] = fake_mode.from_tensor(constants[n.target])
     set_module_stacks(graph, stacks)
     env = {n.name: n for n in graph.nodes}
     for name, data in meta.items():
@@ -416,15 +449,27 @@ def aten_graph(aten_text: str, values: list, key: dict | None = None) -> fx.Grap
               for v, d in zip(values, key["inputs"], strict=True)]
     for n, v in zip([n for n in graph.nodes if n.op == "placeholder"], values, strict=True):
         n.meta["val"] = v
-    gm = fx.GraphModule(torch.nn.Module(), graph)
+    root = torch.nn.Module()
+    for name, t in _constants(key.get("constants", {})).items():
+        setattr(root, name, t)  # AOTAutograd's tensor constants, where the graph reads them
+    gm = fx.GraphModule(root, graph)
     gm.meta[_INCOMPLETE] = (values, key["stacks"])
     return gm
+
+
+def _attributes(root: torch.nn.Module, graph: fx.Graph) -> dict[str, torch.Tensor]:
+    """The tensor constants `graph`'s get_attr nodes read, from `root`; BadEntry where one is
+    missing (an entry whose constants the given graph does not hold)."""
+    try:
+        return {n.target: getattr(root, n.target) for n in graph.nodes if n.op == "get_attr"}
+    except AttributeError as e:
+        raise BadEntry(f"a constant the entry reads is missing ({e})") from None
 
 
 def complete(gm: fx.GraphModule) -> fx.GraphModule:
     """`gm` with every node's value and module path, where `aten_graph` left them out."""
     if (missing := gm.meta.pop(_INCOMPLETE, None)) is not None:
-        _annotate(gm.graph, *missing, {})
+        _annotate(gm.graph, *missing, {}, _attributes(gm, gm.graph))
     return gm
 
 

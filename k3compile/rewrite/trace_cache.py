@@ -212,14 +212,18 @@ def load(path: Path, text: str) -> fx.GraphModule:
 _ENUMS = {"dtype": torch.dtype, "layout": torch.layout, "memory_format": torch.memory_format}
 
 
-def encode_graph(graph: fx.Graph) -> list:
-    return [[n.op, n.name, _encode_target(n), _encode(n.args), _encode(n.kwargs)]
+def encode_graph(graph: fx.Graph, attrs: bool = False) -> list:
+    """The graph as data; `attrs`: get_attr nodes too, by name (the caller keeps their values:
+    the stage cache's constants), else they make it Unstorable."""
+    return [[n.op, n.name, _encode_target(n, attrs), _encode(n.args), _encode(n.kwargs)]
             for n in graph.nodes]
 
 
-def _encode_target(n: fx.Node) -> Any:
+def _encode_target(n: fx.Node, attrs: bool = False) -> Any:
     if n.op in ("placeholder", "output"):
         return n.target
+    if n.op == "get_attr" and attrs and isinstance(n.target, str):
+        return ["attr", n.target]
     if n.op != "call_function":
         raise Unstorable(f"a {n.op} node")
     if n.target is operator.getitem:
@@ -255,6 +259,8 @@ def decode_graph(nodes: list) -> fx.Graph:
         args, kwargs = _decode(args, env), _decode(kwargs, env)
         if op == "call_function":
             target = _decode_target(target)
+        elif op == "get_attr" and isinstance(target, list) and target[:1] == ["attr"]:
+            target = target[1]
         elif op not in ("placeholder", "output"):
             raise BadEntry(f"node op {op!r}")
         node = graph.create_node(op, target, tuple(args), kwargs, name=name)

@@ -4,6 +4,7 @@ A recompile of the same graph in a fresh Dynamo (as in a new process) loads the 
 instead of running them: the same final graph, bitwise the same outputs, the same rewrite report
 and contract; `pack` still moves the new module's weights. A changed option or model shape misses;
 a corrupt entry, or one made from other table values, is logged, rebuilt and never loaded.
+A small tensor constant of the graph is part of the key by value (another value misses).
 A link entry keyed by Dynamo's graph (`skip_aot`) makes the recompile skip AOTAutograd where
 its wrappers do nothing: bitwise the same outputs and written state (executors aten and
 inductor, a static batch and `mark_batch`'s buckets); a changed option misses; a graph whose
@@ -236,6 +237,59 @@ def test_a_link_skips_aot_and_equals_cold(cache_dir, executor):
     assert c_cold.summary() == c_warm.summary()
     pack = next(iter(c_warm.observer.notes.values()))["pack"]  # replayed: this module's weights
     assert pack.packed and adjacent([model.gate, model.up])
+
+
+class ScaledBlock(Block):
+    """Block times a tensor constant built in the forward (as `torch.tensor([...])` in a model's
+    code: AOTAutograd makes it a get_attr of the ATen graph)."""
+
+    def __init__(self, seed: int, scale: list[float]):
+        super().__init__(seed)
+        self.scale = scale
+
+    def forward(self, x):
+        return super().forward(x) * torch.tensor(self.scale)
+
+
+def _scaled(scale: list[float], x, **options):
+    torch._dynamo.reset()
+    before = Counter(stage_cache.STATS)
+    model = ScaledBlock(0, scale)
+    with torch.no_grad():
+        out = torch.compile(model, backend="k3", options={**OPTIONS, **options})(x)
+        want = model(x)
+    return out, want, dict(Counter(stage_cache.STATS) - before)
+
+
+@pytest.mark.parametrize("skip_aot", [False, True])
+def test_a_tensor_constant_is_cached_by_value(cache_dir, skip_aot, monkeypatch):
+    """A graph holding a small tensor constant is cached with the constant's values in its key
+    (and a link's graph rebuilt with them): the warm compile loads, bit for bit the cold one's
+    output; another value misses; a constant past MAX_CONSTANT elements is not cached."""
+    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(2))
+    scale = [1.0, 0.5, 2.0, -1.0] * 16
+    stored = {"missed": 1, "stored": 1} | ({"linked": 1} if skip_aot else {})
+    cold, want, s_cold = _scaled(scale, x, skip_aot=skip_aot)
+    warm, _, s_warm = _scaled(scale, x, skip_aot=skip_aot)
+    assert s_cold == stored
+    assert s_warm == {"loaded": 1} | ({"direct": 1} if skip_aot else {})
+    assert torch.equal(cold, warm)
+    torch.testing.assert_close(warm, want, rtol=1e-5, atol=1e-5)
+    other = [v * 3 for v in scale]
+    out, want, s_other = _scaled(other, x, skip_aot=skip_aot)
+    assert s_other == stored  # another constant: another key
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    big = [0.5] * (stage_cache.MAX_CONSTANT + 64)
+    for limit, cached in ((stage_cache.MAX_CONSTANT, False), (len(big), True)):
+        monkeypatch.setattr(stage_cache, "MAX_CONSTANT", limit)
+        model = ScaledBlock(0, big)
+        model.forward = lambda x, model=model: Block.forward(model, x) * torch.tensor(big)[:64]
+        torch._dynamo.reset()
+        before = Counter(stage_cache.STATS)
+        with torch.no_grad():
+            out = torch.compile(model, backend="k3", options={**OPTIONS, "skip_aot": skip_aot})(x)
+            torch.testing.assert_close(out, Block.forward(model, x) * 0.5, rtol=1e-5, atol=1e-5)
+        assert ("stored" in Counter(stage_cache.STATS) - before) == cached
 
 
 def _as_torch_2_11(monkeypatch) -> None:
