@@ -56,9 +56,9 @@ import torch
 from torch import fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from k3compile import stage_cache
 from k3compile.calls import integer_dtype, structure_error
 from k3compile.graph import written_in_place
-from k3compile import stage_cache
 from k3compile.observe import Observer
 
 log = logging.getLogger("k3compile")
