@@ -46,8 +46,8 @@ SWITCHES: dict[str, tuple[str, str]] = {
     "K3_KDA_FB": (("kernels: `fb_kda_decode` in one launch (the KDA kernel computes the f_b "
                    "projection itself; the default is the f_b GEMM, then the KDA kernel)"), "0"),
     "K3_KERNELS_EXTRA": (("kernels: also register these opt-in kernel modules (slower than the "
-                          "default on the H200: moe_front_route, oproj_mix, moe_one_launch; not "
-                          "in the yardstick yet: mla_q_absorb; docs/decisions.md)"), ""),
+                          "default on the H200: moe_front_route, oproj_mix, moe_one_launch; no "
+                          "faster: mla_q_absorb; docs/decisions.md)"), ""),
     "K3_KERNELS_SKIP": ("kernels: leave these kernels unregistered (their sites go to Inductor)",
                         ""),
     "K3_ALLREDUCE": ("kernels: force the TP all-reduce (`one_shot`, `two_shot`, `nccl`)", ""),
