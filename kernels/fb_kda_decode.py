@@ -52,9 +52,9 @@ def fb_kda_decode_cuda(q, k, v, g, fa, fb_weight, b, conv_state, recurrent_state
         graw = linear(fa.reshape(B * T, R), fb_weight).view(B, T, -1)
         return kda_decode_cuda(*args[:4], graw, *args[6:], *scalars, norm_fp32, out=out)
 
-    if refusal(*args, norm_fp32=norm_fp32):  # kda_decode's own: its fallback, logged there
+    if not KERNELS.kda_fb:  # the default (K3_KDA_FB): kda_decode checks its own inputs once
         return two_launches()
-    if not KERNELS.kda_fb:  # the default until an A/B in one machine start decides (K3_KDA_FB)
+    if refusal(*args, norm_fp32=norm_fp32):  # kda_decode's own: its fallback, logged there
         return two_launches()
     if reason := fb_refusal(fa, fb_weight, q):
         fallback(OP, f"{reason}; two launches")
