@@ -161,9 +161,11 @@ def run_pass(args) -> dict:
             stages: dict[str, float] = {}
             dynamo0 = torch._dynamo.utils.counters["stats"]["unique_graphs"]
             t0, cpu0 = time.perf_counter(), time.process_time()
-            profile = (f"profile_{args.which}.txt" if args.profile == "first"
-                       and not result["buckets"] else f"profile_{args.which}_{bucket.name}.txt"
-                       if args.profile == bucket.name else None)
+            profile = None
+            if args.profile == "first" and not result["buckets"]:
+                profile = f"profile_{args.which}.txt"
+            elif args.profile == bucket.name:
+                profile = f"profile_{args.which}_{bucket.name}.txt"
             with Observer.subscribe(_stage_timer(stages)), _profiled(
                     Path(args.out) / profile if profile else None):
                 if batched is not None and bucket.tokens == 1:
