@@ -19,6 +19,8 @@ from typing import Any
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 GEMV_VARIANTS = ("norm", "situ", "gate", "split")
 GEMV_DEFAULT = frozenset({"norm", "situ", "gate", "split"})
+GEMM_TC_VARIANTS = ("split", "situ")
+GEMM_TC_DEFAULT = frozenset({"split", "situ"})
 ALLREDUCE_ALGORITHMS = ("one_shot", "two_shot", "nccl")
 
 _TRUE = ("1", "true", "yes", "on")
@@ -41,6 +43,8 @@ SWITCHES: dict[str, tuple[str, str]] = {
                         "K3_KERNELS_EXTRA=moe_front_route)"), "0"),
     "K3_GEMV_FUSED": ("kernels: gemv's one-launch variants (`norm,situ,gate,split`, `all`, `0`)",
                       "norm,situ,gate,split"),
+    "K3_GEMM_TC_FUSED": (("kernels: gemm_tc's one-launch variants at 2-64 rows (`split,situ`, "
+                          "`all`, `0`)"), "split,situ"),
     "K3_MOE_GROUPED": ("kernels: `moe_experts` by expert on tensor cores at 8-64 rows", "0"),
     "K3_MOE_F16": ("kernels: `moe_experts` FC1 decodes into packed fp16 math (fma.rn.f16x2)", "0"),
     "K3_KDA_FB": (("kernels: `fb_kda_decode` in one launch (the KDA kernel computes the f_b "
@@ -99,19 +103,31 @@ def env_list(name: str) -> tuple[str, ...]:
     return tuple(n.strip() for n in (env(name) or "").split(",") if n.strip())
 
 
-def parse_gemv_fused(value: str | None) -> frozenset[str]:
-    """K3_GEMV_FUSED: unset -> the default; `1`/`all` every variant; `0` none; else names."""
+def parse_variants(name: str, value: str | None, variants: tuple[str, ...],
+                   default: frozenset[str]) -> frozenset[str]:
+    """A list of a kernel's one-launch variants: unset -> `default`; `1`/`all` every variant;
+    `0` none; else names."""
     if value is None:
-        return GEMV_DEFAULT
+        return default
     v = value.strip().lower()
     if v == "all" or v in _TRUE:
-        return frozenset(GEMV_VARIANTS)
+        return frozenset(variants)
     if v in _FALSE:
         return frozenset()
     names = frozenset(v.strip() for v in value.split(",") if v.strip())
-    if unknown := names - set(GEMV_VARIANTS):
-        raise ValueError(f"K3_GEMV_FUSED: unknown variants {sorted(unknown)} (of {GEMV_VARIANTS})")
+    if unknown := names - set(variants):
+        raise ValueError(f"{name}: unknown variants {sorted(unknown)} (of {variants})")
     return names
+
+
+def parse_gemv_fused(value: str | None) -> frozenset[str]:
+    """K3_GEMV_FUSED: unset -> the default; `1`/`all` every variant; `0` none; else names."""
+    return parse_variants("K3_GEMV_FUSED", value, GEMV_VARIANTS, GEMV_DEFAULT)
+
+
+def parse_gemm_tc_fused(value: str | None) -> frozenset[str]:
+    """K3_GEMM_TC_FUSED: as K3_GEMV_FUSED, over gemm_tc's variants (`split`, `situ`)."""
+    return parse_variants("K3_GEMM_TC_FUSED", value, GEMM_TC_VARIANTS, GEMM_TC_DEFAULT)
 
 
 def parse_cache_dir(value: str | None) -> str | None:
@@ -261,6 +277,7 @@ class KernelSettings:
     pdl: bool = True
     pdl_max_rows: int = 4
     gemv_fused: frozenset[str] = GEMV_DEFAULT
+    gemm_tc_fused: frozenset[str] = GEMM_TC_DEFAULT  # the composites' variants at 2-64 rows
     extra: tuple[str, ...] = ()
     skip: tuple[str, ...] = ()
     allreduce: str | None = None
@@ -281,6 +298,7 @@ class KernelSettings:
         return cls(pdl=True if pdl is None else pdl,
                    pdl_max_rows=int(rows) if rows else 4,
                    gemv_fused=parse_gemv_fused(env("K3_GEMV_FUSED")),
+                   gemm_tc_fused=parse_gemm_tc_fused(env("K3_GEMM_TC_FUSED")),
                    extra=env_list("K3_KERNELS_EXTRA"), skip=env_list("K3_KERNELS_SKIP"),
                    allreduce=allreduce, cache_dir=parse_cache_dir(env("K3_CACHE_DIR")),
                    moe_grouped=bool(env_bool("K3_MOE_GROUPED")),
@@ -291,7 +309,8 @@ class KernelSettings:
     def fingerprint(self) -> list[str]:
         """Tensor-parallel ranks must agree on all of it (stage `ranks`)."""
         return [f"pdl {self.pdl} rows<={self.pdl_max_rows}",
-                f"gemv_fused {sorted(self.gemv_fused)}", f"extra {list(self.extra)}",
+                f"gemv_fused {sorted(self.gemv_fused)}",
+                f"gemm_tc_fused {sorted(self.gemm_tc_fused)}", f"extra {list(self.extra)}",
                 f"skip {list(self.skip)}", f"allreduce {self.allreduce}",
                 f"moe_grouped {self.moe_grouped}", f"moe_f16 {self.moe_f16}",
                 f"kda_fb {self.kda_fb}"]

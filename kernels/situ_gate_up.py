@@ -3,14 +3,18 @@ file's CuTe DSL kernel for the SiTU-GLU activation (spec §3.3 step 8).
 
     y = bf16(β·tanh(g/β)·σ(g) · β₂·tanh(u/β₂)),  [g | u] = x · [W_g; W_u]ᵀ,  fp32 math
 
-One launch at M <= gemv.GEMV_MAX_M where settings.KERNELS.gemv_fused names "situ" (the
-default): gemv's SiTU epilogue, this kernel's math on the GEMM's bf16 outputs; otherwise two
+One launch, this kernel's math on the GEMM's bf16 outputs in the GEMM's epilogue: at
+M <= gemv.GEMV_MAX_M gemv's SiTU variant where settings.KERNELS.gemv_fused names "situ" (the
+default); at 2..64 rows gemm_tc's where settings.KERNELS.gemm_tc_fused names "situ" (the default)
+and `router.linear` would run gemm_tc on [W_g; W_u] (`router.tc_fused_takes`). Otherwise two
 (`router.linear`, then this kernel). docs/kernels.md, situ_gate_up.
 
 Constraints:
     * The kernel: gate_up bf16 [N, 2I], contiguous rows (row stride a multiple of 8 elements),
       16-byte-aligned; I % 8 == 0 and 8 <= I <= 8192; β, β₂ runtime scalars (refused: the
       reference, reason logged).
+    * The one-launch variants take their engine's limits (gemm_tc's: I a multiple of half its
+      row tile, 32 or 64 rows); a refused call logs why and takes the two launches.
     * With PDL (settings.KERNELS.pdl) everything it reads is activation: it waits first.
 """
 
@@ -22,7 +26,7 @@ from k3compile.math import situ as situ_ref
 from k3compile.ops import registry
 from k3compile.ops.situ_gate_up import gate_up_weight
 
-from .common import gemv
+from .common import gemm_tc, gemv, router
 from .common.dsl import (
     BUCKETS,
     bucket,
@@ -108,13 +112,17 @@ def situ_cuda(gate_up, beta, linear_beta, *, out=None):
 
 
 def situ_gate_up_cuda(x, wg, wu, beta, linear_beta):
-    """k3::situ_gate_up on CUDA: one GEMM over the cached [W_g; W_u], then the kernel; where
-    settings.KERNELS.gemv_fused names "situ" (the default), at M <= gemv.GEMV_MAX_M one launch:
-    gemv's SiTU-epilogue variant (a refused call logs why and takes the two launches)."""
+    """k3::situ_gate_up on CUDA: one GEMM over the cached [W_g; W_u], then the kernel; one
+    launch where a SiTU-epilogue variant takes it (K3_GEMV_FUSED at M <= gemv.GEMV_MAX_M,
+    K3_GEMM_TC_FUSED where `linear` would run gemm_tc; a refused call logs why and takes the
+    two launches)."""
     w = gate_up_weight(wg, wu)
     if gemv.fused_takes(x, "situ") and gemv.fused_ok(
             "situ", gemv.fused_launch_refusal(gemv.SITU, x, w)):
         return gemv.gemv_situ_cuda(x, w, beta, linear_beta)
+    if router.tc_fused_takes(x, "situ", w.shape[0]) and gemm_tc.fused_ok(
+            "situ", gemm_tc.fused_launch_refusal(gemm_tc.SITU, x, w)):
+        return gemm_tc.gemm_tc_situ_cuda(x, w, beta, linear_beta)
     return situ_cuda(linear(x, w), beta, linear_beta)
 
 

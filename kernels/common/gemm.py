@@ -66,6 +66,16 @@ def launch_refusal(refuse, x, w, residual, out, out_dtype) -> str | None:
     return reason
 
 
+def outs_refusal(outs) -> str | None:
+    """Why one of a variant's output buffers is unfit, or None: `outs` holds (buffer or None,
+    its shape, its dtype) of each output (last dim contiguous)."""
+    for out, shape, dtype in outs:
+        if out is not None and (out.dtype != dtype or tuple(out.shape) != shape
+                                or out.stride(-1) != 1):
+            return f"out: {out.dtype} {tuple(out.shape)} {out.stride()}"
+    return None
+
+
 def load_tuned(path: Path, op: str, make_config) -> dict:
     """A tuned table {(N, K, bucket): make_config(entry's config), or None where the entry has
     none}, from the JSON a benchmark's `--table` writes; empty when there is no table or it was

@@ -6,7 +6,13 @@ TMA + wgmma "swap AB" (W's rows on the MMA's M side), split-K over a cluster sum
 distributed shared memory in a fixed order (deterministic). The router (`router.linear`) takes it
 at GEMV_MAX_M < M <= 64 where the tuned table (gemm_tc_tuned.json, `benchmarks/gemm_tc.py
 --table`) has it faster than cuBLAS and K3_KERNELS_SKIP does not name gemm_tc; shapes not in the
-table take `heuristic_config`. Design and measurements: docs/kernels.md, gemm_tc.
+table take `heuristic_config`. One-launch variants (`Fusion`, compile-time, from a second entry
+`GemmTC.fused` so the plain build is unchanged), taken by the composites where
+settings.KERNELS.gemm_tc_fused names them and `router.linear` would run this kernel:
+    split (moe_front):     W = [W_r; W_d]; rows < split to y (fp32), the others to y2 (bf16)
+    situ  (situ_gate_up):  W = [W_g; W_u]; y[m, n] = bf16(SiTU(bf16(g), bf16(u)))
+Each sum is the plain kernel's over the same W at the same config, bit for bit. Design and
+measurements: docs/kernels.md, gemm_tc.
 
 Constraints:
     * x bf16 [M, K], 1 <= M <= 64 (buckets 2, 4, 8, 16, 32, 64; more rows go to cuBLAS), last dim
@@ -14,22 +20,32 @@ Constraints:
       K % 8 == 0 (a partial last K slice is zero-filled), 64 <= K <= 65536; N >= 1.
     * Output bf16 (default) or fp32 [M, N], last dim contiguous; optional residual r bf16 [M, N],
       last dim contiguous, added in fp32 before the rounding.
+    * Variants: no residual; split: 0 < split < N, y fp32 [M, split], y2 bf16 [M, N - split];
+      SiTU: N = 2I, I a multiple of R/2 (a tile's R rows are R/2 of W_g and the same R/2 of W_u:
+      32 rows, or 64 where the config has R = 128 and I allows it), bf16 output [M, I], β and
+      β₂ runtime scalars.
     * With PDL (settings.KERNELS.pdl): the first stages' W slices are fetched before
       `griddepcontrol.wait`; x, the residual and every store after it.
 """
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from k3compile.math import situ as situ_ref
+
 from .dsl import (
     compile_kernel,
     fake_rows,
     fake_stream,
+    fallback,
+    runtime_refusal,
+    unaligned16,
 )
-from .gemm import gemm_ref, gemm_refusal, load_tuned, run_gemm
+from .gemm import gemm_ref, gemm_refusal, load_tuned, outs_refusal, run_gemm
 from .launch import Kernel
 
 OP = "gemm_tc"
@@ -49,6 +65,16 @@ class Config:
     splits: int  # S: CTAs (one cluster) sharing a row tile's K range: 1, 2, 4 or 8
 
     threads = THREADS
+
+
+@dataclass(frozen=True)
+class Fusion:
+    """What one launch does in the epilogue (compile-time; at most one of them)."""
+    situ: bool = False  # SiTU-GLU of rows n and I + n of W = [W_g; W_u] (situ_gate_up)
+    split: int = 0  # rows < split to the first output (fp32), the others to a second (moe_front)
+
+
+PLAIN, SITU = Fusion(), Fusion(situ=True)
 
 
 def bucket(m: int) -> int:
@@ -71,9 +97,13 @@ def prefers(n: int, k: int, m: int) -> bool:
     return tuned().get((n, k, bucket(m)), True) is not None
 
 
-def config(n: int, k: int, m_bucket: int) -> Config:
-    """The tuned config (`tuned()`) where measured, else `heuristic_config`."""
-    return tuned().get((n, k, m_bucket)) or heuristic_config(n, k, m_bucket)
+def config(n: int, k: int, m_bucket: int, fusion: Fusion = PLAIN) -> Config:
+    """The tuned config (`tuned()`) where measured, else `heuristic_config`; with SiTU R = 64
+    where I = N/2 is not a multiple of R/2 = 64 (a tile holds R/2 gate and R/2 up rows)."""
+    cfg = tuned().get((n, k, m_bucket)) or heuristic_config(n, k, m_bucket)
+    if fusion.situ and cfg.tile_rows > 64 and (n // 2) % (cfg.tile_rows // 2):
+        return dataclasses.replace(cfg, tile_rows=64)  # fewer bytes of shared memory
+    return cfg
 
 
 def heuristic_config(n: int, k: int, m_bucket: int) -> Config:
@@ -141,36 +171,73 @@ def refusal(x, w, residual=None, *, out_dtype=None) -> str | None:
     return gemm_refusal(x, w, residual, out_dtype, max_m=MAX_M, min_k=TILE_K)
 
 
+def fused_refusal(fusion: Fusion, x, w, *, out_dtype=None) -> str | None:
+    """Why the one-launch variant `fusion` cannot take these inputs, or None (metadata only)."""
+    if reason := refusal(x, w, out_dtype=out_dtype):
+        return reason
+    (m, k), n = x.shape, w.shape[0]
+    if fusion.split and not 0 < fusion.split < n:
+        return f"split at row {fusion.split} of {n} (want 0 < split < N)"
+    if fusion.situ:
+        if n % 2 or out_dtype not in (None, torch.bfloat16):
+            return (f"SiTU epilogue: w [{n}, {k}], output {out_dtype} (want [W_g; W_u] with an "
+                    "even row count, bf16)")
+        half = config(n, k, bucket(m), fusion).tile_rows // 2
+        if (n // 2) % half:
+            return (f"SiTU epilogue: I = {n // 2} rows of W_g, not a multiple of {half} (half a "
+                    "row tile: a tile holds the same rows of W_g and W_u)")
+    return None
+
+
+def fused_launch_refusal(fusion: Fusion, x, w, *, out_dtype=None, outs=()) -> str | None:
+    """Why the variant cannot run this call now: no runtime, `fused_refusal`, not on a GPU,
+    unaligned data, or an output buffer (`outs`: (buffer or None, shape, dtype) each) unfit."""
+    return (runtime_refusal() or fused_refusal(fusion, x, w, out_dtype=out_dtype)
+            or (None if x.is_cuda and w.is_cuda else "not on a CUDA device")
+            or unaligned16(x, w) or outs_refusal(outs))
+
+
 def prepare(n: int, k: int, buckets=BUCKETS, *, out_dtype=torch.bfloat16,
-            residual: bool = False) -> None:
-    """Compile the kernel of every batch bucket for this weight (call before graph capture)."""
+            residual: bool = False, fusion: Fusion = PLAIN) -> None:
+    """Compile the kernel of every batch bucket for this weight (call before graph capture);
+    `fusion`: a one-launch variant's (the split's out_dtype is its first output's, fp32)."""
+    variant = {} if fusion == PLAIN else {"fusion": fusion}
     for b in buckets:
-        KERNEL.compiled(n, k, out_dtype == torch.float32, residual, config(n, k, b), rows=b)
+        KERNEL.compiled(n, k, out_dtype == torch.float32, residual, config(n, k, b, fusion),
+                        rows=b, **variant)
 
 
-def build(n, k, out_fp32, residual, cfg, arch=None, dump_dir=None, pdl=False):
-    """Compile now, uncached (`dump_dir` keeps the cubin and PTX; `pdl`: with PDL)."""
+def build(n, k, out_fp32, residual, cfg, arch=None, dump_dir=None, pdl=False, fusion=PLAIN):
+    """Compile now, uncached (`dump_dir` keeps the cubin and PTX; `pdl`: with PDL; `fusion`:
+    a one-launch variant, compiled from its own entry `GemmTC.fused` so that the plain kernel
+    stays as it was)."""
     import cutlass
     from cutlass import cute
     from cutlass.cute.runtime import make_fake_tensor
 
     from ..device.gemm_tc import GemmTC
 
-    bf16, m = cutlass.BFloat16, cute.sym_int()
+    bf16, f32, m = cutlass.BFloat16, cutlass.Float32, cute.sym_int()
 
-    def out_rows(dtype):  # [M, N] rows with any row stride
-        return make_fake_tensor(dtype, (m, n), stride=(cute.sym_int64(), 1),
+    def out_rows(dtype, width=n):  # [M, width] rows with any row stride
+        return make_fake_tensor(dtype, (m, width), stride=(cute.sym_int64(), 1),
                                 assumed_align=dtype.width // 8)
 
+    gemm = GemmTC(n, k, cfg, out_fp32, residual, pdl, fusion)
+    x, w = fake_rows(bf16, m, k), fake_rows(bf16, n, k)
+    if fusion == PLAIN:
+        return compile_kernel(gemm, x, w, out_rows(bf16) if residual else None,
+                              out_rows(f32 if out_fp32 else bf16), fake_stream(), arch=arch,
+                              dump_dir=dump_dir)
+    split, situ = fusion.split, fusion.situ
     return compile_kernel(
-        GemmTC(n, k, cfg, out_fp32, residual, pdl),
-        fake_rows(bf16, m, k), fake_rows(bf16, n, k),
-        out_rows(bf16) if residual else None,
-        out_rows(cutlass.Float32 if out_fp32 else bf16), fake_stream(), arch=arch,
-        dump_dir=dump_dir)
+        gemm.fused, x, w, out_rows(f32 if split else bf16, split or n // 2),
+        out_rows(bf16, n - split) if split else None, f32(4.0) if situ else None,
+        f32(25.0) if situ else None, fake_stream(), arch=arch, dump_dir=dump_dir)
 
 
-# Buckets with one config share a build (the bucket is not in the key)
+# Buckets with one config share a build (the bucket is not in the key); a variant's key holds
+# its fusion (the plain build's key is as before the variants)
 KERNEL = Kernel(OP, build)
 
 
@@ -195,3 +262,70 @@ def gemm_tc_cuda(x, w, residual=None, *, out=None, out_dtype=None, cfg: Config |
             x, w, residual, y)
 
     return run_gemm(KERNEL, refusal, launch, x, w, residual, out, out_dtype)
+
+
+# ---- the one-launch variants of the composites ---------------------------------------------------
+
+# K3_GEMM_TC_FUSED (settings.KERNELS.gemm_tc_fused): which composites take their one-launch
+# variant where `router.linear` would run this kernel (`router.tc_fused_takes`).
+
+
+def fused_ok(name: str, reason: str | None) -> bool:
+    """A composite's choice: True (one launch) where the variant takes the call; its refusal
+    is logged and the composite runs its two launches."""
+    if reason:
+        fallback(f"gemm_tc_{name}", f"{reason}; two launches")
+    return reason is None
+
+
+def _launch(fusion: Fusion, x, w, out_fp32: bool, *rest, cfg: Config | None = None):
+    (m, k), n = x.shape, w.shape[0]
+    if m:
+        b = bucket(m)
+        chosen = cfg or config(n, k, b, fusion)
+        if chosen.tile_tokens < m:
+            raise ValueError(f"{chosen} holds {chosen.tile_tokens} tokens, not {m}")
+        if fusion.situ and (n // 2) % (chosen.tile_rows // 2):
+            raise ValueError(f"{chosen}: I = {n // 2} is not a multiple of half its tile")
+        KERNEL.compiled(n, k, out_fp32, False, chosen, rows=b, fusion=fusion)(x, w, *rest)
+
+
+def gemm_tc_split_cuda(x, w, split, *, out=None, out2=None, cfg: Config | None = None):
+    """(x · w[:split]ᵀ in fp32, x · w[split:]ᵀ in bf16) in one launch (k3::moe_front over the
+    packed [W_r; W_d]): the plain kernel's sums over w at the same config, stored as two calls
+    would; torch (reason logged) when refused. `cfg` overrides `config()` (tests)."""
+    fusion, m, n = Fusion(split=split), len(x), w.shape[0]
+
+    def launch():
+        y = x.new_empty((m, split), dtype=torch.float32) if out is None else out
+        y2 = x.new_empty((m, n - split)) if out2 is None else out2
+        _launch(fusion, x, w, True, y, y2, None, None, cfg=cfg)
+        return y, y2
+
+    return KERNEL.run(
+        lambda: fused_launch_refusal(fusion, x, w, out_dtype=torch.float32,
+                                     outs=[(out, (m, split), torch.float32),
+                                           (out2, (m, n - split), torch.bfloat16)]),
+        lambda: (gemm_ref(x, w[:split], out_dtype=torch.float32),
+                 gemm_ref(x, w[split:], out_dtype=torch.bfloat16)), launch, op="gemm_tc_split")
+
+
+def gemm_tc_situ_cuda(x, w, beta, linear_beta, *, out=None, cfg: Config | None = None):
+    """a = bf16(SiTU(bf16(x · W_gᵀ), bf16(x · W_uᵀ))) for w = [W_g; W_u] [2I, K]
+    (k3::situ_gate_up) in one launch: the GEMM output rounded as the two-launch path stores
+    it, then the situ kernel's math; torch (reason logged) when refused. `cfg` overrides
+    `config()` (tests)."""
+    width = w.shape[0] // 2
+
+    def reference():
+        gate, up = gemm_ref(x, w).split(width, dim=-1)
+        return situ_ref(gate, up, beta, linear_beta)
+
+    def launch():
+        y = x.new_empty((len(x), width)) if out is None else out
+        _launch(SITU, x, w, False, y, None, float(beta), float(linear_beta), cfg=cfg)
+        return y
+
+    return KERNEL.run(
+        lambda: fused_launch_refusal(SITU, x, w, outs=[(out, (len(x), width), torch.bfloat16)]),
+        reference, launch, op="gemm_tc_situ")

@@ -12,7 +12,15 @@ from cutlass.cutlass_dsl import dsl_user_op
 from cutlass.tensor_utils import LayoutEnum
 
 from ..common.dsl import pdl_launch_dependents, pdl_wait
-from ..common.gemm_tc import THREADS, TILE_K, Config, _partial_stride, _w_buffer_elems
+from ..common.gemm_tc import (
+    PLAIN,
+    THREADS,
+    TILE_K,
+    Config,
+    Fusion,
+    _partial_stride,
+    _w_buffer_elems,
+)
 
 
 @dsl_user_op
@@ -25,16 +33,18 @@ def load_from_peer(ptr: cute.Pointer, peer, *, loc=None, ip=None) -> Float32:
 
 class GemmTC:
     def __init__(self, n: int, k: int, cfg: Config, out_fp32: bool, has_residual: bool,
-                 pdl: bool = False):
+                 pdl: bool = False, fusion: Fusion = PLAIN):
         self.n, self.k_tiles, self.pdl = n, -(-k // TILE_K), pdl
         self.rows, self.tokens = cfg.tile_rows, cfg.tile_tokens
         self.stages, self.splits = cfg.stages, cfg.splits
         self.p_stride, self.w_elems = _partial_stride(cfg), _w_buffer_elems(cfg)
         self.out_fp32, self.has_residual = out_fp32, has_residual
+        # SiTU: a tile's rows are R/2 rows of W_g and the same R/2 rows of W_u (I further)
+        self.fusion, self.half = fusion, cfg.tile_rows // 2
 
-    @cute.jit
-    def __call__(self, mX: cute.Tensor, mW: cute.Tensor, mR, mY: cute.Tensor, stream):
-        # mX: (M, K); mW: (N, K); mR, mY: (M, N)
+    def operands(self, mX: cute.Tensor, mW: cute.Tensor):
+        """The MMA, the shared-memory layouts and the TMA atoms of x and W (with SiTU, W's
+        atom copies half tiles: R/2 rows)."""
         k_major = LayoutEnum.ROW_MAJOR
         tiled_mma = sm90.make_trivial_tiled_mma(
             BFloat16, BFloat16, k_major.sm90_mma_major_mode(), k_major.sm90_mma_major_mode(),
@@ -42,9 +52,16 @@ class GemmTC:
         tile_mnk = (self.rows, self.tokens, TILE_K)
         sW_layout = sm90.make_smem_layout_a(k_major, tile_mnk, BFloat16, self.stages)
         sX_layout = sm90.make_smem_layout_b(k_major, tile_mnk, BFloat16, self.stages)
+        # With SiTU the W stages as 2·stages half tiles (R/2, 64): the 128-byte swizzle atom
+        # is 8 rows and tiles along rows first, so half tile 2s + h is rows h·R/2... of stage s,
+        # byte for byte (R/2 >= 32 rows keeps each half 1024-byte aligned)
+        situ = self.fusion.situ
+        sWt_layout = sm90.make_smem_layout_a(
+            k_major, (self.half, self.tokens, TILE_K), BFloat16, 2 * self.stages) if situ \
+            else sW_layout
         tma_w, tW = cpasync.make_tiled_tma_atom(  # tW: (N, K) as TMA coordinates
-            cpasync.CopyBulkTensorTileG2SOp(), mW, cute.slice_(sW_layout, (None, None, 0)),
-            (self.rows, TILE_K))
+            cpasync.CopyBulkTensorTileG2SOp(), mW, cute.slice_(sWt_layout, (None, None, 0)),
+            (self.half if situ else self.rows, TILE_K))
         tma_x, tX = cpasync.make_tiled_tma_atom(  # tX: (M, K)
             cpasync.CopyBulkTensorTileG2SOp(), mX, cute.slice_(sX_layout, (None, None, 0)),
             (self.tokens, TILE_K))
@@ -57,9 +74,26 @@ class GemmTC:
                 cute.struct.MemRange[BFloat16, self.stages * self.tokens * TILE_K], 1024]
 
         self.storage = Storage
-        self.kernel(tma_w, tW, tma_x, tX, mR, mY, tiled_mma, sW_layout, sX_layout).launch(
-            grid=[-(-self.n // self.rows), self.splits, 1], block=[THREADS, 1, 1],
-            cluster=[1, self.splits, 1], stream=stream, use_pdl=self.pdl)
+        return tiled_mma, sW_layout, sX_layout, sWt_layout, tma_w, tW, tma_x, tX
+
+    def launch(self, kernel, stream):
+        kernel.launch(grid=[-(-self.n // self.rows), self.splits, 1], block=[THREADS, 1, 1],
+                      cluster=[1, self.splits, 1], stream=stream, use_pdl=self.pdl)
+
+    @cute.jit
+    def __call__(self, mX: cute.Tensor, mW: cute.Tensor, mR, mY: cute.Tensor, stream):
+        # mX: (M, K); mW: (N, K); mR, mY: (M, N)
+        tiled_mma, sW_layout, sX_layout, _, tma_w, tW, tma_x, tX = self.operands(mX, mW)
+        self.launch(self.kernel(tma_w, tW, tma_x, tX, mR, mY, tiled_mma, sW_layout, sX_layout),
+                    stream)
+
+    @cute.jit
+    def fused(self, mX: cute.Tensor, mW: cute.Tensor, mY: cute.Tensor, mY2, beta, linear_beta,
+              stream):
+        # mY: (M, split) fp32 and mY2: (M, N - split) bf16 with a split; mY: (M, N/2) with SiTU
+        tiled_mma, sW_layout, sX_layout, sWt_layout, tma_w, tW, tma_x, tX = self.operands(mX, mW)
+        self.launch(self.kernel_fused(tma_w, tW, tma_x, tX, mY, mY2, beta, linear_beta,
+                                      tiled_mma, sW_layout, sX_layout, sWt_layout), stream)
 
     def load_slice(self, pipe, state, tma_w, tWgW, tWsW, tma_x, tXgX, tXsX, k_first):
         """TMA of K slice k_first + state.count of W and x into stage state.index."""
@@ -70,8 +104,14 @@ class GemmTC:
         """Acquire stage state.index (its barrier now expects the W and x bytes) and start the
         TMA of W's K slice k_first + state.count into it."""
         pipe.producer_acquire(state)
-        cute.copy(tma_w, tWgW[None, k_first + state.count], tWsW[None, state.index],
-                  tma_bar_ptr=pipe.producer_get_barrier(state))
+        if const_expr(self.fusion.situ):  # tWgW: (gate rows, up rows); tWsW: 2·stages halves
+            for h in range(2):
+                cute.copy(tma_w, tWgW[h][None, k_first + state.count],
+                          tWsW[None, 2 * state.index + h],
+                          tma_bar_ptr=pipe.producer_get_barrier(state))
+        else:
+            cute.copy(tma_w, tWgW[None, k_first + state.count], tWsW[None, state.index],
+                      tma_bar_ptr=pipe.producer_get_barrier(state))
 
     def load_x(self, pipe, state, tma_x, tXgX, tXsX, k_first):
         """The TMA of x's K slice into the stage `load_w` acquired: it completes the stage."""
@@ -79,10 +119,33 @@ class GemmTC:
                   tma_bar_ptr=pipe.producer_get_barrier(state))
         pipe.producer_commit(state)
 
+    def w_partition(self, tma_w, tW: cute.Tensor, sWt: cute.Tensor, tile, rows: int):
+        """TMA partitions of row tile `tile` (`rows` high) of W and of the W stages sWt."""
+        gW = cute.local_tile(tW, (rows, TILE_K), (tile, None))  # (rows, 64, k_tiles)
+        return cpasync.tma_partition(tma_w, 0, cute.make_layout(1), cute.group_modes(sWt, 0, 2),
+                                     cute.group_modes(gW, 0, 2))
+
     @cute.kernel
     def kernel(self, tma_w: cute.CopyAtom, tW: cute.Tensor, tma_x: cute.CopyAtom,
                tX: cute.Tensor, mR, mY: cute.Tensor, tiled_mma: cute.TiledMma,
                sW_layout: cute.ComposedLayout, sX_layout: cute.ComposedLayout):
+        self.body(tma_w, tW, tma_x, tX, mR, mY, None, None, None, tiled_mma, sW_layout,
+                  sX_layout, sW_layout)
+
+    @cute.kernel
+    def kernel_fused(self, tma_w: cute.CopyAtom, tW: cute.Tensor, tma_x: cute.CopyAtom,
+                     tX: cute.Tensor, mY: cute.Tensor, mY2, beta, linear_beta,
+                     tiled_mma: cute.TiledMma, sW_layout: cute.ComposedLayout,
+                     sX_layout: cute.ComposedLayout, sWt_layout: cute.ComposedLayout):
+        self.body(tma_w, tW, tma_x, tX, None, mY, mY2, beta, linear_beta, tiled_mma, sW_layout,
+                  sX_layout, sWt_layout)
+
+    @cute.jit
+    def body(self, tma_w: cute.CopyAtom, tW: cute.Tensor, tma_x: cute.CopyAtom, tX: cute.Tensor,
+             mR, mY: cute.Tensor, mY2, beta, linear_beta, tiled_mma: cute.TiledMma,
+             sW_layout: cute.ComposedLayout, sX_layout: cute.ComposedLayout,
+             sWt_layout: cute.ComposedLayout):
+        # sWt_layout: W's stages as the TMA writes them (with SiTU 2·stages half tiles)
         pdl_launch_dependents(self.pdl)
         tidx, _, _ = cute.arch.thread_idx()
         tile, split, _ = cute.arch.block_idx()
@@ -102,11 +165,19 @@ class GemmTC:
 
         sW = storage.sW.get_tensor(sW_layout.outer, swizzle=sW_layout.inner)  # (R, 64, st)
         sX = storage.sX.get_tensor(sX_layout.outer, swizzle=sX_layout.inner)  # (T, 64, st)
-        gW = cute.local_tile(tW, (self.rows, TILE_K), (tile, None))  # (R, 64, k_tiles)
         gX = cute.local_tile(tX, (self.tokens, TILE_K), (0, None))  # (T, 64, k_tiles)
-        tWsW, tWgW = cpasync.tma_partition(tma_w, 0, cute.make_layout(1),
-                                           cute.group_modes(sW, 0, 2),
-                                           cute.group_modes(gW, 0, 2))
+        if const_expr(self.fusion.situ):
+            # half tiles: rows tile·R/2... of W_g, and the same rows of W_u (I = N/2 further);
+            # sWt: (R/2, 64, 2·stages)
+            sWt = storage.sW.get_tensor(sWt_layout.outer, swizzle=sWt_layout.inner)
+            tWsW, gate = self.w_partition(tma_w, tW, sWt, tile, self.half)
+            _, up = self.w_partition(tma_w, tW, sWt, tile + self.n // 2 // self.half, self.half)
+            tWgW = (gate, up)
+        else:
+            gW = cute.local_tile(tW, (self.rows, TILE_K), (tile, None))  # (R, 64, k_tiles)
+            tWsW, tWgW = cpasync.tma_partition(tma_w, 0, cute.make_layout(1),
+                                               cute.group_modes(sW, 0, 2),
+                                               cute.group_modes(gW, 0, 2))
         tXsX, tXgX = cpasync.tma_partition(tma_x, 0, cute.make_layout(1),
                                            cute.group_modes(sX, 0, 2),
                                            cute.group_modes(gX, 0, 2))
@@ -169,15 +240,19 @@ class GemmTC:
             cute.arch.cluster_wait()
         else:
             cute.arch.barrier()
-        self.reduce_store(sP, tile, tidx, mR, mY)
+        if const_expr(self.fusion.situ):
+            self.store_situ(sP, tile, tidx, mY, beta, linear_beta)
+        else:
+            self.reduce_store(sP, tile, tidx, mR, mY, mY2)
         if const_expr(self.splits > 1):
             cute.arch.cluster_arrive()  # the peers may still read this CTA's tile
             cute.arch.cluster_wait()
 
     @cute.jit
-    def reduce_store(self, sP: cute.Tensor, tile, tidx, mR, mY: cute.Tensor):
+    def reduce_store(self, sP: cute.Tensor, tile, tidx, mR, mY: cute.Tensor, mY2):
         """This CTA's rows of the tile, summed over the cluster's partials in rank order:
-        element e = token · R/S + row, so consecutive threads write consecutive columns of y."""
+        element e = token · R/S + row, so consecutive threads write consecutive columns of y
+        (with a split: columns >= split of y2)."""
         share = self.rows // self.splits
         rank = cute.arch.block_idx_in_cluster()
         n_tokens = mY.shape[0]
@@ -200,7 +275,49 @@ class GemmTC:
                         total = total + load_from_peer(ptr, p)
                 if const_expr(self.has_residual):
                     total = total + mR[m, col].to(Float32)
-                if const_expr(self.out_fp32):
-                    mY[m, col] = total
+                if const_expr(self.fusion.split):
+                    if col >= self.fusion.split:
+                        mY2[m, col - self.fusion.split] = total.to(BFloat16)
+                    else:
+                        mY[m, col] = total
                 else:
-                    mY[m, col] = total.to(BFloat16)
+                    if const_expr(self.out_fp32):
+                        mY[m, col] = total
+                    else:
+                        mY[m, col] = total.to(BFloat16)
+
+    def peer_sum(self, sP: cute.Tensor, row, m):
+        """Row `row`, token m of the tile summed over the cluster's partials in rank order."""
+        total = Float32(0.0)
+        if const_expr(self.splits == 1):
+            total = sP[row, m]
+        else:
+            ptr = sP.iterator + cute.crd2idx((row, m), sP.layout)
+            for p in range(self.splits):
+                total = total + load_from_peer(ptr, p)
+        return total
+
+    @cute.jit
+    def store_situ(self, sP: cute.Tensor, tile, tidx, mY: cute.Tensor, beta: Float32,
+                   linear_beta: Float32):
+        """y[m, n] = bf16(SiTU(bf16(g), bf16(u))) of this CTA's pairs of the tile (gate row h,
+        up row R/2 + h), each sum over the cluster's partials in rank order and rounded to bf16
+        like the GEMM output the situ kernel reads; then the situ kernel's math. Element
+        e = token · R/(2S) + pair: consecutive threads write consecutive columns of y."""
+        share = self.half // self.splits
+        rank = cute.arch.block_idx_in_cluster()
+        n_tokens = mY.shape[0]
+        for j in cutlass.range_constexpr(-(-share * self.tokens // THREADS)):
+            e = j * THREADS + tidx
+            h = rank * share + e % share
+            m, col = e // share, tile * self.half + h
+            write = m < n_tokens
+            if const_expr((j + 1) * THREADS > share * self.tokens):
+                write = write & (e < share * self.tokens)
+            if write:
+                g = self.peer_sum(sP, h, m).to(BFloat16).to(Float32)
+                u = self.peer_sum(sP, self.half + h, m).to(BFloat16).to(Float32)
+                sig = 1.0 / (1.0 + cute.math.exp(-g, fastmath=True))
+                act = beta * cute.math.tanh(g / beta, fastmath=False) * sig
+                lin = linear_beta * cute.math.tanh(u / linear_beta, fastmath=False)
+                mY[m, col] = (act * lin).to(BFloat16)

@@ -538,3 +538,98 @@ def test_device_classes_are_module_level():
         assert isinstance(getattr(module, cls), type), name
         host = importlib.import_module(f"k3compile.kernels.{host_name}")
         assert not hasattr(host, cls), f"{name}: the host module holds no device class"
+
+
+# gemm_tc's one-launch variants (n, k, bucket, fusion, config or None for `config()`): the split
+# front [W_r; W_d] of one TP16 rank at 8 and 64 tokens, a split inside a partial row tile with a
+# partial K slice; SiTU at the shared experts' [W_g; W_u] (I = 384) at 8 and 64 tokens, at
+# dense layer 0's I = 2112, with a partial K slice (I = 544: 17 half tiles), and R = 128 (half
+# tiles of 64 rows) over a cluster of 2
+GEMM_TC_VARIANTS = [(4480, 7168, 8, gemm_tc.Fusion(split=896), None),
+                    (4480, 7168, 64, gemm_tc.Fusion(split=896), None),
+                    (1000, 1032, 16, gemm_tc.Fusion(split=333), None),
+                    (768, 7168, 8, gemm_tc.SITU, None), (768, 7168, 64, gemm_tc.SITU, None),
+                    (4224, 7168, 16, gemm_tc.SITU, None), (1088, 1032, 4, gemm_tc.SITU, None),
+                    (768, 7168, 32, gemm_tc.SITU, gemm_tc.Config(128, 32, 4, 2))]
+
+
+def _tc_variant_id(v):
+    if isinstance(v, gemm_tc.Fusion):
+        return "situ" if v.situ else f"split{v.split}"
+    if isinstance(v, gemm_tc.Config):
+        return f"R{v.tile_rows}T{v.tile_tokens}st{v.stages}S{v.splits}"
+    return str(v)
+
+
+def _tc_variant_build(n, k, b, fusion, cfg, tmp_path, pdl=False):
+    cfg = cfg or gemm_tc.config(n, k, b, fusion)
+    assert gemm_tc.smem_bytes(cfg) <= gemm_tc.SMEM_BYTES and b <= cfg.tile_tokens
+    compiled = gemm_tc.build(n, k, bool(fusion.split), False, cfg, arch=ARCH,
+                             dump_dir=str(tmp_path), pdl=pdl, fusion=fusion)
+    _check_cubin(compiled)
+    return cfg, ptx_of(compiled)
+
+
+@pytest.mark.parametrize("n,k,b,fusion,cfg", _first_of_each(
+    GEMM_TC_VARIANTS, lambda c: bool(c[3].situ)), ids=_tc_variant_id)
+def test_gemm_tc_variants_build(n, k, b, fusion, cfg, monkeypatch, tmp_path):
+    """Each variant builds from its own entry: with SiTU the W slice of a stage comes as two
+    half-tile TMAs (gate rows, up rows), so each K slice issues 3 TMAs instead of 2, and the
+    epilogue reads both sums of a pair from every cluster peer; the split stores to two
+    outputs."""
+    monkeypatch.setenv("CUTE_DSL_ARCH", ARCH)
+    cfg, ptx = _tc_variant_build(n, k, b, fusion, cfg, tmp_path)
+    assert "griddepcontrol" not in ptx and "kernel_fused" in ptx
+    tma = ptx.count("cp.async.bulk.tensor")
+    assert tma == (6 if fusion.situ else 4), tma  # (W + x) in the prologue and in the loop
+    # the epilogue's unrolled passes over this CTA's share of the tile (pairs with SiTU)
+    share = (cfg.tile_rows // (2 if fusion.situ else 1)) // cfg.splits
+    passes = -(-share * cfg.tile_tokens // gemm_tc.THREADS)
+    if cfg.splits > 1:
+        sums = ptx.count("ld.shared::cluster")
+        assert sums == passes * (2 if fusion.situ else 1) * cfg.splits, sums
+    assert ptx.count("st.global") == passes * (2 if fusion.split else 1)
+
+
+@pytest.mark.parametrize("n,k,b,fusion,cfg", _first_of_each(
+    [c for c in GEMM_TC_VARIANTS if c[2] == 8], lambda c: bool(c[3].situ)), ids=_tc_variant_id)
+def test_gemm_tc_variants_build_with_pdl(n, k, b, fusion, cfg, monkeypatch, tmp_path):
+    """The PDL rule in each variant: W's half tiles (SiTU) or tiles stream before the wait,
+    nothing is stored before it."""
+    monkeypatch.setenv("CUTE_DSL_ARCH", ARCH)
+    _, ptx = _tc_variant_build(n, k, b, fusion, cfg, tmp_path, pdl=True)
+    assert TRIGGER in ptx and WAIT in ptx
+    before = ptx[:ptx.index(WAIT)]
+    assert not [op for op in ("st.global", "red.global", "atom.global") if op in before]
+    assert before.count("cp.async.bulk.tensor") == (2 if fusion.situ else 1)
+
+
+# sha256 (first 16 hex digits) of plain gemm_tc cubins built by nvidia-cutlass-dsl 4.8.1 with its
+# CUDA 12 libraries, at the `_cases` shapes and their configs: (n, k, bucket, fp32 output,
+# residual, pdl) -> digest. Recorded 2026-12-04 (session 21) before and after the one-launch
+# variants (`GemmTC.fused`): the same bytes, PTX too
+PLAIN_GEMM_TC_CUBINS = {
+    (3206, 7168, 8, False, False, False): "8c7eb91dd5f694ff",
+    (3206, 7168, 8, False, False, True): "1f32bdd8f35715e8",
+    (7168, 768, 64, False, True, False): "45e65e4d4de9182a",
+    (7168, 768, 64, False, True, True): "4a710ca88d47b40b",
+    (768, 128, 2, True, True, False): "6257c830534b4416",
+    (768, 128, 2, True, True, True): "053b532eb02df014",
+    (1000, 1032, 16, True, False, False): "ea358cfbdc3f21a0",
+    (1000, 1032, 16, True, False, True): "b55f25f856efc2e2",
+}
+
+
+@pytest.mark.parametrize("key", _first_of_each([(k,) for k in PLAIN_GEMM_TC_CUBINS],
+                                               lambda case: case[0][-1]), ids=str)
+def test_plain_gemm_tc_build_is_unchanged(key, monkeypatch, tmp_path):
+    """The plain build is byte for byte the one from before the variants (they compile from a
+    second entry, `GemmTC.fused`)."""
+    if version("nvidia-cutlass-dsl") != "4.8.1" or _dsl_cuda_flavour() != "cu12":
+        pytest.skip("digests recorded with nvidia-cutlass-dsl 4.8.1 and its CUDA 12 libraries")
+    monkeypatch.setenv("CUTE_DSL_ARCH", ARCH)
+    n, k, b, out_fp32, residual, pdl = key
+    compiled = gemm_tc.build(n, k, out_fp32, residual, gemm_tc.config(n, k, b), arch=ARCH,
+                             dump_dir=str(tmp_path), pdl=pdl)
+    assert "kernel_fused" not in ptx_of(compiled)
+    assert hashlib.sha256(cubin_of(compiled)).hexdigest()[:16] == PLAIN_GEMM_TC_CUBINS[key]

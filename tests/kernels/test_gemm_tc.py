@@ -1,24 +1,35 @@
 """gemm_tc kernel (y = x · Wᵀ [+ r], M <= 64, tensor cores) at one K3 TP16 rank's weight shapes
 for every batch bucket, rows between buckets (rows past M untouched), an odd aligned shape, every
 split-K cluster size and tile height, the fp32 router output, the residual epilogue, strided
-operands, determinism, and the torch fallback of refused inputs (GPU); refusals and configs on
-any machine."""
+operands, determinism, the torch fallback of refused inputs, and the one-launch variants (split
+output, SiTU epilogue) against the plain kernel and their references (GPU); refusals, configs,
+the variants' references, the K3_GEMM_TC_FUSED switch and the composites' choice on any
+machine."""
 
 import json
 import logging
+import os
+import types
 from pathlib import Path
 
 import pytest
 import torch
 from k3compile.kernels.common import gemm_tc as kernel
+from k3compile.kernels.common import router
 
+from k3compile import settings
+from k3compile.math import situ as situ_ref
+from k3compile.ops.moe_front import moe_front_ref
+from k3compile.ops.situ_gate_up import situ_gate_up_ref
 from tests.kernel_checks import (
     TOL,
+    assert_written,
     check_gemm,
     gemm_inputs,
     gemm_model,
     on_gpu,
     poisoned,
+    rel_err,
 )
 
 # [N, K] of one TP16 rank: KDA in-proj, MLA q_a|kv_a, latent down, latent up, router, o_proj,
@@ -245,3 +256,256 @@ def test_table_writer_keeps_the_winner(tmp_path, monkeypatch):
                for e in json.loads(path.read_text())["entries"]}
     assert entries == {(768, 7168, 8): bench.parse_config(cfg), (7168, 768, 64): None}
     assert kernel.Config(**entries[768, 7168, 8]) == kernel.Config(64, 8, 4, 2)
+
+
+
+# ---- the one-launch variants (K3_GEMM_TC_FUSED) ------------------------------------------------
+
+EXPERTS, LATENT, HIDDEN, SHARED, DENSE = 896, 3584, 7168, 384, 2112
+BETA, LINEAR_BETA = 4.0, 25.0
+# (split, N, K): the front [W_r; W_d] of one TP16 rank; a split inside a partial row tile with a
+# partial K slice
+SPLITS = [(EXPERTS, EXPERTS + LATENT, HIDDEN), (333, 1000, 1032)]
+# (I, K): the shared experts' [W_g; W_u], dense layer 0's, 17 half tiles with a partial K slice
+SITUS = [(SHARED, HIDDEN), (DENSE, HIDDEN), (544, 1032)]
+
+
+def close_bf16(out, want):
+    torch.testing.assert_close(out.float(), want.float(), **TOL["bf16"])
+    assert rel_err(out, want) < TOL["bf16_rel_norm"]
+
+
+def test_fused_refusals_on_any_machine():
+    def t(*shape, dtype=torch.bfloat16):
+        return torch.empty(*shape, dtype=dtype, device="meta")
+
+    x, front, gate_up = t(8, 7168), t(EXPERTS + LATENT, 7168), t(2 * SHARED, 7168)
+    assert kernel.fused_refusal(kernel.Fusion(split=EXPERTS), x, front) is None
+    assert kernel.fused_refusal(kernel.SITU, x, gate_up) is None
+    assert "split at row 4480" in kernel.fused_refusal(kernel.Fusion(split=4480), x, front)
+    assert "batch above 64" in kernel.fused_refusal(kernel.SITU, t(65, 7168), gate_up)
+    assert "even row count" in kernel.fused_refusal(kernel.SITU, x, t(769, 7168))
+    assert "even row count" in kernel.fused_refusal(kernel.SITU, x, gate_up,
+                                                    out_dtype=torch.float32)
+    why = kernel.fused_refusal(kernel.SITU, t(8, 1032), t(1000, 1032))  # I = 500
+    assert "I = 500" in why and "multiple of 32" in why
+    assert "dtype" in kernel.fused_refusal(kernel.SITU, t(8, 7168, dtype=torch.float32), gate_up)
+    assert kernel.fused_launch_refusal(  # no runtime here, or CPU tensors
+        kernel.SITU, torch.zeros(8, 7168).bfloat16(), torch.zeros(768, 7168).bfloat16())
+
+
+def test_situ_config_halves_fit_i(monkeypatch):
+    """A tile holds R/2 rows of W_g and the same of W_u: where a tuned R = 128 leaves I not a
+    multiple of 64, the SiTU variant takes R = 64 (the rest of the config as tuned)."""
+    wide = kernel.Config(128, 8, 4, 2)
+    monkeypatch.setattr(kernel, "tuned", lambda: {(2 * 416, 7168, 8): wide,
+                                                  (2 * 384, 7168, 8): wide})
+    assert kernel.config(2 * 416, 7168, 8) == wide  # the plain kernel keeps it
+    assert kernel.config(2 * 416, 7168, 8, kernel.SITU) == kernel.Config(64, 8, 4, 2)
+    assert kernel.config(2 * 384, 7168, 8, kernel.SITU) == wide  # 384 = 6 x 64
+    assert kernel.config(4480, 7168, 8, kernel.Fusion(split=896)) == kernel.config(4480, 7168, 8)
+
+
+def test_variants_on_cpu_are_the_two_launches_references():
+    """Refused (no GPU): the torch references, in the two-launch path's dtypes and shapes."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 256, generator=gen).bfloat16()
+    w = (torch.randn(96, 256, generator=gen) / 16).bfloat16()
+    logits, z = kernel.gemm_tc_split_cuda(x, w, 32)
+    assert logits.dtype == torch.float32 and logits.shape == (8, 32)
+    assert z.dtype == torch.bfloat16 and z.shape == (8, 64)
+    assert torch.equal(logits, kernel.gemm_ref(x, w[:32], out_dtype=torch.float32))
+    assert torch.equal(z, kernel.gemm_ref(x, w[32:]))
+    a = kernel.gemm_tc_situ_cuda(x, w, BETA, LINEAR_BETA)
+    assert a.dtype == torch.bfloat16 and a.shape == (8, 48)
+    assert torch.equal(a, situ_gate_up_ref(x, w[:48], w[48:], BETA, LINEAR_BETA))
+
+
+def test_switch_names_variants():
+    if "K3_GEMM_TC_FUSED" not in os.environ:
+        assert settings.KERNELS.gemm_tc_fused == {"split", "situ"}
+    parse = settings.parse_gemm_tc_fused
+    assert parse(None) == settings.GEMM_TC_DEFAULT == set(settings.GEMM_TC_VARIANTS)
+    assert parse("0") == parse("") == frozenset()
+    assert parse("all") == parse("1") == {"split", "situ"}
+    assert parse(" situ ") == {"situ"}
+    with pytest.raises(ValueError, match="K3_GEMM_TC_FUSED: unknown variants"):
+        parse("situ,norm")
+
+
+def _rows(m, k):
+    """Stands in for CUDA rows x [m, k] where only the routing rule reads them."""
+    return types.SimpleNamespace(shape=(m, k), is_cuda=True, dim=lambda: 2)
+
+
+def test_router_rule_for_the_variants(monkeypatch):
+    """`tc_fused_takes`: the switch names the variant and `linear` would run gemm_tc on the
+    whole weight at this M (2..64 rows, not skipped, the tuned table prefers the shape)."""
+    monkeypatch.setattr(router, "have_dsl", lambda: True)
+    monkeypatch.setattr(settings.KERNELS, "skip", ())
+    monkeypatch.setattr(settings.KERNELS, "gemm_tc_fused", frozenset({"split", "situ"}))
+    assert all(router.tc_fused_takes(_rows(m, 7168), "situ", 768) for m in (2, 8, 33, 64))
+    assert not router.tc_fused_takes(_rows(1, 7168), "situ", 768), "gemv's rows"
+    assert not router.tc_fused_takes(_rows(65, 7168), "situ", 768), "cuBLAS's rows"
+    assert not kernel.prefers(7168, 3584, 64)  # the table: cuBLAS there
+    assert not router.tc_fused_takes(_rows(64, 3584), "split", 7168)
+    assert not router.tc_fused_takes(torch.empty(8, 7168), "situ", 768), "a CPU tensor"
+    monkeypatch.setattr(settings.KERNELS, "gemm_tc_fused", frozenset({"split"}))
+    assert not router.tc_fused_takes(_rows(8, 7168), "situ", 768)
+    assert router.tc_fused_takes(_rows(8, 7168), "split", 4480)
+    monkeypatch.setattr(settings.KERNELS, "skip", ("gemm_tc",))
+    assert not router.tc_fused_takes(_rows(8, 7168), "split", 4480)
+
+
+@pytest.mark.parametrize("taken", [True, False])
+def test_composites_choose_the_variant(monkeypatch, taken):
+    """moe_front and situ_gate_up take the one-launch variant where `tc_fused_takes` says so
+    and the variant takes the call (the front's weights packed back to back, read in place),
+    else their two launches. CPU tensors, the rule and the launches stood in for."""
+    from k3compile.kernels import moe_front, situ_gate_up
+
+    calls = []
+    monkeypatch.setattr(router, "tc_fused_takes", lambda x, variant, n: taken)
+    monkeypatch.setattr(kernel, "fused_launch_refusal", lambda *a, **kw: None)
+    monkeypatch.setattr(kernel, "gemm_tc_split_cuda",
+                        lambda x, w, split: calls.append(("split", w, split)) or "one")
+    monkeypatch.setattr(kernel, "gemm_tc_situ_cuda",
+                        lambda x, w, beta, lb: calls.append(("situ", w, beta)) or "one")
+    x = torch.randn(8, 256).bfloat16()
+    packed = torch.randn(96, 256).bfloat16()
+    front = moe_front.moe_front_cuda(x, packed[:32], packed[32:])
+    a = situ_gate_up.situ_gate_up_cuda(x, packed[:48], packed[48:], BETA, LINEAR_BETA)
+    if not taken:
+        assert calls == []
+        for got, want in zip(front, moe_front_ref(x, packed[:32], packed[32:]), strict=True):
+            torch.testing.assert_close(got, want)
+        close_bf16(a, situ_gate_up_ref(x, packed[:48], packed[48:], BETA, LINEAR_BETA))
+        return
+    assert front == "one" and a == "one"
+    (v1, w1, split), (v2, w2, beta) = calls
+    assert (v1, split, v2, beta) == ("split", 32, "situ", BETA)
+    for w in (w1, w2):  # [W_r; W_d] and [W_g; W_u] in place: views of the packed buffer
+        assert w.data_ptr() == packed.data_ptr() and w.shape == packed.shape
+    calls.clear()  # weights apart: the front's variant refuses (no copy per call)
+    apart = moe_front.moe_front_cuda(x, packed[:32].clone(), packed[32:].clone())
+    assert calls == [] and apart[0].dtype == torch.float32
+
+
+def test_tc_split_takes_packed_weights_only():
+    from k3compile.kernels.moe_front import _tc_split_refusal
+
+    x = torch.zeros(8, HIDDEN, dtype=torch.bfloat16)
+    apart = [torch.zeros(n, HIDDEN, dtype=torch.bfloat16) for n in (EXPERTS, LATENT)]
+    assert "not packed" in _tc_split_refusal(x, *apart)
+    packed = torch.zeros(EXPERTS + LATENT, HIDDEN, dtype=torch.bfloat16)
+    why = _tc_split_refusal(x, packed[:EXPERTS], packed[EXPERTS:])
+    assert why is None or "not packed" not in why
+
+
+def test_variant_key_holds_the_fusion_and_the_plain_key_is_unchanged(monkeypatch):
+    from k3compile.kernels.common.launch import Kernel
+
+    builds = []
+    monkeypatch.setattr(kernel, "KERNEL", Kernel(kernel.OP, lambda *a, **kw: builds.append(
+        kw.get("fusion")) or len(builds)))
+    cfg = kernel.config(768, 7168, 8)
+    kernel.prepare(768, 7168, (8,))
+    kernel.prepare(768, 7168, (8,), fusion=kernel.SITU)
+    kernel.prepare(4480, 7168, (8,), out_dtype=torch.float32, fusion=kernel.Fusion(split=896))
+    kernel.prepare(768, 7168, (8,), fusion=kernel.SITU)  # cached
+    assert builds == [None, kernel.SITU, kernel.Fusion(split=896)]
+    assert kernel.KERNEL.compiled(768, 7168, False, False, cfg, rows=8) == 1
+
+
+# GPU: each variant against the plain kernel at the same config and against its reference
+
+
+@on_gpu
+@pytest.mark.parametrize("m", [2, 8, 64])
+@pytest.mark.parametrize("split,n,k", SPLITS, ids=str)
+def test_split_variant(gen, split, n, k, m):
+    """Logits and z of one launch are bitwise the plain kernel's over [W_r; W_d] at the same
+    config (the same sums), and moe_front_ref's within its tolerances."""
+    x, w = make_inputs(gen, m, n, k)
+    out, out2 = poisoned(m, split, dtype=torch.float32), poisoned(m, n - split)
+    got = kernel.gemm_tc_split_cuda(x, w, split, out=out, out2=out2)
+    assert got[0] is out and got[1] is out2, "fell back"
+    assert_written(out, out2)
+    cfg = kernel.config(n, k, kernel.bucket(m), kernel.Fusion(split=split))
+    plain = kernel.gemm_tc_cuda(x, w, out=poisoned(m, n, dtype=torch.float32), cfg=cfg)
+    assert torch.equal(out, plain[:, :split])
+    assert torch.equal(out2, kernel.gemm_tc_cuda(x, w, out=poisoned(m, n), cfg=cfg)[:, split:])
+    want_logits, want_z = moe_front_ref(x, w[:split], w[split:])
+    torch.testing.assert_close(out, gemm_model(x, w[:split], out_dtype=torch.float32),
+                               **TC_FP32_SUMS)
+    assert rel_err(out, want_logits) < 1e-5
+    close_bf16(out2, want_z)
+
+
+@on_gpu
+@pytest.mark.parametrize("m", [2, 8, 64])
+@pytest.mark.parametrize("width,k", SITUS, ids=str)
+def test_situ_variant(gen, width, k, m):
+    """Against situ on the plain kernel's bf16 GEMM output at the same config (the two launches'
+    inputs to the situ kernel), bitwise against the two launches, and situ_gate_up_ref."""
+    from k3compile.kernels import situ_gate_up
+
+    x, w = make_inputs(gen, m, 2 * width, k)
+    out = poisoned(m, width)
+    assert kernel.gemm_tc_situ_cuda(x, w, BETA, LINEAR_BETA, out=out) is out, "fell back"
+    assert_written(out)
+    cfg = kernel.config(2 * width, k, kernel.bucket(m), kernel.SITU)
+    gate_up = kernel.gemm_tc_cuda(x, w, out=poisoned(m, 2 * width), cfg=cfg)
+    close_bf16(out, situ_ref(gate_up[:, :width], gate_up[:, width:], BETA, LINEAR_BETA))
+    assert torch.equal(out, situ_gate_up.situ_cuda(gate_up, BETA, LINEAR_BETA,
+                                                   out=poisoned(m, width)))
+    close_bf16(out, situ_gate_up_ref(x, w[:width], w[width:], BETA, LINEAR_BETA))
+
+
+@on_gpu
+@pytest.mark.parametrize("variant", ["split", "situ"])
+def test_variants_at_every_tiling_and_split(gen, variant):
+    """Every tile height (R = 128: half tiles of 64 rows) and cluster size: bitwise the plain
+    kernel at that config."""
+    from k3compile.kernels import situ_gate_up
+
+    m, n, k = 13, 1088, 1032  # I = 544: 17 half tiles of 32 rows (R = 128 refused: 544 % 64)
+    x, w = make_inputs(gen, m, n, k)
+    tried = 0
+    for cfg in _config_variants(n, k, kernel.bucket(m)):
+        plain = kernel.gemm_tc_cuda(x, w, out=poisoned(m, n, dtype=torch.float32), cfg=cfg)
+        if variant == "split":
+            got = kernel.gemm_tc_split_cuda(x, w, 333, out=poisoned(m, 333, dtype=torch.float32),
+                                            out2=poisoned(m, n - 333), cfg=cfg)
+            assert torch.equal(got[0], plain[:, :333]), cfg
+            assert torch.equal(got[1], plain[:, 333:].bfloat16()), cfg
+        elif (n // 2) % (cfg.tile_rows // 2) == 0:
+            got = kernel.gemm_tc_situ_cuda(x, w, BETA, LINEAR_BETA, out=poisoned(m, n // 2),
+                                           cfg=cfg)
+            want = situ_gate_up.situ_cuda(plain.bfloat16(), BETA, LINEAR_BETA)
+            assert torch.equal(got, want), cfg
+        else:
+            continue
+        tried += 1
+    assert tried >= 4
+    if variant == "situ":  # R = 128 at I = 384 (6 half tiles of 64)
+        x, w = make_inputs(gen, m, 2 * SHARED, HIDDEN)
+        for splits in (1, 2, 4, 8):
+            cfg = kernel.Config(128, 16, 4, splits)
+            plain = kernel.gemm_tc_cuda(x, w, out=poisoned(m, 2 * SHARED), cfg=cfg)
+            got = kernel.gemm_tc_situ_cuda(x, w, BETA, LINEAR_BETA, out=poisoned(m, SHARED),
+                                           cfg=cfg)
+            assert torch.equal(got, situ_gate_up.situ_cuda(plain, BETA, LINEAR_BETA)), cfg
+
+
+@on_gpu
+def test_variants_fall_back_on_refused_inputs(gen, caplog):
+    x, w = make_inputs(gen, 8, 1000, 1032)
+    with caplog.at_level(logging.DEBUG, logger="k3compile.kernels"):
+        a = kernel.gemm_tc_situ_cuda(x, w, BETA, LINEAR_BETA)  # I = 500: no whole half tiles
+        logits, z = kernel.gemm_tc_split_cuda(x, w, 1000)  # nothing past the split
+    assert "gemm_tc_situ" in caplog.text and "gemm_tc_split" in caplog.text
+    gate, up = kernel.gemm_ref(x, w).split(500, dim=-1)
+    assert torch.equal(a, situ_ref(gate, up, BETA, LINEAR_BETA))
+    assert torch.equal(logits, kernel.gemm_ref(x, w, out_dtype=torch.float32))
+    assert z.shape == (8, 0)
