@@ -200,11 +200,11 @@ def fused_launch_refusal(fusion: Fusion, x, w, *, out_dtype=None, outs=()) -> st
 def prepare(n: int, k: int, buckets=BUCKETS, *, out_dtype=torch.bfloat16,
             residual: bool = False, fusion: Fusion = PLAIN) -> None:
     """Compile the kernel of every batch bucket for this weight (call before graph capture);
-    `fusion`: a one-launch variant's (the split's out_dtype is its first output's, fp32)."""
+    `fusion`: a one-launch variant's (fp32 first output with a split, bf16 with SiTU)."""
     variant = {} if fusion == PLAIN else {"fusion": fusion}
+    out_fp32 = bool(fusion.split) or (out_dtype == torch.float32 and not fusion.situ)
     for b in buckets:
-        KERNEL.compiled(n, k, out_dtype == torch.float32, residual, config(n, k, b, fusion),
-                        rows=b, **variant)
+        KERNEL.compiled(n, k, out_fp32, residual, config(n, k, b, fusion), rows=b, **variant)
 
 
 def build(n, k, out_fp32, residual, cfg, arch=None, dump_dir=None, pdl=False, fusion=PLAIN):

@@ -3,11 +3,13 @@ the TP16-rank shapes, through the ops' CUDA dispatch: o_proj + post-attention mi
 routed-latent norm + up-projection (+ the shared experts' residual). With K3_GEMV_FUSED on
 (`settings.KERNELS.gemv_fused`), norm_linear, moe_front and situ_gate_up at one row take gemv's one-launch
 variants: equal to the switch-off composites within tolerance (moe_front bitwise), also captured
-in a CUDA graph with PDL on and off."""
+in a CUDA graph with PDL on and off. With K3_GEMM_TC_FUSED (`settings.KERNELS.gemm_tc_fused`)
+moe_front and situ_gate_up at 2..64 rows take gemm_tc's one-launch variants: one kernel each,
+equal to the references and to the two launches within tolerance, also in a CUDA graph."""
 
 import pytest
 import torch
-from k3compile.kernels.common import dsl, gemv
+from k3compile.kernels.common import dsl, gemm_tc, gemv, router
 
 from k3compile import settings
 from k3compile.ops.attn_res_mix_norm import attn_res_mix_norm_ref
@@ -288,3 +290,123 @@ def test_split_front_takes_packed_weights_only():
     packed = torch.zeros(EXPERTS + LATENT, HIDDEN, dtype=torch.bfloat16)
     why = _split_refusal(x, packed[:EXPERTS], packed[EXPERTS:])
     assert why is None or "not packed" not in why
+
+
+# ---- K3_GEMM_TC_FUSED: one launch at gemm_tc's rows ----------------------------------------------
+
+
+def tc_spy(monkeypatch, name):
+    """Count the calls of gemm_tc.<name> (the composites look it up at call time)."""
+    calls, real = [], getattr(gemm_tc, name)
+    monkeypatch.setattr(gemm_tc, name, lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    return calls
+
+
+def tc_both_ways(monkeypatch, op, *args):
+    """op(*args) with gemm_tc's variants off, then on."""
+    got = []
+    for flag in (False, True):
+        monkeypatch.setattr(settings.KERNELS, "gemm_tc_fused",
+                            frozenset(settings.GEMM_TC_VARIANTS) if flag else frozenset())
+        got.append(op(*args))
+    return got
+
+
+def _packed(gen, *rows):
+    """Weights [rows_i, HIDDEN] back to back in one buffer, as stage `pack` stores them."""
+    buf = _bf16(gen, sum(rows), HIDDEN, scale=HIDDEN ** -0.5)
+    return list(buf.split(list(rows)))
+
+
+@pytest.mark.parametrize("n", [2, 8, 64])
+def test_moe_front_tc_fused(gen, monkeypatch, n):
+    """[W_r; W_d] packed: one launch at 2..64 rows where `router.linear` would take gemm_tc,
+    close to the two launches (other configs: other summation orders) and the reference."""
+    calls = tc_spy(monkeypatch, "gemm_tc_split_cuda")
+    x = _bf16(gen, n, HIDDEN)
+    router_w, down_w = _packed(gen, EXPERTS, LATENT)
+    off, on = tc_both_ways(monkeypatch, torch.ops.k3.moe_front, x, router_w, down_w)
+    assert len(calls) == router.tc_fused_takes(x, "split", EXPERTS + LATENT) == 1
+    assert on[0].dtype == off[0].dtype == torch.float32 and on[0].shape == off[0].shape
+    assert on[1].dtype == off[1].dtype and on[1].shape == off[1].shape
+    assert rel_err(on[0], off[0]) < 1e-5
+    assert rel_err(on[1], off[1]) < TOL["bf16_rel_norm"]
+    want_logits, want_z = moe_front_ref(x, router_w, down_w)
+    assert rel_err(on[0], want_logits) < 1e-5
+    torch.testing.assert_close(on[1].float(), want_z.float(), **TOL["bf16"])
+    assert rel_err(on[1], want_z) < TOL["bf16_rel_norm"]
+
+
+@pytest.mark.parametrize("n", [2, 8, 64])
+@pytest.mark.parametrize("width", [SHARED, 2112])  # shared experts, dense layer 0 (per rank)
+def test_situ_gate_up_tc_fused(gen, monkeypatch, n, width):
+    calls = tc_spy(monkeypatch, "gemm_tc_situ_cuda")
+    x = _bf16(gen, n, HIDDEN)
+    wg, wu = _packed(gen, width, width)
+    off, on = tc_both_ways(monkeypatch, torch.ops.k3.situ_gate_up, x, wg, wu, BETA, LINEAR_BETA)
+    assert len(calls) == router.tc_fused_takes(x, "situ", 2 * width)
+    if width == SHARED:
+        assert len(calls) == 1, "the tuned table has gemm_tc at every bucket for [768, 7168]"
+    assert on.dtype == off.dtype and on.shape == off.shape
+    for want in (off, situ_gate_up_ref(x, wg, wu, BETA, LINEAR_BETA)):
+        torch.testing.assert_close(on.float(), want.float(), **TOL["bf16"])
+        assert rel_err(on, want) < TOL["bf16_rel_norm"]
+
+
+class TCFusedOps:
+    """situ_gate_up and moe_front at 8 rows over packed weights, through the ops."""
+
+    def __init__(self, gen, n=8):
+        self.gen, self.n = gen, n
+        self.x = _bf16(gen, n, HIDDEN)
+        self.wg, self.wu = _packed(gen, SHARED, SHARED)
+        self.router_w, self.down_w = _packed(gen, EXPERTS, LATENT)
+
+    def run(self):
+        return (torch.ops.k3.situ_gate_up(self.x, self.wg, self.wu, BETA, LINEAR_BETA),
+                *torch.ops.k3.moe_front(self.x, self.router_w, self.down_w))
+
+    def check(self, outs):
+        a, logits, z = outs
+        assert_written(*outs)
+        want_logits, want_z = moe_front_ref(self.x, self.router_w, self.down_w)
+        for got, want in ((z, want_z),
+                          (a, situ_gate_up_ref(self.x, self.wg, self.wu, BETA, LINEAR_BETA))):
+            torch.testing.assert_close(got.float(), want.float(), **TOL["bf16"])
+            assert rel_err(got, want) < TOL["bf16_rel_norm"]
+        assert rel_err(logits, want_logits) < 1e-5
+
+
+def test_tc_fused_composites_are_one_kernel_each(gen, monkeypatch):
+    """At 8 rows each composite launches its gemm_tc variant and nothing else (issue 21)."""
+    monkeypatch.setattr(settings.KERNELS, "gemm_tc_fused", frozenset(settings.GEMM_TC_VARIANTS))
+    ops = TCFusedOps(gen)
+    with no_fallback():
+        ops.check(ops.run())  # compiled, and any first-call work done
+    torch.cuda.synchronize()
+    situ = lambda: torch.ops.k3.situ_gate_up(ops.x, ops.wg, ops.wu, BETA, LINEAR_BETA)
+    front = lambda: torch.ops.k3.moe_front(ops.x, ops.router_w, ops.down_w)
+    for op in (situ, front):
+        activities = [torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=activities) as prof:
+            op()
+            torch.cuda.synchronize()
+        kernels = [e.name for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA]
+        assert len(kernels) == 1 and "GemmTC" in kernels[0], kernels
+
+
+def test_tc_fused_composites_under_cuda_graphs_with_and_without_pdl(gen, monkeypatch):
+    """Captured after one warm call (nothing compiles in the capture), replayed on fresh inputs
+    (outputs poisoned first) against the references; PDL leaves every result bitwise equal."""
+    monkeypatch.setattr(settings.KERNELS, "gemm_tc_fused", frozenset(settings.GEMM_TC_VARIANTS))
+    calls = [tc_spy(monkeypatch, f"gemm_tc_{v}_cuda") for v in ("situ", "split")]
+    ops = TCFusedOps(gen)
+    graphs = {pdl: _capture(ops, pdl, monkeypatch) for pdl in (True, False)}
+    assert all(len(c) == 4 for c in calls), "a composite took its two launches"
+    for _ in range(3):
+        ops.x.copy_(_bf16(gen, ops.n, HIDDEN))
+        results = {pdl: _replay(*graphs[pdl]) for pdl in (True, False)}
+        ops.check(results[True])
+        for on, off in zip(results[True], results[False], strict=True):
+            assert torch.equal(on, off), "PDL changed a result"

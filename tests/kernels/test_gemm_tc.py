@@ -411,10 +411,13 @@ def test_variant_key_holds_the_fusion_and_the_plain_key_is_unchanged(monkeypatch
     cfg = kernel.config(768, 7168, 8)
     kernel.prepare(768, 7168, (8,))
     kernel.prepare(768, 7168, (8,), fusion=kernel.SITU)
-    kernel.prepare(4480, 7168, (8,), out_dtype=torch.float32, fusion=kernel.Fusion(split=896))
+    kernel.prepare(4480, 7168, (8,), fusion=kernel.Fusion(split=896))
     kernel.prepare(768, 7168, (8,), fusion=kernel.SITU)  # cached
     assert builds == [None, kernel.SITU, kernel.Fusion(split=896)]
     assert kernel.KERNEL.compiled(768, 7168, False, False, cfg, rows=8) == 1
+    split_cfg = kernel.config(4480, 7168, 8)  # the split's first output is fp32
+    assert kernel.KERNEL.compiled(4480, 7168, True, False, split_cfg, rows=8,
+                                  fusion=kernel.Fusion(split=896)) == 3
 
 
 # GPU: each variant against the plain kernel at the same config and against its reference
