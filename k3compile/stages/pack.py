@@ -1,8 +1,8 @@
 """Stage `pack`: the weights a fused GEMM reads as one matrix are stored as one matrix.
 
 `k3.linear_concat` (KDA q|k|v|g|f_a|b, MLA q_a|kv_a|g), `k3.moe_front` and `k3.moe_front_route`
-(router | latent-down, one launch with gemv's split variant) and `k3.situ_gate_up` (gate | up)
-read [W_0; W_1; ...] as one weight. Left alone, their CUDA kernels concatenate the weights at every call
+(router | latent-down, one launch with gemv's or gemm_tc's split variant) and `k3.situ_gate_up`
+(gate | up) read [W_0; W_1; ...] as one weight. Left alone, their CUDA kernels concatenate the weights at every call
 (`k3compile.ops.linear_concat.concatenated`; no copy is cached, so none can go stale): ~46 MB
 copied per KDA layer per step per GPU at TP16, 64 MB more per MoE layer with the split variant.
 `k3.expert_stack` (the per-expert parameters of a ModuleList, stacked for `k3.moe_experts`)
@@ -349,7 +349,8 @@ def _pack_group(node: fx.Node, args: list, real: dict, taken: dict, report: Pack
         log.warning("k3 pack: %s: packed, but the op reads its weights out of the buffer's "
                     "order: its CUDA path copies them on every call", node.name)
     report.packed.append(f"{node.name}: {len(values)} weights, {buffer.nbytes / 1e6:.1f} MB")
-    # the fronts' weights are copied per step only by gemv's split variant
+    # the fronts' weights would be copied per step only by the split variants (gemv's,
+    # gemm_tc's), which take packed weights only
     if node.target not in (_K3.moe_front.default, _K3.moe_front_route.default):
         report.saved_bytes += buffer.nbytes
 
