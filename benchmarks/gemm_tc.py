@@ -5,6 +5,7 @@ shapes, M = 2..64 rows.
     python benchmarks/gemm_tc.py --sweep --m 8,64 --only 768x7168,7168x768 [--out DIR]
     python benchmarks/gemm_tc.py [--sweep] --table kernels/common/gemm_tc_tuned.json   # ship the winners
     python benchmarks/gemm_tc.py --table-from DIR/gemm_tc.json --table kernels/common/gemm_tc_tuned.json
+    python benchmarks/gemm_tc.py --fused [--m 2,8,64] [--out DIR]   # the one-launch variants
 
 Timing as benchmarks/gemv.py (whose helpers it uses): both sides captured into CUDA graphs, each
 call reading the next copy of W (>= 2 x 60 MB of weights between two reads of one copy), x
@@ -13,7 +14,10 @@ L2-resident; µs per call = median over replays of graph time / calls. GB/s coun
 CUDA-core gemv at M <= 16. The sweep times every `gemm_tc.configs()` entry (each checked against
 cuBLAS first), best first. JSON: DIR/gemm_tc.json or DIR/gemm_tc_sweep.json. `--table` merges
 the measured winner of every (shape, bucket) into the table `gemm_tc.tuned()` reads: the best
-config, or cuBLAS where it was faster (`router.linear` then keeps cuBLAS for that shape).
+config, or cuBLAS where it was faster (`router.linear` then keeps cuBLAS for that shape). `--fused` times
+the one-launch variants against the two launches they replace at one TP16 rank: the split over
+the packed moe_front [W_r; W_d] against two `router.linear` calls, SiTU over the shared experts'
+[W_g; W_u] against `router.linear` + the situ kernel (DIR/gemm_tc_fused.json).
 """
 
 import argparse
@@ -33,12 +37,16 @@ from gemv import (
     sweep_inputs,
     time_configs,
     weight_copies,
+    write_json,
 )
 from k3compile.kernels.common import gemm_tc, gemv
 
-# [N, K] of one TP16 rank (see tests/kernels/test_gemm_tc.py)
+# [N, K] of one TP16 rank (see tests/kernels/test_gemm_tc.py), and the packed moe_front
+# [W_r; W_d] that gemm_tc's split variant reads (its `prefers` entry)
 SHAPES = [(3206, 7168), (2112, 7168), (3584, 7168), (7168, 3584), (896, 7168), (7168, 768),
-          (768, 7168), (1152, 1536), (7168, 384), (768, 128)]
+          (768, 7168), (1152, 1536), (7168, 384), (768, 128), (4480, 7168)]
+# the variants' composites at one TP16 rank: (variant, N, K, split or I)
+FUSED = [("split", 4480, 7168, 896), ("situ", 768, 7168, 384)]
 MS = (2, 4, 8, 16, 32, 64)
 
 
@@ -114,6 +122,45 @@ def sweep(shapes, ms):
     return rows
 
 
+def fused(ms):
+    """Each one-launch variant against the two launches it replaces (weights rotated past L2),
+    after checking that both agree."""
+    from k3compile.kernels import situ_gate_up
+    from k3compile.kernels.common import router
+
+    rows = []
+    for variant, n, k, part in FUSED:
+        weights = weight_copies(n, k)
+        for m in ms:
+            x = torch.randn(m, k, device="cuda").bfloat16()
+            if variant == "split":
+                def one(w, x=x, part=part):
+                    return gemm_tc.gemm_tc_split_cuda(x, w, part)
+
+                def two(w, x=x, part=part):
+                    return (router.linear(x, w[:part], out_dtype=torch.float32),
+                            router.linear(x, w[part:]))
+            else:
+                def one(w, x=x):
+                    return (gemm_tc.gemm_tc_situ_cuda(x, w, 4.0, 25.0),)
+
+                def two(w, x=x):
+                    return (situ_gate_up.situ_cuda(router.linear(x, w), 4.0, 25.0),)
+            for a, b in zip(one(weights[0]), two(weights[0]), strict=True):
+                err = ((a.float() - b.float()).norm() / b.float().norm()).item()
+                assert err < 1e-2, f"{variant} M={m}: one launch vs two: relative error {err:.2e}"
+            t_one, t_two = graph_us(one, weights), graph_us(two, weights)
+            cfg = gemm_tc.config(n, k, gemm_tc.bucket(m), gemm_tc.Fusion(
+                split=part) if variant == "split" else gemm_tc.SITU)
+            rows.append({"variant": variant, "N": n, "K": k, "M": m, "config": str(cfg),
+                         "one_us": round(t_one, 2), "two_us": round(t_two, 2)})
+            print(f"{variant:5s} {n:5d} x {k:5d} M={m:2d}  one launch {t_one:6.2f} us  two "
+                  f"{t_two:6.2f} us  x{t_two / t_one:.2f}  {short(cfg)}", flush=True)
+        del weights
+        torch.cuda.empty_cache()
+    return rows
+
+
 def table_entries(rows) -> list[dict]:
     """The winner per (N, K, bucket) of run rows (the default config vs cuBLAS) or sweep rows
     (every config vs cuBLAS): its config, None where cuBLAS was faster."""
@@ -145,12 +192,16 @@ def main():
     ap.add_argument("--out", help="folder for the JSON")
     ap.add_argument("--table", help="merge the winners into this tuned table (JSON)")
     ap.add_argument("--table-from", help="take the rows from this saved JSON instead of running")
+    ap.add_argument("--fused", action="store_true", help="time the one-launch variants instead")
     opts = ap.parse_args()
     if opts.table_from:
         saved = json.loads(Path(opts.table_from).read_text())
         write_table(opts.table, saved["rows"], saved["device"], opts.table_from)
         return
     ms, shapes, gbps = setup(opts, SHAPES)
+    if opts.fused:
+        write_json(opts.out, "gemm_tc_fused", fused(ms), gbps)
+        return
     source = f"benchmarks/gemm_tc.py{' --sweep' if opts.sweep else ''}, {date.today()}"
     rows = []
     for shape in shapes:  # the table grows shape by shape: a cut-short sweep keeps what it timed
