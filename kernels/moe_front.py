@@ -7,7 +7,7 @@ reference's sums (in another order) without its fp32 copy of W_r.
 One launch over [W_r; W_d], read in place where the `pack` stage stored both as one buffer: at
 M <= gemv.GEMV_MAX_M gemv's split-output variant where settings.KERNELS.gemv_fused names "split"
 (the default since session 20: B1 the same time at one kernel fewer per layer on the H200); at
-2..64 rows gemm_tc's where settings.KERNELS.gemm_tc_fused names "split" (the default) and
+2..64 rows gemm_tc's where settings.KERNELS.gemm_tc_fused names "split" (opt-in) and
 `router.linear` would run gemm_tc on [W_r; W_d] (`router.tc_fused_takes`). Otherwise (weights
 apart: a copy per call would cost more than the launch saves) two `router.linear` calls.
 

@@ -5,7 +5,7 @@ file's CuTe DSL kernel for the SiTU-GLU activation (spec §3.3 step 8).
 
 One launch, this kernel's math on the GEMM's bf16 outputs in the GEMM's epilogue: at
 M <= gemv.GEMV_MAX_M gemv's SiTU variant where settings.KERNELS.gemv_fused names "situ" (the
-default); at 2..64 rows gemm_tc's where settings.KERNELS.gemm_tc_fused names "situ" (the default)
+default); at 2..64 rows gemm_tc's where settings.KERNELS.gemm_tc_fused names "situ" (opt-in)
 and `router.linear` would run gemm_tc on [W_g; W_u] (`router.tc_fused_takes`). Otherwise two
 (`router.linear`, then this kernel). docs/kernels.md, situ_gate_up.
 

@@ -8,7 +8,7 @@ at GEMV_MAX_M < M <= 64 where the tuned table (gemm_tc_tuned.json, `benchmarks/g
 --table`) has it faster than cuBLAS and K3_KERNELS_SKIP does not name gemm_tc; shapes not in the
 table take `heuristic_config`. One-launch variants (`Fusion`, compile-time, from a second entry
 `GemmTC.fused` so the plain build is unchanged), taken by the composites where
-settings.KERNELS.gemm_tc_fused names them and `router.linear` would run this kernel:
+settings.KERNELS.gemm_tc_fused names them (opt-in) and `router.linear` would run this kernel:
     split (moe_front):     W = [W_r; W_d]; rows < split to y (fp32), the others to y2 (bf16)
     situ  (situ_gate_up):  W = [W_g; W_u]; y[m, n] = bf16(SiTU(bf16(g), bf16(u)))
 Each sum is the plain kernel's over the same W at the same config, bit for bit. Design and
