@@ -50,6 +50,7 @@ MAX_TOKENS = 16
 MAX_TAPS = 8
 MAX_FB_RANK = 128  # f_b build: fa's width R (K3's f_a rank); sFa and the unrolled sums grow with it
 VEC = 4  # fp32 state columns per thread: one 16-byte vector of a state row
+SMEM_BYTES = 227 * 1024  # per CTA on sm_90 (the DSL opts each kernel in to the device's maximum)
 
 
 @dataclass(frozen=True)
@@ -143,6 +144,18 @@ def config(tokens: int, n_heads: int, taps: int, batch_bucket: int) -> Config:
     return Config(4 if batch_bucket <= 4 else 2 if batch_bucket <= 16 else 1)
 
 
+def smem_bytes(tokens: int, cfg: Config, fb_rank: int = 0) -> int:
+    """A CTA's shared memory: sQ, sK, sA (T, K), sV, sO (T, vc), sBeta (T,), sRed (C·warps, T),
+    all fp32, 16 bytes of alignment slack each; the f_b build adds sFa (T, R) fp32 and sWfb
+    (K, R) bf16, the head's rows of W_fb (32 KB at R = 128)."""
+    tl, T, K = tile(cfg), tokens, HEAD_DIM
+    words = 3 * T * K + 2 * T * tl.vc + T + cfg.cluster_n * tl.warps * T
+    out = 4 * words + 16 * 7
+    if fb_rank:
+        out += 4 * T * fb_rank + 2 * K * fb_rank + 16 * 2
+    return out
+
+
 def configs(K: int = HEAD_DIM) -> list[Config]:
     """Every valid config (for sweeps)."""
     return [c for c in (Config(n, r) for n in (1, 2, 4, 8) for r in (8, 16, 32))
@@ -215,6 +228,10 @@ def fb_refusal(fa, fb_weight, q) -> str | None:
             not fb_weight.is_contiguous():
         return (f"fb_weight: {fb_weight.dtype} {tuple(fb_weight.shape)} {fb_weight.stride()} "
                 f"(want contiguous bf16 [{W}, {R}])")
+    cfg = config(T, W // HEAD_DIM, 0, bucket(B))
+    if (need := smem_bytes(T, cfg, R)) > SMEM_BYTES:
+        return (f"shared memory {need} B at {T} tokens, f_a rank {R} (want <= {SMEM_BYTES}: the "
+                "head's W_fb rows are staged there)")
     return None
 
 
