@@ -8,7 +8,8 @@
 
 `k3::fb_kda_decode` (kernels/fb_kda_decode.py) runs the f_b build (`fb_rank` R): the gate input is
 fa [B, T, R] with W_fb [H·K, R], each CTA computing its head's graw = bf16(fa · W_fbᵀ) (fp32 sums,
-one rounding) in the prologue. Work split, rounding and measurements: docs/kernels.md, kda_decode.
+one rounding) in the prologue from the head's W_fb rows, copied to shared memory before the PDL
+wait. Work split, rounding and measurements: docs/kernels.md, kda_decode.
 
 Constraints:
     * q, k, v, g, graw bf16 [B, T, H·K], b bf16 [B, T, H]: last dim contiguous, any other strides;
@@ -22,10 +23,13 @@ Constraints:
       l2_eps, q_scale, norm_eps are runtime scalars.
     * Output bf16 [B, T, H, K], contiguous.
     * The f_b build: fa bf16 [B, T, R] (last dim contiguous, any other strides: read element by
-      element), W_fb bf16 [H·K, R] contiguous with 16-byte-aligned data; R = 8·2^i <=
-      MAX_FB_RANK (`fb_refusal`).
-    * With PDL (settings.KERNELS.pdl) every thread waits first: everything it reads but the
-      weights was written by the previous step.
+      element), W_fb bf16 [H·K, R] contiguous with 16-byte-aligned data, a weight (a graph input
+      nothing writes during a step: it is read before the PDL wait); R = 8·2^i <= MAX_FB_RANK;
+      a CTA's shared memory (`smem_bytes`: the head's W_fb rows, 2·K·R bytes, on top) <=
+      SMEM_BYTES (`fb_refusal`; at most 82640 B, T = 16 without a cluster, so never refused at
+      K3's sizes).
+    * With PDL (settings.KERNELS.pdl) every thread waits first (the f_b build after issuing its
+      W_fb copies): everything it reads but the weights was written by the previous step.
 """
 
 import math
