@@ -8,14 +8,18 @@ above), then the kda_decode kernel. With K3_KDA_FB (`settings.KERNELS.kda_fb`), 
 kda_decode kernel's f_b build (`fb_rank` R), each CTA computing the graw of its head in its
 prologue (fp32 sums, one bf16 rounding, as the GEMM's output); where that build refuses (reason
 logged and counted), the two launches. Opt-in: on the H200 (session 20, A/B/A in one machine
-start) it lost 6.6% at B1 and 5.4% at B1xT8 and tied at B8: the graw sums run after the PDL wait,
-on the critical path, where the GEMM's weight loads ran before its own wait.
+start) it lost 6.6% at B1 and 5.4% at B1xT8 and tied at B8: the graw sums read W_fb from global
+memory after the PDL wait, on the critical path, where the GEMM's weight loads ran before its own
+wait. Since session 21 each CTA copies its head's W_fb rows to shared memory before the wait
+(cp.async), so only fa's loads and the sums follow it; not measured on the H200 yet.
 
 Constraints:
     * fa [B, T, R], W_fb [H·K, R]; the rest as kda_decode (refused inputs run its reference,
       reason logged).
     * One launch: kda_decode.fb_refusal (bf16 fa with its last dim contiguous, any row stride;
-      contiguous bf16 W_fb with 16-byte-aligned data; R = 8·2^i <= kda_decode.MAX_FB_RANK).
+      contiguous bf16 W_fb with 16-byte-aligned data; R = 8·2^i <= kda_decode.MAX_FB_RANK; the
+      CTA's shared memory with the head's W_fb rows <= kda_decode.SMEM_BYTES). W_fb is a weight
+      (the pattern takes only a graph input): the one launch reads it before its PDL wait.
 """
 
 import torch

@@ -8,7 +8,8 @@
 
 `k3::fb_kda_decode` (kernels/fb_kda_decode.py) runs the f_b build (`fb_rank` R): the gate input is
 fa [B, T, R] with W_fb [H·K, R], each CTA computing its head's graw = bf16(fa · W_fbᵀ) (fp32 sums,
-one rounding) in the prologue. Work split, rounding and measurements: docs/kernels.md, kda_decode.
+one rounding) in the prologue from the head's W_fb rows, copied to shared memory before the PDL
+wait. Work split, rounding and measurements: docs/kernels.md, kda_decode.
 
 Constraints:
     * q, k, v, g, graw bf16 [B, T, H·K], b bf16 [B, T, H]: last dim contiguous, any other strides;
@@ -22,10 +23,13 @@ Constraints:
       l2_eps, q_scale, norm_eps are runtime scalars.
     * Output bf16 [B, T, H, K], contiguous.
     * The f_b build: fa bf16 [B, T, R] (last dim contiguous, any other strides: read element by
-      element), W_fb bf16 [H·K, R] contiguous with 16-byte-aligned data; R = 8·2^i <=
-      MAX_FB_RANK (`fb_refusal`).
-    * With PDL (settings.KERNELS.pdl) every thread waits first: everything it reads but the
-      weights was written by the previous step.
+      element), W_fb bf16 [H·K, R] contiguous with 16-byte-aligned data, a weight (a graph input
+      nothing writes during a step: it is read before the PDL wait); R = 8·2^i <= MAX_FB_RANK;
+      a CTA's shared memory (`smem_bytes`: the head's W_fb rows, 2·K·R bytes, on top) <=
+      SMEM_BYTES (`fb_refusal`; at most 82640 B, T = 16 without a cluster, so never refused at
+      K3's sizes).
+    * With PDL (settings.KERNELS.pdl) every thread waits first (the f_b build after issuing its
+      W_fb copies): everything it reads but the weights was written by the previous step.
 """
 
 import math
@@ -50,6 +54,7 @@ MAX_TOKENS = 16
 MAX_TAPS = 8
 MAX_FB_RANK = 128  # f_b build: fa's width R (K3's f_a rank); sFa and the unrolled sums grow with it
 VEC = 4  # fp32 state columns per thread: one 16-byte vector of a state row
+SMEM_BYTES = 227 * 1024  # per CTA on sm_90 (the DSL opts each kernel in to the device's maximum)
 
 
 @dataclass(frozen=True)
@@ -143,6 +148,18 @@ def config(tokens: int, n_heads: int, taps: int, batch_bucket: int) -> Config:
     return Config(4 if batch_bucket <= 4 else 2 if batch_bucket <= 16 else 1)
 
 
+def smem_bytes(tokens: int, cfg: Config, fb_rank: int = 0) -> int:
+    """A CTA's shared memory: sQ, sK, sA (T, K), sV, sO (T, vc), sBeta (T,), sRed (C·warps, T),
+    all fp32, 16 bytes of alignment slack each; the f_b build adds sFa (T, R) fp32 and sWfb
+    (K, R) bf16, the head's rows of W_fb (32 KB at R = 128)."""
+    tl, T, K = tile(cfg), tokens, HEAD_DIM
+    words = 3 * T * K + 2 * T * tl.vc + T + cfg.cluster_n * tl.warps * T
+    out = 4 * words + 16 * 7
+    if fb_rank:
+        out += 4 * T * fb_rank + 2 * K * fb_rank + 16 * 2
+    return out
+
+
 def configs(K: int = HEAD_DIM) -> list[Config]:
     """Every valid config (for sweeps)."""
     return [c for c in (Config(n, r) for n in (1, 2, 4, 8) for r in (8, 16, 32))
@@ -215,6 +232,10 @@ def fb_refusal(fa, fb_weight, q) -> str | None:
             not fb_weight.is_contiguous():
         return (f"fb_weight: {fb_weight.dtype} {tuple(fb_weight.shape)} {fb_weight.stride()} "
                 f"(want contiguous bf16 [{W}, {R}])")
+    cfg = config(T, W // HEAD_DIM, 0, bucket(B))
+    if (need := smem_bytes(T, cfg, R)) > SMEM_BYTES:
+        return (f"shared memory {need} B at {T} tokens, f_a rank {R} (want <= {SMEM_BYTES}: the "
+                "head's W_fb rows are staged there)")
     return None
 
 

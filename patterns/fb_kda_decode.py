@@ -2,7 +2,9 @@
 `k3.fb_kda_decode` (spec §5.2 rows 3-4: the kernel does the 128-wide GEMM in its prologue).
 
 Runs after `kda_decode` and `linear_concat` and matches the op fed by `F.linear(fa, W_fb)` as its
-`graw`, where `fa` is the f_a slice of the fused in-projection and nothing else reads graw.
+`graw`, where `fa` is the f_a slice of the fused in-projection and nothing else reads graw. W_fb
+must be a weight (a graph input the graph does not write, as `linear` wants): the one-launch
+kernel copies it before its PDL wait, while the previous kernel may still run.
 
 Before: graw = view(mm(view(fa), permute(W_fb))); o = k3.kda_decode(q, k, v, g, graw, b, ...)
 After:  o = k3.fb_kda_decode(q, k, v, g, fa, W_fb, b, ...)   (the same states updated in place)
@@ -16,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from k3compile.patterns import kda_decode
 
+from k3compile.graph import written_in_place
 from k3compile.rewrite import Pattern, tensor_meta, with_signature
 
 NAMES = (*kda_decode.NAMES[:4], "fa", "fb_weight", *kda_decode.NAMES[5:])
@@ -44,6 +47,11 @@ def check(match) -> str | None:
     fa, w = tensor_meta(match.kwargs["fa"]), tensor_meta(match.kwargs["fb_weight"])
     if fa is None or w is None:
         return "fa or W_fb has no tensor metadata"
+    node = match.kwargs["fb_weight"]
+    if node.op != "placeholder":
+        return f"W_fb is computed in the graph ({node.name}), not a weight input"
+    if written_in_place(node):
+        return f"W_fb ({node.name}) is state the graph writes in place, not a weight"
     if w.dim() != 2 or w.shape[1] != fa.shape[-1]:
         return f"W_fb {list(w.shape)} does not take fa's width {fa.shape[-1]}"
     if w.dtype != fa.dtype:

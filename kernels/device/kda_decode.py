@@ -7,11 +7,12 @@ import operator
 
 import cutlass
 from cutlass import BFloat16, Float32, Int64, const_expr, cute
+from cutlass.cute.nvgpu import cpasync
 
 from ..common.copy import vectors
 from ..common.dsl import pdl_launch_dependents, pdl_wait
 from ..common.reduce import row_sum
-from ..kda_decode import HEAD_DIM, VEC, Config, tile
+from ..kda_decode import HEAD_DIM, VEC, Config, smem_bytes, tile
 
 
 def sigmoid(x):
@@ -35,12 +36,7 @@ class KDADecode:
         self.fb_rows = 32 // self.fb_lanes * self.tile.warps if fb_rank else 0
         self.C, self.R = cfg.cluster_n, cfg.rows_per_thread
         self.threads, self.warps = self.tile.threads, self.tile.warps
-        T, K, vc = tokens, HEAD_DIM, self.tile.vc
-        # sQ, sK, sA (T, K); sV, sO (T, vc); sBeta (T,); sRed (C·warps, T); 16-byte padding each
-        words = 3 * T * K + 2 * T * vc + T + self.C * self.warps * T
-        self.smem_bytes = 4 * words + 16 * 7
-        if fb_rank:  # sFa (T, R)
-            self.smem_bytes += 4 * T * fb_rank + 16
+        self.smem_bytes = smem_bytes(tokens, cfg, fb_rank)  # the allocations of `kernel`
 
     @cute.jit
     def __call__(self, mQ, mK, mV, mG, mGraw, mB, mConv, mState, mSlots, mWq, mWk, mWv,
@@ -80,9 +76,9 @@ class KDADecode:
         T, K, R, C, tl = self.T, self.K, self.R, self.C, self.tile
         if const_expr(C > 1):
             cute.arch.cluster_arrive_relaxed()  # matched in row_sum
-        pdl_wait(self.pdl)
-        slot = mSlots[req]
-        slot = Int64(cutlass.select_(slot < 0, slot + Int64(mState.shape[0]), slot))
+        if const_expr(not self.fb_rank):  # the f_b build waits after W_fb's copies (below)
+            pdl_wait(self.pdl)
+            slot = self.slot_of(req, mSlots, mState)
         smem = cutlass.memory.SmemAllocator()
         sQ = smem.allocate_tensor(Float32, cute.make_layout((T, K), stride=(K, 1)), 16)
         sK = smem.allocate_tensor(Float32, cute.make_layout((T, K), stride=(K, 1)), 16)
@@ -92,10 +88,16 @@ class KDADecode:
         sBeta = smem.allocate_tensor(Float32, cute.make_layout((T,)), 16)
         sRed = smem.allocate_tensor(Float32, cute.make_layout(
             (C * self.warps, T), stride=(T, 1)), 16)
-        sFa = None
+        sFa, sWfb = None, None
         if const_expr(self.fb_rank):
             sFa = smem.allocate_tensor(Float32, cute.make_layout(
                 (T, self.fb_rank), stride=(self.fb_rank, 1)), 16)
+            sWfb = smem.allocate_tensor(BFloat16, cute.make_layout(
+                (K, self.fb_rank), stride=(self.fb_rank, 1)), 16)
+            # W_fb is a weight: its copies fly while the previous kernel finishes
+            self.load_wfb(tidx, h, mWfb, sWfb)
+            pdl_wait(self.pdl)
+            slot = self.slot_of(req, mSlots, mState)
 
         # The state first: R 16-byte loads per thread, in flight during the prologue.
         rg, lc0 = tl.thread(tidx)
@@ -107,8 +109,9 @@ class KDADecode:
 
         if const_expr(self.fb_rank):
             self.load_fa(tidx, req, mGate, sFa)
-            cute.arch.barrier()
-            self.fb_graw(h, mWfb, sFa, sA)
+            cute.arch.cp_async_wait_group(0)
+            cute.arch.barrier()  # sFa stored, every thread's W_fb copies landed
+            self.fb_graw(sWfb, sFa, sA)
             cute.arch.barrier()
         self.prologue(tidx, rank, h, req, slot, mQ, mK, mV, mGate, mB, mConv, mWq, mWk,
                       mWv, mALog, mDt, sQ, sK, sV, sA, sBeta, lower_bound)
@@ -123,6 +126,32 @@ class KDADecode:
         totals = row_sum(ss, sRed, self.warps, C, True)  # Σ o'² per token over the head
         self.epilogue(tidx, rank, h, req, totals, sO, mG, mWo, mOut, norm_eps)
         self.write_conv_state(tidx, rank, h, req, slot, mQ, mK, mV, mConv)
+
+    def slot_of(self, req, mSlots, mState):
+        """The request's state slot (negative: from the end, as torch indexing)."""
+        slot = mSlots[req]
+        return Int64(cutlass.select_(slot < 0, slot + Int64(mState.shape[0]), slot))
+
+    @cute.jit
+    def load_wfb(self, tidx, h, mWfb, sWfb):
+        """The head's rows h·K .. h·K + K - 1 of W_fb -> sWfb (K, R) by cp.async, 16 bytes a copy
+        (no register round trip), committed as one group: consecutive threads copy consecutive
+        vectors of the contiguous [K, R] slice (coalesced)."""
+        K, L, n = self.K, self.fb_lanes, self.threads
+        atom = cute.make_copy_atom(cpasync.CopyG2SOp(cpasync.LoadCacheMode.GLOBAL), BFloat16,
+                                   num_bits_per_copy=128)
+        total = K * L
+        for it in cutlass.range_constexpr(-(-total // n)):
+            item = it * n + tidx
+            c, v = item // L, item % L
+            if const_expr((it + 1) * n <= total):
+                cute.copy(atom, vectors(mWfb[h * K + c, None])[None, v],
+                          vectors(sWfb[c, None])[None, v])
+            else:
+                if item < total:
+                    cute.copy(atom, vectors(mWfb[h * K + c, None])[None, v],
+                              vectors(sWfb[c, None])[None, v])
+        cute.arch.cp_async_commit_group()
 
     @cute.jit
     def load_fa(self, tidx, req, mFa, sFa):
@@ -185,32 +214,33 @@ class KDADecode:
                 sX[t, c] = bf16_round(acc / (1.0 + cute.math.exp(-acc)))  # SiLU
 
     @cute.jit
-    def fb_graw(self, h, mWfb, sFa, sA):
+    def fb_graw(self, sWfb, sFa, sA):
         """sA[t, c] <- graw[req, t, h·K + c] = bf16(Σ_r fa[t, r]·W_fb[h·K + c, r]) for the head's
-        K channels: fp32 sums, one rounding, as a bf16 GEMM's output. L = R/8 lanes a row, one
-        16-byte vector of W_fb each (a warp's loads cover whole rows), then a butterfly over
-        the L lanes; a step of the CTA takes 32/L rows a warp. The alpha items turn sA into α."""
+        K channels (sWfb: its rows of W_fb): fp32 sums, one rounding, as a bf16 GEMM's output.
+        L = R/8 lanes a row, one 16-byte vector of sWfb each (a warp reads whole rows: 512
+        contiguous bytes, no bank conflict), then a butterfly over the L lanes; a step of the CTA
+        takes 32/L rows a warp. The alpha items turn sA into α."""
         K, L, rows = self.K, self.fb_lanes, self.fb_rows
         warp, lane = cute.arch.warp_idx(), cute.arch.lane_idx()
         rW = cute.make_rmem_tensor(cute.make_layout((8,)), BFloat16)
         rF = cute.make_rmem_tensor(cute.make_layout((8,)), Float32)
         steps = -(-K // rows)
-        # <= 8 W_fb loads in flight; 4 at 16 tokens (8 spilled at one TP16 rank, batch 1)
+        # <= 8 rows a thread unrolled; 4 at 16 tokens (8 spilled at one TP16 rank, batch 1)
         for step in cutlass.range(steps, unroll=min(steps, 8 if self.T <= 8 else 4)):
             c = step * rows + warp * (32 // L) + lane // L
-            self.fb_row(h, c, lane % L, mWfb, sFa, sA, rW, rF)
+            self.fb_row(c, lane % L, sWfb, sFa, sA, rW, rF)
 
     @cute.jit
-    def fb_row(self, h, c, v, mWfb, sFa, sA, rW, rF):
+    def fb_row(self, c, v, sWfb, sFa, sA, rW, rF):
         """Row c of the head's W_fb: this lane's vector v, the L lanes' butterfly, lane v = 0
         stores the T sums."""
         K, L = self.K, self.fb_lanes
         if const_expr(self.fb_rows <= K):
-            cute.autovec_copy(vectors(mWfb[h * K + c, None])[None, v], rW)
+            cute.autovec_copy(vectors(sWfb[c, None])[None, v], rW)
         else:  # a step's rows past K (few channels, many warps) load nothing
             rW.fill(0.0)
             if c < K:
-                cute.autovec_copy(vectors(mWfb[h * K + c, None])[None, v], rW)
+                cute.autovec_copy(vectors(sWfb[c, None])[None, v], rW)
         w = rW.load().to(Float32)
         sums = []
         for t in cutlass.range_constexpr(self.T):

@@ -54,3 +54,14 @@ def test_check_refuses_a_wrong_q_scale():
     args = _inputs(q_scale=0.37)
     _, report = rewrite(step, args, fb_kda_decode.patterns())
     assert_near_miss(report, "fb_kda_decode", "check refused", "q scale")
+
+
+def test_computed_fb_weight_is_a_near_miss():
+    """W_fb must be a weight input: the one launch copies it before its PDL wait."""
+    def computed(*args):
+        rest = list(args)
+        rest[5] = args[5] * 2  # W_fb computed in the graph (a kernel of the step writes it)
+        return step(*rest)
+
+    _, report = rewrite(computed, _inputs(), fb_kda_decode.patterns())
+    assert_near_miss(report, "fb_kda_decode", "check refused", "computed in the graph")

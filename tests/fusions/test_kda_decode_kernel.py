@@ -8,16 +8,17 @@ Moonshot model cast to bf16 whole) with that norm. Activations are column slices
 one in-projection row (stride 3206, as the fused GEMM produces them), slots are a permutation
 of a larger state pool whose other slots must stay untouched, and the last request of a batch
 is a padding row on the scratch slot (-1: the pool's last). Outputs are poisoned beforehand.
-fb_kda_decode in one launch (the f_b build) at B 1, 2, 8, 64 and T 1, 8 with its GEMM forbidden,
-against its two launches, as one kernel per call (profiler), and refused ranks (two launches).
+fb_kda_decode in one launch (the f_b build) at B 1, 2, 8, 64 and T 1, 8, 16 with its GEMM
+forbidden, against its two launches, as one kernel per call (profiler), and refused ranks (two
+launches).
 fa and W_fb lie on a grid (`on_grid`) where graw is exact in any summation order.
 
 CPU: a model of the kernel's blocking (its work split from `kernel.Tile`, the butterfly sums,
 the cluster sum, the ownership of outputs and conv-state writes) against the reference, for
 every config, and each output norm against its reference variant, and with bf16 A_log and
 dt_bias; the reference's bf16 parameters are their fp32 values exactly; the build flags' cache
-keys; refusals; the fallback off the GPU; the f_b build's refusals, key, W_fb sweep and the
-grid's exactness, and a refused rank's two launches off the GPU.
+keys; refusals; the fallback off the GPU; the f_b build's refusals, key, W_fb sweep, shared
+memory budget and the grid's exactness, and a refused rank's two launches off the GPU.
 """
 
 import logging
@@ -264,13 +265,15 @@ def two_launches(monkeypatch):
     monkeypatch.setattr(fb_kernel, "fb_refusal", lambda *_: "forced by the test")
 
 
-@pytest.mark.parametrize("T", [1, 8])
+@pytest.mark.parametrize("T", [1, 8, 16])
 @pytest.mark.parametrize("B", [1, 2, 8, 64])
 @pytest.mark.usefixtures("cuda_kernels")
 @pytest.mark.gpu
 def test_fb_one_launch(gen, B, T, monkeypatch):
-    """The f_b build (graw in each CTA's prologue, from the in-projection's column slice of fa)
-    at one TP16 rank (R = 128) against the reference, two steps on carried states."""
+    """The f_b build (graw in each CTA's prologue, from the in-projection's column slice of fa
+    and the head's W_fb rows staged in shared memory before the PDL wait) at one TP16 rank
+    (R = 128) against the reference, two steps on carried states; T up to MAX_TOKENS (16: the
+    most shared memory, 82640 B without a cluster)."""
     no_gemm(monkeypatch)
     inp = Inputs(gen, B, T)
     assert inp.fa.stride()[:2] != (T * K, K), "fa is a column slice of the in-projection"
@@ -688,6 +691,32 @@ def test_fb_refused_rank_off_gpu_takes_two_launches(caplog):
     assert "f_a rank 120" in caplog.text and "two launches" in caplog.text
     ref_conv, ref_state = inp.conv_state.clone(), inp.state.clone()
     inp.graw = F.linear(inp.fa, inp.fb_weight)
+    assert torch.equal(got, kda_decode_ref(*inp.args(ref_conv, ref_state)))
+    assert torch.equal(conv, ref_conv) and torch.equal(state, ref_state)
+
+
+
+def test_fb_shared_memory_fits_every_accepted_shape(monkeypatch, caplog):
+    """The f_b build stages the head's W_fb rows (K x R bf16, 32 KB at R = 128) and fa in shared
+    memory: every T, bucket and R it takes fits the 227 KB a CTA may use (the most: 16 tokens
+    without a cluster, 82640 B); past the budget `fb_refusal` says why and fb_kda_decode takes
+    its two launches (logged), whose values are the op's reference's."""
+    ranks = (8, 16, 32, 64, 128)
+    need = {(T, b, R): kernel.smem_bytes(T, kernel.config(T, H_TP16, TAPS, b), R)
+            for T in range(1, kernel.MAX_TOKENS + 1) for b in BUCKETS for R in ranks}
+    assert max(need.values()) == need[(16, 64, 128)] == 82640 <= kernel.SMEM_BYTES
+    plain = kernel.smem_bytes(1, kernel.config(1, H_TP16, TAPS, 1))
+    assert need[(1, 1, 128)] - plain == 4 * 128 + 2 * K * 128 + 32  # sFa, sWfb, their padding
+    inp = Inputs(_cpu_gen(), 2, kernel.MAX_TOKENS, H=1, device="cpu")
+    assert fb_kernel.fb_refusal(inp.fa, inp.fb_weight, inp.q) is None
+    monkeypatch.setattr(kernel, "SMEM_BYTES", need[(kernel.MAX_TOKENS, 2, 128)] - 1)
+    why = fb_kernel.fb_refusal(inp.fa, inp.fb_weight, inp.q)
+    assert why and "shared memory" in why and f"{kernel.MAX_TOKENS} tokens" in why, why
+    conv, state = inp.conv_state.clone(), inp.state.clone()
+    with caplog.at_level(logging.DEBUG, logger="k3compile.kernels"):
+        got = fb_kernel.fb_kda_decode_cuda(*inp.args(conv, state, fb=True))
+    assert "shared memory" in caplog.text and "two launches" in caplog.text
+    ref_conv, ref_state = inp.conv_state.clone(), inp.state.clone()
     assert torch.equal(got, kda_decode_ref(*inp.args(ref_conv, ref_state)))
     assert torch.equal(conv, ref_conv) and torch.equal(state, ref_state)
 

@@ -259,7 +259,7 @@ def test_kda_bf16_params_build(flags, scalars, b, monkeypatch, tmp_path):
 
 # kda_decode's f_b build (fb_kda_decode in one launch) at (T, heads, taps), bucket, R: decode
 # and verify rows at one TP16 rank (R = 128) with the configs of batch 1 and 64 (clusters of 4
-# and 1), 16 tokens (4 W_fb loads in flight), R = 8 (one lane a row: rows past K at 8 warps), 64
+# and 1), 16 tokens (4 rows unrolled), R = 8 (one lane a row: rows past K at 8 warps), 64
 FB = [((1, 6, 4), 1, 128), ((8, 6, 4), 64, 128), ((1, 6, 4), 64, 128), ((8, 6, 4), 1, 128),
       ((16, 6, 4), 1, 128), ((16, 6, 4), 64, 128), ((1, 6, 4), 64, 8), ((2, 4, 4), 8, 64)]
 
@@ -267,9 +267,11 @@ FB = [((1, 6, 4), 1, 128), ((8, 6, 4), 64, 128), ((1, 6, 4), 64, 128), ((8, 6, 4
 @pytest.mark.parametrize("scalars,b,R", _first_of_each(FB, lambda case: "fb"), ids=str)
 @pytest.mark.parametrize("pdl", [False, True])
 def test_kda_fb_builds(scalars, b, R, pdl, monkeypatch, tmp_path):
-    """The variant compiles for sm_90a without spills; W_fb's rows are read in 16-byte vectors
-    (more of them than the default build's state rows alone) and summed over lanes by shuffles;
-    with PDL nothing is stored before the wait."""
+    """The variant compiles for sm_90a without spills; the head's W_fb rows go to shared memory
+    by 16-byte cp.async (K·R/8 copies over the CTA's threads), not by loads into registers (the
+    same 16-byte global loads as the default build: the state's), and are summed over lanes by
+    shuffles; with PDL every copy is issued before the wait and awaited after it, and nothing is
+    loaded from global memory (fa, slots, states) or stored before the wait."""
     monkeypatch.setenv("CUTE_DSL_ARCH", ARCH)
     cfg = kda_decode.config(*scalars, b)
     for sub in ("v", "d"):
@@ -278,14 +280,22 @@ def test_kda_fb_builds(scalars, b, R, pdl, monkeypatch, tmp_path):
                                pdl=pdl, fb_rank=R)
     _check_cubin(variant)
     default = kda_decode.build(*scalars, cfg, arch=ARCH, dump_dir=str(tmp_path / "d"), pdl=pdl)
+    ptx = ptx_of(variant)
     v4 = [sum(ptx_of(c).count(op) for op in ("ld.global.v4", "ld.global.nc.v4"))
           for c in (variant, default)]
-    assert v4[0] > v4[1], v4
+    assert v4[0] == v4[1], v4
+    copy = "cp.async.cg.shared.global"
+    assert ptx.count(copy) == -(-kda_decode.HEAD_DIM * R // 8 // cfg.threads)
+    assert all(f"{copy} [%r" in line and line.rstrip().endswith("16, 16;")
+               for line in ptx.splitlines() if copy in line)
+    assert ptx.count("cp.async.commit_group") == 1 and ptx.count("cp.async.wait_group") == 1
     shfl = "shfl.sync.bfly"
-    assert (ptx_of(variant).count(shfl) > ptx_of(default).count(shfl)) == (R > 8)
+    assert (ptx.count(shfl) > ptx_of(default).count(shfl)) == (R > 8)
     if pdl:
-        before = ptx_of(variant)[:ptx_of(variant).index(WAIT)]
-        assert not [op for op in ("st.global", "st.shared") if op in before]
+        before, after = ptx[:ptx.index(WAIT)], ptx[ptx.index(WAIT):]
+        assert not [op for op in ("st.global", "st.shared", "ld.global") if op in before]
+        assert copy not in after and "cp.async.commit_group" in before
+        assert "cp.async.wait_group" in after
 
 
 # moe_route's build for a bf16 router bias (a Moonshot model cast to bf16 whole): at the K3 router
