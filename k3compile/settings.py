@@ -49,6 +49,9 @@ SWITCHES: dict[str, tuple[str, str]] = {
     "K3_MOE_F16": ("kernels: `moe_experts` FC1 decodes into packed fp16 math (fma.rn.f16x2)", "0"),
     "K3_KDA_FB": (("kernels: `fb_kda_decode` in one launch (the KDA kernel computes the f_b "
                    "projection itself; the default is the f_b GEMM, then the KDA kernel)"), "0"),
+    "K3_CHECK_KERNEL": (("kernels: the device-side input check and redirect (`validate=device` on "
+                         "CUDA) as one CuTe kernel launch per step (the default is Inductor's "
+                         "1-5 kernels)"), "0"),
     "K3_KERNELS_EXTRA": (("kernels: also register these opt-in kernel modules (slower than the "
                           "default on the H200: moe_front_route, oproj_mix, moe_one_launch; no "
                           "faster: mla_q_absorb; docs/decisions.md)"), ""),
@@ -285,6 +288,7 @@ class KernelSettings:
     moe_grouped: bool = False  # moe_experts by expert at 8-64 rows (kernels/moe_experts.py)
     moe_f16: bool = False  # moe_experts FC1's packed fp16 decode (kernels/moe_experts.py)
     kda_fb: bool = False  # fb_kda_decode's one-launch build (kernels/fb_kda_decode.py)
+    check_kernel: bool = False  # validate's device check as one launch (kernels/input_check.py)
     build_workers: int = 0  # a bucket's kernels built by a pool (kernels/common/build_pool.py);
     # from_env's default is `auto` (parse_workers)
 
@@ -304,6 +308,7 @@ class KernelSettings:
                    moe_grouped=bool(env_bool("K3_MOE_GROUPED")),
                    moe_f16=bool(env_bool("K3_MOE_F16")),
                    kda_fb=bool(env_bool("K3_KDA_FB")),
+                   check_kernel=bool(env_bool("K3_CHECK_KERNEL")),
                    build_workers=parse_workers(env("K3_BUILD_WORKERS")))
 
     def fingerprint(self) -> list[str]:
@@ -313,7 +318,8 @@ class KernelSettings:
                 f"gemm_tc_fused {sorted(self.gemm_tc_fused)}", f"extra {list(self.extra)}",
                 f"skip {list(self.skip)}", f"allreduce {self.allreduce}",
                 f"moe_grouped {self.moe_grouped}", f"moe_f16 {self.moe_f16}",
-                f"kda_fb {self.kda_fb}"]
+                f"kda_fb {self.kda_fb}"]  # not check_kernel: it changes no stage output and
+        # no collective (each rank checks its own inputs), so stage caches need not split on it
 
 
 KERNELS = KernelSettings.from_env()

@@ -29,7 +29,9 @@ role the graph does not show is logged once and not checked: a valid call is nev
     state buffer is bit-equal, and the error lists the bad values.
   * `device` (`auto` on CUDA; on CPU it runs the same code, for the tests): a host check would
     synchronise every step, so the check is part of the step (inside its CUDA graph; on CUDA one
-    Inductor-compiled function per bucket, a few fused kernels, not ~8 per input). It computes
+    Inductor-compiled function per bucket, a few fused kernels, not ~8 per input; with
+    `K3_CHECK_KERNEL` one CuTe kernel launch, kernels/input_check.py, where it takes the
+    limits, else Inductor's with the reason logged once). It computes
     a bitmask of failed checks on the device; where it is nonzero, every checked input is replaced
     by a safe value (slots by the scratch slot, the others by their lowest valid value), so the
     step writes only the scratch row and no request's state changes. The host copies the mask
@@ -60,6 +62,7 @@ from k3compile import stage_cache
 from k3compile.calls import integer_dtype, structure_error
 from k3compile.graph import written_in_place
 from k3compile.observe import Observer
+from k3compile.settings import KERNELS
 
 log = logging.getLogger("k3compile")
 
@@ -287,6 +290,9 @@ class InputChecks:
         self._pinned: list[torch.Tensor] = []
         # the device check compiled by Inductor: None on CUDA only, True always (tests), False never
         self.compiled: bool | None = None
+        # what runs the device check of the last bucket compiled: "torch" (eager), "inductor" or
+        # "kernel" (K3_CHECK_KERNEL); None: no device check
+        self.redirect_by: str | None = None
 
     # ---- compile time
 
@@ -336,21 +342,26 @@ class InputChecks:
     def _redirect(self, example_inputs: list):
         """`(rows, mask, *checked) -> checked'`: the device check and the redirect, writing the
         failed checks into `mask`. On CUDA one Inductor-compiled function per bucket (its shapes):
-        a few fused kernels inside the step's CUDA graph instead of ~8 per checked input; on CPU
-        (the tests) the same function run eagerly."""
+        a few fused kernels inside the step's CUDA graph instead of ~8 per checked input, or with
+        `K3_CHECK_KERNEL` one CuTe kernel (kernels/input_check.py) where it takes the limits; on
+        CPU (the tests) the same function run eagerly (`redirect_ref`). `redirect_by` says which."""
         limits = tuple(self.limits)
 
         def redirect(rows, mask, *checked):
-            bits = _device_mask(limits, checked, rows)
-            mask.copy_(bits)
-            ok = bits == 0
-            return tuple(torch.where(ok, t, lim.scratch if lim.role == "slots" else lim.lo)
-                         for lim, t in zip(limits, checked))
+            return redirect_ref(limits, rows, mask, *checked)
 
         checked = [example_inputs[lim.index] for lim in limits]
         cuda = all(t.is_cuda for t in checked)
         if not (self.compiled or self.compiled is None and cuda):
+            self.redirect_by = "torch"
             return redirect
+        if cuda and KERNELS.check_kernel:
+            from k3compile.kernels import input_check
+
+            if (kernel := input_check.redirect(limits, checked)) is not None:
+                self.redirect_by = "kernel"
+                return kernel
+        self.redirect_by = "inductor"
         scalar = torch.zeros((), dtype=torch.int64, device=checked[0].device)
         examples = [scalar, scalar.clone(), *(t.contiguous() for t in checked)]
         from k3compile.rewrite import inductor
@@ -476,6 +487,19 @@ class InputChecks:
         return (f"k3: step {step} was rejected by its device-side input check: "
                 + "; ".join(failed) + ". Its state writes went to the scratch slot (no request's "
                 "state changed) and its outputs are meaningless.")
+
+
+def redirect_ref(limits: Sequence[Limit], rows: torch.Tensor, mask: torch.Tensor,
+                 *checked: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The device check and the redirect, in torch: the failed checks (`_device_mask`) written
+    into `mask`, and each checked input, or where a check failed its safe value (the scratch slot
+    for the slot input, lo for the others). What Inductor compiles, the CPU path, and the
+    reference of kernels/input_check.py."""
+    bits = _device_mask(limits, checked, rows)
+    mask.copy_(bits)
+    ok = bits == 0
+    return tuple(torch.where(ok, t, lim.scratch if lim.role == "slots" else lim.lo)
+                 for lim, t in zip(limits, checked))
 
 
 def _device_mask(limits: Sequence[Limit], checked: Sequence[torch.Tensor],
