@@ -76,9 +76,10 @@ from k3compile.models import build_model, get_config
 from k3compile.models.hf_k3 import from_reference
 
 STACK_LAYERS = (1, 2, 3, 4)
-VARIANTS = ("eager", "inductor", "k3", "k3-novalidate", "k3-grouped")
+VARIANTS = ("eager", "inductor", "k3", "k3-novalidate", "k3-grouped", "k3-checkkernel")
 # A/B variants of k3 (need k3 in --variants): k3-novalidate is `validate="off"` (the input
-# check's cost), k3-grouped `K3_MOE_GROUPED` (the routed experts by expert at 8-64 rows)
+# check's cost), k3-grouped `K3_MOE_GROUPED` (the routed experts by expert at 8-64 rows),
+# k3-checkkernel `K3_CHECK_KERNEL` (the input check as one CuTe launch)
 DEFAULT_VARIANTS = VARIANTS[:3]
 # A variant passes where, against an fp32 evaluation of the same weights and inputs, each output
 # and state error is at most `factor` x eager-bf16's own (max_err: x `factor_max`), or `floor`.
@@ -670,6 +671,9 @@ def compiled_variants(args, device) -> dict[str, dict]:
             if "k3-grouped" in args.variants:
                 out["k3-grouped"] = {**out["k3"], "label": "k3 K3_MOE_GROUPED",
                                      "kernels": {"moe_grouped": True}}
+            if "k3-checkkernel" in args.variants:
+                out["k3-checkkernel"] = {**out["k3"], "label": "k3 K3_CHECK_KERNEL",
+                                         "kernels": {"check_kernel": True}}
     return out
 
 

@@ -132,7 +132,8 @@ def redirect(limits: Sequence, checked: Sequence[torch.Tensor]) -> Callable | No
             log.warning("k3: the device-side input check stays with Inductor (its CuTe kernel "
                         "refused: %s)", reason)
         return None
-    specs, cfg = specs_of(limits, checked), config(specs)
+    specs = specs_of(limits, checked)
+    cfg = config(specs)
     lead = checked[0].shape[0] if checked[0].dim() else 1
     compiled = KERNEL.compiled(specs, cfg, rows=bucket(lead))
 

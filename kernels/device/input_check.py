@@ -37,7 +37,6 @@ class InputCheck:
     def kernel(self, mRows: cute.Tensor, mMask: cute.Tensor, checked, outs):
         pdl_launch_dependents(self.pdl)
         tidx, _, _ = cute.arch.thread_idx()
-        T = self.threads
         smem = cutlass.memory.SmemAllocator()
         sWarp = smem.allocate_tensor(Int32, cute.make_layout((self.n_warps,)), 16)
         sSlots = [smem.allocate_tensor(Int64, cute.make_layout((s.numel,)), 16) if s.slots

@@ -8,7 +8,8 @@ the call (the device-side check: every row but the scratch row, which no request
 valid call gives eager's result. Covered on the bucketed (padded) and static paths, with the
 check on the host and the device-side check run on CPU, for two small decode modules spelled two
 ways (fast) and for the tiny K3 of both test spellings (the built-in model and
-tests/models/hf_k3.py; slow). The GPU test: a rejected CUDA-graph replay.
+tests/models/hf_k3.py; slow). The GPU test: a rejected CUDA-graph replay, with the check compiled
+by Inductor and as one CuTe kernel (K3_CHECK_KERNEL).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 from torch import nn
 
 import k3compile.backend as k3be
+from k3compile import settings
 from k3compile.models import build_model, get_config
 from tests.conftest import TOL, rel_err
 from tests.models.hf_k3 import from_reference
@@ -267,7 +269,12 @@ def test_k3_rejects_bad_input_before_writing(k3, case):
 
 
 @pytest.mark.gpu
-def test_rejected_cuda_graph_replay_leaves_state_and_raises():
+@pytest.mark.parametrize("check_kernel", [False, True], ids=["inductor", "kernel"])
+def test_rejected_cuda_graph_replay_leaves_state_and_raises(check_kernel, monkeypatch):
+    """`kernel`: the check as one CuTe launch (K3_CHECK_KERNEL, kernels/input_check.py)."""
+    if check_kernel:
+        pytest.importorskip("cutlass")
+    monkeypatch.setattr(settings.KERNELS, "check_kernel", check_kernel)
     torch._dynamo.reset()
     model, eager = (build_model(CFG, device="cuda", dtype=torch.float32, max_batch=MAX_BATCH,
                                 max_seq_len=MAX_LEN) for _ in range(2))
@@ -284,15 +291,19 @@ def test_rejected_cuda_graph_replay_leaves_state_and_raises():
         step(*args((0, 2, 1))), eager(*args((0, 2, 1)))
     compiled = k3be.last_compiled()
     assert compiled.checks.mode == "device"
+    assert compiled.checks.redirect_by == ("kernel" if check_kernel else "inductor")
     assert any(b.graph is not None for b in compiled.buckets.values())
-    before = _states(model)
-    step(*args((1, 1, 3)))  # no host sync: the check runs inside the replay
-    with pytest.raises(ValueError, match="slots holds duplicates"):
-        compiled.checks.wait()
-    torch.cuda.synchronize()
-    _assert_untouched(model, before, scratch=MAX_BATCH)
-    got, want = step(*args((0, 2, 1))), eager(*args((0, 2, 1)))
-    assert rel_err(got, want) <= TOL["gpu_bf16"]
+    for slots, match in [((1, 1, 3), "slots holds duplicates"),
+                         ((0, 4, 1), "slots holds the scratch slot"),
+                         ((0, 5, 1), r"slots out of range \[0, 4\]")]:
+        before = _states(model)
+        step(*args(slots))  # no host sync: the check runs inside the replay
+        with pytest.raises(ValueError, match=match):
+            compiled.checks.wait()
+        torch.cuda.synchronize()
+        _assert_untouched(model, before, scratch=MAX_BATCH)
+        got, want = step(*args((0, 2, 1))), eager(*args((0, 2, 1)))
+        assert rel_err(got, want) <= TOL["gpu_bf16"]
 
 
 @pytest.mark.slow

@@ -4,8 +4,9 @@ dependent launch also with it on (`settings.KERNELS.pdl`), checked in their PTX;
 variants (norm prologue, SiTU epilogue, split output) with PDL off and on, and its plain build
 byte for byte as before them; kda_decode's norm_fp32 build, its builds for bf16 A_log / dt_bias and
 its f_b build (fb_kda_decode in one launch);
-moe_route's build for a bf16 router bias. Needs only the DSL. The default run builds the first case of each
-kernel and of each gemv variant (a few seconds a build); the rest are `slow` (CI builds them)."""
+moe_route's build for a bf16 router bias; the device-side input check (K3_CHECK_KERNEL).
+Needs only the DSL. The default run builds the first case of each kernel and of each gemv variant
+(a few seconds a build); the rest are `slow` (CI builds them)."""
 
 import dataclasses
 import hashlib
@@ -298,6 +299,56 @@ def test_kda_fb_builds(scalars, b, R, pdl, monkeypatch, tmp_path):
         assert "cp.async.wait_group" in after
 
 
+# the device-side input check (kernels/input_check.py, K3_CHECK_KERNEL) for three limit
+# structures at (B, T): the slot input alone, + positions [B], + positions [B, T] int32 and ids
+# (verify rows; 512 elements: 256 threads, two a thread)
+def _input_check_limits(kind: str, B: int, T: int):
+    import torch
+
+    from k3compile.validate import Limit
+
+    slots = (Limit(0, "slots", "slots", 0, 64, "rows", True, 64),
+             torch.zeros(B, dtype=torch.int64))
+    positions = (Limit(1, "positions", "positions", 0, 4096 - T, "cache", True),
+                 torch.zeros(B, dtype=torch.int64) if kind == "positions" else
+                 torch.zeros(B, T, dtype=torch.int32))
+    ids = (Limit(2, "input_ids", "ids", 0, 163839, "vocab", True),
+           torch.zeros(B, T, dtype=torch.int64))
+    pairs = {"slots": [slots], "positions": [slots, positions],
+             "verify": [ids, positions, slots]}[kind]
+    return [lim for lim, _ in pairs], [t for _, t in pairs]
+
+
+INPUT_CHECK = [("slots", 1, 1), ("positions", 8, 1), ("verify", 64, 8), ("verify", 2, 8),
+               ("slots", 64, 1)]
+
+
+@pytest.mark.parametrize("kind,B,T", _first_of_each(INPUT_CHECK, lambda case: "check"), ids=str)
+@pytest.mark.parametrize("pdl", [False, True])
+def test_input_check_builds(kind, B, T, pdl, monkeypatch, tmp_path):
+    """One CTA, no spills; the failed checks reduced by one `redux.sync.or` per warp (one barrier
+    before it for the duplicate check's shared values, one after it past one warp); with PDL
+    nothing is loaded or stored before the wait, without it no griddepcontrol at all."""
+    from k3compile.kernels import input_check
+
+    monkeypatch.setenv("CUTE_DSL_ARCH", ARCH)
+    limits, checked = _input_check_limits(kind, B, T)
+    assert input_check.refusal(limits, checked) is None
+    specs = input_check.specs_of(limits, checked)
+    cfg = input_check.config(specs)
+    compiled = input_check.build(specs, cfg, arch=ARCH, dump_dir=str(tmp_path), pdl=pdl)
+    _check_cubin(compiled)
+    ptx = ptx_of(compiled)
+    assert ptx.count("redux.sync.or.b32") == 1
+    assert ptx.count("bar.sync") == 1 + (cfg.threads > 32)
+    if pdl:
+        assert TRIGGER in ptx and WAIT in ptx
+        before = ptx[:ptx.index(WAIT)]
+        assert not [op for op in ("ld.global", "st.global", "st.shared") if op in before]
+    else:
+        assert "griddepcontrol" not in ptx
+
+
 # moe_route's build for a bf16 router bias (a Moonshot model cast to bf16 whole): at the K3 router
 # (896 experts, top-16; one float4 a thread) and E 1024, k 32 (two a thread), PDL off and on
 BF16_BIAS = [((896, 16), False), ((1024, 32), False), ((896, 16), True), ((1024, 32), True)]
@@ -543,7 +594,8 @@ def test_device_classes_are_module_level():
             ("mla_decode", "mla_decode_mma", "MLADecodeMMA"),
             ("moe_experts", "moe_experts", "FC1"), ("moe_experts", "moe_experts", "FC2"),
             ("moe_one_launch", "moe_one_launch", "MoEOneLaunch"),
-            ("common.gemv", "gemv", "Gemv"), ("common.gemm_tc", "gemm_tc", "GemmTC")]:
+            ("common.gemv", "gemv", "Gemv"), ("common.gemm_tc", "gemm_tc", "GemmTC"),
+            ("input_check", "input_check", "InputCheck")]:
         module = importlib.import_module(f"k3compile.kernels.device.{name}")
         assert isinstance(getattr(module, cls), type), name
         host = importlib.import_module(f"k3compile.kernels.{host_name}")
