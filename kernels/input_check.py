@@ -8,9 +8,10 @@ slot for the slot input, lo for the others (`validate.redirect_ref`, the referen
 path). One CTA (docs/kernels.md, input_check).
 
 Constraints:
-    * 1 to MAX_INPUTS checked inputs, int32 or int64, 1 to MAX_ELEMENTS elements each (any shape;
-      read contiguous, flattened); their limits, shapes and dtypes are compile-time (one build per
-      limit structure and bucket); `rows` and `mask` are 0-d int64 CUDA tensors.
+    * 1 to MAX_INPUTS (8) checked inputs, int32 or int64, 1 to MAX_ELEMENTS (4096) elements each
+      (any shape; read contiguous, flattened), at most MAX_SLOT_ELEMENTS (1024) in the slot
+      inputs together; their limits, shapes and dtypes are compile-time (one build per limit
+      structure and bucket); `rows` and `mask` are 0-d int64 CUDA tensors.
     * a slot input has a scratch slot; every bound and fill fits int64, every fill its dtype.
     * Outputs: fresh tensors of the inputs' shapes and dtypes (contiguous), as torch.where gives.
     * With PDL (settings.KERNELS.pdl, bucket of the lead input's rows): nothing loads or stores
@@ -30,7 +31,8 @@ from .common.launch import Kernel
 
 OP = "input_check"
 MAX_INPUTS = 8  # 3 bits each: 24 bits of the Int32 the CTA reduces
-MAX_ELEMENTS = 4096  # per input; a slot input's values sit in shared memory (8 bytes each)
+MAX_ELEMENTS = 4096  # per input
+MAX_SLOT_ELEMENTS = 1024  # of all slot inputs: in shared memory (8 bytes each), O(n²) compares
 MAX_THREADS = 256
 _DTYPES = {torch.int32: "int32", torch.int64: "int64"}
 _RANGES = {"int32": (-2**31, 2**31 - 1), "int64": (-2**63, 2**63 - 1)}
@@ -89,7 +91,10 @@ def refusal(limits: Sequence, checked: Sequence[torch.Tensor]) -> str | None:
             return f"{lim.name}: {t.numel()} elements (want 1 to {MAX_ELEMENTS})"
         if lim.role == "slots" and lim.scratch is None:
             return f"{lim.name}: a slot input without a scratch slot"
-    for lim, spec in zip(limits, specs_of(limits, checked)):
+    specs = specs_of(limits, checked)
+    if (slots := sum(s.numel for s in specs if s.slots)) > MAX_SLOT_ELEMENTS:
+        return f"{slots} slot values (want at most {MAX_SLOT_ELEMENTS}: the duplicate check)"
+    for lim, spec in zip(limits, specs):
         lo, hi = _RANGES["int64"]
         if not all(lo <= v <= hi for v in (spec.lo, spec.hi, spec.fill)):
             return f"{lim.name}: bounds [{spec.lo}, {spec.hi}] or fill {spec.fill} past int64"

@@ -41,6 +41,9 @@ def test_check_refusals():
     big = torch.zeros(64, 65, dtype=torch.int64)
     assert input_check.refusal(lim, [big, *ok[1:]]) == "input_ids: 4160 elements (want 1 to 4096)"
     assert "0 elements" in input_check.refusal(lim, [ok[0][:0], *ok[1:]])
+    many = torch.zeros(64, 17, dtype=torch.int64)
+    assert input_check.refusal(lim, [*ok[:2], many]) == (
+        "1088 slot values (want at most 1024: the duplicate check)")
     no_scratch = [*lim[:2], Limit(2, "slots", "slots", 0, 7, "rows", True)]
     assert input_check.refusal(no_scratch, ok) == "slots: a slot input without a scratch slot"
     wide = [*lim[:2], Limit(2, "slots", "slots", 0, 2**40, "rows", True, 2**40)]
