@@ -328,6 +328,7 @@ def test_inductor_compiled_device_check_equals_eager():
         checks._resolve = lambda example_inputs: "device"
         example = [torch.arange(4) for _ in limits]
         step = checks.guard(lambda *args: [a.clone() for a in args], example)
+        assert checks.redirect_by == ("inductor" if compiled else "torch")
         for ids, positions, slots in calls:
             checks._rows, checks._mask = torch.tensor(3), torch.tensor(-1)
             wide = torch.tensor([ids, ids]).t()[:, 0]  # ids as a strided view
