@@ -65,15 +65,21 @@ def _e2m1(codes: torch.Tensor) -> torch.Tensor:
     return torch.where(((c >> 3) & 1) == 1, -mag, mag)
 
 
-def _mxfp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+_E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+
+
+def _mxfp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, lut=None) -> torch.Tensor:
     """[..., out, in/2] packed nibbles (low first) and [..., out, in/32] E8M0 -> [..., out, in]."""
     codes = torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2)
     s = torch.exp2(scale.to(torch.float32) - 127.0).repeat_interleave(32, dim=-1)
-    return (_e2m1(codes) * s).to(dtype)
+    vals = _e2m1(codes) if lut is None else lut[codes.long()]
+    return (vals * s).to(dtype)
 
 
 class Mix(nn.Module):
     """Attention Residuals depth mix over [bank[:, :n], prefix]."""
+    probe: frozenset[str] = frozenset()  # canonical spellings to bisect a gap (RedK3.probe)
+
 
     def __init__(self, d: int, eps: float):
         super().__init__()
@@ -93,6 +99,8 @@ class Mix(nn.Module):
 
 
 class KDA(nn.Module):
+    probe: frozenset[str] = frozenset()  # canonical spellings to bisect a gap (RedK3.probe)
+
     def __init__(self, c: K3Config):
         super().__init__()
         self.h, self.dk, self.k = c.kda_num_heads, c.kda_head_dim, c.short_conv_kernel_size
@@ -117,33 +125,60 @@ class KDA(nn.Module):
         return x / torch.sqrt(torch.sum(x * x, dim=-1, keepdim=True) + self.l2eps)
 
     def forward(self, x: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor):
-        b, h, dk, w = x.shape[0], self.h, self.dk, self.w
+        b, h, dk, w, probe = x.shape[0], self.h, self.dk, self.w, self.probe
+        if "tokens" in probe:  # [B, 1, D] inside, as code with a T dim has it
+            x = x.unsqueeze(1)
+        lead = x.shape[:-1]
         q, k, v, g, fa, beta = torch.split(self.in_proj(x), [w, w, w, w, dk, h], dim=-1)
         graw = self.decay_up(fa)
 
-        window = torch.cat((torch.index_select(self.conv_window, 0, slots),
-                            torch.cat((q, k, v), dim=-1).unsqueeze(-1)), dim=-1)  # [B, 3W, K]
-        self.conv_window[slots] = window[:, :, 1:]
-        mixed = F.silu(F.conv1d(window, self.conv_taps, groups=3 * w).squeeze(-1))
-        q, k, v = (t.float().view(b, h, dk) for t in mixed.chunk(3, dim=-1))
+        new = torch.cat((q, k, v), dim=-1)
+        new = new.transpose(1, 2) if "tokens" in probe else new.unsqueeze(-1)
+        window = torch.cat((torch.index_select(self.conv_window, 0, slots), new), dim=-1)
+        self.conv_window[slots] = window[:, :, 1:]  # [B, 3W, K] -> its last K - 1
+        taps = self.conv_taps
+        if "taps_cat" in probe:
+            taps = torch.cat([taps[:w], taps[w:2 * w], taps[2 * w:]])
+        mixed = F.conv1d(window, taps, groups=3 * w)
+        if "silu_first" in probe:
+            mixed = F.silu(mixed)
+        mixed = mixed.transpose(1, 2) if "tokens" in probe else mixed.squeeze(-1)
+        if "silu_first" not in probe:
+            mixed = F.silu(mixed)
+        q, k, v = (t.float().view(*lead, h, dk) for t in mixed.chunk(3, dim=-1))
         q, k = self._l2(q), self._l2(k)
+        if "q_scale" in probe:
+            q = q * dk ** -0.5
 
-        z = (graw.float() + self.dt_bias).view(b, h, dk) * self.A_log.exp()[:, None]
-        alpha = torch.exp(self.bound / (1.0 + torch.exp(-z)))  # [B, H, K]
+        a = self.A_log.exp().view(h, 1) if "a_view" in probe else self.A_log.exp()[:, None]
+        z = (graw.float() + self.dt_bias).view(*lead, h, dk) * a
+        if "sigmoid" in probe:
+            alpha = torch.exp(self.bound * torch.sigmoid(z))
+        else:
+            alpha = torch.exp(self.bound / (1.0 + torch.exp(-z)))  # [B, H, K]
         beta = torch.special.expit(beta.float())  # [B, H]
+        if "tokens" in probe:
+            q, k, v, alpha, beta = (t[:, 0] for t in (q, k, v, alpha, beta))
 
         state = self.ssm[slots] * alpha.unsqueeze(-1)  # [B, H, K, V]
         u = beta.unsqueeze(-1) * (v - torch.einsum("bhk,bhkv->bhv", k, state))
         state = state + k.unsqueeze(-1) * u.unsqueeze(-2)
         self.ssm.index_put_((slots,), state)
-        o = torch.einsum("bhkv,bhk->bhv", state, q) * dk ** -0.5
+        o = torch.einsum("bhkv,bhk->bhv", state, q)
+        if "q_scale" not in probe:
+            o = o * dk ** -0.5
+        if "tokens" in probe:
+            o = o.view(b, 1, h, dk) if "o_view" in probe else o.unsqueeze(1)
 
         o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.eps)
-        o = o * self.out_norm.float() * torch.special.expit(g.float().view(b, h, dk))
-        return self.out_proj(o.to(x.dtype).reshape(b, w))
+        o = o * self.out_norm.float() * torch.special.expit(g.float().view(*lead, h, dk))
+        out = self.out_proj(o.to(x.dtype).reshape(*lead, w))
+        return out.squeeze(1) if "tokens" in probe else out
 
 
 class GatedMLA(nn.Module):
+    probe: frozenset[str] = frozenset()  # canonical spellings to bisect a gap (RedK3.probe)
+
     def __init__(self, c: K3Config):
         super().__init__()
         self.h, self.qr, self.c, self.r = (c.num_attention_heads, c.q_lora_rank, c.kv_lora_rank,
@@ -165,31 +200,42 @@ class GatedMLA(nn.Module):
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         d = x.shape[-1]
         xf = x.float()
+        if "mla_norm" in self.probe:
+            return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(
+                x.dtype) * weight
         y = xf * math.sqrt(d) / torch.sqrt(xf.square().sum(-1, keepdim=True) + d * self.eps)
         return y.to(x.dtype) * weight
 
     def forward(self, x: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor):
-        b = x.shape[0]
+        b, probe = x.shape[0], self.probe
+        if "tokens" in probe:  # [B, 1, D] inside, as code with a T dim has it
+            x = x.unsqueeze(1)
+        lead = x.shape[:-1]
         cq, ckv, kpe = self.down(x).split([self.qr, self.c, self.r], dim=-1)
-        q = self.q_up(self._norm(cq, self.q_norm)).view(b, self.h, self.nope + self.r)
+        q = self.q_up(self._norm(cq, self.q_norm)).view(*lead, self.h, self.nope + self.r)
         q_nope, q_pe = q[..., :self.nope], q[..., self.nope:]
         gate = self.gate(x)
 
         w_kv = self.kv_up.view(self.h, self.nope + self.vd, self.c)
-        q_lat = torch.einsum("bhn,hnc->bhc", q_nope, w_kv[:, :self.nope])
+        q_lat = torch.einsum("...hn,hnc->...hc", q_nope, w_kv[:, :self.nope])
         row = torch.cat((self._norm(ckv, self.kv_norm), kpe), dim=-1)
-        self.latent_cache.index_put_((slots, positions), row)
+        self.latent_cache.index_put_((slots, positions), row.squeeze(1) if "tokens" in probe else row)
 
         cache = self.latent_cache[slots]  # [B, L, C + R]
         c_all, pe_all = cache[..., :self.c], cache[..., self.c:]
-        score = (torch.einsum("bhc,btc->bht", q_lat, c_all)
-                 + torch.einsum("bhr,btr->bht", q_pe, pe_all)) / math.sqrt(self.nope + self.r)
+        if "mla_cat" in probe:
+            score = torch.einsum("b...hc,btc->b...ht", torch.cat((q_lat, q_pe), dim=-1), cache)
+        else:
+            score = (torch.einsum("b...hc,btc->b...ht", q_lat, c_all)
+                     + torch.einsum("b...hr,btr->b...ht", q_pe, pe_all))
+        score = score / math.sqrt(self.nope + self.r)
         future = torch.arange(cache.shape[1], device=x.device)[None, :] > positions[:, None]
-        score = score.masked_fill(future[:, None, :], float("-inf"))
+        score = score.masked_fill(future.view(b, *[1] * (score.dim() - 2), -1), float("-inf"))
         p = F.softmax(score, dim=-1, dtype=torch.float32).to(x.dtype)
-        o_lat = p @ c_all  # [B, H, C]
-        o = torch.einsum("bhc,hvc->bhv", o_lat, w_kv[:, self.nope:]).flatten(1)
-        return self.out(o * torch.sigmoid(gate))
+        o_lat = torch.einsum("b...ht,btc->b...hc", p, c_all) if "tokens" in probe else p @ c_all
+        o = torch.einsum("...hc,hvc->...hv", o_lat, w_kv[:, self.nope:]).flatten(-2)
+        out = self.out(o * torch.sigmoid(gate))
+        return out.squeeze(1) if "tokens" in probe else out
 
 
 class DenseSiTU(nn.Module):
@@ -205,6 +251,8 @@ class DenseSiTU(nn.Module):
 
 
 class LatentMoE(nn.Module):
+    probe: frozenset[str] = frozenset()  # canonical spellings to bisect a gap (RedK3.probe)
+
     def __init__(self, c: K3Config):
         super().__init__()
         e, i, lat, d = (c.num_experts, c.moe_intermediate_size, c.routed_expert_hidden_size,
@@ -239,7 +287,8 @@ class LatentMoE(nn.Module):
         b = x.shape[0]
 
         def experts(packed, scale):
-            w = _mxfp4(packed.index_select(0, flat), scale.index_select(0, flat), dt)
+            lut = (torch.tensor(_E2M1, device=x.device) if "e2m1_lut" in self.probe else None)
+            w = _mxfp4(packed.index_select(0, flat), scale.index_select(0, flat), dt, lut)
             return w.view(b, self.top, *w.shape[1:])
 
         hg, hu = torch.einsum("bl,bkol->bko", z, experts(self.w13_packed, self.w13_scale)) \
@@ -266,6 +315,16 @@ class Layer(nn.Module):
         self.eps = c.rms_norm_eps
 
 
+class _BlockList(list):
+    """probe "bank_list": the bank as a list of blocks, read with torch.stack (dim 1)."""
+
+    def __setitem__(self, key, value):
+        self.append(value)
+
+    def __getitem__(self, key):
+        return torch.stack(list(self)[key[1]], dim=1)
+
+
 class RedK3(nn.Module):
     """The decode step `model(input_ids [B], positions [B], slots [B]) -> logits [B, V]`."""
 
@@ -280,6 +339,18 @@ class RedK3(nn.Module):
         self.final_norm = nn.Parameter(torch.ones(c.hidden_size))
         self.head = nn.Parameter(torch.zeros(c.vocab_size, c.hidden_size))
         self.max_batch = self.max_seq_len = 0
+        self.probe = frozenset()
+
+    def set_probe(self, *names: str) -> RedK3:
+        """Switch idioms to the built-in model's (to bisect a lost fusion): "tokens" ([B, 1, D]
+        inside KDA / MLA), "q_scale" (KDA: scale q, not o), "sigmoid" (KDA decay: torch.sigmoid),
+        "mla_norm" (rsqrt-of-mean low-rank norms), "mla_cat" (one score einsum over [q_lat|q_pe]),
+        "e2m1_lut" (E2M1 by a 16-entry table), "bank_list" (blocks as a list, torch.stack)."""
+        self.probe = frozenset(names)
+        for m in self.modules():
+            if hasattr(m, "probe"):
+                m.probe = self.probe
+        return self
 
     @property
     def scratch_slot(self) -> int:
@@ -300,6 +371,8 @@ class RedK3(nn.Module):
         size, eps = c.attn_res_block_size, c.rms_norm_eps
         prefix = self.tok_emb.weight.index_select(0, input_ids)  # [B, D]
         bank = prefix.new_zeros(prefix.shape[0], c.num_blocks, prefix.shape[1])
+        if "bank_list" in self.probe:
+            bank = _BlockList()
         delta = None
         for i, layer in enumerate(self.layers):
             n, write = -(-i // size), i % size == 0
