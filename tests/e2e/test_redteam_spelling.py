@@ -178,3 +178,29 @@ def test_lost_fusions_have_a_near_miss_naming_the_node(pattern, red_fp32):
     assert lost_at
     for layer in lost_at:
         assert named.get(layer), (pattern, layer)
+
+
+# probes (RedK3.set_probe) that switch the named idioms to the built-in model's, and the ops they
+# bring back: each names the cause of a gap. Bisected (docs/redteam_spelling.md): each KDA probe,
+# and each MoE probe, is needed on its own (drop any one and the op is lost again).
+PROBE_FIXES = {
+    "kda": (("tokens", "q_scale", "sigmoid", "taps_cat", "o_view", "silu_first", "a_view"),
+            {0: ("fb_kda_decode",), 1: ("fb_kda_decode",)}),
+    "mla": (("tokens", "mla_idx"),
+            {n: ("mla_q_absorb", "mla_decode", "mla_uv_gate") for n in (2, 3)}),
+    "moe": (("w13_split", "combine_sum", "gather_2d"), {n: ("moe_experts",) for n in (1, 2, 3)}),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("gap", sorted(PROBE_FIXES))
+def test_probes_name_the_cause_of_each_gap(gap):
+    probes, restored = PROBE_FIXES[gap]
+    builtin = _builtin(torch.float32)
+    model = from_builtin(builtin).set_probe(*probes)
+    assert _steps(model, builtin, n=2) <= EAGER_TOL  # a probe keeps the math
+    _steps(_compile(from_builtin(builtin).set_probe(*probes)), model, n=1)
+    got = _per_layer(k3be.last_compiled())
+    for layer, ops in restored.items():
+        for op in ops:
+            assert got[layer][op] == 1, (gap, layer, op, dict(got[layer]))

@@ -211,7 +211,11 @@ class GatedMLA(nn.Module):
         if "tokens" in probe:  # [B, 1, D] inside, as code with a T dim has it
             x = x.unsqueeze(1)
         lead = x.shape[:-1]
-        cq, ckv, kpe = self.down(x).split([self.qr, self.c, self.r], dim=-1)
+        if "mla_split" in probe:  # two GEMMs (q_a, kv_a) on row slices of the fused weight
+            cq = F.linear(x, self.down.weight[:self.qr])
+            ckv, kpe = F.linear(x, self.down.weight[self.qr:]).split([self.c, self.r], dim=-1)
+        else:
+            cq, ckv, kpe = self.down(x).split([self.qr, self.c, self.r], dim=-1)
         q = self.q_up(self._norm(cq, self.q_norm)).view(*lead, self.h, self.nope + self.r)
         q_nope, q_pe = q[..., :self.nope], q[..., self.nope:]
         gate = self.gate(x)
@@ -219,7 +223,12 @@ class GatedMLA(nn.Module):
         w_kv = self.kv_up.view(self.h, self.nope + self.vd, self.c)
         q_lat = torch.einsum("...hn,hnc->...hc", q_nope, w_kv[:, :self.nope])
         row = torch.cat((self._norm(ckv, self.kv_norm), kpe), dim=-1)
-        self.latent_cache.index_put_((slots, positions), row.squeeze(1) if "tokens" in probe else row)
+        if "mla_idx" in probe:  # the built-in model's write: [B, 1] indices, rows [B, 1, C + R]
+            pos = positions.view(b, 1) + torch.arange(1, device=x.device)
+            self.latent_cache.index_put_((slots.view(b, 1), pos), row)
+        else:
+            self.latent_cache.index_put_((slots, positions), row.squeeze(1) if "tokens" in probe
+                                         else row)
 
         cache = self.latent_cache[slots]  # [B, L, C + R]
         c_all, pe_all = cache[..., :self.c], cache[..., self.c:]
@@ -228,8 +237,15 @@ class GatedMLA(nn.Module):
         else:
             score = (torch.einsum("b...hc,btc->b...ht", q_lat, c_all)
                      + torch.einsum("b...hr,btr->b...ht", q_pe, pe_all))
-        score = score / math.sqrt(self.nope + self.r)
-        future = torch.arange(cache.shape[1], device=x.device)[None, :] > positions[:, None]
+        if "mla_scale" in probe:
+            score = score.float() * (self.nope + self.r) ** -0.5
+        else:
+            score = score / math.sqrt(self.nope + self.r)
+        if "mla_mask" in probe:
+            future = ~(torch.arange(cache.shape[1], device=x.device).view(1, -1)
+                       <= positions.view(b, 1))
+        else:
+            future = torch.arange(cache.shape[1], device=x.device)[None, :] > positions[:, None]
         score = score.masked_fill(future.view(b, *[1] * (score.dim() - 2), -1), float("-inf"))
         p = F.softmax(score, dim=-1, dtype=torch.float32).to(x.dtype)
         o_lat = torch.einsum("b...ht,btc->b...hc", p, c_all) if "tokens" in probe else p @ c_all
@@ -265,7 +281,7 @@ class LatentMoE(nn.Module):
         self.latent_down = nn.Linear(d, lat, bias=False)
         self.latent_norm = nn.Parameter(torch.ones(lat))
         self.latent_up = nn.Linear(lat, d, bias=False)
-        u8 = dict(dtype=torch.uint8)
+        u8 = {"dtype": torch.uint8}
         self.w13_packed = nn.Parameter(torch.zeros(e, 2 * i, lat // 2, **u8), requires_grad=False)
         self.w13_scale = nn.Parameter(torch.zeros(e, 2 * i, lat // 32, **u8), requires_grad=False)
         self.w2_packed = nn.Parameter(torch.zeros(e, lat, i // 2, **u8), requires_grad=False)
@@ -287,15 +303,28 @@ class LatentMoE(nn.Module):
         b = x.shape[0]
 
         def experts(packed, scale):
+            if "gather_2d" in self.probe:  # packed[ids] with ids [B, top], no flatten / view
+                lut = torch.tensor(_E2M1, device=x.device) if "e2m1_lut" in self.probe else None
+                return _mxfp4(packed[idx], scale[idx], dt, lut)
             lut = (torch.tensor(_E2M1, device=x.device) if "e2m1_lut" in self.probe else None)
             w = _mxfp4(packed.index_select(0, flat), scale.index_select(0, flat), dt, lut)
             return w.view(b, self.top, *w.shape[1:])
 
-        hg, hu = torch.einsum("bl,bkol->bko", z, experts(self.w13_packed, self.w13_scale)) \
-            .chunk(2, dim=-1)
+        if "w13_split" in self.probe:  # w1 and w3 as row slices of w13, gathered apart
+            i = self.w13_packed.shape[1] // 2
+            hg = torch.einsum("bl,bkol->bko", z, experts(self.w13_packed[:, :i],
+                                                         self.w13_scale[:, :i]))
+            hu = torch.einsum("bl,bkol->bko", z, experts(self.w13_packed[:, i:],
+                                                         self.w13_scale[:, i:]))
+        else:
+            hg, hu = torch.einsum("bl,bkol->bko", z, experts(self.w13_packed, self.w13_scale)) \
+                .chunk(2, dim=-1)
         y = torch.einsum("bki,bkli->bkl", _situ(hg, hu, *self.betas),
                          experts(self.w2_packed, self.w2_scale))  # [B, top, L]
-        lat = torch.einsum("bk,bkl->bl", wt, y.float())
+        if "combine_sum" in self.probe:
+            lat = (wt.unsqueeze(-1) * y.float()).sum(1)
+        else:
+            lat = torch.einsum("bk,bkl->bl", wt, y.float())
         lat = F.rms_norm(lat, (lat.shape[-1],), self.latent_norm.float(), self.eps).to(dt)
         routed = self.latent_up(lat)
 
