@@ -8,27 +8,30 @@ differential suite does).
 
 Plan (recorded, not wanted): per layer, the k3 ops the built-in model's plan has that this
 spelling's plan lacks are asserted EXACTLY (`LOST`), so that a canonical rule that closes a gap
-shows up as a change here (move the op out of `LOST`). The gaps and where matching fails (near
-misses, fp32, 4-layer tiny config; details and suggested rules in docs/redteam_spelling.md):
+shows up as a change here (move the op out of `LOST`). `PROBE_FIXES` records, per gap, which
+idioms switched to the built-in model's (`RedK3.set_probe`) bring the op back: the causes. The
+gaps (fp32, 4-layer tiny; details, near misses and suggested rules: docs/redteam_spelling.md):
 
-* token rank: the spelling decodes on [B, D] activations (one token per row, no T dim, as vLLM's
-  flattened [num_tokens, D]); every attention pattern is traced on [B, T, ...] (`kda_decode`'s
-  check wants q of rank 3, `mla_absorbed` wants the output flattened to [B, T, H*V]).
-* attn_res_mix_norm (layers 1-3, final) and so oproj_attn_res_mix_norm (every layer): the block
-  bank is a preallocated [B, nb, D] tensor written by slice assignment and read as
-  `bank[:, :n]`; rule `depth_mix._parts` does not see through the slice of a `select_scatter`
-  chain, so the mix stays foreign (near miss: `rsqrt ... where the pattern expects mul`).
-* fb_kda_decode / kda_decode (layers 0, 1): rank-2 activations, the q scale applied to the
-  output, the decay's sigmoid written `1 / (1 + exp(-x))` (near miss: `multiple_users` at the
-  decayed state).
-* linear_concat (every layer): the KDA in-projection and MLA's q_a|kv_a are already one GEMM over
-  a concatenated weight (not a loss of GEMMs: the op counts as `linear`).
-* mla_lowrank_norm (2, 3): the norm written `x * sqrt(d) / sqrt(sum(x^2) + d * eps)`.
-* mla_q_absorb / mla_decode / mla_uv_gate (2, 3): absorbed MLA over [B, H, ...] (no T), scores as
-  two einsums (latent + rope), mask `arange > positions[:, None]`.
-* moe_experts (1-3): MXFP4 decoded with bit ops into E2M1 magnitudes by `where` (not rewritten by
-  `mxfp4_dequant`), experts stored w1|w3 concatenated (w13) and gathered with `index_select`.
-* bf16 only: norm_linear (2, 3).
+* token rank: the spelling decodes on [B, D] (no T dim, like vLLM's flattened tokens); every
+  attention pattern is traced on [B, T, ...] (`kda_decode.check` wants q of rank 3,
+  `mla_absorbed` an output [B, T, H*V], `mla_decode` (B, T) = q_lat.shape[:2]).
+* fb_kda_decode (0, 1): besides the rank, 6 idioms each break it alone: q scale applied to the
+  output, decay sigmoid written 1 / (1 + exp(-x)), conv taps one [3W, 1, K] weight (qkv_split
+  does not fire on a q|k|v|g|f_a|b in-projection), o.unsqueeze(1) (built-in: view of a stack),
+  A_log.exp()[:, None] (built-in: .view(H, 1)), SiLU after the conv output's transpose.
+* attn_res_mix_norm (1-3, final) and oproj_attn_res_mix_norm (all): the block bank is a
+  preallocated [B, nb, D] written by slice assignment, read as bank[:, :n]; `depth_mix._parts`
+  does not see the sources through slice(select_scatter(...)) (as a list, a stack of ONE block
+  traces to a view, which it does not take either).
+* mla_q_absorb / mla_uv_gate (2, 3): the rank only; mla_decode: the rank and the cache write
+  `index_put_((slots, positions), row)` (mla_decode wants [B, 1] indices and [B, T, C+R] rows).
+* mla_lowrank_norm (2, 3): q_a|kv_a one pre-concatenated GEMM, norms written
+  x * sqrt(d) / sqrt(sum(x^2) + d * eps).
+* moe_experts (1-3): three idioms each break it alone: w1|w3 stored concatenated (w13), experts
+  gathered by index_select on flattened ids + view, the finalize as an einsum (bmm).
+* linear_concat (all): by construction (the fused in-projections are one GEMM already).
+* final linear: lm_head fused with the final norm as norm_linear, not placed in the final layer.
+* bf16 only: norm_linear (2, 3): the latent norm multiplies its weight in fp32 before the cast.
 """
 
 from __future__ import annotations
