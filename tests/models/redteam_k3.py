@@ -139,9 +139,13 @@ class KDA(nn.Module):
         taps = self.conv_taps
         if "taps_cat" in probe:
             taps = torch.cat([taps[:w], taps[w:2 * w], taps[2 * w:]])
-        mixed = F.conv1d(window, taps, groups=3 * w)
+        if "conv_fp32" in probe:  # the built-in model's precision: conv + SiLU in fp32
+            mixed = F.conv1d(window.float(), taps.float(), groups=3 * w)
+        else:
+            mixed = F.conv1d(window, taps, groups=3 * w)
         if "silu_first" in probe:
             mixed = F.silu(mixed)
+        mixed = mixed.to(x.dtype)
         mixed = mixed.transpose(1, 2) if "tokens" in probe else mixed.squeeze(-1)
         if "silu_first" not in probe:
             mixed = F.silu(mixed)
