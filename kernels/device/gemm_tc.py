@@ -3,6 +3,8 @@
 Imports `cutlass` at the top: the host module imports this one only in `build`, so importing
 the host needs no DSL."""
 
+import operator
+
 import cutlass
 import cutlass.utils.hopper_helpers as sm90
 from cutlass import AddressSpace, BFloat16, Float32, Int32, const_expr, cute, pipeline
@@ -11,6 +13,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cutlass_dsl import dsl_user_op
 from cutlass.tensor_utils import LayoutEnum
 
+from ..common.copy import load_vectors, make_frag, row_vectors, vectors
 from ..common.dsl import pdl_launch_dependents, pdl_wait
 from ..common.gemm_tc import (
     PLAIN,
@@ -34,7 +37,7 @@ def load_from_peer(ptr: cute.Pointer, peer, *, loc=None, ip=None) -> Float32:
 class GemmTC:
     def __init__(self, n: int, k: int, cfg: Config, out_fp32: bool, has_residual: bool,
                  pdl: bool = False, fusion: Fusion = PLAIN):
-        self.n, self.k_tiles, self.pdl = n, -(-k // TILE_K), pdl
+        self.n, self.k, self.k_tiles, self.pdl = n, k, -(-k // TILE_K), pdl
         self.rows, self.tokens = cfg.tile_rows, cfg.tile_tokens
         self.stages, self.splits = cfg.stages, cfg.splits
         self.p_stride, self.w_elems = _partial_stride(cfg), _w_buffer_elems(cfg)
@@ -73,7 +76,15 @@ class GemmTC:
             sX: cute.struct.Align[
                 cute.struct.MemRange[BFloat16, self.stages * self.tokens * TILE_K], 1024]
 
-        self.storage = Storage
+        @cute.struct
+        class NormStorage:  # the norm prologue: rstd of each token of the tile besides
+            bars: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
+            sW: cute.struct.Align[cute.struct.MemRange[BFloat16, self.w_elems], 1024]
+            sX: cute.struct.Align[
+                cute.struct.MemRange[BFloat16, self.stages * self.tokens * TILE_K], 1024]
+            rstd: cute.struct.Align[cute.struct.MemRange[Float32, self.tokens], 16]
+
+        self.storage = NormStorage if self.fusion.norm else Storage
         return tiled_mma, sW_layout, sX_layout, sWt_layout, tma_w, tW, tma_x, tX
 
     def launch(self, kernel, stream):
@@ -94,6 +105,15 @@ class GemmTC:
         tiled_mma, sW_layout, sX_layout, sWt_layout, tma_w, tW, tma_x, tX = self.operands(mX, mW)
         self.launch(self.kernel_fused(tma_w, tW, tma_x, tX, mY, mY2, beta, linear_beta,
                                       tiled_mma, sW_layout, sX_layout, sWt_layout), stream)
+
+    @cute.jit
+    def normed(self, mX: cute.Tensor, mW: cute.Tensor, mR, mY: cute.Tensor, mG: cute.Tensor,
+               eps: Float32, stream):
+        # the norm prologue: mX (M, K) also read by the threads for rstd; mG: (K,) the norm
+        # weight; mR, mY: (M, N)
+        tiled_mma, sW_layout, sX_layout, _, tma_w, tW, tma_x, tX = self.operands(mX, mW)
+        self.launch(self.kernel_norm(tma_w, tW, tma_x, tX, mX, mR, mY, mG, eps, tiled_mma,
+                                     sW_layout, sX_layout), stream)
 
     def load_slice(self, pipe, state, tma_w, tWgW, tWsW, tma_x, tXgX, tXsX, k_first):
         """TMA of K slice k_first + state.count of W and x into stage state.index."""
@@ -140,11 +160,74 @@ class GemmTC:
         self.body(tma_w, tW, tma_x, tX, None, mY, mY2, beta, linear_beta, tiled_mma, sW_layout,
                   sX_layout, sWt_layout)
 
+    @cute.kernel
+    def kernel_norm(self, tma_w: cute.CopyAtom, tW: cute.Tensor, tma_x: cute.CopyAtom,
+                    tX: cute.Tensor, mX: cute.Tensor, mR, mY: cute.Tensor, mG: cute.Tensor,
+                    eps: Float32, tiled_mma: cute.TiledMma, sW_layout: cute.ComposedLayout,
+                    sX_layout: cute.ComposedLayout):
+        self.body(tma_w, tW, tma_x, tX, mR, mY, None, None, None, tiled_mma, sW_layout,
+                  sX_layout, sW_layout, mX, mG, eps)
+
+    @cute.jit
+    def row_rstd(self, mX: cute.Tensor, eps: Float32, sRstd: cute.Tensor, warp, lane):
+        """sRstd[m] = rsqrt(Σ_k x[m, k]² / K + eps) of every token m of the tile (the rms_norm
+        kernel's formula; 0 past M): warp w takes rows w, w + 4, ...; lane l sums the squares
+        of its 16-byte vectors l, l + 32, ... in order (up to 8 loads in flight), then one
+        warp butterfly."""
+        nv, n_rows = self.k // 8, mX.shape[0]
+        chunk = 32 * 8  # vectors per warp and pass: 8 per lane
+        for m in cutlass.range(warp, self.tokens, THREADS // 32, unroll=1):
+            s = Float32(0.0)
+            if m < n_rows:
+                for c in cutlass.range_constexpr(-(-nv // chunk)):
+                    n_vec = min(chunk, nv - c * chunk)
+                    rX = make_frag(BFloat16, -(-n_vec // 32))  # (8, V)
+                    load_vectors(row_vectors(mX, m), rX, lane, 32, n_vec, first=c * chunk)
+                    for j in cutlass.range_constexpr(cute.size(rX, mode=[1])):
+                        x = rX[None, j].load().to(Float32)
+                        for e in cutlass.range_constexpr(8):
+                            s = s + x[e] * x[e]  # exact squares of bf16: contraction-proof
+            total = cute.arch.warp_reduction(s, operator.add)
+            if lane == 0:
+                sRstd[m] = Float32(0.0)
+                if m < n_rows:
+                    sRstd[m] = cute.math.rsqrt(total / self.k + eps, fastmath=True)
+
+    @cute.jit
+    def load_norm_weight(self, mG: cute.Tensor, rG: cute.Tensor, k_slice, tidx):
+        """rG (8,): the norm weight of this thread's 8 columns tidx % 8 · 8... of K slice
+        `k_slice` (zero past K: the TMA zero-fills x there)."""
+        vec = k_slice * (TILE_K // 8) + tidx % (TILE_K // 8)
+        rG.fill(0)
+        if vec < self.k // 8:
+            cute.autovec_copy(vectors(mG)[None, vec], rG[None, 0])
+
+    @cute.jit
+    def normalize(self, sX: cute.Tensor, stage, rG: cute.Tensor, sRstd: cute.Tensor, tidx):
+        """Rewrite x stage `stage` in place to x̂ = bf16(g · bf16(x · rstd_m)) (the rms_norm
+        kernel's roundings), through sX so that the swizzle is the TMA's and the MMA's. Thread
+        t takes the 8 columns (t % 8)·8... of tokens t // 8, t // 8 + 16, ..."""
+        g = rG[None, 0].load().to(Float32)
+        col = (tidx % (TILE_K // 8)) * 8
+        per_pass = THREADS // (TILE_K // 8)  # tokens a pass covers: 16
+        for p in cutlass.range_constexpr(-(-self.tokens // per_pass)):
+            t = p * per_pass + tidx // (TILE_K // 8)
+            if const_expr((p + 1) * per_pass <= self.tokens):
+                self.normalize_row(sX, stage, g, sRstd[t], t, col)
+            else:
+                if t < self.tokens:
+                    self.normalize_row(sX, stage, g, sRstd[t], t, col)
+
+    def normalize_row(self, sX: cute.Tensor, stage, g, rstd, t, col):
+        for e in range(8):
+            x = sX[t, col + e, stage].to(Float32)
+            sX[t, col + e, stage] = ((x * rstd).to(BFloat16).to(Float32) * g[e]).to(BFloat16)
+
     @cute.jit
     def body(self, tma_w: cute.CopyAtom, tW: cute.Tensor, tma_x: cute.CopyAtom, tX: cute.Tensor,
              mR, mY: cute.Tensor, mY2, beta, linear_beta, tiled_mma: cute.TiledMma,
              sW_layout: cute.ComposedLayout, sX_layout: cute.ComposedLayout,
-             sWt_layout: cute.ComposedLayout):
+             sWt_layout: cute.ComposedLayout, mX=None, mG=None, eps=None):
         # sWt_layout: W's stages as the TMA writes them (with SiTU 2·stages half tiles)
         pdl_launch_dependents(self.pdl)
         tidx, _, _ = cute.arch.thread_idx()
@@ -211,10 +294,26 @@ class GemmTC:
                     self.load_slice(pipe, loads, tma_w, tWgW, tWsW, tma_x, tXgX, tXsX,
                                     k_first)
                     loads.advance()
+        sRstd, rG = None, None
+        if const_expr(self.fusion.norm):
+            # rstd of the tile's tokens while the first stages land (x read again, from L2)
+            sRstd = storage.rstd.get_tensor(cute.make_layout(self.tokens))
+            rG = make_frag(BFloat16, 1)  # (8, 1)
+            self.row_rstd(mX, eps, sRstd, warp, cute.arch.lane_idx())
+            cute.arch.barrier()
         reads = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
         for _ in cutlass.range(k_count, unroll=1):
+            if const_expr(self.fusion.norm):
+                self.load_norm_weight(mG, rG, k_first + reads.count, tidx)
             pipe.consumer_wait(reads)
+            if const_expr(self.fusion.norm):
+                # x̂ in place: the TMA's bytes are visible after the wait; the threads' stores
+                # reach the MMA's async proxy through the fence, every thread's through the
+                # barrier
+                self.normalize(sX, reads.index, rG, sRstd, tidx)
+                cute.arch.fence_view_async_shared()
+                cute.arch.barrier()
             warpgroup.fence()
             for kb in cutlass.range_constexpr(cute.size(tCrW, mode=[2])):
                 cute.gemm(tiled_mma, acc, tCrW[None, None, kb, reads.index],
