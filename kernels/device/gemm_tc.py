@@ -172,10 +172,10 @@ class GemmTC:
     def row_rstd(self, mX: cute.Tensor, eps: Float32, sRstd: cute.Tensor, warp, lane):
         """sRstd[m] = rsqrt(Σ_k x[m, k]² / K + eps) of every token m of the tile (the rms_norm
         kernel's formula; 0 past M): warp w takes rows w, w + 4, ...; lane l sums the squares
-        of its 16-byte vectors l, l + 32, ... in order (up to 8 loads in flight), then one
-        warp butterfly."""
+        of its 16-byte vectors l, l + 32, ... in order (up to 16 loads in flight: one round
+        trip per row up to K = 4096), then one warp butterfly."""
         nv, n_rows = self.k // 8, mX.shape[0]
-        chunk = 32 * 8  # vectors per warp and pass: 8 per lane
+        chunk = 32 * 16  # vectors per warp and pass: 16 per lane
         for m in cutlass.range(warp, self.tokens, THREADS // 32, unroll=1):
             s = Float32(0.0)
             if m < n_rows:
