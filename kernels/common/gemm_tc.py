@@ -14,7 +14,7 @@ settings.KERNELS.gemm_tc_fused names them (opt-in) and `router.linear` would run
     norm  (norm_linear):   y = Σ_k W[n, k] · x̂[m, k] [+ r],  x̂ = bf16(g_k · bf16(x · rstd_m)),
                            rstd_m = rsqrt(Σ_k x[m, k]² / K + eps) (x̂ rewritten in each stage)
 Each sum is the plain kernel's over the same W at the same config, bit for bit (norm: over x̂,
-whose rstd sums x² in its own order, so x̂ may differ from the rms_norm kernel's by a rounding).
+the rms_norm kernel's bit for bit: rstd sums x² in its order at those rows, K <= 32768).
 Design and measurements: docs/kernels.md, gemm_tc.
 
 Constraints:
@@ -86,6 +86,21 @@ PLAIN, SITU, NORM = Fusion(), Fusion(situ=True), Fusion(norm=True)
 # launch re-reads tiles·S·M·K·2 bytes against W's N·K·2 = tiles·R·K·2 from HBM: a ratio S·M/R.
 # Refused above 1/2 (docs/kernels.md, gemm_tc, session 21: norm prologue).
 NORM_MAX_REREAD = 0.5
+
+
+def norm_rms_config(k: int, tokens: int):
+    """The rms_norm kernel's config (threads, vectors per thread: its summation order) at the
+    rows a tile of `tokens` serves: its batch buckets <= 8 share one, larger ones another; the
+    norm prologue sums x² as it does, so x̂ is the rms_norm kernel's bit for bit."""
+    from ..rms_norm import config as rms_config
+
+    return rms_config(k, max(8, tokens))
+
+
+def norm_smem_bytes(cfg: Config, k: int) -> int:
+    """Shared memory of the norm prologue besides `smem_bytes`: rstd and the rms_norm kernel's
+    warp totals of each token (fp32), two 16-byte alignments."""
+    return 4 * cfg.tile_tokens * (1 + norm_rms_config(k, cfg.tile_tokens).threads // 32) + 32
 
 
 def bucket(m: int) -> int:
@@ -214,6 +229,8 @@ def norm_refusal(x, w, g, cfg: Config | None = None) -> str | None:
         what = "none" if g is None else f"{g.dtype} {tuple(g.shape)} {g.stride()}"
         return f"norm weight: {what} (want contiguous bf16 [{k}])"
     cfg = cfg or config(n, k, bucket(m), NORM)
+    if smem_bytes(cfg) + norm_smem_bytes(cfg, k) > SMEM_BYTES:
+        return f"norm prologue: {cfg} needs more than {SMEM_BYTES} bytes of shared memory"
     if cfg.splits * m > NORM_MAX_REREAD * cfg.tile_rows:
         return (f"norm prologue: {cfg.splits} CTAs x {m} rows of x re-read per {cfg.tile_rows} "
                 f"rows of W (S·M/R above {NORM_MAX_REREAD})")
@@ -375,9 +392,10 @@ def gemm_tc_situ_cuda(x, w, beta, linear_beta, *, out=None, cfg: Config | None =
 def gemm_tc_norm_cuda(x, norm_weight, w, eps, residual=None, *, out=None, out_dtype=None,
                       cfg: Config | None = None):
     """y = RMSNorm(x; norm_weight, eps) · wᵀ [+ residual] (k3::norm_linear) in one launch: each
-    CTA computes rstd of every row, rewrites each x stage to x̂ = bf16(g · bf16(x · rstd)) (the
-    rms_norm kernel's roundings) before its MMAs, then the plain kernel's sums and epilogue;
-    torch (reason logged) when refused. `cfg` overrides `config()` (tests)."""
+    CTA computes rstd of every row (summed as the rms_norm kernel sums it), rewrites each x
+    stage to x̂ = bf16(g · bf16(x · rstd)) before its MMAs, then the plain kernel's sums and
+    epilogue: the two launches (rms_norm kernel, gemm_tc at the same config) bit for bit; torch
+    (reason logged) when refused. `cfg` overrides `config()` (tests)."""
     if out_dtype is None:
         out_dtype = out.dtype if out is not None else x.dtype
     m, n = len(x), w.shape[0]

@@ -23,6 +23,7 @@ from ..common.gemm_tc import (
     Fusion,
     _partial_stride,
     _w_buffer_elems,
+    norm_rms_config,
 )
 
 
@@ -44,6 +45,8 @@ class GemmTC:
         self.out_fp32, self.has_residual = out_fp32, has_residual
         # SiTU: a tile's rows are R/2 rows of W_g and the same R/2 rows of W_u (I further)
         self.fusion, self.half = fusion, cfg.tile_rows // 2
+        # norm: the rms_norm kernel's config at these rows (its summation order)
+        self.rms = norm_rms_config(k, self.tokens) if fusion.norm else None
 
     def operands(self, mX: cute.Tensor, mW: cute.Tensor):
         """The MMA, the shared-memory layouts and the TMA atoms of x and W (with SiTU, W's
@@ -76,15 +79,21 @@ class GemmTC:
             sX: cute.struct.Align[
                 cute.struct.MemRange[BFloat16, self.stages * self.tokens * TILE_K], 1024]
 
-        @cute.struct
-        class NormStorage:  # the norm prologue: rstd of each token of the tile besides
-            bars: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
-            sW: cute.struct.Align[cute.struct.MemRange[BFloat16, self.w_elems], 1024]
-            sX: cute.struct.Align[
-                cute.struct.MemRange[BFloat16, self.stages * self.tokens * TILE_K], 1024]
-            rstd: cute.struct.Align[cute.struct.MemRange[Float32, self.tokens], 16]
+        self.storage = Storage
+        if self.fusion.norm:
+            rms_warps = self.rms.threads // 32
 
-        self.storage = NormStorage if self.fusion.norm else Storage
+            @cute.struct
+            class NormStorage:  # the norm prologue: rstd of each token of the tile besides
+                bars: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
+                sW: cute.struct.Align[cute.struct.MemRange[BFloat16, self.w_elems], 1024]
+                sX: cute.struct.Align[
+                    cute.struct.MemRange[BFloat16, self.stages * self.tokens * TILE_K], 1024]
+                rstd: cute.struct.Align[cute.struct.MemRange[Float32, self.tokens], 16]
+                part: cute.struct.Align[  # the rms_norm kernel's warp totals of each token
+                    cute.struct.MemRange[Float32, self.tokens * rms_warps], 16]
+
+            self.storage = NormStorage
         return tiled_mma, sW_layout, sX_layout, sWt_layout, tma_w, tW, tma_x, tX
 
     def launch(self, kernel, stream):
@@ -169,25 +178,47 @@ class GemmTC:
                   sX_layout, sW_layout, mX, mG, eps)
 
     @cute.jit
-    def row_rstd(self, mX: cute.Tensor, eps: Float32, sRstd: cute.Tensor, warp, lane):
-        """sRstd[m] = rsqrt(Σ_k x[m, k]² / K + eps) of every token m of the tile (the rms_norm
-        kernel's formula; 0 past M): warp w takes rows w, w + 4, ...; lane l sums the squares
-        of its 16-byte vectors l, l + 32, ... in order (up to 16 loads in flight: one round
-        trip per row up to K = 4096), then one warp butterfly."""
+    def row_rstd(self, mX: cute.Tensor, eps: Float32, sPart: cute.Tensor, sRstd: cute.Tensor,
+                 warp, lane):
+        """sRstd[m] = rsqrt(Σ_k x[m, k]² / K + eps) of every token m of the tile, 0 past M, bit
+        for bit the rms_norm kernel's at the config it runs for these rows (`self.rms`: T
+        threads of V vectors; batch <= 8 where the tile has 8 tokens, else above 8): its sums
+        in its order. Its thread t = 32·v + l of warp v sums the squares of its (8, V)
+        fragment (vectors t, t + T, ...) with the same reduce, then a warp butterfly; then one
+        warp adds up the T/32 warp totals by a butterfly (lane v holds warp v's). Here warp w
+        plays the rms_norm kernel's warps v = w, w + 4, ... for every row (lane l as its lane
+        l; up to 16 vectors a lane in flight: G rows at a time), the totals go to sPart
+        (tokens, T/32), and after a barrier warp w adds up rows w, w + 4, ..."""
         nv, n_rows = self.k // 8, mX.shape[0]
-        chunk = 32 * 16  # vectors per warp and pass: 16 per lane
+        T, V = self.rms.threads, self.rms.vec_per_thread
+        n_warps = T // 32
+        group = max(1, 16 // V)  # rows whose loads are in flight at once
+        for i in cutlass.range_constexpr(-(-n_warps // (THREADS // 32))):
+            v = warp + i * (THREADS // 32)  # the rms_norm kernel's warp
+            take = v < n_warps if const_expr((i + 1) * (THREADS // 32) > n_warps) else True
+            if take:
+                for g0 in cutlass.range_constexpr(0, self.tokens, group):
+                    rows = range(g0, min(g0 + group, self.tokens))
+                    frags = [make_frag(BFloat16, V) for _ in rows]  # each (8, V)
+                    for rX, m in zip(frags, rows):
+                        rX.fill(0)
+                        if m < n_rows:
+                            load_vectors(row_vectors(mX, m), rX, v * 32 + lane, T, nv)
+                    for rX, m in zip(frags, rows):
+                        x = rX.load().to(Float32)  # the rms_norm kernel's expressions
+                        ss = cute.arch.warp_reduction(
+                            (x * x).reduce(cute.ReductionOp.ADD, 0.0, reduction_profile=0),
+                            operator.add)
+                        if lane == 0:
+                            sPart[m, v] = ss
+        cute.arch.barrier()
         for m in cutlass.range(warp, self.tokens, THREADS // 32, unroll=1):
-            s = Float32(0.0)
-            if m < n_rows:
-                for c in cutlass.range_constexpr(-(-nv // chunk)):
-                    n_vec = min(chunk, nv - c * chunk)
-                    rX = make_frag(BFloat16, -(-n_vec // 32))  # (8, V)
-                    load_vectors(row_vectors(mX, m), rX, lane, 32, n_vec, first=c * chunk)
-                    for j in cutlass.range_constexpr(cute.size(rX, mode=[1])):
-                        x = rX[None, j].load().to(Float32)
-                        for e in cutlass.range_constexpr(8):
-                            s = s + x[e] * x[e]  # exact squares of bf16: contraction-proof
-            total = cute.arch.warp_reduction(s, operator.add)
+            t = Float32(0.0)  # `reduce.column_sums` of the warp totals, as block_sum does
+            if lane < n_warps:
+                t = t + sPart[m, lane]
+            total = cute.arch.warp_reduction(t, operator.add)
+            if const_expr(n_warps == 1):
+                total = t  # block_sum of one warp: its total as it is (the same bits)
             if lane == 0:
                 sRstd[m] = Float32(0.0)
                 if m < n_rows:
@@ -298,8 +329,11 @@ class GemmTC:
         if const_expr(self.fusion.norm):
             # rstd of the tile's tokens while the first stages land (x read again, from L2)
             sRstd = storage.rstd.get_tensor(cute.make_layout(self.tokens))
+            n_warps = self.rms.threads // 32
+            sPart = storage.part.get_tensor(cute.make_layout((self.tokens, n_warps),
+                                                             stride=(n_warps, 1)))
             rG = make_frag(BFloat16, 1)  # (8, 1)
-            self.row_rstd(mX, eps, sRstd, warp, cute.arch.lane_idx())
+            self.row_rstd(mX, eps, sPart, sRstd, warp, cute.arch.lane_idx())
             cute.arch.barrier()
         reads = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         tiled_mma.set(warpgroup.Field.ACCUMULATE, True)

@@ -676,7 +676,7 @@ def _norm_id(v):
 
 def _norm_build(n, k, b, residual, cfg, tmp_path, pdl=False):
     cfg = cfg or gemm_tc.config(n, k, b, gemm_tc.NORM)
-    assert gemm_tc.smem_bytes(cfg) + 4 * cfg.tile_tokens + 16 <= gemm_tc.SMEM_BYTES
+    assert gemm_tc.smem_bytes(cfg) + gemm_tc.norm_smem_bytes(cfg, k) <= gemm_tc.SMEM_BYTES
     compiled = gemm_tc.build(n, k, False, residual, cfg, arch=ARCH, dump_dir=str(tmp_path),
                              pdl=pdl, fusion=gemm_tc.NORM)
     _check_cubin(compiled)
@@ -687,7 +687,8 @@ def _norm_build(n, k, b, residual, cfg, tmp_path, pdl=False):
     GEMM_TC_NORMS, lambda c: c[2] == 8), ids=_norm_id)
 def test_gemm_tc_norm_builds(n, k, b, residual, cfg, monkeypatch, tmp_path):
     """The norm variant builds from its own entry: two TMAs per K slice as the plain kernel,
-    rstd from 16-byte loads of x and one warp butterfly per row, then per stage: the norm
+    rstd from 16-byte loads of x as the rms_norm kernel sums them (a butterfly per row and
+    rms_norm warp, one per row over those warps' totals), then per stage: the norm
     weight's 16-byte vector, the stage rewritten in place through the swizzle (8 of a thread's
     bf16 per pass: x·rstd and ·g each rounded to bf16), an async-proxy fence and a barrier
     before the MMAs; the plain epilogue (with the residual: one more load per pass)."""
@@ -696,7 +697,9 @@ def test_gemm_tc_norm_builds(n, k, b, residual, cfg, monkeypatch, tmp_path):
     assert "griddepcontrol" not in ptx and "kernel_norm" in ptx
     assert ptx.count("cp.async.bulk.tensor") == 4  # (W + x) in the prologue and in the loop
     assert ptx.count("rsqrt.approx") == 1
-    assert ptx.count("shfl.sync.bfly") == 5  # the row sums' butterfly
+    warps = gemm_tc.norm_rms_config(k, cfg.tile_tokens).threads // 32
+    slots = -(-warps // 4)  # the rms_norm kernel's warps each of the 4 warps plays
+    assert ptx.count("shfl.sync.bfly") == 5 * (slots * cfg.tile_tokens + 1)
     assert ptx.count("fence.proxy.async.shared::cta") == 1
     passes = -(-cfg.tile_tokens // 16)  # tokens of a stage per pass of 128 threads: 16
     assert ptx.count("st.shared.b16") == 8 * passes
