@@ -17,7 +17,9 @@ the measured winner of every (shape, bucket) into the table `gemm_tc.tuned()` re
 config, or cuBLAS where it was faster (`router.linear` then keeps cuBLAS for that shape). `--fused` times
 the one-launch variants against the two launches they replace at one TP16 rank: the split over
 the packed moe_front [W_r; W_d] against two `router.linear` calls, SiTU over the shared experts'
-[W_g; W_u] against `router.linear` + the situ kernel (DIR/gemm_tc_fused.json).
+[W_g; W_u] against `router.linear` + the situ kernel, the norm prologue over the latent
+up-projection [7168, 3584] against the rms_norm kernel + `router.linear` (where its re-read limit
+refuses a bucket, "one launch" is torch: read the refusal in the log) (DIR/gemm_tc_fused.json).
 """
 
 import argparse
@@ -46,7 +48,7 @@ from k3compile.kernels.common import gemm_tc, gemv
 SHAPES = [(3206, 7168), (2112, 7168), (3584, 7168), (7168, 3584), (896, 7168), (7168, 768),
           (768, 7168), (1152, 1536), (7168, 384), (768, 128), (4480, 7168)]
 # the variants' composites at one TP16 rank: (variant, N, K, split or I)
-FUSED = [("split", 4480, 7168, 896), ("situ", 768, 7168, 384)]
+FUSED = [("split", 4480, 7168, 896), ("situ", 768, 7168, 384), ("norm", 7168, 3584, 0)]
 MS = (2, 4, 8, 16, 32, 64)
 
 
@@ -127,6 +129,7 @@ def fused(ms):
     after checking that both agree."""
     from k3compile.kernels import situ_gate_up
     from k3compile.kernels.common import router
+    from k3compile.kernels.rms_norm import rms_norm_cuda
 
     rows = []
     for variant, n, k, part in FUSED:
@@ -140,6 +143,14 @@ def fused(ms):
                 def two(w, x=x, part=part):
                     return (router.linear(x, w[:part], out_dtype=torch.float32),
                             router.linear(x, w[part:]))
+            elif variant == "norm":
+                g = (1 + 0.1 * torch.randn(k, device="cuda")).bfloat16()
+
+                def one(w, x=x, g=g):
+                    return (gemm_tc.gemm_tc_norm_cuda(x, g, w, 1e-5),)
+
+                def two(w, x=x, g=g):
+                    return (router.linear(rms_norm_cuda(x, g, 1e-5), w),)
             else:
                 def one(w, x=x):
                     return (gemm_tc.gemm_tc_situ_cuda(x, w, 4.0, 25.0),)
@@ -150,8 +161,9 @@ def fused(ms):
                 err = ((a.float() - b.float()).norm() / b.float().norm()).item()
                 assert err < 1e-2, f"{variant} M={m}: one launch vs two: relative error {err:.2e}"
             t_one, t_two = graph_us(one, weights), graph_us(two, weights)
-            cfg = gemm_tc.config(n, k, gemm_tc.bucket(m), gemm_tc.Fusion(
-                split=part) if variant == "split" else gemm_tc.SITU)
+            cfg = gemm_tc.config(n, k, gemm_tc.bucket(m), gemm_tc.Fusion(split=part)
+                                 if variant == "split" else gemm_tc.NORM if variant == "norm"
+                                 else gemm_tc.SITU)
             rows.append({"variant": variant, "N": n, "K": k, "M": m, "config": str(cfg),
                          "one_us": round(t_one, 2), "two_us": round(t_two, 2)})
             print(f"{variant:5s} {n:5d} x {k:5d} M={m:2d}  one launch {t_one:6.2f} us  two "

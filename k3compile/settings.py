@@ -19,7 +19,7 @@ from typing import Any
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 GEMV_VARIANTS = ("norm", "situ", "gate", "split")
 GEMV_DEFAULT = frozenset({"norm", "situ", "gate", "split"})
-GEMM_TC_VARIANTS = ("split", "situ")
+GEMM_TC_VARIANTS = ("split", "situ", "norm")
 GEMM_TC_DEFAULT: frozenset[str] = frozenset()  # opt-in until the H200 has run them (session 21)
 ALLREDUCE_ALGORITHMS = ("one_shot", "two_shot", "nccl")
 
@@ -43,7 +43,7 @@ SWITCHES: dict[str, tuple[str, str]] = {
                         "K3_KERNELS_EXTRA=moe_front_route)"), "0"),
     "K3_GEMV_FUSED": ("kernels: gemv's one-launch variants (`norm,situ,gate,split`, `all`, `0`)",
                       "norm,situ,gate,split"),
-    "K3_GEMM_TC_FUSED": (("kernels: gemm_tc's one-launch variants at 2-64 rows (`split,situ`, "
+    "K3_GEMM_TC_FUSED": (("kernels: gemm_tc's one-launch variants at 2-64 rows (`split,situ,norm`, "
                           "`all`, `0`)"), "0"),
     "K3_MOE_GROUPED": ("kernels: `moe_experts` by expert on tensor cores at 8-64 rows", "0"),
     "K3_MOE_F16": ("kernels: `moe_experts` FC1 decodes into packed fp16 math (fma.rn.f16x2)", "0"),
@@ -129,7 +129,7 @@ def parse_gemv_fused(value: str | None) -> frozenset[str]:
 
 
 def parse_gemm_tc_fused(value: str | None) -> frozenset[str]:
-    """K3_GEMM_TC_FUSED: as K3_GEMV_FUSED, over gemm_tc's variants (`split`, `situ`)."""
+    """K3_GEMM_TC_FUSED: as K3_GEMV_FUSED, over gemm_tc's variants (`split`, `situ`, `norm`)."""
     return parse_variants("K3_GEMM_TC_FUSED", value, GEMM_TC_VARIANTS, GEMM_TC_DEFAULT)
 
 

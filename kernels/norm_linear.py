@@ -3,20 +3,22 @@
     y = rms_norm(u; g, eps) · Wᵀ [+ r]      (the residual added in the GEMM's fp32 epilogue)
 
 One launch at M <= gemv.GEMV_MAX_M where settings.KERNELS.gemv_fused names "norm" (the default):
-gemv's norm-prologue variant; otherwise two, the rms_norm kernel and `router.linear`.
+gemv's norm-prologue variant; at 2..64 rows gemm_tc's norm variant where
+settings.KERNELS.gemm_tc_fused names "norm" (opt-in) and `router.linear` would run gemm_tc on W
+(`router.tc_fused_takes`); otherwise two, the rms_norm kernel and `router.linear`.
 
 Constraints:
     * u [N, L] rows, W [O, L], r [N, O]; the one-launch variant takes gemv's limits (a refused call
-      logs why and takes the two launches); the rms_norm kernel's limits (refused: its reference).
+      logs why and takes the two launches: gemv's limits, or gemm_tc's with its norm prologue's
+      re-read limit S·M <= R/2); the rms_norm kernel's limits (refused: its reference).
 """
 
 import torch
 
 from k3compile.ops import registry
 
-from .common import gemv
+from .common import gemm_tc, gemv, router
 from .common.dsl import flat_rows, on_stream
-from .common.router import linear
 from .rms_norm import rms_norm_cuda
 
 OP = "norm_linear"
@@ -27,7 +29,11 @@ def norm_linear_cuda(u, norm_w, w, eps, residual=None):
     if gemv.fused_takes(u, "norm") and gemv.fused_ok("norm", gemv.fused_launch_refusal(
             gemv.NORM, u, w, residual, norm_weight=norm_w)):
         return gemv.gemv_norm_cuda(u, norm_w, w, eps, residual)
-    return linear(rms_norm_cuda(u, norm_w, eps), w, residual)
+    if router.tc_fused_takes(u, "norm", w.shape[0]) and gemm_tc.fused_ok(
+            "norm", gemm_tc.fused_launch_refusal(gemm_tc.NORM, u, w, residual,
+                                                 norm_weight=norm_w)):
+        return gemm_tc.gemm_tc_norm_cuda(u, norm_w, w, eps, residual)
+    return router.linear(rms_norm_cuda(u, norm_w, eps), w, residual)
 
 
 def register() -> None:

@@ -11,8 +11,11 @@ table take `heuristic_config`. One-launch variants (`Fusion`, compile-time, from
 settings.KERNELS.gemm_tc_fused names them (opt-in) and `router.linear` would run this kernel:
     split (moe_front):     W = [W_r; W_d]; rows < split to y (fp32), the others to y2 (bf16)
     situ  (situ_gate_up):  W = [W_g; W_u]; y[m, n] = bf16(SiTU(bf16(g), bf16(u)))
-Each sum is the plain kernel's over the same W at the same config, bit for bit. Design and
-measurements: docs/kernels.md, gemm_tc.
+    norm  (norm_linear):   y = Σ_k W[n, k] · x̂[m, k] [+ r],  x̂ = bf16(g_k · bf16(x · rstd_m)),
+                           rstd_m = rsqrt(Σ_k x[m, k]² / K + eps) (x̂ rewritten in each stage)
+Each sum is the plain kernel's over the same W at the same config, bit for bit (norm: over x̂,
+the rms_norm kernel's bit for bit: rstd sums x² in its order at those rows, K <= 32768).
+Design and measurements: docs/kernels.md, gemm_tc.
 
 Constraints:
     * x bf16 [M, K], 1 <= M <= 64 (buckets 2, 4, 8, 16, 32, 64; more rows go to cuBLAS), last dim
@@ -23,9 +26,10 @@ Constraints:
     * Variants: no residual; split: 0 < split < N, y fp32 [M, split], y2 bf16 [M, N - split];
       SiTU: N = 2I, I a multiple of R/2 (a tile's R rows are R/2 of W_g and the same R/2 of W_u:
       32 rows, or 64 where the config has R = 128 and I allows it), bf16 output [M, I], β and
-      β₂ runtime scalars.
+      β₂ runtime scalars; norm: norm weight bf16 [K] contiguous, eps a runtime scalar, residual
+      allowed, S·M <= NORM_MAX_REREAD·R (each CTA re-reads all of x from L2 for rstd).
     * With PDL (settings.KERNELS.pdl): the first stages' W slices are fetched before
-      `griddepcontrol.wait`; x, the residual and every store after it.
+      `griddepcontrol.wait`; x, the residual, the norm weight and every store after it.
 """
 
 import dataclasses
@@ -36,11 +40,13 @@ from pathlib import Path
 import torch
 
 from k3compile.math import situ as situ_ref
+from k3compile.ops.rms_norm import rms_norm_ref
 
 from .dsl import (
     compile_kernel,
     fake_rows,
     fake_stream,
+    fake_vector,
     fallback,
     runtime_refusal,
     unaligned16,
@@ -72,9 +78,29 @@ class Fusion:
     """What one launch does in the epilogue (compile-time; at most one of them)."""
     situ: bool = False  # SiTU-GLU of rows n and I + n of W = [W_g; W_u] (situ_gate_up)
     split: int = 0  # rows < split to the first output (fp32), the others to a second (moe_front)
+    norm: bool = False  # RMSNorm of x rewritten into each x stage before its MMAs (norm_linear)
 
 
-PLAIN, SITU = Fusion(), Fusion(situ=True)
+PLAIN, SITU, NORM = Fusion(), Fusion(situ=True), Fusion(norm=True)
+# The norm prologue: every CTA reads all M rows of x (M·K·2 bytes, from L2) for rstd, so a
+# launch re-reads tiles·S·M·K·2 bytes against W's N·K·2 = tiles·R·K·2 from HBM: a ratio S·M/R.
+# Refused above 1/2 (docs/kernels.md, gemm_tc, session 21: norm prologue).
+NORM_MAX_REREAD = 0.5
+
+
+def norm_rms_config(k: int, tokens: int):
+    """The rms_norm kernel's config (threads, vectors per thread: its summation order) at the
+    rows a tile of `tokens` serves: its batch buckets <= 8 share one, larger ones another; the
+    norm prologue sums x² as it does, so x̂ is the rms_norm kernel's bit for bit."""
+    from ..rms_norm import config as rms_config
+
+    return rms_config(k, max(8, tokens))
+
+
+def norm_smem_bytes(cfg: Config, k: int) -> int:
+    """Shared memory of the norm prologue besides `smem_bytes`: rstd and the rms_norm kernel's
+    warp totals of each token (fp32), two 16-byte alignments."""
+    return 4 * cfg.tile_tokens * (1 + norm_rms_config(k, cfg.tile_tokens).threads // 32) + 32
 
 
 def bucket(m: int) -> int:
@@ -171,11 +197,17 @@ def refusal(x, w, residual=None, *, out_dtype=None) -> str | None:
     return gemm_refusal(x, w, residual, out_dtype, max_m=MAX_M, min_k=TILE_K)
 
 
-def fused_refusal(fusion: Fusion, x, w, *, out_dtype=None) -> str | None:
-    """Why the one-launch variant `fusion` cannot take these inputs, or None (metadata only)."""
-    if reason := refusal(x, w, out_dtype=out_dtype):
+def fused_refusal(fusion: Fusion, x, w, residual=None, *, norm_weight=None, out_dtype=None,
+                  cfg: Config | None = None) -> str | None:
+    """Why the one-launch variant `fusion` cannot take these inputs, or None (metadata only; a
+    residual with the norm prologue only; `cfg` overrides `config()`)."""
+    if residual is not None and not fusion.norm:
+        return "a residual with the split or SiTU epilogue"
+    if reason := refusal(x, w, residual, out_dtype=out_dtype):
         return reason
     (m, k), n = x.shape, w.shape[0]
+    if fusion.norm:
+        return norm_refusal(x, w, norm_weight, cfg)
     if fusion.split and not 0 < fusion.split < n:
         return f"split at row {fusion.split} of {n} (want 0 < split < N)"
     if fusion.situ:
@@ -189,20 +221,41 @@ def fused_refusal(fusion: Fusion, x, w, *, out_dtype=None) -> str | None:
     return None
 
 
-def fused_launch_refusal(fusion: Fusion, x, w, *, out_dtype=None, outs=()) -> str | None:
+def norm_refusal(x, w, g, cfg: Config | None = None) -> str | None:
+    """The norm prologue's own limits: the norm weight, and the L2 re-read of x (S·M/R above
+    NORM_MAX_REREAD at `cfg` or `config()`)."""
+    (m, k), n = x.shape, w.shape[0]
+    if g is None or g.dtype != torch.bfloat16 or tuple(g.shape) != (k,) or g.stride(0) != 1:
+        what = "none" if g is None else f"{g.dtype} {tuple(g.shape)} {g.stride()}"
+        return f"norm weight: {what} (want contiguous bf16 [{k}])"
+    cfg = cfg or config(n, k, bucket(m), NORM)
+    if smem_bytes(cfg) + norm_smem_bytes(cfg, k) > SMEM_BYTES:
+        return f"norm prologue: {cfg} needs more than {SMEM_BYTES} bytes of shared memory"
+    if cfg.splits * m > NORM_MAX_REREAD * cfg.tile_rows:
+        return (f"norm prologue: {cfg.splits} CTAs x {m} rows of x re-read per {cfg.tile_rows} "
+                f"rows of W (S·M/R above {NORM_MAX_REREAD})")
+    return None
+
+
+def fused_launch_refusal(fusion: Fusion, x, w, residual=None, *, norm_weight=None,
+                         out_dtype=None, outs=(), cfg: Config | None = None) -> str | None:
     """Why the variant cannot run this call now: no runtime, `fused_refusal`, not on a GPU,
     unaligned data, or an output buffer (`outs`: (buffer or None, shape, dtype) each) unfit."""
-    return (runtime_refusal() or fused_refusal(fusion, x, w, out_dtype=out_dtype)
+    return (runtime_refusal() or fused_refusal(fusion, x, w, residual, norm_weight=norm_weight,
+                                               out_dtype=out_dtype, cfg=cfg)
             or (None if x.is_cuda and w.is_cuda else "not on a CUDA device")
-            or unaligned16(x, w) or outs_refusal(outs))
+            or unaligned16(x, w, *([norm_weight] if fusion.norm else []))
+            or outs_refusal(outs))
 
 
 def prepare(n: int, k: int, buckets=BUCKETS, *, out_dtype=torch.bfloat16,
             residual: bool = False, fusion: Fusion = PLAIN) -> None:
     """Compile the kernel of every batch bucket for this weight (call before graph capture);
-    `fusion`: a one-launch variant's (fp32 first output with a split, bf16 with SiTU)."""
+    `fusion`: a one-launch variant's (fp32 first output with a split, bf16 with SiTU; the norm
+    prologue as the plain kernel, with or without a residual)."""
     variant = {} if fusion == PLAIN else {"fusion": fusion}
     out_fp32 = bool(fusion.split) or (out_dtype == torch.float32 and not fusion.situ)
+    residual = residual and (fusion == PLAIN or fusion.norm)
     for b in buckets:
         KERNEL.compiled(n, k, out_fp32, residual, config(n, k, b, fusion), rows=b, **variant)
 
@@ -229,6 +282,10 @@ def build(n, k, out_fp32, residual, cfg, arch=None, dump_dir=None, pdl=False, fu
         return compile_kernel(gemm, x, w, out_rows(bf16) if residual else None,
                               out_rows(f32 if out_fp32 else bf16), fake_stream(), arch=arch,
                               dump_dir=dump_dir)
+    if fusion.norm:
+        return compile_kernel(gemm.normed, x, w, out_rows(bf16) if residual else None,
+                              out_rows(f32 if out_fp32 else bf16), fake_vector(bf16, k),
+                              f32(1e-5), fake_stream(), arch=arch, dump_dir=dump_dir)
     split, situ = fusion.split, fusion.situ
     return compile_kernel(
         gemm.fused, x, w, out_rows(f32 if split else bf16, split or n // 2),
@@ -278,7 +335,8 @@ def fused_ok(name: str, reason: str | None) -> bool:
     return reason is None
 
 
-def _launch(fusion: Fusion, x, w, out_fp32: bool, *rest, cfg: Config | None = None):
+def _launch(fusion: Fusion, x, w, out_fp32: bool, *rest, cfg: Config | None = None,
+            residual: bool = False):
     (m, k), n = x.shape, w.shape[0]
     if m:
         b = bucket(m)
@@ -287,7 +345,7 @@ def _launch(fusion: Fusion, x, w, out_fp32: bool, *rest, cfg: Config | None = No
             raise ValueError(f"{chosen} holds {chosen.tile_tokens} tokens, not {m}")
         if fusion.situ and (n // 2) % (chosen.tile_rows // 2):
             raise ValueError(f"{chosen}: I = {n // 2} is not a multiple of half its tile")
-        KERNEL.compiled(n, k, out_fp32, False, chosen, rows=b, fusion=fusion)(x, w, *rest)
+        KERNEL.compiled(n, k, out_fp32, residual, chosen, rows=b, fusion=fusion)(x, w, *rest)
 
 
 def gemm_tc_split_cuda(x, w, split, *, out=None, out2=None, cfg: Config | None = None):
@@ -329,3 +387,28 @@ def gemm_tc_situ_cuda(x, w, beta, linear_beta, *, out=None, cfg: Config | None =
     return KERNEL.run(
         lambda: fused_launch_refusal(SITU, x, w, outs=[(out, (len(x), width), torch.bfloat16)]),
         reference, launch, op="gemm_tc_situ")
+
+
+def gemm_tc_norm_cuda(x, norm_weight, w, eps, residual=None, *, out=None, out_dtype=None,
+                      cfg: Config | None = None):
+    """y = RMSNorm(x; norm_weight, eps) · wᵀ [+ residual] (k3::norm_linear) in one launch: each
+    CTA computes rstd of every row (summed as the rms_norm kernel sums it), rewrites each x
+    stage to x̂ = bf16(g · bf16(x · rstd)) before its MMAs, then the plain kernel's sums and
+    epilogue: the two launches (rms_norm kernel, gemm_tc at the same config) bit for bit; torch
+    (reason logged) when refused. `cfg` overrides `config()` (tests)."""
+    if out_dtype is None:
+        out_dtype = out.dtype if out is not None else x.dtype
+    m, n = len(x), w.shape[0]
+
+    def launch():
+        y = x.new_empty((m, n), dtype=out_dtype) if out is None else out
+        _launch(NORM, x, w, out_dtype == torch.float32, residual, y, norm_weight, float(eps),
+                cfg=cfg, residual=residual is not None)
+        return y
+
+    return KERNEL.run(
+        lambda: fused_launch_refusal(NORM, x, w, residual, norm_weight=norm_weight,
+                                     out_dtype=out_dtype, outs=[(out, (m, n), out_dtype)],
+                                     cfg=cfg),
+        lambda: gemm_ref(rms_norm_ref(x, norm_weight, eps), w, residual, out_dtype), launch,
+        op="gemm_tc_norm")

@@ -3,6 +3,8 @@
 Imports `cutlass` at the top: the host module imports this one only in `build`, so importing
 the host needs no DSL."""
 
+import operator
+
 import cutlass
 import cutlass.utils.hopper_helpers as sm90
 from cutlass import AddressSpace, BFloat16, Float32, Int32, const_expr, cute, pipeline
@@ -11,6 +13,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cutlass_dsl import dsl_user_op
 from cutlass.tensor_utils import LayoutEnum
 
+from ..common.copy import load_vectors, make_frag, row_vectors, vectors
 from ..common.dsl import pdl_launch_dependents, pdl_wait
 from ..common.gemm_tc import (
     PLAIN,
@@ -20,6 +23,7 @@ from ..common.gemm_tc import (
     Fusion,
     _partial_stride,
     _w_buffer_elems,
+    norm_rms_config,
 )
 
 
@@ -34,13 +38,15 @@ def load_from_peer(ptr: cute.Pointer, peer, *, loc=None, ip=None) -> Float32:
 class GemmTC:
     def __init__(self, n: int, k: int, cfg: Config, out_fp32: bool, has_residual: bool,
                  pdl: bool = False, fusion: Fusion = PLAIN):
-        self.n, self.k_tiles, self.pdl = n, -(-k // TILE_K), pdl
+        self.n, self.k, self.k_tiles, self.pdl = n, k, -(-k // TILE_K), pdl
         self.rows, self.tokens = cfg.tile_rows, cfg.tile_tokens
         self.stages, self.splits = cfg.stages, cfg.splits
         self.p_stride, self.w_elems = _partial_stride(cfg), _w_buffer_elems(cfg)
         self.out_fp32, self.has_residual = out_fp32, has_residual
         # SiTU: a tile's rows are R/2 rows of W_g and the same R/2 rows of W_u (I further)
         self.fusion, self.half = fusion, cfg.tile_rows // 2
+        # norm: the rms_norm kernel's config at these rows (its summation order)
+        self.rms = norm_rms_config(k, self.tokens) if fusion.norm else None
 
     def operands(self, mX: cute.Tensor, mW: cute.Tensor):
         """The MMA, the shared-memory layouts and the TMA atoms of x and W (with SiTU, W's
@@ -74,6 +80,20 @@ class GemmTC:
                 cute.struct.MemRange[BFloat16, self.stages * self.tokens * TILE_K], 1024]
 
         self.storage = Storage
+        if self.fusion.norm:
+            rms_warps = self.rms.threads // 32
+
+            @cute.struct
+            class NormStorage:  # the norm prologue: rstd of each token of the tile besides
+                bars: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
+                sW: cute.struct.Align[cute.struct.MemRange[BFloat16, self.w_elems], 1024]
+                sX: cute.struct.Align[
+                    cute.struct.MemRange[BFloat16, self.stages * self.tokens * TILE_K], 1024]
+                rstd: cute.struct.Align[cute.struct.MemRange[Float32, self.tokens], 16]
+                part: cute.struct.Align[  # the rms_norm kernel's warp totals of each token
+                    cute.struct.MemRange[Float32, self.tokens * rms_warps], 16]
+
+            self.storage = NormStorage
         return tiled_mma, sW_layout, sX_layout, sWt_layout, tma_w, tW, tma_x, tX
 
     def launch(self, kernel, stream):
@@ -94,6 +114,15 @@ class GemmTC:
         tiled_mma, sW_layout, sX_layout, sWt_layout, tma_w, tW, tma_x, tX = self.operands(mX, mW)
         self.launch(self.kernel_fused(tma_w, tW, tma_x, tX, mY, mY2, beta, linear_beta,
                                       tiled_mma, sW_layout, sX_layout, sWt_layout), stream)
+
+    @cute.jit
+    def normed(self, mX: cute.Tensor, mW: cute.Tensor, mR, mY: cute.Tensor, mG: cute.Tensor,
+               eps: Float32, stream):
+        # the norm prologue: mX (M, K) also read by the threads for rstd; mG: (K,) the norm
+        # weight; mR, mY: (M, N)
+        tiled_mma, sW_layout, sX_layout, _, tma_w, tW, tma_x, tX = self.operands(mX, mW)
+        self.launch(self.kernel_norm(tma_w, tW, tma_x, tX, mX, mR, mY, mG, eps, tiled_mma,
+                                     sW_layout, sX_layout), stream)
 
     def load_slice(self, pipe, state, tma_w, tWgW, tWsW, tma_x, tXgX, tXsX, k_first):
         """TMA of K slice k_first + state.count of W and x into stage state.index."""
@@ -140,11 +169,96 @@ class GemmTC:
         self.body(tma_w, tW, tma_x, tX, None, mY, mY2, beta, linear_beta, tiled_mma, sW_layout,
                   sX_layout, sWt_layout)
 
+    @cute.kernel
+    def kernel_norm(self, tma_w: cute.CopyAtom, tW: cute.Tensor, tma_x: cute.CopyAtom,
+                    tX: cute.Tensor, mX: cute.Tensor, mR, mY: cute.Tensor, mG: cute.Tensor,
+                    eps: Float32, tiled_mma: cute.TiledMma, sW_layout: cute.ComposedLayout,
+                    sX_layout: cute.ComposedLayout):
+        self.body(tma_w, tW, tma_x, tX, mR, mY, None, None, None, tiled_mma, sW_layout,
+                  sX_layout, sW_layout, mX, mG, eps)
+
+    @cute.jit
+    def row_rstd(self, mX: cute.Tensor, eps: Float32, sPart: cute.Tensor, sRstd: cute.Tensor,
+                 warp, lane):
+        """sRstd[m] = rsqrt(Σ_k x[m, k]² / K + eps) of every token m of the tile, 0 past M, bit
+        for bit the rms_norm kernel's at the config it runs for these rows (`self.rms`: T
+        threads of V vectors; batch <= 8 where the tile has 8 tokens, else above 8): its sums
+        in its order. Its thread t = 32·v + l of warp v sums the squares of its (8, V)
+        fragment (vectors t, t + T, ...) with the same reduce, then a warp butterfly; then one
+        warp adds up the T/32 warp totals by a butterfly (lane v holds warp v's). Here warp w
+        plays the rms_norm kernel's warps v = w, w + 4, ... for every row (lane l as its lane
+        l; up to 16 vectors a lane in flight: G rows at a time), the totals go to sPart
+        (tokens, T/32), and after a barrier warp w adds up rows w, w + 4, ..."""
+        nv, n_rows = self.k // 8, mX.shape[0]
+        T, V = self.rms.threads, self.rms.vec_per_thread
+        n_warps = T // 32
+        group = max(1, 16 // V)  # rows whose loads are in flight at once
+        for i in cutlass.range_constexpr(-(-n_warps // (THREADS // 32))):
+            v = warp + i * (THREADS // 32)  # the rms_norm kernel's warp
+            take = v < n_warps if const_expr((i + 1) * (THREADS // 32) > n_warps) else True
+            if take:
+                for g0 in cutlass.range_constexpr(0, self.tokens, group):
+                    rows = range(g0, min(g0 + group, self.tokens))
+                    frags = [make_frag(BFloat16, V) for _ in rows]  # each (8, V)
+                    for rX, m in zip(frags, rows):
+                        rX.fill(0)
+                        if m < n_rows:
+                            load_vectors(row_vectors(mX, m), rX, v * 32 + lane, T, nv)
+                    for rX, m in zip(frags, rows):
+                        x = rX.load().to(Float32)  # the rms_norm kernel's expressions
+                        ss = cute.arch.warp_reduction(
+                            (x * x).reduce(cute.ReductionOp.ADD, 0.0, reduction_profile=0),
+                            operator.add)
+                        if lane == 0:
+                            sPart[m, v] = ss
+        cute.arch.barrier()
+        for m in cutlass.range(warp, self.tokens, THREADS // 32, unroll=1):
+            t = Float32(0.0)  # `reduce.column_sums` of the warp totals, as block_sum does
+            if lane < n_warps:
+                t = t + sPart[m, lane]
+            total = cute.arch.warp_reduction(t, operator.add)
+            if const_expr(n_warps == 1):
+                total = t  # block_sum of one warp: its total as it is (the same bits)
+            if lane == 0:
+                sRstd[m] = Float32(0.0)
+                if m < n_rows:
+                    sRstd[m] = cute.math.rsqrt(total / self.k + eps, fastmath=True)
+
+    @cute.jit
+    def load_norm_weight(self, mG: cute.Tensor, rG: cute.Tensor, k_slice, tidx):
+        """rG (8,): the norm weight of this thread's 8 columns tidx % 8 · 8... of K slice
+        `k_slice` (zero past K: the TMA zero-fills x there)."""
+        vec = k_slice * (TILE_K // 8) + tidx % (TILE_K // 8)
+        rG.fill(0)
+        if vec < self.k // 8:
+            cute.autovec_copy(vectors(mG)[None, vec], rG[None, 0])
+
+    @cute.jit
+    def normalize(self, sX: cute.Tensor, stage, rG: cute.Tensor, sRstd: cute.Tensor, tidx):
+        """Rewrite x stage `stage` in place to x̂ = bf16(g · bf16(x · rstd_m)) (the rms_norm
+        kernel's roundings), through sX so that the swizzle is the TMA's and the MMA's. Thread
+        t takes the 8 columns (t % 8)·8... of tokens t // 8, t // 8 + 16, ..."""
+        g = rG[None, 0].load().to(Float32)
+        col = (tidx % (TILE_K // 8)) * 8
+        per_pass = THREADS // (TILE_K // 8)  # tokens a pass covers: 16
+        for p in cutlass.range_constexpr(-(-self.tokens // per_pass)):
+            t = p * per_pass + tidx // (TILE_K // 8)
+            if const_expr((p + 1) * per_pass <= self.tokens):
+                self.normalize_row(sX, stage, g, sRstd[t], t, col)
+            else:
+                if t < self.tokens:
+                    self.normalize_row(sX, stage, g, sRstd[t], t, col)
+
+    def normalize_row(self, sX: cute.Tensor, stage, g, rstd, t, col):
+        for e in range(8):
+            x = sX[t, col + e, stage].to(Float32)
+            sX[t, col + e, stage] = ((x * rstd).to(BFloat16).to(Float32) * g[e]).to(BFloat16)
+
     @cute.jit
     def body(self, tma_w: cute.CopyAtom, tW: cute.Tensor, tma_x: cute.CopyAtom, tX: cute.Tensor,
              mR, mY: cute.Tensor, mY2, beta, linear_beta, tiled_mma: cute.TiledMma,
              sW_layout: cute.ComposedLayout, sX_layout: cute.ComposedLayout,
-             sWt_layout: cute.ComposedLayout):
+             sWt_layout: cute.ComposedLayout, mX=None, mG=None, eps=None):
         # sWt_layout: W's stages as the TMA writes them (with SiTU 2·stages half tiles)
         pdl_launch_dependents(self.pdl)
         tidx, _, _ = cute.arch.thread_idx()
@@ -211,10 +325,29 @@ class GemmTC:
                     self.load_slice(pipe, loads, tma_w, tWgW, tWsW, tma_x, tXgX, tXsX,
                                     k_first)
                     loads.advance()
+        sRstd, rG = None, None
+        if const_expr(self.fusion.norm):
+            # rstd of the tile's tokens while the first stages land (x read again, from L2)
+            sRstd = storage.rstd.get_tensor(cute.make_layout(self.tokens))
+            n_warps = self.rms.threads // 32
+            sPart = storage.part.get_tensor(cute.make_layout((self.tokens, n_warps),
+                                                             stride=(n_warps, 1)))
+            rG = make_frag(BFloat16, 1)  # (8, 1)
+            self.row_rstd(mX, eps, sPart, sRstd, warp, cute.arch.lane_idx())
+            cute.arch.barrier()
         reads = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
         for _ in cutlass.range(k_count, unroll=1):
+            if const_expr(self.fusion.norm):
+                self.load_norm_weight(mG, rG, k_first + reads.count, tidx)
             pipe.consumer_wait(reads)
+            if const_expr(self.fusion.norm):
+                # x̂ in place: the TMA's bytes are visible after the wait; the threads' stores
+                # reach the MMA's async proxy through the fence, every thread's through the
+                # barrier
+                self.normalize(sX, reads.index, rG, sRstd, tidx)
+                cute.arch.fence_view_async_shared()
+                cute.arch.barrier()
             warpgroup.fence()
             for kb in cutlass.range_constexpr(cute.size(tCrW, mode=[2])):
                 cute.gemm(tiled_mma, acc, tCrW[None, None, kb, reads.index],

@@ -695,3 +695,91 @@ def test_plain_gemm_tc_build_is_unchanged(key, monkeypatch, tmp_path):
                              dump_dir=str(tmp_path), pdl=pdl)
     assert "kernel_fused" not in ptx_of(compiled)
     assert hashlib.sha256(cubin_of(compiled)).hexdigest()[:16] == PLAIN_GEMM_TC_CUBINS[key]
+
+
+# sha256 (first 16 hex digits) of gemm_tc's split and SiTU cubins (nvidia-cutlass-dsl 4.8.1, CUDA
+# 12 libraries) at their `config()`: (n, k, bucket, fusion, pdl) -> digest. Recorded 2026-12-04
+# (session 21) before and after the norm variant (`GemmTC.normed`): the same bytes
+FUSED_GEMM_TC_CUBINS = {
+    (4480, 7168, 8, gemm_tc.Fusion(split=896), False): "b39fe3b7ce240c12",
+    (768, 7168, 8, gemm_tc.SITU, True): "8e0aaa57768e9c3e",
+    (1000, 1032, 16, gemm_tc.Fusion(split=333), True): "14d444a1ebd30c35",
+    (768, 7168, 64, gemm_tc.SITU, False): "1f701c1fa3f4461b",
+}
+
+
+@pytest.mark.parametrize("key", _first_of_each([(k,) for k in FUSED_GEMM_TC_CUBINS],
+                                               lambda case: case[0][3].situ),
+                         ids=lambda k: _tc_variant_id(k[3]) + f"-{k[0]}x{k[1]}-b{k[2]}-pdl{k[4]}")
+def test_split_and_situ_gemm_tc_builds_are_unchanged(key, monkeypatch, tmp_path):
+    """The split and SiTU builds are byte for byte the ones from before the norm variant (it
+    compiles from a third entry, `GemmTC.normed`, with its own storage)."""
+    if version("nvidia-cutlass-dsl") != "4.8.1" or _dsl_cuda_flavour() != "cu12":
+        pytest.skip("digests recorded with nvidia-cutlass-dsl 4.8.1 and its CUDA 12 libraries")
+    monkeypatch.setenv("CUTE_DSL_ARCH", ARCH)
+    n, k, b, fusion, pdl = key
+    compiled = gemm_tc.build(n, k, bool(fusion.split), False, gemm_tc.config(n, k, b, fusion),
+                             arch=ARCH, dump_dir=str(tmp_path), pdl=pdl, fusion=fusion)
+    assert "kernel_norm" not in ptx_of(compiled)
+    assert hashlib.sha256(cubin_of(compiled)).hexdigest()[:16] == FUSED_GEMM_TC_CUBINS[key]
+
+
+# gemm_tc's norm variant (n, k, bucket, residual, config or None for `config()`): the latent
+# up-projection at its tuned 8-row config (R = 64, S = 2, 8 stages) with the shared experts'
+# residual; 2 rows (S = 4); a partial row tile and K slice; 64 tokens over R = 128, one CTA
+GEMM_TC_NORMS = [(7168, 3584, 8, True, None), (7168, 3584, 2, False, None),
+                 (1000, 1032, 2, True, None),
+                 (7168, 3584, 64, False, gemm_tc.Config(128, 64, 4, 1))]
+
+
+def _norm_id(v):
+    return _tc_variant_id(v) if isinstance(v, gemm_tc.Config) else str(v)
+
+
+def _norm_build(n, k, b, residual, cfg, tmp_path, pdl=False):
+    cfg = cfg or gemm_tc.config(n, k, b, gemm_tc.NORM)
+    assert gemm_tc.smem_bytes(cfg) + gemm_tc.norm_smem_bytes(cfg, k) <= gemm_tc.SMEM_BYTES
+    compiled = gemm_tc.build(n, k, False, residual, cfg, arch=ARCH, dump_dir=str(tmp_path),
+                             pdl=pdl, fusion=gemm_tc.NORM)
+    _check_cubin(compiled)
+    return cfg, ptx_of(compiled)
+
+
+@pytest.mark.parametrize("n,k,b,residual,cfg", _first_of_each(
+    GEMM_TC_NORMS, lambda c: c[2] == 8), ids=_norm_id)
+def test_gemm_tc_norm_builds(n, k, b, residual, cfg, monkeypatch, tmp_path):
+    """The norm variant builds from its own entry: two TMAs per K slice as the plain kernel,
+    rstd from 16-byte loads of x as the rms_norm kernel sums them (a butterfly per row and
+    rms_norm warp, one per row over those warps' totals), then per stage: the norm
+    weight's 16-byte vector, the stage rewritten in place through the swizzle (8 of a thread's
+    bf16 per pass: x·rstd and ·g each rounded to bf16), an async-proxy fence and a barrier
+    before the MMAs; the plain epilogue (with the residual: one more load per pass)."""
+    monkeypatch.setenv("CUTE_DSL_ARCH", ARCH)
+    cfg, ptx = _norm_build(n, k, b, residual, cfg, tmp_path)
+    assert "griddepcontrol" not in ptx and "kernel_norm" in ptx
+    assert ptx.count("cp.async.bulk.tensor") == 4  # (W + x) in the prologue and in the loop
+    assert ptx.count("rsqrt.approx") == 1
+    warps = gemm_tc.norm_rms_config(k, cfg.tile_tokens).threads // 32
+    slots = -(-warps // 4)  # the rms_norm kernel's warps each of the 4 warps plays
+    assert ptx.count("shfl.sync.bfly") == 5 * (slots * cfg.tile_tokens + 1)
+    assert ptx.count("fence.proxy.async.shared::cta") == 1
+    passes = -(-cfg.tile_tokens // 16)  # tokens of a stage per pass of 128 threads: 16
+    assert ptx.count("st.shared.b16") == 8 * passes
+    assert ptx.count("cvt.rn.bf16.f32") >= 2 * 8 * passes
+    share = cfg.tile_rows // cfg.splits
+    stores = -(-share * cfg.tile_tokens // gemm_tc.THREADS)
+    assert ptx.count("st.global") == stores
+
+
+@pytest.mark.parametrize("n,k,b,residual,cfg", _first_of_each(
+    [c for c in GEMM_TC_NORMS if c[2] <= 8], lambda c: c[2] == 8), ids=_norm_id)
+def test_gemm_tc_norm_builds_with_pdl(n, k, b, residual, cfg, monkeypatch, tmp_path):
+    """The PDL rule: only W's TMAs before the wait; x (its TMA and the rstd loads), the norm
+    weight, the residual and every store after it."""
+    monkeypatch.setenv("CUTE_DSL_ARCH", ARCH)
+    _, ptx = _norm_build(n, k, b, residual, cfg, tmp_path, pdl=True)
+    assert TRIGGER in ptx and WAIT in ptx
+    before = ptx[:ptx.index(WAIT)]
+    assert not [op for op in ("st.global", "red.global", "atom.global", "ld.global")
+                if op in before]
+    assert before.count("cp.async.bulk.tensor") == 1

@@ -4,8 +4,9 @@ routed-latent norm + up-projection (+ the shared experts' residual). With K3_GEM
 (`settings.KERNELS.gemv_fused`), norm_linear, moe_front and situ_gate_up at one row take gemv's one-launch
 variants: equal to the switch-off composites within tolerance (moe_front bitwise), also captured
 in a CUDA graph with PDL on and off. With K3_GEMM_TC_FUSED (`settings.KERNELS.gemm_tc_fused`)
-moe_front and situ_gate_up at 2..64 rows take gemm_tc's one-launch variants: one kernel each,
-equal to the references and to the two launches within tolerance, also in a CUDA graph."""
+moe_front, situ_gate_up and norm_linear at 2..64 rows take gemm_tc's one-launch variants: one
+kernel each, equal to the references and to the two launches within tolerance, also in a CUDA
+graph."""
 
 import pytest
 import torch
@@ -410,3 +411,80 @@ def test_tc_fused_composites_under_cuda_graphs_with_and_without_pdl(gen, monkeyp
         ops.check(results[True])
         for on, off in zip(results[True], results[False], strict=True):
             assert torch.equal(on, off), "PDL changed a result"
+
+
+# ---- K3_GEMM_TC_FUSED=norm: norm_linear in one launch at gemm_tc's rows ---------------------------
+
+
+@pytest.mark.parametrize("n", [2, 8, 16, 64])
+@pytest.mark.parametrize("residual", [False, True])
+def test_norm_linear_tc_fused(gen, monkeypatch, n, residual):
+    """The latent up-projection W [7168, 3584]: one launch where `tc_fused_takes` says so and
+    the prologue's re-read limit allows it (the tuned table: gemm_tc at 2..8 rows; cuBLAS, so
+    two launches, above), bitwise the two launches (the rms_norm kernel's x̂, then gemm_tc at the
+    same config) and close to the reference."""
+    calls = tc_spy(monkeypatch, "gemm_tc_norm_cuda")
+    args = _norm_linear_inputs(gen, n, residual)
+    off, on = tc_both_ways(monkeypatch, torch.ops.k3.norm_linear, *args)
+    u, wnorm, w = args[:3]
+    takes = router.tc_fused_takes(u, "norm", HIDDEN) and gemm_tc.norm_refusal(u, w, wnorm) is None
+    assert len(calls) == takes
+    if n <= 8:
+        assert takes, "the tuned table has gemm_tc at 2..8 rows for [7168, 3584]"
+    assert on.dtype == off.dtype and on.shape == off.shape
+    assert torch.equal(on, off)
+    want = norm_linear_ref(*args)
+    torch.testing.assert_close(on.float(), want.float(), **TOL["bf16"])
+    assert rel_err(on, want) < TOL["bf16_rel_norm"]
+
+
+class TCNormOps:
+    """norm_linear with the shared experts' residual at 8 rows, through the op."""
+
+    def __init__(self, gen, n=8):
+        self.gen, self.n = gen, n
+        self.args = list(_norm_linear_inputs(gen, n, True))
+
+    def refresh(self):
+        self.args[0].copy_(_bf16(self.gen, self.n, LATENT, scale=3.0))
+        self.args[4].copy_(_bf16(self.gen, self.n, HIDDEN))
+
+    def run(self):
+        return (torch.ops.k3.norm_linear(*self.args),)
+
+    def check(self, outs):
+        (y,) = outs
+        assert_written(y)
+        want = norm_linear_ref(*self.args)
+        torch.testing.assert_close(y.float(), want.float(), **TOL["bf16"])
+        assert rel_err(y, want) < TOL["bf16_rel_norm"]
+
+
+def test_norm_linear_tc_fused_is_one_kernel(gen, monkeypatch):
+    """At 8 rows norm_linear launches gemm_tc's norm variant and nothing else (issue 21: the
+    rms_norm kernel before the latent up-projection is gone)."""
+    monkeypatch.setattr(settings.KERNELS, "gemm_tc_fused", frozenset({"norm"}))
+    ops = TCNormOps(gen)
+    with no_fallback():
+        ops.check(ops.run())
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        ops.run()
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert len(kernels) == 1 and "GemmTC" in kernels[0], kernels
+
+
+def test_norm_linear_tc_fused_under_cuda_graphs_with_and_without_pdl(gen, monkeypatch):
+    """Captured after one warm call, replayed on fresh inputs (output poisoned first) against
+    the reference; PDL leaves the result bitwise equal."""
+    monkeypatch.setattr(settings.KERNELS, "gemm_tc_fused", frozenset({"norm"}))
+    calls = tc_spy(monkeypatch, "gemm_tc_norm_cuda")
+    ops = TCNormOps(gen)
+    graphs = {pdl: _capture(ops, pdl, monkeypatch) for pdl in (True, False)}
+    assert len(calls) == 4, "norm_linear took its two launches"
+    for _ in range(3):
+        ops.refresh()
+        results = {pdl: _replay(*graphs[pdl]) for pdl in (True, False)}
+        ops.check(results[True])
+        assert torch.equal(results[True][0], results[False][0]), "PDL changed a result"

@@ -262,6 +262,7 @@ def test_table_writer_keeps_the_winner(tmp_path, monkeypatch):
 # ---- the one-launch variants (K3_GEMM_TC_FUSED) ------------------------------------------------
 
 EXPERTS, LATENT, HIDDEN, SHARED, DENSE = 896, 3584, 7168, 384, 2112
+EPS = 1e-5
 BETA, LINEAR_BETA = 4.0, 25.0
 # (split, N, K): the front [W_r; W_d] of one TP16 rank; a split inside a partial row tile with a
 # partial K slice
@@ -327,10 +328,11 @@ def test_switch_names_variants():
     parse = settings.parse_gemm_tc_fused
     assert parse(None) == settings.GEMM_TC_DEFAULT == frozenset()
     assert parse("0") == parse("") == frozenset()
-    assert parse("all") == parse("1") == {"split", "situ"}
+    assert parse("all") == parse("1") == {"split", "situ", "norm"}
     assert parse(" situ ") == {"situ"}
+    assert parse("norm") == {"norm"} and parse("situ, norm") == {"situ", "norm"}
     with pytest.raises(ValueError, match="K3_GEMM_TC_FUSED: unknown variants"):
-        parse("situ,norm")
+        parse("situ,gate")
 
 
 def _rows(m, k):
@@ -391,6 +393,84 @@ def test_composites_choose_the_variant(monkeypatch, taken):
     assert calls == [] and apart[0].dtype == torch.float32
 
 
+def test_norm_refusals_on_any_machine():
+    """The norm prologue: a contiguous bf16 norm weight [K], a residual allowed (refused with
+    the other variants), and the L2 re-read of x: S·M <= R/2 at the config."""
+    def t(*shape, dtype=torch.bfloat16):
+        return torch.empty(*shape, dtype=dtype, device="meta")
+
+    w, g, r = t(HIDDEN, LATENT), t(LATENT), t(8, HIDDEN)
+    x = t(8, LATENT)
+    assert kernel.config(HIDDEN, LATENT, 8, kernel.NORM) == kernel.Config(64, 8, 8, 2)  # tuned
+    assert kernel.fused_refusal(kernel.NORM, x, w, norm_weight=g) is None  # S·M/R = 1/4
+    assert kernel.fused_refusal(kernel.NORM, x, w, r, norm_weight=g) is None
+    assert "residual" in kernel.fused_refusal(kernel.SITU, x, t(2 * SHARED, LATENT), r)
+    assert "norm weight: none" in kernel.fused_refusal(kernel.NORM, x, w)
+    for bad in (t(LATENT, dtype=torch.float32), t(LATENT + 8), t(2 * LATENT)[::2]):
+        assert "norm weight" in kernel.fused_refusal(kernel.NORM, x, w, norm_weight=bad)
+    assert "residual: torch.float32" in kernel.fused_refusal(
+        kernel.NORM, x, w, t(8, HIDDEN, dtype=torch.float32), norm_weight=g)
+    # 64 rows at the heuristic config (R = 64, S = 2): S·M/R = 2
+    why = kernel.fused_refusal(kernel.NORM, t(64, LATENT), w, norm_weight=g)
+    assert "norm prologue" in why and "S·M/R above 0.5" in why
+    # one CTA per 128-row tile: S·M/R = 1/2
+    wide = kernel.Config(128, 64, 4, 1)
+    assert kernel.fused_refusal(kernel.NORM, t(64, LATENT), w, norm_weight=g, cfg=wide) is None
+    assert kernel.fused_refusal(kernel.NORM, t(16, LATENT), w, norm_weight=g) is None
+    assert kernel.fused_launch_refusal(  # no runtime here, or CPU tensors
+        kernel.NORM, torch.zeros(8, LATENT).bfloat16(), torch.zeros(HIDDEN, LATENT).bfloat16(),
+        norm_weight=torch.ones(LATENT).bfloat16())
+
+
+def test_norm_variant_on_cpu_is_the_two_launches_reference():
+    """Refused (no GPU): rms_norm_ref then the GEMM reference, with and without a residual."""
+    from k3compile.ops.rms_norm import rms_norm_ref
+
+    gen = torch.Generator().manual_seed(0)
+    x = (3 * torch.randn(8, 256, generator=gen)).bfloat16()
+    g = (1 + 0.1 * torch.randn(256, generator=gen)).bfloat16()
+    w = (torch.randn(96, 256, generator=gen) / 16).bfloat16()
+    r = torch.randn(8, 96, generator=gen).bfloat16()
+    for res in (None, r):
+        y = kernel.gemm_tc_norm_cuda(x, g, w, 1e-5, res)
+        assert y.dtype == torch.bfloat16 and y.shape == (8, 96)
+        assert torch.equal(y, kernel.gemm_ref(rms_norm_ref(x, g, 1e-5), w, res))
+
+
+@pytest.mark.parametrize("case", ["off", "taken", "refused"])
+def test_norm_linear_chooses_the_variant(monkeypatch, caplog, case):
+    """norm_linear above gemv's rows: gemm_tc's norm variant where `tc_fused_takes` says so and
+    the variant takes the call; else (the refusal logged) the rms_norm kernel and
+    `router.linear`. CPU tensors, the rule and the launch stood in for."""
+    from k3compile.kernels import norm_linear
+
+    from k3compile.ops.norm_linear import norm_linear_ref
+
+    calls = []
+    monkeypatch.setattr(router, "tc_fused_takes",
+                        lambda x, variant, n: case != "off" and variant == "norm" and n == 96)
+    monkeypatch.setattr(kernel, "fused_launch_refusal", lambda fusion, *a, **kw: (
+        "S·M/R above 0.5" if case == "refused" else None) if fusion == kernel.NORM else "no")
+    monkeypatch.setattr(kernel, "gemm_tc_norm_cuda", lambda u, g, w, eps, r: calls.append(
+        (u, g, w, eps, r)) or "one")
+    gen = torch.Generator().manual_seed(0)
+    u = (3 * torch.randn(8, 256, generator=gen)).bfloat16()
+    g = (1 + 0.1 * torch.randn(256, generator=gen)).bfloat16()
+    w = (torch.randn(96, 256, generator=gen) / 16).bfloat16()
+    r = torch.randn(8, 96, generator=gen).bfloat16()
+    with caplog.at_level(logging.DEBUG, logger="k3compile.kernels"):
+        y = norm_linear.norm_linear_cuda(u, g, w, 1e-5, r)
+    if case == "taken":
+        assert y == "one" and len(calls) == 1
+        got = calls[0]
+        assert got[0] is u and got[1] is g and got[2] is w and got[3] == 1e-5 and got[4] is r
+        return
+    assert calls == []
+    close_bf16(y, norm_linear_ref(u, g, w, 1e-5, r))
+    if case == "refused":
+        assert "gemm_tc_norm" in caplog.text and "two launches" in caplog.text
+
+
 def test_tc_split_takes_packed_weights_only():
     from k3compile.kernels.moe_front import _tc_split_refusal
 
@@ -413,7 +493,11 @@ def test_variant_key_holds_the_fusion_and_the_plain_key_is_unchanged(monkeypatch
     kernel.prepare(768, 7168, (8,), fusion=kernel.SITU)
     kernel.prepare(4480, 7168, (8,), fusion=kernel.Fusion(split=896))
     kernel.prepare(768, 7168, (8,), fusion=kernel.SITU)  # cached
-    assert builds == [None, kernel.SITU, kernel.Fusion(split=896)]
+    kernel.prepare(7168, 3584, (8,), residual=True, fusion=kernel.NORM)
+    assert builds == [None, kernel.SITU, kernel.Fusion(split=896), kernel.NORM]
+    norm_cfg = kernel.config(7168, 3584, 8, kernel.NORM)
+    assert kernel.KERNEL.compiled(7168, 3584, False, True, norm_cfg, rows=8,
+                                  fusion=kernel.NORM) == 4
     assert kernel.KERNEL.compiled(768, 7168, False, False, cfg, rows=8) == 1
     split_cfg = kernel.config(4480, 7168, 8)  # the split's first output is fp32
     assert kernel.KERNEL.compiled(4480, 7168, True, False, split_cfg, rows=8,
@@ -512,3 +596,81 @@ def test_variants_fall_back_on_refused_inputs(gen, caplog):
     assert torch.equal(a, situ_ref(gate, up, BETA, LINEAR_BETA))
     assert torch.equal(logits, kernel.gemm_ref(x, w, out_dtype=torch.float32))
     assert z.shape == (8, 0)
+
+
+# GPU: the norm variant against the two launches at the same config and the reference
+
+NORMS = [(HIDDEN, LATENT), (1000, 1032)]  # the latent up-projection; a partial tile and K slice
+
+
+def _norm_config(x, w, g, m):
+    """`config()` where the re-read limit allows it, else one CTA per 128-row tile (S·M/R <=
+    1/2 up to 64 rows)."""
+    n, k = w.shape
+    cfg = kernel.config(n, k, kernel.bucket(m), kernel.NORM)
+    if kernel.norm_refusal(x, w, g, cfg):
+        cfg = kernel.Config(128, kernel._tile_tokens(kernel.bucket(m)), 4, 1)
+    assert kernel.norm_refusal(x, w, g, cfg) is None
+    return cfg
+
+
+@on_gpu
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("m", [2, 8, 16, 64])
+@pytest.mark.parametrize("n,k", NORMS, ids=str)
+def test_norm_variant(gen, n, k, m, residual):
+    """One launch against the rms_norm kernel + the plain kernel at the same config (the two
+    launches): bitwise (rstd summed in the rms_norm kernel's order at these rows, x̂ rounded as
+    it rounds it, then the same sums); and against rms_norm_ref + an fp32 GEMM."""
+    from k3compile.kernels.rms_norm import rms_norm_cuda
+
+    from k3compile.ops.rms_norm import rms_norm_ref
+
+    x, w = make_inputs(gen, m, n, k)
+    x = (3 * x.float()).bfloat16()
+    g = (1 + 0.1 * torch.randn(k, generator=gen, device="cuda")).bfloat16()
+    r = torch.randn(m, n, generator=gen, device="cuda").bfloat16() if residual else None
+    cfg = _norm_config(x, w, g, m)
+    out = poisoned(m, n)
+    assert kernel.gemm_tc_norm_cuda(x, g, w, EPS, r, out=out, cfg=cfg) is out, "fell back"
+    assert_written(out)
+    two = kernel.gemm_tc_cuda(rms_norm_cuda(x, g, EPS), w, r, out=poisoned(m, n), cfg=cfg)
+    assert torch.equal(out, two)
+    close_bf16(out, gemm_model(rms_norm_ref(x, g, EPS), w, r))
+    again = kernel.gemm_tc_norm_cuda(x, g, w, EPS, r, out=poisoned(m, n), cfg=cfg)
+    assert torch.equal(again, out), "not deterministic"
+
+
+@on_gpu
+def test_norm_variant_fp32_output_and_every_tiling(gen):
+    """fp32 output, and every tile height and cluster size within the re-read limit: bitwise
+    the two launches at that config."""
+    from k3compile.kernels.rms_norm import rms_norm_cuda
+
+    m, n, k = 5, 1000, 1032
+    x, w = make_inputs(gen, m, n, k)
+    g = (1 + 0.1 * torch.randn(k, generator=gen, device="cuda")).bfloat16()
+    xn = rms_norm_cuda(x, g, EPS)
+    tried = 0
+    for cfg in _config_variants(n, k, kernel.bucket(m)):
+        if kernel.norm_refusal(x, w, g, cfg):
+            continue
+        got = kernel.gemm_tc_norm_cuda(x, g, w, EPS, out=poisoned(m, n, dtype=torch.float32),
+                                       cfg=cfg)
+        want = kernel.gemm_tc_cuda(xn, w, out=poisoned(m, n, dtype=torch.float32), cfg=cfg)
+        assert torch.equal(got, want), cfg
+        tried += 1
+    assert tried >= 3
+
+
+@on_gpu
+def test_norm_variant_falls_back_above_the_reread_limit(gen, caplog):
+    """64 rows of [7168, 3584] at the heuristic config (S·M/R = 2): refused, logged, torch."""
+    from k3compile.ops.rms_norm import rms_norm_ref
+
+    x, w = make_inputs(gen, 64, HIDDEN, LATENT)
+    g = (1 + 0.1 * torch.randn(LATENT, generator=gen, device="cuda")).bfloat16()
+    with caplog.at_level(logging.DEBUG, logger="k3compile.kernels"):
+        y = kernel.gemm_tc_norm_cuda(x, g, w, EPS)
+    assert "gemm_tc_norm" in caplog.text and "norm prologue" in caplog.text
+    assert torch.equal(y, kernel.gemm_ref(rms_norm_ref(x, g, EPS), w))
