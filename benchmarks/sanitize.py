@@ -27,6 +27,7 @@ report it, which shows that it sees launches made through TVM-FFI.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import pkgutil
 import re
@@ -84,6 +85,7 @@ class Call:
     reference: Callable
     mutates: tuple[int, ...] = ()
     compare: Callable[[list, list], list[str]] | None = None  # default: `rows_close`
+    run: Callable | None = None  # what runs the kernel, where it is not torch.ops.k3.<op>
 
 
 @dataclass(frozen=True)
@@ -302,6 +304,32 @@ def fb_kda_decode(gen, device, B, T):
                 mutates=(7, 8))
 
 
+def input_check(gen, device, B, T):
+    """validate's device check + redirect (not a torch.library op: the case calls the kernel's
+    host entry); valid slots and positions, so the mask stays 0 and every input passes."""
+    from k3compile.kernels import input_check as kernel
+    from k3compile.validate import Limit, redirect_ref
+
+    limits = (Limit(0, "slots", "slots", 0, B + 2, "state rows", True, B + 2),
+              Limit(1, "positions", "positions", 0, 4096 - T, "cache length", True))
+    slots = torch.randperm(B + 2, generator=torch.Generator().manual_seed(B))[:B].to(device)
+    positions = torch.randint(0, 4096 - T, (B, T) if T > 1 else (B,), generator=gen,
+                              device=device)
+    rows = torch.full((), B, dtype=torch.int64, device=device)
+    mask = torch.zeros((), dtype=torch.int64, device=device)
+    checked = (slots, positions)
+
+    def run(rows, mask, *args):
+        if (launch := kernel.redirect(limits, checked)) is None:  # refused (logged), or no GPU
+            if rows.is_cuda:
+                raise RuntimeError("input_check refused these inputs (see the log)")
+            launch = functools.partial(redirect_ref, limits)
+        return launch(rows, mask, *args)
+
+    return Call(kernel.OP, (rows, mask, *checked),
+                lambda *a: redirect_ref(limits, *a), mutates=(1,), run=run)
+
+
 def mla_decode(gen, device, B, T):
     from k3compile.ops.mla_decode import mla_decode_ref
     from tests.fusions.test_mla_decode_kernel import Inputs
@@ -340,6 +368,8 @@ BUILDERS: dict[str, tuple[Callable[..., Call], str]] = {
     "kda_decode": (kda_decode, f"{CFG.kda_heads_local} heads of 128, pool of B + 3 slots"),
     "fb_kda_decode": (fb_kda_decode, "kda_decode + fa [B, T, 128] x W_fb"),
     "mla_decode": (mla_decode, f"{CFG.mla_heads_local} heads, cache [B + 3, 4160, 576]"),
+    # K3_CHECK_KERNEL=1: validate's device check in one launch
+    "input_check": (input_check, "slots [B] of B + 2 rows, positions [B, T] of 4096"),
 }
 
 
@@ -413,7 +443,7 @@ def run_call(call: Call) -> tuple[list[str], dict[str, int]]:
 
     got_args, ref_args = _states(call), _states(call)
     before = fallback_counts()
-    got = getattr(torch.ops.k3, call.op)(*got_args)
+    got = (call.run or getattr(torch.ops.k3, call.op))(*got_args)
     if got_args[0].is_cuda:
         torch.cuda.synchronize()
     fell = {f"{op} ({why})": n - before.get((op, why), 0)
