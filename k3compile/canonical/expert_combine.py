@@ -91,7 +91,7 @@ def _site(bmm: fx.Node):
         if w is None:
             continue
         n, k = _shape(w)
-        y = _up(b, lambda s: len(s) == 3 and s[:2] == (n, k) and s[2] > 1)
+        y = _up(b, lambda s, nk=(n, k): len(s) == 3 and s[:2] == nk and s[2] > 1)
         if y is None:
             continue
         out = _down(bmm, (n, _shape(y)[2]))
