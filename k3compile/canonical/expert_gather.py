@@ -6,11 +6,11 @@ form `k3compile.math.mxfp4_experts` (and so `patterns/moe_experts.py`) has.
 Runs after `mxfp4_dequant`, so the dequant between the gathers and the view is already the
 canonical one (`math.mxfp4_dequant`), whatever it was spelled as. Taken: a view [N, k, O, I] of
 that dequant over `index(packed, [f])` and `index(scale, [f])` (or `index_select(., 0, f)`) with
-f [N*k] a reshape of one integer [N, k] tensor, the dequant used only by the view. The same
-elements in the same order: equal bit for bit. Left alone: gathers by different index tensors, an
-index that is not a reshape of an [N, k] tensor, a view that does not split N*k into (N, k), a
-dequant that is not the canonical one (its ops are compared with the canonical trace's), or one
-also read unflattened.
+f [N*k] a reshape of one integer [N, k] tensor (the same for both), the dequant used only by
+the view. The same elements in the same order: equal bit for bit. Left alone: gathers by
+different index tensors, an index that is not a reshape of an [N, k] tensor, a view that does
+not split N*k into (N, k), a dequant that is not the canonical one (its ops are compared with the
+canonical trace's), or one also read flat.
 """
 
 from __future__ import annotations
@@ -148,10 +148,12 @@ def _site(view: fx.Node, cache: dict):
         return None
     packed, scale, table = found
     gathers = [_flat_gather(packed), _flat_gather(scale)]
-    if None in gathers or gathers[0][1] is not gathers[1][1]:
+    if None in gathers:
         return None
-    ids = _unflattened(gathers[0][1], out[0], out[1])
-    return None if ids is None else (gathers[0][0], gathers[1][0], ids, table)
+    ids = {_unflattened(f, out[0], out[1]) for _, f in gathers}
+    if len(ids) != 1 or None in ids:
+        return None
+    return gathers[0][0], gathers[1][0], ids.pop(), table
 
 
 def _write(graph: fx.Graph, view: fx.Node, site: tuple, cache: dict) -> bool:
