@@ -54,7 +54,7 @@ def _pieces(h: fx.Node) -> list[tuple[fx.Node, int, int]] | None:
         if dim not in (-1, 2):
             return None
         if u.target is aten.slice.Tensor:
-            start, end, step = (list(u.args[2:]) + [None, None, 1])[:3]
+            start, end, step = (list(u.args[2:]) + [None, None, 1][len(u.args) - 2:])[:3]
             start, end = max(start or 0, 0), min(width if end is None else end, width)
             if step != 1 or start >= end:
                 return None
