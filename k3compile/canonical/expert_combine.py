@@ -44,6 +44,15 @@ def _shape(node) -> tuple | None:
     return tuple(v.shape) if v is not None and all(isinstance(d, int) for d in v.shape) else None
 
 
+def _layout(node: fx.Node) -> bool:
+    """An op that only moves elements (or drops a size-1 dim: `x[:, 0]` of [N, 1, L])."""
+    if node.op != "call_function":
+        return False
+    if node.target is aten.select.int:
+        return (_shape(node.args[0]) or (0,) * 8)[node.args[1]] == 1
+    return node.target in _LAYOUT
+
+
 def _up(node, want) -> fx.Node | None:
     """The last node up node's chain of single-input layout ops whose shape satisfies want (the
     source before any permutes back and forth; the evaluation checks what it holds)."""
@@ -52,7 +61,7 @@ def _up(node, want) -> fx.Node | None:
         shape = _shape(node)
         if shape is not None and want(shape):
             found = node
-        if node.op != "call_function" or node.target not in _LAYOUT:
+        if not _layout(node):
             break
         node = node.args[0]
     return found
@@ -62,7 +71,7 @@ def _down(node: fx.Node, want: tuple) -> fx.Node | None:
     """The first node of shape want down node's single-user chain of layout ops."""
     while len(node.users) == 1:
         node = next(iter(node.users))
-        if node.op != "call_function" or node.target not in _LAYOUT:
+        if not _layout(node):
             return None
         if _shape(node) == want:
             return node

@@ -70,6 +70,10 @@ def test_flat_gather_becomes_the_gather_by_ids(spelling, rows, dtype):
     assert_same(gm(*args), _canonical(*args))
 
 
+def _both(w, ids):
+    return w.view(*ids.shape, OUT, LATENT), w
+
+
 LOOK_ALIKES = {
     # packed and scale gathered by different index tensors
     "two_indices": lambda p, s, ids, lut: dequant(
@@ -82,8 +86,8 @@ LOOK_ALIKES = {
     "other_view": lambda p, s, ids, lut: dequant(
         p[ids.reshape(-1)], s[ids.reshape(-1)], lut).view(-1, 2, OUT // 2, LATENT),
     # the flat dequant is also read flat
-    "also_read_flat": lambda p, s, ids, lut: (lambda w: (w.view(*ids.shape, OUT, LATENT), w))(
-        dequant(p[ids.reshape(-1)], s[ids.reshape(-1)], lut)),
+    "also_read_flat": lambda p, s, ids, lut: _both(
+        dequant(p[ids.reshape(-1)], s[ids.reshape(-1)], lut), ids),
     # not a dequant (the nibbles' values, no scale)
     "no_dequant": lambda p, s, ids, lut: lut[(p[ids.reshape(-1)] & 15).long()].view(
         *ids.shape, OUT, LATENT // 2),

@@ -34,10 +34,18 @@ def _canonical(z, p, s, ids, lut):
             _fc1(z, p[:, INTER:], s[:, INTER:], ids, lut))
 
 
+def _halves(h):
+    return h[..., :INTER], h[..., INTER:]
+
+
+def _and_whole(h):
+    return (*_halves(h), h)
+
+
 SPELLINGS = {
     "chunk": lambda *a: _fc1(*a).chunk(2, dim=-1),
     "split": lambda *a: torch.split(_fc1(*a), INTER, dim=2),
-    "slices": lambda *a: (lambda h: (h[..., :INTER], h[..., INTER:]))(_fc1(*a)),
+    "slices": lambda *a: _halves(_fc1(*a)),
 }
 
 
@@ -56,7 +64,7 @@ def test_split_fc1_becomes_one_fc1_per_piece(spelling, rows, dtype):
 
 
 LOOK_ALIKES = {
-    "also_read_whole": lambda *a: (lambda h: (*h.chunk(2, dim=-1), h))(_fc1(*a)),
+    "also_read_whole": lambda *a: _and_whole(_fc1(*a)),
     "split_over_k": lambda *a: _fc1(*a).chunk(2, dim=1),
     # a weight not gathered by the routed ids (z times a [N, k, 2I, L] input)
     "ungathered": lambda z, p, s, ids, lut: torch.einsum(
