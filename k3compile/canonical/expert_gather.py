@@ -9,8 +9,8 @@ that dequant over `index(packed, [f])` and `index(scale, [f])` (or `index_select
 f [N*k] a reshape of one integer [N, k] tensor (the same for both), the dequant used only by
 the view. The same elements in the same order: equal bit for bit. Left alone: gathers by
 different index tensors, an index that is not a reshape of an [N, k] tensor, a view that does
-not split N*k into (N, k), a dequant that is not the canonical one (its ops are compared with the
-canonical trace's), or one also read flat.
+not split N*k into (N, k), a dequant that is not the canonical one (compared op for op, operands
+and arguments, with the canonical trace), or one also read flat.
 """
 
 from __future__ import annotations
@@ -44,10 +44,9 @@ def _is_table_gather(node: fx.Node) -> bool:
     return v is not None and tuple(v.shape) == (16,) and v.dtype.is_floating_point
 
 
-def dequant_roots(out: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, list[str]] | None:
-    """(packed, scale, table, the cone's ops) of a dequant ending at out: the float ops up from
-    out to two uint8 tensors (the first uint8 node on each path) and one [16] table. None if the
-    cone reads anything else."""
+def dequant_roots(out: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node] | None:
+    """(packed, scale, table) of a dequant ending at out: the two uint8 tensors up from out (the
+    first uint8 node that is not a nibble op on each path) and the one [16] table it reads."""
     seen, stack, ops, roots, tables = set(), [out], [], [], set()
     while stack:
         n = stack.pop()
@@ -70,7 +69,7 @@ def dequant_roots(out: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, list[str]] |
     if len(roots) != 2 or len(tables) != 1:
         return None
     packed, scale = sorted(roots, key=lambda r: -_shape(r)[-1])  # packed [.., W], scale [.., W/16]
-    return packed, scale, next(iter(tables)), sorted(ops)
+    return packed, scale, next(iter(tables))
 
 
 def traced(fn, inputs: list[fx.Node], cache: dict) -> fx.GraphModule:
@@ -84,8 +83,30 @@ def traced(fn, inputs: list[fx.Node], cache: dict) -> fx.GraphModule:
     return cache[key]
 
 
-def canonical_ops(gm: fx.GraphModule) -> list[str]:
-    return sorted(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+def same_graph(out: fx.Node, gm: fx.GraphModule, inputs: list[fx.Node]) -> bool:
+    """Whether out computes gm's output from inputs (gm's placeholders, in order) op for op: the
+    same targets, the same non-node arguments, the same operands in the same positions."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    (want,) = torch.utils._pytree.tree_leaves(next(n for n in gm.graph.nodes
+                                                   if n.op == "output").args)
+    bound, memo = dict(zip(placeholders, inputs)), {}
+
+    def equal(g, t) -> bool:
+        if isinstance(t, fx.Node) != isinstance(g, fx.Node):
+            return False
+        if not isinstance(t, fx.Node):
+            return type(g) is type(t) and g == t
+        if t in bound:
+            return bound[t] is g
+        if (g, t) not in memo:
+            memo[g, t] = False  # no cycles in a DAG; guards a revisit
+            gl = torch.utils._pytree.tree_leaves((g.args, g.kwargs))
+            tl = torch.utils._pytree.tree_leaves((t.args, t.kwargs))
+            memo[g, t] = (g.op == t.op == "call_function" and g.target == t.target
+                          and len(gl) == len(tl) and all(map(equal, gl, tl)))
+        return memo[g, t]
+
+    return equal(out, want)
 
 
 def is_canonical_dequant(out: fx.Node, cache: dict) -> tuple[fx.Node, fx.Node, fx.Node] | None:
@@ -93,8 +114,9 @@ def is_canonical_dequant(out: fx.Node, cache: dict) -> tuple[fx.Node, fx.Node, f
     found = dequant_roots(out)
     if found is None:
         return None
-    packed, scale, table, ops = found
-    if ops != canonical_ops(traced(mxfp4_dequant, [packed, scale, table], cache)):
+    packed, scale, table = found
+    if not same_graph(out, traced(mxfp4_dequant, [packed, scale, table], cache),
+                      [packed, scale, table]):
         return None
     return packed, scale, table
 
@@ -177,5 +199,5 @@ RULE = Rule("expert_gather", apply,
             "MXFP4 experts gathered by flattened top-k ids + view(N, k, ...) -> "
             "mxfp4_dequant(packed[ids], scale[ids], lut) with ids [N, k]")
 
-__all__ = ["RULE", "apply", "canonical_ops", "dequant_roots", "is_canonical_dequant", "splice",
+__all__ = ["RULE", "apply", "dequant_roots", "is_canonical_dequant", "same_graph", "splice",
            "traced"]

@@ -10,8 +10,9 @@ which `patterns/moe_experts.py` matches (its w1 / w3 operands are then the slice
 
 Runs after `expert_gather` and `expert_gemm`, so FC1 is already the canonical einsum over the
 canonical dequant of `packed[ids]` (ids [N, k]): taken where the ops between (z, W) and the
-[N, k, 2I] product are exactly the canonical FC1's, and every use of the product is a piece of
-its last dim (a split, split_with_sizes or step-1 slice). Each output element is the same dot
+[N, k, 2I] product are exactly the canonical FC1's (op for op, operands and arguments), and
+every use of the product is a piece of its last dim (a split, split_with_sizes or step-1
+slice). Each output element is the same dot
 product over the same row of W; CPU GEMM blocking of the smaller product may round the fp32 sum
 differently (within 1e-6 relative), as `expert_gemm` notes. Left alone: a product also read
 whole, a split of another dim, a product that is not FC1 over a gathered canonical dequant.
@@ -25,7 +26,7 @@ import torch
 from torch import fx
 
 from k3compile.canonical import Rule, rewrite_sites
-from k3compile.canonical.expert_gather import canonical_ops, is_canonical_dequant, splice, traced
+from k3compile.canonical.expert_gather import is_canonical_dequant, same_graph, splice, traced
 from k3compile.math import mxfp4_dequant
 
 aten = torch.ops.aten
@@ -110,8 +111,8 @@ def _site(node: fx.Node, cache: dict):
     found = _operands(h) if pieces else None
     if found is None:
         return None
-    z, w, ops = found
-    if _shape(z)[1] != _shape(w)[3] or ops != canonical_ops(traced(_fc1, [z, w], cache)):
+    z, w, _ = found
+    if _shape(z)[1] != _shape(w)[3] or not same_graph(h, traced(_fc1, [z, w], cache), [z, w]):
         return None
     dequant = is_canonical_dequant(w, cache)
     if dequant is None:

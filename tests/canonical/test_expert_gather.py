@@ -70,6 +70,15 @@ def test_flat_gather_becomes_the_gather_by_ids(spelling, rows, dtype):
     assert_same(gm(*args), _canonical(*args))
 
 
+def _swapped(packed, scale, lut):
+    """math.mxfp4_dequant with the nibbles swapped: the canonical ops, not its values."""
+    vals = torch.stack((lut[(packed >> 4).long()], lut[(packed & 0x0F).long()]), dim=-1)
+    vals = vals.flatten(-2)
+    *lead, out, width = vals.shape
+    factor = torch.exp2(scale.to(torch.float32) - 127.0).to(lut.dtype).unsqueeze(-1)
+    return (vals.view(*lead, out, width // 32, 32) * factor).view(*lead, out, width)
+
+
 def _both(w, ids):
     return w.view(*ids.shape, OUT, LATENT), w
 
@@ -88,6 +97,9 @@ LOOK_ALIKES = {
     # the flat dequant is also read flat
     "also_read_flat": lambda p, s, ids, lut: _both(
         dequant(p[ids.reshape(-1)], s[ids.reshape(-1)], lut), ids),
+    # the canonical ops with the nibbles swapped (not the dequant)
+    "nibbles_swapped": lambda p, s, ids, lut: _swapped(
+        p[ids.reshape(-1)], s[ids.reshape(-1)], lut).view(*ids.shape, OUT, LATENT),
     # not a dequant (the nibbles' values, no scale)
     "no_dequant": lambda p, s, ids, lut: lut[(p[ids.reshape(-1)] & 15).long()].view(
         *ids.shape, OUT, LATENT // 2),
