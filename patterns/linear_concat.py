@@ -120,29 +120,37 @@ def patterns() -> list[Pattern]:
               for n, m in ((w, d), (w, d), (w, d), (w, d), (r, d), (w, r), (h, d))]
         return [x, *ws]
 
-    def mla_inputs():
+    def mla_inputs(lead=(2, 1)):
         d, q, c = 32, 24, 16
-        x = torch.randn(2, 1, d, dtype=torch.bfloat16)
+        x = torch.randn(*lead, d, dtype=torch.bfloat16)
         ws = [torch.randn(q, d), torch.randn(c + 8, d), torch.randn(q), torch.randn(c)]
         return [x, *(w.bfloat16() for w in ws), 1.1e-6]
 
-    def mla_g_inputs():
+    def mla_g_inputs(lead=(2, 1)):
         d, q, c, g = 32, 24, 16, 20
-        x = torch.randn(2, 1, d, dtype=torch.bfloat16)
+        x = torch.randn(*lead, d, dtype=torch.bfloat16)
         ws = [torch.randn(q, d), torch.randn(c + 8, d), torch.randn(g, d), torch.randn(q),
               torch.randn(c)]
         return [x, *(w.bfloat16() for w in ws), 1.1e-6]
 
+    # the MLA variants on [B, T, D] activations, then on [N, D] rows (",rows": vLLM's flattened
+    # tokens, where mla_lowrank_norm[...,rows] took plain mm GEMMs)
+    mla = [
+        Pattern(name=f"linear_concat[mla+g{suffix}]", search=mla_g_search, replace=mla_g_replace,
+                example_inputs=lambda lead=lead: mla_g_inputs(lead), op="k3.linear_concat",
+                check=_mla_g_check, scalars={"eps": 1.1e-6}, distinctive=("mla_lowrank_norm",),
+                exclusive=("w_qa", "w_kva", "w_g"), joint_passes=True)
+        for suffix, lead in (("", (2, 1)), (",rows", (2,)))
+    ] + [
+        Pattern(name=f"linear_concat[mla{suffix}]", search=mla_search, replace=mla_replace,
+                example_inputs=lambda lead=lead: mla_inputs(lead), op="k3.linear_concat",
+                check=_mla_check, scalars={"eps": 1.1e-6}, distinctive=("mla_lowrank_norm",),
+                exclusive=("w_qa", "w_kva"), joint_passes=True)
+        for suffix, lead in (("", (2, 1)), (",rows", (2,)))
+    ]
     return [
         Pattern(name="linear_concat[kda]", search=kda_search, replace=kda_replace,
                 example_inputs=kda_inputs, op="k3.linear_concat", check=_kda_check,
                 distinctive=("mm",), exclusive=KDA_WEIGHTS + ("w_fb",), joint_passes=True),
-        Pattern(name="linear_concat[mla+g]", search=mla_g_search, replace=mla_g_replace,
-                example_inputs=mla_g_inputs, op="k3.linear_concat", check=_mla_g_check,
-                scalars={"eps": 1.1e-6}, distinctive=("mla_lowrank_norm",),
-                exclusive=("w_qa", "w_kva", "w_g"), joint_passes=True),
-        Pattern(name="linear_concat[mla]", search=mla_search, replace=mla_replace,
-                example_inputs=mla_inputs, op="k3.linear_concat", check=_mla_check,
-                scalars={"eps": 1.1e-6}, distinctive=("mla_lowrank_norm",),
-                exclusive=("w_qa", "w_kva"), joint_passes=True),
+        *mla,
     ]

@@ -8,6 +8,11 @@ the replacement keeps them as GEMMs, which `linear_concat[mla]` then fuses into 
 Before: permute, view, mm, view, convert, pow, mean, add, rsqrt, mul, convert, mul (q side);
     permute, view, mm, view, split_with_sizes, convert, pow, mean, add, rsqrt, mul, convert, mul
 After:  cq = x·W_qaᵀ; ckv = x·W_kvaᵀ; cq, c_kv, k_pe = k3.mla_lowrank_norm(cq, ckv, w_q, w_kv, eps)
+
+Variants: [B, T, D] activations (F.linear adds a view before and after each mm) and `,rows`:
+[N, D] rows (vLLM's flattened tokens, `tests/models/redteam_k3.py`), plain mm. Not taken: 2-D
+rows viewed to [B, 1, .] after the GEMMs (x.unsqueeze(1) before F.linear folds so), whose
+replacement would need the view's shape. The two eps are compared in float32 (`same_eps`).
 """
 
 from __future__ import annotations
@@ -35,11 +40,17 @@ def replace(x, w_qa, w_kva, w_qn, w_kvn, q_eps, kv_eps):
     return c_kv, k_pe, cq
 
 
+def same_eps(a: float, b: float) -> bool:
+    """The same eps as the fused ops use it, in float32: `F.rms_norm(x, eps=1e-5)` hands them
+    9.99999975e-06 (float32-rounded), a spelled-out norm 1e-05."""
+    return torch.tensor(a, dtype=torch.float32) == torch.tensor(b, dtype=torch.float32)
+
+
 def check(match) -> str | None:
     q_eps, kv_eps = match.kwargs["q_eps"], match.kwargs["kv_eps"]
     if not isinstance(q_eps, float) or not isinstance(kv_eps, float):
         return "eps is not a compile-time float"
-    if q_eps != kv_eps:
+    if not same_eps(q_eps, kv_eps):
         return f"the two norms' eps differ ({q_eps} vs {kv_eps}); the op takes one"
     x, w_qa, w_kva, w_qn, w_kvn = (tensor_meta(match.kwargs[k])
                                    for k in ("x", "w_qa", "w_kva", "w_qn", "w_kvn"))
@@ -55,15 +66,16 @@ def check(match) -> str | None:
     return None
 
 
-def _variant(dtype: torch.dtype) -> Pattern:
+def _variant(dtype: torch.dtype, rows: bool = False) -> Pattern:
     def example_inputs():
         d, q, c, r = 32, 24, 16, 8
-        return [torch.randn(2, 1, d, dtype=dtype), torch.randn(q, d, dtype=dtype),
-                torch.randn(c + r, d, dtype=dtype), torch.randn(q, dtype=dtype),
-                torch.randn(c, dtype=dtype), 1.1e-6, 1.3e-6]
+        return [torch.randn(2, *(() if rows else (1,)), d, dtype=dtype),
+                torch.randn(q, d, dtype=dtype), torch.randn(c + r, d, dtype=dtype),
+                torch.randn(q, dtype=dtype), torch.randn(c, dtype=dtype), 1.1e-6, 1.3e-6]
 
+    suffix = ",rows" if rows else ""
     return Pattern(
-        name=f"mla_lowrank_norm[{str(dtype).removeprefix('torch.')}]", search=search,
+        name=f"mla_lowrank_norm[{str(dtype).removeprefix('torch.')}{suffix}]", search=search,
         replace=replace, example_inputs=example_inputs, op="k3.mla_lowrank_norm", check=check,
         scalars={"q_eps": 1.1e-6, "kv_eps": 1.3e-6}, distinctive=("rsqrt", "split_with_sizes"),
         exclusive=("w_qa", "w_kva"), joint_passes=True,
@@ -71,4 +83,6 @@ def _variant(dtype: torch.dtype) -> Pattern:
 
 
 def patterns() -> list[Pattern]:
-    return [_variant(d) for d in DTYPES]
+    # [B, T, D] activations (a view before and after each GEMM), then [N, D] rows (vLLM's
+    # flattened tokens: the GEMMs are plain mm and the norms read their outputs)
+    return [_variant(d, rows) for rows in (False, True) for d in DTYPES]

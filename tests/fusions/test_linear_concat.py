@@ -122,6 +122,16 @@ def test_mla_q_a_kv_a_and_g_become_one_gemm(tokens):
     assert "aten.mm.default" not in targets(gm)
 
 
+def test_mla_rows_become_one_gemm():
+    """[N, D] rows (vLLM's flattened tokens): the ",rows" variant, plain mm GEMMs."""
+    args = _mla_args()
+    args[0] = args[0].view(2, D)
+    gm, report = rewrite(mla_in_proj, args, linear_concat.patterns(), joint=True)
+    assert [h.pattern for h in report.hits] == ["linear_concat[mla+g,rows]"]
+    assert_rewritten_equal(gm, report, mla_in_proj, args, "k3.linear_concat")
+    assert "aten.mm.default" not in targets(gm)
+
+
 def test_mla_without_g_fuses_q_a_and_kv_a():
     """A g_proj on another input (or none): q_a|kv_a still fuse, the other GEMM stays."""
     def other_input_gate(x, w_qa, w_kva, w_g, w_qn, w_kvn):
