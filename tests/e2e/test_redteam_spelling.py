@@ -191,8 +191,10 @@ def test_lost_fusions_have_a_near_miss_naming_the_node(pattern, red_fp32):
 PROBE_FIXES = {
     "kda": (("tokens", "q_scale", "sigmoid", "taps_cat", "o_view", "silu_first", "a_view"),
             {0: ("fb_kda_decode",), 1: ("fb_kda_decode",)}),
+    # with "tokens" the q_a|kv_a GEMMs read [B, D] rows viewed to [B, 1, .] (",rows_viewed")
     "mla": (("tokens", "mla_idx"),
-            {n: ("mla_q_absorb", "mla_decode", "mla_uv_gate") for n in (2, 3)}),
+            {n: ("mla_q_absorb", "mla_decode", "mla_uv_gate", "mla_lowrank_norm",
+                 "linear_concat") for n in (2, 3)}),
     "moe": (("w13_split", "combine_sum", "gather_2d"), {n: ("moe_experts",) for n in (1, 2, 3)}),
 }
 
