@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from k3compile.patterns.mla_lowrank_norm import one_token, one_token_outputs
 
 from k3compile.graph import input_view, written_in_place
 from k3compile.rewrite import Pattern, tensor_meta
-from k3compile.patterns.mla_lowrank_norm import one_token, one_token_outputs
 
 KDA_WEIGHTS = ("w_q", "w_k", "w_v", "w_g", "w_fa", "w_b")
 
