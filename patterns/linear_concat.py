@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from k3compile.patterns.mla_lowrank_norm import one_token, one_token_outputs
 
 from k3compile.graph import input_view, written_in_place
 from k3compile.rewrite import Pattern, tensor_meta
@@ -63,6 +64,28 @@ def mla_g_search(x, w_qa, w_kva, w_g, w_qn, w_kvn, eps):
 def mla_g_replace(x, w_qa, w_kva, w_g, w_qn, w_kvn, eps):
     weights = [w_qa, w_kva, w_g]
     y = torch.ops.k3.linear_concat(x, weights)
+    cq, ckv, g = y.split([w.shape[0] for w in weights], dim=-1)
+    return (*torch.ops.k3.mla_lowrank_norm(cq, ckv, w_qn, w_kvn, eps), g)
+
+
+def mla_viewed_search(x, w_qa, w_kva, w_qn, w_kvn, eps):
+    return torch.ops.k3.mla_lowrank_norm(one_token(F.linear(x, w_qa)),
+                                         one_token(F.linear(x, w_kva)), w_qn, w_kvn, eps)
+
+
+def mla_viewed_replace(x, w_qa, w_kva, w_qn, w_kvn, eps):
+    y = one_token(torch.ops.k3.linear_concat(x, [w_qa, w_kva]))
+    cq, ckv = y.split([w_qa.shape[0], w_kva.shape[0]], dim=-1)
+    return torch.ops.k3.mla_lowrank_norm(cq, ckv, w_qn, w_kvn, eps)
+
+
+def mla_g_viewed_search(x, w_qa, w_kva, w_g, w_qn, w_kvn, eps):
+    return (*mla_viewed_search(x, w_qa, w_kva, w_qn, w_kvn, eps), one_token(F.linear(x, w_g)))
+
+
+def mla_g_viewed_replace(x, w_qa, w_kva, w_g, w_qn, w_kvn, eps):
+    weights = [w_qa, w_kva, w_g]
+    y = one_token(torch.ops.k3.linear_concat(x, weights))
     cq, ckv, g = y.split([w.shape[0] for w in weights], dim=-1)
     return (*torch.ops.k3.mla_lowrank_norm(cq, ckv, w_qn, w_kvn, eps), g)
 
@@ -112,6 +135,13 @@ def _mla_g_check(match):
     return check_weights(match, ("w_qa", "w_kva", "w_g"))
 
 
+def _viewed(check):
+    """check, and the [N, 1, .] views of the rows' GEMMs (their sizes are wildcards)."""
+    def viewed_check(match):
+        return check(match) or one_token_outputs(match, tensor_meta(match.kwargs["x"]))
+    return viewed_check
+
+
 def patterns() -> list[Pattern]:
     def kda_inputs():
         d, w, r, h = 32, 16, 8, 2
@@ -120,29 +150,44 @@ def patterns() -> list[Pattern]:
               for n, m in ((w, d), (w, d), (w, d), (w, d), (r, d), (w, r), (h, d))]
         return [x, *ws]
 
-    def mla_inputs():
+    def mla_inputs(lead=(2, 1)):
         d, q, c = 32, 24, 16
-        x = torch.randn(2, 1, d, dtype=torch.bfloat16)
+        x = torch.randn(*lead, d, dtype=torch.bfloat16)
         ws = [torch.randn(q, d), torch.randn(c + 8, d), torch.randn(q), torch.randn(c)]
         return [x, *(w.bfloat16() for w in ws), 1.1e-6]
 
-    def mla_g_inputs():
+    def mla_g_inputs(lead=(2, 1)):
         d, q, c, g = 32, 24, 16, 20
-        x = torch.randn(2, 1, d, dtype=torch.bfloat16)
+        x = torch.randn(*lead, d, dtype=torch.bfloat16)
         ws = [torch.randn(q, d), torch.randn(c + 8, d), torch.randn(g, d), torch.randn(q),
               torch.randn(c)]
         return [x, *(w.bfloat16() for w in ws), 1.1e-6]
 
+    # the MLA variants on [B, T, D] activations, then on [N, D] rows (",rows": vLLM's flattened
+    # tokens, where mla_lowrank_norm[...,rows] took plain mm GEMMs)
+    # (",rows_viewed": their outputs viewed to [N, 1, .], mla_lowrank_norm[...,rows_viewed])
+    forms = (("", (2, 1), False), (",rows", (2,), False), (",rows_viewed", (2,), True))
+    mla = [
+        Pattern(name=f"linear_concat[mla+g{suffix}]",
+                search=mla_g_viewed_search if viewed else mla_g_search,
+                replace=mla_g_viewed_replace if viewed else mla_g_replace,
+                example_inputs=lambda lead=lead: mla_g_inputs(lead), op="k3.linear_concat",
+                check=_viewed(_mla_g_check) if viewed else _mla_g_check, scalars={"eps": 1.1e-6},
+                distinctive=("mla_lowrank_norm",), exclusive=("w_qa", "w_kva", "w_g"),
+                joint_passes=True)
+        for suffix, lead, viewed in forms
+    ] + [
+        Pattern(name=f"linear_concat[mla{suffix}]",
+                search=mla_viewed_search if viewed else mla_search,
+                replace=mla_viewed_replace if viewed else mla_replace,
+                example_inputs=lambda lead=lead: mla_inputs(lead), op="k3.linear_concat",
+                check=_viewed(_mla_check) if viewed else _mla_check, scalars={"eps": 1.1e-6},
+                distinctive=("mla_lowrank_norm",), exclusive=("w_qa", "w_kva"), joint_passes=True)
+        for suffix, lead, viewed in forms
+    ]
     return [
         Pattern(name="linear_concat[kda]", search=kda_search, replace=kda_replace,
                 example_inputs=kda_inputs, op="k3.linear_concat", check=_kda_check,
                 distinctive=("mm",), exclusive=KDA_WEIGHTS + ("w_fb",), joint_passes=True),
-        Pattern(name="linear_concat[mla+g]", search=mla_g_search, replace=mla_g_replace,
-                example_inputs=mla_g_inputs, op="k3.linear_concat", check=_mla_g_check,
-                scalars={"eps": 1.1e-6}, distinctive=("mla_lowrank_norm",),
-                exclusive=("w_qa", "w_kva", "w_g"), joint_passes=True),
-        Pattern(name="linear_concat[mla]", search=mla_search, replace=mla_replace,
-                example_inputs=mla_inputs, op="k3.linear_concat", check=_mla_check,
-                scalars={"eps": 1.1e-6}, distinctive=("mla_lowrank_norm",),
-                exclusive=("w_qa", "w_kva"), joint_passes=True),
+        *mla,
     ]

@@ -8,6 +8,12 @@ the replacement keeps them as GEMMs, which `linear_concat[mla]` then fuses into 
 Before: permute, view, mm, view, convert, pow, mean, add, rsqrt, mul, convert, mul (q side);
     permute, view, mm, view, split_with_sizes, convert, pow, mean, add, rsqrt, mul, convert, mul
 After:  cq = x·W_qaᵀ; ckv = x·W_kvaᵀ; cq, c_kv, k_pe = k3.mla_lowrank_norm(cq, ckv, w_q, w_kv, eps)
+
+Variants: [B, T, D] activations (F.linear adds a view before and after each mm) and `,rows`:
+[N, D] rows (vLLM's flattened tokens, `tests/models/redteam_k3.py`), plain mm; `,rows_viewed`:
+those GEMMs' outputs viewed to [N, 1, .] (`x.unsqueeze(1)` before the linears, which rule `gemm`
+folds into the GEMM's input; `check` wants the views [N, 1, .], their sizes being wildcards).
+The two eps are compared in float32 (`same_eps`).
 """
 
 from __future__ import annotations
@@ -35,11 +41,48 @@ def replace(x, w_qa, w_kva, w_qn, w_kvn, q_eps, kv_eps):
     return c_kv, k_pe, cq
 
 
-def check(match) -> str | None:
+def one_token(y):
+    """[N, X] GEMM output viewed to [N, 1, X]: F.linear(x.unsqueeze(1), w) once rule `gemm`
+    folded the unsqueeze into the GEMM's input (the view's sizes match any; `check` sees 1)."""
+    return y.view(y.shape[0], 1, y.shape[-1])
+
+
+def search_viewed(x, w_qa, w_kva, w_qn, w_kvn, q_eps, kv_eps):
+    cq = one_token(F.linear(x, w_qa))
+    ckv = one_token(F.linear(x, w_kva))
+    c = w_kvn.shape[0]
+    c_kv, k_pe = ckv.split([c, ckv.shape[-1] - c], dim=-1)
+    return rms_norm(c_kv, w_kvn, kv_eps), k_pe, rms_norm(cq, w_qn, q_eps)
+
+
+def replace_viewed(x, w_qa, w_kva, w_qn, w_kvn, q_eps, kv_eps):
+    cq, c_kv, k_pe = torch.ops.k3.mla_lowrank_norm(
+        one_token(F.linear(x, w_qa)), one_token(F.linear(x, w_kva)), w_qn, w_kvn, q_eps)
+    return c_kv, k_pe, cq
+
+
+def one_token_outputs(match, x) -> str | None:
+    """Why the matched outputs are not [N, 1, .] views of x's N rows (the views' sizes are
+    wildcards in the search), or None."""
+    for out in match.output_nodes():
+        meta = tensor_meta(out) if out is not None else None
+        if meta is None or meta.dim() != 3 or tuple(meta.shape[:2]) != (x.shape[0], 1):
+            return (f"an output {list(getattr(meta, 'shape', []))} is not a [{x.shape[0]}, 1, .] "
+                    f"view of the GEMM rows")
+    return None
+
+
+def same_eps(a: float, b: float) -> bool:
+    """The same eps as the fused ops use it, in float32: `F.rms_norm(x, eps=1e-5)` hands them
+    9.99999975e-06 (float32-rounded), a spelled-out norm 1e-05."""
+    return torch.tensor(a, dtype=torch.float32) == torch.tensor(b, dtype=torch.float32)
+
+
+def check(match, viewed: bool = False) -> str | None:
     q_eps, kv_eps = match.kwargs["q_eps"], match.kwargs["kv_eps"]
     if not isinstance(q_eps, float) or not isinstance(kv_eps, float):
         return "eps is not a compile-time float"
-    if q_eps != kv_eps:
+    if not same_eps(q_eps, kv_eps):
         return f"the two norms' eps differ ({q_eps} vs {kv_eps}); the op takes one"
     x, w_qa, w_kva, w_qn, w_kvn = (tensor_meta(match.kwargs[k])
                                    for k in ("x", "w_qa", "w_kva", "w_qn", "w_kvn"))
@@ -47,6 +90,8 @@ def check(match) -> str | None:
         return "an input has no tensor metadata"
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return f"activations are {x.dtype}"
+    if viewed and (why := one_token_outputs(match, x)):
+        return why
     if w_qn.shape != (w_qa.shape[0],) or w_kvn.dim() != 1 or w_kvn.shape[0] > w_kva.shape[0]:
         return (f"norm weights {list(w_qn.shape)}, {list(w_kvn.shape)} do not fit projections "
                 f"{list(w_qa.shape)}, {list(w_kva.shape)}")
@@ -55,20 +100,26 @@ def check(match) -> str | None:
     return None
 
 
-def _variant(dtype: torch.dtype) -> Pattern:
+def _variant(dtype: torch.dtype, form: str = "") -> Pattern:
     def example_inputs():
         d, q, c, r = 32, 24, 16, 8
-        return [torch.randn(2, 1, d, dtype=dtype), torch.randn(q, d, dtype=dtype),
-                torch.randn(c + r, d, dtype=dtype), torch.randn(q, dtype=dtype),
-                torch.randn(c, dtype=dtype), 1.1e-6, 1.3e-6]
+        return [torch.randn(2, *(() if form else (1,)), d, dtype=dtype),
+                torch.randn(q, d, dtype=dtype), torch.randn(c + r, d, dtype=dtype),
+                torch.randn(q, dtype=dtype), torch.randn(c, dtype=dtype), 1.1e-6, 1.3e-6]
 
+    viewed = form == "rows_viewed"
     return Pattern(
-        name=f"mla_lowrank_norm[{str(dtype).removeprefix('torch.')}]", search=search,
-        replace=replace, example_inputs=example_inputs, op="k3.mla_lowrank_norm", check=check,
+        name=f"mla_lowrank_norm[{str(dtype).removeprefix('torch.')}{',' * bool(form)}{form}]",
+        search=search_viewed if viewed else search, replace=replace_viewed if viewed else replace,
+        example_inputs=example_inputs, op="k3.mla_lowrank_norm",
+        check=(lambda match: check(match, viewed=True)) if viewed else check,
         scalars={"q_eps": 1.1e-6, "kv_eps": 1.3e-6}, distinctive=("rsqrt", "split_with_sizes"),
         exclusive=("w_qa", "w_kva"), joint_passes=True,
     )
 
 
 def patterns() -> list[Pattern]:
-    return [_variant(d) for d in DTYPES]
+    # [B, T, D] activations (a view before and after each GEMM), then [N, D] rows (vLLM's
+    # flattened tokens: the GEMMs are plain mm and the norms read their outputs, or views of
+    # them to [N, 1, .] (x.unsqueeze(1) before the linears))
+    return [_variant(d, form) for form in ("", "rows", "rows_viewed") for d in DTYPES]

@@ -9,6 +9,16 @@ Two spellings:
   Only where the two halves meet in an elementwise product (SiTU, SwiGLU, GeGLU ...): a GEMM whose
   output is split for other uses keeps its one GEMM (MLA's kv_a [latent | rope] is one GEMM in
   the canonical form, fused with q_a by `linear_concat`).
+* one GEMM over stacked projections whose output is cut into pieces along the last dim, where a
+  piece other than the first is RMS-normalised as a whole (MLA's q_a | kv_a as one GEMM, vLLM's
+  `fused_qkv_a_proj`, split [cq | c_kv | k_pe] with cq and c_kv normalised): the GEMM is cut
+  before each such piece, so that each normalised latent begins a GEMM of its own and whatever
+  trails it stays in that GEMM: [W_qa; W_kva] -> q_a and kv_a = [c_kv | k_pe], the form the
+  separate linears trace to (`patterns/mla_lowrank_norm.py`; `linear_concat` fuses them into one
+  GEMM again). Not one GEMM per piece: that would also cut kv_a's [c_kv | k_pe], which the
+  pattern (and the canonical form) keeps as one GEMM. Same values as the GLU cut (a column of a
+  GEMM's output depends only on its weight row), same dtypes and shapes. The norm is the
+  canonical one (`rms_forms` runs before), over the piece or its fp32 upcast.
 * separate gate and up GEMMs concatenated and then sliced again (Moonshot's `SituAndMul` on
   `cat([w1(x), w3(x)], -1)`): a slice that is exactly one of the cat's inputs is that input.
   The same values whatever the tensors are (elementwise CPU kernels may round an ulp apart on a
@@ -23,10 +33,12 @@ import torch
 from torch import fx
 
 from k3compile.canonical import Rule, rewrite_sites
+from k3compile.canonical.norm_round import _inv_rms
 from k3compile.graph import call
 
 aten = torch.ops.aten
 _END = 2**63 - 1  # slice's "to the end"
+_CAST = torch.ops.prims.convert_element_type.default
 _POINTWISE = {aten.mul.Tensor, aten.div.Tensor, aten.add.Tensor, aten.sub.Tensor, aten.tanh.default,
               aten.sigmoid.default, aten.silu.default, aten.gelu.default, aten.exp.default,
               aten.neg.default, aten.relu.default, aten.reciprocal.default, aten.clamp.default,
@@ -146,6 +158,9 @@ def _gemm(node: fx.Node):
 def _split_gemm(graph: fx.Graph, out: fx.Node) -> int:
     found = _gemm(out)
     pieces = _pieces(out) if found else None
+    if pieces and len(pieces) > 2 or pieces and len(pieces) == 2 and not _meet(*(
+            p for p, *_ in pieces)):
+        return _cut_before_norms(graph, out, found, pieces)
     if not pieces or len(pieces) != 2:
         return 0
     (g, g0, g1), (u, u0, u1) = sorted(pieces, key=lambda p: p[1])
@@ -159,8 +174,50 @@ def _split_gemm(graph: fx.Graph, out: fx.Node) -> int:
     return 1
 
 
-def _gemm_of_rows(graph, gemm, view, start, end, like):
-    """The GEMM of the weight's output rows [start, end) (and the bias's), viewed as `like`."""
+# ---- a GEMM cut before each piece that is RMS-normalised (MLA's q_a | kv_a) --------------------
+
+
+def _rms_normed(piece: fx.Node) -> bool:
+    """piece (or its fp32 upcast) is RMS-normalised over its last dim as a whole."""
+    for x in (piece, *(u for u in piece.users if u.target is _CAST and u.args[1] is torch.float32)):
+        for user in x.users:
+            if user.target is aten.mul.Tensor and len(user.args) == 2 and any(
+                    a is x and _inv_rms(b, x) for a, b in (user.args, reversed(user.args))):
+                return True
+    return False
+
+
+def _cut_before_norms(graph: fx.Graph, out: fx.Node, found, pieces) -> int:
+    width = _shape(out)[-1]
+    pieces = sorted(pieces, key=lambda p: p[1])
+    if [p[1] for p in pieces] != [0, *(p[2] for p in pieces[:-1])] or pieces[-1][2] != width:
+        return 0  # not a partition of the columns (overlapping, missing or repeated pieces)
+    cuts = [start for piece, start, _ in pieces if start and _rms_normed(piece)]
+    if not cuts:
+        return 0
+    gemm, view = found
+    bounds = list(zip([0, *cuts], [*cuts, width]))
+    for lo, hi in bounds:
+        group = [p for p in pieces if lo <= p[1] < hi]
+        first = group[0][0]
+        with graph.inserting_before(min((p[0] for p in group), key=_position)):
+            y = _gemm_of_rows(graph, gemm, view, lo, hi, first,
+                              shape=[*_shape(out)[:-1], hi - lo])
+            if len(group) == 1:
+                outs = [y]
+            else:
+                split = call(graph, aten.split_with_sizes.default,
+                             (y, [e - b for _, b, e in group], -1), like=first)
+                outs = [call(graph, operator.getitem, (split, i), like=first)
+                        for i in range(len(group))]
+        for (piece, _, _), new in zip(group, outs, strict=True):
+            piece.replace_all_uses_with(new)
+    return 1
+
+
+def _gemm_of_rows(graph, gemm, view, start, end, like, shape=None):
+    """The GEMM of the weight's output rows [start, end) (and the bias's), viewed as `like` (or
+    to `shape`)."""
     if gemm.target is aten.addmm.default:
         bias, x, w = gemm.args[:3]
         bias = call(graph, aten.slice.Tensor, (bias, -1, start, end), like=like)
@@ -176,7 +233,7 @@ def _gemm_of_rows(graph, gemm, view, start, end, like):
     y = (call(graph, aten.addmm.default, (bias, x, w, *gemm.args[3:]), gemm.kwargs, like=like)
          if bias is not None else call(graph, aten.mm.default, (x, w), like=like))
     if view is not None:
-        y = call(graph, aten.view.default, (y, list(_shape(like))), like=like)
+        y = call(graph, aten.view.default, (y, list(shape or _shape(like))), like=like)
     return y
 
 
@@ -213,4 +270,5 @@ def apply(graph: fx.Graph) -> int:
 
 
 RULE = Rule("gate_up_split", apply, "GLU halves of one gate|up GEMM -> two GEMMs on weight row "
-            "slices; a slice of a cat that is one of its inputs -> that input")
+            "slices; one GEMM cut before each RMS-normed piece (q_a | kv_a); a slice of a cat "
+            "that is one of its inputs -> that input")

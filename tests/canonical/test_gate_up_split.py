@@ -174,6 +174,68 @@ def test_look_alike_is_left_alone(name):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+# ---- q_a | kv_a as one GEMM: cut before each RMS-normed piece --------------------------------
+
+Q, C, R = 16, 12, 4  # 2 * I = Q + C + R + 16: the g columns trail in the no-norm look-alike
+
+
+def _rms(x, w):
+    h = x.float()
+    return w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+
+
+def _qkv_a(x, w):
+    """vLLM's fused_qkv_a_proj: one GEMM split [cq | c_kv | k_pe], cq and c_kv normed."""
+    cq, ckv, kpe = F.linear(x, w[:Q + C + R]).split([Q, C, R], dim=-1)
+    return _rms(cq, torch.ones(Q, dtype=x.dtype)), _rms(ckv, torch.ones(C, dtype=x.dtype)), kpe
+
+
+def _qkv_a_slices(x, w):
+    y = x @ w[:Q + C + R].T
+    return _rms(y[..., :Q], 1.0), _rms(y[..., Q:Q + C], 1.0), y[..., Q + C:] * 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rank", [2, 3])
+@pytest.mark.parametrize("fn", [_qkv_a, _qkv_a_slices])
+def test_qkv_a_gemm_is_cut_into_q_a_and_kv_a(fn, rank, dtype):
+    x, w = _args(rank, dtype)
+    before, after, n = _rewrite(fn, x, w)
+    assert n == 1
+    rows = sorted(tuple(node.args[1].args[0].args[2:4]) for node in after.graph.nodes
+                  if str(node.target) == "aten.mm.default")
+    assert rows == [(0, Q), (Q, Q + C + R)]  # q_a; kv_a = [c_kv | k_pe] stays one GEMM
+    for got, want in zip(*(torch.utils._pytree.tree_leaves(f(x, w)) for f in (after, before)),
+                         strict=True):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert rel_err(got, want) <= (1e-6 if dtype == torch.float32 else 1e-2)
+
+
+def _qkv_a_no_norm(x, w):
+    """the same cut with no norm (e.g. q|k|v): one GEMM, left to the other rules."""
+    return F.linear(x, w[:Q + C + R]).split([Q, C, R], dim=-1)
+
+
+def _qkv_a_norm_of_part(x, w):
+    """a norm over part of a piece (per head): not a latent's norm."""
+    cq, ckv = F.linear(x, w[:Q + C]).split([Q, C], dim=-1)
+    ckv = ckv.view(*ckv.shape[:-1], 2, C // 2)
+    return cq, _rms(ckv, 1.0)
+
+
+def _qkv_a_overlap(x, w):
+    y = F.linear(x, w[:Q + C])
+    return y[..., :Q + 2], _rms(y[..., Q:], 1.0)
+
+
+@pytest.mark.parametrize("fn", [_qkv_a_no_norm, _qkv_a_norm_of_part, _qkv_a_overlap, _kv_a_split])
+def test_gemm_without_a_normed_piece_after_the_first_stays(fn):
+    x, w = _args(3)
+    before, after, n = _rewrite(fn, x, w)
+    assert n == 0
+    assert targets(after) == targets(before)
+
+
 class GateUpMLP(nn.Module):
     """A SiTU-GLU MLP written with one gate|up linear (chunked or unbound; or Moonshot's cat of
     two)."""
