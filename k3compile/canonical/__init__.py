@@ -25,7 +25,7 @@ from torch import fx
 
 from k3compile.rewrite import inductor
 
-ORDER: tuple[str, ...] = ("state_write", "mla_absorb", "mla_absorbed", "mxfp4_dequant",
+ORDER: tuple[str, ...] = ("token_dim", "state_write", "mla_absorb", "mla_absorbed", "mxfp4_dequant",
                           "expert_stack", "expert_gemm", "gemm", "short_conv",
                           "conv_einsum", "qkv_split", "l2_norm", "bias_view", "delta_einsum",
                           "norm_round", "conv_merge", "gate_up_split",
