@@ -86,9 +86,12 @@ class Lifter:
     """`lift(node)`: a node computing node's value with a unit dim at 1. One per graph rewrite;
     it remembers what it lifted."""
 
-    def __init__(self, graph: fx.Graph):
+    def __init__(self, graph: fx.Graph, gemm_inputs: bool = False):
         self.graph = graph
         self.done: dict[fx.Node, fx.Node] = {}
+        # a GEMM whose output is viewed [B, 1, N] reads its input through [B, 1, K] too (a
+        # linear at T = 1), where the input is a part of a split (an in-projection's piece)
+        self.gemm_inputs = gemm_inputs
 
     def _new(self, target, args, kwargs, like: fx.Node) -> fx.Node:
         """`target(*args)`, an existing equal node if there is one, else a new one after the
@@ -110,7 +113,19 @@ class Lifter:
 
     def boundary(self, node: fx.Node) -> fx.Node:
         """view(node, [B, 1, ...])."""
+        if self.gemm_inputs and node.target == aten.mm.default:
+            self.gemm_input(node, only_split=True)
         return self._new(aten.view.default, (node, _lifted_shape(_shape(node))), {}, node)
+
+    def gemm_input(self, mm: fx.Node, only_split: bool = False) -> None:
+        """mm(x [B, K], w) reads view(lift(x), [B, K]), as a linear at T = 1 does."""
+        x = mm.args[0]
+        if not isinstance(x, fx.Node) or len(_shape(x) or ()) != 2 or len(_shape(mm)) != 2:
+            return
+        if only_split and not (x.target is operator.getitem
+                               and getattr(x.args[0], "target", None) in SPLITS):
+            return
+        mm.replace_input_with(x, self.squeezed(self.lift(x), x))
 
     def lift(self, node: fx.Node) -> fx.Node:
         if node not in self.done:
@@ -177,6 +192,10 @@ class Lifter:
             if _shape(src)[0] != shape[0]:
                 return None
             return self._new(target, (self.lift(src), _lifted_shape(shape)), kwargs, node)
+        if target == aten.squeeze.dim and srank == 3 and _shape(src)[2] == 1 \
+                and args[1] in (2, -1):
+            # [B, N, 1] -> [B, N]: lifted, [B, 1, N] = the transpose of the [B, N, T=1] input
+            return self._new(aten.permute.default, (src, [0, 2, 1]), {}, node)
         if target in (aten.unsqueeze.default, aten.squeeze.dim, aten.select.int,
                       aten.slice.Tensor):
             d = _dim(args[1], rank if target == aten.unsqueeze.default else srank)
@@ -269,13 +288,150 @@ def _canonical_write(graph: fx.Graph, node: fx.Node, site: tuple) -> None:
         n.meta["k3_rule"] = "token_dim"
 
 
+# ---- KDA: the recurrent-state write --------------------------------------------------------------
+
+# view-like ops between a value and the recurrence that reads it (unsqueeze for the broadcast, the
+# permutes and views einsum lowers to)
+_CHAIN = frozenset({aten.unsqueeze.default, aten.permute.default, aten.view.default,
+                    aten.expand.default, aten.reshape.default, aten._unsafe_view.default})
+
+
+# what a token's value goes through before the recurrence reads it (a broadcast's unsqueeze, the
+# permutes and views of a lowered einsum); a view of a value that is not such a chain belongs to
+# the value (`.view(B, H, K)`)
+_EINSUM_VIEWS = frozenset({aten.unsqueeze.default, aten.permute.default})
+
+
+def _cone_back(nodes) -> set:
+    seen, todo = set(), list(nodes)
+    while todo:
+        n = todo.pop()
+        if n not in seen:
+            seen.add(n)
+            todo += n.all_input_nodes
+    return seen
+
+
+def _recurrent_write(node: fx.Node) -> tuple | None:
+    """(read, new state, o) of a T-less KDA recurrence written into a [S, H, K, V] state, or
+    None: index_put(S, [slots], new) reaching a state write-back, new computed from
+    index(S, [slots]); o the first [B, H, V] value down the new state's readers (S^T q)."""
+    if node.target != aten.index_put.default or len(node.args[1]) != 1 or not _reaches_state(node):
+        return None
+    state, (slots,), new = node.args[:3]
+    ss, ns = _shape(state), _shape(new)
+    if ss is None or ns is None or len(ss) != 4 or len(ns) != 4 or ns[1:] != ss[1:]:
+        return None
+    reads = [u for u in state.users if u.target == aten.index.Tensor and list(u.args[1]) == [slots]]
+    if len(reads) != 1 or reads[0] not in _cone_back([new]):
+        return None
+    B, H, V = ns[0], ns[1], ns[3]
+    seen, todo, outs = set(), [(new, False)], []
+    while todo:  # the readers of the new state, through views and one contraction
+        n, contracted = todo.pop()
+        for u in list(n.users):
+            if u in seen or u is node:
+                continue
+            seen.add(u)
+            if contracted and _shape(u) == (B, H, V):
+                outs.append(u)
+            elif u.target in _CHAIN or u.target == aten.bmm.default and not contracted:
+                todo.append((u, contracted or u.target == aten.bmm.default))
+    if len(outs) != 1:
+        return None
+    return reads[0], new, outs[0]
+
+
+def _kda_site(graph: fx.Graph, node: fx.Node, site: tuple) -> bool:
+    read, new, o = site
+    B = _shape(new)[0]
+    forward, todo = set(), [read]
+    while todo:
+        n = todo.pop()
+        for u in list(n.users):
+            if u not in forward and u is not node:
+                forward.add(u)
+                todo.append(u)
+    core = ({read} | forward) & _cone_back([new, o])
+    edges = []  # (reader, value): the recurrence reads value, maybe through a view chain
+    for n in core:
+        if n is read:
+            continue
+        for a in n.all_input_nodes:
+            if a in core:
+                continue
+            reader = n
+            while a.target in _CHAIN and len(a.users) == 1 and isinstance(a.args[0], fx.Node):
+                if a.target not in _EINSUM_VIEWS and a.args[0].target not in _CHAIN:
+                    break  # the value's own view (`.view(B, H, K)`), not the einsum's
+                reader, a = a, a.args[0]
+            edges.append((reader, a))
+    values = {a for _, a in edges}
+    for a in values:
+        shape = _shape(a)
+        if a.op != "call_function" or not shape or shape[0] != B or len(shape) < 2:
+            return False  # a weight or a constant: not a per-token activation
+        if a.target == aten.select.int and a.args[1] == 1:
+            return False  # the T form already
+    lifter = Lifter(graph, gemm_inputs=True)
+    lifter.done[o] = lifter.boundary(o)  # o as a stack of one token: view(o, [B, 1, H, V])
+    token = {}
+    for a in values:
+        lifted = lifter.lift(a)
+        token[a] = lifter._new(aten.select.int, (lifted, 1, 0), {}, a)
+    for reader, a in edges:
+        reader.replace_input_with(a, token[a])
+    # the output: the GEMM reading o's norm and gate reads their [B, 1, ...] form
+    seen, todo = set(), [o]
+    while todo:
+        n = todo.pop()
+        for u in list(n.users):
+            if u in seen or u in core:
+                continue
+            seen.add(u)
+            if u.target == aten.mm.default and u.args[0] is n:
+                lifter.gemm_input(u)
+            elif u.target in POINTWISE | REDUCTIONS | VIEWS:
+                todo.append(u)
+    return True
+
+
+def _conv_window(node: fx.Node) -> fx.Node | None:
+    """The new column `unsqueeze(x [B, C], -1)` of a short conv's window cat(state[slots], it),
+    or None."""
+    if node.target != aten.convolution.default:
+        return None
+    window = node.args[0]
+    if getattr(window, "target", None) != aten.cat.default or len(window.args[0]) != 2 \
+            or window.args[1] not in (-1, 2):
+        return None
+    old, col = window.args[0]
+    if getattr(old, "target", None) != aten.index.Tensor or col.target != aten.unsqueeze.default \
+            or col.args[1] not in (-1, 2) or len(_shape(col.args[0]) or ()) != 2:
+        return None
+    return col
+
+
 def apply(graph: fx.Graph) -> int:
-    done = 0
+    done, kda = 0, False
     for node in list(graph.nodes):
         site = _latent_write(node)
         if site is not None:
             _canonical_write(graph, node, site)
             done += 1
+            continue
+        rec = _recurrent_write(node) if node.target == aten.index_put.default else None
+        if rec is not None and _kda_site(graph, node, rec):
+            done, kda = done + 1, True
+    if kda:
+        for conv in [n for n in graph.nodes if n.target == aten.convolution.default]:
+            col = _conv_window(conv)
+            if col is not None:  # [B, C] -> [B, C, 1] as the transpose of the [B, 1, C] input
+                lifter = Lifter(graph)
+                window = col.args[0]
+                new = lifter._new(aten.permute.default, (lifter.lift(window), [0, 2, 1]), {}, col)
+                col.replace_all_uses_with(new)
+                done += 1
     if done:
         graph.eliminate_dead_code()
     return done
