@@ -46,7 +46,6 @@ from k3compile.canonical.mla_absorb import (
     Sizes,
     _chain_scale,
     _cone,
-    flat_output,
     _forward,
     _order,
     _softmax_root,
@@ -54,6 +53,7 @@ from k3compile.canonical.mla_absorb import (
     _writes,
     absorbed,
     apply_at_cache_reads,
+    flat_output,
     rewrite,
 )
 from k3compile.rewrite import inductor

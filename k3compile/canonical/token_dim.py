@@ -16,6 +16,17 @@ This rule adds the unit dim where an attention site is recognised by its state, 
   with a unit dim at 1 (`lift`). Rule `mla_absorbed` then rewrites the attention over it, T = 1,
   its flattened output [B, H·V] from a [B, 1, H·V] form, the query's GEMM input and the output
   gate lifted with it (`sink`).
+* KDA: a recurrent-state write `index_put(S [S, H, K, V], [slots], new)` reaching a state
+  write-back, new computed from `index(S, [slots])`, whose recurrence (the nodes from that read
+  to new and to o, the first [B, H, V] value after one contraction of the new state) reads
+  per-token values that are not `select(x, 1, t)` (the T form): each such value x the
+  recurrence reads (through the unsqueezes / permutes of a broadcast or a lowered einsum) is
+  read as `select(lift(x), 1, 0)`, as `delta_rule_step` reads token 0 of [B, T, ...]; o is
+  `view(o, [B, 1, H, V])` (the stack of one token) for the norm and gate after it, whose
+  o_proj GEMM reads their lifted form; a lifted GEMM output whose input is a piece of a split
+  (f_b on the in-projection's f_a) reads that piece lifted too; the short conv's new window
+  column `unsqueeze(x [B, 3W], -1)` is `permute(lift(x), [0, 2, 1])` and its output's
+  `squeeze(-1)` lifts to `permute(conv, [0, 2, 1])` (the transposes of the T form).
 
 `lift(x)` builds x's value with a unit dim inserted at dim 1 from the lifted values of x's inputs,
 through the ops that are shape-polymorphic in a known way (pointwise ops, broadcasting operands
@@ -28,7 +39,8 @@ rank-2 graph, bit for bit. The rank-2 nodes nothing reads any more go with dead 
 
 Left alone: cache writes with [B, 1] / [B, T] indices (the canonical form), writes of [B, T, W]
 rows, writes whose cache is not read back at the same slots, writes that reach no state
-write-back.
+write-back; recurrences that read selects of dim 1 (the T form), weights or constants besides
+the state, or whose new state is not contracted to one [B, H, V] output.
 
 Before: index_put(cache, [slots, positions], cat([norm(c), k_pe]))     rows [B, C + R]
 After:  index_put(cache, [view(slots, [B, 1]), add(view(positions, [B, 1]), iota(1))],
