@@ -104,6 +104,7 @@ class Lifter:
         # a GEMM whose output is viewed [B, 1, N] reads its input through [B, 1, K] too (a
         # linear at T = 1), where the input is a part of a split (an in-projection's piece)
         self.gemm_inputs = gemm_inputs
+        self.transposed: list[fx.Node] = []  # [B, N, 1] values read as [B, 1, N] (a conv's output)
 
     def _new(self, target, args, kwargs, like: fx.Node) -> fx.Node:
         """`target(*args)`, an existing equal node if there is one, else a new one after the
@@ -207,6 +208,7 @@ class Lifter:
         if target == aten.squeeze.dim and srank == 3 and _shape(src)[2] == 1 \
                 and args[1] in (2, -1):
             # [B, N, 1] -> [B, N]: lifted, [B, 1, N] = the transpose of the [B, N, T=1] input
+            self.transposed.append(src)
             return self._new(aten.permute.default, (src, [0, 2, 1]), {}, node)
         if target in (aten.unsqueeze.default, aten.squeeze.dim, aten.select.int,
                       aten.slice.Tensor):
@@ -393,6 +395,13 @@ def _kda_site(graph: fx.Graph, node: fx.Node, site: tuple) -> bool:
         token[a] = lifter._new(aten.select.int, (lifted, 1, 0), {}, a)
     for reader, a in edges:
         reader.replace_input_with(a, token[a])
+    for out in lifter.transposed:  # the short conv the recurrence's q, k, v come from
+        conv = _producer(out, aten.convolution.default)
+        col = _conv_window(conv) if conv is not None else None
+        if col is not None:  # [B, C] -> [B, C, 1] as the transpose of the [B, 1, C] input
+            new_col = lifter._new(aten.permute.default, (lifter.lift(col.args[0]), [0, 2, 1]),
+                                  {}, col)
+            col.replace_all_uses_with(new_col)
     # the output: the GEMM reading o's norm and gate reads their [B, 1, ...] form
     seen, todo = set(), [o]
     while todo:
@@ -406,6 +415,15 @@ def _kda_site(graph: fx.Graph, node: fx.Node, site: tuple) -> bool:
             elif u.target in POINTWISE | REDUCTIONS | VIEWS:
                 todo.append(u)
     return True
+
+
+def _producer(node: fx.Node, target) -> fx.Node | None:
+    """The `target` node node is computed from elementwise (its activation, a cast), or None."""
+    while node.target != target:
+        if node.target not in POINTWISE or not isinstance(node.args[0], fx.Node):
+            return None
+        node = node.args[0]
+    return node
 
 
 def _conv_window(node: fx.Node) -> fx.Node | None:
@@ -425,7 +443,7 @@ def _conv_window(node: fx.Node) -> fx.Node | None:
 
 
 def apply(graph: fx.Graph) -> int:
-    done, kda = 0, False
+    done = 0
     for node in list(graph.nodes):
         site = _latent_write(node)
         if site is not None:
@@ -434,16 +452,7 @@ def apply(graph: fx.Graph) -> int:
             continue
         rec = _recurrent_write(node) if node.target == aten.index_put.default else None
         if rec is not None and _kda_site(graph, node, rec):
-            done, kda = done + 1, True
-    if kda:
-        for conv in [n for n in graph.nodes if n.target == aten.convolution.default]:
-            col = _conv_window(conv)
-            if col is not None:  # [B, C] -> [B, C, 1] as the transpose of the [B, 1, C] input
-                lifter = Lifter(graph)
-                window = col.args[0]
-                new = lifter._new(aten.permute.default, (lifter.lift(window), [0, 2, 1]), {}, col)
-                col.replace_all_uses_with(new)
-                done += 1
+            done += 1
     if done:
         graph.eliminate_dead_code()
     return done
