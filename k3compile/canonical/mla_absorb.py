@@ -165,16 +165,28 @@ def _softmax_like(node: fx.Node) -> bool:
         and node.args[0].target == aten.exp.default
 
 
-def _flat_output(pv: fx.Node) -> fx.Node | None:
-    """The first node down pv's single-user view-like chain that is 3-D ([B, T, H·V])."""
+def _flat_output(pv: fx.Node, rank: int = 3) -> fx.Node | None:
+    """The first node down pv's single-user view-like chain that is 3-D ([B, T, H·V]); with
+    rank 2, the first that is 2-D ([B, H·V], a T-less site)."""
     node = pv
     while len(node.users) == 1:
         node = next(iter(node.users))
         if layout_source(node) is None or node.target in (aten.mul.Tensor, aten.div.Tensor):
             return None
-        if node.meta["val"].dim() == 3:
+        if node.meta["val"].dim() == rank:
             return node
     return None
+
+
+def flat_output(pv: fx.Node, read: fx.Node, pos: fx.Node) -> fx.Node | None:
+    """The flattened output o of the site: [B, T, H·V], or at T = 1 [B, H·V] where no
+    [B, T, ...] node comes first (attention written without a token dim, rule token_dim)."""
+    B, T = int(read.meta["val"].shape[0]), int(pos.meta["val"].shape[1])
+    out = _flat_output(pv)
+    if out is not None and list(out.meta["val"].shape[:2]) == [B, T] or T != 1:
+        return out
+    flat = _flat_output(pv, rank=2)
+    return flat if flat is not None and int(flat.meta["val"].shape[0]) == B else out
 
 
 # ---- reading the site: sizes, the einsums, the softmax chain -----------------------------------
@@ -476,7 +488,11 @@ def rewrite(graph: fx.Graph, site: Site, z: Sizes, scale: float) -> str | None:
         new = graph.graph_copy(gm.graph, dict(zip(placeholders, inputs)))
     added = [n for n in graph.nodes if n not in before]
     old, got = site.out.meta["val"], new.meta.get("val")
-    if got is None or got.dtype != old.dtype or list(got.shape) != list(old.shape):
+    # T-less (rule token_dim): o [B, H·V] from the canonical [B, 1, H·V]
+    tokenless = got is not None and z.T == 1 and old.dim() == 2 and got.dim() == 3 \
+        and list(got.shape) == [old.shape[0], 1, old.shape[1]]
+    if got is None or got.dtype != old.dtype or list(got.shape) != list(old.shape) \
+            and not tokenless:
         for n in reversed(added):
             graph.erase_node(n)
         return f"the absorbed form gives {got and got.dtype}{list(got.shape) if got is not None else ''}"
@@ -484,8 +500,25 @@ def rewrite(graph: fx.Graph, site: Site, z: Sizes, scale: float) -> str | None:
         n.meta["k3_rule"] = "mla_absorb"
         if "nn_module_stack" in site.out.meta:
             n.meta["nn_module_stack"] = site.out.meta["nn_module_stack"]
-    site.out.replace_all_uses_with(new)
+    if tokenless:
+        _lift_tokenless(graph, site, z, new)
+    else:
+        site.out.replace_all_uses_with(new)
     return None
+
+
+def _lift_tokenless(graph: fx.Graph, site: Site, z: Sizes, new: fx.Node) -> None:
+    """A T-less site's readers read the [B, 1, H·V] output viewed back (its elementwise readers,
+    the output gate, lifted to [B, 1, ...] with it), and the query's GEMM reads its input
+    through [B, 1, ...] as a linear at T = 1 does (rule token_dim)."""
+    from k3compile.canonical.token_dim import Lifter
+
+    lifter = Lifter(graph)
+    lifter.sink(site.out, new)
+    q = z.q
+    x = q.args[0] if q.target == aten.mm.default else None
+    if isinstance(x, fx.Node) and x.meta["val"].dim() == 2 and q.meta["val"].dim() == 2:
+        q.replace_input_with(x, lifter.squeezed(lifter.lift(x), x))
 
 
 def apply(graph: fx.Graph) -> int:

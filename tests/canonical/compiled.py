@@ -43,7 +43,7 @@ def _dynamo_names(module: torch.nn.Module | None, args: dict[str, torch.Tensor])
         for path, t in tensors:
             *mods, leaf = path.split(".")
             names["l_self_" + "".join(f"modules_{m}_" for m in mods) + f"{kind}_{leaf}_"] = t
-    return names
+    return names | {k.lower(): t for k, t in names.items()}  # Dynamo lowercases (A_log)
 
 
 def canonicalize(fn, args: dict[str, torch.Tensor], module: torch.nn.Module | None = None,

@@ -12,10 +12,10 @@ shows up as a change here (move the op out of `LOST`). `PROBE_FIXES` records, pe
 idioms switched to the built-in model's (`RedK3.set_probe`) bring the op back: the causes. The
 gaps (fp32, 4-layer tiny; details, near misses and suggested rules: docs/redteam_spelling.md):
 
-* token rank: the spelling decodes on [B, D] (no T dim, like vLLM's flattened tokens); every
-  attention pattern is traced on [B, T, ...] (`kda_decode.check` wants q of rank 3,
-  `mla_absorbed` an output [B, T, H*V], `mla_decode` (B, T) = q_lat.shape[:2]).
-* fb_kda_decode (0, 1): besides the rank, 6 idioms each break it alone: q scale applied to the
+* token rank (closed, rule `token_dim`): the spelling decodes on [B, D] (no T dim, like vLLM's
+  flattened tokens); the attention patterns are traced on [B, T, ...]. `canonical/token_dim.py`
+  lifts the attention sites (MLA latent-cache write, KDA recurrent state) to [B, 1, ...].
+* fb_kda_decode (0, 1): 6 idioms each break it alone: q scale applied to the
   output, decay sigmoid written 1 / (1 + exp(-x)), conv taps one [3W, 1, K] weight (qkv_split
   does not fire on a q|k|v|g|f_a|b in-projection), o.unsqueeze(1) (built-in: view of a stack),
   A_log.exp()[:, None] (built-in: .view(H, 1)), SiLU after the conv output's transpose.
@@ -23,8 +23,8 @@ gaps (fp32, 4-layer tiny; details, near misses and suggested rules: docs/redteam
   preallocated [B, nb, D] written by slice assignment, read as bank[:, :n]; `depth_mix._parts`
   does not see the sources through slice(select_scatter(...)) (as a list, a stack of ONE block
   traces to a view, which it does not take either).
-* mla_q_absorb / mla_uv_gate (2, 3): the rank only; mla_decode: the rank and the cache write
-  `index_put_((slots, positions), row)` (mla_decode wants [B, 1] indices and [B, T, C+R] rows).
+* mla_q_absorb / mla_decode / mla_uv_gate (2, 3): closed by rule `token_dim` (the rank and the
+  cache write `index_put_((slots, positions), row)` with [B] indices).
 * mla_lowrank_norm (2, 3): closed (session 21): q_a|kv_a one pre-concatenated GEMM
   (`gate_up_split` cuts it before each normalised piece), norms written
   x * sqrt(d) / sqrt(sum(x^2) + d * eps) (`rms_forms`), [N, D] rows (`,rows` variants).
@@ -60,8 +60,7 @@ STEPS = 3
 EAGER_TOL = 1e-5  # measured 1.7e-6 (logits), 1.6e-6 (states) over 4 steps
 
 _KDA = {"linear_concat": 1, "fb_kda_decode": 1, "oproj_attn_res_mix_norm": 1}
-_MLA = {"attn_res_mix_norm": 1, "mla_q_absorb": 1, "mla_decode": 1, "mla_uv_gate": 1,
-        "oproj_attn_res_mix_norm": 1}
+_MLA = {"attn_res_mix_norm": 1, "oproj_attn_res_mix_norm": 1}
 # layer -> the built-in plan's ops this spelling's plan lacks (-1: the final mix)
 LOST = {
     torch.float32: {0: _KDA, 1: {**_KDA, "attn_res_mix_norm": 1}, 2: _MLA,
@@ -72,7 +71,7 @@ LOST[torch.bfloat16] = {**LOST[torch.float32], 1: {**LOST[torch.float32][1], "mo
                         2: {**_MLA, "norm_linear": 1, "moe_experts": 1},
                         3: {**_MLA, "norm_linear": 1, "moe_experts": 1}}
 # patterns whose loss must come with a near miss in that layer naming the node that failed
-DIAGNOSED = ("attn_res_mix_norm", "kda_decode", "mla_q_absorb", "mla_decode")
+DIAGNOSED = ("attn_res_mix_norm", "kda_decode")
 _LAYER = re.compile(r"layers\.(\d+)\.")
 
 
@@ -193,12 +192,8 @@ def test_lost_fusions_have_a_near_miss_naming_the_node(pattern, red_fp32):
 # bring back: each names the cause of a gap. Bisected (docs/redteam_spelling.md): each KDA probe,
 # and each MoE probe, is needed on its own (drop any one and the op is lost again).
 PROBE_FIXES = {
-    "kda": (("tokens", "q_scale", "sigmoid", "taps_cat", "o_view", "silu_first", "a_view"),
+    "kda": (("q_scale", "sigmoid", "taps_cat", "o_view", "silu_first", "a_view"),
             {0: ("fb_kda_decode",), 1: ("fb_kda_decode",)}),
-    # with "tokens" the q_a|kv_a GEMMs read [B, D] rows viewed to [B, 1, .] (",rows_viewed")
-    "mla": (("tokens", "mla_idx"),
-            {n: ("mla_q_absorb", "mla_decode", "mla_uv_gate", "mla_lowrank_norm",
-                 "linear_concat") for n in (2, 3)}),
     "moe": (("w13_split", "combine_sum", "gather_2d"), {n: ("moe_experts",) for n in (1, 2, 3)}),
 }
 
