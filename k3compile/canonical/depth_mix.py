@@ -373,8 +373,12 @@ def _written(node: fx.Node, k: int) -> dict[int, fx.Node]:
     """Index along k -> the tensor there, for the entries of node that are known: those written
     by a chain of select_scatter / slice_scatter along k with static indices (the latest write of
     an index wins; a slice_scatter's source must itself be a stack along k, else the entries it
-    writes are unknown), or those of a stack (`_parts`). A write along another dim or at an index
+    writes are unknown), those of a slice along k of such a chain, or those of a stack
+    (`_parts`). A write along another dim or at an index
     not known statically ends the chain: nothing before it is known."""
+    if _is(node, aten.slice.Tensor) and (idx := _indices(node, k, 1)) is not None:
+        known = _written(node.args[0], k)  # a slice of a bank: its entries, renumbered
+        return {n: known[i] for n, i in enumerate(idx) if i in known}
     if node.op != "call_function" or node.target not in _SCATTERS:
         parts = _parts(node, k)
         return dict(enumerate(parts)) if parts is not None else {}
