@@ -12,6 +12,9 @@ size > 1 an all-reduce sits between o_proj and the mix: `allreduce_attn_res_mix_
 Before: a = view(mm(view(o), permute(W_o))); p, x = k3.attn_res_mix_norm(prefix, a, ..)
 After:  p, x = k3.oproj_attn_res_mix_norm(o, W_o, prefix, [blocks], ...)
 
+Activations [N, D] (one row per token, vLLM's layout) make o_proj one `mm` without the views
+F.linear of [B, T, X] traces to: the `flat` variants.
+
 A model that writes the prefix add as `a + prefix` gets an attn_res_mix_norm with the two in
 swapped roles (the `swapped` variants; the sum is the same in IEEE arithmetic). The mix's
 `scores_fp32` variants (bf16) carry that argument over.

@@ -24,7 +24,12 @@ the weighted sum over it in any spelling (`sum(-2)`, einsum, `matmul` / `bmm`): 
 from the sources to its fp32 weighted sum, is replaced by `k3compile.math.depth_mix_weights`
 traced over the same sources, with the two weights of D values and the eps the scores read.
 Where the sources are [B, T, D] tensors flattened to tokens (`.view(-1, D)`) and the mix is
-viewed back, the canonical mix takes the unflattened sources. The mix is read structurally
+viewed back, the canonical mix takes the unflattened sources. The blocks may also sit in a
+preallocated bank [N, nb, D] written by slice assignment (`bank[:, j] = block`: a chain of
+select_scatter / slice_scatter) and read `bank[:, :n]`: each read index is the tensor last
+written there, and the mix is taken only where every index read is so written (statically); an
+unwritten slot (the bank's zeros) leaves the mix alone. A one-block `torch.stack([b], dim=1)`
+(a view, no cat) is a stack of one source. The mix is read structurally
 (sources, weights, eps, where the sum closes) and taken only if it evaluates, on random sources
 and weights, to the canonical mix within RTOL (which role each weight plays is decided there).
 
@@ -374,8 +379,8 @@ def _written(node: fx.Node, k: int) -> dict[int, fx.Node]:
     by a chain of select_scatter / slice_scatter along k with static indices (the latest write of
     an index wins; a slice_scatter's source must itself be a stack along k, else the entries it
     writes are unknown), those of a slice along k of such a chain, or those of a stack
-    (`_parts`). A write along another dim or at an index
-    not known statically ends the chain: nothing before it is known."""
+    (`_parts`). A write along another dim or at an index not known statically ends the chain:
+    nothing before it is known."""
     if _is(node, aten.slice.Tensor) and (idx := _indices(node, k, 1)) is not None:
         known = _written(node.args[0], k)  # a slice of a bank: its entries, renumbered
         return {n: known[i] for n, i in enumerate(idx) if i in known}
@@ -647,4 +652,5 @@ def apply(graph: fx.Graph) -> int:
 
 RULE = Rule("depth_mix", apply, "AttnRes depth mix: cat of unsqueezed sources -> stack's cat + "
             "view; einsum / loop / matmul weighted sum -> (alpha[..., None] * sources).sum(0); "
-            "a mix over sources stacked on another dim -> math.depth_mix_weights")
+            "a mix over sources stacked on another dim (blocks listed, or in a bank written "
+            "by slice assignment) -> math.depth_mix_weights")
