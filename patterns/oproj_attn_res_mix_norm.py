@@ -12,6 +12,9 @@ size > 1 an all-reduce sits between o_proj and the mix: `allreduce_attn_res_mix_
 Before: a = view(mm(view(o), permute(W_o))); p, x = k3.attn_res_mix_norm(prefix, a, ..)
 After:  p, x = k3.oproj_attn_res_mix_norm(o, W_o, prefix, [blocks], ...)
 
+Activations [N, D] (one row per token, vLLM's layout) make o_proj one `mm` without the views
+F.linear of [B, T, X] traces to: the `flat` variants.
+
 A model that writes the prefix add as `a + prefix` gets an attn_res_mix_norm with the two in
 swapped roles (the `swapped` variants; the sum is the same in IEEE arithmetic). The mix's
 `scores_fp32` variants (bf16) carry that argument over.
@@ -55,7 +58,9 @@ def check(match) -> str | None:
 
 
 def _variant(n_blocks: int, with_prefix: bool, dtype: torch.dtype = torch.bfloat16,
-             swapped: bool = False, scores_fp32: bool = False) -> Pattern:
+             swapped: bool = False, scores_fp32: bool = False, flat: bool = False) -> Pattern:
+    """`flat`: activations [N, D] (one row per token, vLLM's), o_proj one mm without the views
+    F.linear of [B, T, X] traces to."""
     blocks = [f"block{i}" for i in range(n_blocks)]
     names = ["o", "o_proj_weight", *(["prefix"] if with_prefix else []), *blocks,
              "w_mix_norm", "w_mix_proj", "w_norm", "mix_eps", "norm_eps"]
@@ -82,10 +87,12 @@ def _variant(n_blocks: int, with_prefix: bool, dtype: torch.dtype = torch.bfloat
         prefix_out, x = torch.ops.k3.oproj_attn_res_mix_norm(*split(args), *extra)
         return x, prefix_out
 
+    shape = (SHAPE[0] * SHAPE[1], SHAPE[-1]) if flat else SHAPE
+
     def example_inputs():
         d = SHAPE[-1]
-        act = [torch.randn(SHAPE, dtype=dtype), torch.randn(d, d, dtype=dtype)]
-        act += [torch.randn(SHAPE, dtype=dtype) for _ in range(np_ + n_blocks)]
+        act = [torch.randn(shape, dtype=dtype), torch.randn(d, d, dtype=dtype)]
+        act += [torch.randn(shape, dtype=dtype) for _ in range(np_ + n_blocks)]
         w = [torch.randn(d, dtype=dtype), torch.randn(1, d, dtype=dtype), torch.randn(d, dtype=dtype)]
         return [*act, *w, 1.1e-5, 1.3e-5]
 
@@ -93,7 +100,7 @@ def _variant(n_blocks: int, with_prefix: bool, dtype: torch.dtype = torch.bfloat
         name=f"oproj_attn_res_mix_norm[blocks={n_blocks},{'prefix' if with_prefix else 'new_block'}"
              f"{',swapped' if swapped else ''}"
              f"{'' if dtype == torch.bfloat16 else ',' + str(dtype).split('.')[-1]}"
-             f"{',scores_fp32' if scores_fp32 else ''}]",
+             f"{',flat' if flat else ''}{',scores_fp32' if scores_fp32 else ''}]",
         search=with_signature(search, names), replace=with_signature(replace, names),
         example_inputs=example_inputs, op="k3.oproj_attn_res_mix_norm", check=check,
         scalars={"mix_eps": 1.1e-5, "norm_eps": 1.3e-5}, fake_trace=True,
@@ -103,7 +110,7 @@ def _variant(n_blocks: int, with_prefix: bool, dtype: torch.dtype = torch.bfloat
 
 def patterns() -> list[Pattern]:
     out = []
-    for (t, f), n in itertools.product(KINDS, range(MAX_BLOCKS, 0, -1)):
-        out += [_variant(n, True, t, False, f), _variant(n, False, t, False, f),
-                _variant(n, True, t, True, f)]
+    for flat, (t, f), n in itertools.product((False, True), KINDS, range(MAX_BLOCKS, 0, -1)):
+        out += [_variant(n, True, t, False, f, flat), _variant(n, False, t, False, f, flat),
+                _variant(n, True, t, True, f, flat)]
     return out

@@ -24,7 +24,12 @@ the weighted sum over it in any spelling (`sum(-2)`, einsum, `matmul` / `bmm`): 
 from the sources to its fp32 weighted sum, is replaced by `k3compile.math.depth_mix_weights`
 traced over the same sources, with the two weights of D values and the eps the scores read.
 Where the sources are [B, T, D] tensors flattened to tokens (`.view(-1, D)`) and the mix is
-viewed back, the canonical mix takes the unflattened sources. The mix is read structurally
+viewed back, the canonical mix takes the unflattened sources. The blocks may also sit in a
+preallocated bank [N, nb, D] written by slice assignment (`bank[:, j] = block`: a chain of
+select_scatter / slice_scatter) and read `bank[:, :n]`: each read index is the tensor last
+written there, and the mix is taken only where every index read is so written (statically); an
+unwritten slot (the bank's zeros) leaves the mix alone. A one-block `torch.stack([b], dim=1)`
+(a view, no cat) is a stack of one source. The mix is read structurally
 (sources, weights, eps, where the sum closes) and taken only if it evaluates, on random sources
 and weights, to the canonical mix within RTOL (which role each weight plays is decided there).
 
@@ -280,12 +285,17 @@ class Site:
     tokens: list[fx.Node]
     end: fx.Node
     cast: torch.dtype | None = None
+    # reads of a block bank written by scatters (`bank[:, j] = src`, read `bank[:, :n]`): the read
+    # -> (the dim, the sources it stacks); the graph between starts at them, not at the bank
+    reads: dict = dataclasses.field(default_factory=dict)
 
 
-def _parts(node: fx.Node, k: int) -> list[fx.Node] | None:
-    """The sources a tensor stacked along dim k is built of: unsqueeze(src, k), cats along k of
-    such parts (nested: a block list grown one cat at a time), torch.stack's cat + view, clones,
-    and empty parts (a list started as `new_zeros(N, 0, D)`)."""
+def _parts(node: fx.Node, k: int, reads: dict | None = None) -> list[fx.Node] | None:
+    """The sources a tensor stacked along dim k is built of: unsqueeze(src, k) (or a view that
+    only inserts dim k: torch.stack of one tensor), cats along k of such parts (nested: a block
+    list grown one cat at a time), torch.stack's cat + view, clones, empty parts (a list started
+    as `new_zeros(N, 0, D)`), and a block bank written by scatters along k and read whole or
+    sliced along k (`_written`; each such read, with its sources, goes into `reads`)."""
     val = _val(node)
     if val is None:
         return None
@@ -293,11 +303,11 @@ def _parts(node: fx.Node, k: int) -> list[fx.Node] | None:
     if val.shape[k] == 0:
         return []
     if _is(node, aten.clone.default) or _is(node, aten.alias.default):
-        return _parts(node.args[0], k)
+        return _parts(node.args[0], k, reads)
     if _is(node, aten.unsqueeze.default) and node.args[1] % rank == k:
         return [node.args[0]]
     if _is(node, aten.cat.default) and _cat_dim(node) == k:
-        found = [_parts(p, k) for p in node.args[0]]
+        found = [_parts(p, k, reads) for p in node.args[0]]
         return None if any(f is None for f in found) else [s for f in found for s in f]
     if _is(node, aten.view.default) and _is(node.args[0], aten.cat.default):
         cat = node.args[0]
@@ -306,7 +316,109 @@ def _parts(node: fx.Node, k: int) -> list[fx.Node] | None:
         if (_cat_dim(cat) == k and all(_shape(s) == shape for s in srcs)
                 and _shape(node) == (*shape[:k], len(srcs), *shape[k:])):
             return srcs
+    if _is(node, aten.view.default) and isinstance(node.args[0], fx.Node):
+        shape = _shape(node.args[0])
+        if shape is not None and _shape(node) == (*shape[:k], 1, *shape[k:]):
+            return [node.args[0]]  # torch.stack([x], dim=k): one source, no cat
+    if node.op == "call_function" and node.target in _BANK_READS:
+        found = _bank_read(node, k)
+        if found is not None and reads is not None:
+            reads[node] = (k, found)
+        return found
     return None
+
+
+# a block bank: written by scatters along the stack dim, read whole or by a slice along it
+_SCATTERS = {aten.select_scatter.default, aten.slice_scatter.default}
+_BANK_READS = _SCATTERS | {aten.slice.Tensor, aten.copy.default}
+
+
+def _static(*xs) -> bool:
+    return all(x is None or (isinstance(x, int) and not isinstance(x, bool)) for x in xs)
+
+
+def _indices(node: fx.Node, k: int, first: int) -> range | None:
+    """The indices along k a slice / slice_scatter (args dim, start, end, step from `first`) of
+    a tensor of node.args[0]'s shape covers; None unless along k with static bounds, step > 0."""
+    args = [*node.args[first:], None, None, None][:4]
+    dim, start, end, step = args
+    dim = node.kwargs.get("dim", 0 if dim is None else dim)
+    start, end = node.kwargs.get("start", start), node.kwargs.get("end", end)
+    step = node.kwargs.get("step", 1 if step is None else step)
+    shape = _shape(node.args[0])
+    if shape is None or not _static(dim, start, end, step) or step <= 0:
+        return None
+    if dim % len(shape) != k or not isinstance(shape[k], int):
+        return None
+    return range(*slice(start, end, step).indices(shape[k]))
+
+
+def _bank_read(node: fx.Node, k: int) -> list[fx.Node] | None:
+    """The sources of a bank read (a slice along k of a scatter chain, the chain itself, or a
+    functional copy_ of a same-shaped tensor into it): each read index must be written
+    (`_written`), else None (an unwritten entry is the bank's init, e.g. zeros: left alone)."""
+    if _is(node, aten.copy.default):
+        src = node.args[1]
+        if (_shape(src) != _shape(node) or _val(src) is None
+                or _val(src).dtype != _val(node).dtype):
+            return None
+        return _parts(src, k)
+    if _is(node, aten.slice.Tensor):
+        idx, base = _indices(node, k, 1), node.args[0]
+    else:
+        size = _shape(node)[k]
+        idx, base = (range(size) if isinstance(size, int) else None), node
+    if idx is None:
+        return None
+    known = _written(base, k)
+    return [known[i] for i in idx] if all(i in known for i in idx) else None
+
+
+def _written(node: fx.Node, k: int) -> dict[int, fx.Node]:
+    """Index along k -> the tensor there, for the entries of node that are known: those written
+    by a chain of select_scatter / slice_scatter along k with static indices (the latest write of
+    an index wins; a slice_scatter's source must itself be a stack along k, else the entries it
+    writes are unknown), those of a slice along k of such a chain, or those of a stack
+    (`_parts`). A write along another dim or at an index not known statically ends the chain:
+    nothing before it is known."""
+    if _is(node, aten.slice.Tensor) and (idx := _indices(node, k, 1)) is not None:
+        known = _written(node.args[0], k)  # a slice of a bank: its entries, renumbered
+        return {n: known[i] for n, i in enumerate(idx) if i in known}
+    if node.op != "call_function" or node.target not in _SCATTERS:
+        parts = _parts(node, k)
+        return dict(enumerate(parts)) if parts is not None else {}
+    rank, src = _val(node).dim(), node.args[1]
+    if _is(node, aten.select_scatter.default):
+        dim, index = (*node.args[2:4], None, None)[:2]
+        dim, index = node.kwargs.get("dim", dim), node.kwargs.get("index", index)
+        size = _shape(node)[k]
+        if not _static(dim, index) or index is None or dim % rank != k or not isinstance(size, int):
+            return {}
+        known = _written(node.args[0], k)
+        known[index % size] = _copied(src)
+        return known
+    idx = _indices(node, k, 2)
+    if idx is None:
+        return {}
+    known = _written(node.args[0], k)
+    parts = _parts(src, k)
+    for n, i in enumerate(idx):
+        if parts is not None and len(parts) == len(idx):
+            known[i] = parts[n]
+        else:
+            known.pop(i, None)
+    return known
+
+
+def _copied(src: fx.Node) -> fx.Node:
+    """What a select_scatter writes: copy(view of the bank, x) (slice assignment, functionalised)
+    is x where x has the view's shape and dtype (the copy is then the identity)."""
+    if _is(src, aten.copy.default):
+        x = src.args[1]
+        if (isinstance(x, fx.Node) and _val(x) is not None and _shape(x) == _shape(src)
+                and _val(x).dtype == _val(src).dtype):
+            return x
+    return src
 
 
 def _cat_dim(cat: fx.Node) -> int:
@@ -314,17 +426,18 @@ def _cat_dim(cat: fx.Node) -> int:
     return dim % _val(cat).dim()
 
 
-def _stacked_along(alpha: fx.Node, k: int) -> list[fx.Node] | None:
-    """The sources of the stack [.., S (dim k), .., D] that alpha's scores are computed from,
-    alpha being [.., S, ..] or [.., S, .., 1]."""
+def _stacked_along(alpha: fx.Node, k: int) -> tuple[list[fx.Node], dict] | None:
+    """(the sources of the stack [.., S (dim k), .., D] that alpha's scores are computed from,
+    alpha being [.., S, ..] or [.., S, .., 1]; the bank reads among its parts, `_parts`)."""
     want = _shape(alpha)
 
     def found(x):
         shape = _shape(x)
         if shape and k < len(shape) - 1 and want in (shape[:-1], (*shape[:-1], 1)):
-            srcs = _parts(x, k)
+            reads = {}
+            srcs = _parts(x, k, reads)
             if srcs and all(_shape(s) == _shape(srcs[0]) for s in srcs):
-                return srcs
+                return srcs, reads
         return None
 
     return _nearest_input(alpha, found)
@@ -351,7 +464,10 @@ def _nearest_input(node: fx.Node, found):
 def _site(alpha: fx.Node, k: int) -> Site | None:
     """The mix alpha belongs to: its sources, where its weighted sum closes, and what the graph
     between reads besides the sources (two weights of D values, constants; nothing else)."""
-    srcs = _stacked_along(alpha, k)
+    found = _stacked_along(alpha, k)
+    if found is None:
+        return None
+    srcs, reads = found
     if not srcs or any(_val(s).dtype != _val(srcs[0]).dtype for s in srcs):
         return None
     if not all(isinstance(d, int) for d in _shape(srcs[0])):  # evaluated on concrete sizes
@@ -360,7 +476,7 @@ def _site(alpha: fx.Node, k: int) -> Site | None:
     if closing is None:
         return None
     out = closing[0]
-    nodes, leaves = _between(out, set(srcs), limit=40 + 12 * len(srcs))
+    nodes, leaves = _between(out, {*srcs, *reads}, limit=40 + 12 * len(srcs))
     if nodes is None:
         return None
     width = _shape(srcs[0])[-1]
@@ -370,7 +486,8 @@ def _site(alpha: fx.Node, k: int) -> Site | None:
         return None
     eps = [a for n in nodes if n.target in (aten.add.Tensor, aten.add.Scalar)
            for a in n.args if isinstance(a, float)]
-    return Site(srcs, out, nodes, weights, eps, *_unflattened(srcs, out))
+    return Site(srcs, out, nodes, weights, eps, *_unflattened(srcs, out),
+                reads={x: reads[x] for x in reads if any(x in n.all_input_nodes for n in nodes)})
 
 
 def _unflattened(srcs: list[fx.Node], out: fx.Node
@@ -457,6 +574,8 @@ def _equals_canonical(site: Site, gm: fx.GraphModule, wn: fx.Node, wp: fx.Node) 
     with unset_fake_temporarily():
         tokens = {t: _random(t, gen) for t in dict.fromkeys(site.tokens)}
         env = {s: tokens[t].reshape(_shape(s)) for s, t in zip(site.srcs, site.tokens)}
+        env |= {x: torch.stack([env[s] for s in parts], dim=k)
+                for x, (k, parts) in site.reads.items()}
         env[wn] = _random(wn, gen, 0.1, 1.0)
         env[wp] = _random(wp, gen, width ** -0.5)
         for x in {a for n in site.nodes for a in n.all_input_nodes} - set(env) - set(site.nodes):
@@ -533,4 +652,5 @@ def apply(graph: fx.Graph) -> int:
 
 RULE = Rule("depth_mix", apply, "AttnRes depth mix: cat of unsqueezed sources -> stack's cat + "
             "view; einsum / loop / matmul weighted sum -> (alpha[..., None] * sources).sum(0); "
-            "a mix over sources stacked on another dim -> math.depth_mix_weights")
+            "a mix over sources stacked on another dim (blocks listed, or in a bank written "
+            "by slice assignment) -> math.depth_mix_weights")

@@ -502,6 +502,7 @@ def _splice(graph: fx.Graph, site: fx.Node, found: tuple[Stream, dict], shared: 
     canonical = sorted(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
     if _cone_targets(site, {stream.root, stream.scale}, streams) == canonical:
         return False  # already the canonical form
+    before = set(graph.nodes)
     table = _table(graph, dtype, stream.root.meta["val"].device, tables)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     with graph.inserting_before(site):
@@ -511,8 +512,9 @@ def _splice(graph: fx.Graph, site: fx.Node, found: tuple[Stream, dict], shared: 
     if _shape(new) != _shape(site) or _dtype(new) != dtype:
         return False
     stack = site.meta.get("nn_module_stack")
-    for n in graph.nodes:
-        if n.meta.get("val") is not None and "nn_module_stack" not in n.meta and stack:
+    for n in graph.nodes:  # the nodes just copied in (not the model's own without a module)
+        if (n not in before and n.meta.get("val") is not None and "nn_module_stack" not in n.meta
+                and stack):
             n.meta["nn_module_stack"] = stack
     site.replace_all_uses_with(new)
     return True

@@ -246,9 +246,25 @@ def _leaf_uses(node: fx.Node) -> list[tuple[fx.Node, int]]:
     return out
 
 
+def _site_module(anchor: fx.Node, matched: Sequence[fx.Node]) -> tuple[str, Any]:
+    """(module path, nn_module_stack) a rewrite is placed in: the anchor's; where the anchor lies
+    outside every layer but matched nodes lie in one (a model that writes the norm after a
+    layer's depth mix in its own forward, not in the layer's module), the last such node's."""
+    from k3compile.layers import layer_index  # noqa: PLC0415 (k3compile.layers imports rewrite)
+
+    where = module_path(anchor)
+    if layer_index(where) is None:
+        inside = [n for n in matched if isinstance(n, fx.Node) and n.op == "call_function"
+                  and layer_index(module_path(n)) is not None]
+        if inside:
+            last = max(inside)
+            return module_path(last), last.meta.get("nn_module_stack")
+    return where, anchor.meta.get("nn_module_stack")
+
+
 def _replace(graph: fx.Graph, pattern: Pattern, m: Any, args: list, node: fx.Node) -> Rewrite:
     """m.replace_by_example, recording what the rewrite did (a `Rewrite`)."""
-    where, stack = module_path(node), node.meta.get("nn_module_stack")
+    where, stack = _site_module(node, m.nodes)
     olds = m.output_nodes()
     site = [v for o in olds if isinstance(o, fx.Node)
             for v in torch.utils._pytree.tree_leaves(o.meta.get("val"))]

@@ -489,3 +489,137 @@ def test_fp32_scores_spelled_with_the_helper_is_taken():
     before, after, n = _rewrite(fn, *args)
     assert n == 1 and targets(after) == _fp32_scores_targets(args)
     torch.testing.assert_close(after(*args), before(*args), rtol=8e-3, atol=0)
+
+
+# ---- a block bank: preallocated, written by slice assignment, read by a slice -------------------
+
+
+def _bank_mix(prefix, bank, n, wn, wp):
+    """The red-team spelling's mix over [bank[:, :n], prefix] ([N, D] tokens, a bmm)."""
+    src = torch.cat((bank[:, :n], prefix.unsqueeze(1)), dim=1).float()
+    normed = src * torch.rsqrt(src.pow(2).mean(-1, keepdim=True) + EPS)
+    score = normed @ (wn.float() * wp.float()[0])
+    e = torch.exp(score - score.amax(-1, keepdim=True))
+    return torch.bmm((e / e.sum(-1, keepdim=True)).unsqueeze(1), src).squeeze(1).to(prefix.dtype)
+
+
+def _bank_select(*args):
+    """bank[:, j] = block (select_scatter), read bank[:, :2] of 3 slots, and bank[:, :1] after."""
+    b0, b1, prefix, wn, wp = args
+    bank = prefix.new_zeros(prefix.shape[0], 3, D)
+    bank[:, 0] = b0
+    first = _bank_mix(prefix, bank, 1, wn, wp)
+    bank[:, 1] = b1
+    return first, _bank_mix(prefix, bank, 2, wn, wp), _bank_mix(prefix, bank, 1, wn, wp)
+
+
+def _bank_full(*args):
+    """Every slot written, the bank read whole (no slice), a slot overwritten first."""
+    b0, b1, prefix, wn, wp = args
+    bank = prefix.new_zeros(prefix.shape[0], 2, D)
+    bank[:, 1] = prefix
+    bank[:, 0] = b0
+    bank[:, 1] = b1  # the latest write of slot 1 wins
+    return _bank_mix(prefix, bank, 2, wn, wp)
+
+
+def _bank_slices(*args):
+    """Slots written by slice_scatter (`bank[:, j:j + 1] = x[:, None]`, two at once by a stack)."""
+    b0, b1, prefix, wn, wp = args
+    bank = prefix.new_zeros(prefix.shape[0], 4, D)
+    bank[:, 1:3] = torch.stack((b0, b1), dim=1)
+    bank[:, 0:1] = b1.unsqueeze(1)
+    return _bank_mix(prefix, bank[:, 1:], 2, wn, wp), _bank_mix(prefix, bank, 1, wn, wp)
+
+
+def _one_block_stack(*args):
+    """Blocks kept in a list and read by torch.stack(dim=1): one block is a view, no cat."""
+    b0, b1, prefix, wn, wp = args
+    return (_bank_mix(prefix, torch.stack([b0], dim=1), 1, wn, wp),
+            _bank_mix(b1, torch.stack([b0, prefix], dim=1), 2, wn, wp))
+
+
+def _written_in_place(*args):
+    """A slot changed in place after it was written (bank[:, 0] += x): the slot's source is the
+    sum, the latest write."""
+    b0, b1, prefix, wn, wp = args
+    bank = prefix.new_zeros(prefix.shape[0], 2, D)
+    bank[:, 0] = b0
+    bank[:, 1] = b1
+    bank[:, 0] += b1
+    return _bank_mix(prefix, bank, 2, wn, wp)
+
+
+# name -> (fn, mixes rewritten)
+BANKS = {"select": (_bank_select, 3), "full": (_bank_full, 1), "slices": (_bank_slices, 2),
+         "one_block_stack": (_one_block_stack, 2), "written_in_place": (_written_in_place, 1)}
+
+
+def _bank_args(dtype=torch.float32):
+    *acts, wn, wp = _tokens(2, dtype, (3, D))
+    return [*acts, wn, wp]
+
+
+def _functional(fn):
+    return torch.func.functionalize(fn)  # slice assignment as the backend sees it
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", sorted(BANKS))
+def test_bank_spelling_becomes_the_canonical_mix(name, dtype):
+    """The sources of bank[:, :n] are the tensors last written at 0..n-1: each mix becomes the
+    canonical mix over them (fp32 summation order; bf16: fp32 scores, at most an ulp)."""
+    fn, sites = BANKS[name]
+    args = _bank_args(dtype)
+    before, after, n = _rewrite(_functional(fn), *args)
+    assert n == sites
+    assert "aten.bmm.default" not in targets(after)
+    if name != "written_in_place":  # the bank is read by no mix any more: dead
+        assert not {"aten.select_scatter.default", "aten.slice_scatter.default"} & set(
+            targets(after))
+    for got, want in zip(after(*args), before(*args), strict=True):
+        assert got.dtype == want.dtype == dtype and got.shape == want.shape
+        if dtype == torch.float32:
+            assert rel_err(got, want) <= 1e-6
+        else:
+            torch.testing.assert_close(got, want, rtol=8e-3, atol=0)
+
+
+def _unwritten_slot(*args):
+    """bank[:, :2] with slot 1 never written: its zeros are a source, no block: left alone."""
+    b0, _, prefix, wn, wp = args
+    bank = prefix.new_zeros(prefix.shape[0], 3, D)
+    bank[:, 0] = b0
+    return _bank_mix(prefix, bank, 2, wn, wp)
+
+
+def _bank_from_input(*args):
+    """A bank that is an input (slot 1 holds whatever the caller passed): left alone."""
+    b0, b1, prefix, wn, wp = args
+    bank = torch.stack((b1, b1, b1), dim=1).sin()
+    bank[:, 0] = b0
+    return _bank_mix(prefix, bank, 2, wn, wp)
+
+
+def _write_other_dim(*args):
+    """A write along the batch dim after the slot writes: the chain is not known, left alone."""
+    b0, b1, prefix, wn, wp = args
+    bank = prefix.new_zeros(prefix.shape[0], 2, D)
+    bank[:, 0] = b0
+    bank[:, 1] = b1
+    bank[0] = prefix[1:].expand(2, D)
+    return _bank_mix(prefix, bank, 2, wn, wp)
+
+
+BANK_LOOK_ALIKES = {"unwritten_slot": _unwritten_slot, "bank_from_input": _bank_from_input,
+                    "write_other_dim": _write_other_dim}
+
+
+@pytest.mark.parametrize("name", sorted(BANK_LOOK_ALIKES))
+def test_bank_look_alike_is_left_alone(name):
+    """A read index that no known scatter with a static index writes: the graph stays as it is."""
+    args = _bank_args()
+    before, after, n = _rewrite(_functional(BANK_LOOK_ALIKES[name]), *args)
+    assert n == 0
+    assert targets(after) == targets(before)
+    torch.testing.assert_close(after(*args), before(*args), rtol=0, atol=0)

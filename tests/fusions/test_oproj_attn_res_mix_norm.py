@@ -58,6 +58,16 @@ def new_block_fp32(o, w_o, prefix, b0, b1, wmn, wmp, wn):
     return x, a * 2
 
 
+@pytest.mark.parametrize("fn", [post_mix, new_block])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_flat_tokens_rewrite(fn, dtype):
+    """Activations [N, D] (one row per token, vLLM's): o_proj is one mm, no views (`flat`)."""
+    args = [a.view(-1, a.shape[-1]) if a.dim() == 3 else a for a in _inputs(dtype=dtype)]
+    gm, report = rewrite(fn, args, oproj_attn_res_mix_norm.patterns())
+    assert_rewritten_equal(gm, report, fn, args, "k3.oproj_attn_res_mix_norm")
+    assert ",flat" in report.hits[0].pattern
+
+
 @pytest.mark.parametrize("fn", [post_mix_fp32, new_block_fp32])
 def test_fp32_scores_carry_over(fn):
     args = _inputs()
