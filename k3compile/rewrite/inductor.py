@@ -13,6 +13,7 @@ from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 from torch._inductor.pattern_matcher import (
     CallFunction,
     FailedMatch,
+    Ignored,
     KeywordArg,
     Match,
     MatchContext,
@@ -335,6 +336,72 @@ def match(expr, node):
         return e
 
 
+_VIEW, _UNSQUEEZE = torch.ops.aten.view.default, torch.ops.aten.unsqueeze.default
+
+
+def _inserts_one_unit_dim(node) -> bool:
+    """node is a view whose output is its input with one size-1 dim inserted (an unsqueeze)."""
+    vals = [getattr(n, "meta", {}).get("val") for n in (node, node.args[0])]
+    if not all(isinstance(v, torch.Tensor) for v in vals):
+        return False
+    out, inp = (list(v.shape) for v in vals)
+    return len(out) == len(inp) + 1 and any(
+        out[d] == 1 and out[:d] + out[d + 1:] == inp for d in range(len(out)))
+
+
+class _ViewCall(CallFunction):
+    """A view / unsqueeze of a pattern that also matches the other: `x.unsqueeze(1)` and
+    `x.view(B, 1, H, V)` (or `a[:, None]` and `a.view(H, 1)`; `torch.stack` of one tensor traces
+    to the view) insert the same size-1 dim, one op to the model's author, two graphs to a
+    positional matcher. A pattern view matches a graph unsqueeze (the view's sizes are ignored
+    as every view's are); a pattern unsqueeze matches a graph view that inserts exactly one
+    size-1 dim. A failed try leaves no trace in the context."""
+
+    def _other(self, node) -> bool:
+        """node is the other op, as this one would be written."""
+        other = _UNSQUEEZE if _VIEW in self.fns else _VIEW
+        return (isinstance(node, torch.fx.Node) and node.op == "call_function"
+                and node.target is other and bool(node.args)
+                and (other is _UNSQUEEZE or _inserts_one_unit_dim(node)))
+
+    def _match_fns(self, node) -> bool:  # also where a multi-output pattern looks for its anchors
+        return super()._match_fns(node) or self._other(node)
+
+    def _match(self, node, ctx):
+        saved = dict(ctx.pattern_to_node), list(ctx.exclusive_node_set)
+        if not self._other(node):
+            return super()._match(node, ctx)
+        other = node.target
+        twin = self.__dict__.get("_twin")
+        if twin is None:
+            twin = self._twin = CallFunction(other, self.args[0], Ignored(), _users=self.users)
+            twin._match_users = self._match_users
+        second = CallFunction._match(twin, node, ctx)
+        if not is_match(second):
+            _restore(ctx, saved)
+        return second
+
+
+def view_alike(expr) -> None:
+    """Let every 2-argument view / unsqueeze of a pattern tree match the other (`_ViewCall`)."""
+    seen = set()
+
+    def visit(p):
+        if id(p) in seen:
+            return
+        seen.add(id(p))
+        if isinstance(p, CallFunction):  # (a `_CommutativeCall` too: its operands)
+            if (type(p) is CallFunction and len(p.args) == 2 and not p.kwargs
+                    and list(p.fns) in ([_VIEW], [_UNSQUEEZE])):
+                p.__class__ = _ViewCall
+            for a in (*p.args, *p.kwargs.values()):
+                visit(a)
+        for sub in getattr(p, "outputs", ()) or ():
+            visit(sub)
+
+    visit(expr)
+
+
 def commutative(expr) -> None:
     """Let every binary add.Tensor / mul.Tensor of a pattern tree match either operand order."""
     seen = set()
@@ -378,6 +445,7 @@ __all__ = [
     "inductor_config",
     "make_boxed_func",
     "match",
+    "view_alike",
     "plain_call",
     "register_fallbacks",
     "stable_topological_sort",
