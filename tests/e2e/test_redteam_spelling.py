@@ -15,10 +15,11 @@ gaps (fp32, 4-layer tiny; details, near misses and suggested rules: docs/redteam
 * token rank: the spelling decodes on [B, D] (no T dim, like vLLM's flattened tokens); every
   attention pattern is traced on [B, T, ...] (`kda_decode.check` wants q of rank 3,
   `mla_absorbed` an output [B, T, H*V], `mla_decode` (B, T) = q_lat.shape[:2]).
-* fb_kda_decode (0, 1): besides the rank, 6 idioms each break it alone: q scale applied to the
-  output, decay sigmoid written 1 / (1 + exp(-x)), conv taps one [3W, 1, K] weight (qkv_split
-  does not fire on a q|k|v|g|f_a|b in-projection), o.unsqueeze(1) (built-in: view of a stack),
-  A_log.exp()[:, None] (built-in: .view(H, 1)), SiLU after the conv output's transpose.
+* fb_kda_decode (0, 1): the rank only (with probe `tokens` it fuses, fp32). The 6 idioms that
+  each broke it alone are canonicalised (session 21): q scale applied to the output, decay
+  sigmoid written 1 / (1 + exp(-x)), conv taps one [3W, 1, K] weight over a q|k|v|g|f_a|b
+  in-projection, o.unsqueeze(1) (built-in: view of a stack), A_log.exp()[:, None] (built-in:
+  .view(H, 1)), SiLU after the conv output's transpose.
 * attn_res_mix_norm (1-3, final) and oproj_attn_res_mix_norm (all): the block bank is a
   preallocated [B, nb, D] written by slice assignment, read as bank[:, :n]; `depth_mix._parts`
   does not see the sources through slice(select_scatter(...)) (as a list, a stack of ONE block
@@ -184,11 +185,12 @@ def test_lost_fusions_have_a_near_miss_naming_the_node(pattern, red_fp32):
 
 
 # probes (RedK3.set_probe) that switch the named idioms to the built-in model's, and the ops they
-# bring back: each names the cause of a gap. Bisected (docs/redteam_spelling.md): each KDA probe,
-# and each MoE probe, is needed on its own (drop any one and the op is lost again).
+# bring back: each names the cause of a gap. Bisected (docs/redteam_spelling.md): each MoE probe
+# is needed on its own (drop any one and the op is lost again). KDA needed 7 probes, each on its
+# own; the canonical rules (sigmoid, delta_einsum's q scale, qkv_split's taps, permute_fold's
+# pointwise-first, the matcher's view == unsqueeze) closed 6 of them: only the token rank is left.
 PROBE_FIXES = {
-    "kda": (("tokens", "q_scale", "sigmoid", "taps_cat", "o_view", "silu_first", "a_view"),
-            {0: ("fb_kda_decode",), 1: ("fb_kda_decode",)}),
+    "kda": (("tokens",), {0: ("fb_kda_decode",), 1: ("fb_kda_decode",)}),
     "mla": (("tokens", "mla_idx"),
             {n: ("mla_q_absorb", "mla_decode", "mla_uv_gate") for n in (2, 3)}),
     "moe": (("w13_split", "combine_sum", "gather_2d"), {n: ("moe_experts",) for n in (1, 2, 3)}),
