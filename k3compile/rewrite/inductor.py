@@ -317,14 +317,21 @@ def _restore(ctx, saved) -> None:
 
 class _ExplainingContext(MatchContext):
     """Inductor's match context, but a pattern node met twice at different graph nodes (a value
-    the pattern uses twice, which the graph computes twice or differently) names the node."""
+    the pattern uses twice, which the graph computes twice or differently) names the node, and so
+    does a user-count failure: Inductor's `multiple_users` names only the pattern node, so the
+    graph node it failed at is kept on the failure (`k3_node`; the innermost match that failed
+    sets it) for `near_miss.explain_failure`."""
 
     def match(self, pattern, node):
         if pattern in self.pattern_to_node and self.pattern_to_node[pattern] != node:
             return FailedMatch("repeated_pattern: node={node} is not the node this pattern value "
                                "was bound to elsewhere ({bound})", node=node, pattern=pattern,
                                bound=self.pattern_to_node[pattern])
-        return super().match(pattern, node)
+        m = super().match(pattern, node)
+        if (isinstance(m, FailedMatch) and not hasattr(m, "k3_node")
+                and str(getattr(m, "format_string", "")).startswith("multiple_users")):
+            m.k3_node = node
+        return m
 
 
 def match(expr, node):
