@@ -27,7 +27,8 @@ from k3compile.rewrite import inductor
 
 ORDER: tuple[str, ...] = ("state_write", "mla_absorb", "mla_absorbed", "mxfp4_dequant",
                           "expert_stack", "expert_gemm", "gemm", "short_conv",
-                          "conv_einsum", "qkv_split", "l2_norm", "sigmoid", "bias_view", "delta_einsum",
+                          "conv_einsum", "qkv_split", "l2_norm", "sigmoid", "bias_view",
+                          "delta_einsum",
                           "norm_round", "conv_merge", "gate_up_split",
                           "depth_mix", "slice_split", "group_limit", "noop_view", "cast_view",
                           "broadcast", "topk_sorted", "view_chains", "view_add", "reshape_fold",

@@ -112,14 +112,14 @@ def _scaled_read(mul: fx.Node):
     site = _read_site(bmm)
     if site is None or below(bmm, shape(out)) is not out:
         return None
-    (S, x), _ = site
+    (_, x), _ = site
     operand = next((a for a in bmm.args if root(a) is x), None)
     chain = None if operand is None else _chain(operand, x)
     if not chain or any(len(n.users) != 1 for n in chain[:-1]):
         return None
     base = x
-    if (x.target is aten.select.int and isinstance(x.args[0], fx.Node) and val(x.args[0]) is not None
-            and val(x.args[0]).dtype == torch.float32):
+    rows = x.args[0] if x.target is aten.select.int else None
+    if isinstance(rows, fx.Node) and val(rows) is not None and val(rows).dtype == torch.float32:
         base = x.args[0]  # a token's row: scale the whole [B, T, H, K]
         chain = [x, *chain]
     return bmm, operand, chain, base, c

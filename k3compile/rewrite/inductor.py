@@ -452,10 +452,10 @@ __all__ = [
     "inductor_config",
     "make_boxed_func",
     "match",
-    "view_alike",
     "plain_call",
     "register_fallbacks",
     "stable_topological_sort",
     "unset_fake_temporarily",
+    "view_alike",
     "wildcard_strings",
 ]

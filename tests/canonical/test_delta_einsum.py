@@ -150,7 +150,7 @@ def _not_a_product(S, q4):
                                            (_scaled_o, torch.bfloat16)])
 def test_other_scales_stay(fn, dtype):
     args = _args_q(dtype)
-    before, after, n = _rewrite(fn, *args)
+    before, after, _ = _rewrite(fn, *args)
     muls = [n for n in after.graph.nodes if str(n.target) == "aten.mul.Tensor"]
     assert all(m.args[0].op != "placeholder" for m in muls)  # nothing scales q
     for got, want in zip(torch.utils._pytree.tree_leaves(after(*args)),

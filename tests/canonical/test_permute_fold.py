@@ -81,7 +81,8 @@ def test_single_permutes_and_output_reads_stay():
 
 def _conv_inputs(dtype=torch.float32):
     g = torch.Generator().manual_seed(4)
-    return torch.randn(2, 12, 4, generator=g).to(dtype), torch.randn(12, 1, 4, generator=g).to(dtype)
+    window, taps = torch.randn(2, 12, 4, generator=g), torch.randn(12, 1, 4, generator=g)
+    return window.to(dtype), taps.to(dtype)
 
 
 def silu_after(window, taps):

@@ -180,7 +180,7 @@ def test_unsqueeze_and_unit_view_are_one_op(spelled):
         n = _respell(gm, aten.unsqueeze.default, lambda g, node, d: g.call_function(
             aten.view.default, (node.args[0], list(node.meta["val"].shape))))
     assert n >= 2
-    copies = lambda: [a.clone() if isinstance(a, torch.Tensor) else a for a in args]  # noqa: E731
+    copies = lambda: [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
     want = gm(*copies())
     report = apply_patterns(gm.graph, family("kda_decode"))
     gm.recompile()
