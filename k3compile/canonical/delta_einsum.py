@@ -12,6 +12,17 @@ fp32 matrix S [B, H, K, V] and a 3-D vector x [B, H, K], read back through views
 region, run on random values (`canonical.region`), equals the canonical product: the read within
 1e-5 of the largest value (fp32 summation order), the write exactly. A matrix-vector product
 over V, a product of other ranks or dtypes, a mul that is no outer product: left alone.
+
+The query scale: `o = einsum("bhkv,bhk->bhv", S, q) * c` (a spelling that scales the output, as
+the red-team spelling's KDA layer does) -> the product of S and `q * c`, the canonical form's
+`l2norm(q) * q_scale` before the read. Where the read's vector is a token's row `x[:, t]` of a
+[B, T, H, K] tensor, the scale goes on that tensor (one mul for all its tokens' reads, as the
+canonical form has it) and the read takes its row of the scaled tensor. Taken where c is a
+Python number, the read's output reaches the mul through views only and is read by nothing else,
+and the vector reaches the bmm through views only (a bmm is linear in each operand, so
+(S·x)·c = S·(x·c) in real arithmetic); fp32 only. Not bit-equal: the scale rounds q instead of
+o, ~1 ulp per element (measured below 2e-7 relative in the test), as a model that scales q
+computes. Left alone: a tensor scale, a mul of a product whose output is read elsewhere too.
 """
 
 from __future__ import annotations
@@ -21,6 +32,7 @@ from torch import fx
 
 from k3compile.canonical import Rule, rewrite_sites
 from k3compile.canonical.region import VIEWS, below, replace, root, shape, val
+from k3compile.graph import call
 
 aten = torch.ops.aten
 READ_RTOL = 1e-5
@@ -71,8 +83,68 @@ def _write_site(mul: fx.Node):
     return None
 
 
+def _chain(top: fx.Node, x: fx.Node) -> list[fx.Node] | None:
+    """The view nodes from x (excluded) up to top (included), x first; None where top is not a
+    chain of VIEWS over x."""
+    chain = []
+    while top is not x:
+        if not (isinstance(top, fx.Node) and top.op == "call_function" and top.target in VIEWS):
+            return None
+        chain.append(top)
+        top = top.args[0]
+    return chain[::-1]
+
+
+def _scaled_read(mul: fx.Node):
+    """(bmm, the operand to scale, its chain, the tensor to scale, c) where mul = (S·x) * c."""
+    if len(mul.args) != 2 or mul.kwargs:
+        return None
+    out, c = mul.args
+    if isinstance(out, (int, float)):
+        out, c = c, out
+    if not (isinstance(c, (int, float)) and not isinstance(c, bool) and isinstance(out, fx.Node)
+            and len(out.users) == 1 and val(mul) is not None
+            and val(mul).dtype == torch.float32 and shape(mul) == shape(out)):
+        return None
+    bmm = root(out)
+    if bmm.op != "call_function" or bmm.target is not aten.bmm.default:
+        return None
+    site = _read_site(bmm)
+    if site is None or below(bmm, shape(out)) is not out:
+        return None
+    (_, x), _ = site
+    operand = next((a for a in bmm.args if root(a) is x), None)
+    chain = None if operand is None else _chain(operand, x)
+    if not chain or any(len(n.users) != 1 for n in chain[:-1]):
+        return None
+    base = x
+    rows = x.args[0] if x.target is aten.select.int else None
+    if isinstance(rows, fx.Node) and val(rows) is not None and val(rows).dtype == torch.float32:
+        base = x.args[0]  # a token's row: scale the whole [B, T, H, K]
+        chain = [x, *chain]
+    return bmm, operand, chain, base, c
+
+
+def _move_scale(graph: fx.Graph, mul: fx.Node, site, cache: dict) -> bool:
+    bmm, operand, chain, base, c = site
+    key = ("q_scale", base, c)
+    if key not in cache or cache[key]._erased:
+        with graph.inserting_after(base):
+            cache[key] = call(graph, aten.mul.Tensor, (base, c), like=base)
+    node = cache[key]
+    with graph.inserting_before(bmm):
+        for link in chain:
+            node = call(graph, link.target, (node, *link.args[1:]), link.kwargs, like=link)
+    bmm.replace_input_with(operand, node)
+    mul.replace_all_uses_with(mul.args[0] if isinstance(mul.args[0], fx.Node) else mul.args[1])
+    return True
+
+
 def _site(node: fx.Node):
-    """(inputs, out, the canonical function, rtol, its name) of a state read or write."""
+    """(inputs, out, the canonical function, rtol, its name) of a state read or write, or the
+    scale of a read's output ("scale")."""
+    if node.target is aten.mul.Tensor and (site := _scaled_read(node)) is not None:
+        return site, None, None, None, "scale"
     if node.target is aten.bmm.default and (site := _read_site(node)) is not None:
         return (*site, read, READ_RTOL, "read")
     if node.target is aten.mul.Tensor and (ins := _write_site(node)) is not None:
@@ -82,6 +154,8 @@ def _site(node: fx.Node):
 
 def _write(graph: fx.Graph, node: fx.Node, site, cache: dict) -> bool:
     inputs, out, fn, rtol, name = site
+    if name == "scale":
+        return _move_scale(graph, node, inputs, cache)
     return replace(inputs, out, fn, rtol, cache, name) is not None
 
 

@@ -13,6 +13,16 @@ through views (at batch 1 `buf[slots] = value` views the value without its leadi
 first). Left alone:
 other permute pairs, which einsum's lowering writes inside the patterns' own forms (MLA), a pair
 that does not cancel, and a read by the graph's output (it would alias its input).
+
+Also: the pointwise ops on a short conv's output go before its permute. A depthwise conv's
+output [B, C, T] is permuted to [B, T, C] and activated; where the SiLU (and casts, any of
+`gate_up_split`'s pointwise ops on it alone) is written after the permute
+(`F.silu(conv(...).transpose(1, 2))`), the rule writes it on the conv output and permutes the
+result, the canonical form (`patterns/kda_decode.py`: silu, cast, then transpose). Exact: a
+pointwise op computes each element alone. Taken where a permute of a convolution's output (or of
+a cast of it) is read only by a pointwise region that reads nothing else (scalars aside) and is
+read from outside at one node. Left alone: a permute also read elsewhere, a region that reads
+another tensor (a product with a gate), permutes of anything but a conv output.
 """
 
 from __future__ import annotations
@@ -21,9 +31,13 @@ import torch
 from torch import fx
 
 from k3compile.canonical import Rule, rewrite_sites
+from k3compile.canonical.gate_up_split import _POINTWISE
 from k3compile.canonical.noop_view import bypass
+from k3compile.canonical.region import pointwise_tail, root
+from k3compile.graph import call
 
 aten = torch.ops.aten
+_CAST = torch.ops.prims.convert_element_type.default
 _WRITES = {aten.index_put.default, aten.index_put_.default}
 _VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.squeeze.dim,
           aten.squeeze.dims, aten.squeeze.default}
@@ -67,9 +81,32 @@ def _source(outer: fx.Node) -> fx.Node | None:
     return outer.args[0].args[0]
 
 
+def _conv_tail(node: fx.Node):
+    """(region, end) of the pointwise ops after a permute of a conv output, or None."""
+    if not _is_permute(node) or not isinstance(node.args[0], fx.Node):
+        return None
+    if root(node.args[0], {_CAST}).target is not aten.convolution.default:
+        return None
+    tail = pointwise_tail(node, _POINTWISE)
+    return tail if tail is not None and tail[0] else None
+
+
+def _pointwise_first(graph: fx.Graph, permute: fx.Node, tail) -> None:
+    region, end = tail
+    env = {permute: permute.args[0]}
+    with graph.inserting_before(region[0]):
+        for n in region:
+            args, kwargs = fx.map_arg((n.args, n.kwargs), lambda a: env.get(a, a))
+            env[n] = call(graph, n.target, args, kwargs, like=n)
+        out = call(graph, aten.permute.default, (env[end], permute.args[1]), like=permute)
+    end.replace_all_uses_with(out)
+
+
 def apply(graph: fx.Graph) -> int:
-    return rewrite_sites(graph, _source, bypass, tidy=False)
+    moved = rewrite_sites(graph, _conv_tail, _pointwise_first, targets={aten.permute.default})
+    return moved + rewrite_sites(graph, _source, bypass, tidy=False)
 
 
 RULE = Rule("permute_fold", apply, "a state read / written through a permute and its inverse "
-                                   "-> no permute")
+                                   "-> no permute; pointwise ops after a conv output's permute "
+                                   "-> before it")

@@ -14,6 +14,13 @@ Taken where the conv's output reaches a split of its channels through pointwise 
 one permute only (`gate_up_split` names the pointwise ops), each piece wider than one channel.
 Left alone: a conv that is not depthwise, pieces of a conv output read whole elsewhere, a GEMM
 output read by anything but the window.
+
+Also, whatever the GEMMs: the taps of a depthwise conv whose window's new columns are
+`cat([q, k, v, ...], -1).permute(0, 2, 1)` held as ONE [C, 1, taps] tensor (vLLM's conv1d weight
+of the fused q|k|v, the red-team spelling's `conv_taps`) -> `cat([w[a_i:b_i] ...])`, the row
+slices of the cat's pieces, as the canonical form has them (three weights concatenated). Exact
+(a cat of consecutive row slices is the tensor). Left alone: taps that already are a cat, pieces
+that do not tile the C channels.
 """
 
 from __future__ import annotations
@@ -76,6 +83,38 @@ def _site(conv: fx.Node):
     return y, found, w, cuts
 
 
+def _taps_site(conv: fx.Node):
+    """(taps, piece ranges) of a conv over cat([state, cat(pieces, -1).permute(0, 2, 1)], -1)
+    whose taps are one tensor (not a cat)."""
+    x, w = root(conv.args[0], {_CAST}), root(conv.args[1], {_CAST})
+    C = (shape(w) or (0,))[0]
+    if (conv.args[8] != C or shape(w) != (C, 1, shape(w)[2]) or w.target is aten.cat.default
+            or x.target is not aten.cat.default or len(x.args[0]) != 2):
+        return None
+    new = x.args[0][1]
+    if new.target is not aten.permute.default or list(new.args[1]) != [0, 2, 1]:
+        return None
+    pieces = new.args[0]
+    if (pieces.target is not aten.cat.default or len(pieces.args[0]) < 2
+            or (pieces.args[1] if len(pieces.args) > 1 else 0) % len(shape(pieces)) != 2):
+        return None
+    cuts, a = [], 0
+    for piece in pieces.args[0]:
+        b = a + shape(piece)[-1]
+        cuts.append((a, b))
+        a = b
+    return (w, cuts) if a == C and all(b - a > 1 for a, b in cuts) else None
+
+
+def _cut_taps(graph: fx.Graph, conv: fx.Node, w: fx.Node, cuts) -> None:
+    """conv's taps w as the cat of its row slices `cuts`."""
+    reader = conv if conv.args[1] is w else conv.args[1]  # the conv, or the taps' upcast
+    with graph.inserting_before(reader):
+        taps = [call(graph, aten.slice.Tensor, (w, 0, a, b), like=conv) for a, b in cuts]
+        w_new = call(graph, aten.cat.default, (taps,), like=conv)
+    reader.replace_input_with(w, w_new)
+
+
 def _rows(graph: fx.Graph, gemm: fx.Node, y: fx.Node, a: int, b: int) -> fx.Node:
     """y's columns [a, b) as the GEMM of the weight's rows [a, b), the way F.linear traces."""
     x, wt = gemm.args[:2]
@@ -94,19 +133,32 @@ def _rewrite(graph: fx.Graph, conv: fx.Node, site) -> None:
         y_new = call(graph, aten.cat.default, (parts, -1), like=y)
     y.replace_all_uses_with(y_new)
     refresh([y_new])
-    reader = conv if conv.args[1] is w else conv.args[1]  # the conv, or the taps' upcast
-    with graph.inserting_before(reader):
-        taps = [call(graph, aten.slice.Tensor, (w, 0, a, b), like=conv) for a, b in cuts]
-        w_new = call(graph, aten.cat.default, (taps,), like=conv)
-    reader.replace_input_with(w, w_new)
+    _cut_taps(graph, conv, w, cuts)
+
+
+def _any_site(conv: fx.Node):
+    site = _site(conv)
+    if site is not None:
+        return "gemm", site
+    site = _taps_site(conv)
+    return None if site is None else ("taps", site)
+
+
+def _rewrite_any(graph: fx.Graph, conv: fx.Node, site) -> None:
+    kind, site = site
+    if kind == "gemm":
+        _rewrite(graph, conv, site)
+    else:
+        _cut_taps(graph, conv, *site)
 
 
 def apply(graph: fx.Graph) -> int:
-    return rewrite_sites(graph, _site, _rewrite, targets={aten.convolution.default})
+    return rewrite_sites(graph, _any_site, _rewrite_any, targets={aten.convolution.default})
 
 
 RULE = Rule("qkv_split", apply,
             "one q|k|v GEMM whose depthwise-conv output is split -> one GEMM per piece on weight "
-            "row slices, cat before the conv; taps as a cat of row slices")
+            "row slices, cat before the conv; taps as a cat of row slices (also of any conv over "
+            "a cat of pieces)")
 
 __all__ = ["RULE", "apply"]

@@ -99,6 +99,7 @@ class Pattern:
         if self.strings:
             inductor.wildcard_strings(expr, {v: k for k, v in self.strings.items()})
         inductor.commutative(expr)
+        inductor.view_alike(expr)
         return expr
 
     @functools.cached_property

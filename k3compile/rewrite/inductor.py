@@ -13,6 +13,7 @@ from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 from torch._inductor.pattern_matcher import (
     CallFunction,
     FailedMatch,
+    Ignored,
     KeywordArg,
     Match,
     MatchContext,
@@ -316,14 +317,21 @@ def _restore(ctx, saved) -> None:
 
 class _ExplainingContext(MatchContext):
     """Inductor's match context, but a pattern node met twice at different graph nodes (a value
-    the pattern uses twice, which the graph computes twice or differently) names the node."""
+    the pattern uses twice, which the graph computes twice or differently) names the node, and so
+    does a user-count failure: Inductor's `multiple_users` names only the pattern node, so the
+    graph node it failed at is kept on the failure (`k3_node`; the innermost match that failed
+    sets it) for `near_miss.explain_failure`."""
 
     def match(self, pattern, node):
         if pattern in self.pattern_to_node and self.pattern_to_node[pattern] != node:
             return FailedMatch("repeated_pattern: node={node} is not the node this pattern value "
                                "was bound to elsewhere ({bound})", node=node, pattern=pattern,
                                bound=self.pattern_to_node[pattern])
-        return super().match(pattern, node)
+        m = super().match(pattern, node)
+        if (isinstance(m, FailedMatch) and not hasattr(m, "k3_node")
+                and str(getattr(m, "format_string", "")).startswith("multiple_users")):
+            m.k3_node = node
+        return m
 
 
 def match(expr, node):
@@ -333,6 +341,72 @@ def match(expr, node):
         return _ExplainingContext(outputs, graph=node.graph).match(expr, node)
     except FailedMatch as e:
         return e
+
+
+_VIEW, _UNSQUEEZE = torch.ops.aten.view.default, torch.ops.aten.unsqueeze.default
+
+
+def _inserts_one_unit_dim(node) -> bool:
+    """node is a view whose output is its input with one size-1 dim inserted (an unsqueeze)."""
+    vals = [getattr(n, "meta", {}).get("val") for n in (node, node.args[0])]
+    if not all(isinstance(v, torch.Tensor) for v in vals):
+        return False
+    out, inp = (list(v.shape) for v in vals)
+    return len(out) == len(inp) + 1 and any(
+        out[d] == 1 and out[:d] + out[d + 1:] == inp for d in range(len(out)))
+
+
+class _ViewCall(CallFunction):
+    """A view / unsqueeze of a pattern that also matches the other: `x.unsqueeze(1)` and
+    `x.view(B, 1, H, V)` (or `a[:, None]` and `a.view(H, 1)`; `torch.stack` of one tensor traces
+    to the view) insert the same size-1 dim, one op to the model's author, two graphs to a
+    positional matcher. A pattern view matches a graph unsqueeze (the view's sizes are ignored
+    as every view's are); a pattern unsqueeze matches a graph view that inserts exactly one
+    size-1 dim. A failed try leaves no trace in the context."""
+
+    def _other(self, node) -> bool:
+        """node is the other op, as this one would be written."""
+        other = _UNSQUEEZE if _VIEW in self.fns else _VIEW
+        return (isinstance(node, torch.fx.Node) and node.op == "call_function"
+                and node.target is other and bool(node.args)
+                and (other is _UNSQUEEZE or _inserts_one_unit_dim(node)))
+
+    def _match_fns(self, node) -> bool:  # also where a multi-output pattern looks for its anchors
+        return super()._match_fns(node) or self._other(node)
+
+    def _match(self, node, ctx):
+        saved = dict(ctx.pattern_to_node), list(ctx.exclusive_node_set)
+        if not self._other(node):
+            return super()._match(node, ctx)
+        other = node.target
+        twin = self.__dict__.get("_twin")
+        if twin is None:
+            twin = self._twin = CallFunction(other, self.args[0], Ignored(), _users=self.users)
+            twin._match_users = self._match_users
+        second = CallFunction._match(twin, node, ctx)
+        if not is_match(second):
+            _restore(ctx, saved)
+        return second
+
+
+def view_alike(expr) -> None:
+    """Let every 2-argument view / unsqueeze of a pattern tree match the other (`_ViewCall`)."""
+    seen = set()
+
+    def visit(p):
+        if id(p) in seen:
+            return
+        seen.add(id(p))
+        if isinstance(p, CallFunction):  # (a `_CommutativeCall` too: its operands)
+            if (type(p) is CallFunction and len(p.args) == 2 and not p.kwargs
+                    and list(p.fns) in ([_VIEW], [_UNSQUEEZE])):
+                p.__class__ = _ViewCall
+            for a in (*p.args, *p.kwargs.values()):
+                visit(a)
+        for sub in getattr(p, "outputs", ()) or ():
+            visit(sub)
+
+    visit(expr)
 
 
 def commutative(expr) -> None:
@@ -382,5 +456,6 @@ __all__ = [
     "register_fallbacks",
     "stable_topological_sort",
     "unset_fake_temporarily",
+    "view_alike",
     "wildcard_strings",
 ]

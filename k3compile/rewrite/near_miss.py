@@ -205,6 +205,17 @@ def explain_failure(failure: Any, inputs: dict[fx.Node, int]) -> tuple[str, str,
                 inputs.get(node, 1) if isinstance(node, fx.Node) else 1)
     if head == "multiple_users" and args:
         fns = set(getattr(args[0], "fns", ()))
+        at = getattr(failure, "k3_node", None)  # the graph node it failed at, where known
+        if isinstance(at, fx.Node) and at in inputs:
+            want = getattr(args[0], "users", None)
+            users = ", ".join(u.name for u in at.users)
+            tail = (f"users ({users}) where the pattern's has {want}" if isinstance(want, int)
+                    else f"users ({users})")
+            if isinstance(want, int) and len(at.users) > want:
+                tail += ": an intermediate the pattern would absorb is also used outside it"
+            reason = f"multiple_users: {describe(at, module_path(at))} has {len(at.users)} {tail}"
+            return (reason, f"multiple_users: a {op_label(at)} has {len(at.users)} users",
+                    inputs[at])
         for n, d in sorted(inputs.items(), key=lambda kv: kv[1]):
             if d and n.op == "call_function" and n.target in fns and len(n.users) > 1:
                 users = ", ".join(u.name for u in n.users)
@@ -251,7 +262,7 @@ def explain(nodes: Sequence[fx.Node], family: Sequence, enabled: Callable[[str],
         for node in nodes:
             if node.target not in anchors:
                 continue
-            m = p.expr.match(node)
+            m = inductor.match(p.expr, node)  # names the node a user count failed at
             if m and any(hits.get(n.name) in names for n in m.nodes):
                 continue  # the family did fire here
             if m:

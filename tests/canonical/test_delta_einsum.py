@@ -76,3 +76,84 @@ def test_other_products_stay(fn, dtype):
                          torch.utils._pytree.tree_leaves(before(*args)), strict=True):
         assert got.dtype == want.dtype and got.shape == want.shape
         assert rel_err(got, want) == 0
+
+
+# ---- the query scale on the read's output (tests/models/redteam_k3.py: o = S·q * d^-1/2) ----
+
+C = K**-0.5
+
+
+def _scaled_q(S, q4):
+    """the canonical form: q scaled before its token's row is read"""
+    return delta_einsum.read(S, (q4 * C)[:, 0])
+
+
+def _scaled_o(S, q4):
+    return delta_einsum.read(S, q4[:, 0]) * C
+
+
+def _scaled_o_swapped(S, q4):
+    return C * torch.einsum("bhk,bhkv->bhv", q4[:, 0], S)
+
+
+def _args_q(dtype=torch.float32):
+    g = torch.Generator().manual_seed(1)
+    return [torch.randn(s, generator=g).to(dtype) for s in ((B, H, K, K), (B, 1, H, K))]
+
+
+@pytest.mark.parametrize("fn", [_scaled_o, _scaled_o_swapped])
+def test_scale_of_the_output_moves_onto_q(fn):
+    args = _args_q()
+    before, after, n = _rewrite(fn, *args)
+    assert n >= 1
+    assert sorted(targets(after)) == sorted(targets(graph(_scaled_q, *args, joint=True)))
+    mul = next(n for n in after.graph.nodes if str(n.target) == "aten.mul.Tensor")
+    assert mul.args[0].op == "placeholder" and mul.args[1] == C  # on q4, before its row's select
+    got, want = after(*args), before(*args)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert rel_err(got, want) <= 2e-7  # q rounds instead of o: ~1 ulp
+
+
+def test_scaled_reads_of_one_q_scale_it_once():
+    """two reads of one [B, T, H, K] q (two states), each output scaled: q is scaled once. (Rows
+    t > 0 of a T > 1 tensor are not used here: the read rule's splice of a non-contiguous row
+    raises on them, its own limit, whatever the scale.)"""
+    def two(S, q4):
+        return (delta_einsum.read(S, q4[:, 0]) * C, delta_einsum.read(S * 0.5, q4[:, 0]) * C)
+
+    args = _args_q()
+    before, after, n = _rewrite(two, *args)
+    assert n >= 2
+    scales = [n for n in after.graph.nodes if str(n.target) == "aten.mul.Tensor" and C in n.args]
+    assert len(scales) == 1 and scales[0].args[0].op == "placeholder"
+    for got, want in zip(after(*args), before(*args), strict=True):
+        assert rel_err(got, want) <= 2e-7
+
+
+def _tensor_scale(S, q4):
+    """a scale by a tensor (per head): not a scalar"""
+    return delta_einsum.read(S, q4[:, 0]) * S[:, :, :1, 0]
+
+
+def _output_read_twice(S, q4):
+    o = delta_einsum.read(S, q4[:, 0])
+    return o * C, o
+
+
+def _not_a_product(S, q4):
+    return (S.sum(-2) + q4[:, 0]) * C
+
+
+@pytest.mark.parametrize(("fn", "dtype"), [(_tensor_scale, torch.float32),
+                                           (_output_read_twice, torch.float32),
+                                           (_not_a_product, torch.float32),
+                                           (_scaled_o, torch.bfloat16)])
+def test_other_scales_stay(fn, dtype):
+    args = _args_q(dtype)
+    before, after, _ = _rewrite(fn, *args)
+    muls = [n for n in after.graph.nodes if str(n.target) == "aten.mul.Tensor"]
+    assert all(m.args[0].op != "placeholder" for m in muls)  # nothing scales q
+    for got, want in zip(torch.utils._pytree.tree_leaves(after(*args)),
+                         torch.utils._pytree.tree_leaves(before(*args)), strict=True):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert rel_err(got, want) == 0

@@ -75,3 +75,70 @@ def test_single_permutes_and_output_reads_stay():
     before, after, n = rewrite(permute_fold, fn, *args)
     assert n == 0 and ops(after) == ops(before)
     assert_same(before, after, args)
+
+
+# ---- pointwise ops after a short conv's output permute -> before it (redteam_k3 silu_first) ----
+
+def _conv_inputs(dtype=torch.float32):
+    g = torch.Generator().manual_seed(4)
+    window, taps = torch.randn(2, 12, 4, generator=g), torch.randn(12, 1, 4, generator=g)
+    return window.to(dtype), taps.to(dtype)
+
+
+def silu_after(window, taps):
+    y = torch.nn.functional.conv1d(window, taps, groups=12).transpose(1, 2)
+    return torch.nn.functional.silu(y).split(4, -1)
+
+
+def silu_first(window, taps):  # the canonical form (patterns/kda_decode.py)
+    y = torch.nn.functional.conv1d(window, taps, groups=12)
+    return torch.nn.functional.silu(y).transpose(1, 2).split(4, -1)
+
+
+def cast_silu_after(window, taps):
+    y = torch.nn.functional.conv1d(window, taps, groups=12).transpose(1, 2)
+    return torch.nn.functional.silu(y.float()).split(4, -1)
+
+
+def cast_silu_first(window, taps):
+    y = torch.nn.functional.conv1d(window, taps, groups=12)
+    return torch.nn.functional.silu(y.float()).transpose(1, 2).split(4, -1)
+
+
+def test_silu_after_the_conv_permute_goes_before_it():
+    args = _conv_inputs()
+    before, after, n = rewrite(permute_fold, silu_after, *args)
+    assert n == 1
+    _, canonical, _ = rewrite(permute_fold, silu_first, *args)
+    assert [str(n.target) for n in after.graph.nodes] == [
+        str(n.target) for n in canonical.graph.nodes]
+    assert_same(before, after, args)
+
+
+def test_casts_move_with_it():
+    args = _conv_inputs(torch.bfloat16)
+    before, after, n = rewrite(permute_fold, cast_silu_after, *args)
+    assert n == 1
+    _, canonical, _ = rewrite(permute_fold, cast_silu_first, *args)
+    assert [str(n.target) for n in after.graph.nodes] == [
+        str(n.target) for n in canonical.graph.nodes]
+    assert_same(before, after, args)
+
+
+def test_other_permutes_and_tails_stay():
+    def not_a_conv(window, taps):
+        return torch.nn.functional.silu(window.transpose(1, 2))
+
+    def gated(window, taps):  # the tail reads another tensor
+        y = torch.nn.functional.conv1d(window, taps, groups=12).transpose(1, 2)
+        return y * torch.sigmoid(window[..., :1].transpose(1, 2))
+
+    def read_twice(window, taps):  # the permuted output is read by a non-pointwise op too
+        y = torch.nn.functional.conv1d(window, taps, groups=12).transpose(1, 2)
+        return torch.nn.functional.silu(y), y.sum(-1)
+
+    args = _conv_inputs()
+    for fn in (not_a_conv, gated, read_twice):
+        before, after, n = rewrite(permute_fold, fn, *args)
+        assert n == 0 and ops(after) == ops(before), fn.__name__
+        assert_same(before, after, args)

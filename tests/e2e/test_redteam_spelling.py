@@ -15,10 +15,12 @@ gaps (fp32, 4-layer tiny; details, near misses and suggested rules: docs/redteam
 * token rank (closed, rule `token_dim`): the spelling decodes on [B, D] (no T dim, like vLLM's
   flattened tokens); the attention patterns are traced on [B, T, ...]. `canonical/token_dim.py`
   lifts the attention sites (MLA latent-cache write, KDA recurrent state) to [B, 1, ...].
-* fb_kda_decode (0, 1): 6 idioms each break it alone: q scale applied to the
-  output, decay sigmoid written 1 / (1 + exp(-x)), conv taps one [3W, 1, K] weight (qkv_split
-  does not fire on a q|k|v|g|f_a|b in-projection), o.unsqueeze(1) (built-in: view of a stack),
-  A_log.exp()[:, None] (built-in: .view(H, 1)), SiLU after the conv output's transpose.
+* fb_kda_decode (0, 1): closed in fp32 (session 21): the rank (`token_dim`) and 6 idioms that
+  each broke it alone, canonicalised: q scale applied to the output (`delta_einsum`), decay
+  sigmoid written 1 / (1 + exp(-x)) (`sigmoid`), conv taps one [3W, 1, K] weight over a
+  q|k|v|g|f_a|b in-projection (`qkv_split`), o.unsqueeze(1) and A_log.exp()[:, None] (the
+  matcher's view == unsqueeze), SiLU after the conv output's transpose (`permute_fold`). bf16:
+  still lost (the spelling's fp32 o and bf16 conv round differently from the fused op).
 * attn_res_mix_norm / oproj_attn_res_mix_norm: closed (session 21): `depth_mix` reads the
   sources of the preallocated bank written by slice assignment (select_scatter chains) and of a
   one-block torch.stack; o_proj as one mm on [B, D] (`flat` variants).
@@ -57,7 +59,8 @@ CFG = dataclasses.replace(get_config("tiny"), num_hidden_layers=4, full_attn_lay
 STEPS = 3
 EAGER_TOL = 1e-5  # measured 1.7e-6 (logits), 1.6e-6 (states) over 4 steps
 
-_KDA = {"linear_concat": 1, "fb_kda_decode": 1}
+_KDA = {"linear_concat": 1}  # by construction: the in-projection is one GEMM already
+_KDA_BF16 = {"linear_concat": 1, "fb_kda_decode": 1}
 # layer -> the built-in plan's ops this spelling's plan lacks (a layer not named: none)
 LOST = {
     torch.float32: {0: _KDA, 1: _KDA},
@@ -66,7 +69,7 @@ LOST = {
 # latent norm_linear at every MoE layer (layer 1's loss was hidden until session 21:
 # mxfp4_dequant gave top-level nodes layer 1's module, which credited the lm_head's norm_linear
 # to layer 1)
-LOST[torch.bfloat16] = {0: _KDA, 1: {**_KDA, "moe_experts": 1, "norm_linear": 1},
+LOST[torch.bfloat16] = {0: _KDA_BF16, 1: {**_KDA_BF16, "moe_experts": 1, "norm_linear": 1},
                         2: {"moe_experts": 1, "norm_linear": 1},
                         3: {"moe_experts": 1, "norm_linear": 1}}
 # patterns whose loss must come with a near miss in that layer naming the node that failed
@@ -188,11 +191,14 @@ def test_lost_fusions_have_a_near_miss_naming_the_node(pattern, red_fp32):
 
 
 # probes (RedK3.set_probe) that switch the named idioms to the built-in model's, and the ops they
-# bring back: each names the cause of a gap. Bisected (docs/redteam_spelling.md): each KDA probe,
-# and each MoE probe, is needed on its own (drop any one and the op is lost again).
+# bring back: each names the cause of a gap. Bisected (docs/redteam_spelling.md): each MoE probe
+# is needed on its own (drop any one and the op is lost again). KDA needed 7 probes, each on its
+# own; the canonical rules (sigmoid, delta_einsum's q scale, qkv_split's taps, permute_fold's
+# pointwise-first, the matcher's view == unsqueeze) closed 6 of them, `token_dim` the rank. The
+# MLA probes still restore what `token_dim` now restores without them.
 PROBE_FIXES = {
-    "kda": (("q_scale", "sigmoid", "taps_cat", "o_view", "silu_first", "a_view"),
-            {0: ("fb_kda_decode",), 1: ("fb_kda_decode",)}),
+    "mla": (("tokens", "mla_idx"),
+            {n: ("mla_q_absorb", "mla_decode", "mla_uv_gate") for n in (2, 3)}),
     "moe": (("w13_split", "combine_sum", "gather_2d"), {n: ("moe_experts",) for n in (1, 2, 3)}),
 }
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from k3compile.patterns import kda_decode
 
-from k3compile.rewrite import apply_patterns
+from k3compile.rewrite import apply_patterns, inductor
 
 from .attention_checks import escape, family, one_thread, step_pair  # noqa: F401
 from .pattern_checks import assert_near_miss, graph
@@ -143,3 +143,47 @@ def test_fp32_norm_look_alike_is_neither_variant(norm, monkeypatch):
     fla = kda_decode._step(*[a.clone() if isinstance(a, torch.Tensor) else a for a in args],
                            silu_written_out=False, norm_fp32=True)
     assert not torch.equal(fla[-1], want[-1])  # the spelling is not fla's in disguise
+
+
+def _respell(gm, source, make) -> int:
+    """Each `source` node that inserts one size-1 dim rewritten by make(graph, node, dim)."""
+    n = 0
+    for node in list(gm.graph.nodes):
+        if node.target is not source or not inductor._inserts_one_unit_dim(node):
+            continue
+        out, inp = list(node.meta["val"].shape), list(node.args[0].meta["val"].shape)
+        dim = next(d for d in range(len(out)) if out[d] == 1 and out[:d] + out[d + 1:] == inp)
+        with gm.graph.inserting_before(node):
+            new = make(gm.graph, node, dim)
+        new.meta = dict(node.meta)
+        node.replace_all_uses_with(new)
+        gm.graph.erase_node(node)
+        n += 1
+    gm.recompile()
+    return n
+
+
+@pytest.mark.parametrize("spelled", ["unsqueeze", "view"])
+def test_unsqueeze_and_unit_view_are_one_op(spelled):
+    """`A_log.exp()[:, None]` / `o.unsqueeze(1)` for the pattern's `.view(H, 1)` / stack-of-one
+    view (tests/models/redteam_k3.py), and the pattern's unsqueezes written as views: the step
+    fuses either way (k3compile.rewrite.inductor.view_alike), with the same values."""
+    aten = torch.ops.aten
+    args = _site()
+    state = args[kda_decode.NAMES.index("recurrent_state")]
+    args[kda_decode.NAMES.index("q_scale")] = state.shape[-1] ** -0.5  # the model's scale
+    gm = graph(kda_decode.kda_step, *args, joint=True)
+    if spelled == "unsqueeze":
+        n = _respell(gm, aten.view.default,
+                     lambda g, node, d: g.call_function(aten.unsqueeze.default, (node.args[0], d)))
+    else:
+        n = _respell(gm, aten.unsqueeze.default, lambda g, node, d: g.call_function(
+            aten.view.default, (node.args[0], list(node.meta["val"].shape))))
+    assert n >= 2
+    copies = lambda: [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+    want = gm(*copies())
+    report = apply_patterns(gm.graph, family("kda_decode"))
+    gm.recompile()
+    assert [h.op for h in report.hits] == ["k3.kda_decode"], report.near_misses[:3]
+    for g, w in zip(gm(*copies()), want):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
