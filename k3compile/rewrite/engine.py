@@ -249,17 +249,24 @@ def _leaf_uses(node: fx.Node) -> list[tuple[fx.Node, int]]:
 
 def _site_module(anchor: fx.Node, matched: Sequence[fx.Node]) -> tuple[str, Any]:
     """(module path, nn_module_stack) a rewrite is placed in: the anchor's; where the anchor lies
-    outside every layer but matched nodes lie in one (a model that writes the norm after a
-    layer's depth mix in its own forward, not in the layer's module), the last such node's."""
+    outside every layer but most of the matched computation lies in one layer (a model that
+    writes the norm after a layer's depth mix in its own forward, not in the layer's module),
+    that layer's last matched node's. A top-level op that only reads a few of a layer's nodes
+    (Moonshot's final mix stacks the last layer's blocks there) stays where its anchor is."""
     from k3compile.layers import layer_index  # noqa: PLC0415 (k3compile.layers imports rewrite)
 
     where = module_path(anchor)
     if layer_index(where) is None:
-        inside = [n for n in matched if isinstance(n, fx.Node) and n.op == "call_function"
-                  and layer_index(module_path(n)) is not None]
-        if inside:
-            last = max(inside)
-            return module_path(last), last.meta.get("nn_module_stack")
+        computed = [n for n in matched if isinstance(n, fx.Node) and n.op == "call_function"]
+        by_layer = collections.defaultdict(list)
+        for n in computed:
+            by_layer[layer_index(module_path(n))].append(n)
+        outside = len(by_layer.pop(None, ()))
+        if by_layer:
+            nodes = max(by_layer.values(), key=len)
+            if len(nodes) > outside:
+                last = max(nodes)
+                return module_path(last), last.meta.get("nn_module_stack")
     return where, anchor.meta.get("nn_module_stack")
 
 
