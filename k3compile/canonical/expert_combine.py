@@ -24,6 +24,8 @@ from torch import fx
 from k3compile.canonical import Rule, rewrite_sites
 from k3compile.canonical.expert_gather import splice, traced
 from k3compile.canonical.expert_gemm import _routed
+from k3compile.canonical.region import static_shape as _shape
+from k3compile.canonical.region import val as _val
 from k3compile.graph import RESHAPES
 from k3compile.rewrite import inductor
 
@@ -32,16 +34,6 @@ RTOL = 1e-5  # summation order in fp32
 _LAYOUT = RESHAPES | {aten.permute.default, aten.unsqueeze.default, aten.squeeze.dim,
                       aten.squeeze.default, aten.clone.default, aten.alias.default,
                       aten.expand.default}
-
-
-def _val(node):
-    v = node.meta.get("val") if isinstance(node, fx.Node) else None
-    return v if isinstance(v, torch.Tensor) else None
-
-
-def _shape(node) -> tuple | None:
-    v = _val(node)
-    return tuple(v.shape) if v is not None and all(isinstance(d, int) for d in v.shape) else None
 
 
 def _layout(node: fx.Node) -> bool:

@@ -19,22 +19,14 @@ import torch
 from torch import fx
 
 from k3compile.canonical import Rule, rewrite_sites
+from k3compile.canonical.region import static_shape as _shape
+from k3compile.canonical.region import val as _val
 from k3compile.graph import RESHAPES
 from k3compile.math import mxfp4_dequant
 from k3compile.rewrite import inductor
 
 aten = torch.ops.aten
 _GATHERS = {aten.index.Tensor, aten.index_select.default}
-
-
-def _val(node):
-    v = node.meta.get("val") if isinstance(node, fx.Node) else None
-    return v if isinstance(v, torch.Tensor) else None
-
-
-def _shape(node) -> tuple | None:
-    v = _val(node)
-    return tuple(v.shape) if v is not None and all(isinstance(d, int) for d in v.shape) else None
 
 
 def _is_table_gather(node: fx.Node) -> bool:

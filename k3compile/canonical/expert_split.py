@@ -27,21 +27,13 @@ from torch import fx
 
 from k3compile.canonical import Rule, rewrite_sites
 from k3compile.canonical.expert_gather import is_canonical_dequant, same_graph, splice, traced
+from k3compile.canonical.region import static_shape as _shape
+from k3compile.canonical.region import val as _val
 from k3compile.math import mxfp4_dequant
 
 aten = torch.ops.aten
 _PIECES = {aten.split.Tensor, aten.split_with_sizes.default, aten.slice.Tensor}
 _SAME = {aten.permute.default, aten.view.default, aten.clone.default, aten.alias.default}
-
-
-def _val(node):
-    v = node.meta.get("val") if isinstance(node, fx.Node) else None
-    return v if isinstance(v, torch.Tensor) else None
-
-
-def _shape(node) -> tuple | None:
-    v = _val(node)
-    return tuple(v.shape) if v is not None and all(isinstance(d, int) for d in v.shape) else None
 
 
 def _pieces(h: fx.Node) -> list[tuple[fx.Node, int, int]] | None:

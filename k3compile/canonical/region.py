@@ -41,6 +41,12 @@ def shape(node) -> tuple[int, ...] | None:
     return tuple(v.shape) if v is not None else None
 
 
+def static_shape(node) -> tuple[int, ...] | None:
+    """`shape`, or None where a size is symbolic."""
+    v = val(node)
+    return tuple(v.shape) if v is not None and all(isinstance(d, int) for d in v.shape) else None
+
+
 def root(node: fx.Node, through=VIEWS) -> fx.Node:
     """The first node up node's chain of `through` ops."""
     while isinstance(node, fx.Node) and node.op == "call_function" and node.target in through:
