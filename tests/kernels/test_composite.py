@@ -221,9 +221,9 @@ class FusedOps:
         self.gen = gen
         self.norm = _norm_linear_inputs(gen, 1, True)
         self.x = _bf16(gen, 1, HIDDEN)
-        self.wg, self.wu, self.router_w = (_bf16(gen, rows, HIDDEN, scale=HIDDEN ** -0.5)
-                                           for rows in (SHARED, SHARED, EXPERTS))
-        self.down_w = _bf16(gen, LATENT, HIDDEN, scale=HIDDEN ** -0.5)
+        self.wg, self.wu = (_bf16(gen, SHARED, HIDDEN, scale=HIDDEN ** -0.5) for _ in range(2))
+        # [W_r; W_d] in one buffer, as stage `pack` stores them: the split refuses weights apart
+        self.router_w, self.down_w = _packed(gen, EXPERTS, LATENT)
 
     def run(self):
         return (torch.ops.k3.norm_linear(*self.norm),
