@@ -26,17 +26,13 @@ import torch
 from torch import fx
 
 from k3compile.canonical import Rule, rewrite_sites
+from k3compile.canonical.region import val as _val
 from k3compile.graph import fake_value
 
 aten = torch.ops.aten
 _LEADING = {aten.unsqueeze.default, aten.view.default, aten._unsafe_view.default,
             aten.reshape.default}
 _EXPANDS = {aten.expand.default}
-
-
-def _val(node):
-    val = node.meta.get("val") if isinstance(node, fx.Node) else None
-    return val if isinstance(val, torch.Tensor) else None
 
 
 def _is_input(node: fx.Node) -> bool:

@@ -40,6 +40,8 @@ import torch
 from torch import fx
 
 from k3compile.canonical import Rule
+from k3compile.canonical.region import shape as _shape
+from k3compile.canonical.region import val as _val
 from k3compile.graph import call
 from k3compile.rewrite import inductor
 
@@ -48,16 +50,6 @@ _END = 2**63 - 1
 _CAST = torch.ops.prims.convert_element_type.default
 _PERMUTES = {aten.permute.default}
 MAX_POST = 32  # a conv's pointwise tail is a few ops (SiLU decomposed, a cast, a permute)
-
-
-def _val(node):
-    v = node.meta.get("val") if isinstance(node, fx.Node) else None
-    return v if isinstance(v, torch.Tensor) else None
-
-
-def _shape(node) -> tuple[int, ...] | None:
-    v = _val(node)
-    return tuple(v.shape) if v is not None else None
 
 
 def _upcast_of(node):

@@ -62,6 +62,8 @@ from torch import fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from k3compile.canonical import Rule, rewrite_sites
+from k3compile.canonical.region import shape as _shape
+from k3compile.canonical.region import val as _val
 from k3compile.graph import call
 from k3compile.math import depth_mix_scores_fp32, depth_mix_weights
 from k3compile.rewrite import inductor
@@ -83,16 +85,6 @@ _SUM_OPS = _VIEWS | {aten.mul.Tensor, aten.add.Tensor, aten.sum.dim_IntList, ate
                      aten.mm.default, aten.div.Tensor, aten.sub.Tensor}
 REACH = 24  # how far back from the softmax the stacked sources may be
 FORMS = (depth_mix_weights, depth_mix_scores_fp32)  # the canonical mixes, in the order tried
-
-
-def _val(node):
-    val = node.meta.get("val") if isinstance(node, fx.Node) else None
-    return val if isinstance(val, torch.Tensor) else None
-
-
-def _shape(node):
-    val = _val(node)
-    return tuple(val.shape) if val is not None else None
 
 
 def _is(node, target) -> bool:

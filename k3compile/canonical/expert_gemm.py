@@ -34,17 +34,11 @@ import torch
 from torch import fx
 
 from k3compile.canonical import Rule, rewrite_sites
+from k3compile.canonical.region import static_shape as _shape
 from k3compile.rewrite import inductor
 
 aten = torch.ops.aten
 _VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.alias.default}
-
-
-def _shape(node) -> tuple | None:
-    v = node.meta.get("val") if isinstance(node, fx.Node) else None
-    if not isinstance(v, torch.Tensor) or not all(isinstance(d, int) for d in v.shape):
-        return None
-    return tuple(v.shape)
 
 
 def _transparent(node: fx.Node) -> bool:

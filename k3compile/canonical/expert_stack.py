@@ -31,14 +31,10 @@ import torch
 from torch import fx
 
 from k3compile.canonical import Rule, rewrite_sites
+from k3compile.canonical.region import val as _val
 from k3compile.graph import RESHAPES, call
 
 aten = torch.ops.aten
-
-
-def _val(node):
-    v = node.meta.get("val") if isinstance(node, fx.Node) else None
-    return v if isinstance(v, torch.Tensor) else None
 
 
 def _stack_parts(node: fx.Node) -> list[fx.Node] | None:

@@ -34,6 +34,7 @@ from torch import fx
 
 from k3compile.canonical import Rule, rewrite_sites
 from k3compile.canonical.norm_round import _inv_rms
+from k3compile.canonical.region import shape as _shape
 from k3compile.graph import call
 
 aten = torch.ops.aten
@@ -44,11 +45,6 @@ _POINTWISE = {aten.mul.Tensor, aten.div.Tensor, aten.add.Tensor, aten.sub.Tensor
               aten.neg.default, aten.relu.default, aten.reciprocal.default, aten.clamp.default,
               aten.pow.Tensor_Scalar, aten.erf.default, aten.rsqrt.default, aten.sqrt.default,
               torch.ops.prims.convert_element_type.default}
-
-
-def _shape(node) -> tuple[int, ...] | None:
-    val = node.meta.get("val") if isinstance(node, fx.Node) else None
-    return tuple(val.shape) if isinstance(val, torch.Tensor) else None
 
 
 # ---- the pieces a tensor is cut into along its last dim -----------------------------------------

@@ -39,6 +39,7 @@ import torch
 from torch import fx
 
 from k3compile.canonical import Rule, rewrite_sites
+from k3compile.canonical.region import static_shape as _shape
 from k3compile.graph import RESHAPES, call, written_in_place
 
 aten = torch.ops.aten
@@ -87,13 +88,6 @@ def _chain(node: fx.Node) -> list[fx.Node]:
     while _is_view(chain[0]):
         chain.insert(0, chain[0].args[0])
     return chain
-
-
-def _shape(node: fx.Node) -> tuple[int, ...] | None:
-    val = node.meta.get("val")
-    if not isinstance(val, torch.Tensor) or not all(isinstance(s, int) for s in val.shape):
-        return None
-    return tuple(val.shape)
 
 
 def _replay(base: torch.Tensor, ops: list[fx.Node]) -> torch.Tensor | None:

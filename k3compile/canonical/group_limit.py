@@ -28,6 +28,8 @@ import torch
 from torch import fx
 
 from k3compile.canonical import Rule, rewrite_sites
+from k3compile.canonical.region import shape as _shape
+from k3compile.canonical.region import val as _val
 
 aten = torch.ops.aten
 _FILLS = {aten.full.default: 1, aten.full_like.default: 1, aten.new_full.default: 2,
@@ -41,16 +43,6 @@ _VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default,
 _SCATTERS = {aten.scatter.value: "value", aten.scatter.src: "src"}
 _NOTS = {aten.bitwise_not.default, aten.logical_not.default}
 _COMPARES = {aten.eq.Scalar: operator.eq, aten.ne.Scalar: operator.ne}
-
-
-def _val(node):
-    val = node.meta.get("val") if isinstance(node, fx.Node) else None
-    return val if isinstance(val, torch.Tensor) else None
-
-
-def _shape(node) -> tuple | None:
-    val = _val(node)
-    return tuple(val.shape) if val is not None else None
 
 
 def _cast(value, dtype: torch.dtype):

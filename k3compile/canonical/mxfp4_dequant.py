@@ -41,6 +41,7 @@ import torch
 from torch import fx
 
 from k3compile.canonical import Rule, rewrite_sites
+from k3compile.canonical.region import static_shape as _shape
 from k3compile.graph import RESHAPES
 from k3compile.math import E2M1_VALUES, GROUP, e2m1_table, mxfp4_dequant
 from k3compile.rewrite import inductor
@@ -78,13 +79,6 @@ class Stream:
     trail: bool = False
     scale: fx.Node | None = None
     slot: int = 0  # half: which of the two nibble positions it filled
-
-
-def _shape(node) -> tuple | None:
-    v = node.meta.get("val") if isinstance(node, fx.Node) else None
-    if not isinstance(v, torch.Tensor) or not all(isinstance(d, int) for d in v.shape):
-        return None
-    return tuple(v.shape)
 
 
 def _dtype(node) -> torch.dtype | None:

@@ -18,16 +18,10 @@ import torch
 from torch import fx
 
 from k3compile.canonical import Rule, rewrite_sites
+from k3compile.canonical.region import static_shape as _shape
 from k3compile.graph import RESHAPES
 
 aten = torch.ops.aten
-
-
-def _shape(node) -> tuple[int, ...] | None:
-    val = node.meta.get("val") if isinstance(node, fx.Node) else None
-    if not isinstance(val, torch.Tensor) or not all(isinstance(n, int) for n in val.shape):
-        return None
-    return tuple(val.shape)
 
 
 def _is_view(node) -> bool:

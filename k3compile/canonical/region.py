@@ -10,6 +10,8 @@ the largest value: summation order) splices in the function as Inductor's joint 
 which is the form the patterns' searches have. Nothing is replaced where the region reads any
 node other than its inputs (a constant table aside: nodes with no inputs), or already is the
 canonical form.
+
+`val`, `shape` and `static_shape` are the rules' shared readers of a node's fake value.
 """
 
 from __future__ import annotations

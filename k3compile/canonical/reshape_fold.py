@@ -25,6 +25,7 @@ import torch
 from torch import fx
 
 from k3compile.canonical import Rule, rewrite_sites
+from k3compile.canonical.region import shape as _shape
 from k3compile.graph import call
 
 aten = torch.ops.aten
@@ -39,10 +40,6 @@ UNARY = {aten.neg.default, aten.exp.default, aten.sigmoid.default, aten.silu.def
 BINARY = {aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.add.Scalar,
           aten.sub.Scalar, aten.mul.Scalar, aten.div.Scalar, aten.pow.Tensor_Scalar,
           aten.rsub.Scalar, aten.maximum.default, aten.minimum.default}
-
-
-def _shape(node: fx.Node) -> tuple[int, ...]:
-    return tuple(node.meta["val"].shape)
 
 
 def _is_reshape(node: fx.Node) -> bool:

@@ -26,6 +26,7 @@ import torch
 from torch import fx
 
 from k3compile.canonical import Rule, rewrite_sites
+from k3compile.canonical.region import shape as _shape
 from k3compile.graph import call
 
 aten = torch.ops.aten
@@ -36,11 +37,6 @@ MAX_TAPS = 16
 # ops that only re-index a tensor without changing the order of its elements
 _ORDER_KEEPING = {aten.squeeze.dim, aten.squeeze.default, aten.squeeze.dims, aten.unsqueeze.default,
                   aten.view.default, aten.reshape.default, aten._unsafe_view.default}
-
-
-def _shape(node) -> tuple[int, ...] | None:
-    val = node.meta.get("val") if isinstance(node, fx.Node) else None
-    return tuple(val.shape) if isinstance(val, torch.Tensor) else None
 
 
 def _dtype(node) -> torch.dtype | None:

@@ -23,6 +23,7 @@ import torch
 from torch import fx
 
 from k3compile.canonical import Rule, rewrite_sites
+from k3compile.canonical.region import shape as _shape
 from k3compile.graph import RESHAPES, call
 
 aten = torch.ops.aten
@@ -33,10 +34,6 @@ def _only_user(node: fx.Node) -> fx.Node | None:
     return next(iter(node.users)) if len(node.users) == 1 else None
 
 
-def _shape(node: fx.Node) -> list[int]:
-    return list(node.meta["val"].shape)
-
-
 def _stacked(node: fx.Node) -> tuple[list[fx.Node], int] | None:
     """(pieces, dim) where node is `stack(pieces, dim)`, or `view(cat(pieces, dim), shape)` that
     splits the concatenated dim into [G, piece's] (a stack as decompositions write it)."""
@@ -45,11 +42,11 @@ def _stacked(node: fx.Node) -> tuple[list[fx.Node], int] | None:
     if node.target in RESHAPES and isinstance(cat := node.args[0], fx.Node) and \
             cat.target is aten.cat.default and len(cat.users) == 1 and \
             isinstance(cat.args[0], (list, tuple)) and cat.args[0]:
-        pieces, shapes = cat.args[0], {tuple(_shape(x)) for x in cat.args[0]}
+        pieces, shapes = cat.args[0], {_shape(x) for x in cat.args[0]}
         if len(shapes) == 1:
-            shape = list(shapes.pop())
+            shape = shapes.pop()
             c = (cat.args[1] if len(cat.args) > 1 else 0) % len(shape)
-            if _shape(node) == shape[:c] + [len(pieces)] + shape[c:]:
+            if _shape(node) == (*shape[:c], len(pieces), *shape[c:]):
                 return pieces, c
     return None
 
@@ -73,17 +70,16 @@ def _rewrite(graph: fx.Graph, stack: fx.Node, found: tuple[list[fx.Node], int]) 
     with graph.inserting_before(node):
         xs = [x if inner == sorted(inner) else call(graph, aten.permute.default, (x, inner), like=x)
               for x in pieces]
-        tail = _shape(xs[0])[j:]
-        tail[0] *= len(xs)
+        tail = (_shape(xs[0])[j] * len(xs), *_shape(xs[0])[j + 1:])
         k = len(target) - len(tail)
         if k >= 0 and target[k:] == tail:
             xs = [x if _shape(x) == target[:k] + _shape(x)[j:] else
-                  call(graph, aten.view.default, (x, target[:k] + _shape(x)[j:]), like=node)
+                  call(graph, aten.view.default, (x, [*target[:k], *_shape(x)[j:]]), like=node)
                   for x in xs]
             new = call(graph, aten.cat.default, (xs, k - len(target)), like=node)
         else:
             cat = call(graph, aten.cat.default, (xs, j), like=node)
-            new = call(graph, aten.view.default, (cat, target), like=node)
+            new = call(graph, aten.view.default, (cat, list(target)), like=node)
     node.replace_all_uses_with(new)
     return 1
 

@@ -36,6 +36,7 @@ import torch
 from torch import fx
 
 from k3compile.canonical import Rule, rewrite_sites
+from k3compile.canonical.region import shape as _shape
 from k3compile.graph import call
 
 aten = torch.ops.aten
@@ -45,11 +46,6 @@ WRITES = {aten.index_put.default, aten.slice_scatter.default, aten.select_scatte
           aten.scatter.src, aten.index_copy.default}
 # views that keep the values of a 1-D index tensor, one per row
 INDEX_VIEWS = {aten.view.default, aten.unsqueeze.default, aten.reshape.default}
-
-
-def _shape(node) -> tuple | None:
-    val = node.meta.get("val") if isinstance(node, fx.Node) else None
-    return tuple(val.shape) if isinstance(val, torch.Tensor) else None
 
 
 def _reaches_state(node: fx.Node) -> bool:

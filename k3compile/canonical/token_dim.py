@@ -55,6 +55,7 @@ import torch
 from torch import fx
 
 from k3compile.canonical import Rule
+from k3compile.canonical.region import shape as _shape
 from k3compile.canonical.state_write import _reaches_state
 from k3compile.graph import call
 
@@ -76,11 +77,6 @@ REDUCTIONS = frozenset({aten.sum.dim_IntList, aten.mean.dim, aten.amax.default,
                         aten.amin.default})
 VIEWS = frozenset({aten.view.default, aten.reshape.default, aten._unsafe_view.default})
 SPLITS = frozenset({aten.split_with_sizes.default, aten.split.Tensor})
-
-
-def _shape(node) -> tuple | None:
-    val = node.meta.get("val") if isinstance(node, fx.Node) else None
-    return tuple(val.shape) if isinstance(val, torch.Tensor) else None
 
 
 def _lifted_shape(shape: tuple) -> list:

@@ -1,6 +1,6 @@
 """What the skinny-GEMM engines (gemv, gemm_tc) share: their common limits, the torch reference
-(cuBLAS), and the host side of a GEMM launch (`run_gemm`). The router that picks an engine by
-shape is `common.router.linear`.
+(cuBLAS), and the host side of a GEMM launch (`run_gemm`; `run_split` for k3::moe_front's split
+variant). The router that picks an engine by shape is `common.router.linear`.
 
 Constraints shared by both engines:
     * x bf16 [M, K] and W bf16 [N, K] with 16-byte-aligned rows (last dim contiguous, row stride a
@@ -127,3 +127,23 @@ def run_gemm(kernel: Kernel, refusal_of, launch, x, w, residual, out, out_dtype)
 
     return kernel.run(lambda: launch_refusal(refusal_of, x, w, residual, out, out_dtype),
                       lambda: gemm_ref(x, w, residual, out_dtype), kernel_call)
+
+
+def run_split(kernel: Kernel, refusal_of, launch, x, w, split: int, out, out2, op: str):
+    """The host side of an engine's split variant (k3::moe_front over [W_r; W_d]): (x ·
+    w[:split]ᵀ in fp32, x · w[split:]ᵀ in bf16) by `launch(y, y2)` where `refusal_of(outs)` takes
+    the call (`outs` as `outs_refusal` reads them), else torch (`gemm_ref` per piece, reason
+    logged under `op`). `out` and `out2` are written only when the kernel runs."""
+    m, n = len(x), w.shape[0]
+
+    def kernel_call():
+        y = x.new_empty((m, split), dtype=torch.float32) if out is None else out
+        y2 = x.new_empty((m, n - split)) if out2 is None else out2
+        launch(y, y2)
+        return y, y2
+
+    return kernel.run(
+        lambda: refusal_of([(out, (m, split), torch.float32),
+                            (out2, (m, n - split), torch.bfloat16)]),
+        lambda: (gemm_ref(x, w[:split], out_dtype=torch.float32),
+                 gemm_ref(x, w[split:], out_dtype=torch.bfloat16)), kernel_call, op=op)

@@ -51,7 +51,7 @@ from .dsl import (
     runtime_refusal,
     unaligned16,
 )
-from .gemm import gemm_ref, gemm_refusal, load_tuned, outs_refusal, run_gemm
+from .gemm import gemm_ref, gemm_refusal, load_tuned, outs_refusal, run_gemm, run_split
 from .launch import Kernel
 
 OP = "gemm_tc"
@@ -352,20 +352,11 @@ def gemm_tc_split_cuda(x, w, split, *, out=None, out2=None, cfg: Config | None =
     """(x · w[:split]ᵀ in fp32, x · w[split:]ᵀ in bf16) in one launch (k3::moe_front over the
     packed [W_r; W_d]): the plain kernel's sums over w at the same config, stored as two calls
     would; torch (reason logged) when refused. `cfg` overrides `config()` (tests)."""
-    fusion, m, n = Fusion(split=split), len(x), w.shape[0]
-
-    def launch():
-        y = x.new_empty((m, split), dtype=torch.float32) if out is None else out
-        y2 = x.new_empty((m, n - split)) if out2 is None else out2
-        _launch(fusion, x, w, True, y, y2, None, None, cfg=cfg)
-        return y, y2
-
-    return KERNEL.run(
-        lambda: fused_launch_refusal(fusion, x, w, out_dtype=torch.float32,
-                                     outs=[(out, (m, split), torch.float32),
-                                           (out2, (m, n - split), torch.bfloat16)]),
-        lambda: (gemm_ref(x, w[:split], out_dtype=torch.float32),
-                 gemm_ref(x, w[split:], out_dtype=torch.bfloat16)), launch, op="gemm_tc_split")
+    fusion = Fusion(split=split)
+    return run_split(
+        KERNEL, lambda outs: fused_launch_refusal(fusion, x, w, out_dtype=torch.float32, outs=outs),
+        lambda y, y2: _launch(fusion, x, w, True, y, y2, None, None, cfg=cfg),
+        x, w, split, out, out2, op="gemm_tc_split")
 
 
 def gemm_tc_situ_cuda(x, w, beta, linear_beta, *, out=None, cfg: Config | None = None):

@@ -62,6 +62,7 @@ from .gemm import (  # noqa: F401  (launch_refusal: the fused ops check their we
     launch_refusal,
     load_tuned,
     run_gemm,
+    run_split,
 )
 from .launch import Kernel
 
@@ -406,17 +407,8 @@ def gemv_split_cuda(x, w, split, *, out=None, out2=None):
     """(x · w[:split]ᵀ in fp32, x · w[split:]ᵀ in bf16) in one launch (k3::moe_front over the
     cached [W_r; W_d]): the sums of two `gemv_cuda` calls, stored as each would; torch (reason
     logged) when refused."""
-    fusion, m, n = Fusion(split=split), len(x), w.shape[0]
-
-    def launch():
-        y = x.new_empty((m, split), dtype=torch.float32) if out is None else out
-        y2 = x.new_empty((m, n - split)) if out2 is None else out2
-        _launch(fusion, x, w, None, True, y, y2, None, None, None, None)
-        return y, y2
-
-    return KERNEL.run(
-        lambda: fused_launch_refusal(fusion, x, w, out_dtype=torch.float32,
-                                     outs=[(out, (m, split), torch.float32),
-                                           (out2, (m, n - split), torch.bfloat16)]),
-        lambda: (gemm_ref(x, w[:split], out_dtype=torch.float32),
-                 gemm_ref(x, w[split:], out_dtype=torch.bfloat16)), launch, op="gemv_split")
+    fusion = Fusion(split=split)
+    return run_split(
+        KERNEL, lambda outs: fused_launch_refusal(fusion, x, w, out_dtype=torch.float32, outs=outs),
+        lambda y, y2: _launch(fusion, x, w, None, True, y, y2, None, None, None, None),
+        x, w, split, out, out2, op="gemv_split")
