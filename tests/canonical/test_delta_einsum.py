@@ -118,15 +118,16 @@ def test_scale_of_the_output_moves_onto_q(fn):
 
 
 def test_scaled_reads_of_one_q_scale_it_once():
-    """two reads of one [B, T, H, K] q (two states), each output scaled: q is scaled once. (Rows
-    t > 0 of a T > 1 tensor are not used here: the read rule's splice of a non-contiguous row
-    raises on them, its own limit, whatever the scale.)"""
+    """reads of one [B, T, H, K] q (two states, two tokens), each output scaled: q is scaled
+    once (row 1 of a T = 2 q is a non-contiguous view: its read keeps the clone it has)"""
     def two(S, q4):
-        return (delta_einsum.read(S, q4[:, 0]) * C, delta_einsum.read(S * 0.5, q4[:, 0]) * C)
+        return (delta_einsum.read(S, q4[:, 0]) * C, delta_einsum.read(S * 0.5, q4[:, 0]) * C,
+                delta_einsum.read(S, q4[:, 1]) * C)
 
     args = _args_q()
+    args[1] = torch.cat([args[1], args[1].flip(0)], dim=1)  # [B, 2, H, K]
     before, after, n = _rewrite(two, *args)
-    assert n >= 2
+    assert n >= 3
     scales = [n for n in after.graph.nodes if str(n.target) == "aten.mul.Tensor" and C in n.args]
     assert len(scales) == 1 and scales[0].args[0].op == "placeholder"
     for got, want in zip(after(*args), before(*args), strict=True):
