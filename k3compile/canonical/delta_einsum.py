@@ -11,7 +11,10 @@ fp32 matrix S [B, H, K, V] and a 3-D vector x [B, H, K], read back through views
 4-D `mul` of two view chains of 3-D tensors that each insert a unit dim. Taken only where the
 region, run on random values (`canonical.region`), equals the canonical product: the read within
 1e-5 of the largest value (fp32 summation order), the write exactly. A matrix-vector product
-over V, a product of other ranks or dtypes, a mul that is no outer product: left alone.
+over V, a product of other ranks or dtypes, a mul that is no outer product: left alone. A
+read of a token's row `x[:, t]` (t > 0) of a [B, T, H, K] tensor is a non-contiguous vector,
+whose canonical lowering has a clone (as the patterns traced over T tokens have it):
+`region.replace` traces the canonical form on the vector's strides there.
 
 The query scale: `o = einsum("bhkv,bhk->bhv", S, q) * c` (a spelling that scales the output, as
 the red-team spelling's KDA layer does) -> the product of S and `q * c`, the canonical form's

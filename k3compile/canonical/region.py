@@ -137,6 +137,30 @@ def agrees(inputs: list[fx.Node], output: fx.Node, region: list[fx.Node], fn, rt
         return float((got.float() - want.float()).abs().max()) <= rtol * scale
 
 
+def _trace(fn, fakes: list[torch.Tensor]) -> fx.GraphModule:
+    """fn traced on contiguous inputs, as the patterns' example inputs are (the lowering, which
+    permutes need a clone, then is the one their searches have); on inputs of the real strides
+    where that lowering cannot view them (a token's row `q[:, t]` of a [B, T, H, K] q, t > 0:
+    there the patterns, traced over all T tokens, have the clone too)."""
+    with torch._guards.detect_fake_mode(fakes):
+        dense = [torch.empty(f.shape, dtype=f.dtype, device=f.device) for f in fakes]
+        gm = inductor.fwd_only_joint(fn, dense)
+        if all(f.is_contiguous() for f in fakes):
+            return gm
+        strided = [torch.empty_strided(f.shape, f.stride(), dtype=f.dtype, device=f.device)
+                   for f in fakes]
+        return gm if _runs(gm, strided) else inductor.fwd_only_joint(fn, strided)
+
+
+def _runs(gm: fx.GraphModule, args: list[torch.Tensor]) -> bool:
+    """gm's views can read args (as laid out)."""
+    try:
+        gm(*args)
+    except (RuntimeError, ValueError):  # "Cannot view a tensor ..." (ValueError under fake)
+        return False
+    return True
+
+
 def replace(inputs: list[fx.Node], output: fx.Node, fn, rtol: float, cache: dict,
             key=None) -> fx.Node | None:
     """Splice fn's traced form in place of output where the region between inputs and output
@@ -144,14 +168,9 @@ def replace(inputs: list[fx.Node], output: fx.Node, fn, rtol: float, cache: dict
     region = nodes_between(inputs, output)
     if region is None:
         return None
-    key = (key, *((shape(x), val(x).dtype) for x in inputs))
+    key = (key, *((shape(x), val(x).dtype, val(x).stride()) for x in inputs))
     if key not in cache:
-        fakes = [val(x) for x in inputs]
-        with torch._guards.detect_fake_mode(fakes):
-            # contiguous, as the patterns' example inputs are: the lowering (which permutes need
-            # a clone) then is the one their searches have
-            fakes = [torch.empty(f.shape, dtype=f.dtype, device=f.device) for f in fakes]
-            cache[key] = inductor.fwd_only_joint(fn, fakes)
+        cache[key] = _trace(fn, [val(x) for x in inputs])
     gm = cache[key]
     body = [n for n in gm.graph.nodes if n.op == "call_function"]
     if _signature(region) == _signature(body) or not agrees(inputs, output, region, fn, rtol):

@@ -279,34 +279,77 @@ class _CommutativeCall(CallFunction):
     """A binary add/mul that also matches with its operands swapped (`h * w` and `w * h`, `a + b`
     and `b + a` are one op to the model's author, two graphs to a positional matcher). The
     written order is tried first; a failed try leaves no trace in the match context. Where both
-    fail, the failure of the order that matched more of the pattern is reported (the near miss
-    names the condition that stopped the right order, not the wrong order's first operand)."""
+    fail, the failure of the order that got further is reported (`_attempt`), so that the near
+    miss names the node where the right order differs, not the wrong order's first operand."""
 
     def _match(self, node, ctx):
-        saved = dict(ctx.pattern_to_node), list(ctx.exclusive_node_set)
-        first = super()._match(node, ctx)
-        if is_match(first) or len(self.args) != 2:
-            return first
-        first_depth = len(ctx.pattern_to_node)
+        if len(self.args) != 2:
+            return super()._match(node, ctx)
         swapped = self.__dict__.get("_swapped")
         if swapped is None:
             swapped = self._swapped = CallFunction(self.fns, self.args[1], self.args[0],
                                                    _users=self.users, **self.kwargs)
             swapped._match_users = self._match_users  # the user check knows us, not the twin
+        saved = dict(ctx.pattern_to_node), list(ctx.exclusive_node_set)
+        tries = []
+        for order in (self, swapped):
+            _restore(ctx, saved)
+            result, rank = _attempt(order, node, ctx, saved)
+            if is_match(result):
+                return result
+            tries.append((rank, result))
         _restore(ctx, saved)
-        second = CallFunction._match(swapped, node, ctx)
-        if is_match(second):
-            return second
-        second_depth = len(ctx.pattern_to_node)
-        _restore(ctx, saved)
-        return second if _progress(second, second_depth) > _progress(first, first_depth) else first
+        return max(tries, key=lambda t: t[0])[1]
 
 
-def _progress(failure, depth: int) -> tuple[int, int]:
-    """How far a failed order got: a failure past the operands' ops (e.g. multiple_users on an
-    inner node: the structure matched) over a function_mismatch, then pattern nodes bound."""
-    head = str(getattr(failure, "format_string", ""))
-    return 0 if head.startswith("function_mismatch") else 1, depth
+def _attempt(order: CallFunction, node, ctx, saved) -> tuple:
+    """(result, rank) of one operand order of a commutative op; a failure's rank says how far
+    it got. A user-count failure is checked against the structure first (the same order, user
+    counts ignored): where the structure matches, only an intermediate's users differ (an escape,
+    ranked first); where it does not, the user count was met at a node the pattern does not have
+    there (the wrong order's operand: the outer product meeting the decayed state), and the
+    structural failure stands for the order. Otherwise: pattern ops visited, then a mismatch at
+    a node over one at a constant (the operands in the other order)."""
+    result = CallFunction._match(order, node, ctx)
+    if is_match(result):
+        return result, None
+    if _head(result) == "multiple_users":
+        users = result
+        _restore(ctx, saved)
+        with users_ignored(ctx):
+            result = CallFunction._match(order, node, ctx)
+        if is_match(result):
+            return users, (1, _visited(ctx, saved), 1)
+    at_constant = _head(result) == "function_mismatch" and not isinstance(
+        (getattr(result, "args", ()) or (None,))[0], torch.fx.Node)
+    return result, (0, _visited(ctx, saved), 0 if at_constant else 1)
+
+
+def _head(failure) -> str:
+    return str(getattr(failure, "format_string", "")).split(" ")[0].split(":")[0]
+
+
+def _visited(ctx, saved) -> int:
+    """The pattern ops met since `saved` (matched or not)."""
+    return sum(1 for p in ctx.pattern_to_node if p not in saved[0] and isinstance(p, CallFunction))
+
+
+class _AnyOutput(list):
+    """`ctx.outputs` while user counts are ignored: Inductor's user check passes any user count
+    at a pattern output."""
+
+    def __contains__(self, pattern) -> bool:
+        return True
+
+
+@contextlib.contextmanager
+def users_ignored(ctx):
+    """Match in ctx with every pattern node's user count ignored (the structure alone)."""
+    outputs, ctx.outputs = ctx.outputs, _AnyOutput(ctx.outputs)
+    try:
+        yield
+    finally:
+        ctx.outputs = outputs
 
 
 def _restore(ctx, saved) -> None:
@@ -335,10 +378,24 @@ class _ExplainingContext(MatchContext):
 
 
 def match(expr, node):
-    """expr.match(node), with the repeated-value failure naming its node."""
+    """expr.match(node), with the repeated-value failure naming its node. A user-count failure
+    gives way to the structure's (the match again, user counts ignored) where the structure
+    differs too: the near miss names the node where the site really differs from the pattern,
+    not a shared intermediate met on the way (a pattern op tried at the wrong node)."""
+    m = _match(expr, node, users=True)
+    if not is_match(m) and _head(m) == "multiple_users":
+        structural = _match(expr, node, users=False)
+        if not is_match(structural):
+            return structural
+    return m
+
+
+def _match(expr, node, users: bool):
     outputs = list(expr.outputs) if isinstance(expr, MultiOutputPattern) else [expr]
+    ctx = _ExplainingContext(outputs, graph=node.graph)
     try:
-        return _ExplainingContext(outputs, graph=node.graph).match(expr, node)
+        with contextlib.nullcontext() if users else users_ignored(ctx):
+            return ctx.match(expr, node)
     except FailedMatch as e:
         return e
 

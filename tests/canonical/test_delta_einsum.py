@@ -8,7 +8,10 @@ import functools
 import pytest
 import torch
 
+from k3compile.backend import last_compiled
 from k3compile.canonical import delta_einsum
+from tests.canonical.compiled import canonicalize
+from tests.canonical.router_spellings import only
 from tests.canonical.rule_checks import rewrite
 from tests.conftest import rel_err
 from tests.fusions.pattern_checks import graph, targets
@@ -115,15 +118,16 @@ def test_scale_of_the_output_moves_onto_q(fn):
 
 
 def test_scaled_reads_of_one_q_scale_it_once():
-    """two reads of one [B, T, H, K] q (two states), each output scaled: q is scaled once. (Rows
-    t > 0 of a T > 1 tensor are not used here: the read rule's splice of a non-contiguous row
-    raises on them, its own limit, whatever the scale.)"""
+    """reads of one [B, T, H, K] q (two states, two tokens), each output scaled: q is scaled
+    once (row 1 of a T = 2 q is a non-contiguous view: its read keeps the clone it has)"""
     def two(S, q4):
-        return (delta_einsum.read(S, q4[:, 0]) * C, delta_einsum.read(S * 0.5, q4[:, 0]) * C)
+        return (delta_einsum.read(S, q4[:, 0]) * C, delta_einsum.read(S * 0.5, q4[:, 0]) * C,
+                delta_einsum.read(S, q4[:, 1]) * C)
 
     args = _args_q()
+    args[1] = torch.cat([args[1], args[1].flip(0)], dim=1)  # [B, 2, H, K]
     before, after, n = _rewrite(two, *args)
-    assert n >= 2
+    assert n >= 3
     scales = [n for n in after.graph.nodes if str(n.target) == "aten.mul.Tensor" and C in n.args]
     assert len(scales) == 1 and scales[0].args[0].op == "placeholder"
     for got, want in zip(after(*args), before(*args), strict=True):
@@ -157,3 +161,49 @@ def test_other_scales_stay(fn, dtype):
                          torch.utils._pytree.tree_leaves(before(*args)), strict=True):
         assert got.dtype == want.dtype and got.shape == want.shape
         assert rel_err(got, want) == 0
+
+
+# ---- token rows t > 0 of a [B, T, H, K] q (the verify buckets, T > 1) ----
+
+
+def _rows(S, q4, k, u):
+    """each token's read of one [B, T, H, K] q: a row t > 0 is a non-contiguous [B, H, K] view,
+    whose canonical lowering has a clone; among them, spellings the rule rewrites: a swapped read
+    of the last row, a scaled read of row 0, a swapped write"""
+    T = q4.shape[1]
+    return (*(delta_einsum.read(S, q4[:, t]) for t in range(T)),
+            torch.einsum("bhk,bhkv->bhv", q4[:, T - 1], S),
+            delta_einsum.read(S, q4[:, 0]) * C,
+            torch.einsum("bhk,bhv->bhkv", k, u))
+
+
+def _args_rows(T):
+    g = torch.Generator().manual_seed(2)
+    return [torch.randn(s, generator=g) for s in ((B, H, K, K), (B, T, H, K), (B, H, K), (B, H, K))]
+
+
+@pytest.mark.parametrize("T", [2, 8])
+def test_rows_of_a_multi_token_q(T):
+    """the canonical reads of rows t > 0 stay as they are (no splice of the contiguous lowering,
+    which cannot view them); the swapped read, the scale and the write are rewritten"""
+    args = _args_rows(T)
+    before, after, n = _rewrite(_rows, *args)
+    assert n == 3
+    assert targets(after).count("aten.clone.default") == targets(before).count("aten.clone.default")
+    for got, want in zip(after(*args), _rows(*args), strict=True):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert rel_err(got, want) <= 2e-7
+
+
+@pytest.mark.parametrize("T", [2, 8])
+def test_rows_of_a_multi_token_q_compiled(T):
+    """under backend="k3" the rule runs to the end (not undone for the compile): its rewrites are
+    counted and the compiled step equals eager"""
+    args = _args_rows(T)
+    c = canonicalize(_rows, dict(zip(("S", "q4", "k", "u"), args)), **only("delta_einsum"))
+    assert c.counts["delta_einsum"] == 3
+    (report,) = last_compiled().observer.reports.values()
+    assert not report.reverted
+    for got, want in zip(c.output, _rows(*args), strict=True):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert rel_err(got, want) <= 2e-7

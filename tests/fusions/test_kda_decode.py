@@ -7,7 +7,11 @@ import pytest
 import torch
 from k3compile.patterns import kda_decode
 
+from k3compile import canonical
+from k3compile.graph import call
 from k3compile.rewrite import apply_patterns, inductor
+from k3compile.rewrite.near_miss import op_label
+from k3compile.stages import canonicalize as canonicalize_stage
 
 from .attention_checks import escape, family, one_thread, step_pair  # noqa: F401
 from .pattern_checks import assert_near_miss, graph
@@ -187,3 +191,60 @@ def test_unsqueeze_and_unit_view_are_one_op(spelled):
     assert [h.op for h in report.hits] == ["k3.kda_decode"], report.near_misses[:3]
     for g, w in zip(gm(*copies()), want):
         torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+# ---- a near miss names the op that differs (the built-in model's KDA block, one op changed) ----
+
+def _sigmoid_written_out(graph: torch.fx.Graph) -> torch.fx.Node:
+    """The decay's sigmoid as `1 / (1 + exp(-x))` traces (reciprocal(add(exp(neg)))), left as
+    written (what rule `sigmoid`, switched off, leaves); returns the reciprocal."""
+    aten = torch.ops.aten
+    sig = next(n for n in graph.nodes if n.target is aten.sigmoid.default
+               and any(isinstance(a, float) for u in n.users for a in u.args))  # lower_bound * σ
+    x = sig.args[0]
+    with graph.inserting_before(sig):
+        e = call(graph, aten.exp.default, (call(graph, aten.neg.default, (x,), like=x),), like=x)
+        new = call(graph, aten.reciprocal.default, (call(graph, aten.add.Tensor, (e, 1), like=x),),
+                   like=sig)
+    sig.replace_all_uses_with(new)
+    graph.erase_node(sig)
+    return new
+
+
+def _rate_expanded(graph: torch.fx.Graph) -> torch.fx.Node:
+    """exp(A_log).view(H, 1) broadcast by an explicit expand to [H, K] (the same product);
+    returns the expand."""
+    aten = torch.ops.aten
+    view = next(n for n in graph.nodes if n.target is aten.view.default
+                and n.args[0].target is aten.exp.default and len(n.meta["val"].shape) == 2)
+    (mul,) = view.users
+    K = next(a for a in mul.args if a is not view).meta["val"].shape[-1]
+    with graph.inserting_after(view):
+        new = call(graph, aten.expand.default, (view, [view.meta["val"].shape[0], K]), like=view)
+    mul.replace_input_with(view, new)
+    return new
+
+
+@pytest.mark.parametrize("change", [_sigmoid_written_out, _rate_expanded],
+                         ids=lambda f: f.__name__.strip("_"))
+def test_near_miss_names_the_changed_op(change, monkeypatch):
+    """The built-in KDA block under backend="k3" with one op of its step changed after the
+    canonical rules: the step no longer fuses, the values hold, and the near miss of the variant
+    of its batch names the changed node (not a shared intermediate met on the way, as the
+    decayed state's user count was)."""
+    changed = []
+
+    def rules():
+        return (*canonical.all_rules(),
+                canonical.Rule("change", lambda g: changed.append(change(g)) or 1, "test"))
+
+    monkeypatch.setattr(canonicalize_stage, "all_rules", rules)
+    want, got, _, _, report = step_pair("kda", torch.bfloat16, 2, 1, 1, "kda_decode")
+    assert not report.hits
+    for w, g in zip(want, got):
+        torch.testing.assert_close(g, w, rtol=2e-2, atol=2e-2)
+    (node,) = changed
+    misses = [nm for nm in report.near_misses if nm.pattern.startswith("kda_decode[T=1,B=n,")]
+    assert len(misses) == 6  # the batch's variants: fp32 / bf16, silu written out, fla's norm
+    for miss in misses:
+        assert miss.reason.startswith(f"function_mismatch: {node.name} ({op_label(node)} "), miss
