@@ -97,10 +97,18 @@ def norm_rms_config(k: int, tokens: int):
     return rms_config(k, max(8, tokens))
 
 
+def norm_weight_vectors(cfg: Config, k: int) -> int:
+    """16-byte vectors of the norm weight that one CTA's K slices span (the most any split
+    gets: an even share of the K tiles, rounded up)."""
+    return -(-(-(-k // TILE_K)) // cfg.splits) * (TILE_K // 8)
+
+
 def norm_smem_bytes(cfg: Config, k: int) -> int:
     """Shared memory of the norm prologue besides `smem_bytes`: rstd and the rms_norm kernel's
-    warp totals of each token (fp32), two 16-byte alignments."""
-    return 4 * cfg.tile_tokens * (1 + norm_rms_config(k, cfg.tile_tokens).threads // 32) + 32
+    warp totals of each token (fp32), the norm weight of the CTA's K slices (bf16), three
+    16-byte alignments."""
+    return (4 * cfg.tile_tokens * (1 + norm_rms_config(k, cfg.tile_tokens).threads // 32) +
+            16 * norm_weight_vectors(cfg, k) + 48)
 
 
 def bucket(m: int) -> int:

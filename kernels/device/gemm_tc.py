@@ -24,6 +24,7 @@ from ..common.gemm_tc import (
     _partial_stride,
     _w_buffer_elems,
     norm_rms_config,
+    norm_weight_vectors,
 )
 
 
@@ -47,6 +48,7 @@ class GemmTC:
         self.fusion, self.half = fusion, cfg.tile_rows // 2
         # norm: the rms_norm kernel's config at these rows (its summation order)
         self.rms = norm_rms_config(k, self.tokens) if fusion.norm else None
+        self.g_vectors = norm_weight_vectors(cfg, k) if fusion.norm else 0
 
     def operands(self, mX: cute.Tensor, mW: cute.Tensor):
         """The MMA, the shared-memory layouts and the TMA atoms of x and W (with SiTU, W's
@@ -92,6 +94,8 @@ class GemmTC:
                 rstd: cute.struct.Align[cute.struct.MemRange[Float32, self.tokens], 16]
                 part: cute.struct.Align[  # the rms_norm kernel's warp totals of each token
                     cute.struct.MemRange[Float32, self.tokens * rms_warps], 16]
+                g: cute.struct.Align[  # the norm weight of this CTA's K slices
+                    cute.struct.MemRange[BFloat16, 8 * self.g_vectors], 16]
 
             self.storage = NormStorage
         return tiled_mma, sW_layout, sX_layout, sWt_layout, tma_w, tW, tma_x, tX
@@ -225,20 +229,28 @@ class GemmTC:
                     sRstd[m] = cute.math.rsqrt(total / self.k + eps, fastmath=True)
 
     @cute.jit
-    def load_norm_weight(self, mG: cute.Tensor, rG: cute.Tensor, k_slice, tidx):
-        """rG (8,): the norm weight of this thread's 8 columns tidx % 8 · 8... of K slice
-        `k_slice` (zero past K: the TMA zero-fills x there)."""
-        vec = k_slice * (TILE_K // 8) + tidx % (TILE_K // 8)
-        rG.fill(0)
-        if vec < self.k // 8:
-            cute.autovec_copy(vectors(mG)[None, vec], rG[None, 0])
+    def load_norm_weight(self, mG: cute.Tensor, sG: cute.Tensor, rG: cute.Tensor, k_first,
+                         k_count, tidx):
+        """sG (8, vectors): the norm weight of this CTA's K slices k_first... (k_count of
+        them; zero past K, where the TMA zero-fills x), copied once before the main loop, so
+        no stage waits on a global load of it (the version that loaded each slice's vector
+        from global memory before the stage's wait ran at 0.43x the two launches on the H200,
+        BENCHMARKS.md session 22)."""
+        first = k_first * (TILE_K // 8)
+        for i in cutlass.range(tidx, k_count * (TILE_K // 8), THREADS, unroll=1):
+            rG.fill(0)
+            if first + i < self.k // 8:
+                cute.autovec_copy(vectors(mG)[None, first + i], rG[None, 0])
+            sG[None, i].store(rG[None, 0].load())
 
     @cute.jit
-    def normalize(self, sX: cute.Tensor, stage, rG: cute.Tensor, sRstd: cute.Tensor, tidx):
-        """Rewrite x stage `stage` in place to x̂ = bf16(g · bf16(x · rstd_m)) (the rms_norm
-        kernel's roundings), through sX so that the swizzle is the TMA's and the MMA's. Thread
-        t takes the 8 columns (t % 8)·8... of tokens t // 8, t // 8 + 16, ..."""
-        g = rG[None, 0].load().to(Float32)
+    def normalize(self, sX: cute.Tensor, stage, sG: cute.Tensor, k_slice, sRstd: cute.Tensor,
+                  tidx):
+        """Rewrite x stage `stage` (the CTA's K slice `k_slice`, counted from its first) in
+        place to x̂ = bf16(g · bf16(x · rstd_m)) (the rms_norm kernel's roundings), through sX
+        so that the swizzle is the TMA's and the MMA's. Thread t takes the 8 columns
+        (t % 8)·8... of tokens t // 8, t // 8 + 16, ..."""
+        g = sG[None, k_slice * (TILE_K // 8) + tidx % (TILE_K // 8)].load().to(Float32)
         col = (tidx % (TILE_K // 8)) * 8
         per_pass = THREADS // (TILE_K // 8)  # tokens a pass covers: 16
         for p in cutlass.range_constexpr(-(-self.tokens // per_pass)):
@@ -325,27 +337,26 @@ class GemmTC:
                     self.load_slice(pipe, loads, tma_w, tWgW, tWsW, tma_x, tXgX, tXsX,
                                     k_first)
                     loads.advance()
-        sRstd, rG = None, None
+        sRstd, sG = None, None
         if const_expr(self.fusion.norm):
             # rstd of the tile's tokens while the first stages land (x read again, from L2)
             sRstd = storage.rstd.get_tensor(cute.make_layout(self.tokens))
             n_warps = self.rms.threads // 32
             sPart = storage.part.get_tensor(cute.make_layout((self.tokens, n_warps),
                                                              stride=(n_warps, 1)))
-            rG = make_frag(BFloat16, 1)  # (8, 1)
+            sG = storage.g.get_tensor(cute.make_layout((8, self.g_vectors), stride=(1, 8)))
+            self.load_norm_weight(mG, sG, make_frag(BFloat16, 1), k_first, k_count, tidx)
             self.row_rstd(mX, eps, sPart, sRstd, warp, cute.arch.lane_idx())
             cute.arch.barrier()
         reads = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
         for _ in cutlass.range(k_count, unroll=1):
-            if const_expr(self.fusion.norm):
-                self.load_norm_weight(mG, rG, k_first + reads.count, tidx)
             pipe.consumer_wait(reads)
             if const_expr(self.fusion.norm):
                 # x̂ in place: the TMA's bytes are visible after the wait; the threads' stores
                 # reach the MMA's async proxy through the fence, every thread's through the
                 # barrier
-                self.normalize(sX, reads.index, rG, sRstd, tidx)
+                self.normalize(sX, reads.index, sG, reads.count, sRstd, tidx)
                 cute.arch.fence_view_async_shared()
                 cute.arch.barrier()
             warpgroup.fence()
