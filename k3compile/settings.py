@@ -20,7 +20,7 @@ DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 GEMV_VARIANTS = ("norm", "situ", "gate", "split")
 GEMV_DEFAULT = frozenset({"norm", "situ", "gate", "split"})
 GEMM_TC_VARIANTS = ("split", "situ", "norm")
-GEMM_TC_DEFAULT: frozenset[str] = frozenset()  # opt-in until the H200 has run them (session 21)
+GEMM_TC_DEFAULT = frozenset({"split", "situ"})  # norm loses on the H200 (docs/decisions.md)
 ALLREDUCE_ALGORITHMS = ("one_shot", "two_shot", "nccl")
 
 _TRUE = ("1", "true", "yes", "on")
@@ -43,8 +43,8 @@ SWITCHES: dict[str, tuple[str, str]] = {
                         "K3_KERNELS_EXTRA=moe_front_route)"), "0"),
     "K3_GEMV_FUSED": ("kernels: gemv's one-launch variants (`norm,situ,gate,split`, `all`, `0`)",
                       "norm,situ,gate,split"),
-    "K3_GEMM_TC_FUSED": (("kernels: gemm_tc's one-launch variants at 2-64 rows (`split,situ,norm`, "
-                          "`all`, `0`)"), "0"),
+    "K3_GEMM_TC_FUSED": (("kernels: gemm_tc's one-launch variants at 2-8 rows (`split,situ,norm`, "
+                          "`all`, `0`)"), "split,situ"),
     "K3_MOE_GROUPED": ("kernels: `moe_experts` by expert on tensor cores at 8-64 rows", "0"),
     "K3_MOE_F16": ("kernels: `moe_experts` FC1 decodes into packed fp16 math (fma.rn.f16x2)", "0"),
     "K3_KDA_FB": (("kernels: `fb_kda_decode` in one launch (the KDA kernel computes the f_b "
@@ -280,7 +280,7 @@ class KernelSettings:
     pdl: bool = True
     pdl_max_rows: int = 4
     gemv_fused: frozenset[str] = GEMV_DEFAULT
-    gemm_tc_fused: frozenset[str] = GEMM_TC_DEFAULT  # the composites' variants at 2-64 rows
+    gemm_tc_fused: frozenset[str] = GEMM_TC_DEFAULT  # the composites' variants at 2-8 rows
     extra: tuple[str, ...] = ()
     skip: tuple[str, ...] = ()
     allreduce: str | None = None

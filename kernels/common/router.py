@@ -28,10 +28,11 @@ def tensor_cores() -> bool:
 
 def tc_fused_takes(x, variant: str, n: int) -> bool:
     """Whether a composite with rows x over a weight of n rows takes gemm_tc's one-launch
-    `variant`: settings.KERNELS.gemm_tc_fused names it and `linear` would run gemm_tc on that
-    weight at this M (above GEMV_MAX_M, tensor cores on, `gemm_tc.prefers` the shape)."""
+    `variant`: settings.KERNELS.gemm_tc_fused names it, M is at most `gemm_tc.FUSED_MAX_M`
+    and `linear` would run gemm_tc on that weight at this M (above GEMV_MAX_M, tensor cores on,
+    `gemm_tc.prefers` the shape)."""
     return (variant in KERNELS.gemm_tc_fused and x.dim() == 2 and x.is_cuda
-            and GEMV_MAX_M < x.shape[0] <= gemm_tc.MAX_M and tensor_cores()
+            and GEMV_MAX_M < x.shape[0] <= gemm_tc.FUSED_MAX_M and tensor_cores()
             and gemm_tc.prefers(n, x.shape[1], x.shape[0]))
 
 
