@@ -63,12 +63,27 @@ from k3compile.models.config import K3Config
 
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
 MX_GROUP = 32
+# idioms `Spell5K3.set_probe` can switch to another spelling of the same math, to bisect a lost
+# fusion (docs/spell5_spelling.md): name -> what the probe writes instead
+PROBES = {
+    "kda_einsum": "the delta rule as einsums over [B, H, K, V] instead of bmm over [B*H, K, V]",
+    "kda_put": "the recurrent state written with state[slots] = ... instead of index_copy_",
+    "conv1d": "the short conv as F.conv1d over the channel-major window instead of unfold",
+    "mla_einsum": "q_lat and the scores as einsums (latent + rope parts, no cat of q)",
+    "mla_put": "the latent cache row written with cache[slots, pos] = ... (no flat slot mapping)",
+    "moe_batched": "the routed experts over all k slots at once ([N, k] gathers, one finalize)",
+    "dequant": "the dequant as lut[lo], lut[hi] stacked and exp2(scale - 127)",
+}
 
 
 def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float) -> torch.Tensor:
     g, u = gate.float(), up.float()
     act = beta * torch.tanh(g / beta) * torch.sigmoid(g) * (linear_beta * torch.tanh(u / linear_beta))
     return act.to(gate.dtype)
+
+
+class Probed(nn.Module):
+    probes: frozenset[str] = frozenset()
 
 
 class RMSNorm(nn.Module):
@@ -99,7 +114,7 @@ class DepthMix(nn.Module):
         return mixed.to(prefix.dtype)
 
 
-class KDA(nn.Module):
+class KDA(Probed):
     def __init__(self, cfg: K3Config):
         super().__init__()
         self.n_heads, self.head_dim = cfg.kda_num_heads, cfg.kda_head_dim
@@ -142,8 +157,12 @@ class KDA(nn.Module):
         qkv = torch.cat([self.wq(x), self.wk(x), self.wv(x)], dim=-1)       # [B, T, 3W]
         window = torch.cat([self.conv_state[slots], qkv], dim=1)             # [B, 3+T, 3W]
         self.conv_state[slots] = window[:, t:]
-        windows = window.unfold(1, self.conv_len, 1)                         # [B, T, 3W, 4]
-        qkv = F.silu((windows * self.conv_taps).sum(-1))
+        if "conv1d" in self.probes:
+            qkv = F.silu(F.conv1d(window.transpose(1, 2), self.conv_taps.unsqueeze(1),
+                                  groups=3 * self.width)).transpose(1, 2)
+        else:
+            windows = window.unfold(1, self.conv_len, 1)                     # [B, T, 3W, 4]
+            qkv = F.silu((windows * self.conv_taps).sum(-1))
         q, k, v = (self.heads(y).float() for y in qkv.split(self.width, dim=-1))
         q = self.l2norm(q) * dk ** -0.5
         k = self.l2norm(k)
@@ -154,6 +173,8 @@ class KDA(nn.Module):
             rate * (raw + self.dt_bias.view(h, 1, dk))))
         beta = torch.sigmoid(self.wb(x).float()).transpose(1, 2)             # [B, H, T]
 
+        if "kda_einsum" in self.probes:
+            return self.finish(x, slots, *self.delta_einsum(q, k, v, beta, decay, slots))
         state = self.ssm_state[slots].reshape(b * h, dk, dk)                 # [BH, K, V]
         outs = []
         for i in range(t):
@@ -164,14 +185,30 @@ class KDA(nn.Module):
             u = beta[:, :, i].reshape(b * h, 1, 1) * (v_i - torch.bmm(k_i, state))
             state = state + torch.bmm(k_i.transpose(1, 2), u)
             outs.append(torch.bmm(q_i, state).view(b, h, dk))
-        self.ssm_state.index_copy_(0, slots, state.view(b, h, dk, dk))
+        return self.finish(x, slots, state.view(b, h, dk, dk), torch.stack(outs, dim=2))
 
-        o = torch.stack(outs, dim=2)                                         # [B, H, T, V]
+    def delta_einsum(self, q, k, v, beta, decay, slots):
+        state, outs = self.ssm_state[slots], []                              # [B, H, K, V]
+        for i in range(q.shape[2]):
+            state = state * decay[:, :, i].unsqueeze(-1)
+            kv = torch.einsum("bhkv,bhk->bhv", state, k[:, :, i])
+            u = beta[:, :, i].unsqueeze(-1) * (v[:, :, i] - kv)
+            state = state + k[:, :, i].unsqueeze(-1) * u.unsqueeze(-2)
+            outs.append(torch.einsum("bhkv,bhk->bhv", state, q[:, :, i]))
+        return state, torch.stack(outs, dim=2)
+
+    def finish(self, x, slots, state, o):
+        """State write, gated head norm, o_proj; o [B, H, T, V] fp32."""
+        b, t, _ = x.shape
+        if "kda_put" in self.probes:
+            self.ssm_state[slots] = state
+        else:
+            self.ssm_state.index_copy_(0, slots, state)
         o = self.head_norm(o.to(x.dtype)) * torch.sigmoid(self.heads(self.wg(x)))
         return self.wo(o.transpose(1, 2).reshape(b, t, self.width))
 
 
-class GatedMLA(nn.Module):
+class GatedMLA(Probed):
     def __init__(self, cfg: K3Config):
         super().__init__()
         self.n_heads = cfg.num_attention_heads
@@ -205,15 +242,25 @@ class GatedMLA(nn.Module):
 
         w_kv = self.kv_b.weight.view(h, self.nope + self.v_dim, c)
         w_uk, w_uv = w_kv[:, :self.nope], w_kv[:, self.nope:]                # [H, n, C], [H, v, C]
-        q_mqa = torch.cat([torch.matmul(q_nope, w_uk), q_pe], dim=-1)       # [B, H, T, C + R]
+        if "mla_einsum" in self.probes:
+            q_lat = torch.einsum("bhtd,hdc->bhtc", q_nope, w_uk)
+        else:
+            q_mqa = torch.cat([torch.matmul(q_nope, w_uk), q_pe], dim=-1)   # [B, H, T, C + R]
 
         steps = torch.arange(t, device=x.device)
         pos = positions.unsqueeze(1) + steps                                 # [B, T]
-        flat = (slots.unsqueeze(1) * self.max_seq_len + pos).reshape(-1)
-        self.kv_latent.view(-1, c + self.rope).index_copy_(0, flat, row.reshape(b * t, -1))
+        if "mla_put" in self.probes:
+            self.kv_latent[slots.unsqueeze(1), pos] = row
+        else:
+            flat = (slots.unsqueeze(1) * self.max_seq_len + pos).reshape(-1)
+            self.kv_latent.view(-1, c + self.rope).index_copy_(0, flat, row.reshape(b * t, -1))
         kv = self.kv_latent[slots]                                           # [B, L, C + R]
 
-        scores = torch.matmul(q_mqa, kv.unsqueeze(1).transpose(-1, -2)).float()
+        if "mla_einsum" in self.probes:
+            scores = (torch.einsum("bhtc,blc->bhtl", q_lat, kv[..., :c])
+                      + torch.einsum("bhtr,blr->bhtl", q_pe, kv[..., c:])).float()
+        else:
+            scores = torch.matmul(q_mqa, kv.unsqueeze(1).transpose(-1, -2)).float()
         keys = torch.arange(kv.shape[1], device=x.device)
         visible = (keys.view(1, 1, -1) <= pos.unsqueeze(-1)).unsqueeze(1)   # [B, 1, T, L]
         scores = torch.where(visible, scores * self.softmax_scale, float("-inf"))
@@ -244,7 +291,7 @@ def mxfp4_dequant(packed: torch.Tensor, scale: torch.Tensor, lut: torch.Tensor) 
     return torch.ldexp(groups, (scale.int() - 127).unsqueeze(-1)).flatten(-2).to(lut.dtype)
 
 
-class LatentMoE(nn.Module):
+class LatentMoE(Probed):
     def __init__(self, cfg: K3Config):
         super().__init__()
         d, lat, inter = cfg.hidden_size, cfg.routed_expert_hidden_size, cfg.moe_intermediate_size
@@ -266,7 +313,19 @@ class LatentMoE(nn.Module):
     def expert_weight(self, name: str, ids: torch.Tensor) -> torch.Tensor:
         packed = getattr(self, f"{name}_weight")[ids]
         scale = getattr(self, f"{name}_weight_scale")[ids]
+        if "dequant" in self.probes:
+            lo, hi = self.lut[(packed & 0x0F).long()], self.lut[(packed >> 4).long()]
+            vals = torch.stack((lo, hi), dim=-1).flatten(-2)
+            factor = torch.exp2(scale.to(torch.float32) - 127.0).to(self.lut.dtype)
+            return (vals.unflatten(-1, (-1, MX_GROUP)) * factor.unsqueeze(-1)).flatten(-2)
         return mxfp4_dequant(packed, scale, self.lut)
+
+    def batched(self, z: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        hg = torch.einsum("nl,nkil->nki", z, self.expert_weight("w1", idx))
+        hu = torch.einsum("nl,nkil->nki", z, self.expert_weight("w3", idx))
+        y = torch.einsum("nki,nkli->nkl", situ_glu(hg, hu, *self.betas),
+                         self.expert_weight("w2", idx))
+        return (weights.unsqueeze(-1) * y.float()).sum(1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -277,6 +336,8 @@ class LatentMoE(nn.Module):
         top = top / (top.sum(-1, keepdim=True) + 1e-20) * self.scaling
         probs = torch.zeros_like(scores).scatter(1, idx, top)                # [N, E]
 
+        if "moe_batched" in self.probes:
+            return self.finish(x, self.batched(self.down(x), idx, top), shape)
         z = self.down(x).unsqueeze(1)                                        # [N, 1, lat]
         acc = torch.zeros(z.shape[0], z.shape[2], device=x.device, dtype=torch.float32)
         for j in range(self.top_k):
@@ -286,6 +347,9 @@ class LatentMoE(nn.Module):
             act = situ_glu(gate, up, *self.betas)
             y = torch.bmm(act, self.expert_weight("w2", ids).transpose(1, 2)).squeeze(1)
             acc = acc + probs.gather(1, idx[:, j:j + 1]) * y.float()
+        return self.finish(x, acc, shape)
+
+    def finish(self, x: torch.Tensor, acc: torch.Tensor, shape) -> torch.Tensor:
         routed = self.up(self.latent_norm(acc).to(x.dtype))
         return (routed + self.shared(x)).view(shape)
 
@@ -334,6 +398,16 @@ class Spell5K3(nn.Module):
     @property
     def scratch_slot(self) -> int:
         return self.max_batch
+
+    def set_probe(self, *names: str) -> Spell5K3:
+        """Switch the named idioms (`PROBES`) to their other spelling; the math is the same."""
+        unknown = set(names) - set(PROBES)
+        if unknown:
+            raise ValueError(f"unknown probes {sorted(unknown)}; known: {sorted(PROBES)}")
+        for m in self.modules():
+            if isinstance(m, Probed):
+                m.probes = frozenset(names)
+        return self
 
     def setup_cache(self, max_batch: int, max_seq_len: int, device=None, dtype=None):
         device = device or self.output.weight.device
@@ -424,9 +498,22 @@ def from_builtin(model, max_batch: int | None = None, max_seq_len: int | None = 
         raise KeyError(f"no built-in weight for {sorted(missing)}")
     ours.load_state_dict(sd, strict=True, assign=True)
     ours.to(device=ref.device)
-    if max_batch is None:
-        max_batch = model.scratch_slot
-    if max_seq_len is None:
-        caches = [b for n, b in model.named_buffers() if n.endswith("kv_cache")]
-        max_seq_len = caches[0].shape[1] if caches else 256
-    return ours.setup_cache(max_batch, max_seq_len, ref.device, dtype)
+    ours.setup_cache(max_batch or model.max_batch, max_seq_len or model.max_seq_len,
+                     ref.device, dtype)
+    return ours.eval().requires_grad_(False)
+
+
+def state_of(model: Spell5K3) -> dict[str, torch.Tensor]:
+    """The decode state under the built-in model's buffer names and layouts (the time-major conv
+    state transposed to [slots, 3W, K - 1])."""
+    names = {"conv_state": "conv_state", "ssm_state": "recurrent_state", "kv_latent": "kv_cache"}
+    out = {}
+    for n, b in model.named_buffers():
+        layer, _, leaf = n.rpartition(".attention.")
+        if leaf in names:
+            out[f"language_model.model.{layer}.self_attn.{names[leaf]}"] = (
+                b.transpose(1, 2) if leaf == "conv_state" else b)
+    return out
+
+
+__all__ = ["PROBES", "Spell5K3", "builtin_name_map", "from_builtin", "state_of"]
