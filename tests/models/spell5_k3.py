@@ -69,6 +69,9 @@ PROBES = {
     "kda_einsum": "the delta rule as einsums over [B, H, K, V] instead of bmm over [B*H, K, V]",
     "kda_put": "the recurrent state written with state[slots] = ... instead of index_copy_",
     "conv1d": "the short conv as F.conv1d over the channel-major window instead of unfold",
+    "conv_channels_first": "the conv state [slots, 3W, K - 1] (channel-major) instead of time-major",
+    "taps_cat": "the conv taps as cat of the q, k, v taps [W, 1, K] instead of one [3W, K] tensor",
+    "kda_tokens_first": "KDA's per-head tensors [B, T, H, D] (no transpose) instead of [B, H, T, D]",
     "mla_einsum": "q_lat and the scores as einsums (latent + rope parts, no cat of q)",
     "mla_put": "the latent cache row written with cache[slots, pos] = ... (no flat slot mapping)",
     "moe_batched": "the routed experts over all k slots at once ([N, k] gathers, one finalize)",
@@ -144,9 +147,15 @@ class KDA(Probed):
             n_slots, self.n_heads, self.head_dim, self.head_dim, device=device,
             dtype=torch.float32), persistent=False)
 
+    @property
+    def tdim(self) -> int:
+        """The token dim of the per-head tensors: [B, H, T, D], or [B, T, H, D] under a probe."""
+        return 1 if "kda_tokens_first" in self.probes else 2
+
     def heads(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
-        return x.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)     # [B, H, T, D]
+        x = x.view(b, t, self.n_heads, self.head_dim)
+        return x if self.tdim == 1 else x.transpose(1, 2)                    # [B, H, T, D]
 
     def l2norm(self, x: torch.Tensor) -> torch.Tensor:
         return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + self.l2_eps)
@@ -155,12 +164,22 @@ class KDA(Probed):
         b, t, _ = x.shape
         h, dk = self.n_heads, self.head_dim
         qkv = torch.cat([self.wq(x), self.wk(x), self.wv(x)], dim=-1)       # [B, T, 3W]
-        window = torch.cat([self.conv_state[slots], qkv], dim=1)             # [B, 3+T, 3W]
-        self.conv_state[slots] = window[:, t:]
-        if "conv1d" in self.probes:
-            qkv = F.silu(F.conv1d(window.transpose(1, 2), self.conv_taps.unsqueeze(1),
-                                  groups=3 * self.width)).transpose(1, 2)
+        if "conv_channels_first" in self.probes:
+            window = torch.cat([self.conv_state[slots], qkv.transpose(1, 2)], dim=-1)
+            self.conv_state[slots] = window[..., t:]
         else:
+            window = torch.cat([self.conv_state[slots], qkv], dim=1)         # [B, 3+T, 3W]
+            self.conv_state[slots] = window[:, t:]
+        if "conv1d" in self.probes:
+            taps = self.conv_taps.unsqueeze(1)
+            if "taps_cat" in self.probes:
+                taps = torch.cat([w.unsqueeze(1) for w in self.conv_taps.split(self.width)])
+            if "conv_channels_first" not in self.probes:
+                window = window.transpose(1, 2)
+            qkv = F.silu(F.conv1d(window, taps, groups=3 * self.width)).transpose(1, 2)
+        else:
+            if "conv_channels_first" in self.probes:
+                window = window.transpose(1, 2)
             windows = window.unfold(1, self.conv_len, 1)                     # [B, T, 3W, 4]
             qkv = F.silu((windows * self.conv_taps).sum(-1))
         q, k, v = (self.heads(y).float() for y in qkv.split(self.width, dim=-1))
@@ -168,44 +187,49 @@ class KDA(Probed):
         k = self.l2norm(k)
 
         raw = self.heads(self.f_b(self.f_a(x))).float()                      # [B, H, T, D]
-        rate = self.a_log[:h].exp().view(1, h, 1, 1)
+        per_head = (h, 1) if self.tdim == 1 else (h, 1, 1)
+        rate = self.a_log[:h].exp().view(per_head)
         decay = torch.exp(self.lower_bound * torch.sigmoid(
-            rate * (raw + self.dt_bias.view(h, 1, dk))))
-        beta = torch.sigmoid(self.wb(x).float()).transpose(1, 2)             # [B, H, T]
+            rate * (raw + self.dt_bias.view(*per_head[:-1], dk))))
+        beta = torch.sigmoid(self.wb(x).float())                             # [B, T, H]
+        beta = beta if self.tdim == 1 else beta.transpose(1, 2)              # [B, H, T]
 
         if "kda_einsum" in self.probes:
             return self.finish(x, slots, *self.delta_einsum(q, k, v, beta, decay, slots))
         state = self.ssm_state[slots].reshape(b * h, dk, dk)                 # [BH, K, V]
         outs = []
+        td = self.tdim
         for i in range(t):
-            q_i = q[:, :, i].reshape(b * h, 1, dk)
-            k_i = k[:, :, i].reshape(b * h, 1, dk)
-            v_i = v[:, :, i].reshape(b * h, 1, dk)
-            state = state * decay[:, :, i].reshape(b * h, dk, 1)
-            u = beta[:, :, i].reshape(b * h, 1, 1) * (v_i - torch.bmm(k_i, state))
+            q_i = q.select(td, i).reshape(b * h, 1, dk)
+            k_i = k.select(td, i).reshape(b * h, 1, dk)
+            v_i = v.select(td, i).reshape(b * h, 1, dk)
+            state = state * decay.select(td, i).reshape(b * h, dk, 1)
+            u = beta.select(td, i).reshape(b * h, 1, 1) * (v_i - torch.bmm(k_i, state))
             state = state + torch.bmm(k_i.transpose(1, 2), u)
             outs.append(torch.bmm(q_i, state).view(b, h, dk))
-        return self.finish(x, slots, state.view(b, h, dk, dk), torch.stack(outs, dim=2))
+        return self.finish(x, slots, state.view(b, h, dk, dk), torch.stack(outs, dim=td))
 
     def delta_einsum(self, q, k, v, beta, decay, slots):
-        state, outs = self.ssm_state[slots], []                              # [B, H, K, V]
-        for i in range(q.shape[2]):
-            state = state * decay[:, :, i].unsqueeze(-1)
-            kv = torch.einsum("bhkv,bhk->bhv", state, k[:, :, i])
-            u = beta[:, :, i].unsqueeze(-1) * (v[:, :, i] - kv)
-            state = state + k[:, :, i].unsqueeze(-1) * u.unsqueeze(-2)
-            outs.append(torch.einsum("bhkv,bhk->bhv", state, q[:, :, i]))
-        return state, torch.stack(outs, dim=2)
+        state, outs, td = self.ssm_state[slots], [], self.tdim               # [B, H, K, V]
+        for i in range(q.shape[td]):
+            q_i, k_i, v_i = q.select(td, i), k.select(td, i), v.select(td, i)
+            state = state * decay.select(td, i).unsqueeze(-1)
+            kv = torch.einsum("bhkv,bhk->bhv", state, k_i)
+            u = beta.select(td, i).unsqueeze(-1) * (v_i - kv)
+            state = state + k_i.unsqueeze(-1) * u.unsqueeze(-2)
+            outs.append(torch.einsum("bhkv,bhk->bhv", state, q_i))
+        return state, torch.stack(outs, dim=td)
 
     def finish(self, x, slots, state, o):
-        """State write, gated head norm, o_proj; o [B, H, T, V] fp32."""
+        """State write, gated head norm, o_proj; o [B, H, T, V] (or [B, T, H, V]) fp32."""
         b, t, _ = x.shape
         if "kda_put" in self.probes:
             self.ssm_state[slots] = state
         else:
             self.ssm_state.index_copy_(0, slots, state)
         o = self.head_norm(o.to(x.dtype)) * torch.sigmoid(self.heads(self.wg(x)))
-        return self.wo(o.transpose(1, 2).reshape(b, t, self.width))
+        o = o if self.tdim == 1 else o.transpose(1, 2)
+        return self.wo(o.reshape(b, t, self.width))
 
 
 class GatedMLA(Probed):
@@ -407,6 +431,8 @@ class Spell5K3(nn.Module):
         for m in self.modules():
             if isinstance(m, Probed):
                 m.probes = frozenset(names)
+            if isinstance(m, KDA) and "conv_channels_first" in names:
+                m.conv_state = m.conv_state.transpose(1, 2).contiguous()
         return self
 
     def setup_cache(self, max_batch: int, max_seq_len: int, device=None, dtype=None):
@@ -512,7 +538,8 @@ def state_of(model: Spell5K3) -> dict[str, torch.Tensor]:
         layer, _, leaf = n.rpartition(".attention.")
         if leaf in names:
             out[f"language_model.model.{layer}.self_attn.{names[leaf]}"] = (
-                b.transpose(1, 2) if leaf == "conv_state" else b)
+                b.transpose(1, 2) if leaf == "conv_state" and "conv_channels_first" not in
+                model.layers[0].attention.probes else b)
     return out
 
 
