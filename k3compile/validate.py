@@ -232,7 +232,8 @@ def _flat_uses(node: fx.Node, index: Any, source: Any, reach, callers) -> list[t
         return []
     cache = source.args[0]
     shape, flat = (tuple(getattr(t.meta.get("val"), "shape", ())) for t in (cache, source))
-    if len(shape) < 3 or flat != (shape[0] * shape[1], *shape[2:]):
+    if len(shape) < 3 or not all(isinstance(d, int) for d in shape) or flat != (
+            shape[0] * shape[1], *shape[2:]):
         return []
     found = paged_write.slot_and_position(index, shape[1])
     if found is None:

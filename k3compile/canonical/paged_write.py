@@ -38,6 +38,10 @@ aten = torch.ops.aten
 VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 
 
+def _static(*shapes) -> bool:
+    return all(s is not None and all(isinstance(d, int) for d in s) for s in shapes)
+
+
 def _integer(node) -> bool:
     val = node.meta.get("val") if isinstance(node, fx.Node) else None
     return isinstance(val, torch.Tensor) and not val.dtype.is_floating_point
@@ -60,7 +64,7 @@ def slot_and_position(index: fx.Node, rows: int):
     while comb.target in VIEWS:
         comb = comb.args[0]
     shape = _shape(comb)
-    if comb.target is not aten.add.Tensor or shape is None or len(shape) not in (1, 2):
+    if comb.target is not aten.add.Tensor or not _static(shape) or len(shape) not in (1, 2):
         return None
     a, b = comb.args[:2]
     for prod, p in ((a, b), (b, a)):
@@ -80,7 +84,8 @@ def _site(put: fx.Node):
         return None
     cache, (out,) = base.args[0], put.users
     shape = _shape(cache)
-    if shape is None or len(shape) < 3 or _shape(base) != (shape[0] * shape[1], *shape[2:]):
+    if not _static(shape, _shape(base), _shape(rows)) or len(shape) < 3 or _shape(base) != (
+            shape[0] * shape[1], *shape[2:]):
         return None
     if out.target not in VIEWS or _shape(out) != shape or not _reaches_state(out):
         return None
