@@ -60,6 +60,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from k3compile import stage_cache
 from k3compile.calls import integer_dtype, structure_error
+from k3compile.canonical import paged_write
 from k3compile.graph import written_in_place
 from k3compile.observe import Observer
 from k3compile.settings import KERNELS
@@ -128,6 +129,9 @@ def analyse(graph: fx.Graph, inputs: Sequence, scratch: int | None = None,
         for dim, index, source in _index_operands(node):
             if _reached(index, reach) and (use := _use(node, dim, source, reach[index], callers)):
                 uses[reach[index][0]].append(use)
+            elif dim == 0:
+                for k, use in _flat_uses(node, index, source, reach, callers):
+                    uses[k].append(use)
         if (carried := _carried(node, reach)) is not None:
             reach[node] = carried
     by_index = {i.index: i for i in inputs}
@@ -217,6 +221,26 @@ def _use(node: fx.Node, dim: int, source: Any, reached: tuple[int, int, int],
     root = _root(source)
     state = root.op == "placeholder" and root not in callers and written_in_place(root)
     return _Use(dim, size, reached[1], reached[2], state, node.target is aten.embedding.default)
+
+
+def _flat_uses(node: fx.Node, index: Any, source: Any, reach, callers) -> list[tuple[int, _Use]]:
+    """A cache [S, L, ...] viewed as [S * L, ...] rows and indexed at `slot * L + position` (a
+    paged slot mapping, rule `paged_write`): the slot indexes dim 0 of the cache, the position
+    dim 1."""
+    if not isinstance(index, fx.Node) or not isinstance(source, fx.Node) or source.op != (
+            "call_function") or source.target not in paged_write.VIEWS:
+        return []
+    cache = source.args[0]
+    shape, flat = (tuple(getattr(t.meta.get("val"), "shape", ())) for t in (cache, source))
+    if len(shape) < 3 or not all(isinstance(d, int) for d in shape) or flat != (
+            shape[0] * shape[1], *shape[2:]):
+        return []
+    found = paged_write.slot_and_position(index, shape[1])
+    if found is None:
+        return []
+    parts = ((found[0], 0), (found[1], 1))
+    return [(reach[t][0], use) for t, d in parts
+            if _reached(t, reach) and (use := _use(node, d, cache, reach[t], callers))]
 
 
 def _root(node: fx.Node) -> fx.Node:
