@@ -10,6 +10,7 @@ on: tests/e2e/test_validation.py::test_rejected_cuda_graph_replay_leaves_state_a
 from __future__ import annotations
 
 import logging
+import time
 
 import pytest
 import torch
@@ -177,6 +178,20 @@ def _compare(got, mask, want, want_mask, name):
         assert torch.equal(g, w), name
 
 
+def _finish(deadline_s: float = 20.0) -> None:
+    """torch.cuda.synchronize(), but a launch that never finishes (a hung kernel) ends the test
+    session at the deadline instead of hanging it: every later CUDA call of this process would
+    wait behind the hung launch, so no later test could run anyway."""
+    done = torch.cuda.Event()
+    done.record()
+    end = time.monotonic() + deadline_s
+    while not done.query():
+        if time.monotonic() > end:
+            pytest.exit(f"input_check: a launch did not finish in {deadline_s:.0f} s (hung)",
+                        returncode=1)
+        time.sleep(1e-3)
+
+
 BT = [(1, 1), (2, 1), (8, 1), (64, 1), (1, 8), (2, 8), (8, 8), (64, 8)]
 
 
@@ -198,7 +213,7 @@ def test_check_kernel_equals_reference(B, T, pdl, monkeypatch):
         want = redirect_ref(limits, rows_t, want_mask, *inputs)
         mask = torch.full((), -1, dtype=torch.int64, device="cuda")
         got = run(rows_t, mask, *inputs)
-        torch.cuda.synchronize()
+        _finish()
         if bits is not None:
             assert int(want_mask) == bits, name  # the case is what it says
         _compare(got, mask, want, want_mask, name)
@@ -216,7 +231,7 @@ def test_check_kernel_in_a_cuda_graph(B, T):
     mask = torch.zeros((), dtype=torch.int64, device="cuda")
     run = input_check.redirect(limits, static)
     run(rows, mask, *static)  # outside the capture first, as the backend's first run
-    torch.cuda.synchronize()
+    _finish()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         outs = run(rows, mask, *static)
@@ -229,5 +244,5 @@ def test_check_kernel_in_a_cuda_graph(B, T):
         graph.replay()
         want_mask = torch.zeros((), dtype=torch.int64, device="cuda")
         want = redirect_ref(limits, rows, want_mask, *static)
-        torch.cuda.synchronize()
+        _finish()
         _compare(outs, mask, want, want_mask, name)
