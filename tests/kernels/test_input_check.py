@@ -104,6 +104,7 @@ def test_check_kernel_refusal_is_logged_once(caplog):
     """Where the kernel cannot run (here: no CUDA device) `redirect` says why once and hands the
     call back (validate then compiles the check with Inductor)."""
     input_check._logged.clear()
+    refused = input_check.redirects["refused"]
     checked = [torch.zeros(2, dtype=torch.int64)] * 3
     with caplog.at_level(logging.WARNING, logger="k3compile"):
         for _ in range(2):
@@ -113,6 +114,7 @@ def test_check_kernel_refusal_is_logged_once(caplog):
                 assert input_check.redirect(_limits(1), checked) is None
     found = [r for r in caplog.records if "input check stays with Inductor" in r.getMessage()]
     assert len(found) == 1
+    assert input_check.redirects["refused"] == refused + 2  # counted every time (benchmarks)
 
 
 # ---- GPU -----------------------------------------------------------------------------------------
