@@ -58,6 +58,7 @@ import argparse
 import contextlib
 import copy
 import dataclasses
+import functools
 import json
 import math
 import platform
@@ -79,7 +80,8 @@ STACK_LAYERS = (1, 2, 3, 4)
 VARIANTS = ("eager", "inductor", "k3", "k3-novalidate", "k3-grouped", "k3-checkkernel")
 # A/B variants of k3 (need k3 in --variants): k3-novalidate is `validate="off"` (the input
 # check's cost), k3-grouped `K3_MOE_GROUPED` (the routed experts by expert at 8-64 rows),
-# k3-checkkernel `K3_CHECK_KERNEL` (the input check as one CuTe launch)
+# k3-checkkernel `K3_CHECK_KERNEL` (the input check as one CuTe launch; CUDA only). Each compiles
+# and captures a step of its own (`own_backend`); a `kernels` variant that did not is an error.
 DEFAULT_VARIANTS = VARIANTS[:3]
 # A variant passes where, against an fp32 evaluation of the same weights and inputs, each output
 # and state error is at most `factor` x eager-bf16's own (max_err: x `factor_max`), or `floor`.
@@ -670,11 +672,38 @@ def compiled_variants(args, device) -> dict[str, dict]:
                                         "options": {**options, "validate": "off"}}
             if "k3-grouped" in args.variants:
                 out["k3-grouped"] = {**out["k3"], "label": "k3 K3_MOE_GROUPED",
+                                     "backend": own_backend(backend),
                                      "kernels": {"moe_grouped": True}}
-            if "k3-checkkernel" in args.variants:
+            if "k3-checkkernel" in args.variants and device.type != "cuda":
+                out["k3-checkkernel"] = {"na": "n/a: K3_CHECK_KERNEL changes only the check of "
+                                               "CUDA inputs (CPU runs the torch reference)"}
+            elif "k3-checkkernel" in args.variants:
                 out["k3-checkkernel"] = {**out["k3"], "label": "k3 K3_CHECK_KERNEL",
+                                         "backend": own_backend(backend),
                                          "kernels": {"check_kernel": True}}
     return out
+
+
+def own_backend(backend):
+    """`backend` as a callable of its own, for a variant that differs from k3 only in
+    `settings.KERNELS`: torch.compile's backend wrappers compare equal for an equal backend and
+    options, so Dynamo would hand the variant k3's compiled step from its cache (session 22:
+    k3-checkkernel at k3's kernel counts, "compile 0.0 s")."""
+    return functools.partial(backend)
+
+
+def own_compile(spec: dict, entry: dict, redirects: dict) -> None:
+    """Raise where a `kernels` variant, compiled here, did not compile a step of its own with its
+    settings: Dynamo made no graph (a cached one answered), or with `check_kernel` no step took
+    the CuTe input check (`redirects`: input_check's answers during the compile)."""
+    if not spec.get("kernels"):
+        return
+    if entry["dynamo"]["graphs"] == 0:
+        raise RuntimeError(f"{spec['label']}: Dynamo compiled no graph, a cached step answered "
+                           "(its settings reached no compile)")
+    if spec["kernels"].get("check_kernel") and not redirects.get("kernel"):
+        raise RuntimeError(f"{spec['label']}: no step took the CuTe input check (input_check: "
+                           f"{dict(redirects) or 'never asked: no device-side check'})")
 
 
 def shared(spec: dict, stack, bucket: Bucket):
@@ -721,13 +750,17 @@ def run_bucket(args, device, model, stack, twin, bucket: Bucket, variants: dict)
             continue
         entry = res["variants"][name] = {"backend": spec["label"]}
         try:
-            hits0, dynamo0 = _cache_counters(), _dynamo_counters()
+            hits0, dynamo0, checks0 = _cache_counters(), _dynamo_counters(), _check_counters()
+            compiled = shared(spec, stack, bucket)
             with kernel_settings(spec.get("kernels", {})):  # captured with them
                 runner = Runner(name, stack, inputs, device, spec["backend"], spec["options"],
-                                spec["graphs"], shared(spec, stack, bucket))
+                                spec["graphs"], compiled)
             entry["compile_s"] = runner.compile_s
             entry["fx_graph_cache"] = _cache_counters(hits0)
             entry["dynamo"] = _dynamo_counters(dynamo0)
+            entry["input_check"] = _check_counters(checks0)
+            if compiled is None:  # a step compiled for this bucket alone
+                own_compile(spec, entry, entry["input_check"])
             dyn = entry["dynamo"]
             if dyn["graphs"] > 1 or dyn["graph_breaks"] or dyn["unimplemented"]:
                 log(f"  {bucket.name} {name}: Dynamo made {dyn['graphs']} graphs (frames "
@@ -778,6 +811,15 @@ def _cache_counters(before: dict | None = None) -> dict:
 
     now = {k: counters["inductor"].get(f"fxgraph_cache_{k}", 0) for k in ("hit", "miss", "bypass")}
     return now if before is None else {k: now[k] - before[k] for k in now}
+
+
+def _check_counters(before: dict | None = None) -> dict:
+    """kernels/input_check.py's redirect answers ("kernel", "refused") so far, or since `before`."""
+    from k3compile.kernels import input_check
+
+    now = dict(input_check.redirects)
+    return now if before is None else {k: v - before.get(k, 0) for k, v in now.items()
+                                       if v != before.get(k, 0)}
 
 
 def _dynamo_counters(before: dict | None = None) -> dict:

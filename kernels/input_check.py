@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections import Counter
 from collections.abc import Callable, Sequence
 
 import torch
@@ -125,6 +126,9 @@ def build(specs, cfg, arch=None, dump_dir=None, pdl=False):
 KERNEL = Kernel(OP, build)
 
 _logged: set[str] = set()
+# redirect's answers in this process, "kernel" or "refused" (a benchmark's proof that a step with
+# K3_CHECK_KERNEL really took the kernel)
+redirects: Counter[str] = Counter()
 
 
 def redirect(limits: Sequence, checked: Sequence[torch.Tensor]) -> Callable | None:
@@ -132,6 +136,7 @@ def redirect(limits: Sequence, checked: Sequence[torch.Tensor]) -> Callable | No
     bucket's examples), compiled now (outside any capture), or None where the kernel refuses
     them (the reason logged once; the caller takes Inductor's)."""
     if reason := KERNEL.refusal(lambda: refusal(limits, checked)):
+        redirects["refused"] += 1
         if reason not in _logged:
             _logged.add(reason)
             log.warning("k3: the device-side input check stays with Inductor (its CuTe kernel "
@@ -141,6 +146,7 @@ def redirect(limits: Sequence, checked: Sequence[torch.Tensor]) -> Callable | No
     cfg = config(specs)
     lead = checked[0].shape[0] if checked[0].dim() else 1
     compiled = KERNEL.compiled(specs, cfg, rows=bucket(lead))
+    redirects["kernel"] += 1
 
     def run(rows: torch.Tensor, mask: torch.Tensor, *args: torch.Tensor):
         args = tuple(t.contiguous() for t in args)

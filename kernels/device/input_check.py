@@ -97,8 +97,11 @@ class InputCheck:
         """OR of every thread's bits; every thread gets it. One barrier."""
         total = cute.arch.warp_redux_sync(bits, "or")
         if const_expr(self.n_warps > 1):
+            # warp_idx() is a full-warp shuffle: inside the lane-0 branch lane 0 would wait at
+            # it for lanes that wait at the barrier (the hang at 2 warps)
+            warp = cute.arch.warp_idx()
             if cute.arch.lane_idx() == 0:
-                sWarp[cute.arch.warp_idx()] = total
+                sWarp[warp] = total
             cute.arch.barrier()
             total = Int32(0)
             for r in cutlass.range_constexpr(self.n_warps):

@@ -127,6 +127,51 @@ def test_hf_smoke_times_and_checks_the_second_spelling_under_k3(hf_smoke):
             assert part["passed"] and part["eager_vs_fp32"]["rel_l2"] > 0  # bf16 really differs
 
 
+def test_kernel_variants_compile_their_own_step(monkeypatch):
+    """An A/B variant that differs from k3 only in `settings.KERNELS` compiles a step of its own
+    with its setting on (k3-grouped here; session 22's k3-checkkernel replayed k3's step from
+    Dynamo's cache); k3-checkkernel refuses a CPU run, which has no device-side check."""
+    from k3compile import settings
+
+    seen = []
+
+    def backend(gm, example_inputs, options=None):
+        seen.append((options, settings.KERNELS.moe_grouped))
+        return gm.forward
+
+    monkeypatch.setattr(bench, "resolve_k3", lambda: (backend, "k3"))
+    args = bench.parse_args(["--config", "tiny", "--device", "cpu",
+                             "--variants", "eager,k3,k3-grouped,k3-checkkernel"])
+    variants = bench.compiled_variants(args, torch.device("cpu"))
+    assert "K3_CHECK_KERNEL" in variants["k3-checkkernel"]["na"]
+    stack, x = torch.nn.Linear(4, 4), torch.randn(2, 4)
+    try:
+        outs = {}
+        for name in ("k3", "k3-grouped", "k3"):
+            spec = variants[name]
+            with bench.kernel_settings(spec.get("kernels", {})):
+                runner = bench.Runner(name, stack, [x], torch.device("cpu"), spec["backend"],
+                                      spec["options"], spec["graphs"])
+            outs[name] = runner.run()
+    finally:
+        torch._dynamo.reset()
+    options = variants["k3"]["options"]
+    assert seen == [(options, False), (options, True)]  # k3's second Runner: its cached step
+    assert torch.equal(outs["k3"], stack(x)) and torch.equal(outs["k3-grouped"], stack(x))
+
+
+def test_own_compile_refuses_a_borrowed_step():
+    spec = {"label": "k3 K3_CHECK_KERNEL", "kernels": {"check_kernel": True}}
+    with pytest.raises(RuntimeError, match="Dynamo compiled no graph"):
+        bench.own_compile(spec, {"dynamo": {"graphs": 0}}, {"kernel": 1})
+    with pytest.raises(RuntimeError, match="never asked: no device-side check"):
+        bench.own_compile(spec, {"dynamo": {"graphs": 1}}, {})
+    with pytest.raises(RuntimeError, match="'refused': 2"):
+        bench.own_compile(spec, {"dynamo": {"graphs": 1}}, {"refused": 2})
+    bench.own_compile(spec, {"dynamo": {"graphs": 1}}, {"kernel": 1})
+    bench.own_compile({"label": "k3"}, {"dynamo": {"graphs": 0}}, {})  # k3 may reuse its own
+
+
 def test_check_fails_on_a_wrong_state_update():
     gen = torch.Generator().manual_seed(0)
     ref = {n: torch.randn(64, 32, generator=gen) for n in ("prefix", "delta", "state:s")}

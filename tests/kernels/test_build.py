@@ -10,6 +10,7 @@ Needs only the DSL. The default run builds the first case of each kernel and of 
 
 import dataclasses
 import hashlib
+import re
 import struct
 from importlib.metadata import version
 
@@ -321,14 +322,58 @@ def _input_check_limits(kind: str, B: int, T: int):
 
 INPUT_CHECK = [("slots", 1, 1), ("positions", 8, 1), ("verify", 64, 8), ("verify", 2, 8),
                ("slots", 64, 1)]
+# warp-synchronous instructions (every lane of the mask must run them) and CTA barriers
+_COLLECTIVES = ("shfl.sync", "redux.sync", "vote.sync", "match.sync", "bar.warp.sync",
+                "bar.sync", "barrier.sync")
+_BRANCH = re.compile(r"@!?%p\d+\s+bra\s+(\$\w+);")
 
 
-@pytest.mark.parametrize("kind,B,T", _first_of_each(INPUT_CHECK, lambda case: "check"), ids=str)
+def skippable_collectives(ptx: str) -> list[str]:
+    """The collectives and barriers of `ptx` that a forward conditional branch jumps over (a
+    divergent one leaves some lanes or threads out, and the others wait for them forever).
+    `bra.uni`, which the compiler marks warp-uniform, and backward (loop) branches are skipped."""
+    seen, open_, out = set(), set(), []
+    for line in ptx.splitlines():
+        line = line.strip()
+        if line.endswith(":"):
+            seen.add(line[:-1])
+            open_.discard(line[:-1])
+        elif m := _BRANCH.match(line):
+            if m[1] not in seen:
+                open_.add(m[1])
+        elif open_ and line.startswith(_COLLECTIVES):
+            out.append(line)
+    return out
+
+
+def test_skippable_collectives_finds_a_shuffle_lane_0_runs_alone():
+    """The PTX of input_check's first 2-warp block_or (warp_idx() inside `if lane == 0`): lane 0
+    waited at the shuffle, the other lanes at the barrier (the H200 hang of 2026-12-05)."""
+    hung = """
+    redux.sync.or.b32 	%r7, %r22, %r23;
+    @%p12 bra 	$L__BB0_6;
+    shfl.sync.idx.b32 	%r26, %r25, 0, 31, -1;
+    st.shared.b32 	[%r28], %r7;
+$L__BB0_6:
+    bar.sync 	0;"""
+    fixed = hung.replace("    @%p12 bra 	$L__BB0_6;\n", "") + "\n@%p12 bra $L__BB0_9;\n$L__BB0_9:"
+    loop = "$L__BB0_2:\n  shfl.sync.bfly.b32 %r1, %r2, 1, 31, -1;\n  @%p10 bra $L__BB0_2;"
+    assert skippable_collectives(hung) == ["shfl.sync.idx.b32 	%r26, %r25, 0, 31, -1;"]
+    assert skippable_collectives(fixed) == [] and skippable_collectives(loop) == []
+
+
+def _warps(case):
+    return case[1] * case[2] > 32  # kind, B, T: more than one warp
+
+
+@pytest.mark.parametrize("kind,B,T", _first_of_each(INPUT_CHECK, _warps), ids=str)
 @pytest.mark.parametrize("pdl", [False, True])
 def test_input_check_builds(kind, B, T, pdl, monkeypatch, tmp_path):
     """One CTA, no spills; the failed checks reduced by one `redux.sync.or` per warp (one barrier
-    before it for the duplicate check's shared values, one after it past one warp); with PDL
-    nothing is loaded or stored before the wait, without it no griddepcontrol at all."""
+    before it for the duplicate check's shared values, one after it past one warp), no shuffle,
+    reduction or barrier that a branch lets some threads skip; with PDL nothing is loaded or
+    stored before the wait, without it no griddepcontrol at all. The default run builds one
+    warp and several (the first 2-warp build hung on the H200 while every 1-warp one passed)."""
     from k3compile.kernels import input_check
 
     monkeypatch.setenv("CUTE_DSL_ARCH", ARCH)
@@ -341,6 +386,7 @@ def test_input_check_builds(kind, B, T, pdl, monkeypatch, tmp_path):
     ptx = ptx_of(compiled)
     assert ptx.count("redux.sync.or.b32") == 1
     assert ptx.count("bar.sync") == 1 + (cfg.threads > 32)
+    assert skippable_collectives(ptx) == []
     if pdl:
         assert TRIGGER in ptx and WAIT in ptx
         before = ptx[:ptx.index(WAIT)]

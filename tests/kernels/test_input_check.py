@@ -10,6 +10,7 @@ on: tests/e2e/test_validation.py::test_rejected_cuda_graph_replay_leaves_state_a
 from __future__ import annotations
 
 import logging
+import time
 
 import pytest
 import torch
@@ -103,6 +104,7 @@ def test_check_kernel_refusal_is_logged_once(caplog):
     """Where the kernel cannot run (here: no CUDA device) `redirect` says why once and hands the
     call back (validate then compiles the check with Inductor)."""
     input_check._logged.clear()
+    refused = input_check.redirects["refused"]
     checked = [torch.zeros(2, dtype=torch.int64)] * 3
     with caplog.at_level(logging.WARNING, logger="k3compile"):
         for _ in range(2):
@@ -112,6 +114,7 @@ def test_check_kernel_refusal_is_logged_once(caplog):
                 assert input_check.redirect(_limits(1), checked) is None
     found = [r for r in caplog.records if "input check stays with Inductor" in r.getMessage()]
     assert len(found) == 1
+    assert input_check.redirects["refused"] == refused + 2  # counted every time (benchmarks)
 
 
 # ---- GPU -----------------------------------------------------------------------------------------
@@ -177,6 +180,20 @@ def _compare(got, mask, want, want_mask, name):
         assert torch.equal(g, w), name
 
 
+def _finish(deadline_s: float = 20.0) -> None:
+    """torch.cuda.synchronize(), but a launch that never finishes (a hung kernel) ends the test
+    session at the deadline instead of hanging it: every later CUDA call of this process would
+    wait behind the hung launch, so no later test could run anyway."""
+    done = torch.cuda.Event()
+    done.record()
+    end = time.monotonic() + deadline_s
+    while not done.query():
+        if time.monotonic() > end:
+            pytest.exit(f"input_check: a launch did not finish in {deadline_s:.0f} s (hung)",
+                        returncode=1)
+        time.sleep(1e-3)
+
+
 BT = [(1, 1), (2, 1), (8, 1), (64, 1), (1, 8), (2, 8), (8, 8), (64, 8)]
 
 
@@ -198,7 +215,7 @@ def test_check_kernel_equals_reference(B, T, pdl, monkeypatch):
         want = redirect_ref(limits, rows_t, want_mask, *inputs)
         mask = torch.full((), -1, dtype=torch.int64, device="cuda")
         got = run(rows_t, mask, *inputs)
-        torch.cuda.synchronize()
+        _finish()
         if bits is not None:
             assert int(want_mask) == bits, name  # the case is what it says
         _compare(got, mask, want, want_mask, name)
@@ -216,7 +233,7 @@ def test_check_kernel_in_a_cuda_graph(B, T):
     mask = torch.zeros((), dtype=torch.int64, device="cuda")
     run = input_check.redirect(limits, static)
     run(rows, mask, *static)  # outside the capture first, as the backend's first run
-    torch.cuda.synchronize()
+    _finish()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         outs = run(rows, mask, *static)
@@ -229,5 +246,5 @@ def test_check_kernel_in_a_cuda_graph(B, T):
         graph.replay()
         want_mask = torch.zeros((), dtype=torch.int64, device="cuda")
         want = redirect_ref(limits, rows, want_mask, *static)
-        torch.cuda.synchronize()
+        _finish()
         _compare(outs, mask, want, want_mask, name)
