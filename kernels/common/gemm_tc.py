@@ -104,7 +104,8 @@ def norm_rms_config(k: int, tokens: int):
 def norm_weight_vectors(cfg: Config, k: int) -> int:
     """16-byte vectors of the norm weight that one CTA's K slices span (the most any split
     gets: an even share of the K tiles, rounded up)."""
-    return -(-(-(-k // TILE_K)) // cfg.splits) * (TILE_K // 8)
+    k_tiles = -(-k // TILE_K)
+    return -(-k_tiles // cfg.splits) * (TILE_K // 8)
 
 
 def norm_smem_bytes(cfg: Config, k: int) -> int:
