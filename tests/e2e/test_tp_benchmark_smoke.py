@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 
@@ -33,13 +34,18 @@ def smoke(tmp_path_factory):
            "--k3-executor", "aten", "--batches", "2", "--reference-rows", "1", "--out", str(out),
            "--timeout-s", "120"]  # a rank failing alone: an error in the JSON, not a hang
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
-                              timeout=300, check=False)
-    except subprocess.TimeoutExpired as e:  # a rank stuck in a collective: show where
-        pytest.fail(f"tp_decode smoke timed out:\n{e.stdout}\n{e.stderr}"[-6000:])
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-    return json.loads((out / "tp_decode.json").read_text()), proc.stdout
+    # its own process group: a timeout kills the ranks too, not just the launcher (a rank left
+    # stuck in a collective outlived the test once, 2026-12-05, beside later gloo tests)
+    with subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, start_new_session=True) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=300)
+        except subprocess.TimeoutExpired:  # a rank stuck in a collective: show where
+            os.killpg(proc.pid, signal.SIGKILL)
+            stdout, stderr = proc.communicate()
+            pytest.fail(f"tp_decode smoke timed out:\n{stdout}\n{stderr}"[-6000:])
+    assert proc.returncode == 0, (stdout + stderr)[-6000:]
+    return json.loads((out / "tp_decode.json").read_text()), stdout
 
 
 def _finite_positive(x) -> bool:
