@@ -40,23 +40,19 @@ gaps (fp32, 4-layer tiny; details, near misses and suggested rules: docs/redteam
 
 from __future__ import annotations
 
-import collections
-import dataclasses
-import re
-
 import pytest
 import torch
 
-import k3compile.backend as k3be
-from k3compile.models import build_model, get_config
 from tests.conftest import TOL, rel_err
-from tests.diffsuite.spellings import condition_for_bf16
 from tests.fusions.attention_checks import one_thread  # noqa: F401
 from tests.models.redteam_k3 import from_builtin, state_of
+from tests.spellings import foreign
+from tests.spellings.foreign import builtin as _builtin
+from tests.spellings.foreign import builtin_states as _builtin_states
+from tests.spellings.foreign import compile_k3 as _compile
+from tests.spellings.foreign import per_layer as _per_layer
+from tests.spellings.foreign import steps as _steps
 
-# Every template (dense, kda_moe, mla_moe, last) in 4 layers, as in test_spellings
-CFG = dataclasses.replace(get_config("tiny"), num_hidden_layers=4, full_attn_layers=(2, 3))
-STEPS = 3
 EAGER_TOL = 1e-5  # measured 1.7e-6 (logits), 1.6e-6 (states) over 4 steps
 
 _KDA = {"linear_concat": 1}  # by construction: the in-projection is one GEMM already
@@ -76,65 +72,21 @@ LOST[torch.bfloat16] = {0: _KDA_BF16, 1: {**_KDA_BF16, "moe_experts": 1, "norm_l
                         3: {"moe_experts": 1, "norm_linear": 1}}
 # (pattern, dtype) whose loss must come with a near miss in that layer naming the node that failed
 DIAGNOSED = (("kda_decode", torch.bfloat16),)
-_LAYER = re.compile(r"layers\.(\d+)\.")
-
-
-def _builtin(dtype, seed=0):
-    model = build_model(CFG, dtype=dtype, max_batch=4, max_seq_len=64, seed=seed)
-    return condition_for_bf16(model, seed) if dtype == torch.bfloat16 else model
-
-
-def _builtin_states(model):
-    return {n: b for n, b in model.named_buffers() if b.dim() >= 3 and b.dtype != torch.uint8}
-
-
-def _steps(step, eager, n=STEPS):
-    """Worst logits error of `step` against `eager` over n decode steps of batch 2 (slots 2, 0)."""
-    gen = torch.Generator().manual_seed(0)
-    pos, slots, err = torch.tensor([0, 5]), torch.tensor([2, 0]), 0.0
-    with torch.no_grad():
-        for _ in range(n):
-            ids = torch.randint(0, CFG.vocab_size, (2,), generator=gen)
-            got, want = step(ids, pos, slots), eager(ids, pos, slots)
-            assert got.dtype == want.dtype and got.shape == want.shape, (got.dtype, got.shape)
-            err = max(err, rel_err(got, want))
-            pos = pos + 1
-    return err
-
-
-def _compile(model):
-    torch._dynamo.reset()
-    return torch.compile(model, backend="k3", fullgraph=True,
-                         options={"executor": "aten", "keep_graphs": False})
-
-
-def _per_layer(compiled):
-    (report,) = compiled.contracts.values()
-    return {lr.layer: lr.actual for lr in report.layers}
-
-
-def _run_red(dtype):
-    model, eager = from_builtin(_builtin(dtype)), from_builtin(_builtin(dtype))
-    err = _steps(_compile(model), eager)
-    want, got = state_of(eager), state_of(model)
-    return err, {n: rel_err(got[n], want[n]) for n in want}, k3be.last_compiled()
 
 
 @pytest.fixture(scope="module")
 def red_fp32():
-    return _run_red(torch.float32)
+    return foreign.run(torch.float32, from_builtin, state_of)
 
 
 @pytest.fixture(scope="module")
 def red_bf16():
-    return _run_red(torch.bfloat16)
+    return foreign.run(torch.bfloat16, from_builtin, state_of)
 
 
 @pytest.fixture(scope="module")
 def reference_plan():
-    model = _builtin(torch.float32)
-    _steps(_compile(model), _builtin(torch.float32), n=1)
-    return _per_layer(k3be.last_compiled())
+    return foreign.reference_plan()
 
 
 def test_loads_the_builtin_state_dict_and_equals_it_eagerly():
@@ -165,27 +117,14 @@ def test_lost_fusions_are_exactly_the_known_gaps(run, request, reference_plan):
     """Fails when a gap closes (or a new one opens): update LOST and the module docstring."""
     dtype = torch.float32 if run == "red_fp32" else torch.bfloat16
     got = _per_layer(request.getfixturevalue(run)[2])
-    assert set(got) == set(reference_plan)
-    lost = {layer: dict(reference_plan[layer] - got[layer]) for layer in reference_plan}
-    assert {k: v for k, v in lost.items() if v} == LOST[dtype]
-
-
-def _layer_of(module: str, last: int) -> int | None:
-    m = _LAYER.search(module + ".")
-    if m:
-        return int(m.group(1))
-    return -1 if module.startswith("final_") else None
+    assert foreign.lost(reference_plan, got) == LOST[dtype]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("pattern,dtype", DIAGNOSED)
 def test_lost_fusions_have_a_near_miss_naming_the_node(pattern, dtype, request):
     red = request.getfixturevalue("red_fp32" if dtype == torch.float32 else "red_bf16")
-    (report,) = red[2].observer.reports.values()
-    named = collections.defaultdict(list)
-    for nm in report.near_misses:
-        if nm.pattern.split("[")[0] == pattern and re.search(r"node=|\(\S+ \w+\[", nm.reason):
-            named[_layer_of(nm.module, CFG.num_hidden_layers - 1)].append(nm)
+    named = foreign.near_misses_naming_a_node(red[2], pattern)
     lost_at = [layer for layer, ops in LOST[dtype].items()
                if pattern in ops or f"fb_{pattern}" in ops]
     assert lost_at
@@ -214,7 +153,7 @@ def test_probes_name_the_cause_of_each_gap(gap):
     model = from_builtin(builtin).set_probe(*probes)
     assert _steps(model, builtin, n=2) <= EAGER_TOL  # a probe keeps the math
     _steps(_compile(from_builtin(builtin).set_probe(*probes)), model, n=1)
-    got = _per_layer(k3be.last_compiled())
+    got = _per_layer(foreign.last_compiled())
     for layer, ops in restored.items():
         for op in ops:
             assert got[layer][op] == 1, (gap, layer, op, dict(got[layer]))

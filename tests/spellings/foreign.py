@@ -1,0 +1,101 @@
+"""What the tests of a foreign K3 spelling loaded from the built-in model's state dict share
+(tests/e2e/test_redteam_spelling.py, tests/e2e/test_spell5_spelling.py): the 4-layer tiny
+built-in model, the decode loop that compares a step against its eager twin, the compile, the
+contract's fused ops per layer, the ops a spelling's plan lacks, and the layers where a
+pattern's near misses name a node."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import re
+
+import torch
+
+import k3compile.backend as k3be
+from k3compile.models import build_model, get_config
+from tests.conftest import rel_err
+from tests.diffsuite.spellings import condition_for_bf16
+
+# Every template (dense, kda_moe, mla_moe, last) in 4 layers, as in test_spellings
+CFG = dataclasses.replace(get_config("tiny"), num_hidden_layers=4, full_attn_layers=(2, 3))
+STEPS = 3
+_LAYER = re.compile(r"layers\.(\d+)\.")
+
+
+def builtin(dtype, seed=0):
+    model = build_model(CFG, dtype=dtype, max_batch=4, max_seq_len=64, seed=seed)
+    return condition_for_bf16(model, seed) if dtype == torch.bfloat16 else model
+
+
+def builtin_states(model):
+    return {n: b for n, b in model.named_buffers() if b.dim() >= 3 and b.dtype != torch.uint8}
+
+
+def steps(step, eager, n=STEPS, rows=0):
+    """Worst logits error of `step` against `eager` over n decode steps of batch 2 (slots 2, 0);
+    `rows` > 0: that many verify rows per request."""
+    gen = torch.Generator().manual_seed(0)
+    pos, slots, err = torch.tensor([0, 5]), torch.tensor([2, 0]), 0.0
+    with torch.no_grad():
+        for _ in range(n):
+            ids = torch.randint(0, CFG.vocab_size, (2, rows) if rows else (2,), generator=gen)
+            got, want = step(ids, pos, slots), eager(ids, pos, slots)
+            assert got.dtype == want.dtype and got.shape == want.shape, (got.dtype, got.shape)
+            err = max(err, rel_err(got, want))
+            pos = pos + max(rows, 1)
+    return err
+
+
+def last_compiled():
+    return k3be.last_compiled()
+
+
+def compile_k3(model):
+    torch._dynamo.reset()
+    return torch.compile(model, backend="k3", fullgraph=True,
+                         options={"executor": "aten", "keep_graphs": False})
+
+
+def per_layer(compiled):
+    (report,) = compiled.contracts.values()
+    return {lr.layer: lr.actual for lr in report.layers}
+
+
+def run(dtype, from_builtin, state_of):
+    """(worst logits error, each state's error, the compiled backend) of the spelling compiled
+    against its eager twin, both loaded from the built-in model."""
+    model, eager = from_builtin(builtin(dtype)), from_builtin(builtin(dtype))
+    err = steps(compile_k3(model), eager)
+    want, got = state_of(eager), state_of(model)
+    return err, {n: rel_err(got[n], want[n]) for n in want}, k3be.last_compiled()
+
+
+def reference_plan():
+    """The built-in model's fused ops per layer (fp32)."""
+    steps(compile_k3(builtin(torch.float32)), builtin(torch.float32), n=1)
+    return per_layer(k3be.last_compiled())
+
+
+def lost(reference, got):
+    """layer -> the reference plan's ops `got` lacks (layers with none left out)."""
+    assert set(got) == set(reference)
+    missing = {layer: dict(reference[layer] - got[layer]) for layer in reference}
+    return {k: v for k, v in missing.items() if v}
+
+
+def layer_of(module: str) -> int | None:
+    m = _LAYER.search(module + ".")
+    if m:
+        return int(m.group(1))
+    return -1 if module.startswith("final_") else None
+
+
+def near_misses_naming_a_node(compiled, pattern):
+    """layer -> `pattern`'s near misses whose reason names a node."""
+    (report,) = compiled.observer.reports.values()
+    named = collections.defaultdict(list)
+    for nm in report.near_misses:
+        if nm.pattern.split("[")[0] == pattern and re.search(r"node=|\(\S+ \w+\[", nm.reason):
+            named[layer_of(nm.module)].append(nm)
+    return named
