@@ -30,9 +30,11 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 
 import torch
 from torch import fx
+from torch.utils._pytree import tree_flatten, tree_map
 
 from k3compile.canonical import Rule, rewrite_sites
 from k3compile.canonical.expert_gather import dequant_roots, splice, traced
@@ -44,7 +46,12 @@ from k3compile.rewrite import inductor
 
 aten = torch.ops.aten
 RTOL = 1e-5
-MAX_ELEMENTS = 1 << 26  # values the region's evaluation may hold, summed over its nodes
+BUDGET = 1 << 22  # values slot 0's evaluation may hold as it is (summed over its nodes)
+MAX_ELEMENTS = 1 << 26  # ... at the smaller sizes
+_SMALL_I, _SMALL_L = (160, 224, 288), (224, 352, 416)  # multiples of 32, I != L
+# ints of a slot's arguments that are no size of the experts (dims, the nibble shift and mask,
+# the E2M1 table, the MX group, the E8M0 bias): a size equal to one cannot be shrunk
+_FORMAT = frozenset((0, 1, 2, 3, 4, 15, 16, 32, 127, 255))
 
 
 def _integer(node) -> bool:
@@ -161,42 +168,267 @@ def _roles(outside: set[fx.Node], n: int):
     return rest, luts[0], stacks
 
 
+# ---- the structure: an fp32 running sum of k terms, slot j's term slot 0's with j for 0 ----------
+
+
+def _slot_reads(ids: fx.Node, source: fx.Node, k: int) -> dict[fx.Node, int]:
+    """Slot j's reads: `select` / `slice` of column j of ids, or of the [N, k] weights."""
+    reads = {}
+    for x in {ids, source} if _shape(source) == _shape(ids) else {ids}:
+        reads.update((u, j) for u in x.users if (j := _slot(u, x, k)) is not None)
+    return reads
+
+
+def _masks(region: list[fx.Node], reads: dict[fx.Node, int]) -> dict[fx.Node, int]:
+    """Which slots each node of region is computed from (bit j: slot j's reads)."""
+    masks: dict[fx.Node, int] = {}
+    for n in region:
+        mask = 1 << reads[n] if n in reads else 0
+        for a in n.all_input_nodes:
+            mask |= masks.get(a, 0)
+        masks[n] = mask
+    return masks
+
+
+def _one_slot(mask: int) -> bool:
+    return mask > 0 and mask & (mask - 1) == 0
+
+
+def _read_by_slots(region, masks, reads, ids, source, stacks) -> bool:
+    """ids, the weights and the stacks are read only through one slot's reads (a column of ids
+    or of the [N, k] weights, `gather(source, 1, col)`, `stack[col]`): what slot j computes
+    depends on no other column, so slot 0's function with j for 0 is slot j's."""
+    for n in region:
+        if n in reads:
+            continue
+        for a in n.all_input_nodes:
+            by_slot = n.args[0] is a and _one_slot(masks[n]) and a not in n.args[1:]
+            if a is ids or (a is source and not (by_slot and n.target is aten.gather.default)) or (
+                    a in stacks and not (by_slot and n.target is aten.index.Tensor)):
+                return False
+    return True
+
+
+def _zero(x) -> bool:
+    if type(x) in (int, float):
+        return x == 0
+    return isinstance(x, fx.Node) and (x.target in _ZEROS or x.target in _FULLS and x.args[1] == 0)
+
+
+_ZEROS = {aten.zeros.default, aten.zeros_like.default, aten.new_zeros.default}
+_FULLS = {aten.full.default, aten.full_like.default}
+
+
+def _terms(out: fx.Node, masks: dict[fx.Node, int], k: int) -> list[fx.Node] | None:
+    """Slot j's term t_j for each j where out = ((z0 + t_a) + t_b) + ... in fp32, one term per
+    slot (z0 a zero, or none), the sum of the [N, L] terms as the canonical finalize's is (up to
+    order). None for any other sum."""
+    def add_of(n):
+        ok = (n.target is aten.add.Tensor and len(n.args) == 2 and not n.kwargs
+              and _val(n).dtype == torch.float32 and _shape(n) == _shape(out))
+        return n.args if ok else None
+
+    terms, acc = {}, out
+    while True:
+        args = add_of(acc)
+        mask = masks.get(acc, 0)
+        if not _one_slot(mask):
+            if args is None or not all(isinstance(a, fx.Node) for a in args):
+                return None
+            a, b = args
+            if _one_slot(masks.get(b, 0)) and masks.get(a, 0) == mask & ~masks[b]:
+                terms[masks[b]], acc = b, a
+            elif _one_slot(masks.get(a, 0)) and masks.get(b, 0) == mask & ~masks[a]:
+                terms[masks[a]], acc = a, b
+            else:
+                return None
+            continue
+        if args is not None and _zero(args[0]) and masks.get(args[0], 0) == 0:
+            acc = args[1]
+        elif args is not None and _zero(args[1]) and masks.get(args[1], 0) == 0:
+            acc = args[0]
+        terms[mask] = acc
+        break
+    if len(terms) != k or any(_shape(t) != _shape(out) for t in terms.values()):
+        return None
+    return [terms[1 << j] for j in range(k)]
+
+
+def _owned(term: fx.Node, masks: dict[fx.Node, int], order: dict[fx.Node, int]) -> list[fx.Node]:
+    """The nodes of term's slot it is computed from (term's slot alone), in graph order."""
+    seen, todo = set(), [term]
+    while todo:
+        n = todo.pop()
+        if n not in seen and masks.get(n) == masks[term]:
+            seen.add(n)
+            todo += n.all_input_nodes
+    return sorted(seen, key=order.__getitem__)
+
+
+def _same_slot(mine: list[fx.Node], first: list[fx.Node], j: int, reads, masks) -> bool:
+    """Slot j's nodes compute slot 0's function with column j for column 0: pairwise (in graph
+    order) the same op with the same arguments, a slot's own operand the pair of the other's,
+    a shared one (no slot) the same node or the same deterministic op of equal operands."""
+    if len(mine) != len(first):
+        return False
+    pair, memo = dict(zip(mine, first)), {}
+
+    def shared(x, y) -> bool:
+        if x is y:
+            return True
+        if (x, y) not in memo:
+            memo[x, y] = False
+            memo[x, y] = (masks.get(x) == 0 == masks.get(y) and x.op == y.op == "call_function"
+                          and x.target == y.target and isinstance(x.target, torch._ops.OpOverload)
+                          and torch.Tag.nondeterministic_seeded not in x.target.tags
+                          and same_args(x, y))
+        return memo[x, y]
+
+    def same(x, y) -> bool:
+        if isinstance(x, fx.Node) != isinstance(y, fx.Node):
+            return False
+        if not isinstance(x, fx.Node):
+            return type(x) is type(y) and x == y
+        return pair[x] is y if x in pair else shared(x, y)
+
+    def same_args(x, y) -> bool:
+        xs, x_spec = tree_flatten((x.args, x.kwargs))
+        ys, y_spec = tree_flatten((y.args, y.kwargs))
+        return x_spec == y_spec and all(map(same, xs, ys))
+
+    for x, y in pair.items():
+        if x.op != "call_function" or x.target != y.target:
+            return False
+        if x in reads:  # column j of a tensor for column 0 of the same one
+            if reads[x] != j or reads.get(y) != 0 or x.args[:2] != y.args[:2]:
+                return False
+        elif not same_args(x, y):
+            return False
+    return True
+
+
+def _structure(region, out, inputs, ids, k):
+    """Slot 0's term, where the region is a sum of k slots' terms each slot 0's with j for 0
+    (ids, the weights and the stacks read only by one slot's columns); None otherwise."""
+    z, _, source, _, *stacks = inputs
+    reads = _slot_reads(ids, source, k)
+    masks = _masks(region, reads)
+    if not _read_by_slots(region, masks, reads, ids, source, set(stacks)):
+        return None
+    terms = _terms(out, masks, k)
+    if terms is None:
+        return None
+    order = {n: i for i, n in enumerate(out.graph.nodes)}
+    first = _owned(terms[0], masks, order)
+    if not all(_same_slot(_owned(t, masks, order), first, j, reads, masks)
+               for j, t in enumerate(terms[1:], 1)):
+        return None
+    return terms[0]
+
+
+# ---- slot 0's function, proven on random values (at smaller I, L, E where large) ---------------
+
+
 @functools.cache
-def _canonical(beta: float, linear_beta: float):
+def _canonical(beta: float, linear_beta: float, slots: int | None):
+    """The canonical experts (`slots` 1: slot 0's term alone, in fp32: one slot's finalize)."""
     def experts(z, ids, weights, lut, w1p, w1s, w3p, w3s, w2p, w2s):
         n = ids.shape[0]
         w = weights.gather(1, ids) if weights.shape[1] != ids.shape[1] else weights
-        return mxfp4_experts(z.reshape(n, -1), ids, w, lut.to(z.dtype), w1p, w1s, w3p, w3s,
-                             w2p, w2s, beta, linear_beta).float()
+        return mxfp4_experts(z.reshape(n, -1), ids[:, :slots], w[:, :slots], lut.to(z.dtype),
+                             w1p, w1s, w3p, w3s, w2p, w2s, beta, linear_beta).float()
     return experts
 
 
-def _random_inputs(inputs: list[fx.Node], gen: torch.Generator) -> list[torch.Tensor]:
-    z, ids, weights, lut, *stacks = inputs
+def _values(region: list[fx.Node], sizes: dict[int, int]) -> int:
+    return sum(math.prod(sizes.get(d, d) for d in _shape(n)) for n in region
+               if _shape(n) is not None)
+
+
+def _sizes(region: list[fx.Node], inputs: list[fx.Node]) -> dict[int, int] | None:
+    """Smaller sizes for I, L, E (and I/2, L/2, I/32, L/32) to prove slot 0 at, as a map of every
+    such int in the region's arguments and its inputs' shapes: {} where slot 0 is small enough
+    as it is; None where a size is ambiguous (two of them, or one and N, k or a format
+    constant, equal: its int could not be told apart) or the region stays too large."""
+    if _values(region, {}) <= BUDGET:
+        return {}
+    z, ids, _, _, *stacks = inputs
     n, k = _shape(ids)
-    experts = _shape(stacks[0])[0]
-    values = [torch.randn(_shape(z), generator=gen).to(_val(z).dtype),
+    latent, experts = _shape(z)[-1], _shape(stacks[0])[0]
+    inter = {_shape(s)[1] for s in stacks} - {latent}
+    if len(inter) != 1 or any(_shape(s)[0] != experts for s in stacks):
+        return None
+    (inter,) = inter
+    protected = {n, k, *_FORMAT}
+    for i, lat in itertools.product(_SMALL_I, _SMALL_L):
+        e = next(e for e in itertools.count(k + 1) if e not in {i, lat, *protected})
+        sizes = {d: s for full, small in ((inter, i), (latent, lat))
+                 for d, s in ((full, small), (full // 2, small // 2), (full // 32, small // 32))}
+        sizes[experts] = e
+        if (len(sizes) != 7 or protected & set(sizes) or protected & set(sizes.values())
+                or len(set(sizes.values())) != 7 or inter % 32 or latent % 32):
+            continue
+        return sizes if _values(region, sizes) <= MAX_ELEMENTS else None
+    return None
+
+
+def _random_inputs(inputs: list[fx.Node], sizes: dict[int, int], gen: torch.Generator):
+    z, ids, weights, lut, *stacks = inputs
+    shape = {x: tuple(sizes.get(d, d) for d in _shape(x)) for x in inputs}
+    n, k = shape[ids]
+    experts = shape[stacks[0]][0]
+    values = [torch.randn(shape[z], generator=gen).to(_val(z).dtype),
               torch.stack([torch.randperm(experts, generator=gen)[:k] for _ in range(n)]),
-              torch.rand(_shape(weights), generator=gen).to(_val(weights).dtype),
+              torch.rand(shape[weights], generator=gen).to(_val(weights).dtype),
               torch.tensor(E2M1_VALUES, dtype=_val(lut).dtype)]
     for i, s in enumerate(stacks):
         lo, hi = (0, 256) if i % 2 == 0 else (118, 138)
-        values.append(torch.randint(lo, hi, _shape(s), generator=gen, dtype=torch.uint8))
-    return values
+        values.append(torch.randint(lo, hi, shape[s], generator=gen, dtype=torch.uint8))
+    return dict(zip(inputs, values))
 
 
-def _agrees(region: list[fx.Node], inputs: list[fx.Node], out: fx.Node, fn) -> bool:
+def _slot_values(region, inputs, term, sizes):
+    """(random inputs, slot 0's term on them): the region run with every int of `sizes` in its
+    arguments replaced."""
+    def resize(a):
+        return sizes.get(a, a) if type(a) is int else a
+
     with inductor.unset_fake_temporarily():
-        env = dict(zip(inputs, _random_inputs(inputs, torch.Generator().manual_seed(0))))
-        want = fn(*env.values())
+        env = _random_inputs(inputs, sizes, torch.Generator().manual_seed(0))
+        values = dict(env)
         for node in region:
-            args, kwargs = fx.map_arg((node.args, node.kwargs), env.__getitem__)
+            args, kwargs = tree_map(resize, fx.map_arg((node.args, node.kwargs), env.__getitem__))
             env[node] = node.target(*args, **kwargs)
-        got = env[out]
-        if got.shape != want.shape or got.dtype != _val(out).dtype:
-            return False
-        scale = float(want.abs().max().clamp_min(1e-30))
-        return float((got.float() - want.float()).abs().max()) <= RTOL * scale
+        return values, env[term]
+
+
+def _proof(region, inputs, term):
+    """(beta, linear beta, the stacks as W1, W3, W2) for which slot 0's term is the canonical
+    experts' slot 0 (within RTOL of the largest value), or None."""
+    sizes = _sizes(region, inputs)
+    if sizes is None:
+        return None
+    try:
+        values, got = _slot_values(region, inputs, term, sizes)
+    except RuntimeError:  # an int of the region that was not a size
+        return None
+    z, ids, weights, lut, *stacks = inputs
+    if got.dtype != torch.float32:
+        return None
+    pairs = [stacks[0:2], stacks[2:4], stacks[4:6]]
+    scale = float(got.abs().max().clamp_min(1e-30))
+    for order in itertools.permutations(pairs):
+        stacks = list(itertools.chain(*order))
+        args = [values[x] for x in (z, ids, weights, lut, *stacks)]
+        for beta, linear_beta in itertools.product(_constants(region), repeat=2):
+            with inductor.unset_fake_temporarily():
+                try:
+                    want = _canonical(beta, linear_beta, 1)(*args)
+                except RuntimeError:  # shapes that do not fit this assignment
+                    break
+                if want.shape == got.shape and float((got - want).abs().max()) <= RTOL * scale:
+                    return beta, linear_beta, stacks
+    return None
 
 
 def _constants(region: list[fx.Node]) -> list[float]:
@@ -223,43 +455,32 @@ def _site(ids: fx.Node):
         return None
     outside = _outside(out, ids, set(sources))
     roles = _roles(outside, n) if outside is not None else None
-    if roles is None:
+    if roles is None or sources[0] not in roles[0]:
         return None
-    rest, lut, stacks = roles
-    candidates = []
-    for z, weights in (rest, rest[::-1]):
-        inputs = [z, ids, weights, lut, *stacks]
-        region = nodes_between(inputs, out, limit=100_000)
-        pairs = _stack_pairs(stacks, region) if region is not None else None
-        if pairs is not None and _small(region):
-            candidates.append(([z, ids, weights, lut, *itertools.chain(*pairs)], region))
-    return (out, candidates) if candidates else None
-
-
-def _small(region: list[fx.Node]) -> bool:
-    total = sum(_val(n).numel() for n in region if _val(n) is not None)
-    return total <= MAX_ELEMENTS
+    (z,), (weights,), (lut, stacks) = set(roles[0]) - set(sources), sources, roles[1:]
+    if _val(z).dtype != _val(out).dtype:
+        return None  # the canonical finalize rounds the fp32 sum to z's dtype; this one does not
+    region = nodes_between([z, ids, weights, lut, *stacks], out, limit=100_000)
+    pairs = _stack_pairs(stacks, region) if region is not None else None
+    if pairs is None:
+        return None
+    inputs = [z, ids, weights, lut, *itertools.chain(*pairs)]  # (packed, scale) of each
+    term = _structure(region, out, inputs, ids, k)
+    if term is None:
+        return None
+    slot_region = nodes_between(inputs, term, limit=100_000)
+    proof = _proof(slot_region, inputs, term)
+    return (out, [z, ids, weights, lut], proof) if proof is not None else None
 
 
 def _write(graph: fx.Graph, ids: fx.Node, site, cache: dict) -> bool:
-    out, candidates = site
-    for (z, _, weights, lut, *stacks), region in candidates:
-        pairs = [stacks[0:2], stacks[2:4], stacks[4:6]]
-        for order in itertools.permutations(pairs):
-            inputs = [z, ids, weights, lut, *itertools.chain(*order)]
-            for beta, linear_beta in itertools.product(_constants(region), repeat=2):
-                fn = _canonical(beta, linear_beta)
-                try:
-                    if not _agrees(region, inputs, out, fn):
-                        continue
-                except RuntimeError:  # shapes that do not fit this assignment
-                    break
-                new = splice(graph, traced(fn, inputs, cache), inputs, out)
-                if _shape(new) != _shape(out) or _val(new).dtype != _val(out).dtype:
-                    return False
-                out.replace_all_uses_with(new)
-                return True
-    return False
+    out, inputs, (beta, linear_beta, stacks) = site
+    inputs = [*inputs, *stacks]
+    new = splice(graph, traced(_canonical(beta, linear_beta, None), inputs, cache), inputs, out)
+    if _shape(new) != _shape(out) or _val(new).dtype != _val(out).dtype:
+        return False
+    out.replace_all_uses_with(new)
+    return True
 
 
 def apply(graph: fx.Graph) -> int:
