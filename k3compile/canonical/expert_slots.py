@@ -335,8 +335,11 @@ def _canonical(beta: float, linear_beta: float, slots: int | None):
     def experts(z, ids, weights, lut, w1p, w1s, w3p, w3s, w2p, w2s):
         n = ids.shape[0]
         w = weights.gather(1, ids) if weights.shape[1] != ids.shape[1] else weights
-        return mxfp4_experts(z.reshape(n, -1), ids[:, :slots], w[:, :slots], lut.to(z.dtype),
-                             w1p, w1s, w3p, w3s, w2p, w2s, beta, linear_beta).float()
+        if slots is not None:
+            ids, w = ids[:, :slots], w[:, :slots]
+        z = z if z.dim() == 2 else z.reshape(n, -1)
+        return mxfp4_experts(z, ids, w, lut.to(z.dtype), w1p, w1s, w3p, w3s,
+                             w2p, w2s, beta, linear_beta).float()
     return experts
 
 
@@ -361,10 +364,10 @@ def _sizes(region: list[fx.Node], inputs: list[fx.Node]) -> dict[int, int] | Non
     (inter,) = inter
     protected = {n, k, *_FORMAT}
     for i, lat in itertools.product(_SMALL_I, _SMALL_L):
-        e = next(e for e in itertools.count(k + 1) if e not in {i, lat, *protected})
         sizes = {d: s for full, small in ((inter, i), (latent, lat))
                  for d, s in ((full, small), (full // 2, small // 2), (full // 32, small // 32))}
-        sizes[experts] = e
+        taken = {*sizes.values(), *protected}
+        sizes[experts] = next(e for e in itertools.count(k + 1) if e not in taken)
         if (len(sizes) != 7 or protected & set(sizes) or protected & set(sizes.values())
                 or len(set(sizes.values())) != 7 or inter % 32 or latent % 32):
             continue
