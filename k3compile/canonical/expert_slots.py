@@ -254,57 +254,51 @@ def _terms(out: fx.Node, masks: dict[fx.Node, int], k: int) -> list[fx.Node] | N
     return [terms[1 << j] for j in range(k)]
 
 
-def _owned(term: fx.Node, masks: dict[fx.Node, int], order: dict[fx.Node, int]) -> list[fx.Node]:
-    """The nodes of term's slot it is computed from (term's slot alone), in graph order."""
-    seen, todo = set(), [term]
-    while todo:
-        n = todo.pop()
-        if n not in seen and masks.get(n) == masks[term]:
-            seen.add(n)
-            todo += n.all_input_nodes
-    return sorted(seen, key=order.__getitem__)
-
-
-def _same_slot(mine: list[fx.Node], first: list[fx.Node], j: int, reads, masks) -> bool:
-    """Slot j's nodes compute slot 0's function with column j for column 0: pairwise (in graph
-    order) the same op with the same arguments, a slot's own operand the pair of the other's,
-    a shared one (no slot) the same node or the same deterministic op of equal operands."""
-    if len(mine) != len(first):
-        return False
-    pair, memo = dict(zip(mine, first)), {}
-
-    def shared(x, y) -> bool:
-        if x is y:
-            return True
-        if (x, y) not in memo:
-            memo[x, y] = False
-            memo[x, y] = (masks.get(x) == 0 == masks.get(y) and x.op == y.op == "call_function"
-                          and x.target == y.target and isinstance(x.target, torch._ops.OpOverload)
-                          and torch.Tag.nondeterministic_seeded not in x.target.tags
-                          and same_args(x, y))
-        return memo[x, y]
+def _same_slot(mine: fx.Node, first: fx.Node, j: int, reads, masks) -> bool:
+    """Slot j's term computes slot 0's with column j for column 0: matched from the terms up,
+    operand by operand (whatever the graph order), the same op with the same arguments, each
+    node of slot j paired with exactly one of slot 0, a read of column j with the same read of
+    column 0, a shared node (of no slot) the same node or the same deterministic op of equal
+    operands."""
+    pair: dict[fx.Node, fx.Node] = {}
+    back: dict[fx.Node, fx.Node] = {}
+    memo: dict[tuple[fx.Node, fx.Node], bool] = {}
 
     def same(x, y) -> bool:
         if isinstance(x, fx.Node) != isinstance(y, fx.Node):
             return False
         if not isinstance(x, fx.Node):
             return type(x) is type(y) and x == y
-        return pair[x] is y if x in pair else shared(x, y)
+        if masks.get(x, 0) == 0 == masks.get(y, 0):
+            return shared(x, y)
+        if masks.get(x) != 1 << j or masks.get(y) != 1:
+            return False
+        if x in pair or y in back:
+            return pair.get(x) is y and back.get(y) is x
+        pair[x], back[y] = y, x
+        if x.op != "call_function" or x.target != y.target or (x in reads) != (y in reads):
+            return False
+        if x in reads:
+            return reads[x] == j and reads[y] == 0 and x.args[:2] == y.args[:2]
+        return same_args(x, y)
+
+    def shared(x, y) -> bool:
+        if x is y:
+            return True
+        if (x, y) not in memo:
+            memo[x, y] = False
+            memo[x, y] = (x.op == y.op == "call_function" and x.target == y.target
+                          and isinstance(x.target, torch._ops.OpOverload)
+                          and torch.Tag.nondeterministic_seeded not in x.target.tags
+                          and same_args(x, y))
+        return memo[x, y]
 
     def same_args(x, y) -> bool:
         xs, x_spec = tree_flatten((x.args, x.kwargs))
         ys, y_spec = tree_flatten((y.args, y.kwargs))
         return x_spec == y_spec and all(map(same, xs, ys))
 
-    for x, y in pair.items():
-        if x.op != "call_function" or x.target != y.target:
-            return False
-        if x in reads:  # column j of a tensor for column 0 of the same one
-            if reads[x] != j or reads.get(y) != 0 or x.args[:2] != y.args[:2]:
-                return False
-        elif not same_args(x, y):
-            return False
-    return True
+    return same(mine, first)
 
 
 def _structure(region, out, inputs, ids, k):
@@ -318,10 +312,7 @@ def _structure(region, out, inputs, ids, k):
     terms = _terms(out, masks, k)
     if terms is None:
         return None
-    order = {n: i for i, n in enumerate(out.graph.nodes)}
-    first = _owned(terms[0], masks, order)
-    if not all(_same_slot(_owned(t, masks, order), first, j, reads, masks)
-               for j, t in enumerate(terms[1:], 1)):
+    if not all(_same_slot(t, terms[0], j, reads, masks) for j, t in enumerate(terms[1:], 1)):
         return None
     return terms[0]
 
@@ -396,13 +387,12 @@ def _slot_values(region, inputs, term, sizes):
     def resize(a):
         return sizes.get(a, a) if type(a) is int else a
 
-    with inductor.unset_fake_temporarily():
-        env = _random_inputs(inputs, sizes, torch.Generator().manual_seed(0))
-        values = dict(env)
-        for node in region:
-            args, kwargs = tree_map(resize, fx.map_arg((node.args, node.kwargs), env.__getitem__))
-            env[node] = node.target(*args, **kwargs)
-        return values, env[term]
+    env = _random_inputs(inputs, sizes, torch.Generator().manual_seed(0))
+    values = dict(env)
+    for node in region:
+        args, kwargs = tree_map(resize, fx.map_arg((node.args, node.kwargs), env.__getitem__))
+        env[node] = node.target(*args, **kwargs)
+    return values, env[term]
 
 
 def _proof(region, inputs, term):
@@ -411,26 +401,29 @@ def _proof(region, inputs, term):
     sizes = _sizes(region, inputs)
     if sizes is None:
         return None
+    with inductor.unset_fake_temporarily():  # real values, inside a compile's fake mode
+        return _agreeing(region, inputs, term, sizes)
+
+
+def _agreeing(region, inputs, term, sizes):
     try:
         values, got = _slot_values(region, inputs, term, sizes)
     except RuntimeError:  # an int of the region that was not a size
         return None
-    z, ids, weights, lut, *stacks = inputs
     if got.dtype != torch.float32:
         return None
-    pairs = [stacks[0:2], stacks[2:4], stacks[4:6]]
+    z, ids, weights, lut, *stacks = inputs
     scale = float(got.abs().max().clamp_min(1e-30))
-    for order in itertools.permutations(pairs):
+    for order in itertools.permutations([stacks[0:2], stacks[2:4], stacks[4:6]]):
         stacks = list(itertools.chain(*order))
         args = [values[x] for x in (z, ids, weights, lut, *stacks)]
         for beta, linear_beta in itertools.product(_constants(region), repeat=2):
-            with inductor.unset_fake_temporarily():
-                try:
-                    want = _canonical(beta, linear_beta, 1)(*args)
-                except RuntimeError:  # shapes that do not fit this assignment
-                    break
-                if want.shape == got.shape and float((got - want).abs().max()) <= RTOL * scale:
-                    return beta, linear_beta, stacks
+            try:
+                want = _canonical(beta, linear_beta, 1)(*args)
+            except RuntimeError:  # shapes that do not fit this assignment
+                break
+            if want.shape == got.shape and float((got - want).abs().max()) <= RTOL * scale:
+                return beta, linear_beta, stacks
     return None
 
 
