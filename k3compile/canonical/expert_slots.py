@@ -340,11 +340,15 @@ def _values(region: list[fx.Node], sizes: dict[int, int]) -> int:
 
 
 def _sizes(region: list[fx.Node], inputs: list[fx.Node]) -> dict[int, int] | None:
-    """Smaller sizes for I, L, E (and I/2, L/2, I/32, L/32) to prove slot 0 at, as a map of every
-    such int in the region's arguments and its inputs' shapes: {} where slot 0 is small enough
-    as it is; None where a size is ambiguous (two of them, or one and N, k or a format
-    constant, equal: its int could not be told apart) or the region stays too large."""
-    if _values(region, {}) <= BUDGET:
+    """{} where slot 0 is small enough to evaluate as it is; else smaller I, L, E (and I/2, L/2,
+    I/32, L/32) as a map applied to every int of the region's arguments and its inputs' shapes.
+    Their full sizes must be told apart: pairwise different, none k or a format constant (its
+    int would be ambiguous). N, where it equals one of them, goes with it (the smaller slot keeps
+    the full one's equal sizes equal); no smaller size equals an N kept, k or a format constant
+    (no equality the full slot lacks). None where that is impossible or the region stays too
+    large."""
+    values = [*region, *inputs]
+    if _values(values, {}) <= BUDGET:
         return {}
     z, ids, _, _, *stacks = inputs
     n, k = _shape(ids)
@@ -353,16 +357,17 @@ def _sizes(region: list[fx.Node], inputs: list[fx.Node]) -> dict[int, int] | Non
     if len(inter) != 1 or any(_shape(s)[0] != experts for s in stacks):
         return None
     (inter,) = inter
-    protected = {n, k, *_FORMAT}
+    full = [inter, inter // 2, inter // 32, latent, latent // 2, latent // 32, experts]
+    fixed = {k, *_FORMAT}
+    if inter % 32 or latent % 32 or len(set(full)) != 7 or fixed & set(full):
+        return None
+    kept = fixed | ({n} - set(full))
     for i, lat in itertools.product(_SMALL_I, _SMALL_L):
-        sizes = {d: s for full, small in ((inter, i), (latent, lat))
-                 for d, s in ((full, small), (full // 2, small // 2), (full // 32, small // 32))}
-        taken = {*sizes.values(), *protected}
-        sizes[experts] = next(e for e in itertools.count(k + 1) if e not in taken)
-        if (len(sizes) != 7 or protected & set(sizes) or protected & set(sizes.values())
-                or len(set(sizes.values())) != 7 or inter % 32 or latent % 32):
-            continue
-        return sizes if _values(region, sizes) <= MAX_ELEMENTS else None
+        small = [i, i // 2, i // 32, lat, lat // 2, lat // 32]
+        small.append(next(e for e in itertools.count(k + 1) if e not in {*small, *kept}))
+        if len(set(small)) == 7 and not kept & set(small):
+            sizes = dict(zip(full, small))
+            return sizes if _values(values, sizes) <= MAX_ELEMENTS else None
     return None
 
 

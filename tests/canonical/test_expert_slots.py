@@ -138,15 +138,15 @@ def _record_sizes(monkeypatch) -> list:
     return seen
 
 
-@pytest.mark.parametrize("shard", ["TP16", "TP1"])
+@pytest.mark.parametrize(("shard", "rows"), [("TP16", 4), ("TP16", 6), ("TP1", 4)])
 @pytest.mark.parametrize("spelling", sorted(SPELLINGS))
-def test_k3_sizes(spelling, shard, monkeypatch):
-    """At K3's sizes (4 rows, 16 slots, 896 experts): slot 0 is evaluated at I 160, L 224, E 17;
-    the rewritten graph is the canonical trace op for op (its values at these sizes: the
-    positives above, at the tests' sizes, and the canonical op's own tests)."""
+def test_k3_sizes(spelling, shard, rows, monkeypatch):
+    """At K3's sizes (16 slots, 896 experts; 6 rows: N = I/32 at TP16, shrunk with it): slot 0
+    is evaluated at I 160, L 224, E 17; the rewritten graph is the canonical trace op for op
+    (its values: the positives above, at the tests' sizes, and the canonical op's own tests)."""
     fn, canonical = SPELLINGS[spelling]
     seen = _record_sizes(monkeypatch)
-    args = _inputs(4, cheap=True, **{"TP16": TP16, "TP1": TP1}[shard])
+    args = _inputs(rows, cheap=True, **{"TP16": TP16, "TP1": TP1}[shard])
     gm, start = trace(fn, args), time.perf_counter()
     assert rule.apply(gm.graph) == 1
     print(f"{spelling} {shard}: {time.perf_counter() - start:.3f} s")
@@ -156,6 +156,17 @@ def test_k3_sizes(spelling, shard, monkeypatch):
     (out,) = torch.utils._pytree.tree_leaves(next(iter(reversed(gm.graph.nodes))).args)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     assert same_graph(out, trace(canonical, args), placeholders)
+
+
+def test_sizes_that_cannot_be_told_apart_are_left_alone(monkeypatch):
+    """I/32 = k = 16: an int 16 of slot 0's arguments could be either; not shrunk, too large to
+    evaluate as it is (the budget exceeded): left alone."""
+    monkeypatch.setattr(rule, "BUDGET", 0)
+    seen = _record_sizes(monkeypatch)
+    gm = trace(dense_matrix, _inputs(2, cheap=True, **dict(TP16, inter=512)))
+    before = targets(gm)
+    assert rule.apply(gm.graph) == 0
+    assert targets(gm) == before and seen == []
 
 
 # ---- look-alikes left alone ---------------------------------------------------------------------
