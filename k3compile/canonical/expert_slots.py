@@ -12,18 +12,32 @@ where `weights` [N, E] is what each slot's weight is read from (a dense routing 
 k slots are each read (`select(ids, 1, j)` / `slice(ids, 1, j, j + 1)`), the first node that
 depends on all k of them (the sum), and the tensors the slots' computation reads besides: six
 uint8 expert stacks (packed nibbles and E8M0 scales of W1, W3, W2, told apart by their shapes),
-one [16] E2M1 table, the [N, L] latent z and the weights. What the region computes is then proven
-on random values (distinct ids per row, random bytes, scales in [118, 137]) against the
-canonical experts, for each assignment of the stacks to W1 / W3 / W2 and each (beta, linear beta)
-pair among the region's float constants: the first that agrees within RTOL of the largest value
-(the slots' running sum adds in another order than the canonical reduction: fp32 rounding) is
-spliced in; none: left alone.
+one [16] E2M1 table, the [N, L] latent z and the weights.
 
-Left alone: a loop over fewer or other slots than the k of ids, a region that reads anything
-else (another tensor, a placeholder that is not one of the above), one that is not the MXFP4
-SiTU experts (another activation, other weights, dense experts), a bf16 finalize that rounds
-otherwise than the canonical one (the check fails on dtype or value), and a region too large to
-evaluate at compile time (more than MAX_ELEMENTS values: its near miss stays).
+Proven in two parts, so that the cost does not grow with k, I or L (K3: k 16, L 3584, I 192 a
+TP16 rank, 3072 unsharded; evaluating the whole loop would dequantise N*k*I*L weights):
+1. Structure (no evaluation). ids, the weights and the stacks are read only through one slot's
+   columns (`ids[:, j]`, `weights[:, j]`, `gather(weights, 1, ids[:, j:j+1])`, `stack[col]`);
+   the sum is ((z0 + t_a) + t_b) + ... in fp32, one [N, L] term per slot (z0 a zero or none);
+   and each slot j's term is slot 0's with column j for column 0: matched from the terms up,
+   operand by operand, a bijection of the slots' nodes with the same ops and arguments (shared
+   nodes equal). So t_j = f(column j) for one function f, and the sum is the canonical
+   finalize's up to order: the canonical output's dtype is z's, so the sum must be z's (fp32).
+2. f itself, slot 0's term, on random values (distinct ids per row, random bytes, scales in
+   [118, 137]) against the canonical experts' slot 0, for each assignment of the stacks to W1 /
+   W3 / W2 and each (beta, linear beta) among the float constants next to a tanh: the first
+   that agrees within RTOL of the largest value is spliced in (all k slots). Where slot 0 is
+   larger than BUDGET values, it runs at smaller I, L, E (`_sizes`: each int of its arguments
+   and its inputs' shapes equal to one of those sizes, or to I/2, L/2, I/32, L/32, replaced):
+   sound as long as an int equal to a size is that size, which is why sizes that collide (with
+   each other, k or a format constant) are not shrunk.
+
+Left alone: a loop over fewer or other slots than the k of ids, a slot whose chain differs from
+slot 0's (another beta, stack, row or latent), a region that reads anything else (another
+tensor, a placeholder that is not one of the above), one that is not the MXFP4 SiTU experts
+(another activation, other weights, dense experts), a bf16 latent whose fp32 sum is not rounded
+as the canonical finalize rounds it (decided from the dtypes, before any evaluation), sizes that
+cannot be told apart or a slot too large to evaluate even shrunk (its near miss stays).
 """
 
 from __future__ import annotations
@@ -304,7 +318,7 @@ def _same_slot(mine: fx.Node, first: fx.Node, j: int, reads, masks) -> bool:
 def _structure(region, out, inputs, ids, k):
     """Slot 0's term, where the region is a sum of k slots' terms each slot 0's with j for 0
     (ids, the weights and the stacks read only by one slot's columns); None otherwise."""
-    z, _, source, _, *stacks = inputs
+    _, _, source, _, *stacks = inputs
     reads = _slot_reads(ids, source, k)
     masks = _masks(region, reads)
     if not _read_by_slots(region, masks, reads, ids, source, set(stacks)):

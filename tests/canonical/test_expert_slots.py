@@ -24,8 +24,8 @@ from .rule_checks import targets, trace
 E, INTER, LATENT, K = 6, 64, 96, 3
 BETAS = (4.0, 25.0)
 # K3's routed experts per rank: E experts, the top k, latent L, intermediate I (spec §3.3)
-TP16 = dict(experts=896, inter=192, latent=3584, k=16)
-TP1 = dict(experts=896, inter=3072, latent=3584, k=16)
+TP16 = {"experts": 896, "inter": 192, "latent": 3584, "k": 16}
+TP1 = {"experts": 896, "inter": 3072, "latent": 3584, "k": 16}
 
 
 def _inputs(rows, dtype=torch.float32, experts=E, inter=INTER, latent=LATENT, k=K, cheap=False):
@@ -64,7 +64,7 @@ def dense_matrix(z, scores, ids, lut, *stacks, slots=None, act=situ, odd=None):
     probs = torch.zeros_like(scores).scatter(1, ids, _routed(scores, ids))
     acc = torch.zeros(z.shape[0], z.shape[1])
     for j in range(ids.shape[1] if slots is None else slots):
-        args, kwargs = (z, ids[:, j], lut, *stacks), dict(act=act)
+        args, kwargs = (z, ids[:, j], lut, *stacks), {"act": act}
         if odd is not None and odd[0] in (j, "every"):
             args, kwargs = odd[1](args, kwargs)
         acc = acc + probs.gather(1, ids[:, j:j + 1]) * _slot(*args, **kwargs).float()
@@ -116,7 +116,7 @@ def test_slot_0_proven_at_smaller_sizes_equals_the_loop(monkeypatch):
     """The proof's smaller sizes (every budget exceeded): I, L, E replaced by smaller ones in
     slot 0's arguments; the rewrite still equals the loop at the real (here moderate) sizes."""
     monkeypatch.setattr(rule, "BUDGET", 0)
-    sizes = dict(experts=12, inter=320, latent=448, k=3)
+    sizes = {"experts": 12, "inter": 320, "latent": 448, "k": 3}
     seen = _record_sizes(monkeypatch)
     args = _inputs(2, **sizes)
     gm = trace(dense_matrix, args)
@@ -163,7 +163,7 @@ def test_sizes_that_cannot_be_told_apart_are_left_alone(monkeypatch):
     evaluate as it is (the budget exceeded): left alone."""
     monkeypatch.setattr(rule, "BUDGET", 0)
     seen = _record_sizes(monkeypatch)
-    gm = trace(dense_matrix, _inputs(2, cheap=True, **dict(TP16, inter=512)))
+    gm = trace(dense_matrix, _inputs(2, cheap=True, **{**TP16, "inter": 512}))
     before = targets(gm)
     assert rule.apply(gm.graph) == 0
     assert targets(gm) == before and seen == []
