@@ -79,6 +79,27 @@ def topk_weights(z, scores, ids, lut, *stacks):
     return acc
 
 
+def dequant_first(z, scores, ids, lut, w1p, w1s, w3p, w3s, w2p, w2s):
+    """Every slot's weights dequantised first (slot 0's in another order: W2 first), then the
+    slots' GEMMs: the slots' nodes in different graph orders (as the spell5 graph's spliced
+    dequants are)."""
+    def weights(j):
+        stacks = [(w1p, w1s), (w3p, w3s), (w2p, w2s)]
+        w = {k: dequant(p[ids[:, j]], s[ids[:, j]], lut)
+             for k, (p, s) in sorted(enumerate(stacks), reverse=j == 0)}
+        return w[0], w[1], w[2]
+
+    probs = torch.zeros_like(scores).scatter(1, ids, _routed(scores, ids))
+    experts = [weights(j) for j in range(ids.shape[1])]
+    acc = torch.zeros(z.shape[0], z.shape[1])
+    for j, (w1, w3, w2) in enumerate(experts):
+        x = z.unsqueeze(1)
+        h = situ(torch.bmm(x, w1.transpose(1, 2)), torch.bmm(x, w3.transpose(1, 2)), *BETAS)
+        y = torch.bmm(h, w2.transpose(1, 2)).squeeze(1)
+        acc = acc + probs.gather(1, ids[:, j:j + 1]) * y.float()
+    return acc
+
+
 def canonical_dense(z, scores, ids, lut, *stacks):
     probs = torch.zeros_like(scores).scatter(1, ids, _routed(scores, ids))
     return mxfp4_experts(z, ids, probs.gather(1, ids), lut, *stacks, *BETAS)
@@ -89,7 +110,8 @@ def canonical_topk(z, scores, ids, lut, *stacks):
 
 
 SPELLINGS = {"dense_matrix": (dense_matrix, canonical_dense),
-             "topk_weights": (topk_weights, canonical_topk)}
+             "topk_weights": (topk_weights, canonical_topk),
+             "dequant_first": (dequant_first, canonical_dense)}
 
 
 @pytest.mark.parametrize("rows", [1, 3])
