@@ -193,8 +193,9 @@ class FC1:
         for s in cutlass.range_constexpr(ZV):
             top = abs_top(rZ8[None, s].load().bitcast(Uint32), top)
         top = cute.arch.warp_reduction(top, lambda a, b: cutlass.max(a, b))
+        warp = cute.arch.warp_idx()  # a full-warp shuffle here: every lane must run it
         if cute.arch.lane_idx() == 0:
-            sMax[cute.arch.warp_idx()] = top
+            sMax[warp] = top
         cute.arch.barrier()
         for w in cutlass.range_constexpr(self.warps):
             top = cutlass.max(top, sMax[w])

@@ -395,6 +395,27 @@ def test_input_check_builds(kind, B, T, pdl, monkeypatch, tmp_path):
         assert "griddepcontrol" not in ptx
 
 
+# moe_experts' stages whose warps meet in shared memory: FC1 with the fp16 staging (`stage_z2`:
+# each warp's |z| maximum written by its lane 0, at the configs of 1 and of 8-64 rows), FC2 plain
+# and fp16 (the k act maxima), at the TP16 rank. Session 23: `stage_z2` read `warp_idx()` (a
+# full-warp shuffle) inside its lane-0 branch, input_check's deadlock of session 22; the compiler
+# merged that read with the kernel's own at entry, so the old PTX passes too, byte for byte
+# the new one, but nothing guaranteed the merge
+MOE_SHARED = [("fc1", 1, True), ("fc1", 8, True), ("fc2", 8, False), ("fc2", 8, True)]
+
+
+@pytest.mark.parametrize("stage,b,f16", MOE_SHARED, ids=str)
+def test_moe_experts_builds_have_no_skippable_collectives(stage, b, f16, monkeypatch, tmp_path):
+    monkeypatch.setenv("CUTE_DSL_ARCH", ARCH)
+    scalars = (stage, 3584, 192, 16, True)
+    cfg = dataclasses.replace(moe_experts.config(*scalars[:4], b), f16=f16)
+    compiled = moe_experts.build(*scalars, cfg, arch=ARCH, dump_dir=str(tmp_path))
+    _check_cubin(compiled)
+    ptx = ptx_of(compiled)
+    assert "bar.sync" in ptx and "shfl.sync" in ptx  # the check has something to look at
+    assert skippable_collectives(ptx) == []
+
+
 # moe_route's build for a bf16 router bias (a Moonshot model cast to bf16 whole): at the K3 router
 # (896 experts, top-16; one float4 a thread) and E 1024, k 32 (two a thread), PDL off and on
 BF16_BIAS = [((896, 16), False), ((1024, 32), False), ((896, 16), True), ((1024, 32), True)]
