@@ -552,7 +552,7 @@ class FC2:
     def __call__(self, mActRows: cute.Tensor, mIds: cute.Tensor, mWt: cute.Tensor,
                  mW2: cute.Tensor, mS2: cute.Tensor, mY: cute.Tensor, stream):
         # mActRows: (N, k·I) bf16 (act, one row per token); mIds, mWt: (N, k);
-        # mW2: (E·L, I/8) int32 words; mS2: (E·L, I/32) uint8; mY: (N, L) bf16
+        # mW2: (E·L, I/8) int32 words; mS2: (E·L, I/32) uint8; mY: (N, L) bf16 or fp32
         self.kernel(mActRows, mIds, mWt, mW2, mS2, mY).launch(
             grid=[mY.shape[0], -(-self.latent // self.rows), 1],
             block=[self.threads, 1, 1], smem=fc2_smem(self.inter, self.top_k, self.cfg),
@@ -639,4 +639,4 @@ class FC2:
             total = sRed[0, tidx]
             for jj in cutlass.range_constexpr(1, K):
                 total = total + sRed[jj, tidx]
-            mY[n, blk * R + tidx] = total.to(BFloat16)
+            mY[n, blk * R + tidx] = total.to(mY.element_type)  # bf16, or fp32 (`out_fp32`)
