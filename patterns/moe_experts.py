@@ -7,9 +7,9 @@ SiTU between, and Σ_k w_k·y_k in fp32. The fused op builds the E2M1 table itse
 reads the matched table's real value (a graph constant, or a graph input whose real tensor the
 compile handed over in `gm.meta["real_inputs"]`) and refuses any table that is not E2M1.
 
-Variant `fp32_out` (bf16 / fp16 z): the finalize's fp32 sum returned unrounded, where a spelling
-feeds it to the latent norm in fp32 (tests/models/redteam_k3.py, spell5_k3.py) -> the op's
-`out_fp32`. Rounding it to bf16 instead would change the spelling's values, so the variant keeps
+Variant `fp32_out` (traced for bf16 z): the finalize's fp32 sum returned unrounded, where a
+spelling feeds it to the latent norm in fp32 (tests/models/redteam_k3.py, spell5_k3.py) -> the
+op's `out_fp32`. Rounding it to bf16 instead would change the spelling's values, so the variant keeps
 the rounding and the check reads it from the match (z's dtype; the output's is the engine's).
 
 einsum lowers to permute/view/bmm chains whose shape depends on whether there is one token row

@@ -4,8 +4,8 @@
 Matches K3's RMSNorm order (normalise in fp32, cast back, times the weight) feeding `F.linear`
 on a 2-D input, where nothing else reads the normalised value.
 
-Variants `weight_fp32` (bf16 / fp16 GEMM): the norm of an fp32 u (the routed experts' fp32 sum)
-with the weight multiplied in fp32 before the one rounding to the GEMM's dtype, the weight cast
+Variants `weight_fp32` (traced for a bf16 GEMM): the norm of an fp32 u (the routed experts' fp32
+sum) with the weight multiplied in fp32 before the one rounding to the GEMM's dtype, the weight cast
 explicitly (`F.rms_norm(u, ..., w.float())`, tests/models/redteam_k3.py) or by type promotion
 (`h * w` with h fp32, an RMSNorm module on an fp32 input, spell5_k3.py) -> the op's
 `weight_fp32`. Another rounding than K3's, so a variant, not a canonical rule.
