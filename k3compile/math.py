@@ -34,6 +34,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * h.to(x.dtype)
 
 
+def rms_norm_fp32_weight(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                         dtype: torch.dtype) -> torch.Tensor:
+    """Normalise in fp32, multiply by the weight in fp32, one rounding to `dtype` (torch's
+    `F.rms_norm` / `nn.RMSNorm` on an upcast input, the weight upcast too). `rms_norm` rounds the
+    normalised row first and multiplies in x's dtype instead (the same in fp32)."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (h * weight.float()).to(dtype)
+
+
 def rms_norm_gated_fp32(x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor,
                         eps: float) -> torch.Tensor:
     """RMSNorm(x; weight) ⊙ sigmoid(gate) in fp32 throughout, one rounding to x's dtype (fla's
@@ -160,9 +170,11 @@ def mxfp4_dequant(packed: torch.Tensor, scale: torch.Tensor, lut: torch.Tensor) 
 
 
 def mxfp4_experts(z, ids, weights, lut, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed,
-                  w2_scale, beta: float, linear_beta: float) -> torch.Tensor:
+                  w2_scale, beta: float, linear_beta: float,
+                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """The routed experts, W4A16: z [N, L], ids/weights [N, k], stacked MXFP4 experts, `lut` the
-    E2M1 table in z's dtype. Dequantise the selected experts, GEMMs in z's dtype, fp32 finalize."""
+    E2M1 table in z's dtype. Dequantise the selected experts, GEMMs in z's dtype, fp32 finalize,
+    rounded to `out_dtype` (default z's; fp32: the finalize's sum unrounded)."""
     w1 = mxfp4_dequant(w1_packed[ids], w1_scale[ids], lut)  # [N, k, I, L]
     w3 = mxfp4_dequant(w3_packed[ids], w3_scale[ids], lut)
     w2 = mxfp4_dequant(w2_packed[ids], w2_scale[ids], lut)  # [N, k, L, I]
@@ -170,4 +182,4 @@ def mxfp4_experts(z, ids, weights, lut, w1_packed, w1_scale, w3_packed, w3_scale
     hu = torch.einsum("nl,nkil->nki", z, w3)
     act = situ(hg, hu, beta, linear_beta)
     y = torch.einsum("nki,nkli->nkl", act, w2)
-    return (weights.unsqueeze(-1) * y.float()).sum(1).to(z.dtype)
+    return (weights.unsqueeze(-1) * y.float()).sum(1).to(out_dtype or z.dtype)

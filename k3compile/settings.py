@@ -347,12 +347,6 @@ def torch_env_default(name: str, value: str) -> None:
     os.environ.setdefault(name, value)
 
 
-def set_torch_env(name: str, value: str) -> None:
-    """Set a variable torch itself reads (e.g. MASTER_ADDR / MASTER_PORT for a gloo group the
-    diff tool starts), overriding what was there."""
-    os.environ[name] = value
-
-
 def color_wanted() -> bool:
     """The https://no-color.org convention: colour unless NO_COLOR is set."""
     return "NO_COLOR" not in os.environ

@@ -2,6 +2,8 @@
 
     u[n] = bf16(Σ_j w[n,j]·bf16(SiTU(bf16(z[n]·W1[e]ᵀ), bf16(z[n]·W3[e]ᵀ))·W2[e]ᵀ)), e = ids[n,j]
 
+(`out_fp32`: the sum stored in fp32, unrounded: the finalize's store, FC2's or the grouped sum's.)
+
 W = e2m1 · 2^(scale − 127) decoded in registers, fp32 products and sums. Two launches: FC1 +
 SiTU, then FC2 + finalize (launched with PDL after FC1); `config` takes FC1 with cp.async at
 one row, to registers above. With K3_MOE_GROUPED at 8-64 rows (`grouped`): by expert instead,
@@ -233,26 +235,30 @@ def can_implement(*args) -> bool:
 
 
 def prepare(latent: int, inter: int, top_k: int, buckets=(1, 2, 4, 8, 16, 32, 64),
-            ids_dtype=torch.int64) -> None:
+            ids_dtype=torch.int64, out_fp32: bool = False) -> None:
     """Compile the stages of every batch bucket (call before graph capture): FC1 and FC2,
     or where `grouped` takes the bucket, the grouped FC1, FC2 and the sum."""
     ids64 = ids_dtype == torch.int64
+    store = {"out_fp32": True} if out_fp32 else {}
     for b in buckets:
         if grouped(b):
             for stage in ("fc1g", "fc2g", "fin"):
                 cfg = None if stage == "fin" else config(stage, latent, inter, top_k, b)
                 KERNEL.compiled(stage, latent, inter, top_k, ids64, cfg, rows=b,
-                                pdl=None if stage == "fc1g" else False)
+                                pdl=None if stage == "fc1g" else False,
+                                **(store if stage == "fin" else {}))
             continue
         for stage in ("fc1", "fc2"):
             KERNEL.compiled(stage, latent, inter, top_k, ids64,
                             config(stage, latent, inter, top_k, b), rows=b,
-                            pdl=None if stage == "fc1" else False)
+                            pdl=None if stage == "fc1" else False,
+                            **(store if stage == "fc2" else {}))
 
 
-def build(stage, latent, inter, top_k, ids64, cfg, arch=None, dump_dir=None, pdl=False):
+def build(stage, latent, inter, top_k, ids64, cfg, arch=None, dump_dir=None, pdl=False,
+          out_fp32=False):
     """Compile one stage now, uncached (`dump_dir` keeps the cubin; `pdl`: FC1 launched with
-    PDL after the previous kernel)."""
+    PDL after the previous kernel; `out_fp32`: FC2 / the grouped sum store u in fp32)."""
     import cutlass
     from cutlass import cute
     from cutlass.cute.runtime import make_fake_tensor
@@ -265,8 +271,10 @@ def build(stage, latent, inter, top_k, ids64, cfg, arch=None, dump_dir=None, pdl
         return make_fake_tensor(dtype, (n_rows, width), stride=stride, assumed_align=align)
 
     ids = dense(cutlass.Int64 if ids64 else i32, n, top_k, 8 if ids64 else 4, cute.sym_int())
+    u = cutlass.Float32 if out_fp32 else bf16
     if stage in ("fc1g", "fc2g", "fin"):
-        return _build_grouped(stage, latent, inter, top_k, cfg, ids, dense, arch, dump_dir, pdl)
+        return _build_grouped(stage, latent, inter, top_k, cfg, ids, dense, arch, dump_dir, pdl,
+                              u)
     from .device.moe_experts import FC1, FC2
 
     if stage == "fc1":  # act as (N·k, I) rows
@@ -277,11 +285,11 @@ def build(stage, latent, inter, top_k, ids64, cfg, arch=None, dump_dir=None, pdl
     return compile_kernel(FC2(latent, inter, top_k, cfg), dense(bf16, n, top_k * inter, 16),
                           ids, dense(cutlass.Float32, n, top_k, 4, cute.sym_int()),
                           dense(i32, rows, inter // 8, 16), dense(u8, rows, inter // 32, 1),
-                          fake_rows(bf16, n, latent), fake_stream(), arch=arch,
+                          fake_rows(u, n, latent), fake_stream(), arch=arch,
                           dump_dir=dump_dir)
 
 
-def _build_grouped(stage, latent, inter, top_k, cfg, ids, dense, arch, dump_dir, pdl):
+def _build_grouped(stage, latent, inter, top_k, cfg, ids, dense, arch, dump_dir, pdl, u):
     import cutlass
     from cutlass import cute
 
@@ -292,7 +300,7 @@ def _build_grouped(stage, latent, inter, top_k, cfg, ids, dense, arch, dump_dir,
     if stage == "fin":
         return compile_kernel(Finalize(latent, top_k), dense(bf16, pairs, latent, 16),
                               dense(f32, n, top_k, 4, cute.sym_int()),
-                              fake_rows(bf16, n, latent), fake_stream(), arch=arch,
+                              fake_rows(u, n, latent), fake_stream(), arch=arch,
                               dump_dir=dump_dir)
     fc1 = stage == "fc1g"
     depth, out = (latent, inter) if fc1 else (inter, latent)
@@ -312,17 +320,18 @@ def _words(packed: torch.Tensor) -> torch.Tensor:
 
 
 def moe_experts_cuda(z, ids, weights, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed,
-                     w2_scale, beta, linear_beta, *, out=None):
+                     w2_scale, beta, linear_beta, out_fp32=False, *, out=None):
     """k3::moe_experts with the two kernels, or the reference (reason logged) when they refuse
-    the inputs. `out` [N, L] bf16 (last dim contiguous) is written only when the kernels run."""
+    the inputs. `out` [N, L] bf16 (fp32 with `out_fp32`; last dim contiguous) is written only
+    when the kernels run."""
     args = (z, ids, weights, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale)
-    return KERNEL.run(lambda: call_refusal(args, out),
-                      lambda: moe_experts_ref(*args, beta, linear_beta),
-                      lambda: _launch(args, beta, linear_beta, out),
+    return KERNEL.run(lambda: call_refusal(args, out, out_fp32),
+                      lambda: moe_experts_ref(*args, beta, linear_beta, out_fp32),
+                      lambda: _launch(args, beta, linear_beta, out, out_fp32),
                       z, w1_packed, w3_packed, w2_packed)
 
 
-def call_refusal(args, out) -> str | None:
+def call_refusal(args, out, out_fp32=False) -> str | None:
     """Why the kernels cannot take this call (the nine tensor operands `args`, `out`), or None."""
     z = args[0]
     if reason := moe_experts_refusal(*args) or refusal(*args):
@@ -330,18 +339,21 @@ def call_refusal(args, out) -> str | None:
     if not all(t.is_cuda for t in args):
         return "not on a CUDA device"
     if out is not None and (
-            out.dtype != torch.bfloat16 or out.shape != z.shape or out.stride(-1) != 1
+            out.dtype != (torch.float32 if out_fp32 else torch.bfloat16)
+            or out.shape != z.shape or out.stride(-1) != 1
             or out.stride(0) % 8 or not aligned16(out)):
         return f"out: {out.dtype} {tuple(out.shape)} {out.stride()}"
     return None
 
 
-def _launch(args, beta, linear_beta, out):
+def _launch(args, beta, linear_beta, out, out_fp32=False):
     z, ids, weights, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale = args
     (n, latent), top_k, inter = z.shape, ids.shape[-1], w1_packed.shape[1]
-    y = z.new_empty((n, latent)) if out is None else out
+    dtype = torch.float32 if out_fp32 else z.dtype
+    y = z.new_empty((n, latent), dtype=dtype) if out is None else out
+    store = {"out_fp32": True} if out_fp32 else {}  # the plain builds keep their compile keys
     if n and grouped(n):
-        _launch_grouped(args, beta, linear_beta, y)
+        _launch_grouped(args, beta, linear_beta, y, store)
     elif n:
         b, ids64 = bucket(n), ids.dtype == torch.int64
         act = z.new_empty((n * top_k, inter))
@@ -351,13 +363,13 @@ def _launch(args, beta, linear_beta, out):
             w3_scale.view(-1, latent // 32), act, float(beta), float(linear_beta))
         # FC2 always follows FC1 with PDL (its own build has no switch)
         KERNEL.compiled("fc2", latent, inter, top_k, ids64,
-                        config("fc2", latent, inter, top_k, b), pdl=False)(
+                        config("fc2", latent, inter, top_k, b), pdl=False, **store)(
             act.view(n, top_k * inter), ids, weights, _words(w2_packed),
             w2_scale.view(-1, inter // 32), y)
     return y
 
 
-def _launch_grouped(args, beta, linear_beta, y):
+def _launch_grouped(args, beta, linear_beta, y, store):
     """FC1 + SiTU by expert -> act [N·k, I]; FC2 by expert -> y per pair [N·k, L] (bf16, as the
     reference rounds it); the weighted sum over k. FC2 and the sum launch with PDL."""
     z, ids, weights, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale = args
@@ -372,7 +384,7 @@ def _launch_grouped(args, beta, linear_beta, y):
     w2, s2 = _words(w2_packed), w2_scale.view(-1, inter // 32)
     KERNEL.compiled("fc2g", *scalars, config("fc2g", latent, inter, top_k, b), pdl=False)(
         act, ids, w2, s2, w2, s2, y_pairs, float(beta), float(linear_beta))
-    KERNEL.compiled("fin", *scalars, None, pdl=False)(y_pairs, weights, y)
+    KERNEL.compiled("fin", *scalars, None, pdl=False, **store)(y_pairs, weights, y)
 
 
 def register() -> None:

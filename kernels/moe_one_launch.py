@@ -138,7 +138,8 @@ def compiled(latent: int, inter: int, top_k: int, ids64: bool, n_rows: int, bloc
 
 
 def moe_one_launch_cuda(z, ids, weights, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed,
-                        w2_scale, beta, linear_beta, *, out=None, block: str = "fc1"):
+                        w2_scale, beta, linear_beta, out_fp32=False, *, out=None,
+                        block: str = "fc1"):
     """k3::moe_experts in one launch, or `moe_experts.moe_experts_cuda`: for rows or settings
     one launch does not take (logged at debug level; not a fallback, the two launches run), or
     a call the kernels refuse (the two launches' fallback, logged and counted there).
@@ -147,9 +148,9 @@ def moe_one_launch_cuda(z, ids, weights, w1_packed, w1_scale, w3_packed, w3_scal
     (n, latent), top_k, inter = z.shape, ids.shape[-1], w1_packed.shape[1]
 
     def two_launches():
-        return moe_experts.moe_experts_cuda(*args, beta, linear_beta, out=out)
+        return moe_experts.moe_experts_cuda(*args, beta, linear_beta, out_fp32, out=out)
 
-    if moe_experts.call_refusal(args, out) is not None:
+    if out_fp32 or moe_experts.call_refusal(args, out) is not None:  # one launch writes bf16
         return two_launches()
     if reason := (refusal(n, latent, inter, top_k, block)
                   or (f"{n} rows (taken at 1..{TAKEN_ROWS}: slower than two launches on the H200)"

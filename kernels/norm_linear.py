@@ -7,6 +7,14 @@ gemv's norm-prologue variant; at 2..64 rows gemm_tc's norm variant where
 settings.KERNELS.gemm_tc_fused names "norm" (opt-in) and `router.linear` would run gemm_tc on W
 (`router.tc_fused_takes`); otherwise two, the rms_norm kernel and `router.linear`.
 
+`weight_fp32` (u fp32, the weight multiplied in fp32 before the one rounding:
+`k3compile.math.rms_norm_fp32_weight`): the norm in torch on the GPU (`F.rms_norm`, torch's fused
+CUDA kernel, fp32 in and out, its sums in its own order; the weight's upcast and the rounding two
+more launches), then `router.linear`; logged once as a fallback of `norm_linear[weight_fp32]`.
+Neither the gemv nor the gemm_tc norm prologue reads an fp32 x or rounds once after the weight,
+and without a GPU to test one a kernel variant was not written (docs/kernels.md, norm_linear,
+2026-12-05).
+
 Constraints:
     * u [N, L] rows, W [O, L], r [N, O]; the one-launch variant takes gemv's limits (a refused call
       logs why and takes the two launches: gemv's limits, or gemm_tc's with its norm prologue's
@@ -14,18 +22,23 @@ Constraints:
 """
 
 import torch
+import torch.nn.functional as F
 
 from k3compile.ops import registry
 
 from .common import gemm_tc, gemv, router
-from .common.dsl import flat_rows, on_stream
+from .common.dsl import fallback, flat_rows, on_stream
 from .rms_norm import rms_norm_cuda
 
 OP = "norm_linear"
 
 
-def norm_linear_cuda(u, norm_w, w, eps, residual=None):
+def norm_linear_cuda(u, norm_w, w, eps, residual=None, weight_fp32=False):
     # u [N, L] rows; w [O, L]; residual [N, O]
+    if weight_fp32:
+        fallback(f"{OP}[weight_fp32]", "the fp32-weight norm runs in torch, then router.linear")
+        h = F.rms_norm(u.float(), (u.shape[-1],), norm_w.float(), eps).to(w.dtype)
+        return router.linear(h, w, residual)
     if gemv.fused_takes(u, "norm") and gemv.fused_ok("norm", gemv.fused_launch_refusal(
             gemv.NORM, u, w, residual, norm_weight=norm_w)):
         return gemv.gemv_norm_cuda(u, norm_w, w, eps, residual)

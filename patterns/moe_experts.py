@@ -7,13 +7,19 @@ SiTU between, and Σ_k w_k·y_k in fp32. The fused op builds the E2M1 table itse
 reads the matched table's real value (a graph constant, or a graph input whose real tensor the
 compile handed over in `gm.meta["real_inputs"]`) and refuses any table that is not E2M1.
 
+Variant `fp32_out` (traced for bf16 z): the finalize's fp32 sum returned unrounded, where a
+spelling feeds it to the latent norm in fp32 (tests/models/redteam_k3.py, spell5_k3.py) -> the
+op's `out_fp32`. Rounding it to bf16 instead would change the spelling's values, so the variant keeps
+the rounding and the check reads it from the match (z's dtype; the output's is the engine's).
+
 einsum lowers to permute/view/bmm chains whose shape depends on whether there is one token row
 (N = 1: a size-1 batch dim of the bmm is moved differently), so there is a variant per case,
 traced through Inductor's joint-graph passes as the model's graph is.
 
 Before (~90 ATen ops): index, bitwise_and, rshift, index(lut), cat, exp2, mul, ... bmm,
     tanh, sigmoid, ..., bmm, mul, sum, convert
-After:  u = k3.moe_experts(z, ids, weights, w1p, w1s, w3p, w3s, w2p, w2s, beta, linear_beta)
+After:  u = k3.moe_experts(z, ids, weights, w1p, w1s, w3p, w3s, w2p, w2s, beta, linear_beta
+                            [, out_fp32=True])
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from k3compile.rewrite import Pattern, inductor, tensor_meta
 
 DTYPES = (torch.bfloat16, torch.float32)
 ROWS = (1, 3)  # token rows N traced: one row, or several (the einsum lowering differs)
+LOW = (torch.bfloat16, torch.float16)  # z dtypes where an fp32 finalize is another rounding
 NAMES = ("z", "ids", "weights", "w1_packed", "w1_scale", "w3_packed", "w3_scale", "w2_packed",
          "w2_scale")
 
@@ -44,6 +51,25 @@ def replace(z, ids, weights, lut, w1_packed, w1_scale, w3_packed, w3_scale, w2_p
             beta, linear_beta):
     return torch.ops.k3.moe_experts(z, ids, weights, w1_packed, w1_scale, w3_packed, w3_scale,
                                     w2_packed, w2_scale, beta, linear_beta)
+
+
+def search_fp32_out(z, ids, weights, lut, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed,
+                    w2_scale, beta, linear_beta):
+    return mxfp4_experts(z, ids, weights, lut.to(z.dtype), w1_packed, w1_scale, w3_packed,
+                         w3_scale, w2_packed, w2_scale, beta, linear_beta, torch.float32)
+
+
+def replace_fp32_out(z, ids, weights, lut, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed,
+                     w2_scale, beta, linear_beta):
+    return torch.ops.k3.moe_experts(z, ids, weights, w1_packed, w1_scale, w3_packed, w3_scale,
+                                    w2_packed, w2_scale, beta, linear_beta, True)
+
+
+def check_fp32_out(match) -> str | None:
+    z = tensor_meta(match.kwargs["z"])
+    if z is not None and z.dtype not in LOW:
+        return f"z {z.dtype}: the finalize's fp32 sum is z's dtype (the plain variant)"
+    return check(match)
 
 
 def check(match) -> str | None:
@@ -82,7 +108,7 @@ def kernel_refusal(match) -> str | None:
     return registry.kernel_refusal("moe_experts", *(tensor_meta(match.kwargs[k]) for k in NAMES))
 
 
-def _variant(dtype: torch.dtype, rows: int) -> Pattern:
+def _variant(dtype: torch.dtype, rows: int, fp32_out: bool = False) -> Pattern:
     def example_inputs():  # distinct sizes, so no view of the trace is a no-op by accident
         n, k, e, inter, latent = rows, 2, 5, 64, 96
         u8 = {"dtype": torch.uint8}
@@ -98,10 +124,13 @@ def _variant(dtype: torch.dtype, rows: int) -> Pattern:
             4.1, 25.3,
         ]
 
+    name = f"{str(dtype).removeprefix('torch.')},{'one_row' if rows == 1 else 'rows'}"
     return Pattern(
-        name=f"moe_experts[{str(dtype).removeprefix('torch.')},{'one_row' if rows == 1 else 'rows'}]",
-        search=search, replace=replace,
-        example_inputs=example_inputs, op="k3.moe_experts", check=check,
+        name=f"moe_experts[{name}{',fp32_out' if fp32_out else ''}]",
+        search=search_fp32_out if fp32_out else search,
+        replace=replace_fp32_out if fp32_out else replace,
+        example_inputs=example_inputs, op="k3.moe_experts",
+        check=check_fp32_out if fp32_out else check,
         kernel_refusal=kernel_refusal,
         scalars={"beta": 4.1, "linear_beta": 25.3}, distinctive=("exp2", "bitwise_and", "tanh"),
         joint_passes=True,
@@ -109,4 +138,5 @@ def _variant(dtype: torch.dtype, rows: int) -> Pattern:
 
 
 def patterns() -> list[Pattern]:
-    return [_variant(d, r) for d, r in itertools.product(DTYPES, ROWS)]
+    return [*(_variant(d, r) for d, r in itertools.product(DTYPES, ROWS)),
+            *(_variant(torch.bfloat16, r, fp32_out=True) for r in ROWS)]

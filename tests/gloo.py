@@ -15,6 +15,7 @@ import faulthandler
 import os
 import socket
 import sys
+import tempfile
 import threading
 import traceback
 
@@ -31,6 +32,8 @@ EXIT_GRACE_S = 30
 
 
 def free_port() -> int:
+    """A port free now, for a launcher that must be given one (torchrun's --master-port). Racy:
+    another job may take it before the launcher binds it; `spawn` needs no port."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -38,15 +41,22 @@ def free_port() -> int:
 
 def spawn(worker, *args, world: int = 2, timeout_s: int = TIMEOUT_S) -> None:
     """Run `worker(rank, *args)` on every rank of a `world`-process gloo group; raises the first
-    rank's error (the spawn machinery's `ProcessRaisedException`)."""
-    mp.spawn(_rank, args=(worker, world, free_port(), timeout_s, args), nprocs=world, join=True)
+    rank's error (the spawn machinery's `ProcessRaisedException`).
+
+    The ranks meet through a `FileStore` in a directory of this call's own, not a TCP port: a
+    port picked free and bound later can be taken meanwhile by another job's group, whose ranks
+    then join this one's (the suspected cause of session 22's hangs with two gloo jobs on one
+    machine)."""
+    with tempfile.TemporaryDirectory(prefix="k3gloo-") as tmp:
+        store = os.path.join(tmp, "store")
+        mp.spawn(_rank, args=(worker, world, store, timeout_s, args), nprocs=world, join=True)
 
 
-def _rank(rank: int, worker, world: int, port: int, timeout_s: int, args: tuple) -> None:
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+def _rank(rank: int, worker, world: int, store: str, timeout_s: int, args: tuple) -> None:
     torch.set_num_threads(1)  # the ranks share the machine's cores
     faulthandler.dump_traceback_later(timeout_s - 10, exit=False)  # before gloo's own timeout
-    dist.init_process_group("gloo", rank=rank, world_size=world,
+    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank,
+                            world_size=world,
                             timeout=datetime.timedelta(seconds=timeout_s))  # a hang fails
     try:
         worker(rank, *args)

@@ -1,7 +1,11 @@
-"""`u = k3.moe_experts(z, ids, weights, w1p, w1s, w3p, w3s, w2p, w2s, beta, linear_beta)`: the
-routed MXFP4 experts, FC1 + SiTU + FC2 + finalize (spec §3.3 steps 4-5):
+"""`u = k3.moe_experts(z, ids, weights, w1p, w1s, w3p, w3s, w2p, w2s, beta, linear_beta,
+out_fp32=False)`: the routed MXFP4 experts, FC1 + SiTU + FC2 + finalize (spec §3.3 steps 4-5):
 
     u = Σ_k w_k · (SiTU(z·W1[ids_k]ᵀ, z·W3[ids_k]ᵀ) · W2[ids_k]ᵀ)
+
+The finalize sums in fp32 and rounds to z's dtype; with `out_fp32` it returns the fp32 sum
+unrounded (a spelling that feeds that sum to the latent norm in fp32, tests/models/redteam_k3.py
+and spell5_k3.py: the rounding is part of its values).
 
 The reference is the model's `MXFP4Experts.forward` (`k3compile.math.mxfp4_experts`) with the
 E2M1 table built by the op, so a rewritten graph equals eager on CPU.
@@ -26,11 +30,13 @@ def e2m1_table(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
 
 
 def moe_experts_ref(z, ids, weights, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed,
-                    w2_scale, beta: float, linear_beta: float) -> torch.Tensor:
-    """W4A16: dequantise the selected experts to z's dtype, bf16 GEMMs, fp32 finalize."""
+                    w2_scale, beta: float, linear_beta: float,
+                    out_fp32: bool = False) -> torch.Tensor:
+    """W4A16: dequantise the selected experts to z's dtype, bf16 GEMMs, fp32 finalize (rounded
+    to z's dtype unless `out_fp32`)."""
     return math.mxfp4_experts(z, ids, weights, e2m1_table(z.device, z.dtype), w1_packed,
                               w1_scale, w3_packed, w3_scale, w2_packed, w2_scale, beta,
-                              linear_beta)
+                              linear_beta, torch.float32 if out_fp32 else None)
 
 
 def moe_experts_refusal(z, ids, weights, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed,
@@ -61,16 +67,17 @@ def moe_experts(
     z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     w1_packed: torch.Tensor, w1_scale: torch.Tensor, w3_packed: torch.Tensor,
     w3_scale: torch.Tensor, w2_packed: torch.Tensor, w2_scale: torch.Tensor,
-    beta: float, linear_beta: float,
+    beta: float, linear_beta: float, out_fp32: bool = False,
 ) -> torch.Tensor:
     """z [N, L], ids int64 [N, k], weights fp32 [N, k], experts stacked MXFP4
-    (w1/w3 [E, I, L/2] + [E, I, L/32], w2 [E, L, I/2] + [E, L, I/32]) -> u [N, L] in z's dtype.
-    Under TP, I is this rank's slice of the intermediate and u a partial sum."""
+    (w1/w3 [E, I, L/2] + [E, I, L/32], w2 [E, L, I/2] + [E, L, I/32]) -> u [N, L] in z's dtype
+    (fp32 with `out_fp32`). Under TP, I is this rank's slice of the intermediate and u a partial
+    sum."""
     return moe_experts_ref(z, ids, weights, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed,
-                           w2_scale, beta, linear_beta)
+                           w2_scale, beta, linear_beta, out_fp32)
 
 
 @moe_experts.register_fake
 def _(z, ids, weights, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale, beta,
-      linear_beta):
-    return torch.empty_like(z)
+      linear_beta, out_fp32=False):
+    return torch.empty_like(z, dtype=torch.float32 if out_fp32 else z.dtype)

@@ -145,14 +145,19 @@ def _shard_front(graph, node, group, rank, world) -> str | None:
 
 def _shard_up(graph, node, group, rank, world) -> str | None:
     u, norm_w, w, eps, *residual = node.args
+    flags = residual[1:]  # weight_fp32 (the norm's rounding) stays on every rank's part
     out = w.meta["val"].shape[0]
     if out % world:
         return f"output width {out} does not split over {world} ranks"
     with graph.inserting_before(node):
-        y_r = call(graph, _UP, (u, norm_w, _rows(graph, w, rank, world, node), eps), like=node)
+        rows = _rows(graph, w, rank, world, node)
+        args = (u, norm_w, rows, eps, None, *flags) if flags else (u, norm_w, rows, eps)
+        y_r = call(graph, _UP, args, {k: v for k, v in node.kwargs.items() if k != "residual"},
+                   like=node)
         y_r.meta["k3_shard"] = f"rows {rank}/{world}"
         (y,) = _gather_columns(graph, [y_r], group, world, node)
-        if residual and residual[0] is not None:  # the epilogue's add needs the gathered rows
+        residual = residual[:1] or [node.kwargs.get("residual")]
+        if residual[0] is not None:  # the epilogue's add needs the gathered rows
             y = call(graph, aten.add.Tensor, (y, residual[0]), like=node)
     node.replace_all_uses_with(y)
     return None

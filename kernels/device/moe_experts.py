@@ -193,8 +193,9 @@ class FC1:
         for s in cutlass.range_constexpr(ZV):
             top = abs_top(rZ8[None, s].load().bitcast(Uint32), top)
         top = cute.arch.warp_reduction(top, lambda a, b: cutlass.max(a, b))
+        warp = cute.arch.warp_idx()  # a full-warp shuffle here: every lane must run it
         if cute.arch.lane_idx() == 0:
-            sMax[cute.arch.warp_idx()] = top
+            sMax[warp] = top
         cute.arch.barrier()
         for w in cutlass.range_constexpr(self.warps):
             top = cutlass.max(top, sMax[w])
@@ -551,7 +552,7 @@ class FC2:
     def __call__(self, mActRows: cute.Tensor, mIds: cute.Tensor, mWt: cute.Tensor,
                  mW2: cute.Tensor, mS2: cute.Tensor, mY: cute.Tensor, stream):
         # mActRows: (N, k·I) bf16 (act, one row per token); mIds, mWt: (N, k);
-        # mW2: (E·L, I/8) int32 words; mS2: (E·L, I/32) uint8; mY: (N, L) bf16
+        # mW2: (E·L, I/8) int32 words; mS2: (E·L, I/32) uint8; mY: (N, L) bf16 or fp32
         self.kernel(mActRows, mIds, mWt, mW2, mS2, mY).launch(
             grid=[mY.shape[0], -(-self.latent // self.rows), 1],
             block=[self.threads, 1, 1], smem=fc2_smem(self.inter, self.top_k, self.cfg),
@@ -638,4 +639,4 @@ class FC2:
             total = sRed[0, tidx]
             for jj in cutlass.range_constexpr(1, K):
                 total = total + sRed[jj, tidx]
-            mY[n, blk * R + tidx] = total.to(BFloat16)
+            mY[n, blk * R + tidx] = total.to(mY.element_type)  # bf16, or fp32 (`out_fp32`)

@@ -9,7 +9,7 @@ from cutlass import BFloat16, Float32, Int32, Uint32, const_expr, cute
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from ..common.copy import make_frag, row_vectors
+from ..common.copy import make_frag, row_vectors, vectors
 from ..common.dsl import pdl_wait
 from ..common.mma import mma_16816
 from ..moe_experts import (
@@ -282,7 +282,7 @@ class Finalize:
 
     @cute.jit
     def __call__(self, mY: cute.Tensor, mWt: cute.Tensor, mU: cute.Tensor, stream):
-        # mY: (N·k, L) bf16; mWt: (N, k) fp32; mU: (N, L) bf16
+        # mY: (N·k, L) bf16; mWt: (N, k) fp32; mU: (N, L) bf16 or fp32 (`out_fp32`)
         self.kernel(mY, mWt, mU).launch(
             grid=[mU.shape[0], -(-(self.latent // 8) // self.THREADS), 1],
             block=[self.THREADS, 1, 1], stream=stream, use_pdl=True)
@@ -303,6 +303,7 @@ class Finalize:
                     total.store(term)
                 else:
                     total.store(total.load() + term)
-            rU = cute.make_rmem_tensor(cute.make_layout((8,)), BFloat16)
-            rU.store(total.load().to(BFloat16))
-            cute.autovec_copy(rU, row_vectors(mU, n)[None, v])
+            rU = cute.make_rmem_tensor(cute.make_layout((8,)), mU.element_type)
+            rU.store(total.load().to(mU.element_type))
+            # 8 values: one 16-byte vector of bf16, two of fp32 (`out_fp32`)
+            cute.autovec_copy(rU, vectors(mU[n, None], 8)[None, v])

@@ -31,11 +31,13 @@ gaps (fp32, 4-layer tiny; details, near misses and suggested rules: docs/redteam
   x * sqrt(d) / sqrt(sum(x^2) + d * eps) (`rms_forms`), [N, D] rows (`,rows` variants).
 * moe_experts (1-3): three idioms each broke it alone: w1|w3 stored concatenated (w13), experts
   gathered by index_select on flattened ids + view, the finalize as an einsum (bmm); closed by
-  rules expert_gather, expert_split, expert_combine. bf16 only: still lost, the finalize's fp32
-  sum goes into the latent norm without the bf16 rounding the fused op's output has.
+  rules expert_gather, expert_split, expert_combine. bf16: closed (session 23) by the op variants
+  that keep this spelling's rounding: `moe_experts[...,fp32_out]` (the finalize's fp32 sum
+  unrounded) feeding `norm_linear[bfloat16,weight_fp32,cast]` (F.rms_norm with the weight
+  upcast, one rounding before the up-projection).
 * linear_concat (0, 1): by construction (the fused in-projection is one GEMM already); at 2, 3
   the q_a|kv_a cut is fused again.
-* bf16 only: norm_linear (1-3): the latent norm multiplies its weight in fp32 before the cast.
+* bf16 only: norm_linear (1-3): closed (session 23), see moe_experts.
 """
 
 from __future__ import annotations
@@ -63,13 +65,9 @@ LOST = {
     # top-level forward, so the fused rms_norm is credited to the final row (-1), not lost
     torch.float32: {0: {**_KDA, "rms_norm": 1}, 1: _KDA},
 }
-# bf16: moe_experts too (the finalize's fp32 sum feeds the latent norm unrounded), and the routed
-# latent norm_linear at every MoE layer (layer 1's loss was hidden until session 21:
-# mxfp4_dequant gave top-level nodes layer 1's module, which credited the lm_head's norm_linear
-# to layer 1)
-LOST[torch.bfloat16] = {0: _KDA_BF16, 1: {**_KDA_BF16, "moe_experts": 1, "norm_linear": 1},
-                        2: {"moe_experts": 1, "norm_linear": 1},
-                        3: {"moe_experts": 1, "norm_linear": 1}}
+# bf16: the MoE layers' moe_experts and norm_linear fuse since session 23 (the fp32_out and
+# weight_fp32 variants keep the spelling's rounding); KDA's losses remain
+LOST[torch.bfloat16] = {0: _KDA_BF16, 1: _KDA_BF16}
 # (pattern, dtype) whose loss must come with a near miss in that layer naming the node that failed
 DIAGNOSED = (("kda_decode", torch.bfloat16),)
 

@@ -109,3 +109,75 @@ def test_table_that_is_not_e2m1_is_a_near_miss(table):
     assert_near_miss(report, "moe_experts", "check refused", "nibble table")
     gm.recompile()
     torch.testing.assert_close(gm(*args), experts(*args), rtol=0, atol=0)  # left as it was
+
+
+# fp32_out: the finalize's fp32 sum left unrounded (bf16 z), as two foreign spellings feed it to the
+# latent norm (tests/models/redteam_k3.py, spell5_k3.py); spelled as the model's finalize without
+# the cast, and as spell5's batched form (its own dequant order and `unflatten`)
+def experts_fp32_out(z, ids, weights, e2m1, w1p, w1s, w3p, w3s, w2p, w2s):
+    lut = e2m1.to(z.dtype)
+    w1, w3, w2 = (mxfp4_dequant(p[ids], s[ids], lut) for p, s in ((w1p, w1s), (w3p, w3s),
+                                                                 (w2p, w2s)))
+    act = situ(torch.einsum("nl,nkil->nki", z, w1), torch.einsum("nl,nkil->nki", z, w3), 4.0,
+               25.0)
+    return (weights.unsqueeze(-1) * torch.einsum("nki,nkli->nkl", act, w2).float()).sum(1)
+
+
+def experts_fp32_out_tail(z, ids, weights, e2m1, w1p, w1s, w3p, w3s, w2p, w2s, norm_w, up_w):
+    """The LatentMoE tail of tests/models/spell5_k3.py: the fp32 sum through an RMSNorm module
+    (weight by type promotion), one rounding, the up-projection."""
+    acc = experts_fp32_out(z, ids, weights, e2m1, w1p, w1s, w3p, w3s, w2p, w2s)
+    xf = acc * torch.rsqrt(acc.pow(2).mean(-1, keepdim=True) + 1e-5)
+    return torch.nn.functional.linear((xf * norm_w).to(z.dtype), up_w)
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_fp32_out_rewrites_bit_for_bit(rows):
+    args = _inputs(rows)
+    gm, report = rewrite(experts_fp32_out, args, moe_experts.patterns(), joint=True)
+    assert_rewritten_equal(gm, report, experts_fp32_out, args, "k3.moe_experts")
+    op = next(n for n in gm.graph.nodes if str(n.target) == "k3.moe_experts.default")
+    assert op.args[-1] is True and op.meta["val"].dtype == torch.float32
+    assert "fp32_out" in report.hits[0].pattern
+    # the plain op rounds the sum to bf16: not these values
+    assert not torch.equal(experts(*args).float(), experts_fp32_out(*args))
+
+
+def test_fp32_out_and_weight_fp32_norm_fuse_the_latent_tail():
+    from k3compile.patterns import norm_linear
+
+    g = torch.Generator().manual_seed(5)
+    args = [*_inputs(3), (1 + 0.1 * torch.randn(96, generator=g)).bfloat16(),
+            (torch.randn(128, 96, generator=g) / 10).bfloat16()]
+    gm, report = rewrite(experts_fp32_out_tail, args,
+                         [*moe_experts.patterns(), *norm_linear.patterns()], joint=True)
+    assert sorted(h.pattern.split("[")[0] for h in report.hits) == ["moe_experts", "norm_linear"]
+    nl = next(n for n in gm.graph.nodes if str(n.target) == "k3.norm_linear.default")
+    assert nl.args[-1] is True
+    torch.testing.assert_close(gm(*args), experts_fp32_out_tail(*args), rtol=0, atol=0)
+
+
+def test_fp32_out_leaves_the_rounded_finalize_to_the_plain_variant():
+    """bf16 z with the sum rounded: the plain op (no fp32_out hit); fp32 z: the cast is no-op,
+    the plain fp32 variant takes it and the fp32_out check would refuse (z's dtype)."""
+    for dtype in (torch.bfloat16, torch.float32):
+        args = _inputs(3, dtype=dtype)
+        gm, report = rewrite(experts, args, moe_experts.patterns(), joint=True)
+        assert_rewritten_equal(gm, report, experts, args, "k3.moe_experts")
+        assert "fp32_out" not in report.hits[0].pattern
+        op = next(n for n in gm.graph.nodes if str(n.target) == "k3.moe_experts.default")
+        assert op.meta["val"].dtype == dtype
+
+
+def test_fp32_out_escaping_fc1_output_is_a_near_miss():
+    def escaped(z, ids, weights, e2m1, w1p, w1s, w3p, w3s, w2p, w2s):  # FC1's gate escapes
+        lut = e2m1.to(z.dtype)
+        w1, w3, w2 = (mxfp4_dequant(p[ids], s[ids], lut) for p, s in ((w1p, w1s), (w3p, w3s),
+                                                                     (w2p, w2s)))
+        hg = torch.einsum("nl,nkil->nki", z, w1)
+        act = situ(hg, torch.einsum("nl,nkil->nki", z, w3), 4.0, 25.0)
+        y = torch.einsum("nki,nkli->nkl", act, w2)
+        return (weights.unsqueeze(-1) * y.float()).sum(1), hg * 2
+
+    _, report = rewrite(escaped, _inputs(3), moe_experts.patterns(), joint=True)
+    assert_near_miss(report, "moe_experts")

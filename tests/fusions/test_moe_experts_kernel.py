@@ -351,6 +351,17 @@ def test_cpu_tensors_fall_back_to_reference(cpu_gen, caplog):
     assert torch.equal(got, moe_experts_ref(z, ids, w, *experts, BETA, LINEAR_BETA))
 
 
+def test_cpu_tensors_fall_back_to_reference_out_fp32(cpu_gen):
+    """`out_fp32` (the finalize's sum unrounded): the reference's fp32 sum, which rounds to the
+    plain op's bf16 output."""
+    experts = make_experts(cpu_gen, 6, 64, 32, "cpu")
+    z, ids, w = make_tokens(cpu_gen, 3, 64, 6, 2, "cpu")
+    got = kernel.moe_experts_cuda(z, ids, w, *experts, BETA, LINEAR_BETA, True)
+    assert got.dtype == torch.float32
+    assert torch.equal(got, moe_experts_ref(z, ids, w, *experts, BETA, LINEAR_BETA, True))
+    assert torch.equal(got.bfloat16(), moe_experts_ref(z, ids, w, *experts, BETA, LINEAR_BETA))
+
+
 # ---- GPU ----------------------------------------------------------------------------------------
 
 
@@ -728,3 +739,23 @@ def test_refused_input_falls_back(gen, caplog):
         got = kernel.moe_experts_cuda(z, ids, w, *experts, BETA, LINEAR_BETA)
     assert "moe_experts" in caplog.text and "z: dtype" in caplog.text
     assert torch.equal(got, moe_experts_ref(z, ids, w, *experts, BETA, LINEAR_BETA))
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("grouped", [False, True], ids=["two_launches", "grouped"])
+@pytest.mark.parametrize("n", [1, 3, 8, 64])
+def test_tp16_out_fp32(gen, tp16_experts, monkeypatch, grouped, n):
+    """`out_fp32` stores the finalize's fp32 sum: FC2's (or, K3_MOE_GROUPED at 8-64 rows, the
+    grouped sum's) store without the cast. The same sum as the bf16 build, so rounded to bf16 it
+    is the plain call's output bit for bit; against the reference's fp32 sum as the plain one."""
+    monkeypatch.setattr(settings.KERNELS, "moe_grouped", grouped)
+    z, ids, w = make_tokens(gen, n, LATENT, EXPERTS, TOP_K, "cuda")
+    plain = kernel.moe_experts_cuda(z, ids, w, *tp16_experts, BETA, LINEAR_BETA)
+    out = torch.full((n, LATENT), float("nan"), device="cuda")
+    got = kernel.moe_experts_cuda(z, ids, w, *tp16_experts, BETA, LINEAR_BETA, True, out=out)
+    assert got is out and got.dtype == torch.float32, "the kernels did not run (fallback)"
+    assert torch.isfinite(got).all()
+    assert torch.equal(got.bfloat16(), plain)
+    ref = _by_rows(lambda *a: moe_experts_ref(*a, True), z, ids, w, tp16_experts)
+    assert rel_err(got, ref) < TOL["vs_reference_rel_norm"]

@@ -45,3 +45,25 @@ def test_escaping_routed_output_is_a_near_miss():
 def test_check_refuses_a_broadcast_residual():
     _, report = rewrite(moe_out, _inputs(residual_rows=1), norm_linear_residual.patterns())
     assert_near_miss(report, "norm_linear_residual", "check refused", "broadcast")
+
+
+def moe_out_fp32(u, norm_w, w, shared):  # the weight_fp32 variant's tail (u the fp32 expert sum)
+    return torch.ops.k3.norm_linear(u, norm_w, w, EPS, None, True) + shared
+
+
+def test_weight_fp32_rewrites_and_keeps_the_flag():
+    u, norm_w, w, shared = _inputs()
+    args = [u.float() * 3, norm_w, w, shared]
+    gm, report = rewrite(moe_out_fp32, args, norm_linear_residual.patterns())
+    assert_rewritten_equal(gm, report, moe_out_fp32, args, "k3.norm_linear")
+    (op,) = [n for n in gm.graph.nodes if str(n.target) == "k3.norm_linear.default"]
+    assert op.args[-1] is True and op.args[4] is not None
+    plain = moe_out(args[0].bfloat16(), *args[1:])
+    assert not torch.equal(gm(*args), plain)  # the flag's rounding, not the plain one
+
+
+def test_weight_fp32_refuses_a_residual_of_another_dtype():
+    u, norm_w, w, shared = _inputs()
+    args = [u.float(), norm_w, w, shared.float()]
+    _, report = rewrite(moe_out_fp32, args, norm_linear_residual.patterns())
+    assert_near_miss(report, "norm_linear_residual", "check refused", "output")

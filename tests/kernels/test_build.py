@@ -395,6 +395,56 @@ def test_input_check_builds(kind, B, T, pdl, monkeypatch, tmp_path):
         assert "griddepcontrol" not in ptx
 
 
+# moe_experts' stages whose warps meet in shared memory: FC1 with the fp16 staging (`stage_z2`:
+# each warp's |z| maximum written by its lane 0, at the configs of 1 and of 8-64 rows), FC2 plain
+# and fp16 (the k act maxima), at the TP16 rank. Session 23: `stage_z2` read `warp_idx()` (a
+# full-warp shuffle) inside its lane-0 branch, input_check's deadlock of session 22; the compiler
+# merged that read with the kernel's own at entry, so the old PTX passes too, byte for byte
+# the new one, but nothing guaranteed the merge
+MOE_SHARED = [("fc1", 1, True), ("fc1", 8, True), ("fc2", 8, False), ("fc2", 8, True)]
+
+
+@pytest.mark.parametrize("stage,b,f16", MOE_SHARED, ids=str)
+def test_moe_experts_builds_have_no_skippable_collectives(stage, b, f16, monkeypatch, tmp_path):
+    monkeypatch.setenv("CUTE_DSL_ARCH", ARCH)
+    scalars = (stage, 3584, 192, 16, True)
+    cfg = dataclasses.replace(moe_experts.config(*scalars[:4], b), f16=f16)
+    compiled = moe_experts.build(*scalars, cfg, arch=ARCH, dump_dir=str(tmp_path))
+    _check_cubin(compiled)
+    ptx = ptx_of(compiled)
+    assert "bar.sync" in ptx and "shfl.sync" in ptx  # the check has something to look at
+    assert skippable_collectives(ptx) == []
+
+
+# moe_experts' `out_fp32` (the finalize's fp32 sum stored unrounded, for spellings that feed it to
+# the latent norm in fp32): FC2 with the whole W2 row and in chunks (I 1536), plain and fp16, and
+# the grouped sum; the store is 32-bit where the plain build's is 16-bit
+MOE_OUT_FP32 = [("fc2", 192, False), ("fc2", 1536, False), ("fc2", 192, True), ("fin", 192, False)]
+
+
+@pytest.mark.parametrize("stage,inter,f16", MOE_OUT_FP32, ids=str)
+def test_moe_experts_out_fp32_builds(stage, inter, f16, monkeypatch, tmp_path):
+    monkeypatch.setenv("CUTE_DSL_ARCH", ARCH)
+    scalars = (stage, 3584, inter, 16, True)
+    cfg = None if stage == "fin" else dataclasses.replace(
+        moe_experts.config(stage, 3584, inter, 16, 8), f16=f16)
+    builds = {}
+    for out_fp32 in (False, True):
+        (dump := tmp_path / ("fp32" if out_fp32 else "bf16")).mkdir()
+        compiled = moe_experts.build(*scalars, cfg, arch=ARCH, dump_dir=str(dump),
+                                     out_fp32=out_fp32)
+        _check_cubin(compiled)
+        builds[out_fp32] = ptx_of(compiled)
+    plain, fp32 = builds[False], builds[True]
+    assert skippable_collectives(fp32) == []
+    if stage == "fin":  # 8 values a thread: vectors of 16 bytes
+        assert "st.global.v4.b32" in fp32 or "st.global.v4.f32" in fp32
+        assert "st.global.v4.b32" in plain and "st.global.v4.f32" not in plain
+    else:  # one value a thread
+        assert re.search(r"st\.global\.(f32|b32)", fp32) and not re.search(r"st\.global\.b16", fp32)
+        assert re.search(r"st\.global\.b16", plain)
+
+
 # moe_route's build for a bf16 router bias (a Moonshot model cast to bf16 whole): at the K3 router
 # (896 experts, top-16; one float4 a thread) and E 1024, k 32 (two a thread), PDL off and on
 BF16_BIAS = [((896, 16), False), ((1024, 32), False), ((896, 16), True), ((1024, 32), True)]

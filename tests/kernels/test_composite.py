@@ -71,13 +71,18 @@ def test_oproj_attn_res_mix_norm_scores_fp32(gen, n, n_blocks, with_prefix):
 
 @pytest.mark.parametrize("n", BUCKETS)
 @pytest.mark.parametrize("residual", [False, True])
-def test_norm_linear(gen, n, residual):
+@pytest.mark.parametrize("weight_fp32", [False, True])
+def test_norm_linear(gen, n, residual, weight_fp32):
+    """weight_fp32: u the experts' fp32 sum, the norm weight multiplied in fp32 before the one
+    rounding (the norm in torch, then router.linear: kernels/norm_linear.py)."""
     u = _bf16(gen, n, LATENT, scale=3.0)
+    if weight_fp32:
+        u = torch.randn(n, LATENT, generator=gen, device="cuda") * 3.0
     wnorm = (1 + 0.1 * torch.randn(LATENT, generator=gen, device="cuda")).bfloat16()
     w = _bf16(gen, HIDDEN, LATENT, scale=LATENT ** -0.5)
     r = _bf16(gen, n, HIDDEN) if residual else None
-    got = torch.ops.k3.norm_linear(u, wnorm, w, EPS, r)
-    want = norm_linear_ref(u, wnorm, w, EPS, r)
+    got = torch.ops.k3.norm_linear(u, wnorm, w, EPS, r, weight_fp32)
+    want = norm_linear_ref(u, wnorm, w, EPS, r, weight_fp32)
     assert got.dtype == want.dtype and got.shape == want.shape
     torch.testing.assert_close(got.float(), want.float(), **TOL["bf16"])
     assert rel_err(got, want) < TOL["bf16_rel_norm"]

@@ -117,3 +117,34 @@ def test_shard_moe_option_is_checked():
     assert Options.make().shard_moe == "auto"
     with pytest.raises(ValueError, match="shard_moe"):
         Options.make({"shard_moe": "sometimes"})
+
+
+@pytest.mark.parametrize("weight_fp32", [False, True])
+def test_shard_up_keeps_the_norm_rounding_flag(weight_fp32):
+    """The latent up-projection's rank part is rebuilt from the op's arguments: norm_linear's
+    `weight_fp32` (a spelling's fp32-weight norm) stays on it, the plain call stays four
+    arguments. One process: the graph is built by hand, nothing runs."""
+    from torch import fx
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from k3compile.graph import call
+    from k3compile.stages.shard import shard_replicated
+
+    c10d, fake, g = torch.ops._c10d_functional, FakeTensorMode(), fx.Graph()
+
+    def placeholder(name, shape, dtype):
+        p = g.placeholder(name)
+        with fake:
+            p.meta["val"] = torch.empty(shape, dtype=dtype)
+        return p
+
+    u = placeholder("u", (2, 64), torch.float32 if weight_fp32 else torch.bfloat16)
+    norm_w, w = placeholder("g", (64,), torch.bfloat16), placeholder("w", (128, 64), torch.bfloat16)
+    u = call(g, c10d.wait_tensor.default, (call(g, c10d.all_reduce.default, (u, "sum", "0")),))
+    flags = (None, True) if weight_fp32 else ()
+    g.output(call(g, torch.ops.k3.norm_linear.default, (u, norm_w, w, 1e-5, *flags)))
+    report = shard_replicated(g, group="0", rank=1, world=2, policy="on")
+    assert report.sharded == ["norm_linear_default"]
+    (part,) = [n for n in g.nodes if n.target is torch.ops.k3.norm_linear.default]
+    assert part.args[4:] == flags and part.meta["val"].shape == (2, 64)
+    assert part.args[2].meta["k3_rank_rows"] == (1, 2)

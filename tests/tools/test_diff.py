@@ -316,3 +316,20 @@ def test_diff_example_is_what_the_command_prints(capsys):
     assert cli.main(["diff", "--config", "tiny", "--batch", "2", "--color", "never"]) == 0
     printed = capsys.readouterr().out.splitlines()
     assert _normalised(printed) == _normalised(example)
+
+
+@pytest.mark.slow  # the tiny model compiled at world size 1, then by two gloo ranks (~50 s)
+def test_world_size_two_shows_the_sharded_graph():
+    """`diff --world-size 2`: the ranks meet through the run's own FileStore (no port to race
+    for) and rank 0's report holds the tensor-parallel graph: every o_proj's all-reduce fused with
+    its mix and norm, where a world of one has no all-reduce and fuses o_proj with the mix; the
+    depth mixes are the same in number."""
+    def fused(report) -> Counter:
+        return sum((layer.fused for layer in report.buckets[0].layers.values()), Counter())
+
+    one, two = fused(diff.run(dtype="float32")), fused(diff.run(world_size=2, dtype="float32"))
+    assert one["allreduce_attn_res_mix_norm"] == 0 and one["oproj_attn_res_mix_norm"] > 0
+    assert two["oproj_attn_res_mix_norm"] == 0
+    assert two["allreduce_attn_res_mix_norm"] >= one["oproj_attn_res_mix_norm"]
+    mixes = ("attn_res_mix_norm", "oproj_attn_res_mix_norm", "allreduce_attn_res_mix_norm")
+    assert sum(two[op] for op in mixes) == sum(one[op] for op in mixes)

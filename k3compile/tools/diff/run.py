@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from k3compile import backend, settings
+from k3compile import backend
 from k3compile.tools.diff.analyze import analyze, capture
 from k3compile.tools.diff.report import DiffReport
 
@@ -118,13 +118,14 @@ def _compile(spec: Spec, group=None, world_size: int = 1) -> DiffReport:
     return report
 
 
-def _worker(rank: int, spec: Spec, port: int, out: str):
+def _worker(rank: int, spec: Spec, store: str, out: str):
     import torch.distributed as dist
 
-    settings.set_torch_env("MASTER_ADDR", "127.0.0.1")
-    settings.set_torch_env("MASTER_PORT", str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=spec.world_size)
+    # a FileStore of this run's own: a TCP port picked free and bound later could meet another
+    # job's group on this machine
+    dist.init_process_group("gloo", store=dist.FileStore(store, spec.world_size), rank=rank,
+                            world_size=spec.world_size)
     try:
         report = _compile(spec, dist.group.WORLD, spec.world_size)
         if rank == 0:
@@ -147,16 +148,12 @@ def run(config: str | None = "tiny", model: str | None = None, batch: int | Sequ
                 tuple(stages) if stages else None, device)
     if world_size <= 1:
         return _compile(spec)
-    import socket
-
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "report.pkl")
-        mp.spawn(_worker, args=(spec, port, out), nprocs=world_size, join=True)
+        mp.spawn(_worker, args=(spec, os.path.join(tmp, "store"), out), nprocs=world_size,
+                 join=True)
         report = pickle.loads(Path(out).read_bytes())
     report.notes.append(f"world size {world_size}: gloo on CPU, rank 0's graph shown")
     return report
