@@ -22,7 +22,8 @@ TP16 rank, 3072 unsharded; evaluating the whole loop would dequantise N*k*I*L we
    and each slot j's term is slot 0's with column j for column 0: matched from the terms up,
    operand by operand, a bijection of the slots' nodes with the same ops and arguments (shared
    nodes equal). So t_j = f(column j) for one function f, and the sum is the canonical
-   finalize's up to order: the canonical output's dtype is z's, so the sum must be z's (fp32).
+   finalize's up to order, unrounded: the canonical experts with z's dtype where that is fp32,
+   else with `out_dtype` fp32 (spell5's bf16 loop: the GEMMs round to bf16, the sum does not).
 2. f itself, slot 0's term, on random values (distinct ids per row, random bytes, scales in
    [118, 137]) against the canonical experts' slot 0, for each assignment of the stacks to W1 /
    W3 / W2 and each (beta, linear beta) among the float constants next to a tanh: the first
@@ -35,9 +36,10 @@ TP16 rank, 3072 unsharded; evaluating the whole loop would dequantise N*k*I*L we
 Left alone: a loop over fewer or other slots than the k of ids, a slot whose chain differs from
 slot 0's (another beta, stack, row or latent), a region that reads anything else (another
 tensor, a placeholder that is not one of the above), one that is not the MXFP4 SiTU experts
-(another activation, other weights, dense experts), a bf16 latent whose fp32 sum is not rounded
-as the canonical finalize rounds it (decided from the dtypes, before any evaluation), sizes that
-cannot be told apart or a slot too large to evaluate even shrunk (its near miss stays).
+(another activation, other weights, dense experts), slots summed in bf16 (decided from the
+adds' dtypes, before any evaluation) or a slot rounding otherwise than the canonical experts'
+(SiTU in bf16: by the evaluation), sizes that cannot be told apart or a slot too large to
+evaluate even shrunk (its near miss stays).
 """
 
 from __future__ import annotations
@@ -336,15 +338,17 @@ def _structure(region, out, inputs, ids, k):
 
 @functools.cache
 def _canonical(beta: float, linear_beta: float, slots: int | None):
-    """The canonical experts (`slots` 1: slot 0's term alone, in fp32: one slot's finalize)."""
+    """The canonical experts with the loop's fp32 sum: z's dtype where that is fp32, else the
+    finalize's sum unrounded (`out_dtype` fp32: the GEMMs still round to z's dtype). `slots` 1:
+    slot 0's term alone (one slot's finalize)."""
     def experts(z, ids, weights, lut, w1p, w1s, w3p, w3s, w2p, w2s):
         n = ids.shape[0]
         w = weights.gather(1, ids) if weights.shape[1] != ids.shape[1] else weights
         if slots is not None:
             ids, w = ids[:, :slots], w[:, :slots]
         z = z if z.dim() == 2 else z.reshape(n, -1)
-        return mxfp4_experts(z, ids, w, lut.to(z.dtype), w1p, w1s, w3p, w3s,
-                             w2p, w2s, beta, linear_beta).float()
+        return mxfp4_experts(z, ids, w, lut.to(z.dtype), w1p, w1s, w3p, w3s, w2p, w2s, beta,
+                             linear_beta, None if z.dtype == torch.float32 else torch.float32)
     return experts
 
 
@@ -473,8 +477,6 @@ def _site(ids: fx.Node):
     if roles is None or sources[0] not in roles[0]:
         return None
     (z,), (weights,), (lut, stacks) = set(roles[0]) - set(sources), sources, roles[1:]
-    if _val(z).dtype != _val(out).dtype:
-        return None  # the canonical finalize rounds the fp32 sum to z's dtype; this one does not
     region = nodes_between([z, ids, weights, lut, *stacks], out, limit=100_000)
     pairs = _stack_pairs(stacks, region) if region is not None else None
     if pairs is None:

@@ -100,13 +100,13 @@ def dequant_first(z, scores, ids, lut, w1p, w1s, w3p, w3s, w2p, w2s):
     return acc
 
 
-def canonical_dense(z, scores, ids, lut, *stacks):
+def canonical_dense(z, scores, ids, lut, *stacks, out_dtype=None):
     probs = torch.zeros_like(scores).scatter(1, ids, _routed(scores, ids))
-    return mxfp4_experts(z, ids, probs.gather(1, ids), lut, *stacks, *BETAS)
+    return mxfp4_experts(z, ids, probs.gather(1, ids), lut, *stacks, *BETAS, out_dtype)
 
 
-def canonical_topk(z, scores, ids, lut, *stacks):
-    return mxfp4_experts(z, ids, _routed(scores, ids), lut, *stacks, *BETAS)
+def canonical_topk(z, scores, ids, lut, *stacks, out_dtype=None):
+    return mxfp4_experts(z, ids, _routed(scores, ids), lut, *stacks, *BETAS, out_dtype)
 
 
 SPELLINGS = {"dense_matrix": (dense_matrix, canonical_dense),
@@ -160,15 +160,17 @@ def _record_sizes(monkeypatch) -> list:
     return seen
 
 
-@pytest.mark.parametrize(("shard", "rows"), [("TP16", 4), ("TP16", 6), ("TP1", 4)])
-@pytest.mark.parametrize("spelling", sorted(SPELLINGS))
-def test_k3_sizes(spelling, shard, rows, monkeypatch):
+@pytest.mark.parametrize(("shard", "rows", "dtype"), [
+    ("TP16", 4, torch.float32), ("TP16", 6, torch.float32), ("TP1", 4, torch.float32),
+    ("TP16", 4, torch.bfloat16)])
+@pytest.mark.parametrize("spelling", ["dense_matrix", "topk_weights"])
+def test_k3_sizes(spelling, shard, rows, dtype, monkeypatch):
     """At K3's sizes (16 slots, 896 experts; 6 rows: N = I/32 at TP16, shrunk with it): slot 0
     is evaluated at I 160, L 224, E 17; the rewritten graph is the canonical trace op for op
     (its values: the positives above, at the tests' sizes, and the canonical op's own tests)."""
     fn, canonical = SPELLINGS[spelling]
     seen = _record_sizes(monkeypatch)
-    args = _inputs(rows, cheap=True, **{"TP16": TP16, "TP1": TP1}[shard])
+    args = _inputs(rows, dtype, cheap=True, **{"TP16": TP16, "TP1": TP1}[shard])
     gm, start = trace(fn, args), time.perf_counter()
     assert rule.apply(gm.graph) == 1
     print(f"{spelling} {shard}: {time.perf_counter() - start:.3f} s")
@@ -177,7 +179,9 @@ def test_k3_sizes(spelling, shard, rows, monkeypatch):
                      latent // 32: 7, 896: 17}]
     (out,) = torch.utils._pytree.tree_leaves(next(iter(reversed(gm.graph.nodes))).args)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    assert same_graph(out, trace(canonical, args), placeholders)
+    out_dtype = None if dtype == torch.float32 else torch.float32
+    assert same_graph(out, trace(lambda *a: canonical(*a, out_dtype=out_dtype), args),
+                      placeholders)
 
 
 def test_sizes_that_cannot_be_told_apart_are_left_alone(monkeypatch):
@@ -262,11 +266,45 @@ def test_k3_sizes_look_alikes_refused_by_the_structure(odd, monkeypatch):
     assert targets(gm) == before and seen == []
 
 
-def test_bf16_experts_rounded_otherwise_are_left_alone(monkeypatch):
-    """bf16 experts summed into fp32 without the canonical finalize's bf16 rounding: refused
-    from the dtypes alone (the sum fp32, z bf16), before any evaluation."""
-    seen = _record_sizes(monkeypatch)
+def test_bf16_slots_summed_in_fp32_become_the_unrounded_finalize():
+    """A bf16 latent, each slot's GEMMs in bf16, the slots summed in fp32 (spell5's bf16 loop):
+    the canonical experts with `out_dtype` fp32 (the finalize's sum unrounded), op for op, equal
+    to the loop to fp32 summation order."""
     args = _inputs(3, torch.bfloat16)
     gm = trace(dense_matrix, args)
+    assert rule.apply(gm.graph) == 1
+    gm.recompile()
+    (out,) = torch.utils._pytree.tree_leaves(next(iter(reversed(gm.graph.nodes))).args)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    canonical = trace(lambda *a: canonical_dense(*a, out_dtype=torch.float32), args)
+    assert same_graph(out, canonical, placeholders)
+    got, want = torch.utils._pytree.tree_leaves(gm(*args))[0], dense_matrix(*args)
+    assert got.dtype == want.dtype == torch.float32 and got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6 * want.abs().max())
+
+
+def _bf16_sum(z, scores, ids, lut, *stacks):
+    """The slots summed in bf16: each add rounds, the canonical finalize rounds once."""
+    probs = torch.zeros_like(scores).scatter(1, ids, _routed(scores, ids)).to(z.dtype)
+    acc = torch.zeros_like(z)
+    for j in range(ids.shape[1]):
+        acc = acc + probs.gather(1, ids[:, j:j + 1]) * _slot(z, ids[:, j], lut, *stacks)
+    return acc
+
+
+def _situ_in_bf16(gate, up, beta, linear_beta):
+    """SiTU in the GEMMs' bf16 (the canonical one computes in fp32 and rounds once)."""
+    return beta * torch.tanh(gate / beta) * torch.sigmoid(gate) * (
+        linear_beta * torch.tanh(up / linear_beta))
+
+
+@pytest.mark.parametrize(("spelling", "structural"), [
+    (_bf16_sum, True), (lambda *a: dense_matrix(*a, act=_situ_in_bf16), False)])
+def test_bf16_experts_rounded_otherwise_are_left_alone(spelling, structural, monkeypatch):
+    """A bf16 sum: refused from the adds' dtypes, before any evaluation; a slot rounding
+    otherwise than the canonical experts (SiTU in bf16): by slot 0's evaluation."""
+    seen = _record_sizes(monkeypatch)
+    gm = trace(spelling, _inputs(3, torch.bfloat16))
+    before = targets(gm)
     assert rule.apply(gm.graph) == 0
-    assert seen == []
+    assert targets(gm) == before and (seen == []) == structural
