@@ -15,11 +15,13 @@ back when switched to another spelling of the same math: the causes (docs/spell5
   latent cache row was written through a flat slot mapping, `cache.view(-1, R).index_copy_(0,
   slot * L + pos, rows)` (vLLM's slot_mapping); the heads-first layout, `cat(q_lat, q_pe)` and one
   `matmul` against the cached rows, and the `torch.where` mask already fused.
-* fb_kda_decode (0, 1): four idioms, each needed on its own (drop any one probe and the op is
-  lost again): the conv state stored time-major [slots, K-1, 3W] (a layout of the state buffer the
-  op does not take: no rule can close it without an op variant), the short conv as `unfold` + a
-  window sum, the per-head tensors heads-first [B, H, T, D], the delta rule as `bmm` over
-  [B*H, K, V]. Not causes: the taps as one [3W, K] tensor, the state write by `index_copy_`.
+* fb_kda_decode (0, 1): four idioms, each needed on its own. Closed in session 23 (helper
+  kdatm): the conv state stored time-major [slots, K-1, 3W] (the ops' `conv_time_major` variant,
+  with `qkv_split` taking the one-tensor taps of its window), the delta rule as `bmm` over
+  [B*H, K, V] (rule `delta_einsum`'s batch-merged form). Still open: the short conv as `unfold`
+  of the time-major window + a window sum, the per-head tensors heads-first [B, H, T, D]
+  (probes `conv1d`, `kda_tokens_first` bring the op back). Not causes: the taps as one [3W, K]
+  tensor, the state write by `index_copy_`.
 * moe_experts (1-3): closed in fp32 by rule `expert_slots` (session 22): the routed experts as a
   Python loop over the top-k slots (one [N] expert gather, three bmm and a running fp32 sum per
   slot, weights read back from a dense [N, E] routing matrix); all slots at once (probe
@@ -117,10 +119,11 @@ def test_lost_fusions_have_a_near_miss_naming_a_node(pattern, dtype, request):
 
 # probes (Spell5K3.set_probe) that switch the named idioms to another spelling of the same math,
 # and the ops they bring back: each names the cause of a gap. Bisected (docs/spell5_spelling.md):
-# each KDA probe is needed on its own. The MoE probe still restores what `expert_slots` now
+# each KDA probe is needed on its own (the time-major conv state and the bmm delta rule fuse
+# since session 23). The MoE probe still restores what `expert_slots` now
 # restores without it.
 PROBE_FIXES = {
-    "kda": (("conv_channels_first", "conv1d", "kda_tokens_first", "kda_einsum"),
+    "kda": (("conv1d", "kda_tokens_first"),
             {0: ("fb_kda_decode",), 1: ("fb_kda_decode",)}),
     "moe": (("moe_batched",), {n: ("moe_experts",) for n in (1, 2, 3)}),
 }
