@@ -9,11 +9,12 @@ broadcasts, a per-head parameter [H, 1, D], viewed in the tokens-first order, wh
 unit dim), and `select(permute(y), 2, t)` is `select(y, 1, t)`. Output side: a
 `permute(o, [0, 2, 1, 3])` back to tokens-first, fed by pointwise ops and last-dim keepdim
 reductions (the head norm, the gate) that nothing else reads, whose leaves are the delta rule's
-outputs stacked on dim 2 (`view([B, H, V] -> [B, H, 1, V])` at T = 1, `stack(., 2)` /
-`cat(unsqueeze(., 2), 2)`), other permutes `[0, 2, 1, 3]` (the gate's heads-first view, which
+outputs stacked on dim 2 (`view([B, H, V] -> [B, H, 1, V])` at T = 1, `stack(., 2)`, its
+decomposition `view(cat(., -1), [B, H, T, V])`, or `cat(unsqueeze(., 2), 2)`), other permutes `[0, 2, 1, 3]` (the gate's heads-first view, which
 cancel) and broadcast parameters, is pulled up to the leaves: the stack on dim 1, the gate's
 permute gone. A stacked output counts as the delta rule's where it is a product with a 4-D fp32
-[B, H, K, V] tensor that is written to a state buffer (an `index_put`). Every step moves the
+[B, H, K, V] tensor that reaches a state buffer write (an `index_put`) through views and
+state updates. Every step moves the
 same values to other positions: exact.
 
 Left alone: a permute whose values reach anything but token selects (attention's heads-first
@@ -148,11 +149,22 @@ def _written_state_read(x: fx.Node) -> bool:
     return False
 
 
-def _written(node: fx.Node, depth: int = 4) -> bool:
-    if depth == 0:
-        return False
-    return any(u.target is aten.index_put.default and u.args[2] is node
-               or u.target in VIEWS and _written(u, depth - 1) for u in node.users)
+def _written(node: fx.Node, limit: int = 256) -> bool:
+    """node's values reach a state buffer write (`index_put`) through views and the delta rule's
+    state updates (mul by the decay, add of the outer product): token t's state in a step over
+    T tokens, whose last state is written."""
+    seen, todo = {node}, [node]
+    while todo and len(seen) < limit:
+        n = todo.pop()
+        for u in n.users:
+            if u.target is aten.index_put.default and u.args[2] is n:
+                return True
+            if u not in seen and (u.target in VIEWS or u.target in (aten.mul.Tensor,
+                                                                     aten.add.Tensor)
+                                  and len(shape(u) or ()) == 4):
+                seen.add(u)
+                todo.append(u)
+    return False
 
 
 def _stacked(node: fx.Node) -> list[fx.Node] | None:
@@ -163,7 +175,11 @@ def _stacked(node: fx.Node) -> list[fx.Node] | None:
         if shape(x) is not None and s is not None and len(s) == 4 and s[2] == 1 and (
                 shape(x) == (s[0], s[1], s[3])):
             return [x]
-        return None
+    if (node.target is aten.view.default and (cat := node.args[0]).target is aten.cat.default
+            and len(s) == 4 and len(cat.users) == 1 and cat.args[1] in (2, -1)
+            and len(cat.args[0]) == s[2]
+            and all(shape(p) == (s[0], s[1], s[3]) for p in cat.args[0])):
+        return list(cat.args[0])  # stack's decomposition: a cat on the last dim, viewed
     if node.target is aten.stack.default and (node.args[1] if len(node.args) > 1 else 0) == 2:
         return list(node.args[0])
     if node.target is aten.cat.default and len(node.args) > 1 and node.args[1] == 2 and all(
@@ -215,9 +231,11 @@ def _hoist(graph: fx.Graph, perm: fx.Node) -> bool:
                 s = shape(leaf)
                 env[leaf] = call(graph, aten.view.default, (outs[0], [s[0], 1, s[1], s[3]]),
                                  like=leaf)
-            else:
-                rows = [call(graph, aten.unsqueeze.default, (o, 1), like=leaf) for o in outs]
-                env[leaf] = call(graph, aten.cat.default, (rows, 1), like=leaf)
+            else:  # stack(outs, 1) as it decomposes: a cat on dim 1, viewed
+                s = shape(leaf)
+                rows = call(graph, aten.cat.default, (outs, 1), like=leaf)
+                env[leaf] = call(graph, aten.view.default, (rows, [s[0], s[2], s[1], s[3]]),
+                                 like=leaf)
     _copy(graph, order, env, 4)
     perm.replace_all_uses_with(env[perm.args[0]])
     refresh([env[perm.args[0]]])
