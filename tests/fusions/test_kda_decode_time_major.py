@@ -116,3 +116,26 @@ def test_cuda_op_equals_the_cpu_reference_for_both_layouts(time_major):
     torch.testing.assert_close(got.cpu(), want, rtol=2e-2, atol=2e-2)
     for i in STATES:
         torch.testing.assert_close(cuda[i].cpu(), cpu[i], rtol=2e-2, atol=2e-2)
+
+
+def test_kernel_refuses_the_time_major_layout_only():
+    """the CUDA kernel indexes a channel-major conv state: the time-major flag is refused (its
+    reason logged where it falls back to the reference), the same inputs channel-major taken"""
+    from k3compile.kernels import kda_decode as kernel
+
+    Hn, Kd, taps, B, T, S = 2, kernel.HEAD_DIM, 4, 2, 1, 3
+    W = Hn * Kd
+    meta = {"device": "meta"}
+    bf = dict(dtype=torch.bfloat16, **meta)
+    acts = [torch.empty(B, T, W, **bf) for _ in range(5)]
+    conv_cm = torch.empty(S, 3 * W, taps - 1, **bf)
+    rest = [torch.empty(B, T, Hn, **bf)]
+    tail = [torch.empty(S, Hn, Kd, Kd, dtype=torch.float32, **meta),
+            torch.empty(B, dtype=torch.int64, **meta),
+            *(torch.empty(W, 1, taps, **bf) for _ in range(3)),
+            torch.empty(Hn, dtype=torch.float32, **meta),
+            torch.empty(W, dtype=torch.float32, **meta), torch.empty(Kd, **bf)]
+    assert kernel.refusal(*acts, *rest, conv_cm, *tail) is None
+    conv_tm = torch.empty(S, taps - 1, 3 * W, **bf)
+    why = kernel.refusal(*acts, *rest, conv_tm, *tail, conv_time_major=True)
+    assert why is not None and "conv_time_major" in why
