@@ -14,7 +14,8 @@ wait. Work split, rounding and measurements: docs/kernels.md, kda_decode.
 Constraints:
     * q, k, v, g, graw bf16 [B, T, H·K], b bf16 [B, T, H]: last dim contiguous, any other strides;
       1 <= T <= 16; K = 128 (head dim = key dim = value dim).
-    * conv_state bf16 [S, 3·H·K, taps-1] (inner dims contiguous), 2 <= taps <= 8; recurrent_state
+    * conv_state bf16 [S, 3·H·K, taps-1] (inner dims contiguous), 2 <= taps <= 8 (a time-major
+      [S, taps-1, 3·H·K] state, the op's `conv_time_major`, runs the reference); recurrent_state
       fp32 [S, H, K, K] (inner dims contiguous, 16-byte-aligned data and slot stride); slots int64
       [B] (negative slots count from the end, as torch indexing does; two requests sharing a slot
       race, as they do in the reference's index_put).
@@ -172,11 +173,15 @@ def can_implement(*args) -> bool:
 
 def refusal(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weight,
             k_conv_weight, v_conv_weight, A_log, dt_bias, o_norm_weight, lower_bound=None,
-            l2_eps=None, q_scale=None, norm_eps=None, norm_fp32=False) -> str | None:
+            l2_eps=None, q_scale=None, norm_eps=None, norm_fp32=False,
+            conv_time_major=False) -> str | None:
     """Why the kernel cannot take these inputs, or None. Metadata only (fake tensors work);
     data alignment is checked at launch."""
     bf16, f32 = torch.bfloat16, torch.float32
     del norm_fp32  # both output norms: a compile-time flag of the kernel
+    if conv_time_major:
+        return ("conv_time_major: the kernel indexes a channel-major conv state [S, 3W, taps-1] "
+                "(a time-major build is not written yet)")
     if q.dim() != 3 or recurrent_state.dim() != 4 or conv_state.dim() != 3:
         return (f"ranks q {q.dim()}, recurrent_state {recurrent_state.dim()}, conv_state "
                 f"{conv_state.dim()} (want 3, 4, 3)")
@@ -317,7 +322,8 @@ KERNEL = Kernel(OP, build)
 
 def kda_decode_cuda(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weight,
                     k_conv_weight, v_conv_weight, A_log, dt_bias, o_norm_weight, lower_bound,
-                    l2_eps, q_scale, norm_eps, norm_fp32=False, *, out=None):
+                    l2_eps, q_scale, norm_eps, norm_fp32=False, conv_time_major=False, *,
+                    out=None):
     """CUDA implementation of k3::kda_decode: the kernel, or the reference if refused (reason
     logged). `out` [B, T, H, K] bf16 contiguous is written only when the kernel runs."""
     args = (q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weight,
@@ -333,10 +339,11 @@ def kda_decode_cuda(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_c
                 *args, o, float(lower_bound), float(l2_eps), float(q_scale), float(norm_eps))
         return o
 
-    return KERNEL.run(lambda: refusal(*args, norm_fp32=norm_fp32)
+    return KERNEL.run(lambda: refusal(*args, norm_fp32=norm_fp32,
+                                      conv_time_major=conv_time_major)
                       or call_refusal(args, q, recurrent_state, out),
                       lambda: kda_decode_ref(*args, lower_bound, l2_eps, q_scale, norm_eps,
-                                             norm_fp32),
+                                             norm_fp32, conv_time_major),
                       launch, recurrent_state)
 
 

@@ -27,20 +27,20 @@ R = 8  # f_a's width (head_dim in K3) for tracing; matching ignores sizes
 
 def search(q, k, v, g, fa, fb_weight, b, conv_state, recurrent_state, slots, q_conv_weight,
            k_conv_weight, v_conv_weight, A_log, dt_bias, o_norm_weight, lower_bound, l2_eps,
-           q_scale, norm_eps, *norm_fp32):
+           q_scale, norm_eps, *flags):
     return torch.ops.k3.kda_decode(q, k, v, g, F.linear(fa, fb_weight), b, conv_state,
                                    recurrent_state, slots, q_conv_weight, k_conv_weight,
                                    v_conv_weight, A_log, dt_bias, o_norm_weight, lower_bound,
-                                   l2_eps, q_scale, norm_eps, *norm_fp32)
+                                   l2_eps, q_scale, norm_eps, *flags)
 
 
 def replace(q, k, v, g, fa, fb_weight, b, conv_state, recurrent_state, slots, q_conv_weight,
             k_conv_weight, v_conv_weight, A_log, dt_bias, o_norm_weight, lower_bound, l2_eps,
-            q_scale, norm_eps, *norm_fp32):
+            q_scale, norm_eps, *flags):
     return torch.ops.k3.fb_kda_decode(q, k, v, g, fa, fb_weight, b, conv_state, recurrent_state,
                                       slots, q_conv_weight, k_conv_weight, v_conv_weight, A_log,
                                       dt_bias, o_norm_weight, lower_bound, l2_eps, q_scale,
-                                      norm_eps, *norm_fp32)
+                                      norm_eps, *flags)
 
 
 def check(match) -> str | None:
@@ -60,34 +60,40 @@ def check(match) -> str | None:
         return f"fa width {fa.shape[-1]} is not a multiple of 8 (16-byte rows)"
     # the step's own conditions, on the GEMM's output as its graw
     op = next(n for n in match.nodes if n.target is torch.ops.k3.kda_decode.default)
-    return kda_decode.check(types.SimpleNamespace(kwargs={**match.kwargs, "graw": op.args[4]}))
+    time_major = len(op.args) > 20 and op.args[20] is True
+    return kda_decode.check(types.SimpleNamespace(kwargs={**match.kwargs, "graw": op.args[4]}),
+                            conv_time_major=time_major)
 
 
-def example_inputs(dtype: torch.dtype = torch.bfloat16) -> list:
+def example_inputs(dtype: torch.dtype = torch.bfloat16, conv_time_major: bool = False) -> list:
     W = kda_decode.H * kda_decode.K
     act = [torch.randn(2, 1, W, dtype=dtype) for _ in range(4)]
     fa = [torch.randn(2, 1, R, dtype=dtype), torch.randn(W, R, dtype=dtype)]
     b = torch.randn(2, 1, kda_decode.H, dtype=dtype)
-    state = [torch.randn(3, 3 * W, kda_decode.TAPS - 1, dtype=dtype),
+    conv = (3, kda_decode.TAPS - 1, 3 * W) if conv_time_major else (3, 3 * W, kda_decode.TAPS - 1)
+    state = [torch.randn(conv, dtype=dtype),
              torch.randn(3, kda_decode.H, kda_decode.K, kda_decode.K), torch.tensor([0, 2])]
     weights = [torch.randn(W, 1, kda_decode.TAPS, dtype=dtype) for _ in range(3)]
     weights += [torch.randn(kda_decode.H), torch.randn(W), torch.randn(kda_decode.K, dtype=dtype)]
     return [*act, *fa, b, *state, *weights, *kda_decode.SCALARS.values()]
 
 
-def _variant(norm_fp32: bool) -> Pattern:
-    """The step as kda_decode fused it: with the built-in output norm, or fla's fp32 one (the op's
-    `norm_fp32` argument, passed through)."""
-    extra = (True,) if norm_fp32 else ()
+def _variant(norm_fp32: bool, conv_time_major: bool = False) -> Pattern:
+    """The step as kda_decode fused it: with the built-in output norm, or fla's fp32 one, on a
+    channel- or time-major conv state (the op's `norm_fp32` and `conv_time_major` arguments,
+    passed through)."""
+    extra = kda_decode.flags(norm_fp32, conv_time_major)
+    names = [n for n, on in (("norm_fp32", norm_fp32), ("conv_time_major", conv_time_major)) if on]
     return Pattern(
-        name="fb_kda_decode[norm_fp32]" if norm_fp32 else "fb_kda_decode",
+        name=f"fb_kda_decode[{','.join(names)}]" if names else "fb_kda_decode",
         search=with_signature(lambda *a: search(*a, *extra), NAMES),
         replace=with_signature(lambda *a: replace(*a, *extra), NAMES),
-        example_inputs=example_inputs, op="k3.fb_kda_decode", check=check,
+        example_inputs=lambda dtype=torch.bfloat16: example_inputs(dtype, conv_time_major),
+        op="k3.fb_kda_decode", check=check,
         scalars=dict(kda_decode.SCALARS), fake_trace=True, distinctive=("mm", "kda_decode"),
     )
 
 
 def patterns() -> list[Pattern]:
     # one variant for every T, batch and dtype: the op hides the step, the GEMM has no casts
-    return [_variant(False), _variant(True)]
+    return [_variant(n, m) for m in (False, True) for n in (False, True)]

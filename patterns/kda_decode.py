@@ -67,15 +67,22 @@ def kda_step(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_wei
 
 def _step(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weight, k_conv_weight,
           v_conv_weight, A_log, dt_bias, o_norm_weight, lower_bound, l2_eps, q_scale, norm_eps,
-          silu_written_out, norm_fp32=False):
+          silu_written_out, norm_fp32=False, conv_time_major=False):
     """KimiDeltaAttention.forward after the projections, with the state writes made functional
-    (as they are in the graph). Returns (new recurrent state, new conv state, o)."""
+    (as they are in the graph). Returns (new recurrent state, new conv state, o).
+    `conv_time_major`: the conv state [S, taps-1, 3W] (vLLM v1's layout), the window built on
+    dim 1 and convolved as its transpose."""
     B, T, _ = q.shape
     nh, hd = recurrent_state.shape[1], recurrent_state.shape[2]
     beta = torch.sigmoid(b.float())
-    new = torch.cat([q, k, v], dim=-1).transpose(1, 2)
-    window = torch.cat([conv_state[slots], new], dim=-1)
-    conv_state_out = setitem(conv_state, (slots,), window[..., T:])
+    if conv_time_major:
+        window = torch.cat([conv_state[slots], torch.cat([q, k, v], dim=-1)], dim=1)
+        conv_state_out = setitem(conv_state, (slots,), window[:, T:])
+        window = window.transpose(1, 2)
+    else:
+        new = torch.cat([q, k, v], dim=-1).transpose(1, 2)
+        window = torch.cat([conv_state[slots], new], dim=-1)
+        conv_state_out = setitem(conv_state, (slots,), window[..., T:])
     taps = torch.cat([q_conv_weight, k_conv_weight, v_conv_weight])
     conv = F.conv1d(window.float(), taps.float(), groups=taps.shape[0])
     # silu as torch's op (its decomposition is x / (1 + exp(-x))) or written out as x·σ(x)
@@ -105,14 +112,25 @@ def _step(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weight
 
 def replace(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weight, k_conv_weight,
             v_conv_weight, A_log, dt_bias, o_norm_weight, lower_bound, l2_eps, q_scale, norm_eps,
-            *norm_fp32):
+            *flags):
+    """`flags`: (norm_fp32,) or (norm_fp32, conv_time_major), the op's trailing arguments; none
+    for the defaults (the graphs from before the variants)."""
     o = torch.ops.k3.kda_decode(q, k, v, g, graw, b, conv_state, recurrent_state, slots,
                                 q_conv_weight, k_conv_weight, v_conv_weight, A_log, dt_bias,
-                                o_norm_weight, lower_bound, l2_eps, q_scale, norm_eps, *norm_fp32)
+                                o_norm_weight, lower_bound, l2_eps, q_scale, norm_eps, *flags)
     return recurrent_state, conv_state, o
 
 
-def check(match) -> str | None:
+def flags(norm_fp32: bool, conv_time_major: bool) -> tuple[bool, ...]:
+    """The op's trailing arguments for a variant: none for the defaults."""
+    return (norm_fp32, True) if conv_time_major else (True,) if norm_fp32 else ()
+
+
+def time_major_check(match) -> str | None:
+    return check(match, conv_time_major=True)
+
+
+def check(match, conv_time_major: bool = False) -> str | None:
     for name in SCALARS:
         if not isinstance(match.kwargs[name], float):
             return f"{name} is not a compile-time float"
@@ -133,9 +151,10 @@ def check(match) -> str | None:
             return f"{name} {meta[name].dtype}[.., {meta[name].shape[-1]}] != q {q.dtype}[.., {width}]"
     if meta["b"].shape[-1] != nh:
         return f"b width {meta['b'].shape[-1]} != heads {nh}"
-    if conv.dtype != q.dtype or conv.shape[1] != 3 * width:
+    channels, history = (2, 1) if conv_time_major else (1, 2)
+    if conv.dtype != q.dtype or conv.shape[channels] != 3 * width:
         return f"conv_state {conv.dtype}{list(conv.shape)} does not hold q|k|v of {q.dtype}[{width}]"
-    taps = conv.shape[2] + 1
+    taps = conv.shape[history] + 1
     for name in ("q_conv_weight", "k_conv_weight", "v_conv_weight"):
         if tuple(meta[name].shape) != (width, 1, taps):
             return f"{name} {list(meta[name].shape)} != [{width}, 1, {taps}]"
@@ -150,36 +169,56 @@ def check(match) -> str | None:
     return None
 
 
-_rows_seen: list = [None, frozenset()]  # (graph, its sites' T): every variant asks of one graph
+_sites_seen: list = [None, frozenset()]  # (graph, its sites): every variant asks of one graph
+
+
+def _time_major(conv: fx.Node) -> bool:
+    """The conv convolves a transposed window (a time-major conv state's), not the window."""
+    x = conv.args[0]
+    while isinstance(x, fx.Node) and x.target is torch.ops.prims.convert_element_type.default:
+        x = x.args[0]
+    return isinstance(x, fx.Node) and x.target in (torch.ops.aten.permute.default,
+                                                   torch.ops.aten.transpose.int)
+
+
+def sites(graph: fx.Graph) -> frozenset[tuple[int, bool]]:
+    """(T, time-major) of each KDA site in the graph: its depthwise short conv's output length,
+    and whether it convolves a transposed window."""
+    if _sites_seen[0] is not graph:
+        convs = (n for n in graph.nodes if n.target is torch.ops.aten.convolution.default)
+        _sites_seen[:] = graph, frozenset(
+            (int(v.shape[-1]), _time_major(n)) for n in convs
+            if isinstance(v := n.meta.get("val"), torch.Tensor) and v.dim() == 3)
+    return _sites_seen[1]
 
 
 def site_rows(graph: fx.Graph) -> frozenset[int]:
     """T of each KDA site in the graph: its depthwise short conv's output length."""
-    if _rows_seen[0] is not graph:
-        vals = (n.meta.get("val") for n in graph.nodes
-                if n.target is torch.ops.aten.convolution.default)
-        _rows_seen[:] = graph, frozenset(int(v.shape[-1]) for v in vals
-                                         if isinstance(v, torch.Tensor) and v.dim() == 3)
-    return _rows_seen[1]
+    return frozenset(t for t, _ in sites(graph))
 
 
-def _fits(T: int):
+def _fits(T: int, conv_time_major: bool = False):
     def fits(graph: fx.Graph) -> str | None:
-        rows = site_rows(graph)
-        if T in rows or not rows:  # no short conv: every variant is tried (a near miss per layer)
-            return None
-        return (f"the KDA sites have T = {sorted(rows)} tokens per request; kda_decode unrolls "
+        found = sites(graph)
+        if (T, conv_time_major) in found or not found:
+            return None  # no short conv: every variant is tried (a near miss per layer)
+        rows = sorted({t for t, _ in found})
+        if T in rows:
+            return (f"no KDA site convolves a {'time' if conv_time_major else 'channel'}-major "
+                    "conv state's window")
+        return (f"the KDA sites have T = {rows} tokens per request; kda_decode unrolls "
                 f"its recurrence for T in {TOKENS[0]}..{TOKENS[-1]}")
     return fits
 
 
 def _variant(T: int, B: int, dtype: torch.dtype, silu_written_out: bool = False,
-             norm_fp32: bool = False) -> Pattern:
+             norm_fp32: bool = False, conv_time_major: bool = False) -> Pattern:
     def example_inputs():
         W = H * K
         act = [torch.randn(B, T, W, dtype=dtype) for _ in range(5)]
         b = torch.randn(B, T, H, dtype=dtype)
-        state = [torch.randn(3, 3 * W, TAPS - 1, dtype=dtype),
+        conv = (3, TAPS - 1, 3 * W) if conv_time_major else (3, 3 * W, TAPS - 1)
+        state = [torch.randn(conv, dtype=dtype),
                  torch.randn(3, H, K, K, dtype=torch.float32), torch.tensor([0, 2][:B])]
         weights = [torch.randn(W, 1, TAPS, dtype=dtype) for _ in range(3)]
         weights += [torch.randn(H), torch.randn(W), torch.randn(K, dtype=dtype)]
@@ -187,21 +226,26 @@ def _variant(T: int, B: int, dtype: torch.dtype, silu_written_out: bool = False,
 
     # written out: the same step; its op computes silu as torch does (an ulp apart)
     search = with_signature(lambda *a: _step(*a, silu_written_out=silu_written_out,
-                                             norm_fp32=norm_fp32), NAMES)
+                                             norm_fp32=norm_fp32,
+                                             conv_time_major=conv_time_major), NAMES)
+    extra = flags(norm_fp32, conv_time_major)
     return Pattern(
         name=f"kda_decode[T={T},B={'1' if B == 1 else 'n'},{str(dtype).removeprefix('torch.')}"
              f"{',silu_written_out' if silu_written_out else ''}"
-             f"{',norm_fp32' if norm_fp32 else ''}]",
-        search=search, replace=with_signature(lambda *a: replace(*a, True), NAMES)
-        if norm_fp32 else replace,
-        example_inputs=example_inputs, op="k3.kda_decode", check=check, scalars=dict(SCALARS),
+             f"{',norm_fp32' if norm_fp32 else ''}{',conv_time_major' if conv_time_major else ''}]",
+        search=search, replace=with_signature(lambda *a: replace(*a, *extra), NAMES)
+        if extra else replace,
+        example_inputs=example_inputs, op="k3.kda_decode",
+        check=time_major_check if conv_time_major else check, scalars=dict(SCALARS),
         distinctive=("convolution", "index_put", "bmm", "rsqrt"), joint_passes=True,
-        fits=_fits(T),
+        fits=_fits(T, conv_time_major),
     )
 
 
 def patterns() -> list[Pattern]:
-    # fla's fp32 output norm differs from ours only where the activations round (not in fp32)
-    return [_variant(t, b, d, w, n) for n, w, t, b, d in
-            itertools.product((False, True), (False, True), TOKENS, BATCHES, DTYPES)
+    # fla's fp32 output norm differs from ours only where the activations round (not in fp32);
+    # a variant is traced only for the (T, conv state layout) a graph's sites have (`fits`)
+    return [_variant(t, b, d, w, n, m) for m, n, w, t, b, d in
+            itertools.product((False, True), (False, True), (False, True), TOKENS, BATCHES,
+                              DTYPES)
             if not (n and d == torch.float32)]

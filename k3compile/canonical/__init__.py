@@ -30,7 +30,7 @@ ORDER: tuple[str, ...] = ("paged_write", "token_dim", "state_write", "mla_absorb
                           "expert_split", "expert_combine", "gemm", "short_conv",
                           "conv_einsum", "qkv_split", "rms_forms", "l2_norm", "sigmoid",
                           "bias_view",
-                          "delta_einsum",
+                          "delta_einsum", "heads_first",
                           "norm_round", "conv_merge", "gate_up_split",
                           "depth_mix", "slice_split", "group_limit", "noop_view", "cast_view",
                           "broadcast", "topk_sorted", "view_chains", "view_add", "reshape_fold",

@@ -8,6 +8,11 @@ canonical form has it.
     ->  y = permute(convolution(window, w.reshape(C, 1, taps), groups=C), [0, 2, 1])
     then silu(permute(c)) -> permute(silu(c))     (a pointwise region read only at its end)
 
+A time-major window [B, L, C] (a conv state [S, taps-1, C], vLLM v1's layout, spell5) unfolded
+on dim 1, `(window.unfold(1, taps, 1) * w).sum(-1)` [B, T, C], is the conv of its transpose,
+`conv(window.transpose(1, 2), w).transpose(1, 2)`: the form `patterns/kda_decode.py`'s
+`conv_time_major` variants trace.
+
 Found structurally: an `unfold(window [B, C, L], -1, taps, 1)` whose chain of views reaches a
 bmm with a [C, taps] (or [C, 1, taps]) weight on the other side, read back as [B, T, C] or
 [B, C, T] (T = L - taps + 1); at B·T = 1 that bmm is a batch of dot products, which Inductor
@@ -73,15 +78,25 @@ def _silu_conv_t(window, w):
     return _silu_conv(window, w).transpose(1, 2)
 
 
+def _conv_tm(window, w):
+    """A time-major window [B, L, C] (a conv state [S, taps-1, C]): the conv of its transpose."""
+    return _conv(window.transpose(1, 2), w).transpose(1, 2)
+
+
+def _silu_conv_tm(window, w):
+    return _silu_conv(window.transpose(1, 2), w).transpose(1, 2)
+
+
 def _site(unfold: fx.Node):
     """([window, w], the region's output, the canonical function, rtol) or None."""
     window = unfold.args[0]
     s = shape(window)
     dtype = val(window).dtype if s is not None else None
-    if (s is None or len(s) != 3 or unfold.args[1] % 3 != 2 or unfold.args[3] != 1
+    if (s is None or len(s) != 3 or unfold.args[1] % 3 not in (1, 2) or unfold.args[3] != 1
             or dtype not in (torch.float32, *LOW)):
         return None
-    B, C, L = s
+    time_major = unfold.args[1] % 3 == 1
+    B, C, L = (s[0], s[2], s[1]) if time_major else s
     taps = unfold.args[2]
     T = L - taps + 1
     if taps > MAX_TAPS or T < 1:
@@ -97,7 +112,9 @@ def _site(unfold: fx.Node):
     if shape(w) not in ((C, taps), (C, 1, taps)) or val(w).dtype != dtype:
         return None
     end = product if product.target is aten.bmm.default else next(iter(product.users))
-    for want, fns in (((B, T, C), (_conv_t, _silu_conv_t)), ((B, C, T), (_conv, _silu_conv))):
+    outs = ((((B, T, C), (_conv_tm, _silu_conv_tm)),) if time_major else
+            (((B, T, C), (_conv_t, _silu_conv_t)), ((B, C, T), (_conv, _silu_conv))))
+    for want, fns in outs:
         out = below(end, want, THROUGH)
         if out is None:
             continue

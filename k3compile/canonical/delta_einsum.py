@@ -26,6 +26,17 @@ and the vector reaches the bmm through views only (a bmm is linear in each opera
 (S·x)·c = S·(x·c) in real arithmetic); fp32 only. Not bit-equal: the scale rounds q instead of
 o, ~1 ulp per element (measured below 2e-7 relative in the test), as a model that scales q
 computes. Left alone: a tensor scale, a mul of a product whose output is read elsewhere too.
+
+The batch-merged form (tests/models/spell5_k3.py): the state reshaped to [B*H, K, V], each
+token's rows to [B*H, 1, K], the decay to [B*H, K, 1], β to [B*H, 1, 1], reads as `bmm(k_t, S)`,
+the write as `bmm(k_tᵀ, u)` (or a broadcast product of a column and a row). Each merged tensor
+stands for a per-head one (a row [B*H, 1, X] for [B, H, X], a matrix for [B, H, A, C]); the
+region of merged pointwise ops, bmm and transposes reachable from views of per-head tensors is
+rewritten per head (the reads as bmm of per-head views, taken by the read site above; the
+outer product as the canonical write), where every node of it is read only inside the region or
+by a view back to its per-head shape: a merged state read by anything else leaves the region as
+it is. A token's row read twice (by the read and the write) is selected once per read, as the
+canonical form has it.
 """
 
 from __future__ import annotations
@@ -34,7 +45,7 @@ import torch
 from torch import fx
 
 from k3compile.canonical import Rule, rewrite_sites
-from k3compile.canonical.region import VIEWS, below, replace, root, shape, val
+from k3compile.canonical.region import VIEWS, below, refresh, replace, root, shape, val
 from k3compile.graph import call
 
 aten = torch.ops.aten
@@ -162,8 +173,175 @@ def _write(graph: fx.Graph, node: fx.Node, site, cache: dict) -> bool:
     return replace(inputs, out, fn, rtol, cache, name) is not None
 
 
+# ---- the batch-merged form: bmm over [B*H, ...] ------------------------------------------------
+#
+# A merged fp32 tensor [B*H, r, c] stands for a per-head one: a row [B*H, 1, X] for [B, H, X] (a
+# token's k, q, v, the read's output, u; β as [B*H, 1, 1] for [B, H, 1]), a matrix [B*H, A, C]
+# (A > 1) for [B, H, A, C] (the state; the decay as a column [B*H, K, 1] for [B, H, K, 1]).
+
+_POINTWISE = {aten.mul.Tensor, aten.add.Tensor, aten.sub.Tensor}
+_MERGES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+
+
+def _per_head(merged, B: int, H: int) -> tuple[int, ...] | None:
+    """The per-head shape a merged [B*H, r, c] stands for."""
+    if merged is None or len(merged) != 3 or merged[0] != B * H:
+        return None
+    return (B, H, merged[2]) if merged[1] == 1 else (B, H, *merged[1:])
+
+
+_ORDER_KEEPING = {*_MERGES, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.default,
+                  aten.clone.default}
+
+
+def _merge(node: fx.Node):
+    """(B, H, source, unsqueeze) where node views a per-head fp32 tensor [B, H, ...] as
+    [B*H, r, c] through ops that keep the elements' order (views, unsqueezes, clones);
+    `unsqueeze`: the per-head form is the source with a last unit dim."""
+    out = shape(node)
+    if node.target not in _ORDER_KEEPING or out is None or len(out) != 3:
+        return None
+    src = node.args[0]
+    while isinstance(src, fx.Node):
+        while src.target is aten.clone.default:  # the per-head rows are read as they are
+            src = src.args[0]
+        s = shape(src)
+        if s is not None and len(s) >= 2 and 1 not in s[:2] and val(src).dtype == torch.float32:
+            want = _per_head(out, *s[:2])
+            if want is not None and s in (want, want[:-1]) and (s == want or want[-1] == 1):
+                return (*s[:2], src, s != want)
+        if src.op != "call_function" or src.target not in _ORDER_KEEPING:
+            return None
+        src = src.args[0]
+    return None
+
+
+def _operand(merged, out, B: int, H: int) -> tuple[int, ...]:
+    """The per-head shape a pointwise op with merged output `out` reads its merged operand as:
+    a row in a matrix op broadcasts over the matrix's rows ([B, H, 1, X], as the canonical outer
+    product k.unsqueeze(-1) * u.unsqueeze(-2) has it)."""
+    four = _per_head(merged, B, H)
+    return (*four[:2], 1, four[2]) if len(four) == 3 and out[1] > 1 else four
+
+
+def _kind(node: fx.Node, heads: dict) -> tuple | None:
+    """(B, H) where node computes a merged tensor from merged ones: a pointwise op (numbers
+    aside), a bmm of a row and a matrix (a read) or of a column and a row (an outer product), a
+    row's transpose."""
+    out = shape(node)
+    if out is None or len(out) != 3 or val(node).dtype != torch.float32 or node.kwargs:
+        return None
+    if node.target in _POINTWISE and len(node.args) == 2:
+        ins = [heads[a] for a in node.args if isinstance(a, fx.Node) and a in heads]
+        nodes = [a for a in node.args if isinstance(a, fx.Node)]
+        if not ins or len(ins) != len(nodes) or len(set(ins)) != 1:
+            return None
+        B, H = ins[0]
+        four = [_operand(shape(a), out, B, H) if isinstance(a, fx.Node) else () for a in node.args]
+        try:
+            if tuple(torch.broadcast_shapes(*four)) != _per_head(out, B, H):
+                return None
+        except RuntimeError:
+            return None
+        return ins[0]
+    if node.target is aten.bmm.default:
+        a, b = node.args
+        if a not in heads or b not in heads or heads[a] != heads[b]:
+            return None
+        sa, sb = shape(a), shape(b)
+        read = sa[1] == 1 and sb[1] == sa[2] > 1
+        outer = sa[2] == 1 == sb[1] and sa[1] > 1
+        return heads[a] if read or outer else None
+    if (node.target is aten.expand.default and node.args[0] in heads
+            and list(node.args[1]) == list(out)):  # bmm's broadcast of a merged operand: none
+        return heads[node.args[0]]
+    transposes = ((aten.transpose.int, (1, 2)), (aten.transpose.int, (2, 1)),
+                  (aten.permute.default, ([0, 2, 1],)))
+    if (node.target, tuple(node.args[1:])) in transposes and node.args[0] in heads:
+        return heads[node.args[0]] if shape(node.args[0])[1] == 1 < out[1] else None
+    return None
+
+
+def _is_exit(user: fx.Node, node: fx.Node, B: int, H: int) -> bool:
+    """user views node back as the per-head tensor it stands for."""
+    return user.target in _MERGES and shape(user) == _per_head(shape(node), B, H)
+
+
+def _unmerge(graph: fx.Graph) -> int:
+    """Rewrite each batch-merged region per head (the read as a bmm of per-head views, which
+    `_read_site` then takes; the outer product as the canonical write); a region some node of
+    which is read by anything else is left alone. Returns how many nodes were rewritten."""
+    heads, merges, computed = {}, {}, []
+    for n in graph.nodes:
+        if n.op != "call_function":
+            continue
+        if (m := _merge(n)) is not None:
+            heads[n], merges[n] = m[:2], m
+        elif (hk := _kind(n, heads)) is not None:
+            heads[n] = hk
+            computed.append(n)
+    live = set(computed)
+    changed = True
+    while changed:  # drop nodes read by anything else, and what reads them
+        changed = False
+        for n in list(live):
+            B, H = heads[n]
+            ins = [a for a in n.args if isinstance(a, fx.Node)]
+            if any(u not in live and not _is_exit(u, n, B, H) for u in n.users) or any(
+                    a not in live and a not in merges for a in ins):
+                live.discard(n)
+                changed = True
+    if not any(n.target is aten.bmm.default for n in live):
+        return 0
+    four, exits, uses = {}, [], {}
+
+    def per_head(a, like):
+        if not isinstance(a, fx.Node) or a not in merges:
+            return four.get(a, a)
+        _, _, src, unsqueeze = merges[a]
+        if src.target is aten.select.int and uses.get(a):
+            # the canonical form selects a token's row once per read of it
+            src = call(graph, aten.select.int, src.args, like=like)
+        uses[a] = True
+        return call(graph, aten.unsqueeze.default, (src, -1), like=like) if unsqueeze else src
+
+    for n in computed:
+        if n not in live:
+            continue
+        B, H = heads[n]
+        with graph.inserting_before(n):
+            args = [per_head(a, n) for a in n.args[:2] if not isinstance(a, (list, tuple))]
+            if n.target is aten.expand.default:
+                new = args[0]
+            elif n.target in _POINTWISE:
+                args = [call(graph, aten.unsqueeze.default, (x, -2), like=n)
+                        if isinstance(a, fx.Node) and shape(a)[1] == 1 < shape(n)[1] else x
+                        for a, x in zip(n.args, args)]
+                new = call(graph, n.target, tuple(args), like=n)
+            elif n.target is aten.bmm.default and shape(n.args[0])[2] == 1:  # k ⊗ u
+                row = call(graph, aten.unsqueeze.default, (args[1], -2), like=n)
+                new = call(graph, aten.mul.Tensor, (args[0], row), like=n)
+            elif n.target is aten.bmm.default:  # S·x, through views `_read_site` recognises
+                x = call(graph, aten.reshape.default, (args[0], list(shape(n.args[0]))), like=n)
+                S = call(graph, aten.reshape.default, (args[1], list(shape(n.args[1]))), like=n)
+                new = call(graph, aten.view.default, (
+                    call(graph, aten.bmm.default, (x, S), like=n), list(_per_head(shape(n), B, H))),
+                    like=n)
+            else:  # a row's transpose: a column
+                new = call(graph, aten.unsqueeze.default, (args[0], -1), like=n)
+        four[n] = new
+        for u in list(n.users):
+            if _is_exit(u, n, B, H):
+                u.replace_all_uses_with(new)
+                exits.append(new)
+    graph.eliminate_dead_code()
+    refresh(exits)
+    return len(four)
+
+
 def apply(graph: fx.Graph) -> int:
-    return rewrite_sites(graph, _site, _write, targets={aten.bmm.default, aten.mul.Tensor},
+    unmerged = _unmerge(graph)
+    return unmerged + rewrite_sites(graph, _site, _write, targets={aten.bmm.default, aten.mul.Tensor},
                          traced=True)
 
 

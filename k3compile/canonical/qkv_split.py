@@ -85,16 +85,23 @@ def _site(conv: fx.Node):
 
 def _taps_site(conv: fx.Node):
     """(taps, piece ranges) of a conv over cat([state, cat(pieces, -1).permute(0, 2, 1)], -1)
+    (or a time-major window's transpose, cat([state, cat(pieces, -1)], 1).permute(0, 2, 1))
     whose taps are one tensor (not a cat)."""
     x, w = root(conv.args[0], {_CAST}), root(conv.args[1], {_CAST})
     C = (shape(w) or (0,))[0]
-    if (conv.args[8] != C or shape(w) != (C, 1, shape(w)[2]) or w.target is aten.cat.default
-            or x.target is not aten.cat.default or len(x.args[0]) != 2):
+    if conv.args[8] != C or shape(w) != (C, 1, shape(w)[2]) or w.target is aten.cat.default:
         return None
-    new = x.args[0][1]
-    if new.target is not aten.permute.default or list(new.args[1]) != [0, 2, 1]:
-        return None
-    pieces = new.args[0]
+    if (x.target is aten.permute.default and list(x.args[1]) == [0, 2, 1]
+            and x.args[0].target is aten.cat.default and len(x.args[0].args[0]) == 2
+            and x.args[0].args[1] == 1):
+        pieces = x.args[0].args[0][1]  # a time-major window cat([state, pieces], 1), transposed
+    else:
+        if x.target is not aten.cat.default or len(x.args[0]) != 2:
+            return None
+        new = x.args[0][1]
+        if new.target is not aten.permute.default or list(new.args[1]) != [0, 2, 1]:
+            return None
+        pieces = new.args[0]
     if (pieces.target is not aten.cat.default or len(pieces.args[0]) < 2
             or (pieces.args[1] if len(pieces.args) > 1 else 0) % len(shape(pieces)) != 2):
         return None

@@ -12,6 +12,11 @@ recurrent step of one layer, whole (spec §3.1 steps 3-7; vLLM's fused_kda_decod
 Moonshot's KDA layer calls), not rounded to the activations' dtype after the norm, the weight and
 the gate as the built-in model does; the two differ only in bf16/fp16.
 
+`conv_time_major`: the conv state buffer is [S, taps-1, 3·H·K] (vLLM v1's newer layout: the
+window is `cat(conv_state[slots], q|k|v)` on dim 1, the conv runs over its transpose) instead of
+[S, 3·H·K, taps-1]; the same values. The CUDA kernel takes the channel-major layout only: the
+time-major one runs this reference there (reason logged, `kernels/kda_decode.py`).
+
 T >= 1 tokens per request (T > 1: speculative verify rows, the recurrence sequential over them).
 `slots` picks each request's rows of the state buffers, which are updated in place.
 `k3.fb_kda_decode` is this step with the decay's low-rank up-projection in its prologue.
@@ -33,7 +38,7 @@ SELF_UPCAST = ("A_log", "dt_bias")
 
 def kda_decode_ref(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weight,
                    k_conv_weight, v_conv_weight, A_log, dt_bias, o_norm_weight, lower_bound,
-                   l2_eps, q_scale, norm_eps, norm_fp32=False):
+                   l2_eps, q_scale, norm_eps, norm_fp32=False, conv_time_major=False):
     """The model's KDA step (`KimiDeltaAttention.forward` between the projections and o_proj),
     op for op, so that it rounds like eager. Mutates conv_state and recurrent_state."""
     B, T, W = q.shape
@@ -41,10 +46,15 @@ def kda_decode_ref(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_co
     dtype = q.dtype
     beta = torch.sigmoid(b.float())  # [B, T, H]
 
-    new = torch.cat([q, k, v], dim=-1).transpose(1, 2)  # [B, 3W, T]
-    window = torch.cat([conv_state[slots], new], dim=-1)  # [B, 3W, K-1 + T]
-    conv_state[slots] = window[..., T:]
     taps = torch.cat([q_conv_weight, k_conv_weight, v_conv_weight])
+    if conv_time_major:
+        window = torch.cat([conv_state[slots], torch.cat([q, k, v], dim=-1)], dim=1)
+        conv_state[slots] = window[:, T:]  # [B, K-1 + T, 3W] -> its last K-1 rows
+        window = window.transpose(1, 2)
+    else:
+        new = torch.cat([q, k, v], dim=-1).transpose(1, 2)  # [B, 3W, T]
+        window = torch.cat([conv_state[slots], new], dim=-1)  # [B, 3W, K-1 + T]
+        conv_state[slots] = window[..., T:]
     conv = F.conv1d(window.float(), taps.float(), groups=taps.shape[0])
     conv = F.silu(conv).to(dtype).transpose(1, 2)  # [B, T, 3W]
     q, k, v = conv.split(W, dim=-1)
@@ -84,19 +94,21 @@ def kda_decode(
     q_conv_weight: torch.Tensor, k_conv_weight: torch.Tensor, v_conv_weight: torch.Tensor,
     A_log: torch.Tensor, dt_bias: torch.Tensor, o_norm_weight: torch.Tensor,
     lower_bound: float, l2_eps: float, q_scale: float, norm_eps: float, norm_fp32: bool = False,
+    conv_time_major: bool = False,
 ) -> torch.Tensor:
     """q, k, v, g, graw [B, T, H·K] (pre-conv projections, output gate, low-rank decay input),
-    b [B, T, H] (β logits); conv_state [S, 3·H·K, taps-1]; recurrent_state fp32 [S, H, K, K];
+    b [B, T, H] (β logits); conv_state [S, 3·H·K, taps-1] ([S, taps-1, 3·H·K] with
+    `conv_time_major`); recurrent_state fp32 [S, H, K, K];
     slots int64 [B]; conv weights [H·K, 1, taps]; A_log [H], dt_bias [H·K] (fp32, or bf16 where
     a model is cast whole: promoted to fp32); o_norm_weight [K]. Returns o [B, T, H, K] in the
     activations' dtype."""
     return kda_decode_ref(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weight,
                           k_conv_weight, v_conv_weight, A_log, dt_bias, o_norm_weight, lower_bound,
-                          l2_eps, q_scale, norm_eps, norm_fp32)
+                          l2_eps, q_scale, norm_eps, norm_fp32, conv_time_major)
 
 
 @kda_decode.register_fake
 def _(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weight, k_conv_weight,
       v_conv_weight, A_log, dt_bias, o_norm_weight, lower_bound, l2_eps, q_scale, norm_eps,
-      norm_fp32=False):
+      norm_fp32=False, conv_time_major=False):
     return kda_decode_fake(q, recurrent_state, g, o_norm_weight, norm_fp32)

@@ -117,3 +117,91 @@ def test_look_alikes_stay(fn, dtype, want):
     assert targets(after).count("aten.mm.default") == 1
     for got, ref in zip(after(*args), before(*args), strict=True):
         assert rel_err(got, ref) <= 1e-5
+
+
+# ---- a time-major window [B, L, C] (conv state [S, taps-1, C]: tests/models/spell5_k3.py) ----
+
+
+def _time_major_canonical(x, w, state, slots, taps):
+    """the form patterns/kda_decode.py's conv_time_major variants trace"""
+    hist = torch.cat([state[slots], F.linear(x, w)], dim=1)
+    conv = F.conv1d(hist.transpose(1, 2), taps.reshape(3 * W, 1, TAPS), groups=3 * W)
+    return F.silu(conv).transpose(1, 2), hist[:, -(TAPS - 1):]
+
+
+def _spell5(x, w, state, slots, taps):
+    """spell5: unfold on dim 1, times the [C, taps] taps, summed over the taps"""
+    hist = torch.cat([state[slots], F.linear(x, w)], dim=1)
+    return F.silu((hist.unfold(1, TAPS, 1) * taps).sum(-1)), hist[:, -(TAPS - 1):]
+
+
+def _einsum_time_major(x, w, state, slots, taps):
+    """an einsum over the dim-1 unfold (a bmm), the SiLU written out"""
+    hist = torch.cat([state[slots], F.linear(x, w)], dim=1)
+    conv = torch.einsum("btck,ck->btc", hist.unfold(1, TAPS, 1), taps)
+    return conv * torch.sigmoid(conv), hist[:, -(TAPS - 1):]
+
+
+def _args_tm(tokens=T, batch=B):
+    args = _args(tokens, batch=batch)
+    args[2] = args[2].transpose(1, 2).contiguous()  # [S, taps-1, 3W]
+    return args
+
+
+@pytest.mark.parametrize("fn", [_spell5, _einsum_time_major])
+@pytest.mark.parametrize(("batch", "tokens"), [(2, 1), (2, 3), (1, 1)])
+def test_time_major_window_becomes_the_conv_of_its_transpose(fn, batch, tokens):
+    args = _args_tm(tokens, batch)
+    before, after, (n,) = _rewrite(fn, args, rules=(conv_einsum,))
+    assert n == 1
+    t = targets(after)
+    assert "aten.unfold.default" not in t and t.count("aten.convolution.default") == 1
+    conv = next(x for x in after.graph.nodes if str(x.target) == "aten.convolution.default")
+    assert str(conv.args[0].target) in ("aten.permute.default", "aten.transpose.int")
+    if fn is _spell5:
+        want = graph(_time_major_canonical, *args, joint=True)
+        assert sorted(t) == sorted(targets(want))
+    for got, ref in zip(after(*args), before(*args), strict=True):
+        assert got.dtype == ref.dtype and got.shape == ref.shape
+        assert rel_err(got, ref) <= 1e-5
+
+
+def _time_major_strided(x, w, state, slots, taps):
+    """windows two rows apart (unfold step 2): a strided conv, not the short conv"""
+    hist = torch.cat([state[slots], F.linear(x, w)], dim=1)
+    return (hist.unfold(1, TAPS, 2) * taps).sum(-1)
+
+
+def _time_major_summed_over_channels(x, w, state, slots, taps):
+    """the dim-1 unfold's product summed over the channels, not the taps"""
+    hist = torch.cat([state[slots], F.linear(x, w)], dim=1)
+    return (hist.unfold(1, TAPS, 1) * taps).sum(-2)
+
+
+@pytest.mark.parametrize("fn", [_time_major_strided, _time_major_summed_over_channels])
+def test_time_major_look_alikes_stay(fn):
+    args = _args_tm(3)
+    before, after, (n,) = _rewrite(fn, args, rules=(conv_einsum,))
+    assert n == 0
+    assert sorted(targets(after)) == sorted(targets(before))
+    torch.testing.assert_close(after(*args), before(*args), rtol=0, atol=0)
+
+
+def _spell5_three(x, w, state, slots, taps):
+    """spell5's front whole: three Linears cat'ed, the taps one [3W, taps] tensor"""
+    new = torch.cat([F.linear(x, piece) for piece in w.split(W)], dim=-1)
+    hist = torch.cat([state[slots], new], dim=1)
+    return F.silu((hist.unfold(1, TAPS, 1) * taps).sum(-1)), hist[:, -(TAPS - 1):]
+
+
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_time_major_taps_become_row_slices(tokens):
+    """qkv_split's one-tensor taps case on the transposed time-major window"""
+    args = _args_tm(tokens)
+    before, after, counts = _rewrite(_spell5_three, args)
+    assert counts == [1, 1]
+    conv = next(x for x in after.graph.nodes if str(x.target) == "aten.convolution.default")
+    assert str(conv.args[1].target) == "aten.cat.default"
+    for got, ref in zip(after(*args), before(*args), strict=True):
+        assert got.dtype == ref.dtype and got.shape == ref.shape
+        assert rel_err(got, ref) <= 1e-5

@@ -10,6 +10,7 @@ import torch
 
 from k3compile.backend import last_compiled
 from k3compile.canonical import delta_einsum
+from k3compile.math import delta_rule_step
 from tests.canonical.compiled import canonicalize
 from tests.canonical.router_spellings import only
 from tests.canonical.rule_checks import rewrite
@@ -207,3 +208,90 @@ def test_rows_of_a_multi_token_q_compiled(T):
     for got, want in zip(c.output, _rows(*args), strict=True):
         assert got.dtype == want.dtype and got.shape == want.shape
         assert rel_err(got, want) <= 2e-7
+
+
+# ---- the batch-merged form: bmm over [B*H, K, V] (tests/models/spell5_k3.py) ----
+
+
+def _step_canonical(S, q, k, v, beta, decay):
+    """the canonical form: math.delta_rule_step over T tokens"""
+    outs = []
+    for t in range(q.shape[1]):
+        S, o = delta_rule_step(S, q, k, v, beta, decay, t)
+        outs.append(o)
+    return S, torch.stack(outs, 1)
+
+
+def _step_bmm(S, q, k, v, beta, decay):
+    """spell5: the state reshaped to [B*H, K, V], each token's rows to [B*H, 1, K], bmm"""
+    b, _, h, d = q.shape
+    S, outs = S.reshape(b * h, d, d), []
+    for t in range(q.shape[1]):
+        q_t, k_t, v_t = (x[:, t].reshape(b * h, 1, d) for x in (q, k, v))
+        S = S * decay[:, t].reshape(b * h, d, 1)
+        u = beta[:, t].reshape(b * h, 1, 1) * (v_t - torch.bmm(k_t, S))
+        S = S + torch.bmm(k_t.transpose(1, 2), u)
+        outs.append(torch.bmm(q_t, S).view(b, h, d))
+    return S.view(b, h, d, d), torch.stack(outs, 1)
+
+
+def _step_matmul(S, q, k, v, beta, decay):
+    """`@` on flatten(0, 1) views, the write as a broadcast product of a column and a row"""
+    b, _, h, d = q.shape
+    S, outs = S.flatten(0, 1), []
+    for t in range(q.shape[1]):
+        k_t = k[:, t].flatten(0, 1).unsqueeze(1)
+        S = decay[:, t].flatten(0, 1).unsqueeze(-1) * S
+        u = (v[:, t].flatten(0, 1).unsqueeze(1) - k_t @ S) * beta[:, t].reshape(-1, 1, 1)
+        S = S + k_t.mT * u
+        outs.append((q[:, t].flatten(0, 1).unsqueeze(1) @ S).reshape(b, h, d))
+    return S.unflatten(0, (b, h)), torch.stack(outs, 1)
+
+
+def _args_step(T, dtype=torch.float32):
+    g = torch.Generator().manual_seed(3)
+    shapes = ((B, H, K, K), (B, T, H, K), (B, T, H, K), (B, T, H, K), (B, T, H), (B, T, H, K))
+    args = [torch.randn(s, generator=g) for s in shapes]
+    args[4], args[5] = args[4].sigmoid(), args[5].sigmoid()
+    return [a.to(dtype) for a in args]
+
+
+@pytest.mark.parametrize("fn", [_step_bmm, _step_matmul])
+@pytest.mark.parametrize("T", [1, 2])
+def test_batch_merged_step_becomes_the_canonical_step(fn, T):
+    args = _args_step(T)
+    before, after, n = _rewrite(fn, *args)
+    assert n >= 1
+    assert sorted(targets(after)) == sorted(targets(graph(_step_canonical, *args, joint=True)))
+    for got, want in zip(after(*args), before(*args), strict=True):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert rel_err(got, want) <= 1e-6
+
+
+def _state_read_elsewhere(S, q, k, v, beta, decay):
+    """the decayed merged state is read by something else too (the near miss's "2 users"): the
+    region is left alone"""
+    m = S.reshape(B * H, K, K) * decay[:, 0].reshape(B * H, K, 1)
+    k_0 = k[:, 0].reshape(B * H, 1, K)
+    u = beta[:, 0].reshape(B * H, 1, 1) * (v[:, 0].reshape(B * H, 1, K) - torch.bmm(k_0, m))
+    return (m + torch.bmm(k_0.transpose(1, 2), u)).view(B, H, K, K), m.sum()
+
+
+def _square(S, q, k, v, beta, decay):
+    """a bmm of two merged matrices is no read of the state"""
+    m = S.reshape(B * H, K, K)
+    return torch.bmm(m, m * decay[:, 0].reshape(B * H, K, 1)).view(B, H, K, K)
+
+
+@pytest.mark.parametrize(("fn", "dtype"), [(_state_read_elsewhere, torch.float32),
+                                           (_square, torch.float32),
+                                           (_step_bmm, torch.bfloat16)])
+def test_other_batch_merged_products_stay(fn, dtype):
+    args = _args_step(1, dtype)
+    before, after, n = _rewrite(fn, *args)
+    assert n == 0
+    assert sorted(targets(after)) == sorted(targets(before))
+    for got, want in zip(torch.utils._pytree.tree_leaves(after(*args)),
+                         torch.utils._pytree.tree_leaves(before(*args)), strict=True):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert rel_err(got, want) == 0

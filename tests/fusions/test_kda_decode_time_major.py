@@ -1,0 +1,141 @@
+"""kda_decode / fb_kda_decode with `conv_time_major`: the conv state [S, taps-1, 3W] (vLLM v1's
+layout, tests/models/spell5_k3.py): the op's reference against the unfused step on CPU, the
+pattern variant's rewrite, and a channel-major graph left to the channel-major variant."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from k3compile.patterns import fb_kda_decode, kda_decode
+
+from .pattern_checks import rewrite, targets
+
+STATES = (kda_decode.NAMES.index("conv_state"), kda_decode.NAMES.index("recurrent_state"))
+
+
+def _variant(T, B, dtype, time_major):
+    return kda_decode._variant(T, B, dtype, conv_time_major=time_major)
+
+
+def _inputs(T, B, dtype, time_major=True):
+    torch.manual_seed(0)
+    args = _variant(T, B, dtype, time_major).example_inputs()
+    args[kda_decode.NAMES.index("q_scale")] = kda_decode.K**-0.5
+    return args
+
+
+def _clone(args):
+    return [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+
+
+def _unfused(*args):
+    """the step as the graph computes it (functional state writes)"""
+    return kda_decode._step(*args, silu_written_out=False, conv_time_major=True)
+
+
+@pytest.mark.parametrize("dtype,B,T", [(torch.float32, 2, 1), (torch.float32, 2, 3),
+                                       (torch.bfloat16, 1, 2)])
+def test_reference_equals_the_unfused_step(dtype, B, T):
+    """the op mutates the states in place; the unfused step returns them"""
+    args = _inputs(T, B, dtype)
+    state, conv, o = _unfused(*_clone(args))
+    got = _clone(args)
+    o_op = torch.ops.k3.kda_decode(*got, False, True)
+    torch.testing.assert_close(o_op, o, rtol=0, atol=0)
+    torch.testing.assert_close(got[STATES[0]], conv, rtol=0, atol=0)
+    torch.testing.assert_close(got[STATES[1]], state, rtol=0, atol=0)
+
+
+def test_time_major_reference_equals_the_channel_major_one():
+    """the same values whatever the layout of the conv state"""
+    args = _inputs(2, 2, torch.float32)
+    channel_major = _clone(args)
+    channel_major[STATES[0]] = args[STATES[0]].transpose(1, 2).contiguous()
+    o_t = torch.ops.k3.kda_decode(*args, False, True)
+    o_c = torch.ops.k3.kda_decode(*channel_major)
+    torch.testing.assert_close(o_t, o_c, rtol=0, atol=0)
+    torch.testing.assert_close(args[STATES[0]].transpose(1, 2), channel_major[STATES[0]],
+                               rtol=0, atol=0)
+    torch.testing.assert_close(args[STATES[1]], channel_major[STATES[1]], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_time_major_variant_rewrites_and_equals_eager(dtype):
+    args = _inputs(1, 2, dtype)
+    gm, report = rewrite(_unfused, _clone(args), [_variant(1, 2, dtype, True)], joint=True)
+    assert [h.op for h in report.hits] == ["k3.kda_decode"], report
+    op = next(n for n in gm.graph.nodes if str(n.target) == "k3.kda_decode.default")
+    assert op.args[-1] is True  # conv_time_major
+    for w, g in zip(_unfused(*_clone(args)), gm(*_clone(args))):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+def test_channel_major_step_is_not_the_time_major_variant():
+    """a channel-major step: the time-major variant leaves it alone (its check: the conv state's
+    channels on dim 1)"""
+    args = _inputs(1, 2, torch.float32, time_major=False)
+
+    def channel_major(*a):
+        return kda_decode._step(*a, silu_written_out=False)
+
+    gm, report = rewrite(channel_major, _clone(args), [_variant(1, 2, torch.float32, True)],
+                         joint=True)
+    assert not report.hits
+    assert "k3.kda_decode.default" not in targets(gm)
+
+
+def _fb_step(*args):
+    i = fb_kda_decode.NAMES.index
+    return (fb_kda_decode.search(*args, False, True), args[i("conv_state")],
+            args[i("recurrent_state")])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fb_time_major_variant_rewrites_and_equals_eager(dtype):
+    torch.manual_seed(0)
+    args = fb_kda_decode.example_inputs(dtype, conv_time_major=True)
+    args[fb_kda_decode.NAMES.index("q_scale")] = kda_decode.K**-0.5
+    gm, report = rewrite(_fb_step, _clone(args), fb_kda_decode.patterns())
+    assert [h.op for h in report.hits] == ["k3.fb_kda_decode"], report
+    assert "aten.mm.default" not in targets(gm)
+    for w, g in zip(_fb_step(*_clone(args)), gm(*_clone(args))):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("time_major", [False, True])
+def test_cuda_op_equals_the_cpu_reference_for_both_layouts(time_major):
+    """on CUDA: the kernel (channel-major) or the reference it falls back to (time-major, its
+    refusal logged) against the CPU reference, states included (bf16, one rounding apart)"""
+    args = _inputs(2, 2, torch.bfloat16, time_major)
+    flags = (False, True) if time_major else ()
+    cpu = _clone(args)
+    want = torch.ops.k3.kda_decode(*cpu, *flags)
+    cuda = [a.cuda() if isinstance(a, torch.Tensor) else a for a in args]
+    got = torch.ops.k3.kda_decode(*cuda, *flags)
+    torch.testing.assert_close(got.cpu(), want, rtol=2e-2, atol=2e-2)
+    for i in STATES:
+        torch.testing.assert_close(cuda[i].cpu(), cpu[i], rtol=2e-2, atol=2e-2)
+
+
+def test_kernel_refuses_the_time_major_layout_only():
+    """the CUDA kernel indexes a channel-major conv state: the time-major flag is refused (its
+    reason logged where it falls back to the reference), the same inputs channel-major taken"""
+    from k3compile.kernels import kda_decode as kernel
+
+    Hn, Kd, taps, B, T, S = 2, kernel.HEAD_DIM, 4, 2, 1, 3
+    W = Hn * Kd
+    meta = {"device": "meta"}
+    bf = dict(dtype=torch.bfloat16, **meta)
+    acts = [torch.empty(B, T, W, **bf) for _ in range(5)]
+    conv_cm = torch.empty(S, 3 * W, taps - 1, **bf)
+    rest = [torch.empty(B, T, Hn, **bf)]
+    tail = [torch.empty(S, Hn, Kd, Kd, dtype=torch.float32, **meta),
+            torch.empty(B, dtype=torch.int64, **meta),
+            *(torch.empty(W, 1, taps, **bf) for _ in range(3)),
+            torch.empty(Hn, dtype=torch.float32, **meta),
+            torch.empty(W, dtype=torch.float32, **meta), torch.empty(Kd, **bf)]
+    assert kernel.refusal(*acts, *rest, conv_cm, *tail) is None
+    conv_tm = torch.empty(S, taps - 1, 3 * W, **bf)
+    why = kernel.refusal(*acts, *rest, conv_tm, *tail, conv_time_major=True)
+    assert why is not None and "conv_time_major" in why
