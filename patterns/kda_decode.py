@@ -130,6 +130,14 @@ def time_major_check(match) -> str | None:
     return check(match, conv_time_major=True)
 
 
+def time_major_refusal(match) -> str | None:
+    """The CUDA kernels index a channel-major conv state and refuse this layout
+    (kernels/kda_decode.py `refusal`): on GPU graphs a time-major site stays with Inductor, whose
+    code for it beats the reference run op by op; CPU graphs fuse it (the reference is the CPU
+    kernel)."""
+    return "conv_time_major: no CUDA build indexes a time-major conv state yet"
+
+
 def check(match, conv_time_major: bool = False) -> str | None:
     for name in SCALARS:
         if not isinstance(match.kwargs[name], float):
@@ -237,6 +245,7 @@ def _variant(T: int, B: int, dtype: torch.dtype, silu_written_out: bool = False,
         if extra else replace,
         example_inputs=example_inputs, op="k3.kda_decode",
         check=time_major_check if conv_time_major else check, scalars=dict(SCALARS),
+        kernel_refusal=time_major_refusal if conv_time_major else None,
         distinctive=("convolution", "index_put", "bmm", "rsqrt"), joint_passes=True,
         fits=_fits(T, conv_time_major),
     )

@@ -70,6 +70,21 @@ def test_time_major_variant_rewrites_and_equals_eager(dtype):
         torch.testing.assert_close(g, w, rtol=0, atol=0)
 
 
+def test_time_major_site_stays_unfused_on_gpu_graphs():
+    """As on a GPU graph (`kernels_only`): the kernels refuse the time-major layout, so the site
+    is deferred to Inductor (not fused into a reference run op by op), and the graph is left as
+    it was traced."""
+    args = _inputs(1, 2, torch.float32)
+    gm, report = rewrite(_unfused, _clone(args), [_variant(1, 2, torch.float32, True)],
+                         joint=True, kernels_only=True)
+    assert not report.hits and "conv_time_major" in report.deferred["kda_decode"], report
+    assert "k3.kda_decode.default" not in targets(gm)
+    traced, _ = rewrite(_unfused, _clone(args), [], joint=True)
+    assert targets(gm) == targets(traced)
+    for w, g in zip(traced(*_clone(args)), gm(*_clone(args))):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
 def test_channel_major_step_is_not_the_time_major_variant():
     """a channel-major step: the time-major variant leaves it alone (its check: the conv state's
     channels on dim 1)"""
