@@ -120,8 +120,8 @@ def test_fb_time_major_variant_rewrites_and_equals_eager(dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("time_major", [False, True])
 def test_cuda_op_equals_the_cpu_reference_for_both_layouts(time_major):
-    """on CUDA: the kernel (channel-major) or the reference it falls back to (time-major, its
-    refusal logged) against the CPU reference, states included (bf16, one rounding apart)"""
+    """on CUDA: the kernel's build for each layout against the CPU reference, states included
+    (bf16, one rounding apart)"""
     args = _inputs(2, 2, torch.bfloat16, time_major)
     flags = (False, True) if time_major else ()
     cpu = _clone(args)
