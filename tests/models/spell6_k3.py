@@ -67,6 +67,11 @@ E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3
 _PREFIX = "language_model.model."
 
 
+PROBES = ("situ_div", "gate_up_separate", "route_gather", "moe_nk", "lut_index", "mla_index_put",
+          "mla_explicit", "kda_add_bmm", "kda_kmajor", "conv_index_put", "conv_valid", "l2_sum",
+          "qkv_separate")
+
+
 def _param(t):
     return nn.Parameter(t.detach().clone(), requires_grad=False)
 
@@ -75,8 +80,10 @@ def rms(x, w, eps):
     return F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype) * w
 
 
-def situ(gate, up, b1, b2):
+def situ(gate, up, b1, b2, probe=frozenset()):
     g, u = gate.float(), up.float()
+    if "situ_div" in probe:
+        return (b1 * torch.tanh(g / b1) * torch.sigmoid(g) * (b2 * torch.tanh(u / b2))).to(gate.dtype)
     act = torch.sigmoid(g) * torch.tanh(g * (1.0 / b1)) * b1 * (torch.tanh(u * (1.0 / b2)) * b2)
     return act.to(gate.dtype)
 
@@ -101,18 +108,23 @@ class GluMLP(nn.Module):
         self.w_gate_up = _param(torch.cat([w_gate, w_up], 0))
         self.w_down = _param(w_down)
         self.betas = (cfg.situ_beta, cfg.situ_linear_beta)
+        self.probe = frozenset()
 
     def forward(self, x):
-        gate, up = F.linear(x, self.w_gate_up).chunk(2, -1)
-        return F.linear(situ(gate, up, *self.betas), self.w_down)
+        if "gate_up_separate" in self.probe:
+            gate, up = (F.linear(x, w) for w in self.w_gate_up.chunk(2, 0))
+        else:
+            gate, up = F.linear(x, self.w_gate_up).chunk(2, -1)
+        return F.linear(situ(gate, up, *self.betas, self.probe), self.w_down)
 
 
-def mxfp4_decode(packed, scale, lut):
+def mxfp4_decode(packed, scale, lut, probe=frozenset()):
     """[..., out, in/2] nibbles (low first) and [..., out, in/32] E8M0 -> [..., out, in] fp32."""
     shifts = torch.tensor([0, 4], dtype=torch.uint8, device=packed.device).repeat(packed.shape[-1])
     codes = (packed.repeat_interleave(2, -1) >> shifts) & 15
     scales = torch.pow(2.0, scale.float() - 127.0).repeat_interleave(32, -1)
-    return torch.take(lut, codes.long()) * scales
+    vals = lut[codes.long()] if "lut_index" in probe else torch.take(lut, codes.long())
+    return vals * scales
 
 
 class KDA(nn.Module):
@@ -129,40 +141,56 @@ class KDA(nn.Module):
         self.bound, self.l2eps, self.eps = cfg.gate_lower_bound, cfg.l2norm_eps, cfg.rms_norm_eps
         self.register_buffer("conv_state", torch.zeros(slots, 3 * w, self.kk - 1, dtype=dtype))
         self.register_buffer("ssm", torch.zeros(slots, self.h, self.dk, self.dk))  # V-major
+        self.probe = frozenset()
 
     def _l2(self, x):
         x = x.float()
+        if "l2_sum" in self.probe:
+            return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + self.l2eps)
         n2 = torch.linalg.vector_norm(x, dim=-1, keepdim=True).square()
         return x * torch.rsqrt(n2 + self.l2eps)
 
     def _conv(self, mixed, slots):
-        b, t, c = mixed.shape
+        t, c = mixed.shape[1:]
         old = self.conv_state.index_select(0, slots)  # [B, C, K-1]
         window = torch.cat([old, mixed.transpose(1, 2)], -1)  # [B, C, K-1+T]
-        y = F.conv1d(window, self.taps, groups=c, padding=self.kk - 1)
-        y = F.silu(y[..., self.kk - 1: self.kk - 1 + t])
+        if "conv_valid" in self.probe:
+            y = F.silu(F.conv1d(window, self.taps, groups=c))
+        else:
+            y = F.conv1d(window, self.taps, groups=c, padding=self.kk - 1)
+            y = F.silu(y[..., self.kk - 1: self.kk - 1 + t])
         keep = window[..., -(self.kk - 1):]
-        self.conv_state.scatter_(0, slots.view(-1, 1, 1).expand_as(keep), keep)
+        if "conv_index_put" in self.probe:
+            self.conv_state[slots] = keep
+        else:
+            self.conv_state.scatter_(0, slots.view(-1, 1, 1).expand_as(keep), keep)
         return y.transpose(1, 2)  # [B, T, C]
 
     def forward(self, x, slots):
         b, t, _ = x.shape
         h, d = self.h, self.dk
-        q, k, v = self._conv(F.linear(x, self.w_qkv), slots).unflatten(-1, (3, h, d)).unbind(2)
+        if "qkv_separate" in self.probe:
+            mixed = torch.cat([F.linear(x, w) for w in self.w_qkv.chunk(3, 0)], -1)
+        else:
+            mixed = F.linear(x, self.w_qkv)
+        q, k, v = self._conv(mixed, slots).unflatten(-1, (3, h, d)).unbind(2)
         q, k = self._l2(q) * d ** -0.5, self._l2(k)
         graw = torch.matmul(F.linear(x, self.w_f_a), self.w_f_b.t())
         gate_in = torch.exp(self.a_log).repeat_interleave(d) * (graw.float() + self.dt_bias)
         alpha = torch.exp(self.bound * torch.sigmoid(gate_in)).unflatten(-1, (h, d))
         beta = F.linear(x, self.w_b).float().sigmoid()  # [B, T, H]
+        kmajor = "kda_kmajor" in self.probe  # the state [B*H, K, V] instead
         s = self.ssm[slots].flatten(0, 1)  # [B*H, V, K]
+        kdim, vdim = (-2, -1) if kmajor else (-1, -2)  # the state's K axis, its V axis
         outs = []
         for i in range(t):
             kt, qt = k[:, i].flatten(0, 1), q[:, i].flatten(0, 1)  # [B*H, K]
-            s = s * alpha[:, i].flatten(0, 1).unsqueeze(1)
-            kv = (s * kt.unsqueeze(1)).sum(-1)  # [B*H, V]
+            s = s * alpha[:, i].flatten(0, 1).unsqueeze(vdim)
+            kv = (s * kt.unsqueeze(vdim)).sum(kdim)  # [B*H, V]
             u = beta[:, i].reshape(-1, 1) * (v[:, i].flatten(0, 1).float() - kv)
-            s = torch.baddbmm(s, u.unsqueeze(-1), kt.unsqueeze(1))
-            outs.append((s * qt.unsqueeze(1)).sum(-1).view(b, h, d))
+            a, c = (kt.unsqueeze(-1), u.unsqueeze(1)) if kmajor else (u.unsqueeze(-1), kt.unsqueeze(1))
+            s = s + torch.bmm(a, c) if "kda_add_bmm" in self.probe else torch.baddbmm(s, a, c)
+            outs.append((s * qt.unsqueeze(vdim)).sum(kdim).view(b, h, d))
         self.ssm.index_copy_(0, slots, s.view(b, h, d, d))
         o = torch.stack(outs, 1)  # [B, T, H, V] fp32
         o = F.rms_norm(o, (d,), eps=self.eps).to(x.dtype) * self.o_norm
@@ -181,6 +209,7 @@ class GatedMLA(nn.Module):
         for mine, theirs in names.items():
             setattr(self, f"w_{mine}", _param(sd[p + theirs + ".weight"]))
         self.register_buffer("cache", torch.zeros(slots, max_len, self.c + self.r, dtype=dtype))
+        self.probe = frozenset()
 
     def forward(self, x, positions, slots):
         b, t, _ = x.shape
@@ -191,14 +220,22 @@ class GatedMLA(nn.Module):
         row = torch.cat([rms(c_kv, self.w_kv_norm, self.eps), k_pe], -1)  # [B, T, C+R]
         length = self.cache.shape[1]
         pos = positions.unsqueeze(1) + torch.arange(t, device=x.device)  # [B, T]
-        flat_idx = (slots.unsqueeze(1) * length + pos).reshape(-1, 1).expand(-1, c + r)
-        self.cache.view(-1, c + r).scatter_(0, flat_idx, row.reshape(-1, c + r))
+        if "mla_index_put" in self.probe:
+            self.cache[slots.unsqueeze(1), pos] = row
+        else:
+            flat_idx = (slots.unsqueeze(1) * length + pos).reshape(-1, 1).expand(-1, c + r)
+            self.cache.view(-1, c + r).scatter_(0, flat_idx, row.reshape(-1, c + r))
         latent, k_pe_all = self.cache[slots].split([c, r], -1)  # [B, L, C], [B, L, R]
         kv = (latent @ self.w_kv_b.t()).unflatten(-1, (h, nope + self.dv)).transpose(1, 2)
         k_nope, v = kv.split([nope, self.dv], -1)  # [B, H, L, .]
         k = torch.cat([k_nope, k_pe_all.unsqueeze(1).expand(-1, h, -1, -1)], -1)
         mask = torch.arange(length, device=x.device) <= pos.unsqueeze(-1)  # [B, T, L]
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1))
+        if "mla_explicit" in self.probe:
+            scores = (q @ k.transpose(-1, -2)).float() * (nope + r) ** -0.5
+            scores = scores.masked_fill(~mask.unsqueeze(1), float("-inf"))
+            o = torch.softmax(scores, -1).to(v.dtype) @ v
+        else:
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1))
         o = o.transpose(1, 2).flatten(2)  # [B, T, H*V]
         return (o * torch.sigmoid(x @ self.w_g.t())) @ self.w_o.t()
 
@@ -221,11 +258,20 @@ class LatentMoE(nn.Module):
         s = p + "shared_experts."
         self.shared = GluMLP(sd[s + "gate_proj.weight"], sd[s + "up_proj.weight"],
                              sd[s + "down_proj.weight"], cfg)
+        self.probe = frozenset()
 
     def _expert(self, name, ids, x):
         w = mxfp4_decode(getattr(self, f"{name}_q")[ids], getattr(self, f"{name}_e")[ids],
-                         self.lut)
+                         self.lut, self.probe)
         return torch.matmul(w, x.float().unsqueeze(-1)).squeeze(-1).to(x.dtype)
+
+    def _experts_nk(self, ids, weights, z):
+        """The probe `moe_nk`: ids [N, k], the slots of a token together, finalize a sum."""
+        zk = z.unsqueeze(1).expand(-1, ids.shape[1], -1)
+        act = situ(self._expert("w1", ids, zk), self._expert("w3", ids, zk), *self.betas,
+                   self.probe)
+        y = self._expert("w2", ids, act)  # [N, k, L]
+        return (weights.unsqueeze(-1) * y.float()).sum(1).to(z.dtype)
 
     def forward(self, x):
         shape = x.shape
@@ -233,15 +279,24 @@ class LatentMoE(nn.Module):
         n = x.shape[0]
         scores = torch.sigmoid(F.linear(x.float(), self.w_router.float()))
         ids = torch.topk(scores + self.router_bias.float(), self.top_k, dim=-1).indices
-        chosen = torch.zeros_like(scores, dtype=torch.bool).scatter(1, ids, True)
-        dense = torch.where(chosen, scores, 0.0)
-        dense = dense / (dense.sum(-1, keepdim=True) + 1e-20) * self.scaling
-        weights = dense.gather(1, ids).flatten()  # [N*k]
+        if "route_gather" in self.probe:
+            picked = scores.gather(1, ids)
+            weights = picked / (picked.sum(-1, keepdim=True) + 1e-20) * self.scaling
+        else:
+            chosen = torch.zeros_like(scores, dtype=torch.bool).scatter(1, ids, True)
+            dense = torch.where(chosen, scores, 0.0)
+            dense = dense / (dense.sum(-1, keepdim=True) + 1e-20) * self.scaling
+            weights = dense.gather(1, ids)  # [N, k]
         z = F.linear(x, self.w_down)
+        if "moe_nk" in self.probe:
+            u = self._experts_nk(ids, weights, z)
+            routed = F.linear(rms(u, self.latent_norm, self.eps), self.w_up)
+            return (routed + self.shared(x)).view(shape)
+        weights = weights.flatten()  # [N*k]
         token = torch.arange(n, device=x.device).repeat_interleave(self.top_k)
         flat_ids, zr = ids.flatten(), z.repeat_interleave(self.top_k, 0)
         act = situ(self._expert("w1", flat_ids, zr), self._expert("w3", flat_ids, zr),
-                   *self.betas)
+                   *self.betas, self.probe)
         y = self._expert("w2", flat_ids, act)  # [N*k, L]
         acc = torch.zeros(n, y.shape[-1], dtype=torch.float32, device=x.device)
         u = acc.index_add_(0, token, y.float() * weights.unsqueeze(-1)).to(x.dtype)
@@ -282,6 +337,15 @@ class Spell6K3(nn.Module):
                                 sd[_PREFIX + "output_attn_res_proj.weight"], cfg.rms_norm_eps)
         self.out_norm = _param(sd[_PREFIX + "norm.weight"])
         self.unembed = _param(sd["language_model.lm_head.weight"])
+
+    def set_probe(self, *names):
+        """Switch the named idioms (`PROBES`) to another spelling of the same math (bisecting a
+        lost fusion); call before the first step (`kda_kmajor` changes the state's layout)."""
+        assert set(names) <= set(PROBES), set(names) - set(PROBES)
+        for m in self.modules():
+            if hasattr(m, "probe"):
+                m.probe = frozenset(names)
+        return self
 
     def forward(self, input_ids, positions, slots):
         single = input_ids.dim() == 1
@@ -332,7 +396,8 @@ def state_of(model):
         p = f"{_PREFIX}layers.{i}.self_attn."
         if isinstance(blk.mixer, KDA):
             out[p + "conv_state"] = blk.mixer.conv_state
-            out[p + "recurrent_state"] = blk.mixer.ssm.transpose(-1, -2)
+            kmajor = "kda_kmajor" in blk.mixer.probe
+            out[p + "recurrent_state"] = blk.mixer.ssm if kmajor else blk.mixer.ssm.transpose(-1, -2)
         else:
             out[p + "kv_cache"] = blk.mixer.cache
     return out
