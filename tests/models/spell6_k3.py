@@ -53,6 +53,9 @@ Parameters) would write them, each faithful to the spec and different from spell
   their tokens; the latent cast back before its norm.
 * SiTU-GLU: gate|up weights concatenated at load (shared experts, dense MLP) and `chunk(2, -1)`;
   SiTU written `sigmoid(g) * tanh(g * (1 / b1)) * b1 * (tanh(u * (1 / b2)) * b2)` in fp32.
+
+`Spell6K3.set_probe(*PROBES)` switches single idioms to another spelling of the same math, to
+bisect a lost fusion (added after the blind commit; the default path is the blind one).
 """
 
 from __future__ import annotations
@@ -69,7 +72,7 @@ _PREFIX = "language_model.model."
 
 PROBES = ("situ_div", "gate_up_separate", "route_gather", "moe_nk", "lut_index", "mla_index_put",
           "mla_explicit", "kda_add_bmm", "kda_kmajor", "conv_index_put", "conv_valid", "l2_sum",
-          "qkv_separate")
+          "qkv_separate", "conv_split")
 
 
 def _param(t):
@@ -173,7 +176,10 @@ class KDA(nn.Module):
             mixed = torch.cat([F.linear(x, w) for w in self.w_qkv.chunk(3, 0)], -1)
         else:
             mixed = F.linear(x, self.w_qkv)
-        q, k, v = self._conv(mixed, slots).unflatten(-1, (3, h, d)).unbind(2)
+        if "conv_split" in self.probe:
+            q, k, v = (y.unflatten(-1, (h, d)) for y in self._conv(mixed, slots).split(h * d, -1))
+        else:
+            q, k, v = self._conv(mixed, slots).unflatten(-1, (3, h, d)).unbind(2)
         q, k = self._l2(q) * d ** -0.5, self._l2(k)
         graw = torch.matmul(F.linear(x, self.w_f_a), self.w_f_b.t())
         gate_in = torch.exp(self.a_log).repeat_interleave(d) * (graw.float() + self.dt_bias)
