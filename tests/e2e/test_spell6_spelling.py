@@ -25,9 +25,11 @@ switched to another spelling of the same math: the causes.
   per-head K/V expanded through kv_b (`mla_explicit`).
 * moe_route (1-3): closed by rule `route_mask` (session 23): the unbiased weights through a
   `torch.where` over a boolean top-k mask on the dense [N, E] row (probe `route_gather`).
-* moe_experts (1-3): not closed by any probe; the nibbles unpacked by `repeat_interleave(2)` and
-  a [0, 4] shift pattern, which rule `mxfp4_dequant` does not take (checked on the rule alone);
-  the token-major permuted experts with an `index_add_` finalize too.
+* moe_experts (1-3): two causes. The nibbles unpacked by `repeat_interleave(2)` and a [0, 4]
+  shift pattern: closed by rule `nibble_unpack` (session 23), after which `mxfp4_dequant` takes
+  the dequant. Open: the token-major permuted experts (`repeat_interleave` of z, `index_add_`
+  finalize); probe `moe_nk` (the slots [N, k] with a sum finalize) restores the op (it did not
+  before the rule).
 * fb_kda_decode (0, 1): not closed by the KDA probes together; near miss: the delta rule on
   [B*H, V, K] rows (`flatten(0, 1)` of the state read).
 """
@@ -125,6 +127,7 @@ def test_lost_fusions_have_a_near_miss_naming_a_node(pattern, dtype, request):
 PROBE_FIXES = {
     "linear_concat": (("conv_split", "conv_valid"), {0: ("linear_concat",), 1: ("linear_concat",)}),
     "mla": (("mla_index_put", "mla_explicit"), {n: tuple(_MLA) for n in (2, 3)}),
+    "moe_experts": (("moe_nk",), {n: tuple(_MOE) for n in (1, 2, 3)}),
 }
 
 
