@@ -25,9 +25,9 @@ from torch import fx
 
 from k3compile.rewrite import inductor
 
-ORDER: tuple[str, ...] = ("paged_write", "token_dim", "state_write", "mla_absorb", "mla_absorbed",
+ORDER: tuple[str, ...] = ("paged_write", "token_dim", "state_write", "mla_absorb", "mla_absorbed", "nibble_unpack",
                           "mxfp4_dequant", "expert_slots", "expert_gather", "expert_stack", "expert_gemm",
-                          "expert_split", "expert_combine", "gemm", "short_conv",
+                          "expert_split", "expert_combine", "gemm", "conv_crop", "short_conv",
                           "conv_einsum", "qkv_split", "rms_forms", "l2_norm", "sigmoid", "situ_forms",
                           "bias_view",
                           "delta_einsum", "heads_first",

@@ -16,18 +16,20 @@ switched to another spelling of the same math: the causes.
   `situ_forms` (session 23): SiTU written `sigmoid(g) * tanh(g * (1 / b1)) * b1 * (tanh(u *
   (1 / b2)) * b2)`. Before the rule, probe `gate_up_separate` (gate and up weights as chunks of
   one parameter) crashed stage `streams`; fixed there.
-* linear_concat (0, 1): rule `qkv_split` does not take spell6's one q|k|v GEMM: both needed, the
-  conv as `conv1d(padding=K-1)` with the causal outputs sliced out (probe `conv_valid`) and its
-  output cut by `unflatten(-1, (3, H, D)).unbind(2)` (probe `conv_split`: `split`); or three
-  GEMMs (probe `qkv_separate`).
+* linear_concat (0, 1): closed (session 23, helper gaps6) by rule `conv_crop` (the conv as
+  `conv1d(padding=K-1)` with the causal outputs sliced out -> the unpadded conv; before it, probe
+  `conv_valid`) and `qkv_split` taking the output cut by `unflatten(-1, (3, H, D)).unbind(2)`
+  (before it, probe `conv_split`: `split`). Both were needed.
 * mla_q_absorb / mla_decode / mla_uv_gate (2, 3): both needed: the cache row written by `scatter_`
   through a flat [slots*L, R] view (`mla_index_put`), and `F.scaled_dot_product_attention` over
   per-head K/V expanded through kv_b (`mla_explicit`).
 * moe_route (1-3): closed by rule `route_mask` (session 23): the unbiased weights through a
   `torch.where` over a boolean top-k mask on the dense [N, E] row (probe `route_gather`).
-* moe_experts (1-3): not closed by any probe; the nibbles unpacked by `repeat_interleave(2)` and
-  a [0, 4] shift pattern, which rule `mxfp4_dequant` does not take (checked on the rule alone);
-  the token-major permuted experts with an `index_add_` finalize too.
+* moe_experts (1-3): two causes. The nibbles unpacked by `repeat_interleave(2)` and a [0, 4]
+  shift pattern: closed by rule `nibble_unpack` (session 23), after which `mxfp4_dequant` takes
+  the dequant. Open: the token-major permuted experts (`repeat_interleave` of z, `index_add_`
+  finalize); probe `moe_nk` (the slots [N, k] with a sum finalize) restores the op (it did not
+  before the rule).
 * fb_kda_decode (0, 1): not closed by the KDA probes together; near miss: the delta rule on
   [B*H, V, K] rows (`flatten(0, 1)` of the state read).
 """
@@ -49,7 +51,7 @@ from tests.spellings.foreign import steps as _steps
 
 EAGER_TOL = 1e-5  # measured 1.9e-6 (logits, T = 1), 1.6e-6 (T = 3), states <= 1.2e-6 over 4 steps
 
-_KDA = {"linear_concat": 1, "fb_kda_decode": 1}
+_KDA = {"fb_kda_decode": 1}
 _MLA = {"mla_q_absorb": 1, "mla_decode": 1, "mla_uv_gate": 1}
 _MOE = {"moe_experts": 1}
 # layer -> the built-in plan's ops this spelling's plan lacks (a layer not named: none)
@@ -120,11 +122,12 @@ def test_lost_fusions_have_a_near_miss_naming_a_node(pattern, dtype, request):
 
 # probes (Spell6K3.set_probe) that switch the named idioms to another spelling of the same math,
 # and the ops they bring back: each names the cause of a gap (docs/spell6_spelling.md). Both MLA
-# probes are needed, and both linear_concat ones (either alone restores nothing). The gaps closed by rules (situ_forms:
-# `situ_div`; route_mask: `route_gather`) need no probe any more.
+# probes are needed (either alone restores nothing). The gaps closed by rules (situ_forms:
+# `situ_div`; route_mask: `route_gather`; conv_crop + qkv_split: `conv_valid` + `conv_split`)
+# need no probe any more; moe_experts' probe restores it only since rule nibble_unpack.
 PROBE_FIXES = {
-    "linear_concat": (("conv_split", "conv_valid"), {0: ("linear_concat",), 1: ("linear_concat",)}),
     "mla": (("mla_index_put", "mla_explicit"), {n: tuple(_MLA) for n in (2, 3)}),
+    "moe_experts": (("moe_nk",), {n: tuple(_MOE) for n in (1, 2, 3)}),
 }
 
 
