@@ -61,8 +61,16 @@ PREFIX = "language_model.model."
 # E2M1 code -> value (sign bit 3, two exponent bits, one mantissa bit)
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
-# switches to another spelling of the same math, to bisect a lost fusion (set_probe)
-PROBES = ()
+# switches to another spelling of the same math, to bisect a lost fusion (set_probe):
+# scores_linear (the AttnRes scores `F.linear(F.rms_norm(src, w_norm), w_proj)`, not the folded
+# weight and a sum), bank_list (the AttnRes blocks a Python list, sources `torch.stack`), add_outer (the delta
+# rule's rank-1 update `S + u[..., None] * k[..., None, :]` instead of `baddbmm`),
+# cache_index_copy (the paged cache row written with `index_copy_` instead of `scatter_`),
+# nibble_stack (the nibbles as `stack((p & 15, p >> 4), -1)`), pairs_unsorted (the token-expert
+# pairs in token order: no `argsort`), situ_div (`tanh(x / beta)`)
+PROBES = ("scores_linear", "bank_list", "add_outer", "cache_index_copy", "nibble_stack", "pairs_unsorted",
+          "situ_div")
+_ON: set = set()  # the probes of the model being traced (set by Spell7K3.forward)
 
 
 def rms_norm(x, weight, eps):
@@ -74,6 +82,9 @@ def rms_norm(x, weight, eps):
 
 def situ_and_mul(gate, up, b1, b2):
     g, u = gate.float(), up.float()
+    if "situ_div" in _ON:
+        act = b1 * torch.tanh(g / b1) * torch.sigmoid(g) * (b2 * torch.tanh(u / b2))
+        return act.to(gate.dtype)
     act = b1 * torch.tanh(g * (1.0 / b1)) * torch.sigmoid(g) * (b2 * torch.tanh(u * (1.0 / b2)))
     return act.to(gate.dtype)
 
@@ -90,9 +101,16 @@ class AttnResMix(nn.Module):
     def forward(self, prefix, bank, n):
         if n == 0:
             return prefix
-        src = torch.cat([bank.narrow(0, 0, n), prefix.unsqueeze(0)]).float()  # [S, N, D]
-        w = self.norm_weight.float() * self.proj_weight.float().squeeze(0)
-        scores = F.rms_norm(src, (src.shape[-1],), w, self.eps).sum(-1)  # [S, N]
+        if isinstance(bank, list):
+            src = torch.stack([*bank[:n], prefix]).float()
+        else:
+            src = torch.cat([bank.narrow(0, 0, n), prefix.unsqueeze(0)]).float()  # [S, N, D]
+        if "scores_linear" in _ON:
+            normed = F.rms_norm(src, (src.shape[-1],), self.norm_weight.float(), self.eps)
+            scores = F.linear(normed, self.proj_weight.float()).squeeze(-1)
+        else:
+            w = self.norm_weight.float() * self.proj_weight.float().squeeze(0)
+            scores = F.rms_norm(src, (src.shape[-1],), w, self.eps).sum(-1)  # [S, N]
         alpha = scores.softmax(dim=0)
         return (alpha.unsqueeze(-1) * src).sum(0).to(prefix.dtype)
 
@@ -153,8 +171,11 @@ class KimiDeltaAttention(nn.Module):
             kt = k[:, t].unsqueeze(-1)  # [B, H, K, 1]
             kv = torch.matmul(state, kt).squeeze(-1)  # S^T k: [B, H, V]
             u = beta[:, t].unsqueeze(-1) * (v[:, t] - kv)
-            state = torch.baddbmm(state.reshape(B * H, d, d), u.reshape(B * H, d, 1),
-                                  kt.reshape(B * H, 1, d)).view(B, H, d, d)
+            if "add_outer" in _ON:
+                state = state + u.unsqueeze(-1) * k[:, t].unsqueeze(-2)
+            else:
+                state = torch.baddbmm(state.reshape(B * H, d, d), u.reshape(B * H, d, 1),
+                                      kt.reshape(B * H, 1, d)).view(B, H, d, d)
             outs.append(torch.matmul(state, q[:, t].unsqueeze(-1)).squeeze(-1))
         self.ssm_state.index_copy_(0, slots, state)
         o = torch.stack(outs, dim=1).reshape(B * T, H, d)
@@ -202,8 +223,11 @@ class GatedMLAttention(nn.Module):
         q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [N, H, C]
 
         row = torch.cat([rms_norm(kv_c, self.kv_a_norm, self.eps), k_pe], dim=-1)
-        flat = (slot_mapping * L + positions).unsqueeze(-1).expand(N, C + R)
-        self.kv_cache.view(-1, C + R).scatter_(0, flat, row)
+        flat = slot_mapping * L + positions
+        if "cache_index_copy" in _ON:
+            self.kv_cache.view(-1, C + R).index_copy_(0, flat, row)
+        else:
+            self.kv_cache.view(-1, C + R).scatter_(0, flat.unsqueeze(-1).expand(N, C + R), row)
 
         rows = self.kv_cache[slot_mapping]  # [N, L, C + R]
         q_mqa = torch.cat([q_lat, q_pe], dim=-1)  # [N, H, C + R]
@@ -230,8 +254,11 @@ class SituMLP(nn.Module):
 
 def mxfp4_dequant(packed, scale, lut, dtype):
     """packed uint8 [..., out, in/2] (low nibble first), scale E8M0 uint8 [..., out, in/32]."""
-    shifts = torch.tensor([0, 4], dtype=torch.uint8, device=packed.device)
-    codes = torch.bitwise_right_shift(packed.unsqueeze(-1), shifts) & 0xF
+    if "nibble_stack" in _ON:
+        codes = torch.stack((packed & 0xF, packed >> 4), dim=-1)
+    else:
+        shifts = torch.tensor([0, 4], dtype=torch.uint8, device=packed.device)
+        codes = torch.bitwise_right_shift(packed.unsqueeze(-1), shifts) & 0xF
     vals = torch.take(lut, codes.long()).flatten(-2)  # [..., out, in]
     blocks = vals.unflatten(-1, (scale.shape[-1], 32))
     blocks = blocks * torch.pow(2.0, scale.float() - 127).unsqueeze(-1)
@@ -271,7 +298,10 @@ class StableLatentMoE(nn.Module):
 
         z = F.linear(x, self.latent_down)  # [N, Lat]
         flat_ids = topk_ids.reshape(-1)
-        order = torch.argsort(flat_ids, stable=True)
+        if "pairs_unsorted" in _ON:
+            order = torch.arange(flat_ids.shape[0], device=x.device)
+        else:
+            order = torch.argsort(flat_ids, stable=True)
         experts = flat_ids.index_select(0, order)
         token_of = torch.div(order, k, rounding_mode="floor")
         z_pairs = z.index_select(0, token_of).unsqueeze(-1)  # [P, Lat, 1]
@@ -343,13 +373,18 @@ class Spell7K3(nn.Module):
                 "positions": (positions.unsqueeze(1) + offsets).reshape(-1)}
 
         prefix = F.embedding(input_ids.reshape(-1), self.embed_tokens)  # [N, D]
-        bank = prefix.new_zeros(self.n_blocks, *prefix.shape)
+        _ON.clear()
+        _ON.update(self.probes)
+        bank = ([] if "bank_list" in self.probes
+                else prefix.new_zeros(self.n_blocks, *prefix.shape))
         delta = None
         for i, layer in enumerate(self.layers):
             n, write = -(-i // self.block), i % self.block == 0
             if delta is not None:
                 prefix = prefix + delta
-            if write:
+            if write and isinstance(bank, list):
+                bank.append(prefix)
+            elif write:
                 bank.select(0, i // self.block).copy_(prefix)
             h = layer.attn_res(prefix, bank, n)
             a = layer.self_attn(rms_norm(h, layer.input_layernorm, layer.eps), meta)
