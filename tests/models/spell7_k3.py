@@ -62,13 +62,16 @@ PREFIX = "language_model.model."
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 # switches to another spelling of the same math, to bisect a lost fusion (set_probe):
-# scores_linear (the AttnRes scores `F.linear(F.rms_norm(src, w_norm), w_proj)`, not the folded
+# qkv_split (the conv output cut into q, k, v by `split(W, -1)`, not `unbind` of a [N, 3, H, d]
+# view), kda_per_request (the KDA tensors viewed [B, T, H, d] before the l2 norms and the decay, not
+# after), state_k_major (the recurrent buffer read and written as [slots, H, K, V], the built-in
+# layout, `k^T S`, `q^T S`, an outer-product add; state_of then reports it transposed), scores_linear (the AttnRes scores `F.linear(F.rms_norm(src, w_norm), w_proj)`, not the folded
 # weight and a sum), bank_list (the AttnRes blocks a Python list, sources `torch.stack`), add_outer (the delta
 # rule's rank-1 update `S + u[..., None] * k[..., None, :]` instead of `baddbmm`),
 # cache_index_copy (the paged cache row written with `index_copy_` instead of `scatter_`),
 # nibble_stack (the nibbles as `stack((p & 15, p >> 4), -1)`), pairs_unsorted (the token-expert
 # pairs in token order: no `argsort`), situ_div (`tanh(x / beta)`)
-PROBES = ("scores_linear", "bank_list", "add_outer", "cache_index_copy", "nibble_stack", "pairs_unsorted",
+PROBES = ("qkv_split", "kda_per_request", "state_k_major", "scores_linear", "bank_list", "add_outer", "cache_index_copy", "nibble_stack", "pairs_unsorted",
           "situ_div")
 _ON: set = set()  # the probes of the model being traced (set by Spell7K3.forward)
 
@@ -151,13 +154,19 @@ class KimiDeltaAttention(nn.Module):
                             mixed.view(B, T, 3 * W).transpose(1, 2)], dim=-1)
         self.conv_state.index_copy_(0, slots, window[..., -(self.K - 1):])
         conv = F.silu(F.conv1d(window, self.conv_weight, groups=3 * W))  # [B, 3W, T]
-        q, k, v = conv.transpose(1, 2).reshape(B * T, 3, H, d).unbind(1)
+        if "qkv_split" in _ON:
+            q, k, v = (t.reshape(B * T, H, d) for t in conv.transpose(1, 2).split(W, dim=-1))
+        else:
+            q, k, v = conv.transpose(1, 2).reshape(B * T, 3, H, d).unbind(1)
 
         q, k, v = q.float(), k.float(), v.float()
+        if "kda_per_request" in _ON:
+            q, k, v = (t.view(B, T, H, d) for t in (q, k, v))
+            g, b, gate = g.view(B, T, W), b.view(B, T, H), gate.view(B, T, W)
         q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + self.l2_eps) * d ** -0.5
         k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + self.l2_eps)
         A = self.A_log.float().exp().unsqueeze(-1)
-        log_alpha = self.bound * torch.sigmoid(A * (g.float().view(-1, H, d)
+        log_alpha = self.bound * torch.sigmoid(A * (g.float().unflatten(-1, (H, d))
                                                     + self.dt_bias.float().view(H, d)))
         alpha = torch.exp(log_alpha)
         beta = torch.sigmoid(b.float())
@@ -166,7 +175,14 @@ class KimiDeltaAttention(nn.Module):
         q, k, v = (t.view(B, T, H, d) for t in (q, k, v))
         alpha, beta = alpha.view(B, T, H, d), beta.view(B, T, H)
         outs = []
-        for t in range(T):
+        if "state_k_major" in _ON:
+            for t in range(T):
+                state = state * alpha[:, t].unsqueeze(-1)
+                kv = torch.matmul(k[:, t].unsqueeze(-2), state).squeeze(-2)
+                u = beta[:, t].unsqueeze(-1) * (v[:, t] - kv)
+                state = state + k[:, t].unsqueeze(-1) * u.unsqueeze(-2)
+                outs.append(torch.matmul(q[:, t].unsqueeze(-2), state).squeeze(-2))
+        for t in range(T if "state_k_major" not in _ON else 0):
             state = state * alpha[:, t].unsqueeze(-2)
             kt = k[:, t].unsqueeze(-1)  # [B, H, K, 1]
             kv = torch.matmul(state, kt).squeeze(-1)  # S^T k: [B, H, V]
@@ -182,7 +198,7 @@ class KimiDeltaAttention(nn.Module):
 
         var = o.pow(2).mean(-1, keepdim=True)
         o = o * torch.rsqrt(var + self.eps) * self.o_norm.float()
-        o = o * torch.sigmoid(gate.float().view(-1, H, d))
+        o = o * torch.sigmoid(gate.float().reshape(-1, H, d))
         return F.linear(o.to(x.dtype).reshape(-1, W), self.o_proj)
 
 
