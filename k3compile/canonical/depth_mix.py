@@ -46,8 +46,11 @@ evaluates bit-equal and is taken. A mix that is not the built-in form is then tr
 second canonical form, the scores in fp32 throughout (`k3compile.math.depth_mix_scores_fp32`,
 Moonshot's bf16 mix; `attn_res_mix_norm`'s `scores_fp32` variants), by the same check.
 
-Not rewritten: a softmax over sources stacked on dim 0 whose scores are not already canonical
-(the first path above keeps them as they are).
+Sources stacked on dim 0 whose scores reach the softmax through no GEMM (so cannot be the
+canonical projection: e.g. `F.rms_norm(sources, weight=w_norm * w_proj).sum(-1)`, spell7) are
+first tried as a whole mix against the canonical one, as above; if that check fails the first
+path runs as before. Not rewritten: a softmax over sources stacked on dim 0 whose scores go
+through a GEMM but are not already canonical (the first path keeps them as they are).
 """
 
 from __future__ import annotations
@@ -83,6 +86,7 @@ _FLATTEN = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 # what a weighted sum of sources may be spelled with
 _SUM_OPS = _VIEWS | {aten.mul.Tensor, aten.add.Tensor, aten.sum.dim_IntList, aten.bmm.default,
                      aten.mm.default, aten.div.Tensor, aten.sub.Tensor}
+_GEMMS = (aten.mm.default, aten.bmm.default, aten.addmm.default, aten.matmul.default)
 REACH = 24  # how far back from the softmax the stacked sources may be
 FORMS = (depth_mix_weights, depth_mix_scores_fp32)  # the canonical mixes, in the order tried
 
@@ -626,10 +630,26 @@ def _roles(weights: list[fx.Node]) -> list[tuple[fx.Node, fx.Node]]:
     return [(b, a), (a, b)] if _shape(a) == row and _shape(b) != row else [(a, b), (b, a)]
 
 
+def _projected(alpha: fx.Node) -> bool:
+    """Whether alpha's scores come through a GEMM (walking up from alpha, not past a cat: the
+    sources' stack): the canonical scores project the normalised sources by one (`mm`); scores
+    without any cannot be the canonical ones."""
+    seen, frontier = set(), [alpha]
+    for _ in range(REACH):
+        if any(n.target in _GEMMS for n in frontier):
+            return True
+        frontier = [x for n in frontier if not _is(n, aten.cat.default)
+                    for x in n.all_input_nodes if x not in seen]
+        seen.update(frontier)
+    return False
+
+
 def _write(graph: fx.Graph, alpha: fx.Node, _) -> int:
     found = _sources(alpha) if _softmax_dim(alpha) == 0 else None
     if found is None:
         return _rebuilt(graph, alpha)
+    if not _projected(alpha) and (rebuilt := _rebuilt(graph, alpha)):
+        return rebuilt  # sources on dim 0, scores spelled otherwise (spell7's folded weight)
     stack, srcs = found
     rewritten = 0
     if _is(stack, aten.cat.default):

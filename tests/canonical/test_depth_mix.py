@@ -145,7 +145,16 @@ def _softmax_over_batch(*args):
     return torch.einsum("bstd,bst->std", x, alpha)
 
 
-LOOK_ALIKES = {"not_a_mix": _not_a_mix, "bf16_weighted_sum": _bf16_weighted_sum,
+def _folded_squared(*args):
+    """spell7's GEMM-free scores on dim 0, but of the squared normalised sources: not a mix."""
+    *srcs, wn, wp = args
+    src = torch.stack(srcs).float()
+    normed = F.rms_norm(src, (src.shape[-1],), eps=EPS)
+    scores = (normed * normed * (wn * wp.squeeze(0))).sum(-1)
+    return (scores.softmax(dim=0).unsqueeze(-1) * src).sum(0)
+
+
+LOOK_ALIKES = {"not_a_mix": _not_a_mix, "folded_squared": _folded_squared, "bf16_weighted_sum": _bf16_weighted_sum,
                "squared_weights": _squared_weights, "other_values": _other_values,
                "escaping_alpha": _escaping_alpha, "softmax_over_batch": _softmax_over_batch}
 
@@ -260,13 +269,26 @@ def _bmm(*args):
     return torch.bmm(probs.unsqueeze(1), values.float()).squeeze(1).to(srcs[-1].dtype)
 
 
+def _spell7(*args):
+    """spell7 (a serving file): sources stacked on dim 0 by a cat of unsqueezes, scores as the
+    RMS-normalised sources times the folded weight `w_norm * w_proj` summed over D (no GEMM;
+    spell7 writes `F.rms_norm(src, (D,), w_norm * w_proj)`, whose decomposition here is not
+    functionalised), softmax over dim 0, the canonical weighted sum."""
+    *srcs, wn, wp = args
+    src = torch.cat([s.unsqueeze(0) for s in srcs]).float()
+    normed = src * torch.rsqrt(src.pow(2).mean(-1, keepdim=True) + EPS)
+    scores = (normed * (wn.float() * wp.float().squeeze(0))).sum(-1)
+    return (scores.softmax(dim=0).unsqueeze(-1) * src).sum(0).to(srcs[-1].dtype)
+
+
 # name -> (fn, source shape, dtypes it is taken in: bf16 Moonshot in
 # test_fp32_scores_in_bf16_become_the_fp32_scores_mix)
 FP32, BOTH = (torch.float32,), (torch.float32, torch.bfloat16)
 RELAID = {"hf": (_hf, (B, T, D), BOTH), "stack1_keepdim": (_stack1_keepdim, (B, T, D), BOTH),
           "einsum": (_einsum, (B, T, D), BOTH), "bmm": (_bmm, (3, D), BOTH),
           "moonshot": (_moonshot, (3, D), FP32),
-          "moonshot_tokens": (_moonshot_tokens, (B, T, D), FP32)}
+          "moonshot_tokens": (_moonshot_tokens, (B, T, D), FP32),
+          "spell7": (_spell7, (3, D), FP32)}
 
 
 def _canonical_targets(args) -> list[str]:
