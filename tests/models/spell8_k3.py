@@ -12,14 +12,14 @@ Idioms: readable math first, as a paper's reference code would write it.
 
 * names: `tok_emb`, `blocks.N.{attn, ffn, attn_mix, ffn_mix, attn_norm, ffn_norm}`, `out_mix`,
   `out_norm`, `unembed`; every weight a raw `nn.Parameter`, no `nn.Linear`.
-* every projection an `einsum` string (`"btd,od->bto"`), never `F.linear` / `@`.
+* every projection an `einsum` string (`"...d,od->...o"`), never `F.linear` / `@`.
 * fp32 at module boundaries: each module upcasts its nonlinear math with `.float()` and casts its
   result back with `.to(dtype)`; RMSNorm as `x / sqrt(mean(x**2) + eps)` in fp32, cast, then
   `* weight` (the spec's order).
 * AttnRes as the paper's formula: the bank a Python list of block outputs; each mix
   `torch.stack`s all sources on a new leading depth dim [S, B, T, D] (recomputed every layer),
-  scores `einsum("sbtd,d->sbt", rmsnormed sources, w_norm * w_proj)`, `softmax(dim=0)` and
-  `einsum("sbt,sbtd->btd", alpha, sources)` in fp32.
+  scores `einsum("s...d,d->s...", rmsnormed sources, w_norm * w_proj)`, `softmax(dim=0)` and
+  `einsum("s...,s...d->...d", alpha, sources)` in fp32.
 * KDA: q, k, v, g, f_a, b as six einsum projections; three separate short convs (one conv state
   per stream, channel-major [slots, W, K-1]) as an einsum over `unfold(-1, K, 1)` of the
   `cat(state, new)` window, then SiLU; the conv states written `state[slots] = ...`; l2 norm as
@@ -60,8 +60,20 @@ def param(*shape):
     return nn.Parameter(torch.zeros(*shape), requires_grad=False)
 
 
+# idioms `Spell8K3.set_probe` switches to another spelling of the same math, to bisect a lost
+# fusion (docs/spell8_spelling.md): name -> what the probe writes instead
+PROBES = {
+    "linear": "projections as F.linear instead of einsum strings",
+    "rows": "norms, depth mixes and FFNs on [B*T, D] token rows instead of [B, T, D]",
+    "mix_sum": "depth-mix scores and mix as broadcast products + sum (weights unfolded), no einsum",
+}
+_probes: set[str] = set()
+
+
 def proj(x, w):
-    return torch.einsum("btd,od->bto", x, w)
+    if "linear" in _probes:
+        return F.linear(x, w)
+    return torch.einsum("...d,od->...o", x, w)
 
 
 def rmsnorm(x, w, eps):
@@ -87,9 +99,13 @@ class DepthMix(nn.Module):
             return prefix
         v = torch.stack(bank + [prefix], dim=0).float()  # [S, B, T, D]
         normed = v / torch.sqrt(torch.mean(v ** 2, dim=-1, keepdim=True) + self.eps)
-        scores = torch.einsum("sbtd,d->sbt", normed, self.w_norm.float() * self.w_proj[0].float())
+        if "mix_sum" in _probes:
+            scores = (normed * self.w_norm.float() * self.w_proj[0].float()).sum(-1)
+            alpha = torch.softmax(scores, dim=0)
+            return (alpha.unsqueeze(-1) * v).sum(0).to(prefix.dtype)
+        scores = torch.einsum("s...d,d->s...", normed, self.w_norm.float() * self.w_proj[0].float())
         alpha = torch.softmax(scores, dim=0)
-        return torch.einsum("sbt,sbtd->btd", alpha, v).to(prefix.dtype)
+        return torch.einsum("s...,s...d->...d", alpha, v).to(prefix.dtype)
 
 
 class KDA(nn.Module):
@@ -225,7 +241,7 @@ class LatentMoE(nn.Module):
 
     def forward(self, x):
         cfg, dtype = self.cfg, x.dtype
-        scores = torch.sigmoid(torch.einsum("btd,ed->bte", x.float(), self.router.float()))
+        scores = torch.sigmoid(torch.einsum("...d,ed->...e", x.float(), self.router.float()))
         idx = torch.topk(scores + self.router_bias.float(), cfg.num_experts_per_token, dim=-1).indices
         w = scores.gather(-1, idx)
         w = w / (w.sum(-1, keepdim=True) + 1e-20) * cfg.routed_scaling_factor
@@ -266,7 +282,10 @@ class Spell8K3(nn.Module):
     def forward(self, input_ids, positions, slots):
         cfg, single = self.cfg, input_ids.dim() == 1
         ids = input_ids[:, None] if single else input_ids
+        B, T = ids.shape
         prefix, delta, bank = self.tok_emb[ids], None, []
+        if "rows" in _probes:
+            prefix = prefix.view(B * T, -1)
         for i, blk in enumerate(self.blocks):
             write = i % cfg.attn_res_block_size == 0
             n = len(bank)
@@ -276,17 +295,27 @@ class Spell8K3(nn.Module):
                 bank.append(prefix)
             h = blk.attn_mix(prefix, bank[:n])
             x = rmsnorm(h, blk.attn_norm, cfg.rms_norm_eps)
+            x = x.view(B, T, -1)
             if isinstance(blk.attn, KDA):
                 a = blk.attn(x, slots)
             else:
                 a = blk.attn(x, positions, slots)
+            a = a.view(prefix.shape)
             prefix = a if write else prefix + a
             h2 = blk.ffn_mix(prefix, bank)
             delta = blk.ffn(rmsnorm(h2, blk.ffn_norm, cfg.rms_norm_eps))
         prefix = prefix + delta
         h = self.out_mix(prefix, bank)
         logits = proj(rmsnorm(h, self.out_norm, cfg.rms_norm_eps), self.unembed)
+        logits = logits.view(B, T, -1)
         return logits[:, 0] if single else logits
+
+    def set_probe(self, *names):
+        """Switch the named idioms (PROBES) to their other spelling, for every Spell8K3."""
+        assert set(names) <= set(PROBES), names
+        _probes.clear()
+        _probes.update(names)
+        return self
 
 
 # built-in state-dict name (after "language_model.model.layers.N.") -> ours (after "blocks.N.")
@@ -341,6 +370,9 @@ def from_builtin(builtin) -> Spell8K3:
     kv = next(b for n, b in builtin.named_buffers() if n.endswith("kv_cache"))
     dtype = builtin.language_model.lm_head.weight.dtype
     model = Spell8K3(builtin.config, some.shape[0] - 1, kv.shape[1]).to(dtype)
+    for blk in model.blocks:
+        if isinstance(blk.attn, KDA):
+            blk.attn.S = blk.attn.S.float()  # the recurrent state stays fp32 (spec §3.1)
     ours = model.state_dict()
     for name, t in builtin.state_dict().items():
         if name.endswith(("e2m1", "conv_state", "recurrent_state", "kv_cache")):
