@@ -17,10 +17,12 @@ the same math:
 * moe_front / moe_route / norm_linear and the shared experts' stream fork / join (1-3): the
   activations kept [B, T, D] with T = 1 for a single token (probe `rows`: [B*T, D] token rows);
   moe_route's check wants logits [N, E] (near miss "logits (2, 1, 16) / bias (16,)").
-* attn_res_mix_norm / oproj_attn_res_mix_norm (every layer, final): not bisected to one probe;
-  the depth mix stacks on dim 0 with its scores an einsum against the folded `w_norm * w_proj[0]`,
-  which rule `depth_mix` leaves alone ("a softmax over sources stacked on dim 0 whose scores are
-  not already canonical"); `mix_sum` (broadcast products, weights unfolded) does not restore it.
+* attn_res_mix_norm / oproj_attn_res_mix_norm (every layer, final) and the final linear: two
+  causes. The depth mix stacks on dim 0 with its scores an einsum against the folded `w_norm *
+  w_proj[0]`, which rule `depth_mix` leaves alone: closed by the new rule `depth_mix_scores`
+  (session 23), which brought back oproj_attn_res_mix_norm at layer 0 (one bank source); the
+  rest also needs the token rows (probe `rows`: with it and the rule every AttnRes fusion and
+  the final linear come back).
 * bf16 only, mla_q_absorb / mla_decode / mla_uv_gate (2, 3): the MLA written NON-absorbed
   (K and V decompressed from the latent cache per head, scores and softmax in fp32) fuses in
   fp32 (rule `mla_absorb` takes it) but not in bf16: decompressing K / V in bf16 rounds what the
@@ -52,10 +54,10 @@ _KDA = {"linear_concat": 1, "fb_kda_decode": 1}
 _MLA = {"mla_q_absorb": 1, "mla_decode": 1, "mla_uv_gate": 1}
 # layer -> the built-in plan's ops this spelling's plan lacks (a layer not named: none)
 LOST = {
-    torch.float32: {0: {**_KDA, "oproj_attn_res_mix_norm": 1}, 1: {**_KDA, **_MIX, **_MOE},
+    torch.float32: {0: _KDA, 1: {**_KDA, **_MIX, **_MOE},
                     2: {**_MIX, **_MOE}, 3: {**_MIX, **_MOE},
                     -1: {"attn_res_mix_norm": 1, "linear": 1}},
-    torch.bfloat16: {0: {**_KDA, "oproj_attn_res_mix_norm": 1}, 1: {**_KDA, **_MIX, **_MOE},
+    torch.bfloat16: {0: _KDA, 1: {**_KDA, **_MIX, **_MOE},
                      2: {**_MLA, **_MIX, **_MOE}, 3: {**_MLA, **_MIX, **_MOE},
                      -1: {"attn_res_mix_norm": 1, "linear": 1}},
 }
@@ -111,8 +113,9 @@ def test_lost_fusions_are_exactly_the_known_gaps(run, request, reference_plan):
 # probes (Spell8K3.set_probe) that switch the named idioms to another spelling of the same math,
 # and the ops they bring back: each names the cause of a gap (docs/spell8_spelling.md)
 PROBE_FIXES = {
-    "moe": (("rows",), {n: ("moe_front", "moe_route", "norm_linear", "stream_fork")
-                        for n in (1, 2, 3)}),
+    "rows": (("rows",), {**{n: ("moe_front", "moe_route", "norm_linear", "stream_fork",
+                                "attn_res_mix_norm", "oproj_attn_res_mix_norm") for n in (1, 2, 3)},
+                         -1: ("attn_res_mix_norm", "linear")}),
 }
 
 
