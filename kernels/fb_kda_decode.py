@@ -58,7 +58,7 @@ def fb_kda_decode_cuda(q, k, v, g, fa, fb_weight, b, conv_state, recurrent_state
                                conv_time_major, out=out)
 
     # the default (K3_KDA_FB off): kda_decode checks its own inputs once; a time-major conv
-    # state: kda_decode's reference (its refusal, logged there), after our GEMM
+    # state: kda_decode's time-major build after our GEMM (no one-launch build for that layout)
     if not KERNELS.kda_fb or conv_time_major:
         return two_launches()
     if refusal(*args, norm_fp32=norm_fp32):  # kda_decode's own: its fallback, logged there

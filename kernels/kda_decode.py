@@ -14,8 +14,9 @@ wait. Work split, rounding and measurements: docs/kernels.md, kda_decode.
 Constraints:
     * q, k, v, g, graw bf16 [B, T, H·K], b bf16 [B, T, H]: last dim contiguous, any other strides;
       1 <= T <= 16; K = 128 (head dim = key dim = value dim).
-    * conv_state bf16 [S, 3·H·K, taps-1] (inner dims contiguous), 2 <= taps <= 8 (a time-major
-      [S, taps-1, 3·H·K] state, the op's `conv_time_major`, runs the reference); recurrent_state
+    * conv_state bf16 [S, 3·H·K, taps-1] (inner dims contiguous), 2 <= taps <= 8; or, the op's
+      `conv_time_major`, [S, taps-1, 3·H·K] (inner dims contiguous; its own build, which reads
+      it through the transposed view, the same indexing); recurrent_state
       fp32 [S, H, K, K] (inner dims contiguous, 16-byte-aligned data and slot stride); slots int64
       [B] (negative slots count from the end, as torch indexing does; two requests sharing a slot
       race, as they do in the reference's index_put).
@@ -179,9 +180,6 @@ def refusal(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weig
     data alignment is checked at launch."""
     bf16, f32 = torch.bfloat16, torch.float32
     del norm_fp32  # both output norms: a compile-time flag of the kernel
-    if conv_time_major:
-        return ("conv_time_major: the kernel indexes a channel-major conv state [S, 3W, taps-1] "
-                "(a time-major build is not written yet)")
     if q.dim() != 3 or recurrent_state.dim() != 4 or conv_state.dim() != 3:
         return (f"ranks q {q.dim()}, recurrent_state {recurrent_state.dim()}, conv_state "
                 f"{conv_state.dim()} (want 3, 4, 3)")
@@ -200,13 +198,15 @@ def refusal(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weig
             recurrent_state.stride(0) % 4:
         return (f"recurrent_state: {recurrent_state.dtype} {recurrent_state.stride()} (want fp32, "
                 "inner dims contiguous, slot stride a multiple of 4)")
-    taps = conv_state.shape[2] + 1
+    conv = conv_state.transpose(1, 2) if conv_time_major else conv_state  # [S, 3W, taps-1]
+    taps = conv.shape[2] + 1
     if not 2 <= taps <= MAX_TAPS:
         return f"{taps} conv taps (want 2..{MAX_TAPS})"
-    if conv_state.dtype != bf16 or conv_state.shape[:2] != (S, 3 * W) or \
-            conv_state.stride()[1:] != (taps - 1, 1):
+    inner = (1, 3 * W) if conv_time_major else (taps - 1, 1)
+    if conv.dtype != bf16 or conv.shape[:2] != (S, 3 * W) or conv.stride()[1:] != inner:
+        want = f"[{S}, taps-1, {3 * W}]" if conv_time_major else f"[{S}, {3 * W}, taps-1]"
         return (f"conv_state: {conv_state.dtype} {tuple(conv_state.shape)} {conv_state.stride()} "
-                f"(want bf16 [{S}, {3 * W}, taps-1], inner dims contiguous)")
+                f"(want bf16 {want}, inner dims contiguous)")
     if slots.dtype != torch.int64 or tuple(slots.shape) != (B,) or (B and slots.stride(0) != 1):
         return f"slots: {slots.dtype} {tuple(slots.shape)} (want contiguous int64 [{B}])"
     for name, t, dtype, shape in (
@@ -257,17 +257,20 @@ def call_refusal(tensors, q, recurrent_state, out) -> str | None:
 
 
 def prepare(tokens: int, n_heads: int, taps: int = 4, buckets=BUCKETS, norm_fp32=False,
-            a_log_bf16=False, dt_bias_bf16=False) -> None:
+            a_log_bf16=False, dt_bias_bf16=False, conv_time_major=False) -> None:
     """Compile the kernel of every batch bucket for these scalars (call before graph capture)."""
     for b in buckets:
-        compiled(tokens, n_heads, taps, b, norm_fp32, a_log_bf16, dt_bias_bf16)
+        compiled(tokens, n_heads, taps, b, norm_fp32, a_log_bf16, dt_bias_bf16,
+                 conv_time_major=conv_time_major)
 
 
 def compiled(tokens: int, n_heads: int, taps: int, batch_bucket: int, norm_fp32: bool,
-             a_log_bf16: bool = False, dt_bias_bf16: bool = False, fb_rank: int = 0):
+             a_log_bf16: bool = False, dt_bias_bf16: bool = False, fb_rank: int = 0,
+             conv_time_major: bool = False):
     """The cached kernel; each build flag enters the key only when set (the default's key and
     build are those from before the variants)."""
-    flags = {"norm_fp32": norm_fp32, "a_log_bf16": a_log_bf16, "dt_bias_bf16": dt_bias_bf16}
+    flags = {"norm_fp32": norm_fp32, "a_log_bf16": a_log_bf16, "dt_bias_bf16": dt_bias_bf16,
+             "conv_time_major": conv_time_major}
     options = {k: True for k, on in flags.items() if on} | ({"fb_rank": fb_rank} if fb_rank
                                                             else {})
     return KERNEL.compiled(tokens, n_heads, taps, config(tokens, n_heads, taps, batch_bucket),
@@ -275,11 +278,12 @@ def compiled(tokens: int, n_heads: int, taps: int, batch_bucket: int, norm_fp32:
 
 
 def build(tokens, n_heads, taps, cfg, arch=None, dump_dir=None, pdl=False, norm_fp32=False,
-          a_log_bf16=False, dt_bias_bf16=False, fb_rank=0):
+          a_log_bf16=False, dt_bias_bf16=False, fb_rank=0, conv_time_major=False):
     """Compile now, uncached (`dump_dir` keeps the cubin and PTX; `pdl`: with PDL; `norm_fp32`:
     the output norm in fp32 with one rounding; `a_log_bf16`, `dt_bias_bf16`: that parameter in
     bf16, e.g. a Moonshot model cast to bf16 whole; `fb_rank` R > 0: the f_b build, taking fa
-    [B, T, R] and W_fb [H·K, R] where the default takes graw)."""
+    [B, T, R] and W_fb [H·K, R] where the default takes graw; `conv_time_major`: the conv state
+    passed as the [S, 3W, taps-1] view of a [S, taps-1, 3W] buffer, strides (., 1, 3W))."""
     import cutlass
     from cutlass import cute
     from cutlass.cute.runtime import make_fake_tensor
@@ -306,7 +310,8 @@ def build(tokens, n_heads, taps, cfg, arch=None, dump_dir=None, pdl=False, norm_
     return compile_kernel(
         kda.with_fb if fb_rank else kda, act(W), act(W), act(W), act(W), *gate_input, act(H),
         make_fake_tensor(bf16, (cute.sym_int(), 3 * W, taps - 1),
-                         stride=(cute.sym_int64(), taps - 1, 1), assumed_align=2),
+                         stride=(cute.sym_int64(), *((1, 3 * W) if conv_time_major
+                                                     else (taps - 1, 1))), assumed_align=2),
         make_fake_tensor(f32, (cute.sym_int(), H, K, K),
                          stride=(cute.sym_int64(divisibility=4), K * K, K, 1), assumed_align=16),
         make_fake_tensor(cutlass.Int64, (n,), stride=(1,), assumed_align=8), *conv_w,
@@ -333,10 +338,13 @@ def kda_decode_cuda(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_c
     def launch():
         H, K = recurrent_state.shape[1:3]
         o = q.new_empty((B, T, H, K)) if out is None else out
+        conv = conv_state.transpose(1, 2) if conv_time_major else conv_state  # a view: written
         if B:
-            compiled(T, H, conv_state.shape[2] + 1, bucket(B), norm_fp32,
-                     A_log.dtype == torch.bfloat16, dt_bias.dtype == torch.bfloat16)(
-                *args, o, float(lower_bound), float(l2_eps), float(q_scale), float(norm_eps))
+            compiled(T, H, conv.shape[2] + 1, bucket(B), norm_fp32,
+                     A_log.dtype == torch.bfloat16, dt_bias.dtype == torch.bfloat16,
+                     conv_time_major=conv_time_major)(
+                *args[:6], conv, *args[7:], o, float(lower_bound), float(l2_eps), float(q_scale),
+                float(norm_eps))
         return o
 
     return KERNEL.run(lambda: refusal(*args, norm_fp32=norm_fp32,

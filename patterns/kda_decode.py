@@ -131,11 +131,11 @@ def time_major_check(match) -> str | None:
 
 
 def time_major_refusal(match) -> str | None:
-    """The CUDA kernels index a channel-major conv state and refuse this layout
-    (kernels/kda_decode.py `refusal`): on GPU graphs a time-major site stays with Inductor, whose
-    code for it beats the reference run op by op; CPU graphs fuse it (the reference is the CPU
-    kernel)."""
-    return "conv_time_major: no CUDA build indexes a time-major conv state yet"
+    """On GPU graphs a time-major site stays with Inductor until kda_decode's time-major build
+    (kernels/kda_decode.py, session 23) has passed its GPU tests: built for sm_90a, never run on
+    a GPU. CPU graphs fuse it (the reference is the CPU kernel). Once
+    tests/fusions/test_kda_decode_kernel.py's time-major cases pass on the H200, this goes."""
+    return "conv_time_major: kda_decode's time-major build has not run on a GPU yet"
 
 
 def check(match, conv_time_major: bool = False) -> str | None:

@@ -25,15 +25,15 @@ from torch import fx
 
 from k3compile.rewrite import inductor
 
-ORDER: tuple[str, ...] = ("paged_write", "token_dim", "state_write", "mla_absorb", "mla_absorbed",
+ORDER: tuple[str, ...] = ("paged_write", "token_dim", "state_write", "mla_absorb", "mla_absorbed", "nibble_unpack",
                           "mxfp4_dequant", "expert_slots", "expert_gather", "expert_stack", "expert_gemm",
-                          "expert_split", "expert_combine", "gemm", "short_conv",
-                          "conv_einsum", "qkv_split", "rms_forms", "l2_norm", "sigmoid",
+                          "expert_split", "expert_combine", "gemm", "conv_crop", "short_conv",
+                          "conv_einsum", "qkv_split", "rms_forms", "l2_norm", "sigmoid", "situ_forms",
                           "bias_view",
                           "delta_einsum", "heads_first",
                           "norm_round", "conv_merge", "gate_up_split",
                           "depth_mix_scores", "depth_mix", "slice_split", "group_limit", "noop_view", "cast_view",
-                          "broadcast", "topk_sorted", "view_chains", "view_add", "reshape_fold",
+                          "broadcast", "topk_sorted", "route_mask", "view_chains", "view_add", "reshape_fold",
                           "stack_cat", "router_input", "permute_fold")
 
 

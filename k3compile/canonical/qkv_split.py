@@ -11,7 +11,9 @@ and the conv's taps as the concatenation of the pieces' row slices: the canonica
 Exact up to the GEMM's blocking: a column of a GEMM's output depends only on its weight row, the
 conv is depthwise (each channel alone), and a cat of consecutive row slices is the tensor itself.
 Taken where the conv's output reaches a split of its channels through pointwise ops, casts and
-one permute only (`gate_up_split` names the pointwise ops), each piece wider than one channel.
+one permute only (`gate_up_split` names the pointwise ops), each piece wider than one channel; the
+split as `split` / `split_with_sizes`, or as a view of the channel dim into (n, ...) unbound on n
+(`unflatten(-1, (3, H, D)).unbind(2)`, spell6: n equal pieces).
 Left alone: a conv that is not depthwise, pieces of a conv output read whole elsewhere, a GEMM
 output read by anything but the window.
 
@@ -58,9 +60,27 @@ def _cuts(conv: fx.Node) -> list[tuple[int, int]] | None:
                 return None
             pieces = _split(node, rank, shape(node.args[0])[channel])
             return None if not pieces else sorted((a, b) for _, a, b in pieces)
+        elif node.target in (aten.view.default, aten.reshape.default):
+            return _unbound(node, channel)
         else:
             return None
     return None
+
+
+def _unbound(view: fx.Node, channel: int) -> list[tuple[int, int]] | None:
+    """The channel ranges of `view(..., C) -> (..., n, ...)` unbound on its n dim (the channels
+    split into n equal pieces, `unflatten(-1, (n, ...)).unbind`), else None."""
+    src, dst = shape(view.args[0]), shape(view)
+    rank = len(src or ())
+    if (src is None or dst is None or channel != rank - 1 or len(dst) <= rank
+            or tuple(dst[:channel]) != tuple(src[:channel]) or len(view.users) != 1):
+        return None
+    (unbind,) = view.users
+    n, width = dst[channel], src[channel] // max(dst[channel], 1)
+    if (unbind.target is not aten.unbind.int or (unbind.args[1] if len(unbind.args) > 1 else 0)
+            % len(dst) != channel or n < 2 or width < 2):
+        return None
+    return [(i * width, (i + 1) * width) for i in range(n)]
 
 
 def _site(conv: fx.Node):

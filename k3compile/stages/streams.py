@@ -66,6 +66,9 @@ _SHARED = torch.ops.k3.situ_gate_up.default
 _FRONTS = (torch.ops.k3.moe_front.default, torch.ops.k3.moe_front_route.default)
 _VIEWS = {"view", "_unsafe_view", "reshape", "permute", "t", "transpose", "slice", "select",
           "expand", "unsqueeze", "squeeze", "alias", "as_strided", "detach", "getitem"}
+# multi-output views: each output (a getitem) views the input, so gate|up weights chunked from one
+# parameter (`w.chunk(2)`) are weights, free to read on the side stream
+_SPLITS = {"split", "split_with_sizes", "unbind", "chunk"}
 
 
 @dataclasses.dataclass
@@ -85,7 +88,8 @@ def is_collective(node: fx.Node) -> bool:
 
 
 def _is_view(node: fx.Node) -> bool:
-    return node.op == "call_function" and (_name(node) in _VIEWS or node.target in (_FORK, _JOIN))
+    return node.op == "call_function" and (_name(node) in _VIEWS | _SPLITS
+                                           or node.target in (_FORK, _JOIN))
 
 
 def takes_stream(node: fx.Node) -> bool:
@@ -268,6 +272,8 @@ def root(node):
                 node = src.kwargs["after"][node.args[1]]
             elif src.target in (_FORK, _JOIN):
                 node = src.args[0][node.args[1]]
+            elif _name(src) in _SPLITS:  # a piece of a split views the split's input
+                node = src.args[0]
             else:
                 return src
         elif _is_view(node):

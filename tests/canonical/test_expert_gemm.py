@@ -163,3 +163,24 @@ def test_canonical_einsums_are_left_as_they_are(spec, rows):
     gm = trace(lambda x, e, i: torch.einsum(spec, x, e[i]), args)
     before = targets(gm)
     assert rule.apply(gm.graph) == 0 and targets(gm) == before
+
+
+def test_only_the_spliced_nodes_take_the_site_module_stack():
+    """Session 23 (spell6): the splice gave the site's nn_module_stack to every node of the graph
+    that had none, e.g. the token embedding at the model's top level, so the per-layer plan
+    counted every AttnRes op reading it in the MoE layer of the site."""
+    args = _inputs(False, 3, torch.float32)
+    gm = trace(lambda x, e, i: (_fc2(_bmm)(x, e, i), x * 2), args)
+    stack = {"ffn": ("layers.1.ffn", object)}
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target is not torch.ops.aten.mul.Tensor:
+            n.meta["nn_module_stack"] = stack
+    (top,) = [n for n in gm.graph.nodes if n.target is torch.ops.aten.mul.Tensor]
+    assert rule.apply(gm.graph) == 1
+    assert "nn_module_stack" not in top.meta
+    new = [n for n in gm.graph.nodes if n.op == "call_function" and n is not top]
+    assert new and all(n.meta.get("nn_module_stack") == stack for n in new)
+    gm.recompile()
+    got, want = gm(*args), (_fc2(_bmm)(*args), args[0] * 2)
+    torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-6, atol=1e-6 * want[0].abs().max())

@@ -150,10 +150,13 @@ def compare(got, ref, conv, ref_conv, state, ref_state, inp, conv0, state0):
     assert torch.equal(state[mask], state0[mask]) and torch.equal(conv[mask], conv0[mask])
 
 
-def check_step(inp, steps=1, gen=None, fb=False, norm_fp32=False):
+def check_step(inp, steps=1, gen=None, fb=False, norm_fp32=False, time_major=False):
     """Kernel and reference (of the `norm_fp32` variant) from the same states for `steps`
-    consecutive steps."""
+    consecutive steps; `time_major`: the kernel's conv state is a [S, taps-1, 3W] buffer (its
+    time-major build), compared through its transpose."""
     conv, state = inp.conv_state.clone(), inp.state.clone()
+    if time_major:  # the buffer is time-major; `conv` is its [S, 3W, taps-1] view
+        conv = conv.transpose(1, 2).contiguous().transpose(1, 2)
     ref_conv, ref_state = inp.conv_state.clone(), inp.state.clone()
     for step in range(steps):
         if step:
@@ -161,7 +164,8 @@ def check_step(inp, steps=1, gen=None, fb=False, norm_fp32=False):
         conv0, state0 = conv.clone(), state.clone()
         out = poisoned(inp.B, inp.T, inp.H, K)
         run = fb_kernel.fb_kda_decode_cuda if fb else kernel.kda_decode_cuda
-        got = run(*inp.args(conv, state, fb=fb), norm_fp32, out=out)
+        buffer = conv.transpose(1, 2) if time_major else conv
+        got = run(*inp.args(buffer, state, fb=fb), norm_fp32, time_major, out=out)
         assert got is out, "the kernel did not run (fallback)"
         if fb:  # the reference's bf16 linear, exact on `on_grid` inputs (any summation order)
             inp.graw = exact_graw(inp.fa, inp.fb_weight)
@@ -198,6 +202,16 @@ def test_tp16_rank(gen, B, T):
 @pytest.mark.gpu
 def test_other_tokens_and_rows(gen, B, T):
     check_step(Inputs(gen, B, T))
+
+
+@pytest.mark.parametrize("fb", [False, True], ids=["graw", "fb"])
+@pytest.mark.parametrize("B,T", [(1, 1), (8, 1), (64, 1), (2, 2), (3, 8)])
+@pytest.mark.usefixtures("cuda_kernels")
+@pytest.mark.gpu
+def test_time_major_conv_state(gen, B, T, fb):
+    """The time-major build (a [S, taps-1, 3W] conv state, vLLM v1's layout; fb: our GEMM, then
+    it) against the reference over two steps, states and untouched slots included."""
+    check_step(Inputs(gen, B, T), steps=2, gen=gen, fb=fb, time_major=True)
 
 
 @pytest.mark.parametrize("H", [1, 4])
@@ -593,10 +607,12 @@ def test_build_flags_enter_the_key_only_when_set(monkeypatch):
     kernel.compiled(1, 6, 4, 1, False, False, False)
     kernel.compiled(1, 6, 4, 1, True, True, False)
     kernel.compiled(1, 6, 4, 1, False, False, True)
+    kernel.compiled(1, 6, 4, 1, False, conv_time_major=True)
     cfg = kernel.config(1, 6, 4, 1)
     assert keys == [((1, 6, 4, cfg), {"rows": 1})] * 2 + [
         ((1, 6, 4, cfg), {"rows": 1, "norm_fp32": True, "a_log_bf16": True}),
-        ((1, 6, 4, cfg), {"rows": 1, "dt_bias_bf16": True})]
+        ((1, 6, 4, cfg), {"rows": 1, "dt_bias_bf16": True}),
+        ((1, 6, 4, cfg), {"rows": 1, "conv_time_major": True})]
 
 
 def test_fb_rank_enters_the_key_only_when_set(monkeypatch):

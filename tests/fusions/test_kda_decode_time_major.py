@@ -120,8 +120,8 @@ def test_fb_time_major_variant_rewrites_and_equals_eager(dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("time_major", [False, True])
 def test_cuda_op_equals_the_cpu_reference_for_both_layouts(time_major):
-    """on CUDA: the kernel (channel-major) or the reference it falls back to (time-major, its
-    refusal logged) against the CPU reference, states included (bf16, one rounding apart)"""
+    """on CUDA: the kernel's build for each layout against the CPU reference, states included
+    (bf16, one rounding apart)"""
     args = _inputs(2, 2, torch.bfloat16, time_major)
     flags = (False, True) if time_major else ()
     cpu = _clone(args)
@@ -133,9 +133,10 @@ def test_cuda_op_equals_the_cpu_reference_for_both_layouts(time_major):
         torch.testing.assert_close(cuda[i].cpu(), cpu[i], rtol=2e-2, atol=2e-2)
 
 
-def test_kernel_refuses_the_time_major_layout_only():
-    """the CUDA kernel indexes a channel-major conv state: the time-major flag is refused (its
-    reason logged where it falls back to the reference), the same inputs channel-major taken"""
+def test_kernel_takes_each_layout_with_its_flag_only():
+    """the CUDA kernel's refusal (metadata): a channel-major state without the flag, a time-major
+    one with it (its own build reads the transposed view); either layout under the other's flag
+    is refused, as is a time-major view that is not the transpose of a contiguous buffer"""
     from k3compile.kernels import kda_decode as kernel
 
     Hn, Kd, taps, B, T, S = 2, kernel.HEAD_DIM, 4, 2, 1, 3
@@ -150,7 +151,10 @@ def test_kernel_refuses_the_time_major_layout_only():
             *(torch.empty(W, 1, taps, **bf) for _ in range(3)),
             torch.empty(Hn, dtype=torch.float32, **meta),
             torch.empty(W, dtype=torch.float32, **meta), torch.empty(Kd, **bf)]
-    assert kernel.refusal(*acts, *rest, conv_cm, *tail) is None
     conv_tm = torch.empty(S, taps - 1, 3 * W, **bf)
-    why = kernel.refusal(*acts, *rest, conv_tm, *tail, conv_time_major=True)
-    assert why is not None and "conv_time_major" in why
+    assert kernel.refusal(*acts, *rest, conv_cm, *tail) is None
+    assert kernel.refusal(*acts, *rest, conv_tm, *tail, conv_time_major=True) is None
+    assert kernel.refusal(*acts, *rest, conv_tm, *tail) is not None
+    assert kernel.refusal(*acts, *rest, conv_cm, *tail, conv_time_major=True) is not None
+    strided = torch.empty(S, taps - 1, 6 * W, **bf)[..., ::2]  # channels 2 apart
+    assert "conv_state" in kernel.refusal(*acts, *rest, strided, *tail, conv_time_major=True)

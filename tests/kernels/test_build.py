@@ -231,6 +231,29 @@ def test_kda_norm_fp32_builds(scalars, b, monkeypatch, tmp_path):
     assert ptx_of(default).count(cvt) - ptx_of(variant).count(cvt) == 2 * out_per_thread
 
 
+# kda_decode's time-major build (the conv state [S, taps-1, 3W], vLLM v1's layout): decode and
+# verify rows at one TP16 rank, batch 1 (clusters of 4) and 64 (no cluster)
+TIME_MAJOR = [((1, 6, 4), 1), ((8, 6, 4), 64)]
+
+
+@pytest.mark.parametrize("scalars,b", TIME_MAJOR, ids=str)
+def test_kda_time_major_builds(scalars, b, monkeypatch, tmp_path):
+    """The variant compiles for sm_90a without spills; it is the default's math (the same FMAs
+    and roundings) on other conv-state addresses: the state's strides reached the device code."""
+    monkeypatch.setenv("CUTE_DSL_ARCH", ARCH)
+    cfg = kda_decode.config(*scalars, b)
+    for sub in ("v", "d"):
+        (tmp_path / sub).mkdir()
+    variant = kda_decode.build(*scalars, cfg, arch=ARCH, dump_dir=str(tmp_path / "v"),
+                               conv_time_major=True)
+    _check_cubin(variant)
+    default = kda_decode.build(*scalars, cfg, arch=ARCH, dump_dir=str(tmp_path / "d"))
+    tm, cm = ptx_of(variant), ptx_of(default)
+    assert tm != cm
+    for op in ("fma.rn.f32", "cvt.rn.bf16.f32", "ld.global", "st.global"):
+        assert tm.count(op) == cm.count(op), op
+
+
 # kda_decode's builds for bf16 A_log / dt_bias (a Moonshot model cast to bf16 whole), each and
 # both, at one TP16 rank's decode (batch 1: clusters of 4) and verify rows (batch 64: no cluster)
 BF16_PARAMS = [(flags, scalars, b) for scalars, b in [((1, 6, 4), 1), ((8, 6, 4), 64)]

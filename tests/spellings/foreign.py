@@ -20,7 +20,7 @@ from tests.diffsuite.spellings import condition_for_bf16
 # Every template (dense, kda_moe, mla_moe, last) in 4 layers, as in test_spellings
 CFG = dataclasses.replace(get_config("tiny"), num_hidden_layers=4, full_attn_layers=(2, 3))
 STEPS = 3
-_LAYER = re.compile(r"layers\.(\d+)\.")
+_LAYER = re.compile(r"(?:layers|blocks)\.(\d+)\.")  # spell6 names its layers `blocks`
 
 
 def builtin(dtype, seed=0):

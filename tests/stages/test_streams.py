@@ -408,3 +408,31 @@ def test_shared_experts_reading_another_view_of_the_routers_input_fork():
         x.args[0].target is torch.ops.k3.stream_fork.default)
     gm.recompile()
     torch.testing.assert_close(gm(*args), _two_views_moe(*args), rtol=0, atol=0)
+
+
+def _chunked_weight_moe(h, wr, wd, w_gate_up, w2):
+    """spell6's spelling: the shared experts' gate and up weights are chunks of one parameter,
+    chunked where they are used (after the router): a split of a graph input, not a value the
+    main stream makes."""
+    logits, z = torch.ops.k3.moe_front(h, wr, wd)
+    wg, wu = w_gate_up.chunk(2, 0)
+    shared = torch.ops.k3.linear(torch.ops.k3.situ_gate_up(h, wg, wu, 1.0, 0.5), w2)
+    return logits, z, shared
+
+
+def test_shared_experts_reading_chunks_of_one_weight_fork():
+    """Session 23 (spell6): the branch read the chunks' getitems, which `root` took for values
+    the main stream makes ("reads getitem_10, which does not come through the fork"), and
+    compiling failed; a split's pieces are views of its input."""
+    from k3compile.stages.streams import schedule_shared_experts
+
+    N, D, E, L, I = 2, 16, 8, 8, 8
+    shapes = ((N, D), (E, D), (L, D), (2 * I, D), (D, I))
+    args = [torch.randn(s, dtype=torch.bfloat16) for s in shapes]
+    gm = inductor.fwd_only_fake(_chunked_weight_moe, args)
+    (branch,) = schedule_shared_experts(gm.graph)
+    assert [n.target for n in branch.nodes] == [torch.ops.k3.situ_gate_up.default,
+                                                torch.ops.k3.linear.default]
+    assert not hazards(gm.graph)
+    gm.recompile()
+    torch.testing.assert_close(gm(*args), _chunked_weight_moe(*args), rtol=0, atol=0)
