@@ -36,6 +36,8 @@ from k3compile.canonical.depth_mix import (
     _site,
     _softmax_dim,
 )
+from k3compile.canonical.region import shape as _shape
+from k3compile.canonical.region import val as _val
 
 log = logging.getLogger("k3compile")
 
@@ -45,24 +47,30 @@ def _ops(nodes) -> collections.Counter:
                                if n.op == "call_function" and n.target not in _VIEWS)
 
 
-def _already_canonical(site) -> bool:
+def _already_canonical(site, traced: dict) -> bool:
+    """Whether the site's ops (views aside) are a canonical form's; `traced`: the forms' op
+    counts by (form, eps, the inputs' shapes and dtypes), shared by one pass's sites (a model's
+    mixes repeat a few shapes, and each trace costs ~10 ms)."""
+    ops = _ops(site.nodes)
     for form, (wn, wp), eps in itertools.product(FORMS, _roles(site.weights),
                                                  dict.fromkeys(site.eps)):
-        try:
-            gm = _canonical_trace(site.tokens, wn, wp, eps, form)
-        except Exception as e:  # noqa: BLE001 (a weight the form cannot take: not this form)
-            log.debug("k3 depth_mix_scores: %s: %s", type(e).__name__, e)
-            continue
-        if _ops(gm.graph.nodes) == _ops(site.nodes):
+        key = (form, eps, *((tuple(_shape(n)), _val(n).dtype) for n in (wn, wp, *site.tokens)))
+        if key not in traced:
+            try:
+                traced[key] = _ops(_canonical_trace(site.tokens, wn, wp, eps, form).graph.nodes)
+            except Exception as e:  # noqa: BLE001 (a weight the form cannot take: not this form)
+                log.debug("k3 depth_mix_scores: %s: %s", type(e).__name__, e)
+                traced[key] = None
+        if traced[key] == ops:
             return True
     return False
 
 
-def _match(node: fx.Node):
+def _match(node: fx.Node, traced: dict):
     if _softmax_dim(node) != 0:
         return None
     site = _site(node, 0)
-    return None if site is None or _already_canonical(site) else site
+    return None if site is None or _already_canonical(site, traced) else site
 
 
 def _write(graph: fx.Graph, alpha: fx.Node, _) -> int:
@@ -70,7 +78,8 @@ def _write(graph: fx.Graph, alpha: fx.Node, _) -> int:
 
 
 def apply(graph: fx.Graph) -> int:
-    return rewrite_sites(graph, _match, _write)
+    traced = {}
+    return rewrite_sites(graph, lambda node: _match(node, traced), _write)
 
 
 RULE = Rule("depth_mix_scores", apply, "AttnRes depth mix stacked on dim 0 with scores not in "
