@@ -198,10 +198,12 @@ def insert_prefetches(graph: fx.Graph, l2: int, joins: bool = True,
         side = is_fused_collective(anchor)
         node = (_beside_collective if side else _before_wait)(graph, anchor, weights, nbytes)
         order = {n: i for i, n in enumerate(graph.nodes)}
+        moved = set()  # `order` is the graph's before the moves: a view two chains share
         for w in weights:  # a rank's row slice (stage shard) may be cut after it: move it up
-            for view in view_chain(w):
-                if order[view] > order[node]:
+            for view in view_chain(w):  # (the pieces of one split) moves once
+                if view not in moved and order[view] > order[node]:
                     node.prepend(view)
+                    moved.add(view)
         stream = SIDE if side else 0
         node.meta["k3_stream"] = stream
         names = [root(w).name for w in weights]

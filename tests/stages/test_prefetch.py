@@ -61,6 +61,39 @@ def test_prefetch_before_the_wait_names_next_gemm_weights():
     assert "val" in node.meta and node.meta["k3_stream"] == 0
 
 
+def step_split(x, partial, w_ab):
+    """Two GEMMs whose weights are the pieces of one split made after the collective (an MLA's
+    kv_b cut into W_UK and W_UV, a rank's rows)."""
+    r = _c10d.wait_tensor(_c10d.all_reduce(partial, "sum", "0"))
+    w_a, w_b = w_ab.view(2, 64, 64).split([1, 1], 0)
+    h = (x + r) @ w_a.view(64, 64).t()
+    return h @ w_b.view(64, 64).t()
+
+
+def test_weights_cut_from_one_split_move_up_once():
+    """The prefetch moves each weight's view chain above itself; two chains share the view and
+    the split, which move once, so the graph stays in order (each piece after its split) and
+    computes what it did (a no-op prefetch on CPU). Before: the shared views moved again, after
+    the first piece (session 23's TP2 failure: 'split_with_sizes_2' read before assignment)."""
+    g = torch.Generator().manual_seed(0)
+    args = [torch.randn(2, 64, generator=g), torch.randn(2, 64, generator=g),
+            torch.randn(128, 64, generator=g)]
+    gm = inductor.fwd_only_fake(step_split, args)
+    insert_prefetches(gm.graph, l2=1 << 30)
+    (node,) = _prefetches(gm.graph)
+    assert len(node.args[0]) == 2  # both pieces named
+    gm.graph.lint()  # every node after its inputs
+    gm.recompile()
+    started = not dist.is_initialized()
+    if started:  # one rank: the all-reduce is the identity
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.testing.assert_close(gm(*args), step_split(*args), rtol=0, atol=0)
+    finally:
+        if started:
+            dist.destroy_process_group()
+
+
 def test_budget_caps_the_bytes():
     graph = _graph()
     l2 = 2 * 128 * 64 * 4  # room for w_a only, at SHARE = 0.5
