@@ -101,12 +101,8 @@ def test_loads_the_builtin_state_dict_and_equals_it_eagerly():
 @pytest.mark.slow
 @pytest.mark.parametrize("run", ["red_fp32", "red_bf16"])
 def test_compiled_equals_its_eager(run, request):
-    err, state_err, _ = request.getfixturevalue(run)
     tol = TOL["aten_cpu"] if run == "red_fp32" else TOL["diffsuite_bf16"]
-    assert err <= tol, err
-    assert len(state_err) == 6
-    for name, e in state_err.items():
-        assert e <= tol, (name, e)
+    foreign.assert_compiled_equals_eager(request.getfixturevalue(run), tol)
 
 
 @pytest.mark.slow
@@ -121,13 +117,8 @@ def test_lost_fusions_are_exactly_the_known_gaps(run, request, reference_plan):
 @pytest.mark.slow
 @pytest.mark.parametrize("pattern,dtype", DIAGNOSED)
 def test_lost_fusions_have_a_near_miss_naming_the_node(pattern, dtype, request):
-    red = request.getfixturevalue("red_fp32" if dtype == torch.float32 else "red_bf16")
-    named = foreign.near_misses_naming_a_node(red[2], pattern)
-    lost_at = [layer for layer, ops in LOST[dtype].items()
-               if pattern in ops or f"fb_{pattern}" in ops]
-    assert lost_at
-    for layer in lost_at:
-        assert named.get(layer), (pattern, layer)
+    run = request.getfixturevalue("red_fp32" if dtype == torch.float32 else "red_bf16")
+    foreign.assert_lost_where_near_missed(run, pattern, LOST[dtype])
 
 
 # probes (RedK3.set_probe) that switch the named idioms to the built-in model's, and the ops they

@@ -99,3 +99,24 @@ def near_misses_naming_a_node(compiled, pattern):
         if nm.pattern.split("[")[0] == pattern and re.search(r"node=|\(\S+ \w+\[", nm.reason):
             named[layer_of(nm.module)].append(nm)
     return named
+
+
+def assert_compiled_equals_eager(result, tol: float, states: int = 6):
+    """`run`'s result: the compiled step's output and each of its `states` states within `tol`
+    of the spelling's own eager step."""
+    err, state_err, _ = result
+    assert err <= tol, err
+    assert len(state_err) == states
+    for name, e in state_err.items():
+        assert e <= tol, (name, e)
+
+
+def assert_lost_where_near_missed(result, pattern: str, lost: dict):
+    """Every layer of `lost` (layer -> lost ops) that lost `pattern` (or its `fb_` form) has a
+    near miss of it naming a node; at least one layer lost it."""
+    named = near_misses_naming_a_node(result[2], pattern)
+    lost_at = [layer for layer, ops in lost.items() if pattern in ops or f"fb_{pattern}" in ops]
+    assert lost_at
+    for layer in lost_at:
+        assert named.get(layer), (pattern, layer)
+
