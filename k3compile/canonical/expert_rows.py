@@ -45,14 +45,13 @@ import math
 
 import torch
 from torch import fx
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 
 from k3compile.canonical import Rule, rewrite_sites
 from k3compile.canonical.expert_slots import (_FORMAT, _SMALL_I, _SMALL_L, MAX_ELEMENTS, RTOL,
-                                              _canonical, _constants, _slot_values, _stack_pairs,
-                                              _values)
+                                              _canonical, _constants, _random_inputs, _values)
 from k3compile.canonical.expert_slots import _write as _splice_experts
-from k3compile.canonical.region import VIEWS, nodes_between
+from k3compile.canonical.region import VIEWS
 from k3compile.canonical.region import static_shape as _shape
 from k3compile.canonical.region import val as _val
 from k3compile.rewrite import inductor
@@ -72,20 +71,34 @@ def constant(node, memo: dict) -> bool:
     if not isinstance(node, fx.Node):
         return True
     if node not in memo:
-        memo[node] = node.op == "call_function" and all(constant(a, memo)
-                                                        for a in node.all_input_nodes)
+        memo[node] = node.op == "get_attr" or node.op == "call_function" and all(
+            constant(a, memo) for a in node.all_input_nodes)
     return memo[node]
 
 
-def evaluate(node: fx.Node, env: dict):
-    """node's value from env (values of some nodes) and constants computed on the way."""
+def evaluate(node: fx.Node, env: dict, resize=None):
+    """node's value from env (values of some nodes) and constants computed on the way (graph
+    constants read from the module); `resize` maps each int argument."""
     if node in env:
+        return env[node]
+    if node.op == "get_attr":
+        env[node] = _attr(node)
         return env[node]
     if node.op != "call_function":
         raise KeyError(node)
-    args, kwargs = fx.map_arg((node.args, node.kwargs), lambda a: evaluate(a, env))
+    args, kwargs = fx.map_arg((node.args, node.kwargs), lambda a: evaluate(a, env, resize))
+    if resize is not None:
+        args, kwargs = tree_map(lambda a: resize.get(a, a) if type(a) is int else a,
+                                (args, kwargs))
     env[node] = node.target(*args, **kwargs)
     return env[node]
+
+
+def _attr(node: fx.Node):
+    value = node.graph.owning_module
+    for name in node.target.split("."):
+        value = getattr(value, name)
+    return value
 
 
 def _value(node: fx.Node, env: dict | None = None):
@@ -300,10 +313,11 @@ def _tables(rows: set[fx.Node], entries: set[fx.Node], memo: dict):
 
 
 def _uncast(node: fx.Node) -> fx.Node:
-    """The table a float cast reads (the E2M1 table cast per dequant: exact, E2M1 values are
-    exact in every float type)."""
+    """The table a float cast or a view reads (the E2M1 table cast or viewed per dequant: exact,
+    E2M1 values are exact in every float type)."""
     while (node.target is prims.convert_element_type.default
-           and _val(node).dtype.is_floating_point and _val(node.args[0]).dtype.is_floating_point):
+           and _val(node).dtype.is_floating_point and _val(node.args[0]).dtype.is_floating_point
+           or node.target in VIEWS and _shape(node.args[0]) == _shape(node) == (16,)):
         node = node.args[0]
     return node
 
@@ -338,13 +352,58 @@ def _real_site(out: fx.Node):
     z, ids, weights = sources["z"], sources["ids"], sources["weights"]
     if _shape(ids) != (n, k) or _val(ids).dtype not in (torch.int64, torch.int32):
         return None
-    region = nodes_between([z, ids, weights, lut, *stacks], out, limit=100_000)
-    pairs = _stack_pairs(stacks, region) if region is not None else None
+    region = _region([z, ids, weights, lut, *stacks], out)
+    pairs = _pairs(stacks, region) if region is not None else None
     if pairs is None:
         return None
     inputs = [z, ids, weights, lut, *(x for pair in pairs for x in pair)]
     proof = _proof(region, inputs, out)
     return (out, [z, ids, weights, lut], proof) if proof is not None else None
+
+
+def _region(inputs: list[fx.Node], out: fx.Node) -> list[fx.Node] | None:
+    """The nodes out is computed from, stopping at inputs, in graph order (graph constants
+    included); None where it reads another graph input."""
+    seen, todo, region = set(inputs), [out], []
+    while todo:
+        node = todo.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if node.op not in ("call_function", "get_attr"):
+            return None
+        region.append(node)
+        todo += node.all_input_nodes
+    order = {node: i for i, node in enumerate(out.graph.nodes)}
+    return sorted(region, key=order.__getitem__)
+
+
+def _pairs(stacks: list[fx.Node], region: list[fx.Node]) -> list[tuple[fx.Node, fx.Node]] | None:
+    """(packed, scale) of each of the three experts' weights, whatever the dequant's spelling:
+    the two stacks that first meet in a node of the region (packed [E, O, W/2], scale
+    [E, O, W/32])."""
+    deps: dict[fx.Node, frozenset] = {x: frozenset([x]) for x in stacks}
+    for node in region:
+        deps[node] = frozenset().union(*(deps.get(a, frozenset()) for a in node.all_input_nodes))
+    met = {d for d in deps.values() if len(d) == 2}
+    pairs = []
+    for pair in met:
+        packed, scale = sorted(pair, key=lambda x: -_shape(x)[-1])
+        ps, ss = _shape(packed), _shape(scale)
+        if len(ps) != 3 or ps[:2] != ss[:2] or ps[2] != 16 * ss[2]:
+            return None
+        pairs.append((packed, scale))
+    if len(pairs) != 3 or {x for pair in pairs for x in pair} != set(stacks):
+        return None
+    return sorted(pairs, key=lambda pair: pair[0].name)
+
+
+def _values_of(region, inputs, out, sizes):
+    """(random inputs, out on them): the region run with every int of `sizes` in its arguments
+    and its inputs' shapes replaced (as `expert_slots._slot_values`, graph constants read)."""
+    env = _random_inputs(inputs, sizes, torch.Generator().manual_seed(0))
+    values = dict(env)
+    return values, evaluate(out, env, sizes)
 
 
 def _ints(nodes: list[fx.Node]) -> set[int]:
@@ -401,7 +460,7 @@ def _proof(region, inputs, out):
     if sizes is None:
         return None
     try:
-        values, got = _slot_values(region, inputs, out, sizes)
+        values, got = _values_of(region, inputs, out, sizes)
     except (RuntimeError, IndexError):  # an int of the region that was not a size
         return None
     z, ids, weights, lut, *stacks = inputs
