@@ -40,6 +40,7 @@ weights).
 
 from __future__ import annotations
 
+import collections
 import itertools
 import math
 
@@ -48,8 +49,8 @@ from torch import fx
 from torch.utils._pytree import tree_leaves, tree_map
 
 from k3compile.canonical import Rule, rewrite_sites
-from k3compile.canonical.expert_slots import (_FORMAT, _SMALL_I, _SMALL_L, MAX_ELEMENTS, RTOL,
-                                              _canonical, _constants, _random_inputs, _values)
+from k3compile.canonical.expert_slots import (_FORMAT, _SMALL_I, _SMALL_L, RTOL,
+                                              _canonical, _random_inputs, _values)
 from k3compile.canonical.expert_slots import _write as _splice_experts
 from k3compile.canonical.region import VIEWS
 from k3compile.canonical.region import static_shape as _shape
@@ -57,7 +58,8 @@ from k3compile.canonical.region import val as _val
 from k3compile.rewrite import inductor
 
 aten, prims = torch.ops.aten, torch.ops.prims
-BUDGET = 1 << 24  # values the region's evaluation may hold as it is (all N*k rows at once)
+BUDGET = 1 << 24  # values the region's evaluation may compute at its own sizes (all N*k rows)
+MAX_VALUES = 1 << 28  # ... at the smaller sizes (each dropped after its last use)
 _GATHERS = {aten.index.Tensor, aten.index_select.default}
 _LOOKUPS = {aten.index.Tensor, aten.index_select.default, aten.take.default}
 _REDUCTIONS = {aten.sum.dim_IntList, aten.amax.default, aten.amin.default, aten.mean.dim}
@@ -357,7 +359,7 @@ def _real_site(out: fx.Node):
     if pairs is None:
         return None
     inputs = [z, ids, weights, lut, *(x for pair in pairs for x in pair)]
-    proof = _proof(region, inputs, out)
+    proof = _proof(region, inputs, out, pairs)
     return (out, [z, ids, weights, lut], proof) if proof is not None else None
 
 
@@ -399,11 +401,18 @@ def _pairs(stacks: list[fx.Node], region: list[fx.Node]) -> list[tuple[fx.Node, 
 
 
 def _values_of(region, inputs, out, sizes):
-    """(random inputs, out on them): the region run with every int of `sizes` in its arguments
-    and its inputs' shapes replaced (as `expert_slots._slot_values`, graph constants read)."""
-    env = _random_inputs(inputs, sizes, torch.Generator().manual_seed(0))
-    values = dict(env)
-    return values, evaluate(out, env, sizes)
+    """(random inputs, out on them): the region run in graph order with every int of `sizes` in
+    its arguments and its inputs' shapes replaced (as `expert_slots._slot_values`; graph
+    constants read), each value dropped after its last use (the rows of every pair at once)."""
+    values = _random_inputs(inputs, sizes, torch.Generator().manual_seed(0))
+    env, uses = dict(values), collections.Counter(a for n in region for a in n.all_input_nodes)
+    for node in region:
+        evaluate(node, env, sizes)
+        for a in node.all_input_nodes:
+            uses[a] -= 1
+            if uses[a] == 0 and a not in values:
+                del env[a]
+    return values, env[out]
 
 
 def _ints(nodes: list[fx.Node]) -> set[int]:
@@ -446,32 +455,57 @@ def _row_sizes(region: list[fx.Node], inputs: list[fx.Node]) -> dict[int, int] |
                     None)
         if rows is not None:
             sizes.update({n: rows, p: rows * k})
-    return sizes if _values(values, sizes) <= MAX_ELEMENTS else None
+    return sizes if _values(values, sizes) <= MAX_VALUES else None
 
 
 def _fresh(start: int, taken: set[int]) -> int:
     return next(m for m in itertools.count(start) if m not in taken)
 
 
-def _proof(region, inputs, out):
+def _roles(pairs, region: list[fx.Node]):
+    """[(the stacks as W1, W3, W2, beta candidates, linear beta candidates)] read off the data
+    flow: W1's dequant alone reaches a sigmoid (SiTU's gate), W3's alone a tanh, W2's is the
+    third; the betas are the float constants next to each one's tanh, or their reciprocals
+    (`tanh(g * (1 / b1)) * b1`: spell6's SiTU, which rule `situ_forms` canonicalises only later).
+    Empty where the flow shows no such roles."""
+    deps: dict[fx.Node, frozenset] = {x: frozenset([pair]) for pair in pairs for x in pair}
+    for node in region:
+        deps[node] = frozenset().union(*(deps.get(a, frozenset()) for a in node.all_input_nodes))
+
+    def alone(target):
+        return {next(iter(deps[n])): n for n in region
+                if n.target is target and len(deps.get(n, ())) == 1}
+
+    gates, tanhs = alone(aten.sigmoid.default), alone(aten.tanh.default)
+    found = []
+    for w1 in set(gates) & set(tanhs):
+        for w3 in set(tanhs) - {w1}:
+            (w2,) = set(pairs) - {w1, w3}
+            found.append(([*w1, *w3, *w2], _betas(tanhs[w1]), _betas(tanhs[w3])))
+    return found
+
+
+def _betas(tanh: fx.Node) -> list[float]:
+    near = [*tanh.all_input_nodes, *tanh.users]
+    return sorted({x for n in near for c in n.args if isinstance(c, float) and c > 0
+                   for x in (c, float(f"{1 / c:.12g}"))})
+
+
+def _proof(region, inputs, out, pairs):
     """(beta, linear beta, the stacks as W1, W3, W2) for which the region equals the canonical
     experts on random values (within RTOL of the largest value), or None."""
     sizes = _row_sizes(region, inputs)
-    if sizes is None:
+    roles = _roles(pairs, region)
+    if sizes is None or not roles:
         return None
     try:
         values, got = _values_of(region, inputs, out, sizes)
     except (RuntimeError, IndexError):  # an int of the region that was not a size
         return None
-    z, ids, weights, lut, *stacks = inputs
     scale = float(got.abs().max().clamp_min(1e-30))
-    # SiTU's betas: constants next to a tanh, or their reciprocals (`tanh(g * (1 / b1)) * b1`,
-    # spell6's form, which rule `situ_forms` canonicalises only later)
-    betas = sorted({x for c in _constants(region) for x in (c, float(f"{1 / c:.12g}"))})
-    for order in itertools.permutations([stacks[0:2], stacks[2:4], stacks[4:6]]):
-        ordered = list(itertools.chain(*order))
-        args = [values[x] for x in (z, ids, weights, lut, *ordered)]
-        for beta, linear_beta in itertools.product(betas, repeat=2):
+    for ordered, betas, linear_betas in roles:
+        args = [values[x] for x in (*inputs[:4], *ordered)]
+        for beta, linear_beta in itertools.product(betas, linear_betas):
             try:
                 want = _canonical(beta, linear_beta, None)(*args)
             except RuntimeError:  # shapes that do not fit this assignment
