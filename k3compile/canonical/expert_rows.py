@@ -258,8 +258,10 @@ def _entry_role(entry: fx.Node, source: fx.Node, n: int, k: int) -> str | None:
     got = moved.reshape(n * k, -1)
     if shape[1] == k:
         want, role = code.reshape(n * k, 1), ("weights" if v.dtype.is_floating_point else "ids")
-    else:
+    elif v.dtype.is_floating_point:
         want, role = code[torch.arange(n * k) // k], "z"
+    else:
+        return None
     return role if got.shape == want.shape and torch.equal(got, want) else None
 
 
