@@ -49,8 +49,15 @@ from torch import fx
 from torch.utils._pytree import tree_leaves, tree_map
 
 from k3compile.canonical import Rule, rewrite_sites
-from k3compile.canonical.expert_slots import (_FORMAT, _SMALL_I, _SMALL_L, RTOL,
-                                              _canonical, _random_inputs, _values)
+from k3compile.canonical.expert_slots import (
+    _FORMAT,
+    _SMALL_I,
+    _SMALL_L,
+    RTOL,
+    _canonical,
+    _random_inputs,
+    _values,
+)
 from k3compile.canonical.expert_slots import _write as _splice_experts
 from k3compile.canonical.region import VIEWS
 from k3compile.canonical.region import static_shape as _shape
@@ -72,9 +79,19 @@ def constant(node, memo: dict) -> bool:
     """Whether node depends on no graph input (an iota, a zeros, ops of those)."""
     if not isinstance(node, fx.Node):
         return True
-    if node not in memo:
-        memo[node] = node.op == "get_attr" or node.op == "call_function" and all(
-            constant(a, memo) for a in node.all_input_nodes)
+    todo = [node]  # depth first, without recursion: a model's graph is thousands of nodes deep
+    while todo:
+        n = todo[-1]
+        if n in memo:
+            todo.pop()
+        elif n.op != "call_function":
+            memo[n] = n.op == "get_attr"
+        elif any(memo.get(a) is False for a in n.all_input_nodes):
+            memo[n] = False
+        elif (missing := [a for a in n.all_input_nodes if a not in memo]):
+            todo += missing
+        else:
+            memo[n] = True
     return memo[node]
 
 

@@ -60,7 +60,7 @@ def _site(out: fx.Node):
     found = _finalize(out)
     if found is None:
         return None
-    acc, t, src = found
+    _, t, src = found
     n, p = _shape(out)[0], _shape(src)[0]
     r = _floor_div(t, p // n)
     if not _permutation(r) or _shape(r) != (p,):

@@ -60,7 +60,7 @@ def test_pair_rows_become_the_k_slots_at_once(spelling, rows, dtype):
 @pytest.mark.parametrize("case", TOKEN_MAJOR_ODD)
 def test_look_alikes_are_left_alone(case):
     args = _inputs(3)
-    fn = lambda *a: token_major(*a, odd=case)  # noqa: E731
+    fn = lambda *a: token_major(*a, odd=case)
     gm, before, n = _apply(fn, args)
     assert n == 0 and targets(gm) == before
     # and each is another computation, or another form of it, than the canonical one
