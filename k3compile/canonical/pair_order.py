@@ -16,8 +16,9 @@ identity, each token's k rows added in slot order instead of expert order (fp32 
 on CUDA `index_add_`'s order is not fixed anyway).
 
 Left alone: an index that is not `r // k` with r a sort's indices (a constant non-permutation,
-a gather of r, a mask), a node computed from r that mixes rows or is read outside the dispatch
-(the expert order kept for something else), an accumulator computed from r.
+a gather of r, a mask), a sort whose sorted values are read too (they hold the order that r is,
+and stay), a node computed from r that mixes rows or is read outside the dispatch (the expert
+order kept for something else), an accumulator computed from r.
 """
 
 from __future__ import annotations
@@ -37,11 +38,12 @@ _SORTS = {aten.sort.default, aten.sort.stable}
 
 
 def _permutation(node) -> bool:
-    """The indices of a sort of a 1-D tensor: a permutation of range(P)."""
+    """The indices of a sort of a 1-D tensor (a permutation of range(P)), the sort's only output
+    read: its sorted values carry the same order, which replacing the indices would not change."""
     if not (isinstance(node, fx.Node) and node.target is operator.getitem and node.args[1] == 1):
         return False
     sort = node.args[0]
-    return (sort.target in _SORTS and isinstance(sort.args[0], fx.Node)
+    return (sort.target in _SORTS and isinstance(sort.args[0], fx.Node) and len(sort.users) == 1
             and _shape(sort.args[0]) is not None and len(_shape(sort.args[0])) == 1)
 
 

@@ -71,7 +71,8 @@ def token_major(z, scores, ids, lut, w1p, w1s, w3p, w3s, w2p, w2s, odd=None):
     return acc.index_add_(0, token, y * weights.unsqueeze(-1)).to(z.dtype)
 
 
-SORTED_ODD = ("order_not_sort", "order_kept", "weights_unpermuted", "mask_drops_pairs")
+SORTED_ODD = ("order_not_sort", "order_kept", "weights_unpermuted", "sorted_values_read",
+              "mask_drops_pairs")
 
 
 def sorted_pairs(z, scores, ids, lut, w1p, w1s, w3p, w3s, w2p, w2s, sort=True, odd=None):
@@ -81,9 +82,12 @@ def sorted_pairs(z, scores, ids, lut, w1p, w1s, w3p, w3s, w2p, w2s, sort=True, o
     if odd == "order_not_sort":  # pair 0 twice, the last pair never: no permutation
         order = torch.arange(n * k)
         order[-1] = 0
+    elif odd == "sorted_values_read":  # the experts as the sort's values, in the sorted order
+        experts, order = torch.sort(flat, stable=True)
     else:
         order = torch.argsort(flat, stable=True) if sort else torch.arange(n * k)
-    experts = flat.index_select(0, order)
+    if odd != "sorted_values_read":
+        experts = flat.index_select(0, order)
     token = torch.div(order, k, rounding_mode="floor")
     zp = z.index_select(0, token).unsqueeze(-1)
 
