@@ -25,9 +25,14 @@ Causes (docs/spell7_spelling.md; probes `Spell7K3.set_probe`):
   `cache_index_copy` alone does not bring it back).
 * fb_kda_decode + linear_concat[kda] (0, 1): not closed, not bisected: probe `add_outer` (the
   rank-1 update without `baddbmm`) alone does not bring it back, nor do all probes together.
-* moe_experts (1-3): not closed: the nibbles by a broadcast shift `packed[..., None] >> [0, 4]`
-  (rule `mxfp4_dequant` does not read it) and the pairs sorted by `argsort`; probes
-  `nibble_stack` and `pairs_unsorted`, alone or together, do not bring it back.
+* moe_experts (1-3): closed (session 24, helper dispatch) by rules `pair_order` (the pairs
+  sorted by `argsort`, token `order // k`, put back in token order: the sort's indices are a
+  permutation and everything computed from them is row-wise) and `expert_rows` (the pairs in
+  token order with an `index_add_` finalize -> the k slots at once, proven by structure and on
+  random values). The second cause, the nibbles by a broadcast shift `packed[..., None] >> [0,
+  4]` (rule `mxfp4_dequant` does not read it), closes with them: `expert_rows` evaluates the
+  dequant as spelled instead of matching it. Before, probes `nibble_stack` and `pairs_unsorted`,
+  alone or together, did not bring it back.
 """
 
 from __future__ import annotations
@@ -47,9 +52,9 @@ from tests.spellings.foreign import steps as _steps
 
 EAGER_TOL = 1e-5  # measured 1.2e-6 (logits, T = 1), 1.4e-6 (T = 3), states <= 1.1e-6 over 4 steps
 
-_MLA = {"mla_decode": 1, "moe_experts": 1}
+_MLA = {"mla_decode": 1}
 _LOST = {0: {"linear_concat": 1, "fb_kda_decode": 1},
-         1: {"linear_concat": 1, "fb_kda_decode": 1, "moe_experts": 1},
+         1: {"linear_concat": 1, "fb_kda_decode": 1},
          2: _MLA, 3: _MLA}
 # layer -> the built-in plan's ops this spelling's plan lacks (a layer not named: none)
 LOST = {torch.float32: _LOST, torch.bfloat16: _LOST}
