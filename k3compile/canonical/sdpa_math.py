@@ -55,11 +55,14 @@ def _softmax_of(p: fx.Node) -> fx.Node | None:
     if not _is(p, aten.div.Tensor) or not _is(p.args[0], aten.exp.default):
         return None
     e, total = p.args
+    last = ([-1], [e.meta["val"].dim() - 1])
     if not _is(total, aten.sum.dim_IntList) or total.args[0] is not e or \
-            list(total.args[1]) not in ([-1], [e.meta["val"].dim() - 1]):
+            list(total.args[1]) not in last or not (len(total.args) > 2 and total.args[2]):
         return None
     sub = e.args[0]
     if not _is(sub, aten.sub.Tensor) or not _is(sub.args[1], aten.amax.default):
+        return None
+    if list(sub.args[1].args[1]) not in last:
         return None
     s = sub.args[0]
     return s if sub.args[1].args[0] is s else None
@@ -77,8 +80,16 @@ def _guarded(s: fx.Node, cond) -> bool:
         -1, s.meta["val"].dim() - 1)
 
 
-def _through(node):
-    while _is(node, *_LEADING):
+def _last(node) -> int | None:
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return int(val.shape[-1]) if isinstance(val, torch.Tensor) and val.dim() else None
+
+
+def _through(node, length: int | None = None):
+    """node's source up views / unsqueezes / expands (with `length`, only those that keep the
+    last dim `length`, so that a column of node is the same column of the source)."""
+    while _is(node, *_LEADING) and (length is None or _last(node) == length == _last(
+            node.args[0])):
         node = node.args[0]
     return node
 
@@ -91,14 +102,16 @@ def _written_position(node) -> bool:
 
 def _keeps_column_zero(mask, length: int) -> bool:
     """mask (bool, broadcast over leading dims) is arange(length) <= P for a written position P."""
-    mask = _through(mask)
+    mask = _through(mask, length)
+    if _last(mask) != length:
+        return False
     if _is(mask, aten.le.Tensor):
         col, pos = mask.args
     elif _is(mask, aten.ge.Tensor):
         pos, col = mask.args
     else:
         return False
-    col, pos = _through(col), _through(pos)
+    col, pos = _through(col, length), _through(pos)  # (P: any view of it, the same values)
     if not _is(col, prims.iota.default) or col.args[0] != length or \
             col.kwargs.get("start", 0) != 0 or col.kwargs.get("step", 1) <= 0:
         return False
@@ -109,8 +122,8 @@ def _keeps_column_zero(mask, length: int) -> bool:
 
 def _bias_keeps_a_column(bias, length: int) -> bool:
     """bias is where(mask, 0, -inf) or where(not mask, -inf, 0) with mask keeping column 0."""
-    bias = _through(bias)
-    if not _is(bias, aten.where.self):
+    bias = _through(bias, length)
+    if not _is(bias, aten.where.self) or _last(bias) != length:
         return False
     mask, a, b = bias.args
     if _full(a, 0) and _full(b, -math.inf):

@@ -92,8 +92,9 @@ class CachedSDPA(torch.nn.Module):
     """Multi-head attention over a K/V cache through SDPA, decode's mask (no MLA): the rule's
     own rewrite, with no later rule taking the site."""
 
-    def __init__(self, slots=4, length=16, heads=2, dim=8):
+    def __init__(self, slots=4, length=16, heads=2, dim=8, future=False):
         super().__init__()
+        self.future = future  # a look-alike: columns at or after the position (l >= P)
         gen = torch.Generator().manual_seed(5)
         for name, d in (("k_cache", dim), ("v_cache", dim // 2)):
             self.register_buffer(name, torch.randn(slots, length, heads, d, generator=gen))
@@ -104,6 +105,8 @@ class CachedSDPA(torch.nn.Module):
         self.k_cache[slots.view(B, 1), pos] = k
         self.v_cache[slots.view(B, 1), pos] = v
         visible = torch.arange(L).view(1, 1, L) <= pos.view(B, T, 1)
+        if self.future:
+            visible = pos.view(B, T, 1) <= torch.arange(L).view(1, 1, L)
         o = F.scaled_dot_product_attention(
             q.transpose(1, 2), self.k_cache[slots].transpose(1, 2),
             self.v_cache[slots].transpose(1, 2), attn_mask=visible.unsqueeze(1))
@@ -118,6 +121,21 @@ def test_decode_sdpa_over_a_written_cache_keeps_its_values():
     c = canonicalize(None, args, module=module)
     assert c.counts["sdpa_math"] == 1 and _guards(c.after.graph) == 0
     assert not any(n.target is aten.mul.Scalar for n in c.after.graph.nodes)
+    assert_same_values(c, rel=0)
+    with torch.no_grad():
+        want = reference(*args.values())
+    torch.testing.assert_close(c.output, want, rtol=1e-6, atol=1e-6)
+
+
+def test_a_mask_of_later_columns_keeps_the_guard():
+    """l >= P: column 0 is masked wherever P > 0 (no proof of a visible column), and P past the
+    last column would mask a whole row; the guard stays."""
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, 3, 2, d, generator=gen) for d in (8, 8, 4))
+    args = {"q": q, "k": k, "v": v, "positions": torch.tensor([0, 7]), "slots": torch.tensor([3, 1])}
+    module, reference = CachedSDPA(future=True), CachedSDPA(future=True)
+    c = canonicalize(None, args, module=module)
+    assert c.counts.get("sdpa_math", 0) == 0 and _guards(c.after.graph) == 1
     assert_same_values(c, rel=0)
     with torch.no_grad():
         want = reference(*args.values())
