@@ -20,9 +20,9 @@ Two steps, each the same values:
   makes both forms meaningless; they are not compared there.)
 
 Left alone: any other mask (a top-left causal `tril`, a sliding window, a mask not over a written
-position), a guard over something other than a softmax of the same scores, and SDPA with
-dropout keeps its scale rewrite only (its random mask stays between p and the product, which
-`mla_absorb` refuses). In bf16 the math path upcasts q, k and v to fp32 (scores and p·v in
+position), a guard over something other than a softmax of the same scores. SDPA with dropout is
+rewritten alike (both steps keep its values); its random mask stays between p and the product,
+which `mla_absorb` refuses. In bf16 the math path upcasts q, k and v to fp32 (scores and p·v in
 fp32), which `mla_absorb` does not take as the canonical bf16 attention (other roundings).
 """
 
