@@ -25,7 +25,9 @@ from torch import fx
 
 from k3compile.rewrite import inductor
 
-ORDER: tuple[str, ...] = ("scatter_rows", "paged_write", "token_dim", "state_write", "mla_absorb",
+ORDER: tuple[str, ...] = ("scatter_rows", "paged_write", "token_dim", "state_write", "slot_mapping",
+                          "sdpa_math",
+                          "mla_absorb",
                           "mla_absorbed", "nibble_unpack",
                           "mxfp4_dequant",
                           "pair_order", "expert_rows",

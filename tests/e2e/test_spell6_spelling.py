@@ -20,9 +20,12 @@ switched to another spelling of the same math: the causes.
   `conv1d(padding=K-1)` with the causal outputs sliced out -> the unpadded conv; before it, probe
   `conv_valid`) and `qkv_split` taking the output cut by `unflatten(-1, (3, H, D)).unbind(2)`
   (before it, probe `conv_split`: `split`). Both were needed.
-* mla_q_absorb / mla_decode / mla_uv_gate (2, 3): both needed: the cache row written by `scatter_`
-  through a flat [slots*L, R] view (`mla_index_put`), and `F.scaled_dot_product_attention` over
-  per-head K/V expanded through kv_b (`mla_explicit`).
+* mla_q_absorb / mla_decode / mla_uv_gate (2, 3): both probes were needed: the cache row written
+  by `scatter_` through a flat [slots*L, R] view (`mla_index_put`), and
+  `F.scaled_dot_product_attention` over per-head K/V expanded through kv_b (`mla_explicit`).
+  Closed in fp32 (session 24) by rule `scatter_rows` taking the [B, T] mapping viewed [N, 1] and
+  new rule `sdpa_math` (SDPA's math decomposition -> the explicit attention). Open in bf16:
+  SDPA's math path upcasts q, k, v and scores in fp32, not the canonical bf16 products.
 * moe_route (1-3): closed by rule `route_mask` (session 23): the unbiased weights through a
   `torch.where` over a boolean top-k mask on the dense [N, E] row (probe `route_gather`).
 * moe_experts (1-3): two causes, both closed. The nibbles unpacked by `repeat_interleave(2)`
@@ -56,7 +59,9 @@ _MLA = {"mla_q_absorb": 1, "mla_decode": 1, "mla_uv_gate": 1}
 _MOE = {"moe_experts": 1}
 # layer -> the built-in plan's ops this spelling's plan lacks (a layer not named: none)
 _LOST = {0: _KDA, 1: _KDA, 2: _MLA, 3: _MLA}
-LOST = {torch.float32: _LOST, torch.bfloat16: _LOST}
+# fp32: the MLA trio fuses (rules scatter_rows' grid index, sdpa_math); bf16: SDPA's math path
+# scores in fp32 from bf16 q, k, v, which mla_absorb does not take as bf16 MLA (other roundings)
+LOST = {torch.float32: {0: _KDA, 1: _KDA}, torch.bfloat16: _LOST}
 # (pattern, dtype) whose loss must come with a near miss in that layer naming a node
 DIAGNOSED = (("kda_decode", torch.float32),)
 
