@@ -28,7 +28,7 @@ from k3compile.rewrite import inductor
 ORDER: tuple[str, ...] = ("scatter_rows", "paged_write", "token_dim", "state_write", "mla_absorb",
                           "mla_absorbed", "nibble_unpack",
                           "mxfp4_dequant", "expert_slots", "expert_gather", "expert_stack", "expert_gemm",
-                          "expert_split", "expert_combine", "gemm", "conv_crop", "short_conv",
+                          "expert_split", "expert_combine", "gemm", "lowrank_view", "conv_crop", "short_conv",
                           "conv_einsum", "qkv_split", "rms_forms", "l2_norm", "sigmoid", "situ_forms",
                           "bias_view",
                           "delta_einsum", "heads_first",
