@@ -36,7 +36,8 @@ the same math:
   is taken since delta_einsum's sum read; what stays is the three short convs over three conv
   state buffers ([slots, W, taps-1] each): near miss "permute where the pattern expects getitem"
   (the pattern cuts q, k, v from one conv over one [slots, 3W, taps-1] buffer, and rule
-  `conv_merge` merges only slices of one buffer). Three buffers are a layout of the caller's
+  `conv_merge` merges only slices of one buffer). Probe `one_conv_state` (one q|k|v conv over
+  one buffer) brings it back (`PROBE_FIXES`). Three buffers are a layout of the caller's
   state: a kda_decode variant taking three conv states (op, reference, pattern; a kernel build).
 * moe_experts (1-3): not bisected.
 """
@@ -118,6 +119,7 @@ PROBE_FIXES = {
     "rows": (("rows",), {**{n: ("moe_front", "moe_route", "norm_linear", "stream_fork",
                                 "attn_res_mix_norm", "oproj_attn_res_mix_norm") for n in (1, 2, 3)},
                          -1: ("attn_res_mix_norm", "linear")}),
+    "kda": (("one_conv_state",), {n: ("fb_kda_decode",) for n in (0, 1)}),
 }
 
 
