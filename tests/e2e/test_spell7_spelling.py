@@ -25,6 +25,9 @@ Causes (docs/spell7_spelling.md; probes `Spell7K3.set_probe`):
   `cache_index_copy` alone does not bring it back).
 * fb_kda_decode + linear_concat[kda] (0, 1): not closed, not bisected: probe `add_outer` (the
   rank-1 update without `baddbmm`) alone does not bring it back, nor do all probes together.
+  Session 24 (helper kdagaps): rule `baddbmm_split` takes the `baddbmm` (the first near miss is
+  now the decay on flat [N, H, d] tokens viewed to [B, T, H, d]); left: the flat tokens, the
+  V-major state buffer, and (linear_concat) the one in-proj GEMM cut by `narrow` on [N, D] rows.
 * moe_experts (1-3): not closed: the nibbles by a broadcast shift `packed[..., None] >> [0, 4]`
   (rule `mxfp4_dequant` does not read it) and the pairs sorted by `argsort`; probes
   `nibble_stack` and `pairs_unsorted`, alone or together, do not bring it back.
