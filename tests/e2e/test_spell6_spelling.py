@@ -33,8 +33,14 @@ switched to another spelling of the same math: the causes.
   (`repeat_interleave` of z, the flat ids, an `index_add_` finalize): rule `expert_rows` (session
   24, helper dispatch) proves them the k slots at once; probe `moe_nk` (the slots [N, k] with a
   sum finalize) restored the op before it and still does.
-* fb_kda_decode (0, 1): not closed by the KDA probes together; near miss: the delta rule on
-  [B*H, V, K] rows (`flatten(0, 1)` of the state read).
+* fb_kda_decode (0, 1): not closed. Bisected (session 24, helper kdagaps): probes `kda_heads`
+  (the delta rule on [B, H, ., .], no `flatten(0, 1)` to [B*H] rows, the rank-1 write a broadcast
+  product instead of `baddbmm`) and `kda_kmajor` (the state buffer K-major) together bring it
+  back, with rules `head_split` (the decay and the gate computed on [B, T, H*K] and split into
+  heads at the end), `unbind_split` (q|k|v by `unflatten(-1, (3, H, K)).unbind(2)`),
+  `norm_square` (`vector_norm(x).square()`) and delta_einsum's sum read (`(S * x[..., None])
+  .sum(-2)`), all session 24. Open: the [B*H] rows with `baddbmm`, and the V-major state buffer
+  [S, H, V, K] (a layout of the caller's buffer: needs a kda_decode variant).
 """
 
 from __future__ import annotations
@@ -121,8 +127,10 @@ def test_lost_fusions_have_a_near_miss_naming_a_node(pattern, dtype, request):
 # probes are needed (either alone restores nothing). The gaps closed by rules (situ_forms:
 # `situ_div`; route_mask: `route_gather`; conv_crop + qkv_split: `conv_valid` + `conv_split`)
 # need no probe any more; moe_experts' probe restores it since rule nibble_unpack (and
-# expert_rows now restores it without the probe).
+# expert_rows now restores it without the probe); the KDA probes restore fb_kda_decode only since
+# session 24's rules (head_split, unbind_split, ...).
 PROBE_FIXES = {
+    "kda": (("kda_heads", "kda_kmajor"), {n: tuple(_KDA) for n in (0, 1)}),
     "mla": (("mla_index_put", "mla_explicit"), {n: tuple(_MLA) for n in (2, 3)}),
     "moe_experts": (("moe_nk",), {n: tuple(_MOE) for n in (1, 2, 3)}),
 }

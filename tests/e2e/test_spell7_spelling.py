@@ -26,6 +26,9 @@ Causes (docs/spell7_spelling.md; probes `Spell7K3.set_probe`):
   (not asserted here: the tokens are read as B·T one-row requests; docs/spell7_spelling.md).
 * fb_kda_decode + linear_concat[kda] (0, 1): not closed, not bisected: probe `add_outer` (the
   rank-1 update without `baddbmm`) alone does not bring it back, nor do all probes together.
+  Session 24 (helper kdagaps): rule `baddbmm_split` takes the `baddbmm` (the first near miss is
+  now the decay on flat [N, H, d] tokens viewed to [B, T, H, d]); left: the flat tokens, the
+  V-major state buffer, and (linear_concat) the one in-proj GEMM cut by `narrow` on [N, D] rows.
 * moe_experts (1-3): closed (session 24, helper dispatch) by rules `pair_order` (the pairs
   sorted by `argsort`, token `order // k`, put back in token order: the sort's indices are a
   permutation and everything computed from them is row-wise) and `expert_rows` (the pairs in
