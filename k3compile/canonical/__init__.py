@@ -29,12 +29,16 @@ ORDER: tuple[str, ...] = ("scatter_rows", "paged_write", "token_dim", "state_wri
                           "mla_absorbed", "nibble_unpack",
                           "mxfp4_dequant", "expert_slots", "expert_gather", "expert_stack", "expert_gemm",
                           "expert_split", "expert_combine", "gemm", "conv_crop", "short_conv",
-                          "conv_einsum", "qkv_split", "rms_forms", "l2_norm", "sigmoid", "situ_forms",
+                          "conv_einsum", "qkv_split",
+                          "square",
+                          "rms_forms", "l2_norm", "sigmoid", "situ_forms",
                           "bias_view",
                           "delta_einsum", "heads_first",
                           "norm_round", "conv_merge", "gate_up_split",
                           "depth_mix_scores", "depth_mix", "slice_split", "group_limit", "noop_view", "cast_view",
-                          "broadcast", "topk_sorted", "route_mask", "view_chains", "view_add", "reshape_fold",
+                          "broadcast",
+                          "take_along",
+                          "topk_sorted", "route_mask", "view_chains", "view_add", "reshape_fold",
                           "stack_cat", "router_input", "permute_fold")
 
 
