@@ -66,6 +66,18 @@ from torch import nn
 
 PREFIX = "language_model."
 
+# Idioms `Spell9K3.set_probe` switches to another spelling of the same math, to bisect a lost
+# fusion (added after the blind commit; the default path is the blind one):
+# linear: Dense weights stored [out, in] (torch's layout) and applied by `F.linear`;
+# einsum_kda: the delta rule as ellipsis einsums over [B, H, ...] (no vmap);
+# einsum_experts: the experts' GEMMs as einsums over [N, k, ...] (no vmap);
+# gather: `torch.gather` for `take_along_dim`;
+# cache_inplace: the MLA cache row written in place (`index_put_`) before the rows are read;
+# pow: the norms' mean of `x.pow(2)` for `x * x`;
+# ffn_flat: the FFN (dense or MoE) on tokens flattened [B*T, D] (no unit T dim at T = 1).
+PROBES = ("linear", "einsum_kda", "einsum_experts", "gather", "cache_inplace", "pow", "ffn_flat")
+_probes: frozenset = frozenset()  # the probes of the step being traced (set by `forward`)
+
 
 @dataclasses.dataclass(frozen=True)
 class Policy:
@@ -104,6 +116,17 @@ class ParamTree(nn.Module):
         return {**dict(self.named_parameters()), **dict(self.named_buffers())}
 
 
+def kernel(p: dict, name: str):
+    """The Dense kernel [in, out] (a transposed view where the probe `linear` stores [out, in])."""
+    w = p[name + ".kernel"]
+    return w.t() if "linear" in _probes else w
+
+
+def dense(x, p: dict, name: str):
+    w = p[name + ".kernel"]
+    return F.linear(x, w) if "linear" in _probes else x @ w
+
+
 def subtree(p: dict, prefix: str) -> dict:
     n = len(prefix) + 1
     return {k[n:]: v for k, v in p.items() if k.startswith(prefix + ".")}
@@ -123,7 +146,8 @@ def scan(cell, carry, xs):
 
 def rms_norm(policy, x, scale, eps):
     x = policy.cast_to_compute(x)
-    y = x * torch.rsqrt(torch.mean(x * x, -1, keepdim=True) + eps)
+    y = x * torch.rsqrt(torch.mean(x.pow(2) if "pow" in _probes else x * x, -1, keepdim=True)
+                        + eps)
     if scale is not None:
         y = y * policy.cast_to_compute(scale)
     return policy.cast_to_output(y)
@@ -152,7 +176,7 @@ def attn_res(policy, p, prefix, bank, n, eps):
     src = torch.cat([bank.narrow(-2, 0, n), prefix.unsqueeze(-2)], -2)
     src = policy.cast_to_compute(src)
     normed = src * torch.rsqrt(torch.mean(src * src, -1, keepdim=True) + eps)
-    query = policy.cast_to_compute(p["norm.scale"]) * policy.cast_to_compute(p["query.kernel"][:, 0])
+    query = policy.cast_to_compute(p["norm.scale"]) * policy.cast_to_compute(kernel(p, "query")[:, 0])
     scores = torch.einsum("...sd,d->...s", normed, query)
     alpha = torch.softmax(scores, -1)
     return policy.cast_to_output(torch.einsum("...s,...sd->...d", alpha, src))
@@ -182,10 +206,10 @@ def kda_step(policy, cfg, p, x, state):
     """x [B, T, D]; state (conv window [B, K-1, 3W], S [B, H, K, V] fp32) -> (y, new state)."""
     H, dk = cfg.kda_num_heads, cfg.kda_head_dim
     W = H * dk
-    q, k, v = x @ p["wq.kernel"], x @ p["wk.kernel"], x @ p["wv.kernel"]
-    g2 = x @ p["wg.kernel"]
-    graw = (x @ p["wf_a.kernel"]) @ p["wf_b.kernel"]
-    b = x @ p["wb.kernel"]
+    q, k, v = dense(x, p, "wq"), dense(x, p, "wk"), dense(x, p, "wv")
+    g2 = dense(x, p, "wg")
+    graw = dense(dense(x, p, "wf_a"), p, "wf_b")
+    b = dense(x, p, "wb")
     taps = torch.cat([p[f"{s}_conv.kernel"][:, 0] for s in "qkv"], -1)  # [K, 3W]
 
     graw = policy.cast_to_compute(graw).unflatten(-1, (H, dk))
@@ -202,38 +226,48 @@ def kda_step(policy, cfg, p, x, state):
         qt, kt, vt = (policy.cast_to_compute(t).unflatten(-1, (H, dk)) for t in y.split(W, -1))
         qt = l2_normalize(qt, cfg.l2norm_eps) * dk ** -0.5
         kt = l2_normalize(kt, cfg.l2norm_eps)
-        o, S = delta_rule(S, qt, kt, vt, alpha_t, beta_t)
+        if "einsum_kda" in _probes:
+            S = alpha_t.unsqueeze(-1) * S
+            u = beta_t.unsqueeze(-1) * (vt - torch.einsum("...hk,...hkv->...hv", kt, S))
+            S = S + torch.einsum("...hk,...hv->...hkv", kt, u)
+            o = torch.einsum("...hk,...hkv->...hv", qt, S)
+        else:
+            o, S = delta_rule(S, qt, kt, vt, alpha_t, beta_t)
         return (win[:, 1:], S), o
 
     new_state, o = scan(cell, state, (torch.cat([q, k, v], -1), alpha, beta))
     o = rms_norm(policy, o, p["o_norm.scale"], cfg.rms_norm_eps)
     o = o * torch.sigmoid(g2.unflatten(-1, (H, dk)))
-    return o.flatten(-2) @ p["wo.kernel"], new_state
+    return dense(o.flatten(-2), p, "wo"), new_state
 
 
 # ---------------------------------------------------------------------------------------- MLA
 
 
-def mla_step(policy, cfg, p, x, rows, positions):
-    """x [B, T, D]; rows: the requests' cache block [B, L, C+R] -> (y, updated block)."""
+def mla_step(policy, cfg, p, x, cache, slots, positions):
+    """x [B, T, D]; cache [slots, L, C+R] -> (y, the requests' updated block [B, L, C+R])."""
     H, C, R = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
     n, dv = cfg.qk_nope_head_dim, cfg.v_head_dim
-    B, T, L = x.shape[0], x.shape[1], rows.shape[1]
-    cq = rms_norm(policy, x @ p["wq_a.kernel"], p["q_norm.scale"], cfg.mla_norm_eps)
-    ckv = x @ p["wkv_a.kernel"]
+    B, T, L = x.shape[0], x.shape[1], cache.shape[1]
+    cq = rms_norm(policy, dense(x, p, "wq_a"), p["q_norm.scale"], cfg.mla_norm_eps)
+    ckv = dense(x, p, "wkv_a")
     c_kv = rms_norm(policy, ckv[..., :C], p["kv_norm.scale"], cfg.mla_norm_eps)
     k_pe = ckv[..., C:]
-    q = (cq @ p["wq_b.kernel"]).unflatten(-1, (H, n + R))
+    q = dense(cq, p, "wq_b").unflatten(-1, (H, n + R))
     q_nope, q_pe = q[..., :n], q[..., n:]
-    g = x @ p["wg.kernel"]
+    g = dense(x, p, "wg")
 
-    kv_b = p["wkv_b.kernel"].unflatten(-1, (H, n + dv))  # [C, H, n + v]
+    kv_b = kernel(p, "wkv_b").unflatten(-1, (H, n + dv))  # [C, H, n + v]
     w_uk, w_uv = kv_b[..., :n], kv_b[..., n:]
     q_lat = torch.einsum("...hn,chn->...hc", q_nope, w_uk)
 
     pos_q = positions[:, None] + torch.arange(T, device=x.device)  # [B, T]
     batch = torch.arange(B, device=x.device)[:, None].expand(B, T)
-    rows = torch.index_put(rows, (batch, pos_q), torch.cat([c_kv, k_pe], -1))
+    if "cache_inplace" in _probes:
+        cache.index_put_((slots[:, None].expand(B, T), pos_q), torch.cat([c_kv, k_pe], -1))
+        rows = cache[slots]
+    else:
+        rows = torch.index_put(cache[slots], (batch, pos_q), torch.cat([c_kv, k_pe], -1))
 
     scores = torch.einsum("b...hr,blr->b...hl", torch.cat([q_lat, q_pe], -1), rows)
     scores = policy.cast_to_compute(scores) * (n + R) ** -0.5
@@ -243,7 +277,7 @@ def mla_step(policy, cfg, p, x, rows, positions):
     o_lat = torch.einsum("b...hl,blc->b...hc", policy.cast_to_output(probs), rows[..., :C])
     o = torch.einsum("...hc,chv->...hv", o_lat, w_uv).flatten(-2)
     o = o * torch.sigmoid(g)
-    return o @ p["wo.kernel"], rows
+    return dense(o, p, "wo"), rows
 
 
 # ---------------------------------------------------------------------------------------- MoE
@@ -270,13 +304,17 @@ def mxfp4_decode(packed, scale):
 def moe_step(policy, cfg, p, x):
     """x [..., D] -> [..., D]."""
     b1, b2, k = cfg.situ_beta, cfg.situ_linear_beta, cfg.num_experts_per_token
-    logits = policy.cast_to_compute(x) @ policy.cast_to_compute(p["router.kernel"])
+    logits = dense(policy.cast_to_compute(x), {k: policy.cast_to_compute(v) for k, v in p.items()
+                                                  if k.startswith("router.")}, "router")
     scores = torch.sigmoid(logits)
     _, idx = torch.topk(scores + policy.cast_to_compute(p["router.bias"]), k, -1)
-    w = torch.take_along_dim(scores, idx, -1)
+    if "gather" in _probes:
+        w = torch.gather(scores, -1, idx)
+    else:
+        w = torch.take_along_dim(scores, idx, -1)
     w = w / (w.sum(-1, keepdim=True) + 1e-20) * cfg.routed_scaling_factor
 
-    z = x @ p["latent_down.kernel"]
+    z = dense(x, p, "latent_down")
     flat_z, flat_idx = z.reshape(-1, z.shape[-1]), idx.reshape(-1, k)
     w1, w3, w2 = (
         mxfp4_decode(p[f"experts.{m}.packed"][flat_idx], p[f"experts.{m}.scale"][flat_idx])
@@ -285,19 +323,24 @@ def moe_step(policy, cfg, p, x):
     def expert(w1, w3, w2, z):
         return w2 @ situ(policy, w1 @ z, w3 @ z, b1, b2)
 
-    ys = torch.vmap(torch.vmap(expert, in_dims=(0, 0, 0, None)))(w1, w3, w2, flat_z)
+    if "einsum_experts" in _probes:
+        h = situ(policy, torch.einsum("nkil,nl->nki", w1, flat_z),
+                 torch.einsum("nkil,nl->nki", w3, flat_z), b1, b2)
+        ys = torch.einsum("nkli,nki->nkl", w2, h)
+    else:
+        ys = torch.vmap(torch.vmap(expert, in_dims=(0, 0, 0, None)))(w1, w3, w2, flat_z)
     ys = ys.reshape(*idx.shape, -1)
     u = torch.einsum("...k,...kd->...d", w, policy.cast_to_compute(ys))
     u = rms_norm(policy, u, p["latent_norm.scale"], cfg.rms_norm_eps)
-    routed = u @ p["latent_up.kernel"]
-    shared = situ(policy, x @ p["shared.gate.kernel"], x @ p["shared.up.kernel"], b1, b2)
-    return routed + shared @ p["shared.down.kernel"]
+    routed = dense(u, p, "latent_up")
+    shared = situ(policy, dense(x, p, "shared.gate"), dense(x, p, "shared.up"), b1, b2)
+    return routed + dense(shared, p, "shared.down")
 
 
 def dense_step(policy, cfg, p, x):
-    h = situ(policy, x @ p["gate.kernel"], x @ p["up.kernel"], cfg.situ_beta,
+    h = situ(policy, dense(x, p, "gate"), dense(x, p, "up"), cfg.situ_beta,
              cfg.situ_linear_beta)
-    return h @ p["down.kernel"]
+    return dense(h, p, "down")
 
 
 # -------------------------------------------------------------------------------------- model
@@ -309,11 +352,23 @@ class Spell9K3(nn.Module):
         self.cfg, self.policy = cfg, Policy(dtype)
         self.params = ParamTree(params)
         self.cache = ParamTree(cache, buffers=True)
+        self.probes = frozenset()
+
+    def set_probe(self, *probes):
+        assert set(probes) <= set(PROBES), probes
+        if "linear" in probes and "linear" not in self.probes:
+            for name, w in self.params.named_parameters():
+                if name.endswith(".kernel") and w.dim() == 2:
+                    w.data = w.data.t().contiguous()
+        self.probes = frozenset(probes)
+        return self
 
     def is_mla(self, i):
         return i in self.cfg.full_attn_layers
 
     def forward(self, input_ids, positions, slots=None):
+        global _probes
+        _probes = self.probes
         cfg, policy = self.cfg, self.policy
         p, cache = self.params.flat(), self.cache.flat()
         rows = input_ids.dim() == 2
@@ -339,7 +394,9 @@ class Spell9K3(nn.Module):
             ap = subtree(lp, "attn")
             if self.is_mla(i):
                 key = f"layers.{i}.attn.kv_cache"
-                a, new_cache[key] = mla_step(policy, cfg, ap, x, cache[key][slots], positions)
+                a, rows_ = mla_step(policy, cfg, ap, x, cache[key], slots, positions)
+                if "cache_inplace" not in _probes:
+                    new_cache[key] = rows_
             else:
                 keys = (f"layers.{i}.attn.conv_state", f"layers.{i}.attn.recurrent_state")
                 state = tuple(cache[key][slots] for key in keys)
@@ -349,12 +406,15 @@ class Spell9K3(nn.Module):
             h2 = attn_res(policy, subtree(lp, "ffn_res"), prefix, bank, n + write, eps)
             x2 = rms_norm(policy, h2, lp["ffn_norm.scale"], eps)
             fp = subtree(lp, "ffn")
-            delta = dense_step(policy, cfg, fp, x2) if i < cfg.first_k_dense_replace else \
-                moe_step(policy, cfg, fp, x2)
+            ffn = dense_step if i < cfg.first_k_dense_replace else moe_step
+            if "ffn_flat" in _probes:
+                delta = ffn(policy, cfg, fp, x2.flatten(0, 1)).view_as(x2)
+            else:
+                delta = ffn(policy, cfg, fp, x2)
 
         prefix = prefix + delta
         h = attn_res(policy, subtree(p, "final_res"), prefix, bank, nb, eps)
-        logits = rms_norm(policy, h, p["final_norm.scale"], eps) @ p["lm_head.kernel"]
+        logits = dense(rms_norm(policy, h, p["final_norm.scale"], eps), p, "lm_head")
         for key, value in new_cache.items():
             cache[key].index_copy_(0, slots, value.to(cache[key].dtype))
         return logits if rows else logits[:, 0]
