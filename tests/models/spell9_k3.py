@@ -75,7 +75,11 @@ PREFIX = "language_model."
 # cache_inplace: the MLA cache row written in place (`index_put_`) before the rows are read;
 # pow: the norms' mean of `x.pow(2)` for `x * x`;
 # ffn_flat: the FFN (dense or MoE) on tokens flattened [B*T, D] (no unit T dim at T = 1).
-PROBES = ("linear", "einsum_kda", "einsum_experts", "gather", "cache_inplace", "pow", "ffn_flat")
+# conv_outside: the short conv over all T before the recurrence's scan (`unfold(1, K, 1)` of the
+# time-major window times the taps, summed), not one token at a time inside the cell;
+# rows: the AttnRes mixes and the norms after them on tokens flattened [B*T, ...].
+PROBES = ("linear", "einsum_kda", "einsum_experts", "gather", "cache_inplace", "pow", "ffn_flat",
+          "conv_outside", "rows")
 _probes: frozenset = frozenset()  # the probes of the step being traced (set by `forward`)
 
 
@@ -182,6 +186,18 @@ def attn_res(policy, p, prefix, bank, n, eps):
     return policy.cast_to_output(torch.einsum("...s,...sd->...d", alpha, src))
 
 
+def mix_norm(policy, p, prefix, bank, n, scale, eps):
+    """RMSNorm(attn_res(...)); probe `rows`: on the tokens flattened [B*T, ...]."""
+    if "rows" in _probes:
+        rows = mix_norm_rows(policy, p, prefix.flatten(0, 1), bank.flatten(0, 1), n, scale, eps)
+        return rows.view_as(prefix)
+    return mix_norm_rows(policy, p, prefix, bank, n, scale, eps)
+
+
+def mix_norm_rows(policy, p, prefix, bank, n, scale, eps):
+    return rms_norm(policy, attn_res(policy, p, prefix, bank, n, eps), scale, eps)
+
+
 def bank_set(bank, j, value):
     """bank.at[..., j, :].set(value), out of place."""
     index = torch.tensor([j], device=bank.device)
@@ -218,11 +234,20 @@ def kda_step(policy, cfg, p, x, state):
     alpha = torch.exp(cfg.gate_lower_bound * torch.sigmoid(torch.exp(a_log)[:, None] * (graw + dt)))
     beta = torch.sigmoid(policy.cast_to_compute(b))
 
+    qkv = torch.cat([q, k, v], -1)
+    if "conv_outside" in _probes:  # the conv over all T before the scan, spell5's accepted form
+        window = torch.cat([state[0], qkv], 1)  # [B, K-1+T, 3W]
+        conv = F.silu((window.unfold(1, taps.shape[0], 1) * taps.t()).sum(-1))  # [B, T, 3W]
+        state, qkv = (None, state[1]), conv
+
     def cell(carry, inputs):
         window, S = carry
         qkv_t, alpha_t, beta_t = inputs
-        win = torch.cat([window, qkv_t.unsqueeze(1)], 1)
-        y = F.silu(torch.einsum("bkc,kc->bc", win, taps))
+        if window is None:
+            win, y = None, qkv_t
+        else:
+            win = torch.cat([window, qkv_t.unsqueeze(1)], 1)
+            y = F.silu(torch.einsum("bkc,kc->bc", win, taps))
         qt, kt, vt = (policy.cast_to_compute(t).unflatten(-1, (H, dk)) for t in y.split(W, -1))
         qt = l2_normalize(qt, cfg.l2norm_eps) * dk ** -0.5
         kt = l2_normalize(kt, cfg.l2norm_eps)
@@ -233,9 +258,11 @@ def kda_step(policy, cfg, p, x, state):
             o = torch.einsum("...hk,...hkv->...hv", qt, S)
         else:
             o, S = delta_rule(S, qt, kt, vt, alpha_t, beta_t)
-        return (win[:, 1:], S), o
+        return (None if win is None else win[:, 1:], S), o
 
-    new_state, o = scan(cell, state, (torch.cat([q, k, v], -1), alpha, beta))
+    new_state, o = scan(cell, state, (qkv, alpha, beta))
+    if "conv_outside" in _probes:
+        new_state = (window[:, -(taps.shape[0] - 1):], new_state[1])
     o = rms_norm(policy, o, p["o_norm.scale"], cfg.rms_norm_eps)
     o = o * torch.sigmoid(g2.unflatten(-1, (H, dk)))
     return dense(o.flatten(-2), p, "wo"), new_state
@@ -389,8 +416,8 @@ class Spell9K3(nn.Module):
                 prefix = prefix + delta
             if write:
                 bank = bank_set(bank, i // bs, prefix)
-            h = attn_res(policy, subtree(lp, "attn_res"), prefix, bank, n, eps)
-            x = rms_norm(policy, h, lp["attn_norm.scale"], eps)
+            x = mix_norm(policy, subtree(lp, "attn_res"), prefix, bank, n, lp["attn_norm.scale"],
+                         eps)
             ap = subtree(lp, "attn")
             if self.is_mla(i):
                 key = f"layers.{i}.attn.kv_cache"
@@ -403,8 +430,8 @@ class Spell9K3(nn.Module):
                 a, new_state = kda_step(policy, cfg, ap, x, state)
                 new_cache.update(zip(keys, new_state))
             prefix = a if write else prefix + a
-            h2 = attn_res(policy, subtree(lp, "ffn_res"), prefix, bank, n + write, eps)
-            x2 = rms_norm(policy, h2, lp["ffn_norm.scale"], eps)
+            x2 = mix_norm(policy, subtree(lp, "ffn_res"), prefix, bank, n + write,
+                          lp["ffn_norm.scale"], eps)
             fp = subtree(lp, "ffn")
             ffn = dense_step if i < cfg.first_k_dense_replace else moe_step
             if "ffn_flat" in _probes:
@@ -413,8 +440,8 @@ class Spell9K3(nn.Module):
                 delta = ffn(policy, cfg, fp, x2)
 
         prefix = prefix + delta
-        h = attn_res(policy, subtree(p, "final_res"), prefix, bank, nb, eps)
-        logits = dense(rms_norm(policy, h, p["final_norm.scale"], eps), p, "lm_head")
+        h = mix_norm(policy, subtree(p, "final_res"), prefix, bank, nb, p["final_norm.scale"], eps)
+        logits = dense(h, p, "lm_head")
         for key, value in new_cache.items():
             cache[key].index_copy_(0, slots, value.to(cache[key].dtype))
         return logits if rows else logits[:, 0]
