@@ -35,7 +35,7 @@ ORDER: tuple[str, ...] = ("scatter_rows", "paged_write", "token_dim", "state_wri
                           "norm_round", "conv_merge", "gate_up_split",
                           "depth_mix_scores", "depth_mix", "slice_split", "group_limit", "noop_view", "cast_view",
                           "broadcast", "topk_sorted", "route_mask", "view_chains", "view_add", "reshape_fold",
-                          "stack_cat", "router_input", "permute_fold")
+                          "stack_cat", "token_rows", "router_input", "permute_fold")
 
 
 @dataclasses.dataclass(frozen=True)
