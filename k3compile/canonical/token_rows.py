@@ -324,6 +324,10 @@ class Rows:
             pass
         elif not _pointwise(t) and not (t in FULL_REDUCTIONS and _shape(n) == ()):
             raise _Refused
+        if t == aten.bmm.default:
+            linear = self._linear(n)
+            if linear is not None:
+                return linear
         if all(self.rows[a] is a for a in ins):
             return n
         if t in ASSERTS:  # a check: no value to compute
@@ -333,6 +337,31 @@ class Rows:
             self.created.append(node)
             return node
         return self._new(t, *mapped, n, n)
+
+    def _linear(self, bmm: fx.Node) -> fx.Node | None:
+        """bmm(rows [1, N, K], W [1, K, M]) where W is the transpose of a 2-D value w [M, K]
+        (an einsum against a weight computed in the graph, `router.float()`, which rule `gemm`
+        leaves alone) -> view(mm(rows, permute(w, [1, 0])), [1, N, M]): the F.linear form, the
+        same products (None where W is not such a transpose)."""
+        x, w = bmm.args[:2]
+        chain, root = [], w
+        while root.op == "call_function" and root.target in VIEWS:
+            chain.append(root)
+            root = root.args[0]
+        (_, N, K), (_, _, M) = _shape(x), _shape(w)
+        if not chain or _shape(root) != (M, K) or _shape(x)[0] != 1 or _shape(w)[0] != 1:
+            return None
+        with unset_fake_temporarily():
+            ids = torch.arange(M * K).view(M, K)
+            got = ids
+            for node in reversed(chain):
+                got = node.target(got, *node.args[1:], **node.kwargs)
+            if not torch.equal(got, ids.t().unsqueeze(0)):
+                return None
+        rows = self.view(self.rows[x], [N, K], bmm, bmm)
+        weight = self._new(aten.permute.default, (root, [1, 0]), {}, bmm, bmm)
+        mm = self._new(aten.mm.default, (rows, weight), {}, bmm, bmm)
+        return self._new(aten.view.default, (mm, [1, N, M]), {}, bmm, bmm)
 
     # ---- the site --------------------------------------------------------------------------------
 
