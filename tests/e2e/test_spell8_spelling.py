@@ -16,7 +16,13 @@ the same math:
 
 * moe_front / moe_route / norm_linear and the shared experts' stream fork / join (1-3): the
   activations kept [B, T, D] with T = 1 for a single token (probe `rows`: [B*T, D] token rows);
-  moe_route's check wants logits [N, E] (near miss "logits (2, 1, 16) / bias (16,)").
+  moe_route's check wanted logits [N, E] (near miss "logits (2, 1, 16) / bias (16,)"). **Closed
+  by rule `token_rows`** (session 24): the FFN region from the norm's output to the FFN's output
+  is written on [B*T, ...] rows (bit for bit), and a batch-1 bmm against `router.float()` (bf16)
+  as the F.linear mm; all of these come back in fp32 and bf16. Still lost at 1-3: moe_experts
+  (the static loop over all experts weighted by a dense one-hot routing matrix; not a form the
+  expert rules know). Each expert's gate/up GEMMs now fuse as situ_gate_up (17 per MoE layer:
+  16 experts + the shared ones), which the built-in plan does not have (not counted as lost).
 * attn_res_mix_norm / oproj_attn_res_mix_norm (every layer, final) and the final linear: two
   causes. The depth mix stacks on dim 0 with its scores an einsum against the folded `w_norm *
   w_proj[0]`, which rule `depth_mix` leaves alone: closed by the new rule `depth_mix_scores`
@@ -29,7 +35,7 @@ the same math:
   (K and V decompressed from the latent cache per head, scores and softmax in fp32) fuses in
   fp32 (rule `mla_absorb` takes it) but not in bf16: decompressing K / V in bf16 rounds what the
   absorbed form never rounds, so the two are not the same values there (not bisected further).
-* fb_kda_decode / linear_concat (0, 1), moe_experts (1-3), the final linear: not bisected.
+* fb_kda_decode / linear_concat (0, 1), moe_experts (1-3): not bisected.
 """
 
 from __future__ import annotations
