@@ -46,7 +46,8 @@ from torch import fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from k3compile.canonical import Rule
-from k3compile.canonical.region import VIEWS, shape as _shape
+from k3compile.canonical.region import VIEWS
+from k3compile.canonical.region import shape as _shape
 from k3compile.canonical.token_dim import POINTWISE
 from k3compile.graph import call, fake_value
 
@@ -84,9 +85,8 @@ def _varying(graph: fx.Graph) -> set[fx.Node]:
     out = set()
     for n in graph.nodes:
         v = n.meta.get("val")
-        if n.op == "placeholder" and isinstance(v, torch.Tensor) and v.dtype in _INDEX_DTYPES:
-            out.add(n)
-        elif any(a in out for a in n.all_input_nodes):
+        index = n.op == "placeholder" and isinstance(v, torch.Tensor) and v.dtype in _INDEX_DTYPES
+        if index or any(a in out for a in n.all_input_nodes):
             out.add(n)
     return out
 
@@ -173,7 +173,7 @@ class Rows:
     def _new(self, target, args, kwargs, like: fx.Node, before: fx.Node) -> fx.Node:
         try:
             fake_value(target, tuple(args), kwargs)
-        except Exception as e:  # noqa: BLE001 (the op refuses the rows' shapes)
+        except Exception as e:  # the op refuses the rows' shapes or dtypes
             raise _Refused from e
         with self.graph.inserting_before(before):
             node = call(self.graph, target, tuple(args), kwargs, like=like)
@@ -460,5 +460,5 @@ def apply(graph: fx.Graph) -> int:
 
 
 RULE = Rule("token_rows", apply,
-            "an FFN on [B, T, D] token tensors (T = 1: one token) -> the same FFN on [B*T, D] rows, "
-            "viewed back to [B, T, D] at its one exit")
+            "an FFN on [B, T, D] token tensors (T = 1: one token) -> the same FFN on [B*T, D] "
+            "rows, viewed back to [B, T, D] at its one exit")

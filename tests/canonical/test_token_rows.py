@@ -34,7 +34,7 @@ def _g(seed):
     return torch.Generator().manual_seed(seed)
 
 
-# ---- spelling 2: [B, D] rows lifted to [B, 1, D] by `h[:, None]`, einsum "btd,ed->bte" --------------
+# ---- spelling 2: [B, D] rows lifted to [B, 1, D] by `h[:, None]`, einsum "btd,ed->bte" ---
 
 def _weights(seed=0):
     g = _g(seed)
@@ -42,9 +42,10 @@ def _weights(seed=0):
     def w(*shape):
         return torch.randn(*shape, generator=g) * shape[-1] ** -0.5
 
-    return dict(router=w(E, D), bias=0.1 * torch.randn(E, generator=g), down=w(Z, D),
-                w1=w(E, I, Z), w3=w(E, I, Z), w2=w(E, Z, I), norm=1 + 0.1 * torch.randn(Z, generator=g),
-                up=w(D, Z), sg=w(I, D), su=w(I, D), sd=w(D, I))
+    return {"router": w(E, D), "bias": 0.1 * torch.randn(E, generator=g), "down": w(Z, D),
+            "w1": w(E, I, Z), "w3": w(E, I, Z), "w2": w(E, Z, I),
+            "norm": 1 + 0.1 * torch.randn(Z, generator=g), "up": w(D, Z), "sg": w(I, D),
+            "su": w(I, D), "sd": w(D, I)}
 
 
 def _rms(x, w, eps=1e-6):
@@ -77,7 +78,7 @@ def _moe_rows_of(x, *weights):  # x [B, T, D] (verify rows)
     return _moe_tokens(x, *weights)
 
 
-# ---- spelling 1: spell8's modules ------------------------------------------------------------------
+# ---- spelling 1: spell8's modules ---------------------------------------------------------
 
 @functools.cache
 def _spell8_cfg():
