@@ -77,10 +77,11 @@ from k3compile.models import build_model, get_config
 from k3compile.models.hf_k3 import from_reference
 
 STACK_LAYERS = (1, 2, 3, 4)
-VARIANTS = ("eager", "inductor", "k3", "k3-novalidate", "k3-grouped", "k3-checkkernel")
+VARIANTS = ("eager", "inductor", "k3", "k3-novalidate", "k3-grouped", "k3-inductorcheck")
 # A/B variants of k3 (need k3 in --variants): k3-novalidate is `validate="off"` (the input
 # check's cost), k3-grouped `K3_MOE_GROUPED` (the routed experts by expert at 8-64 rows),
-# k3-checkkernel `K3_CHECK_KERNEL` (the input check as one CuTe launch; CUDA only). Each compiles
+# k3-inductorcheck `K3_CHECK_KERNEL=0` (the input check by Inductor, not the default CuTe launch;
+# CUDA only). Each compiles
 # and captures a step of its own (`own_backend`); a `kernels` variant that did not is an error.
 DEFAULT_VARIANTS = VARIANTS[:3]
 # A variant passes where, against an fp32 evaluation of the same weights and inputs, each output
@@ -674,13 +675,13 @@ def compiled_variants(args, device) -> dict[str, dict]:
                 out["k3-grouped"] = {**out["k3"], "label": "k3 K3_MOE_GROUPED",
                                      "backend": own_backend(backend),
                                      "kernels": {"moe_grouped": True}}
-            if "k3-checkkernel" in args.variants and device.type != "cuda":
-                out["k3-checkkernel"] = {"na": "n/a: K3_CHECK_KERNEL changes only the check of "
-                                               "CUDA inputs (CPU runs the torch reference)"}
-            elif "k3-checkkernel" in args.variants:
-                out["k3-checkkernel"] = {**out["k3"], "label": "k3 K3_CHECK_KERNEL",
-                                         "backend": own_backend(backend),
-                                         "kernels": {"check_kernel": True}}
+            if "k3-inductorcheck" in args.variants and device.type != "cuda":
+                out["k3-inductorcheck"] = {"na": "n/a: K3_CHECK_KERNEL changes only the check of "
+                                                 "CUDA inputs (CPU runs the torch reference)"}
+            elif "k3-inductorcheck" in args.variants:
+                out["k3-inductorcheck"] = {**out["k3"], "label": "k3 K3_CHECK_KERNEL=0",
+                                           "backend": own_backend(backend),
+                                           "kernels": {"check_kernel": False}}
     return out
 
 
@@ -688,22 +689,27 @@ def own_backend(backend):
     """`backend` as a callable of its own, for a variant that differs from k3 only in
     `settings.KERNELS`: torch.compile's backend wrappers compare equal for an equal backend and
     options, so Dynamo would hand the variant k3's compiled step from its cache (session 22:
-    k3-checkkernel at k3's kernel counts, "compile 0.0 s")."""
+    k3-checkkernel, then an A/B variant, at k3's kernel counts, "compile 0.0 s")."""
     return functools.partial(backend)
 
 
 def own_compile(spec: dict, entry: dict, redirects: dict) -> None:
     """Raise where a `kernels` variant, compiled here, did not compile a step of its own with its
-    settings: Dynamo made no graph (a cached one answered), or with `check_kernel` no step took
-    the CuTe input check (`redirects`: input_check's answers during the compile)."""
+    settings: Dynamo made no graph (a cached one answered), or `check_kernel` on and no step took
+    the CuTe input check, or off and one took it (`redirects`: input_check's answers during the
+    compile)."""
     if not spec.get("kernels"):
         return
     if entry["dynamo"]["graphs"] == 0:
         raise RuntimeError(f"{spec['label']}: Dynamo compiled no graph, a cached step answered "
                            "(its settings reached no compile)")
-    if spec["kernels"].get("check_kernel") and not redirects.get("kernel"):
+    check = spec["kernels"].get("check_kernel")
+    if check and not redirects.get("kernel"):
         raise RuntimeError(f"{spec['label']}: no step took the CuTe input check (input_check: "
                            f"{dict(redirects) or 'never asked: no device-side check'})")
+    if check is False and redirects.get("kernel"):
+        raise RuntimeError(f"{spec['label']}: a step took the CuTe input check with "
+                           f"K3_CHECK_KERNEL off (input_check: {dict(redirects)})")
 
 
 def shared(spec: dict, stack, bucket: Bucket):

@@ -43,15 +43,15 @@ SWITCHES: dict[str, tuple[str, str]] = {
                         "K3_KERNELS_EXTRA=moe_front_route)"), "0"),
     "K3_GEMV_FUSED": ("kernels: gemv's one-launch variants (`norm,situ,gate,split`, `all`, `0`)",
                       "norm,situ,gate,split"),
-    "K3_GEMM_TC_FUSED": (("kernels: gemm_tc's one-launch variants at 2-8 rows (`split,situ,norm`, "
+    "K3_GEMM_TC_FUSED": (("kernels: gemm_tc's one-launch variants at 2-32 rows (`split,situ,norm`, "
                           "`all`, `0`)"), "split,situ"),
     "K3_MOE_GROUPED": ("kernels: `moe_experts` by expert on tensor cores at 8-64 rows", "0"),
     "K3_MOE_F16": ("kernels: `moe_experts` FC1 decodes into packed fp16 math (fma.rn.f16x2)", "0"),
     "K3_KDA_FB": (("kernels: `fb_kda_decode` in one launch (the KDA kernel computes the f_b "
                    "projection itself; the default is the f_b GEMM, then the KDA kernel)"), "0"),
     "K3_CHECK_KERNEL": (("kernels: the device-side input check and redirect (`validate=device` on "
-                         "CUDA) as one CuTe kernel launch per step (the default is Inductor's "
-                         "1-5 kernels)"), "0"),
+                         "CUDA) as one CuTe kernel launch per step (`0`: Inductor's 1-5 "
+                         "kernels)"), "1"),
     "K3_KERNELS_EXTRA": (("kernels: also register these opt-in kernel modules (slower than the "
                           "default on the H200: moe_front_route, oproj_mix, moe_one_launch; no "
                           "faster: mla_q_absorb; docs/decisions.md)"), ""),
@@ -280,7 +280,7 @@ class KernelSettings:
     pdl: bool = True
     pdl_max_rows: int = 4
     gemv_fused: frozenset[str] = GEMV_DEFAULT
-    gemm_tc_fused: frozenset[str] = GEMM_TC_DEFAULT  # the composites' variants at 2-8 rows
+    gemm_tc_fused: frozenset[str] = GEMM_TC_DEFAULT  # the composites' variants at 2-32 rows
     extra: tuple[str, ...] = ()
     skip: tuple[str, ...] = ()
     allreduce: str | None = None
@@ -288,7 +288,7 @@ class KernelSettings:
     moe_grouped: bool = False  # moe_experts by expert at 8-64 rows (kernels/moe_experts.py)
     moe_f16: bool = False  # moe_experts FC1's packed fp16 decode (kernels/moe_experts.py)
     kda_fb: bool = False  # fb_kda_decode's one-launch build (kernels/fb_kda_decode.py)
-    check_kernel: bool = False  # validate's device check as one launch (kernels/input_check.py)
+    check_kernel: bool = True  # validate's device check as one launch (kernels/input_check.py)
     build_workers: int = 0  # a bucket's kernels built by a pool (kernels/common/build_pool.py);
     # from_env's default is `auto` (parse_workers)
 
@@ -308,7 +308,7 @@ class KernelSettings:
                    moe_grouped=bool(env_bool("K3_MOE_GROUPED")),
                    moe_f16=bool(env_bool("K3_MOE_F16")),
                    kda_fb=bool(env_bool("K3_KDA_FB")),
-                   check_kernel=bool(env_bool("K3_CHECK_KERNEL")),
+                   check_kernel=env_bool("K3_CHECK_KERNEL") is not False,
                    build_workers=parse_workers(env("K3_BUILD_WORKERS")))
 
     def fingerprint(self) -> list[str]:

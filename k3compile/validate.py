@@ -235,6 +235,8 @@ def _flat_uses(node: fx.Node, index: Any, source: Any, reach, callers) -> list[t
     if len(shape) < 3 or not all(isinstance(d, int) for d in shape) or flat != (
             shape[0] * shape[1], *shape[2:]):
         return []
+    while index.target in (aten.expand.default, aten.unsqueeze.default):  # a scatter's row index
+        index = index.args[0]  # (the flat mapping broadcast over the row: the same values)
     found = paged_write.slot_and_position(index, shape[1])
     if found is None:
         return []

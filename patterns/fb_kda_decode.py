@@ -90,7 +90,6 @@ def _variant(norm_fp32: bool, conv_time_major: bool = False) -> Pattern:
         replace=with_signature(lambda *a: replace(*a, *extra), NAMES),
         example_inputs=lambda dtype=torch.bfloat16: example_inputs(dtype, conv_time_major),
         op="k3.fb_kda_decode", check=check,
-        kernel_refusal=kda_decode.time_major_refusal if conv_time_major else None,
         scalars=dict(kda_decode.SCALARS), fake_trace=True, distinctive=("mm", "kda_decode"),
     )
 

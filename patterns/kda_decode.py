@@ -130,14 +130,6 @@ def time_major_check(match) -> str | None:
     return check(match, conv_time_major=True)
 
 
-def time_major_refusal(match) -> str | None:
-    """On GPU graphs a time-major site stays with Inductor until kda_decode's time-major build
-    (kernels/kda_decode.py, session 23) has passed its GPU tests: built for sm_90a, never run on
-    a GPU. CPU graphs fuse it (the reference is the CPU kernel). Once
-    tests/fusions/test_kda_decode_kernel.py's time-major cases pass on the H200, this goes."""
-    return "conv_time_major: kda_decode's time-major build has not run on a GPU yet"
-
-
 def check(match, conv_time_major: bool = False) -> str | None:
     for name in SCALARS:
         if not isinstance(match.kwargs[name], float):
@@ -245,7 +237,6 @@ def _variant(T: int, B: int, dtype: torch.dtype, silu_written_out: bool = False,
         if extra else replace,
         example_inputs=example_inputs, op="k3.kda_decode",
         check=time_major_check if conv_time_major else check, scalars=dict(SCALARS),
-        kernel_refusal=time_major_refusal if conv_time_major else None,
         distinctive=("convolution", "index_put", "bmm", "rsqrt"), joint_passes=True,
         fits=_fits(T, conv_time_major),
     )

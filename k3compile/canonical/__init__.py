@@ -25,16 +25,24 @@ from torch import fx
 
 from k3compile.rewrite import inductor
 
-ORDER: tuple[str, ...] = ("scatter_rows", "paged_write", "token_dim", "state_write", "mla_absorb",
+ORDER: tuple[str, ...] = ("scatter_rows", "paged_write", "token_dim", "state_write", "slot_mapping",
+                          "sdpa_math",
+                          "mla_absorb",
                           "mla_absorbed", "nibble_unpack",
-                          "mxfp4_dequant", "expert_slots", "expert_gather", "expert_stack", "expert_gemm",
-                          "expert_split", "expert_combine", "gemm", "conv_crop", "short_conv",
-                          "conv_einsum", "qkv_split", "rms_forms", "l2_norm", "sigmoid", "situ_forms",
-                          "bias_view",
-                          "delta_einsum", "heads_first",
+                          "mxfp4_dequant",
+                          "pair_order", "expert_rows",
+                          "expert_slots", "expert_gather", "expert_stack", "expert_gemm",
+                          "expert_split", "expert_combine", "gemm", "lowrank_view", "conv_crop",
+                          "short_conv", "conv_einsum", "qkv_split", "unbind_split", "square",
+                          "rms_forms",
+                          "norm_square", "l2_norm", "sigmoid", "situ_forms",
+                          "head_split", "bias_view",
+                          "baddbmm_split", "delta_einsum", "heads_first",
                           "norm_round", "conv_merge", "gate_up_split",
                           "depth_mix_scores", "depth_mix", "slice_split", "group_limit", "noop_view", "cast_view",
-                          "broadcast", "topk_sorted", "route_mask", "view_chains", "view_add", "reshape_fold",
+                          "broadcast",
+                          "take_along",
+                          "topk_sorted", "route_mask", "view_chains", "view_add", "reshape_fold",
                           "stack_cat", "token_rows", "router_input", "permute_fold")
 
 

@@ -73,6 +73,26 @@ def _read_site(bmm: fx.Node):
     return None if out is None else ([S, x], out)
 
 
+def _sum_read_site(total: fx.Node):
+    """([S, x], total) where total = (S * x.unsqueeze(-1)).sum(-2): the read as a broadcast
+    product and a sum over K (spell8, spell6's `kda_heads`)."""
+    mul = total.args[0]
+    keep = total.args[2] if len(total.args) > 2 else total.kwargs.get("keepdim", False)
+    if (len(total.args) < 2 or keep or list(total.args[1]) not in ([-2], [2])
+            or not isinstance(mul, fx.Node) or mul.target is not aten.mul.Tensor
+            or len(mul.args) != 2 or len(mul.users) != 1):
+        return None
+    for S, col in (mul.args, mul.args[::-1]):
+        if not (isinstance(S, fx.Node) and isinstance(col, fx.Node)
+                and col.target is aten.unsqueeze.default and col.args[1] in (-1, 3)):
+            continue
+        x, s = col.args[0], shape(S)
+        if (s is not None and len(s) == 4 and val(S).dtype == torch.float32
+                and shape(x) == s[:3] and val(x).dtype == torch.float32):
+            return [S, x], total
+    return None
+
+
 def _inserts_unit_dim(node: fx.Node) -> bool:
     while node.op == "call_function" and node.target in VIEWS:
         if node.target is aten.unsqueeze.default:
@@ -160,6 +180,8 @@ def _site(node: fx.Node):
     if node.target is aten.mul.Tensor and (site := _scaled_read(node)) is not None:
         return site, None, None, None, "scale"
     if node.target is aten.bmm.default and (site := _read_site(node)) is not None:
+        return (*site, read, READ_RTOL, "read")
+    if node.target is aten.sum.dim_IntList and (site := _sum_read_site(node)) is not None:
         return (*site, read, READ_RTOL, "read")
     if node.target is aten.mul.Tensor and (ins := _write_site(node)) is not None:
         return ins, node, write, 0.0, "write"
@@ -341,7 +363,8 @@ def _unmerge(graph: fx.Graph) -> int:
 
 def apply(graph: fx.Graph) -> int:
     unmerged = _unmerge(graph)
-    return unmerged + rewrite_sites(graph, _site, _write, targets={aten.bmm.default, aten.mul.Tensor},
+    return unmerged + rewrite_sites(graph, _site, _write, targets={aten.bmm.default, aten.mul.Tensor,
+                                                                  aten.sum.dim_IntList},
                          traced=True)
 
 

@@ -13,11 +13,16 @@ p` for that input's L, one index per row), so the compiled step's input check (v
 refuses positions outside the cache before any state is written: a negative flat index, which
 `scatter_` refuses in eager and `index_put` would wrap, never reaches the write.
 
+The flat index may also be a [N, 1] view of the [B, T] mapping itself (spell6's `(slots[:, None] *
+L + pos).reshape(-1, 1)`); it is then viewed to [N] for the index_put.
+
 Left alone: a scatter along another dim, an index not one column broadcast over the row, rows
 of another shape than the index, a scatter_add / reduce, a flat index not `s * L + p`.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import fx
@@ -31,8 +36,9 @@ aten = torch.ops.aten
 
 
 def _column(index: fx.Node, n: int) -> fx.Node | None:
-    """flat [n] where index is flat broadcast over the row: expand of unsqueeze(flat, -1) or of
-    a [n, 1] view of it."""
+    """flat (n elements) where index is flat broadcast over the row: expand of unsqueeze(flat,
+    -1) with flat [n], or of a [n, 1] view of flat of any shape (spell6: the [B, T] mapping
+    `reshape(-1, 1)`)."""
     if index.target is not aten.expand.default:
         return None
     col = index.args[0]
@@ -40,7 +46,8 @@ def _column(index: fx.Node, n: int) -> fx.Node | None:
     if not (unsqueezed or col.target in VIEWS and _shape(col) == (n, 1)):
         return None
     flat = col.args[0]
-    return flat if _shape(flat) == (n,) else None
+    shape = _shape(flat)
+    return flat if shape == (n,) or not unsqueezed and shape and math.prod(shape) == n else None
 
 
 def _site(node: fx.Node):
@@ -64,6 +71,8 @@ def _site(node: fx.Node):
 def _write(graph: fx.Graph, node: fx.Node, site) -> None:
     base, flat, rows = site
     with graph.inserting_before(node):
+        if _shape(flat) != _shape(rows)[:1]:
+            flat = call(graph, aten.view.default, (flat, [_shape(rows)[0]]), like=flat)
         new = call(graph, aten.index_put.default, (base, [flat], rows), like=node)
     node.replace_all_uses_with(new)
     graph.erase_node(node)

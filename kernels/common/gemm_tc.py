@@ -59,8 +59,9 @@ BUCKETS = (2, 4, 8, 16, 32, 64)
 MAX_M = BUCKETS[-1]
 # The composites take the one-launch variants at most at these rows. On the H200 (session 22,
 # one machine start, k3 yardstick, split + SiTU against the two launches each): B8 153.3 against
-# 171.2 µs per layer, B64 559.3 against 552.2. B16-B32 were not measured: the two launches.
-FUSED_MAX_M = 8
+# 171.2 µs per layer, B64 559.3 against 552.2. At 16 and 32 rows (H100, session 24,
+# `benchmarks/gemm_tc.py --fused`): split x1.15 / x1.14, SiTU x1.63 / x1.62 the two launches.
+FUSED_MAX_M = 32
 SMS = 132  # H200
 SMEM_BYTES = 227 * 1024  # per CTA on sm_90
 TILE_K = 64  # one 128-byte swizzle row of bf16

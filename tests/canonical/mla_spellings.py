@@ -33,6 +33,12 @@ class Spelling:
     window: int | None = None  # also mask cache rows older than pos - window (sliding window)
     scale_nope_only: bool = False  # the scale on q_nope only, not on the rope part
     fp32_scores: bool = False  # q and k upcast to fp32 for the scores (other roundings)
+    # F.scaled_dot_product_attention over heads-first q, cat(k_nope, k_pe), v (spell6): "bool"
+    # (attn_mask, True = attend), "bias" (an additive 0 / -inf mask), "causal" (is_causal: the
+    # top-left causal mask, not decode's at T > 1, a look-alike); None: the explicit attention
+    sdpa: str | None = None
+    sdpa_scale: float | None = None  # SDPA's scale= (None: its default, 1 / sqrt(N + R))
+    dropout: float = 0.0  # SDPA's dropout_p (a look-alike: not deterministic)
 
 
 LOOKALIKES = {
@@ -48,6 +54,18 @@ SPELLINGS = {
     "two_terms_weight_views": Spelling(cat_rope=False, weight_views=True),
     "einsum": Spelling(heads_first=False, cat_rope=False, additive_mask=True),
     "unsqueezed_rows": Spelling(unsqueezed_rows=True),
+}
+
+# through F.scaled_dot_product_attention (rule sdpa_math, then mla_absorb; fp32 only: in bf16
+# SDPA's math path scores in fp32, tests/canonical/test_sdpa_math.py)
+SDPA_SPELLINGS = {
+    "sdpa_bool_mask": Spelling(sdpa="bool"),
+    "sdpa_additive_mask": Spelling(sdpa="bias"),
+}
+SDPA_LOOKALIKES = {
+    "sdpa_top_left_causal": Spelling(sdpa="causal"),
+    "sdpa_dropout": Spelling(sdpa="bool", dropout=0.25),
+    "sdpa_sliding_window": Spelling(sdpa="bool", window=4),
 }
 
 
@@ -71,6 +89,8 @@ class NonAbsorbedMLA(GatedMLA):
         latents, rope = self.kv_cache[slots].split([C, R], dim=-1)  # [B, L, C], [B, L, R]
         L = latents.shape[1]
         k_nope, v = self._up_project(latents, B, L)  # [B, L, H, N], [B, L, H, V]
+        if s.sdpa is not None:
+            return self._sdpa(x, q, k_nope, rope, v, pos)
         if s.scale_on_q:
             q = q * self.softmax_scale
         if s.scale_nope_only:
@@ -104,6 +124,24 @@ class NonAbsorbedMLA(GatedMLA):
             o = torch.einsum("bhtl,blhv->bthv", p, v)
         o = o.reshape(B, T, H * V)
         o = o * torch.sigmoid(self.g_proj(x))
+        return self.o_proj(o)
+
+    def _sdpa(self, x, q, k_nope, rope, v, pos):
+        s, (B, T, H, _), L = self.spelling, q.shape, k_nope.shape[1]
+        k = torch.cat([k_nope, rope.unsqueeze(2).expand(-1, -1, H, -1)], -1)  # [B, L, H, N + R]
+        visible = torch.arange(L, device=x.device).view(1, 1, L) <= pos.view(B, T, 1)
+        if s.window is not None:
+            visible = visible & (torch.arange(L, device=x.device).view(1, 1, L)
+                                 > pos.view(B, T, 1) - s.window)
+        mask = visible.unsqueeze(1)  # [B, 1, T, L]
+        if s.sdpa == "bias":
+            mask = torch.zeros(mask.shape, dtype=q.dtype, device=x.device) \
+                .masked_fill(~mask, float("-inf"))
+        o = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+            attn_mask=None if s.sdpa == "causal" else mask, is_causal=s.sdpa == "causal",
+            dropout_p=s.dropout, scale=s.sdpa_scale)  # [B, H, T, V]
+        o = o.transpose(1, 2).reshape(B, T, -1) * torch.sigmoid(self.g_proj(x))
         return self.o_proj(o)
 
     def _up_project(self, latents, B, L):

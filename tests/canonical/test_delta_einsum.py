@@ -295,3 +295,30 @@ def test_other_batch_merged_products_stay(fn, dtype):
                          torch.utils._pytree.tree_leaves(before(*args)), strict=True):
         assert got.dtype == want.dtype and got.shape == want.shape
         assert rel_err(got, want) == 0
+
+
+def _sum_read(S, k, u):
+    """spell8 (and spell6's probe kda_heads): the read as a broadcast product summed over K"""
+    return (S * k.unsqueeze(-1)).sum(-2), delta_einsum.write(k, u)
+
+
+def _sum_over_v(S, k, u):
+    """summed over V: a V-major state's read, not this state's"""
+    return (S * k.unsqueeze(-2)).sum(-1), delta_einsum.write(k, u)
+
+
+def test_read_as_a_product_and_sum_becomes_the_canonical_read():
+    args = _args()
+    before, after, n = _rewrite(_sum_read, *args)
+    assert n == 1
+    assert sorted(targets(after)) == sorted(targets(graph(_canonical, *args, joint=True)))
+    for got, want in zip(after(*args), before(*args), strict=True):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert rel_err(got, want) <= 1e-6
+
+
+def test_sum_over_v_stays():
+    args = _args()
+    before, after, n = _rewrite(_sum_over_v, *args)
+    assert n == 0
+    assert targets(after) == targets(before)

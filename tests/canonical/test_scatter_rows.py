@@ -29,9 +29,16 @@ def scatter_view(cache, rows, slots, pos):  # a [N, 1] view of the mapping, expa
     cache.view(S * L, R).scatter_(0, flat.view(-1, 1).expand_as(src), src)
 
 
+def scatter_grid(cache, rows, slots, pos):  # spell6: the [B, T] mapping viewed [N, 1] itself
+    flat_idx = (slots.unsqueeze(1) * L + pos).reshape(-1, 1).expand(-1, R)
+    cache.view(-1, R).scatter_(0, flat_idx, rows.reshape(-1, R))
+
+
 @pytest.mark.parametrize("write,rows_shape", [(scatter_expand, (2, 1, R)),
                                               (scatter_expand, (2, 3, R)),
-                                              (scatter_view, (2, 3, R))])
+                                              (scatter_view, (2, 3, R)),
+                                              (scatter_grid, (2, 1, R)),
+                                              (scatter_grid, (2, 3, R))])
 def test_row_scatter_becomes_a_slot_position_write(write, rows_shape):
     c, state, eager_state = _step(write, rows_shape)
     assert c.counts["scatter_rows"] == 1 and c.counts["paged_write"] == 1
@@ -39,6 +46,22 @@ def test_row_scatter_becomes_a_slot_position_write(write, rows_shape):
     assert not any(n.target is aten.scatter.src for n in c.after.graph.nodes)
     assert_same_values(c, rel=0)
     assert torch.equal(state, eager_state)
+
+
+@pytest.mark.parametrize("positions", [(0, L), (-1, 5)])
+def test_a_position_outside_the_cache_is_refused_before_any_write(positions):
+    """spell6's grid scatter: past the cache the flat row lands in the next slot's rows, below it
+    in the previous slot's (eager writes both silently); the compiled step refuses the call."""
+    model = Cache(scatter_grid)
+    step = torch.compile(model, backend="k3", fullgraph=True,
+                         options={"executor": "aten", "keep_graphs": False})
+    rows = torch.randn(2, 1, R)
+    with torch.no_grad():
+        step(rows, torch.tensor([3, 1]), torch.tensor([0, 5]))
+        before = model.cache.clone()
+        with pytest.raises(ValueError, match="positions"):
+            step(rows, torch.tensor([3, 1]), torch.tensor(positions))
+    assert torch.equal(model.cache, before)
 
 
 def per_column(cache, rows, slots, pos):  # each column its own row: not a row write

@@ -130,7 +130,7 @@ def test_hf_smoke_times_and_checks_the_second_spelling_under_k3(hf_smoke):
 def test_kernel_variants_compile_their_own_step(monkeypatch):
     """An A/B variant that differs from k3 only in `settings.KERNELS` compiles a step of its own
     with its setting on (k3-grouped here; session 22's k3-checkkernel replayed k3's step from
-    Dynamo's cache); k3-checkkernel refuses a CPU run, which has no device-side check."""
+    Dynamo's cache); k3-inductorcheck refuses a CPU run, which has no device-side check."""
     from k3compile import settings
 
     seen = []
@@ -141,9 +141,9 @@ def test_kernel_variants_compile_their_own_step(monkeypatch):
 
     monkeypatch.setattr(bench, "resolve_k3", lambda: (backend, "k3"))
     args = bench.parse_args(["--config", "tiny", "--device", "cpu",
-                             "--variants", "eager,k3,k3-grouped,k3-checkkernel"])
+                             "--variants", "eager,k3,k3-grouped,k3-inductorcheck"])
     variants = bench.compiled_variants(args, torch.device("cpu"))
-    assert "K3_CHECK_KERNEL" in variants["k3-checkkernel"]["na"]
+    assert "K3_CHECK_KERNEL" in variants["k3-inductorcheck"]["na"]
     stack, x = torch.nn.Linear(4, 4), torch.randn(2, 4)
     try:
         outs = {}
@@ -169,6 +169,10 @@ def test_own_compile_refuses_a_borrowed_step():
     with pytest.raises(RuntimeError, match="'refused': 2"):
         bench.own_compile(spec, {"dynamo": {"graphs": 1}}, {"refused": 2})
     bench.own_compile(spec, {"dynamo": {"graphs": 1}}, {"kernel": 1})
+    off = {"label": "k3 K3_CHECK_KERNEL=0", "kernels": {"check_kernel": False}}
+    with pytest.raises(RuntimeError, match="with K3_CHECK_KERNEL off"):
+        bench.own_compile(off, {"dynamo": {"graphs": 1}}, {"kernel": 1})
+    bench.own_compile(off, {"dynamo": {"graphs": 1}}, {"inductor": 1})
     bench.own_compile({"label": "k3"}, {"dynamo": {"graphs": 0}}, {})  # k3 may reuse its own
 
 

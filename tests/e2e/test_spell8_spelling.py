@@ -35,7 +35,17 @@ the same math:
   (K and V decompressed from the latent cache per head, scores and softmax in fp32) fuses in
   fp32 (rule `mla_absorb` takes it) but not in bf16: decompressing K / V in bf16 rounds what the
   absorbed form never rounds, so the two are not the same values there (not bisected further).
-* fb_kda_decode / linear_concat (0, 1), moe_experts (1-3): not bisected.
+* linear_concat (0, 1): closed by rule `lowrank_view` (session 24, helper kdagaps): f_b(f_a(x))
+  as two einsums left f_a's GEMM rows feeding f_b's GEMM with no [B, T, R] view between them
+  after rule `gemm` (near miss "view where the pattern expects mm").
+* fb_kda_decode (0, 1): not closed. Bisected (session 24): the read `(S * k[..., None]).sum(-2)`
+  is taken since delta_einsum's sum read; what stays is the three short convs over three conv
+  state buffers ([slots, W, taps-1] each): near miss "permute where the pattern expects getitem"
+  (the pattern cuts q, k, v from one conv over one [slots, 3W, taps-1] buffer, and rule
+  `conv_merge` merges only slices of one buffer). Probe `one_conv_state` (one q|k|v conv over
+  one buffer) brings it back (`PROBE_FIXES`). Three buffers are a layout of the caller's
+  state: a kda_decode variant taking three conv states (op, reference, pattern; a kernel build).
+* moe_experts (1-3): not bisected.
 """
 
 from __future__ import annotations
@@ -56,7 +66,7 @@ from tests.spellings.foreign import steps as _steps
 EAGER_TOL = 1e-5  # measured 2.0e-6 (logits, T = 1), 2.1e-6 (T = 3), states <= 1.5e-6 over 4 steps
 
 _MOE = {"moe_experts": 1}  # the rest of the MoE on rows since rule token_rows (session 24)
-_KDA = {"linear_concat": 1, "fb_kda_decode": 1}
+_KDA = {"fb_kda_decode": 1}
 _MLA = {"mla_q_absorb": 1, "mla_decode": 1, "mla_uv_gate": 1}
 # layer -> the built-in plan's ops this spelling's plan lacks (a layer not named: none)
 LOST = {
@@ -114,6 +124,7 @@ PROBE_FIXES = {
     "rows": (("rows",), {**{n: ("moe_front", "moe_route", "norm_linear", "stream_fork",
                                 "attn_res_mix_norm", "oproj_attn_res_mix_norm") for n in (1, 2, 3)},
                          -1: ("attn_res_mix_norm", "linear")}),
+    "kda": (("one_conv_state",), {n: ("fb_kda_decode",) for n in (0, 1)}),
 }
 
 

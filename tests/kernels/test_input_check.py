@@ -70,7 +70,9 @@ def test_check_specs_and_config():
 
 
 def test_check_kernel_switch(monkeypatch):
-    assert settings.KernelSettings().check_kernel is False  # opt-in until an H200 ran it
+    assert settings.KernelSettings().check_kernel is True  # its GPU tests passed (H100, session 24)
+    monkeypatch.delenv("K3_CHECK_KERNEL", raising=False)
+    assert settings.KernelSettings.from_env().check_kernel is True
     monkeypatch.setenv("K3_CHECK_KERNEL", "1")
     assert settings.KernelSettings.from_env().check_kernel is True
     monkeypatch.setenv("K3_CHECK_KERNEL", "off")

@@ -72,7 +72,7 @@ _PREFIX = "language_model.model."
 
 PROBES = ("situ_div", "gate_up_separate", "route_gather", "moe_nk", "lut_index", "mla_index_put",
           "mla_explicit", "kda_add_bmm", "kda_kmajor", "conv_index_put", "conv_valid", "l2_sum",
-          "qkv_separate", "conv_split")
+          "qkv_separate", "conv_split", "kda_heads")
 
 
 def _param(t):
@@ -186,8 +186,11 @@ class KDA(nn.Module):
         alpha = torch.exp(self.bound * torch.sigmoid(gate_in)).unflatten(-1, (h, d))
         beta = F.linear(x, self.w_b).float().sigmoid()  # [B, T, H]
         kmajor = "kda_kmajor" in self.probe  # the state [B*H, K, V] instead
-        s = self.ssm[slots].flatten(0, 1)  # [B*H, V, K]
         kdim, vdim = (-2, -1) if kmajor else (-1, -2)  # the state's K axis, its V axis
+        if "kda_heads" in self.probe:
+            return self._out(x, self._delta_heads(self.ssm[slots], q, k, v, alpha, beta, kdim, vdim),
+                             slots)
+        s = self.ssm[slots].flatten(0, 1)  # [B*H, V, K]
         outs = []
         for i in range(t):
             kt, qt = k[:, i].flatten(0, 1), q[:, i].flatten(0, 1)  # [B*H, K]
@@ -197,8 +200,25 @@ class KDA(nn.Module):
             a, c = (kt.unsqueeze(-1), u.unsqueeze(1)) if kmajor else (u.unsqueeze(-1), kt.unsqueeze(1))
             s = s + torch.bmm(a, c) if "kda_add_bmm" in self.probe else torch.baddbmm(s, a, c)
             outs.append((s * qt.unsqueeze(vdim)).sum(kdim).view(b, h, d))
-        self.ssm.index_copy_(0, slots, s.view(b, h, d, d))
-        o = torch.stack(outs, 1)  # [B, T, H, V] fp32
+        return self._out(x, (s.view(b, h, d, d), torch.stack(outs, 1)), slots)
+
+    def _delta_heads(self, s, q, k, v, alpha, beta, kdim, vdim):
+        """The probe `kda_heads`: the delta rule on the [B, H, ., .] state, no [B*H] rows, the
+        rank-1 write a broadcast product."""
+        outs = []
+        for i in range(q.shape[1]):
+            kt, qt = k[:, i], q[:, i]  # [B, H, K]
+            s = s * alpha[:, i].unsqueeze(vdim)
+            kv = (s * kt.unsqueeze(vdim)).sum(kdim)  # [B, H, V]
+            u = beta[:, i].unsqueeze(-1) * (v[:, i].float() - kv)
+            s = s + kt.unsqueeze(vdim) * u.unsqueeze(kdim)
+            outs.append((s * qt.unsqueeze(vdim)).sum(kdim))
+        return s, torch.stack(outs, 1)
+
+    def _out(self, x, state_o, slots):
+        s, o = state_o  # the new state [B, H, ., .], o [B, T, H, V] fp32
+        h, d = self.h, self.dk
+        self.ssm.index_copy_(0, slots, s)
         o = F.rms_norm(o, (d,), eps=self.eps).to(x.dtype) * self.o_norm
         o = o * torch.sigmoid(F.linear(x, self.w_g)).unflatten(-1, (h, d))
         return F.linear(o.flatten(-2), self.w_o)

@@ -66,6 +66,8 @@ PROBES = {
     "linear": "projections as F.linear instead of einsum strings",
     "rows": "norms, depth mixes and FFNs on [B*T, D] token rows instead of [B, T, D]",
     "mix_sum": "depth-mix scores and mix as broadcast products + sum (weights unfolded), no einsum",
+    "one_conv_state": "KDA's q, k, v convolved as one q|k|v conv over one conv state buffer "
+                      "[slots, 3W, taps-1] instead of three convs over three buffers",
 }
 _probes: set[str] = set()
 
@@ -120,6 +122,7 @@ class KDA(nn.Module):
         self.dt_bias, self.A_log, self.o_norm, self.wo = param(W), param(H), param(K), param(D, W)
         for name in ("q", "k", "v"):
             self.register_buffer(f"{name}_conv_state", torch.zeros(slots, W, taps - 1))
+        self.register_buffer("qkv_conv_state", torch.zeros(slots, 3 * W, taps - 1))  # the probe's
         self.register_buffer("S", torch.zeros(slots, H, K, K))
 
     def short_conv(self, x, weight, state, slots):
@@ -133,9 +136,14 @@ class KDA(nn.Module):
     def forward(self, x, slots):
         B, T, _ = x.shape
         H, K, cfg = self.H, self.K, self.cfg
-        q = self.short_conv(proj(x, self.wq), self.conv_q, self.q_conv_state, slots)
-        k = self.short_conv(proj(x, self.wk), self.conv_k, self.k_conv_state, slots)
-        v = self.short_conv(proj(x, self.wv), self.conv_v, self.v_conv_state, slots)
+        if "one_conv_state" in _probes:
+            qkv = torch.cat([proj(x, w) for w in (self.wq, self.wk, self.wv)], -1)
+            taps = torch.cat([self.conv_q, self.conv_k, self.conv_v])
+            q, k, v = self.short_conv(qkv, taps, self.qkv_conv_state, slots).split(H * K, -1)
+        else:
+            q = self.short_conv(proj(x, self.wq), self.conv_q, self.q_conv_state, slots)
+            k = self.short_conv(proj(x, self.wk), self.conv_k, self.k_conv_state, slots)
+            v = self.short_conv(proj(x, self.wv), self.conv_v, self.v_conv_state, slots)
         gate = proj(x, self.wg)
         graw = proj(proj(x, self.wfa), self.wfb)
         b = proj(x, self.wb)
@@ -388,6 +396,7 @@ def from_builtin(builtin) -> Spell8K3:
             attn = model.blocks[int(layer)].attn
             for j, s in enumerate(("q", "k", "v")):
                 getattr(attn, f"{s}_conv_state").copy_(t[:, j * W:(j + 1) * W])
+            attn.qkv_conv_state.copy_(t)
         elif name.endswith("recurrent_state"):
             model.blocks[int(layer)].attn.S.copy_(t)
         elif name.endswith("kv_cache"):
@@ -402,7 +411,9 @@ def state_of(model: Spell8K3):
         base = f"{_PREFIX}{i}.self_attn."
         if isinstance(blk.attn, KDA):
             a = blk.attn
-            out[base + "conv_state"] = torch.cat([a.q_conv_state, a.k_conv_state, a.v_conv_state], 1)
+            out[base + "conv_state"] = (a.qkv_conv_state if "one_conv_state" in _probes else
+                                        torch.cat([a.q_conv_state, a.k_conv_state,
+                                                   a.v_conv_state], 1))
             out[base + "recurrent_state"] = a.S
         else:
             out[base + "kv_cache"] = blk.attn.cache
