@@ -237,10 +237,10 @@ class Rows:
     def lower(self, n: fx.Node) -> fx.Node:
         t, args, kwargs = n.target, n.args, dict(n.kwargs)
         src = args[0] if args else None
-        if t in VIEWS and src in self.rows:
-            if not _pure_reshape(n):
-                raise _Refused
+        if t in VIEWS and src in self.rows and _pure_reshape(n):
             return self.view(self.rows[src], self.merged(_shape(n)), n, n)
+        if t == aten.bmm.default and all(a in self.rows for a in args[:2]):
+            return self._row_bmm(n)
         ins = [a for a in n.all_input_nodes if a in self.rows]
         if t is operator.getitem:
             if self.rows[src] is src:
@@ -301,9 +301,13 @@ class Rows:
             return self._new(t, (self.rows[src], self._dim(args[1], rank + 1)), kwargs, n, n)
         if t == aten.permute.default:
             dims = [d % rank for d in args[1]]
-            if dims[:2] != [0, 1]:
+            if dims[:2] == [0, 1]:
+                return self._new(t, (self.rows[src], [0, *(d - 1 for d in dims[2:])]), kwargs,
+                                 n, n)
+            if dims[0] != 0 or self.T != 1:
                 raise _Refused
-            return self._new(t, (self.rows[src], [0, *(d - 1 for d in dims[2:])]), kwargs, n, n)
+            # T = 1 moved behind the features (a lowered einsum): B stays dim 0, one row each
+            return self._new(t, (self.view(self.rows[src], _shape(src), n, n), dims), kwargs, n, n)
         if t == aten.expand.default:
             if len(args[1]) != rank or _shape(n)[:2] != _shape(src)[:2]:
                 raise _Refused
@@ -337,6 +341,17 @@ class Rows:
             self.created.append(node)
             return node
         return self._new(t, *mapped, n, n)
+
+    def _row_bmm(self, bmm: fx.Node) -> fx.Node:
+        """bmm(a, b) of two values of the region batched over the rows (batch i = row i of both:
+        one token's small matmul, the routing weights times its one-hot rows) on the rows."""
+        rows = self.B * self.T
+        a, b = bmm.args[:2]
+        if any(_shape(v)[0] != rows or _shape(self.rows[v])[0] != rows for v in (a, b)):
+            raise _Refused
+        out = self._new(bmm.target, (self.view(self.rows[a], _shape(a), bmm, bmm),
+                                     self.view(self.rows[b], _shape(b), bmm, bmm)), {}, bmm, bmm)
+        return self.view(out, self.merged(_shape(bmm)), bmm, bmm)
 
     def _linear(self, bmm: fx.Node) -> fx.Node | None:
         """bmm(rows [1, N, K], W [1, K, M]) where W is the transpose of a 2-D value w [M, K]

@@ -70,6 +70,20 @@ def _moe_tokens(x, router, bias, down, w1, w3, w2, norm, up, sg, su, sd):
     return routed + shared
 
 
+def _routing_einsum(x, router, bias, w1, w2):
+    """A dense [B, T, E] routing matrix as one small matmul per token (batched over the rows),
+    then experts weighted by its columns."""
+    s = torch.einsum("btd,ed->bte", x, router).sigmoid()
+    top = (s + bias).topk(K, dim=-1)
+    w = s.gather(-1, top.indices)
+    routing = torch.einsum("btk,btke->bte", w, F.one_hot(top.indices, E).to(x.dtype))
+    out = torch.zeros_like(x)
+    for e in range(E):
+        h = F.silu(torch.einsum("btd,id->bti", x, w1[e]))
+        out = out + routing[..., e:e + 1] * torch.einsum("bti,di->btd", h, w2[e])
+    return out
+
+
 def _moe_unsqueezed(h, *weights):  # h [B, D]: one token per request
     return _moe_tokens(h[:, None], *weights)
 
@@ -128,9 +142,10 @@ def _close_to_eager(gm, fn, args):
 
 
 def _rank3_compute(gm, T):
-    """The non-view ops whose value still has the token dims [B, T, ...]."""
-    views = token_rows.VIEWS
-    return [n.name for n in gm.graph.nodes if n.op == "call_function" and n.target not in views
+    """The non-view ops whose value still has the token dims [B, T, ...] (a bmm batched over
+    the rows keeps its [B*T, M, N], which at T = 1 reads as [B, 1, N])."""
+    skip = token_rows.VIEWS | {torch.ops.aten.bmm.default}
+    return [n.name for n in gm.graph.nodes if n.op == "call_function" and n.target not in skip
             and isinstance(v := n.meta.get("val"), torch.Tensor) and v.dim() >= 3
             and tuple(v.shape[:2]) == (B, T)]
 
@@ -171,6 +186,14 @@ def test_unsqueezed_moe_goes_to_rows():
 @pytest.mark.parametrize("T", [1, 3])
 def test_token_tensor_moe_goes_to_rows(T):
     _positive(_moe_rows_of, [_tokens(T, D), *_weights().values()], T)
+
+
+@pytest.mark.parametrize("T", [1, 3])
+def test_routing_matmul_per_token_goes_to_rows(T):
+    w = _weights()
+    args = [_tokens(T, D), w["router"], w["bias"], torch.randn(E, I, D, generator=_g(4)) * 0.1,
+            torch.randn(E, D, I, generator=_g(5)) * 0.1]
+    _positive(_routing_einsum, args, T)
 
 
 def test_bf16_moe_goes_to_rows():
