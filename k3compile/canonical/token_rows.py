@@ -324,6 +324,8 @@ class Rows:
                 raise _Refused  # mm(W, x) sums over the rows
             if t == aten.bmm.default and _shape(w)[0] != 1:
                 raise _Refused
+            if t == aten.mm.default and self._low_rank(n):
+                raise _Refused
         elif t in ASSERTS:
             pass
         elif not _pointwise(t) and not (t in FULL_REDUCTIONS and _shape(n) == ()):
@@ -341,6 +343,17 @@ class Rows:
             self.created.append(node)
             return node
         return self._new(t, *mapped, n, n)
+
+    def _low_rank(self, mm: fx.Node) -> bool:
+        """mm's rows are another mm's output through views only (`f_b(f_a(x))` on graph-input
+        weights): a low-rank pair of an attention's projections, whose pattern
+        (linear_concat[kda], rule `lowrank_view`) keeps the [B, T, R] view between the two. An
+        FFN's mm's read an activation or a norm (LatentMoE's down-projection feeds the experts'
+        bmm's, against computed weights: not an mm here)."""
+        src = mm.args[0]
+        while src.op == "call_function" and src.target in VIEWS:
+            src = src.args[0]
+        return src.op == "call_function" and src.target == aten.mm.default
 
     def _row_bmm(self, bmm: fx.Node) -> fx.Node:
         """bmm(a, b) of two values of the region batched over the rows (batch i = row i of both:
