@@ -16,7 +16,13 @@ the same math:
 
 * moe_front / moe_route / norm_linear and the shared experts' stream fork / join (1-3): the
   activations kept [B, T, D] with T = 1 for a single token (probe `rows`: [B*T, D] token rows);
-  moe_route's check wants logits [N, E] (near miss "logits (2, 1, 16) / bias (16,)").
+  moe_route's check wanted logits [N, E] (near miss "logits (2, 1, 16) / bias (16,)"). **Closed
+  by rule `token_rows`** (session 24): the FFN region from the norm's output to the FFN's output
+  is written on [B*T, ...] rows (bit for bit), and a batch-1 bmm against `router.float()` (bf16)
+  as the F.linear mm; all of these come back in fp32 and bf16. Still lost at 1-3: moe_experts
+  (the static loop over all experts weighted by a dense one-hot routing matrix; not a form the
+  expert rules know). Each expert's gate/up GEMMs now fuse as situ_gate_up (17 per MoE layer:
+  16 experts + the shared ones), which the built-in plan does not have (not counted as lost).
 * attn_res_mix_norm / oproj_attn_res_mix_norm (every layer, final) and the final linear: two
   causes. The depth mix stacks on dim 0 with its scores an einsum against the folded `w_norm *
   w_proj[0]`, which rule `depth_mix` leaves alone: closed by the new rule `depth_mix_scores`
@@ -59,8 +65,7 @@ from tests.spellings.foreign import steps as _steps
 
 EAGER_TOL = 1e-5  # measured 2.0e-6 (logits, T = 1), 2.1e-6 (T = 3), states <= 1.5e-6 over 4 steps
 
-_MOE = {"stream_fork": 1, "moe_front": 1, "moe_route": 1, "moe_experts": 1, "stream_join": 1,
-        "norm_linear": 1}
+_MOE = {"moe_experts": 1}  # the rest of the MoE on rows since rule token_rows (session 24)
 _KDA = {"fb_kda_decode": 1}
 _MLA = {"mla_q_absorb": 1, "mla_decode": 1, "mla_uv_gate": 1}
 # layer -> the built-in plan's ops this spelling's plan lacks (a layer not named: none)
