@@ -160,7 +160,10 @@ class Rows:
         return [self.B * self.T, *shape[2:]] if self.token(shape) else list(shape)
 
     def lowered(self, node: fx.Node) -> bool:
-        return len(_shape(self.rows[node])) < len(_shape(node))
+        """Whether node's rows value has fewer dims than node (False for a value with no tensor
+        shape: a tuple of split pieces, a scalar; hf_k3's FFN has one)."""
+        low, high = _shape(self.rows[node]), _shape(node)
+        return low is not None and high is not None and len(low) < len(high)
 
     def _dim(self, d: int, rank: int) -> int:
         """Dim d of a rank-`rank` [B, T, ...] value in its rows; refused for B and T."""

@@ -202,6 +202,21 @@ def test_bf16_moe_goes_to_rows():
     _positive(_moe_rows_of, [_tokens(1, D, dtype=torch.bfloat16), *w.values()], 1)
 
 
+def _ffn_chunked(x, w13, wd):
+    """gate|up as one GEMM cut by `chunk` (hf_k3's shared expert): a tuple-valued node in the
+    region, which has no tensor shape (the rule raised a TypeError on it before session 24's fix)."""
+    g, u = F.linear(x, w13).chunk(2, -1)
+    return F.linear(F.silu(g) * u, wd)
+
+
+@pytest.mark.parametrize("T", [1, 3])
+def test_a_chunked_gate_up_goes_to_rows(T):
+    g = _g(8)
+    args = [_tokens(T, D), torch.randn(2 * I, D, generator=g) * 0.1,
+            torch.randn(D, I, generator=g) * 0.1]
+    _positive(_ffn_chunked, args, T)
+
+
 # ---- look-alikes ---------------------------------------------------------------------------------
 
 def _ffn(x, wg, wd):
