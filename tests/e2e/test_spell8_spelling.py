@@ -53,12 +53,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import TOL, rel_err
+from tests.conftest import TOL
 from tests.fusions.attention_checks import one_thread  # noqa: F401
 from tests.models.spell8_k3 import from_builtin, state_of
 from tests.spellings import foreign
 from tests.spellings.foreign import builtin as _builtin
-from tests.spellings.foreign import builtin_states as _builtin_states
 from tests.spellings.foreign import compile_k3 as _compile
 from tests.spellings.foreign import per_layer as _per_layer
 from tests.spellings.foreign import steps as _steps
@@ -92,14 +91,7 @@ def reference_plan():
 
 @pytest.mark.parametrize("rows", [0, 3])
 def test_loads_the_builtin_state_dict_and_equals_it_eagerly(rows):
-    ref = _builtin(torch.float32)
-    spelled = from_builtin(ref)
-    err = _steps(spelled, ref, n=4, rows=rows)
-    assert err <= EAGER_TOL, err
-    want, got = _builtin_states(ref), state_of(spelled)
-    assert set(got) == set(want) and len(want) == 6
-    for name, t in want.items():
-        assert rel_err(got[name], t) <= EAGER_TOL, name
+    foreign.assert_eager_equals_builtin(from_builtin, state_of, EAGER_TOL, rows)
 
 
 @pytest.mark.slow

@@ -38,11 +38,10 @@ import pytest
 import torch
 
 from k3compile.stages.contract import NO_LAYER
-from tests.conftest import TOL, rel_err
+from tests.conftest import TOL
 from tests.models.spell9_k3 import from_builtin, state_of
 from tests.spellings import foreign
 from tests.spellings.foreign import builtin as _builtin
-from tests.spellings.foreign import builtin_states as _builtin_states
 from tests.spellings.foreign import compile_k3 as _compile
 from tests.spellings.foreign import steps as _steps
 
@@ -94,14 +93,7 @@ def reference_ops():
 
 @pytest.mark.parametrize("rows", [0, 3])
 def test_loads_the_builtin_state_dict_and_equals_it_eagerly(rows):
-    ref = _builtin(torch.float32)
-    spelled = from_builtin(ref)
-    err = _steps(spelled, ref, n=4, rows=rows)
-    assert err <= EAGER_TOL, err
-    want, got = _builtin_states(ref), state_of(spelled)
-    assert set(got) == set(want) and len(want) == 6
-    for name, t in want.items():
-        assert rel_err(got[name], t) <= EAGER_TOL, name
+    foreign.assert_eager_equals_builtin(from_builtin, state_of, EAGER_TOL, rows)
 
 
 @pytest.mark.parametrize("rows", [0, 3])

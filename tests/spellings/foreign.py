@@ -1,8 +1,8 @@
 """What the tests of a foreign K3 spelling loaded from the built-in model's state dict share
-(tests/e2e/test_redteam_spelling.py, tests/e2e/test_spell5_spelling.py): the 4-layer tiny
-built-in model, the decode loop that compares a step against its eager twin, the compile, the
-contract's fused ops per layer, the ops a spelling's plan lacks, and the layers where a
-pattern's near misses name a node."""
+(tests/e2e/test_redteam_spelling.py, tests/e2e/test_spell5..9_spelling.py): the 4-layer tiny
+built-in model, the decode loop that compares a step against its eager twin, the eager check
+against the built-in, the compile, the contract's fused ops per layer, the ops a spelling's plan
+lacks, and the layers where a pattern's near misses name a node."""
 
 from __future__ import annotations
 
@@ -99,6 +99,19 @@ def near_misses_naming_a_node(compiled, pattern):
         if nm.pattern.split("[")[0] == pattern and re.search(r"node=|\(\S+ \w+\[", nm.reason):
             named[layer_of(nm.module)].append(nm)
     return named
+
+
+def assert_eager_equals_builtin(from_builtin, state_of, tol: float, rows: int = 0):
+    """The spelling loaded from the fp32 built-in model's state dict steps as it does: logits
+    over 4 steps and the six states after them, each within `tol`."""
+    ref = builtin(torch.float32)
+    spelled = from_builtin(ref)
+    err = steps(spelled, ref, n=4, rows=rows)
+    assert err <= tol, err
+    want, got = builtin_states(ref), state_of(spelled)
+    assert set(got) == set(want) and len(want) == 6
+    for name, t in want.items():
+        assert rel_err(got[name], t) <= tol, name
 
 
 def assert_compiled_equals_eager(result, tol: float, states: int = 6):
