@@ -66,6 +66,7 @@ def check(match) -> str | None:
 
 
 def example_inputs(dtype: torch.dtype = torch.bfloat16, conv_time_major: bool = False) -> list:
+    """(the recurrent state is square: its example values serve either layout)"""
     W = kda_decode.H * kda_decode.K
     act = [torch.randn(2, 1, W, dtype=dtype) for _ in range(4)]
     fa = [torch.randn(2, 1, R, dtype=dtype), torch.randn(W, R, dtype=dtype)]
@@ -78,12 +79,14 @@ def example_inputs(dtype: torch.dtype = torch.bfloat16, conv_time_major: bool = 
     return [*act, *fa, b, *state, *weights, *kda_decode.SCALARS.values()]
 
 
-def _variant(norm_fp32: bool, conv_time_major: bool = False) -> Pattern:
+def _variant(norm_fp32: bool, conv_time_major: bool = False, state_v_major: bool = False
+             ) -> Pattern:
     """The step as kda_decode fused it: with the built-in output norm, or fla's fp32 one, on a
-    channel- or time-major conv state (the op's `norm_fp32` and `conv_time_major` arguments,
-    passed through)."""
-    extra = kda_decode.flags(norm_fp32, conv_time_major)
-    names = [n for n, on in (("norm_fp32", norm_fp32), ("conv_time_major", conv_time_major)) if on]
+    channel- or time-major conv state, a K- or V-major recurrent state (the op's `norm_fp32`,
+    `conv_time_major` and `state_v_major` arguments, passed through)."""
+    extra = kda_decode.flags(norm_fp32, conv_time_major, state_v_major)
+    names = [n for n, on in (("norm_fp32", norm_fp32), ("conv_time_major", conv_time_major),
+                             ("state_v_major", state_v_major)) if on]
     return Pattern(
         name=f"fb_kda_decode[{','.join(names)}]" if names else "fb_kda_decode",
         search=with_signature(lambda *a: search(*a, *extra), NAMES),
@@ -96,4 +99,5 @@ def _variant(norm_fp32: bool, conv_time_major: bool = False) -> Pattern:
 
 def patterns() -> list[Pattern]:
     # one variant for every T, batch and dtype: the op hides the step, the GEMM has no casts
-    return [_variant(n, m) for m in (False, True) for n in (False, True)]
+    return [_variant(n, m, s) for s in (False, True) for m in (False, True)
+            for n in (False, True)]

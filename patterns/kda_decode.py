@@ -67,11 +67,13 @@ def kda_step(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_wei
 
 def _step(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weight, k_conv_weight,
           v_conv_weight, A_log, dt_bias, o_norm_weight, lower_bound, l2_eps, q_scale, norm_eps,
-          silu_written_out, norm_fp32=False, conv_time_major=False):
+          silu_written_out, norm_fp32=False, conv_time_major=False, state_v_major=False):
     """KimiDeltaAttention.forward after the projections, with the state writes made functional
     (as they are in the graph). Returns (new recurrent state, new conv state, o).
     `conv_time_major`: the conv state [S, taps-1, 3W] (vLLM v1's layout), the window built on
-    dim 1 and convolved as its transpose."""
+    dim 1 and convolved as its transpose. `state_v_major`: the recurrent state [S, H, V, K],
+    read and written through its transpose (rule `state_transpose` writes a V-major delta rule
+    so)."""
     B, T, _ = q.shape
     nh, hd = recurrent_state.shape[1], recurrent_state.shape[2]
     beta = torch.sigmoid(b.float())
@@ -96,11 +98,14 @@ def _step(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weight
                                                     + dt_bias.view(nh, hd))
     decay = torch.exp(lower_bound * torch.sigmoid(gate))
     state = recurrent_state[slots]
+    if state_v_major:
+        state = state.transpose(-1, -2)
     outs = []
     for t in range(T):
         state, o_t = delta_rule_step(state, cq, ck, cv, beta, decay, t)
         outs.append(o_t)
-    state_out = setitem(recurrent_state, (slots,), state)
+    state_out = setitem(recurrent_state, (slots,),
+                        state.transpose(-1, -2) if state_v_major else state)
     o = torch.stack(outs, dim=1).to(q.dtype)
     if norm_fp32:
         # fla casts the gate inside: cast, then split into heads (rule `cast_view`)
@@ -121,8 +126,11 @@ def replace(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weig
     return recurrent_state, conv_state, o
 
 
-def flags(norm_fp32: bool, conv_time_major: bool) -> tuple[bool, ...]:
+def flags(norm_fp32: bool, conv_time_major: bool, state_v_major: bool = False
+          ) -> tuple[bool, ...]:
     """The op's trailing arguments for a variant: none for the defaults."""
+    if state_v_major:
+        return norm_fp32, conv_time_major, True
     return (norm_fp32, True) if conv_time_major else (True,) if norm_fp32 else ()
 
 
@@ -169,7 +177,7 @@ def check(match, conv_time_major: bool = False) -> str | None:
     return None
 
 
-_sites_seen: list = [None, frozenset()]  # (graph, its sites): every variant asks of one graph
+_sites_seen: list = [None, frozenset(), frozenset()]  # (graph, its sites, state layouts)
 
 
 def _time_major(conv: fx.Node) -> bool:
@@ -181,15 +189,39 @@ def _time_major(conv: fx.Node) -> bool:
                                                    torch.ops.aten.transpose.int)
 
 
+def _v_major(read: fx.Node) -> bool:
+    """A gather of fp32 [B, H, ., .] state rows read through the transpose of its last two dims
+    (a V-major state buffer, as rule `state_transpose` leaves it)."""
+    v = read.meta.get("val")
+    if not (isinstance(v, torch.Tensor) and v.dim() == 4 and v.dtype == torch.float32):
+        return False
+    return any(u.target is torch.ops.aten.permute.default and list(u.args[1]) == [0, 1, 3, 2]
+               or u.target is torch.ops.aten.transpose.int and sorted(
+                   d % 4 for d in u.args[1:3]) == [2, 3] for u in read.users)
+
+
+def _scan(graph: fx.Graph) -> None:
+    if _sites_seen[0] is not graph:
+        convs = (n for n in graph.nodes if n.target is torch.ops.aten.convolution.default)
+        reads = (n for n in graph.nodes if n.target is torch.ops.aten.index.Tensor)
+        _sites_seen[:] = graph, frozenset(
+            (int(v.shape[-1]), _time_major(n)) for n in convs
+            if isinstance(v := n.meta.get("val"), torch.Tensor) and v.dim() == 3), frozenset(
+            {False} | {True for n in reads if _v_major(n)})
+
+
 def sites(graph: fx.Graph) -> frozenset[tuple[int, bool]]:
     """(T, time-major) of each KDA site in the graph: its depthwise short conv's output length,
     and whether it convolves a transposed window."""
-    if _sites_seen[0] is not graph:
-        convs = (n for n in graph.nodes if n.target is torch.ops.aten.convolution.default)
-        _sites_seen[:] = graph, frozenset(
-            (int(v.shape[-1]), _time_major(n)) for n in convs
-            if isinstance(v := n.meta.get("val"), torch.Tensor) and v.dim() == 3)
+    _scan(graph)
     return _sites_seen[1]
+
+
+def state_layouts(graph: fx.Graph) -> frozenset[bool]:
+    """V-major (True) if some state gather of the graph is read through its transpose; K-major
+    (False) always (a K-major read has no mark of its own)."""
+    _scan(graph)
+    return _sites_seen[2]
 
 
 def site_rows(graph: fx.Graph) -> frozenset[int]:
@@ -197,9 +229,11 @@ def site_rows(graph: fx.Graph) -> frozenset[int]:
     return frozenset(t for t, _ in sites(graph))
 
 
-def _fits(T: int, conv_time_major: bool = False):
+def _fits(T: int, conv_time_major: bool = False, state_v_major: bool = False):
     def fits(graph: fx.Graph) -> str | None:
         found = sites(graph)
+        if state_v_major and found and True not in state_layouts(graph):
+            return "no state gather is read through its transpose (a V-major state's)"
         if (T, conv_time_major) in found or not found:
             return None  # no short conv: every variant is tried (a near miss per layer)
         rows = sorted({t for t, _ in found})
@@ -212,7 +246,8 @@ def _fits(T: int, conv_time_major: bool = False):
 
 
 def _variant(T: int, B: int, dtype: torch.dtype, silu_written_out: bool = False,
-             norm_fp32: bool = False, conv_time_major: bool = False) -> Pattern:
+             norm_fp32: bool = False, conv_time_major: bool = False,
+             state_v_major: bool = False) -> Pattern:
     def example_inputs():
         W = H * K
         act = [torch.randn(B, T, W, dtype=dtype) for _ in range(5)]
@@ -227,25 +262,27 @@ def _variant(T: int, B: int, dtype: torch.dtype, silu_written_out: bool = False,
     # written out: the same step; its op computes silu as torch does (an ulp apart)
     search = with_signature(lambda *a: _step(*a, silu_written_out=silu_written_out,
                                              norm_fp32=norm_fp32,
-                                             conv_time_major=conv_time_major), NAMES)
-    extra = flags(norm_fp32, conv_time_major)
+                                             conv_time_major=conv_time_major,
+                                             state_v_major=state_v_major), NAMES)
+    extra = flags(norm_fp32, conv_time_major, state_v_major)
     return Pattern(
         name=f"kda_decode[T={T},B={'1' if B == 1 else 'n'},{str(dtype).removeprefix('torch.')}"
              f"{',silu_written_out' if silu_written_out else ''}"
-             f"{',norm_fp32' if norm_fp32 else ''}{',conv_time_major' if conv_time_major else ''}]",
+             f"{',norm_fp32' if norm_fp32 else ''}{',conv_time_major' if conv_time_major else ''}"
+             f"{',state_v_major' if state_v_major else ''}]",
         search=search, replace=with_signature(lambda *a: replace(*a, *extra), NAMES)
         if extra else replace,
         example_inputs=example_inputs, op="k3.kda_decode",
         check=time_major_check if conv_time_major else check, scalars=dict(SCALARS),
         distinctive=("convolution", "index_put", "bmm", "rsqrt"), joint_passes=True,
-        fits=_fits(T, conv_time_major),
+        fits=_fits(T, conv_time_major, state_v_major),
     )
 
 
 def patterns() -> list[Pattern]:
     # fla's fp32 output norm differs from ours only where the activations round (not in fp32);
-    # a variant is traced only for the (T, conv state layout) a graph's sites have (`fits`)
-    return [_variant(t, b, d, w, n, m) for m, n, w, t, b, d in
-            itertools.product((False, True), (False, True), (False, True), TOKENS, BATCHES,
-                              DTYPES)
+    # a variant is traced only for the (T, state layouts) a graph's sites have (`fits`)
+    return [_variant(t, b, d, w, n, m, s) for s, m, n, w, t, b, d in
+            itertools.product((False, True), (False, True), (False, True), (False, True), TOKENS,
+                              BATCHES, DTYPES)
             if not (n and d == torch.float32)]

@@ -4,7 +4,8 @@
     graw = fa · W_fbᵀ      fa [B, T, R], W_fb [H·K, R]; R = head_dim, a 128-wide GEMM at K3's sizes
 
 then the KDA step of `k3compile.ops.kda_decode` (`norm_fp32`: its fp32 output norm,
-`conv_time_major`: the conv state [S, taps-1, 3·H·K], as there).
+`conv_time_major`: the conv state [S, taps-1, 3·H·K], `state_v_major`: the recurrent state
+[S, H, V, K], as there).
 """
 
 from __future__ import annotations
@@ -23,15 +24,16 @@ def fb_kda_decode(
     k_conv_weight: torch.Tensor, v_conv_weight: torch.Tensor, A_log: torch.Tensor,
     dt_bias: torch.Tensor, o_norm_weight: torch.Tensor, lower_bound: float, l2_eps: float,
     q_scale: float, norm_eps: float, norm_fp32: bool = False, conv_time_major: bool = False,
+    state_v_major: bool = False,
 ) -> torch.Tensor:
     graw = F.linear(fa, fb_weight)
     return kda_decode_ref(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weight,
                           k_conv_weight, v_conv_weight, A_log, dt_bias, o_norm_weight, lower_bound,
-                          l2_eps, q_scale, norm_eps, norm_fp32, conv_time_major)
+                          l2_eps, q_scale, norm_eps, norm_fp32, conv_time_major, state_v_major)
 
 
 @fb_kda_decode.register_fake
 def _(q, k, v, g, fa, fb_weight, b, conv_state, recurrent_state, slots, q_conv_weight,
       k_conv_weight, v_conv_weight, A_log, dt_bias, o_norm_weight, lower_bound, l2_eps, q_scale,
-      norm_eps, norm_fp32=False, conv_time_major=False):
+      norm_eps, norm_fp32=False, conv_time_major=False, state_v_major=False):
     return kda_decode_fake(q, recurrent_state, g, o_norm_weight, norm_fp32)
