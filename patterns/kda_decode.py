@@ -103,9 +103,9 @@ def _step(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weight
         states = (conv_state, k_conv_state, v_conv_state)
         new = torch.cat([q, k, v], dim=-1).transpose(1, 2)
         window = torch.cat([torch.cat([c[slots] for c in states], 1), new], dim=-1)
-        tail, W = window[..., T:], nh * hd
-        conv_state_out = tuple(setitem(c, (slots,), tail[:, i * W:(i + 1) * W])
-                               for i, c in enumerate(states))
+        # the tail cut by channel slices, which rule `slice_split` writes as one split
+        pieces = window[..., T:].split([nh * hd] * 3, dim=1)
+        conv_state_out = tuple(setitem(c, (slots,), x) for c, x in zip(states, pieces))
     else:
         new = torch.cat([q, k, v], dim=-1).transpose(1, 2)
         window = torch.cat([conv_state[slots], new], dim=-1)

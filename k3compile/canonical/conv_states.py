@@ -15,8 +15,9 @@ of one tensor, writes the merged window's tail back by channel slices: the form 
 Exact: a cat and its split move no value.
 
 Taken: >= 2 depthwise convs (as conv_merge takes them) whose windows' past rows are gathers
-`index(buf_i, [slots])` of distinct buffers by one `slots`, with equal taps, batch, T and dtype,
-each gather read only by its window. Left alone: a group with a gather read elsewhere too (the
+`index(buf_i, [slots])` of distinct buffers by one `slots`, whose inputs x_i are projections of
+one activation tensor (one layer's q, k, v: up through views, slices and the GEMM's activation
+operand), with equal taps, batch, T and dtype, each gather read only by its window. Left alone: a group with a gather read elsewhere too (the
 whole group), gathers by
 different index tensors, a single conv (nothing to merge), windows whose past rows are anything
 else (slices of one buffer: conv_merge's own case).
@@ -31,11 +32,24 @@ from torch import fx
 
 from k3compile.canonical import Rule
 from k3compile.canonical.conv_merge import _PERMUTES, _depthwise, _upcast_of
-from k3compile.canonical.region import shape, val
+from k3compile.canonical.region import VIEWS, shape, val
 from k3compile.graph import call
 from k3compile.rewrite import inductor
 
 aten = torch.ops.aten
+
+
+_UP = {aten.mm.default: 0, aten.bmm.default: 0, aten.addmm.default: 1, aten.slice.Tensor: 0,
+       aten.split.Tensor: 0, aten.split_with_sizes.default: 0, operator.getitem: 0,
+       torch.ops.prims.convert_element_type.default: 0, **dict.fromkeys(VIEWS, 0)}
+
+
+def _source(x: fx.Node) -> fx.Node:
+    """The activations a projection output x was computed from (up through views, slices and
+    the GEMM's activation operand): one KDA layer's q, k and v share it."""
+    while isinstance(x, fx.Node) and x.op == "call_function" and x.target in _UP:
+        x = x.args[_UP[x.target]]
+    return x
 
 
 def _gathered_past(conv: fx.Node) -> tuple[fx.Node, tuple, bool] | None:
@@ -59,7 +73,8 @@ def _gathered_past(conv: fx.Node) -> tuple[fx.Node, tuple, bool] | None:
     taps = shape(_upcast_of(conv.args[1])[0])[2]
     if shape(past)[2] != taps - 1:
         return None
-    key = (index[0], taps, shape(conv)[0], shape(conv)[2], val(past).dtype)
+    key = (index[0], _source(new.args[0]), taps, shape(conv)[0], shape(conv)[2],
+           val(past).dtype)
     return past, key, list(past.users) == [window]
 
 
