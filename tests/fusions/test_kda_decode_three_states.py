@@ -169,3 +169,14 @@ def test_kernel_takes_three_states_of_q_width():
            for a in _kernel_inputs(2, 1, three=False)]
     assert kernel.refusal(*one[:15]) is None
     assert flags == [False, False, False]
+
+
+def test_three_states_site_stays_with_inductor_on_gpu_graphs():
+    """As on a GPU graph (`kernels_only`): the three-state build has not run on a GPU"""
+    args = _inputs(1, 2, torch.float32)
+    gm, report = rewrite(_unfused, _clone(args), [_variant(1, 2, torch.float32)], joint=True,
+                         kernels_only=True)
+    assert not report.hits
+    assert "kda_decode" in report.deferred
+    for w, g in zip(_unfused(*_clone(args)), gm(*_clone(args))):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
