@@ -67,7 +67,7 @@ def _gathered_past(conv: fx.Node) -> tuple[fx.Node, tuple, bool] | None:
             and isinstance(new, fx.Node) and new.target in _PERMUTES
             and list(new.args[1]) == [0, 2, 1]):
         return None
-    buf, index = past.args
+    _, index = past.args
     if len(index) != 1 or not isinstance(index[0], fx.Node) or len(shape(past) or ()) != 3:
         return None
     taps = shape(_upcast_of(conv.args[1])[0])[2]

@@ -204,7 +204,7 @@ class KDADecode:
 
     def prologue_item(self, kind, c, rank, h, req, slot, mQ, mK, mV, mGate, convs, mWq, mWk,
                       mWv, mALog, mDt, sQ, sK, sV, sA, lower_bound):
-        T, K, W, taps = self.T, self.K, self.W, self.taps
+        T, K, taps = self.T, self.K, self.taps
         if kind == "alpha":
             ch = h * K + c
             e = cute.math.exp(mALog[h].to(Float32))  # fp32 or bf16

@@ -92,7 +92,7 @@ def test_a_gather_read_elsewhere_stays():
 
 def test_gathers_by_different_slots_stay():
     def two_slots(h, w_in, bq, bk, bv, slots, wq, wk, wv):
-        xq, xk, xv = _projections(h, w_in)
+        xq, xk, _ = _projections(h, w_in)
         yq, sq = _conv(xq, bq, slots, wq)
         yk, sk = _conv(xk, bk, slots.flip(0), wk)
         return yq, yk, sq, sk
