@@ -17,7 +17,11 @@ Constraints:
     * conv_state bf16 [S, 3·H·K, taps-1] (inner dims contiguous), 2 <= taps <= 8; or, the op's
       `conv_time_major`, [S, taps-1, 3·H·K] (inner dims contiguous; its own build, which reads
       it through the transposed view, the same indexing); recurrent_state
-      fp32 [S, H, K, K] (inner dims contiguous, 16-byte-aligned data and slot stride); slots int64
+      fp32 [S, H, K, K] (inner dims contiguous, 16-byte-aligned data and slot stride), or, the
+      op's `state_v_major`, the same buffer V-major [S, H, V, K] (its own build, which reads it
+      through the transposed view: 4-byte loads and stores of the state); or, the op's
+      `k_conv_state` / `v_conv_state`, three channel-major conv states bf16 [S, H·K, taps-1]
+      (q's, k's, v's; their own build); slots int64
       [B] (negative slots count from the end, as torch indexing does; two requests sharing a slot
       race, as they do in the reference's index_put).
     * conv weights bf16 [H·K, 1, taps], A_log [H] and dt_bias [H·K] each fp32 or bf16 (loaded as
@@ -175,7 +179,8 @@ def can_implement(*args) -> bool:
 def refusal(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weight,
             k_conv_weight, v_conv_weight, A_log, dt_bias, o_norm_weight, lower_bound=None,
             l2_eps=None, q_scale=None, norm_eps=None, norm_fp32=False,
-            conv_time_major=False) -> str | None:
+            conv_time_major=False, state_v_major=False, k_conv_state=None,
+            v_conv_state=None) -> str | None:
     """Why the kernel cannot take these inputs, or None. Metadata only (fake tensors work);
     data alignment is checked at launch."""
     bf16, f32 = torch.bfloat16, torch.float32
@@ -196,17 +201,25 @@ def refusal(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weig
                     f"{width}], last dim contiguous)")
     if recurrent_state.dtype != f32 or recurrent_state.stride()[1:] != (K * K, K, 1) or \
             recurrent_state.stride(0) % 4:
-        return (f"recurrent_state: {recurrent_state.dtype} {recurrent_state.stride()} (want fp32, "
-                "inner dims contiguous, slot stride a multiple of 4)")
+        layout = "V-major " if state_v_major else ""
+        return (f"recurrent_state: {recurrent_state.dtype} {recurrent_state.stride()} (want fp32 "
+                f"{layout}[S, H, {K}, {K}], inner dims contiguous, slot stride a multiple of 4)")
+    three = k_conv_state is not None or v_conv_state is not None
+    if three and (conv_time_major or k_conv_state is None or v_conv_state is None):
+        return "three conv states: k's and v's both, channel-major (no time-major build)"
     conv = conv_state.transpose(1, 2) if conv_time_major else conv_state  # [S, 3W, taps-1]
     taps = conv.shape[2] + 1
     if not 2 <= taps <= MAX_TAPS:
         return f"{taps} conv taps (want 2..{MAX_TAPS})"
     inner = (1, 3 * W) if conv_time_major else (taps - 1, 1)
-    if conv.dtype != bf16 or conv.shape[:2] != (S, 3 * W) or conv.stride()[1:] != inner:
-        want = f"[{S}, taps-1, {3 * W}]" if conv_time_major else f"[{S}, {3 * W}, taps-1]"
-        return (f"conv_state: {conv_state.dtype} {tuple(conv_state.shape)} {conv_state.stride()} "
-                f"(want bf16 {want}, inner dims contiguous)")
+    held = W if three else 3 * W
+    for name, state in (("conv_state", conv_state), ("k_conv_state", k_conv_state),
+                        ("v_conv_state", v_conv_state))[:3 if three else 1]:
+        c = state.transpose(1, 2) if conv_time_major else state
+        if c.dtype != bf16 or tuple(c.shape) != (S, held, taps - 1) or c.stride()[1:] != inner:
+            want = f"[{S}, taps-1, {held}]" if conv_time_major else f"[{S}, {held}, taps-1]"
+            return (f"{name}: {state.dtype} {tuple(state.shape)} {state.stride()} "
+                    f"(want bf16 {want}, inner dims contiguous)")
     if slots.dtype != torch.int64 or tuple(slots.shape) != (B,) or (B and slots.stride(0) != 1):
         return f"slots: {slots.dtype} {tuple(slots.shape)} (want contiguous int64 [{B}])"
     for name, t, dtype, shape in (
@@ -257,20 +270,24 @@ def call_refusal(tensors, q, recurrent_state, out) -> str | None:
 
 
 def prepare(tokens: int, n_heads: int, taps: int = 4, buckets=BUCKETS, norm_fp32=False,
-            a_log_bf16=False, dt_bias_bf16=False, conv_time_major=False) -> None:
+            a_log_bf16=False, dt_bias_bf16=False, conv_time_major=False,
+            state_v_major=False, three_states=False) -> None:
     """Compile the kernel of every batch bucket for these scalars (call before graph capture)."""
     for b in buckets:
         compiled(tokens, n_heads, taps, b, norm_fp32, a_log_bf16, dt_bias_bf16,
-                 conv_time_major=conv_time_major)
+                 conv_time_major=conv_time_major, state_v_major=state_v_major,
+                 three_states=three_states)
 
 
 def compiled(tokens: int, n_heads: int, taps: int, batch_bucket: int, norm_fp32: bool,
              a_log_bf16: bool = False, dt_bias_bf16: bool = False, fb_rank: int = 0,
-             conv_time_major: bool = False):
+             conv_time_major: bool = False, state_v_major: bool = False,
+             three_states: bool = False):
     """The cached kernel; each build flag enters the key only when set (the default's key and
     build are those from before the variants)."""
     flags = {"norm_fp32": norm_fp32, "a_log_bf16": a_log_bf16, "dt_bias_bf16": dt_bias_bf16,
-             "conv_time_major": conv_time_major}
+             "conv_time_major": conv_time_major, "state_v_major": state_v_major,
+             "three_states": three_states}
     options = {k: True for k, on in flags.items() if on} | ({"fb_rank": fb_rank} if fb_rank
                                                             else {})
     return KERNEL.compiled(tokens, n_heads, taps, config(tokens, n_heads, taps, batch_bucket),
@@ -278,12 +295,16 @@ def compiled(tokens: int, n_heads: int, taps: int, batch_bucket: int, norm_fp32:
 
 
 def build(tokens, n_heads, taps, cfg, arch=None, dump_dir=None, pdl=False, norm_fp32=False,
-          a_log_bf16=False, dt_bias_bf16=False, fb_rank=0, conv_time_major=False):
+          a_log_bf16=False, dt_bias_bf16=False, fb_rank=0, conv_time_major=False,
+          state_v_major=False, three_states=False):
     """Compile now, uncached (`dump_dir` keeps the cubin and PTX; `pdl`: with PDL; `norm_fp32`:
     the output norm in fp32 with one rounding; `a_log_bf16`, `dt_bias_bf16`: that parameter in
     bf16, e.g. a Moonshot model cast to bf16 whole; `fb_rank` R > 0: the f_b build, taking fa
     [B, T, R] and W_fb [H·K, R] where the default takes graw; `conv_time_major`: the conv state
-    passed as the [S, 3W, taps-1] view of a [S, taps-1, 3W] buffer, strides (., 1, 3W))."""
+    passed as the [S, 3W, taps-1] view of a [S, taps-1, 3W] buffer, strides (., 1, 3W);
+    `state_v_major`: the recurrent state passed as the [S, H, K, V] view of a [S, H, V, K]
+    buffer, strides (., K·K, 1, K); `three_states`: three conv states [S, W, taps-1], q's,
+    k's and v's, where the default takes one [S, 3W, taps-1])."""
     import cutlass
     from cutlass import cute
     from cutlass.cute.runtime import make_fake_tensor
@@ -307,13 +328,18 @@ def build(tokens, n_heads, taps, cfg, arch=None, dump_dir=None, pdl=False, norm_
     kda = KDADecode(T, H, taps, cfg, pdl, norm_fp32, fb_rank)
     gate_input = [act(fb_rank), weight(bf16, (W, fb_rank), (fb_rank, 1), 16)] if fb_rank else [
         act(W)]  # fa and W_fb (W_fb's rows 16-byte vectors: assumed_align 16), or graw
+    def conv_state(width):
+        return make_fake_tensor(bf16, (cute.sym_int(), width, taps - 1),
+                                stride=(cute.sym_int64(), *((1, width) if conv_time_major
+                                                            else (taps - 1, 1))), assumed_align=2)
+
+    entry = kda.with_fb if fb_rank else kda.three_states if three_states else kda
     return compile_kernel(
-        kda.with_fb if fb_rank else kda, act(W), act(W), act(W), act(W), *gate_input, act(H),
-        make_fake_tensor(bf16, (cute.sym_int(), 3 * W, taps - 1),
-                         stride=(cute.sym_int64(), *((1, 3 * W) if conv_time_major
-                                                     else (taps - 1, 1))), assumed_align=2),
+        entry, act(W), act(W), act(W), act(W), *gate_input, act(H),
+        *([conv_state(W) for _ in range(3)] if three_states else [conv_state(3 * W)]),
         make_fake_tensor(f32, (cute.sym_int(), H, K, K),
-                         stride=(cute.sym_int64(divisibility=4), K * K, K, 1), assumed_align=16),
+                         stride=(cute.sym_int64(divisibility=4), K * K,
+                                 *((1, K) if state_v_major else (K, 1))), assumed_align=16),
         make_fake_tensor(cutlass.Int64, (n,), stride=(1,), assumed_align=8), *conv_w,
         weight(bf16 if a_log_bf16 else f32, (H,), (1,)),
         weight(bf16 if dt_bias_bf16 else f32, (W,), (1,)), weight(bf16, (K,), (1,)),
@@ -327,8 +353,8 @@ KERNEL = Kernel(OP, build)
 
 def kda_decode_cuda(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weight,
                     k_conv_weight, v_conv_weight, A_log, dt_bias, o_norm_weight, lower_bound,
-                    l2_eps, q_scale, norm_eps, norm_fp32=False, conv_time_major=False, *,
-                    out=None):
+                    l2_eps, q_scale, norm_eps, norm_fp32=False, conv_time_major=False,
+                    state_v_major=False, k_conv_state=None, v_conv_state=None, *, out=None):
     """CUDA implementation of k3::kda_decode: the kernel, or the reference if refused (reason
     logged). `out` [B, T, H, K] bf16 contiguous is written only when the kernel runs."""
     args = (q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weight,
@@ -339,19 +365,27 @@ def kda_decode_cuda(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_c
         H, K = recurrent_state.shape[1:3]
         o = q.new_empty((B, T, H, K)) if out is None else out
         conv = conv_state.transpose(1, 2) if conv_time_major else conv_state  # a view: written
+        # the K-major view of a V-major buffer, also a view
+        state = recurrent_state.transpose(-1, -2) if state_v_major else recurrent_state
+        convs = [conv] if k_conv_state is None else [conv, k_conv_state, v_conv_state]
         if B:
             compiled(T, H, conv.shape[2] + 1, bucket(B), norm_fp32,
                      A_log.dtype == torch.bfloat16, dt_bias.dtype == torch.bfloat16,
-                     conv_time_major=conv_time_major)(
-                *args[:6], conv, *args[7:], o, float(lower_bound), float(l2_eps), float(q_scale),
-                float(norm_eps))
+                     conv_time_major=conv_time_major, state_v_major=state_v_major,
+                     three_states=k_conv_state is not None)(
+                *args[:6], *convs, state, *args[8:], o, float(lower_bound), float(l2_eps),
+                float(q_scale), float(norm_eps))
         return o
 
+    more = (k_conv_state, v_conv_state) if k_conv_state is not None else ()
     return KERNEL.run(lambda: refusal(*args, norm_fp32=norm_fp32,
-                                      conv_time_major=conv_time_major)
-                      or call_refusal(args, q, recurrent_state, out),
+                                      conv_time_major=conv_time_major,
+                                      state_v_major=state_v_major, k_conv_state=k_conv_state,
+                                      v_conv_state=v_conv_state)
+                      or call_refusal((*args, *more), q, recurrent_state, out),
                       lambda: kda_decode_ref(*args, lower_bound, l2_eps, q_scale, norm_eps,
-                                             norm_fp32, conv_time_major),
+                                             norm_fp32, conv_time_major, state_v_major,
+                                             k_conv_state, v_conv_state),
                       launch, recurrent_state)
 
 

@@ -61,39 +61,62 @@ def check(match) -> str | None:
     # the step's own conditions, on the GEMM's output as its graw
     op = next(n for n in match.nodes if n.target is torch.ops.k3.kda_decode.default)
     time_major = len(op.args) > 20 and op.args[20] is True
+    three_states = len(op.args) > 22 and op.args[22] is not None
     return kda_decode.check(types.SimpleNamespace(kwargs={**match.kwargs, "graw": op.args[4]}),
-                            conv_time_major=time_major)
+                            conv_time_major=time_major, three_states=three_states)
 
 
-def example_inputs(dtype: torch.dtype = torch.bfloat16, conv_time_major: bool = False) -> list:
+def example_inputs(dtype: torch.dtype = torch.bfloat16, conv_time_major: bool = False,
+                   three_states: bool = False) -> list:
+    """(the recurrent state is square: its example values serve either layout; three conv
+    states: the k and v buffers after the tensors, as `kda_decode.variant_names` orders them)"""
     W = kda_decode.H * kda_decode.K
     act = [torch.randn(2, 1, W, dtype=dtype) for _ in range(4)]
     fa = [torch.randn(2, 1, R, dtype=dtype), torch.randn(W, R, dtype=dtype)]
     b = torch.randn(2, 1, kda_decode.H, dtype=dtype)
     conv = (3, kda_decode.TAPS - 1, 3 * W) if conv_time_major else (3, 3 * W, kda_decode.TAPS - 1)
+    if three_states:
+        conv = (3, W, kda_decode.TAPS - 1)
     state = [torch.randn(conv, dtype=dtype),
              torch.randn(3, kda_decode.H, kda_decode.K, kda_decode.K), torch.tensor([0, 2])]
     weights = [torch.randn(W, 1, kda_decode.TAPS, dtype=dtype) for _ in range(3)]
     weights += [torch.randn(kda_decode.H), torch.randn(W), torch.randn(kda_decode.K, dtype=dtype)]
-    return [*act, *fa, b, *state, *weights, *kda_decode.SCALARS.values()]
+    more = [torch.randn(conv, dtype=dtype) for _ in kda_decode.THREE_STATES] if three_states \
+        else []
+    return [*act, *fa, b, *state, *weights, *more, *kda_decode.SCALARS.values()]
 
 
-def _variant(norm_fp32: bool, conv_time_major: bool = False) -> Pattern:
+def _variant(norm_fp32: bool, conv_time_major: bool = False, state_v_major: bool = False,
+             three_states: bool = False) -> Pattern:
     """The step as kda_decode fused it: with the built-in output norm, or fla's fp32 one, on a
-    channel- or time-major conv state (the op's `norm_fp32` and `conv_time_major` arguments,
-    passed through)."""
-    extra = kda_decode.flags(norm_fp32, conv_time_major)
-    names = [n for n, on in (("norm_fp32", norm_fp32), ("conv_time_major", conv_time_major)) if on]
+    channel- or time-major conv state, a K- or V-major recurrent state (the op's `norm_fp32`,
+    `conv_time_major` and `state_v_major` arguments, passed through), with one conv state buffer
+    or three (`k_conv_state`, `v_conv_state`)."""
+    extra = kda_decode.flags(norm_fp32, conv_time_major, state_v_major, three_states)
+    names = [n for n, on in (("norm_fp32", norm_fp32), ("conv_time_major", conv_time_major),
+                             ("state_v_major", state_v_major),
+                             ("three_conv_states", three_states)) if on]
+    args = (*NAMES[:-len(kda_decode.SCALARS)], *kda_decode.THREE_STATES,
+            *kda_decode.SCALARS) if three_states else NAMES
+    tensors, n_scalars = len(NAMES) - len(kda_decode.SCALARS), len(kda_decode.SCALARS)
+
+    def call(fn):  # the op's arguments in its order: the flags, then the two extra buffers
+        return lambda *a: fn(*a[:tensors], *a[-n_scalars:], *extra, *a[tensors:-n_scalars])
+
     return Pattern(
         name=f"fb_kda_decode[{','.join(names)}]" if names else "fb_kda_decode",
-        search=with_signature(lambda *a: search(*a, *extra), NAMES),
-        replace=with_signature(lambda *a: replace(*a, *extra), NAMES),
-        example_inputs=lambda dtype=torch.bfloat16: example_inputs(dtype, conv_time_major),
+        search=with_signature(call(search), args),
+        replace=with_signature(call(replace), args),
+        example_inputs=lambda dtype=torch.bfloat16: example_inputs(dtype, conv_time_major,
+                                                                   three_states),
         op="k3.fb_kda_decode", check=check,
+        kernel_refusal=kda_decode.untested_build_refusal if state_v_major or three_states
+        else None,
         scalars=dict(kda_decode.SCALARS), fake_trace=True, distinctive=("mm", "kda_decode"),
     )
 
 
 def patterns() -> list[Pattern]:
     # one variant for every T, batch and dtype: the op hides the step, the GEMM has no casts
-    return [_variant(n, m) for m in (False, True) for n in (False, True)]
+    return [_variant(n, m, s, c) for c in (False, True) for s in (False, True)
+            for m in (False, True) for n in (False, True) if not (c and m)]

@@ -44,6 +44,20 @@ NAMES = ("q", "k", "v", "g", "graw", "b", "conv_state", "recurrent_state", "slot
          "q_conv_weight", "k_conv_weight", "v_conv_weight", "A_log", "dt_bias", "o_norm_weight",
          "lower_bound", "l2_eps", "q_scale", "norm_eps")
 SCALARS = {"lower_bound": -5.1, "l2_eps": 1.1e-6, "q_scale": 0.37, "norm_eps": 1.3e-5}
+# three conv state buffers (one per q / k / v): conv_state holds q's channels, these k's and v's;
+# a variant with them takes them after the tensors of NAMES, before the scalars (the tracer takes
+# the example inputs of the non-scalar names in order)
+THREE_STATES = ("k_conv_state", "v_conv_state")
+TENSORS = len(NAMES) - len(SCALARS)
+
+
+def variant_names(three_states: bool) -> tuple[str, ...]:
+    return (*NAMES[:TENSORS], *THREE_STATES, *SCALARS) if three_states else NAMES
+
+
+def unthree(args: tuple) -> tuple:
+    """A variant's arguments in the order of NAMES (without the two extra conv states)."""
+    return (*args[:TENSORS], *args[-len(SCALARS):])
 
 
 def setitem(buf, index, value):
@@ -67,11 +81,17 @@ def kda_step(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_wei
 
 def _step(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weight, k_conv_weight,
           v_conv_weight, A_log, dt_bias, o_norm_weight, lower_bound, l2_eps, q_scale, norm_eps,
-          silu_written_out, norm_fp32=False, conv_time_major=False):
+          silu_written_out, norm_fp32=False, conv_time_major=False, state_v_major=False,
+          k_conv_state=None, v_conv_state=None):
     """KimiDeltaAttention.forward after the projections, with the state writes made functional
     (as they are in the graph). Returns (new recurrent state, new conv state, o).
     `conv_time_major`: the conv state [S, taps-1, 3W] (vLLM v1's layout), the window built on
-    dim 1 and convolved as its transpose."""
+    dim 1 and convolved as its transpose. `state_v_major`: the recurrent state [S, H, V, K],
+    read and written through its transpose (rule `state_transpose` writes a V-major delta rule
+    so). `k_conv_state`, `v_conv_state`: three channel-major conv state buffers, the window's
+    past rows their gathers' concatenation, its tail written back by channel slices (rules
+    `conv_states` and `conv_merge` write three per-projection convs so); the new conv states
+    are then three outputs."""
     B, T, _ = q.shape
     nh, hd = recurrent_state.shape[1], recurrent_state.shape[2]
     beta = torch.sigmoid(b.float())
@@ -79,6 +99,13 @@ def _step(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weight
         window = torch.cat([conv_state[slots], torch.cat([q, k, v], dim=-1)], dim=1)
         conv_state_out = setitem(conv_state, (slots,), window[:, T:])
         window = window.transpose(1, 2)
+    elif k_conv_state is not None:
+        states = (conv_state, k_conv_state, v_conv_state)
+        new = torch.cat([q, k, v], dim=-1).transpose(1, 2)
+        window = torch.cat([torch.cat([c[slots] for c in states], 1), new], dim=-1)
+        # the tail cut by channel slices, which rule `slice_split` writes as one split
+        pieces = window[..., T:].split([nh * hd] * 3, dim=1)
+        conv_state_out = tuple(setitem(c, (slots,), x) for c, x in zip(states, pieces))
     else:
         new = torch.cat([q, k, v], dim=-1).transpose(1, 2)
         window = torch.cat([conv_state[slots], new], dim=-1)
@@ -96,33 +123,41 @@ def _step(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weight
                                                     + dt_bias.view(nh, hd))
     decay = torch.exp(lower_bound * torch.sigmoid(gate))
     state = recurrent_state[slots]
+    if state_v_major:
+        state = state.transpose(-1, -2)
     outs = []
     for t in range(T):
         state, o_t = delta_rule_step(state, cq, ck, cv, beta, decay, t)
         outs.append(o_t)
-    state_out = setitem(recurrent_state, (slots,), state)
+    state_out = setitem(recurrent_state, (slots,),
+                        state.transpose(-1, -2) if state_v_major else state)
     o = torch.stack(outs, dim=1).to(q.dtype)
+    convs = conv_state_out if isinstance(conv_state_out, tuple) else (conv_state_out,)
     if norm_fp32:
         # fla casts the gate inside: cast, then split into heads (rule `cast_view`)
-        return state_out, conv_state_out, rms_norm_gated_fp32(
+        return state_out, *convs, rms_norm_gated_fp32(
             o, o_norm_weight, g.float().view(B, T, nh, hd), norm_eps)
     o = rms_norm(o, o_norm_weight, norm_eps) * torch.sigmoid(g.view(B, T, nh, hd))
-    return state_out, conv_state_out, o
+    return state_out, *convs, o
 
 
 def replace(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weight, k_conv_weight,
             v_conv_weight, A_log, dt_bias, o_norm_weight, lower_bound, l2_eps, q_scale, norm_eps,
             *flags):
-    """`flags`: (norm_fp32,) or (norm_fp32, conv_time_major), the op's trailing arguments; none
-    for the defaults (the graphs from before the variants)."""
+    """`flags`: the op's trailing arguments (`flags()`), then, with three conv states, the k and
+    v conv state buffers; none for the defaults (the graphs from before the variants)."""
     o = torch.ops.k3.kda_decode(q, k, v, g, graw, b, conv_state, recurrent_state, slots,
                                 q_conv_weight, k_conv_weight, v_conv_weight, A_log, dt_bias,
                                 o_norm_weight, lower_bound, l2_eps, q_scale, norm_eps, *flags)
-    return recurrent_state, conv_state, o
+    return recurrent_state, conv_state, *flags[3:], o
 
 
-def flags(norm_fp32: bool, conv_time_major: bool) -> tuple[bool, ...]:
-    """The op's trailing arguments for a variant: none for the defaults."""
+def flags(norm_fp32: bool, conv_time_major: bool, state_v_major: bool = False,
+          three_states: bool = False) -> tuple[bool, ...]:
+    """The op's trailing flags for a variant: none for the defaults (with three conv states all
+    three, the two buffers follow them)."""
+    if state_v_major or three_states:
+        return norm_fp32, conv_time_major, state_v_major
     return (norm_fp32, True) if conv_time_major else (True,) if norm_fp32 else ()
 
 
@@ -130,11 +165,25 @@ def time_major_check(match) -> str | None:
     return check(match, conv_time_major=True)
 
 
-def check(match, conv_time_major: bool = False) -> str | None:
+def untested_build_refusal(match) -> str | None:
+    """On GPU graphs a V-major or three-conv-state site stays with Inductor until kda_decode's
+    builds for those layouts (kernels/kda_decode.py, session 25) have passed their GPU tests:
+    built for sm_90a, never run on a GPU. CPU graphs fuse it (the reference is the CPU kernel).
+    Once tests/fusions/test_kda_decode_v_major.py's and test_kda_decode_three_states.py's GPU
+    tests pass, this goes (as session 23's time-major deferral went)."""
+    return "state_v_major / three conv states: kda_decode's build has not run on a GPU yet"
+
+
+def three_states_check(match) -> str | None:
+    return check(match, three_states=True)
+
+
+def check(match, conv_time_major: bool = False, three_states: bool = False) -> str | None:
     for name in SCALARS:
         if not isinstance(match.kwargs[name], float):
             return f"{name} is not a compile-time float"
-    meta = {n: tensor_meta(match.kwargs[n]) for n in NAMES if n not in SCALARS}
+    names = variant_names(three_states)
+    meta = {n: tensor_meta(match.kwargs[n]) for n in names if n not in SCALARS}
     if any(t is None for t in meta.values()):
         return "an input has no tensor metadata"
     q, state, conv = meta["q"], meta["recurrent_state"], meta["conv_state"]
@@ -152,8 +201,14 @@ def check(match, conv_time_major: bool = False) -> str | None:
     if meta["b"].shape[-1] != nh:
         return f"b width {meta['b'].shape[-1]} != heads {nh}"
     channels, history = (2, 1) if conv_time_major else (1, 2)
-    if conv.dtype != q.dtype or conv.shape[channels] != 3 * width:
-        return f"conv_state {conv.dtype}{list(conv.shape)} does not hold q|k|v of {q.dtype}[{width}]"
+    if three_states:
+        for name in THREE_STATES:
+            if meta[name].dtype != conv.dtype or meta[name].shape != conv.shape:
+                return f"{name} {meta[name].dtype}{list(meta[name].shape)} != q's conv state"
+    held = width if three_states else 3 * width
+    if conv.dtype != q.dtype or conv.shape[channels] != held:
+        return (f"conv_state {conv.dtype}{list(conv.shape)} does not hold "
+                f"{'q' if three_states else 'q|k|v'} of {q.dtype}[{width}]")
     taps = conv.shape[history] + 1
     for name in ("q_conv_weight", "k_conv_weight", "v_conv_weight"):
         if tuple(meta[name].shape) != (width, 1, taps):
@@ -169,7 +224,8 @@ def check(match, conv_time_major: bool = False) -> str | None:
     return None
 
 
-_sites_seen: list = [None, frozenset()]  # (graph, its sites): every variant asks of one graph
+# (graph, its sites, recurrent state layouts, conv state counts)
+_sites_seen: list = [None, frozenset(), frozenset(), frozenset()]
 
 
 def _time_major(conv: fx.Node) -> bool:
@@ -181,15 +237,59 @@ def _time_major(conv: fx.Node) -> bool:
                                                    torch.ops.aten.transpose.int)
 
 
+def _v_major(read: fx.Node) -> bool:
+    """A gather of fp32 [B, H, ., .] state rows read through the transpose of its last two dims
+    (a V-major state buffer, as rule `state_transpose` leaves it)."""
+    v = read.meta.get("val")
+    if not (isinstance(v, torch.Tensor) and v.dim() == 4 and v.dtype == torch.float32):
+        return False
+    return any(u.target is torch.ops.aten.permute.default and list(u.args[1]) == [0, 1, 3, 2]
+               or u.target is torch.ops.aten.transpose.int and sorted(
+                   d % 4 for d in u.args[1:3]) == [2, 3] for u in read.users)
+
+
+def _gathers(conv: fx.Node) -> int:
+    """How many state gathers the conv's window concatenates (0: not a cat of gathers)."""
+    x = conv.args[0]
+    while isinstance(x, fx.Node) and x.target is torch.ops.prims.convert_element_type.default:
+        x = x.args[0]
+    past = x.args[0][0] if isinstance(x, fx.Node) and x.target is torch.ops.aten.cat.default \
+        else None
+    if not (isinstance(past, fx.Node) and past.target is torch.ops.aten.cat.default):
+        return 0
+    parts = past.args[0]
+    return len(parts) if all(p.target is torch.ops.aten.index.Tensor for p in parts) else 0
+
+
+def _scan(graph: fx.Graph) -> None:
+    if _sites_seen[0] is not graph:
+        convs = [n for n in graph.nodes if n.target is torch.ops.aten.convolution.default
+                 and isinstance(v := n.meta.get("val"), torch.Tensor) and v.dim() == 3]
+        reads = (n for n in graph.nodes if n.target is torch.ops.aten.index.Tensor)
+        _sites_seen[:] = graph, frozenset(
+            (int(n.meta["val"].shape[-1]), _time_major(n)) for n in convs), frozenset(
+            {False} | {True for n in reads if _v_major(n)}), frozenset(
+            {1} | {_gathers(n) for n in convs} - {0})
+
+
 def sites(graph: fx.Graph) -> frozenset[tuple[int, bool]]:
     """(T, time-major) of each KDA site in the graph: its depthwise short conv's output length,
     and whether it convolves a transposed window."""
-    if _sites_seen[0] is not graph:
-        convs = (n for n in graph.nodes if n.target is torch.ops.aten.convolution.default)
-        _sites_seen[:] = graph, frozenset(
-            (int(v.shape[-1]), _time_major(n)) for n in convs
-            if isinstance(v := n.meta.get("val"), torch.Tensor) and v.dim() == 3)
+    _scan(graph)
     return _sites_seen[1]
+
+
+def state_layouts(graph: fx.Graph) -> frozenset[bool]:
+    """V-major (True) if some state gather of the graph is read through its transpose; K-major
+    (False) always (a K-major read has no mark of its own)."""
+    _scan(graph)
+    return _sites_seen[2]
+
+
+def conv_state_counts(graph: fx.Graph) -> frozenset[int]:
+    """1 always; 3 if some short conv's window concatenates three state gathers."""
+    _scan(graph)
+    return _sites_seen[3]
 
 
 def site_rows(graph: fx.Graph) -> frozenset[int]:
@@ -197,9 +297,14 @@ def site_rows(graph: fx.Graph) -> frozenset[int]:
     return frozenset(t for t, _ in sites(graph))
 
 
-def _fits(T: int, conv_time_major: bool = False):
+def _fits(T: int, conv_time_major: bool = False, state_v_major: bool = False,
+          three_states: bool = False):
     def fits(graph: fx.Graph) -> str | None:
         found = sites(graph)
+        if state_v_major and found and True not in state_layouts(graph):
+            return "no state gather is read through its transpose (a V-major state's)"
+        if three_states and found and 3 not in conv_state_counts(graph):
+            return "no short conv's window concatenates three conv state gathers"
         if (T, conv_time_major) in found or not found:
             return None  # no short conv: every variant is tried (a near miss per layer)
         rows = sorted({t for t, _ in found})
@@ -212,40 +317,54 @@ def _fits(T: int, conv_time_major: bool = False):
 
 
 def _variant(T: int, B: int, dtype: torch.dtype, silu_written_out: bool = False,
-             norm_fp32: bool = False, conv_time_major: bool = False) -> Pattern:
+             norm_fp32: bool = False, conv_time_major: bool = False,
+             state_v_major: bool = False, three_states: bool = False) -> Pattern:
     def example_inputs():
         W = H * K
         act = [torch.randn(B, T, W, dtype=dtype) for _ in range(5)]
         b = torch.randn(B, T, H, dtype=dtype)
         conv = (3, TAPS - 1, 3 * W) if conv_time_major else (3, 3 * W, TAPS - 1)
+        if three_states:
+            conv = (3, W, TAPS - 1)
         state = [torch.randn(conv, dtype=dtype),
                  torch.randn(3, H, K, K, dtype=torch.float32), torch.tensor([0, 2][:B])]
         weights = [torch.randn(W, 1, TAPS, dtype=dtype) for _ in range(3)]
         weights += [torch.randn(H), torch.randn(W), torch.randn(K, dtype=dtype)]
-        return [*act, b, *state, *weights, *SCALARS.values()]
+        more = [torch.randn(conv, dtype=dtype) for _ in THREE_STATES] if three_states else []
+        return [*act, b, *state, *weights, *more, *SCALARS.values()]
 
     # written out: the same step; its op computes silu as torch does (an ulp apart)
-    search = with_signature(lambda *a: _step(*a, silu_written_out=silu_written_out,
+    names = variant_names(three_states)
+    search = with_signature(lambda *a: _step(*unthree(a), silu_written_out=silu_written_out,
                                              norm_fp32=norm_fp32,
-                                             conv_time_major=conv_time_major), NAMES)
-    extra = flags(norm_fp32, conv_time_major)
+                                             conv_time_major=conv_time_major,
+                                             state_v_major=state_v_major,
+                                             **dict(zip(THREE_STATES, a[TENSORS:-len(SCALARS)]))
+                                             if three_states else {}), names)
+    extra = flags(norm_fp32, conv_time_major, state_v_major, three_states)
     return Pattern(
         name=f"kda_decode[T={T},B={'1' if B == 1 else 'n'},{str(dtype).removeprefix('torch.')}"
              f"{',silu_written_out' if silu_written_out else ''}"
-             f"{',norm_fp32' if norm_fp32 else ''}{',conv_time_major' if conv_time_major else ''}]",
-        search=search, replace=with_signature(lambda *a: replace(*a, *extra), NAMES)
+             f"{',norm_fp32' if norm_fp32 else ''}{',conv_time_major' if conv_time_major else ''}"
+             f"{',state_v_major' if state_v_major else ''}"
+             f"{',three_conv_states' if three_states else ''}]",
+        search=search, replace=with_signature(
+            lambda *a: replace(*unthree(a), *extra, *a[TENSORS:-len(SCALARS)]), names)
         if extra else replace,
         example_inputs=example_inputs, op="k3.kda_decode",
-        check=time_major_check if conv_time_major else check, scalars=dict(SCALARS),
+        check=three_states_check if three_states else time_major_check if conv_time_major
+        else check, scalars=dict(SCALARS),
+        kernel_refusal=untested_build_refusal if state_v_major or three_states else None,
         distinctive=("convolution", "index_put", "bmm", "rsqrt"), joint_passes=True,
-        fits=_fits(T, conv_time_major),
+        fits=_fits(T, conv_time_major, state_v_major, three_states),
     )
 
 
 def patterns() -> list[Pattern]:
     # fla's fp32 output norm differs from ours only where the activations round (not in fp32);
-    # a variant is traced only for the (T, conv state layout) a graph's sites have (`fits`)
-    return [_variant(t, b, d, w, n, m) for m, n, w, t, b, d in
-            itertools.product((False, True), (False, True), (False, True), TOKENS, BATCHES,
-                              DTYPES)
-            if not (n and d == torch.float32)]
+    # a variant is traced only for the (T, state layouts) a graph's sites have (`fits`); three
+    # conv states only channel-major (the layout the spellings that keep three have)
+    return [_variant(t, b, d, w, n, m, s, c) for c, s, m, n, w, t, b, d in
+            itertools.product((False, True), (False, True), (False, True), (False, True),
+                              (False, True), TOKENS, BATCHES, DTYPES)
+            if not (n and d == torch.float32) and not (c and m)]

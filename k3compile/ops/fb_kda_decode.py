@@ -4,7 +4,8 @@
     graw = fa · W_fbᵀ      fa [B, T, R], W_fb [H·K, R]; R = head_dim, a 128-wide GEMM at K3's sizes
 
 then the KDA step of `k3compile.ops.kda_decode` (`norm_fp32`: its fp32 output norm,
-`conv_time_major`: the conv state [S, taps-1, 3·H·K], as there).
+`conv_time_major`: the conv state [S, taps-1, 3·H·K], `state_v_major`: the recurrent state
+[S, H, V, K], `k_conv_state` / `v_conv_state`: one conv state buffer per q / k / v, as there).
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import torch.nn.functional as F
 from k3compile.ops.kda_decode import kda_decode_fake, kda_decode_ref
 
 
-@torch.library.custom_op("k3::fb_kda_decode", mutates_args=("conv_state", "recurrent_state"))
+@torch.library.custom_op("k3::fb_kda_decode", mutates_args=("conv_state", "recurrent_state",
+                                                           "k_conv_state", "v_conv_state"))
 def fb_kda_decode(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, fa: torch.Tensor,
     fb_weight: torch.Tensor, b: torch.Tensor, conv_state: torch.Tensor,
@@ -23,15 +25,19 @@ def fb_kda_decode(
     k_conv_weight: torch.Tensor, v_conv_weight: torch.Tensor, A_log: torch.Tensor,
     dt_bias: torch.Tensor, o_norm_weight: torch.Tensor, lower_bound: float, l2_eps: float,
     q_scale: float, norm_eps: float, norm_fp32: bool = False, conv_time_major: bool = False,
+    state_v_major: bool = False, k_conv_state: torch.Tensor | None = None,
+    v_conv_state: torch.Tensor | None = None,
 ) -> torch.Tensor:
     graw = F.linear(fa, fb_weight)
     return kda_decode_ref(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weight,
                           k_conv_weight, v_conv_weight, A_log, dt_bias, o_norm_weight, lower_bound,
-                          l2_eps, q_scale, norm_eps, norm_fp32, conv_time_major)
+                          l2_eps, q_scale, norm_eps, norm_fp32, conv_time_major, state_v_major,
+                          k_conv_state, v_conv_state)
 
 
 @fb_kda_decode.register_fake
 def _(q, k, v, g, fa, fb_weight, b, conv_state, recurrent_state, slots, q_conv_weight,
       k_conv_weight, v_conv_weight, A_log, dt_bias, o_norm_weight, lower_bound, l2_eps, q_scale,
-      norm_eps, norm_fp32=False, conv_time_major=False):
+      norm_eps, norm_fp32=False, conv_time_major=False, state_v_major=False, k_conv_state=None,
+      v_conv_state=None):
     return kda_decode_fake(q, recurrent_state, g, o_norm_weight, norm_fp32)

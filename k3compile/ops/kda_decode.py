@@ -14,8 +14,17 @@ the gate as the built-in model does; the two differ only in bf16/fp16.
 
 `conv_time_major`: the conv state buffer is [S, taps-1, 3·H·K] (vLLM v1's newer layout: the
 window is `cat(conv_state[slots], q|k|v)` on dim 1, the conv runs over its transpose) instead of
-[S, 3·H·K, taps-1]; the same values. The CUDA kernel takes the channel-major layout only: the
-time-major one runs this reference there (reason logged, `kernels/kda_decode.py`).
+[S, 3·H·K, taps-1]; the same values (the CUDA kernel reads it through the transposed view).
+
+`state_v_major`: the recurrent state buffer is V-major [S, H, V, K] (the layout fla's
+`transpose_state_layout` and several ports keep: a head's state as the matrix that maps k to v)
+instead of K-major [S, H, K, V]; the step reads and writes it through its transpose, the same
+values (K = V).
+
+`k_conv_state`, `v_conv_state`: three conv state buffers, one per q / k / v (fla's three
+`ShortConvolution`s, each with its own cache; tests/models/spell8_k3.py): `conv_state` then holds
+q's channels only, [S, H·K, taps-1] (the layout `conv_time_major` says), and the window is the
+three gathered rows concatenated along the channels: the same values as one buffer.
 
 T >= 1 tokens per request (T > 1: speculative verify rows, the recurrence sequential over them).
 `slots` picks each request's rows of the state buffers, which are updated in place.
@@ -38,23 +47,34 @@ SELF_UPCAST = ("A_log", "dt_bias")
 
 def kda_decode_ref(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weight,
                    k_conv_weight, v_conv_weight, A_log, dt_bias, o_norm_weight, lower_bound,
-                   l2_eps, q_scale, norm_eps, norm_fp32=False, conv_time_major=False):
+                   l2_eps, q_scale, norm_eps, norm_fp32=False, conv_time_major=False,
+                   state_v_major=False, k_conv_state=None, v_conv_state=None):
     """The model's KDA step (`KimiDeltaAttention.forward` between the projections and o_proj),
-    op for op, so that it rounds like eager. Mutates conv_state and recurrent_state."""
+    op for op, so that it rounds like eager. Mutates conv_state (and k_conv_state, v_conv_state)
+    and recurrent_state."""
     B, T, W = q.shape
     H, K = recurrent_state.shape[1], recurrent_state.shape[2]
     dtype = q.dtype
     beta = torch.sigmoid(b.float())  # [B, T, H]
 
     taps = torch.cat([q_conv_weight, k_conv_weight, v_conv_weight])
+    states = (conv_state,) if k_conv_state is None else (conv_state, k_conv_state, v_conv_state)
+    channels = 2 if conv_time_major else 1
+    past = torch.cat([s[slots] for s in states], dim=channels) if len(states) > 1 else \
+        conv_state[slots]
     if conv_time_major:
-        window = torch.cat([conv_state[slots], torch.cat([q, k, v], dim=-1)], dim=1)
-        conv_state[slots] = window[:, T:]  # [B, K-1 + T, 3W] -> its last K-1 rows
+        window = torch.cat([past, torch.cat([q, k, v], dim=-1)], dim=1)
+        tail = window[:, T:]  # [B, K-1 + T, 3W] -> its last K-1 rows
         window = window.transpose(1, 2)
     else:
         new = torch.cat([q, k, v], dim=-1).transpose(1, 2)  # [B, 3W, T]
-        window = torch.cat([conv_state[slots], new], dim=-1)  # [B, 3W, K-1 + T]
-        conv_state[slots] = window[..., T:]
+        window = torch.cat([past, new], dim=-1)  # [B, 3W, K-1 + T]
+        tail = window[..., T:]
+    if len(states) == 1:
+        conv_state[slots] = tail
+    else:
+        for s, piece in zip(states, tail.split(W, dim=channels)):
+            s[slots] = piece
     conv = F.conv1d(window.float(), taps.float(), groups=taps.shape[0])
     conv = F.silu(conv).to(dtype).transpose(1, 2)  # [B, T, 3W]
     q, k, v = conv.split(W, dim=-1)
@@ -67,11 +87,13 @@ def kda_decode_ref(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_co
     decay = torch.exp(lower_bound * torch.sigmoid(gate))
 
     state = recurrent_state[slots]  # [B, H, K, V] fp32
+    if state_v_major:
+        state = state.transpose(-1, -2)  # [B, H, V, K] -> [B, H, K, V]
     outs = []
     for t in range(T):
         state, o_t = delta_rule_step(state, q, k, v, beta, decay, t)
         outs.append(o_t)
-    recurrent_state[slots] = state
+    recurrent_state[slots] = state.transpose(-1, -2) if state_v_major else state
     o = torch.stack(outs, dim=1).to(dtype)  # [B, T, H, V]
     if norm_fp32:
         return rms_norm_gated_fp32(o, o_norm_weight, g.view(B, T, H, K), norm_eps)
@@ -87,28 +109,34 @@ def kda_decode_fake(q, recurrent_state, g, o_norm_weight, norm_fp32=False) -> to
     return q.new_empty((B, T, H, K), dtype=dtype)
 
 
-@torch.library.custom_op("k3::kda_decode", mutates_args=("conv_state", "recurrent_state"))
+@torch.library.custom_op("k3::kda_decode", mutates_args=("conv_state", "recurrent_state",
+                                                        "k_conv_state", "v_conv_state"))
 def kda_decode(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, graw: torch.Tensor,
     b: torch.Tensor, conv_state: torch.Tensor, recurrent_state: torch.Tensor, slots: torch.Tensor,
     q_conv_weight: torch.Tensor, k_conv_weight: torch.Tensor, v_conv_weight: torch.Tensor,
     A_log: torch.Tensor, dt_bias: torch.Tensor, o_norm_weight: torch.Tensor,
     lower_bound: float, l2_eps: float, q_scale: float, norm_eps: float, norm_fp32: bool = False,
-    conv_time_major: bool = False,
+    conv_time_major: bool = False, state_v_major: bool = False,
+    k_conv_state: torch.Tensor | None = None, v_conv_state: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q, k, v, g, graw [B, T, H·K] (pre-conv projections, output gate, low-rank decay input),
     b [B, T, H] (β logits); conv_state [S, 3·H·K, taps-1] ([S, taps-1, 3·H·K] with
-    `conv_time_major`); recurrent_state fp32 [S, H, K, K];
+    `conv_time_major`; with `k_conv_state` and `v_conv_state`, each of the three [S, H·K,
+    taps-1] or [S, taps-1, H·K]); recurrent_state fp32 [S, H, K, V], K = V ([S, H, V, K] with
+    `state_v_major`);
     slots int64 [B]; conv weights [H·K, 1, taps]; A_log [H], dt_bias [H·K] (fp32, or bf16 where
     a model is cast whole: promoted to fp32); o_norm_weight [K]. Returns o [B, T, H, K] in the
     activations' dtype."""
     return kda_decode_ref(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weight,
                           k_conv_weight, v_conv_weight, A_log, dt_bias, o_norm_weight, lower_bound,
-                          l2_eps, q_scale, norm_eps, norm_fp32, conv_time_major)
+                          l2_eps, q_scale, norm_eps, norm_fp32, conv_time_major, state_v_major,
+                          k_conv_state, v_conv_state)
 
 
 @kda_decode.register_fake
 def _(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weight, k_conv_weight,
       v_conv_weight, A_log, dt_bias, o_norm_weight, lower_bound, l2_eps, q_scale, norm_eps,
-      norm_fp32=False, conv_time_major=False):
+      norm_fp32=False, conv_time_major=False, state_v_major=False, k_conv_state=None,
+      v_conv_state=None):
     return kda_decode_fake(q, recurrent_state, g, o_norm_weight, norm_fp32)

@@ -45,31 +45,45 @@ class KDADecode:
         # mQ, mK, mV, mG, mGraw: (B, T, W); mB: (B, T, H); mConv: (S, 3W, taps-1);
         # mState: (S, H, K, K); mSlots: (B,); mW*: (W, 1, taps); mALog: (H,); mDt: (W,);
         # mWo: (K,); mOut: (B, T, H, K)
-        self.launch(mQ, mK, mV, mG, mGraw, None, mB, mConv, mState, mSlots, mWq, mWk, mWv,
-                    mALog, mDt, mWo, mOut, lower_bound, l2_eps, q_scale, norm_eps, stream)
+        self.launch(mQ, mK, mV, mG, mGraw, None, mB, mConv, None, None, mState, mSlots, mWq,
+                    mWk, mWv, mALog, mDt, mWo, mOut, lower_bound, l2_eps, q_scale, norm_eps,
+                    stream)
+
+    @cute.jit
+    def three_states(self, mQ, mK, mV, mG, mGraw, mB, mConv, mConvK, mConvV, mState, mSlots,
+                     mWq, mWk, mWv, mALog, mDt, mWo, mOut, lower_bound: Float32,
+                     l2_eps: Float32, q_scale: Float32, norm_eps: Float32, stream):
+        # mConv, mConvK, mConvV: (S, W, taps-1) each, q's, k's and v's; the rest as __call__
+        self.launch(mQ, mK, mV, mG, mGraw, None, mB, mConv, mConvK, mConvV, mState, mSlots,
+                    mWq, mWk, mWv, mALog, mDt, mWo, mOut, lower_bound, l2_eps, q_scale,
+                    norm_eps, stream)
 
     @cute.jit
     def with_fb(self, mQ, mK, mV, mG, mFa, mWfb, mB, mConv, mState, mSlots, mWq, mWk, mWv,
                 mALog, mDt, mWo, mOut, lower_bound: Float32, l2_eps: Float32,
                 q_scale: Float32, norm_eps: Float32, stream):
         # mFa: (B, T, R); mWfb: (W, R); the rest as __call__
-        self.launch(mQ, mK, mV, mG, mFa, mWfb, mB, mConv, mState, mSlots, mWq, mWk, mWv,
-                    mALog, mDt, mWo, mOut, lower_bound, l2_eps, q_scale, norm_eps, stream)
+        self.launch(mQ, mK, mV, mG, mFa, mWfb, mB, mConv, None, None, mState, mSlots, mWq, mWk,
+                    mWv, mALog, mDt, mWo, mOut, lower_bound, l2_eps, q_scale, norm_eps, stream)
 
-    def launch(self, mQ, mK, mV, mG, mGate, mWfb, mB, mConv, mState, mSlots, mWq, mWk, mWv,
-               mALog, mDt, mWo, mOut, lower_bound, l2_eps, q_scale, norm_eps, stream):
+    def launch(self, mQ, mK, mV, mG, mGate, mWfb, mB, mConv, mConvK, mConvV, mState, mSlots,
+               mWq, mWk, mWv, mALog, mDt, mWo, mOut, lower_bound, l2_eps, q_scale, norm_eps,
+               stream):
         C = self.C
-        self.kernel(mQ, mK, mV, mG, mGate, mWfb, mB, mConv, mState, mSlots, mWq, mWk, mWv,
-                    mALog, mDt, mWo, mOut, lower_bound, l2_eps, q_scale, norm_eps).launch(
+        self.kernel(mQ, mK, mV, mG, mGate, mWfb, mB, mConv, mConvK, mConvV, mState, mSlots,
+                    mWq, mWk, mWv, mALog, mDt, mWo, mOut, lower_bound, l2_eps, q_scale,
+                    norm_eps).launch(
             grid=[C, self.H, mQ.shape[0]], block=[self.threads, 1, 1],
             cluster=[C, 1, 1] if const_expr(C > 1) else None, smem=self.smem_bytes,
             stream=stream, use_pdl=self.pdl)
 
     @cute.kernel
-    def kernel(self, mQ, mK, mV, mG, mGate, mWfb, mB, mConv, mState, mSlots, mWq, mWk, mWv,
-               mALog, mDt, mWo, mOut, lower_bound: Float32, l2_eps: Float32, q_scale: Float32,
-               norm_eps: Float32):
-        """mGate: graw (B, T, W), or in the f_b build fa (B, T, R) with mWfb (W, R)."""
+    def kernel(self, mQ, mK, mV, mG, mGate, mWfb, mB, mConv, mConvK, mConvV, mState, mSlots,
+               mWq, mWk, mWv, mALog, mDt, mWo, mOut, lower_bound: Float32, l2_eps: Float32,
+               q_scale: Float32, norm_eps: Float32):
+        """mGate: graw (B, T, W), or in the f_b build fa (B, T, R) with mWfb (W, R). mConvK,
+        mConvV: None (mConv holds q|k|v), or k's and v's conv states (mConv then q's)."""
+        convs = (mConv, mConvK, mConvV)
         pdl_launch_dependents(self.pdl)
         tidx, _, _ = cute.arch.thread_idx()
         rank, h, req = cute.arch.block_idx()
@@ -113,7 +127,7 @@ class KDADecode:
             cute.arch.barrier()  # sFa stored, every thread's W_fb copies landed
             self.fb_graw(sWfb, sFa, sA)
             cute.arch.barrier()
-        self.prologue(tidx, rank, h, req, slot, mQ, mK, mV, mGate, mB, mConv, mWq, mWk,
+        self.prologue(tidx, rank, h, req, slot, mQ, mK, mV, mGate, mB, convs, mWq, mWk,
                       mWv, mALog, mDt, sQ, sK, sV, sA, sBeta, lower_bound)
         cute.arch.barrier()
         self.l2norm(sQ, sK, l2_eps, q_scale)
@@ -125,7 +139,7 @@ class KDADecode:
             cute.arch.barrier()  # row_sum has none for a single warp; sO must be visible
         totals = row_sum(ss, sRed, self.warps, C, True)  # Σ o'² per token over the head
         self.epilogue(tidx, rank, h, req, totals, sO, mG, mWo, mOut, norm_eps)
-        self.write_conv_state(tidx, rank, h, req, slot, mQ, mK, mV, mConv)
+        self.write_conv_state(tidx, rank, h, req, slot, mQ, mK, mV, convs)
 
     def slot_of(self, req, mSlots, mState):
         """The request's state slot (negative: from the end, as torch indexing)."""
@@ -168,7 +182,7 @@ class KDADecode:
                     sFa[item // R, item % R] = mFa[req, item // R, item % R].to(Float32)
 
     @cute.jit
-    def prologue(self, tidx, rank, h, req, slot, mQ, mK, mV, mGate, mB, mConv, mWq, mWk,
+    def prologue(self, tidx, rank, h, req, slot, mQ, mK, mV, mGate, mB, convs, mWq, mWk,
                  mWv, mALog, mDt, sQ, sK, sV, sA, sBeta, lower_bound: Float32):
         """Conv + SiLU of q, k (all channels), v (own columns); α; β -> shared memory."""
         T, tl, n = self.T, self.tile, self.threads
@@ -178,7 +192,7 @@ class KDADecode:
             it, s, full = plan[p]
             kind, lo, hi = items[s]
             item = it * n + tidx
-            args = (kind, item - lo, rank, h, req, slot, mQ, mK, mV, mGate, mConv, mWq, mWk,
+            args = (kind, item - lo, rank, h, req, slot, mQ, mK, mV, mGate, convs, mWq, mWk,
                     mWv, mALog, mDt, sQ, sK, sV, sA, lower_bound)
             if const_expr(full):
                 self.prologue_item(*args)
@@ -188,9 +202,9 @@ class KDADecode:
         if tidx < T:
             sBeta[tidx] = sigmoid(mB[req, tidx, h].to(Float32))
 
-    def prologue_item(self, kind, c, rank, h, req, slot, mQ, mK, mV, mGate, mConv, mWq, mWk,
+    def prologue_item(self, kind, c, rank, h, req, slot, mQ, mK, mV, mGate, convs, mWq, mWk,
                       mWv, mALog, mDt, sQ, sK, sV, sA, lower_bound):
-        T, K, W, taps = self.T, self.K, self.W, self.taps
+        T, K, taps = self.T, self.K, self.taps
         if kind == "alpha":
             ch = h * K + c
             e = cute.math.exp(mALog[h].to(Float32))  # fp32 or bf16
@@ -204,7 +218,8 @@ class KDADecode:
             mX, mW, sX = (mQ, mWq, sQ) if s == 0 else (mK, mWk, sK) if s == 1 else (
                 mV, mWv, sV)
             ch = h * K + (rank * self.tile.vc if s == 2 else 0) + c
-            win = [mConv[slot, s * W + ch, j].to(Float32) for j in range(taps - 1)]
+            mConv, row = self.conv_rows(convs, s, ch)
+            win = [mConv[slot, row, j].to(Float32) for j in range(taps - 1)]
             win += [mX[req, t, ch].to(Float32) for t in range(T)]
             w = [mW[ch, 0, j].to(Float32) for j in range(taps)]
             for t in range(T):
@@ -353,7 +368,7 @@ class KDADecode:
         cute.autovec_copy(rOut, vectors(mOut[req, t, h, None])[None, col // 8])
 
     @cute.jit
-    def write_conv_state(self, tidx, rank, h, req, slot, mQ, mK, mV, mConv):
+    def write_conv_state(self, tidx, rank, h, req, slot, mQ, mK, mV, convs):
         """conv_state <- the last taps-1 window inputs, for this CTA's channels of q, k, v.
         Runs after the cluster barrier: every CTA has read the old rows."""
         K, n, tl = self.K, self.threads, self.tile
@@ -366,15 +381,23 @@ class KDADecode:
             ch = h * K + rank * tl.vc + item - lo
             mX = mQ if s == 0 else mK if s == 1 else mV
             if const_expr(full):
-                self.conv_row(s, ch, req, slot, mX, mConv)
+                self.conv_row(s, ch, req, slot, mX, convs)
             else:
                 if (item >= lo) & (item < hi):
-                    self.conv_row(s, ch, req, slot, mX, mConv)
+                    self.conv_row(s, ch, req, slot, mX, convs)
 
-    def conv_row(self, s, ch, req, slot, mX, mConv):
+    def conv_rows(self, convs, s, ch):
+        """(the conv state tensor, its row) of channel ch of q|k|v (s = 0|1|2): row s·W + ch of
+        the one q|k|v buffer, or row ch of the projection's own."""
+        if convs[1] is None:
+            return convs[0], s * self.W + ch
+        return convs[s], ch
+
+    def conv_row(self, s, ch, req, slot, mX, convs):
         """Channel ch of q|k|v (s = 0|1|2): window positions T .. T + taps - 2, old inputs
         while below taps - 1. All read before any is written (T < taps - 1 shifts the row)."""
-        T, keep, row = self.T, self.taps - 1, s * self.W + ch
+        T, keep = self.T, self.taps - 1
+        mConv, row = self.conv_rows(convs, s, ch)
         new = [mConv[slot, row, T + j] if T + j < keep else mX[req, T + j - keep, ch]
                for j in range(keep)]
         for j in range(keep):

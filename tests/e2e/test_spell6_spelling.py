@@ -39,8 +39,9 @@ switched to another spelling of the same math: the causes.
   back, with rules `head_split` (the decay and the gate computed on [B, T, H*K] and split into
   heads at the end), `unbind_split` (q|k|v by `unflatten(-1, (3, H, K)).unbind(2)`),
   `norm_square` (`vector_norm(x).square()`) and delta_einsum's sum read (`(S * x[..., None])
-  .sum(-2)`), all session 24. Open: the [B*H] rows with `baddbmm`, and the V-major state buffer
-  [S, H, V, K] (a layout of the caller's buffer: needs a kda_decode variant).
+  .sum(-2)`), all session 24. The V-major state buffer [S, H, V, K]: closed (session 25, helper
+  kdavar) by the ops' `state_v_major` and rule `state_transpose`; probe `kda_heads` alone now
+  restores the op. Open: the [B*H] rows with `baddbmm`.
 """
 
 from __future__ import annotations
@@ -120,9 +121,10 @@ def test_lost_fusions_have_a_near_miss_naming_a_node(pattern, dtype, request):
 # `situ_div`; route_mask: `route_gather`; conv_crop + qkv_split: `conv_valid` + `conv_split`)
 # need no probe any more; moe_experts' probe restores it since rule nibble_unpack (and
 # expert_rows now restores it without the probe); the KDA probes restore fb_kda_decode only since
-# session 24's rules (head_split, unbind_split, ...).
+# session 24's rules (head_split, unbind_split, ...), and `kda_heads` alone since session 25's
+# `state_v_major` and rule `state_transpose` (the V-major state).
 PROBE_FIXES = {
-    "kda": (("kda_heads", "kda_kmajor"), {n: tuple(_KDA) for n in (0, 1)}),
+    "kda": (("kda_heads",), {n: tuple(_KDA) for n in (0, 1)}),
     "mla": (("mla_index_put", "mla_explicit"), {n: tuple(_MLA) for n in (2, 3)}),
     "moe_experts": (("moe_nk",), {n: tuple(_MOE) for n in (1, 2, 3)}),
 }

@@ -254,6 +254,63 @@ def test_kda_time_major_builds(scalars, b, monkeypatch, tmp_path):
         assert tm.count(op) == cm.count(op), op
 
 
+# kda_decode's V-major build (the recurrent state [S, H, V, K], fla's transposed layout): decode
+# and verify rows at one TP16 rank, batch 1 (clusters of 4) and 64 (no cluster)
+V_MAJOR = [((1, 6, 4), 1), ((8, 6, 4), 64)]
+
+
+@pytest.mark.parametrize("scalars,b", _first_of_each(V_MAJOR, lambda case: "kda"), ids=str)
+def test_kda_v_major_builds(scalars, b, monkeypatch, tmp_path):
+    """The variant compiles for sm_90a without spills; it is the default's math (the same FMAs
+    and roundings) with the state's strides in the device code: each 16-byte load and store of
+    a state row (4 value columns) becomes 4 loads and stores of 4 bytes, K apart."""
+    monkeypatch.setenv("CUTE_DSL_ARCH", ARCH)
+    cfg = kda_decode.config(*scalars, b)
+    for sub in ("v", "d"):
+        (tmp_path / sub).mkdir()
+    variant = kda_decode.build(*scalars, cfg, arch=ARCH, dump_dir=str(tmp_path / "v"),
+                               state_v_major=True)
+    _check_cubin(variant)
+    default = kda_decode.build(*scalars, cfg, arch=ARCH, dump_dir=str(tmp_path / "d"))
+    vm, km = ptx_of(variant), ptx_of(default)
+    for op in ("fma.rn.f32", "cvt.rn.bf16.f32", "ld.global.b16", "st.global.b16"):
+        assert vm.count(op) == km.count(op), op
+    for kind in ("ld", "st"):
+        vectors = km.count(f"{kind}.global.v4.b32") - vm.count(f"{kind}.global.v4.b32")
+        assert vectors == kda_decode.tile(cfg).R == cfg.rows_per_thread, kind  # one a row
+        assert vm.count(f"{kind}.global.b32") - km.count(f"{kind}.global.b32") == 4 * vectors
+
+
+# kda_decode's three-state build (q's, k's and v's conv states in three buffers [S, W, taps-1],
+# fla's ShortConvolution caches): decode and verify rows at one TP16 rank, batch 1 and 64
+THREE_STATES = [((1, 6, 4), 1), ((8, 6, 4), 64)]
+
+
+@pytest.mark.parametrize("scalars,b", _first_of_each(THREE_STATES, lambda case: "kda"), ids=str)
+def test_kda_three_states_builds(scalars, b, monkeypatch, tmp_path):
+    """The variant compiles for sm_90a without spills; it is the default's math (the same FMAs,
+    roundings, loads and stores) with two more tensor parameters and other conv-state
+    addresses (k's and v's rows in their own buffers)."""
+    monkeypatch.setenv("CUTE_DSL_ARCH", ARCH)
+    cfg = kda_decode.config(*scalars, b)
+    for sub in ("v", "d"):
+        (tmp_path / sub).mkdir()
+    variant = kda_decode.build(*scalars, cfg, arch=ARCH, dump_dir=str(tmp_path / "v"),
+                               three_states=True)
+    _check_cubin(variant)
+    default = kda_decode.build(*scalars, cfg, arch=ARCH, dump_dir=str(tmp_path / "d"))
+    ts, one = ptx_of(variant), ptx_of(default)
+    assert ts != one
+    for op in ("fma.rn.f32", "cvt.rn.bf16.f32", "ld.global", "st.global"):
+        assert ts.count(op) == one.count(op), op
+
+    def params(ptx):
+        entry = ptx[ptx.index(".entry"):]
+        return entry[:entry.index(")")].count(".param")
+
+    assert params(ts) == params(one) + 2
+
+
 # kda_decode's builds for bf16 A_log / dt_bias (a Moonshot model cast to bf16 whole), each and
 # both, at one TP16 rank's decode (batch 1: clusters of 4) and verify rows (batch 64: no cluster)
 BF16_PARAMS = [(flags, scalars, b) for scalars, b in [((1, 6, 4), 1), ((8, 6, 4), 64)]
