@@ -25,7 +25,8 @@ from torch import fx
 
 from k3compile.rewrite import inductor
 
-ORDER: tuple[str, ...] = ("scatter_rows", "paged_write", "token_dim", "state_write", "slot_mapping",
+ORDER: tuple[str, ...] = ("scatter_rows", "paged_write", "token_dim", "state_write", "cache_block",
+                          "slot_mapping",
                           "sdpa_math",
                           "mla_absorb",
                           "mla_absorbed", "nibble_unpack",
