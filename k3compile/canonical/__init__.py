@@ -29,7 +29,7 @@ ORDER: tuple[str, ...] = ("scatter_rows", "paged_write", "token_dim", "state_wri
                           "slot_mapping",
                           "sdpa_math",
                           "mla_absorb",
-                          "mla_absorbed", "nibble_unpack",
+                          "mla_absorbed", "verify_rows", "nibble_unpack",
                           "mxfp4_dequant",
                           "pair_order", "expert_rows",
                           "expert_slots", "expert_gather", "expert_stack", "expert_gemm",
