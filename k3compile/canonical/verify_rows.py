@@ -96,9 +96,8 @@ def _positions(node: fx.Node, B: int, T: int) -> fx.Node | None:
 def _own(graph: fx.Graph, P: fx.Node) -> fx.Node:
     """A copy of P (and of the aranges it adds) for one site: the layers share the flat positions,
     and mla_decode computes `positions.view(B, 1) + arange(T)` inside its own pattern."""
-    args = tuple(graph.node_copy(a) if getattr(a, "target", None) is prims.iota.default else a
-                 for a in P.args)
-    return graph.node_copy(P, {**dict(zip(P.args, args))}.get)
+    aranges = {a: graph.node_copy(a) for a in P.all_input_nodes if a.target is prims.iota.default}
+    return graph.node_copy(P, lambda n: aranges.get(n, n))
 
 
 def _bt_rows(graph: fx.Graph, rows: fx.Node, B: int, T: int) -> fx.Node:
