@@ -73,7 +73,8 @@ def _site(write: fx.Node):
         return None
     cache, (slots,), value = write.args[:3]
     block, view = value, None
-    if getattr(value, "target", None) in VIEWS and len(value.users) == 1:
+    if getattr(value, "target", None) in VIEWS and len(value.users) == 1 \
+            and _plain_put(value.args[0]):
         # batch 1: rule state_write hands index_put the block without its leading size-1 dim
         block, view = value.args[0], value
         if tuple(d for d in _shape(block) if d != 1) != tuple(d for d in _shape(view) if d != 1):
