@@ -25,10 +25,11 @@ from torch import fx
 
 from k3compile.rewrite import inductor
 
-ORDER: tuple[str, ...] = ("scatter_rows", "paged_write", "token_dim", "state_write", "slot_mapping",
+ORDER: tuple[str, ...] = ("scatter_rows", "paged_write", "token_dim", "state_write", "cache_block",
+                          "slot_mapping",
                           "sdpa_math",
                           "mla_absorb",
-                          "mla_absorbed", "nibble_unpack",
+                          "mla_absorbed", "verify_rows", "nibble_unpack",
                           "mxfp4_dequant",
                           "pair_order", "expert_rows",
                           "expert_slots", "expert_gather", "expert_stack", "expert_gemm",

@@ -10,10 +10,9 @@ mapping is read by the layout reader (`canonical/layout.py`), so any view spelli
 is taken; another order, an offset, a scaled slot vector or an index over other dims is not.
 
 Not taken: T > 1 (each slot repeated T times). There `mla_absorbed` reads the N = B·T tokens
-as N requests of one row each, which lets mla_q_absorb / mla_uv_gate fuse, but mla_decode must
-not (its requests would share cache slots); the [B, T] form needs that rule to view the tokens
-back to [B, T] (docs/spell7_spelling.md). Rewriting the read alone to `x[slots]` broadcast over
-T made mla_absorbed fail on the site and lost the two fusions, so it is not done.
+as N requests of one row each, which mla_decode must not take (its requests would share cache
+slots); rule `verify_rows`, after `mla_absorbed`, views them back to [B, T]. Rewriting the read
+alone to `x[slots]` broadcast over T made mla_absorbed fail on the site, so it is not done.
 """
 
 from __future__ import annotations

@@ -22,8 +22,9 @@ Causes (docs/spell7_spelling.md; probes `Spell7K3.set_probe`):
   probe `situ_div` (`tanh(x / beta)`) brought them back before the rule.
 * mla_decode (2, 3): closed at T = 1 by rule `slot_mapping` (session 24): each token gathered
   its request's cache rows by `kv_cache[slot_mapping]`, a node other than the `slots` the write
-  reads, though at one token per request the mapping is the slots. Open with T > 1 verify rows
-  (not asserted here: the tokens are read as B·T one-row requests; docs/spell7_spelling.md).
+  reads, though at one token per request the mapping is the slots. With T > 1 verify rows the
+  tokens were read as B·T one-row requests: closed by rule `verify_rows` (session 25), which
+  views them back to [B, T] (`test_verify_rows_get_the_mla_ops`).
 * fb_kda_decode + linear_concat[kda] (0, 1): not closed, not bisected: probe `add_outer` (the
   rank-1 update without `baddbmm`) alone does not bring it back, nor do all probes together.
   Session 24 (helper kdagaps): rule `baddbmm_split` takes the `baddbmm` (the first near miss is
@@ -44,7 +45,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import TOL
+from tests.conftest import TOL, rel_err
 from tests.fusions.attention_checks import one_thread  # noqa: F401
 from tests.models.spell7_k3 import from_builtin, state_of
 from tests.spellings import foreign
@@ -127,3 +128,23 @@ def test_probes_name_the_cause_of_each_gap(gap):
     for layer, ops in restored.items():
         for op in ops:
             assert got[layer][op] == 1, (gap, layer, op, dict(got[layer]))
+
+
+MLA_OPS = ("mla_q_absorb", "mla_decode", "mla_uv_gate")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_verify_rows_get_the_mla_ops(dtype):
+    """T = 3 verify rows (B·T flat tokens, the slot mapping each slot 3 times): rule
+    `verify_rows` gives both MLA layers the trio, and the step equals its eager twin."""
+    builtin = _builtin(dtype)
+    model, eager = from_builtin(builtin), from_builtin(builtin)
+    tol = TOL["aten_cpu"] if dtype == torch.float32 else TOL["diffsuite_bf16"]
+    assert _steps(_compile(model), eager, n=2, rows=3) <= tol
+    got = _per_layer(foreign.last_compiled())
+    for layer in (2, 3):
+        assert {op: got[layer][op] for op in MLA_OPS} == dict.fromkeys(MLA_OPS, 1), layer
+    want, have = state_of(eager), state_of(model)
+    for name in want:
+        assert rel_err(have[name], want[name]) <= tol, name

@@ -21,8 +21,9 @@ back when switched to another spelling of the same math: the causes.
   (probe `ffn_flat`; spell8's known T = 1 gap); moe_experts also the `torch.vmap` over slots
   and tokens (probe `einsum_experts`).
 * mla_q_absorb, mla_decode, mla_uv_gate: the functional cache (the requests' whole block
-  gathered, the new rows `index_put` out of place, the block written back after the step;
-  probe `cache_inplace`).
+  gathered, the new rows `index_put` out of place, the block written back after the step) --
+  closed by rule `cache_block` (probe `cache_inplace` no longer needed; the trio is still lost
+  here for the `[in, out]` kernels: with probe `linear` alone it fuses).
 * rms_norm, mla_lowrank_norm, norm_linear: `mean(x * x)` -- closed by rule `square` (probe
   `pow` no longer needed). moe_route: `take_along_dim` -- closed by rule `take_along` (probe
   `gather` no longer needed).
@@ -38,7 +39,7 @@ import pytest
 import torch
 
 from k3compile.stages.contract import NO_LAYER
-from tests.conftest import TOL
+from tests.conftest import TOL, rel_err
 from tests.models.spell9_k3 import from_builtin, state_of
 from tests.spellings import foreign
 from tests.spellings.foreign import builtin as _builtin
@@ -60,7 +61,7 @@ _EVERY = {"linear_concat": 4, "fb_kda_decode": 2, "oproj_attn_res_mix_norm": 4,
 LOST = {torch.float32: _EVERY, torch.bfloat16: _EVERY}
 
 # the probes that bring most of the plan back, and the k3 ops then (fp32)
-PROBED = (("linear", "einsum_experts", "cache_inplace", "ffn_flat"),
+PROBED = (("linear", "einsum_experts", "ffn_flat"),
           {"linear": 11, "linear_concat": 4, "mla_decode": 2, "mla_lowrank_norm": 2,
            "mla_q_absorb": 2, "mla_uv_gate": 2, "moe_experts": 3, "moe_front": 3,
            "moe_route": 3, "norm_linear": 3, "rms_norm": 11, "situ_gate_up": 4,
@@ -99,7 +100,8 @@ def test_loads_the_builtin_state_dict_and_equals_it_eagerly(rows):
 @pytest.mark.parametrize("rows", [0, 3])
 def test_probes_keep_the_math(rows):
     ref = _builtin(torch.float32)
-    spelled = from_builtin(ref).set_probe(*PROBED[0], "einsum_kda", "gather", "pow")
+    spelled = from_builtin(ref).set_probe(*PROBED[0], "cache_inplace", "einsum_kda", "gather",
+                                          "pow")
     assert _steps(spelled, ref, n=2, rows=rows) <= EAGER_TOL
 
 
@@ -139,3 +141,24 @@ def test_probes_name_the_causes():
     eager = from_builtin(builtin).set_probe(*probes)
     assert _steps(_compile(model), eager, n=1) <= TOL["aten_cpu"]
     assert fused_ops(foreign.last_compiled()) == fused
+
+
+MLA_OPS = {"mla_q_absorb": 2, "mla_decode": 2, "mla_uv_gate": 2}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rows", [0, 3])
+def test_the_functional_cache_gets_the_mla_ops(rows):
+    """Rule `cache_block`: the functional cache block (no probe `cache_inplace`) gets the MLA
+    trio in both MLA layers, at one token and 3 verify rows, and the step and the caches equal
+    the eager step. Probe `linear` is on: the `[in, out]` kernels block every GEMM fusion,
+    mla_q_absorb's q_b GEMM and mla_absorbed's kv_b weight included (helper kernelio's gap)."""
+    builtin = _builtin(torch.float32)
+    model = from_builtin(builtin).set_probe("linear")
+    eager = from_builtin(builtin).set_probe("linear")
+    assert _steps(_compile(model), eager, n=2, rows=rows) <= TOL["aten_cpu"]
+    got = fused_ops(foreign.last_compiled())
+    assert {op: got.get(op, 0) for op in MLA_OPS} == MLA_OPS
+    want, have = state_of(eager), state_of(model)
+    for name in want:
+        assert rel_err(have[name], want[name]) <= TOL["aten_cpu"], name
