@@ -276,6 +276,10 @@ def test_a_rewrite_goes_to_the_earliest_layer_of_its_matched_nodes():
     matched = [nodes["matmul_1"], nodes["add_1"]]  # layer 0's GEMM, the add placed in layer 1
     assert _site_module(nodes["add_1"], matched)[0] == "params.layers.0.mixer"
     assert _site_module(nodes["add_1"], [nodes["add_1"]])[0] == "params.layers.1"
+    # the last layer's `routed + shared` feeds no layer: outside; its fusion still goes to the layer
+    assert _site_module(nodes["mul_2"], [nodes["matmul_2"], nodes["mul_2"]])[0] == \
+        "params.layers.1.mixer"
+    assert _site_module(nodes["mul_2"], [nodes["mul_2"], nodes["matmul_3"]])[0] == ""
     # module-based: the anchor's module, as before
     stack = {"m": ("model.layers.1.mlp", nn.Module)}
     for n in matched:
