@@ -80,13 +80,14 @@ _SOURCE_PART = re.compile(r"\[['\"]?([^'\"\]]+)['\"]?\]|\.(\w+)")
 
 
 def input_path(name: str, source: str | None = None) -> str:
-    """A Dynamo graph input's dotted path (`params.layers.3.attn.wq.kernel`): from its source
-    where given (`L['self']._modules['params']...`, `L['params']['layers.3.wq']`), else from its
-    placeholder name (`l_self_modules_params_modules_layers_modules_3_..._parameters_kernel_`)."""
+    """A Dynamo graph input's dotted path below the compiled module or argument
+    (`params.layers.3.attn.wq.kernel`): from its source where given
+    (`L['self']._modules['params']...`; `L['params']['layers.3.wq']` -> `layers.3.wq`;
+    `L['args'][0]` -> `0`, no layer), else from its placeholder name
+    (`l_self_modules_params_modules_layers_modules_3_..._parameters_kernel_`)."""
     if source:
-        parts = [a or b for a, b in _SOURCE_PART.findall(source)]
-        parts = [p for p in parts if p not in ("_modules", "_parameters", "_buffers")]
-        return ".".join(parts[1:] if parts[:1] == ["self"] else parts)
+        parts = [a or b for a, b in _SOURCE_PART.findall(source)][1:]  # below the root
+        return ".".join(p for p in parts if p not in ("_modules", "_parameters", "_buffers"))
     return re.sub(r"_(modules|parameters|buffers)_", ".",
                   re.sub(r"^l_self_(modules_)?|^l_", "", name).rstrip("_"))
 

@@ -48,8 +48,9 @@ TEMPLATES = {0: "kda_moe", 1: "last", FINAL: "final"}
      "params.layers.3.attn_norm.scale"),
     ("x", "L['self']._modules['params']._modules['layers']._modules['3']._parameters['kernel']",
      "params.layers.3.kernel"),
-    ("x", "L['params']['layers.3.attn.wq.kernel']", "params.layers.3.attn.wq.kernel"),
-    ("l_input_ids_", None, "input_ids"), ("x", "L['input_ids']", "input_ids")])
+    ("x", "L['params']['layers.3.attn.wq.kernel']", "layers.3.attn.wq.kernel"),
+    ("l_input_ids_", None, "input_ids"), ("x", "L['input_ids']", ""), ("x", "L['args'][0]", "0"),
+    ("x", "L['fn']._modules['0']._parameters['weight']", "0.weight")])
 def test_input_path(name, source, path):
     assert layers.input_path(name, source) == path
 
@@ -239,7 +240,7 @@ def test_functional_spellings_read_as_the_module_stack(spelling, module_based):
     for i, lr in found.layers.items():
         for name in lr.evidence.values():  # the state write, the cache softmax, the top-k
             assert layers.layer_index(module_path(nodes[name])) == i
-    assert {module_path(n).split(".", 3)[2] for n in graph.nodes if module_path(n)} == {"0", "1"}
+    assert {layers.layer_index(module_path(n)) for n in graph.nodes if module_path(n)} == {0, 1}
     norm = [n for n in graph.nodes if str(n.target) == "aten.rsqrt.default"]
     assert len(norm) == 1 and module_path(norm[0]) == ""  # the final norm: outside
     (report,) = compiled.contracts.values()
