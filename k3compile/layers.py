@@ -16,6 +16,22 @@ replace it, so one reading holds before, during and after stage `fuse`:
 A layer without KDA or MLA attention is no K3 layer. A state is a graph input the graph writes:
 functionalisation ends the graph with `copy_(input, new value)`, a fused op declares it mutable.
 The model's own final depth mix + norm (after the layers, outside them) is `FINAL`.
+
+A functional model (one module, its weights in a tree or dict read by pure functions: a JAX/Flax
+port, tests/models/spell9_k3.py) has no module per layer, so no node's module path names one.
+In such a graph (and only there: module paths win wherever any node has a layer)
+`attribute` reads the layer off the graph's inputs instead, whose names carry the same
+`<container>.<int>` (`params.layers.3.attn.wq.kernel`): a node belongs to the **earliest layer
+whose inputs it, or any node computed from it, reads** (an input read through what is computed
+from that layer's inputs alone, `w.t()` or `w_norm * w_proj`, is read too). A layer's own computation (from its
+first weight read on) is then its; what prepares a layer's input before its first weight read
+(the residual add, the AttnRes mix's source stack and norm) is the layer it feeds, as in a
+model with a module per layer; shared preparation (positions) goes to the first layer using it;
+what feeds no layer (the final mix and norm, lm_head) stays outside. The one op where this and a
+module per layer disagree: a layer's last op that reads no weight (MoE's `routed + shared`) lands
+in the layer it feeds (FINAL after the last one). Its module path becomes the module of the
+layer's input it reads (`params.layers.3.attn.wq`), else the layer's (`params.layers.3`), as the
+node's `nn_module_stack` entry `ATTRIBUTED`, which every stage's new nodes inherit as usual.
 """
 
 from __future__ import annotations
@@ -57,6 +73,73 @@ def below_layer(path: str) -> str | None:
     outside every layer."""
     m = _LAYER.search(path)
     return path[m.end():].lstrip("'\"].") if m else None
+
+
+ATTRIBUTED = "k3_layer"  # the nn_module_stack entry `attribute` writes (a module path, a label)
+_SOURCE_PART = re.compile(r"\[['\"]?([^'\"\]]+)['\"]?\]|\.(\w+)")
+
+
+def input_path(name: str, source: str | None = None) -> str:
+    """A Dynamo graph input's dotted path below the compiled module or argument
+    (`params.layers.3.attn.wq.kernel`): from its source where given
+    (`L['self']._modules['params']...`; `L['params']['layers.3.wq']` -> `layers.3.wq`;
+    `L['args'][0]` -> `0`, no layer), else from its placeholder name
+    (`l_self_modules_params_modules_layers_modules_3_..._parameters_kernel_`)."""
+    if source:
+        parts = [a or b for a, b in _SOURCE_PART.findall(source)][1:]  # below the root
+        return ".".join(p for p in parts if p not in ("_modules", "_parameters", "_buffers"))
+    return re.sub(r"_(modules|parameters|buffers)_", ".",
+                  re.sub(r"^l_self_(modules_)?|^l_", "", name).rstrip("_"))
+
+
+def dynamo_input_paths(gm: fx.GraphModule) -> list[str]:
+    """`input_path` of each placeholder of Dynamo's graph, in order (the ATen graph's inputs)."""
+    out = []
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            source = getattr(n.meta.get("grapharg"), "source", None)
+            name = getattr(source, "name", None)
+            out.append(input_path(n.name, name() if callable(name) else name))
+    return out
+
+
+def attribute(graph: fx.Graph, paths: list[str]) -> int:
+    """Where no node's module path names a layer: each node's layer read off the inputs it and
+    what is computed from it read (module docstring), written as its module stack's entry
+    `ATTRIBUTED`; `paths`: the dotted path of each placeholder, in order. Returns the number of
+    nodes placed (0: module paths name layers, or no input's path does)."""
+    calls = [n for n in graph.nodes if n.op == "call_function"]
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(paths) or any(layer_index(module_path(n)) is not None
+                                              for n in calls):
+        return 0
+    # a layer's inputs and what is computed from them alone (`w.t()`, `cat([wq, wk])`,
+    # `w_norm * w_proj`): node -> (layer, the module of the input); layer -> the layer's path
+    owner, layer_path = {}, {}
+    for node, path in zip(placeholders, paths):
+        if (m := _LAYER.search(path)) is not None:
+            index = int(m.group(1))
+            owner[node] = index, path.rpartition(".")[0]
+            layer_path.setdefault(index, path[:m.end()].lstrip("."))
+    if not owner:
+        return 0
+    for n in calls:
+        read = [owner[a] for a in n.all_input_nodes if a in owner]
+        if read and all(a in owner or a.op == "call_function" and not a.all_input_nodes
+                        for a in n.all_input_nodes):
+            owner[n] = min(read)
+    rank: dict[fx.Node, int] = {}
+    for n in reversed(calls):
+        reads = [owner[a][0] for a in [n, *n.all_input_nodes] if a in owner]
+        fed = [rank[u] for u in n.users if u in rank]
+        if reads or fed:
+            rank[n] = min(reads + fed)
+    for n, index in rank.items():
+        module = next((owner[a][1] for a in [n, *n.all_input_nodes]
+                       if a in owner and owner[a][0] == index), layer_path[index])
+        n.meta["nn_module_stack"] = {**(n.meta.get("nn_module_stack") or {}),
+                                     ATTRIBUTED: (module, "read off the weights")}
+    return len(rank)
 
 
 def nodes_by_layer(graph: fx.Graph) -> dict[int | None, list[fx.Node]]:
@@ -306,6 +389,7 @@ def _leaves(value) -> list[fx.Node]:
     return []
 
 
-__all__ = ["BIG_FUSIONS", "FINAL", "KDA_OPS", "OTHER", "Layer", "Layers", "Probe", "below_layer",
-           "classify", "find_layers", "layer_index", "nodes_by_layer", "probe_fusions", "state_inputs",
+__all__ = ["ATTRIBUTED", "BIG_FUSIONS", "FINAL", "KDA_OPS", "OTHER", "Layer", "Layers", "Probe",
+           "attribute", "below_layer", "classify", "dynamo_input_paths", "find_layers",
+           "input_path", "layer_index", "nodes_by_layer", "probe_fusions", "state_inputs",
            "unexplained"]

@@ -40,7 +40,7 @@ import torch
 from torch import fx
 
 from k3compile import stage_cache
-from k3compile.layers import state_inputs
+from k3compile.layers import attribute, dynamo_input_paths, state_inputs
 from k3compile.observe import Observer
 from k3compile.progress import BucketProgress
 from k3compile.rewrite import inductor, trace_cache
@@ -171,6 +171,7 @@ class Pipeline:
 
             register_all()  # CuTe DSL kernels replace the references on CUDA where the DSL is
         written: dict[str, frozenset[int] | None] = {}  # the inputs the step writes
+        paths = dynamo_input_paths(gm)  # a functional model's layers are read off these
         cached, _ = stage_cache.split(self.stages)
         names = [name for name, _ in self.stages]
         link_text = (stage_cache.dynamo_key_text(gm, example_inputs, ctx, names)
@@ -189,6 +190,7 @@ class Pipeline:
                    if link_path is not None else None)
             written["inputs"] = written_inputs(aten_gm, len(example_inputs),
                                                inductor.written_inputs(len(example_inputs)))
+            attribute(aten_gm.graph, paths)  # before the stage key, which holds module paths
             aten_gm = self.run(aten_gm, ctx)
             if link_path is not None and ctx.stage_key is not None:
                 direct = None if why else {"bumps": inductor.graph_bumps(),

@@ -252,10 +252,18 @@ def _site_module(anchor: fx.Node, matched: Sequence[fx.Node]) -> tuple[str, Any]
     outside every layer but most of the matched computation lies in one layer (a model that
     writes the norm after a layer's depth mix in its own forward, not in the layer's module),
     that layer's last matched node's. A top-level op that only reads a few of a layer's nodes
-    (Moonshot's final mix stacks the last layer's blocks there) stays where its anchor is."""
-    from k3compile.layers import layer_index  # noqa: PLC0415 (k3compile.layers imports rewrite)
+    (Moonshot's final mix stacks the last layer's blocks there) stays where its anchor is. In a
+    functional model, whose layers were read off the weights (`k3compile.layers.attribute`), the
+    earliest layer of the matched nodes, wherever the anchor is: there a layer's last op that reads no weight (MoE's
+    `routed + shared`) lies in the layer it feeds, the one a residual fusion anchors at."""
+    from k3compile.layers import ATTRIBUTED, layer_index  # noqa: PLC0415 (it imports rewrite)
 
     where = module_path(anchor)
+    placed = [n for n in matched if isinstance(n, fx.Node) and n.op == "call_function"
+              and layer_index(module_path(n)) is not None]
+    if any(ATTRIBUTED in n.meta["nn_module_stack"] for n in placed):
+        first = min(placed, key=lambda n: layer_index(module_path(n)))
+        return module_path(first), first.meta.get("nn_module_stack")
     if layer_index(where) is None:
         computed = [n for n in matched if isinstance(n, fx.Node) and n.op == "call_function"]
         by_layer = collections.defaultdict(list)

@@ -5,14 +5,15 @@ Values (these must pass): the spelling's eager step equals the built-in model's 
 dict (fp32, logits and every state, several steps, batch 2, one token and 3 verify rows);
 compiled (executor aten, one static bucket) it equals its own eager copy in fp32 and in bf16.
 
-Plan (recorded, not wanted). The fusion contract finds **no K3 layer** in this spelling: it
-places nodes in layers by their module path (`k3compile.layers`), and a functional port runs
-every layer in the one top module (`nn_module_stack` holds no `layers.N`), so the per-layer plan
-is empty and `foreign.lost` cannot be used. The plan is therefore recorded for the whole graph:
-`FUSED` is the exact histogram of k3 ops in the compiled graph, and `LOST` what the built-in
-model's whole graph (fp32) has that this one lacks, so that a rule closing a gap (or a change
-opening one) fails here. `PROBED` names the idioms (`Spell9K3.set_probe`) that bring the ops
-back when switched to another spelling of the same math: the causes.
+Plan (recorded, not wanted). A functional port runs every layer in its one top module
+(`nn_module_stack` holds no `layers.N`), so the contract reads each node's layer off the weights
+it reads (`k3compile.layers.attribute`: the earliest layer whose inputs it or anything computed
+from it reads; the params are `params.layers.N...`); the layers then read as the built-in
+model's templates. `LOST` is, per layer, what the built-in model's plan (fp32) has that this
+one lacks, EXACTLY, so that a rule closing a gap (or a change opening one) fails here.
+`PROBED` names the idioms (`Spell9K3.set_probe`) that bring ops back when switched to another
+spelling of the same math, and what is lost then: the causes. Whole-graph counts are in
+docs/spell9_spelling.md.
 
 * every GEMM fusion (linear, linear_concat, norm_linear, situ_gate_up, moe_front, the MLA ops,
   the AttnRes post-mix with o_proj): the weights are Flax kernels [in, out] applied as
@@ -27,8 +28,13 @@ back when switched to another spelling of the same math: the causes.
 * rms_norm, mla_lowrank_norm, norm_linear: `mean(x * x)` -- closed by rule `square` (probe
   `pow` no longer needed). moe_route: `take_along_dim` -- closed by rule `take_along` (probe
   `gather` no longer needed).
-* fb_kda_decode, attn_res_mix_norm, oproj_attn_res_mix_norm: lost even with every probe
-  (not bisected: the scanned KDA cell with its conv inside, the [B, 1, S, D] mixes).
+* attn_res_mix_norm: the AttnRes bank written by out-of-place `index_copy` at a literal index,
+  which rule depth_mix did not read as a bank write -- closed in fp32 by rule `index_slice`
+  (session 25); oproj_attn_res_mix_norm then fuses with probe `linear`. In bf16 the mixes become
+  canonical but stay unfused: the norm after each mix multiplies its scale in fp32 before the
+  one cast (their inner norms fuse as rms_norm instead).
+* fb_kda_decode: lost even with every probe (the scanned KDA cell with its conv inside; helper
+  kdavar's area).
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ import collections
 import pytest
 import torch
 
-from k3compile.stages.contract import NO_LAYER
+from k3compile.tools import diff
 from tests.conftest import TOL, rel_err
 from tests.models.spell9_k3 import from_builtin, state_of
 from tests.spellings import foreign
@@ -48,31 +54,33 @@ from tests.spellings.foreign import steps as _steps
 
 EAGER_TOL = 1e-5  # measured 3.1e-6 (logits, T = 1), 2.8e-6 (T = 3), states <= 1.9e-6 over 4 steps
 
-# the k3 ops of the compiled graph (whole graph: the contract finds no layer)
-FUSED = {
-    torch.float32: {"rms_norm": 18},
-    torch.bfloat16: {"rms_norm": 18},
-}
-# the built-in model's whole-graph k3 ops (fp32) that this spelling's graph lacks
-_EVERY = {"linear_concat": 4, "fb_kda_decode": 2, "oproj_attn_res_mix_norm": 4,
-          "situ_gate_up": 4, "linear": 5, "attn_res_mix_norm": 4, "stream_fork": 3,
-          "stream_join": 3, "moe_front": 3, "moe_route": 3, "moe_experts": 3, "norm_linear": 3,
-          "mla_lowrank_norm": 2, "mla_q_absorb": 2, "mla_decode": 2, "mla_uv_gate": 2}
-LOST = {torch.float32: _EVERY, torch.bfloat16: _EVERY}
+# the built-in plan's ops per layer (layer 0 dense, 1 kda_moe, 2 mla_moe, 3 last; -1 the model's
+# final mix + norm and lm_head)
+_GEMMS = {"linear_concat": 1, "oproj_attn_res_mix_norm": 1, "situ_gate_up": 1, "linear": 1}
+_MOE = {"moe_front": 1, "moe_route": 1, "moe_experts": 1, "norm_linear": 1, "stream_fork": 1,
+        "stream_join": 1}
+_MLA = {"mla_lowrank_norm": 1, "mla_q_absorb": 1, "mla_decode": 1, "mla_uv_gate": 1}
+_MIX = {"attn_res_mix_norm": 1}
+_EVERY = {0: {**_GEMMS, "fb_kda_decode": 1}, 1: {**_MIX, **_GEMMS, "fb_kda_decode": 1, **_MOE},
+          2: {**_MIX, **_GEMMS, **_MLA, **_MOE}, 3: {**_MIX, **_GEMMS, **_MLA, **_MOE},
+          -1: {**_MIX, "linear": 1}}
+# layer -> the built-in plan's ops this spelling's plan lacks: in fp32 all but the norms and the
+# AttnRes mixes (rule index_slice), in bf16 all but the norms
+_FP32 = {i: {op: n for op, n in ops.items() if op != "attn_res_mix_norm"}
+         for i, ops in _EVERY.items()}
+LOST = {torch.float32: _FP32, torch.bfloat16: _EVERY}
+TEMPLATES = {0: "dense", 1: "kda_moe", 2: "mla_moe", 3: "last", -1: "final"}
 
-# the probes that bring most of the plan back, and the k3 ops then (fp32)
+# the probes that bring most of the plan back, and what is lost then (fp32)
 PROBED = (("linear", "einsum_experts", "ffn_flat"),
-          {"linear": 11, "linear_concat": 4, "mla_decode": 2, "mla_lowrank_norm": 2,
-           "mla_q_absorb": 2, "mla_uv_gate": 2, "moe_experts": 3, "moe_front": 3,
-           "moe_route": 3, "norm_linear": 3, "rms_norm": 11, "situ_gate_up": 4,
-           "stream_fork": 3, "stream_join": 3})
+          {0: {"fb_kda_decode": 1}, 1: {"fb_kda_decode": 1}})
 
 
-def fused_ops(compiled) -> dict[str, int]:
-    """The k3 ops of the compiled (only) bucket's final graph."""
-    (records,) = compiled.observer.records.values()
-    ops = records[-1].ops_after
-    return {str(op).removeprefix("k3."): n for op, n in ops.items() if str(op).startswith("k3.")}
+def diff_model():
+    """`python -m k3compile.diff --model tests.e2e.test_spell9_spelling:diff_model`: the spelling
+    loaded from the 4-layer tiny built-in model (fp32), one step of batch 2."""
+    ids = torch.randint(0, foreign.CFG.vocab_size, (2,), generator=torch.Generator().manual_seed(0))
+    return from_builtin(_builtin(torch.float32)), (ids, torch.tensor([0, 5]), torch.tensor([2, 0]))
 
 
 @pytest.fixture(scope="module")
@@ -86,10 +94,8 @@ def spell9_bf16():
 
 
 @pytest.fixture(scope="module")
-def reference_ops():
-    """The built-in model's whole-graph k3 ops (fp32)."""
-    _steps(_compile(_builtin(torch.float32)), _builtin(torch.float32), n=1)
-    return fused_ops(foreign.last_compiled())
+def reference_plan():
+    return foreign.reference_plan()
 
 
 @pytest.mark.parametrize("rows", [0, 3])
@@ -114,33 +120,43 @@ def test_compiled_equals_its_eager(run, request):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("run", ["spell9_fp32", "spell9_bf16"])
-def test_the_contract_finds_no_layer(run, request):
-    """A finding, recorded: fails once the contract places a functional model's nodes in
-    layers (then use `foreign.lost` per layer, as the other spellings do)."""
+def test_the_contract_reads_the_builtin_templates(run, request):
+    """Every layer found by the weights it reads (the module paths name none)."""
     compiled = request.getfixturevalue(run)[2]
     (report,) = compiled.contracts.values()
-    assert report.status == NO_LAYER and foreign.per_layer(compiled) == {}
+    assert {lr.layer: lr.template for lr in report.layers} == TEMPLATES
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("run", ["spell9_fp32", "spell9_bf16"])
-def test_fused_and_lost_ops_are_exactly_the_known_ones(run, request, reference_ops):
-    """Fails when a gap closes (or a new one opens): update FUSED, LOST and the docstring."""
+def test_lost_fusions_are_exactly_the_known_gaps(run, request, reference_plan):
+    """Fails when a gap closes (or a new one opens): update LOST and the module docstring."""
     dtype = torch.float32 if run == "spell9_fp32" else torch.bfloat16
-    got = fused_ops(request.getfixturevalue(run)[2])
-    assert got == FUSED[dtype]
-    lost = collections.Counter(reference_ops) - collections.Counter(got)
-    assert dict(lost) == LOST[dtype]
+    got = foreign.per_layer(request.getfixturevalue(run)[2])
+    assert foreign.lost(reference_plan, got) == LOST[dtype]
 
 
 @pytest.mark.slow
-def test_probes_name_the_causes():
-    probes, fused = PROBED
+def test_probes_name_the_causes(reference_plan):
+    probes, lost = PROBED
     builtin = _builtin(torch.float32)
     model = from_builtin(builtin).set_probe(*probes)
     eager = from_builtin(builtin).set_probe(*probes)
     assert _steps(_compile(model), eager, n=1) <= TOL["aten_cpu"]
-    assert fused_ops(foreign.last_compiled()) == fused
+    assert foreign.lost(reference_plan, foreign.per_layer(foreign.last_compiled())) == lost
+
+
+@pytest.mark.slow
+def test_the_diff_tool_shows_its_layers():
+    """`k3compile diff --model ...:diff_model`: a row per layer, its fused ops the contract's."""
+    report = diff.run(model=f"{__name__}:diff_model")
+    (bucket,) = report.buckets
+    (contract,) = foreign.last_compiled().contracts.values()
+    rows = {**bucket.layers, -1: bucket.outside}
+    assert set(bucket.layers) == {0, 1, 2, 3}
+    for lr in contract.layers:
+        assert +rows[lr.layer].fused == +lr.actual, lr.layer
+        assert rows[lr.layer].contract_template == lr.template == TEMPLATES[lr.layer]
 
 
 MLA_OPS = {"mla_q_absorb": 2, "mla_decode": 2, "mla_uv_gate": 2}
@@ -157,7 +173,7 @@ def test_the_functional_cache_gets_the_mla_ops(rows):
     model = from_builtin(builtin).set_probe("linear")
     eager = from_builtin(builtin).set_probe("linear")
     assert _steps(_compile(model), eager, n=2, rows=rows) <= TOL["aten_cpu"]
-    got = fused_ops(foreign.last_compiled())
+    got = sum(foreign.per_layer(foreign.last_compiled()).values(), collections.Counter())
     assert {op: got.get(op, 0) for op in MLA_OPS} == MLA_OPS
     want, have = state_of(eager), state_of(model)
     for name in want:

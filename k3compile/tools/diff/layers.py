@@ -100,9 +100,7 @@ def input_names(compiled, graph: fx.Graph) -> dict[str, str]:
     first part's name and the count)."""
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     stacked = {i for n in placeholders for i in n.meta.get("k3_parts", ())}
-    dotted = [re.sub(r"_(modules|parameters|buffers)_", ".",
-                     re.sub(r"^l_self_(modules_)?|^l_", "", inp.name).rstrip("_"))
-              for inp in compiled.inputs]
+    dotted = [layers.input_path(inp.name) for inp in compiled.inputs]
     kept = iter(i for i in range(len(dotted)) if i not in stacked)
     out = {}
     for n in placeholders:
