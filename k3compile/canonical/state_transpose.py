@@ -18,7 +18,7 @@ n is written again on Sᵀ as nᵀ: its other operands transposed (a unit dim in
 a permute), a last-dim sum of n as a sum of nᵀ over dim -2; the readers outside the region read
 `permute(nᵀ, [0, 1, 3, 2])`, the same values. The pointwise ops are bit for bit; a sum over dim
 -2 of nᵀ adds the same elements as the sum over -1 of n, in an order torch picks from the strides
-(fp32, measured below 1e-7 relative in the test). Left alone: a
+(fp32, an ulp; the test allows 1e-6 relative). Left alone: a
 region with a sum over another dim (a K-major state's reads), a product (bmm, einsum), any other
 reader, or no read at all.
 """
