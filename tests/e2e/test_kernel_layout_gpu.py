@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from k3compile.kernels.common.dsl import fallback_counts, reset_fallback_counts
 
 import k3compile.backend as k3be
-from k3compile.kernels.common.dsl import fallback_counts, reset_fallback_counts
 from k3compile.stages import pack as packing
 from tests.conftest import TOL, rel_err
 from tests.stages.test_kernel_layout import FlaxMLP

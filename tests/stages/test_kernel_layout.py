@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import fx, nn
+from torch import nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import k3compile.backend as k3be
@@ -57,7 +57,7 @@ def test_in_out_weights_are_read_transposed_and_re_laid_once():
     w_in, w_out = _weights((8, 16), (16, 8))
     values = [w_in.clone(), w_out.clone()]
     want = _mlp(x, w_in, w_out)
-    gm, transposed, ctx = _layout(_mlp, [x, w_in, w_out], user=[0])
+    gm, transposed, _ = _layout(_mlp, [x, w_in, w_out], user=[0])
     assert transposed.positions == [1, 2] and transposed.pending == [1, 2]
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     assert [list(p.meta["val"].shape) for p in placeholders[1:]] == [[16, 8], [8, 16]]
