@@ -7,6 +7,10 @@ patterns left to Inductor (or, with executor "aten", runs it as it is).
     normalize -> canonicalize -> fuse -> verify -> writeback -> shard -> streams -> prefetch -> check -> ranks
     -> contract -> pack -> stack_inputs
 
+Before them, on every compile and before the stage cache's key, `kernel_layout` reads [in, out]
+weights (Flax kernels, `x @ W`) as the [out, in] inputs the patterns want; like `stack_inputs`,
+it changes what the graph takes, and the executor calls the graph through its wrapper.
+
 Where the stage cache is on (`Options.stage_cache`, K3_CACHE_DIR; k3compile/stage_cache.py), a
 stage "cache" first looks the graph up: a hit stands for every stage before `ranks`, whose
 output a second process then loads; `ranks`, `contract`, `pack` and `stack_inputs` run on every
