@@ -7,6 +7,10 @@ patterns left to Inductor (or, with executor "aten", runs it as it is).
     normalize -> canonicalize -> fuse -> verify -> writeback -> shard -> streams -> prefetch -> check -> ranks
     -> contract -> pack -> stack_inputs
 
+Before them, on every compile and before the stage cache's key, `kernel_layout` reads [in, out]
+weights (Flax kernels, `x @ W`) as the [out, in] inputs the patterns want; like `stack_inputs`,
+it changes what the graph takes, and the executor calls the graph through its wrapper.
+
 Where the stage cache is on (`Options.stage_cache`, K3_CACHE_DIR; k3compile/stage_cache.py), a
 stage "cache" first looks the graph up: a hit stands for every stage before `ranks`, whose
 output a second process then loads; `ranks`, `contract`, `pack` and `stack_inputs` run on every
@@ -50,6 +54,7 @@ from k3compile.stages.canonicalize import canonicalize
 from k3compile.stages.check import check
 from k3compile.stages.contract import contract
 from k3compile.stages.fuse import fuse, writeback
+from k3compile.stages.kernel_layout import kernel_layout
 from k3compile.stages.normalize import normalize
 from k3compile.stages.pack import pack, remember
 from k3compile.stages.prefetch import prefetch
@@ -119,6 +124,8 @@ class Pipeline:
         their graph; the replayed stages run on every compile. `text`: gm's stage key, where a
         link gave it (gm was decoded from it)."""
         cached, replayed = stage_cache.split(self.stages)
+        if text is None:  # a decoded graph (a direct link) was never rewritten: see `compile`
+            gm = kernel_layout(gm, ctx)
         if text is None and cached and self.options.stage_cache:
             text = stage_cache.key_text(gm, ctx, [name for name, _ in self.stages])
         path = stage_cache.path_of(text) if text is not None else None
@@ -192,6 +199,8 @@ class Pipeline:
                                                inductor.written_inputs(len(example_inputs)))
             attribute(aten_gm.graph, paths)  # before the stage key, which holds module paths
             aten_gm = self.run(aten_gm, ctx)
+            if ctx.transposed is not None:  # Dynamo's inputs are not the graph's as they come
+                why = why or "stage kernel_layout reads weights transposed"
             if link_path is not None and ctx.stage_key is not None:
                 direct = None if why else {"bumps": inductor.graph_bumps(),
                                            **inductor.compile_kwargs(kwargs)}
@@ -218,6 +227,9 @@ class Pipeline:
 
     def _executor(self, aten_gm: fx.GraphModule, aten_inputs, kwargs, ctx: Context) -> Callable:
         remember(ctx.inputs)  # later compiles never move what this one was handed
+        transposed = ctx.transposed  # [in, out] weights the graph reads as [out, in]
+        if transposed is not None:
+            aten_inputs = transposed.inputs(aten_inputs)
         stacked = ctx.notes.get("stack_inputs")
         if stacked is not None:  # the graph takes each packed expert stack as one input
             aten_inputs = stacked.inputs(aten_inputs)
@@ -227,7 +239,8 @@ class Pipeline:
             fn = inductor.compile_fx_inner(aten_gm, aten_inputs, **kwargs)
         else:  # the graph as it is: side-stream ops name their stream in their calls
             fn = inductor.make_boxed_func(aten_gm.forward)
-        return fn if stacked is None else stacked.wrap(fn)
+        fn = fn if stacked is None else stacked.wrap(fn)
+        return fn if transposed is None else transposed.wrap(fn)
 
     def _direct(self, link: dict, ctx: Context, example_inputs: list, patches: dict,
                 written: dict) -> Callable:

@@ -26,3 +26,5 @@ class Context:
     # positions of the inputs the caller passes each step (not parameters or buffers)
     user_inputs: frozenset[int] = frozenset()
     stage_key: str | None = None  # the stage cache's key text of the ATen graph (None: uncached)
+    # the inputs read as their transpose (stage `kernel_layout`), for the executor; None: none
+    transposed: Any = None

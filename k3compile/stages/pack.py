@@ -69,6 +69,9 @@ _SEEN = WeakIdKeyDictionary()  # every tensor a k3 compile was handed, and its s
 # torch's private storage swap (FSDP and CUDA-graph trees use it); older torch lacks it (2.11)
 CAN_REPOINT = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
 _REPOINTED = WeakIdKeyDictionary()  # every old storage `_move` re-pointed at packed rows
+# the `.t()` view of an [in, out] weight that stage kernel_layout hands the graph -> the weight
+# (a Parameter): moving the view moves the weight, as its transpose (`weight.data = rows.t()`)
+TRANSPOSE_OF = WeakIdKeyDictionary()
 
 
 def remember(inputs) -> None:
@@ -175,6 +178,8 @@ def _move(roots: list[torch.Tensor], width: int) -> torch.Tensor:
         for r, part, export in zip(roots, parts, exports, strict=True):
             old = r.untyped_storage()
             r.data = part
+            if (owner := TRANSPOSE_OF.get(r)) is not None:  # r is an [in, out] weight's `.t()`
+                owner.data = part.t()
             _repoint(old, export)
     return buffer
 

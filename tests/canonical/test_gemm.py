@@ -153,9 +153,10 @@ def test_several_projections_of_one_input_share_it():
 
 # ---- look-alikes left alone -------------------------------------------------------------------
 
-def _left_alone(m, args: dict):
+def _left_alone(m, args: dict, **options):
     # gemm's own doing: the view rules after it split e.g. a view read by two products
-    c = canonicalize(None, args, module=m, disabled_rules=CANONICAL[CANONICAL.index("gemm") + 1:])
+    c = canonicalize(None, args, module=m, disabled_rules=CANONICAL[CANONICAL.index("gemm") + 1:],
+                     **options)
     assert c.counts["gemm"] == 0
     assert targets(c.after) == targets(c.before)
     return c
@@ -220,8 +221,20 @@ def test_per_head_weights_of_per_head_inputs_are_left_alone():
 
 
 def test_in_out_weight_layout_is_left_alone():
-    """x @ W with W [K, N]: not the [N, K] layout a linear reads."""
-    _left_alone(Fn(lambda s, x: torch.einsum("btd,de->bte", x, s.w), w=(K, N)), {"x": _x()})
+    """x @ W with W [K, N]: not the [N, K] layout a linear reads. (Stage kernel_layout, before
+    canonicalize, reads such a weight as Wᵀ where it may move it; pack_weights off, it may not.)"""
+    _left_alone(Fn(lambda s, x: torch.einsum("btd,de->bte", x, s.w), w=(K, N)), {"x": _x()},
+                pack_weights=False)
+
+
+def test_in_out_weight_read_transposed_by_kernel_layout_is_a_linear():
+    """The same with stage kernel_layout free to re-lay W: gemm sees mm(x, permute(Wᵀ))."""
+    m, x = Fn(lambda s, x: torch.einsum("btd,de->bte", x, s.w), w=(K, N)), _x()
+    want = _eager(m, x)
+    c = canonicalize(None, {"x": x}, module=m,
+                     disabled_rules=CANONICAL[CANONICAL.index("gemm") + 1:])
+    assert c.counts["gemm"] == 1
+    assert rel_err(c.output, want) <= 1e-6
 
 
 # ---- the purpose: the patterns now see a linear -----------------------------------------------
