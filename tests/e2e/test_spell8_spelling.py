@@ -21,7 +21,8 @@ the same math:
   is written on [B*T, ...] rows (bit for bit), and a batch-1 bmm against `router.float()` (bf16)
   as the F.linear mm; all of these come back in fp32 and bf16. Still lost at 1-3: moe_experts
   (the static loop over all experts weighted by a dense one-hot routing matrix; not a form the
-  expert rules know). Each expert's gate/up GEMMs now fuse as situ_gate_up (17 per MoE layer:
+  expert rules know; closed in session 25, last item). Each expert's gate/up GEMMs fused as
+  situ_gate_up before that (17 per MoE layer:
   16 experts + the shared ones), which the built-in plan does not have (not counted as lost).
 * attn_res_mix_norm / oproj_attn_res_mix_norm (every layer, final) and the final linear: two
   causes. The depth mix stacks on dim 0 with its scores an einsum against the folded `w_norm *
@@ -45,7 +46,10 @@ the same math:
   `conv_merge` merges only slices of one buffer). Probe `one_conv_state` (one q|k|v conv over
   one buffer) brings it back (`PROBE_FIXES`). Three buffers are a layout of the caller's
   state: a kda_decode variant taking three conv states (op, reference, pattern; a kernel build).
-* moe_experts (1-3): not bisected.
+* moe_experts (1-3): closed by rule `expert_dense` (session 25, helper experts): the static loop
+  over all E experts weighted by the dense one-hot routing matrix is the k chosen experts, the
+  matrix proven zero off the top-k from the graph (tests/canonical/test_expert_dense.py); fp32
+  and bf16.
 """
 
 from __future__ import annotations
