@@ -53,7 +53,8 @@ def _transparent(node: fx.Node) -> bool:
     if t is aten.permute.default:
         order = _moved_dims(node)
         return order == sorted(order)
-    return t in (aten.unsqueeze.default, aten.squeeze.dim)  # a size-1 dim: the order stays
+    # a size-1 dim: the order stays (squeeze.dims: torch.vmap's matrix-vector products)
+    return t in (aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims)
 
 
 def _moved_dims(permute: fx.Node) -> list[int]:

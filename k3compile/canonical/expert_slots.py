@@ -306,7 +306,7 @@ def _same_slot(mine: fx.Node, first: fx.Node, j: int, reads, masks) -> bool:
             memo[x, y] = (x.op == y.op == "call_function" and x.target == y.target
                           and isinstance(x.target, torch._ops.OpOverload)
                           and torch.Tag.nondeterministic_seeded not in x.target.tags
-                          and same_args(x, y))
+                          and same_args(x, y)) or _same_constant(x, y)
         return memo[x, y]
 
     def same_args(x, y) -> bool:
@@ -315,6 +315,20 @@ def _same_slot(mine: fx.Node, first: fx.Node, j: int, reads, masks) -> bool:
         return x_spec == y_spec and all(map(same, xs, ys))
 
     return same(mine, first)
+
+
+def _same_constant(x: fx.Node, y: fx.Node) -> bool:
+    """Two get_attr constants holding equal tensors (a per-iteration `torch.tensor([0, 4])` of a
+    Python loop becomes one constant per iteration)."""
+    module = x.graph.owning_module
+    if not (x.op == y.op == "get_attr" and module is not None):
+        return False
+    a, b = (getattr(module, n.target, None) for n in (x, y))
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
+            and a.shape == b.shape):
+        return False
+    with inductor.unset_fake_temporarily():  # real constants, inside a compile's fake mode
+        return bool(torch.equal(a, b))
 
 
 def _structure(region, out, inputs, ids, k):

@@ -240,11 +240,16 @@ class Rows:
     def lower(self, n: fx.Node) -> fx.Node:
         t, args, kwargs = n.target, n.args, dict(n.kwargs)
         src = args[0] if args else None
+        ins = [a for a in n.all_input_nodes if a in self.rows]
         if t in VIEWS and src in self.rows and _pure_reshape(n):
             return self.view(self.rows[src], self.merged(_shape(n)), n, n)
         if t == aten.bmm.default and all(a in self.rows for a in args[:2]):
-            return self._row_bmm(n)
-        ins = [a for a in n.all_input_nodes if a in self.rows]
+            try:
+                return self._row_bmm(n)
+            except _Refused:
+                if not self._kept(n, ins):
+                    raise
+                return self._same_op(n, ins)  # batched otherwise: one expert per batch
         if t is operator.getitem:
             if self.rows[src] is src:
                 return n
@@ -331,7 +336,8 @@ class Rows:
                 raise _Refused
         elif t in ASSERTS:
             pass
-        elif not _pointwise(t) and not (t in FULL_REDUCTIONS and _shape(n) == ()):
+        elif not _pointwise(t) and not (t in FULL_REDUCTIONS and _shape(n) == ()) and not (
+                self._kept(n, ins)):
             raise _Refused
         if t == aten.bmm.default:
             linear = self._linear(n)
@@ -346,6 +352,35 @@ class Rows:
             self.created.append(node)
             return node
         return self._new(t, *mapped, n, n)
+
+    def _kept(self, n: fx.Node, ins: list[fx.Node]) -> bool:
+        """n reads only values of the region that are rows already (none lowered: a spelling
+        that flattens its tokens itself, spell9's `z.reshape(-1, L)` and `idx.reshape(-1, k)`
+        before its experts) and is one of the experts' row-wise ops the region otherwise
+        refuses: a gather of a weight's rows by ids of the region (`stack[ids]`, `lut[codes]`),
+        a cat not over the rows, a permute keeping the rows first, a bmm batched otherwise (one
+        expert per batch). Written as it
+        is on its operands' rows (their values, in their shapes), it computes the same values."""
+        t, args = n.target, n.args
+        if not ins or any(self.lowered(a) for a in ins):
+            return False
+        if t == aten.index.Tensor:
+            return args[0] not in self.rows and all(i in self.rows for i in args[1]
+                                                    if isinstance(i, fx.Node))
+        rank = len(_shape(n) or ())
+        if t == aten.cat.default:
+            dim = args[1] if len(args) > 1 else 0
+            return isinstance(dim, int) and rank > 0 and dim % rank != 0
+        if t == aten.permute.default:  # the rows stay dim 0
+            return rank > 0 and args[1][0] % rank == 0
+        return t == aten.bmm.default
+
+    def _same_op(self, n: fx.Node, ins: list[fx.Node]) -> fx.Node:
+        """n itself on its operands' rows (n where they are its operands)."""
+        if all(self.rows[a] is a for a in ins):
+            return n
+        return self._new(n.target, *fx.map_arg((n.args, n.kwargs), lambda a: self.rows.get(a, a)),
+                         n, n)
 
     def _low_rank(self, mm: fx.Node) -> bool:
         """mm's rows are another mm's output through views only (`f_b(f_a(x))` on graph-input

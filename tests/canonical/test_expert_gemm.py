@@ -35,9 +35,13 @@ def _matmul_x_first(w, x):
     return torch.matmul(x.unsqueeze(-2), w.transpose(-1, -2)).squeeze(-2)
 
 
+def _vmap(w, x):  # spell9: one expert's matrix-vector product vmapped over tokens and slots
+    return torch.vmap(torch.vmap(torch.matmul))(w, x)
+
+
 GEMMS = {"bmm": _bmm, "matmul": _matmul, "bmm_x_first": _bmm_x_first,
          "matmul_x_first": _matmul_x_first,
-         "einsum_nkoi": lambda w, x: torch.einsum("nkoi,nki->nko", w, x)}
+         "einsum_nkoi": lambda w, x: torch.einsum("nkoi,nki->nko", w, x), "vmap": _vmap}
 
 
 def _per_token(w, z):  # the k experts' rows stacked: [N, k*O, I] x [N, I, 1]
@@ -140,10 +144,36 @@ LOOK_ALIKES = {  # (fn, extra inputs); every fn gets (experts [E, O, I], ids [N,
         lambda e, i, state, slots, q: torch.bmm(state[slots].flatten(1, 2),
                                                 q.unsqueeze(-1)).view(3, K, OUT),
         [torch.randn(4, K, OUT, WIDTH), torch.tensor([2, 0, 1]), torch.randn(3, WIDTH)]),
+    # torch.vmap over something else: KDA's state rows times q, vmapped over batch and heads
+    "vmap_state_times_vector": (
+        lambda e, i, state, slots, q: _vmap(state[slots], q),
+        [torch.randn(4, K, OUT, WIDTH), torch.tensor([2, 0, 1]), torch.randn(3, K, WIDTH)]),
     "per_token_ungathered_weight": (
         lambda e, i, w, z: torch.bmm(w.flatten(1, 2), z.unsqueeze(-1)).view(3, K, OUT),
         [torch.randn(3, K, OUT, WIDTH), torch.randn(3, WIDTH)]),
 }
+
+
+def test_vmapped_experts_take_the_einsums():
+    """spell9's experts: one expert's SiTU-GLU for one token, `torch.vmap`ped over the slots and
+    the tokens (the token broadcast over the slots, `in_dims=None`): FC1, FC3 and FC2 (read
+    back through vmap's `squeeze.dims`) all become the canonical einsums; values kept."""
+    def expert(w1, w3, w2, z):
+        return w2 @ (torch.sigmoid(w1 @ z) * (w3 @ z))
+
+    def fn(z, w1s, w3s, w2s, ids):
+        return torch.vmap(torch.vmap(expert, in_dims=(0, 0, 0, None)))(w1s[ids], w3s[ids],
+                                                                        w2s[ids], z)
+
+    args = [torch.randn(3, WIDTH), torch.randn(E, OUT, WIDTH), torch.randn(E, OUT, WIDTH),
+            torch.randn(E, WIDTH, OUT), torch.randint(0, E, (3, K))]
+    gm = trace(fn, args)
+    assert "aten.squeeze.dims" in targets(gm)
+    assert rule.apply(gm.graph) == 3
+    gm.recompile()
+    assert "aten.squeeze.dims" not in targets(gm)
+    got, want = gm(*args), fn(*args)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6 * want.abs().max())
 
 
 @pytest.mark.parametrize("case", sorted(LOOK_ALIKES))

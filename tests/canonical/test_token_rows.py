@@ -209,6 +209,52 @@ def _ffn_chunked(x, w13, wd):
     return F.linear(F.silu(g) * u, wd)
 
 
+def _moe_flat_experts(x, router, bias, down, w1, w3, w2, norm, up, sg, su, sd, *, roll=False):
+    """spell9's LatentMoE on x [B, T, D]: the experts on tokens the spelling flattens itself
+    (`z.reshape(-1, Z)`, `ids.reshape(-1, K)`), gathered by the routed ids, one expert for one
+    token `torch.vmap`ped over the slots and the tokens. `roll`: a look-alike whose experts read
+    the previous token's latent (rows mixed)."""
+    s = torch.einsum("btd,ed->bte", x.float(), router.float()).sigmoid()
+    ids = (s + bias).topk(K, dim=-1).indices
+    w = s.gather(-1, ids)
+    w = w / (w.sum(-1, keepdim=True) + 1e-20) * 2.5
+    z = torch.einsum("btd,ld->btl", x, down)
+    flat_z, flat_ids = z.reshape(-1, Z), ids.reshape(-1, K)
+    if roll:
+        flat_z = torch.roll(flat_z, 1, 0)
+
+    def expert(a, b, c, t):
+        return c @ (F.silu(a @ t) * (b @ t))
+
+    ys = torch.vmap(torch.vmap(expert, in_dims=(0, 0, 0, None)))(w1[flat_ids], w3[flat_ids],
+                                                                  w2[flat_ids], flat_z)
+    acc = torch.einsum("...k,...kd->...d", w, ys.reshape(*ids.shape, -1))
+    routed = torch.einsum("btl,dl->btd", _rms(acc.float(), norm.float()).to(x.dtype), up)
+    shared = torch.einsum("bti,di->btd", F.silu(torch.einsum("btd,id->bti", x, sg))
+                          * torch.einsum("btd,id->bti", x, su), sd)
+    return routed + shared
+
+
+@pytest.mark.parametrize("T", [1, 3])
+def test_moe_with_experts_on_its_own_flat_rows_goes_to_rows(T):
+    """spell9: the experts' gathers by the routed ids and per-expert bmm's read values already
+    on rows; they are kept as written (session 25), the rest goes to rows."""
+    def fn(x, *weights):
+        return _moe_flat_experts(x, *weights)
+
+    _positive(fn, [_tokens(T, D), *_weights().values()], T)
+
+
+@pytest.mark.parametrize("T", [1, 3])
+def test_flat_experts_reading_another_row_are_left_alone(T):
+    args = [_tokens(T, D), *_weights().values()]
+    def fn(x, *weights):
+        return _moe_flat_experts(x, *weights, roll=True)
+
+    _, _, n = _rewrite(fn, *args)
+    assert n == 0
+
+
 @pytest.mark.parametrize("T", [1, 3])
 def test_a_chunked_gate_up_goes_to_rows(T):
     g = _g(8)

@@ -21,9 +21,14 @@ docs/spell9_spelling.md.
   with the other probes on the graph fuses as with probe `linear` (which `PROBED` no longer
   needs). bf16 keeps two linear_concat and mla_lowrank_norm lost (the MLA norm in bf16,
   docs/spell9_spelling.md).
-* moe_front, moe_route, moe_experts, norm_linear, the shared stream: the FFN on [B, 1, D]
-  (probe `ffn_flat`; spell8's known T = 1 gap); moe_experts also the `torch.vmap` over slots
-  and tokens (probe `einsum_experts`).
+* moe_experts: the FFN on [B, 1, D] (probe `ffn_flat`). Session 25 (helper experts): the
+  `torch.vmap` over slots and tokens no longer blocks it (rule `expert_gemm` reads FC2 back
+  through vmap's `squeeze.dims`; probe `einsum_experts` not needed), and rule `token_rows`
+  takes the [B, 1, D] MoE although its experts run on rows the spelling flattened itself, which
+  brings back moe_front, moe_route, norm_linear and the shared stream without `ffn_flat`.
+  moe_experts still needs `ffn_flat`: token_rows writes the experts' dequant and FC1 view
+  chains (the canonical einsum lowering, `unsqueeze` / `permute` at T = 1) as views, which the
+  pattern does not match.
 * mla_q_absorb, mla_decode, mla_uv_gate: the functional cache (the requests' whole block
   gathered, the new rows `index_put` out of place, the block written back after the step) --
   closed by rule `cache_block` (probe `cache_inplace` no longer needed; the trio is still lost
@@ -75,7 +80,7 @@ LOST = {torch.float32: _FP32, torch.bfloat16: _EVERY}
 TEMPLATES = {0: "dense", 1: "kda_moe", 2: "mla_moe", 3: "last", -1: "final"}
 
 # the probes that bring most of the plan back, and what is lost then (fp32)
-PROBED = (("einsum_experts", "ffn_flat"),
+PROBED = (("ffn_flat",),
           {0: {"fb_kda_decode": 1}, 1: {"fb_kda_decode": 1}})
 
 
