@@ -119,4 +119,5 @@ def _variant(norm_fp32: bool, conv_time_major: bool = False, state_v_major: bool
 def patterns() -> list[Pattern]:
     # one variant for every T, batch and dtype: the op hides the step, the GEMM has no casts
     return [_variant(n, m, s, c) for c in (False, True) for s in (False, True)
-            for m in (False, True) for n in (False, True) if not (c and m)]
+            for m in (False, True) for n in (False, True)
+            if not (c and m) and (kda_decode.THREE_STATE_OPS or not c)]

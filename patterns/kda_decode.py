@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import fx
 
 from k3compile.math import delta_rule_step, l2norm, rms_norm, rms_norm_gated_fp32
+from k3compile.ops.kda_decode import THREE_STATE_OPS
 from k3compile.rewrite import Pattern, tensor_meta, with_signature
 
 # Tokens per request with a variant: decode (1) up to the DSpark verify block (anchor + 7 drafts).
@@ -363,8 +364,9 @@ def _variant(T: int, B: int, dtype: torch.dtype, silu_written_out: bool = False,
 def patterns() -> list[Pattern]:
     # fla's fp32 output norm differs from ours only where the activations round (not in fp32);
     # a variant is traced only for the (T, state layouts) a graph's sites have (`fits`); three
-    # conv states only channel-major (the layout the spellings that keep three have)
+    # conv states only channel-major (the layout the spellings that keep three have), and none
+    # where this torch cannot take the op's optional mutated conv states (THREE_STATE_OPS)
     return [_variant(t, b, d, w, n, m, s, c) for c, s, m, n, w, t, b, d in
             itertools.product((False, True), (False, True), (False, True), (False, True),
                               (False, True), TOKENS, BATCHES, DTYPES)
-            if not (n and d == torch.float32) and not (c and m)]
+            if not (n and d == torch.float32) and not (c and m) and (THREE_STATE_OPS or not c)]

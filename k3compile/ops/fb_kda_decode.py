@@ -13,11 +13,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from k3compile.ops.kda_decode import kda_decode_fake, kda_decode_ref
+from k3compile.ops.kda_decode import kda_decode_fake, kda_decode_ref, state_op
 
 
-@torch.library.custom_op("k3::fb_kda_decode", mutates_args=("conv_state", "recurrent_state",
-                                                           "k_conv_state", "v_conv_state"))
 def fb_kda_decode(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, fa: torch.Tensor,
     fb_weight: torch.Tensor, b: torch.Tensor, conv_state: torch.Tensor,
@@ -33,6 +31,9 @@ def fb_kda_decode(
                           k_conv_weight, v_conv_weight, A_log, dt_bias, o_norm_weight, lower_bound,
                           l2_eps, q_scale, norm_eps, norm_fp32, conv_time_major, state_v_major,
                           k_conv_state, v_conv_state)
+
+
+fb_kda_decode = state_op("k3::fb_kda_decode", fb_kda_decode)
 
 
 @fb_kda_decode.register_fake

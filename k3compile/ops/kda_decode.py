@@ -33,11 +33,12 @@ T >= 1 tokens per request (T > 1: speculative verify rows, the recurrence sequen
 
 from __future__ import annotations
 
+import re
+
 import torch
 import torch.nn.functional as F
 
 from k3compile.math import delta_rule_step, l2norm, rms_norm, rms_norm_gated_fp32
-
 
 # the parameters the KDA ops upcast themselves (the reference reads them as `.float()` or adds
 # them to fp32, both exact for a narrower float): an upcast in the graph before the op is dropped
@@ -109,8 +110,42 @@ def kda_decode_fake(q, recurrent_state, g, o_norm_weight, norm_fp32=False) -> to
     return q.new_empty((B, T, H, K), dtype=dtype)
 
 
-@torch.library.custom_op("k3::kda_decode", mutates_args=("conv_state", "recurrent_state",
-                                                        "k_conv_state", "v_conv_state"))
+def _optional_mutation_works() -> bool:
+    """Whether this torch's custom_op takes a call that leaves a mutated optional argument at its
+    default. torch 2.11 (the GPU machine's) drops that trailing default in the dispatcher, then
+    indexes it to bump its version: an IndexError on every call without it (found on the GPU in
+    session 25: every kda_decode call failed); torch 2.13 takes it."""
+    def probe(x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+        return x.clone()
+
+    op = torch.library.custom_op("k3_probe::optional_mutation", probe, mutates_args=("y",))
+    try:
+        op(torch.zeros(1))
+    except IndexError:
+        return False
+    return True
+
+
+# The three-conv-state variant (`k_conv_state`, `v_conv_state`): only where this torch takes the
+# two optional mutated arguments left out; elsewhere both KDA ops have the schema without them,
+# and the patterns register no three-state variant (such a site stays unfused)
+THREE_STATE_OPS = _optional_mutation_works()
+_STATES = ("conv_state", "recurrent_state")
+_THREE = ("k_conv_state", "v_conv_state")
+
+
+def state_op(name: str, fn):
+    """`torch.library.custom_op(name, fn)` mutating the states, the three conv states where
+    `THREE_STATE_OPS`, else with the schema cut before `k_conv_state` (fn keeps its defaults)."""
+    if THREE_STATE_OPS:
+        return torch.library.custom_op(name, fn, mutates_args=_STATES + _THREE)
+    full = torch.library.infer_schema(fn, mutates_args=_STATES + _THREE)
+    schema, cut = re.subn(r", Tensor\(a\d+!\)\? k_conv_state=None, Tensor\(a\d+!\)\? "
+                          r"v_conv_state=None\) ->", ") ->", full)
+    assert cut == 1, full
+    return torch.library.custom_op(name, fn, mutates_args=_STATES, schema=schema)
+
+
 def kda_decode(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, graw: torch.Tensor,
     b: torch.Tensor, conv_state: torch.Tensor, recurrent_state: torch.Tensor, slots: torch.Tensor,
@@ -132,6 +167,9 @@ def kda_decode(
                           k_conv_weight, v_conv_weight, A_log, dt_bias, o_norm_weight, lower_bound,
                           l2_eps, q_scale, norm_eps, norm_fp32, conv_time_major, state_v_major,
                           k_conv_state, v_conv_state)
+
+
+kda_decode = state_op("k3::kda_decode", kda_decode)
 
 
 @kda_decode.register_fake

@@ -9,7 +9,14 @@ import pytest
 import torch
 from k3compile.patterns import fb_kda_decode, kda_decode
 
+from k3compile.ops.kda_decode import THREE_STATE_OPS
+
 from .pattern_checks import rewrite, targets
+
+# torch 2.11 cannot call a custom op that leaves a mutated optional argument out, so the ops have
+# no three-state schema there (k3compile/ops/kda_decode.py, THREE_STATE_OPS)
+pytestmark = pytest.mark.skipif(not THREE_STATE_OPS,
+                                reason="this torch's KDA ops take no three conv states")
 
 N = kda_decode.TENSORS  # the k and v conv states' positions in a three-state variant's inputs
 NAMES = kda_decode.variant_names(True)
@@ -180,3 +187,4 @@ def test_three_states_site_stays_with_inductor_on_gpu_graphs():
     assert "kda_decode" in report.deferred
     for w, g in zip(_unfused(*_clone(args)), gm(*_clone(args))):
         torch.testing.assert_close(g, w)  # the unfused graph: its own summation order (an ulp)
+
