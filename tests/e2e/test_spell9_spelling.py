@@ -72,11 +72,19 @@ _MIX = {"attn_res_mix_norm": 1}
 _EVERY = {0: {**_GEMMS, "fb_kda_decode": 1}, 1: {**_MIX, **_GEMMS, "fb_kda_decode": 1, **_MOE},
           2: {**_MIX, **_GEMMS, **_MLA, **_MOE}, 3: {**_MIX, **_GEMMS, **_MLA, **_MOE},
           -1: {**_MIX, "linear": 1}}
-# layer -> the built-in plan's ops this spelling's plan lacks: in fp32 all but the norms and the
-# AttnRes mixes (rule index_slice), in bf16 all but the norms
-_FP32 = {i: {op: n for op, n in ops.items() if op != "attn_res_mix_norm"}
-         for i, ops in _EVERY.items()}
-LOST = {torch.float32: _FP32, torch.bfloat16: _EVERY}
+# layer -> the built-in plan's ops this spelling's plan lacks (session 25, all five helpers'
+# changes merged): fp32 keeps only the KDA step (the scanned cell with its conv inside) and the
+# routed experts on [B, 1, D] (probe `ffn_flat`); bf16 also the mixes' and the MLA norm's scale
+# multiplied in fp32 before the cast (attn_res_mix_norm, oproj_attn_res_mix_norm, the MLA
+# layers' linear_concat and mla_lowrank_norm)
+_KDA, _EXPERTS = {"fb_kda_decode": 1}, {"moe_experts": 1}
+_OPROJ, _MLA_NORM = {"oproj_attn_res_mix_norm": 1}, {"linear_concat": 1, "mla_lowrank_norm": 1}
+LOST = {
+    torch.float32: {0: _KDA, 1: {**_KDA, **_EXPERTS}, 2: _EXPERTS, 3: _EXPERTS},
+    torch.bfloat16: {0: {**_KDA, **_OPROJ}, 1: {**_MIX, **_KDA, **_OPROJ, **_EXPERTS},
+                     2: {**_MIX, **_MLA_NORM, **_OPROJ, **_EXPERTS},
+                     3: {**_MIX, **_MLA_NORM, **_OPROJ, **_EXPERTS}, -1: _MIX},
+}
 TEMPLATES = {0: "dense", 1: "kda_moe", 2: "mla_moe", 3: "last", -1: "final"}
 
 # the probes that bring most of the plan back, and what is lost then (fp32)
