@@ -177,7 +177,7 @@ def _replay(shape, chain: list[fx.Node]) -> torch.Tensor | None:
                 continue
             target = aten.view.default if node.target in RESHAPES else node.target
             t = target(t, *node.args[1:], **node.kwargs)
-    except RuntimeError:
+    except (RuntimeError, ValueError):  # a view the layout cannot take raises ValueError on meta
         return None
     return t
 
