@@ -65,6 +65,7 @@ from torch import fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from k3compile.canonical import Rule, rewrite_sites
+from k3compile.canonical.region import call_on_cpu
 from k3compile.canonical.region import shape as _shape
 from k3compile.canonical.region import val as _val
 from k3compile.graph import call
@@ -234,7 +235,7 @@ def _evaluates_as_sum(out, region, chain, alpha, stack, srcs) -> bool:
         env[alpha] = a
         for node in [*chain, *region]:
             args, kwargs = fx.map_arg((node.args, node.kwargs), env.__getitem__)
-            env[node] = node.target(*args, **kwargs)
+            env[node] = call_on_cpu(node.target, args, kwargs)
         want = (a.unsqueeze(-1) * env[stack].float()).sum(0)
         got = env[out]
         if got.shape != want.shape or got.dtype != want.dtype:
@@ -553,7 +554,7 @@ def _fp32_sum(gm: fx.GraphModule) -> fx.Node:
 def _run(nodes, env: dict) -> dict:
     for node in nodes:
         args, kwargs = fx.map_arg((node.args, node.kwargs), env.__getitem__)
-        env[node] = node.target(*args, **kwargs)
+        env[node] = call_on_cpu(node.target, args, kwargs)
     return env
 
 

@@ -52,6 +52,7 @@ import torch
 from torch import fx
 
 from k3compile.canonical import Rule, rewrite_sites
+from k3compile.canonical.region import call_on_cpu, on_cpu
 from k3compile.canonical import expert_slots as slots
 from k3compile.canonical.expert_gather import splice, traced
 from k3compile.canonical.region import VIEWS, root
@@ -166,7 +167,7 @@ def _agrees_contraction(region, hot, w, routing) -> bool:
                w: torch.randn(_shape(w), generator=gen).to(_val(w).dtype)}
         for node in region:
             args, kwargs = fx.map_arg((node.args, node.kwargs), env.__getitem__)
-            env[node] = node.target(*args, **kwargs)
+            env[node] = call_on_cpu(node.target, args, kwargs)
         got = env[routing]
         want = (env[hot].float() * env[w].float().unsqueeze(-1)).sum(1)
         if got.shape != want.shape or got.dtype != torch.float32:
@@ -340,12 +341,12 @@ def _agreeing(region, inputs, y0, sizes):
     try:
         for node in region:
             if node.op == "get_attr":
-                env[node] = getattr(module, node.target)
+                env[node] = on_cpu(getattr(module, node.target))
                 continue
             args, kwargs = torch.utils._pytree.tree_map(
                 lambda a: sizes.get(a, a) if type(a) is int else a,
                 fx.map_arg((node.args, node.kwargs), env.__getitem__))
-            env[node] = node.target(*args, **kwargs)
+            env[node] = call_on_cpu(node.target, args, kwargs)
     except (RuntimeError, KeyError, AttributeError):
         return None
     got = env[y0]

@@ -52,6 +52,7 @@ from torch import fx
 from torch.utils._pytree import tree_leaves, tree_map
 
 from k3compile.canonical import Rule, rewrite_sites
+from k3compile.canonical.region import call_on_cpu, on_cpu
 from k3compile.canonical.expert_slots import (
     _FORMAT,
     _SMALL_I,
@@ -107,7 +108,7 @@ def evaluate(node: fx.Node, env: dict, resize=None):
     if node in env:
         return env[node]
     if node.op == "get_attr":
-        env[node] = _attr(node)
+        env[node] = on_cpu(_attr(node))
         return env[node]
     if node.op != "call_function":
         raise KeyError(node)
@@ -115,7 +116,7 @@ def evaluate(node: fx.Node, env: dict, resize=None):
     if resize is not None:
         args, kwargs = tree_map(lambda a: resize.get(a, a) if type(a) is int else a,
                                 (args, kwargs))
-    env[node] = node.target(*args, **kwargs)
+    env[node] = call_on_cpu(node.target, args, kwargs)
     return env[node]
 
 

@@ -53,6 +53,7 @@ from torch import fx
 from torch.utils._pytree import tree_flatten, tree_map
 
 from k3compile.canonical import Rule, rewrite_sites
+from k3compile.canonical.region import call_on_cpu
 from k3compile.canonical.expert_gather import dequant_roots, splice, traced
 from k3compile.canonical.region import VIEWS, nodes_between, root
 from k3compile.canonical.region import static_shape as _shape
@@ -428,7 +429,7 @@ def _slot_values(region, inputs, term, sizes):
     values = dict(env)
     for node in region:
         args, kwargs = tree_map(resize, fx.map_arg((node.args, node.kwargs), env.__getitem__))
-        env[node] = node.target(*args, **kwargs)
+        env[node] = call_on_cpu(node.target, args, kwargs)
     return values, env[term]
 
 

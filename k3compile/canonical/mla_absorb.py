@@ -41,6 +41,7 @@ import torch
 from torch import fx
 
 from k3compile.canonical import Rule
+from k3compile.canonical.region import call_on_cpu
 from k3compile.canonical.layout import (
     SPLITS,
     Axis,
@@ -403,15 +404,14 @@ def _run_probe(site: Site, z: Sizes, axes: dict, scale: float, nodes: list[fx.No
         for n in nodes:
             val = n.meta.get("val")
             if n in site.scores:
-                env[n] = torch.randn(list(val.shape), generator=gen).to(val.device, val.dtype)
+                env[n] = torch.randn(list(val.shape), generator=gen).to(val.dtype)
             elif n.op == "placeholder":
                 if val.dtype != torch.int64 or val.dim() != 1:
                     return f"the mask reads {n.name} ({val.dtype}{list(val.shape)})"
-                env[n] = torch.randint(0, z.L - z.T + 1, list(val.shape), generator=gen) \
-                    .to(val.device)
+                env[n] = torch.randint(0, z.L - z.T + 1, list(val.shape), generator=gen)
             elif n.op == "call_function" and not _writes(n):
                 args, kwargs = fx.map_arg((n.args, n.kwargs), env.__getitem__)
-                env[n] = n.target(*args, **kwargs)
+                env[n] = call_on_cpu(n.target, args, kwargs)
             else:
                 return f"the softmax input depends on {n.name} ({n.op} {n.target})"
         return _compare(env[site.p], _canonical_p(site, z, axes, env, scale))

@@ -40,6 +40,7 @@ import torch
 from torch import fx
 
 from k3compile.canonical import Rule
+from k3compile.canonical.region import call_on_cpu
 from k3compile.canonical.layout import terms
 from k3compile.canonical.mla_absorb import (
     Site,
@@ -137,7 +138,7 @@ def check(site: Site, z: Sizes, scale: float, seed: int = 0) -> str | None:
                 env[n] = torch.randint(0, z.L - z.T + 1, list(val.shape), generator=gen)
             elif n.op == "call_function" and not _writes(n):
                 args, kwargs = fx.map_arg((n.args, n.kwargs), env.__getitem__)
-                env[n] = n.target(*args, **kwargs)
+                env[n] = call_on_cpu(n.target, args, kwargs)
             else:
                 return f"the attention depends on {n.name} ({n.op} {n.target})"
         got = env[site.out]

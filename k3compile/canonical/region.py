@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.utils._pytree import tree_map
 
 from k3compile.graph import call, fake_value
 from k3compile.rewrite import inductor
@@ -120,6 +121,25 @@ def _random(node: fx.Node, gen: torch.Generator) -> torch.Tensor:
     return torch.randn(tuple(v.shape), generator=gen).to(v.dtype)
 
 
+_CPU = torch.device("cpu")
+
+
+def on_cpu(a):
+    if isinstance(a, torch.device):
+        return _CPU
+    return a.cpu() if isinstance(a, torch.Tensor) and a.device.type != "cpu" else a
+
+
+def call_on_cpu(target, args, kwargs):
+    """target(*args, **kwargs) with every device argument the CPU and every tensor moved there.
+    The rules prove a region on small values on the CPU, and a GPU graph's factory ops (arange,
+    zeros, full, `_to_copy`) name its device and its lifted constants live there: run as
+    written, they mix devices, the proof raises, and the site is silently left unfused on GPU
+    graphs only (session 26: expert_rows on spell6)."""
+    args, kwargs = tree_map(on_cpu, (args, kwargs))
+    return target(*args, **kwargs)
+
+
 def agrees(inputs: list[fx.Node], output: fx.Node, region: list[fx.Node], fn, rtol: float) -> bool:
     """region(random inputs) == fn(the same inputs) within rtol of the largest value, in dtype and
     shape too."""
@@ -129,7 +149,7 @@ def agrees(inputs: list[fx.Node], output: fx.Node, region: list[fx.Node], fn, rt
         want = fn(*env.values())
         for n in region:
             args, kwargs = fx.map_arg((n.args, n.kwargs), env.__getitem__)
-            env[n] = n.target(*args, **kwargs)
+            env[n] = call_on_cpu(n.target, args, kwargs)
         got = env[output]
         if got.shape != want.shape or got.dtype != want.dtype:
             return False
