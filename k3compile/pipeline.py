@@ -216,7 +216,8 @@ class Pipeline:
         # compiled graph expects packed). Inductor's FX graph cache (torch's default, or
         # TORCHINDUCTOR_FX_GRAPH_CACHE) serves what the stages made: its key is that graph.
         with (progress.compiling(), torch._functorch.config.patch(enable_autograd_cache=False),
-              tagged or contextlib.nullcontext(), inference_only(example_inputs)):
+              tagged or contextlib.nullcontext(), inference_only(example_inputs),
+              sdpa_traced_as_math(cuda and self.options.sdpa_math)):
             if link is not None and link["direct"] is not None:
                 fn = self._direct(link, ctx, example_inputs, patches, written)
             else:
@@ -319,6 +320,16 @@ def _noting_kernels(path, text: str):
     with launch.using() as builds:
         yield
     stage_cache.store_kernels(path, text, builds)
+
+
+def sdpa_traced_as_math(on: bool) -> contextlib.AbstractContextManager:
+    """AOT's trace with F.scaled_dot_product_attention decomposed by its math path, as on the CPU
+    (Options.sdpa_math: on CUDA the device's fused SDPA op hides the attention from the rules)."""
+    if not on:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.MATH])
 
 
 def inference_only(example_inputs: list) -> contextlib.AbstractContextManager:

@@ -37,6 +37,8 @@ SWITCHES: dict[str, tuple[str, str]] = {
     "K3_EXECUTOR": ("option `executor`: `inductor` or `aten`", "inductor"),
     "K3_SHARD_MOE": ("option `shard_moe`: `auto`, `on` or `off`", "auto"),
     "K3_VALIDATE": ("option `validate`: input checks `auto`, `host`, `device` or `off`", "auto"),
+    "K3_SDPA_MATH": (("option `sdpa_math`: on CUDA trace SDPA through its math path, so the "
+                      "canonical rules see the attention (`0`: the device's fused SDPA op)"), "1"),
     "K3_PDL": ("kernels: programmatic dependent launch", "1"),
     "K3_PDL_MAX_ROWS": ("kernels: PDL only for launches of at most this many rows", "4"),
     "K3_FRONT_ROUTE": (("option `front_route`: moe_front + moe_route as one op (CUDA: with "
@@ -226,6 +228,12 @@ class Options:
     # which know moe_front; on CUDA its kernel also needs K3_KERNELS_EXTRA=moe_front_route until
     # the H200 validates it. K3_FRONT_ROUTE=1.
     front_route: bool = False
+    # On CUDA, AOT traces F.scaled_dot_product_attention to the device's fused op (efficient,
+    # flash or cuDNN attention), opaque to every rule: the MLA of a spelling written with SDPA
+    # (spell6) fused on the CPU and not on a GPU (session 26, H100). The trace selects SDPA's
+    # math path, as on the CPU, so rule `sdpa_math` sees it; where no rule takes the attention
+    # the graph keeps that math (Inductor fuses it, not into one kernel). K3_SDPA_MATH=0.
+    sdpa_math: bool = True
 
     @classmethod
     def make(cls, options: dict[str, Any] | None = None) -> Options:
@@ -239,7 +247,7 @@ class Options:
                          ("pack_weights", "K3_PACK_WEIGHTS"),
                          ("stack_inputs", "K3_STACK_INPUTS"),
                          ("stage_cache", "K3_STAGE_CACHE"), ("skip_aot", "K3_SKIP_AOT"),
-                         ("front_route", "K3_FRONT_ROUTE")):
+                         ("front_route", "K3_FRONT_ROUTE"), ("sdpa_math", "K3_SDPA_MATH")):
             if (value := env_bool(var)) is not None:
                 opts.setdefault(key, value)
         for key, var in (("executor", "K3_EXECUTOR"), ("shard_moe", "K3_SHARD_MOE"),

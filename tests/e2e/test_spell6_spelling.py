@@ -115,6 +115,17 @@ def test_lost_fusions_have_a_near_miss_naming_a_node(pattern, dtype, request):
     foreign.assert_lost_where_near_missed(run, pattern, LOST[dtype])
 
 
+@pytest.mark.gpu
+def test_cuda_graph_plans_as_the_cpu_one(reference_plan):
+    """On CUDA, fp32: the plan loses what the CPU's loses, and the step equals its eager twin.
+    A GPU graph once lost the MLA trio (AOT traced SDPA to CUDA's fused op, opaque to rule
+    sdpa_math: now traced by its math path, `Options.sdpa_math`) and the experts (rule
+    expert_rows ran its proof on the graph's CUDA constants: now on the CPU), session 26."""
+    err, compiled = foreign.run_on_cuda(torch.float32, from_builtin)
+    assert err <= TOL["aten_cpu"], err
+    assert foreign.lost(reference_plan, _per_layer(compiled)) == LOST[torch.float32]
+
+
 # probes (Spell6K3.set_probe) that switch the named idioms to another spelling of the same math,
 # and the ops they bring back: each names the cause of a gap (docs/spell6_spelling.md). Both MLA
 # probes are needed (either alone restores nothing). The gaps closed by rules (situ_forms:

@@ -71,6 +71,19 @@ def run(dtype, from_builtin, state_of):
     return err, {n: rel_err(got[n], want[n]) for n in want}, k3be.last_compiled()
 
 
+def run_on_cuda(dtype, from_builtin):
+    """(worst logits error, the compiled backend) of the spelling compiled on CUDA against its
+    eager twin there, both loaded from the built-in model (the step's inputs moved to CUDA)."""
+    model = from_builtin(builtin(dtype)).cuda()
+    eager = from_builtin(builtin(dtype)).cuda()
+
+    def on_cuda(fn):
+        return lambda *args: fn(*(a.cuda() for a in args))
+
+    err = steps(on_cuda(compile_k3(model)), on_cuda(eager))
+    return err, k3be.last_compiled()
+
+
 def reference_plan():
     """The built-in model's fused ops per layer (fp32)."""
     steps(compile_k3(builtin(torch.float32)), builtin(torch.float32), n=1)
