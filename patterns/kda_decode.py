@@ -167,12 +167,13 @@ def time_major_check(match) -> str | None:
 
 
 def untested_build_refusal(match) -> str | None:
-    """On GPU graphs a V-major or three-conv-state site stays with Inductor until kda_decode's
-    builds for those layouts (kernels/kda_decode.py, session 25) have passed their GPU tests:
-    built for sm_90a, never run on a GPU. CPU graphs fuse it (the reference is the CPU kernel).
-    Once tests/fusions/test_kda_decode_v_major.py's and test_kda_decode_three_states.py's GPU
-    tests pass, this goes (as session 23's time-major deferral went)."""
-    return "state_v_major / three conv states: kda_decode's build has not run on a GPU yet"
+    """On GPU graphs a three-conv-state site stays with Inductor until kda_decode's build for that
+    layout (kernels/kda_decode.py, session 25) has passed its GPU tests: built for sm_90a, never
+    run on a GPU (the GPU machine's torch 2.11 has no three-state op: `THREE_STATE_OPS`). CPU
+    graphs fuse it (the reference is the CPU kernel). The V-major build passed its GPU tests
+    (H100, 2026-12-05, session 26) and fuses; once test_kda_decode_three_states.py's GPU tests
+    pass, this goes too."""
+    return "three conv states: kda_decode's build has not run on a GPU yet"
 
 
 def three_states_check(match) -> str | None:
@@ -355,7 +356,7 @@ def _variant(T: int, B: int, dtype: torch.dtype, silu_written_out: bool = False,
         example_inputs=example_inputs, op="k3.kda_decode",
         check=three_states_check if three_states else time_major_check if conv_time_major
         else check, scalars=dict(SCALARS),
-        kernel_refusal=untested_build_refusal if state_v_major or three_states else None,
+        kernel_refusal=untested_build_refusal if three_states else None,
         distinctive=("convolution", "index_put", "bmm", "rsqrt"), joint_passes=True,
         fits=_fits(T, conv_time_major, state_v_major, three_states),
     )
