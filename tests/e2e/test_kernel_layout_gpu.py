@@ -12,7 +12,7 @@ from k3compile.kernels.common.dsl import fallback_counts, reset_fallback_counts
 import k3compile.backend as k3be
 from k3compile.stages import pack as packing
 from tests.conftest import TOL, rel_err
-from tests.stages.test_kernel_layout import FlaxMLP
+from tests.stages.test_kernel_layout import FlaxMLP, xfail_without_the_recompile
 
 pytestmark = pytest.mark.gpu
 
@@ -30,10 +30,12 @@ def test_flax_kernels_reach_the_kernels_contiguous(rows):
     eager = FlaxMLP(d=512, f=1024, dtype=torch.bfloat16).cuda()
     step = torch.compile(model, backend="k3", fullgraph=True, options={"buckets": (rows,)})
     x = torch.randn(rows, 512, dtype=torch.bfloat16, device="cuda")
+    compiles = len(k3be._compiled)
     with torch.no_grad():
         for _ in range(4):  # the second call compiles again (the first re-laid the kernels)
             assert rel_err(step(x), eager(x)) <= TOL["diffsuite_bf16"]
         assert all(w.t().is_contiguous() for w in (model.gate, model.up, model.down))
+        xfail_without_the_recompile(compiles)
         assert packing.adjacent([model.gate.t(), model.up.t()])
         fused = _fused(k3be.last_compiled())
         assert fused.get("k3.situ_gate_up") == 1 and fused.get("k3.linear") == 1, fused

@@ -241,6 +241,16 @@ def _fused(compiled) -> dict:
     return {str(op): n for op, n in records[-1].ops_after.items() if str(op).startswith("k3.")}
 
 
+def xfail_without_the_recompile(compiles_before: int) -> None:
+    """torch 2.11 (the GPU machine's) does not recompile the step after the first call re-lays
+    the weights (its Dynamo guards miss the Parameters' new strides; found on the H100 and
+    reproduced with torch 2.11 on the CPU, session 26): the step stays correct (the executor hands
+    the graph the `.t()` views) but stage pack never sees the re-laid weights, so gate|up stay
+    two buffers. On torch >= 2.13 (CI's) the recompile must happen."""
+    if len(k3be._compiled) == compiles_before + 1 and torch.__version__ < "2.13":
+        pytest.xfail("torch < 2.13 does not recompile after kernel_layout's re-lay")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_flax_mlp_fuses_and_sees_weight_updates(dtype):
     torch._dynamo.reset()
@@ -248,12 +258,14 @@ def test_flax_mlp_fuses_and_sees_weight_updates(dtype):
     step = torch.compile(model, backend="k3", fullgraph=True, options={"executor": "aten"})
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     x = torch.randn(2, 64, dtype=dtype)
+    compiles = len(k3be._compiled)
     with torch.no_grad():
         for _ in range(3):  # the second call compiles again: the first re-laid the kernels
             got = step(x)
             assert got.dtype == dtype and got.shape == x.shape
             assert rel_err(got, eager(x)) <= tol
         assert all(w.t().is_contiguous() for w in (model.gate, model.up, model.down))
+        xfail_without_the_recompile(compiles)
         assert packing.adjacent([model.gate.t(), model.up.t()]), "gate|up packed as [out, in]"
         fused = _fused(k3be.last_compiled())
         assert fused.get("k3.situ_gate_up") == 1 and fused.get("k3.linear") == 1, fused
