@@ -193,3 +193,14 @@ def test_fp32_weight_norm_stays_with_inductor_on_gpu_graphs(monkeypatch):
     assert "has not run on a GPU" in report.deferred["oproj_attn_res_mix_norm"]
     for got, want in zip(gm(*args), post_mix_fp32_weight(*args)):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_flagless_variants_leave_the_flagged_call():
+    """Look-alike for the variants without the flag (and so the TP form's, which has none): the
+    flagged mix call is another site; no variant drops the flag."""
+    pats = [p for p in oproj_attn_res_mix_norm.patterns() if "norm_weight_fp32" not in p.name]
+    args = _inputs()
+    gm, report = rewrite(post_mix_fp32_weight, args, pats)
+    assert not report.hits
+    for got, want in zip(gm(*args), post_mix_fp32_weight(*args)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
