@@ -2,6 +2,7 @@
 
     p = bf16(prefix + delta); α = softmax_i(rstd(v_i)·Σ_d v_i·wn·wp), v = (*blocks, p);
     h = bf16(Σ_i α_i·v_i); x = bf16(wx · bf16(h · rstd(h)))      (scores in fp32)
+    (`norm_weight_fp32`: x = bf16(h · rstd(h) · wx), one rounding: a build of its own)
 
 Design and measurements: docs/kernels.md, attn_res_mix_norm.
 
@@ -17,6 +18,9 @@ Constraints:
       score to bf16, which the kernel skips (docs/kernels.md, attn_res_mix_norm).
     * With PDL (settings.KERNELS.pdl, launches of at most .pdl_max_rows rows): wn and wp load
       before `griddepcontrol.wait`, the sources after it.
+    * `norm_weight_fp32` is a build option (in the key only when set: the plain builds and their
+      keys are unchanged); built for sm_90a, not yet run on a GPU (session 26), so the patterns
+      leave its sites to Inductor on GPU graphs (`patterns/attn_res_mix_norm.py`).
 """
 
 from dataclasses import dataclass
@@ -85,11 +89,12 @@ def can_implement(prefix, delta, blocks, mix_norm_weight, mix_proj_weight, norm_
 
 
 def refusal(prefix, delta, blocks, mix_norm_weight, mix_proj_weight, norm_weight, mix_eps=None,
-            norm_eps=None, scores_fp32=False) -> str | None:
+            norm_eps=None, scores_fp32=False, norm_weight_fp32=False) -> str | None:
     """Why the kernel cannot take these inputs (shapes, dtypes, strides), or None. Works on fake
     tensors; data alignment is checked at launch."""
     bf16 = torch.bfloat16
     del scores_fp32  # the kernel's scores are fp32 throughout either way
+    del norm_weight_fp32  # a build flag: the same inputs
     dim = prefix.shape[-1]
     if dim % 8 or not 8 <= dim <= MAX_DIM:
         return f"hidden {dim} (want a multiple of 8 in [8, {MAX_DIM}])"
@@ -110,14 +115,27 @@ def refusal(prefix, delta, blocks, mix_norm_weight, mix_proj_weight, norm_weight
     return None
 
 
-def prepare(dim: int, n_blocks: int, has_delta: bool, buckets=BUCKETS) -> None:
+def prepare(dim: int, n_blocks: int, has_delta: bool, buckets=BUCKETS,
+            norm_weight_fp32: bool = False) -> None:
     """Compile the kernel of every batch bucket for these scalars (call before graph capture)."""
     for b in buckets:
-        KERNEL.compiled(dim, n_blocks, has_delta, config(dim, n_blocks, has_delta, b), rows=b)
+        compiled(dim, n_blocks, has_delta, b, norm_weight_fp32)
 
 
-def build(dim, n_blocks, has_delta, cfg, arch=None, dump_dir=None, pdl=False):
-    """Compile now, uncached (`dump_dir` keeps the cubin and PTX; `pdl`: with PDL)."""
+def compiled(dim: int, n_blocks: int, has_delta: bool, batch_bucket: int,
+             norm_weight_fp32: bool = False):
+    """The cached kernel; `norm_weight_fp32` enters the key only when set (the plain build's key
+    and build are those from before the variant)."""
+    options = {"norm_weight_fp32": True} if norm_weight_fp32 else {}
+    return KERNEL.compiled(dim, n_blocks, has_delta,
+                           config(dim, n_blocks, has_delta, batch_bucket), rows=batch_bucket,
+                           **options)
+
+
+def build(dim, n_blocks, has_delta, cfg, arch=None, dump_dir=None, pdl=False,
+          norm_weight_fp32=False):
+    """Compile now, uncached (`dump_dir` keeps the cubin and PTX; `pdl`: with PDL;
+    `norm_weight_fp32`: the norm's weight multiplied in fp32 before the one rounding)."""
     import cutlass
     from cutlass import cute
 
@@ -127,7 +145,7 @@ def build(dim, n_blocks, has_delta, cfg, arch=None, dump_dir=None, pdl=False):
     n = cute.sym_int()
     weight = (lambda: fake_vector(bf16, dim)) if n_blocks else (lambda: None)
     return compile_kernel(
-        AttnResMixNorm(dim, n_blocks, has_delta, cfg, pdl),
+        AttnResMixNorm(dim, n_blocks, has_delta, cfg, pdl, norm_weight_fp32),
         fake_rows(bf16, n, dim), fake_rows(bf16, n, dim) if has_delta else None,
         tuple(fake_rows(bf16, n, dim) for _ in range(n_blocks)) or None, weight(), weight(),
         fake_vector(bf16, dim), fake_rows(bf16, n, dim, dim), fake_rows(bf16, n, dim, dim),
@@ -139,7 +157,8 @@ KERNEL = Kernel(OP, build)
 
 
 def attn_res_mix_norm_cuda(prefix, delta, blocks, mix_norm_weight, mix_proj_weight, norm_weight,
-                           mix_eps, norm_eps, scores_fp32=False, *, out=None):
+                           mix_eps, norm_eps, scores_fp32=False, norm_weight_fp32=False, *,
+                           out=None):
     """CUDA implementation of k3::attn_res_mix_norm: the kernel, or the reference if refused.
     `out` = (prefix_out, x) preallocated [N, D] contiguous (tests poison them)."""
     blocks = list(blocks)
@@ -149,7 +168,8 @@ def attn_res_mix_norm_cuda(prefix, delta, blocks, mix_norm_weight, mix_proj_weig
 
     def reference():
         p, x = attn_res_mix_norm_ref(prefix, delta, blocks, mix_norm_weight, mix_proj_weight,
-                                     norm_weight, mix_eps, norm_eps, scores_fp32)
+                                     norm_weight, mix_eps, norm_eps, scores_fp32,
+                                     norm_weight_fp32)
         return (p.clone() if delta is None else p), x
 
     def launch():
@@ -157,10 +177,8 @@ def attn_res_mix_norm_cuda(prefix, delta, blocks, mix_norm_weight, mix_proj_weig
         prefix_out, x = out if out is not None else (prefix.new_empty((n, dim)),
                                                      prefix.new_empty((n, dim)))
         if n:
-            b = bucket(n)
-            cfg = config(dim, len(blocks), delta is not None, b)
             has_mix = len(blocks) > 0
-            KERNEL.compiled(dim, len(blocks), delta is not None, cfg, rows=b)(
+            compiled(dim, len(blocks), delta is not None, bucket(n), norm_weight_fp32)(
                 prefix, delta, tuple(blocks) or None, mix_norm_weight if has_mix else None,
                 mix_proj_weight.view(-1) if has_mix else None, norm_weight, prefix_out, x,
                 float(mix_eps), float(norm_eps))

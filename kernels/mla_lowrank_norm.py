@@ -3,6 +3,7 @@
 
     q = bf16(wq·bf16(cq·rstd(cq)));  kv = bf16(wkv·bf16(c·rstd(c))), c = ckv[:, :C];
     pe = ckv[:, C:]                                     (copied, never rotated: K3 is NoPE)
+    (`weight_fp32`: q = bf16(cq·rstd(cq)·wq), kv likewise, one rounding: a build of its own)
 
 Design: docs/kernels.md, mla_lowrank_norm.
 
@@ -12,6 +13,9 @@ Constraints:
       q_weight [Q], kv_weight [C] contiguous; eps is a runtime scalar.
     * Q, C, R multiples of 8 (so k_pe starts 16-byte aligned), 8 <= Q, C <= 8192, 0 <= R <= 8192.
     * With PDL (settings.KERNELS.pdl): the norm weights load before `griddepcontrol.wait`.
+    * `weight_fp32` is a build option (in the key only when set: the plain builds and their keys
+      are unchanged); built for sm_90a, not yet run on a GPU (session 26), so the patterns leave
+      its sites to Inductor on GPU graphs (`patterns/mla_lowrank_norm.py`).
 """
 
 from dataclasses import dataclass
@@ -19,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from k3compile.ops import registry
-from k3compile.ops.rms_norm import rms_norm_ref
+from k3compile.ops.mla_lowrank_norm import mla_lowrank_norm_ref
 
 from .common.dsl import (
     BUCKETS,
@@ -72,14 +76,24 @@ def refusal(cq, ckv, q_weight, kv_weight, *_) -> str | None:
     return None
 
 
-def prepare(q_dim: int, c_dim: int, r_dim: int, buckets=BUCKETS) -> None:
+def prepare(q_dim: int, c_dim: int, r_dim: int, buckets=BUCKETS, weight_fp32: bool = False
+            ) -> None:
     """Compile the kernel of every batch bucket for these widths (call before graph capture)."""
     for b in buckets:
-        KERNEL.compiled(q_dim, c_dim, r_dim, config(q_dim, c_dim, r_dim, b), rows=b)
+        compiled(q_dim, c_dim, r_dim, b, weight_fp32)
 
 
-def build(q_dim, c_dim, r_dim, cfg, arch=None, dump_dir=None, pdl=False):
-    """Compile now, uncached (`dump_dir` keeps the cubin and PTX; `pdl`: with PDL)."""
+def compiled(q_dim: int, c_dim: int, r_dim: int, batch_bucket: int, weight_fp32: bool = False):
+    """The cached kernel; `weight_fp32` enters the key only when set (the plain build's key and
+    build are those from before the variant)."""
+    options = {"weight_fp32": True} if weight_fp32 else {}
+    return KERNEL.compiled(q_dim, c_dim, r_dim, config(q_dim, c_dim, r_dim, batch_bucket),
+                           rows=batch_bucket, **options)
+
+
+def build(q_dim, c_dim, r_dim, cfg, arch=None, dump_dir=None, pdl=False, weight_fp32=False):
+    """Compile now, uncached (`dump_dir` keeps the cubin and PTX; `pdl`: with PDL;
+    `weight_fp32`: the weights multiplied in fp32 before the one rounding)."""
     import cutlass
     from cutlass import cute
 
@@ -87,7 +101,7 @@ def build(q_dim, c_dim, r_dim, cfg, arch=None, dump_dir=None, pdl=False):
 
     bf16, n = cutlass.BFloat16, cute.sym_int()
     return compile_kernel(
-        MLALowRankNorm(q_dim, c_dim, r_dim, cfg, pdl), fake_rows(bf16, n, q_dim),
+        MLALowRankNorm(q_dim, c_dim, r_dim, cfg, pdl, weight_fp32), fake_rows(bf16, n, q_dim),
         fake_rows(bf16, n, c_dim + r_dim), fake_vector(bf16, q_dim), fake_vector(bf16, c_dim),
         fake_rows(bf16, n, q_dim, q_dim), fake_rows(bf16, n, c_dim, c_dim),
         fake_rows(bf16, n, r_dim, r_dim) if r_dim else None, cutlass.Float32(1e-6),
@@ -97,21 +111,19 @@ def build(q_dim, c_dim, r_dim, cfg, arch=None, dump_dir=None, pdl=False):
 KERNEL = Kernel(OP, build)
 
 
-def mla_lowrank_norm_cuda(cq, ckv, q_weight, kv_weight, eps, *, out=None):
+def mla_lowrank_norm_cuda(cq, ckv, q_weight, kv_weight, eps, weight_fp32=False, *, out=None):
     """CUDA implementation of k3::mla_lowrank_norm: the kernel, or the reference if refused."""
     c_dim = kv_weight.shape[0]
 
     def reference():
-        return (rms_norm_ref(cq, q_weight, eps), rms_norm_ref(ckv[..., :c_dim], kv_weight, eps),
-                ckv[..., c_dim:].clone())
+        return mla_lowrank_norm_ref(cq, ckv, q_weight, kv_weight, eps, weight_fp32)
 
     def launch():
         (n, q_dim), r_dim = cq.shape, ckv.shape[1] - c_dim
         q, kv, pe = out if out is not None else (
             cq.new_empty((n, q_dim)), cq.new_empty((n, c_dim)), cq.new_empty((n, r_dim)))
         if n:
-            b = bucket(n)
-            KERNEL.compiled(q_dim, c_dim, r_dim, config(q_dim, c_dim, r_dim, b), rows=b)(
+            compiled(q_dim, c_dim, r_dim, bucket(n), weight_fp32)(
                 cq, ckv, q_weight, kv_weight, q, kv, pe if r_dim else None, float(eps))
         return q, kv, pe
 

@@ -19,6 +19,8 @@ Constraints:
       D, expected ~3 µs a row against one launch boundary saved; docs/kernels.md,
       oproj_attn_res_mix_norm; `benchmarks/oproj_mix.py` decides); more rows, or a refused call,
       take the two launches (the reason logged).
+    * `norm_weight_fp32` (the mix's norm weight multiplied in fp32): the two launches only, the
+      mix kernel's build for that flag; the one launch refuses it (logged).
 """
 
 import torch
@@ -50,17 +52,20 @@ MAX_ROWS = 1  # the H200 (2026-12-04): the last CTA's mix costs ~15 µs a row, t
 
 def oproj_attn_res_mix_norm_cuda(o, o_proj_weight, prefix, blocks, mix_norm_weight,
                                  mix_proj_weight, norm_weight, mix_eps, norm_eps,
-                                 scores_fp32=False):
+                                 scores_fp32=False, norm_weight_fp32=False):
     # o, prefix, blocks: [N, ·] rows (flat_rows)
     a = linear(o, o_proj_weight)
     return mix_norm_after(a, prefix, list(blocks), mix_norm_weight, mix_proj_weight, norm_weight,
-                          mix_eps, norm_eps, scores_fp32, mix_norm=attn_res_mix_norm_cuda)
+                          mix_eps, norm_eps, scores_fp32, mix_norm=attn_res_mix_norm_cuda,
+                          norm_weight_fp32=norm_weight_fp32)
 
 
 def refusal(o, o_proj_weight, prefix, blocks, mix_norm_weight, mix_proj_weight, norm_weight,
-            mix_eps=None, norm_eps=None, scores_fp32=False) -> str | None:
+            mix_eps=None, norm_eps=None, scores_fp32=False, norm_weight_fp32=False) -> str | None:
     """Why the one launch cannot take these arguments (metadata only; fake tensors work)."""
     n, dim = o.shape[0], o_proj_weight.shape[0]
+    if norm_weight_fp32:
+        return "norm_weight_fp32: the one launch has no build for it (two launches)"
     if n > MAX_ROWS:
         return f"{n} rows (one CTA mixes at most {MAX_ROWS}: two launches)"
     if why := gemv.refusal(o, o_proj_weight):
@@ -115,12 +120,12 @@ KERNEL = Kernel(OP, build)
 
 
 def oproj_mix_cuda(o, o_proj_weight, prefix, blocks, mix_norm_weight, mix_proj_weight,
-                   norm_weight, mix_eps, norm_eps, scores_fp32=False):
+                   norm_weight, mix_eps, norm_eps, scores_fp32=False, norm_weight_fp32=False):
     """CUDA implementation of k3::oproj_attn_res_mix_norm in one launch (K3_KERNELS_EXTRA=
     oproj_mix), or (reason logged) the two launches of `oproj_attn_res_mix_norm_cuda`."""
     blocks = list(blocks)
     args = (o, o_proj_weight, prefix, blocks, mix_norm_weight, mix_proj_weight, norm_weight,
-            mix_eps, norm_eps, scores_fp32)
+            mix_eps, norm_eps, scores_fp32, norm_weight_fp32)
     n, dim = o.shape[0], o_proj_weight.shape[0]
     if n > MAX_ROWS:  # not a fallback: the two launches are this op's kernels too
         log.debug("k3::oproj_mix: %d rows (one CTA mixes at most %d): the two launches", n,

@@ -8,7 +8,11 @@ presence of the prefix add, per dtype (fp32 traces no casts) and in bf16 per sco
 model's (`depth_mix_weights`: normalised sources, their product with the norm weight and the
 projection rounded to bf16) or fp32 throughout (`depth_mix_scores_fp32`, Moonshot's
 `_apply_attn_res`, rule `depth_mix`), which fuses into the op with `scores_fp32=True` (the
-kernel's own score math: both variants run one build).
+kernel's own score math: both variants run one build). `norm_weight_fp32` (bf16, fp32 scores): the
+norm after the mix multiplies its weight in fp32 before the one rounding to bf16 (a JAX/Flax-style
+norm, tests/models/spell9_k3.py; `math.rms_norm_fp32_weight`) -> `norm_weight_fp32=True`; another
+rounding than K3's, so a variant, not a canonical rule. On GPU graphs it stays with Inductor until
+the kernel's build for it has passed its GPU tests (`untested_build_refusal`).
 
 Before (per mix, ~25 ATen ops):  add, cat, convert, pow, mean, add, rsqrt, mul, convert, mul, mm,
     convert, amax, sub, exp, sum, div, mul, sum, convert, ... rsqrt, mul, convert, mul
@@ -22,7 +26,12 @@ import itertools
 
 import torch
 
-from k3compile.math import depth_mix_scores_fp32, depth_mix_weights, rms_norm
+from k3compile.math import (
+    depth_mix_scores_fp32,
+    depth_mix_weights,
+    rms_norm,
+    rms_norm_fp32_weight,
+)
 from k3compile.rewrite import Pattern, tensor_meta, with_signature
 
 MAX_BLOCKS = 8
@@ -30,11 +39,21 @@ SHAPE = (2, 1, 64)  # [B, T, D] for tracing; matching ignores sizes
 
 
 def mix_norm(prefix, delta, blocks, w_mix_norm, w_mix_proj, w_norm, mix_eps, norm_eps,
-             scores_fp32=False):
+             scores_fp32=False, norm_weight_fp32=False):
     prefix_out = prefix if delta is None else prefix + delta
     mix = depth_mix_scores_fp32 if scores_fp32 else depth_mix_weights
     h = mix(prefix_out, blocks, w_mix_norm, w_mix_proj, mix_eps)
+    if norm_weight_fp32:
+        return prefix_out, rms_norm_fp32_weight(h, w_norm, norm_eps, h.dtype)
     return prefix_out, rms_norm(h, w_norm, norm_eps)
+
+
+def untested_build_refusal(match) -> str | None:
+    """On GPU graphs a `norm_weight_fp32` site stays with Inductor until the attn_res_mix_norm
+    kernel's build for it (kernels/attn_res_mix_norm.py, session 26) has passed its GPU tests
+    (tests/fusions/test_attn_res_mix_norm_kernel.py, test_oproj_attn_res_mix_norm_kernel.py):
+    built for sm_90a, never run on a GPU. CPU graphs fuse it (the reference is the CPU kernel)."""
+    return "norm_weight_fp32: the mix kernel's build for it has not run on a GPU yet"
 
 
 def check(match) -> str | None:
@@ -59,7 +78,7 @@ def check(match) -> str | None:
 
 
 def _variant(n_blocks: int, with_delta: bool, dtype: torch.dtype = torch.bfloat16,
-             scores_fp32: bool = False) -> Pattern:
+             scores_fp32: bool = False, norm_weight_fp32: bool = False) -> Pattern:
     blocks = [f"block{i}" for i in range(n_blocks)]
     names = ["prefix", *(["delta"] if with_delta else []), *blocks,
              "w_mix_norm", "w_mix_proj", "w_norm", "mix_eps", "norm_eps"]
@@ -70,7 +89,7 @@ def _variant(n_blocks: int, with_delta: bool, dtype: torch.dtype = torch.bfloat1
         return args[0], delta, list(args[1 + nd:1 + nd + n_blocks]), *args[1 + nd + n_blocks:]
 
     # x first: the matcher anchors on the first output, which must be computed by the pattern
-    extra = (True,) if scores_fp32 else ()
+    extra = flags(scores_fp32, norm_weight_fp32)
 
     def search(*args):
         prefix_out, x = mix_norm(*split(args), *extra)
@@ -91,19 +110,33 @@ def _variant(n_blocks: int, with_delta: bool, dtype: torch.dtype = torch.bfloat1
     return Pattern(
         name=f"attn_res_mix_norm[blocks={n_blocks},{'delta' if with_delta else 'no_delta'}"
              f"{'' if dtype == torch.bfloat16 else ',' + str(dtype).split('.')[-1]}"
-             f"{',scores_fp32' if scores_fp32 else ''}]",
+             f"{',scores_fp32' if scores_fp32 else ''}"
+             f"{',norm_weight_fp32' if norm_weight_fp32 else ''}]",
         search=with_signature(search, names), replace=with_signature(replace, names),
         example_inputs=example_inputs, op="k3.attn_res_mix_norm", check=check,
         scalars={"mix_eps": 1.1e-5, "norm_eps": 1.3e-5}, distinctive=("amax", "rsqrt", "cat", "exp"),
+        kernel_refusal=untested_build_refusal if norm_weight_fp32 else None,
     )
+
+
+def flags(scores_fp32: bool, norm_weight_fp32: bool) -> tuple:
+    """The op's trailing flags (none for the plain call: its trace stays as before)."""
+    if norm_weight_fp32:
+        return scores_fp32, True
+    return (True,) if scores_fp32 else ()
 
 
 # fp32 models trace without the bf16 casts, so the dtype is a variant of the pattern's graph;
 # the fp32 scores differ from the built-in ones only where the sources round (not in fp32)
 DTYPES = (torch.bfloat16, torch.float32)
 KINDS = ((torch.bfloat16, False), (torch.float32, False), (torch.bfloat16, True))
+# (dtype, scores_fp32) with the norm's weight multiplied in fp32 (norm_weight_fp32): spell9's
+# mixes (scores in fp32, as a Flax port writes them); the TP form (allreduce_attn_res_mix_norm)
+# has no such variant
+NORM_FP32_WEIGHT_KINDS = ((torch.bfloat16, True),)
 
 
 def patterns() -> list[Pattern]:
-    return [_variant(n, d, t, f) for (t, f), n, d in
-            itertools.product(KINDS, range(MAX_BLOCKS, 0, -1), (True, False))]
+    kinds = [(t, f, False) for t, f in KINDS] + [(t, f, True) for t, f in NORM_FP32_WEIGHT_KINDS]
+    return [_variant(n, d, t, f, w) for (t, f, w), n, d in
+            itertools.product(kinds, range(MAX_BLOCKS, 0, -1), (True, False))]

@@ -45,49 +45,52 @@ def kda_replace(x, w_q, w_k, w_v, w_g, w_fa, w_fb, w_b):
     return graw, q, k, v, g, b
 
 
-def mla_search(x, w_qa, w_kva, w_qn, w_kvn, eps):
-    return torch.ops.k3.mla_lowrank_norm(F.linear(x, w_qa), F.linear(x, w_kva), w_qn, w_kvn, eps)
+def _mla_fns(flag: tuple):
+    """The MLA searches and replacements (plain, +g, viewed, +g viewed) on the
+    `k3.mla_lowrank_norm` call with these trailing flags (`(True,)`: its `weight_fp32`)."""
+    def norm(cq, ckv, w_qn, w_kvn, eps):
+        return torch.ops.k3.mla_lowrank_norm(cq, ckv, w_qn, w_kvn, eps, *flag)
 
+    def mla_search(x, w_qa, w_kva, w_qn, w_kvn, eps):
+        return norm(F.linear(x, w_qa), F.linear(x, w_kva), w_qn, w_kvn, eps)
 
-def mla_replace(x, w_qa, w_kva, w_qn, w_kvn, eps):
-    y = torch.ops.k3.linear_concat(x, [w_qa, w_kva])
-    cq, ckv = y.split([w_qa.shape[0], w_kva.shape[0]], dim=-1)
-    return torch.ops.k3.mla_lowrank_norm(cq, ckv, w_qn, w_kvn, eps)
+    def mla_replace(x, w_qa, w_kva, w_qn, w_kvn, eps):
+        y = torch.ops.k3.linear_concat(x, [w_qa, w_kva])
+        cq, ckv = y.split([w_qa.shape[0], w_kva.shape[0]], dim=-1)
+        return norm(cq, ckv, w_qn, w_kvn, eps)
 
+    def mla_g_search(x, w_qa, w_kva, w_g, w_qn, w_kvn, eps):
+        cq, c_kv, k_pe = norm(F.linear(x, w_qa), F.linear(x, w_kva), w_qn, w_kvn, eps)
+        return cq, c_kv, k_pe, F.linear(x, w_g)
 
-def mla_g_search(x, w_qa, w_kva, w_g, w_qn, w_kvn, eps):
-    cq, c_kv, k_pe = torch.ops.k3.mla_lowrank_norm(F.linear(x, w_qa), F.linear(x, w_kva), w_qn,
-                                                   w_kvn, eps)
-    return cq, c_kv, k_pe, F.linear(x, w_g)
+    def mla_g_replace(x, w_qa, w_kva, w_g, w_qn, w_kvn, eps):
+        weights = [w_qa, w_kva, w_g]
+        y = torch.ops.k3.linear_concat(x, weights)
+        cq, ckv, g = y.split([w.shape[0] for w in weights], dim=-1)
+        return (*norm(cq, ckv, w_qn, w_kvn, eps), g)
 
+    def mla_viewed_search(x, w_qa, w_kva, w_qn, w_kvn, eps):
+        return norm(one_token(F.linear(x, w_qa)), one_token(F.linear(x, w_kva)), w_qn, w_kvn,
+                    eps)
 
-def mla_g_replace(x, w_qa, w_kva, w_g, w_qn, w_kvn, eps):
-    weights = [w_qa, w_kva, w_g]
-    y = torch.ops.k3.linear_concat(x, weights)
-    cq, ckv, g = y.split([w.shape[0] for w in weights], dim=-1)
-    return (*torch.ops.k3.mla_lowrank_norm(cq, ckv, w_qn, w_kvn, eps), g)
+    def mla_viewed_replace(x, w_qa, w_kva, w_qn, w_kvn, eps):
+        y = one_token(torch.ops.k3.linear_concat(x, [w_qa, w_kva]))
+        cq, ckv = y.split([w_qa.shape[0], w_kva.shape[0]], dim=-1)
+        return norm(cq, ckv, w_qn, w_kvn, eps)
 
+    def mla_g_viewed_search(x, w_qa, w_kva, w_g, w_qn, w_kvn, eps):
+        return (*mla_viewed_search(x, w_qa, w_kva, w_qn, w_kvn, eps),
+                one_token(F.linear(x, w_g)))
 
-def mla_viewed_search(x, w_qa, w_kva, w_qn, w_kvn, eps):
-    return torch.ops.k3.mla_lowrank_norm(one_token(F.linear(x, w_qa)),
-                                         one_token(F.linear(x, w_kva)), w_qn, w_kvn, eps)
+    def mla_g_viewed_replace(x, w_qa, w_kva, w_g, w_qn, w_kvn, eps):
+        weights = [w_qa, w_kva, w_g]
+        y = one_token(torch.ops.k3.linear_concat(x, weights))
+        cq, ckv, g = y.split([w.shape[0] for w in weights], dim=-1)
+        return (*norm(cq, ckv, w_qn, w_kvn, eps), g)
 
-
-def mla_viewed_replace(x, w_qa, w_kva, w_qn, w_kvn, eps):
-    y = one_token(torch.ops.k3.linear_concat(x, [w_qa, w_kva]))
-    cq, ckv = y.split([w_qa.shape[0], w_kva.shape[0]], dim=-1)
-    return torch.ops.k3.mla_lowrank_norm(cq, ckv, w_qn, w_kvn, eps)
-
-
-def mla_g_viewed_search(x, w_qa, w_kva, w_g, w_qn, w_kvn, eps):
-    return (*mla_viewed_search(x, w_qa, w_kva, w_qn, w_kvn, eps), one_token(F.linear(x, w_g)))
-
-
-def mla_g_viewed_replace(x, w_qa, w_kva, w_g, w_qn, w_kvn, eps):
-    weights = [w_qa, w_kva, w_g]
-    y = one_token(torch.ops.k3.linear_concat(x, weights))
-    cq, ckv, g = y.split([w.shape[0] for w in weights], dim=-1)
-    return (*torch.ops.k3.mla_lowrank_norm(cq, ckv, w_qn, w_kvn, eps), g)
+    return {"": (mla_search, mla_replace), "g": (mla_g_search, mla_g_replace),
+            "viewed": (mla_viewed_search, mla_viewed_replace),
+            "g_viewed": (mla_g_viewed_search, mla_g_viewed_replace)}
 
 
 def check_weights(match, names) -> str | None:
@@ -167,24 +170,30 @@ def patterns() -> list[Pattern]:
     # tokens, where mla_lowrank_norm[...,rows] took plain mm GEMMs)
     # (",rows_viewed": their outputs viewed to [N, 1, .], mla_lowrank_norm[...,rows_viewed])
     forms = (("", (2, 1), False), (",rows", (2,), False), (",rows_viewed", (2,), True))
-    mla = [
-        Pattern(name=f"linear_concat[mla+g{suffix}]",
-                search=mla_g_viewed_search if viewed else mla_g_search,
-                replace=mla_g_viewed_replace if viewed else mla_g_replace,
-                example_inputs=lambda lead=lead: mla_g_inputs(lead), op="k3.linear_concat",
-                check=_viewed(_mla_g_check) if viewed else _mla_g_check, scalars={"eps": 1.1e-6},
-                distinctive=("mla_lowrank_norm",), exclusive=("w_qa", "w_kva", "w_g"),
-                joint_passes=True)
-        for suffix, lead, viewed in forms
-    ] + [
-        Pattern(name=f"linear_concat[mla{suffix}]",
-                search=mla_viewed_search if viewed else mla_search,
-                replace=mla_viewed_replace if viewed else mla_replace,
-                example_inputs=lambda lead=lead: mla_inputs(lead), op="k3.linear_concat",
-                check=_viewed(_mla_check) if viewed else _mla_check, scalars={"eps": 1.1e-6},
-                distinctive=("mla_lowrank_norm",), exclusive=("w_qa", "w_kva"), joint_passes=True)
-        for suffix, lead, viewed in forms
-    ]
+    # each also on mla_lowrank_norm's `weight_fp32` call (",weight_fp32", bf16: the norms'
+    # weights multiplied in fp32, tests/models/spell9_k3.py); the flag stays on the op
+    mla = []
+    for flag in ((), (True,)):
+        fns, tag = _mla_fns(flag), ",weight_fp32" if flag else ""
+        mla += [
+            Pattern(name=f"linear_concat[mla+g{suffix}{tag}]",
+                    search=fns["g_viewed" if viewed else "g"][0],
+                    replace=fns["g_viewed" if viewed else "g"][1],
+                    example_inputs=lambda lead=lead: mla_g_inputs(lead), op="k3.linear_concat",
+                    check=_viewed(_mla_g_check) if viewed else _mla_g_check,
+                    scalars={"eps": 1.1e-6}, distinctive=("mla_lowrank_norm",),
+                    exclusive=("w_qa", "w_kva", "w_g"), joint_passes=True)
+            for suffix, lead, viewed in forms
+        ] + [
+            Pattern(name=f"linear_concat[mla{suffix}{tag}]",
+                    search=fns["viewed" if viewed else ""][0],
+                    replace=fns["viewed" if viewed else ""][1],
+                    example_inputs=lambda lead=lead: mla_inputs(lead), op="k3.linear_concat",
+                    check=_viewed(_mla_check) if viewed else _mla_check,
+                    scalars={"eps": 1.1e-6}, distinctive=("mla_lowrank_norm",),
+                    exclusive=("w_qa", "w_kva"), joint_passes=True)
+            for suffix, lead, viewed in forms
+        ]
     return [
         Pattern(name="linear_concat[kda]", search=kda_search, replace=kda_replace,
                 example_inputs=kda_inputs, op="k3.linear_concat", check=_kda_check,

@@ -13,7 +13,11 @@ Variants: [B, T, D] activations (F.linear adds a view before and after each mm) 
 [N, D] rows (vLLM's flattened tokens, `tests/models/redteam_k3.py`), plain mm; `,rows_viewed`:
 those GEMMs' outputs viewed to [N, 1, .] (`x.unsqueeze(1)` before the linears, which rule `gemm`
 folds into the GEMM's input; `check` wants the views [N, 1, .], their sizes being wildcards).
-The two eps are compared in float32 (`same_eps`).
+The two eps are compared in float32 (`same_eps`). `,weight_fp32` (bf16): both norms multiply
+their weight in fp32 before the one rounding to bf16 (a JAX/Flax-style norm, tests/models/
+spell9_k3.py; `math.rms_norm_fp32_weight`) -> the op's `weight_fp32=True`; another rounding than
+K3's, so a variant, not a canonical rule; on GPU graphs it stays with Inductor until the kernel's
+build for it has passed its GPU tests (`untested_build_refusal`).
 """
 
 from __future__ import annotations
@@ -21,24 +25,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from k3compile.math import rms_norm
+from k3compile.math import rms_norm, rms_norm_fp32_weight
 from k3compile.rewrite import Pattern, tensor_meta
 
 DTYPES = (torch.bfloat16, torch.float32)
 
 
-def search(x, w_qa, w_kva, w_qn, w_kvn, q_eps, kv_eps):
-    cq = F.linear(x, w_qa)
-    ckv = F.linear(x, w_kva)
-    c = w_kvn.shape[0]
-    c_kv, k_pe = ckv.split([c, ckv.shape[-1] - c], dim=-1)
-    return rms_norm(c_kv, w_kvn, kv_eps), k_pe, rms_norm(cq, w_qn, q_eps)
-
-
-def replace(x, w_qa, w_kva, w_qn, w_kvn, q_eps, kv_eps):
-    cq, c_kv, k_pe = torch.ops.k3.mla_lowrank_norm(F.linear(x, w_qa), F.linear(x, w_kva), w_qn,
-                                                   w_kvn, q_eps)
-    return c_kv, k_pe, cq
+def _norm(weight_fp32: bool):
+    if weight_fp32:
+        return lambda x, w, eps: rms_norm_fp32_weight(x, w, eps, x.dtype)
+    return rms_norm
 
 
 def one_token(y):
@@ -47,18 +43,34 @@ def one_token(y):
     return y.view(y.shape[0], 1, y.shape[-1])
 
 
-def search_viewed(x, w_qa, w_kva, w_qn, w_kvn, q_eps, kv_eps):
-    cq = one_token(F.linear(x, w_qa))
-    ckv = one_token(F.linear(x, w_kva))
-    c = w_kvn.shape[0]
-    c_kv, k_pe = ckv.split([c, ckv.shape[-1] - c], dim=-1)
-    return rms_norm(c_kv, w_kvn, kv_eps), k_pe, rms_norm(cq, w_qn, q_eps)
+def _search(viewed: bool, weight_fp32: bool):
+    norm, out = _norm(weight_fp32), one_token if viewed else (lambda y: y)
+
+    def search(x, w_qa, w_kva, w_qn, w_kvn, q_eps, kv_eps):
+        cq = out(F.linear(x, w_qa))
+        ckv = out(F.linear(x, w_kva))
+        c = w_kvn.shape[0]
+        c_kv, k_pe = ckv.split([c, ckv.shape[-1] - c], dim=-1)
+        return norm(c_kv, w_kvn, kv_eps), k_pe, norm(cq, w_qn, q_eps)
+    return search
 
 
-def replace_viewed(x, w_qa, w_kva, w_qn, w_kvn, q_eps, kv_eps):
-    cq, c_kv, k_pe = torch.ops.k3.mla_lowrank_norm(
-        one_token(F.linear(x, w_qa)), one_token(F.linear(x, w_kva)), w_qn, w_kvn, q_eps)
-    return c_kv, k_pe, cq
+def _replace(viewed: bool, weight_fp32: bool):
+    out, flag = one_token if viewed else (lambda y: y), (True,) if weight_fp32 else ()
+
+    def replace(x, w_qa, w_kva, w_qn, w_kvn, q_eps, kv_eps):
+        cq, c_kv, k_pe = torch.ops.k3.mla_lowrank_norm(
+            out(F.linear(x, w_qa)), out(F.linear(x, w_kva)), w_qn, w_kvn, q_eps, *flag)
+        return c_kv, k_pe, cq
+    return replace
+
+
+def untested_build_refusal(match) -> str | None:
+    """On GPU graphs a `weight_fp32` site stays with Inductor until mla_lowrank_norm's build for
+    it (kernels/mla_lowrank_norm.py, session 26) has passed its GPU tests
+    (tests/fusions/test_mla_lowrank_norm_kernel.py): built for sm_90a, never run on a GPU. CPU
+    graphs fuse it (the reference is the CPU kernel)."""
+    return "weight_fp32: mla_lowrank_norm's build for it has not run on a GPU yet"
 
 
 def one_token_outputs(match, x) -> str | None:
@@ -100,7 +112,7 @@ def check(match, viewed: bool = False) -> str | None:
     return None
 
 
-def _variant(dtype: torch.dtype, form: str = "") -> Pattern:
+def _variant(dtype: torch.dtype, form: str = "", weight_fp32: bool = False) -> Pattern:
     def example_inputs():
         d, q, c, r = 32, 24, 16, 8
         return [torch.randn(2, *(() if form else (1,)), d, dtype=dtype),
@@ -108,18 +120,23 @@ def _variant(dtype: torch.dtype, form: str = "") -> Pattern:
                 torch.randn(q, dtype=dtype), torch.randn(c, dtype=dtype), 1.1e-6, 1.3e-6]
 
     viewed = form == "rows_viewed"
+    tags = [t for t in (form, "weight_fp32" if weight_fp32 else "") if t]
     return Pattern(
-        name=f"mla_lowrank_norm[{str(dtype).removeprefix('torch.')}{',' * bool(form)}{form}]",
-        search=search_viewed if viewed else search, replace=replace_viewed if viewed else replace,
+        name=f"mla_lowrank_norm[{','.join([str(dtype).removeprefix('torch.'), *tags])}]",
+        search=_search(viewed, weight_fp32), replace=_replace(viewed, weight_fp32),
         example_inputs=example_inputs, op="k3.mla_lowrank_norm",
         check=(lambda match: check(match, viewed=True)) if viewed else check,
         scalars={"q_eps": 1.1e-6, "kv_eps": 1.3e-6}, distinctive=("rsqrt", "split_with_sizes"),
         exclusive=("w_qa", "w_kva"), joint_passes=True,
+        kernel_refusal=untested_build_refusal if weight_fp32 else None,
     )
 
 
 def patterns() -> list[Pattern]:
     # [B, T, D] activations (a view before and after each GEMM), then [N, D] rows (vLLM's
     # flattened tokens: the GEMMs are plain mm and the norms read their outputs, or views of
-    # them to [N, 1, .] (x.unsqueeze(1) before the linears))
-    return [_variant(d, form) for form in ("", "rows", "rows_viewed") for d in DTYPES]
+    # them to [N, 1, .] (x.unsqueeze(1) before the linears)); in bf16 each form also with the
+    # weights multiplied in fp32 (`weight_fp32`)
+    forms = ("", "rows", "rows_viewed")
+    return ([_variant(d, form) for form in forms for d in DTYPES]
+            + [_variant(torch.bfloat16, form, True) for form in forms])

@@ -17,7 +17,8 @@ F.linear of [B, T, X] traces to: the `flat` variants.
 
 A model that writes the prefix add as `a + prefix` gets an attn_res_mix_norm with the two in
 swapped roles (the `swapped` variants; the sum is the same in IEEE arithmetic). The mix's
-`scores_fp32` variants (bf16) carry that argument over.
+`scores_fp32` variants (bf16) carry that argument over, and its `norm_weight_fp32` ones that flag
+too (on GPU graphs those stay with Inductor as the mix's do: `untested_build_refusal`).
 """
 
 from __future__ import annotations
@@ -26,7 +27,14 @@ import itertools
 
 import torch
 import torch.nn.functional as F
-from k3compile.patterns.attn_res_mix_norm import KINDS, MAX_BLOCKS, SHAPE
+from k3compile.patterns.attn_res_mix_norm import (
+    KINDS,
+    MAX_BLOCKS,
+    NORM_FP32_WEIGHT_KINDS,
+    SHAPE,
+    flags,
+    untested_build_refusal,
+)
 
 from k3compile.graph import reads_state
 from k3compile.rewrite import Pattern, tensor_meta, with_signature
@@ -58,7 +66,8 @@ def check(match) -> str | None:
 
 
 def _variant(n_blocks: int, with_prefix: bool, dtype: torch.dtype = torch.bfloat16,
-             swapped: bool = False, scores_fp32: bool = False, flat: bool = False) -> Pattern:
+             swapped: bool = False, scores_fp32: bool = False, flat: bool = False,
+             norm_weight_fp32: bool = False) -> Pattern:
     """`flat`: activations [N, D] (one row per token, vLLM's), o_proj one mm without the views
     F.linear of [B, T, X] traces to."""
     blocks = [f"block{i}" for i in range(n_blocks)]
@@ -71,7 +80,7 @@ def _variant(n_blocks: int, with_prefix: bool, dtype: torch.dtype = torch.bfloat
         return (args[0], args[1], prefix, list(args[2 + np_:2 + np_ + n_blocks]),
                 *args[2 + np_ + n_blocks:])
 
-    extra = (True,) if scores_fp32 else ()  # the mix's scores in fp32 (Moonshot's)
+    extra = flags(scores_fp32, norm_weight_fp32)  # the mix's flags
 
     def search(*args):
         o, w_o, prefix, blks, wmn, wmp, wn, me, ne = split(args)
@@ -100,17 +109,20 @@ def _variant(n_blocks: int, with_prefix: bool, dtype: torch.dtype = torch.bfloat
         name=f"oproj_attn_res_mix_norm[blocks={n_blocks},{'prefix' if with_prefix else 'new_block'}"
              f"{',swapped' if swapped else ''}"
              f"{'' if dtype == torch.bfloat16 else ',' + str(dtype).split('.')[-1]}"
-             f"{',flat' if flat else ''}{',scores_fp32' if scores_fp32 else ''}]",
+             f"{',flat' if flat else ''}{',scores_fp32' if scores_fp32 else ''}"
+             f"{',norm_weight_fp32' if norm_weight_fp32 else ''}]",
         search=with_signature(search, names), replace=with_signature(replace, names),
         example_inputs=example_inputs, op="k3.oproj_attn_res_mix_norm", check=check,
         scalars={"mix_eps": 1.1e-5, "norm_eps": 1.3e-5}, fake_trace=True,
         distinctive=("mm", "attn_res_mix_norm"),
+        kernel_refusal=untested_build_refusal if norm_weight_fp32 else None,
     )
 
 
 def patterns() -> list[Pattern]:
     out = []
-    for flat, (t, f), n in itertools.product((False, True), KINDS, range(MAX_BLOCKS, 0, -1)):
-        out += [_variant(n, True, t, False, f, flat), _variant(n, False, t, False, f, flat),
-                _variant(n, True, t, True, f, flat)]
+    kinds = [(t, f, False) for t, f in KINDS] + [(t, f, True) for t, f in NORM_FP32_WEIGHT_KINDS]
+    for flat, (t, f, w), n in itertools.product((False, True), kinds, range(MAX_BLOCKS, 0, -1)):
+        out += [_variant(n, True, t, False, f, flat, w), _variant(n, False, t, False, f, flat, w),
+                _variant(n, True, t, True, f, flat, w)]
     return out

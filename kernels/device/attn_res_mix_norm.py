@@ -21,8 +21,9 @@ from ..common.reduce import row_sum
 
 class AttnResMixNorm:
     def __init__(self, dim: int, n_blocks: int, has_delta: bool, cfg: Config,
-                 pdl: bool = False):
+                 pdl: bool = False, norm_weight_fp32: bool = False):
         self.dim, self.n_blocks, self.has_delta, self.pdl = dim, n_blocks, has_delta, pdl
+        self.norm_weight_fp32 = norm_weight_fp32
         self.n_src = n_blocks + 1
         self.threads, self.v, self.cluster_n = cfg.threads, cfg.vec_per_thread, cfg.cluster_n
         self.n_vec = dim // 8 // cfg.cluster_n  # vectors of a row per CTA
@@ -156,9 +157,13 @@ class AttnResMixNorm:
 
     @cute.jit
     def normed(self, hb, ss: Float32, norm_eps: Float32, rWx: cute.Tensor) -> cute.Tensor:
-        """x = bf16(wx · bf16(h · rstd)) from the row's Σ h² (the rms_norm kernel's roundings)."""
+        """x = bf16(wx · bf16(h · rstd)) from the row's Σ h² (the rms_norm kernel's roundings);
+        with norm_weight_fp32 bf16(h · rstd · wx), one rounding (`math.rms_norm_fp32_weight`)."""
         rstd = cute.math.rsqrt(ss / self.dim + norm_eps, fastmath=True)
-        y = (hb * rstd).to(BFloat16).to(Float32) * rWx.load().to(Float32)
+        if const_expr(self.norm_weight_fp32):
+            y = (hb * rstd) * rWx.load().to(Float32)
+        else:
+            y = (hb * rstd).to(BFloat16).to(Float32) * rWx.load().to(Float32)
         rOut = make_frag(BFloat16, self.v)
         rOut.store(y.to(BFloat16))
         return rOut

@@ -19,8 +19,10 @@ from ..mla_lowrank_norm import Config
 
 
 class MLALowRankNorm:
-    def __init__(self, q_dim: int, c_dim: int, r_dim: int, cfg: Config, pdl: bool = False):
+    def __init__(self, q_dim: int, c_dim: int, r_dim: int, cfg: Config, pdl: bool = False,
+                 weight_fp32: bool = False):
         self.q_dim, self.c_dim, self.r_dim, self.pdl = q_dim, c_dim, r_dim, pdl
+        self.weight_fp32 = weight_fp32
         self.nq, self.nc, self.nr = q_dim // 8, c_dim // 8, r_dim // 8
         self.threads, self.n_warps = cfg.threads, cfg.threads // 32
 
@@ -67,9 +69,13 @@ class MLALowRankNorm:
                                sSum, self.n_warps)
         rstd_q = cute.math.rsqrt(ss_q / self.q_dim + eps, fastmath=True)
         rstd_c = cute.math.rsqrt(ss_c / self.c_dim + eps, fastmath=True)
-        rCq.store(((q * rstd_q).to(BFloat16).to(Float32) * rWq.load().to(Float32))
-                  .to(BFloat16))
-        rC.store(((c * rstd_c).to(BFloat16).to(Float32) * rWkv.load().to(Float32))
-                 .to(BFloat16))
+        if const_expr(self.weight_fp32):  # bf16(x · rstd · w): one rounding
+            rCq.store(((q * rstd_q) * rWq.load().to(Float32)).to(BFloat16))
+            rC.store(((c * rstd_c) * rWkv.load().to(Float32)).to(BFloat16))
+        else:  # bf16(w · bf16(x · rstd)): the rms_norm kernel's roundings
+            rCq.store(((q * rstd_q).to(BFloat16).to(Float32) * rWq.load().to(Float32))
+                      .to(BFloat16))
+            rC.store(((c * rstd_c).to(BFloat16).to(Float32) * rWkv.load().to(Float32))
+                     .to(BFloat16))
         store_vectors(rCq, row_vectors(mQ, row), tidx, T, self.nq)
         store_vectors(rC, row_vectors(mKv, row), tidx, T, self.nc)

@@ -155,3 +155,103 @@ def test_kernel_takes_fp32_scores_whose_math_it_already_is():
     _, built_in = attn_res_mix_norm_ref(*args)
     torch.testing.assert_close(x.float(), fp32.float(), **TOL["bf16"])
     assert rel_err(x, fp32) < TOL["bf16_rel_norm"] and 4 * rel_err(x, fp32) < rel_err(x, built_in)
+
+
+# norm_weight_fp32: the norm after the mix multiplies its weight in fp32 before the one rounding
+# to bf16 (tests/models/spell9_k3.py's `rms_norm`, a JAX/Flax port), the mix's scores in fp32
+
+
+def _flax_norm(h, wn, eps):  # spell9's rms_norm: x * rsqrt(mean(x²) + eps) * scale, one cast
+    x = h.float()
+    return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * wn.float()).to(h.dtype)
+
+
+def _torch_norm(h, wn, eps):
+    """`F.rms_norm(h.float(), (D,), wn.float(), eps).to(h.dtype)` as the compiled graph has it
+    (torch's decomposition, functionalised: a mean over dim 2, eps float32-rounded)."""
+    x = h.float()
+    eps32 = torch.tensor(eps, dtype=torch.float32).item()
+    r = torch.rsqrt(torch.mean(x.pow(2), [2], keepdim=True) + eps32)
+    return (x * r * wn.float()).to(h.dtype)
+
+
+def _weight_last(h, wn, eps):  # look-alike: rounded first, the weight multiplied in bf16
+    x = h.float()
+    return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype) * wn
+
+
+def _kept_fp32(h, wn, eps):  # look-alike: the product with the weight never rounded to bf16
+    x = h.float()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * wn.float()
+
+
+def norm_eps(norm) -> float:
+    return torch.tensor(NORM_EPS, dtype=torch.float32).item() if norm is _torch_norm else NORM_EPS
+
+
+def _fp32_weight_model(with_delta, norm):
+    def with_prefix_add(prefix, delta, *rest):
+        *blocks, wmn, wmp, wn = rest
+        prefix_out = prefix + delta
+        h = depth_mix_scores_fp32(prefix_out, blocks, wmn, wmp, MIX_EPS)
+        return norm(h, wn, NORM_EPS), prefix_out
+
+    def block_start(prefix, *rest):
+        *blocks, wmn, wmp, wn = rest
+        return norm(depth_mix_scores_fp32(prefix, blocks, wmn, wmp, MIX_EPS), wn, NORM_EPS)
+
+    return with_prefix_add if with_delta else block_start
+
+
+@pytest.mark.parametrize("norm", [_flax_norm, _torch_norm], ids=["flax", "F.rms_norm"])
+@pytest.mark.parametrize("with_delta", [True, False])
+@pytest.mark.parametrize("n_blocks", [1, 3, 8])
+def test_fp32_weight_norm_fuses_as_its_variant(n_blocks, with_delta, norm):
+    """The norm's weight multiplied in fp32 before the one cast: its own variant takes the site
+    and the op runs with norm_weight_fp32=True, bit-equal to the unfused graph and not to the
+    built-in rounding."""
+    fn, args = _fp32_weight_model(with_delta, norm), _inputs(n_blocks, with_delta)
+    gm, report = rewrite(fn, args, PATTERNS)
+    assert_rewritten_equal(gm, report, fn, args, "k3.attn_res_mix_norm")
+    kind = "delta" if with_delta else "no_delta"
+    assert [h.pattern for h in report.hits] == [
+        f"attn_res_mix_norm[blocks={n_blocks},{kind},scores_fp32,norm_weight_fp32]"]
+    op = next(n for n in gm.graph.nodes if str(n.target) == "k3.attn_res_mix_norm.default")
+    assert op.args[-4:] == (MIX_EPS, norm_eps(norm), True, True)
+    x = gm(*args)[0] if with_delta else gm(*args)
+    built_in = _fp32_weight_model(with_delta, _weight_last)(*args)
+    assert not torch.equal(x, built_in[0] if with_delta else built_in)
+
+
+def test_weight_multiplied_after_the_cast_takes_the_plain_op():
+    """Look-alike: the normalised row rounded to bf16 first, the weight multiplied in bf16 (the
+    built-in order): the flag-less scores_fp32 variant, no norm_weight_fp32."""
+    fn, args = _fp32_weight_model(True, _weight_last), _inputs(2, True)
+    gm, report = rewrite(fn, args, PATTERNS)
+    assert_rewritten_equal(gm, report, fn, args, "k3.attn_res_mix_norm")
+    assert [h.pattern for h in report.hits] == ["attn_res_mix_norm[blocks=2,delta,scores_fp32]"]
+    op = next(n for n in gm.graph.nodes if str(n.target) == "k3.attn_res_mix_norm.default")
+    assert op.args[-3:] == (MIX_EPS, NORM_EPS, True)
+
+
+def test_fp32_weight_norm_kept_in_fp32_is_left_alone():
+    """Look-alike: the weighted norm never rounded to bf16 (an fp32 x): no variant takes it, the
+    graph computes as before."""
+    fn, args = _fp32_weight_model(True, _kept_fp32), _inputs(2, True)
+    gm, report = rewrite(fn, args, PATTERNS)
+    assert not report.hits
+    assert "rsqrt" in " ".join(str(n.target) for n in gm.graph.nodes)
+    for got, want in zip(gm(*args), fn(*args)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_fp32_weight_norm_stays_with_inductor_on_gpu_graphs(monkeypatch):
+    """Until the kernel's norm_weight_fp32 build passes its GPU tests, a GPU graph leaves the
+    site unfused (the reason recorded), where the CPU graph fuses it."""
+    with_kernel_limits(monkeypatch, "attn_res_mix_norm")
+    fn, args = _fp32_weight_model(True, _flax_norm), _inputs(2, True)
+    gm, report = rewrite(fn, args, PATTERNS, kernels_only=True)
+    assert not report.hits
+    assert "has not run on a GPU" in report.deferred["attn_res_mix_norm"]
+    for got, want in zip(gm(*args), fn(*args)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)

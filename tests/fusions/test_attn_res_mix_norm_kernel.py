@@ -52,18 +52,22 @@ def kernel_args(inputs):
                                 "norm_weight")]
 
 
+def mixed(prefix, delta, blocks, mix_norm_weight, mix_proj_weight, mix_eps):
+    """(prefix_out, h) of the kernel's documented math in float64, rounded to bf16."""
+    p = prefix if delta is None else (prefix.float() + delta.float()).bfloat16()
+    if not blocks:
+        return p, p
+    v = torch.stack([*blocks, p]).double()
+    rstd = torch.rsqrt(v.pow(2).mean(-1) + mix_eps)
+    w = mix_norm_weight.double() * mix_proj_weight.double().view(-1)
+    alpha = torch.softmax((v * w).sum(-1) * rstd, dim=0)
+    return p, (alpha.unsqueeze(-1) * v).sum(0).bfloat16()
+
+
 def model(prefix, delta, blocks, mix_norm_weight, mix_proj_weight, norm_weight, mix_eps,
           norm_eps):
     """The kernel's documented math in float64, rounding to bf16 where the model does."""
-    p = prefix if delta is None else (prefix.float() + delta.float()).bfloat16()
-    if blocks:
-        v = torch.stack([*blocks, p]).double()
-        rstd = torch.rsqrt(v.pow(2).mean(-1) + mix_eps)
-        w = mix_norm_weight.double() * mix_proj_weight.double().view(-1)
-        alpha = torch.softmax((v * w).sum(-1) * rstd, dim=0)
-        h = (alpha.unsqueeze(-1) * v).sum(0).bfloat16()
-    else:
-        h = p
+    p, h = mixed(prefix, delta, blocks, mix_norm_weight, mix_proj_weight, mix_eps)
     hd = h.double()
     xn = (hd * torch.rsqrt(hd.pow(2).mean(-1, keepdim=True) + norm_eps)).bfloat16()
     return p, (xn.double() * norm_weight.double()).bfloat16()
@@ -173,3 +177,41 @@ def test_can_implement_limits(gen):
     assert not kernel.can_implement(*kernel_args(nine_blocks))
     assert not kernel.can_implement(*kernel_args({**ok, "prefix": ok["prefix"].float()}))
     assert not kernel.can_implement(*kernel_args({**ok, "prefix": ok["prefix"][:, 1:255]}))
+
+
+def model_fp32_weight(prefix, delta, blocks, mix_norm_weight, mix_proj_weight, norm_weight,
+                      mix_eps, norm_eps):
+    """`model` with norm_weight_fp32's norm: h·rstd·wx rounded once (float64 here)."""
+    p, h = mixed(prefix, delta, blocks, mix_norm_weight, mix_proj_weight, mix_eps)
+    hd = h.double()
+    xn = hd * torch.rsqrt(hd.pow(2).mean(-1, keepdim=True) + norm_eps)
+    return p, (xn * norm_weight.double()).bfloat16()
+
+
+@pytest.mark.parametrize("n", [1, 8, 64])
+@pytest.mark.parametrize("n_blocks", [8, 1, 0])
+@pytest.mark.parametrize("has_delta", [True, False], ids=["delta", "no_delta"])
+def test_norm_weight_fp32(gen, n, n_blocks, has_delta):
+    """The norm's weight multiplied in fp32 before the one rounding (spell9's norm; its own
+    build): within two roundings of the float64 model of that math (h, then x), bit-equal to the
+    op's reference variant but where the fp32 mix lands h on another side of a bf16 boundary,
+    and nearer to it than to the default rounding; through the op's dispatch too."""
+    inputs = make_inputs(gen, n, HIDDEN, n_blocks, has_delta)
+    out = (poisoned(n, HIDDEN), poisoned(n, HIDDEN))
+    got = kernel.attn_res_mix_norm_cuda(**inputs, scores_fp32=True, norm_weight_fp32=True,
+                                        out=out)
+    assert got[0] is out[0] and got[1] is out[1], "the kernel did not run (fallback)"
+    assert_written(*out)
+    p, x = out
+    want_p, want_x = attn_res_mix_norm_ref(**inputs, scores_fp32=True, norm_weight_fp32=True)
+    assert torch.equal(p, want_p)
+    _, model_x = model_fp32_weight(**inputs)
+    torch.testing.assert_close(x.float(), model_x.float(), rtol=2**-7 + 2**-8,
+                               atol=TOL["bf16"]["atol"])
+    assert rel_err(x, want_x) < TOL["bf16_rel_norm"]
+    _, plain_x = attn_res_mix_norm_ref(**inputs, scores_fp32=True)
+    off_flagged, off_plain = (x != want_x).float().mean(), (x != plain_x).float().mean()
+    assert off_flagged < 0.5 * off_plain, (off_flagged, off_plain)
+    with no_fallback():
+        p, x2 = torch.ops.k3.attn_res_mix_norm(**inputs, scores_fp32=True, norm_weight_fp32=True)
+    assert torch.equal(p, want_p) and torch.equal(x2, x)

@@ -210,3 +210,26 @@ def test_check_refuses_float64():
     args = _kda_args(torch.float64)
     _, report = rewrite(kda_projections, args, linear_concat.patterns(), joint=True)
     assert_near_miss(report, "linear_concat[kda]", "check refused", "float64")
+
+
+def mla_in_proj_fp32_weight(x, w_qa, w_kva, w_g, w_qn, w_kvn):
+    """The same after mla_lowrank_norm[...,weight_fp32] took a Flax-style port's norms."""
+    cq, c_kv, k_pe = torch.ops.k3.mla_lowrank_norm(F.linear(x, w_qa), F.linear(x, w_kva), w_qn,
+                                                   w_kvn, 1e-6, True)
+    return cq, c_kv, k_pe, F.linear(x, w_g)
+
+
+@pytest.mark.parametrize("rows", [False, True])
+def test_mla_fp32_weight_norm_call_fuses_and_keeps_its_flag(rows):
+    """q_a|kv_a|g become one GEMM before the flagged norm call too; the flag stays on it."""
+    args = _mla_args()
+    if rows:
+        args[0] = args[0].view(2, D)
+    fn = mla_in_proj_fp32_weight
+    gm, report = rewrite(fn, args, linear_concat.patterns(), joint=True)
+    assert [h.pattern for h in report.hits] == [
+        f"linear_concat[mla+g{',rows' if rows else ''},weight_fp32]"]
+    assert_rewritten_equal(gm, report, fn, args, "k3.linear_concat")
+    op = next(n for n in gm.graph.nodes if str(n.target) == "k3.mla_lowrank_norm.default")
+    assert op.args[-2:] == (1e-6, True)
+    assert "aten.mm.default" not in targets(gm)

@@ -111,3 +111,71 @@ def test_check_refuses_different_eps():
 
     _, report = rewrite(vllm_eps, _args(), mla_lowrank_norm.patterns(), joint=True)
     assert_near_miss(report, "mla_lowrank_norm", "check refused", "eps differ")
+
+
+# weight_fp32: both norms multiply their weight in fp32 before the one rounding to bf16
+# (tests/models/spell9_k3.py's `rms_norm`, a JAX/Flax port), in two spellings
+
+
+def flax_rms(x, w, eps):  # spell9's: x * rsqrt(mean(x²) + eps) * scale in fp32, one cast
+    h = x.float()
+    return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * w.float()).to(x.dtype)
+
+
+def f_rms_norm(x, w, eps):
+    """`F.rms_norm(x.float(), (n,), w.float(), eps).to(x.dtype)` as the compiled graph has it
+    (torch's decomposition, functionalised: a mean over the last dim, eps float32-rounded)."""
+    h = x.float()
+    eps32 = torch.tensor(eps, dtype=torch.float32).item()
+    r = torch.rsqrt(torch.mean(h.pow(2), [h.dim() - 1], keepdim=True) + eps32)
+    return (h * r * w.float()).to(x.dtype)
+
+
+def _front_with(q_norm, kv_norm):
+    def front(x, w_qa, w_kva, w_g, w_qn, w_kvn):
+        cq = q_norm(F.linear(x, w_qa), w_qn, 1e-6)
+        c_kv, k_pe = F.linear(x, w_kva).split([C, R], dim=-1)
+        return cq, kv_norm(c_kv, w_kvn, 1e-6), k_pe, F.linear(x, w_g)
+    return front
+
+
+@pytest.mark.parametrize("norm", [flax_rms, f_rms_norm], ids=["flax", "F.rms_norm"])
+@pytest.mark.parametrize("tokens", [1, 8, None])
+def test_fp32_weight_norms_fuse_as_their_variant(tokens, norm):
+    """Its own variant takes the site ([B, T, D] and [N, D] rows); the op runs with
+    weight_fp32=True, bit-equal to the unfused graph, not to K3's rounding."""
+    args, fn = _args(tokens=tokens), _front_with(norm, norm)
+    gm, report = rewrite(fn, args, mla_lowrank_norm.patterns(), joint=True)
+    assert [h.pattern for h in report.hits] == [
+        f"mla_lowrank_norm[bfloat16{',rows' if tokens is None else ''},weight_fp32]"]
+    assert_rewritten_equal(gm, report, fn, args, "k3.mla_lowrank_norm")
+    op = next(n for n in gm.graph.nodes if str(n.target) == "k3.mla_lowrank_norm.default")
+    assert op.args[-1] is True
+    assert not torch.equal(gm(*args)[0], mla_front(*args)[0])
+
+
+def test_one_fp32_weight_norm_beside_a_k3_norm_is_left_alone():
+    """Look-alike: q's weight multiplied after the cast (K3's order), c_kv's in fp32 before it:
+    the op has one rounding for both, so neither variant takes the pair."""
+    fn, args = _front_with(rms, flax_rms), _args()
+    gm, report = rewrite(fn, args, mla_lowrank_norm.patterns(), joint=True)
+    assert not report.hits
+    for got, want in zip(gm(*args), fn(*args)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_fp32_weight_norms_stay_with_inductor_on_gpu_graphs(monkeypatch):
+    """Until mla_lowrank_norm's weight_fp32 build passes its GPU tests, a GPU graph leaves the
+    norms unfused, where the K3-order norms fuse."""
+    from .pattern_checks import with_kernel_limits
+
+    with_kernel_limits(monkeypatch, "mla_lowrank_norm")
+    args, fn = _args(), _front_with(flax_rms, flax_rms)
+    gm, report = rewrite(fn, args, mla_lowrank_norm.patterns(), joint=True, kernels_only=True)
+    assert not report.hits
+    assert "has not run on a GPU" in report.deferred["mla_lowrank_norm"]
+    for got, want in zip(gm(*args), fn(*args)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    _, report = rewrite(mla_front, args, mla_lowrank_norm.patterns(), joint=True,
+                        kernels_only=True)
+    assert [h.pattern for h in report.hits] == ["mla_lowrank_norm[bfloat16]"]

@@ -73,3 +73,34 @@ def test_refused_inputs_fall_back_to_the_reference(gen, caplog):
     assert torch.equal(q, rms_norm_ref(cq, wq, EPS))
     assert torch.equal(kv, rms_norm_ref(ckv[:, :C], wkv, EPS)) and torch.equal(pe, ckv[:, C:])
     assert "mla_lowrank_norm" in caplog.text
+
+
+def model_fp32_weight(x, w, eps):  # weight_fp32: x·rstd·w rounded once
+    xd = x.double()
+    return (xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps) * w.double()).bfloat16()
+
+
+@pytest.mark.parametrize("n", [1, 8, 64])
+@pytest.mark.parametrize("q,c,r", [(Q, C, R), (200, 72, 8)])
+def test_weight_fp32(gen, n, q, c, r):
+    """Both norms' weights multiplied in fp32 before the one rounding (spell9's norm; its own
+    build): one rounding from the float64 model, nearer the op's reference variant than the
+    default rounding; through the op's dispatch too."""
+    from k3compile.ops.mla_lowrank_norm import mla_lowrank_norm_ref
+
+    cq, ckv, wq, wkv = make_inputs(gen, n, q, c, r, fused=(q, c, r) == (Q, C, R))
+    out = (poisoned(n, q), poisoned(n, c), poisoned(n, r))
+    got = kernel.mla_lowrank_norm_cuda(cq, ckv, wq, wkv, EPS, True, out=out)
+    assert got[0] is out[0], "the kernel did not run (fallback)"
+    assert_written(*out)
+    want = mla_lowrank_norm_ref(cq, ckv, wq, wkv, EPS, True)
+    plain = mla_lowrank_norm_ref(cq, ckv, wq, wkv, EPS)
+    for o, x, w, ref, k3 in [(out[0], cq, wq, want[0], plain[0]),
+                             (out[1], ckv[:, :c], wkv, want[1], plain[1])]:
+        torch.testing.assert_close(o.float(), model_fp32_weight(x, w, EPS).float(),
+                                   **TOL["bf16"])
+        off_flagged, off_plain = (o != ref).float().mean(), (o != k3).float().mean()
+        assert off_flagged < 0.5 * off_plain, (off_flagged, off_plain)
+    assert torch.equal(out[2], ckv[:, c:])
+    q2, kv2, pe2 = torch.ops.k3.mla_lowrank_norm(cq, ckv, wq, wkv, EPS, True)
+    assert torch.equal(q2, out[0]) and torch.equal(kv2, out[1]) and torch.equal(pe2, out[2])

@@ -147,3 +147,60 @@ def test_mlp_after_a_fused_o_proj_is_refused():
     args = [torch.zeros(4, 1, D), torch.tensor([2, 0, 1]), *_inputs(dtype=torch.float32)]
     _, report = rewrite(layer, args, oproj_attn_res_mix_norm.patterns())
     assert_near_miss(report, "oproj_attn_res_mix_norm", "check refused", "reads no state")
+
+
+def post_mix_fp32_weight(o, w_o, prefix, b0, b1, wmn, wmp, wn):  # the norm's weight in fp32 too
+    a = F.linear(o, w_o)
+    prefix_out, x = torch.ops.k3.attn_res_mix_norm(prefix, a, [b0, b1], wmn, wmp, wn, EPS, EPS,
+                                                   True, True)
+    return x, prefix_out
+
+
+def new_block_fp32_weight(o, w_o, prefix, b0, b1, wmn, wmp, wn):
+    a = F.linear(o, w_o)
+    x = torch.ops.k3.attn_res_mix_norm(a, None, [b0, b1], wmn, wmp, wn, EPS, EPS, True, True)[1]
+    return x, a * 2
+
+
+@pytest.mark.parametrize("flat", [False, True])
+@pytest.mark.parametrize("fn", [post_mix_fp32_weight, new_block_fp32_weight])
+def test_fp32_weight_norm_carries_over(fn, flat):
+    """The mix's norm_weight_fp32 (spell9's norm: the weight multiplied in fp32 before the one
+    rounding) stays on the fused op, bit-equal, on [B, T, D] and on flat rows."""
+    args = _inputs()
+    if flat:
+        args = [a.view(-1, a.shape[-1]) if a.dim() == 3 else a for a in args]
+    gm, report = rewrite(fn, args, oproj_attn_res_mix_norm.patterns())
+    assert_rewritten_equal(gm, report, fn, args, "k3.oproj_attn_res_mix_norm")
+    assert report.hits[0].pattern.endswith(f"{',flat' if flat else ''},scores_fp32,norm_weight_fp32]")
+    op = next(n for n in gm.graph.nodes if str(n.target) == "k3.oproj_attn_res_mix_norm.default")
+    assert op.args[-4:] == (EPS, EPS, True, True)
+    plain = post_mix_fp32 if fn is post_mix_fp32_weight else new_block_fp32
+    assert not torch.equal(plain(*args)[0], gm(*args)[0])
+
+
+def test_fp32_weight_norm_stays_with_inductor_on_gpu_graphs(monkeypatch):
+    """Until the mix kernel's norm_weight_fp32 build passes its GPU tests (the two launches run
+    it after o_proj), a GPU graph leaves the o_proj and the flagged mix apart."""
+    from k3compile.ops import registry
+
+    op = "oproj_attn_res_mix_norm"  # registered as kernels/oproj_attn_res_mix_norm.py does
+    monkeypatch.setitem(registry._entries, op, registry.KernelEntry(op))
+    args = _inputs()
+    gm, report = rewrite(post_mix_fp32_weight, args, oproj_attn_res_mix_norm.patterns(),
+                         kernels_only=True)
+    assert not report.hits
+    assert "has not run on a GPU" in report.deferred["oproj_attn_res_mix_norm"]
+    for got, want in zip(gm(*args), post_mix_fp32_weight(*args)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_flagless_variants_leave_the_flagged_call():
+    """Look-alike for the variants without the flag (and so the TP form's, which has none): the
+    flagged mix call is another site; no variant drops the flag."""
+    pats = [p for p in oproj_attn_res_mix_norm.patterns() if "norm_weight_fp32" not in p.name]
+    args = _inputs()
+    gm, report = rewrite(post_mix_fp32_weight, args, pats)
+    assert not report.hits
+    for got, want in zip(gm(*args), post_mix_fp32_weight(*args)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)

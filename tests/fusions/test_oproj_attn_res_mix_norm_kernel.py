@@ -78,6 +78,8 @@ def test_refusals():
     assert "o_proj" in kernel.refusal(args[0].float(), *args[1:])
     nine = [*args[:3], args[3] + args[3][:1], *args[4:]]  # 10 sources
     assert "mix: 10 sources" in kernel.refusal(*nine)
+    # the mix's norm weight in fp32 (spell9): only the two launches have a build for it
+    assert kernel.refusal(*args, True, True).startswith("norm_weight_fp32")
 
 
 def test_the_extra_replaces_the_two_launches(monkeypatch):
@@ -174,3 +176,30 @@ def test_refused_calls_take_two_launches(gen, caplog):
     want = two_launches(args)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert "oproj_mix" in caplog.text
+
+
+@on_gpu
+@pytest.mark.parametrize("n", [1, 8])
+@pytest.mark.parametrize("with_prefix", [True, False])
+def test_norm_weight_fp32_takes_the_two_launches(gen, caplog, n, with_prefix):
+    """The mix's norm weight multiplied in fp32 (spell9's norm): the one launch refuses it (logged)
+    and both CUDA implementations run o_proj, then the mix kernel's norm_weight_fp32 build: the
+    same bits, within the kernel tolerances of the op's reference variant."""
+    from k3compile.kernels.attn_res_mix_norm import attn_res_mix_norm_cuda
+    from k3compile.kernels.common.router import linear
+
+    args = make_inputs(gen, n, 8, with_prefix)
+    with no_fallback():
+        a = linear(args[0], args[1])  # o_proj as the two launches run it
+        want = mix_norm_after(a, args[2], args[3], *args[4:9], True,
+                              mix_norm=attn_res_mix_norm_cuda, norm_weight_fp32=True)
+        two = kernel.oproj_attn_res_mix_norm_cuda(*args, True, True)
+        via_op = torch.ops.k3.oproj_attn_res_mix_norm(*args, True, True)
+    with caplog.at_level(logging.DEBUG, logger="k3compile.kernels"):
+        one = kernel.oproj_mix_cuda(*args, True, True)
+    for got in (two, via_op, one):
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    if n <= kernel.MAX_ROWS:
+        assert "norm_weight_fp32" in caplog.text
+    ref = mix_norm_after(a, args[2], args[3], *args[4:9], True, norm_weight_fp32=True)
+    assert torch.equal(want[0], ref[0]) and rel_err(want[1], ref[1]) < TOL["bf16_rel_norm"]

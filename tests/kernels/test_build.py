@@ -231,6 +231,41 @@ def test_kda_norm_fp32_builds(scalars, b, monkeypatch, tmp_path):
     assert ptx_of(default).count(cvt) - ptx_of(variant).count(cvt) == 2 * out_per_thread
 
 
+# The norm rounding of a Flax-style port (tests/models/spell9_k3.py): the norm's weight multiplied
+# in fp32 before the one cast to bf16. attn_res_mix_norm's norm_weight_fp32 build (scalars, bucket:
+# 9 sources at batch 1, a cluster of 4, and 64; add + norm alone) and mla_lowrank_norm's
+# weight_fp32 build (K3's MLA widths at batch 1 and 64).
+NORM_WEIGHT_FP32 = [(attn_res_mix_norm, (7168, 8, True), 1),
+                    (attn_res_mix_norm, (7168, 8, False), 64),
+                    (attn_res_mix_norm, (7168, 0, True), 1),
+                    (mla_lowrank_norm, (1536, 512, 64), 1),
+                    (mla_lowrank_norm, (1536, 512, 64), 64)]
+
+
+@pytest.mark.parametrize("module,scalars,b",
+                         _first_of_each(NORM_WEIGHT_FP32, lambda case: case[0].__name__), ids=str)
+def test_norm_weight_fp32_builds(module, scalars, b, monkeypatch, tmp_path):
+    """The variant compiles for sm_90a without spills, and the flag reaches the device code: the
+    default build multiplies the rounded row by the weight in bf16 (the fp32 product of two bf16
+    values rounded once is a bf16 `mul.bf16x2`, which the compiler emits: for attn_res_mix_norm
+    one per two output elements), the variant multiplies in fp32 and emits none."""
+    monkeypatch.setenv("CUTE_DSL_ARCH", ARCH)
+    cfg = module.config(*scalars, b)
+    flag = "norm_weight_fp32" if module is attn_res_mix_norm else "weight_fp32"
+    for sub in ("v", "d"):
+        (tmp_path / sub).mkdir()
+    variant = module.build(*scalars, cfg, arch=ARCH, dump_dir=str(tmp_path / "v"), **{flag: True})
+    _check_cubin(variant)
+    default = module.build(*scalars, cfg, arch=ARCH, dump_dir=str(tmp_path / "d"))
+    bf16_mul = re.compile(r"\bmul(\.rn)?\.bf16x2\b")
+    plain = len(bf16_mul.findall(ptx_of(default)))
+    if module is attn_res_mix_norm:
+        assert plain == cfg.vec_per_thread * 8 // 2
+    else:  # measured: q's products (4 a thread at batch 1) as bf16x2, c's not always
+        assert plain > 0
+    assert not bf16_mul.findall(ptx_of(variant))
+
+
 # kda_decode's time-major build (the conv state [S, taps-1, 3W], vLLM v1's layout): decode and
 # verify rows at one TP16 rank, batch 1 (clusters of 4) and 64 (no cluster)
 TIME_MAJOR = [((1, 6, 4), 1), ((8, 6, 4), 64)]
