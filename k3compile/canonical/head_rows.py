@@ -114,9 +114,17 @@ def _exit(user: fx.Node, node: fx.Node, bh) -> bool:
             and tuple(out[:2]) == bh and _no_units(out[2:]) == _no_units(shape(node)[1:]))
 
 
+_UNIT_VIEWS = {*_MERGES, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.default}
+
+
 def _per_head(graph, src: fx.Node, bh, rest, like) -> fx.Node:
-    """src [B, H, *r] as [B, H, *rest] (r, rest equal up to unit dims): src itself, or src with
-    unit dims inserted, or a view."""
+    """src [B, H, *r] as [B, H, *rest] (r, rest equal up to unit dims): src itself, or src with a
+    unit dim inserted, or a view; src is first taken back through views that only insert or
+    drop unit dims (spell7's `k.unsqueeze(-1)` viewed as a row is `k.unsqueeze(-2)`)."""
+    while (src.target in _UNIT_VIEWS and isinstance(src.args[0], fx.Node)
+           and shape(src.args[0]) is not None and tuple(shape(src.args[0])[:2]) == tuple(bh)
+           and _no_units(shape(src.args[0])[2:]) == _no_units(rest)):
+        src = src.args[0]
     s = tuple(shape(src)[2:])
     if s == rest:
         return src
