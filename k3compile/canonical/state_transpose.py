@@ -98,6 +98,8 @@ def _swapped(graph: fx.Graph, node, like: fx.Node):
         return call(graph, aten.unsqueeze.default, (x, -1 if d == 2 else -2), like=like)
     if node.target is aten.mul.Tensor and len(node.args) == 2 and all(map(_unit_view, node.args)):
         a, b = (_swapped(graph, arg, like) for arg in node.args)
+        if _unit_view(a)[1] == 2:  # the column first, as the K-major write `k[..., None] * u`
+            a, b = b, a
         return call(graph, aten.mul.Tensor, (a, b), like=like)
     if len(shape(node)) != 4:
         return call(graph, aten.transpose.int, (node, -1, -2), like=like)

@@ -30,6 +30,10 @@ Causes (docs/spell7_spelling.md; probes `Spell7K3.set_probe`):
   Session 24 (helper kdagaps): rule `baddbmm_split` takes the `baddbmm` (the first near miss is
   now the decay on flat [N, H, d] tokens viewed to [B, T, H, d]); left: the flat tokens, the
   V-major state buffer, and (linear_concat) the one in-proj GEMM cut by `narrow` on [N, D] rows.
+  Session 26 (helper kdarows): the V-major state needs no probe any more (rules `head_rows`,
+  `state_matvec`, `state_transpose`'s k-first write: with `kda_per_request` the near miss is the
+  `unbind` cut, as with `state_k_major` too); left: the flat tokens, the `unbind` cut of merged
+  leading dims, each piece viewed twice, and linear_concat's `narrow` cut.
 * moe_experts (1-3): closed (session 24, helper dispatch) by rules `pair_order` (the pairs
   sorted by `argsort`, token `order // k`, put back in token order: the sort's indices are a
   permutation and everything computed from them is row-wise) and `expert_rows` (the pairs in
