@@ -10,10 +10,12 @@ pattern's `o_fp32` variant cast first (the op returns [B, T, H, K]):
 Exact: the same values, dtype and shape. The mirror of rule `cast_view` (a cast after a head
 split goes first too).
 
-Taken: a `convert_element_type` to another dtype whose input is a view / reshape that keeps the
-leading dims and merges the last two into one (of more than one head), and that nothing else
-reads. Left alone: casts after other views (a size-1 "head" dim, a split, a merge of leading
-dims) and a merge also read in its own dtype.
+Taken: a `convert_element_type` from fp32 to bf16 / fp16 whose input is a view / reshape that
+keeps the leading dims and merges the last two into one (of more than one head), and that
+nothing else reads. Left alone: casts after other views (a size-1 "head" dim, a split, a merge of
+other dims), other casts (an upcast; an integer cast of merged codes, as the red-team spelling's
+MXFP4 nibbles `stack(lo, hi).flatten(-2).to(int32)`, which `nibble_unpack` reads in that form),
+and a merge also read in its own dtype.
 """
 
 from __future__ import annotations
@@ -46,11 +48,17 @@ def _head_merge(view) -> bool:
             and not _same(src.shape[-1], out.shape[-1]))
 
 
+# fp32 values rounded to the activations' dtype: the output cast of a layer kept in fp32 (integer
+# casts of merged codes, as an MXFP4 dequant's nibbles, are other rules' forms)
+DOWNCASTS = {torch.bfloat16, torch.float16}
+
+
 def _site(node: fx.Node) -> bool:
     if not (node.op == "call_function" and node.target is CAST and _head_merge(node.args[0])):
         return False
     val, src = _val(node), _val(node.args[0])
-    return val is not None and src is not None and val.dtype != src.dtype
+    return (val is not None and src is not None and src.dtype == torch.float32
+            and val.dtype in DOWNCASTS)
 
 
 def _write(graph: fx.Graph, cast: fx.Node, _) -> None:

@@ -55,6 +55,12 @@ LOOKALIKES = {
     # [B, T, 1, O] -> [B, T, O] merges no heads
     "size_one_head": (lambda x: (x * 2).view(B, T, H).to(torch.bfloat16), (B, T, 1, H)),
     "merge_not_last": (lambda x: (x * 2).view(B, T * H, K).to(torch.bfloat16), (B, T, H, K)),
+    # an upcast after the merge (the canonical form's casts of inputs are upcasts after views)
+    "upcast": (lambda x: (x.bfloat16() * 2).reshape(B, T, H * K).float(), (B, T, H, K)),
+    # MXFP4 nibbles merged, then cast to int (the red-team spelling's dequant: nibble_unpack's)
+    "int_codes": (lambda x: torch.stack(((x.abs() * 40).to(torch.uint8) & 0xF,
+                                         (x.abs() * 40).to(torch.uint8) >> 4), -1).flatten(-2)
+                  .to(torch.int32), (B, T, H)),
 }
 
 
