@@ -283,13 +283,11 @@ def _fp32_norm_of_fp32(mean: fx.Node) -> bool:
     if not (isinstance(v, torch.Tensor) and v.dim() == 4 and v.dtype == torch.float32
             and isinstance(sq, fx.Node)):
         return False
-    if sq.target is torch.ops.aten.pow.Tensor_Scalar and sq.args[1] == 2:
-        x = sq.args[0]
-    elif sq.target is torch.ops.aten.mul.Tensor and sq.args[0] is sq.args[1]:
-        x = sq.args[0]
-    else:
-        return False
-    return isinstance(x, fx.Node) and x.target is not torch.ops.prims.convert_element_type.default
+    square = (sq.target is torch.ops.aten.pow.Tensor_Scalar and sq.args[1] == 2
+              or sq.target is torch.ops.aten.mul.Tensor and sq.args[0] is sq.args[1])
+    x = sq.args[0]
+    return (square and isinstance(x, fx.Node)
+            and x.target is not torch.ops.prims.convert_element_type.default)
 
 
 def _scan(graph: fx.Graph) -> None:
