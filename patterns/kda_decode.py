@@ -9,7 +9,8 @@ T in TOKENS, per batch 1 or more (size-1 dims change the graph) and per activati
 models trace no casts), and in bf16 per output norm: the built-in model's (`rms_norm(o) *
 sigmoid(g)`, rounded to bf16 after the norm, the weight and the gate) or fla's
 `FusedRMSNormGated` (Moonshot's KDA layer: fp32 throughout, one rounding), which fuses into the op
-with `norm_fp32=True` (in fp32 the two are one graph). Only the variants of the T a graph's KDA sites have are traced (`fits`:
+with `norm_fp32=True` (in fp32 the two are one graph); o kept fp32 into that norm, one cast after
+it (the red-team spelling, spell8), with `o_fp32=True` as well. Only the variants of the T a graph's KDA sites have are traced (`fits`:
 the short conv's output length is T); a T without a variant stays unfused, and its near miss
 says so.
 
