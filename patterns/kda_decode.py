@@ -10,8 +10,8 @@ models trace no casts), and in bf16 per output norm: the built-in model's (`rms_
 sigmoid(g)`, rounded to bf16 after the norm, the weight and the gate) or fla's
 `FusedRMSNormGated` (Moonshot's KDA layer: fp32 throughout, one rounding), which fuses into the op
 with `norm_fp32=True` (in fp32 the two are one graph); o kept fp32 into that norm, one cast after
-it (the red-team spelling, spell8), with `o_fp32=True` as well. Only the variants of the T a graph's KDA sites have are traced (`fits`:
-the short conv's output length is T); a T without a variant stays unfused, and its near miss
+it (the red-team spelling, spell8), with `o_fp32=True` as well. Only the variants of the T a
+graph's KDA sites have are traced (`fits`: the short conv's output length is T); a T without a variant stays unfused, and its near miss
 says so.
 
 Before (T=1, ~75 ATen ops): cat, permute, index, cat, slice, index_put, cat, convert, convolution,
