@@ -60,8 +60,9 @@ def check(match) -> str | None:
         return f"fa width {fa.shape[-1]} is not a multiple of 8 (16-byte rows)"
     # the step's own conditions, on the GEMM's output as its graw
     op = next(n for n in match.nodes if n.target is torch.ops.k3.kda_decode.default)
+    flags = kda_decode.FLAGS
     time_major = len(op.args) > 20 and op.args[20] is True
-    three_states = len(op.args) > 22 and op.args[22] is not None
+    three_states = len(op.args) > 19 + len(flags) and op.args[19 + len(flags)] is not None
     return kda_decode.check(types.SimpleNamespace(kwargs={**match.kwargs, "graw": op.args[4]}),
                             conv_time_major=time_major, three_states=three_states)
 
@@ -87,15 +88,16 @@ def example_inputs(dtype: torch.dtype = torch.bfloat16, conv_time_major: bool = 
 
 
 def _variant(norm_fp32: bool, conv_time_major: bool = False, state_v_major: bool = False,
-             three_states: bool = False) -> Pattern:
-    """The step as kda_decode fused it: with the built-in output norm, or fla's fp32 one, on a
-    channel- or time-major conv state, a K- or V-major recurrent state (the op's `norm_fp32`,
-    `conv_time_major` and `state_v_major` arguments, passed through), with one conv state buffer
-    or three (`k_conv_state`, `v_conv_state`)."""
-    extra = kda_decode.flags(norm_fp32, conv_time_major, state_v_major, three_states)
+             three_states: bool = False, o_fp32: bool = False) -> Pattern:
+    """The step as kda_decode fused it: with the built-in output norm, or fla's fp32 one (on o
+    rounded, or with `o_fp32` unrounded), on a channel- or time-major conv state, a K- or V-major
+    recurrent state (the op's `norm_fp32`, `conv_time_major`, `state_v_major` and `o_fp32`
+    arguments, passed through), with one conv state buffer or three (`k_conv_state`,
+    `v_conv_state`)."""
+    extra = kda_decode.flags(norm_fp32, conv_time_major, state_v_major, three_states, o_fp32)
     names = [n for n, on in (("norm_fp32", norm_fp32), ("conv_time_major", conv_time_major),
                              ("state_v_major", state_v_major),
-                             ("three_conv_states", three_states)) if on]
+                             ("three_conv_states", three_states), ("o_fp32", o_fp32)) if on]
     args = (*NAMES[:-len(kda_decode.SCALARS)], *kda_decode.THREE_STATES,
             *kda_decode.SCALARS) if three_states else NAMES
     tensors, n_scalars = len(NAMES) - len(kda_decode.SCALARS), len(kda_decode.SCALARS)
@@ -110,13 +112,14 @@ def _variant(norm_fp32: bool, conv_time_major: bool = False, state_v_major: bool
         example_inputs=lambda dtype=torch.bfloat16: example_inputs(dtype, conv_time_major,
                                                                    three_states),
         op="k3.fb_kda_decode", check=check,
-        kernel_refusal=kda_decode.untested_build_refusal if three_states else None,
+        kernel_refusal=kda_decode.untested_build_refusal if three_states or o_fp32 else None,
         scalars=dict(kda_decode.SCALARS), fake_trace=True, distinctive=("mm", "kda_decode"),
     )
 
 
 def patterns() -> list[Pattern]:
     # one variant for every T, batch and dtype: the op hides the step, the GEMM has no casts
-    return [_variant(n, m, s, c) for c in (False, True) for s in (False, True)
-            for m in (False, True) for n in (False, True)
-            if not (c and m) and (kda_decode.THREE_STATE_OPS or not c)]
+    # (o_fp32: with the fp32 norm only)
+    return [_variant(n or o, m, s, c, o) for o in (False, True) for c in (False, True)
+            for s in (False, True) for m in (False, True) for n in (False, True)
+            if not (c and m) and not (o and n) and (kda_decode.THREE_STATE_OPS or not c)]

@@ -9,8 +9,9 @@ T in TOKENS, per batch 1 or more (size-1 dims change the graph) and per activati
 models trace no casts), and in bf16 per output norm: the built-in model's (`rms_norm(o) *
 sigmoid(g)`, rounded to bf16 after the norm, the weight and the gate) or fla's
 `FusedRMSNormGated` (Moonshot's KDA layer: fp32 throughout, one rounding), which fuses into the op
-with `norm_fp32=True` (in fp32 the two are one graph). Only the variants of the T a graph's KDA sites have are traced (`fits`:
-the short conv's output length is T); a T without a variant stays unfused, and its near miss
+with `norm_fp32=True` (in fp32 the two are one graph); o kept fp32 into that norm, one cast after
+it (the red-team spelling, spell8), with `o_fp32=True` as well. Only the variants of the T a
+graph's KDA sites have are traced (`fits`: the short conv's output length is T); a T without a variant stays unfused, and its near miss
 says so.
 
 Before (T=1, ~75 ATen ops): cat, permute, index, cat, slice, index_put, cat, convert, convolution,
@@ -83,6 +84,7 @@ def kda_step(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_wei
 def _step(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weight, k_conv_weight,
           v_conv_weight, A_log, dt_bias, o_norm_weight, lower_bound, l2_eps, q_scale, norm_eps,
           silu_written_out, norm_fp32=False, conv_time_major=False, state_v_major=False,
+          o_fp32=False,
           k_conv_state=None, v_conv_state=None):
     """KimiDeltaAttention.forward after the projections, with the state writes made functional
     (as they are in the graph). Returns (new recurrent state, new conv state, o).
@@ -132,8 +134,12 @@ def _step(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weight
         outs.append(o_t)
     state_out = setitem(recurrent_state, (slots,),
                         state.transpose(-1, -2) if state_v_major else state)
-    o = torch.stack(outs, dim=1).to(q.dtype)
+    o = torch.stack(outs, dim=1)
     convs = conv_state_out if isinstance(conv_state_out, tuple) else (conv_state_out,)
+    if o_fp32:  # o as the fp32 recurrence leaves it, into the fp32 norm; one cast after it
+        return state_out, *convs, rms_norm_gated_fp32(
+            o, o_norm_weight, g.float().view(B, T, nh, hd), norm_eps).to(q.dtype)
+    o = o.to(q.dtype)
     if norm_fp32:
         # fla casts the gate inside: cast, then split into heads (rule `cast_view`)
         return state_out, *convs, rms_norm_gated_fp32(
@@ -150,14 +156,20 @@ def replace(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weig
     o = torch.ops.k3.kda_decode(q, k, v, g, graw, b, conv_state, recurrent_state, slots,
                                 q_conv_weight, k_conv_weight, v_conv_weight, A_log, dt_bias,
                                 o_norm_weight, lower_bound, l2_eps, q_scale, norm_eps, *flags)
-    return recurrent_state, conv_state, *flags[3:], o
+    return recurrent_state, conv_state, *flags[len(FLAGS):], o
+
+
+# the op's trailing bool arguments, in order (the k and v conv state buffers follow them)
+FLAGS = ("norm_fp32", "conv_time_major", "state_v_major", "o_fp32")
 
 
 def flags(norm_fp32: bool, conv_time_major: bool, state_v_major: bool = False,
-          three_states: bool = False) -> tuple[bool, ...]:
+          three_states: bool = False, o_fp32: bool = False) -> tuple[bool, ...]:
     """The op's trailing flags for a variant: none for the defaults (with three conv states all
-    three, the two buffers follow them)."""
-    if state_v_major or three_states:
+    of FLAGS, the two buffers follow them)."""
+    if o_fp32 or three_states:
+        return norm_fp32, conv_time_major, state_v_major, o_fp32
+    if state_v_major:
         return norm_fp32, conv_time_major, state_v_major
     return (norm_fp32, True) if conv_time_major else (True,) if norm_fp32 else ()
 
@@ -167,13 +179,14 @@ def time_major_check(match) -> str | None:
 
 
 def untested_build_refusal(match) -> str | None:
-    """On GPU graphs a three-conv-state site stays with Inductor until kda_decode's build for that
-    layout (kernels/kda_decode.py, session 25) has passed its GPU tests: built for sm_90a, never
-    run on a GPU (the GPU machine's torch 2.11 has no three-state op: `THREE_STATE_OPS`). CPU
-    graphs fuse it (the reference is the CPU kernel). The V-major build passed its GPU tests
-    (H100, 2026-12-05, session 26) and fuses; once test_kda_decode_three_states.py's GPU tests
-    pass, this goes too."""
-    return "three conv states: kda_decode's build has not run on a GPU yet"
+    """On GPU graphs a three-conv-state or `o_fp32` site stays with Inductor until kda_decode's
+    build for it has passed its GPU tests: built for sm_90a, never run on a GPU. The three-state
+    build (kernels/kda_decode.py, session 25) cannot run there yet: the GPU machine's torch 2.11
+    has no three-state op (`THREE_STATE_OPS`). The `o_fp32` build (session 26):
+    tests/fusions/test_kda_decode_o_fp32.py's GPU tests. CPU graphs fuse both (the reference is
+    the CPU kernel). The V-major build passed its GPU tests (H100, 2026-12-05, session 26) and
+    fuses, as session 23's time-major build did."""
+    return "three conv states / o_fp32: kda_decode's build has not run on a GPU yet"
 
 
 def three_states_check(match) -> str | None:
@@ -226,8 +239,8 @@ def check(match, conv_time_major: bool = False, three_states: bool = False) -> s
     return None
 
 
-# (graph, its sites, recurrent state layouts, conv state counts)
-_sites_seen: list = [None, frozenset(), frozenset(), frozenset()]
+# (graph, its sites, recurrent state layouts, conv state counts, an fp32 o into a norm)
+_sites_seen: list = [None, frozenset(), frozenset(), frozenset(), False]
 
 
 def _time_major(conv: fx.Node) -> bool:
@@ -263,6 +276,21 @@ def _gathers(conv: fx.Node) -> int:
     return len(parts) if all(p.target is torch.ops.aten.index.Tensor for p in parts) else 0
 
 
+def _fp32_norm_of_fp32(mean: fx.Node) -> bool:
+    """`mean(x·x, -1)` / `mean(x², -1)` of an fp32 [B, T, H, V] x that is no upcast: a norm of
+    the recurrent output as the fp32 recurrence leaves it (the `o_fp32` variants' mark; a norm
+    of a rounded o reads the upcast)."""
+    v, sq = mean.meta.get("val"), mean.args[0]
+    if not (isinstance(v, torch.Tensor) and v.dim() == 4 and v.dtype == torch.float32
+            and isinstance(sq, fx.Node)):
+        return False
+    square = (sq.target is torch.ops.aten.pow.Tensor_Scalar and sq.args[1] == 2
+              or sq.target is torch.ops.aten.mul.Tensor and sq.args[0] is sq.args[1])
+    x = sq.args[0]
+    return (square and isinstance(x, fx.Node)
+            and x.target is not torch.ops.prims.convert_element_type.default)
+
+
 def _scan(graph: fx.Graph) -> None:
     if _sites_seen[0] is not graph:
         convs = [n for n in graph.nodes if n.target is torch.ops.aten.convolution.default
@@ -271,7 +299,8 @@ def _scan(graph: fx.Graph) -> None:
         _sites_seen[:] = graph, frozenset(
             (int(n.meta["val"].shape[-1]), _time_major(n)) for n in convs), frozenset(
             {False} | {True for n in reads if _v_major(n)}), frozenset(
-            {1} | {_gathers(n) for n in convs} - {0})
+            {1} | {_gathers(n) for n in convs} - {0}), any(
+            _fp32_norm_of_fp32(n) for n in graph.nodes if n.target is torch.ops.aten.mean.dim)
 
 
 def sites(graph: fx.Graph) -> frozenset[tuple[int, bool]]:
@@ -294,15 +323,23 @@ def conv_state_counts(graph: fx.Graph) -> frozenset[int]:
     return _sites_seen[3]
 
 
+def fp32_o_norms(graph: fx.Graph) -> bool:
+    """Whether some fp32 [B, T, H, V] tensor that is no upcast is RMS-normalised (`o_fp32`)."""
+    _scan(graph)
+    return _sites_seen[4]
+
+
 def site_rows(graph: fx.Graph) -> frozenset[int]:
     """T of each KDA site in the graph: its depthwise short conv's output length."""
     return frozenset(t for t, _ in sites(graph))
 
 
 def _fits(T: int, conv_time_major: bool = False, state_v_major: bool = False,
-          three_states: bool = False):
+          three_states: bool = False, o_fp32: bool = False):
     def fits(graph: fx.Graph) -> str | None:
         found = sites(graph)
+        if o_fp32 and found and not fp32_o_norms(graph):
+            return "no fp32 [B, T, H, V] tensor that is no upcast is RMS-normalised (an fp32 o's)"
         if state_v_major and found and True not in state_layouts(graph):
             return "no state gather is read through its transpose (a V-major state's)"
         if three_states and found and 3 not in conv_state_counts(graph):
@@ -320,7 +357,8 @@ def _fits(T: int, conv_time_major: bool = False, state_v_major: bool = False,
 
 def _variant(T: int, B: int, dtype: torch.dtype, silu_written_out: bool = False,
              norm_fp32: bool = False, conv_time_major: bool = False,
-             state_v_major: bool = False, three_states: bool = False) -> Pattern:
+             state_v_major: bool = False, three_states: bool = False,
+             o_fp32: bool = False) -> Pattern:
     def example_inputs():
         W = H * K
         act = [torch.randn(B, T, W, dtype=dtype) for _ in range(5)]
@@ -340,25 +378,25 @@ def _variant(T: int, B: int, dtype: torch.dtype, silu_written_out: bool = False,
     search = with_signature(lambda *a: _step(*unthree(a), silu_written_out=silu_written_out,
                                              norm_fp32=norm_fp32,
                                              conv_time_major=conv_time_major,
-                                             state_v_major=state_v_major,
+                                             state_v_major=state_v_major, o_fp32=o_fp32,
                                              **dict(zip(THREE_STATES, a[TENSORS:-len(SCALARS)]))
                                              if three_states else {}), names)
-    extra = flags(norm_fp32, conv_time_major, state_v_major, three_states)
+    extra = flags(norm_fp32, conv_time_major, state_v_major, three_states, o_fp32)
     return Pattern(
         name=f"kda_decode[T={T},B={'1' if B == 1 else 'n'},{str(dtype).removeprefix('torch.')}"
              f"{',silu_written_out' if silu_written_out else ''}"
              f"{',norm_fp32' if norm_fp32 else ''}{',conv_time_major' if conv_time_major else ''}"
              f"{',state_v_major' if state_v_major else ''}"
-             f"{',three_conv_states' if three_states else ''}]",
+             f"{',three_conv_states' if three_states else ''}{',o_fp32' if o_fp32 else ''}]",
         search=search, replace=with_signature(
             lambda *a: replace(*unthree(a), *extra, *a[TENSORS:-len(SCALARS)]), names)
         if extra else replace,
         example_inputs=example_inputs, op="k3.kda_decode",
         check=three_states_check if three_states else time_major_check if conv_time_major
         else check, scalars=dict(SCALARS),
-        kernel_refusal=untested_build_refusal if three_states else None,
+        kernel_refusal=untested_build_refusal if three_states or o_fp32 else None,
         distinctive=("convolution", "index_put", "bmm", "rsqrt"), joint_passes=True,
-        fits=_fits(T, conv_time_major, state_v_major, three_states),
+        fits=_fits(T, conv_time_major, state_v_major, three_states, o_fp32),
     )
 
 
@@ -367,7 +405,11 @@ def patterns() -> list[Pattern]:
     # a variant is traced only for the (T, state layouts) a graph's sites have (`fits`); three
     # conv states only channel-major (the layout the spellings that keep three have), and none
     # where this torch cannot take the op's optional mutated conv states (THREE_STATE_OPS)
-    return [_variant(t, b, d, w, n, m, s, c) for c, s, m, n, w, t, b, d in
+    # conv state only channel-major (the layout the spellings that keep three have), and none
+    # where this torch cannot take the op's optional mutated conv states (THREE_STATE_OPS); o
+    # unrounded into the norm (`o_fp32`) only with fla's fp32 norm, in bf16 / fp16
+    return [_variant(t, b, d, w, n or o, m, s, c, o) for o, c, s, m, n, w, t, b, d in
             itertools.product((False, True), (False, True), (False, True), (False, True),
-                              (False, True), TOKENS, BATCHES, DTYPES)
-            if not (n and d == torch.float32) and not (c and m) and (THREE_STATE_OPS or not c)]
+                              (False, True), (False, True), TOKENS, BATCHES, DTYPES)
+            if not ((n or o) and d == torch.float32) and not (o and n) and not (c and m)
+            and (THREE_STATE_OPS or not c)]

@@ -42,6 +42,7 @@ ORDER: tuple[str, ...] = ("scatter_rows", "paged_write", "token_dim", "state_wri
                           "norm_round", "conv_states", "conv_merge", "gate_up_split",
                           "index_slice",
                           "depth_mix_scores", "depth_mix", "slice_split", "group_limit", "noop_view", "cast_view",
+                          "cast_merge",
                           "broadcast",
                           "take_along",
                           "topk_sorted", "route_mask", "view_chains", "view_add", "reshape_fold",

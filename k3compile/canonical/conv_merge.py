@@ -156,6 +156,11 @@ def _post(conv: fx.Node, order: dict[fx.Node, int]) -> list[fx.Node] | None:
             chain.append(node)
             members.add(node)
             frontier += list(node.users)
+    # an upcast after the permute (bf16: each piece's `.float()`) and what follows it stay on
+    # the pieces, after the split, where the canonical form casts q, k and v
+    cut = next((i for i, n in enumerate(chain) if _upcast_of(n)[1] is not None
+                and _has_permute(chain[:i])), len(chain))
+    chain, members = chain[:cut], {conv, *chain[:cut]}
     inner = [conv, *chain[:-1]] if chain else []
     exits = [n for n in [conv, *chain] if any(u not in members for u in n.users)
              or not n.users]

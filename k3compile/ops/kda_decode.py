@@ -21,6 +21,10 @@ window is `cat(conv_state[slots], q|k|v)` on dim 1, the conv runs over its trans
 instead of K-major [S, H, K, V]; the step reads and writes it through its transpose, the same
 values (K = V).
 
+`o_fp32` (with `norm_fp32` only): the recurrent output o goes into the fp32 output norm as the
+fp32 recurrence leaves it, not rounded to the activations' dtype first (code that keeps o in fp32
+through its gated norm and casts once after it: the red-team spelling, spell8); the same in fp32.
+
 `k_conv_state`, `v_conv_state`: three conv state buffers, one per q / k / v (fla's three
 `ShortConvolution`s, each with its own cache; tests/models/spell8_k3.py): `conv_state` then holds
 q's channels only, [S, H·K, taps-1] (the layout `conv_time_major` says), and the window is the
@@ -49,13 +53,15 @@ SELF_UPCAST = ("A_log", "dt_bias")
 def kda_decode_ref(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weight,
                    k_conv_weight, v_conv_weight, A_log, dt_bias, o_norm_weight, lower_bound,
                    l2_eps, q_scale, norm_eps, norm_fp32=False, conv_time_major=False,
-                   state_v_major=False, k_conv_state=None, v_conv_state=None):
+                   state_v_major=False, o_fp32=False, k_conv_state=None, v_conv_state=None):
     """The model's KDA step (`KimiDeltaAttention.forward` between the projections and o_proj),
     op for op, so that it rounds like eager. Mutates conv_state (and k_conv_state, v_conv_state)
     and recurrent_state."""
     B, T, W = q.shape
     H, K = recurrent_state.shape[1], recurrent_state.shape[2]
     dtype = q.dtype
+    if o_fp32 and not norm_fp32:
+        raise ValueError("kda_decode: o_fp32 (o unrounded into the output norm) needs norm_fp32")
     beta = torch.sigmoid(b.float())  # [B, T, H]
 
     taps = torch.cat([q_conv_weight, k_conv_weight, v_conv_weight])
@@ -95,9 +101,11 @@ def kda_decode_ref(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_co
         state, o_t = delta_rule_step(state, q, k, v, beta, decay, t)
         outs.append(o_t)
     recurrent_state[slots] = state.transpose(-1, -2) if state_v_major else state
-    o = torch.stack(outs, dim=1).to(dtype)  # [B, T, H, V]
+    o = torch.stack(outs, dim=1)  # [B, T, H, V] fp32
     if norm_fp32:
-        return rms_norm_gated_fp32(o, o_norm_weight, g.view(B, T, H, K), norm_eps)
+        o = o if o_fp32 else o.to(dtype)
+        return rms_norm_gated_fp32(o, o_norm_weight, g.view(B, T, H, K), norm_eps).to(dtype)
+    o = o.to(dtype)
     return rms_norm(o, o_norm_weight, norm_eps) * torch.sigmoid(g.view(B, T, H, K))
 
 
@@ -152,7 +160,7 @@ def kda_decode(
     q_conv_weight: torch.Tensor, k_conv_weight: torch.Tensor, v_conv_weight: torch.Tensor,
     A_log: torch.Tensor, dt_bias: torch.Tensor, o_norm_weight: torch.Tensor,
     lower_bound: float, l2_eps: float, q_scale: float, norm_eps: float, norm_fp32: bool = False,
-    conv_time_major: bool = False, state_v_major: bool = False,
+    conv_time_major: bool = False, state_v_major: bool = False, o_fp32: bool = False,
     k_conv_state: torch.Tensor | None = None, v_conv_state: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q, k, v, g, graw [B, T, H·K] (pre-conv projections, output gate, low-rank decay input),
@@ -160,13 +168,14 @@ def kda_decode(
     `conv_time_major`; with `k_conv_state` and `v_conv_state`, each of the three [S, H·K,
     taps-1] or [S, taps-1, H·K]); recurrent_state fp32 [S, H, K, V], K = V ([S, H, V, K] with
     `state_v_major`);
+    `o_fp32`: with `norm_fp32`, o unrounded into the fp32 output norm;
     slots int64 [B]; conv weights [H·K, 1, taps]; A_log [H], dt_bias [H·K] (fp32, or bf16 where
     a model is cast whole: promoted to fp32); o_norm_weight [K]. Returns o [B, T, H, K] in the
     activations' dtype."""
     return kda_decode_ref(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weight,
                           k_conv_weight, v_conv_weight, A_log, dt_bias, o_norm_weight, lower_bound,
                           l2_eps, q_scale, norm_eps, norm_fp32, conv_time_major, state_v_major,
-                          k_conv_state, v_conv_state)
+                          o_fp32, k_conv_state, v_conv_state)
 
 
 kda_decode = state_op("k3::kda_decode", kda_decode)
@@ -175,6 +184,6 @@ kda_decode = state_op("k3::kda_decode", kda_decode)
 @kda_decode.register_fake
 def _(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weight, k_conv_weight,
       v_conv_weight, A_log, dt_bias, o_norm_weight, lower_bound, l2_eps, q_scale, norm_eps,
-      norm_fp32=False, conv_time_major=False, state_v_major=False, k_conv_state=None,
-      v_conv_state=None):
+      norm_fp32=False, conv_time_major=False, state_v_major=False, o_fp32=False,
+      k_conv_state=None, v_conv_state=None):
     return kda_decode_fake(q, recurrent_state, g, o_norm_weight, norm_fp32)

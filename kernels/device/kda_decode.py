@@ -26,8 +26,9 @@ class KDADecode:
     CTA computes its head's graw; host entry `with_fb`), not graw [B, T, W] (`__call__`)."""
 
     def __init__(self, tokens: int, n_heads: int, taps: int, cfg: Config, pdl: bool = False,
-                 norm_fp32: bool = False, fb_rank: int = 0):
+                 norm_fp32: bool = False, fb_rank: int = 0, o_fp32: bool = False):
         self.T, self.H, self.taps, self.pdl, self.norm_fp32 = tokens, n_heads, taps, pdl, norm_fp32
+        self.o_fp32 = o_fp32  # with norm_fp32: o unrounded into the norm
         self.K = HEAD_DIM
         self.W = n_heads * HEAD_DIM
         self.tile = tile(cfg)
@@ -315,8 +316,8 @@ class KDADecode:
 
     @cute.jit
     def recurrence(self, rS, rg, lc0, sQ, sK, sA, sV, sO, sBeta):
-        """The delta rule over the T tokens on the thread's R x 4 state tile. o' = bf16(o) of
-        the owned columns goes to sO; returns each token's Σ o'² over the thread's columns
+        """The delta rule over the T tokens on the thread's R x 4 state tile. o' = bf16(o) (with
+        `o_fp32`: o) of the owned columns goes to sO; returns each token's Σ o'² over the thread's columns
         (row group 0 only, so the CTA sum counts every column once)."""
         ss = []
         for t in cutlass.range_constexpr(self.T):
@@ -324,7 +325,8 @@ class KDADecode:
             beta = sBeta[t]
             u = [beta * (sV[t, lc0 + j] - kv[j]) for j in range(VEC)]
             o = self.state_pass(rS, rg, t, sK, sQ, lambda s, kk, j, u=u: s + kk * u[j])
-            o = [bf16_round(x) for x in o]
+            if const_expr(not self.o_fp32):
+                o = [bf16_round(x) for x in o]
             if rg == 0:
                 for j in cutlass.range_constexpr(VEC):
                     sO[t, lc0 + j] = o[j]

@@ -93,6 +93,27 @@ def test_low_precision_conv_and_silu_become_the_fp32_conv_rounded_once(dtype, ba
         assert rel_err(got, truth) <= max(rel_err(want, truth), eps / 2)
 
 
+def _silu_op(x, w, state, slots, taps):
+    """spell8's conv: F.silu of the bf16 einsum, which the trace computes in fp32 between casts
+    (`x / (1 + exp(-x))` on the upcast, then the cast back)"""
+    hist = torch.cat([state[slots], F.linear(x, w).transpose(1, 2)], dim=-1)
+    return F.silu(torch.einsum("bctk,ck->bct", hist.unfold(-1, TAPS, 1), taps)).transpose(1, 2)
+
+
+def test_silu_computed_in_fp32_between_casts_is_taken():
+    args = _args(dtype=torch.bfloat16)
+    before, after, counts = _rewrite(_silu_op, args, (conv_einsum,))
+    assert "prims.convert_element_type.default" in targets(before)  # the upcast SiLU
+    assert counts == [1] and "aten.unfold.default" not in targets(after)
+    conv = next(n for n in after.graph.nodes if str(n.target) == "aten.convolution.default")
+    assert conv.meta["val"].dtype == torch.float32
+    exact = _silu_op(*[a.double() if a.is_floating_point() else a for a in args])
+    got, want = after(*args), before(*args)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert rel_err(got, want) <= 2 * torch.finfo(torch.bfloat16).eps
+    assert rel_err(got, exact) <= max(rel_err(want, exact), torch.finfo(torch.bfloat16).eps / 2)
+
+
 def _conv_only(x, w, state, slots, taps):
     """a bf16 conv with no SiLU after it: the canonical form has one, so nothing to round with"""
     hist = torch.cat([state[slots], F.linear(x, w).transpose(1, 2)], dim=-1)
@@ -205,3 +226,22 @@ def test_time_major_taps_become_row_slices(tokens):
     for got, ref in zip(after(*args), before(*args), strict=True):
         assert got.dtype == ref.dtype and got.shape == ref.shape
         assert rel_err(got, ref) <= 1e-5
+
+
+@pytest.mark.parametrize(("batch", "tokens"), [(2, 1), (1, 1), (2, 3)])
+def test_spell5_bf16_products_are_taken_to_rounding(batch, tokens):
+    """spell5 in bf16: each window x tap product rounds to bf16, then the sum, then the SiLU
+    (computed in fp32 between casts); within the rule's 2 ulps of the largest value of the
+    canonical fp32 conv + SiLU rounded once, and nearer the fp32 math than the user's (session
+    26: the SiLU tail was not found before, so this was never taken)"""
+    args = [a.to(torch.bfloat16) if a.is_floating_point() else a for a in _args_tm(tokens, batch)]
+    before, after, (n,) = _rewrite(_spell5, args, rules=(conv_einsum,))
+    assert n == 1 and "aten.unfold.default" not in targets(after)
+    conv = next(x for x in after.graph.nodes if str(x.target) == "aten.convolution.default")
+    assert conv.meta["val"].dtype == torch.float32
+    exact = _spell5(*[a.double() if a.is_floating_point() else a for a in args])
+    eps = torch.finfo(torch.bfloat16).eps
+    for got, want, truth in zip(after(*args), before(*args), exact, strict=True):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert rel_err(got, want) <= 2 * eps
+        assert rel_err(got, truth) <= max(rel_err(want, truth), eps / 2)

@@ -122,6 +122,28 @@ def test_bf16_casts_stay_exact_upcasts_of_the_concatenation():
     assert_same(got, want)  # each channel is convolved alone either way
 
 
+def _upcast_pieces(xs, state, slots, ws):
+    """spell8 in bf16: each piece's conv + SiLU in bf16, transposed, then `.float()`"""
+    new_state, *ys = _chunked(xs, state, slots, ws)
+    return new_state, *(y.float() * 2 for y in ys)
+
+
+def test_upcast_after_the_permute_stays_on_each_piece():
+    """the pieces' upcasts stay after the split (where the canonical form casts q, k and v),
+    not merged into one cast before it (session 26: kda_decode's bf16 variants then met a split
+    of fp32 pieces)"""
+    xs, state, slots, ws = _inputs(dtype=torch.bfloat16)
+    gm, count, want, got = _rewrite(_upcast_pieces, xs, state, slots, ws)
+    assert count == 1
+    (split,) = [n for n in gm.graph.nodes if str(n.target) == "aten.split.Tensor"]
+    assert split.meta["val"][0].dtype == torch.bfloat16
+    assert str(split.args[0].target) == "aten.permute.default"
+    pieces = [u for u in split.users]
+    assert len(pieces) == 3 and all(
+        "convert_element_type" in str(next(iter(p.users)).target) for p in pieces)
+    assert_same(got, want)
+
+
 # ---- look-alikes ---------------------------------------------------------------------------------
 
 

@@ -20,7 +20,9 @@ gaps (fp32, 4-layer tiny; details, near misses and suggested rules: docs/redteam
   sigmoid written 1 / (1 + exp(-x)) (`sigmoid`), conv taps one [3W, 1, K] weight over a
   q|k|v|g|f_a|b in-projection (`qkv_split`), o.unsqueeze(1) and A_log.exp()[:, None] (the
   matcher's view == unsqueeze), SiLU after the conv output's transpose (`permute_fold`). bf16:
-  still lost (the spelling's fp32 o and bf16 conv round differently from the fused op).
+  still lost; of its two causes (session 26, helper bf16kda) o kept fp32 into the gated norm is
+  taken (the ops' `o_fp32` variant, shared with spell8); the conv + SiLU run in bf16 (each
+  rounded) is not: a rounding the fused op does not have (near miss at the conv).
 * attn_res_mix_norm / oproj_attn_res_mix_norm: closed (session 21): `depth_mix` reads the
   sources of the preallocated bank written by slice assignment (select_scatter chains) and of a
   one-block torch.stack; o_proj as one mm on [B, D] (`flat` variants).
@@ -65,7 +67,7 @@ LOST = {
     torch.float32: {0: {**_KDA, "rms_norm": 1}, 1: _KDA},
 }
 # bf16: the MoE layers' moe_experts and norm_linear fuse since session 23 (the fp32_out and
-# weight_fp32 variants keep the spelling's rounding); KDA's losses remain
+# weight_fp32 variants keep the spelling's rounding); KDA's losses remain (the bf16 conv)
 LOST[torch.bfloat16] = {0: _KDA_BF16, 1: _KDA_BF16}
 # (pattern, dtype) whose loss must come with a near miss in that layer naming the node that failed
 DIAGNOSED = (("kda_decode", torch.bfloat16),)

@@ -39,7 +39,11 @@ the same math:
 * linear_concat (0, 1): closed by rule `lowrank_view` (session 24, helper kdagaps): f_b(f_a(x))
   as two einsums left f_a's GEMM rows feeding f_b's GEMM with no [B, T, R] view between them
   after rule `gemm` (near miss "view where the pattern expects mm").
-* fb_kda_decode (0, 1): closed in fp32 (session 25, helper kdavar; bf16 open, not bisected) by
+* fb_kda_decode (0, 1): closed in bf16 (session 26, helper bf16kda): four causes, bisected on
+  one KDA block: conv_einsum did not find the bf16 SiLU (computed in fp32 between casts) after
+  the einsum conv; conv_merge merged the pieces' `.float()` before the split; the output cast
+  after the head merge (rule `cast_merge` puts it first); o kept fp32 into the gated norm (the
+  ops' `o_fp32` variant). Closed in fp32 (session 25, helper kdavar) by
   the ops' three-state variant
   (`k_conv_state`, `v_conv_state`) and rule `conv_states` (three gathered conv states read as
   slices of their concatenation, which conv_merge then merges). Before, bisected (session 24):
@@ -82,9 +86,8 @@ _MLA = {"mla_q_absorb": 1, "mla_decode": 1, "mla_uv_gate": 1}
 # layer -> the built-in plan's ops this spelling's plan lacks (a layer not named: none)
 LOST = {
     torch.float32: {0: _NORM},
-    # bf16: the three convs are not merged (near miss "permute where the pattern expects
-    # getitem"), not bisected; the einsum window sum multiplies in bf16 (as spell5's, session 23)
-    torch.bfloat16: {0: _KDA, 1: _KDA, 2: _MLA, 3: _MLA},
+    # bf16: KDA closed in session 26 (helper bf16kda); layer 0's input norm as in fp32
+    torch.bfloat16: {0: _NORM, 2: _MLA, 3: _MLA},
 }
 
 

@@ -265,6 +265,27 @@ def test_norm_weight_fp32_builds(module, scalars, b, monkeypatch, tmp_path):
         assert plain > 0
     assert not bf16_mul.findall(ptx_of(variant))
 
+# kda_decode's o_fp32 build (with norm_fp32: o unrounded into fla's gated norm; the red-team
+# spelling, spell8): decode and verify rows at one TP16 rank, batch 1 and 64
+O_FP32 = [((1, 6, 4), 1), ((8, 6, 4), 64)]
+
+
+@pytest.mark.parametrize("scalars,b", _first_of_each(O_FP32, lambda case: "kda"), ids=str)
+def test_kda_o_fp32_builds(scalars, b, monkeypatch, tmp_path):
+    """The variant compiles for sm_90a without spills, and the flag reaches the device code: the
+    norm_fp32 build less the bf16 rounding of each token's o (VEC value columns per thread)."""
+    monkeypatch.setenv("CUTE_DSL_ARCH", ARCH)
+    cfg = kda_decode.config(*scalars, b)
+    for sub in ("v", "d"):
+        (tmp_path / sub).mkdir()
+    variant = kda_decode.build(*scalars, cfg, arch=ARCH, dump_dir=str(tmp_path / "v"),
+                               norm_fp32=True, o_fp32=True)
+    _check_cubin(variant)
+    fp32_norm = kda_decode.build(*scalars, cfg, arch=ARCH, dump_dir=str(tmp_path / "d"),
+                                 norm_fp32=True)
+    cvt = "cvt.rn.bf16.f32"
+    assert ptx_of(fp32_norm).count(cvt) - ptx_of(variant).count(cvt) == scalars[0] * kda_decode.VEC
+
 
 # kda_decode's time-major build (the conv state [S, taps-1, 3W], vLLM v1's layout): decode and
 # verify rows at one TP16 rank, batch 1 (clusters of 4) and 64 (no cluster)
