@@ -62,12 +62,8 @@ def _pieces(node: fx.Node, channels_last: bool) -> list[tuple[fx.Node, str]] | N
         t = node.target
         if t in (aten.permute.default, aten.t.default, aten.transpose.int) and len(shape(node)) == 2:
             node, channels_last = node.args[0], not channels_last
-        elif t in (aten.unsqueeze.default, aten.view.default, aten.reshape.default,
-                   aten.clone.default, aten.expand.default) and \
-                sorted(d for d in shape(node) if d != 1) == sorted(
-                    d for d in shape(node.args[0]) if d != 1) and len(shape(node.args[0])) == 2:
-            if shape(node) != shape(node.args[0]):
-                return None  # a reshape between orientations is not a depthwise read
+        elif t in (aten.view.default, aten.reshape.default, aten.clone.default,
+                   aten.alias.default) and shape(node) == shape(node.args[0]):
             node = node.args[0]
         elif t is aten.select.int and len(shape(node.args[0])) == 3 and node.args[1] == 1 \
                 and node.args[2] == 0 and shape(node.args[0])[1] == 1 and channels_last:

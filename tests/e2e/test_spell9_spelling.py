@@ -41,8 +41,12 @@ docs/spell9_spelling.md.
   (session 25); oproj_attn_res_mix_norm then fuses with probe `linear`. In bf16 the mixes become
   canonical but stay unfused: the norm after each mix multiplies its scale in fp32 before the
   one cast (their inner norms fuse as rms_norm instead).
-* fb_kda_decode: lost even with every probe (the scanned KDA cell with its conv inside; helper
-  kdavar's area).
+* fb_kda_decode: the short conv for one token inside the scanned KDA cell (`einsum("bkc,kc->bc",
+  cat(window, x_t), taps)`, the taps a cat of the Flax conv kernels' slices) -- closed in fp32
+  by rules `cell_conv` (the canonical time-major conv, its weight the kernels' [C, 1, taps]
+  views) and `token_select` (the token selected after the feature math) (session 26, helper
+  kda9); the vmapped delta rule needed nothing more. bf16 stays lost: kda_decode has no variant
+  for spell9's output norm rounding, and cell_conv leaves bf16 alone (its docstring).
 """
 
 from __future__ import annotations
@@ -73,14 +77,15 @@ _EVERY = {0: {**_GEMMS, "fb_kda_decode": 1}, 1: {**_MIX, **_GEMMS, "fb_kda_decod
           2: {**_MIX, **_GEMMS, **_MLA, **_MOE}, 3: {**_MIX, **_GEMMS, **_MLA, **_MOE},
           -1: {**_MIX, "linear": 1}}
 # layer -> the built-in plan's ops this spelling's plan lacks (session 25, all five helpers'
-# changes merged): fp32 keeps only the KDA step (the scanned cell with its conv inside) and the
-# routed experts on [B, 1, D] (probe `ffn_flat`); bf16 also the mixes' and the MLA norm's scale
-# multiplied in fp32 before the cast (attn_res_mix_norm, oproj_attn_res_mix_norm, the MLA
-# layers' linear_concat and mla_lowrank_norm)
+# changes merged; session 26, helper kda9: the KDA step fuses in fp32, rules cell_conv and
+# token_select): fp32 keeps only the routed experts on [B, 1, D] (probe `ffn_flat`); bf16 also
+# the KDA step (its output norm's rounding, see the rule cell_conv), the mixes' and the MLA
+# norm's scale multiplied in fp32 before the cast (attn_res_mix_norm, oproj_attn_res_mix_norm,
+# the MLA layers' linear_concat and mla_lowrank_norm)
 _KDA, _EXPERTS = {"fb_kda_decode": 1}, {"moe_experts": 1}
 _OPROJ, _MLA_NORM = {"oproj_attn_res_mix_norm": 1}, {"linear_concat": 1, "mla_lowrank_norm": 1}
 LOST = {
-    torch.float32: {0: _KDA, 1: {**_KDA, **_EXPERTS}, 2: _EXPERTS, 3: _EXPERTS},
+    torch.float32: {1: _EXPERTS, 2: _EXPERTS, 3: _EXPERTS},
     torch.bfloat16: {0: {**_KDA, **_OPROJ}, 1: {**_MIX, **_KDA, **_OPROJ, **_EXPERTS},
                      2: {**_MIX, **_MLA_NORM, **_OPROJ, **_EXPERTS},
                      3: {**_MIX, **_MLA_NORM, **_OPROJ, **_EXPERTS}, -1: _MIX},
@@ -88,8 +93,7 @@ LOST = {
 TEMPLATES = {0: "dense", 1: "kda_moe", 2: "mla_moe", 3: "last", -1: "final"}
 
 # the probes that bring most of the plan back, and what is lost then (fp32)
-PROBED = (("ffn_flat",),
-          {0: {"fb_kda_decode": 1}, 1: {"fb_kda_decode": 1}})
+PROBED = (("ffn_flat",), {})
 
 
 def diff_model():
