@@ -42,10 +42,14 @@ docs/spell9_spelling.md.
   canonical but stayed unfused: the norm after each mix multiplies its scale in fp32 before the
   one cast. Closed in session 26 (helper bf16norm) by op variants that keep that rounding:
   attn_res_mix_norm / oproj_attn_res_mix_norm `norm_weight_fp32=True` and mla_lowrank_norm
-  `weight_fp32=True` (linear_concat's MLA forms then take the flagged call): bf16 loses what
-  fp32 loses. On GPU graphs those variants stay with Inductor until their builds pass GPU tests.
-* fb_kda_decode: lost even with every probe (the scanned KDA cell with its conv inside; helper
-  kdavar's area).
+  `weight_fp32=True` (linear_concat's MLA forms then take the flagged call). On GPU graphs those
+  variants stay with Inductor until their builds pass GPU tests.
+* fb_kda_decode: the short conv for one token inside the scanned KDA cell (`einsum("bkc,kc->bc",
+  cat(window, x_t), taps)`, the taps a cat of the Flax conv kernels' slices) -- closed in fp32
+  by rules `cell_conv` (the canonical time-major conv, its weight the kernels' [C, 1, taps]
+  views) and `token_select` (the token selected after the feature math) (session 26, helper
+  kda9); the vmapped delta rule needed nothing more. bf16 stays lost: kda_decode has no variant
+  for spell9's output norm rounding, and cell_conv leaves bf16 alone (its docstring).
 """
 
 from __future__ import annotations
@@ -76,20 +80,20 @@ _EVERY = {0: {**_GEMMS, "fb_kda_decode": 1}, 1: {**_MIX, **_GEMMS, "fb_kda_decod
           2: {**_MIX, **_GEMMS, **_MLA, **_MOE}, 3: {**_MIX, **_GEMMS, **_MLA, **_MOE},
           -1: {**_MIX, "linear": 1}}
 # layer -> the built-in plan's ops this spelling's plan lacks (session 25, all five helpers'
-# changes merged): fp32 keeps only the KDA step (the scanned cell with its conv inside) and the
-# routed experts on [B, 1, D] (probe `ffn_flat`); bf16 lost the same since session 26 (helper
-# bf16norm: the mixes' and the MLA norms' scale multiplied in fp32 before the cast fuse as the
-# ops' norm_weight_fp32 / weight_fp32 variants, the MLA layers' linear_concat after them)
+# changes merged; session 26: helper kda9's rules cell_conv and token_select fuse the KDA step in
+# fp32; helper bf16norm's norm_weight_fp32 / weight_fp32 variants fuse the bf16 mixes, o_proj +
+# mix and the MLA norms (the scale multiplied in fp32 before the cast), the MLA layers'
+# linear_concat after them): fp32 keeps only the routed experts on [B, 1, D] (probe `ffn_flat`);
+# bf16 also the KDA step (its output norm's rounding, see the rule cell_conv)
 _KDA, _EXPERTS = {"fb_kda_decode": 1}, {"moe_experts": 1}
 LOST = {
-    torch.float32: {0: _KDA, 1: {**_KDA, **_EXPERTS}, 2: _EXPERTS, 3: _EXPERTS},
+    torch.float32: {1: _EXPERTS, 2: _EXPERTS, 3: _EXPERTS},
     torch.bfloat16: {0: _KDA, 1: {**_KDA, **_EXPERTS}, 2: _EXPERTS, 3: _EXPERTS},
 }
 TEMPLATES = {0: "dense", 1: "kda_moe", 2: "mla_moe", 3: "last", -1: "final"}
 
 # the probes that bring most of the plan back, and what is lost then (fp32)
-PROBED = (("ffn_flat",),
-          {0: {"fb_kda_decode": 1}, 1: {"fb_kda_decode": 1}})
+PROBED = (("ffn_flat",), {})
 
 
 def diff_model():
