@@ -26,9 +26,10 @@ docs/spell9_spelling.md.
   through vmap's `squeeze.dims`; probe `einsum_experts` not needed), and rule `token_rows`
   takes the [B, 1, D] MoE although its experts run on rows the spelling flattened itself, which
   brings back moe_front, moe_route, norm_linear and the shared stream without `ffn_flat`.
-  moe_experts still needs `ffn_flat`: token_rows writes the experts' dequant and FC1 view
-  chains (the canonical einsum lowering, `unsqueeze` / `permute` at T = 1) as views, which the
-  pattern does not match.
+  Session 26 (helper moe9): closed -- token_rows keeps the experts' view chains and bmm's as
+  written where they read rows the spelling flattened itself (they had been composed into one
+  view each, which the pattern does not match), and rule `combine_rows` (expert_combine after
+  token_rows) takes the finalize token_rows put on rows; probe `ffn_flat` is no longer needed.
 * mla_q_absorb, mla_decode, mla_uv_gate: the functional cache (the requests' whole block
   gathered, the new rows `index_put` out of place, the block written back after the step) --
   closed by rule `cache_block` (probe `cache_inplace` no longer needed; the trio is still lost
@@ -73,14 +74,14 @@ _EVERY = {0: {**_GEMMS, "fb_kda_decode": 1}, 1: {**_MIX, **_GEMMS, "fb_kda_decod
           2: {**_MIX, **_GEMMS, **_MLA, **_MOE}, 3: {**_MIX, **_GEMMS, **_MLA, **_MOE},
           -1: {**_MIX, "linear": 1}}
 # layer -> the built-in plan's ops this spelling's plan lacks (session 25, all five helpers'
-# changes merged): fp32 keeps only the KDA step (the scanned cell with its conv inside) and the
-# routed experts on [B, 1, D] (probe `ffn_flat`); bf16 also the mixes' and the MLA norm's scale
+# changes merged; the routed experts on [B, 1, D] since session 26, helper moe9): fp32 keeps
+# only the KDA step (the scanned cell with its conv inside); bf16 also the mixes' and the MLA norm's scale
 # multiplied in fp32 before the cast (attn_res_mix_norm, oproj_attn_res_mix_norm, the MLA
 # layers' linear_concat and mla_lowrank_norm)
 _KDA, _EXPERTS = {"fb_kda_decode": 1}, {"moe_experts": 1}
 _OPROJ, _MLA_NORM = {"oproj_attn_res_mix_norm": 1}, {"linear_concat": 1, "mla_lowrank_norm": 1}
 LOST = {
-    torch.float32: {0: _KDA, 1: {**_KDA, **_EXPERTS}, 2: _EXPERTS, 3: _EXPERTS},
+    torch.float32: {0: _KDA, 1: _KDA},
     torch.bfloat16: {0: {**_KDA, **_OPROJ}, 1: {**_MIX, **_KDA, **_OPROJ, **_EXPERTS},
                      2: {**_MIX, **_MLA_NORM, **_OPROJ, **_EXPERTS},
                      3: {**_MIX, **_MLA_NORM, **_OPROJ, **_EXPERTS}, -1: _MIX},
