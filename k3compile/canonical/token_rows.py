@@ -25,7 +25,14 @@ for bit. What a node of C may be:
 * a GEMM reading rows of C by a weight: `mm(rows, W)`, `bmm(rows [1, N, K], W [1, K, M])`.
 
 A weight is any value that does not depend on an integer graph input (token ids, slots,
-positions): parameters, dequantised expert stacks, constants. Refused, nothing rewritten: regions
+positions): parameters, dequantised expert stacks, constants. Where the spelling flattens its tokens itself before its routed experts (spell9:
+`z.reshape(-1, L)`, `ids.reshape(-1, k)`, experts gathered by those ids), the experts' values are
+rows already: their bmm's against the gathered weights and the views into and out of them are
+kept as written (`Rows._on_rows`, `_into_experts`), the einsum lowering's chains the moe_experts
+pattern is traced with, which composing them into one view each lost (at T = 1 their [B, 1, ...]
+shapes read as tokens).
+
+Refused, nothing rewritten: regions
 that read another per-token value (attention reads its cache at `slots`, a short conv its state,
 the residual stream is computed from the ids), that reduce, index, cat or permute over B or T (a
 sum over T, a conv window over the tokens), that mix rows in a GEMM (`mm(W, x)`), that end in
@@ -150,6 +157,7 @@ class Rows:
         self.B, self.T = _shape(x)[:2]
         self.rows: dict[fx.Node, fx.Node] = {}
         self.created: list[fx.Node] = []
+        self._per_token: dict[fx.Node, bool] = {}
 
     # ---- shapes ----------------------------------------------------------------------------------
 
@@ -242,8 +250,14 @@ class Rows:
         src = args[0] if args else None
         ins = [a for a in n.all_input_nodes if a in self.rows]
         if t in VIEWS and src in self.rows and _pure_reshape(n):
+            if self._on_rows(n, ins):
+                return self._same_op(n, ins)
+            if self._into_experts(n, ins):
+                return self._chain_root(n) or self._same_op(n, ins)
             return self.view(self.rows[src], self.merged(_shape(n)), n, n)
         if t == aten.bmm.default and all(a in self.rows for a in args[:2]):
+            if self._on_rows(n, ins):
+                return self._same_op(n, ins)
             try:
                 return self._row_bmm(n)
             except _Refused:
@@ -374,6 +388,93 @@ class Rows:
         if t == aten.permute.default:  # the rows stay dim 0
             return rank > 0 and args[1][0] % rank == 0
         return t == aten.bmm.default
+
+    def _on_rows(self, n: fx.Node, ins: list[fx.Node]) -> bool:
+        """n, a bmm against the routed experts' weights or a view of their values, reads only
+        values that are rows already (none lowered: a spelling that flattens its tokens itself
+        before its experts, spell9): kept as written (not the view that unflattens rows into
+        tokens, `ys.reshape(B, T, k, L)`: its rows are its input). So the canonical einsum
+        lowering's unsqueeze / permute / view chains around the experts' GEMMs, which
+        patterns/moe_experts.py is traced with, stay those ops; composed into one view each (at
+        T = 1 their [B, 1, ...] shapes read as tokens) they were lost."""
+        if any(self.lowered(a) for a in ins) or self._unflattens(n):
+            return False
+        if n.target == aten.bmm.default:
+            return self._expert_gemm(n)
+        src = n
+        while src.op == "call_function" and src.target in VIEWS:
+            src = src.args[0]
+        return self._expert_weight(src) or (src.target == aten.bmm.default
+                                            and self._expert_gemm(src))
+
+    def _into_experts(self, n: fx.Node, ins: list[fx.Node]) -> bool:
+        """n, a view of rows (none lowered), reaches a bmm against the routed experts' weights
+        through views only: the latent's chain into FC1 / FC3."""
+        if any(self.lowered(a) for a in ins) or self._unflattens(n):
+            return False
+        todo = list(n.users)
+        while todo:
+            u = todo.pop()
+            if u.target in VIEWS:
+                todo += u.users
+            elif u.target == aten.bmm.default and self._expert_gemm(u):
+                return True
+        return False
+
+    def _unflattens(self, n: fx.Node) -> bool:
+        """n views rows as tokens: [B*T, ...] -> [B, T, ...]."""
+        out = _shape(n)
+        return n.target in VIEWS and self.token(out) and self.merged(out) == list(
+            _shape(n.args[0]))
+
+    def _chain_root(self, n: fx.Node) -> fx.Node | None:
+        """The rows of the value n's chain of pure reshapes starts from, where that value has n's
+        shape (the spelling's own reshapes before the einsum, `z.view(..).reshape(-1, L)`: the
+        einsum reads z itself, as where the tokens are flat)."""
+        node, seen = n, set()
+        while node.op == "call_function" and node.target in VIEWS and node not in seen:
+            if not _pure_reshape(node):
+                return None
+            seen.add(node)
+            src = node.args[0]
+            node = src if self.rows.get(src) in seen else self.rows.get(src, src)
+        return node if _shape(node) == _shape(n) else None
+
+    def _expert_gemm(self, bmm: fx.Node) -> bool:
+        return any(self._expert_weight(a) for a in bmm.args[:2])
+
+    def per_token(self, node: fx.Node) -> bool:
+        """node is computed from x or from an integer graph input (ids, slots, positions)."""
+        memo, todo = self._per_token, [node]
+        while todo:
+            n = todo[-1]
+            if n in memo:
+                todo.pop()
+                continue
+            if n is self.x or n in self.varying:
+                memo[n] = True
+                continue
+            ins = [a for a in n.all_input_nodes if a not in memo]
+            if ins:
+                todo += ins
+                continue
+            memo[n] = any(memo[a] for a in n.all_input_nodes)
+        return memo[node]
+
+    def _expert_weight(self, node: fx.Node, limit: int = 256) -> bool:
+        """node is a weight or table indexed by per-token ids (`stack[ids]`, `lut[codes]`) or
+        computed from one without a GEMM (the routed experts' dequantised weights)."""
+        seen, todo = set(), [node]
+        while todo and len(seen) < limit:
+            n = todo.pop()
+            if n in seen or n is self.x or n.op != "call_function" or n.target in GEMMS:
+                continue
+            seen.add(n)
+            if n.target == aten.index.Tensor and not self.per_token(n.args[0]) and any(
+                    self.per_token(i) for i in n.args[1] if isinstance(i, fx.Node)):
+                return True
+            todo += n.all_input_nodes
+        return False
 
     def _same_op(self, n: fx.Node, ins: list[fx.Node]) -> fx.Node:
         """n itself on its operands' rows (n where they are its operands)."""

@@ -26,9 +26,10 @@ docs/spell9_spelling.md.
   through vmap's `squeeze.dims`; probe `einsum_experts` not needed), and rule `token_rows`
   takes the [B, 1, D] MoE although its experts run on rows the spelling flattened itself, which
   brings back moe_front, moe_route, norm_linear and the shared stream without `ffn_flat`.
-  moe_experts still needs `ffn_flat`: token_rows writes the experts' dequant and FC1 view
-  chains (the canonical einsum lowering, `unsqueeze` / `permute` at T = 1) as views, which the
-  pattern does not match.
+  Session 26 (helper moe9): closed -- token_rows keeps the experts' view chains and bmm's as
+  written where they read rows the spelling flattened itself (they had been composed into one
+  view each, which the pattern does not match), and rule `combine_rows` (expert_combine after
+  token_rows) takes the finalize token_rows put on rows; probe `ffn_flat` is no longer needed.
 * mla_q_absorb, mla_decode, mla_uv_gate: the functional cache (the requests' whole block
   gathered, the new rows `index_put` out of place, the block written back after the step) --
   closed by rule `cache_block` (probe `cache_inplace` no longer needed; the trio is still lost
@@ -81,13 +82,14 @@ _EVERY = {0: {**_GEMMS, "fb_kda_decode": 1}, 1: {**_MIX, **_GEMMS, "fb_kda_decod
           -1: {**_MIX, "linear": 1}}
 # layer -> the built-in plan's ops this spelling's plan lacks (session 25, all five helpers'
 # changes merged; session 26: helper kda9's rules cell_conv and token_select fuse the KDA step in
-# fp32; helper bf16norm's norm_weight_fp32 / weight_fp32 variants fuse the bf16 mixes, o_proj +
-# mix and the MLA norms (the scale multiplied in fp32 before the cast), the MLA layers'
-# linear_concat after them): fp32 keeps only the routed experts on [B, 1, D] (probe `ffn_flat`);
-# bf16 also the KDA step (its output norm's rounding, see the rule cell_conv)
+# fp32, helper moe9's token_rows change and rule combine_rows the routed experts on [B, 1, D],
+# helper bf16norm's norm_weight_fp32 / weight_fp32 variants the bf16 mixes, o_proj + mix and the
+# MLA norms (the scale multiplied in fp32 before the cast), the MLA layers' linear_concat after
+# them): fp32 loses nothing; bf16 keeps the KDA step (its output norm's rounding, see the rule
+# cell_conv) and the routed experts (not investigated)
 _KDA, _EXPERTS = {"fb_kda_decode": 1}, {"moe_experts": 1}
 LOST = {
-    torch.float32: {1: _EXPERTS, 2: _EXPERTS, 3: _EXPERTS},
+    torch.float32: {},
     torch.bfloat16: {0: _KDA, 1: {**_KDA, **_EXPERTS}, 2: _EXPERTS, 3: _EXPERTS},
 }
 TEMPLATES = {0: "dense", 1: "kda_moe", 2: "mla_moe", 3: "last", -1: "final"}
