@@ -11,8 +11,8 @@ projection rounded to bf16) or fp32 throughout (`depth_mix_scores_fp32`, Moonsho
 kernel's own score math: both variants run one build). `norm_weight_fp32` (bf16, fp32 scores): the
 norm after the mix multiplies its weight in fp32 before the one rounding to bf16 (a JAX/Flax-style
 norm, tests/models/spell9_k3.py; `math.rms_norm_fp32_weight`) -> `norm_weight_fp32=True`; another
-rounding than K3's, so a variant, not a canonical rule. On GPU graphs it stays with Inductor until
-the kernel's build for it has passed its GPU tests (`untested_build_refusal`).
+rounding than K3's, so a variant, not a canonical rule. The kernel's build for it passed its GPU
+tests (H100, 2026-12-05, session 26), so GPU graphs fuse it too.
 
 Before (per mix, ~25 ATen ops):  add, cat, convert, pow, mean, add, rsqrt, mul, convert, mul, mm,
     convert, amax, sub, exp, sum, div, mul, sum, convert, ... rsqrt, mul, convert, mul
@@ -46,14 +46,6 @@ def mix_norm(prefix, delta, blocks, w_mix_norm, w_mix_proj, w_norm, mix_eps, nor
     if norm_weight_fp32:
         return prefix_out, rms_norm_fp32_weight(h, w_norm, norm_eps, h.dtype)
     return prefix_out, rms_norm(h, w_norm, norm_eps)
-
-
-def untested_build_refusal(match) -> str | None:
-    """On GPU graphs a `norm_weight_fp32` site stays with Inductor until the attn_res_mix_norm
-    kernel's build for it (kernels/attn_res_mix_norm.py, session 26) has passed its GPU tests
-    (tests/fusions/test_attn_res_mix_norm_kernel.py, test_oproj_attn_res_mix_norm_kernel.py):
-    built for sm_90a, never run on a GPU. CPU graphs fuse it (the reference is the CPU kernel)."""
-    return "norm_weight_fp32: the mix kernel's build for it has not run on a GPU yet"
 
 
 def check(match) -> str | None:
@@ -115,7 +107,6 @@ def _variant(n_blocks: int, with_delta: bool, dtype: torch.dtype = torch.bfloat1
         search=with_signature(search, names), replace=with_signature(replace, names),
         example_inputs=example_inputs, op="k3.attn_res_mix_norm", check=check,
         scalars={"mix_eps": 1.1e-5, "norm_eps": 1.3e-5}, distinctive=("amax", "rsqrt", "cat", "exp"),
-        kernel_refusal=untested_build_refusal if norm_weight_fp32 else None,
     )
 
 

@@ -179,14 +179,13 @@ def time_major_check(match) -> str | None:
 
 
 def untested_build_refusal(match) -> str | None:
-    """On GPU graphs a three-conv-state or `o_fp32` site stays with Inductor until kda_decode's
-    build for it has passed its GPU tests: built for sm_90a, never run on a GPU. The three-state
-    build (kernels/kda_decode.py, session 25) cannot run there yet: the GPU machine's torch 2.11
-    has no three-state op (`THREE_STATE_OPS`). The `o_fp32` build (session 26):
-    tests/fusions/test_kda_decode_o_fp32.py's GPU tests. CPU graphs fuse both (the reference is
-    the CPU kernel). The V-major build passed its GPU tests (H100, 2026-12-05, session 26) and
-    fuses, as session 23's time-major build did."""
-    return "three conv states / o_fp32: kda_decode's build has not run on a GPU yet"
+    """On GPU graphs a three-conv-state site stays with Inductor until kda_decode's build for that
+    layout (kernels/kda_decode.py, session 25) has passed its GPU tests: built for sm_90a, never
+    run on a GPU (the GPU machine's torch 2.11 has no three-state op: `THREE_STATE_OPS`). CPU
+    graphs fuse it (the reference is the CPU kernel). The V-major and `o_fp32` builds passed
+    their GPU tests (H100, 2026-12-05, session 26) and fuse, as session 23's time-major build
+    did."""
+    return "three conv states: kda_decode's build has not run on a GPU yet"
 
 
 def three_states_check(match) -> str | None:
@@ -394,7 +393,7 @@ def _variant(T: int, B: int, dtype: torch.dtype, silu_written_out: bool = False,
         example_inputs=example_inputs, op="k3.kda_decode",
         check=three_states_check if three_states else time_major_check if conv_time_major
         else check, scalars=dict(SCALARS),
-        kernel_refusal=untested_build_refusal if three_states or o_fp32 else None,
+        kernel_refusal=untested_build_refusal if three_states else None,
         distinctive=("convolution", "index_put", "bmm", "rsqrt"), joint_passes=True,
         fits=_fits(T, conv_time_major, state_v_major, three_states, o_fp32),
     )

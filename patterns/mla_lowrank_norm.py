@@ -16,8 +16,8 @@ folds into the GEMM's input; `check` wants the views [N, 1, .], their sizes bein
 The two eps are compared in float32 (`same_eps`). `,weight_fp32` (bf16): both norms multiply
 their weight in fp32 before the one rounding to bf16 (a JAX/Flax-style norm, tests/models/
 spell9_k3.py; `math.rms_norm_fp32_weight`) -> the op's `weight_fp32=True`; another rounding than
-K3's, so a variant, not a canonical rule; on GPU graphs it stays with Inductor until the kernel's
-build for it has passed its GPU tests (`untested_build_refusal`).
+K3's, so a variant, not a canonical rule; the kernel's build for it passed its GPU tests
+(H100, 2026-12-05, session 26), so GPU graphs fuse it too.
 """
 
 from __future__ import annotations
@@ -63,14 +63,6 @@ def _replace(viewed: bool, weight_fp32: bool):
             out(F.linear(x, w_qa)), out(F.linear(x, w_kva)), w_qn, w_kvn, q_eps, *flag)
         return c_kv, k_pe, cq
     return replace
-
-
-def untested_build_refusal(match) -> str | None:
-    """On GPU graphs a `weight_fp32` site stays with Inductor until mla_lowrank_norm's build for
-    it (kernels/mla_lowrank_norm.py, session 26) has passed its GPU tests
-    (tests/fusions/test_mla_lowrank_norm_kernel.py): built for sm_90a, never run on a GPU. CPU
-    graphs fuse it (the reference is the CPU kernel)."""
-    return "weight_fp32: mla_lowrank_norm's build for it has not run on a GPU yet"
 
 
 def one_token_outputs(match, x) -> str | None:
@@ -128,7 +120,6 @@ def _variant(dtype: torch.dtype, form: str = "", weight_fp32: bool = False) -> P
         check=(lambda match: check(match, viewed=True)) if viewed else check,
         scalars={"q_eps": 1.1e-6, "kv_eps": 1.3e-6}, distinctive=("rsqrt", "split_with_sizes"),
         exclusive=("w_qa", "w_kva"), joint_passes=True,
-        kernel_refusal=untested_build_refusal if weight_fp32 else None,
     )
 
 

@@ -18,7 +18,7 @@ F.linear of [B, T, X] traces to: the `flat` variants.
 A model that writes the prefix add as `a + prefix` gets an attn_res_mix_norm with the two in
 swapped roles (the `swapped` variants; the sum is the same in IEEE arithmetic). The mix's
 `scores_fp32` variants (bf16) carry that argument over, and its `norm_weight_fp32` ones that flag
-too (on GPU graphs those stay with Inductor as the mix's do: `untested_build_refusal`).
+too (on CUDA the two launches run it; the opt-in one launch refuses it).
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ from k3compile.patterns.attn_res_mix_norm import (
     NORM_FP32_WEIGHT_KINDS,
     SHAPE,
     flags,
-    untested_build_refusal,
 )
 
 from k3compile.graph import reads_state
@@ -115,7 +114,6 @@ def _variant(n_blocks: int, with_prefix: bool, dtype: torch.dtype = torch.bfloat
         example_inputs=example_inputs, op="k3.oproj_attn_res_mix_norm", check=check,
         scalars={"mix_eps": 1.1e-5, "norm_eps": 1.3e-5}, fake_trace=True,
         distinctive=("mm", "attn_res_mix_norm"),
-        kernel_refusal=untested_build_refusal if norm_weight_fp32 else None,
     )
 
 
