@@ -126,13 +126,21 @@ def test_lost_fusions_have_a_near_miss_naming_a_node(pattern, dtype, request):
 
 @pytest.mark.gpu
 def test_cuda_graph_plans_as_the_cpu_one(reference_plan):
-    """On CUDA, fp32: the plan loses what the CPU's loses, and the step equals its eager twin.
+    """On CUDA, fp32: the plan loses what the CPU's loses and, beyond it, only ops that GPU graphs
+    defer for want of a CUDA kernel (`report.deferred`); the step equals its eager twin.
     A GPU graph once lost the MLA trio (AOT traced SDPA to CUDA's fused op, opaque to rule
     sdpa_math: now traced by its math path, `Options.sdpa_math`) and the experts (rule
     expert_rows ran its proof on the graph's CUDA constants: now on the CPU), session 26."""
     err, compiled = foreign.run_on_cuda(torch.float32, from_builtin)
     assert err <= TOL["aten_cpu"], err
-    assert foreign.lost(reference_plan, _per_layer(compiled)) == LOST[torch.float32]
+    lost = foreign.lost(reference_plan, _per_layer(compiled))
+    (report,) = compiled.observer.reports.values()
+    for layer, ops in LOST[torch.float32].items():  # what the CPU loses is lost here too
+        assert lost.get(layer, {}).items() >= ops.items(), (layer, lost)
+    more = {op for layer, ops in lost.items() for op in ops
+            if op not in LOST[torch.float32].get(layer, {})}
+    # the rest: ops GPU graphs leave to Inductor where no CUDA kernel takes the site (fp32 here)
+    assert more <= set(report.deferred), (more, report.deferred)
 
 
 # probes (Spell6K3.set_probe) that switch the named idioms to another spelling of the same math,
