@@ -52,10 +52,9 @@ import torch
 from torch import fx
 
 from k3compile.canonical import Rule, rewrite_sites
-from k3compile.canonical.region import call_on_cpu, on_cpu
 from k3compile.canonical import expert_slots as slots
 from k3compile.canonical.expert_gather import splice, traced
-from k3compile.canonical.region import VIEWS, root
+from k3compile.canonical.region import VIEWS, call_on_cpu, on_cpu, root
 from k3compile.canonical.region import static_shape as _shape
 from k3compile.canonical.region import val as _val
 from k3compile.canonical.route_mask import _constant

@@ -52,7 +52,6 @@ from torch import fx
 from torch.utils._pytree import tree_leaves, tree_map
 
 from k3compile.canonical import Rule, rewrite_sites
-from k3compile.canonical.region import call_on_cpu, on_cpu
 from k3compile.canonical.expert_slots import (
     _FORMAT,
     _SMALL_I,
@@ -62,7 +61,7 @@ from k3compile.canonical.expert_slots import (
     _values,
 )
 from k3compile.canonical.expert_slots import _write as _splice_experts
-from k3compile.canonical.region import VIEWS
+from k3compile.canonical.region import VIEWS, call_on_cpu, on_cpu
 from k3compile.canonical.region import static_shape as _shape
 from k3compile.canonical.region import val as _val
 from k3compile.rewrite import inductor

@@ -41,7 +41,6 @@ import torch
 from torch import fx
 
 from k3compile.canonical import Rule
-from k3compile.canonical.region import call_on_cpu
 from k3compile.canonical.layout import (
     SPLITS,
     Axis,
@@ -55,6 +54,7 @@ from k3compile.canonical.layout import (
     layout_source,
     terms,
 )
+from k3compile.canonical.region import call_on_cpu
 from k3compile.graph import call
 from k3compile.rewrite import inductor
 

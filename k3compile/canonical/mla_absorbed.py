@@ -40,7 +40,6 @@ import torch
 from torch import fx
 
 from k3compile.canonical import Rule
-from k3compile.canonical.region import call_on_cpu
 from k3compile.canonical.layout import terms
 from k3compile.canonical.mla_absorb import (
     Site,
@@ -57,6 +56,7 @@ from k3compile.canonical.mla_absorb import (
     flat_output,
     rewrite,
 )
+from k3compile.canonical.region import call_on_cpu
 from k3compile.rewrite import inductor
 
 # the site's output against the canonical attention on the same random inputs, relative to its
