@@ -25,12 +25,14 @@ for bit. What a node of C may be:
 * a GEMM reading rows of C by a weight: `mm(rows, W)`, `bmm(rows [1, N, K], W [1, K, M])`.
 
 A weight is any value that does not depend on an integer graph input (token ids, slots,
-positions): parameters, dequantised expert stacks, constants. Where the spelling flattens its tokens itself before its routed experts (spell9:
-`z.reshape(-1, L)`, `ids.reshape(-1, k)`, experts gathered by those ids), the experts' values are
-rows already: their bmm's against the gathered weights and the views into and out of them are
-kept as written (`Rows._on_rows`, `_into_experts`), the einsum lowering's chains the moe_experts
-pattern is traced with, which composing them into one view each lost (at T = 1 their [B, 1, ...]
-shapes read as tokens).
+positions): parameters, dequantised expert stacks, constants.
+
+Where the spelling flattens its tokens itself before its routed experts (spell9: `z.reshape(-1,
+L)`, `ids.reshape(-1, k)`, experts gathered by those ids), the experts' values are rows already:
+their bmm's against the gathered weights and the views into and out of them are kept as written
+(`Rows._on_rows`, `_into_experts`). Those are the einsum lowering's chains that the moe_experts
+pattern is traced with; composed into one view each (at T = 1 their [B, 1, ...] shapes read as
+tokens) they were lost.
 
 Refused, nothing rewritten: regions
 that read another per-token value (attention reads its cache at `slots`, a short conv its state,
