@@ -22,17 +22,12 @@ from __future__ import annotations
 
 import torch
 from torch import fx
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from k3compile.canonical import Rule, rewrite_sites
+from k3compile.canonical.cast_view import CAST, _same
+from k3compile.canonical.cast_view import _write as cast_first
 from k3compile.canonical.region import val as _val
-from k3compile.graph import RESHAPES, call
-
-CAST = torch.ops.prims.convert_element_type.default
-
-
-def _same(a, b) -> bool:
-    return statically_known_true(a == b)
+from k3compile.graph import RESHAPES
 
 
 def _head_merge(view) -> bool:
@@ -63,12 +58,8 @@ def _site(node: fx.Node) -> bool:
 
 def _write(graph: fx.Graph, cast: fx.Node, _) -> None:
     view = cast.args[0]
-    with graph.inserting_before(cast):
-        first = call(graph, CAST, (view.args[0], *cast.args[1:]), cast.kwargs, like=cast)
-        merge = call(graph, view.target, (first, *view.args[1:]), view.kwargs, like=cast)
-    cast.replace_all_uses_with(merge)
-    graph.erase_node(cast)
-    graph.erase_node(view)
+    cast_first(graph, cast, _)  # cast_view's swap: the cast, then the view
+    graph.erase_node(view)  # read only by the cast (`_head_merge`)
 
 
 def apply(graph: fx.Graph) -> int:
