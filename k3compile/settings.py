@@ -48,7 +48,8 @@ SWITCHES: dict[str, tuple[str, str]] = {
     "K3_GEMM_TC_FUSED": (("kernels: gemm_tc's one-launch variants at 2-32 rows (`split,situ,norm`, "
                           "`all`, `0`)"), "split,situ"),
     "K3_MOE_GROUPED": ("kernels: `moe_experts` by expert on tensor cores at 8-64 rows", "0"),
-    "K3_MOE_F16": ("kernels: `moe_experts` FC1 decodes into packed fp16 math (fma.rn.f16x2)", "0"),
+    "K3_MOE_F16": (("kernels: `moe_experts` decodes into packed fp16 math (fma.rn.f16x2): `auto` "
+                    "at buckets of 32 rows and more, `1` at every bucket, `0` never"), "auto"),
     "K3_KDA_FB": (("kernels: `fb_kda_decode` in one launch (the KDA kernel computes the f_b "
                    "projection itself; the default is the f_b GEMM, then the KDA kernel)"), "0"),
     "K3_CHECK_KERNEL": (("kernels: the device-side input check and redirect (`validate=device` on "
@@ -145,6 +146,13 @@ def parse_cache_dir(value: str | None) -> str | None:
         return os.path.abspath(os.path.expanduser(v))
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "k3compile")
+
+
+def parse_auto_bool(name: str, value: str | None) -> bool | None:
+    """A boolean switch that also takes `auto` (None, as unset or empty)."""
+    if value is None or value.strip().lower() in ("", "auto"):
+        return None
+    return parse_bool(name, value)
 
 
 def parse_workers(value: str | None) -> int:
@@ -294,7 +302,8 @@ class KernelSettings:
     allreduce: str | None = None
     cache_dir: str | None = None  # kernels/common/disk_cache.py, k3compile/rewrite/trace_cache.py
     moe_grouped: bool = False  # moe_experts by expert at 8-64 rows (kernels/moe_experts.py)
-    moe_f16: bool = False  # moe_experts FC1's packed fp16 decode (kernels/moe_experts.py)
+    # moe_experts' packed fp16 decode; None: `auto` (kernels/moe_experts.py, `f16_decode`)
+    moe_f16: bool | None = None
     kda_fb: bool = False  # fb_kda_decode's one-launch build (kernels/fb_kda_decode.py)
     check_kernel: bool = True  # validate's device check as one launch (kernels/input_check.py)
     build_workers: int = 0  # a bucket's kernels built by a pool (kernels/common/build_pool.py);
@@ -314,7 +323,7 @@ class KernelSettings:
                    extra=env_list("K3_KERNELS_EXTRA"), skip=env_list("K3_KERNELS_SKIP"),
                    allreduce=allreduce, cache_dir=parse_cache_dir(env("K3_CACHE_DIR")),
                    moe_grouped=bool(env_bool("K3_MOE_GROUPED")),
-                   moe_f16=bool(env_bool("K3_MOE_F16")),
+                   moe_f16=parse_auto_bool("K3_MOE_F16", env("K3_MOE_F16")),
                    kda_fb=bool(env_bool("K3_KDA_FB")),
                    check_kernel=env_bool("K3_CHECK_KERNEL") is not False,
                    build_workers=parse_workers(env("K3_BUILD_WORKERS")))

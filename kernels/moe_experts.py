@@ -58,6 +58,10 @@ ROW_VECTORS = 16  # FC2 keeps a whole W2 row in registers up to I = 512 (16 vect
 CHUNK_VECTORS = 12  # ... and above, two chunks of 12 (I % 384 == 0): ~105-115 registers
 STAGE_VECTORS = 8  # most act vectors per thread in flight while FC2 stages act in shared memory
 SMEM_BYTES = 227 * 1024  # per CTA on sm_90
+# K3_MOE_F16=auto: the packed fp16 decode from this bucket up. On the H100 yardstick (2026-12-05,
+# BENCHMARKS.md session 27) it gained 6.6% at B32 and 9-11% at B64, 3.0% at B16 and 1.6% at B8:
+# below the 5% a tuned choice must win by.
+F16_AUTO_ROWS = 32
 Z_SHIFT = 96  # activations are staged times 2^Z_SHIFT (see the docstring)
 SCALE_BIAS = 126 - Z_SHIFT  # fp32 exponent field of a group's factor = scale byte + SCALE_BIAS
 PAIR_SHIFT = (12, 8, 4, 0)  # word << PAIR_SHIFT[i] puts inputs i, i + 4 atop the two halves
@@ -153,13 +157,20 @@ def config(stage: str, latent: int, inter: int, top_k: int, batch_bucket: int):
     if stage == "fc2g":  # 256 rows of W2 per CTA (14 row tiles at L 3584)
         return GroupedConfig(4, 4, 2, batch_bucket, 8)
     if stage == "fc1":
-        f16 = KERNELS.moe_f16
+        f16 = f16_decode(batch_bucket)
         if batch_bucket == 1 and fc1_fits(latent, cp := FC1Config(4, 1, True, f16)):
             return cp
         return FC1Config(4, 2 if _lane_vectors(latent) <= 4 else 1, f16=f16)
     rows = 64 if top_k <= 2 else 32 if top_k <= 4 or top_k % 2 else 16
-    f16 = KERNELS.moe_f16 and inter <= 32 * ROW_VECTORS
+    f16 = f16_decode(batch_bucket) and inter <= 32 * ROW_VECTORS
     return FC2Config(rows, -(-rows * top_k // 32) * 32, f16)
+
+
+def f16_decode(batch_bucket: int) -> bool:
+    """Whether the bucket's FC1 and FC2 decode into packed fp16 math (K3_MOE_F16)."""
+    if KERNELS.moe_f16 is None:
+        return batch_bucket >= F16_AUTO_ROWS
+    return KERNELS.moe_f16
 
 
 def _chunk_vectors(n_vec: int) -> int:

@@ -22,7 +22,6 @@ import dataclasses
 import torch
 
 from k3compile.ops import registry
-from k3compile.settings import KERNELS
 
 from . import moe_experts
 from .common.dsl import bucket, compile_kernel, fake_rows, fake_stream, log
@@ -91,7 +90,7 @@ def refusal(n_rows: int, latent: int, inter: int, top_k: int, block: str = "fc1"
     """Why one launch does not take n_rows rows of a call the two launches take, or None."""
     if not 1 <= n_rows <= MAX_ROWS:
         return f"{n_rows} rows (one launch takes 1..{MAX_ROWS})"
-    if moe_experts.grouped(n_rows) or KERNELS.moe_f16:
+    if moe_experts.grouped(n_rows) or moe_experts.f16_decode(bucket(n_rows)):
         return "K3_MOE_GROUPED or K3_MOE_F16 takes these rows"
     fc1, fc2 = configs(latent, inter, top_k, bucket(n_rows), block)
     if fc2.rows_per_cta * top_k > fc2.threads or fc1.threads != fc2.threads:

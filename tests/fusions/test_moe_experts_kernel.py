@@ -124,9 +124,10 @@ def dot_model(x, packed, scale, chunk=128, f16=False):
 def kernels_model(z, ids, weights, w1p, w1s, w3p, w3s, w2p, w2s, beta, linear_beta, f16=None):
     """The two kernels' math in torch: FC1 sums rounded to bf16 (as the reference's einsums),
     SiTU to bf16, FC2 sums rounded to bf16, weighted fp32 sum in order j, one rounding. The
-    decode is K3_MOE_F16's where `f16` (None: the setting now): FC1's, and FC2's up to I 512."""
-    f16 = settings.KERNELS.moe_f16 if f16 is None else f16
+    decode is K3_MOE_F16's where `f16` (None: the setting now at these rows' bucket): FC1's,
+    and FC2's up to I 512."""
     n, k = ids.shape
+    f16 = kernel.f16_decode(kernel.bucket(n)) if f16 is None else f16
     e = ids.reshape(-1).long()
     zz = z.unsqueeze(1).expand(n, k, z.shape[-1]).reshape(n * k, -1)
     chunk = 32 if f16 else 128  # the fp16 model holds the products as float64
