@@ -150,7 +150,8 @@ def config(stage: str, latent: int, inter: int, top_k: int, batch_bucket: int):
     """FC1: 4 warps; at one row 1 row per warp with cp.async (the H200 sweep of 2026-11-29 at
     the TP16 rank: 11.75 µs per call vs 13.26 for the plain 4 x 2; BENCHMARKS.md session 6),
     above it plain with 2 rows per warp while a lane's loads stay <= 16 vectors (L <= 4096),
-    else 1 (the sweep's best or within 1% at 8-64 rows; grouped FC1 lost at 16-64).
+    else 1 (the sweep's best or within 1% at 8-64 rows; grouped FC1 lost at 16-64); with the
+    fp16 decode at 32 rows and more, 8 warps of 1 row (session 27's sweep).
     FC2: R·k >= 128 threads where k allows, whole warps (R a multiple of 32 for odd k)."""
     if stage == "fc1g":  # 64 rows of W1 and of W3 per CTA (3 row tiles at I 192)
         return GroupedConfig(4, 1, 2, batch_bucket, 4)
@@ -160,6 +161,10 @@ def config(stage: str, latent: int, inter: int, top_k: int, batch_bucket: int):
         f16 = f16_decode(batch_bucket)
         if batch_bucket == 1 and fc1_fits(latent, cp := FC1Config(4, 1, True, f16)):
             return cp
+        if f16 and batch_bucket >= F16_AUTO_ROWS:
+            # the fp16 decode's sweep (H100, 2026-12-05): 8 warps x 1 row, 71 registers, the
+            # best of 18 configs at 32 and 64 rows (-9.1% / -4.8% against 4 x 2)
+            return FC1Config(8, 1, f16=True)
         return FC1Config(4, 2 if _lane_vectors(latent) <= 4 else 1, f16=f16)
     rows = 64 if top_k <= 2 else 32 if top_k <= 4 or top_k % 2 else 16
     f16 = f16_decode(batch_bucket) and inter <= 32 * ROW_VECTORS
