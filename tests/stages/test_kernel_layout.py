@@ -288,6 +288,30 @@ def test_flax_mlp_fuses_and_sees_weight_updates(dtype):
         assert packing.adjacent([model.gate.t(), model.up.t()]), "still packed"
 
 
+def test_weights_changed_between_the_re_lay_and_the_compile_after_it_are_seen():
+    """Never stale weights: writes after the first call's re-lay and before the compile that packs
+    the re-laid weights (the backend's on torch 2.11, Dynamo's on 2.13) reach the packed buffer;
+    so does a Parameter given new memory in the old [in, out] layout after the packing
+    (`param.data = t`: the graph then gets a copy of its `.t()` per call, logged)."""
+    torch._dynamo.reset()
+    model, eager = FlaxMLP(), FlaxMLP()
+    step = torch.compile(model, backend="k3", fullgraph=True, options={"executor": "aten"})
+    x = torch.randn(2, 64)
+    compiles = len(k3be._compiled)
+    new = FlaxMLP(seed=1).state_dict()
+    with torch.no_grad():
+        assert rel_err(step(x), eager(x)) <= 1e-5  # the re-lay
+        model.up.copy_(new["up"])
+        eager.up.copy_(new["up"])
+        assert rel_err(step(x), eager(x)) <= 1e-5  # compiled again, packed
+        packs_after_the_re_lay(compiles)
+        assert packing.adjacent([model.gate.t(), model.up.t()])
+        assert torch.equal(model.up, new["up"])
+        model.gate.data = 3 * new["gate"].clone()  # contiguous [in, out]: other memory
+        eager.gate.data = 3 * new["gate"].clone()
+        assert rel_err(step(x), eager(x)) <= 1e-5
+
+
 def test_an_alias_taken_before_the_first_call_is_left_behind():
     """Recorded limitation (docs/decisions.md, session 25): the old storage cannot be re-pointed
     at the re-laid rows (their element order differs), so a `state_dict()` tensor taken before the
