@@ -185,6 +185,8 @@ class _Bucket:
         self.pointers: list[int | None] = []  # their addresses at capture
         self.static_out: Any = None
         self.runs = 0
+        self.layout: tuple = ()  # the strides of the module tensors the compile was handed
+        self.stale = False  # its first run re-laid weights: compiled again at the next call
 
 
 def _moved(entry: _Bucket, args: list) -> bool:
@@ -336,11 +338,18 @@ class K3Compiled:
         return gm
 
     def _compile_bucket(self, key: tuple, inputs: list, batch: int | None) -> _Bucket:
+        """The bucket compiled on `inputs`. Where its first run changes the layout of a module
+        tensor (stage kernel_layout re-lays [in, out] weights at the first call, as the compile
+        cannot: Dynamo checks its guards after the backend returns), the bucket is compiled again
+        at its next call, so that stage pack sees the weights as they are now. torch 2.13's Dynamo
+        would compile the step again anyway (its stride guards; the next call then never reaches
+        this step), torch 2.11's does not (session 26)."""
         user = frozenset(i.index for i in self.inputs if i.user)
         gm = self._with_scalars(self._scalars(inputs))
         with self.checks.analysing(self.observer):
             fn = self.pipeline.compile(gm, list(inputs), batch, user_inputs=user)
         bucket = self.buckets[key] = _Bucket(self.checks.guard(fn, list(inputs)), batch)
+        bucket.layout = self._layout(inputs)
         self._check_module_calls()
         return bucket
 
@@ -360,7 +369,7 @@ class K3Compiled:
             if self.static_batch == 0:
                 return self.gm(*args)
             key = self._scalars(args)
-            entry = self.buckets.get(key) or self._compile_bucket(key, list(args), self.static_batch)
+            entry = self._current(key) or self._compile_bucket(key, list(args), self.static_batch)
             return self._run(entry, list(args), None, None)
         batch = int(args[self._lead.index].shape[0])
         if error := batch_error([(arg_name(i.name), args[i.index], "")
@@ -389,8 +398,22 @@ class K3Compiled:
         key = (bucket, *(bucket if inp.expr in self.batch_symbols else int(args[inp.index])
                          for inp in self.inputs if inp.symint),
                *self._scalars(args))
-        entry = self.buckets.get(key)
+        entry = self._current(key)
         return entry or self._compile_bucket(key, self._pad(args, batch, bucket), bucket)
+
+    def _current(self, key: tuple) -> _Bucket | None:
+        """The bucket's compiled step, None where it is to be compiled (again: `_Bucket.stale`)."""
+        entry = self.buckets.get(key)
+        if entry is not None and entry.stale:
+            log.info("k3: the first run re-laid weights (stage kernel_layout); compiling bucket "
+                     "%s again, on their new layout", entry.batch)
+            return None
+        return entry
+
+    def _layout(self, args: list) -> tuple:
+        """The strides of the module tensors (parameters, buffers) among the step's inputs."""
+        return tuple(args[i.index].stride() for i in self.inputs
+                     if not i.user and isinstance(args[i.index], torch.Tensor))
 
     def _pad(self, args, batch: int, bucket: int) -> list:
         """Rows batch..bucket of each batched input: the scratch slot for the slot input, the
@@ -421,7 +444,9 @@ class K3Compiled:
         else:
             outs = entry.fn(*args)
             entry.runs += 1
-            if use_graph:
+            if entry.runs == 1 and self._layout(args) != entry.layout:
+                entry.stale = True  # see `_compile_bucket`
+            elif use_graph:
                 self._capture(entry, args)
         self.checks.after()
         if batch is None or batch == bucket:

@@ -5,7 +5,7 @@ only); `Pipeline.inner_compile` then receives the ATen graph, runs the stages, a
 patterns left to Inductor (or, with executor "aten", runs it as it is).
 
     normalize -> canonicalize -> fuse -> verify -> writeback -> shard -> streams -> prefetch -> check -> ranks
-    -> contract -> pack -> stack_inputs
+    -> contract -> conv_layout -> pack -> stack_inputs
 
 Before them, on every compile and before the stage cache's key, `kernel_layout` reads [in, out]
 weights (Flax kernels, `x @ W`) as the [out, in] inputs the patterns want; like `stack_inputs`,
@@ -54,7 +54,7 @@ from k3compile.stages.canonicalize import canonicalize
 from k3compile.stages.check import check
 from k3compile.stages.contract import contract
 from k3compile.stages.fuse import fuse, writeback
-from k3compile.stages.kernel_layout import kernel_layout
+from k3compile.stages.kernel_layout import conv_layout, kernel_layout
 from k3compile.stages.normalize import normalize
 from k3compile.stages.pack import pack, remember
 from k3compile.stages.prefetch import prefetch
@@ -84,6 +84,7 @@ STAGES: list[tuple[str, Stage]] = [
     ("check", check),
     ("ranks", ranks),
     ("contract", contract),
+    ("conv_layout", conv_layout),  # weights a fused op reads permuted: re-laid by the first call
     ("pack", pack),
     ("stack_inputs", stack_inputs),  # after pack: the packed expert stacks as one input each
 ]
@@ -93,6 +94,7 @@ SWITCHED_BY: dict[str, str] = {
     "verify": "verify",  # K3_VERIFY
     "streams": "side_streams",  # K3_SIDE_STREAMS
     "ranks": "check_ranks",
+    "conv_layout": "pack_weights",  # it moves weights, as pack does
     "pack": "pack_weights",  # K3_PACK_WEIGHTS
     "stack_inputs": "stack_inputs",  # K3_STACK_INPUTS
 }
@@ -201,6 +203,8 @@ class Pipeline:
             aten_gm = self.run(aten_gm, ctx)
             if ctx.transposed is not None:  # Dynamo's inputs are not the graph's as they come
                 why = why or "stage kernel_layout reads weights transposed"
+            if ctx.permuted is not None:  # the executor's wrapper re-lays them at the first call
+                why = why or "stage conv_layout re-lays weights"
             if link_path is not None and ctx.stage_key is not None:
                 direct = None if why else {"bumps": inductor.graph_bumps(),
                                            **inductor.compile_kwargs(kwargs)}
@@ -241,7 +245,8 @@ class Pipeline:
         else:  # the graph as it is: side-stream ops name their stream in their calls
             fn = inductor.make_boxed_func(aten_gm.forward)
         fn = fn if stacked is None else stacked.wrap(fn)
-        return fn if transposed is None else transposed.wrap(fn)
+        fn = fn if transposed is None else transposed.wrap(fn)
+        return fn if ctx.permuted is None else ctx.permuted.wrap(fn)
 
     def _direct(self, link: dict, ctx: Context, example_inputs: list, patches: dict,
                 written: dict) -> Callable:

@@ -11,8 +11,8 @@ the pipeline receives, the options, the process's kernel settings and the source
 they read real values: the small constant tables `canonical/mxfp4_dequant` reads off graph
 inputs (recorded in `gm.meta["inputs_read"]`, stored by their digest and compared on load), and
 the stages that act on the process: `ranks` (a collective), `contract` (warns or raises),
-`pack` (moves the real weights) and `stack_inputs` (reads where they lie). Those are never
-cached: they run after every load on the loaded graph (`REPLAYED`), so a hit moves the same weights a miss would. With `verify` on the
+`conv_layout` and `pack` (move the real weights) and `stack_inputs` (reads where they lie).
+Those are never cached: they run after every load on the loaded graph (`REPLAYED`), so a hit moves the same weights a miss would. With `verify` on the
 stages run the graph on the real weights: no entry is read or written.
 
 Key (the entry's file name is its sha256): the ATen graph as data (`trace_cache.encode_graph`:
@@ -63,7 +63,7 @@ from k3compile.rewrite import inductor, trace_cache
 from k3compile.settings import KERNELS, fingerprint
 
 FORMAT = 1
-REPLAYED = ("ranks", "contract", "pack", "stack_inputs")  # they act on the process: run on every compile
+REPLAYED = ("ranks", "contract", "conv_layout", "pack", "stack_inputs")  # they act on the process: run on every compile
 
 log = logging.getLogger("k3compile")
 

@@ -28,3 +28,5 @@ class Context:
     stage_key: str | None = None  # the stage cache's key text of the ATen graph (None: uncached)
     # the inputs read as their transpose (stage `kernel_layout`), for the executor; None: none
     transposed: Any = None
+    # the inputs a fused op reads permuted, re-laid by the first call (stage `conv_layout`)
+    permuted: Any = None

@@ -43,6 +43,19 @@ differs; writes through the Parameter (`copy_`, `load_state_dict`, `param.data.c
 
 Runs first in `Pipeline.run`, before the stage cache's key (the key is the rewritten graph's), on
 every compile, a cache hit included: it acts on the process's weights, as `pack` does.
+
+Stage `conv_layout` (in this module, run after `fuse` on every compile, before `pack`) re-lays the
+same way a weight that a fused op's kernel reads contiguous but the graph hands it through a
+permutation: spell9's Flax conv kernels [taps, 1, C], which rule cell_conv binds as kda_decode's
+[C, 1, taps] conv weights (`permute(kernel, [2, 1, 0])`, strides (1, C, C)). The first call makes
+each such Parameter the permuted-back view of a contiguous [C, 1, taps] buffer (`_relay` for any
+permutation); the graph is left as it is (it still reads `permute(kernel)`, now a contiguous
+view). The same refusals as above apply, and a weight read otherwise too is left alone.
+
+Both re-lays change a Parameter's strides at the first call, so the bucket compiled before it
+is compiled again at its next call (k3compile/backend.py, `K3Compiled._compile_bucket`), where
+the weights are laid out so already: on torch 2.11 too, whose Dynamo does not compile the step
+again after the strides change (torch 2.13's does, through its stride guards).
 """
 
 from __future__ import annotations
@@ -249,9 +262,11 @@ def _refusal(w, pack_weights: bool) -> str | None:
 
 
 @torch.no_grad()
-def _relay(w: torch.Tensor) -> None:
-    """w's storage becomes a contiguous [N, K] buffer, w its `.t()` view."""
-    w.data = w.detach().t().contiguous().t()
+def _relay(w: torch.Tensor, dims: tuple[int, ...] = (1, 0)) -> None:
+    """w's storage becomes the contiguous `w.permute(dims)`, w its view permuted back: for an
+    [in, out] weight a contiguous [N, K] buffer, w its `.t()` view."""
+    back = sorted(range(len(dims)), key=dims.__getitem__)
+    w.data = w.detach().permute(dims).contiguous().permute(back)
 
 
 # ---- the stage --------------------------------------------------------------------------------
@@ -291,6 +306,106 @@ def transpose_inputs(gm: fx.GraphModule, ctx) -> Transposed | None:
         log.info("k3 kernel_layout: %s%s", found,
                  "".join(f"\n  skipped {s}" for s in found.skipped))
     return found if found.positions else None
+
+
+# ---- conv_layout ------------------------------------------------------------------------------
+
+CONV_WEIGHTS = ("q_conv_weight", "k_conv_weight", "v_conv_weight")
+# the fused ops' arguments their CUDA kernels read contiguous, where a spelling may hand them a
+# permuted view of a weight (kernels/kda_decode.py's `refusal`: contiguous [C, 1, taps])
+CONTIGUOUS_ARGS = {"kda_decode": CONV_WEIGHTS, "fb_kda_decode": CONV_WEIGHTS}
+
+
+@dataclasses.dataclass
+class Permuted:
+    """Graph inputs a fused op reads through a permutation: position -> its dims, re-laid by the
+    first call so that the permuted view is contiguous."""
+
+    pending: dict[int, tuple[int, ...]]
+    moved: list[str] = dataclasses.field(default_factory=list)  # "input [shape]": to re-lay
+    skipped: list[str] = dataclasses.field(default_factory=list)  # "input: why"
+
+    def wrap(self, fn):
+        """Boxed `fn`, its first call re-laying the pending weights first (not the compile: see
+        `Transposed.wrap`); the bucket is compiled again at its next call."""
+        pending = dict(self.pending)
+
+        def call(args: list):
+            for i, dims in pending.items():
+                if not args[i].permute(dims).is_contiguous():
+                    _relay(args[i], dims)
+            pending.clear()
+            return fn(args)
+
+        call._boxed_call = True
+        return call
+
+
+def _contiguous_reads(graph: fx.Graph) -> dict[fx.Node, set[fx.Node]]:
+    """Each node that a fused op takes as an argument its kernel reads contiguous -> the ops."""
+    found: dict[fx.Node, set[fx.Node]] = {}
+    for op, names in CONTIGUOUS_ARGS.items():
+        packet = getattr(torch.ops.k3, op, None)
+        if packet is None:
+            continue
+        for node in graph.find_nodes(op="call_function", target=packet.default):
+            schema = [a.name for a in node.target._schema.arguments]
+            for name in names:
+                i = schema.index(name)
+                arg = node.args[i] if i < len(node.args) else node.kwargs.get(name)
+                if isinstance(arg, fx.Node):
+                    found.setdefault(arg, set()).add(node)
+    return found
+
+
+def _permutation(p: fx.Node, reads: dict) -> tuple[int, ...] | None:
+    """The dims every reader of p permutes it by, where each reader is such a permute and only
+    fused ops' contiguous arguments read the permutes; None otherwise."""
+    dims = None
+    for user in p.users:
+        if (user.target is not aten.permute.default or user.args[0] is not p
+                or user not in reads or len(user.users) != len(reads[user])):
+            return None
+        if dims not in (None, tuple(user.args[1])):
+            return None
+        dims = tuple(user.args[1])
+    return dims
+
+
+def permuted_inputs(gm: fx.GraphModule, ctx) -> Permuted | None:
+    """The graph inputs to re-lay at the first call (see the module docstring), or None."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(ctx.inputs):
+        return None
+    reads = _contiguous_reads(gm.graph)
+    transposed = set(ctx.transposed.positions) if ctx.transposed is not None else set()
+    found = Permuted({})
+    for i, p in enumerate(placeholders):
+        if i in ctx.user_inputs or i in transposed or not p.users or written_in_place(p):
+            continue
+        if (dims := _permutation(p, reads)) is None:
+            continue
+        w = ctx.inputs[i]
+        name = f"{p.name} {list(p.meta['val'].shape)}"
+        with unset_fake_temporarily():
+            if not isinstance(w, torch.Tensor) or w.permute(dims).is_contiguous():
+                continue
+        if (why := _refusal(w, ctx.options.pack_weights)) is not None:
+            found.skipped.append(f"{name}: {why}")
+            continue
+        found.pending[i] = dims
+        found.moved.append(name)
+    if found.moved or found.skipped:
+        log.info("k3 conv_layout: %d weights a fused op reads permuted, re-laid by the first "
+                 "call: %s%s", len(found.moved), ", ".join(found.moved),
+                 "".join(f"\n  skipped {s}" for s in found.skipped))
+    return found if found.pending else None
+
+
+def conv_layout(gm: fx.GraphModule, ctx) -> fx.GraphModule:
+    """The stage: the weights to re-lay go to the executor through `ctx.permuted`."""
+    ctx.permuted = permuted_inputs(gm, ctx)
+    return gm
 
 
 def _read_transposed(graph: fx.Graph, p: fx.Node):

@@ -138,6 +138,13 @@ PROBE_FIXES = {
 }
 
 
+@pytest.mark.gpu
+def test_cuda_graph_plans_as_the_cpu_one(reference_plan):
+    """As spell6's (session 26): on CUDA, fp32, the plan loses the CPU's LOST and beyond it only
+    ops deferred for want of a CUDA kernel; values as eager."""
+    foreign.assert_cuda_plans_as_the_cpu_one(from_builtin, LOST[torch.float32], reference_plan)
+
+
 @pytest.fixture
 def probes_off():
     yield

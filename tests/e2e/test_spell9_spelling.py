@@ -50,7 +50,10 @@ docs/spell9_spelling.md.
   by rules `cell_conv` (the canonical time-major conv, its weight the kernels' [C, 1, taps]
   views) and `token_select` (the token selected after the feature math) (session 26, helper
   kda9); the vmapped delta rule needed nothing more. bf16 stays lost: kda_decode has no variant
-  for spell9's output norm rounding, and cell_conv leaves bf16 alone (its docstring).
+  for spell9's output norm rounding, and cell_conv leaves bf16 alone (its docstring). The op
+  gets the conv weights as `permute(kernel, [2, 1, 0])` of the Flax kernels, which stage
+  conv_layout re-lays at the first call so that they reach it contiguous, as its CUDA kernel
+  wants (session 27, helper relay).
 """
 
 from __future__ import annotations
@@ -179,6 +182,66 @@ def test_the_diff_tool_shows_its_layers():
     for lr in contract.layers:
         assert +rows[lr.layer].fused == +lr.actual, lr.layer
         assert rows[lr.layer].contract_template == lr.template == TEMPLATES[lr.layer]
+
+
+KDA_OPS = ("kda_decode", "fb_kda_decode")
+
+
+def conv_weights(compiled) -> list:
+    """The conv weight arguments the compiled graph hands its KDA ops, one list per op."""
+    (graph,) = compiled.observer.graphs.values()
+    found = []
+    for op in KDA_OPS:
+        for node in graph.find_nodes(op="call_function", target=getattr(torch.ops.k3, op).default):
+            names = [a.name for a in node.target._schema.arguments]
+            found.append([node.args[names.index(f"{x}_conv_weight")] for x in "qkv"])
+    return found
+
+
+def assert_conv_weights_contiguous(compiled) -> None:
+    """Each KDA layer's op gets its three conv weights as `permute(kernel, [2, 1, 0])` of the Flax
+    kernels [taps, 1, C], contiguous: stage conv_layout re-laid the kernels at the first call
+    and the step was compiled again on them (the kda_decode kernel wants contiguous [C, 1, taps];
+    kda9's GPU finding, session 26)."""
+    ops = conv_weights(compiled)
+    assert len(ops) == 2, "one KDA op per KDA layer"
+    for weights in ops:
+        for w in weights:
+            kernel = w.args[0]
+            assert w.target is torch.ops.aten.permute.default and list(w.args[1]) == [2, 1, 0]
+            assert kernel.op == "placeholder" and kernel.meta["val"].shape[1] == 1
+            assert w.meta["val"].is_contiguous(), (w.name, w.meta["val"].stride())
+
+
+@pytest.mark.slow
+def test_the_kda_op_gets_the_flax_conv_kernels_contiguous(spell9_fp32):
+    """Values: `test_compiled_equals_its_eager` (the same compile)."""
+    assert_conv_weights_contiguous(spell9_fp32[2])
+
+
+@pytest.mark.gpu
+def test_cuda_graph_plans_as_the_cpu_one(reference_plan):
+    """As spell6's (session 26): on CUDA, fp32, the plan loses the CPU's LOST and beyond it only
+    ops deferred for want of a CUDA kernel; values as eager; the KDA ops get contiguous conv
+    weights there too."""
+    foreign.assert_cuda_plans_as_the_cpu_one(from_builtin, LOST[torch.float32], reference_plan)
+    assert_conv_weights_contiguous(foreign.last_compiled())
+
+
+@pytest.mark.gpu
+def test_cuda_kda_kernel_takes_the_conv_weights():
+    """bf16 on CUDA: where the plan has the KDA step, its kernel runs: no reference fallback for
+    the KDA ops (kda9's finding: it refused the Flax kernels' strided views, session 26)."""
+    from k3compile.kernels.common.dsl import fallback_counts, reset_fallback_counts
+
+    reset_fallback_counts()
+    err, compiled = foreign.run_on_cuda(torch.bfloat16, from_builtin)
+    assert err <= TOL["diffsuite_bf16"], err
+    if not conv_weights(compiled):
+        pytest.skip("spell9 bf16 does not fuse the KDA step yet (LOST)")
+    assert_conv_weights_contiguous(compiled)
+    refused = {k: n for k, n in fallback_counts().items() if k[0] in KDA_OPS}
+    assert not refused, refused
 
 
 MLA_OPS = {"mla_q_absorb": 2, "mla_decode": 2, "mla_uv_gate": 2}

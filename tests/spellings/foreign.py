@@ -14,7 +14,7 @@ import torch
 
 import k3compile.backend as k3be
 from k3compile.models import build_model, get_config
-from tests.conftest import rel_err
+from tests.conftest import TOL, rel_err
 from tests.diffsuite.spellings import condition_for_bf16
 
 # Every template (dense, kda_moe, mla_moe, last) in 4 layers, as in test_spellings
@@ -82,6 +82,20 @@ def run_on_cuda(dtype, from_builtin):
 
     err = steps(on_cuda(compile_k3(model)), on_cuda(eager))
     return err, k3be.last_compiled()
+
+
+def assert_cuda_plans_as_the_cpu_one(from_builtin, lost_fp32: dict, reference) -> None:
+    """On CUDA, fp32: the spelling's plan loses what the CPU's loses (`lost_fp32`, its test's
+    LOST) and, beyond it, only ops that GPU graphs defer for want of a CUDA kernel
+    (`report.deferred`); the step equals its eager twin (spell6's test, session 26, shared)."""
+    err, compiled = run_on_cuda(torch.float32, from_builtin)
+    assert err <= TOL["aten_cpu"], err
+    got = lost(reference, per_layer(compiled))
+    (report,) = compiled.observer.reports.values()
+    for layer, ops in lost_fp32.items():  # what the CPU loses is lost here too
+        assert got.get(layer, {}).items() >= ops.items(), (layer, got)
+    more = {op for layer, ops in got.items() for op in ops if op not in lost_fp32.get(layer, {})}
+    assert more <= set(report.deferred), (more, report.deferred)
 
 
 def reference_plan():

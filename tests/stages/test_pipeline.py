@@ -24,12 +24,14 @@ def test_default_stage_list(monkeypatch):
     for var in ("K3_VERIFY", "K3_SIDE_STREAMS", "K3_PACK_WEIGHTS", "K3_STACK_INPUTS"):
         monkeypatch.delenv(var, raising=False)
     assert ALL == ["normalize", "canonicalize", "fuse", "verify", "writeback", "shard", "streams",
-                   "prefetch", "check", "ranks", "contract", "pack", "stack_inputs"]
+                   "prefetch", "check", "ranks", "contract", "conv_layout", "pack",
+                   "stack_inputs"]
     assert _names() == [n for n in ALL if n != "verify"]  # verify is off by default
 
 
 @pytest.mark.parametrize("option,stage", [("verify", "verify"), ("side_streams", "streams"),
                                           ("check_ranks", "ranks"), ("pack_weights", "pack"),
+                                          ("pack_weights", "conv_layout"),
                                           ("stack_inputs", "stack_inputs")])
 def test_an_option_switches_its_stage(monkeypatch, option, stage):
     for var in ("K3_VERIFY", "K3_SIDE_STREAMS", "K3_PACK_WEIGHTS", "K3_STACK_INPUTS"):
