@@ -49,8 +49,11 @@ docs/spell9_spelling.md.
   cat(window, x_t), taps)`, the taps a cat of the Flax conv kernels' slices) -- closed in fp32
   by rules `cell_conv` (the canonical time-major conv, its weight the kernels' [C, 1, taps]
   views) and `token_select` (the token selected after the feature math) (session 26, helper
-  kda9); the vmapped delta rule needed nothing more. bf16 stays lost: kda_decode has no variant
-  for spell9's output norm rounding, and cell_conv leaves bf16 alone (its docstring).
+  kda9); the vmapped delta rule needed nothing more. bf16: closed in session 27 (helper
+  bf16kda9) by kda_decode's `norm_weight_fp32` (spell9's output norm: o kept fp32, the scale
+  multiplied in fp32 before the one cast, the gate in bf16) and `conv_rounded` (the conv
+  rounded to bf16 before its SiLU) flags, cell_conv taking the bf16 bmm as a bf16 conv. On GPU
+  graphs that variant stays with Inductor until its build passes its GPU tests.
 """
 
 from __future__ import annotations
@@ -85,12 +88,12 @@ _EVERY = {0: {**_GEMMS, "fb_kda_decode": 1}, 1: {**_MIX, **_GEMMS, "fb_kda_decod
 # fp32, helper moe9's token_rows change and rule combine_rows the routed experts on [B, 1, D],
 # helper bf16norm's norm_weight_fp32 / weight_fp32 variants the bf16 mixes, o_proj + mix and the
 # MLA norms (the scale multiplied in fp32 before the cast), the MLA layers' linear_concat after
-# them): fp32 loses nothing; bf16 keeps the KDA step (its output norm's rounding, see the rule
-# cell_conv) and the routed experts (not investigated)
+# them): fp32 loses nothing; bf16 keeps the routed experts (session 27: its KDA step fuses with
+# kda_decode's conv_rounded / norm_weight_fp32 variant, cell_conv taking the bf16 conv)
 _KDA, _EXPERTS = {"fb_kda_decode": 1}, {"moe_experts": 1}
 LOST = {
     torch.float32: {},
-    torch.bfloat16: {0: _KDA, 1: {**_KDA, **_EXPERTS}, 2: _EXPERTS, 3: _EXPERTS},
+    torch.bfloat16: {1: _EXPERTS, 2: _EXPERTS, 3: _EXPERTS},
 }
 TEMPLATES = {0: "dense", 1: "kda_moe", 2: "mla_moe", 3: "last", -1: "final"}
 
