@@ -34,8 +34,13 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
-from k3compile.math import (delta_rule_step, l2norm, rms_norm, rms_norm_fp32_weight,
-                            rms_norm_gated_fp32)
+from k3compile.math import (
+    delta_rule_step,
+    l2norm,
+    rms_norm,
+    rms_norm_fp32_weight,
+    rms_norm_gated_fp32,
+)
 from k3compile.ops.kda_decode import THREE_STATE_OPS
 from k3compile.rewrite import Pattern, tensor_meta, with_signature
 

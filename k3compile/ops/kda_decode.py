@@ -51,8 +51,13 @@ import re
 import torch
 import torch.nn.functional as F
 
-from k3compile.math import (delta_rule_step, l2norm, rms_norm, rms_norm_fp32_weight,
-                            rms_norm_gated_fp32)
+from k3compile.math import (
+    delta_rule_step,
+    l2norm,
+    rms_norm,
+    rms_norm_fp32_weight,
+    rms_norm_gated_fp32,
+)
 
 # the parameters the KDA ops upcast themselves (the reference reads them as `.float()` or adds
 # them to fp32, both exact for a narrower float): an upcast in the graph before the op is dropped

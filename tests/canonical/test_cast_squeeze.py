@@ -100,8 +100,8 @@ def test_spell9_bf16_experts_fuse(T):
     """spell9's bf16 `moe_step` (layer 1's weights; its jmp policy keeps the finalize in fp32):
     moe_experts' fp32_out variant hits on the canonical graph, which equals the unrewritten one
     (rules) and eager within bf16's rounding of the experts' sums"""
-    from tests.canonical.test_combine_rows import _fused, _Spell9Moe
     from tests.canonical.compiled import assert_same_values, run
+    from tests.canonical.test_combine_rows import _fused, _Spell9Moe
 
     model = _Spell9Moe(torch.bfloat16)
     x = _x(2, T, model.cfg.hidden_size, seed=T)

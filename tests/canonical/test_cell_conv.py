@@ -262,7 +262,7 @@ def test_spell9_kda_step_fuses_as_kda_decode(batch, dtype):
     assert c.counts["cell_conv"] == 1 and c.counts["token_select"] > 0
     assert_same_values(c, rel=1e-5)
     # bf16 (session 27): the conv in bf16 (rounded), spell9's Flax output norm on the fp32 o
-    flags = dict(o_fp32=True, norm_weight_fp32=True, conv_rounded=True) if \
+    flags = {"o_fp32": True, "norm_weight_fp32": True, "conv_rounded": True} if \
         dtype == torch.bfloat16 else {}
     variant = kda_decode._variant(1, batch, dtype, conv_time_major=True, **flags)
     report = apply_patterns(c.after.graph, [variant])

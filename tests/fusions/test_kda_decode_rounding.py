@@ -20,9 +20,9 @@ STATES = (kda_decode.NAMES.index("conv_state"), kda_decode.NAMES.index("recurren
 # conv_rounded
 SPELL9 = (False, True, False, True, True, True)  # time-major conv state, Flax norm, bf16 conv
 REDTEAM = (True, False, False, True, False, True)  # fla's fp32 norm on an fp32 o, bf16 conv
-FLAGS = {SPELL9: dict(conv_time_major=True, o_fp32=True, norm_weight_fp32=True,
-                      conv_rounded=True),
-         REDTEAM: dict(norm_fp32=True, o_fp32=True, conv_rounded=True)}
+FLAGS = {SPELL9: {"conv_time_major": True, "o_fp32": True, "norm_weight_fp32": True,
+                      "conv_rounded": True},
+         REDTEAM: {"norm_fp32": True, "o_fp32": True, "conv_rounded": True}}
 
 # the nearest variants before these flags: the built-in norm, fla's norm on an fp32 o; fp32 conv
 WITHOUT = {SPELL9: (False, True), REDTEAM: REDTEAM[:4]}

@@ -302,12 +302,12 @@ def test_kda_rounding_builds(scalars, b, monkeypatch, tmp_path):
     output element) where fla's fp32 norm rounds once at the store."""
     monkeypatch.setenv("CUTE_DSL_ARCH", ARCH)
     cfg = kda_decode.config(*scalars, b)
-    builds = {"red": dict(norm_fp32=True, o_fp32=True, conv_rounded=True),
-              "red_plain": dict(norm_fp32=True, o_fp32=True),
-              "s9": dict(norm_weight_fp32=True, o_fp32=True, conv_rounded=True,
-                         conv_time_major=True),
-              "s9_fla": dict(norm_fp32=True, o_fp32=True, conv_rounded=True,
-                             conv_time_major=True)}
+    builds = {"red": {"norm_fp32": True, "o_fp32": True, "conv_rounded": True},
+              "red_plain": {"norm_fp32": True, "o_fp32": True},
+              "s9": {"norm_weight_fp32": True, "o_fp32": True, "conv_rounded": True,
+                         "conv_time_major": True},
+              "s9_fla": {"norm_fp32": True, "o_fp32": True, "conv_rounded": True,
+                             "conv_time_major": True}}
     cvt = {}
     for name, flags in builds.items():
         (tmp_path / name).mkdir()
