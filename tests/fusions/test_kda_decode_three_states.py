@@ -40,7 +40,8 @@ def _clone(args):
 
 def _op_args(args, v_major=False):
     """the op's arguments: NAMES' order, the flags, then the k and v conv states"""
-    return [*kda_decode.unthree(args), False, False, v_major, False, args[N], args[N + 1]]
+    return [*kda_decode.unthree(args), False, False, v_major, False, False, False, args[N],
+            args[N + 1]]
 
 
 def _unfused(*args, v_major=False):
