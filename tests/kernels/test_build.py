@@ -293,13 +293,12 @@ def test_kda_o_fp32_builds(scalars, b, monkeypatch, tmp_path):
 ROUNDING = [((1, 6, 4), 1)]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("scalars,b", ROUNDING, ids=str)
 def test_kda_rounding_builds(scalars, b, monkeypatch, tmp_path):
     """The variants compile for sm_90a without spills, and each flag reaches the device code:
-    `conv_rounded` adds a bf16 rounding (cvt.rn.bf16.f32) per conv output to the build without
-    it; `norm_weight_fp32` rounds the normed row times the weight and the gate's sigmoid (two per
-    output element) where fla's fp32 norm rounds once at the store."""
+    `conv_rounded` adds bf16 roundings (cvt.rn.bf16.f32, one per conv output) to the build
+    without it; `norm_weight_fp32` rounds the normed row times the weight and the gate's sigmoid
+    (two per output element) where fla's fp32 norm rounds once at the store."""
     monkeypatch.setenv("CUTE_DSL_ARCH", ARCH)
     cfg = kda_decode.config(*scalars, b)
     builds = {"red": {"norm_fp32": True, "o_fp32": True, "conv_rounded": True},
@@ -316,8 +315,9 @@ def test_kda_rounding_builds(scalars, b, monkeypatch, tmp_path):
         if name in ("red", "s9"):
             _check_cubin(built)
         cvt[name] = ptx_of(built).count("cvt.rn.bf16.f32")
-    assert cvt["red"] > cvt["red_plain"]
-    assert cvt["s9"] > cvt["s9_fla"]
+    assert cvt["red"] > cvt["red_plain"]  # measured 10 against 5 a thread at T = 1, bucket 1
+    out_per_thread = -(-kda_decode.tile(cfg).out_vectors(scalars[0]) // cfg.threads) * 8
+    assert cvt["s9"] - cvt["s9_fla"] == 2 * out_per_thread
 
 
 # kda_decode's time-major build (the conv state [S, taps-1, 3W], vLLM v1's layout): decode and
