@@ -6,6 +6,8 @@
     out = bf16(bf16(w ⊙ rms(bf16(o))) ⊙ bf16(σ(g)))       (`norm_fp32`: bf16(w ⊙ rms(bf16(o)) ⊙ σ(g)),
                                                           fla's FusedRMSNormGated, one rounding;
                                                           `o_fp32` too: bf16(w ⊙ rms(o) ⊙ σ(g)))
+    `norm_weight_fp32`: bf16(bf16(w ⊙ rms(o')) ⊙ bf16(σ(g))), the weight multiplied in fp32
+    (o' = o with `o_fp32`); `conv_rounded`: x̃ = bf16(SiLU(bf16(conv(x)))), a bf16 conv's rounding
 
 `k3::fb_kda_decode` (kernels/fb_kda_decode.py) runs the f_b build (`fb_rank` R): the gate input is
 fa [B, T, R] with W_fb [H·K, R], each CTA computing its head's graw = bf16(fa · W_fbᵀ) (fp32 sums,
@@ -180,12 +182,12 @@ def can_implement(*args) -> bool:
 def refusal(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weight,
             k_conv_weight, v_conv_weight, A_log, dt_bias, o_norm_weight, lower_bound=None,
             l2_eps=None, q_scale=None, norm_eps=None, norm_fp32=False,
-            conv_time_major=False, state_v_major=False, o_fp32=False, k_conv_state=None,
-            v_conv_state=None) -> str | None:
+            conv_time_major=False, state_v_major=False, o_fp32=False, norm_weight_fp32=False,
+            conv_rounded=False, k_conv_state=None, v_conv_state=None) -> str | None:
     """Why the kernel cannot take these inputs, or None. Metadata only (fake tensors work);
     data alignment is checked at launch."""
     bf16, f32 = torch.bfloat16, torch.float32
-    del norm_fp32, o_fp32  # every output norm: compile-time flags of the kernel
+    del norm_fp32, o_fp32, norm_weight_fp32, conv_rounded  # compile-time flags of the kernel
     if q.dim() != 3 or recurrent_state.dim() != 4 or conv_state.dim() != 3:
         return (f"ranks q {q.dim()}, recurrent_state {recurrent_state.dim()}, conv_state "
                 f"{conv_state.dim()} (want 3, 4, 3)")
@@ -272,23 +274,27 @@ def call_refusal(tensors, q, recurrent_state, out) -> str | None:
 
 def prepare(tokens: int, n_heads: int, taps: int = 4, buckets=BUCKETS, norm_fp32=False,
             a_log_bf16=False, dt_bias_bf16=False, conv_time_major=False,
-            state_v_major=False, three_states=False, o_fp32=False) -> None:
+            state_v_major=False, three_states=False, o_fp32=False, norm_weight_fp32=False,
+            conv_rounded=False) -> None:
     """Compile the kernel of every batch bucket for these scalars (call before graph capture)."""
     for b in buckets:
         compiled(tokens, n_heads, taps, b, norm_fp32, a_log_bf16, dt_bias_bf16,
                  conv_time_major=conv_time_major, state_v_major=state_v_major,
-                 three_states=three_states, o_fp32=o_fp32)
+                 three_states=three_states, o_fp32=o_fp32, norm_weight_fp32=norm_weight_fp32,
+                 conv_rounded=conv_rounded)
 
 
 def compiled(tokens: int, n_heads: int, taps: int, batch_bucket: int, norm_fp32: bool,
              a_log_bf16: bool = False, dt_bias_bf16: bool = False, fb_rank: int = 0,
              conv_time_major: bool = False, state_v_major: bool = False,
-             three_states: bool = False, o_fp32: bool = False):
+             three_states: bool = False, o_fp32: bool = False, norm_weight_fp32: bool = False,
+             conv_rounded: bool = False):
     """The cached kernel; each build flag enters the key only when set (the default's key and
     build are those from before the variants)."""
     flags = {"norm_fp32": norm_fp32, "a_log_bf16": a_log_bf16, "dt_bias_bf16": dt_bias_bf16,
              "conv_time_major": conv_time_major, "state_v_major": state_v_major,
-             "three_states": three_states, "o_fp32": o_fp32}
+             "three_states": three_states, "o_fp32": o_fp32,
+             "norm_weight_fp32": norm_weight_fp32, "conv_rounded": conv_rounded}
     options = {k: True for k, on in flags.items() if on} | ({"fb_rank": fb_rank} if fb_rank
                                                             else {})
     return KERNEL.compiled(tokens, n_heads, taps, config(tokens, n_heads, taps, batch_bucket),
@@ -297,7 +303,8 @@ def compiled(tokens: int, n_heads: int, taps: int, batch_bucket: int, norm_fp32:
 
 def build(tokens, n_heads, taps, cfg, arch=None, dump_dir=None, pdl=False, norm_fp32=False,
           a_log_bf16=False, dt_bias_bf16=False, fb_rank=0, conv_time_major=False,
-          state_v_major=False, three_states=False, o_fp32=False):
+          state_v_major=False, three_states=False, o_fp32=False, norm_weight_fp32=False,
+          conv_rounded=False):
     """Compile now, uncached (`dump_dir` keeps the cubin and PTX; `pdl`: with PDL; `norm_fp32`:
     the output norm in fp32 with one rounding; `a_log_bf16`, `dt_bias_bf16`: that parameter in
     bf16, e.g. a Moonshot model cast to bf16 whole; `fb_rank` R > 0: the f_b build, taking fa
@@ -305,8 +312,10 @@ def build(tokens, n_heads, taps, cfg, arch=None, dump_dir=None, pdl=False, norm_
     passed as the [S, 3W, taps-1] view of a [S, taps-1, 3W] buffer, strides (., 1, 3W);
     `state_v_major`: the recurrent state passed as the [S, H, K, V] view of a [S, H, V, K]
     buffer, strides (., K·K, 1, K); `three_states`: three conv states [S, W, taps-1], q's,
-    k's and v's, where the default takes one [S, 3W, taps-1]; `o_fp32`, with `norm_fp32`: o
-    into the norm unrounded)."""
+    k's and v's, where the default takes one [S, 3W, taps-1]; `o_fp32`, with `norm_fp32` or
+    `norm_weight_fp32`: o into the norm unrounded; `norm_weight_fp32`: the norm's weight
+    multiplied in fp32 before one rounding, the gate after; `conv_rounded`: the conv rounded
+    before its SiLU)."""
     import cutlass
     from cutlass import cute
     from cutlass.cute.runtime import make_fake_tensor
@@ -327,7 +336,8 @@ def build(tokens, n_heads, taps, cfg, arch=None, dump_dir=None, pdl=False, norm_
                                 assumed_align=align or dtype.width // 8)
 
     conv_w = [weight(bf16, (W, 1, taps), (taps, taps, 1)) for _ in range(3)]
-    kda = KDADecode(T, H, taps, cfg, pdl, norm_fp32, fb_rank, o_fp32)
+    kda = KDADecode(T, H, taps, cfg, pdl, norm_fp32, fb_rank, o_fp32, norm_weight_fp32,
+                    conv_rounded)
     gate_input = [act(fb_rank), weight(bf16, (W, fb_rank), (fb_rank, 1), 16)] if fb_rank else [
         act(W)]  # fa and W_fb (W_fb's rows 16-byte vectors: assumed_align 16), or graw
     def conv_state(width):
@@ -356,8 +366,8 @@ KERNEL = Kernel(OP, build)
 def kda_decode_cuda(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weight,
                     k_conv_weight, v_conv_weight, A_log, dt_bias, o_norm_weight, lower_bound,
                     l2_eps, q_scale, norm_eps, norm_fp32=False, conv_time_major=False,
-                    state_v_major=False, o_fp32=False, k_conv_state=None, v_conv_state=None, *,
-                    out=None):
+                    state_v_major=False, o_fp32=False, norm_weight_fp32=False, conv_rounded=False,
+                    k_conv_state=None, v_conv_state=None, *, out=None):
     """CUDA implementation of k3::kda_decode: the kernel, or the reference if refused (reason
     logged). `out` [B, T, H, K] bf16 contiguous is written only when the kernel runs."""
     args = (q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weight,
@@ -375,7 +385,8 @@ def kda_decode_cuda(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_c
             compiled(T, H, conv.shape[2] + 1, bucket(B), norm_fp32,
                      A_log.dtype == torch.bfloat16, dt_bias.dtype == torch.bfloat16,
                      conv_time_major=conv_time_major, state_v_major=state_v_major,
-                     three_states=k_conv_state is not None, o_fp32=o_fp32)(
+                     three_states=k_conv_state is not None, o_fp32=o_fp32,
+                     norm_weight_fp32=norm_weight_fp32, conv_rounded=conv_rounded)(
                 *args[:6], *convs, state, *args[8:], o, float(lower_bound), float(l2_eps),
                 float(q_scale), float(norm_eps))
         return o
@@ -384,11 +395,13 @@ def kda_decode_cuda(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_c
     return KERNEL.run(lambda: refusal(*args, norm_fp32=norm_fp32,
                                       conv_time_major=conv_time_major,
                                       state_v_major=state_v_major, o_fp32=o_fp32,
-                                      k_conv_state=k_conv_state, v_conv_state=v_conv_state)
+                                      norm_weight_fp32=norm_weight_fp32,
+                                      conv_rounded=conv_rounded, k_conv_state=k_conv_state, v_conv_state=v_conv_state)
                       or call_refusal((*args, *more), q, recurrent_state, out),
                       lambda: kda_decode_ref(*args, lower_bound, l2_eps, q_scale, norm_eps,
                                              norm_fp32, conv_time_major, state_v_major,
-                                             o_fp32, k_conv_state, v_conv_state),
+                                             o_fp32, norm_weight_fp32, conv_rounded,
+                                             k_conv_state, v_conv_state),
                       launch, recurrent_state)
 
 

@@ -88,16 +88,21 @@ def example_inputs(dtype: torch.dtype = torch.bfloat16, conv_time_major: bool = 
 
 
 def _variant(norm_fp32: bool, conv_time_major: bool = False, state_v_major: bool = False,
-             three_states: bool = False, o_fp32: bool = False) -> Pattern:
+             three_states: bool = False, o_fp32: bool = False, norm_weight_fp32: bool = False,
+             conv_rounded: bool = False) -> Pattern:
     """The step as kda_decode fused it: with the built-in output norm, or fla's fp32 one (on o
     rounded, or with `o_fp32` unrounded), on a channel- or time-major conv state, a K- or V-major
-    recurrent state (the op's `norm_fp32`, `conv_time_major`, `state_v_major` and `o_fp32`
-    arguments, passed through), with one conv state buffer or three (`k_conv_state`,
+    recurrent state, spell9's Flax output norm, a conv rounded before its SiLU (the op's
+    `norm_fp32`, `conv_time_major`, `state_v_major`, `o_fp32`, `norm_weight_fp32` and
+    `conv_rounded` arguments, passed through), with one conv state buffer or three (`k_conv_state`,
     `v_conv_state`)."""
-    extra = kda_decode.flags(norm_fp32, conv_time_major, state_v_major, three_states, o_fp32)
+    extra = kda_decode.flags(norm_fp32, conv_time_major, state_v_major, three_states, o_fp32,
+                             norm_weight_fp32, conv_rounded)
     names = [n for n, on in (("norm_fp32", norm_fp32), ("conv_time_major", conv_time_major),
                              ("state_v_major", state_v_major),
-                             ("three_conv_states", three_states), ("o_fp32", o_fp32)) if on]
+                             ("three_conv_states", three_states), ("o_fp32", o_fp32),
+                             ("norm_weight_fp32", norm_weight_fp32),
+                             ("conv_rounded", conv_rounded)) if on]
     args = (*NAMES[:-len(kda_decode.SCALARS)], *kda_decode.THREE_STATES,
             *kda_decode.SCALARS) if three_states else NAMES
     tensors, n_scalars = len(NAMES) - len(kda_decode.SCALARS), len(kda_decode.SCALARS)
@@ -112,14 +117,17 @@ def _variant(norm_fp32: bool, conv_time_major: bool = False, state_v_major: bool
         example_inputs=lambda dtype=torch.bfloat16: example_inputs(dtype, conv_time_major,
                                                                    three_states),
         op="k3.fb_kda_decode", check=check,
-        kernel_refusal=kda_decode.untested_build_refusal if three_states else None,
+        kernel_refusal=kda_decode.untested_build_refusal if three_states else
+        kda_decode.rounding_refusal if norm_weight_fp32 or conv_rounded else None,
         scalars=dict(kda_decode.SCALARS), fake_trace=True, distinctive=("mm", "kda_decode"),
     )
 
 
 def patterns() -> list[Pattern]:
     # one variant for every T, batch and dtype: the op hides the step, the GEMM has no casts
-    # (o_fp32: with the fp32 norm only)
-    return [_variant(n or o, m, s, c, o) for o in (False, True) for c in (False, True)
+    # (o_fp32: with the fp32 norm, or the Flax norm; those two and conv_rounded as kda_decode's)
+    return [_variant((n or o) and not f, m, s, c, o, f, r) for r in (False, True)
+            for f in (False, True) for o in (False, True) for c in (False, True)
             for s in (False, True) for m in (False, True) for n in (False, True)
-            if not (c and m) and not (o and n) and (kda_decode.THREE_STATE_OPS or not c)]
+            if not (c and m) and not (o and n) and (kda_decode.THREE_STATE_OPS or not c)
+            and not ((f or r) and (c or s)) and not (f and (n or not o))]

@@ -10,7 +10,10 @@ models trace no casts), and in bf16 per output norm: the built-in model's (`rms_
 sigmoid(g)`, rounded to bf16 after the norm, the weight and the gate) or fla's
 `FusedRMSNormGated` (Moonshot's KDA layer: fp32 throughout, one rounding), which fuses into the op
 with `norm_fp32=True` (in fp32 the two are one graph); o kept fp32 into that norm, one cast after
-it (the red-team spelling, spell8), with `o_fp32=True` as well. Only the variants of the T a
+it (the red-team spelling, spell8), with `o_fp32=True` as well; spell9's JAX/Flax norm (o kept
+fp32, the weight multiplied in fp32 before one cast, the gate in bf16 after it) with
+`norm_weight_fp32=True, o_fp32=True`. A conv run in bf16 (its output rounded, then the SiLU on
+it: the red-team spelling, spell9 after rule `cell_conv`) with `conv_rounded=True`. Only the variants of the T a
 graph's KDA sites have are traced (`fits`: the short conv's output length is T); a T without a variant stays unfused, and its near miss
 says so.
 
@@ -31,7 +34,13 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
-from k3compile.math import delta_rule_step, l2norm, rms_norm, rms_norm_gated_fp32
+from k3compile.math import (
+    delta_rule_step,
+    l2norm,
+    rms_norm,
+    rms_norm_fp32_weight,
+    rms_norm_gated_fp32,
+)
 from k3compile.ops.kda_decode import THREE_STATE_OPS
 from k3compile.rewrite import Pattern, tensor_meta, with_signature
 
@@ -84,7 +93,7 @@ def kda_step(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_wei
 def _step(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weight, k_conv_weight,
           v_conv_weight, A_log, dt_bias, o_norm_weight, lower_bound, l2_eps, q_scale, norm_eps,
           silu_written_out, norm_fp32=False, conv_time_major=False, state_v_major=False,
-          o_fp32=False,
+          o_fp32=False, norm_weight_fp32=False, conv_rounded=False,
           k_conv_state=None, v_conv_state=None):
     """KimiDeltaAttention.forward after the projections, with the state writes made functional
     (as they are in the graph). Returns (new recurrent state, new conv state, o).
@@ -94,7 +103,9 @@ def _step(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weight
     so). `k_conv_state`, `v_conv_state`: three channel-major conv state buffers, the window's
     past rows their gathers' concatenation, its tail written back by channel slices (rules
     `conv_states` and `conv_merge` write three per-projection convs so); the new conv states
-    are then three outputs."""
+    are then three outputs. `norm_weight_fp32`: the output norm's weight multiplied in fp32
+    before its one rounding, the gate after it (with `o_fp32`: o unrounded into it).
+    `conv_rounded`: the conv run in the activations' dtype (rounded), F.silu on its output."""
     B, T, _ = q.shape
     nh, hd = recurrent_state.shape[1], recurrent_state.shape[2]
     beta = torch.sigmoid(b.float())
@@ -114,7 +125,10 @@ def _step(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weight
         window = torch.cat([conv_state[slots], new], dim=-1)
         conv_state_out = setitem(conv_state, (slots,), window[..., T:])
     taps = torch.cat([q_conv_weight, k_conv_weight, v_conv_weight])
-    conv = F.conv1d(window.float(), taps.float(), groups=taps.shape[0])
+    if conv_rounded:
+        conv = F.conv1d(window, taps, groups=taps.shape[0])
+    else:
+        conv = F.conv1d(window.float(), taps.float(), groups=taps.shape[0])
     # silu as torch's op (its decomposition is x / (1 + exp(-x))) or written out as x·σ(x)
     conv = (conv * torch.sigmoid(conv) if silu_written_out else F.silu(conv))
     conv = conv.to(q.dtype).transpose(1, 2)
@@ -136,6 +150,10 @@ def _step(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weight
                         state.transpose(-1, -2) if state_v_major else state)
     o = torch.stack(outs, dim=1)
     convs = conv_state_out if isinstance(conv_state_out, tuple) else (conv_state_out,)
+    if norm_weight_fp32:  # a Flax RMSNorm: the weight in fp32, one cast, the gate after it
+        o = o if o_fp32 else o.to(q.dtype)
+        return state_out, *convs, rms_norm_fp32_weight(
+            o, o_norm_weight, norm_eps, q.dtype) * torch.sigmoid(g.view(B, T, nh, hd))
     if o_fp32:  # o as the fp32 recurrence leaves it, into the fp32 norm; one cast after it
         return state_out, *convs, rms_norm_gated_fp32(
             o, o_norm_weight, g.float().view(B, T, nh, hd), norm_eps).to(q.dtype)
@@ -160,14 +178,19 @@ def replace(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weig
 
 
 # the op's trailing bool arguments, in order (the k and v conv state buffers follow them)
-FLAGS = ("norm_fp32", "conv_time_major", "state_v_major", "o_fp32")
+FLAGS = ("norm_fp32", "conv_time_major", "state_v_major", "o_fp32", "norm_weight_fp32",
+         "conv_rounded")
 
 
 def flags(norm_fp32: bool, conv_time_major: bool, state_v_major: bool = False,
-          three_states: bool = False, o_fp32: bool = False) -> tuple[bool, ...]:
+          three_states: bool = False, o_fp32: bool = False, norm_weight_fp32: bool = False,
+          conv_rounded: bool = False) -> tuple[bool, ...]:
     """The op's trailing flags for a variant: none for the defaults (with three conv states all
     of FLAGS, the two buffers follow them)."""
-    if o_fp32 or three_states:
+    if norm_weight_fp32 or conv_rounded or three_states:
+        return (norm_fp32, conv_time_major, state_v_major, o_fp32, norm_weight_fp32,
+                conv_rounded)
+    if o_fp32:
         return norm_fp32, conv_time_major, state_v_major, o_fp32
     if state_v_major:
         return norm_fp32, conv_time_major, state_v_major
@@ -176,6 +199,14 @@ def flags(norm_fp32: bool, conv_time_major: bool, state_v_major: bool = False,
 
 def time_major_check(match) -> str | None:
     return check(match, conv_time_major=True)
+
+
+def rounding_refusal(match) -> str | None:
+    """On GPU graphs a `norm_weight_fp32` or `conv_rounded` site stays with Inductor until
+    kda_decode's builds for them (session 27: built for sm_90a, never run on a GPU) pass their
+    GPU tests (tests/fusions/test_kda_decode_rounding.py); CPU graphs fuse it."""
+    return ("norm_weight_fp32 / conv_rounded: kda_decode's build has not run on a GPU yet "
+            "(tests/fusions/test_kda_decode_rounding.py)")
 
 
 def untested_build_refusal(match) -> str | None:
@@ -238,8 +269,9 @@ def check(match, conv_time_major: bool = False, three_states: bool = False) -> s
     return None
 
 
-# (graph, its sites, recurrent state layouts, conv state counts, an fp32 o into a norm)
-_sites_seen: list = [None, frozenset(), frozenset(), frozenset(), False]
+# (graph, its sites, recurrent state layouts, conv state counts, an fp32 o into a norm, a conv
+# in bf16 / fp16)
+_sites_seen: list = [None, frozenset(), frozenset(), frozenset(), False, False]
 
 
 def _time_major(conv: fx.Node) -> bool:
@@ -299,7 +331,8 @@ def _scan(graph: fx.Graph) -> None:
             (int(n.meta["val"].shape[-1]), _time_major(n)) for n in convs), frozenset(
             {False} | {True for n in reads if _v_major(n)}), frozenset(
             {1} | {_gathers(n) for n in convs} - {0}), any(
-            _fp32_norm_of_fp32(n) for n in graph.nodes if n.target is torch.ops.aten.mean.dim)
+            _fp32_norm_of_fp32(n) for n in graph.nodes if n.target is torch.ops.aten.mean.dim), any(
+            n.meta["val"].dtype != torch.float32 for n in convs)
 
 
 def sites(graph: fx.Graph) -> frozenset[tuple[int, bool]]:
@@ -328,15 +361,23 @@ def fp32_o_norms(graph: fx.Graph) -> bool:
     return _sites_seen[4]
 
 
+def low_precision_convs(graph: fx.Graph) -> bool:
+    """Whether some short conv of the graph runs in bf16 / fp16 (`conv_rounded`)."""
+    _scan(graph)
+    return _sites_seen[5]
+
+
 def site_rows(graph: fx.Graph) -> frozenset[int]:
     """T of each KDA site in the graph: its depthwise short conv's output length."""
     return frozenset(t for t, _ in sites(graph))
 
 
 def _fits(T: int, conv_time_major: bool = False, state_v_major: bool = False,
-          three_states: bool = False, o_fp32: bool = False):
+          three_states: bool = False, o_fp32: bool = False, conv_rounded: bool = False):
     def fits(graph: fx.Graph) -> str | None:
         found = sites(graph)
+        if conv_rounded and found and not low_precision_convs(graph):
+            return "no short conv runs in bf16 / fp16 (a rounded conv's)"
         if o_fp32 and found and not fp32_o_norms(graph):
             return "no fp32 [B, T, H, V] tensor that is no upcast is RMS-normalised (an fp32 o's)"
         if state_v_major and found and True not in state_layouts(graph):
@@ -357,7 +398,8 @@ def _fits(T: int, conv_time_major: bool = False, state_v_major: bool = False,
 def _variant(T: int, B: int, dtype: torch.dtype, silu_written_out: bool = False,
              norm_fp32: bool = False, conv_time_major: bool = False,
              state_v_major: bool = False, three_states: bool = False,
-             o_fp32: bool = False) -> Pattern:
+             o_fp32: bool = False, norm_weight_fp32: bool = False,
+             conv_rounded: bool = False) -> Pattern:
     def example_inputs():
         W = H * K
         act = [torch.randn(B, T, W, dtype=dtype) for _ in range(5)]
@@ -378,24 +420,30 @@ def _variant(T: int, B: int, dtype: torch.dtype, silu_written_out: bool = False,
                                              norm_fp32=norm_fp32,
                                              conv_time_major=conv_time_major,
                                              state_v_major=state_v_major, o_fp32=o_fp32,
+                                             norm_weight_fp32=norm_weight_fp32,
+                                             conv_rounded=conv_rounded,
                                              **dict(zip(THREE_STATES, a[TENSORS:-len(SCALARS)]))
                                              if three_states else {}), names)
-    extra = flags(norm_fp32, conv_time_major, state_v_major, three_states, o_fp32)
+    extra = flags(norm_fp32, conv_time_major, state_v_major, three_states, o_fp32,
+                  norm_weight_fp32, conv_rounded)
     return Pattern(
         name=f"kda_decode[T={T},B={'1' if B == 1 else 'n'},{str(dtype).removeprefix('torch.')}"
              f"{',silu_written_out' if silu_written_out else ''}"
              f"{',norm_fp32' if norm_fp32 else ''}{',conv_time_major' if conv_time_major else ''}"
              f"{',state_v_major' if state_v_major else ''}"
-             f"{',three_conv_states' if three_states else ''}{',o_fp32' if o_fp32 else ''}]",
+             f"{',three_conv_states' if three_states else ''}{',o_fp32' if o_fp32 else ''}"
+             f"{',norm_weight_fp32' if norm_weight_fp32 else ''}"
+             f"{',conv_rounded' if conv_rounded else ''}]",
         search=search, replace=with_signature(
             lambda *a: replace(*unthree(a), *extra, *a[TENSORS:-len(SCALARS)]), names)
         if extra else replace,
         example_inputs=example_inputs, op="k3.kda_decode",
         check=three_states_check if three_states else time_major_check if conv_time_major
         else check, scalars=dict(SCALARS),
-        kernel_refusal=untested_build_refusal if three_states else None,
+        kernel_refusal=untested_build_refusal if three_states else rounding_refusal
+        if norm_weight_fp32 or conv_rounded else None,
         distinctive=("convolution", "index_put", "bmm", "rsqrt"), joint_passes=True,
-        fits=_fits(T, conv_time_major, state_v_major, three_states, o_fp32),
+        fits=_fits(T, conv_time_major, state_v_major, three_states, o_fp32, conv_rounded),
     )
 
 
@@ -407,8 +455,14 @@ def patterns() -> list[Pattern]:
     # conv state only channel-major (the layout the spellings that keep three have), and none
     # where this torch cannot take the op's optional mutated conv states (THREE_STATE_OPS); o
     # unrounded into the norm (`o_fp32`) only with fla's fp32 norm, in bf16 / fp16
-    return [_variant(t, b, d, w, n or o, m, s, c, o) for o, c, s, m, n, w, t, b, d in
+    # unrounded o into a Flax norm (`norm_weight_fp32`, spell9's) and a conv run in bf16
+    # (`conv_rounded`) in bf16 / fp16 only, with torch's F.silu, one conv state buffer
+    return [_variant(t, b, d, w, (n or o) and not f, m, s, c, o, f, r)
+            for r, f, o, c, s, m, n, w, t, b, d in
             itertools.product((False, True), (False, True), (False, True), (False, True),
-                              (False, True), (False, True), TOKENS, BATCHES, DTYPES)
+                              (False, True), (False, True), (False, True), (False, True),
+                              TOKENS, BATCHES, DTYPES)
             if not ((n or o) and d == torch.float32) and not (o and n) and not (c and m)
-            and (THREE_STATE_OPS or not c)]
+            and (THREE_STATE_OPS or not c)
+            and not ((f or r) and (d == torch.float32 or w or c or s))
+            and not (f and (n or not o))]

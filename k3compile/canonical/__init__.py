@@ -47,7 +47,8 @@ ORDER: tuple[str, ...] = ("scatter_rows", "paged_write", "token_dim", "state_wri
                           "broadcast",
                           "take_along",
                           "topk_sorted", "route_mask", "view_chains", "view_add", "reshape_fold",
-                          "stack_cat", "token_rows", "combine_rows", "router_input", "permute_fold",
+                          "stack_cat", "token_rows", "combine_rows", "cast_squeeze", "router_input",
+                          "permute_fold",
                           "expert_dense")
 
 

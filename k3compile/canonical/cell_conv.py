@@ -26,13 +26,13 @@ values, equals the canonical form within 1e-5 of its largest value (summation or
 contraction over any other window, with taps computed at run time, or with no SiLU-like tail,
 is left alone.
 
-fp32 only. In bf16 / fp16 the user's contraction rounds and its SiLU rounds again, where the
-canonical form (and the fused op) rounds once after an fp32 conv + SiLU (rule `conv_einsum`
-takes that to 2 ulps). Measured on spell9 bf16 (CPU, 4-layer tiny, session 26): taking it so
-raised the compiled step's logits error against eager from 2.6e-2 to 5.9e-2 (over TOL's
-`diffsuite_bf16`, 5e-2) and fused nothing more, since kda_decode's bf16 variants do not take
-spell9's output norm (o unrounded, the scale multiplied in fp32 before the one cast, the gate
-in bf16). So a bf16 window is left alone until an op variant takes that norm.
+bf16 / fp16 (session 27): the user's bmm rounds the conv to the activations' dtype and its SiLU
+rounds again; the canonical form is then the conv in that dtype (its output rounded, as a bf16
+`F.conv1d`'s) and the SiLU on it, which kda_decode's `conv_rounded` variant takes: the same two
+roundings, not the one of the fp32 canonical conv (taking it so, session 26, raised spell9
+bf16's logits error against eager from 2.6e-2 to 5.9e-2). Only the bmm form: at B = 1 the
+contraction is a mul + sum whose products round one by one (left alone). The check allows one
+ulp of the largest value (both sum four exact fp32 products, in an order that may differ).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import fx
 
 from k3compile.canonical import Rule, rewrite_sites
-from k3compile.canonical.conv_einsum import RTOL, THROUGH, _product
+from k3compile.canonical.conv_einsum import LOW, RTOL, THROUGH, _product, _silu_tail
 from k3compile.canonical.gate_up_split import _POINTWISE
 from k3compile.canonical.region import below, pointwise_tail, replace, root, shape, val
 from k3compile.canonical.short_conv import MAX_TAPS
@@ -150,7 +150,7 @@ def _site(window: fx.Node):
     state, slots, new = found
     dtype = val(window).dtype
     B, taps, C = shape(window)
-    if dtype != torch.float32 or taps > MAX_TAPS or val(state).dtype != dtype or \
+    if dtype not in (torch.float32, *LOW) or taps > MAX_TAPS or val(state).dtype != dtype or \
             not _writes_tail(window, state, slots):
         return None
     for start in window.users:
@@ -160,7 +160,7 @@ def _site(window: fx.Node):
         while len(node.users) == 1 and (user := next(iter(node.users))).target in THROUGH:
             node = user
         product = _product(node)
-        if product is None:
+        if product is None or dtype != torch.float32 and product.target is not aten.bmm.default:
             continue
         other = product.args[1] if product.args[0] is node else product.args[0]
         pieces = _taps(other, C)
@@ -170,11 +170,15 @@ def _site(window: fx.Node):
         out = below(end, (B, C), THROUGH)
         if out is None:
             continue
-        tail = pointwise_tail(out, _POINTWISE, dtype)
+        # in bf16 F.silu computes in fp32 between casts (`_silu_tail`)
+        tail = pointwise_tail(out, _POINTWISE, dtype) if dtype == torch.float32 else \
+            _silu_tail(out, dtype)
         if not tail or not tail[0]:
             return None  # the canonical form has the SiLU after the conv
         # the user's SiLU as torch's op (x / (1 + exp(-x))) or written out (x * sigmoid(x))
         written_out = not any(n.target is aten.div.Tensor for n in tail[0])
+        if written_out and dtype != torch.float32:
+            return None  # x * sigmoid(x) in bf16 rounds the sigmoid too: not F.silu's rounding
         return window, new, pieces, tail[1], written_out
     return None
 
@@ -201,7 +205,9 @@ def _write(graph: fx.Graph, window: fx.Node, site, cache: dict) -> bool:
     inputs = [window, *(p for p, _ in pieces)]
     kinds = tuple(k for _, k in pieces)
     fn = _canonical(kinds, written_out)
-    if replace(inputs, end, fn, RTOL, cache, ("cell_conv", kinds, written_out)) is None:
+    dtype = val(window).dtype
+    rtol = RTOL if dtype == torch.float32 else torch.finfo(dtype).eps
+    if replace(inputs, end, fn, rtol, cache, ("cell_conv", kinds, written_out)) is None:
         return False
     # the token row of the window as the token itself (T = 1): x[:, 0][:, None] is x
     token = root(new, {aten.unsqueeze.default, aten.select.int, aten.view.default})

@@ -25,6 +25,15 @@ values (K = V).
 fp32 recurrence leaves it, not rounded to the activations' dtype first (code that keeps o in fp32
 through its gated norm and casts once after it: the red-team spelling, spell8); the same in fp32.
 
+`norm_weight_fp32`: the output norm multiplies its weight in fp32 before its one rounding, then
+gates in the activations' dtype (`rms_norm_fp32_weight(o) * sigmoid(g)`: a JAX/Flax-style RMSNorm,
+spell9's), where the default rounds the normalised row first and multiplies the weight in that
+dtype; with `o_fp32`, o goes in unrounded. Not with `norm_fp32` (which gates in fp32 as well).
+
+`conv_rounded`: the short conv is rounded to the activations' dtype before its SiLU (a conv run in
+bf16, then `F.silu` on its bf16 output: the red-team spelling, spell9's per-token einsum), where
+the default applies the SiLU to the fp32 conv and rounds once. The same in fp32.
+
 `k_conv_state`, `v_conv_state`: three conv state buffers, one per q / k / v (fla's three
 `ShortConvolution`s, each with its own cache; tests/models/spell8_k3.py): `conv_state` then holds
 q's channels only, [S, H·K, taps-1] (the layout `conv_time_major` says), and the window is the
@@ -42,7 +51,13 @@ import re
 import torch
 import torch.nn.functional as F
 
-from k3compile.math import delta_rule_step, l2norm, rms_norm, rms_norm_gated_fp32
+from k3compile.math import (
+    delta_rule_step,
+    l2norm,
+    rms_norm,
+    rms_norm_fp32_weight,
+    rms_norm_gated_fp32,
+)
 
 # the parameters the KDA ops upcast themselves (the reference reads them as `.float()` or adds
 # them to fp32, both exact for a narrower float): an upcast in the graph before the op is dropped
@@ -53,15 +68,19 @@ SELF_UPCAST = ("A_log", "dt_bias")
 def kda_decode_ref(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weight,
                    k_conv_weight, v_conv_weight, A_log, dt_bias, o_norm_weight, lower_bound,
                    l2_eps, q_scale, norm_eps, norm_fp32=False, conv_time_major=False,
-                   state_v_major=False, o_fp32=False, k_conv_state=None, v_conv_state=None):
+                   state_v_major=False, o_fp32=False, norm_weight_fp32=False, conv_rounded=False,
+                   k_conv_state=None, v_conv_state=None):
     """The model's KDA step (`KimiDeltaAttention.forward` between the projections and o_proj),
     op for op, so that it rounds like eager. Mutates conv_state (and k_conv_state, v_conv_state)
     and recurrent_state."""
     B, T, W = q.shape
     H, K = recurrent_state.shape[1], recurrent_state.shape[2]
     dtype = q.dtype
-    if o_fp32 and not norm_fp32:
-        raise ValueError("kda_decode: o_fp32 (o unrounded into the output norm) needs norm_fp32")
+    if o_fp32 and not (norm_fp32 or norm_weight_fp32):
+        raise ValueError("kda_decode: o_fp32 (o unrounded into the output norm) needs norm_fp32 "
+                         "or norm_weight_fp32")
+    if norm_fp32 and norm_weight_fp32:
+        raise ValueError("kda_decode: norm_fp32 and norm_weight_fp32 are two output norms")
     beta = torch.sigmoid(b.float())  # [B, T, H]
 
     taps = torch.cat([q_conv_weight, k_conv_weight, v_conv_weight])
@@ -83,6 +102,8 @@ def kda_decode_ref(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_co
         for s, piece in zip(states, tail.split(W, dim=channels)):
             s[slots] = piece
     conv = F.conv1d(window.float(), taps.float(), groups=taps.shape[0])
+    if conv_rounded:  # the conv's output in the activations' dtype, its SiLU on that
+        conv = conv.to(dtype)
     conv = F.silu(conv).to(dtype).transpose(1, 2)  # [B, T, 3W]
     q, k, v = conv.split(W, dim=-1)
 
@@ -105,16 +126,22 @@ def kda_decode_ref(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_co
     if norm_fp32:
         o = o if o_fp32 else o.to(dtype)
         return rms_norm_gated_fp32(o, o_norm_weight, g.view(B, T, H, K), norm_eps).to(dtype)
+    if norm_weight_fp32:
+        o = o if o_fp32 else o.to(dtype)
+        return rms_norm_fp32_weight(o, o_norm_weight, norm_eps, dtype) * torch.sigmoid(
+            g.view(B, T, H, K))
     o = o.to(dtype)
     return rms_norm(o, o_norm_weight, norm_eps) * torch.sigmoid(g.view(B, T, H, K))
 
 
-def kda_decode_fake(q, recurrent_state, g, o_norm_weight, norm_fp32=False) -> torch.Tensor:
+def kda_decode_fake(q, recurrent_state, g, o_norm_weight, norm_fp32=False,
+                    norm_weight_fp32=False) -> torch.Tensor:
     """The output both KDA decode ops return: [B, T, H, K] in the activations' dtype."""
     B, T, _ = q.shape
     H, K = recurrent_state.shape[1], recurrent_state.shape[2]
-    dtype = q.dtype if norm_fp32 else torch.promote_types(
-        torch.promote_types(o_norm_weight.dtype, q.dtype), g.dtype)
+    dtype = q.dtype if norm_fp32 else torch.promote_types(q.dtype, g.dtype) if \
+        norm_weight_fp32 else torch.promote_types(
+            torch.promote_types(o_norm_weight.dtype, q.dtype), g.dtype)
     return q.new_empty((B, T, H, K), dtype=dtype)
 
 
@@ -161,6 +188,7 @@ def kda_decode(
     A_log: torch.Tensor, dt_bias: torch.Tensor, o_norm_weight: torch.Tensor,
     lower_bound: float, l2_eps: float, q_scale: float, norm_eps: float, norm_fp32: bool = False,
     conv_time_major: bool = False, state_v_major: bool = False, o_fp32: bool = False,
+    norm_weight_fp32: bool = False, conv_rounded: bool = False,
     k_conv_state: torch.Tensor | None = None, v_conv_state: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q, k, v, g, graw [B, T, H·K] (pre-conv projections, output gate, low-rank decay input),
@@ -168,14 +196,16 @@ def kda_decode(
     `conv_time_major`; with `k_conv_state` and `v_conv_state`, each of the three [S, H·K,
     taps-1] or [S, taps-1, H·K]); recurrent_state fp32 [S, H, K, V], K = V ([S, H, V, K] with
     `state_v_major`);
-    `o_fp32`: with `norm_fp32`, o unrounded into the fp32 output norm;
+    `o_fp32`: with `norm_fp32` or `norm_weight_fp32`, o unrounded into the output norm;
+    `norm_weight_fp32`: the norm's weight multiplied in fp32 before one rounding, the gate after;
+    `conv_rounded`: the conv rounded to the activations' dtype before its SiLU;
     slots int64 [B]; conv weights [H·K, 1, taps]; A_log [H], dt_bias [H·K] (fp32, or bf16 where
     a model is cast whole: promoted to fp32); o_norm_weight [K]. Returns o [B, T, H, K] in the
     activations' dtype."""
     return kda_decode_ref(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weight,
                           k_conv_weight, v_conv_weight, A_log, dt_bias, o_norm_weight, lower_bound,
                           l2_eps, q_scale, norm_eps, norm_fp32, conv_time_major, state_v_major,
-                          o_fp32, k_conv_state, v_conv_state)
+                          o_fp32, norm_weight_fp32, conv_rounded, k_conv_state, v_conv_state)
 
 
 kda_decode = state_op("k3::kda_decode", kda_decode)
@@ -185,5 +215,5 @@ kda_decode = state_op("k3::kda_decode", kda_decode)
 def _(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weight, k_conv_weight,
       v_conv_weight, A_log, dt_bias, o_norm_weight, lower_bound, l2_eps, q_scale, norm_eps,
       norm_fp32=False, conv_time_major=False, state_v_major=False, o_fp32=False,
-      k_conv_state=None, v_conv_state=None):
-    return kda_decode_fake(q, recurrent_state, g, o_norm_weight, norm_fp32)
+      norm_weight_fp32=False, conv_rounded=False, k_conv_state=None, v_conv_state=None):
+    return kda_decode_fake(q, recurrent_state, g, o_norm_weight, norm_fp32, norm_weight_fp32)

@@ -26,9 +26,13 @@ class KDADecode:
     CTA computes its head's graw; host entry `with_fb`), not graw [B, T, W] (`__call__`)."""
 
     def __init__(self, tokens: int, n_heads: int, taps: int, cfg: Config, pdl: bool = False,
-                 norm_fp32: bool = False, fb_rank: int = 0, o_fp32: bool = False):
+                 norm_fp32: bool = False, fb_rank: int = 0, o_fp32: bool = False,
+                 norm_weight_fp32: bool = False, conv_rounded: bool = False):
         self.T, self.H, self.taps, self.pdl, self.norm_fp32 = tokens, n_heads, taps, pdl, norm_fp32
-        self.o_fp32 = o_fp32  # with norm_fp32: o unrounded into the norm
+        self.o_fp32 = o_fp32  # with norm_fp32 or norm_weight_fp32: o unrounded into the norm
+        # the Flax norm: bf16(o'·rstd·w) in fp32, then the gate in bf16
+        self.norm_weight_fp32 = norm_weight_fp32
+        self.conv_rounded = conv_rounded  # the conv rounded to bf16 before its SiLU
         self.K = HEAD_DIM
         self.W = n_heads * HEAD_DIM
         self.tile = tile(cfg)
@@ -227,6 +231,8 @@ class KDADecode:
                 acc = win[t] * w[0]
                 for j in range(1, taps):
                     acc = acc + win[t + j] * w[j]
+                if const_expr(self.conv_rounded):
+                    acc = bf16_round(acc)
                 sX[t, c] = bf16_round(acc / (1.0 + cute.math.exp(-acc)))  # SiLU
 
     @cute.jit
@@ -339,7 +345,8 @@ class KDADecode:
     @cute.jit
     def epilogue(self, tidx, rank, h, req, totals, sO, mG, mWo, mOut, norm_eps: Float32):
         """out = bf16(bf16(w·bf16(o'·rstd))·bf16(σ(g))), or with `norm_fp32` bf16(o'·rstd·w·σ(g))
-        in fp32; one 16-byte vector per item."""
+        in fp32, or with `norm_weight_fp32` bf16(bf16(o'·rstd·w)·bf16(σ(g))); one 16-byte vector
+        per item."""
         total, n = self.tile.out_vectors(self.T), self.threads
         for it in cutlass.range_constexpr(-(-total // n)):
             item = it * n + tidx
@@ -362,6 +369,9 @@ class KDADecode:
             if const_expr(self.norm_fp32):  # fla's FusedRMSNormGated: one rounding, at the store
                 y = sO[t, lc + e] * rstd * mWo[col + e].to(Float32)
                 rY[e] = y * sigmoid(mG[req, t, h * K + col + e].to(Float32))
+            elif const_expr(self.norm_weight_fp32):  # a Flax RMSNorm, then the gate in bf16
+                y = bf16_round(sO[t, lc + e] * rstd * mWo[col + e].to(Float32))
+                rY[e] = y * bf16_round(sigmoid(mG[req, t, h * K + col + e].to(Float32)))
             else:
                 y = bf16_round(mWo[col + e].to(Float32) * bf16_round(sO[t, lc + e] * rstd))
                 rY[e] = y * bf16_round(sigmoid(mG[req, t, h * K + col + e].to(Float32)))

@@ -5,7 +5,8 @@ taps may be one weight or a cat of per-projection Flax kernels' slices. Values e
 unrewritten graph; with `token_select` and the rest of the canonical rules, spell9's KDA step
 fuses as kda_decode. Look-alikes stay: a window that is not the conv state (not a gather, its
 tail not written back, written to another buffer), taps computed at run time, a channel-mixing
-contraction, no SiLU after it, bf16 / fp16."""
+contraction, no SiLU after it; in bf16 / fp16 (taken as the conv in that dtype, rounded) a
+mul + sum of rounded products (B = 1) and a written-out SiLU."""
 
 from __future__ import annotations
 
@@ -90,12 +91,33 @@ def test_the_cell_conv_becomes_the_time_major_conv(fn, kind, batch):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_low_precision_stays(dtype):
-    """bf16 / fp16: the canonical conv would round once where the user's rounds twice; on
-    spell9 that raised the step's error over the bf16 tolerance and fused nothing (the rule's
-    docstring)"""
+def test_low_precision_becomes_the_rounded_conv(dtype):
+    """bf16 / fp16 (session 27): the bmm rounds the conv, the SiLU rounds again; the canonical
+    form is the conv in that dtype (no upcast: its output rounded) and F.silu on it, which
+    kda_decode's `conv_rounded` variant takes; within one ulp of the largest value of the
+    unrewritten graph (the fp32 sums of four exact products, maybe in another order)"""
     args = _args(dtype=dtype)
     before, after, n = rewrite(cell_conv.RULE, flax, *args, joint=True)
+    assert n == 1 and "aten.bmm.default" not in targets(after)
+    (conv,) = [x for x in after.graph.nodes if x.target is aten.convolution.default]
+    assert conv.meta["val"].dtype == dtype  # the conv itself in the activations' dtype
+    _close(after, before, args, torch.finfo(dtype).eps)
+
+
+def _written_out(x, state, slots, kq, kk, kv):
+    """SiLU written x * sigmoid(x): in bf16 the sigmoid rounds too (not F.silu's rounding)"""
+    taps = torch.cat([kq[:, 0], kk[:, 0], kv[:, 0]], -1)
+    win = _window(x, state, slots)
+    y = torch.einsum("bkc,kc->bc", win, taps)
+    return y * torch.sigmoid(y), torch.index_put(state, (slots,), win[:, 1:])
+
+
+@pytest.mark.parametrize(("fn", "batch"), [(flax, 1), (_written_out, 2)])
+def test_low_precision_look_alikes_stay(fn, batch):
+    """bf16 at B = 1 (a mul + sum: each product rounded, not the conv's rounding) and a SiLU
+    written out (its sigmoid rounded) stay as written"""
+    args = _args(batch, dtype=torch.bfloat16)
+    before, after, n = rewrite(cell_conv.RULE, fn, *args, joint=True)
     assert n == 0 and "aten.convolution.default" not in targets(after)
     _close(after, before, args, 0)
 
@@ -190,7 +212,7 @@ class Spell9KDA(torch.nn.Module):
     """spell9's `kda_step` alone (tiny config's sizes): its Flax parameter tree, a time-major conv
     state and the fp32 recurrent state, written back by `index_copy_` as spell9's step does."""
 
-    def __init__(self):
+    def __init__(self, dtype=torch.float32):
         super().__init__()
         from k3compile.models import get_config
         from tests.models import spell9_k3 as s9
@@ -207,10 +229,10 @@ class Spell9KDA(torch.nn.Module):
                  "wo.kernel": r(H * dk, D), "A_log": r(H), "dt_bias": r(H * dk),
                  "o_norm.scale": r(dk) + 1}
         flat |= {f"{m}_conv.kernel": r(TAPS, 1, H * dk) for m in "qkv"}
-        self.params = s9.ParamTree(flat)
-        self.register_buffer("conv_state", r(S, TAPS - 1, 3 * H * dk))
-        self.register_buffer("recurrent_state", r(S, H, dk, dk))
-        self.policy = s9.Policy(torch.float32)
+        self.params = s9.ParamTree({k: v.to(dtype) for k, v in flat.items()})
+        self.register_buffer("conv_state", r(S, TAPS - 1, 3 * H * dk).to(dtype))
+        self.register_buffer("recurrent_state", r(S, H, dk, dk))  # fp32, as spell9's
+        self.policy = s9.Policy(dtype)
 
     def forward(self, x, slots):
         state = (self.conv_state[slots], self.recurrent_state[slots])
@@ -221,8 +243,9 @@ class Spell9KDA(torch.nn.Module):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("batch", [2, 1])
-def test_spell9_kda_step_fuses_as_kda_decode(batch):
+@pytest.mark.parametrize(("batch", "dtype"), [(2, torch.float32), (1, torch.float32),
+                                              (2, torch.bfloat16)])
+def test_spell9_kda_step_fuses_as_kda_decode(batch, dtype):
     """spell9's own KDA step (tests/models/spell9_k3.py: the scanned cell with its conv inside,
     the vmapped delta rule, the Flax conv kernels), canonicalised by every rule, matches
     kda_decode's time-major T = 1 variant, and the canonical graph computes what the graph
@@ -232,12 +255,35 @@ def test_spell9_kda_step_fuses_as_kda_decode(batch):
     from patterns import kda_decode
     from tests.canonical.compiled import assert_same_values, canonicalize
 
-    model = Spell9KDA()
+    model = Spell9KDA(dtype)
     x = torch.randn(batch, 1, model.cfg.hidden_size, generator=torch.Generator().manual_seed(1))
-    c = canonicalize(None, {"x": x, "slots": torch.tensor([3, 0][:batch])}, module=model,
-                     stage_cache=False, pack_weights=False)
+    c = canonicalize(None, {"x": x.to(dtype), "slots": torch.tensor([3, 0][:batch])},
+                     module=model, stage_cache=False, pack_weights=False)
     assert c.counts["cell_conv"] == 1 and c.counts["token_select"] > 0
     assert_same_values(c, rel=1e-5)
-    variant = kda_decode._variant(1, batch, torch.float32, conv_time_major=True)
+    # bf16 (session 27): the conv in bf16 (rounded), spell9's Flax output norm on the fp32 o
+    flags = {"o_fp32": True, "norm_weight_fp32": True, "conv_rounded": True} if \
+        dtype == torch.bfloat16 else {}
+    variant = kda_decode._variant(1, batch, dtype, conv_time_major=True, **flags)
     report = apply_patterns(c.after.graph, [variant])
     assert [h.pattern for h in report.hits] == [variant.name]
+
+
+@pytest.mark.slow
+def test_spell9_bf16_kda_step_compiled_equals_eager():
+    """spell9's bf16 KDA step under backend k3 (the step fused as kda_decode's conv_rounded,
+    norm_weight_fp32 variant; CPU: the op's reference) against its eager twin, three steps on
+    the carried states: the output and the conv state bit for bit, the fp32 recurrent state
+    within fp32 summation order"""
+    import torch._dynamo
+
+    eager, model = Spell9KDA(torch.bfloat16), Spell9KDA(torch.bfloat16)
+    torch._dynamo.reset()
+    step = torch.compile(model, backend="k3", fullgraph=True)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x = torch.randn(2, 1, eager.cfg.hidden_size, generator=g).bfloat16()
+        slots = torch.tensor([3, 0])
+        assert torch.equal(step(x, slots), eager(x, slots))
+        assert torch.equal(model.conv_state, eager.conv_state)
+        assert rel_err(model.recurrent_state, eager.recurrent_state) <= 1e-6

@@ -87,12 +87,12 @@ class _Spell9Moe(torch.nn.Module):
     kernels [out, in] (probe `linear`: stage kernel_layout, which re-lays the [in, out] ones at the
     first call, is not what this test is about)."""
 
-    def __init__(self):
+    def __init__(self, dtype=torch.float32):
         super().__init__()
         from tests.models import spell9_k3 as s9
         from tests.spellings import foreign
 
-        spelled = s9.from_builtin(foreign.builtin(torch.float32)).set_probe("linear")
+        spelled = s9.from_builtin(foreign.builtin(dtype)).set_probe("linear")
         self.s9, self.cfg, self.policy = s9, spelled.cfg, spelled.policy
         self.params = s9.ParamTree(s9.subtree(spelled.params.flat(), "layers.1.ffn"))
 

@@ -30,6 +30,8 @@ docs/spell9_spelling.md.
   written where they read rows the spelling flattened itself (they had been composed into one
   view each, which the pattern does not match), and rule `combine_rows` (expert_combine after
   token_rows) takes the finalize token_rows put on rows; probe `ffn_flat` is no longer needed.
+  bf16 (session 27, helper bf16kda9): the experts' output was cast to fp32 before the view
+  dropping its size-1 dim (the pattern casts after it) -- closed by rule `cast_squeeze`.
 * mla_q_absorb, mla_decode, mla_uv_gate: the functional cache (the requests' whole block
   gathered, the new rows `index_put` out of place, the block written back after the step) --
   closed by rule `cache_block` (probe `cache_inplace` no longer needed; the trio is still lost
@@ -54,6 +56,12 @@ docs/spell9_spelling.md.
   gets the conv weights as `permute(kernel, [2, 1, 0])` of the Flax kernels, which stage
   conv_layout re-lays at the first call so that they reach it contiguous, as its CUDA kernel
   wants (session 27, helper relay).
+
+  kda9); the vmapped delta rule needed nothing more. bf16: closed in session 27 (helper
+  bf16kda9) by kda_decode's `norm_weight_fp32` (spell9's output norm: o kept fp32, the scale
+  multiplied in fp32 before the one cast, the gate in bf16) and `conv_rounded` (the conv
+  rounded to bf16 before its SiLU) flags, cell_conv taking the bf16 bmm as a bf16 conv. On GPU
+  graphs that variant stays with Inductor until its build passes its GPU tests.
 """
 
 from __future__ import annotations
@@ -88,12 +96,12 @@ _EVERY = {0: {**_GEMMS, "fb_kda_decode": 1}, 1: {**_MIX, **_GEMMS, "fb_kda_decod
 # fp32, helper moe9's token_rows change and rule combine_rows the routed experts on [B, 1, D],
 # helper bf16norm's norm_weight_fp32 / weight_fp32 variants the bf16 mixes, o_proj + mix and the
 # MLA norms (the scale multiplied in fp32 before the cast), the MLA layers' linear_concat after
-# them): fp32 loses nothing; bf16 keeps the KDA step (its output norm's rounding, see the rule
-# cell_conv) and the routed experts (not investigated)
-_KDA, _EXPERTS = {"fb_kda_decode": 1}, {"moe_experts": 1}
+# them): fp32 loses nothing; session 27: nor does bf16 (its KDA step fuses with kda_decode's
+# conv_rounded / norm_weight_fp32 variant, cell_conv taking the bf16 conv; its experts with
+# moe_experts' fp32_out variant once rule cast_squeeze puts their upcast after the squeeze)
 LOST = {
     torch.float32: {},
-    torch.bfloat16: {0: _KDA, 1: {**_KDA, **_EXPERTS}, 2: _EXPERTS, 3: _EXPERTS},
+    torch.bfloat16: {},
 }
 TEMPLATES = {0: "dense", 1: "kda_moe", 2: "mla_moe", 3: "last", -1: "final"}
 

@@ -40,7 +40,8 @@ def _clone(args):
 
 def _op_args(args, v_major=False):
     """the op's arguments: NAMES' order, the flags, then the k and v conv states"""
-    return [*kda_decode.unthree(args), False, False, v_major, False, args[N], args[N + 1]]
+    return [*kda_decode.unthree(args), False, False, v_major, False, False, False, args[N],
+            args[N + 1]]
 
 
 def _unfused(*args, v_major=False):
@@ -111,7 +112,7 @@ def test_one_buffer_step_is_not_the_three_states_variant():
 def _fb_step(*args):
     i = fb_kda_decode.NAMES.index
     n = len(fb_kda_decode.NAMES) - len(kda_decode.SCALARS)
-    o = fb_kda_decode.search(*args[:n], *args[n + 2:], False, False, False, False,
+    o = fb_kda_decode.search(*args[:n], *args[n + 2:], *[False] * len(kda_decode.FLAGS),
                              *args[n:n + 2])
     return o, args[i("conv_state")], args[n], args[n + 1], args[i("recurrent_state")]
 
@@ -140,7 +141,7 @@ def _kernel_inputs(B, T, S=5, three=True):
             convs[0] if three else torch.cat(convs, 1), torch.randn(S, H, K, K) * 0.1,
             torch.tensor([4, 0, 2][:B]), *(torch.randn(W, 1, taps, dtype=bf) for _ in range(3)),
             torch.randn(H), torch.randn(W), torch.randn(K, dtype=bf), -5.0, 1e-6, K**-0.5, 1e-5]
-    return args + ([False, False, False, False, *convs[1:]] if three else [])
+    return args + ([*[False] * len(kda_decode.FLAGS), *convs[1:]] if three else [])
 
 
 @pytest.mark.gpu
@@ -165,7 +166,7 @@ def test_kernel_takes_three_states_of_q_width():
     from k3compile.kernels import kda_decode as kernel
 
     meta = [a.to("meta") if isinstance(a, torch.Tensor) else a for a in _kernel_inputs(2, 1)]
-    tensors, flags, k_conv, v_conv = meta[:15], meta[19:23], meta[23], meta[24]
+    tensors, flags, (k_conv, v_conv) = meta[:15], meta[19:-2], meta[-2:]
     assert kernel.refusal(*tensors, k_conv_state=k_conv, v_conv_state=v_conv) is None
     assert "three conv states" in kernel.refusal(*tensors, k_conv_state=k_conv)
     assert "three conv states" in kernel.refusal(*tensors, k_conv_state=k_conv,
@@ -176,7 +177,7 @@ def test_kernel_takes_three_states_of_q_width():
     one = [a.to("meta") if isinstance(a, torch.Tensor) else a
            for a in _kernel_inputs(2, 1, three=False)]
     assert kernel.refusal(*one[:15]) is None
-    assert flags == [False, False, False, False]
+    assert flags == [False] * len(kda_decode.FLAGS)
 
 
 def test_three_states_site_stays_with_inductor_on_gpu_graphs():

@@ -287,6 +287,39 @@ def test_kda_o_fp32_builds(scalars, b, monkeypatch, tmp_path):
     assert ptx_of(fp32_norm).count(cvt) - ptx_of(variant).count(cvt) == scalars[0] * kda_decode.VEC
 
 
+# kda_decode's session-27 rounding builds: `conv_rounded` (the conv rounded to bf16 before its
+# SiLU: the red-team spelling, with fla's norm on an fp32 o) and `norm_weight_fp32` (spell9's
+# Flax norm on an fp32 o, time-major conv state, conv rounded too): decode at one TP16 rank
+ROUNDING = [((1, 6, 4), 1)]
+
+
+@pytest.mark.parametrize("scalars,b", ROUNDING, ids=str)
+def test_kda_rounding_builds(scalars, b, monkeypatch, tmp_path):
+    """The variants compile for sm_90a without spills, and each flag reaches the device code:
+    `conv_rounded` adds bf16 roundings (cvt.rn.bf16.f32, one per conv output) to the build
+    without it; `norm_weight_fp32` rounds the normed row times the weight and the gate's sigmoid
+    (two per output element) where fla's fp32 norm rounds once at the store."""
+    monkeypatch.setenv("CUTE_DSL_ARCH", ARCH)
+    cfg = kda_decode.config(*scalars, b)
+    builds = {"red": {"norm_fp32": True, "o_fp32": True, "conv_rounded": True},
+              "red_plain": {"norm_fp32": True, "o_fp32": True},
+              "s9": {"norm_weight_fp32": True, "o_fp32": True, "conv_rounded": True,
+                         "conv_time_major": True},
+              "s9_fla": {"norm_fp32": True, "o_fp32": True, "conv_rounded": True,
+                             "conv_time_major": True}}
+    cvt = {}
+    for name, flags in builds.items():
+        (tmp_path / name).mkdir()
+        built = kda_decode.build(*scalars, cfg, arch=ARCH, dump_dir=str(tmp_path / name),
+                                 **flags)
+        if name in ("red", "s9"):
+            _check_cubin(built)
+        cvt[name] = ptx_of(built).count("cvt.rn.bf16.f32")
+    assert cvt["red"] > cvt["red_plain"]  # measured 10 against 5 a thread at T = 1, bucket 1
+    out_per_thread = -(-kda_decode.tile(cfg).out_vectors(scalars[0]) // cfg.threads) * 8
+    assert cvt["s9"] - cvt["s9_fla"] == 2 * out_per_thread
+
+
 # kda_decode's time-major build (the conv state [S, taps-1, 3W], vLLM v1's layout): decode and
 # verify rows at one TP16 rank, batch 1 (clusters of 4) and 64 (no cluster)
 TIME_MAJOR = [((1, 6, 4), 1), ((8, 6, 4), 64)]

@@ -1,0 +1,230 @@
+"""kda_decode / fb_kda_decode with `norm_weight_fp32` and `conv_rounded` (session 27): spell9's
+JAX/Flax output norm (o kept fp32, the weight multiplied in fp32 before one cast to bf16, the
+gate in bf16 after it) and a short conv run in bf16 (its output rounded, then F.silu on it: the
+red-team spelling's `F.conv1d` on bf16, spell9's per-token einsum after rule `cell_conv`). The
+op's reference against the unfused step and against the spellings' own code, the pattern
+variants' rewrites, the look-alikes each leaves alone, the kernel's refusal, its GPU test and the
+GPU graphs' deferral."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from k3compile.patterns import fb_kda_decode, kda_decode
+
+from .pattern_checks import rewrite, targets
+
+STATES = (kda_decode.NAMES.index("conv_state"), kda_decode.NAMES.index("recurrent_state"))
+# the op's trailing flags: norm_fp32, conv_time_major, state_v_major, o_fp32, norm_weight_fp32,
+# conv_rounded
+SPELL9 = (False, True, False, True, True, True)  # time-major conv state, Flax norm, bf16 conv
+REDTEAM = (True, False, False, True, False, True)  # fla's fp32 norm on an fp32 o, bf16 conv
+FLAGS = {SPELL9: {"conv_time_major": True, "o_fp32": True, "norm_weight_fp32": True,
+                      "conv_rounded": True},
+         REDTEAM: {"norm_fp32": True, "o_fp32": True, "conv_rounded": True}}
+
+# the nearest variants before these flags: the built-in norm, fla's norm on an fp32 o; fp32 conv
+WITHOUT = {SPELL9: (False, True), REDTEAM: REDTEAM[:4]}
+
+
+def _variant(T, B, flags, dtype=torch.bfloat16):
+    return kda_decode._variant(T, B, dtype, **FLAGS[flags])
+
+
+def _inputs(T, B, flags, dtype=torch.bfloat16):
+    torch.manual_seed(0)
+    args = _variant(T, B, flags, dtype).example_inputs()
+    i = kda_decode.NAMES.index
+    args[i("recurrent_state")] = args[i("recurrent_state")] * 0.05  # a decode-sized state
+    args[i("q_scale")] = kda_decode.K**-0.5
+    return args
+
+
+def _clone(args):
+    return [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+
+
+def _unfused(flags):
+    def step(*args):
+        return kda_decode._step(*args, silu_written_out=False, **FLAGS[flags])
+    return step
+
+
+@pytest.mark.parametrize("flags", [SPELL9, REDTEAM])
+@pytest.mark.parametrize("B,T", [(2, 1), (1, 2)])
+def test_reference_equals_the_unfused_step(flags, B, T):
+    args = _inputs(T, B, flags)
+    state, conv, o = _unfused(flags)(*_clone(args))
+    got = _clone(args)
+    o_op = torch.ops.k3.kda_decode(*got, *flags)
+    assert o_op.dtype == torch.bfloat16
+    torch.testing.assert_close(o_op, o, rtol=0, atol=0)
+    torch.testing.assert_close(got[STATES[0]], conv, rtol=0, atol=0)
+    torch.testing.assert_close(got[STATES[1]], state, rtol=0, atol=0)
+
+
+def test_the_flags_are_the_spellings_roundings():
+    """the reference's two pieces against the spellings' own code, bit for bit: spell9's RMSNorm
+    (tests/models/spell9_k3.py `rms_norm`, jmp policy bf16) then its bf16 gate; the red-team's
+    `F.silu(F.conv1d(window, taps))` on bf16 (K3 sizes: 3 x 2048 channels, 4 taps)"""
+    from k3compile.math import rms_norm_fp32_weight
+    from tests.models import spell9_k3 as s9
+
+    g = torch.Generator().manual_seed(0)
+    o = torch.randn(4, 1, 2, 128, generator=g)
+    scale = (torch.randn(128, generator=g) + 1).bfloat16()
+    gate = torch.randn(4, 1, 2, 128, generator=g).bfloat16()
+    spelled = s9.rms_norm(s9.Policy(torch.bfloat16), o, scale, 1e-5) * torch.sigmoid(gate)
+    ours = rms_norm_fp32_weight(o, scale, 1e-5, torch.bfloat16) * torch.sigmoid(gate)
+    assert torch.equal(spelled, ours)
+    window = torch.randn(8, 3 * 2048, 4, generator=g).bfloat16()
+    taps = torch.randn(3 * 2048, 1, 4, generator=g).bfloat16()
+    rounded = F.silu(F.conv1d(window.float(), taps.float(), groups=3 * 2048).bfloat16())
+    assert torch.equal(F.silu(F.conv1d(window, taps, groups=3 * 2048)), rounded)
+
+
+@pytest.mark.parametrize("flags", [SPELL9, REDTEAM])
+def test_each_flag_changes_bf16_only(flags):
+    """bf16: with the flags the output differs from the op without them (a rounding apart), the
+    states do not; fp32: one computation"""
+    args = _inputs(1, 2, flags)
+    new, old = _clone(args), _clone(args)
+    o_new = torch.ops.k3.kda_decode(*new, *flags)
+    o_old = torch.ops.k3.kda_decode(*old, *WITHOUT[flags])
+    assert not torch.equal(o_new, o_old)
+    torch.testing.assert_close(o_new, o_old, rtol=3e-2, atol=3e-2)
+    f32 = [a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+           for a in args]
+    torch.testing.assert_close(torch.ops.k3.kda_decode(*_clone(f32), *flags),
+                               torch.ops.k3.kda_decode(*_clone(f32), *WITHOUT[flags]), rtol=0,
+                               atol=0)
+
+
+def test_bad_flag_combinations_are_errors():
+    args = _inputs(1, 2, SPELL9)
+    with pytest.raises(ValueError, match="two output norms"):
+        torch.ops.k3.kda_decode(*_clone(args), True, True, False, False, True, False)
+    with pytest.raises(ValueError, match="needs norm_fp32 or norm_weight_fp32"):
+        torch.ops.k3.kda_decode(*_clone(args), False, True, False, True, False, True)
+
+
+@pytest.mark.parametrize("flags", [SPELL9, REDTEAM])
+@pytest.mark.parametrize("B,T", [(2, 1), (1, 1), (2, 2)])
+def test_variant_rewrites_and_equals_eager(flags, B, T):
+    args = _inputs(T, B, flags)
+    step = _unfused(flags)
+    gm, report = rewrite(step, _clone(args), [_variant(T, B, flags)], joint=True)
+    assert [h.op for h in report.hits] == ["k3.kda_decode"], report
+    op = next(n for n in gm.graph.nodes if str(n.target) == "k3.kda_decode.default")
+    assert tuple(op.args[-6:]) == flags
+    for w, g in zip(step(*_clone(args)), gm(*_clone(args))):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("flags", [SPELL9, REDTEAM])
+def test_an_fp32_conv_is_not_the_rounded_variant(flags):
+    """the conv + SiLU in fp32, rounded once (the built-in's), is not `conv_rounded`'s graph; and
+    with no bf16 conv in the graph the rounded variant is not even traced"""
+    args = _inputs(1, 2, flags)
+    kw = {**FLAGS[flags], "conv_rounded": False}
+
+    def fp32_conv(*a):
+        return kda_decode._step(*a, silu_written_out=False, **kw)
+
+    variant = _variant(1, 2, flags)
+    gm, report = rewrite(fp32_conv, _clone(args), [variant], joint=True)
+    assert not report.hits and "k3.kda_decode.default" not in targets(gm)
+    assert "bf16 / fp16" in variant.fits(gm.graph)
+
+
+def test_the_weight_after_the_cast_is_not_the_flax_norm():
+    """spell9's step with its norm written the built-in way (the normed row rounded, the weight
+    multiplied in bf16) takes no norm_weight_fp32 variant"""
+    args = _inputs(1, 2, SPELL9)
+
+    def rounded_first(*a):
+        return kda_decode._step(*a, silu_written_out=False, conv_time_major=True,
+                                conv_rounded=True)
+
+    gm, report = rewrite(rounded_first, _clone(args), [_variant(1, 2, SPELL9)], joint=True)
+    assert not report.hits and "k3.kda_decode.default" not in targets(gm)
+    for w, g in zip(rounded_first(*_clone(args)), gm(*_clone(args))):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+def _fb_step(*args):
+    i = fb_kda_decode.NAMES.index
+    return (fb_kda_decode.search(*args, *REDTEAM), args[i("conv_state")],
+            args[i("recurrent_state")])
+
+
+def test_fb_variant_rewrites_and_equals_eager():
+    torch.manual_seed(0)
+    args = fb_kda_decode.example_inputs(torch.bfloat16)
+    i = fb_kda_decode.NAMES.index
+    args[i("recurrent_state")] = args[i("recurrent_state")] * 0.05
+    args[i("q_scale")] = kda_decode.K**-0.5
+    gm, report = rewrite(_fb_step, _clone(args), fb_kda_decode.patterns())
+    assert [h.pattern for h in report.hits] == ["fb_kda_decode[norm_fp32,o_fp32,conv_rounded]"]
+    assert "aten.mm.default" not in targets(gm)
+    for w, g in zip(_fb_step(*_clone(args)), gm(*_clone(args))):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+def _kernel_inputs(B, T, time_major, S=5):
+    from k3compile.kernels import kda_decode as kernel
+
+    torch.manual_seed(0)
+    H, K, taps = 2, kernel.HEAD_DIM, 4
+    W = H * K
+    bf = torch.bfloat16
+    conv = torch.randn(S, taps - 1, 3 * W, dtype=bf) if time_major else \
+        torch.randn(S, 3 * W, taps - 1, dtype=bf)
+    return [*(torch.randn(B, T, W, dtype=bf) for _ in range(5)), torch.randn(B, T, H, dtype=bf),
+            conv, torch.randn(S, H, K, K) * 0.1, torch.tensor([4, 0, 2][:B]),
+            *(torch.randn(W, 1, taps, dtype=bf) for _ in range(3)),
+            torch.randn(H, dtype=bf), torch.randn(W, dtype=bf), torch.randn(K, dtype=bf),
+            -5.0, 1e-6, K**-0.5, 1e-5]
+
+
+@pytest.mark.parametrize("flags", [SPELL9, REDTEAM])
+def test_kernel_takes_the_flags(flags):
+    """the CUDA kernel's refusal (metadata): both flags are build flags, no input they refuse"""
+    from k3compile.kernels import kda_decode as kernel
+
+    meta = [a.to("meta") if isinstance(a, torch.Tensor) else a
+            for a in _kernel_inputs(2, 1, flags[1])]
+    assert kernel.refusal(*meta, *flags) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("flags", [SPELL9, REDTEAM])
+@pytest.mark.parametrize("B,T", [(2, 1), (3, 4)])
+def test_cuda_op_equals_the_cpu_reference(flags, B, T):
+    """on CUDA, at K3's head dim: the builds against the CPU reference, states included, two
+    steps on the carried states; then the refusal in patterns/kda_decode.py
+    (`rounding_refusal`) can go"""
+    args = _kernel_inputs(B, T, flags[1])
+    cpu = _clone(args)
+    cuda = [a.cuda() if isinstance(a, torch.Tensor) else a for a in args]
+    for _ in range(2):
+        want = torch.ops.k3.kda_decode(*cpu, *flags)
+        got = torch.ops.k3.kda_decode(*cuda, *flags)
+        torch.testing.assert_close(got.cpu(), want, rtol=2e-2, atol=2e-2)
+        for i in STATES:
+            torch.testing.assert_close(cuda[i].cpu(), cpu[i], rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("flags", [SPELL9, REDTEAM])
+def test_site_stays_with_inductor_on_gpu_graphs(flags):
+    """As on a GPU graph (`kernels_only`): the builds have not run on a GPU, so the site is
+    deferred (a near miss naming the untested build), the graph unchanged"""
+    args = _inputs(1, 2, flags)
+    step = _unfused(flags)
+    gm, report = rewrite(step, _clone(args), [_variant(1, 2, flags)], joint=True,
+                         kernels_only=True)
+    assert not report.hits and "k3.kda_decode.default" not in targets(gm)
+    assert "kda_decode" in report.deferred
+    for w, g in zip(step(*_clone(args)), gm(*_clone(args))):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
