@@ -206,10 +206,10 @@ def patterns() -> list[Pattern]:
         Pattern(name="linear_concat[kda]", search=kda_search, replace=kda_replace,
                 example_inputs=kda_inputs, op="k3.linear_concat", check=_kda_check,
                 distinctive=("mm",), exclusive=KDA_WEIGHTS + ("w_fb",), joint_passes=True),
+        *mla,
         # on [N, D] rows (",rows": vLLM's flat tokens, each GEMM a plain mm)
         Pattern(name="linear_concat[kda,rows]", search=kda_search, replace=kda_rows_replace,
                 example_inputs=lambda: kda_inputs((2,)), op="k3.linear_concat",
                 check=_kda_check, distinctive=("mm",), exclusive=KDA_WEIGHTS + ("w_fb",),
                 joint_passes=True),
-        *mla,
     ]

@@ -49,7 +49,7 @@ def _site(node: fx.Node):
     found = _gemm(node)
     if not found or out is None or len(out) < 2:
         return None
-    gemm, view = found
+    gemm = found[0]
     w = gemm.args[2] if gemm.target is aten.addmm.default else gemm.args[1]
     if w.target is not aten.permute.default or list(w.args[1]) != [1, 0]:
         return None

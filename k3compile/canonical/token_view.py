@@ -41,7 +41,7 @@ from torch import fx
 
 from k3compile.canonical import Rule
 from k3compile.canonical.region import refresh, shape, val
-from k3compile.graph import RESHAPES, call, fake_value
+from k3compile.graph import RESHAPES, call
 
 aten = torch.ops.aten
 _BINARY = {aten.mul.Tensor, aten.add.Tensor, aten.sub.Tensor, aten.div.Tensor}
@@ -107,9 +107,21 @@ def _row_wise(node: fx.Node, rows: int) -> bool:
     return False
 
 
+def _module(node: fx.Node):
+    stack = node.meta.get("nn_module_stack")
+    return next(reversed(stack.values()))[0] if stack else None
+
+
+def _conv_modules(graph: fx.Graph) -> set:
+    """The modules that run a depthwise short conv (a KDA layer's): the scope of the moves (None:
+    a graph traced without module stacks, whole)."""
+    return {_module(n) for n in graph.nodes if n.target is aten.convolution.default
+            and shape(n.args[1]) is not None and n.args[8] == shape(n.args[1])[0]}
+
+
 class _Moves:
-    def __init__(self, graph: fx.Graph):
-        self.graph, self.done, self.changed = graph, 0, []
+    def __init__(self, graph: fx.Graph, scope: set):
+        self.graph, self.done, self.changed, self.scope = graph, 0, [], scope
         self.splits = {}  # (y, width) -> the one split of y's columns its pieces share
 
     def view(self, x: fx.Node, out: list[int], like: fx.Node) -> fx.Node:
@@ -146,7 +158,7 @@ class _Moves:
         """Move split view `view` above its source, if the source is row-wise or a view."""
         bt, src = _split(view), view.args[0]
         rows, out = bt[0] * bt[1], list(shape(view))
-        if src.op != "call_function":
+        if src.op != "call_function" or _module(src) not in self.scope:
             return False
         if len(shape(src)) + 1 != len(out) or list(shape(src)[1:]) != out[2:]:
             if src.target in RESHAPES:
@@ -189,6 +201,9 @@ class _Moves:
         if cut.target not in RESHAPES or not isinstance(cut.args[0], fx.Node):
             return None
         y, n = cut.args[0], shape(cut)[1]
+        while (y.target is aten.clone.default and len(y.users) == 1
+               and set(y.kwargs) <= {"memory_format"}):
+            y = y.args[0]  # reshape's copy of a transposed value: the same elements
         ys = shape(y)
         if ys is None or len(ys) != 3 or tuple(ys[:2]) != bt or ys[2] % n or list(
                 shape(cut)) != [bt[0] * bt[1], n, *out[2:]] or ys[2] != n * math.prod(out[2:]):
@@ -209,6 +224,8 @@ class _Moves:
         if list(shape(merge.args[0])[2:]) != list(shape(merge)[1:]):
             return False  # trailing dims reshaped: left to the readers' views
         for user in list(merge.users):
+            if _module(user) not in self.scope:
+                continue
             if user.target in RESHAPES and (_split(user) == bt):
                 with self.graph.inserting_before(user):
                     new = self.view(merge.args[0], list(shape(user)), user)
@@ -231,7 +248,10 @@ class _Moves:
 
 
 def apply(graph: fx.Graph) -> int:
-    moves = _Moves(graph)
+    scope = _conv_modules(graph)
+    if not scope:
+        return 0
+    moves = _Moves(graph, scope)
     progress = True
     while progress and moves.done < _LIMIT:
         progress = False
