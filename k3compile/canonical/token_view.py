@@ -43,7 +43,7 @@ from torch import fx
 
 from k3compile.canonical import Rule
 from k3compile.canonical.region import refresh, shape, val
-from k3compile.graph import RESHAPES, call
+from k3compile.graph import RESHAPES, call, fake_value
 
 aten = torch.ops.aten
 _BINARY = {aten.mul.Tensor, aten.add.Tensor, aten.sub.Tensor, aten.div.Tensor}
@@ -172,10 +172,10 @@ class _Moves:
             return self._replace(view, new)
         readers = list(src.users)
         if any(_split(u) != bt or list(shape(u)) != out for u in readers):
-            return False
+            return self._uncloned(view)
         if src.target in RESHAPES and isinstance(src.args[0], fx.Node):
             a = src.args[0]
-            if _merge(src) == bt:  # split of a merge
+            if len(shape(a)) >= 3 and tuple(shape(a)[:2]) == bt:  # split of a merge
                 with self.graph.inserting_before(view):
                     new = self.view(a, out, view)
             elif shape(a) and shape(a)[0] == rows:  # a view keeping the rows
@@ -192,6 +192,21 @@ class _Moves:
         for u in readers:
             self._replace(u, new)
         return True
+
+    def _uncloned(self, view: fx.Node) -> bool:
+        """view(clone(a)) -> view(a): a reshape's copy of a strided value (a piece of the
+        transposed conv output cut per q, k, v and reshaped to [B*T, H, d]), where the view
+        reads a as well (the same elements; a split of the last dim)."""
+        src = view.args[0].args[0] if view.args[0].target in RESHAPES else None
+        if (src is None or src.target is not aten.clone.default or len(src.users) != 1
+                or set(src.kwargs) - {"memory_format"}):
+            return False
+        try:
+            fake_value(aten.view.default, (src.args[0], list(shape(view))))
+        except RuntimeError:
+            return False
+        with self.graph.inserting_before(view):
+            return self._replace(view, self.view(src.args[0], list(shape(view)), view))
 
     def _unbound(self, get: fx.Node, bt, out, like) -> fx.Node | None:
         """getitem(unbind(view(y [B, T, C], [B*T, n, *r]), 1), i) -> y's i-th C/n columns."""
@@ -266,9 +281,36 @@ def apply(graph: fx.Graph) -> int:
                 graph.eliminate_dead_code()
                 break
     if moves.done:
+        _one_view_each(graph, scope)
         refresh([n for n in moves.changed if not n._erased])
         graph.eliminate_dead_code()
     return moves.done
+
+
+def _one_view_each(graph: fx.Graph, scope: set) -> None:
+    """Equal views of one value (each reader's operand was viewed on its own) -> one view, as a
+    value viewed once and read twice traces."""
+    seen = {}
+    for node in list(graph.nodes):
+        src = node.args[0] if node.target is aten.view.default else None
+        if (src is not None and _module(node) in scope and src.target is aten.clone.default
+                and len(src.users) == 1 and not set(src.kwargs) - {"memory_format"}
+                and src.args[0].target is operator.getitem
+                and src.args[0].args[0].target is aten.split.Tensor):
+            # a reshape's copy of a piece of the cut, viewed: the view of the piece
+            try:
+                fake_value(aten.view.default, (src.args[0], list(shape(node))))
+                node.args = (src.args[0], *node.args[1:])
+                graph.erase_node(src)
+            except RuntimeError:
+                pass
+        if node.target is aten.view.default and _module(node) in scope:
+            key = (node.args[0], tuple(node.args[1]))
+            if key in seen:
+                node.replace_all_uses_with(seen[key])
+                graph.erase_node(node)
+            else:
+                seen[key] = node
 
 
 RULE = Rule("token_view", apply,
