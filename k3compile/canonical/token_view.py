@@ -27,7 +27,11 @@ did; an operand of full rank has the same leading dim), casts, sums / means over
 or shape change for any value read outside the moved ops) but for one case: at T > 1 the cut's
 `reshape` copies the transposed conv output (a `clone`), which the split reads without the copy,
 as the canonical form does; elementwise CPU kernels may then round an ulp apart on the strided
-layout (measured <= 2.4e-7 relative on the l2 norms, tests/canonical/test_token_view.py). B and T come from each view (T may be 1, B*T = the rows); a view that
+layout (measured <= 2.4e-7 relative on the l2 norms, tests/canonical/test_token_view.py).
+Scope: the modules that run a depthwise short conv, and only views of that conv's (B, T) (its
+output [B, C, T]): at T = 1 a unit token dim is no different by its shape from other unit dims
+(the built-in model's [B, 1, D] residual stream, its AttnRes mixes and MoE, which moves there
+would unfuse), and [B*H] merges of heads are no tokens. B and T come from each view (T may be 1, B*T = the rows); a view that
 also reshapes the trailing dims is split into the two. Left alone: views mixing rows with
 other dims ([B*T, n] -> [B, T*n]), ops over dim 0 (a sum over tokens, a gather of rows), values
 read by anything but the one view (an escape), and flat values of another row count.
@@ -114,11 +118,17 @@ def _module(node: fx.Node):
     return next(reversed(stack.values()))[0] if stack else None
 
 
-def _conv_modules(graph: fx.Graph) -> set:
-    """The modules that run a depthwise short conv (a KDA layer's): the scope of the moves (None:
-    a graph traced without module stacks, whole)."""
-    return {_module(n) for n in graph.nodes if n.target is aten.convolution.default
-            and shape(n.args[1]) is not None and n.args[8] == shape(n.args[1])[0]}
+def _conv_modules(graph: fx.Graph) -> dict:
+    """module -> the (B, T) of its depthwise short conv (a KDA layer's; its output [B, C, T]):
+    the scope of the moves (module None: a graph traced without module stacks, whole). Only
+    views of those (B, T) move: a [B*H] merge of heads (spell5's `reshape(b * h, dk, dk)`) is
+    no token merge, and `head_rows` / `delta_einsum` read it as written."""
+    scope = {}
+    for n in graph.nodes:
+        if (n.target is aten.convolution.default and shape(n.args[1]) is not None
+                and n.args[8] == shape(n.args[1])[0] and len(shape(n)) == 3):
+            scope.setdefault(_module(n), set()).add((shape(n)[0], shape(n)[2]))
+    return scope
 
 
 class _Moves:
@@ -160,7 +170,7 @@ class _Moves:
         """Move split view `view` above its source, if the source is row-wise or a view."""
         bt, src = _split(view), view.args[0]
         rows, out = bt[0] * bt[1], list(shape(view))
-        if src.op != "call_function" or _module(src) not in self.scope:
+        if src.op != "call_function" or bt not in self.scope.get(_module(src), ()):
             return False
         if len(shape(src)) + 1 != len(out) or list(shape(src)[1:]) != out[2:]:
             if src.target in RESHAPES:
@@ -241,7 +251,7 @@ class _Moves:
         if list(shape(merge.args[0])[2:]) != list(shape(merge)[1:]):
             return False  # trailing dims reshaped: left to the readers' views
         for user in list(merge.users):
-            if _module(user) not in self.scope:
+            if bt not in self.scope.get(_module(user), ()):
                 continue
             if user.target in RESHAPES and (_split(user) == bt or shape(user)[0] == rows):
                 # a split of the merge, or a view keeping its rows: one view of the source

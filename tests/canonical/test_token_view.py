@@ -2,7 +2,7 @@
 [B, T, ...] late or flattened early, run on [B, T, ...] values, bit for bit; the q|k|v cut
 `reshape(B*T, 3, H, d).unbind(1)` becomes a split of [B, T, 3W]. Look-alikes stay: a view whose
 rows are not B·T tokens, an op over the tokens, a row read flat elsewhere, an unbind over the
-heads, a graph with no short conv (out of the rule's scope)."""
+heads, a [B*H] merge of heads, a graph with no short conv (out of the rule's scope)."""
 
 from __future__ import annotations
 
@@ -172,3 +172,12 @@ def test_no_short_conv_no_scope():
         return torch.sigmoid(b).view(2, 3, H)
 
     _stays(no_conv, _args(2, 3))
+
+
+def test_a_merge_of_heads_stays():
+    def heads(window, taps, graw, b, *_):  # [B, H, d] rows of heads (spell5's [B*H] state)
+        c = _conv(window, taps)  # [B, 3W, T]: the tokens are (2, 1)
+        rows = graw.view(2, H, D).reshape(2 * H, D)
+        return c, torch.sigmoid(rows * 2.0).view(2, H, D)
+
+    _stays(heads, _args(2, 1))
