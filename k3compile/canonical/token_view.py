@@ -131,6 +131,49 @@ def _conv_modules(graph: fx.Graph) -> dict:
     return scope
 
 
+_GEMMS = {aten.mm.default, aten.addmm.default}
+
+
+def _from_projections(node: fx.Node, rows: int, depth: int = 40) -> bool:
+    """node [rows, ...] is computed row-wise from GEMM outputs, cut pieces and step inputs only
+    (the KDA front: projections, the q|k|v cut of the conv output), not from a state read or
+    the recurrence, which the moves must leave as written."""
+    if node.op == "placeholder":
+        return True  # a step input (flat activations)
+    if depth == 0 or node.op != "call_function":
+        return False
+    if node.target in _GEMMS or node.target is operator.getitem:
+        return True
+    if node.target in RESHAPES or node.target is aten.clone.default:
+        a = node.args[0]
+        return isinstance(a, fx.Node) and (shape(a)[0] == rows or len(shape(a)) >= 3
+                                           and shape(a)[0] * shape(a)[1] == rows) and (
+            _from_projections(a, shape(a)[0], depth - 1))
+    if not _row_wise(node, rows):
+        return False
+    rank = len(shape(node))
+    return all(_from_projections(a, rows, depth - 1) for a in node.args
+               if isinstance(a, fx.Node) and len(shape(a)) == rank and shape(a)[0] == rows)
+
+
+def _into_gemm(node: fx.Node, rows: int, depth: int = 40) -> bool:
+    """every reader of node [rows, ...] is row-wise or a view keeping the rows, down to a GEMM
+    reading them (the KDA output's o_proj), none a state write or the recurrence."""
+    if depth == 0 or not node.users:
+        return False
+    for user in node.users:
+        if user.target in _GEMMS and user.args[-2 if user.target is aten.addmm.default
+                                                else 0] is node:
+            continue
+        if user.target in RESHAPES and shape(user) and shape(user)[0] == rows or _row_wise(
+                user, rows):
+            if not _into_gemm(user, rows, depth - 1):
+                return False
+            continue
+        return False
+    return True
+
+
 class _Moves:
     def __init__(self, graph: fx.Graph, scope: set):
         self.graph, self.done, self.changed, self.scope = graph, 0, [], scope
@@ -188,13 +231,16 @@ class _Moves:
             if len(shape(a)) >= 3 and tuple(shape(a)[:2]) == bt:  # split of a merge
                 with self.graph.inserting_before(view):
                     new = self.view(a, out, view)
-            elif shape(a) and shape(a)[0] == rows:  # a view keeping the rows
+            elif shape(a) and shape(a)[0] == rows and _from_projections(a, rows):
+                # a view keeping the rows
                 with self.graph.inserting_before(view):
                     new = self.view(self.view(a, [*bt, *shape(a)[1:]], view), out, view)
             else:
                 return False
         elif src.target is operator.getitem and (new := self._unbound(src, bt, out, view)):
             pass
+        elif not _from_projections(src, rows):
+            return False
         elif _row_wise(src, rows):
             new = self.rewrite(src, bt, rows)
         else:
@@ -250,6 +296,8 @@ class _Moves:
         rows = bt[0] * bt[1]
         if list(shape(merge.args[0])[2:]) != list(shape(merge)[1:]):
             return False  # trailing dims reshaped: left to the readers' views
+        if not _into_gemm(merge, rows):
+            return False
         for user in list(merge.users):
             if bt not in self.scope.get(_module(user), ()):
                 continue
