@@ -213,6 +213,9 @@ class _Moves:
         """Move split view `view` above its source, if the source is row-wise or a view."""
         bt, src = _split(view), view.args[0]
         rows, out = bt[0] * bt[1], list(shape(view))
+        if len(out) < 4 and not (src.target in _UNARY and len(src.users) == 1
+                                 and src.args[0].target in _GEMMS | {operator.getitem}):
+            return False  # per-head values ([B, T, H, d]) and β (a sigmoid of its projection)
         if src.op != "call_function" or bt not in self.scope.get(_module(src), ()):
             return False
         if len(shape(src)) + 1 != len(out) or list(shape(src)[1:]) != out[2:]:
@@ -296,8 +299,8 @@ class _Moves:
         rows = bt[0] * bt[1]
         if list(shape(merge.args[0])[2:]) != list(shape(merge)[1:]):
             return False  # trailing dims reshaped: left to the readers' views
-        if not _into_gemm(merge, rows):
-            return False
+        if len(shape(merge.args[0])) < 4 or not _into_gemm(merge, rows):
+            return False  # per-head values only ([B, T, H, d]): an FFN's [B, T, D] input stays
         for user in list(merge.users):
             if bt not in self.scope.get(_module(user), ()):
                 continue
