@@ -25,14 +25,14 @@ def _args(B=2, T=1, dtype=torch.float32):
             torch.randn(3 * W, 1, TAPS, generator=g).to(dtype),
             torch.randn(B * T, W, generator=g).to(dtype), torch.randn(B * T, H, generator=g),
             torch.randn(W, generator=g), torch.randn(B * T, W, generator=g).to(dtype),
-            torch.randn(D, generator=g)]
+            torch.randn(D, generator=g), torch.randn(H, H, generator=g)]
 
 
 def _conv(window, taps):
     return F.silu(F.conv1d(window, taps, groups=3 * W))  # [B, 3W, T]
 
 
-def flat_front(window, taps, graw, b, dt_bias, gate, w_norm):
+def flat_front(window, taps, graw, b, dt_bias, gate, w_norm, w_b):
     """spell7: q, k, v cut from the conv output as flat [N, H, d]; the l2 norms, decay and β
     on the flat tokens, viewed [B, T, ...] last"""
     B, T = window.shape[0], window.shape[-1] - TAPS + 1
@@ -42,11 +42,11 @@ def flat_front(window, taps, graw, b, dt_bias, gate, w_norm):
     k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
     alpha = torch.exp(-5.0 * torch.sigmoid(graw.float().unflatten(-1, (H, D))
                                            + dt_bias.view(H, D)))
-    beta = torch.sigmoid(b.float())
+    beta = torch.sigmoid(F.linear(b, w_b))  # β of its projection (b's GEMM)
     return (*(t.view(B, T, H, D) for t in (q, k, v, alpha)), beta.view(B, T, H))
 
 
-def flat_out(window, taps, graw, b, dt_bias, gate, w_norm):
+def flat_out(window, taps, graw, b, dt_bias, gate, w_norm, w_b):
     """spell7's output: the per-token outputs stacked on T, flattened to rows, normed and gated
     on the rows, then the o_proj input"""
     B, T = window.shape[0], window.shape[-1] - TAPS + 1
@@ -57,7 +57,7 @@ def flat_out(window, taps, graw, b, dt_bias, gate, w_norm):
     return o.reshape(-1, W) @ torch.ones(W, 3)
 
 
-def per_request(window, taps, graw, b, dt_bias, gate, w_norm):
+def per_request(window, taps, graw, b, dt_bias, gate, w_norm, w_b):
     """the same front on [B, T, ...] (spell7's probes `qkv_split` + `kda_per_request`)"""
     B, T = window.shape[0], window.shape[-1] - TAPS + 1
     q, k, v = (t.view(B, T, H, D) for t in _conv(window, taps).transpose(1, 2).split(W, -1))
@@ -65,7 +65,7 @@ def per_request(window, taps, graw, b, dt_bias, gate, w_norm):
     k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
     alpha = torch.exp(-5.0 * torch.sigmoid(graw.view(B, T, W).view(B, T, H, D)
                                            + dt_bias.view(H, D)))
-    return q, k, v, alpha, torch.sigmoid(b.view(B, T, H))
+    return q, k, v, alpha, torch.sigmoid(F.linear(b, w_b).view(B, T, H))
 
 
 def _flat_ranks(gm, ops) -> list[int]:
@@ -76,7 +76,8 @@ def _flat_ranks(gm, ops) -> list[int]:
 def _on_rows(gm, rows) -> list[str]:
     """the ops (views aside) that compute a flat [rows, H, ...] value"""
     return [n.name for n in gm.graph.nodes if n.op == "call_function"
-            and n.target not in (aten.view.default, aten.reshape.default, aten.mm.default)
+            and n.target not in (aten.view.default, aten.reshape.default, aten.mm.default,
+                                 aten.permute.default)
             and isinstance(n.meta.get("val"), torch.Tensor)
             and tuple(n.meta["val"].shape[:2]) in ((rows, H), (rows, 3))]
 
