@@ -31,7 +31,13 @@ layout (measured <= 2.4e-7 relative on the l2 norms, tests/canonical/test_token_
 Scope: the modules that run a depthwise short conv, and only views of that conv's (B, T) (its
 output [B, C, T]): at T = 1 a unit token dim is no different by its shape from other unit dims
 (the built-in model's [B, 1, D] residual stream, its AttnRes mixes and MoE, which moves there
-would unfuse), and [B*H] merges of heads are no tokens. B and T come from each view (T may be 1, B*T = the rows); a view that
+would unfuse), and [B*H] merges of heads are no tokens. Within it, a view moves up only for a
+per-head value ([B, T, H, d]) or β (a sigmoid of its projection [B, T, H]) computed from GEMM
+outputs, cut pieces or step inputs (`_from_projections`: not from a state read or the
+recurrence), and down only from a per-head value read, through row-wise ops, by a GEMM alone
+(`_into_gemm`: the output norm into o_proj). Without these, hf's KDA (values on [B, 1, ...]
+read back into its recurrence) and spell9's layers (one module: its FFN and in-proj views) lost
+fused ops. B and T come from each view (T may be 1, B*T = the rows); a view that
 also reshapes the trailing dims is split into the two. Left alone: views mixing rows with
 other dims ([B*T, n] -> [B, T*n]), ops over dim 0 (a sum over tokens, a gather of rows), values
 read by anything but the one view (an escape), and flat values of another row count.
