@@ -43,6 +43,18 @@ def replace(q, k, v, g, fa, fb_weight, b, conv_state, recurrent_state, slots, q_
                                       norm_eps, *flags)
 
 
+def search_rows(q, k, v, g, fa, fb_weight, b, *rest):
+    """`search` on flat [B*T, R] f_a rows (vLLM's tokens: the f_b GEMM a plain mm, its output
+    viewed to [B, T, W] for the step; rule `token_view` leaves it so)."""
+    graw = F.linear(fa, fb_weight).view(q.shape[0], q.shape[1], -1)
+    return torch.ops.k3.kda_decode(q, k, v, g, graw, b, *rest)
+
+
+def replace_rows(q, k, v, g, fa, fb_weight, b, *rest):
+    return torch.ops.k3.fb_kda_decode(q, k, v, g, fa.view(q.shape[0], q.shape[1], -1),
+                                      fb_weight, b, *rest)
+
+
 def check(match) -> str | None:
     fa, w = tensor_meta(match.kwargs["fa"]), tensor_meta(match.kwargs["fb_weight"])
     if fa is None or w is None:
@@ -68,12 +80,13 @@ def check(match) -> str | None:
 
 
 def example_inputs(dtype: torch.dtype = torch.bfloat16, conv_time_major: bool = False,
-                   three_states: bool = False) -> list:
+                   three_states: bool = False, rows: bool = False) -> list:
     """(the recurrent state is square: its example values serve either layout; three conv
     states: the k and v buffers after the tensors, as `kda_decode.variant_names` orders them)"""
     W = kda_decode.H * kda_decode.K
     act = [torch.randn(2, 1, W, dtype=dtype) for _ in range(4)]
-    fa = [torch.randn(2, 1, R, dtype=dtype), torch.randn(W, R, dtype=dtype)]
+    fa = [torch.randn(*((2,) if rows else (2, 1)), R, dtype=dtype),
+          torch.randn(W, R, dtype=dtype)]
     b = torch.randn(2, 1, kda_decode.H, dtype=dtype)
     conv = (3, kda_decode.TAPS - 1, 3 * W) if conv_time_major else (3, 3 * W, kda_decode.TAPS - 1)
     if three_states:
@@ -89,20 +102,20 @@ def example_inputs(dtype: torch.dtype = torch.bfloat16, conv_time_major: bool = 
 
 def _variant(norm_fp32: bool, conv_time_major: bool = False, state_v_major: bool = False,
              three_states: bool = False, o_fp32: bool = False, norm_weight_fp32: bool = False,
-             conv_rounded: bool = False) -> Pattern:
+             conv_rounded: bool = False, rows: bool = False) -> Pattern:
     """The step as kda_decode fused it: with the built-in output norm, or fla's fp32 one (on o
     rounded, or with `o_fp32` unrounded), on a channel- or time-major conv state, a K- or V-major
     recurrent state, spell9's Flax output norm, a conv rounded before its SiLU (the op's
     `norm_fp32`, `conv_time_major`, `state_v_major`, `o_fp32`, `norm_weight_fp32` and
     `conv_rounded` arguments, passed through), with one conv state buffer or three (`k_conv_state`,
-    `v_conv_state`)."""
+    `v_conv_state`); `rows`: f_a as flat [B*T, R] token rows (`search_rows`)."""
     extra = kda_decode.flags(norm_fp32, conv_time_major, state_v_major, three_states, o_fp32,
                              norm_weight_fp32, conv_rounded)
     names = [n for n, on in (("norm_fp32", norm_fp32), ("conv_time_major", conv_time_major),
                              ("state_v_major", state_v_major),
                              ("three_conv_states", three_states), ("o_fp32", o_fp32),
                              ("norm_weight_fp32", norm_weight_fp32),
-                             ("conv_rounded", conv_rounded)) if on]
+                             ("conv_rounded", conv_rounded), ("rows", rows)) if on]
     args = (*NAMES[:-len(kda_decode.SCALARS)], *kda_decode.THREE_STATES,
             *kda_decode.SCALARS) if three_states else NAMES
     tensors, n_scalars = len(NAMES) - len(kda_decode.SCALARS), len(kda_decode.SCALARS)
@@ -112,10 +125,10 @@ def _variant(norm_fp32: bool, conv_time_major: bool = False, state_v_major: bool
 
     return Pattern(
         name=f"fb_kda_decode[{','.join(names)}]" if names else "fb_kda_decode",
-        search=with_signature(call(search), args),
-        replace=with_signature(call(replace), args),
+        search=with_signature(call(search_rows if rows else search), args),
+        replace=with_signature(call(replace_rows if rows else replace), args),
         example_inputs=lambda dtype=torch.bfloat16: example_inputs(dtype, conv_time_major,
-                                                                   three_states),
+                                                                   three_states, rows),
         op="k3.fb_kda_decode", check=check,
         kernel_refusal=kda_decode.untested_build_refusal if three_states else
         kda_decode.rounding_refusal if norm_weight_fp32 or conv_rounded else None,
@@ -125,9 +138,12 @@ def _variant(norm_fp32: bool, conv_time_major: bool = False, state_v_major: bool
 
 def patterns() -> list[Pattern]:
     # one variant for every T, batch and dtype: the op hides the step, the GEMM has no casts
-    # (o_fp32: with the fp32 norm, or the Flax norm; those two and conv_rounded as kda_decode's)
-    return [_variant((n or o) and not f, m, s, c, o, f, r) for r in (False, True)
-            for f in (False, True) for o in (False, True) for c in (False, True)
-            for s in (False, True) for m in (False, True) for n in (False, True)
+    # (o_fp32: with the fp32 norm, or the Flax norm; those two and conv_rounded as kda_decode's;
+    # rows: f_a as flat token rows, vLLM's, on one conv state and the default roundings)
+    return [_variant((n or o) and not f, m, s, c, o, f, cr, rw) for rw in (False, True)
+            for cr in (False, True) for f in (False, True) for o in (False, True)
+            for c in (False, True) for s in (False, True) for m in (False, True)
+            for n in (False, True)
             if not (c and m) and not (o and n) and (kda_decode.THREE_STATE_OPS or not c)
-            and not ((f or r) and (c or s)) and not (f and (n or not o))]
+            and not ((f or cr) and (c or s)) and not (f and (n or not o))
+            and not (rw and (c or f or cr))]

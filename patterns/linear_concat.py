@@ -45,6 +45,14 @@ def kda_replace(x, w_q, w_k, w_v, w_g, w_fa, w_fb, w_b):
     return graw, q, k, v, g, b
 
 
+def kda_rows_replace(x, w_q, w_k, w_v, w_g, w_fa, w_fb, w_b):
+    """`kda_replace` on flat [N, D] token rows (vLLM's): f_b a plain mm of f_a's column slice."""
+    weights = [w_q, w_k, w_v, w_g, w_fa, w_b]
+    y = torch.ops.k3.linear_concat(x, weights)
+    q, k, v, g, fa, b = y.split([w.shape[0] for w in weights], dim=-1)
+    return F.linear(fa, w_fb), q, k, v, g, b
+
+
 def _mla_fns(flag: tuple):
     """The MLA searches and replacements (plain, +g, viewed, +g viewed) on the
     `k3.mla_lowrank_norm` call with these trailing flags (`(True,)`: its `weight_fp32`)."""
@@ -146,9 +154,9 @@ def _viewed(check):
 
 
 def patterns() -> list[Pattern]:
-    def kda_inputs():
+    def kda_inputs(lead=(2, 1)):
         d, w, r, h = 32, 16, 8, 2
-        x = torch.randn(2, 1, d, dtype=torch.bfloat16)
+        x = torch.randn(*lead, d, dtype=torch.bfloat16)
         ws = [torch.randn(n, m, dtype=torch.bfloat16)
               for n, m in ((w, d), (w, d), (w, d), (w, d), (r, d), (w, r), (h, d))]
         return [x, *ws]
@@ -199,4 +207,9 @@ def patterns() -> list[Pattern]:
                 example_inputs=kda_inputs, op="k3.linear_concat", check=_kda_check,
                 distinctive=("mm",), exclusive=KDA_WEIGHTS + ("w_fb",), joint_passes=True),
         *mla,
+        # on [N, D] rows (",rows": vLLM's flat tokens, each GEMM a plain mm)
+        Pattern(name="linear_concat[kda,rows]", search=kda_search, replace=kda_rows_replace,
+                example_inputs=lambda: kda_inputs((2,)), op="k3.linear_concat",
+                check=_kda_check, distinctive=("mm",), exclusive=KDA_WEIGHTS + ("w_fb",),
+                joint_passes=True),
     ]

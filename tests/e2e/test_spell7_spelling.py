@@ -25,7 +25,15 @@ Causes (docs/spell7_spelling.md; probes `Spell7K3.set_probe`):
   reads, though at one token per request the mapping is the slots. With T > 1 verify rows the
   tokens were read as B·T one-row requests: closed by rule `verify_rows` (session 25), which
   views them back to [B, T] (`test_verify_rows_get_the_mla_ops`).
-* fb_kda_decode + linear_concat[kda] (0, 1): not closed, not bisected: probe `add_outer` (the
+* fb_kda_decode + linear_concat[kda] (0, 1): closed in fp32 (session 27, helper spell7) by rules
+  `proj_split` (the q|k|v|g|f_a|b GEMM cut by `narrow` -> one GEMM per piece, q|k|v into the
+  short conv) and `token_view` (the flat [B*T, ...] tokens viewed [B, T, ...] at their sources:
+  the l2 norms, decay, β, the output norm; the `reshape(B*T, 3, H, d).unbind(1)` cut -> a split
+  of [B, T, 3W]), and the patterns' rows variants (`linear_concat[kda,rows]`,
+  `fb_kda_decode[rows]`: f_a a GEMM of flat rows). Also at T = 3 verify rows and with probes
+  `qkv_split` / `kda_per_request` (`test_kda_ops_fuse_on_flat_tokens`). bf16: linear_concat
+  fuses, fb_kda_decode not (the bf16 conv's rounding, see LOST).
+  Before: not closed, not bisected: probe `add_outer` (the
   rank-1 update without `baddbmm`) alone does not bring it back, nor do all probes together.
   Session 24 (helper kdagaps): rule `baddbmm_split` takes the `baddbmm` (the first near miss is
   now the decay on flat [N, H, d] tokens viewed to [B, T, H, d]); left: the flat tokens, the
@@ -60,12 +68,15 @@ from tests.spellings.foreign import steps as _steps
 
 EAGER_TOL = 1e-5  # measured 1.2e-6 (logits, T = 1), 1.4e-6 (T = 3), states <= 1.1e-6 over 4 steps
 
-_LOST = {0: {"linear_concat": 1, "fb_kda_decode": 1},
-         1: {"linear_concat": 1, "fb_kda_decode": 1}}
-# layer -> the built-in plan's ops this spelling's plan lacks (a layer not named: none)
-LOST = {torch.float32: _LOST, torch.bfloat16: _LOST}
+# layer -> the built-in plan's ops this spelling's plan lacks (a layer not named: none). fp32:
+# layer 0's rms_norm is a placement, not a loss (the input norm runs in the top-level forward
+# and is counted in FINAL; before session 27 the unfused KDA output norm stood in for it, as on
+# spell6). bf16: the short conv runs in bf16 (`F.conv1d` on the bf16 window), rounded before the
+# SiLU, which kda_decode's fp32 conv does not do (the red-team spelling's open cause).
+LOST = {torch.float32: {0: {"rms_norm": 1}},
+        torch.bfloat16: {0: {"fb_kda_decode": 1}, 1: {"fb_kda_decode": 1}}}
 # (pattern, dtype) whose loss must come with a near miss in that layer naming a node
-DIAGNOSED = (("kda_decode", torch.float32),)
+DIAGNOSED = (("kda_decode", torch.bfloat16),)
 
 
 @pytest.fixture(scope="module")
@@ -152,3 +163,26 @@ def test_verify_rows_get_the_mla_ops(dtype):
     want, have = state_of(eager), state_of(model)
     for name in want:
         assert rel_err(have[name], want[name]) <= tol, name
+
+
+KDA_OPS = ("linear_concat", "fb_kda_decode")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("probes,rows", [((), 3), (("qkv_split",), 0),
+                                         (("kda_per_request", "qkv_split"), 0)])
+def test_kda_ops_fuse_on_flat_tokens(probes, rows):
+    """fp32: rules `proj_split` + `token_view` give both KDA layers linear_concat and
+    fb_kda_decode at T = 3 verify rows, and with the probes' other cuts and views of the flat
+    tokens (each piece `reshape(B*T, H, d)` then `view(B, T, H, d)`; the tokens viewed
+    [B, T, ...] before the norms); the step equals its eager twin."""
+    builtin = _builtin(torch.float32)
+    model = from_builtin(builtin).set_probe(*probes)
+    eager = from_builtin(builtin).set_probe(*probes)
+    assert _steps(_compile(model), eager, n=2, rows=rows) <= TOL["aten_cpu"]
+    got = _per_layer(foreign.last_compiled())
+    for layer in (0, 1):
+        assert {op: got[layer][op] for op in KDA_OPS} == dict.fromkeys(KDA_OPS, 1), layer
+    want, have = state_of(eager), state_of(model)
+    for name in want:
+        assert rel_err(have[name], want[name]) <= TOL["aten_cpu"], name

@@ -65,3 +65,37 @@ def test_computed_fb_weight_is_a_near_miss():
 
     _, report = rewrite(computed, _inputs(), fb_kda_decode.patterns())
     assert_near_miss(report, "fb_kda_decode", "check refused", "computed in the graph")
+
+
+def step_rows(*args):  # f_a as flat [B*T, R] token rows: f_b a plain mm viewed to [B, T, W]
+    return fb_kda_decode.search_rows(*args), args[STATES[0]], args[STATES[1]]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_flat_fa_rows_rewrite_and_equal_eager_incl_states(dtype):
+    args = _inputs(dtype)
+    fa = fb_kda_decode.NAMES.index("fa")
+    args[fa] = args[fa].reshape(-1, args[fa].shape[-1])
+    gm, report = rewrite(step_rows, _clone(args), fb_kda_decode.patterns())
+    assert [h.pattern for h in report.hits] == ["fb_kda_decode[rows]"], report
+    assert "aten.mm.default" not in targets(gm)
+    want, got = step_rows(*_clone(args)), gm(*_clone(args))
+    for w, g in zip(want, got):  # o, conv state, recurrent state
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+def test_flat_fa_rows_not_the_step_tokens_are_refused():
+    """f_a rows that are not the step's B·T tokens (viewed to [B, T, W] only through the GEMM's
+    columns): the op reads fa as [B, T, R]; the match is refused, not rewritten."""
+    args = _inputs()
+    fa = fb_kda_decode.NAMES.index("fa")
+    args[fa] = torch.randn(4, args[fa].shape[-1], dtype=args[fa].dtype)  # 4 rows, B·T = 2
+
+    def mixed(*a):
+        graw = F.linear(a[4], a[5]).view(2, 1, -1)[:, :, : a[0].shape[-1]]
+        return torch.ops.k3.kda_decode(*a[:4], graw, *a[6:]), a[STATES[0]], a[STATES[1]]
+
+    gm, report = rewrite(mixed, _clone(args), fb_kda_decode.patterns())
+    assert not report.hits
+    want, got = mixed(*_clone(args)), gm(*_clone(args))
+    torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)

@@ -233,3 +233,14 @@ def test_mla_fp32_weight_norm_call_fuses_and_keeps_its_flag(rows):
     op = next(n for n in gm.graph.nodes if str(n.target) == "k3.mla_lowrank_norm.default")
     assert op.args[-2:] == (1e-6, True)
     assert "aten.mm.default" not in targets(gm)
+
+
+def test_kda_projections_on_flat_token_rows_become_one_gemm():
+    """vLLM's flat [N, D] tokens (rule `proj_split` leaves one GEMM per piece so): each GEMM a
+    plain mm, `linear_concat[kda,rows]`; f_b stays one mm of f_a's columns."""
+    args = _kda_args(tokens=3)
+    args[0] = args[0].reshape(6, D)
+    gm, report = rewrite(kda_projections, args, linear_concat.patterns(), joint=True)
+    assert [h.pattern for h in report.hits] == ["linear_concat[kda,rows]"]
+    assert_rewritten_equal(gm, report, kda_projections, args, "k3.linear_concat")  # bf16: exact
+    assert targets(gm).count("aten.mm.default") == 1
