@@ -62,9 +62,10 @@ _KDA = {"linear_concat": 1}  # by construction: the in-projection is one GEMM al
 _KDA_BF16 = {"linear_concat": 1, "fb_kda_decode": 1}
 # layer -> the built-in plan's ops this spelling's plan lacks (a layer not named: none)
 LOST = {
-    # layer 0's input norm (no depth mix before the first layer) is written in the model's
-    # top-level forward, so the fused rms_norm is credited to the final row (-1), not lost
-    torch.float32: {0: {**_KDA, "rms_norm": 1}, 1: _KDA},
+    # layer 0's input norm (no depth mix before the first layer), written in the model's
+    # top-level forward, is counted in layer 0, the one layer it feeds, since session 27 (the
+    # engine's `_site_module`; before, in the final row)
+    torch.float32: {0: _KDA, 1: _KDA},
 }
 # bf16: the MoE layers' moe_experts and norm_linear fuse since session 23 (the fp32_out and
 # weight_fp32 variants keep the spelling's rounding); KDA's losses remain (the bf16 conv)
