@@ -51,6 +51,7 @@ def _place(graph):
         if n.name in LAYER_0:
             n.meta["nn_module_stack"] = {"l0": ("layers.0", nn.Module),
                                          "l0a": ("layers.0.attn", nn.Module)}
+        # add_4 reading add_3: "read_by_layer_1"'s `b + h`, layer 1's residual
         elif n.name in LAYER_1 or (n.name == "add_4" and n.args[0].name == "add_3"):
             n.meta["nn_module_stack"] = {"l1n": ("layers.1.norm", nn.Module)}
 
@@ -62,8 +63,8 @@ def _fused_norms(case):
     want = model(case, *args)
     report = apply_patterns(gm.graph, [rms.patterns()[1]])  # rms_norm[float32]
     gm.recompile()
-    got = gm(*args)
-    for g, w in zip(got if isinstance(got, tuple) else [got], want if case == "returned" else [want]):
+    got, want = (gm(*args), want) if case == "returned" else ((gm(*args),), (want,))
+    for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
     assert len(report.hits) == 3
     return [(module_path(n), n.args[0].name)
