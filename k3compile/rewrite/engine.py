@@ -34,7 +34,7 @@ import torch
 from torch import fx
 
 from k3compile.rewrite import inductor, near_miss, trace_cache
-from k3compile.rewrite.near_miss import NearMiss, module_path
+from k3compile.rewrite.near_miss import NearMiss, module_path, stack_path
 
 # ops outside the fusion plans: the plain GEMMs `patterns/linear.py` takes after every fusion
 NEUTRAL = frozenset({"linear"})
@@ -251,8 +251,11 @@ def _site_module(anchor: fx.Node, matched: Sequence[fx.Node]) -> tuple[str, Any]
     """(module path, nn_module_stack) a rewrite is placed in: the anchor's; where the anchor lies
     outside every layer but most of the matched computation lies in one layer (a model that
     writes the norm after a layer's depth mix in its own forward, not in the layer's module),
-    that layer's last matched node's. A top-level op that only reads a few of a layer's nodes
-    (Moonshot's final mix stacks the last layer's blocks there) stays where its anchor is. In a
+    that layer's last matched node's; where none does but what it computes feeds one layer only
+    (a model that writes layer 0's input norm in its own forward), that layer's
+    (`_fed_layer_stack`). A top-level op that only reads a few of a layer's nodes
+    (Moonshot's final mix stacks the last layer's blocks there, then feeds the final norm) stays
+    where its anchor is. In a
     functional model, whose layers were read off the weights (`k3compile.layers.attribute`), the
     earliest layer of the matched nodes, wherever the anchor is: there a layer's last op that reads no weight (MoE's
     `routed + shared`) lies in the layer it feeds, the one a residual fusion anchors at."""
@@ -275,7 +278,42 @@ def _site_module(anchor: fx.Node, matched: Sequence[fx.Node]) -> tuple[str, Any]
             if len(nodes) > outside:
                 last = max(nodes)
                 return module_path(last), last.meta.get("nn_module_stack")
+        if (stack := _fed_layer_stack(matched)) is not None:
+            return stack_path(stack), stack
     return where, anchor.meta.get("nn_module_stack")
+
+
+def _fed_layer_stack(matched: Sequence[fx.Node]) -> dict | None:
+    """The module stack of the one layer that what `matched` computes feeds (its values read,
+    through nodes outside every layer, by that layer's nodes only: never by the graph's output
+    nor another layer), cut to its outermost module inside the layer; None where there is no
+    such layer. A layer's input norm written in the model's forward (spell6, spell8, the
+    red-team spelling) so lies in its layer, as in a model that writes it in the layer's module,
+    and as `k3compile.layers.attribute` places what prepares a layer's input."""
+    from k3compile.layers import layer_index  # noqa: PLC0415 (it imports rewrite)
+
+    inside = {n for n in matched if isinstance(n, fx.Node) and n.op == "call_function"}
+    todo = [u for n in inside for u in n.users if u not in inside]
+    seen, fed = set(todo), None
+    while todo:
+        n = todo.pop()
+        if n.op == "output":
+            return None
+        if layer_index(module_path(n)) is None:
+            todo += [u for u in n.users if u not in seen and u not in inside]
+            seen.update(n.users)
+            continue
+        if fed is not None and layer_index(module_path(n)) != layer_index(module_path(fed)):
+            return None
+        fed = fed or n
+    if fed is None:
+        return None
+    stack = {}
+    for key, entry in fed.meta["nn_module_stack"].items():
+        stack[key] = entry
+        if layer_index(stack_path(stack)) is not None:
+            return stack
+    return None
 
 
 def _replace(graph: fx.Graph, pattern: Pattern, m: Any, args: list, node: fx.Node) -> Rewrite:

@@ -68,7 +68,11 @@ def op_label(node: fx.Node) -> str:
 
 def module_path(node: fx.Node) -> str:
     """The model module a node came from (`language_model.model.layers.1.mlp.gate`), or ""."""
-    stack = node.meta.get("nn_module_stack")
+    return stack_path(node.meta.get("nn_module_stack"))
+
+
+def stack_path(stack: dict | None) -> str:
+    """The innermost module path of an `nn_module_stack`, or ""."""
     if not stack:
         return ""
     path = list(stack.values())[-1][0]

@@ -70,13 +70,12 @@ _MOE = {"moe_experts": 1}
 # layer -> the built-in plan's ops this spelling's plan lacks (a layer not named: none)
 _LOST = {0: _KDA, 1: _KDA, 2: _MLA, 3: _MLA}
 # fp32: the MLA trio fuses (rules scatter_rows' grid index, sdpa_math) and fb_kda_decode (rule
-# head_rows, session 26); layer 0's `rms_norm` is no lost fusion but a placement: spell6 computes
-# the input norm in the model's forward (no module), so the fused norm is counted outside the
-# layers (FINAL), where the built-in's is in its layer; until session 26 the KDA head norm, fused
-# alone, stood in for it. bf16: SDPA's math path scores in fp32 from bf16 q, k, v, which
+# head_rows, session 26); layer 0's input norm, computed in the model's forward (no module), is
+# counted in layer 0, the one layer it feeds, since session 27 (the engine's `_site_module`;
+# before, outside the layers, FINAL). bf16: SDPA's math path scores in fp32 from bf16 q, k, v, which
 # mla_absorb does not take as bf16 MLA (other roundings); fb_kda_decode is lost in bf16 with
 # probe `kda_heads` too (another cause, upstream of the recurrence)
-LOST = {torch.float32: {0: {"rms_norm": 1}}, torch.bfloat16: _LOST}
+LOST = {torch.float32: {}, torch.bfloat16: _LOST}
 # (pattern, dtype) whose loss must come with a near miss in that layer naming a node
 DIAGNOSED = (("kda_decode", torch.bfloat16),)
 
