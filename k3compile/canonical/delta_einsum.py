@@ -53,6 +53,7 @@ from k3compile.canonical.region import (
     replace,
     root,
     shape,
+    state_read,
     val,
 )
 from k3compile.graph import call
@@ -67,19 +68,6 @@ def read(S, x):
 
 def write(k, u):
     return k.unsqueeze(-1) * u.unsqueeze(-2)
-
-
-def _read_site(bmm: fx.Node):
-    roots = [root(a) for a in bmm.args]
-    by_rank = {len(shape(r) or ()): r for r in roots}
-    S, x = by_rank.get(4), by_rank.get(3)
-    if S is None or x is None or len(set(roots)) != 2:
-        return None
-    B, H, K, V = shape(S)
-    if val(S).dtype != torch.float32 or shape(x) != (B, H, K) or val(x).dtype != torch.float32:
-        return None
-    out = below(bmm, (B, H, V))
-    return None if out is None else ([S, x], out)
 
 
 def _sum_read_site(total: fx.Node):
@@ -152,7 +140,7 @@ def _scaled_read(mul: fx.Node):
     bmm = root(out)
     if bmm.op != "call_function" or bmm.target is not aten.bmm.default:
         return None
-    site = _read_site(bmm)
+    site = state_read(bmm, "bhkv")
     if site is None or below(bmm, shape(out)) is not out:
         return None
     (_, x), _ = site
@@ -188,7 +176,7 @@ def _site(node: fx.Node):
     scale of a read's output ("scale")."""
     if node.target is aten.mul.Tensor and (site := _scaled_read(node)) is not None:
         return site, None, None, None, "scale"
-    if node.target is aten.bmm.default and (site := _read_site(node)) is not None:
+    if node.target is aten.bmm.default and (site := state_read(node, "bhkv")) is not None:
         return (*site, read, READ_RTOL, "read")
     if node.target is aten.sum.dim_IntList and (site := _sum_read_site(node)) is not None:
         return (*site, read, READ_RTOL, "read")
@@ -300,7 +288,7 @@ def _is_exit(user: fx.Node, node: fx.Node, bh: tuple[int, int]) -> bool:
 
 def _unmerge(graph: fx.Graph) -> int:
     """Rewrite each batch-merged region per head (the read as a bmm of per-head views, which
-    `_read_site` then takes; the outer product as the canonical write); a region some node of
+    `state_read` then takes; the outer product as the canonical write); a region some node of
     which is read by anything else is left alone. Returns how many nodes were rewritten."""
     heads, merges, region = closed_region(graph, _merge, _kind, _is_exit)
     if not any(n.target is aten.bmm.default for n in region):
@@ -331,7 +319,7 @@ def _unmerge(graph: fx.Graph) -> int:
             elif n.target is aten.bmm.default and shape(n.args[0])[2] == 1:  # k ⊗ u
                 row = call(graph, aten.unsqueeze.default, (args[1], -2), like=n)
                 new = call(graph, aten.mul.Tensor, (args[0], row), like=n)
-            elif n.target is aten.bmm.default:  # S·x, through views `_read_site` recognises
+            elif n.target is aten.bmm.default:  # S·x, through views `state_read` recognises
                 x = call(graph, aten.reshape.default, (args[0], list(shape(n.args[0]))), like=n)
                 S = call(graph, aten.reshape.default, (args[1], list(shape(n.args[1]))), like=n)
                 new = call(graph, aten.view.default, (

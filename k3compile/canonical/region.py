@@ -68,6 +68,24 @@ def below(node: fx.Node, want: tuple[int, ...], through=VIEWS) -> fx.Node | None
     return node
 
 
+def state_read(bmm: fx.Node, layout: str) -> tuple[list[fx.Node], fx.Node] | None:
+    """([S, x], out) where bmm's operands are view chains of a 4-D fp32 state S and a 3-D fp32
+    vector x [B, H, K], read back through views as out [B, H, V]: the delta rule's state read
+    Σ_k S x over K, S laid out "bhkv" ([B, H, K, V], `delta_einsum`) or "bhvk" ([B, H, V, K],
+    `state_matvec`). The product the region computes is not checked here (`replace` does)."""
+    roots = [root(a) for a in bmm.args]
+    by_rank = {len(shape(r) or ()): r for r in roots}
+    S, x = by_rank.get(4), by_rank.get(3)
+    if S is None or x is None or len(set(roots)) != 2:
+        return None
+    sizes = dict(zip(layout, shape(S)))
+    B, H, K, V = (sizes[d] for d in "bhkv")
+    if val(S).dtype != torch.float32 or shape(x) != (B, H, K) or val(x).dtype != torch.float32:
+        return None
+    out = below(bmm, (B, H, V))
+    return None if out is None else ([S, x], out)
+
+
 def pointwise_tail(node: fx.Node, ops, dtype: torch.dtype | None = None
                    ) -> tuple[list[fx.Node], fx.Node] | None:
     """The region of `ops` of node's shape (and `dtype`, where given) fed by node alone, in graph
@@ -267,4 +285,4 @@ def refresh(changed: list[fx.Node]) -> None:
 
 
 __all__ = ["VIEWS", "agrees", "below", "closed_region", "nodes_between", "pointwise_tail",
-           "refresh", "replace", "root", "shape", "val"]
+           "refresh", "replace", "root", "shape", "state_read", "val"]
