@@ -165,14 +165,19 @@ LOOK_ALIKES = {"not_a_mix": _not_a_mix, "folded_squared": _folded_squared, "bf16
                "escaping_alpha": _escaping_alpha, "softmax_over_batch": _softmax_over_batch}
 
 
-@pytest.mark.parametrize("name", sorted(LOOK_ALIKES))
-def test_look_alike_is_left_alone(name):
-    args = _args(2, torch.bfloat16 if name.startswith("bf16") else torch.float32)
-    before, after, n = _rewrite(LOOK_ALIKES[name], *args)
+def _assert_left_alone(fn, args):
+    """No site rewritten: the same ops, bit-equal outputs."""
+    before, after, n = _rewrite(fn, *args)
     assert n == 0
     assert targets(after) == targets(before)
     for got, want in zip(*(torch.utils._pytree.tree_leaves(f(*args)) for f in (after, before))):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", sorted(LOOK_ALIKES))
+def test_look_alike_is_left_alone(name):
+    _assert_left_alone(LOOK_ALIKES[name],
+                       _args(2, torch.bfloat16 if name.startswith("bf16") else torch.float32))
 
 
 class MixNorm(nn.Module):
@@ -421,12 +426,7 @@ RELAID_LOOK_ALIKES = {"unnormalised": _unnormalised, "tempered": _tempered,
 
 @pytest.mark.parametrize("name", sorted(RELAID_LOOK_ALIKES))
 def test_relaid_look_alike_is_left_alone(name):
-    args = _tokens(2)
-    before, after, n = _rewrite(RELAID_LOOK_ALIKES[name], *args)
-    assert n == 0
-    assert targets(after) == targets(before)
-    for got, want in zip(*(torch.utils._pytree.tree_leaves(f(*args)) for f in (after, before))):
-        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    _assert_left_alone(RELAID_LOOK_ALIKES[name], _tokens(2))
 
 
 class RelaidMixNorm(nn.Module):
@@ -502,9 +502,7 @@ def test_fp32_scores_look_alike_is_left_alone(name):
     fn = FP32_SCORES_LOOK_ALIKES[name]
     for n_blocks in (1, 3):
         args = _tokens(n_blocks, torch.bfloat16, (3, D))
-        before, after, n = _rewrite(fn, *args)
-        assert n == 0 and targets(after) == targets(before)
-        torch.testing.assert_close(after(*args), before(*args), rtol=0, atol=0)
+        _assert_left_alone(fn, args)
         exact = _moonshot_with(lambda v, r: v * r, lambda wn, wp: wn.float() * wp.float())
         assert not torch.equal(fn(*args), exact(*args))  # another bf16 computation
 
@@ -646,11 +644,7 @@ BANK_LOOK_ALIKES = {"unwritten_slot": _unwritten_slot, "bank_from_input": _bank_
 @pytest.mark.parametrize("name", sorted(BANK_LOOK_ALIKES))
 def test_bank_look_alike_is_left_alone(name):
     """A read index that no known scatter with a static index writes: the graph stays as it is."""
-    args = _bank_args()
-    before, after, n = _rewrite(_functional(BANK_LOOK_ALIKES[name]), *args)
-    assert n == 0
-    assert targets(after) == targets(before)
-    torch.testing.assert_close(after(*args), before(*args), rtol=0, atol=0)
+    _assert_left_alone(_functional(BANK_LOOK_ALIKES[name]), _bank_args())
 
 
 # ---- sources on dim 0, scores spelled otherwise: the whole mix rebuilt -------------------------
@@ -761,11 +755,7 @@ FOLDED_LOOK_ALIKES = {"canonical": _folded_canonical, "squared_weights": _folded
 
 @pytest.mark.parametrize("name", sorted(FOLDED_LOOK_ALIKES))
 def test_folded_look_alike_is_left_alone(name):
-    args = _folded_args(2)
-    before, after, n = _rewrite(FOLDED_LOOK_ALIKES[name], *args)
-    assert n == 0
-    assert targets(after) == targets(before)
-    torch.testing.assert_close(after(*args), before(*args), rtol=0, atol=0)
+    _assert_left_alone(FOLDED_LOOK_ALIKES[name], _folded_args(2))
 
 
 def test_folded_mix_whose_alpha_escapes_is_left_alone():
