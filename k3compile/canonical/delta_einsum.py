@@ -45,7 +45,17 @@ import torch
 from torch import fx
 
 from k3compile.canonical import Rule, rewrite_sites
-from k3compile.canonical.region import VIEWS, below, refresh, replace, root, shape, val
+from k3compile.canonical.region import (
+    VIEWS,
+    below,
+    closed_region,
+    refresh,
+    replace,
+    root,
+    shape,
+    state_read,
+    val,
+)
 from k3compile.graph import call
 
 aten = torch.ops.aten
@@ -58,19 +68,6 @@ def read(S, x):
 
 def write(k, u):
     return k.unsqueeze(-1) * u.unsqueeze(-2)
-
-
-def _read_site(bmm: fx.Node):
-    roots = [root(a) for a in bmm.args]
-    by_rank = {len(shape(r) or ()): r for r in roots}
-    S, x = by_rank.get(4), by_rank.get(3)
-    if S is None or x is None or len(set(roots)) != 2:
-        return None
-    B, H, K, V = shape(S)
-    if val(S).dtype != torch.float32 or shape(x) != (B, H, K) or val(x).dtype != torch.float32:
-        return None
-    out = below(bmm, (B, H, V))
-    return None if out is None else ([S, x], out)
 
 
 def _sum_read_site(total: fx.Node):
@@ -143,7 +140,7 @@ def _scaled_read(mul: fx.Node):
     bmm = root(out)
     if bmm.op != "call_function" or bmm.target is not aten.bmm.default:
         return None
-    site = _read_site(bmm)
+    site = state_read(bmm, "bhkv")
     if site is None or below(bmm, shape(out)) is not out:
         return None
     (_, x), _ = site
@@ -179,7 +176,7 @@ def _site(node: fx.Node):
     scale of a read's output ("scale")."""
     if node.target is aten.mul.Tensor and (site := _scaled_read(node)) is not None:
         return site, None, None, None, "scale"
-    if node.target is aten.bmm.default and (site := _read_site(node)) is not None:
+    if node.target is aten.bmm.default and (site := state_read(node, "bhkv")) is not None:
         return (*site, read, READ_RTOL, "read")
     if node.target is aten.sum.dim_IntList and (site := _sum_read_site(node)) is not None:
         return (*site, read, READ_RTOL, "read")
@@ -217,7 +214,7 @@ _ORDER_KEEPING = {*_MERGES, aten.unsqueeze.default, aten.squeeze.dim, aten.squee
 
 
 def _merge(node: fx.Node):
-    """(B, H, source, unsqueeze) where node views a per-head fp32 tensor [B, H, ...] as
+    """((B, H), source, unsqueeze) where node views a per-head fp32 tensor [B, H, ...] as
     [B*H, r, c] through ops that keep the elements' order (views, unsqueezes, clones);
     `unsqueeze`: the per-head form is the source with a last unit dim."""
     out = shape(node)
@@ -231,7 +228,7 @@ def _merge(node: fx.Node):
         if s is not None and len(s) >= 2 and 1 not in s[:2] and val(src).dtype == torch.float32:
             want = _per_head(out, *s[:2])
             if want is not None and s in (want, want[:-1]) and (s == want or want[-1] == 1):
-                return (*s[:2], src, s != want)
+                return s[:2], src, s != want
         if src.op != "call_function" or src.target not in _ORDER_KEEPING:
             return None
         src = src.args[0]
@@ -284,52 +281,31 @@ def _kind(node: fx.Node, heads: dict) -> tuple | None:
     return None
 
 
-def _is_exit(user: fx.Node, node: fx.Node, B: int, H: int) -> bool:
+def _is_exit(user: fx.Node, node: fx.Node, bh: tuple[int, int]) -> bool:
     """user views node back as the per-head tensor it stands for."""
-    return user.target in _MERGES and shape(user) == _per_head(shape(node), B, H)
+    return user.target in _MERGES and shape(user) == _per_head(shape(node), *bh)
 
 
 def _unmerge(graph: fx.Graph) -> int:
     """Rewrite each batch-merged region per head (the read as a bmm of per-head views, which
-    `_read_site` then takes; the outer product as the canonical write); a region some node of
+    `state_read` then takes; the outer product as the canonical write); a region some node of
     which is read by anything else is left alone. Returns how many nodes were rewritten."""
-    heads, merges, computed = {}, {}, []
-    for n in graph.nodes:
-        if n.op != "call_function":
-            continue
-        if (m := _merge(n)) is not None:
-            heads[n], merges[n] = m[:2], m
-        elif (hk := _kind(n, heads)) is not None:
-            heads[n] = hk
-            computed.append(n)
-    live = set(computed)
-    changed = True
-    while changed:  # drop nodes read by anything else, and what reads them
-        changed = False
-        for n in list(live):
-            B, H = heads[n]
-            ins = [a for a in n.args if isinstance(a, fx.Node)]
-            if any(u not in live and not _is_exit(u, n, B, H) for u in n.users) or any(
-                    a not in live and a not in merges for a in ins):
-                live.discard(n)
-                changed = True
-    if not any(n.target is aten.bmm.default for n in live):
+    heads, merges, region = closed_region(graph, _merge, _kind, _is_exit)
+    if not any(n.target is aten.bmm.default for n in region):
         return 0
     four, exits, uses = {}, [], {}
 
     def per_head(a, like):
         if not isinstance(a, fx.Node) or a not in merges:
             return four.get(a, a)
-        _, _, src, unsqueeze = merges[a]
+        _, src, unsqueeze = merges[a]
         if src.target is aten.select.int and uses.get(a):
             # the canonical form selects a token's row once per read of it
             src = call(graph, aten.select.int, src.args, like=like)
         uses[a] = True
         return call(graph, aten.unsqueeze.default, (src, -1), like=like) if unsqueeze else src
 
-    for n in computed:
-        if n not in live:
-            continue
+    for n in region:
         B, H = heads[n]
         with graph.inserting_before(n):
             args = [per_head(a, n) for a in n.args[:2] if not isinstance(a, (list, tuple))]
@@ -343,7 +319,7 @@ def _unmerge(graph: fx.Graph) -> int:
             elif n.target is aten.bmm.default and shape(n.args[0])[2] == 1:  # k ⊗ u
                 row = call(graph, aten.unsqueeze.default, (args[1], -2), like=n)
                 new = call(graph, aten.mul.Tensor, (args[0], row), like=n)
-            elif n.target is aten.bmm.default:  # S·x, through views `_read_site` recognises
+            elif n.target is aten.bmm.default:  # S·x, through views `state_read` recognises
                 x = call(graph, aten.reshape.default, (args[0], list(shape(n.args[0]))), like=n)
                 S = call(graph, aten.reshape.default, (args[1], list(shape(n.args[1]))), like=n)
                 new = call(graph, aten.view.default, (
@@ -353,7 +329,7 @@ def _unmerge(graph: fx.Graph) -> int:
                 new = call(graph, aten.unsqueeze.default, (args[0], -1), like=n)
         four[n] = new
         for u in list(n.users):
-            if _is_exit(u, n, B, H):
+            if _is_exit(u, n, (B, H)):
                 u.replace_all_uses_with(new)
                 exits.append(new)
     graph.eliminate_dead_code()

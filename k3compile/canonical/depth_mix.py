@@ -46,15 +46,26 @@ evaluates bit-equal and is taken. A mix that is not the built-in form is then tr
 second canonical form, the scores in fp32 throughout (`k3compile.math.depth_mix_scores_fp32`,
 Moonshot's bf16 mix; `attn_res_mix_norm`'s `scores_fp32` variants), by the same check.
 
-Sources stacked on dim 0 whose scores reach the softmax through no GEMM (so cannot be the
-canonical projection: e.g. `F.rms_norm(sources, weight=w_norm * w_proj).sum(-1)`, spell7) are
-first tried as a whole mix against the canonical one, as above; if that check fails the first
-path runs as before. Not rewritten: a softmax over sources stacked on dim 0 whose scores go
-through a GEMM but are not already canonical (the first path keeps them as they are).
+Sources stacked on dim 0 whose scores are spelled otherwise than a canonical form are first
+tried as a whole mix against the canonical one, as above; where that check fails, the first
+path runs. Such scores: a graph whose ops (views aside) are no canonical form's, as a paper's
+reference code writes them (tests/models/spell8_k3.py):
+
+    v = torch.stack(bank + [prefix], dim=0).float()
+    normed = v / torch.sqrt(torch.mean(v ** 2, -1, keepdim=True) + eps)
+    scores = torch.einsum("s...d,d->s...", normed, w_norm * w_proj[0])   # folded weights
+    h = torch.einsum("s...,s...d->...d", torch.softmax(scores, 0), v)
+
+or scores that reach the softmax through no GEMM, so cannot be the canonical projection
+(`F.rms_norm(sources, weight=w_norm * w_proj).sum(-1)`, spell7). A mix whose graph already has
+a canonical form's ops and a GEMM goes to the first path only, so the built-in model's graph
+does not change. (Until session 27 the first kind was rule `depth_mix_scores`, run over the
+whole graph before this one; one rule now, the same rewrites.)
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import itertools
@@ -602,10 +613,9 @@ def _splice(graph: fx.Graph, gm: fx.GraphModule, site: Site, wn: fx.Node, wp: fx
     site.end.replace_all_uses_with(mix)
 
 
-def _rebuilt(graph: fx.Graph, alpha: fx.Node) -> int:
-    """A mix over sources stacked along a dim other than 0, replaced by the canonical mix of the
-    same sources, weights and eps when it evaluates to the same values (1), else left (0)."""
-    site = _site(alpha, _softmax_dim(alpha))
+def _rebuilt(graph: fx.Graph, alpha: fx.Node, site: Site | None) -> int:
+    """alpha's mix (`site`), replaced by the canonical mix of the same sources, weights and eps
+    when it evaluates to the same values (1), else left (0)."""
     if site is None:
         return 0
     # the built-in form first: in fp32 the two forms are the same values and it is the one taken
@@ -645,12 +655,40 @@ def _projected(alpha: fx.Node) -> bool:
     return False
 
 
-def _write(graph: fx.Graph, alpha: fx.Node, _) -> int:
-    found = _sources(alpha) if _softmax_dim(alpha) == 0 else None
+def _ops(nodes) -> collections.Counter:
+    return collections.Counter(n.target for n in nodes
+                               if n.op == "call_function" and n.target not in _VIEWS)
+
+
+def _already_canonical(site: Site, traced: dict) -> bool:
+    """Whether the site's ops (views aside) are a canonical form's; `traced`: the forms' op
+    counts by (form, eps, the inputs' shapes and dtypes), shared by one pass's sites (a model's
+    mixes repeat a few shapes, and each trace costs ~10 ms)."""
+    ops = _ops(site.nodes)
+    for form, (wn, wp), eps in itertools.product(FORMS, _roles(site.weights),
+                                                 dict.fromkeys(site.eps)):
+        key = (form, eps, *((tuple(_shape(n)), _val(n).dtype) for n in (wn, wp, *site.tokens)))
+        if key not in traced:
+            try:
+                traced[key] = _ops(_canonical_trace(site.tokens, wn, wp, eps, form).graph.nodes)
+            except Exception as e:  # noqa: BLE001 (a weight the form cannot take: not this form)
+                log.debug("k3 depth_mix: %s: %s", type(e).__name__, e)
+                traced[key] = None
+        if traced[key] == ops:
+            return True
+    return False
+
+
+def _write(graph: fx.Graph, alpha: fx.Node, _, traced: dict) -> int:
+    dim = _softmax_dim(alpha)
+    site = _site(alpha, dim)
+    found = _sources(alpha) if dim == 0 else None
     if found is None:
-        return _rebuilt(graph, alpha)
-    if not _projected(alpha) and (rebuilt := _rebuilt(graph, alpha)):
-        return rebuilt  # sources on dim 0, scores spelled otherwise (spell7's folded weight)
+        return _rebuilt(graph, alpha, site)
+    # sources on dim 0, scores spelled otherwise (spell8's einsum, spell7's folded weight)
+    if (site is not None and (not _projected(alpha) or not _already_canonical(site, traced))
+            and _rebuilt(graph, alpha, site)):
+        return 1
     stack, srcs = found
     rewritten = 0
     if _is(stack, aten.cat.default):
@@ -660,10 +698,13 @@ def _write(graph: fx.Graph, alpha: fx.Node, _) -> int:
 
 
 def apply(graph: fx.Graph) -> int:
-    return rewrite_sites(graph, lambda n: _softmax_dim(n) is not None, _write, tidy=False)
+    traced = {}
+    return rewrite_sites(graph, lambda n: _softmax_dim(n) is not None,
+                         lambda graph, alpha, site: _write(graph, alpha, site, traced))
 
 
 RULE = Rule("depth_mix", apply, "AttnRes depth mix: cat of unsqueezed sources -> stack's cat + "
             "view; einsum / loop / matmul weighted sum -> (alpha[..., None] * sources).sum(0); "
             "a mix over sources stacked on another dim (blocks listed, or in a bank written "
-            "by slice assignment) -> math.depth_mix_weights")
+            "by slice assignment), or on dim 0 with scores not in the canonical form "
+            "(einsum against w_norm * w_proj, ...) -> math.depth_mix_weights")

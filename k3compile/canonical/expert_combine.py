@@ -22,7 +22,7 @@ import torch
 from torch import fx
 
 from k3compile.canonical import Rule, rewrite_sites
-from k3compile.canonical.expert_gather import splice, traced
+from k3compile.canonical.expert_gather import splice_if_same, traced
 from k3compile.canonical.expert_gemm import _routed
 from k3compile.canonical.region import call_on_cpu
 from k3compile.canonical.region import static_shape as _shape
@@ -142,12 +142,7 @@ def _write(graph: fx.Graph, bmm: fx.Node, site: tuple, cache: dict) -> bool:
     w, y, out = site
     if not _evaluates_as_sum(w, y, out):
         return False
-    gm = traced(_canonical, [w, y], cache)
-    new = splice(graph, gm, [w, y], out)
-    if _shape(new) != _shape(out) or _val(new).dtype != _val(out).dtype:
-        return False
-    out.replace_all_uses_with(new)
-    return True
+    return splice_if_same(graph, traced(_canonical, [w, y], cache), [w, y], out)
 
 
 def apply(graph: fx.Graph) -> int:

@@ -53,7 +53,7 @@ from torch import fx
 
 from k3compile.canonical import Rule, rewrite_sites
 from k3compile.canonical import expert_slots as slots
-from k3compile.canonical.expert_gather import splice, traced
+from k3compile.canonical.expert_gather import splice_if_same, traced
 from k3compile.canonical.region import VIEWS, call_on_cpu, on_cpu, root
 from k3compile.canonical.region import static_shape as _shape
 from k3compile.canonical.region import val as _val
@@ -396,12 +396,8 @@ def _site(routing: fx.Node):
 
 def _write(graph: fx.Graph, routing: fx.Node, site, cache: dict) -> bool:
     out, inputs, beta, linear_beta = site
-    new = splice(graph, traced(slots._canonical(beta, linear_beta, None), inputs, cache), inputs,
-                 out)
-    if _shape(new) != _shape(out) or _val(new).dtype != _val(out).dtype:
-        return False
-    out.replace_all_uses_with(new)
-    return True
+    gm = traced(slots._canonical(beta, linear_beta, None), inputs, cache)
+    return splice_if_same(graph, gm, inputs, out)
 
 
 def apply(graph: fx.Graph) -> int:

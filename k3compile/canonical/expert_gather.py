@@ -126,6 +126,19 @@ def splice(graph: fx.Graph, gm: fx.GraphModule, inputs: list[fx.Node], site: fx.
     return out[0] if isinstance(out, (list, tuple)) else out
 
 
+def splice_if_same(graph: fx.Graph, gm: fx.GraphModule, inputs: list[fx.Node],
+                   site: fx.Node) -> bool:
+    """`splice`, and site's uses moved to the copy where its output has site's shape and dtype
+    (True); else the copy is left unread, for dead-code elimination (False). The ending of the
+    rules that splice a traced canonical form (expert_combine, expert_dense, expert_gather,
+    expert_slots, expert_split)."""
+    new = splice(graph, gm, inputs, site)
+    if _shape(new) != _shape(site) or _val(new).dtype != _val(site).dtype:
+        return False
+    site.replace_all_uses_with(new)
+    return True
+
+
 def _flat_gather(node: fx.Node) -> tuple[fx.Node, fx.Node] | None:
     """(source, flat index) of `index(src, [f])` / `index_select(src, 0, f)`, f 1-D."""
     if node.target is aten.index.Tensor and len(node.args[1]) == 1:
@@ -172,11 +185,7 @@ def _site(view: fx.Node, cache: dict):
 
 def _write(graph: fx.Graph, view: fx.Node, site: tuple, cache: dict) -> bool:
     inputs = list(site)
-    new = splice(graph, traced(_gathered, inputs, cache), inputs, view)
-    if _shape(new) != _shape(view) or _val(new).dtype != _val(view).dtype:
-        return False
-    view.replace_all_uses_with(new)
-    return True
+    return splice_if_same(graph, traced(_gathered, inputs, cache), inputs, view)
 
 
 def apply(graph: fx.Graph) -> int:
@@ -192,4 +201,4 @@ RULE = Rule("expert_gather", apply,
             "mxfp4_dequant(packed[ids], scale[ids], lut) with ids [N, k]")
 
 __all__ = ["RULE", "apply", "dequant_roots", "is_canonical_dequant", "same_graph", "splice",
-           "traced"]
+           "splice_if_same", "traced"]

@@ -53,7 +53,7 @@ from torch import fx
 from torch.utils._pytree import tree_flatten, tree_map
 
 from k3compile.canonical import Rule, rewrite_sites
-from k3compile.canonical.expert_gather import dequant_roots, splice, traced
+from k3compile.canonical.expert_gather import dequant_roots, splice_if_same, traced
 from k3compile.canonical.region import VIEWS, call_on_cpu, nodes_between, root
 from k3compile.canonical.region import static_shape as _shape
 from k3compile.canonical.region import val as _val
@@ -507,11 +507,8 @@ def _site(ids: fx.Node):
 def _write(graph: fx.Graph, ids: fx.Node, site, cache: dict) -> bool:
     out, inputs, (beta, linear_beta, stacks) = site
     inputs = [*inputs, *stacks]
-    new = splice(graph, traced(_canonical(beta, linear_beta, None), inputs, cache), inputs, out)
-    if _shape(new) != _shape(out) or _val(new).dtype != _val(out).dtype:
-        return False
-    out.replace_all_uses_with(new)
-    return True
+    gm = traced(_canonical(beta, linear_beta, None), inputs, cache)
+    return splice_if_same(graph, gm, inputs, out)
 
 
 def apply(graph: fx.Graph) -> int:

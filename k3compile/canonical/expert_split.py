@@ -26,9 +26,13 @@ import torch
 from torch import fx
 
 from k3compile.canonical import Rule, rewrite_sites
-from k3compile.canonical.expert_gather import is_canonical_dequant, same_graph, splice, traced
+from k3compile.canonical.expert_gather import (
+    is_canonical_dequant,
+    same_graph,
+    splice_if_same,
+    traced,
+)
 from k3compile.canonical.region import static_shape as _shape
-from k3compile.canonical.region import val as _val
 from k3compile.math import mxfp4_dequant
 
 aten = torch.ops.aten
@@ -133,12 +137,9 @@ def _write(graph: fx.Graph, node: fx.Node, site: tuple, cache: dict) -> int:
     pieces, inputs = site
     done = 0
     for piece, start, end in pieces:
-        new = splice(graph, traced(_rows(start, end, cache), list(inputs), cache), list(inputs),
-                     piece)
-        if _shape(new) != _shape(piece) or _val(new).dtype != _val(piece).dtype:
-            continue
-        piece.replace_all_uses_with(new)
-        done = 1
+        gm = traced(_rows(start, end, cache), list(inputs), cache)
+        if splice_if_same(graph, gm, list(inputs), piece):
+            done = 1
     return done
 
 

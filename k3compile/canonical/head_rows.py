@@ -18,8 +18,9 @@ with numbers, other merged tensors of its rank and tensors of lower rank, which 
 trailing dims only; casts; unsqueezes and sums not on dim 0; a `bmm` of a column [N, M, 1] and a
 row [N, 1, P], which is their product, one term per element), with one (B, H) throughout. A
 node read by anything other than the region or a view back to [B, H, ...] leaves the region
-(and what reads it); a region with no `bmm` left is not taken (a lone pointwise op on merged
-rows is no delta rule). Each region node is written again on [B, H, ...] (dims shifted by one,
+(and what reads it: `region.closed_region`, shared with `delta_einsum`'s batch-merged form);
+a region with no `bmm` left is not taken (a lone pointwise op on merged rows is no delta
+rule). Each region node is written again on [B, H, ...] (dims shifted by one,
 the `bmm` as `a * c`), and the views back read it. Bit for bit: the same products and sums on
 the same elements (a sum over dims after the first adds the same terms in the same order).
 Left alone: a `bmm` with an inner dim > 1 (a read, taken by `delta_einsum`'s batch-merged form),
@@ -32,7 +33,7 @@ import torch
 from torch import fx
 
 from k3compile.canonical import Rule
-from k3compile.canonical.region import refresh, shape, val
+from k3compile.canonical.region import closed_region, refresh, shape, val
 from k3compile.graph import call
 
 aten = torch.ops.aten
@@ -135,31 +136,8 @@ def _per_head(graph, src: fx.Node, bh, rest, like) -> fx.Node:
     return call(graph, aten.reshape.default, (src, [*bh, *rest]), like=like)
 
 
-def _region(graph: fx.Graph):
-    heads, merges, computed = {}, {}, []
-    for n in graph.nodes:
-        if n.op != "call_function":
-            continue
-        if (m := _merge(n)) is not None:
-            heads[n], merges[n] = m[0], m
-        elif (bh := _kind(n, heads)) is not None:
-            heads[n] = bh
-            computed.append(n)
-    live = set(computed)
-    changed = True
-    while changed:  # drop nodes read by anything else, and what reads them
-        changed = False
-        for n in list(live):
-            ins = [a for a in n.args if isinstance(a, fx.Node) and a in heads]
-            if any(u not in live and not _exit(u, n, heads[n]) for u in n.users) or any(
-                    a not in live and a not in merges for a in ins):
-                live.discard(n)
-                changed = True
-    return heads, merges, [n for n in computed if n in live]
-
-
 def apply(graph: fx.Graph) -> int:
-    heads, merges, region = _region(graph)
+    heads, merges, region = closed_region(graph, _merge, _kind, _exit)
     if not any(n.target is aten.bmm.default for n in region):
         return 0
     four, exits = {}, []

@@ -68,6 +68,24 @@ def below(node: fx.Node, want: tuple[int, ...], through=VIEWS) -> fx.Node | None
     return node
 
 
+def state_read(bmm: fx.Node, layout: str) -> tuple[list[fx.Node], fx.Node] | None:
+    """([S, x], out) where bmm's operands are view chains of a 4-D fp32 state S and a 3-D fp32
+    vector x [B, H, K], read back through views as out [B, H, V]: the delta rule's state read
+    Σ_k S x over K, S laid out "bhkv" ([B, H, K, V], `delta_einsum`) or "bhvk" ([B, H, V, K],
+    `state_matvec`). The product the region computes is not checked here (`replace` does)."""
+    roots = [root(a) for a in bmm.args]
+    by_rank = {len(shape(r) or ()): r for r in roots}
+    S, x = by_rank.get(4), by_rank.get(3)
+    if S is None or x is None or len(set(roots)) != 2:
+        return None
+    sizes = dict(zip(layout, shape(S)))
+    B, H, K, V = (sizes[d] for d in "bhkv")
+    if val(S).dtype != torch.float32 or shape(x) != (B, H, K) or val(x).dtype != torch.float32:
+        return None
+    out = below(bmm, (B, H, V))
+    return None if out is None else ([S, x], out)
+
+
 def pointwise_tail(node: fx.Node, ops, dtype: torch.dtype | None = None
                    ) -> tuple[list[fx.Node], fx.Node] | None:
     """The region of `ops` of node's shape (and `dtype`, where given) fed by node alone, in graph
@@ -92,6 +110,40 @@ def pointwise_tail(node: fx.Node, ops, dtype: torch.dtype | None = None
         return None
     order = {n: i for i, n in enumerate(node.graph.nodes)}
     return sorted(region, key=order.__getitem__), ends[0]
+
+
+def closed_region(graph: fx.Graph, seed, kind, is_exit) -> tuple[dict, dict, list[fx.Node]]:
+    """The nodes computed from seeds by the ops `kind` admits, less those whose value leaves the
+    region: (keys, seeds, region). Shared by the rules that rewrite a region of batch-merged
+    [B*H, ...] rows per head (`head_rows`, `delta_einsum`).
+
+    `seed(node)`: a tuple whose first item is node's key (e.g. its (B, H)), or None;
+    `kind(node, keys)`: node's key where it computes from keyed nodes as the region may, else
+    None; `is_exit(user, node, key)`: user reads node's value back out (a view to its per-head
+    shape). A node read by anything other than the region or an exit leaves the region, and so
+    does what reads it (a fixpoint: the largest region closed under that rule, whatever the
+    order). `keys`: node -> key for every seed and admitted node; `seeds`: seed -> seed(node);
+    `region`: the admitted nodes that stay, in graph order."""
+    keys, seeds, computed = {}, {}, []
+    for n in graph.nodes:
+        if n.op != "call_function":
+            continue
+        if (m := seed(n)) is not None:
+            keys[n], seeds[n] = m[0], m
+        elif (key := kind(n, keys)) is not None:
+            keys[n] = key
+            computed.append(n)
+    live = set(computed)
+    changed = True
+    while changed:
+        changed = False
+        for n in list(live):
+            ins = [a for a in n.args if isinstance(a, fx.Node) and a in keys]
+            if any(u not in live and not is_exit(u, n, keys[n]) for u in n.users) or any(
+                    a not in live and a not in seeds for a in ins):
+                live.discard(n)
+                changed = True
+    return keys, seeds, [n for n in computed if n in live]
 
 
 def nodes_between(inputs: list[fx.Node], output: fx.Node, limit: int = 64) -> list[fx.Node] | None:
@@ -232,5 +284,5 @@ def refresh(changed: list[fx.Node]) -> None:
             changed.add(node)
 
 
-__all__ = ["VIEWS", "agrees", "below", "nodes_between", "pointwise_tail", "refresh", "replace",
-           "root", "shape", "val"]
+__all__ = ["VIEWS", "agrees", "below", "closed_region", "nodes_between", "pointwise_tail",
+           "refresh", "replace", "root", "shape", "state_read", "val"]

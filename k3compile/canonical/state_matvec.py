@@ -12,7 +12,8 @@ V-major rule only where every read sums over the last dim (a product it leaves a
 first the read it takes.
 
 Site: a `bmm` whose operands are view chains of an fp32 [B, H, V, K] matrix S and a [B, H, K]
-vector x, read back through views as [B, H, V], where S is computed from a gathered state (an
+vector x, read back through views as [B, H, V] (`region.state_read`, `delta_einsum`'s read site
+with the state laid out "bhvk"), where S is computed from a gathered state (an
 `index` of a 4-D fp32 graph input, through the pointwise ops of the recurrence). Taken only
 where the region, run on random values (`canonical.region`), equals the canonical read within
 1e-5 of the largest value (the bmm and the sum add the K products in other orders: fp32
@@ -26,7 +27,7 @@ import torch
 from torch import fx
 
 from k3compile.canonical import Rule, rewrite_sites
-from k3compile.canonical.region import below, replace, root, shape, val
+from k3compile.canonical.region import replace, shape, state_read, val
 
 aten = torch.ops.aten
 READ_RTOL = 1e-5
@@ -56,17 +57,8 @@ def _gathered_state(node: fx.Node) -> bool:
 
 
 def _site(bmm: fx.Node):
-    roots = [root(a) for a in bmm.args]
-    by_rank = {len(shape(r) or ()): r for r in roots}
-    S, x = by_rank.get(4), by_rank.get(3)
-    if S is None or x is None or len(set(roots)) != 2:
-        return None
-    B, H, V, K = shape(S)
-    if (val(S).dtype != torch.float32 or shape(x) != (B, H, K)
-            or val(x).dtype != torch.float32 or not _gathered_state(S)):
-        return None
-    out = below(bmm, (B, H, V))
-    return None if out is None else ([S, x], out)
+    site = state_read(bmm, "bhvk")
+    return site if site is not None and _gathered_state(site[0][0]) else None
 
 
 def _write(graph: fx.Graph, node: fx.Node, site, cache: dict) -> bool:

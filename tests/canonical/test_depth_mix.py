@@ -1,7 +1,9 @@
 """depth_mix: the AttnRes depth mix with its sources stacked by a cat of unsqueezes, or its
 weighted sum written as an einsum, a matmul or a Python loop, becomes the form
 `k3compile.math.depth_mix` traces to (stack = cat + view; Σ over dim 0 of alpha[..., None] ·
-sources in fp32) with equal values, dtype and shape; other cats and weighted sums stay. A mix over
+sources in fp32) with equal values, dtype and shape; other cats and weighted sums stay. A mix on
+dim 0 whose scores are spelled otherwise (a paper's einsum against the folded weights) becomes
+the whole canonical mix, as does one whose weighted sum is (its ops are then no canonical form's). A mix over
 sources stacked on another dim ([B, T, S, D], [N, S, D]: transformers' and Moonshot's spellings)
 becomes the whole canonical mix, bit-equal in bf16 where the spelling rounds as the canonical form
 does, within fp32 rounding otherwise (Moonshot's folded norm weight in fp32); a bf16 mix whose
@@ -9,6 +11,7 @@ scores are fp32 throughout (Moonshot's) becomes the fp32-scores canonical mix.""
 
 from __future__ import annotations
 
+import collections
 import functools
 
 import pytest
@@ -18,6 +21,7 @@ from torch import nn
 
 import k3compile.backend as k3be
 from k3compile.canonical import depth_mix
+from k3compile.canonical.depth_mix import _VIEWS
 from k3compile.math import depth_mix_scores_fp32, depth_mix_weights, rms_norm
 from tests.canonical.rule_checks import rewrite
 from tests.conftest import TOL, rel_err
@@ -86,7 +90,9 @@ def _is_canonical(gm) -> bool:
 def test_spelling_becomes_the_canonical_mix(stack, weighted_sum, dtype):
     fn, args = _mix(stack, weighted_sum), _args(3, dtype)
     before, after, n = _rewrite(fn, *args)
-    assert n == (stack == "cat") + (weighted_sum != "canonical")
+    # a weighted sum spelled otherwise makes the mix's ops no canonical form's: the whole mix is
+    # rebuilt (one site); with the canonical sum, a cat of unsqueezes becomes the stack (one)
+    assert n == (1 if weighted_sum != "canonical" else stack == "cat")
     assert _is_canonical(after)
     got, want = after(*args), before(*args)
     assert got.dtype == want.dtype == dtype and got.shape == want.shape
@@ -101,7 +107,7 @@ def test_one_source_at_batch_one():
     args = [a[:1] if a.dim() == 3 else a for a in _args(1)]
     fn = _mix("cat", "loop_sources")
     before, after, n = _rewrite(fn, *args)
-    assert n == 2 and _is_canonical(after)
+    assert n == 1 and _is_canonical(after)
     assert rel_err(after(*args), before(*args)) <= 1e-6
 
 
@@ -159,14 +165,19 @@ LOOK_ALIKES = {"not_a_mix": _not_a_mix, "folded_squared": _folded_squared, "bf16
                "escaping_alpha": _escaping_alpha, "softmax_over_batch": _softmax_over_batch}
 
 
-@pytest.mark.parametrize("name", sorted(LOOK_ALIKES))
-def test_look_alike_is_left_alone(name):
-    args = _args(2, torch.bfloat16 if name.startswith("bf16") else torch.float32)
-    before, after, n = _rewrite(LOOK_ALIKES[name], *args)
+def _assert_left_alone(fn, args):
+    """No site rewritten: the same ops, bit-equal outputs."""
+    before, after, n = _rewrite(fn, *args)
     assert n == 0
     assert targets(after) == targets(before)
     for got, want in zip(*(torch.utils._pytree.tree_leaves(f(*args)) for f in (after, before))):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", sorted(LOOK_ALIKES))
+def test_look_alike_is_left_alone(name):
+    _assert_left_alone(LOOK_ALIKES[name],
+                       _args(2, torch.bfloat16 if name.startswith("bf16") else torch.float32))
 
 
 class MixNorm(nn.Module):
@@ -415,12 +426,7 @@ RELAID_LOOK_ALIKES = {"unnormalised": _unnormalised, "tempered": _tempered,
 
 @pytest.mark.parametrize("name", sorted(RELAID_LOOK_ALIKES))
 def test_relaid_look_alike_is_left_alone(name):
-    args = _tokens(2)
-    before, after, n = _rewrite(RELAID_LOOK_ALIKES[name], *args)
-    assert n == 0
-    assert targets(after) == targets(before)
-    for got, want in zip(*(torch.utils._pytree.tree_leaves(f(*args)) for f in (after, before))):
-        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    _assert_left_alone(RELAID_LOOK_ALIKES[name], _tokens(2))
 
 
 class RelaidMixNorm(nn.Module):
@@ -496,9 +502,7 @@ def test_fp32_scores_look_alike_is_left_alone(name):
     fn = FP32_SCORES_LOOK_ALIKES[name]
     for n_blocks in (1, 3):
         args = _tokens(n_blocks, torch.bfloat16, (3, D))
-        before, after, n = _rewrite(fn, *args)
-        assert n == 0 and targets(after) == targets(before)
-        torch.testing.assert_close(after(*args), before(*args), rtol=0, atol=0)
+        _assert_left_alone(fn, args)
         exact = _moonshot_with(lambda v, r: v * r, lambda wn, wp: wn.float() * wp.float())
         assert not torch.equal(fn(*args), exact(*args))  # another bf16 computation
 
@@ -640,8 +644,165 @@ BANK_LOOK_ALIKES = {"unwritten_slot": _unwritten_slot, "bank_from_input": _bank_
 @pytest.mark.parametrize("name", sorted(BANK_LOOK_ALIKES))
 def test_bank_look_alike_is_left_alone(name):
     """A read index that no known scatter with a static index writes: the graph stays as it is."""
-    args = _bank_args()
-    before, after, n = _rewrite(_functional(BANK_LOOK_ALIKES[name]), *args)
-    assert n == 0
-    assert targets(after) == targets(before)
-    torch.testing.assert_close(after(*args), before(*args), rtol=0, atol=0)
+    _assert_left_alone(_functional(BANK_LOOK_ALIKES[name]), _bank_args())
+
+
+# ---- sources on dim 0, scores spelled otherwise: the whole mix rebuilt -------------------------
+# (until session 27 rule `depth_mix_scores`): a paper's einsum against the folded
+# `w_norm * w_proj[0]` (spell8), a broadcast product summed over D, a matmul with the folded
+# vector become the canonical mix; a mix already canonical, one of other values (no norm, squared
+# weights) and a softmax over another dim are left alone.
+
+FOLD_EPS = 1e-5
+
+def _folded_args(n_blocks=2, dtype=torch.float32):
+    g = torch.Generator().manual_seed(n_blocks)
+    acts = [torch.randn(B, T, D, generator=g).to(dtype) for _ in range(n_blocks + 1)]
+    return [*acts, (1 + 0.1 * torch.randn(D, generator=g)).to(dtype),
+            (D ** -0.5 * torch.randn(1, D, generator=g)).to(dtype)]
+
+
+def _folded_normed(v):
+    return v / torch.sqrt(torch.mean(v ** 2, dim=-1, keepdim=True) + FOLD_EPS)
+
+
+def _einsum_folded(*args):  # tests/models/spell8_k3.py
+    *srcs, wn, wp = args
+    v = torch.stack(srcs, dim=0).float()
+    scores = torch.einsum("s...d,d->s...", _folded_normed(v), wn.float() * wp[0].float())
+    return torch.einsum("s...,s...d->...d", torch.softmax(scores, dim=0), v).to(srcs[-1].dtype)
+
+
+def _broadcast_sum(*args):
+    *srcs, wn, wp = args
+    v = torch.stack(srcs).float()
+    scores = (_folded_normed(v) * (wn * wp.view(-1))).sum(-1)
+    alpha = scores.softmax(0)
+    return (alpha.unsqueeze(-1) * v).sum(0).to(srcs[-1].dtype)
+
+
+def _matmul_folded(*args):
+    *srcs, wn, wp = args
+    v = torch.stack(srcs).float()
+    alpha = torch.softmax(_folded_normed(v) @ (wn * wp.squeeze(0)), dim=0)
+    return torch.einsum("sbt,sbtd->btd", alpha, v).to(srcs[-1].dtype)
+
+
+FOLDED = {"einsum_folded": _einsum_folded, "broadcast_sum": _broadcast_sum,
+             "matmul_folded": _matmul_folded}
+
+
+def _folded_canonical(*args):
+    *srcs, wn, wp = args
+    return depth_mix_weights(srcs[-1], list(srcs[:-1]), wn, wp, FOLD_EPS)
+
+
+def _non_view_ops(gm) -> collections.Counter:
+    return collections.Counter(n.target for n in gm.graph.nodes
+                               if n.op == "call_function" and n.target not in _VIEWS)
+
+
+@pytest.mark.parametrize("n_blocks", [1, 3])
+@pytest.mark.parametrize("name", sorted(FOLDED))
+def test_folded_scores_become_the_canonical_mix(name, n_blocks):
+    args = _folded_args(n_blocks)
+    before, after, n = _rewrite(FOLDED[name], *args)
+    assert n == 1
+    assert _non_view_ops(after) == _non_view_ops(graph(_folded_canonical, *args))
+    got, want = after(*args), before(*args)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert rel_err(got, want) <= 1e-6  # summation order and the fold's association only
+
+
+def _folded_no_norm(*args):
+    *srcs, wn, wp = args
+    v = torch.stack(srcs).float()
+    scores = torch.einsum("s...d,d->s...", v, wn * wp[0])
+    return torch.einsum("s...,s...d->...d", torch.softmax(scores, dim=0), v)
+
+
+def _folded_squared_weights(*args):
+    *srcs, wn, wp = args
+    v = torch.stack(srcs).float()
+    alpha = torch.softmax(torch.einsum("s...d,d->s...", _folded_normed(v), wn * wp[0]), dim=0)
+    return torch.einsum("s...,s...d->...d", alpha * alpha, v)
+
+
+def _folded_softmax_over_batch(*args):
+    *srcs, wn, wp = args
+    x = torch.stack(srcs, dim=1).float()  # [B, S, T, D]: dim 0 is the batch
+    alpha = torch.softmax(torch.einsum("bstd,d->bst", _folded_normed(x), wn * wp[0]), dim=0)
+    return torch.einsum("bstd,bst->std", x, alpha)
+
+
+def _folded_bf16_scores(*args):
+    *srcs, wn, wp = args
+    v = torch.stack(srcs)  # bf16 throughout: rounds where the canonical forms do not
+    scores = torch.einsum("s...d,d->s...", _folded_normed(v), wn * wp[0]).float()
+    return torch.einsum("s...,s...d->...d", torch.softmax(scores, dim=0), v.float())
+
+
+def _folded_canonical_ops(*args):  # the canonical form's ops, spelled by hand, no GEMM
+    *srcs, wn, wp = args
+    v = torch.stack(srcs).float()
+    scores = (v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + FOLD_EPS) * wn * wp.view(-1)).sum(-1)
+    return (scores.softmax(0).unsqueeze(-1) * v).sum(0)
+
+
+FOLDED_LOOK_ALIKES = {"canonical": _folded_canonical, "squared_weights": _folded_squared_weights,
+                      "softmax_over_batch": _folded_softmax_over_batch}
+
+
+@pytest.mark.parametrize("name", sorted(FOLDED_LOOK_ALIKES))
+def test_folded_look_alike_is_left_alone(name):
+    _assert_left_alone(FOLDED_LOOK_ALIKES[name], _folded_args(2))
+
+
+def test_folded_mix_whose_alpha_escapes_is_left_alone():
+    def escaping(*args):
+        *srcs, wn, wp = args
+        v = torch.stack(srcs).float()
+        alpha = torch.softmax(torch.einsum("s...d,d->s...", _folded_normed(v), wn * wp[0]), dim=0)
+        return torch.einsum("s...,s...d->...d", alpha, v), F.relu(alpha)
+
+    args = _folded_args(2)
+    before, after, n = _rewrite(escaping, *args)
+    assert n == 0 and targets(after) == targets(before)
+
+
+def test_folded_canonical_ops_without_a_gemm_are_rebuilt():
+    """A mix whose ops (views aside) are already a canonical form's but whose scores reach the
+    softmax through no GEMM (`(v * rsqrt(..) * wn * wp).sum(-1)`, spell7's kind) is rebuilt as
+    the canonical mix (with its projection), within fp32 rounding."""
+    args = _folded_args(2)
+    before, after, n = _rewrite(_folded_canonical_ops, *args)
+    assert n == 1
+    assert targets(after) == targets(graph(_folded_canonical, *args))
+    got, want = after(*args), before(*args)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert rel_err(got, want) <= 1e-6
+
+
+def _at_softmax(gm) -> tuple[list[str], list[str]]:
+    """The targets up to the softmax's amax (the stack and the scores), and those after it."""
+    found = targets(gm)
+    cut = found.index("aten.amax.default") + 1
+    return found[:cut], found[cut:]
+
+
+@pytest.mark.parametrize(("name", "dtype"), [("no_norm", torch.float32),
+                                             ("bf16_scores", torch.bfloat16)])
+def test_folded_scores_of_other_values_stay(name, dtype):
+    """Scores of other values than the canonical ones (no norm; rounded in bf16 where the
+    canonical forms do not): the whole mix is not taken and the scores stay as written; only
+    the einsum weighted sum (a bmm) becomes the canonical fp32 sum."""
+    fn = {"no_norm": _folded_no_norm, "bf16_scores": _folded_bf16_scores}[name]
+    args = _folded_args(2, dtype)
+    before, after, n = _rewrite(fn, *args)
+    assert n == 1
+    (scores, rest), (kept, new) = _at_softmax(before), _at_softmax(after)
+    assert kept == scores and "aten.bmm.default" in rest and "aten.bmm.default" not in new
+    assert new[-2:] == ["aten.mul.Tensor", "aten.sum.dim_IntList"]
+    got, want = after(*args), before(*args)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert rel_err(got, want) <= 1e-6  # the same fp32 sum, in another order
