@@ -51,17 +51,14 @@ docs/spell9_spelling.md.
   cat(window, x_t), taps)`, the taps a cat of the Flax conv kernels' slices) -- closed in fp32
   by rules `cell_conv` (the canonical time-major conv, its weight the kernels' [C, 1, taps]
   views) and `token_select` (the token selected after the feature math) (session 26, helper
-  kda9); the vmapped delta rule needed nothing more. bf16 stays lost: kda_decode has no variant
-  for spell9's output norm rounding, and cell_conv leaves bf16 alone (its docstring). The op
-  gets the conv weights as `permute(kernel, [2, 1, 0])` of the Flax kernels, which stage
-  conv_layout re-lays at the first call so that they reach it contiguous, as its CUDA kernel
-  wants (session 27, helper relay).
-
   kda9); the vmapped delta rule needed nothing more. bf16: closed in session 27 (helper
   bf16kda9) by kda_decode's `norm_weight_fp32` (spell9's output norm: o kept fp32, the scale
   multiplied in fp32 before the one cast, the gate in bf16) and `conv_rounded` (the conv
   rounded to bf16 before its SiLU) flags, cell_conv taking the bf16 bmm as a bf16 conv. On GPU
-  graphs that variant stays with Inductor until its build passes its GPU tests.
+  graphs that variant stays with Inductor until its build passes its GPU tests. The op gets the
+  conv weights as `permute(kernel, [2, 1, 0])` of the Flax kernels, which stage conv_layout
+  re-lays at the first call so that they reach it contiguous, as its CUDA kernel wants (session
+  27, helper relay).
 """
 
 from __future__ import annotations
