@@ -71,7 +71,7 @@ LOST = {
 # bf16: the MoE layers' moe_experts and norm_linear fuse since session 23 (the fp32_out and
 # weight_fp32 variants keep the spelling's rounding), the KDA step since session 27 (the
 # conv_rounded variant: the conv + SiLU in bf16): what fp32 lacks
-LOST[torch.bfloat16] = {0: {**_KDA, "rms_norm": 1}, 1: _KDA}
+LOST[torch.bfloat16] = LOST[torch.float32]
 # (pattern, dtype) whose loss must come with a near miss in that layer naming the node that failed
 # (bf16 kda_decode, the last such loss, fused in session 27)
 DIAGNOSED = ()
