@@ -157,9 +157,9 @@ def _from_projections(node: fx.Node, rows: int, depth: int = 40) -> bool:
             _from_projections(a, shape(a)[0], depth - 1))
     if not _row_wise(node, rows):
         return False
-    rank = len(shape(node))
+    rank = len(shape(node))  # (a sum's input may have more dims than the sum)
     return all(_from_projections(a, rows, depth - 1) for a in node.args
-               if isinstance(a, fx.Node) and len(shape(a)) == rank and shape(a)[0] == rows)
+               if isinstance(a, fx.Node) and len(shape(a)) >= rank and shape(a)[0] == rows)
 
 
 def _into_gemm(node: fx.Node, rows: int, depth: int = 40) -> bool:
