@@ -24,9 +24,9 @@ import torch
 from torch import fx
 
 from k3compile.canonical import Rule, rewrite_sites
-from k3compile.canonical.cast_view import CAST
+from k3compile.canonical.cast_view import CAST, swap
 from k3compile.canonical.region import val
-from k3compile.graph import RESHAPES, call
+from k3compile.graph import RESHAPES
 
 aten = torch.ops.aten
 LOW = (torch.bfloat16, torch.float16)
@@ -59,11 +59,7 @@ def _site(view: fx.Node) -> bool:
 
 def _write(graph: fx.Graph, view: fx.Node, _) -> None:
     cast = view.args[0]
-    with graph.inserting_before(view):
-        first = call(graph, view.target, (cast.args[0], *view.args[1:]), view.kwargs, like=view)
-        up = call(graph, CAST, (first, *cast.args[1:]), cast.kwargs, like=view)
-    view.replace_all_uses_with(up)
-    graph.erase_node(view)
+    swap(graph, view)  # the view, then the upcast
     graph.erase_node(cast)
 
 

@@ -53,13 +53,20 @@ def _site(node: fx.Node) -> bool:
     return val is not None and src is not None and val.dtype != src.dtype
 
 
+def swap(graph: fx.Graph, outer: fx.Node) -> None:
+    """outer(inner(x, *a), *b) -> inner(outer(x, *b), *a), read by outer's users; inner is left
+    for its other readers (rule cast_squeeze swaps a view after a cast the same way)."""
+    inner = outer.args[0]
+    with graph.inserting_before(outer):
+        first = call(graph, outer.target, (inner.args[0], *outer.args[1:]), outer.kwargs,
+                     like=outer)
+        second = call(graph, inner.target, (first, *inner.args[1:]), inner.kwargs, like=outer)
+    outer.replace_all_uses_with(second)
+    graph.erase_node(outer)
+
+
 def _write(graph: fx.Graph, cast: fx.Node, _) -> None:
-    view = cast.args[0]
-    with graph.inserting_before(cast):
-        first = call(graph, CAST, (view.args[0], *cast.args[1:]), cast.kwargs, like=cast)
-        split = call(graph, view.target, (first, *view.args[1:]), view.kwargs, like=cast)
-    cast.replace_all_uses_with(split)
-    graph.erase_node(cast)
+    swap(graph, cast)  # the cast, then the split
 
 
 def apply(graph: fx.Graph) -> int:
