@@ -50,7 +50,9 @@ permutation: spell9's Flax conv kernels [taps, 1, C], which rule cell_conv binds
 [C, 1, taps] conv weights (`permute(kernel, [2, 1, 0])`, strides (1, C, C)). The first call makes
 each such Parameter the permuted-back view of a contiguous [C, 1, taps] buffer (`_relay` for any
 permutation); the graph is left as it is (it still reads `permute(kernel)`, now a contiguous
-view). The same refusals as above apply, and a weight read otherwise too is left alone.
+view). The same refusals as above apply, and a weight read otherwise too is left alone. The graph
+compiled before the re-lay was compiled for the old strides (Inductor bakes them into its code),
+so its first call is handed the old tensors, which still hold the same values (`Permuted.wrap`).
 
 Both re-lays change a Parameter's strides at the first call, so the bucket compiled before it
 is compiled again at its next call (k3compile/backend.py, `K3Compiled._compile_bucket`), where
@@ -324,21 +326,43 @@ class Permuted:
     pending: dict[int, tuple[int, ...]]
     moved: list[str] = dataclasses.field(default_factory=list)  # "input [shape]": to re-lay
     skipped: list[str] = dataclasses.field(default_factory=list)  # "input: why"
+    strides: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)  # compiled for
 
     def wrap(self, fn):
         """Boxed `fn`, its first call re-laying the pending weights first (not the compile: see
-        `Transposed.wrap`); the bucket is compiled again at its next call."""
-        pending = dict(self.pending)
+        `Transposed.wrap`); the bucket is compiled again at its next call. `fn` was compiled for
+        the weights' old strides (Inductor bakes an input's strides into its code), so the first
+        call hands it the old tensors (the old storage, still holding the same values), and any
+        later call that still reaches it a copy laid out as it was compiled for (logged once)."""
+        pending, strides = dict(self.pending), dict(self.strides)
 
         def call(args: list):
+            new = None
             for i, dims in pending.items():
-                if not args[i].permute(dims).is_contiguous():
-                    _relay(args[i], dims)
+                w = args[i]
+                if not w.permute(dims).is_contiguous():
+                    old = w.detach()  # the old storage and strides, as fn was compiled for
+                    _relay(w, dims)
+                    new = new or list(args)
+                    new[i] = old
             pending.clear()
-            return fn(args)
+            for i, stride in strides.items():
+                w = (new or args)[i]
+                if w.stride() != stride:  # re-laid, and this graph still called: a copy
+                    _warn_layout(tuple(w.shape))
+                    new = new or list(args)
+                    new[i] = torch.empty_strided(w.shape, stride, dtype=w.dtype,
+                                                 device=w.device).copy_(w)
+            return fn(args if new is None else new)
 
         call._boxed_call = True
         return call
+
+
+@functools.cache
+def _warn_layout(shape) -> None:
+    log.warning("k3 conv_layout: a graph compiled before weight %s was re-laid is called again; "
+                "the weight is copied into its old layout on every such call", list(shape))
 
 
 def _contiguous_reads(graph: fx.Graph) -> dict[fx.Node, set[fx.Node]]:
@@ -394,6 +418,7 @@ def permuted_inputs(gm: fx.GraphModule, ctx) -> Permuted | None:
             found.skipped.append(f"{name}: {why}")
             continue
         found.pending[i] = dims
+        found.strides[i] = tuple(w.stride())
         found.moved.append(name)
     if found.moved or found.skipped:
         log.info("k3 conv_layout: %d weights a fused op reads permuted, re-laid by the first "

@@ -235,6 +235,7 @@ class Spell9KDA(torch.nn.Module):
         self.policy = s9.Policy(dtype)
 
     def forward(self, x, slots):
+        self.s9._probes = frozenset()  # the Flax [in, out] kernels; an earlier test's probe may be left
         state = (self.conv_state[slots], self.recurrent_state[slots])
         y, new = self.s9.kda_step(self.policy, self.cfg, self.params.flat(), x, state)
         for buf, v in zip((self.conv_state, self.recurrent_state), new):

@@ -97,6 +97,31 @@ def test_flax_conv_kernels_are_re_laid_by_the_first_call(op):
     _assert_same(site.run(step), site.run(lambda args: site(*args)))
 
 
+def test_the_graph_compiled_before_the_re_lay_gets_the_layout_it_was_compiled_for():
+    """Inductor bakes each input's strides into its code, so the graph compiled before the re-lay
+    must be handed the kernels as they were laid out then: the old tensors at the first call, and
+    a copy so laid out (a later write seen) at any later call that still reaches it. A graph fed
+    the re-laid kernels with the old strides read garbage (spell9's bf16 KDA step, 2026-12-05)."""
+    site = Site()
+    kernels = [site.inputs[i] for i in site.kernels]
+    compiled_for = [w.stride() for w in kernels]
+    gm, permuted = site.stage()
+    seen = []
+
+    def baked(args):  # reads its inputs only with the strides it was compiled for
+        seen.append([args[i].stride() for i in site.kernels])
+        return gm(*args)
+
+    step = permuted.wrap(baked)
+    want = site.run(lambda args: site(*args))
+    _assert_same(site.run(step), want)
+    assert all(w.permute(2, 1, 0).is_contiguous() for w in kernels), "re-laid by the first call"
+    with torch.no_grad():
+        kernels[1].copy_(torch.ones_like(kernels[1]))
+    _assert_same(site.run(step), site.run(lambda args: site(*args)))
+    assert seen == [compiled_for, compiled_for]
+
+
 # ---- left alone ---------------------------------------------------------------------------------
 
 def _left_alone(site, fn=None, user=None, **options):
