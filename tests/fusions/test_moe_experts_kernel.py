@@ -388,7 +388,9 @@ def check(z, ids, w, experts, out=None, vs_reference=True):
     got = kernel.moe_experts_cuda(z, ids, w, *experts, BETA, LINEAR_BETA, out=out)
     assert got is out, "the kernels did not run (fallback)"
     assert_written(out)
-    model = _by_rows(kernels_model, z, ids, w, experts)
+    # the decode of the whole call's bucket (K3_MOE_F16 `auto`: fp16 from 32 rows), not of a chunk's
+    f16 = kernel.f16_decode(kernel.bucket(len(z)))
+    model = _by_rows(kernels_model, z, ids, w, experts, f16=f16)
     torch.testing.assert_close(out.float(), model.float(), **TOL["bf16"])
     assert rel_err(out, model) < TOL["bf16_rel_norm"]
     if vs_reference:
@@ -397,11 +399,11 @@ def check(z, ids, w, experts, out=None, vs_reference=True):
     return out
 
 
-def _by_rows(fn, z, ids, w, experts, rows=16):
+def _by_rows(fn, z, ids, w, experts, rows=16, **kwargs):
     """fn over row chunks (rows are independent tokens): the torch models dequantise every
     selected expert, ~10 GB per matrix for 64 rows of a TP2 rank (I 1536)."""
     return torch.cat([fn(z[i:i + rows], ids[i:i + rows], w[i:i + rows], *experts, BETA,
-                         LINEAR_BETA) for i in range(0, len(z), rows)])
+                         LINEAR_BETA, **kwargs) for i in range(0, len(z), rows)])
 
 
 @pytest.mark.gpu
