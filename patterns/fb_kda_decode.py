@@ -130,8 +130,7 @@ def _variant(norm_fp32: bool, conv_time_major: bool = False, state_v_major: bool
         example_inputs=lambda dtype=torch.bfloat16: example_inputs(dtype, conv_time_major,
                                                                    three_states, rows),
         op="k3.fb_kda_decode", check=check,
-        kernel_refusal=kda_decode.untested_build_refusal if three_states else
-        kda_decode.rounding_refusal if norm_weight_fp32 or conv_rounded else None,
+        kernel_refusal=kda_decode.untested_build_refusal if three_states else None,
         scalars=dict(kda_decode.SCALARS), fake_trace=True, distinctive=("mm", "kda_decode"),
     )
 

@@ -201,21 +201,14 @@ def time_major_check(match) -> str | None:
     return check(match, conv_time_major=True)
 
 
-def rounding_refusal(match) -> str | None:
-    """On GPU graphs a `norm_weight_fp32` or `conv_rounded` site stays with Inductor until
-    kda_decode's builds for them (session 27: built for sm_90a, never run on a GPU) pass their
-    GPU tests (tests/fusions/test_kda_decode_rounding.py); CPU graphs fuse it."""
-    return ("norm_weight_fp32 / conv_rounded: kda_decode's build has not run on a GPU yet "
-            "(tests/fusions/test_kda_decode_rounding.py)")
-
-
 def untested_build_refusal(match) -> str | None:
     """On GPU graphs a three-conv-state site stays with Inductor until kda_decode's build for that
     layout (kernels/kda_decode.py, session 25) has passed its GPU tests: built for sm_90a, never
     run on a GPU (the GPU machine's torch 2.11 has no three-state op: `THREE_STATE_OPS`). CPU
     graphs fuse it (the reference is the CPU kernel). The V-major and `o_fp32` builds passed
     their GPU tests (H100, 2026-12-05, session 26) and fuse, as session 23's time-major build
-    did."""
+    did; so do the `norm_weight_fp32` / `conv_rounded` builds (H200, 2026-12-05, session 28:
+    tests/fusions/test_kda_decode_rounding.py)."""
     return "three conv states: kda_decode's build has not run on a GPU yet"
 
 
@@ -440,8 +433,7 @@ def _variant(T: int, B: int, dtype: torch.dtype, silu_written_out: bool = False,
         example_inputs=example_inputs, op="k3.kda_decode",
         check=three_states_check if three_states else time_major_check if conv_time_major
         else check, scalars=dict(SCALARS),
-        kernel_refusal=untested_build_refusal if three_states else rounding_refusal
-        if norm_weight_fp32 or conv_rounded else None,
+        kernel_refusal=untested_build_refusal if three_states else None,
         distinctive=("convolution", "index_put", "bmm", "rsqrt"), joint_passes=True,
         fits=_fits(T, conv_time_major, state_v_major, three_states, o_fp32, conv_rounded),
     )

@@ -242,15 +242,7 @@ def test_cuda_kda_kernel_takes_the_conv_weights():
     reset_fallback_counts()
     err, compiled = foreign.run_on_cuda(torch.bfloat16, from_builtin)
     assert err <= TOL["diffsuite_bf16"], err
-    if not conv_weights(compiled):
-        # on the CPU spell9 bf16 fuses its KDA step (LOST is empty); on GPU graphs that site is
-        # kda_decode's rounding variant, held with Inductor until its build passes its GPU test
-        # (patterns/kda_decode.py `rounding_refusal`): unfinished, named, and a failure once
-        # the refusal is gone
-        from k3compile.patterns import kda_decode as kda_patterns
-
-        assert hasattr(kda_patterns, "rounding_refusal"), "spell9 bf16 lost its KDA step on CUDA"
-        pytest.xfail("kda_decode's rounding build has not run on a GPU yet (rounding_refusal)")
+    assert conv_weights(compiled), "spell9 bf16 lost its KDA step on CUDA"
     assert_conv_weights_contiguous(compiled)
     refused = {k: n for k, n in fallback_counts().items() if k[0] in KDA_OPS}
     assert not refused, refused

@@ -4,7 +4,7 @@ gate in bf16 after it) and a short conv run in bf16 (its output rounded, then F.
 red-team spelling's `F.conv1d` on bf16, spell9's per-token einsum after rule `cell_conv`). The
 op's reference against the unfused step and against the spellings' own code, the pattern
 variants' rewrites, the look-alikes each leaves alone, the kernel's refusal, its GPU test and the
-GPU graphs' deferral."""
+sites fusing on GPU graphs."""
 
 from __future__ import annotations
 
@@ -203,8 +203,8 @@ def test_kernel_takes_the_flags(flags):
 @pytest.mark.parametrize("B,T", [(2, 1), (3, 4)])
 def test_cuda_op_equals_the_cpu_reference(flags, B, T):
     """on CUDA, at K3's head dim: the builds against the CPU reference, states included, two
-    steps on the carried states; then the refusal in patterns/kda_decode.py
-    (`rounding_refusal`) can go"""
+    steps on the carried states (passed on the H200, 2026-12-05: the GPU graphs' deferral,
+    `rounding_refusal`, went)"""
     args = _kernel_inputs(B, T, flags[1])
     cpu = _clone(args)
     cuda = [a.cuda() if isinstance(a, torch.Tensor) else a for a in args]
@@ -217,14 +217,29 @@ def test_cuda_op_equals_the_cpu_reference(flags, B, T):
 
 
 @pytest.mark.parametrize("flags", [SPELL9, REDTEAM])
-def test_site_stays_with_inductor_on_gpu_graphs(flags):
-    """As on a GPU graph (`kernels_only`): the builds have not run on a GPU, so the site is
-    deferred (a near miss naming the untested build), the graph unchanged"""
+def test_site_fuses_on_gpu_graphs(flags):
+    """As on a GPU graph (`kernels_only`): the builds passed their GPU test
+    (`test_cuda_op_equals_the_cpu_reference`, H200, 2026-12-05), so the site fuses there too, no
+    deferral, values as the unfused step's"""
     args = _inputs(1, 2, flags)
     step = _unfused(flags)
     gm, report = rewrite(step, _clone(args), [_variant(1, 2, flags)], joint=True,
                          kernels_only=True)
-    assert not report.hits and "k3.kda_decode.default" not in targets(gm)
-    assert "kda_decode" in report.deferred
+    assert [h.op for h in report.hits] == ["k3.kda_decode"], report
+    assert "kda_decode" not in report.deferred
     for w, g in zip(step(*_clone(args)), gm(*_clone(args))):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+def test_fb_site_fuses_on_gpu_graphs():
+    """fb_kda_decode's rounding variant on a GPU graph: its CUDA path is the f_b GEMM, then the
+    kda_decode build above"""
+    torch.manual_seed(0)
+    args = fb_kda_decode.example_inputs(torch.bfloat16)
+    i = fb_kda_decode.NAMES.index
+    args[i("recurrent_state")] = args[i("recurrent_state")] * 0.05
+    args[i("q_scale")] = kda_decode.K**-0.5
+    gm, report = rewrite(_fb_step, _clone(args), fb_kda_decode.patterns(), kernels_only=True)
+    assert [h.pattern for h in report.hits] == ["fb_kda_decode[norm_fp32,o_fp32,conv_rounded]"]
+    for w, g in zip(_fb_step(*_clone(args)), gm(*_clone(args))):
         torch.testing.assert_close(g, w, rtol=0, atol=0)
