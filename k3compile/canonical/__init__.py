@@ -28,6 +28,7 @@ from k3compile.rewrite import inductor
 ORDER: tuple[str, ...] = ("scatter_rows", "paged_write", "token_dim", "state_write", "cache_block",
                           "slot_mapping",
                           "sdpa_math",
+                          "mla_upcast",
                           "mla_absorb",
                           "mla_absorbed", "verify_rows", "nibble_unpack",
                           "mxfp4_dequant",

@@ -594,7 +594,9 @@ def _as_column(graph: fx.Graph, node) -> fx.Node | None:
         return call(graph, aten.view.default, (lay.root, [B, 1]), like=node)
 
 
-def _apply_one(graph: fx.Graph, read: fx.Node, pos: fx.Node) -> str | None:
+def takes(read: fx.Node, pos: fx.Node) -> tuple[Site, Sizes, float] | str:
+    """(site, sizes, the scores' whole scale) where the rule rewrites the attention over the
+    cache read `read`, else why it does not (rule `mla_upcast` asks before it keeps a rewrite)."""
     site = find_site(read, pos)
     if isinstance(site, str):
         return site
@@ -605,7 +607,12 @@ def _apply_one(graph: fx.Graph, read: fx.Node, pos: fx.Node) -> str | None:
     chain = _chain_scale(site)
     if why := probe(site, z, axes, chain):
         return why
-    return rewrite(graph, site, z, z.term_scale * chain)
+    return site, z, z.term_scale * chain
+
+
+def _apply_one(graph: fx.Graph, read: fx.Node, pos: fx.Node) -> str | None:
+    found = takes(read, pos)
+    return found if isinstance(found, str) else rewrite(graph, *found)
 
 
 RULE = Rule(

@@ -23,7 +23,8 @@ Left alone: any other mask (a top-left causal `tril`, a sliding window, a mask n
 position), a guard over something other than a softmax of the same scores. SDPA with dropout is
 rewritten alike (both steps keep its values); its random mask stays between p and the product,
 which `mla_absorb` refuses. In bf16 the math path upcasts q, k and v to fp32 (scores and p·v in
-fp32), which `mla_absorb` does not take as the canonical bf16 attention (other roundings).
+fp32): rule `mla_upcast` (next) reads those as the canonical bf16 products where `mla_absorb`
+then takes the site.
 """
 
 from __future__ import annotations

@@ -33,6 +33,9 @@ class Spelling:
     window: int | None = None  # also mask cache rows older than pos - window (sliding window)
     scale_nope_only: bool = False  # the scale on q_nope only, not on the rope part
     fp32_scores: bool = False  # q and k upcast to fp32 for the scores (other roundings)
+    # spell8: q, k, v upcast, softmax and p·v in fp32 (p not cast), the output gate in fp32
+    # (`o * sigmoid(g.float())`) and o cast back after it
+    fp32_attention: bool = False
     # F.scaled_dot_product_attention over heads-first q, cat(k_nope, k_pe), v (spell6): "bool"
     # (attn_mask, True = attend), "bias" (an additive 0 / -inf mask), "causal" (is_causal: the
     # top-left causal mask, not decode's at T > 1, a look-alike); None: the explicit attention
@@ -44,7 +47,20 @@ class Spelling:
 LOOKALIKES = {
     "sliding_window": Spelling(window=4),
     "scale_nope_only": Spelling(scale_nope_only=True),
+}
+
+# bf16 attention products of fp32 upcasts (rule mla_upcast, then mla_absorb; session 28)
+UPCAST_SPELLINGS = {
     "fp32_scores": Spelling(fp32_scores=True),
+    "fp32_attention": Spelling(fp32_attention=True),  # spell8's
+    "fp32_attention_einsum": Spelling(fp32_attention=True, heads_first=False, cat_rope=False),
+    "sdpa_bool_mask": Spelling(sdpa="bool"),  # spell6's (SDPA's math path upcasts)
+    "sdpa_additive_mask": Spelling(sdpa="bias"),
+}
+UPCAST_LOOKALIKES = {  # upcast MLA that mla_absorb does not take as MLA
+    "fp32_attention_sliding_window": Spelling(fp32_attention=True, window=4),
+    "fp32_attention_scale_nope_only": Spelling(fp32_attention=True, scale_nope_only=True),
+    "sdpa_sliding_window": Spelling(sdpa="bool", window=4),
 }
 
 SPELLINGS = {
@@ -56,8 +72,8 @@ SPELLINGS = {
     "unsqueezed_rows": Spelling(unsqueezed_rows=True),
 }
 
-# through F.scaled_dot_product_attention (rule sdpa_math, then mla_absorb; fp32 only: in bf16
-# SDPA's math path scores in fp32, tests/canonical/test_sdpa_math.py)
+# through F.scaled_dot_product_attention (rule sdpa_math, then mla_absorb; in bf16 SDPA's math
+# path upcasts q, k, v: rule mla_upcast first, tests/canonical/test_mla_upcast.py)
 SDPA_SPELLINGS = {
     "sdpa_bool_mask": Spelling(sdpa="bool"),
     "sdpa_additive_mask": Spelling(sdpa="bias"),
@@ -95,8 +111,10 @@ class NonAbsorbedMLA(GatedMLA):
             q = q * self.softmax_scale
         if s.scale_nope_only:
             q = torch.cat([q[..., :N] * self.softmax_scale, q[..., N:]], dim=-1)
-        if s.fp32_scores:
+        if s.fp32_scores or s.fp32_attention:
             q, k_nope, rope = q.float(), k_nope.float(), rope.float()
+        if s.fp32_attention:
+            v = v.float()
         if s.heads_first:
             scores = self._scores_heads_first(q, k_nope, rope)
         else:
@@ -114,7 +132,9 @@ class NonAbsorbedMLA(GatedMLA):
             scores = scores + bias.masked_fill(future.unsqueeze(1), float("-inf"))
         else:
             scores = scores.masked_fill(future.unsqueeze(1), float("-inf"))
-        if s.softmax_fp32:
+        if s.fp32_attention:
+            p = F.softmax(scores, dim=-1)
+        elif s.softmax_fp32:
             p = F.softmax(scores, dim=-1, dtype=torch.float32).to(x.dtype)
         else:
             p = F.softmax(scores, dim=-1).to(x.dtype)
@@ -123,6 +143,8 @@ class NonAbsorbedMLA(GatedMLA):
         else:
             o = torch.einsum("bhtl,blhv->bthv", p, v)
         o = o.reshape(B, T, H * V)
+        if s.fp32_attention:
+            return self.o_proj((o * torch.sigmoid(self.g_proj(x).float())).to(x.dtype))
         o = o * torch.sigmoid(self.g_proj(x))
         return self.o_proj(o)
 

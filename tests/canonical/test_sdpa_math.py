@@ -4,7 +4,8 @@ the explicit attention, which rule mla_absorb then takes: the compiled graph equ
 and is our model's absorbed graph (fp32). A scale of SDPA's own is carried, not assumed.
 Look-alikes are left to eager's values and not taken as MLA: a top-left causal mask over T > 1
 (prefill's, not decode's), a sliding window, dropout, a mask read from an input (no written
-position proves a visible column), and bf16 (the math path scores in fp32)."""
+position proves a visible column). bf16 (the math path upcasts q, k, v): rule mla_upcast's
+tests (tests/canonical/test_mla_upcast.py)."""
 
 from __future__ import annotations
 
@@ -53,8 +54,7 @@ def test_sdpa_scale_of_its_own_is_carried():
 
 @pytest.mark.parametrize("name,dtype", [("sdpa_top_left_causal", torch.float32),
                                         ("sdpa_sliding_window", torch.float32),
-                                        ("sdpa_dropout", torch.float32),
-                                        ("sdpa_bool_mask", torch.bfloat16)])
+                                        ("sdpa_dropout", torch.float32)])
 def test_lookalike_is_not_taken_as_mla(name, dtype):
     spelling = {**SDPA_LOOKALIKES, **SDPA_SPELLINGS}[name]
     batch, tokens = 2, 3

@@ -1,5 +1,5 @@
 """A sixth spelling of K3 (`tests/models/spell6_k3.py`, written blind from the spec) under
-backend="k3": values hold; the fused plan loses KDA and the MLA attention in bf16
+backend="k3": values hold; the fused plan loses KDA in bf16
 (docs/spell6_spelling.md).
 
 Values (these must pass): the spelling's eager step equals the built-in model's on the same state
@@ -24,8 +24,10 @@ switched to another spelling of the same math: the causes.
   by `scatter_` through a flat [slots*L, R] view (`mla_index_put`), and
   `F.scaled_dot_product_attention` over per-head K/V expanded through kv_b (`mla_explicit`).
   Closed in fp32 (session 24) by rule `scatter_rows` taking the [B, T] mapping viewed [N, 1] and
-  new rule `sdpa_math` (SDPA's math decomposition -> the explicit attention). Open in bf16:
-  SDPA's math path upcasts q, k, v and scores in fp32, not the canonical bf16 products.
+  new rule `sdpa_math` (SDPA's math decomposition -> the explicit attention). In bf16 SDPA's
+  math path upcasts q, k, v and scores in fp32, not the canonical bf16 products: closed by rule
+  `mla_upcast` (session 28, helper mla16: the products of the upcasts read as bf16 products
+  where `mla_absorb` then takes the site).
 * moe_route (1-3): closed by rule `route_mask` (session 23): the unbiased weights through a
   `torch.where` over a boolean top-k mask on the dense [N, E] row (probe `route_gather`).
 * moe_experts (1-3): two causes, both closed. The nibbles unpacked by `repeat_interleave(2)`
@@ -68,12 +70,12 @@ _KDA = {"fb_kda_decode": 1}
 _MLA = {"mla_q_absorb": 1, "mla_decode": 1, "mla_uv_gate": 1}
 _MOE = {"moe_experts": 1}
 # layer -> the built-in plan's ops this spelling's plan lacks (a layer not named: none)
-_LOST = {0: _KDA, 1: _KDA, 2: _MLA, 3: _MLA}
+_LOST = {0: _KDA, 1: _KDA}
 # fp32: the MLA trio fuses (rules scatter_rows' grid index, sdpa_math) and fb_kda_decode (rule
 # head_rows, session 26); layer 0's input norm, computed in the model's forward (no module), is
 # counted in layer 0, the one layer it feeds, since session 27 (the engine's `_site_module`;
-# before, outside the layers, FINAL). bf16: SDPA's math path scores in fp32 from bf16 q, k, v, which
-# mla_absorb does not take as bf16 MLA (other roundings); fb_kda_decode is lost in bf16 with
+# before, outside the layers, FINAL). bf16: the MLA trio fuses since rule mla_upcast (session 28;
+# SDPA's math path scores in fp32 from bf16 q, k, v); fb_kda_decode is lost in bf16 with
 # probe `kda_heads` too (another cause, upstream of the recurrence)
 LOST = {torch.float32: {}, torch.bfloat16: _LOST}
 # (pattern, dtype) whose loss must come with a near miss in that layer naming a node

@@ -34,8 +34,11 @@ the same math:
   fusion is lost without the probe either (measured, fp32 and bf16).
 * bf16 only, mla_q_absorb / mla_decode / mla_uv_gate (2, 3): the MLA written NON-absorbed
   (K and V decompressed from the latent cache per head, scores and softmax in fp32) fuses in
-  fp32 (rule `mla_absorb` takes it) but not in bf16: decompressing K / V in bf16 rounds what the
-  absorbed form never rounds, so the two are not the same values there (not bisected further).
+  fp32 (rule `mla_absorb` takes it). In bf16 the attention products read fp32 upcasts
+  (`q.float()`, `key.float()`, `v.float()`; bisected in session 27) and the output gate is
+  `bf16(o.float() * σ(g.float()))`. **Closed by rule `mla_upcast`** (session 28, helper mla16):
+  the products of the upcasts read as bf16 products, the fp32 gate as the bf16 one, kept only
+  where `mla_absorb` then takes the site; all three ops fuse in bf16.
 * linear_concat (0, 1): closed by rule `lowrank_view` (session 24, helper kdagaps): f_b(f_a(x))
   as two einsums left f_a's GEMM rows feeding f_b's GEMM with no [B, T, R] view between them
   after rule `gemm` (near miss "view where the pattern expects mm").
@@ -85,8 +88,9 @@ _MLA = {"mla_q_absorb": 1, "mla_decode": 1, "mla_uv_gate": 1}
 # layer -> the built-in plan's ops this spelling's plan lacks (a layer not named: none)
 LOST = {
     torch.float32: {},
-    # bf16: KDA closed in session 26 (helper bf16kda)
-    torch.bfloat16: {2: _MLA, 3: _MLA},
+    # bf16: KDA closed in session 26 (helper bf16kda), the MLA trio in session 28 (rule
+    # mla_upcast, helper mla16)
+    torch.bfloat16: {},
 }
 
 
