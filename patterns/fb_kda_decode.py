@@ -130,7 +130,7 @@ def _variant(norm_fp32: bool, conv_time_major: bool = False, state_v_major: bool
         example_inputs=lambda dtype=torch.bfloat16: example_inputs(dtype, conv_time_major,
                                                                    three_states, rows),
         op="k3.fb_kda_decode", check=check,
-        kernel_refusal=kda_decode.untested_build_refusal if three_states else None,
+        kernel_refusal=kda_decode.kernel_refusal(three_states, state_v_major, conv_rounded),
         scalars=dict(kda_decode.SCALARS), fake_trace=True, distinctive=("mm", "kda_decode"),
     )
 
@@ -138,11 +138,11 @@ def _variant(norm_fp32: bool, conv_time_major: bool = False, state_v_major: bool
 def patterns() -> list[Pattern]:
     # one variant for every T, batch and dtype: the op hides the step, the GEMM has no casts
     # (o_fp32: with the fp32 norm, or the Flax norm; those two and conv_rounded as kda_decode's;
-    # rows: f_a as flat token rows, vLLM's, on one conv state and the default roundings)
+    # rows: f_a as flat token rows, vLLM's, on one conv state, without the Flax norm)
     return [_variant((n or o) and not f, m, s, c, o, f, cr, rw) for rw in (False, True)
             for cr in (False, True) for f in (False, True) for o in (False, True)
             for c in (False, True) for s in (False, True) for m in (False, True)
             for n in (False, True)
             if not (c and m) and not (o and n) and (kda_decode.THREE_STATE_OPS or not c)
-            and not ((f or cr) and (c or s)) and not (f and (n or not o))
-            and not (rw and (c or f or cr))]
+            and not ((f or cr) and c) and not (f and (s or n or not o))
+            and not (rw and (c or f))]

@@ -13,7 +13,8 @@ with `norm_fp32=True` (in fp32 the two are one graph); o kept fp32 into that nor
 it (the red-team spelling, spell8), with `o_fp32=True` as well; spell9's JAX/Flax norm (o kept
 fp32, the weight multiplied in fp32 before one cast, the gate in bf16 after it) with
 `norm_weight_fp32=True, o_fp32=True`. A conv run in bf16 (its output rounded, then the SiLU on
-it: the red-team spelling, spell9 after rule `cell_conv`) with `conv_rounded=True`. Only the variants of the T a
+it: the red-team spelling, spell9 after rule `cell_conv`, spell7's `F.conv1d` on a V-major
+state) with `conv_rounded=True`. Only the variants of the T a
 graph's KDA sites have are traced (`fits`: the short conv's output length is T); a T without a variant stays unfused, and its near miss
 says so.
 
@@ -210,6 +211,21 @@ def untested_build_refusal(match) -> str | None:
     did; so do the `norm_weight_fp32` / `conv_rounded` builds (H200, 2026-12-05, session 28:
     tests/fusions/test_kda_decode_rounding.py)."""
     return "three conv states: kda_decode's build has not run on a GPU yet"
+
+
+def v_major_rounding_refusal(match) -> str | None:
+    """On GPU graphs a `conv_rounded` site on a V-major state (spell7's, session 28) stays with
+    Inductor until that build passes its GPU test (tests/fusions/test_kda_decode_rounding.py,
+    SPELL7: built for sm_90a, not run on a GPU yet); CPU graphs fuse it. The K-major rounding
+    builds passed theirs (H200, 2026-12-05) and fuse."""
+    return "conv_rounded on a V-major state: kda_decode's build has not run on a GPU yet"
+
+
+def kernel_refusal(three_states: bool, state_v_major: bool, conv_rounded: bool):
+    """The GPU graphs' refusal of a variant's untested kernel build, or None."""
+    if three_states:
+        return untested_build_refusal
+    return v_major_rounding_refusal if state_v_major and conv_rounded else None
 
 
 def three_states_check(match) -> str | None:
@@ -433,7 +449,7 @@ def _variant(T: int, B: int, dtype: torch.dtype, silu_written_out: bool = False,
         example_inputs=example_inputs, op="k3.kda_decode",
         check=three_states_check if three_states else time_major_check if conv_time_major
         else check, scalars=dict(SCALARS),
-        kernel_refusal=untested_build_refusal if three_states else None,
+        kernel_refusal=kernel_refusal(three_states, state_v_major, conv_rounded),
         distinctive=("convolution", "index_put", "bmm", "rsqrt"), joint_passes=True,
         fits=_fits(T, conv_time_major, state_v_major, three_states, o_fp32, conv_rounded),
     )
@@ -448,7 +464,8 @@ def patterns() -> list[Pattern]:
     # where this torch cannot take the op's optional mutated conv states (THREE_STATE_OPS); o
     # unrounded into the norm (`o_fp32`) only with fla's fp32 norm, in bf16 / fp16
     # unrounded o into a Flax norm (`norm_weight_fp32`, spell9's) and a conv run in bf16
-    # (`conv_rounded`) in bf16 / fp16 only, with torch's F.silu, one conv state buffer
+    # (`conv_rounded`) in bf16 / fp16 only, with torch's F.silu, one conv state buffer; the
+    # rounded conv also on a V-major state (spell7's), the Flax norm K-major only
     return [_variant(t, b, d, w, (n or o) and not f, m, s, c, o, f, r)
             for r, f, o, c, s, m, n, w, t, b, d in
             itertools.product((False, True), (False, True), (False, True), (False, True),
@@ -456,5 +473,5 @@ def patterns() -> list[Pattern]:
                               TOKENS, BATCHES, DTYPES)
             if not ((n or o) and d == torch.float32) and not (o and n) and not (c and m)
             and (THREE_STATE_OPS or not c)
-            and not ((f or r) and (d == torch.float32 or w or c or s))
+            and not ((f or r) and (d == torch.float32 or w or c)) and not (f and s)
             and not (f and (n or not o))]

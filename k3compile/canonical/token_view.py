@@ -32,7 +32,8 @@ Scope: the modules that run a depthwise short conv, and only views of that conv'
 output [B, C, T]): at T = 1 a unit token dim is no different by its shape from other unit dims
 (the built-in model's [B, 1, D] residual stream, its AttnRes mixes and MoE, which moves there
 would unfuse), and [B*H] merges of heads are no tokens. Within it, a view moves up only for a
-per-head value ([B, T, H, d]) or β (a sigmoid of its projection [B, T, H]) computed from GEMM
+per-head value ([B, T, H, d]), β (a sigmoid of its projection [B, T, H]) or a projection's upcast
+(bf16 models: `g.float()`, `sigmoid(b.float())` of bf16 GEMMs, spell7's) computed from GEMM
 outputs, cut pieces or step inputs (`_from_projections`: not from a state read or the
 recurrence), and down only from a per-head value read, through row-wise ops, by a GEMM alone
 (`_into_gemm`: the output norm into o_proj). Without these, hf's KDA (values on [B, 1, ...]
@@ -117,6 +118,13 @@ def _row_wise(node: fx.Node, rows: int) -> bool:
         rank = len(shape(args[0]))
         return shape(args[0])[0] == rows and all(_rows_dim(d, rank) is not None for d in args[1])
     return False
+
+
+def _uncast(node):
+    """node, or the value a chain of casts reads (the GEMM an upcast reads)."""
+    while isinstance(node, fx.Node) and node.target in _CASTS:
+        node = node.args[0]
+    return node
 
 
 def _module(node: fx.Node):
@@ -219,9 +227,11 @@ class _Moves:
         """Move split view `view` above its source, if the source is row-wise or a view."""
         bt, src = _split(view), view.args[0]
         rows, out = bt[0] * bt[1], list(shape(view))
-        if len(out) < 4 and not (src.target in _UNARY and len(src.users) == 1
-                                 and src.args[0].target in _GEMMS | {operator.getitem}):
-            return False  # per-head values ([B, T, H, d]) and β (a sigmoid of its projection)
+        if len(out) < 4 and not (src.target in _UNARY | _CASTS and len(src.users) == 1
+                                 and _uncast(src.args[0]).target in _GEMMS | {operator.getitem}):
+            # per-head values ([B, T, H, d]), β (a sigmoid of its projection) and a projection's
+            # upcast (bf16 models: the decay's and the gate's GEMMs, β's before its sigmoid)
+            return False
         if src.op != "call_function" or bt not in self.scope.get(_module(src), ()):
             return False
         if len(shape(src)) + 1 != len(out) or list(shape(src)[1:]) != out[2:]:

@@ -182,3 +182,49 @@ def test_a_merge_of_heads_stays():
         return c, torch.sigmoid(rows * 2.0).view(2, H, D)
 
     _stays(heads, _args(2, 1))
+
+
+def bf16_projections(window, taps, graw, b, dt_bias, gate, w_norm, w_b):
+    """spell7 in bf16: the decay's and the gate's GEMM outputs upcast on the flat rows and viewed
+    [B, T, W] after the cast; β the sigmoid of its projection's upcast, viewed [B, T, H] last"""
+    B, T = window.shape[0], window.shape[-1] - TAPS + 1
+    c = _conv(window, taps)
+    wb = w_b.to(b.dtype)
+    g = F.linear(graw, torch.eye(W, dtype=graw.dtype)).float().view(B, T, W)
+    beta = torch.sigmoid(F.linear(b, wb).float()).view(B, T, H)
+    return c, g, beta
+
+
+@pytest.mark.parametrize("T", [1, 3])
+def test_bf16_projection_upcasts_view_first(T):
+    """the views move above the upcasts to the GEMMs (the form kda_decode reads: `graw.float()`,
+    `sigmoid(b.float())` of [B, T, ...] projections), bit for bit"""
+    args = _args(2, T, torch.bfloat16)
+    args[3] = args[3].bfloat16()
+    before, after, n = rewrite(token_view, bf16_projections, *args)
+    assert n > 0
+    assert_same(after(*args), before(*args))
+    gemms = [x for x in after.graph.nodes if x.target is aten.mm.default]
+    assert len(gemms) == 2
+    for mm in gemms:  # each GEMM's output viewed [B, T, ...], then upcast
+        (view,) = mm.users
+        assert view.target is aten.view.default
+        assert tuple(view.meta["val"].shape[:2]) == (2, T)
+        assert [u.target for u in view.users] == [torch.ops.prims.convert_element_type.default]
+
+
+def test_an_upcast_read_flat_elsewhere_stays():
+    def escapes(window, taps, graw, b, *_):  # the upcast also returned as rows
+        c = _conv(window, taps)
+        up = F.linear(graw, torch.eye(W, dtype=graw.dtype)).float()
+        return c, up.view(2, 3, W), up
+
+    _stays(escapes, _args(2, 3, torch.bfloat16))
+
+
+def test_an_upcast_of_no_projection_stays():
+    def computed(window, taps, graw, b, *_):  # β of a pointwise value's upcast, not a GEMM's
+        c = _conv(window, taps)
+        return c, torch.sigmoid((b.bfloat16() * 2.0).float()).view(2, 3, H)
+
+    _stays(computed, _args(2, 3, torch.bfloat16))

@@ -1,7 +1,8 @@
 """kda_decode / fb_kda_decode with `norm_weight_fp32` and `conv_rounded` (session 27): spell9's
 JAX/Flax output norm (o kept fp32, the weight multiplied in fp32 before one cast to bf16, the
 gate in bf16 after it) and a short conv run in bf16 (its output rounded, then F.silu on it: the
-red-team spelling's `F.conv1d` on bf16, spell9's per-token einsum after rule `cell_conv`). The
+red-team spelling's `F.conv1d` on bf16, spell9's per-token einsum after rule `cell_conv`; spell7's
+`F.conv1d` on bf16 with fla's norm on an fp32 o and a V-major state, session 28). The
 op's reference against the unfused step and against the spellings' own code, the pattern
 variants' rewrites, the look-alikes each leaves alone, the kernel's refusal, its GPU test and the
 sites fusing on GPU graphs."""
@@ -20,12 +21,16 @@ STATES = (kda_decode.NAMES.index("conv_state"), kda_decode.NAMES.index("recurren
 # conv_rounded
 SPELL9 = (False, True, False, True, True, True)  # time-major conv state, Flax norm, bf16 conv
 REDTEAM = (True, False, False, True, False, True)  # fla's fp32 norm on an fp32 o, bf16 conv
+SPELL7 = (True, False, True, True, False, True)  # the red-team's, on a V-major state (session 28)
 FLAGS = {SPELL9: {"conv_time_major": True, "o_fp32": True, "norm_weight_fp32": True,
                       "conv_rounded": True},
-         REDTEAM: {"norm_fp32": True, "o_fp32": True, "conv_rounded": True}}
+         REDTEAM: {"norm_fp32": True, "o_fp32": True, "conv_rounded": True},
+         SPELL7: {"norm_fp32": True, "state_v_major": True, "o_fp32": True,
+                  "conv_rounded": True}}
+SPELLINGS = [SPELL9, REDTEAM, SPELL7]
 
 # the nearest variants before these flags: the built-in norm, fla's norm on an fp32 o; fp32 conv
-WITHOUT = {SPELL9: (False, True), REDTEAM: REDTEAM[:4]}
+WITHOUT = {SPELL9: (False, True), REDTEAM: REDTEAM[:4], SPELL7: SPELL7[:4]}
 
 
 def _variant(T, B, flags, dtype=torch.bfloat16):
@@ -51,7 +56,7 @@ def _unfused(flags):
     return step
 
 
-@pytest.mark.parametrize("flags", [SPELL9, REDTEAM])
+@pytest.mark.parametrize("flags", SPELLINGS)
 @pytest.mark.parametrize("B,T", [(2, 1), (1, 2)])
 def test_reference_equals_the_unfused_step(flags, B, T):
     args = _inputs(T, B, flags)
@@ -84,7 +89,7 @@ def test_the_flags_are_the_spellings_roundings():
     assert torch.equal(F.silu(F.conv1d(window, taps, groups=3 * 2048)), rounded)
 
 
-@pytest.mark.parametrize("flags", [SPELL9, REDTEAM])
+@pytest.mark.parametrize("flags", SPELLINGS)
 def test_each_flag_changes_bf16_only(flags):
     """bf16: with the flags the output differs from the op without them (a rounding apart), the
     states do not; fp32: one computation"""
@@ -109,11 +114,12 @@ def test_bad_flag_combinations_are_errors():
         torch.ops.k3.kda_decode(*_clone(args), False, True, False, True, False, True)
 
 
-@pytest.mark.parametrize("flags", [SPELL9, REDTEAM])
+@pytest.mark.parametrize("flags", SPELLINGS)
 @pytest.mark.parametrize("B,T", [(2, 1), (1, 1), (2, 2)])
 def test_variant_rewrites_and_equals_eager(flags, B, T):
     args = _inputs(T, B, flags)
     step = _unfused(flags)
+    assert _variant(T, B, flags).name in {p.name for p in kda_decode.patterns()}  # traced
     gm, report = rewrite(step, _clone(args), [_variant(T, B, flags)], joint=True)
     assert [h.op for h in report.hits] == ["k3.kda_decode"], report
     op = next(n for n in gm.graph.nodes if str(n.target) == "k3.kda_decode.default")
@@ -122,7 +128,7 @@ def test_variant_rewrites_and_equals_eager(flags, B, T):
         torch.testing.assert_close(g, w, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("flags", [SPELL9, REDTEAM])
+@pytest.mark.parametrize("flags", SPELLINGS)
 def test_an_fp32_conv_is_not_the_rounded_variant(flags):
     """the conv + SiLU in fp32, rounded once (the built-in's), is not `conv_rounded`'s graph; and
     with no bf16 conv in the graph the rounded variant is not even traced"""
@@ -188,7 +194,7 @@ def _kernel_inputs(B, T, time_major, S=5):
             -5.0, 1e-6, K**-0.5, 1e-5]
 
 
-@pytest.mark.parametrize("flags", [SPELL9, REDTEAM])
+@pytest.mark.parametrize("flags", SPELLINGS)
 def test_kernel_takes_the_flags(flags):
     """the CUDA kernel's refusal (metadata): both flags are build flags, no input they refuse"""
     from k3compile.kernels import kda_decode as kernel
@@ -199,12 +205,12 @@ def test_kernel_takes_the_flags(flags):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("flags", [SPELL9, REDTEAM])
+@pytest.mark.parametrize("flags", SPELLINGS)
 @pytest.mark.parametrize("B,T", [(2, 1), (3, 4)])
 def test_cuda_op_equals_the_cpu_reference(flags, B, T):
     """on CUDA, at K3's head dim: the builds against the CPU reference, states included, two
-    steps on the carried states (passed on the H200, 2026-12-05: the GPU graphs' deferral,
-    `rounding_refusal`, went)"""
+    steps on the carried states (SPELL9 and REDTEAM passed on the H200, 2026-12-05: their GPU
+    graphs' deferral went; SPELL7's V-major build not yet run: `v_major_rounding_refusal`)"""
     args = _kernel_inputs(B, T, flags[1])
     cpu = _clone(args)
     cuda = [a.cuda() if isinstance(a, torch.Tensor) else a for a in args]
@@ -231,6 +237,20 @@ def test_site_fuses_on_gpu_graphs(flags):
         torch.testing.assert_close(g, w, rtol=0, atol=0)
 
 
+def test_v_major_site_stays_with_inductor_on_gpu_graphs():
+    """As on a GPU graph (`kernels_only`): spell7's V-major rounded build has not run on a GPU
+    (`v_major_rounding_refusal`), so its site is deferred, a near miss naming the build, the graph
+    unchanged"""
+    args = _inputs(1, 2, SPELL7)
+    step = _unfused(SPELL7)
+    gm, report = rewrite(step, _clone(args), [_variant(1, 2, SPELL7)], joint=True,
+                         kernels_only=True)
+    assert not report.hits and "k3.kda_decode.default" not in targets(gm)
+    assert "kda_decode" in report.deferred
+    for w, g in zip(step(*_clone(args)), gm(*_clone(args))):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
 def test_fb_site_fuses_on_gpu_graphs():
     """fb_kda_decode's rounding variant on a GPU graph: its CUDA path is the f_b GEMM, then the
     kda_decode build above"""
@@ -242,4 +262,67 @@ def test_fb_site_fuses_on_gpu_graphs():
     gm, report = rewrite(_fb_step, _clone(args), fb_kda_decode.patterns(), kernels_only=True)
     assert [h.pattern for h in report.hits] == ["fb_kda_decode[norm_fp32,o_fp32,conv_rounded]"]
     for w, g in zip(_fb_step(*_clone(args)), gm(*_clone(args))):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+def test_spell7_norm_is_the_fp32_gated_norm():
+    """spell7's output norm (tests/models/spell7_k3.py: o fp32 on flat rows, the bf16 weight
+    upcast, the bf16 gate upcast, one cast at the end) is `rms_norm_gated_fp32`, bit for bit"""
+    from k3compile.math import rms_norm_gated_fp32
+
+    g = torch.Generator().manual_seed(0)
+    o = torch.randn(4, 2, 128, generator=g)
+    w = (torch.randn(128, generator=g) + 1).bfloat16()
+    gate = torch.randn(4, 2 * 128, generator=g).bfloat16()
+    spelled = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + 1e-5) * w.float()
+    spelled = (spelled * torch.sigmoid(gate.float().reshape(-1, 2, 128))).to(torch.bfloat16)
+    ours = rms_norm_gated_fp32(o, w, gate.float().view(4, 2, 128), 1e-5).to(torch.bfloat16)
+    assert torch.equal(spelled, ours)  # the op's o_fp32 norm: the fp32 gated norm, one cast
+
+
+def test_a_rounded_conv_is_not_the_unrounded_variant():
+    """spell7's step (bf16 conv, V-major state) is not taken by the V-major variant that
+    convolves in fp32 (`WITHOUT`): that op would round the conv once, not twice"""
+    args = _inputs(1, 2, SPELL7)
+    step = _unfused(SPELL7)
+    fp32_conv = kda_decode._variant(1, 2, torch.bfloat16, norm_fp32=True, state_v_major=True,
+                                    o_fp32=True)
+    gm, report = rewrite(step, _clone(args), [fp32_conv], joint=True)
+    assert not report.hits and "k3.kda_decode.default" not in targets(gm)
+    for w, g in zip(step(*_clone(args)), gm(*_clone(args))):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+def test_a_written_out_silu_on_the_rounded_conv_stays():
+    """`x * sigmoid(x)` on the bf16 conv rounds the sigmoid as well: not `conv_rounded`'s F.silu,
+    so the V-major rounded variant leaves it (and no variant rounds that way)"""
+    args = _inputs(1, 2, SPELL7)
+
+    def written_out(*a):
+        return kda_decode._step(*a, silu_written_out=True, **FLAGS[SPELL7])
+
+    gm, report = rewrite(written_out, _clone(args), [_variant(1, 2, SPELL7)], joint=True)
+    assert not report.hits and "k3.kda_decode.default" not in targets(gm)
+    assert not any("silu_written_out" in p.name and "conv_rounded" in p.name
+                   for p in kda_decode.patterns())
+
+
+def _fb_rows_step(*args):
+    i = fb_kda_decode.NAMES.index
+    return (fb_kda_decode.search_rows(*args, *SPELL7), args[i("conv_state")],
+            args[i("recurrent_state")])
+
+
+def test_fb_rows_variant_on_a_v_major_state_rewrites_and_equals_eager():
+    """spell7's f_b GEMM on flat f_a rows into the rounded-conv, V-major step"""
+    torch.manual_seed(0)
+    args = fb_kda_decode.example_inputs(torch.bfloat16, rows=True)
+    i = fb_kda_decode.NAMES.index
+    args[i("recurrent_state")] = args[i("recurrent_state")] * 0.05
+    args[i("q_scale")] = kda_decode.K**-0.5
+    gm, report = rewrite(_fb_rows_step, _clone(args), fb_kda_decode.patterns())
+    assert [h.pattern for h in report.hits] == [
+        "fb_kda_decode[norm_fp32,state_v_major,o_fp32,conv_rounded,rows]"]
+    assert "aten.mm.default" not in targets(gm)
+    for w, g in zip(_fb_rows_step(*_clone(args)), gm(*_clone(args))):
         torch.testing.assert_close(g, w, rtol=0, atol=0)
