@@ -7,7 +7,7 @@ import contextlib
 import pytest
 import torch
 
-from tests.conftest import TOL  # noqa: F401  (re-exported to the kernel tests)
+from tests.conftest import TOL
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
@@ -37,6 +37,44 @@ def no_fallback():
     before = dsl.fallback_counts()
     yield
     assert dsl.fallback_counts() == before, "a kernel fell back to its reference"
+
+
+def assert_cuda_op_equals_cpu(registered, op: str, args, states, flags=(), steps: int = 2,
+                              tol: float = 2e-2) -> None:
+    """k3::`op`'s CUDA kernel against its CPU reference, outputs and the mutated `states` (indices
+    into args), over `steps` calls on the carried states. `registered` is the `cuda_kernels`
+    fixture's list: without `register_all` a CUDA call runs the torch reference, uncounted, and
+    the comparison would test nothing (sessions 23-28's KDA variant tests did that); a call that
+    falls back to the reference fails too."""
+    assert op in registered, f"no CUDA kernel registered for k3::{op}"
+    fn = getattr(torch.ops.k3, op)
+    cpu = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+    cuda = [a.cuda() if isinstance(a, torch.Tensor) else a for a in args]
+    for _ in range(steps):
+        want = fn(*cpu, *flags)
+        with no_fallback():
+            got = fn(*cuda, *flags)
+        torch.testing.assert_close(got.cpu(), want, rtol=tol, atol=tol)
+        for i in states:
+            torch.testing.assert_close(cuda[i].cpu(), cpu[i], rtol=tol, atol=tol)
+
+
+def kda_kernel_inputs(B, T, time_major=False, S=5):
+    """k3::kda_decode's inputs at K3's head dim (bf16 activations, 2 heads, 4 taps), the conv
+    state channel-major or time-major."""
+    from k3compile.kernels import kda_decode as kernel
+
+    torch.manual_seed(0)
+    H, K, taps = 2, kernel.HEAD_DIM, 4
+    W = H * K
+    bf = torch.bfloat16
+    conv = torch.randn(S, taps - 1, 3 * W, dtype=bf) if time_major else \
+        torch.randn(S, 3 * W, taps - 1, dtype=bf)
+    return [*(torch.randn(B, T, W, dtype=bf) for _ in range(5)), torch.randn(B, T, H, dtype=bf),
+            conv, torch.randn(S, H, K, K) * 0.1, torch.tensor([4, 0, 2][:B]),
+            *(torch.randn(W, 1, taps, dtype=bf) for _ in range(3)),
+            torch.randn(H, dtype=bf), torch.randn(W, dtype=bf), torch.randn(K, dtype=bf),
+            -5.0, 1e-6, K**-0.5, 1e-5]
 
 
 def strided(t: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,8 @@ import pytest
 import torch
 from k3compile.patterns import fb_kda_decode, kda_decode
 
+from tests.kernel_checks import assert_cuda_op_equals_cpu
+
 from .pattern_checks import rewrite, targets
 
 STATES = (kda_decode.NAMES.index("conv_state"), kda_decode.NAMES.index("recurrent_state"))
@@ -143,18 +145,10 @@ def test_kernel_takes_the_flag():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("B,T", [(2, 1), (3, 4)])
-def test_cuda_op_equals_the_cpu_reference(B, T):
+def test_cuda_op_equals_the_cpu_reference(cuda_kernels, B, T):
     """on CUDA, at K3's head dim: the o_fp32 build against the CPU reference, states included,
     two steps on the carried states"""
-    args = _kernel_inputs(B, T)
-    cpu = _clone(args)
-    cuda = [a.cuda() if isinstance(a, torch.Tensor) else a for a in args]
-    for _ in range(2):
-        want = torch.ops.k3.kda_decode(*cpu, *O_FP32)
-        got = torch.ops.k3.kda_decode(*cuda, *O_FP32)
-        torch.testing.assert_close(got.cpu(), want, rtol=2e-2, atol=2e-2)
-        for i in STATES:
-            torch.testing.assert_close(cuda[i].cpu(), cpu[i], rtol=2e-2, atol=2e-2)
+    assert_cuda_op_equals_cpu(cuda_kernels, "kda_decode", _kernel_inputs(B, T), STATES, O_FP32)
 
 
 def test_o_fp32_site_fuses_on_gpu_graphs():

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from k3compile.patterns import fb_kda_decode, kda_decode
 
+from tests.kernel_checks import assert_cuda_op_equals_cpu, kda_kernel_inputs
+
 from .pattern_checks import rewrite, targets
 
 STATES = (kda_decode.NAMES.index("conv_state"), kda_decode.NAMES.index("recurrent_state"))
@@ -178,48 +180,26 @@ def test_fb_variant_rewrites_and_equals_eager():
         torch.testing.assert_close(g, w, rtol=0, atol=0)
 
 
-def _kernel_inputs(B, T, time_major, S=5):
-    from k3compile.kernels import kda_decode as kernel
-
-    torch.manual_seed(0)
-    H, K, taps = 2, kernel.HEAD_DIM, 4
-    W = H * K
-    bf = torch.bfloat16
-    conv = torch.randn(S, taps - 1, 3 * W, dtype=bf) if time_major else \
-        torch.randn(S, 3 * W, taps - 1, dtype=bf)
-    return [*(torch.randn(B, T, W, dtype=bf) for _ in range(5)), torch.randn(B, T, H, dtype=bf),
-            conv, torch.randn(S, H, K, K) * 0.1, torch.tensor([4, 0, 2][:B]),
-            *(torch.randn(W, 1, taps, dtype=bf) for _ in range(3)),
-            torch.randn(H, dtype=bf), torch.randn(W, dtype=bf), torch.randn(K, dtype=bf),
-            -5.0, 1e-6, K**-0.5, 1e-5]
-
-
 @pytest.mark.parametrize("flags", SPELLINGS)
 def test_kernel_takes_the_flags(flags):
     """the CUDA kernel's refusal (metadata): both flags are build flags, no input they refuse"""
     from k3compile.kernels import kda_decode as kernel
 
     meta = [a.to("meta") if isinstance(a, torch.Tensor) else a
-            for a in _kernel_inputs(2, 1, flags[1])]
+            for a in kda_kernel_inputs(2, 1, flags[1])]
     assert kernel.refusal(*meta, *flags) is None
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("flags", SPELLINGS)
 @pytest.mark.parametrize("B,T", [(2, 1), (3, 4)])
-def test_cuda_op_equals_the_cpu_reference(flags, B, T):
+def test_cuda_op_equals_the_cpu_reference(cuda_kernels, flags, B, T):
     """on CUDA, at K3's head dim: the builds against the CPU reference, states included, two
-    steps on the carried states (SPELL9 and REDTEAM passed on the H200, 2026-12-05: their GPU
-    graphs' deferral went; SPELL7's V-major build not yet run: `v_major_rounding_refusal`)"""
-    args = _kernel_inputs(B, T, flags[1])
-    cpu = _clone(args)
-    cuda = [a.cuda() if isinstance(a, torch.Tensor) else a for a in args]
-    for _ in range(2):
-        want = torch.ops.k3.kda_decode(*cpu, *flags)
-        got = torch.ops.k3.kda_decode(*cuda, *flags)
-        torch.testing.assert_close(got.cpu(), want, rtol=2e-2, atol=2e-2)
-        for i in STATES:
-            torch.testing.assert_close(cuda[i].cpu(), cpu[i], rtol=2e-2, atol=2e-2)
+    steps on the carried states (the kernel registered and launched: before session 29 this
+    test compared the CUDA reference with the CPU one, so its passes of 2026-12-05/06 proved
+    nothing about the builds)"""
+    assert_cuda_op_equals_cpu(cuda_kernels, "kda_decode", kda_kernel_inputs(B, T, flags[1]),
+                              STATES, flags)
 
 
 @pytest.mark.parametrize("flags", [SPELL9, REDTEAM])

@@ -10,6 +10,7 @@ import torch
 from k3compile.patterns import fb_kda_decode, kda_decode
 
 from k3compile.ops.kda_decode import THREE_STATE_OPS
+from tests.kernel_checks import assert_cuda_op_equals_cpu
 
 from .pattern_checks import rewrite, targets
 
@@ -146,18 +147,12 @@ def _kernel_inputs(B, T, S=5, three=True):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("B,T", [(2, 1), (3, 4)])
-def test_cuda_op_equals_the_cpu_reference(B, T):
+def test_cuda_op_equals_the_cpu_reference(cuda_kernels, B, T):
     """on CUDA, at K3's head dim: the three-state build against the CPU reference, the three
     conv states and the recurrent state included, two steps on the carried states"""
     args = _kernel_inputs(B, T)
-    cpu = _clone(args)
-    cuda = [a.cuda() if isinstance(a, torch.Tensor) else a for a in args]
-    for _ in range(2):
-        want = torch.ops.k3.kda_decode(*cpu)
-        got = torch.ops.k3.kda_decode(*cuda)
-        torch.testing.assert_close(got.cpu(), want, rtol=2e-2, atol=2e-2)
-        for i in (6, 7, len(args) - 2, len(args) - 1):
-            torch.testing.assert_close(cuda[i].cpu(), cpu[i], rtol=2e-2, atol=2e-2)
+    assert_cuda_op_equals_cpu(cuda_kernels, "kda_decode", args,
+                              (6, 7, len(args) - 2, len(args) - 1))
 
 
 def test_kernel_takes_three_states_of_q_width():

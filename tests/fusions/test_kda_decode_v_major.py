@@ -9,6 +9,8 @@ import pytest
 import torch
 from k3compile.patterns import fb_kda_decode, kda_decode
 
+from tests.kernel_checks import assert_cuda_op_equals_cpu
+
 from .pattern_checks import rewrite, targets
 
 STATES = (kda_decode.NAMES.index("conv_state"), kda_decode.NAMES.index("recurrent_state"))
@@ -122,7 +124,7 @@ def test_fb_v_major_variant_rewrites_and_equals_eager(dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("v_major", [False, True])
 @pytest.mark.parametrize("B,T", [(2, 1), (3, 4)])
-def test_cuda_op_equals_the_cpu_reference_for_both_layouts(v_major, B, T):
+def test_cuda_op_equals_the_cpu_reference_for_both_layouts(cuda_kernels, v_major, B, T):
     """on CUDA, at K3's head dim: the kernel's build for each state layout against the CPU
     reference, states included, two steps on the carried states (bf16 activations)"""
     from k3compile.kernels import kda_decode as kernel
@@ -137,14 +139,7 @@ def test_cuda_op_equals_the_cpu_reference_for_both_layouts(v_major, B, T):
             torch.randn(H), torch.randn(W), torch.randn(K, dtype=bf), -5.0, 1e-6, K**-0.5,
             1e-5]
     flags = (False, False, True) if v_major else ()
-    cpu = _clone(args)
-    cuda = [a.cuda() if isinstance(a, torch.Tensor) else a for a in args]
-    for _ in range(2):
-        want = torch.ops.k3.kda_decode(*cpu, *flags)
-        got = torch.ops.k3.kda_decode(*cuda, *flags)
-        torch.testing.assert_close(got.cpu(), want, rtol=2e-2, atol=2e-2)
-        for i in STATES:
-            torch.testing.assert_close(cuda[i].cpu(), cpu[i], rtol=2e-2, atol=2e-2)
+    assert_cuda_op_equals_cpu(cuda_kernels, "kda_decode", args, STATES, flags)
 
 
 def test_kernel_takes_each_state_layout_with_its_flag_only():
