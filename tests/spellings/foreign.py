@@ -23,8 +23,8 @@ STEPS = 3
 _LAYER = re.compile(r"(?:layers|blocks)\.(\d+)\.")  # spell6 names its layers `blocks`
 
 
-def builtin(dtype, seed=0):
-    model = build_model(CFG, dtype=dtype, max_batch=4, max_seq_len=64, seed=seed)
+def builtin(dtype, seed=0, cfg=CFG):
+    model = build_model(cfg, dtype=dtype, max_batch=4, max_seq_len=64, seed=seed)
     return condition_for_bf16(model, seed) if dtype == torch.bfloat16 else model
 
 
@@ -71,11 +71,12 @@ def run(dtype, from_builtin, state_of):
     return err, {n: rel_err(got[n], want[n]) for n in want}, k3be.last_compiled()
 
 
-def run_on_cuda(dtype, from_builtin):
+def run_on_cuda(dtype, from_builtin, cfg=CFG):
     """(worst logits error, the compiled backend) of the spelling compiled on CUDA against its
-    eager twin there, both loaded from the built-in model (the step's inputs moved to CUDA)."""
-    model = from_builtin(builtin(dtype)).cuda()
-    eager = from_builtin(builtin(dtype)).cuda()
+    eager twin there, both loaded from the built-in model of `cfg` (the step's inputs moved to
+    CUDA)."""
+    model = from_builtin(builtin(dtype, cfg=cfg)).cuda()
+    eager = from_builtin(builtin(dtype, cfg=cfg)).cuda()
 
     def on_cuda(fn):
         return lambda *args: fn(*(a.cuda() for a in args))
