@@ -62,6 +62,10 @@ SMEM_BYTES = 227 * 1024  # per CTA on sm_90
 # BENCHMARKS.md session 27) it gained 6.6% at B32 and 9-11% at B64, 3.0% at B16 and 1.6% at B8:
 # below the 5% a tuned choice must win by.
 F16_AUTO_ROWS = 32
+# with the fp16 decode (auto or K3_MOE_F16=1), FC1 takes 8 warps x 1 row from this bucket up (the
+# sweeps at 8-64 rows); the fp16 decode at 8-16 rows with it: B8 -7.9%, B16 -10.4% against the
+# fp32 decode in the microbenchmark (H100, 2026-12-06), not yet A/B'd in the yardstick
+F16_SWEPT_ROWS = 8
 Z_SHIFT = 96  # activations are staged times 2^Z_SHIFT (see the docstring)
 SCALE_BIAS = 126 - Z_SHIFT  # fp32 exponent field of a group's factor = scale byte + SCALE_BIAS
 PAIR_SHIFT = (12, 8, 4, 0)  # word << PAIR_SHIFT[i] puts inputs i, i + 4 atop the two halves
@@ -151,7 +155,7 @@ def config(stage: str, latent: int, inter: int, top_k: int, batch_bucket: int):
     the TP16 rank: 11.75 µs per call vs 13.26 for the plain 4 x 2; BENCHMARKS.md session 6),
     above it plain with 2 rows per warp while a lane's loads stay <= 16 vectors (L <= 4096),
     else 1 (the sweep's best or within 1% at 8-64 rows; grouped FC1 lost at 16-64); with the
-    fp16 decode at 32 rows and more, 8 warps of 1 row (session 27's sweep).
+    fp16 decode at 8 rows and more, 8 warps of 1 row (the sweeps of sessions 27 and 29).
     FC2: R·k >= 128 threads where k allows, whole warps (R a multiple of 32 for odd k)."""
     if stage == "fc1g":  # 64 rows of W1 and of W3 per CTA (3 row tiles at I 192)
         return GroupedConfig(4, 1, 2, batch_bucket, 4)
@@ -161,9 +165,10 @@ def config(stage: str, latent: int, inter: int, top_k: int, batch_bucket: int):
         f16 = f16_decode(batch_bucket)
         if batch_bucket == 1 and fc1_fits(latent, cp := FC1Config(4, 1, True, f16)):
             return cp
-        if f16 and batch_bucket >= F16_AUTO_ROWS:
-            # the fp16 decode's sweep (H100, 2026-12-05): 8 warps x 1 row, 71 registers, the
-            # best of 18 configs at 32 and 64 rows (-9.1% / -4.8% against 4 x 2)
+        if f16 and batch_bucket >= F16_SWEPT_ROWS:
+            # the fp16 decode's sweeps (H100): 8 warps x 1 row, 71 registers, the best of 18
+            # configs at 32 and 64 rows (2026-12-05: -9.1% / -4.8% against 4 x 2) and at 8 and
+            # 16 rows (2026-12-06: 55.25 / 98.88 µs against 59.60 / 107.21 for 4 x 2)
             return FC1Config(8, 1, f16=True)
         return FC1Config(4, 2 if _lane_vectors(latent) <= 4 else 1, f16=f16)
     rows = 64 if top_k <= 2 else 32 if top_k <= 4 or top_k % 2 else 16

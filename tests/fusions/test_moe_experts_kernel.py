@@ -631,7 +631,8 @@ def test_fc1_builds_with_pdl(monkeypatch, tmp_path):
 def test_f16_switch_builds(monkeypatch, tmp_path, f16, stage):
     """K3_MOE_F16 picks FC1's and FC2's builds at the TP16 rank, 8-64 rows (part of their
     compile keys through the configs; FC2's only up to I 512): on, one fma.rn.f16x2 per pair
-    of weights (a lane's 14 vectors x 16 in FC1, a thread's 6 x 16 in FC2); off, none.
+    of weights (a lane's 14 vectors x 8 per W1|W3 row in FC1, 8 x 1 at 8 rows since session
+    29; a thread's 6 x 16 in FC2); off, none.
     sm_90a, no spills."""
     from k3compile.kernels.common.dsl import cubin_of, cubin_resources, ptx_of
 
@@ -643,7 +644,8 @@ def test_f16_switch_builds(monkeypatch, tmp_path, f16, stage):
     compiled = kernel.build(stage, LATENT, INTER, TOP_K, True, cfg, arch="sm_90a",
                             dump_dir=str(tmp_path))
     ptx = ptx_of(compiled)
-    assert ptx.count("fma.rn.f16x2") == ((14 if stage == "fc1" else 6) * 16 if f16 else 0)
+    pairs = 14 * 8 * cfg.rows_per_warp if stage == "fc1" else 6 * 16
+    assert ptx.count("fma.rn.f16x2") == (pairs if f16 else 0)
     assert cubin_resources(cubin_of(compiled))["frame"] == 0
 
 
