@@ -130,7 +130,9 @@ def _variant(norm_fp32: bool, conv_time_major: bool = False, state_v_major: bool
         example_inputs=lambda dtype=torch.bfloat16: example_inputs(dtype, conv_time_major,
                                                                    three_states, rows),
         op="k3.fb_kda_decode", check=check,
-        kernel_refusal=kda_decode.kernel_refusal(three_states, state_v_major, conv_rounded),
+        kernel_refusal=kda_decode.kernel_refusal(three_states, state_v_major, conv_rounded,
+                                                 conv_time_major=conv_time_major, o_fp32=o_fp32,
+                                                 norm_weight_fp32=norm_weight_fp32),
         scalars=dict(kda_decode.SCALARS), fake_trace=True, distinctive=("mm", "kda_decode"),
     )
 

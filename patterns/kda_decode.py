@@ -202,30 +202,37 @@ def time_major_check(match) -> str | None:
     return check(match, conv_time_major=True)
 
 
-def untested_build_refusal(match) -> str | None:
-    """On GPU graphs a three-conv-state site stays with Inductor until kda_decode's build for that
-    layout (kernels/kda_decode.py, session 25) has passed its GPU tests: built for sm_90a, never
-    run on a GPU (the GPU machine's torch 2.11 has no three-state op: `THREE_STATE_OPS`). CPU
-    graphs fuse it (the reference is the CPU kernel). The V-major and `o_fp32` builds passed
-    their GPU tests (H100, 2026-12-05, session 26) and fuse, as session 23's time-major build
-    did; so do the `norm_weight_fp32` / `conv_rounded` builds (H200, 2026-12-05, session 28:
-    tests/fusions/test_kda_decode_rounding.py)."""
-    return "three conv states: kda_decode's build has not run on a GPU yet"
+# The build flags of kda_decode's kernel (kernels/kda_decode.py) that have run on a GPU against
+# the reference at K3's head dim, with the kernel launched: the default build (the yardstick's
+# checks), `norm_fp32` and `conv_time_major` (tests/fusions/test_kda_decode_kernel.py calls the
+# kernel's entry itself), the V-major, `o_fp32` and rounding builds (their files'
+# `test_cuda_op_equals_the_cpu_reference*` through tests/kernel_checks.py
+# `assert_cuda_op_equals_cpu`, H100, 2026-12-06, session 29: before it those tests called the op
+# without `register_all` and compared the CUDA reference with the CPU one). A site needing any
+# other flag stays with Inductor on GPU graphs (`kernel_refusal`) until its GPU test passes so;
+# CPU graphs fuse every variant (the reference is the CPU kernel). Three conv states: never
+# tested, and the GPU machine's torch 2.11 has no three-state op (`THREE_STATE_OPS`).
+GPU_TESTED_FLAGS = frozenset({"norm_fp32", "conv_time_major", "state_v_major", "o_fp32",
+                              "norm_weight_fp32", "conv_rounded"})
 
 
-def v_major_rounding_refusal(match) -> str | None:
-    """On GPU graphs a `conv_rounded` site on a V-major state (spell7's, session 28) stays with
-    Inductor until that build passes its GPU test (tests/fusions/test_kda_decode_rounding.py,
-    SPELL7: built for sm_90a, not run on a GPU yet); CPU graphs fuse it. The K-major rounding
-    builds passed theirs (H200, 2026-12-05) and fuse."""
-    return "conv_rounded on a V-major state: kda_decode's build has not run on a GPU yet"
+def untested_flags(**flags: bool) -> list[str]:
+    """The flags set in `flags` whose kernel build has not passed a GPU test."""
+    return sorted(f for f, on in flags.items() if on and f not in GPU_TESTED_FLAGS)
 
 
-def kernel_refusal(three_states: bool, state_v_major: bool, conv_rounded: bool):
-    """The GPU graphs' refusal of a variant's untested kernel build, or None."""
-    if three_states:
-        return untested_build_refusal
-    return v_major_rounding_refusal if state_v_major and conv_rounded else None
+def kernel_refusal(three_states: bool = False, state_v_major: bool = False,
+                   conv_rounded: bool = False, *, conv_time_major: bool = False,
+                   o_fp32: bool = False, norm_weight_fp32: bool = False):
+    """The GPU graphs' refusal of a variant whose kernel build is untested on a GPU (a function
+    of the match, as `Pattern.kernel_refusal` wants), or None."""
+    untested = untested_flags(three_conv_states=three_states, state_v_major=state_v_major,
+                              conv_rounded=conv_rounded, conv_time_major=conv_time_major,
+                              o_fp32=o_fp32, norm_weight_fp32=norm_weight_fp32)
+    if not untested:
+        return None
+    why = f"{', '.join(untested)}: kda_decode's kernel build has not passed a GPU test yet"
+    return lambda match: why
 
 
 def three_states_check(match) -> str | None:
@@ -449,7 +456,9 @@ def _variant(T: int, B: int, dtype: torch.dtype, silu_written_out: bool = False,
         example_inputs=example_inputs, op="k3.kda_decode",
         check=three_states_check if three_states else time_major_check if conv_time_major
         else check, scalars=dict(SCALARS),
-        kernel_refusal=kernel_refusal(three_states, state_v_major, conv_rounded),
+        kernel_refusal=kernel_refusal(three_states, state_v_major, conv_rounded,
+                                      conv_time_major=conv_time_major, o_fp32=o_fp32,
+                                      norm_weight_fp32=norm_weight_fp32),
         distinctive=("convolution", "index_put", "bmm", "rsqrt"), joint_passes=True,
         fits=_fits(T, conv_time_major, state_v_major, three_states, o_fp32, conv_rounded),
     )

@@ -152,8 +152,9 @@ def test_cuda_op_equals_the_cpu_reference(cuda_kernels, B, T):
 
 
 def test_o_fp32_site_fuses_on_gpu_graphs():
-    """As on a GPU graph (`kernels_only`): the o_fp32 build passed its GPU tests (H100,
-    2026-12-05, test_cuda_op_equals_the_cpu_reference), so the site fuses there too."""
+    """As on a GPU graph (`kernels_only`): the o_fp32 build passed its GPU test with the kernel
+    launched (H100, 2026-12-06, session 29: test_cuda_op_equals_the_cpu_reference;
+    `kda_decode.GPU_TESTED_FLAGS`), so the site fuses there too."""
     args = _inputs(1, 2)
     gm, report = rewrite(_unfused, _clone(args), [_variant(1, 2, torch.bfloat16)], joint=True,
                          kernels_only=True)

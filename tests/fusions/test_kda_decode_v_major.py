@@ -166,9 +166,9 @@ def test_kernel_takes_each_state_layout_with_its_flag_only():
 
 
 def test_v_major_site_fuses_on_gpu_graphs():
-    """As on a GPU graph (`kernels_only`): the V-major build passed its GPU tests (H100,
-    2026-12-05, test_cuda_op_equals_the_cpu_reference_for_both_layouts), so the site fuses there
-    too and is no longer deferred to Inductor."""
+    """As on a GPU graph (`kernels_only`): the V-major build passed its GPU test with the kernel
+    launched (H100, 2026-12-06, session 29: test_cuda_op_equals_the_cpu_reference_for_both_layouts;
+    `kda_decode.GPU_TESTED_FLAGS`), so the site fuses there too."""
     args = _inputs(1, 2, torch.float32)
     gm, report = rewrite(_unfused, _clone(args), [_variant(1, 2, torch.float32)], joint=True,
                          kernels_only=True)
