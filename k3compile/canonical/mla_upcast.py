@@ -42,7 +42,7 @@ import operator
 import torch
 from torch import fx
 
-from k3compile.canonical import Rule, mla_absorb
+from k3compile.canonical import Rule, mla_absorb, mla_absorbed
 from k3compile.canonical.layout import SPLITS, is_scalar, layout_source
 from k3compile.graph import call
 
@@ -226,13 +226,24 @@ def _apply_one(graph: fx.Graph, read: fx.Node, pos: fx.Node) -> bool:
     if not all(_rewrite_product(t, mm) for mm in products):
         t.revert()
         return False
-    why = mla_absorb.takes(read, pos)
-    if isinstance(why, str):
-        mla_absorb.log.debug("k3 mla_upcast: %s left alone: mla_absorb would not take it: %s",
-                             read.name, why)
+    why = _taken(read, pos)
+    if why is not None:
+        mla_absorb.log.debug("k3 mla_upcast: %s left alone: %s", read.name, why)
         t.revert()
         return False
     return True
+
+
+def _taken(read: fx.Node, pos: fx.Node) -> str | None:
+    """None where mla_absorb (non-absorbed) or mla_absorbed (absorbed, or the canonical form
+    already) takes the rewritten site, else why neither does."""
+    absorb = mla_absorb.takes(read, pos)
+    if not isinstance(absorb, str):
+        return None
+    done = mla_absorbed.takes(read, pos)
+    if not isinstance(done, str) or done == mla_absorbed.CANONICAL:
+        return None
+    return f"mla_absorb would not take it: {absorb}; mla_absorbed would not: {done}"
 
 
 def apply(graph: fx.Graph) -> int:
