@@ -136,7 +136,7 @@ def find_site(read: fx.Node, pos: fx.Node) -> Site | str:
     pv, scores = pv[0], sorted(products - {pv[0]}, key=_order(read))
     if not scores:
         return "no product of queries with the projected keys"
-    out = _flat_output(pv)
+    out = flat_output(pv, read, pos)
     if out is None:
         return "the attention output is never flattened to [B, T, heads x v_dim]"
     return Site(read, pos, weight, projections, scores, pv, _softmax_root(pv), out)
@@ -282,8 +282,10 @@ def _check_einsums(site: Site, z: Sizes) -> tuple[Sizes, dict] | str:
             or not _full(e[0].out, z, "bht") or ("e", z.V, z.N) not in e[0].out:
         return f"{site.pv.name} is not p·v over the value half of each head"
     flat = layout(site.out)
-    want = [[x for x in dim if x[1] > 1] for dim in
-            ([("b", z.B, 0)], [("t", z.T, 0)], [("h", z.H, 0), ("e", z.V, z.N)])]
+    dims = [[("b", z.B, 0)], [("t", z.T, 0)], [("h", z.H, 0), ("e", z.V, z.N)]]
+    if site.out.meta["val"].dim() == 2:  # T-less: o [B, heads·v_dim] (rule token_dim)
+        del dims[1]
+    want = [[x for x in dim if x[1] > 1] for dim in dims]
     if flat is None or flat.root is not site.pv or flat.scale != 1.0 \
             or labels(flat, e[0].out) != want:
         return f"{site.out.name} is not o [B, T, heads·v_dim]"

@@ -267,6 +267,9 @@ def _latent_write(node: fx.Node) -> tuple | None:
         return None
     cache, (slots, positions), rows = node.args[:3]
     cs, ss, ps, rs = (_shape(n) for n in (cache, slots, positions, rows))
+    if ss == (1,) and cs is not None and rs == (cs[2],) and rows.target in VIEWS \
+            and _shape(rows.args[0]) == (1, cs[2]):
+        rows, rs = rows.args[0], (1, cs[2])  # B = 1: `cache[slots, pos] = rows` drops rows' dim 0
     if None in (cs, ss, ps, rs) or len(cs) != 3 or len(ss) != 1 or ss != ps or rs != (ss[0], cs[2]):
         return None
     if any(n.meta["val"].dtype != torch.int64 for n in (slots, positions)):
