@@ -16,7 +16,8 @@ Matching is structural, not by spelling: from each read of a cache that was just
 (`index(index_put(cache, [slots, pos], rows), [slots])`) the rule follows the contractions
 (`mm`/`bmm`, however einsum/matmul/linear lowered them) through view-like ops and reads each one
 as an einsum over named axes (`k3compile.canonical.layout`): kv = c·W_kvbᵀ, scores =
-q_nope·k_nopeᵀ + q_pe·k_peᵀ, o = p·v, o flattened to [B, T, H·V].
+q_nope·k_nopeᵀ + q_pe·k_peᵀ, o = p·v, o flattened to [B, T, H·V] (or, T-less, to [B, H·V]: code
+without a token dim, its cache write lifted by rule token_dim; the absorbed o is viewed back).
 Head count and head dims are solved from the shapes (every head count dividing both projections is
 tried). What lies between the scores and p (scale, mask as -inf fill or additive bias, softmax in
 fp32 or not, casts) is not matched but evaluated: on random scores and positions it must equal the

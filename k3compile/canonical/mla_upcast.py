@@ -16,8 +16,11 @@ softmax and p·v in fp32, the output gate in fp32 before o's cast). The canonica
   in bf16, the canonical gate (one rounding more: σ(g) to bf16 before the product).
 
 A rounding change with no fusion behind it is a loss, so a site is kept only where `mla_absorb`
-then takes it (`mla_absorb.takes`); elsewhere every node the rule added goes and the site is as
-it was. fp32 graphs have no upcasts of bf16 and are never touched.
+then takes it (`mla_absorb.takes`) or, for attention written absorbed (DeepSeek-inference style,
+`einsum(q_lat.float(), c.float())`, p·c in fp32 and cast back), `mla_absorbed` does
+(`mla_absorbed.takes`, or the site is then the canonical form already); elsewhere every node the
+rule added goes and the site is as it was. fp32 graphs have no upcasts of bf16 and are never
+touched.
 
 Rounding. Eager rounds to bf16 only K|V = c·W_kvbᵀ and o (after the gate, spell8; after p·v,
 SDPA); scores, softmax, p·v and the gate stay fp32. The rule's graph rounds the scores q·kᵀ, p,
@@ -29,6 +32,11 @@ same bf16 weights, relative error of the layer's output; session 28): spell8's f
 1.05e-2; SDPA, eager 3.6e-3 / 5.2e-3 and 3.6e-3 / 9.8e-3, compiled the same as spell8's (one
 canonical graph); compiled vs eager <= 7.4e-3 (TOL["bfloat16"] 2e-2). Whole spell6 / spell8 bf16,
 compiled vs eager: 4.6e-2 / 4.2e-2 (4.5e-2 / 4.5e-2 without the rule; TOL["diffsuite_bf16"] 5e-2).
+Absorbed (tests/canonical/absorbed_mla_spellings.py `upcast_products`: eager rounds q_lat and
+o_lat to bf16, the two score terms, their sum, p and p·c stay fp32; the rule rounds each score
+term, p and p·c to bf16, mla_absorbed then the sum too; session 29, same measure): eager 3.6e-3
+/ 5.2e-3 (B 2, T 1) and 4.1e-3 / 1.01e-2 (B 1, T 3), compiled 3.6e-3 / 5.6e-3 and 3.6e-3 /
+1.05e-2 (our bf16 graph, as above); compiled vs eager <= 4.9e-3.
 
 Before: convert(q), convert(k), mul(·, √s), bmm (fp32), + mask, softmax, convert(v), bmm (fp32),
     view, convert(bf16)
@@ -258,5 +266,5 @@ RULE = Rule(
     apply=apply,
     summary="MLA attention products of fp32 upcasts of bf16 operands (SDPA's math path, "
             ".float() spellings, the fp32 output gate) -> bf16 products, where mla_absorb "
-            "then takes the site",
+            "or mla_absorbed then takes the site",
 )
