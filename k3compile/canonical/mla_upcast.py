@@ -245,10 +245,13 @@ def _apply_one(graph: fx.Graph, read: fx.Node, pos: fx.Node) -> bool:
 def _taken(read: fx.Node, pos: fx.Node) -> str | None:
     """None where mla_absorb (non-absorbed) or mla_absorbed (absorbed, or the canonical form
     already) takes the rewritten site, else why neither does."""
-    absorb = mla_absorb.takes(read, pos)
-    if not isinstance(absorb, str):
-        return None
-    done = mla_absorbed.takes(read, pos)
+    try:
+        absorb = mla_absorb.takes(read, pos)
+        if not isinstance(absorb, str):
+            return None
+        done = mla_absorbed.takes(read, pos)
+    except Exception as e:  # noqa: BLE001 (a site a taker cannot read is not taken: undo the trial)
+        return f"raised {type(e).__name__}: {e}"
     if not isinstance(done, str) or done == mla_absorbed.CANONICAL:
         return None
     return f"mla_absorb would not take it: {absorb}; mla_absorbed would not: {done}"
