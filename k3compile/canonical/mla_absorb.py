@@ -16,7 +16,8 @@ Matching is structural, not by spelling: from each read of a cache that was just
 (`index(index_put(cache, [slots, pos], rows), [slots])`) the rule follows the contractions
 (`mm`/`bmm`, however einsum/matmul/linear lowered them) through view-like ops and reads each one
 as an einsum over named axes (`k3compile.canonical.layout`): kv = c·W_kvbᵀ, scores =
-q_nope·k_nopeᵀ + q_pe·k_peᵀ, o = p·v, o flattened to [B, T, H·V].
+q_nope·k_nopeᵀ + q_pe·k_peᵀ, o = p·v, o flattened to [B, T, H·V] (or, T-less, to [B, H·V]: code
+without a token dim, its cache write lifted by rule token_dim; the absorbed o is viewed back).
 Head count and head dims are solved from the shapes (every head count dividing both projections is
 tried). What lies between the scores and p (scale, mask as -inf fill or additive bias, softmax in
 fp32 or not, casts) is not matched but evaluated: on random scores and positions it must equal the
@@ -136,7 +137,7 @@ def find_site(read: fx.Node, pos: fx.Node) -> Site | str:
     pv, scores = pv[0], sorted(products - {pv[0]}, key=_order(read))
     if not scores:
         return "no product of queries with the projected keys"
-    out = _flat_output(pv)
+    out = flat_output(pv, read, pos)
     if out is None:
         return "the attention output is never flattened to [B, T, heads x v_dim]"
     return Site(read, pos, weight, projections, scores, pv, _softmax_root(pv), out)
@@ -282,8 +283,10 @@ def _check_einsums(site: Site, z: Sizes) -> tuple[Sizes, dict] | str:
             or not _full(e[0].out, z, "bht") or ("e", z.V, z.N) not in e[0].out:
         return f"{site.pv.name} is not p·v over the value half of each head"
     flat = layout(site.out)
-    want = [[x for x in dim if x[1] > 1] for dim in
-            ([("b", z.B, 0)], [("t", z.T, 0)], [("h", z.H, 0), ("e", z.V, z.N)])]
+    dims = [[("b", z.B, 0)], [("t", z.T, 0)], [("h", z.H, 0), ("e", z.V, z.N)]]
+    if site.out.meta["val"].dim() == 2:  # T-less: o [B, heads·v_dim] (rule token_dim)
+        del dims[1]
+    want = [[x for x in dim if x[1] > 1] for dim in dims]
     if flat is None or flat.root is not site.pv or flat.scale != 1.0 \
             or labels(flat, e[0].out) != want:
         return f"{site.out.name} is not o [B, T, heads·v_dim]"

@@ -173,7 +173,13 @@ def _canonical_already(site: Site, z: Sizes, scale: float) -> bool:
 _TRACED: dict[tuple, collections.Counter] = {}
 
 
-def _apply_one(graph: fx.Graph, read: fx.Node, pos: fx.Node) -> str | None:
+CANONICAL = "the canonical form already"
+
+
+def takes(read: fx.Node, pos: fx.Node) -> tuple[Site, Sizes, float] | str:
+    """(site, sizes, the scores' scale) where the rule rewrites the absorbed attention over the
+    cache read `read`, else why it does not: `CANONICAL` where the site is the canonical form
+    already (rule `mla_upcast` asks before it keeps a rewrite)."""
     found = find_site(read, pos)
     if isinstance(found, str):
         return found
@@ -182,12 +188,17 @@ def _apply_one(graph: fx.Graph, read: fx.Node, pos: fx.Node) -> str | None:
     tried = []
     for z in _sizes(site, q):
         if _canonical_already(site, z, scale):
-            return "the canonical form already"
+            return CANONICAL
         why = check(site, z, scale)
         if why is None:
-            return rewrite(graph, site, z, scale)
+            return site, z, scale
         tried.append(f"{z.H} heads: {why}")
     return "; ".join(tried[:3]) or "no head count fits W_kvb and the queries"
+
+
+def _apply_one(graph: fx.Graph, read: fx.Node, pos: fx.Node) -> str | None:
+    found = takes(read, pos)
+    return found if isinstance(found, str) else rewrite(graph, *found)
 
 
 def apply(graph: fx.Graph) -> int:

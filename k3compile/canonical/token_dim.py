@@ -13,9 +13,10 @@ This rule adds the unit dim where an attention site is recognised by its state, 
 * MLA: a latent-cache write `index_put(cache [S, L, W], [slots [B], positions [B]], rows [B, W])`
   whose new cache reaches a state write-back and is read back at `[slots]` becomes
   `index_put(cache, [slots.view(B, 1), positions.view(B, 1) + iota(1)], rows')`, rows' = rows
-  with a unit dim at 1 (`lift`). Rule `mla_absorbed` then rewrites the attention over it, T = 1,
-  its flattened output [B, H·V] from a [B, 1, H·V] form, the query's GEMM input and the output
-  gate lifted with it (`sink`).
+  with a unit dim at 1 (`lift`; at B = 1, `cache[slots, positions] = rows` writes rows viewed to
+  [W]: the [1, W] rows are read). Rule `mla_absorbed` (absorbed) or `mla_absorb` (non-absorbed)
+  then rewrites the attention over it, T = 1, its flattened output [B, H·V] from a [B, 1, H·V]
+  form, the query's GEMM input and the output gate lifted with it (`sink`).
 * KDA: a recurrent-state write `index_put(S [S, H, K, V], [slots], new)` reaching a state
   write-back, new computed from `index(S, [slots])`, whose recurrence (the nodes from that read
   to new and to o, the first [B, H, V] value after one contraction of the new state) reads
@@ -267,6 +268,9 @@ def _latent_write(node: fx.Node) -> tuple | None:
         return None
     cache, (slots, positions), rows = node.args[:3]
     cs, ss, ps, rs = (_shape(n) for n in (cache, slots, positions, rows))
+    if ss == (1,) and cs is not None and rs == (cs[2],) and rows.target in VIEWS \
+            and _shape(rows.args[0]) == (1, cs[2]):
+        rows, rs = rows.args[0], (1, cs[2])  # B = 1: `cache[slots, pos] = rows` drops rows' dim 0
     if None in (cs, ss, ps, rs) or len(cs) != 3 or len(ss) != 1 or ss != ps or rs != (ss[0], cs[2]):
         return None
     if any(n.meta["val"].dtype != torch.int64 for n in (slots, positions)):

@@ -5,7 +5,8 @@ cache (rule `mla_absorbed`).
 same absorbed attention (W_UK into q, W_UV after p·c) in the spelling of `Spelling`: q_nope | q_pe
 and the cache parts by slicing or by split, W_UK / W_UV as slices or a split of kv_b's weight,
 the scale before or after the cast to fp32, the mask by `torch.where` on a [B, T, 1, L]
-comparison or by masked_fill, the cache rows at `slots.unsqueeze(1)` or `.view(B, 1)`.
+comparison or by masked_fill, the cache rows at `slots.unsqueeze(1)` or `.view(B, 1)`, the score and p·c products of bf16
+tensors or of their fp32 upcasts (rule `mla_upcast`).
 """
 
 from __future__ import annotations
@@ -23,9 +24,14 @@ class Spelling:
     scale_before_cast: bool = True  # (s * scale).float(), else s.float() * scale
     where_mask: bool = True  # where(visible, s, -inf) [B, T, 1, L], else masked_fill(~visible)
     unsqueezed_rows: bool = True  # slots.unsqueeze(1), positions.unsqueeze(1) + arange
+    # the score and p·c products read fp32 upcasts (q_lat.float(), latents.float(); softmax and
+    # p·c in fp32, o_lat cast back): a bf16 spelling's (rule mla_upcast)
+    upcast: bool = False
     # look-alikes the rule must leave alone (not the attention the canonical form computes)
     window: int | None = None  # also hide cache rows older than pos - window
     scale_rope_twice: bool = False  # the rope term scaled once more
+    mask_ahead: bool = False  # the mask shows one key past each query's position
+    pv_other_slots: bool = False  # p·c reads the cache at other slots (slots.flip(0))
 
 
 SPELLINGS = {
@@ -33,9 +39,20 @@ SPELLINGS = {
     "split_where": Spelling(sliced=False, scale_before_cast=False),
     "sliced_masked_fill": Spelling(where_mask=False, unsqueezed_rows=False),
 }
+UPCAST_SPELLINGS = {
+    "upcast_products": Spelling(upcast=True),
+    "upcast_split_masked_fill": Spelling(sliced=False, scale_before_cast=False, where_mask=False,
+                                         unsqueezed_rows=False, upcast=True),
+}
 LOOKALIKES = {
     "sliding_window": Spelling(window=4),
     "rope_scaled_twice": Spelling(scale_rope_twice=True),
+}
+UPCAST_LOOKALIKES = {
+    "upcast_sliding_window": Spelling(window=4, upcast=True),
+    "upcast_rope_scaled_twice": Spelling(scale_rope_twice=True, upcast=True),
+    "upcast_mask_ahead": Spelling(mask_ahead=True, upcast=True),
+    "upcast_pv_other_slots": Spelling(pv_other_slots=True, upcast=True),
 }
 
 
@@ -67,24 +84,28 @@ class AbsorbedMLA(GatedMLA):
         w_uk, w_uv = _parts(self.kv_b_proj.weight.view(H, N + V, C), N, 1, s)
         q_lat = torch.einsum("bthd,hdc->bthc", q_nope, w_uk)
         latents, rope = _parts(cache, C, -1, s)
-        rope_term = torch.einsum("bthr,blr->bthl", q_pe, rope)
+        up = (lambda t: t.float()) if s.upcast else (lambda t: t)
+        rope_term = torch.einsum("bthr,blr->bthl", up(q_pe), up(rope))
         if s.scale_rope_twice:
             rope_term = rope_term * self.softmax_scale
-        scores = torch.einsum("bthc,blc->bthl", q_lat, latents) + rope_term
+        scores = torch.einsum("bthc,blc->bthl", up(q_lat), up(latents)) + rope_term
         if s.scale_before_cast:
             scores = (scores * self.softmax_scale).float()
         else:
             scores = scores.float() * self.softmax_scale
         keys = torch.arange(cache.shape[1])
-        visible = keys.view(1, 1, 1, -1) <= pos.view(B, T, 1, 1)
+        last = pos + 1 if s.mask_ahead else pos
+        visible = keys.view(1, 1, 1, -1) <= last.view(B, T, 1, 1)
         if s.window is not None:
             visible = visible & (keys.view(1, 1, 1, -1) > pos.view(B, T, 1, 1) - s.window)
         if s.where_mask:
             scores = torch.where(visible, scores, torch.full_like(scores, float("-inf")))
         else:
             scores = scores.masked_fill(~visible, float("-inf"))
-        p = scores.softmax(dim=-1).to(x.dtype)
-        o_lat = torch.einsum("bthl,blc->bthc", p, _parts(cache, C, -1, s)[0])
+        p = scores.softmax(dim=-1)
+        p = p if s.upcast else p.to(x.dtype)
+        values = self.kv_cache[slots.flip(0)] if s.pv_other_slots else cache
+        o_lat = torch.einsum("bthl,blc->bthc", p, up(_parts(values, C, -1, s)[0])).to(x.dtype)
         o = torch.einsum("bthc,hvc->bthv", o_lat, w_uv).reshape(B, T, H * V)
         return self.o_proj(o * torch.sigmoid(self.g_proj(x)))
 

@@ -226,3 +226,77 @@ class CachedMHA(nn.Module):
         p = torch.softmax(scores.float(), dim=-1).to(x.dtype)
         o = torch.einsum("bhtl,blhd->bthd", p, values).reshape(B, T, H * D)
         return self.o_proj(o)
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenlessSpelling:
+    cat_rope: bool = False  # k = cat(k_nope, k_pe), scores = matmul(k, q[..., None]), else einsums
+    # look-alikes the rules must leave alone
+    window: int | None = None  # also mask cache rows older than position - window
+    mask_ahead: bool = False  # the mask shows one key past the position
+    scale_nope_only: bool = False  # the scale on the nope term only
+    v_other_slots: bool = False  # v up-projected from the cache read at other slots
+
+
+TOKENLESS_SPELLINGS = {
+    "einsum": TokenlessSpelling(),
+    "cat_rope_matmul": TokenlessSpelling(cat_rope=True),
+}
+TOKENLESS_LOOKALIKES = {
+    "sliding_window": TokenlessSpelling(window=4),
+    "mask_ahead": TokenlessSpelling(mask_ahead=True),
+    "scale_nope_only": TokenlessSpelling(scale_nope_only=True),
+    "v_other_slots": TokenlessSpelling(v_other_slots=True),
+}
+
+
+class TokenlessMLA(GatedMLA):
+    """GatedMLA's weights and cache, the non-absorbed attention of one token per request on
+    [B, X] rows, as vLLM's flattened [num_tokens, D] decode has it: x [B, D], the cache written
+    at 1-D (slots, positions), q [B, H, N + R], scores [B, H, L] (rule token_dim, then
+    mla_absorb)."""
+
+    def __init__(self, config, layer_idx: int, spelling: TokenlessSpelling = TokenlessSpelling()):
+        super().__init__(config, layer_idx)
+        self.spelling = spelling
+
+    def forward(self, x, slots, positions) -> torch.Tensor:
+        s, B, H = self.spelling, x.shape[0], self.num_heads
+        N, R, V, C = self.nope, self.rope, self.v_dim, self.kv_lora_rank
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))).view(B, H, N + R)
+        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([C, R], dim=-1)
+        self.kv_cache[slots, positions] = torch.cat([self.kv_a_layernorm(c_kv), k_pe], -1)
+        latents, rope = self.kv_cache[slots].split([C, R], dim=-1)  # [B, L, C], [B, L, R]
+        L = latents.shape[1]
+        k_nope, v = self.kv_b_proj(latents).view(B, L, H, N + V).split([N, V], dim=-1)
+        if s.v_other_slots:
+            other = self.kv_cache[slots.flip(0)][..., :C]
+            v = self.kv_b_proj(other).view(B, L, H, N + V)[..., N:]
+        if s.cat_rope:
+            k = torch.cat([k_nope, rope.unsqueeze(2).expand(-1, -1, H, -1)], -1)
+            scores = torch.matmul(k.transpose(1, 2), q.unsqueeze(-1)).squeeze(-1)  # [B, H, L]
+        else:
+            q_nope, q_pe = q.split([N, R], dim=-1)
+            nope = torch.einsum("bhd,blhd->bhl", q_nope, k_nope)
+            rope_term = torch.einsum("bhr,blr->bhl", q_pe, rope)
+            if s.scale_nope_only:
+                rope_term = rope_term / self.softmax_scale
+            scores = nope + rope_term
+        scores = scores * self.softmax_scale
+        keys = torch.arange(L, device=x.device).view(1, 1, L)
+        last = positions + 1 if s.mask_ahead else positions
+        future = keys > last.view(B, 1, 1)
+        if s.window is not None:
+            future = future | (keys <= positions.view(B, 1, 1) - s.window)
+        p = F.softmax(scores.masked_fill(future, float("-inf")), dim=-1, dtype=torch.float32)
+        o = torch.einsum("bhl,blhv->bhv", p.to(x.dtype), v).reshape(B, H * V)
+        return self.o_proj(o * torch.sigmoid(self.g_proj(x)))
+
+
+def tokenless(reference: GatedMLA, config, spelling: TokenlessSpelling) -> TokenlessMLA:
+    """A TokenlessMLA of `config` with `reference`'s weights and a copy of its cache."""
+    m = TokenlessMLA(config, reference.layer_idx, spelling)
+    m.load_state_dict(reference.state_dict())
+    m = m.to(reference.q_a_proj.weight.dtype).requires_grad_(False)
+    m.register_buffer("kv_cache", reference.kv_cache.clone(), persistent=False)
+    return m

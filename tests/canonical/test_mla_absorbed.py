@@ -3,7 +3,10 @@
 a `where` mask on [B, T, 1, L], unsqueezed cache rows) becomes our model's absorbed form: compiled
 with the rules (fuse off) it equals its eager self, and is our model's graph: the same ops and
 bit-identical outputs and cache to our GatedMLA compiled the same way. Look-alikes (a sliding
-window, the rope term scaled twice) and our own model are left alone."""
+window, the rope term scaled twice) and our own model are left alone. In bf16 with the products
+of fp32 upcasts (`q_lat.float()`, `latents.float()`, p·c in fp32: rule mla_upcast, which keeps
+the site because mla_absorbed then takes it) the same; its look-alikes (also a mask one key
+ahead, p·c of the cache read at other slots) stay exactly as without mla_upcast."""
 
 from __future__ import annotations
 
@@ -15,8 +18,17 @@ from k3compile.patterns import ORDER as PATTERNS
 
 from ..conftest import TOL, rel_err
 from ..fusions.attention_checks import CFG, Attention, attention, one_thread  # noqa: F401
-from .absorbed_mla_spellings import LOOKALIKES, SPELLINGS, absorbed
+from .absorbed_mla_spellings import (
+    LOOKALIKES,
+    SPELLINGS,
+    UPCAST_LOOKALIKES,
+    UPCAST_SPELLINGS,
+    absorbed,
+)
 from .test_mla_absorb import MLA_OPS, REWRITE_TOL, assert_becomes_ours, eager, ops, run
+from .test_mla_upcast import as_without_the_rule
+
+BF16 = torch.bfloat16
 
 CASES = [(torch.float32, 2, 1), (torch.bfloat16, 1, 3)]  # (dtype, batch, tokens per request)
 
@@ -43,6 +55,32 @@ def test_lookalike_is_left_alone(name):
         assert rel_err(g, w) <= REWRITE_TOL[dtype]
 
 
+@pytest.mark.parametrize("batch,tokens", [(2, 1), (1, 3)])
+@pytest.mark.parametrize("name", sorted(UPCAST_SPELLINGS))
+def test_upcast_spelling_becomes_our_absorbed_graph(name, batch, tokens):
+    assert_becomes_ours(foreign(UPCAST_SPELLINGS[name], BF16), "mla_upcast", BF16, batch, tokens)
+
+
+@pytest.mark.parametrize("name", sorted(UPCAST_SPELLINGS))
+def test_upcast_spelling_without_mla_upcast_is_lost(name):
+    _, _, _, counts, _ = run(foreign(UPCAST_SPELLINGS[name], BF16), BF16, 2, 1,
+                             disabled_stages=["fuse"], disabled_rules=["mla_upcast"])
+    assert counts.get("mla_absorbed", 0) == 0 and counts.get("mla_absorb", 0) == 0
+
+
+@pytest.mark.parametrize("name", sorted(UPCAST_LOOKALIKES))
+def test_upcast_lookalike_stays_as_it_was(name):
+    counts = as_without_the_rule(foreign(UPCAST_LOOKALIKES[name], BF16), BF16)
+    assert counts.get("mla_absorbed", 0) == 0
+
+
+def test_upcast_spelling_in_fp32_is_taken_as_before():
+    """fp32: the .float() calls are no ops; mla_absorbed takes the site, mla_upcast has none."""
+    counts = as_without_the_rule(foreign(UPCAST_SPELLINGS["upcast_products"], torch.float32),
+                                 torch.float32)
+    assert counts["mla_absorbed"] == 1
+
+
 def test_our_absorbed_model_is_left_alone():
     dtype, batch, tokens = torch.float32, 2, 1
     _, _, _, counts, _ = run(attention("mla", dtype), dtype, batch, tokens,
@@ -51,11 +89,12 @@ def test_our_absorbed_model_is_left_alone():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_compiled_spelling_gets_our_mla_ops_and_equals_eager(dtype):
+@pytest.mark.parametrize("dtype,name", [(torch.float32, "deepseek_inference"),
+                                        (BF16, "deepseek_inference"), (BF16, "upcast_products")])
+def test_compiled_spelling_gets_our_mla_ops_and_equals_eager(dtype, name):
     batch, tokens = 2, 3
     only_mla = {"disabled_patterns": [p for p in PATTERNS if not p.startswith("mla_")]}
-    module = foreign(SPELLINGS["deepseek_inference"], dtype)
+    module = foreign({**SPELLINGS, **UPCAST_SPELLINGS}[name], dtype)
     want, want_cache = eager(copy.deepcopy(module), dtype, batch, tokens)
     got, cache, _, _, report = run(module, dtype, batch, tokens, **only_mla)
     _, _, _, _, canonical = run(attention("mla", dtype), dtype, batch, tokens, **only_mla)

@@ -38,7 +38,7 @@ def test_without_the_rule_mla_absorb_leaves_it_alone(name):
     assert counts.get("mla_absorb", 0) == 0
 
 
-def _as_without_the_rule(module, dtype, batch=2, tokens=3):
+def as_without_the_rule(module, dtype, batch=2, tokens=3):
     """Compiled with the rules (fuse off): the rule took nothing, the graph and values are those
     of the same compile without it, and eager's to the tolerance."""
     want, _ = eager(copy.deepcopy(module), dtype, batch, tokens)
@@ -55,14 +55,14 @@ def _as_without_the_rule(module, dtype, batch=2, tokens=3):
 
 @pytest.mark.parametrize("name", sorted(UPCAST_LOOKALIKES))
 def test_upcast_lookalike_stays_as_it_was(name):
-    counts = _as_without_the_rule(foreign(UPCAST_LOOKALIKES[name], BF16), BF16)
+    counts = as_without_the_rule(foreign(UPCAST_LOOKALIKES[name], BF16), BF16)
     assert counts.get("mla_absorb", 0) == 0
 
 
 @pytest.mark.parametrize("name", ["fp32_attention", "sdpa_bool_mask"])
 def test_fp32_site_is_untouched(name):
     """fp32: no upcasts, nothing for the rule; mla_absorb takes the site as before."""
-    counts = _as_without_the_rule(foreign(UPCAST_SPELLINGS[name], torch.float32), torch.float32)
+    counts = as_without_the_rule(foreign(UPCAST_SPELLINGS[name], torch.float32), torch.float32)
     assert counts["mla_absorb"] == 1
 
 
