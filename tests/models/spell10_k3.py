@@ -65,6 +65,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+# idioms `Spell10K3.set_probe` can switch to another spelling of the same math (added after the
+# blind commit, to bisect lost fusions; all off is the blind spelling)
+PROBES = ("conv1d", "beta_sigmoid", "delta_out_of_place", "decay_per_head", "q_scale_after",
+          "moe_index_add", "moe_weighted_sum", "lut_take", "w13_split", "nibble_cat",
+          "situ_functional", "situ_chunk_first", "kda_split_rows",
+          "kda_split_int", "kda_o_rows")
+
+
+def probed(module: nn.Module, name: str) -> bool:
+    return name in getattr(module, "probes", ())
+
+
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
@@ -79,8 +91,15 @@ class DecodeMetadata:
     max_len: int
 
 
-def situ_and_mul(gate_up: torch.Tensor, b1: float, b2: float) -> torch.Tensor:
-    g, u = gate_up.float().chunk(2, dim=-1)
+def situ_and_mul(gate_up: torch.Tensor, b1: float, b2: float, probes=()) -> torch.Tensor:
+    if "situ_chunk_first" in probes:
+        g, u = (t.float() for t in gate_up.chunk(2, dim=-1))
+    else:
+        g, u = gate_up.float().chunk(2, dim=-1)
+    functional = "situ_functional" in probes
+    if functional:
+        return (b1 * torch.tanh(g / b1) * torch.sigmoid(g) * (b2 * torch.tanh(u / b2))).to(
+            gate_up.dtype)
     act = torch.tanh(g / b1).mul_(b1).mul_(torch.sigmoid(g))
     return act.mul_(torch.tanh(u / b2).mul_(b2)).to(gate_up.dtype)
 
@@ -142,6 +161,11 @@ class KimiDeltaAttention(nn.Module):
     def _conv_update(self, x: torch.Tensor, md: DecodeMetadata) -> torch.Tensor:
         """causal_conv1d_update: x [B, T, 3W] -> SiLU(conv) [B, T, 3W], token by token."""
         state = self.conv_state.index_select(0, md.req_state_idx)  # [B, 3W, K-1]
+        if probed(self, "conv1d"):
+            window = torch.cat([state, x.transpose(1, 2)], dim=-1)  # [B, 3W, K-1+T]
+            self.conv_state.index_copy_(0, md.req_state_idx, window[:, :, md.rows:])
+            y = F.conv1d(window, self.conv1d[:, None, :], groups=3 * self.w)
+            return F.silu(y).transpose(1, 2)
         outs = []
         for t in range(md.rows):
             window = torch.cat([state, x[:, t, :, None]], dim=-1)  # [B, 3W, K]
@@ -156,29 +180,53 @@ class KimiDeltaAttention(nn.Module):
         g2 = F.linear(hidden, self.g_proj)
         graw = F.linear(F.linear(hidden, self.f_a_proj), self.f_b_proj)
         beta = F.logsigmoid(F.linear(hidden, self.b_proj).float()).exp()  # [N, H]
+        if probed(self, "beta_sigmoid"):
+            beta = torch.sigmoid(F.linear(hidden, self.b_proj).float())
 
-        qkv = self._conv_update(qkv.view(b, t, 3 * self.w), md).view(b * t, 3 * self.w)
-        q, k, v = qkv.float().split([self.w, self.w, self.w], dim=-1)
+        qkv = self._conv_update(qkv.view(b, t, 3 * self.w), md)
+        if not probed(self, "kda_split_rows"):
+            qkv = qkv.view(b * t, 3 * self.w)
+        if probed(self, "kda_split_int"):
+            q, k, v = qkv.float().split(self.w, dim=-1)
+        else:
+            q, k, v = qkv.float().split([self.w, self.w, self.w], dim=-1)
         q = q.view(b, t, h, dk)
         k = k.view(b, t, h, dk)
         v = v.view(b, t, h, dk)
-        q = q * (torch.rsqrt(q.square().sum(-1, keepdim=True) + self.l2_eps) * dk ** -0.5)
+        if probed(self, "q_scale_after"):
+            q = q * torch.rsqrt(q.square().sum(-1, keepdim=True) + self.l2_eps) * dk ** -0.5
+        else:
+            q = q * (torch.rsqrt(q.square().sum(-1, keepdim=True) + self.l2_eps) * dk ** -0.5)
         k = k * torch.rsqrt(k.square().sum(-1, keepdim=True) + self.l2_eps)
         z = torch.exp(self.A_log).repeat_interleave(dk) * (graw.float() + self.dt_bias)
         alpha = torch.exp(z.sigmoid_().mul_(self.bound))
         alpha = alpha.view(b, t, h, dk)
+        if probed(self, "decay_per_head"):
+            zh = torch.exp(self.A_log)[:, None] * (graw.float().view(b, t, h, dk)
+                                                   + self.dt_bias.view(h, dk))
+            alpha = torch.exp(self.bound * torch.sigmoid(zh))
         beta = beta.view(b, t, h)
 
         s = self.ssm_state.index_select(0, md.req_state_idx)  # [B, H, K, V] fp32
         outs = []
         for i in range(t):
-            s.mul_(alpha[:, i, :, :, None])
+            if probed(self, "delta_out_of_place"):
+                s = s * alpha[:, i, :, :, None]
+            else:
+                s.mul_(alpha[:, i, :, :, None])
             kv_old = torch.einsum("bhk,bhkv->bhv", k[:, i], s)
             u = (v[:, i] - kv_old) * beta[:, i, :, None]
-            s.add_(torch.einsum("bhk,bhv->bhkv", k[:, i], u))
+            if probed(self, "delta_out_of_place"):
+                s = s + torch.einsum("bhk,bhv->bhkv", k[:, i], u)
+            else:
+                s.add_(torch.einsum("bhk,bhv->bhkv", k[:, i], u))
             outs.append(torch.einsum("bhk,bhkv->bhv", q[:, i], s))
         self.ssm_state.index_copy_(0, md.req_state_idx, s)
 
+        if probed(self, "kda_o_rows"):
+            o = torch.stack(outs, dim=1).to(hidden.dtype)
+            o = self.o_norm(o) * torch.sigmoid(g2.view(b, t, h, dk))
+            return F.linear(o.reshape(b * t, self.w), self.o_proj)
         o = torch.stack(outs, dim=1).reshape(b * t, h, dk).to(hidden.dtype)
         o = self.o_norm(o) * torch.sigmoid(g2.view(b * t, h, dk))
         return F.linear(o.reshape(b * t, self.w), self.o_proj)
@@ -235,14 +283,20 @@ class DenseMLP(nn.Module):
         self.b1, self.b2 = cfg.situ_beta, cfg.situ_linear_beta
 
     def forward(self, x):
-        return F.linear(situ_and_mul(F.linear(x, self.gate_up_proj), self.b1, self.b2),
-                        self.down_proj)
+        act = situ_and_mul(F.linear(x, self.gate_up_proj), self.b1, self.b2,
+                           getattr(self, "probes", ()))
+        return F.linear(act, self.down_proj)
 
 
-def mxfp4_decode(packed: torch.Tensor, scale: torch.Tensor, lut: torch.Tensor) -> torch.Tensor:
+def mxfp4_decode(packed: torch.Tensor, scale: torch.Tensor, lut: torch.Tensor,
+                 probes=()) -> torch.Tensor:
     """[..., out, in/2] uint8 codes + [..., out, in/32] E8M0 -> [..., out, in] fp32."""
-    idx = torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2).long()
-    vals = lut[idx]
+    if "nibble_cat" in probes:
+        pair = torch.cat([(packed & 15).unsqueeze(-1), (packed >> 4).unsqueeze(-1)], -1)
+        idx = pair.view(*packed.shape[:-1], 2 * packed.shape[-1]).long()
+    else:
+        idx = torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2).long()
+    vals = torch.take(lut, idx) if "lut_take" in probes else lut[idx]
     vals = vals.unflatten(-1, (scale.shape[-1], 32)) * torch.exp2(scale.float() - 127)[..., None]
     return vals.flatten(-2)
 
@@ -276,17 +330,28 @@ class LatentMoE(nn.Module):
         topk_w = topk_w / (topk_w.sum(-1, keepdim=True) + 1e-20) * self.scaling
 
         z = F.linear(x, self.latent_down_proj)  # [N, L]
-        w13 = mxfp4_decode(self.w13_packed[topk_ids], self.w13_scale[topk_ids], self.lut)
-        w2 = mxfp4_decode(self.w2_packed[topk_ids], self.w2_scale[topk_ids], self.lut)
-        gate_up = torch.einsum("nl,nkil->nki", z, w13.to(x.dtype))
-        act = situ_and_mul(gate_up, self.b1, self.b2)
+        probes = getattr(self, "probes", ())
+        w13 = mxfp4_decode(self.w13_packed[topk_ids], self.w13_scale[topk_ids], self.lut, probes)
+        w2 = mxfp4_decode(self.w2_packed[topk_ids], self.w2_scale[topk_ids], self.lut, probes)
+        if "w13_split" in probes:
+            w1, w3 = w13.to(x.dtype).split([self.inter, self.inter], dim=2)
+            gate_up = torch.cat([torch.einsum("nl,nkil->nki", z, w1),
+                                 torch.einsum("nl,nkil->nki", z, w3)], dim=-1)
+        else:
+            gate_up = torch.einsum("nl,nkil->nki", z, w13.to(x.dtype))
+        act = situ_and_mul(gate_up, self.b1, self.b2, probes)
         y = torch.einsum("nki,nkli->nkl", act, w2.to(x.dtype))  # [N, k, L]
 
         lat = y.shape[-1]
         rows = (y.float() * topk_w[:, :, None]).view(n * k, lat)
         tok = torch.arange(n, device=x.device).repeat_interleave(k)
         u = torch.zeros(n, lat, dtype=torch.float32, device=x.device)
-        u.scatter_add_(0, tok[:, None].expand(n * k, lat), rows)
+        if "moe_weighted_sum" in probes:
+            u = (y.float() * topk_w[:, :, None]).sum(1)
+        elif "moe_index_add" in probes:
+            u.index_add_(0, tok, rows)
+        else:
+            u.scatter_add_(0, tok[:, None].expand(n * k, lat), rows)
         routed = F.linear(self.latent_norm(u).to(x.dtype), self.latent_up_proj)
         return routed.add_(self.shared_experts(x))
 
@@ -333,6 +398,13 @@ class Spell10K3(nn.Module):
         self.final_res = AttnRes(cfg.hidden_size, eps)
         self.norm = RMSNorm(cfg.hidden_size, eps)
         self.lm_head = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
+
+    def set_probe(self, *names: str) -> Spell10K3:
+        """Switch the named idioms (PROBES) to another spelling of the same math."""
+        assert set(names) <= set(PROBES), names
+        for m in self.modules():
+            m.probes = frozenset(names)
+        return self
 
     def metadata(self, input_ids, positions, slots) -> DecodeMetadata:
         b = input_ids.shape[0]
