@@ -306,14 +306,8 @@ def probe(evidence: fx.Node, nodes: Sequence[fx.Node], family: Sequence,
         reason = "every pattern of the fusion is disabled by options (disabled_patterns)"
         return NearMiss(family[0].name, evidence.name, f"{reason}; at {context}",
                         module_path(evidence), f"{reason}; at {shown}")
-    # only the patterns whose distinctive ops the layer holds can match there: the others are
-    # not traced (kda_decode's 1024 variants, all fitting a graph where no short conv is
-    # recognised, took a bf16 compile 30-90 s to trace here); one is kept, so that the near
-    # miss still names a node
-    have = cone_ops(nodes)
-    tried = [p for p in live if all(have[d] for d in p.distinctive)] or live[:1]
     tries = []
-    for p in tried:
+    for p in live:
         depth, anchors = reach(p), p.anchors
         near = cone(evidence, depth) if upstream else _users(evidence, depth)
         for node in (n for n in nodes if n.target in anchors and n in near):
