@@ -12,10 +12,12 @@ cast is none):
 
 Exact: a cast is elementwise and a split moves no value; the same values, dtypes and shapes.
 
-Taken: a `split` / `split_with_sizes` (what `chunk` and `split` trace to) whose input is a
-float-to-float cast read by nothing else, every piece read through `getitem`. Left alone: a
-cast also read whole (it would then be computed twice), an integer cast, a split whose pieces
-are read otherwise.
+Taken: a `split` / `split_with_sizes` (what `chunk` and `split` trace to) into two pieces (gate,
+up) whose input is an fp32 upcast of a bf16 / fp16 GEMM output (mm / bmm / addmm, through
+layout ops), read by nothing else. Left alone: a cast also read whole (it would then be computed
+twice), a cast of anything but a GEMM (spell5's bf16 KDA rounds its fp32 short conv and splits
+q|k|v: the kda_decode pattern has that cast before the split), a downcast, an integer cast, a
+split into more pieces.
 """
 
 from __future__ import annotations
@@ -27,22 +29,33 @@ from torch import fx
 
 from k3compile.canonical import Rule, rewrite_sites
 from k3compile.canonical.region import val as _val
-from k3compile.graph import call
+from k3compile.graph import RESHAPES, call
 
 aten = torch.ops.aten
 CAST = torch.ops.prims.convert_element_type.default
 SPLITS = {aten.split.Tensor, aten.split_with_sizes.default}
+GEMMS = {aten.mm.default, aten.bmm.default, aten.addmm.default}
+LOW = (torch.bfloat16, torch.float16)
+LAYOUT = RESHAPES | {aten.permute.default, aten.unsqueeze.default, aten.squeeze.dim,
+                     aten.clone.default}
+
+
+def _gemm(node) -> bool:
+    """node is a GEMM's output, through layout ops (an einsum's bmm read back)."""
+    while isinstance(node, fx.Node) and node.target in LAYOUT:
+        node = node.args[0]
+    return isinstance(node, fx.Node) and node.target in GEMMS
 
 
 def _site(node: fx.Node) -> bool:
     cast = node.args[0]
-    if not (isinstance(cast, fx.Node) and cast.target is CAST and len(cast.users) == 1):
+    if not (isinstance(cast, fx.Node) and cast.target is CAST and len(cast.users) == 1
+            and _gemm(cast.args[0])):
         return False
     val, src = _val(cast), _val(cast.args[0])
-    if val is None or src is None or not (val.dtype.is_floating_point
-                                          and src.dtype.is_floating_point):
+    if val is None or src is None or val.dtype != torch.float32 or src.dtype not in LOW:
         return False
-    return all(u.target is operator.getitem for u in node.users)
+    return len(node.users) == 2 and all(u.target is operator.getitem for u in node.users)
 
 
 def _write(graph: fx.Graph, split: fx.Node, _) -> None:

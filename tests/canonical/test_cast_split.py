@@ -1,6 +1,7 @@
 """Rule `cast_split`: an upcast of a merged gate|up GEMM's output before its chunk / split
 (spell10's `gate_up.float().chunk(2, -1)`) becomes the split, then a cast of each piece, bit for
-bit; a cast also read whole, or an integer cast, stays where it is."""
+bit; a cast also read whole, a downcast, the upcast of anything but a GEMM, a split into three
+(spell5's rounded q|k|v conv) or an integer cast stays where it is."""
 
 from __future__ import annotations
 
@@ -50,13 +51,29 @@ def cast_read_whole(x, w):
     return (g * u).to(x.dtype), h.sum(-1)
 
 
+def rounded_conv_split(x, w):  # spell5's bf16 KDA: an fp32 value rounded, then q|k|v split
+    q, k, v = (F.linear(x, w).float() * 2).to(x.dtype).split(INTER * 2 // 3, dim=-1)
+    return q + k + v
+
+
+def upcast_of_no_gemm(x, w):
+    g, u = torch.cat([x, x], dim=-1).float().chunk(2, dim=-1)
+    return (g * u).to(x.dtype) + F.linear(x, w).sum()
+
+
+def three_pieces(x, w):
+    a, b, c = F.linear(x, w).float().split(INTER * 2 // 3, dim=-1)
+    return (a * b * c).to(x.dtype)
+
+
 def integer_cast(x, w):
     codes = (F.linear(x, w) > 0).to(torch.int32)
     a, b = codes.chunk(2, dim=-1)
     return a + b
 
 
-@pytest.mark.parametrize("spelled", [cast_read_whole, integer_cast])
+@pytest.mark.parametrize("spelled", [cast_read_whole, rounded_conv_split, upcast_of_no_gemm,
+                                     three_pieces, integer_cast])
 def test_look_alikes_are_left_alone(spelled):
     c = canonicalize(spelled, _inputs())
     assert not c.counts.get("cast_split")
