@@ -22,15 +22,18 @@ STATES = (kda_decode.NAMES.index("conv_state"), kda_decode.NAMES.index("recurren
 SPELL9 = (False, True, False, True, True, True)  # time-major conv state, Flax norm, bf16 conv
 REDTEAM = (True, False, False, True, False, True)  # fla's fp32 norm on an fp32 o, bf16 conv
 SPELL7 = (True, False, True, True, False, True)  # the red-team's, on a V-major state (session 28)
+# the built-in norm (o rounded first: rule norm_round), bf16 conv, V-major state (session 29)
+SPELL6 = (False, False, True, False, False, True)
 FLAGS = {SPELL9: {"conv_time_major": True, "o_fp32": True, "norm_weight_fp32": True,
                       "conv_rounded": True},
          REDTEAM: {"norm_fp32": True, "o_fp32": True, "conv_rounded": True},
          SPELL7: {"norm_fp32": True, "state_v_major": True, "o_fp32": True,
-                  "conv_rounded": True}}
-SPELLINGS = [SPELL9, REDTEAM, SPELL7]
+                  "conv_rounded": True},
+         SPELL6: {"state_v_major": True, "conv_rounded": True}}
+SPELLINGS = [SPELL9, REDTEAM, SPELL7, SPELL6]
 
 # the nearest variants before these flags: the built-in norm, fla's norm on an fp32 o; fp32 conv
-WITHOUT = {SPELL9: (False, True), REDTEAM: REDTEAM[:4], SPELL7: SPELL7[:4]}
+WITHOUT = {SPELL9: (False, True), REDTEAM: REDTEAM[:4], SPELL7: SPELL7[:4], SPELL6: SPELL6[:3]}
 
 
 def _variant(T, B, flags, dtype=torch.bfloat16):
@@ -210,7 +213,8 @@ def test_kernel_takes_the_flags(flags):
 def test_cuda_op_equals_the_cpu_reference(flags, B, T):
     """on CUDA, at K3's head dim: the builds against the CPU reference, states included, two
     steps on the carried states (SPELL9 and REDTEAM passed on the H200, 2026-12-05: their GPU
-    graphs' deferral went; SPELL7's V-major build not yet run: `v_major_rounding_refusal`)"""
+    graphs' deferral went; SPELL7's and SPELL6's V-major builds not yet run:
+    `v_major_rounding_refusal`)"""
     args = _kernel_inputs(B, T, flags[1])
     cpu = _clone(args)
     cuda = [a.cuda() if isinstance(a, torch.Tensor) else a for a in args]
