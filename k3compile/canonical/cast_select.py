@@ -34,8 +34,9 @@ LOW = (torch.bfloat16, torch.float16)
 def _site(x: fx.Node) -> torch.dtype | None:
     """The wider dtype every select of x is cast to, where x is a site."""
     v = val(x)
-    if v is None or v.dtype not in LOW or not x.users:
-        return None
+    if v is None or v.dtype not in LOW or not x.users or not all(
+            isinstance(d, int) for d in v.shape):
+        return None  # a symbolic size: which indices the selects cover is not known
     dims, seen, wide = set(), set(), set()
     for sel in x.users:
         if sel.target is not aten.select.int or sel.args[0] is not x or not sel.users:
