@@ -44,7 +44,7 @@ ORDER: tuple[str, ...] = ("scatter_rows", "paged_write", "token_dim", "state_wri
                           "baddbmm_split", "head_rows", "state_matvec", "state_transpose", "delta_einsum", "heads_first",
                           "norm_round", "conv_states", "conv_merge", "gate_up_split",
                           "index_slice",
-                          "depth_mix", "slice_split", "group_limit", "noop_view", "cast_view",
+                          "depth_mix", "slice_split", "group_limit", "noop_view", "cast_select", "cast_view",
                           "cast_merge",
                           "broadcast",
                           "take_along",

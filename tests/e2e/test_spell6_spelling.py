@@ -1,5 +1,5 @@
 """A sixth spelling of K3 (`tests/models/spell6_k3.py`, written blind from the spec) under
-backend="k3": values hold; the fused plan loses KDA in bf16
+backend="k3": values hold; the fused plan is the built-in's, fp32 and bf16
 (docs/spell6_spelling.md).
 
 Values (these must pass): the spelling's eager step equals the built-in model's on the same state
@@ -35,7 +35,7 @@ switched to another spelling of the same math: the causes.
   (`repeat_interleave` of z, the flat ids, an `index_add_` finalize): rule `expert_rows` (session
   24, helper dispatch) proves them the k slots at once; probe `moe_nk` (the slots [N, k] with a
   sum finalize) restored the op before it and still does.
-* fb_kda_decode (0, 1): closed in fp32 (session 26, helper kdarows), open in bf16. Bisected
+* fb_kda_decode (0, 1): closed in fp32 (session 26, helper kdarows) and bf16 (session 29). Bisected
   (session 24, helper kdagaps): probes `kda_heads`
   (the delta rule on [B, H, ., .], no `flatten(0, 1)` to [B*H] rows, the rank-1 write a broadcast
   product instead of `baddbmm`) and `kda_kmajor` (the state buffer K-major) together bring it
@@ -46,16 +46,21 @@ switched to another spelling of the same math: the causes.
   kdavar) by the ops' `state_v_major` and rule `state_transpose`; probe `kda_heads` alone now
   restores the op. The [B*H] rows with `baddbmm`: closed (session 26, helper kdarows) by rule
   `head_rows` (the rows' delta rule, after `baddbmm_split`, run on the [B, H, ...] tensors they
-  were flattened from, bit for bit). bf16 stays lost, with the probe too: its first near miss
-  (probe on, the KDA layer traced alone) is the short conv's fp32 upcast, not the recurrence.
+  were flattened from, bit for bit). bf16: closed (session 29, helper spell6kda) by rule
+  `cast_select`: the delta rule upcasts v token by token (`v[:, i].float()`), where the pattern
+  upcasts v whole and selects the tokens after; the conv (bf16 `F.conv1d`, then `F.silu`) is
+  kda_decode's `conv_rounded` variant, and the output norm (o fp32, normed, rounded, the weight
+  and gate in bf16) is the built-in's after rule `norm_round` (o rounded first: within an ulp of
+  bf16, as before the fusion); the fused step equals the unfused compiled one bit for bit.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch._dynamo
 
-from tests.conftest import TOL
+from tests.conftest import TOL, rel_err
 from tests.fusions.attention_checks import one_thread  # noqa: F401
 from tests.models.spell6_k3 import from_builtin, state_of
 from tests.spellings import foreign
@@ -69,17 +74,16 @@ EAGER_TOL = 1e-5  # measured 1.9e-6 (logits, T = 1), 1.6e-6 (T = 3), states <= 1
 _KDA = {"fb_kda_decode": 1}
 _MLA = {"mla_q_absorb": 1, "mla_decode": 1, "mla_uv_gate": 1}
 _MOE = {"moe_experts": 1}
-# layer -> the built-in plan's ops this spelling's plan lacks (a layer not named: none)
-_LOST = {0: _KDA, 1: _KDA}
 # fp32: the MLA trio fuses (rules scatter_rows' grid index, sdpa_math) and fb_kda_decode (rule
 # head_rows, session 26); layer 0's input norm, computed in the model's forward (no module), is
 # counted in layer 0, the one layer it feeds, since session 27 (the engine's `_site_module`;
 # before, outside the layers, FINAL). bf16: the MLA trio fuses since rule mla_upcast (session 28;
-# SDPA's math path scores in fp32 from bf16 q, k, v); fb_kda_decode is lost in bf16 with
-# probe `kda_heads` too (another cause, upstream of the recurrence)
-LOST = {torch.float32: {}, torch.bfloat16: _LOST}
+# SDPA's math path scores in fp32 from bf16 q, k, v); fb_kda_decode since rule cast_select
+# (session 29: v upcast per token in the delta rule)
+# layer -> the built-in plan's ops this spelling's plan lacks (a layer not named: none)
+LOST = {torch.float32: {}, torch.bfloat16: {}}
 # (pattern, dtype) whose loss must come with a near miss in that layer naming a node
-DIAGNOSED = (("kda_decode", torch.bfloat16),)
+DIAGNOSED = ()
 
 
 @pytest.fixture(scope="module")
@@ -172,3 +176,83 @@ def test_probes_name_the_cause_of_each_gap(gap):
     for layer, ops in restored.items():
         for op in ops:
             assert got[layer][op] == 1, (gap, layer, op, dict(got[layer]))
+
+
+def _kda(probes):
+    """spell6's layer-0 KDA module alone (the bf16 built-in's weights: A_log and dt_bias fp32),
+    its states filled with random values"""
+    kda = from_builtin(_builtin(torch.bfloat16)).set_probe(*probes).blocks[0].mixer
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        kda.conv_state.copy_(torch.randn(kda.conv_state.shape, generator=g))
+        kda.ssm.copy_(torch.randn(kda.ssm.shape, generator=g) * 0.1)
+    return kda
+
+
+def _kda_compile(kda, **options):
+    torch._dynamo.reset()
+    return torch.compile(kda, backend="k3", fullgraph=True,
+                         options={"executor": "aten", "keep_graphs": False, **options})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("B,T,probes", [(2, 1, ()), (1, 1, ()), (2, 3, ()), (1, 2, ()),
+                                         (2, 1, ("kda_heads",))])
+def test_bf16_kda_step_fuses_and_equals_the_unfused_step(B, T, probes):
+    """bf16 (session 29): the KDA step takes fb_kda_decode's V-major conv_rounded variant once
+    rule cast_select moves v's per-token upcasts before the selects, and equals the unfused
+    compiled step (the same rules, no KDA pattern) over three steps on the carried states, the
+    output and both states bit for bit. Against eager: the conv state bit for bit, the fp32
+    recurrent state within fp32 summation order, the output within rule norm_round's rounding
+    of the output norm (o rounded to bf16 before it: within an ulp of bf16, before the fusion
+    too)."""
+    import k3compile.backend as k3be
+
+    eager, fused, unfused = _kda(probes), _kda(probes), _kda(probes)
+    step = _kda_compile(fused)
+    reference = _kda_compile(unfused, disabled_patterns=frozenset({"kda_decode", "fb_kda_decode"}))
+    g, slots = torch.Generator().manual_seed(1), torch.tensor([3, 0][:B])
+    hits = None
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(B, T, eager.w_qkv.shape[1], generator=g).bfloat16()
+            got = step(x, slots)
+            if hits is None:
+                (report,) = k3be.last_compiled().observer.reports.values()
+                hits = {h.pattern for h in report.hits}
+            assert torch.equal(got, reference(x, slots))
+            assert torch.equal(fused.conv_state, unfused.conv_state)
+            assert torch.equal(fused.ssm, unfused.ssm)
+            want = eager(x, slots)
+            assert rel_err(got, want) <= 1e-2  # measured <= 5.7e-3 (B 2 / 1, T 1-3)
+            assert torch.equal(fused.conv_state, eager.conv_state)
+            assert rel_err(fused.ssm, eager.ssm) <= 1e-6
+    assert "fb_kda_decode[state_v_major,conv_rounded]" in hits, hits
+    assert f"kda_decode[T={T},B={'1' if B == 1 else 'n'},bfloat16,state_v_major,conv_rounded]" \
+        in hits, hits
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rule", ["cast_select", "norm_round"])
+def test_bf16_kda_step_without_the_rule_is_not_fused(rule):
+    """without rule cast_select the step stays unfused, and kda_decode's V-major conv_rounded
+    variant names v's per-token upcast where it expects the token select; without norm_round
+    (spell6's norm on the unrounded o, a look-alike of the built-in norm one rounding away) no
+    variant takes the step either, and the unfused step equals eager bit for bit: the output's
+    distance to eager above is norm_round's"""
+    import k3compile.backend as k3be
+
+    eager, kda = _kda(()), _kda(())
+    step = _kda_compile(kda, disabled_rules=frozenset({rule}))
+    g, slots = torch.Generator().manual_seed(1), torch.tensor([3, 0])
+    x = torch.randn(2, 1, kda.w_qkv.shape[1], generator=g).bfloat16()
+    with torch.no_grad():
+        got, want = step(x, slots), eager(x, slots)
+    (report,) = k3be.last_compiled().observer.reports.values()
+    assert not {h.pattern for h in report.hits if "kda_decode" in h.pattern}
+    (miss,) = (m.reason for m in report.near_misses
+               if m.pattern == "kda_decode[T=1,B=n,bfloat16,state_v_major,conv_rounded]")
+    if rule == "cast_select":
+        assert "prims.convert_element_type float32[2, 4, 64]" in miss and "select" in miss, miss
+    else:
+        assert torch.equal(got, want) and torch.equal(kda.conv_state, eager.conv_state)

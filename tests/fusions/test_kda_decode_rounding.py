@@ -24,15 +24,18 @@ STATES = (kda_decode.NAMES.index("conv_state"), kda_decode.NAMES.index("recurren
 SPELL9 = (False, True, False, True, True, True)  # time-major conv state, Flax norm, bf16 conv
 REDTEAM = (True, False, False, True, False, True)  # fla's fp32 norm on an fp32 o, bf16 conv
 SPELL7 = (True, False, True, True, False, True)  # the red-team's, on a V-major state (session 28)
+# the built-in norm (o rounded first: rule norm_round), bf16 conv, V-major state (session 29)
+SPELL6 = (False, False, True, False, False, True)
 FLAGS = {SPELL9: {"conv_time_major": True, "o_fp32": True, "norm_weight_fp32": True,
                       "conv_rounded": True},
          REDTEAM: {"norm_fp32": True, "o_fp32": True, "conv_rounded": True},
          SPELL7: {"norm_fp32": True, "state_v_major": True, "o_fp32": True,
-                  "conv_rounded": True}}
-SPELLINGS = [SPELL9, REDTEAM, SPELL7]
+                  "conv_rounded": True},
+         SPELL6: {"state_v_major": True, "conv_rounded": True}}
+SPELLINGS = [SPELL9, REDTEAM, SPELL7, SPELL6]
 
 # the nearest variants before these flags: the built-in norm, fla's norm on an fp32 o; fp32 conv
-WITHOUT = {SPELL9: (False, True), REDTEAM: REDTEAM[:4], SPELL7: SPELL7[:4]}
+WITHOUT = {SPELL9: (False, True), REDTEAM: REDTEAM[:4], SPELL7: SPELL7[:4], SPELL6: SPELL6[:3]}
 
 
 def _variant(T, B, flags, dtype=torch.bfloat16):
@@ -202,7 +205,7 @@ def test_cuda_op_equals_the_cpu_reference(cuda_kernels, flags, B, T):
                               STATES, flags)
 
 
-@pytest.mark.parametrize("flags", SPELLINGS, ids=["spell9", "redteam", "spell7"])
+@pytest.mark.parametrize("flags", SPELLINGS, ids=["spell9", "redteam", "spell7", "spell6"])
 def test_site_fuses_on_gpu_graphs(flags):
     """As on a GPU graph (`kernels_only`): the builds passed their GPU test with the kernel
     launched (`test_cuda_op_equals_the_cpu_reference`, H100, 2026-12-06, session 29;

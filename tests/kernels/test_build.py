@@ -290,7 +290,8 @@ def test_kda_o_fp32_builds(scalars, b, monkeypatch, tmp_path):
 # kda_decode's session-27 rounding builds: `conv_rounded` (the conv rounded to bf16 before its
 # SiLU: the red-team spelling, with fla's norm on an fp32 o; spell7's the same on a V-major
 # state, session 28) and `norm_weight_fp32` (spell9's Flax norm on an fp32 o, time-major conv
-# state, conv rounded too): decode at one TP16 rank
+# state, conv rounded too; spell6's the built-in norm on a V-major state, session 29): decode at
+# one TP16 rank
 ROUNDING = [((1, 6, 4), 1)]
 
 
@@ -306,6 +307,7 @@ def test_kda_rounding_builds(scalars, b, monkeypatch, tmp_path):
               "red_plain": {"norm_fp32": True, "o_fp32": True},
               "s7": {"norm_fp32": True, "o_fp32": True, "conv_rounded": True,
                      "state_v_major": True},
+              "s6": {"conv_rounded": True, "state_v_major": True},
               "s9": {"norm_weight_fp32": True, "o_fp32": True, "conv_rounded": True,
                          "conv_time_major": True},
               "s9_fla": {"norm_fp32": True, "o_fp32": True, "conv_rounded": True,
@@ -315,11 +317,14 @@ def test_kda_rounding_builds(scalars, b, monkeypatch, tmp_path):
         (tmp_path / name).mkdir()
         built = kda_decode.build(*scalars, cfg, arch=ARCH, dump_dir=str(tmp_path / name),
                                  **flags)
-        if name in ("red", "s9", "s7"):
+        if name in ("red", "s9", "s7", "s6"):
             _check_cubin(built)
         cvt[name] = ptx_of(built).count("cvt.rn.bf16.f32")
     assert cvt["red"] > cvt["red_plain"]  # measured 10 against 5 a thread at T = 1, bucket 1
     assert cvt["s7"] == cvt["red"]  # the V-major state moves no rounding
+    # the built-in norm rounds o, the normed row, its product with the weight and the gate
+    # where fla's rounds once at the store
+    assert cvt["s6"] > cvt["s7"]
     out_per_thread = -(-kda_decode.tile(cfg).out_vectors(scalars[0]) // cfg.threads) * 8
     assert cvt["s9"] - cvt["s9_fla"] == 2 * out_per_thread
 
