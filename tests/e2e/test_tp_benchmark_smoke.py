@@ -6,6 +6,7 @@ tiny config; and its row chunking and rank merging in process."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -26,6 +27,39 @@ WORLD = 2
 bench = load_benchmark("tp_decode")
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every process below pid (Linux /proc: each thread's children)."""
+    found, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            tids = os.listdir(f"/proc/{p}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                with open(f"/proc/{p}/task/{tid}/children") as f:
+                    kids = [int(k) for k in f.read().split()]
+            except OSError:
+                kids = []
+            found += kids
+            todo += kids
+    return found
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL the launcher, its process group and every process below it. torchrun's ranks run
+    in sessions of their own, so the group kill alone missed them, and a rank left stuck in a
+    collective held the pipes open: `communicate()` then waited forever and hung the slow run
+    (session 29, with other pytests on the two cores)."""
+    victims = _descendants(pid)  # before the kill: orphans are reparented out of reach
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)
+    for p in victims:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p, signal.SIGKILL)
+
+
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
     out = tmp_path_factory.mktemp("tp_decode")
@@ -41,7 +75,7 @@ def smoke(tmp_path_factory):
         try:
             stdout, stderr = proc.communicate(timeout=300)
         except subprocess.TimeoutExpired:  # a rank stuck in a collective: show where
-            os.killpg(proc.pid, signal.SIGKILL)
+            _kill_tree(proc.pid)
             stdout, stderr = proc.communicate()
             pytest.fail(f"tp_decode smoke timed out:\n{stdout}\n{stderr}"[-6000:])
     assert proc.returncode == 0, (stdout + stderr)[-6000:]
