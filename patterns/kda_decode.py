@@ -216,19 +216,15 @@ GPU_TESTED_FLAGS = frozenset({"norm_fp32", "conv_time_major", "state_v_major", "
                               "norm_weight_fp32", "conv_rounded"})
 
 
-def untested_flags(**flags: bool) -> list[str]:
-    """The flags set in `flags` whose kernel build has not passed a GPU test."""
-    return sorted(f for f, on in flags.items() if on and f not in GPU_TESTED_FLAGS)
-
-
 def kernel_refusal(three_states: bool = False, state_v_major: bool = False,
                    conv_rounded: bool = False, *, conv_time_major: bool = False,
                    o_fp32: bool = False, norm_weight_fp32: bool = False):
     """The GPU graphs' refusal of a variant whose kernel build is untested on a GPU (a function
     of the match, as `Pattern.kernel_refusal` wants), or None."""
-    untested = untested_flags(three_conv_states=three_states, state_v_major=state_v_major,
-                              conv_rounded=conv_rounded, conv_time_major=conv_time_major,
-                              o_fp32=o_fp32, norm_weight_fp32=norm_weight_fp32)
+    flags = {"three_conv_states": three_states, "state_v_major": state_v_major,
+             "conv_rounded": conv_rounded, "conv_time_major": conv_time_major,
+             "o_fp32": o_fp32, "norm_weight_fp32": norm_weight_fp32}
+    untested = sorted(f for f, on in flags.items() if on and f not in GPU_TESTED_FLAGS)
     if not untested:
         return None
     why = f"{', '.join(untested)}: kda_decode's kernel build has not passed a GPU test yet"
