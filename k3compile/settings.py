@@ -49,7 +49,7 @@ SWITCHES: dict[str, tuple[str, str]] = {
                           "`all`, `0`)"), "split,situ"),
     "K3_MOE_GROUPED": ("kernels: `moe_experts` by expert on tensor cores at 8-64 rows", "0"),
     "K3_MOE_F16": (("kernels: `moe_experts` decodes into packed fp16 math (fma.rn.f16x2): `auto` "
-                    "at buckets of 32 rows and more, `1` at every bucket, `0` never"), "auto"),
+                    "at buckets of 16 rows and more, `1` at every bucket, `0` never"), "auto"),
     "K3_KDA_FB": (("kernels: `fb_kda_decode` in one launch (the KDA kernel computes the f_b "
                    "projection itself; the default is the f_b GEMM, then the KDA kernel)"), "0"),
     "K3_CHECK_KERNEL": (("kernels: the device-side input check and redirect (`validate=device` on "

@@ -59,12 +59,13 @@ CHUNK_VECTORS = 12  # ... and above, two chunks of 12 (I % 384 == 0): ~105-115 r
 STAGE_VECTORS = 8  # most act vectors per thread in flight while FC2 stages act in shared memory
 SMEM_BYTES = 227 * 1024  # per CTA on sm_90
 # K3_MOE_F16=auto: the packed fp16 decode from this bucket up. On the H100 yardstick (2026-12-05,
-# BENCHMARKS.md session 27) it gained 6.6% at B32 and 9-11% at B64, 3.0% at B16 and 1.6% at B8:
-# below the 5% a tuned choice must win by.
-F16_AUTO_ROWS = 32
+# BENCHMARKS.md session 27) it gained 6.6% at B32 and 9-11% at B64; with FC1 at 8 warps x 1 row
+# (F16_SWEPT_ROWS), 8.6% at B16 and 1.3% at B8 (2026-12-06, session 30): B8 stays under the 5% a
+# tuned choice must win by.
+F16_AUTO_ROWS = 16
 # with the fp16 decode (auto or K3_MOE_F16=1), FC1 takes 8 warps x 1 row from this bucket up (the
-# sweeps at 8-64 rows); the fp16 decode at 8-16 rows with it: B8 -7.9%, B16 -10.4% against the
-# fp32 decode in the microbenchmark (H100, 2026-12-06), not yet A/B'd in the yardstick
+# sweeps at 8-64 rows: B8 -7.9%, B16 -10.4% against the fp32 decode in the microbenchmark, H100,
+# 2026-12-06)
 F16_SWEPT_ROWS = 8
 Z_SHIFT = 96  # activations are staged times 2^Z_SHIFT (see the docstring)
 SCALE_BIAS = 126 - Z_SHIFT  # fp32 exponent field of a group's factor = scale byte + SCALE_BIAS

@@ -388,7 +388,7 @@ def check(z, ids, w, experts, out=None, vs_reference=True):
     got = kernel.moe_experts_cuda(z, ids, w, *experts, BETA, LINEAR_BETA, out=out)
     assert got is out, "the kernels did not run (fallback)"
     assert_written(out)
-    # the decode of the whole call's bucket (K3_MOE_F16 `auto`: fp16 from 32 rows), not of a chunk's
+    # the decode of the whole call's bucket (K3_MOE_F16 `auto`: fp16 from F16_AUTO_ROWS), not of a chunk's
     f16 = kernel.f16_decode(kernel.bucket(len(z)))
     model = _by_rows(kernels_model, z, ids, w, experts, f16=f16)
     torch.testing.assert_close(out.float(), model.float(), **TOL["bf16"])
