@@ -52,10 +52,6 @@ import torch
 from tests.fusions.attention_checks import one_thread  # noqa: F401
 from tests.models.redteam_k3 import from_builtin, state_of
 from tests.spellings import foreign
-from tests.spellings.foreign import builtin as _builtin
-from tests.spellings.foreign import compile_k3 as _compile
-from tests.spellings.foreign import per_layer as _per_layer
-from tests.spellings.foreign import steps as _steps
 
 EAGER_TOL = 1e-5  # measured 1.7e-6 (logits), 1.6e-6 (states) over 4 steps
 
@@ -97,12 +93,4 @@ PROBE_FIXES = {
 @pytest.mark.slow
 @pytest.mark.parametrize("gap", sorted(PROBE_FIXES))
 def test_probes_name_the_cause_of_each_gap(gap):
-    probes, restored = PROBE_FIXES[gap]
-    builtin = _builtin(torch.float32)
-    model = from_builtin(builtin).set_probe(*probes)
-    assert _steps(model, builtin, n=2) <= EAGER_TOL  # a probe keeps the math
-    _steps(_compile(from_builtin(builtin).set_probe(*probes)), model, n=1)
-    got = _per_layer(foreign.last_compiled())
-    for layer, ops in restored.items():
-        for op in ops:
-            assert got[layer][op] == 1, (gap, layer, op, dict(got[layer]))
+    foreign.assert_probes_restore(from_builtin, *PROBE_FIXES[gap], EAGER_TOL)

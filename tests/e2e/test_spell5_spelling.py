@@ -80,15 +80,7 @@ PROBE_FIXES = {
 @pytest.mark.slow
 @pytest.mark.parametrize("gap", sorted(PROBE_FIXES))
 def test_probes_name_the_cause_of_each_gap(gap):
-    probes, restored = PROBE_FIXES[gap]
-    builtin = _builtin(torch.float32)
-    model = from_builtin(builtin).set_probe(*probes)
-    assert _steps(model, builtin, n=2) <= EAGER_TOL  # a probe keeps the math
-    _steps(_compile(from_builtin(builtin).set_probe(*probes)), model, n=1)
-    got = _per_layer(foreign.last_compiled())
-    for layer, ops in restored.items():
-        for op in ops:
-            assert got[layer][op] == 1, (gap, layer, op, dict(got[layer]))
+    foreign.assert_probes_restore(from_builtin, *PROBE_FIXES[gap], EAGER_TOL)
 
 
 @pytest.mark.slow

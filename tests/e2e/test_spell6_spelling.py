@@ -65,9 +65,7 @@ from tests.fusions.attention_checks import one_thread  # noqa: F401
 from tests.models.spell6_k3 import from_builtin, state_of
 from tests.spellings import foreign
 from tests.spellings.foreign import builtin as _builtin
-from tests.spellings.foreign import compile_k3 as _compile
 from tests.spellings.foreign import per_layer as _per_layer
-from tests.spellings.foreign import steps as _steps
 
 EAGER_TOL = 1e-5  # measured 1.9e-6 (logits, T = 1), 1.6e-6 (T = 3), states <= 1.2e-6 over 4 steps
 
@@ -128,15 +126,7 @@ PROBE_FIXES = {
 @pytest.mark.slow
 @pytest.mark.parametrize("gap", sorted(PROBE_FIXES))
 def test_probes_name_the_cause_of_each_gap(gap):
-    probes, restored = PROBE_FIXES[gap]
-    builtin = _builtin(torch.float32)
-    model = from_builtin(builtin).set_probe(*probes)
-    assert _steps(model, builtin, n=2) <= EAGER_TOL  # a probe keeps the math
-    _steps(_compile(from_builtin(builtin).set_probe(*probes)), model, n=1)
-    got = _per_layer(foreign.last_compiled())
-    for layer, ops in restored.items():
-        for op in ops:
-            assert got[layer][op] == 1, (gap, layer, op, dict(got[layer]))
+    foreign.assert_probes_restore(from_builtin, *PROBE_FIXES[gap], EAGER_TOL)
 
 
 def _kda(probes):

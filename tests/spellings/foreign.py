@@ -165,6 +165,22 @@ def assert_lost_where_near_missed(result, pattern: str, lost: dict):
         assert named.get(layer), (pattern, layer)
 
 
+def assert_probes_restore(from_builtin, probes: tuple, restored: dict, eager_tol: float) -> None:
+    """With `probes` on (`set_probe`: the named idioms switched to another spelling of the same
+    math) the spelling still steps as the built-in model (fp32, within `eager_tol`), and compiled
+    it has each op of `restored` (layer -> ops) once in that layer: the probes name a gap's
+    cause."""
+    ref = builtin(torch.float32)
+    model = from_builtin(ref).set_probe(*probes)
+    err = steps(model, ref, n=2)
+    assert err <= eager_tol, (probes, err)  # a probe keeps the math
+    steps(compile_k3(from_builtin(ref).set_probe(*probes)), model, n=1)
+    got = per_layer(last_compiled())
+    for layer, ops in restored.items():
+        for op in ops:
+            assert got[layer][op] == 1, (probes, layer, op, dict(got[layer]))
+
+
 def define_common_tests(namespace: dict, name: str, from_builtin, state_of, *,
                         lost_by_dtype: dict, eager_tol: float, rows: tuple | None = (0, 3),
                         diagnosed: tuple | None = None,
