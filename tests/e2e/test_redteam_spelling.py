@@ -49,14 +49,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import TOL
 from tests.fusions.attention_checks import one_thread  # noqa: F401
 from tests.models.redteam_k3 import from_builtin, state_of
 from tests.spellings import foreign
-from tests.spellings.foreign import builtin as _builtin
-from tests.spellings.foreign import compile_k3 as _compile
-from tests.spellings.foreign import per_layer as _per_layer
-from tests.spellings.foreign import steps as _steps
 
 EAGER_TOL = 1e-5  # measured 1.7e-6 (logits), 1.6e-6 (states) over 4 steps
 
@@ -77,46 +72,9 @@ LOST[torch.bfloat16] = LOST[torch.float32]
 DIAGNOSED = ()
 
 
-@pytest.fixture(scope="module")
-def red_fp32():
-    return foreign.run(torch.float32, from_builtin, state_of)
-
-
-@pytest.fixture(scope="module")
-def red_bf16():
-    return foreign.run(torch.bfloat16, from_builtin, state_of)
-
-
-@pytest.fixture(scope="module")
-def reference_plan():
-    return foreign.reference_plan()
-
-
-def test_loads_the_builtin_state_dict_and_equals_it_eagerly():
-    foreign.assert_eager_equals_builtin(from_builtin, state_of, EAGER_TOL)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("run", ["red_fp32", "red_bf16"])
-def test_compiled_equals_its_eager(run, request):
-    tol = TOL["aten_cpu"] if run == "red_fp32" else TOL["diffsuite_bf16"]
-    foreign.assert_compiled_equals_eager(request.getfixturevalue(run), tol)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("run", ["red_fp32", "red_bf16"])
-def test_lost_fusions_are_exactly_the_known_gaps(run, request, reference_plan):
-    """Fails when a gap closes (or a new one opens): update LOST and the module docstring."""
-    dtype = torch.float32 if run == "red_fp32" else torch.bfloat16
-    got = _per_layer(request.getfixturevalue(run)[2])
-    assert foreign.lost(reference_plan, got) == LOST[dtype]
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("pattern,dtype", DIAGNOSED)
-def test_lost_fusions_have_a_near_miss_naming_the_node(pattern, dtype, request):
-    run = request.getfixturevalue("red_fp32" if dtype == torch.float32 else "red_bf16")
-    foreign.assert_lost_where_near_missed(run, pattern, LOST[dtype])
+foreign.define_common_tests(globals(), "red", from_builtin, state_of, lost_by_dtype=LOST,
+                            eager_tol=EAGER_TOL, rows=None, diagnosed=DIAGNOSED,
+                            near_miss_test="test_lost_fusions_have_a_near_miss_naming_the_node")
 
 
 # probes (RedK3.set_probe) that switch the named idioms to the built-in model's, and the ops they
@@ -135,12 +93,4 @@ PROBE_FIXES = {
 @pytest.mark.slow
 @pytest.mark.parametrize("gap", sorted(PROBE_FIXES))
 def test_probes_name_the_cause_of_each_gap(gap):
-    probes, restored = PROBE_FIXES[gap]
-    builtin = _builtin(torch.float32)
-    model = from_builtin(builtin).set_probe(*probes)
-    assert _steps(model, builtin, n=2) <= EAGER_TOL  # a probe keeps the math
-    _steps(_compile(from_builtin(builtin).set_probe(*probes)), model, n=1)
-    got = _per_layer(foreign.last_compiled())
-    for layer, ops in restored.items():
-        for op in ops:
-            assert got[layer][op] == 1, (gap, layer, op, dict(got[layer]))
+    foreign.assert_probes_restore(from_builtin, *PROBE_FIXES[gap], EAGER_TOL)

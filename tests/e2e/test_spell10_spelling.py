@@ -58,47 +58,8 @@ LOST = {
 DIAGNOSED = (("kda_decode", torch.float32), ("kda_decode", torch.bfloat16))
 
 
-@pytest.fixture(scope="module")
-def spell10_fp32():
-    return foreign.run(torch.float32, from_builtin, state_of)
-
-
-@pytest.fixture(scope="module")
-def spell10_bf16():
-    return foreign.run(torch.bfloat16, from_builtin, state_of)
-
-
-@pytest.fixture(scope="module")
-def reference_plan():
-    return foreign.reference_plan()
-
-
-@pytest.mark.parametrize("rows", [0, 3])
-def test_loads_the_builtin_state_dict_and_equals_it_eagerly(rows):
-    foreign.assert_eager_equals_builtin(from_builtin, state_of, EAGER_TOL, rows)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("run", ["spell10_fp32", "spell10_bf16"])
-def test_compiled_equals_its_eager(run, request):
-    tol = TOL["aten_cpu"] if run == "spell10_fp32" else TOL["diffsuite_bf16"]
-    foreign.assert_compiled_equals_eager(request.getfixturevalue(run), tol)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("run", ["spell10_fp32", "spell10_bf16"])
-def test_lost_fusions_are_exactly_the_known_gaps(run, request, reference_plan):
-    """Fails when a gap closes (or a new one opens): update LOST and the module docstring."""
-    dtype = torch.float32 if run == "spell10_fp32" else torch.bfloat16
-    got = _per_layer(request.getfixturevalue(run)[2])
-    assert foreign.lost(reference_plan, got) == LOST[dtype]
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("pattern,dtype", DIAGNOSED)
-def test_lost_fusions_have_a_near_miss_naming_a_node(pattern, dtype, request):
-    run = request.getfixturevalue("spell10_fp32" if dtype == torch.float32 else "spell10_bf16")
-    foreign.assert_lost_where_near_missed(run, pattern, LOST[dtype])
+foreign.define_common_tests(globals(), "spell10", from_builtin, state_of, lost_by_dtype=LOST,
+                            eager_tol=EAGER_TOL, diagnosed=DIAGNOSED)
 
 
 # probes (Spell10K3.set_probe) that switch the named idioms to another spelling of the same math,
@@ -114,15 +75,7 @@ PROBE_FIXES = {
 @pytest.mark.slow
 @pytest.mark.parametrize("gap", sorted(PROBE_FIXES))
 def test_probes_name_the_cause_of_each_gap(gap):
-    probes, restored = PROBE_FIXES[gap]
-    builtin = _builtin(torch.float32)
-    model = from_builtin(builtin).set_probe(*probes)
-    assert _steps(model, builtin, n=2) <= EAGER_TOL  # a probe keeps the math
-    _steps(_compile(from_builtin(builtin).set_probe(*probes)), model, n=1)
-    got = _per_layer(foreign.last_compiled())
-    for layer, ops in restored.items():
-        for op in ops:
-            assert got[layer][op] == 1, (gap, layer, op, dict(got[layer]))
+    foreign.assert_probes_restore(from_builtin, *PROBE_FIXES[gap], EAGER_TOL)
 
 
 @pytest.mark.slow

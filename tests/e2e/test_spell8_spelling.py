@@ -68,7 +68,6 @@ import pytest
 import torch
 
 from k3compile.ops.kda_decode import THREE_STATE_OPS
-from tests.conftest import TOL
 from tests.fusions.attention_checks import one_thread  # noqa: F401
 from tests.models.spell8_k3 import from_builtin, state_of
 from tests.spellings import foreign
@@ -95,40 +94,8 @@ LOST = {
 }
 
 
-@pytest.fixture(scope="module")
-def spell8_fp32():
-    return foreign.run(torch.float32, from_builtin, state_of)
-
-
-@pytest.fixture(scope="module")
-def spell8_bf16():
-    return foreign.run(torch.bfloat16, from_builtin, state_of)
-
-
-@pytest.fixture(scope="module")
-def reference_plan():
-    return foreign.reference_plan()
-
-
-@pytest.mark.parametrize("rows", [0, 3])
-def test_loads_the_builtin_state_dict_and_equals_it_eagerly(rows):
-    foreign.assert_eager_equals_builtin(from_builtin, state_of, EAGER_TOL, rows)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("run", ["spell8_fp32", "spell8_bf16"])
-def test_compiled_equals_its_eager(run, request):
-    tol = TOL["aten_cpu"] if run == "spell8_fp32" else TOL["diffsuite_bf16"]
-    foreign.assert_compiled_equals_eager(request.getfixturevalue(run), tol)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("run", ["spell8_fp32", "spell8_bf16"])
-def test_lost_fusions_are_exactly_the_known_gaps(run, request, reference_plan):
-    """Fails when a gap closes (or a new one opens): update LOST and the module docstring."""
-    dtype = torch.float32 if run == "spell8_fp32" else torch.bfloat16
-    got = _per_layer(request.getfixturevalue(run)[2])
-    assert foreign.lost(reference_plan, got) == LOST[dtype]
+foreign.define_common_tests(globals(), "spell8", from_builtin, state_of, lost_by_dtype=LOST,
+                            eager_tol=EAGER_TOL)
 
 
 # probes (Spell8K3.set_probe) that switch the named idioms to another spelling of the same math,

@@ -115,24 +115,8 @@ def diff_model():
     return from_builtin(_builtin(torch.float32)), (ids, torch.tensor([0, 5]), torch.tensor([2, 0]))
 
 
-@pytest.fixture(scope="module")
-def spell9_fp32():
-    return foreign.run(torch.float32, from_builtin, state_of)
-
-
-@pytest.fixture(scope="module")
-def spell9_bf16():
-    return foreign.run(torch.bfloat16, from_builtin, state_of)
-
-
-@pytest.fixture(scope="module")
-def reference_plan():
-    return foreign.reference_plan()
-
-
-@pytest.mark.parametrize("rows", [0, 3])
-def test_loads_the_builtin_state_dict_and_equals_it_eagerly(rows):
-    foreign.assert_eager_equals_builtin(from_builtin, state_of, EAGER_TOL, rows)
+foreign.define_common_tests(globals(), "spell9", from_builtin, state_of, lost_by_dtype=LOST,
+                            eager_tol=EAGER_TOL)
 
 
 @pytest.mark.parametrize("rows", [0, 3])
@@ -145,27 +129,11 @@ def test_probes_keep_the_math(rows):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("run", ["spell9_fp32", "spell9_bf16"])
-def test_compiled_equals_its_eager(run, request):
-    tol = TOL["aten_cpu"] if run == "spell9_fp32" else TOL["diffsuite_bf16"]
-    foreign.assert_compiled_equals_eager(request.getfixturevalue(run), tol)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("run", ["spell9_fp32", "spell9_bf16"])
 def test_the_contract_reads_the_builtin_templates(run, request):
     """Every layer found by the weights it reads (the module paths name none)."""
     compiled = request.getfixturevalue(run)[2]
     (report,) = compiled.contracts.values()
     assert {lr.layer: lr.template for lr in report.layers} == TEMPLATES
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("run", ["spell9_fp32", "spell9_bf16"])
-def test_lost_fusions_are_exactly_the_known_gaps(run, request, reference_plan):
-    """Fails when a gap closes (or a new one opens): update LOST and the module docstring."""
-    dtype = torch.float32 if run == "spell9_fp32" else torch.bfloat16
-    got = foreign.per_layer(request.getfixturevalue(run)[2])
-    assert foreign.lost(reference_plan, got) == LOST[dtype]
 
 
 @pytest.mark.slow

@@ -1,15 +1,18 @@
 """What the tests of a foreign K3 spelling loaded from the built-in model's state dict share
-(tests/e2e/test_redteam_spelling.py, tests/e2e/test_spell5..9_spelling.py): the 4-layer tiny
+(tests/e2e/test_redteam_spelling.py, tests/e2e/test_spell5..10_spelling.py): the 4-layer tiny
 built-in model, the decode loop that compares a step against its eager twin, the eager check
 against the built-in, the compile, the contract's fused ops per layer, the ops a spelling's plan
-lacks, and the layers where a pattern's near misses name a node."""
+lacks, the layers where a pattern's near misses name a node, and `define_common_tests`, which
+writes the tests built from these into a spelling's test module."""
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import re
 
+import pytest
 import torch
 
 import k3compile.backend as k3be
@@ -161,3 +164,88 @@ def assert_lost_where_near_missed(result, pattern: str, lost: dict):
     for layer in lost_at:
         assert named.get(layer), (pattern, layer)
 
+
+def assert_probes_restore(from_builtin, probes: tuple, restored: dict, eager_tol: float) -> None:
+    """With `probes` on (`set_probe`: the named idioms switched to another spelling of the same
+    math) the spelling still steps as the built-in model (fp32, within `eager_tol`), and compiled
+    it has each op of `restored` (layer -> ops) once in that layer: the probes name a gap's
+    cause."""
+    ref = builtin(torch.float32)
+    model = from_builtin(ref).set_probe(*probes)
+    err = steps(model, ref, n=2)
+    assert err <= eager_tol, (probes, err)  # a probe keeps the math
+    steps(compile_k3(from_builtin(ref).set_probe(*probes)), model, n=1)
+    got = per_layer(last_compiled())
+    for layer, ops in restored.items():
+        for op in ops:
+            assert got[layer][op] == 1, (probes, layer, op, dict(got[layer]))
+
+
+def define_common_tests(namespace: dict, name: str, from_builtin, state_of, *,
+                        lost_by_dtype: dict, eager_tol: float, rows: tuple | None = (0, 3),
+                        diagnosed: tuple | None = None,
+                        near_miss_test: str = "test_lost_fusions_have_a_near_miss_naming_a_node"
+                        ) -> None:
+    """Defines in `namespace` (a spelling test module's `globals()`) the fixtures and tests every
+    foreign spelling has, under the names pytest collects them by:
+
+    * fixtures `reference_plan` (the built-in model's plan) and `{name}_fp32` / `{name}_bf16`
+      (`run`'s result in that dtype), module-scoped;
+    * `test_loads_the_builtin_state_dict_and_equals_it_eagerly`: within `eager_tol`, per verify
+      `rows` (not parametrized where `rows` is None: one token);
+    * slow, per dtype: `test_compiled_equals_its_eager` (fp32 within TOL["aten_cpu"], bf16
+      within TOL["diffsuite_bf16"]) and `test_lost_fusions_are_exactly_the_known_gaps`
+      (`lost_by_dtype`, the module's LOST: dtype -> layer -> the reference plan's ops the
+      spelling lacks, exactly);
+    * slow, where `diagnosed` (pairs (pattern, dtype), the module's DIAGNOSED) is given, even
+      empty: `near_miss_test`, every layer that loses the pattern has a near miss of it naming
+      a node.
+
+    LOST and DIAGNOSED stay data in the calling module, where gap-closing changes edit them."""
+    runs = {torch.float32: f"{name}_fp32", torch.bfloat16: f"{name}_bf16"}
+    dtype_of = {fixture: dtype for dtype, fixture in runs.items()}
+    tols = {torch.float32: TOL["aten_cpu"], torch.bfloat16: TOL["diffsuite_bf16"]}
+    per_dtype = pytest.mark.parametrize("run", list(runs.values()))
+
+    def module_fixture(fixture_name, make):
+        return pytest.fixture(scope="module", name=fixture_name)(lambda: make())
+
+    if rows is None:
+        def test_loads_the_builtin_state_dict_and_equals_it_eagerly():
+            assert_eager_equals_builtin(from_builtin, state_of, eager_tol)
+    else:
+        @pytest.mark.parametrize("rows", rows)
+        def test_loads_the_builtin_state_dict_and_equals_it_eagerly(rows):
+            assert_eager_equals_builtin(from_builtin, state_of, eager_tol, rows)
+
+    @pytest.mark.slow
+    @per_dtype
+    def test_compiled_equals_its_eager(run, request):
+        assert_compiled_equals_eager(request.getfixturevalue(run), tols[dtype_of[run]])
+
+    @pytest.mark.slow
+    @per_dtype
+    def test_lost_fusions_are_exactly_the_known_gaps(run, request, reference_plan):
+        """Fails when a gap closes (or a new one opens): update LOST and the module docstring."""
+        got = lost(reference_plan, per_layer(request.getfixturevalue(run)[2]))
+        want = lost_by_dtype[dtype_of[run]]
+        assert got == want, {"lost": got, "LOST": want}
+
+    @pytest.mark.slow
+    @pytest.mark.parametrize("pattern,dtype", diagnosed or ())
+    def test_lost_fusions_have_a_near_miss(pattern, dtype, request):
+        result = request.getfixturevalue(runs[dtype])
+        assert_lost_where_near_missed(result, pattern, lost_by_dtype[dtype])
+
+    namespace.update({
+        "reference_plan": module_fixture("reference_plan", reference_plan),
+        **{fixture: module_fixture(fixture, functools.partial(run, dtype, from_builtin, state_of))
+           for dtype, fixture in runs.items()},
+        "test_loads_the_builtin_state_dict_and_equals_it_eagerly":
+            test_loads_the_builtin_state_dict_and_equals_it_eagerly,
+        "test_compiled_equals_its_eager": test_compiled_equals_its_eager,
+        "test_lost_fusions_are_exactly_the_known_gaps":
+            test_lost_fusions_are_exactly_the_known_gaps,
+    })
+    if diagnosed is not None:
+        namespace[near_miss_test] = test_lost_fusions_have_a_near_miss
