@@ -9,15 +9,9 @@ import pytest
 import torch
 from k3compile.patterns import fb_kda_decode, kda_decode
 
-from k3compile.ops.kda_decode import THREE_STATE_OPS
 from tests.kernel_checks import assert_cuda_op_equals_cpu
 
 from .pattern_checks import rewrite, targets
-
-# torch 2.11 cannot call a custom op that leaves a mutated optional argument out, so the ops have
-# no three-state schema there (k3compile/ops/kda_decode.py, THREE_STATE_OPS)
-pytestmark = pytest.mark.skipif(not THREE_STATE_OPS,
-                                reason="this torch's KDA ops take no three conv states")
 
 N = kda_decode.TENSORS  # the k and v conv states' positions in a three-state variant's inputs
 NAMES = kda_decode.variant_names(True)
@@ -40,9 +34,8 @@ def _clone(args):
 
 
 def _op_args(args, v_major=False):
-    """the op's arguments: NAMES' order, the flags, then the k and v conv states"""
-    return [*kda_decode.unthree(args), False, False, v_major, False, False, False, args[N],
-            args[N + 1]]
+    """the op's arguments: NAMES' order, the k and v conv states, then the flags"""
+    return [*kda_decode.unthree(args), args[N], args[N + 1], False, False, v_major]
 
 
 def _unfused(*args, v_major=False):
@@ -69,7 +62,7 @@ def test_three_states_equal_one_buffer():
     one = list(kda_decode.unthree(_clone(args)))
     one[CONV] = torch.cat([args[CONV], args[N], args[N + 1]], 1)
     o_3 = torch.ops.k3.kda_decode(*_op_args(args))
-    o_1 = torch.ops.k3.kda_decode(*one)
+    o_1 = torch.ops.k3.kda_decode(*one, None, None)
     torch.testing.assert_close(o_3, o_1, rtol=0, atol=0)
     torch.testing.assert_close(torch.cat([args[CONV], args[N], args[N + 1]], 1), one[CONV],
                                rtol=0, atol=0)
@@ -88,7 +81,7 @@ def test_three_states_variant_rewrites_and_equals_eager(dtype, B, T, v_major):
     gm, report = rewrite(fn, _clone(args), [_variant(T, B, dtype, v_major)], joint=True)
     assert [h.op for h in report.hits] == ["k3.kda_decode"], report
     op = next(n for n in gm.graph.nodes if str(n.target) == "k3.kda_decode.default")
-    assert [a.name for a in op.args[-2:]] == [
+    assert [a.name for a in op.args[19:21]] == [
         n.name for n in gm.graph.nodes if n.op == "placeholder"][N:N + 2]
     for w, g in zip(fn(*_clone(args)), gm(*_clone(args))):
         torch.testing.assert_close(g, w, rtol=0, atol=0)
@@ -113,8 +106,7 @@ def test_one_buffer_step_is_not_the_three_states_variant():
 def _fb_step(*args):
     i = fb_kda_decode.NAMES.index
     n = len(fb_kda_decode.NAMES) - len(kda_decode.SCALARS)
-    o = fb_kda_decode.search(*args[:n], *args[n + 2:], *[False] * len(kda_decode.FLAGS),
-                             *args[n:n + 2])
+    o = fb_kda_decode.search(*args[:n], *args[n + 2:], *args[n:n + 2])
     return o, args[i("conv_state")], args[n], args[n + 1], args[i("recurrent_state")]
 
 
@@ -142,7 +134,7 @@ def _kernel_inputs(B, T, S=5, three=True):
             convs[0] if three else torch.cat(convs, 1), torch.randn(S, H, K, K) * 0.1,
             torch.tensor([4, 0, 2][:B]), *(torch.randn(W, 1, taps, dtype=bf) for _ in range(3)),
             torch.randn(H), torch.randn(W), torch.randn(K, dtype=bf), -5.0, 1e-6, K**-0.5, 1e-5]
-    return args + ([*[False] * len(kda_decode.FLAGS), *convs[1:]] if three else [])
+    return args + (convs[1:] if three else [None, None])
 
 
 @pytest.mark.gpu
@@ -151,8 +143,7 @@ def test_cuda_op_equals_the_cpu_reference(cuda_kernels, B, T):
     """on CUDA, at K3's head dim: the three-state build against the CPU reference, the three
     conv states and the recurrent state included, two steps on the carried states"""
     args = _kernel_inputs(B, T)
-    assert_cuda_op_equals_cpu(cuda_kernels, "kda_decode", args,
-                              (6, 7, len(args) - 2, len(args) - 1))
+    assert_cuda_op_equals_cpu(cuda_kernels, "kda_decode", args, (6, 7, 19, 20))
 
 
 def test_kernel_takes_three_states_of_q_width():
@@ -161,7 +152,7 @@ def test_kernel_takes_three_states_of_q_width():
     from k3compile.kernels import kda_decode as kernel
 
     meta = [a.to("meta") if isinstance(a, torch.Tensor) else a for a in _kernel_inputs(2, 1)]
-    tensors, flags, (k_conv, v_conv) = meta[:15], meta[19:-2], meta[-2:]
+    tensors, (k_conv, v_conv) = meta[:15], meta[19:21]
     assert kernel.refusal(*tensors, k_conv_state=k_conv, v_conv_state=v_conv) is None
     assert "three conv states" in kernel.refusal(*tensors, k_conv_state=k_conv)
     assert "three conv states" in kernel.refusal(*tensors, k_conv_state=k_conv,
@@ -172,7 +163,7 @@ def test_kernel_takes_three_states_of_q_width():
     one = [a.to("meta") if isinstance(a, torch.Tensor) else a
            for a in _kernel_inputs(2, 1, three=False)]
     assert kernel.refusal(*one[:15]) is None
-    assert flags == [False] * len(kda_decode.FLAGS)
+    assert kernel.refusal(*one) is None  # the op's arguments in its order: None, None
 
 
 def test_three_states_site_stays_with_inductor_on_gpu_graphs():
