@@ -68,7 +68,7 @@ def test_computed_fb_weight_is_a_near_miss():
 
 
 def step_rows(*args):  # f_a as flat [B*T, R] token rows: f_b a plain mm viewed to [B, T, W]
-    return fb_kda_decode.search_rows(*args), args[STATES[0]], args[STATES[1]]
+    return fb_kda_decode.search_rows(*args, None, None), args[STATES[0]], args[STATES[1]]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -106,7 +106,7 @@ def test_each_norm_is_not_the_other_variant(step_o_fp32):
 
 def _fb_step(*args):
     i = fb_kda_decode.NAMES.index
-    return (fb_kda_decode.search(*args, *O_FP32), args[i("conv_state")],
+    return (fb_kda_decode.search(*args, None, None, *O_FP32), args[i("conv_state")],
             args[i("recurrent_state")])
 
 
@@ -133,7 +133,8 @@ def _kernel_inputs(B, T, S=5):
     return [*(torch.randn(B, T, W, dtype=bf) for _ in range(5)), torch.randn(B, T, H, dtype=bf),
             torch.randn(S, 3 * W, taps - 1, dtype=bf), torch.randn(S, H, K, K) * 0.1,
             torch.tensor([4, 0, 2][:B]), *(torch.randn(W, 1, taps, dtype=bf) for _ in range(3)),
-            torch.randn(H), torch.randn(W), torch.randn(K, dtype=bf), -5.0, 1e-6, K**-0.5, 1e-5]
+            torch.randn(H), torch.randn(W), torch.randn(K, dtype=bf), -5.0, 1e-6, K**-0.5, 1e-5,
+            None, None]
 
 
 def test_kernel_takes_the_flag():

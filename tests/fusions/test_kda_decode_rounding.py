@@ -166,7 +166,7 @@ def test_the_weight_after_the_cast_is_not_the_flax_norm():
 
 def _fb_step(*args):
     i = fb_kda_decode.NAMES.index
-    return (fb_kda_decode.search(*args, *REDTEAM), args[i("conv_state")],
+    return (fb_kda_decode.search(*args, None, None, *REDTEAM), args[i("conv_state")],
             args[i("recurrent_state")])
 
 
@@ -279,7 +279,7 @@ def test_a_written_out_silu_on_the_rounded_conv_stays():
 
 def _fb_rows_step(*args):
     i = fb_kda_decode.NAMES.index
-    return (fb_kda_decode.search_rows(*args, *SPELL7), args[i("conv_state")],
+    return (fb_kda_decode.search_rows(*args, None, None, *SPELL7), args[i("conv_state")],
             args[i("recurrent_state")])
 
 

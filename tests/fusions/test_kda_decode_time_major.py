@@ -101,7 +101,7 @@ def test_channel_major_step_is_not_the_time_major_variant():
 
 def _fb_step(*args):
     i = fb_kda_decode.NAMES.index
-    return (fb_kda_decode.search(*args, False, True), args[i("conv_state")],
+    return (fb_kda_decode.search(*args, None, None, False, True), args[i("conv_state")],
             args[i("recurrent_state")])
 
 

@@ -105,7 +105,7 @@ def test_v_major_step_is_not_the_k_major_variant():
 
 def _fb_step(*args):
     i = fb_kda_decode.NAMES.index
-    return (fb_kda_decode.search(*args, *V_MAJOR), args[i("conv_state")],
+    return (fb_kda_decode.search(*args, None, None, *V_MAJOR), args[i("conv_state")],
             args[i("recurrent_state")])
 
 
