@@ -1,7 +1,9 @@
 """kda_decode / fb_kda_decode with three conv state buffers (`k_conv_state`, `v_conv_state`: one
 per q / k / v, fla's three `ShortConvolution` caches, tests/models/spell8_k3.py): the op's
 reference against the unfused step and against one q|k|v buffer, the pattern variant's rewrite
-(also V-major), a one-buffer step left to the one-buffer variant, and the CUDA build (GPU)."""
+(also V-major), a one-buffer step left to the one-buffer variant, and the CUDA build (GPU). The
+ops' schema (the conv states required, None with one buffer) and Inductor's in-place call are
+the same on torch 2.11 and 2.13 (run this file under both)."""
 
 from __future__ import annotations
 
@@ -54,6 +56,58 @@ def test_reference_equals_the_unfused_step(dtype, B, T):
     torch.testing.assert_close(o_op, o, rtol=0, atol=0)
     for g, w in zip((got[STATE], got[CONV], got[N], got[N + 1]), (state, q_conv, k_conv, v_conv)):
         torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("op", ["kda_decode", "fb_kda_decode"])
+def test_conv_states_are_required_arguments_before_the_flags(op):
+    """torch 2.11 drops trailing arguments left at their defaults before a custom op's
+    ADInplaceOrView kernel, then indexes the mutated ones (session 25: an IndexError on every
+    call with defaulted conv states); required ones are never dropped, on any torch"""
+    args = getattr(torch.ops.k3, op).default._schema.arguments
+    names = [a.name for a in args]
+    i = names.index("k_conv_state")
+    assert names[i:i + 3] == ["k_conv_state", "v_conv_state", "norm_fp32"]
+    for a in args[i:i + 2]:
+        assert not a.has_default_value() and a.alias_info is not None and a.alias_info.is_write
+    assert all(a.has_default_value() for a in args[i + 2:])
+    assert not any(a.has_default_value() for a in args[:i])
+
+
+@pytest.mark.parametrize("three", [False, True], ids=["one_state", "three_states"])
+def test_inductor_compiles_the_op_in_place(three):
+    """as k3's executor on GPU graphs (`compile_fx_inner` on the graph with the op writing its
+    states in place: Inductor's fallback kernel for it): the k and v conv states None or given,
+    every output and state as eager, bit for bit (torch 2.11 and 2.13, session 30)"""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from k3compile.rewrite import inductor
+
+    args = _inputs(1, 2, torch.float32)
+    if three:
+        args = _op_args(args)
+    else:
+        args = list(kda_decode.unthree(args))
+        args[CONV] = torch.cat([args[CONV]] * 3, 1)  # one q|k|v buffer
+        args += [None, None]
+    tensors = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+
+    def step(*ts):
+        full = list(args)
+        for i, t in zip(tensors, ts, strict=True):
+            full[i] = t
+        return (torch.ops.k3.kda_decode(*full),)
+
+    inputs = [args[i] for i in tensors]
+    gm = make_fx(step)(*_clone(inputs))
+    inductor.register_fallbacks(gm)
+    compiled = inductor.compile_fx_inner(gm, _clone(inputs))
+    got, want = _clone(inputs), _clone(inputs)
+    (o,) = compiled(list(got))  # a boxed call clears the list it is given
+    torch.testing.assert_close(o, step(*want)[0], rtol=0, atol=0)
+    for g, w, before in zip(got, want, inputs, strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+    written = sum(not torch.equal(w, before) for w, before in zip(want, inputs, strict=True))
+    assert written == (4 if three else 2)
 
 
 def test_three_states_equal_one_buffer():
