@@ -60,7 +60,7 @@ def make_case(b, t, norm_fp32=False):
 
     def args(slot):
         return (q, k, v, g, graw, row[..., 4 * W + K:], conv, state, slot, *weights, *SCALARS,
-                norm_fp32)
+                None, None, norm_fp32)  # one conv state buffer: no k and v conv states
 
     return args, slots
 

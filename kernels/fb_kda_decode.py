@@ -45,10 +45,10 @@ def refusal(q, k, v, g, fa, fb_weight, b, *rest, **options) -> str | None:
 
 def fb_kda_decode_cuda(q, k, v, g, fa, fb_weight, b, conv_state, recurrent_state, slots,
                        q_conv_weight, k_conv_weight, v_conv_weight, A_log, dt_bias,
-                       o_norm_weight, lower_bound, l2_eps, q_scale, norm_eps, norm_fp32=False,
-                       conv_time_major=False, state_v_major=False, o_fp32=False,
-                       norm_weight_fp32=False, conv_rounded=False, k_conv_state=None,
-                       v_conv_state=None, *, out=None):
+                       o_norm_weight, lower_bound, l2_eps, q_scale, norm_eps, k_conv_state=None,
+                       v_conv_state=None, norm_fp32=False, conv_time_major=False,
+                       state_v_major=False, o_fp32=False, norm_weight_fp32=False,
+                       conv_rounded=False, *, out=None):
     args = (q, k, v, g, fa, fb_weight, b, conv_state, recurrent_state, slots, q_conv_weight,
             k_conv_weight, v_conv_weight, A_log, dt_bias, o_norm_weight)
     scalars = (lower_bound, l2_eps, q_scale, norm_eps)
@@ -56,9 +56,9 @@ def fb_kda_decode_cuda(q, k, v, g, fa, fb_weight, b, conv_state, recurrent_state
 
     def two_launches():
         graw = linear(fa.reshape(B * T, R), fb_weight).view(B, T, -1)
-        return kda_decode_cuda(*args[:4], graw, *args[6:], *scalars, norm_fp32,
-                               conv_time_major, state_v_major, o_fp32, norm_weight_fp32,
-                               conv_rounded, k_conv_state, v_conv_state, out=out)
+        return kda_decode_cuda(*args[:4], graw, *args[6:], *scalars, k_conv_state, v_conv_state,
+                               norm_fp32, conv_time_major, state_v_major, o_fp32,
+                               norm_weight_fp32, conv_rounded, out=out)
 
     # the default (K3_KDA_FB off): kda_decode checks its own inputs once; a time-major conv
     # state, a V-major recurrent state or three conv states: kda_decode's build for that layout

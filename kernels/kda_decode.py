@@ -181,9 +181,9 @@ def can_implement(*args) -> bool:
 
 def refusal(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weight,
             k_conv_weight, v_conv_weight, A_log, dt_bias, o_norm_weight, lower_bound=None,
-            l2_eps=None, q_scale=None, norm_eps=None, norm_fp32=False,
-            conv_time_major=False, state_v_major=False, o_fp32=False, norm_weight_fp32=False,
-            conv_rounded=False, k_conv_state=None, v_conv_state=None) -> str | None:
+            l2_eps=None, q_scale=None, norm_eps=None, k_conv_state=None, v_conv_state=None,
+            norm_fp32=False, conv_time_major=False, state_v_major=False, o_fp32=False,
+            norm_weight_fp32=False, conv_rounded=False) -> str | None:
     """Why the kernel cannot take these inputs, or None. Metadata only (fake tensors work);
     data alignment is checked at launch."""
     bf16, f32 = torch.bfloat16, torch.float32
@@ -365,10 +365,11 @@ KERNEL = Kernel(OP, build)
 
 def kda_decode_cuda(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weight,
                     k_conv_weight, v_conv_weight, A_log, dt_bias, o_norm_weight, lower_bound,
-                    l2_eps, q_scale, norm_eps, norm_fp32=False, conv_time_major=False,
-                    state_v_major=False, o_fp32=False, norm_weight_fp32=False, conv_rounded=False,
-                    k_conv_state=None, v_conv_state=None, *, out=None):
-    """CUDA implementation of k3::kda_decode: the kernel, or the reference if refused (reason
+                    l2_eps, q_scale, norm_eps, k_conv_state=None, v_conv_state=None,
+                    norm_fp32=False, conv_time_major=False, state_v_major=False, o_fp32=False,
+                    norm_weight_fp32=False, conv_rounded=False, *, out=None):
+    """CUDA implementation of k3::kda_decode (the op's arguments in its order; the k and v conv
+    states default to None for direct callers): the kernel, or the reference if refused (reason
     logged). `out` [B, T, H, K] bf16 contiguous is written only when the kernel runs."""
     args = (q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weight,
             k_conv_weight, v_conv_weight, A_log, dt_bias, o_norm_weight)
@@ -396,12 +397,13 @@ def kda_decode_cuda(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_c
                                       conv_time_major=conv_time_major,
                                       state_v_major=state_v_major, o_fp32=o_fp32,
                                       norm_weight_fp32=norm_weight_fp32,
-                                      conv_rounded=conv_rounded, k_conv_state=k_conv_state, v_conv_state=v_conv_state)
+                                      conv_rounded=conv_rounded, k_conv_state=k_conv_state,
+                                      v_conv_state=v_conv_state)
                       or call_refusal((*args, *more), q, recurrent_state, out),
                       lambda: kda_decode_ref(*args, lower_bound, l2_eps, q_scale, norm_eps,
-                                             norm_fp32, conv_time_major, state_v_major,
-                                             o_fp32, norm_weight_fp32, conv_rounded,
-                                             k_conv_state, v_conv_state),
+                                             k_conv_state, v_conv_state, norm_fp32,
+                                             conv_time_major, state_v_major, o_fp32,
+                                             norm_weight_fp32, conv_rounded),
                       launch, recurrent_state)
 
 

@@ -27,20 +27,20 @@ R = 8  # f_a's width (head_dim in K3) for tracing; matching ignores sizes
 
 def search(q, k, v, g, fa, fb_weight, b, conv_state, recurrent_state, slots, q_conv_weight,
            k_conv_weight, v_conv_weight, A_log, dt_bias, o_norm_weight, lower_bound, l2_eps,
-           q_scale, norm_eps, *flags):
+           q_scale, norm_eps, k_conv_state=None, v_conv_state=None, *flags):
     return torch.ops.k3.kda_decode(q, k, v, g, F.linear(fa, fb_weight), b, conv_state,
                                    recurrent_state, slots, q_conv_weight, k_conv_weight,
                                    v_conv_weight, A_log, dt_bias, o_norm_weight, lower_bound,
-                                   l2_eps, q_scale, norm_eps, *flags)
+                                   l2_eps, q_scale, norm_eps, k_conv_state, v_conv_state, *flags)
 
 
 def replace(q, k, v, g, fa, fb_weight, b, conv_state, recurrent_state, slots, q_conv_weight,
             k_conv_weight, v_conv_weight, A_log, dt_bias, o_norm_weight, lower_bound, l2_eps,
-            q_scale, norm_eps, *flags):
+            q_scale, norm_eps, k_conv_state=None, v_conv_state=None, *flags):
     return torch.ops.k3.fb_kda_decode(q, k, v, g, fa, fb_weight, b, conv_state, recurrent_state,
                                       slots, q_conv_weight, k_conv_weight, v_conv_weight, A_log,
                                       dt_bias, o_norm_weight, lower_bound, l2_eps, q_scale,
-                                      norm_eps, *flags)
+                                      norm_eps, k_conv_state, v_conv_state, *flags)
 
 
 def search_rows(q, k, v, g, fa, fb_weight, b, *rest):
@@ -72,9 +72,9 @@ def check(match) -> str | None:
         return f"fa width {fa.shape[-1]} is not a multiple of 8 (16-byte rows)"
     # the step's own conditions, on the GEMM's output as its graw
     op = next(n for n in match.nodes if n.target is torch.ops.k3.kda_decode.default)
-    flags = kda_decode.FLAGS
-    time_major = len(op.args) > 20 and op.args[20] is True
-    three_states = len(op.args) > 19 + len(flags) and op.args[19 + len(flags)] is not None
+    args = {**dict(zip((a.name for a in op.target._schema.arguments), op.args)), **op.kwargs}
+    time_major = args.get("conv_time_major") is True
+    three_states = args["k_conv_state"] is not None
     return kda_decode.check(types.SimpleNamespace(kwargs={**match.kwargs, "graw": op.args[4]}),
                             conv_time_major=time_major, three_states=three_states)
 
@@ -109,7 +109,7 @@ def _variant(norm_fp32: bool, conv_time_major: bool = False, state_v_major: bool
     `norm_fp32`, `conv_time_major`, `state_v_major`, `o_fp32`, `norm_weight_fp32` and
     `conv_rounded` arguments, passed through), with one conv state buffer or three (`k_conv_state`,
     `v_conv_state`); `rows`: f_a as flat [B*T, R] token rows (`search_rows`)."""
-    extra = kda_decode.flags(norm_fp32, conv_time_major, state_v_major, three_states, o_fp32,
+    extra = kda_decode.flags(norm_fp32, conv_time_major, state_v_major, o_fp32,
                              norm_weight_fp32, conv_rounded)
     names = [n for n, on in (("norm_fp32", norm_fp32), ("conv_time_major", conv_time_major),
                              ("state_v_major", state_v_major),
@@ -120,8 +120,9 @@ def _variant(norm_fp32: bool, conv_time_major: bool = False, state_v_major: bool
             *kda_decode.SCALARS) if three_states else NAMES
     tensors, n_scalars = len(NAMES) - len(kda_decode.SCALARS), len(kda_decode.SCALARS)
 
-    def call(fn):  # the op's arguments in its order: the flags, then the two extra buffers
-        return lambda *a: fn(*a[:tensors], *a[-n_scalars:], *extra, *a[tensors:-n_scalars])
+    def call(fn):  # the op's arguments in its order: the two extra buffers (or None), the flags
+        return lambda *a: fn(*a[:tensors], *a[-n_scalars:], *(a[tensors:-n_scalars] or
+                                                              (None, None)), *extra)
 
     return Pattern(
         name=f"fb_kda_decode[{','.join(names)}]" if names else "fb_kda_decode",
@@ -145,6 +146,6 @@ def patterns() -> list[Pattern]:
             for cr in (False, True) for f in (False, True) for o in (False, True)
             for c in (False, True) for s in (False, True) for m in (False, True)
             for n in (False, True)
-            if not (c and m) and not (o and n) and (kda_decode.THREE_STATE_OPS or not c)
+            if not (c and m) and not (o and n)
             and not ((f or cr) and c) and not (f and (s or n or not o))
             and not (rw and (c or f))]

@@ -22,8 +22,9 @@ Before (T=1, ~75 ATen ops): cat, permute, index, cat, slice, index_put, cat, con
     neg, exp, add, div, convert, split, ... pow, sum, add, rsqrt, mul, ... exp, sigmoid, mul, exp,
     index, mul, bmm, sub, mul, mul, add, bmm, index_put, convert, ... rsqrt, mul, sigmoid, mul
 After:  o = k3.kda_decode(q, k, v, g, graw, b, conv_state!, recurrent_state!, slots, q_conv_w,
-    k_conv_w, v_conv_w, A_log, dt_bias, o_norm_w, lower_bound, l2_eps, q_scale, norm_eps)
-    (the two state buffers updated in place; their functional copies in the graph go away)
+    k_conv_w, v_conv_w, A_log, dt_bias, o_norm_w, lower_bound, l2_eps, q_scale, norm_eps, None,
+    None)   (the two state buffers updated in place; their functional copies in the graph go away;
+    with three conv states the k and v buffers for the two Nones)
 """
 
 from __future__ import annotations
@@ -42,7 +43,6 @@ from k3compile.math import (
     rms_norm_fp32_weight,
     rms_norm_gated_fp32,
 )
-from k3compile.ops.kda_decode import THREE_STATE_OPS
 from k3compile.rewrite import Pattern, tensor_meta, with_signature
 
 # Tokens per request with a variant: decode (1) up to the DSpark verify block (anchor + 7 drafts).
@@ -169,26 +169,27 @@ def _step(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weight
 
 def replace(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weight, k_conv_weight,
             v_conv_weight, A_log, dt_bias, o_norm_weight, lower_bound, l2_eps, q_scale, norm_eps,
-            *flags):
-    """`flags`: the op's trailing arguments (`flags()`), then, with three conv states, the k and
-    v conv state buffers; none for the defaults (the graphs from before the variants)."""
+            k_conv_state=None, v_conv_state=None, *flags):
+    """`k_conv_state`, `v_conv_state`: the three-state variants' k and v conv state buffers;
+    `flags`: the op's trailing arguments (`flags()`), none for the defaults."""
     o = torch.ops.k3.kda_decode(q, k, v, g, graw, b, conv_state, recurrent_state, slots,
                                 q_conv_weight, k_conv_weight, v_conv_weight, A_log, dt_bias,
-                                o_norm_weight, lower_bound, l2_eps, q_scale, norm_eps, *flags)
-    return recurrent_state, conv_state, *flags[len(FLAGS):], o
+                                o_norm_weight, lower_bound, l2_eps, q_scale, norm_eps,
+                                k_conv_state, v_conv_state, *flags)
+    more = (k_conv_state, v_conv_state) if k_conv_state is not None else ()
+    return recurrent_state, conv_state, *more, o
 
 
-# the op's trailing bool arguments, in order (the k and v conv state buffers follow them)
+# the op's trailing bool arguments, in order (after the k and v conv states, None or buffers)
 FLAGS = ("norm_fp32", "conv_time_major", "state_v_major", "o_fp32", "norm_weight_fp32",
          "conv_rounded")
 
 
 def flags(norm_fp32: bool, conv_time_major: bool, state_v_major: bool = False,
-          three_states: bool = False, o_fp32: bool = False, norm_weight_fp32: bool = False,
+          o_fp32: bool = False, norm_weight_fp32: bool = False,
           conv_rounded: bool = False) -> tuple[bool, ...]:
-    """The op's trailing flags for a variant: none for the defaults (with three conv states all
-    of FLAGS, the two buffers follow them)."""
-    if norm_weight_fp32 or conv_rounded or three_states:
+    """The op's trailing flags for a variant: none for the defaults."""
+    if norm_weight_fp32 or conv_rounded:
         return (norm_fp32, conv_time_major, state_v_major, o_fp32, norm_weight_fp32,
                 conv_rounded)
     if o_fp32:
@@ -210,8 +211,9 @@ def time_major_check(match) -> str | None:
 # `assert_cuda_op_equals_cpu`, H100, 2026-12-06, session 29: before it those tests called the op
 # without `register_all` and compared the CUDA reference with the CPU one). A site needing any
 # other flag stays with Inductor on GPU graphs (`kernel_refusal`) until its GPU test passes so;
-# CPU graphs fuse every variant (the reference is the CPU kernel). Three conv states: never
-# tested, and the GPU machine's torch 2.11 has no three-state op (`THREE_STATE_OPS`).
+# CPU graphs fuse every variant (the reference is the CPU kernel). Three conv states: not yet
+# run on a GPU (test_kda_decode_three_states.py's GPU test; until session 30 the GPU machine's
+# torch 2.11 could not call the op with them).
 GPU_TESTED_FLAGS = frozenset({"norm_fp32", "conv_time_major", "state_v_major", "o_fp32",
                               "norm_weight_fp32", "conv_rounded"})
 
@@ -436,8 +438,8 @@ def _variant(T: int, B: int, dtype: torch.dtype, silu_written_out: bool = False,
                                              conv_rounded=conv_rounded,
                                              **dict(zip(THREE_STATES, a[TENSORS:-len(SCALARS)]))
                                              if three_states else {}), names)
-    extra = flags(norm_fp32, conv_time_major, state_v_major, three_states, o_fp32,
-                  norm_weight_fp32, conv_rounded)
+    extra = flags(norm_fp32, conv_time_major, state_v_major, o_fp32, norm_weight_fp32,
+                  conv_rounded)
     return Pattern(
         name=f"kda_decode[T={T},B={'1' if B == 1 else 'n'},{str(dtype).removeprefix('torch.')}"
              f"{',silu_written_out' if silu_written_out else ''}"
@@ -447,8 +449,8 @@ def _variant(T: int, B: int, dtype: torch.dtype, silu_written_out: bool = False,
              f"{',norm_weight_fp32' if norm_weight_fp32 else ''}"
              f"{',conv_rounded' if conv_rounded else ''}]",
         search=search, replace=with_signature(
-            lambda *a: replace(*unthree(a), *extra, *a[TENSORS:-len(SCALARS)]), names)
-        if extra else replace,
+            lambda *a: replace(*unthree(a), *(a[TENSORS:-len(SCALARS)] or (None, None)), *extra),
+            names) if extra or three_states else replace,
         example_inputs=example_inputs, op="k3.kda_decode",
         check=three_states_check if three_states else time_major_check if conv_time_major
         else check, scalars=dict(SCALARS),
@@ -463,10 +465,7 @@ def _variant(T: int, B: int, dtype: torch.dtype, silu_written_out: bool = False,
 def patterns() -> list[Pattern]:
     # fla's fp32 output norm differs from ours only where the activations round (not in fp32);
     # a variant is traced only for the (T, state layouts) a graph's sites have (`fits`); three
-    # conv states only channel-major (the layout the spellings that keep three have), and none
-    # where this torch cannot take the op's optional mutated conv states (THREE_STATE_OPS)
-    # conv state only channel-major (the layout the spellings that keep three have), and none
-    # where this torch cannot take the op's optional mutated conv states (THREE_STATE_OPS); o
+    # conv states only channel-major (the layout the spellings that keep three have); o
     # unrounded into the norm (`o_fp32`) only with fla's fp32 norm, in bf16 / fp16
     # unrounded o into a Flax norm (`norm_weight_fp32`, spell9's) and a conv run in bf16
     # (`conv_rounded`) in bf16 / fp16 only, with torch's F.silu, one conv state buffer; the
@@ -477,6 +476,5 @@ def patterns() -> list[Pattern]:
                               (False, True), (False, True), (False, True), (False, True),
                               TOKENS, BATCHES, DTYPES)
             if not ((n or o) and d == torch.float32) and not (o and n) and not (c and m)
-            and (THREE_STATE_OPS or not c)
             and not ((f or r) and (d == torch.float32 or w or c)) and not (f and s)
             and not (f and (n or not o))]

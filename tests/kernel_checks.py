@@ -61,7 +61,8 @@ def assert_cuda_op_equals_cpu(registered, op: str, args, states, flags=(), steps
 
 def kda_kernel_inputs(B, T, time_major=False, S=5):
     """k3::kda_decode's inputs at K3's head dim (bf16 activations, 2 heads, 4 taps), the conv
-    state channel-major or time-major."""
+    state channel-major or time-major: the op's arguments up to its flags (one conv state
+    buffer: None for the k and v conv states)."""
     from k3compile.kernels import kda_decode as kernel
 
     torch.manual_seed(0)
@@ -74,7 +75,7 @@ def kda_kernel_inputs(B, T, time_major=False, S=5):
             conv, torch.randn(S, H, K, K) * 0.1, torch.tensor([4, 0, 2][:B]),
             *(torch.randn(W, 1, taps, dtype=bf) for _ in range(3)),
             torch.randn(H, dtype=bf), torch.randn(W, dtype=bf), torch.randn(K, dtype=bf),
-            -5.0, 1e-6, K**-0.5, 1e-5]
+            -5.0, 1e-6, K**-0.5, 1e-5, None, None]
 
 
 def strided(t: torch.Tensor) -> torch.Tensor:

@@ -37,7 +37,12 @@ the default applies the SiLU to the fp32 conv and rounds once. The same in fp32.
 `k_conv_state`, `v_conv_state`: three conv state buffers, one per q / k / v (fla's three
 `ShortConvolution`s, each with its own cache; tests/models/spell8_k3.py): `conv_state` then holds
 q's channels only, [S, H·K, taps-1] (the layout `conv_time_major` says), and the window is the
-three gathered rows concatenated along the channels: the same values as one buffer.
+three gathered rows concatenated along the channels: the same values as one buffer. Both are
+required arguments, None with one buffer, placed after the scalars and before the defaulted
+flags: torch 2.11 (the GPU machine's) drops trailing arguments left at their defaults before the
+custom op's ADInplaceOrView kernel, which then indexes the mutated ones (an IndexError on every
+call with them defaulted to None: session 25); an argument without a default is never dropped,
+so the one schema works on torch 2.11 and 2.13 (docs/decisions.md, session 30).
 
 T >= 1 tokens per request (T > 1: speculative verify rows, the recurrence sequential over them).
 `slots` picks each request's rows of the state buffers, which are updated in place.
@@ -45,8 +50,6 @@ T >= 1 tokens per request (T > 1: speculative verify rows, the recurrence sequen
 """
 
 from __future__ import annotations
-
-import re
 
 import torch
 import torch.nn.functional as F
@@ -67,12 +70,12 @@ SELF_UPCAST = ("A_log", "dt_bias")
 
 def kda_decode_ref(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weight,
                    k_conv_weight, v_conv_weight, A_log, dt_bias, o_norm_weight, lower_bound,
-                   l2_eps, q_scale, norm_eps, norm_fp32=False, conv_time_major=False,
-                   state_v_major=False, o_fp32=False, norm_weight_fp32=False, conv_rounded=False,
-                   k_conv_state=None, v_conv_state=None):
+                   l2_eps, q_scale, norm_eps, k_conv_state=None, v_conv_state=None,
+                   norm_fp32=False, conv_time_major=False, state_v_major=False, o_fp32=False,
+                   norm_weight_fp32=False, conv_rounded=False):
     """The model's KDA step (`KimiDeltaAttention.forward` between the projections and o_proj),
     op for op, so that it rounds like eager. Mutates conv_state (and k_conv_state, v_conv_state)
-    and recurrent_state."""
+    and recurrent_state. The op's arguments in its order."""
     B, T, W = q.shape
     H, K = recurrent_state.shape[1], recurrent_state.shape[2]
     dtype = q.dtype
@@ -145,40 +148,8 @@ def kda_decode_fake(q, recurrent_state, g, o_norm_weight, norm_fp32=False,
     return q.new_empty((B, T, H, K), dtype=dtype)
 
 
-def _optional_mutation_works() -> bool:
-    """Whether this torch's custom_op takes a call that leaves a mutated optional argument at its
-    default. torch 2.11 (the GPU machine's) drops that trailing default in the dispatcher, then
-    indexes it to bump its version: an IndexError on every call without it (found on the GPU in
-    session 25: every kda_decode call failed); torch 2.13 takes it."""
-    def probe(x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
-        return x.clone()
-
-    op = torch.library.custom_op("k3_probe::optional_mutation", probe, mutates_args=("y",))
-    try:
-        op(torch.zeros(1))
-    except IndexError:
-        return False
-    return True
-
-
-# The three-conv-state variant (`k_conv_state`, `v_conv_state`): only where this torch takes the
-# two optional mutated arguments left out; elsewhere both KDA ops have the schema without them,
-# and the patterns register no three-state variant (such a site stays unfused)
-THREE_STATE_OPS = _optional_mutation_works()
-_STATES = ("conv_state", "recurrent_state")
-_THREE = ("k_conv_state", "v_conv_state")
-
-
-def state_op(name: str, fn):
-    """`torch.library.custom_op(name, fn)` mutating the states, the three conv states where
-    `THREE_STATE_OPS`, else with the schema cut before `k_conv_state` (fn keeps its defaults)."""
-    if THREE_STATE_OPS:
-        return torch.library.custom_op(name, fn, mutates_args=_STATES + _THREE)
-    full = torch.library.infer_schema(fn, mutates_args=_STATES + _THREE)
-    schema, cut = re.subn(r", Tensor\(a\d+!\)\? k_conv_state=None, Tensor\(a\d+!\)\? "
-                          r"v_conv_state=None\) ->", ") ->", full)
-    assert cut == 1, full
-    return torch.library.custom_op(name, fn, mutates_args=_STATES, schema=schema)
+# the ops write these in place (k_conv_state, v_conv_state where given)
+MUTATED = ("conv_state", "recurrent_state", "k_conv_state", "v_conv_state")
 
 
 def kda_decode(
@@ -186,10 +157,10 @@ def kda_decode(
     b: torch.Tensor, conv_state: torch.Tensor, recurrent_state: torch.Tensor, slots: torch.Tensor,
     q_conv_weight: torch.Tensor, k_conv_weight: torch.Tensor, v_conv_weight: torch.Tensor,
     A_log: torch.Tensor, dt_bias: torch.Tensor, o_norm_weight: torch.Tensor,
-    lower_bound: float, l2_eps: float, q_scale: float, norm_eps: float, norm_fp32: bool = False,
-    conv_time_major: bool = False, state_v_major: bool = False, o_fp32: bool = False,
-    norm_weight_fp32: bool = False, conv_rounded: bool = False,
-    k_conv_state: torch.Tensor | None = None, v_conv_state: torch.Tensor | None = None,
+    lower_bound: float, l2_eps: float, q_scale: float, norm_eps: float,
+    k_conv_state: torch.Tensor | None, v_conv_state: torch.Tensor | None,
+    norm_fp32: bool = False, conv_time_major: bool = False, state_v_major: bool = False,
+    o_fp32: bool = False, norm_weight_fp32: bool = False, conv_rounded: bool = False,
 ) -> torch.Tensor:
     """q, k, v, g, graw [B, T, H·K] (pre-conv projections, output gate, low-rank decay input),
     b [B, T, H] (β logits); conv_state [S, 3·H·K, taps-1] ([S, taps-1, 3·H·K] with
@@ -200,20 +171,21 @@ def kda_decode(
     `norm_weight_fp32`: the norm's weight multiplied in fp32 before one rounding, the gate after;
     `conv_rounded`: the conv rounded to the activations' dtype before its SiLU;
     slots int64 [B]; conv weights [H·K, 1, taps]; A_log [H], dt_bias [H·K] (fp32, or bf16 where
-    a model is cast whole: promoted to fp32); o_norm_weight [K]. Returns o [B, T, H, K] in the
-    activations' dtype."""
+    a model is cast whole: promoted to fp32); o_norm_weight [K]; `k_conv_state`, `v_conv_state`:
+    None with one conv state buffer (required: see the module docstring). Returns o [B, T, H, K]
+    in the activations' dtype."""
     return kda_decode_ref(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weight,
                           k_conv_weight, v_conv_weight, A_log, dt_bias, o_norm_weight, lower_bound,
-                          l2_eps, q_scale, norm_eps, norm_fp32, conv_time_major, state_v_major,
-                          o_fp32, norm_weight_fp32, conv_rounded, k_conv_state, v_conv_state)
+                          l2_eps, q_scale, norm_eps, k_conv_state, v_conv_state, norm_fp32,
+                          conv_time_major, state_v_major, o_fp32, norm_weight_fp32, conv_rounded)
 
 
-kda_decode = state_op("k3::kda_decode", kda_decode)
+kda_decode = torch.library.custom_op("k3::kda_decode", kda_decode, mutates_args=MUTATED)
 
 
 @kda_decode.register_fake
 def _(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weight, k_conv_weight,
       v_conv_weight, A_log, dt_bias, o_norm_weight, lower_bound, l2_eps, q_scale, norm_eps,
-      norm_fp32=False, conv_time_major=False, state_v_major=False, o_fp32=False,
-      norm_weight_fp32=False, conv_rounded=False, k_conv_state=None, v_conv_state=None):
+      k_conv_state, v_conv_state, norm_fp32=False, conv_time_major=False, state_v_major=False,
+      o_fp32=False, norm_weight_fp32=False, conv_rounded=False):
     return kda_decode_fake(q, recurrent_state, g, o_norm_weight, norm_fp32, norm_weight_fp32)

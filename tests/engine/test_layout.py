@@ -122,7 +122,7 @@ def test_no_environment_read_outside_settings():
 def _k3_ops() -> set[str]:
     names = set()
     for path in _files("k3compile/ops"):
-        names.update(re.findall(r'(?:custom_op|state_op)\(\s*"k3::(\w+)"', path.read_text()))
+        names.update(re.findall(r'custom_op\(\s*"k3::(\w+)"', path.read_text()))
     return names
 
 

@@ -44,7 +44,7 @@ def test_escaping_graw_is_a_near_miss():
     def escaped(*args):
         graw = F.linear(args[4], args[5])  # also returned: escapes the fusion
         rest = list(args[:4]) + [graw] + list(args[6:])
-        return torch.ops.k3.kda_decode(*rest), graw
+        return torch.ops.k3.kda_decode(*rest, None, None), graw
 
     _, report = rewrite(escaped, _inputs(), fb_kda_decode.patterns())
     assert_near_miss(report, "fb_kda_decode", "user")
@@ -68,7 +68,7 @@ def test_computed_fb_weight_is_a_near_miss():
 
 
 def step_rows(*args):  # f_a as flat [B*T, R] token rows: f_b a plain mm viewed to [B, T, W]
-    return fb_kda_decode.search_rows(*args), args[STATES[0]], args[STATES[1]]
+    return fb_kda_decode.search_rows(*args, None, None), args[STATES[0]], args[STATES[1]]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -93,7 +93,8 @@ def test_flat_fa_rows_not_the_step_tokens_are_refused():
 
     def mixed(*a):
         graw = F.linear(a[4], a[5]).view(2, 1, -1)[:, :, : a[0].shape[-1]]
-        return torch.ops.k3.kda_decode(*a[:4], graw, *a[6:]), a[STATES[0]], a[STATES[1]]
+        return (torch.ops.k3.kda_decode(*a[:4], graw, *a[6:], None, None), a[STATES[0]],
+                a[STATES[1]])
 
     gm, report = rewrite(mixed, _clone(args), fb_kda_decode.patterns())
     assert not report.hits

@@ -124,7 +124,7 @@ class Inputs:
         first = (self.q, self.k, self.v, self.g, *((self.fa, self.fb_weight) if fb else
                                                   (self.graw,)), self.b)
         return (*first, conv_state, state, self.slots, *self.conv_w, self.A_log, self.dt_bias,
-                self.o_norm_weight, *SCALARS.values())
+                self.o_norm_weight, *SCALARS.values(), None, None)  # one conv state buffer
 
     def bf16_params(self, which):
         """A_log, dt_bias or both in bf16, as `model.to(torch.bfloat16)` leaves them."""
@@ -426,12 +426,12 @@ def _prologue(inp, args, tl, rank, req, h, old_conv):
         acc = torch.stack([(window[:, t:t + taps] * w[ch, 0].float()).sum(-1)
                            for t in range(T)])
         sm["qkv"[s]] = F.silu(acc).bfloat16().float()  # [T, channels]
-    for name, scale in (("q", args[-2]), ("k", 1.0)):
+    for name, scale in (("q", args[17]), ("k", 1.0)):  # q_scale
         x = sm[name]
-        sm[name] = x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + args[-3]) * scale
+        sm[name] = x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + args[16]) * scale
     gate = torch.exp(A_log[h].float()) * (graw[req, :, h * K:(h + 1) * K].float()
                                   + dt_bias[h * K:(h + 1) * K])
-    sm["alpha"] = torch.exp(args[-4] * torch.sigmoid(gate))
+    sm["alpha"] = torch.exp(args[15] * torch.sigmoid(gate))  # lower_bound
     sm["beta"] = torch.sigmoid(b[req, :, h].float())
     return sm
 
@@ -470,7 +470,7 @@ def blocking_model(inp, args, cfg, norm_fp32=False):
     output and conv-state element is written once."""
     q, k, v, g = args[:4]
     conv_state, state, slots, o_norm_weight, norm_eps = args[6], args[7], args[8], args[14], \
-        args[-1]
+        args[18]
     tl = kernel.tile(cfg)
     B, T, H, W = inp.B, inp.T, inp.H, inp.H * K
     keep = conv_state.shape[-1]

@@ -44,7 +44,7 @@ def test_reference_equals_the_unfused_step(B, T):
     args = _inputs(T, B)
     state, conv, o = _unfused(*_clone(args))
     got = _clone(args)
-    o_op = torch.ops.k3.kda_decode(*got, *O_FP32)
+    o_op = torch.ops.k3.kda_decode(*got, None, None, *O_FP32)
     assert o_op.dtype == torch.bfloat16
     torch.testing.assert_close(o_op, o, rtol=0, atol=0)
     torch.testing.assert_close(got[STATES[0]], conv, rtol=0, atol=0)
@@ -56,21 +56,22 @@ def test_o_fp32_rounds_once_where_norm_fp32_rounds_twice():
     fp32: one computation"""
     args = _inputs(1, 2)
     once, twice = _clone(args), _clone(args)
-    o_once = torch.ops.k3.kda_decode(*once, *O_FP32)
-    o_twice = torch.ops.k3.kda_decode(*twice, True)
+    o_once = torch.ops.k3.kda_decode(*once, None, None, *O_FP32)
+    o_twice = torch.ops.k3.kda_decode(*twice, None, None, True)
     assert not torch.equal(o_once, o_twice)
     torch.testing.assert_close(o_once, o_twice, rtol=2e-2, atol=2e-2)  # a rounding apart
     for i in STATES:
         torch.testing.assert_close(once[i], twice[i], rtol=0, atol=0)
     f32 = [a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
            for a in args]
-    torch.testing.assert_close(torch.ops.k3.kda_decode(*_clone(f32), *O_FP32),
-                               torch.ops.k3.kda_decode(*_clone(f32), True), rtol=0, atol=0)
+    torch.testing.assert_close(torch.ops.k3.kda_decode(*_clone(f32), None, None, *O_FP32),
+                               torch.ops.k3.kda_decode(*_clone(f32), None, None, True), rtol=0,
+                               atol=0)
 
 
 def test_o_fp32_without_the_fp32_norm_is_an_error():
     with pytest.raises(ValueError, match="needs norm_fp32"):
-        torch.ops.k3.kda_decode(*_inputs(1, 2), False, False, False, True)
+        torch.ops.k3.kda_decode(*_inputs(1, 2), None, None, False, False, False, True)
 
 
 @pytest.mark.parametrize("B,T", [(2, 1), (1, 1), (2, 2)])
@@ -105,7 +106,7 @@ def test_each_norm_is_not_the_other_variant(step_o_fp32):
 
 def _fb_step(*args):
     i = fb_kda_decode.NAMES.index
-    return (fb_kda_decode.search(*args, *O_FP32), args[i("conv_state")],
+    return (fb_kda_decode.search(*args, None, None, *O_FP32), args[i("conv_state")],
             args[i("recurrent_state")])
 
 
@@ -132,7 +133,8 @@ def _kernel_inputs(B, T, S=5):
     return [*(torch.randn(B, T, W, dtype=bf) for _ in range(5)), torch.randn(B, T, H, dtype=bf),
             torch.randn(S, 3 * W, taps - 1, dtype=bf), torch.randn(S, H, K, K) * 0.1,
             torch.tensor([4, 0, 2][:B]), *(torch.randn(W, 1, taps, dtype=bf) for _ in range(3)),
-            torch.randn(H), torch.randn(W), torch.randn(K, dtype=bf), -5.0, 1e-6, K**-0.5, 1e-5]
+            torch.randn(H), torch.randn(W), torch.randn(K, dtype=bf), -5.0, 1e-6, K**-0.5, 1e-5,
+            None, None]
 
 
 def test_kernel_takes_the_flag():

@@ -67,7 +67,7 @@ def test_reference_equals_the_unfused_step(flags, B, T):
     args = _inputs(T, B, flags)
     state, conv, o = _unfused(flags)(*_clone(args))
     got = _clone(args)
-    o_op = torch.ops.k3.kda_decode(*got, *flags)
+    o_op = torch.ops.k3.kda_decode(*got, None, None, *flags)
     assert o_op.dtype == torch.bfloat16
     torch.testing.assert_close(o_op, o, rtol=0, atol=0)
     torch.testing.assert_close(got[STATES[0]], conv, rtol=0, atol=0)
@@ -100,23 +100,23 @@ def test_each_flag_changes_bf16_only(flags):
     states do not; fp32: one computation"""
     args = _inputs(1, 2, flags)
     new, old = _clone(args), _clone(args)
-    o_new = torch.ops.k3.kda_decode(*new, *flags)
-    o_old = torch.ops.k3.kda_decode(*old, *WITHOUT[flags])
+    o_new = torch.ops.k3.kda_decode(*new, None, None, *flags)
+    o_old = torch.ops.k3.kda_decode(*old, None, None, *WITHOUT[flags])
     assert not torch.equal(o_new, o_old)
     torch.testing.assert_close(o_new, o_old, rtol=3e-2, atol=3e-2)
     f32 = [a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
            for a in args]
-    torch.testing.assert_close(torch.ops.k3.kda_decode(*_clone(f32), *flags),
-                               torch.ops.k3.kda_decode(*_clone(f32), *WITHOUT[flags]), rtol=0,
-                               atol=0)
+    torch.testing.assert_close(torch.ops.k3.kda_decode(*_clone(f32), None, None, *flags),
+                               torch.ops.k3.kda_decode(*_clone(f32), None, None,
+                                                       *WITHOUT[flags]), rtol=0, atol=0)
 
 
 def test_bad_flag_combinations_are_errors():
     args = _inputs(1, 2, SPELL9)
     with pytest.raises(ValueError, match="two output norms"):
-        torch.ops.k3.kda_decode(*_clone(args), True, True, False, False, True, False)
+        torch.ops.k3.kda_decode(*_clone(args), None, None, True, True, False, False, True, False)
     with pytest.raises(ValueError, match="needs norm_fp32 or norm_weight_fp32"):
-        torch.ops.k3.kda_decode(*_clone(args), False, True, False, True, False, True)
+        torch.ops.k3.kda_decode(*_clone(args), None, None, False, True, False, True, False, True)
 
 
 @pytest.mark.parametrize("flags", SPELLINGS)
@@ -166,7 +166,7 @@ def test_the_weight_after_the_cast_is_not_the_flax_norm():
 
 def _fb_step(*args):
     i = fb_kda_decode.NAMES.index
-    return (fb_kda_decode.search(*args, *REDTEAM), args[i("conv_state")],
+    return (fb_kda_decode.search(*args, None, None, *REDTEAM), args[i("conv_state")],
             args[i("recurrent_state")])
 
 
@@ -279,7 +279,7 @@ def test_a_written_out_silu_on_the_rounded_conv_stays():
 
 def _fb_rows_step(*args):
     i = fb_kda_decode.NAMES.index
-    return (fb_kda_decode.search_rows(*args, *SPELL7), args[i("conv_state")],
+    return (fb_kda_decode.search_rows(*args, None, None, *SPELL7), args[i("conv_state")],
             args[i("recurrent_state")])
 
 

@@ -1,7 +1,9 @@
 """kda_decode / fb_kda_decode with three conv state buffers (`k_conv_state`, `v_conv_state`: one
 per q / k / v, fla's three `ShortConvolution` caches, tests/models/spell8_k3.py): the op's
 reference against the unfused step and against one q|k|v buffer, the pattern variant's rewrite
-(also V-major), a one-buffer step left to the one-buffer variant, and the CUDA build (GPU)."""
+(also V-major), a one-buffer step left to the one-buffer variant, and the CUDA build (GPU). The
+ops' schema (the conv states required, None with one buffer) and Inductor's in-place call are
+the same on torch 2.11 and 2.13 (run this file under both)."""
 
 from __future__ import annotations
 
@@ -9,15 +11,9 @@ import pytest
 import torch
 from k3compile.patterns import fb_kda_decode, kda_decode
 
-from k3compile.ops.kda_decode import THREE_STATE_OPS
 from tests.kernel_checks import assert_cuda_op_equals_cpu
 
 from .pattern_checks import rewrite, targets
-
-# torch 2.11 cannot call a custom op that leaves a mutated optional argument out, so the ops have
-# no three-state schema there (k3compile/ops/kda_decode.py, THREE_STATE_OPS)
-pytestmark = pytest.mark.skipif(not THREE_STATE_OPS,
-                                reason="this torch's KDA ops take no three conv states")
 
 N = kda_decode.TENSORS  # the k and v conv states' positions in a three-state variant's inputs
 NAMES = kda_decode.variant_names(True)
@@ -40,9 +36,8 @@ def _clone(args):
 
 
 def _op_args(args, v_major=False):
-    """the op's arguments: NAMES' order, the flags, then the k and v conv states"""
-    return [*kda_decode.unthree(args), False, False, v_major, False, False, False, args[N],
-            args[N + 1]]
+    """the op's arguments: NAMES' order, the k and v conv states, then the flags"""
+    return [*kda_decode.unthree(args), args[N], args[N + 1], False, False, v_major]
 
 
 def _unfused(*args, v_major=False):
@@ -63,13 +58,65 @@ def test_reference_equals_the_unfused_step(dtype, B, T):
         torch.testing.assert_close(g, w, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("op", ["kda_decode", "fb_kda_decode"])
+def test_conv_states_are_required_arguments_before_the_flags(op):
+    """torch 2.11 drops trailing arguments left at their defaults before a custom op's
+    ADInplaceOrView kernel, then indexes the mutated ones (session 25: an IndexError on every
+    call with defaulted conv states); required ones are never dropped, on any torch"""
+    args = getattr(torch.ops.k3, op).default._schema.arguments
+    names = [a.name for a in args]
+    i = names.index("k_conv_state")
+    assert names[i:i + 3] == ["k_conv_state", "v_conv_state", "norm_fp32"]
+    for a in args[i:i + 2]:
+        assert not a.has_default_value() and a.alias_info is not None and a.alias_info.is_write
+    assert all(a.has_default_value() for a in args[i + 2:])
+    assert not any(a.has_default_value() for a in args[:i])
+
+
+@pytest.mark.parametrize("three", [False, True], ids=["one_state", "three_states"])
+def test_inductor_compiles_the_op_in_place(three):
+    """as k3's executor on GPU graphs (`compile_fx_inner` on the graph with the op writing its
+    states in place: Inductor's fallback kernel for it): the k and v conv states None or given,
+    every output and state as eager, bit for bit (torch 2.11 and 2.13, session 30)"""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from k3compile.rewrite import inductor
+
+    args = _inputs(1, 2, torch.float32)
+    if three:
+        args = _op_args(args)
+    else:
+        args = list(kda_decode.unthree(args))
+        args[CONV] = torch.cat([args[CONV]] * 3, 1)  # one q|k|v buffer
+        args += [None, None]
+    tensors = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+
+    def step(*ts):
+        full = list(args)
+        for i, t in zip(tensors, ts, strict=True):
+            full[i] = t
+        return (torch.ops.k3.kda_decode(*full),)
+
+    inputs = [args[i] for i in tensors]
+    gm = make_fx(step)(*_clone(inputs))
+    inductor.register_fallbacks(gm)
+    compiled = inductor.compile_fx_inner(gm, _clone(inputs))
+    got, want = _clone(inputs), _clone(inputs)
+    (o,) = compiled(list(got))  # a boxed call clears the list it is given
+    torch.testing.assert_close(o, step(*want)[0], rtol=0, atol=0)
+    for g, w, before in zip(got, want, inputs, strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+    written = sum(not torch.equal(w, before) for w, before in zip(want, inputs, strict=True))
+    assert written == (4 if three else 2)
+
+
 def test_three_states_equal_one_buffer():
     """the same values as one q|k|v buffer holding the three"""
     args = _inputs(2, 2, torch.float32)
     one = list(kda_decode.unthree(_clone(args)))
     one[CONV] = torch.cat([args[CONV], args[N], args[N + 1]], 1)
     o_3 = torch.ops.k3.kda_decode(*_op_args(args))
-    o_1 = torch.ops.k3.kda_decode(*one)
+    o_1 = torch.ops.k3.kda_decode(*one, None, None)
     torch.testing.assert_close(o_3, o_1, rtol=0, atol=0)
     torch.testing.assert_close(torch.cat([args[CONV], args[N], args[N + 1]], 1), one[CONV],
                                rtol=0, atol=0)
@@ -88,7 +135,7 @@ def test_three_states_variant_rewrites_and_equals_eager(dtype, B, T, v_major):
     gm, report = rewrite(fn, _clone(args), [_variant(T, B, dtype, v_major)], joint=True)
     assert [h.op for h in report.hits] == ["k3.kda_decode"], report
     op = next(n for n in gm.graph.nodes if str(n.target) == "k3.kda_decode.default")
-    assert [a.name for a in op.args[-2:]] == [
+    assert [a.name for a in op.args[19:21]] == [
         n.name for n in gm.graph.nodes if n.op == "placeholder"][N:N + 2]
     for w, g in zip(fn(*_clone(args)), gm(*_clone(args))):
         torch.testing.assert_close(g, w, rtol=0, atol=0)
@@ -113,8 +160,7 @@ def test_one_buffer_step_is_not_the_three_states_variant():
 def _fb_step(*args):
     i = fb_kda_decode.NAMES.index
     n = len(fb_kda_decode.NAMES) - len(kda_decode.SCALARS)
-    o = fb_kda_decode.search(*args[:n], *args[n + 2:], *[False] * len(kda_decode.FLAGS),
-                             *args[n:n + 2])
+    o = fb_kda_decode.search(*args[:n], *args[n + 2:], *args[n:n + 2])
     return o, args[i("conv_state")], args[n], args[n + 1], args[i("recurrent_state")]
 
 
@@ -142,7 +188,7 @@ def _kernel_inputs(B, T, S=5, three=True):
             convs[0] if three else torch.cat(convs, 1), torch.randn(S, H, K, K) * 0.1,
             torch.tensor([4, 0, 2][:B]), *(torch.randn(W, 1, taps, dtype=bf) for _ in range(3)),
             torch.randn(H), torch.randn(W), torch.randn(K, dtype=bf), -5.0, 1e-6, K**-0.5, 1e-5]
-    return args + ([*[False] * len(kda_decode.FLAGS), *convs[1:]] if three else [])
+    return args + (convs[1:] if three else [None, None])
 
 
 @pytest.mark.gpu
@@ -151,8 +197,7 @@ def test_cuda_op_equals_the_cpu_reference(cuda_kernels, B, T):
     """on CUDA, at K3's head dim: the three-state build against the CPU reference, the three
     conv states and the recurrent state included, two steps on the carried states"""
     args = _kernel_inputs(B, T)
-    assert_cuda_op_equals_cpu(cuda_kernels, "kda_decode", args,
-                              (6, 7, len(args) - 2, len(args) - 1))
+    assert_cuda_op_equals_cpu(cuda_kernels, "kda_decode", args, (6, 7, 19, 20))
 
 
 def test_kernel_takes_three_states_of_q_width():
@@ -161,7 +206,7 @@ def test_kernel_takes_three_states_of_q_width():
     from k3compile.kernels import kda_decode as kernel
 
     meta = [a.to("meta") if isinstance(a, torch.Tensor) else a for a in _kernel_inputs(2, 1)]
-    tensors, flags, (k_conv, v_conv) = meta[:15], meta[19:-2], meta[-2:]
+    tensors, (k_conv, v_conv) = meta[:15], meta[19:21]
     assert kernel.refusal(*tensors, k_conv_state=k_conv, v_conv_state=v_conv) is None
     assert "three conv states" in kernel.refusal(*tensors, k_conv_state=k_conv)
     assert "three conv states" in kernel.refusal(*tensors, k_conv_state=k_conv,
@@ -172,7 +217,7 @@ def test_kernel_takes_three_states_of_q_width():
     one = [a.to("meta") if isinstance(a, torch.Tensor) else a
            for a in _kernel_inputs(2, 1, three=False)]
     assert kernel.refusal(*one[:15]) is None
-    assert flags == [False] * len(kda_decode.FLAGS)
+    assert kernel.refusal(*one) is None  # the op's arguments in its order: None, None
 
 
 def test_three_states_site_stays_with_inductor_on_gpu_graphs():

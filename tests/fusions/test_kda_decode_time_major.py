@@ -42,7 +42,7 @@ def test_reference_equals_the_unfused_step(dtype, B, T):
     args = _inputs(T, B, dtype)
     state, conv, o = _unfused(*_clone(args))
     got = _clone(args)
-    o_op = torch.ops.k3.kda_decode(*got, False, True)
+    o_op = torch.ops.k3.kda_decode(*got, None, None, False, True)
     torch.testing.assert_close(o_op, o, rtol=0, atol=0)
     torch.testing.assert_close(got[STATES[0]], conv, rtol=0, atol=0)
     torch.testing.assert_close(got[STATES[1]], state, rtol=0, atol=0)
@@ -53,8 +53,8 @@ def test_time_major_reference_equals_the_channel_major_one():
     args = _inputs(2, 2, torch.float32)
     channel_major = _clone(args)
     channel_major[STATES[0]] = args[STATES[0]].transpose(1, 2).contiguous()
-    o_t = torch.ops.k3.kda_decode(*args, False, True)
-    o_c = torch.ops.k3.kda_decode(*channel_major)
+    o_t = torch.ops.k3.kda_decode(*args, None, None, False, True)
+    o_c = torch.ops.k3.kda_decode(*channel_major, None, None)
     torch.testing.assert_close(o_t, o_c, rtol=0, atol=0)
     torch.testing.assert_close(args[STATES[0]].transpose(1, 2), channel_major[STATES[0]],
                                rtol=0, atol=0)
@@ -101,7 +101,7 @@ def test_channel_major_step_is_not_the_time_major_variant():
 
 def _fb_step(*args):
     i = fb_kda_decode.NAMES.index
-    return (fb_kda_decode.search(*args, False, True), args[i("conv_state")],
+    return (fb_kda_decode.search(*args, None, None, False, True), args[i("conv_state")],
             args[i("recurrent_state")])
 
 

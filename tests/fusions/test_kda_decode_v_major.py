@@ -43,7 +43,7 @@ def test_reference_equals_the_unfused_step(dtype, B, T):
     args = _inputs(T, B, dtype)
     state, conv, o = _unfused(*_clone(args))
     got = _clone(args)
-    o_op = torch.ops.k3.kda_decode(*got, *V_MAJOR)
+    o_op = torch.ops.k3.kda_decode(*got, None, None, *V_MAJOR)
     torch.testing.assert_close(o_op, o, rtol=0, atol=0)
     torch.testing.assert_close(got[STATES[0]], conv, rtol=0, atol=0)
     torch.testing.assert_close(got[STATES[1]], state, rtol=0, atol=0)
@@ -54,8 +54,8 @@ def test_v_major_reference_equals_the_k_major_one():
     args = _inputs(2, 2, torch.float32)
     k_major = _clone(args)
     k_major[STATES[1]] = args[STATES[1]].transpose(-1, -2).contiguous()
-    o_v = torch.ops.k3.kda_decode(*args, *V_MAJOR)
-    o_k = torch.ops.k3.kda_decode(*k_major)
+    o_v = torch.ops.k3.kda_decode(*args, None, None, *V_MAJOR)
+    o_k = torch.ops.k3.kda_decode(*k_major, None, None)
     torch.testing.assert_close(o_v, o_k, rtol=0, atol=0)
     torch.testing.assert_close(args[STATES[1]].transpose(-1, -2), k_major[STATES[1]],
                                rtol=0, atol=0)
@@ -105,7 +105,7 @@ def test_v_major_step_is_not_the_k_major_variant():
 
 def _fb_step(*args):
     i = fb_kda_decode.NAMES.index
-    return (fb_kda_decode.search(*args, *V_MAJOR), args[i("conv_state")],
+    return (fb_kda_decode.search(*args, None, None, *V_MAJOR), args[i("conv_state")],
             args[i("recurrent_state")])
 
 
@@ -137,7 +137,7 @@ def test_cuda_op_equals_the_cpu_reference_for_both_layouts(cuda_kernels, v_major
             torch.randn(S, 3 * W, taps - 1, dtype=bf), torch.randn(S, H, K, K) * 0.1,
             torch.tensor([4, 0, 2][:B]), *(torch.randn(W, 1, taps, dtype=bf) for _ in range(3)),
             torch.randn(H), torch.randn(W), torch.randn(K, dtype=bf), -5.0, 1e-6, K**-0.5,
-            1e-5]
+            1e-5, None, None]
     flags = (False, False, True) if v_major else ()
     assert_cuda_op_equals_cpu(cuda_kernels, "kda_decode", args, STATES, flags)
 

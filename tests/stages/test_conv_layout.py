@@ -19,7 +19,8 @@ from k3compile.stages.kernel_layout import permuted_inputs
 
 B, H, K, TAPS, R = 2, 2, 4, 4, 3
 W = H * K
-SCALARS = (-5.0, 1e-6, K ** -0.5, 1e-5)  # lower_bound, l2_eps, q_scale, norm_eps
+# lower_bound, l2_eps, q_scale, norm_eps; one conv state buffer (no k and v conv states)
+SCALARS = (-5.0, 1e-6, K ** -0.5, 1e-5, None, None)
 
 
 class Site:

@@ -27,7 +27,7 @@ def _graph(dtypes=(torch.bfloat16, torch.bfloat16)):
         for i, t in zip(tensors, ts, strict=True):
             full[i] = t
         full[A], full[DT] = full[A].float(), full[DT].float()
-        return torch.ops.k3.kda_decode(*full)
+        return torch.ops.k3.kda_decode(*full, None, None)
 
     gm = fwd_only_fake(step, [args[i] for i in tensors])
     return gm, args, tensors
@@ -52,7 +52,7 @@ def test_the_upcasts_go_and_the_values_stay():
     got = gm(*state)
     want_args = list(args)
     want_args[A], want_args[DT] = args[A].float(), args[DT].float()
-    want = torch.ops.k3.kda_decode(*want_args)
+    want = torch.ops.k3.kda_decode(*want_args, None, None)
     assert torch.equal(got, want)
     for name in ("conv_state", "recurrent_state"):  # the in-place updates are the same too
         i = NAMES.index(name)
