@@ -37,7 +37,7 @@ ORDER: tuple[str, ...] = ("scatter_rows", "paged_write", "token_dim", "state_wri
                           "expert_split", "scatter_sum", "expert_combine", "gemm", "lowrank_view", "conv_crop",
                           "short_conv", "conv_einsum", "cell_conv", "token_select", "proj_split",
                           "logsigmoid_exp", "head_repeat",
-                          "token_view",
+                          "token_view", "split_rows",
                           "qkv_split",
                           "unbind_split", "square",
                           "rms_forms",
