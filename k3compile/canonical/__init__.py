@@ -35,11 +35,14 @@ ORDER: tuple[str, ...] = ("scatter_rows", "paged_write", "token_dim", "state_wri
                           "cast_split", "pair_order", "expert_rows",
                           "expert_slots", "expert_gather", "expert_stack", "expert_gemm",
                           "expert_split", "scatter_sum", "expert_combine", "gemm", "lowrank_view", "conv_crop",
-                          "short_conv", "conv_einsum", "cell_conv", "token_select", "proj_split", "token_view",
+                          "short_conv", "conv_einsum", "cell_conv", "split_rows", "token_column", "token_select",
+                          "proj_split",
+                          "logsigmoid_exp", "head_repeat",
+                          "token_view",
                           "qkv_split",
                           "unbind_split", "square",
                           "rms_forms",
-                          "norm_square", "l2_norm", "sigmoid", "situ_forms",
+                          "norm_square", "l2_norm", "norm_scale", "sigmoid", "situ_forms",
                           "head_split", "bias_view",
                           "baddbmm_split", "head_rows", "state_matvec", "state_transpose", "delta_einsum", "heads_first",
                           "norm_round", "conv_states", "conv_merge", "gate_up_split",
@@ -51,7 +54,7 @@ ORDER: tuple[str, ...] = ("scatter_rows", "paged_write", "token_dim", "state_wri
                           "topk_sorted", "route_mask", "view_chains", "view_add", "reshape_fold",
                           "stack_cat", "token_rows", "combine_rows", "cast_squeeze", "router_input",
                           "permute_fold",
-                          "expert_dense")
+                          "expert_dense", "equal_split")
 
 
 @dataclasses.dataclass(frozen=True)

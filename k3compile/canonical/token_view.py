@@ -28,7 +28,8 @@ or shape change for any value read outside the moved ops) but for one case: at T
 `reshape` copies the transposed conv output (a `clone`), which the split reads without the copy,
 as the canonical form does; elementwise CPU kernels may then round an ulp apart on the strided
 layout (measured <= 2.4e-7 relative on the l2 norms, tests/canonical/test_token_view.py).
-Scope: the modules that run a depthwise short conv, and only views of that conv's (B, T) (its
+Scope: the modules that run a depthwise short conv and their submodules (spell10's output norm
+is an `o_norm` module inside its KDA module), and only views of that conv's (B, T) (its
 output [B, C, T]): at T = 1 a unit token dim is no different by its shape from other unit dims
 (the built-in model's [B, 1, D] residual stream, its AttnRes mixes and MoE, which moves there
 would unfuse), and [B*H] merges of heads are no tokens. Within it, a view moves up only for a
@@ -132,6 +133,14 @@ def _module(node: fx.Node):
     return next(reversed(stack.values()))[0] if stack else None
 
 
+def _in_scope(node: fx.Node, scope: dict) -> set:
+    """The (B, T) of the conv modules node runs in: its own module's, or an enclosing one's (a
+    norm module inside the KDA module, spell10's `o_norm`; None, a conv with no module stack,
+    the top module's, encloses every node)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    return set(scope.get(None, ())).union(*(scope.get(path, ()) for path, _ in stack.values()))
+
+
 def _conv_modules(graph: fx.Graph) -> dict:
     """module -> the (B, T) of its depthwise short conv (a KDA layer's; its output [B, C, T]):
     the scope of the moves (module None: a graph traced without module stacks, whole). Only
@@ -232,7 +241,7 @@ class _Moves:
             # per-head values ([B, T, H, d]), β (a sigmoid of its projection) and a projection's
             # upcast (bf16 models: the decay's and the gate's GEMMs, β's before its sigmoid)
             return False
-        if src.op != "call_function" or bt not in self.scope.get(_module(src), ()):
+        if src.op != "call_function" or bt not in _in_scope(src, self.scope):
             return False
         if len(shape(src)) + 1 != len(out) or list(shape(src)[1:]) != out[2:]:
             if src.target in RESHAPES:
@@ -318,7 +327,7 @@ class _Moves:
         if len(shape(merge.args[0])) < 4 or not _into_gemm(merge, rows):
             return False  # per-head values only ([B, T, H, d]): an FFN's [B, T, D] input stays
         for user in list(merge.users):
-            if bt not in self.scope.get(_module(user), ()):
+            if bt not in _in_scope(user, self.scope):
                 continue
             if user.target in RESHAPES and (_split(user) == bt or shape(user)[0] == rows):
                 # a split of the merge, or a view keeping its rows: one view of the source

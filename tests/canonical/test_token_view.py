@@ -228,3 +228,72 @@ def test_an_upcast_of_no_projection_stays():
         return c, torch.sigmoid((b.bfloat16() * 2.0).float()).view(2, 3, H)
 
     _stays(computed, _args(2, 3, torch.bfloat16))
+
+
+
+class _Norm(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.rand(D) + 0.5)
+
+    def forward(self, o):
+        return o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + 1e-5) * self.weight
+
+
+class _Conv(torch.nn.Module):
+    def forward(self, window, taps):
+        B, T = window.shape[0], window.shape[-1] - TAPS + 1
+        o = _conv(window, taps).transpose(1, 2)[..., :W].reshape(B, T, H, D)
+        return torch.stack([o[:, t] * 2.0 for t in range(T)], dim=1).reshape(B * T, H, D)
+
+
+class _Attention(torch.nn.Module):
+    """spell10's output: the gated head norm a submodule (`o_norm`) of the module running the
+    conv, on the flat [N, H, d] rows; `sibling`: the conv in a submodule of its own, the norm
+    beside it (no module of a conv encloses the norm)"""
+
+    def __init__(self, sibling: bool):
+        super().__init__()
+        self.o_norm = _Norm()
+        self.conv = _Conv() if sibling else None
+
+    def forward(self, window, taps, gate, w_o):
+        o = self.conv(window, taps) if self.conv else _Conv.forward(self, window, taps)
+        o = self.o_norm(o) * torch.sigmoid(gate.reshape(o.shape))
+        return F.linear(o.reshape(o.shape[0], W), w_o)
+
+
+def _attention(sibling: bool):
+    from tests.canonical.compiled import canonicalize
+
+    model = _Attention(sibling)
+    args = _args(2, 3)
+    inputs = {"window": args[0], "taps": args[1], "gate": args[5], "w_o": torch.randn(3, W)}
+    return canonicalize(model, inputs, module=model)
+
+
+def test_a_norm_submodule_of_the_conv_module_is_in_scope():
+    """the o_norm's ops carry the submodule's name; the conv's module encloses it (spell10)"""
+    from tests.canonical.compiled import assert_same_values
+
+    c = _attention(sibling=False)
+    assert c.counts.get("token_view", 0) > 0
+    assert _flat_ranks(c.after, {aten.rsqrt.default, aten.mean.dim}) == [4, 4]
+    assert_same_values(c, rel=1e-6)
+
+
+def test_a_norm_module_beside_the_conv_module_stays():
+    from tests.canonical.compiled import assert_same_values
+
+    c = _attention(sibling=True)
+    assert _flat_ranks(c.after, {aten.rsqrt.default, aten.mean.dim}) == [3, 3]
+    assert_same_values(c, rel=1e-6)
+
+
+@pytest.mark.slow
+def test_spell10_kda_fuses_with_its_flat_output_norm():
+    """spell10 with its gated head norm (an `o_norm` module) on [N, H, d] and its other KDA
+    idioms on the fused spellings"""
+    from tests.canonical.spell10_kda import assert_kda_fuses_with_only
+
+    assert_kda_fuses_with_only("kda_o_rows")
