@@ -11,7 +11,9 @@ three launches (kernels/device/moe_experts_grouped.py): FC1 + SiTU and FC2 per (
 on bf16 mma.sync, each expert's weights streamed once per 8 of its tokens, then the weighted sum
 over k. With K3_MOE_F16 (`FC1Config.f16`, `FC2Config.f16`) FC1 and FC2 (I <= 512) decode into
 fma.rn.f16x2: z (act) staged as fp16 pairs times 2^c per row, fp16 sums of 16 products, fp32
-above. Design, decode and measurements: docs/kernels.md, moe_experts.
+above; with K3_MOE_BY_EXPERT too (`by_expert`), FC1 runs by expert (stage `fc1e`,
+kernels/device/moe_experts_by_expert.py): each weight word decoded once per chunk of the
+expert's tokens, act the same bits. Design, decode and measurements: docs/kernels.md, moe_experts.
 
 Constraints:
     * z bf16 [N, L], last dim contiguous, row stride a multiple of 8, 16-byte aligned; ids

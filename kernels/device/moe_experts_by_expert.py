@@ -144,7 +144,7 @@ class FC1ByExpert(FC1):
         e, blk, _ = cute.arch.block_idx()
         tidx, _, _ = cute.arch.thread_idx()
         lane, warp = cute.arch.lane_idx(), cute.arch.warp_idx()
-        T, K = self.tokens, self.top_k
+        T = self.tokens
         n_exp = mW1.shape[0] // self.inter
         smem = cutlass.memory.SmemAllocator()
         sPairs = smem.allocate_tensor(Int32, cute.make_layout((self.cap,)), 16)
@@ -163,20 +163,20 @@ class FC1ByExpert(FC1):
             self.load_weights(w, mW1, mS1, mW3, mS3, e, i0, lane)
             self.keep_weights(w, sW, lane, warp)
             full = count // T
+            where = (w, sW, mZ, sPairs, sZs, sMax, tidx, lane, warp, i0, mAct, beta,
+                     linear_beta)
             for ch in cutlass.range(full, unroll=1):
-                self.chunk(w, sW, mZ, sPairs, sZs, sMax, ch * T, T, tidx, lane, warp, i0, mAct, beta,
-                           linear_beta)
+                self.chunk(ch * T, T, *where)
             # the last count % T pairs as one chunk of that many (no token's math repeated)
             for rest in cutlass.range_constexpr(1, T):
                 if count - full * T == rest:
-                    self.chunk(w, sW, mZ, sPairs, sZs, sMax, full * T, rest, tidx, lane, warp, i0, mAct,
-                               beta, linear_beta)
+                    self.chunk(full * T, rest, *where)
 
     @cute.jit
-    def chunk(self, w, sW: cute.Tensor, mZ: cute.Tensor, sPairs: cute.Tensor, sZs, sMax: cute.Tensor,
-              first: Int32, size: cutlass.Constexpr[int], tidx: Int32, lane: Int32, warp: Int32,
-              i0: Int32,
-              mAct: cute.Tensor, beta: Float32, linear_beta: Float32):
+    def chunk(self, first: Int32, size: cutlass.Constexpr[int], w, sW: cute.Tensor,
+              mZ: cute.Tensor, sPairs: cute.Tensor, sZs, sMax: cute.Tensor, tidx: Int32,
+              lane: Int32, warp: Int32, i0: Int32, mAct: cute.Tensor, beta: Float32,
+              linear_beta: Float32):
         """Pairs sPairs[first .. first + size - 1]: their z rows staged in sZs[0 .. size - 1]
         (`stage_z2`, its barriers also keep the previous chunk's reads before these writes),
         the dots from one decode, `finish` per pair."""

@@ -150,7 +150,7 @@ def test_by_expert_selection(monkeypatch):
 @pytest.mark.dsl
 @pytest.mark.parametrize("shape", [(3584, 192, 16, 64), (96, 64, 3, 8)], ids=str)
 def test_builds_for_sm90a(monkeypatch, tmp_path, shape):
-    """The TP16 build (~15 s here) and a small odd one: the registers of 3 CTAs of 256 threads
+    """The TP16 build (a few seconds) and a small odd one: the registers of 3 CTAs of 256 threads
     per SM (80), a stack frame of at most 2 cold spills (ptxas keeps 2 values outside the
     chunk loop at 2 tokens), the decode's fma.rn.f16x2 in the chunk bodies (2 + 1 tokens:
     3 x 16 per weight vector)."""
