@@ -148,9 +148,10 @@ def test_by_expert_selection(monkeypatch):
 
 
 @pytest.mark.dsl
-@pytest.mark.parametrize("shape", [(3584, 192, 16, 64), (96, 64, 3, 8)], ids=str)
-def test_builds_for_sm90a(monkeypatch, tmp_path, shape):
-    """The TP16 build (a few seconds) and a small odd one: the registers of 3 CTAs of 256 threads
+@pytest.mark.parametrize("shape,ids64", [((3584, 192, 16, 64), True), ((96, 64, 3, 8), False)],
+                         ids=str)
+def test_builds_for_sm90a(monkeypatch, tmp_path, shape, ids64):
+    """The TP16 build (a few seconds) and a small odd one with int32 ids: the registers of 3 CTAs of 256 threads
     per SM (80), a stack frame of at most 2 cold spills (ptxas keeps 2 values outside the
     chunk loop at 2 tokens), the decode's fma.rn.f16x2 in the chunk bodies (2 + 1 tokens:
     3 x 16 per weight vector)."""
@@ -160,7 +161,7 @@ def test_builds_for_sm90a(monkeypatch, tmp_path, shape):
     monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
     latent, inter, top_k, b = shape
     cfg = kernel.ByExpertConfig(kernel.FC1Config(8, 1, f16=True), b)
-    compiled = kernel.build("fc1e", latent, inter, top_k, True, cfg, arch="sm_90a",
+    compiled = kernel.build("fc1e", latent, inter, top_k, ids64, cfg, arch="sm_90a",
                             dump_dir=str(tmp_path), pdl=True)
     res = cubin_resources(cubin_of(compiled))
     assert res["regs"] <= 80 and res["frame"] <= 8, res
