@@ -45,8 +45,8 @@ class FC1ByExpert(FC1):
     after it); the lane's W1 / W3 vectors and scales loaded once; then the pairs in chunks of
     `tokens` (the last count % tokens as one smaller chunk): each chunk's z rows staged
     (`stage_z2` per token: its own 2^c), the dots of every token of the chunk from one decode,
-    `finish` per pair. `rows` is the batch bucket (the
-    pair list's capacity rows·k)."""
+    `finish` per pair. `rows` is the batch bucket (the pair list's capacity rows·k).
+    `min_blocks`: CTAs per SM ptxas caps the registers for (0: no cap; see `__call__`)."""
 
     def __init__(self, latent: int, inter: int, top_k: int, cfg: FC1Config, rows: int,
                  tokens: int, min_blocks: int, pdl: bool = False):
@@ -68,9 +68,9 @@ class FC1ByExpert(FC1):
         self.kernel(mZ, mIdx, mW1, mS1, mW3, mS3, mAct, beta, linear_beta).launch(
             grid=[mW1.shape[0] // self.inter, -(-self.inter // self.rows), 1],
             block=[self.threads, 1, 1], smem=self.smem, stream=stream, use_pdl=self.pdl,
-            # registers capped for that many CTAs per SM (ptxas would otherwise keep every
-            # decoded pair view across the chunk loop: 182-255 registers, one CTA per SM);
-            # carveout -1, the driver's default (the DSL asks a GPU for its own otherwise)
+            # with min_blocks, registers capped for that many CTAs per SM (spills at 2; the
+            # default 0 caps nothing); carveout -1, the driver's default (with min_blocks > 1
+            # the DSL would ask a GPU for it)
             min_blocks_per_mp=self.min_blocks, preferred_smem_carveout=-1)
 
     @cute.jit
