@@ -55,6 +55,7 @@ class FC1ByExpert(FC1):
         super().__init__(latent, inter, top_k, cfg, pdl)
         self.tokens, self.cap, self.min_blocks = tokens, pair_capacity(rows, top_k), min_blocks
         self.smem = by_expert_smem(latent, top_k, rows, cfg, tokens)
+        self.carveout = -1 if min_blocks > 1 else None
 
     # the grouped kernels' pair scan (they read top_k, cap, threads, warps)
     load_ids = GroupedMMA.load_ids
@@ -69,9 +70,9 @@ class FC1ByExpert(FC1):
             grid=[mW1.shape[0] // self.inter, -(-self.inter // self.rows), 1],
             block=[self.threads, 1, 1], smem=self.smem, stream=stream, use_pdl=self.pdl,
             # with min_blocks, registers capped for that many CTAs per SM (spills at 2; the
-            # default 0 caps nothing); carveout -1, the driver's default (with min_blocks > 1
-            # the DSL would ask a GPU for it)
-            min_blocks_per_mp=self.min_blocks, preferred_smem_carveout=-1)
+            # default 0 caps nothing); then carveout -1, the driver's default (else the DSL
+            # asks a GPU for one)
+            min_blocks_per_mp=self.min_blocks, preferred_smem_carveout=self.carveout)
 
     @cute.jit
     def dots(self, w, sW: cute.Tensor, sZs, lane: Int32, warp: Int32):
