@@ -3,13 +3,16 @@
 TP16 rank (896 experts, top-16, L 3584, I 192).
 
     python benchmarks/moe_experts.py [--batches 1,8,64]
-                                     [--variants kernel,kernel_f16,grouped,eager,inductor]
+                                     [--variants kernel,kernel_f16,kernel_by_expert,grouped,
+                                                 eager,inductor]
                                      [--out DIR or r.json]
     python benchmarks/moe_experts.py --sweep [--f16] [--batches 1,8,64] [--out DIR]   # configs
 
 `kernel` is the per-pair kernels, `kernel_f16` the same with FC1's packed fp16 decode
-(K3_MOE_F16), `grouped` the kernels by expert (K3_MOE_GROUPED; at 8-64 rows, below it the same as
-`kernel`), each forced for its rows whatever the environment says (the default variants time
+(K3_MOE_F16), `kernel_by_expert` that with FC1 by expert (K3_MOE_BY_EXPERT: each weight word
+decoded once per chunk of the expert's tokens, the same bits as `kernel_f16`; 2-64 rows, at one
+row the same as `kernel_f16`), `grouped` the kernels by expert (K3_MOE_GROUPED; at 8-64 rows,
+below it the same as `kernel`), each forced for its rows whatever the environment says (the default variants time
 `kernel` and `kernel_f16` at one batch before the next: an A/B in one process).
 Each variant is captured into a CUDA graph of CALLS calls (benchmarks/graph_timing.py); time per
 call = median over replays of graph time / calls. Every call has its own rows and routing: at
@@ -67,9 +70,11 @@ def make_calls(n: int, top_k: int = TOP_K):
 
 
 # the kernel variants: settings.KERNELS fields forced while they run
-KERNEL_VARIANTS = {"kernel": {"moe_grouped": False, "moe_f16": False},
-                   "kernel_f16": {"moe_grouped": False, "moe_f16": True},
-                   "grouped": {"moe_grouped": True, "moe_f16": False}}
+KERNEL_VARIANTS = {"kernel": {"moe_grouped": False, "moe_f16": False, "moe_by_expert": False},
+                   "kernel_f16": {"moe_grouped": False, "moe_f16": True, "moe_by_expert": False},
+                   "kernel_by_expert": {"moe_grouped": False, "moe_f16": True,
+                                        "moe_by_expert": True},
+                   "grouped": {"moe_grouped": True, "moe_f16": False, "moe_by_expert": False}}
 
 
 @contextlib.contextmanager
@@ -119,14 +124,15 @@ def check(experts, calls, variant="kernel"):
 def run(batches, variants, gbps, experts, save):
     rows = {}
     inputs = {n: make_calls(n) for n in batches}
-    order = [v for v in ("kernel", "kernel_f16", "grouped", "eager") if v in variants]
+    order = [v for v in ("kernel", "kernel_f16", "kernel_by_expert", "grouped", "eager")
+             if v in variants]
     plan = [(n, v) for n in batches for v in order if v.startswith("kernel")]
     plan += [(n, v) for v in order for n in batches if not v.startswith("kernel")]
     plan += [(n, "inductor") for n in batches if "inductor" in variants]
     compiled = torch.compile(mxfp4_experts, dynamic=False) if "inductor" in variants else None
     for n, name in plan:
         calls = inputs[n]
-        if name in ("grouped", "kernel_f16"):
+        if name in ("grouped", "kernel_f16", "kernel_by_expert"):
             check(experts, calls, name)
         if n not in rows:
             check(experts, calls)
@@ -142,10 +148,10 @@ def run(batches, variants, gbps, experts, save):
         for other in ("eager", "inductor"):
             if f"{other}_us" in row and "kernel_us" in row:
                 row[f"kernel_speedup_vs_{other}"] = round(row[f"{other}_us"] / row["kernel_us"], 2)
-        for other in ("grouped", "kernel_f16"):
+        for other in ("grouped", "kernel_f16", "kernel_by_expert"):
             if f"{other}_us" in row and "kernel_us" in row:
                 row[f"{other}_speedup_vs_kernel"] = round(row["kernel_us"] / row[f"{other}_us"], 2)
-        print(f"B{n:<3} {name:9s} {us:9.2f} us  {row[f'{name}_pct_copy']:5.1f}% of copy  "
+        print(f"B{n:<3} {name:16s} {us:9.2f} us  {row[f'{name}_pct_copy']:5.1f}% of copy  "
               f"({row['distinct_experts']} experts, {row['MB']} MB, floor {row['floor_us']} us; "
               f"{time.time() - t0:.0f} s)", flush=True)
         save(list(rows.values()))
@@ -218,12 +224,13 @@ def main():
         return
     rows = run(batches, opts.variants.split(","), gbps, experts, save)
     print("\n| batch | experts | MB | floor µs | kernel µs | % copy | kernel_f16 µs | % copy | "
-          "grouped µs | % copy | eager µs | inductor µs | vs eager | vs inductor |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "kernel_by_expert µs | % copy | grouped µs | % copy | eager µs | inductor µs | vs eager | vs inductor |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['batch']} | {r['distinct_experts']} | {r['MB']} | {r['floor_us']} | "
               f"{r.get('kernel_us', '-')} | {r.get('kernel_pct_copy', '-')} | "
               f"{r.get('kernel_f16_us', '-')} | {r.get('kernel_f16_pct_copy', '-')} | "
+              f"{r.get('kernel_by_expert_us', '-')} | {r.get('kernel_by_expert_pct_copy', '-')} | "
               f"{r.get('grouped_us', '-')} | {r.get('grouped_pct_copy', '-')} | "
               f"{r.get('eager_us', '-')} | {r.get('inductor_us', '-')} | "
               f"x{r.get('kernel_speedup_vs_eager', '-')} | "

@@ -50,6 +50,9 @@ SWITCHES: dict[str, tuple[str, str]] = {
     "K3_MOE_GROUPED": ("kernels: `moe_experts` by expert on tensor cores at 8-64 rows", "0"),
     "K3_MOE_F16": (("kernels: `moe_experts` decodes into packed fp16 math (fma.rn.f16x2): `auto` "
                     "at buckets of 16 rows and more, `1` at every bucket, `0` never"), "auto"),
+    "K3_MOE_BY_EXPERT": (("kernels: `moe_experts` FC1 by expert on CUDA cores with the fp16 "
+                          "decode (each weight word decoded once per 4 routed tokens), up to "
+                          "64 rows"), "0"),
     "K3_KDA_FB": (("kernels: `fb_kda_decode` in one launch (the KDA kernel computes the f_b "
                    "projection itself; the default is the f_b GEMM, then the KDA kernel)"), "0"),
     "K3_CHECK_KERNEL": (("kernels: the device-side input check and redirect (`validate=device` on "
@@ -304,6 +307,7 @@ class KernelSettings:
     moe_grouped: bool = False  # moe_experts by expert at 8-64 rows (kernels/moe_experts.py)
     # moe_experts' packed fp16 decode; None: `auto` (kernels/moe_experts.py, `f16_decode`)
     moe_f16: bool | None = None
+    moe_by_expert: bool = False  # moe_experts FC1 by expert, fp16 decode (kernels/moe_experts.py)
     kda_fb: bool = False  # fb_kda_decode's one-launch build (kernels/fb_kda_decode.py)
     check_kernel: bool = True  # validate's device check as one launch (kernels/input_check.py)
     build_workers: int = 0  # a bucket's kernels built by a pool (kernels/common/build_pool.py);
@@ -324,6 +328,7 @@ class KernelSettings:
                    allreduce=allreduce, cache_dir=parse_cache_dir(env("K3_CACHE_DIR")),
                    moe_grouped=bool(env_bool("K3_MOE_GROUPED")),
                    moe_f16=parse_auto_bool("K3_MOE_F16", env("K3_MOE_F16")),
+                   moe_by_expert=bool(env_bool("K3_MOE_BY_EXPERT")),
                    kda_fb=bool(env_bool("K3_KDA_FB")),
                    check_kernel=env_bool("K3_CHECK_KERNEL") is not False,
                    build_workers=parse_workers(env("K3_BUILD_WORKERS")))
@@ -335,6 +340,7 @@ class KernelSettings:
                 f"gemm_tc_fused {sorted(self.gemm_tc_fused)}", f"extra {list(self.extra)}",
                 f"skip {list(self.skip)}", f"allreduce {self.allreduce}",
                 f"moe_grouped {self.moe_grouped}", f"moe_f16 {self.moe_f16}",
+                f"moe_by_expert {self.moe_by_expert}",
                 f"kda_fb {self.kda_fb}"]  # not check_kernel: it changes no stage output and
         # no collective (each rank checks its own inputs), so stage caches need not split on it
 

@@ -11,7 +11,9 @@ three launches (kernels/device/moe_experts_grouped.py): FC1 + SiTU and FC2 per (
 on bf16 mma.sync, each expert's weights streamed once per 8 of its tokens, then the weighted sum
 over k. With K3_MOE_F16 (`FC1Config.f16`, `FC2Config.f16`) FC1 and FC2 (I <= 512) decode into
 fma.rn.f16x2: z (act) staged as fp16 pairs times 2^c per row, fp16 sums of 16 products, fp32
-above. Design, decode and measurements: docs/kernels.md, moe_experts.
+above; with K3_MOE_BY_EXPERT too (`by_expert`), FC1 runs by expert (stage `fc1e`,
+kernels/device/moe_experts_by_expert.py): each weight word decoded once per chunk of the
+expert's tokens, act the same bits. Design, decode and measurements: docs/kernels.md, moe_experts.
 
 Constraints:
     * z bf16 [N, L], last dim contiguous, row stride a multiple of 8, 16-byte aligned; ids
@@ -86,6 +88,10 @@ F16_SCALE_BIAS = 1
 TILE_TOKENS = 8
 GROUPED_ROWS = (8, 64)
 G_SHIFT = 48
+# FC1 by expert (K3_MOE_BY_EXPERT, fp16 decode, buckets up to BY_EXPERT_MAX_ROWS): tokens per chunk
+# (each weight word decoded once per chunk; kernels/device/moe_experts_by_expert.py)
+BY_EXPERT_TOKENS = 2
+BY_EXPERT_MAX_ROWS = 64
 
 
 @dataclass(frozen=True)
@@ -113,6 +119,17 @@ class FC2Config:
 
 
 @dataclass(frozen=True)
+class ByExpertConfig:
+    """FC1 by expert (`by_expert`): the per-pair fp16 FC1's config, the batch bucket (the pair
+    list's capacity) and the tokens per chunk."""
+
+    fc1: FC1Config
+    rows: int
+    tokens: int = BY_EXPERT_TOKENS
+    min_blocks: int = 0  # CTAs per SM the registers are capped for (0: no cap)
+
+
+@dataclass(frozen=True)
 class GroupedConfig:
     """A grouped stage (`fc1g`, `fc2g`): warps of 16 weight rows (the MMA's M) per row block,
     row blocks per warp one after another, steps (128 inputs per row) loaded ahead, the batch
@@ -130,6 +147,27 @@ class GroupedConfig:
 def grouped(n_rows: int) -> bool:
     """Whether a call of n_rows takes the grouped kernels: K3_MOE_GROUPED at 8-64 rows."""
     return KERNELS.moe_grouped and GROUPED_ROWS[0] <= n_rows <= GROUPED_ROWS[1]
+
+
+def by_expert(n_rows: int, latent: int) -> bool:
+    """Whether a call of n_rows takes FC1 by expert: K3_MOE_BY_EXPERT with the fp16 decode, FC1
+    to registers (not the one-row cp.async config), up to BY_EXPERT_MAX_ROWS rows; the grouped
+    kernels (`grouped`) go first."""
+    if not KERNELS.moe_by_expert or grouped(n_rows) or n_rows > BY_EXPERT_MAX_ROWS:
+        return False
+    b = bucket(n_rows)
+    return f16_decode(b) and not config("fc1", latent, 0, 0, b).cp_async
+
+
+def by_expert_smem(latent: int, top_k: int, rows: int, cfg: FC1Config, tokens: int) -> int:
+    """Shared memory of a by-expert FC1 CTA: the pair list and the ballot counts (as the grouped
+    kernels'), `tokens` staged z rows (fp16 pairs), the warps' maxima, every lane's weight
+    vectors (as FC1's cp.async ones), 16 bytes of alignment per buffer."""
+    cap = pair_capacity(rows, top_k)
+    counts = -(-cap // cfg.threads) * cfg.warps
+    m, split = _lane_steps(latent)
+    weights = 16 * 32 * 2 * cfg.rows_per_warp * (m + split) * cfg.warps
+    return 4 * cap + 4 * counts + tokens * 2 * latent + 4 * cfg.warps + weights + 16 * (tokens + 4)
 
 
 def grouped_steps(depth: int) -> tuple[int, int]:
@@ -271,9 +309,11 @@ def prepare(latent: int, inter: int, top_k: int, buckets=(1, 2, 4, 8, 16, 32, 64
                                 **(store if stage == "fin" else {}))
             continue
         for stage in ("fc1", "fc2"):
-            KERNEL.compiled(stage, latent, inter, top_k, ids64,
-                            config(stage, latent, inter, top_k, b), rows=b,
-                            pdl=None if stage == "fc1" else False,
+            cfg = config(stage, latent, inter, top_k, b)
+            if stage == "fc1" and by_expert(b, latent):
+                stage, cfg = "fc1e", ByExpertConfig(cfg, b)
+            KERNEL.compiled(stage, latent, inter, top_k, ids64, cfg, rows=b,
+                            pdl=None if stage != "fc2" else False,
                             **(store if stage == "fc2" else {}))
 
 
@@ -299,9 +339,16 @@ def build(stage, latent, inter, top_k, ids64, cfg, arch=None, dump_dir=None, pdl
                               u)
     from .device.moe_experts import FC1, FC2
 
-    if stage == "fc1":  # act as (N·k, I) rows
+    if stage in ("fc1", "fc1e"):  # act as (N·k, I) rows
         w, s = dense(i32, rows, latent // 8, 16), dense(u8, rows, latent // 32, 1)
-        return compile_kernel(FC1(latent, inter, top_k, cfg, pdl), fake_rows(bf16, n, latent), ids,
+        if stage == "fc1e":
+            from .device.moe_experts_by_expert import FC1ByExpert
+
+            host = FC1ByExpert(latent, inter, top_k, cfg.fc1, cfg.rows, cfg.tokens,
+                               cfg.min_blocks, pdl)
+        else:
+            host = FC1(latent, inter, top_k, cfg, pdl)
+        return compile_kernel(host, fake_rows(bf16, n, latent), ids,
                               w, s, w, s, dense(bf16, pairs, inter, 16), cutlass.Float32(4.0),
                               cutlass.Float32(25.0), fake_stream(), arch=arch, dump_dir=dump_dir)
     return compile_kernel(FC2(latent, inter, top_k, cfg), dense(bf16, n, top_k * inter, 16),
@@ -379,8 +426,10 @@ def _launch(args, beta, linear_beta, out, out_fp32=False):
     elif n:
         b, ids64 = bucket(n), ids.dtype == torch.int64
         act = z.new_empty((n * top_k, inter))
-        fc1 = config("fc1", latent, inter, top_k, b)
-        KERNEL.compiled("fc1", latent, inter, top_k, ids64, fc1, rows=b)(
+        stage, fc1 = "fc1", config("fc1", latent, inter, top_k, b)
+        if by_expert(n, latent):  # act written by expert, the same bits (K3_MOE_BY_EXPERT)
+            stage, fc1 = "fc1e", ByExpertConfig(fc1, b)
+        KERNEL.compiled(stage, latent, inter, top_k, ids64, fc1, rows=b)(
             z, ids, _words(w1_packed), w1_scale.view(-1, latent // 32), _words(w3_packed),
             w3_scale.view(-1, latent // 32), act, float(beta), float(linear_beta))
         # FC2 always follows FC1 with PDL (its own build has no switch)
