@@ -211,11 +211,11 @@ def time_major_check(match) -> str | None:
 # `assert_cuda_op_equals_cpu`, H100, 2026-12-06, session 29: before it those tests called the op
 # without `register_all` and compared the CUDA reference with the CPU one). A site needing any
 # other flag stays with Inductor on GPU graphs (`kernel_refusal`) until its GPU test passes so;
-# CPU graphs fuse every variant (the reference is the CPU kernel). Three conv states: not yet
-# run on a GPU (test_kda_decode_three_states.py's GPU test; until session 30 the GPU machine's
-# torch 2.11 could not call the op with them).
+# CPU graphs fuse every variant (the reference is the CPU kernel). Three conv states: since
+# session 30 the op takes them on torch 2.11 too, and test_kda_decode_three_states.py's GPU test
+# passed (H100, 2026-12-06), as did spell8's CUDA plan test with them in this set.
 GPU_TESTED_FLAGS = frozenset({"norm_fp32", "conv_time_major", "state_v_major", "o_fp32",
-                              "norm_weight_fp32", "conv_rounded"})
+                              "norm_weight_fp32", "conv_rounded", "three_conv_states"})
 
 
 def kernel_refusal(three_states: bool = False, state_v_major: bool = False,

@@ -220,13 +220,24 @@ def test_kernel_takes_three_states_of_q_width():
     assert kernel.refusal(*one) is None  # the op's arguments in its order: None, None
 
 
-def test_three_states_site_stays_with_inductor_on_gpu_graphs():
-    """As on a GPU graph (`kernels_only`): the three-state build has not run on a GPU"""
+@pytest.mark.parametrize("tested", [True, False])
+def test_three_states_site_on_gpu_graphs(tested, monkeypatch):
+    """As on a GPU graph (`kernels_only`): the three-state build fuses once it is in
+    `GPU_TESTED_FLAGS` (its GPU test passed, session 30); a build not in it stays with Inductor,
+    deferred naming the flag"""
+    from k3compile.patterns import kda_decode as pattern
+
+    if not tested:
+        monkeypatch.setattr(pattern, "GPU_TESTED_FLAGS",
+                            pattern.GPU_TESTED_FLAGS - {"three_conv_states"})
     args = _inputs(1, 2, torch.float32)
     gm, report = rewrite(_unfused, _clone(args), [_variant(1, 2, torch.float32)], joint=True,
                          kernels_only=True)
-    assert not report.hits
-    assert "kda_decode" in report.deferred
+    if tested:
+        assert len(report.hits) == 1 and "three_conv_states" in report.hits[0].pattern, report
+        assert "k3.kda_decode.default" in targets(gm)
+    else:
+        assert not report.hits
+        assert "three_conv_states" in report.deferred["kda_decode"], report.deferred
     for w, g in zip(_unfused(*_clone(args)), gm(*_clone(args))):
-        torch.testing.assert_close(g, w)  # the unfused graph: its own summation order (an ulp)
-
+        torch.testing.assert_close(g, w)  # fused: the reference op; unfused: its own order
