@@ -51,8 +51,9 @@ SWITCHES: dict[str, tuple[str, str]] = {
     "K3_MOE_F16": (("kernels: `moe_experts` decodes into packed fp16 math (fma.rn.f16x2): `auto` "
                     "at buckets of 16 rows and more, `1` at every bucket, `0` never"), "auto"),
     "K3_MOE_BY_EXPERT": (("kernels: `moe_experts` FC1 by expert on CUDA cores with the fp16 "
-                          "decode (each weight word decoded once per 4 routed tokens), up to "
-                          "64 rows"), "0"),
+                          "decode (each weight word decoded once per 2 routed tokens), up to "
+                          "64 rows; slower than the per-pair kernels on the H100 (session 30)"),
+                         "0"),
     "K3_KDA_FB": (("kernels: `fb_kda_decode` in one launch (the KDA kernel computes the f_b "
                    "projection itself; the default is the f_b GEMM, then the KDA kernel)"), "0"),
     "K3_CHECK_KERNEL": (("kernels: the device-side input check and redirect (`validate=device` on "
