@@ -27,7 +27,7 @@ import torch
 from torch import fx
 
 from k3compile.canonical import Rule, rewrite_sites
-from k3compile.graph import call
+from k3compile.canonical.sigmoid import write_sigmoid
 
 aten = torch.ops.aten
 _FLOATS = (torch.float32, torch.float64)
@@ -73,14 +73,8 @@ def _site(exp: fx.Node) -> fx.Node | None:
     return x
 
 
-def _write(graph: fx.Graph, node: fx.Node, x: fx.Node) -> None:
-    with graph.inserting_before(node):
-        sig = call(graph, aten.sigmoid.default, (x,), like=node)
-    node.replace_all_uses_with(sig)
-
-
 def apply(graph: fx.Graph) -> int:
-    return rewrite_sites(graph, _site, _write, targets={aten.exp.default})
+    return rewrite_sites(graph, _site, write_sigmoid, targets={aten.exp.default})
 
 
 RULE = Rule("logsigmoid_exp", apply,

@@ -73,16 +73,17 @@ def _site(node: fx.Node) -> fx.Node | None:
     return x
 
 
-def _write(graph: fx.Graph, node: fx.Node, x: fx.Node) -> None:
+def write_sigmoid(graph: fx.Graph, node: fx.Node, x: fx.Node) -> None:
+    """node's uses read sigmoid(x) instead (also rule `logsigmoid_exp`'s ending)."""
     with graph.inserting_before(node):
         sig = call(graph, aten.sigmoid.default, (x,), like=node)
     node.replace_all_uses_with(sig)
 
 
 def apply(graph: fx.Graph) -> int:
-    return rewrite_sites(graph, _site, _write, targets={aten.reciprocal.default})
+    return rewrite_sites(graph, _site, write_sigmoid, targets={aten.reciprocal.default})
 
 
 RULE = Rule("sigmoid", apply, "reciprocal(1 + exp(-x)) (1 / (1 + exp(-x)), fp32) -> sigmoid(x)")
 
-__all__ = ["RULE", "apply"]
+__all__ = ["RULE", "apply", "write_sigmoid"]
