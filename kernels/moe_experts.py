@@ -92,12 +92,13 @@ G_SHIFT = 48
 # (each weight word decoded once per chunk; kernels/device/moe_experts_by_expert.py)
 BY_EXPERT_TOKENS = 2
 BY_EXPERT_MAX_ROWS = 64
-# ... and experts per CTA (grid E / that x I / R; session 30's design had one: 21504 CTAs at the
-# TP16 rank, most of them an unselected expert's, each scanning every id before it exits)
-BY_EXPERT_EXPERTS = 8
-# ... with registers capped for 3 CTAs of 256 threads per SM (80; uncapped ptxas takes 96 for the
-# first chunk's z staged while the weight loads are in flight: 2 CTAs per SM); 5 loop-invariant
-# words spilled, reloaded once per expert
+# ... and experts per CTA (grid E / that x I / R; each CTA loads the ids once and scans them per
+# expert). 1, session 30's grid: on the H100 (2026-12-06, session 31) 4, 8 or 16 were no
+# faster (BENCHMARKS.md, session 31, helper moev2)
+BY_EXPERT_EXPERTS = 1
+# ... with registers capped for 3 CTAs of 256 threads per SM (80; uncapped, ptxas takes 88-98 with
+# the first chunk's z staged while the weight loads are in flight: 2 CTAs per SM); 2 (8 experts per
+# CTA: 6) loop-invariant words spilled, reloaded once per expert
 BY_EXPERT_MIN_BLOCKS = 3
 
 
