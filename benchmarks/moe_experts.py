@@ -8,6 +8,10 @@ TP16 rank (896 experts, top-16, L 3584, I 192).
                                      [--out DIR or r.json]
     python benchmarks/moe_experts.py --sweep [--f16] [--batches 1,8,64] [--out DIR]   # configs
 
+A variant `kernel_by_expert_xX` is `kernel_by_expert` with X experts per CTA
+(kernels/moe_experts.py BY_EXPERT_EXPERTS; e.g. --variants kernel_f16,kernel_by_expert_x1,
+kernel_by_expert_x8).
+
 `kernel` is the per-pair kernels, `kernel_f16` the same with FC1's packed fp16 decode
 (K3_MOE_F16), `kernel_by_expert` that with FC1 by expert (K3_MOE_BY_EXPERT: each weight word
 decoded once per chunk of the expert's tokens, the same bits as `kernel_f16`; 2-64 rows, at one
@@ -28,6 +32,7 @@ import argparse
 import contextlib
 import functools
 import json
+import re
 import time
 from pathlib import Path
 
@@ -77,22 +82,38 @@ KERNEL_VARIANTS = {"kernel": {"moe_grouped": False, "moe_f16": False, "moe_by_ex
                    "grouped": {"moe_grouped": True, "moe_f16": False, "moe_by_expert": False}}
 
 
+def experts_per_cta(name: str) -> int | None:
+    """X of a variant `kernel_by_expert_xX`, else None."""
+    m = re.fullmatch(r"kernel_by_expert_x(\d+)", name)
+    return int(m.group(1)) if m else None
+
+
+def is_kernel(name: str) -> bool:
+    return name in KERNEL_VARIANTS or experts_per_cta(name) is not None
+
+
 @contextlib.contextmanager
 def kernel_variant(name: str):
-    """`KERNEL_VARIANTS[name]` set on settings.KERNELS while open (read at each call)."""
-    values = KERNEL_VARIANTS[name]
+    """`KERNEL_VARIANTS[name]` set on settings.KERNELS while open (read at each call); a
+    `kernel_by_expert_xX` variant also sets the by-expert FC1's experts per CTA."""
+    x = experts_per_cta(name)
+    values = KERNEL_VARIANTS["kernel_by_expert" if x else name]
     before = {k: getattr(settings.KERNELS, k) for k in values}
+    x_before = kernel.BY_EXPERT_EXPERTS
     for k, v in values.items():
         setattr(settings.KERNELS, k, v)
+    if x:
+        kernel.BY_EXPERT_EXPERTS = x
     try:
         yield
     finally:
         for k, v in before.items():
             setattr(settings.KERNELS, k, v)
+        kernel.BY_EXPERT_EXPERTS = x_before
 
 
 def variant_fn(name: str, experts, compiled=None):
-    if name in KERNEL_VARIANTS:
+    if is_kernel(name):
         def call(z, ids, w, out):
             with kernel_variant(name):
                 return kernel.moe_experts_cuda(z, ids, w, *experts, BETA, LINEAR_BETA, out=out)
@@ -124,7 +145,8 @@ def check(experts, calls, variant="kernel"):
 def run(batches, variants, gbps, experts, save):
     rows = {}
     inputs = {n: make_calls(n) for n in batches}
-    order = [v for v in ("kernel", "kernel_f16", "kernel_by_expert", "grouped", "eager")
+    xs = [v for v in variants if experts_per_cta(v)]
+    order = [v for v in ("kernel", "kernel_f16", "kernel_by_expert", *xs, "grouped", "eager")
              if v in variants]
     plan = [(n, v) for n in batches for v in order if v.startswith("kernel")]
     plan += [(n, v) for v in order for n in batches if not v.startswith("kernel")]
@@ -132,7 +154,7 @@ def run(batches, variants, gbps, experts, save):
     compiled = torch.compile(mxfp4_experts, dynamic=False) if "inductor" in variants else None
     for n, name in plan:
         calls = inputs[n]
-        if name in ("grouped", "kernel_f16", "kernel_by_expert"):
+        if name in ("grouped", "kernel_f16", "kernel_by_expert", *xs):
             check(experts, calls, name)
         if n not in rows:
             check(experts, calls)
@@ -151,6 +173,10 @@ def run(batches, variants, gbps, experts, save):
         for other in ("grouped", "kernel_f16", "kernel_by_expert"):
             if f"{other}_us" in row and "kernel_us" in row:
                 row[f"{other}_speedup_vs_kernel"] = round(row["kernel_us"] / row[f"{other}_us"], 2)
+        for other in ("kernel_by_expert", *xs):
+            if f"{other}_us" in row and "kernel_f16_us" in row:
+                row[f"{other}_speedup_vs_kernel_f16"] = round(
+                    row["kernel_f16_us"] / row[f"{other}_us"], 3)
         print(f"B{n:<3} {name:16s} {us:9.2f} us  {row[f'{name}_pct_copy']:5.1f}% of copy  "
               f"({row['distinct_experts']} experts, {row['MB']} MB, floor {row['floor_us']} us; "
               f"{time.time() - t0:.0f} s)", flush=True)

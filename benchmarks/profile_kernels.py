@@ -5,8 +5,12 @@ two shapes that fall short of copy bandwidth (2112x7168, 896x7168) beside one th
 profiler range (and an NVTX range named after the case), with weights that are not L2-resident.
 
     ncu --clock-control none --profile-from-start off --nvtx --set full \
-        -o OUT/kernels python3 benchmarks/profile_kernels.py [all|gemv|moe]
+        -o OUT/kernels python3 benchmarks/profile_kernels.py [all|gemv|moe|moe_by_expert]
     (benchmarks/profile_h200.sh runs it and writes the per-kernel tables)
+
+`moe_by_expert` (issue 21, FC1 by expert): the expert step at 8 and 64 rows with FC1 per pair
+(fp16 decode) and by expert with 1 and 8 experts per CTA
+(benchmarks/moe_experts.py's variants), each in its own NVTX range.
 """
 
 import functools
@@ -17,10 +21,11 @@ from gemv import check as gemv_check
 from gemv import weight_copies
 from k3compile.kernels import moe_experts as kernel
 from k3compile.kernels.common import gemv
-from moe_experts import BETA, LINEAR_BETA, make_calls, make_experts
+from moe_experts import BETA, LINEAR_BETA, kernel_variant, make_calls, make_experts
 
 GEMV_SHAPES = [(2112, 7168), (896, 7168), (3206, 7168)]
 MOE_ROWS = [8, 64]
+BY_EXPERT_VARIANTS = ["kernel_f16", "kernel_by_expert_x1", "kernel_by_expert_x8"]
 
 
 def profiled(name: str, fn) -> None:
@@ -33,7 +38,26 @@ def profiled(name: str, fn) -> None:
     torch.cuda.profiler.stop()
 
 
+def profile_by_expert() -> None:
+    """Each of BY_EXPERT_VARIANTS at MOE_ROWS: compiled and warmed, then one profiled call on
+    other experts (not L2-resident)."""
+    experts = make_experts()
+    for rows in MOE_ROWS:
+        for variant in BY_EXPERT_VARIANTS:
+            with kernel_variant(variant):
+                (z, ids, w), *_ = make_calls(rows)
+                out = torch.empty_like(z)
+                got = kernel.moe_experts_cuda(z, ids, w, *experts, BETA, LINEAR_BETA, out=out)
+                assert got is out, "moe_experts refused the inputs (see the log)"
+                (z, ids, w), *_ = make_calls(rows)
+                profiled(f"{variant}_{rows}", functools.partial(
+                    kernel.moe_experts_cuda, z, ids, w, *experts, BETA, LINEAR_BETA, out=out))
+            print(f"{variant} {rows} rows: profiled", flush=True)
+
+
 def main(which: str) -> None:
+    if which == "moe_by_expert":
+        return profile_by_expert()
     for n, k in GEMV_SHAPES if which in ("all", "gemv") else []:
         weights = weight_copies(n, k)
         x = torch.randn(1, k, device="cuda").bfloat16()

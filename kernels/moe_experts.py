@@ -92,6 +92,14 @@ G_SHIFT = 48
 # (each weight word decoded once per chunk; kernels/device/moe_experts_by_expert.py)
 BY_EXPERT_TOKENS = 2
 BY_EXPERT_MAX_ROWS = 64
+# ... and experts per CTA (grid E / that x I / R; each CTA loads the ids once and scans them per
+# expert). 1, session 30's grid: on the H100 (2026-12-06, session 31) 4, 8 or 16 were no
+# faster (BENCHMARKS.md, session 31, helper moev2)
+BY_EXPERT_EXPERTS = 1
+# ... with registers capped for 3 CTAs of 256 threads per SM (80; uncapped, ptxas takes 88-98 with
+# the first chunk's z staged while the weight loads are in flight: 2 CTAs per SM); 2 (8 experts per
+# CTA: 6) loop-invariant words spilled, reloaded once per expert
+BY_EXPERT_MIN_BLOCKS = 3
 
 
 @dataclass(frozen=True)
@@ -121,12 +129,13 @@ class FC2Config:
 @dataclass(frozen=True)
 class ByExpertConfig:
     """FC1 by expert (`by_expert`): the per-pair fp16 FC1's config, the batch bucket (the pair
-    list's capacity) and the tokens per chunk."""
+    list's capacity), the tokens per chunk and the experts per CTA (`by_expert_config`)."""
 
     fc1: FC1Config
     rows: int
     tokens: int = BY_EXPERT_TOKENS
     min_blocks: int = 0  # CTAs per SM the registers are capped for (0: no cap)
+    experts_per_cta: int = 1
 
 
 @dataclass(frozen=True)
@@ -157,6 +166,13 @@ def by_expert(n_rows: int, latent: int) -> bool:
         return False
     b = bucket(n_rows)
     return f16_decode(b) and not config("fc1", latent, 0, 0, b).cp_async
+
+
+def by_expert_config(fc1: FC1Config, batch_bucket: int) -> ByExpertConfig:
+    """The by-expert FC1's config at a bucket: BY_EXPERT_EXPERTS experts per CTA (read at each
+    call: benchmarks/moe_experts.py --by-expert-x times others)."""
+    return ByExpertConfig(fc1, batch_bucket, min_blocks=BY_EXPERT_MIN_BLOCKS,
+                          experts_per_cta=BY_EXPERT_EXPERTS)
 
 
 def by_expert_smem(latent: int, top_k: int, rows: int, cfg: FC1Config, tokens: int) -> int:
@@ -311,7 +327,7 @@ def prepare(latent: int, inter: int, top_k: int, buckets=(1, 2, 4, 8, 16, 32, 64
         for stage in ("fc1", "fc2"):
             cfg = config(stage, latent, inter, top_k, b)
             if stage == "fc1" and by_expert(b, latent):
-                stage, cfg = "fc1e", ByExpertConfig(cfg, b)
+                stage, cfg = "fc1e", by_expert_config(cfg, b)
             KERNEL.compiled(stage, latent, inter, top_k, ids64, cfg, rows=b,
                             pdl=None if stage != "fc2" else False,
                             **(store if stage == "fc2" else {}))
@@ -345,7 +361,7 @@ def build(stage, latent, inter, top_k, ids64, cfg, arch=None, dump_dir=None, pdl
             from .device.moe_experts_by_expert import FC1ByExpert
 
             host = FC1ByExpert(latent, inter, top_k, cfg.fc1, cfg.rows, cfg.tokens,
-                               cfg.min_blocks, pdl)
+                               cfg.min_blocks, cfg.experts_per_cta, pdl)
         else:
             host = FC1(latent, inter, top_k, cfg, pdl)
         return compile_kernel(host, fake_rows(bf16, n, latent), ids,
@@ -428,7 +444,7 @@ def _launch(args, beta, linear_beta, out, out_fp32=False):
         act = z.new_empty((n * top_k, inter))
         stage, fc1 = "fc1", config("fc1", latent, inter, top_k, b)
         if by_expert(n, latent):  # act written by expert, the same bits (K3_MOE_BY_EXPERT)
-            stage, fc1 = "fc1e", ByExpertConfig(fc1, b)
+            stage, fc1 = "fc1e", by_expert_config(fc1, b)
         KERNEL.compiled(stage, latent, inter, top_k, ids64, fc1, rows=b)(
             z, ids, _words(w1_packed), w1_scale.view(-1, latent // 32), _words(w3_packed),
             w3_scale.view(-1, latent // 32), act, float(beta), float(linear_beta))

@@ -40,20 +40,23 @@ def decode_dots_f16x2(words, z2s):
 
 
 class FC1ByExpert(FC1):
-    """CTA (e, g): expert e, rows g·R .. (R = warps x rows per warp, as `FC1`). The pairs p with
-    ids[p] == e, in order of p (the grouped kernels' ballot scan; an unselected expert exits
-    after it); the lane's W1 / W3 vectors and scales loaded once; then the pairs in chunks of
-    `tokens` (the last count % tokens as one smaller chunk): each chunk's z rows staged
-    (`stage_z2` per token: its own 2^c), the dots of every token of the chunk from one decode,
-    `finish` per pair. `rows` is the batch bucket (the pair list's capacity rows·k).
-    `min_blocks`: CTAs per SM ptxas caps the registers for (0: no cap; see `__call__`)."""
+    """CTA (x, g): experts x, x + X, ... (grid X = E / experts_per_cta) and rows g·R .. (R =
+    warps x rows per warp, as `FC1`). The ids loaded once; per expert the pairs p with ids[p]
+    == e, in order of p (the grouped kernels' ballot scan: an unselected expert costs it, no
+    CTA); the lane's W1 / W3 loads issued, the first chunk's z rows staged while they are in
+    flight, the vectors kept in shared memory; then the pairs in chunks of `tokens` (the last
+    count % tokens as one smaller chunk): each chunk's z rows staged (`stage_z2` per token: its
+    own 2^c), the dots of every token of the chunk from one decode, `finish` per pair. `rows` is
+    the batch bucket (the pair list's capacity rows·k). `min_blocks`: CTAs per SM ptxas caps the
+    registers for (0: no cap; see `__call__`)."""
 
     def __init__(self, latent: int, inter: int, top_k: int, cfg: FC1Config, rows: int,
-                 tokens: int, min_blocks: int, pdl: bool = False):
+                 tokens: int, min_blocks: int, experts_per_cta: int = 1, pdl: bool = False):
         if not cfg.f16 or cfg.cp_async:
             raise ValueError(f"{cfg}: FC1ByExpert takes the fp16 decode to registers only")
         super().__init__(latent, inter, top_k, cfg, pdl)
         self.tokens, self.cap, self.min_blocks = tokens, pair_capacity(rows, top_k), min_blocks
+        self.experts_per_cta = experts_per_cta
         self.smem = by_expert_smem(latent, top_k, rows, cfg, tokens)
         self.carveout = -1 if min_blocks > 1 else None
 
@@ -65,9 +68,10 @@ class FC1ByExpert(FC1):
     def __call__(self, mZ: cute.Tensor, mIdx: cute.Tensor, mW1: cute.Tensor,
                  mS1: cute.Tensor, mW3: cute.Tensor, mS3: cute.Tensor, mAct: cute.Tensor,
                  beta: Float32, linear_beta: Float32, stream):
-        # as `FC1.__call__`; the grid is (E, I / R)
+        # as `FC1.__call__`; the grid is (E / experts_per_cta, I / R)
+        n_exp, ep = mW1.shape[0] // self.inter, self.experts_per_cta
         self.kernel(mZ, mIdx, mW1, mS1, mW3, mS3, mAct, beta, linear_beta).launch(
-            grid=[mW1.shape[0] // self.inter, -(-self.inter // self.rows), 1],
+            grid=[(n_exp + ep - 1) // ep, -(-self.inter // self.rows), 1],
             block=[self.threads, 1, 1], smem=self.smem, stream=stream, use_pdl=self.pdl,
             # with min_blocks, registers capped for that many CTAs per SM (spills at 2; the
             # default 0 caps nothing); then carveout -1, the driver's default (else the DSL
@@ -142,52 +146,90 @@ class FC1ByExpert(FC1):
                mS1: cute.Tensor, mW3: cute.Tensor, mS3: cute.Tensor, mAct: cute.Tensor,
                beta: Float32, linear_beta: Float32):
         pdl_wait(self.pdl)  # the ids are the route kernel's output
-        e, blk, _ = cute.arch.block_idx()
+        first_e, blk, _ = cute.arch.block_idx()
+        n_blocks, _, _ = cute.arch.grid_dim()
         tidx, _, _ = cute.arch.thread_idx()
         lane, warp = cute.arch.lane_idx(), cute.arch.warp_idx()
-        T = self.tokens
         n_exp = mW1.shape[0] // self.inter
         smem = cutlass.memory.SmemAllocator()
         sPairs = smem.allocate_tensor(Int32, cute.make_layout((self.cap,)), 16)
         V = -(-self.cap // self.threads)
         sCnt = smem.allocate_tensor(Int32, cute.make_layout((V * self.warps,)), 16)
         sZs = [smem.allocate_tensor(Uint32, cute.make_layout((4, 4 * self.nv)), 16)
-               for _ in range(T)]
+               for _ in range(self.tokens)]
         sMax = smem.allocate_tensor(Uint32, cute.make_layout((self.warps,)), 4)
         sW = self.alloc_weights(smem)
+        rDown = cute.make_rmem_tensor(cute.make_layout((self.tokens,)), Float32)
 
-        count = self.collect_pairs(self.load_ids(mIds, n_exp, tidx), e, sPairs, sCnt, tidx)
+        rIds = self.load_ids(mIds, n_exp, tidx)
         cute.arch.griddepcontrol_launch_dependents()
-        if count > 0:
-            i0 = blk * self.rows + warp * self.rw
-            w = self.weight_frags()
-            self.load_weights(w, mW1, mS1, mW3, mS3, e, i0, lane)
-            self.keep_weights(w, sW, lane, warp)
-            full = count // T
-            where = (w, sW, mZ, sPairs, sZs, sMax, tidx, lane, warp, i0, mAct, beta,
-                     linear_beta)
-            for ch in cutlass.range(full, unroll=1):
-                self.chunk(ch * T, T, *where)
-            # the last count % T pairs as one chunk of that many (no token's math repeated)
-            for rest in cutlass.range_constexpr(1, T):
-                if count - full * T == rest:
-                    self.chunk(full * T, rest, *where)
+        i0 = blk * self.rows + warp * self.rw
+        # experts first_e, first_e + grid x, ...: an unselected one costs a ballot, no CTA
+        for i in cutlass.range(self.experts_per_cta, unroll=1):
+            e = first_e + i * n_blocks
+            if e < n_exp:
+                count = self.collect_pairs(rIds, e, sPairs, sCnt, tidx)
+                if count > 0:
+                    self.expert(e, count, mZ, mW1, mS1, mW3, mS3, mAct, beta, linear_beta,
+                                sPairs, sZs, sMax, sW, rDown, tidx, lane, warp, i0)
+
+    @cute.jit
+    def expert(self, e: Int32, count: Int32, mZ: cute.Tensor, mW1: cute.Tensor,
+               mS1: cute.Tensor, mW3: cute.Tensor, mS3: cute.Tensor, mAct: cute.Tensor,
+               beta: Float32, linear_beta: Float32, sPairs: cute.Tensor, sZs, sMax: cute.Tensor,
+               sW: cute.Tensor, rDown: cute.Tensor, tidx: Int32, lane: Int32, warp: Int32,
+               i0: Int32):
+        """Expert e's `count` pairs (sPairs): the weight loads issued, the first chunk's z
+        staged while they are in flight, the vectors kept (`keep_weights`), then the chunks
+        (full ones of `tokens`, then the rest as one: no token's math repeated)."""
+        T = self.tokens
+        w = self.weight_frags()
+        self.load_weights(w, mW1, mS1, mW3, mS3, e, i0, lane)
+        full = count // T
+        rest = count - full * T
+        stage = (mZ, sPairs, sZs, sMax, rDown, tidx)
+        if full > 0:
+            self.stage_chunk(0, T, *stage, True)
+        else:
+            for size in cutlass.range_constexpr(1, T):
+                if rest == size:
+                    self.stage_chunk(0, size, *stage, True)
+        self.keep_weights(w, sW, lane, warp)
+        where = (w, sW, sPairs, sZs, rDown, lane, warp, i0, mAct, beta, linear_beta)
+        for ch in cutlass.range(full, unroll=1):
+            if ch > 0:
+                self.stage_chunk(ch * T, T, *stage)
+            self.chunk(ch * T, T, *where)
+        for size in cutlass.range_constexpr(1, T):
+            if rest == size:
+                if full > 0:
+                    self.stage_chunk(full * T, size, *stage)
+                self.chunk(full * T, size, *where)
+
+    @cute.jit
+    def stage_chunk(self, first: Int32, size: cutlass.Constexpr[int], mZ: cute.Tensor,
+                    sPairs: cute.Tensor, sZs, sMax: cute.Tensor, rDown: cute.Tensor,
+                    tidx: Int32, one_by_one: cutlass.Constexpr[bool] = False):
+        """The z rows of pairs sPairs[first .. first + size - 1] -> sZs[0 .. size - 1]
+        (`stage_z2`: its barriers also keep the previous chunk's reads before these writes),
+        their factors 2^(13 - c) -> rDown."""
+        ZV = -(-(self.latent // 8) // self.threads)
+        rZ8 = [make_frag(BFloat16, ZV) for _ in range(size)]  # (8, ZV) each
+        for t in cutlass.range_constexpr(size):
+            load_vectors(row_vectors(mZ, sPairs[first + t] // self.top_k), rZ8[t], tidx,
+                         self.threads, self.latent // 8)
+            if const_expr(one_by_one):
+                rDown[t] = self.stage_z2(rZ8[t], sZs[t], sMax, tidx)
+        for t in cutlass.range_constexpr(0 if one_by_one else size):
+            rDown[t] = self.stage_z2(rZ8[t], sZs[t], sMax, tidx)
 
     @cute.jit
     def chunk(self, first: Int32, size: cutlass.Constexpr[int], w, sW: cute.Tensor,
-              mZ: cute.Tensor, sPairs: cute.Tensor, sZs, sMax: cute.Tensor, tidx: Int32,
-              lane: Int32, warp: Int32, i0: Int32, mAct: cute.Tensor, beta: Float32,
-              linear_beta: Float32):
-        """Pairs sPairs[first .. first + size - 1]: their z rows staged in sZs[0 .. size - 1]
-        (`stage_z2`, its barriers also keep the previous chunk's reads before these writes),
-        the dots from one decode, `finish` per pair."""
-        ZV = -(-(self.latent // 8) // self.threads)
-        pairs = [sPairs[first + t] for t in range(size)]
-        rZ8 = [make_frag(BFloat16, ZV) for _ in range(size)]  # (8, ZV) each
-        for t in cutlass.range_constexpr(size):
-            load_vectors(row_vectors(mZ, pairs[t] // self.top_k), rZ8[t], tidx, self.threads,
-                         self.latent // 8)
-        downs = [self.stage_z2(rZ8[t], sZs[t], sMax, tidx) for t in range(size)]
+              sPairs: cute.Tensor, sZs, rDown: cute.Tensor, lane: Int32, warp: Int32,
+              i0: Int32, mAct: cute.Tensor, beta: Float32, linear_beta: Float32):
+        """Pairs sPairs[first .. first + size - 1], their z staged (`stage_chunk`): the dots
+        from one decode, `finish` per pair."""
         acc = self.dots(w, sW, sZs[:size], lane, warp)
         for t in cutlass.range_constexpr(size):
-            self.finish(acc[t], lane, pairs[t], i0, mAct, beta, linear_beta, downs[t])
+            self.finish(acc[t], lane, sPairs[first + t], i0, mAct, beta, linear_beta,
+                        rDown[t])
