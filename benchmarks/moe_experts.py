@@ -8,6 +8,9 @@ TP16 rank (896 experts, top-16, L 3584, I 192).
                                      [--out DIR or r.json]
     python benchmarks/moe_experts.py --sweep [--f16] [--batches 1,8,64] [--out DIR]   # configs
 
+A kernel variant may end in FC1 config modifiers, `+pf` (`FC1Config.prefetch_w2` on), `+nopf`
+(off), `+cp4` / `+cp8` (4 / 8 warps x 1 row with cp.async), each forced at every bucket: e.g.
+`--variants kernel+nopf,kernel+pf,kernel_f16+cp8+pf`.
 `kernel` is the per-pair kernels, `kernel_f16` the same with FC1's packed fp16 decode
 (K3_MOE_F16), `kernel_by_expert` that with FC1 by expert (K3_MOE_BY_EXPERT: each weight word
 decoded once per chunk of the expert's tokens, the same bits as `kernel_f16`; 2-64 rows, at one
@@ -26,6 +29,7 @@ last; the JSON is rewritten after every row, so a timeout keeps what was measure
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import json
 import time
@@ -77,22 +81,40 @@ KERNEL_VARIANTS = {"kernel": {"moe_grouped": False, "moe_f16": False, "moe_by_ex
                    "grouped": {"moe_grouped": True, "moe_f16": False, "moe_by_expert": False}}
 
 
+# FC1 config modifiers after a kernel variant's name ("kernel_f16+cp8+pf")
+FC1_MODS = {"pf": {"prefetch_w2": True}, "nopf": {"prefetch_w2": False},
+            "cp4": {"warps": 4, "rows_per_warp": 1, "cp_async": True},
+            "cp8": {"warps": 8, "rows_per_warp": 1, "cp_async": True}}
+
+
+def is_kernel(name: str) -> bool:
+    return name.split("+")[0] in KERNEL_VARIANTS
+
+
 @contextlib.contextmanager
 def kernel_variant(name: str):
-    """`KERNEL_VARIANTS[name]` set on settings.KERNELS while open (read at each call)."""
-    values = KERNEL_VARIANTS[name]
+    """`KERNEL_VARIANTS[base]` set on settings.KERNELS while open (read at each call), and with
+    modifiers (`FC1_MODS`) FC1's config replaced at every bucket."""
+    base, *mods = name.split("+")
+    values = KERNEL_VARIANTS[base]
     before = {k: getattr(settings.KERNELS, k) for k in values}
+    default = kernel.config
+    fc1 = {k: v for m in mods for k, v in FC1_MODS[m].items()}
     for k, v in values.items():
         setattr(settings.KERNELS, k, v)
+    if fc1:
+        kernel.config = lambda s, *a: dataclasses.replace(default(s, *a), **fc1) \
+            if s == "fc1" else default(s, *a)
     try:
         yield
     finally:
+        kernel.config = default
         for k, v in before.items():
             setattr(settings.KERNELS, k, v)
 
 
 def variant_fn(name: str, experts, compiled=None):
-    if name in KERNEL_VARIANTS:
+    if is_kernel(name):
         def call(z, ids, w, out):
             with kernel_variant(name):
                 return kernel.moe_experts_cuda(z, ids, w, *experts, BETA, LINEAR_BETA, out=out)
@@ -124,15 +146,14 @@ def check(experts, calls, variant="kernel"):
 def run(batches, variants, gbps, experts, save):
     rows = {}
     inputs = {n: make_calls(n) for n in batches}
-    order = [v for v in ("kernel", "kernel_f16", "kernel_by_expert", "grouped", "eager")
-             if v in variants]
+    order = [v for v in variants if is_kernel(v) or v == "eager"]
     plan = [(n, v) for n in batches for v in order if v.startswith("kernel")]
     plan += [(n, v) for v in order for n in batches if not v.startswith("kernel")]
     plan += [(n, "inductor") for n in batches if "inductor" in variants]
     compiled = torch.compile(mxfp4_experts, dynamic=False) if "inductor" in variants else None
     for n, name in plan:
         calls = inputs[n]
-        if name in ("grouped", "kernel_f16", "kernel_by_expert"):
+        if is_kernel(name) and name != "kernel":
             check(experts, calls, name)
         if n not in rows:
             check(experts, calls)
@@ -148,7 +169,7 @@ def run(batches, variants, gbps, experts, save):
         for other in ("eager", "inductor"):
             if f"{other}_us" in row and "kernel_us" in row:
                 row[f"kernel_speedup_vs_{other}"] = round(row[f"{other}_us"] / row["kernel_us"], 2)
-        for other in ("grouped", "kernel_f16", "kernel_by_expert"):
+        for other in [v for v in variants if is_kernel(v) and v != "kernel"]:
             if f"{other}_us" in row and "kernel_us" in row:
                 row[f"{other}_speedup_vs_kernel"] = round(row["kernel_us"] / row[f"{other}_us"], 2)
         print(f"B{n:<3} {name:16s} {us:9.2f} us  {row[f'{name}_pct_copy']:5.1f}% of copy  "

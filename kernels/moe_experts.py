@@ -103,6 +103,10 @@ class FC1Config:
     cp_async: bool = False
     # packed fp16 decode (K3_MOE_F16): z staged as fp16 pairs, fma.rn.f16x2 per pair of weights
     f16: bool = False
+    # FC2's bytes of the pair's expert (W2 rows and scales) prefetched into L2, a slice per CTA
+    # of the pair, once FC1's own loads are issued: FC2 then reads them from L2 (few rows only,
+    # `prefetch_lines`). Changes no value.
+    prefetch_w2: bool = False
 
     @property
     def threads(self) -> int:
@@ -257,6 +261,14 @@ def fc1_fits(latent: int, cfg: FC1Config) -> bool:
     return 32 <= cfg.threads <= 1024 and fc1_smem(latent, cfg) <= SMEM_BYTES
 
 
+def prefetch_lines(latent: int, inter: int, cfg: FC1Config) -> tuple[int, int]:
+    """`FC1Config.prefetch_w2`: 128-byte lines of one expert's W2 rows and of its scales that
+    each FC1 CTA of a pair prefetches (its slice of the I / rows CTAs), plus one scale line for
+    the scales' unaligned start."""
+    blocks = -(-inter // (cfg.warps * cfg.rows_per_warp))
+    return -(-latent * inter // 2 // 128 // blocks), -(-latent * inter // 32 // 128 // blocks) + 1
+
+
 def _lane_vectors(latent: int) -> int:
     return -(-(latent // 32) // 32)
 
@@ -337,20 +349,25 @@ def build(stage, latent, inter, top_k, ids64, cfg, arch=None, dump_dir=None, pdl
     if stage in ("fc1g", "fc2g", "fin"):
         return _build_grouped(stage, latent, inter, top_k, cfg, ids, dense, arch, dump_dir, pdl,
                               u)
-    from .device.moe_experts import FC1, FC2
+    from .device.moe_experts import FC1, FC2, FC1PrefetchW2
 
     if stage in ("fc1", "fc1e"):  # act as (N·k, I) rows
         w, s = dense(i32, rows, latent // 8, 16), dense(u8, rows, latent // 32, 1)
+        w2 = ()
         if stage == "fc1e":
             from .device.moe_experts_by_expert import FC1ByExpert
 
             host = FC1ByExpert(latent, inter, top_k, cfg.fc1, cfg.rows, cfg.tokens,
                                cfg.min_blocks, pdl)
+        elif cfg.prefetch_w2:  # FC2's W2 and scales too
+            host = FC1PrefetchW2(latent, inter, top_k, cfg, pdl)
+            w2 = (dense(i32, rows, inter // 8, 16), dense(u8, rows, inter // 32, 1))
         else:
             host = FC1(latent, inter, top_k, cfg, pdl)
         return compile_kernel(host, fake_rows(bf16, n, latent), ids,
-                              w, s, w, s, dense(bf16, pairs, inter, 16), cutlass.Float32(4.0),
-                              cutlass.Float32(25.0), fake_stream(), arch=arch, dump_dir=dump_dir)
+                              w, s, w, s, dense(bf16, pairs, inter, 16), *w2,
+                              cutlass.Float32(4.0), cutlass.Float32(25.0), fake_stream(),
+                              arch=arch, dump_dir=dump_dir)
     return compile_kernel(FC2(latent, inter, top_k, cfg), dense(bf16, n, top_k * inter, 16),
                           ids, dense(cutlass.Float32, n, top_k, 4, cute.sym_int()),
                           dense(i32, rows, inter // 8, 16), dense(u8, rows, inter // 32, 1),
@@ -429,14 +446,15 @@ def _launch(args, beta, linear_beta, out, out_fp32=False):
         stage, fc1 = "fc1", config("fc1", latent, inter, top_k, b)
         if by_expert(n, latent):  # act written by expert, the same bits (K3_MOE_BY_EXPERT)
             stage, fc1 = "fc1e", ByExpertConfig(fc1, b)
+        w2 = (_words(w2_packed), w2_scale.view(-1, inter // 32))
+        prefetch = w2 if stage == "fc1" and fc1.prefetch_w2 else ()
         KERNEL.compiled(stage, latent, inter, top_k, ids64, fc1, rows=b)(
             z, ids, _words(w1_packed), w1_scale.view(-1, latent // 32), _words(w3_packed),
-            w3_scale.view(-1, latent // 32), act, float(beta), float(linear_beta))
+            w3_scale.view(-1, latent // 32), act, *prefetch, float(beta), float(linear_beta))
         # FC2 always follows FC1 with PDL (its own build has no switch)
         KERNEL.compiled("fc2", latent, inter, top_k, ids64,
                         config("fc2", latent, inter, top_k, b), pdl=False, **store)(
-            act.view(n, top_k * inter), ids, weights, _words(w2_packed),
-            w2_scale.view(-1, inter // 32), y)
+            act.view(n, top_k * inter), ids, weights, *w2, y)
     return y
 
 

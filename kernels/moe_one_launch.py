@@ -69,7 +69,9 @@ def configs(latent: int, inter: int, top_k: int, batch_bucket: int, block: str =
     2-8 row config then holds one CTA of 130 registers x 256 threads per SM). A thread's dot
     and a row's sum over j do not depend on R, nor a warp's rows on the warps: the values are
     the two launches' either way."""
-    fc1 = moe_experts.config("fc1", latent, inter, top_k, batch_bucket)
+    # FC2's W2 loads share the grid here: no L2 prefetch of them by FC1 (`FC1Config.prefetch_w2`)
+    fc1 = dataclasses.replace(moe_experts.config("fc1", latent, inter, top_k, batch_bucket),
+                              prefetch_w2=False)
     fc2 = moe_experts.config("fc2", latent, inter, top_k, batch_bucket)
     if block == "fc2" and fc2.threads > fc1.threads:
         wide = dataclasses.replace(fc1, warps=fc2.threads // 32)

@@ -734,6 +734,98 @@ def test_fc1_cp_async_groups(monkeypatch, tmp_path, shape):
     assert "ld.global" not in ptx[:ptx.index("griddepcontrol.wait;")]
 
 
+# FC1 prefetching FC2's W2 rows and scales into L2 (FC1Config.prefetch_w2): no value changes
+FC1_PREFETCH = [kernel.FC1Config(4, 1, True), kernel.FC1Config(8, 1, True), PLAIN_FC1]
+
+
+def _prefetch_id(cfg):
+    return f"w{cfg.warps}r{cfg.rows_per_warp}{'_cp' if cfg.cp_async else ''}"
+
+
+def prefetched_bytes(latent, inter, cfg, s_base):
+    """The bytes of one expert's W2 rows and of its scales (scales starting s_base bytes past a
+    128-byte line) that `FC1.prefetch_w2`'s lines hold over the pair's I / rows CTAs, as the
+    device code picks them; raises on a line outside the expert's bytes."""
+    p, q = kernel.prefetch_lines(latent, inter, cfg)
+    blocks = -(-inter // (cfg.warps * cfg.rows_per_warp))
+    w_bytes, s_bytes = latent * inter // 2, latent * inter // 32
+    w_seen, s_seen = set(), set()
+    for blk in range(blocks):
+        for i in range(p + q):  # thread i (threads past p + q take no line)
+            if i < p and (line := blk * p + i) < w_bytes // 128:
+                w_seen.update(range(128 * line, 128 * line + 128))
+            elif p <= i and (line := blk * q + i - p) <= -(-s_bytes // 128):
+                at = s_base + min(128 * line, s_bytes - 1)  # the line holding this address
+                assert s_base <= at < s_base + s_bytes
+                s_seen.update(range(at // 128 * 128 - s_base, at // 128 * 128 + 128 - s_base))
+    return w_seen, s_seen
+
+
+@pytest.mark.parametrize("cfg", FC1_PREFETCH, ids=_prefetch_id)
+@pytest.mark.parametrize("shape", [(LATENT, INTER), (96, 64), (1056, 32), (8192, 512),
+                                   (LATENT, 3072)], ids=str)
+def test_prefetch_lines_cover_the_expert(cfg, shape):
+    """Every byte of the expert's W2 rows and scales lies in a prefetched line, the scales from
+    any start within a line (e·L·I/32 bytes into the scale tensor)."""
+    latent, inter = shape
+    for s_base in (0, 16, 96, 127):
+        w_seen, s_seen = prefetched_bytes(latent, inter, cfg, s_base)
+        assert w_seen >= set(range(latent * inter // 2))
+        assert s_seen >= set(range(latent * inter // 32))
+
+
+@pytest.mark.dsl
+@pytest.mark.parametrize("cfg", FC1_PREFETCH, ids=_prefetch_id)
+def test_fc1_prefetch_w2_builds(monkeypatch, tmp_path, cfg):
+    """The prefetching FC1 at the TP16 rank: one prefetch.global.L2 for W2's lines, one for the
+    scales' (both fit one pass of the CTA's threads), none without it, and no stack frame."""
+    from k3compile.kernels.common.dsl import cubin_of, cubin_resources, ptx_of
+
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    p, q = kernel.prefetch_lines(LATENT, INTER, cfg)
+    assert p + q <= cfg.threads
+    for on in (False, True):
+        dump = tmp_path / str(on)
+        dump.mkdir()
+        compiled = kernel.build("fc1", LATENT, INTER, TOP_K, True,
+                                dataclasses.replace(cfg, prefetch_w2=on), arch="sm_90a",
+                                dump_dir=str(dump), pdl=True)
+        assert ptx_of(compiled).count("prefetch.global.L2") == (2 if on else 0)
+        assert cubin_resources(cubin_of(compiled))["frame"] == 0
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("cfg", FC1_PREFETCH, ids=_prefetch_id)
+@pytest.mark.parametrize("n", [1, 2, 4, 3])
+def test_tp16_fc1_prefetch_w2(gen, tp16_experts, force_fc1, moe_f16, cfg, n):
+    """Against the model and the reference, and bit for bit the same FC1 without the prefetch
+    (either decode)."""
+    z, ids, w = make_tokens(gen, n, LATENT, EXPERTS, TOP_K, "cuda")
+    cfg = dataclasses.replace(cfg, f16=moe_f16)
+    force_fc1(cfg)
+    want = check(z, ids, w, tp16_experts)
+    force_fc1(dataclasses.replace(cfg, prefetch_w2=True))
+    assert torch.equal(check(z, ids, w, tp16_experts), want), "the prefetching FC1 differs"
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("shape", [(5, 96, 64, 2), (7, 512, 96, 3), (9, 1056, 32, 1)], ids=str)
+def test_other_shapes_fc1_prefetch_w2(gen, force_fc1, shape):
+    """Small shapes (scale slices not line-aligned: L·I/32 = 192, 1536, 1056 bytes an expert),
+    the one-row config: equal to it without the prefetch."""
+    n_exp, latent, inter, top_k = shape
+    experts = make_experts(gen, n_exp, latent, inter, "cuda")
+    cfg = kernel.config("fc1", latent, inter, top_k, 1)
+    tokens = [make_tokens(gen, n, latent, n_exp, top_k, "cuda") for n in (1, 4)]
+    force_fc1(dataclasses.replace(cfg, prefetch_w2=False))
+    want = [check(*t, experts) for t in tokens]
+    force_fc1(dataclasses.replace(cfg, prefetch_w2=True))
+    for t, plain in zip(tokens, want):
+        assert torch.equal(check(*t, experts), plain)
+
+
 @pytest.mark.gpu
 @gpu
 def test_refused_input_falls_back(gen, caplog):
