@@ -10,7 +10,8 @@ TP16 rank (896 experts, top-16, L 3584, I 192).
 
 A kernel variant may end in FC1 config modifiers, `+pf` (`FC1Config.prefetch_w2` on), `+nopf`
 (off), `+cp4` / `+cp8` (4 / 8 warps x 1 row with cp.async), each forced at every bucket: e.g.
-`--variants kernel+nopf,kernel+pf,kernel_f16+cp8+pf`.
+`--variants kernel+nopf,kernel+pf,kernel_f16+cp8+pf`; `+rR` sets FC2's output rows per CTA to R
+(R·k threads rounded up to whole warps), e.g. `kernel+pf+r28`.
 `kernel` is the per-pair kernels, `kernel_f16` the same with FC1's packed fp16 decode
 (K3_MOE_F16), `kernel_by_expert` that with FC1 by expert (K3_MOE_BY_EXPERT: each weight word
 decoded once per chunk of the expert's tokens, the same bits as `kernel_f16`; 2-64 rows, at one
@@ -99,12 +100,22 @@ def kernel_variant(name: str):
     values = KERNEL_VARIANTS[base]
     before = {k: getattr(settings.KERNELS, k) for k in values}
     default = kernel.config
-    fc1 = {k: v for m in mods for k, v in FC1_MODS[m].items()}
+    fc1 = {k: v for m in mods if m in FC1_MODS for k, v in FC1_MODS[m].items()}
+    fc2 = [int(m[1:]) for m in mods if m not in FC1_MODS]  # FC2's rows per CTA
     for k, v in values.items():
         setattr(settings.KERNELS, k, v)
-    if fc1:
-        kernel.config = lambda s, *a: dataclasses.replace(default(s, *a), **fc1) \
-            if s == "fc1" else default(s, *a)
+
+    def config(stage, latent, inter, top_k, b):
+        cfg = default(stage, latent, inter, top_k, b)
+        if stage == "fc1" and fc1:
+            return dataclasses.replace(cfg, **fc1)
+        if stage == "fc2" and fc2:
+            rows = fc2[-1]
+            return dataclasses.replace(cfg, rows_per_cta=rows, threads=-(-rows * top_k // 32) * 32)
+        return cfg
+
+    if fc1 or fc2:
+        kernel.config = config
     try:
         yield
     finally:
