@@ -10,8 +10,8 @@ TP16 rank (896 experts, top-16, L 3584, I 192).
 
 A kernel variant may end in FC1 config modifiers, `+pf` (`FC1Config.prefetch_w2` on), `+nopf`
 (off), `+cp4` / `+cp8` (4 / 8 warps x 1 row with cp.async), each forced at every bucket: e.g.
-`--variants kernel+nopf,kernel+pf,kernel_f16+cp8+pf`; `+rR` sets FC2's output rows per CTA to R
-(R·k threads rounded up to whole warps), e.g. `kernel+pf+r28`.
+`--variants kernel+nopf,kernel+pf,kernel_f16+cp8+pf`; `+rR` sets FC2's output rows per CTA to R,
+`+sS` its threads per W2 row (`FC2Config.split`), e.g. `kernel+r8+s2`.
 `kernel` is the per-pair kernels, `kernel_f16` the same with FC1's packed fp16 decode
 (K3_MOE_F16), `kernel_by_expert` that with FC1 by expert (K3_MOE_BY_EXPERT: each weight word
 decoded once per chunk of the expert's tokens, the same bits as `kernel_f16`; 2-64 rows, at one
@@ -101,7 +101,7 @@ def kernel_variant(name: str):
     before = {k: getattr(settings.KERNELS, k) for k in values}
     default = kernel.config
     fc1 = {k: v for m in mods if m in FC1_MODS for k, v in FC1_MODS[m].items()}
-    fc2 = [int(m[1:]) for m in mods if m not in FC1_MODS]  # FC2's rows per CTA
+    fc2 = {m[0]: int(m[1:]) for m in mods if m not in FC1_MODS}  # FC2's "r" rows, "s" split
     for k, v in values.items():
         setattr(settings.KERNELS, k, v)
 
@@ -110,8 +110,9 @@ def kernel_variant(name: str):
         if stage == "fc1" and fc1:
             return dataclasses.replace(cfg, **fc1)
         if stage == "fc2" and fc2:
-            rows = fc2[-1]
-            return dataclasses.replace(cfg, rows_per_cta=rows, threads=-(-rows * top_k // 32) * 32)
+            rows, split = fc2.get("r", cfg.rows_per_cta), fc2.get("s", cfg.split)
+            return dataclasses.replace(cfg, rows_per_cta=rows, split=split,
+                                       threads=-(-rows * top_k * split // 32) * 32)
         return cfg
 
     if fc1 or fc2:

@@ -116,10 +116,14 @@ class FC1Config:
 @dataclass(frozen=True)
 class FC2Config:
     rows_per_cta: int  # R output columns l per CTA
-    threads: int  # R·k threads, whole warps
+    threads: int  # R·k·split threads, whole warps
     # packed fp16 decode (K3_MOE_F16, I <= 512: the whole W2 row in registers): act staged as
     # fp16 pairs times 2^c per row (n, j)
     f16: bool = False
+    # threads per W2 row, 1 or 2 (2: I <= 512 with I/32 even): lanes 2u, 2u + 1 load and decode
+    # the first and second half of the row's groups; the first adds the second's partials
+    # after its own (a shuffle): the same sum in the same order
+    split: int = 1
 
 
 @dataclass(frozen=True)
@@ -361,7 +365,8 @@ def build(stage, latent, inter, top_k, ids64, cfg, arch=None, dump_dir=None, pdl
                                cfg.min_blocks, pdl)
         elif cfg.prefetch_w2:  # FC2's W2 and scales too
             host = FC1PrefetchW2(latent, inter, top_k, cfg, pdl)
-            w2 = (dense(i32, rows, inter // 8, 16), dense(u8, rows, inter // 32, 1))
+            rows2 = cute.sym_int()  # E·L rows of W2 (E·I of W1, W3)
+            w2 = (dense(i32, rows2, inter // 8, 16), dense(u8, rows2, inter // 32, 1))
         else:
             host = FC1(latent, inter, top_k, cfg, pdl)
         return compile_kernel(host, fake_rows(bf16, n, latent), ids,
