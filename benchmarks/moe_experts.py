@@ -8,10 +8,9 @@ TP16 rank (896 experts, top-16, L 3584, I 192).
                                      [--out DIR or r.json]
     python benchmarks/moe_experts.py --sweep [--f16] [--batches 1,8,64] [--out DIR]   # configs
 
-A kernel variant may end in FC1 config modifiers, `+pf` (`FC1Config.prefetch_w2` on), `+nopf`
-(off), `+cp4` / `+cp8` (4 / 8 warps x 1 row with cp.async), each forced at every bucket: e.g.
-`--variants kernel+nopf,kernel+pf,kernel_f16+cp8+pf`; `+rR` sets FC2's output rows per CTA to R,
-`+sS` its threads per W2 row (`FC2Config.split`), e.g. `kernel+r8+s2`.
+A kernel variant may end in config modifiers, forced at every bucket: `+cp4` / `+cp8` (FC1 with 4 /
+8 warps x 1 row and cp.async), `+rR` (FC2 with R output rows per CTA), `+sS` (FC2 with S threads
+per W2 row, `FC2Config.split`), e.g. `--variants kernel+s1,kernel,kernel_f16+cp8+r8+s2`.
 `kernel` is the per-pair kernels, `kernel_f16` the same with FC1's packed fp16 decode
 (K3_MOE_F16), `kernel_by_expert` that with FC1 by expert (K3_MOE_BY_EXPERT: each weight word
 decoded once per chunk of the expert's tokens, the same bits as `kernel_f16`; 2-64 rows, at one
@@ -82,9 +81,8 @@ KERNEL_VARIANTS = {"kernel": {"moe_grouped": False, "moe_f16": False, "moe_by_ex
                    "grouped": {"moe_grouped": True, "moe_f16": False, "moe_by_expert": False}}
 
 
-# FC1 config modifiers after a kernel variant's name ("kernel_f16+cp8+pf")
-FC1_MODS = {"pf": {"prefetch_w2": True}, "nopf": {"prefetch_w2": False},
-            "cp4": {"warps": 4, "rows_per_warp": 1, "cp_async": True},
+# FC1 config modifiers after a kernel variant's name ("kernel_f16+cp8"; FC2's: "+r8", "+s2")
+FC1_MODS = {"cp4": {"warps": 4, "rows_per_warp": 1, "cp_async": True},
             "cp8": {"warps": 8, "rows_per_warp": 1, "cp_async": True}}
 
 
@@ -95,7 +93,7 @@ def is_kernel(name: str) -> bool:
 @contextlib.contextmanager
 def kernel_variant(name: str):
     """`KERNEL_VARIANTS[base]` set on settings.KERNELS while open (read at each call), and with
-    modifiers (`FC1_MODS`) FC1's config replaced at every bucket."""
+    modifiers (`FC1_MODS`, `+rR`, `+sS`) FC1's or FC2's config replaced at every bucket."""
     base, *mods = name.split("+")
     values = KERNEL_VARIANTS[base]
     before = {k: getattr(settings.KERNELS, k) for k in values}

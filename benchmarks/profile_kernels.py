@@ -1,6 +1,6 @@
 """The kernels issue 21 asks to profile, not guess at, for Nsight Compute: the routed MXFP4 experts
 (FC1 and FC2, per-pair kernels) at 8 and 64 rows (`--rows`; `--variant` a kernel variant of
-benchmarks/moe_experts.py, e.g. kernel_f16+pf), and the weight-streaming GEMV at M = 1 on the
+benchmarks/moe_experts.py, e.g. kernel+s1), and the weight-streaming GEMV at M = 1 on the
 two shapes that fall short of copy bandwidth (2112x7168, 896x7168) beside one that does not
 (3206x7168). Each case is compiled and warmed outside the profiled range, then called once inside a
 profiler range (and an NVTX range named after the case), with weights that are not L2-resident.

@@ -6,7 +6,7 @@
 
 W = e2m1 · 2^(scale − 127) decoded in registers, fp32 products and sums. Two launches: FC1 +
 SiTU, then FC2 + finalize (launched with PDL after FC1); `config` takes FC1 with cp.async at
-one row, to registers above. With K3_MOE_GROUPED at 8-64 rows (`grouped`): by expert instead,
+one row, to registers above, and FC2 with two threads per W2 row at one row (`FC2Config.split`). With K3_MOE_GROUPED at 8-64 rows (`grouped`): by expert instead,
 three launches (kernels/device/moe_experts_grouped.py): FC1 + SiTU and FC2 per (expert, row tile)
 on bf16 mma.sync, each expert's weights streamed once per 8 of its tokens, then the weighted sum
 over k. With K3_MOE_F16 (`FC1Config.f16`, `FC2Config.f16`) FC1 and FC2 (I <= 512) decode into
@@ -103,10 +103,6 @@ class FC1Config:
     cp_async: bool = False
     # packed fp16 decode (K3_MOE_F16): z staged as fp16 pairs, fma.rn.f16x2 per pair of weights
     f16: bool = False
-    # FC2's bytes of the pair's expert (W2 rows and scales) prefetched into L2, a slice per CTA
-    # of the pair, once FC1's own loads are issued: FC2 then reads them from L2 (few rows only,
-    # `prefetch_lines`). Changes no value.
-    prefetch_w2: bool = False
 
     @property
     def threads(self) -> int:
@@ -203,7 +199,9 @@ def config(stage: str, latent: int, inter: int, top_k: int, batch_bucket: int):
     above it plain with 2 rows per warp while a lane's loads stay <= 16 vectors (L <= 4096),
     else 1 (the sweep's best or within 1% at 8-64 rows; grouped FC1 lost at 16-64); with the
     fp16 decode at 8 rows and more, 8 warps of 1 row (the sweeps of sessions 27 and 29).
-    FC2: R·k >= 128 threads where k allows, whole warps (R a multiple of 32 for odd k)."""
+    FC2: R·k >= 128 threads where k allows, whole warps (R a multiple of 32 for odd k); at one
+    row two threads per W2 row where the row allows (`fc2_splits`; the H100 A/B of 2026-12-06 at
+    the TP16 rank: 11.45 µs per expert step against 12.55, -8.8%; +3% and +5% at 2 and 4 rows)."""
     if stage == "fc1g":  # 64 rows of W1 and of W3 per CTA (3 row tiles at I 192)
         return GroupedConfig(4, 1, 2, batch_bucket, 4)
     if stage == "fc2g":  # 256 rows of W2 per CTA (14 row tiles at L 3584)
@@ -220,7 +218,14 @@ def config(stage: str, latent: int, inter: int, top_k: int, batch_bucket: int):
         return FC1Config(4, 2 if _lane_vectors(latent) <= 4 else 1, f16=f16)
     rows = 64 if top_k <= 2 else 32 if top_k <= 4 or top_k % 2 else 16
     f16 = f16_decode(batch_bucket) and inter <= 32 * ROW_VECTORS
-    return FC2Config(rows, -(-rows * top_k // 32) * 32, f16)
+    split = 2 if batch_bucket == 1 and fc2_splits(inter) else 1
+    return FC2Config(rows, -(-rows * top_k * split // 32) * 32, f16, split)
+
+
+def fc2_splits(inter: int) -> bool:
+    """Whether FC2 can take two threads per W2 row (`FC2Config.split`): the whole row in
+    registers (I <= 512) and an even number of 32-input groups."""
+    return inter <= 32 * ROW_VECTORS and inter // 32 % 2 == 0
 
 
 def f16_decode(batch_bucket: int) -> bool:
@@ -263,14 +268,6 @@ def fc2_smem(inter: int, top_k: int, cfg: FC2Config) -> int:
 
 def fc1_fits(latent: int, cfg: FC1Config) -> bool:
     return 32 <= cfg.threads <= 1024 and fc1_smem(latent, cfg) <= SMEM_BYTES
-
-
-def prefetch_lines(latent: int, inter: int, cfg: FC1Config) -> tuple[int, int]:
-    """`FC1Config.prefetch_w2`: 128-byte lines of one expert's W2 rows and of its scales that
-    each FC1 CTA of a pair prefetches (its slice of the I / rows CTAs), plus one scale line for
-    the scales' unaligned start."""
-    blocks = -(-inter // (cfg.warps * cfg.rows_per_warp))
-    return -(-latent * inter // 2 // 128 // blocks), -(-latent * inter // 32 // 128 // blocks) + 1
 
 
 def _lane_vectors(latent: int) -> int:
@@ -353,26 +350,20 @@ def build(stage, latent, inter, top_k, ids64, cfg, arch=None, dump_dir=None, pdl
     if stage in ("fc1g", "fc2g", "fin"):
         return _build_grouped(stage, latent, inter, top_k, cfg, ids, dense, arch, dump_dir, pdl,
                               u)
-    from .device.moe_experts import FC1, FC2, FC1PrefetchW2
+    from .device.moe_experts import FC1, FC2
 
     if stage in ("fc1", "fc1e"):  # act as (N·k, I) rows
         w, s = dense(i32, rows, latent // 8, 16), dense(u8, rows, latent // 32, 1)
-        w2 = ()
         if stage == "fc1e":
             from .device.moe_experts_by_expert import FC1ByExpert
 
             host = FC1ByExpert(latent, inter, top_k, cfg.fc1, cfg.rows, cfg.tokens,
                                cfg.min_blocks, pdl)
-        elif cfg.prefetch_w2:  # FC2's W2 and scales too
-            host = FC1PrefetchW2(latent, inter, top_k, cfg, pdl)
-            rows2 = cute.sym_int()  # E·L rows of W2 (E·I of W1, W3)
-            w2 = (dense(i32, rows2, inter // 8, 16), dense(u8, rows2, inter // 32, 1))
         else:
             host = FC1(latent, inter, top_k, cfg, pdl)
         return compile_kernel(host, fake_rows(bf16, n, latent), ids,
-                              w, s, w, s, dense(bf16, pairs, inter, 16), *w2,
-                              cutlass.Float32(4.0), cutlass.Float32(25.0), fake_stream(),
-                              arch=arch, dump_dir=dump_dir)
+                              w, s, w, s, dense(bf16, pairs, inter, 16), cutlass.Float32(4.0),
+                              cutlass.Float32(25.0), fake_stream(), arch=arch, dump_dir=dump_dir)
     return compile_kernel(FC2(latent, inter, top_k, cfg), dense(bf16, n, top_k * inter, 16),
                           ids, dense(cutlass.Float32, n, top_k, 4, cute.sym_int()),
                           dense(i32, rows, inter // 8, 16), dense(u8, rows, inter // 32, 1),
@@ -451,15 +442,14 @@ def _launch(args, beta, linear_beta, out, out_fp32=False):
         stage, fc1 = "fc1", config("fc1", latent, inter, top_k, b)
         if by_expert(n, latent):  # act written by expert, the same bits (K3_MOE_BY_EXPERT)
             stage, fc1 = "fc1e", ByExpertConfig(fc1, b)
-        w2 = (_words(w2_packed), w2_scale.view(-1, inter // 32))
-        prefetch = w2 if stage == "fc1" and fc1.prefetch_w2 else ()
         KERNEL.compiled(stage, latent, inter, top_k, ids64, fc1, rows=b)(
             z, ids, _words(w1_packed), w1_scale.view(-1, latent // 32), _words(w3_packed),
-            w3_scale.view(-1, latent // 32), act, *prefetch, float(beta), float(linear_beta))
+            w3_scale.view(-1, latent // 32), act, float(beta), float(linear_beta))
         # FC2 always follows FC1 with PDL (its own build has no switch)
         KERNEL.compiled("fc2", latent, inter, top_k, ids64,
                         config("fc2", latent, inter, top_k, b), pdl=False, **store)(
-            act.view(n, top_k * inter), ids, weights, *w2, y)
+            act.view(n, top_k * inter), ids, weights, _words(w2_packed),
+            w2_scale.view(-1, inter // 32), y)
     return y
 
 

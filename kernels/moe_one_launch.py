@@ -69,9 +69,7 @@ def configs(latent: int, inter: int, top_k: int, batch_bucket: int, block: str =
     2-8 row config then holds one CTA of 130 registers x 256 threads per SM). A thread's dot
     and a row's sum over j do not depend on R, nor a warp's rows on the warps: the values are
     the two launches' either way."""
-    # FC2's W2 loads share the grid here: no L2 prefetch of them by FC1 (`FC1Config.prefetch_w2`)
-    fc1 = dataclasses.replace(moe_experts.config("fc1", latent, inter, top_k, batch_bucket),
-                              prefetch_w2=False)
+    fc1 = moe_experts.config("fc1", latent, inter, top_k, batch_bucket)
     fc2 = moe_experts.config("fc2", latent, inter, top_k, batch_bucket)
     if fc2.split != 1:  # one thread per W2 row here (the block size is FC1's or FC2's)
         fc2 = dataclasses.replace(fc2, split=1,

@@ -7,13 +7,6 @@ Register fragments are (vec, vec_per_thread).
 
 import cutlass
 from cutlass import const_expr, cute
-from cutlass.cutlass_dsl import dsl_user_op
-
-
-@dsl_user_op
-def prefetch_l2(ptr: cute.Pointer, *, loc=None, ip=None) -> None:
-    """prefetch.global.L2 of the line holding ptr: no register waits for it."""
-    cute.arch.prefetch(ptr.to_llvm_ptr(loc=loc, ip=ip), cache_level="L2", loc=loc, ip=ip)
 
 
 def vec_len(dtype) -> int:

@@ -11,7 +11,7 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from ..common.copy import load_vectors, make_frag, prefetch_l2, row_vectors
+from ..common.copy import load_vectors, make_frag, row_vectors
 from ..common.dsl import pdl_wait
 from ..moe_experts import (
     F16_C_RANGE,
@@ -32,7 +32,6 @@ from ..moe_experts import (
     fc1_fits,
     fc1_smem,
     fc2_smem,
-    prefetch_lines,
 )
 from .last_cta import wait_count
 
@@ -161,7 +160,7 @@ class FC1:
         self.cfg, self.rw, self.warps, self.threads = cfg, cfg.rows_per_warp, cfg.warps, \
             cfg.threads
         self.rows = cfg.warps * cfg.rows_per_warp
-        self.cp_async, self.f16, self.prefetch = cfg.cp_async, cfg.f16, cfg.prefetch_w2
+        self.cp_async, self.f16 = cfg.cp_async, cfg.f16
         self.steps = self.m + self.split  # cp.async groups per lane
         if not fc1_fits(latent, cfg):
             raise ValueError(f"{cfg} at L {latent}: {fc1_smem(latent, cfg)} B of shared memory")
@@ -267,35 +266,9 @@ class FC1:
         # mZ: (N, L) bf16; mIdx: ids (N, k); mW1, mW3: (E·I, L/8) int32 words of packed
         # nibbles; mS1, mS3: (E·I, L/32) uint8; mAct: (N·k, I) bf16
         self.kernel(mZ, mIdx, mW1, mS1, mW3, mS3, mAct, beta, linear_beta).launch(
-            **self.launch_options(mZ, stream))
-
-    def launch_options(self, mZ, stream):
-        return {"grid": [mZ.shape[0] * self.top_k, -(-self.inter // self.rows), 1],
-                "block": [self.threads, 1, 1], "smem": fc1_smem(self.latent, self.cfg),
-                "stream": stream, "use_pdl": self.pdl}
-
-    @cute.jit
-    def prefetch_w2(self, mW2: cute.Tensor, mS2: cute.Tensor, e: Int32, blk: Int32,
-                    tidx: Int32):
-        """`prefetch_w2`: this CTA's slice (row block blk of the pair's I / rows) of expert e's
-        W2 rows and scales into L2, one 128-byte line a thread (`prefetch_lines`); the scales'
-        lines clamped to their last byte (their start need not be line-aligned)."""
-        if const_expr(self.prefetch):
-            L, I = self.latent, self.inter
-            P, Q = prefetch_lines(L, I, self.cfg)
-            w_lines, s_bytes = L * I // 256, L * I // 32
-            s_last = -(-s_bytes // 128)  # lines 0 .. s_last from an unaligned start
-            for g in cutlass.range_constexpr(-(-(P + Q) // self.threads)):
-                i = g * self.threads + tidx
-                if i < P:
-                    line = blk * P + i
-                    if line < w_lines:
-                        prefetch_l2(mW2.iterator + (e * (L * I // 8) + line * 32))
-                elif i < P + Q:
-                    line = blk * Q + i - P
-                    if line <= s_last:
-                        offset = cutlass.min(line * 128, s_bytes - 1)
-                        prefetch_l2(mS2.iterator + (e * s_bytes + offset))
+            grid=[mZ.shape[0] * self.top_k, -(-self.inter // self.rows), 1],
+            block=[self.threads, 1, 1], smem=fc1_smem(self.latent, self.cfg), stream=stream,
+            use_pdl=self.pdl)
 
     def weight_frags(self):
         """Registers of a lane's weights: RW rows x (W1, W3) x M vectors (4, M) and their
@@ -374,9 +347,8 @@ class FC1:
     @cute.jit
     def body(self, pair: Int32, blk: Int32, mZ: cute.Tensor, mIds: cute.Tensor,
              mW1: cute.Tensor, mS1: cute.Tensor, mW3: cute.Tensor, mS3: cute.Tensor,
-             mAct: cute.Tensor, beta: Float32, linear_beta: Float32, mW2=None, mS2=None):
-        """Pair `pair` (n·k + j), row block `blk`: every weight load, then z, then the math
-        (mW2, mS2: `prefetch_w2`'s, after the loads)."""
+             mAct: cute.Tensor, beta: Float32, linear_beta: Float32):
+        """Pair `pair` (n·k + j), row block `blk`: every weight load, then z, then the math."""
         tidx, _, _ = cute.arch.thread_idx()
         lane, warp = cute.arch.lane_idx(), cute.arch.warp_idx()
         n, j = pair // self.top_k, pair % self.top_k
@@ -391,7 +363,6 @@ class FC1:
         # z[n] -> shared fp32 times 2^Z_SHIFT; chunk q of group c at 8c + (q ^ (c & 7)).
         rZ8 = make_frag(BFloat16, -(-(self.latent // 8) // self.threads))  # (8, ZV)
         load_vectors(row_vectors(mZ, n), rZ8, tidx, self.threads, self.latent // 8)
-        self.prefetch_w2(mW2, mS2, e, blk, tidx)
         cute.arch.griddepcontrol_launch_dependents()
         down = self.stage(rZ8, sZ, sMax, tidx)
         self.dot_finish(w, sZ, lane, pair, i0, mAct, beta, linear_beta, down)
@@ -399,8 +370,7 @@ class FC1:
     @cute.jit
     def body_async(self, pair: Int32, blk: Int32, mZ: cute.Tensor, mIds: cute.Tensor,
                    mW1: cute.Tensor, mS1: cute.Tensor, mW3: cute.Tensor, mS3: cute.Tensor,
-                   mAct: cute.Tensor, beta: Float32, linear_beta: Float32, mW2=None,
-                   mS2=None):
+                   mAct: cute.Tensor, beta: Float32, linear_beta: Float32):
         """`body` with the weights streamed by cp.async: same math, same order."""
         tidx, _, _ = cute.arch.thread_idx()
         lane, warp = cute.arch.lane_idx(), cute.arch.warp_idx()
@@ -461,7 +431,6 @@ class FC1:
                 else:
                     cute.copy(atom, row_vectors(mW3, rows[r])[None, col], dst)
             cute.arch.cp_async_commit_group()
-        self.prefetch_w2(mW2, mS2, e, blk, tidx)
         cute.arch.griddepcontrol_launch_dependents()
         down = self.stage(rZ8, sZ, sMax, tidx)
 
@@ -488,27 +457,6 @@ class FC1:
                 acc[r][0] = acc[r][0] + Float32(cutlass.select_(first, t, Float32(0.0)))
                 acc[r][1] = acc[r][1] + Float32(cutlass.select_(first, Float32(0.0), t))
         self.finish(acc, lane, pair, i0, mAct, beta, linear_beta, down)
-
-class FC1PrefetchW2(FC1):
-    """`FC1` with `FC1Config.prefetch_w2`: it takes FC2's W2 and scales too (mW2: (E·L, I/8)
-    int32 words, mS2: (E·L, I/32) uint8), only to prefetch them into L2."""
-
-    @cute.jit
-    def __call__(self, mZ: cute.Tensor, mIdx: cute.Tensor, mW1: cute.Tensor,
-                 mS1: cute.Tensor, mW3: cute.Tensor, mS3: cute.Tensor, mAct: cute.Tensor,
-                 mW2: cute.Tensor, mS2: cute.Tensor, beta: Float32, linear_beta: Float32,
-                 stream):
-        self.kernel_w2(mZ, mIdx, mW1, mS1, mW3, mS3, mAct, mW2, mS2, beta, linear_beta).launch(
-            **self.launch_options(mZ, stream))
-
-    @cute.kernel
-    def kernel_w2(self, mZ: cute.Tensor, mIds: cute.Tensor, mW1: cute.Tensor,
-                  mS1: cute.Tensor, mW3: cute.Tensor, mS3: cute.Tensor, mAct: cute.Tensor,
-                  mW2: cute.Tensor, mS2: cute.Tensor, beta: Float32, linear_beta: Float32):
-        pdl_wait(self.pdl)  # as `FC1.kernel`
-        pair, blk, _ = cute.arch.block_idx()
-        body = self.body_async if const_expr(self.cp_async) else self.body
-        body(pair, blk, mZ, mIds, mW1, mS1, mW3, mS3, mAct, beta, linear_beta, mW2, mS2)
 
 class FC2:
     def __init__(self, latent: int, inter: int, top_k: int, cfg: FC2Config):

@@ -15,21 +15,21 @@ import operator
 
 import cutlass
 from cutlass import BFloat16, Float32, Int32, const_expr, cute
+from cutlass.cutlass_dsl import dsl_user_op
 
 from ..attn_res_mix_norm import Config as MixConfig
-from ..common.copy import (
-    load_vectors,
-    make_frag,
-    prefetch_l2,
-    row_vectors,
-    store_vectors,
-    vectors,
-)
+from ..common.copy import load_vectors, make_frag, row_vectors, store_vectors, vectors
 from ..common.gemv import Config
 from ..common.reduce import column_sums
 from .attn_res_mix_norm import AttnResMixNorm
 from .gemv import Gemv
 from .last_cta import arrive
+
+
+@dsl_user_op
+def prefetch_l2(ptr: cute.Pointer, *, loc=None, ip=None) -> None:
+    """prefetch.global.L2 of the line holding ptr: no register waits for it."""
+    cute.arch.prefetch(ptr.to_llvm_ptr(loc=loc, ip=ip), cache_level="L2", loc=loc, ip=ip)
 
 
 class OProjMixNorm(Gemv):

@@ -16,7 +16,9 @@ with cp.async (`FC1Config.cp_async`) bit for bit the plain FC1 at TP16 and small
 K3_MOE_F16 (the packed fp16 decode): on CPU its exact emulation (`dot_f16_model`) against the
 reference, the worst-case fp16 sum; both switch settings build for sm_90a; on a GPU (the
 `moe_f16` fixture, ids f16_off / f16_on) B 1, 8, 64, rows of zeros, |z| ~ 1e4 and 1e-6, NaN and
-inf inputs, FC1's odd shapes, cp.async bit for bit the plain FC1."""
+inf inputs, FC1's odd shapes, cp.async bit for bit the plain FC1. FC2 with two threads per W2 row
+(`FC2Config.split`, the one-row choice): its sm_90a build, and on a GPU bit for bit one thread a
+row (TP16 at 1-4 rows, small shapes, odd k, the largest L and I)."""
 
 import dataclasses
 import logging
@@ -734,101 +736,15 @@ def test_fc1_cp_async_groups(monkeypatch, tmp_path, shape):
     assert "ld.global" not in ptx[:ptx.index("griddepcontrol.wait;")]
 
 
-# FC1 prefetching FC2's W2 rows and scales into L2 (FC1Config.prefetch_w2): no value changes
-FC1_PREFETCH = [kernel.FC1Config(4, 1, True), kernel.FC1Config(8, 1, True), PLAIN_FC1]
+# FC2 with two threads per W2 row (FC2Config.split 2, config()'s choice at one row): the same
+# terms in the same order
+def split_fc2(cfg, top_k, split=2):
+    return dataclasses.replace(cfg, split=split,
+                               threads=-(-cfg.rows_per_cta * top_k * split // 32) * 32)
 
 
-def _prefetch_id(cfg):
-    return f"w{cfg.warps}r{cfg.rows_per_warp}{'_cp' if cfg.cp_async else ''}"
-
-
-def prefetched_bytes(latent, inter, cfg, s_base):
-    """The bytes of one expert's W2 rows and of its scales (scales starting s_base bytes past a
-    128-byte line) that `FC1.prefetch_w2`'s lines hold over the pair's I / rows CTAs, as the
-    device code picks them; raises on a line outside the expert's bytes."""
-    p, q = kernel.prefetch_lines(latent, inter, cfg)
-    blocks = -(-inter // (cfg.warps * cfg.rows_per_warp))
-    w_bytes, s_bytes = latent * inter // 2, latent * inter // 32
-    w_seen, s_seen = set(), set()
-    for blk in range(blocks):
-        for i in range(p + q):  # thread i (threads past p + q take no line)
-            if i < p and (line := blk * p + i) < w_bytes // 128:
-                w_seen.update(range(128 * line, 128 * line + 128))
-            elif p <= i and (line := blk * q + i - p) <= -(-s_bytes // 128):
-                at = s_base + min(128 * line, s_bytes - 1)  # the line holding this address
-                assert s_base <= at < s_base + s_bytes
-                s_seen.update(range(at // 128 * 128 - s_base, at // 128 * 128 + 128 - s_base))
-    return w_seen, s_seen
-
-
-@pytest.mark.parametrize("cfg", FC1_PREFETCH, ids=_prefetch_id)
-@pytest.mark.parametrize("shape", [(LATENT, INTER), (96, 64), (1056, 32), (8192, 512),
-                                   (LATENT, 3072)], ids=str)
-def test_prefetch_lines_cover_the_expert(cfg, shape):
-    """Every byte of the expert's W2 rows and scales lies in a prefetched line, the scales from
-    any start within a line (e·L·I/32 bytes into the scale tensor)."""
-    latent, inter = shape
-    for s_base in (0, 16, 96, 127):
-        w_seen, s_seen = prefetched_bytes(latent, inter, cfg, s_base)
-        assert w_seen >= set(range(latent * inter // 2))
-        assert s_seen >= set(range(latent * inter // 32))
-
-
-@pytest.mark.dsl
-@pytest.mark.parametrize("cfg", FC1_PREFETCH, ids=_prefetch_id)
-def test_fc1_prefetch_w2_builds(monkeypatch, tmp_path, cfg):
-    """The prefetching FC1 at the TP16 rank: one prefetch.global.L2 for W2's lines, one for the
-    scales' (both fit one pass of the CTA's threads), none without it, and no stack frame."""
-    from k3compile.kernels.common.dsl import cubin_of, cubin_resources, ptx_of
-
-    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
-    p, q = kernel.prefetch_lines(LATENT, INTER, cfg)
-    assert p + q <= cfg.threads
-    for on in (False, True):
-        dump = tmp_path / str(on)
-        dump.mkdir()
-        compiled = kernel.build("fc1", LATENT, INTER, TOP_K, True,
-                                dataclasses.replace(cfg, prefetch_w2=on), arch="sm_90a",
-                                dump_dir=str(dump), pdl=True)
-        assert ptx_of(compiled).count("prefetch.global.L2") == (2 if on else 0)
-        assert cubin_resources(cubin_of(compiled))["frame"] == 0
-
-
-@pytest.mark.gpu
-@gpu
-@pytest.mark.parametrize("cfg", FC1_PREFETCH, ids=_prefetch_id)
-@pytest.mark.parametrize("n", [1, 2, 4, 3])
-def test_tp16_fc1_prefetch_w2(gen, tp16_experts, force_fc1, moe_f16, cfg, n):
-    """Against the model and the reference, and bit for bit the same FC1 without the prefetch
-    (either decode)."""
-    z, ids, w = make_tokens(gen, n, LATENT, EXPERTS, TOP_K, "cuda")
-    cfg = dataclasses.replace(cfg, f16=moe_f16)
-    force_fc1(cfg)
-    want = check(z, ids, w, tp16_experts)
-    force_fc1(dataclasses.replace(cfg, prefetch_w2=True))
-    assert torch.equal(check(z, ids, w, tp16_experts), want), "the prefetching FC1 differs"
-
-
-@pytest.mark.gpu
-@gpu
-@pytest.mark.parametrize("shape", [(5, 96, 64, 2), (7, 512, 96, 3), (9, 1056, 32, 1)], ids=str)
-def test_other_shapes_fc1_prefetch_w2(gen, force_fc1, shape):
-    """Small shapes (scale slices not line-aligned: L·I/32 = 192, 1536, 1056 bytes an expert),
-    the one-row config: equal to it without the prefetch."""
-    n_exp, latent, inter, top_k = shape
-    experts = make_experts(gen, n_exp, latent, inter, "cuda")
-    cfg = kernel.config("fc1", latent, inter, top_k, 1)
-    tokens = [make_tokens(gen, n, latent, n_exp, top_k, "cuda") for n in (1, 4)]
-    force_fc1(dataclasses.replace(cfg, prefetch_w2=False))
-    want = [check(*t, experts) for t in tokens]
-    force_fc1(dataclasses.replace(cfg, prefetch_w2=True))
-    for t, plain in zip(tokens, want):
-        assert torch.equal(check(*t, experts), plain)
-
-
-# FC2 with two threads per W2 row (FC2Config.split 2): the same terms in the same order
-def split_fc2(cfg, top_k):
-    return dataclasses.replace(cfg, split=2, threads=-(-cfg.rows_per_cta * top_k * 2 // 32) * 32)
+def one_thread_fc2(cfg, top_k):
+    return split_fc2(cfg, top_k, 1)
 
 
 @pytest.fixture
@@ -852,6 +768,9 @@ def test_fc2_split_builds(monkeypatch, tmp_path, f16):
 
     monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
     cfg = kernel.FC2Config(16, 256, f16)
+    assert kernel.config("fc2", LATENT, INTER, TOP_K, 1) == split_fc2(kernel.FC2Config(
+        16, 256, kernel.f16_decode(1)), TOP_K)
+    assert kernel.config("fc2", LATENT, INTER, TOP_K, 2).split == 1
     regs = {}
     for split in (1, 2):
         dump = tmp_path / str(split)
@@ -880,7 +799,7 @@ def test_tp16_fc2_split(gen, tp16_experts, force_fc2, moe_f16, rows, n):
     """Against the model and the reference, and bit for bit one thread a row (either decode;
     16 and 8 output rows per CTA)."""
     z, ids, w = make_tokens(gen, n, LATENT, EXPERTS, TOP_K, "cuda")
-    force_fc2(lambda cfg, k: dataclasses.replace(cfg, rows_per_cta=rows, threads=rows * k))
+    force_fc2(lambda cfg, k: one_thread_fc2(dataclasses.replace(cfg, rows_per_cta=rows), k))
     want = check(z, ids, w, tp16_experts)
     force_fc2(lambda cfg, k: split_fc2(dataclasses.replace(cfg, rows_per_cta=rows), k))
     assert torch.equal(check(z, ids, w, tp16_experts), want), "split FC2 differs"
@@ -896,6 +815,7 @@ def test_other_shapes_fc2_split(gen, force_fc2, moe_f16, shape):
     n_exp, latent, inter, top_k = shape
     experts = make_experts(gen, n_exp, latent, inter, "cuda")
     tokens = [make_tokens(gen, n, latent, n_exp, top_k, "cuda") for n in (1, 5)]
+    force_fc2(one_thread_fc2)
     want = [check(*t, experts) for t in tokens]
     force_fc2(split_fc2)
     for t, plain in zip(tokens, want):
