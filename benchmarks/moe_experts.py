@@ -10,7 +10,10 @@ TP16 rank (896 experts, top-16, L 3584, I 192).
 
 A variant `kernel_by_expert_xX` is `kernel_by_expert` with X experts per CTA
 (kernels/moe_experts.py BY_EXPERT_EXPERTS; e.g. --variants kernel_f16,kernel_by_expert_x1,
-kernel_by_expert_x8).
+kernel_by_expert_x8). A kernel variant may end in config modifiers, forced at every bucket:
+`+cp4` / `+cp8` (FC1 with 4 / 8 warps x 1 row and cp.async), `+rR` (FC2 with R output rows per
+CTA), `+sS` (FC2 with S threads per W2 row, `FC2Config.split`), e.g.
+`--variants kernel+s1,kernel,kernel_f16+cp8+r8+s2`.
 
 `kernel` is the per-pair kernels, `kernel_f16` the same with FC1's packed fp16 decode
 (K3_MOE_F16), `kernel_by_expert` that with FC1 by expert (K3_MOE_BY_EXPERT: each weight word
@@ -30,6 +33,7 @@ last; the JSON is rewritten after every row, so a timeout keeps what was measure
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import json
 import re
@@ -83,30 +87,54 @@ KERNEL_VARIANTS = {"kernel": {"moe_grouped": False, "moe_f16": False, "moe_by_ex
 
 
 def experts_per_cta(name: str) -> int | None:
-    """X of a variant `kernel_by_expert_xX`, else None."""
-    m = re.fullmatch(r"kernel_by_expert_x(\d+)", name)
+    """X of a variant `kernel_by_expert_xX` (modifiers aside), else None."""
+    m = re.fullmatch(r"kernel_by_expert_x(\d+)", name.split("+")[0])
     return int(m.group(1)) if m else None
 
 
+# FC1 config modifiers after a kernel variant's name ("kernel_f16+cp8"; FC2's: "+r8", "+s2")
+FC1_MODS = {"cp4": {"warps": 4, "rows_per_warp": 1, "cp_async": True},
+            "cp8": {"warps": 8, "rows_per_warp": 1, "cp_async": True}}
+
+
 def is_kernel(name: str) -> bool:
-    return name in KERNEL_VARIANTS or experts_per_cta(name) is not None
+    return name.split("+")[0] in KERNEL_VARIANTS or experts_per_cta(name) is not None
 
 
 @contextlib.contextmanager
 def kernel_variant(name: str):
-    """`KERNEL_VARIANTS[name]` set on settings.KERNELS while open (read at each call); a
-    `kernel_by_expert_xX` variant also sets the by-expert FC1's experts per CTA."""
-    x = experts_per_cta(name)
-    values = KERNEL_VARIANTS["kernel_by_expert" if x else name]
+    """`KERNEL_VARIANTS[base]` set on settings.KERNELS while open (read at each call); a
+    `kernel_by_expert_xX` variant also sets the by-expert FC1's experts per CTA, and with
+    modifiers (`FC1_MODS`, `+rR`, `+sS`) FC1's or FC2's config is replaced at every bucket."""
+    base, *mods = name.split("+")
+    x = experts_per_cta(base)
+    values = KERNEL_VARIANTS["kernel_by_expert" if x else base]
     before = {k: getattr(settings.KERNELS, k) for k in values}
     x_before = kernel.BY_EXPERT_EXPERTS
+    default = kernel.config
+    fc1 = {k: v for m in mods if m in FC1_MODS for k, v in FC1_MODS[m].items()}
+    fc2 = {m[0]: int(m[1:]) for m in mods if m not in FC1_MODS}  # FC2's "r" rows, "s" split
     for k, v in values.items():
         setattr(settings.KERNELS, k, v)
     if x:
         kernel.BY_EXPERT_EXPERTS = x
+
+    def config(stage, latent, inter, top_k, b):
+        cfg = default(stage, latent, inter, top_k, b)
+        if stage == "fc1" and fc1:
+            return dataclasses.replace(cfg, **fc1)
+        if stage == "fc2" and fc2:
+            rows, split = fc2.get("r", cfg.rows_per_cta), fc2.get("s", cfg.split)
+            return dataclasses.replace(cfg, rows_per_cta=rows, split=split,
+                                       threads=-(-rows * top_k * split // 32) * 32)
+        return cfg
+
+    if fc1 or fc2:
+        kernel.config = config
     try:
         yield
     finally:
+        kernel.config = default
         for k, v in before.items():
             setattr(settings.KERNELS, k, v)
         kernel.BY_EXPERT_EXPERTS = x_before
@@ -145,16 +173,14 @@ def check(experts, calls, variant="kernel"):
 def run(batches, variants, gbps, experts, save):
     rows = {}
     inputs = {n: make_calls(n) for n in batches}
-    xs = [v for v in variants if experts_per_cta(v)]
-    order = [v for v in ("kernel", "kernel_f16", "kernel_by_expert", *xs, "grouped", "eager")
-             if v in variants]
+    order = [v for v in variants if is_kernel(v) or v == "eager"]
     plan = [(n, v) for n in batches for v in order if v.startswith("kernel")]
     plan += [(n, v) for v in order for n in batches if not v.startswith("kernel")]
     plan += [(n, "inductor") for n in batches if "inductor" in variants]
     compiled = torch.compile(mxfp4_experts, dynamic=False) if "inductor" in variants else None
     for n, name in plan:
         calls = inputs[n]
-        if name in ("grouped", "kernel_f16", "kernel_by_expert", *xs):
+        if is_kernel(name) and name != "kernel":
             check(experts, calls, name)
         if n not in rows:
             check(experts, calls)
@@ -170,10 +196,10 @@ def run(batches, variants, gbps, experts, save):
         for other in ("eager", "inductor"):
             if f"{other}_us" in row and "kernel_us" in row:
                 row[f"kernel_speedup_vs_{other}"] = round(row[f"{other}_us"] / row["kernel_us"], 2)
-        for other in ("grouped", "kernel_f16", "kernel_by_expert"):
+        for other in [v for v in variants if is_kernel(v) and v != "kernel"]:
             if f"{other}_us" in row and "kernel_us" in row:
                 row[f"{other}_speedup_vs_kernel"] = round(row["kernel_us"] / row[f"{other}_us"], 2)
-        for other in ("kernel_by_expert", *xs):
+        for other in [v for v in variants if v.startswith("kernel_by_expert")]:
             if f"{other}_us" in row and "kernel_f16_us" in row:
                 row[f"{other}_speedup_vs_kernel_f16"] = round(
                     row["kernel_f16_us"] / row[f"{other}_us"], 3)

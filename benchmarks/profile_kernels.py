@@ -1,11 +1,13 @@
 """The kernels issue 21 asks to profile, not guess at, for Nsight Compute: the routed MXFP4 experts
-(FC1 and FC2, per-pair kernels) at 8 and 64 rows, and the weight-streaming GEMV at M = 1 on the
+(FC1 and FC2, per-pair kernels) at 8 and 64 rows (`--rows`; `--variant` a kernel variant of
+benchmarks/moe_experts.py, e.g. kernel+s1), and the weight-streaming GEMV at M = 1 on the
 two shapes that fall short of copy bandwidth (2112x7168, 896x7168) beside one that does not
 (3206x7168). Each case is compiled and warmed outside the profiled range, then called once inside a
 profiler range (and an NVTX range named after the case), with weights that are not L2-resident.
 
     ncu --clock-control none --profile-from-start off --nvtx --set full \
         -o OUT/kernels python3 benchmarks/profile_kernels.py [all|gemv|moe|moe_by_expert]
+        [--rows 1,2,4] [--variant kernel]
     (benchmarks/profile_h200.sh runs it and writes the per-kernel tables)
 
 `moe_by_expert` (issue 21, FC1 by expert): the expert step at 8 and 64 rows with FC1 per pair
@@ -13,8 +15,8 @@ profiler range (and an NVTX range named after the case), with weights that are n
 (benchmarks/moe_experts.py's variants), each in its own NVTX range.
 """
 
+import argparse
 import functools
-import sys
 
 import torch
 from gemv import check as gemv_check
@@ -38,11 +40,11 @@ def profiled(name: str, fn) -> None:
     torch.cuda.profiler.stop()
 
 
-def profile_by_expert() -> None:
-    """Each of BY_EXPERT_VARIANTS at MOE_ROWS: compiled and warmed, then one profiled call on
+def profile_by_expert(moe_rows=MOE_ROWS) -> None:
+    """Each of BY_EXPERT_VARIANTS at moe_rows: compiled and warmed, then one profiled call on
     other experts (not L2-resident)."""
     experts = make_experts()
-    for rows in MOE_ROWS:
+    for rows in moe_rows:
         for variant in BY_EXPERT_VARIANTS:
             with kernel_variant(variant):
                 (z, ids, w), *_ = make_calls(rows)
@@ -55,9 +57,9 @@ def profile_by_expert() -> None:
             print(f"{variant} {rows} rows: profiled", flush=True)
 
 
-def main(which: str) -> None:
+def main(which: str, moe_rows=MOE_ROWS, variant: str = "kernel") -> None:
     if which == "moe_by_expert":
-        return profile_by_expert()
+        return profile_by_expert(moe_rows)
     for n, k in GEMV_SHAPES if which in ("all", "gemv") else []:
         weights = weight_copies(n, k)
         x = torch.randn(1, k, device="cuda").bfloat16()
@@ -68,16 +70,22 @@ def main(which: str) -> None:
     if which not in ("all", "moe"):
         return
     experts = make_experts()
-    for rows in MOE_ROWS:
+    for rows in moe_rows:
         (z, ids, w), *_ = make_calls(rows)
         out = torch.empty_like(z)
-        got = kernel.moe_experts_cuda(z, ids, w, *experts, BETA, LINEAR_BETA, out=out)
-        assert got is out, "moe_experts refused the inputs (see the log)"
-        (z, ids, w), *_ = make_calls(rows)  # other experts: not L2-resident from the warm-up
-        profiled(f"moe_experts_{rows}", functools.partial(
-            kernel.moe_experts_cuda, z, ids, w, *experts, BETA, LINEAR_BETA, out=out))
-        print(f"moe_experts {rows} rows: profiled", flush=True)
+        with kernel_variant(variant):
+            got = kernel.moe_experts_cuda(z, ids, w, *experts, BETA, LINEAR_BETA, out=out)
+            assert got is out, "moe_experts refused the inputs (see the log)"
+            (z, ids, w), *_ = make_calls(rows)  # other experts: not L2-resident from the warm-up
+            profiled(f"moe_experts_{rows}", functools.partial(
+                kernel.moe_experts_cuda, z, ids, w, *experts, BETA, LINEAR_BETA, out=out))
+        print(f"moe_experts {rows} rows ({variant}): profiled", flush=True)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "all")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("which", nargs="?", default="all", choices=["all", "gemv", "moe", "moe_by_expert"])
+    ap.add_argument("--rows", default=",".join(map(str, MOE_ROWS)), help="MoE rows, e.g. 1,2,4")
+    ap.add_argument("--variant", default="kernel", help="a kernel variant of moe_experts.py")
+    opts = ap.parse_args()
+    main(opts.which, [int(r) for r in opts.rows.split(",")], opts.variant)

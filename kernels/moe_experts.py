@@ -6,7 +6,7 @@
 
 W = e2m1 · 2^(scale − 127) decoded in registers, fp32 products and sums. Two launches: FC1 +
 SiTU, then FC2 + finalize (launched with PDL after FC1); `config` takes FC1 with cp.async at
-one row, to registers above. With K3_MOE_GROUPED at 8-64 rows (`grouped`): by expert instead,
+one row, to registers above, and FC2 with two threads per W2 row at one row (`FC2Config.split`). With K3_MOE_GROUPED at 8-64 rows (`grouped`): by expert instead,
 three launches (kernels/device/moe_experts_grouped.py): FC1 + SiTU and FC2 per (expert, row tile)
 on bf16 mma.sync, each expert's weights streamed once per 8 of its tokens, then the weighted sum
 over k. With K3_MOE_F16 (`FC1Config.f16`, `FC2Config.f16`) FC1 and FC2 (I <= 512) decode into
@@ -120,10 +120,14 @@ class FC1Config:
 @dataclass(frozen=True)
 class FC2Config:
     rows_per_cta: int  # R output columns l per CTA
-    threads: int  # R·k threads, whole warps
+    threads: int  # R·k·split threads, whole warps
     # packed fp16 decode (K3_MOE_F16, I <= 512: the whole W2 row in registers): act staged as
     # fp16 pairs times 2^c per row (n, j)
     f16: bool = False
+    # threads per W2 row, 1 or 2 (2: I <= 512 with I/32 even): lanes 2u, 2u + 1 load and decode
+    # the first and second half of the row's groups; the first adds the second's partials
+    # after its own (a shuffle): the same sum in the same order
+    split: int = 1
 
 
 @dataclass(frozen=True)
@@ -211,7 +215,9 @@ def config(stage: str, latent: int, inter: int, top_k: int, batch_bucket: int):
     above it plain with 2 rows per warp while a lane's loads stay <= 16 vectors (L <= 4096),
     else 1 (the sweep's best or within 1% at 8-64 rows; grouped FC1 lost at 16-64); with the
     fp16 decode at 8 rows and more, 8 warps of 1 row (the sweeps of sessions 27 and 29).
-    FC2: R·k >= 128 threads where k allows, whole warps (R a multiple of 32 for odd k)."""
+    FC2: R·k >= 128 threads where k allows, whole warps (R a multiple of 32 for odd k); at one
+    row two threads per W2 row where the row allows (`fc2_splits`; the H100 A/B of 2026-12-06 at
+    the TP16 rank: 11.45 µs per expert step against 12.55, -8.8%; +3% and +5% at 2 and 4 rows)."""
     if stage == "fc1g":  # 64 rows of W1 and of W3 per CTA (3 row tiles at I 192)
         return GroupedConfig(4, 1, 2, batch_bucket, 4)
     if stage == "fc2g":  # 256 rows of W2 per CTA (14 row tiles at L 3584)
@@ -228,7 +234,14 @@ def config(stage: str, latent: int, inter: int, top_k: int, batch_bucket: int):
         return FC1Config(4, 2 if _lane_vectors(latent) <= 4 else 1, f16=f16)
     rows = 64 if top_k <= 2 else 32 if top_k <= 4 or top_k % 2 else 16
     f16 = f16_decode(batch_bucket) and inter <= 32 * ROW_VECTORS
-    return FC2Config(rows, -(-rows * top_k // 32) * 32, f16)
+    split = 2 if batch_bucket == 1 and fc2_splits(inter) else 1
+    return FC2Config(rows, -(-rows * top_k * split // 32) * 32, f16, split)
+
+
+def fc2_splits(inter: int) -> bool:
+    """Whether FC2 can take two threads per W2 row (`FC2Config.split`): the whole row in
+    registers (I <= 512) and an even number of 32-input groups."""
+    return inter <= 32 * ROW_VECTORS and inter // 32 % 2 == 0
 
 
 def f16_decode(batch_bucket: int) -> bool:

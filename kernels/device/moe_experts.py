@@ -472,6 +472,11 @@ class FC2:
         self.n_chunks = self.nvi // self.chunk
         if cfg.f16 and self.n_chunks > 1:
             raise ValueError(f"{cfg} at I {inter}: the fp16 FC2 takes I <= 512")
+        # `split` 2: a thread's chunk is half the row
+        self.split = cfg.split
+        if self.split not in (1, 2) or self.split == 2 and (self.n_chunks > 1 or self.nvi % 2):
+            raise ValueError(f"{cfg} at I {inter}: split 2 takes I <= 512, I/32 even")
+        self.chunk //= self.split
 
     def load_chunk(self, gW, mS2, row, rW, rS, first):
         """W2 row vectors first .. first + chunk - 1 and their scales -> rW (4, chunk), rS
@@ -481,20 +486,35 @@ class FC2:
         for c in range(self.chunk):
             rS[c] = Uint32(mS2[row, first + c])
 
-    def chunk_dot(self, acc, sRow, rZ, rW, rS, first):
-        """acc + the chunk's 32-input partials times their factors, added in order c (`f16`:
-        times 2^(c_j - 13))."""
+    def group_parts(self, sRow, rZ, rW, rS, first, c):
+        """Group first + c of the row: its 32-input partial and its factor (`f16`: times
+        2^(c_j - 13))."""
         q_n = 4 if self.f16 else 8  # 16-byte chunks of staged act per group
         rZ4 = cute.zipped_divide(rZ, (4,))  # (4, q_n)
+        for q in range(q_n):
+            cute.autovec_copy(sRow[None, q_n * (first + c) + q], rZ4[None, q])
+        words = rW[None, c].load().bitcast(Uint32)
+        if const_expr(self.f16):
+            return decode_dot_f16x2(words, rZ.load()), group_factor(rS[c], F16_SCALE_BIAS)
+        return decode_dot(words, rZ.load()), group_factor(rS[c])
+
+    def chunk_dot(self, acc, sRow, rZ, rW, rS, first):
+        """acc + the chunk's partials times their factors, added in order c."""
         for c in range(self.chunk):
-            for q in range(q_n):
-                cute.autovec_copy(sRow[None, q_n * (first + c) + q], rZ4[None, q])
-            words = rW[None, c].load().bitcast(Uint32)
-            if const_expr(self.f16):
-                acc = acc + decode_dot_f16x2(words, rZ.load()) * group_factor(
-                    rS[c], F16_SCALE_BIAS)
-            else:
-                acc = acc + decode_dot(words, rZ.load()) * group_factor(rS[c])
+            p, f = self.group_parts(sRow, rZ, rW, rS, first, c)
+            acc = acc + p * f
+        return acc
+
+    def split_dot(self, sRow, rZ, rW, rS, first):
+        """`split` 2: this lane's half of the row (groups first ..), then in the first lane of
+        the pair the second's partials and factors (a shuffle) added after its own: the sum of
+        `chunk_dot` over the whole row, term for term."""
+        parts = [self.group_parts(sRow, rZ, rW, rS, first, c) for c in range(self.chunk)]
+        acc = Float32(0.0)
+        for p, f in parts:
+            acc = acc + p * f
+        for p, f in parts:
+            acc = acc + cute.arch.shuffle_sync_bfly(p, 1) * cute.arch.shuffle_sync_bfly(f, 1)
         return acc
 
     @cute.jit
@@ -586,10 +606,13 @@ class FC2:
                                     cute.make_layout((K, self.pitch), stride=(self.pitch, 1)), 16)
         sRed = smem.allocate_tensor(Float32, cute.make_layout((K, R), stride=(R, 1)), 16)
 
-        # Thread (l, j): row l of W2[ids[n, j]]; its first chunk (the whole row for I <= 512)
-        # loads before the wait. Threads past R·k (odd k) mirror the last one, write nothing.
-        t = cutlass.min(tidx, R * K - 1)
-        j, l = t // R, blk * R + t % R
+        # Thread (l, j): row l of W2[ids[n, j]]; its first chunk (the whole row for I <= 512,
+        # `split` 2: half of it, lane h = t % 2 the half h) loads before the wait. Threads past
+        # R·k·S (odd k) mirror the last one, write nothing.
+        S = self.split
+        t = cutlass.min(tidx, R * K * S - 1)
+        u, h = t // S, t % S
+        j, l = u // R, blk * R + u % R
         n_exp = mW2.shape[0] // L
         e = cutlass.max(cutlass.min(Int32(mIds[n, j]), n_exp - 1), 0)
         row = e * L + cutlass.min(l, L - 1)
@@ -597,7 +620,7 @@ class FC2:
         C, NC = self.chunk, self.n_chunks
         rW = [make_frag(Int32, C) for _ in range(min(NC, 2))]  # (4, C) each
         rS = [cute.make_rmem_tensor(cute.make_layout((C,)), Uint32) for _ in range(min(NC, 2))]
-        self.load_chunk(gW, mS2, row, rW[0], rS[0], 0)
+        self.load_chunk(gW, mS2, row, rW[0], rS[0], h * C)
         wt = mWt[n, j]
 
         # act rows of token n (written by FC1) -> shared memory
@@ -627,13 +650,15 @@ class FC2:
                 if first + 2 * C < NVI:
                     self.load_chunk(gW, mS2, row, rW[0], rS[0], first + 2 * C)
                 acc = self.chunk_dot(acc, sRow, rZ, rW[1], rS[1], first + C)
-        if const_expr(NC % 2):  # the last chunk in buffer 0 (the whole row for I <= 512)
+        if const_expr(S > 1):
+            acc = self.split_dot(sRow, rZ, rW[0], rS[0], h * C)
+        elif const_expr(NC % 2):  # the last chunk in buffer 0 (the whole row for I <= 512)
             acc = self.chunk_dot(acc, sRow, rZ, rW[0], rS[0], (NC - 1) * C)
         if const_expr(self.f16):
             acc = acc * down
         y = acc.to(BFloat16).to(Float32)  # the reference's FC2 einsum rounds to bf16
-        if tidx < R * K:
-            sRed[j, t % R] = wt * y
+        if (tidx < R * K * S) & (h == 0):
+            sRed[j, u % R] = wt * y
         cute.arch.barrier()
         if (tidx < R) & (blk * R + tidx < L):
             total = sRed[0, tidx]

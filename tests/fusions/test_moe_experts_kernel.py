@@ -16,7 +16,9 @@ with cp.async (`FC1Config.cp_async`) bit for bit the plain FC1 at TP16 and small
 K3_MOE_F16 (the packed fp16 decode): on CPU its exact emulation (`dot_f16_model`) against the
 reference, the worst-case fp16 sum; both switch settings build for sm_90a; on a GPU (the
 `moe_f16` fixture, ids f16_off / f16_on) B 1, 8, 64, rows of zeros, |z| ~ 1e4 and 1e-6, NaN and
-inf inputs, FC1's odd shapes, cp.async bit for bit the plain FC1."""
+inf inputs, FC1's odd shapes, cp.async bit for bit the plain FC1. FC2 with two threads per W2 row
+(`FC2Config.split`, the one-row choice): its sm_90a build, and on a GPU bit for bit one thread a
+row (TP16 at 1-4 rows, small shapes, odd k, the largest L and I)."""
 
 import dataclasses
 import logging
@@ -732,6 +734,92 @@ def test_fc1_cp_async_groups(monkeypatch, tmp_path, shape):
     first_copy = ptx.index("cp.async.cg.shared.global")
     assert "ld.global" not in ptx[first_copy:], "a register load after the copies"
     assert "ld.global" not in ptx[:ptx.index("griddepcontrol.wait;")]
+
+
+# FC2 with two threads per W2 row (FC2Config.split 2, config()'s choice at one row): the same
+# terms in the same order
+def split_fc2(cfg, top_k, split=2):
+    return dataclasses.replace(cfg, split=split,
+                               threads=-(-cfg.rows_per_cta * top_k * split // 32) * 32)
+
+
+def one_thread_fc2(cfg, top_k):
+    return split_fc2(cfg, top_k, 1)
+
+
+@pytest.fixture
+def force_fc2(monkeypatch):
+    """force_fc2(fn): FC2 runs with fn(its default config, k) at every bucket."""
+    default = kernel.config
+
+    def force(fn):
+        monkeypatch.setattr(kernel, "config", lambda stage, l, i, k, b: fn(default(
+            stage, l, i, k, b), k) if stage == "fc2" else default(stage, l, i, k, b))
+    return force
+
+
+@pytest.mark.dsl
+@pytest.mark.parametrize("f16", [False, True], ids=["f16_off", "f16_on"])
+def test_fc2_split_builds(monkeypatch, tmp_path, f16):
+    """Split 2 at the TP16 rank: three groups a lane, a shuffle of each of the partner's three
+    partials and factors, fewer registers than one thread a row, no stack frame; a row of an
+    odd number of groups (I 96) or in chunks (I 768) is refused."""
+    from k3compile.kernels.common.dsl import cubin_of, cubin_resources, ptx_of
+
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    cfg = kernel.FC2Config(16, 256, f16)
+    assert kernel.config("fc2", LATENT, INTER, TOP_K, 1) == split_fc2(kernel.FC2Config(
+        16, 256, kernel.f16_decode(1)), TOP_K)
+    assert kernel.config("fc2", LATENT, INTER, TOP_K, 2).split == 1
+    regs = {}
+    for split in (1, 2):
+        dump = tmp_path / str(split)
+        dump.mkdir()
+        c = cfg if split == 1 else split_fc2(cfg, TOP_K)
+        compiled = kernel.build("fc2", LATENT, INTER, TOP_K, True, c, arch="sm_90a",
+                                dump_dir=str(dump))
+        ptx = ptx_of(compiled)
+        assert ptx.count("shfl.sync.bfly") == (6 if split == 2 else 0)
+        assert ptx.count("fma.rn.f16x2") == (6 * 16 // split if f16 else 0)
+        res = cubin_resources(cubin_of(compiled))
+        assert res["frame"] == 0
+        regs[split] = res["regs"]
+    assert regs[2] < regs[1]
+    for inter in (96, 768):
+        with pytest.raises(ValueError, match="split 2"):
+            kernel.build("fc2", LATENT, inter, TOP_K, True, split_fc2(kernel.FC2Config(16, 256),
+                                                                       TOP_K), arch="sm_90a")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("rows", [16, 8])
+@pytest.mark.parametrize("n", [1, 2, 4, 3])
+def test_tp16_fc2_split(gen, tp16_experts, force_fc2, moe_f16, rows, n):
+    """Against the model and the reference, and bit for bit one thread a row (either decode;
+    16 and 8 output rows per CTA)."""
+    z, ids, w = make_tokens(gen, n, LATENT, EXPERTS, TOP_K, "cuda")
+    force_fc2(lambda cfg, k: one_thread_fc2(dataclasses.replace(cfg, rows_per_cta=rows), k))
+    want = check(z, ids, w, tp16_experts)
+    force_fc2(lambda cfg, k: split_fc2(dataclasses.replace(cfg, rows_per_cta=rows), k))
+    assert torch.equal(check(z, ids, w, tp16_experts), want), "split FC2 differs"
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("shape", [(5, 96, 64, 2), (6, 1536, 64, 3), (20, 8192, 512, 16)],
+                         ids=str)
+def test_other_shapes_fc2_split(gen, force_fc2, moe_f16, shape):
+    """Two and sixteen groups a row, odd k (threads past R·k·2 mirror the last), the largest L
+    and I: equal to one thread a row."""
+    n_exp, latent, inter, top_k = shape
+    experts = make_experts(gen, n_exp, latent, inter, "cuda")
+    tokens = [make_tokens(gen, n, latent, n_exp, top_k, "cuda") for n in (1, 5)]
+    force_fc2(one_thread_fc2)
+    want = [check(*t, experts) for t in tokens]
+    force_fc2(split_fc2)
+    for t, plain in zip(tokens, want):
+        assert torch.equal(check(*t, experts), plain)
 
 
 @pytest.mark.gpu

@@ -76,14 +76,17 @@ def test_builds_for_sm90a_as_one_kernel(latent, inter, top_k, rows, ids64, pdl, 
 @pytest.mark.parametrize("block", ["fc1", "fc2"])
 def test_configs_keep_the_two_launches_values(top_k, rows, block):
     """Each config differs from the two launches' at most in what no value depends on: FC1's
-    warps, FC2's R (output rows per CTA) and threads (>= R·k); one block size."""
+    warps, FC2's R (output rows per CTA), threads (>= R·k) and split (one thread a W2 row
+    here; the two launches split it at one row); one block size."""
     fc1, fc2 = moe_one_launch.configs(LATENT, INTER, top_k, rows, block)
     one = moe_experts.config("fc1", LATENT, INTER, top_k, rows)
     two = moe_experts.config("fc2", LATENT, INTER, top_k, rows)
+    assert two.split == (2 if rows == 1 else 1) and fc2.split == 1
+    two_threads = -(-two.rows_per_cta * top_k // 32) * 32  # one thread a row
     assert dataclasses.replace(fc1, warps=one.warps) == one
     assert fc2.threads == fc1.threads >= fc2.rows_per_cta * top_k and fc2.f16 == two.f16
     assert fc2.rows_per_cta <= two.rows_per_cta
-    assert (fc1 == one) == (block == "fc1" or two.threads <= one.threads)
+    assert (fc1 == one) == (block == "fc1" or two_threads <= one.threads)
     assert moe_one_launch.refusal(rows, LATENT, INTER, top_k, block) is None
 
 
