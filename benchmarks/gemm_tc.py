@@ -6,6 +6,8 @@ shapes, M = 2..64 rows.
     python benchmarks/gemm_tc.py [--sweep] --table kernels/common/gemm_tc_tuned.json   # ship the winners
     python benchmarks/gemm_tc.py --table-from DIR/gemm_tc.json --table kernels/common/gemm_tc_tuned.json
     python benchmarks/gemm_tc.py --fused [--m 2,8,64] [--out DIR]   # the one-launch variants
+    python benchmarks/gemm_tc.py --fixed [--m 8] [--only 768x7168] [--out DIR]  # cost per launch
+    python benchmarks/gemm_tc.py --ahead 0,4,8,16 [--m 8] [--only 768x7168] [--out DIR]  # L2 prefetch
 
 Timing as benchmarks/gemv.py (whose helpers it uses): both sides captured into CUDA graphs, each
 call reading the next copy of W (>= 2 x 60 MB of weights between two reads of one copy), x
@@ -20,6 +22,16 @@ the packed moe_front [W_r; W_d] against two `router.linear` calls, SiTU over the
 [W_g; W_u] against `router.linear` + the situ kernel, the norm prologue over the latent
 up-projection [7168, 3584] against the rms_norm kernel + `router.linear` (where its re-read limit
 refuses a bucket, "one launch" is torch: read the refusal in the log) (DIR/gemm_tc_fused.json).
+`--fixed` splits each call's time into a cost per launch and a streaming rate (issue 21: why
+the skinny shapes fall short of copy speed): gemm_tc at its config, cuBLAS and a device copy of
+W (`copy_`, 2x the bytes) are timed over [N, K / d] for d in FIXED_DIVS, and a least-squares
+line t = a + bytes / rate fitted to each (a: µs per launch, rate: GB/s of the marginal bytes);
+gemm_tc also with PDL between the calls (`settings.KERNELS.pdl_max_rows` raised to 64 for that
+timing; above 4 rows the decode runs without it) (DIR/gemm_tc_fixed.json). `--ahead A,...`
+times builds that keep A more W slices in flight as TMA prefetches into L2 beyond the shared
+memory stages (`build(ahead=A)`; 0: the default build), each without and with PDL between the
+calls, at the shape's config, each output checked bitwise against the default build's
+(DIR/gemm_tc_ahead.json).
 """
 
 import argparse
@@ -50,6 +62,8 @@ SHAPES = [(3206, 7168), (2112, 7168), (3584, 7168), (7168, 3584), (896, 7168), (
 # the variants' composites at one TP16 rank: (variant, N, K, split or I)
 FUSED = [("split", 4480, 7168, 896), ("situ", 768, 7168, 384), ("norm", 7168, 3584, 0)]
 MS = (2, 4, 8, 16, 32, 64)
+MAX_PDL_ROWS = 64  # --fixed: PDL at every bucket for its PDL timing
+FIXED_DIVS = (1, 2, 4)  # --fixed: K, K/2, K/4 at the same config
 
 
 def tc_call(x, out, cfg=None):
@@ -173,6 +187,95 @@ def fused(ms):
     return rows
 
 
+def fit_line(points) -> tuple[float, float]:
+    """Least squares t = a + bytes / rate over (bytes, µs) points: (a in µs, rate in GB/s)."""
+    n = len(points)
+    mb, mt = sum(b for b, _ in points) / n, sum(t for _, t in points) / n
+    slope = sum((b - mb) * (t - mt) for b, t in points) / sum((b - mb) ** 2 for b, _ in points)
+    return mt - slope * mb, 1e-3 / slope
+
+
+def fixed(shapes, ms, gbps):
+    """gemm_tc, cuBLAS and a copy of W over [N, K / d] (d in FIXED_DIVS) at gemm_tc's config for
+    [N, K]: per launch µs and marginal GB/s of each (`fit_line`); gemm_tc with PDL at full K."""
+    from k3compile.settings import KERNELS
+
+    rows = []
+    for n, k in shapes:
+        for m in ms:
+            cfg = gemm_tc.config(n, k, gemm_tc.bucket(m))
+            times = {"tc": [], "mm": [], "copy": []}
+            for d in FIXED_DIVS:
+                kd = k // d // 64 * 64
+                if kd // 64 < 2 * cfg.splits:  # each CTA keeps >= 2 K slices
+                    continue
+                weights = weight_copies(n, kd)
+                x = torch.randn(m, kd, device="cuda").bfloat16()
+                out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+                check(x, weights[0], out, cfg)
+                moved = 2 * n * kd
+                times["tc"].append((moved, graph_us(tc_call(x, out, cfg), weights)))
+                times["mm"].append((moved, graph_us(functools.partial(F.linear, x), weights)))
+                dst = torch.empty_like(weights[0])
+                times["copy"].append((moved, graph_us(dst.copy_, weights)))
+                if d == 1:
+                    before = KERNELS.pdl_max_rows
+                    KERNELS.pdl_max_rows = MAX_PDL_ROWS
+                    try:
+                        t_pdl = graph_us(tc_call(x, out, cfg), weights)
+                    finally:
+                        KERNELS.pdl_max_rows = before
+                del weights, dst
+                torch.cuda.empty_cache()
+            row = {"N": n, "K": k, "M": m, "config": str(cfg), "tc_pdl_us": round(t_pdl, 2)}
+            for name, points in times.items():
+                a, rate = fit_line(points)
+                row |= {f"{name}_us": [round(t, 2) for _, t in points],
+                        f"{name}_fixed_us": round(a, 2), f"{name}_rate_GBps": round(rate),
+                        f"{name}_rate_pct_copy": round(100 * rate / gbps * (2 if name == "copy"
+                                                                             else 1), 1)}
+            rows.append(row)
+            print(f"{n:5d} x {k:5d} M={m:2d} {short(cfg)}  tc {row['tc_us']} us: "
+                  f"{row['tc_fixed_us']:.2f} us + {row['tc_rate_GBps']} GB/s "
+                  f"({row['tc_rate_pct_copy']}%), PDL {t_pdl:.2f}  |  mm {row['mm_us']}: "
+                  f"{row['mm_fixed_us']:.2f} + {row['mm_rate_GBps']}  |  copy {row['copy_us']}: "
+                  f"{row['copy_fixed_us']:.2f} + {row['copy_rate_GBps']} "
+                  f"({row['copy_rate_pct_copy']}% counting read + write)", flush=True)
+    return rows
+
+
+def ahead_call(x, out, cfg, ahead: int, pdl: bool):
+    """The plain build at `cfg` with `ahead` W slices prefetched into L2 (0: the default build,
+    its compile key as `gemm_tc_cuda`'s), launched with or without PDL."""
+    n_rows = gemm_tc.bucket(len(x))
+    options = {"ahead": ahead} if ahead else {}
+    return lambda w: gemm_tc.KERNEL.compiled(w.shape[0], w.shape[1], False, False, cfg,
+                                             rows=n_rows, pdl=pdl, **options)(x, w, None, out)
+
+
+def ahead_sweep(shapes, ms, aheads, gbps):
+    """µs per call of each `ahead` at each shape and M, PDL off and on (`ahead_call`)."""
+    rows = []
+    for n, k, m, x, out, weights in sweep_inputs(shapes, ms):
+        cfg = gemm_tc.config(n, k, gemm_tc.bucket(m))
+        check(x, weights[0], out, cfg)
+        expected = out.clone()
+        row = {"N": n, "K": k, "M": m, "config": str(cfg), "us": {}}
+        for pdl in (False, True):
+            for a in aheads:
+                call = ahead_call(x, out, cfg, a, pdl)
+                out.zero_()
+                call(weights[0])
+                assert torch.equal(out, expected), f"ahead {a} pdl {pdl}: not the default's bits"
+                row["us"][f"ahead{a}_pdl{int(pdl)}"] = round(graph_us(call, weights), 2)
+        base = row["us"]["ahead0_pdl0"]
+        rows.append(row)
+        print(f"{n:5d} x {k:5d} M={m:2d} {short(cfg)}  " + "  ".join(
+            f"{key} {us:.2f} ({100 * 2 * n * k / us / 1e3 / gbps:.0f}%, x{base / us:.2f})"
+            for key, us in row["us"].items()), flush=True)
+    return rows
+
+
 def table_entries(rows) -> list[dict]:
     """The winner per (N, K, bucket) of run rows (the default config vs cuBLAS) or sweep rows
     (every config vs cuBLAS): its config, None where cuBLAS was faster."""
@@ -205,6 +308,9 @@ def main():
     ap.add_argument("--table", help="merge the winners into this tuned table (JSON)")
     ap.add_argument("--table-from", help="take the rows from this saved JSON instead of running")
     ap.add_argument("--fused", action="store_true", help="time the one-launch variants instead")
+    ap.add_argument("--ahead", help="time these L2 prefetch depths instead (0: the default)")
+    ap.add_argument("--fixed", action="store_true",
+                    help="cost per launch and streaming rate (K, K/2, K/4) instead")
     opts = ap.parse_args()
     if opts.table_from:
         saved = json.loads(Path(opts.table_from).read_text())
@@ -213,6 +319,13 @@ def main():
     ms, shapes, gbps = setup(opts, SHAPES)
     if opts.fused:
         write_json(opts.out, "gemm_tc_fused", fused(ms), gbps)
+        return
+    if opts.fixed:
+        write_json(opts.out, "gemm_tc_fixed", fixed(shapes, ms, gbps), gbps)
+        return
+    if opts.ahead:
+        aheads = [int(a) for a in opts.ahead.split(",")]
+        write_json(opts.out, "gemm_tc_ahead", ahead_sweep(shapes, ms, aheads, gbps), gbps)
         return
     source = f"benchmarks/gemm_tc.py{' --sweep' if opts.sweep else ''}, {date.today()}"
     rows = []
