@@ -7,7 +7,6 @@ shapes, M = 2..64 rows.
     python benchmarks/gemm_tc.py --table-from DIR/gemm_tc.json --table kernels/common/gemm_tc_tuned.json
     python benchmarks/gemm_tc.py --fused [--m 2,8,64] [--out DIR]   # the one-launch variants
     python benchmarks/gemm_tc.py --fixed [--m 8] [--only 768x7168] [--out DIR]  # cost per launch
-    python benchmarks/gemm_tc.py --ahead 0,4,8,16 [--m 8] [--only 768x7168] [--out DIR]  # L2 prefetch
 
 Timing as benchmarks/gemv.py (whose helpers it uses): both sides captured into CUDA graphs, each
 call reading the next copy of W (>= 2 x 60 MB of weights between two reads of one copy), x
@@ -27,11 +26,7 @@ the skinny shapes fall short of copy speed): gemm_tc at its config, cuBLAS and a
 W (`copy_`, 2x the bytes) are timed over [N, K / d] for d in FIXED_DIVS, and a least-squares
 line t = a + bytes / rate fitted to each (a: µs per launch, rate: GB/s of the marginal bytes);
 gemm_tc also with PDL between the calls (`settings.KERNELS.pdl_max_rows` raised to 64 for that
-timing; above 4 rows the decode runs without it) (DIR/gemm_tc_fixed.json). `--ahead A,...`
-times builds that keep A more W slices in flight as TMA prefetches into L2 beyond the shared
-memory stages (`build(ahead=A)`; 0: the default build), each without and with PDL between the
-calls, at the shape's config, each output checked bitwise against the default build's
-(DIR/gemm_tc_ahead.json).
+timing; above 4 rows the decode runs without it) (DIR/gemm_tc_fixed.json).
 """
 
 import argparse
@@ -244,38 +239,6 @@ def fixed(shapes, ms, gbps):
     return rows
 
 
-def ahead_call(x, out, cfg, ahead: int, pdl: bool):
-    """The plain build at `cfg` with `ahead` W slices prefetched into L2 (0: the default build,
-    its compile key as `gemm_tc_cuda`'s), launched with or without PDL."""
-    n_rows = gemm_tc.bucket(len(x))
-    options = {"ahead": ahead} if ahead else {}
-    return lambda w: gemm_tc.KERNEL.compiled(w.shape[0], w.shape[1], False, False, cfg,
-                                             rows=n_rows, pdl=pdl, **options)(x, w, None, out)
-
-
-def ahead_sweep(shapes, ms, aheads, gbps):
-    """µs per call of each `ahead` at each shape and M, PDL off and on (`ahead_call`)."""
-    rows = []
-    for n, k, m, x, out, weights in sweep_inputs(shapes, ms):
-        cfg = gemm_tc.config(n, k, gemm_tc.bucket(m))
-        check(x, weights[0], out, cfg)
-        expected = out.clone()
-        row = {"N": n, "K": k, "M": m, "config": str(cfg), "us": {}}
-        for pdl in (False, True):
-            for a in aheads:
-                call = ahead_call(x, out, cfg, a, pdl)
-                out.zero_()
-                call(weights[0])
-                assert torch.equal(out, expected), f"ahead {a} pdl {pdl}: not the default's bits"
-                row["us"][f"ahead{a}_pdl{int(pdl)}"] = round(graph_us(call, weights), 2)
-        base = row["us"]["ahead0_pdl0"]
-        rows.append(row)
-        print(f"{n:5d} x {k:5d} M={m:2d} {short(cfg)}  " + "  ".join(
-            f"{key} {us:.2f} ({100 * 2 * n * k / us / 1e3 / gbps:.0f}%, x{base / us:.2f})"
-            for key, us in row["us"].items()), flush=True)
-    return rows
-
-
 def table_entries(rows) -> list[dict]:
     """The winner per (N, K, bucket) of run rows (the default config vs cuBLAS) or sweep rows
     (every config vs cuBLAS): its config, None where cuBLAS was faster."""
@@ -308,7 +271,6 @@ def main():
     ap.add_argument("--table", help="merge the winners into this tuned table (JSON)")
     ap.add_argument("--table-from", help="take the rows from this saved JSON instead of running")
     ap.add_argument("--fused", action="store_true", help="time the one-launch variants instead")
-    ap.add_argument("--ahead", help="time these L2 prefetch depths instead (0: the default)")
     ap.add_argument("--fixed", action="store_true",
                     help="cost per launch and streaming rate (K, K/2, K/4) instead")
     opts = ap.parse_args()
@@ -322,10 +284,6 @@ def main():
         return
     if opts.fixed:
         write_json(opts.out, "gemm_tc_fixed", fixed(shapes, ms, gbps), gbps)
-        return
-    if opts.ahead:
-        aheads = [int(a) for a in opts.ahead.split(",")]
-        write_json(opts.out, "gemm_tc_ahead", ahead_sweep(shapes, ms, aheads, gbps), gbps)
         return
     source = f"benchmarks/gemm_tc.py{' --sweep' if opts.sweep else ''}, {date.today()}"
     rows = []

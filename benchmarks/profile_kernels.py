@@ -6,7 +6,7 @@ two shapes that fall short of copy bandwidth (2112x7168, 896x7168) beside one th
 profiler range (and an NVTX range named after the case), with weights that are not L2-resident.
 
     ncu --clock-control none --profile-from-start off --nvtx --set full \
-        -o OUT/kernels python3 benchmarks/profile_kernels.py [all|gemv|moe|moe_by_expert]
+        -o OUT/kernels python3 benchmarks/profile_kernels.py [all|gemv|moe|moe_by_expert|gemm_tc]
         [--rows 1,2,4] [--variant kernel]
     (benchmarks/profile_h200.sh runs it and writes the per-kernel tables)
 

@@ -274,12 +274,10 @@ def prepare(n: int, k: int, buckets=BUCKETS, *, out_dtype=torch.bfloat16,
         KERNEL.compiled(n, k, out_fp32, residual, config(n, k, b, fusion), rows=b, **variant)
 
 
-def build(n, k, out_fp32, residual, cfg, arch=None, dump_dir=None, pdl=False, fusion=PLAIN,
-          ahead=0):
+def build(n, k, out_fp32, residual, cfg, arch=None, dump_dir=None, pdl=False, fusion=PLAIN):
     """Compile now, uncached (`dump_dir` keeps the cubin and PTX; `pdl`: with PDL; `fusion`:
     a one-launch variant, compiled from its own entry `GemmTC.fused` so that the plain kernel
-    stays as it was; `ahead`: W slices prefetched into L2 beyond the stages, an experiment of
-    `benchmarks/gemm_tc.py --ahead`, 0 (the default) builds the kernel as before)."""
+    stays as it was)."""
     import cutlass
     from cutlass import cute
     from cutlass.cute.runtime import make_fake_tensor
@@ -292,7 +290,7 @@ def build(n, k, out_fp32, residual, cfg, arch=None, dump_dir=None, pdl=False, fu
         return make_fake_tensor(dtype, (m, width), stride=(cute.sym_int64(), 1),
                                 assumed_align=dtype.width // 8)
 
-    gemm = GemmTC(n, k, cfg, out_fp32, residual, pdl, fusion, ahead)
+    gemm = GemmTC(n, k, cfg, out_fp32, residual, pdl, fusion)
     x, w = fake_rows(bf16, m, k), fake_rows(bf16, n, k)
     if fusion == PLAIN:
         return compile_kernel(gemm, x, w, out_rows(bf16) if residual else None,

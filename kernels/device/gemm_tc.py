@@ -38,10 +38,8 @@ def load_from_peer(ptr: cute.Pointer, peer, *, loc=None, ip=None) -> Float32:
 
 class GemmTC:
     def __init__(self, n: int, k: int, cfg: Config, out_fp32: bool, has_residual: bool,
-                 pdl: bool = False, fusion: Fusion = PLAIN, ahead: int = 0):
+                 pdl: bool = False, fusion: Fusion = PLAIN):
         self.n, self.k, self.k_tiles, self.pdl = n, k, -(-k // TILE_K), pdl
-        # W slices fetched into L2 ahead of the stages (cp.async.bulk.prefetch): 0 none
-        self.ahead = ahead
         self.rows, self.tokens = cfg.tile_rows, cfg.tile_tokens
         self.stages, self.splits = cfg.stages, cfg.splits
         self.p_stride, self.w_elems = _partial_stride(cfg), _w_buffer_elems(cfg)
@@ -147,30 +145,6 @@ class GemmTC:
         else:
             cute.copy(tma_w, tWgW[None, k_first + state.count], tWsW[None, state.index],
                       tma_bar_ptr=pipe.producer_get_barrier(state))
-
-    def prefetch_w(self, tma_w, tWgW, k_slice):
-        """TMA prefetch of W's K slice `k_slice` into L2 (no shared memory, no barrier), by
-        one lane of the calling warp."""
-        with cute.arch.elect_one():
-            if const_expr(self.fusion.situ):
-                for h in range(2):
-                    cute.prefetch(tma_w, tWgW[h][None, k_slice])
-            else:
-                cute.prefetch(tma_w, tWgW[None, k_slice])
-
-    @cute.jit
-    def prefetch_ahead(self, tma_w, tWgW, k_first, k_count):
-        """The `ahead` W slices after the first `stages`, prefetched into L2."""
-        for i in cutlass.range(self.stages, cutlass.min(self.stages + self.ahead, k_count),
-                               unroll=1):
-            self.prefetch_w(tma_w, tWgW, k_first + i)
-
-    @cute.jit
-    def prefetch_next(self, tma_w, tWgW, k_first, loaded, k_count):
-        """After the load of slice `loaded`: the slice `ahead` further, prefetched into L2, so
-        that `ahead` slices stay in flight beyond the stages."""
-        if loaded + self.ahead < k_count:
-            self.prefetch_w(tma_w, tWgW, k_first + loaded + self.ahead)
 
     def load_x(self, pipe, state, tma_x, tXgX, tXsX, k_first):
         """The TMA of x's K slice into the stage `load_w` acquired: it completes the stage."""
@@ -350,8 +324,6 @@ class GemmTC:
                 for _ in cutlass.range(cutlass.min(self.stages, k_count), unroll=1):
                     self.load_w(pipe, loads, tma_w, tWgW, tWsW, k_first)
                     loads.advance()
-                if const_expr(self.ahead):
-                    self.prefetch_ahead(tma_w, tWgW, k_first, k_count)
             pdl_wait(True)
             if warp == 0:
                 xs = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
@@ -365,8 +337,6 @@ class GemmTC:
                     self.load_slice(pipe, loads, tma_w, tWgW, tWsW, tma_x, tXgX, tXsX,
                                     k_first)
                     loads.advance()
-                if const_expr(self.ahead):
-                    self.prefetch_ahead(tma_w, tWgW, k_first, k_count)
         sRstd, sG = None, None
         if const_expr(self.fusion.norm):
             # rstd of the tile's tokens while the first stages land (x read again, from L2)
@@ -400,8 +370,6 @@ class GemmTC:
             reads.advance()
             if warp == 0 and loads.count < k_count:
                 self.load_slice(pipe, loads, tma_w, tWgW, tWsW, tma_x, tXgX, tXsX, k_first)
-                if const_expr(self.ahead):
-                    self.prefetch_next(tma_w, tWgW, k_first, loads.count, k_count)
                 loads.advance()
 
         # Partial tile over the (now idle) W stages: sP (R, T) fp32, columns p_stride apart.

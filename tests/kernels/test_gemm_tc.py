@@ -552,23 +552,6 @@ def test_situ_variant(gen, width, k, m):
 
 
 @on_gpu
-@pytest.mark.parametrize("pdl", [False, True])
-@pytest.mark.parametrize("n,k,m,ahead", [(3206, 7168, 8, 8), (768, 7168, 16, 32), (*ODD, 2, 4)],
-                         ids=str)
-def test_l2_prefetch_ahead_is_the_default_bit_for_bit(gen, n, k, m, ahead, pdl):
-    """`build(ahead=A)` (benchmarks/gemm_tc.py --ahead) only adds L2 prefetches of W: the
-    output is the default build's bit for bit, with and without PDL, past the CTA's last slice
-    (A = 32) and with a partial last K slice (ODD)."""
-    x, w = make_inputs(gen, m, n, k)
-    cfg = kernel.config(n, k, kernel.bucket(m))
-    want = kernel.gemm_tc_cuda(x, w, out=poisoned(m, n), cfg=cfg)
-    out = poisoned(m, n)
-    kernel.KERNEL.compiled(n, k, False, False, cfg, rows=kernel.bucket(m), pdl=pdl,
-                           ahead=ahead)(x, w, None, out)
-    assert torch.equal(out, want)
-
-
-@on_gpu
 @pytest.mark.parametrize("variant", ["split", "situ"])
 def test_variants_at_every_tiling_and_split(gen, variant):
     """Every tile height (R = 128: half tiles of 64 rows) and cluster size: bitwise the plain
