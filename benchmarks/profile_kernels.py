@@ -15,8 +15,9 @@ profiler range (and an NVTX range named after the case), with weights that are n
 (benchmarks/moe_experts.py's variants), each in its own NVTX range.
 
 `gemm_tc` (issue 21, the skinny tensor-core GEMM at 55-75% of copy speed): gemm_tc at 8 rows
-on one KDA + MoE layer's shapes at their tuned configs (the moe_front split and the shared
-experts' SiTU as their one-launch variants), and the KDA in-projection at 2 and 16 rows.
+on one KDA + MoE layer's shapes at `gemm_tc.config` (the tuned table's on the GPU it was tuned
+on, the heuristic's on any other, e.g. an H100), the moe_front split and the shared experts'
+SiTU as their one-launch variants, and the KDA in-projection at 2 and 16 rows.
 """
 
 import argparse
@@ -78,9 +79,9 @@ def gemm_tc_call(variant: str, x, w, part: int):
 
 
 def profile_gemm_tc() -> None:
-    """Each of GEMM_TC_CASES at its tuned config (`gemm_tc.config`; shapes the table gives
-    cuBLAS still run the kernel, at the heuristic config): compiled and checked against cuBLAS
-    on one weight copy, then one profiled call on another (not L2-resident)."""
+    """Each of GEMM_TC_CASES at `gemm_tc.config` (shapes the table gives cuBLAS still run the
+    kernel, at the heuristic config): compiled and checked against cuBLAS on one weight copy,
+    then one profiled call on another (not L2-resident)."""
     for variant, n, k, rows, part in GEMM_TC_CASES:
         weights = weight_copies(n, k)
         x = torch.randn(rows, k, device="cuda").bfloat16()
