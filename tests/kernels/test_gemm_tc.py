@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from k3compile.kernels.common import gemm_tc as kernel
-from k3compile.kernels.common import router
+from k3compile.kernels.common import gemv, router
 
 from k3compile import settings
 from k3compile.math import situ as situ_ref
@@ -347,8 +347,9 @@ def test_router_rule_for_the_variants(monkeypatch):
     monkeypatch.setattr(router, "have_dsl", lambda: True)
     monkeypatch.setattr(settings.KERNELS, "skip", ())
     monkeypatch.setattr(settings.KERNELS, "gemm_tc_fused", frozenset({"split", "situ"}))
-    assert all(router.tc_fused_takes(_rows(m, 7168), "situ", 768) for m in (2, 5, 8, 16, 32))
-    assert not router.tc_fused_takes(_rows(1, 7168), "situ", 768), "gemv's rows"
+    assert all(router.tc_fused_takes(_rows(m, 7168), "situ", 768) for m in (3, 5, 8, 16, 32))
+    assert not any(router.tc_fused_takes(_rows(m, 7168), "situ", 768)
+                   for m in range(1, gemv.GEMV_MAX_M + 1)), "gemv's rows"
     assert not any(router.tc_fused_takes(_rows(m, 7168), "situ", 768) for m in (33, 64)), \
         "above FUSED_MAX_M: the two launches (lost at B64 on the H200)"
     assert not kernel.prefers(7168, 3584, 64)  # the table: cuBLAS there
