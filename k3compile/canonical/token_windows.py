@@ -55,12 +55,17 @@ def _column(node, t: int) -> fx.Node | None:
     return sel.args[0] if sx is not None and len(sx) == 3 and sx[1] > 1 else None
 
 
+def _bounds(node: fx.Node) -> tuple | None:
+    """A slice's (dim, start, end, step), its defaults filled in."""
+    given = tuple(node.args[1:])
+    return None if node.kwargs else given + (0, 0, None, 1)[len(given):]
+
+
 def _roll(window: fx.Node) -> tuple[fx.Node, fx.Node] | None:
     """(conv, window[..., 1:]): the window's only two readers."""
     convs = [u for u in window.users if u.target is CONV and u.args[0] is window]
     rolls = [u for u in window.users if u.target is aten.slice.Tensor and u.args[0] is window
-             and u.args[1] in (-1, 2) and u.args[2] == 1 and u.args[3] in (None, END)
-             and (len(u.args) < 5 or u.args[4] == 1)]
+             and _bounds(u) in ((dim, 1, end, 1) for dim in (-1, 2) for end in (None, END))]
     if len(window.users) != 2 or len(convs) != 1 or len(rolls) != 1:
         return None
     return convs[0], rolls[0]
@@ -78,7 +83,7 @@ def _taps(conv: fx.Node):
 def _chain(conv: fx.Node) -> tuple[list[fx.Node], fx.Node] | None:
     """(the elementwise ops on the conv's [B, C] squeeze, in graph order; its one result)."""
     squeezes = [u for u in conv.users if reshape_fold._is_reshape(u)]
-    if len(squeezes) != 1 or len(conv.users) != 1 or len(shape(squeezes[0])) != 2:
+    if len(squeezes) != 1 or len(conv.users) != 1 or len(shape(squeezes[0]) or ()) != 2:
         return None
     region = reshape_fold._region(squeezes[0])
     inside = {squeezes[0], *region}
