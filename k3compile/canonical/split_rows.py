@@ -13,7 +13,9 @@ piece `[B, T, H, D]` after it (its probe `kda_split_rows` splits the [B, T, 3W] 
 Bit for bit: the same elements (row n of the flat value is (n // T, n % T) of y; a split of the
 last dim keeps the rows). The flattening may be a reshape's copy (`clone` of a transposed conv
 output at T > 1); the pieces are then views of the transposed value, as the canonical form's.
-A `split_with_sizes` (`split([w, w, w], -1)`, spell10's other idiom there) stays one, with its
+A piece may be cast first (spell10 in bf16: `qkv.view(b * t, 3 * w).float().split(..)`, the
+cast moved after the split by rule `cast_split`), each cast then read only by such views: the
+cast moves to the [B, T, w] piece (elementwise, the same values). A `split_with_sizes` (`split([w, w, w], -1)`, spell10's other idiom there) stays one, with its
 sizes (rule `equal_split`, later, makes it a `split`). Taken on the last dim only, where every piece is read only by views whose two leading dims are
 (B, T). Left alone: a piece read flat (as [N, w] rows) by anything else, a split of another dim,
 a flattening that mixes tokens with channels ([B, T, C] -> [B, T*C]).
@@ -31,6 +33,7 @@ from k3compile.canonical.region import shape
 from k3compile.graph import RESHAPES, call
 
 aten = torch.ops.aten
+CAST = torch.ops.prims.convert_element_type.default
 
 
 def _unflattened(flat: fx.Node) -> fx.Node | None:
@@ -61,10 +64,21 @@ def _site(split: fx.Node):
     for get in split.users:
         if get.target is not operator.getitem or not get.users:
             return None
-        for view in get.users:
-            if view.target not in RESHAPES or list(shape(view)[:2]) != bt:
+        for reader in get.users:
+            views = reader.users if reader.target is CAST else (reader,)
+            if not views or any(v.target not in RESHAPES or list(shape(v)[:2]) != bt
+                                for v in views):
                 return None
     return y, width
+
+
+def _view_back(graph: fx.Graph, piece: fx.Node, view: fx.Node) -> None:
+    if list(shape(view)) == list(shape(piece)):
+        view.replace_all_uses_with(piece)
+        return
+    with graph.inserting_before(view):
+        new = call(graph, aten.view.default, (piece, list(shape(view))), like=view)
+    view.replace_all_uses_with(new)
 
 
 def _write(graph: fx.Graph, split: fx.Node, site) -> None:
@@ -74,13 +88,14 @@ def _write(graph: fx.Graph, split: fx.Node, site) -> None:
     for get in list(split.users):
         with graph.inserting_before(get):
             piece = call(graph, operator.getitem, (cut, get.args[1]), like=get)
-        for view in list(get.users):
-            if list(shape(view)) == list(shape(piece)):
-                view.replace_all_uses_with(piece)
+        for reader in list(get.users):
+            if reader.target is not CAST:
+                _view_back(graph, piece, reader)
                 continue
-            with graph.inserting_before(view):
-                new = call(graph, aten.view.default, (piece, list(shape(view))), like=view)
-            view.replace_all_uses_with(new)
+            with graph.inserting_before(reader):
+                cast = call(graph, CAST, (piece, *reader.args[1:]), reader.kwargs, like=reader)
+            for view in list(reader.users):
+                _view_back(graph, cast, view)
 
 
 def apply(graph: fx.Graph) -> int:

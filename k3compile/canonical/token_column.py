@@ -17,8 +17,8 @@ the second by rule `reshape_fold`'s fold, applied here to that conv's output onl
 itself runs last; `qkv_split`, which cuts the q|k|v GEMM at the conv, reads the folded form).
 Bit for bit (the same [B, C, 1] elements; the same elementwise ops). Taken only where the column's one reader is a cat on
 the last dim whose result a depthwise convolution reads (the conv window). Left alone: a
-[B, T, C] step with T > 1 (the loop has T windows: the per-token loop at T > 1 is not closed,
-docs/spell10_spelling.md), a column of another token dim, a cat no conv reads.
+[B, T, C] step with T > 1 (the loop has T windows: rule `token_windows` takes it), a column
+of another token dim, a cat no conv reads.
 """
 
 from __future__ import annotations

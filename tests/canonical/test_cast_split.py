@@ -1,13 +1,15 @@
-"""Rule `cast_split`: an upcast of a merged gate|up GEMM's output before its chunk / split
-(spell10's `gate_up.float().chunk(2, -1)`) becomes the split, then a cast of each piece, bit for
-bit; a cast also read whole, a downcast, the upcast of anything but a GEMM, a split into three
-(spell5's rounded q|k|v conv) or an integer cast stays where it is."""
+"""Rule `cast_split`: an upcast of a bf16 / fp16 value before its chunk / split (spell10's
+`gate_up.float().chunk(2, -1)` and its KDA conv output's `qkv.float().split(...)`) becomes the
+split, then a cast of each piece, bit for bit; a cast also read whole, a downcast (spell5's
+rounded q|k|v conv) or an integer cast stays where it is."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
+
+from tests.canonical.spell10_kda import assert_kda_fuses_with_only
 
 from .compiled import assert_same_values, canonicalize
 
@@ -34,12 +36,30 @@ def _inputs(dtype=torch.bfloat16):
 def _split_input_casts(gm):
     return [n for n in gm.graph.nodes if n.target in (aten.split.Tensor,
                                                       aten.split_with_sizes.default)
-            and n.args[0].target is CAST]
+            and n.args[0].target is CAST and n.args[0].args[1] == torch.float32]
 
 
-@pytest.mark.parametrize("spelled", [chunk_after_float, split_sizes_after_to])
-def test_the_cast_moves_after_the_split(spelled):
-    c = canonicalize(spelled, _inputs())
+def upcast_of_no_gemm(x, w):  # (session 29 left any source but a GEMM)
+    g, u = torch.cat([x, x], dim=-1).float().chunk(2, dim=-1)
+    return (g * u).to(x.dtype) + F.linear(x, w).sum()
+
+
+def three_pieces(x, w):  # (session 29 left a split into more than two)
+    a, b, c = F.linear(x, w).float().split(INTER * 2 // 3, dim=-1)
+    return (a * b * c).to(x.dtype)
+
+
+def rounded_conv_upcast(x, w):  # spell10's bf16 KDA: the rounded conv + SiLU upcast, cut q|k|v
+    qkv = F.silu(F.linear(x, w) * 2)
+    q, k, v = qkv.float().split([INTER * 2 // 3] * 3, dim=-1)
+    return q * k + v
+
+
+@pytest.mark.parametrize("spelled", [chunk_after_float, split_sizes_after_to, upcast_of_no_gemm,
+                                     three_pieces, rounded_conv_upcast])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_cast_moves_after_the_split(spelled, dtype):
+    c = canonicalize(spelled, _inputs(dtype))
     assert c.counts.get("cast_split") == 1
     assert _split_input_casts(c.before) and not _split_input_casts(c.after)
     assert_same_values(c, rel=0)
@@ -56,25 +76,27 @@ def rounded_conv_split(x, w):  # spell5's bf16 KDA: an fp32 value rounded, then 
     return q + k + v
 
 
-def upcast_of_no_gemm(x, w):
-    g, u = torch.cat([x, x], dim=-1).float().chunk(2, dim=-1)
-    return (g * u).to(x.dtype) + F.linear(x, w).sum()
-
-
-def three_pieces(x, w):
-    a, b, c = F.linear(x, w).float().split(INTER * 2 // 3, dim=-1)
-    return (a * b * c).to(x.dtype)
-
-
 def integer_cast(x, w):
     codes = (F.linear(x, w) > 0).to(torch.int32)
     a, b = codes.chunk(2, dim=-1)
     return a + b
 
 
-@pytest.mark.parametrize("spelled", [cast_read_whole, rounded_conv_split, upcast_of_no_gemm,
-                                     three_pieces, integer_cast])
+def fp32_input(x, w):  # nothing to move: an fp32 -> fp64 cast is not an upcast of bf16 / fp16
+    g, u = F.linear(x, w).float().double().chunk(2, dim=-1)
+    return (g * u).to(x.dtype)
+
+
+@pytest.mark.parametrize("spelled", [cast_read_whole, rounded_conv_split, integer_cast,
+                                     fp32_input])
 def test_look_alikes_are_left_alone(spelled):
     c = canonicalize(spelled, _inputs())
     assert not c.counts.get("cast_split")
     assert_same_values(c, rel=0)
+
+
+@pytest.mark.slow
+def test_spell10_bf16_kda_fuses_with_its_upcast_before_the_cut():
+    """spell10 in bf16 with `qkv.float().split(...)` (its probe `kda_cast_pieces` off) and its
+    other KDA idioms on the fused spellings (`conv1d`: a bf16 conv, kda_decode's conv_rounded)"""
+    assert_kda_fuses_with_only("kda_cast_pieces", torch.bfloat16)

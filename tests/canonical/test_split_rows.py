@@ -32,10 +32,16 @@ def sizes_cut(y):  # split([W, W, W]), the pieces viewed [B, T, W]
     return [p.view(B, T, W) + 1.0 for p in rows.split([W, W, W], dim=-1)]
 
 
+def upcast_cut(y):  # spell10 in bf16: rows upcast, cut (rule cast_split: cast per piece), viewed
+    B, T = y.shape[0], y.shape[-1]
+    rows = y.transpose(1, 2).reshape(B * T, 3 * W)
+    return [p.float().view(B, T, H, D) * 2.0 for p in rows.split([W, W, W], dim=-1)]
+
+
 @pytest.mark.parametrize("B,T", [(2, 1), (2, 3), (1, 2)])
-@pytest.mark.parametrize("fn", [spell10_cut, sizes_cut])
+@pytest.mark.parametrize("fn", [spell10_cut, sizes_cut, upcast_cut])
 def test_the_cut_moves_to_the_token_value(fn, B, T):
-    y = _y(B, T)
+    y = _y(B, T).to(torch.bfloat16) if fn is upcast_cut else _y(B, T)
     before, after, n = rewrite(split_rows.RULE, fn, y)
     assert n == 1
     cut = next(x for x in after.graph.nodes if "split" in str(x.target))
@@ -61,9 +67,15 @@ def mixed(y):  # [B, T*3W] rows: tokens mixed with channels
     return [p.view(B, T, W) for p in y.transpose(1, 2).reshape(B, T * 3 * W).split(T * W, -1)]
 
 
-@pytest.mark.parametrize("fn", [read_flat, other_dim, mixed])
+def upcast_read_flat(y):  # an upcast piece also read as rows
+    B, T = y.shape[0], y.shape[-1]
+    q, k, v = (p.float() for p in y.transpose(1, 2).reshape(B * T, 3 * W).split(W, dim=-1))
+    return q.view(B, T, H, D), k.view(B, T, H, D), v.sum(0)
+
+
+@pytest.mark.parametrize("fn", [read_flat, other_dim, mixed, upcast_read_flat])
 def test_lookalikes_stay(fn):
-    y = _y(2, 2)
+    y = _y(2, 2).to(torch.bfloat16) if fn is upcast_read_flat else _y(2, 2)
     before, after, n = rewrite(split_rows.RULE, fn, y)
     assert n == 0 and targets(after) == targets(before)
     assert_same(after(y), before(y))
@@ -74,3 +86,10 @@ def test_spell10_kda_fuses_with_its_flat_cut():
     """spell10 with its q|k|v cut on flat [N, 3W] rows and its other KDA idioms on the fused
     spellings"""
     assert_kda_fuses_with_only("kda_split_rows")
+
+
+@pytest.mark.slow
+def test_spell10_bf16_kda_fuses_with_its_flat_upcast_cut():
+    """bf16: the flat rows upcast before the cut (`qkv.view(b * t, 3w).float().split(...)`; rule
+    cast_split moves the cast to each piece, this rule moves it on to the [B, T, w] pieces)"""
+    assert_kda_fuses_with_only("kda_split_rows", torch.bfloat16)

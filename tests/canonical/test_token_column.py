@@ -49,7 +49,7 @@ def test_the_column_is_the_transpose():
         assert got.shape == want.shape and rel_err(got, want) <= 1e-6
 
 
-def two_tokens(x, state, taps):  # T = 2: the first of two columns (the loop is not closed)
+def two_tokens(x, state, taps):  # T = 2: the first of two columns (rule token_windows's)
     window = torch.cat([state, x[:, 0, :, None]], dim=-1)
     return F.conv1d(window, taps, groups=C), x[:, 1]
 
@@ -74,5 +74,5 @@ def test_lookalikes_stay(fn, T):
 @pytest.mark.slow
 def test_spell10_kda_fuses_with_its_per_token_conv():
     """spell10 with its per-token conv loop (T = 1) and its other KDA idioms on the fused
-    spellings (fp32; in bf16 no rule recognises the loop's contraction yet)"""
+    spellings (fp32; in bf16 the loop rounds each product, which no kda_decode variant does)"""
     assert_kda_fuses_with_only("conv1d")

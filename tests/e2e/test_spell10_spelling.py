@@ -27,8 +27,12 @@ when switched to another spelling of the same math: the causes.
   with `x[:, t, :, None]` (`conv1d`, `token_column`: T = 1 only). linear_concat[kda] follows.
 * fb_kda_decode + linear_concat (0, 1), bf16: NOT closed. The per-token conv's
   `(window * taps).sum(-1)` runs in bf16 (each product rounded before the sum), which no
-  kda_decode variant computes; and even with all seven probes on, bf16 does not fuse (a cause
-  outside the seven, not bisected).
+  kda_decode variant computes. The second bf16 cause, `qkv.float().split(...)` (the rounded conv
+  output upcast before the q|k|v cut; probe `kda_cast_pieces`), is closed (session 31: rule
+  `cast_split` takes any bf16 / fp16 upcast, rule `split_rows` a cast piece): with the conv alone
+  probed (`conv1d`, a bf16 conv: kda_decode's conv_rounded) bf16 fuses.
+* the per-token conv loop at T > 1 (verify rows): closed by rule `token_windows` (session 31);
+  the blind spelling fuses fb_kda_decode + linear_concat at 3 verify rows in fp32.
 * bf16 situ_gate_up (0-3), moe_experts and the MoE stream fork / join (1-3): closed by rule
   `cast_split` (session 29): `gate_up.float().chunk(2)`, the upcast before the chunk (probe
   `situ_chunk_first`), in the dense MLP, the shared experts and the routed experts' w13.
@@ -72,7 +76,7 @@ foreign.define_common_tests(globals(), "spell10", from_builtin, state_of, lost_b
 # and the ops they bring back (fp32): each named the cause of a gap (docs/spell10_spelling.md);
 # the KDA gap is closed in fp32, the probes' spelling fuses as well
 KDA_PROBES = ("conv1d", "kda_split_rows", "kda_split_int", "decay_per_head", "kda_o_rows",
-              "beta_sigmoid", "q_scale_after")
+              "beta_sigmoid", "q_scale_after", "kda_cast_pieces")
 PROBE_FIXES = {
     "kda": (KDA_PROBES, {0: ("fb_kda_decode", "linear_concat"),
                          1: ("fb_kda_decode", "linear_concat")}),
@@ -96,3 +100,18 @@ def test_the_index_add_finalize_fuses_too(probe):
     got = _per_layer(foreign.last_compiled())
     for layer in (1, 2, 3):
         assert got[layer]["moe_experts"] == 1, dict(got[layer])
+
+
+@pytest.mark.slow
+def test_bf16_kda_fuses_with_only_its_conv_probed():
+    """bf16 with only the conv probed (`conv1d`: F.conv1d in bf16, kda_decode's conv_rounded;
+    the blind conv rounds every product, which no variant computes): fb_kda_decode and
+    linear_concat in both KDA layers, compiled equal to eager; its other idioms, the upcast
+    before the q|k|v cut among them, are closed by rules"""
+    builtin = _builtin(torch.bfloat16)
+    model, eager = (from_builtin(builtin).set_probe("conv1d") for _ in range(2))
+    assert _steps(_compile(model), eager, n=1) <= TOL["diffsuite_bf16"]
+    got = _per_layer(foreign.last_compiled())
+    for layer in (0, 1):
+        assert got[layer]["fb_kda_decode"] == 1 and got[layer]["linear_concat"] == 1, \
+            dict(got[layer])

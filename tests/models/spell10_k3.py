@@ -70,7 +70,7 @@ from torch import nn
 PROBES = ("conv1d", "beta_sigmoid", "delta_out_of_place", "decay_per_head", "q_scale_after",
           "moe_index_add", "moe_weighted_sum", "lut_take", "w13_split", "nibble_cat",
           "situ_functional", "situ_chunk_first", "kda_split_rows",
-          "kda_split_int", "kda_o_rows")
+          "kda_split_int", "kda_o_rows", "kda_cast_pieces")
 
 
 def probed(module: nn.Module, name: str) -> bool:
@@ -186,7 +186,10 @@ class KimiDeltaAttention(nn.Module):
         qkv = self._conv_update(qkv.view(b, t, 3 * self.w), md)
         if not probed(self, "kda_split_rows"):
             qkv = qkv.view(b * t, 3 * self.w)
-        if probed(self, "kda_split_int"):
+        if probed(self, "kda_cast_pieces"):
+            cut = self.w if probed(self, "kda_split_int") else [self.w, self.w, self.w]
+            q, k, v = (x.float() for x in qkv.split(cut, dim=-1))
+        elif probed(self, "kda_split_int"):
             q, k, v = qkv.float().split(self.w, dim=-1)
         else:
             q, k, v = qkv.float().split([self.w, self.w, self.w], dim=-1)

@@ -1,0 +1,108 @@
+"""token_windows: a conv state rolled token by token over T > 1 verify rows (spell10's
+`causal_conv1d_update` loop: T windows `cat([state, x[:, t, :, None]], -1)`, each convolved and
+SiLU'd, `state = window[:, :, 1:]`, the outputs stacked on dim 1) becomes one window of all T
+tokens, one conv over it, its SiLU transposed and its last taps-1 columns the state; a T = 1
+step, a window read elsewhere, per-token taps, per-token ops, a chain that reads another tensor
+and pieces stacked out of order stay."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from k3compile.canonical import token_windows
+from tests.canonical.rule_checks import assert_same, rewrite, targets
+from tests.canonical.spell10_kda import kda_plan_with_only
+from tests.conftest import rel_err
+
+B, C, TAPS = 2, 12, 4
+aten = torch.ops.aten
+
+
+def _args(T):
+    g = torch.Generator().manual_seed(T)
+    return torch.randn(B, T, C, generator=g), torch.randn(B, C, TAPS - 1, generator=g), \
+        torch.randn(C, 1, TAPS, generator=g)
+
+
+def _loop(x, state, taps, act=lambda t, y: F.silu(y), taps_of=lambda t, w: w, order=None):
+    outs = []
+    for t in range(x.shape[1]):
+        window = torch.cat([state, x[:, t, :, None]], dim=-1)
+        outs.append(act(t, F.conv1d(window, taps_of(t, taps), groups=C).view(B, C)))
+        state = window[:, :, 1:]
+    return torch.stack(outs if order is None else [outs[i] for i in order], dim=1), state
+
+
+def per_token(x, state, taps):  # spell10's loop, the contraction already a conv (short_conv)
+    return _loop(x, state, taps)
+
+
+def transposed(x, state, taps):  # the canonical form (spell10's probe `conv1d`)
+    window = torch.cat([state, x.transpose(1, 2)], dim=-1)
+    return (F.silu(F.conv1d(window, taps, groups=C)).transpose(1, 2),
+            window[:, :, x.shape[1]:])
+
+
+@pytest.mark.parametrize("T", [2, 3, 8])
+def test_the_windows_are_one_window_and_one_conv(T):
+    args = _args(T)
+    before, after, n = rewrite(token_windows.RULE, per_token, *args)
+    assert n == 1
+    assert targets(before).count("aten.convolution.default") == T
+    assert targets(after).count("aten.convolution.default") == 1
+    assert "aten.select.int" not in targets(after)
+    conv = next(x for x in after.graph.nodes if x.target is aten.convolution.default)
+    assert tuple(conv.meta["val"].shape) == (B, C, T)
+    assert_same(after(*args), before(*args))
+    for got, want in zip(after(*args), transposed(*args), strict=True):  # eager's fused silu
+        assert got.shape == want.shape and rel_err(got, want) <= 1e-6
+
+
+def one_token(x, state, taps):  # T = 1: rule token_column's
+    return _loop(x, state, taps)
+
+
+def window_read_elsewhere(x, state, taps):  # each token's window also kept (a state per token)
+    outs, windows = [], []
+    for t in range(x.shape[1]):
+        window = torch.cat([state, x[:, t, :, None]], dim=-1)
+        outs.append(F.silu(F.conv1d(window, taps, groups=C).view(B, C)))
+        windows.append(window)
+        state = window[:, :, 1:]
+    return torch.stack(outs, dim=1), state, torch.stack(windows)
+
+
+def taps_per_token(x, state, taps):
+    return _loop(x, state, taps, taps_of=lambda t, w: w * (t + 1))
+
+
+def ops_per_token(x, state, taps):
+    return _loop(x, state, taps, act=lambda t, y: F.silu(y) if t == 0 else torch.tanh(y))
+
+
+def chain_reads_a_bias(x, state, taps):  # another tensor in the chain: not per element of y
+    return _loop(x, state, taps, act=lambda t, y: F.silu(y) * taps[:, 0, 0])
+
+
+def stacked_out_of_order(x, state, taps):
+    return _loop(x, state, taps, order=[1, 0])
+
+
+@pytest.mark.parametrize("fn,T", [(one_token, 1), (window_read_elsewhere, 2),
+                                  (taps_per_token, 2), (ops_per_token, 2),
+                                  (chain_reads_a_bias, 2), (stacked_out_of_order, 2)])
+def test_lookalikes_stay(fn, T):
+    args = _args(T)
+    before, after, n = rewrite(token_windows.RULE, fn, *args)
+    assert n == 0 and targets(after) == targets(before)
+    assert_same(after(*args), before(*args))
+
+
+@pytest.mark.slow
+def test_spell10_kda_fuses_with_its_per_token_conv_over_verify_rows():
+    """spell10 blind (every KDA idiom its own) with 3 verify rows: fb_kda_decode and
+    linear_concat in both KDA layers, compiled equal to eager (fp32)"""
+    for layer, ops in kda_plan_with_only(None, rows=3).items():
+        assert ops.get("fb_kda_decode") == 1 and ops.get("linear_concat") == 1, (layer, ops)
