@@ -47,7 +47,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-PROBES: tuple = ()  # idioms set_probe can switch to another spelling of the same math
+# idioms set_probe switches to another spelling of the same math (to bisect a lost fusion):
+# mix: the AttnRes mix stacked on a leading depth dim, scores as a sum, weighted sum over depth;
+# conv_window: the short conv over cat(state, x) with the state its last K-1 columns;
+# state_add: the rank-1 state write `S + k[..., None] * u[..., None, :]`;
+# state_einsum: the state reads as einsum("bhkv,bhk->bhv");
+# cache_index: the latent cache written at (slots[:, None], positions) without the expand;
+# attention: MLA's attention written out (matmul, scale, masked softmax, matmul);
+# token_order: the experts in token order ([M, k] gathers, no sort);
+# combine_sum: the experts' combine as (w[..., None] * y).sum(1)
+PROBES = ("mix", "conv_window", "state_add", "state_einsum", "cache_index", "attention",
+          "token_order", "combine_sum")
 
 
 def _island(x: torch.Tensor):
@@ -92,9 +102,11 @@ class Mix(nn.Module):
         self.proj = nn.Parameter(torch.zeros(1, dim))
         self.eps = eps
 
-    def forward(self, bank: torch.Tensor, prefix: torch.Tensor) -> torch.Tensor:
+    def forward(self, bank: torch.Tensor, prefix: torch.Tensor, probes=()) -> torch.Tensor:
         if bank.shape[-2] == 0:
             return prefix
+        if "mix" in probes:
+            return self.stacked(bank, prefix)
         with _island(prefix):
             src = torch.cat([bank, prefix.unsqueeze(-2)], -2).float().flatten(0, 1)  # [M, S, D]
             inv = torch.rsqrt(src.pow(2).mean(-1, keepdim=True) + self.eps)  # [M, S, 1]
@@ -103,6 +115,13 @@ class Mix(nn.Module):
             alpha = torch.softmax(score, 1).transpose(1, 2)  # [M, 1, S]
             out = torch.bmm(alpha, src).squeeze(1)
         return out.view_as(prefix).to(prefix.dtype)
+
+    def stacked(self, bank, prefix):
+        with _island(prefix):
+            src = torch.stack([*bank.unbind(-2), prefix]).float()  # [S, B, T, D]
+            h = src * torch.rsqrt(src.pow(2).mean(-1, keepdim=True) + self.eps)
+            alpha = torch.softmax((h * (self.norm * self.proj[0]).float()).sum(-1), 0)
+            return (alpha.unsqueeze(-1) * src).sum(0).to(prefix.dtype)
 
 
 class KDA(nn.Module):
@@ -125,12 +144,17 @@ class KDA(nn.Module):
         self.register_buffer("conv", torch.zeros(slots, 3 * W, K - 1, dtype=dtype))
         self.register_buffer("state", torch.zeros(slots, H, Dh, Dh))
 
-    def short_conv(self, qkv: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    def short_conv(self, qkv: torch.Tensor, slots: torch.Tensor, probes=()) -> torch.Tensor:
         window = self.conv[slots]  # [B, 3W, K-1], oldest first
         taps = self.taps.float()
         out = []
         for t in range(qkv.shape[1]):
             x = qkv[:, t]
+            if "conv_window" in probes:
+                full = torch.cat([window, x.unsqueeze(-1)], -1)
+                out.append(F.silu((full.float() * taps).sum(-1)).to(qkv.dtype))
+                window = full[..., 1:]
+                continue
             acc = torch.addcmul((window.float() * taps[:, :-1]).sum(-1), x.float(), taps[:, -1])
             out.append(F.silu(acc).to(qkv.dtype))
             window = torch.roll(window, -1, -1)
@@ -138,13 +162,13 @@ class KDA(nn.Module):
         self.conv.index_put_((slots,), window)
         return torch.stack(out, 1)
 
-    def forward(self, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, slots: torch.Tensor, probes=()) -> torch.Tensor:
         T = x.shape[1]
         H, Dh = self.H, self.Dh
         q, k, v, g = torch.tensor_split(x @ self.qkvg.mT, 4, -1)
         graw = (x @ self.f_a.mT) @ self.f_b.mT
         b = x @ self.beta.mT
-        q, k, v = self.short_conv(torch.cat([q, k, v], -1), slots).tensor_split(3, -1)
+        q, k, v = self.short_conv(torch.cat([q, k, v], -1), slots, probes).tensor_split(3, -1)
         with _island(x):
             q, k, v = (t.float().unflatten(-1, (H, Dh)) for t in (q, k, v))
             q = q * torch.rsqrt(q.square().sum(-1, keepdim=True) + self.l2eps) * Dh ** -0.5
@@ -154,19 +178,31 @@ class KDA(nn.Module):
             decay = log_a.exp()  # [B, T, H, Dh]
             beta = torch.sigmoid(b.float())  # [B, T, H]
             S = self.state[slots]  # [B, H, K, V]
+            read = _einsum_read if "state_einsum" in probes else _matmul_read
             outs = []
             for t in range(T):
                 S = S * decay[:, t, :, :, None]
                 kt = k[:, t]
-                pred = torch.matmul(kt.unsqueeze(-2), S).squeeze(-2)
+                pred = read(S, kt)
                 u = beta[:, t, :, None] * (v[:, t] - pred)
-                S.addcmul_(kt[..., None], u[..., None, :])
-                outs.append(torch.matmul(q[:, t].unsqueeze(-2), S).squeeze(-2))
+                if "state_add" in probes:
+                    S = S + kt[..., None] * u[..., None, :]
+                else:
+                    S.addcmul_(kt[..., None], u[..., None, :])
+                outs.append(read(S, q[:, t]))
             self.state.index_put_((slots,), S)
             o = torch.stack(outs, 1)  # [B, T, H, V]
             normed = self.out_norm(o, x.dtype).float()
             o = (normed * torch.sigmoid(g.float().unflatten(-1, (H, Dh)))).to(x.dtype)
         return o.flatten(-2) @ self.out.mT
+
+
+def _matmul_read(S: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return torch.matmul(x.unsqueeze(-2), S).squeeze(-2)
+
+
+def _einsum_read(S: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return torch.einsum("bhkv,bhk->bhv", S, x)
 
 
 class MLA(nn.Module):
@@ -185,7 +221,7 @@ class MLA(nn.Module):
         self.out = nn.Parameter(torch.zeros(D, H * self.V))
         self.register_buffer("cache", torch.zeros(slots, max_len, self.C + self.R, dtype=dtype))
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor):
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, probes=()):
         B, T, _ = x.shape
         H, C, R, N, V = self.H, self.C, self.R, self.N, self.V
         cq = self.q_norm(x @ self.q_a.mT)
@@ -199,12 +235,19 @@ class MLA(nn.Module):
         q_lat = q_lat.view(H, B, T, C).transpose(0, 1)  # [B, H, T, C]
         query = torch.cat([q_lat, q_pe.transpose(1, 2).to(q_lat.dtype)], -1)
         pos = positions[:, None] + torch.arange(T, device=x.device)  # [B, T]
-        self.cache.index_put_((slots[:, None].expand(B, T), pos), row.to(self.cache.dtype))
+        rows = slots[:, None] if "cache_index" in probes else slots[:, None].expand(B, T)
+        self.cache.index_put_((rows, pos), row.to(self.cache.dtype))
         keys = self.cache[slots].unsqueeze(1)  # [B, 1, L, C + R]
         mask = torch.arange(keys.shape[2], device=x.device) <= pos[:, None, :, None]
-        o_lat = F.scaled_dot_product_attention(
-            query, keys.to(query.dtype), keys[..., :C].to(query.dtype), attn_mask=mask,
-            scale=1.0 / math.sqrt(N + R), enable_gqa=True)  # [B, H, T, C]
+        keys, scale = keys.to(query.dtype), 1.0 / math.sqrt(N + R)
+        if "attention" in probes:
+            score = torch.matmul(query, keys.transpose(-1, -2)) * scale
+            p = torch.softmax(score.float().masked_fill(~mask, float("-inf")), -1)
+            o_lat = torch.matmul(p.to(query.dtype), keys[..., :C])
+        else:
+            o_lat = F.scaled_dot_product_attention(
+                query, keys, keys[..., :C], attn_mask=mask, scale=scale,
+                enable_gqa=True)  # [B, H, T, C]
         o = torch.bmm(o_lat.transpose(0, 1).reshape(H, B * T, C), kv_b[:, N:].mT)
         o = o.view(H, B, T, V).permute(1, 2, 0, 3).flatten(-2)
         with _island(x):
@@ -247,7 +290,7 @@ class MoE(nn.Module):
         return mxfp4(getattr(self, f"{name}_q")[experts], getattr(self, f"{name}_e")[experts],
                      dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, probes=()) -> torch.Tensor:
         dt, k = x.dtype, self.k
         flat = x.flatten(0, 1)  # [M, D]
         with _island(x):
@@ -256,17 +299,35 @@ class MoE(nn.Module):
             w = torch.gather(probs, -1, ids)
             w = w / (w.sum(-1, keepdim=True) + 1e-20) * self.scale  # [M, k]
         z = flat @ self.down.mT  # [M, L]
+        if "token_order" in probes:
+            y = self.in_token_order(z, ids)
+        else:
+            y = self.grouped(z, ids)
+        with _island(x):
+            if "combine_sum" in probes:
+                u = (w.unsqueeze(-1) * y.float()).sum(1)
+            else:
+                u = torch.bmm(w.unsqueeze(1), y.float()).squeeze(1)  # [M, L]
+        routed = self.norm(u, dt) @ self.up.mT
+        return (routed + self.shared(flat)).view_as(x)
+
+    def grouped(self, z: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """[M, k, L] expert outputs, computed over the pairs sorted by expert."""
+        dt, k = z.dtype, self.k
         experts, order = torch.sort(ids.flatten(), stable=True)  # pairs grouped by expert
         zs = z[order // k].unsqueeze(-1)  # [P, L, 1]
         h = situ(torch.bmm(self.weight("w1", experts, dt), zs),
                  torch.bmm(self.weight("w3", experts, dt), zs), self.b1, self.b2, dt)
         y = torch.bmm(self.weight("w2", experts, dt), h).squeeze(-1)  # [P, L], expert order
         back = torch.argsort(order)
-        y = torch.gather(y, 0, back[:, None].expand(-1, y.shape[-1])).view(-1, k, y.shape[-1])
-        with _island(x):
-            u = torch.bmm(w.unsqueeze(1), y.float()).squeeze(1)  # [M, L]
-        routed = self.norm(u, dt) @ self.up.mT
-        return (routed + self.shared(flat)).view_as(x)
+        return torch.gather(y, 0, back[:, None].expand(-1, y.shape[-1])).view(-1, k, y.shape[-1])
+
+    def in_token_order(self, z: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        dt = z.dtype
+        hg = torch.einsum("nl,nkil->nki", z, self.weight("w1", ids, dt))
+        hu = torch.einsum("nl,nkil->nki", z, self.weight("w3", ids, dt))
+        return torch.einsum("nki,nkli->nkl", situ(hg, hu, self.b1, self.b2, dt),
+                            self.weight("w2", ids, dt))
 
 
 class Layer(nn.Module):
@@ -311,7 +372,7 @@ class Spell11K3(nn.Module):
         return logits.view(*input_ids.shape, -1)
 
     def step(self, ids, positions, slots):
-        dt = self.compute_dtype
+        dt, probes = self.compute_dtype, self.probes
         prefix = F.embedding(ids, self.embed).to(dt)  # [B, T, D]
         bank = prefix.new_empty(*prefix.shape[:2], 0, prefix.shape[-1])
         delta = None
@@ -322,13 +383,15 @@ class Spell11K3(nn.Module):
             if write:
                 bank = torch.cat([bank, prefix.unsqueeze(-2)], -2)
             n = -(-i // self.block)
-            x = layer.attn_norm(layer.attn_mix(bank[..., :n, :], prefix))
-            a = layer.attn(x, positions, slots) if layer.mla else layer.attn(x, slots)
+            x = layer.attn_norm(layer.attn_mix(bank[..., :n, :], prefix, probes))
+            a = layer.attn(x, positions, slots, probes) if layer.mla else \
+                layer.attn(x, slots, probes)
             prefix = a if write else prefix + a
-            h = layer.ffn_mix(bank[..., :n + write, :], prefix)
-            delta = layer.ffn(layer.ffn_norm(h))
+            h = layer.ffn_mix(bank[..., :n + write, :], prefix, probes)
+            delta = layer.ffn(layer.ffn_norm(h)) if isinstance(layer.ffn, MLP) else \
+                layer.ffn(layer.ffn_norm(h), probes)
         prefix = prefix + delta
-        h = self.norm(self.out_mix(bank, prefix))
+        h = self.norm(self.out_mix(bank, prefix, probes))
         return h @ self.head.mT
 
 
