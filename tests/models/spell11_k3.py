@@ -54,10 +54,13 @@ from torch import nn
 # state_einsum: the state reads as einsum("bhkv,bhk->bhv");
 # cache_index: the latent cache written at (slots[:, None], positions) without the expand;
 # attention: MLA's attention written out (matmul, scale, masked softmax, matmul);
+# kv_broadcast: SDPA without enable_gqa, the one latent head broadcast over the query heads;
 # token_order: the experts in token order ([M, k] gathers, no sort);
-# combine_sum: the experts' combine as (w[..., None] * y).sum(1)
+# combine_sum: the experts' combine as (w[..., None] * y).sum(1);
+# checkpoint_weights: every parameter in the checkpoint's dtype, no autocast (bf16 GEMMs read
+# bf16 weights)
 PROBES = ("mix", "conv_window", "state_add", "state_einsum", "cache_index", "attention",
-          "token_order", "combine_sum")
+          "kv_broadcast", "token_order", "combine_sum", "checkpoint_weights")
 
 
 def _island(x: torch.Tensor):
@@ -247,7 +250,7 @@ class MLA(nn.Module):
         else:
             o_lat = F.scaled_dot_product_attention(
                 query, keys, keys[..., :C], attn_mask=mask, scale=scale,
-                enable_gqa=True)  # [B, H, T, C]
+                enable_gqa="kv_broadcast" not in probes)  # [B, H, T, C]
         o = torch.bmm(o_lat.transpose(0, 1).reshape(H, B * T, C), kv_b[:, N:].mT)
         o = o.view(H, B, T, V).permute(1, 2, 0, 3).flatten(-2)
         with _island(x):
@@ -360,12 +363,16 @@ class Spell11K3(nn.Module):
         if unknown:
             raise ValueError(f"unknown probes {sorted(unknown)}")
         self.probes = set(names)
+        stored = getattr(self, "checkpoint_dtypes", {})
+        for name, p in self.named_parameters():
+            want = stored.get(name, p.dtype) if "checkpoint_weights" in names else torch.float32
+            p.data = p.data.to(want)
         return self
 
     def forward(self, input_ids, positions, slots=None):
         if slots is None:
             slots = torch.arange(input_ids.shape[0], device=input_ids.device)
-        bf16 = self.compute_dtype != torch.float32
+        bf16 = self.compute_dtype != torch.float32 and "checkpoint_weights" not in self.probes
         with torch.autocast(device_type=input_ids.device.type, dtype=self.compute_dtype,
                             enabled=bf16):
             logits = self.step(input_ids.view(input_ids.shape[0], -1), positions, slots)
@@ -447,6 +454,7 @@ def from_builtin(model) -> Spell11K3:
         else:
             ours[name] = sd[_name(name)]
     spelled.load_state_dict(ours)  # copy_ upcasts a bf16 checkpoint to the fp32 masters
+    spelled.checkpoint_dtypes = {n: ours[n].dtype for n, _ in spelled.named_parameters()}
     return spelled
 
 
