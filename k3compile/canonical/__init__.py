@@ -45,6 +45,7 @@ ORDER: tuple[str, ...] = ("scatter_rows", "paged_write", "token_dim", "state_wri
                           "rms_forms",
                           "norm_square", "l2_norm", "norm_scale", "sigmoid", "situ_forms",
                           "head_split", "bias_view",
+                          "addcmul_split",
                           "baddbmm_split", "head_rows", "state_matvec", "state_transpose", "delta_einsum", "heads_first",
                           "norm_round", "conv_states", "conv_merge", "gate_up_split",
                           "index_slice",

@@ -13,6 +13,8 @@ product first (an ulp; none where the inner dim is 1, as in a rank-1 write, on C
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import fx
 
@@ -28,16 +30,18 @@ def _site(node: fx.Node) -> bool:
     return len(node.args) == 3 and beta == 1 and alpha == 1 and set(node.kwargs) <= {"beta", "alpha"}
 
 
-def _write(graph: fx.Graph, node: fx.Node, _) -> None:
+def write_sum(product, graph: fx.Graph, node: fx.Node, _=None) -> None:
+    """node(S, a, c) -> S + product(a, c) (also `addcmul_split`'s writer)."""
     S, a, c = node.args
     with graph.inserting_before(node):
-        product = call(graph, aten.bmm.default, (a, c), like=node)
-        total = call(graph, aten.add.Tensor, (S, product), like=node)
+        total = call(graph, aten.add.Tensor, (S, call(graph, product, (a, c), like=node)),
+                     like=node)
     node.replace_all_uses_with(total)
 
 
 def apply(graph: fx.Graph) -> int:
-    return rewrite_sites(graph, _site, _write, targets={aten.baddbmm.default})
+    return rewrite_sites(graph, _site, functools.partial(write_sum, aten.bmm.default),
+                         targets={aten.baddbmm.default})
 
 
 RULE = Rule("baddbmm_split", apply, "baddbmm(S, a, c) -> S + bmm(a, c)")

@@ -213,7 +213,7 @@ def apply_patterns(graph: fx.Graph, patterns: Sequence[Pattern], batch: int | No
                                                    "(left to Inductor)", module_path(node)))
                 continue
             args = [m.kwargs[a] for a in pattern.argnames]
-            if reason := replacement_mismatch(pattern, m, args):
+            if reason := reads_its_site(m, args) or replacement_mismatch(pattern, m, args):
                 report.near_misses.append(NearMiss(pattern.name, node.name, f"replacement refused: {reason}",
                                                    module_path(node)))
                 continue
@@ -384,6 +384,28 @@ def output_mismatch(got: Sequence[Any], want: Sequence[Any]) -> str | None:
         if (g.dtype != w.dtype or g.device.type != w.device.type or g.dim() != w.dim()
                 or not all(_same_size(a, b) for a, b in zip(g.shape, w.shape))):
             return f"output {i} is {_describe_val(g)} where the graph has {_describe_val(w)}"
+    return None
+
+
+def reads_its_site(m: Any, args: list) -> str | None:
+    """Why the replacement would read its own result (an input computed from a matched node: a
+    cycle once the site's outputs are rewired to it), or None. spell11's AttnRes bank is a cat
+    that holds the prefix attn_res_mix_norm[delta] computes, sliced before the new block, so
+    the mix's block input is computed from the site's own add."""
+    matched = set(m.nodes)
+    if not matched:
+        return None
+    first = min(matched)
+    for arg in (a for a in torch.utils._pytree.tree_leaves(args) if isinstance(a, fx.Node)):
+        seen, todo = set(), [arg]
+        while todo:
+            n = todo.pop()
+            if n in seen or n < first:  # nothing before the site is computed from it
+                continue
+            seen.add(n)
+            if n in matched:
+                return f"its input {arg.name} is computed from the site's {n.name}"
+            todo += n.all_input_nodes
     return None
 
 

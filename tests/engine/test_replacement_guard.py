@@ -181,3 +181,53 @@ def test_verify_compares_dtype_between_search_and_replacement():
     assert error is not None and "float16" in error and "float32" in error
     error = verify_site(_pattern(lambda x, w: torch.relu(x @ w)[:, :8]), values)
     assert error is not None and "[4, 8]" in error
+
+
+# ---- a replacement that would read its own result -------------------------------------------------
+
+def _two_outputs(x, y):
+    e = torch.exp(x)
+    return e, e * y
+
+
+def _one_node(x, y):  # both outputs from one node, as a fused op returns them
+    both = torch.stack([torch.exp(x), torch.exp(x) * y])
+    return both[0], both[1]
+
+
+def _reading_its_output(x):
+    """y, the second input of the site exp(x), exp(x) * y, is computed from the site's exp
+    (spell11: the AttnRes block sliced out of a bank that holds the prefix the site adds)."""
+    e = torch.exp(x)
+    return e * e.sum(-1, keepdim=True)
+
+
+def _pair_pattern() -> Pattern:
+    return Pattern(name="pair", search=_two_outputs, replace=_one_node, op="k3.pair",
+                   example_inputs=lambda: [torch.randn(4, 8), torch.randn(4, 1)])
+
+
+def test_replacement_reading_its_own_output_is_refused():
+    x = torch.randn(4, 8)
+    gm = _graph(_reading_its_output, x)
+    want = gm(x)
+    report = apply_patterns(gm.graph, [_pair_pattern()])
+    gm.recompile()
+    assert not report.hits
+    (miss,) = report.near_misses
+    assert miss.reason.startswith("replacement refused: its input") and "exp" in miss.reason, \
+        miss.reason
+    torch.testing.assert_close(gm(x), want, rtol=0, atol=0)
+
+
+def test_replacement_of_an_independent_site_is_applied():
+    x, y = torch.randn(4, 8), torch.randn(4, 1)
+    gm = _graph(lambda x, y: _two_outputs(x, y), x, y)
+    want = gm(x, y)
+    report = apply_patterns(gm.graph, [_pair_pattern()])
+    gm.recompile()
+    assert report.counts == {"pair": 1}
+    assert {n.target for n in gm.graph.nodes} & {torch.ops.aten.stack.default,
+                                                  torch.ops.aten.cat.default}
+    for g, w in zip(gm(x, y), want):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
