@@ -45,8 +45,8 @@ SWITCHES: dict[str, tuple[str, str]] = {
                         "K3_KERNELS_EXTRA=moe_front_route)"), "0"),
     "K3_GEMV_FUSED": ("kernels: gemv's one-launch variants (`norm,situ,gate,split`, `all`, `0`)",
                       "norm,situ,gate,split"),
-    "K3_GEMM_TC_FUSED": (("kernels: gemm_tc's one-launch variants at 2-32 rows (`split,situ,norm`, "
-                          "`all`, `0`)"), "split,situ"),
+    "K3_GEMM_TC_FUSED": (("kernels: gemm_tc's one-launch variants at 3-32 rows (gemv's at 1-2; "
+                          "`split,situ,norm`, `all`, `0`)"), "split,situ"),
     "K3_MOE_GROUPED": ("kernels: `moe_experts` by expert on tensor cores at 8-64 rows", "0"),
     "K3_MOE_F16": (("kernels: `moe_experts` decodes into packed fp16 math (fma.rn.f16x2): `auto` "
                     "at buckets of 16 rows and more, `1` at every bucket, `0` never"), "auto"),
@@ -300,7 +300,7 @@ class KernelSettings:
     pdl: bool = True
     pdl_max_rows: int = 4
     gemv_fused: frozenset[str] = GEMV_DEFAULT
-    gemm_tc_fused: frozenset[str] = GEMM_TC_DEFAULT  # the composites' variants at 2-32 rows
+    gemm_tc_fused: frozenset[str] = GEMM_TC_DEFAULT  # the composites' variants at 3-32 rows
     extra: tuple[str, ...] = ()
     skip: tuple[str, ...] = ()
     allreduce: str | None = None
