@@ -9,9 +9,11 @@ mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 python3 -c "import cutlass.cute, tvm_ffi" || { echo "CuTe DSL / TVM-FFI not importable: source .devcarry/prelude.sh first"; exit 2; }
 # compressed-tensors (the release's MXFP4 format; the device has no package index): the wheels
-# in .devcarry/ct (docs/next_session.md says how to fetch them); Moonshot's files in .moonshot
-if ls .devcarry/ct/*.whl >/dev/null 2>&1 && ! python3 -c "import compressed_tensors" 2>/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --target /tmp/ct .devcarry/ct/*.whl >/dev/null 2>&1
+# in .devct or .devcarry/ct (docs/next_session.md says how to fetch them; carry .devct only when
+# needed: .devcarry alone is ~59 of the 64 MiB a call may carry); Moonshot's files in .moonshot
+ct=$(ls .devct/*.whl .devcarry/ct/*.whl 2>/dev/null)
+if [ -n "$ct" ] && ! python3 -c "import compressed_tensors" 2>/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/ct $ct >/dev/null 2>&1
   export PYTHONPATH=$PYTHONPATH:/tmp/ct
 fi
 [ -d .moonshot ] && export K3_MOONSHOT_DIR=${K3_MOONSHOT_DIR:-$PWD/.moonshot}
