@@ -6,8 +6,9 @@
 
 W = e2m1 · 2^(scale − 127) decoded in registers, fp32 products and sums. Two launches: FC1 +
 SiTU, then FC2 + finalize (launched with PDL after FC1); `config` takes FC1 with cp.async at
-one row, to registers above, and FC2 with two threads per W2 row at one row (`FC2Config.split`). With K3_MOE_GROUPED at 8-64 rows (`grouped`): by expert instead,
-three launches (kernels/device/moe_experts_grouped.py): FC1 + SiTU and FC2 per (expert, row tile)
+one row, to registers above, and FC2 with two threads per W2 row at one row
+(`FC2Config.split`). With K3_MOE_GROUPED at 8-64 rows (`grouped`): by expert instead, three
+launches (kernels/device/moe_experts_grouped.py): FC1 + SiTU and FC2 per (expert, row tile)
 on bf16 mma.sync, each expert's weights streamed once per 8 of its tokens, then the weighted sum
 over k. With K3_MOE_F16 (`FC1Config.f16`, `FC2Config.f16`) FC1 and FC2 (I <= 512) decode into
 fma.rn.f16x2: z (act) staged as fp16 pairs times 2^c per row, fp16 sums of 16 products, fp32
@@ -174,7 +175,7 @@ def by_expert(n_rows: int, latent: int) -> bool:
 
 def by_expert_config(fc1: FC1Config, batch_bucket: int) -> ByExpertConfig:
     """The by-expert FC1's config at a bucket: BY_EXPERT_EXPERTS experts per CTA (read at each
-    call: benchmarks/moe_experts.py --by-expert-x times others)."""
+    call: benchmarks/moe_experts.py's variants `kernel_by_expert_xX` time others)."""
     return ByExpertConfig(fc1, batch_bucket, min_blocks=BY_EXPERT_MIN_BLOCKS,
                           experts_per_cta=BY_EXPERT_EXPERTS)
 
