@@ -126,7 +126,7 @@ def kernel_variant(name: str):
         if stage == "fc2" and fc2:
             rows, split = fc2.get("r", cfg.rows_per_cta), fc2.get("s", cfg.split)
             return dataclasses.replace(cfg, rows_per_cta=rows, split=split,
-                                       threads=-(-rows * top_k * split // 32) * 32)
+                                       threads=kernel.fc2_threads(rows, top_k, split))
         return cfg
 
     if fc1 or fc2:

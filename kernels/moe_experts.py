@@ -236,7 +236,12 @@ def config(stage: str, latent: int, inter: int, top_k: int, batch_bucket: int):
     rows = 64 if top_k <= 2 else 32 if top_k <= 4 or top_k % 2 else 16
     f16 = f16_decode(batch_bucket) and inter <= 32 * ROW_VECTORS
     split = 2 if batch_bucket == 1 and fc2_splits(inter) else 1
-    return FC2Config(rows, -(-rows * top_k * split // 32) * 32, f16, split)
+    return FC2Config(rows, fc2_threads(rows, top_k, split), f16, split)
+
+
+def fc2_threads(rows: int, top_k: int, split: int = 1) -> int:
+    """FC2's block: R·k·split threads in whole warps."""
+    return -(-rows * top_k * split // 32) * 32
 
 
 def fc2_splits(inter: int) -> bool:

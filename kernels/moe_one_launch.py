@@ -73,7 +73,7 @@ def configs(latent: int, inter: int, top_k: int, batch_bucket: int, block: str =
     fc2 = moe_experts.config("fc2", latent, inter, top_k, batch_bucket)
     if fc2.split != 1:  # one thread per W2 row here (the block size is FC1's or FC2's)
         fc2 = dataclasses.replace(fc2, split=1,
-                                  threads=-(-fc2.rows_per_cta * top_k // 32) * 32)
+                                  threads=moe_experts.fc2_threads(fc2.rows_per_cta, top_k))
     if block == "fc2" and fc2.threads > fc1.threads:
         wide = dataclasses.replace(fc1, warps=fc2.threads // 32)
         if moe_experts.fc1_fits(latent, wide):
