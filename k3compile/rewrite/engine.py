@@ -396,8 +396,9 @@ def reads_its_site(m: Any, args: list) -> str | None:
     if not matched:
         return None
     first = min(matched)
+    seen = set()  # shared: an ancestor already walked from one input reached no matched node
     for arg in (a for a in torch.utils._pytree.tree_leaves(args) if isinstance(a, fx.Node)):
-        seen, todo = set(), [arg]
+        todo = [arg]
         while todo:
             n = todo.pop()
             if n in seen or n < first:  # nothing before the site is computed from it
