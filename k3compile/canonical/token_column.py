@@ -33,7 +33,7 @@ from k3compile.graph import call
 aten = torch.ops.aten
 
 
-def _conv_window(cat: fx.Node) -> bool:
+def conv_window(cat: fx.Node) -> bool:
     """cat is a concatenation on the last dim that a depthwise convolution reads as its input."""
     if cat.target is not aten.cat.default or shape(cat) is None:
         return False
@@ -58,7 +58,7 @@ def _site(unsq: fx.Node) -> fx.Node | None:
     if sx is None or len(sx) != 3 or sx[1] != 1:
         return None
     (cat,) = unsq.users
-    return x if _conv_window(cat) else None
+    return x if conv_window(cat) else None
 
 
 def _write(graph: fx.Graph, unsq: fx.Node, x: fx.Node) -> None:
@@ -80,4 +80,4 @@ RULE = Rule("token_column", apply,
             "cat([state, x[:, 0, :, None]], -1) of a conv window (x [B, 1, C]) -> "
             "cat([state, x.transpose(1, 2)], -1)")
 
-__all__ = ["RULE", "apply"]
+__all__ = ["RULE", "apply", "conv_window"]

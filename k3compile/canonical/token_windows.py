@@ -34,7 +34,7 @@ from torch import fx
 
 from k3compile.canonical import Rule, reshape_fold, rewrite_sites
 from k3compile.canonical.region import refresh, shape
-from k3compile.canonical.token_column import _conv_window
+from k3compile.canonical.token_column import conv_window
 from k3compile.graph import RESHAPES, call
 
 aten = torch.ops.aten
@@ -129,7 +129,7 @@ def _stacked(ends: list[fx.Node], sx) -> fx.Node | None:
 def _site(first: fx.Node):
     """(x, s, windows, convs, chains, the stacked output, the last roll) of a per-token conv
     loop whose first window is `first`."""
-    if first.target is not aten.cat.default or len(first.args[0]) != 2 or not _conv_window(first):
+    if first.target is not aten.cat.default or len(first.args[0]) != 2 or not conv_window(first):
         return None
     s, col = first.args[0]
     x = _column(col, 0)
