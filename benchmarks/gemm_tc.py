@@ -35,6 +35,7 @@ import json
 from datetime import date
 from pathlib import Path
 
+import numpy
 import torch
 import torch.nn.functional as F
 from gemv import (
@@ -184,10 +185,8 @@ def fused(ms):
 
 def fit_line(points) -> tuple[float, float]:
     """Least squares t = a + bytes / rate over (bytes, µs) points: (a in µs, rate in GB/s)."""
-    n = len(points)
-    mb, mt = sum(b for b, _ in points) / n, sum(t for _, t in points) / n
-    slope = sum((b - mb) * (t - mt) for b, t in points) / sum((b - mb) ** 2 for b, _ in points)
-    return mt - slope * mb, 1e-3 / slope
+    slope, a = numpy.polyfit(*zip(*points), 1)
+    return float(a), float(1e-3 / slope)
 
 
 def fixed(shapes, ms, gbps):
