@@ -53,28 +53,29 @@ def profiled(name: str, fn) -> None:
     torch.cuda.profiler.stop()
 
 
-def profile_by_expert(moe_rows=MOE_ROWS) -> None:
-    """Each of BY_EXPERT_VARIANTS at moe_rows: compiled and warmed, then one profiled call on
-    other experts (not L2-resident)."""
+def profile_moe(moe_rows, variants, name) -> None:
+    """The expert step of each variant (benchmarks/moe_experts.py's) at each of moe_rows:
+    compiled and warmed, then one profiled call on other experts (not L2-resident), in the NVTX
+    range name(variant, rows)."""
     experts = make_experts()
     for rows in moe_rows:
-        for variant in BY_EXPERT_VARIANTS:
+        for variant in variants:
             with kernel_variant(variant):
                 (z, ids, w), *_ = make_calls(rows)
                 out = torch.empty_like(z)
                 got = kernel.moe_experts_cuda(z, ids, w, *experts, BETA, LINEAR_BETA, out=out)
                 assert got is out, "moe_experts refused the inputs (see the log)"
                 (z, ids, w), *_ = make_calls(rows)
-                profiled(f"{variant}_{rows}", functools.partial(
+                profiled(name(variant, rows), functools.partial(
                     kernel.moe_experts_cuda, z, ids, w, *experts, BETA, LINEAR_BETA, out=out))
-            print(f"{variant} {rows} rows: profiled", flush=True)
+            print(f"moe_experts {rows} rows ({variant}): profiled", flush=True)
 
 
 def gemm_tc_call(variant: str, x, w, part: int):
     if variant == "split":
         return functools.partial(gemm_tc.gemm_tc_split_cuda, x, w, part)
     if variant == "situ":
-        return functools.partial(gemm_tc.gemm_tc_situ_cuda, x, w, 4.0, 25.0)
+        return functools.partial(gemm_tc.gemm_tc_situ_cuda, x, w, BETA, LINEAR_BETA)
     return functools.partial(gemm_tc.gemm_tc_cuda, x, w)
 
 
@@ -90,7 +91,7 @@ def profile_gemm_tc() -> None:
         if variant == "split":
             got, ref = torch.cat([got[0], got[1].float()], 1), ref.float()
         elif variant == "situ":
-            ref = situ(*ref.split(part, dim=-1), 4.0, 25.0)
+            ref = situ(*ref.split(part, dim=-1), BETA, LINEAR_BETA)
         err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
         assert err < 1e-2, f"gemm_tc {variant} {n}x{k}: relative error {err:.2e}"
         profiled(f"gemm_tc_{variant}_{n}x{k}_m{rows}", gemm_tc_call(variant, x, weights[-1], part))
@@ -101,7 +102,7 @@ def profile_gemm_tc() -> None:
 
 def main(which: str, moe_rows=MOE_ROWS, variant: str = "kernel") -> None:
     if which == "moe_by_expert":
-        return profile_by_expert(moe_rows)
+        return profile_moe(moe_rows, BY_EXPERT_VARIANTS, lambda v, rows: f"{v}_{rows}")
     if which == "gemm_tc":
         return profile_gemm_tc()
     for n, k in GEMV_SHAPES if which in ("all", "gemv") else []:
@@ -113,17 +114,7 @@ def main(which: str, moe_rows=MOE_ROWS, variant: str = "kernel") -> None:
         print(f"gemv {n}x{k}: profiled", flush=True)
     if which not in ("all", "moe"):
         return
-    experts = make_experts()
-    for rows in moe_rows:
-        (z, ids, w), *_ = make_calls(rows)
-        out = torch.empty_like(z)
-        with kernel_variant(variant):
-            got = kernel.moe_experts_cuda(z, ids, w, *experts, BETA, LINEAR_BETA, out=out)
-            assert got is out, "moe_experts refused the inputs (see the log)"
-            (z, ids, w), *_ = make_calls(rows)  # other experts: not L2-resident from the warm-up
-            profiled(f"moe_experts_{rows}", functools.partial(
-                kernel.moe_experts_cuda, z, ids, w, *experts, BETA, LINEAR_BETA, out=out))
-        print(f"moe_experts {rows} rows ({variant}): profiled", flush=True)
+    profile_moe(moe_rows, [variant], lambda _, rows: f"moe_experts_{rows}")
 
 
 if __name__ == "__main__":
