@@ -42,7 +42,7 @@ BINARY = {aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor, at
           aten.rsub.Scalar, aten.maximum.default, aten.minimum.default}
 
 
-def _is_reshape(node: fx.Node) -> bool:
+def is_reshape(node: fx.Node) -> bool:
     """A reshape, or a plain copy (`stack` of one traces to unsqueeze + clone): both keep the
     values and their order, and the rewrite drops both."""
     return node.op == "call_function" and (node.target in RESHAPES or (
@@ -66,10 +66,10 @@ def _elementwise_on(node: fx.Node, inside: set[fx.Node]) -> bool:
 
 def _twins(first: fx.Node) -> set[fx.Node]:
     """first and the other reshapes of its source to the same shape (a squeeze per read)."""
-    return {u for u in first.args[0].users if _is_reshape(u) and _shape(u) == _shape(first)}
+    return {u for u in first.args[0].users if is_reshape(u) and _shape(u) == _shape(first)}
 
 
-def _region(first: fx.Node) -> list[fx.Node]:
+def region(first: fx.Node) -> list[fx.Node]:
     """The elementwise ops and reshapes computed from `first` and its twins alone (scalars
     aside), each with first's number of elements, in graph order."""
     inside, numel = _twins(first), first.meta["val"].numel()
@@ -77,7 +77,7 @@ def _region(first: fx.Node) -> list[fx.Node]:
         grown = {u for n in inside for u in n.users if u not in inside
                  and isinstance(u.meta.get("val"), torch.Tensor)
                  and u.meta["val"].numel() == numel
-                 and ((_is_reshape(u) and u.args[0] in inside) or _elementwise_on(u, inside))}
+                 and ((is_reshape(u) and u.args[0] in inside) or _elementwise_on(u, inside))}
         if not grown:
             break
         inside |= grown
@@ -96,25 +96,25 @@ def _composition(src: tuple[int, ...], dst: tuple[int, ...]) -> list[int] | None
     return [next(it_big) if d != 1 else next(it_ones) for d in dst]
 
 
-def _fold(graph: fx.Graph, first: fx.Node, _) -> int:
+def fold(graph: fx.Graph, first: fx.Node, _) -> int:
     source = first.args[0]
     if not all(isinstance(n, fx.Node) and isinstance(n.meta.get("val"), torch.Tensor)
                for n in (source, first)):
         return 0
-    region = _region(first)
-    if not any(not _is_reshape(n) for n in region):
+    ops = region(first)
+    if not any(not is_reshape(n) for n in ops):
         return 0  # a reshape chain alone (F.linear's view of a view) is left as it is
     twins = sorted(_twins(first))
-    inside = {*twins, *region}
-    exits = [n for n in [*twins, *region] if any(u not in inside for u in n.users)]
+    inside = {*twins, *ops}
+    exits = [n for n in [*twins, *ops] if any(u not in inside for u in n.users)]
     if any(u in inside for n in exits for u in n.users):
         return 0  # a value read both by the region and outside it: not one tube of ops
     perms = [_composition(_shape(source), _shape(n)) for n in exits]
     if not exits or any(p is None for p in perms):
         return 0
     clones = dict.fromkeys(twins, source)
-    for node in region:
-        if _is_reshape(node):
+    for node in ops:
+        if is_reshape(node):
             clones[node] = clones[node.args[0]]
             continue
         with graph.inserting_before(node):
@@ -127,14 +127,14 @@ def _fold(graph: fx.Graph, first: fx.Node, _) -> int:
                 new = call(graph, aten.permute.default, (new, perm), like=node)
         for user in [u for u in node.users if u not in inside]:
             user.replace_input_with(node, new)
-    for node in reversed(region):
+    for node in reversed(ops):
         if not node.users:
             graph.erase_node(node)
     return 1
 
 
 def apply(graph: fx.Graph) -> int:
-    return rewrite_sites(graph, _is_reshape, _fold, tidy=False)
+    return rewrite_sites(graph, is_reshape, fold, tidy=False)
 
 
 RULE = Rule("reshape_fold", apply,

@@ -67,9 +67,9 @@ def _write(graph: fx.Graph, unsq: fx.Node, x: fx.Node) -> None:
         col = call(graph, aten.permute.default, (x, [0, 2, 1]), like=unsq)
     unsq.replace_all_uses_with(col)
     for conv in [u for u in cat.users if u.target is aten.convolution.default]:
-        squeeze = next((u for u in conv.users if reshape_fold._is_reshape(u)), None)
+        squeeze = next((u for u in conv.users if reshape_fold.is_reshape(u)), None)
         if squeeze is not None:
-            reshape_fold._fold(graph, squeeze, None)
+            reshape_fold.fold(graph, squeeze, None)
 
 
 def apply(graph: fx.Graph) -> int:

@@ -82,13 +82,13 @@ def _taps(conv: fx.Node):
 
 def _chain(conv: fx.Node) -> tuple[list[fx.Node], fx.Node] | None:
     """(the elementwise ops on the conv's [B, C] squeeze, in graph order; its one result)."""
-    squeezes = [u for u in conv.users if reshape_fold._is_reshape(u)]
+    squeezes = [u for u in conv.users if reshape_fold.is_reshape(u)]
     if len(squeezes) != 1 or len(conv.users) != 1 or len(shape(squeezes[0]) or ()) != 2:
         return None
-    region = reshape_fold._region(squeezes[0])
+    region = reshape_fold.region(squeezes[0])
     inside = {squeezes[0], *region}
     ends = [n for n in region if any(u not in inside for u in n.users)]
-    if not region or any(reshape_fold._is_reshape(n) for n in region) or len(ends) != 1:
+    if not region or any(reshape_fold.is_reshape(n) for n in region) or len(ends) != 1:
         return None
     if any(u in inside for u in ends[0].users):
         return None
