@@ -4,6 +4,7 @@ shapes, M = 2..64 rows.
     python benchmarks/gemm_tc.py [--m 2,8,64] [--only 768x7168] [--gemv] [--out DIR]
     python benchmarks/gemm_tc.py --sweep --m 8,64 --only 768x7168,7168x768 [--out DIR]
     python benchmarks/gemm_tc.py [--sweep] --table kernels/common/gemm_tc_tuned.json   # ship the winners
+    python benchmarks/gemm_tc.py --sweep --table kernels/common/gemm_tc_tuned_h100.json  # on an H100
     python benchmarks/gemm_tc.py --table-from DIR/gemm_tc.json --table kernels/common/gemm_tc_tuned.json
     python benchmarks/gemm_tc.py --fused [--m 2,8,64] [--out DIR]   # the one-launch variants
     python benchmarks/gemm_tc.py --fixed [--m 8] [--only 768x7168] [--out DIR]  # cost per launch
@@ -15,7 +16,8 @@ L2-resident; µs per call = median over replays of graph time / calls. GB/s coun
 CUDA-core gemv at M <= 16. The sweep times every `gemm_tc.configs()` entry (each checked against
 cuBLAS first), best first. JSON: DIR/gemm_tc.json or DIR/gemm_tc_sweep.json. `--table` merges
 the measured winner of every (shape, bucket) into the table `gemm_tc.tuned()` reads: the best
-config, or cuBLAS where it was faster (`router.linear` then keeps cuBLAS for that shape). `--fused` times
+config, or cuBLAS where it was faster (`router.linear` then keeps cuBLAS for that shape); one
+table per GPU model, `gemm_tc_tuned_<name>.json` beside the H200's (`gemm.load_tuned`). `--fused` times
 the one-launch variants against the two launches they replace at one TP16 rank: the split over
 the packed moe_front [W_r; W_d] against two `router.linear` calls, SiTU over the shared experts'
 [W_g; W_u] against `router.linear` + the situ kernel, the norm prologue over the latent

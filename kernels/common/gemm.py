@@ -79,15 +79,22 @@ def outs_refusal(outs) -> str | None:
 
 def load_tuned(path: Path, op: str, make_config) -> dict:
     """A tuned table {(N, K, bucket): make_config(entry's config), or None where the entry has
-    none}, from the JSON a benchmark's `--table` writes; empty when there is no table or it was
-    measured on another GPU than this process's (its choices need not hold there)."""
-    if not path.exists():
+    none}, from the JSON a benchmark's `--table` writes. One table per GPU model: `path`
+    (the yardstick GPU's, also read without a GPU, where it decides the plan's routing) and
+    siblings `<stem>_<name>.json` (e.g. gemm_tc_tuned_h100.json); on a GPU the one measured on
+    it, else none (another GPU's choices need not hold there): heuristic configs."""
+    tables = [path, *sorted(path.parent.glob(f"{path.stem}_*.json"))]
+    tables = [json.loads(t.read_text()) for t in tables if t.exists()]
+    if not tables:
         return {}
-    data = json.loads(path.read_text())
-    if torch.cuda.is_available() and torch.cuda.get_device_name() != data["device"]:
-        log.info("%s: tuned on %s, not %s: heuristic configs", op, data["device"],
-                 torch.cuda.get_device_name())
-        return {}
+    data = tables[0]
+    if torch.cuda.is_available():
+        here = torch.cuda.get_device_name()
+        data = next((t for t in tables if t["device"] == here), None)
+        if data is None:
+            log.info("%s: no table tuned on %s (tables: %s): heuristic configs", op, here,
+                     ", ".join(t["device"] for t in tables))
+            return {}
     return {(e["N"], e["K"], e["bucket"]): e["config"] and make_config(e["config"])
             for e in data["entries"]}
 

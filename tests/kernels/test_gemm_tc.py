@@ -258,6 +258,34 @@ def test_table_writer_keeps_the_winner(tmp_path, monkeypatch):
     assert kernel.Config(**entries[768, 7168, 8]) == kernel.Config(64, 8, 4, 2)
 
 
+def test_each_gpu_reads_its_own_table(tmp_path, monkeypatch):
+    """`load_tuned`: the table beside `path` measured on this process's GPU (`<stem>_*.json`
+    siblings included); none for a GPU without one (heuristic configs); `path` itself without
+    a GPU."""
+    from k3compile.kernels.common.gemm import load_tuned
+
+    def table(name, device, tile_rows):
+        entry = {"N": 768, "K": 7168, "bucket": 8,
+                 "config": {"tile_rows": tile_rows, "tile_tokens": 8, "stages": 4, "splits": 1}}
+        (tmp_path / name).write_text(json.dumps({"device": device, "entries": [entry]}))
+
+    table("t.json", "NVIDIA H200", 64)
+    table("t_h100.json", "NVIDIA H100 80GB HBM3", 128)
+    table("other.json", "NVIDIA B200", 32)  # not a sibling of t.json: never read
+    path = tmp_path / "t.json"
+
+    def load(gpu):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu is not None)
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: gpu)
+        got = load_tuned(path, "gemm_tc", lambda c: kernel.Config(**c))
+        return {key: cfg.tile_rows for key, cfg in got.items()}
+
+    assert load(None) == {(768, 7168, 8): 64}
+    assert load("NVIDIA H200") == {(768, 7168, 8): 64}
+    assert load("NVIDIA H100 80GB HBM3") == {(768, 7168, 8): 128}
+    assert load("NVIDIA B200") == {}
+
+
 
 # ---- the one-launch variants (K3_GEMM_TC_FUSED) ------------------------------------------------
 
