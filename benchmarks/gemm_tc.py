@@ -17,7 +17,8 @@ CUDA-core gemv at M <= 16. The sweep times every `gemm_tc.configs()` entry (each
 cuBLAS first), best first. JSON: DIR/gemm_tc.json or DIR/gemm_tc_sweep.json. `--table` merges
 the measured winner of every (shape, bucket) into the table `gemm_tc.tuned()` reads: the best
 config, or cuBLAS where it was faster (`router.linear` then keeps cuBLAS for that shape); one
-table per GPU model, `gemm_tc_tuned_<name>.json` beside the H200's (`gemm.load_tuned`). `--fused` times
+table per GPU model, `gemm_tc_tuned_<name>.json` beside the H200's (`gemm.load_tuned`).
+`--fused` times
 the one-launch variants against the two launches they replace at one TP16 rank: the split over
 the packed moe_front [W_r; W_d] against two `router.linear` calls, SiTU over the shared experts'
 [W_g; W_u] against `router.linear` + the situ kernel, the norm prologue over the latent
