@@ -24,7 +24,14 @@ the weighted sum over it in any spelling (`sum(-2)`, einsum, `matmul` / `bmm`): 
 from the sources to its fp32 weighted sum, is replaced by `k3compile.math.depth_mix_weights`
 traced over the same sources, with the two weights of D values and the eps the scores read.
 Where the sources are [B, T, D] tensors flattened to tokens (`.view(-1, D)`) and the mix is
-viewed back, the canonical mix takes the unflattened sources. The blocks may also sit in a
+viewed back, the canonical mix takes the unflattened sources; so it does where the stack itself
+is flattened (spell11: `cat([bank, prefix.unsqueeze(-2)], -2).float().flatten(0, 1)`, [B, T, S,
+D] -> [B*T, S, D], S at dim k >= 1 after the merged leading dims) and the mix is viewed back to
+[B, T, D]: the stack is read as the sources' stack along its own dim, flattened (`_merged`; the
+check evaluates it so). The scores' rsqrt may come after the projection (`bmm(v, w) * rsqrt`):
+r·Σ_d v_d·q_d against Σ_d (r·v_d)·q_d, the factor taken out of the sum, within fp32 rounding
+(measured on a toy of spell11's mix: <= 2e-7 relative; its test bounds 1e-6). The
+blocks may also sit in a
 preallocated bank [N, nb, D] written by slice assignment (`bank[:, j] = block`: a chain of
 select_scatter / slice_scatter) and read `bank[:, :n]`: each read index is the tensor last
 written there, and the mix is taken only where every index read is so written (statically); an
@@ -70,6 +77,7 @@ import contextlib
 import dataclasses
 import itertools
 import logging
+import math
 
 import torch
 from torch import fx
@@ -293,8 +301,9 @@ class Site:
     tokens: list[fx.Node]
     end: fx.Node
     cast: torch.dtype | None = None
-    # reads of a block bank written by scatters (`bank[:, j] = src`, read `bank[:, :n]`): the read
-    # -> (the dim, the sources it stacks); the graph between starts at them, not at the bank
+    # reads of a block bank written by scatters (`bank[:, j] = src`, read `bank[:, :n]`), and a
+    # flattened stack (`_merged`): the read -> (the dim, the sources it stacks along it; the read
+    # is that stack cast and reshaped to its own dtype and shape); the graph between starts there
     reads: dict = dataclasses.field(default_factory=dict)
 
 
@@ -444,11 +453,33 @@ def _stacked_along(alpha: fx.Node, k: int) -> tuple[list[fx.Node], dict] | None:
         if shape and k < len(shape) - 1 and want in (shape[:-1], (*shape[:-1], 1)):
             reads = {}
             srcs = _parts(x, k, reads)
+            if srcs is None and (merged := _merged(x, k)) is not None:
+                srcs = _parts(*merged, reads)
+                if srcs:
+                    reads[x] = (merged[1], srcs)
             if srcs and all(_shape(s) == _shape(srcs[0]) for s in srcs):
                 return srcs, reads
         return None
 
     return _nearest_input(alpha, found)
+
+
+def _merged(x: fx.Node, k: int) -> tuple[fx.Node, int] | None:
+    """(y, j) if x is a stack y [*lead, .., S (dim j), .., D] with its leading dims flattened
+    into one (spell11's `cat(..., -2).float().flatten(0, 1)`: [B, T, S, D] -> [B*T, S, D]; the
+    sources' cast to fp32 on the way), S then at dim k >= 1 of x; else None."""
+    if x.op != "call_function" or x.target not in _FLATTEN or k < 1:
+        return None
+    y = x.args[0]
+    if _is(y, prims.convert_element_type.default):
+        y = y.args[0]
+    shape, into = _shape(y), _shape(x)
+    if shape is None or not all(isinstance(d, int) for d in (*shape, *into)):
+        return None
+    lead = len(shape) - len(into) + 1
+    if lead < 2 or shape[lead:] != into[1:] or math.prod(shape[:lead]) != into[0]:
+        return None
+    return y, k + lead - 1
 
 
 def _nearest_input(node: fx.Node, found):
@@ -582,7 +613,7 @@ def _equals_canonical(site: Site, gm: fx.GraphModule, wn: fx.Node, wp: fx.Node) 
     with unset_fake_temporarily():
         tokens = {t: _random(t, gen) for t in dict.fromkeys(site.tokens)}
         env = {s: tokens[t].reshape(_shape(s)) for s, t in zip(site.srcs, site.tokens)}
-        env |= {x: torch.stack([env[s] for s in parts], dim=k)
+        env |= {x: torch.stack([env[s] for s in parts], dim=k).to(_val(x).dtype).reshape(_shape(x))
                 for x, (k, parts) in site.reads.items()}
         env[wn] = _random(wn, gen, 0.1, 1.0)
         env[wp] = _random(wp, gen, width ** -0.5)
@@ -706,5 +737,6 @@ def apply(graph: fx.Graph) -> int:
 RULE = Rule("depth_mix", apply, "AttnRes depth mix: cat of unsqueezed sources -> stack's cat + "
             "view; einsum / loop / matmul weighted sum -> (alpha[..., None] * sources).sum(0); "
             "a mix over sources stacked on another dim (blocks listed, or in a bank written "
-            "by slice assignment), or on dim 0 with scores not in the canonical form "
-            "(einsum against w_norm * w_proj, ...) -> math.depth_mix_weights")
+            "by slice assignment; the stack's leading dims flattened), or on dim 0 with "
+            "scores not in the canonical form (einsum against w_norm * w_proj, ...) -> "
+            "math.depth_mix_weights")
