@@ -34,13 +34,12 @@ from torch import fx
 
 from k3compile.canonical import Rule, rewrite_sites
 from k3compile.canonical.expert_rows import _rowwise, _value
+from k3compile.canonical.pair_order import SORTS, arange_like
 from k3compile.canonical.region import static_shape as _shape
 from k3compile.canonical.region import val as _val
-from k3compile.graph import call
 from k3compile.rewrite import inductor
 
-aten, prims = torch.ops.aten, torch.ops.prims
-_SORTS = {aten.sort.default, aten.sort.stable}
+aten = torch.ops.aten
 _MOVES = {aten.unsqueeze.default, aten.expand.default, aten.view.default, aten.reshape.default,
           aten.clone.default, aten.alias.default}
 _GATHERS = {aten.gather.default, aten.index.Tensor, aten.index_select.default}
@@ -63,14 +62,13 @@ def _descending(sort: fx.Node) -> bool:
     return bool(positional[0]) if positional else False
 
 
-def _broadcast(index: fx.Node, of: fx.Node, rows: fx.Node, env_dims: int) -> bool:
-    """Whether index, computed from `of` [P] alone, is `of` broadcast along every dim past the
-    first to rows' shape (`env_dims` 1: index is [P] itself), checked on position codes."""
-    p = _shape(of)[0]
+def _broadcast(index: fx.Node, of: fx.Node, rows: fx.Node, flat: bool) -> bool:
+    """Whether index, computed from `of` [P] alone, is `of` itself (`flat`) or `of` broadcast
+    along every dim past the first to rows' shape, checked on position codes."""
+    p, shape = _shape(of)[0], _shape(rows)
     code = torch.arange(p)
     got = _value(index, {of: code})
-    want = code if env_dims == 1 else code.view(p, *[1] * (len(_shape(rows)) - 1)).expand(
-        _shape(rows))
+    want = code if flat else code.view(p, *[1] * (len(shape) - 1)).expand(shape)
     return got is not None and got.shape == want.shape and torch.equal(got, want)
 
 
@@ -83,13 +81,13 @@ def _gather_restore(node: fx.Node, rows: set, inverse: set) -> fx.Node | None:
     if node.target is aten.index.Tensor:
         if len(node.args[1]) != 1:
             return None
-        index, dims = node.args[1][0], 1
+        index, flat = node.args[1][0], True
     elif node.args[1] != 0:
         return None
     else:
-        index, dims = node.args[2], 1 if node.target is aten.index_select.default else 0
+        index, flat = node.args[2], node.target is aten.index_select.default
     inv = [i for i in inverse if i.target is operator.getitem]
-    return y if (index in inverse and any(_broadcast(index, i, y, dims) for i in inv)
+    return y if (index in inverse and any(_broadcast(index, i, y, flat) for i in inv)
                  and _shape(node) == _shape(y)) else None
 
 
@@ -100,15 +98,15 @@ def _write_restore(node: fx.Node, rows: set, order: list[fx.Node]) -> fx.Node | 
         base, index, y = node.args[:3]
         if (len(node.args) > 3 and node.args[3]) or len(index) != 1:
             return None
-        index, dims = index[0], 1
+        index, flat = index[0], True
     elif node.target is aten.scatter.src and node.args[1] == 0:
         base, _, index, y = node.args[:4]
-        dims = 0
+        flat = False
     else:
         return None
     if base in rows or y not in rows or index not in rows or _shape(base) != _shape(y):
         return None
-    return y if any(_broadcast(index, r, y, dims) for r in order) else None
+    return y if any(_broadcast(index, r, y, flat) for r in order) else None
 
 
 def _site(sort: fx.Node):
@@ -129,7 +127,7 @@ def _real_site(sort: fx.Node):
             continue
         if node.op != "call_function":
             return None
-        if node.target in _SORTS and node.args[0] in order and not _descending(node):
+        if node.target in SORTS and node.args[0] in order and not _descending(node):
             inverse.add(node)  # argsort(r): r's inverse
         elif node.target is operator.getitem and node.args[0] in inverse:
             if node.args[1] != 1:
@@ -159,17 +157,13 @@ def _write(graph: fx.Graph, sort: fx.Node, site) -> None:
         node.replace_all_uses_with(y)
     for v in values:
         v.replace_all_uses_with(x)
-    r = order[0].meta["val"]
-    with graph.inserting_before(order[0]):
-        iota = call(graph, prims.iota.default, (r.shape[0],),
-                    {"start": 0, "step": 1, "dtype": r.dtype, "device": r.device,
-                     "requires_grad": False}, like=order[0])
+    iota = arange_like(graph, order[0])
     for node in order:
         node.replace_all_uses_with(iota)
 
 
 def apply(graph: fx.Graph) -> int:
-    return rewrite_sites(graph, _site, _write, targets=_SORTS)
+    return rewrite_sites(graph, _site, _write, targets=SORTS)
 
 
 RULE = Rule("pair_restore", apply,
