@@ -16,8 +16,8 @@ from k3compile.canonical import expert_rows, pair_restore
 
 from .pair_spellings import GROUPED_ODD, RESTORES, grouped_pairs, sorted_pairs
 from .rule_checks import assert_same, targets, trace
-from .test_expert_rows import EXPERT_OPS, canonical
-from .test_expert_slots import _inputs
+from .test_expert_rows import EXPERT_OPS, K3_SIZES, canonical
+from .test_expert_slots import TP16, _inputs
 
 SORTS = {"aten.sort.stable", "aten.sort.default"}
 
@@ -89,3 +89,23 @@ def test_an_unstable_sort_is_restored_whatever_its_ties():
     gm, _, n = _apply(fn, args)
     assert n == 1 and not SORTS & set(targets(gm))
     assert_same(gm(*args), torch.tanh(args[0]) * args[1][:, None])
+
+
+def test_k3_sizes(monkeypatch):
+    """One token at K3's TP16 sizes (16 slots, 896 experts, I 192, L 3584): restored without any
+    evaluation of the experts (position codes only), then `expert_rows` takes the combine,
+    proven at its smaller sizes (the same as its token-major spelling's)."""
+    seen, evaluate = [], expert_rows._values_of
+
+    def recording(region, inputs, out, sizes):
+        seen.append(sizes)
+        return evaluate(region, inputs, out, sizes)
+
+    monkeypatch.setattr(expert_rows, "_values_of", recording)
+    args = _inputs(1, cheap=True, **TP16)
+    gm, _, n = _apply(lambda *a: grouped_pairs(*a), args)
+    assert n == 1 and not seen
+    assert expert_rows.RULE.apply(gm.graph) == 1 and seen == [K3_SIZES]
+    gm.recompile()
+    assert ([t for t in targets(gm) if t in EXPERT_OPS]
+            == [t for t in targets(trace(canonical, args)) if t in EXPERT_OPS])
