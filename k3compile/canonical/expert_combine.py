@@ -87,7 +87,10 @@ def _expert_output(y: fx.Node, n: int, k: int) -> bool:
     return False
 
 
-def _site(bmm: fx.Node):
+def combine_site(bmm: fx.Node, routed: bool = True):
+    """(w [N, k], y [N, k, L], out [N, L]) of a weighted finalize at a bmm, all fp32 (the sum
+    itself not yet checked: `evaluates_as_sum`); `routed`: y must be an expert FC2's output over
+    [N, k] routed ids (rule `expert_rows` proves its pair rows otherwise)."""
     for a, b in (bmm.args[:2], bmm.args[1::-1]):
         w = _up(a, lambda s: len(s) == 2)
         if w is None:
@@ -98,7 +101,7 @@ def _site(bmm: fx.Node):
             continue
         out = _down(bmm, (n, _shape(y)[2]))
         if (out is None or any(_val(t).dtype != torch.float32 for t in (w, y, out))
-                or not _expert_output(y, n, k)):
+                or routed and not _expert_output(y, n, k)):
             continue
         return w, y, out
     return None
@@ -122,7 +125,7 @@ def _region(out: fx.Node, roots: set) -> list[fx.Node] | None:
     return [n for n in out.graph.nodes if n in seen]
 
 
-def _evaluates_as_sum(w: fx.Node, y: fx.Node, out: fx.Node) -> bool:
+def evaluates_as_sum(w: fx.Node, y: fx.Node, out: fx.Node) -> bool:
     region = _region(out, {w, y})
     if region is None:
         return False
@@ -140,7 +143,7 @@ def _evaluates_as_sum(w: fx.Node, y: fx.Node, out: fx.Node) -> bool:
 
 def _write(graph: fx.Graph, bmm: fx.Node, site: tuple, cache: dict) -> bool:
     w, y, out = site
-    if not _evaluates_as_sum(w, y, out):
+    if not evaluates_as_sum(w, y, out):
         return False
     return splice_if_same(graph, traced(_canonical, [w, y], cache), [w, y], out)
 
@@ -149,7 +152,7 @@ def apply(graph: fx.Graph) -> int:
     if graph.owning_module is None:
         return 0
     cache: dict = {}
-    return rewrite_sites(graph, _site, lambda g, n, s: _write(g, n, s, cache),
+    return rewrite_sites(graph, combine_site, lambda g, n, s: _write(g, n, s, cache),
                          targets={aten.bmm.default}, sort=True)
 
 
@@ -157,4 +160,4 @@ RULE = Rule("expert_combine", apply,
             "the top-k weighted finalize as einsum / bmm / matmul over fp32 expert outputs -> "
             "(w.unsqueeze(-1) * y).sum(1)")
 
-__all__ = ["RULE", "apply"]
+__all__ = ["RULE", "apply", "combine_site", "evaluates_as_sum"]

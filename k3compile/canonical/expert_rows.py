@@ -10,6 +10,9 @@ by `index_add_`) -> the k slots at once, the form `k3compile.math.mxfp4_experts`
 
 (tests/models/spell6_k3.py; spell7's sorted pairs are brought to this form by rule
 `pair_order`). As traced, `index_add_` on zeros is `index_put(zeros, [t], src, accumulate=True)`.
+Also the unweighted rows read as [N, k, L] and combined by the [N, k] weights in fp32,
+`bmm(w.unsqueeze(1), rows.view(N, k, L).float())` (tests/models/spell11_k3.py, its grouped pairs
+brought to token order by rule `pair_restore`; `expert_combine`'s finalize forms).
 
 Proven in two parts, as `expert_slots` is:
 1. Structure, exact, no evaluation of the experts. P = N*k rows (k >= 2). (a) t is a constant
@@ -22,7 +25,10 @@ Proven in two parts, as `expert_slots` is:
    index, views and reductions that keep dim 0, bmm over it). So src[p] = f(z[n], ids[n, j],
    w[n, j]) for one function f, and out[n] = sum_j f(...): the canonical finalize's sum over the
    k slots, up to the order of the k-term fp32 sum (`index_add_` adds in index order on CPU,
-   in any order on CUDA; the canonical `sum(1)` in its own).
+   in any order on CUDA; the canonical `sum(1)` in its own). The combine: src [P, L] reaches
+   y [N, k, L] through views and casts only, y[n, j] = src[n*k + j] (checked on position
+   codes), the rows' entries are z and the ids alone (the weights enter at the combine), and
+   the combine is sum_j w[n, j] y[n, j] (`expert_combine.evaluates_as_sum`: random values).
 2. f, on random values (distinct ids per row, random bytes, scales in [118, 137]): the region
    (the dequant as spelled, any layout) against the canonical experts within RTOL of the
    largest value, for the roles the data flow shows (`_roles`: the stack pair whose dequant
@@ -32,7 +38,8 @@ Proven in two parts, as `expert_slots` is:
    unrounded (`out_dtype` fp32 where z is not fp32), as `index_add_` into an fp32 accumulator
    does.
 
-Left alone: a token index that is not arange(P) // k (a permutation, duplicate or dropped rows),
+Left alone: a token index that is not arange(P) // k (a permutation, duplicate or dropped rows;
+rows read as [k, N, L] by the combine),
 an entry that is not the flat ids / weights or the repeated z (z tiled instead of repeated, a
 permuted row order), a node mixing rows (a gather by a row index from a row tensor, a reduction
 over dim 0, a row-aligned tensor from outside), an accumulator that is not zero, anything but
@@ -52,6 +59,7 @@ from torch import fx
 from torch.utils._pytree import tree_leaves, tree_map
 
 from k3compile.canonical import Rule, rewrite_sites
+from k3compile.canonical.expert_combine import combine_site, evaluates_as_sum
 from k3compile.canonical.expert_slots import (
     _FORMAT,
     _SMALL_I,
@@ -76,6 +84,7 @@ MAX_VALUES = 1 << 28  # ... at the smaller sizes (each dropped after its last us
 _GATHERS = {aten.index.Tensor, aten.index_select.default}
 _LOOKUPS = {aten.index.Tensor, aten.index_select.default, aten.take.default}
 _REDUCTIONS = {aten.sum.dim_IntList, aten.amax.default, aten.amin.default, aten.mean.dim}
+_MOVES = VIEWS | {prims.convert_element_type.default}  # the rows to the combine's [N, k, L]
 
 
 # ---- constants and the index of the finalize ---------------------------------------------------
@@ -293,7 +302,7 @@ def _from_tokens(source: fx.Node, n: int) -> bool:
     return shape is not None and len(shape) == 2 and shape[0] == n
 
 
-def _entries(src: fx.Node, n: int, k: int):
+def _entries(src: fx.Node, n: int, k: int, roles: set[str]):
     """({role: source}, entries) of the row region ending at src, or None: walking up from src
     through nodes of P rows, each operand is a constant, an entry (movement chain from an [N, .]
     source), or a node of the region."""
@@ -315,7 +324,7 @@ def _entries(src: fx.Node, n: int, k: int):
                 entries.add(a)
             elif shape and shape[0] == p and a.op == "call_function":
                 todo.append(a)
-    if set(sources) != {"z", "ids", "weights"}:
+    if set(sources) != roles:
         return None
     return sources, entries
 
@@ -349,28 +358,63 @@ def _uncast(node: fx.Node) -> fx.Node:
     return node
 
 
+def _combine(bmm: fx.Node):
+    """(out, src, w, y) of the weighted combine of the pair rows at a bmm: w [N, k] (k >= 2) and
+    the rows src [P, L] read as y [N, k, L] (views, maybe a cast: row p is (p // k, p % k),
+    checked on position codes), the product read back as out [N, L] fp32
+    (`bmm(w.unsqueeze(1), y)`, spell11's); the sum itself is checked later (`expert_combine`'s
+    evaluation)."""
+    found = combine_site(bmm, routed=False)
+    if found is None:
+        return None
+    w, y, out = found
+    (n, k), width = _shape(w), _shape(y)[2]
+    if k < 2:
+        return None
+    src = y
+    while _shape(src) != (n * k, width) and src.op == "call_function" and src.target in _MOVES:
+        src = src.args[0]
+    if _shape(src) != (n * k, width):
+        return None
+    code = torch.arange(n * k * width).view(n * k, width)
+    got = _value(y, {src: code})
+    if got is None or got.shape != (n, k, width):
+        return None
+    return (out, src, w, y) if torch.equal(got.long(), code.view(n, k, width)) else None
+
+
 def _site(out: fx.Node):
     with inductor.unset_fake_temporarily():  # real values, inside a compile's fake mode
         return _real_site(out)
 
 
 def _real_site(out: fx.Node):
-    found = _finalize(out)
-    if found is None:
-        return None
-    _, t, src = found
-    n, p = _shape(out)[0], _shape(src)[0]
-    k = p // n
     memo: dict = {}
-    if not constant(t, memo) or _shape(t) != (p,):
-        return None
-    index = _value(t)
-    if index is None or not torch.equal(index, torch.arange(p) // k):
-        return None
-    found = _entries(src, n, k)
+    if out.target is aten.bmm.default:  # the rows read as [N, k, L] and combined by w [N, k]
+        found = _combine(out)
+        if found is None:
+            return None
+        out, src, combined, y = found
+        (n, k), p = _shape(combined), _shape(src)[0]
+    else:  # the rows summed back to their tokens
+        found = _finalize(out)
+        if found is None:
+            return None
+        _, t, src = found
+        n, p, combined = _shape(out)[0], _shape(src)[0], None
+        k = p // n
+        if not constant(t, memo) or _shape(t) != (p,):
+            return None
+        index = _value(t)
+        if index is None or not torch.equal(index, torch.arange(p) // k):
+            return None
+    found = _entries(src, n, k, {"z", "ids"} if combined is not None else
+                     {"z", "ids", "weights"})
     if found is None:
         return None
     sources, entries = found
+    if combined is not None:
+        sources["weights"] = combined
     rows = rows_from(entries, src, p)
     tables = _tables(rows, entries, memo) if rows is not None else None
     if tables is None:
@@ -382,6 +426,8 @@ def _real_site(out: fx.Node):
     region = _region([z, ids, weights, lut, *stacks], out)
     pairs = _pairs(stacks, region) if region is not None else None
     if pairs is None:
+        return None
+    if combined is not None and not evaluates_as_sum(combined, y, out):
         return None
     inputs = [z, ids, weights, lut, *(x for pair in pairs for x in pair)]
     proof = _proof(region, inputs, out, pairs)
@@ -546,11 +592,12 @@ def apply(graph: fx.Graph) -> int:
         return 0
     cache: dict = {}
     return rewrite_sites(graph, _site, lambda g, n, s: _splice_experts(g, n, s, cache),
-                         targets={aten.index_put.default}, sort=True)
+                         targets={aten.index_put.default, aten.bmm.default}, sort=True)
 
 
 RULE = Rule("expert_rows", apply,
             "routed MXFP4 experts on token-major pair rows (z repeated k times, flat ids, "
-            "index_add_ finalize) -> the k slots at once (math.mxfp4_experts)")
+            "index_add_ finalize or a weighted [N, k] combine) -> the k slots at once "
+            "(math.mxfp4_experts)")
 
 __all__ = ["RULE", "apply", "constant", "evaluate", "rows_from"]

@@ -34,7 +34,7 @@ from k3compile.canonical.region import static_shape as _shape
 from k3compile.graph import call
 
 aten, prims = torch.ops.aten, torch.ops.prims
-_SORTS = {aten.sort.default, aten.sort.stable}
+SORTS = {aten.sort.default, aten.sort.stable}
 
 
 def _permutation(node) -> bool:
@@ -43,7 +43,7 @@ def _permutation(node) -> bool:
     if not (isinstance(node, fx.Node) and node.target is operator.getitem and node.args[1] == 1):
         return False
     sort = node.args[0]
-    return (sort.target in _SORTS and isinstance(sort.args[0], fx.Node) and len(sort.users) == 1
+    return (sort.target in SORTS and isinstance(sort.args[0], fx.Node) and len(sort.users) == 1
             and _shape(sort.args[0]) is not None and len(_shape(sort.args[0])) == 1)
 
 
@@ -77,13 +77,18 @@ def _site(out: fx.Node):
     return r
 
 
-def _write(graph: fx.Graph, out: fx.Node, r: fx.Node) -> None:
+def arange_like(graph: fx.Graph, r: fx.Node) -> fx.Node:
+    """arange(P) in r's dtype and device ([P] r), inserted before r (the identity permutation
+    in place of a sort's indices)."""
     v = r.meta["val"]
     with graph.inserting_before(r):
-        iota = call(graph, prims.iota.default, (v.shape[0],),
+        return call(graph, prims.iota.default, (v.shape[0],),
                     {"start": 0, "step": 1, "dtype": v.dtype, "device": v.device,
                      "requires_grad": False}, like=r)
-    r.replace_all_uses_with(iota)
+
+
+def _write(graph: fx.Graph, out: fx.Node, r: fx.Node) -> None:
+    r.replace_all_uses_with(arange_like(graph, r))
 
 
 def apply(graph: fx.Graph) -> int:
@@ -94,4 +99,4 @@ RULE = Rule("pair_order", apply,
             "routed experts over (token, slot) pairs in a sort's order (argsort dispatch, "
             "index_add_ by order // k) -> the pairs in token order")
 
-__all__ = ["RULE", "apply"]
+__all__ = ["RULE", "SORTS", "apply", "arange_like"]

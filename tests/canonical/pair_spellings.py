@@ -1,5 +1,5 @@
 """Routed MXFP4 experts dispatched over their (token, slot) pairs, as serving engines write them,
-and look-alikes (tests/canonical/test_expert_rows.py, test_pair_order.py):
+and look-alikes (tests/canonical/test_expert_rows.py, test_pair_order.py, test_pair_restore.py):
 
 * `token_major`: spell6's form (tests/models/spell6_k3.py): the pairs in token order, z repeated
   k times (`repeat_interleave`), the experts gathered by the flat ids and dequantised to fp32 by
@@ -9,8 +9,11 @@ and look-alikes (tests/canonical/test_expert_rows.py, test_pair_order.py):
   (`argsort(flat_ids, stable=True)`), token `order // k`, `index_select` gathers, a broadcast
   nibble shift, `bmm` in z's dtype, an fp32 `index_add_`; `sort=False`: the pairs in token order
   (`order = arange`).
+* `grouped_pairs`: spell11's form (tests/models/spell11_k3.py): the pairs sorted by expert, the
+  outputs put back in token order through the inverse permutation, a `bmm` combine by the [N, k]
+  weights.
 
-`odd` names a look-alike (`TOKEN_MAJOR_ODD`, `SORTED_ODD`)."""
+`odd` names a look-alike (`TOKEN_MAJOR_ODD`, `SORTED_ODD`, `GROUPED_ODD`)."""
 
 from __future__ import annotations
 
@@ -107,3 +110,63 @@ def sorted_pairs(z, scores, ids, lut, w1p, w1s, w3p, w3s, w2p, w2s, sort=True, o
     out = torch.zeros(n, y.shape[-1], dtype=torch.float32)
     out.index_add_(0, token, y.float() * w.unsqueeze(-1))
     return (out, experts) if odd == "order_kept" else out
+
+
+RESTORES = ("gather", "index", "index_select", "scatter", "index_put")
+GROUPED_ODD = ("order_not_inverse", "other_sort_inverse", "descending_inverse", "rows_kept",
+               "rows_mixed", "rows_tiled", "weights_twice")
+
+
+def grouped_pairs(z, scores, ids, lut, w1p, w1s, w3p, w3s, w2p, w2s, restore="gather",
+                  sort=True, odd=None):
+    """spell11's grouped experts (tests/models/spell11_k3.py): the pairs sorted by expert
+    (`sort(stable=True)`, its values the experts; `argsort` for the writes back), the weights
+    gathered per pair, `bmm` in z's dtype, the outputs put back in token order (`restore`: a
+    gather, an index or an index_select through `argsort(order)`, or a scatter / index_put at
+    `order`), combined by `bmm(w [N, 1, k], y [N, k, L])` in fp32; `sort=False`: the pairs in
+    token order, nothing to restore. `odd` names a look-alike (`GROUPED_ODD`)."""
+    n, k = ids.shape
+    weights = routed(scores, ids)
+    flat = ids.flatten()
+    if not sort:
+        experts, order = flat, torch.arange(n * k)
+    elif restore in ("scatter", "index_put"):
+        order = torch.argsort(flat, stable=True)
+        experts = flat[order]
+    else:
+        experts, order = torch.sort(flat, stable=True)
+    zs = z[order // k].unsqueeze(-1)
+
+    def weight(p, s):
+        return _decode_broadcast(p[experts], s[experts], lut, z.dtype)
+
+    hg = torch.bmm(weight(w1p, w1s), zs).squeeze(-1)
+    hu = torch.bmm(weight(w3p, w3s), zs).squeeze(-1)
+    y = torch.bmm(weight(w2p, w2s), situ(hg, hu, *BETAS).unsqueeze(-1)).squeeze(-1)  # [P, L]
+    if odd == "rows_mixed":  # each pair gets the next pair's output
+        y = y.roll(1, 0)
+    if odd == "weights_twice":  # the routing weight applied per pair and again in the combine
+        y = y * weights.flatten()[order, None].to(y.dtype)
+    kept = y
+    back = torch.argsort(order)
+    if odd == "order_not_inverse":  # gathered through the order itself
+        back = order
+    elif odd == "other_sort_inverse":  # the inverse of another sort of the same keys (ties)
+        back = torch.argsort(torch.sort(flat, stable=True, descending=True).indices)
+    elif odd == "descending_inverse":
+        back = torch.argsort(order, descending=True)
+    if not sort:
+        pass
+    elif restore == "gather":
+        y = torch.gather(y, 0, back[:, None].expand(-1, y.shape[-1]))
+    elif restore == "index":
+        y = y[back]
+    elif restore == "index_select":
+        y = y.index_select(0, back)
+    elif restore == "scatter":
+        y = torch.empty_like(y).scatter_(0, order[:, None].expand_as(y), y)
+    else:
+        y = torch.zeros_like(y).index_put_((order,), y)
+    y = y.view(k, n, -1).transpose(0, 1) if odd == "rows_tiled" else y.view(n, k, -1)
+    out = torch.bmm(weights.unsqueeze(1), y.float()).squeeze(1)
+    return (out, kept) if odd == "rows_kept" else out

@@ -1,9 +1,11 @@
 """Rule `expert_rows`: routed MXFP4 experts on token-major (token, slot) pair rows (z repeated k
 times, the flat ids and weights, an fp32 `index_add_` finalize; spell6's form, and spell7's once
-rule `pair_order` has put its pairs in token order) become the k slots at once, op for op the form
-`math.mxfp4_experts` has, equal to the spelling to fp32 summation order; look-alikes (a token
-index that is not arange(P) // k, z tiled instead of repeated, each token's first id for every
-slot, a mask dropping pairs, rows mixed, a non-zero accumulator) stay."""
+rule `pair_order` has put its pairs in token order; or the unweighted rows combined by a `bmm` of
+the [N, k] weights, spell11's once rule `pair_restore` has) become the k slots at once, op for op
+the form `math.mxfp4_experts` has, equal to the spelling to fp32 summation order; look-alikes (a
+token index that is not arange(P) // k, z tiled instead of repeated, each token's first id for
+every slot, a mask dropping pairs, rows mixed, a non-zero accumulator, rows combined slot-major,
+the weights applied twice) stay."""
 
 from __future__ import annotations
 
@@ -13,7 +15,14 @@ import torch
 from k3compile.canonical import expert_rows as rule
 from k3compile.math import mxfp4_experts
 
-from .pair_spellings import BETAS, TOKEN_MAJOR_ODD, routed, sorted_pairs, token_major
+from .pair_spellings import (
+    BETAS,
+    TOKEN_MAJOR_ODD,
+    grouped_pairs,
+    routed,
+    sorted_pairs,
+    token_major,
+)
 from .rule_checks import targets, trace
 from .test_expert_slots import TP16, _inputs
 
@@ -55,6 +64,32 @@ def test_pair_rows_become_the_k_slots_at_once(spelling, rows, dtype):
     # for token_major, 6e-8 of the largest value for the bmm spelling)
     torch.testing.assert_close(got.float(), want.float(), rtol=0,
                                atol=1e-6 * float(want.float().abs().max()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_pair_rows_combined_by_the_weights_become_the_k_slots_at_once(rows, dtype):
+    """spell11's finalize (its pairs in token order, as rule `pair_restore` leaves them): the
+    unweighted rows read as [N, k, L] and combined by `bmm(w.unsqueeze(1), y.float())`."""
+    fn, args = (lambda *a: grouped_pairs(*a, sort=False)), _inputs(rows, dtype)
+    gm, before, n = _apply(fn, args)
+    assert n == 1 and before.count("aten.bmm.default") == 4
+    assert ([t for t in targets(gm) if t in EXPERT_OPS]
+            == [t for t in targets(trace(canonical, args)) if t in EXPERT_OPS])
+    got, want = gm(*args), fn(*args)
+    assert got.dtype == want.dtype == torch.float32 and got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6 * float(want.abs().max()))
+
+
+@pytest.mark.parametrize("case", ["rows_tiled", "weights_twice", "rows_mixed"])
+def test_combine_look_alikes_are_left_alone(case):
+    """Rows read as [k, N, L] (slot-major), the weights applied per row and again by the
+    combine, each row given the next one's output: other computations, left as they are."""
+    args = _inputs(3)
+    fn = lambda *a: grouped_pairs(*a, sort=False, odd=case)
+    gm, before, n = _apply(fn, args)
+    assert n == 0 and targets(gm) == before
+    assert not torch.allclose(fn(*args), canonical(*args), rtol=1e-3, atol=1e-3)
 
 
 @pytest.mark.parametrize("case", TOKEN_MAJOR_ODD)
