@@ -227,5 +227,6 @@ RULE = Rule(
     name="mla_absorbed",
     apply=apply,
     summary="absorbed MLA in another spelling (W_UK/W_UV as weight slices, sliced q and cache, "
-            "where-mask, scale before the cast, unsqueezed cache rows) -> the canonical absorbed form",
+            "where-mask, scale before the cast or on q and kᵀ, unsqueezed cache rows) -> the "
+            "canonical absorbed form",
 )
