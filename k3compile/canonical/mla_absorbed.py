@@ -6,7 +6,10 @@ DeepSeek-inference-style code absorbs W_UK / W_UV itself, but its spelling is it
 W_UV as slices of kv_b's weight in einsums, q_nope | q_pe and the cache parts by slicing, the
 scale applied before or after the cast to fp32, the causal mask by `torch.where(visible, s,
 -inf)` on a [B, T, 1, L] comparison, the cache written at `slots.unsqueeze(1)`. Each of these is
-the same attention; none is the graph the patterns were traced from.
+the same attention; none is the graph the patterns were traced from. SDPA over one latent "KV
+head" [c_kv | k_pe] with V its first C columns (`enable_gqa` or the head broadcast; the mask the
+positions' causal one) reaches this rule as such a spelling once rule sdpa_math has read its math
+path: the scale split as √c on q and on kᵀ, before the products.
 
 Matching is structural, then numerical. From each read of a cache that was just written
 (`index(index_put(cache, [slots, pos], rows), [slots])`): the products that read it (mm/bmm,
@@ -15,9 +18,11 @@ feeds one product with a 2-D weight W_kvb [H·(N + V), C] whose output is flatte
 [B, T, H·V]; the score terms read one query q (the q_b output) besides the cache, directly or
 through one product with W_kvb (q_nope·W_UK). Head count and dims are solved from the shapes
 (every head count dividing both widths is tried); the scale is the product of the scalars between
-the scores and the softmax. Then the whole site, from (q, W_kvb, cache, positions) to the
-flattened output, runs on random values: it must equal the canonical absorbed attention within
-`TOLERANCE`, or the site is left alone. A site that is the canonical form already (the same ops
+the scores and the softmax and of those the score products' operands were multiplied by (one
+number for every term). Then the whole site, from (q, W_kvb, cache, positions) to the flattened
+output, runs on random values: it must equal the canonical absorbed attention within
+`TOLERANCE`, or the site is left alone (SDPA's V not the cache's first C columns, a mask not the
+positions' causal one). A site that is the canonical form already (the same ops
 as its trace) is left as it is, unchecked. The cache write's indices are put in mla_decode's
 form (rule mla_absorb's).
 
@@ -115,6 +120,14 @@ def _sizes(site: Site, q: fx.Node):
             yield Sizes(B, T, L, H, N, R, V, C, q, 1.0)
 
 
+def term_scale(site: Site) -> float | None:
+    """What the score products' operands were multiplied by before the products, one number for
+    every term (SDPA's math path splits its scale as √c on q and on kᵀ: rule sdpa_math), or None
+    where the terms carry different ones (the check would refuse the site anyway)."""
+    scales = {t.a.scale * t.b.scale for s in site.scores for t in terms(s) or []}
+    return scales.pop() if len(scales) == 1 else None
+
+
 def _ops(nodes) -> collections.Counter:
     return collections.Counter(str(n.target) for n in nodes if n.op == "call_function")
 
@@ -184,7 +197,10 @@ def takes(read: fx.Node, pos: fx.Node) -> tuple[Site, Sizes, float] | str:
     if isinstance(found, str):
         return found
     site, q = found
-    scale = _chain_scale(site)
+    before = term_scale(site)
+    if before is None:
+        return "the score terms' operands are scaled by different numbers"
+    scale = before * _chain_scale(site)
     tried = []
     for z in _sizes(site, q):
         if _canonical_already(site, z, scale):
@@ -211,5 +227,6 @@ RULE = Rule(
     name="mla_absorbed",
     apply=apply,
     summary="absorbed MLA in another spelling (W_UK/W_UV as weight slices, sliced q and cache, "
-            "where-mask, scale before the cast, unsqueezed cache rows) -> the canonical absorbed form",
+            "where-mask, scale before the cast or on q and kᵀ, unsqueezed cache rows) -> the "
+            "canonical absorbed form",
 )

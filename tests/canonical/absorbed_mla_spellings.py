@@ -6,7 +6,10 @@ same absorbed attention (W_UK into q, W_UV after p·c) in the spelling of `Spell
 and the cache parts by slicing or by split, W_UK / W_UV as slices or a split of kv_b's weight,
 the scale before or after the cast to fp32, the mask by `torch.where` on a [B, T, 1, L]
 comparison or by masked_fill, the cache rows at `slots.unsqueeze(1)` or `.view(B, 1)`, the score and p·c products of bf16
-tensors or of their fp32 upcasts (rule `mla_upcast`).
+tensors or of their fp32 upcasts (rule `mla_upcast`); or the attention by
+`F.scaled_dot_product_attention` of [q_lat | q_pe] over one latent "KV head" [c_kv | k_pe] with V
+its first C columns and a boolean mask (spell11's, `tests/models/spell11_k3.py`), the head by
+`enable_gqa` or broadcast.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+import torch.nn.functional as F
 
 from k3compile.models.k3 import GatedMLA
 
@@ -27,17 +31,24 @@ class Spelling:
     # the score and p·c products read fp32 upcasts (q_lat.float(), latents.float(); softmax and
     # p·c in fp32, o_lat cast back): a bf16 spelling's (rule mla_upcast)
     upcast: bool = False
+    # the attention by SDPA over one latent head (rule sdpa_math reads its math path), the head
+    # repeated by enable_gqa, else the keys and values expanded over the query heads
+    sdpa: bool = False
+    sdpa_gqa: bool = True
     # look-alikes the rule must leave alone (not the attention the canonical form computes)
     window: int | None = None  # also hide cache rows older than pos - window
     scale_rope_twice: bool = False  # the rope term scaled once more
     mask_ahead: bool = False  # the mask shows one key past each query's position
     pv_other_slots: bool = False  # p·c reads the cache at other slots (slots.flip(0))
+    values_offset: bool = False  # SDPA's V the cache's last C columns, not its first
 
 
 SPELLINGS = {
     "deepseek_inference": Spelling(),  # the blind spelling's (tests/spellings/blind_k3.py)
     "split_where": Spelling(sliced=False, scale_before_cast=False),
     "sliced_masked_fill": Spelling(where_mask=False, unsqueezed_rows=False),
+    "sdpa_gqa": Spelling(sdpa=True),  # spell11's
+    "sdpa_broadcast": Spelling(sdpa=True, sdpa_gqa=False, sliced=False, unsqueezed_rows=False),
 }
 UPCAST_SPELLINGS = {
     "upcast_products": Spelling(upcast=True),
@@ -47,12 +58,18 @@ UPCAST_SPELLINGS = {
 LOOKALIKES = {
     "sliding_window": Spelling(window=4),
     "rope_scaled_twice": Spelling(scale_rope_twice=True),
+    "sdpa_values_offset": Spelling(sdpa=True, values_offset=True),
+    "sdpa_mask_ahead": Spelling(sdpa=True, mask_ahead=True),
+    "sdpa_sliding_window": Spelling(sdpa=True, window=4),
 }
 UPCAST_LOOKALIKES = {
     "upcast_sliding_window": Spelling(window=4, upcast=True),
     "upcast_rope_scaled_twice": Spelling(scale_rope_twice=True, upcast=True),
     "upcast_mask_ahead": Spelling(mask_ahead=True, upcast=True),
     "upcast_pv_other_slots": Spelling(pv_other_slots=True, upcast=True),
+    # bf16 SDPA (its math path upcasts q, k and v): the same look-alikes as in fp32
+    "sdpa_values_offset_bf16": Spelling(sdpa=True, values_offset=True),
+    "sdpa_mask_ahead_bf16": Spelling(sdpa=True, mask_ahead=True),
 }
 
 
@@ -83,6 +100,9 @@ class AbsorbedMLA(GatedMLA):
         cache = self.kv_cache[slots]
         w_uk, w_uv = _parts(self.kv_b_proj.weight.view(H, N + V, C), N, 1, s)
         q_lat = torch.einsum("bthd,hdc->bthc", q_nope, w_uk)
+        if s.sdpa:
+            return self.o_proj(self._sdpa(q_lat, q_pe, cache, pos, w_uv) * torch.sigmoid(
+                self.g_proj(x)))
         latents, rope = _parts(cache, C, -1, s)
         up = (lambda t: t.float()) if s.upcast else (lambda t: t)
         rope_term = torch.einsum("bthr,blr->bthl", up(q_pe), up(rope))
@@ -108,6 +128,22 @@ class AbsorbedMLA(GatedMLA):
         o_lat = torch.einsum("bthl,blc->bthc", p, up(_parts(values, C, -1, s)[0])).to(x.dtype)
         o = torch.einsum("bthc,hvc->bthv", o_lat, w_uv).reshape(B, T, H * V)
         return self.o_proj(o * torch.sigmoid(self.g_proj(x)))
+
+    def _sdpa(self, q_lat, q_pe, cache, pos, w_uv):
+        """o [B, T, H·V] by SDPA of [q_lat | q_pe] over the cache as one latent head."""
+        s, (B, T, H, _), C, R = self.spelling, q_lat.shape, self.kv_lora_rank, self.rope
+        query = torch.cat([q_lat, q_pe], -1).transpose(1, 2)  # [B, H, T, C + R]
+        keys = cache.unsqueeze(1)  # [B, 1, L, C + R]
+        values = keys[..., R:] if s.values_offset else keys[..., :C]
+        column = torch.arange(cache.shape[1])
+        mask = column <= (pos + 1 if s.mask_ahead else pos)[:, None, :, None]  # [B, 1, T, L]
+        if s.window is not None:
+            mask = mask & (column > (pos - s.window)[:, None, :, None])
+        if not s.sdpa_gqa:
+            keys, values = keys.expand(-1, H, -1, -1), values.expand(-1, H, -1, -1)
+        o_lat = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask,
+                                               scale=self.softmax_scale, enable_gqa=s.sdpa_gqa)
+        return torch.einsum("bhtc,hvc->bthv", o_lat, w_uv).reshape(B, T, -1)
 
 
 def absorbed(reference: GatedMLA, config, spelling: Spelling) -> AbsorbedMLA:
