@@ -402,10 +402,11 @@ def permuted_inputs(gm: fx.GraphModule, ctx) -> Permuted | None:
     if len(placeholders) != len(ctx.inputs):
         return None
     reads = _contiguous_reads(gm.graph)
-    transposed = set(ctx.transposed.positions) if ctx.transposed is not None else set()
+    # inputs another wrapper maps (a `.t()`, a copy): not the tensor Permuted.wrap would re-lay
+    mapped = {i for m in (ctx.transposed, ctx.weight_cast) if m is not None for i in m.positions}
     found = Permuted({})
     for i, p in enumerate(placeholders):
-        if i in ctx.user_inputs or i in transposed or not p.users or written_in_place(p):
+        if i in ctx.user_inputs or i in mapped or not p.users or written_in_place(p):
             continue
         if (dims := _permutation(p, reads)) is None:
             continue
