@@ -323,3 +323,54 @@ def test_autocast_mlp_without_the_stage_reads_each_weight_through_its_cast():
         reads[on] = _weight_reads(k3be.last_compiled())
     assert reads == {False: ["prims.convert_element_type.default"] * 2,
                      True: ["placeholder"] * 3}, reads
+
+
+def test_flax_kernels_under_autocast_are_re_laid_then_copied():
+    """[in, out] fp32 kernels read as `h @ W` under autocast: stage kernel_layout reads Wᵀ (its
+    cast), this stage its copy; the first call re-lays W (a new address: the copy is made again),
+    the compile after it finds W laid out so. Values as eager's, the GEMMs fused, updates seen."""
+    from tests.stages.test_kernel_layout import FlaxMLP
+
+    torch._dynamo.reset()
+    model, eager = FlaxMLP(), FlaxMLP()
+    step = torch.compile(model, backend="k3", fullgraph=True,
+                         options={"executor": "aten", "weight_cast": True})
+    x = torch.randn(2, 64, dtype=bf16)
+    with torch.no_grad(), _autocast():
+        for _ in range(3):  # the second call compiles again: the first re-laid the kernels
+            assert rel_err(step(x), eager(x)) <= TOL["bfloat16"]
+        fused = _fused(k3be.last_compiled())
+        assert fused.get("k3.situ_gate_up") == 1 and fused.get("k3.linear") == 1, fused
+        assert all(w.t().is_contiguous() and w.dtype == torch.float32
+                   for w in (model.gate, model.up, model.down))
+        new = FlaxMLP(seed=1).state_dict()
+        model.load_state_dict(new)
+        eager.load_state_dict(new)
+        assert rel_err(step(x), eager(x)) <= TOL["bfloat16"]
+
+
+def test_a_stage_cache_hit_reads_the_copies_too(tmp_path, monkeypatch):
+    """The stage runs before the cache's key, on every compile: a second compile of a fresh
+    model (a new process's) loads the entry and reads its own copies; no direct link (the
+    wrapper maps the inputs)."""
+    from collections import Counter
+
+    from k3compile import stage_cache
+
+    monkeypatch.setattr(stage_cache, "root", lambda: tmp_path / "k3cache" / "stages")
+    monkeypatch.setattr(stage_cache, "STATS", Counter())
+    x = torch.randn(2, 64, dtype=bf16)
+    outs, stats = [], []
+    for _ in range(2):
+        before = Counter(stage_cache.STATS)
+        model, eager, step = _steps({"stage_cache": True})
+        with torch.no_grad(), _autocast():
+            outs.append(step(x))
+            assert rel_err(outs[-1], eager(x)) <= TOL["bfloat16"]
+            model.up.weight.mul_(2)
+            eager.up.weight.mul_(2)
+            assert rel_err(step(x), eager(x)) <= TOL["bfloat16"]
+        stats.append(dict(Counter(stage_cache.STATS) - before))
+        assert _weight_reads(k3be.last_compiled()) == ["placeholder"] * 3
+    assert stats == [{"missed": 1, "stored": 1, "linked": 1}, {"loaded": 1, "linked": 1}], stats
+    assert torch.equal(*outs)
