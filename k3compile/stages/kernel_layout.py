@@ -106,10 +106,7 @@ class Transposed:
 
     def inputs(self, originals: list) -> list:
         """The rewritten graph's example inputs, from the original graph's."""
-        new = list(originals)
-        for i, fake in zip(self.positions, self.fakes, strict=True):
-            new[i] = fake
-        return new
+        return placed(originals, self.positions, self.fakes)
 
     def wrap(self, fn):
         """A boxed callable of the original inputs that calls boxed `fn` with each weight's `.t()`
@@ -169,6 +166,15 @@ class Transposed:
 
         call._boxed_call = True
         return call
+
+
+def placed(originals: list, positions: list[int], values: list) -> list:
+    """A copy of the list `originals` with `values[k]` at `positions[k]` (an input-mapping stage's
+    example inputs: this one's, weight_cast's)."""
+    new = list(originals)
+    for i, value in zip(positions, values, strict=True):
+        new[i] = value
+    return new
 
 
 def _copied(w: torch.Tensor) -> torch.Tensor:

@@ -53,7 +53,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.utils.weak import WeakIdKeyDictionary
 
 from k3compile.graph import ROW_VIEWS, fake_value, written_in_place
-from k3compile.stages.kernel_layout import VIEWS
+from k3compile.stages.kernel_layout import VIEWS, placed
 
 log = logging.getLogger("k3compile")
 aten, prims = torch.ops.aten, torch.ops.prims
@@ -146,26 +146,26 @@ class Cast:
 
     def inputs(self, originals: list) -> list:
         """The rewritten graph's example inputs, from the original graph's."""
-        new = list(originals)
-        for i, fake in zip(self.positions, self.fakes, strict=True):
-            new[i] = fake
-        return new
+        return placed(originals, self.positions, self.fakes)
 
     def wrap(self, fn):
         """A boxed callable of the original inputs that calls boxed `fn` with each master's copy
         in its place, the copy first made again where its master changed (see the module
         docstring): per call one address and one version read per master."""
         positions, copies, count = self.positions, self.copies, len(self.positions)
-        made = [_Made.of(m) for m in self.masters]
-        pointers, versions = [m.pointer for m in made], [m.version for m in made]
+        pointers = [m.data_ptr() for m in self.masters]  # what each copy was last made from
+        versions = [m._version for m in self.masters]
+        sources = [m.untyped_storage() for m in self.masters]  # held: no other tensor's address
         masters = operator.itemgetter(*positions) if count > 1 else lambda a: (a[positions[0]],)
-        picks = None  # the new inputs, picked from the arguments with the copies behind them
+        picks = None  # (argument count, the new inputs picked from the arguments + the copies)
 
+        @torch.no_grad()
         def refresh(ws) -> None:
             for k, w in enumerate(ws):
                 if w.data_ptr() != pointers[k] or w._version != versions[k]:
-                    made[k].refresh(w, copies[k])
-                    pointers[k], versions[k] = made[k].pointer, made[k].version
+                    copies[k].copy_(w)
+                    pointers[k], versions[k], sources[k] = (w.data_ptr(), w._version,
+                                                            w.untyped_storage())
 
         def call(args: list):
             nonlocal picks
@@ -174,37 +174,20 @@ class Cast:
                 if w.data_ptr() != pointer or w._version != version:
                     refresh(ws)
                     break
-            if picks is None or len(args) != picks[0]:
-                slot = {i: len(args) + k for k, i in enumerate(positions)}
-                picks = (len(args), operator.itemgetter(*(slot.get(j, j)
-                                                            for j in range(len(args)))))
-            args.extend(copies)
-            new = list(picks[1](args)) if len(args) > 1 else [copies[0]]
+            n = len(args)
+            if n == 1:
+                new = [copies[0]]
+            else:
+                if picks is None or n != picks[0]:
+                    slot = {i: n + k for k, i in enumerate(positions)}
+                    picks = (n, operator.itemgetter(*(slot.get(j, j) for j in range(n))))
+                args.extend(copies)
+                new = list(picks[1](args))
             args.clear()
             return fn(new)
 
         call._boxed_call = True
         return call
-
-
-@dataclasses.dataclass
-class _Made:
-    """What a copy was last made from: the master's address, version and storage (held, so its
-    address is no other tensor's while it is compared)."""
-
-    pointer: int
-    version: int
-    storage: torch.UntypedStorage
-
-    @classmethod
-    def of(cls, master: torch.Tensor) -> _Made:
-        return cls(master.data_ptr(), master._version, master.untyped_storage())
-
-    @torch.no_grad()
-    def refresh(self, master: torch.Tensor, copy: torch.Tensor) -> None:
-        copy.copy_(master)
-        self.pointer, self.version = master.data_ptr(), master._version
-        self.storage = master.untyped_storage()
 
 
 @dataclasses.dataclass

@@ -120,6 +120,16 @@ def test_fp16_casts_are_taken_too():
     assert torch.equal(_call(gm, cast, [x, w]), before(x, w))
 
 
+def test_a_graph_of_one_weight_alone():
+    (w,) = _weights((16, 8))
+
+    def fn(w):
+        return w.to(bf16).sum(0)
+
+    gm, cast, _, before = _stage(fn, [w], user=())
+    assert cast.positions == [0] and torch.equal(_call(gm, cast, [w]), before(w))
+
+
 def test_views_of_one_stacked_weight_cast_after_the_split():
     """A q|k|v weight cut into rows, each piece cast (autocast casts what the GEMM reads): the
     copy is the whole weight's, cut as before."""
