@@ -7,9 +7,11 @@ patterns left to Inductor (or, with executor "aten", runs it as it is).
     normalize -> canonicalize -> fuse -> verify -> writeback -> shard -> streams -> prefetch -> check -> ranks
     -> contract -> conv_layout -> pack -> stack_inputs
 
-Before them, on every compile and before the stage cache's key, `kernel_layout` reads [in, out]
-weights (Flax kernels, `x @ W`) as the [out, in] inputs the patterns want; like `stack_inputs`,
-it changes what the graph takes, and the executor calls the graph through its wrapper.
+Before them, on every compile and before the stage cache's key (`BEFORE_KEY`), `kernel_layout`
+reads [in, out] weights (Flax kernels, `x @ W`) as the [out, in] inputs the patterns want, and
+`weight_cast` reads an fp32 weight that the graph reads only through a cast to bf16 / fp16
+(`torch.autocast`) as a copy in that dtype; like `stack_inputs`, they change what the graph
+takes, and the executor calls the graph through their wrappers.
 
 Where the stage cache is on (`Options.stage_cache`, K3_CACHE_DIR; k3compile/stage_cache.py), a
 stage "cache" first looks the graph up: a hit stands for every stage before `ranks`, whose
@@ -63,6 +65,7 @@ from k3compile.stages.shard import shard
 from k3compile.stages.stack_inputs import stack_inputs
 from k3compile.stages.streams import streams
 from k3compile.stages.verify import verify
+from k3compile.stages.weight_cast import weight_cast
 
 log = logging.getLogger("k3compile")
 
@@ -89,8 +92,17 @@ STAGES: list[tuple[str, Stage]] = [
     ("stack_inputs", stack_inputs),  # after pack: the packed expert stacks as one input each
 ]
 
+# Before the stage cache's key, on every compile (a hit included): they change what the graph
+# takes (its inputs' layout, dtype), so the key is the graph they made; never on a graph decoded
+# from a direct link (one is stored only where they took nothing).
+BEFORE_KEY: list[tuple[str, Stage]] = [
+    ("kernel_layout", kernel_layout),
+    ("weight_cast", weight_cast),  # after kernel_layout: it takes the cast of a Wᵀ as it is
+]
+
 # stage -> the boolean option that switches it on (the others always run unless disabled)
 SWITCHED_BY: dict[str, str] = {
+    "weight_cast": "weight_cast",  # K3_WEIGHT_CAST
     "verify": "verify",  # K3_VERIFY
     "streams": "side_streams",  # K3_SIDE_STREAMS
     "ranks": "check_ranks",
@@ -102,11 +114,20 @@ SWITCHED_BY: dict[str, str] = {
 
 def stages(options: Options) -> list[tuple[str, Stage]]:
     """The stages a compile with `options` runs, in order."""
-    unknown = set(options.disabled_stages) - {name for name, _ in STAGES}
+    unknown = set(options.disabled_stages) - {name for name, _ in BEFORE_KEY + STAGES}
     if unknown:
-        raise ValueError(f"disabled_stages: unknown stages {sorted(unknown)} "
-                         f"(the stages: {', '.join(name for name, _ in STAGES)})")
-    return [(name, fn) for name, fn in STAGES
+        raise ValueError(f"disabled_stages: unknown stages {sorted(unknown)} (the stages: "
+                         f"{', '.join(name for name, _ in BEFORE_KEY + STAGES)})")
+    return _on(STAGES, options)
+
+
+def before_key(options: Options) -> list[tuple[str, Stage]]:
+    """The `BEFORE_KEY` stages a compile with `options` runs, in order."""
+    return _on(BEFORE_KEY, options)
+
+
+def _on(listed: list[tuple[str, Stage]], options: Options) -> list[tuple[str, Stage]]:
+    return [(name, fn) for name, fn in listed
             if name not in options.disabled_stages
             and getattr(options, SWITCHED_BY.get(name, ""), True)]
 
@@ -118,6 +139,7 @@ class Pipeline:
         self.options = options
         self.observer = observer
         self.stages = stages(options)
+        self.before_key = before_key(options)
 
     def run(self, gm: fx.GraphModule, ctx: Context, text: str | None = None) -> fx.GraphModule:
         """Every stage on gm, each under the observer; what they reported kept by bucket. The
@@ -127,7 +149,8 @@ class Pipeline:
         link gave it (gm was decoded from it)."""
         cached, replayed = stage_cache.split(self.stages)
         if text is None:  # a decoded graph (a direct link) was never rewritten: see `compile`
-            gm = kernel_layout(gm, ctx)
+            for _, stage in self.before_key:
+                gm = stage(gm, ctx)
         if text is None and cached and self.options.stage_cache:
             text = stage_cache.key_text(gm, ctx, [name for name, _ in self.stages])
         path = stage_cache.path_of(text) if text is not None else None
@@ -203,6 +226,8 @@ class Pipeline:
             aten_gm = self.run(aten_gm, ctx)
             if ctx.transposed is not None:  # Dynamo's inputs are not the graph's as they come
                 why = why or "stage kernel_layout reads weights transposed"
+            if ctx.weight_cast is not None:  # the executor's wrapper hands it the copies
+                why = why or "stage weight_cast reads weights through copies"
             if ctx.permuted is not None:  # the executor's wrapper re-lays them at the first call
                 why = why or "stage conv_layout re-lays weights"
             if link_path is not None and ctx.stage_key is not None:
@@ -235,6 +260,9 @@ class Pipeline:
         transposed = ctx.transposed  # [in, out] weights the graph reads as [out, in]
         if transposed is not None:
             aten_inputs = transposed.inputs(aten_inputs)
+        cast = ctx.weight_cast  # fp32 weights the graph reads as their bf16 / fp16 copies
+        if cast is not None:
+            aten_inputs = cast.inputs(aten_inputs)
         stacked = ctx.notes.get("stack_inputs")
         if stacked is not None:  # the graph takes each packed expert stack as one input
             aten_inputs = stacked.inputs(aten_inputs)
@@ -245,6 +273,7 @@ class Pipeline:
         else:  # the graph as it is: side-stream ops name their stream in their calls
             fn = inductor.make_boxed_func(aten_gm.forward)
         fn = fn if stacked is None else stacked.wrap(fn)
+        fn = fn if cast is None else cast.wrap(fn)
         fn = fn if transposed is None else transposed.wrap(fn)
         return fn if ctx.permuted is None else ctx.permuted.wrap(fn)
 
@@ -353,4 +382,4 @@ def inference_only(example_inputs: list) -> contextlib.AbstractContextManager:
     return torch.no_grad()
 
 
-__all__ = ["STAGES", "SWITCHED_BY", "Context", "Pipeline", "Stage", "stages"]
+__all__ = ["BEFORE_KEY", "STAGES", "SWITCHED_BY", "Context", "Pipeline", "Stage", "stages"]

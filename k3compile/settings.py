@@ -34,6 +34,9 @@ SWITCHES: dict[str, tuple[str, str]] = {
     "K3_SIDE_STREAMS": ("option `side_streams`: shared experts and prefetch on side streams", "1"),
     "K3_PACK_WEIGHTS": ("option `pack_weights`: each fused group's weights in one buffer", "1"),
     "K3_STACK_INPUTS": ("option `stack_inputs`: a packed expert stack is one graph input", "1"),
+    "K3_WEIGHT_CAST": (("option `weight_cast`: an fp32 weight read only through a cast to bf16 / "
+                        "fp16 (autocast) is read as a copy in that dtype (a write through "
+                        "`param.data` is not seen)"), "0"),
     "K3_EXECUTOR": ("option `executor`: `inductor` or `aten`", "inductor"),
     "K3_SHARD_MOE": ("option `shard_moe`: `auto`, `on` or `off`", "auto"),
     "K3_VALIDATE": ("option `validate`: input checks `auto`, `host`, `device` or `off`", "auto"),
@@ -225,6 +228,12 @@ class Options:
     # buffer is one input of the graph the executor compiles, not one per expert.
     # K3_STACK_INPUTS=0 turns it off.
     stack_inputs: bool = True
+    # Stage `weight_cast` (before the stage cache's key): a weight kept in fp32 and read only
+    # through a cast to bf16 / fp16 (torch.autocast) is read as a copy in that dtype, made once
+    # and made again by the wrapper where the weight's address or version changed. Off: a write
+    # through `param.data` (`param.data.copy_(t)`) bumps no version, so the copy would miss it
+    # (docs/decisions.md, session 32). K3_WEIGHT_CAST=1 turns it on.
+    weight_cast: bool = False
     # The step's input checks (k3compile/validate.py): "auto" (on the host for CPU inputs, inside
     # the step for CUDA ones), "host", "device" (also on CPU: the tests) or "off". K3_VALIDATE.
     validate: str = "auto"
@@ -258,6 +267,7 @@ class Options:
                          ("side_streams", "K3_SIDE_STREAMS"),
                          ("pack_weights", "K3_PACK_WEIGHTS"),
                          ("stack_inputs", "K3_STACK_INPUTS"),
+                         ("weight_cast", "K3_WEIGHT_CAST"),
                          ("stage_cache", "K3_STAGE_CACHE"), ("skip_aot", "K3_SKIP_AOT"),
                          ("front_route", "K3_FRONT_ROUTE"), ("sdpa_math", "K3_SDPA_MATH")):
             if (value := env_bool(var)) is not None:

@@ -30,3 +30,5 @@ class Context:
     transposed: Any = None
     # the inputs a fused op reads permuted, re-laid by the first call (stage `conv_layout`)
     permuted: Any = None
+    # the inputs read as their copy in a lower float dtype (stage `weight_cast`); None: none
+    weight_cast: Any = None

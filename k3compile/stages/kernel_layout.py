@@ -106,10 +106,7 @@ class Transposed:
 
     def inputs(self, originals: list) -> list:
         """The rewritten graph's example inputs, from the original graph's."""
-        new = list(originals)
-        for i, fake in zip(self.positions, self.fakes, strict=True):
-            new[i] = fake
-        return new
+        return placed(originals, self.positions, self.fakes)
 
     def wrap(self, fn):
         """A boxed callable of the original inputs that calls boxed `fn` with each weight's `.t()`
@@ -169,6 +166,15 @@ class Transposed:
 
         call._boxed_call = True
         return call
+
+
+def placed(originals: list, positions: list[int], values: list) -> list:
+    """A copy of the list `originals` with `values[k]` at `positions[k]` (an input-mapping stage's
+    example inputs: this one's, weight_cast's)."""
+    new = list(originals)
+    for i, value in zip(positions, values, strict=True):
+        new[i] = value
+    return new
 
 
 def _copied(w: torch.Tensor) -> torch.Tensor:
@@ -402,10 +408,11 @@ def permuted_inputs(gm: fx.GraphModule, ctx) -> Permuted | None:
     if len(placeholders) != len(ctx.inputs):
         return None
     reads = _contiguous_reads(gm.graph)
-    transposed = set(ctx.transposed.positions) if ctx.transposed is not None else set()
+    # inputs another wrapper maps (a `.t()`, a copy): not the tensor Permuted.wrap would re-lay
+    mapped = {i for m in (ctx.transposed, ctx.weight_cast) if m is not None for i in m.positions}
     found = Permuted({})
     for i, p in enumerate(placeholders):
-        if i in ctx.user_inputs or i in transposed or not p.users or written_in_place(p):
+        if i in ctx.user_inputs or i in mapped or not p.users or written_in_place(p):
             continue
         if (dims := _permutation(p, reads)) is None:
             continue

@@ -54,10 +54,10 @@ def last_compiled():
     return k3be.last_compiled()
 
 
-def compile_k3(model):
+def compile_k3(model, **options):
     torch._dynamo.reset()
     return torch.compile(model, backend="k3", fullgraph=True,
-                         options={"executor": "aten", "keep_graphs": False})
+                         options={"executor": "aten", "keep_graphs": False, **options})
 
 
 def per_layer(compiled):
