@@ -65,6 +65,7 @@ from k3compile.stages.shard import shard
 from k3compile.stages.stack_inputs import stack_inputs
 from k3compile.stages.streams import streams
 from k3compile.stages.verify import verify
+from k3compile.stages.weight_cast import hint as weight_cast_hint
 from k3compile.stages.weight_cast import weight_cast
 
 log = logging.getLogger("k3compile")
@@ -151,6 +152,8 @@ class Pipeline:
         if text is None:  # a decoded graph (a direct link) was never rewritten: see `compile`
             for _, stage in self.before_key:
                 gm = stage(gm, ctx)
+            if not self.options.weight_cast:  # off by default: say where it would take weights
+                weight_cast_hint(gm, ctx)
         if text is None and cached and self.options.stage_cache:
             text = stage_cache.key_text(gm, ctx, [name for name, _ in self.stages])
         path = stage_cache.path_of(text) if text is not None else None

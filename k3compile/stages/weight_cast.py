@@ -281,6 +281,39 @@ def cast_inputs(gm: fx.GraphModule, ctx) -> Cast | None:
     return found if found.positions else None
 
 
+def castable(gm: fx.GraphModule, ctx) -> int:
+    """How many of gm's weights the stage would read as a copy in a lower float dtype (the
+    `cast_inputs` test, nothing changed)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    count = 0
+    for i, p in enumerate(placeholders):
+        val = p.meta.get("val")
+        if (i in ctx.user_inputs or not isinstance(val, torch.Tensor)
+                or not val.dtype.is_floating_point or not p.users):
+            continue
+        reads = _reads(p)
+        count += not isinstance(reads, str) and reads[2] in LOW and \
+            val.dtype.itemsize > reads[2].itemsize
+    return count
+
+
+_HINTED = False
+
+
+def hint(gm: fx.GraphModule, ctx) -> fx.GraphModule:
+    """With the stage off: a warning, once per process, where a graph reads weights only through
+    a cast to a lower float dtype (fp32 masters under `torch.autocast`), whose GEMMs no pattern
+    fuses; the stage would take them."""
+    global _HINTED
+    if not _HINTED and (count := castable(gm, ctx)):
+        _HINTED = True
+        log.warning("k3: %d fp32 weights are read only through a cast to bf16 / fp16 (fp32 master "
+                    "weights under torch.autocast?): no GEMM fusion takes a cast weight. "
+                    "K3_WEIGHT_CAST=1 (option weight_cast) reads them as copies in that dtype, "
+                    "kept fresh unless written through `param.data` (README, weights)", count)
+    return gm
+
+
 def weight_cast(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     """The stage (on with `Options.weight_cast`): the mapping goes to the executor through
     `ctx.weight_cast`."""

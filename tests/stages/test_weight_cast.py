@@ -6,6 +6,8 @@ then end to end on an autocast MLP under backend k3 (the GEMM fusions back, valu
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from torch import nn
@@ -333,6 +335,23 @@ def test_autocast_mlp_without_the_stage_reads_each_weight_through_its_cast():
         reads[on] = _weight_reads(k3be.last_compiled())
     assert reads == {False: ["prims.convert_element_type.default"] * 2,
                      True: ["placeholder"] * 3}, reads
+
+
+def test_the_stage_off_says_once_where_it_would_take_weights(caplog, monkeypatch):
+    """With the stage off a compile reading fp32 masters through casts warns once per process,
+    counting the weights the stage would take (gate, up, down); with it on, nothing."""
+    from k3compile.stages import weight_cast as stage
+
+    monkeypatch.setattr(stage, "_HINTED", False)
+    for on, want in ((True, []), (False, [3]), (False, [])):  # the third compile: warned already
+        caplog.clear()
+        _, eager, step = _steps({"weight_cast": on})
+        x = torch.randn(2, 64, dtype=bf16)
+        with torch.no_grad(), _autocast(), caplog.at_level(logging.WARNING, "k3compile"):
+            assert rel_err(step(x), eager(x)) <= TOL["bfloat16"]
+        got = [int(r.getMessage().split()[1]) for r in caplog.records
+               if "K3_WEIGHT_CAST=1" in r.getMessage()]
+        assert got == want, (on, got)
 
 
 def test_flax_kernels_under_autocast_are_re_laid_then_copied():
