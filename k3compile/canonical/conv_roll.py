@@ -1,20 +1,24 @@
 """Rule `conv_roll`: a short conv over a rolled state (the oldest column rolled out by `roll(W, -1,
 -1)`, the new input assigned as the last column, the output the first taps-1 products summed plus
-the last tap's) -> the window form `cat([W, x[..., None]], -1)` that rule `short_conv` convolves
-and `token_column` / `token_windows` read (`patterns/kda_decode.py`'s window and state tail).
+the last tap's) -> the window `cat([W, x[..., None]], -1)` and its canonical convolution (rule
+`short_conv`'s), which `token_column` / `token_windows` read (`patterns/kda_decode.py`'s window,
+conv and state tail).
 
 spell11 (`tests/models/spell11_k3.py`, `KDA.short_conv`) keeps the state W [B, C, K-1] and, per
 token x [B, C] and taps w [C, K], writes
 
-    y = addcmul(sum(W * w[:, :K-1], -1), x, w[:, K-1])    ->  y = sum(cat([W, x[..., None]], -1) * w, -1)
-    R = roll(W, -1, -1);  R[..., -1] = x                  ->  R = cat([W, x[..., None]], -1)[..., 1:]
+    y = addcmul(sum(W * w[:, :K-1], -1), x, w[:, K-1])  ->  y = conv1d(cat([W, x[..., None]], -1), w)
+    R = roll(W, -1, -1);  R[..., -1] = x                ->  R = cat([W, x[..., None]], -1)[..., 1:]
 
 (traced: `index(W, [.., fmod(iota(K-1) + 1, K-1)])`, then `select_scatter` of x, or
 `slice_scatter` of x[..., None] for `R[..., -1:] = x[..., None]`); either operand may be read
-through one fp32 upcast (a bf16 state under `.float()`), and `sum + x * w[:, K-1]` is taken as
-the addcmul. The state: exact (the same elements moved). The output: the same K fp32 products
-summed in another order (addcmul is a fused multiply-add on CPU), so within the fp32 summation
-bound K·2^-24·Σ|x_j w_j| of the exact dot product (tests/canonical/test_conv_roll.py).
+through one fp32 upcast (a bf16 state under `.float()`: the conv reads the window's upcast), and
+`sum + x * w[:, K-1]` is taken as the addcmul. The state: exact (the same elements moved). The
+output: the same K fp32 products summed in another order (addcmul is a fused multiply-add on
+CPU), so within the fp32 summation bound K·2^-24·Σ|x_j w_j| of the exact dot product
+(tests/canonical/test_conv_roll.py). The conv is written here, not left to `short_conv` as a
+window sum: that rule leaves the sum's product dead in the graph, a third reader of the window
+that keeps `token_windows` from collapsing the per-token windows of verify rows.
 
 Taken only as a pair (the output and the state of the same W and x): a rolled state's output
 alone, or a roll alone, is not this conv. Left alone: a roll by another shift or on another dim,
@@ -27,12 +31,11 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from k3compile.canonical import Rule, rewrite_sites
+from k3compile.canonical import Rule, rewrite_sites, short_conv
 from k3compile.canonical.region import shape, val
 from k3compile.graph import call
 
 aten = torch.ops.aten
-CONVERT = torch.ops.prims.convert_element_type.default
 END = 2**63 - 1  # `[..., 1:]`'s end as traced
 _HALF = (torch.bfloat16, torch.float16)
 _VIEWS = {aten.select.int, aten.slice.Tensor, aten.view.default, aten.unsqueeze.default,
@@ -47,7 +50,7 @@ def _last(node, dim) -> bool:
 
 def _up(node) -> tuple[fx.Node, bool]:
     """(the tensor node is an exact fp32 upcast of, whether it is one)."""
-    if (isinstance(node, fx.Node) and node.target is CONVERT and node.args[1] == torch.float32
+    if (isinstance(node, fx.Node) and node.target is torch.ops.prims.convert_element_type.default and node.args[1] == torch.float32
             and val(node.args[0]) is not None and val(node.args[0]).dtype in _HALF):
         return node.args[0], True
     return node, False
@@ -78,8 +81,8 @@ def _product(node) -> tuple | None:
 
 
 def _output(node: fx.Node) -> tuple | None:
-    """(W, x, w, upcast) where node = sum(W' * w[:, :K-1], -1) + x' * w[:, K-1] in fp32 (W', x'
-    W and x, or both their fp32 upcasts)."""
+    """(W, x, w) where node = sum(W' * w[:, :K-1], -1) + x' * w[:, K-1] in fp32 (W', x' W and x,
+    or both their fp32 upcasts)."""
     if val(node) is None or val(node).dtype != torch.float32:
         return None
     if node.target is aten.addcmul.default and len(node.args) == 3 and (
@@ -108,7 +111,7 @@ def _output(node: fx.Node) -> tuple | None:
             if (tap and found == (tap[0], "last") and tap[1] == "head" and x_upcast == upcast
                     and shape(tap[0])[0] == shape(W)[-2] and shape(x) == shape(W)[:-1]
                     and val(x).dtype == val(W).dtype and shape(acc.args[0]) == shape(window)):
-                return W, x, tap[0], upcast
+                return W, x, tap[0]
     return None
 
 
@@ -190,22 +193,22 @@ def _column(scatter: fx.Node, R: fx.Node) -> tuple[fx.Node, fx.Node | None] | No
 
 
 def _site(node: fx.Node):
-    """(output node, scatter, W, x, x[..., None] or None, w, upcast)."""
+    """(scatter, W, x, x[..., None] or None, w) of the output node's rolled state."""
     found = _output(node)
     if found is None:
         return None
-    W, x, w, upcast = found
+    W, x, w = found
     sites = [(scatter, col) for R in W.users if _rolls_left(R, W) for scatter in R.users
              if scatter.target in (aten.select_scatter.default, aten.slice_scatter.default)
              and (col := _column(scatter, R)) is not None and _same(col[0], x)]
     if len(sites) != 1:
         return None
     (scatter, (_, col)), = sites
-    return scatter, W, x, col, w, upcast
+    return scatter, W, x, col, w
 
 
 def _write(graph: fx.Graph, out: fx.Node, site) -> None:
-    scatter, W, x, col, w, upcast = site
+    scatter, W, x, col, w = site
     order = {n: i for i, n in enumerate(graph.nodes)}
     last = max(out, scatter, key=order.__getitem__)
     dim = len(shape(W)) - 1
@@ -214,11 +217,8 @@ def _write(graph: fx.Graph, out: fx.Node, site) -> None:
             col = call(graph, aten.unsqueeze.default, (x, -1), like=scatter)
         window = call(graph, aten.cat.default, ([W, col], -1), like=scatter)
         state = call(graph, aten.slice.Tensor, (window, dim, 1, END), like=scatter)
-        full = call(graph, CONVERT, (window, torch.float32), like=out) if upcast else window
-        prod = call(graph, aten.mul.Tensor, (full, w), like=out)
-        y = call(graph, aten.sum.dim_IntList, (prod, [-1]), like=out)
     scatter.replace_all_uses_with(state)
-    out.replace_all_uses_with(y)
+    short_conv._convolve(graph, out, (window, w, *shape(w)))  # the canonical conv
 
 
 def apply(graph: fx.Graph) -> int:

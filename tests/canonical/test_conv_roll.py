@@ -1,15 +1,17 @@
 """conv_roll: a short conv over a rolled state (spell11's `addcmul(sum(W * w[:, :3], -1), x,
 w[:, 3])`, then `roll(W, -1, -1)` with x assigned as the last column) becomes the window form
-`sum(cat([W, x[..., None]], -1) * w, -1)` with the state `cat(..)[..., 1:]`: the state bit for
-bit, the output a reordered fp32 sum of the same products (within K·2^-24·Σ|x_j w_j| of the
-exact dot product), equal bit for bit to the window form's eager value; a roll by +1, a roll on
+convolved (`conv1d(cat([W, x[..., None]], -1), w)`) with the state `cat(..)[..., 1:]`: the state
+bit for bit, the output a reordered fp32 sum of the same products (within K·2^-24·Σ|x_j w_j| of
+the exact dot product), equal bit for bit to that form's eager value; a roll by +1, a roll on
 another dim, a column that is not the input, an output without its roll and a sum accumulated in
-bf16 stay. Slow: spell11 compiled blind (no probe) fuses its KDA layers."""
+bf16 stay. Slow: spell11 compiled blind (no probe) fuses its KDA layers, one token and 3 verify
+rows."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.func import functionalize
 
 from k3compile.canonical import conv_roll
@@ -66,11 +68,11 @@ def select_scatter(x, W, taps):  # functional, the output as a sum plus a produc
                  roll=lambda W, x: torch.select_scatter(W.roll(K - 2, 2), x, 2, K - 2))
 
 
-def window_form(x, W, taps):  # the canonical form (spell11's probe `conv_window`)
+def window_form(x, W, taps):  # the canonical form: spell11's probe `conv_window`, convolved
     ys = []
     for t in range(x.shape[1]):
         full = torch.cat([W, x[:, t].unsqueeze(-1)], -1)
-        ys.append((full.float() * taps).sum(-1))
+        ys.append(F.conv1d(full.float(), taps[:, None], groups=C).view(B, C))
         W = full[..., 1:]
     return torch.stack(ys, 1), W
 
@@ -103,6 +105,7 @@ def test_the_rolled_state_is_the_window(fn, T, dtype):
     assert n == T
     cats = [targets(gm).count("aten.cat.default") for gm in (before, after)]
     assert not ROLLED & set(targets(after)) and cats[1] == cats[0] + T  # one window per token
+    assert targets(after).count("aten.convolution.default") == T
     (y0, s0), (y, s) = before(*args), after(*args)
     assert_same(s, s0)
     assert y.dtype == y0.dtype and y.shape == y0.shape
@@ -152,14 +155,16 @@ def test_lookalikes_stay(fn):
 
 
 @pytest.mark.slow
-def test_spell11_kda_fuses_with_its_rolled_conv_state():
+@pytest.mark.parametrize("rows", [0, 3], ids=["T1", "T3"])
+def test_spell11_kda_fuses_with_its_rolled_conv_state(rows):
     """spell11 blind (no probe: the conv from its rolled state, the rank-1 write `addcmul_`, the
-    reads by matmul), fp32, one token: fb_kda_decode and linear_concat in both KDA layers."""
+    reads by matmul), fp32, one token or 3 verify rows (the per-token windows collapsed by
+    `token_windows`): fb_kda_decode and linear_concat in both KDA layers."""
     from tests.models.spell11_k3 import from_builtin
 
     builtin = foreign.builtin(torch.float32)
     model, eager = from_builtin(builtin), from_builtin(builtin)
-    assert foreign.steps(foreign.compile_k3(model), eager, n=1) <= TOL["aten_cpu"]
+    assert foreign.steps(foreign.compile_k3(model), eager, n=2, rows=rows) <= TOL["aten_cpu"]
     got = foreign.per_layer(foreign.last_compiled())
     for layer in (0, 1):
         assert got[layer]["fb_kda_decode"] == 1 and got[layer]["linear_concat"] == 1, \
