@@ -35,6 +35,7 @@ ORDER: tuple[str, ...] = ("scatter_rows", "paged_write", "token_dim", "state_wri
                           "cast_split", "pair_restore", "pair_order", "expert_rows",
                           "expert_slots", "expert_gather", "expert_stack", "expert_gemm",
                           "expert_split", "scatter_sum", "expert_combine", "gemm", "lowrank_view", "conv_crop",
+                          "conv_roll",
                           "short_conv", "conv_einsum", "cell_conv", "split_rows", "token_column", "token_windows",
                           "token_select",
                           "proj_split",

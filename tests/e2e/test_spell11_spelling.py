@@ -1,16 +1,17 @@
 """An eleventh spelling of K3 (`tests/models/spell11_k3.py`, written blind in a mixed-precision
 training codebase's style: fp32 master weights under `torch.autocast`, SDPA for MLA, grouped
-experts) under backend="k3": values hold; the fused plan loses AttnRes, KDA and MLA in fp32, and
-in bf16 also every GEMM fusion (docs/spell11_spelling.md); the routed experts fuse (session 32).
+experts) under backend="k3": values hold; in fp32 the fused plan has every op the built-in
+model's has (session 32's rules); in bf16 it loses AttnRes, KDA, MLA and, under autocast, every
+GEMM fusion unless stage weight_cast is on (docs/spell11_spelling.md).
 
 Values (these must pass): the spelling's eager step equals the built-in model's on the same state
 dict (fp32, logits and every state, 4 steps, batch 2, one token and 3 verify rows); compiled
 (executor aten, one static bucket) it equals its own eager copy in fp32 and in bf16.
 
 Plan (recorded, not wanted): per layer, the k3 ops the built-in model's plan has that this
-spelling's plan lacks are asserted EXACTLY (`LOST`). `PROBE_FIXES` names, per gap, the idioms
-(`Spell11K3.set_probe`) that bring the ops back when switched to another spelling of the same
-math (fp32): the causes.
+spelling's plan lacks are asserted EXACTLY (`LOST`). The probes (`Spell11K3.set_probe`), each
+switching one idiom to another spelling of the same math, named the causes of the fp32 gaps, all
+closed now:
 
 * attn_res_mix_norm, oproj_attn_res_mix_norm (every layer, the output mix): **fp32 closed**
   (session 32): the one cause was the bank's stack [B, T, S, D] flattened to [B*T, S, D] after
@@ -21,11 +22,13 @@ math (fp32): the causes.
   crashed (session 31) where attn_res_mix_norm[delta] took a mix whose block input is a slice
   of the bank that holds the site's own prefix add (a cycle): the engine now refuses such a
   replacement (near miss).
-* fb_kda_decode + linear_concat (0, 1): three idioms together (`conv_window`: the conv from a
-  rolled state with `addcmul`; `state_add`: the rank-1 write `S.addcmul_`; `state_einsum`: the
-  state reads `matmul(k.unsqueeze(-2), S)`). Rule `addcmul_split` (session 31) closes the
-  second, and with it the third (the reads fuse once the write is an add): `conv_window` alone
-  is left (tests/canonical/test_addcmul_split.py compiles spell11 with only the write blind).
+* fb_kda_decode + linear_concat (0, 1), closed in fp32: three idioms together (`conv_window`:
+  the conv from a rolled state with `addcmul`; `state_add`: the rank-1 write `S.addcmul_`;
+  `state_einsum`: the state reads `matmul(k.unsqueeze(-2), S)`). Rule `addcmul_split` (session
+  31) closes the second, and with it the third (the reads fuse once the write is an add); rule
+  `conv_roll` (session 32) the first (tests/canonical/test_conv_roll.py compiles spell11 blind).
+  bf16 still loses them (near misses: the window's column under the state's `.float()`, the
+  fp32 recurrent state).
 * mla_q_absorb, mla_decode, mla_uv_gate (2, 3), closed in fp32 (session 32): SDPA with
   `enable_gqa=True` over one latent "KV head" and a boolean mask (probe `attention` brought all
   three back) reaches rule mla_absorbed through sdpa_math's reading, its scale split as √c on q
@@ -64,7 +67,7 @@ MOE_GEMMS = {"stream_fork": 1, "situ_gate_up": 1, "moe_front": 1, "stream_join":
              "norm_linear": 1}
 # layer -> the built-in plan's ops this spelling's plan lacks (a layer not named: none)
 LOST = {
-    torch.float32: {0: {**KDA}, 1: {**KDA}},
+    torch.float32: {},  # every fusion of the built-in plan (session 32's rules)
     torch.bfloat16: {0: {**KDA, "oproj_attn_res_mix_norm": 1, **GEMMS},
                      1: {**MIX, **KDA, **MOE_GEMMS},
                      2: {**MIX, **MLA, **MOE_GEMMS, "linear_concat": 1, "mla_lowrank_norm": 1},
@@ -80,43 +83,33 @@ LOST_WEIGHT_CAST = {0: {**KDA, "oproj_attn_res_mix_norm": 1},
                     -1: {"attn_res_mix_norm": 1}}
 # (pattern, dtype) whose loss must come with a near miss in that layer naming a node
 # (moe_experts, bf16: no longer lost, session 32's rule pair_restore)
-DIAGNOSED = (("kda_decode", torch.float32), ("mla_decode", torch.bfloat16))
+DIAGNOSED = (("kda_decode", torch.bfloat16), ("mla_decode", torch.bfloat16))
 
 
 foreign.define_common_tests(globals(), "spell11", from_builtin, state_of, lost_by_dtype=LOST,
                             eager_tol=EAGER_TOL, diagnosed=DIAGNOSED)
 
 
-# probes (Spell11K3.set_probe) that switch the named idioms to another spelling of the same math,
-# and the ops they bring back (fp32): each names the cause of a gap (docs/spell11_spelling.md)
-# (AttnRes: fused in fp32 since session 32, rule depth_mix reads the flattened stack; probe
-# `mix` restores nothing now)
-PROBE_FIXES = {
-    "kda": (("conv_window",),  # state_add, state_einsum: rule addcmul_split
-            {0: ("fb_kda_decode", "linear_concat"), 1: ("fb_kda_decode", "linear_concat")}),
-    # mla (probe attention): closed in fp32 by rule mla_absorbed reading SDPA's split scale
-}  # experts (token_order): closed by rule pair_restore (session 32), nothing left to bisect
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("gap", sorted(PROBE_FIXES))
-def test_probes_name_the_cause_of_each_gap(gap):
-    foreign.assert_probes_restore(from_builtin, *PROBE_FIXES[gap], EAGER_TOL)
+# probes (Spell11K3.set_probe) switch one idiom to another spelling of the same math; each
+# named the cause of an fp32 gap (docs/spell11_spelling.md), all closed in session 32: `mix` by
+# rule depth_mix (the flattened bank), `conv_window` by conv_roll (with addcmul_split for
+# `state_add` / `state_einsum`), `attention` by mla_absorbed (SDPA's split scale), `token_order`
+# by pair_restore and expert_rows (the sort undone by a gather, the bmm combine)
 
 
 @pytest.mark.slow
 def test_checkpoint_weights_bring_the_bf16_gemm_fusions_back(reference_plan):
     """bf16 with the checkpoint's bf16 weights and no autocast (probe `checkpoint_weights`):
     every GEMM fusion the autocast step loses returns, and MLA's q_absorb and decode with them;
-    what is left is fp32's gaps, mla_uv_gate and the AttnRes mixes (measured; the mixes: with
-    bf16 weights the fold `w_norm * w_proj[0]` rounds in bf16, no canonical form's rounding):
-    the weight casts are the cause."""
+    what is left is KDA (closed in fp32 only), mla_uv_gate and the AttnRes mixes (measured; the
+    mixes: with bf16 weights the fold `w_norm * w_proj[0]` rounds in bf16, no canonical form's
+    rounding): the weight casts are the cause."""
     builtin = foreign.builtin(torch.bfloat16)
     model, eager = (from_builtin(builtin).set_probe("checkpoint_weights") for _ in range(2))
     assert foreign.steps(foreign.compile_k3(model), eager, n=1) <= TOL["diffsuite_bf16"]
     got = foreign.lost(reference_plan, foreign.per_layer(foreign.last_compiled()))
-    fp32, mla = LOST[torch.float32], {**MIX, "mla_uv_gate": 1}
-    assert got == {0: {**fp32[0], "oproj_attn_res_mix_norm": 1}, 1: {**fp32[1], **MIX},
+    mla = {**MIX, "mla_uv_gate": 1}
+    assert got == {0: {**KDA, "oproj_attn_res_mix_norm": 1}, 1: {**KDA, **MIX},
                    2: mla, 3: mla, -1: {"attn_res_mix_norm": 1}}, got
 
 
