@@ -51,7 +51,8 @@ def _last(node, dim) -> bool:
 def _up(node) -> tuple[fx.Node, bool]:
     """(the tensor node is an exact fp32 upcast of, whether it is one)."""
     if (isinstance(node, fx.Node) and node.target is torch.ops.prims.convert_element_type.default
-            and node.args[1] == torch.float32 and val(node.args[0]) is not None and val(node.args[0]).dtype in _HALF):
+            and node.args[1] == torch.float32 and val(node.args[0]) is not None
+            and val(node.args[0]).dtype in _HALF):
         return node.args[0], True
     return node, False
 
