@@ -24,6 +24,7 @@ import tempfile
 import threading
 import traceback
 import warnings
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -78,7 +79,7 @@ def _stacks(tmp: str, world: int) -> str:
     parts = []
     for rank in range(world):
         path = os.path.join(tmp, f"stacks{rank}.txt")
-        text = open(path).read() if os.path.exists(path) else ""
+        text = Path(path).read_text() if os.path.exists(path) else ""
         parts.append(f"-- rank {rank} stacks at the timeout --\n{text[:6000] or '(none written)'}")
     return "\n".join(parts)
 
@@ -86,7 +87,7 @@ def _stacks(tmp: str, world: int) -> str:
 def _rank(rank: int, worker, world: int, tmp: str, store: str, timeout_s: int,
           args: tuple) -> None:
     torch.set_num_threads(1)  # the ranks share the machine's cores
-    stacks = open(os.path.join(tmp, f"stacks{rank}.txt"), "w")  # open until the process ends
+    stacks = open(os.path.join(tmp, f"stacks{rank}.txt"), "w")  # noqa: SIM115 (open until exit)
     faulthandler.dump_traceback_later(timeout_s - 10, exit=False, file=stacks)  # before gloo's
     dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank,
                             world_size=world,
