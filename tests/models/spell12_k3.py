@@ -48,7 +48,18 @@ import torch.nn.functional as F
 from torch import nn
 
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-PROBES = ()
+# idioms set_probe switches to another spelling of the same math (to bisect a lost fusion):
+# rms: RMSNorm as `x * rsqrt(mean(x²) + eps)`; mix: AttnRes over stacked sources, summed;
+# topk: `torch.topk` routing; experts: the picked experts gathered `W[ids]`; delta: the
+# sequential delta rule (decay, delta, write, read); writes: states written by `index_put`;
+# l2: l2 norm by `pow(2).sum()`; conv: the conv window summed `(windows * taps).sum(-1)`;
+# mla_g: MLA's g_proj its own GEMM
+PROBES = ("rms", "mix", "topk", "experts", "delta", "writes", "l2", "conv", "mla_g")
+_ON: set = set()  # the probes on (set_probe): one set for every live model
+
+
+def probe(name):
+    return name in _ON
 
 
 class RowLinear(nn.Linear):
@@ -79,6 +90,8 @@ class RMSNorm(nn.Module):
 
 def rms_normalize(x, eps):
     xf = x.float()
+    if probe("rms"):
+        return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     rms = torch.linalg.vector_norm(xf, dim=-1, keepdim=True) / math.sqrt(x.shape[-1])
     return xf * torch.rsqrt(rms.square() + eps)
 
@@ -101,6 +114,10 @@ class AttnRes(nn.Module):
         if len(sources) == 1:
             return sources[0]
         query = self.norm_weight.float() * self.proj_weight[0].float()
+        if probe("mix"):
+            v = torch.stack(sources, -2)
+            alpha = (rms_normalize(v, self.eps) * query).sum(-1).softmax(-1)
+            return (alpha[..., None] * v.float()).sum(-2).to(v.dtype)
         scores = [torch.linalg.vecdot(rms_normalize(v, self.eps), query) for v in sources]
         alpha = torch.stack(scores, -1).softmax(-1)
         out = alpha[..., 0, None] * sources[0].float()
@@ -130,10 +147,15 @@ class KDA(nn.Module):
         T = qkv.shape[1]
         xs = torch.cat([state, qkv.transpose(1, 2)], -1)                 # [B, 3W, K-1+T]
         windows = torch.stack([xs[..., j:j + T] for j in range(self.K)], -1)   # [B, 3W, T, K]
-        y = torch.linalg.vecdot(windows, self.conv_taps[:, None, :])
+        if probe("conv"):
+            y = (windows * self.conv_taps[:, None, :]).sum(-1)
+        else:
+            y = torch.linalg.vecdot(windows, self.conv_taps[:, None, :])
         return F.silu(y).transpose(1, 2), xs[..., -(self.K - 1):]
 
     def l2(self, x):
+        if probe("l2"):
+            return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + self.l2eps)
         return x * torch.rsqrt(torch.linalg.vecdot(x, x)[..., None] + self.l2eps)
 
     def forward(self, x, slots, states):
@@ -150,6 +172,12 @@ class KDA(nn.Module):
         S = rec_all[slots]                                                # [B, H, K, V] fp32
         outs = []
         for t in range(T):  # chunks of one token
+            if probe("delta"):
+                S = alpha[:, t, ..., None] * S
+                u = beta[:, t] * (v[:, t] - torch.einsum("bhk,bhkv->bhv", k[:, t], S))
+                S = S + k[:, t, ..., :, None] * u[..., None, :]
+                outs.append(torch.einsum("bhk,bhkv->bhv", q[:, t], S))
+                continue
             a_t, q_t, k_t = alpha[:, t], q[:, t], k[:, t]
             u = beta[:, t] * (v[:, t] - torch.einsum("bhk,bhkv->bhv", a_t * k_t, S))
             o = torch.einsum("bhk,bhkv->bhv", a_t * q_t, S)
@@ -164,6 +192,8 @@ class KDA(nn.Module):
 
 def put_rows(buf, slots, rows):
     """`buf` with its rows at `slots` replaced by `rows` (out of place, flat indices)."""
+    if probe("writes"):
+        return buf.index_put((slots,), rows.to(buf.dtype))
     per = buf[0].numel()
     flat = slots[:, None] * per + torch.arange(per, device=buf.device)
     return buf.put(flat, rows.reshape(len(slots), per).to(buf.dtype))
@@ -186,7 +216,11 @@ class MLA(nn.Module):
     def forward(self, x, positions, slots, states):
         B, T, _ = x.shape
         H, C, R, N = self.H, self.C, self.R, self.N
-        cq, ckv, g = self.a_proj(x)
+        if probe("mla_g"):
+            cq, ckv = F.linear(x, self.a_proj.weight[:-H * self.V]).split(self.a_proj.sizes[:2], -1)
+            g = F.linear(x, self.a_proj.weight[-H * self.V:])
+        else:
+            cq, ckv, g = self.a_proj(x)
         q = self.q_b(self.q_norm(cq)).unflatten(-1, (H, N + R))
         q_nope, q_pe = q.split([N, R], -1)
         kv_b = self.kv_b.weight.unflatten(0, (H, N + self.V))            # [H, N + V, C]
@@ -198,7 +232,10 @@ class MLA(nn.Module):
         at = positions[:, None] + torch.arange(T, device=x.device)       # [B, T]
         flat = (slots[:, None] * L + at)[..., None] * (C + R) + torch.arange(C + R,
                                                                              device=x.device)
-        cache = cache.put(flat, row.to(cache.dtype))
+        if probe("writes"):
+            cache = cache.index_put((slots[:, None].expand(B, T), at), row.to(cache.dtype))
+        else:
+            cache = cache.put(flat, row.to(cache.dtype))
         kv = cache[slots]                                                 # [B, L, C + R]
         valid = torch.arange(L, device=x.device) <= at[..., None]         # [B, T, L]
         bias = torch.where(valid, 0.0, float("-inf")).to(x.dtype)
@@ -263,12 +300,16 @@ class MoE(nn.Module):
         shape, dtype = x.shape, x.dtype
         x = x.flatten(0, -2)                                              # [N, hid]
         s = torch.sigmoid(F.linear(x.float(), self.router.weight.float()))
-        ids = torch.sort(s + self.router_bias.float(), -1, descending=True).indices[:, :self.k]
+        if probe("topk"):
+            ids = torch.topk(s + self.router_bias.float(), self.k, -1).indices
+        else:
+            ids = torch.sort(s + self.router_bias.float(), -1, descending=True).indices[:, :self.k]
         w = s.gather(-1, ids)
         w = w / (w.sum(-1, keepdim=True) + 1e-20) * self.scale
         z = self.latent_down(x)
         pick = F.one_hot(ids, self.E).to(dtype)                           # [N, k, E]
         w1, w3, w2 = (torch.einsum("nke,eio->nkio", pick, self.experts.weight(n, dtype))
+                      if not probe("experts") else self.experts.weight(n, dtype)[ids]
                       for n in ("w1", "w3", "w2"))
         hg = torch.einsum("nl,nkil->nki", z, w1)
         hu = torch.einsum("nl,nkil->nki", z, w3)
@@ -360,12 +401,13 @@ class Spell12K3(nn.Module):
                 specs[f"conv{i}"] = ((slots, 3 * H * D, cfg.short_conv_kernel_size - 1), dtype)
                 specs[f"rec{i}"] = ((slots, H, D, D), torch.float32)
         self.cache = SlotCache(specs)
-        self.probes = set()
+        _ON.clear()  # a new model steps without probes (all live models share them)
 
     def set_probe(self, *names):
         unknown = set(names) - set(PROBES)
         assert not unknown, unknown
-        self.probes = set(names)
+        _ON.clear()
+        _ON.update(names)
         return self
 
     def forward(self, input_ids, positions, slots):
