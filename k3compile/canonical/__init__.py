@@ -42,6 +42,7 @@ ORDER: tuple[str, ...] = ("scatter_rows", "paged_write", "token_dim", "state_wri
                           "token_view",
                           "qkv_split",
                           "unbind_split", "square",
+                          "norm_rms",
                           "rms_forms",
                           "norm_square", "l2_norm", "norm_scale", "sigmoid", "situ_forms",
                           "head_split", "bias_view",
