@@ -54,6 +54,7 @@ ORDER: tuple[str, ...] = ("scatter_rows", "paged_write", "token_dim", "state_wri
                           "cast_merge",
                           "broadcast",
                           "take_along",
+                          "sort_topk",
                           "topk_sorted", "route_mask", "view_chains", "view_add", "reshape_fold",
                           "stack_cat", "token_rows", "combine_rows", "cast_squeeze", "router_input",
                           "permute_fold",
