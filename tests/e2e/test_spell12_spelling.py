@@ -18,8 +18,12 @@ gap left, the idioms (`Spell12K3.set_probe`) that bring the ops back (fp32): the
 
 * attn_res_mix_norm, oproj_attn_res_mix_norm (every layer, the output mix): each source scored
   by its own `vecdot`, the mix a running Python sum over the sources (probe `mix`: stacked).
-* linear_concat + fb_kda_decode (0, 1), linear_concat + mla_lowrank_norm + mla_decode (2, 3),
-  moe_experts (1-3): not brought back by any probe of the model (not bisected: see the doc).
+* linear_concat (0-3), mla_lowrank_norm (2, 3): the merged projections (`MergedLinear`: KDA
+  q|k|v|g|f_a|b, MLA q_a|kv_a|g) cut after one GEMM (probe `split_proj`: one GEMM per piece).
+  Rule `proj_split` cuts such a GEMM only where a piece feeds a depthwise convolution, and this
+  conv is a window `vecdot`.
+* fb_kda_decode (0, 1), mla_decode (2, 3), moe_experts (1-3): not brought back by any probe of
+  the model, not even all of them together (not bisected: see the doc).
 """
 
 from __future__ import annotations
@@ -58,6 +62,9 @@ PROBE_FIXES = {
                             2: ("attn_res_mix_norm", "oproj_attn_res_mix_norm"),
                             3: ("attn_res_mix_norm", "oproj_attn_res_mix_norm"),
                             -1: ("attn_res_mix_norm",)}),
+    "proj": (("split_proj",), {0: ("linear_concat",), 1: ("linear_concat",),
+                               2: ("linear_concat", "mla_lowrank_norm"),
+                               3: ("linear_concat", "mla_lowrank_norm")}),
 }
 
 

@@ -53,8 +53,10 @@ E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3
 # topk: `torch.topk` routing; experts: the picked experts gathered `W[ids]`; delta: the
 # sequential delta rule (decay, delta, write, read); writes: states written by `index_put`;
 # l2: l2 norm by `pow(2).sum()`; conv: the conv window summed `(windows * taps).sum(-1)`;
-# mla_g: MLA's g_proj its own GEMM
-PROBES = ("rms", "mix", "topk", "experts", "delta", "writes", "l2", "conv", "mla_g")
+# mla_g: MLA's g_proj its own GEMM; split_proj: every merged projection one GEMM per piece;
+# decay: dt_bias added per head after the head view, exp(A_log) viewed [H, 1]
+PROBES = ("rms", "mix", "topk", "experts", "delta", "writes", "l2", "conv", "mla_g",
+          "split_proj", "decay")
 _ON: set = set()  # the probes on (set_probe): one set for every live model
 
 
@@ -75,6 +77,8 @@ class MergedLinear(nn.Linear):
         self.sizes = list(sizes)
 
     def forward(self, x):
+        if probe("split_proj"):
+            return tuple(F.linear(x, w) for w in self.weight.split(self.sizes))
         return F.linear(x, self.weight).split(self.sizes, -1)
 
 
@@ -166,8 +170,13 @@ class KDA(nn.Module):
         qkv, conv_new = self.conv(torch.cat([q, k, v], -1), conv_all[slots])
         q, k, v = (t.float().unflatten(-1, (H, D)) for t in qkv.split(self.W, -1))
         q, k = self.l2(q) * D ** -0.5, self.l2(k)
-        graw = (self.f_b(fa).float() + self.dt_bias).unflatten(-1, (H, D))
-        alpha = torch.exp(self.bound * torch.sigmoid(self.A_log.exp()[:, None] * graw))
+        if probe("decay"):
+            graw = self.f_b(fa).float().unflatten(-1, (H, D)) + self.dt_bias.view(H, D)
+            gate = torch.exp(self.A_log.float()).view(H, 1) * graw
+            alpha = torch.exp(self.bound * torch.sigmoid(gate))
+        else:
+            graw = (self.f_b(fa).float() + self.dt_bias).unflatten(-1, (H, D))
+            alpha = torch.exp(self.bound * torch.sigmoid(self.A_log.exp()[:, None] * graw))
         beta = torch.sigmoid(b.float())[..., None]
         S = rec_all[slots]                                                # [B, H, K, V] fp32
         outs = []
