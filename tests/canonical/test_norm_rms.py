@@ -14,6 +14,7 @@ import torch
 from k3compile.canonical import norm_rms, rms_forms
 from tests.canonical.rule_checks import assert_same, rewrite, targets
 from tests.conftest import rel_err
+from tests.spellings import foreign
 
 _rewrite = functools.partial(rewrite, norm_rms.RULE)
 
@@ -86,3 +87,17 @@ def test_others_stay(fn, dtype):
     assert n == 0
     assert targets(after) == targets(before)
     assert_same(after(x), before(x))
+
+
+@pytest.mark.slow
+def test_spell12_norms_fuse_with_the_rule_and_not_without():
+    """spell12's vector_norm RMSNorm: rms_norm (layer 0: its input norm and the norms the
+    unfused mixes and KDA output leave) and norm_linear (1-3) fuse with the rule, and without it
+    none does (its only idiom between them and the patterns)."""
+    from tests.models.spell12_k3 import from_builtin
+
+    for rules, fused in (((), True), (("norm_rms",), False)):
+        got = foreign.plan_with_rules_off(from_builtin, rules)
+        assert (got[0]["rms_norm"] >= 1) == fused, (rules, dict(got[0]))
+        for layer in (1, 2, 3):
+            assert got[layer]["norm_linear"] == int(fused), (rules, layer, dict(got[layer]))

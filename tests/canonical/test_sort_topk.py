@@ -11,6 +11,7 @@ import torch
 
 from k3compile.canonical import sort_topk
 from tests.canonical.rule_checks import assert_same, rewrite, targets
+from tests.spellings import foreign
 
 _rewrite = functools.partial(rewrite, sort_topk.RULE)
 K = 4
@@ -74,3 +75,15 @@ def test_others_stay(fn):
     assert n == 0
     assert targets(after) == targets(before)
     assert_same(after(s), before(s))
+
+
+@pytest.mark.slow
+def test_spell12_router_fuses_with_the_rule_and_not_without():
+    """spell12's `sort(descending)[:, :k]` router: moe_route fuses in layers 1-3 with the rule,
+    and not without it."""
+    from tests.models.spell12_k3 import from_builtin
+
+    for rules, want in (((), 1), (("sort_topk",), 0)):
+        got = foreign.plan_with_rules_off(from_builtin, rules)
+        for layer in (1, 2, 3):
+            assert got[layer]["moe_route"] == want, (rules, layer, dict(got[layer]))
