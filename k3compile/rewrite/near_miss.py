@@ -71,11 +71,18 @@ def module_path(node: fx.Node) -> str:
     return stack_path(node.meta.get("nn_module_stack"))
 
 
+# Dynamo's path of a module reached through an unspecialised parent (a module whose attributes
+# the step rebinds, as `torch.func.functional_call` does; spell12): `getattr(net.layers, '0')`
+_GETATTR = re.compile(r"getattr\(([^()]*), '([^']*)'\)")
+
+
 def stack_path(stack: dict | None) -> str:
-    """The innermost module path of an `nn_module_stack`, or ""."""
+    """The innermost module path of an `nn_module_stack`, or "" (`getattr(a, 'b')` as `a.b`)."""
     if not stack:
         return ""
     path = list(stack.values())[-1][0]
+    while (spelled := _GETATTR.sub(r"\1.\2", path)) != path:
+        path = spelled
     return path.replace("L['self'].", "").replace("L__self___", "")
 
 

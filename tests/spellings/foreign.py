@@ -249,3 +249,16 @@ def define_common_tests(namespace: dict, name: str, from_builtin, state_of, *,
     })
     if diagnosed is not None:
         namespace[near_miss_test] = test_lost_fusions_have_a_near_miss
+
+
+def plan_with_rules_off(from_builtin, rules: tuple, probes: tuple = ()):
+    """The fp32 plan per layer of the spelling (`probes` on) compiled with canonical `rules`
+    disabled (none: as is), its step checked against its eager twin (TOL["aten_cpu"])."""
+    ref = builtin(torch.float32)
+    model, eager = (from_builtin(ref).set_probe(*probes) for _ in range(2))
+    torch._dynamo.reset()
+    step = torch.compile(model, backend="k3", fullgraph=True,
+                         options={"executor": "aten", "keep_graphs": False,
+                                  "disabled_rules": rules})
+    assert steps(step, eager, n=1) <= TOL["aten_cpu"]
+    return per_layer(last_compiled())

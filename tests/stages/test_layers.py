@@ -27,6 +27,7 @@ import k3compile.backend as k3be
 from k3compile import layers
 from k3compile.models import build_model, get_config
 from k3compile.rewrite import module_path
+from k3compile.rewrite.near_miss import stack_path
 from k3compile.stages.contract import FINAL
 from k3compile.tools import diff
 from tests.conftest import TOL, rel_err
@@ -163,6 +164,16 @@ def _toy_args():
     ("", None)])
 def test_layer_index_is_the_first_container_index(path, index):
     assert layers.layer_index(path) == index
+
+
+@pytest.mark.parametrize("path, want", [
+    ("getattr(L['self'].net.layers, '2').attn", "net.layers.2.attn"),  # functional_call (spell12)
+    ("getattr(getattr(L['self'].net.layers, '1').mlp.experts, '0').w1",
+     "net.layers.1.mlp.experts.0.w1"),
+    ("L['self'].model.layers[3].mlp", "model.layers[3].mlp"), ("L__self___lm_head", "lm_head")])
+def test_a_stack_path_reads_dynamo_getattr_as_a_dotted_path(path, want):
+    got = stack_path({"m": (path, None)})
+    assert got == want and layers.layer_index(got) == layers.layer_index(want)
 
 
 def test_below_layer():
