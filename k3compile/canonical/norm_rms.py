@@ -25,7 +25,7 @@ import torch
 from torch import fx
 
 from k3compile.canonical import Rule, rewrite_sites
-from k3compile.canonical.norm_square import _root_of, _square_of
+from k3compile.canonical.norm_square import root_of, square_of
 from k3compile.canonical.region import val
 from k3compile.graph import call
 
@@ -40,15 +40,15 @@ def _site(node: fx.Node):
     """(s, target, c²) where node = (root(s) op c)², s a sum of squares, else None."""
     if val(node) is None or val(node).dtype != torch.float32:
         return None
-    scaled = _square_of(node)
+    scaled = square_of(node)
     if not isinstance(scaled, fx.Node) or scaled.target not in (aten.div.Tensor, aten.mul.Tensor):
         return None
     if len(scaled.args) != 2 or scaled.kwargs or not _number(scaled.args[1]):
         return None
-    s = _root_of(scaled.args[0])
+    s = root_of(scaled.args[0])
     if s is None or s.target is not aten.sum.dim_IntList or not isinstance(s.args[0], fx.Node):
         return None
-    if _square_of(s.args[0]) is None:
+    if square_of(s.args[0]) is None:
         return None
     c2 = float(scaled.args[1]) ** 2
     if abs(c2 - round(c2)) <= 1e-12 * c2:

@@ -22,7 +22,7 @@ from k3compile.canonical.region import val
 aten = torch.ops.aten
 
 
-def _square_of(node: fx.Node) -> fx.Node | None:
+def square_of(node: fx.Node) -> fx.Node | None:
     """x if node is x ** 2 or x * x."""
     if node.target is aten.pow.Tensor_Scalar and node.args[1] == 2:
         return node.args[0]
@@ -31,7 +31,7 @@ def _square_of(node: fx.Node) -> fx.Node | None:
     return None
 
 
-def _root_of(node) -> fx.Node | None:
+def root_of(node) -> fx.Node | None:
     """s if node is s ** 0.5 or sqrt(s)."""
     if not isinstance(node, fx.Node):
         return None
@@ -45,12 +45,12 @@ def _root_of(node) -> fx.Node | None:
 def _site(node: fx.Node) -> fx.Node | None:
     if val(node) is None or val(node).dtype != torch.float32:
         return None
-    root = _square_of(node)
-    s = _root_of(root)
+    root = square_of(node)
+    s = root_of(root)
     if s is None or s.target is not aten.sum.dim_IntList:
         return None
     inner = s.args[0]
-    return s if isinstance(inner, fx.Node) and _square_of(inner) is not None else None
+    return s if isinstance(inner, fx.Node) and square_of(inner) is not None else None
 
 
 def _write(graph: fx.Graph, node: fx.Node, s: fx.Node) -> None:
