@@ -227,6 +227,16 @@ def copy_of(master: torch.Tensor, like) -> torch.Tensor:
     return copy
 
 
+def _weights(placeholders: list[fx.Node], ctx):
+    """(position, placeholder, its value, `_reads` of it) of each float graph input that is no
+    caller's input and is read."""
+    for i, p in enumerate(placeholders):
+        val = p.meta.get("val")
+        if (i not in ctx.user_inputs and isinstance(val, torch.Tensor)
+                and val.dtype.is_floating_point and p.users):
+            yield i, p, val, _reads(p)
+
+
 def cast_inputs(gm: fx.GraphModule, ctx) -> Cast | None:
     """Rewrite gm's weights read through a cast (see the module docstring), replacing their real
     tensors in `ctx.inputs` by the copies; the mapping for the executor, or None where none was
@@ -237,12 +247,7 @@ def cast_inputs(gm: fx.GraphModule, ctx) -> Cast | None:
         return None
     found = Cast()
     position = {n: k for k, n in enumerate(graph.nodes)}
-    for i, p in enumerate(placeholders):
-        val = p.meta.get("val")
-        if (i in ctx.user_inputs or not isinstance(val, torch.Tensor)
-                or not val.dtype.is_floating_point or not p.users):
-            continue
-        reads = _reads(p)
+    for i, p, val, reads in _weights(placeholders, ctx):
         if isinstance(reads, str):
             if _narrowed(p):
                 found.report.skipped.append(f"{p.name} {list(val.shape)}: {reads}")
@@ -285,16 +290,9 @@ def castable(gm: fx.GraphModule, ctx) -> int:
     """How many of gm's weights the stage would read as a copy in a lower float dtype (the
     `cast_inputs` test, nothing changed)."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    count = 0
-    for i, p in enumerate(placeholders):
-        val = p.meta.get("val")
-        if (i in ctx.user_inputs or not isinstance(val, torch.Tensor)
-                or not val.dtype.is_floating_point or not p.users):
-            continue
-        reads = _reads(p)
-        count += not isinstance(reads, str) and reads[2] in LOW and \
-            val.dtype.itemsize > reads[2].itemsize
-    return count
+    return sum(not isinstance(reads, str) and reads[2] in LOW
+               and val.dtype.itemsize > reads[2].itemsize
+               for _, _, val, reads in _weights(placeholders, ctx))
 
 
 _HINTED = False
