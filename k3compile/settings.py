@@ -44,6 +44,8 @@ SWITCHES: dict[str, tuple[str, str]] = {
                       "canonical rules see the attention (`0`: the device's fused SDPA op)"), "1"),
     "K3_PDL": ("kernels: programmatic dependent launch", "1"),
     "K3_PDL_MAX_ROWS": ("kernels: PDL only for launches of at most this many rows", "4"),
+    "K3_GEMM_TC_LATE_TRIGGER": (("kernels: with PDL, gemm_tc lets the next kernel launch once "
+                                 "its K loops are done (`0`: at its start)"), "0"),
     "K3_FRONT_ROUTE": (("option `front_route`: moe_front + moe_route as one op (CUDA: with "
                         "K3_KERNELS_EXTRA=moe_front_route)"), "0"),
     "K3_GEMV_FUSED": ("kernels: gemv's one-launch variants (`norm,situ,gate,split`, `all`, `0`)",
@@ -311,6 +313,7 @@ class KernelSettings:
     pdl_max_rows: int = 4
     gemv_fused: frozenset[str] = GEMV_DEFAULT
     gemm_tc_fused: frozenset[str] = GEMM_TC_DEFAULT  # the composites' variants at 3-32 rows
+    gemm_tc_late_trigger: bool = False  # PDL: gemm_tc's dependents launch after its K loops
     extra: tuple[str, ...] = ()
     skip: tuple[str, ...] = ()
     allreduce: str | None = None
@@ -335,6 +338,7 @@ class KernelSettings:
                    pdl_max_rows=int(rows) if rows else 4,
                    gemv_fused=parse_gemv_fused(env("K3_GEMV_FUSED")),
                    gemm_tc_fused=parse_gemm_tc_fused(env("K3_GEMM_TC_FUSED")),
+                   gemm_tc_late_trigger=bool(env_bool("K3_GEMM_TC_LATE_TRIGGER")),
                    extra=env_list("K3_KERNELS_EXTRA"), skip=env_list("K3_KERNELS_SKIP"),
                    allreduce=allreduce, cache_dir=parse_cache_dir(env("K3_CACHE_DIR")),
                    moe_grouped=bool(env_bool("K3_MOE_GROUPED")),
@@ -348,7 +352,8 @@ class KernelSettings:
         """Tensor-parallel ranks must agree on all of it (stage `ranks`)."""
         return [f"pdl {self.pdl} rows<={self.pdl_max_rows}",
                 f"gemv_fused {sorted(self.gemv_fused)}",
-                f"gemm_tc_fused {sorted(self.gemm_tc_fused)}", f"extra {list(self.extra)}",
+                f"gemm_tc_fused {sorted(self.gemm_tc_fused)}",
+                f"gemm_tc_late_trigger {self.gemm_tc_late_trigger}", f"extra {list(self.extra)}",
                 f"skip {list(self.skip)}", f"allreduce {self.allreduce}",
                 f"moe_grouped {self.moe_grouped}", f"moe_f16 {self.moe_f16}",
                 f"moe_by_expert {self.moe_by_expert}",

@@ -41,6 +41,7 @@ import torch
 
 from k3compile.math import situ as situ_ref
 from k3compile.ops.rms_norm import rms_norm_ref
+from k3compile.settings import KERNELS
 
 from .dsl import (
     compile_kernel,
@@ -267,17 +268,18 @@ def prepare(n: int, k: int, buckets=BUCKETS, *, out_dtype=torch.bfloat16,
     """Compile the kernel of every batch bucket for this weight (call before graph capture);
     `fusion`: a one-launch variant's (fp32 first output with a split, bf16 with SiTU; the norm
     prologue as the plain kernel, with or without a residual)."""
-    variant = {} if fusion == PLAIN else {"fusion": fusion}
+    variant = ({} if fusion == PLAIN else {"fusion": fusion}) | trigger_option()
     out_fp32 = bool(fusion.split) or (out_dtype == torch.float32 and not fusion.situ)
     residual = residual and (fusion == PLAIN or fusion.norm)
     for b in buckets:
         KERNEL.compiled(n, k, out_fp32, residual, config(n, k, b, fusion), rows=b, **variant)
 
 
-def build(n, k, out_fp32, residual, cfg, arch=None, dump_dir=None, pdl=False, fusion=PLAIN):
+def build(n, k, out_fp32, residual, cfg, arch=None, dump_dir=None, pdl=False, fusion=PLAIN,
+          late_trigger=False):
     """Compile now, uncached (`dump_dir` keeps the cubin and PTX; `pdl`: with PDL; `fusion`:
     a one-launch variant, compiled from its own entry `GemmTC.fused` so that the plain kernel
-    stays as it was)."""
+    stays as it was; `late_trigger`: with PDL, the next kernel launches after the K loops)."""
     import cutlass
     from cutlass import cute
     from cutlass.cute.runtime import make_fake_tensor
@@ -290,7 +292,7 @@ def build(n, k, out_fp32, residual, cfg, arch=None, dump_dir=None, pdl=False, fu
         return make_fake_tensor(dtype, (m, width), stride=(cute.sym_int64(), 1),
                                 assumed_align=dtype.width // 8)
 
-    gemm = GemmTC(n, k, cfg, out_fp32, residual, pdl, fusion)
+    gemm = GemmTC(n, k, cfg, out_fp32, residual, pdl, fusion, late_trigger)
     x, w = fake_rows(bf16, m, k), fake_rows(bf16, n, k)
     if fusion == PLAIN:
         return compile_kernel(gemm, x, w, out_rows(bf16) if residual else None,
@@ -305,6 +307,12 @@ def build(n, k, out_fp32, residual, cfg, arch=None, dump_dir=None, pdl=False, fu
         gemm.fused, x, w, out_rows(f32 if split else bf16, split or n // 2),
         out_rows(bf16, n - split) if split else None, f32(4.0) if situ else None,
         f32(25.0) if situ else None, fake_stream(), arch=arch, dump_dir=dump_dir)
+
+
+def trigger_option() -> dict[str, bool]:
+    """The build option of `settings.KERNELS.gemm_tc_late_trigger` (K3_GEMM_TC_LATE_TRIGGER):
+    empty when off, so the default builds keep their keys."""
+    return {"late_trigger": True} if KERNELS.gemm_tc_late_trigger else {}
 
 
 # Buckets with one config share a build (the bucket is not in the key); a variant's key holds
@@ -329,8 +337,8 @@ def gemm_tc_cuda(x, w, residual=None, *, out=None, out_dtype=None, cfg: Config |
         chosen = cfg or config(n, k, b)
         if chosen.tile_tokens < m:
             raise ValueError(f"{chosen} holds {chosen.tile_tokens} tokens, not {m}")
-        KERNEL.compiled(n, k, dtype == torch.float32, residual is not None, chosen, rows=b)(
-            x, w, residual, y)
+        KERNEL.compiled(n, k, dtype == torch.float32, residual is not None, chosen, rows=b,
+                        **trigger_option())(x, w, residual, y)
 
     return run_gemm(KERNEL, refusal, launch, x, w, residual, out, out_dtype)
 
@@ -359,7 +367,8 @@ def _launch(fusion: Fusion, x, w, out_fp32: bool, *rest, cfg: Config | None = No
             raise ValueError(f"{chosen} holds {chosen.tile_tokens} tokens, not {m}")
         if fusion.situ and (n // 2) % (chosen.tile_rows // 2):
             raise ValueError(f"{chosen}: I = {n // 2} is not a multiple of half its tile")
-        KERNEL.compiled(n, k, out_fp32, residual, chosen, rows=b, fusion=fusion)(x, w, *rest)
+        KERNEL.compiled(n, k, out_fp32, residual, chosen, rows=b, fusion=fusion,
+                        **trigger_option())(x, w, *rest)
 
 
 def gemm_tc_split_cuda(x, w, split, *, out=None, out2=None, cfg: Config | None = None):

@@ -38,8 +38,10 @@ def load_from_peer(ptr: cute.Pointer, peer, *, loc=None, ip=None) -> Float32:
 
 class GemmTC:
     def __init__(self, n: int, k: int, cfg: Config, out_fp32: bool, has_residual: bool,
-                 pdl: bool = False, fusion: Fusion = PLAIN):
+                 pdl: bool = False, fusion: Fusion = PLAIN, late_trigger: bool = False):
         self.n, self.k, self.k_tiles, self.pdl = n, k, -(-k // TILE_K), pdl
+        # PDL: the next kernel may launch when every CTA has finished its K loop (not at start)
+        self.late_trigger = late_trigger
         self.rows, self.tokens = cfg.tile_rows, cfg.tile_tokens
         self.stages, self.splits = cfg.stages, cfg.splits
         self.p_stride, self.w_elems = _partial_stride(cfg), _w_buffer_elems(cfg)
@@ -272,7 +274,7 @@ class GemmTC:
              sW_layout: cute.ComposedLayout, sX_layout: cute.ComposedLayout,
              sWt_layout: cute.ComposedLayout, mX=None, mG=None, eps=None):
         # sWt_layout: W's stages as the TMA writes them (with SiTU 2·stages half tiles)
-        pdl_launch_dependents(self.pdl)
+        pdl_launch_dependents(self.pdl and not self.late_trigger)
         tidx, _, _ = cute.arch.thread_idx()
         tile, split, _ = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -371,6 +373,7 @@ class GemmTC:
             if warp == 0 and loads.count < k_count:
                 self.load_slice(pipe, loads, tma_w, tWgW, tWsW, tma_x, tXgX, tXsX, k_first)
                 loads.advance()
+        pdl_launch_dependents(self.pdl and self.late_trigger)
 
         # Partial tile over the (now idle) W stages: sP (R, T) fp32, columns p_stride apart.
         cute.arch.barrier()

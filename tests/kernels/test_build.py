@@ -188,6 +188,22 @@ def test_builds_with_pdl(module, scalars, cfg, monkeypatch, tmp_path):
         assert WEIGHT_STREAM[module] in before, "the weight stream does not start before the wait"
 
 
+@pytest.mark.parametrize("late", [False, True], ids=["start", "late"])
+def test_gemm_tc_trigger_position(late, monkeypatch, tmp_path):
+    """K3_GEMM_TC_LATE_TRIGGER: the dependents' trigger after the last MMA of the K loop (and
+    after the wait); by default it comes first, before the wait."""
+    monkeypatch.setenv("CUTE_DSL_ARCH", ARCH)
+    compiled = gemm_tc.build(768, 7168, False, False, gemm_tc.config(768, 7168, 8), arch=ARCH,
+                             dump_dir=str(tmp_path), pdl=True, late_trigger=late)
+    ptx = ptx_of(compiled)
+    assert ptx.count(TRIGGER) == 1
+    trigger, last_mma = ptx.index(TRIGGER), ptx.rindex("wgmma.mma_async")
+    if late:
+        assert trigger > last_mma and trigger > ptx.index(WAIT)
+    else:
+        assert trigger < ptx.index(WAIT) < last_mma
+
+
 @pytest.mark.parametrize("mma", [True, False], ids=["mma", "fma"])
 def test_mla_decode_pdl_build(mma, monkeypatch, tmp_path):
     """mla_decode's merge launch always waits (PDL after the attention); with `pdl` the

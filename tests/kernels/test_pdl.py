@@ -298,3 +298,26 @@ def test_pdl_on_and_off_agree_bitwise(gen, monkeypatch, name, m):
     for on, off in zip(results[True], results[False], strict=True):
         assert_written(on)
         assert torch.equal(on, off), "PDL changed a result"
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("cuda_kernels", "one_launch_fb")
+@pytest.mark.parametrize("name", CHAINS)
+def test_late_trigger_agrees_bitwise_with_pdl_off(gen, monkeypatch, name):
+    """K3_GEMM_TC_LATE_TRIGGER (gemm_tc's dependents launch after its K loops) changes when the
+    next kernel starts, never a result: the 8-row chain bit for bit as without PDL."""
+    chain = CHAINS[name](gen, 8)
+    off = capture(chain, False, monkeypatch)
+    monkeypatch.setattr(settings.KERNELS, "gemm_tc_late_trigger", True)
+    late = capture(chain, True, monkeypatch)
+    start = tuple(t.clone() for t in chain.state())
+    results = []
+    for graph in (off, late):
+        for t, s in zip(chain.state(), start, strict=True):
+            t.copy_(s)
+        replay(chain, graph)
+        results.append([t.clone() for t in (*chain.outputs(), *chain.state())])
+    for a, b in zip(*results, strict=True):
+        assert_written(b)
+        assert torch.equal(a, b), "the late trigger changed a result"
+
