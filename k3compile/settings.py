@@ -45,7 +45,8 @@ SWITCHES: dict[str, tuple[str, str]] = {
     "K3_PDL": ("kernels: programmatic dependent launch", "1"),
     "K3_PDL_MAX_ROWS": ("kernels: PDL only for launches of at most this many rows", "4"),
     "K3_GEMM_TC_LATE_TRIGGER": (("kernels: with PDL, gemm_tc lets the next kernel launch once "
-                                 "its K loops are done (`0`: at its start)"), "0"),
+                                 "its K loops are done (`1`), or does so for weights of at "
+                                 "least this many MB (a number); `0`: at its start"), "0"),
     "K3_FRONT_ROUTE": (("option `front_route`: moe_front + moe_route as one op (CUDA: with "
                         "K3_KERNELS_EXTRA=moe_front_route)"), "0"),
     "K3_GEMV_FUSED": ("kernels: gemv's one-launch variants (`norm,situ,gate,split`, `all`, `0`)",
@@ -162,6 +163,22 @@ def parse_auto_bool(name: str, value: str | None) -> bool | None:
     if value is None or value.strip().lower() in ("", "auto"):
         return None
     return parse_bool(name, value)
+
+
+def parse_late_trigger(value: str | None) -> float | None:
+    """K3_GEMM_TC_LATE_TRIGGER: unset, empty or a false word (`0`) -> None (never); a true word
+    (`1`) -> 0.0 (every launch); any other number -> weights of at least that many MB."""
+    v = (value or "").strip().lower()
+    if v in _TRUE or v in _FALSE:
+        return 0.0 if parse_bool("K3_GEMM_TC_LATE_TRIGGER", v) else None
+    try:
+        mb = float(v)
+    except ValueError:
+        raise ValueError(f"K3_GEMM_TC_LATE_TRIGGER={value!r}: expected a boolean or a size in "
+                         "MB") from None
+    if not mb >= 0:
+        raise ValueError(f"K3_GEMM_TC_LATE_TRIGGER={value!r}: a size in MB must be >= 0")
+    return mb
 
 
 def parse_workers(value: str | None) -> int:
@@ -313,7 +330,9 @@ class KernelSettings:
     pdl_max_rows: int = 4
     gemv_fused: frozenset[str] = GEMV_DEFAULT
     gemm_tc_fused: frozenset[str] = GEMM_TC_DEFAULT  # the composites' variants at 3-32 rows
-    gemm_tc_late_trigger: bool = False  # PDL: gemm_tc's dependents launch after its K loops
+    # PDL: gemm_tc's dependents launch after its K loops for weights of >= this many MB (None:
+    # never, at its start)
+    gemm_tc_late_trigger_mb: float | None = None
     extra: tuple[str, ...] = ()
     skip: tuple[str, ...] = ()
     allreduce: str | None = None
@@ -338,7 +357,7 @@ class KernelSettings:
                    pdl_max_rows=int(rows) if rows else 4,
                    gemv_fused=parse_gemv_fused(env("K3_GEMV_FUSED")),
                    gemm_tc_fused=parse_gemm_tc_fused(env("K3_GEMM_TC_FUSED")),
-                   gemm_tc_late_trigger=bool(env_bool("K3_GEMM_TC_LATE_TRIGGER")),
+                   gemm_tc_late_trigger_mb=parse_late_trigger(env("K3_GEMM_TC_LATE_TRIGGER")),
                    extra=env_list("K3_KERNELS_EXTRA"), skip=env_list("K3_KERNELS_SKIP"),
                    allreduce=allreduce, cache_dir=parse_cache_dir(env("K3_CACHE_DIR")),
                    moe_grouped=bool(env_bool("K3_MOE_GROUPED")),
@@ -353,7 +372,8 @@ class KernelSettings:
         return [f"pdl {self.pdl} rows<={self.pdl_max_rows}",
                 f"gemv_fused {sorted(self.gemv_fused)}",
                 f"gemm_tc_fused {sorted(self.gemm_tc_fused)}",
-                f"gemm_tc_late_trigger {self.gemm_tc_late_trigger}", f"extra {list(self.extra)}",
+                f"gemm_tc_late_trigger_mb {self.gemm_tc_late_trigger_mb}",
+                f"extra {list(self.extra)}",
                 f"skip {list(self.skip)}", f"allreduce {self.allreduce}",
                 f"moe_grouped {self.moe_grouped}", f"moe_f16 {self.moe_f16}",
                 f"moe_by_expert {self.moe_by_expert}",

@@ -268,7 +268,7 @@ def prepare(n: int, k: int, buckets=BUCKETS, *, out_dtype=torch.bfloat16,
     """Compile the kernel of every batch bucket for this weight (call before graph capture);
     `fusion`: a one-launch variant's (fp32 first output with a split, bf16 with SiTU; the norm
     prologue as the plain kernel, with or without a residual)."""
-    variant = ({} if fusion == PLAIN else {"fusion": fusion}) | trigger_option()
+    variant = ({} if fusion == PLAIN else {"fusion": fusion}) | trigger_option(n, k)
     out_fp32 = bool(fusion.split) or (out_dtype == torch.float32 and not fusion.situ)
     residual = residual and (fusion == PLAIN or fusion.norm)
     for b in buckets:
@@ -309,10 +309,12 @@ def build(n, k, out_fp32, residual, cfg, arch=None, dump_dir=None, pdl=False, fu
         f32(25.0) if situ else None, fake_stream(), arch=arch, dump_dir=dump_dir)
 
 
-def trigger_option() -> dict[str, bool]:
-    """The build option of `settings.KERNELS.gemm_tc_late_trigger` (K3_GEMM_TC_LATE_TRIGGER):
-    empty when off, so the default builds keep their keys."""
-    return {"late_trigger": True} if KERNELS.gemm_tc_late_trigger else {}
+def trigger_option(n: int, k: int) -> dict[str, bool]:
+    """The build option of K3_GEMM_TC_LATE_TRIGGER (`settings.KERNELS.gemm_tc_late_trigger_mb`)
+    for a bf16 weight [n, k]: empty where the trigger stays at the start, so those builds keep
+    their keys."""
+    mb = KERNELS.gemm_tc_late_trigger_mb
+    return {} if mb is None or 2 * n * k < mb * 1e6 else {"late_trigger": True}
 
 
 # Buckets with one config share a build (the bucket is not in the key); a variant's key holds
@@ -338,7 +340,7 @@ def gemm_tc_cuda(x, w, residual=None, *, out=None, out_dtype=None, cfg: Config |
         if chosen.tile_tokens < m:
             raise ValueError(f"{chosen} holds {chosen.tile_tokens} tokens, not {m}")
         KERNEL.compiled(n, k, dtype == torch.float32, residual is not None, chosen, rows=b,
-                        **trigger_option())(x, w, residual, y)
+                        **trigger_option(n, k))(x, w, residual, y)
 
     return run_gemm(KERNEL, refusal, launch, x, w, residual, out, out_dtype)
 
@@ -368,7 +370,7 @@ def _launch(fusion: Fusion, x, w, out_fp32: bool, *rest, cfg: Config | None = No
         if fusion.situ and (n // 2) % (chosen.tile_rows // 2):
             raise ValueError(f"{chosen}: I = {n // 2} is not a multiple of half its tile")
         KERNEL.compiled(n, k, out_fp32, residual, chosen, rows=b, fusion=fusion,
-                        **trigger_option())(x, w, *rest)
+                        **trigger_option(n, k))(x, w, *rest)
 
 
 def gemm_tc_split_cuda(x, w, split, *, out=None, out2=None, cfg: Config | None = None):

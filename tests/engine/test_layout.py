@@ -187,6 +187,22 @@ def test_kernel_settings_from_environment(monkeypatch):
         settings.KernelSettings.from_env()
 
 
+@pytest.mark.parametrize("value,expected", [(None, None), ("", None), ("0", None), ("off", None),
+                                            ("1", 0.0), ("on", 0.0), ("20", 20.0),
+                                            ("2.5", 2.5)])
+def test_late_trigger_switch(value, expected, monkeypatch):
+    """K3_GEMM_TC_LATE_TRIGGER: a boolean (every launch or none) or a weight size in MB."""
+    if value is not None:
+        monkeypatch.setenv("K3_GEMM_TC_LATE_TRIGGER", value)
+    assert settings.KernelSettings.from_env().gemm_tc_late_trigger_mb == expected
+
+
+@pytest.mark.parametrize("value", ["-3", "big"])
+def test_a_bad_late_trigger_is_an_error(value):
+    with pytest.raises(ValueError, match="K3_GEMM_TC_LATE_TRIGGER"):
+        settings.parse_late_trigger(value)
+
+
 def test_options_from_environment(monkeypatch):
     monkeypatch.setenv("K3_SIDE_STREAMS", "off")
     monkeypatch.setenv("K3_VERIFY", "yes")

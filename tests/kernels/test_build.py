@@ -30,6 +30,7 @@ from k3compile.kernels import (
 )
 from k3compile.kernels.common import gemm_tc, gemv
 from k3compile.kernels.common.dsl import BUCKETS, cubin_of, cubin_resources, ptx_of
+from k3compile.settings import KERNELS
 
 pytestmark = pytest.mark.dsl
 
@@ -186,6 +187,16 @@ def test_builds_with_pdl(module, scalars, cfg, monkeypatch, tmp_path):
     assert not stores, f"{stores} before the wait"
     if module in WEIGHT_STREAM:
         assert WEIGHT_STREAM[module] in before, "the weight stream does not start before the wait"
+
+
+@pytest.mark.parametrize("mb,late", [(None, (False, False)), (0.0, (True, True)),
+                                     (20.0, (False, True))])
+def test_gemm_tc_late_trigger_by_weight_size(mb, late, monkeypatch):
+    """The build option by weight size: 768 x 7168 (11 MB) and 4480 x 7168 (64 MB) in bf16;
+    none where the trigger stays first, so those builds keep their compile keys."""
+    monkeypatch.setattr(KERNELS, "gemm_tc_late_trigger_mb", mb)
+    got = tuple(gemm_tc.trigger_option(n, 7168) for n in (768, 4480))
+    assert got == tuple({"late_trigger": True} if on else {} for on in late)
 
 
 @pytest.mark.parametrize("late", [False, True], ids=["start", "late"])

@@ -308,7 +308,7 @@ def test_late_trigger_agrees_bitwise_with_pdl_off(gen, monkeypatch, name):
     next kernel starts, never a result: the 8-row chain bit for bit as without PDL."""
     chain = CHAINS[name](gen, 8)
     off = capture(chain, False, monkeypatch)
-    monkeypatch.setattr(settings.KERNELS, "gemm_tc_late_trigger", True)
+    monkeypatch.setattr(settings.KERNELS, "gemm_tc_late_trigger_mb", 0.0)
     late = capture(chain, True, monkeypatch)
     start = tuple(t.clone() for t in chain.state())
     results = []
