@@ -43,10 +43,10 @@ SWITCHES: dict[str, tuple[str, str]] = {
     "K3_SDPA_MATH": (("option `sdpa_math`: on CUDA trace SDPA through its math path, so the "
                       "canonical rules see the attention (`0`: the device's fused SDPA op)"), "1"),
     "K3_PDL": ("kernels: programmatic dependent launch", "1"),
-    "K3_PDL_MAX_ROWS": ("kernels: PDL only for launches of at most this many rows", "4"),
+    "K3_PDL_MAX_ROWS": ("kernels: PDL only for launches of at most this many rows", "16"),
     "K3_GEMM_TC_LATE_TRIGGER": (("kernels: with PDL, gemm_tc lets the next kernel launch once "
                                  "its K loops are done (`1`), or does so for weights of at "
-                                 "least this many MB (a number); `0`: at its start"), "0"),
+                                 "least this many MB (a number); `0`: at its start"), "20"),
     "K3_FRONT_ROUTE": (("option `front_route`: moe_front + moe_route as one op (CUDA: with "
                         "K3_KERNELS_EXTRA=moe_front_route)"), "0"),
     "K3_GEMV_FUSED": ("kernels: gemv's one-launch variants (`norm,situ,gate,split`, `all`, `0`)",
@@ -166,9 +166,10 @@ def parse_auto_bool(name: str, value: str | None) -> bool | None:
 
 
 def parse_late_trigger(value: str | None) -> float | None:
-    """K3_GEMM_TC_LATE_TRIGGER: unset, empty or a false word (`0`) -> None (never); a true word
-    (`1`) -> 0.0 (every launch); any other number -> weights of at least that many MB."""
-    v = (value or "").strip().lower()
+    """K3_GEMM_TC_LATE_TRIGGER: unset or empty -> its default (20 MB: session 33's A/B); a
+    false word (`0`) -> None (never); a true word (`1`) -> 0.0 (every launch); any other number
+    -> weights of at least that many MB."""
+    v = (value or "").strip().lower() or SWITCHES["K3_GEMM_TC_LATE_TRIGGER"][1]
     if v in _TRUE or v in _FALSE:
         return 0.0 if parse_bool("K3_GEMM_TC_LATE_TRIGGER", v) else None
     try:
@@ -327,12 +328,12 @@ class KernelSettings:
     them with monkeypatch)."""
 
     pdl: bool = True
-    pdl_max_rows: int = 4
+    pdl_max_rows: int = 16
     gemv_fused: frozenset[str] = GEMV_DEFAULT
     gemm_tc_fused: frozenset[str] = GEMM_TC_DEFAULT  # the composites' variants at 3-32 rows
     # PDL: gemm_tc's dependents launch after its K loops for weights of >= this many MB (None:
     # never, at its start)
-    gemm_tc_late_trigger_mb: float | None = None
+    gemm_tc_late_trigger_mb: float | None = 20.0
     extra: tuple[str, ...] = ()
     skip: tuple[str, ...] = ()
     allreduce: str | None = None
@@ -354,7 +355,7 @@ class KernelSettings:
         if allreduce is not None and allreduce not in ALLREDUCE_ALGORITHMS:
             raise ValueError(f"K3_ALLREDUCE={allreduce!r}: expected one of {ALLREDUCE_ALGORITHMS}")
         return cls(pdl=True if pdl is None else pdl,
-                   pdl_max_rows=int(rows) if rows else 4,
+                   pdl_max_rows=int(rows) if rows else 16,
                    gemv_fused=parse_gemv_fused(env("K3_GEMV_FUSED")),
                    gemm_tc_fused=parse_gemm_tc_fused(env("K3_GEMM_TC_FUSED")),
                    gemm_tc_late_trigger_mb=parse_late_trigger(env("K3_GEMM_TC_LATE_TRIGGER")),

@@ -187,7 +187,7 @@ def test_kernel_settings_from_environment(monkeypatch):
         settings.KernelSettings.from_env()
 
 
-@pytest.mark.parametrize("value,expected", [(None, None), ("", None), ("0", None), ("off", None),
+@pytest.mark.parametrize("value,expected", [(None, 20.0), ("", 20.0), ("0", None), ("off", None),
                                             ("1", 0.0), ("on", 0.0), ("20", 20.0),
                                             ("2.5", 2.5)])
 def test_late_trigger_switch(value, expected, monkeypatch):
