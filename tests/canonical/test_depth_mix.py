@@ -1004,7 +1004,8 @@ def _query_per_source(*args):
 
 
 def _own_weights(*args):
-    """The first source scored with other weights (its norm weight squared): four weights."""
+    """The first source scored with other weights (the norm weight squared): the same two
+    weights, another query for one source (the check tells)."""
     *srcs, wn, wp = args
     scores = [torch.linalg.vecdot(_normed(v), (wn * wn if i == 0 else wn) * wp[0])
               for i, v in enumerate(srcs)]
