@@ -64,8 +64,8 @@ by fp32 rounding (<= 8e-7 relative to the largest score, measured); the running 
 `sum(-2)`: 0 ulps at D = 7168 (CPU sums the strided dim in order), <= 2 ulps of Σ|terms| at
 D = 16; the whole mix <= 6.1e-7 relative (n = 2..13; RTOL 1e-5 admits it). In bf16 the
 spelling's scores and sum are fp32 throughout, one rounding at the end: the fp32-scores form,
-rounding where the spelling rounds (<= 0.09 % of the elements one bf16 rounding apart, from the
-fp32 differences above).
+rounding where the spelling rounds (measured: <= 1 % of the elements differ, by <= half a bf16
+ulp of the mix's largest: the fp32 differences above, flipping a rounding).
 
 Sources stacked on dim 0 whose scores are spelled otherwise than a canonical form are first
 tried as a whole mix against the canonical one, as above; where that check fails, the first
