@@ -488,12 +488,14 @@ class RelaidMixNorm(nn.Module):
                                              ("moonshot_tokens", torch.float32),
                                              ("moonshot_tokens", torch.bfloat16),
                                              ("fp32_scores_linear", torch.bfloat16),
-                                             ("spell11", torch.float32)])
+                                             ("spell11", torch.float32),
+                                             ("spell12", torch.float32),
+                                             ("spell12", torch.bfloat16)])
 def test_relaid_mix_fuses(name, dtype):
-    """Under the backend; bf16 with fp32 scores (Moonshot's, and a norm + projection in fp32) as
-    the op's scores_fp32 variant."""
+    """Under the backend; bf16 with fp32 scores (Moonshot's, spell12's sources scored apart, and
+    a norm + projection in fp32) as the op's scores_fp32 variant."""
     torch._dynamo.reset()
-    mix = RELAID[name][0] if name in RELAID else _fp32_scores_linear
+    mix = RELAID[name][0] if name in RELAID else APART.get(name, _fp32_scores_linear)
     model = RelaidMixNorm(mix).requires_grad_(False).to(dtype)
     args = [torch.randn(B, T, D).to(dtype) for _ in range(4)]
     got = compile_with(model, "attn_res_mix_norm")(*args)
