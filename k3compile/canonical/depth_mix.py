@@ -53,6 +53,20 @@ evaluates bit-equal and is taken. A mix that is not the built-in form is then tr
 second canonical form, the scores in fp32 throughout (`k3compile.math.depth_mix_scores_fp32`,
 Moonshot's bf16 mix; `attn_res_mix_norm`'s `scores_fp32` variants), by the same check.
 
+Sources never stacked (spell12): each scored by its own chain (`vecdot(normalise(v_i),
+query)`), the n scores stacked along k and softmaxed, the mix a sum of the n terms
+`alpha[.., i, ..] * v_i` (a running Python sum, in any order; a select or a one-wide slice of
+alpha, each index once): the sources are the terms' (`_scored_apart`), and the whole mix is
+rebuilt as above, by the same check. Exact where it matters: a source's vecdot is its row's
+`sum(x * q, -1)`, the stacked scores' own reduction (0 ulps, measured at D = 16 and 7168); the
+built-in form's scores (norm weight, then the projection's mm) differ from the folded query
+by fp32 rounding (<= 8e-7 relative to the largest score, measured); the running sum against
+`sum(-2)`: 0 ulps at D = 7168 (CPU sums the strided dim in order), <= 2 ulps of Σ|terms| at
+D = 16; the whole mix <= 6.1e-7 relative (n = 2..13; RTOL 1e-5 admits it). In bf16 the
+spelling's scores and sum are fp32 throughout, one rounding at the end: the fp32-scores form,
+rounding where the spelling rounds (measured: <= 1 % of the elements differ, by <= half a bf16
+ulp of the mix's largest: the fp32 differences above, flipping a rounding).
+
 Sources stacked on dim 0 whose scores are spelled otherwise than a canonical form are first
 tried as a whole mix against the canonical one, as above; where that check fails, the first
 path runs. Such scores: a graph whose ops (views aside) are no canonical form's, as a paper's
@@ -500,10 +514,66 @@ def _nearest_input(node: fx.Node, found):
     return None
 
 
+# ---- sources scored apart: one score chain per source, the mix a sum of terms --------------------
+
+
+def _scored_apart(alpha: fx.Node, k: int) -> tuple[list[fx.Node], dict] | None:
+    """(the sources in index order, no bank reads) of a mix that never stacks its sources
+    (spell12): the softmax over a stack along k of n >= 2 scores, one chain per source
+    (`vecdot(normalise(v_i), query)`), and the weighted sum a sum of the n terms
+    `alpha[.., i, ..] * v_i` (a running Python sum, in any order), each index once. What the
+    scores compute from which source is left to the random-value check (`_equals_canonical`)."""
+    scores = alpha.args[0].args[0].args[0]  # softmax = exp(x - amax(x)) / sum: x
+    if _is(scores, prims.convert_element_type.default):
+        scores = scores.args[0]
+    parts = _parts(scores, k)
+    terms = _terms(alpha, k)
+    if not parts or len(parts) < 2 or terms is None or sorted(terms) != list(range(len(parts))):
+        return None
+    srcs = [terms[i] for i in range(len(parts))]
+    rows = _shape(parts[0])  # one score per token: the sources' shape without its last dim
+    if any(_shape(p) != rows for p in parts) or any(_shape(s)[:-1] != rows for s in srcs):
+        return None
+    return srcs, {}
+
+
+_TERM_VIEWS = {aten.unsqueeze.default, aten.view.default, aten.reshape.default,
+               aten.expand.default}
+
+
+def _terms(alpha: fx.Node, k: int) -> dict[int, fx.Node] | None:
+    """Index i -> v_i for each use of alpha that is a term `alpha[.., i, .., None] * v_i` (a
+    select, or a slice of one, along k, views, a mul with v_i or its cast to fp32); None if any
+    use is not such a term or an index repeats."""
+    size, terms = _shape(alpha)[k], {}
+    for pick in alpha.users:
+        if _is(pick, aten.select.int) and pick.args[1] % len(_shape(alpha)) == k:
+            index = pick.args[2]
+        elif _is(pick, aten.slice.Tensor) and (idx := _indices(pick, k, 1)) and len(idx) == 1:
+            index = idx[0]
+        else:
+            return None
+        node = pick
+        while len(node.users) == 1 and next(iter(node.users)).target in _TERM_VIEWS:
+            node = next(iter(node.users))
+        mul = next(iter(node.users)) if len(node.users) == 1 else None
+        if not _is(mul, aten.mul.Tensor) or not isinstance(index, int) or index % size in terms:
+            return None
+        v = mul.args[1] if mul.args[0] is node else mul.args[0]
+        if _is(v, prims.convert_element_type.default) and v.args[1] == torch.float32:
+            v = v.args[0]
+        if not isinstance(v, fx.Node) or _val(v) is None:
+            return None
+        terms[index % size] = v
+    return terms
+
+
 def _site(alpha: fx.Node, k: int) -> Site | None:
     """The mix alpha belongs to: its sources, where its weighted sum closes, and what the graph
     between reads besides the sources (two weights of D values, constants; nothing else)."""
-    found = _stacked_along(alpha, k)
+    # scored apart first: its sources are certain (the terms'), and a stack of scores [S, B, 1]
+    # (T = 1) would read as a stack of sources with D = 1
+    found = _scored_apart(alpha, k) or _stacked_along(alpha, k)
     if found is None:
         return None
     srcs, reads = found
@@ -738,5 +808,5 @@ RULE = Rule("depth_mix", apply, "AttnRes depth mix: cat of unsqueezed sources ->
             "view; einsum / loop / matmul weighted sum -> (alpha[..., None] * sources).sum(0); "
             "a mix over sources stacked on another dim (blocks listed, or in a bank written "
             "by slice assignment; the stack's leading dims flattened), or on dim 0 with "
-            "scores not in the canonical form (einsum against w_norm * w_proj, ...) -> "
-            "math.depth_mix_weights")
+            "scores not in the canonical form (einsum against w_norm * w_proj, ...), or never "
+            "stacked (a score per source, a sum of terms) -> math.depth_mix_weights")

@@ -28,6 +28,7 @@ from tests.canonical.rule_checks import rewrite
 from tests.conftest import TOL, rel_err
 from tests.fusions.attention_checks import compile_with
 from tests.fusions.pattern_checks import graph, targets
+from tests.models.spell12_k3 import AttnRes
 
 B, T, D, EPS = 2, 1, 16, 1e-6
 
@@ -487,12 +488,14 @@ class RelaidMixNorm(nn.Module):
                                              ("moonshot_tokens", torch.float32),
                                              ("moonshot_tokens", torch.bfloat16),
                                              ("fp32_scores_linear", torch.bfloat16),
-                                             ("spell11", torch.float32)])
+                                             ("spell11", torch.float32),
+                                             ("spell12", torch.float32),
+                                             ("spell12", torch.bfloat16)])
 def test_relaid_mix_fuses(name, dtype):
-    """Under the backend; bf16 with fp32 scores (Moonshot's, and a norm + projection in fp32) as
-    the op's scores_fp32 variant."""
+    """Under the backend; bf16 with fp32 scores (Moonshot's, spell12's sources scored apart, and
+    a norm + projection in fp32) as the op's scores_fp32 variant."""
     torch._dynamo.reset()
-    mix = RELAID[name][0] if name in RELAID else _fp32_scores_linear
+    mix = RELAID[name][0] if name in RELAID else APART.get(name, _fp32_scores_linear)
     model = RelaidMixNorm(mix).requires_grad_(False).to(dtype)
     args = [torch.randn(B, T, D).to(dtype) for _ in range(4)]
     got = compile_with(model, "attn_res_mix_norm")(*args)
@@ -901,3 +904,154 @@ def test_folded_scores_of_other_values_stay(name, dtype):
     got, want = after(*args), before(*args)
     assert got.dtype == want.dtype and got.shape == want.shape
     assert rel_err(got, want) <= 1e-6  # the same fp32 sum, in another order
+
+
+# ---- sources scored apart: one score chain per source, a sum of terms (spell12) -----------------
+
+
+with torch.device("meta"):
+    _SPELL12_MIX = AttnRes(D, EPS)  # weightless, as the model's skeleton
+
+
+def _spell12(*args):
+    """tests/models/spell12_k3.py's `AttnRes` as written (the model's own module, run by
+    `functional_call` as the model runs it): each source scored by its own
+    `vecdot(rms_normalize(v), w_norm * w_proj)`, the scores stacked on -1 and softmaxed, the mix
+    a running Python sum `out = out + alpha[..., i, None] * v_i`."""
+    *srcs, wn, wp = args
+    weights = {"norm_weight": wn, "proj_weight": wp}
+    return torch.func.functional_call(_SPELL12_MIX, weights, (tuple(srcs),))
+
+
+def _normed(v):
+    v = v.float()
+    return v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + EPS)
+
+
+def _reversed_loop(*args):
+    """Scores stacked on dim 0 by `torch.stack`, the terms picked as `alpha[i]` and summed last
+    source first by `sum()` over a list (its 0 start folded away by the trace)."""
+    *srcs, wn, wp = args
+    query = wn.float() * wp[0].float()
+    scores = [(_normed(v) * query).sum(-1) for v in srcs]
+    alpha = torch.stack(scores).softmax(0)
+    terms = [alpha[i].unsqueeze(-1) * srcs[i].float() for i in reversed(range(len(srcs)))]
+    return functools.reduce(torch.add, terms).to(srcs[-1].dtype)
+
+
+def _sliced_terms(*args):
+    """The scores cat'ed from [.., 1] pieces, the weights picked by `alpha[..., i:i + 1]` (a
+    slice, no unsqueeze), the running sum starting from the prefix's term."""
+    *srcs, wn, wp = args
+    query = wn.float() * wp[0].float()
+    parts = [torch.linalg.vecdot(_normed(v), query).unsqueeze(-1)
+             for v in srcs]
+    alpha = torch.cat(parts, -1).softmax(-1)
+    out = alpha[..., -1:] * srcs[-1].float()
+    for i in range(len(srcs) - 1):
+        out = alpha[..., i:i + 1] * srcs[i].float() + out
+    return out.to(srcs[-1].dtype)
+
+
+def _python_sum(*args):
+    """`sum()` of a generator of terms (its start 0 added first), the folded query in the
+    sources' dtype: the form the look-alikes below depart from, one change each."""
+    *srcs, wn, wp = args
+    scores = [torch.linalg.vecdot(_normed(v), wn.float() * wp[0].float()) for v in srcs]
+    alpha = torch.stack(scores, -1).softmax(-1)
+    return sum(alpha[..., i, None] * v.float() for i, v in enumerate(srcs)).to(srcs[-1].dtype)
+
+
+APART = {"spell12": _spell12, "reversed_loop": _reversed_loop, "sliced_terms": _sliced_terms,
+         "python_sum": _python_sum}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", sorted(APART))
+def test_sources_scored_apart_become_the_canonical_mix(name, dtype):
+    """n score chains stacked and an n-term sum -> the whole canonical mix over the stacked
+    sources: in fp32 the built-in form (fp32 rounding of the scores' fold and the sum's order:
+    docs/decisions.md, session 33 mix12); in bf16 the fp32-scores form, which rounds where the
+    spelling does (once, the fp32 sum to bf16): at most one bf16 rounding flip apart."""
+    for n_blocks in (1, 3):
+        args = _tokens(n_blocks, dtype)
+        before, after, n = _rewrite(APART[name], *args)
+        assert n == 1
+        form = _canonical_targets if dtype == torch.float32 else _fp32_scores_targets
+        assert targets(after) == form(args)
+        got, want = after(*args), before(*args)
+        assert got.dtype == want.dtype == dtype and got.shape == want.shape
+        assert rel_err(got, want) <= (1e-6 if dtype == torch.float32 else 2 ** -8)
+
+
+def test_scores_apart_are_the_stacked_scores_bit_for_bit():
+    """Why stacking is exact: a source's vecdot with the query is `sum(x * q, -1)`, the same
+    reduction over D that the stacked scores run per row (measured: 0 ulps at D = 16 and 7168)."""
+    g = torch.Generator().manual_seed(0)
+    for width in (D, 7168):
+        srcs, q = [torch.randn(B, 3, width, generator=g) for _ in range(4)], torch.randn(width)
+        apart = torch.stack([torch.linalg.vecdot(v, q) for v in srcs], -1)
+        assert torch.equal(apart, (torch.stack(srcs, -2) * q).sum(-1))
+
+
+def _query_per_source(*args):
+    """Each source scored against its own query (the last one doubled): not one pseudo-query."""
+    *srcs, wn, wp = args
+    query = wn * wp[0]
+    scores = [torch.linalg.vecdot(_normed(v), query * (2.0 if i == len(srcs) - 1
+                                                                   else 1.0))
+              for i, v in enumerate(srcs)]
+    alpha = torch.stack(scores, -1).softmax(-1)
+    return sum(alpha[..., i, None] * v for i, v in enumerate(srcs))
+
+
+def _own_weights(*args):
+    """The first source scored with other weights (the norm weight squared): the same two
+    weights, another query for one source (the check tells)."""
+    *srcs, wn, wp = args
+    scores = [torch.linalg.vecdot(_normed(v), (wn * wn if i == 0 else wn) * wp[0])
+              for i, v in enumerate(srcs)]
+    alpha = torch.stack(scores, -1).softmax(-1)
+    return sum(alpha[..., i, None] * v for i, v in enumerate(srcs))
+
+
+def _missing_term(*args):
+    """The sum leaves out the last source's term."""
+    *srcs, wn, wp = args
+    scores = [torch.linalg.vecdot(_normed(v), wn * wp[0]) for v in srcs]
+    alpha = torch.stack(scores, -1).softmax(-1)
+    return sum(alpha[..., i, None] * v for i, v in enumerate(srcs[:-1]))
+
+
+def _source_twice(*args):
+    """The sum weighs the first source by the last weight too (the last source never summed)."""
+    *srcs, wn, wp = args
+    scores = [torch.linalg.vecdot(_normed(v), wn * wp[0]) for v in srcs]
+    alpha = torch.stack(scores, -1).softmax(-1)
+    return sum(alpha[..., i, None] * v for i, v in enumerate([*srcs[:-1], srcs[0]]))
+
+
+def _swapped_terms(*args):
+    """Each index's weight applied to another source (the first two swapped)."""
+    *srcs, wn, wp = args
+    scores = [torch.linalg.vecdot(_normed(v), wn * wp[0]) for v in srcs]
+    alpha = torch.stack(scores, -1).softmax(-1)
+    return sum(alpha[..., i, None] * v for i, v in enumerate([srcs[1], srcs[0], *srcs[2:]]))
+
+
+def _weight_twice(*args):
+    """One weight used for two terms (alpha[..., 0] for the first two sources)."""
+    *srcs, wn, wp = args
+    scores = [torch.linalg.vecdot(_normed(v), wn * wp[0]) for v in srcs]
+    alpha = torch.stack(scores, -1).softmax(-1)
+    return sum(alpha[..., max(i - 1, 0), None] * v for i, v in enumerate(srcs))
+
+
+APART_LOOK_ALIKES = {"query_per_source": _query_per_source, "own_weights": _own_weights,
+                     "missing_term": _missing_term, "source_twice": _source_twice,
+                     "swapped_terms": _swapped_terms, "weight_twice": _weight_twice}
+
+
+@pytest.mark.parametrize("name", sorted(APART_LOOK_ALIKES))
+def test_scored_apart_look_alike_is_left_alone(name):
+    _assert_left_alone(APART_LOOK_ALIKES[name], _tokens(2))
