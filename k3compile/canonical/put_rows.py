@@ -18,12 +18,14 @@ numel of the buffer's last dims, flat element X·P + j (0 <= j < P) is element j
 buffer viewed as [N / P, P]: the same elements get the same values. It holds for every X: a
 negative X (-N/P <= X < 0) is a flat index in [-N, 0), which `put` wraps to X·P + j + N, the
 element j of row X + N / P, where index_put wraps row X; an X out of range is refused by both.
-Two equal rows: either write wins, in both.
+Two equal rows: either write wins, in both. (After `paged_write` a cache position outside
+[0, L) is refused by the step's input check, as that rule says; the flat write would land in a
+neighbouring slot's rows.)
 
-Left alone: an accumulating put, an index with another stride than a trailing block's numel, an
-offset, a `j` range that is not the whole row (`iota` of another length or start), values that
-are not one row per index in the index's order, a flat write read otherwise than viewed back to
-the buffer's shape.
+Left alone: an accumulating put, an index with another stride than a trailing block's numel,
+an index that is not int64, an offset, a `j` range that is not the whole row (`iota` of another
+length or start), values that are not one row per index in the index's order, a flat write read
+otherwise than viewed back to the buffer's shape.
 """
 
 from __future__ import annotations
@@ -34,23 +36,11 @@ import torch
 from torch import fx
 
 from k3compile.canonical import Rule, rewrite_sites
+from k3compile.canonical.paged_write import VIEWS
+from k3compile.canonical.region import static_shape as _shape
 from k3compile.graph import call
 
 aten, prims = torch.ops.aten, torch.ops.prims
-VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
-
-
-def _shape(node) -> tuple | None:
-    val = node.meta.get("val") if isinstance(node, fx.Node) else None
-    if not isinstance(val, torch.Tensor) or not all(isinstance(d, int) for d in val.shape):
-        return None
-    return tuple(val.shape)
-
-
-def _integer(node) -> bool:
-    val = node.meta.get("val") if isinstance(node, fx.Node) else None
-    return isinstance(val, torch.Tensor) and not val.dtype.is_floating_point \
-        and val.dtype != torch.bool
 
 
 def _arange(node, n: int) -> bool:
@@ -92,7 +82,8 @@ def row_index(index: fx.Node, per: int):
         if x is None:  # unsqueeze(X * per, -1)
             scaled = _column(term)
             x = _times(scaled, per) if scaled is not None else None
-        if x is not None and _integer(x) and _shape(x) is not None \
+        # int64 only: index_put reads a bool or uint8 index as a mask, and X·P in int32 may wrap
+        if x is not None and x.meta["val"].dtype == torch.int64 and _shape(x) is not None \
                 and _shape(index) == (*_shape(x), per):
             return x
     return None

@@ -2,7 +2,7 @@
 `(slot * L + pos) * (C + R) + arange(C + R)` MLA cache write and `slot * numel + arange` state
 writes) become index_put of those rows: bit-equal, a negative row included (put wraps the flat
 index where index_put wraps the row). An accumulating put, an offset, a partial row, another
-stride and an arange not from 0 stay."""
+stride, an arange not from 0 and an int32 index stay."""
 
 from __future__ import annotations
 
@@ -98,8 +98,14 @@ def _arange_from_one(state, slots, new):
                      new.reshape(B, per))
 
 
+def _int32_rows(state, slots, new):
+    per = state[0].numel()
+    return state.put(slots[:, None].int() * per + torch.arange(per, dtype=torch.int32),
+                     new.reshape(B, per))
+
+
 @pytest.mark.parametrize("fn", [_accumulate, _offset, _partial_row, _other_stride,
-                                _arange_from_one])
+                                _arange_from_one, _int32_rows])
 def test_other_flat_writes_stay(fn):
     args = _state_inputs((1, 3))
     before, after, n = _rewrite(fn, *args)
