@@ -25,9 +25,10 @@ from torch import fx
 
 from k3compile.rewrite import inductor
 
-ORDER: tuple[str, ...] = ("scatter_rows", "paged_write", "token_dim", "state_write", "cache_block",
+ORDER: tuple[str, ...] = ("put_rows", "scatter_rows", "paged_write", "token_dim", "state_write", "cache_block",
                           "slot_mapping",
                           "sdpa_math",
+                          "baddbmm_mask",
                           "mla_upcast",
                           "mla_absorb",
                           "mla_absorbed", "verify_rows", "nibble_unpack",

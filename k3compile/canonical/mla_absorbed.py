@@ -9,7 +9,10 @@ scale applied before or after the cast to fp32, the causal mask by `torch.where(
 the same attention; none is the graph the patterns were traced from. SDPA over one latent "KV
 head" [c_kv | k_pe] with V its first C columns (`enable_gqa` or the head broadcast; the mask the
 positions' causal one) reaches this rule as such a spelling once rule sdpa_math has read its math
-path: the scale split as √c on q and on kᵀ, before the products.
+path: the scale split as √c on q and on kᵀ, before the products. spell12's attention (scores one
+`baddbmm` of an additive 0 / -inf bias over [B, T·H, C + R] queries, the cache written by
+`Tensor.put`) reaches it once rules put_rows / paged_write have made the write a (slot, position)
+row write and baddbmm_mask the scores a masked, scaled `bmm`.
 
 Matching is structural, then numerical. From each read of a cache that was just written
 (`index(index_put(cache, [slots, pos], rows), [slots])`): the products that read it (mm/bmm,

@@ -9,7 +9,9 @@ comparison or by masked_fill, the cache rows at `slots.unsqueeze(1)` or `.view(B
 tensors or of their fp32 upcasts (rule `mla_upcast`); or the attention by
 `F.scaled_dot_product_attention` of [q_lat | q_pe] over one latent "KV head" [c_kv | k_pe] with V
 its first C columns and a boolean mask (spell11's, `tests/models/spell11_k3.py`), the head by
-`enable_gqa` or broadcast.
+`enable_gqa` or broadcast; or the scores by one `baddbmm` of an additive where(visible, 0, -inf)
+bias with alpha the scale over [B, T·H, C + R] queries, p·c a `bmm`, the cache written out of
+place by `Tensor.put` at flat indices (spell12's, `tests/models/spell12_k3.py`).
 """
 
 from __future__ import annotations
@@ -35,12 +37,20 @@ class Spelling:
     # repeated by enable_gqa, else the keys and values expanded over the query heads
     sdpa: bool = False
     sdpa_gqa: bool = True
+    # spell12's (tests/models/spell12_k3.py): the scores one `baddbmm(bias, q, cacheᵀ, alpha=
+    # scale)` of an additive where(visible, 0, -inf) bias over [B, T·H, C + R] queries, p·c a bmm
+    baddbmm_bias: bool = False
+    beta: float = 1.0  # the baddbmm's beta
+    # the cache written out of place by `Tensor.put` at flat indices
+    # `(slot * L + pos) * (C + R) + arange(C + R)` (spell12's)
+    put_write: bool = False
     # look-alikes the rule must leave alone (not the attention the canonical form computes)
     window: int | None = None  # also hide cache rows older than pos - window
     scale_rope_twice: bool = False  # the rope term scaled once more
     mask_ahead: bool = False  # the mask shows one key past each query's position
     pv_other_slots: bool = False  # p·c reads the cache at other slots (slots.flip(0))
     values_offset: bool = False  # SDPA's V the cache's last C columns, not its first
+    bias_values: tuple = (0.0, float("-inf"))  # the additive bias where visible, where not
 
 
 SPELLINGS = {
@@ -49,6 +59,8 @@ SPELLINGS = {
     "sliced_masked_fill": Spelling(where_mask=False, unsqueezed_rows=False),
     "sdpa_gqa": Spelling(sdpa=True),  # spell11's
     "sdpa_broadcast": Spelling(sdpa=True, sdpa_gqa=False, sliced=False, unsqueezed_rows=False),
+    "baddbmm_bias": Spelling(baddbmm_bias=True),
+    "baddbmm_bias_put": Spelling(baddbmm_bias=True, put_write=True),  # spell12's
 }
 UPCAST_SPELLINGS = {
     "upcast_products": Spelling(upcast=True),
@@ -61,6 +73,9 @@ LOOKALIKES = {
     "sdpa_values_offset": Spelling(sdpa=True, values_offset=True),
     "sdpa_mask_ahead": Spelling(sdpa=True, mask_ahead=True),
     "sdpa_sliding_window": Spelling(sdpa=True, window=4),
+    # spell12's baddbmm: a bias of -1e4 (not -inf: rule baddbmm_mask leaves it); -inf one key ahead
+    "baddbmm_finite_mask": Spelling(baddbmm_bias=True, bias_values=(0.0, -1e4)),
+    "baddbmm_mask_ahead": Spelling(baddbmm_bias=True, mask_ahead=True),
 }
 UPCAST_LOOKALIKES = {
     "upcast_sliding_window": Spelling(window=4, upcast=True),
@@ -96,12 +111,23 @@ class AbsorbedMLA(GatedMLA):
             pos, rows = positions.unsqueeze(1) + torch.arange(T), slots.unsqueeze(1)
         else:
             pos, rows = positions.view(B, 1) + torch.arange(T), slots.view(B, 1)
-        self.kv_cache[rows, pos] = torch.cat([self.kv_a_layernorm(c_kv), k_pe], -1)
-        cache = self.kv_cache[slots]
+        row = torch.cat([self.kv_a_layernorm(c_kv), k_pe], -1)
+        if s.put_write:
+            L, W = self.kv_cache.shape[1:]
+            flat = (rows * L + pos)[..., None] * W + torch.arange(W)
+            new = self.kv_cache.put(flat, row)
+            cache = new[slots]
+            self.kv_cache.copy_(new)
+        else:
+            self.kv_cache[rows, pos] = row
+            cache = self.kv_cache[slots]
         w_uk, w_uv = _parts(self.kv_b_proj.weight.view(H, N + V, C), N, 1, s)
         q_lat = torch.einsum("bthd,hdc->bthc", q_nope, w_uk)
         if s.sdpa:
             return self.o_proj(self._sdpa(q_lat, q_pe, cache, pos, w_uv) * torch.sigmoid(
+                self.g_proj(x)))
+        if s.baddbmm_bias:
+            return self.o_proj(self._baddbmm(q_lat, q_pe, cache, pos, w_uv) * torch.sigmoid(
                 self.g_proj(x)))
         latents, rope = _parts(cache, C, -1, s)
         up = (lambda t: t.float()) if s.upcast else (lambda t: t)
@@ -128,6 +154,21 @@ class AbsorbedMLA(GatedMLA):
         o_lat = torch.einsum("bthl,blc->bthc", p, up(_parts(values, C, -1, s)[0])).to(x.dtype)
         o = torch.einsum("bthc,hvc->bthv", o_lat, w_uv).reshape(B, T, H * V)
         return self.o_proj(o * torch.sigmoid(self.g_proj(x)))
+
+    def _baddbmm(self, q_lat, q_pe, cache, pos, w_uv):
+        """o [B, T, H·V] as spell12 writes it: scores = baddbmm(bias, q, cacheᵀ, alpha=scale)
+        over [B, T·H, C + R] queries, the bias where(visible, 0, -inf) over [B, T·H, L]."""
+        s, (B, T, H, _), C = self.spelling, q_lat.shape, self.kv_lora_rank
+        L = cache.shape[1]
+        visible = torch.arange(L) <= (pos + 1 if s.mask_ahead else pos)[..., None]  # [B, T, L]
+        bias = torch.where(visible, *s.bias_values).to(q_lat.dtype)
+        bias = bias[:, :, None, :].expand(B, T, H, L).reshape(B, T * H, L)
+        qm = torch.cat([q_lat, q_pe], -1).reshape(B, T * H, -1)
+        scores = torch.baddbmm(bias, qm, cache.transpose(1, 2), beta=s.beta,
+                               alpha=self.softmax_scale)
+        p = scores.float().softmax(-1).to(q_lat.dtype)
+        o_lat = torch.bmm(p, cache[..., :C]).unflatten(1, (T, H))  # [B, T, H, C]
+        return torch.einsum("bthc,hvc->bthv", o_lat, w_uv).flatten(-2)
 
     def _sdpa(self, q_lat, q_pe, cache, pos, w_uv):
         """o [B, T, H·V] by SDPA of [q_lat | q_pe] over the cache as one latent head."""

@@ -1,11 +1,14 @@
 """Rule mla_absorbed: Gated MLA already absorbed but spelled otherwise
 (tests/canonical/absorbed_mla_spellings.py: sliced parts, weight slices, scale before the cast,
 a `where` mask on [B, T, 1, L], unsqueezed cache rows; SDPA over one latent head, by enable_gqa
-or broadcast, as spell11 writes it) becomes our model's absorbed form: compiled
+or broadcast, as spell11 writes it; the scores one baddbmm of an additive 0 / -inf bias over
+[B, T·H, C + R] queries, the cache written by `Tensor.put`, as spell12 writes it: rules
+baddbmm_mask, put_rows) becomes our model's absorbed form: compiled
 with the rules (fuse off) it equals its eager self, and is our model's graph: the same ops and
 bit-identical outputs and cache to our GatedMLA compiled the same way. Look-alikes (a sliding
 window, the rope term scaled twice; SDPA with V the cache's last C columns, a mask one key ahead or
-a sliding window) and our own model are left alone. In bf16 with the products
+a sliding window; the baddbmm with a finite mask value or a mask one key ahead) and our own model
+are left alone. In bf16 with the products
 of fp32 upcasts (`q_lat.float()`, `latents.float()`, p·c in fp32: rule mla_upcast, which keeps
 the site because mla_absorbed then takes it) the same; its look-alikes (also a mask one key
 ahead, p·c of the cache read at other slots) stay exactly as without mla_upcast."""
@@ -93,7 +96,9 @@ def test_our_absorbed_model_is_left_alone():
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype,name", [(torch.float32, "deepseek_inference"),
                                         (BF16, "deepseek_inference"), (BF16, "upcast_products"),
-                                        (torch.float32, "sdpa_gqa"), (BF16, "sdpa_gqa")])
+                                        (torch.float32, "sdpa_gqa"), (BF16, "sdpa_gqa"),
+                                        (torch.float32, "baddbmm_bias_put"),
+                                        (BF16, "baddbmm_bias_put")])
 def test_compiled_spelling_gets_our_mla_ops_and_equals_eager(dtype, name):
     batch, tokens = 2, 3
     only_mla = {"disabled_patterns": [p for p in PATTERNS if not p.startswith("mla_")]}
