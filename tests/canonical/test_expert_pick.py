@@ -14,7 +14,7 @@ from k3compile.canonical import mxfp4_dequant, table_lookup
 from k3compile.math import e2m1_table
 from k3compile.math import mxfp4_dequant as dequant
 
-from .rule_checks import assert_same, targets, trace
+from .rule_checks import assert_one_site_becomes, assert_same, rewritten, trace
 from .test_table_lookup import _spell12_dequant
 
 E, OUT, WIDTH = 5, 8, 64
@@ -53,13 +53,8 @@ def _canonical(p, s, ids, lut):
 SPELLINGS = {"einsum": _einsum, "matmul": _matmul, "index": _index, "spell12": _spell12}
 
 
-def _rewrite(fn, args):
-    gm = trace(fn, args)
-    for first in (table_lookup, mxfp4_dequant):  # as stage canonicalize runs them before
-        first.apply(gm.graph)
-    count = rule.apply(gm.graph)
-    gm.graph.lint()
-    gm.recompile()
+def _rewrite(fn, args):  # after the rules stage canonicalize runs before it
+    gm, (*_, count) = rewritten(fn, args, table_lookup, mxfp4_dequant, rule)
     return gm, count
 
 
@@ -69,12 +64,10 @@ def _rewrite(fn, args):
 def test_picked_stack_becomes_the_dequant_of_the_picked_bytes(spelling, rows, dtype):
     args = _inputs(rows, dtype)
     gm, count = _rewrite(SPELLINGS[spelling], args)
-    assert count == 1
-    if spelling != "spell12":  # (that one also has the E2M1 table mxfp4_dequant computes)
-        assert targets(gm) == targets(trace(_canonical, args))  # the pattern's form, op for op
-    assert "aten.bmm.default" not in targets(gm) and "aten.mm.default" not in targets(gm)
-    assert_same(gm(*args), SPELLINGS[spelling](*args))  # values; a zero's sign aside (below)
-    assert_same(gm(*args), _canonical(*args))
+    # values (a zero's sign aside: below); spell12 also has the E2M1 table mxfp4_dequant computes
+    assert_one_site_becomes(gm, count, SPELLINGS[spelling], _canonical, args,
+                            gone={"aten.bmm.default", "aten.mm.default"},
+                            same_ops=spelling != "spell12")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

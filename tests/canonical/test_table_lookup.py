@@ -12,7 +12,7 @@ from k3compile.canonical import mxfp4_dequant, table_lookup
 from k3compile.math import E2M1_VALUES, e2m1_table
 from k3compile.math import mxfp4_dequant as canonical_dequant
 
-from .rule_checks import assert_same, targets, trace
+from .rule_checks import assert_same, rewritten, targets
 
 EMBEDDING = "aten.embedding.default"
 
@@ -40,19 +40,11 @@ def _reshaped(codes, table):
 SPELLINGS = {"squeeze": _squeezed, "select": _selected, "reshape": _reshaped}
 
 
-def _rewritten(fn, args, rules=(table_lookup,)):
-    gm = trace(fn, args)
-    counts = [rule.apply(gm.graph) for rule in rules]
-    gm.graph.lint()
-    gm.recompile()
-    return gm, counts
-
-
 @pytest.mark.parametrize("shape", [(3, 8, 6), (1, 5)], ids=str)
 @pytest.mark.parametrize("spelling", sorted(SPELLINGS))
 def test_one_column_embedding_becomes_a_flat_gather(spelling, shape):
     args = [_codes(*shape), _table()]
-    gm, (count,) = _rewritten(SPELLINGS[spelling], args)
+    gm, (count,) = rewritten(SPELLINGS[spelling], args, table_lookup)
     assert count == 1
     assert EMBEDDING not in targets(gm) and "aten.index.Tensor" in targets(gm)
     assert_same(gm(*args), SPELLINGS[spelling](*args))
@@ -76,8 +68,8 @@ def test_with_it_mxfp4_dequant_takes_the_embedding_dequant(dtype):
         return _spell12_dequant(p, s, t).to(dtype)
 
     args = [packed, scale, torch.tensor(E2M1_VALUES, dtype=dtype)[:, None]]
-    assert _rewritten(fn, args, (mxfp4_dequant,))[1] == [0]  # the embedding stops it alone
-    gm, counts = _rewritten(fn, args, (table_lookup, mxfp4_dequant))
+    assert rewritten(fn, args, mxfp4_dequant)[1] == [0]  # the embedding stops it alone
+    gm, counts = rewritten(fn, args, table_lookup, mxfp4_dequant)
     assert counts == [1, 1]  # the flat table, a view of an input, is read as E2M1
     assert EMBEDDING not in targets(gm) and "aten.ldexp.Tensor" not in targets(gm)
     assert_same(gm(*args), fn(*args))
@@ -86,7 +78,7 @@ def test_with_it_mxfp4_dequant_takes_the_embedding_dequant(dtype):
 
 def test_a_wide_embedding_is_left_alone():
     args = [_codes(3, 4), torch.randn(16, 8)]
-    gm, (count,) = _rewritten(lambda c, t: F.embedding(c, t).sum(-1), args)
+    gm, (count,) = rewritten(lambda c, t: F.embedding(c, t).sum(-1), args, table_lookup)
     assert count == 0 and EMBEDDING in targets(gm)
 
 
@@ -96,6 +88,6 @@ def test_a_one_column_embedding_also_read_whole_is_left_alone():
         return e.squeeze(-1), e * 3.0
 
     args = [_codes(3, 4), _table()]
-    gm, (count,) = _rewritten(both, args)
+    gm, (count,) = rewritten(both, args, table_lookup)
     assert count == 0 and EMBEDDING in targets(gm)
     assert_same(gm(*args), both(*args))
