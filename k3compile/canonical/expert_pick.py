@@ -29,8 +29,8 @@ Why it is faithful:
   **Assumed, not proven**: every expert's dequantised weights are finite. A non-finite
   unpicked value (0 * inf = NaN) makes eager's pick NaN where the rewrite returns the picked
   expert's value. MXFP4's values are finite for every scale byte up to 252 (6 * 2^125; bytes
-  253-254 overflow fp32 / bf16 with the largest nibbles, 255 is E8M0's NaN); quantised
-  weights' scales are near 127 (K3's release: 2^-12 .. 2^0 magnitudes), so none occurs. The
+  253-254 overflow fp32 / bf16 with the largest nibbles, 255 is E8M0's NaN); a quantiser
+  sets a block's scale from its largest magnitude, so 253 would mean weights near 2^126. The
   rule does not read the scales (they are weights: they may change after the compile); like
   `expert_dense`, it takes the routing's meaning, an unpicked expert does not contribute
   (tests/canonical/test_expert_pick.py shows the difference on an inf).
