@@ -30,6 +30,15 @@ def rewrite(rule, fn, *args, joint: bool = False):
     return before, after, n
 
 
+def rewritten(fn, args, *rules) -> tuple[torch.fx.GraphModule, list[int]]:
+    """(fn traced on args with `rules` applied in turn, linted, how many sites each rewrote)."""
+    gm = trace(fn, args)
+    counts = [rule.apply(gm.graph) for rule in rules]
+    gm.graph.lint()
+    gm.recompile()
+    return gm, counts
+
+
 def targets(gm) -> list[str]:
     return [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
 
@@ -40,3 +49,15 @@ def assert_same(got, want):
                     strict=True):
         assert g.dtype == w.dtype and g.shape == w.shape
         torch.testing.assert_close(g, w, rtol=0, atol=0, equal_nan=True)
+
+
+def assert_one_site_becomes(gm, count: int, fn, canonical, args, *, gone=(), same_ops=True):
+    """One site rewritten (count) into canonical's form (op for op with canonical traced on args,
+    where same_ops), none of the targets in `gone` left, and gm equal bit for bit to fn (the
+    spelling) and to canonical on args."""
+    assert count == 1
+    if same_ops:
+        assert targets(gm) == targets(trace(canonical, args))  # the pattern's form, op for op
+    assert not set(gone) & set(targets(gm))
+    assert_same(gm(*args), fn(*args))
+    assert_same(gm(*args), canonical(*args))

@@ -13,7 +13,7 @@ from k3compile.math import e2m1_table
 from k3compile.math import mxfp4_dequant as dequant
 from tests.models.redteam_k3 import _mxfp4
 
-from .rule_checks import assert_same, targets, trace
+from .rule_checks import assert_one_site_becomes, assert_same, rewritten
 
 E, OUT, LATENT = 5, 64, 96
 
@@ -49,10 +49,7 @@ SPELLINGS = {"index_select": _flat_index_select, "index": _flat_index, "redteam"
 
 
 def _rewrite(fn, args):
-    gm = trace(fn, args)
-    mxfp4_dequant.apply(gm.graph)  # as stage canonicalize runs it first
-    count = rule.apply(gm.graph)
-    gm.recompile()
+    gm, (_, count) = rewritten(fn, args, mxfp4_dequant, rule)  # as stage canonicalize runs them
     return gm, count
 
 
@@ -62,12 +59,9 @@ def _rewrite(fn, args):
 def test_flat_gather_becomes_the_gather_by_ids(spelling, rows, dtype):
     args = _inputs(rows, dtype)
     gm, count = _rewrite(SPELLINGS[spelling], args)
-    assert count == 1
-    if spelling != "redteam":  # (that one also has the E2M1 table mxfp4_dequant computes)
-        assert targets(gm) == targets(trace(_canonical, args))  # the pattern's form, op for op
-    assert "aten.index_select.default" not in targets(gm)
-    assert_same(gm(*args), SPELLINGS[spelling](*args))
-    assert_same(gm(*args), _canonical(*args))
+    # (redteam also has the E2M1 table mxfp4_dequant computes: not op for op)
+    assert_one_site_becomes(gm, count, SPELLINGS[spelling], _canonical, args,
+                            gone={"aten.index_select.default"}, same_ops=spelling != "redteam")
 
 
 def _swapped(packed, scale, lut):
