@@ -13,7 +13,8 @@ Exact up to the GEMM's blocking: a column of a GEMM's output depends only on its
 argument `gate_up_split` makes for a gate|up GEMM). Taken only where the pieces tile the columns
 (no gap, no overlap, nothing else reads the GEMM) and one of them reaches a depthwise
 convolution's window through views, permutes and the window's `cat`: a GEMM cut for other uses
-keeps its one GEMM (MLA's kv_a [latent | rope] is one GEMM in the canonical form). Left alone: a
+keeps its one GEMM here (MLA's kv_a [latent | rope] is one GEMM in the canonical form); rule
+`proj_groups`, once the norms are canonical, cuts the other stacked projections. Left alone: a
 cut that does not tile the output, a GEMM read whole besides its pieces, no conv.
 """
 
