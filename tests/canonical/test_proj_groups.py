@@ -102,10 +102,11 @@ def _close(after, before, args, dtype):
         assert rel_err(got, want) <= 2 * torch.finfo(dtype).eps
 
 
+@pytest.mark.parametrize("lead", [(2, 1), (2, 3), (3,)])  # one token, verify rows, flat rows
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", sorted(KDA))
-def test_kda_in_projection_is_one_gemm_per_piece(name, dtype):
-    args = _kda_args(dtype)
+def test_kda_in_projection_is_one_gemm_per_piece(name, dtype, lead):
+    args = _kda_args(dtype, lead)
     before, after, n = rewrite(proj_groups, KDA[name], *args)
     assert n == 1
     pieces = [(0, W), (W, 2 * W), (2 * W, 3 * W), (3 * W, 4 * W)]
