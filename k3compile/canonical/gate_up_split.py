@@ -191,6 +191,15 @@ def _cut_before_norms(graph: fx.Graph, out: fx.Node, found, pieces) -> int:
     cuts = [start for piece, start, _ in pieces if start and _rms_normed(piece)]
     if not cuts:
         return 0
+    cut_columns(graph, out, found, pieces, cuts)
+    return 1
+
+
+def cut_columns(graph: fx.Graph, out: fx.Node, found, pieces, cuts: list[int]) -> None:
+    """The GEMM `found` (whose output `out` is read as `pieces`, sorted, tiling its columns)
+    -> one GEMM per column range between `cuts`, on the weight's row slices; a range of several
+    pieces is cut from its GEMM by one `split_with_sizes`."""
+    width = _shape(out)[-1]
     gemm, view = found
     bounds = list(zip([0, *cuts], [*cuts, width]))
     for lo, hi in bounds:
@@ -208,7 +217,6 @@ def _cut_before_norms(graph: fx.Graph, out: fx.Node, found, pieces) -> int:
                         for i in range(len(group))]
         for (piece, _, _), new in zip(group, outs, strict=True):
             piece.replace_all_uses_with(new)
-    return 1
 
 
 def _gemm_of_rows(graph, gemm, view, start, end, like, shape=None):

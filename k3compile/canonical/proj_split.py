@@ -13,7 +13,8 @@ Exact up to the GEMM's blocking: a column of a GEMM's output depends only on its
 argument `gate_up_split` makes for a gate|up GEMM). Taken only where the pieces tile the columns
 (no gap, no overlap, nothing else reads the GEMM) and one of them reaches a depthwise
 convolution's window through views, permutes and the window's `cat`: a GEMM cut for other uses
-keeps its one GEMM (MLA's kv_a [latent | rope] is one GEMM in the canonical form). Left alone: a
+keeps its one GEMM here (MLA's kv_a [latent | rope] is one GEMM in the canonical form); rule
+`proj_groups`, once the norms are canonical, cuts the other stacked projections. Left alone: a
 cut that does not tile the output, a GEMM read whole besides its pieces, no conv.
 """
 
@@ -44,6 +45,19 @@ def _feeds_conv(node: fx.Node, depth: int = 6) -> bool:
     return False
 
 
+def tiling(node: fx.Node) -> list[tuple[fx.Node, int, int]] | None:
+    """node's pieces [(piece, start, end)] in column order, where every user of node cuts it along
+    the last dim and the cuts tile its columns (no gap, no overlap) in two pieces or more."""
+    pieces = _pieces(node)
+    if not pieces or len(pieces) < 2:
+        return None
+    pieces = sorted(pieces, key=lambda p: p[1])
+    if ([p[1] for p in pieces] != [0, *(p[2] for p in pieces[:-1])]
+            or pieces[-1][2] != shape(node)[-1]):
+        return None
+    return pieces
+
+
 def _site(node: fx.Node):
     out = shape(node)
     found = _gemm(node)
@@ -53,13 +67,8 @@ def _site(node: fx.Node):
     w = gemm.args[2] if gemm.target is aten.addmm.default else gemm.args[1]
     if w.target is not aten.permute.default or list(w.args[1]) != [1, 0]:
         return None
-    pieces = _pieces(node)
-    if not pieces or len(pieces) < 2:
-        return None
-    pieces = sorted(pieces, key=lambda p: p[1])
-    if [p[1] for p in pieces] != [0, *(p[2] for p in pieces[:-1])] or pieces[-1][2] != out[-1]:
-        return None
-    if not any(_feeds_conv(p) for p, _, _ in pieces):
+    pieces = tiling(node)
+    if not pieces or not any(_feeds_conv(p) for p, _, _ in pieces):
         return None
     return found, pieces
 
@@ -84,4 +93,4 @@ RULE = Rule("proj_split", apply,
             "one in-proj GEMM cut by slices / split into pieces tiling it, one into a short conv "
             "-> one GEMM per piece on the weight's row slices")
 
-__all__ = ["RULE", "apply"]
+__all__ = ["RULE", "apply", "tiling"]

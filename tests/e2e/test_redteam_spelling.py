@@ -39,8 +39,10 @@ gaps (fp32, 4-layer tiny; details, near misses and suggested rules: docs/redteam
   that keep this spelling's rounding: `moe_experts[...,fp32_out]` (the finalize's fp32 sum
   unrounded) feeding `norm_linear[bfloat16,weight_fp32,cast]` (F.rms_norm with the weight
   upcast, one rounding before the up-projection).
-* linear_concat (0, 1): by construction (the fused in-projection is one GEMM already); at 2, 3
-  the q_a|kv_a cut is fused again.
+* linear_concat (0, 1): rules proj_split and qkv_split cut the fused in-projection into six
+  GEMMs, which stay six `mm`s on [B, D] rows viewed [B, 1, .] feeding
+  fb_kda_decode: linear_concat[kda] has no such `rows_viewed` form (session 33: not "by
+  construction", a pattern gap). At 2, 3 the q_a|kv_a cut is fused again.
 * bf16 only: norm_linear (1-3): closed (session 23), see moe_experts.
 """
 
@@ -55,7 +57,7 @@ from tests.spellings import foreign
 
 EAGER_TOL = 1e-5  # measured 1.7e-6 (logits), 1.6e-6 (states) over 4 steps
 
-_KDA = {"linear_concat": 1}  # by construction: the in-projection is one GEMM already
+_KDA = {"linear_concat": 1}  # six GEMMs on rows viewed [B, 1, .]: no linear_concat form
 # layer -> the built-in plan's ops this spelling's plan lacks (a layer not named: none)
 LOST = {
     # layer 0's input norm (no depth mix before the first layer), written in the model's
