@@ -26,9 +26,9 @@ The fused op computes the sequential form, as the spec writes it.
 Site: a 4-D fp32 add S' = (α[..., None] ⊙ S) + k ⊗ u where u = β (v − read(S, α⊙k)), and a
 read read(S, α⊙q) of the same S whose only reader is o = read + (q·k)[..., None] ⊙ u (the dot
 product a sum over the last dim, unsqueezed back or kept); each operand in either order, the
-repeated α, k and q equal (one node, or the same select of one tensor). Taken only where both outputs, run on random
-values, equal the sequential form within 1e-5 of the largest value (`canonical.region`). Left
-alone: the sequential form itself, a chunk form with any other term, a read of another state.
+repeated α, k and q equal (one node, or the same select of one tensor). Taken only where both
+outputs, run on random values, equal the sequential form within 1e-5 of the largest value
+(`canonical.region`). Left alone: the sequential form itself, a chunk form with any other term, a read of another state.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from torch import fx
 
 from k3compile.canonical import Rule, region, rewrite_sites
 from k3compile.canonical.region import shape, state_read, val
+from k3compile.canonical.window_stack import same
 from k3compile.graph import call
 
 aten = torch.ops.aten
@@ -52,13 +53,6 @@ def sequential(S, alpha, k, v, beta, q, k_write=None):
     u = beta * (v - torch.einsum("bhkv,bhk->bhv", S, k))
     S = S + (k if k_write is None else k_write).unsqueeze(-1) * u.unsqueeze(-2)
     return S, torch.einsum("bhkv,bhk->bhv", S, q)
-
-
-def _same(a, b) -> bool:
-    """a and b compute the same value: one node, or the same call on the same arguments."""
-    return a is b or (isinstance(a, fx.Node) and isinstance(b, fx.Node)
-                      and a.op == b.op == "call_function" and a.target is b.target
-                      and a.args == b.args and a.kwargs == b.kwargs)
 
 
 def _binary(node, target) -> tuple | None:
@@ -106,7 +100,7 @@ def _read(out: fx.Node) -> tuple[fx.Node, fx.Node] | None:
 
 def _times(node, alpha) -> fx.Node | None:
     """x where node = α ⊙ x (either order)."""
-    return _pair(node, aten.mul.Tensor, lambda a, b: b if _same(a, alpha) else None)
+    return _pair(node, aten.mul.Tensor, lambda a, b: b if same(a, alpha) else None)
 
 
 def _delta(u, S, alpha):
@@ -129,7 +123,7 @@ def _rows_of(x, q, k) -> bool:
     (rule `token_select` takes the select after the product)."""
     ops = _binary(x, aten.mul.Tensor)
     if ops is not None:
-        return _same(ops[0], q) and _same(ops[1], k) or _same(ops[0], k) and _same(ops[1], q)
+        return same(ops[0], q) and same(ops[1], k) or same(ops[0], k) and same(ops[1], q)
     if not (isinstance(x, fx.Node) and x.target is aten.select.int):
         return False
     rows = [(n.args[0], n.args[1:]) if isinstance(n, fx.Node) and n.target is aten.select.int
@@ -194,7 +188,7 @@ def _site(new: fx.Node):
                 if k is None or u is None:
                     continue
                 found = _delta(u, S, alpha)
-                if found is None or not _same(found[0], k):
+                if found is None or not same(found[0], k):
                     continue
                 out = _output(S, alpha, k, u)
                 if out is not None:
@@ -205,7 +199,7 @@ def _site(new: fx.Node):
 def _merge(node: fx.Node) -> None:
     """Every other node computing node's value (the same call) read as node (exact)."""
     for other in list(node.graph.nodes):
-        if other is not node and _same(other, node):
+        if other is not node and same(other, node):
             other.replace_all_uses_with(node)
 
 

@@ -49,7 +49,8 @@ def _iota(node, per: int) -> bool:
 
 def _slots(index, per: int) -> fx.Node | None:
     """slots where index = slots[:, None] * per + arange(per)."""
-    if not (isinstance(index, fx.Node) and index.target is aten.add.Tensor and len(index.args) == 2):
+    if not (isinstance(index, fx.Node) and index.target is aten.add.Tensor
+            and len(index.args) == 2):
         return None
     for mul, ar in (index.args, index.args[::-1]):
         if not (_iota(ar, per) and isinstance(mul, fx.Node) and mul.target is aten.mul.Tensor):

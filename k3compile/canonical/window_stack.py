@@ -16,10 +16,10 @@ Exact: the same elements in the same places (unfold is a view of them). fp32 win
 bf16 window contracted in bf16 rounds each product, which no exact canonical conv computes; rule
 `conv_einsum` would take that sum to 2 ulps, and on spell12's bf16 step that raised the compiled
 step's logits error against eager from 2.9e-2 to 5.1e-2 at the first step (over
-TOL["diffsuite_bf16"], 5e-2; measured session 33), so a bf16 stack is left as written. Taken only
-where there are K >= 2 pieces, piece j the columns [j, j + T) of one 3-D xs (a slice of it, or, where xs is a
-cat on its last dim, the input that holds exactly those columns), all unsqueezed at the last dim
-and concatenated there, xs's last dim K - 1 + T long. Left alone: pieces out of order, of
+TOL["diffsuite_bf16"], 5e-2; measured session 33), so a bf16 stack is left as written. Taken
+only where there are K >= 2 pieces, piece j the columns [j, j + T) of one 3-D xs (a slice of
+it, or, where xs is a cat on its last dim, the input that holds exactly those columns), all
+unsqueezed at the last dim and concatenated there, xs's last dim K - 1 + T long. Left alone: pieces out of order, of
 another width or step, of two tensors, or stacked on another dim.
 """
 
@@ -36,7 +36,7 @@ aten = torch.ops.aten
 END = 2**63 - 1
 
 
-def _same(a, b) -> bool:
+def same(a, b) -> bool:
     """a and b compute the same value: one node, or the same call on the same arguments."""
     return a is b or (isinstance(a, fx.Node) and isinstance(b, fx.Node)
                       and a.op == b.op == "call_function" and a.target is b.target
@@ -62,7 +62,7 @@ def _cat_input(piece: fx.Node, xs: fx.Node, T: int) -> bool:
     if xs.target is not aten.cat.default or len(xs.args) < 2 or xs.args[1] % 3 != 2:
         return False
     last = xs.args[0][-1]
-    return shape(last) is not None and shape(last)[2] == T and _same(piece, last)
+    return shape(last) is not None and shape(last)[2] == T and same(piece, last)
 
 
 def _site(cat: fx.Node):
@@ -107,4 +107,4 @@ def apply(graph: fx.Graph) -> int:
 RULE = Rule("window_stack", apply,
             "stack([xs[..., j:j + T] for j in range(K)], -1) -> xs.unfold(-1, K, 1)")
 
-__all__ = ["RULE", "apply"]
+__all__ = ["RULE", "apply", "same"]

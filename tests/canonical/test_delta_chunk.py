@@ -107,7 +107,8 @@ def wrong_term(S, alpha, q, k, v, beta):
     """o corrected by (q·k)·v, not by the delta: another function"""
     a_t, q_t, k_t = alpha[:, 0], q[:, 0], k[:, 0]
     u = beta[:, 0, :, None] * (v[:, 0] - torch.einsum("bhk,bhkv->bhv", a_t * k_t, S))
-    o = torch.einsum("bhk,bhkv->bhv", a_t * q_t, S) + torch.linalg.vecdot(q_t, k_t)[..., None] * v[:, 0]
+    o = (torch.einsum("bhk,bhkv->bhv", a_t * q_t, S)
+         + torch.linalg.vecdot(q_t, k_t)[..., None] * v[:, 0])
     return a_t[..., None] * S + k_t[..., :, None] * u[..., None, :], o
 
 
