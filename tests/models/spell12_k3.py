@@ -54,9 +54,11 @@ E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3
 # sequential delta rule (decay, delta, write, read); writes: states written by `index_put`;
 # l2: l2 norm by `pow(2).sum()`; conv: the conv window summed `(windows * taps).sum(-1)`;
 # mla_g: MLA's g_proj its own GEMM; split_proj: every merged projection one GEMM per piece;
-# decay: dt_bias added per head after the head view, exp(A_log) viewed [H, 1]
+# decay: dt_bias added per head after the head view, exp(A_log) viewed [H, 1]; window: the conv
+# window `xs.unfold(-1, K, 1)`; tail: the conv state's new tail `xs[..., T:]`; beta: β kept
+# [B, T, H], a token's row unsqueezed after its select (window, tail, beta: session 33, kda12)
 PROBES = ("rms", "mix", "topk", "experts", "delta", "writes", "l2", "conv", "mla_g",
-          "split_proj", "decay")
+          "split_proj", "decay", "window", "tail", "beta")
 _ON: set = set()  # the probes on (set_probe): one set for every live model
 
 
@@ -150,12 +152,15 @@ class KDA(nn.Module):
         """qkv [B, T, 3W] new inputs, state [B, 3W, K-1] -> (SiLU(conv) [B, T, 3W], new state)."""
         T = qkv.shape[1]
         xs = torch.cat([state, qkv.transpose(1, 2)], -1)                 # [B, 3W, K-1+T]
-        windows = torch.stack([xs[..., j:j + T] for j in range(self.K)], -1)   # [B, 3W, T, K]
+        if probe("window"):
+            windows = xs.unfold(-1, self.K, 1)
+        else:
+            windows = torch.stack([xs[..., j:j + T] for j in range(self.K)], -1)  # [B, 3W, T, K]
         if probe("conv"):
             y = (windows * self.conv_taps[:, None, :]).sum(-1)
         else:
             y = torch.linalg.vecdot(windows, self.conv_taps[:, None, :])
-        return F.silu(y).transpose(1, 2), xs[..., -(self.K - 1):]
+        return F.silu(y).transpose(1, 2), xs[..., T:] if probe("tail") else xs[..., -(self.K - 1):]
 
     def l2(self, x):
         if probe("l2"):
@@ -177,18 +182,18 @@ class KDA(nn.Module):
         else:
             graw = (self.f_b(fa).float() + self.dt_bias).unflatten(-1, (H, D))
             alpha = torch.exp(self.bound * torch.sigmoid(self.A_log.exp()[:, None] * graw))
-        beta = torch.sigmoid(b.float())[..., None]
+        beta = torch.sigmoid(b.float()) if probe("beta") else torch.sigmoid(b.float())[..., None]
         S = rec_all[slots]                                                # [B, H, K, V] fp32
         outs = []
         for t in range(T):  # chunks of one token
             if probe("delta"):
                 S = alpha[:, t, ..., None] * S
-                u = beta[:, t] * (v[:, t] - torch.einsum("bhk,bhkv->bhv", k[:, t], S))
+                u = token_beta(beta, t) * (v[:, t] - torch.einsum("bhk,bhkv->bhv", k[:, t], S))
                 S = S + k[:, t, ..., :, None] * u[..., None, :]
                 outs.append(torch.einsum("bhk,bhkv->bhv", q[:, t], S))
                 continue
             a_t, q_t, k_t = alpha[:, t], q[:, t], k[:, t]
-            u = beta[:, t] * (v[:, t] - torch.einsum("bhk,bhkv->bhv", a_t * k_t, S))
+            u = token_beta(beta, t) * (v[:, t] - torch.einsum("bhk,bhkv->bhv", a_t * k_t, S))
             o = torch.einsum("bhk,bhkv->bhv", a_t * q_t, S)
             outs.append(o + torch.linalg.vecdot(q_t, k_t)[..., None] * u)
             S = a_t[..., None] * S + k_t[..., :, None] * u[..., None, :]
@@ -197,6 +202,11 @@ class KDA(nn.Module):
         new = {f"conv{self.idx}": put_rows(conv_all, slots, conv_new),
                f"rec{self.idx}": put_rows(rec_all, slots, S)}
         return self.o_proj(o.flatten(-2)), new
+
+
+def token_beta(beta, t):
+    """Token t's β [B, H, 1] (probe beta: β [B, T, H], its row unsqueezed after the select)."""
+    return beta[:, t].unsqueeze(-1) if probe("beta") else beta[:, t]
 
 
 def put_rows(buf, slots, rows):
