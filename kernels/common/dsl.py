@@ -49,9 +49,9 @@ WARP = 32
 # builds coexist; without it the build is the plain one). On by default since the H200 yardstick
 # of 2026-11-29 (B1 118.4 -> 106.1 us per layer), for launches of at most PDL_MAX_ROWS rows
 # (their bucket): at B64 it cost time in every A/B (634 and 645 vs 624; 640.9 vs 609.8 in
-# session 6), at B8 it was not decided. Since session 33 (H100, two machine starts) up to 16 rows,
+# session 6), at B8 it was not decided. Since session 33 (H100, three machine starts) up to 16 rows,
 # with gemm_tc's trigger after its K loops for weights of >= 20 MB (K3_GEMM_TC_LATE_TRIGGER):
-# B8 -4 to -7%, B16 -3 to -5%, B64 +2 to +4% (so not there). K3_PDL=0 turns it off for the
+# B8 -4 to -7%, B16 -3 to -5%, B64 +3% (so not there). K3_PDL=0 turns it off for the
 # process, K3_PDL_MAX_ROWS=64 on at every bucket.
 
 

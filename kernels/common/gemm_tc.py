@@ -49,6 +49,7 @@ from .dsl import (
     fake_stream,
     fake_vector,
     fallback,
+    pdl_enabled,
     runtime_refusal,
     unaligned16,
 )
@@ -268,11 +269,12 @@ def prepare(n: int, k: int, buckets=BUCKETS, *, out_dtype=torch.bfloat16,
     """Compile the kernel of every batch bucket for this weight (call before graph capture);
     `fusion`: a one-launch variant's (fp32 first output with a split, bf16 with SiTU; the norm
     prologue as the plain kernel, with or without a residual)."""
-    variant = ({} if fusion == PLAIN else {"fusion": fusion}) | trigger_option(n, k)
+    variant = {} if fusion == PLAIN else {"fusion": fusion}
     out_fp32 = bool(fusion.split) or (out_dtype == torch.float32 and not fusion.situ)
     residual = residual and (fusion == PLAIN or fusion.norm)
     for b in buckets:
-        KERNEL.compiled(n, k, out_fp32, residual, config(n, k, b, fusion), rows=b, **variant)
+        KERNEL.compiled(n, k, out_fp32, residual, config(n, k, b, fusion), rows=b, **variant,
+                        **trigger_option(n, k, b))
 
 
 def build(n, k, out_fp32, residual, cfg, arch=None, dump_dir=None, pdl=False, fusion=PLAIN,
@@ -309,12 +311,13 @@ def build(n, k, out_fp32, residual, cfg, arch=None, dump_dir=None, pdl=False, fu
         f32(25.0) if situ else None, fake_stream(), arch=arch, dump_dir=dump_dir)
 
 
-def trigger_option(n: int, k: int) -> dict[str, bool]:
+def trigger_option(n: int, k: int, rows: int) -> dict[str, bool]:
     """The build option of K3_GEMM_TC_LATE_TRIGGER (`settings.KERNELS.gemm_tc_late_trigger_mb`)
-    for a bf16 weight [n, k]: empty where the trigger stays at the start, so those builds keep
-    their keys."""
+    for a bf16 weight [n, k] launched for `rows` rows: empty where the trigger stays at the start
+    or the launch has no PDL, so those builds keep their keys."""
     mb = KERNELS.gemm_tc_late_trigger_mb
-    return {} if mb is None or 2 * n * k < mb * 1e6 else {"late_trigger": True}
+    late = mb is not None and 2 * n * k >= mb * 1e6 and pdl_enabled(rows)
+    return {"late_trigger": True} if late else {}
 
 
 # Buckets with one config share a build (the bucket is not in the key); a variant's key holds
@@ -340,7 +343,7 @@ def gemm_tc_cuda(x, w, residual=None, *, out=None, out_dtype=None, cfg: Config |
         if chosen.tile_tokens < m:
             raise ValueError(f"{chosen} holds {chosen.tile_tokens} tokens, not {m}")
         KERNEL.compiled(n, k, dtype == torch.float32, residual is not None, chosen, rows=b,
-                        **trigger_option(n, k))(x, w, residual, y)
+                        **trigger_option(n, k, b))(x, w, residual, y)
 
     return run_gemm(KERNEL, refusal, launch, x, w, residual, out, out_dtype)
 
@@ -370,7 +373,7 @@ def _launch(fusion: Fusion, x, w, out_fp32: bool, *rest, cfg: Config | None = No
         if fusion.situ and (n // 2) % (chosen.tile_rows // 2):
             raise ValueError(f"{chosen}: I = {n // 2} is not a multiple of half its tile")
         KERNEL.compiled(n, k, out_fp32, residual, chosen, rows=b, fusion=fusion,
-                        **trigger_option(n, k))(x, w, *rest)
+                        **trigger_option(n, k, b))(x, w, *rest)
 
 
 def gemm_tc_split_cuda(x, w, split, *, out=None, out2=None, cfg: Config | None = None):

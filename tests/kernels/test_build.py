@@ -193,10 +193,13 @@ def test_builds_with_pdl(module, scalars, cfg, monkeypatch, tmp_path):
                                      (20.0, (False, True))])
 def test_gemm_tc_late_trigger_by_weight_size(mb, late, monkeypatch):
     """The build option by weight size: 768 x 7168 (11 MB) and 4480 x 7168 (64 MB) in bf16;
-    none where the trigger stays first, so those builds keep their compile keys."""
+    none where the trigger stays first or the launch's rows have no PDL, so those builds keep
+    their compile keys."""
     monkeypatch.setattr(KERNELS, "gemm_tc_late_trigger_mb", mb)
-    got = tuple(gemm_tc.trigger_option(n, 7168) for n in (768, 4480))
+    monkeypatch.setattr(KERNELS, "pdl_max_rows", 16)
+    got = tuple(gemm_tc.trigger_option(n, 7168, 8) for n in (768, 4480))
     assert got == tuple({"late_trigger": True} if on else {} for on in late)
+    assert all(gemm_tc.trigger_option(n, 7168, 32) == {} for n in (768, 4480))
 
 
 @pytest.mark.parametrize("late", [False, True], ids=["start", "late"])
