@@ -30,6 +30,7 @@ from k3compile.kernels import (
 )
 from k3compile.kernels.common import gemm_tc, gemv
 from k3compile.kernels.common.dsl import BUCKETS, cubin_of, cubin_resources, ptx_of
+
 from k3compile.settings import KERNELS
 
 pytestmark = pytest.mark.dsl
