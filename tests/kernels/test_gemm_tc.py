@@ -526,13 +526,17 @@ def test_variant_key_holds_the_fusion_and_the_plain_key_is_unchanged(monkeypatch
     kernel.prepare(768, 7168, (8,), fusion=kernel.SITU)  # cached
     kernel.prepare(7168, 3584, (8,), residual=True, fusion=kernel.NORM)
     assert builds == [None, kernel.SITU, kernel.Fusion(split=896), kernel.NORM]
+    # a launch asks for the key prepare() built: the late-trigger option as launches add it
+    # (K3_GEMM_TC_LATE_TRIGGER: weights of >= 20 MB where the rows have PDL)
     norm_cfg = kernel.config(7168, 3584, 8, kernel.NORM)
-    assert kernel.KERNEL.compiled(7168, 3584, False, True, norm_cfg, rows=8,
-                                  fusion=kernel.NORM) == 4
-    assert kernel.KERNEL.compiled(768, 7168, False, False, cfg, rows=8) == 1
+    assert kernel.KERNEL.compiled(7168, 3584, False, True, norm_cfg, rows=8, fusion=kernel.NORM,
+                                  **kernel.trigger_option(7168, 3584, 8)) == 4
+    assert kernel.KERNEL.compiled(768, 7168, False, False, cfg, rows=8,
+                                  **kernel.trigger_option(768, 7168, 8)) == 1
     split_cfg = kernel.config(4480, 7168, 8)  # the split's first output is fp32
     assert kernel.KERNEL.compiled(4480, 7168, True, False, split_cfg, rows=8,
-                                  fusion=kernel.Fusion(split=896)) == 3
+                                  fusion=kernel.Fusion(split=896),
+                                  **kernel.trigger_option(4480, 7168, 8)) == 3
 
 
 # GPU: each variant against the plain kernel at the same config and against its reference
