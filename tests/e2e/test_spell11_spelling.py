@@ -76,8 +76,10 @@ LOST = {
 }
 # bf16 with stage weight_cast on: fp32's gaps and the MoE front (module docstring)
 MOE_FRONT = {"stream_fork": 1, "moe_front": 1, "stream_join": 1}
-LOST_WEIGHT_CAST = {0: {**KDA, "oproj_attn_res_mix_norm": 1},
-                    1: {**MIX, **KDA, **MOE_FRONT},
+# (with bf16 weights KDA's in-projection fuses since session 33's rules: only the step is lost)
+KDA_STEP = {"fb_kda_decode": 1}
+LOST_WEIGHT_CAST = {0: {**KDA_STEP, "oproj_attn_res_mix_norm": 1},
+                    1: {**MIX, **KDA_STEP, **MOE_FRONT},
                     2: {**MIX, **MLA, **MOE_FRONT},
                     3: {**MIX, **MLA, **MOE_FRONT},
                     -1: {"attn_res_mix_norm": 1}}
@@ -109,7 +111,7 @@ def test_checkpoint_weights_bring_the_bf16_gemm_fusions_back(reference_plan):
     assert foreign.steps(foreign.compile_k3(model), eager, n=1) <= TOL["diffsuite_bf16"]
     got = foreign.lost(reference_plan, foreign.per_layer(foreign.last_compiled()))
     mla = {**MIX, "mla_uv_gate": 1}
-    assert got == {0: {**KDA, "oproj_attn_res_mix_norm": 1}, 1: {**KDA, **MIX},
+    assert got == {0: {**KDA_STEP, "oproj_attn_res_mix_norm": 1}, 1: {**KDA_STEP, **MIX},
                    2: mla, 3: mla, -1: {"attn_res_mix_norm": 1}}, got
 
 
