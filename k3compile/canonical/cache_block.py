@@ -30,11 +30,12 @@ from torch import fx
 
 from k3compile.canonical import Rule, rewrite_sites
 from k3compile.canonical.layout import layout
+from k3compile.canonical.region import arange_length
 from k3compile.canonical.region import shape as _shape
 from k3compile.canonical.state_write import _reaches_state
 from k3compile.graph import call
 
-aten, prims = torch.ops.aten, torch.ops.prims
+aten = torch.ops.aten
 VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 
 
@@ -50,17 +51,10 @@ def _integer(node) -> bool:
     return isinstance(val, torch.Tensor) and not val.dtype.is_floating_point
 
 
-def _is_arange(node: fx.Node, n: int) -> bool:
-    if node.target is prims.iota.default:
-        return node.args[0] == n and node.kwargs.get("start", 0) == 0 \
-            and node.kwargs.get("step", 1) == 1
-    return node.target is aten.arange.default and node.args[0] == n
-
-
 def _block_rows(index: fx.Node, batch: int) -> bool:
     """index[i, ...] == i: an arange over the block's rows, broadcast over the other dims."""
     lay = layout(index)
-    if lay is None or lay.offset != 0 or lay.scale != 1.0 or not _is_arange(lay.root, batch):
+    if lay is None or lay.offset != 0 or lay.scale != 1.0 or arange_length(lay.root) != batch:
         return False
     first = [(s, t) for s, t in lay.dims[0] if s != 1]
     rest = [t for dim in lay.dims[1:] for s, t in dim if s != 1]

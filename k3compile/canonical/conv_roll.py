@@ -32,7 +32,7 @@ import torch
 from torch import fx
 
 from k3compile.canonical import Rule, rewrite_sites, short_conv
-from k3compile.canonical.region import shape, val
+from k3compile.canonical.region import arange_length, shape, val
 from k3compile.graph import call
 
 aten = torch.ops.aten
@@ -156,9 +156,7 @@ def _shifted_by_one(idx, n: int) -> bool:
     iota, one = add.args
     if not isinstance(iota, fx.Node):
         iota, one = one, iota
-    return (isinstance(iota, fx.Node) and iota.target is torch.ops.prims.iota.default
-            and iota.args[0] == n and iota.kwargs.get("start") == 0
-            and iota.kwargs.get("step") == 1 and isinstance(one, int) and one % n == 1)
+    return arange_length(iota) == n and isinstance(one, int) and one % n == 1
 
 
 def _written(src, dst_of) -> fx.Node:

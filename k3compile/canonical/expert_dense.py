@@ -54,7 +54,7 @@ from torch import fx
 from k3compile.canonical import Rule, rewrite_sites
 from k3compile.canonical import expert_slots as slots
 from k3compile.canonical.expert_gather import splice_if_same, traced
-from k3compile.canonical.region import VIEWS, call_on_cpu, on_cpu, root
+from k3compile.canonical.region import VIEWS, arange_length, call_on_cpu, on_cpu, root
 from k3compile.canonical.region import static_shape as _shape
 from k3compile.canonical.region import val as _val
 from k3compile.canonical.route_mask import _constant
@@ -97,21 +97,12 @@ def _scattered(routing: fx.Node, n: int, e: int) -> fx.Node | None:
     return None
 
 
-def _iota(node, e: int) -> bool:
-    """arange(E) (`prims.iota(E, start=0, step=1)` / `aten.arange(E)`), int."""
-    if not isinstance(node, fx.Node):
-        return False
-    if node.target is prims.iota.default:
-        return node.args[0] == e and node.kwargs.get("start") == 0 and node.kwargs.get("step") == 1
-    return node.target is aten.arange.default and node.args == (e,)
-
-
 def _one_hot(node: fx.Node, n: int, e: int) -> fx.Node | None:
     """ids where node is `eq(ids viewed [N, k, 1], arange(E))` (either operand order)."""
     if node.target not in (aten.eq.Tensor,) or len(node.args) != 2:
         return None
     for x, r in (node.args, node.args[::-1]):
-        if not _iota(r, e) or not isinstance(x, fx.Node):
+        if arange_length(r) != e or not isinstance(x, fx.Node):
             continue
         ids = x.args[0] if x.target in (aten.view.default, aten.unsqueeze.default) else None
         if ids is None or _shape(ids) is None or _shape(x) != (*_shape(ids), 1):

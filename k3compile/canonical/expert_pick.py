@@ -45,7 +45,7 @@ import torch
 from torch import fx
 
 from k3compile.canonical import Rule, expert_gather, rewrite_sites
-from k3compile.canonical.region import VIEWS, below
+from k3compile.canonical.region import VIEWS, arange_length, below
 from k3compile.canonical.region import static_shape as _shape
 from k3compile.canonical.region import val as _val
 from k3compile.math import mxfp4_dequant
@@ -80,21 +80,6 @@ def _ids(node) -> fx.Node | None:
                    and len(_shape(ids)) == 2 and dim in (-1, 2)) else None
 
 
-def _classes(node) -> int | None:
-    """E where node is arange(E) (an iota from 0 by 1, as decomposed)."""
-    if not isinstance(node, fx.Node):
-        return None
-    if node.target is prims.iota.default:
-        kw = node.kwargs
-        return node.args[0] if kw.get("start", 0) == 0 and kw.get("step", 1) == 1 else None
-    if node.target is aten.arange.default and not node.args[1:]:
-        return node.args[0]
-    if node.target in (aten.arange.start, aten.arange.start_step) and node.args[0] == 0 \
-            and node.args[2:] in ((), (1,)):
-        return node.args[1]
-    return None
-
-
 def one_hot(node: fx.Node) -> tuple[fx.Node, int] | None:
     """(ids [N, k], E) where node is `one_hot(ids, E)` cast to a float dtype: values 0 and 1."""
     v = _val(node)
@@ -105,7 +90,7 @@ def one_hot(node: fx.Node) -> tuple[fx.Node, int] | None:
     if node.target is not aten.eq.Tensor:
         return None
     for a, b in (node.args, node.args[::-1]):
-        ids, classes = _ids(a), _classes(b)
+        ids, classes = _ids(a), arange_length(b)
         if ids is not None and isinstance(classes, int) and _shape(node) == (
                 *_shape(ids), classes):
             return ids, classes

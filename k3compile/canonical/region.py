@@ -11,7 +11,8 @@ which is the form the patterns' searches have. Nothing is replaced where the reg
 node other than its inputs (a constant table aside: nodes with no inputs), or already is the
 canonical form.
 
-`val`, `shape` and `static_shape` are the rules' shared readers of a node's fake value.
+`val`, `shape` and `static_shape` are the rules' shared readers of a node's fake value, and
+`arange_length` their one reading of an arange.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from torch.utils._pytree import tree_map
 from k3compile.graph import call, fake_value
 from k3compile.rewrite import inductor
 
-aten = torch.ops.aten
+aten, prims = torch.ops.aten, torch.ops.prims
 
 # ops that only re-read a tensor's elements (no arithmetic): what an einsum's lowering wraps
 # around its bmm or mul
@@ -48,6 +49,22 @@ def static_shape(node) -> tuple[int, ...] | None:
     """`shape`, or None where a size is symbolic."""
     v = val(node)
     return tuple(v.shape) if v is not None and all(isinstance(d, int) for d in v.shape) else None
+
+
+def arange_length(node) -> int | None:
+    """n where node is arange(n), 0 to n - 1 by 1: `prims.iota` as AOT decomposes it, or an
+    `aten.arange` left whole (any dtype: a rule that needs integers checks the dtype itself)."""
+    if not isinstance(node, fx.Node) or node.op != "call_function":
+        return None
+    if node.target is prims.iota.default:
+        kw = node.kwargs
+        return node.args[0] if kw.get("start", 0) == 0 and kw.get("step", 1) == 1 else None
+    if node.target is aten.arange.default:
+        return node.args[0]
+    if node.target in (aten.arange.start, aten.arange.start_step) and node.args[0] == 0 \
+            and tuple(node.args[2:]) in ((), (1,)):
+        return node.args[1]
+    return None
 
 
 def root(node: fx.Node, through=VIEWS) -> fx.Node:

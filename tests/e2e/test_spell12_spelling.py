@@ -31,7 +31,7 @@ moe_experts (1-3) was lost too, to two idioms at once: the E2M1 values looked up
 `mxfp4_dequant` then takes) and each token's experts picked from every dequantised expert by a
 one-hot einsum (rule `expert_pick`: the dequant of the picked bytes; session 33).
 fb_kda_decode (0, 1) was lost to five idioms at once; closed in fp32 (session 33) by rules
-window_stack (the stacked conv windows), flat_put (`Tensor.put` row writes), norm_keepdim
+window_stack (the stacked conv windows), put_rows (`Tensor.put` row writes), norm_keepdim
 (the vecdot l2 norm), token_unsqueeze (β unsqueezed before its token select) and
 delta_chunk (the chunk-1 recurrence). bf16: still lost (the conv window contracted in
 bf16, each product rounded: no kda_decode variant computes that).
@@ -69,7 +69,7 @@ def test_the_closed_gaps_stay_closed_with_their_idiom_probed_away(probe, referen
     """The idioms rules norm_rms (rms_norm, norm_linear), sort_topk (moe_route), depth_mix's
     sources scored apart (attn_res_mix_norm, oproj_attn_res_mix_norm), expert_pick
     (moe_experts: probe `experts` gathers after the dequant, the rule's other site),
-    proj_groups (linear_concat, mla_lowrank_norm) and window_stack, put_rows / flat_put,
+    proj_groups (linear_concat, mla_lowrank_norm) and window_stack, put_rows,
     norm_keepdim, token_unsqueeze and delta_chunk (fb_kda_decode) take, switched to another
     spelling, lose exactly what the spelling as written loses (fp32): the rules leave no
     difference behind."""
