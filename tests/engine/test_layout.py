@@ -4,12 +4,14 @@ in `k3compile/settings.py`, and one name finds every piece of a fusion."""
 from __future__ import annotations
 
 import ast
+import itertools
 import re
 from pathlib import Path
 
 import pytest
 
 from k3compile import settings
+from k3compile.canonical import ORDER
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -160,6 +162,23 @@ def test_readme_switch_table_matches_settings():
     text = (ROOT / "README.md").read_text()
     listed = set(re.findall(r"^\| `(K3_[A-Z0-9_]+)` \|", text, re.M))
     assert listed == set(settings.SWITCHES)
+
+
+def _readme_rules() -> list[list[str]]:
+    """The rules each row of README's canonical-rules table names in its first cell."""
+    text = (ROOT / "README.md").read_text()
+    table = text[text.index("| rule | takes | gives |\n|---|---|---|\n"):].splitlines()[2:]
+    rows = itertools.takewhile(lambda line: line.startswith("|"), table)
+    return [re.findall(r"`(\w+)`", row.split("|")[1]) for row in rows]
+
+
+def test_readme_rules_table_matches_order():
+    """Every canonical rule has a row in README's table, and every name there is a rule."""
+    named = [name for row in _readme_rules() for name in row]
+    assert all(_readme_rules())  # no row without a rule's name
+    assert sorted(named) == sorted(set(named))  # one row a rule
+    assert [n for n in ORDER if n not in named] == []
+    assert [n for n in named if n not in ORDER] == []
 
 
 @pytest.mark.parametrize("value,expected", [("1", True), ("true", True), ("ON", True),
