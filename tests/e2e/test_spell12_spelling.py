@@ -85,7 +85,11 @@ def test_the_closed_gaps_stay_closed_with_their_idiom_probed_away(probe, referen
 def test_mla_decode_needs_both_rules(rules):
     """spell12's MLA attention: mla_decode fuses in layers 2 and 3 with rules baddbmm_mask (the
     scores' baddbmm of a where(valid, 0, -inf) bias, alpha the scale) and put_rows (the cache
-    written by `Tensor.put` at flat indices), and with either one off it is lost (fp32)."""
+    written by `Tensor.put` at flat indices), and with either one off it is lost (fp32).
+    put_rows also writes KDA's states (layers 0 and 1): off, fb_kda_decode is lost there too."""
     got = foreign.plan_with_rules_off(from_builtin, rules)
     for layer in (2, 3):
         assert got[layer]["mla_decode"] == (0 if rules else 1), (rules, layer, dict(got[layer]))
+    for layer in (0, 1):
+        want = 0 if "put_rows" in rules else 1
+        assert got[layer]["fb_kda_decode"] == want, (rules, layer, dict(got[layer]))
