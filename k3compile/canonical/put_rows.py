@@ -129,10 +129,14 @@ def _site(put: fx.Node):
     x = row_index(indices[0], math.prod(shape[k:]), math.prod(shape))
     if x is None or _shape(values) != _shape(indices[0]):
         return None
-    if _same_values(values, _rows_shape(x, shape, k)) is None \
-            and not values.meta["val"].is_contiguous():
-        return None  # no node of the rows' shape, and the values cannot be viewed to it
+    if not (_viewable(x, (math.prod(_shape(x)),)) and _viewable(values, _rows_shape(x, shape, k))):
+        return None
     return buf, out, x, k
+
+
+def _viewable(node: fx.Node, shape: tuple[int, ...]) -> bool:
+    """`_viewed` can give node's values that shape: a node of it up the chain, or a view."""
+    return _same_values(node, shape) is not None or node.meta["val"].is_contiguous()
 
 
 def _rows_shape(x: fx.Node, shape: tuple[int, ...], k: int) -> tuple[int, ...]:

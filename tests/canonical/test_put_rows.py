@@ -164,6 +164,20 @@ def test_an_int32_row_index_whose_product_may_wrap_is_not_read():
     assert put_rows.row_index(index, per, 2**31 - 1) is not None
 
 
+def _expanded_rows(cache, slots, pos, rows):
+    """each request's slot row written T times over (X an expand: not viewable flat)"""
+    flat = (slots * L)[:, None].expand(B, T)[..., None] * W + torch.arange(W)
+    return cache.put(flat, rows)
+
+
+def test_rows_that_cannot_be_viewed_flat_stay():
+    args = _cache_inputs()
+    before, after, n = _rewrite(_expanded_rows, *args)
+    assert n == 0
+    assert targets(after) == targets(before)
+    assert_same(after(*args), _expanded_rows(*args))
+
+
 def _accumulate(state, slots, new):
     per = state[0].numel()
     return state.put(slots[:, None] * per + torch.arange(per), new.reshape(B, per),
