@@ -11,14 +11,22 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from k3compile.patterns import fb_kda_decode, kda_decode
+from k3compile.patterns import kda_decode
 
 from k3compile.ops.kda_decode import window_sum_rounded
 from tests.kernel_checks import assert_cuda_op_equals_cpu, kda_kernel_inputs
 
+from .kda_checks import (
+    STATES,
+    assert_fb_variant_takes,
+    assert_op_equals_step,
+    assert_variant_takes,
+    decode_inputs,
+    kernel_refusal,
+)
+from .kda_checks import clone as _clone
 from .pattern_checks import rewrite, targets
 
-STATES = (kda_decode.NAMES.index("conv_state"), kda_decode.NAMES.index("recurrent_state"))
 # the op's trailing flags: norm_fp32, conv_time_major, state_v_major, o_fp32, norm_weight_fp32,
 # conv_rounded, conv_products_rounded
 BUILTIN = (False, False, False, False, False, False, True)  # spell10's, spell12's norm
@@ -35,15 +43,7 @@ def _variant(T, B, flags, dtype=torch.bfloat16):
 
 def _inputs(T, B, flags, dtype=torch.bfloat16):
     torch.manual_seed(0)
-    args = _variant(T, B, flags, dtype).example_inputs()
-    i = kda_decode.NAMES.index
-    args[i("recurrent_state")] = args[i("recurrent_state")] * 0.05  # a decode-sized state
-    args[i("q_scale")] = kda_decode.K**-0.5
-    return args
-
-
-def _clone(args):
-    return [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+    return decode_inputs(_variant(T, B, flags, dtype).example_inputs())
 
 
 def _unfused(flags):
@@ -100,14 +100,7 @@ def test_the_sum_runs_in_tap_order():
 @pytest.mark.parametrize("flags", SPELLINGS)
 @pytest.mark.parametrize("B,T", [(2, 1), (1, 2), (2, 3)])
 def test_reference_equals_the_unfused_step(flags, B, T):
-    args = _inputs(T, B, flags)
-    state, conv, o = _unfused(flags)(*_clone(args))
-    got = _clone(args)
-    o_op = torch.ops.k3.kda_decode(*got, None, None, *flags)
-    assert o_op.dtype == torch.bfloat16
-    torch.testing.assert_close(o_op, o, rtol=0, atol=0)
-    torch.testing.assert_close(got[STATES[0]], conv, rtol=0, atol=0)
-    torch.testing.assert_close(got[STATES[1]], state, rtol=0, atol=0)
+    assert_op_equals_step(_unfused(flags), _inputs(T, B, flags), flags)
 
 
 def test_the_flag_changes_bf16_output_only():
@@ -136,15 +129,7 @@ def test_two_conv_roundings_are_an_error():
 @pytest.mark.parametrize("flags", SPELLINGS)
 @pytest.mark.parametrize("B,T", [(2, 1), (1, 1), (2, 2)])
 def test_variant_rewrites_and_equals_eager(flags, B, T):
-    args = _inputs(T, B, flags)
-    step = _unfused(flags)
-    assert _variant(T, B, flags).name in {p.name for p in kda_decode.patterns()}  # traced
-    gm, report = rewrite(step, _clone(args), [_variant(T, B, flags)], joint=True)
-    assert [h.op for h in report.hits] == ["k3.kda_decode"], report
-    op = next(n for n in gm.graph.nodes if str(n.target) == "k3.kda_decode.default")
-    assert tuple(op.args[-7:]) == flags
-    for w, g in zip(step(*_clone(args)), gm(*_clone(args))):
-        torch.testing.assert_close(g, w, rtol=0, atol=0)
+    assert_variant_takes(_variant(T, B, flags), _unfused(flags), _inputs(T, B, flags), flags)
 
 
 @pytest.mark.parametrize("conv", ["rounded_once", "fp32"])
@@ -174,33 +159,14 @@ def test_the_rounded_once_variant_leaves_the_window_sum():
         torch.testing.assert_close(g, w, rtol=0, atol=0)
 
 
-def _fb_step(*args):
-    i = fb_kda_decode.NAMES.index
-    return (fb_kda_decode.search(*args, None, None, *BUILTIN), args[i("conv_state")],
-            args[i("recurrent_state")])
-
-
 def test_fb_variant_rewrites_and_equals_eager():
-    torch.manual_seed(0)
-    args = fb_kda_decode.example_inputs(torch.bfloat16)
-    i = fb_kda_decode.NAMES.index
-    args[i("recurrent_state")] = args[i("recurrent_state")] * 0.05
-    args[i("q_scale")] = kda_decode.K**-0.5
-    gm, report = rewrite(_fb_step, _clone(args), fb_kda_decode.patterns())
-    assert [h.pattern for h in report.hits] == ["fb_kda_decode[conv_products_rounded]"]
-    assert "aten.mm.default" not in targets(gm)
-    for w, g in zip(_fb_step(*_clone(args)), gm(*_clone(args))):
-        torch.testing.assert_close(g, w, rtol=0, atol=0)
+    assert_fb_variant_takes(BUILTIN, "fb_kda_decode[conv_products_rounded]")
 
 
 @pytest.mark.parametrize("flags", SPELLINGS)
 def test_kernel_takes_the_flag(flags):
     """the CUDA kernel's refusal (metadata): a build flag, no input it refuses"""
-    from k3compile.kernels import kda_decode as kernel
-
-    meta = [a.to("meta") if isinstance(a, torch.Tensor) else a
-            for a in kda_kernel_inputs(2, 1)]
-    assert kernel.refusal(*meta, *flags) is None
+    assert kernel_refusal(flags) is None
 
 
 @pytest.mark.gpu
