@@ -221,6 +221,17 @@ def window_conv(user: fx.Node, window: fx.Node) -> fx.Node | None:
     return user if found is not None and found[0] is window else None
 
 
+def convolve_like(graph: fx.Graph, conv: fx.Node, window: fx.Node) -> fx.Node:
+    """A depthwise conv of `window` of conv's kind (`depthwise`), with its taps and arguments,
+    at the insertion point."""
+    if conv.target is aten.convolution.default:
+        return call(graph, aten.convolution.default, (window, *conv.args[1:]), like=conv)
+    _, w, prod = products_conv(conv)
+    cols = call(graph, aten.unfold.default, (window, *prod.args[0].args[1:]), like=conv)
+    return call(graph, aten.sum.dim_IntList,
+                (call(graph, aten.mul.Tensor, (cols, w), like=conv), *conv.args[1:]), like=conv)
+
+
 # ---- sum(window[..., j] * w[:, j] for j in range(taps)) ----------------------------------------
 
 

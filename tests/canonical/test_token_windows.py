@@ -60,6 +60,32 @@ def test_the_windows_are_one_window_and_one_conv(T):
         assert got.shape == want.shape and rel_err(got, want) <= 1e-6
 
 
+def bf16_loop(x, state, taps):  # spell10's bf16 loop, each window sum short_conv's product sum
+    outs = []
+    for t in range(x.shape[1]):
+        window = torch.cat([state, x[:, t, :, None]], dim=-1)
+        outs.append(F.silu((window.unfold(-1, TAPS, 1) * taps).sum(-1).view(B, C)))
+        state = window[:, :, 1:]
+    return torch.stack(outs, dim=1), state
+
+
+@pytest.mark.parametrize("T", [2, 3, 8])
+def test_product_sum_windows_are_one_product_sum(T):
+    """bf16, each product rounded (session 34): one window, one product sum over it, bit for bit
+    (the same products, each row of taps summed alike), no convolution"""
+    from k3compile.canonical import short_conv
+
+    args = [a.bfloat16() for a in _args(T)]
+    before, after, n = rewrite(token_windows.RULE, bf16_loop, *args)
+    assert n == 1
+    assert targets(before).count("aten.unfold.default") == T
+    assert targets(after).count("aten.unfold.default") == 1
+    assert not {"aten.select.int", "aten.convolution.default"} & set(targets(after))
+    (total,) = [x for x in after.graph.nodes if short_conv.products_conv(x) is not None]
+    assert tuple(total.meta["val"].shape) == (B, C, T)
+    assert_same(after(*args), before(*args))
+
+
 def one_token(x, state, taps):  # T = 1: rule token_column's
     return _loop(x, state, taps)
 
