@@ -51,6 +51,16 @@ def assert_variant_takes(variant, step, args, flags) -> None:
         torch.testing.assert_close(g, w, rtol=0, atol=0)
 
 
+def assert_variant_leaves(variant, step, args):
+    """The pattern variant takes nothing of the unfused step, whose values stay bit for bit.
+    Returns the graph after it."""
+    gm, report = rewrite(step, clone(args), [variant], joint=True)
+    assert not report.hits and "k3.kda_decode.default" not in targets(gm)
+    for w, g in zip(step(*clone(args)), gm(*clone(args))):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+    return gm
+
+
 def assert_fb_variant_takes(flags, name: str, **options) -> None:
     """fb_kda_decode's patterns take the f_b GEMM into the kda_decode op with `flags` as the
     variant `name` (`options`: `rewrite`'s, e.g. kernels_only), bit for bit."""

@@ -20,6 +20,7 @@ from .kda_checks import (
     STATES,
     assert_fb_variant_takes,
     assert_op_equals_step,
+    assert_variant_leaves,
     assert_variant_takes,
     decode_inputs,
     kernel_refusal,
@@ -143,20 +144,14 @@ def test_other_convs_are_not_the_products_variant(conv):
         return kda_decode._step(*a, silu_written_out=False, **kw)
 
     variant = _variant(1, 2, BUILTIN)
-    gm, report = rewrite(step, _clone(args), [variant], joint=True)
-    assert not report.hits and "k3.kda_decode.default" not in targets(gm)
+    gm = assert_variant_leaves(variant, step, args)
     assert "window sum multiplied in bf16" in variant.fits(gm.graph)
 
 
 def test_the_rounded_once_variant_leaves_the_window_sum():
     """conv_rounded's variant (the conv rounded once) does not take the product sum"""
-    args = _inputs(1, 2, BUILTIN)
-    step = _unfused(BUILTIN)
     rounded = kda_decode._variant(1, 2, torch.bfloat16, conv_rounded=True)
-    gm, report = rewrite(step, _clone(args), [rounded], joint=True)
-    assert not report.hits and "k3.kda_decode.default" not in targets(gm)
-    for w, g in zip(step(*_clone(args)), gm(*_clone(args))):
-        torch.testing.assert_close(g, w, rtol=0, atol=0)
+    assert_variant_leaves(rounded, _unfused(BUILTIN), _inputs(1, 2, BUILTIN))
 
 
 def test_fb_variant_rewrites_and_equals_eager():
@@ -169,7 +164,6 @@ def test_kernel_takes_the_flag(flags):
     assert kernel_refusal(flags) is None
 
 
-@pytest.mark.gpu
 @pytest.mark.parametrize("flags", SPELLINGS)
 @pytest.mark.parametrize("B,T", [(2, 1), (3, 4)])
 def test_cuda_op_equals_the_cpu_reference(cuda_kernels, flags, B, T):
