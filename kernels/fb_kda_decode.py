@@ -48,7 +48,7 @@ def fb_kda_decode_cuda(q, k, v, g, fa, fb_weight, b, conv_state, recurrent_state
                        o_norm_weight, lower_bound, l2_eps, q_scale, norm_eps, k_conv_state=None,
                        v_conv_state=None, norm_fp32=False, conv_time_major=False,
                        state_v_major=False, o_fp32=False, norm_weight_fp32=False,
-                       conv_rounded=False, *, out=None):
+                       conv_rounded=False, conv_products_rounded=False, *, out=None):
     args = (q, k, v, g, fa, fb_weight, b, conv_state, recurrent_state, slots, q_conv_weight,
             k_conv_weight, v_conv_weight, A_log, dt_bias, o_norm_weight)
     scalars = (lower_bound, l2_eps, q_scale, norm_eps)
@@ -58,14 +58,14 @@ def fb_kda_decode_cuda(q, k, v, g, fa, fb_weight, b, conv_state, recurrent_state
         graw = linear(fa.reshape(B * T, R), fb_weight).view(B, T, -1)
         return kda_decode_cuda(*args[:4], graw, *args[6:], *scalars, k_conv_state, v_conv_state,
                                norm_fp32, conv_time_major, state_v_major, o_fp32,
-                               norm_weight_fp32, conv_rounded, out=out)
+                               norm_weight_fp32, conv_rounded, conv_products_rounded, out=out)
 
     # the default (K3_KDA_FB off): kda_decode checks its own inputs once; a time-major conv
     # state, a V-major recurrent state or three conv states: kda_decode's build for that layout
     # after our GEMM (no one-launch build for those layouts, nor for o_fp32, norm_weight_fp32,
-    # conv_rounded)
+    # conv_rounded, conv_products_rounded)
     if (not KERNELS.kda_fb or conv_time_major or state_v_major or o_fp32 or norm_weight_fp32
-            or conv_rounded or k_conv_state is not None):
+            or conv_rounded or conv_products_rounded or k_conv_state is not None):
         return two_launches()
     if refusal(*args, norm_fp32=norm_fp32):  # kda_decode's own: its fallback, logged there
         return two_launches()

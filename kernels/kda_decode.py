@@ -7,7 +7,9 @@
                                                           fla's FusedRMSNormGated, one rounding;
                                                           `o_fp32` too: bf16(w ⊙ rms(o) ⊙ σ(g)))
     `norm_weight_fp32`: bf16(bf16(w ⊙ rms(o')) ⊙ bf16(σ(g))), the weight multiplied in fp32
-    (o' = o with `o_fp32`); `conv_rounded`: x̃ = bf16(SiLU(bf16(conv(x)))), a bf16 conv's rounding
+    (o' = o with `o_fp32`); `conv_rounded`: x̃ = bf16(SiLU(bf16(conv(x)))), a bf16 conv's rounding;
+    `conv_products_rounded`: x̃ = bf16(SiLU(bf16(Σ_j bf16(x_j·w_j)))), a window sum multiplied in
+    bf16 (fp32 sum in tap order)
 
 `k3::fb_kda_decode` (kernels/fb_kda_decode.py) runs the f_b build (`fb_rank` R): the gate input is
 fa [B, T, R] with W_fb [H·K, R], each CTA computing its head's graw = bf16(fa · W_fbᵀ) (fp32 sums,
@@ -183,11 +185,13 @@ def refusal(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weig
             k_conv_weight, v_conv_weight, A_log, dt_bias, o_norm_weight, lower_bound=None,
             l2_eps=None, q_scale=None, norm_eps=None, k_conv_state=None, v_conv_state=None,
             norm_fp32=False, conv_time_major=False, state_v_major=False, o_fp32=False,
-            norm_weight_fp32=False, conv_rounded=False) -> str | None:
+            norm_weight_fp32=False, conv_rounded=False,
+            conv_products_rounded=False) -> str | None:
     """Why the kernel cannot take these inputs, or None. Metadata only (fake tensors work);
     data alignment is checked at launch."""
     bf16, f32 = torch.bfloat16, torch.float32
-    del norm_fp32, o_fp32, norm_weight_fp32, conv_rounded  # compile-time flags of the kernel
+    # compile-time flags of the kernel
+    del norm_fp32, o_fp32, norm_weight_fp32, conv_rounded, conv_products_rounded
     if q.dim() != 3 or recurrent_state.dim() != 4 or conv_state.dim() != 3:
         return (f"ranks q {q.dim()}, recurrent_state {recurrent_state.dim()}, conv_state "
                 f"{conv_state.dim()} (want 3, 4, 3)")
@@ -275,26 +279,27 @@ def call_refusal(tensors, q, recurrent_state, out) -> str | None:
 def prepare(tokens: int, n_heads: int, taps: int = 4, buckets=BUCKETS, norm_fp32=False,
             a_log_bf16=False, dt_bias_bf16=False, conv_time_major=False,
             state_v_major=False, three_states=False, o_fp32=False, norm_weight_fp32=False,
-            conv_rounded=False) -> None:
+            conv_rounded=False, conv_products_rounded=False) -> None:
     """Compile the kernel of every batch bucket for these scalars (call before graph capture)."""
     for b in buckets:
         compiled(tokens, n_heads, taps, b, norm_fp32, a_log_bf16, dt_bias_bf16,
                  conv_time_major=conv_time_major, state_v_major=state_v_major,
                  three_states=three_states, o_fp32=o_fp32, norm_weight_fp32=norm_weight_fp32,
-                 conv_rounded=conv_rounded)
+                 conv_rounded=conv_rounded, conv_products_rounded=conv_products_rounded)
 
 
 def compiled(tokens: int, n_heads: int, taps: int, batch_bucket: int, norm_fp32: bool,
              a_log_bf16: bool = False, dt_bias_bf16: bool = False, fb_rank: int = 0,
              conv_time_major: bool = False, state_v_major: bool = False,
              three_states: bool = False, o_fp32: bool = False, norm_weight_fp32: bool = False,
-             conv_rounded: bool = False):
+             conv_rounded: bool = False, conv_products_rounded: bool = False):
     """The cached kernel; each build flag enters the key only when set (the default's key and
     build are those from before the variants)."""
     flags = {"norm_fp32": norm_fp32, "a_log_bf16": a_log_bf16, "dt_bias_bf16": dt_bias_bf16,
              "conv_time_major": conv_time_major, "state_v_major": state_v_major,
              "three_states": three_states, "o_fp32": o_fp32,
-             "norm_weight_fp32": norm_weight_fp32, "conv_rounded": conv_rounded}
+             "norm_weight_fp32": norm_weight_fp32, "conv_rounded": conv_rounded,
+             "conv_products_rounded": conv_products_rounded}
     options = {k: True for k, on in flags.items() if on} | ({"fb_rank": fb_rank} if fb_rank
                                                             else {})
     return KERNEL.compiled(tokens, n_heads, taps, config(tokens, n_heads, taps, batch_bucket),
@@ -304,7 +309,7 @@ def compiled(tokens: int, n_heads: int, taps: int, batch_bucket: int, norm_fp32:
 def build(tokens, n_heads, taps, cfg, arch=None, dump_dir=None, pdl=False, norm_fp32=False,
           a_log_bf16=False, dt_bias_bf16=False, fb_rank=0, conv_time_major=False,
           state_v_major=False, three_states=False, o_fp32=False, norm_weight_fp32=False,
-          conv_rounded=False):
+          conv_rounded=False, conv_products_rounded=False):
     """Compile now, uncached (`dump_dir` keeps the cubin and PTX; `pdl`: with PDL; `norm_fp32`:
     the output norm in fp32 with one rounding; `a_log_bf16`, `dt_bias_bf16`: that parameter in
     bf16, e.g. a Moonshot model cast to bf16 whole; `fb_rank` R > 0: the f_b build, taking fa
@@ -315,7 +320,8 @@ def build(tokens, n_heads, taps, cfg, arch=None, dump_dir=None, pdl=False, norm_
     k's and v's, where the default takes one [S, 3W, taps-1]; `o_fp32`, with `norm_fp32` or
     `norm_weight_fp32`: o into the norm unrounded; `norm_weight_fp32`: the norm's weight
     multiplied in fp32 before one rounding, the gate after; `conv_rounded`: the conv rounded
-    before its SiLU)."""
+    before its SiLU; `conv_products_rounded`: each tap product rounded to bf16, the fp32 sum in
+    tap order rounded before the SiLU)."""
     import cutlass
     from cutlass import cute
     from cutlass.cute.runtime import make_fake_tensor
@@ -337,7 +343,7 @@ def build(tokens, n_heads, taps, cfg, arch=None, dump_dir=None, pdl=False, norm_
 
     conv_w = [weight(bf16, (W, 1, taps), (taps, taps, 1)) for _ in range(3)]
     kda = KDADecode(T, H, taps, cfg, pdl, norm_fp32, fb_rank, o_fp32, norm_weight_fp32,
-                    conv_rounded)
+                    conv_rounded, conv_products_rounded)
     gate_input = [act(fb_rank), weight(bf16, (W, fb_rank), (fb_rank, 1), 16)] if fb_rank else [
         act(W)]  # fa and W_fb (W_fb's rows 16-byte vectors: assumed_align 16), or graw
     def conv_state(width):
@@ -367,7 +373,8 @@ def kda_decode_cuda(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_c
                     k_conv_weight, v_conv_weight, A_log, dt_bias, o_norm_weight, lower_bound,
                     l2_eps, q_scale, norm_eps, k_conv_state=None, v_conv_state=None,
                     norm_fp32=False, conv_time_major=False, state_v_major=False, o_fp32=False,
-                    norm_weight_fp32=False, conv_rounded=False, *, out=None):
+                    norm_weight_fp32=False, conv_rounded=False, conv_products_rounded=False, *,
+                    out=None):
     """CUDA implementation of k3::kda_decode (the op's arguments in its order; the k and v conv
     states default to None for direct callers): the kernel, or the reference if refused (reason
     logged). `out` [B, T, H, K] bf16 contiguous is written only when the kernel runs."""
@@ -387,7 +394,8 @@ def kda_decode_cuda(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_c
                      A_log.dtype == torch.bfloat16, dt_bias.dtype == torch.bfloat16,
                      conv_time_major=conv_time_major, state_v_major=state_v_major,
                      three_states=k_conv_state is not None, o_fp32=o_fp32,
-                     norm_weight_fp32=norm_weight_fp32, conv_rounded=conv_rounded)(
+                     norm_weight_fp32=norm_weight_fp32, conv_rounded=conv_rounded,
+                     conv_products_rounded=conv_products_rounded)(
                 *args[:6], *convs, state, *args[8:], o, float(lower_bound), float(l2_eps),
                 float(q_scale), float(norm_eps))
         return o
@@ -397,13 +405,16 @@ def kda_decode_cuda(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_c
                                       conv_time_major=conv_time_major,
                                       state_v_major=state_v_major, o_fp32=o_fp32,
                                       norm_weight_fp32=norm_weight_fp32,
-                                      conv_rounded=conv_rounded, k_conv_state=k_conv_state,
+                                      conv_rounded=conv_rounded,
+                                      conv_products_rounded=conv_products_rounded,
+                                      k_conv_state=k_conv_state,
                                       v_conv_state=v_conv_state)
                       or call_refusal((*args, *more), q, recurrent_state, out),
                       lambda: kda_decode_ref(*args, lower_bound, l2_eps, q_scale, norm_eps,
                                              k_conv_state, v_conv_state, norm_fp32,
                                              conv_time_major, state_v_major, o_fp32,
-                                             norm_weight_fp32, conv_rounded),
+                                             norm_weight_fp32, conv_rounded,
+                                             conv_products_rounded),
                       launch, recurrent_state)
 
 

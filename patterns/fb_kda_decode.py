@@ -102,20 +102,23 @@ def example_inputs(dtype: torch.dtype = torch.bfloat16, conv_time_major: bool = 
 
 def _variant(norm_fp32: bool, conv_time_major: bool = False, state_v_major: bool = False,
              three_states: bool = False, o_fp32: bool = False, norm_weight_fp32: bool = False,
-             conv_rounded: bool = False, rows: bool = False) -> Pattern:
+             conv_rounded: bool = False, rows: bool = False,
+             conv_products_rounded: bool = False) -> Pattern:
     """The step as kda_decode fused it: with the built-in output norm, or fla's fp32 one (on o
     rounded, or with `o_fp32` unrounded), on a channel- or time-major conv state, a K- or V-major
-    recurrent state, spell9's Flax output norm, a conv rounded before its SiLU (the op's
-    `norm_fp32`, `conv_time_major`, `state_v_major`, `o_fp32`, `norm_weight_fp32` and
-    `conv_rounded` arguments, passed through), with one conv state buffer or three (`k_conv_state`,
+    recurrent state, spell9's Flax output norm, a conv rounded before its SiLU, a window sum
+    multiplied in bf16 (the op's `norm_fp32`, `conv_time_major`, `state_v_major`, `o_fp32`,
+    `norm_weight_fp32`, `conv_rounded` and `conv_products_rounded` arguments, passed through), with one conv state buffer or three (`k_conv_state`,
     `v_conv_state`); `rows`: f_a as flat [B*T, R] token rows (`search_rows`)."""
     extra = kda_decode.flags(norm_fp32, conv_time_major, state_v_major, o_fp32,
-                             norm_weight_fp32, conv_rounded)
+                             norm_weight_fp32, conv_rounded, conv_products_rounded)
     names = [n for n, on in (("norm_fp32", norm_fp32), ("conv_time_major", conv_time_major),
                              ("state_v_major", state_v_major),
                              ("three_conv_states", three_states), ("o_fp32", o_fp32),
                              ("norm_weight_fp32", norm_weight_fp32),
-                             ("conv_rounded", conv_rounded), ("rows", rows)) if on]
+                             ("conv_rounded", conv_rounded),
+                             ("conv_products_rounded", conv_products_rounded), ("rows", rows))
+             if on]
     args = (*NAMES[:-len(kda_decode.SCALARS)], *kda_decode.THREE_STATES,
             *kda_decode.SCALARS) if three_states else NAMES
     tensors, n_scalars = len(NAMES) - len(kda_decode.SCALARS), len(kda_decode.SCALARS)
@@ -131,9 +134,10 @@ def _variant(norm_fp32: bool, conv_time_major: bool = False, state_v_major: bool
         example_inputs=lambda dtype=torch.bfloat16: example_inputs(dtype, conv_time_major,
                                                                    three_states, rows),
         op="k3.fb_kda_decode", check=check,
-        kernel_refusal=kda_decode.kernel_refusal(three_states, state_v_major, conv_rounded,
-                                                 conv_time_major=conv_time_major, o_fp32=o_fp32,
-                                                 norm_weight_fp32=norm_weight_fp32),
+        kernel_refusal=kda_decode.kernel_refusal(
+            three_states, state_v_major, conv_rounded, conv_time_major=conv_time_major,
+            o_fp32=o_fp32, norm_weight_fp32=norm_weight_fp32,
+            conv_products_rounded=conv_products_rounded),
         scalars=dict(kda_decode.SCALARS), fake_trace=True, distinctive=("mm", "kda_decode"),
     )
 
@@ -141,11 +145,13 @@ def _variant(norm_fp32: bool, conv_time_major: bool = False, state_v_major: bool
 def patterns() -> list[Pattern]:
     # one variant for every T, batch and dtype: the op hides the step, the GEMM has no casts
     # (o_fp32: with the fp32 norm, or the Flax norm; those two and conv_rounded as kda_decode's;
-    # rows: f_a as flat token rows, vLLM's, on one conv state, without the Flax norm)
-    return [_variant((n or o) and not f, m, s, c, o, f, cr, rw) for rw in (False, True)
+    # rows: f_a as flat token rows, vLLM's, on one conv state, without the Flax norm;
+    # conv_products_rounded as kda_decode's: channel-major, K-major, no Flax norm)
+    return [_variant((n or o) and not f, m, s, c, o, f, cr and not p, rw, p)
+            for p in (False, True) for rw in (False, True)
             for cr in (False, True) for f in (False, True) for o in (False, True)
             for c in (False, True) for s in (False, True) for m in (False, True)
             for n in (False, True)
             if not (c and m) and not (o and n)
             and not ((f or cr) and c) and not (f and (s or n or not o))
-            and not (rw and (c or f))]
+            and not (rw and (c or f)) and not (p and (not cr or f or m or s))]

@@ -14,7 +14,10 @@ it (the red-team spelling, spell8), with `o_fp32=True` as well; spell9's JAX/Fla
 fp32, the weight multiplied in fp32 before one cast, the gate in bf16 after it) with
 `norm_weight_fp32=True, o_fp32=True`. A conv run in bf16 (its output rounded, then the SiLU on
 it: the red-team spelling, spell9 after rule `cell_conv`, spell7's `F.conv1d` on a V-major
-state) with `conv_rounded=True`. Only the variants of the T a
+state) with `conv_rounded=True`. A window sum multiplied in bf16 (each tap product rounded, then
+the sum: spell10's per-token conv, spell12's `vecdot`; rule `short_conv` writes it as one
+`sum(unfold(window, -1, taps, 1) * taps, [-1])`) with `conv_products_rounded=True`, channel-major,
+one conv state. Only the variants of the T a
 graph's KDA sites have are traced (`fits`: the short conv's output length is T); a T without a variant stays unfused, and its near miss
 says so.
 
@@ -36,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
+from k3compile.canonical.short_conv import products_conv
 from k3compile.math import (
     delta_rule_step,
     l2norm,
@@ -95,7 +99,7 @@ def _step(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weight
           v_conv_weight, A_log, dt_bias, o_norm_weight, lower_bound, l2_eps, q_scale, norm_eps,
           silu_written_out, norm_fp32=False, conv_time_major=False, state_v_major=False,
           o_fp32=False, norm_weight_fp32=False, conv_rounded=False,
-          k_conv_state=None, v_conv_state=None):
+          k_conv_state=None, v_conv_state=None, conv_products_rounded=False):
     """KimiDeltaAttention.forward after the projections, with the state writes made functional
     (as they are in the graph). Returns (new recurrent state, new conv state, o).
     `conv_time_major`: the conv state [S, taps-1, 3W] (vLLM v1's layout), the window built on
@@ -106,7 +110,9 @@ def _step(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weight
     `conv_states` and `conv_merge` write three per-projection convs so); the new conv states
     are then three outputs. `norm_weight_fp32`: the output norm's weight multiplied in fp32
     before its one rounding, the gate after it (with `o_fp32`: o unrounded into it).
-    `conv_rounded`: the conv run in the activations' dtype (rounded), F.silu on its output."""
+    `conv_rounded`: the conv run in the activations' dtype (rounded), F.silu on its output.
+    `conv_products_rounded`: the conv as a window sum multiplied in that dtype (short_conv's
+    form), F.silu on it."""
     B, T, _ = q.shape
     nh, hd = recurrent_state.shape[1], recurrent_state.shape[2]
     beta = torch.sigmoid(b.float())
@@ -126,7 +132,9 @@ def _step(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weight
         window = torch.cat([conv_state[slots], new], dim=-1)
         conv_state_out = setitem(conv_state, (slots,), window[..., T:])
     taps = torch.cat([q_conv_weight, k_conv_weight, v_conv_weight])
-    if conv_rounded:
+    if conv_products_rounded:
+        conv = (window.unfold(-1, taps.shape[-1], 1) * taps).sum(-1)
+    elif conv_rounded:
         conv = F.conv1d(window, taps, groups=taps.shape[0])
     else:
         conv = F.conv1d(window.float(), taps.float(), groups=taps.shape[0])
@@ -182,13 +190,16 @@ def replace(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weig
 
 # the op's trailing bool arguments, in order (after the k and v conv states, None or buffers)
 FLAGS = ("norm_fp32", "conv_time_major", "state_v_major", "o_fp32", "norm_weight_fp32",
-         "conv_rounded")
+         "conv_rounded", "conv_products_rounded")
 
 
 def flags(norm_fp32: bool, conv_time_major: bool, state_v_major: bool = False,
           o_fp32: bool = False, norm_weight_fp32: bool = False,
-          conv_rounded: bool = False) -> tuple[bool, ...]:
+          conv_rounded: bool = False, conv_products_rounded: bool = False) -> tuple[bool, ...]:
     """The op's trailing flags for a variant: none for the defaults."""
+    if conv_products_rounded:
+        return (norm_fp32, conv_time_major, state_v_major, o_fp32, norm_weight_fp32,
+                conv_rounded, conv_products_rounded)
     if norm_weight_fp32 or conv_rounded:
         return (norm_fp32, conv_time_major, state_v_major, o_fp32, norm_weight_fp32,
                 conv_rounded)
@@ -220,12 +231,14 @@ GPU_TESTED_FLAGS = frozenset({"norm_fp32", "conv_time_major", "state_v_major", "
 
 def kernel_refusal(three_states: bool = False, state_v_major: bool = False,
                    conv_rounded: bool = False, *, conv_time_major: bool = False,
-                   o_fp32: bool = False, norm_weight_fp32: bool = False):
+                   o_fp32: bool = False, norm_weight_fp32: bool = False,
+                   conv_products_rounded: bool = False):
     """The GPU graphs' refusal of a variant whose kernel build is untested on a GPU (a function
     of the match, as `Pattern.kernel_refusal` wants), or None."""
     flags = {"three_conv_states": three_states, "state_v_major": state_v_major,
              "conv_rounded": conv_rounded, "conv_time_major": conv_time_major,
-             "o_fp32": o_fp32, "norm_weight_fp32": norm_weight_fp32}
+             "o_fp32": o_fp32, "norm_weight_fp32": norm_weight_fp32,
+             "conv_products_rounded": conv_products_rounded}
     untested = sorted(f for f, on in flags.items() if on and f not in GPU_TESTED_FLAGS)
     if not untested:
         return None
@@ -284,8 +297,8 @@ def check(match, conv_time_major: bool = False, three_states: bool = False) -> s
 
 
 # (graph, its sites, recurrent state layouts, conv state counts, an fp32 o into a norm, a conv
-# in bf16 / fp16)
-_sites_seen: list = [None, frozenset(), frozenset(), frozenset(), False, False]
+# in bf16 / fp16, a window sum multiplied in bf16 / fp16)
+_sites_seen: list = [None, frozenset(), frozenset(), frozenset(), False, False, False]
 
 
 def _time_major(conv: fx.Node) -> bool:
@@ -310,7 +323,8 @@ def _v_major(read: fx.Node) -> bool:
 
 def _gathers(conv: fx.Node) -> int:
     """How many state gathers the conv's window concatenates (0: not a cat of gathers)."""
-    x = conv.args[0]
+    x = conv.args[0] if conv.target is torch.ops.aten.convolution.default else \
+        products_conv(conv)[0]
     while isinstance(x, fx.Node) and x.target is torch.ops.prims.convert_element_type.default:
         x = x.args[0]
     past = x.args[0][0] if isinstance(x, fx.Node) and x.target is torch.ops.aten.cat.default \
@@ -340,18 +354,22 @@ def _scan(graph: fx.Graph) -> None:
     if _sites_seen[0] is not graph:
         convs = [n for n in graph.nodes if n.target is torch.ops.aten.convolution.default
                  and isinstance(v := n.meta.get("val"), torch.Tensor) and v.dim() == 3]
+        products = [n for n in graph.nodes if n.target is torch.ops.aten.sum.dim_IntList
+                    and products_conv(n) is not None]
         reads = (n for n in graph.nodes if n.target is torch.ops.aten.index.Tensor)
         _sites_seen[:] = graph, frozenset(
-            (int(n.meta["val"].shape[-1]), _time_major(n)) for n in convs), frozenset(
+            (int(n.meta["val"].shape[-1]), n in convs and _time_major(n))
+            for n in convs + products), frozenset(
             {False} | {True for n in reads if _v_major(n)}), frozenset(
-            {1} | {_gathers(n) for n in convs} - {0}), any(
+            {1} | {_gathers(n) for n in convs + products} - {0}), any(
             _fp32_norm_of_fp32(n) for n in graph.nodes if n.target is torch.ops.aten.mean.dim), any(
-            n.meta["val"].dtype != torch.float32 for n in convs)
+            n.meta["val"].dtype != torch.float32 for n in convs), bool(products)
 
 
 def sites(graph: fx.Graph) -> frozenset[tuple[int, bool]]:
-    """(T, time-major) of each KDA site in the graph: its depthwise short conv's output length,
-    and whether it convolves a transposed window."""
+    """(T, time-major) of each KDA site in the graph: its depthwise short conv's output length
+    (a convolution's, or a window sum's multiplied in bf16), and whether it convolves a
+    transposed window."""
     _scan(graph)
     return _sites_seen[1]
 
@@ -381,17 +399,27 @@ def low_precision_convs(graph: fx.Graph) -> bool:
     return _sites_seen[5]
 
 
+def product_convs(graph: fx.Graph) -> bool:
+    """Whether some short conv of the graph is a window sum multiplied in bf16 / fp16
+    (`conv_products_rounded`)."""
+    _scan(graph)
+    return _sites_seen[6]
+
+
 def site_rows(graph: fx.Graph) -> frozenset[int]:
     """T of each KDA site in the graph: its depthwise short conv's output length."""
     return frozenset(t for t, _ in sites(graph))
 
 
 def _fits(T: int, conv_time_major: bool = False, state_v_major: bool = False,
-          three_states: bool = False, o_fp32: bool = False, conv_rounded: bool = False):
+          three_states: bool = False, o_fp32: bool = False, conv_rounded: bool = False,
+          conv_products_rounded: bool = False):
     def fits(graph: fx.Graph) -> str | None:
         found = sites(graph)
         if conv_rounded and found and not low_precision_convs(graph):
             return "no short conv runs in bf16 / fp16 (a rounded conv's)"
+        if conv_products_rounded and found and not product_convs(graph):
+            return "no short conv is a window sum multiplied in bf16 / fp16"
         if o_fp32 and found and not fp32_o_norms(graph):
             return "no fp32 [B, T, H, V] tensor that is no upcast is RMS-normalised (an fp32 o's)"
         if state_v_major and found and True not in state_layouts(graph):
@@ -413,7 +441,7 @@ def _variant(T: int, B: int, dtype: torch.dtype, silu_written_out: bool = False,
              norm_fp32: bool = False, conv_time_major: bool = False,
              state_v_major: bool = False, three_states: bool = False,
              o_fp32: bool = False, norm_weight_fp32: bool = False,
-             conv_rounded: bool = False) -> Pattern:
+             conv_rounded: bool = False, conv_products_rounded: bool = False) -> Pattern:
     def example_inputs():
         W = H * K
         act = [torch.randn(B, T, W, dtype=dtype) for _ in range(5)]
@@ -436,10 +464,11 @@ def _variant(T: int, B: int, dtype: torch.dtype, silu_written_out: bool = False,
                                              state_v_major=state_v_major, o_fp32=o_fp32,
                                              norm_weight_fp32=norm_weight_fp32,
                                              conv_rounded=conv_rounded,
+                                             conv_products_rounded=conv_products_rounded,
                                              **dict(zip(THREE_STATES, a[TENSORS:-len(SCALARS)]))
                                              if three_states else {}), names)
     extra = flags(norm_fp32, conv_time_major, state_v_major, o_fp32, norm_weight_fp32,
-                  conv_rounded)
+                  conv_rounded, conv_products_rounded)
     return Pattern(
         name=f"kda_decode[T={T},B={'1' if B == 1 else 'n'},{str(dtype).removeprefix('torch.')}"
              f"{',silu_written_out' if silu_written_out else ''}"
@@ -447,7 +476,8 @@ def _variant(T: int, B: int, dtype: torch.dtype, silu_written_out: bool = False,
              f"{',state_v_major' if state_v_major else ''}"
              f"{',three_conv_states' if three_states else ''}{',o_fp32' if o_fp32 else ''}"
              f"{',norm_weight_fp32' if norm_weight_fp32 else ''}"
-             f"{',conv_rounded' if conv_rounded else ''}]",
+             f"{',conv_rounded' if conv_rounded else ''}"
+             f"{',conv_products_rounded' if conv_products_rounded else ''}]",
         search=search, replace=with_signature(
             lambda *a: replace(*unthree(a), *(a[TENSORS:-len(SCALARS)] or (None, None)), *extra),
             names) if extra or three_states else replace,
@@ -456,9 +486,12 @@ def _variant(T: int, B: int, dtype: torch.dtype, silu_written_out: bool = False,
         else check, scalars=dict(SCALARS),
         kernel_refusal=kernel_refusal(three_states, state_v_major, conv_rounded,
                                       conv_time_major=conv_time_major, o_fp32=o_fp32,
-                                      norm_weight_fp32=norm_weight_fp32),
-        distinctive=("convolution", "index_put", "bmm", "rsqrt"), joint_passes=True,
-        fits=_fits(T, conv_time_major, state_v_major, three_states, o_fp32, conv_rounded),
+                                      norm_weight_fp32=norm_weight_fp32,
+                                      conv_products_rounded=conv_products_rounded),
+        distinctive=("unfold" if conv_products_rounded else "convolution", "index_put", "bmm",
+                     "rsqrt"), joint_passes=True,
+        fits=_fits(T, conv_time_major, state_v_major, three_states, o_fp32, conv_rounded,
+                   conv_products_rounded),
     )
 
 
@@ -469,12 +502,14 @@ def patterns() -> list[Pattern]:
     # unrounded into the norm (`o_fp32`) only with fla's fp32 norm, in bf16 / fp16
     # unrounded o into a Flax norm (`norm_weight_fp32`, spell9's) and a conv run in bf16
     # (`conv_rounded`) in bf16 / fp16 only, with torch's F.silu, one conv state buffer; the
-    # rounded conv also on a V-major state (spell7's), the Flax norm K-major only
-    return [_variant(t, b, d, w, (n or o) and not f, m, s, c, o, f, r)
-            for r, f, o, c, s, m, n, w, t, b, d in
+    # rounded conv also on a V-major state (spell7's), the Flax norm K-major only; a window sum
+    # multiplied in bf16 (`conv_products_rounded`: spell10's, spell12's) as the rounded conv, on
+    # a channel-major conv state, K-major recurrent state, the built-in or fla's norm
+    return [_variant(t, b, d, w, (n or o) and not f, m, s, c, o, f, r and not p, p)
+            for p, r, f, o, c, s, m, n, w, t, b, d in
             itertools.product((False, True), (False, True), (False, True), (False, True),
                               (False, True), (False, True), (False, True), (False, True),
-                              TOKENS, BATCHES, DTYPES)
+                              (False, True), TOKENS, BATCHES, DTYPES)
             if not ((n or o) and d == torch.float32) and not (o and n) and not (c and m)
             and not ((f or r) and (d == torch.float32 or w or c)) and not (f and s)
-            and not (f and (n or not o))]
+            and not (f and (n or not o)) and not (p and (not r or f or m or s))]

@@ -30,7 +30,10 @@ another activation, is left alone. The tail may compute in fp32 between casts (F
 tensor lowers so in the compile) where it ends in the dtype. A time-major window sum multiplied
 in bf16 (spell5: each product rounded, then the sum, then the SiLU) passes the same check
 (session 26, B 1-64 x 12288 channels: <= 0.88 eps of the largest value, as the double rounding of
-the bmm form). Moving pointwise ops ahead of a permute is exact (each
+the bmm form). A channel-major window sum multiplied in bf16 / fp16 (`(unfold(window, -1, taps,
+1) * w).sum(-1)`, spell10's and spell12's) is left alone: rule `short_conv` writes it as its
+canonical product sum, which `kda_decode`'s `conv_products_rounded` computes bit for bit (session
+34). Moving pointwise ops ahead of a permute is exact (each
 element is computed alike).
 """
 
@@ -109,8 +112,9 @@ def _site(unfold: fx.Node):
     while len(node.users) == 1 and (user := next(iter(node.users))).target in THROUGH:
         node = user
     product = _product(node)
-    if product is None:
-        return None
+    if product is None or (not time_major and product.target is aten.mul.Tensor
+                           and val(product).dtype in LOW):
+        return None  # a window sum multiplied in bf16: short_conv's product sum, exact
     other = product.args[1] if product.args[0] is node else product.args[0]
     w = root(other, THROUGH)
     if shape(w) not in ((C, taps), (C, 1, taps)) or val(w).dtype != dtype:

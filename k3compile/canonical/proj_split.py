@@ -26,6 +26,7 @@ from torch import fx
 from k3compile.canonical import Rule, rewrite_sites
 from k3compile.canonical.gate_up_split import _gemm, _gemm_of_rows, _pieces
 from k3compile.canonical.region import refresh, shape
+from k3compile.canonical.short_conv import window_conv
 
 aten = torch.ops.aten
 _TO_WINDOW = {aten.view.default, aten.reshape.default, aten._unsafe_view.default,
@@ -40,6 +41,8 @@ def _feeds_conv(node: fx.Node, depth: int = 6) -> bool:
             w = shape(user.args[1])
             if w is not None and user.args[8] == w[0] and w[1] == 1:
                 return True
+        elif user.target is aten.unfold.default and window_conv(user, node) is not None:
+            return True  # a window sum multiplied in bf16 (short_conv's product sum)
         elif depth and user.target in _TO_WINDOW and _feeds_conv(user, depth - 1):
             return True
     return False

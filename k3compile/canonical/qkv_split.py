@@ -15,7 +15,9 @@ one permute only (`gate_up_split` names the pointwise ops), each piece wider tha
 split as `split` / `split_with_sizes`, or as a view of the channel dim into (n, ...) unbound on n
 (`unflatten(-1, (3, H, D)).unbind(2)`, spell6: n equal pieces).
 Left alone: a conv that is not depthwise, pieces of a conv output read whole elsewhere, a GEMM
-output read by anything but the window.
+output read by anything but the window. The conv is a `convolution` or the canonical window sum
+multiplied in bf16 (`short_conv.depthwise`; spell10's and spell12's bf16 conv), whose taps are
+cut alike.
 
 Also, whatever the GEMMs: the taps of a depthwise conv whose window's new columns are
 `cat([q, k, v, ...], -1).permute(0, 2, 1)` held as ONE [C, 1, taps] tensor (vLLM's conv1d weight
@@ -33,6 +35,7 @@ from torch import fx
 from k3compile.canonical import Rule, rewrite_sites
 from k3compile.canonical.gate_up_split import _POINTWISE, _gemm, _split
 from k3compile.canonical.region import pointwise_tail, refresh, root, shape
+from k3compile.canonical.short_conv import depthwise
 from k3compile.graph import call
 
 aten = torch.ops.aten
@@ -83,11 +86,22 @@ def _unbound(view: fx.Node, channel: int) -> list[tuple[int, int]] | None:
     return [(i * width, (i + 1) * width) for i in range(n)]
 
 
-def _site(conv: fx.Node):
-    x, w = root(conv.args[0], {_CAST}), root(conv.args[1], {_CAST})
+def _operands(conv: fx.Node) -> tuple[fx.Node, fx.Node, int] | None:
+    """(window, taps [C, 1, taps], C) of a depthwise conv (either form), under their upcasts."""
+    found = depthwise(conv)
+    if found is None:
+        return None
+    x, w = root(found[0], {_CAST}), root(found[1], {_CAST})
     C = (shape(w) or (0,))[0]
-    if (conv.args[8] != C or shape(w) != (C, 1, shape(w)[2]) or x.target is not aten.cat.default
-            or len(x.args[0]) != 2):
+    return (x, w, C) if shape(w) == (C, 1, shape(w)[2]) else None
+
+
+def _site(conv: fx.Node):
+    found = _operands(conv)
+    if found is None:
+        return None
+    x, w, C = found
+    if x.target is not aten.cat.default or len(x.args[0]) != 2:
         return None
     new = x.args[0][1]
     if new.target is not aten.permute.default or list(new.args[1]) != [0, 2, 1]:
@@ -107,9 +121,11 @@ def _taps_site(conv: fx.Node):
     """(taps, piece ranges) of a conv over cat([state, cat(pieces, -1).permute(0, 2, 1)], -1)
     (or a time-major window's transpose, cat([state, cat(pieces, -1)], 1).permute(0, 2, 1))
     whose taps are one tensor (not a cat)."""
-    x, w = root(conv.args[0], {_CAST}), root(conv.args[1], {_CAST})
-    C = (shape(w) or (0,))[0]
-    if conv.args[8] != C or shape(w) != (C, 1, shape(w)[2]) or w.target is aten.cat.default:
+    found = _operands(conv)
+    if found is None:
+        return None
+    x, w, C = found
+    if w.target is aten.cat.default:
         return None
     if (x.target is aten.permute.default and list(x.args[1]) == [0, 2, 1]
             and x.args[0].target is aten.cat.default and len(x.args[0].args[0]) == 2
@@ -135,7 +151,8 @@ def _taps_site(conv: fx.Node):
 
 def _cut_taps(graph: fx.Graph, conv: fx.Node, w: fx.Node, cuts) -> None:
     """conv's taps w as the cat of its row slices `cuts`."""
-    reader = conv if conv.args[1] is w else conv.args[1]  # the conv, or the taps' upcast
+    _, weight, reader = depthwise(conv)
+    reader = reader if weight is w else weight  # the conv (its mul), or the taps' upcast
     with graph.inserting_before(reader):
         taps = [call(graph, aten.slice.Tensor, (w, 0, a, b), like=conv) for a, b in cuts]
         w_new = call(graph, aten.cat.default, (taps,), like=conv)
@@ -180,7 +197,8 @@ def _rewrite_any(graph: fx.Graph, conv: fx.Node, site) -> None:
 
 
 def apply(graph: fx.Graph) -> int:
-    return rewrite_sites(graph, _any_site, _rewrite_any, targets={aten.convolution.default})
+    return rewrite_sites(graph, _any_site, _rewrite_any,
+                         targets={aten.convolution.default, aten.sum.dim_IntList})
 
 
 RULE = Rule("qkv_split", apply,

@@ -13,11 +13,23 @@ tokens written as one such sum per token over the window's slices `window[..., t
 stacked on the last dim (`torch.stack(outs, -1)`, or a cat of [B, C, 1] pieces), is then one
 convolution over the window's T + taps - 1 columns: each output column is the same dot product.
 
-Only fp32 products are rewritten: the canonical form convolves in fp32 (the model's
+fp32 products become the convolution: the canonical form convolves in fp32 (the model's
 `window.float()`, `taps.float()`), and fp32 upcasts of a bf16 operand are exact, so conv and window
 sum differ only by summation order (measured on CPU at K3's 3·4096 channels, B 1-64: ~38% of the
-outputs differ, by at most 1.7e-7 of the largest, 1-2 ulps). A window sum multiplied in bf16
-rounds every product to bf16, a different computation: left alone.
+outputs differ, by at most 1.7e-7 of the largest, 1-2 ulps).
+
+A window sum multiplied in bf16 / fp16 (both operands and the sum in that dtype: spell10's
+per-token `(window * taps).sum(-1)`, spell12's `vecdot` of stacked windows) rounds every product
+to that dtype, then sums in fp32 and rounds once: no convolution computes that. Its canonical form
+is the window sum itself, written one way (`kda_decode`'s `conv_products_rounded`):
+
+    sum(unfold(window, -1, taps, 1) * w[C, 1, taps], [-1])      [B, C, T], in the window's dtype
+
+(then the view the sum had, as for the conv). Exact: the same products of the same pairs, each
+row's `taps` products summed alike (a contiguous row of the product either way). `depthwise`
+reads a conv of either form for the rules after this one. A loop of adds in bf16 rounds every
+partial sum: another computation, left alone (as is any product whose operands are not all in
+the sum's dtype).
 """
 
 from __future__ import annotations
@@ -33,6 +45,8 @@ aten = torch.ops.aten
 # a short conv's width (K3: 4); a long weighted sum over the last dim is some other reduction,
 # which Inductor fuses better than as a convolution
 MAX_TAPS = 16
+
+LOW = (torch.bfloat16, torch.float16)
 
 # ops that only re-index a tensor without changing the order of its elements
 _ORDER_KEEPING = {aten.squeeze.dim, aten.squeeze.default, aten.squeeze.dims, aten.unsqueeze.default,
@@ -89,13 +103,22 @@ def _fp32(graph: fx.Graph, node: fx.Node, like: fx.Node) -> fx.Node:
 
 
 def _convolve(graph: fx.Graph, site: fx.Node, found: tuple) -> None:
-    """Replace `site` by the canonical depthwise conv of window [B, C, L] with weight."""
-    window, weight, C, taps = found
+    """Replace `site` by the canonical depthwise conv of window [B, C, L] with weight (a window
+    sum multiplied in bf16 / fp16: the canonical product sum)."""
+    window, weight, C, taps = found[:4]
     with graph.inserting_before(site):
-        w = _as_filters(graph, weight, C, taps, site)
-        x = _fp32(graph, window, site)
-        conv = call(graph, aten.convolution.default,
-                    (x, w, None, [1], [0], [1], False, [0], C), like=site)
+        if _dtype(site) in LOW:
+            w = _filters(weight, C, taps)
+            if w is None:
+                w = call(graph, aten.reshape.default, (weight, [C, 1, taps]), like=site)
+            cols = call(graph, aten.unfold.default, (window, -1, taps, 1), like=site)
+            prods = call(graph, aten.mul.Tensor, (cols, w), like=site)
+            conv = call(graph, aten.sum.dim_IntList, (prods, [-1]), like=site)
+        else:
+            w = _as_filters(graph, weight, C, taps, site)
+            x = _fp32(graph, window, site)
+            conv = call(graph, aten.convolution.default,
+                        (x, w, None, [1], [0], [1], False, [0], C), like=site)
         if _shape(conv) != _shape(site):
             conv = call(graph, aten.view.default, (conv, list(_shape(site))), like=site)
     site.replace_all_uses_with(conv)
@@ -111,12 +134,21 @@ def _weight_fits(weight: fx.Node, want: tuple[int, ...]) -> bool:
 
 
 def _window_sum(node: fx.Node) -> tuple[fx.Node, fx.Node, int, int] | None:
-    """(window [B, C, L], weight, C, taps) if node is the sum over taps of window * weight."""
+    """(window [B, C, L], weight, C, taps) if node is the sum over taps of window * weight,
+    multiplied in fp32, or in bf16 / fp16 (both operands and the sum in that dtype) and not
+    already the canonical product sum."""
     if node.target is not aten.sum.dim_IntList or node.kwargs.get("dtype") is not None:
         return None
     prod, dims = node.args[0], node.args[1]
     if not (isinstance(prod, fx.Node) and prod.target is aten.mul.Tensor and len(prod.users) == 1
-            and _dtype(prod) == torch.float32 and dims is not None and len(dims) == 1):
+            and dims is not None and len(dims) == 1):
+        return None
+    dtype = _dtype(prod)
+    if dtype in LOW:
+        if (_dtype(node) != dtype or any(_dtype(a) != dtype for a in prod.args)
+                or products_conv(node) is not None):
+            return None
+    elif dtype != torch.float32:
         return None
     shape = _shape(prod)
     if len(shape) not in (3, 4) or dims[0] % len(shape) != len(shape) - 1:
@@ -144,6 +176,60 @@ def _window_and_filters(window, weight, shape):
             or not _weight_fits(weight, (C, 1, taps))):
         return None
     return src, weight, C, taps
+
+
+def products_conv(node: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node] | None:
+    """(window [B, C, L], weight [C, 1, taps], the mul that reads it) if node is the canonical
+    window sum multiplied in bf16 / fp16, `sum(unfold(window, -1, taps, 1) * w, [-1])`."""
+    if (node.target is not aten.sum.dim_IntList or node.kwargs or list(node.args[1]) != [-1]
+            or _dtype(node) not in LOW):
+        return None
+    prod = node.args[0]
+    if not (isinstance(prod, fx.Node) and prod.target is aten.mul.Tensor and len(prod.users) == 1
+            and not prod.kwargs):
+        return None
+    cols, w = prod.args
+    if not (isinstance(cols, fx.Node) and cols.target is aten.unfold.default
+            and len(cols.users) == 1 and isinstance(w, fx.Node) and _shape(w)
+            and list(cols.args[1:]) == [-1, _shape(w)[-1], 1]):
+        return None
+    window = cols.args[0]
+    C = (_shape(window) or (0, 0))[1]
+    if _shape(w) != (C, 1, cols.args[2]) or not _dtype(node) == _dtype(window) == _dtype(w):
+        return None
+    return window, w, prod
+
+
+def depthwise(node: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node] | None:
+    """(window input, weight input, the node that reads the weight) of a depthwise short conv:
+    a `convolution` whose groups are its output channels, or the canonical product sum (window
+    [B, C, L], weight [C, 1, taps], read by its mul). The conv's inputs may be upcasts."""
+    if node.target is aten.convolution.default:
+        w = _shape(node.args[1])
+        return (node.args[0], node.args[1], node) if w and node.args[8] == w[0] else None
+    return products_conv(node)
+
+
+def window_conv(user: fx.Node, window: fx.Node) -> fx.Node | None:
+    """The depthwise short conv (`depthwise`: either form) that `user`, a reader of `window`,
+    makes of it as its window input: the convolution itself, or the product sum whose unfold
+    `user` is."""
+    if user.target is aten.unfold.default and len(user.users) == 1:
+        (prod,) = user.users
+        user = next(iter(prod.users)) if len(prod.users) == 1 else user
+    found = depthwise(user)
+    return user if found is not None and found[0] is window else None
+
+
+def convolve_like(graph: fx.Graph, conv: fx.Node, window: fx.Node) -> fx.Node:
+    """A depthwise conv of `window` of conv's kind (`depthwise`), with its taps and arguments,
+    at the insertion point."""
+    if conv.target is aten.convolution.default:
+        return call(graph, aten.convolution.default, (window, *conv.args[1:]), like=conv)
+    _, w, prod = products_conv(conv)
+    cols = call(graph, aten.unfold.default, (window, *prod.args[0].args[1:]), like=conv)
+    return call(graph, aten.sum.dim_IntList,
+                (call(graph, aten.mul.Tensor, (cols, w), like=conv), *conv.args[1:]), like=conv)
 
 
 # ---- sum(window[..., j] * w[:, j] for j in range(taps)) ----------------------------------------

@@ -16,7 +16,8 @@ SiLU and stacked back to [B, 1, C]:
 the second by rule `reshape_fold`'s fold, applied here to that conv's output only (the rule
 itself runs last; `qkv_split`, which cuts the q|k|v GEMM at the conv, reads the folded form).
 Bit for bit (the same [B, C, 1] elements; the same elementwise ops). Taken only where the column's one reader is a cat on
-the last dim whose result a depthwise convolution reads (the conv window). Left alone: a
+the last dim whose result a depthwise convolution reads (the conv window), or the canonical
+window sum multiplied in bf16 (`short_conv.depthwise`: spell10's bf16 conv). Left alone: a
 [B, T, C] step with T > 1 (the loop has T windows: rule `token_windows` takes it), a column
 of another token dim, a cat no conv reads.
 """
@@ -28,6 +29,7 @@ from torch import fx
 
 from k3compile.canonical import Rule, reshape_fold, rewrite_sites
 from k3compile.canonical.region import shape
+from k3compile.canonical.short_conv import window_conv
 from k3compile.graph import call
 
 aten = torch.ops.aten
@@ -40,9 +42,12 @@ def conv_window(cat: fx.Node) -> bool:
     dim = cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", 0)
     if dim % len(shape(cat)) != len(shape(cat)) - 1:
         return False
-    return any(u.target is aten.convolution.default and u.args[0] is cat
-               and shape(u.args[1]) is not None and u.args[8] == shape(u.args[1])[0]
-               for u in cat.users)
+    return bool(_convs(cat))
+
+
+def _convs(window: fx.Node) -> list[fx.Node]:
+    """The depthwise convs (`short_conv.depthwise`: either form) of `window`."""
+    return [c for u in window.users if (c := window_conv(u, window)) is not None]
 
 
 def _site(unsq: fx.Node) -> fx.Node | None:
@@ -66,7 +71,7 @@ def _write(graph: fx.Graph, unsq: fx.Node, x: fx.Node) -> None:
     with graph.inserting_before(unsq):
         col = call(graph, aten.permute.default, (x, [0, 2, 1]), like=unsq)
     unsq.replace_all_uses_with(col)
-    for conv in [u for u in cat.users if u.target is aten.convolution.default]:
+    for conv in _convs(cat):
         squeeze = next((u for u in conv.users if reshape_fold.is_reshape(u)), None)
         if squeeze is not None:
             reshape_fold.fold(graph, squeeze, None)

@@ -25,6 +25,7 @@ from torch import fx
 
 from k3compile.canonical import Rule, rewrite_sites
 from k3compile.canonical.region import refresh, shape, val
+from k3compile.canonical.short_conv import products_conv
 from k3compile.graph import call
 
 aten = torch.ops.aten
@@ -51,7 +52,7 @@ def _token(node) -> tuple[fx.Node, int] | None:
 
 def _from_conv(node: fx.Node, limit: int = 48) -> bool:
     for _ in range(limit):
-        if node.target is aten.convolution.default:
+        if node.target is aten.convolution.default or products_conv(node) is not None:
             return True
         if node.op != "call_function" or node.target not in UP:
             return False

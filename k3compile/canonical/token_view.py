@@ -55,6 +55,7 @@ from torch import fx
 
 from k3compile.canonical import Rule
 from k3compile.canonical.region import refresh, shape, val
+from k3compile.canonical.short_conv import depthwise
 from k3compile.graph import RESHAPES, call, fake_value
 
 aten = torch.ops.aten
@@ -148,8 +149,7 @@ def _conv_modules(graph: fx.Graph) -> dict:
     no token merge, and `head_rows` / `delta_einsum` read it as written."""
     scope = {}
     for n in graph.nodes:
-        if (n.target is aten.convolution.default and shape(n.args[1]) is not None
-                and n.args[8] == shape(n.args[1])[0] and len(shape(n)) == 3):
+        if depthwise(n) is not None and len(shape(n)) == 3:  # a conv or a bf16 product sum
             scope.setdefault(_module(n), set()).add((shape(n)[0], shape(n)[2]))
     return scope
 

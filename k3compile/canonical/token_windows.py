@@ -22,7 +22,9 @@ on CPU, within the fp32 rounding of `short_conv`'s own rewrite); the elementwise
 same per element. Taken only where every window is read by its conv and by its slice alone,
 the T convs share their taps and arguments, each conv's output is squeezed once into an
 elementwise chain of the same ops (scalars the same) whose one result is the stacked piece t, in
-token order. Left alone: T = 1 (`token_column`), a window read by anything else (its state
+token order. The convs may be `short_conv`'s product sums (a window sum multiplied in bf16:
+spell10's bf16 loop), each token's row of products then a row of the one sum's, bit for bit.
+Left alone: T = 1 (`token_column`), a window read by anything else (its state
 kept per token), convs with other taps, chains that differ per token or read another tensor,
 pieces stacked out of order.
 """
@@ -34,6 +36,7 @@ from torch import fx
 
 from k3compile.canonical import Rule, reshape_fold, rewrite_sites
 from k3compile.canonical.region import refresh, shape
+from k3compile.canonical.short_conv import convolve_like, products_conv, window_conv
 from k3compile.canonical.token_column import conv_window
 from k3compile.graph import RESHAPES, call
 
@@ -62,8 +65,9 @@ def _bounds(node: fx.Node) -> tuple | None:
 
 
 def _roll(window: fx.Node) -> tuple[fx.Node, fx.Node] | None:
-    """(conv, window[..., 1:]): the window's only two readers."""
-    convs = [u for u in window.users if u.target is CONV and u.args[0] is window]
+    """(conv, window[..., 1:]): the window's only two readers (the conv a convolution or a
+    product sum, whose unfold reads the window)."""
+    convs = [c for u in window.users if (c := window_conv(u, window)) is not None]
     rolls = [u for u in window.users if u.target is aten.slice.Tensor and u.args[0] is window
              and _bounds(u) in ((dim, 1, end, 1) for dim in (-1, 2) for end in (None, END))]
     if len(window.users) != 2 or len(convs) != 1 or len(rolls) != 1:
@@ -74,7 +78,7 @@ def _roll(window: fx.Node) -> tuple[fx.Node, fx.Node] | None:
 def _taps(conv: fx.Node):
     """The conv's taps as a key: the node, or (source, shape) for a reshape of one (one reshape
     of the parameter per token)."""
-    w = conv.args[1]
+    w = conv.args[1] if conv.target is CONV else products_conv(conv)[1]
     if w.target in RESHAPES:
         return w.args[0], tuple(shape(w))
     return w
@@ -152,7 +156,8 @@ def _site(first: fx.Node):
                 and len(window.args[0]) == 2 and _column(window.args[0][1], t + 1) is x
                 and window.args[1:] == first.args[1:]):
             return None
-    if any(_taps(c) != _taps(convs[0]) or c.args[2:] != convs[0].args[2:] for c in convs):
+    if any(c.target is not convs[0].target or _taps(c) != _taps(convs[0])
+           or c.args[2:] != convs[0].args[2:] for c in convs):
         return None
     for conv in convs:
         chain = _chain(conv)
@@ -177,7 +182,7 @@ def _write(graph: fx.Graph, first: fx.Node, site) -> None:
     conv0 = convs[0]
     squeeze = next(iter(conv0.users))
     with graph.inserting_before(conv0):
-        conv = call(graph, CONV, (window, *conv0.args[1:]), like=conv0)
+        conv = convolve_like(graph, conv0, window)
         clones = {squeeze: conv}
         for node in region:
             clones[node] = call(graph, node.target, fx.map_arg(node.args, lambda a: clones[a]),

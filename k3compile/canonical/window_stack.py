@@ -12,11 +12,12 @@ cat's input itself (the transposed x, a second permute of the same tensor). The 
 
     windows = unfold(xs, -1, K, 1)        windows[b, c, t, j] = xs[b, c, t + j]
 
-Exact: the same elements in the same places (unfold is a view of them). fp32 windows only: a
-bf16 window contracted in bf16 rounds each product, which no exact canonical conv computes; rule
-`conv_einsum` would take that sum to 2 ulps, and on spell12's bf16 step that raised the compiled
-step's logits error against eager from 2.9e-2 to 5.1e-2 at the first step (over
-TOL["diffsuite_bf16"], 5e-2; measured session 33), so a bf16 stack is left as written. Taken
+Exact: the same elements in the same places (unfold is a view of them). Any float dtype since
+session 34: a bf16 window contracted in bf16 (each product rounded, then the sum) is then
+`short_conv`'s canonical product sum, which `kda_decode`'s `conv_products_rounded` computes bit
+for bit. (Until then fp32 only: rule `conv_einsum` took that sum to 2 ulps, and on spell12's
+bf16 step that raised the compiled step's logits error against eager from 2.9e-2 to 5.1e-2 at
+the first step, over TOL["diffsuite_bf16"], 5e-2; conv_einsum now leaves it.) Taken
 only where there are K >= 2 pieces, piece j the columns [j, j + T) of one 3-D xs (a slice of
 it, or, where xs is a cat on its last dim, the input that holds exactly those columns), all
 unsqueezed at the last dim and concatenated there, xs's last dim K - 1 + T long. Left alone: pieces out of order, of
@@ -83,7 +84,7 @@ def _site(cat: fx.Node):
     if len(sources) != 1:
         return None
     (xs,) = sources
-    if shape(xs) != (out[0], out[1], K - 1 + T) or val(xs).dtype != torch.float32:
+    if shape(xs) != (out[0], out[1], K - 1 + T) or not val(xs).dtype.is_floating_point:
         return None
     for j, (p, s) in enumerate(zip(pieces, sliced)):
         if s is None and not (j == K - 1 and _cat_input(p, xs, T)):

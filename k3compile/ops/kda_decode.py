@@ -34,6 +34,14 @@ dtype; with `o_fp32`, o goes in unrounded. Not with `norm_fp32` (which gates in 
 bf16, then `F.silu` on its bf16 output: the red-team spelling, spell9's per-token einsum), where
 the default applies the SiLU to the fp32 conv and rounds once. The same in fp32.
 
+`conv_products_rounded`: the short conv as a window sum multiplied in the activations' dtype,
+`(window.unfold(-1, taps, 1) * taps).sum(-1)` on bf16 (spell10's per-token `causal_conv1d_update`
+loop, spell12's `vecdot` of stacked windows): each tap product rounded to that dtype, the products
+summed in fp32 in tap order, the sum rounded once, then the SiLU, as `conv_rounded`'s. torch's CPU
+sum of a bf16 / fp16 row of <= 4 elements is that sequential fp32 sum (measured, torch 2.11 and
+2.13; longer rows are summed in another order, a few ulps of fp32 apart). Not with `conv_rounded`
+(which rounds the exact sum once). In fp32 the same products, summed in tap order.
+
 `k_conv_state`, `v_conv_state`: three conv state buffers, one per q / k / v (fla's three
 `ShortConvolution`s, each with its own cache; tests/models/spell8_k3.py): `conv_state` then holds
 q's channels only, [S, H·K, taps-1] (the layout `conv_time_major` says), and the window is the
@@ -72,7 +80,7 @@ def kda_decode_ref(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_co
                    k_conv_weight, v_conv_weight, A_log, dt_bias, o_norm_weight, lower_bound,
                    l2_eps, q_scale, norm_eps, k_conv_state=None, v_conv_state=None,
                    norm_fp32=False, conv_time_major=False, state_v_major=False, o_fp32=False,
-                   norm_weight_fp32=False, conv_rounded=False):
+                   norm_weight_fp32=False, conv_rounded=False, conv_products_rounded=False):
     """The model's KDA step (`KimiDeltaAttention.forward` between the projections and o_proj),
     op for op, so that it rounds like eager. Mutates conv_state (and k_conv_state, v_conv_state)
     and recurrent_state. The op's arguments in its order."""
@@ -84,6 +92,9 @@ def kda_decode_ref(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_co
                          "or norm_weight_fp32")
     if norm_fp32 and norm_weight_fp32:
         raise ValueError("kda_decode: norm_fp32 and norm_weight_fp32 are two output norms")
+    if conv_rounded and conv_products_rounded:
+        raise ValueError("kda_decode: conv_rounded and conv_products_rounded are two conv "
+                         "roundings")
     beta = torch.sigmoid(b.float())  # [B, T, H]
 
     taps = torch.cat([q_conv_weight, k_conv_weight, v_conv_weight])
@@ -104,7 +115,10 @@ def kda_decode_ref(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_co
     else:
         for s, piece in zip(states, tail.split(W, dim=channels)):
             s[slots] = piece
-    conv = F.conv1d(window.float(), taps.float(), groups=taps.shape[0])
+    if conv_products_rounded:
+        conv = window_sum_rounded(window, taps).to(dtype)
+    else:
+        conv = F.conv1d(window.float(), taps.float(), groups=taps.shape[0])
     if conv_rounded:  # the conv's output in the activations' dtype, its SiLU on that
         conv = conv.to(dtype)
     conv = F.silu(conv).to(dtype).transpose(1, 2)  # [B, T, 3W]
@@ -137,6 +151,17 @@ def kda_decode_ref(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_co
     return rms_norm(o, o_norm_weight, norm_eps) * torch.sigmoid(g.view(B, T, H, K))
 
 
+def window_sum_rounded(window: torch.Tensor, taps: torch.Tensor) -> torch.Tensor:
+    """The depthwise conv of window [B, C, L] with taps [C, 1, n] as a window sum multiplied in
+    their dtype: each product rounded to it, the products summed in fp32 in tap order. Returns
+    the fp32 sums [B, C, L - n + 1] (unrounded: the caller rounds once)."""
+    products = window.unfold(-1, taps.shape[-1], 1) * taps  # [B, C, T, n], each rounded
+    total = products[..., 0].float()
+    for j in range(1, taps.shape[-1]):
+        total = total + products[..., j].float()
+    return total
+
+
 def kda_decode_fake(q, recurrent_state, g, o_norm_weight, norm_fp32=False,
                     norm_weight_fp32=False) -> torch.Tensor:
     """The output both KDA decode ops return: [B, T, H, K] in the activations' dtype."""
@@ -161,6 +186,7 @@ def kda_decode(
     k_conv_state: torch.Tensor | None, v_conv_state: torch.Tensor | None,
     norm_fp32: bool = False, conv_time_major: bool = False, state_v_major: bool = False,
     o_fp32: bool = False, norm_weight_fp32: bool = False, conv_rounded: bool = False,
+    conv_products_rounded: bool = False,
 ) -> torch.Tensor:
     """q, k, v, g, graw [B, T, H·K] (pre-conv projections, output gate, low-rank decay input),
     b [B, T, H] (β logits); conv_state [S, 3·H·K, taps-1] ([S, taps-1, 3·H·K] with
@@ -170,6 +196,8 @@ def kda_decode(
     `o_fp32`: with `norm_fp32` or `norm_weight_fp32`, o unrounded into the output norm;
     `norm_weight_fp32`: the norm's weight multiplied in fp32 before one rounding, the gate after;
     `conv_rounded`: the conv rounded to the activations' dtype before its SiLU;
+    `conv_products_rounded`: the conv a window sum multiplied in the activations' dtype (each
+    product rounded, fp32 sum in tap order, rounded before its SiLU);
     slots int64 [B]; conv weights [H·K, 1, taps]; A_log [H], dt_bias [H·K] (fp32, or bf16 where
     a model is cast whole: promoted to fp32); o_norm_weight [K]; `k_conv_state`, `v_conv_state`:
     None with one conv state buffer (required: see the module docstring). Returns o [B, T, H, K]
@@ -177,7 +205,8 @@ def kda_decode(
     return kda_decode_ref(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weight,
                           k_conv_weight, v_conv_weight, A_log, dt_bias, o_norm_weight, lower_bound,
                           l2_eps, q_scale, norm_eps, k_conv_state, v_conv_state, norm_fp32,
-                          conv_time_major, state_v_major, o_fp32, norm_weight_fp32, conv_rounded)
+                          conv_time_major, state_v_major, o_fp32, norm_weight_fp32, conv_rounded,
+                          conv_products_rounded)
 
 
 kda_decode = torch.library.custom_op("k3::kda_decode", kda_decode, mutates_args=MUTATED)
@@ -187,5 +216,5 @@ kda_decode = torch.library.custom_op("k3::kda_decode", kda_decode, mutates_args=
 def _(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weight, k_conv_weight,
       v_conv_weight, A_log, dt_bias, o_norm_weight, lower_bound, l2_eps, q_scale, norm_eps,
       k_conv_state, v_conv_state, norm_fp32=False, conv_time_major=False, state_v_major=False,
-      o_fp32=False, norm_weight_fp32=False, conv_rounded=False):
+      o_fp32=False, norm_weight_fp32=False, conv_rounded=False, conv_products_rounded=False):
     return kda_decode_fake(q, recurrent_state, g, o_norm_weight, norm_fp32, norm_weight_fp32)

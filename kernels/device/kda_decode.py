@@ -27,12 +27,15 @@ class KDADecode:
 
     def __init__(self, tokens: int, n_heads: int, taps: int, cfg: Config, pdl: bool = False,
                  norm_fp32: bool = False, fb_rank: int = 0, o_fp32: bool = False,
-                 norm_weight_fp32: bool = False, conv_rounded: bool = False):
+                 norm_weight_fp32: bool = False, conv_rounded: bool = False,
+                 conv_products_rounded: bool = False):
         self.T, self.H, self.taps, self.pdl, self.norm_fp32 = tokens, n_heads, taps, pdl, norm_fp32
         self.o_fp32 = o_fp32  # with norm_fp32 or norm_weight_fp32: o unrounded into the norm
         # the Flax norm: bf16(o'·rstd·w) in fp32, then the gate in bf16
         self.norm_weight_fp32 = norm_weight_fp32
         self.conv_rounded = conv_rounded  # the conv rounded to bf16 before its SiLU
+        # each tap product rounded to bf16, the fp32 sum in tap order, rounded before its SiLU
+        self.conv_products_rounded = conv_products_rounded
         self.K = HEAD_DIM
         self.W = n_heads * HEAD_DIM
         self.tile = tile(cfg)
@@ -228,10 +231,15 @@ class KDADecode:
             win += [mX[req, t, ch].to(Float32) for t in range(T)]
             w = [mW[ch, 0, j].to(Float32) for j in range(taps)]
             for t in range(T):
-                acc = win[t] * w[0]
-                for j in range(1, taps):
-                    acc = acc + win[t + j] * w[j]
-                if const_expr(self.conv_rounded):
+                if const_expr(self.conv_products_rounded):  # no FMA: each product rounded
+                    acc = bf16_round(win[t] * w[0])
+                    for j in range(1, taps):
+                        acc = acc + bf16_round(win[t + j] * w[j])
+                else:
+                    acc = win[t] * w[0]
+                    for j in range(1, taps):
+                        acc = acc + win[t + j] * w[j]
+                if const_expr(self.conv_rounded or self.conv_products_rounded):
                     acc = bf16_round(acc)
                 sX[t, c] = bf16_round(acc / (1.0 + cute.math.exp(-acc)))  # SiLU
 

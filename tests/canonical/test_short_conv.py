@@ -1,6 +1,7 @@
 """short_conv: every window-sum spelling of KDA's depthwise short conv becomes the convolution
 `F.conv1d(window, taps, groups=C)` traces to, with the same values (up to summation order: the
-measured difference is one fp32 ulp of the result), dtype and shape; look-alikes stay."""
+measured difference is one fp32 ulp of the result), dtype and shape; a window sum multiplied in
+bf16 / fp16 becomes the canonical product sum, bit for bit; look-alikes stay."""
 
 from __future__ import annotations
 
@@ -89,8 +90,11 @@ def test_bf16_window_convolves_in_fp32(upcast):
 LOOK_ALIKES = {
     # a real conv (padding 3, the causal conv of a prefill) is a convolution already: not touched
     "padded_conv": lambda x, w: F.conv1d(x, w, padding=TAPS - 1, groups=C),
-    # products rounded to bf16 before the sum: not the fp32 conv
-    "bf16_products": lambda x, w: (x.bfloat16() * w.bfloat16().squeeze(1)).sum(-1).float(),
+    # products rounded to bf16, summed in fp32 by the sum's dtype: not the bf16 window sum
+    "bf16_products_fp32_sum": lambda x, w: (x.bfloat16() * w.bfloat16().squeeze(1)).sum(
+        -1, dtype=torch.float32),
+    # a loop of adds in bf16 rounds every partial sum: neither the conv nor the product sum
+    "bf16_loop_of_adds": lambda x, w: _acc_loop(x.bfloat16(), w.bfloat16().squeeze(1)).float(),
     # weights that differ per batch row: no filter
     "per_row_weights": lambda x, w: (x * x.flip(0)).sum(-1),
     # a dot over a long axis: a reduction, not a short conv
@@ -112,6 +116,51 @@ def test_look_alike_is_left_alone(name):
     assert n == 0
     assert targets(after) == targets(before)
     torch.testing.assert_close(after(*args), LOOK_ALIKES[name](*args), rtol=0, atol=0)
+
+
+PRODUCT_SPELLINGS = {  # name: (fn(window, w[C, 1, taps]) in the window's dtype, tokens)
+    "per_token": (lambda x, w: (x * w.squeeze(1)).sum(-1), 1),  # spell10's, taps [C, taps]
+    "weight_first": (lambda x, w: (w.view(C, TAPS) * x).sum(dim=2), 1),
+    "unfold_T3": (lambda x, w: (x.unfold(2, TAPS, 1) * w).sum(-1), 3),
+    # spell12's contraction (after rule window_stack): vecdot is the mul and the sum
+    "vecdot_T3": (lambda x, w: torch.linalg.vecdot(x.unfold(2, TAPS, 1), w), 3),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", sorted(PRODUCT_SPELLINGS))
+def test_low_precision_window_sum_becomes_the_product_sum(name, dtype):
+    """bf16 / fp16 products, summed in that dtype: `sum(unfold(window, -1, taps, 1) * w, [-1])`,
+    bit for bit (the same products, each row's taps summed alike); no convolution"""
+    fn, T = PRODUCT_SPELLINGS[name]
+    args = _window(T, dtype)
+    before, after, n = _rewrite(fn, *args)
+    assert n == 1
+    assert CONV not in targets(after)
+    (total,) = [x for x in after.graph.nodes if short_conv.products_conv(x) is not None]
+    window, w, _ = short_conv.products_conv(total)
+    assert window.op == "placeholder" and tuple(w.meta["val"].shape) == (C, 1, TAPS)
+    got, want = after(*args), before(*args)
+    assert got.dtype == want.dtype == dtype and got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_the_product_sum_is_left_as_it_is():
+    """the canonical product sum is no site (the rule is idempotent on it)"""
+    args = _window(3, torch.bfloat16)
+    before, after, n = _rewrite(lambda x, w: (x.unfold(-1, TAPS, 1) * w).sum(-1), *args)
+    assert n == 0 and targets(after) == targets(before)
+
+
+def test_the_product_sum_is_not_a_loop_of_bf16_adds():
+    """what the look-alike computes: every partial sum rounded, another value on some outputs
+    (K3's channels, 4 taps: the two differ on ~11 % of them, measured), so no rule takes it"""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 3 * 4096, TAPS, generator=g).bfloat16()
+    w = torch.randn(3 * 4096, TAPS, generator=g).bfloat16()
+    products = (x * w).sum(-1)
+    adds = _acc_loop(x, w)
+    assert 0.02 < (products != adds).float().mean() < 0.5
 
 
 def _unfold_conv1d(window, taps, groups):

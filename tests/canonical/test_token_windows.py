@@ -60,6 +60,32 @@ def test_the_windows_are_one_window_and_one_conv(T):
         assert got.shape == want.shape and rel_err(got, want) <= 1e-6
 
 
+def bf16_loop(x, state, taps):  # spell10's bf16 loop, each window sum short_conv's product sum
+    outs = []
+    for t in range(x.shape[1]):
+        window = torch.cat([state, x[:, t, :, None]], dim=-1)
+        outs.append(F.silu((window.unfold(-1, TAPS, 1) * taps).sum(-1).view(B, C)))
+        state = window[:, :, 1:]
+    return torch.stack(outs, dim=1), state
+
+
+@pytest.mark.parametrize("T", [2, 3, 8])
+def test_product_sum_windows_are_one_product_sum(T):
+    """bf16, each product rounded (session 34): one window, one product sum over it, bit for bit
+    (the same products, each row of taps summed alike), no convolution"""
+    from k3compile.canonical import short_conv
+
+    args = [a.bfloat16() for a in _args(T)]
+    before, after, n = rewrite(token_windows.RULE, bf16_loop, *args)
+    assert n == 1
+    assert targets(before).count("aten.unfold.default") == T
+    assert targets(after).count("aten.unfold.default") == 1
+    assert not {"aten.select.int", "aten.convolution.default"} & set(targets(after))
+    (total,) = [x for x in after.graph.nodes if short_conv.products_conv(x) is not None]
+    assert tuple(total.meta["val"].shape) == (B, C, T)
+    assert_same(after(*args), before(*args))
+
+
 def one_token(x, state, taps):  # T = 1: rule token_column's
     return _loop(x, state, taps)
 
@@ -101,8 +127,11 @@ def test_lookalikes_stay(fn, T):
 
 
 @pytest.mark.slow
-def test_spell10_kda_fuses_with_its_per_token_conv_over_verify_rows():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_spell10_kda_fuses_with_its_per_token_conv_over_verify_rows(dtype):
     """spell10 blind (every KDA idiom its own) with 3 verify rows: fb_kda_decode and
-    linear_concat in both KDA layers, compiled equal to eager (fp32)"""
-    for layer, ops in kda_plan_with_only(None, rows=3).items():
+    linear_concat in both KDA layers, compiled equal to eager (fp32 within TOL["aten_cpu"];
+    bf16, each window's products rounded, within TOL["diffsuite_bf16"]: measured 1.15e-2,
+    session 34)"""
+    for layer, ops in kda_plan_with_only(None, dtype, rows=3).items():
         assert ops.get("fb_kda_decode") == 1 and ops.get("linear_concat") == 1, (layer, ops)

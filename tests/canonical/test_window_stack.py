@@ -1,6 +1,7 @@
 """window_stack: a short conv's windows stacked from shifted slices of the window tensor (spell12's
 `stack([xs[..., j:j + T] ...], -1)`) become `xs.unfold(-1, K, 1)`, bit for bit, which rule
-short_conv then takes as the canonical convolution; look-alikes stay."""
+short_conv then takes as the canonical convolution (in bf16: the canonical product sum); look-alikes
+stay."""
 
 from __future__ import annotations
 
@@ -100,9 +101,18 @@ def test_look_alikes_stay(fn):
     assert targets(after) == targets(before)
 
 
-def test_a_bf16_window_stays():
-    """contracted in bf16, each product rounds: no exact canonical conv (the rule's docstring)"""
-    args = _args(dtype=torch.bfloat16)
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_a_bf16_window_becomes_the_product_sum(tokens):
+    """contracted in bf16, each product rounds (session 34): the stack becomes the unfold, bit
+    for bit, and short_conv then writes the canonical product sum (kda_decode's
+    `conv_products_rounded`), bit for bit, no convolution"""
+    args = _args(tokens, dtype=torch.bfloat16)
     before, after, n = _rewrite(spell12, *args)
-    assert n == 0
+    assert n == 1 and "aten.stack.default" not in targets(after)
+    assert_same(after(*args), before(*args))
+    assert short_conv.RULE.apply(after.graph) == 1
+    after.graph.eliminate_dead_code()
+    after.recompile()
+    assert "aten.convolution.default" not in targets(after)
+    assert any(short_conv.products_conv(x) is not None for x in after.graph.nodes)
     assert_same(after(*args), before(*args))

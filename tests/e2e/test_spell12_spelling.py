@@ -2,7 +2,7 @@
 functional model: a weightless meta-device skeleton run by `torch.func.functional_call` over a
 flat dict of weights, the states passed in and handed back, built out of place by `Tensor.put`
 and copied into a cache object) under backend="k3": values hold; the plan loses nothing in
-fp32 and only the KDA step of layers 0 and 1 in bf16 (docs/spell12_spelling.md).
+fp32 or bf16 (docs/spell12_spelling.md).
 
 Values (these must pass): the spelling's eager step equals the built-in model's on the same state
 dict (fp32, logits and every state, 4 steps, batch 2, one token and 3 verify rows); compiled
@@ -33,8 +33,9 @@ one-hot einsum (rule `expert_pick`: the dequant of the picked bytes; session 33)
 fb_kda_decode (0, 1) was lost to five idioms at once; closed in fp32 (session 33) by rules
 window_stack (the stacked conv windows), put_rows (`Tensor.put` row writes), norm_keepdim
 (the vecdot l2 norm), token_unsqueeze (β unsqueezed before its token select) and
-delta_chunk (the chunk-1 recurrence). bf16: still lost (the conv window contracted in
-bf16, each product rounded: no kda_decode variant computes that).
+delta_chunk (the chunk-1 recurrence). bf16 (the conv window contracted in bf16, each product
+rounded): closed in session 34 by kda_decode's `conv_products_rounded` (rule window_stack takes
+bf16 windows, short_conv writes the canonical product sum).
 """
 
 from __future__ import annotations
@@ -47,15 +48,13 @@ from tests.spellings import foreign
 
 EAGER_TOL = 1e-5  # measured 1.2e-6 (T = 1), 1.1e-6 (T = 3), states <= 1.0e-6 over 4 steps
 
-KDA = {"fb_kda_decode": 1}
 # layer -> the built-in plan's ops this spelling's plan lacks (a layer not named: none)
 _LOST: dict[int, dict[str, int]] = {}
-# bf16 loses KDA: the conv window contracted in bf16 rounds each product (rule window_stack
-# takes fp32 windows only; docs/spell12_spelling.md, cause 6)
-_LOST_BF16 = {0: KDA, 1: KDA}
-LOST = {torch.float32: _LOST, torch.bfloat16: _LOST_BF16}
-# (pattern, dtype) whose loss must come with a near miss in that layer naming a node
-DIAGNOSED = (("kda_decode", torch.bfloat16),)
+# bf16 KDA (the conv window contracted in bf16, each product rounded): kda_decode's
+# conv_products_rounded (session 34; docs/spell12_spelling.md, cause 6)
+LOST = {torch.float32: _LOST, torch.bfloat16: _LOST}
+# (pattern, dtype) whose loss must come with a near miss in that layer naming a node: none left
+DIAGNOSED = ()
 
 
 foreign.define_common_tests(globals(), "spell12", from_builtin, state_of, lost_by_dtype=LOST,

@@ -360,6 +360,42 @@ def test_kda_rounding_builds(scalars, b, monkeypatch, tmp_path):
     assert cvt["s9"] - cvt["s9_fla"] == 2 * out_per_thread
 
 
+# kda_decode's `conv_products_rounded` build (session 34: the short conv a window sum multiplied
+# in bf16, each tap product rounded, spell10's and spell12's bf16 conv): decode at one TP16 rank,
+# on the built-in norm (spell10, spell12) and on fla's norm on an fp32 o
+PRODUCTS = [((1, 6, 4), 1)]
+
+
+@pytest.mark.parametrize("scalars,b", PRODUCTS, ids=str)
+def test_kda_conv_products_rounded_builds(scalars, b, monkeypatch, tmp_path):
+    """The variant compiles for sm_90a without spills, and the flag reaches the device code: each
+    tap product of a conv output is rounded to bf16 before the fp32 sum (LLVM writes the rounded
+    product of two bf16 values as one `mul.bf16`, round to nearest even, which is the rounding
+    of the exact fp32 product) where `conv_rounded` sums fp32 products by FMAs and rounds only
+    the sum."""
+    monkeypatch.setenv("CUTE_DSL_ARCH", ARCH)
+    cfg = kda_decode.config(*scalars, b)
+    builds = {"products": {"conv_products_rounded": True}, "sum": {"conv_rounded": True},
+              "products_fla": {"norm_fp32": True, "o_fp32": True,
+                               "conv_products_rounded": True}}
+    ptx = {}
+    for name, flags in builds.items():
+        (tmp_path / name).mkdir()
+        built = kda_decode.build(*scalars, cfg, arch=ARCH, dump_dir=str(tmp_path / name),
+                                 **flags)
+        if name.startswith("products"):
+            _check_cubin(built)
+        ptx[name] = ptx_of(built)
+    T, taps = scalars[0], scalars[2]
+    tl = kda_decode.tile(cfg)
+    items = tl.prologue_items()
+    passes = sum(items[s][0] != "alpha" for _, s, _ in tl.plan(items))  # a thread's conv items
+    products = {n: p.count("mul.bf16") + p.count("mul.rn.bf16") for n, p in ptx.items()}
+    assert products["products"] - products["sum"] == T * taps * passes  # measured 28 - 8 = 4 x 5
+    fma = {n: p.count("fma.rn.f32") for n, p in ptx.items()}
+    assert fma["sum"] - fma["products"] == T * (taps - 1) * passes
+
+
 # kda_decode's time-major build (the conv state [S, taps-1, 3W], vLLM v1's layout): decode and
 # verify rows at one TP16 rank, batch 1 (clusters of 4) and 64 (no cluster)
 TIME_MAJOR = [((1, 6, 4), 1), ((8, 6, 4), 64)]
