@@ -67,12 +67,15 @@ def _token_views(gemm: fx.Node, rows: int) -> list[fx.Node] | None:
 def _readers(gemm: fx.Node, rows: int):
     """(gemm's [rows, 1, N] views, [(a projection of gemm's output, its views)]), where those are
     all its readers; else None."""
+    out = static_shape(gemm)
+    if out is None:
+        return None
     views, inner = [], []
     for user in gemm.users:
         if _linear_of(user, gemm) and (chained := _token_views(user, rows)) is not None:
             inner.append((user, chained))
         elif user.target in _RESHAPES and user.args[0] is gemm \
-                and static_shape(user) == (rows, 1, static_shape(gemm)[-1]):
+                and static_shape(user) == (rows, 1, out[-1]):
             views.append(user)
         else:
             return None

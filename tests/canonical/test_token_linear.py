@@ -4,7 +4,7 @@ row-major spelling's `F.linear(x, w).unsqueeze(1)`) -> F.linear of the row viewe
 form `linear_concat[kda]` is traced on; then that pattern fuses the six GEMMs. Bit for bit
 against the unrewritten graph (every view only moves a size-1 dim). Look-alikes stay: a view that
 is no unit dim at 1, a GEMM also read whole, a cast between the GEMM and its view, a row GEMM of
-x left unviewed beside the viewed ones, the T form itself."""
+x left unviewed beside the viewed ones (or f_b on f_a read as rows), the T form itself."""
 
 from __future__ import annotations
 
@@ -201,9 +201,16 @@ def computed_rhs(x, w_q, w_k, w_v, w_g, w_fa, w_b, w_fb):
     return (x @ (w_q * 2.0).T).view(b, 1, -1)
 
 
+def chained_unviewed(x, w_q, w_k, w_v, w_g, w_fa, w_b, w_fb):
+    """f_b on f_a's rows, its output read as rows: f_a's GEMM is read by no token view"""
+    b = x.shape[0]
+    return F.linear(x, w_q).view(b, 1, -1), F.linear(F.linear(x, w_fa), w_fb)
+
+
 LOOK_ALIKES = {"canonical": canonical, "heads": heads, "trailing_unit": trailing_unit,
                "read_whole": read_whole, "cast_between": cast_between,
-               "one_unviewed": one_unviewed, "computed_rhs": computed_rhs}
+               "one_unviewed": one_unviewed, "computed_rhs": computed_rhs,
+               "chained_unviewed": chained_unviewed}
 
 
 @PER_DTYPE
