@@ -62,7 +62,8 @@ ORDER: tuple[str, ...] = ("put_rows", "scatter_rows", "paged_write", "token_dim"
                           "topk_sorted", "route_mask", "view_chains", "view_add", "reshape_fold",
                           "stack_cat", "token_rows", "combine_rows", "cast_squeeze", "router_input",
                           "permute_fold",
-                          "expert_dense", "equal_split")
+                          "expert_dense", "equal_split",
+                          "token_linear")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -39,10 +39,12 @@ gaps (fp32, 4-layer tiny; details, near misses and suggested rules: docs/redteam
   that keep this spelling's rounding: `moe_experts[...,fp32_out]` (the finalize's fp32 sum
   unrounded) feeding `norm_linear[bfloat16,weight_fp32,cast]` (F.rms_norm with the weight
   upcast, one rounding before the up-projection).
-* linear_concat (0, 1): rules proj_split and qkv_split cut the fused in-projection into six
-  GEMMs, which stay six `mm`s on [B, D] rows viewed [B, 1, .] feeding
-  fb_kda_decode: linear_concat[kda] has no such `rows_viewed` form (session 33: not "by
-  construction", a pattern gap). At 2, 3 the q_a|kv_a cut is fused again.
+* linear_concat (0, 1): closed (session 34) by rule `token_linear`: rules proj_split and
+  qkv_split cut the fused in-projection into six GEMMs on [B, D] rows, each output viewed
+  [B, 1, .] (token_dim's lift); the rule moves that unit dim before the GEMMs (one [B, 1, D] row
+  that each views [B, D], F.linear's T = 1 form), which linear_concat[kda] fuses into one GEMM,
+  in fp32 and bf16. At 2, 3 the q_a|kv_a|g cut is fused again (the same rule takes it: the
+  3-D linear_concat[mla+g] instead of its rows_viewed variant).
 * bf16 only: norm_linear (1-3): closed (session 23), see moe_experts.
 """
 
@@ -57,14 +59,12 @@ from tests.spellings import foreign
 
 EAGER_TOL = 1e-5  # measured 1.7e-6 (logits), 1.6e-6 (states) over 4 steps
 
-_KDA = {"linear_concat": 1}  # six GEMMs on rows viewed [B, 1, .]: no linear_concat form
-# layer -> the built-in plan's ops this spelling's plan lacks (a layer not named: none)
-LOST = {
-    # layer 0's input norm (no depth mix before the first layer), written in the model's
-    # top-level forward, is counted in layer 0, the one layer it feeds, since session 27 (the
-    # engine's `_site_module`; before, in the final row)
-    torch.float32: {0: _KDA, 1: _KDA},
-}
+# layer -> the built-in plan's ops this spelling's plan lacks (a layer not named: none). Layer
+# 0's input norm (no depth mix before the first layer), written in the model's top-level
+# forward, is counted in layer 0, the one layer it feeds, since session 27 (the engine's
+# `_site_module`; before, in the final row). The KDA in-projection (linear_concat, 0 and 1)
+# fuses since session 34 (rule token_linear): the plan is the built-in one in full.
+LOST = {torch.float32: {}}
 # bf16: the MoE layers' moe_experts and norm_linear fuse since session 23 (the fp32_out and
 # weight_fp32 variants keep the spelling's rounding), the KDA step since session 27 (the
 # conv_rounded variant: the conv + SiLU in bf16): what fp32 lacks
