@@ -164,6 +164,7 @@ def test_kernel_takes_the_flag(flags):
     assert kernel_refusal(flags) is None
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("flags", SPELLINGS)
 @pytest.mark.parametrize("B,T", [(2, 1), (3, 4)])
 def test_cuda_op_equals_the_cpu_reference(cuda_kernels, flags, B, T):

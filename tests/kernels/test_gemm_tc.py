@@ -151,7 +151,11 @@ def test_the_router_takes_it_above_one_row(gen, monkeypatch):
     torch.testing.assert_close(router.linear(x, w).float(), model(x, w).float(), **TOL["bf16"])
     router.linear(x[:1], w)
     assert calls == [8]
-    x, w = make_inputs(gen, 64, 7168, 3584)  # cuBLAS measured faster: the table says so
+    # cuBLAS where the table measured it faster (the H200's table does at this shape; on another
+    # GPU no table loads, so the entry is set here)
+    table = {**kernel.tuned(), (7168, 3584, 64): None}
+    monkeypatch.setattr(kernel, "tuned", lambda: table)
+    x, w = make_inputs(gen, 64, 7168, 3584)
     assert not kernel.prefers(7168, 3584, 64)
     assert torch.equal(router.linear(x, w), kernel.gemm_ref(x, w))
     assert calls == [8]
