@@ -181,8 +181,9 @@ class Spell7KDA(torch.nn.Module):
 @pytest.mark.parametrize("B,T,probes", [(2, 1, ()), (1, 1, ()), (2, 3, ()),
                                          (2, 1, ("qkv_split", "kda_per_request"))])
 def test_bf16_kda_step_fuses_and_equals_eager(B, T, probes):
-    """bf16: the KDA step takes fb_kda_decode's conv_rounded, V-major rows variant (CPU: the op's
-    reference) and equals its eager twin over three steps on the carried states: the output and
+    """bf16: the KDA step takes fb_kda_decode's conv_rounded, V-major variant (CPU: the op's
+    reference; its `rows` form over T > 1 flat rows; at T = 1 rule `token_linear` lifts the rows
+    to [B, 1, .], the 3-D form, since session 34) and equals its eager twin over three steps on the carried states: the output and
     the conv state bit for bit, the fp32 recurrent state within fp32 summation order. (At T = 3
     probe `qkv_split` or `kda_per_request` loses the step in fp32 as in bf16: not this gap.)"""
     import torch._dynamo
@@ -200,5 +201,6 @@ def test_bf16_kda_step_fuses_and_equals_eager(B, T, probes):
             assert torch.equal(model.attn.conv_state, eager.attn.conv_state)
             assert rel_err(model.attn.ssm_state, eager.attn.ssm_state) <= 1e-6
     (report,) = k3be.last_compiled().observer.reports.values()
-    assert "fb_kda_decode[norm_fp32,state_v_major,o_fp32,conv_rounded,rows]" in {
+    rows = ",rows" if T > 1 else ""
+    assert f"fb_kda_decode[norm_fp32,state_v_major,o_fp32,conv_rounded{rows}]" in {
         h.pattern for h in report.hits}
