@@ -12,6 +12,7 @@ from k3compile.patterns import fb_kda_decode, kda_decode
 
 from tests.kernel_checks import assert_cuda_op_equals_cpu
 
+from .kda_checks import assert_op_equals_step
 from .pattern_checks import rewrite, targets
 
 STATES = (kda_decode.NAMES.index("conv_state"), kda_decode.NAMES.index("recurrent_state"))
@@ -41,14 +42,7 @@ def _unfused(*args, o_fp32=True):
 
 @pytest.mark.parametrize("B,T", [(2, 1), (1, 2)])
 def test_reference_equals_the_unfused_step(B, T):
-    args = _inputs(T, B)
-    state, conv, o = _unfused(*_clone(args))
-    got = _clone(args)
-    o_op = torch.ops.k3.kda_decode(*got, None, None, *O_FP32)
-    assert o_op.dtype == torch.bfloat16
-    torch.testing.assert_close(o_op, o, rtol=0, atol=0)
-    torch.testing.assert_close(got[STATES[0]], conv, rtol=0, atol=0)
-    torch.testing.assert_close(got[STATES[1]], state, rtol=0, atol=0)
+    assert_op_equals_step(_unfused, _inputs(T, B), O_FP32)
 
 
 def test_o_fp32_rounds_once_where_norm_fp32_rounds_twice():

@@ -16,6 +16,7 @@ from k3compile.patterns import fb_kda_decode, kda_decode
 
 from tests.kernel_checks import assert_cuda_op_equals_cpu, kda_kernel_inputs
 
+from .kda_checks import assert_op_equals_step
 from .pattern_checks import rewrite, targets
 
 STATES = (kda_decode.NAMES.index("conv_state"), kda_decode.NAMES.index("recurrent_state"))
@@ -64,14 +65,7 @@ def _unfused(flags):
 @pytest.mark.parametrize("flags", SPELLINGS)
 @pytest.mark.parametrize("B,T", [(2, 1), (1, 2)])
 def test_reference_equals_the_unfused_step(flags, B, T):
-    args = _inputs(T, B, flags)
-    state, conv, o = _unfused(flags)(*_clone(args))
-    got = _clone(args)
-    o_op = torch.ops.k3.kda_decode(*got, None, None, *flags)
-    assert o_op.dtype == torch.bfloat16
-    torch.testing.assert_close(o_op, o, rtol=0, atol=0)
-    torch.testing.assert_close(got[STATES[0]], conv, rtol=0, atol=0)
-    torch.testing.assert_close(got[STATES[1]], state, rtol=0, atol=0)
+    assert_op_equals_step(_unfused(flags), _inputs(T, B, flags), flags)
 
 
 def test_the_flags_are_the_spellings_roundings():
