@@ -199,6 +199,25 @@ def _moved(entry: _Bucket, args: list) -> bool:
     return any(args[i].data_ptr() != entry.pointers[i] for i in entry.fixed)
 
 
+# Tensor.put / put_ take int64 indices only in eager, but their decomposition (AOTAutograd's, as
+# Inductor's) indexes with any integer: compiled, an int32 index would run where eager raises
+_PUTS = frozenset({"put", "put_", torch.put, torch.Tensor.put, torch.Tensor.put_})
+_SCALAR_TYPES = {torch.int32: "Int", torch.int16: "Short", torch.int8: "Char", torch.uint8: "Byte",
+                 torch.bool: "Bool"}  # eager's names (c10::ScalarType) in that message
+
+
+def refuse_as_eager(gm: fx.GraphModule) -> None:
+    """Raise eager's error for a call the lowering would accept and eager refuses."""
+    for node in gm.graph.nodes:
+        if node.op not in ("call_method", "call_function") or node.target not in _PUTS:
+            continue
+        index = node.args[1] if len(node.args) > 1 else node.kwargs.get("index")
+        val = index.meta.get("example_value") if isinstance(index, fx.Node) else None
+        if isinstance(val, torch.Tensor) and val.dtype != torch.int64:
+            got = _SCALAR_TYPES.get(val.dtype, str(val.dtype))
+            raise RuntimeError(f"put_(): Expected a long tensor for index, but got {got}")
+
+
 class K3Compiled:
     """The callable Dynamo receives; dispatches each call to its bucket's compiled step."""
 
@@ -212,6 +231,7 @@ class K3Compiled:
         self.buckets: dict[tuple, _Bucket] = {}
         self._warned: set[str] = set()
         if signature is None:
+            refuse_as_eager(gm)
             placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
             self.inputs = self._classify(placeholders, example_inputs)
             self.batch_symbols: set = set()

@@ -126,3 +126,27 @@ def test_no_recompile_at_steady_state(pair, steps):
 def test_backend_registered_by_entry_point():
     code = "import torch; import sys; sys.exit(0 if 'k3' in torch._dynamo.list_backends() else 1)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+PUTS = {"Tensor.put": lambda buf, i, v: buf.put(i, v),
+        "Tensor.put_": lambda buf, i, v: buf.clone().put_(i, v),
+        "torch.put": lambda buf, i, v: torch.put(buf, i, v)}
+
+
+@pytest.mark.parametrize("spelling", PUTS)
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int16, torch.int64])
+def test_put_index_dtype_as_eager(spelling, dtype):
+    """`put` takes int64 indices only in eager; its decomposition takes any integer. Compiled,
+    an int32 / int16 index raises eager's error (not a silent run), and int64 equals eager."""
+    fn, buf, v = PUTS[spelling], torch.zeros(10), torch.arange(2.0) + 1
+    index = torch.tensor([7, 2], dtype=dtype)
+    torch._dynamo.reset()
+    step = torch.compile(fn, backend="k3")
+    if dtype != torch.int64:
+        with pytest.raises(RuntimeError, match="put_\\(\\)") as eager:
+            fn(buf, index, v)
+        with pytest.raises(Exception) as compiled:
+            step(buf, index, v)
+        assert str(eager.value) in str(compiled.value)
+    else:
+        assert torch.equal(step(buf, index, v), fn(buf, index, v))
