@@ -24,7 +24,7 @@ from graph_timing import graph_us, versus_row, versus_table
 from k3compile.kernels import kda_decode as kernel
 from k3compile.kernels.common.dsl import runtime_refusal
 
-from k3compile.ops.kda_decode import kda_decode_ref
+from k3compile.ops.kda_decode import KDAVariant, kda_decode_ref
 
 H, K, TAPS = 96 // 16, 128, 4
 W = H * K
@@ -45,7 +45,7 @@ def moved_bytes(b: int, t: int) -> int:
 
 def make_case(b, t, norm_fp32=False):
     """Activations as column slices of one in-projection row, a state pool of `copies` x b slots;
-    the op's arguments end with `norm_fp32`."""
+    the op's arguments end with its variant (`norm_fp32`: fla's gated norm, else the default)."""
     copies = max(4, -(-int(2 * L2_BYTES) // state_bytes(b)) + 1)
     row = torch.randn(b, t, 4 * W + K + H, device="cuda").bfloat16()
     q, k, v, g = (row[..., i * W:(i + 1) * W] for i in range(4))
@@ -60,7 +60,7 @@ def make_case(b, t, norm_fp32=False):
 
     def args(slot):
         return (q, k, v, g, graw, row[..., 4 * W + K:], conv, state, slot, *weights, *SCALARS,
-                None, None, norm_fp32)  # one conv state buffer: no k and v conv states
+                None, None, "norm_fp32" if norm_fp32 else "")  # one conv state buffer
 
     return args, slots
 
@@ -77,7 +77,7 @@ def check(args, slots):
     got_state = state[slots[0]].clone()
     conv.copy_(saved[0])
     state.copy_(saved[1])
-    ref = kda_decode_ref(*a)
+    ref = kda_decode_ref(*a[:-1], KDAVariant.parse(a[-1]))
     err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
     s_err = ((got_state - state[slots[0]]).norm() / state[slots[0]].norm()).item()
     conv.copy_(saved[0])

@@ -25,6 +25,7 @@ Constraints:
 import torch
 
 from k3compile.ops import registry
+from k3compile.ops.kda_decode import BUILTIN, KDAVariant
 from k3compile.settings import KERNELS
 
 from . import kda_decode
@@ -46,9 +47,7 @@ def refusal(q, k, v, g, fa, fb_weight, b, *rest, **options) -> str | None:
 def fb_kda_decode_cuda(q, k, v, g, fa, fb_weight, b, conv_state, recurrent_state, slots,
                        q_conv_weight, k_conv_weight, v_conv_weight, A_log, dt_bias,
                        o_norm_weight, lower_bound, l2_eps, q_scale, norm_eps, k_conv_state=None,
-                       v_conv_state=None, norm_fp32=False, conv_time_major=False,
-                       state_v_major=False, o_fp32=False, norm_weight_fp32=False,
-                       conv_rounded=False, conv_products_rounded=False, *, out=None):
+                       v_conv_state=None, variant: str = "", *, out=None):
     args = (q, k, v, g, fa, fb_weight, b, conv_state, recurrent_state, slots, q_conv_weight,
             k_conv_weight, v_conv_weight, A_log, dt_bias, o_norm_weight)
     scalars = (lower_bound, l2_eps, q_scale, norm_eps)
@@ -57,17 +56,16 @@ def fb_kda_decode_cuda(q, k, v, g, fa, fb_weight, b, conv_state, recurrent_state
     def two_launches():
         graw = linear(fa.reshape(B * T, R), fb_weight).view(B, T, -1)
         return kda_decode_cuda(*args[:4], graw, *args[6:], *scalars, k_conv_state, v_conv_state,
-                               norm_fp32, conv_time_major, state_v_major, o_fp32,
-                               norm_weight_fp32, conv_rounded, conv_products_rounded, out=out)
+                               variant, out=out)
 
-    # the default (K3_KDA_FB off): kda_decode checks its own inputs once; a time-major conv
-    # state, a V-major recurrent state or three conv states: kda_decode's build for that layout
-    # after our GEMM (no one-launch build for those layouts, nor for o_fp32, norm_weight_fp32,
-    # conv_rounded, conv_products_rounded)
-    if (not KERNELS.kda_fb or conv_time_major or state_v_major or o_fp32 or norm_weight_fp32
-            or conv_rounded or conv_products_rounded or k_conv_state is not None):
+    # the default (K3_KDA_FB off): kda_decode checks its own inputs once; any variant but fla's
+    # fp32 norm (a time-major conv state, a V-major recurrent state, three conv states, o_fp32,
+    # the Flax norm, a rounded conv): kda_decode's build for it after our GEMM (the one-launch
+    # build has none of those)
+    step = KDAVariant.parse(variant, k_conv_state is not None)
+    if not KERNELS.kda_fb or step not in (BUILTIN, KDAVariant(norm_fp32=True)):
         return two_launches()
-    if refusal(*args, norm_fp32=norm_fp32):  # kda_decode's own: its fallback, logged there
+    if refusal(*args, variant=variant):  # kda_decode's own: its fallback, logged there
         return two_launches()
     if reason := fb_refusal(fa, fb_weight, q):
         fallback(OP, f"{reason}; two launches")
@@ -77,7 +75,7 @@ def fb_kda_decode_cuda(q, k, v, g, fa, fb_weight, b, conv_state, recurrent_state
         H, K = recurrent_state.shape[1:3]
         o = q.new_empty((B, T, H, K)) if out is None else out
         if B:
-            compiled(T, H, conv_state.shape[2] + 1, bucket(B), norm_fp32,
+            compiled(T, H, conv_state.shape[2] + 1, bucket(B), step,
                      A_log.dtype == torch.bfloat16, dt_bias.dtype == torch.bfloat16, R)(
                 *args, o, *map(float, scalars))
         return o

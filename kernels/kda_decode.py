@@ -7,9 +7,12 @@
                                                           fla's FusedRMSNormGated, one rounding;
                                                           `o_fp32` too: bf16(w ⊙ rms(o) ⊙ σ(g)))
     `norm_weight_fp32`: bf16(bf16(w ⊙ rms(o')) ⊙ bf16(σ(g))), the weight multiplied in fp32
-    (o' = o with `o_fp32`); `conv_rounded`: x̃ = bf16(SiLU(bf16(conv(x)))), a bf16 conv's rounding;
-    `conv_products_rounded`: x̃ = bf16(SiLU(bf16(Σ_j bf16(x_j·w_j)))), a window sum multiplied in
+    (o' = o with `o_fp32`); conv ROUNDED: x̃ = bf16(SiLU(bf16(conv(x)))), a bf16 conv's rounding;
+    conv PRODUCTS_ROUNDED: x̃ = bf16(SiLU(bf16(Σ_j bf16(x_j·w_j)))), a window sum multiplied in
     bf16 (fp32 sum in tap order)
+
+Each build is one `KDAVariant` (k3compile/ops/kda_decode.py; the op's `variant` argument parsed);
+the fields above are its own.
 
 `k3::fb_kda_decode` (kernels/fb_kda_decode.py) runs the f_b build (`fb_rank` R): the gate input is
 fa [B, T, R] with W_fb [H·K, R], each CTA computing its head's graw = bf16(fa · W_fbᵀ) (fp32 sums,
@@ -49,7 +52,7 @@ from dataclasses import dataclass
 import torch
 
 from k3compile.ops import registry
-from k3compile.ops.kda_decode import kda_decode_ref
+from k3compile.ops.kda_decode import BUILTIN, KDAVariant, kda_decode_ref
 
 from .common.dsl import (
     BUCKETS,
@@ -184,14 +187,13 @@ def can_implement(*args) -> bool:
 def refusal(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weight,
             k_conv_weight, v_conv_weight, A_log, dt_bias, o_norm_weight, lower_bound=None,
             l2_eps=None, q_scale=None, norm_eps=None, k_conv_state=None, v_conv_state=None,
-            norm_fp32=False, conv_time_major=False, state_v_major=False, o_fp32=False,
-            norm_weight_fp32=False, conv_rounded=False,
-            conv_products_rounded=False) -> str | None:
-    """Why the kernel cannot take these inputs, or None. Metadata only (fake tensors work);
-    data alignment is checked at launch."""
+            variant: str = "") -> str | None:
+    """Why the kernel cannot take these inputs (the op's arguments: `variant` its spec), or
+    None. Metadata only (fake tensors work); data alignment is checked at launch. Of the
+    variant only the layouts matter here: the rest are compile-time options of the build."""
     bf16, f32 = torch.bfloat16, torch.float32
-    # compile-time flags of the kernel
-    del norm_fp32, o_fp32, norm_weight_fp32, conv_rounded, conv_products_rounded
+    layout = KDAVariant.parse(variant, k_conv_state is not None)
+    conv_time_major = layout.conv_time_major
     if q.dim() != 3 or recurrent_state.dim() != 4 or conv_state.dim() != 3:
         return (f"ranks q {q.dim()}, recurrent_state {recurrent_state.dim()}, conv_state "
                 f"{conv_state.dim()} (want 3, 4, 3)")
@@ -208,9 +210,9 @@ def refusal(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weig
                     f"{width}], last dim contiguous)")
     if recurrent_state.dtype != f32 or recurrent_state.stride()[1:] != (K * K, K, 1) or \
             recurrent_state.stride(0) % 4:
-        layout = "V-major " if state_v_major else ""
+        major = "V-major " if layout.state_v_major else ""
         return (f"recurrent_state: {recurrent_state.dtype} {recurrent_state.stride()} (want fp32 "
-                f"{layout}[S, H, {K}, {K}], inner dims contiguous, slot stride a multiple of 4)")
+                f"{major}[S, H, {K}, {K}], inner dims contiguous, slot stride a multiple of 4)")
     three = k_conv_state is not None or v_conv_state is not None
     if three and (conv_time_major or k_conv_state is None or v_conv_state is None):
         return "three conv states: k's and v's both, channel-major (no time-major build)"
@@ -276,52 +278,38 @@ def call_refusal(tensors, q, recurrent_state, out) -> str | None:
     return None
 
 
-def prepare(tokens: int, n_heads: int, taps: int = 4, buckets=BUCKETS, norm_fp32=False,
-            a_log_bf16=False, dt_bias_bf16=False, conv_time_major=False,
-            state_v_major=False, three_states=False, o_fp32=False, norm_weight_fp32=False,
-            conv_rounded=False, conv_products_rounded=False) -> None:
+def prepare(tokens: int, n_heads: int, taps: int = 4, buckets=BUCKETS,
+            variant: KDAVariant = BUILTIN, a_log_bf16=False, dt_bias_bf16=False) -> None:
     """Compile the kernel of every batch bucket for these scalars (call before graph capture)."""
     for b in buckets:
-        compiled(tokens, n_heads, taps, b, norm_fp32, a_log_bf16, dt_bias_bf16,
-                 conv_time_major=conv_time_major, state_v_major=state_v_major,
-                 three_states=three_states, o_fp32=o_fp32, norm_weight_fp32=norm_weight_fp32,
-                 conv_rounded=conv_rounded, conv_products_rounded=conv_products_rounded)
+        compiled(tokens, n_heads, taps, b, variant, a_log_bf16, dt_bias_bf16)
 
 
-def compiled(tokens: int, n_heads: int, taps: int, batch_bucket: int, norm_fp32: bool,
-             a_log_bf16: bool = False, dt_bias_bf16: bool = False, fb_rank: int = 0,
-             conv_time_major: bool = False, state_v_major: bool = False,
-             three_states: bool = False, o_fp32: bool = False, norm_weight_fp32: bool = False,
-             conv_rounded: bool = False, conv_products_rounded: bool = False):
-    """The cached kernel; each build flag enters the key only when set (the default's key and
-    build are those from before the variants)."""
-    flags = {"norm_fp32": norm_fp32, "a_log_bf16": a_log_bf16, "dt_bias_bf16": dt_bias_bf16,
-             "conv_time_major": conv_time_major, "state_v_major": state_v_major,
-             "three_states": three_states, "o_fp32": o_fp32,
-             "norm_weight_fp32": norm_weight_fp32, "conv_rounded": conv_rounded,
-             "conv_products_rounded": conv_products_rounded}
-    options = {k: True for k, on in flags.items() if on} | ({"fb_rank": fb_rank} if fb_rank
-                                                            else {})
+def compiled(tokens: int, n_heads: int, taps: int, batch_bucket: int,
+             variant: KDAVariant = BUILTIN, a_log_bf16: bool = False,
+             dt_bias_bf16: bool = False, fb_rank: int = 0):
+    """The cached kernel; each build option enters the key only when set, the variant only
+    where it is not the default (the default's key and build are those from before the
+    variants)."""
+    options = {k: v for k, v in (("a_log_bf16", a_log_bf16), ("dt_bias_bf16", dt_bias_bf16),
+                                 ("fb_rank", fb_rank)) if v}
+    if variant != BUILTIN:
+        options["variant"] = variant
     return KERNEL.compiled(tokens, n_heads, taps, config(tokens, n_heads, taps, batch_bucket),
                            rows=batch_bucket, **options)
 
 
-def build(tokens, n_heads, taps, cfg, arch=None, dump_dir=None, pdl=False, norm_fp32=False,
-          a_log_bf16=False, dt_bias_bf16=False, fb_rank=0, conv_time_major=False,
-          state_v_major=False, three_states=False, o_fp32=False, norm_weight_fp32=False,
-          conv_rounded=False, conv_products_rounded=False):
-    """Compile now, uncached (`dump_dir` keeps the cubin and PTX; `pdl`: with PDL; `norm_fp32`:
-    the output norm in fp32 with one rounding; `a_log_bf16`, `dt_bias_bf16`: that parameter in
-    bf16, e.g. a Moonshot model cast to bf16 whole; `fb_rank` R > 0: the f_b build, taking fa
-    [B, T, R] and W_fb [H·K, R] where the default takes graw; `conv_time_major`: the conv state
-    passed as the [S, 3W, taps-1] view of a [S, taps-1, 3W] buffer, strides (., 1, 3W);
-    `state_v_major`: the recurrent state passed as the [S, H, K, V] view of a [S, H, V, K]
-    buffer, strides (., K·K, 1, K); `three_states`: three conv states [S, W, taps-1], q's,
-    k's and v's, where the default takes one [S, 3W, taps-1]; `o_fp32`, with `norm_fp32` or
-    `norm_weight_fp32`: o into the norm unrounded; `norm_weight_fp32`: the norm's weight
-    multiplied in fp32 before one rounding, the gate after; `conv_rounded`: the conv rounded
-    before its SiLU; `conv_products_rounded`: each tap product rounded to bf16, the fp32 sum in
-    tap order rounded before the SiLU)."""
+def build(tokens, n_heads, taps, cfg, arch=None, dump_dir=None, pdl=False,
+          variant: KDAVariant = BUILTIN, a_log_bf16=False, dt_bias_bf16=False, fb_rank=0):
+    """Compile now, uncached (`dump_dir` keeps the cubin and PTX; `pdl`: with PDL; `variant`:
+    the step's `KDAVariant`, whose layouts set the fake tensors' strides here: a time-major
+    conv state is passed as the [S, 3W, taps-1] view of a [S, taps-1, 3W] buffer, strides
+    (., 1, 3W); a V-major recurrent state as the [S, H, K, V] view of a [S, H, V, K] buffer,
+    strides (., K·K, 1, K); three conv states as three [S, W, taps-1], q's, k's and v's, where
+    the default takes one [S, 3W, taps-1]; the rest are the device code's; `a_log_bf16`,
+    `dt_bias_bf16`: that parameter in bf16, e.g. a Moonshot model cast to bf16 whole;
+    `fb_rank` R > 0: the f_b build, taking fa [B, T, R] and W_fb [H·K, R] where the default
+    takes graw)."""
     import cutlass
     from cutlass import cute
     from cutlass.cute.runtime import make_fake_tensor
@@ -342,8 +330,8 @@ def build(tokens, n_heads, taps, cfg, arch=None, dump_dir=None, pdl=False, norm_
                                 assumed_align=align or dtype.width // 8)
 
     conv_w = [weight(bf16, (W, 1, taps), (taps, taps, 1)) for _ in range(3)]
-    kda = KDADecode(T, H, taps, cfg, pdl, norm_fp32, fb_rank, o_fp32, norm_weight_fp32,
-                    conv_rounded, conv_products_rounded)
+    kda = KDADecode(T, H, taps, cfg, pdl, variant, fb_rank)
+    conv_time_major, three_states = variant.conv_time_major, variant.three_conv_states
     gate_input = [act(fb_rank), weight(bf16, (W, fb_rank), (fb_rank, 1), 16)] if fb_rank else [
         act(W)]  # fa and W_fb (W_fb's rows 16-byte vectors: assumed_align 16), or graw
     def conv_state(width):
@@ -357,7 +345,8 @@ def build(tokens, n_heads, taps, cfg, arch=None, dump_dir=None, pdl=False, norm_
         *([conv_state(W) for _ in range(3)] if three_states else [conv_state(3 * W)]),
         make_fake_tensor(f32, (cute.sym_int(), H, K, K),
                          stride=(cute.sym_int64(divisibility=4), K * K,
-                                 *((1, K) if state_v_major else (K, 1))), assumed_align=16),
+                                 *((1, K) if variant.state_v_major else (K, 1))),
+                         assumed_align=16),
         make_fake_tensor(cutlass.Int64, (n,), stride=(1,), assumed_align=8), *conv_w,
         weight(bf16 if a_log_bf16 else f32, (H,), (1,)),
         weight(bf16 if dt_bias_bf16 else f32, (W,), (1,)), weight(bf16, (K,), (1,)),
@@ -372,49 +361,36 @@ KERNEL = Kernel(OP, build)
 def kda_decode_cuda(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weight,
                     k_conv_weight, v_conv_weight, A_log, dt_bias, o_norm_weight, lower_bound,
                     l2_eps, q_scale, norm_eps, k_conv_state=None, v_conv_state=None,
-                    norm_fp32=False, conv_time_major=False, state_v_major=False, o_fp32=False,
-                    norm_weight_fp32=False, conv_rounded=False, conv_products_rounded=False, *,
-                    out=None):
+                    variant: str = "", *, out=None):
     """CUDA implementation of k3::kda_decode (the op's arguments in its order; the k and v conv
     states default to None for direct callers): the kernel, or the reference if refused (reason
     logged). `out` [B, T, H, K] bf16 contiguous is written only when the kernel runs."""
     args = (q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weight,
             k_conv_weight, v_conv_weight, A_log, dt_bias, o_norm_weight)
     B, T = q.shape[:2]
+    step = KDAVariant.parse(variant, k_conv_state is not None)
 
     def launch():
         H, K = recurrent_state.shape[1:3]
         o = q.new_empty((B, T, H, K)) if out is None else out
-        conv = conv_state.transpose(1, 2) if conv_time_major else conv_state  # a view: written
-        # the K-major view of a V-major buffer, also a view
-        state = recurrent_state.transpose(-1, -2) if state_v_major else recurrent_state
+        # views, so written: the channel-major view of a time-major buffer, the K-major view of
+        # a V-major one
+        conv = conv_state.transpose(1, 2) if step.conv_time_major else conv_state
+        state = recurrent_state.transpose(-1, -2) if step.state_v_major else recurrent_state
         convs = [conv] if k_conv_state is None else [conv, k_conv_state, v_conv_state]
         if B:
-            compiled(T, H, conv.shape[2] + 1, bucket(B), norm_fp32,
-                     A_log.dtype == torch.bfloat16, dt_bias.dtype == torch.bfloat16,
-                     conv_time_major=conv_time_major, state_v_major=state_v_major,
-                     three_states=k_conv_state is not None, o_fp32=o_fp32,
-                     norm_weight_fp32=norm_weight_fp32, conv_rounded=conv_rounded,
-                     conv_products_rounded=conv_products_rounded)(
+            compiled(T, H, conv.shape[2] + 1, bucket(B), step, A_log.dtype == torch.bfloat16,
+                     dt_bias.dtype == torch.bfloat16)(
                 *args[:6], *convs, state, *args[8:], o, float(lower_bound), float(l2_eps),
                 float(q_scale), float(norm_eps))
         return o
 
     more = (k_conv_state, v_conv_state) if k_conv_state is not None else ()
-    return KERNEL.run(lambda: refusal(*args, norm_fp32=norm_fp32,
-                                      conv_time_major=conv_time_major,
-                                      state_v_major=state_v_major, o_fp32=o_fp32,
-                                      norm_weight_fp32=norm_weight_fp32,
-                                      conv_rounded=conv_rounded,
-                                      conv_products_rounded=conv_products_rounded,
-                                      k_conv_state=k_conv_state,
-                                      v_conv_state=v_conv_state)
+    return KERNEL.run(lambda: refusal(*args, k_conv_state=k_conv_state,
+                                      v_conv_state=v_conv_state, variant=variant)
                       or call_refusal((*args, *more), q, recurrent_state, out),
                       lambda: kda_decode_ref(*args, lower_bound, l2_eps, q_scale, norm_eps,
-                                             k_conv_state, v_conv_state, norm_fp32,
-                                             conv_time_major, state_v_major, o_fp32,
-                                             norm_weight_fp32, conv_rounded,
-                                             conv_products_rounded),
+                                             k_conv_state, v_conv_state, step),
                       launch, recurrent_state)
 
 

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from k3compile.patterns import kda_decode
 
 from k3compile.graph import written_in_place
+from k3compile.ops.kda_decode import ConvRounding, KDAVariant
 from k3compile.rewrite import Pattern, tensor_meta, with_signature
 
 NAMES = (*kda_decode.NAMES[:4], "fa", "fb_weight", *kda_decode.NAMES[5:])
@@ -27,20 +28,21 @@ R = 8  # f_a's width (head_dim in K3) for tracing; matching ignores sizes
 
 def search(q, k, v, g, fa, fb_weight, b, conv_state, recurrent_state, slots, q_conv_weight,
            k_conv_weight, v_conv_weight, A_log, dt_bias, o_norm_weight, lower_bound, l2_eps,
-           q_scale, norm_eps, k_conv_state=None, v_conv_state=None, *flags):
+           q_scale, norm_eps, k_conv_state=None, v_conv_state=None, *spec):
+    """`spec`: the op's `variant` argument (none for the default)."""
     return torch.ops.k3.kda_decode(q, k, v, g, F.linear(fa, fb_weight), b, conv_state,
                                    recurrent_state, slots, q_conv_weight, k_conv_weight,
                                    v_conv_weight, A_log, dt_bias, o_norm_weight, lower_bound,
-                                   l2_eps, q_scale, norm_eps, k_conv_state, v_conv_state, *flags)
+                                   l2_eps, q_scale, norm_eps, k_conv_state, v_conv_state, *spec)
 
 
 def replace(q, k, v, g, fa, fb_weight, b, conv_state, recurrent_state, slots, q_conv_weight,
             k_conv_weight, v_conv_weight, A_log, dt_bias, o_norm_weight, lower_bound, l2_eps,
-            q_scale, norm_eps, k_conv_state=None, v_conv_state=None, *flags):
+            q_scale, norm_eps, k_conv_state=None, v_conv_state=None, *spec):
     return torch.ops.k3.fb_kda_decode(q, k, v, g, fa, fb_weight, b, conv_state, recurrent_state,
                                       slots, q_conv_weight, k_conv_weight, v_conv_weight, A_log,
                                       dt_bias, o_norm_weight, lower_bound, l2_eps, q_scale,
-                                      norm_eps, k_conv_state, v_conv_state, *flags)
+                                      norm_eps, k_conv_state, v_conv_state, *spec)
 
 
 def search_rows(q, k, v, g, fa, fb_weight, b, *rest):
@@ -73,10 +75,9 @@ def check(match) -> str | None:
     # the step's own conditions, on the GEMM's output as its graw
     op = next(n for n in match.nodes if n.target is torch.ops.k3.kda_decode.default)
     args = {**dict(zip((a.name for a in op.target._schema.arguments), op.args)), **op.kwargs}
-    time_major = args.get("conv_time_major") is True
-    three_states = args["k_conv_state"] is not None
+    variant = KDAVariant.parse(args.get("variant", ""), args["k_conv_state"] is not None)
     return kda_decode.check(types.SimpleNamespace(kwargs={**match.kwargs, "graw": op.args[4]}),
-                            conv_time_major=time_major, three_states=three_states)
+                            variant)
 
 
 def example_inputs(dtype: torch.dtype = torch.bfloat16, conv_time_major: bool = False,
@@ -100,58 +101,45 @@ def example_inputs(dtype: torch.dtype = torch.bfloat16, conv_time_major: bool = 
     return [*act, *fa, b, *state, *weights, *more, *kda_decode.SCALARS.values()]
 
 
-def _variant(norm_fp32: bool, conv_time_major: bool = False, state_v_major: bool = False,
-             three_states: bool = False, o_fp32: bool = False, norm_weight_fp32: bool = False,
-             conv_rounded: bool = False, rows: bool = False,
-             conv_products_rounded: bool = False) -> Pattern:
-    """The step as kda_decode fused it: with the built-in output norm, or fla's fp32 one (on o
-    rounded, or with `o_fp32` unrounded), on a channel- or time-major conv state, a K- or V-major
-    recurrent state, spell9's Flax output norm, a conv rounded before its SiLU, a window sum
-    multiplied in bf16 (the op's `norm_fp32`, `conv_time_major`, `state_v_major`, `o_fp32`,
-    `norm_weight_fp32`, `conv_rounded` and `conv_products_rounded` arguments, passed through), with one conv state buffer or three (`k_conv_state`,
-    `v_conv_state`); `rows`: f_a as flat [B*T, R] token rows (`search_rows`)."""
-    extra = kda_decode.flags(norm_fp32, conv_time_major, state_v_major, o_fp32,
-                             norm_weight_fp32, conv_rounded, conv_products_rounded)
-    names = [n for n, on in (("norm_fp32", norm_fp32), ("conv_time_major", conv_time_major),
-                             ("state_v_major", state_v_major),
-                             ("three_conv_states", three_states), ("o_fp32", o_fp32),
-                             ("norm_weight_fp32", norm_weight_fp32),
-                             ("conv_rounded", conv_rounded),
-                             ("conv_products_rounded", conv_products_rounded), ("rows", rows))
-             if on]
+def _variant(variant: KDAVariant, rows: bool = False) -> Pattern:
+    """The step as kda_decode fused it, in any of its variants (the op's `variant` argument,
+    passed through; with one conv state buffer or three, `k_conv_state`, `v_conv_state`);
+    `rows`: f_a as flat [B*T, R] token rows (`search_rows`)."""
+    names = [*variant.names, *(("rows",) if rows else ())]
+    three_states = variant.three_conv_states
     args = (*NAMES[:-len(kda_decode.SCALARS)], *kda_decode.THREE_STATES,
             *kda_decode.SCALARS) if three_states else NAMES
     tensors, n_scalars = len(NAMES) - len(kda_decode.SCALARS), len(kda_decode.SCALARS)
+    spec = (variant.spec,) if variant.spec else ()
 
-    def call(fn):  # the op's arguments in its order: the two extra buffers (or None), the flags
+    def call(fn):  # the op's arguments in its order: the two extra buffers (or None), the spec
         return lambda *a: fn(*a[:tensors], *a[-n_scalars:], *(a[tensors:-n_scalars] or
-                                                              (None, None)), *extra)
+                                                              (None, None)), *spec)
 
     return Pattern(
         name=f"fb_kda_decode[{','.join(names)}]" if names else "fb_kda_decode",
         search=with_signature(call(search_rows if rows else search), args),
         replace=with_signature(call(replace_rows if rows else replace), args),
-        example_inputs=lambda dtype=torch.bfloat16: example_inputs(dtype, conv_time_major,
-                                                                   three_states, rows),
-        op="k3.fb_kda_decode", check=check,
-        kernel_refusal=kda_decode.kernel_refusal(
-            three_states, state_v_major, conv_rounded, conv_time_major=conv_time_major,
-            o_fp32=o_fp32, norm_weight_fp32=norm_weight_fp32,
-            conv_products_rounded=conv_products_rounded),
+        example_inputs=lambda dtype=torch.bfloat16: example_inputs(
+            dtype, variant.conv_time_major, three_states, rows),
+        op="k3.fb_kda_decode", check=check, kernel_refusal=kda_decode.kernel_refusal(variant),
         scalars=dict(kda_decode.SCALARS), fake_trace=True, distinctive=("mm", "kda_decode"),
     )
 
 
 def patterns() -> list[Pattern]:
     # one variant for every T, batch and dtype: the op hides the step, the GEMM has no casts
-    # (o_fp32: with the fp32 norm, or the Flax norm; those two and conv_rounded as kda_decode's;
-    # rows: f_a as flat token rows, vLLM's, on one conv state, without the Flax norm;
-    # conv_products_rounded as kda_decode's: channel-major, K-major, no Flax norm)
-    return [_variant((n or o) and not f, m, s, c, o, f, cr and not p, rw, p)
-            for p in (False, True) for rw in (False, True)
-            for cr in (False, True) for f in (False, True) for o in (False, True)
-            for c in (False, True) for s in (False, True) for m in (False, True)
-            for n in (False, True)
+    # (o_fp32: with the fp32 norm, or the Flax norm; those two and the rounded conv as
+    # kda_decode's; rows: f_a as flat token rows, vLLM's, on one conv state, without the Flax
+    # norm; the products-rounded conv as kda_decode's: channel-major, K-major, no Flax norm;
+    # listed after the others, as they were added)
+    late = (ConvRounding.PRODUCTS_ROUNDED,)
+    return [_variant(KDAVariant((n or o) and not f, m, s, c, o, f, r), rw)
+            for convs in (tuple(c for c in ConvRounding if c not in late), late)
+            for rw in (False, True) for r in convs for f in (False, True)
+            for o in (False, True) for c in (False, True) for s in (False, True)
+            for m in (False, True) for n in (False, True)
             if not (c and m) and not (o and n)
-            and not ((f or cr) and c) and not (f and (s or n or not o))
-            and not (rw and (c or f)) and not (p and (not cr or f or m or s))]
+            and not ((f or r is not ConvRounding.FP32) and c) and not (f and (s or n or not o))
+            and not (rw and (c or f))
+            and not (r is ConvRounding.PRODUCTS_ROUNDED and (f or m or s))]

@@ -9,15 +9,16 @@ T in TOKENS, per batch 1 or more (size-1 dims change the graph) and per activati
 models trace no casts), and in bf16 per output norm: the built-in model's (`rms_norm(o) *
 sigmoid(g)`, rounded to bf16 after the norm, the weight and the gate) or fla's
 `FusedRMSNormGated` (Moonshot's KDA layer: fp32 throughout, one rounding), which fuses into the op
-with `norm_fp32=True` (in fp32 the two are one graph); o kept fp32 into that norm, one cast after
-it (the red-team spelling, spell8), with `o_fp32=True` as well; spell9's JAX/Flax norm (o kept
-fp32, the weight multiplied in fp32 before one cast, the gate in bf16 after it) with
+with `KDAVariant(norm_fp32=True)` (in fp32 the two are one graph); o kept fp32 into that norm, one
+cast after it (the red-team spelling, spell8), with `o_fp32=True` as well; spell9's JAX/Flax norm
+(o kept fp32, the weight multiplied in fp32 before one cast, the gate in bf16 after it) with
 `norm_weight_fp32=True, o_fp32=True`. A conv run in bf16 (its output rounded, then the SiLU on
 it: the red-team spelling, spell9 after rule `cell_conv`, spell7's `F.conv1d` on a V-major
-state) with `conv_rounded=True`. A window sum multiplied in bf16 (each tap product rounded, then
-the sum: spell10's per-token conv, spell12's `vecdot`; rule `short_conv` writes it as one
-`sum(unfold(window, -1, taps, 1) * taps, [-1])`) with `conv_products_rounded=True`, channel-major,
-one conv state. Only the variants of the T a
+state) with `conv=ConvRounding.ROUNDED`. A window sum multiplied in bf16 (each tap product
+rounded, then the sum: spell10's per-token conv, spell12's `vecdot`; rule `short_conv` writes it
+as one `sum(unfold(window, -1, taps, 1) * taps, [-1])`) with `conv=ConvRounding.PRODUCTS_ROUNDED`,
+channel-major, one conv state. A variant's name lists its `KDAVariant.names`; the op gets its
+`KDAVariant.spec`. Only the variants of the T a
 graph's KDA sites have are traced (`fits`: the short conv's output length is T); a T without a variant stays unfused, and its near miss
 says so.
 
@@ -27,7 +28,7 @@ Before (T=1, ~75 ATen ops): cat, permute, index, cat, slice, index_put, cat, con
 After:  o = k3.kda_decode(q, k, v, g, graw, b, conv_state!, recurrent_state!, slots, q_conv_w,
     k_conv_w, v_conv_w, A_log, dt_bias, o_norm_w, lower_bound, l2_eps, q_scale, norm_eps, None,
     None)   (the two state buffers updated in place; their functional copies in the graph go away;
-    with three conv states the k and v buffers for the two Nones)
+    with three conv states the k and v buffers for the two Nones; a variant's spec after them)
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from k3compile.math import (
     rms_norm_fp32_weight,
     rms_norm_gated_fp32,
 )
+from k3compile.ops.kda_decode import BUILTIN, ConvRounding, KDAVariant
 from k3compile.rewrite import Pattern, tensor_meta, with_signature
 
 # Tokens per request with a variant: decode (1) up to the DSpark verify block (anchor + 7 drafts).
@@ -97,26 +99,25 @@ def kda_step(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_wei
 
 def _step(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weight, k_conv_weight,
           v_conv_weight, A_log, dt_bias, o_norm_weight, lower_bound, l2_eps, q_scale, norm_eps,
-          silu_written_out, norm_fp32=False, conv_time_major=False, state_v_major=False,
-          o_fp32=False, norm_weight_fp32=False, conv_rounded=False,
-          k_conv_state=None, v_conv_state=None, conv_products_rounded=False):
+          silu_written_out, variant: KDAVariant = BUILTIN, k_conv_state=None,
+          v_conv_state=None):
     """KimiDeltaAttention.forward after the projections, with the state writes made functional
     (as they are in the graph). Returns (new recurrent state, new conv state, o).
-    `conv_time_major`: the conv state [S, taps-1, 3W] (vLLM v1's layout), the window built on
-    dim 1 and convolved as its transpose. `state_v_major`: the recurrent state [S, H, V, K],
-    read and written through its transpose (rule `state_transpose` writes a V-major delta rule
-    so). `k_conv_state`, `v_conv_state`: three channel-major conv state buffers, the window's
-    past rows their gathers' concatenation, its tail written back by channel slices (rules
-    `conv_states` and `conv_merge` write three per-projection convs so); the new conv states
-    are then three outputs. `norm_weight_fp32`: the output norm's weight multiplied in fp32
-    before its one rounding, the gate after it (with `o_fp32`: o unrounded into it).
-    `conv_rounded`: the conv run in the activations' dtype (rounded), F.silu on its output.
-    `conv_products_rounded`: the conv as a window sum multiplied in that dtype (short_conv's
-    form), F.silu on it."""
+    `variant.conv_time_major`: the conv state [S, taps-1, 3W] (vLLM v1's layout), the window
+    built on dim 1 and convolved as its transpose. `state_v_major`: the recurrent state
+    [S, H, V, K], read and written through its transpose (rule `state_transpose` writes a
+    V-major delta rule so). `k_conv_state`, `v_conv_state` (the variant's `three_conv_states`):
+    three channel-major conv state buffers, the window's past rows their gathers'
+    concatenation, its tail written back by channel slices (rules `conv_states` and
+    `conv_merge` write three per-projection convs so); the new conv states are then three
+    outputs. `norm_weight_fp32`: the output norm's weight multiplied in fp32 before its one
+    rounding, the gate after it (with `o_fp32`: o unrounded into it). `conv`: ROUNDED, the
+    conv run in the activations' dtype (rounded), F.silu on its output; PRODUCTS_ROUNDED, the
+    conv as a window sum multiplied in that dtype (short_conv's form), F.silu on it."""
     B, T, _ = q.shape
     nh, hd = recurrent_state.shape[1], recurrent_state.shape[2]
     beta = torch.sigmoid(b.float())
-    if conv_time_major:
+    if variant.conv_time_major:
         window = torch.cat([conv_state[slots], torch.cat([q, k, v], dim=-1)], dim=1)
         conv_state_out = setitem(conv_state, (slots,), window[:, T:])
         window = window.transpose(1, 2)
@@ -132,9 +133,9 @@ def _step(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weight
         window = torch.cat([conv_state[slots], new], dim=-1)
         conv_state_out = setitem(conv_state, (slots,), window[..., T:])
     taps = torch.cat([q_conv_weight, k_conv_weight, v_conv_weight])
-    if conv_products_rounded:
+    if variant.conv is ConvRounding.PRODUCTS_ROUNDED:
         conv = (window.unfold(-1, taps.shape[-1], 1) * taps).sum(-1)
-    elif conv_rounded:
+    elif variant.conv is ConvRounding.ROUNDED:
         conv = F.conv1d(window, taps, groups=taps.shape[0])
     else:
         conv = F.conv1d(window.float(), taps.float(), groups=taps.shape[0])
@@ -149,25 +150,25 @@ def _step(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weight
                                                     + dt_bias.view(nh, hd))
     decay = torch.exp(lower_bound * torch.sigmoid(gate))
     state = recurrent_state[slots]
-    if state_v_major:
+    if variant.state_v_major:
         state = state.transpose(-1, -2)
     outs = []
     for t in range(T):
         state, o_t = delta_rule_step(state, cq, ck, cv, beta, decay, t)
         outs.append(o_t)
     state_out = setitem(recurrent_state, (slots,),
-                        state.transpose(-1, -2) if state_v_major else state)
+                        state.transpose(-1, -2) if variant.state_v_major else state)
     o = torch.stack(outs, dim=1)
     convs = conv_state_out if isinstance(conv_state_out, tuple) else (conv_state_out,)
-    if norm_weight_fp32:  # a Flax RMSNorm: the weight in fp32, one cast, the gate after it
-        o = o if o_fp32 else o.to(q.dtype)
+    if variant.norm_weight_fp32:  # a Flax RMSNorm: the weight in fp32, one cast, the gate after it
+        o = o if variant.o_fp32 else o.to(q.dtype)
         return state_out, *convs, rms_norm_fp32_weight(
             o, o_norm_weight, norm_eps, q.dtype) * torch.sigmoid(g.view(B, T, nh, hd))
-    if o_fp32:  # o as the fp32 recurrence leaves it, into the fp32 norm; one cast after it
+    if variant.o_fp32:  # o as the fp32 recurrence leaves it, into the fp32 norm; one cast after it
         return state_out, *convs, rms_norm_gated_fp32(
             o, o_norm_weight, g.float().view(B, T, nh, hd), norm_eps).to(q.dtype)
     o = o.to(q.dtype)
-    if norm_fp32:
+    if variant.norm_fp32:
         # fla casts the gate inside: cast, then split into heads (rule `cast_view`)
         return state_out, *convs, rms_norm_gated_fp32(
             o, o_norm_weight, g.float().view(B, T, nh, hd), norm_eps)
@@ -177,41 +178,16 @@ def _step(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weight
 
 def replace(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weight, k_conv_weight,
             v_conv_weight, A_log, dt_bias, o_norm_weight, lower_bound, l2_eps, q_scale, norm_eps,
-            k_conv_state=None, v_conv_state=None, *flags):
+            k_conv_state=None, v_conv_state=None, *spec):
     """`k_conv_state`, `v_conv_state`: the three-state variants' k and v conv state buffers;
-    `flags`: the op's trailing arguments (`flags()`), none for the defaults."""
+    `spec`: the op's `variant` argument, the variant's `KDAVariant.spec` (none for the
+    default)."""
     o = torch.ops.k3.kda_decode(q, k, v, g, graw, b, conv_state, recurrent_state, slots,
                                 q_conv_weight, k_conv_weight, v_conv_weight, A_log, dt_bias,
                                 o_norm_weight, lower_bound, l2_eps, q_scale, norm_eps,
-                                k_conv_state, v_conv_state, *flags)
+                                k_conv_state, v_conv_state, *spec)
     more = (k_conv_state, v_conv_state) if k_conv_state is not None else ()
     return recurrent_state, conv_state, *more, o
-
-
-# the op's trailing bool arguments, in order (after the k and v conv states, None or buffers)
-FLAGS = ("norm_fp32", "conv_time_major", "state_v_major", "o_fp32", "norm_weight_fp32",
-         "conv_rounded", "conv_products_rounded")
-
-
-def flags(norm_fp32: bool, conv_time_major: bool, state_v_major: bool = False,
-          o_fp32: bool = False, norm_weight_fp32: bool = False,
-          conv_rounded: bool = False, conv_products_rounded: bool = False) -> tuple[bool, ...]:
-    """The op's trailing flags for a variant: none for the defaults."""
-    if conv_products_rounded:
-        return (norm_fp32, conv_time_major, state_v_major, o_fp32, norm_weight_fp32,
-                conv_rounded, conv_products_rounded)
-    if norm_weight_fp32 or conv_rounded:
-        return (norm_fp32, conv_time_major, state_v_major, o_fp32, norm_weight_fp32,
-                conv_rounded)
-    if o_fp32:
-        return norm_fp32, conv_time_major, state_v_major, o_fp32
-    if state_v_major:
-        return norm_fp32, conv_time_major, state_v_major
-    return (norm_fp32, True) if conv_time_major else (True,) if norm_fp32 else ()
-
-
-def time_major_check(match) -> str | None:
-    return check(match, conv_time_major=True)
 
 
 # The build flags of kda_decode's kernel (kernels/kda_decode.py) that have run on a GPU against
@@ -229,28 +205,20 @@ GPU_TESTED_FLAGS = frozenset({"norm_fp32", "conv_time_major", "state_v_major", "
                               "norm_weight_fp32", "conv_rounded", "three_conv_states"})
 
 
-def kernel_refusal(three_states: bool = False, state_v_major: bool = False,
-                   conv_rounded: bool = False, *, conv_time_major: bool = False,
-                   o_fp32: bool = False, norm_weight_fp32: bool = False,
-                   conv_products_rounded: bool = False):
+def kernel_refusal(variant: KDAVariant):
     """The GPU graphs' refusal of a variant whose kernel build is untested on a GPU (a function
     of the match, as `Pattern.kernel_refusal` wants), or None."""
-    flags = {"three_conv_states": three_states, "state_v_major": state_v_major,
-             "conv_rounded": conv_rounded, "conv_time_major": conv_time_major,
-             "o_fp32": o_fp32, "norm_weight_fp32": norm_weight_fp32,
-             "conv_products_rounded": conv_products_rounded}
-    untested = sorted(f for f, on in flags.items() if on and f not in GPU_TESTED_FLAGS)
+    untested = sorted(n for n in variant.names if n not in GPU_TESTED_FLAGS)
     if not untested:
         return None
     why = f"{', '.join(untested)}: kda_decode's kernel build has not passed a GPU test yet"
     return lambda match: why
 
 
-def three_states_check(match) -> str | None:
-    return check(match, three_states=True)
-
-
-def check(match, conv_time_major: bool = False, three_states: bool = False) -> str | None:
+def check(match, variant: KDAVariant = BUILTIN) -> str | None:
+    """The site's shapes and dtypes as the variant's layouts have them (`variant`: its
+    `conv_time_major` and `three_conv_states`)."""
+    three_states = variant.three_conv_states
     for name in SCALARS:
         if not isinstance(match.kwargs[name], float):
             return f"{name} is not a compile-time float"
@@ -272,7 +240,7 @@ def check(match, conv_time_major: bool = False, three_states: bool = False) -> s
             return f"{name} {meta[name].dtype}[.., {meta[name].shape[-1]}] != q {q.dtype}[.., {width}]"
     if meta["b"].shape[-1] != nh:
         return f"b width {meta['b'].shape[-1]} != heads {nh}"
-    channels, history = (2, 1) if conv_time_major else (1, 2)
+    channels, history = (2, 1) if variant.conv_time_major else (1, 2)
     if three_states:
         for name in THREE_STATES:
             if meta[name].dtype != conv.dtype or meta[name].shape != conv.shape:
@@ -411,42 +379,39 @@ def site_rows(graph: fx.Graph) -> frozenset[int]:
     return frozenset(t for t, _ in sites(graph))
 
 
-def _fits(T: int, conv_time_major: bool = False, state_v_major: bool = False,
-          three_states: bool = False, o_fp32: bool = False, conv_rounded: bool = False,
-          conv_products_rounded: bool = False):
+def _fits(T: int, variant: KDAVariant):
     def fits(graph: fx.Graph) -> str | None:
         found = sites(graph)
-        if conv_rounded and found and not low_precision_convs(graph):
+        if variant.conv is ConvRounding.ROUNDED and found and not low_precision_convs(graph):
             return "no short conv runs in bf16 / fp16 (a rounded conv's)"
-        if conv_products_rounded and found and not product_convs(graph):
+        if variant.conv is ConvRounding.PRODUCTS_ROUNDED and found and not product_convs(graph):
             return "no short conv is a window sum multiplied in bf16 / fp16"
-        if o_fp32 and found and not fp32_o_norms(graph):
+        if variant.o_fp32 and found and not fp32_o_norms(graph):
             return "no fp32 [B, T, H, V] tensor that is no upcast is RMS-normalised (an fp32 o's)"
-        if state_v_major and found and True not in state_layouts(graph):
+        if variant.state_v_major and found and True not in state_layouts(graph):
             return "no state gather is read through its transpose (a V-major state's)"
-        if three_states and found and 3 not in conv_state_counts(graph):
+        if variant.three_conv_states and found and 3 not in conv_state_counts(graph):
             return "no short conv's window concatenates three conv state gathers"
-        if (T, conv_time_major) in found or not found:
+        if (T, variant.conv_time_major) in found or not found:
             return None  # no short conv: every variant is tried (a near miss per layer)
         rows = sorted({t for t, _ in found})
         if T in rows:
-            return (f"no KDA site convolves a {'time' if conv_time_major else 'channel'}-major "
-                    "conv state's window")
+            major = "time" if variant.conv_time_major else "channel"
+            return f"no KDA site convolves a {major}-major conv state's window"
         return (f"the KDA sites have T = {rows} tokens per request; kda_decode unrolls "
                 f"its recurrence for T in {TOKENS[0]}..{TOKENS[-1]}")
     return fits
 
 
 def _variant(T: int, B: int, dtype: torch.dtype, silu_written_out: bool = False,
-             norm_fp32: bool = False, conv_time_major: bool = False,
-             state_v_major: bool = False, three_states: bool = False,
-             o_fp32: bool = False, norm_weight_fp32: bool = False,
-             conv_rounded: bool = False, conv_products_rounded: bool = False) -> Pattern:
+             variant: KDAVariant = BUILTIN) -> Pattern:
+    three_states = variant.three_conv_states
+
     def example_inputs():
         W = H * K
         act = [torch.randn(B, T, W, dtype=dtype) for _ in range(5)]
         b = torch.randn(B, T, H, dtype=dtype)
-        conv = (3, TAPS - 1, 3 * W) if conv_time_major else (3, 3 * W, TAPS - 1)
+        conv = (3, TAPS - 1, 3 * W) if variant.conv_time_major else (3, 3 * W, TAPS - 1)
         if three_states:
             conv = (3, W, TAPS - 1)
         state = [torch.randn(conv, dtype=dtype),
@@ -459,39 +424,24 @@ def _variant(T: int, B: int, dtype: torch.dtype, silu_written_out: bool = False,
     # written out: the same step; its op computes silu as torch does (an ulp apart)
     names = variant_names(three_states)
     search = with_signature(lambda *a: _step(*unthree(a), silu_written_out=silu_written_out,
-                                             norm_fp32=norm_fp32,
-                                             conv_time_major=conv_time_major,
-                                             state_v_major=state_v_major, o_fp32=o_fp32,
-                                             norm_weight_fp32=norm_weight_fp32,
-                                             conv_rounded=conv_rounded,
-                                             conv_products_rounded=conv_products_rounded,
+                                             variant=variant,
                                              **dict(zip(THREE_STATES, a[TENSORS:-len(SCALARS)]))
                                              if three_states else {}), names)
-    extra = flags(norm_fp32, conv_time_major, state_v_major, o_fp32, norm_weight_fp32,
-                  conv_rounded, conv_products_rounded)
+    spec = (variant.spec,) if variant.spec else ()
+    flags = "".join(f",{n}" for n in (*(("silu_written_out",) if silu_written_out else ()),
+                                       *variant.names))
     return Pattern(
-        name=f"kda_decode[T={T},B={'1' if B == 1 else 'n'},{str(dtype).removeprefix('torch.')}"
-             f"{',silu_written_out' if silu_written_out else ''}"
-             f"{',norm_fp32' if norm_fp32 else ''}{',conv_time_major' if conv_time_major else ''}"
-             f"{',state_v_major' if state_v_major else ''}"
-             f"{',three_conv_states' if three_states else ''}{',o_fp32' if o_fp32 else ''}"
-             f"{',norm_weight_fp32' if norm_weight_fp32 else ''}"
-             f"{',conv_rounded' if conv_rounded else ''}"
-             f"{',conv_products_rounded' if conv_products_rounded else ''}]",
+        name=f"kda_decode[T={T},B={'1' if B == 1 else 'n'},"
+             f"{str(dtype).removeprefix('torch.')}{flags}]",
         search=search, replace=with_signature(
-            lambda *a: replace(*unthree(a), *(a[TENSORS:-len(SCALARS)] or (None, None)), *extra),
-            names) if extra or three_states else replace,
+            lambda *a: replace(*unthree(a), *(a[TENSORS:-len(SCALARS)] or (None, None)), *spec),
+            names) if spec or three_states else replace,
         example_inputs=example_inputs, op="k3.kda_decode",
-        check=three_states_check if three_states else time_major_check if conv_time_major
-        else check, scalars=dict(SCALARS),
-        kernel_refusal=kernel_refusal(three_states, state_v_major, conv_rounded,
-                                      conv_time_major=conv_time_major, o_fp32=o_fp32,
-                                      norm_weight_fp32=norm_weight_fp32,
-                                      conv_products_rounded=conv_products_rounded),
-        distinctive=("unfold" if conv_products_rounded else "convolution", "index_put", "bmm",
-                     "rsqrt"), joint_passes=True,
-        fits=_fits(T, conv_time_major, state_v_major, three_states, o_fp32, conv_rounded,
-                   conv_products_rounded),
+        check=lambda match: check(match, variant), scalars=dict(SCALARS),
+        kernel_refusal=kernel_refusal(variant),
+        distinctive=("unfold" if variant.conv is ConvRounding.PRODUCTS_ROUNDED else "convolution",
+                     "index_put", "bmm", "rsqrt"), joint_passes=True,
+        fits=_fits(T, variant),
     )
 
 
@@ -501,15 +451,16 @@ def patterns() -> list[Pattern]:
     # conv states only channel-major (the layout the spellings that keep three have); o
     # unrounded into the norm (`o_fp32`) only with fla's fp32 norm, in bf16 / fp16
     # unrounded o into a Flax norm (`norm_weight_fp32`, spell9's) and a conv run in bf16
-    # (`conv_rounded`) in bf16 / fp16 only, with torch's F.silu, one conv state buffer; the
-    # rounded conv also on a V-major state (spell7's), the Flax norm K-major only; a window sum
-    # multiplied in bf16 (`conv_products_rounded`: spell10's, spell12's) as the rounded conv, on
-    # a channel-major conv state, K-major recurrent state, the built-in or fla's norm
-    return [_variant(t, b, d, w, (n or o) and not f, m, s, c, o, f, r and not p, p)
-            for p, r, f, o, c, s, m, n, w, t, b, d in
-            itertools.product((False, True), (False, True), (False, True), (False, True),
+    # (ROUNDED) in bf16 / fp16 only, with torch's F.silu, one conv state buffer; the rounded
+    # conv also on a V-major state (spell7's), the Flax norm K-major only; a window sum
+    # multiplied in bf16 (PRODUCTS_ROUNDED: spell10's, spell12's) as the rounded conv, on a
+    # channel-major conv state, K-major recurrent state, the built-in or fla's norm
+    return [_variant(t, b, d, w, KDAVariant((n or o) and not f, m, s, c, o, f, r))
+            for r, f, o, c, s, m, n, w, t, b, d in
+            itertools.product(ConvRounding, (False, True), (False, True), (False, True),
                               (False, True), (False, True), (False, True), (False, True),
-                              (False, True), TOKENS, BATCHES, DTYPES)
+                              TOKENS, BATCHES, DTYPES)
             if not ((n or o) and d == torch.float32) and not (o and n) and not (c and m)
-            and not ((f or r) and (d == torch.float32 or w or c)) and not (f and s)
-            and not (f and (n or not o)) and not (p and (not r or f or m or s))]
+            and not ((f or r is not ConvRounding.FP32) and (d == torch.float32 or w or c))
+            and not (f and s) and not (f and (n or not o))
+            and not (r is ConvRounding.PRODUCTS_ROUNDED and (f or m or s))]

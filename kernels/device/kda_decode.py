@@ -9,6 +9,8 @@ import cutlass
 from cutlass import BFloat16, Float32, Int64, const_expr, cute
 from cutlass.cute.nvgpu import cpasync
 
+from k3compile.ops.kda_decode import BUILTIN, ConvRounding, KDAVariant
+
 from ..common.copy import vectors
 from ..common.dsl import pdl_launch_dependents, pdl_wait
 from ..common.reduce import row_sum
@@ -26,16 +28,16 @@ class KDADecode:
     CTA computes its head's graw; host entry `with_fb`), not graw [B, T, W] (`__call__`)."""
 
     def __init__(self, tokens: int, n_heads: int, taps: int, cfg: Config, pdl: bool = False,
-                 norm_fp32: bool = False, fb_rank: int = 0, o_fp32: bool = False,
-                 norm_weight_fp32: bool = False, conv_rounded: bool = False,
-                 conv_products_rounded: bool = False):
-        self.T, self.H, self.taps, self.pdl, self.norm_fp32 = tokens, n_heads, taps, pdl, norm_fp32
-        self.o_fp32 = o_fp32  # with norm_fp32 or norm_weight_fp32: o unrounded into the norm
+                 variant: KDAVariant = BUILTIN, fb_rank: int = 0):
+        self.T, self.H, self.taps, self.pdl = tokens, n_heads, taps, pdl
+        # the variant's compile-time choices (its layouts are the host's tensors' strides):
+        # fla's fp32 gated norm; with it or the Flax norm, o unrounded into the norm
+        self.norm_fp32, self.o_fp32 = variant.norm_fp32, variant.o_fp32
         # the Flax norm: bf16(o'·rstd·w) in fp32, then the gate in bf16
-        self.norm_weight_fp32 = norm_weight_fp32
-        self.conv_rounded = conv_rounded  # the conv rounded to bf16 before its SiLU
-        # each tap product rounded to bf16, the fp32 sum in tap order, rounded before its SiLU
-        self.conv_products_rounded = conv_products_rounded
+        self.norm_weight_fp32 = variant.norm_weight_fp32
+        # ROUNDED: the conv rounded to bf16 before its SiLU; PRODUCTS_ROUNDED: each tap product
+        # rounded to bf16, the fp32 sum in tap order, rounded before its SiLU
+        self.conv = variant.conv
         self.K = HEAD_DIM
         self.W = n_heads * HEAD_DIM
         self.tile = tile(cfg)
@@ -231,7 +233,7 @@ class KDADecode:
             win += [mX[req, t, ch].to(Float32) for t in range(T)]
             w = [mW[ch, 0, j].to(Float32) for j in range(taps)]
             for t in range(T):
-                if const_expr(self.conv_products_rounded):  # no FMA: each product rounded
+                if const_expr(self.conv is ConvRounding.PRODUCTS_ROUNDED):  # no FMA
                     acc = bf16_round(win[t] * w[0])
                     for j in range(1, taps):
                         acc = acc + bf16_round(win[t + j] * w[j])
@@ -239,7 +241,7 @@ class KDADecode:
                     acc = win[t] * w[0]
                     for j in range(1, taps):
                         acc = acc + win[t + j] * w[j]
-                if const_expr(self.conv_rounded or self.conv_products_rounded):
+                if const_expr(self.conv is not ConvRounding.FP32):
                     acc = bf16_round(acc)
                 sX[t, c] = bf16_round(acc / (1.0 + cute.math.exp(-acc)))  # SiLU
 

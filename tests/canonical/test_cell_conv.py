@@ -252,6 +252,7 @@ def test_spell9_kda_step_fuses_as_kda_decode(batch, dtype):
     kda_decode's time-major T = 1 variant, and the canonical graph computes what the graph
     before the rules did (outputs and both states). `pack_weights` off: stage kernel_layout then
     moves no Flax kernel under the graph's inputs, which the comparison reads as given."""
+    from k3compile.ops.kda_decode import KDAVariant
     from k3compile.rewrite.engine import apply_patterns
     from patterns import kda_decode
     from tests.canonical.compiled import assert_same_values, canonicalize
@@ -263,9 +264,9 @@ def test_spell9_kda_step_fuses_as_kda_decode(batch, dtype):
     assert c.counts["cell_conv"] == 1 and c.counts["token_select"] > 0
     assert_same_values(c, rel=1e-5)
     # bf16 (session 27): the conv in bf16 (rounded), spell9's Flax output norm on the fp32 o
-    flags = {"o_fp32": True, "norm_weight_fp32": True, "conv_rounded": True} if \
-        dtype == torch.bfloat16 else {}
-    variant = kda_decode._variant(1, batch, dtype, conv_time_major=True, **flags)
+    spec = "conv_time_major,o_fp32,norm_weight_fp32,conv_rounded" if \
+        dtype == torch.bfloat16 else "conv_time_major"
+    variant = kda_decode._variant(1, batch, dtype, variant=KDAVariant.parse(spec))
     report = apply_patterns(c.after.graph, [variant])
     assert [h.pattern for h in report.hits] == [variant.name]
 

@@ -9,6 +9,7 @@ from k3compile.patterns import kda_decode
 
 from k3compile import canonical
 from k3compile.graph import call
+from k3compile.ops.kda_decode import KDAVariant
 from k3compile.rewrite import apply_patterns, inductor
 from k3compile.rewrite.near_miss import op_label
 from k3compile.stages import canonicalize as canonicalize_stage
@@ -81,13 +82,16 @@ def test_silu_written_out_is_the_same_step():
         torch.testing.assert_close(g.float(), w.float(), rtol=2e-2, atol=2e-2)
 
 
+FLA_NORM = KDAVariant(norm_fp32=True)
+
+
 @pytest.mark.parametrize("batch", [1, 2])
 def test_fla_gated_norm_fuses_as_the_fp32_norm_variant(batch):
     """fla's `FusedRMSNormGated` (Moonshot's KDA output norm: fp32 throughout, one rounding) is
     another bf16 computation than the built-in norm: its own variant takes the site, the op runs
-    with norm_fp32=True and equals the unfused graph bit for bit (states too)."""
+    with its spec "norm_fp32" and equals the unfused graph bit for bit (states too)."""
     def fla_norm(*args):
-        return kda_decode._step(*args, silu_written_out=False, norm_fp32=True)
+        return kda_decode._step(*args, silu_written_out=False, variant=FLA_NORM)
 
     args = _site()
     if batch == 1:
@@ -104,7 +108,7 @@ def test_fla_gated_norm_fuses_as_the_fp32_norm_variant(batch):
     B = "1" if batch == 1 else "n"
     assert [h.pattern for h in report.hits] == [f"kda_decode[T=1,B={B},bfloat16,norm_fp32]"]
     (op,) = [n for n in gm.graph.nodes if n.target is torch.ops.k3.kda_decode.default]
-    assert op.args[-1] is True
+    assert op.args[-1] == "norm_fp32"
     got = gm(*[a.clone() if isinstance(a, torch.Tensor) else a for a in args])
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=0, atol=0)
@@ -135,7 +139,7 @@ def test_fp32_norm_look_alike_is_neither_variant(norm, monkeypatch):
     args[kda_decode.NAMES.index("q_scale")] = state.shape[-1] ** -0.5  # what check() wants
     with monkeypatch.context() as patch:  # the look-alike only while this graph is traced
         patch.setattr(kda_decode, "rms_norm_gated_fp32", norm)
-        gm = graph(lambda *a: kda_decode._step(*a, silu_written_out=False, norm_fp32=True),
+        gm = graph(lambda *a: kda_decode._step(*a, silu_written_out=False, variant=FLA_NORM),
                    *args, joint=True)
     want = gm(*[a.clone() if isinstance(a, torch.Tensor) else a for a in args])
     report = apply_patterns(gm.graph, family("kda_decode"))
@@ -145,7 +149,7 @@ def test_fp32_norm_look_alike_is_neither_variant(norm, monkeypatch):
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=0, atol=0)
     fla = kda_decode._step(*[a.clone() if isinstance(a, torch.Tensor) else a for a in args],
-                           silu_written_out=False, norm_fp32=True)
+                           silu_written_out=False, variant=FLA_NORM)
     assert not torch.equal(fla[-1], want[-1])  # the spelling is not fla's in disguise
 
 

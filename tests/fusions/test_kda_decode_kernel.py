@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from k3compile.kernels import fb_kda_decode as fb_kernel
 from k3compile.kernels import kda_decode as kernel
 
-from k3compile.ops.kda_decode import kda_decode_ref
+from k3compile.ops.kda_decode import ConvRounding, KDAVariant, kda_decode_ref
 from k3compile.settings import KERNELS
 from tests.kernel_checks import (
     BUCKETS,
@@ -50,6 +50,7 @@ SCALARS = {"lower_bound": -5.0, "l2_eps": 1e-6, "q_scale": K**-0.5, "norm_eps": 
 # state row or column by ~1e-4. Indexing errors move it by O(0.1).
 STATE_TOL = {"rtol": 1e-3, "atol": 2e-3}
 STATE_REL_NORM = 1e-4
+FLA_NORM = KDAVariant(norm_fp32=True)  # fla's gated norm, Moonshot's
 
 
 @pytest.fixture(autouse=True)
@@ -165,12 +166,14 @@ def check_step(inp, steps=1, gen=None, fb=False, norm_fp32=False, time_major=Fal
         out = poisoned(inp.B, inp.T, inp.H, K)
         run = fb_kernel.fb_kda_decode_cuda if fb else kernel.kda_decode_cuda
         buffer = conv.transpose(1, 2) if time_major else conv
-        got = run(*inp.args(buffer, state, fb=fb), norm_fp32, time_major, out=out)
+        spec = KDAVariant(norm_fp32=norm_fp32, conv_time_major=time_major).spec
+        got = run(*inp.args(buffer, state, fb=fb), spec, out=out)
         assert got is out, "the kernel did not run (fallback)"
         if fb:  # the reference's bf16 linear, exact on `on_grid` inputs (any summation order)
             inp.graw = exact_graw(inp.fa, inp.fb_weight)
-        other = kda_decode_ref(*inp.args(ref_conv.clone(), ref_state.clone()), not norm_fp32)
-        ref = kda_decode_ref(*inp.args(ref_conv, ref_state), norm_fp32)
+        other = kda_decode_ref(*inp.args(ref_conv.clone(), ref_state.clone()),
+                               KDAVariant(norm_fp32=not norm_fp32))
+        ref = kda_decode_ref(*inp.args(ref_conv, ref_state), KDAVariant(norm_fp32=norm_fp32))
         compare(got, ref, conv, ref_conv, state, ref_state, inp, conv0, state0)
         assert_own_norm(got, ref, other)
 
@@ -562,8 +565,8 @@ def test_blocking_model_takes_its_output_norm(norm_fp32):
         inp = Inputs(gen, 3, T, H=2, device="cpu")
         got = blocking_model(inp, inp.args(inp.conv_state.clone(), inp.state.clone()),
                              kernel.config(T, 2, TAPS, 1), norm_fp32)
-        ref, other = (kda_decode_ref(*inp.args(inp.conv_state.clone(), inp.state.clone()), v)
-                      for v in (norm_fp32, not norm_fp32))
+        ref, other = (kda_decode_ref(*inp.args(inp.conv_state.clone(), inp.state.clone()),
+                                     KDAVariant(norm_fp32=v)) for v in (norm_fp32, not norm_fp32))
         torch.testing.assert_close(got.float(), ref.float(), **TOL["bf16"])
         assert rel_err(got, ref) < TOL["bf16_rel_norm"]
         assert_own_norm(got, ref, other)
@@ -578,7 +581,7 @@ def test_blocking_model_takes_bf16_params(which):
         inp = Inputs(gen, 3, T, H=2, device="cpu").bf16_params(which)
         got = blocking_model(inp, inp.args(inp.conv_state.clone(), inp.state.clone()),
                              kernel.config(T, 2, TAPS, 1), True)
-        ref = kda_decode_ref(*inp.args(inp.conv_state.clone(), inp.state.clone()), True)
+        ref = kda_decode_ref(*inp.args(inp.conv_state.clone(), inp.state.clone()), FLA_NORM)
         torch.testing.assert_close(got.float(), ref.float(), **TOL["bf16"])
         assert rel_err(got, ref) < TOL["bf16_rel_norm"]
 
@@ -593,38 +596,43 @@ def test_reference_takes_bf16_params_as_their_fp32_values():
     for cast in (lambda t: t, torch.Tensor.float):
         args = list(inp.args(inp.conv_state.clone(), inp.state.clone()))
         args[12], args[13] = cast(args[12]), cast(args[13])
-        outs.append((kda_decode_ref(*args, True), args[6], args[7]))
+        outs.append((kda_decode_ref(*args, FLA_NORM), args[6], args[7]))
     assert outs[1][0].dtype == torch.bfloat16
     assert all(torch.equal(a, b) for a, b in zip(*outs, strict=True))
 
 
 def test_build_flags_enter_the_key_only_when_set(monkeypatch):
     """The cached kernel's key without the variants is the key from before them (fp32 A_log and
-    dt_bias, default norm), so existing compiled kernels keep it; each variant adds its flag."""
+    dt_bias, the built-in step), so existing compiled kernels keep it; each build option adds
+    itself, a variant other than the built-in step its `KDAVariant` (one key per variant)."""
     keys = []
     monkeypatch.setattr(kernel.KERNEL, "compiled", lambda *a, **kw: keys.append((a, kw)))
-    kernel.compiled(1, 6, 4, 1, False)
-    kernel.compiled(1, 6, 4, 1, False, False, False)
-    kernel.compiled(1, 6, 4, 1, True, True, False)
-    kernel.compiled(1, 6, 4, 1, False, False, True)
-    kernel.compiled(1, 6, 4, 1, False, conv_time_major=True)
+    kernel.compiled(1, 6, 4, 1)
+    kernel.compiled(1, 6, 4, 1, KDAVariant(), False, False)
+    kernel.compiled(1, 6, 4, 1, FLA_NORM, True, False)
+    kernel.compiled(1, 6, 4, 1, KDAVariant(), False, True)
+    time_major = KDAVariant(conv_time_major=True)
+    kernel.compiled(1, 6, 4, 1, time_major)
+    products = KDAVariant(conv=ConvRounding.PRODUCTS_ROUNDED)
+    kernel.compiled(1, 6, 4, 1, products)
     cfg = kernel.config(1, 6, 4, 1)
     assert keys == [((1, 6, 4, cfg), {"rows": 1})] * 2 + [
-        ((1, 6, 4, cfg), {"rows": 1, "norm_fp32": True, "a_log_bf16": True}),
+        ((1, 6, 4, cfg), {"rows": 1, "variant": FLA_NORM, "a_log_bf16": True}),
         ((1, 6, 4, cfg), {"rows": 1, "dt_bias_bf16": True}),
-        ((1, 6, 4, cfg), {"rows": 1, "conv_time_major": True})]
+        ((1, 6, 4, cfg), {"rows": 1, "variant": time_major}),
+        ((1, 6, 4, cfg), {"rows": 1, "variant": products})]
 
 
 def test_fb_rank_enters_the_key_only_when_set(monkeypatch):
     """The f_b build is a kernel of its own (key fb_rank = R); without it the key is as before."""
     keys = []
     monkeypatch.setattr(kernel.KERNEL, "compiled", lambda *a, **kw: keys.append((a, kw)))
-    kernel.compiled(1, 6, 4, 1, False, False, False, 0)
-    kernel.compiled(1, 6, 4, 1, False, False, False, 128)
-    kernel.compiled(8, 6, 4, 64, True, False, False, 64)
+    kernel.compiled(1, 6, 4, 1, KDAVariant(), False, False, 0)
+    kernel.compiled(1, 6, 4, 1, KDAVariant(), False, False, 128)
+    kernel.compiled(8, 6, 4, 64, FLA_NORM, False, False, 64)
     cfg1, cfg64 = kernel.config(1, 6, 4, 1), kernel.config(8, 6, 4, 64)
     assert keys == [((1, 6, 4, cfg1), {"rows": 1}), ((1, 6, 4, cfg1), {"rows": 1, "fb_rank": 128}),
-                    ((8, 6, 4, cfg64), {"rows": 64, "norm_fp32": True, "fb_rank": 64})]
+                    ((8, 6, 4, cfg64), {"rows": 64, "fb_rank": 64, "variant": FLA_NORM})]
 
 
 @pytest.mark.parametrize("R", [8, 16, 32, 64, 128])
@@ -741,13 +749,14 @@ def test_refusals():
     inp = Inputs(_cpu_gen(), 2, 1, H=2, device="cpu")
     args = list(inp.args(inp.conv_state, inp.state))
     assert kernel.refusal(*args) is None
-    assert kernel.refusal(*args, norm_fp32=True) is None  # a build of its own
+    assert kernel.refusal(*args, variant="norm_fp32") is None  # a build of its own
     for i, t in ((12, inp.A_log), (13, inp.dt_bias)):  # each a build of its own in bf16
         assert kernel.refusal(*args[:i], t.bfloat16(), *args[i + 1:]) is None
         assert_refused(kernel.refusal, args, i, t.half(), ("A_log:", "dt_bias:")[i - 12])
     fb = list(inp.bf16_params("both").args(inp.conv_state, inp.state, fb=True))
-    assert fb_kernel.refusal(*fb, norm_fp32=True) is None
-    assert_refused(lambda *a: kernel.refusal(*a, norm_fp32=True), args, 0, inp.q.float(), "q:")
+    assert fb_kernel.refusal(*fb, variant="norm_fp32") is None
+    assert_refused(lambda *a: kernel.refusal(*a, variant="norm_fp32"), args, 0, inp.q.float(),
+                   "q:")
 
     def refused(i, value, words):
         assert_refused(kernel.refusal, args, i, value, words)

@@ -10,17 +10,19 @@ import pytest
 import torch
 from k3compile.patterns import fb_kda_decode, kda_decode
 
+from k3compile.ops.kda_decode import KDAVariant
 from tests.kernel_checks import assert_cuda_op_equals_cpu
 
-from .kda_checks import assert_op_equals_step
+from .kda_checks import assert_op_equals_step, spec
 from .pattern_checks import rewrite, targets
 
 STATES = (kda_decode.NAMES.index("conv_state"), kda_decode.NAMES.index("recurrent_state"))
-O_FP32 = (True, False, False, True)  # the op's norm_fp32, conv_time_major, state_v_major, o_fp32
+O_FP32 = KDAVariant(norm_fp32=True, o_fp32=True)
+NORM_FP32 = KDAVariant(norm_fp32=True)
 
 
 def _variant(T, B, dtype, o_fp32=True):
-    return kda_decode._variant(T, B, dtype, norm_fp32=True, o_fp32=o_fp32)
+    return kda_decode._variant(T, B, dtype, variant=O_FP32 if o_fp32 else NORM_FP32)
 
 
 def _inputs(T, B, dtype=torch.bfloat16):
@@ -37,7 +39,8 @@ def _clone(args):
 
 
 def _unfused(*args, o_fp32=True):
-    return kda_decode._step(*args, silu_written_out=False, norm_fp32=True, o_fp32=o_fp32)
+    return kda_decode._step(*args, silu_written_out=False,
+                            variant=O_FP32 if o_fp32 else NORM_FP32)
 
 
 @pytest.mark.parametrize("B,T", [(2, 1), (1, 2)])
@@ -50,22 +53,24 @@ def test_o_fp32_rounds_once_where_norm_fp32_rounds_twice():
     fp32: one computation"""
     args = _inputs(1, 2)
     once, twice = _clone(args), _clone(args)
-    o_once = torch.ops.k3.kda_decode(*once, None, None, *O_FP32)
-    o_twice = torch.ops.k3.kda_decode(*twice, None, None, True)
+    o_once = torch.ops.k3.kda_decode(*once, None, None, O_FP32.spec)
+    o_twice = torch.ops.k3.kda_decode(*twice, None, None, NORM_FP32.spec)
     assert not torch.equal(o_once, o_twice)
     torch.testing.assert_close(o_once, o_twice, rtol=2e-2, atol=2e-2)  # a rounding apart
     for i in STATES:
         torch.testing.assert_close(once[i], twice[i], rtol=0, atol=0)
     f32 = [a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
            for a in args]
-    torch.testing.assert_close(torch.ops.k3.kda_decode(*_clone(f32), None, None, *O_FP32),
-                               torch.ops.k3.kda_decode(*_clone(f32), None, None, True), rtol=0,
-                               atol=0)
+    torch.testing.assert_close(torch.ops.k3.kda_decode(*_clone(f32), None, None, O_FP32.spec),
+                               torch.ops.k3.kda_decode(*_clone(f32), None, None, "norm_fp32"),
+                               rtol=0, atol=0)
 
 
 def test_o_fp32_without_the_fp32_norm_is_an_error():
     with pytest.raises(ValueError, match="needs norm_fp32"):
-        torch.ops.k3.kda_decode(*_inputs(1, 2), None, None, False, False, False, True)
+        torch.ops.k3.kda_decode(*_inputs(1, 2), None, None, "o_fp32")
+    with pytest.raises(ValueError, match="needs norm_fp32"):
+        KDAVariant(o_fp32=True)
 
 
 @pytest.mark.parametrize("B,T", [(2, 1), (1, 1), (2, 2)])
@@ -74,7 +79,7 @@ def test_o_fp32_variant_rewrites_and_equals_eager(B, T):
     gm, report = rewrite(_unfused, _clone(args), [_variant(T, B, torch.bfloat16)], joint=True)
     assert [h.op for h in report.hits] == ["k3.kda_decode"], report
     op = next(n for n in gm.graph.nodes if str(n.target) == "k3.kda_decode.default")
-    assert op.args[-4:] == O_FP32
+    assert op.args[21:] == ("norm_fp32,o_fp32",)
     for w, g in zip(_unfused(*_clone(args)), gm(*_clone(args))):
         torch.testing.assert_close(g, w, rtol=0, atol=0)
 
@@ -100,7 +105,7 @@ def test_each_norm_is_not_the_other_variant(step_o_fp32):
 
 def _fb_step(*args):
     i = fb_kda_decode.NAMES.index
-    return (fb_kda_decode.search(*args, None, None, *O_FP32), args[i("conv_state")],
+    return (fb_kda_decode.search(*args, None, None, *spec(O_FP32)), args[i("conv_state")],
             args[i("recurrent_state")])
 
 
@@ -136,7 +141,7 @@ def test_kernel_takes_the_flag():
     from k3compile.kernels import kda_decode as kernel
 
     meta = [a.to("meta") if isinstance(a, torch.Tensor) else a for a in _kernel_inputs(2, 1)]
-    assert kernel.refusal(*meta[:15], *meta[15:], *O_FP32) is None
+    assert kernel.refusal(*meta, O_FP32.spec) is None
 
 
 @pytest.mark.gpu
@@ -144,7 +149,8 @@ def test_kernel_takes_the_flag():
 def test_cuda_op_equals_the_cpu_reference(cuda_kernels, B, T):
     """on CUDA, at K3's head dim: the o_fp32 build against the CPU reference, states included,
     two steps on the carried states"""
-    assert_cuda_op_equals_cpu(cuda_kernels, "kda_decode", _kernel_inputs(B, T), STATES, O_FP32)
+    assert_cuda_op_equals_cpu(cuda_kernels, "kda_decode", _kernel_inputs(B, T), STATES,
+                              spec(O_FP32))
 
 
 def test_o_fp32_site_fuses_on_gpu_graphs():

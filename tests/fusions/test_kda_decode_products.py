@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from k3compile.patterns import kda_decode
 
-from k3compile.ops.kda_decode import window_sum_rounded
+from k3compile.ops.kda_decode import ConvRounding, KDAVariant, window_sum_rounded
 from tests.kernel_checks import assert_cuda_op_equals_cpu, kda_kernel_inputs
 
 from .kda_checks import (
@@ -24,32 +24,30 @@ from .kda_checks import (
     assert_variant_takes,
     decode_inputs,
     kernel_refusal,
+    spec,
 )
 from .kda_checks import clone as _clone
 from .pattern_checks import rewrite, targets
 
-# the op's trailing flags: norm_fp32, conv_time_major, state_v_major, o_fp32, norm_weight_fp32,
-# conv_rounded, conv_products_rounded
-BUILTIN = (False, False, False, False, False, False, True)  # spell10's, spell12's norm
-FLA = (True, False, False, True, False, False, True)  # fla's fp32 norm on an fp32 o
-FLAGS = {BUILTIN: {"conv_products_rounded": True},
-         FLA: {"norm_fp32": True, "o_fp32": True, "conv_products_rounded": True}}
+PRODUCTS = ConvRounding.PRODUCTS_ROUNDED
+BUILTIN = KDAVariant(conv=PRODUCTS)  # spell10's, spell12's norm
+FLA = KDAVariant(norm_fp32=True, o_fp32=True, conv=PRODUCTS)  # fla's fp32 norm on an fp32 o
 SPELLINGS = [BUILTIN, FLA]
 C, TAPS = 3 * 2048, 4  # one TP16 rank's q|k|v channels at K3's sizes
 
 
-def _variant(T, B, flags, dtype=torch.bfloat16):
-    return kda_decode._variant(T, B, dtype, **FLAGS[flags])
+def _variant(T, B, variant, dtype=torch.bfloat16):
+    return kda_decode._variant(T, B, dtype, variant=variant)
 
 
-def _inputs(T, B, flags, dtype=torch.bfloat16):
+def _inputs(T, B, variant, dtype=torch.bfloat16):
     torch.manual_seed(0)
-    return decode_inputs(_variant(T, B, flags, dtype).example_inputs())
+    return decode_inputs(_variant(T, B, variant, dtype).example_inputs())
 
 
-def _unfused(flags):
+def _unfused(variant):
     def step(*args):
-        return kda_decode._step(*args, silu_written_out=False, **FLAGS[flags])
+        return kda_decode._step(*args, silu_written_out=False, variant=variant)
     return step
 
 
@@ -98,10 +96,10 @@ def test_the_sum_runs_in_tap_order():
     assert (window * taps[:, 0]).sum(-1).item() == 0.0  # eager's bf16 sum: tap order
 
 
-@pytest.mark.parametrize("flags", SPELLINGS)
+@pytest.mark.parametrize("variant", SPELLINGS, ids=["builtin", "fla"])
 @pytest.mark.parametrize("B,T", [(2, 1), (1, 2), (2, 3)])
-def test_reference_equals_the_unfused_step(flags, B, T):
-    assert_op_equals_step(_unfused(flags), _inputs(T, B, flags), flags)
+def test_reference_equals_the_unfused_step(variant, B, T):
+    assert_op_equals_step(_unfused(variant), _inputs(T, B, variant), variant)
 
 
 def test_the_flag_changes_bf16_output_only():
@@ -109,28 +107,34 @@ def test_the_flag_changes_bf16_output_only():
     a rounding apart, the same states; fp32: the products and their tap-order sum, within fp32
     summation order of the default's conv"""
     args = _inputs(1, 2, BUILTIN)
-    o_new = torch.ops.k3.kda_decode(*_clone(args), None, None, *BUILTIN)
-    o_once = torch.ops.k3.kda_decode(*_clone(args), None, None, *BUILTIN[:5], True)
+    o_new = torch.ops.k3.kda_decode(*_clone(args), None, None, *spec(BUILTIN))
+    o_once = torch.ops.k3.kda_decode(*_clone(args), None, None, "conv_rounded")
     o_default = torch.ops.k3.kda_decode(*_clone(args), None, None)
     assert not torch.equal(o_new, o_once) and not torch.equal(o_new, o_default)
     torch.testing.assert_close(o_new, o_once, rtol=3e-2, atol=3e-2)
     f32 = [a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
            for a in args]
-    torch.testing.assert_close(torch.ops.k3.kda_decode(*_clone(f32), None, None, *BUILTIN),
+    torch.testing.assert_close(torch.ops.k3.kda_decode(*_clone(f32), None, None, *spec(BUILTIN)),
                                torch.ops.k3.kda_decode(*_clone(f32), None, None),
                                rtol=1e-5, atol=1e-6)
 
 
-def test_two_conv_roundings_are_an_error():
+@pytest.mark.parametrize("variant", ["conv_rounded,conv_products_rounded",
+                                     "conv_products_rounded,conv_rounded",
+                                     "conv_products_rounded,conv_products_rounded"])
+def test_two_conv_roundings_are_an_error(variant):
+    """the conv roundings exclude each other: a spec naming two is eager's error, and no
+    KDAVariant holds two (one `conv` field)"""
     args = _inputs(1, 2, BUILTIN)
     with pytest.raises(ValueError, match="two conv roundings"):
-        torch.ops.k3.kda_decode(*_clone(args), None, None, *BUILTIN[:5], True, True)
+        torch.ops.k3.kda_decode(*_clone(args), None, None, variant)
 
 
-@pytest.mark.parametrize("flags", SPELLINGS)
+@pytest.mark.parametrize("variant", SPELLINGS, ids=["builtin", "fla"])
 @pytest.mark.parametrize("B,T", [(2, 1), (1, 1), (2, 2)])
-def test_variant_rewrites_and_equals_eager(flags, B, T):
-    assert_variant_takes(_variant(T, B, flags), _unfused(flags), _inputs(T, B, flags), flags)
+def test_variant_rewrites_and_equals_eager(variant, B, T):
+    assert_variant_takes(_variant(T, B, variant), _unfused(variant), _inputs(T, B, variant),
+                         variant)
 
 
 @pytest.mark.parametrize("conv", ["rounded_once", "fp32"])
@@ -138,10 +142,10 @@ def test_other_convs_are_not_the_products_variant(conv):
     """a bf16 conv (rounded once) and the fp32 conv are not the window sum: the variant takes
     neither, and with no product sum in the graph it is not even traced"""
     args = _inputs(1, 2, BUILTIN)
-    kw = {"conv_rounded": True} if conv == "rounded_once" else {}
+    other = KDAVariant(conv=ConvRounding.ROUNDED if conv == "rounded_once" else ConvRounding.FP32)
 
     def step(*a):
-        return kda_decode._step(*a, silu_written_out=False, **kw)
+        return kda_decode._step(*a, silu_written_out=False, variant=other)
 
     variant = _variant(1, 2, BUILTIN)
     gm = assert_variant_leaves(variant, step, args)
@@ -150,7 +154,8 @@ def test_other_convs_are_not_the_products_variant(conv):
 
 def test_the_rounded_once_variant_leaves_the_window_sum():
     """conv_rounded's variant (the conv rounded once) does not take the product sum"""
-    rounded = kda_decode._variant(1, 2, torch.bfloat16, conv_rounded=True)
+    rounded = kda_decode._variant(1, 2, torch.bfloat16,
+                                  variant=KDAVariant(conv=ConvRounding.ROUNDED))
     assert_variant_leaves(rounded, _unfused(BUILTIN), _inputs(1, 2, BUILTIN))
 
 
@@ -158,19 +163,20 @@ def test_fb_variant_rewrites_and_equals_eager():
     assert_fb_variant_takes(BUILTIN, "fb_kda_decode[conv_products_rounded]")
 
 
-@pytest.mark.parametrize("flags", SPELLINGS)
-def test_kernel_takes_the_flag(flags):
-    """the CUDA kernel's refusal (metadata): a build flag, no input it refuses"""
-    assert kernel_refusal(flags) is None
+@pytest.mark.parametrize("variant", SPELLINGS, ids=["builtin", "fla"])
+def test_kernel_takes_the_flag(variant):
+    """the CUDA kernel's refusal (metadata): a build option, no input it refuses"""
+    assert kernel_refusal(variant) is None
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("flags", SPELLINGS)
+@pytest.mark.parametrize("variant", SPELLINGS, ids=["builtin", "fla"])
 @pytest.mark.parametrize("B,T", [(2, 1), (3, 4)])
-def test_cuda_op_equals_the_cpu_reference(cuda_kernels, flags, B, T):
+def test_cuda_op_equals_the_cpu_reference(cuda_kernels, variant, B, T):
     """on CUDA, at K3's head dim: the build against the CPU reference, states included, two steps
     on the carried states, the kernel launched (as the other rounding builds' tests)"""
-    assert_cuda_op_equals_cpu(cuda_kernels, "kda_decode", kda_kernel_inputs(B, T), STATES, flags)
+    assert_cuda_op_equals_cpu(cuda_kernels, "kda_decode", kda_kernel_inputs(B, T), STATES,
+                              spec(variant))
 
 
 @pytest.mark.gpu

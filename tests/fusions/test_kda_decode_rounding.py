@@ -9,43 +9,44 @@ sites fusing on GPU graphs."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
 from k3compile.patterns import fb_kda_decode, kda_decode
 
+from k3compile.ops.kda_decode import ConvRounding, KDAVariant
 from tests.kernel_checks import assert_cuda_op_equals_cpu, kda_kernel_inputs
 
-from .kda_checks import assert_op_equals_step
+from .kda_checks import assert_op_equals_step, spec
 from .pattern_checks import rewrite, targets
 
 STATES = (kda_decode.NAMES.index("conv_state"), kda_decode.NAMES.index("recurrent_state"))
-# the op's trailing flags: norm_fp32, conv_time_major, state_v_major, o_fp32, norm_weight_fp32,
-# conv_rounded
-SPELL9 = (False, True, False, True, True, True)  # time-major conv state, Flax norm, bf16 conv
-REDTEAM = (True, False, False, True, False, True)  # fla's fp32 norm on an fp32 o, bf16 conv
-SPELL7 = (True, False, True, True, False, True)  # the red-team's, on a V-major state (session 28)
+ROUNDED, FP32 = ConvRounding.ROUNDED, ConvRounding.FP32
+# time-major conv state, Flax norm, bf16 conv
+SPELL9 = KDAVariant(conv_time_major=True, o_fp32=True, norm_weight_fp32=True, conv=ROUNDED)
+# fla's fp32 norm on an fp32 o, bf16 conv
+REDTEAM = KDAVariant(norm_fp32=True, o_fp32=True, conv=ROUNDED)
+# the red-team's, on a V-major state (session 28)
+SPELL7 = KDAVariant(norm_fp32=True, state_v_major=True, o_fp32=True, conv=ROUNDED)
 # the built-in norm (o rounded first: rule norm_round), bf16 conv, V-major state (session 29)
-SPELL6 = (False, False, True, False, False, True)
-FLAGS = {SPELL9: {"conv_time_major": True, "o_fp32": True, "norm_weight_fp32": True,
-                      "conv_rounded": True},
-         REDTEAM: {"norm_fp32": True, "o_fp32": True, "conv_rounded": True},
-         SPELL7: {"norm_fp32": True, "state_v_major": True, "o_fp32": True,
-                  "conv_rounded": True},
-         SPELL6: {"state_v_major": True, "conv_rounded": True}}
+SPELL6 = KDAVariant(state_v_major=True, conv=ROUNDED)
 SPELLINGS = [SPELL9, REDTEAM, SPELL7, SPELL6]
+IDS = ["spell9", "redteam", "spell7", "spell6"]
 
 # the nearest variants before these flags: the built-in norm, fla's norm on an fp32 o; fp32 conv
-WITHOUT = {SPELL9: (False, True), REDTEAM: REDTEAM[:4], SPELL7: SPELL7[:4], SPELL6: SPELL6[:3]}
+WITHOUT = {SPELL9: KDAVariant(conv_time_major=True), REDTEAM: replace(REDTEAM, conv=FP32),
+           SPELL7: replace(SPELL7, conv=FP32), SPELL6: replace(SPELL6, conv=FP32)}
 
 
-def _variant(T, B, flags, dtype=torch.bfloat16):
-    return kda_decode._variant(T, B, dtype, **FLAGS[flags])
+def _variant(T, B, variant, dtype=torch.bfloat16):
+    return kda_decode._variant(T, B, dtype, variant=variant)
 
 
-def _inputs(T, B, flags, dtype=torch.bfloat16):
+def _inputs(T, B, variant, dtype=torch.bfloat16):
     torch.manual_seed(0)
-    args = _variant(T, B, flags, dtype).example_inputs()
+    args = _variant(T, B, variant, dtype).example_inputs()
     i = kda_decode.NAMES.index
     args[i("recurrent_state")] = args[i("recurrent_state")] * 0.05  # a decode-sized state
     args[i("q_scale")] = kda_decode.K**-0.5
@@ -56,16 +57,16 @@ def _clone(args):
     return [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
 
 
-def _unfused(flags):
+def _unfused(variant):
     def step(*args):
-        return kda_decode._step(*args, silu_written_out=False, **FLAGS[flags])
+        return kda_decode._step(*args, silu_written_out=False, variant=variant)
     return step
 
 
-@pytest.mark.parametrize("flags", SPELLINGS)
+@pytest.mark.parametrize("variant", SPELLINGS, ids=IDS)
 @pytest.mark.parametrize("B,T", [(2, 1), (1, 2)])
-def test_reference_equals_the_unfused_step(flags, B, T):
-    assert_op_equals_step(_unfused(flags), _inputs(T, B, flags), flags)
+def test_reference_equals_the_unfused_step(variant, B, T):
+    assert_op_equals_step(_unfused(variant), _inputs(T, B, variant), variant)
 
 
 def test_the_flags_are_the_spellings_roundings():
@@ -88,59 +89,59 @@ def test_the_flags_are_the_spellings_roundings():
     assert torch.equal(F.silu(F.conv1d(window, taps, groups=3 * 2048)), rounded)
 
 
-@pytest.mark.parametrize("flags", SPELLINGS)
-def test_each_flag_changes_bf16_only(flags):
+@pytest.mark.parametrize("variant", SPELLINGS, ids=IDS)
+def test_each_flag_changes_bf16_only(variant):
     """bf16: with the flags the output differs from the op without them (a rounding apart), the
     states do not; fp32: one computation"""
-    args = _inputs(1, 2, flags)
+    args = _inputs(1, 2, variant)
     new, old = _clone(args), _clone(args)
-    o_new = torch.ops.k3.kda_decode(*new, None, None, *flags)
-    o_old = torch.ops.k3.kda_decode(*old, None, None, *WITHOUT[flags])
+    o_new = torch.ops.k3.kda_decode(*new, None, None, variant.spec)
+    o_old = torch.ops.k3.kda_decode(*old, None, None, WITHOUT[variant].spec)
     assert not torch.equal(o_new, o_old)
     torch.testing.assert_close(o_new, o_old, rtol=3e-2, atol=3e-2)
     f32 = [a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
            for a in args]
-    torch.testing.assert_close(torch.ops.k3.kda_decode(*_clone(f32), None, None, *flags),
+    torch.testing.assert_close(torch.ops.k3.kda_decode(*_clone(f32), None, None, variant.spec),
                                torch.ops.k3.kda_decode(*_clone(f32), None, None,
-                                                       *WITHOUT[flags]), rtol=0, atol=0)
+                                                       WITHOUT[variant].spec), rtol=0, atol=0)
 
 
 def test_bad_flag_combinations_are_errors():
     args = _inputs(1, 2, SPELL9)
     with pytest.raises(ValueError, match="two output norms"):
-        torch.ops.k3.kda_decode(*_clone(args), None, None, True, True, False, False, True, False)
+        torch.ops.k3.kda_decode(*_clone(args), None, None,
+                                "norm_fp32,conv_time_major,norm_weight_fp32")
     with pytest.raises(ValueError, match="needs norm_fp32 or norm_weight_fp32"):
-        torch.ops.k3.kda_decode(*_clone(args), None, None, False, True, False, True, False, True)
+        torch.ops.k3.kda_decode(*_clone(args), None, None, "conv_time_major,o_fp32,conv_rounded")
 
 
-@pytest.mark.parametrize("flags", SPELLINGS)
+@pytest.mark.parametrize("variant", SPELLINGS, ids=IDS)
 @pytest.mark.parametrize("B,T", [(2, 1), (1, 1), (2, 2)])
-def test_variant_rewrites_and_equals_eager(flags, B, T):
-    args = _inputs(T, B, flags)
-    step = _unfused(flags)
-    assert _variant(T, B, flags).name in {p.name for p in kda_decode.patterns()}  # traced
-    gm, report = rewrite(step, _clone(args), [_variant(T, B, flags)], joint=True)
+def test_variant_rewrites_and_equals_eager(variant, B, T):
+    args = _inputs(T, B, variant)
+    step = _unfused(variant)
+    assert _variant(T, B, variant).name in {p.name for p in kda_decode.patterns()}  # traced
+    gm, report = rewrite(step, _clone(args), [_variant(T, B, variant)], joint=True)
     assert [h.op for h in report.hits] == ["k3.kda_decode"], report
     op = next(n for n in gm.graph.nodes if str(n.target) == "k3.kda_decode.default")
-    assert tuple(op.args[-6:]) == flags
+    assert op.args[21:] == spec(variant)
     for w, g in zip(step(*_clone(args)), gm(*_clone(args))):
         torch.testing.assert_close(g, w, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("flags", SPELLINGS)
-def test_an_fp32_conv_is_not_the_rounded_variant(flags):
+@pytest.mark.parametrize("variant", SPELLINGS, ids=IDS)
+def test_an_fp32_conv_is_not_the_rounded_variant(variant):
     """the conv + SiLU in fp32, rounded once (the built-in's), is not `conv_rounded`'s graph; and
     with no bf16 conv in the graph the rounded variant is not even traced"""
-    args = _inputs(1, 2, flags)
-    kw = {**FLAGS[flags], "conv_rounded": False}
+    args = _inputs(1, 2, variant)
 
     def fp32_conv(*a):
-        return kda_decode._step(*a, silu_written_out=False, **kw)
+        return kda_decode._step(*a, silu_written_out=False, variant=replace(variant, conv=FP32))
 
-    variant = _variant(1, 2, flags)
-    gm, report = rewrite(fp32_conv, _clone(args), [variant], joint=True)
+    pattern = _variant(1, 2, variant)
+    gm, report = rewrite(fp32_conv, _clone(args), [pattern], joint=True)
     assert not report.hits and "k3.kda_decode.default" not in targets(gm)
-    assert "bf16 / fp16" in variant.fits(gm.graph)
+    assert "bf16 / fp16" in pattern.fits(gm.graph)
 
 
 def test_the_weight_after_the_cast_is_not_the_flax_norm():
@@ -149,8 +150,8 @@ def test_the_weight_after_the_cast_is_not_the_flax_norm():
     args = _inputs(1, 2, SPELL9)
 
     def rounded_first(*a):
-        return kda_decode._step(*a, silu_written_out=False, conv_time_major=True,
-                                conv_rounded=True)
+        return kda_decode._step(*a, silu_written_out=False,
+                                variant=KDAVariant(conv_time_major=True, conv=ROUNDED))
 
     gm, report = rewrite(rounded_first, _clone(args), [_variant(1, 2, SPELL9)], joint=True)
     assert not report.hits and "k3.kda_decode.default" not in targets(gm)
@@ -160,7 +161,7 @@ def test_the_weight_after_the_cast_is_not_the_flax_norm():
 
 def _fb_step(*args):
     i = fb_kda_decode.NAMES.index
-    return (fb_kda_decode.search(*args, None, None, *REDTEAM), args[i("conv_state")],
+    return (fb_kda_decode.search(*args, None, None, REDTEAM.spec), args[i("conv_state")],
             args[i("recurrent_state")])
 
 
@@ -177,37 +178,39 @@ def test_fb_variant_rewrites_and_equals_eager():
         torch.testing.assert_close(g, w, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("flags", SPELLINGS)
-def test_kernel_takes_the_flags(flags):
-    """the CUDA kernel's refusal (metadata): both flags are build flags, no input they refuse"""
+@pytest.mark.parametrize("variant", SPELLINGS, ids=IDS)
+def test_kernel_takes_the_flags(variant):
+    """the CUDA kernel's refusal (metadata): both flags are build options, no input they
+    refuse"""
     from k3compile.kernels import kda_decode as kernel
 
     meta = [a.to("meta") if isinstance(a, torch.Tensor) else a
-            for a in kda_kernel_inputs(2, 1, flags[1])]
-    assert kernel.refusal(*meta, *flags) is None
+            for a in kda_kernel_inputs(2, 1, variant.conv_time_major)]
+    assert kernel.refusal(*meta, variant.spec) is None
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("flags", SPELLINGS)
+@pytest.mark.parametrize("variant", SPELLINGS, ids=IDS)
 @pytest.mark.parametrize("B,T", [(2, 1), (3, 4)])
-def test_cuda_op_equals_the_cpu_reference(cuda_kernels, flags, B, T):
+def test_cuda_op_equals_the_cpu_reference(cuda_kernels, variant, B, T):
     """on CUDA, at K3's head dim: the builds against the CPU reference, states included, two
     steps on the carried states (the kernel registered and launched: before session 29 this
     test compared the CUDA reference with the CPU one, so its passes of 2026-12-05/06 proved
     nothing about the builds)"""
-    assert_cuda_op_equals_cpu(cuda_kernels, "kda_decode", kda_kernel_inputs(B, T, flags[1]),
-                              STATES, flags)
+    assert_cuda_op_equals_cpu(cuda_kernels, "kda_decode",
+                              kda_kernel_inputs(B, T, variant.conv_time_major), STATES,
+                              spec(variant))
 
 
-@pytest.mark.parametrize("flags", SPELLINGS, ids=["spell9", "redteam", "spell7", "spell6"])
-def test_site_fuses_on_gpu_graphs(flags):
+@pytest.mark.parametrize("variant", SPELLINGS, ids=IDS)
+def test_site_fuses_on_gpu_graphs(variant):
     """As on a GPU graph (`kernels_only`): the builds passed their GPU test with the kernel
     launched (`test_cuda_op_equals_the_cpu_reference`, H100, 2026-12-06, session 29;
     `kda_decode.GPU_TESTED_FLAGS`), so the site fuses there too, no deferral, values as the
     unfused step's"""
-    args = _inputs(1, 2, flags)
-    step = _unfused(flags)
-    gm, report = rewrite(step, _clone(args), [_variant(1, 2, flags)], joint=True,
+    args = _inputs(1, 2, variant)
+    step = _unfused(variant)
+    gm, report = rewrite(step, _clone(args), [_variant(1, 2, variant)], joint=True,
                          kernels_only=True)
     assert [h.op for h in report.hits] == ["k3.kda_decode"], report
     assert "kda_decode" not in report.deferred
@@ -249,8 +252,7 @@ def test_a_rounded_conv_is_not_the_unrounded_variant():
     convolves in fp32 (`WITHOUT`): that op would round the conv once, not twice"""
     args = _inputs(1, 2, SPELL7)
     step = _unfused(SPELL7)
-    fp32_conv = kda_decode._variant(1, 2, torch.bfloat16, norm_fp32=True, state_v_major=True,
-                                    o_fp32=True)
+    fp32_conv = kda_decode._variant(1, 2, torch.bfloat16, variant=WITHOUT[SPELL7])
     gm, report = rewrite(step, _clone(args), [fp32_conv], joint=True)
     assert not report.hits and "k3.kda_decode.default" not in targets(gm)
     for w, g in zip(step(*_clone(args)), gm(*_clone(args))):
@@ -263,7 +265,7 @@ def test_a_written_out_silu_on_the_rounded_conv_stays():
     args = _inputs(1, 2, SPELL7)
 
     def written_out(*a):
-        return kda_decode._step(*a, silu_written_out=True, **FLAGS[SPELL7])
+        return kda_decode._step(*a, silu_written_out=True, variant=SPELL7)
 
     gm, report = rewrite(written_out, _clone(args), [_variant(1, 2, SPELL7)], joint=True)
     assert not report.hits and "k3.kda_decode.default" not in targets(gm)
@@ -273,7 +275,7 @@ def test_a_written_out_silu_on_the_rounded_conv_stays():
 
 def _fb_rows_step(*args):
     i = fb_kda_decode.NAMES.index
-    return (fb_kda_decode.search_rows(*args, None, None, *SPELL7), args[i("conv_state")],
+    return (fb_kda_decode.search_rows(*args, None, None, SPELL7.spec), args[i("conv_state")],
             args[i("recurrent_state")])
 
 

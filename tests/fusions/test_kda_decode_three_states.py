@@ -11,6 +11,7 @@ import pytest
 import torch
 from k3compile.patterns import fb_kda_decode, kda_decode
 
+from k3compile.ops.kda_decode import KDAVariant
 from tests.kernel_checks import assert_cuda_op_equals_cpu
 
 from .pattern_checks import rewrite, targets
@@ -21,7 +22,8 @@ CONV, STATE = NAMES.index("conv_state"), NAMES.index("recurrent_state")
 
 
 def _variant(T, B, dtype, v_major=False):
-    return kda_decode._variant(T, B, dtype, state_v_major=v_major, three_states=True)
+    return kda_decode._variant(T, B, dtype, variant=KDAVariant(state_v_major=v_major,
+                                                               three_conv_states=True))
 
 
 def _inputs(T, B, dtype):
@@ -36,14 +38,15 @@ def _clone(args):
 
 
 def _op_args(args, v_major=False):
-    """the op's arguments: NAMES' order, the k and v conv states, then the flags"""
-    return [*kda_decode.unthree(args), args[N], args[N + 1], False, False, v_major]
+    """the op's arguments: NAMES' order, the k and v conv states, then the variant (the three
+    conv states are no part of it: the op reads them off the k and v states)"""
+    return [*kda_decode.unthree(args), args[N], args[N + 1], "state_v_major" if v_major else ""]
 
 
 def _unfused(*args, v_major=False):
     return kda_decode._step(*kda_decode.unthree(args), silu_written_out=False,
-                            state_v_major=v_major, k_conv_state=args[N],
-                            v_conv_state=args[N + 1])
+                            variant=KDAVariant(state_v_major=v_major, three_conv_states=True),
+                            k_conv_state=args[N], v_conv_state=args[N + 1])
 
 
 @pytest.mark.parametrize("dtype,B,T", [(torch.float32, 2, 1), (torch.float32, 2, 3),
@@ -59,14 +62,14 @@ def test_reference_equals_the_unfused_step(dtype, B, T):
 
 
 @pytest.mark.parametrize("op", ["kda_decode", "fb_kda_decode"])
-def test_conv_states_are_required_arguments_before_the_flags(op):
+def test_conv_states_are_required_arguments_before_the_variant(op):
     """torch 2.11 drops trailing arguments left at their defaults before a custom op's
     ADInplaceOrView kernel, then indexes the mutated ones (session 25: an IndexError on every
     call with defaulted conv states); required ones are never dropped, on any torch"""
     args = getattr(torch.ops.k3, op).default._schema.arguments
     names = [a.name for a in args]
     i = names.index("k_conv_state")
-    assert names[i:i + 3] == ["k_conv_state", "v_conv_state", "norm_fp32"]
+    assert names[i:] == ["k_conv_state", "v_conv_state", "variant"]
     for a in args[i:i + 2]:
         assert not a.has_default_value() and a.alias_info is not None and a.alias_info.is_write
     assert all(a.has_default_value() for a in args[i + 2:])
@@ -210,7 +213,7 @@ def test_kernel_takes_three_states_of_q_width():
     assert kernel.refusal(*tensors, k_conv_state=k_conv, v_conv_state=v_conv) is None
     assert "three conv states" in kernel.refusal(*tensors, k_conv_state=k_conv)
     assert "three conv states" in kernel.refusal(*tensors, k_conv_state=k_conv,
-                                                 v_conv_state=v_conv, conv_time_major=True)
+                                                 v_conv_state=v_conv, variant="conv_time_major")
     wide = torch.empty(5, 3 * k_conv.shape[1], k_conv.shape[2], dtype=torch.bfloat16,
                        device="meta")
     assert "v_conv_state" in kernel.refusal(*tensors, k_conv_state=k_conv, v_conv_state=wide)

@@ -8,15 +8,17 @@ import pytest
 import torch
 from k3compile.patterns import fb_kda_decode, kda_decode
 
+from k3compile.ops.kda_decode import KDAVariant
 from tests.kernel_checks import assert_cuda_op_equals_cpu, kda_kernel_inputs
 
 from .pattern_checks import rewrite, targets
 
 STATES = (kda_decode.NAMES.index("conv_state"), kda_decode.NAMES.index("recurrent_state"))
+TIME_MAJOR = KDAVariant(conv_time_major=True)
 
 
 def _variant(T, B, dtype, time_major):
-    return kda_decode._variant(T, B, dtype, conv_time_major=time_major)
+    return kda_decode._variant(T, B, dtype, variant=KDAVariant(conv_time_major=time_major))
 
 
 def _inputs(T, B, dtype, time_major=True):
@@ -32,7 +34,7 @@ def _clone(args):
 
 def _unfused(*args):
     """the step as the graph computes it (functional state writes)"""
-    return kda_decode._step(*args, silu_written_out=False, conv_time_major=True)
+    return kda_decode._step(*args, silu_written_out=False, variant=TIME_MAJOR)
 
 
 @pytest.mark.parametrize("dtype,B,T", [(torch.float32, 2, 1), (torch.float32, 2, 3),
@@ -42,7 +44,7 @@ def test_reference_equals_the_unfused_step(dtype, B, T):
     args = _inputs(T, B, dtype)
     state, conv, o = _unfused(*_clone(args))
     got = _clone(args)
-    o_op = torch.ops.k3.kda_decode(*got, None, None, False, True)
+    o_op = torch.ops.k3.kda_decode(*got, None, None, "conv_time_major")
     torch.testing.assert_close(o_op, o, rtol=0, atol=0)
     torch.testing.assert_close(got[STATES[0]], conv, rtol=0, atol=0)
     torch.testing.assert_close(got[STATES[1]], state, rtol=0, atol=0)
@@ -53,7 +55,7 @@ def test_time_major_reference_equals_the_channel_major_one():
     args = _inputs(2, 2, torch.float32)
     channel_major = _clone(args)
     channel_major[STATES[0]] = args[STATES[0]].transpose(1, 2).contiguous()
-    o_t = torch.ops.k3.kda_decode(*args, None, None, False, True)
+    o_t = torch.ops.k3.kda_decode(*args, None, None, "conv_time_major")
     o_c = torch.ops.k3.kda_decode(*channel_major, None, None)
     torch.testing.assert_close(o_t, o_c, rtol=0, atol=0)
     torch.testing.assert_close(args[STATES[0]].transpose(1, 2), channel_major[STATES[0]],
@@ -67,7 +69,7 @@ def test_time_major_variant_rewrites_and_equals_eager(dtype):
     gm, report = rewrite(_unfused, _clone(args), [_variant(1, 2, dtype, True)], joint=True)
     assert [h.op for h in report.hits] == ["k3.kda_decode"], report
     op = next(n for n in gm.graph.nodes if str(n.target) == "k3.kda_decode.default")
-    assert op.args[-1] is True  # conv_time_major
+    assert op.args[-1] == "conv_time_major"
     for w, g in zip(_unfused(*_clone(args)), gm(*_clone(args))):
         torch.testing.assert_close(g, w, rtol=0, atol=0)
 
@@ -101,7 +103,7 @@ def test_channel_major_step_is_not_the_time_major_variant():
 
 def _fb_step(*args):
     i = fb_kda_decode.NAMES.index
-    return (fb_kda_decode.search(*args, None, None, False, True), args[i("conv_state")],
+    return (fb_kda_decode.search(*args, None, None, "conv_time_major"), args[i("conv_state")],
             args[i("recurrent_state")])
 
 
@@ -125,9 +127,9 @@ def test_cuda_op_equals_the_cpu_reference_for_both_layouts(cuda_kernels, time_ma
     states included, two steps (bf16, one rounding apart). Before session 29 the inputs had the
     tracing head dim 8, which the kernel refuses, and no kernel was registered: the test
     compared the CUDA reference with the CPU one."""
-    flags = (False, True) if time_major else ()
+    spec = ("conv_time_major",) if time_major else ()
     assert_cuda_op_equals_cpu(cuda_kernels, "kda_decode", kda_kernel_inputs(B, T, time_major),
-                              STATES, flags)
+                              STATES, spec)
 
 
 def test_kernel_takes_each_layout_with_its_flag_only():
@@ -150,8 +152,8 @@ def test_kernel_takes_each_layout_with_its_flag_only():
             torch.empty(W, dtype=torch.float32, **meta), torch.empty(Kd, **bf)]
     conv_tm = torch.empty(S, taps - 1, 3 * W, **bf)
     assert kernel.refusal(*acts, *rest, conv_cm, *tail) is None
-    assert kernel.refusal(*acts, *rest, conv_tm, *tail, conv_time_major=True) is None
+    assert kernel.refusal(*acts, *rest, conv_tm, *tail, variant="conv_time_major") is None
     assert kernel.refusal(*acts, *rest, conv_tm, *tail) is not None
-    assert kernel.refusal(*acts, *rest, conv_cm, *tail, conv_time_major=True) is not None
+    assert kernel.refusal(*acts, *rest, conv_cm, *tail, variant="conv_time_major") is not None
     strided = torch.empty(S, taps - 1, 6 * W, **bf)[..., ::2]  # channels 2 apart
-    assert "conv_state" in kernel.refusal(*acts, *rest, strided, *tail, conv_time_major=True)
+    assert "conv_state" in kernel.refusal(*acts, *rest, strided, *tail, variant="conv_time_major")

@@ -9,16 +9,18 @@ import pytest
 import torch
 from k3compile.patterns import fb_kda_decode, kda_decode
 
+from k3compile.ops.kda_decode import KDAVariant
 from tests.kernel_checks import assert_cuda_op_equals_cpu
 
 from .pattern_checks import rewrite, targets
 
 STATES = (kda_decode.NAMES.index("conv_state"), kda_decode.NAMES.index("recurrent_state"))
-V_MAJOR = (False, False, True)  # the op's trailing norm_fp32, conv_time_major, state_v_major
+V_MAJOR = "state_v_major"  # the op's variant
 
 
 def _variant(T, B, dtype, v_major=True, time_major=False):
-    return kda_decode._variant(T, B, dtype, conv_time_major=time_major, state_v_major=v_major)
+    return kda_decode._variant(T, B, dtype, variant=KDAVariant(conv_time_major=time_major,
+                                                               state_v_major=v_major))
 
 
 def _inputs(T, B, dtype, time_major=False):
@@ -33,8 +35,8 @@ def _clone(args):
 
 
 def _unfused(*args, time_major=False):
-    return kda_decode._step(*args, silu_written_out=False, conv_time_major=time_major,
-                            state_v_major=True)
+    return kda_decode._step(*args, silu_written_out=False, variant=KDAVariant(
+        conv_time_major=time_major, state_v_major=True))
 
 
 @pytest.mark.parametrize("dtype,B,T", [(torch.float32, 2, 1), (torch.float32, 2, 3),
@@ -43,7 +45,7 @@ def test_reference_equals_the_unfused_step(dtype, B, T):
     args = _inputs(T, B, dtype)
     state, conv, o = _unfused(*_clone(args))
     got = _clone(args)
-    o_op = torch.ops.k3.kda_decode(*got, None, None, *V_MAJOR)
+    o_op = torch.ops.k3.kda_decode(*got, None, None, V_MAJOR)
     torch.testing.assert_close(o_op, o, rtol=0, atol=0)
     torch.testing.assert_close(got[STATES[0]], conv, rtol=0, atol=0)
     torch.testing.assert_close(got[STATES[1]], state, rtol=0, atol=0)
@@ -54,7 +56,7 @@ def test_v_major_reference_equals_the_k_major_one():
     args = _inputs(2, 2, torch.float32)
     k_major = _clone(args)
     k_major[STATES[1]] = args[STATES[1]].transpose(-1, -2).contiguous()
-    o_v = torch.ops.k3.kda_decode(*args, None, None, *V_MAJOR)
+    o_v = torch.ops.k3.kda_decode(*args, None, None, V_MAJOR)
     o_k = torch.ops.k3.kda_decode(*k_major, None, None)
     torch.testing.assert_close(o_v, o_k, rtol=0, atol=0)
     torch.testing.assert_close(args[STATES[1]].transpose(-1, -2), k_major[STATES[1]],
@@ -75,7 +77,7 @@ def test_v_major_variant_rewrites_and_equals_eager(dtype, B, T, time_major):
     gm, report = rewrite(fn, _clone(args), [_variant(T, B, dtype, True, time_major)], joint=True)
     assert [h.op for h in report.hits] == ["k3.kda_decode"], report
     op = next(n for n in gm.graph.nodes if str(n.target) == "k3.kda_decode.default")
-    assert op.args[-3:] == (False, time_major, True)
+    assert op.args[-1] == ("conv_time_major,state_v_major" if time_major else V_MAJOR)
     for w, g in zip(fn(*_clone(args)), gm(*_clone(args))):
         torch.testing.assert_close(g, w, rtol=0, atol=0)
 
@@ -105,7 +107,7 @@ def test_v_major_step_is_not_the_k_major_variant():
 
 def _fb_step(*args):
     i = fb_kda_decode.NAMES.index
-    return (fb_kda_decode.search(*args, None, None, *V_MAJOR), args[i("conv_state")],
+    return (fb_kda_decode.search(*args, None, None, V_MAJOR), args[i("conv_state")],
             args[i("recurrent_state")])
 
 
@@ -138,8 +140,8 @@ def test_cuda_op_equals_the_cpu_reference_for_both_layouts(cuda_kernels, v_major
             torch.tensor([4, 0, 2][:B]), *(torch.randn(W, 1, taps, dtype=bf) for _ in range(3)),
             torch.randn(H), torch.randn(W), torch.randn(K, dtype=bf), -5.0, 1e-6, K**-0.5,
             1e-5, None, None]
-    flags = (False, False, True) if v_major else ()
-    assert_cuda_op_equals_cpu(cuda_kernels, "kda_decode", args, STATES, flags)
+    spec = (V_MAJOR,) if v_major else ()
+    assert_cuda_op_equals_cpu(cuda_kernels, "kda_decode", args, STATES, spec)
 
 
 def test_kernel_takes_each_state_layout_with_its_flag_only():
@@ -160,9 +162,9 @@ def test_kernel_takes_each_state_layout_with_its_flag_only():
             torch.empty(W, dtype=torch.float32, **meta), torch.empty(Kd, **bf)]
     state = torch.empty(S, Hn, Kd, Kd, dtype=torch.float32, **meta)
     assert kernel.refusal(*head, state, *tail) is None
-    assert kernel.refusal(*head, state, *tail, state_v_major=True) is None
+    assert kernel.refusal(*head, state, *tail, variant=V_MAJOR) is None
     strided = torch.empty(S, Hn, Kd, 2 * Kd, dtype=torch.float32, **meta)[..., ::2]
-    assert "recurrent_state" in kernel.refusal(*head, strided, *tail, state_v_major=True)
+    assert "recurrent_state" in kernel.refusal(*head, strided, *tail, variant=V_MAJOR)
 
 
 def test_v_major_site_fuses_on_gpu_graphs():

@@ -31,6 +31,7 @@ from k3compile.kernels import (
 from k3compile.kernels.common import gemm_tc, gemv
 from k3compile.kernels.common.dsl import BUCKETS, cubin_of, cubin_resources, ptx_of
 
+from k3compile.ops.kda_decode import ConvRounding, KDAVariant
 from k3compile.settings import KERNELS
 
 pytestmark = pytest.mark.dsl
@@ -254,7 +255,7 @@ def test_kda_norm_fp32_builds(scalars, b, monkeypatch, tmp_path):
     for sub in ("v", "d"):
         (tmp_path / sub).mkdir()
     variant = kda_decode.build(*scalars, cfg, arch=ARCH, dump_dir=str(tmp_path / "v"),
-                               norm_fp32=True)
+                               variant=KDAVariant(norm_fp32=True))
     _check_cubin(variant)
     default = kda_decode.build(*scalars, cfg, arch=ARCH, dump_dir=str(tmp_path / "d"))
     cvt = "cvt.rn.bf16.f32"
@@ -310,10 +311,10 @@ def test_kda_o_fp32_builds(scalars, b, monkeypatch, tmp_path):
     for sub in ("v", "d"):
         (tmp_path / sub).mkdir()
     variant = kda_decode.build(*scalars, cfg, arch=ARCH, dump_dir=str(tmp_path / "v"),
-                               norm_fp32=True, o_fp32=True)
+                               variant=KDAVariant(norm_fp32=True, o_fp32=True))
     _check_cubin(variant)
     fp32_norm = kda_decode.build(*scalars, cfg, arch=ARCH, dump_dir=str(tmp_path / "d"),
-                                 norm_fp32=True)
+                                 variant=KDAVariant(norm_fp32=True))
     cvt = "cvt.rn.bf16.f32"
     assert ptx_of(fp32_norm).count(cvt) - ptx_of(variant).count(cvt) == scalars[0] * kda_decode.VEC
 
@@ -334,20 +335,20 @@ def test_kda_rounding_builds(scalars, b, monkeypatch, tmp_path):
     (two per output element) where fla's fp32 norm rounds once at the store."""
     monkeypatch.setenv("CUTE_DSL_ARCH", ARCH)
     cfg = kda_decode.config(*scalars, b)
-    builds = {"red": {"norm_fp32": True, "o_fp32": True, "conv_rounded": True},
-              "red_plain": {"norm_fp32": True, "o_fp32": True},
-              "s7": {"norm_fp32": True, "o_fp32": True, "conv_rounded": True,
-                     "state_v_major": True},
-              "s6": {"conv_rounded": True, "state_v_major": True},
-              "s9": {"norm_weight_fp32": True, "o_fp32": True, "conv_rounded": True,
-                         "conv_time_major": True},
-              "s9_fla": {"norm_fp32": True, "o_fp32": True, "conv_rounded": True,
-                             "conv_time_major": True}}
+    rounded = ConvRounding.ROUNDED
+    builds = {"red": KDAVariant(norm_fp32=True, o_fp32=True, conv=rounded),
+              "red_plain": KDAVariant(norm_fp32=True, o_fp32=True),
+              "s7": KDAVariant(norm_fp32=True, o_fp32=True, conv=rounded, state_v_major=True),
+              "s6": KDAVariant(conv=rounded, state_v_major=True),
+              "s9": KDAVariant(norm_weight_fp32=True, o_fp32=True, conv=rounded,
+                               conv_time_major=True),
+              "s9_fla": KDAVariant(norm_fp32=True, o_fp32=True, conv=rounded,
+                                   conv_time_major=True)}
     cvt = {}
-    for name, flags in builds.items():
+    for name, step in builds.items():
         (tmp_path / name).mkdir()
         built = kda_decode.build(*scalars, cfg, arch=ARCH, dump_dir=str(tmp_path / name),
-                                 **flags)
+                                 variant=step)
         if name in ("red", "s9", "s7", "s6"):
             _check_cubin(built)
         cvt[name] = ptx_of(built).count("cvt.rn.bf16.f32")
@@ -375,14 +376,14 @@ def test_kda_conv_products_rounded_builds(scalars, b, monkeypatch, tmp_path):
     the sum."""
     monkeypatch.setenv("CUTE_DSL_ARCH", ARCH)
     cfg = kda_decode.config(*scalars, b)
-    builds = {"products": {"conv_products_rounded": True}, "sum": {"conv_rounded": True},
-              "products_fla": {"norm_fp32": True, "o_fp32": True,
-                               "conv_products_rounded": True}}
+    products = ConvRounding.PRODUCTS_ROUNDED
+    builds = {"products": KDAVariant(conv=products), "sum": KDAVariant(conv=ConvRounding.ROUNDED),
+              "products_fla": KDAVariant(norm_fp32=True, o_fp32=True, conv=products)}
     ptx = {}
-    for name, flags in builds.items():
+    for name, step in builds.items():
         (tmp_path / name).mkdir()
         built = kda_decode.build(*scalars, cfg, arch=ARCH, dump_dir=str(tmp_path / name),
-                                 **flags)
+                                 variant=step)
         if name.startswith("products"):
             _check_cubin(built)
         ptx[name] = ptx_of(built)
@@ -410,7 +411,7 @@ def test_kda_time_major_builds(scalars, b, monkeypatch, tmp_path):
     for sub in ("v", "d"):
         (tmp_path / sub).mkdir()
     variant = kda_decode.build(*scalars, cfg, arch=ARCH, dump_dir=str(tmp_path / "v"),
-                               conv_time_major=True)
+                               variant=KDAVariant(conv_time_major=True))
     _check_cubin(variant)
     default = kda_decode.build(*scalars, cfg, arch=ARCH, dump_dir=str(tmp_path / "d"))
     tm, cm = ptx_of(variant), ptx_of(default)
@@ -434,7 +435,7 @@ def test_kda_v_major_builds(scalars, b, monkeypatch, tmp_path):
     for sub in ("v", "d"):
         (tmp_path / sub).mkdir()
     variant = kda_decode.build(*scalars, cfg, arch=ARCH, dump_dir=str(tmp_path / "v"),
-                               state_v_major=True)
+                               variant=KDAVariant(state_v_major=True))
     _check_cubin(variant)
     default = kda_decode.build(*scalars, cfg, arch=ARCH, dump_dir=str(tmp_path / "d"))
     vm, km = ptx_of(variant), ptx_of(default)
@@ -461,7 +462,7 @@ def test_kda_three_states_builds(scalars, b, monkeypatch, tmp_path):
     for sub in ("v", "d"):
         (tmp_path / sub).mkdir()
     variant = kda_decode.build(*scalars, cfg, arch=ARCH, dump_dir=str(tmp_path / "v"),
-                               three_states=True)
+                               variant=KDAVariant(three_conv_states=True))
     _check_cubin(variant)
     default = kda_decode.build(*scalars, cfg, arch=ARCH, dump_dir=str(tmp_path / "d"))
     ts, one = ptx_of(variant), ptx_of(default)
@@ -474,6 +475,43 @@ def test_kda_three_states_builds(scalars, b, monkeypatch, tmp_path):
         return entry[:entry.index(")")].count(".param")
 
     assert params(ts) == params(one) + 2
+
+
+# sha256 (first 16 hex digits) of kda_decode cubins (nvidia-cutlass-dsl 4.8.1, CUDA 12 libraries)
+# at `config()`: (variant spec, three conv states, (T, heads, taps), bucket, other build options)
+# -> digest. Recorded 2026-12-06 (session 35) on main, where the variants were seven bool build
+# options, and after they became one `KDAVariant`: the same bytes, PTX too (as were those of the
+# 37 variants the patterns trace, each at (1, 6, 4), bucket 1, with PDL)
+KDA_CUBINS = {
+    ("", False, (1, 6, 4), 1, ()): "b58ac6af21ea8746",
+    ("", False, (1, 6, 4), 1, (("pdl", True),)): "ce5f5d20383b84a8",
+    ("norm_fp32", False, (1, 6, 4), 1, ()): "1a166968f398185f",
+    ("conv_time_major,o_fp32,norm_weight_fp32,conv_rounded", False, (1, 6, 4), 1, ()):
+        "6401a3d00ad789c6",
+    ("norm_fp32,state_v_major,o_fp32,conv_rounded", False, (1, 6, 4), 1, ()): "33c512778a849a6e",
+    ("conv_products_rounded", False, (1, 6, 4), 1, ()): "2622a96bae06daab",
+    ("norm_fp32,o_fp32,conv_products_rounded", False, (1, 6, 4), 1, ()): "f55f78590b5f15c7",
+    ("", True, (8, 6, 4), 64, ()): "4e33f2cc75d2ac14",
+    ("norm_fp32", False, (1, 6, 4), 1, (("fb_rank", 128), ("pdl", True))): "a178636e268b3df8",
+    ("conv_time_major", False, (8, 6, 4), 64, (("a_log_bf16", True), ("dt_bias_bf16", True))):
+        "fe72ba3e980cc3dd",
+}
+
+
+@pytest.mark.parametrize("key", _first_of_each([(k,) for k in KDA_CUBINS], lambda case: "kda"),
+                         ids=lambda k: f"{k[0] or 'default'}{'-three' if k[1] else ''}-{k[2]}-"
+                                       f"b{k[3]}{''.join(f'-{o}' for o, _ in k[4])}")
+def test_kda_variant_builds_are_unchanged(key, monkeypatch, tmp_path):
+    """Each variant's build is byte for byte the one from before the variants were one value
+    (the device code reads the `KDAVariant`'s fields where it read the bools)."""
+    if version("nvidia-cutlass-dsl") != "4.8.1" or _dsl_cuda_flavour() != "cu12":
+        pytest.skip("digests recorded with nvidia-cutlass-dsl 4.8.1 and its CUDA 12 libraries")
+    monkeypatch.setenv("CUTE_DSL_ARCH", ARCH)
+    spec, three, scalars, b, options = key
+    compiled = kda_decode.build(*scalars, kda_decode.config(*scalars, b), arch=ARCH,
+                                dump_dir=str(tmp_path), variant=KDAVariant.parse(spec, three),
+                                **dict(options))
+    assert hashlib.sha256(cubin_of(compiled)).hexdigest()[:16] == KDA_CUBINS[key]
 
 
 # kda_decode's builds for bf16 A_log / dt_bias (a Moonshot model cast to bf16 whole), each and
