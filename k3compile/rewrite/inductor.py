@@ -25,6 +25,7 @@ from torch._inductor.pattern_matcher import (
     stable_topological_sort,
     unset_fake_temporarily,
 )
+from torch.utils._ordered_set import OrderedSet
 
 
 def fwd_only_fake(fn, args, *, get_decomp_fn=None):
@@ -363,7 +364,8 @@ class _ExplainingContext(MatchContext):
     the pattern uses twice, which the graph computes twice or differently) names the node, and so
     does a user-count failure: Inductor's `multiple_users` names only the pattern node, so the
     graph node it failed at is kept on the failure (`k3_node`; the innermost match that failed
-    sets it) for `near_miss.explain_failure`."""
+    sets it) for `near_miss.explain_failure`; so does a multi-output pattern's output that found
+    no anchor (`k3_gap`, `anchor_gap`)."""
 
     def match(self, pattern, node):
         if pattern in self.pattern_to_node and self.pattern_to_node[pattern] != node:
@@ -395,9 +397,36 @@ def _match(expr, node, users: bool):
     ctx = _ExplainingContext(outputs, graph=node.graph)
     try:
         with contextlib.nullcontext() if users else users_ignored(ctx):
-            return ctx.match(expr, node)
+            m = ctx.match(expr, node)
     except FailedMatch as e:
-        return e
+        m = e
+    if (not is_match(m) and isinstance(expr, MultiOutputPattern)
+            and getattr(m, "format_string", "") == "no anchor found"):
+        m.k3_gap = next((gap for out in expr.outputs[1:] if out is not None
+                         and out not in ctx.pattern_to_node
+                         and (gap := anchor_gap(out, ctx)) is not None), None)
+    return m
+
+
+def anchor_gap(pattern, ctx) -> tuple[torch.fx.Node, PatternExpr] | None:
+    """Where the anchor search of a multi-output pattern's unmatched output stopped ("no anchor
+    found": its first outputs matched, this one has no candidate node): (a graph node bound to
+    one of the output's inputs, the pattern op that reads it there) where none of the node's
+    users is that op. The search walks up from the matched inputs, user by user; the node is
+    where the site's op differs from the pattern's. None where the walk finds candidates."""
+    if pattern in ctx.pattern_to_node or not hasattr(pattern, "flat_args_kwargs"):
+        return None
+    for child in pattern.flat_args_kwargs[0]:
+        if not isinstance(child, PatternExpr):
+            continue
+        found = [n for n in child.find_anchor_nodes(ctx, OrderedSet())
+                 if isinstance(n, torch.fx.Node)]
+        if not found:
+            if (gap := anchor_gap(child, ctx)) is not None:
+                return gap
+        elif not any(pattern._match_fns(u) for n in found for u in n.users):
+            return found[0], pattern
+    return None
 
 
 _VIEW, _UNSQUEEZE = torch.ops.aten.view.default, torch.ops.aten.unsqueeze.default

@@ -205,6 +205,20 @@ def _one_line(reason: str) -> tuple[str, str]:
     return reason, _SIZES.sub("#", reason)
 
 
+def _no_anchor(node: fx.Node, pattern: Any) -> tuple[str, str]:
+    """A multi-output pattern whose first outputs matched, and another output found no node to
+    start at: none of `node`'s users (a matched value the output reads) is the op `pattern`
+    reads it with. The users are where the site differs."""
+    users = [describe(u, module_path(u)) for u in list(node.users)[:3]]
+    users += ["..."] if len(node.users) > 3 else []
+    expected, site = _expected(pattern), describe(node, module_path(node))
+    reason = (f"no anchor found: an output of the pattern reads {site} by {expected}, which "
+              f"none of its users is ({', '.join(users) or 'none'})")
+    kind = (f"no anchor found: an output of the pattern reads a {op_label(node)} by {expected}, "
+            "which none of its users is")
+    return reason, kind
+
+
 def explain_failure(failure: Any, inputs: dict[fx.Node, int]) -> tuple[str, str, int]:
     """Inductor's FailedMatch as (reason, kind) and how deep the match got before it failed
     (`inputs`: the anchor's cone; FailedMatch prints the whole pattern, this names the node)."""
@@ -214,6 +228,8 @@ def explain_failure(failure: Any, inputs: dict[fx.Node, int]) -> tuple[str, str,
         node, pat = args if len(args) == 2 else (kw["node"], kw["pattern"])
         return (*_mismatch(node, _expected(pat)),
                 inputs.get(node, 1) if isinstance(node, fx.Node) else 1)
+    if (gap := getattr(failure, "k3_gap", None)) is not None:
+        return (*_no_anchor(*gap), inputs.get(gap[0], 1))
     if head == "multiple_users" and args:
         fns = set(getattr(args[0], "fns", ()))
         at = getattr(failure, "k3_node", None)  # the graph node it failed at, where known
