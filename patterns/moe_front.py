@@ -24,8 +24,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from k3compile.ops.moe_front import moe_front_refusal
 from k3compile.graph import feeds_top_k as reaches_top_k
+from k3compile.ops.moe_front import moe_front_refusal
 from k3compile.rewrite import Pattern, tensor_meta
 
 DTYPES = (torch.bfloat16, torch.float32)
