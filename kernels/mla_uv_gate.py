@@ -11,6 +11,7 @@ Constraints:
       g [B, T, H·V].
     * The kernel takes B·T <= gemv.GEMV_MAX_M rows and gemv's gate limits (`refusal`); the
       pattern leaves every other site to Inductor, where the reference would run op by op.
+    * `gate_fp32` (the product with an unrounded fp32 sigmoid) has no build: the reference.
 """
 
 import torch
@@ -24,10 +25,12 @@ from .common.dsl import log, on_stream, unaligned16
 OP = "mla_uv_gate"
 
 
-def refusal(o_lat, w_uv, g) -> str | None:
+def refusal(o_lat, w_uv, g, gate_fp32=False) -> str | None:
     """Why the gate variant would not take these operands (tensors or metas), or None. W_UV's
     strides are not asked about: the CUDA path copies heads the kernel cannot read in place."""
     (b, t, h, c), v = o_lat.shape, w_uv.shape[1]
+    if gate_fp32:
+        return "gate_fp32: the gate variant multiplies by sigmoid(g) rounded to bf16"
     if not gemv.fused_enabled("gate"):
         return "gemv's gate variant is off (K3_GEMV_FUSED without \"gate\")"
     if b * t > gemv.GEMV_MAX_M:
@@ -36,10 +39,12 @@ def refusal(o_lat, w_uv, g) -> str | None:
                              g.reshape(b * t, h * v))
 
 
-def mla_uv_gate_cuda(o_lat, w_uv, g):
+def mla_uv_gate_cuda(o_lat, w_uv, g, gate_fp32=False):
     # o_lat [B, T, H, C], w_uv [H, V, C] (a view of kv_b's weight), g [B, T, H·V]
     (b, t, h, c), v = o_lat.shape, w_uv.shape[1]
     x, gate = o_lat.reshape(b * t, h * c), g.reshape(b * t, h * v)
+    if gate_fp32:
+        return mla_uv_gate_ref(o_lat, w_uv, g, gate_fp32)
     if gemv.fused_takes(x, "gate"):
         heads = uv_heads(x, w_uv, gate)
         if gemv.fused_ok("gate", gemv.gate_refusal(x, heads, gate)):

@@ -12,7 +12,12 @@ kernel's own score math: both variants run one build). `norm_weight_fp32` (bf16,
 norm after the mix multiplies its weight in fp32 before the one rounding to bf16 (a JAX/Flax-style
 norm, tests/models/spell9_k3.py; `math.rms_norm_fp32_weight`) -> `norm_weight_fp32=True`; another
 rounding than K3's, so a variant, not a canonical rule. The kernel's build for it passed its GPU
-tests (H100, 2026-12-05, session 26), so GPU graphs fuse it too.
+tests (H100, 2026-12-05, session 26), so GPU graphs fuse it too. `mix_weights_fp32` (bf16 sources,
+fp32 scores): the mix's norm and projection weights are fp32 tensors, read as they are (fp32 master
+weights under `torch.autocast`, tests/models/spell11_k3.py: the fold `w_mix_norm * w_mix_proj`
+of the fp32 values, no bf16 rounding of either); the op's reference computes exactly that. The
+kernel reads bf16 mix weights only, so GPU graphs leave such a site to Inductor
+(`kernel_refusal`; docs/spell11_spelling.md names the build it would need).
 
 Before (per mix, ~25 ATen ops):  add, cat, convert, pow, mean, add, rsqrt, mul, convert, mul, mm,
     convert, amax, sub, exp, sum, div, mul, sum, convert, ... rsqrt, mul, convert, mul
@@ -22,6 +27,7 @@ After:  prefix_out, x = k3.attn_res_mix_norm(prefix, delta, [blocks], w_mix_norm
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import torch
@@ -32,6 +38,7 @@ from k3compile.math import (
     rms_norm,
     rms_norm_fp32_weight,
 )
+from k3compile.ops import registry
 from k3compile.rewrite import Pattern, tensor_meta, with_signature
 
 MAX_BLOCKS = 8
@@ -48,7 +55,7 @@ def mix_norm(prefix, delta, blocks, w_mix_norm, w_mix_proj, w_norm, mix_eps, nor
     return prefix_out, rms_norm(h, w_norm, norm_eps)
 
 
-def check(match) -> str | None:
+def check(match, mix_weights_fp32: bool = False) -> str | None:
     for eps in ("mix_eps", "norm_eps"):
         if not isinstance(match.kwargs[eps], float):
             return (f"{eps} is not a compile-time float (torch.compile(dynamic=True) makes float "
@@ -66,11 +73,30 @@ def check(match) -> str | None:
     blocks = [tensor_meta(match.kwargs[k]) for k in match.kwargs if k.startswith("block")]
     if any(b is None or b.shape != prefix.shape for b in blocks):
         return "a block source's shape differs from the prefix"
+    if mix_weights_fp32:
+        # fp32 weights are what makes the fold exact: bf16 ones multiplied into the fp32 scores
+        # by type promotion would trace alike, their fold rounded in bf16 (not the op's math)
+        mix_w = [tensor_meta(match.kwargs[k]).dtype for k in ("w_mix_norm", "w_mix_proj")]
+        if mix_w != [torch.float32] * 2 or prefix.dtype == torch.float32:
+            return (f"mix weights {mix_w} with {prefix.dtype} sources (the variant takes fp32 "
+                    "mix weights beside bf16 / fp16 sources)")
     return None
 
 
+def kernel_refusal(match) -> str | None:
+    """GPU graphs: the kernel's own word on the site's arguments (it reads bf16 mix weights
+    only, so a site with fp32 ones stays with Inductor rather than run the reference op by op)."""
+    m = match.kwargs
+    blocks = [tensor_meta(m[k]) for k in sorted(m) if k.startswith("block")]
+    delta = tensor_meta(m["delta"]) if "delta" in m else None
+    return registry.kernel_refusal("attn_res_mix_norm", tensor_meta(m["prefix"]), delta, blocks,
+                                   *(tensor_meta(m[k]) for k in ("w_mix_norm", "w_mix_proj",
+                                                                 "w_norm")))
+
+
 def _variant(n_blocks: int, with_delta: bool, dtype: torch.dtype = torch.bfloat16,
-             scores_fp32: bool = False, norm_weight_fp32: bool = False) -> Pattern:
+             scores_fp32: bool = False, norm_weight_fp32: bool = False,
+             mix_weights_fp32: bool = False) -> Pattern:
     blocks = [f"block{i}" for i in range(n_blocks)]
     names = ["prefix", *(["delta"] if with_delta else []), *blocks,
              "w_mix_norm", "w_mix_proj", "w_norm", "mix_eps", "norm_eps"]
@@ -95,17 +121,21 @@ def _variant(n_blocks: int, with_delta: bool, dtype: torch.dtype = torch.bfloat1
 
     def example_inputs():
         act = [torch.randn(SHAPE, dtype=dtype) for _ in range(1 + nd + n_blocks)]
-        d = SHAPE[-1]
-        w = [torch.randn(d, dtype=dtype), torch.randn(1, d, dtype=dtype), torch.randn(d, dtype=dtype)]
+        d, mix_dtype = SHAPE[-1], torch.float32 if mix_weights_fp32 else dtype
+        w = [torch.randn(d, dtype=mix_dtype), torch.randn(1, d, dtype=mix_dtype),
+             torch.randn(d, dtype=dtype)]
         return [*act, *w, 1.1e-5, 1.3e-5]
 
     return Pattern(
         name=f"attn_res_mix_norm[blocks={n_blocks},{'delta' if with_delta else 'no_delta'}"
              f"{'' if dtype == torch.bfloat16 else ',' + str(dtype).split('.')[-1]}"
              f"{',scores_fp32' if scores_fp32 else ''}"
-             f"{',norm_weight_fp32' if norm_weight_fp32 else ''}]",
+             f"{',norm_weight_fp32' if norm_weight_fp32 else ''}"
+             f"{',mix_weights_fp32' if mix_weights_fp32 else ''}]",
         search=with_signature(search, names), replace=with_signature(replace, names),
-        example_inputs=example_inputs, op="k3.attn_res_mix_norm", check=check,
+        example_inputs=example_inputs, op="k3.attn_res_mix_norm",
+        check=functools.partial(check, mix_weights_fp32=mix_weights_fp32),
+        kernel_refusal=kernel_refusal if mix_weights_fp32 else None,
         scalars={"mix_eps": 1.1e-5, "norm_eps": 1.3e-5}, distinctive=("amax", "rsqrt", "cat", "exp"),
     )
 
@@ -125,9 +155,15 @@ KINDS = ((torch.bfloat16, False), (torch.float32, False), (torch.bfloat16, True)
 # mixes (scores in fp32, as a Flax port writes them); the TP form (allreduce_attn_res_mix_norm)
 # has no such variant
 NORM_FP32_WEIGHT_KINDS = ((torch.bfloat16, True),)
+# (dtype, scores_fp32, norm_weight_fp32) with fp32 mix weights (mix_weights_fp32): spell11's
+# fp32 masters under autocast (the oproj and all-reduce forms match the op whatever its weights'
+# dtype: their searches hold the op, not its math)
+MIX_WEIGHTS_FP32_KINDS = ((torch.bfloat16, True, False),)
 
 
 def patterns() -> list[Pattern]:
-    kinds = [(t, f, False) for t, f in KINDS] + [(t, f, True) for t, f in NORM_FP32_WEIGHT_KINDS]
-    return [_variant(n, d, t, f, w) for (t, f, w), n, d in
+    kinds = [(t, f, False, False) for t, f in KINDS]
+    kinds += [(t, f, True, False) for t, f in NORM_FP32_WEIGHT_KINDS]
+    kinds += [(t, f, w, True) for t, f, w in MIX_WEIGHTS_FP32_KINDS]
+    return [_variant(n, d, t, f, w, m) for (t, f, w, m), n, d in
             itertools.product(kinds, range(MAX_BLOCKS, 0, -1), (True, False))]

@@ -2,7 +2,11 @@
 
 Matches `GatedMLA.forward`'s `einsum("bthc,hvc->bthv", o_lat, W_UV).reshape(B, T, H·V)` and the
 product with `sigmoid(g)`, where W_UV [H, V, C] is the second half of kv_b_proj.weight viewed
-[H, N + V, C]. Two variants: B == T == 1 changes the einsum's graph.
+[H, N + V, C]. Two variants: B == T == 1 changes the einsum's graph. `gate_fp32` (bf16): the
+gate product in an fp32 island, one rounding (`(o.float() * sigmoid(g.float())).to(bf16)`: fp32
+islands under autocast, tests/models/spell11_k3.py) -> the op's `gate_fp32=True`, another rounding
+than K3's (sigmoid(g) rounded first), so a variant, not a canonical rule; its kernel build does
+not exist yet (`kernel_refusal` leaves it to Inductor on GPU graphs).
 
 Before: unsqueeze, permute, unsqueeze, unsqueeze, permute, permute, view, permute, view, bmm,
     view, permute, view, clone, view, sigmoid, mul
@@ -10,6 +14,8 @@ After:  o = k3.mla_uv_gate(o_lat, W_UV, g)
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -34,6 +40,17 @@ def replace(o_lat, w_uv, g):
     return torch.ops.k3.mla_uv_gate(o_lat, w_uv, g)
 
 
+def search_gate_fp32(o_lat, w_uv, g):
+    B, T = o_lat.shape[:2]
+    nh, v = w_uv.shape[:2]
+    o = torch.einsum("bthc,hvc->bthv", o_lat, w_uv).reshape(B, T, nh * v)
+    return (o.float() * torch.sigmoid(g.float())).to(o.dtype)
+
+
+def replace_gate_fp32(o_lat, w_uv, g):
+    return torch.ops.k3.mla_uv_gate(o_lat, w_uv, g, True)
+
+
 def check(match) -> str | None:
     o_lat, w_uv, g = (tensor_meta(match.kwargs[k]) for k in ("o_lat", "w_uv", "g"))
     if any(t is None for t in (o_lat, w_uv, g)):
@@ -49,15 +66,17 @@ def check(match) -> str | None:
     return None
 
 
-def kernel_refusal(match) -> str | None:
+def kernel_refusal(match, gate_fp32: bool = False) -> str | None:
     """On GPU graphs the op's kernel (gemv's gate variant at one row, on by default) says which
     sites it takes; every other site stays with Inductor (the reference would run einsum and gate
     op by op)."""
     return registry.kernel_refusal(
-        "mla_uv_gate", *(tensor_meta(match.kwargs[k]) for k in ("o_lat", "w_uv", "g")))
+        "mla_uv_gate", *(tensor_meta(match.kwargs[k]) for k in ("o_lat", "w_uv", "g")),
+        **({"gate_fp32": True} if gate_fp32 else {}))
 
 
-def _variant(B: int, T: int, dtype: torch.dtype = torch.bfloat16) -> Pattern:
+def _variant(B: int, T: int, dtype: torch.dtype = torch.bfloat16,
+             gate_fp32: bool = False) -> Pattern:
     def example_inputs():
         # o_lat as the model has it: an einsum result (a permuted view), W_UV a view of kv_b
         p = torch.randn(B, T, H, L, dtype=dtype)
@@ -66,12 +85,16 @@ def _variant(B: int, T: int, dtype: torch.dtype = torch.bfloat16) -> Pattern:
         return [o_lat, w_uv, torch.randn(B, T, H * V, dtype=dtype)]
 
     return Pattern(
-        name=f"mla_uv_gate[B={'1' if B == 1 else 'n'},T={'1' if T == 1 else 'n'}]",
-        search=search, replace=replace, example_inputs=example_inputs, op="k3.mla_uv_gate",
-        check=check, kernel_refusal=kernel_refusal, distinctive=("bmm", "sigmoid"),
-        joint_passes=True,
+        name=f"mla_uv_gate[B={'1' if B == 1 else 'n'},T={'1' if T == 1 else 'n'}"
+             f"{',gate_fp32' if gate_fp32 else ''}]",
+        search=search_gate_fp32 if gate_fp32 else search,
+        replace=replace_gate_fp32 if gate_fp32 else replace, example_inputs=example_inputs,
+        op="k3.mla_uv_gate", check=check,
+        kernel_refusal=functools.partial(kernel_refusal, gate_fp32=gate_fp32),
+        distinctive=("bmm", "sigmoid"), joint_passes=True,
     )
 
 
 def patterns() -> list[Pattern]:
-    return [_variant(b, t) for b, t in SIZES]
+    # gate_fp32 traced in bf16: its casts name the dtype
+    return [_variant(b, t, gate_fp32=f) for f in (False, True) for b, t in SIZES]

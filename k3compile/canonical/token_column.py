@@ -16,7 +16,8 @@ SiLU and stacked back to [B, 1, C]:
 the second by rule `reshape_fold`'s fold, applied here to that conv's output only (the rule
 itself runs last; `qkv_split`, which cuts the q|k|v GEMM at the conv, reads the folded form).
 Bit for bit (the same [B, C, 1] elements; the same elementwise ops). Taken only where the column's one reader is a cat on
-the last dim whose result a depthwise convolution reads (the conv window), or the canonical
+the last dim whose result a depthwise convolution reads (the conv window), directly or through
+an upcast (spell11: a bf16 state convolved in fp32, `convert(cat, f32)`), or the canonical
 window sum multiplied in bf16 (`short_conv.depthwise`: spell10's bf16 conv). Left alone: a
 [B, T, C] step with T > 1 (the loop has T windows: rule `token_windows` takes it), a column
 of another token dim, a cat no conv reads.
@@ -32,7 +33,7 @@ from k3compile.canonical.region import shape
 from k3compile.canonical.short_conv import window_conv
 from k3compile.graph import call
 
-aten = torch.ops.aten
+aten, prims = torch.ops.aten, torch.ops.prims
 
 
 def conv_window(cat: fx.Node) -> bool:
@@ -46,8 +47,23 @@ def conv_window(cat: fx.Node) -> bool:
 
 
 def _convs(window: fx.Node) -> list[fx.Node]:
-    """The depthwise convs (`short_conv.depthwise`: either form) of `window`."""
-    return [c for u in window.users if (c := window_conv(u, window)) is not None]
+    """The depthwise convs (`short_conv.depthwise`: either form) of `window`, or of its upcast
+    (a bf16 conv state convolved in fp32 through `.float()`: spell11's rolled state)."""
+    found = [c for u in window.users if (c := window_conv(u, window)) is not None]
+    for cast in window.users:
+        if _upcast(cast, window):
+            found += [c for u in cast.users if (c := window_conv(u, cast)) is not None]
+    return found
+
+
+def _upcast(node: fx.Node, x: fx.Node) -> bool:
+    """node is a plain cast of x to a wider float dtype (its values x's exactly)."""
+    if node.target is not prims.convert_element_type.default or node.args[0] is not x:
+        return False
+    val, src = node.meta.get("val"), x.meta.get("val")
+    return (isinstance(val, torch.Tensor) and isinstance(src, torch.Tensor)
+            and src.dtype.is_floating_point and val.dtype.is_floating_point
+            and val.dtype.itemsize > src.dtype.itemsize)
 
 
 def _site(unsq: fx.Node) -> fx.Node | None:

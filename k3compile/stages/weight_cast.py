@@ -11,7 +11,9 @@ and each step reads 4 bytes per weight and writes and reads 2 more. A canonical 
 a rule cannot change the dtype of a graph input. This stage changes the placeholder's meaning
 instead: the graph takes the copy in W's position, every cast of W (or of a view of W) becomes
 the view itself, and the executor's wrapper (`Cast.wrap`) hands the compiled graph the copy at
-every call. Values: autocast's cast and `copy_` into a bf16 tensor both round to nearest even,
+every call. A cast of a non-dense view (a column slice: MLA's W_UK / W_UV out of kv_b) lays its
+result out anew; it is taken only where every reader is a GEMM operand, directly or through
+transposes (`_gemm_operand`), whose values and output layout ignore the strides. Values: autocast's cast and `copy_` into a bf16 tensor both round to nearest even,
 so the copy of the same fp32 value is bitwise the cast the graph computed.
 
 Never stale. Each call first checks every master it was compiled for against what the copy was
@@ -60,6 +62,8 @@ aten, prims = torch.ops.aten, torch.ops.prims
 
 LOW = (torch.bfloat16, torch.float16)
 _VIEWS = VIEWS | ROW_VIEWS | {aten.unbind.int, operator.getitem}
+_GEMMS = {aten.mm.default, aten.bmm.default}
+_TRANSPOSES = {aten.permute.default, aten.t.default, aten.transpose.int}
 # the master's storage -> {(offset, shape, stride, dtype): its copy}: one copy per master and
 # dtype in the process, whatever the compiles (buckets) that read it
 _COPIES = WeakIdKeyDictionary()
@@ -100,8 +104,13 @@ def _reads(p: fx.Node) -> tuple[list[fx.Node], list[fx.Node], torch.dtype] | str
                     return f"its cast {user.name} is an output or written in place"
                 if user.meta["val"].stride() != node.meta["val"].stride():
                     # a cast of a non-dense view (a column slice) is laid out anew: the view of
-                    # the copy would hand the cast's readers other strides
-                    return f"its cast {user.name} lays out a non-dense view anew"
+                    # the copy hands the cast's readers other strides, which only readers whose
+                    # values and layout ignore them take (GEMM operands, through transposes)
+                    transposes = []
+                    if not _gemm_operand(user, transposes):
+                        return (f"its cast {user.name} lays out a non-dense view anew and is "
+                                "read by more than GEMMs")
+                    views += transposes
                 casts.append(user)
                 dtypes.add(dtype)
                 continue
@@ -117,6 +126,22 @@ def _reads(p: fx.Node) -> tuple[list[fx.Node], list[fx.Node], torch.dtype] | str
     if len(dtypes) > 1:
         return "cast to " + " and ".join(sorted(str(d) for d in dtypes))
     return views, casts, dtypes.pop()
+
+
+def _gemm_operand(node: fx.Node, transposes: list[fx.Node]) -> bool:
+    """Every read of node is an operand of an mm / bmm, directly or through transposes
+    (collected in `transposes`): readers whose values and output layout do not depend on node's
+    strides (MLA's W_UK / W_UV, column slices of kv_b cast under autocast)."""
+    for user in node.users:
+        if user.op == "call_function" and user.target in _GEMMS:
+            continue
+        if (user.op == "call_function" and user.target in _TRANSPOSES and user.args[0] is node
+                and not written_in_place(user)):
+            transposes.append(user)
+            if _gemm_operand(user, transposes):
+                continue
+        return False
+    return bool(node.users)
 
 
 def _narrowed(p: fx.Node) -> bool:

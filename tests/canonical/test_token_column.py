@@ -71,6 +71,34 @@ def test_lookalikes_stay(fn, T):
     assert_same(after(*args), before(*args))
 
 
+def upcast_window(x, state, taps):  # spell11's: a bf16 window convolved in fp32 (fp32 taps)
+    window = torch.cat([state, x[:, 0, :, None]], dim=-1)
+    y = F.conv1d(window.float(), taps, groups=C).view(B, C)
+    return torch.stack([F.silu(y).to(x.dtype)], dim=1), window[:, :, 1:]
+
+
+def downcast_window(x, state, taps):  # look-alike: the window narrowed before the conv
+    window = torch.cat([state, x[:, 0, :, None]], dim=-1)
+    return F.conv1d(window.bfloat16(), taps.bfloat16(), groups=C), window[:, :, 1:]
+
+
+def test_a_window_convolved_through_its_upcast_takes_the_transpose():
+    """A bf16 conv state and token convolved in fp32 (`window.float()`, spell11): the column is
+    the transpose all the same, bit for bit."""
+    x, state, taps = _args()
+    args = (x.bfloat16(), state.bfloat16(), taps)
+    before, after, n = rewrite(token_column.RULE, upcast_window, *args)
+    assert n == 1 and "aten.select.int" not in targets(after)
+    assert_same(after(*args), before(*args))
+
+
+def test_a_window_narrowed_before_the_conv_stays():
+    args = _args()
+    before, after, n = rewrite(token_column.RULE, downcast_window, *args)
+    assert n == 0 and targets(after) == targets(before)
+    assert_same(after(*args), before(*args))
+
+
 @pytest.mark.slow
 def test_spell10_kda_fuses_with_its_per_token_conv():
     """spell10 with its per-token conv loop (T = 1) and its other KDA idioms on the fused

@@ -1,8 +1,9 @@
 """An eleventh spelling of K3 (`tests/models/spell11_k3.py`, written blind in a mixed-precision
 training codebase's style: fp32 master weights under `torch.autocast`, SDPA for MLA, grouped
 experts) under backend="k3": values hold; in fp32 the fused plan has every op the built-in
-model's has (session 32's rules); in bf16 it loses AttnRes, KDA, MLA and, under autocast, every
-GEMM fusion unless stage weight_cast is on (docs/spell11_spelling.md).
+model's has (session 32's rules); in bf16 it loses KDA, MLA and, under autocast, every GEMM
+fusion unless stage weight_cast is on, with which only the KDA step is lost (session 35;
+docs/spell11_spelling.md).
 
 Values (these must pass): the spelling's eager step equals the built-in model's on the same state
 dict (fp32, logits and every state, 4 steps, batch 2, one token and 3 verify rows); compiled
@@ -16,9 +17,10 @@ closed now:
 * attn_res_mix_norm, oproj_attn_res_mix_norm (every layer, the output mix): **fp32 closed**
   (session 32): the one cause was the bank's stack [B, T, S, D] flattened to [B*T, S, D] after
   the cat, which rule `depth_mix` now reads as the stack of the unflattened sources (the rsqrt
-  after the projection and the `bmm` mix it already took). bf16: still lost; the mix is
-  rebuilt as the fp32-scores form, but its weights are fp32 master weights, which no
-  attn_res_mix_norm variant takes (docs/spell11_spelling.md). With probe `mix` on, the compile
+  after the projection and the `bmm` mix it already took). **bf16 closed** (session 35): the
+  mix rebuilt as the fp32-scores form reads fp32 master weights, which pattern variant
+  `mix_weights_fp32` takes (the op's reference reads them as they are); the o_proj form fuses
+  where W_o is a weight input (stage weight_cast on), else it is lost with the GEMMs. With probe `mix` on, the compile
   crashed (session 31) where attn_res_mix_norm[delta] took a mix whose block input is a slice
   of the bank that holds the site's own prefix add (a cycle): the engine now refuses such a
   replacement (near miss).
@@ -34,7 +36,9 @@ closed now:
   three back) reaches rule mla_absorbed through sdpa_math's reading, its scale split as √c on q
   and on kᵀ before the products, which mla_absorbed now counts (it read only the scalars after
   the scores). In bf16 they are lost with the GEMMs (the weight casts; near miss: the cache
-  write's `expand` of the slots).
+  write's `expand` of the slots); with stage weight_cast on they fuse since session 35 (the
+  stage takes kv_b's column slices cast for a bmm; mla_uv_gate's fp32 gate island takes the
+  op's `gate_fp32` variant).
 * moe_experts (1-3), closed (session 32): the pairs sorted by expert (`torch.sort(stable=True)`)
   and put back by a gather through the inverse permutation (probe `token_order` brought it
   back): rule `pair_restore` computes the pairs in token order, and rule `expert_rows` takes
@@ -43,9 +47,8 @@ closed now:
   linear_concat, mla_lowrank_norm, the stream fork / join): under autocast each GEMM reads its
   fp32 master weight through a cast to bf16 in the graph, which no pattern takes. Closed by
   stage `weight_cast` where it is on (K3_WEIGHT_CAST=1; off by default, since a write through
-  `param.data` would not reach its copies): all but moe_front and with it the MoE stream fork /
-  join (1-3), whose router reads its fp32 master in an fp32 island (no cast to take) while
-  moe_front's variants take the router in the activations' dtype (`LOST_WEIGHT_CAST`).
+  `param.data` would not reach its copies): all, the MoE front with its fp32 router through
+  variant `moe_front[bfloat16,router_fp32]` since session 35 (`LOST_WEIGHT_CAST`).
 """
 
 from __future__ import annotations
@@ -66,23 +69,21 @@ GEMMS = {"situ_gate_up": 1, "linear": 1}
 MOE_GEMMS = {"stream_fork": 1, "situ_gate_up": 1, "moe_front": 1, "stream_join": 1,
              "norm_linear": 1}
 # layer -> the built-in plan's ops this spelling's plan lacks (a layer not named: none)
+# (bf16: attn_res_mix_norm fuses since session 35, variant mix_weights_fp32; the o_proj form
+# reads W_o through its cast, a GEMM gap)
+OPROJ = {"oproj_attn_res_mix_norm": 1}
 LOST = {
     torch.float32: {},  # every fusion of the built-in plan (session 32's rules)
-    torch.bfloat16: {0: {**KDA, "oproj_attn_res_mix_norm": 1, **GEMMS},
-                     1: {**MIX, **KDA, **MOE_GEMMS},
-                     2: {**MIX, **MLA, **MOE_GEMMS, "linear_concat": 1, "mla_lowrank_norm": 1},
-                     3: {**MIX, **MLA, **MOE_GEMMS, "linear_concat": 1, "mla_lowrank_norm": 1},
-                     -1: {"attn_res_mix_norm": 1, "linear": 1}},
+    torch.bfloat16: {0: {**KDA, **OPROJ, **GEMMS},
+                     1: {**KDA, **OPROJ, **MOE_GEMMS},
+                     2: {**MLA, **OPROJ, **MOE_GEMMS, "linear_concat": 1, "mla_lowrank_norm": 1},
+                     3: {**MLA, **OPROJ, **MOE_GEMMS, "linear_concat": 1, "mla_lowrank_norm": 1},
+                     -1: {"linear": 1}},
 }
-# bf16 with stage weight_cast on: fp32's gaps and the MoE front (module docstring)
-MOE_FRONT = {"stream_fork": 1, "moe_front": 1, "stream_join": 1}
-# (with bf16 weights KDA's in-projection fuses since session 33's rules: only the step is lost)
+# bf16 with stage weight_cast on: the KDA step alone (module docstring; with bf16 weights KDA's
+# in-projection fuses since session 33's rules)
 KDA_STEP = {"fb_kda_decode": 1}
-LOST_WEIGHT_CAST = {0: {**KDA_STEP, "oproj_attn_res_mix_norm": 1},
-                    1: {**MIX, **KDA_STEP, **MOE_FRONT},
-                    2: {**MIX, **MLA, **MOE_FRONT},
-                    3: {**MIX, **MLA, **MOE_FRONT},
-                    -1: {"attn_res_mix_norm": 1}}
+LOST_WEIGHT_CAST = {0: KDA_STEP, 1: KDA_STEP}
 # (pattern, dtype) whose loss must come with a near miss in that layer naming a node
 # (moe_experts, bf16: no longer lost, session 32's rule pair_restore)
 DIAGNOSED = (("kda_decode", torch.bfloat16), ("mla_decode", torch.bfloat16))
@@ -102,17 +103,17 @@ foreign.define_common_tests(globals(), "spell11", from_builtin, state_of, lost_b
 @pytest.mark.slow
 def test_checkpoint_weights_bring_the_bf16_gemm_fusions_back(reference_plan):
     """bf16 with the checkpoint's bf16 weights and no autocast (probe `checkpoint_weights`):
-    every GEMM fusion the autocast step loses returns, and MLA's q_absorb and decode with them;
-    what is left is KDA (closed in fp32 only), mla_uv_gate and the AttnRes mixes (measured; the
-    mixes: with bf16 weights the fold `w_norm * w_proj[0]` rounds in bf16, no canonical form's
-    rounding): the weight casts are the cause."""
+    every GEMM fusion the autocast step loses returns, and MLA's three ops with them (mla_uv_gate
+    since session 35: variant gate_fp32 takes the fp32 gate island); what is left is the KDA
+    step (closed in fp32 only) and the AttnRes mixes (measured; with bf16 weights the fold
+    `w_norm * w_proj[0]` rounds in bf16, no canonical form's rounding): the weight casts are the
+    cause."""
     builtin = foreign.builtin(torch.bfloat16)
     model, eager = (from_builtin(builtin).set_probe("checkpoint_weights") for _ in range(2))
     assert foreign.steps(foreign.compile_k3(model), eager, n=1) <= TOL["diffsuite_bf16"]
     got = foreign.lost(reference_plan, foreign.per_layer(foreign.last_compiled()))
-    mla = {**MIX, "mla_uv_gate": 1}
-    assert got == {0: {**KDA_STEP, "oproj_attn_res_mix_norm": 1}, 1: {**KDA_STEP, **MIX},
-                   2: mla, 3: mla, -1: {"attn_res_mix_norm": 1}}, got
+    assert got == {0: {**KDA_STEP, **OPROJ}, 1: {**KDA_STEP, **MIX}, 2: MIX, 3: MIX,
+                   -1: {"attn_res_mix_norm": 1}}, got
 
 
 @pytest.mark.slow

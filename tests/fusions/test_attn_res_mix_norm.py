@@ -256,3 +256,71 @@ def test_fp32_weight_norm_fuses_on_gpu_graphs(monkeypatch):
     assert "attn_res_mix_norm" not in report.deferred
     for got, want in zip(gm(*args), fn(*args)):
         torch.testing.assert_close(got, want)
+
+# mix_weights_fp32: bf16 sources, the mix's weights fp32 masters read as they are (spell11: fp32
+# master weights under torch.autocast, the mix in an fp32 island); the fold of the fp32 values
+
+
+def _fp32_mix_weights(args):
+    """`_inputs`' args with fp32 mix weights that bf16 cannot hold (so a rounding would show)."""
+    *acts, wmn, wmp, wn = args
+    g = torch.Generator().manual_seed(1)
+    finer = [w.float() * (1 + 1e-2 * torch.randn(w.shape, generator=g)) for w in (wmn, wmp)]
+    return [*acts, *finer, wn]
+
+
+@pytest.mark.parametrize("with_delta", [True, False])
+@pytest.mark.parametrize("n_blocks", [1, 3, 8])
+def test_fp32_mix_weights_fuse_as_their_variant(n_blocks, with_delta):
+    """fp32 mix weights beside bf16 sources (the scores in fp32): their own variant takes the
+    site, the op reads the fp32 weights as they are, bit-equal to the unfused graph."""
+    fn = _model(with_delta, depth_mix_scores_fp32)
+    args = _fp32_mix_weights(_inputs(n_blocks, with_delta))
+    gm, report = rewrite(fn, args, PATTERNS)
+    assert_rewritten_equal(gm, report, fn, args, "k3.attn_res_mix_norm")
+    kind = "delta" if with_delta else "no_delta"
+    assert [h.pattern for h in report.hits] == [
+        f"attn_res_mix_norm[blocks={n_blocks},{kind},scores_fp32,mix_weights_fp32]"]
+    op = next(n for n in gm.graph.nodes if str(n.target) == "k3.attn_res_mix_norm.default")
+    assert [a.meta["val"].dtype for a in op.args[3:5]] == [torch.float32] * 2
+    assert op.args[-3:] == (MIX_EPS, NORM_EPS, True)
+    assert not any(k in str(n.target) for n in gm.graph.nodes for k in ("amax", "rsqrt", "cat"))
+    # the fold of the fp32 values, not of their bf16 roundings
+    rounded = fn(*args[:-3], *(w.bfloat16() for w in args[-3:-1]), args[-1])
+    x = gm(*args)[0] if with_delta else gm(*args)
+    assert not torch.equal(x, rounded[0] if with_delta else rounded)
+
+
+def test_bf16_mix_weights_promoted_into_fp32_scores_are_left_alone():
+    """Look-alike: the same graph with bf16 mix weights multiplied into the fp32 scores by type
+    promotion (their fold rounded in bf16): the check refuses it (a near miss naming the
+    dtypes), the graph computes as before."""
+    def promoted(prefix, delta, *rest):
+        *blocks, wmn, wmp, wn = rest
+        prefix_out = prefix + delta
+        sources = torch.stack([*blocks, prefix_out]).float()
+        h = sources * torch.rsqrt(sources.pow(2).mean(-1, keepdim=True) + MIX_EPS)
+        alpha = torch.softmax((h * (wmn * wmp.view(-1))).sum(-1), dim=0)
+        mixed = (alpha.unsqueeze(-1) * sources).sum(0).to(prefix.dtype)
+        return rms_norm(mixed, wn, NORM_EPS), prefix_out
+
+    args = _inputs(2, True)
+    gm, report = rewrite(promoted, args, PATTERNS)
+    assert_near_miss(report, "attn_res_mix_norm[blocks=2,delta,scores_fp32,mix_weights_fp32]",
+                     "mix weights [torch.bfloat16, torch.bfloat16]")
+    for got, want in zip(gm(*args), promoted(*args)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_fp32_mix_weights_stay_with_inductor_on_gpu_graphs(monkeypatch):
+    """The kernel reads bf16 mix weights only (its refusal names them): a GPU graph defers the
+    site instead of running the reference op by op; bf16 mix weights still fuse there."""
+    with_kernel_limits(monkeypatch, "attn_res_mix_norm")
+    fn = _model(True, depth_mix_scores_fp32)
+    args = _fp32_mix_weights(_inputs(2, True))
+    gm, report = rewrite(fn, args, PATTERNS, kernels_only=True)
+    assert not report.hits and "attn_res_mix_norm" in report.deferred, report
+    for got, want in zip(gm(*args), fn(*args)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    gm, report = rewrite(fn, _inputs(2, True), PATTERNS, kernels_only=True)
+    assert [h.pattern for h in report.hits] == ["attn_res_mix_norm[blocks=2,delta,scores_fp32]"]

@@ -134,3 +134,73 @@ def test_b1_graph_hands_w_uv_to_the_kernel_in_place(monkeypatch):
     w_kvb = args[2]
     assert w_uv.data_ptr() == w_kvb.data_ptr() + N * C * w_kvb.element_size(), "not kv_b's view"
     assert w_uv.stride() == ((N + V) * C, C, 1)
+
+
+# gate_fp32: the gate product in an fp32 island, one rounding (fp32 islands under autocast:
+# tests/models/spell11_k3.py's `(o.float() * sigmoid(g.float())).to(bf16)`)
+
+
+def uv_gate_fp32(p, kv_lat, w_kvb, g):
+    B, T = p.shape[:2]
+    o_lat, w_uv = _attend(p, kv_lat, w_kvb)
+    o = torch.einsum("bthc,hvc->bthv", o_lat, w_uv).reshape(B, T, H * V)
+    return (o.float() * torch.sigmoid(g.float())).to(o.dtype)
+
+
+def uv_gate_kept_fp32(p, kv_lat, w_kvb, g):  # look-alike: the fp32 product never rounded back
+    B, T = p.shape[:2]
+    o_lat, w_uv = _attend(p, kv_lat, w_kvb)
+    o = torch.einsum("bthc,hvc->bthv", o_lat, w_uv).reshape(B, T, H * V)
+    return o.float() * torch.sigmoid(g.float())
+
+
+@pytest.mark.parametrize("batch,tokens", [(1, 1), (3, 1), (1, 8), (3, 8)])
+def test_fp32_gate_fuses_as_its_variant(batch, tokens):
+    """The gate product in fp32 with one rounding: its own variant takes the site and the op runs
+    with gate_fp32=True, bit-equal to the unfused graph and not to K3's rounding of sigmoid(g)."""
+    args = _args(batch, tokens)
+    gm, report = rewrite(uv_gate_fp32, args, mla_uv_gate.patterns(), joint=True)
+    assert_rewritten_equal(gm, report, uv_gate_fp32, args, "k3.mla_uv_gate")
+    assert [h.pattern.endswith(",gate_fp32]") for h in report.hits] == [True], report.hits
+    (node,) = [n for n in gm.graph.nodes if n.target == torch.ops.k3.mla_uv_gate.default]
+    assert node.args[3:] == (True,)
+    assert not torch.equal(gm(*args), uv_gate(*args))
+
+
+def test_fp32_gate_kept_in_fp32_is_left_alone():
+    """Look-alike: the fp32 product never rounded back to bf16 (an fp32 output): no variant takes
+    it, the graph computes as before."""
+    args = _args(3, 1)
+    gm, report = rewrite(uv_gate_kept_fp32, args, mla_uv_gate.patterns(), joint=True)
+    assert not report.hits
+    torch.testing.assert_close(gm(*args), uv_gate_kept_fp32(*args), rtol=0, atol=0)
+
+
+def test_fp32_gate_stays_with_inductor_on_gpu_graphs(monkeypatch):
+    """gemv's gate variant rounds sigmoid(g) to bf16 (no gate_fp32 build): a GPU graph leaves the
+    site to Inductor with that reason, where the plain gate fuses at one row."""
+    with_kernel_limits(monkeypatch, "mla_uv_gate")
+    monkeypatch.setattr(settings.KERNELS, "gemv_fused", frozenset({"gate"}))
+    args = _args(1, 1)
+    gm, report = rewrite(uv_gate_fp32, args, mla_uv_gate.patterns(), joint=True,
+                         kernels_only=True)
+    assert not report.hits and "gate_fp32" in report.deferred["mla_uv_gate"], report
+    torch.testing.assert_close(gm(*args), uv_gate_fp32(*args), rtol=0, atol=0)
+    _, report = rewrite(uv_gate, args, mla_uv_gate.patterns(), joint=True, kernels_only=True)
+    assert [h.pattern for h in report.hits] == ["mla_uv_gate[B=1,T=1]"]
+
+
+def test_the_cuda_route_of_an_fp32_gate_is_its_reference():
+    """The op's CUDA implementation, handed gate_fp32, runs the reference (never gemv's gate
+    variant, whose rounding is K3's); checked on CPU tensors, the kernel call not reached."""
+    from k3compile.kernels import mla_uv_gate as kernel
+
+    from k3compile.ops.mla_uv_gate import mla_uv_gate_ref
+
+    p, kv_lat, w_kvb, g = _args(1, 1)
+    o_lat, w_uv = _attend(p, kv_lat, w_kvb)
+    want = mla_uv_gate_ref(o_lat, w_uv, g, True)
+    torch.testing.assert_close(kernel.mla_uv_gate_cuda(o_lat, w_uv, g, True), want, rtol=0,
+                               atol=0)
+    assert kernel.refusal(o_lat, w_uv, g, gate_fp32=True).startswith("gate_fp32")
+    torch.testing.assert_close(want, uv_gate_fp32(p, kv_lat, w_kvb, g), rtol=0, atol=0)

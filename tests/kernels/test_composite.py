@@ -114,6 +114,23 @@ def test_moe_front_router_in_fp32_from_bf16_weights(gen, n):
 
 
 @pytest.mark.parametrize("n", BUCKETS)
+def test_moe_front_with_an_fp32_router(gen, n):
+    """An fp32 router beside bf16 x (fp32 master weights under autocast: pattern variant
+    moe_front[bfloat16,router_fp32], GPU graphs fuse it): the CUDA route's two GEMMs, the logits
+    an fp32 GEMM of the upcast x equal to the reference's up to summation order, z the plain
+    bf16 GEMM (session 35; not yet run on a GPU)."""
+    x = _bf16(gen, n, HIDDEN)
+    router_w = torch.randn(EXPERTS, HIDDEN, generator=gen, device="cuda") * HIDDEN ** -0.5
+    down_w = _bf16(gen, LATENT, HIDDEN, scale=HIDDEN ** -0.5)
+    logits, z = torch.ops.k3.moe_front(x, router_w, down_w)
+    want_logits, want_z = moe_front_ref(x.cpu(), router_w.cpu(), down_w.cpu())
+    assert logits.dtype == torch.float32 and z.dtype == torch.bfloat16
+    assert rel_err(logits.cpu(), want_logits) < 1e-5
+    torch.testing.assert_close(z.cpu(), want_z, **TOL["bf16"])
+    assert rel_err(z.cpu(), want_z) < TOL["bf16_rel_norm"]
+
+
+@pytest.mark.parametrize("n", BUCKETS)
 def test_linear_concat(gen, n):
     """KDA's fused in-projection (q|k|v|g|f_a|b, 3206 rows at TP16) over the cached
     concatenation: our skinny GEMM at one row, cuBLAS above, against the reference GEMM."""

@@ -16,7 +16,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import k3compile.backend as k3be
 from k3compile.settings import Options
 from k3compile.stages import Context
-from k3compile.stages.weight_cast import cast_inputs
+from k3compile.stages.weight_cast import cast_dtype, cast_inputs
 from tests.conftest import TOL, rel_err
 
 prims = torch.ops.prims
@@ -148,6 +148,38 @@ def test_views_of_one_stacked_weight_cast_after_the_split():
     assert torch.equal(_call(gm, cast, [x, w]), before(x, w))
 
 
+@pytest.mark.parametrize("heads", [False, True], ids=["mm", "bmm"])
+def test_column_slices_cast_for_gemms_become_slices_of_the_copy(heads):
+    """A cast of a non-dense view (MLA's W_UK / W_UV, column slices of kv_b: laid out anew by
+    the cast) read only by GEMMs, directly or through a transpose: the GEMMs read the slices of
+    the copy, bitwise the cast's values (the GEMMs ignore their operands' strides)."""
+    if heads:  # spell11's MLA: kv_b viewed heads-first, sliced, each slice cast for a bmm
+        x, (w,) = torch.randn(4, 3, 8), _weights((4 * 12, 8))
+
+        def fn(x, w):
+            kv = w.view(4, 12, 8)
+            q = torch.bmm(x.to(bf16), kv[:, :8].to(bf16))  # [4, 3, 8]
+            return torch.bmm(q, kv[:, 8:].mT.to(bf16))  # [4, 3, 4]
+    else:
+        x, (w,) = torch.randn(3, 8), _weights((8, 8))
+
+        def fn(x, w):
+            return x[:, :4].to(bf16) @ w[:, :4].to(bf16).t()
+
+    gm, cast, _, before = _stage(fn, [x, w])
+    assert cast is not None and cast.positions == [1]
+    casts, source = [n for n in gm.graph.nodes if cast_dtype(n) is not None], None
+    for source in casts:  # x's cast alone is left
+        while source.op != "placeholder":
+            source = source.args[0]
+    assert len(casts) == 1 and source is _placeholders(gm)[0], casts
+    call = cast.wrap(lambda args: gm(*args))
+    assert torch.equal(call([x, w]), before(x, w))
+    with torch.no_grad():  # an update of the master reaches the slices: the copy is the whole
+        w.mul_(1.5).add_(0.01)
+    assert torch.equal(call([x, w]), before(x, w))
+
+
 def _left(fn, inputs, user=(0,)):
     gm, cast, ctx, _ = _stage(fn, inputs, user)
     assert cast is None and all(p.meta["val"].dtype == v.dtype
@@ -178,9 +210,9 @@ def test_what_is_left_alone(case):
         assert "cast to torch.bfloat16 and torch.float16" in report.skipped[0], report
     elif case == "user_input":  # an activation the caller passes: never ours to copy
         assert _left(lambda x, w: x.to(bf16) @ w.to(bf16), [x, w], user=(0, 1)) is None
-    elif case == "column_slice":  # a cast of a non-dense view is laid out anew
-        report = _left(lambda x, w: x[:, :4].to(bf16) @ w[:, :4].to(bf16).t(), [x, w])
-        assert "non-dense" in report.skipped[0], report
+    elif case == "column_slice":  # a cast of a non-dense view read by a view: its layout counts
+        report = _left(lambda x, w: x.to(bf16) @ w[:, :4].to(bf16).view(4, 8).t(), [x, w])
+        assert "non-dense" in report.skipped[0] and "more than GEMMs" in report.skipped[0], report
     elif case == "output":  # the copy would alias an output the caller keeps
         report = _left(lambda x, w: (x.to(bf16) @ w.to(bf16), w.to(bf16)), [x, w])
         assert "is an output" in report.skipped[0], report
