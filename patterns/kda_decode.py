@@ -201,8 +201,10 @@ def replace(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weig
 # CPU graphs fuse every variant (the reference is the CPU kernel). Three conv states: since
 # session 30 the op takes them on torch 2.11 too, and test_kda_decode_three_states.py's GPU test
 # passed (H100, 2026-12-06), as did spell8's CUDA plan test with them in this set.
+# `conv_products_rounded`: test_kda_decode_products.py's GPU tests passed (H100, session 35).
 GPU_TESTED_FLAGS = frozenset({"norm_fp32", "conv_time_major", "state_v_major", "o_fp32",
-                              "norm_weight_fp32", "conv_rounded", "three_conv_states"})
+                              "norm_weight_fp32", "conv_rounded", "three_conv_states",
+                              "conv_products_rounded"})
 
 
 def kernel_refusal(variant: KDAVariant):

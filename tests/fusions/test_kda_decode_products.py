@@ -191,18 +191,26 @@ def test_cuda_eager_window_sum_is_the_references(T):
     torch.testing.assert_close(cuda, window_sum_rounded(window, taps).bfloat16(), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("tested", [True, False], ids=["tested", "untested"])
 @pytest.mark.parametrize("flags", SPELLINGS, ids=["builtin", "fla"])
-def test_site_stays_off_gpu_graphs_until_its_gpu_test_passes(flags):
-    """As on a GPU graph (`kernels_only`): `conv_products_rounded` is not in
-    `kda_decode.GPU_TESTED_FLAGS` (its GPU test is written, not run: session 34 had no GPU), so
-    the site is left to Inductor there, with the reason; the graph's values unchanged"""
-    assert "conv_products_rounded" not in kda_decode.GPU_TESTED_FLAGS
+def test_site_on_gpu_graphs_once_its_gpu_test_passed(flags, tested, monkeypatch):
+    """As on a GPU graph (`kernels_only`): `conv_products_rounded` fuses now that it is in
+    `kda_decode.GPU_TESTED_FLAGS` (its GPU tests passed on an H100, session 35); without it in
+    the set the site stays with Inductor, deferred naming the flag. Values: the fused graph runs
+    the reference op (its rounding is the spelling's), the unfused one is the step itself."""
+    if not tested:
+        monkeypatch.setattr(kda_decode, "GPU_TESTED_FLAGS",
+                            kda_decode.GPU_TESTED_FLAGS - {"conv_products_rounded"})
     args = _inputs(1, 2, flags)
     step = _unfused(flags)
     gm, report = rewrite(step, _clone(args), [_variant(1, 2, flags)], joint=True,
                          kernels_only=True)
-    assert not report.hits and "k3.kda_decode.default" not in targets(gm)
-    assert "conv_products_rounded" in report.deferred["kda_decode"]
+    if tested:
+        assert len(report.hits) == 1, report
+        assert "k3.kda_decode.default" in targets(gm)
+    else:
+        assert not report.hits and "k3.kda_decode.default" not in targets(gm)
+        assert "conv_products_rounded" in report.deferred["kda_decode"]
     for w, g in zip(step(*_clone(args)), gm(*_clone(args))):
         torch.testing.assert_close(g, w, rtol=0, atol=0)
 
