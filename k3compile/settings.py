@@ -61,7 +61,8 @@ SWITCHES: dict[str, tuple[str, str]] = {
                           "64 rows; slower than the per-pair kernels on the H100 (session 30)"),
                          "0"),
     "K3_KDA_FB": (("kernels: `fb_kda_decode` in one launch (the KDA kernel computes the f_b "
-                   "projection itself; the default is the f_b GEMM, then the KDA kernel)"), "0"),
+                   "projection itself) at buckets of at least N requests: `1` every bucket, `0` "
+                   "never (the f_b GEMM, then the KDA kernel)"), "0"),
     "K3_CHECK_KERNEL": (("kernels: the device-side input check and redirect (`validate=device` on "
                          "CUDA) as one CuTe kernel launch per step (`0`: Inductor's 1-5 "
                          "kernels)"), "1"),
@@ -163,6 +164,17 @@ def parse_auto_bool(name: str, value: str | None) -> bool | None:
     if value is None or value.strip().lower() in ("", "auto"):
         return None
     return parse_bool(name, value)
+
+
+def parse_min_rows(name: str, value: str | None) -> int:
+    """A switch on from a bucket of N requests: unset, empty or a false word -> 0 (never); a
+    true word -> 1 (every bucket); else N >= 1."""
+    v = (value or "").strip().lower()
+    if not v or v in _TRUE or v in _FALSE:
+        return int(bool(parse_bool(name, v or "0")))
+    if not v.isdigit():
+        raise ValueError(f"{name}={value!r}: expected a boolean or a number of requests")
+    return int(v)
 
 
 def parse_late_trigger(value: str | None) -> float | None:
@@ -342,7 +354,9 @@ class KernelSettings:
     # moe_experts' packed fp16 decode; None: `auto` (kernels/moe_experts.py, `f16_decode`)
     moe_f16: bool | None = None
     moe_by_expert: bool = False  # moe_experts FC1 by expert, fp16 decode (kernels/moe_experts.py)
-    kda_fb: bool = False  # fb_kda_decode's one-launch build (kernels/fb_kda_decode.py)
+    # fb_kda_decode's one-launch build at buckets of at least this many requests; 0: never
+    # (kernels/fb_kda_decode.py)
+    kda_fb: int = 0
     check_kernel: bool = True  # validate's device check as one launch (kernels/input_check.py)
     build_workers: int = 0  # a bucket's kernels built by a pool (kernels/common/build_pool.py);
     # from_env's default is `auto` (parse_workers)
@@ -364,7 +378,7 @@ class KernelSettings:
                    moe_grouped=bool(env_bool("K3_MOE_GROUPED")),
                    moe_f16=parse_auto_bool("K3_MOE_F16", env("K3_MOE_F16")),
                    moe_by_expert=bool(env_bool("K3_MOE_BY_EXPERT")),
-                   kda_fb=bool(env_bool("K3_KDA_FB")),
+                   kda_fb=parse_min_rows("K3_KDA_FB", env("K3_KDA_FB")),
                    check_kernel=env_bool("K3_CHECK_KERNEL") is not False,
                    build_workers=parse_workers(env("K3_BUILD_WORKERS")))
 

@@ -6,8 +6,9 @@ KDA recurrent step.
 Two launches by default: `router.linear` on the flat rows (our skinny GEMM at one row, cuBLAS
 above), then the kda_decode kernel. With K3_KDA_FB (`settings.KERNELS.kda_fb`), one launch: the
 kda_decode kernel's f_b build (`fb_rank` R), each CTA computing the graw of its head in its
-prologue (fp32 sums, one bf16 rounding, as the GEMM's output); where that build refuses (reason
-logged and counted), the two launches. Opt-in: on the H200 (session 20, A/B/A in one machine
+prologue (fp32 sums, one bf16 rounding, as the GEMM's output), at batch buckets of at least
+K3_KDA_FB requests (`1`: every bucket); where that build refuses (reason logged and counted),
+the two launches. Opt-in: on the H200 (session 20, A/B/A in one machine
 start) it lost 6.6% at B1 and 5.4% at B1xT8 and tied at B8: the graw sums read W_fb from global
 memory after the PDL wait, on the critical path, where the GEMM's weight loads ran before its own
 wait. Since session 21 each CTA copies its head's W_fb rows to shared memory before the wait
@@ -44,6 +45,13 @@ def refusal(q, k, v, g, fa, fb_weight, b, *rest, **options) -> str | None:
     return kda_decode.refusal(q, k, v, g, graw, b, *rest, **options)
 
 
+def one_launch_wanted(batch: int, step: KDAVariant) -> bool:
+    """K3_KDA_FB asks for the one-launch build at this batch's bucket, and the build has this
+    variant (the built-in step or fla's fp32 norm; the kernel's own limits are checked after)."""
+    return bool(KERNELS.kda_fb) and bucket(batch) >= KERNELS.kda_fb and \
+        step in (BUILTIN, KDAVariant(norm_fp32=True))
+
+
 def fb_kda_decode_cuda(q, k, v, g, fa, fb_weight, b, conv_state, recurrent_state, slots,
                        q_conv_weight, k_conv_weight, v_conv_weight, A_log, dt_bias,
                        o_norm_weight, lower_bound, l2_eps, q_scale, norm_eps, k_conv_state=None,
@@ -63,7 +71,7 @@ def fb_kda_decode_cuda(q, k, v, g, fa, fb_weight, b, conv_state, recurrent_state
     # the Flax norm, a rounded conv): kda_decode's build for it after our GEMM (the one-launch
     # build has none of those)
     step = KDAVariant.parse(variant, k_conv_state is not None)
-    if not KERNELS.kda_fb or step not in (BUILTIN, KDAVariant(norm_fp32=True)):
+    if not one_launch_wanted(B, step):
         return two_launches()
     if refusal(*args, variant=variant):  # kda_decode's own: its fallback, logged there
         return two_launches()

@@ -222,6 +222,21 @@ def test_a_bad_late_trigger_is_an_error(value):
         settings.parse_late_trigger(value)
 
 
+@pytest.mark.parametrize("value,expected", [(None, 0), ("", 0), ("0", 0), ("off", 0), ("1", 1),
+                                            ("on", 1), ("8", 8)])
+def test_kda_fb_switch(value, expected, monkeypatch):
+    """K3_KDA_FB: a boolean (every bucket or none) or the smallest bucket, in requests."""
+    if value is not None:
+        monkeypatch.setenv("K3_KDA_FB", value)
+    assert settings.KernelSettings.from_env().kda_fb == expected
+
+
+@pytest.mark.parametrize("value", ["-3", "big", "2.5"])
+def test_a_bad_kda_fb_is_an_error(value):
+    with pytest.raises(ValueError, match="K3_KDA_FB"):
+        settings.parse_min_rows("K3_KDA_FB", value)
+
+
 def test_options_from_environment(monkeypatch):
     monkeypatch.setenv("K3_SIDE_STREAMS", "off")
     monkeypatch.setenv("K3_VERIFY", "yes")

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from k3compile.kernels import fb_kda_decode as fb_kernel
 from k3compile.kernels import kda_decode as kernel
 
-from k3compile.ops.kda_decode import ConvRounding, KDAVariant, kda_decode_ref
+from k3compile.ops.kda_decode import BUILTIN, ConvRounding, KDAVariant, kda_decode_ref
 from k3compile.settings import KERNELS
 from tests.kernel_checks import (
     BUCKETS,
@@ -787,10 +787,12 @@ def test_off_gpu_runs_the_reference(caplog):
     assert torch.equal(conv, ref_conv) and torch.equal(state, ref_state)
 
 
-def test_fb_two_launches_by_default(caplog, monkeypatch):
-    """Without K3_KDA_FB, fb_kda_decode takes the GEMM and then kda_decode, logging no refusal
-    (it is the default, not a fallback); off the GPU they run their references: the op's values."""
-    monkeypatch.setattr(KERNELS, "kda_fb", False)
+@pytest.mark.parametrize("kda_fb", [False, 4], ids=["off", "from_4"])
+def test_fb_two_launches_by_default(kda_fb, caplog, monkeypatch):
+    """Without K3_KDA_FB, or below its bucket (2 requests, K3_KDA_FB=4), fb_kda_decode takes the
+    GEMM and then kda_decode, logging no refusal (it is the setting, not a fallback); off the GPU
+    they run their references: the op's values."""
+    monkeypatch.setattr(KERNELS, "kda_fb", kda_fb)
     inp = Inputs(_cpu_gen(), 2, 2, H=2, device="cpu")
     conv, state = inp.conv_state.clone(), inp.state.clone()
     with caplog.at_level(logging.DEBUG, logger="k3compile.kernels"):
@@ -800,3 +802,14 @@ def test_fb_two_launches_by_default(caplog, monkeypatch):
     inp.graw = F.linear(inp.fa, inp.fb_weight)
     assert torch.equal(got, kda_decode_ref(*inp.args(ref_conv, ref_state)))
     assert torch.equal(conv, ref_conv) and torch.equal(state, ref_state)
+
+
+@pytest.mark.parametrize("kda_fb,batch,variant,wanted", [
+    (0, 8, BUILTIN, False), (1, 1, BUILTIN, True), (8, 1, BUILTIN, False),
+    (8, 5, BUILTIN, True),  # bucket 8
+    (8, 64, KDAVariant(norm_fp32=True), True), (1, 8, KDAVariant(conv_time_major=True), False)])
+def test_fb_one_launch_by_bucket_and_variant(kda_fb, batch, variant, wanted, monkeypatch):
+    """K3_KDA_FB=N asks for the one-launch build from the bucket of N requests on, for the two
+    variants the build has (the built-in step, fla's fp32 norm)."""
+    monkeypatch.setattr(KERNELS, "kda_fb", kda_fb)
+    assert fb_kernel.one_launch_wanted(batch, variant) is wanted
