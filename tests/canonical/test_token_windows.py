@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from k3compile.canonical import token_windows
-from tests.canonical.rule_checks import assert_same, rewrite, targets
+from tests.canonical.rule_checks import assert_same, rewrite, rewritten, targets
 from tests.canonical.spell10_kda import kda_plan_with_only
 from tests.conftest import rel_err
 
@@ -84,6 +84,41 @@ def test_product_sum_windows_are_one_product_sum(T):
     (total,) = [x for x in after.graph.nodes if short_conv.products_conv(x) is not None]
     assert tuple(total.meta["val"].shape) == (B, C, T)
     assert_same(after(*args), before(*args))
+
+
+def plain_sums(x, state, taps):  # the loop's conv written as `(window * w).sum(-1)`
+    outs = []
+    for t in range(x.shape[1]):
+        window = torch.cat([state, x[:, t, :, None]], dim=-1)
+        outs.append(F.silu((window * taps.squeeze(1)).sum(-1)))
+        state = window[:, :, 1:]
+    return torch.stack(outs, dim=1), state
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T", [1, 3])
+def test_plain_window_sums_take_the_chain(T, dtype):
+    """The loop's window sum written plainly (spell11's probe `conv_window`, helper conv11):
+    short_conv makes each sum a conv (fp32) or the product sum (bf16) and drops the sum it
+    replaced, so each window keeps its two readers; then token_column (T = 1) or token_windows
+    (T > 1) takes the loop: one window, one contraction over it (session 35; before, the sum's
+    dead product was a third reader and T > 1 kept T convs). bf16 bit for bit, fp32 within the
+    conv's summation order."""
+    from k3compile.canonical import short_conv, token_column
+
+    args = [a.to(dtype) for a in _args(T)]
+    gm, counts = rewritten(plain_sums, args, short_conv.RULE, token_column.RULE,
+                           token_windows.RULE)
+    assert counts == [T, 1, 0] if T == 1 else [T, 0, 1]
+    ops = targets(gm)
+    kind = "aten.convolution.default" if dtype == torch.float32 else "aten.unfold.default"
+    assert ops.count(kind) == 1 and "aten.select.int" not in ops
+    want = plain_sums(*args)
+    if dtype == torch.bfloat16:
+        assert_same(gm(*args), want)
+    else:
+        for got, ref in zip(gm(*args), want, strict=True):
+            assert got.dtype == ref.dtype and got.shape == ref.shape and rel_err(got, ref) <= 1e-6
 
 
 def one_token(x, state, taps):  # T = 1: rule token_column's
