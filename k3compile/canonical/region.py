@@ -11,8 +11,8 @@ which is the form the patterns' searches have. Nothing is replaced where the reg
 node other than its inputs (a constant table aside: nodes with no inputs), or already is the
 canonical form.
 
-`val`, `shape` and `static_shape` are the rules' shared readers of a node's fake value, and
-`arange_length` their one reading of an arange.
+`val`, `shape` and `static_shape` are the rules' shared readers of a node's fake value,
+`arange_length` their one reading of an arange, and `weight_rows` of F.linear's GEMM.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from torch import fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.utils._pytree import tree_map
 
-from k3compile.graph import call, fake_value
+from k3compile.graph import call, fake_value, input_view
 from k3compile.rewrite import inductor
 
 aten, prims = torch.ops.aten, torch.ops.prims
@@ -66,6 +66,15 @@ def arange_length(node) -> int | None:
         return node.args[1]
     return None
 
+
+def weight_rows(gemm: fx.Node) -> bool:
+    """The GEMM (`mm` / `addmm`) is F.linear's: x times the transpose of a parameter or of rows
+    of one."""
+    w = gemm.args[2] if gemm.target is aten.addmm.default else gemm.args[1]
+    if w.target is not aten.permute.default or list(w.args[1]) != [1, 0]:
+        return False
+    found = input_view(w.args[0])
+    return found is not None and not found[0].meta.get("k3_user_input")
 
 def root(node: fx.Node, through=VIEWS) -> fx.Node:
     """The first node up node's chain of `through` ops."""
