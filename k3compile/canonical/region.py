@@ -12,7 +12,8 @@ node other than its inputs (a constant table aside: nodes with no inputs), or al
 canonical form.
 
 `val`, `shape` and `static_shape` are the rules' shared readers of a node's fake value,
-`arange_length` their one reading of an arange, and `weight_rows` of F.linear's GEMM.
+`arange_length` their one reading of an arange, and `weight_rows` of F.linear's GEMM; `splice` /
+`splice_if_same` the one ending of the rules that copy a traced canonical form in whole.
 """
 
 from __future__ import annotations
@@ -275,18 +276,55 @@ def replace(inputs: list[fx.Node], output: fx.Node, fn, rtol: float, cache: dict
         return None
     graph = output.graph
     env = dict(zip([n for n in gm.graph.nodes if n.op == "placeholder"], inputs))
+    # node by node with `call`, not `splice`: each value (its strides) is recomputed from the
+    # graph's own inputs, where the trace ran on contiguous stand-ins (`_trace`)
     with graph.inserting_before(output):
         for n in body:
             args, kwargs = fx.map_arg((n.args, n.kwargs), env.__getitem__)
             env[n] = call(graph, n.target, args, kwargs, like=output)
-    out = gm.graph.output_node().args[0]
-    new = env[out[0] if isinstance(out, (list, tuple)) else out]
+    new = env[output_of(gm)]
     if shape(new) != shape(output) or val(new).dtype != val(output).dtype:
         return None
     output.replace_all_uses_with(new)
     refresh([new])
     return new
 
+
+def output_of(gm: fx.GraphModule) -> fx.Node:
+    """The node a traced function's one output is."""
+    out = gm.graph.output_node().args[0]
+    return out[0] if isinstance(out, (list, tuple)) else out
+
+
+def splice(graph: fx.Graph, gm: fx.GraphModule, inputs: list[fx.Node], site: fx.Node,
+           rule: str | None = None) -> fx.Node:
+    """gm's graph copied in before site, reading inputs; its nodes take site's module stack
+    (and `meta["k3_rule"] = rule`, where given)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    before = set(graph.nodes)
+    with graph.inserting_before(site):
+        out = graph.graph_copy(gm.graph, dict(zip(placeholders, inputs)))
+    stack = site.meta.get("nn_module_stack")
+    for n in graph.nodes:
+        if n not in before:
+            if stack:
+                n.meta["nn_module_stack"] = stack
+            if rule:
+                n.meta["k3_rule"] = rule
+    return out[0] if isinstance(out, (list, tuple)) else out
+
+
+def splice_if_same(graph: fx.Graph, gm: fx.GraphModule, inputs: list[fx.Node],
+                   site: fx.Node) -> bool:
+    """`splice`, and site's uses moved to the copy where its output has site's shape and dtype
+    (True); else the copy is left unread, for dead-code elimination (False). The ending of the
+    rules that splice a traced canonical form (expert_combine, expert_dense, expert_gather,
+    expert_gemm, expert_pick, expert_slots, expert_split)."""
+    new = splice(graph, gm, inputs, site)
+    if shape(new) != shape(site) or val(new).dtype != val(site).dtype:
+        return False
+    site.replace_all_uses_with(new)
+    return True
 
 def refresh(changed: list[fx.Node]) -> None:
     """Recompute meta["val"] downstream of nodes a rewrite put in place of others: their users'
