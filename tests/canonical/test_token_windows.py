@@ -170,3 +170,23 @@ def test_spell10_kda_fuses_with_its_per_token_conv_over_verify_rows(dtype):
     session 34)"""
     for layer, ops in kda_plan_with_only(None, dtype, rows=3).items():
         assert ops.get("fb_kda_decode") == 1 and ops.get("linear_concat") == 1, (layer, ops)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rows", [0, 3])
+def test_spell11_plain_window_sums_fuse_kda(rows):
+    """spell11 with its conv probed (`conv_window`: `(cat(W, x).float() * taps).sum(-1)` per
+    token, the state `cat(..)[..., 1:]`): fb_kda_decode and linear_concat in both KDA layers
+    at one token and at 3 verify rows (fp32), compiled equal to eager (before session 35: T = 1
+    only; helper conv11's finding)"""
+    from tests.conftest import TOL
+    from tests.models.spell11_k3 import from_builtin
+    from tests.spellings import foreign
+
+    builtin = foreign.builtin(torch.float32)
+    model, eager = (from_builtin(builtin).set_probe("conv_window") for _ in range(2))
+    assert foreign.steps(foreign.compile_k3(model), eager, n=2, rows=rows) <= TOL["aten_cpu"]
+    got = foreign.per_layer(foreign.last_compiled())
+    for layer in (0, 1):
+        assert got[layer]["fb_kda_decode"] == 1 and got[layer]["linear_concat"] == 1, \
+            (layer, dict(got[layer]))
