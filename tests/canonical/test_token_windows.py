@@ -1,9 +1,10 @@
 """token_windows: a conv state rolled token by token over T > 1 verify rows (spell10's
 `causal_conv1d_update` loop: T windows `cat([state, x[:, t, :, None]], -1)`, each convolved and
 SiLU'd, `state = window[:, :, 1:]`, the outputs stacked on dim 1) becomes one window of all T
-tokens, one conv over it, its SiLU transposed and its last taps-1 columns the state; a T = 1
-step, a window read elsewhere, per-token taps, per-token ops, a chain that reads another tensor
-and pieces stacked out of order stay."""
+tokens, one conv over it, its SiLU transposed and its last taps-1 columns the state (also where
+each conv was a plain window sum that rule short_conv rewrote); a T = 1 step, a window read
+elsewhere, per-token taps, per-token ops, a chain that reads another tensor and pieces stacked
+out of order stay."""
 
 from __future__ import annotations
 
