@@ -22,9 +22,9 @@ import torch
 from torch import fx
 
 from k3compile.canonical import Rule, rewrite_sites
-from k3compile.canonical.expert_gather import splice_if_same, traced
+from k3compile.canonical.expert_gather import traced
 from k3compile.canonical.expert_gemm import _routed
-from k3compile.canonical.region import call_on_cpu
+from k3compile.canonical.region import call_on_cpu, splice_if_same
 from k3compile.canonical.region import static_shape as _shape
 from k3compile.canonical.region import val as _val
 from k3compile.graph import RESHAPES

@@ -53,8 +53,15 @@ from torch import fx
 
 from k3compile.canonical import Rule, rewrite_sites
 from k3compile.canonical import expert_slots as slots
-from k3compile.canonical.expert_gather import splice_if_same, traced
-from k3compile.canonical.region import VIEWS, arange_length, call_on_cpu, on_cpu, root
+from k3compile.canonical.expert_gather import traced
+from k3compile.canonical.region import (
+    VIEWS,
+    arange_length,
+    call_on_cpu,
+    on_cpu,
+    root,
+    splice_if_same,
+)
 from k3compile.canonical.region import static_shape as _shape
 from k3compile.canonical.region import val as _val
 from k3compile.canonical.route_mask import _constant

@@ -19,6 +19,7 @@ import torch
 from torch import fx
 
 from k3compile.canonical import Rule, rewrite_sites
+from k3compile.canonical.region import splice_if_same
 from k3compile.canonical.region import static_shape as _shape
 from k3compile.canonical.region import val as _val
 from k3compile.graph import RESHAPES
@@ -113,32 +114,6 @@ def is_canonical_dequant(out: fx.Node, cache: dict) -> tuple[fx.Node, fx.Node, f
     return packed, scale, table
 
 
-def splice(graph: fx.Graph, gm: fx.GraphModule, inputs: list[fx.Node], site: fx.Node) -> fx.Node:
-    """gm's graph copied in before site, reading inputs; its nodes take site's module stack."""
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    before = set(graph.nodes)
-    with graph.inserting_before(site):
-        out = graph.graph_copy(gm.graph, dict(zip(placeholders, inputs)))
-    stack = site.meta.get("nn_module_stack")
-    for n in graph.nodes:
-        if n not in before and stack:
-            n.meta["nn_module_stack"] = stack
-    return out[0] if isinstance(out, (list, tuple)) else out
-
-
-def splice_if_same(graph: fx.Graph, gm: fx.GraphModule, inputs: list[fx.Node],
-                   site: fx.Node) -> bool:
-    """`splice`, and site's uses moved to the copy where its output has site's shape and dtype
-    (True); else the copy is left unread, for dead-code elimination (False). The ending of the
-    rules that splice a traced canonical form (expert_combine, expert_dense, expert_gather,
-    expert_slots, expert_split)."""
-    new = splice(graph, gm, inputs, site)
-    if _shape(new) != _shape(site) or _val(new).dtype != _val(site).dtype:
-        return False
-    site.replace_all_uses_with(new)
-    return True
-
-
 def _flat_gather(node: fx.Node) -> tuple[fx.Node, fx.Node] | None:
     """(source, flat index) of `index(src, [f])` / `index_select(src, 0, f)`, f 1-D."""
     if node.target is aten.index.Tensor and len(node.args[1]) == 1:
@@ -200,5 +175,4 @@ RULE = Rule("expert_gather", apply,
             "MXFP4 experts gathered by flattened top-k ids + view(N, k, ...) -> "
             "mxfp4_dequant(packed[ids], scale[ids], lut) with ids [N, k]")
 
-__all__ = ["RULE", "apply", "dequant_roots", "is_canonical_dequant", "same_graph", "splice",
-           "splice_if_same", "traced"]
+__all__ = ["RULE", "apply", "dequant_roots", "is_canonical_dequant", "same_graph", "traced"]

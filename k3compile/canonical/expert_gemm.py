@@ -34,6 +34,7 @@ import torch
 from torch import fx
 
 from k3compile.canonical import Rule, rewrite_sites
+from k3compile.canonical.region import splice_if_same
 from k3compile.canonical.region import static_shape as _shape
 from k3compile.rewrite import inductor
 
@@ -219,21 +220,7 @@ def _splice(graph: fx.Graph, node: fx.Node, site: tuple, traced: dict) -> bool:
     canonical = sorted(_op(n) for n in gm.graph.nodes if n.op == "call_function")
     if _cone(result, {w, x}) == canonical:
         return False  # already the einsum's form
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    before = set(graph.nodes)
-    with graph.inserting_before(result):
-        out = graph.graph_copy(gm.graph, dict(zip(placeholders, [x, w])))
-    new = out[0] if isinstance(out, (list, tuple)) else out
-    want = result.meta["val"]
-    if _shape(new) != _shape(result) or new.meta["val"].dtype != want.dtype:
-        return False
-    stack = result.meta.get("nn_module_stack")
-    if stack:  # the spliced nodes only: a top-level node elsewhere has no stack and keeps none
-        for n in graph.nodes:
-            if n not in before and "nn_module_stack" not in n.meta and n.op == "call_function":
-                n.meta["nn_module_stack"] = stack
-    result.replace_all_uses_with(new)
-    return True
+    return splice_if_same(graph, gm, [x, w], result)
 
 
 def apply(graph: fx.Graph) -> int:

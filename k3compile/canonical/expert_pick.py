@@ -45,7 +45,7 @@ import torch
 from torch import fx
 
 from k3compile.canonical import Rule, expert_gather, rewrite_sites
-from k3compile.canonical.region import VIEWS, arange_length, below
+from k3compile.canonical.region import VIEWS, arange_length, below, splice_if_same
 from k3compile.canonical.region import static_shape as _shape
 from k3compile.canonical.region import val as _val
 from k3compile.math import mxfp4_dequant
@@ -162,7 +162,7 @@ def _site(node: fx.Node, cache: dict):
 
 def _write(graph: fx.Graph, node: fx.Node, site: tuple, cache: dict) -> bool:
     out, inputs = site
-    return expert_gather.splice_if_same(graph, expert_gather.traced(_picked, inputs, cache),
+    return splice_if_same(graph, expert_gather.traced(_picked, inputs, cache),
                                         inputs, out)
 
 

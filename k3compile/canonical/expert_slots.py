@@ -53,8 +53,8 @@ from torch import fx
 from torch.utils._pytree import tree_flatten, tree_map
 
 from k3compile.canonical import Rule, rewrite_sites
-from k3compile.canonical.expert_gather import dequant_roots, splice_if_same, traced
-from k3compile.canonical.region import VIEWS, call_on_cpu, nodes_between, root
+from k3compile.canonical.expert_gather import dequant_roots, traced
+from k3compile.canonical.region import VIEWS, call_on_cpu, nodes_between, root, splice_if_same
 from k3compile.canonical.region import static_shape as _shape
 from k3compile.canonical.region import val as _val
 from k3compile.math import E2M1_VALUES, mxfp4_experts

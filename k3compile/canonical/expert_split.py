@@ -26,12 +26,8 @@ import torch
 from torch import fx
 
 from k3compile.canonical import Rule, rewrite_sites
-from k3compile.canonical.expert_gather import (
-    is_canonical_dequant,
-    same_graph,
-    splice_if_same,
-    traced,
-)
+from k3compile.canonical.expert_gather import is_canonical_dequant, same_graph, traced
+from k3compile.canonical.region import splice_if_same
 from k3compile.canonical.region import static_shape as _shape
 from k3compile.math import mxfp4_dequant
 

@@ -55,7 +55,7 @@ from k3compile.canonical.layout import (
     layout_source,
     terms,
 )
-from k3compile.canonical.region import call_on_cpu
+from k3compile.canonical.region import call_on_cpu, output_of, splice
 from k3compile.graph import call
 from k3compile.rewrite import inductor
 
@@ -485,24 +485,16 @@ def rewrite(graph: fx.Graph, site: Site, z: Sizes, scale: float) -> str | None:
     mode = torch._guards.detect_fake_mode(vals)
     with mode or contextlib.nullcontext():
         gm = inductor.fwd_only_joint(absorbed(z, scale), vals)
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    before = set(graph.nodes)
-    with graph.inserting_before(site.out):
-        new = graph.graph_copy(gm.graph, dict(zip(placeholders, inputs)))
-    added = [n for n in graph.nodes if n not in before]
-    old, got = site.out.meta["val"], new.meta.get("val")
+    old, got = site.out.meta["val"], output_of(gm).meta.get("val")
     # T-less (rule token_dim): o [B, H·V] from the canonical [B, 1, H·V]
     tokenless = got is not None and z.T == 1 and old.dim() == 2 and got.dim() == 3 \
         and list(got.shape) == [old.shape[0], 1, old.shape[1]]
     if got is None or got.dtype != old.dtype or list(got.shape) != list(old.shape) \
             and not tokenless:
-        for n in reversed(added):
-            graph.erase_node(n)
         return f"the absorbed form gives {got and got.dtype}{list(got.shape) if got is not None else ''}"
-    for n in added:
-        n.meta["k3_rule"] = "mla_absorb"
-        if "nn_module_stack" in site.out.meta:
-            n.meta["nn_module_stack"] = site.out.meta["nn_module_stack"]
+    # its own ending: a T-less site's output is [B, H·V], the copy's [B, 1, H·V] (checked on
+    # the trace, so nothing is copied in where the site stays)
+    new = splice(graph, gm, inputs, site.out, rule="mla_absorb")
     if tokenless:
         _lift_tokenless(graph, site, z, new)
     else:

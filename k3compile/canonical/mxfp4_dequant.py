@@ -496,6 +496,8 @@ def _splice(graph: fx.Graph, site: fx.Node, found: tuple[Stream, dict], shared: 
     canonical = sorted(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
     if _cone_targets(site, {stream.root, stream.scale}, streams) == canonical:
         return False  # already the canonical form
+    # not `region.splice_if_same`: the table's nodes, added here at the first site, take that
+    # site's module as the copy's do (splice labels only the copy; measured plans are per layer)
     before = set(graph.nodes)
     table = _table(graph, dtype, stream.root.meta["val"].device, tables)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]

@@ -44,19 +44,9 @@ from torch import fx
 from k3compile.canonical import Rule, rewrite_sites
 from k3compile.canonical.gate_up_split import _gemm, _rms_normed, _slice, _split, cut_columns
 from k3compile.canonical.proj_split import tiling
-from k3compile.canonical.region import shape
-from k3compile.graph import input_view
+from k3compile.canonical.region import shape, weight_rows
 
 aten = torch.ops.aten
-
-
-def _weight_rows(gemm: fx.Node) -> bool:
-    """The GEMM is F.linear's: x times the transpose of a parameter or of rows of one."""
-    w = gemm.args[2] if gemm.target is aten.addmm.default else gemm.args[1]
-    if w.target is not aten.permute.default or list(w.args[1]) != [1, 0]:
-        return False
-    found = input_view(w.args[0])
-    return found is not None and not found[0].meta.get("k3_user_input")
 
 
 def _head_normed(piece: fx.Node) -> bool:
@@ -79,7 +69,7 @@ def _head_normed(piece: fx.Node) -> bool:
 
 def _site(node: fx.Node):
     found = _gemm(node)
-    if not found or len(shape(node) or ()) < 2 or not _weight_rows(found[0]):
+    if not found or len(shape(node) or ()) < 2 or not weight_rows(found[0]):
         return None
     pieces = tiling(node)
     if not pieces:

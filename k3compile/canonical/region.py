@@ -11,8 +11,9 @@ which is the form the patterns' searches have. Nothing is replaced where the reg
 node other than its inputs (a constant table aside: nodes with no inputs), or already is the
 canonical form.
 
-`val`, `shape` and `static_shape` are the rules' shared readers of a node's fake value, and
-`arange_length` their one reading of an arange.
+`val`, `shape` and `static_shape` are the rules' shared readers of a node's fake value,
+`arange_length` their one reading of an arange, and `weight_rows` of F.linear's GEMM; `splice` /
+`splice_if_same` the one ending of the rules that copy a traced canonical form in whole.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from torch import fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.utils._pytree import tree_map
 
-from k3compile.graph import call, fake_value
+from k3compile.graph import call, fake_value, input_view
 from k3compile.rewrite import inductor
 
 aten, prims = torch.ops.aten, torch.ops.prims
@@ -66,6 +67,15 @@ def arange_length(node) -> int | None:
         return node.args[1]
     return None
 
+
+def weight_rows(gemm: fx.Node) -> bool:
+    """The GEMM (`mm` / `addmm`) is F.linear's: x times the transpose of a parameter or of rows
+    of one."""
+    w = gemm.args[2] if gemm.target is aten.addmm.default else gemm.args[1]
+    if w.target is not aten.permute.default or list(w.args[1]) != [1, 0]:
+        return False
+    found = input_view(w.args[0])
+    return found is not None and not found[0].meta.get("k3_user_input")
 
 def root(node: fx.Node, through=VIEWS) -> fx.Node:
     """The first node up node's chain of `through` ops."""
@@ -266,18 +276,55 @@ def replace(inputs: list[fx.Node], output: fx.Node, fn, rtol: float, cache: dict
         return None
     graph = output.graph
     env = dict(zip([n for n in gm.graph.nodes if n.op == "placeholder"], inputs))
+    # node by node with `call`, not `splice`: each value (its strides) is recomputed from the
+    # graph's own inputs, where the trace ran on contiguous stand-ins (`_trace`)
     with graph.inserting_before(output):
         for n in body:
             args, kwargs = fx.map_arg((n.args, n.kwargs), env.__getitem__)
             env[n] = call(graph, n.target, args, kwargs, like=output)
-    out = gm.graph.output_node().args[0]
-    new = env[out[0] if isinstance(out, (list, tuple)) else out]
+    new = env[output_of(gm)]
     if shape(new) != shape(output) or val(new).dtype != val(output).dtype:
         return None
     output.replace_all_uses_with(new)
     refresh([new])
     return new
 
+
+def output_of(gm: fx.GraphModule) -> fx.Node:
+    """The node a traced function's one output is."""
+    out = gm.graph.output_node().args[0]
+    return out[0] if isinstance(out, (list, tuple)) else out
+
+
+def splice(graph: fx.Graph, gm: fx.GraphModule, inputs: list[fx.Node], site: fx.Node,
+           rule: str | None = None) -> fx.Node:
+    """gm's graph copied in before site, reading inputs; its nodes take site's module stack
+    (and `meta["k3_rule"] = rule`, where given)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    before = set(graph.nodes)
+    with graph.inserting_before(site):
+        out = graph.graph_copy(gm.graph, dict(zip(placeholders, inputs)))
+    stack = site.meta.get("nn_module_stack")
+    for n in graph.nodes:
+        if n not in before:
+            if stack:
+                n.meta["nn_module_stack"] = stack
+            if rule:
+                n.meta["k3_rule"] = rule
+    return out[0] if isinstance(out, (list, tuple)) else out
+
+
+def splice_if_same(graph: fx.Graph, gm: fx.GraphModule, inputs: list[fx.Node],
+                   site: fx.Node) -> bool:
+    """`splice`, and site's uses moved to the copy where its output has site's shape and dtype
+    (True); else the copy is left unread, for dead-code elimination (False). The ending of the
+    rules that splice a traced canonical form (expert_combine, expert_dense, expert_gather,
+    expert_gemm, expert_pick, expert_slots, expert_split)."""
+    new = splice(graph, gm, inputs, site)
+    if shape(new) != shape(site) or val(new).dtype != val(site).dtype:
+        return False
+    site.replace_all_uses_with(new)
+    return True
 
 def refresh(changed: list[fx.Node]) -> None:
     """Recompute meta["val"] downstream of nodes a rewrite put in place of others: their users'

@@ -381,8 +381,9 @@ def _window_sums(graph: fx.Graph) -> int:
             done.update(inner)
         return found
 
-    # a loop's outermost add first
-    return rewrite_sites(graph, site, _convolve, reverse=True, tidy=False)
+    # a loop's outermost add first; the sums replaced go at once (rule token_windows wants each
+    # window read by its conv and its roll alone)
+    return rewrite_sites(graph, site, _convolve, reverse=True)
 
 
 RULE = Rule("short_conv", apply, "depthwise short conv as window sum / unfold / tap loop -> "

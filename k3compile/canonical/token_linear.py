@@ -35,8 +35,7 @@ import torch
 from torch import fx
 
 from k3compile.canonical import Rule, rewrite_sites
-from k3compile.canonical.proj_groups import _weight_rows
-from k3compile.canonical.region import static_shape
+from k3compile.canonical.region import static_shape, weight_rows
 from k3compile.graph import RESHAPES, call
 
 aten = torch.ops.aten
@@ -50,7 +49,7 @@ def _linear_of(node: fx.Node, x: fx.Node) -> bool:
     if node.op != "call_function" or node.target not in _GEMMS:
         return False
     operands = node.args[1:3] if node.target is aten.addmm.default else node.args[:2]
-    return len(operands) == 2 and operands[0] is x and _weight_rows(node)
+    return len(operands) == 2 and operands[0] is x and weight_rows(node)
 
 
 def _token_views(gemm: fx.Node, rows: int) -> list[fx.Node] | None:

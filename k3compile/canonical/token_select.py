@@ -121,6 +121,8 @@ def _write(graph: fx.Graph, node: fx.Node, site) -> bool:
             refresh([moved])
             return True
         sel = call(graph, aten.select.int, (moved, d, 0), like=node)
+    # erased, not left for dead-code removal as `region.splice_if_same` leaves its copy: `moved`
+    # reads node's inputs, and the rules after this one count their readers
     if shape(sel) != shape(node) or val(sel).dtype != val(node).dtype:
         graph.erase_node(sel)
         graph.erase_node(moved)

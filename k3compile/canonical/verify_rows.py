@@ -46,6 +46,7 @@ from k3compile.canonical.mla_absorb import (
 )
 from k3compile.canonical.mla_absorbed import _canonical_already, _sizes, check, find_site
 from k3compile.canonical.region import shape as _shape
+from k3compile.canonical.region import splice
 from k3compile.graph import call
 from k3compile.rewrite import inductor
 
@@ -163,15 +164,8 @@ def _apply_one(graph: fx.Graph, read: fx.Node, pos: fx.Node) -> str | None:
     if mm is not None:
         _read_bt(graph, mm, B, T)
     inputs = [q_in, site.weight, new_read, P]
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    before = set(graph.nodes)
-    with graph.inserting_before(site.out):
-        new = graph.graph_copy(gm.graph, dict(zip(placeholders, inputs)))
-    for n in graph.nodes:
-        if n not in before:
-            n.meta["k3_rule"] = "verify_rows"
-            if "nn_module_stack" in site.out.meta:
-                n.meta["nn_module_stack"] = site.out.meta["nn_module_stack"]
+    # its own ending: the [B, T, H·V] copy is read back through views of the N-row output
+    new = splice(graph, gm, inputs, site.out, rule="verify_rows")
     _readers_read(graph, site.out, new, B, T)
     _canonical_rows(graph, P)
     graph.eliminate_dead_code()

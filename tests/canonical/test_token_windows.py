@@ -1,9 +1,10 @@
 """token_windows: a conv state rolled token by token over T > 1 verify rows (spell10's
 `causal_conv1d_update` loop: T windows `cat([state, x[:, t, :, None]], -1)`, each convolved and
 SiLU'd, `state = window[:, :, 1:]`, the outputs stacked on dim 1) becomes one window of all T
-tokens, one conv over it, its SiLU transposed and its last taps-1 columns the state; a T = 1
-step, a window read elsewhere, per-token taps, per-token ops, a chain that reads another tensor
-and pieces stacked out of order stay."""
+tokens, one conv over it, its SiLU transposed and its last taps-1 columns the state (also where
+each conv was a plain window sum that rule short_conv rewrote); a T = 1 step, a window read
+elsewhere, per-token taps, per-token ops, a chain that reads another tensor and pieces stacked
+out of order stay."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from k3compile.canonical import token_windows
-from tests.canonical.rule_checks import assert_same, rewrite, targets
+from tests.canonical.rule_checks import assert_same, rewrite, rewritten, targets
 from tests.canonical.spell10_kda import kda_plan_with_only
 from tests.conftest import rel_err
 
@@ -86,6 +87,41 @@ def test_product_sum_windows_are_one_product_sum(T):
     assert_same(after(*args), before(*args))
 
 
+def plain_sums(x, state, taps):  # the loop's conv written as `(window * w).sum(-1)`
+    outs = []
+    for t in range(x.shape[1]):
+        window = torch.cat([state, x[:, t, :, None]], dim=-1)
+        outs.append(F.silu((window * taps.squeeze(1)).sum(-1)))
+        state = window[:, :, 1:]
+    return torch.stack(outs, dim=1), state
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T", [1, 3])
+def test_plain_window_sums_take_the_chain(T, dtype):
+    """The loop's window sum written plainly (spell11's probe `conv_window`, helper conv11):
+    short_conv makes each sum a conv (fp32) or the product sum (bf16) and drops the sum it
+    replaced, so each window keeps its two readers; then token_column (T = 1) or token_windows
+    (T > 1) takes the loop: one window, one contraction over it (session 35; before, the sum's
+    dead product was a third reader and T > 1 kept T convs). bf16 bit for bit, fp32 within the
+    conv's summation order."""
+    from k3compile.canonical import short_conv, token_column
+
+    args = [a.to(dtype) for a in _args(T)]
+    gm, counts = rewritten(plain_sums, args, short_conv.RULE, token_column.RULE,
+                           token_windows.RULE)
+    assert counts == [T, 1, 0] if T == 1 else [T, 0, 1]
+    ops = targets(gm)
+    kind = "aten.convolution.default" if dtype == torch.float32 else "aten.unfold.default"
+    assert ops.count(kind) == 1 and "aten.select.int" not in ops
+    want = plain_sums(*args)
+    if dtype == torch.bfloat16:
+        assert_same(gm(*args), want)
+    else:
+        for got, ref in zip(gm(*args), want, strict=True):
+            assert got.dtype == ref.dtype and got.shape == ref.shape and rel_err(got, ref) <= 1e-6
+
+
 def one_token(x, state, taps):  # T = 1: rule token_column's
     return _loop(x, state, taps)
 
@@ -135,3 +171,23 @@ def test_spell10_kda_fuses_with_its_per_token_conv_over_verify_rows(dtype):
     session 34)"""
     for layer, ops in kda_plan_with_only(None, dtype, rows=3).items():
         assert ops.get("fb_kda_decode") == 1 and ops.get("linear_concat") == 1, (layer, ops)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rows", [0, 3])
+def test_spell11_plain_window_sums_fuse_kda(rows):
+    """spell11 with its conv probed (`conv_window`: `(cat(W, x).float() * taps).sum(-1)` per
+    token, the state `cat(..)[..., 1:]`): fb_kda_decode and linear_concat in both KDA layers
+    at one token and at 3 verify rows (fp32), compiled equal to eager (before session 35: T = 1
+    only; helper conv11's finding)"""
+    from tests.conftest import TOL
+    from tests.models.spell11_k3 import from_builtin
+    from tests.spellings import foreign
+
+    builtin = foreign.builtin(torch.float32)
+    model, eager = (from_builtin(builtin).set_probe("conv_window") for _ in range(2))
+    assert foreign.steps(foreign.compile_k3(model), eager, n=2, rows=rows) <= TOL["aten_cpu"]
+    got = foreign.per_layer(foreign.last_compiled())
+    for layer in (0, 1):
+        assert got[layer]["fb_kda_decode"] == 1 and got[layer]["linear_concat"] == 1, \
+            (layer, dict(got[layer]))
