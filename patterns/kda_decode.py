@@ -224,14 +224,6 @@ def check(match, variant: KDAVariant = BUILTIN) -> str | None:
     for name in SCALARS:
         if not isinstance(match.kwargs[name], float):
             return f"{name} is not a compile-time float"
-    # Inductor's matcher passes a node's keyword arguments the pattern's node lacks: a sum that
-    # accumulates in another dtype (the window sum of bf16 products with dtype=fp32, unrounded)
-    # is not the pattern's sum
-    for n in getattr(match, "nodes", ()):
-        if n.target is torch.ops.aten.sum.dim_IntList and n.kwargs.get("dtype") not in (
-                None, n.args[0].meta["val"].dtype):
-            return (f"{n.name} sums {n.args[0].meta['val'].dtype} values with "
-                    f"dtype={n.kwargs['dtype']}, where the step sums in their own dtype")
     names = variant_names(three_states)
     meta = {n: tensor_meta(match.kwargs[n]) for n in names if n not in SCALARS}
     if any(t is None for t in meta.values()):

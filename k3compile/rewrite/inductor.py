@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+from typing import Any
 
 import torch
 from torch._functorch.aot_autograd import make_boxed_func
@@ -372,11 +373,56 @@ class _ExplainingContext(MatchContext):
             return FailedMatch("repeated_pattern: node={node} is not the node this pattern value "
                                "was bound to elsewhere ({bound})", node=node, pattern=pattern,
                                bound=self.pattern_to_node[pattern])
+        bound = pattern in self.pattern_to_node
         m = super().match(pattern, node)
+        if is_match(m) and not bound and (extra := extra_keyword(pattern, node)) is not None:
+            self.pattern_to_node[pattern] = None
+            key, default = extra
+            return FailedMatch("keyword_mismatch: node={node} has {key}={value!r}, which the "
+                               "pattern's op does not pass (default: {default})", node=node,
+                               key=key, value=node.kwargs[key], default=default)
         if (isinstance(m, FailedMatch) and not hasattr(m, "k3_node")
                 and str(getattr(m, "format_string", "")).startswith("multiple_users")):
             m.k3_node = node
         return m
+
+
+_NO_DEFAULT = "none in its schema"
+
+
+def _default(target, key: str):
+    """The schema default of `target`'s argument `key`, or _NO_DEFAULT (no schema, no such
+    argument, no default)."""
+    schema = getattr(target, "_schema", None)
+    arg = next((a for a in getattr(schema, "arguments", ()) if a.name == key), None)
+    if arg is None or not arg.has_default_value():
+        return _NO_DEFAULT
+    return arg.default_value
+
+
+def extra_keyword(pattern, node) -> tuple[str, Any] | None:
+    """(name, schema default) of a keyword argument of `node` that a matched pattern op lacks
+    and that is not at its default, or None. Inductor's matcher drops a node's keywords the
+    pattern's node does not pass, so `sum(x, [-1], dtype=torch.float32)` matched a pattern's
+    `sum(x, [-1])`: another value (docs/decisions.md, session 35). A keyword the pattern passes,
+    as a literal or left free (`KeywordArg`, `Ignored`), was matched by Inductor already; one
+    written out at the op's default (`alpha=1`) is the pattern's op."""
+    if not isinstance(pattern, CallFunction) or not isinstance(node, torch.fx.Node):
+        return None
+    for key, value in node.kwargs.items():
+        if key in pattern.kwargs:
+            continue
+        default = _default(node.target, key)
+        if default is _NO_DEFAULT or isinstance(value, torch.fx.Node) or not _same(value, default):
+            return key, default
+    return None
+
+
+def _same(value, default) -> bool:
+    try:
+        return value is default or bool(value == default)
+    except Exception:  # noqa: BLE001 (a value without a plain ==: not the default)
+        return False
 
 
 def match(expr, node):
@@ -528,6 +574,7 @@ __all__ = [
     "compile_fx_inner_direct",
     "compile_fx_static",
     "compile_kwargs",
+    "extra_keyword",
     "fake_inputs",
     "fwd_only",
     "fwd_only_fake",

@@ -230,6 +230,11 @@ def explain_failure(failure: Any, inputs: dict[fx.Node, int]) -> tuple[str, str,
                 inputs.get(node, 1) if isinstance(node, fx.Node) else 1)
     if (gap := getattr(failure, "k3_gap", None)) is not None:
         return (*_no_anchor(*gap), inputs.get(gap[0], 1))
+    if head == "keyword_mismatch" and isinstance(node := kw.get("node"), fx.Node):
+        tail = (f"has {kw['key']}={kw['value']!r}, which the pattern's op does not pass "
+                f"(default: {kw['default']})")
+        return (f"keyword_mismatch: {describe(node, module_path(node))} {tail}",
+                f"keyword_mismatch: a {op_label(node)} {tail}", inputs.get(node, 1))
     if head == "multiple_users" and args:
         fns = set(getattr(args[0], "fns", ()))
         at = getattr(failure, "k3_node", None)  # the graph node it failed at, where known

@@ -255,9 +255,9 @@ def test_a_look_alike_norm_near_miss_names_the_node(monkeypatch):
 
 def test_a_window_sum_in_fp32_is_refused_by_name():
     """Inductor's matcher ignores keyword arguments the pattern's node lacks, so a sum of the
-    bf16 products with dtype=fp32 (not rounded to bf16) matched the variant's sum; its check
-    refuses it, naming the sum, and the values hold (before the check the op rounded the sum:
-    another value)"""
+    bf16 products with dtype=fp32 (not rounded to bf16) matched the variant's sum; the engine's
+    match refuses it, naming the sum and its keyword, and the values hold (before the refusal
+    the op rounded the sum: another value)"""
     args = _inputs(1, 2, BUILTIN)
     gm = graph(_unfused(BUILTIN), *_clone(args), joint=True)
     total = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.sum.dim_IntList)
@@ -271,7 +271,7 @@ def test_a_window_sum_in_fp32_is_refused_by_name():
     gm.recompile()
     assert not report.hits
     (miss,) = report.near_misses
-    assert miss.reason.startswith(f"check refused: {total.name} sums torch.bfloat16 values with "
-                                  "dtype=torch.float32"), miss
+    assert miss.reason.startswith(f"keyword_mismatch: {total.name} (sum.dim_IntList float32"), miss
+    assert "has dtype=torch.float32, which the pattern's op does not pass" in miss.reason, miss
     for w, g in zip(want, gm(*_clone(args))):
         torch.testing.assert_close(g, w, rtol=0, atol=0)
