@@ -381,6 +381,12 @@ class _ExplainingContext(MatchContext):
             return FailedMatch("keyword_mismatch: node={node} has {key}={value!r}, which the "
                                "pattern's op does not pass (default: {default})", node=node,
                                key=key, value=node.kwargs[key], default=default)
+        if is_match(m) and not bound and (differs := literal_mismatch(pattern, node)) is not None:
+            self.pattern_to_node[pattern] = None
+            key, value, want = differs
+            return FailedMatch("literal_mismatch: node={node} has {key}={value!r} where the "
+                               "pattern's op has {want!r}", node=node, key=key, value=value,
+                               want=want)
         if (isinstance(m, FailedMatch) and not hasattr(m, "k3_node")
                 and str(getattr(m, "format_string", "")).startswith("multiple_users")):
             m.k3_node = node
@@ -423,6 +429,93 @@ def _same(value, default) -> bool:
         return value is default or bool(value == default)
     except Exception:  # noqa: BLE001 (a value without a plain ==: not the default)
         return False
+
+
+# ops whose `dim` says where a tensor is cut or reshaped, not what is computed: the sizes that
+# differ per site go with it (a split's sizes, a slice's bounds), so a pattern leaves them free
+_SHAPE_DIM_OPS = frozenset({
+    "select", "slice", "split", "split_with_sizes", "unsqueeze", "squeeze", "permute",
+    "transpose", "unfold", "narrow", "expand", "view", "reshape", "diagonal", "movedim",
+    "flatten", "unflatten", "unbind", "chunk"})
+_DIM_NAMES = frozenset({"dim", "dims", "dimension"})
+_NUMBER_TYPES = frozenset({"number", "Scalar", "float", "Tensor"})  # add.Tensor's other=1e-6
+
+
+def _rank(arg) -> int | None:
+    if isinstance(arg, (list, tuple)) and arg:
+        arg = arg[0]
+    val = arg.meta.get("val") if isinstance(arg, torch.fx.Node) else None
+    return val.dim() if isinstance(val, torch.Tensor) else None
+
+
+def literal_args(expr, search_gm: torch.fx.GraphModule) -> None:
+    """Keep on each op of a pattern tree the literals Inductor's `fx_to_pattern` left free
+    (`Ignored`: every int, float, list, dtype and device of the search graph), for
+    `literal_mismatch`. Free, a literal matched any value:
+    `mean(-2)` matched a pattern's `mean(-1)` and `pow(4)` its `pow(2)` (docs/decisions.md,
+    session 35)."""
+    output = next(n for n in search_gm.graph.nodes if n.op == "output")
+    leaves = [n for n in torch.utils._pytree.tree_leaves(output.args[0])
+              if isinstance(n, torch.fx.Node)]
+    outs = list(expr.outputs) if isinstance(expr, MultiOutputPattern) else [expr]
+    seen = set()
+
+    def visit(p, n):
+        if not isinstance(p, CallFunction) or not isinstance(n, torch.fx.Node) or id(p) in seen:
+            return
+        seen.add(id(p))
+        p.k3_literals = {i: a for i, (q, a) in enumerate(zip(p.args, n.args))
+                         if isinstance(q, Ignored) and not isinstance(a, torch.fx.Node)
+                         and not (isinstance(a, (list, tuple))
+                                  and any(isinstance(x, torch.fx.Node) for x in a))}
+        for q, a in zip(p.args, n.args):
+            if isinstance(q, (list, tuple)) and isinstance(a, (list, tuple)):
+                for qq, aa in zip(q, a):
+                    visit(qq, aa)
+            else:
+                visit(q, a)
+
+    for p, n in zip(outs, leaves):
+        visit(p, n)
+
+
+def _same_dims(got, want, rank: int | None) -> bool:
+    """The site's dims (`got`, of a tensor of `rank` dims) are the pattern's (`want`), each
+    counted as the pattern counts it: from the end where it wrote a negative dim (a feature dim,
+    whatever the batch dims; the search graph's ranks are not kept in its trace cache), else
+    from the front."""
+    got = list(got) if isinstance(got, (list, tuple)) else [got]
+    want = list(want) if isinstance(want, (list, tuple)) else [want]
+    if len(got) != len(want) or rank is None:
+        return got == want
+    return all(g == w or (isinstance(g, int) and isinstance(w, int) and g - w in (rank, -rank)
+                          and (g >= 0) != (w >= 0))
+               for g, w in zip(got, want))
+
+
+def literal_mismatch(pattern, node) -> tuple[str, Any, Any] | None:
+    """(argument name, the node's value, the pattern's) of a literal the pattern left free where
+    the value decides what is computed, or None: a number (an exponent, a constant added or
+    multiplied; not one the pattern captures as a scalar) must be the pattern's; a `dim` of a
+    reduction, softmax, cat, gather or top-k must be the pattern's, counted from the end where
+    the pattern counts from the end. Sizes, a view's or split's dims and dtypes stay free (they
+    follow the shapes and dtypes a site has; the engine compares the replacement's outputs)."""
+    literals = getattr(pattern, "k3_literals", None)
+    schema = getattr(getattr(node, "target", None), "_schema", None)
+    if not literals or schema is None or not isinstance(node, torch.fx.Node):
+        return None
+    op = schema.name.split("::")[-1]
+    for i, want in literals.items():
+        if i >= len(node.args) or i >= len(schema.arguments):
+            continue
+        arg, got = schema.arguments[i], node.args[i]
+        if arg.name in _DIM_NAMES and op not in _SHAPE_DIM_OPS:
+            if not _same_dims(got, want, _rank(node.args[0])):
+                return arg.name, got, want
+        elif (str(arg.type) in _NUMBER_TYPES and isinstance(want, (int, float))
+              and not isinstance(want, bool) and not _same(got, want)):
+            return arg.name, got, want
+    return None
 
 
 def match(expr, node):
@@ -583,6 +676,8 @@ __all__ = [
     "graph_bumps",
     "graph_cache_tagged",
     "inductor_config",
+    "literal_args",
+    "literal_mismatch",
     "make_boxed_func",
     "match",
     "plain_call",

@@ -235,6 +235,10 @@ def explain_failure(failure: Any, inputs: dict[fx.Node, int]) -> tuple[str, str,
                 f"(default: {kw['default']})")
         return (f"keyword_mismatch: {describe(node, module_path(node))} {tail}",
                 f"keyword_mismatch: a {op_label(node)} {tail}", inputs.get(node, 1))
+    if head == "literal_mismatch" and isinstance(node := kw.get("node"), fx.Node):
+        tail = f"has {kw['key']}={kw['value']!r} where the pattern's op has {kw['want']!r}"
+        return (f"literal_mismatch: {describe(node, module_path(node))} {tail}",
+                f"literal_mismatch: a {op_label(node)} {tail}", inputs.get(node, 1))
     if head == "multiple_users" and args:
         fns = set(getattr(args[0], "fns", ()))
         at = getattr(failure, "k3_node", None)  # the graph node it failed at, where known

@@ -71,7 +71,7 @@ def test_check_refuses_bf16_logits():
 
 
 def _renormalised(gather_dim=-1, sum_dim=-1, eps=1e-20):
-    """route() with the literals the matcher does not compare (ints and floats are wildcards)."""
+    """route() with the literals Inductor's matcher takes as wildcards (ints and floats)."""
 
     def fn(logits, bias):
         scores = torch.sigmoid(logits)
@@ -82,12 +82,17 @@ def _renormalised(gather_dim=-1, sum_dim=-1, eps=1e-20):
     return fn
 
 
-def test_check_refuses_other_dims():
+def test_other_dims_are_refused():
+    """The engine compares the dims the matcher takes as wildcards (tests/engine/
+    test_lookalikes.py); this pattern's check did until session 35."""
     args = [torch.rand(16, 16), torch.zeros(16)]  # 16 tokens: a gather along dim 0 is valid
-    for literals, words in (({"gather_dim": 0}, "gathers along dim 0"),
-                            ({"sum_dim": 0}, "sums dims [0]")):
-        _, report = rewrite(_renormalised(**literals), args, moe_route.patterns())
-        assert_near_miss(report, "moe_route", "check refused", words)
+    for literals, words in (({"gather_dim": 0}, "gather (gather float32[16, 4]) has dim=0"),
+                            ({"sum_dim": 0}, "sum_1 (sum.dim_IntList float32[1, 4]) has dim=[0]")):
+        gm, report = rewrite(_renormalised(**literals), args, moe_route.patterns())
+        assert_near_miss(report, "moe_route", "literal_mismatch", words)
+        fn = _renormalised(**literals)
+        for got, want in zip(gm(*args), fn(*args)):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 # renormalisation spellings -> (eps, clamp) the op must carry
