@@ -439,6 +439,9 @@ _SHAPE_DIM_OPS = frozenset({
     "flatten", "unflatten", "unbind", "chunk"})
 _DIM_NAMES = frozenset({"dim", "dims", "dimension"})
 _NUMBER_TYPES = frozenset({"number", "Scalar", "float", "Tensor"})  # add.Tensor's other=1e-6
+# where a pattern computes in fp32 (its upcast), a site may compute in fp64 (the op's fp32 math is
+# its documented rounding), never in fewer bits (fp16's squares overflow where fp32's do not)
+_HOLDS_FP32 = (torch.float32, torch.float64)
 
 
 def _rank(arg) -> int | None:
@@ -498,7 +501,8 @@ def literal_mismatch(pattern, node) -> tuple[str, Any, Any] | None:
     the value decides what is computed, or None: a number (an exponent, a constant added or
     multiplied; not one the pattern captures as a scalar) must be the pattern's; a `dim` of a
     reduction, softmax, cat, gather or top-k must be the pattern's, counted from the end where
-    the pattern counts from the end. Sizes, a view's or split's dims and dtypes stay free (they
+    the pattern counts from the end; where the pattern casts to fp32 (computes in fp32), the
+    site casts to fp32 or fp64. Sizes, a view's or split's dims and other dtypes stay free (they
     follow the shapes and dtypes a site has; the engine compares the replacement's outputs)."""
     literals = getattr(pattern, "k3_literals", None)
     schema = getattr(getattr(node, "target", None), "_schema", None)
@@ -512,8 +516,9 @@ def literal_mismatch(pattern, node) -> tuple[str, Any, Any] | None:
         if arg.name in _DIM_NAMES and op not in _SHAPE_DIM_OPS:
             if not _same_dims(got, want, _rank(node.args[0])):
                 return arg.name, got, want
-        elif (str(arg.type) in _NUMBER_TYPES and isinstance(want, (int, float))
-              and not isinstance(want, bool) and not _same(got, want)):
+        elif ((str(arg.type) in _NUMBER_TYPES and isinstance(want, (int, float))
+               and not isinstance(want, bool) and not _same(got, want))
+              or (want == torch.float32 and got not in _HOLDS_FP32)):
             return arg.name, got, want
     return None
 

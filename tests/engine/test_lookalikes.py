@@ -1,12 +1,14 @@
 """Session 35: a matched node's literals are the pattern's. Inductor's `fx_to_pattern` leaves
 every int, float, list, dtype and device of a search graph free (`Ignored`), so a site that
 reduced over another dim or raised to another power matched, and the rewrite computed another
-value: `mean(-2)` for an RMSNorm's `mean(-1)`, `pow(4)` for its `pow(2)`, a depth mix's softmax
-over the batch for its softmax over the sources. The engine's match context refuses such a node
-by name (`inductor.literal_mismatch`): a number the pattern does not capture must be the
-pattern's, and a reduction's, softmax's, cat's, gather's or top-k's `dim` must be the pattern's,
-counted from the end where the pattern counts from the end. Sizes, view dims and dtypes stay
-free (they follow the site's shapes; the engine compares the replacement's outputs)."""
+value: `mean(-2)` for an RMSNorm's `mean(-1)`, `pow(4)` for its `pow(2)`, its fp32 math done in
+fp16, a depth mix's softmax over the batch for its softmax over the sources. The engine's match
+context refuses such a node by name (`inductor.literal_mismatch`): a number the pattern does not
+capture must be the pattern's, a reduction's, softmax's, cat's, gather's or top-k's `dim` must
+be the pattern's, counted from the end where the pattern counts from the end, and where the
+pattern computes in fp32 the site computes in fp32 or fp64 (not fp16). Sizes, view dims and
+other dtypes stay free (they follow the site's shapes and dtype; the engine compares the
+replacement's outputs)."""
 
 from __future__ import annotations
 
@@ -16,7 +18,8 @@ import torch.nn.functional as F
 
 from k3compile.math import rms_norm
 from k3compile.rewrite import inductor
-from patterns import attn_res_mix_norm, rms_norm as rms_norm_pattern
+from patterns import attn_res_mix_norm
+from patterns import rms_norm as rms_norm_pattern
 from tests.fusions.pattern_checks import assert_near_miss, assert_rewritten_equal, rewrite
 
 
@@ -63,6 +66,32 @@ def test_rms_norm_over_another_dim_or_power_is_refused(site, words, dtype):
 ], ids=["as_traced", "dim_2_of_3", "dim_1_of_2", "pow_2.0"])
 def test_rms_norm_spelled_alike_still_fuses(site, shape):
     args = _inputs(*shape)
+    gm, report = rewrite(site, args, rms_norm_pattern.patterns())
+    assert_rewritten_equal(gm, report, site, args, "k3.rms_norm")
+
+
+def _norm_in(dtype):
+    def f(x, weight):
+        h = x.to(dtype)
+        return weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+    return f
+
+
+def test_rms_norm_computed_in_fp16_is_refused():
+    """The bug: a bf16 RMSNorm computed in fp16 (the pattern's upcast to fp32 a cast to fp16)
+    fused into k3.rms_norm's fp32 math; where the squares overflow fp16 (|x| ~ 300), eager's
+    rows are zeros: measured without the check, 6.66 off eager at most on [2, 3, 64]."""
+    x, weight = _inputs(2, 3, 64)
+    args = [(x * 300).bfloat16(), weight.bfloat16()]
+    _assert_eager_kept(_norm_in(torch.float16), args, rms_norm_pattern.patterns(),
+                       "convert_element_type (prims.convert_element_type float16",
+                       "dtype=torch.float16", "torch.float32")
+
+
+def test_rms_norm_computed_in_fp64_still_fuses():
+    """fp64 holds fp32: the op's fp32 math is its documented rounding (equal here in bf16)."""
+    args = [x.bfloat16() for x in _inputs(2, 3, 64)]
+    site = _norm_in(torch.float64)
     gm, report = rewrite(site, args, rms_norm_pattern.patterns())
     assert_rewritten_equal(gm, report, site, args, "k3.rms_norm")
 
