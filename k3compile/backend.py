@@ -86,6 +86,9 @@ def ensure_registered() -> None:
         torch._dynamo.register_backend(k3_backend, name="k3")
 
 
+BATCH = "k3_batch"  # the shape_id of the step inputs' batch dim
+
+
 def mark_batch(*inputs: torch.Tensor) -> None:
     """Mark dim 0 of the step's inputs (ids, positions, slots) as the batch, before the first
     call: one Dynamo graph then serves every batch size, and the backend compiles each bucket
@@ -98,17 +101,22 @@ def mark_batch(*inputs: torch.Tensor) -> None:
 
     In a process whose step Dynamo's warm start restored (k3compile/precompile.py) the batch is
     already symbolic in the loaded code, and torch 2.13's loaded guards reject a marked tensor
-    ("_has_dynamo_dim_marking ... absent at compile time"): nothing is marked there."""
+    ("_has_dynamo_dim_marking ... absent at compile time"): nothing is marked there.
+
+    The inputs' batches are one symbol (`shape_id`; Dynamo asserts their equality at run time):
+    with one symbol each, code where two of them meet in an op whose fake kernel guards on their
+    equality failed to trace (spell11's SDPA over the cache rows of `slots` with queries from
+    the ids: "Could not guard on data-dependent expression Eq(u2, u1)", session 36)."""
     if precompile.RESTORED:
         return
     for t in inputs:
         if t.dim() and t.shape[0] == 0:
             continue
         try:
-            torch._dynamo.decorators.mark_unbacked(t, 0, min=1)
+            torch._dynamo.decorators.mark_unbacked(t, 0, min=1, shape_id=BATCH)
         except TypeError:  # a torch without `min` (the bound is then >= 0)
             _warn_no_batch_min()
-            torch._dynamo.decorators.mark_unbacked(t, 0)
+            torch._dynamo.decorators.mark_unbacked(t, 0, shape_id=BATCH)
 
 
 @functools.cache
