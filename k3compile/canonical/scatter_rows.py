@@ -29,7 +29,7 @@ from torch import fx
 
 from k3compile.canonical import Rule, rewrite_sites
 from k3compile.canonical.paged_write import VIEWS, slot_and_position
-from k3compile.canonical.state_write import _shape
+from k3compile.canonical.region import shape as _shape
 from k3compile.graph import call
 
 aten = torch.ops.aten

@@ -32,8 +32,8 @@ import torch
 from torch import fx
 
 from k3compile.canonical import Rule, rewrite_sites
+from k3compile.canonical.region import shape as _shape
 from k3compile.canonical.scatter_rows import _column
-from k3compile.canonical.state_write import _shape
 from k3compile.graph import RESHAPES, call
 from k3compile.rewrite import inductor
 
