@@ -43,8 +43,7 @@ from torch import fx
 
 from k3compile.canonical import Rule, rewrite_sites
 from k3compile.canonical.conv_einsum import LOW, RTOL, THROUGH, _product, _silu_tail
-from k3compile.canonical.gate_up_split import _POINTWISE
-from k3compile.canonical.region import below, pointwise_tail, replace, root, shape, val
+from k3compile.canonical.region import POINTWISE, below, pointwise_tail, replace, root, shape, val
 from k3compile.canonical.short_conv import MAX_TAPS
 from k3compile.graph import written_in_place
 
@@ -171,7 +170,7 @@ def _site(window: fx.Node):
         if out is None:
             continue
         # in bf16 F.silu computes in fp32 between casts (`_silu_tail`)
-        tail = pointwise_tail(out, _POINTWISE, dtype) if dtype == torch.float32 else \
+        tail = pointwise_tail(out, POINTWISE, dtype) if dtype == torch.float32 else \
             _silu_tail(out, dtype)
         if not tail or not tail[0]:
             return None  # the canonical form has the SiLU after the conv

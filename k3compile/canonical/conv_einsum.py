@@ -44,8 +44,8 @@ import torch.nn.functional as F
 from torch import fx
 
 from k3compile.canonical import Rule, rewrite_sites
-from k3compile.canonical.gate_up_split import _POINTWISE
 from k3compile.canonical.region import (
+    POINTWISE,
     VIEWS,
     below,
     pointwise_tail,
@@ -141,10 +141,10 @@ def _silu_tail(out: fx.Node, dtype: torch.dtype) -> tuple | None:
     ends in `dtype`: F.silu on a bf16 tensor lowers so in the compile (`x / (1 + exp(-x))` on
     the upcast, then the cast back; spell8's conv). Which function it is, the caller checks on
     random values."""
-    tail = pointwise_tail(out, _POINTWISE, dtype)
+    tail = pointwise_tail(out, POINTWISE, dtype)
     if tail is not None and tail[0]:
         return tail
-    tail = pointwise_tail(out, _POINTWISE)
+    tail = pointwise_tail(out, POINTWISE)
     if tail is None or not tail[0] or val(tail[1]).dtype != dtype:
         return None
     return tail
@@ -169,7 +169,7 @@ def _product(node: fx.Node) -> fx.Node | None:
 def _sink_pointwise(graph: fx.Graph, perm: fx.Node) -> bool:
     """f(permute(c)) -> permute(f(c)) for a pointwise region f that reads only the permute (and
     scalars), takes every use of it, and is read from outside only at its last node."""
-    tail = pointwise_tail(perm, _POINTWISE)
+    tail = pointwise_tail(perm, POINTWISE)
     if not tail or not tail[0]:
         return False
     region, end = tail
