@@ -108,7 +108,7 @@ def find_site(read: fx.Node, pos: fx.Node) -> tuple[Site, fx.Node] | str:
     return Site(read, pos, weight, [], scores, pv, _softmax_root(pv), out), queries.pop()
 
 
-def _sizes(site: Site, q: fx.Node):
+def all_sizes(site: Site, q: fx.Node):
     """Every Sizes the shapes allow, most heads first."""
     B, L, width = (int(s) for s in site.read.meta["val"].shape)
     T = int(site.pos.meta["val"].shape[1])
@@ -170,7 +170,7 @@ def check(site: Site, z: Sizes, scale: float, seed: int = 0) -> str | None:
     return None
 
 
-def _canonical_already(site: Site, z: Sizes, scale: float) -> bool:
+def canonical_already(site: Site, z: Sizes, scale: float) -> bool:
     """The site's ops are those of the canonical form's trace (kept per sizes and dtypes: the
     layers of one model share it)."""
     vals = [n.meta["val"] for n in (z.q, site.weight, site.read, site.pos)]
@@ -205,8 +205,8 @@ def takes(read: fx.Node, pos: fx.Node) -> tuple[Site, Sizes, float] | str:
         return "the score terms' operands are scaled by different numbers"
     scale = before * _chain_scale(site)
     tried = []
-    for z in _sizes(site, q):
-        if _canonical_already(site, z, scale):
+    for z in all_sizes(site, q):
+        if canonical_already(site, z, scale):
             return CANONICAL
         why = check(site, z, scale)
         if why is None:

@@ -44,7 +44,7 @@ from k3compile.canonical.mla_absorb import (
     absorbed,
     log,
 )
-from k3compile.canonical.mla_absorbed import _canonical_already, _sizes, check, find_site
+from k3compile.canonical.mla_absorbed import all_sizes, canonical_already, check, find_site
 from k3compile.canonical.region import shape as _shape
 from k3compile.canonical.region import splice
 from k3compile.graph import call
@@ -142,8 +142,8 @@ def _apply_one(graph: fx.Graph, read: fx.Node, pos: fx.Node) -> str | None:
     site, q = site
     scale = _chain_scale(site)
     # the op histogram is blind to sizes: the head count is the one the values confirm
-    z = next((z for z in _sizes(site, q)
-              if _canonical_already(site, z, scale) and check(site, z, scale) is None), None)
+    z = next((z for z in all_sizes(site, q)
+              if canonical_already(site, z, scale) and check(site, z, scale) is None), None)
     if z is None:
         return "the N-row attention is not the canonical form"
     zb = dataclasses.replace(z, B=B, T=T)
