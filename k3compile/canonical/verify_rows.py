@@ -38,10 +38,10 @@ from torch import fx
 from k3compile.canonical import Rule
 from k3compile.canonical.layout import _merged, layout
 from k3compile.canonical.mla_absorb import (
-    _cache_reads,
-    _canonical_rows,
-    _chain_scale,
     absorbed,
+    cache_reads,
+    canonical_rows,
+    chain_scale,
     log,
 )
 from k3compile.canonical.mla_absorbed import all_sizes, canonical_already, check, find_site
@@ -140,7 +140,7 @@ def _apply_one(graph: fx.Graph, read: fx.Node, pos: fx.Node) -> str | None:
     if isinstance(site, str):
         return site
     site, q = site
-    scale = _chain_scale(site)
+    scale = chain_scale(site)
     # the op histogram is blind to sizes: the head count is the one the values confirm
     z = next((z for z in all_sizes(site, q)
               if canonical_already(site, z, scale) and check(site, z, scale) is None), None)
@@ -167,7 +167,7 @@ def _apply_one(graph: fx.Graph, read: fx.Node, pos: fx.Node) -> str | None:
     # its own ending: the [B, T, H·V] copy is read back through views of the N-row output
     new = splice(graph, gm, inputs, site.out, rule="verify_rows")
     _readers_read(graph, site.out, new, B, T)
-    _canonical_rows(graph, P)
+    canonical_rows(graph, P)
     graph.eliminate_dead_code()
     return None
 
@@ -208,7 +208,7 @@ def _readers_read(graph: fx.Graph, out: fx.Node, new: fx.Node, B: int, T: int) -
 def apply(graph: fx.Graph) -> int:
     """View every canonical N-row MLA site whose rows are T > 1 verify rows back to [B, T]."""
     done = 0
-    for read, pos in list(_cache_reads(graph)):
+    for read, pos in list(cache_reads(graph)):
         if read._erased:
             continue
         try:
