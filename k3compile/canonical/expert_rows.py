@@ -61,14 +61,14 @@ from torch.utils._pytree import tree_leaves, tree_map
 from k3compile.canonical import Rule, rewrite_sites
 from k3compile.canonical.expert_combine import combine_site, evaluates_as_sum
 from k3compile.canonical.expert_slots import (
-    _FORMAT,
-    _SMALL_I,
-    _SMALL_L,
-    _canonical,
-    _random_inputs,
-    _values,
+    FORMAT_INTS,
+    SMALL_I,
+    SMALL_L,
+    canonical_experts,
+    random_inputs,
+    region_values,
+    splice_experts,
 )
-from k3compile.canonical.expert_slots import _write as _splice_experts
 from k3compile.canonical.region import VIEWS, call_on_cpu, on_cpu
 from k3compile.canonical.region import static_shape as _shape
 from k3compile.canonical.region import val as _val
@@ -475,7 +475,7 @@ def _values_of(region, inputs, out, sizes):
     """(random inputs, out on them): the region run in graph order with every int of `sizes` in
     its arguments and its inputs' shapes replaced (as `expert_slots._slot_values`; graph
     constants read), each value dropped after its last use (the rows of every pair at once)."""
-    values = _random_inputs(inputs, sizes, torch.Generator().manual_seed(0))
+    values = random_inputs(inputs, sizes, torch.Generator().manual_seed(0))
     env, uses = dict(values), collections.Counter(a for n in region for a in n.all_input_nodes)
     for node in region:
         evaluate(node, env, sizes)
@@ -497,13 +497,13 @@ def _ints(nodes: list[fx.Node]) -> set[int]:
 
 def _row_sizes(region: list[fx.Node], inputs: list[fx.Node]) -> dict[int, int] | None:
     """{} where the region is small enough to evaluate as it is; else smaller sizes, as a map
-    applied to every int of its arguments and its inputs' shapes (as `expert_slots._sizes`):
+    applied to every int of its arguments and its inputs' shapes (as `expert_slots.shrunk_sizes`):
     I, L, E (and I/2, L/2, I/32, L/32) where they can be told apart from each other, from N, P,
     k and the format's constants, and N, P = N*k where they can be told apart from every other
     int of the region. The smaller sizes are ints the region does not hold (no equality the full
     region lacks). None where the region stays too large."""
     values = [*region, *inputs]
-    if _values(values, {}) <= BUDGET:
+    if region_values(values, {}) <= BUDGET:
         return {}
     z, ids, _, _, *stacks = inputs
     (n, k), p = _shape(ids), math.prod(_shape(ids))
@@ -513,20 +513,20 @@ def _row_sizes(region: list[fx.Node], inputs: list[fx.Node]) -> dict[int, int] |
     if len(inter) == 1 and inter.copy().pop() % 32 == 0 == latent % 32:
         (inter,) = inter
         full = [inter, inter // 2, inter // 32, latent, latent // 2, latent // 32, experts]
-        if len(set(full)) == 7 and not {n, p, k, *_FORMAT} & set(full):
-            for i, lat in itertools.product(_SMALL_I, _SMALL_L):
+        if len(set(full)) == 7 and not {n, p, k, *FORMAT_INTS} & set(full):
+            for i, lat in itertools.product(SMALL_I, SMALL_L):
                 small = [i, i // 2, i // 32, lat, lat // 2, lat // 32]
                 if len(set(small)) == 6 and not set(small) & present:
                     small.append(_fresh(k + 1, present | set(small)))
                     sizes = dict(zip(full, small))
                     break
     others = present - {n, p} - set(sizes)  # the ints the map leaves
-    if not {n, p} & (others | _FORMAT | {k}):
-        taken = others | _FORMAT | set(sizes.values())
+    if not {n, p} & (others | FORMAT_INTS | {k}):
+        taken = others | FORMAT_INTS | set(sizes.values())
         rows = next((m for m in range(2, n) if not {m, m * k} & taken), None)
         if rows is not None:
             sizes.update({n: rows, p: rows * k})
-    return sizes if _values(values, sizes) <= MAX_VALUES else None
+    return sizes if region_values(values, sizes) <= MAX_VALUES else None
 
 
 def _fresh(start: int, taken: set[int]) -> int:
@@ -578,7 +578,7 @@ def _proof(region, inputs, out, pairs):
         args = [values[x] for x in (*inputs[:4], *ordered)]
         for beta, linear_beta in itertools.product(betas, linear_betas):
             try:
-                want = _canonical(beta, linear_beta, None)(*args)
+                want = canonical_experts(beta, linear_beta, None)(*args)
             except RuntimeError:  # shapes that do not fit this assignment
                 break
             if (want.shape == got.shape and want.dtype == got.dtype
@@ -591,7 +591,7 @@ def apply(graph: fx.Graph) -> int:
     if graph.owning_module is None:
         return 0
     cache: dict = {}
-    return rewrite_sites(graph, _site, lambda g, n, s: _splice_experts(g, n, s, cache),
+    return rewrite_sites(graph, _site, lambda g, n, s: splice_experts(g, n, s, cache),
                          targets={aten.index_put.default, aten.bmm.default}, sort=True)
 
 
