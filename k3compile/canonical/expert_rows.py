@@ -20,7 +20,7 @@ Proven in two parts, as `expert_slots` is:
    through *entries*: chains of data-movement ops (views, expand, clone, gathers by constant
    indices) from z [N, L], ids [N, k] or the weights [N, k], evaluated on position codes
    (arange of the source's size) to be exactly `ids.flatten()[p]`, `w.flatten()[p]` and
-   `z[p // k]` in row p. (c) Every node computed from an entry is *row-wise* on dim 0 (`_rowwise`:
+   `z[p // k]` in row p. (c) Every node computed from an entry is *row-wise* on dim 0 (`rowwise`:
    pointwise ops on aligned rows and broadcast constants, lookups into an outside table by a row
    index, views and reductions that keep dim 0, bmm over it). So src[p] = f(z[n], ids[n, j],
    w[n, j]) for one function f, and out[n] = sum_j f(...): the canonical finalize's sum over the
@@ -135,7 +135,7 @@ def _attr(node: fx.Node):
     return value
 
 
-def _value(node: fx.Node, env: dict | None = None):
+def real_value(node: fx.Node, env: dict | None = None):
     """node's real value from env, or None where it needs anything else (call it outside any
     fake mode)."""
     try:
@@ -144,7 +144,7 @@ def _value(node: fx.Node, env: dict | None = None):
         return None
 
 
-def _finalize(node: fx.Node):
+def index_put_finalize(node: fx.Node):
     """(acc, t, src) of `index_put(acc, [t], src, True)`, acc a zero fp32 [N, L] constant."""
     if node.target is not aten.index_put.default or len(node.args) < 4 or node.args[3] is not True:
         return None
@@ -170,7 +170,7 @@ def _dim(d, rank: int) -> int:
     return d % rank if rank else d
 
 
-def _rowwise(node: fx.Node, rows: set[fx.Node], p: int) -> bool:
+def rowwise(node: fx.Node, rows: set[fx.Node], p: int) -> bool:
     """Whether node's row i (dim 0, P rows) is a function of its row operands' rows i alone:
     operands in `rows` are row tensors [P, ...], any other is outside. Outside tensors may only
     broadcast over the rows (lower rank, or a size-1 dim 0) or be looked up by a row index."""
@@ -246,7 +246,7 @@ def rows_from(roots: set[fx.Node], out: fx.Node, p: int) -> set[fx.Node] | None:
     rows = set(roots)
     for node in region:
         if any(a in rows for a in node.all_input_nodes):
-            if not _rowwise(node, rows, p):
+            if not rowwise(node, rows, p):
                 return None
             rows.add(node)
     return rows - set(roots)
@@ -284,7 +284,7 @@ def _entry_role(entry: fx.Node, source: fx.Node, n: int, k: int) -> str | None:
     if shape is None or v is None or len(shape) != 2 or shape[0] != n:
         return None
     code = torch.arange(n * shape[1]).view(shape)
-    moved = _value(entry, {source: code})
+    moved = real_value(entry, {source: code})
     if moved is None or moved.dim() == 0 or moved.shape[0] != n * k:
         return None
     got = moved.reshape(n * k, -1)
@@ -377,7 +377,7 @@ def _combine(bmm: fx.Node):
     if _shape(src) != (n * k, width):
         return None
     code = torch.arange(n * k * width).view(n * k, width)
-    got = _value(y, {src: code})
+    got = real_value(y, {src: code})
     if got is None or got.shape != (n, k, width):
         return None
     return (out, src, w, y) if torch.equal(got.long(), code.view(n, k, width)) else None
@@ -397,7 +397,7 @@ def _real_site(out: fx.Node):
         out, src, combined, y = found
         (n, k), p = _shape(combined), _shape(src)[0]
     else:  # the rows summed back to their tokens
-        found = _finalize(out)
+        found = index_put_finalize(out)
         if found is None:
             return None
         _, t, src = found
@@ -405,7 +405,7 @@ def _real_site(out: fx.Node):
         k = p // n
         if not constant(t, memo) or _shape(t) != (p,):
             return None
-        index = _value(t)
+        index = real_value(t)
         if index is None or not torch.equal(index, torch.arange(p) // k):
             return None
     found = _entries(src, n, k, {"z", "ids"} if combined is not None else
