@@ -36,7 +36,7 @@ import torch
 from torch import fx
 
 from k3compile.canonical import Rule
-from k3compile.canonical.layout import _merged, layout
+from k3compile.canonical.layout import layout, merged_dims
 from k3compile.canonical.mla_absorb import (
     absorbed,
     cache_reads,
@@ -55,7 +55,7 @@ VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 
 
 def _subs(lay) -> list[list[tuple[int, int]]]:
-    return [_merged(d) for d in lay.dims]
+    return [merged_dims(d) for d in lay.dims]
 
 
 def _repeats(node) -> tuple[fx.Node, int] | None:
