@@ -33,7 +33,7 @@ import torch
 from torch import fx
 
 from k3compile.canonical import Rule, rewrite_sites
-from k3compile.canonical.norm_round import _inv_rms
+from k3compile.canonical.norm_round import inv_rms
 from k3compile.canonical.region import POINTWISE, gemm_of
 from k3compile.canonical.region import shape as _shape
 from k3compile.graph import call
@@ -164,7 +164,7 @@ def rms_normed(piece: fx.Node) -> bool:
     for x in (piece, *(u for u in piece.users if u.target is _CAST and u.args[1] is torch.float32)):
         for user in x.users:
             if user.target is aten.mul.Tensor and len(user.args) == 2 and any(
-                    a is x and _inv_rms(b, x) for a, b in (user.args, reversed(user.args))):
+                    a is x and inv_rms(b, x) for a, b in (user.args, reversed(user.args))):
                 return True
     return False
 
