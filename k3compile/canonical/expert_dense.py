@@ -64,7 +64,7 @@ from k3compile.canonical.region import (
 )
 from k3compile.canonical.region import static_shape as _shape
 from k3compile.canonical.region import val as _val
-from k3compile.canonical.route_mask import _constant
+from k3compile.canonical.route_mask import is_constant
 from k3compile.rewrite import inductor
 
 aten, prims = torch.ops.aten, torch.ops.prims
@@ -95,11 +95,11 @@ def _scattered(routing: fx.Node, n: int, e: int) -> fx.Node | None:
     t, args = routing.target, routing.args
     if t is aten.scatter.src and args[1] in (1, -1) and slots.is_zero(args[0]):
         return _topk_ids(args[2], n, e)
-    if t is aten.where.self and (_constant(args[2], 0.0) or _constant(args[2], 0)):
+    if t is aten.where.self and (is_constant(args[2], 0.0) or is_constant(args[2], 0)):
         mask = args[0]
         if (isinstance(mask, fx.Node) and mask.target is aten.scatter.value
                 and mask.args[1] in (1, -1) and mask.args[3] is True
-                and _constant(mask.args[0], False)):
+                and is_constant(mask.args[0], False)):
             return _topk_ids(mask.args[2], n, e)
     return None
 
