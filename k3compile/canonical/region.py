@@ -254,7 +254,7 @@ def agrees(inputs: list[fx.Node], output: fx.Node, region: list[fx.Node], fn, rt
         return float((got.float() - want.float()).abs().max()) <= rtol * scale
 
 
-def _trace(fn, fakes: list[torch.Tensor]) -> fx.GraphModule:
+def trace_canonical(fn, fakes: list[torch.Tensor]) -> fx.GraphModule:
     """fn traced on contiguous inputs, as the patterns' example inputs are (the lowering, which
     permutes need a clone, then is the one their searches have); on inputs of the real strides
     where that lowering cannot view them (a token's row `q[:, t]` of a [B, T, H, K] q, t > 0:
@@ -287,7 +287,7 @@ def replace(inputs: list[fx.Node], output: fx.Node, fn, rtol: float, cache: dict
         return None
     key = (key, *((shape(x), val(x).dtype, val(x).stride()) for x in inputs))
     if key not in cache:
-        cache[key] = _trace(fn, [val(x) for x in inputs])
+        cache[key] = trace_canonical(fn, [val(x) for x in inputs])
     gm = cache[key]
     body = [n for n in gm.graph.nodes if n.op == "call_function"]
     if _signature(region) == _signature(body) or not agrees(inputs, output, region, fn, rtol):
@@ -295,7 +295,7 @@ def replace(inputs: list[fx.Node], output: fx.Node, fn, rtol: float, cache: dict
     graph = output.graph
     env = dict(zip([n for n in gm.graph.nodes if n.op == "placeholder"], inputs))
     # node by node with `call`, not `splice`: each value (its strides) is recomputed from the
-    # graph's own inputs, where the trace ran on contiguous stand-ins (`_trace`)
+    # graph's own inputs, where the trace ran on contiguous stand-ins (`trace_canonical`)
     with graph.inserting_before(output):
         for n in body:
             args, kwargs = fx.map_arg((n.args, n.kwargs), env.__getitem__)
