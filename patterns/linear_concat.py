@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from k3compile.patterns.mla_lowrank_norm import one_token, one_token_outputs
 
 from k3compile.graph import input_view, written_in_place
 from k3compile.rewrite import Pattern, tensor_meta
@@ -54,7 +53,7 @@ def kda_rows_replace(x, w_q, w_k, w_v, w_g, w_fa, w_fb, w_b):
 
 
 def _mla_fns(flag: tuple):
-    """The MLA searches and replacements (plain, +g, viewed, +g viewed) on the
+    """The MLA searches and replacements (plain, +g) on the
     `k3.mla_lowrank_norm` call with these trailing flags (`(True,)`: its `weight_fp32`)."""
     def norm(cq, ckv, w_qn, w_kvn, eps):
         return torch.ops.k3.mla_lowrank_norm(cq, ckv, w_qn, w_kvn, eps, *flag)
@@ -77,28 +76,7 @@ def _mla_fns(flag: tuple):
         cq, ckv, g = y.split([w.shape[0] for w in weights], dim=-1)
         return (*norm(cq, ckv, w_qn, w_kvn, eps), g)
 
-    def mla_viewed_search(x, w_qa, w_kva, w_qn, w_kvn, eps):
-        return norm(one_token(F.linear(x, w_qa)), one_token(F.linear(x, w_kva)), w_qn, w_kvn,
-                    eps)
-
-    def mla_viewed_replace(x, w_qa, w_kva, w_qn, w_kvn, eps):
-        y = one_token(torch.ops.k3.linear_concat(x, [w_qa, w_kva]))
-        cq, ckv = y.split([w_qa.shape[0], w_kva.shape[0]], dim=-1)
-        return norm(cq, ckv, w_qn, w_kvn, eps)
-
-    def mla_g_viewed_search(x, w_qa, w_kva, w_g, w_qn, w_kvn, eps):
-        return (*mla_viewed_search(x, w_qa, w_kva, w_qn, w_kvn, eps),
-                one_token(F.linear(x, w_g)))
-
-    def mla_g_viewed_replace(x, w_qa, w_kva, w_g, w_qn, w_kvn, eps):
-        weights = [w_qa, w_kva, w_g]
-        y = one_token(torch.ops.k3.linear_concat(x, weights))
-        cq, ckv, g = y.split([w.shape[0] for w in weights], dim=-1)
-        return (*norm(cq, ckv, w_qn, w_kvn, eps), g)
-
-    return {"": (mla_search, mla_replace), "g": (mla_g_search, mla_g_replace),
-            "viewed": (mla_viewed_search, mla_viewed_replace),
-            "g_viewed": (mla_g_viewed_search, mla_g_viewed_replace)}
+    return {"": (mla_search, mla_replace), "g": (mla_g_search, mla_g_replace)}
 
 
 def check_weights(match, names) -> str | None:
@@ -146,13 +124,6 @@ def _mla_g_check(match):
     return check_weights(match, ("w_qa", "w_kva", "w_g"))
 
 
-def _viewed(check):
-    """check, and the [N, 1, .] views of the rows' GEMMs (their sizes are wildcards)."""
-    def viewed_check(match):
-        return check(match) or one_token_outputs(match, tensor_meta(match.kwargs["x"]))
-    return viewed_check
-
-
 def patterns() -> list[Pattern]:
     def kda_inputs(lead=(2, 1)):
         d, w, r, h = 32, 16, 8, 2
@@ -176,31 +147,26 @@ def patterns() -> list[Pattern]:
 
     # the MLA variants on [B, T, D] activations, then on [N, D] rows (",rows": vLLM's flattened
     # tokens, where mla_lowrank_norm[...,rows] took plain mm GEMMs)
-    # (",rows_viewed": their outputs viewed to [N, 1, .], mla_lowrank_norm[...,rows_viewed])
-    forms = (("", (2, 1), False), (",rows", (2,), False), (",rows_viewed", (2,), True))
+    forms = (("", (2, 1)), (",rows", (2,)))
     # each also on mla_lowrank_norm's `weight_fp32` call (",weight_fp32", bf16: the norms'
     # weights multiplied in fp32, tests/models/spell9_k3.py); the flag stays on the op
     mla = []
     for flag in ((), (True,)):
         fns, tag = _mla_fns(flag), ",weight_fp32" if flag else ""
         mla += [
-            Pattern(name=f"linear_concat[mla+g{suffix}{tag}]",
-                    search=fns["g_viewed" if viewed else "g"][0],
-                    replace=fns["g_viewed" if viewed else "g"][1],
-                    example_inputs=lambda lead=lead: mla_g_inputs(lead), op="k3.linear_concat",
-                    check=_viewed(_mla_g_check) if viewed else _mla_g_check,
+            Pattern(name=f"linear_concat[mla+g{suffix}{tag}]", search=fns["g"][0],
+                    replace=fns["g"][1], example_inputs=lambda lead=lead: mla_g_inputs(lead),
+                    op="k3.linear_concat", check=_mla_g_check,
                     scalars={"eps": 1.1e-6}, distinctive=("mla_lowrank_norm",),
                     exclusive=("w_qa", "w_kva", "w_g"), joint_passes=True)
-            for suffix, lead, viewed in forms
+            for suffix, lead in forms
         ] + [
-            Pattern(name=f"linear_concat[mla{suffix}{tag}]",
-                    search=fns["viewed" if viewed else ""][0],
-                    replace=fns["viewed" if viewed else ""][1],
-                    example_inputs=lambda lead=lead: mla_inputs(lead), op="k3.linear_concat",
-                    check=_viewed(_mla_check) if viewed else _mla_check,
+            Pattern(name=f"linear_concat[mla{suffix}{tag}]", search=fns[""][0],
+                    replace=fns[""][1], example_inputs=lambda lead=lead: mla_inputs(lead),
+                    op="k3.linear_concat", check=_mla_check,
                     scalars={"eps": 1.1e-6}, distinctive=("mla_lowrank_norm",),
                     exclusive=("w_qa", "w_kva"), joint_passes=True)
-            for suffix, lead, viewed in forms
+            for suffix, lead in forms
         ]
     return [
         Pattern(name="linear_concat[kda]", search=kda_search, replace=kda_replace,

@@ -10,9 +10,9 @@ Before: permute, view, mm, view, convert, pow, mean, add, rsqrt, mul, convert, m
 After:  cq = x·W_qaᵀ; ckv = x·W_kvaᵀ; cq, c_kv, k_pe = k3.mla_lowrank_norm(cq, ckv, w_q, w_kv, eps)
 
 Variants: [B, T, D] activations (F.linear adds a view before and after each mm) and `,rows`:
-[N, D] rows (vLLM's flattened tokens, `tests/models/redteam_k3.py`), plain mm; `,rows_viewed`:
-those GEMMs' outputs viewed to [N, 1, .] (`x.unsqueeze(1)` before the linears, which rule `gemm`
-folds into the GEMM's input; `check` wants the views [N, 1, .], their sizes being wildcards).
+[N, D] rows (vLLM's flattened tokens, `tests/models/redteam_k3.py`), plain mm. Rows whose GEMM
+outputs are viewed [N, 1, .] (`x.unsqueeze(1)` before the linears) have no variant: rule
+`token_linear` lifts them to the [B, 1, D] form first (docs/decisions.md, session 36).
 The two eps are compared in float32 (`same_eps`). `,weight_fp32` (bf16): both norms multiply
 their weight in fp32 before the one rounding to bf16 (a JAX/Flax-style norm, tests/models/
 spell9_k3.py; `math.rms_norm_fp32_weight`) -> the op's `weight_fp32=True`; another rounding than
@@ -37,43 +37,26 @@ def _norm(weight_fp32: bool):
     return rms_norm
 
 
-def one_token(y):
-    """[N, X] GEMM output viewed to [N, 1, X]: F.linear(x.unsqueeze(1), w) once rule `gemm`
-    folded the unsqueeze into the GEMM's input (the view's sizes match any; `check` sees 1)."""
-    return y.view(y.shape[0], 1, y.shape[-1])
-
-
-def _search(viewed: bool, weight_fp32: bool):
-    norm, out = _norm(weight_fp32), one_token if viewed else (lambda y: y)
+def _search(weight_fp32: bool):
+    norm = _norm(weight_fp32)
 
     def search(x, w_qa, w_kva, w_qn, w_kvn, q_eps, kv_eps):
-        cq = out(F.linear(x, w_qa))
-        ckv = out(F.linear(x, w_kva))
+        cq = F.linear(x, w_qa)
+        ckv = F.linear(x, w_kva)
         c = w_kvn.shape[0]
         c_kv, k_pe = ckv.split([c, ckv.shape[-1] - c], dim=-1)
         return norm(c_kv, w_kvn, kv_eps), k_pe, norm(cq, w_qn, q_eps)
     return search
 
 
-def _replace(viewed: bool, weight_fp32: bool):
-    out, flag = one_token if viewed else (lambda y: y), (True,) if weight_fp32 else ()
+def _replace(weight_fp32: bool):
+    flag = (True,) if weight_fp32 else ()
 
     def replace(x, w_qa, w_kva, w_qn, w_kvn, q_eps, kv_eps):
         cq, c_kv, k_pe = torch.ops.k3.mla_lowrank_norm(
-            out(F.linear(x, w_qa)), out(F.linear(x, w_kva)), w_qn, w_kvn, q_eps, *flag)
+            F.linear(x, w_qa), F.linear(x, w_kva), w_qn, w_kvn, q_eps, *flag)
         return c_kv, k_pe, cq
     return replace
-
-
-def one_token_outputs(match, x) -> str | None:
-    """Why the matched outputs are not [N, 1, .] views of x's N rows (the views' sizes are
-    wildcards in the search), or None."""
-    for out in match.output_nodes():
-        meta = tensor_meta(out) if out is not None else None
-        if meta is None or meta.dim() != 3 or tuple(meta.shape[:2]) != (x.shape[0], 1):
-            return (f"an output {list(getattr(meta, 'shape', []))} is not a [{x.shape[0]}, 1, .] "
-                    f"view of the GEMM rows")
-    return None
 
 
 def same_eps(a: float, b: float) -> bool:
@@ -82,7 +65,7 @@ def same_eps(a: float, b: float) -> bool:
     return torch.tensor(a, dtype=torch.float32) == torch.tensor(b, dtype=torch.float32)
 
 
-def check(match, viewed: bool = False) -> str | None:
+def check(match) -> str | None:
     q_eps, kv_eps = match.kwargs["q_eps"], match.kwargs["kv_eps"]
     if not isinstance(q_eps, float) or not isinstance(kv_eps, float):
         return "eps is not a compile-time float"
@@ -94,8 +77,6 @@ def check(match, viewed: bool = False) -> str | None:
         return "an input has no tensor metadata"
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return f"activations are {x.dtype}"
-    if viewed and (why := one_token_outputs(match, x)):
-        return why
     if w_qn.shape != (w_qa.shape[0],) or w_kvn.dim() != 1 or w_kvn.shape[0] > w_kva.shape[0]:
         return (f"norm weights {list(w_qn.shape)}, {list(w_kvn.shape)} do not fit projections "
                 f"{list(w_qa.shape)}, {list(w_kva.shape)}")
@@ -111,13 +92,11 @@ def _variant(dtype: torch.dtype, form: str = "", weight_fp32: bool = False) -> P
                 torch.randn(q, d, dtype=dtype), torch.randn(c + r, d, dtype=dtype),
                 torch.randn(q, dtype=dtype), torch.randn(c, dtype=dtype), 1.1e-6, 1.3e-6]
 
-    viewed = form == "rows_viewed"
     tags = [t for t in (form, "weight_fp32" if weight_fp32 else "") if t]
     return Pattern(
         name=f"mla_lowrank_norm[{','.join([str(dtype).removeprefix('torch.'), *tags])}]",
-        search=_search(viewed, weight_fp32), replace=_replace(viewed, weight_fp32),
-        example_inputs=example_inputs, op="k3.mla_lowrank_norm",
-        check=(lambda match: check(match, viewed=True)) if viewed else check,
+        search=_search(weight_fp32), replace=_replace(weight_fp32),
+        example_inputs=example_inputs, op="k3.mla_lowrank_norm", check=check,
         scalars={"q_eps": 1.1e-6, "kv_eps": 1.3e-6}, distinctive=("rsqrt", "split_with_sizes"),
         exclusive=("w_qa", "w_kva"), joint_passes=True,
     )
@@ -125,9 +104,8 @@ def _variant(dtype: torch.dtype, form: str = "", weight_fp32: bool = False) -> P
 
 def patterns() -> list[Pattern]:
     # [B, T, D] activations (a view before and after each GEMM), then [N, D] rows (vLLM's
-    # flattened tokens: the GEMMs are plain mm and the norms read their outputs, or views of
-    # them to [N, 1, .] (x.unsqueeze(1) before the linears)); in bf16 each form also with the
-    # weights multiplied in fp32 (`weight_fp32`)
-    forms = ("", "rows", "rows_viewed")
+    # flattened tokens: the GEMMs are plain mm and the norms read their outputs); in bf16 each
+    # form also with the weights multiplied in fp32 (`weight_fp32`)
+    forms = ("", "rows")
     return ([_variant(d, form) for form in forms for d in DTYPES]
             + [_variant(torch.bfloat16, form, True) for form in forms])

@@ -32,7 +32,7 @@ from k3compile.canonical import Rule, rewrite_sites
 from k3compile.canonical.layout import layout
 from k3compile.canonical.region import arange_length
 from k3compile.canonical.region import shape as _shape
-from k3compile.canonical.state_write import _reaches_state
+from k3compile.canonical.state_write import reaches_state
 from k3compile.graph import call
 
 aten = torch.ops.aten
@@ -73,7 +73,7 @@ def _site(write: fx.Node):
         block, view = value.args[0], value
         if tuple(d for d in _shape(block) if d != 1) != tuple(d for d in _shape(view) if d != 1):
             return None
-    if not _plain_put(block) or len(block.args[1]) != 2 or not _reaches_state(write):
+    if not _plain_put(block) or len(block.args[1]) != 2 or not reaches_state(write):
         return None
     gather, (rows_at, pos), rows = block.args[:3]
     if gather.target is not aten.index.Tensor or gather.args[0] is not cache \

@@ -24,8 +24,7 @@ import torch
 from torch import fx
 
 from k3compile.canonical import Rule, rewrite_sites
-from k3compile.canonical.cast_view import CAST, _same
-from k3compile.canonical.cast_view import _write as cast_first
+from k3compile.canonical.cast_view import CAST, cast_first, same_size
 from k3compile.canonical.region import val as _val
 from k3compile.graph import RESHAPES
 
@@ -38,9 +37,9 @@ def _head_merge(view) -> bool:
     src, out = _val(view.args[0]), _val(view)
     if src is None or out is None or out.dim() < 1 or src.dim() != out.dim() + 1:
         return False
-    lead = all(_same(a, b) for a, b in zip(src.shape[:-2], out.shape[:-1], strict=True))
-    return (lead and _same(src.shape[-2] * src.shape[-1], out.shape[-1])
-            and not _same(src.shape[-1], out.shape[-1]))
+    lead = all(same_size(a, b) for a, b in zip(src.shape[:-2], out.shape[:-1], strict=True))
+    return (lead and same_size(src.shape[-2] * src.shape[-1], out.shape[-1])
+            and not same_size(src.shape[-1], out.shape[-1]))
 
 
 # fp32 values rounded to the activations' dtype: the output cast of a layer kept in fp32 (integer

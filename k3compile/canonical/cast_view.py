@@ -29,7 +29,7 @@ aten = torch.ops.aten
 CAST = torch.ops.prims.convert_element_type.default
 
 
-def _same(a, b) -> bool:
+def same_size(a, b) -> bool:
     return statically_known_true(a == b)
 
 
@@ -40,10 +40,10 @@ def _head_split(view) -> bool:
     src, out = _val(view.args[0]), _val(view)
     if src is None or out is None or src.dim() < 1 or out.dim() != src.dim() + 1:
         return False
-    lead = all(_same(a, b) for a, b in zip(src.shape[:-1], out.shape[:-2], strict=True))
+    lead = all(same_size(a, b) for a, b in zip(src.shape[:-1], out.shape[:-2], strict=True))
     # a size-1 "head" dim is no split (at batch 1, `[N, O] -> [B, T, O]` looks like one)
-    return (lead and _same(out.shape[-2] * out.shape[-1], src.shape[-1])
-            and not _same(out.shape[-1], src.shape[-1]))
+    return (lead and same_size(out.shape[-2] * out.shape[-1], src.shape[-1])
+            and not same_size(out.shape[-1], src.shape[-1]))
 
 
 def _site(node: fx.Node) -> bool:
@@ -65,12 +65,12 @@ def swap(graph: fx.Graph, outer: fx.Node) -> None:
     graph.erase_node(outer)
 
 
-def _write(graph: fx.Graph, cast: fx.Node, _) -> None:
+def cast_first(graph: fx.Graph, cast: fx.Node, _) -> None:
     swap(graph, cast)  # the cast, then the split
 
 
 def apply(graph: fx.Graph) -> int:
-    return rewrite_sites(graph, _site, _write, tidy=False)
+    return rewrite_sites(graph, _site, cast_first, tidy=False)
 
 
 RULE = Rule("cast_view", apply, "a dtype cast after a head split (view [..., H·D] -> "

@@ -42,9 +42,8 @@ import torch.nn.functional as F
 from torch import fx
 
 from k3compile.canonical import Rule, rewrite_sites
-from k3compile.canonical.conv_einsum import LOW, RTOL, THROUGH, _product, _silu_tail
-from k3compile.canonical.gate_up_split import _POINTWISE
-from k3compile.canonical.region import below, pointwise_tail, replace, root, shape, val
+from k3compile.canonical.conv_einsum import LOW, RTOL, THROUGH, silu_tail, window_product
+from k3compile.canonical.region import POINTWISE, below, pointwise_tail, replace, root, shape, val
 from k3compile.canonical.short_conv import MAX_TAPS
 from k3compile.graph import written_in_place
 
@@ -159,7 +158,7 @@ def _site(window: fx.Node):
         node = start
         while len(node.users) == 1 and (user := next(iter(node.users))).target in THROUGH:
             node = user
-        product = _product(node)
+        product = window_product(node)
         if product is None or dtype != torch.float32 and product.target is not aten.bmm.default:
             continue
         other = product.args[1] if product.args[0] is node else product.args[0]
@@ -170,9 +169,9 @@ def _site(window: fx.Node):
         out = below(end, (B, C), THROUGH)
         if out is None:
             continue
-        # in bf16 F.silu computes in fp32 between casts (`_silu_tail`)
-        tail = pointwise_tail(out, _POINTWISE, dtype) if dtype == torch.float32 else \
-            _silu_tail(out, dtype)
+        # in bf16 F.silu computes in fp32 between casts (`silu_tail`)
+        tail = pointwise_tail(out, POINTWISE, dtype) if dtype == torch.float32 else \
+            silu_tail(out, dtype)
         if not tail or not tail[0]:
             return None  # the canonical form has the SiLU after the conv
         # the user's SiLU as torch's op (x / (1 + exp(-x))) or written out (x * sigmoid(x))

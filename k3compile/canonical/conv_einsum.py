@@ -44,8 +44,8 @@ import torch.nn.functional as F
 from torch import fx
 
 from k3compile.canonical import Rule, rewrite_sites
-from k3compile.canonical.gate_up_split import _POINTWISE
 from k3compile.canonical.region import (
+    POINTWISE,
     VIEWS,
     below,
     pointwise_tail,
@@ -111,7 +111,7 @@ def _site(unfold: fx.Node):
     node = unfold
     while len(node.users) == 1 and (user := next(iter(node.users))).target in THROUGH:
         node = user
-    product = _product(node)
+    product = window_product(node)
     if product is None or (not time_major and product.target is aten.mul.Tensor
                            and val(product).dtype in LOW):
         return None  # a window sum multiplied in bf16: short_conv's product sum, exact
@@ -129,28 +129,28 @@ def _site(unfold: fx.Node):
         if dtype == torch.float32:
             return [window, w], out, fns[0], RTOL
         # bf16 / fp16: the SiLU that follows goes with the conv (it rounds after it)
-        tail = _silu_tail(out, dtype)
+        tail = silu_tail(out, dtype)
         if tail is None:
             return None
         return [window, w], tail[1], fns[1], 2 * torch.finfo(dtype).eps
     return None
 
 
-def _silu_tail(out: fx.Node, dtype: torch.dtype) -> tuple | None:
+def silu_tail(out: fx.Node, dtype: torch.dtype) -> tuple | None:
     """The pointwise tail after the conv, in `dtype`, or computed in fp32 between casts where it
     ends in `dtype`: F.silu on a bf16 tensor lowers so in the compile (`x / (1 + exp(-x))` on
     the upcast, then the cast back; spell8's conv). Which function it is, the caller checks on
     random values."""
-    tail = pointwise_tail(out, _POINTWISE, dtype)
+    tail = pointwise_tail(out, POINTWISE, dtype)
     if tail is not None and tail[0]:
         return tail
-    tail = pointwise_tail(out, _POINTWISE)
+    tail = pointwise_tail(out, POINTWISE)
     if tail is None or not tail[0] or val(tail[1]).dtype != dtype:
         return None
     return tail
 
 
-def _product(node: fx.Node) -> fx.Node | None:
+def window_product(node: fx.Node) -> fx.Node | None:
     """The window's contraction with the taps: a bmm, or the mul that a bmm of dot products
     ([C, 1, taps] @ [C, taps, 1], B·T = 1) decomposes to on CPU (`sum(a.squeeze(1) *
     b.squeeze(-1), 1, keepdim=True)`, Inductor's `bmm` decomposition), its one user the sum."""
@@ -169,7 +169,7 @@ def _product(node: fx.Node) -> fx.Node | None:
 def _sink_pointwise(graph: fx.Graph, perm: fx.Node) -> bool:
     """f(permute(c)) -> permute(f(c)) for a pointwise region f that reads only the permute (and
     scalars), takes every use of it, and is read from outside only at its last node."""
-    tail = pointwise_tail(perm, _POINTWISE)
+    tail = pointwise_tail(perm, POINTWISE)
     if not tail or not tail[0]:
         return False
     region, end = tail

@@ -48,11 +48,11 @@ from k3compile.rewrite import inductor
 aten = torch.ops.aten
 _END = 2**63 - 1
 _CAST = torch.ops.prims.convert_element_type.default
-_PERMUTES = {aten.permute.default}
+PERMUTES = {aten.permute.default}
 MAX_POST = 32  # a conv's pointwise tail is a few ops (SiLU decomposed, a cast, a permute)
 
 
-def _upcast_of(node):
+def upcast_of(node):
     """(source, cast node) if node is an fp32 cast of source, else (node, None)."""
     if isinstance(node, fx.Node) and node.target is _CAST and node.args[1] == torch.float32:
         return node.args[0], node
@@ -73,10 +73,10 @@ class Branch:
         self.post: list[fx.Node] = []
 
 
-def _depthwise(conv: fx.Node) -> bool:
+def is_depthwise(conv: fx.Node) -> bool:
     args = list(conv.args) + [None] * (9 - len(conv.args))
     x, w, _, stride, padding, dilation, transposed, out_pad, groups = args
-    ws = _shape(_upcast_of(w)[0])
+    ws = _shape(upcast_of(w)[0])
     return (ws is not None and len(ws) == 3 and ws[1] == 1 and groups == ws[0]
             and list(stride) == [1] and list(padding) == [0] and list(dilation) == [1]
             and not transposed and list(out_pad) == [0] and len(_shape(x) or ()) == 3)
@@ -106,10 +106,10 @@ def _piece(node) -> tuple[fx.Node, int] | None:
 
 
 def _branch(conv: fx.Node) -> Branch | None:
-    if conv.target is not aten.convolution.default or not _depthwise(conv):
+    if conv.target is not aten.convolution.default or not is_depthwise(conv):
         return None
-    window, window_cast = _upcast_of(conv.args[0])
-    weight, weight_cast = _upcast_of(conv.args[1])
+    window, window_cast = upcast_of(conv.args[0])
+    weight, weight_cast = upcast_of(conv.args[1])
     if not (isinstance(window, fx.Node) and window.target is aten.cat.default):
         return None
     parts, dim = window.args[0], window.args[1] if len(window.args) > 1 else 0
@@ -117,7 +117,7 @@ def _branch(conv: fx.Node) -> Branch | None:
         return None
     past, new = parts
     found = _piece(past)
-    if found is None or not (isinstance(new, fx.Node) and new.target in _PERMUTES
+    if found is None or not (isinstance(new, fx.Node) and new.target in PERMUTES
                              and list(new.args[1]) == [0, 2, 1] and len(new.users) == 1):
         return None
     source, start = found
@@ -152,13 +152,13 @@ def _post(conv: fx.Node, order: dict[fx.Node, int]) -> list[fx.Node] | None:
         inputs = [a for a in node.all_input_nodes]
         if not all(a in members for a in inputs):
             continue  # joins something outside: not part of the tail
-        if _pointwise(node) or (node.target in _PERMUTES and not _has_permute(chain)):
+        if _pointwise(node) or (node.target in PERMUTES and not _has_permute(chain)):
             chain.append(node)
             members.add(node)
             frontier += list(node.users)
     # an upcast after the permute (bf16: each piece's `.float()`) and what follows it stay on
     # the pieces, after the split, where the canonical form casts q, k and v
-    cut = next((i for i, n in enumerate(chain) if _upcast_of(n)[1] is not None
+    cut = next((i for i, n in enumerate(chain) if upcast_of(n)[1] is not None
                 and _has_permute(chain[:i])), len(chain))
     chain, members = chain[:cut], {conv, *chain[:cut]}
     inner = [conv, *chain[:-1]] if chain else []
@@ -171,7 +171,7 @@ def _post(conv: fx.Node, order: dict[fx.Node, int]) -> list[fx.Node] | None:
 
 
 def _has_permute(chain: list[fx.Node]) -> bool:
-    return any(n.target in _PERMUTES for n in chain)
+    return any(n.target in PERMUTES for n in chain)
 
 
 def _isomorphic(chains: list[list[fx.Node]], convs: list[fx.Node]) -> bool:
@@ -272,7 +272,7 @@ def _split(graph: fx.Graph, node: fx.Node, sizes: list[int], dim: int, like: fx.
 
 
 def _channel_dim(post: list[fx.Node]) -> int:
-    permutes = [n for n in post if n.target in _PERMUTES]
+    permutes = [n for n in post if n.target in PERMUTES]
     return list(permutes[0].args[1]).index(1) if permutes else 1
 
 

@@ -217,7 +217,7 @@ def _write(graph: fx.Graph, out: fx.Node, site) -> None:
         window = call(graph, aten.cat.default, ([W, col], -1), like=scatter)
         state = call(graph, aten.slice.Tensor, (window, dim, 1, END), like=scatter)
     scatter.replace_all_uses_with(state)
-    short_conv._convolve(graph, out, (window, w, *shape(w)))  # the canonical conv
+    short_conv.convolve(graph, out, (window, w, *shape(w)))  # the canonical conv
 
 
 def apply(graph: fx.Graph) -> int:

@@ -31,7 +31,7 @@ import torch
 from torch import fx
 
 from k3compile.canonical import Rule
-from k3compile.canonical.conv_merge import _PERMUTES, _depthwise, _upcast_of
+from k3compile.canonical.conv_merge import PERMUTES, is_depthwise, upcast_of
 from k3compile.canonical.region import VIEWS, shape, val
 from k3compile.graph import call
 from k3compile.rewrite import inductor
@@ -55,22 +55,22 @@ def _source(x: fx.Node) -> fx.Node:
 def _gathered_past(conv: fx.Node) -> tuple[fx.Node, tuple, bool] | None:
     """(the gather, its group key, whether the window alone reads it) where conv's window is
     cat([buf[slots], permute(x)], -1)."""
-    if conv.target is not aten.convolution.default or not _depthwise(conv):
+    if conv.target is not aten.convolution.default or not is_depthwise(conv):
         return None
-    window = _upcast_of(conv.args[0])[0]
+    window = upcast_of(conv.args[0])[0]
     if not (isinstance(window, fx.Node) and window.target is aten.cat.default
             and len(window.args[0]) == 2 and (window.args[1] if len(window.args) > 1 else 0)
             % 3 == 2):
         return None
     past, new = window.args[0]
     if not (isinstance(past, fx.Node) and past.target is aten.index.Tensor
-            and isinstance(new, fx.Node) and new.target in _PERMUTES
+            and isinstance(new, fx.Node) and new.target in PERMUTES
             and list(new.args[1]) == [0, 2, 1]):
         return None
     _, index = past.args
     if len(index) != 1 or not isinstance(index[0], fx.Node) or len(shape(past) or ()) != 3:
         return None
-    taps = shape(_upcast_of(conv.args[1])[0])[2]
+    taps = shape(upcast_of(conv.args[1])[0])[2]
     if shape(past)[2] != taps - 1:
         return None
     key = (index[0], _source(new.args[0]), taps, shape(conv)[0], shape(conv)[2],

@@ -215,7 +215,7 @@ def _write(graph: fx.Graph, new: fx.Node, site, cache: dict) -> bool:
             return False
     key = tuple((shape(x), val(x).dtype, val(x).stride()) for x in inputs)
     if key not in cache:
-        cache[key] = region._trace(sequential, [val(x) for x in (*inputs, k)])
+        cache[key] = region.trace_canonical(sequential, [val(x) for x in (*inputs, k)])
     gm = cache[key]
     order = {n: i for i, n in enumerate(graph.nodes)}
     with graph.inserting_before(min(new, o, key=order.__getitem__)):

@@ -23,7 +23,7 @@ from torch import fx
 
 from k3compile.canonical import Rule, rewrite_sites
 from k3compile.canonical.expert_gather import traced
-from k3compile.canonical.expert_gemm import _routed
+from k3compile.canonical.expert_gemm import routed_experts
 from k3compile.canonical.region import call_on_cpu, splice_if_same
 from k3compile.canonical.region import static_shape as _shape
 from k3compile.canonical.region import val as _val
@@ -82,7 +82,7 @@ def _expert_output(y: fx.Node, n: int, k: int) -> bool:
         return False
     for operand in bmm.args[:2]:
         w = _up(operand, lambda s: len(s) == 4 and s[:2] == (n, k))
-        if w is not None and _routed(w, n, k):
+        if w is not None and routed_experts(w, n, k):
             return True
     return False
 

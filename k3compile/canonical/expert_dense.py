@@ -22,9 +22,9 @@ Proven in three parts:
    term e `column_e * y_e` with column_e `routing[:, e]` (a slice, select or split of the
    matrix), y_e expert 0's y_0 with e for 0 (matched operand by operand, the stacks read only as
    `stack[e]`, i.e. `select(stack, 0, e)`).
-3. y_0 itself on random values (at smaller sizes where large: `expert_slots._sizes`) against the
-   canonical experts' slot 0 with weight 1, for each assignment of the six stacks to W1 / W3 /
-   W2 and each pair of betas among the constants next to a tanh.
+3. y_0 itself on random values (at smaller sizes where large: `expert_slots.shrunk_sizes`)
+   against the canonical experts' slot 0 with weight 1, for each assignment of the six stacks to
+   W1 / W3 / W2 and each pair of betas among the constants next to a tanh.
 Then sum_e routing[n, e] y_e(n) = sum_j routing[n, ids[n, j]] y_{ids[n, j]}(n): the other
 E - k terms are 0 * y_e(n) = 0 and each chosen expert appears once (up to the sum's order).
 
@@ -64,7 +64,7 @@ from k3compile.canonical.region import (
 )
 from k3compile.canonical.region import static_shape as _shape
 from k3compile.canonical.region import val as _val
-from k3compile.canonical.route_mask import _constant
+from k3compile.canonical.route_mask import is_constant
 from k3compile.rewrite import inductor
 
 aten, prims = torch.ops.aten, torch.ops.prims
@@ -93,13 +93,13 @@ def _topk_ids(node, n: int, e: int) -> fx.Node | None:
 def _scattered(routing: fx.Node, n: int, e: int) -> fx.Node | None:
     """ids of `scatter(zeros, 1, ids, w)` or `where(scatter(full(False), 1, ids, True), s, 0)`."""
     t, args = routing.target, routing.args
-    if t is aten.scatter.src and args[1] in (1, -1) and slots._zero(args[0]):
+    if t is aten.scatter.src and args[1] in (1, -1) and slots.is_zero(args[0]):
         return _topk_ids(args[2], n, e)
-    if t is aten.where.self and (_constant(args[2], 0.0) or _constant(args[2], 0)):
+    if t is aten.where.self and (is_constant(args[2], 0.0) or is_constant(args[2], 0)):
         mask = args[0]
         if (isinstance(mask, fx.Node) and mask.target is aten.scatter.value
                 and mask.args[1] in (1, -1) and mask.args[3] is True
-                and _constant(mask.args[0], False)):
+                and is_constant(mask.args[0], False)):
             return _topk_ids(mask.args[2], n, e)
     return None
 
@@ -188,7 +188,7 @@ def _columns(routing: fx.Node, e: int) -> dict[fx.Node, int]:
         if u.target is aten.split_with_sizes.default and list(u.args[1]) == [1] * e and (
                 u.args[2] if len(u.args) > 2 else 0) in (1, -1):
             cols.update((g, g.args[1]) for g in u.users if g.target is operator.getitem)
-        elif (j := slots._slot(u, routing, e)) is not None:
+        elif (j := slots.slot_of(u, routing, e)) is not None:
             cols[u] = j
     return cols
 
@@ -252,15 +252,15 @@ def _structure(out, routing, cols, e):
                                                              aten.split_with_sizes.default):
                 return None
     reads = {**cols, **{s: c for s, c in stack_reads.items() if s in inside}}
-    masks = slots._masks(region, reads)
-    terms = slots._terms(out, masks, e)
+    masks = slots.slot_masks(region, reads)
+    terms = slots.slot_terms(out, masks, e)
     if terms is None:
         return None
     ys = [_split_term(t, cols, j) for j, t in enumerate(terms)]
     if None in ys or any(masks.get(y) != 1 << j for j, y in enumerate(ys)):
         return None
     stack_only = {s: c for s, c in reads.items() if s in stack_reads}
-    if not all(slots._same_slot(y, ys[0], j, stack_only, masks) for j, y in enumerate(ys[1:], 1)):
+    if not all(slots.same_slot(y, ys[0], j, stack_only, masks) for j, y in enumerate(ys[1:], 1)):
         return None
     return ys[0], sorted(stacks, key=lambda s: s.name), masks
 
@@ -320,7 +320,7 @@ def _proof(y0, stacks, masks, ids):
     region, z, lut = found
     for order in _assignments(stacks):
         inputs = [z, ids, ids, lut, *order]  # ids twice: `_sizes` reads (N, k) from it
-        sizes = slots._sizes([x for x in region if x.op == "call_function"], inputs)
+        sizes = slots.shrunk_sizes([x for x in region if x.op == "call_function"], inputs)
         if sizes is None:
             return None
         with inductor.unset_fake_temporarily():
@@ -332,7 +332,7 @@ def _proof(y0, stacks, masks, ids):
 
 def _agreeing(region, inputs, y0, sizes):
     z, _, _, lut, *stacks = inputs
-    values = slots._random_inputs(inputs, sizes, torch.Generator().manual_seed(0))
+    values = slots.random_inputs(inputs, sizes, torch.Generator().manual_seed(0))
     env = dict(values)
     module = y0.graph.owning_module
     try:
@@ -354,9 +354,9 @@ def _agreeing(region, inputs, y0, sizes):
     one = torch.ones(n, 1)
     scale = float(got.abs().max().clamp_min(1e-30))
     args = [values[z], first, one, values[lut], *(values[s] for s in stacks)]
-    for beta, linear_beta in itertools.product(slots._constants(region), repeat=2):
+    for beta, linear_beta in itertools.product(slots.situ_constants(region), repeat=2):
         try:
-            want = slots._canonical(beta, linear_beta, 1)(*args)
+            want = slots.canonical_experts(beta, linear_beta, 1)(*args)
         except RuntimeError:
             return None
         if want.shape == got.shape and float((got - want).abs().max()) <= RTOL * scale:
@@ -394,7 +394,7 @@ def _site(routing: fx.Node):
 
 def _write(graph: fx.Graph, routing: fx.Node, site, cache: dict) -> bool:
     out, inputs, beta, linear_beta = site
-    gm = traced(slots._canonical(beta, linear_beta, None), inputs, cache)
+    gm = traced(slots.canonical_experts(beta, linear_beta, None), inputs, cache)
     return splice_if_same(graph, gm, inputs, out)
 
 

@@ -128,7 +128,7 @@ def _transposed_weight(node, batch: int, out: int, width: int) -> fx.Node | None
     return None
 
 
-def _routed(w: fx.Node, n: int, k: int, limit: int = 256) -> bool:
+def routed_experts(w: fx.Node, n: int, k: int, limit: int = 256) -> bool:
     """Whether W [N, k, O, I] is made from experts gathered by the routed ids: an `index` by one
     integer [N, k] tensor up its inputs (what makes the product an expert GEMM, not, say, a
     recurrent state [B, H, d, d] times a vector)."""
@@ -167,7 +167,7 @@ def _site(bmm: fx.Node):
     if w is None:
         return None
     n, k, o = _shape(w)[:3]
-    if not _routed(w, n, k):
+    if not routed_experts(w, n, k):
         return None
     result = _result(bmm, (n, k, o))
     if result is None:

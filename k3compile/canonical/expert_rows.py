@@ -20,7 +20,7 @@ Proven in two parts, as `expert_slots` is:
    through *entries*: chains of data-movement ops (views, expand, clone, gathers by constant
    indices) from z [N, L], ids [N, k] or the weights [N, k], evaluated on position codes
    (arange of the source's size) to be exactly `ids.flatten()[p]`, `w.flatten()[p]` and
-   `z[p // k]` in row p. (c) Every node computed from an entry is *row-wise* on dim 0 (`_rowwise`:
+   `z[p // k]` in row p. (c) Every node computed from an entry is *row-wise* on dim 0 (`rowwise`:
    pointwise ops on aligned rows and broadcast constants, lookups into an outside table by a row
    index, views and reductions that keep dim 0, bmm over it). So src[p] = f(z[n], ids[n, j],
    w[n, j]) for one function f, and out[n] = sum_j f(...): the canonical finalize's sum over the
@@ -61,14 +61,14 @@ from torch.utils._pytree import tree_leaves, tree_map
 from k3compile.canonical import Rule, rewrite_sites
 from k3compile.canonical.expert_combine import combine_site, evaluates_as_sum
 from k3compile.canonical.expert_slots import (
-    _FORMAT,
-    _SMALL_I,
-    _SMALL_L,
-    _canonical,
-    _random_inputs,
-    _values,
+    FORMAT_INTS,
+    SMALL_I,
+    SMALL_L,
+    canonical_experts,
+    random_inputs,
+    region_values,
+    splice_experts,
 )
-from k3compile.canonical.expert_slots import _write as _splice_experts
 from k3compile.canonical.region import VIEWS, call_on_cpu, on_cpu
 from k3compile.canonical.region import static_shape as _shape
 from k3compile.canonical.region import val as _val
@@ -135,7 +135,7 @@ def _attr(node: fx.Node):
     return value
 
 
-def _value(node: fx.Node, env: dict | None = None):
+def real_value(node: fx.Node, env: dict | None = None):
     """node's real value from env, or None where it needs anything else (call it outside any
     fake mode)."""
     try:
@@ -144,7 +144,7 @@ def _value(node: fx.Node, env: dict | None = None):
         return None
 
 
-def _finalize(node: fx.Node):
+def index_put_finalize(node: fx.Node):
     """(acc, t, src) of `index_put(acc, [t], src, True)`, acc a zero fp32 [N, L] constant."""
     if node.target is not aten.index_put.default or len(node.args) < 4 or node.args[3] is not True:
         return None
@@ -170,7 +170,7 @@ def _dim(d, rank: int) -> int:
     return d % rank if rank else d
 
 
-def _rowwise(node: fx.Node, rows: set[fx.Node], p: int) -> bool:
+def rowwise(node: fx.Node, rows: set[fx.Node], p: int) -> bool:
     """Whether node's row i (dim 0, P rows) is a function of its row operands' rows i alone:
     operands in `rows` are row tensors [P, ...], any other is outside. Outside tensors may only
     broadcast over the rows (lower rank, or a size-1 dim 0) or be looked up by a row index."""
@@ -246,7 +246,7 @@ def rows_from(roots: set[fx.Node], out: fx.Node, p: int) -> set[fx.Node] | None:
     rows = set(roots)
     for node in region:
         if any(a in rows for a in node.all_input_nodes):
-            if not _rowwise(node, rows, p):
+            if not rowwise(node, rows, p):
                 return None
             rows.add(node)
     return rows - set(roots)
@@ -284,7 +284,7 @@ def _entry_role(entry: fx.Node, source: fx.Node, n: int, k: int) -> str | None:
     if shape is None or v is None or len(shape) != 2 or shape[0] != n:
         return None
     code = torch.arange(n * shape[1]).view(shape)
-    moved = _value(entry, {source: code})
+    moved = real_value(entry, {source: code})
     if moved is None or moved.dim() == 0 or moved.shape[0] != n * k:
         return None
     got = moved.reshape(n * k, -1)
@@ -377,7 +377,7 @@ def _combine(bmm: fx.Node):
     if _shape(src) != (n * k, width):
         return None
     code = torch.arange(n * k * width).view(n * k, width)
-    got = _value(y, {src: code})
+    got = real_value(y, {src: code})
     if got is None or got.shape != (n, k, width):
         return None
     return (out, src, w, y) if torch.equal(got.long(), code.view(n, k, width)) else None
@@ -397,7 +397,7 @@ def _real_site(out: fx.Node):
         out, src, combined, y = found
         (n, k), p = _shape(combined), _shape(src)[0]
     else:  # the rows summed back to their tokens
-        found = _finalize(out)
+        found = index_put_finalize(out)
         if found is None:
             return None
         _, t, src = found
@@ -405,7 +405,7 @@ def _real_site(out: fx.Node):
         k = p // n
         if not constant(t, memo) or _shape(t) != (p,):
             return None
-        index = _value(t)
+        index = real_value(t)
         if index is None or not torch.equal(index, torch.arange(p) // k):
             return None
     found = _entries(src, n, k, {"z", "ids"} if combined is not None else
@@ -475,7 +475,7 @@ def _values_of(region, inputs, out, sizes):
     """(random inputs, out on them): the region run in graph order with every int of `sizes` in
     its arguments and its inputs' shapes replaced (as `expert_slots._slot_values`; graph
     constants read), each value dropped after its last use (the rows of every pair at once)."""
-    values = _random_inputs(inputs, sizes, torch.Generator().manual_seed(0))
+    values = random_inputs(inputs, sizes, torch.Generator().manual_seed(0))
     env, uses = dict(values), collections.Counter(a for n in region for a in n.all_input_nodes)
     for node in region:
         evaluate(node, env, sizes)
@@ -497,13 +497,13 @@ def _ints(nodes: list[fx.Node]) -> set[int]:
 
 def _row_sizes(region: list[fx.Node], inputs: list[fx.Node]) -> dict[int, int] | None:
     """{} where the region is small enough to evaluate as it is; else smaller sizes, as a map
-    applied to every int of its arguments and its inputs' shapes (as `expert_slots._sizes`):
+    applied to every int of its arguments and its inputs' shapes (as `expert_slots.shrunk_sizes`):
     I, L, E (and I/2, L/2, I/32, L/32) where they can be told apart from each other, from N, P,
     k and the format's constants, and N, P = N*k where they can be told apart from every other
     int of the region. The smaller sizes are ints the region does not hold (no equality the full
     region lacks). None where the region stays too large."""
     values = [*region, *inputs]
-    if _values(values, {}) <= BUDGET:
+    if region_values(values, {}) <= BUDGET:
         return {}
     z, ids, _, _, *stacks = inputs
     (n, k), p = _shape(ids), math.prod(_shape(ids))
@@ -513,20 +513,20 @@ def _row_sizes(region: list[fx.Node], inputs: list[fx.Node]) -> dict[int, int] |
     if len(inter) == 1 and inter.copy().pop() % 32 == 0 == latent % 32:
         (inter,) = inter
         full = [inter, inter // 2, inter // 32, latent, latent // 2, latent // 32, experts]
-        if len(set(full)) == 7 and not {n, p, k, *_FORMAT} & set(full):
-            for i, lat in itertools.product(_SMALL_I, _SMALL_L):
+        if len(set(full)) == 7 and not {n, p, k, *FORMAT_INTS} & set(full):
+            for i, lat in itertools.product(SMALL_I, SMALL_L):
                 small = [i, i // 2, i // 32, lat, lat // 2, lat // 32]
                 if len(set(small)) == 6 and not set(small) & present:
                     small.append(_fresh(k + 1, present | set(small)))
                     sizes = dict(zip(full, small))
                     break
     others = present - {n, p} - set(sizes)  # the ints the map leaves
-    if not {n, p} & (others | _FORMAT | {k}):
-        taken = others | _FORMAT | set(sizes.values())
+    if not {n, p} & (others | FORMAT_INTS | {k}):
+        taken = others | FORMAT_INTS | set(sizes.values())
         rows = next((m for m in range(2, n) if not {m, m * k} & taken), None)
         if rows is not None:
             sizes.update({n: rows, p: rows * k})
-    return sizes if _values(values, sizes) <= MAX_VALUES else None
+    return sizes if region_values(values, sizes) <= MAX_VALUES else None
 
 
 def _fresh(start: int, taken: set[int]) -> int:
@@ -578,7 +578,7 @@ def _proof(region, inputs, out, pairs):
         args = [values[x] for x in (*inputs[:4], *ordered)]
         for beta, linear_beta in itertools.product(betas, linear_betas):
             try:
-                want = _canonical(beta, linear_beta, None)(*args)
+                want = canonical_experts(beta, linear_beta, None)(*args)
             except RuntimeError:  # shapes that do not fit this assignment
                 break
             if (want.shape == got.shape and want.dtype == got.dtype
@@ -591,7 +591,7 @@ def apply(graph: fx.Graph) -> int:
     if graph.owning_module is None:
         return 0
     cache: dict = {}
-    return rewrite_sites(graph, _site, lambda g, n, s: _splice_experts(g, n, s, cache),
+    return rewrite_sites(graph, _site, lambda g, n, s: splice_experts(g, n, s, cache),
                          targets={aten.index_put.default, aten.bmm.default}, sort=True)
 
 

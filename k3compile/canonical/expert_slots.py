@@ -28,7 +28,7 @@ TP16 rank, 3072 unsharded; evaluating the whole loop would dequantise N*k*I*L we
    [118, 137]) against the canonical experts' slot 0, for each assignment of the stacks to W1 /
    W3 / W2 and each (beta, linear beta) among the float constants next to a tanh: the first
    that agrees within RTOL of the largest value is spliced in (all k slots). Where slot 0 is
-   larger than BUDGET values, it runs at smaller I, L, E (`_sizes`: each int of its arguments
+   larger than BUDGET values, it runs at smaller I, L, E (`shrunk_sizes`: each int of its arguments
    and its inputs' shapes equal to one of those sizes, or to I/2, L/2, I/32, L/32, replaced):
    sound as long as an int equal to a size is that size, which is why sizes that collide (with
    each other, k or a format constant) are not shrunk.
@@ -64,10 +64,10 @@ aten = torch.ops.aten
 RTOL = 1e-5
 BUDGET = 1 << 22  # values slot 0's evaluation may hold as it is (summed over its nodes)
 MAX_ELEMENTS = 1 << 26  # ... at the smaller sizes
-_SMALL_I, _SMALL_L = (160, 224, 288), (224, 352, 416)  # multiples of 32, I != L
+SMALL_I, SMALL_L = (160, 224, 288), (224, 352, 416)  # multiples of 32, I != L
 # ints of a slot's arguments that are no size of the experts (dims, the nibble shift and mask,
 # the E2M1 table, the MX group, the E8M0 bias): a size equal to one cannot be shrunk
-_FORMAT = frozenset((0, 1, 2, 3, 4, 15, 16, 32, 127, 255))
+FORMAT_INTS = frozenset((0, 1, 2, 3, 4, 15, 16, 32, 127, 255))
 
 
 def _integer(node) -> bool:
@@ -75,7 +75,7 @@ def _integer(node) -> bool:
     return v is not None and not v.dtype.is_floating_point and v.dtype != torch.bool
 
 
-def _slot(node: fx.Node, ids: fx.Node, k: int) -> int | None:
+def slot_of(node: fx.Node, ids: fx.Node, k: int) -> int | None:
     """j where node is `select(ids, 1, j)` or `slice(ids, 1, j, j + 1)`."""
     if node.op != "call_function" or not node.args or node.args[0] is not ids:
         return None
@@ -127,7 +127,7 @@ def _weight_sources(ids: fx.Node, slots: dict[fx.Node, int], k: int) -> list[fx.
         if node is ids or v is None or not v.dtype.is_floating_point or _shape(node) != _shape(
                 ids):
             continue
-        if {_slot(u, node, k) for u in node.users} >= set(range(k)):
+        if {slot_of(u, node, k) for u in node.users} >= set(range(k)):
             found.add(node)
     return list(found)
 
@@ -191,11 +191,11 @@ def _slot_reads(ids: fx.Node, source: fx.Node, k: int) -> dict[fx.Node, int]:
     """Slot j's reads: `select` / `slice` of column j of ids, or of the [N, k] weights."""
     reads = {}
     for x in {ids, source} if _shape(source) == _shape(ids) else {ids}:
-        reads.update((u, j) for u in x.users if (j := _slot(u, x, k)) is not None)
+        reads.update((u, j) for u in x.users if (j := slot_of(u, x, k)) is not None)
     return reads
 
 
-def _masks(region: list[fx.Node], reads: dict[fx.Node, int]) -> dict[fx.Node, int]:
+def slot_masks(region: list[fx.Node], reads: dict[fx.Node, int]) -> dict[fx.Node, int]:
     """Which slots each node of region is computed from (bit j: slot j's reads)."""
     masks: dict[fx.Node, int] = {}
     for n in region:
@@ -225,7 +225,7 @@ def _read_by_slots(region, masks, reads, ids, source, stacks) -> bool:
     return True
 
 
-def _zero(x) -> bool:
+def is_zero(x) -> bool:
     if type(x) in (int, float):
         return x == 0
     return isinstance(x, fx.Node) and (x.target in _ZEROS or x.target in _FULLS and x.args[1] == 0)
@@ -235,7 +235,7 @@ _ZEROS = {aten.zeros.default, aten.zeros_like.default, aten.new_zeros.default}
 _FULLS = {aten.full.default, aten.full_like.default}
 
 
-def _terms(out: fx.Node, masks: dict[fx.Node, int], k: int) -> list[fx.Node] | None:
+def slot_terms(out: fx.Node, masks: dict[fx.Node, int], k: int) -> list[fx.Node] | None:
     """Slot j's term t_j for each j where out = ((z0 + t_a) + t_b) + ... in fp32, one term per
     slot (z0 a zero, or none), the sum of the [N, L] terms as the canonical finalize's is (up to
     order). None for any other sum."""
@@ -259,9 +259,9 @@ def _terms(out: fx.Node, masks: dict[fx.Node, int], k: int) -> list[fx.Node] | N
             else:
                 return None
             continue
-        if args is not None and _zero(args[0]) and masks.get(args[0], 0) == 0:
+        if args is not None and is_zero(args[0]) and masks.get(args[0], 0) == 0:
             acc = args[1]
-        elif args is not None and _zero(args[1]) and masks.get(args[1], 0) == 0:
+        elif args is not None and is_zero(args[1]) and masks.get(args[1], 0) == 0:
             acc = args[0]
         terms[mask] = acc
         break
@@ -270,7 +270,7 @@ def _terms(out: fx.Node, masks: dict[fx.Node, int], k: int) -> list[fx.Node] | N
     return [terms[1 << j] for j in range(k)]
 
 
-def _same_slot(mine: fx.Node, first: fx.Node, j: int, reads, masks) -> bool:
+def same_slot(mine: fx.Node, first: fx.Node, j: int, reads, masks) -> bool:
     """Slot j's term computes slot 0's with column j for column 0: matched from the terms up,
     operand by operand (whatever the graph order), the same op with the same arguments, each
     node of slot j paired with exactly one of slot 0, a read of column j with the same read of
@@ -336,13 +336,13 @@ def _structure(region, out, inputs, ids, k):
     (ids, the weights and the stacks read only by one slot's columns); None otherwise."""
     _, _, source, _, *stacks = inputs
     reads = _slot_reads(ids, source, k)
-    masks = _masks(region, reads)
+    masks = slot_masks(region, reads)
     if not _read_by_slots(region, masks, reads, ids, source, set(stacks)):
         return None
-    terms = _terms(out, masks, k)
+    terms = slot_terms(out, masks, k)
     if terms is None:
         return None
-    if not all(_same_slot(t, terms[0], j, reads, masks) for j, t in enumerate(terms[1:], 1)):
+    if not all(same_slot(t, terms[0], j, reads, masks) for j, t in enumerate(terms[1:], 1)):
         return None
     return terms[0]
 
@@ -351,7 +351,7 @@ def _structure(region, out, inputs, ids, k):
 
 
 @functools.cache
-def _canonical(beta: float, linear_beta: float, slots: int | None):
+def canonical_experts(beta: float, linear_beta: float, slots: int | None):
     """The canonical experts with the loop's fp32 sum: z's dtype where that is fp32, else the
     finalize's sum unrounded (`out_dtype` fp32: the GEMMs still round to z's dtype). `slots` 1:
     slot 0's term alone (one slot's finalize)."""
@@ -366,12 +366,12 @@ def _canonical(beta: float, linear_beta: float, slots: int | None):
     return experts
 
 
-def _values(region: list[fx.Node], sizes: dict[int, int]) -> int:
+def region_values(region: list[fx.Node], sizes: dict[int, int]) -> int:
     return sum(math.prod(sizes.get(d, d) for d in _shape(n)) for n in region
                if _shape(n) is not None)
 
 
-def _sizes(region: list[fx.Node], inputs: list[fx.Node]) -> dict[int, int] | None:
+def shrunk_sizes(region: list[fx.Node], inputs: list[fx.Node]) -> dict[int, int] | None:
     """{} where slot 0 is small enough to evaluate as it is; else smaller I, L, E (and I/2, L/2,
     I/32, L/32) as a map applied to every int of the region's arguments and its inputs' shapes.
     Their full sizes must be told apart: pairwise different, none k or a format constant (its
@@ -380,7 +380,7 @@ def _sizes(region: list[fx.Node], inputs: list[fx.Node]) -> dict[int, int] | Non
     (no equality the full slot lacks). None where that is impossible or the region stays too
     large."""
     values = [*region, *inputs]
-    if _values(values, {}) <= BUDGET:
+    if region_values(values, {}) <= BUDGET:
         return {}
     z, ids, _, _, *stacks = inputs
     n, k = _shape(ids)
@@ -390,20 +390,20 @@ def _sizes(region: list[fx.Node], inputs: list[fx.Node]) -> dict[int, int] | Non
         return None
     (inter,) = inter
     full = [inter, inter // 2, inter // 32, latent, latent // 2, latent // 32, experts]
-    fixed = {k, *_FORMAT}
+    fixed = {k, *FORMAT_INTS}
     if inter % 32 or latent % 32 or len(set(full)) != 7 or fixed & set(full):
         return None
     kept = fixed | ({n} - set(full))
-    for i, lat in itertools.product(_SMALL_I, _SMALL_L):
+    for i, lat in itertools.product(SMALL_I, SMALL_L):
         small = [i, i // 2, i // 32, lat, lat // 2, lat // 32]
         small.append(next(e for e in itertools.count(k + 1) if e not in {*small, *kept}))
         if len(set(small)) == 7 and not kept & set(small):
             sizes = dict(zip(full, small))
-            return sizes if _values(values, sizes) <= MAX_ELEMENTS else None
+            return sizes if region_values(values, sizes) <= MAX_ELEMENTS else None
     return None
 
 
-def _random_inputs(inputs: list[fx.Node], sizes: dict[int, int], gen: torch.Generator):
+def random_inputs(inputs: list[fx.Node], sizes: dict[int, int], gen: torch.Generator):
     z, ids, weights, lut, *stacks = inputs
     shape = {x: tuple(sizes.get(d, d) for d in _shape(x)) for x in inputs}
     n, k = shape[ids]
@@ -424,7 +424,7 @@ def _slot_values(region, inputs, term, sizes):
     def resize(a):
         return sizes.get(a, a) if type(a) is int else a
 
-    env = _random_inputs(inputs, sizes, torch.Generator().manual_seed(0))
+    env = random_inputs(inputs, sizes, torch.Generator().manual_seed(0))
     values = dict(env)
     for node in region:
         args, kwargs = tree_map(resize, fx.map_arg((node.args, node.kwargs), env.__getitem__))
@@ -435,7 +435,7 @@ def _slot_values(region, inputs, term, sizes):
 def _proof(region, inputs, term):
     """(beta, linear beta, the stacks as W1, W3, W2) for which slot 0's term is the canonical
     experts' slot 0 (within RTOL of the largest value), or None."""
-    sizes = _sizes(region, inputs)
+    sizes = shrunk_sizes(region, inputs)
     if sizes is None:
         return None
     with inductor.unset_fake_temporarily():  # real values, inside a compile's fake mode
@@ -454,9 +454,9 @@ def _agreeing(region, inputs, term, sizes):
     for order in itertools.permutations([stacks[0:2], stacks[2:4], stacks[4:6]]):
         stacks = list(itertools.chain(*order))
         args = [values[x] for x in (z, ids, weights, lut, *stacks)]
-        for beta, linear_beta in itertools.product(_constants(region), repeat=2):
+        for beta, linear_beta in itertools.product(situ_constants(region), repeat=2):
             try:
-                want = _canonical(beta, linear_beta, 1)(*args)
+                want = canonical_experts(beta, linear_beta, 1)(*args)
             except RuntimeError:  # shapes that do not fit this assignment
                 break
             if want.shape == got.shape and float((got - want).abs().max()) <= RTOL * scale:
@@ -464,7 +464,7 @@ def _agreeing(region, inputs, term, sizes):
     return None
 
 
-def _constants(region: list[fx.Node]) -> list[float]:
+def situ_constants(region: list[fx.Node]) -> list[float]:
     """The positive float constants of the ops next to a tanh: the SiTU betas' candidates."""
     def near_tanh(n):
         return any(x.target is aten.tanh.default for x in [*n.all_input_nodes, *n.users])
@@ -477,7 +477,7 @@ def _site(ids: fx.Node):
     if not _integer(ids) or shape is None or len(shape) != 2 or shape[1] < 2:
         return None
     n, k = shape
-    slots = {u: j for u in ids.users if (j := _slot(u, ids, k)) is not None}
+    slots = {u: j for u in ids.users if (j := slot_of(u, ids, k)) is not None}
     if set(slots.values()) != set(range(k)):
         return None
     out = _sum_of_slots(ids, slots, k)
@@ -504,10 +504,10 @@ def _site(ids: fx.Node):
     return (out, [z, ids, weights, lut], proof) if proof is not None else None
 
 
-def _write(graph: fx.Graph, ids: fx.Node, site, cache: dict) -> bool:
+def splice_experts(graph: fx.Graph, ids: fx.Node, site, cache: dict) -> bool:
     out, inputs, (beta, linear_beta, stacks) = site
     inputs = [*inputs, *stacks]
-    gm = traced(_canonical(beta, linear_beta, None), inputs, cache)
+    gm = traced(canonical_experts(beta, linear_beta, None), inputs, cache)
     return splice_if_same(graph, gm, inputs, out)
 
 
@@ -515,7 +515,7 @@ def apply(graph: fx.Graph) -> int:
     if graph.owning_module is None:
         return 0
     cache: dict = {}
-    return rewrite_sites(graph, _site, lambda g, n, s: _write(g, n, s, cache), sort=True)
+    return rewrite_sites(graph, _site, lambda g, n, s: splice_experts(g, n, s, cache), sort=True)
 
 
 RULE = Rule("expert_slots", apply,

@@ -33,35 +33,31 @@ import torch
 from torch import fx
 
 from k3compile.canonical import Rule, rewrite_sites
-from k3compile.canonical.norm_round import _inv_rms
+from k3compile.canonical.norm_round import inv_rms
+from k3compile.canonical.region import POINTWISE, gemm_of
 from k3compile.canonical.region import shape as _shape
 from k3compile.graph import call
 
 aten = torch.ops.aten
 _END = 2**63 - 1  # slice's "to the end"
 _CAST = torch.ops.prims.convert_element_type.default
-_POINTWISE = {aten.mul.Tensor, aten.div.Tensor, aten.add.Tensor, aten.sub.Tensor, aten.tanh.default,
-              aten.sigmoid.default, aten.silu.default, aten.gelu.default, aten.exp.default,
-              aten.neg.default, aten.relu.default, aten.reciprocal.default, aten.clamp.default,
-              aten.pow.Tensor_Scalar, aten.erf.default, aten.rsqrt.default, aten.sqrt.default,
-              torch.ops.prims.convert_element_type.default}
 
 
 # ---- the pieces a tensor is cut into along its last dim -----------------------------------------
 
 
-def _pieces(node: fx.Node) -> list[tuple[fx.Node, int, int]] | None:
+def last_dim_pieces(node: fx.Node) -> list[tuple[fx.Node, int, int]] | None:
     """[(piece, start, end)] if every user of node cuts it along the last dim with step 1."""
     rank, width = len(_shape(node)), _shape(node)[-1]
     out = []
     for user in node.users:
         if user.target is aten.slice.Tensor:
-            cut = _slice(user, rank, width)
+            cut = slice_cut(user, rank, width)
             if cut is None:
                 return None
             out.append((user, *cut))
         elif user.target in (aten.split.Tensor, aten.split_with_sizes.default):
-            cuts = _split(user, rank, width)
+            cuts = split_cuts(user, rank, width)
             if cuts is None:
                 return None
             out += cuts
@@ -75,7 +71,7 @@ def _pieces(node: fx.Node) -> list[tuple[fx.Node, int, int]] | None:
     return out
 
 
-def _slice(node: fx.Node, rank: int, width: int) -> tuple[int, int] | None:
+def slice_cut(node: fx.Node, rank: int, width: int) -> tuple[int, int] | None:
     args = [*node.args[1:], *[None] * 4]
     dim, start, end, step = (args[0] or 0), (args[1] or 0), args[2], (args[3] or 1)
     end = width if end is None or end >= width else end
@@ -85,7 +81,7 @@ def _slice(node: fx.Node, rank: int, width: int) -> tuple[int, int] | None:
     return start, end
 
 
-def _split(split: fx.Node, rank: int, width: int) -> list[tuple[fx.Node, int, int]] | None:
+def split_cuts(split: fx.Node, rank: int, width: int) -> list[tuple[fx.Node, int, int]] | None:
     sizes, dim = split.args[1], split.args[2] if len(split.args) > 2 else 0
     if dim % rank != rank - 1 or any(u.target is not operator.getitem for u in split.users):
         return None
@@ -122,7 +118,7 @@ def _meet(a: fx.Node, b: fx.Node, reach: int = 200) -> bool:
             return False
         ins = [sides[x] for x in node.all_input_nodes if x in sides]
         if ins:
-            if node.target not in _POINTWISE:
+            if node.target not in POINTWISE:
                 return False
             sides[node] = set().union(*ins)
             if sides[node] == {0, 1}:
@@ -141,19 +137,9 @@ def _position(node: fx.Node) -> int:
     return i
 
 
-def _gemm(node: fx.Node):
-    """(mm or addmm, the view from [M, N] to [..., N] or None) that node is the output of."""
-    view = None
-    if node.target is aten.view.default and len(node.users) and _shape(node.args[0]):
-        src = node.args[0]
-        if len(src.users) == 1 and _shape(src)[-1] == _shape(node)[-1]:
-            view, node = node, src
-    return (node, view) if node.target in (aten.mm.default, aten.addmm.default) else None
-
-
 def _split_gemm(graph: fx.Graph, out: fx.Node) -> int:
-    found = _gemm(out)
-    pieces = _pieces(out) if found else None
+    found = gemm_of(out)
+    pieces = last_dim_pieces(out) if found else None
     if pieces and len(pieces) > 2 or pieces and len(pieces) == 2 and not _meet(*(
             p for p, *_ in pieces)):
         return _cut_before_norms(graph, out, found, pieces)
@@ -165,7 +151,7 @@ def _split_gemm(graph: fx.Graph, out: fx.Node) -> int:
     gemm, view = found
     for piece, start, end in ((g, g0, g1), (u, u0, u1)):
         with graph.inserting_before(piece):
-            new = _gemm_of_rows(graph, gemm, view, start, end, piece)
+            new = gemm_of_rows(graph, gemm, view, start, end, piece)
         piece.replace_all_uses_with(new)
     return 1
 
@@ -173,12 +159,12 @@ def _split_gemm(graph: fx.Graph, out: fx.Node) -> int:
 # ---- a GEMM cut before each piece that is RMS-normalised (MLA's q_a | kv_a) --------------------
 
 
-def _rms_normed(piece: fx.Node) -> bool:
+def rms_normed(piece: fx.Node) -> bool:
     """piece (or its fp32 upcast) is RMS-normalised over its last dim as a whole."""
     for x in (piece, *(u for u in piece.users if u.target is _CAST and u.args[1] is torch.float32)):
         for user in x.users:
             if user.target is aten.mul.Tensor and len(user.args) == 2 and any(
-                    a is x and _inv_rms(b, x) for a, b in (user.args, reversed(user.args))):
+                    a is x and inv_rms(b, x) for a, b in (user.args, reversed(user.args))):
                 return True
     return False
 
@@ -188,7 +174,7 @@ def _cut_before_norms(graph: fx.Graph, out: fx.Node, found, pieces) -> int:
     pieces = sorted(pieces, key=lambda p: p[1])
     if [p[1] for p in pieces] != [0, *(p[2] for p in pieces[:-1])] or pieces[-1][2] != width:
         return 0  # not a partition of the columns (overlapping, missing or repeated pieces)
-    cuts = [start for piece, start, _ in pieces if start and _rms_normed(piece)]
+    cuts = [start for piece, start, _ in pieces if start and rms_normed(piece)]
     if not cuts:
         return 0
     cut_columns(graph, out, found, pieces, cuts)
@@ -206,8 +192,8 @@ def cut_columns(graph: fx.Graph, out: fx.Node, found, pieces, cuts: list[int]) -
         group = [p for p in pieces if lo <= p[1] < hi]
         first = group[0][0]
         with graph.inserting_before(min((p[0] for p in group), key=_position)):
-            y = _gemm_of_rows(graph, gemm, view, lo, hi, first,
-                              shape=[*_shape(out)[:-1], hi - lo])
+            y = gemm_of_rows(graph, gemm, view, lo, hi, first,
+                             shape=[*_shape(out)[:-1], hi - lo])
             if len(group) == 1:
                 outs = [y]
             else:
@@ -219,7 +205,7 @@ def cut_columns(graph: fx.Graph, out: fx.Node, found, pieces, cuts: list[int]) -
             piece.replace_all_uses_with(new)
 
 
-def _gemm_of_rows(graph, gemm, view, start, end, like, shape=None):
+def gemm_of_rows(graph, gemm, view, start, end, like, shape=None):
     """The GEMM of the weight's output rows [start, end) (and the bias's), viewed as `like` (or
     to `shape`)."""
     if gemm.target is aten.addmm.default:
@@ -255,7 +241,7 @@ def _uncat_slices(cat: fx.Node) -> int:
         bounds[(start, start + width)] = x
         start += width
     rewritten = 0
-    for piece, lo, hi in _pieces(cat) or ():
+    for piece, lo, hi in last_dim_pieces(cat) or ():
         x = bounds.get((lo, hi))
         if x is not None and _shape(x) == _shape(piece) and x.meta["val"].dtype == piece.meta[
                 "val"].dtype:

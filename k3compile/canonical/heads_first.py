@@ -28,8 +28,7 @@ import torch
 from torch import fx
 
 from k3compile.canonical import Rule
-from k3compile.canonical.gate_up_split import _POINTWISE
-from k3compile.canonical.region import VIEWS, refresh, root, shape, val
+from k3compile.canonical.region import POINTWISE, VIEWS, refresh, root, shape, val
 from k3compile.graph import call
 
 aten = torch.ops.aten
@@ -50,7 +49,7 @@ def _last_dim_keepdim(node: fx.Node) -> bool:
 
 
 def _elementwise(node: fx.Node) -> bool:
-    return node.target in _POINTWISE or node.target in _REDUCE and _last_dim_keepdim(node)
+    return node.target in POINTWISE or node.target in _REDUCE and _last_dim_keepdim(node)
 
 
 def _swap_shape(s, rank: int) -> list[int] | None:

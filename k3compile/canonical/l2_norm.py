@@ -20,7 +20,7 @@ from k3compile.graph import call
 aten = torch.ops.aten
 
 
-def _squared(node) -> fx.Node | None:
+def squared_base(node) -> fx.Node | None:
     """x if node is x * x or x ** 2."""
     if not isinstance(node, fx.Node):
         return None
@@ -46,7 +46,7 @@ def _site(div: fx.Node):
     rank = len(shape(x))
     dims = total.args[1]
     keep = total.args[2] if len(total.args) > 2 else total.kwargs.get("keepdim", False)
-    if list(dims or ()) not in ([-1], [rank - 1]) or not keep or _squared(total.args[0]) is not x:
+    if list(dims or ()) not in ([-1], [rank - 1]) or not keep or squared_base(total.args[0]) is not x:
         return None
     if any(len(n.users) != 1 for n in (root, add, total, total.args[0])):
         return None

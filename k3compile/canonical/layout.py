@@ -52,7 +52,7 @@ class Layout:
                                    scale=self.scale if scale is None else scale)
 
 
-def _merged(dim) -> list[tuple[int, int]]:
+def merged_dims(dim) -> list[tuple[int, int]]:
     out: list[tuple[int, int]] = []
     for s, t in dim:
         if s == 1:
@@ -65,7 +65,7 @@ def _merged(dim) -> list[tuple[int, int]]:
 
 
 def _reshape(lay: Layout, shape) -> Layout | None:
-    subs = [st for d in lay.dims for st in _merged(d)]
+    subs = [st for d in lay.dims for st in merged_dims(d)]
     shape = list(shape)
     if -1 in shape:
         known = math.prod(s for s in shape if s != -1)
@@ -93,7 +93,7 @@ def _reshape(lay: Layout, shape) -> Layout | None:
 
 def _slice(lay: Layout, dim: int, start: int, length: int, step: int = 1) -> Layout | None:
     dim %= len(lay.dims)
-    subs = _merged(lay.dims[dim])
+    subs = merged_dims(lay.dims[dim])
     if len(subs) != 1:
         return None if subs or length != 1 else lay
     (_, t), dims = subs[0], list(lay.dims)
@@ -209,7 +209,7 @@ def labels(lay: Layout, axes: list[Axis]) -> list[list[Axis]] | None:
     out, seen = [], set()
     for dim in lay.dims:
         got = []
-        for s, t in reversed(_merged(dim)):
+        for s, t in reversed(merged_dims(dim)):
             pieces = []
             while s > 1:
                 if t == 0:
@@ -297,7 +297,7 @@ def _cat_cuts(lay: Layout, k: int) -> set[int] | None:
     shape = [int(s) for s in cat.meta["val"].shape]
     dim %= len(shape)
     stride = math.prod(shape[dim + 1:])
-    subs = _merged(lay.dims[k])
+    subs = merged_dims(lay.dims[k])
     if len(subs) != 1 or subs[0][1] != stride or (lay.offset // stride) % shape[dim]:
         return None
     edges = [0]
@@ -334,7 +334,7 @@ def _compose(lay: Layout, strides, coord, inner: Layout) -> Layout | None:
     """Sub-dims of `lay` (over a contiguous space of `strides`, starting at `coord`) read through
     `inner`, which maps that space's coordinates (one dim each) onto inner.root."""
     offset, dims = inner.offset, []
-    inner_dims, shape = [_merged(d) for d in inner.dims], inner.shape
+    inner_dims, shape = [merged_dims(d) for d in inner.dims], inner.shape
     for axis, c in enumerate(coord):
         if c:
             if len(inner_dims[axis]) != 1:
@@ -342,7 +342,7 @@ def _compose(lay: Layout, strides, coord, inner: Layout) -> Layout | None:
             offset += c * inner_dims[axis][0][1]
     for dim in lay.dims:
         group = []
-        for s, t in _merged(dim):
+        for s, t in merged_dims(dim):
             for axis, size, step in _by_axis(s, t, strides, shape) or [(None, 0, 0)]:
                 if axis is None:
                     return None

@@ -81,7 +81,7 @@ class Site:
     out: fx.Node  # o flattened [B, T, H·V]
 
 
-def _forward(node: fx.Node, through) -> list[fx.Node]:
+def reached_contractions(node: fx.Node, through) -> list[fx.Node]:
     """Contractions reached from node through users that `through` accepts."""
     seen, todo, found = set(), [node], []
     while todo:
@@ -97,11 +97,11 @@ def _forward(node: fx.Node, through) -> list[fx.Node]:
     return found
 
 
-def _viewlike(n: fx.Node) -> bool:
+def viewlike(n: fx.Node) -> bool:
     return layout_source(n) is not None or n.target == aten.cat.default or n.target in SPLITS
 
 
-def _cache_reads(graph: fx.Graph):
+def cache_reads(graph: fx.Graph):
     for node in graph.nodes:
         if node.target != aten.index.Tensor or len(node.args[1]) != 1:
             continue
@@ -118,7 +118,7 @@ def find_site(read: fx.Node, pos: fx.Node) -> Site | str:
     """The non-absorbed attention over the cache read `read`, or why there is none."""
     width = int(read.meta["val"].shape[-1])
     by_weight: dict[fx.Node, list[fx.Node]] = {}
-    from_read = _forward(read, _viewlike)
+    from_read = reached_contractions(read, viewlike)
     for mm in from_read:
         for term in terms(mm) or []:
             w = {term.a.root, term.b.root} - {read}
@@ -129,33 +129,33 @@ def find_site(read: fx.Node, pos: fx.Node) -> Site | str:
     if len(by_weight) != 1:
         return f"{len(by_weight)} weights project the cached latents (want one: kv_b_proj)"
     weight, projections = next(iter(by_weight.items()))
-    products = {s for p in projections for s in _forward(p, _viewlike)}
+    products = {s for p in projections for s in reached_contractions(p, viewlike)}
     products |= set(from_read) - set(projections)
-    pv = [s for s in products if _softmax_root(s) is not None]
+    pv = [s for s in products if softmax_root(s) is not None]
     if len(pv) != 1:
         return f"{len(pv)} products of softmax probabilities with projected values (want one)"
-    pv, scores = pv[0], sorted(products - {pv[0]}, key=_order(read))
+    pv, scores = pv[0], sorted(products - {pv[0]}, key=graph_order(read))
     if not scores:
         return "no product of queries with the projected keys"
     out = flat_output(pv, read, pos)
     if out is None:
         return "the attention output is never flattened to [B, T, heads x v_dim]"
-    return Site(read, pos, weight, projections, scores, pv, _softmax_root(pv), out)
+    return Site(read, pos, weight, projections, scores, pv, softmax_root(pv), out)
 
 
-def _order(read: fx.Node):
+def graph_order(read: fx.Node):
     return {n: i for i, n in enumerate(read.graph.nodes)}.__getitem__
 
 
-def _softmax_root(node: fx.Node) -> fx.Node | None:
+def softmax_root(node: fx.Node) -> fx.Node | None:
     """The root of node's operand that comes from a softmax (exp over a sum of exps, maybe
     cast), if node is one product."""
     ts = terms(node) or []
-    roots = [r for r in ((ts[0].a.root, ts[0].b.root) if len(ts) == 1 else ()) if _softmax_like(r)]
+    roots = [r for r in ((ts[0].a.root, ts[0].b.root) if len(ts) == 1 else ()) if softmax_like(r)]
     return roots[0] if len(roots) == 1 else None
 
 
-def _softmax_like(node: fx.Node) -> bool:
+def softmax_like(node: fx.Node) -> bool:
     while node.target in (prims.convert_element_type.default, aten._to_copy.default):
         node = node.args[0]
     if node.target == aten._softmax.default:
@@ -340,7 +340,7 @@ def _probability_axes(site: Site, axes) -> list[Axis] | None:
     return flat(dims)
 
 
-def _cone(outputs: list[fx.Node], stop: set[fx.Node]) -> list[fx.Node]:
+def cone(outputs: list[fx.Node], stop: set[fx.Node]) -> list[fx.Node]:
     """Nodes outputs depend on, not looking past `stop`, in graph order."""
     seen, todo = set(), list(outputs)
     while todo:
@@ -350,14 +350,14 @@ def _cone(outputs: list[fx.Node], stop: set[fx.Node]) -> list[fx.Node]:
         seen.add(n)
         if n not in stop:
             todo += n.all_input_nodes
-    order = _order(outputs[0])
+    order = graph_order(outputs[0])
     return sorted(seen, key=order)
 
 
-def _chain_scale(site: Site) -> float:
+def chain_scale(site: Site) -> float:
     """The scalars the scores are multiplied by on their way to the softmax."""
     scale, after = 1.0, set(site.scores)
-    for n in _cone([site.p], set(site.scores)):
+    for n in cone([site.p], set(site.scores)):
         if n in after or not any(a in after for a in n.all_input_nodes):
             continue
         after.add(n)
@@ -370,7 +370,7 @@ def probe(site: Site, z: Sizes, axes: dict, scale: float, seed: int = 0) -> str 
     """Run what lies between the score products and p on random scores and positions; None when
     it equals scale -> causal mask over `pos` -> fp32 softmax -> cast (the canonical chain).
     The verdict is kept per chain (ops, literals, shapes): the layers of one model share it."""
-    nodes = _cone([site.p, site.pos], set(site.scores))
+    nodes = cone([site.p, site.pos], set(site.scores))
     key = (_chain_key(nodes, site), scale,
            *(tuple(axes[n]) for n in (site.p, *site.scores)))
     if key not in _PROBED:
@@ -412,7 +412,7 @@ def _run_probe(site: Site, z: Sizes, axes: dict, scale: float, nodes: list[fx.No
                 if val.dtype != torch.int64 or val.dim() != 1:
                     return f"the mask reads {n.name} ({val.dtype}{list(val.shape)})"
                 env[n] = torch.randint(0, z.L - z.T + 1, list(val.shape), generator=gen)
-            elif n.op == "call_function" and not _writes(n):
+            elif n.op == "call_function" and not is_write(n):
                 args, kwargs = fx.map_arg((n.args, n.kwargs), env.__getitem__)
                 env[n] = call_on_cpu(n.target, args, kwargs)
             else:
@@ -429,7 +429,7 @@ def _compare(got: torch.Tensor, want: torch.Tensor) -> str | None:
     return None
 
 
-def _writes(n: fx.Node) -> bool:
+def is_write(n: fx.Node) -> bool:
     return n.target in (aten.index_put.default, aten.copy_.default) or \
         getattr(n.target, "_schema", None) is not None and n.target._schema.is_mutable
 
@@ -529,7 +529,7 @@ def apply_at_cache_reads(graph: fx.Graph, rule: str, apply_one, clean: bool = Fa
     returns how many sites changed. A site that raises is left as it is (logged); `clean`: dead
     code goes after each rewritten site."""
     done = 0
-    for read, pos in list(_cache_reads(graph)):
+    for read, pos in list(cache_reads(graph)):
         try:
             why = apply_one(graph, read, pos)
         except Exception as e:  # noqa: BLE001 (a site the rule cannot read stays as it is)
@@ -539,7 +539,7 @@ def apply_at_cache_reads(graph: fx.Graph, rule: str, apply_one, clean: bool = Fa
             log.debug("k3 %s: %s left alone: %s", rule, read.name, why)
         elif clean:
             graph.eliminate_dead_code()
-        rows = _latent(read) and _canonical_rows(graph, pos)
+        rows = _latent(read) and canonical_rows(graph, pos)
         done += why is None or rows
     return done
 
@@ -550,7 +550,7 @@ def _latent(read: fx.Node) -> bool:
                for u in read.users if u.target == aten.split_with_sizes.default)
 
 
-def _canonical_rows(graph: fx.Graph, pos: fx.Node) -> bool:
+def canonical_rows(graph: fx.Graph, pos: fx.Node) -> bool:
     """The latent cache write's indices as mla_decode's search traces them: slots as
     `view(slots, [B, 1])`, pos as `add(view(positions, [B, 1]), iota(T))` (foreign code writes
     `unsqueeze(1)`, `[:, None]`, or the sum the other way round). True when it changed any."""
@@ -599,7 +599,7 @@ def takes(read: fx.Node, pos: fx.Node) -> tuple[Site, Sizes, float] | str:
     if isinstance(found, str):
         return found
     z, axes = found
-    chain = _chain_scale(site)
+    chain = chain_scale(site)
     if why := probe(site, z, axes, chain):
         return why
     return site, z, z.term_scale * chain

@@ -52,17 +52,17 @@ from k3compile.canonical.layout import terms
 from k3compile.canonical.mla_absorb import (
     Site,
     Sizes,
-    _chain_scale,
-    _cone,
-    _forward,
-    _order,
-    _softmax_root,
-    _viewlike,
-    _writes,
     absorbed,
     apply_at_cache_reads,
+    chain_scale,
+    cone,
     flat_output,
+    graph_order,
+    is_write,
+    reached_contractions,
     rewrite,
+    softmax_root,
+    viewlike,
 )
 from k3compile.canonical.region import call_on_cpu
 from k3compile.rewrite import inductor
@@ -75,15 +75,15 @@ TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-12, torch.bfloat16: 2e-2, to
 def find_site(read: fx.Node, pos: fx.Node) -> tuple[Site, fx.Node] | str:
     """The absorbed attention over the cache read `read` and its query q, or why there is none."""
     width = int(read.meta["val"].shape[-1])
-    from_read = _forward(read, _viewlike)
-    pv = [s for s in from_read if _softmax_root(s) is not None]
+    from_read = reached_contractions(read, viewlike)
+    pv = [s for s in from_read if softmax_root(s) is not None]
     if len(pv) != 1:
         return f"{len(pv)} products of softmax probabilities with the cache (want one: p·c)"
     pv = pv[0]
-    scores = sorted(set(from_read) - {pv}, key=_order(read))
+    scores = sorted(set(from_read) - {pv}, key=graph_order(read))
     if not scores:
         return "no product of queries with the cache"
-    ups = _forward(pv, _viewlike)
+    ups = reached_contractions(pv, viewlike)
     weights = {r for t in (terms(ups[0]) or []) for r in (t.a.root, t.b.root)} - {pv} \
         if len(ups) == 1 else set()
     weight = next(iter(weights)) if len(weights) == 1 else None
@@ -105,10 +105,10 @@ def find_site(read: fx.Node, pos: fx.Node) -> tuple[Site, fx.Node] | str:
                 queries |= (inner - {weight}) if weight in inner else {root}
     if len(queries) != 1:
         return f"the scores read {len(queries)} query tensors (want one: the q_b output)"
-    return Site(read, pos, weight, [], scores, pv, _softmax_root(pv), out), queries.pop()
+    return Site(read, pos, weight, [], scores, pv, softmax_root(pv), out), queries.pop()
 
 
-def _sizes(site: Site, q: fx.Node):
+def all_sizes(site: Site, q: fx.Node):
     """Every Sizes the shapes allow, most heads first."""
     B, L, width = (int(s) for s in site.read.meta["val"].shape)
     T = int(site.pos.meta["val"].shape[1])
@@ -139,7 +139,7 @@ def check(site: Site, z: Sizes, scale: float, seed: int = 0) -> str | None:
     """None when the site computes the canonical attention under sizes z (random q, W_kvb, cache
     and positions), else why not."""
     stops = {z.q, site.weight, site.read}
-    nodes = _cone([site.out, site.pos], stops)
+    nodes = cone([site.out, site.pos], stops)
     gen = torch.Generator().manual_seed(seed)
     env: dict[fx.Node, object] = {}
     with inductor.unset_fake_temporarily():
@@ -152,7 +152,7 @@ def check(site: Site, z: Sizes, scale: float, seed: int = 0) -> str | None:
                 if val.dtype != torch.int64 or val.dim() != 1:
                     return f"the attention reads {n.name} ({val.dtype}{list(val.shape)})"
                 env[n] = torch.randint(0, z.L - z.T + 1, list(val.shape), generator=gen)
-            elif n.op == "call_function" and not _writes(n):
+            elif n.op == "call_function" and not is_write(n):
                 args, kwargs = fx.map_arg((n.args, n.kwargs), env.__getitem__)
                 env[n] = call_on_cpu(n.target, args, kwargs)
             else:
@@ -170,7 +170,7 @@ def check(site: Site, z: Sizes, scale: float, seed: int = 0) -> str | None:
     return None
 
 
-def _canonical_already(site: Site, z: Sizes, scale: float) -> bool:
+def canonical_already(site: Site, z: Sizes, scale: float) -> bool:
     """The site's ops are those of the canonical form's trace (kept per sizes and dtypes: the
     layers of one model share it)."""
     vals = [n.meta["val"] for n in (z.q, site.weight, site.read, site.pos)]
@@ -182,7 +182,7 @@ def _canonical_already(site: Site, z: Sizes, scale: float) -> bool:
             gm = inductor.fwd_only_joint(absorbed(z, scale), vals)
         _TRACED[key] = _ops(gm.graph.nodes)
     inputs = {z.q, site.weight, site.read, site.pos}
-    mine = [n for n in _cone([site.out], inputs) if n not in inputs]
+    mine = [n for n in cone([site.out], inputs) if n not in inputs]
     return _ops(mine) == _TRACED[key]
 
 
@@ -203,10 +203,10 @@ def takes(read: fx.Node, pos: fx.Node) -> tuple[Site, Sizes, float] | str:
     before = term_scale(site)
     if before is None:
         return "the score terms' operands are scaled by different numbers"
-    scale = before * _chain_scale(site)
+    scale = before * chain_scale(site)
     tried = []
-    for z in _sizes(site, q):
-        if _canonical_already(site, z, scale):
+    for z in all_sizes(site, q):
+        if canonical_already(site, z, scale):
             return CANONICAL
         why = check(site, z, scale)
         if why is None:

@@ -152,11 +152,11 @@ def _products(read: fx.Node) -> list[fx.Node]:
     """The fp32 contractions reached from the cache read through views and upcasts, also past
     the bf16 projections of the cached latents."""
     def through(u):
-        return mla_absorb._viewlike(u) or _upcast(u)
+        return mla_absorb.viewlike(u) or _upcast(u)
 
-    found = mla_absorb._forward(read, through)
+    found = mla_absorb.reached_contractions(read, through)
     for mm in [m for m in found if _dtype(m) in LOW]:
-        found += [m for m in mla_absorb._forward(mm, through) if m not in found]
+        found += [m for m in mla_absorb.reached_contractions(mm, through) if m not in found]
     return [m for m in found if m.target == aten.bmm.default and _dtype(m) == torch.float32]
 
 
@@ -166,7 +166,7 @@ def _softmax(bmm: fx.Node) -> fx.Node | None:
         node = arg
         while layout_source(node) is not None and not _scalar_op(node):
             node = layout_source(node)
-        if mla_absorb._softmax_like(node) and node.target not in _CASTS:
+        if mla_absorb.softmax_like(node) and node.target not in _CASTS:
             return node
     return None
 
@@ -258,7 +258,7 @@ def _taken(read: fx.Node, pos: fx.Node) -> str | None:
 
 
 def apply(graph: fx.Graph) -> int:
-    done = sum(_apply_one(graph, read, pos) for read, pos in list(mla_absorb._cache_reads(graph)))
+    done = sum(_apply_one(graph, read, pos) for read, pos in list(mla_absorb.cache_reads(graph)))
     if done:
         graph.eliminate_dead_code()
     return done

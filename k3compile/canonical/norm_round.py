@@ -35,7 +35,7 @@ def _squared(node, x) -> bool:
         or (node.target is aten.pow.Tensor_Scalar and node.args[1] == 2))
 
 
-def _inv_rms(node, x) -> bool:
+def inv_rms(node, x) -> bool:
     """node is rsqrt(mean(x², -1, keepdim) + eps)."""
     if not (isinstance(node, fx.Node) and node.target is aten.rsqrt.default):
         return False
@@ -57,7 +57,7 @@ def _site(mul: fx.Node) -> fx.Node | None:
     if cast.target is not _CAST or cast.args[1] not in LOW:
         return None
     for x, inv in (mul.args, reversed(mul.args)):
-        if isinstance(x, fx.Node) and shape(x) == shape(mul) and _inv_rms(inv, x):
+        if isinstance(x, fx.Node) and shape(x) == shape(mul) and inv_rms(inv, x):
             source = root(x, VIEWS)
             if (source.op == "call_function" and source.target is _CAST
                     and val(source.args[0]) is not None

@@ -27,7 +27,7 @@ import torch
 from torch import fx
 
 from k3compile.canonical import Rule, rewrite_sites
-from k3compile.canonical.l2_norm import _squared
+from k3compile.canonical.l2_norm import squared_base
 from k3compile.canonical.region import shape, val
 from k3compile.graph import call
 
@@ -51,7 +51,7 @@ def _norm_of(inv: fx.Node) -> fx.Node | None:
     if not (isinstance(total, fx.Node) and total.target is aten.sum.dim_IntList
             and total.kwargs.get("dtype") is None):
         return None
-    x = _squared(total.args[0])
+    x = squared_base(total.args[0])
     keep = total.args[2] if len(total.args) > 2 else total.kwargs.get("keepdim", False)
     if x is None or shape(x) is None or list(total.args[1] or ()) not in ([-1], [len(shape(x)) - 1]):
         return None

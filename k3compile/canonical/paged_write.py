@@ -31,7 +31,8 @@ import torch
 from torch import fx
 
 from k3compile.canonical import Rule, rewrite_sites
-from k3compile.canonical.state_write import _reaches_state, _shape
+from k3compile.canonical.region import shape as _shape
+from k3compile.canonical.state_write import reaches_state
 from k3compile.graph import call
 
 aten = torch.ops.aten
@@ -87,7 +88,7 @@ def _site(put: fx.Node):
     if not _static(shape, _shape(base), _shape(rows)) or len(shape) < 3 or _shape(base) != (
             shape[0] * shape[1], *shape[2:]):
         return None
-    if out.target not in VIEWS or _shape(out) != shape or not _reaches_state(out):
+    if out.target not in VIEWS or _shape(out) != shape or not reaches_state(out):
         return None
     found = slot_and_position(indices[0], shape[1])
     if found is None:

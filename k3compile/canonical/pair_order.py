@@ -29,7 +29,7 @@ import torch
 from torch import fx
 
 from k3compile.canonical import Rule, rewrite_sites
-from k3compile.canonical.expert_rows import _finalize, rows_from
+from k3compile.canonical.expert_rows import index_put_finalize, rows_from
 from k3compile.canonical.region import static_shape as _shape
 from k3compile.graph import call
 
@@ -59,7 +59,7 @@ def _floor_div(t, k: int) -> fx.Node | None:
 
 
 def _site(out: fx.Node):
-    found = _finalize(out)
+    found = index_put_finalize(out)
     if found is None:
         return None
     _, t, src = found

@@ -33,7 +33,7 @@ import torch
 from torch import fx
 
 from k3compile.canonical import Rule, rewrite_sites
-from k3compile.canonical.expert_rows import _rowwise, _value
+from k3compile.canonical.expert_rows import real_value, rowwise
 from k3compile.canonical.pair_order import SORTS, arange_like
 from k3compile.canonical.region import static_shape as _shape
 from k3compile.canonical.region import val as _val
@@ -67,7 +67,7 @@ def _broadcast(index: fx.Node, of: fx.Node, rows: fx.Node, flat: bool) -> bool:
     along every dim past the first to rows' shape, checked on position codes."""
     p, shape = _shape(of)[0], _shape(rows)
     code = torch.arange(p)
-    got = _value(index, {of: code})
+    got = real_value(index, {of: code})
     want = code if flat else code.view(p, *[1] * (len(shape) - 1)).expand(shape)
     return got is not None and got.shape == want.shape and torch.equal(got, want)
 
@@ -140,7 +140,7 @@ def _real_site(sort: fx.Node):
             restores[node] = y
         elif any(a in inverse for a in node.all_input_nodes):
             return None
-        elif _rowwise(node, rows, p):
+        elif rowwise(node, rows, p):
             rows.add(node)
         elif (y := _write_restore(node, rows, order)) is not None:
             restores[node] = y

@@ -31,9 +31,8 @@ import torch
 from torch import fx
 
 from k3compile.canonical import Rule, rewrite_sites
-from k3compile.canonical.gate_up_split import _POINTWISE
 from k3compile.canonical.noop_view import bypass
-from k3compile.canonical.region import pointwise_tail, root
+from k3compile.canonical.region import POINTWISE, pointwise_tail, root
 from k3compile.graph import call
 
 aten = torch.ops.aten
@@ -87,7 +86,7 @@ def _conv_tail(node: fx.Node):
         return None
     if root(node.args[0], {_CAST}).target is not aten.convolution.default:
         return None
-    tail = pointwise_tail(node, _POINTWISE)
+    tail = pointwise_tail(node, POINTWISE)
     return tail if tail is not None and tail[0] else None
 
 

@@ -21,7 +21,7 @@ RMS-normalised and whose rope is not (k3compile/models/k3.py splits kv_a's outpu
 
 Pieces joined again by a `cat` are cut too: the canonical KDA itself concatenates three GEMMs,
 `cat([q, k, v])`, into its short conv. The norms are read in their canonical form
-(`gate_up_split._rms_normed`), so the rule runs after `rms_forms`; `proj_split` (a piece into a
+(`gate_up_split.rms_normed`), so the rule runs after `rms_forms`; `proj_split` (a piece into a
 depthwise conv, before `qkv_split`) takes vLLM's KDA in-projection earlier.
 
     y = mm(x, permute(W));  y[..., a_i:b_i] ...   ->   mm(x, permute(W[a_i:b_i])) ...
@@ -42,9 +42,9 @@ import torch
 from torch import fx
 
 from k3compile.canonical import Rule, rewrite_sites
-from k3compile.canonical.gate_up_split import _gemm, _rms_normed, _slice, _split, cut_columns
+from k3compile.canonical.gate_up_split import cut_columns, rms_normed, slice_cut, split_cuts
 from k3compile.canonical.proj_split import tiling
-from k3compile.canonical.region import shape, weight_rows
+from k3compile.canonical.region import gemm_of, shape, weight_rows
 
 aten = torch.ops.aten
 
@@ -52,30 +52,30 @@ aten = torch.ops.aten
 def _head_normed(piece: fx.Node) -> bool:
     """piece, or a cut of it that starts at its column 0, is RMS-normalised as a whole (kv_a's
     latent sliced from a [latent | rope] piece)."""
-    if _rms_normed(piece):
+    if rms_normed(piece):
         return True
     rank, width = len(shape(piece)), shape(piece)[-1]
     for user in piece.users:
         if user.target is aten.slice.Tensor:
-            heads = [user] if (_slice(user, rank, width) or (None,))[0] == 0 else []
+            heads = [user] if (slice_cut(user, rank, width) or (None,))[0] == 0 else []
         elif user.target in (aten.split.Tensor, aten.split_with_sizes.default):
-            heads = [p for p, start, _ in _split(user, rank, width) or () if start == 0]
+            heads = [p for p, start, _ in split_cuts(user, rank, width) or () if start == 0]
         else:
             heads = []
-        if any(_rms_normed(head) for head in heads):
+        if any(rms_normed(head) for head in heads):
             return True
     return False
 
 
 def _site(node: fx.Node):
-    found = _gemm(node)
+    found = gemm_of(node)
     if not found or len(shape(node) or ()) < 2 or not weight_rows(found[0]):
         return None
     pieces = tiling(node)
     if not pieces:
         return None
     cuts = [start for (prev, _, _), (piece, start, _) in itertools.pairwise(pieces)
-            if not (_rms_normed(prev) and not _head_normed(piece))]
+            if not (rms_normed(prev) and not _head_normed(piece))]
     return (found, pieces, cuts) if cuts else None
 
 

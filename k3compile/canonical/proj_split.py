@@ -24,8 +24,8 @@ import torch
 from torch import fx
 
 from k3compile.canonical import Rule, rewrite_sites
-from k3compile.canonical.gate_up_split import _gemm, _gemm_of_rows, _pieces
-from k3compile.canonical.region import refresh, shape
+from k3compile.canonical.gate_up_split import gemm_of_rows, last_dim_pieces
+from k3compile.canonical.region import gemm_of, refresh, shape
 from k3compile.canonical.short_conv import window_conv
 
 aten = torch.ops.aten
@@ -51,7 +51,7 @@ def _feeds_conv(node: fx.Node, depth: int = 6) -> bool:
 def tiling(node: fx.Node) -> list[tuple[fx.Node, int, int]] | None:
     """node's pieces [(piece, start, end)] in column order, where every user of node cuts it along
     the last dim and the cuts tile its columns (no gap, no overlap) in two pieces or more."""
-    pieces = _pieces(node)
+    pieces = last_dim_pieces(node)
     if not pieces or len(pieces) < 2:
         return None
     pieces = sorted(pieces, key=lambda p: p[1])
@@ -63,7 +63,7 @@ def tiling(node: fx.Node) -> list[tuple[fx.Node, int, int]] | None:
 
 def _site(node: fx.Node):
     out = shape(node)
-    found = _gemm(node)
+    found = gemm_of(node)
     if not found or out is None or len(out) < 2:
         return None
     gemm = found[0]
@@ -81,7 +81,7 @@ def _write(graph: fx.Graph, node: fx.Node, site) -> None:
     new = []
     for piece, start, end in pieces:
         with graph.inserting_before(piece):
-            y = _gemm_of_rows(graph, gemm, view, start, end, piece)
+            y = gemm_of_rows(graph, gemm, view, start, end, piece)
         piece.replace_all_uses_with(y)
         new.append(y)
     refresh(new)

@@ -33,8 +33,8 @@ import torch
 from torch import fx
 
 from k3compile.canonical import Rule, rewrite_sites
-from k3compile.canonical.gate_up_split import _POINTWISE, _gemm, _split
-from k3compile.canonical.region import pointwise_tail, refresh, root, shape
+from k3compile.canonical.gate_up_split import split_cuts
+from k3compile.canonical.region import POINTWISE, gemm_of, pointwise_tail, refresh, root, shape
 from k3compile.canonical.short_conv import depthwise
 from k3compile.graph import call
 
@@ -44,7 +44,7 @@ _CAST = torch.ops.prims.convert_element_type.default
 
 def _past_pointwise(node: fx.Node) -> fx.Node | None:
     """The one node a pointwise region fed by node alone ends at (node where none follows)."""
-    tail = pointwise_tail(node, _POINTWISE)
+    tail = pointwise_tail(node, POINTWISE)
     return None if tail is None else tail[1]
 
 
@@ -61,7 +61,7 @@ def _cuts(conv: fx.Node) -> list[tuple[int, int]] | None:
             dim = node.args[2] if len(node.args) > 2 else 0
             if dim % rank != channel or channel != rank - 1:
                 return None
-            pieces = _split(node, rank, shape(node.args[0])[channel])
+            pieces = split_cuts(node, rank, shape(node.args[0])[channel])
             return None if not pieces else sorted((a, b) for _, a, b in pieces)
         elif node.target in (aten.view.default, aten.reshape.default):
             return _unbound(node, channel)
@@ -107,7 +107,7 @@ def _site(conv: fx.Node):
     if new.target is not aten.permute.default or list(new.args[1]) != [0, 2, 1]:
         return None
     y = new.args[0]
-    found = _gemm(y) if len(y.users) == 1 and len(shape(y)) == 3 else None
+    found = gemm_of(y) if len(y.users) == 1 and len(shape(y)) == 3 else None
     if found and (found[0].target is not aten.mm.default or found[1] is None
                   or found[0].args[1].target is not aten.permute.default):
         found = None

@@ -12,7 +12,8 @@ node other than its inputs (a constant table aside: nodes with no inputs), or al
 canonical form.
 
 `val`, `shape` and `static_shape` are the rules' shared readers of a node's fake value,
-`arange_length` their one reading of an arange, and `weight_rows` of F.linear's GEMM; `splice` /
+`arange_length` their one reading of an arange, `weight_rows` of F.linear's GEMM, `gemm_of` of
+the GEMM a value is the output of, `POINTWISE` their elementwise ops; `splice` /
 `splice_if_same` the one ending of the rules that copy a traced canonical form in whole.
 """
 
@@ -34,6 +35,12 @@ VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, ate
          aten.permute.default, aten.transpose.int, aten.t.default, aten.clone.default,
          aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.default, aten.squeeze.dims,
          aten.expand.default}
+# elementwise ops (a GLU's product, a conv's or a head's pointwise tail)
+POINTWISE = {aten.mul.Tensor, aten.div.Tensor, aten.add.Tensor, aten.sub.Tensor, aten.tanh.default,
+             aten.sigmoid.default, aten.silu.default, aten.gelu.default, aten.exp.default,
+             aten.neg.default, aten.relu.default, aten.reciprocal.default, aten.clamp.default,
+             aten.pow.Tensor_Scalar, aten.erf.default, aten.rsqrt.default, aten.sqrt.default,
+             prims.convert_element_type.default}
 
 
 def val(node) -> torch.Tensor | None:
@@ -76,6 +83,17 @@ def weight_rows(gemm: fx.Node) -> bool:
         return False
     found = input_view(w.args[0])
     return found is not None and not found[0].meta.get("k3_user_input")
+
+
+def gemm_of(node: fx.Node):
+    """(mm or addmm, the view from [M, N] to [..., N] or None) that node is the output of."""
+    view = None
+    if node.target is aten.view.default and len(node.users) and shape(node.args[0]):
+        src = node.args[0]
+        if len(src.users) == 1 and shape(src)[-1] == shape(node)[-1]:
+            view, node = node, src
+    return (node, view) if node.target in (aten.mm.default, aten.addmm.default) else None
+
 
 def root(node: fx.Node, through=VIEWS) -> fx.Node:
     """The first node up node's chain of `through` ops."""
@@ -236,7 +254,7 @@ def agrees(inputs: list[fx.Node], output: fx.Node, region: list[fx.Node], fn, rt
         return float((got.float() - want.float()).abs().max()) <= rtol * scale
 
 
-def _trace(fn, fakes: list[torch.Tensor]) -> fx.GraphModule:
+def trace_canonical(fn, fakes: list[torch.Tensor]) -> fx.GraphModule:
     """fn traced on contiguous inputs, as the patterns' example inputs are (the lowering, which
     permutes need a clone, then is the one their searches have); on inputs of the real strides
     where that lowering cannot view them (a token's row `q[:, t]` of a [B, T, H, K] q, t > 0:
@@ -269,7 +287,7 @@ def replace(inputs: list[fx.Node], output: fx.Node, fn, rtol: float, cache: dict
         return None
     key = (key, *((shape(x), val(x).dtype, val(x).stride()) for x in inputs))
     if key not in cache:
-        cache[key] = _trace(fn, [val(x) for x in inputs])
+        cache[key] = trace_canonical(fn, [val(x) for x in inputs])
     gm = cache[key]
     body = [n for n in gm.graph.nodes if n.op == "call_function"]
     if _signature(region) == _signature(body) or not agrees(inputs, output, region, fn, rtol):
@@ -277,7 +295,7 @@ def replace(inputs: list[fx.Node], output: fx.Node, fn, rtol: float, cache: dict
     graph = output.graph
     env = dict(zip([n for n in gm.graph.nodes if n.op == "placeholder"], inputs))
     # node by node with `call`, not `splice`: each value (its strides) is recomputed from the
-    # graph's own inputs, where the trace ran on contiguous stand-ins (`_trace`)
+    # graph's own inputs, where the trace ran on contiguous stand-ins (`trace_canonical`)
     with graph.inserting_before(output):
         for n in body:
             args, kwargs = fx.map_arg((n.args, n.kwargs), env.__getitem__)

@@ -47,7 +47,7 @@ def _last(dim, node) -> bool:
     return isinstance(dim, int) and dim % rank == rank - 1
 
 
-def _constant(node, value) -> bool:
+def is_constant(node, value) -> bool:
     """node is a full(...) or scalar_tensor of `value` (a scalar `value` itself too)."""
     if isinstance(node, (int, float, bool)):
         return node == value and type(node) is type(value)
@@ -84,12 +84,12 @@ def _site(node: fx.Node):
     if masked is None or w.meta["val"].dtype not in _FLOATS:
         return None
     mask, s, zero = masked
-    if not (_constant(zero, 0.0) or _constant(zero, 0)):
+    if not (is_constant(zero, 0.0) or is_constant(zero, 0)):
         return None
     scatter = _call(mask, aten.scatter.value)
     if scatter is None or scatter[2] is not ids or scatter[3] is not True:
         return None
-    if not (_constant(scatter[0], False) and _last(scatter[1], mask)):
+    if not (is_constant(scatter[0], False) and _last(scatter[1], mask)):
         return None
     sval = s.meta.get("val") if isinstance(s, fx.Node) else None
     if sval is None or sval.shape != w.meta["val"].shape or sval.dtype != w.meta["val"].dtype:

@@ -29,13 +29,13 @@ from torch import fx
 
 from k3compile.canonical import Rule, rewrite_sites
 from k3compile.canonical.paged_write import VIEWS, slot_and_position
-from k3compile.canonical.state_write import _shape
+from k3compile.canonical.region import shape as _shape
 from k3compile.graph import call
 
 aten = torch.ops.aten
 
 
-def _column(index: fx.Node, n: int) -> fx.Node | None:
+def flat_column(index: fx.Node, n: int) -> fx.Node | None:
     """flat (n elements) where index is flat broadcast over the row: expand of unsqueeze(flat,
     -1) with flat [n], or of a [n, 1] view of flat of any shape (spell6: the [B, T] mapping
     `reshape(-1, 1)`)."""
@@ -59,7 +59,7 @@ def _site(node: fx.Node):
         return None
     if _shape(rows) is None or _shape(rows)[1] != shape[1]:
         return None
-    flat = _column(index, _shape(rows)[0])
+    flat = flat_column(index, _shape(rows)[0])
     if flat is None or base.target not in VIEWS or base.args[0].op != "placeholder":
         return None
     cache = _shape(base.args[0])

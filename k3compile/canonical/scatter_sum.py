@@ -32,8 +32,8 @@ import torch
 from torch import fx
 
 from k3compile.canonical import Rule, rewrite_sites
-from k3compile.canonical.scatter_rows import _column
-from k3compile.canonical.state_write import _shape
+from k3compile.canonical.region import shape as _shape
+from k3compile.canonical.scatter_rows import flat_column
 from k3compile.graph import RESHAPES, call
 from k3compile.rewrite import inductor
 
@@ -94,7 +94,7 @@ def _site(node: fx.Node):
     if _shape(x) != (n, p // n, out[1]) or p % n:
         return None
     if node.target is aten.scatter_add.default:
-        index = _column(index, p)
+        index = flat_column(index, p)
         if index is None:
             return None
     value = _constant(index, {})

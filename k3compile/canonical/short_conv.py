@@ -102,7 +102,7 @@ def _fp32(graph: fx.Graph, node: fx.Node, like: fx.Node) -> fx.Node:
                 like=like)
 
 
-def _convolve(graph: fx.Graph, site: fx.Node, found: tuple) -> None:
+def convolve(graph: fx.Graph, site: fx.Node, found: tuple) -> None:
     """Replace `site` by the canonical depthwise conv of window [B, C, L] with weight (a window
     sum multiplied in bf16 / fp16: the canonical product sum)."""
     window, weight, C, taps = found[:4]
@@ -383,7 +383,7 @@ def _window_sums(graph: fx.Graph) -> int:
 
     # a loop's outermost add first; the sums replaced go at once (rule token_windows wants each
     # window read by its conv and its roll alone)
-    return rewrite_sites(graph, site, _convolve, reverse=True)
+    return rewrite_sites(graph, site, convolve, reverse=True)
 
 
 RULE = Rule("short_conv", apply, "depthwise short conv as window sum / unfold / tap loop -> "

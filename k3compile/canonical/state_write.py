@@ -48,14 +48,14 @@ WRITES = {aten.index_put.default, aten.slice_scatter.default, aten.select_scatte
 INDEX_VIEWS = {aten.view.default, aten.unsqueeze.default, aten.reshape.default}
 
 
-def _reaches_state(node: fx.Node) -> bool:
+def reaches_state(node: fx.Node) -> bool:
     """node's value is (part of) a new state buffer: it reaches `copy_(graph input, ·)` through
     functional writes."""
     for user in node.users:
         if (user.target is aten.copy_.default and user.args[1] is node
                 and user.args[0].op == "placeholder"):
             return True
-        if user.target in WRITES and node in user.args and _reaches_state(user):
+        if user.target in WRITES and node in user.args and reaches_state(user):
             return True
     return False
 
@@ -154,9 +154,9 @@ def _rewrite(graph: fx.Graph, node: fx.Node, _) -> bool:
 
 
 def apply(graph: fx.Graph) -> int:
-    done = rewrite_sites(graph, _reaches_state, _rewrite, targets=REWRITES.keys(), tidy=False)
+    done = rewrite_sites(graph, reaches_state, _rewrite, targets=REWRITES.keys(), tidy=False)
     # every state write's value, the ones made above too
-    return done + rewrite_sites(graph, _reaches_state, _strip_leading_ones,
+    return done + rewrite_sites(graph, reaches_state, _strip_leading_ones,
                                 targets={aten.index_put.default}, tidy=False)
 
 

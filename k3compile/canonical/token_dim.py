@@ -57,7 +57,7 @@ from torch import fx
 
 from k3compile.canonical import Rule
 from k3compile.canonical.region import shape as _shape
-from k3compile.canonical.state_write import _reaches_state
+from k3compile.canonical.state_write import reaches_state
 from k3compile.graph import call
 
 aten, prims = torch.ops.aten, torch.ops.prims
@@ -277,7 +277,7 @@ def _latent_write(node: fx.Node) -> tuple | None:
         return None
     if not any(u.target == aten.index.Tensor and list(u.args[1]) == [slots] for u in node.users):
         return None
-    if not _reaches_state(node):
+    if not reaches_state(node):
         return None
     return cache, slots, positions, rows
 
@@ -330,7 +330,7 @@ def _recurrent_write(node: fx.Node) -> tuple | None:
     """(read, new state, o) of a T-less KDA recurrence written into a [S, H, K, V] state, or
     None: index_put(S, [slots], new) reaching a state write-back, new computed from
     index(S, [slots]); o the first [B, H, V] value down the new state's readers (S^T q)."""
-    if node.target != aten.index_put.default or len(node.args[1]) != 1 or not _reaches_state(node):
+    if node.target != aten.index_put.default or len(node.args[1]) != 1 or not reaches_state(node):
         return None
     state, (slots,), new = node.args[:3]
     ss, ns = _shape(state), _shape(new)

@@ -36,15 +36,15 @@ import torch
 from torch import fx
 
 from k3compile.canonical import Rule
-from k3compile.canonical.layout import _merged, layout
+from k3compile.canonical.layout import layout, merged_dims
 from k3compile.canonical.mla_absorb import (
-    _cache_reads,
-    _canonical_rows,
-    _chain_scale,
     absorbed,
+    cache_reads,
+    canonical_rows,
+    chain_scale,
     log,
 )
-from k3compile.canonical.mla_absorbed import _canonical_already, _sizes, check, find_site
+from k3compile.canonical.mla_absorbed import all_sizes, canonical_already, check, find_site
 from k3compile.canonical.region import shape as _shape
 from k3compile.canonical.region import splice
 from k3compile.graph import call
@@ -55,7 +55,7 @@ VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 
 
 def _subs(lay) -> list[list[tuple[int, int]]]:
-    return [_merged(d) for d in lay.dims]
+    return [merged_dims(d) for d in lay.dims]
 
 
 def _repeats(node) -> tuple[fx.Node, int] | None:
@@ -140,10 +140,10 @@ def _apply_one(graph: fx.Graph, read: fx.Node, pos: fx.Node) -> str | None:
     if isinstance(site, str):
         return site
     site, q = site
-    scale = _chain_scale(site)
+    scale = chain_scale(site)
     # the op histogram is blind to sizes: the head count is the one the values confirm
-    z = next((z for z in _sizes(site, q)
-              if _canonical_already(site, z, scale) and check(site, z, scale) is None), None)
+    z = next((z for z in all_sizes(site, q)
+              if canonical_already(site, z, scale) and check(site, z, scale) is None), None)
     if z is None:
         return "the N-row attention is not the canonical form"
     zb = dataclasses.replace(z, B=B, T=T)
@@ -167,7 +167,7 @@ def _apply_one(graph: fx.Graph, read: fx.Node, pos: fx.Node) -> str | None:
     # its own ending: the [B, T, H·V] copy is read back through views of the N-row output
     new = splice(graph, gm, inputs, site.out, rule="verify_rows")
     _readers_read(graph, site.out, new, B, T)
-    _canonical_rows(graph, P)
+    canonical_rows(graph, P)
     graph.eliminate_dead_code()
     return None
 
@@ -208,7 +208,7 @@ def _readers_read(graph: fx.Graph, out: fx.Node, new: fx.Node, B: int, T: int) -
 def apply(graph: fx.Graph) -> int:
     """View every canonical N-row MLA site whose rows are T > 1 verify rows back to [B, T]."""
     done = 0
-    for read, pos in list(_cache_reads(graph)):
+    for read, pos in list(cache_reads(graph)):
         if read._erased:
             continue
         try:

@@ -11,9 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from k3compile.patterns import linear_concat
+from k3compile.patterns import linear_concat, mla_lowrank_norm
 
 from k3compile.canonical import gemm, token_linear
+from k3compile.math import rms_norm
 from k3compile.rewrite import apply_patterns
 from tests.canonical.rule_checks import assert_same, rewrite, targets
 from tests.conftest import rel_err
@@ -23,6 +24,7 @@ HID, H, D = 32, 2, 8
 W, FA = H * D, D  # KDA: q|k|v|g of W rows, f_a of rank D, b of H
 SIZES = (W, W, W, W, FA, H)
 aten = torch.ops.aten
+MLA_C = 16  # MLA: c_kv's width (kv_a is [c_kv | k_pe])
 PER_DTYPE = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 
 
@@ -162,6 +164,37 @@ def test_gemm_then_token_linear_take_the_unsqueeze_before_the_linears():
     assert_same(after(*args), fn(*args))
 
 
+def mla_rows_viewed(x, w_qa, w_kva, w_g, w_qn, w_kvn):
+    """Gated MLA's front on [B, K] rows, each GEMM's output viewed [B, 1, N] (the red team's MLA
+    layers after token_dim and gate_up_split): q_a, kv_a [c_kv | k_pe], the two norms, g_proj"""
+    b = x.shape[0]
+    q_a, kv_a, g = (F.linear(x, w).view(b, 1, -1) for w in (w_qa, w_kva, w_g))
+    c_kv, k_pe = kv_a.split([MLA_C, kv_a.shape[-1] - MLA_C], dim=-1)
+    return rms_norm(q_a, w_qn, 1e-6), rms_norm(c_kv, w_kvn, 1e-6), k_pe, g
+
+
+@PER_DTYPE
+def test_mla_rows_viewed_fuse_through_the_t_form(dtype):
+    """mla_lowrank_norm and linear_concat[mla+g] have no variant for rows viewed [B, 1, N] (removed
+    in session 36): the rule lifts them to the T form, which the T-form variants fuse"""
+    g = torch.Generator().manual_seed(0)
+    shapes = [(3, HID), (24, HID), (MLA_C + 8, HID), (W, HID)]
+    ws = [torch.randn(s, generator=g) * s[-1] ** -0.5 for s in shapes]
+    args = [t.to(dtype) for t in (*ws, 1 + 0.1 * torch.randn(24, generator=g),
+                                  1 + 0.1 * torch.randn(MLA_C, generator=g))]
+    _, after, n = rewrite(token_linear, mla_rows_viewed, *args, joint=True)
+    assert n == 1
+    hits = [h.pattern for pats in (mla_lowrank_norm.patterns(), linear_concat.patterns())
+            for h in apply_patterns(after.graph, pats).hits]
+    after.recompile()
+    assert hits == [f"mla_lowrank_norm[{str(dtype).removeprefix('torch.')}]",
+                    "linear_concat[mla+g]"]
+    assert "aten.mm.default" not in targets(after)
+    for got, want in zip(after(*args), mla_rows_viewed(*args), strict=True):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert rel_err(got, want) <= 2 * torch.finfo(dtype).eps
+
+
 # ---- look-alikes --------------------------------------------------------------------------------
 
 
@@ -231,9 +264,9 @@ def test_a_symbolic_row_count_is_left_alone():
 
 @pytest.mark.slow
 def test_redteam_in_projection_fuses_with_the_rule_and_not_without():
-    """tests/models/redteam_k3.py (fp32): linear_concat in KDA layers 0, 1 with the rule, not
-    without it; the MLA layers' (2, 3) q_a|kv_a|g fuse either way (the 3-D or the rows_viewed
-    variant)"""
+    """tests/models/redteam_k3.py (fp32): linear_concat in KDA layers 0, 1 and linear_concat with
+    mla_lowrank_norm in MLA layers 2, 3 with the rule, none of them without it (until session
+    36 the MLA layers fused without it too, by the `rows_viewed` variants, now removed)"""
     from tests.models.redteam_k3 import from_builtin
     from tests.spellings import foreign
 
@@ -242,4 +275,5 @@ def test_redteam_in_projection_fuses_with_the_rule_and_not_without():
         for layer in (0, 1):
             assert got[layer]["linear_concat"] == want, (rules, layer, dict(got[layer]))
         for layer in (2, 3):
-            assert got[layer]["linear_concat"] == 1, (rules, layer, dict(got[layer]))
+            for op in ("linear_concat", "mla_lowrank_norm"):
+                assert got[layer][op] == want, (rules, layer, op, dict(got[layer]))

@@ -43,8 +43,9 @@ gaps (fp32, 4-layer tiny; details, near misses and suggested rules: docs/redteam
   qkv_split cut the fused in-projection into six GEMMs on [B, D] rows, each output viewed
   [B, 1, .] (token_dim's lift); the rule moves that unit dim before the GEMMs (one [B, 1, D] row
   that each views [B, D], F.linear's T = 1 form), which linear_concat[kda] fuses into one GEMM,
-  in fp32 and bf16. At 2, 3 the q_a|kv_a|g cut is fused again (the same rule takes it: the
-  3-D linear_concat[mla+g] instead of its rows_viewed variant).
+  in fp32 and bf16. At 2, 3 the same rule lifts the q_a|kv_a|g cut, which the 3-D
+  linear_concat[mla+g] and mla_lowrank_norm fuse (their rows_viewed variants, which took it
+  before, were removed in session 36).
 * bf16 only: norm_linear (1-3): closed (session 23), see moe_experts.
 """
 

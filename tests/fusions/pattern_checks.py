@@ -43,6 +43,26 @@ def assert_rewritten_equal(gm, report: RewriteReport, fn, args, op: str):
         torch.testing.assert_close(g, w, rtol=0, atol=0)
 
 
+def assert_variant_rewrite(gm, report: RewriteReport, fn, args, op: str, pattern: str,
+                           tail: tuple) -> torch.fx.Node:
+    """`assert_rewritten_equal`, the one hit being the variant `pattern`, whose op call ends in
+    the arguments `tail` (its eps and flags); the call's node, for further checks."""
+    assert_rewritten_equal(gm, report, fn, args, op)
+    assert [h.pattern for h in report.hits] == [pattern]
+    node = next(n for n in gm.graph.nodes if str(n.target) == f"{op}.default")
+    assert node.args[-len(tail):] == tail
+    return node
+
+
+def assert_fused_on_gpu_graph(gm, report: RewriteReport, fn, args, op: str) -> None:
+    """A rewrite with `kernels_only` (as on a GPU graph): kernel `op` took the site, none was
+    deferred to Inductor for it, and the graph's values are close to the unfused function's."""
+    assert [h.op for h in report.hits] == [f"k3.{op}"], report
+    assert op not in report.deferred
+    for got, want in zip(gm(*args), fn(*args), strict=True):
+        torch.testing.assert_close(got, want)
+
+
 def assert_near_miss(report: RewriteReport, pattern_prefix: str, *words: str):
     """No hit, and a near miss of the pattern whose reason names the failed condition."""
     assert not report.hits, report.hits

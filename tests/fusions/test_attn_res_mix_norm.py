@@ -11,7 +11,14 @@ from k3compile.patterns import attn_res_mix_norm
 
 from k3compile.math import depth_mix_scores_fp32, depth_mix_weights, rms_norm
 
-from .pattern_checks import assert_near_miss, assert_rewritten_equal, rewrite, with_kernel_limits
+from .pattern_checks import (
+    assert_fused_on_gpu_graph,
+    assert_near_miss,
+    assert_rewritten_equal,
+    assert_variant_rewrite,
+    rewrite,
+    with_kernel_limits,
+)
 
 D, MIX_EPS, NORM_EPS = 64, 1e-6, 1e-5  # two eps, so the op's arguments show which was captured
 PATTERNS = attn_res_mix_norm.patterns()  # traced once, on first use
@@ -212,12 +219,11 @@ def test_fp32_weight_norm_fuses_as_its_variant(n_blocks, with_delta, norm):
     built-in rounding."""
     fn, args = _fp32_weight_model(with_delta, norm), _inputs(n_blocks, with_delta)
     gm, report = rewrite(fn, args, PATTERNS)
-    assert_rewritten_equal(gm, report, fn, args, "k3.attn_res_mix_norm")
     kind = "delta" if with_delta else "no_delta"
-    assert [h.pattern for h in report.hits] == [
-        f"attn_res_mix_norm[blocks={n_blocks},{kind},scores_fp32,norm_weight_fp32]"]
-    op = next(n for n in gm.graph.nodes if str(n.target) == "k3.attn_res_mix_norm.default")
-    assert op.args[-4:] == (MIX_EPS, norm_eps(norm), True, True)
+    assert_variant_rewrite(
+        gm, report, fn, args, "k3.attn_res_mix_norm",
+        f"attn_res_mix_norm[blocks={n_blocks},{kind},scores_fp32,norm_weight_fp32]",
+        (MIX_EPS, norm_eps(norm), True, True))
     x = gm(*args)[0] if with_delta else gm(*args)
     built_in = _fp32_weight_model(with_delta, _weight_last)(*args)
     assert not torch.equal(x, built_in[0] if with_delta else built_in)
@@ -252,10 +258,7 @@ def test_fp32_weight_norm_fuses_on_gpu_graphs(monkeypatch):
     with_kernel_limits(monkeypatch, "attn_res_mix_norm")
     fn, args = _fp32_weight_model(True, _flax_norm), _inputs(2, True)
     gm, report = rewrite(fn, args, PATTERNS, kernels_only=True)
-    assert report.hits and all(h.op == "k3.attn_res_mix_norm" for h in report.hits), report
-    assert "attn_res_mix_norm" not in report.deferred
-    for got, want in zip(gm(*args), fn(*args)):
-        torch.testing.assert_close(got, want)
+    assert_fused_on_gpu_graph(gm, report, fn, args, "attn_res_mix_norm")
 
 # mix_weights_fp32: bf16 sources, the mix's weights fp32 masters read as they are (spell11: fp32
 # master weights under torch.autocast, the mix in an fp32 island); the fold of the fp32 values
@@ -277,13 +280,12 @@ def test_fp32_mix_weights_fuse_as_their_variant(n_blocks, with_delta):
     fn = _model(with_delta, depth_mix_scores_fp32)
     args = _fp32_mix_weights(_inputs(n_blocks, with_delta))
     gm, report = rewrite(fn, args, PATTERNS)
-    assert_rewritten_equal(gm, report, fn, args, "k3.attn_res_mix_norm")
     kind = "delta" if with_delta else "no_delta"
-    assert [h.pattern for h in report.hits] == [
-        f"attn_res_mix_norm[blocks={n_blocks},{kind},scores_fp32,mix_weights_fp32]"]
-    op = next(n for n in gm.graph.nodes if str(n.target) == "k3.attn_res_mix_norm.default")
+    op = assert_variant_rewrite(
+        gm, report, fn, args, "k3.attn_res_mix_norm",
+        f"attn_res_mix_norm[blocks={n_blocks},{kind},scores_fp32,mix_weights_fp32]",
+        (MIX_EPS, NORM_EPS, True))
     assert [a.meta["val"].dtype for a in op.args[3:5]] == [torch.float32] * 2
-    assert op.args[-3:] == (MIX_EPS, NORM_EPS, True)
     assert not any(k in str(n.target) for n in gm.graph.nodes for k in ("amax", "rsqrt", "cat"))
     # the fold of the fp32 values, not of their bf16 roundings
     rounded = fn(*args[:-3], *(w.bfloat16() for w in args[-3:-1]), args[-1])

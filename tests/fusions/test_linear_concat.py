@@ -132,24 +132,6 @@ def test_mla_rows_become_one_gemm():
     assert "aten.mm.default" not in targets(gm)
 
 
-def test_mla_rows_viewed_to_one_token_become_one_gemm():
-    """[N, D] rows whose GEMM outputs are viewed to [N, 1, .] (x.unsqueeze(1) before the
-    linears, folded into the GEMMs by rule gemm): ",rows_viewed"."""
-    def viewed(x, w_qa, w_kva, w_g, w_qn, w_kvn):
-        def tok(y):
-            return y.view(y.shape[0], 1, y.shape[-1])
-        cq, c_kv, k_pe = torch.ops.k3.mla_lowrank_norm(tok(F.linear(x, w_qa)),
-                                                       tok(F.linear(x, w_kva)), w_qn, w_kvn, 1e-6)
-        return cq, c_kv, k_pe, tok(F.linear(x, w_g))
-
-    args = _mla_args()
-    args[0] = args[0].view(2, D)
-    gm, report = rewrite(viewed, args, linear_concat.patterns(), joint=True)
-    assert [h.pattern for h in report.hits] == ["linear_concat[mla+g,rows_viewed]"]
-    assert_rewritten_equal(gm, report, viewed, args, "k3.linear_concat")
-    assert "aten.mm.default" not in targets(gm)
-
-
 def test_mla_without_g_fuses_q_a_and_kv_a():
     """A g_proj on another input (or none): q_a|kv_a still fuse, the other GEMM stays."""
     def other_input_gate(x, w_qa, w_kva, w_g, w_qn, w_kvn):

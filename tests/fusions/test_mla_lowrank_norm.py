@@ -59,30 +59,6 @@ def test_rows_rewrite(dtype):
     assert_rewritten_equal(gm, report, mla_front, args, "k3.mla_lowrank_norm")
 
 
-def _viewed_front(lead):
-    """x.unsqueeze(1) before the linears, as rule `gemm` leaves it: [N, D] GEMMs viewed after."""
-    def fn(x, w_qa, w_kva, w_g, w_qn, w_kvn):
-        cq = rms(F.linear(x, w_qa).view(*lead, Q), w_qn, 1e-6)
-        c_kv, k_pe = F.linear(x, w_kva).view(*lead, C + R).split([C, R], dim=-1)
-        return cq, rms(c_kv, w_kvn, 1e-6), k_pe, F.linear(x, w_g).view(*lead, V)
-    return fn
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_rows_viewed_to_one_token_rewrite(dtype):
-    args, fn = _args(dtype, tokens=None), _viewed_front((3, 1))
-    gm, report = rewrite(fn, args, mla_lowrank_norm.patterns(), joint=True)
-    assert [h.pattern for h in report.hits] == [
-        f"mla_lowrank_norm[{str(dtype).removeprefix('torch.')},rows_viewed]"]
-    assert_rewritten_equal(gm, report, fn, args, "k3.mla_lowrank_norm")
-
-
-def test_rows_viewed_to_other_shapes_are_refused():
-    _, report = rewrite(_viewed_front((1, 3)), _args(tokens=None), mla_lowrank_norm.patterns(),
-                        joint=True)
-    assert_near_miss(report, "mla_lowrank_norm", "check refused", "is not a [3, 1, .] view")
-
-
 def test_check_takes_eps_rounded_to_float32():
     """F.rms_norm(x, eps=1e-5) hands the fused ops 9.99999975e-06 (float32), a spelled-out
     norm 1e-05: the same eps as the op computes with."""
