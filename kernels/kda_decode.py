@@ -8,9 +8,9 @@
                                                           `o_fp32` too: bf16(w ⊙ rms(o) ⊙ σ(g)))
     `norm_weight_fp32`: bf16(bf16(w ⊙ rms(o')) ⊙ bf16(σ(g))), the weight multiplied in fp32
     (o' = o with `o_fp32`); `gate_fp32`: bf16(bf16(w ⊙ rms(bf16(o))) ⊙ σ(g)), the built-in norm
-    and the gate product in fp32, one rounding; conv ROUNDED: x̃ = bf16(SiLU(bf16(conv(x)))), a bf16 conv's rounding;
-    conv PRODUCTS_ROUNDED: x̃ = bf16(SiLU(bf16(Σ_j bf16(x_j·w_j)))), a window sum multiplied in
-    bf16 (fp32 sum in tap order)
+    and the gate product in fp32, one rounding; conv ROUNDED: x̃ = bf16(SiLU(bf16(conv(x)))), a
+    bf16 conv's rounding; conv PRODUCTS_ROUNDED: x̃ = bf16(SiLU(bf16(Σ_j bf16(x_j·w_j)))), a
+    window sum multiplied in bf16 (fp32 sum in tap order)
 
 Each build is one `KDAVariant` (k3compile/ops/kda_decode.py; the op's `variant` argument parsed);
 the fields above are its own.

@@ -17,7 +17,10 @@ it: the red-team spelling, spell9 after rule `cell_conv`, spell7's `F.conv1d` on
 state) with `conv=ConvRounding.ROUNDED`. A window sum multiplied in bf16 (each tap product
 rounded, then the sum: spell10's per-token conv, spell12's `vecdot`; rule `short_conv` writes it
 as one `sum(unfold(window, -1, taps, 1) * taps, [-1])`) with `conv=ConvRounding.PRODUCTS_ROUNDED`,
-channel-major, one conv state. A variant's name lists its `KDAVariant.names`; the op gets its
+channel-major, one conv state. A mixed-precision codebase's step (spell11 under autocast) with
+`gate_fp32` (the built-in norm, then the gate product in fp32, one rounding) and / or fp32 master
+conv weights read as they are (`conv_weight_fp32`, a pattern-level name: the op reads the
+weights' dtype off its arguments). A variant's name lists its `KDAVariant.names`; the op gets its
 `KDAVariant.spec`. Only the variants of the T a
 graph's KDA sites have are traced (`fits`: the short conv's output length is T); a T without a variant stays unfused, and its near miss
 says so.
