@@ -84,7 +84,8 @@ def fb_kda_decode_cuda(q, k, v, g, fa, fb_weight, b, conv_state, recurrent_state
         o = q.new_empty((B, T, H, K)) if out is None else out
         if B:
             compiled(T, H, conv_state.shape[2] + 1, bucket(B), step,
-                     A_log.dtype == torch.bfloat16, dt_bias.dtype == torch.bfloat16, R)(
+                     A_log.dtype == torch.bfloat16, dt_bias.dtype == torch.bfloat16, R,
+                     conv_weight_fp32=q_conv_weight.dtype == torch.float32)(
                 *args, o, *map(float, scalars))
         return o
 

@@ -7,9 +7,10 @@
                                                           fla's FusedRMSNormGated, one rounding;
                                                           `o_fp32` too: bf16(w ⊙ rms(o) ⊙ σ(g)))
     `norm_weight_fp32`: bf16(bf16(w ⊙ rms(o')) ⊙ bf16(σ(g))), the weight multiplied in fp32
-    (o' = o with `o_fp32`); conv ROUNDED: x̃ = bf16(SiLU(bf16(conv(x)))), a bf16 conv's rounding;
-    conv PRODUCTS_ROUNDED: x̃ = bf16(SiLU(bf16(Σ_j bf16(x_j·w_j)))), a window sum multiplied in
-    bf16 (fp32 sum in tap order)
+    (o' = o with `o_fp32`); `gate_fp32`: bf16(bf16(w ⊙ rms(bf16(o))) ⊙ σ(g)), the built-in norm
+    and the gate product in fp32, one rounding; conv ROUNDED: x̃ = bf16(SiLU(bf16(conv(x)))), a
+    bf16 conv's rounding; conv PRODUCTS_ROUNDED: x̃ = bf16(SiLU(bf16(Σ_j bf16(x_j·w_j)))), a
+    window sum multiplied in bf16 (fp32 sum in tap order)
 
 Each build is one `KDAVariant` (k3compile/ops/kda_decode.py; the op's `variant` argument parsed);
 the fields above are its own.
@@ -32,7 +33,8 @@ Constraints:
       (q's, k's, v's; their own build); slots int64
       [B] (negative slots count from the end, as torch indexing does; two requests sharing a slot
       race, as they do in the reference's index_put).
-    * conv weights bf16 [H·K, 1, taps], A_log [H] and dt_bias [H·K] each fp32 or bf16 (loaded as
+    * conv weights bf16 [H·K, 1, taps] (or all three fp32: the build `conv_weight_fp32`, an fp32
+      master read as it is), A_log [H] and dt_bias [H·K] each fp32 or bf16 (loaded as
       fp32, as the reference promotes them), o_norm_weight bf16 [K], all contiguous; lower_bound,
       l2_eps, q_scale, norm_eps are runtime scalars.
     * Output bf16 [B, T, H, K], contiguous.
@@ -231,10 +233,11 @@ def refusal(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weig
                     f"(want bf16 {want}, inner dims contiguous)")
     if slots.dtype != torch.int64 or tuple(slots.shape) != (B,) or (B and slots.stride(0) != 1):
         return f"slots: {slots.dtype} {tuple(slots.shape)} (want contiguous int64 [{B}])"
+    taps_dtype = q_conv_weight.dtype if q_conv_weight.dtype in (bf16, f32) else bf16
     for name, t, dtype, shape in (
-            ("q_conv_weight", q_conv_weight, bf16, (W, 1, taps)),
-            ("k_conv_weight", k_conv_weight, bf16, (W, 1, taps)),
-            ("v_conv_weight", v_conv_weight, bf16, (W, 1, taps)),
+            ("q_conv_weight", q_conv_weight, taps_dtype, (W, 1, taps)),
+            ("k_conv_weight", k_conv_weight, taps_dtype, (W, 1, taps)),
+            ("v_conv_weight", v_conv_weight, taps_dtype, (W, 1, taps)),
             ("A_log", A_log, (f32, bf16), (H,)), ("dt_bias", dt_bias, (f32, bf16), (W,)),
             ("o_norm_weight", o_norm_weight, bf16, (K,))):
         dtypes = dtype if isinstance(dtype, tuple) else (dtype,)
@@ -279,20 +282,23 @@ def call_refusal(tensors, q, recurrent_state, out) -> str | None:
 
 
 def prepare(tokens: int, n_heads: int, taps: int = 4, buckets=BUCKETS,
-            variant: KDAVariant = BUILTIN, a_log_bf16=False, dt_bias_bf16=False) -> None:
+            variant: KDAVariant = BUILTIN, a_log_bf16=False, dt_bias_bf16=False,
+            conv_weight_fp32=False) -> None:
     """Compile the kernel of every batch bucket for these scalars (call before graph capture)."""
     for b in buckets:
-        compiled(tokens, n_heads, taps, b, variant, a_log_bf16, dt_bias_bf16)
+        compiled(tokens, n_heads, taps, b, variant, a_log_bf16, dt_bias_bf16,
+                 conv_weight_fp32=conv_weight_fp32)
 
 
 def compiled(tokens: int, n_heads: int, taps: int, batch_bucket: int,
              variant: KDAVariant = BUILTIN, a_log_bf16: bool = False,
-             dt_bias_bf16: bool = False, fb_rank: int = 0):
+             dt_bias_bf16: bool = False, fb_rank: int = 0, conv_weight_fp32: bool = False):
     """The cached kernel; each build option enters the key only when set, the variant only
     where it is not the default (the default's key and build are those from before the
     variants)."""
     options = {k: v for k, v in (("a_log_bf16", a_log_bf16), ("dt_bias_bf16", dt_bias_bf16),
-                                 ("fb_rank", fb_rank)) if v}
+                                 ("fb_rank", fb_rank), ("conv_weight_fp32", conv_weight_fp32))
+               if v}
     if variant != BUILTIN:
         options["variant"] = variant
     return KERNEL.compiled(tokens, n_heads, taps, config(tokens, n_heads, taps, batch_bucket),
@@ -300,7 +306,8 @@ def compiled(tokens: int, n_heads: int, taps: int, batch_bucket: int,
 
 
 def build(tokens, n_heads, taps, cfg, arch=None, dump_dir=None, pdl=False,
-          variant: KDAVariant = BUILTIN, a_log_bf16=False, dt_bias_bf16=False, fb_rank=0):
+          variant: KDAVariant = BUILTIN, a_log_bf16=False, dt_bias_bf16=False, fb_rank=0,
+          conv_weight_fp32=False):
     """Compile now, uncached (`dump_dir` keeps the cubin and PTX; `pdl`: with PDL; `variant`:
     the step's `KDAVariant`, whose layouts set the fake tensors' strides here: a time-major
     conv state is passed as the [S, 3W, taps-1] view of a [S, taps-1, 3W] buffer, strides
@@ -308,6 +315,8 @@ def build(tokens, n_heads, taps, cfg, arch=None, dump_dir=None, pdl=False,
     strides (., K·K, 1, K); three conv states as three [S, W, taps-1], q's, k's and v's, where
     the default takes one [S, 3W, taps-1]; the rest are the device code's; `a_log_bf16`,
     `dt_bias_bf16`: that parameter in bf16, e.g. a Moonshot model cast to bf16 whole;
+    `conv_weight_fp32`: the three conv weights fp32 (fp32 masters read as they are: the device
+    code loads them as it loads bf16 ones, converted to fp32);
     `fb_rank` R > 0: the f_b build, taking fa [B, T, R] and W_fb [H·K, R] where the default
     takes graw)."""
     import cutlass
@@ -329,7 +338,8 @@ def build(tokens, n_heads, taps, cfg, arch=None, dump_dir=None, pdl=False,
         return make_fake_tensor(dtype, shape, stride=stride,
                                 assumed_align=align or dtype.width // 8)
 
-    conv_w = [weight(bf16, (W, 1, taps), (taps, taps, 1)) for _ in range(3)]
+    conv_w = [weight(f32 if conv_weight_fp32 else bf16, (W, 1, taps), (taps, taps, 1))
+              for _ in range(3)]
     kda = KDADecode(T, H, taps, cfg, pdl, variant, fb_rank)
     conv_time_major, three_states = variant.conv_time_major, variant.three_conv_states
     gate_input = [act(fb_rank), weight(bf16, (W, fb_rank), (fb_rank, 1), 16)] if fb_rank else [
@@ -380,7 +390,8 @@ def kda_decode_cuda(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_c
         convs = [conv] if k_conv_state is None else [conv, k_conv_state, v_conv_state]
         if B:
             compiled(T, H, conv.shape[2] + 1, bucket(B), step, A_log.dtype == torch.bfloat16,
-                     dt_bias.dtype == torch.bfloat16)(
+                     dt_bias.dtype == torch.bfloat16,
+                     conv_weight_fp32=q_conv_weight.dtype == torch.float32)(
                 *args[:6], *convs, state, *args[8:], o, float(lower_bound), float(l2_eps),
                 float(q_scale), float(norm_eps))
         return o

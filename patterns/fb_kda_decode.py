@@ -134,7 +134,7 @@ def patterns() -> list[Pattern]:
     # norm; the products-rounded conv as kda_decode's: channel-major, K-major, no Flax norm;
     # listed after the others, as they were added)
     late = (ConvRounding.PRODUCTS_ROUNDED,)
-    return [_variant(KDAVariant((n or o) and not f, m, s, c, o, f, r), rw)
+    return [_variant(KDAVariant((n or o) and not f, m, s, c, o, f, conv=r), rw)
             for convs in (tuple(c for c in ConvRounding if c not in late), late)
             for rw in (False, True) for r in convs for f in (False, True)
             for o in (False, True) for c in (False, True) for s in (False, True)
@@ -142,4 +142,5 @@ def patterns() -> list[Pattern]:
             if not (c and m) and not (o and n)
             and not ((f or r is not ConvRounding.FP32) and c) and not (f and (s or n or not o))
             and not (rw and (c or f))
-            and not (r is ConvRounding.PRODUCTS_ROUNDED and (f or m or s))]
+            and not (r is ConvRounding.PRODUCTS_ROUNDED and (f or m or s))] + [
+        _variant(KDAVariant(gate_fp32=True), rw) for rw in (False, True)]

@@ -17,7 +17,10 @@ it: the red-team spelling, spell9 after rule `cell_conv`, spell7's `F.conv1d` on
 state) with `conv=ConvRounding.ROUNDED`. A window sum multiplied in bf16 (each tap product
 rounded, then the sum: spell10's per-token conv, spell12's `vecdot`; rule `short_conv` writes it
 as one `sum(unfold(window, -1, taps, 1) * taps, [-1])`) with `conv=ConvRounding.PRODUCTS_ROUNDED`,
-channel-major, one conv state. A variant's name lists its `KDAVariant.names`; the op gets its
+channel-major, one conv state. A mixed-precision codebase's step (spell11 under autocast) with
+`gate_fp32` (the built-in norm, then the gate product in fp32, one rounding) and / or fp32 master
+conv weights read as they are (`conv_weight_fp32`, a pattern-level name: the op reads the
+weights' dtype off its arguments). A variant's name lists its `KDAVariant.names`; the op gets its
 `KDAVariant.spec`. Only the variants of the T a
 graph's KDA sites have are traced (`fits`: the short conv's output length is T); a T without a variant stays unfused, and its near miss
 says so.
@@ -113,7 +116,8 @@ def _step(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weight
     outputs. `norm_weight_fp32`: the output norm's weight multiplied in fp32 before its one
     rounding, the gate after it (with `o_fp32`: o unrounded into it). `conv`: ROUNDED, the
     conv run in the activations' dtype (rounded), F.silu on its output; PRODUCTS_ROUNDED, the
-    conv as a window sum multiplied in that dtype (short_conv's form), F.silu on it."""
+    conv as a window sum multiplied in that dtype (short_conv's form), F.silu on it.
+    `gate_fp32`: the built-in norm, then the gate product in fp32 and one rounding."""
     B, T, _ = q.shape
     nh, hd = recurrent_state.shape[1], recurrent_state.shape[2]
     beta = torch.sigmoid(b.float())
@@ -172,6 +176,9 @@ def _step(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weight
         # fla casts the gate inside: cast, then split into heads (rule `cast_view`)
         return state_out, *convs, rms_norm_gated_fp32(
             o, o_norm_weight, g.float().view(B, T, nh, hd), norm_eps)
+    if variant.gate_fp32:  # an fp32 island around the gate: one rounding after its product
+        return state_out, *convs, (rms_norm(o, o_norm_weight, norm_eps).float() * torch.sigmoid(
+            g.float().view(B, T, nh, hd))).to(q.dtype)
     o = rms_norm(o, o_norm_weight, norm_eps) * torch.sigmoid(g.view(B, T, nh, hd))
     return state_out, *convs, o
 
@@ -207,19 +214,21 @@ GPU_TESTED_FLAGS = frozenset({"norm_fp32", "conv_time_major", "state_v_major", "
                               "conv_products_rounded"})
 
 
-def kernel_refusal(variant: KDAVariant):
+def kernel_refusal(variant: KDAVariant, more: tuple[str, ...] = ()):
     """The GPU graphs' refusal of a variant whose kernel build is untested on a GPU (a function
-    of the match, as `Pattern.kernel_refusal` wants), or None."""
-    untested = sorted(n for n in variant.names if n not in GPU_TESTED_FLAGS)
+    of the match, as `Pattern.kernel_refusal` wants), or None. `more`: the pattern variant's
+    names that are no `KDAVariant` field (`conv_weight_fp32`)."""
+    untested = sorted(n for n in (*variant.names, *more) if n not in GPU_TESTED_FLAGS)
     if not untested:
         return None
     why = f"{', '.join(untested)}: kda_decode's kernel build has not passed a GPU test yet"
     return lambda match: why
 
 
-def check(match, variant: KDAVariant = BUILTIN) -> str | None:
+def check(match, variant: KDAVariant = BUILTIN, conv_weight_fp32: bool = False) -> str | None:
     """The site's shapes and dtypes as the variant's layouts have them (`variant`: its
-    `conv_time_major` and `three_conv_states`)."""
+    `conv_time_major` and `three_conv_states`; `conv_weight_fp32`: fp32 conv weights beside
+    bf16 / fp16 activations)."""
     three_states = variant.three_conv_states
     for name in SCALARS:
         if not isinstance(match.kwargs[name], float):
@@ -255,6 +264,8 @@ def check(match, variant: KDAVariant = BUILTIN) -> str | None:
     for name in ("q_conv_weight", "k_conv_weight", "v_conv_weight"):
         if tuple(meta[name].shape) != (width, 1, taps):
             return f"{name} {list(meta[name].shape)} != [{width}, 1, {taps}]"
+        if conv_weight_fp32 and (meta[name].dtype != torch.float32 or q.dtype == torch.float32):
+            return f"{name} {meta[name].dtype} beside {q.dtype} activations is no fp32 master"
     if meta["A_log"].shape != (nh,) or meta["dt_bias"].shape != (width,):
         return f"A_log {list(meta['A_log'].shape)} / dt_bias {list(meta['dt_bias'].shape)}"
     if meta["o_norm_weight"].shape != (hd,):
@@ -267,8 +278,39 @@ def check(match, variant: KDAVariant = BUILTIN) -> str | None:
 
 
 # (graph, its sites, recurrent state layouts, conv state counts, an fp32 o into a norm, a conv
-# in bf16 / fp16, a window sum multiplied in bf16 / fp16)
-_sites_seen: list = [None, frozenset(), frozenset(), frozenset(), False, False, False]
+# in bf16 / fp16, a window sum multiplied in bf16 / fp16, an fp32 conv weight beside an upcast
+# window, an fp32 gate product rounded once)
+_sites_seen: list = [None, frozenset(), frozenset(), frozenset(), False, False, False, False,
+                     False]
+CAST = torch.ops.prims.convert_element_type.default
+HALF = (torch.bfloat16, torch.float16)
+
+
+def _upcast(node) -> bool:
+    """node is an fp32 upcast of a bf16 / fp16 value."""
+    return (isinstance(node, fx.Node) and node.target is CAST
+            and isinstance(v := node.args[0].meta.get("val"), torch.Tensor) and v.dtype in HALF
+            and node.meta["val"].dtype == torch.float32)
+
+
+def _fp32_weight_conv(conv: fx.Node) -> bool:
+    """An fp32 conv of an upcast window whose weight is fp32 and no upcast (an fp32 master read
+    as it is: `conv_weight_fp32`)."""
+    w = conv.args[1]
+    return (_upcast(conv.args[0]) and isinstance(w, fx.Node) and not _upcast(w)
+            and w.meta["val"].dtype == torch.float32)
+
+
+def _fp32_gate(mul: fx.Node) -> bool:
+    """`bf16(x.float() * sigmoid(g'))` of fp32 [B, T, H, V]: a gate product in fp32 rounded once
+    (`gate_fp32`)."""
+    v = mul.meta.get("val")
+    if not (isinstance(v, torch.Tensor) and v.dim() == 4 and v.dtype == torch.float32
+            and len(mul.users) == 1 and next(iter(mul.users)).target is CAST):
+        return False
+    a, b = mul.args[:2]
+    return any(isinstance(s, fx.Node) and s.target is torch.ops.aten.sigmoid.default
+               and _upcast(x) for s, x in ((a, b), (b, a)))
 
 
 def _time_major(conv: fx.Node) -> bool:
@@ -333,7 +375,9 @@ def _scan(graph: fx.Graph) -> None:
             {False} | {True for n in reads if _v_major(n)}), frozenset(
             {1} | {_gathers(n) for n in convs + products} - {0}), any(
             _fp32_norm_of_fp32(n) for n in graph.nodes if n.target is torch.ops.aten.mean.dim), any(
-            n.meta["val"].dtype != torch.float32 for n in convs), bool(products)
+            n.meta["val"].dtype != torch.float32 for n in convs), bool(products), any(
+            _fp32_weight_conv(n) for n in convs), any(
+            _fp32_gate(n) for n in graph.nodes if n.target is torch.ops.aten.mul.Tensor)
 
 
 def sites(graph: fx.Graph) -> frozenset[tuple[int, bool]]:
@@ -376,14 +420,32 @@ def product_convs(graph: fx.Graph) -> bool:
     return _sites_seen[6]
 
 
+def fp32_weight_convs(graph: fx.Graph) -> bool:
+    """Whether some short conv of the graph reads fp32 weights beside an upcast window
+    (`conv_weight_fp32`)."""
+    _scan(graph)
+    return _sites_seen[7]
+
+
+def fp32_gates(graph: fx.Graph) -> bool:
+    """Whether some fp32 [B, T, H, V] gate product of an upcast and a sigmoid is rounded once
+    (`gate_fp32`)."""
+    _scan(graph)
+    return _sites_seen[8]
+
+
 def site_rows(graph: fx.Graph) -> frozenset[int]:
     """T of each KDA site in the graph: its depthwise short conv's output length."""
     return frozenset(t for t, _ in sites(graph))
 
 
-def _fits(T: int, variant: KDAVariant):
+def _fits(T: int, variant: KDAVariant, conv_weight_fp32: bool = False):
     def fits(graph: fx.Graph) -> str | None:
         found = sites(graph)
+        if conv_weight_fp32 and found and not fp32_weight_convs(graph):
+            return "no short conv reads fp32 weights beside an upcast window (fp32 masters')"
+        if variant.gate_fp32 and found and not fp32_gates(graph):
+            return "no fp32 [B, T, H, V] gate product is rounded once (an fp32 gate's)"
         if variant.conv is ConvRounding.ROUNDED and found and not low_precision_convs(graph):
             return "no short conv runs in bf16 / fp16 (a rounded conv's)"
         if variant.conv is ConvRounding.PRODUCTS_ROUNDED and found and not product_convs(graph):
@@ -406,8 +468,12 @@ def _fits(T: int, variant: KDAVariant):
 
 
 def _variant(T: int, B: int, dtype: torch.dtype, silu_written_out: bool = False,
-             variant: KDAVariant = BUILTIN) -> Pattern:
+             variant: KDAVariant = BUILTIN, conv_weight_fp32: bool = False) -> Pattern:
+    """`conv_weight_fp32`: the conv weights fp32 beside bf16 / fp16 activations (fp32 masters
+    read as they are: the conv's upcast of them traces to nothing); no `KDAVariant` field, as
+    the op reads the weights' dtype off its arguments."""
     three_states = variant.three_conv_states
+    taps_dtype = torch.float32 if conv_weight_fp32 else dtype
 
     def example_inputs():
         W = H * K
@@ -418,7 +484,7 @@ def _variant(T: int, B: int, dtype: torch.dtype, silu_written_out: bool = False,
             conv = (3, W, TAPS - 1)
         state = [torch.randn(conv, dtype=dtype),
                  torch.randn(3, H, K, K, dtype=torch.float32), torch.tensor([0, 2][:B])]
-        weights = [torch.randn(W, 1, TAPS, dtype=dtype) for _ in range(3)]
+        weights = [torch.randn(W, 1, TAPS, dtype=taps_dtype) for _ in range(3)]
         weights += [torch.randn(H), torch.randn(W), torch.randn(K, dtype=dtype)]
         more = [torch.randn(conv, dtype=dtype) for _ in THREE_STATES] if three_states else []
         return [*act, b, *state, *weights, *more, *SCALARS.values()]
@@ -430,8 +496,9 @@ def _variant(T: int, B: int, dtype: torch.dtype, silu_written_out: bool = False,
                                              **dict(zip(THREE_STATES, a[TENSORS:-len(SCALARS)]))
                                              if three_states else {}), names)
     spec = (variant.spec,) if variant.spec else ()
+    more = ("conv_weight_fp32",) if conv_weight_fp32 else ()
     flags = "".join(f",{n}" for n in (*(("silu_written_out",) if silu_written_out else ()),
-                                       *variant.names))
+                                       *variant.names, *more))
     return Pattern(
         name=f"kda_decode[T={T},B={'1' if B == 1 else 'n'},"
              f"{str(dtype).removeprefix('torch.')}{flags}]",
@@ -439,11 +506,11 @@ def _variant(T: int, B: int, dtype: torch.dtype, silu_written_out: bool = False,
             lambda *a: replace(*unthree(a), *(a[TENSORS:-len(SCALARS)] or (None, None)), *spec),
             names) if spec or three_states else replace,
         example_inputs=example_inputs, op="k3.kda_decode",
-        check=lambda match: check(match, variant), scalars=dict(SCALARS),
-        kernel_refusal=kernel_refusal(variant),
+        check=lambda match: check(match, variant, conv_weight_fp32), scalars=dict(SCALARS),
+        kernel_refusal=kernel_refusal(variant, more),
         distinctive=("unfold" if variant.conv is ConvRounding.PRODUCTS_ROUNDED else "convolution",
                      "index_put", "bmm", "rsqrt"), joint_passes=True,
-        fits=_fits(T, variant),
+        fits=_fits(T, variant, conv_weight_fp32),
     )
 
 
@@ -457,7 +524,7 @@ def patterns() -> list[Pattern]:
     # conv also on a V-major state (spell7's), the Flax norm K-major only; a window sum
     # multiplied in bf16 (PRODUCTS_ROUNDED: spell10's, spell12's) as the rounded conv, on a
     # channel-major conv state, K-major recurrent state, the built-in or fla's norm
-    return [_variant(t, b, d, w, KDAVariant((n or o) and not f, m, s, c, o, f, r))
+    return [_variant(t, b, d, w, KDAVariant((n or o) and not f, m, s, c, o, f, conv=r))
             for r, f, o, c, s, m, n, w, t, b, d in
             itertools.product(ConvRounding, (False, True), (False, True), (False, True),
                               (False, True), (False, True), (False, True), (False, True),
@@ -465,4 +532,11 @@ def patterns() -> list[Pattern]:
             if not ((n or o) and d == torch.float32) and not (o and n) and not (c and m)
             and not ((f or r is not ConvRounding.FP32) and (d == torch.float32 or w or c))
             and not (f and s) and not (f and (n or not o))
-            and not (r is ConvRounding.PRODUCTS_ROUNDED and (f or m or s))]
+            and not (r is ConvRounding.PRODUCTS_ROUNDED and (f or m or s))] + [
+        # fp32 master conv weights read as they are (`conv_weight_fp32`) and / or an fp32 gate
+        # island around the built-in norm (`gate_fp32`): spell11's mixed precision; bf16 / fp16
+        # only (in fp32 each is the built-in graph), the fp32 conv, one channel-major conv state,
+        # K-major recurrent state
+        _variant(t, b, d, False, KDAVariant(gate_fp32=g), conv_weight_fp32=cw)
+        for g, cw in ((False, True), (True, False), (True, True))
+        for t in TOKENS for b in BATCHES for d in DTYPES if d != torch.float32]

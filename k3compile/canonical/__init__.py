@@ -55,7 +55,7 @@ ORDER: tuple[str, ...] = ("put_rows", "scatter_rows", "paged_write", "token_dim"
                           "gate_up_split",
                           "index_slice",
                           "depth_mix", "slice_split", "group_limit", "noop_view", "cast_select", "cast_view",
-                          "cast_merge",
+                          "cast_merge", "cast_cat",
                           "broadcast",
                           "take_along",
                           "sort_topk",

@@ -36,6 +36,12 @@ gates in the activations' dtype (`rms_norm_fp32_weight(o) * sigmoid(g)`: a JAX/F
 spell9's), where the default rounds the normalised row first and multiplies the weight in that
 dtype; with `o_fp32`, o goes in unrounded. Not with `norm_fp32` (which gates in fp32 as well).
 
+`gate_fp32` (with the built-in norm only): the output norm as the built-in model's (rounded to the
+activations' dtype after the norm and after the weight), then the gate product in fp32 with one
+rounding, `bf16(float(rms_norm(o)) · sigmoid(float(g)))`, where the built-in rounds sigmoid(g)
+and the product each (a mixed-precision codebase's fp32 island around the gate: spell11's); the
+same in fp32.
+
 `conv` (`ConvRounding`, one of three): `FP32` (the default) applies the SiLU to the fp32 conv and
 rounds once. `ROUNDED` (spec name `conv_rounded`): the short conv is rounded to the activations'
 dtype before its SiLU (a conv run in bf16, then `F.silu` on its bf16 output: the red-team
@@ -108,6 +114,7 @@ class KDAVariant:
     three_conv_states: bool = False
     o_fp32: bool = False
     norm_weight_fp32: bool = False
+    gate_fp32: bool = False
     conv: ConvRounding = ConvRounding.FP32
 
     def __post_init__(self):
@@ -118,6 +125,9 @@ class KDAVariant:
                              "norm_fp32 or norm_weight_fp32")
         if self.norm_fp32 and self.norm_weight_fp32:
             raise ValueError("kda_decode: norm_fp32 and norm_weight_fp32 are two output norms")
+        if self.gate_fp32 and (self.norm_fp32 or self.norm_weight_fp32):
+            raise ValueError("kda_decode: gate_fp32 is the built-in norm's gate in fp32 (norm_fp32 "
+                             "gates in fp32 already; not with norm_weight_fp32)")
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -219,6 +229,9 @@ def kda_decode_ref(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_co
         return rms_norm_fp32_weight(o, o_norm_weight, norm_eps, dtype) * torch.sigmoid(
             g.view(B, T, H, K))
     o = o.to(dtype)
+    if variant.gate_fp32:
+        return (rms_norm(o, o_norm_weight, norm_eps).float() * torch.sigmoid(
+            g.float().view(B, T, H, K))).to(dtype)
     return rms_norm(o, o_norm_weight, norm_eps) * torch.sigmoid(g.view(B, T, H, K))
 
 
@@ -237,8 +250,8 @@ def kda_decode_fake(q, recurrent_state, g, o_norm_weight, variant: KDAVariant) -
     """The output both KDA decode ops return: [B, T, H, K] in the activations' dtype."""
     B, T, _ = q.shape
     H, K = recurrent_state.shape[1], recurrent_state.shape[2]
-    dtype = q.dtype if variant.norm_fp32 else torch.promote_types(q.dtype, g.dtype) if \
-        variant.norm_weight_fp32 else torch.promote_types(
+    dtype = q.dtype if variant.norm_fp32 or variant.gate_fp32 else torch.promote_types(
+        q.dtype, g.dtype) if variant.norm_weight_fp32 else torch.promote_types(
             torch.promote_types(o_norm_weight.dtype, q.dtype), g.dtype)
     return q.new_empty((B, T, H, K), dtype=dtype)
 
@@ -259,7 +272,8 @@ def kda_decode(
     b [B, T, H] (β logits); conv_state [S, 3·H·K, taps-1] ([S, taps-1, 3·H·K] with
     `conv_time_major`; with `k_conv_state` and `v_conv_state`, each of the three [S, H·K,
     taps-1] or [S, taps-1, H·K]); recurrent_state fp32 [S, H, K, V], K = V ([S, H, V, K] with
-    `state_v_major`); slots int64 [B]; conv weights [H·K, 1, taps]; A_log [H], dt_bias [H·K]
+    `state_v_major`); slots int64 [B]; conv weights [H·K, 1, taps] (the activations' dtype, or
+    fp32: read as they are, the conv being fp32); A_log [H], dt_bias [H·K]
     (fp32, or bf16 where a model is cast whole: promoted to fp32); o_norm_weight [K];
     `k_conv_state`, `v_conv_state`: None with one conv state buffer (required: see the module
     docstring); `variant`: `KDAVariant.spec` ("" for the built-in step). Returns o [B, T, H, K]

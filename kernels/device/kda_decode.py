@@ -35,6 +35,8 @@ class KDADecode:
         self.norm_fp32, self.o_fp32 = variant.norm_fp32, variant.o_fp32
         # the Flax norm: bf16(o'·rstd·w) in fp32, then the gate in bf16
         self.norm_weight_fp32 = variant.norm_weight_fp32
+        # the built-in norm, then the gate product in fp32: σ(g) not rounded before it
+        self.gate_fp32 = variant.gate_fp32
         # ROUNDED: the conv rounded to bf16 before its SiLU; PRODUCTS_ROUNDED: each tap product
         # rounded to bf16, the fp32 sum in tap order, rounded before its SiLU
         self.conv = variant.conv
@@ -355,8 +357,8 @@ class KDADecode:
     @cute.jit
     def epilogue(self, tidx, rank, h, req, totals, sO, mG, mWo, mOut, norm_eps: Float32):
         """out = bf16(bf16(w·bf16(o'·rstd))·bf16(σ(g))), or with `norm_fp32` bf16(o'·rstd·w·σ(g))
-        in fp32, or with `norm_weight_fp32` bf16(bf16(o'·rstd·w)·bf16(σ(g))); one 16-byte vector
-        per item."""
+        in fp32, or with `norm_weight_fp32` bf16(bf16(o'·rstd·w)·bf16(σ(g))), or with
+        `gate_fp32` bf16(bf16(w·bf16(o'·rstd))·σ(g)); one 16-byte vector per item."""
         total, n = self.tile.out_vectors(self.T), self.threads
         for it in cutlass.range_constexpr(-(-total // n)):
             item = it * n + tidx
@@ -384,7 +386,8 @@ class KDADecode:
                 rY[e] = y * bf16_round(sigmoid(mG[req, t, h * K + col + e].to(Float32)))
             else:
                 y = bf16_round(mWo[col + e].to(Float32) * bf16_round(sO[t, lc + e] * rstd))
-                rY[e] = y * bf16_round(sigmoid(mG[req, t, h * K + col + e].to(Float32)))
+                gate = sigmoid(mG[req, t, h * K + col + e].to(Float32))
+                rY[e] = y * (gate if const_expr(self.gate_fp32) else bf16_round(gate))
         rOut = cute.make_rmem_tensor(cute.make_layout((8,)), BFloat16)
         rOut.store(rY.load().to(BFloat16))
         cute.autovec_copy(rOut, vectors(mOut[req, t, h, None])[None, col // 8])

@@ -2,7 +2,8 @@
 training codebase's style: fp32 master weights under `torch.autocast`, SDPA for MLA, grouped
 experts) under backend="k3": values hold; in fp32 the fused plan has every op the built-in
 model's has (session 32's rules); in bf16 it loses KDA, MLA and, under autocast, every GEMM
-fusion unless stage weight_cast is on, with which only the KDA step is lost (session 35;
+fusion unless stage weight_cast is on, with which nothing is lost since session 36 (the KDA
+step's fp32 taps and fp32 gate island: kda_decode's `gate_fp32` and fp32-taps variants;
 docs/spell11_spelling.md).
 
 Values (these must pass): the spelling's eager step equals the built-in model's on the same state
@@ -29,8 +30,11 @@ closed now:
   `state_einsum`: the state reads `matmul(k.unsqueeze(-2), S)`). Rule `addcmul_split` (session
   31) closes the second, and with it the third (the reads fuse once the write is an add); rule
   `conv_roll` (session 32) the first (tests/canonical/test_conv_roll.py compiles spell11 blind).
-  bf16 still loses them (near misses: the window's column under the state's `.float()`, the
-  fp32 recurrent state).
+  bf16 (session 36): kda_decode fuses, variant `gate_fp32,conv_weight_fp32` (the fp32 master
+  taps read as they are, the gate product in fp32 rounded once); fb_kda_decode and
+  linear_concat are lost with the GEMMs (W_fb and the in-projection read through their casts;
+  near miss: the cast of W_fb), and return with stage weight_cast; with the checkpoint's bf16
+  taps, rule `cast_cat` moves their upcast after qkv_split's cut and re-concatenation.
 * mla_q_absorb, mla_decode, mla_uv_gate (2, 3), closed in fp32 (session 32): SDPA with
   `enable_gqa=True` over one latent "KV head" and a boolean mask (probe `attention` brought all
   three back) reaches rule mla_absorbed through sdpa_math's reading, its scale split as √c on q
@@ -80,13 +84,12 @@ LOST = {
                      3: {**MLA, **OPROJ, **MOE_GEMMS, "linear_concat": 1, "mla_lowrank_norm": 1},
                      -1: {"linear": 1}},
 }
-# bf16 with stage weight_cast on: the KDA step alone (module docstring; with bf16 weights KDA's
-# in-projection fuses since session 33's rules)
-KDA_STEP = {"fb_kda_decode": 1}
-LOST_WEIGHT_CAST = {0: KDA_STEP, 1: KDA_STEP}
+# bf16 with stage weight_cast on: nothing (the KDA step since session 36's variants)
+LOST_WEIGHT_CAST = {}
 # (pattern, dtype) whose loss must come with a near miss in that layer naming a node
-# (moe_experts, bf16: no longer lost, session 32's rule pair_restore)
-DIAGNOSED = (("kda_decode", torch.bfloat16), ("mla_decode", torch.bfloat16))
+# (moe_experts, bf16: no longer lost, session 32's rule pair_restore; KDA's step fuses since
+# session 36, its f_b GEMM does not: the near miss names W_fb's cast)
+DIAGNOSED = (("fb_kda_decode", torch.bfloat16), ("mla_decode", torch.bfloat16))
 
 
 foreign.define_common_tests(globals(), "spell11", from_builtin, state_of, lost_by_dtype=LOST,
@@ -104,24 +107,24 @@ foreign.define_common_tests(globals(), "spell11", from_builtin, state_of, lost_b
 def test_checkpoint_weights_bring_the_bf16_gemm_fusions_back(reference_plan):
     """bf16 with the checkpoint's bf16 weights and no autocast (probe `checkpoint_weights`):
     every GEMM fusion the autocast step loses returns, and MLA's three ops with them (mla_uv_gate
-    since session 35: variant gate_fp32 takes the fp32 gate island); what is left is the KDA
-    step (closed in fp32 only) and the AttnRes mixes (measured; with bf16 weights the fold
+    since session 35: variant gate_fp32 takes the fp32 gate island), and the KDA step (session
+    36: rule cast_cat, kda_decode's gate_fp32); what is left is the AttnRes mixes (measured;
+    with bf16 weights the fold
     `w_norm * w_proj[0]` rounds in bf16, no canonical form's rounding): the weight casts are the
     cause."""
     builtin = foreign.builtin(torch.bfloat16)
     model, eager = (from_builtin(builtin).set_probe("checkpoint_weights") for _ in range(2))
     assert foreign.steps(foreign.compile_k3(model), eager, n=1) <= TOL["diffsuite_bf16"]
     got = foreign.lost(reference_plan, foreign.per_layer(foreign.last_compiled()))
-    assert got == {0: {**KDA_STEP, **OPROJ}, 1: {**KDA_STEP, **MIX}, 2: MIX, 3: MIX,
-                   -1: {"attn_res_mix_norm": 1}}, got
+    assert got == {0: OPROJ, 1: MIX, 2: MIX, 3: MIX, -1: {"attn_res_mix_norm": 1}}, got
 
 
 @pytest.mark.slow
 def test_weight_cast_brings_the_bf16_gemm_fusions_back(reference_plan):
     """bf16 under autocast with stage weight_cast on: the GEMMs read bf16 copies of the fp32
-    masters, and every GEMM fusion returns but the MoE front's (`LOST_WEIGHT_CAST`); logits and
-    states within TOL["diffsuite_bf16"] of the spelling's eager step (measured: 3.7e-2 and
-    <= 1.6e-2, as without the stage)."""
+    masters, and every fusion of the built-in plan returns (`LOST_WEIGHT_CAST`); logits and
+    states within TOL["diffsuite_bf16"] of the spelling's eager step (measured session 36:
+    3.620e-2 and <= 1.73e-2, as before the KDA step fused)."""
     model, eager = (from_builtin(foreign.builtin(torch.bfloat16)) for _ in range(2))
     assert foreign.steps(foreign.compile_k3(model, weight_cast=True), eager) \
         <= TOL["diffsuite_bf16"]
@@ -130,3 +133,34 @@ def test_weight_cast_brings_the_bf16_gemm_fusions_back(reference_plan):
         assert rel_err(got[name], want[name]) <= TOL["diffsuite_bf16"], name
     lost = foreign.lost(reference_plan, foreign.per_layer(foreign.last_compiled()))
     assert lost == LOST_WEIGHT_CAST, lost
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("probe", ["weight_cast", "checkpoint_weights"])
+def test_bf16_kda_step_fuses_bit_for_bit(probe):
+    """bf16, under autocast with stage weight_cast on (fp32 master taps) or with the checkpoint's
+    bf16 weights (probe `checkpoint_weights`: rule cast_cat takes the taps' upcast): with only
+    the KDA patterns on, fb_kda_decode takes layers 0 and 1, and two steps give the logits and
+    every state bit for bit as the same graph unfused (stage fuse off): the op's reference
+    (gate_fp32; the fp32 taps read as they are) rounds as the spelling's canonical graph."""
+    from k3compile.patterns import ORDER
+
+    others = frozenset(n for n in ORDER if n not in ("kda_decode", "fb_kda_decode"))
+    ids, pos, slots = torch.tensor([3, 7]), torch.tensor([0, 5]), torch.tensor([2, 0])
+    runs = []
+    for options in ({"disabled_patterns": others}, {"disabled_stages": ("fuse",)}):
+        model = from_builtin(foreign.builtin(torch.bfloat16))
+        if probe == "checkpoint_weights":
+            model.set_probe(probe)
+        step = foreign.compile_k3(model, weight_cast=probe == "weight_cast", **options)
+        with torch.no_grad():
+            logits = [step(ids + i, pos + i, slots) for i in range(2)]
+        plan = foreign.per_layer(foreign.last_compiled())
+        runs.append((logits, state_of(model), {layer: plan[layer].get("fb_kda_decode", 0)
+                                               for layer in (0, 1)}))
+    (fused, fused_states, fused_plan), (plain, plain_states, plain_plan) = runs
+    assert fused_plan == {0: 1, 1: 1} and plain_plan == {0: 0, 1: 0}
+    for got, want in zip(fused, plain):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for name, want in plain_states.items():
+        torch.testing.assert_close(fused_states[name], want, rtol=0, atol=0)

@@ -397,6 +397,48 @@ def test_kda_conv_products_rounded_builds(scalars, b, monkeypatch, tmp_path):
     assert fma["sum"] - fma["products"] == T * (taps - 1) * passes
 
 
+# kda_decode's spell11 builds (session 36): `gate_fp32` (the built-in norm, the gate product in
+# fp32, one rounding) and `conv_weight_fp32` (fp32 master conv weights read as they are), each and
+# both: decode at one TP16 rank (batch 1, clusters of 4), verify rows (batch 64, no cluster)
+SPELL11 = [((1, 6, 4), 1), ((8, 6, 4), 64)]
+
+
+@pytest.mark.parametrize("scalars,b", _first_of_each(SPELL11, lambda case: "kda"), ids=str)
+def test_kda_spell11_builds(scalars, b, monkeypatch, tmp_path):
+    """The builds compile for sm_90a without spills, and each option reaches the device code:
+    `gate_fp32` drops the bf16 rounding of σ(g) (one cvt.rn.bf16.f32 and its cvt back per output
+    element of a thread); `conv_weight_fp32` loads each conv tap as 32 bits where the default
+    loads 16 (a thread's taps × conv items; the same loads otherwise). Measured at T = 1,
+    bucket 1: 8 roundings fewer; 20 16-bit loads become 32-bit (4 taps × 5 passes)."""
+    monkeypatch.setenv("CUTE_DSL_ARCH", ARCH)
+    cfg = kda_decode.config(*scalars, b)
+    gate = KDAVariant(gate_fp32=True)
+    builds = {"default": {}, "gate": {"variant": gate}, "taps": {"conv_weight_fp32": True},
+              "both": {"variant": gate, "conv_weight_fp32": True}}
+    ptx = {}
+    for name, options in builds.items():
+        (tmp_path / name).mkdir()
+        built = kda_decode.build(*scalars, cfg, arch=ARCH, dump_dir=str(tmp_path / name),
+                                 **options)
+        if name != "default":
+            _check_cubin(built)
+        ptx[name] = ptx_of(built)
+    count = {n: {op: p.count(op) for op in ("cvt.rn.bf16.f32", "cvt.f32.bf16", "ld.global",
+                                            "ld.global.b16", "ld.global.b32")}
+             for n, p in ptx.items()}
+    tl = kda_decode.tile(cfg)
+    out_per_thread = -(-tl.out_vectors(scalars[0]) // cfg.threads) * 8
+    items = tl.prologue_items()
+    taps = scalars[2] * sum(items[s][0] != "alpha" for _, s, _ in tl.plan(items))
+    for plain, gated in (("default", "gate"), ("taps", "both")):
+        for op in ("cvt.rn.bf16.f32", "cvt.f32.bf16"):
+            assert count[plain][op] - count[gated][op] == out_per_thread, count
+    for plain, wide in (("default", "taps"), ("gate", "both")):
+        assert count[plain]["ld.global"] == count[wide]["ld.global"], count
+        assert count[plain]["ld.global.b16"] - count[wide]["ld.global.b16"] == taps, count
+        assert count[wide]["ld.global.b32"] - count[plain]["ld.global.b32"] == taps, count
+
+
 # kda_decode's time-major build (the conv state [S, taps-1, 3W], vLLM v1's layout): decode and
 # verify rows at one TP16 rank, batch 1 (clusters of 4) and 64 (no cluster)
 TIME_MAJOR = [((1, 6, 4), 1), ((8, 6, 4), 64)]
