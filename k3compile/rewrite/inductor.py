@@ -250,9 +250,9 @@ def _register_joint_patterns() -> None:
 _register_joint_patterns()
 
 
-def wildcard_strings(expr, names: dict[str, str]) -> None:
-    """Replace string literals (sentinels traced in place of e.g. a process group's name) in a
-    pattern tree by keyword args, so they match any string and are captured."""
+def _each_op(expr, fn) -> None:
+    """fn(p) on every op of a pattern tree (a multi-output pattern's outputs too), once each, an
+    op before its arguments (fn may rewrite them or the op's class)."""
     seen = set()
 
     def visit(p):
@@ -260,17 +260,24 @@ def wildcard_strings(expr, names: dict[str, str]) -> None:
             return
         seen.add(id(p))
         if isinstance(p, CallFunction):
-            p.args = tuple(KeywordArg(names[a]) if isinstance(a, str) and a in names else a
-                           for a in p.args)
-            p.flat_args_kwargs = p.flatten(p.args, p.kwargs)
-            for a in p.args:
-                visit(a)
-            for a in p.kwargs.values():
+            fn(p)
+            for a in (*p.args, *p.kwargs.values()):
                 visit(a)
         for sub in getattr(p, "outputs", ()) or ():
             visit(sub)
 
     visit(expr)
+
+
+def wildcard_strings(expr, names: dict[str, str]) -> None:
+    """Replace string literals (sentinels traced in place of e.g. a process group's name) in a
+    pattern tree by keyword args, so they match any string and are captured."""
+    def wildcard(p):
+        p.args = tuple(KeywordArg(names[a]) if isinstance(a, str) and a in names else a
+                       for a in p.args)
+        p.flat_args_kwargs = p.flatten(p.args, p.kwargs)
+
+    _each_op(expr, wildcard)
 
 
 _COMMUTATIVE = {torch.ops.aten.add.Tensor, torch.ops.aten.mul.Tensor}
@@ -764,61 +771,31 @@ class _DefaultsCall(CallFunction):
 def defaults_alike(expr) -> None:
     """Let every plain op of a pattern tree match a site that also passes trailing positional
     arguments at their defaults, as `disagreement` counts them (`_DefaultsCall`)."""
-    seen = set()
+    def alike(p):
+        if type(p) is CallFunction and all(isinstance(f, torch._ops.OpOverload) for f in p.fns):
+            p.__class__ = _DefaultsCall
 
-    def visit(p):
-        if id(p) in seen:
-            return
-        seen.add(id(p))
-        if isinstance(p, CallFunction):
-            if type(p) is CallFunction and all(isinstance(f, torch._ops.OpOverload)
-                                               for f in p.fns):
-                p.__class__ = _DefaultsCall
-            for a in (*p.args, *p.kwargs.values()):
-                visit(a)
-        for sub in getattr(p, "outputs", ()) or ():
-            visit(sub)
-
-    visit(expr)
+    _each_op(expr, alike)
 
 
 def view_alike(expr) -> None:
     """Let every 2-argument view / unsqueeze of a pattern tree match the other (`_ViewCall`)."""
-    seen = set()
+    def alike(p):  # (a `_CommutativeCall`'s operands too)
+        if (type(p) is CallFunction and len(p.args) == 2 and not p.kwargs
+                and list(p.fns) in ([_VIEW], [_UNSQUEEZE])):
+            p.__class__ = _ViewCall
 
-    def visit(p):
-        if id(p) in seen:
-            return
-        seen.add(id(p))
-        if isinstance(p, CallFunction):  # (a `_CommutativeCall` too: its operands)
-            if (type(p) is CallFunction and len(p.args) == 2 and not p.kwargs
-                    and list(p.fns) in ([_VIEW], [_UNSQUEEZE])):
-                p.__class__ = _ViewCall
-            for a in (*p.args, *p.kwargs.values()):
-                visit(a)
-        for sub in getattr(p, "outputs", ()) or ():
-            visit(sub)
-
-    visit(expr)
+    _each_op(expr, alike)
 
 
 def commutative(expr) -> None:
     """Let every binary add.Tensor / mul.Tensor of a pattern tree match either operand order."""
-    seen = set()
+    def either(p):
+        if (type(p) is CallFunction and len(p.args) == 2 and not p.kwargs
+                and set(p.fns) <= _COMMUTATIVE):
+            p.__class__ = _CommutativeCall
 
-    def visit(p):
-        if id(p) in seen:
-            return
-        seen.add(id(p))
-        if type(p) is CallFunction:
-            if len(p.args) == 2 and not p.kwargs and set(p.fns) <= _COMMUTATIVE:
-                p.__class__ = _CommutativeCall
-            for a in (*p.args, *p.kwargs.values()):
-                visit(a)
-        for sub in getattr(p, "outputs", ()) or ():
-            visit(sub)
-
-    visit(expr)
+    _each_op(expr, either)
 
 
 __all__ = [

@@ -3,12 +3,15 @@ every int, float, list, dtype and device of a search graph free (`Ignored`), so 
 reduced over another dim or raised to another power matched, and the rewrite computed another
 value: `mean(-2)` for an RMSNorm's `mean(-1)`, `pow(4)` for its `pow(2)`, its fp32 math done in
 fp16, a depth mix's softmax over the batch for its softmax over the sources. The engine's match
-context refuses such a node by name (`inductor.literal_mismatch`): a number the pattern does not
+context refuses such a node by name (`inductor.disagreement`): a number the pattern does not
 capture must be the pattern's, a reduction's, softmax's, cat's, gather's or top-k's `dim` must
 be the pattern's, counted from the end where the pattern counts from the end, and where the
-pattern computes in fp32 the site computes in fp32 or fp64 (not fp16). Sizes, view dims and
-other dtypes stay free (they follow the site's shapes and dtype; the engine compares the
-replacement's outputs)."""
+pattern computes in fp32 the site computes in fp32 or fp64 (not fp16). Sizes, reshapes' dims
+and other dtypes stay free (they follow the site's shapes and dtype; the engine compares the
+replacement's outputs). Session 36 (below): a shape op's or a range's choice of elements (a
+select's index, a slice's bounds, a permute's and an unsqueeze's dims, an iota's start and
+step) and keyword literals are compared too; a site's trailing argument at the op's default
+(`topk(x, k, 1)` of 2-D logits) and a reduction's `dtype=` of its own float input fuse."""
 
 from __future__ import annotations
 
