@@ -410,8 +410,10 @@ def disagreement(pattern, node) -> FailedMatch | None:
     list, dtype and device), kept by `literal_args` (`mean(-2)` matched a pattern's `mean(-1)`,
     `pow(4)` its `pow(2)`, a select of token 1 its select of token 0); `_agrees` says which
     literals decide the value (docs/decisions.md, sessions 35 and 36)."""
+    if not isinstance(pattern, CallFunction) or not isinstance(node, torch.fx.Node):
+        return None
     literals = getattr(pattern, "k3_literals", {})
-    if (_UNSQUEEZE in getattr(pattern, "fns", ()) and node.target is _VIEW and 1 in literals
+    if (_UNSQUEEZE in pattern.fns and node.target is _VIEW and 1 in literals
             and not _inserts_at(node, literals[1])):  # a view as the unsqueeze (`_ViewCall`)
         return FailedMatch(_UNEQUAL, node=node, key="size", value=node.args[1],
                            want=f"a unit dim at {literals[1]}")
@@ -431,8 +433,6 @@ def _unread_arguments(pattern, node):
     argument Inductor's match left unread: the node's arguments the pattern's op does not pass
     (the pattern's value: the schema default) and the literals the pattern left free (the node's
     value, where it omits one: the schema default)."""
-    if not isinstance(pattern, CallFunction) or not isinstance(node, torch.fx.Node):
-        return
     schema = getattr(node.target, "_schema", None)
     names = [a.name for a in schema.arguments] if schema is not None else []
     literals = getattr(pattern, "k3_literals", {}) if node.target in pattern.fns else {}
@@ -529,11 +529,11 @@ def _agrees(node, key: str, got, want, strict: bool) -> bool:
         if _CHOOSES[op][key] == "exact":
             return _same(got, want)
         return _same_position(got, want, _size_along(node))
-    arg = next(a for a in node.target._schema.arguments if a.name == key)
-    if (str(arg.type) in _NUMBER_TYPES and isinstance(want, (int, float))
+    arg = next((a for a in node.target._schema.arguments if a.name == key), None)
+    if (arg is not None and str(arg.type) in _NUMBER_TYPES and isinstance(want, (int, float))
             and not isinstance(want, bool)):
         return _same(got, want)
-    if want == torch.float32 and key != "size":
+    if want == torch.float32:
         return got in _HOLDS_FP32
     if strict and key == "dtype" and op in _ACCUMULATES:
         val = _val(x)
