@@ -9,7 +9,7 @@ renormalisation comes in three spellings, each a variant that the op carries exa
 `w / w.sum(-1, keepdim=True).clamp_min(eps)` (`clamp(min=eps)` traces to it) and `w / w.sum(..)`
 (eps 0, added: the same values, see `k3compile.ops.moe_route`). `div` / `/` / `/=` are one ATen
 op. The check wants every captured scalar a compile-time number; the engine compares the gather's
-and the sum's dims, which Inductor's matcher takes as wildcards (`inductor.literal_mismatch`).
+and the sum's dims, which Inductor's matcher takes as wildcards (`inductor.disagreement`).
 
 Before: sigmoid, add, topk, getitem, gather, sum, add | clamp_min | -, div, mul
 After:  ids, weights = k3.moe_route(logits, bias, top_k, scaling, eps, clamp)

@@ -101,6 +101,7 @@ class Pattern:
             inductor.wildcard_strings(expr, {v: k for k, v in self.strings.items()})
         inductor.commutative(expr)
         inductor.view_alike(expr)
+        inductor.defaults_alike(expr)
         return expr
 
     @functools.cached_property

@@ -105,23 +105,38 @@ def test_a_keyword_the_pattern_captures_stays_free(alpha):
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
-def test_extra_keyword_reads_the_schema_default():
+def _unpassed(pattern, node):
+    """(keyword, schema default) of the engine's keyword_mismatch at `node`, or None."""
+    m = inductor.disagreement(pattern, node)
+    if m is None:
+        return None
+    assert m.format_string.startswith("keyword_mismatch"), m.format_string
+    return m.kwargs["key"], m.kwargs["default"]
+
+
+def test_a_keyword_the_pattern_lacks_must_be_its_schema_default():
     """The rule itself, on single nodes: a keyword the pattern lacks refuses unless it equals the
-    op's schema default; a node-valued or unknown keyword always refuses."""
+    op's schema default; a node-valued or unknown keyword always refuses; a reduction's dtype=
+    equal to its float input's is no cast (session 36), an int input's is (ints sum in int64)."""
     pattern = inductor.CallFunction(torch.ops.aten.sum.dim_IntList, inductor.KeywordArg("x"), [-1])
     graph = torch.fx.Graph()
     x = graph.placeholder("x")
 
-    def node(**kwargs):
-        return graph.call_function(torch.ops.aten.sum.dim_IntList, (x, [-1]), kwargs)
+    def node(source=x, **kwargs):
+        return graph.call_function(torch.ops.aten.sum.dim_IntList, (source, [-1]), kwargs)
 
-    assert inductor.extra_keyword(pattern, node()) is None
-    assert inductor.extra_keyword(pattern, node(dtype=None)) is None
-    assert inductor.extra_keyword(pattern, node(keepdim=False)) is None
-    assert inductor.extra_keyword(pattern, node(dtype=torch.float32)) == ("dtype", None)
-    assert inductor.extra_keyword(pattern, node(keepdim=True)) == ("keepdim", False)
-    assert inductor.extra_keyword(pattern, node(keepdim=x))[0] == "keepdim"
-    assert inductor.extra_keyword(pattern, node(bogus=1)) == ("bogus", "none in its schema")
+    assert _unpassed(pattern, node()) is None
+    assert _unpassed(pattern, node(dtype=None)) is None
+    assert _unpassed(pattern, node(keepdim=False)) is None
+    assert _unpassed(pattern, node(dtype=torch.float32)) == ("dtype", None)  # x's dtype unknown
+    assert _unpassed(pattern, node(keepdim=True)) == ("keepdim", False)
+    assert _unpassed(pattern, node(keepdim=x))[0] == "keepdim"
+    assert _unpassed(pattern, node(bogus=1)) == ("bogus", "none in its schema")
     free = inductor.CallFunction(torch.ops.aten.sum.dim_IntList, inductor.KeywordArg("x"), [-1],
                                  dtype=inductor.Ignored())
-    assert inductor.extra_keyword(free, node(dtype=torch.float32)) is None
+    assert _unpassed(free, node(dtype=torch.float32)) is None
+    for dtype, same in [(torch.float32, True), (torch.bfloat16, True), (torch.int32, False)]:
+        y = graph.placeholder(f"y_{dtype}".replace(".", "_"))
+        y.meta["val"] = torch.empty(2, 3, dtype=dtype)
+        assert (_unpassed(pattern, node(y, dtype=dtype)) is None) == same, dtype
+        assert _unpassed(pattern, node(y, dtype=torch.float64)) == ("dtype", None)
