@@ -52,7 +52,21 @@ import torch.nn.functional as F
 from torch import nn
 
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-PROBES = ()
+# probe -> the other spelling of the same math it switches to (bisecting a lost fusion)
+PROBES = {
+    "flat": "every weight its own Parameter / buffer (merged projections stay merged)",
+    "linear": "projections by F.linear",
+    "norm": "RMSNorm and l2 norm by x.pow(2).mean / sum(-1, keepdim=True)",
+    "mix": "AttnRes over the n written sources and the prefix only, torch.softmax",
+    "writes": "state writes by index_copy_ (rows) / index_put_ (cache rows)",
+    "conv": "the short conv a window cat(state, x) times the taps, summed over the taps",
+    "delta": "the delta rule S = aS; u = b(v - Sᵀk); S += k uᵀ",
+    "mask": "MLA: the scale on the scores, the mask -inf by masked_fill",
+    "topk": "router top-k by torch.topk, weights gathered and scattered into the dense [N, E]",
+    "experts": "each token's k experts gathered (dequant of packed[ids]), combined by weights",
+    "dequant": "MXFP4 by nibbles (& 15, >> 4), the E2M1 table and torch.ldexp",
+    "seq": "batch-first activations [B, T, D] everywhere (the same ops on the other layout)",
+}
 
 
 def dot_self(x):
@@ -98,8 +112,21 @@ class Flat(nn.Module):
         self.flat32 = nn.Parameter(torch.zeros(sizes["f"]), requires_grad=False)
         self.register_buffer("qbytes", torch.zeros(sizes["q"], dtype=torch.uint8))
 
+    def split_storage(self):
+        """Probe `flat`: every weight its own Parameter (uint8: buffer), same values."""
+        copies = {name: self[name].detach().clone() for name in self.index}
+        self.parts = nn.ParameterDict()
+        self.qparts = nn.Module()
+        for name, t in copies.items():
+            if self.index[name][0] == "q":
+                self.qparts.register_buffer(name, t)
+            else:
+                self.parts[name] = nn.Parameter(t, requires_grad=False)
+
     def __getitem__(self, name):
         kind, off, n, shape = self.index[name]
+        if "parts" in self._modules:
+            return self.parts[name] if kind != "q" else getattr(self.qparts, name)
         store = {"w": self.flat, "f": self.flat32, "q": self.qbytes}[kind]
         return store.narrow(0, off, n).view(shape)
 
@@ -108,7 +135,7 @@ class Spell13K3(nn.Module):
     def __init__(self, c, dtype, n_slots, max_len, fa_rank):
         super().__init__()
         self.c, self.dtype, self.n_slots, self.max_len = c, dtype, n_slots, max_len
-        self.probes = set()
+        self.probes, self.tdim = set(), 0  # tdim: the token dim of activations
         D, L = c.hidden_size, c.num_hidden_layers
         W, H, K = c.kda_num_heads * c.kda_head_dim, c.kda_num_heads, c.kda_head_dim
         self.fa_rank = fa_rank
@@ -167,10 +194,39 @@ class Spell13K3(nn.Module):
         if unknown:
             raise ValueError(f"unknown probes {sorted(unknown)}; known: {PROBES}")
         self.probes = set(names)
+        self.tdim = 1 if "seq" in self.probes else 0
+        if "flat" in self.probes:
+            for flat in (*self.layers, self.head):
+                flat.split_storage()
         return self
+
+    # -- probe-switched helpers ----------------------------------------------------------
+    def proj(self, x, w):
+        return F.linear(x, w) if "linear" in self.probes else proj(x, w)
+
+    def rmsnorm(self, x, w, eps, dtype=None):
+        if "norm" not in self.probes:
+            return rmsnorm(x, w, eps, dtype)
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(dtype or x.dtype) * w
+
+    def l2(self, x, eps):
+        if "norm" in self.probes:
+            return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
+        return x * torch.rsqrt(dot_self(x)[..., None] + eps)
+
+    def write(self, buf, idx, rows):
+        if "writes" not in self.probes:
+            return blend_rows(buf, idx, rows)
+        buf.index_copy_(0, idx, rows.reshape(rows.shape[0], *buf.shape[1:]).to(buf.dtype))
 
     # -- AttnRes --------------------------------------------------------------------------
     def mix(self, prefix, bank, n, w_norm, w_proj):
+        if "mix" in self.probes:
+            src = torch.cat([bank[:n], prefix[None]], 0).float()
+            inv = torch.rsqrt(src.pow(2).mean(-1) + self.c.rms_norm_eps)
+            s = (src * inv[..., None] * (w_norm.float() * w_proj.float())).sum(-1)
+            return (torch.softmax(s, 0)[..., None] * src).sum(0).to(prefix.dtype)
         src = torch.cat([bank, prefix[None]], 0).float()  # [NB + 1, T, B, D]
         inv = torch.rsqrt(dot_self(src) / src.shape[-1] + self.c.rms_norm_eps)
         s = torch.tensordot(src, w_norm.float() * w_proj.float(), dims=([-1], [0])) * inv
@@ -184,9 +240,10 @@ class Spell13K3(nn.Module):
     def kda(self, p, i, x, slots):
         c = self.c
         W, H, K = c.kda_num_heads * c.kda_head_dim, c.kda_num_heads, c.kda_head_dim
-        T = x.shape[0]
-        q, k, v, g2, fa, b = proj(x, p["in"]).split([W, W, W, W, self.fa_rank, H], -1)
-        graw = proj(fa, p["f_b"])
+        td = self.tdim
+        T = x.shape[td]
+        q, k, v, g2, fa, b = self.proj(x, p["in"]).split([W, W, W, W, self.fa_rank, H], -1)
+        graw = self.proj(fa, p["f_b"])
         conv_buf = getattr(self.states, f"conv_{i}")
         rec_buf = getattr(self.states, f"rec_{i}")
         taps = p["taps"].float()
@@ -194,7 +251,12 @@ class Spell13K3(nn.Module):
         xs = torch.cat([q, k, v], -1)
         outs = []
         for t in range(T):
-            xt = xs[t]
+            xt = xs.select(td, t)
+            if "conv" in self.probes:
+                win = torch.cat([state, xt[..., None]], -1).float()
+                outs.append(F.silu((win * taps).sum(-1)))
+                state = win[..., 1:].to(state.dtype)
+                continue
             win = state.float()
             y = win[..., 0] * taps[:, 0]
             for j in range(1, taps.shape[1] - 1):
@@ -202,10 +264,11 @@ class Spell13K3(nn.Module):
             y = torch.addcmul(y, xt.float(), taps[:, -1])
             outs.append(F.silu(y))
             state = torch.cat([state[..., 1:], xt[..., None]], -1)
-        blend_rows(conv_buf, slots, state)
-        qc, kc, vc = torch.stack(outs).to(x.dtype).float().unflatten(-1, (3 * H, K)).split(H, -2)
-        qn = qc * torch.rsqrt(dot_self(qc)[..., None] + c.l2norm_eps) * K ** -0.5
-        kn = kc * torch.rsqrt(dot_self(kc)[..., None] + c.l2norm_eps)
+        self.write(conv_buf, slots, state)
+        conv = torch.stack(outs, td).to(x.dtype).float()
+        qc, kc, vc = conv.unflatten(-1, (3 * H, K)).split(H, -2)
+        qn = self.l2(qc, c.l2norm_eps) * K ** -0.5
+        kn = self.l2(kc, c.l2norm_eps)
         A = p["A_log"][:H].exp()
         z = (graw.float() + p["dt_bias"]).unflatten(-1, (H, K)) * A[:, None]
         alpha = torch.exp(c.gate_lower_bound * torch.sigmoid(z))
@@ -214,69 +277,105 @@ class Spell13K3(nn.Module):
         eye = torch.eye(K, device=x.device)
         os_ = []
         for t in range(T):
-            kt, bt = kn[t], beta[t][..., None, None]
-            P = eye - bt * kt[..., :, None] * kt[..., None, :]
-            S = torch.matmul(P, alpha[t][..., None] * S) + bt * kt[..., :, None] * vc[t][..., None, :]
-            os_.append(torch.matmul(qn[t][..., None, :], S).squeeze(-2))
-        blend_rows(rec_buf, slots, S)
-        o = rmsnorm(torch.stack(os_), p["o_norm"], c.rms_norm_eps, x.dtype)
+            kt, qt, vt, at, b_t = (y.select(td, t) for y in (kn, qn, vc, alpha, beta))
+            if "delta" in self.probes:
+                S = at[..., None] * S
+                u = b_t[..., None] * (vt - torch.matmul(kt[..., None, :], S).squeeze(-2))
+                S = S + kt[..., :, None] * u[..., None, :]
+            else:
+                bt = b_t[..., None, None]
+                P = eye - bt * kt[..., :, None] * kt[..., None, :]
+                S = torch.matmul(P, at[..., None] * S) + bt * kt[..., :, None] * vt[..., None, :]
+            os_.append(torch.matmul(qt[..., None, :], S).squeeze(-2))
+        self.write(rec_buf, slots, S)
+        o = self.rmsnorm(torch.stack(os_, td), p["o_norm"], c.rms_norm_eps, x.dtype)
         o = o * torch.sigmoid(g2).unflatten(-1, (H, K))
-        return proj(o.flatten(-2), p["o"])
+        return self.proj(o.flatten(-2), p["o"])
 
     # -- Gated MLA ------------------------------------------------------------------------
     def mla(self, p, i, x, pos, slots):
         c = self.c
         H, N, R = c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim
         C, Q = c.kv_lora_rank, c.q_lora_rank
-        T, B = x.shape[:2]
-        cq, ckv = proj(x, p["qa_kva"]).split([Q, C + R], -1)
-        cq = rmsnorm(cq, p["q_ln"], c.mla_norm_eps)
-        c_kv = rmsnorm(ckv[..., :C], p["kv_ln"], c.mla_norm_eps)
+        tm = self.tdim == 0
+        T, B = x.shape[:2] if tm else x.shape[1::-1]
+        pos_bt = pos.t() if tm else pos  # [B, T]
+        cq, ckv = self.proj(x, p["qa_kva"]).split([Q, C + R], -1)
+        cq = self.rmsnorm(cq, p["q_ln"], c.mla_norm_eps)
+        c_kv = self.rmsnorm(ckv[..., :C], p["kv_ln"], c.mla_norm_eps)
         k_pe = ckv[..., C:]
-        q = proj(cq, p["q_b"]).unflatten(-1, (H, N + R))
+        q = self.proj(cq, p["q_b"]).unflatten(-1, (H, N + R))
         q_nope, q_pe = q.split([N, R], -1)
-        g = proj(x, p["g"])
+        g = self.proj(x, p["g"])
         kv_b = p["kv_b"]
         w_uk, w_uv = kv_b[:, :N], kv_b[:, N:]
         q_lat = torch.matmul(q_nope[..., None, :], w_uk).squeeze(-2)  # [T, B, H, C]
         cache = getattr(self.states, f"kv_{i}")
         Lmax = cache.shape[1]
-        flat_idx = (slots[None, :] * Lmax + pos).reshape(-1)
-        blend_rows(cache.view(-1, C + R), flat_idx, torch.cat([c_kv, k_pe], -1).reshape(T * B, -1))
+        flat_idx = (slots[None, :] * Lmax + pos).reshape(-1) if tm else \
+            (slots[:, None] * Lmax + pos).reshape(-1)
+        self.write(cache.view(-1, C + R), flat_idx, torch.cat([c_kv, k_pe], -1).reshape(T * B, -1))
         block = cache.index_select(0, slots)  # [B, L, C + R]
-        qm = torch.cat([q_lat, q_pe], -1) * (N + R) ** -0.5
-        qm = qm.permute(1, 0, 2, 3).reshape(B, T * H, C + R)
+        masked = "mask" in self.probes
+        qm = torch.cat([q_lat, q_pe], -1) * (1.0 if masked else (N + R) ** -0.5)
+        qm = (qm.permute(1, 0, 2, 3) if tm else qm).reshape(B, T * H, C + R)
         scores = torch.matmul(qm, block.transpose(1, 2)).view(B, T, H, Lmax).float()
-        valid = torch.arange(Lmax, device=x.device) <= pos.t()[..., None]  # [B, T, L]
-        scores = torch.where(valid[:, :, None], scores, torch.finfo(torch.float32).min)
+        valid = torch.arange(Lmax, device=x.device) <= pos_bt[..., None]  # [B, T, L]
+        if masked:
+            scores = (scores * (N + R) ** -0.5).masked_fill(~valid[:, :, None], float("-inf"))
+        else:
+            scores = torch.where(valid[:, :, None], scores, torch.finfo(torch.float32).min)
         prob = scores.softmax(-1).to(x.dtype).view(B, T * H, Lmax)
-        o_lat = torch.matmul(prob, block[..., :C]).view(B, T, H, C).permute(1, 0, 2, 3)
+        o_lat = torch.matmul(prob, block[..., :C]).view(B, T, H, C)
+        o_lat = o_lat.permute(1, 0, 2, 3) if tm else o_lat
         o = torch.matmul(o_lat[..., None, :], w_uv.transpose(-1, -2)).squeeze(-2)
         o = o.flatten(-2) * torch.sigmoid(g)
-        return proj(o, p["o"])
+        return self.proj(o, p["o"])
 
     # -- FFN ------------------------------------------------------------------------------
     def dense(self, p, x):
-        g, u = proj(x, p["gate_up"]).chunk(2, -1)
-        return proj(situ(g, u, self.c.situ_beta, self.c.situ_linear_beta), p["down"])
+        g, u = self.proj(x, p["gate_up"]).chunk(2, -1)
+        return self.proj(situ(g, u, self.c.situ_beta, self.c.situ_linear_beta), p["down"])
 
     def dequant(self, packed, scale, dtype):
-        E, O, half = packed.shape
-        vals = self.byte_pairs[packed.long()].view(E, O, half * 2 // 32, 32)
+        *lead, half = packed.shape
+        if "dequant" in self.probes:
+            codes = torch.stack([packed & 15, packed >> 4], -1).view(*packed.shape[:-1], -1)
+            table = self.byte_pairs[:16, 0]
+            vals = table[codes.long()].view(*packed.shape[:-1], -1, 32)
+            w = torch.ldexp(vals, scale.to(torch.int32)[..., None] - 127)
+            return w.view(*packed.shape[:-1], half * 2).to(dtype)
+        vals = self.byte_pairs[packed.long()].view(*lead, half * 2 // 32, 32)
         sc = torch.bitwise_left_shift(scale.to(torch.int32), 23).view(torch.float32)
-        return (vals * sc[..., None]).view(E, O, half * 2).to(dtype)
+        return (vals * sc[..., None]).view(*lead, half * 2).to(dtype)
 
     def moe(self, p, x):
         c = self.c
         shape, dt = x.shape, x.dtype
         xt = x.reshape(-1, shape[-1])
         E, k = c.num_experts, c.num_experts_per_token
-        s = torch.sigmoid(proj(xt.float(), p["router"].float()))
+        s = torch.sigmoid(self.proj(xt.float(), p["router"].float()))
         sel = s + p["bias"]
-        kth = torch.kthvalue(sel, E - k + 1, dim=-1, keepdim=True).values
-        w = torch.where(sel >= kth, s, torch.zeros_like(s))
-        w = w / (w.sum(-1, keepdim=True) + 1e-20) * c.routed_scaling_factor
-        z = proj(xt, p["lat_down"])
+        if "topk" in self.probes or "experts" in self.probes:
+            ids = torch.topk(sel, k, dim=-1).indices
+            wk = s.gather(-1, ids)
+            wk = wk / (wk.sum(-1, keepdim=True) + 1e-20) * c.routed_scaling_factor
+            w = torch.zeros_like(s).scatter(-1, ids, wk)
+        else:
+            kth = torch.kthvalue(sel, E - k + 1, dim=-1, keepdim=True).values
+            w = torch.where(sel >= kth, s, torch.zeros_like(s))
+            w = w / (w.sum(-1, keepdim=True) + 1e-20) * c.routed_scaling_factor
+        z = self.proj(xt, p["lat_down"])
+        if "experts" in self.probes:
+            w1 = self.dequant(p["w1_q"][ids], p["w1_s"][ids], dt)  # [N, k, I, Lt]
+            w3 = self.dequant(p["w3_q"][ids], p["w3_s"][ids], dt)
+            w2 = self.dequant(p["w2_q"][ids], p["w2_s"][ids], dt)
+            h1 = torch.einsum("nl,nkil->nki", z, w1)
+            h3 = torch.einsum("nl,nkil->nki", z, w3)
+            act = situ(h1, h3, c.situ_beta, c.situ_linear_beta)
+            y = torch.einsum("nki,nkli->nkl", act, w2)
+            u = (wk[..., None] * y.float()).sum(1)
+            return self.moe_tail(p, xt, u, shape, dt)
         w1, w3 = self.dequant(p["w1_q"], p["w1_s"], dt), self.dequant(p["w3_q"], p["w3_s"], dt)
         w2 = self.dequant(p["w2_q"], p["w2_s"], dt)
         h1 = torch.tensordot(z, w1, dims=([-1], [2]))  # [N, E, I]
@@ -284,10 +383,19 @@ class Spell13K3(nn.Module):
         act = situ(h1, h3, c.situ_beta, c.situ_linear_beta)
         y = torch.matmul(act.transpose(0, 1), w2.transpose(1, 2))  # [E, N, Lt]
         u = (w.t()[..., None] * y.float()).sum(0)
-        routed = proj(rmsnorm(u, p["lat_norm"], c.rms_norm_eps, dt), p["lat_up"])
-        g, uu = proj(xt, p["sh_gate_up"]).chunk(2, -1)
-        shared = proj(situ(g, uu, c.situ_beta, c.situ_linear_beta), p["sh_down"])
+        return self.moe_tail(p, xt, u, shape, dt)
+
+    def moe_tail(self, p, xt, u, shape, dt):
+        c = self.c
+        routed = self.proj(self.rmsnorm(u, p["lat_norm"], c.rms_norm_eps, dt), p["lat_up"])
+        g, uu = self.proj(xt, p["sh_gate_up"]).chunk(2, -1)
+        shared = self.proj(situ(g, uu, c.situ_beta, c.situ_linear_beta), p["sh_down"])
         return (routed + shared).view(shape)
+
+    def attn(self, p, i, x, pos, slots):
+        if i in self.mla_layers:
+            return self.mla(p, i, x, pos, slots)
+        return self.kda(p, i, x, slots)
 
     # -- the step -------------------------------------------------------------------------
     def forward(self, input_ids, positions, slots):
@@ -298,7 +406,9 @@ class Spell13K3(nn.Module):
         D = c.hidden_size
         pos = positions[None, :] + torch.arange(T, device=ids.device)[:, None]  # [T, B]
         prefix = hd["embed"].index_select(0, ids.t().reshape(-1)).view(T, B, D)
-        bank = prefix.new_zeros(self.nb, T, B, D)
+        if self.tdim == 1:
+            pos, prefix = pos.t(), prefix.transpose(0, 1).contiguous()
+        bank = prefix.new_zeros(self.nb, *prefix.shape)
         depth = torch.arange(self.nb, device=ids.device)[:, None, None, None]
         delta = None
         bs = c.attn_res_block_size
@@ -310,15 +420,16 @@ class Spell13K3(nn.Module):
                 bank = torch.where(depth == i // bs, prefix[None], bank)
             n = -(-i // bs)
             h = self.mix(prefix, bank, n, p["res_norm_a"], p["res_proj_a"])
-            xn = rmsnorm(h, p["ln_in"], c.rms_norm_eps)
-            a = self.mla(p, i, xn, pos, slots) if i in self.mla_layers else self.kda(p, i, xn, slots)
+            xn = self.rmsnorm(h, p["ln_in"], c.rms_norm_eps)
+            a = self.attn(p, i, xn, pos, slots)
             prefix = a if write else prefix + a
             h2 = self.mix(prefix, bank, n + write, p["res_norm_m"], p["res_proj_m"])
-            x2 = rmsnorm(h2, p["ln_post"], c.rms_norm_eps)
+            x2 = self.rmsnorm(h2, p["ln_post"], c.rms_norm_eps)
             delta = self.dense(p, x2) if i < c.first_k_dense_replace else self.moe(p, x2)
         prefix = prefix + delta
         h = self.mix(prefix, bank, self.nb, hd["res_norm"], hd["res_proj"])
-        logits = proj(rmsnorm(h, hd["norm"], c.rms_norm_eps), hd["lm_head"]).transpose(0, 1)
+        logits = self.proj(self.rmsnorm(h, hd["norm"], c.rms_norm_eps), hd["lm_head"])
+        logits = logits.transpose(0, 1) if self.tdim == 0 else logits
         return logits[:, 0] if single else logits
 
 
@@ -364,7 +475,8 @@ def _sources(c, i):
     return m
 
 
-_HEAD = {"embed": [_PRE + "embed_tokens.weight"], "res_norm": [_PRE + "output_attn_res_norm.weight"],
+_HEAD = {"embed": [_PRE + "embed_tokens.weight"],
+         "res_norm": [_PRE + "output_attn_res_norm.weight"],
          "res_proj": [_PRE + "output_attn_res_proj.weight"], "norm": [_PRE + "norm.weight"],
          "lm_head": ["language_model.lm_head.weight"]}
 
