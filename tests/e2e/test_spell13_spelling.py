@@ -14,9 +14,10 @@ EXACTLY (`LOST`, the same in fp32 and bf16). At first contact only situ_gate_up 
 four layers); rule `self_dot` (session 36: the einsum self-dot as `sum(x * x, -1)`) brought back
 rms_norm (0). The widest cause left is the flat parameter storage: every weight is a view of a
 flat Parameter, and the GEMM patterns want a weight input (probe `flat` restores linear and
-linear_concat in every layer, norm_linear (1-3) and mla_lowrank_norm (2, 3)). What stays lost
-with all 12 probes on (fb_kda_decode, both AttnRes mixes, mla_q_absorb / mla_decode /
-mla_uv_gate, moe_experts) comes from idioms no probe switches (docs/spell13_spelling.md).
+linear_concat in every layer, norm_linear (1-3) and mla_lowrank_norm (2, 3)). With all 14
+probes on, both AttnRes mixes, mla_q_absorb / mla_decode / mla_uv_gate and moe_experts stay
+lost (idioms no probe switches yet, docs/spell13_spelling.md); fb_kda_decode comes back there,
+and probe `heads` (KDA's head views) is the one it needs.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.models.spell13_k3 import from_builtin, state_of
+from tests.models.spell13_k3 import PROBES, from_builtin, state_of
 from tests.spellings import foreign
 
 EAGER_TOL = 1e-5  # measured 2.7e-6 (T = 1), 1.9e-6 (T = 3), states <= 1.3e-6 over 4 steps
@@ -91,3 +92,31 @@ def test_self_dot_closes_the_norms():
     normed = foreign.plan_with_rules_off(from_builtin, ("self_dot",), ("flat", "norm"))
     assert all(normed[layer]["norm_linear"] == 1 for layer in (1, 2, 3))
     assert all(normed[layer]["mla_lowrank_norm"] == 1 for layer in (2, 3))
+
+
+# every probe on: what no probe restores, per layer
+_ALL_LOST = {
+    0: {"oproj_attn_res_mix_norm": 1},
+    1: {"attn_res_mix_norm": 1, "oproj_attn_res_mix_norm": 1, "moe_experts": 1},
+    **{layer: {"attn_res_mix_norm": 1, "mla_q_absorb": 1, "mla_decode": 1, "mla_uv_gate": 1,
+               "oproj_attn_res_mix_norm": 1, "moe_experts": 1} for layer in (2, 3)},
+    -1: {"attn_res_mix_norm": 1},
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("off", [None, "heads"])
+def test_all_probes_leave_the_unbisected_rest(off, reference_plan):
+    """With all 14 probes on, the AttnRes mixes, MLA's absorb / decode / uv_gate and the experts
+    stay lost (causes no probe names yet); with probe `heads` off as well, fb_kda_decode (0, 1)
+    is lost too: KDA's head views (q|k|v cut after one head view of the stacked conv output,
+    the decay's add before its head view) stop kda_decode (fp32)."""
+    probes = tuple(p for p in PROBES if p != off)
+    ref = foreign.builtin(torch.float32)
+    model = from_builtin(ref).set_probe(*probes)
+    foreign.steps(foreign.compile_k3(from_builtin(ref).set_probe(*probes)), model, n=1)
+    got = foreign.lost(reference_plan, foreign.per_layer(foreign.last_compiled()))
+    want = {layer: dict(ops) for layer, ops in _ALL_LOST.items()}
+    if off == "heads":
+        want[0]["fb_kda_decode"] = want[1]["fb_kda_decode"] = 1
+    assert got == want, got

@@ -66,6 +66,8 @@ PROBES = {
     "experts": "each token's k experts gathered (dequant of packed[ids]), combined by weights",
     "dequant": "MXFP4 by nibbles (& 15, >> 4), the E2M1 table and torch.ldexp",
     "seq": "batch-first activations [B, T, D] everywhere (the same ops on the other layout)",
+    "heads": "KDA: q, k, v split before the head view; the decay's head view before its add",
+    "scores": "MLA: the scores two products, q_lat c_kvᵀ + q_pe k_peᵀ, scaled after",
 }
 
 
@@ -266,11 +268,17 @@ class Spell13K3(nn.Module):
             state = torch.cat([state[..., 1:], xt[..., None]], -1)
         self.write(conv_buf, slots, state)
         conv = torch.stack(outs, td).to(x.dtype).float()
-        qc, kc, vc = conv.unflatten(-1, (3 * H, K)).split(H, -2)
+        if "heads" in self.probes:
+            qc, kc, vc = (y.unflatten(-1, (H, K)) for y in conv.split(W, -1))
+        else:
+            qc, kc, vc = conv.unflatten(-1, (3 * H, K)).split(H, -2)
         qn = self.l2(qc, c.l2norm_eps) * K ** -0.5
         kn = self.l2(kc, c.l2norm_eps)
         A = p["A_log"][:H].exp()
-        z = (graw.float() + p["dt_bias"]).unflatten(-1, (H, K)) * A[:, None]
+        if "heads" in self.probes:
+            z = (graw.float().unflatten(-1, (H, K)) + p["dt_bias"].view(H, K)) * A[:, None]
+        else:
+            z = (graw.float() + p["dt_bias"]).unflatten(-1, (H, K)) * A[:, None]
         alpha = torch.exp(c.gate_lower_bound * torch.sigmoid(z))
         beta = torch.sigmoid(b.float())
         S = rec_buf.index_select(0, slots)  # [B, H, K, V]
@@ -319,7 +327,15 @@ class Spell13K3(nn.Module):
         masked = "mask" in self.probes
         qm = torch.cat([q_lat, q_pe], -1) * (1.0 if masked else (N + R) ** -0.5)
         qm = (qm.permute(1, 0, 2, 3) if tm else qm).reshape(B, T * H, C + R)
-        scores = torch.matmul(qm, block.transpose(1, 2)).view(B, T, H, Lmax).float()
+        if "scores" in self.probes:
+            ql = (q_lat.permute(1, 0, 2, 3) if tm else q_lat).reshape(B, T * H, C)
+            qp = (q_pe.permute(1, 0, 2, 3) if tm else q_pe).reshape(B, T * H, R)
+            scores = torch.matmul(ql, block[..., :C].transpose(1, 2)) \
+                + torch.matmul(qp, block[..., C:].transpose(1, 2))
+            scores = scores if masked else scores * (N + R) ** -0.5
+        else:
+            scores = torch.matmul(qm, block.transpose(1, 2))
+        scores = scores.view(B, T, H, Lmax).float()
         valid = torch.arange(Lmax, device=x.device) <= pos_bt[..., None]  # [B, T, L]
         if masked:
             scores = (scores * (N + R) ** -0.5).masked_fill(~valid[:, :, None], float("-inf"))
