@@ -44,6 +44,7 @@ ORDER: tuple[str, ...] = ("put_rows", "scatter_rows", "paged_write", "token_dim"
                           "token_view",
                           "qkv_split",
                           "self_dot",
+                          "split_heads",
                           "unbind_split", "square", "norm_keepdim",
                           "norm_rms",
                           "rms_forms",

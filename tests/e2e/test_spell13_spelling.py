@@ -107,16 +107,23 @@ _ALL_LOST = {
 @pytest.mark.slow
 @pytest.mark.parametrize("off", [None, "heads"])
 def test_all_probes_leave_the_unbisected_rest(off, reference_plan):
-    """With all 14 probes on, the AttnRes mixes, MLA's absorb / decode / uv_gate and the experts
-    stay lost (causes no probe names yet); with probe `heads` off as well, fb_kda_decode (0, 1)
-    is lost too: KDA's head views (q|k|v cut after one head view of the stacked conv output,
-    the decay's add before its head view) stop kda_decode (fp32)."""
+    """With all 16 probes on (or all but `heads`: rule split_heads does its part), the AttnRes
+    mixes, MLA's absorb / decode / uv_gate and the experts stay lost (causes no probe names
+    yet) (fp32)."""
     probes = tuple(p for p in PROBES if p != off)
     ref = foreign.builtin(torch.float32)
     model = from_builtin(ref).set_probe(*probes)
     foreign.steps(foreign.compile_k3(from_builtin(ref).set_probe(*probes)), model, n=1)
     got = foreign.lost(reference_plan, foreign.per_layer(foreign.last_compiled()))
-    want = {layer: dict(ops) for layer, ops in _ALL_LOST.items()}
-    if off == "heads":
-        want[0]["fb_kda_decode"] = want[1]["fb_kda_decode"] = 1
-    assert got == want, got
+    assert got == _ALL_LOST, got
+
+
+@pytest.mark.slow
+def test_split_heads_takes_the_stacked_conv_head_cut():
+    """All probes on but KDA's head views (`heads`, `qkv_heads`, `decay_heads`): fb_kda_decode
+    (0, 1) fuses with rule split_heads and is lost without it (q|k|v cut after one head view of
+    the stacked conv output; the decay's add before its head view costs nothing) (fp32)."""
+    probes = tuple(p for p in PROBES if p not in ("heads", "qkv_heads", "decay_heads"))
+    for rules, want in (((), 1), (("split_heads",), 0)):
+        got = foreign.plan_with_rules_off(from_builtin, rules, probes)
+        assert got[0]["fb_kda_decode"] == got[1]["fb_kda_decode"] == want, (rules, got[0])

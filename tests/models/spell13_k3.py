@@ -67,6 +67,8 @@ PROBES = {
     "dequant": "MXFP4 by nibbles (& 15, >> 4), the E2M1 table and torch.ldexp",
     "seq": "batch-first activations [B, T, D] everywhere (the same ops on the other layout)",
     "heads": "KDA: q, k, v split before the head view; the decay's head view before its add",
+    "qkv_heads": "KDA: q, k, v split before the head view (probe heads' first half)",
+    "decay_heads": "KDA: the decay's head view before its add (probe heads' second half)",
     "scores": "MLA: the scores two products, q_lat c_kvᵀ + q_pe k_peᵀ, scaled after",
 }
 
@@ -268,14 +270,14 @@ class Spell13K3(nn.Module):
             state = torch.cat([state[..., 1:], xt[..., None]], -1)
         self.write(conv_buf, slots, state)
         conv = torch.stack(outs, td).to(x.dtype).float()
-        if "heads" in self.probes:
+        if self.probes & {"heads", "qkv_heads"}:
             qc, kc, vc = (y.unflatten(-1, (H, K)) for y in conv.split(W, -1))
         else:
             qc, kc, vc = conv.unflatten(-1, (3 * H, K)).split(H, -2)
         qn = self.l2(qc, c.l2norm_eps) * K ** -0.5
         kn = self.l2(kc, c.l2norm_eps)
         A = p["A_log"][:H].exp()
-        if "heads" in self.probes:
+        if self.probes & {"heads", "decay_heads"}:
             z = (graw.float().unflatten(-1, (H, K)) + p["dt_bias"].view(H, K)) * A[:, None]
         else:
             z = (graw.float() + p["dt_bias"]).unflatten(-1, (H, K)) * A[:, None]
