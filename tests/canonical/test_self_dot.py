@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from k3compile.canonical import self_dot
+from tests.models.spell13_k3 import from_builtin
+from tests.spellings import foreign
 
 from .rule_checks import assert_same, rewrite, targets
 
@@ -126,3 +128,20 @@ def test_two_slices_of_one_tensor_stay():
 
 def val_shape(node):
     return tuple(node.meta["val"].shape)
+
+
+# ---- on the spelling the rule was written for (slow: compiles tests/models/spell13_k3.py) ----
+
+@pytest.mark.slow
+def test_self_dot_closes_the_norms():
+    """With rule self_dot off, rms_norm (0) is lost too; with probe `flat` on, also norm_linear
+    (1-3) and mla_lowrank_norm / linear_concat (2, 3), which probe `norm` (x.pow(2).mean)
+    restores: the self-dot einsum was their cause (fp32)."""
+    got = foreign.plan_with_rules_off(from_builtin, ("self_dot",))
+    assert got[0]["rms_norm"] == 0, dict(got[0])
+    flat = foreign.plan_with_rules_off(from_builtin, ("self_dot",), ("flat",))
+    assert all(flat[layer]["norm_linear"] == 0 for layer in (1, 2, 3))
+    assert all(flat[layer]["mla_lowrank_norm"] == 0 for layer in (2, 3))
+    normed = foreign.plan_with_rules_off(from_builtin, ("self_dot",), ("flat", "norm"))
+    assert all(normed[layer]["norm_linear"] == 1 for layer in (1, 2, 3))
+    assert all(normed[layer]["mla_lowrank_norm"] == 1 for layer in (2, 3))

@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from k3compile.canonical import split_heads
+from tests.models.spell13_k3 import PROBES, from_builtin
+from tests.spellings import foreign
 
 from .rule_checks import assert_same, rewrite, targets
 
@@ -61,3 +63,17 @@ def test_look_alikes_stay(fn):
     before, after, n = _rewrite(fn, x)
     assert n == 0
     assert targets(after) == targets(before)
+
+
+# ---- on the spelling the rule was written for (slow: compiles tests/models/spell13_k3.py) ----
+
+
+@pytest.mark.slow
+def test_split_heads_takes_the_stacked_conv_head_cut():
+    """All probes on but KDA's head views (`heads`, `qkv_heads`, `decay_heads`): fb_kda_decode
+    (0, 1) fuses with rule split_heads and is lost without it (q|k|v cut after one head view of
+    the stacked conv output; the decay's add before its head view costs nothing) (fp32)."""
+    probes = tuple(p for p in PROBES if p not in ("heads", "qkv_heads", "decay_heads"))
+    for rules, want in (((), 1), (("split_heads",), 0)):
+        got = foreign.plan_with_rules_off(from_builtin, rules, probes)
+        assert got[0]["fb_kda_decode"] == got[1]["fb_kda_decode"] == want, (rules, got[0])

@@ -79,21 +79,6 @@ def test_flat_parameter_storage_is_the_widest_cause(reference_plan):
     assert got == _FLAT_LOST, got
 
 
-@pytest.mark.slow
-def test_self_dot_closes_the_norms():
-    """With rule self_dot off, rms_norm (0) is lost too; with probe `flat` on, also norm_linear
-    (1-3) and mla_lowrank_norm / linear_concat (2, 3), which probe `norm` (x.pow(2).mean)
-    restores: the self-dot einsum was their cause (fp32)."""
-    got = foreign.plan_with_rules_off(from_builtin, ("self_dot",))
-    assert got[0]["rms_norm"] == 0, dict(got[0])
-    flat = foreign.plan_with_rules_off(from_builtin, ("self_dot",), ("flat",))
-    assert all(flat[layer]["norm_linear"] == 0 for layer in (1, 2, 3))
-    assert all(flat[layer]["mla_lowrank_norm"] == 0 for layer in (2, 3))
-    normed = foreign.plan_with_rules_off(from_builtin, ("self_dot",), ("flat", "norm"))
-    assert all(normed[layer]["norm_linear"] == 1 for layer in (1, 2, 3))
-    assert all(normed[layer]["mla_lowrank_norm"] == 1 for layer in (2, 3))
-
-
 # every probe on: what no probe restores, per layer
 _ALL_LOST = {
     0: {"oproj_attn_res_mix_norm": 1},
@@ -117,13 +102,3 @@ def test_all_probes_leave_the_unbisected_rest(off, reference_plan):
     got = foreign.lost(reference_plan, foreign.per_layer(foreign.last_compiled()))
     assert got == _ALL_LOST, got
 
-
-@pytest.mark.slow
-def test_split_heads_takes_the_stacked_conv_head_cut():
-    """All probes on but KDA's head views (`heads`, `qkv_heads`, `decay_heads`): fb_kda_decode
-    (0, 1) fuses with rule split_heads and is lost without it (q|k|v cut after one head view of
-    the stacked conv output; the decay's add before its head view costs nothing) (fp32)."""
-    probes = tuple(p for p in PROBES if p not in ("heads", "qkv_heads", "decay_heads"))
-    for rules, want in (((), 1), (("split_heads",), 0)):
-        got = foreign.plan_with_rules_off(from_builtin, rules, probes)
-        assert got[0]["fb_kda_decode"] == got[1]["fb_kda_decode"] == want, (rules, got[0])
