@@ -43,6 +43,8 @@ ORDER: tuple[str, ...] = ("put_rows", "scatter_rows", "paged_write", "token_dim"
                           "logsigmoid_exp", "head_repeat",
                           "token_view",
                           "qkv_split",
+                          "self_dot",
+                          "split_heads",
                           "unbind_split", "square", "norm_keepdim",
                           "norm_rms",
                           "rms_forms",

@@ -148,10 +148,10 @@ def layout(node: fx.Node) -> Layout | None:
     if src is None:
         return Layout.of_root(node) if isinstance(node.meta.get("val"), torch.Tensor) else None
     lay = layout(src)
-    return None if lay is None else _step(node, lay)
+    return None if lay is None else step(node, lay)
 
 
-def _step(node: fx.Node, lay: Layout) -> Layout | None:
+def step(node: fx.Node, lay: Layout) -> Layout | None:
     t, a = node.target, node.args
     if t is operator.getitem:
         _, dim, start, length = _split_piece(node)
