@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
+from k3compile.canonical.region import half_upcast
 from k3compile.canonical.short_conv import products_conv
 from k3compile.math import (
     delta_rule_step,
@@ -283,21 +284,13 @@ def check(match, variant: KDAVariant = BUILTIN, conv_weight_fp32: bool = False) 
 _sites_seen: list = [None, frozenset(), frozenset(), frozenset(), False, False, False, False,
                      False]
 CAST = torch.ops.prims.convert_element_type.default
-HALF = (torch.bfloat16, torch.float16)
-
-
-def _upcast(node) -> bool:
-    """node is an fp32 upcast of a bf16 / fp16 value."""
-    return (isinstance(node, fx.Node) and node.target is CAST
-            and isinstance(v := node.args[0].meta.get("val"), torch.Tensor) and v.dtype in HALF
-            and node.meta["val"].dtype == torch.float32)
 
 
 def _fp32_weight_conv(conv: fx.Node) -> bool:
     """An fp32 conv of an upcast window whose weight is fp32 and no upcast (an fp32 master read
     as it is: `conv_weight_fp32`)."""
     w = conv.args[1]
-    return (_upcast(conv.args[0]) and isinstance(w, fx.Node) and not _upcast(w)
+    return (half_upcast(conv.args[0]) and isinstance(w, fx.Node) and not half_upcast(w)
             and w.meta["val"].dtype == torch.float32)
 
 
@@ -310,7 +303,7 @@ def _fp32_gate(mul: fx.Node) -> bool:
         return False
     a, b = mul.args[:2]
     return any(isinstance(s, fx.Node) and s.target is torch.ops.aten.sigmoid.default
-               and _upcast(x) for s, x in ((a, b), (b, a)))
+               and half_upcast(x) for s, x in ((a, b), (b, a)))
 
 
 def _time_major(conv: fx.Node) -> bool:

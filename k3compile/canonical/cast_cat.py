@@ -31,27 +31,21 @@ import torch
 from torch import fx
 
 from k3compile.canonical import Rule, rewrite_sites
-from k3compile.canonical.region import val
+from k3compile.canonical.region import half_upcast, val
 from k3compile.graph import RESHAPES, call
 
 aten = torch.ops.aten
 CAST = torch.ops.prims.convert_element_type.default
-LOW = (torch.bfloat16, torch.float16)
 SPLITS = {aten.split.Tensor, aten.split_with_sizes.default}
 MOVES = {*RESHAPES, aten.slice.Tensor, aten.select.int, aten.unsqueeze.default, aten.squeeze.dim,
          aten.squeeze.dims, aten.permute.default, aten.transpose.int, *SPLITS}
-
-
-def _upcast(node) -> bool:
-    return (isinstance(node, fx.Node) and node.target is CAST and node.args[1] == torch.float32
-            and val(node.args[0]) is not None and val(node.args[0]).dtype in LOW)
 
 
 def _chain(piece) -> list[fx.Node] | None:
     """[upcast, ..., piece]: the value-moving ops from an upcast down to piece, or None."""
     chain = []
     node = piece
-    while isinstance(node, fx.Node) and not _upcast(node):
+    while isinstance(node, fx.Node) and not half_upcast(node):
         chain.append(node)
         if node.target is operator.getitem:  # a split's piece
             node = node.args[0]

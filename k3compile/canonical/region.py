@@ -48,6 +48,13 @@ def val(node) -> torch.Tensor | None:
     return v if isinstance(v, torch.Tensor) else None
 
 
+def half_upcast(node) -> bool:
+    """node is an fp32 upcast (`convert_element_type`) of a bf16 / fp16 value: exact."""
+    return (isinstance(node, fx.Node) and node.target is prims.convert_element_type.default
+            and node.args[1] == torch.float32 and val(node.args[0]) is not None
+            and val(node.args[0]).dtype in (torch.bfloat16, torch.float16))
+
+
 def shape(node) -> tuple[int, ...] | None:
     v = val(node)
     return tuple(v.shape) if v is not None else None
