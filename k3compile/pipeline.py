@@ -7,8 +7,9 @@ patterns left to Inductor (or, with executor "aten", runs it as it is).
     normalize -> canonicalize -> fuse -> verify -> writeback -> shard -> streams -> prefetch -> check -> ranks
     -> contract -> conv_layout -> pack -> stack_inputs
 
-Before them, on every compile and before the stage cache's key (`BEFORE_KEY`), `kernel_layout`
-reads [in, out] weights (Flax kernels, `x @ W`) as the [out, in] inputs the patterns want, and
+Before them, on every compile and before the stage cache's key (`BEFORE_KEY`), `weight_views`
+reads the weights a flat storage holds (`flat.narrow(0, a, n).view(N, K)`) as inputs of their
+own, `kernel_layout` reads [in, out] weights (Flax kernels, `x @ W`) as the [out, in] inputs the patterns want, and
 `weight_cast` reads an fp32 weight that the graph reads only through a cast to bf16 / fp16
 (`torch.autocast`) as a copy in that dtype; like `stack_inputs`, they change what the graph
 takes, and the executor calls the graph through their wrappers.
@@ -67,6 +68,7 @@ from k3compile.stages.streams import streams
 from k3compile.stages.verify import verify
 from k3compile.stages.weight_cast import hint as weight_cast_hint
 from k3compile.stages.weight_cast import weight_cast
+from k3compile.stages.weight_views import weight_views
 
 log = logging.getLogger("k3compile")
 
@@ -97,12 +99,14 @@ STAGES: list[tuple[str, Stage]] = [
 # takes (its inputs' layout, dtype), so the key is the graph they made; never on a graph decoded
 # from a direct link (one is stored only where they took nothing).
 BEFORE_KEY: list[tuple[str, Stage]] = [
+    ("weight_views", weight_views),  # first: the weights a flat storage holds, as inputs
     ("kernel_layout", kernel_layout),
     ("weight_cast", weight_cast),  # after kernel_layout: it takes the cast of a Wᵀ as it is
 ]
 
 # stage -> the boolean option that switches it on (the others always run unless disabled)
 SWITCHED_BY: dict[str, str] = {
+    "weight_views": "weight_views",  # K3_WEIGHT_VIEWS
     "weight_cast": "weight_cast",  # K3_WEIGHT_CAST
     "verify": "verify",  # K3_VERIFY
     "streams": "side_streams",  # K3_SIDE_STREAMS
@@ -227,6 +231,8 @@ class Pipeline:
                                                inductor.written_inputs(len(example_inputs)))
             attribute(aten_gm.graph, paths)  # before the stage key, which holds module paths
             aten_gm = self.run(aten_gm, ctx)
+            if ctx.viewed is not None:  # the executor's wrapper appends the views
+                why = why or "stage weight_views reads views of flat inputs as inputs"
             if ctx.transposed is not None:  # Dynamo's inputs are not the graph's as they come
                 why = why or "stage kernel_layout reads weights transposed"
             if ctx.weight_cast is not None:  # the executor's wrapper hands it the copies
@@ -260,6 +266,10 @@ class Pipeline:
 
     def _executor(self, aten_gm: fx.GraphModule, aten_inputs, kwargs, ctx: Context) -> Callable:
         remember(ctx.inputs)  # later compiles never move what this one was handed
+        viewed = ctx.viewed  # views of flat inputs the graph takes as inputs of their own
+        if viewed is not None:
+            aten_inputs = viewed.inputs(aten_inputs)
+            kwargs = {**kwargs, "static_input_idxs": viewed.static(kwargs.get("static_input_idxs"))}
         transposed = ctx.transposed  # [in, out] weights the graph reads as [out, in]
         if transposed is not None:
             aten_inputs = transposed.inputs(aten_inputs)
@@ -278,7 +288,8 @@ class Pipeline:
         fn = fn if stacked is None else stacked.wrap(fn)
         fn = fn if cast is None else cast.wrap(fn)
         fn = fn if transposed is None else transposed.wrap(fn)
-        return fn if ctx.permuted is None else ctx.permuted.wrap(fn)
+        fn = fn if ctx.permuted is None else ctx.permuted.wrap(fn)
+        return fn if viewed is None else viewed.wrap(fn)
 
     def _direct(self, link: dict, ctx: Context, example_inputs: list, patches: dict,
                 written: dict) -> Callable:

@@ -34,6 +34,8 @@ SWITCHES: dict[str, tuple[str, str]] = {
     "K3_SIDE_STREAMS": ("option `side_streams`: shared experts and prefetch on side streams", "1"),
     "K3_PACK_WEIGHTS": ("option `pack_weights`: each fused group's weights in one buffer", "1"),
     "K3_STACK_INPUTS": ("option `stack_inputs`: a packed expert stack is one graph input", "1"),
+    "K3_WEIGHT_VIEWS": (("option `weight_views`: a weight cut from a flat storage "
+                         "(`flat.narrow().view()`) is read as a graph input of its own"), "1"),
     "K3_WEIGHT_CAST": (("option `weight_cast`: an fp32 weight read only through a cast to bf16 / "
                         "fp16 (autocast) is read as a copy in that dtype (a write through "
                         "`param.data` is not seen)"), "0"),
@@ -260,6 +262,11 @@ class Options:
     # buffer is one input of the graph the executor compiles, not one per expert.
     # K3_STACK_INPUTS=0 turns it off.
     stack_inputs: bool = True
+    # Stage `weight_views` (first before the stage cache's key): a weight the graph cuts out of a
+    # flat storage by views (FSDP's FlatParameter: `flat.narrow(0, a, n).view(N, K)`) is a graph
+    # input of its own, handed by the wrapper as a view of the flat storage (never a copy).
+    # K3_WEIGHT_VIEWS=0 turns it off.
+    weight_views: bool = True
     # Stage `weight_cast` (before the stage cache's key): a weight kept in fp32 and read only
     # through a cast to bf16 / fp16 (torch.autocast) is read as a copy in that dtype, made once
     # and made again by the wrapper where the weight's address or version changed. Off: a write
@@ -299,6 +306,7 @@ class Options:
                          ("side_streams", "K3_SIDE_STREAMS"),
                          ("pack_weights", "K3_PACK_WEIGHTS"),
                          ("stack_inputs", "K3_STACK_INPUTS"),
+                         ("weight_views", "K3_WEIGHT_VIEWS"),
                          ("weight_cast", "K3_WEIGHT_CAST"),
                          ("stage_cache", "K3_STAGE_CACHE"), ("skip_aot", "K3_SKIP_AOT"),
                          ("front_route", "K3_FRONT_ROUTE"), ("sdpa_math", "K3_SDPA_MATH")):

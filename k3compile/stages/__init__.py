@@ -26,6 +26,8 @@ class Context:
     # positions of the inputs the caller passes each step (not parameters or buffers)
     user_inputs: frozenset[int] = frozenset()
     stage_key: str | None = None  # the stage cache's key text of the ATen graph (None: uncached)
+    # views of flat inputs read as inputs of their own (stage `weight_views`); None: none
+    viewed: Any = None
     # the inputs read as their transpose (stage `kernel_layout`), for the executor; None: none
     transposed: Any = None
     # the inputs a fused op reads permuted, re-laid by the first call (stage `conv_layout`)

@@ -243,11 +243,11 @@ def test_the_switch_turns_the_stage_on(monkeypatch):
     def names(options=None):
         return [name for name, _ in before_key(Options.make(options))]
 
-    assert names() == ["kernel_layout"]
-    assert names({"weight_cast": True}) == ["kernel_layout", "weight_cast"]
+    assert names() == ["weight_views", "kernel_layout"]
+    assert names({"weight_cast": True}) == ["weight_views", "kernel_layout", "weight_cast"]
     monkeypatch.setenv("K3_WEIGHT_CAST", "1")
-    assert names() == ["kernel_layout", "weight_cast"]
-    assert names({"disabled_stages": ["weight_cast"]}) == ["kernel_layout"]
+    assert names() == ["weight_views", "kernel_layout", "weight_cast"]
+    assert names({"disabled_stages": ["weight_cast"]}) == ["weight_views", "kernel_layout"]
 
 
 def test_a_write_through_data_is_not_seen():
