@@ -201,17 +201,18 @@ def view_inputs(gm: fx.GraphModule, ctx) -> Viewed | None:
         base = p.meta.get("val")
         if i in ctx.user_inputs or not isinstance(base, torch.Tensor) or base.dim() != 1:
             continue
-        cuts = [c for e in _cut_ends(p) or () if e not in outputs
-                and (c := _contiguous_cut(e, p, i, base)) is not None]
+        # node -> its cut (two chains may be cut at one view they share)
+        cuts = dict(c for e in _cut_ends(p) or () if e not in outputs
+                    and (c := _contiguous_cut(e, p, i, base)) is not None)
         if not cuts:
             continue
         if (why := _source(ctx.inputs[i])) is not None:
             found.skipped.append(f"{p.name} {list(base.shape)}: {why}")
             continue
-        for end, cut in sorted(cuts, key=lambda c: order[c[0]]):
+        for end, cut in sorted(cuts.items(), key=lambda c: order[c[0]]):
             if cut not in taken:
                 taken[cut] = _placeholder(graph, placeholders, found, cut, ctx)
-        for end, cut in sorted(cuts, key=lambda c: order[c[0]], reverse=True):  # deepest first
+        for end, cut in sorted(cuts.items(), key=lambda c: order[c[0]], reverse=True):  # deepest first
             end.replace_all_uses_with(taken[cut])
             _erase_unread(graph, end, p)
     if not taken:

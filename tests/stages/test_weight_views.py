@@ -92,6 +92,17 @@ def test_a_column_slice_is_cut_at_the_contiguous_weight_it_slices():
     assert torch.equal(_call(gm, viewed, [x, flat]), fn(x, flat))
 
 
+def test_chains_cut_at_one_shared_view_take_one_input():
+    def fn(x, flat):
+        w = flat.narrow(0, 2, 16 * 8).view(16, 8)
+        return (F.linear(x, w[:, :4]) + F.linear(x, w[:, 4:])).sum() + (x @ w[:4, :4]).sum()
+
+    x, flat = torch.randn(3, 4), _flat(2 + 16 * 8)
+    gm, viewed = _views(fn, [x, flat], user=[0])
+    assert [(c.size, c.offset) for c in viewed.cuts] == [((16, 8), 2), ((4, 8), 2)]
+    assert torch.equal(_call(gm, viewed, [x, flat]), fn(x, flat))
+
+
 def _cut_nothing(fn, inputs, user=(0,)):
     gm, viewed = _views(fn, inputs, user=user)
     assert viewed is None
