@@ -161,18 +161,18 @@ def _cut_ends(p: fx.Node) -> list[fx.Node] | None:
 
 def _cut(end: fx.Node, source: int, base) -> _Cut | None:
     """`end`'s place in its flat input, read off its example value; None where it is not one
-    contiguous run of elements of the input (or is the whole input, or empty)."""
+    contiguous run of elements of the input (or is the whole input, or empty), or has a
+    symbolic size (read before anything else, so that no guard is made)."""
     val = end.meta.get("val")
-    if not isinstance(val, torch.Tensor) or val.numel() == 0:
+    if not isinstance(val, torch.Tensor):
         return None
-    if not val.is_contiguous() or val.numel() == base.numel():
+    size, stride = tuple(val.shape), tuple(val.stride())
+    ints = (*size, *stride, val.storage_offset(), *base.shape, base.storage_offset())
+    if not all(type(n) is int for n in ints):
         return None
-    try:
-        size, stride = tuple(int(s) for s in val.shape), tuple(int(s) for s in val.stride())
-        offset = int(val.storage_offset()) - int(base.storage_offset())
-    except (TypeError, ValueError):  # a symbolic size: not a weight
+    if val.numel() in (0, base.numel()) or not val.is_contiguous():
         return None
-    return _Cut(source, size, stride, offset)
+    return _Cut(source, size, stride, val.storage_offset() - base.storage_offset())
 
 
 def _contiguous_cut(end: fx.Node, p: fx.Node, source: int, base) -> tuple[fx.Node, _Cut] | None:

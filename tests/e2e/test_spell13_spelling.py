@@ -12,8 +12,9 @@ dict (fp32, logits and every state, 4 steps, batch 2, one token and 3 verify row
 Plan (recorded, not wanted): per layer, the built-in plan's k3 ops this spelling's plan lacks,
 EXACTLY (`LOST`, the same in fp32 and bf16). At first contact only situ_gate_up fused (all
 four layers); rule `self_dot` (session 36: the einsum self-dot as `sum(x * x, -1)`) brought back
-rms_norm (0). The widest cause left is the flat parameter storage: every weight is a view of a
-flat Parameter, and the GEMM patterns want a weight input (probe `flat` restores linear and
+rms_norm (0). The widest cause was the flat parameter storage: every weight is a view of a
+flat Parameter, and the GEMM patterns want a weight input; stage `weight_views` (session 37)
+reads each view as an input of its own, which brings back what probe `flat` did (linear and
 linear_concat in every layer, norm_linear (1-3) and mla_lowrank_norm (2, 3)). With all 14
 probes on, both AttnRes mixes, mla_q_absorb / mla_decode / mla_uv_gate and moe_experts stay
 lost (idioms no probe switches yet, docs/spell13_spelling.md); fb_kda_decode comes back there,
@@ -25,29 +26,26 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.conftest import TOL
 from tests.models.spell13_k3 import PROBES, from_builtin, state_of
 from tests.spellings import foreign
 
 EAGER_TOL = 1e-5  # measured 2.7e-6 (T = 1), 1.9e-6 (T = 3), states <= 1.3e-6 over 4 steps
 
-_MOE = {"stream_fork": 1, "moe_front": 1, "moe_route": 1, "moe_experts": 1, "stream_join": 1,
-        "norm_linear": 1}
-_MLA = {"attn_res_mix_norm": 1, "linear_concat": 1, "mla_lowrank_norm": 1, "mla_q_absorb": 1,
-        "mla_decode": 1, "mla_uv_gate": 1, "oproj_attn_res_mix_norm": 1, "linear": 1, **_MOE}
-# layer -> the built-in plan's ops this spelling's plan lacks
+# layer -> the built-in plan's ops this spelling's plan lacks (stage weight_views on, as by
+# default: the weights cut out of the flat storages are inputs of their own)
+_ROUTE = {"stream_fork": 1, "moe_front": 1, "moe_route": 1, "moe_experts": 1, "stream_join": 1}
 _LOST: dict[int, dict[str, int]] = {
-    0: {"linear_concat": 1, "fb_kda_decode": 1, "oproj_attn_res_mix_norm": 1, "linear": 1},
-    1: {"attn_res_mix_norm": 1, "linear_concat": 1, "fb_kda_decode": 1,
-        "oproj_attn_res_mix_norm": 1, "linear": 1, **_MOE},
-    2: _MLA,
-    3: _MLA,
-    -1: {"attn_res_mix_norm": 1, "linear": 1},
+    0: {"fb_kda_decode": 1, "oproj_attn_res_mix_norm": 1},
+    1: {"attn_res_mix_norm": 1, "fb_kda_decode": 1, "oproj_attn_res_mix_norm": 1, **_ROUTE},
+    **{layer: {"attn_res_mix_norm": 1, "mla_q_absorb": 1, "mla_decode": 1, "mla_uv_gate": 1,
+               "oproj_attn_res_mix_norm": 1, **_ROUTE} for layer in (2, 3)},
+    -1: {"attn_res_mix_norm": 1},
 }
 LOST = {torch.float32: _LOST, torch.bfloat16: _LOST}
 # (pattern, dtype) whose loss comes with a near miss naming a node in every layer that lost it
 DIAGNOSED = tuple((pattern, dtype)
-                  for pattern in ("kda_decode", "linear_concat", "mla_lowrank_norm", "mla_decode",
-                                  "moe_front", "norm_linear")
+                  for pattern in ("kda_decode", "mla_decode", "moe_front")
                   for dtype in (torch.float32, torch.bfloat16))
 
 
@@ -55,28 +53,34 @@ foreign.define_common_tests(globals(), "spell13", from_builtin, state_of, lost_b
                             eager_tol=EAGER_TOL, diagnosed=DIAGNOSED)
 
 
-# with the weights in Parameters of their own (probe `flat`): what stays lost, per layer
-_ROUTE = {"stream_fork": 1, "moe_front": 1, "moe_route": 1, "moe_experts": 1, "stream_join": 1}
-_FLAT_LOST = {
-    0: {"fb_kda_decode": 1, "oproj_attn_res_mix_norm": 1},
-    1: {"attn_res_mix_norm": 1, "fb_kda_decode": 1, "oproj_attn_res_mix_norm": 1, **_ROUTE},
-    **{layer: {"attn_res_mix_norm": 1, "mla_q_absorb": 1, "mla_decode": 1, "mla_uv_gate": 1,
-               "oproj_attn_res_mix_norm": 1, **_ROUTE} for layer in (2, 3)},
-    -1: {"attn_res_mix_norm": 1},
+# stage weight_views off (K3_WEIGHT_VIEWS=0): what the flat storage costs besides, per layer
+_MOE = {**_ROUTE, "norm_linear": 1}
+_VIEWS_OFF_LOST = {
+    0: {**_LOST[0], "linear_concat": 1, "linear": 1},
+    1: {**_LOST[1], "linear_concat": 1, "linear": 1, **_MOE},
+    **{layer: {**_LOST[layer], "linear_concat": 1, "mla_lowrank_norm": 1, "linear": 1, **_MOE}
+       for layer in (2, 3)},
+    -1: {**_LOST[-1], "linear": 1},
 }
 
 
 @pytest.mark.slow
-def test_flat_parameter_storage_is_the_widest_cause(reference_plan):
-    """Probe `flat` (each weight its own Parameter, merged projections still merged) brings back
-    linear (every layer), linear_concat (0-3), norm_linear (1-3) and mla_lowrank_norm (2, 3):
-    the patterns refuse a weight that is a `narrow().view()` of a flat Parameter (fp32)."""
+def test_flat_parameter_storage_is_taken_by_stage_weight_views(reference_plan):
+    """The flat storage was the widest cause (session 36): the patterns refuse a weight that is a
+    `narrow().view()` of a flat Parameter. Stage weight_views reads each such view as an input
+    of its own, so the default plan is probe `flat`'s (each weight its own Parameter); with the
+    stage off, linear (every layer), linear_concat (0-3), norm_linear (1-3) and
+    mla_lowrank_norm (2, 3) are lost again (fp32)."""
     ref = foreign.builtin(torch.float32)
     model = from_builtin(ref).set_probe("flat")
     assert foreign.steps(model, foreign.builtin(torch.float32), n=2) <= EAGER_TOL
     foreign.steps(foreign.compile_k3(from_builtin(ref).set_probe("flat")), model, n=1)
+    assert foreign.lost(reference_plan, foreign.per_layer(foreign.last_compiled())) == _LOST
+    err = foreign.steps(foreign.compile_k3(from_builtin(ref), weight_views=False),
+                        from_builtin(ref), n=1)
+    assert err <= TOL["aten_cpu"], err
     got = foreign.lost(reference_plan, foreign.per_layer(foreign.last_compiled()))
-    assert got == _FLAT_LOST, got
+    assert got == _VIEWS_OFF_LOST, got
 
 
 # every probe on: what no probe restores, per layer
