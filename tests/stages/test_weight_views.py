@@ -162,13 +162,13 @@ class FlatMLP(nn.Module):
     """K3's dense MLP (RMSNorm, gate|up, SiTU-GLU, down) with its weights in one flat Parameter,
     each read as `narrow().view()` in the forward; `flat=False`: a Parameter per weight."""
 
-    def __init__(self, dtype=torch.float32, seed=0, flat=True):
+    def __init__(self, dtype=torch.float32, seed=0, flat=True, d=D, f=F_):
         super().__init__()
         gen = torch.Generator().manual_seed(seed)
-        scale = 1.0 + 0.1 * torch.randn(D, generator=gen)
-        gate_up = torch.randn(2 * F_, D, generator=gen) / D ** 0.5
-        down = torch.randn(D, F_, generator=gen) / F_ ** 0.5
-        self.shapes = {"scale": (D,), "gate_up": (2 * F_, D), "down": (D, F_)}
+        scale = 1.0 + 0.1 * torch.randn(d, generator=gen)
+        gate_up = torch.randn(2 * f, d, generator=gen) / d ** 0.5
+        down = torch.randn(d, f, generator=gen) / f ** 0.5
+        self.shapes = {"scale": (d,), "gate_up": (2 * f, d), "down": (d, f)}
         self.is_flat = flat
         if flat:
             self.flat = nn.Parameter(torch.cat([scale, gate_up.flatten(), down.flatten()])
