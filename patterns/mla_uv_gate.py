@@ -59,6 +59,11 @@ def check(match) -> str | None:
         return f"ranks o_lat {o_lat.dim()}, W_UV {w_uv.dim()}, g {g.dim()} (want 4, 3, 3)"
     if g.shape[-1] != w_uv.shape[0] * w_uv.shape[1] or o_lat.shape[-1] != w_uv.shape[-1]:
         return f"g {list(g.shape)} / o_lat {list(o_lat.shape)} do not fit W_UV {list(w_uv.shape)}"
+    # o_lat is read as [B, T, H, C]: a heads-first [B, H, 1, C] whose permute the matcher took
+    # for the pattern's (the same order of the dims longer than 1 at T = 1) is not (spell14)
+    if o_lat.shape[2] != w_uv.shape[0] or o_lat.shape[:2] != g.shape[:2]:
+        return (f"o_lat {list(o_lat.shape)} is not [B, T, H, C] for g {list(g.shape)} and "
+                f"W_UV {list(w_uv.shape)}")
     if o_lat.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return f"activations are {o_lat.dtype}"
     if {o_lat.dtype, w_uv.dtype, g.dtype} != {o_lat.dtype}:

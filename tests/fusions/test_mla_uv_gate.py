@@ -14,6 +14,7 @@ from .pattern_checks import (
     assert_near_miss,
     assert_rewritten_equal,
     rewrite,
+    targets,
     with_kernel_limits,
 )
 
@@ -69,6 +70,28 @@ def test_escaping_ungated_output_is_a_near_miss():
 
     _, report = rewrite(leaky, _args(3, 8), mla_uv_gate.patterns(), joint=True)
     assert_near_miss(report, "mla_uv_gate", "users")
+
+
+def test_heads_first_value_einsum_is_not_bound_as_tokens_first():
+    """spell14 (gpt-fast style): SDPA's o_lat [B, H, 1, C] up-projected by
+    `einsum("bhtc,hdc->bthd")`. At T = 1 its permute orders the dims longer than 1 as the
+    pattern's does, so the matcher took it, binding o_lat heads-first where the op reads
+    [B, T, H, C]: the reference returned [B, H, H·V] (a crash in the next op; at H = 1 a silent
+    wrong answer). The check refuses it, by name, and the graph keeps its values."""
+    def heads_first(p, kv_lat, w_kvb, g):
+        B, T = p.shape[:2]
+        o_lat = torch.einsum("bthl,blc->bhtc", p, kv_lat)  # [B, H, T, C]
+        _, w_uv = w_kvb.view(H, N + V, C).split([N, V], dim=1)
+        o = torch.einsum("bhtc,hdc->bthd", o_lat, w_uv).reshape(B, T, H * V)
+        return o * torch.sigmoid(g)
+
+    for dtype in (torch.bfloat16, torch.float32):
+        args = _args(3, 1, dtype)
+        gm, report = rewrite(heads_first, args, mla_uv_gate.patterns(), joint=True)
+        got, want = gm(*args), heads_first(*args)
+        assert got.shape == want.shape and got.dtype == want.dtype and torch.equal(got, want)
+        if "k3.mla_uv_gate" not in targets(gm):
+            assert_near_miss(report, "mla_uv_gate", "check refused", "not [B, T, H, C]")
 
 
 def test_check_refuses_float64():
