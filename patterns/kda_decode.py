@@ -21,9 +21,8 @@ channel-major, one conv state. A mixed-precision codebase's step (spell11 under 
 `gate_fp32` (the built-in norm, then the gate product in fp32, one rounding) and / or fp32 master
 conv weights read as they are (`conv_weight_fp32`, a pattern-level name: the op reads the
 weights' dtype off its arguments). A variant's name lists its `KDAVariant.names`; the op gets its
-`KDAVariant.spec`. Only the variants of the T a
-graph's KDA sites have are traced (`fits`: the short conv's output length is T); a T without a variant stays unfused, and its near miss
-says so.
+`KDAVariant.spec`. Only the variants of the T a graph's KDA sites have are traced (`fits`: the
+short conv's output length is T); a T without a variant stays unfused, and its near miss says so.
 
 Before (T=1, ~75 ATen ops): cat, permute, index, cat, slice, index_put, cat, convert, convolution,
     neg, exp, add, div, convert, split, ... pow, sum, add, rsqrt, mul, ... exp, sigmoid, mul, exp,
