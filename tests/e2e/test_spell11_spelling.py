@@ -164,3 +164,22 @@ def test_bf16_kda_step_fuses_bit_for_bit(probe):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
     for name, want in plain_states.items():
         torch.testing.assert_close(fused_states[name], want, rtol=0, atol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("probes", [(), ("conv_window",)])
+def test_bf16_kda_step_fuses_over_verify_rows(probes):
+    """bf16 with stage weight_cast on, 3 verify rows, batch 2: each token's bf16 window is
+    convolved in fp32 through its upcast (the rolled state after rule conv_roll, or the plain
+    window sum of probe `conv_window` after short_conv), which rule token_windows takes as one
+    window since session 37 (before: T per-token convs, every KDA variant a T = 1 one, the step
+    lost in layers 0 and 1); fb_kda_decode and linear_concat fuse there, compiled within
+    TOL["diffsuite_bf16"] of eager over 2 steps"""
+    model, eager = (from_builtin(foreign.builtin(torch.bfloat16)).set_probe(*probes)
+                    for _ in range(2))
+    err = foreign.steps(foreign.compile_k3(model, weight_cast=True), eager, n=2, rows=3)
+    got = foreign.per_layer(foreign.last_compiled())
+    for layer in (0, 1):
+        assert got[layer].get("fb_kda_decode") == 1 and got[layer].get("linear_concat") == 1, \
+            (layer, dict(got[layer]))
+    assert err <= TOL["diffsuite_bf16"], err
