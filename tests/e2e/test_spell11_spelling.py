@@ -136,17 +136,20 @@ def test_weight_cast_brings_the_bf16_gemm_fusions_back(reference_plan):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("probe", ["weight_cast", "checkpoint_weights"])
-def test_bf16_kda_step_fuses_bit_for_bit(probe):
+@pytest.mark.parametrize("probe,rows", [("weight_cast", 0), ("checkpoint_weights", 0),
+                                        ("weight_cast", 3)])
+def test_bf16_kda_step_fuses_bit_for_bit(probe, rows):
     """bf16, under autocast with stage weight_cast on (fp32 master taps) or with the checkpoint's
     bf16 weights (probe `checkpoint_weights`: rule cast_cat takes the taps' upcast): with only
     the KDA patterns on, fb_kda_decode takes layers 0 and 1, and two steps give the logits and
     every state bit for bit as the same graph unfused (stage fuse off): the op's reference
-    (gate_fp32; the fp32 taps read as they are) rounds as the spelling's canonical graph."""
+    (gate_fp32; the fp32 taps read as they are) rounds as the spelling's canonical graph. Also
+    at 3 verify rows (rule token_windows through the windows' upcast, session 37)."""
     from k3compile.patterns import ORDER
 
     others = frozenset(n for n in ORDER if n not in ("kda_decode", "fb_kda_decode"))
-    ids, pos, slots = torch.tensor([3, 7]), torch.tensor([0, 5]), torch.tensor([2, 0])
+    ids = torch.tensor([[3, 5, 1], [7, 2, 9]])[:, :rows] if rows else torch.tensor([3, 7])
+    pos, slots, step_len = torch.tensor([0, 5]), torch.tensor([2, 0]), max(rows, 1)
     runs = []
     for options in ({"disabled_patterns": others}, {"disabled_stages": ("fuse",)}):
         model = from_builtin(foreign.builtin(torch.bfloat16))
@@ -154,7 +157,7 @@ def test_bf16_kda_step_fuses_bit_for_bit(probe):
             model.set_probe(probe)
         step = foreign.compile_k3(model, weight_cast=probe == "weight_cast", **options)
         with torch.no_grad():
-            logits = [step(ids + i, pos + i, slots) for i in range(2)]
+            logits = [step(ids + i, pos + step_len * i, slots) for i in range(2)]
         plan = foreign.per_layer(foreign.last_compiled())
         runs.append((logits, state_of(model), {layer: plan[layer].get("fb_kda_decode", 0)
                                                for layer in (0, 1)}))
