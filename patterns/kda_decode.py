@@ -21,9 +21,8 @@ channel-major, one conv state. A mixed-precision codebase's step (spell11 under 
 `gate_fp32` (the built-in norm, then the gate product in fp32, one rounding) and / or fp32 master
 conv weights read as they are (`conv_weight_fp32`, a pattern-level name: the op reads the
 weights' dtype off its arguments). A variant's name lists its `KDAVariant.names`; the op gets its
-`KDAVariant.spec`. Only the variants of the T a
-graph's KDA sites have are traced (`fits`: the short conv's output length is T); a T without a variant stays unfused, and its near miss
-says so.
+`KDAVariant.spec`. Only the variants of the T a graph's KDA sites have are traced (`fits`: the
+short conv's output length is T); a T without a variant stays unfused, and its near miss says so.
 
 Before (T=1, ~75 ATen ops): cat, permute, index, cat, slice, index_put, cat, convert, convolution,
     neg, exp, add, div, convert, split, ... pow, sum, add, rsqrt, mul, ... exp, sigmoid, mul, exp,
@@ -38,6 +37,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -278,11 +278,31 @@ def check(match, variant: KDAVariant = BUILTIN, conv_weight_fp32: bool = False) 
     return None
 
 
-# (graph, its sites, recurrent state layouts, conv state counts, an fp32 o into a norm, a conv
-# in bf16 / fp16, a window sum multiplied in bf16 / fp16, an fp32 conv weight beside an upcast
-# window, an fp32 gate product rounded once)
-_sites_seen: list = [None, frozenset(), frozenset(), frozenset(), False, False, False, False,
-                     False]
+class SiteFacts(NamedTuple):
+    """What a graph's KDA sites look like, read once per graph: which variants can fit it."""
+
+    # (T, time-major) of each site: its depthwise short conv's output length (a convolution's,
+    # or a window sum's multiplied in bf16), and whether it convolves a transposed window
+    sites: frozenset[tuple[int, bool]]
+    # V-major (True) if some state gather is read through its transpose; K-major (False) always
+    # (a K-major read has no mark of its own)
+    state_layouts: frozenset[bool]
+    # 1 always; 3 if some short conv's window concatenates three state gathers
+    conv_state_counts: frozenset[int]
+    # some fp32 [B, T, H, V] tensor that is no upcast is RMS-normalised (`o_fp32`)
+    fp32_o_norms: bool
+    # some short conv runs in bf16 / fp16 (`conv_rounded`)
+    low_precision_convs: bool
+    # some short conv is a window sum multiplied in bf16 / fp16 (`conv_products_rounded`)
+    product_convs: bool
+    # some short conv reads fp32 weights beside an upcast window (`conv_weight_fp32`)
+    fp32_weight_convs: bool
+    # some fp32 [B, T, H, V] gate product of an upcast and a sigmoid is rounded once (`gate_fp32`)
+    fp32_gates: bool
+
+
+_seen: tuple[fx.Graph | None, SiteFacts | None] = (None, None)  # the graph last read, its facts
+
 CAST = torch.ops.prims.convert_element_type.default
 
 
@@ -309,7 +329,7 @@ def _fp32_gate(mul: fx.Node) -> bool:
 def _time_major(conv: fx.Node) -> bool:
     """The conv convolves a transposed window (a time-major conv state's), not the window."""
     x = conv.args[0]
-    while isinstance(x, fx.Node) and x.target is torch.ops.prims.convert_element_type.default:
+    while isinstance(x, fx.Node) and x.target is CAST:
         x = x.args[0]
     return isinstance(x, fx.Node) and x.target in (torch.ops.aten.permute.default,
                                                    torch.ops.aten.transpose.int)
@@ -330,7 +350,7 @@ def _gathers(conv: fx.Node) -> int:
     """How many state gathers the conv's window concatenates (0: not a cat of gathers)."""
     x = conv.args[0] if conv.target is torch.ops.aten.convolution.default else \
         products_conv(conv)[0]
-    while isinstance(x, fx.Node) and x.target is torch.ops.prims.convert_element_type.default:
+    while isinstance(x, fx.Node) and x.target is CAST:
         x = x.args[0]
     past = x.args[0][0] if isinstance(x, fx.Node) and x.target is torch.ops.aten.cat.default \
         else None
@@ -351,103 +371,54 @@ def _fp32_norm_of_fp32(mean: fx.Node) -> bool:
     square = (sq.target is torch.ops.aten.pow.Tensor_Scalar and sq.args[1] == 2
               or sq.target is torch.ops.aten.mul.Tensor and sq.args[0] is sq.args[1])
     x = sq.args[0]
-    return (square and isinstance(x, fx.Node)
-            and x.target is not torch.ops.prims.convert_element_type.default)
+    return square and isinstance(x, fx.Node) and x.target is not CAST
 
 
-def _scan(graph: fx.Graph) -> None:
-    if _sites_seen[0] is not graph:
-        convs = [n for n in graph.nodes if n.target is torch.ops.aten.convolution.default
-                 and isinstance(v := n.meta.get("val"), torch.Tensor) and v.dim() == 3]
-        products = [n for n in graph.nodes if n.target is torch.ops.aten.sum.dim_IntList
-                    and products_conv(n) is not None]
-        reads = (n for n in graph.nodes if n.target is torch.ops.aten.index.Tensor)
-        _sites_seen[:] = graph, frozenset(
-            (int(n.meta["val"].shape[-1]), n in convs and _time_major(n))
-            for n in convs + products), frozenset(
-            {False} | {True for n in reads if _v_major(n)}), frozenset(
-            {1} | {_gathers(n) for n in convs + products} - {0}), any(
-            _fp32_norm_of_fp32(n) for n in graph.nodes if n.target is torch.ops.aten.mean.dim), any(
-            n.meta["val"].dtype != torch.float32 for n in convs), bool(products), any(
-            _fp32_weight_conv(n) for n in convs), any(
-            _fp32_gate(n) for n in graph.nodes if n.target is torch.ops.aten.mul.Tensor)
+def site_facts(graph: fx.Graph) -> SiteFacts:
+    """The graph's `SiteFacts`, read once for all the variants' `fits`."""
+    global _seen
+    if _seen[0] is not graph:
+        _seen = graph, _read_facts(graph)
+    return _seen[1]
 
 
-def sites(graph: fx.Graph) -> frozenset[tuple[int, bool]]:
-    """(T, time-major) of each KDA site in the graph: its depthwise short conv's output length
-    (a convolution's, or a window sum's multiplied in bf16), and whether it convolves a
-    transposed window."""
-    _scan(graph)
-    return _sites_seen[1]
-
-
-def state_layouts(graph: fx.Graph) -> frozenset[bool]:
-    """V-major (True) if some state gather of the graph is read through its transpose; K-major
-    (False) always (a K-major read has no mark of its own)."""
-    _scan(graph)
-    return _sites_seen[2]
-
-
-def conv_state_counts(graph: fx.Graph) -> frozenset[int]:
-    """1 always; 3 if some short conv's window concatenates three state gathers."""
-    _scan(graph)
-    return _sites_seen[3]
-
-
-def fp32_o_norms(graph: fx.Graph) -> bool:
-    """Whether some fp32 [B, T, H, V] tensor that is no upcast is RMS-normalised (`o_fp32`)."""
-    _scan(graph)
-    return _sites_seen[4]
-
-
-def low_precision_convs(graph: fx.Graph) -> bool:
-    """Whether some short conv of the graph runs in bf16 / fp16 (`conv_rounded`)."""
-    _scan(graph)
-    return _sites_seen[5]
-
-
-def product_convs(graph: fx.Graph) -> bool:
-    """Whether some short conv of the graph is a window sum multiplied in bf16 / fp16
-    (`conv_products_rounded`)."""
-    _scan(graph)
-    return _sites_seen[6]
-
-
-def fp32_weight_convs(graph: fx.Graph) -> bool:
-    """Whether some short conv of the graph reads fp32 weights beside an upcast window
-    (`conv_weight_fp32`)."""
-    _scan(graph)
-    return _sites_seen[7]
-
-
-def fp32_gates(graph: fx.Graph) -> bool:
-    """Whether some fp32 [B, T, H, V] gate product of an upcast and a sigmoid is rounded once
-    (`gate_fp32`)."""
-    _scan(graph)
-    return _sites_seen[8]
-
-
-def site_rows(graph: fx.Graph) -> frozenset[int]:
-    """T of each KDA site in the graph: its depthwise short conv's output length."""
-    return frozenset(t for t, _ in sites(graph))
+def _read_facts(graph: fx.Graph) -> SiteFacts:
+    convs = [n for n in graph.nodes if n.target is torch.ops.aten.convolution.default
+             and isinstance(v := n.meta.get("val"), torch.Tensor) and v.dim() == 3]
+    products = [n for n in graph.nodes if n.target is torch.ops.aten.sum.dim_IntList
+                and products_conv(n) is not None]
+    reads = (n for n in graph.nodes if n.target is torch.ops.aten.index.Tensor)
+    return SiteFacts(
+        sites=frozenset((int(n.meta["val"].shape[-1]), n in convs and _time_major(n))
+                        for n in convs + products),
+        state_layouts=frozenset({False} | {True for n in reads if _v_major(n)}),
+        conv_state_counts=frozenset({1} | {_gathers(n) for n in convs + products} - {0}),
+        fp32_o_norms=any(_fp32_norm_of_fp32(n) for n in graph.nodes
+                         if n.target is torch.ops.aten.mean.dim),
+        low_precision_convs=any(n.meta["val"].dtype != torch.float32 for n in convs),
+        product_convs=bool(products),
+        fp32_weight_convs=any(_fp32_weight_conv(n) for n in convs),
+        fp32_gates=any(_fp32_gate(n) for n in graph.nodes
+                       if n.target is torch.ops.aten.mul.Tensor))
 
 
 def _fits(T: int, variant: KDAVariant, conv_weight_fp32: bool = False):
     def fits(graph: fx.Graph) -> str | None:
-        found = sites(graph)
-        if conv_weight_fp32 and found and not fp32_weight_convs(graph):
+        facts = site_facts(graph)
+        found = facts.sites
+        if conv_weight_fp32 and found and not facts.fp32_weight_convs:
             return "no short conv reads fp32 weights beside an upcast window (fp32 masters')"
-        if variant.gate_fp32 and found and not fp32_gates(graph):
+        if variant.gate_fp32 and found and not facts.fp32_gates:
             return "no fp32 [B, T, H, V] gate product is rounded once (an fp32 gate's)"
-        if variant.conv is ConvRounding.ROUNDED and found and not low_precision_convs(graph):
+        if variant.conv is ConvRounding.ROUNDED and found and not facts.low_precision_convs:
             return "no short conv runs in bf16 / fp16 (a rounded conv's)"
-        if variant.conv is ConvRounding.PRODUCTS_ROUNDED and found and not product_convs(graph):
+        if variant.conv is ConvRounding.PRODUCTS_ROUNDED and found and not facts.product_convs:
             return "no short conv is a window sum multiplied in bf16 / fp16"
-        if variant.o_fp32 and found and not fp32_o_norms(graph):
+        if variant.o_fp32 and found and not facts.fp32_o_norms:
             return "no fp32 [B, T, H, V] tensor that is no upcast is RMS-normalised (an fp32 o's)"
-        if variant.state_v_major and found and True not in state_layouts(graph):
+        if variant.state_v_major and found and True not in facts.state_layouts:
             return "no state gather is read through its transpose (a V-major state's)"
-        if variant.three_conv_states and found and 3 not in conv_state_counts(graph):
+        if variant.three_conv_states and found and 3 not in facts.conv_state_counts:
             return "no short conv's window concatenates three conv state gathers"
         if (T, variant.conv_time_major) in found or not found:
             return None  # no short conv: every variant is tried (a near miss per layer)

@@ -37,6 +37,7 @@ import torch
 from torch import fx
 
 from k3compile.canonical import Rule, rewrite_sites
+from k3compile.canonical.region import CASTS
 from k3compile.graph import call
 
 aten = torch.ops.aten
@@ -46,7 +47,6 @@ aten = torch.ops.aten
 _VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default,
           aten.unsqueeze.default, aten.expand.default, aten.permute.default, aten.squeeze.dim,
           aten.squeeze.dims, aten.squeeze.default, aten.clone.default, aten.alias.default}
-_CASTS = {torch.ops.prims.convert_element_type.default, aten._to_copy.default}
 
 
 def _literal(a) -> float | None:
@@ -65,7 +65,7 @@ def _literal(a) -> float | None:
 def _cast(n: fx.Node) -> bool:
     if n.target is aten._to_copy.default:
         return set(n.kwargs) <= {"dtype"}
-    return n.target in _CASTS
+    return n.target in CASTS
 
 
 def _bias_mask(bias) -> tuple[fx.Node, bool, list[fx.Node]] | None:

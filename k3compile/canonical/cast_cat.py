@@ -31,11 +31,10 @@ import torch
 from torch import fx
 
 from k3compile.canonical import Rule, rewrite_sites
-from k3compile.canonical.region import half_upcast, val
+from k3compile.canonical.region import CAST, half_upcast, val
 from k3compile.graph import RESHAPES, call
 
 aten = torch.ops.aten
-CAST = torch.ops.prims.convert_element_type.default
 SPLITS = {aten.split.Tensor, aten.split_with_sizes.default}
 MOVES = {*RESHAPES, aten.slice.Tensor, aten.select.int, aten.unsqueeze.default, aten.squeeze.dim,
          aten.squeeze.dims, aten.permute.default, aten.transpose.int, *SPLITS}

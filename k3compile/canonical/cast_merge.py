@@ -24,7 +24,8 @@ import torch
 from torch import fx
 
 from k3compile.canonical import Rule, rewrite_sites
-from k3compile.canonical.cast_view import CAST, cast_first, same_size
+from k3compile.canonical.cast_view import cast_first, same_size
+from k3compile.canonical.region import CAST
 from k3compile.canonical.region import val as _val
 from k3compile.graph import RESHAPES
 

@@ -23,12 +23,10 @@ import torch
 from torch import fx
 
 from k3compile.canonical import Rule, rewrite_sites
-from k3compile.canonical.region import val
+from k3compile.canonical.region import CAST, LOW, val
 from k3compile.graph import call
 
 aten = torch.ops.aten
-CAST = torch.ops.prims.convert_element_type.default
-LOW = (torch.bfloat16, torch.float16)
 
 
 def _site(x: fx.Node) -> torch.dtype | None:

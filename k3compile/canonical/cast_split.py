@@ -30,13 +30,12 @@ import torch
 from torch import fx
 
 from k3compile.canonical import Rule, rewrite_sites
+from k3compile.canonical.region import CAST, LOW
 from k3compile.canonical.region import val as _val
 from k3compile.graph import call
 
 aten = torch.ops.aten
-CAST = torch.ops.prims.convert_element_type.default
 SPLITS = {aten.split.Tensor, aten.split_with_sizes.default}
-LOW = (torch.bfloat16, torch.float16)
 
 
 def _site(node: fx.Node) -> bool:

@@ -24,12 +24,11 @@ import torch
 from torch import fx
 
 from k3compile.canonical import Rule, rewrite_sites
-from k3compile.canonical.cast_view import CAST, swap
-from k3compile.canonical.region import val
+from k3compile.canonical.cast_view import swap
+from k3compile.canonical.region import CAST, LOW, val
 from k3compile.graph import RESHAPES
 
 aten = torch.ops.aten
-LOW = (torch.bfloat16, torch.float16)
 _BMM_VIEWS = RESHAPES | {aten.permute.default}
 
 

@@ -22,11 +22,11 @@ from torch import fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from k3compile.canonical import Rule, rewrite_sites
+from k3compile.canonical.region import CAST
 from k3compile.canonical.region import val as _val
 from k3compile.graph import RESHAPES, call
 
 aten = torch.ops.aten
-CAST = torch.ops.prims.convert_element_type.default
 
 
 def same_size(a, b) -> bool:

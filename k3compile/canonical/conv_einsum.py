@@ -45,6 +45,8 @@ from torch import fx
 
 from k3compile.canonical import Rule, rewrite_sites
 from k3compile.canonical.region import (
+    CAST,
+    LOW,
     POINTWISE,
     VIEWS,
     below,
@@ -60,9 +62,8 @@ from k3compile.graph import call
 
 aten = torch.ops.aten
 RTOL = 1e-5
-LOW = (torch.bfloat16, torch.float16)  # conv and SiLU rounded by the user's ops, not once
 # the bmm's decomposition computes in fp32 (`pw_cast_for_opmath`): casts around it
-THROUGH = VIEWS | {torch.ops.prims.convert_element_type.default}
+THROUGH = VIEWS | {CAST}
 
 
 def _conv(window, w):
@@ -100,7 +101,7 @@ def _site(unfold: fx.Node):
     s = shape(window)
     dtype = val(window).dtype if s is not None else None
     if (s is None or len(s) != 3 or unfold.args[1] % 3 not in (1, 2) or unfold.args[3] != 1
-            or dtype not in (torch.float32, *LOW)):
+            or dtype not in (torch.float32, *LOW)):  # bf16: conv and SiLU rounded by the user's ops
         return None
     time_major = unfold.args[1] % 3 == 1
     B, C, L = (s[0], s[2], s[1]) if time_major else s

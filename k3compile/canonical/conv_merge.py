@@ -40,6 +40,7 @@ import torch
 from torch import fx
 
 from k3compile.canonical import Rule
+from k3compile.canonical.region import CAST
 from k3compile.canonical.region import shape as _shape
 from k3compile.canonical.region import val as _val
 from k3compile.graph import call
@@ -47,14 +48,13 @@ from k3compile.rewrite import inductor
 
 aten = torch.ops.aten
 _END = 2**63 - 1
-_CAST = torch.ops.prims.convert_element_type.default
 PERMUTES = {aten.permute.default}
 MAX_POST = 32  # a conv's pointwise tail is a few ops (SiLU decomposed, a cast, a permute)
 
 
 def upcast_of(node):
     """(source, cast node) if node is an fp32 cast of source, else (node, None)."""
-    if isinstance(node, fx.Node) and node.target is _CAST and node.args[1] == torch.float32:
+    if isinstance(node, fx.Node) and node.target is CAST and node.args[1] == torch.float32:
         return node.args[0], node
     return node, None
 
@@ -136,7 +136,7 @@ def _branch(conv: fx.Node) -> Branch | None:
 def _pointwise(node: fx.Node) -> bool:
     t = node.target
     return node.op == "call_function" and (
-        t is _CAST or (isinstance(t, torch._ops.OpOverload) and torch.Tag.pointwise in t.tags))
+        t is CAST or (isinstance(t, torch._ops.OpOverload) and torch.Tag.pointwise in t.tags))
 
 
 def _post(conv: fx.Node, order: dict[fx.Node, int]) -> list[fx.Node] | None:
@@ -239,9 +239,9 @@ def _merge(graph: fx.Graph, group: list[Branch], order: dict[fx.Node, int]) -> b
         taps = call(graph, aten.cat.default, ([b.weight for b in group],), like=at)
         conv_in = window
         if first.window_cast is not None:
-            conv_in = call(graph, _CAST, (window, torch.float32), like=at)
+            conv_in = call(graph, CAST, (window, torch.float32), like=at)
         if first.weight_cast is not None:
-            taps = call(graph, _CAST, (taps, torch.float32), like=at)
+            taps = call(graph, CAST, (taps, torch.float32), like=at)
         bias = first.conv.args[2]
         if bias is not None:
             bias = call(graph, aten.cat.default, ([b.conv.args[2] for b in group],), like=at)

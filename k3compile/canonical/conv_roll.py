@@ -32,12 +32,11 @@ import torch
 from torch import fx
 
 from k3compile.canonical import Rule, rewrite_sites, short_conv
-from k3compile.canonical.region import arange_length, shape, val
+from k3compile.canonical.region import arange_length, half_upcast, shape, val
 from k3compile.graph import call
 
 aten = torch.ops.aten
 END = 2**63 - 1  # `[..., 1:]`'s end as traced
-_HALF = (torch.bfloat16, torch.float16)
 _VIEWS = {aten.select.int, aten.slice.Tensor, aten.view.default, aten.unsqueeze.default,
           aten.squeeze.dim}
 
@@ -50,9 +49,7 @@ def _last(node, dim) -> bool:
 
 def _up(node) -> tuple[fx.Node, bool]:
     """(the tensor node is an exact fp32 upcast of, whether it is one)."""
-    if (isinstance(node, fx.Node) and node.target is torch.ops.prims.convert_element_type.default
-            and node.args[1] == torch.float32 and val(node.args[0]) is not None
-            and val(node.args[0]).dtype in _HALF):
+    if half_upcast(node):
         return node.args[0], True
     return node, False
 

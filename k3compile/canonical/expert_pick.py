@@ -45,13 +45,12 @@ import torch
 from torch import fx
 
 from k3compile.canonical import Rule, expert_gather, rewrite_sites
-from k3compile.canonical.region import VIEWS, arange_length, below, splice_if_same
+from k3compile.canonical.region import CASTS, VIEWS, arange_length, below, splice_if_same
 from k3compile.canonical.region import static_shape as _shape
 from k3compile.canonical.region import val as _val
 from k3compile.math import mxfp4_dequant
 
-aten, prims = torch.ops.aten, torch.ops.prims
-_CASTS = {prims.convert_element_type.default, aten._to_copy.default}
+aten = torch.ops.aten
 _INTS = (torch.int64, torch.int32)
 
 
@@ -85,7 +84,7 @@ def one_hot(node: fx.Node) -> tuple[fx.Node, int] | None:
     v = _val(node)
     if v is None or not v.dtype.is_floating_point:
         return None
-    while node.op == "call_function" and node.target in _CASTS:
+    while node.op == "call_function" and node.target in CASTS:
         node = node.args[0]
     if node.target is not aten.eq.Tensor:
         return None

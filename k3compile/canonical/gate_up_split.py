@@ -34,13 +34,12 @@ from torch import fx
 
 from k3compile.canonical import Rule, rewrite_sites
 from k3compile.canonical.norm_round import inv_rms
-from k3compile.canonical.region import POINTWISE, gemm_of
+from k3compile.canonical.region import CAST, POINTWISE, gemm_of
 from k3compile.canonical.region import shape as _shape
 from k3compile.graph import call
 
 aten = torch.ops.aten
 _END = 2**63 - 1  # slice's "to the end"
-_CAST = torch.ops.prims.convert_element_type.default
 
 
 # ---- the pieces a tensor is cut into along its last dim -----------------------------------------
@@ -161,7 +160,7 @@ def _split_gemm(graph: fx.Graph, out: fx.Node) -> int:
 
 def rms_normed(piece: fx.Node) -> bool:
     """piece (or its fp32 upcast) is RMS-normalised over its last dim as a whole."""
-    for x in (piece, *(u for u in piece.users if u.target is _CAST and u.args[1] is torch.float32)):
+    for x in (piece, *(u for u in piece.users if u.target is CAST and u.args[1] is torch.float32)):
         for user in x.users:
             if user.target is aten.mul.Tensor and len(user.args) == 2 and any(
                     a is x and inv_rms(b, x) for a, b in (user.args, reversed(user.args))):

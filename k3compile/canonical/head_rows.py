@@ -33,7 +33,7 @@ import torch
 from torch import fx
 
 from k3compile.canonical import Rule
-from k3compile.canonical.region import closed_region, refresh, shape, val
+from k3compile.canonical.region import CASTS, closed_region, refresh, shape, val
 from k3compile.graph import call
 
 aten = torch.ops.aten
@@ -42,7 +42,6 @@ _BINARY = {aten.mul.Tensor, aten.add.Tensor, aten.sub.Tensor, aten.div.Tensor}
 _UNARY = {aten.exp.default, aten.neg.default, aten.sigmoid.default, aten.rsqrt.default,
           aten.sqrt.default, aten.tanh.default, aten.pow.Tensor_Scalar, aten.clone.default}
 _SUMS = {aten.sum.dim_IntList, aten.mean.dim}
-_CASTS = {aten._to_copy.default, torch.ops.prims.convert_element_type.default}
 
 
 def _no_units(dims) -> list[int]:
@@ -95,7 +94,7 @@ def _kind(node: fx.Node, heads: dict):
         return bh
     if t in _UNARY and node.args[0] in heads and len(args) == 1:
         return bh
-    if t in _CASTS and set(node.kwargs) <= {"dtype"} and len(args) == 1:
+    if t in CASTS and set(node.kwargs) <= {"dtype"} and len(args) == 1:
         return bh
     if t is aten.unsqueeze.default and _dim(node.args[1], len(out) - 1) is not None:
         return bh

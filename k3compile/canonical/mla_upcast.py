@@ -52,30 +52,15 @@ from torch import fx
 
 from k3compile.canonical import Rule, mla_absorb, mla_absorbed
 from k3compile.canonical.layout import SPLITS, is_scalar, layout_source
+from k3compile.canonical.region import CAST, CASTS, LOW, cast_dtype, half_upcast
 from k3compile.graph import call
 
-aten, prims = torch.ops.aten, torch.ops.prims
-LOW = (torch.bfloat16, torch.float16)
-_CASTS = (prims.convert_element_type.default, aten._to_copy.default)
+aten = torch.ops.aten
 
 
 def _dtype(n) -> torch.dtype | None:
     val = n.meta.get("val") if isinstance(n, fx.Node) else None
     return val.dtype if isinstance(val, torch.Tensor) else None
-
-
-def _cast_to(n: fx.Node) -> torch.dtype | None:
-    if n.target == prims.convert_element_type.default:
-        return n.args[1]
-    if n.target == aten._to_copy.default and set(n.kwargs) <= {"dtype"}:
-        return n.kwargs.get("dtype")
-    return None
-
-
-def _upcast(n) -> bool:
-    """n is an fp32 upcast of a bf16 / fp16 tensor (exact)."""
-    return isinstance(n, fx.Node) and n.target in _CASTS and _cast_to(n) == torch.float32 \
-        and _dtype(n.args[0]) in LOW
 
 
 def _scalar_op(n: fx.Node) -> bool:
@@ -116,7 +101,7 @@ class Trial:
     def _lower(self, n: fx.Node) -> tuple[fx.Node, float] | None:
         if _dtype(n) != torch.float32 or n.op != "call_function":
             return None
-        if _upcast(n):
+        if half_upcast(n, to_copy=True):
             return (n.args[0], 1.0) if _dtype(n.args[0]) == self.low else None
         if n.target == aten.cat.default:
             pieces = [self.lowered(p) for p in n.args[0]]
@@ -143,8 +128,7 @@ class Trial:
     def operand(self, n: fx.Node, p: fx.Node | None) -> tuple[fx.Node, float] | None:
         """n's bf16 form; the softmax output p (fp32) is rounded to bf16 where it is met."""
         if p is not None and p not in self.lows:
-            self.lows[p] = (self.call(prims.convert_element_type.default, (p, self.low), p,
-                                      at=p.next), 1.0)
+            self.lows[p] = (self.call(CAST, (p, self.low), p, at=p.next), 1.0)
         return self.lowered(n)
 
 
@@ -152,7 +136,7 @@ def _products(read: fx.Node) -> list[fx.Node]:
     """The fp32 contractions reached from the cache read through views and upcasts, also past
     the bf16 projections of the cached latents."""
     def through(u):
-        return mla_absorb.viewlike(u) or _upcast(u)
+        return mla_absorb.viewlike(u) or half_upcast(u, to_copy=True)
 
     found = mla_absorb.reached_contractions(read, through)
     for mm in [m for m in found if _dtype(m) in LOW]:
@@ -166,7 +150,7 @@ def _softmax(bmm: fx.Node) -> fx.Node | None:
         node = arg
         while layout_source(node) is not None and not _scalar_op(node):
             node = layout_source(node)
-        if mla_absorb.softmax_like(node) and node.target not in _CASTS:
+        if mla_absorb.softmax_like(node) and node.target not in CASTS:
             return node
     return None
 
@@ -190,14 +174,14 @@ def _sink(t: Trial, old: fx.Node, low: fx.Node, scale: float, gate: bool) -> Non
     fp32 gate after p·v becomes the bf16 gate."""
     while len(old.users) == 1:
         user = next(iter(old.users))
-        if user.target in _CASTS and _cast_to(user) == t.low and scale == 1.0:
+        if cast_dtype(user) == t.low and scale == 1.0:
             t.move(user, low)
             return
         if layout_source(user) is None or _scalar_op(user) or user.target is operator.getitem:
             break
         low = t.call(user.target, (low, *user.args[1:]), user, user.kwargs)
         old = user
-    up = t.call(prims.convert_element_type.default, (low, torch.float32), old)
+    up = t.call(CAST, (low, torch.float32), old)
     if scale != 1.0:
         up = t.call(aten.mul.Tensor, (up, scale), old)
     t.move(old, up)
@@ -213,11 +197,11 @@ def _gate(t: Trial, up: fx.Node, o: fx.Node) -> None:
     if mul.target != aten.mul.Tensor or len(mul.args) != 2 or not mul.users:
         return
     sig = mul.args[1] if mul.args[0] is up else mul.args[0]
-    if getattr(sig, "target", None) != aten.sigmoid.default or not _upcast(sig.args[0]) \
-            or _dtype(sig.args[0].args[0]) != t.low \
+    if getattr(sig, "target", None) != aten.sigmoid.default \
+            or not half_upcast(sig.args[0], to_copy=True) or _dtype(sig.args[0].args[0]) != t.low \
             or sig.meta["val"].shape != mul.meta["val"].shape:
         return
-    if any(u.target not in _CASTS or _cast_to(u) != t.low for u in mul.users):
+    if any(cast_dtype(u) != t.low for u in mul.users):
         return
     gate = t.call(aten.sigmoid.default, (sig.args[0].args[0],), sig)
     args = (o, gate) if mul.args[0] is up else (gate, o)

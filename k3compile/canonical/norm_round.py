@@ -21,12 +21,10 @@ import torch
 from torch import fx
 
 from k3compile.canonical import Rule, rewrite_sites
-from k3compile.canonical.region import VIEWS, root, shape, val
+from k3compile.canonical.region import CAST, LOW, VIEWS, root, shape, val
 from k3compile.graph import call
 
 aten = torch.ops.aten
-_CAST = torch.ops.prims.convert_element_type.default
-LOW = (torch.bfloat16, torch.float16)
 
 
 def _squared(node, x) -> bool:
@@ -54,12 +52,12 @@ def _site(mul: fx.Node) -> fx.Node | None:
     if len(mul.users) != 1 or val(mul) is None or val(mul).dtype != torch.float32:
         return None
     (cast,) = mul.users
-    if cast.target is not _CAST or cast.args[1] not in LOW:
+    if cast.target is not CAST or cast.args[1] not in LOW:
         return None
     for x, inv in (mul.args, reversed(mul.args)):
         if isinstance(x, fx.Node) and shape(x) == shape(mul) and inv_rms(inv, x):
             source = root(x, VIEWS)
-            if (source.op == "call_function" and source.target is _CAST
+            if (source.op == "call_function" and source.target is CAST
                     and val(source.args[0]) is not None
                     and val(source.args[0]).dtype == cast.args[1]):
                 return None  # already normalises an upcast of D
@@ -72,8 +70,8 @@ def _write(graph: fx.Graph, node: fx.Node, x: fx.Node) -> None:
     inv = node.args[1] if node.args[0] is x else node.args[0]
     square = inv.args[0].args[0].args[0]
     with graph.inserting_before(square):
-        low = call(graph, _CAST, (x, dtype), like=node)
-        rounded = call(graph, _CAST, (low, torch.float32), like=node)
+        low = call(graph, CAST, (x, dtype), like=node)
+        rounded = call(graph, CAST, (low, torch.float32), like=node)
     for reader in (square, node):
         reader.replace_input_with(x, rounded)
 

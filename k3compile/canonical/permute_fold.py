@@ -32,11 +32,10 @@ from torch import fx
 
 from k3compile.canonical import Rule, rewrite_sites
 from k3compile.canonical.noop_view import bypass
-from k3compile.canonical.region import POINTWISE, pointwise_tail, root
+from k3compile.canonical.region import CAST, POINTWISE, pointwise_tail, root
 from k3compile.graph import call
 
 aten = torch.ops.aten
-_CAST = torch.ops.prims.convert_element_type.default
 _WRITES = {aten.index_put.default, aten.index_put_.default}
 _VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.squeeze.dim,
           aten.squeeze.dims, aten.squeeze.default}
@@ -84,7 +83,7 @@ def _conv_tail(node: fx.Node):
     """(region, end) of the pointwise ops after a permute of a conv output, or None."""
     if not _is_permute(node) or not isinstance(node.args[0], fx.Node):
         return None
-    if root(node.args[0], {_CAST}).target is not aten.convolution.default:
+    if root(node.args[0], {CAST}).target is not aten.convolution.default:
         return None
     tail = pointwise_tail(node, POINTWISE)
     return tail if tail is not None and tail[0] else None

@@ -34,12 +34,19 @@ from torch import fx
 
 from k3compile.canonical import Rule, rewrite_sites
 from k3compile.canonical.gate_up_split import split_cuts
-from k3compile.canonical.region import POINTWISE, gemm_of, pointwise_tail, refresh, root, shape
+from k3compile.canonical.region import (
+    CAST,
+    POINTWISE,
+    gemm_of,
+    pointwise_tail,
+    refresh,
+    root,
+    shape,
+)
 from k3compile.canonical.short_conv import depthwise
 from k3compile.graph import call
 
 aten = torch.ops.aten
-_CAST = torch.ops.prims.convert_element_type.default
 
 
 def _past_pointwise(node: fx.Node) -> fx.Node | None:
@@ -91,7 +98,7 @@ def _operands(conv: fx.Node) -> tuple[fx.Node, fx.Node, int] | None:
     found = depthwise(conv)
     if found is None:
         return None
-    x, w = root(found[0], {_CAST}), root(found[1], {_CAST})
+    x, w = root(found[0], {CAST}), root(found[1], {CAST})
     C = (shape(w) or (0,))[0]
     return (x, w, C) if shape(w) == (C, 1, shape(w)[2]) else None
 

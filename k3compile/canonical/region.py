@@ -12,6 +12,7 @@ node other than its inputs (a constant table aside: nodes with no inputs), or al
 canonical form.
 
 `val`, `shape` and `static_shape` are the rules' shared readers of a node's fake value,
+`cast_dtype`, `half_upcast` and `widens` (with `CAST`, `CASTS`, `LOW`) of a dtype conversion,
 `arange_length` their one reading of an arange, `weight_rows` of F.linear's GEMM, `gemm_of` of
 the GEMM a value is the output of, `POINTWISE` their elementwise ops; `splice` /
 `splice_if_same` the one ending of the rules that copy a traced canonical form in whole.
@@ -29,6 +30,11 @@ from k3compile.rewrite import inductor
 
 aten, prims = torch.ops.aten, torch.ops.prims
 
+CAST = prims.convert_element_type.default  # `.to(dtype)` / `.float()` as AOT writes it
+# either spelling of a dtype conversion (a `_to_copy` where a graph keeps it whole)
+CASTS = frozenset({CAST, aten._to_copy.default})
+LOW = (torch.bfloat16, torch.float16)  # the activation dtypes an fp32 upcast is exact from
+
 # ops that only re-read a tensor's elements (no arithmetic): what an einsum's lowering wraps
 # around its bmm or mul
 VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.alias.default,
@@ -40,7 +46,7 @@ POINTWISE = {aten.mul.Tensor, aten.div.Tensor, aten.add.Tensor, aten.sub.Tensor,
              aten.sigmoid.default, aten.silu.default, aten.gelu.default, aten.exp.default,
              aten.neg.default, aten.relu.default, aten.reciprocal.default, aten.clamp.default,
              aten.pow.Tensor_Scalar, aten.erf.default, aten.rsqrt.default, aten.sqrt.default,
-             prims.convert_element_type.default}
+             CAST}
 
 
 def val(node) -> torch.Tensor | None:
@@ -48,11 +54,33 @@ def val(node) -> torch.Tensor | None:
     return v if isinstance(v, torch.Tensor) else None
 
 
-def half_upcast(node) -> bool:
-    """node is an fp32 upcast (`convert_element_type`) of a bf16 / fp16 value: exact."""
-    return (isinstance(node, fx.Node) and node.target is prims.convert_element_type.default
-            and node.args[1] == torch.float32 and val(node.args[0]) is not None
-            and val(node.args[0]).dtype in (torch.bfloat16, torch.float16))
+def cast_dtype(node) -> torch.dtype | None:
+    """The dtype node converts its input to: a `convert_element_type`'s, or a `_to_copy`'s that
+    sets nothing but the dtype; None for any other node."""
+    if not isinstance(node, fx.Node):
+        return None
+    if node.target is CAST:
+        return node.args[1]
+    if node.target is aten._to_copy.default and set(node.kwargs) <= {"dtype"}:
+        return node.kwargs.get("dtype")
+    return None
+
+
+def half_upcast(node, to_copy: bool = False) -> bool:
+    """node is an fp32 upcast (`convert_element_type`; with `to_copy` also a dtype-only
+    `_to_copy`) of a bf16 / fp16 value: exact."""
+    return (isinstance(node, fx.Node) and (node.target is CAST or to_copy and node.target in CASTS)
+            and cast_dtype(node) == torch.float32 and val(node.args[0]) is not None
+            and val(node.args[0]).dtype in LOW)
+
+
+def widens(node, x) -> bool:
+    """node is a `convert_element_type` of x to a wider float dtype (any: bf16 / fp16 -> fp32,
+    fp32 -> fp64), so its values are x's exactly."""
+    return (isinstance(node, fx.Node) and node.target is CAST and node.args[0] is x
+            and val(node) is not None and val(x) is not None
+            and val(x).dtype.is_floating_point and val(node).dtype.is_floating_point
+            and val(node).dtype.itemsize > val(x).dtype.itemsize)
 
 
 def shape(node) -> tuple[int, ...] | None:

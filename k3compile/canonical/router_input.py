@@ -19,12 +19,12 @@ import torch
 from torch import fx
 
 from k3compile.canonical import Rule, rewrite_sites
+from k3compile.canonical.region import CASTS
 from k3compile.canonical.view_chains import is_view
 from k3compile.graph import feeds_top_k
 
 aten = torch.ops.aten
 _GEMMS = {aten.mm.default, aten.addmm.default}
-_CASTS = {aten._to_copy.default, torch.ops.prims.convert_element_type.default}
 _DEPTH = 4  # sigmoid/softmax, the bias add, a view or cast, then the top-k
 
 
@@ -34,7 +34,7 @@ def _gemm_of(view: fx.Node) -> fx.Node | None:
     if len(users) != 1:
         return None
     user = users[0]
-    if user.target in _CASTS and len(user.users) == 1:
+    if user.target in CASTS and len(user.users) == 1:
         user = next(iter(user.users))
     return user if user.target in _GEMMS else None
 

@@ -38,6 +38,7 @@ import torch
 from torch import fx
 
 from k3compile.canonical import Rule, rewrite_sites
+from k3compile.canonical.region import CAST, LOW
 from k3compile.canonical.region import shape as _shape
 from k3compile.graph import call
 
@@ -46,7 +47,6 @@ aten = torch.ops.aten
 # which Inductor fuses better than as a convolution
 MAX_TAPS = 16
 
-LOW = (torch.bfloat16, torch.float16)
 
 # ops that only re-index a tensor without changing the order of its elements
 _ORDER_KEEPING = {aten.squeeze.dim, aten.squeeze.default, aten.squeeze.dims, aten.unsqueeze.default,
@@ -82,7 +82,7 @@ def _filters(node: fx.Node, C: int, taps: int) -> fx.Node | None:
 
 
 def _is_upcast(node: fx.Node) -> bool:
-    return (node.target is torch.ops.prims.convert_element_type.default
+    return (node.target is CAST
             and node.args[1] == torch.float32
             and _dtype(node.args[0]) in (torch.bfloat16, torch.float16, torch.float32))
 
@@ -98,8 +98,7 @@ def _as_filters(graph: fx.Graph, weight: fx.Node, C: int, taps: int, like: fx.No
 def _fp32(graph: fx.Graph, node: fx.Node, like: fx.Node) -> fx.Node:
     if _dtype(node) == torch.float32:
         return node
-    return call(graph, torch.ops.prims.convert_element_type.default, (node, torch.float32),
-                like=like)
+    return call(graph, CAST, (node, torch.float32), like=like)
 
 
 def convolve(graph: fx.Graph, site: fx.Node, found: tuple) -> None:
@@ -357,7 +356,7 @@ def _merge_token_convs(graph: fx.Graph, cat: fx.Node, found: tuple) -> None:
         if (start, end) != (0, _shape(window)[2]):
             x = call(graph, aten.slice.Tensor, (window, 2, start, end), like=cat)
         if _is_upcast(conv.args[0]):
-            x = call(graph, torch.ops.prims.convert_element_type.default, (x, torch.float32),
+            x = call(graph, CAST, (x, torch.float32),
                      like=cat)
         merged = call(graph, aten.convolution.default, (x, *conv.args[1:]), like=cat)
     cat.replace_all_uses_with(merged)

@@ -29,11 +29,10 @@ import torch
 from torch import fx
 
 from k3compile.canonical import Rule, rewrite_sites
-from k3compile.canonical.region import shape
+from k3compile.canonical.region import CAST, shape
 from k3compile.graph import RESHAPES, call
 
 aten = torch.ops.aten
-CAST = torch.ops.prims.convert_element_type.default
 
 
 def _unflattened(flat: fx.Node) -> fx.Node | None:

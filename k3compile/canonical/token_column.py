@@ -29,11 +29,11 @@ import torch
 from torch import fx
 
 from k3compile.canonical import Rule, reshape_fold, rewrite_sites
-from k3compile.canonical.region import shape
+from k3compile.canonical.region import shape, widens
 from k3compile.canonical.short_conv import window_conv
 from k3compile.graph import call
 
-aten, prims = torch.ops.aten, torch.ops.prims
+aten = torch.ops.aten
 
 
 def conv_window(cat: fx.Node) -> bool:
@@ -51,19 +51,9 @@ def _convs(window: fx.Node) -> list[fx.Node]:
     (a bf16 conv state convolved in fp32 through `.float()`: spell11's rolled state)."""
     found = [c for u in window.users if (c := window_conv(u, window)) is not None]
     for cast in window.users:
-        if _upcast(cast, window):
+        if widens(cast, window):
             found += [c for u in cast.users if (c := window_conv(u, cast)) is not None]
     return found
-
-
-def _upcast(node: fx.Node, x: fx.Node) -> bool:
-    """node is a plain cast of x to a wider float dtype (its values x's exactly)."""
-    if node.target is not prims.convert_element_type.default or node.args[0] is not x:
-        return False
-    val, src = node.meta.get("val"), x.meta.get("val")
-    return (isinstance(val, torch.Tensor) and isinstance(src, torch.Tensor)
-            and src.dtype.is_floating_point and val.dtype.is_floating_point
-            and val.dtype.itemsize > src.dtype.itemsize)
 
 
 def _site(unsq: fx.Node) -> fx.Node | None:

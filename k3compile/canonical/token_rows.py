@@ -55,12 +55,12 @@ from torch import fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from k3compile.canonical import Rule
-from k3compile.canonical.region import VIEWS
+from k3compile.canonical.region import CASTS, VIEWS
 from k3compile.canonical.region import shape as _shape
 from k3compile.canonical.token_dim import POINTWISE
 from k3compile.graph import call, fake_value
 
-aten, prims = torch.ops.aten, torch.ops.prims
+aten = torch.ops.aten
 
 REDUCTIONS = frozenset({aten.sum.dim_IntList, aten.mean.dim, aten.amax.default,
                         aten.amin.default, aten.any.dims, aten.all.dims, aten.prod.dim_int,
@@ -76,7 +76,6 @@ DIM_OPS = frozenset({aten._softmax.default, aten._log_softmax.default, aten.topk
                      aten.sort.default, aten.cumsum.default, aten.select.int, aten.slice.Tensor,
                      aten.squeeze.dim, aten.argmax.default, aten.argmin.default,
                      *SPLITS})
-CASTS = frozenset({prims.convert_element_type.default, aten._to_copy.default})
 GEMMS = frozenset({aten.mm.default, aten.bmm.default})
 _INDEX_DTYPES = (torch.int32, torch.int64)
 

@@ -54,7 +54,7 @@ import torch
 from torch import fx
 
 from k3compile.canonical import Rule
-from k3compile.canonical.region import refresh, shape, val
+from k3compile.canonical.region import CASTS, refresh, shape, val
 from k3compile.canonical.short_conv import depthwise
 from k3compile.graph import RESHAPES, call, fake_value
 
@@ -64,7 +64,6 @@ _UNARY = {aten.exp.default, aten.neg.default, aten.sigmoid.default, aten.rsqrt.d
           aten.sqrt.default, aten.tanh.default, aten.pow.Tensor_Scalar, aten.silu.default,
           aten.reciprocal.default, aten.abs.default}
 _SUMS = {aten.sum.dim_IntList, aten.mean.dim}
-_CASTS = {aten._to_copy.default, torch.ops.prims.convert_element_type.default}
 _LIMIT = 2000  # moves per graph: each moves a view strictly up or down, this only bounds a bug
 
 
@@ -112,7 +111,7 @@ def _row_wise(node: fx.Node, rows: int) -> bool:
     if t in _BINARY and len(args) == 2 and not node.kwargs:
         return all(shape(a) is not None and (len(shape(a)) < len(out) or shape(a)[0] in (rows, 1)
                                              and len(shape(a)) == len(out)) for a in tensors)
-    if t in _UNARY or t in _CASTS:
+    if t in _UNARY or t in CASTS:
         return len(tensors) == 1 and shape(args[0]) == out and set(node.kwargs) <= {"dtype"}
     if t is aten.unsqueeze.default:
         return _rows_dim(args[1], len(out)) is not None
@@ -124,7 +123,7 @@ def _row_wise(node: fx.Node, rows: int) -> bool:
 
 def _uncast(node):
     """node, or the value a chain of casts reads (the GEMM an upcast reads)."""
-    while isinstance(node, fx.Node) and node.target in _CASTS:
+    while isinstance(node, fx.Node) and node.target in CASTS:
         node = node.args[0]
     return node
 
@@ -236,7 +235,7 @@ class _Moves:
         """Move split view `view` above its source, if the source is row-wise or a view."""
         bt, src = _split(view), view.args[0]
         rows, out = bt[0] * bt[1], list(shape(view))
-        if len(out) < 4 and not (src.target in _UNARY | _CASTS and len(src.users) == 1
+        if len(out) < 4 and not (src.target in _UNARY | CASTS and len(src.users) == 1
                                  and _uncast(src.args[0]).target in _GEMMS | {operator.getitem}):
             # per-head values ([B, T, H, d]), β (a sigmoid of its projection) and a projection's
             # upcast (bf16 models: the decay's and the gate's GEMMs, β's before its sigmoid)

@@ -23,7 +23,10 @@ same per element. Taken only where every window is read by its conv and by its s
 the T convs share their taps and arguments, each conv's output is squeezed once into an
 elementwise chain of the same ops (scalars the same) whose one result is the stacked piece t, in
 token order. The convs may be `short_conv`'s product sums (a window sum multiplied in bf16:
-spell10's bf16 loop), each token's row of products then a row of the one sum's, bit for bit.
+spell10's bf16 loop), each token's row of products then a row of the one sum's, bit for bit;
+or read their window through a widening cast, its only reader (spell11's bf16 state convolved
+in fp32 with fp32 master taps, `conv_roll`'s windows; session 37): the one window is upcast
+once, the same elements.
 Left alone: T = 1 (`token_column`), a window read by anything else (its state
 kept per token), convs with other taps, chains that differ per token or read another tensor,
 pieces stacked out of order.
@@ -35,7 +38,7 @@ import torch
 from torch import fx
 
 from k3compile.canonical import Rule, reshape_fold, rewrite_sites
-from k3compile.canonical.region import refresh, shape
+from k3compile.canonical.region import CAST, refresh, shape, widens
 from k3compile.canonical.short_conv import convolve_like, products_conv, window_conv
 from k3compile.canonical.token_column import conv_window
 from k3compile.graph import RESHAPES, call
@@ -64,15 +67,18 @@ def _bounds(node: fx.Node) -> tuple | None:
     return None if node.kwargs else given + (0, 0, None, 1)[len(given):]
 
 
-def _roll(window: fx.Node) -> tuple[fx.Node, fx.Node] | None:
-    """(conv, window[..., 1:]): the window's only two readers (the conv a convolution or a
-    product sum, whose unfold reads the window)."""
-    convs = [c for u in window.users if (c := window_conv(u, window)) is not None]
+def _roll(window: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node | None] | None:
+    """(conv, window[..., 1:], the upcast the conv reads or None): the window's only two readers
+    (the conv a convolution or a product sum, whose unfold reads the window, or the conv's one
+    widening cast of the window: spell11's bf16 state convolved in fp32)."""
     rolls = [u for u in window.users if u.target is aten.slice.Tensor and u.args[0] is window
              and _bounds(u) in ((dim, 1, end, 1) for dim in (-1, 2) for end in (None, END))]
+    casts = [u for u in window.users if widens(u, window) and len(u.users) == 1]
+    read = casts[0] if casts else window
+    convs = [c for u in read.users if (c := window_conv(u, read)) is not None]
     if len(window.users) != 2 or len(convs) != 1 or len(rolls) != 1:
         return None
-    return convs[0], rolls[0]
+    return convs[0], rolls[0], casts[0] if casts else None
 
 
 def _taps(conv: fx.Node):
@@ -139,14 +145,15 @@ def _site(first: fx.Node):
     x = _column(col, 0)
     if x is None:
         return None
-    T, windows, convs, chains, window = shape(x)[1], [], [], [], first
+    T, windows, convs, casts, chains, window = shape(x)[1], [], [], [], [], first
     for t in range(T):
         rolled = _roll(window)
         if rolled is None:
             return None
-        conv, roll = rolled
+        conv, roll, cast = rolled
         windows.append(window)
         convs.append(conv)
+        casts.append(cast)
         if t == T - 1:
             break
         if len(roll.users) != 1:
@@ -168,11 +175,13 @@ def _site(first: fx.Node):
     if any(sig != sigs[0] for sig in sigs):
         return None
     out = _stacked([end for _, end in chains], shape(x))
-    return None if out is None else (x, s, convs, chains[0], out, roll)
+    # the windows share a dtype and the convs their taps, so each reads its window alike: as it
+    # is, or through the one upcast to the taps' dtype
+    return None if out is None else (x, s, convs, casts[0], chains[0], out, roll)
 
 
 def _write(graph: fx.Graph, first: fx.Node, site) -> None:
-    x, s, convs, (region, end), out, roll = site
+    x, s, convs, cast, (region, end), out, roll = site
     T = shape(x)[1]
     with graph.inserting_before(first):
         col = call(graph, aten.permute.default, (x, [0, 2, 1]), like=first)
@@ -182,7 +191,9 @@ def _write(graph: fx.Graph, first: fx.Node, site) -> None:
     conv0 = convs[0]
     squeeze = next(iter(conv0.users))
     with graph.inserting_before(conv0):
-        conv = convolve_like(graph, conv0, window)
+        read = window if cast is None else call(graph, CAST, (window, *cast.args[1:]),
+                                                dict(cast.kwargs), like=cast)
+        conv = convolve_like(graph, conv0, read)
         clones = {squeeze: conv}
         for node in region:
             clones[node] = call(graph, node.target, fx.map_arg(node.args, lambda a: clones[a]),

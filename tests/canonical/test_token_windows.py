@@ -2,9 +2,10 @@
 `causal_conv1d_update` loop: T windows `cat([state, x[:, t, :, None]], -1)`, each convolved and
 SiLU'd, `state = window[:, :, 1:]`, the outputs stacked on dim 1) becomes one window of all T
 tokens, one conv over it, its SiLU transposed and its last taps-1 columns the state (also where
-each conv was a plain window sum that rule short_conv rewrote); a T = 1 step, a window read
-elsewhere, per-token taps, per-token ops, a chain that reads another tensor and pieces stacked
-out of order stay."""
+each conv was a plain window sum that rule short_conv rewrote, or reads the window through an
+fp32 upcast: spell11's bf16 step); a T = 1 step, a window read elsewhere, per-token taps,
+per-token ops, a chain that reads another tensor, pieces stacked out of order, an upcast read
+elsewhere or per token, and a narrowing cast stay."""
 
 from __future__ import annotations
 
@@ -46,10 +47,11 @@ def transposed(x, state, taps):  # the canonical form (spell10's probe `conv1d`)
             window[:, :, x.shape[1]:])
 
 
-@pytest.mark.parametrize("T", [2, 3, 8])
-def test_the_windows_are_one_window_and_one_conv(T):
-    args = _args(T)
-    before, after, n = rewrite(token_windows.RULE, per_token, *args)
+def _one_conv(fn, args):
+    """(fn traced, rewritten, its one conv): token_windows takes fn's T per-token convs as one
+    [B, C, T] conv, no select left, bit for bit"""
+    T = args[0].shape[1]
+    before, after, n = rewrite(token_windows.RULE, fn, *args)
     assert n == 1
     assert targets(before).count("aten.convolution.default") == T
     assert targets(after).count("aten.convolution.default") == 1
@@ -57,6 +59,13 @@ def test_the_windows_are_one_window_and_one_conv(T):
     conv = next(x for x in after.graph.nodes if x.target is aten.convolution.default)
     assert tuple(conv.meta["val"].shape) == (B, C, T)
     assert_same(after(*args), before(*args))
+    return after, conv
+
+
+@pytest.mark.parametrize("T", [2, 3, 8])
+def test_the_windows_are_one_window_and_one_conv(T):
+    args = _args(T)
+    after, _ = _one_conv(per_token, args)
     for got, want in zip(after(*args), transposed(*args), strict=True):  # eager's fused silu
         assert got.shape == want.shape and rel_err(got, want) <= 1e-6
 
@@ -120,6 +129,77 @@ def test_plain_window_sums_take_the_chain(T, dtype):
     else:
         for got, ref in zip(gm(*args), want, strict=True):
             assert got.dtype == ref.dtype and got.shape == ref.shape and rel_err(got, ref) <= 1e-6
+
+
+def _upcast_loop(x, state, taps, cast_of):
+    outs = []
+    for t in range(x.shape[1]):
+        window = torch.cat([state, x[:, t, :, None]], dim=-1)
+        y = F.conv1d(window.to(cast_of(t)), taps.to(cast_of(t)), groups=C).view(B, C)
+        outs.append(F.silu(y).to(x.dtype))
+        state = window[:, :, 1:]
+    return torch.stack(outs, dim=1), state
+
+
+def upcast_loop(x, state, taps):
+    """spell11's bf16 loop as a cat window: the bf16 window convolved in fp32 through `.float()`
+    with fp32 master taps, the SiLU in fp32, each output rounded to the window's dtype."""
+    return _upcast_loop(x, state, taps, lambda t: torch.float32)
+
+
+def _upcast_args(T):
+    x, state, taps = _args(T)
+    return x.bfloat16(), state.bfloat16(), taps
+
+
+@pytest.mark.parametrize("T", [2, 3, 8])
+def test_upcast_windows_are_one_upcast_window(T):
+    """bf16 windows each convolved through an fp32 upcast (spell11 at T > 1, session 37): one
+    window, one upcast of it, one conv; the same fp32 elements per column, rounded once: bit for
+    bit, outputs and state"""
+    args = _upcast_args(T)
+    after, conv = _one_conv(upcast_loop, args)
+    assert conv.args[0].target is torch.ops.prims.convert_element_type.default
+    assert_same(after(*args), upcast_loop(*args))
+
+
+def upcast_read_elsewhere(x, state, taps):  # the upcast window also returned
+    outs, ups = [], []
+    for t in range(x.shape[1]):
+        window = torch.cat([state, x[:, t, :, None]], dim=-1)
+        up = window.float()
+        outs.append(F.silu(F.conv1d(up, taps, groups=C).view(B, C)).to(x.dtype))
+        ups.append(up)
+        state = window[:, :, 1:]
+    return torch.stack(outs, dim=1), state, torch.stack(ups)
+
+
+def upcast_some_tokens(x, state, taps):  # token 0 convolved in bf16, the rest through fp32
+    return _upcast_loop(x, state, taps, lambda t: torch.bfloat16 if t == 0 else torch.float32)
+
+
+def upcast_per_token_dtypes(x, state, taps):  # token 0 through fp64, the rest through fp32
+    return _upcast_loop(x, state, taps, lambda t: torch.float64 if t == 0 else torch.float32)
+
+
+@pytest.mark.parametrize("fn", [upcast_read_elsewhere, upcast_some_tokens,
+                                upcast_per_token_dtypes])
+def test_upcast_lookalikes_stay(fn):
+    args = _upcast_args(3)
+    before, after, n = rewrite(token_windows.RULE, fn, *args)
+    assert n == 0 and targets(after) == targets(before)
+    assert_same(after(*args), before(*args))
+
+
+def narrowing_loop(x, state, taps):  # fp32 windows convolved in bf16: a narrowing cast
+    return _upcast_loop(x, state, taps, lambda t: torch.bfloat16)
+
+
+def test_a_narrowed_window_stays():
+    args = _args(3)
+    before, after, n = rewrite(token_windows.RULE, narrowing_loop, *args)
+    assert n == 0 and targets(after) == targets(before)
+    assert_same(after(*args), before(*args))
 
 
 def one_token(x, state, taps):  # T = 1: rule token_column's

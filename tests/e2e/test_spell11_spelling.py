@@ -136,17 +136,20 @@ def test_weight_cast_brings_the_bf16_gemm_fusions_back(reference_plan):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("probe", ["weight_cast", "checkpoint_weights"])
-def test_bf16_kda_step_fuses_bit_for_bit(probe):
+@pytest.mark.parametrize("probe,rows", [("weight_cast", 0), ("checkpoint_weights", 0),
+                                        ("weight_cast", 3)])
+def test_bf16_kda_step_fuses_bit_for_bit(probe, rows):
     """bf16, under autocast with stage weight_cast on (fp32 master taps) or with the checkpoint's
     bf16 weights (probe `checkpoint_weights`: rule cast_cat takes the taps' upcast): with only
     the KDA patterns on, fb_kda_decode takes layers 0 and 1, and two steps give the logits and
     every state bit for bit as the same graph unfused (stage fuse off): the op's reference
-    (gate_fp32; the fp32 taps read as they are) rounds as the spelling's canonical graph."""
+    (gate_fp32; the fp32 taps read as they are) rounds as the spelling's canonical graph. Also
+    at 3 verify rows (rule token_windows through the windows' upcast, session 37)."""
     from k3compile.patterns import ORDER
 
     others = frozenset(n for n in ORDER if n not in ("kda_decode", "fb_kda_decode"))
-    ids, pos, slots = torch.tensor([3, 7]), torch.tensor([0, 5]), torch.tensor([2, 0])
+    ids = torch.tensor([[3, 5, 1], [7, 2, 9]])[:, :rows] if rows else torch.tensor([3, 7])
+    pos, slots, step_len = torch.tensor([0, 5]), torch.tensor([2, 0]), max(rows, 1)
     runs = []
     for options in ({"disabled_patterns": others}, {"disabled_stages": ("fuse",)}):
         model = from_builtin(foreign.builtin(torch.bfloat16))
@@ -154,7 +157,7 @@ def test_bf16_kda_step_fuses_bit_for_bit(probe):
             model.set_probe(probe)
         step = foreign.compile_k3(model, weight_cast=probe == "weight_cast", **options)
         with torch.no_grad():
-            logits = [step(ids + i, pos + i, slots) for i in range(2)]
+            logits = [step(ids + i, pos + step_len * i, slots) for i in range(2)]
         plan = foreign.per_layer(foreign.last_compiled())
         runs.append((logits, state_of(model), {layer: plan[layer].get("fb_kda_decode", 0)
                                                for layer in (0, 1)}))
@@ -164,3 +167,22 @@ def test_bf16_kda_step_fuses_bit_for_bit(probe):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
     for name, want in plain_states.items():
         torch.testing.assert_close(fused_states[name], want, rtol=0, atol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("probes", [(), ("conv_window",)])
+def test_bf16_kda_step_fuses_over_verify_rows(probes):
+    """bf16 with stage weight_cast on, 3 verify rows, batch 2: each token's bf16 window is
+    convolved in fp32 through its upcast (the rolled state after rule conv_roll, or the plain
+    window sum of probe `conv_window` after short_conv), which rule token_windows takes as one
+    window since session 37 (before: T per-token convs, every KDA variant a T = 1 one, the step
+    lost in layers 0 and 1); fb_kda_decode and linear_concat fuse there, compiled within
+    TOL["diffsuite_bf16"] of eager over 2 steps"""
+    model, eager = (from_builtin(foreign.builtin(torch.bfloat16)).set_probe(*probes)
+                    for _ in range(2))
+    err = foreign.steps(foreign.compile_k3(model, weight_cast=True), eager, n=2, rows=3)
+    got = foreign.per_layer(foreign.last_compiled())
+    for layer in (0, 1):
+        assert got[layer].get("fb_kda_decode") == 1 and got[layer].get("linear_concat") == 1, \
+            (layer, dict(got[layer]))
+    assert err <= TOL["diffsuite_bf16"], err
