@@ -70,6 +70,9 @@ PROBES = {
     "qkv_heads": "KDA: q, k, v split before the head view (probe heads' first half)",
     "decay_heads": "KDA: the decay's head view before its add (probe heads' second half)",
     "scores": "MLA: the scores two products, q_lat c_kvᵀ + q_pe k_peᵀ, scaled after",
+    "bank": "AttnRes: the bank's block written by slice assignment, bank[j] = prefix",
+    "kvb": "MLA: kv_b stored 2-D [H (N + V), C] (as the checkpoint), viewed [H, N + V, C]",
+    "lut": "probe dequant's E2M1 table a [16] buffer of its own (not byte_pairs[:16, 0])",
 }
 
 
@@ -190,6 +193,7 @@ class Spell13K3(nn.Module):
             self.states.register_buffer(name, t)
         codes = torch.arange(256)
         table = torch.tensor(E2M1)
+        self.register_buffer("e2m1", table.clone())
         self.register_buffer("byte_pairs", torch.stack([table[codes % 16], table[codes // 16]],
                                                        -1))
 
@@ -199,6 +203,10 @@ class Spell13K3(nn.Module):
             raise ValueError(f"unknown probes {sorted(unknown)}; known: {PROBES}")
         self.probes = set(names)
         self.tdim = 1 if "seq" in self.probes else 0
+        if "kvb" in self.probes:
+            for i in self.mla_layers:
+                kind, off, n, (h, m, r) = self.layers[i].index["kv_b"]
+                self.layers[i].index["kv_b"] = (kind, off, n, (h * m, r))
         if "flat" in self.probes:
             for flat in (*self.layers, self.head):
                 flat.split_storage()
@@ -318,6 +326,8 @@ class Spell13K3(nn.Module):
         q_nope, q_pe = q.split([N, R], -1)
         g = self.proj(x, p["g"])
         kv_b = p["kv_b"]
+        if kv_b.dim() == 2:  # probe `kvb`
+            kv_b = kv_b.view(H, N + c.v_head_dim, C)
         w_uk, w_uv = kv_b[:, :N], kv_b[:, N:]
         q_lat = torch.matmul(q_nope[..., None, :], w_uk).squeeze(-2)  # [T, B, H, C]
         cache = getattr(self.states, f"kv_{i}")
@@ -359,7 +369,7 @@ class Spell13K3(nn.Module):
         *lead, half = packed.shape
         if "dequant" in self.probes:
             codes = torch.stack([packed & 15, packed >> 4], -1).view(*packed.shape[:-1], -1)
-            table = self.byte_pairs[:16, 0]
+            table = self.e2m1 if "lut" in self.probes else self.byte_pairs[:16, 0]
             vals = table[codes.long()].view(*packed.shape[:-1], -1, 32)
             w = torch.ldexp(vals, scale.to(torch.int32)[..., None] - 127)
             return w.view(*packed.shape[:-1], half * 2).to(dtype)
@@ -434,7 +444,10 @@ class Spell13K3(nn.Module):
             if i > 0:
                 prefix = prefix + delta
             write = i % bs == 0
-            if write:
+            if write and "bank" in self.probes:
+                bank = bank.clone()
+                bank[i // bs] = prefix
+            elif write:
                 bank = torch.where(depth == i // bs, prefix[None], bank)
             n = -(-i // bs)
             h = self.mix(prefix, bank, n, p["res_norm_a"], p["res_proj_a"])
