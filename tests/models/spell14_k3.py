@@ -56,7 +56,11 @@ from torch import Tensor, nn
 
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 # probe -> the other spelling of the same math it switches to (bisecting a lost fusion)
-PROBES: dict[str, str] = {}
+PROBES = {
+    "uv": "W_UV applied to SDPA's output transposed to [B, T, H, C] (einsum 'bthc,hdc->bthd')",
+    "write": "the latent cache written by index_put_ at (slots[:, None], input_pos)",
+    "mask": "the causal mask computed as arange(L) <= input_pos, not gathered from causal_mask",
+}
 
 
 @dataclasses.dataclass
@@ -91,6 +95,10 @@ class ModelArgs:
     gate_lower_bound: float = -5.0
     l2norm_eps: float = 1e-6
     full_attn_layers: tuple = ()
+
+
+class _Probed(nn.Module):
+    probes: frozenset = frozenset()  # set_probe's idioms switched, for every module
 
 
 class RMSNorm(nn.Module):
@@ -155,7 +163,7 @@ class AttnRes(nn.Module):
         return (alpha * sources.float()).sum(0).to(prefix.dtype)
 
 
-class KDAttention(nn.Module):
+class KDAttention(_Probed):
     def __init__(self, args: ModelArgs):
         super().__init__()
         d, h, k = args.dim, args.kda_n_head, args.kda_head_dim
@@ -221,7 +229,7 @@ class KDAttention(nn.Module):
         return self.o_proj(o)
 
 
-class MLAttention(nn.Module):
+class MLAttention(_Probed):
     def __init__(self, args: ModelArgs):
         super().__init__()
         d, h = args.dim, args.n_head
@@ -257,9 +265,12 @@ class MLAttention(nn.Module):
 
         rows = torch.cat([ckv, k_pe], dim=-1)
         cache_len = self.kv_cache.shape[1]
-        flat = self.kv_cache.view(-1, c + self.rope)
-        flat.index_copy_(0, (slots.unsqueeze(1) * cache_len + input_pos).view(-1),
-                         rows.view(-1, c + self.rope))
+        if "write" in self.probes:
+            self.kv_cache.index_put_((slots.unsqueeze(1), input_pos), rows)
+        else:
+            flat = self.kv_cache.view(-1, c + self.rope)
+            flat.index_copy_(0, (slots.unsqueeze(1) * cache_len + input_pos).view(-1),
+                             rows.view(-1, c + self.rope))
         kv = self.kv_cache[slots].unsqueeze(1)  # [B, 1, L, C + R]
 
         wkv_b = self.kv_b_proj.weight.view(h, self.nope + self.v_dim, c)
@@ -270,7 +281,11 @@ class MLAttention(nn.Module):
         v = k[..., :c]
         o_lat = F.scaled_dot_product_attention(q_full, k, v, attn_mask=mask,
                                                scale=1.0 / math.sqrt(self.nope + self.rope))
-        o = torch.einsum("bhtc,hdc->bthd", o_lat, w_uv).reshape(bsz, seqlen, h * self.v_dim)
+        if "uv" in self.probes:
+            o = torch.einsum("bthc,hdc->bthd", o_lat.transpose(1, 2), w_uv)
+        else:
+            o = torch.einsum("bhtc,hdc->bthd", o_lat, w_uv)
+        o = o.reshape(bsz, seqlen, h * self.v_dim)
         o = o * torch.sigmoid(self.g_proj(x))
         return self.o_proj(o)
 
@@ -360,7 +375,7 @@ class TransformerBlock(nn.Module):
         return self.attention(x, slots)
 
 
-class Transformer(nn.Module):
+class Transformer(_Probed):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.config = args
@@ -398,7 +413,12 @@ class Transformer(nn.Module):
             idx = idx.unsqueeze(1)
         seqlen = idx.shape[1]
         input_pos = input_pos.unsqueeze(1) + torch.arange(seqlen, device=idx.device)
-        mask = self.causal_mask[input_pos].unsqueeze(1)  # [B, 1, T, L]
+        if "mask" in self.probes:
+            cache_len = self.causal_mask.shape[0]
+            mask = (torch.arange(cache_len, device=idx.device) <= input_pos.unsqueeze(-1))
+            mask = mask.unsqueeze(1)
+        else:
+            mask = self.causal_mask[input_pos].unsqueeze(1)  # [B, 1, T, L]
         freqs_cis = self.freqs_cis[input_pos]
         block_size = self.config.attn_res_block_size
 
@@ -424,7 +444,8 @@ class Transformer(nn.Module):
         unknown = set(names) - set(PROBES)
         if unknown:
             raise ValueError(f"unknown probes {sorted(unknown)}; known: {sorted(PROBES)}")
-        self.probes = set(names)
+        for module in self.modules():
+            module.probes = frozenset(names)
         return self
 
 
