@@ -60,6 +60,7 @@ PROBES = {
     "uv": "W_UV applied to SDPA's output transposed to [B, T, H, C] (einsum 'bthc,hdc->bthd')",
     "write": "the latent cache written by index_put_ at (slots[:, None], input_pos)",
     "mask": "the causal mask computed as arange(L) <= input_pos, not gathered from causal_mask",
+    "cast": "KDA's conv output cast to fp32 before its transpose back to time-major",
 }
 
 
@@ -202,8 +203,12 @@ class KDAttention(_Probed):
         window = torch.cat([self.conv_state[slots], qkv.transpose(1, 2)], dim=-1)
         self.conv_state.index_copy_(0, slots, window[..., -(self.conv_size - 1):])
         taps = torch.cat([self.q_conv1d, self.k_conv1d, self.v_conv1d], dim=0)
-        qkv = F.silu(F.conv1d(window, taps, groups=taps.shape[0])).transpose(1, 2)
-        q, k, v = qkv.float().view(bsz, seqlen, 3, h, dk).unbind(2)
+        qkv = F.silu(F.conv1d(window, taps, groups=taps.shape[0]))
+        if "cast" in self.probes:
+            qkv = qkv.float().transpose(1, 2)
+        else:
+            qkv = qkv.transpose(1, 2).float()
+        q, k, v = qkv.view(bsz, seqlen, 3, h, dk).unbind(2)
         q = self.l2norm(q) * dk ** -0.5
         k = self.l2norm(k)
 
