@@ -19,6 +19,9 @@ compiled-vs-eager values and the plan below are measured with probe `uv` on (o_l
 
 Plan (recorded, not wanted): per layer, the built-in plan's k3 ops this spelling's plan lacks,
 EXACTLY (`LOST`, probe `uv` on). fp32: mla_decode (2, 3) only; bf16 also fb_kda_decode (0, 1).
+mla_decode's causes: the `causal_mask` buffer (probe `mask`) and one `input_pos` read by every
+layer, which rule `layer_positions` (session 37) copies per layer: with probes `uv` + `mask` the
+whole built-in plan fuses.
 """
 
 from __future__ import annotations
@@ -68,3 +71,13 @@ def test_heads_first_uv_einsum_compiles(dtype):
     err, state_err, _ = foreign.run(dtype, from_builtin, state_of)
     tol = TOL["aten_cpu"] if dtype == torch.float32 else TOL["diffsuite_bf16"]
     assert err <= tol and max(state_err.values()) <= tol
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("off", [(), ("layer_positions",)], ids=["rules", "no_layer_positions"])
+def test_mask_probe_and_layer_positions_restore_mla_decode(off, reference_plan):
+    """With probes `uv` and `mask` (the causal mask as `arange(L) <= input_pos`, not gathered from
+    the `causal_mask` buffer) the whole built-in plan fuses, and rule `layer_positions` (one copy
+    of the shared `input_pos` per MLA layer) is what takes mla_decode's last escape (fp32)."""
+    got = foreign.lost(reference_plan, foreign.plan_with_rules_off(from_builtin, off, ("uv", "mask")))
+    assert got == ({} if not off else {2: _MLA, 3: _MLA}), got
