@@ -32,7 +32,7 @@ ORDER: tuple[str, ...] = ("put_rows", "scatter_rows", "paged_write", "token_dim"
                           "position_grid",
                           "mla_upcast",
                           "mla_absorb",
-                          "mla_absorbed", "verify_rows", "table_lookup", "nibble_unpack",
+                          "mla_absorbed", "verify_rows", "layer_positions", "table_lookup", "nibble_unpack",
                           "mxfp4_dequant",
                           "cast_split", "pair_restore", "pair_order", "expert_rows",
                           "expert_slots", "expert_pick", "expert_gather", "expert_stack", "expert_gemm",

@@ -31,7 +31,7 @@ from tests.diffsuite.spellings import condition_for_bf16
 from tests.spellings import foreign
 
 SPELLINGS = ("builtin", "spell5", "spell6", "spell7", "spell8", "spell9", "spell10", "spell11", "spell12",
-             "spell13",
+             "spell13", "spell14",
              "redteam")
 
 # One TP16 rank of K3 as a one-rank model (the spellings are written for one rank): K3's hidden
