@@ -9,7 +9,7 @@ Values (these must pass): the spelling's eager step equals the built-in model's 
 dict (fp32, logits and every state, 4 steps, batch 2, one token and 3 verify rows).
 
 First contact: the compiled step **crashes** at its first call, fp32 and bf16
-(`test_heads_first_uv_einsum_compiles`, xfail strict): pattern `mla_uv_gate` matches W_UV's
+(`test_heads_first_uv_einsum_compiles`; closed in session 37 by mla_uv_gate's check): pattern `mla_uv_gate` matches W_UV's
 `einsum("bhtc,hdc->bthd", o_lat, w_uv)` on SDPA's heads-first output [B, H, 1, C] (the
 matcher's `_same_permutation` lets a permute that moves only the size-1 T dim stand for the
 pattern's), and binds o_lat to the [B, H, 1, C] tensor, which the op reads as [B, T, H, C]:
@@ -61,16 +61,18 @@ def test_spelled_as_is_loads_and_equals_it_eagerly():
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, raises=RuntimeError,
-                   reason="mla_uv_gate binds SDPA's [B, H, 1, C] output as o_lat [B, T, H, C]")
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_heads_first_uv_einsum_compiles(dtype):
-    """The spelling as written compiles and equals its eager twin. Fails today (a crash in the
-    compiled step's post-attention mix, docs/spell14_spelling.md); strict: when the pattern
-    refuses or reads the site right, this passes and the xfail goes."""
-    err, state_err, _ = foreign.run(dtype, from_builtin, state_of)
+def test_heads_first_uv_einsum_compiles(dtype, reference_plan):
+    """The spelling as written compiles and equals its eager twin. It crashed at first contact
+    (a mis-fusion of mla_uv_gate, docs/spell14_spelling.md); since session 37 mla_uv_gate's
+    check refuses the heads-first o_lat, so W_UV's einsum stays unfused in layers 2 and 3."""
+    err, state_err, compiled = foreign.run(dtype, from_builtin, state_of)
     tol = TOL["aten_cpu"] if dtype == torch.float32 else TOL["diffsuite_bf16"]
     assert err <= tol and max(state_err.values()) <= tol
+    lost = foreign.lost(reference_plan, foreign.per_layer(compiled))
+    for layer in (2, 3):
+        assert lost[layer] == {**LOST[dtype][layer], "mla_uv_gate": 1}, lost
 
 
 @pytest.mark.slow
