@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import math
 
 import torch
 from torch._functorch.aot_autograd import make_boxed_func
@@ -25,6 +26,7 @@ from torch._inductor.pattern_matcher import (
     stable_topological_sort,
     unset_fake_temporarily,
 )
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.utils._ordered_set import OrderedSet
 
 
@@ -417,6 +419,9 @@ def disagreement(pattern, node) -> FailedMatch | None:
             and not _inserts_at(node, literals[1])):  # a view as the unsqueeze (`_ViewCall`)
         return FailedMatch(_UNEQUAL, node=node, key="size", value=node.args[1],
                            want=f"a unit dim at {literals[1]}")
+    if (traced := getattr(pattern, "k3_view", None)) is not None and (
+            carried := _carried_otherwise(traced, node)) is not None:
+        return FailedMatch(_UNEQUAL, node=node, key="size", value=carried[0], want=carried[1])
     for key, got, want, omitted in _unread_arguments(pattern, node):
         if omitted and (isinstance(got, torch.fx.Node) or want is _NO_DEFAULT):
             ok = False
@@ -542,6 +547,76 @@ def _agrees(node, key: str, got, want, strict: bool) -> bool:
     return _same(got, want) if strict else True
 
 
+def traced_shape(node) -> tuple[int, ...] | None:
+    """A search graph node's shape as traced: its `meta["val"]`'s, or where the graph came from
+    the trace cache (which keeps no values), the shape the cache kept (`TRACED_SHAPE`)."""
+    if not isinstance(node, torch.fx.Node):
+        return None
+    val = node.meta.get("val")
+    shape = val.shape if isinstance(val, torch.Tensor) else node.meta.get(TRACED_SHAPE)
+    if shape is None or not all(type(s) is int for s in shape):
+        return None
+    return tuple(shape)
+
+
+TRACED_SHAPE = "k3_traced_shape"
+
+
+def _carried_otherwise(traced, node) -> tuple[list, str] | None:
+    """Where the site's reshape (a node the pattern's view matched) lays out its input's dims
+    otherwise than the pattern's view did: (the site's output shape, what the pattern's gives),
+    else None. The pattern's view carries an input dim over whole to an output dim (one of its
+    size with as many elements after it: H of `A_log.view(H, 1)`, T of `q.view(B, T, H, K)`);
+    the site's output dim there is the site's input dim, whatever its size. Otherwise it is a
+    look-alike: `A_log.view(1, H)` multiplies along dim 1 what the pattern multiplies along dim
+    0, `q.view(B, H, T, K)` moves T = 1 between the heads and the head dim, and the decode's
+    broadcasts pair other elements wherever the sizes allow it (square heads). The sizes a view
+    makes (the pieces of a split, a product) follow the site's shapes. Not compared: a site of
+    other ranks, and one with fewer dims of size 1 than the trace (a batch or token count traced
+    at 1, which the site's reshape may merge where the trace had none to merge: `view(B * T, D)`
+    of a T = 1 trace; a unit dim moved elsewhere leaves the count as it was)."""
+    site = [_val(n) for n in (node.args[0] if node.args else None, node)]
+    if any(v is None for v in site):
+        return None
+    (t_in, t_out), (s_in, s_out) = traced, (list(v.shape) for v in site)
+    if len(s_in) != len(t_in) or len(s_out) != len(t_out) or any(
+            sum(_surely_equal(d, 1) for d in site) < traced.count(1)
+            for traced, site in ((t_in, s_in), (t_out, s_out))):
+        return None
+    for i in range(len(t_in)):
+        if (j := _carried_to(t_in, t_out, i)) is not None and (
+                _surely_differ(s_out[j], s_in[i])
+                or _surely_differ(math.prod(s_out[j + 1:]), math.prod(s_in[i + 1:]))):
+            return s_out, f"{list(t_out)} of {list(t_in)}: its dim {j} the input's dim {i}"
+    return None
+
+
+def _carried_to(shape_in, shape_out, i: int) -> int | None:
+    """The output dim to which a reshape of `shape_in` to `shape_out` (ints) carries input dim i
+    whole: one of its size with as many elements after it (of several such unit dims, the one
+    in the same place among them)."""
+    def at(shape, d):
+        return shape[d], math.prod(shape[d + 1:])
+
+    peers = [d for d in range(len(shape_in)) if at(shape_in, d) == at(shape_in, i)]
+    outs = [j for j in range(len(shape_out)) if at(shape_out, j) == at(shape_in, i)]
+    return outs[peers.index(i)] if len(outs) == len(peers) else None
+
+
+def _surely_equal(a, b) -> bool:
+    """Sizes known equal (symbolic sizes the shape env cannot decide are not)."""
+    if type(a) is int and type(b) is int:
+        return a == b
+    return statically_known_true(a == b)
+
+
+def _surely_differ(a, b) -> bool:
+    """Sizes known to differ (symbolic sizes the shape env cannot decide do not)."""
+    if type(a) is int and type(b) is int:
+        return a != b
+    return statically_known_true(a != b)
+
+
 def _size_along(node) -> int | None:
     """The size of a select's / slice's / narrow's input along the dim it cuts, where known."""
     val = _val(node.args[0])
@@ -603,6 +678,9 @@ def literal_args(expr, search_gm: torch.fx.GraphModule) -> None:
         seen.add(id(p))
         p.k3_literals = {i: a for i, (q, a) in enumerate(zip(p.args, n.args)) if free(q, a)}
         p.k3_literals |= {k: a for k, a in n.kwargs.items() if free(p.kwargs.get(k), a)}
+        if (n.target in _VIEWS and (shapes := (traced_shape(n.args[0]), traced_shape(n)))
+                and None not in shapes):
+            p.k3_view = shapes
         for q, a in zip(p.args, n.args):
             if isinstance(q, (list, tuple)) and isinstance(a, (list, tuple)):
                 for qq, aa in zip(q, a):
@@ -688,6 +766,8 @@ def anchor_gap(pattern, ctx) -> tuple[torch.fx.Node, PatternExpr] | None:
 
 
 _VIEW, _UNSQUEEZE = torch.ops.aten.view.default, torch.ops.aten.unsqueeze.default
+# the reshapes whose output shape alone says where each element goes (`_carried_otherwise`)
+_VIEWS = frozenset({_VIEW, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default})
 
 
 def _inserts_at(node, dim) -> bool:
