@@ -411,7 +411,10 @@ def disagreement(pattern, node) -> FailedMatch | None:
     a literal of the search graph that `fx_to_pattern` left free (`Ignored`: every int, float,
     list, dtype and device), kept by `literal_args` (`mean(-2)` matched a pattern's `mean(-1)`,
     `pow(4)` its `pow(2)`, a select of token 1 its select of token 0); `_agrees` says which
-    literals decide the value (docs/decisions.md, sessions 35 and 36)."""
+    literals decide the value (docs/decisions.md, sessions 35 and 36). A reshape's sizes are
+    free literals, but where the pattern's view carries an input dim whole, the site's must
+    carry it to the same output dim (`_carried_otherwise`, the traced shapes `literal_args`
+    kept: `A_log.view(1, H)` matched a pattern's `A_log.view(H, 1)`; session 37)."""
     if not isinstance(pattern, CallFunction) or not isinstance(node, torch.fx.Node):
         return None
     literals = getattr(pattern, "k3_literals", {})
@@ -660,7 +663,8 @@ def literal_args(expr, search_gm: torch.fx.GraphModule) -> None:
     (`Ignored`: every int, float, list, dtype and device of the search graph), positional by
     index and keyword by name, for `disagreement`. Free, a literal matched any value:
     `mean(-2)` matched a pattern's `mean(-1)`, `pow(4)` its `pow(2)` (docs/decisions.md,
-    session 35), `iota(start=1)` mla_decode's `iota(start=0)` (session 36)."""
+    session 35), `iota(start=1)` mla_decode's `iota(start=0)` (session 36). Also a reshape's
+    traced input and output shapes (`k3_view`, from `traced_shape`; session 37)."""
     output = next(n for n in search_gm.graph.nodes if n.op == "output")
     leaves = [n for n in torch.utils._pytree.tree_leaves(output.args[0])
               if isinstance(n, torch.fx.Node)]
