@@ -566,44 +566,45 @@ TRACED_SHAPE = "k3_traced_shape"
 
 
 def _carried_otherwise(traced, node) -> tuple[list, str] | None:
-    """Where the site's reshape (a node the pattern's view matched) lays out its input's dims
+    """Where the site's reshape (a node the pattern's view matched) lays out its input
     otherwise than the pattern's view did: (the site's output shape, what the pattern's gives),
-    else None. The pattern's view carries an input dim over whole to an output dim (one of its
-    size with as many elements after it: H of `A_log.view(H, 1)`, T of `q.view(B, T, H, K)`);
-    the site's output dim there is the site's input dim, whatever its size. Otherwise it is a
-    look-alike: `A_log.view(1, H)` multiplies along dim 1 what the pattern multiplies along dim
-    0, `q.view(B, H, T, K)` moves T = 1 between the heads and the head dim, and the decode's
-    broadcasts pair other elements wherever the sizes allow it (square heads). The sizes a view
-    makes (the pieces of a split, a product) follow the site's shapes. Not compared: a site of
-    other ranks, and one with fewer dims of size 1 than the trace (a batch or token count traced
-    at 1, which the site's reshape may merge where the trace had none to merge: `view(B * T, D)`
-    of a T = 1 trace; a unit dim moved elsewhere leaves the count as it was)."""
+    else None. Two things must be the pattern's. A size-1 output dim stays size 1: it is a
+    broadcast's (`A_log.view(H, 1)` against `view(1, H)`, `q.view(B, T, H, K)`'s T = 1 against
+    `view(B, H, T, K)`: the decode's broadcasts pair other elements wherever the sizes allow
+    it). An output dim to which the pattern's view carries an input dim whole (one of its size
+    with as many elements after it: B, T, a head dim) is a whole input dim of the site's too
+    (`q.view(H, B, ...)` regroups batch and heads). The sizes a view makes (a split's pieces,
+    a product) follow the site's shapes, and so does where the input's size-1 dims stand (a
+    reshape reads its input in order; the einsum decompositions place and drop them by the
+    traced sizes). Not compared: a site of another output rank, and one with fewer size-1 dims
+    than the trace in its input or output (a batch or token count traced at 1: `x.view(B * T,
+    D)` of a T = 1 trace merges nothing, a T = 8 site's merges B and T)."""
     site = [_val(n) for n in (node.args[0] if node.args else None, node)]
     if any(v is None for v in site):
         return None
     (t_in, t_out), (s_in, s_out) = traced, (list(v.shape) for v in site)
-    if len(s_in) != len(t_in) or len(s_out) != len(t_out) or any(
-            sum(_surely_equal(d, 1) for d in site) < traced.count(1)
-            for traced, site in ((t_in, s_in), (t_out, s_out))):
+    if len(s_out) != len(t_out) or any(
+            sum(_surely_equal(d, 1) for d in s) < t.count(1)
+            for t, s in ((t_in, s_in), (t_out, s_out))):
         return None
-    for i in range(len(t_in)):
-        if (j := _carried_to(t_in, t_out, i)) is not None and (
-                _surely_differ(s_out[j], s_in[i])
-                or _surely_differ(math.prod(s_out[j + 1:]), math.prod(s_in[i + 1:]))):
-            return s_out, f"{list(t_out)} of {list(t_in)}: its dim {j} the input's dim {i}"
+    why = f"{list(t_out)} of {list(t_in)}: its dim "
+    for j, size in enumerate(t_out):
+        if size == 1 and not _surely_equal(s_out[j], 1):
+            return s_out, why + f"{j} of size 1"
+        if (size != 1 and _whole(t_in, t_out, j) and not _surely_equal(s_out[j], 1)
+                and not _whole(s_in, s_out, j)):
+            return s_out, why + f"{j} a whole input dim"
     return None
 
 
-def _carried_to(shape_in, shape_out, i: int) -> int | None:
-    """The output dim to which a reshape of `shape_in` to `shape_out` (ints) carries input dim i
-    whole: one of its size with as many elements after it (of several such unit dims, the one
-    in the same place among them)."""
-    def at(shape, d):
-        return shape[d], math.prod(shape[d + 1:])
-
-    peers = [d for d in range(len(shape_in)) if at(shape_in, d) == at(shape_in, i)]
-    outs = [j for j in range(len(shape_out)) if at(shape_out, j) == at(shape_in, i)]
-    return outs[peers.index(i)] if len(outs) == len(peers) else None
+def _whole(shape_in, shape_out, j: int) -> bool:
+    """Output dim j of a reshape of `shape_in` to `shape_out` may be an input dim carried over
+    whole: one of its size with as many elements after it (not known otherwise, for symbolic
+    sizes)."""
+    after = math.prod(shape_out[j + 1:])
+    return any(not _surely_differ(shape_in[i], shape_out[j])
+               and not _surely_differ(math.prod(shape_in[i + 1:]), after)
+               for i in range(len(shape_in)))
 
 
 def _surely_equal(a, b) -> bool:

@@ -43,11 +43,11 @@ def _kda_square():
 # the site's views in graph order: q, k, v split into heads [B, T, H, K] (0-2), A_log [H, 1] (3),
 # graw's head split (4), dt_bias [H, K] (5)
 @pytest.mark.parametrize(("edit", "words"), [
-    (_edit(_VIEW, 3, 1, [1, 4]), ("view_3", "size=[1, 4]", "[2, 1] of [2]")),
-    (_edit(_VIEW, 0, 1, [4, 1, 4, 2]), ("view (view", "size=[4, 1, 4, 2]", "its dim 0")),
-    (_edit(_VIEW, 2, 1, [1, 2, 4, 4]), ("view_2", "size=[1, 2, 4, 4]", "its dim 0")),
-    (_edit(_VIEW, 2, 1, [2, 4, 1, 4]), ("view_2", "size=[2, 4, 1, 4]", "its dim 1")),
-    (_edit(_VIEW, 2, 1, [2, 4, 4, 1]), ("view_2", "size=[2, 4, 4, 1]", "its dim 1")),
+    (_edit(_VIEW, 3, 1, [1, 4]), ("view_3", "size=[1, 4]", "[2, 1] of [2]: its dim 1 of size 1")),
+    (_edit(_VIEW, 0, 1, [4, 1, 4, 2]), ("view (view", "size=[4, 1, 4, 2]", "dim 0 a whole")),
+    (_edit(_VIEW, 2, 1, [1, 2, 4, 4]), ("view_2", "size=[1, 2, 4, 4]", "dim 1 of size 1")),
+    (_edit(_VIEW, 2, 1, [2, 4, 1, 4]), ("view_2", "size=[2, 4, 1, 4]", "dim 1 of size 1")),
+    (_edit(_VIEW, 2, 1, [2, 4, 4, 1]), ("view_2", "size=[2, 4, 4, 1]", "dim 1 of size 1")),
 ], ids=["decay_per_head_along_k", "q_batch_regrouped", "v_batch_for_token",
         "v_token_between_heads", "v_token_last"])
 def test_kda_step_laying_out_heads_otherwise_is_refused(edit, words):
