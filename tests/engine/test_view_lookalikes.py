@@ -1,13 +1,13 @@
-"""Session 37: a site's reshapes lay out their input's dims as the pattern's do. Inductor's
+"""Session 37: a site's reshapes lay out their input as the pattern's do. Inductor's
 `fx_to_pattern` leaves a view's sizes free (`Ignored`), and sessions 35-36 left them free on
 purpose (they follow the site's shapes), so a site whose view put a dim elsewhere matched
 wherever the broadcasts after it still type-checked: `A_log.view(1, H)` for the pattern's
 `A_log.view(H, 1)` on square heads (H = K), a head split `view(B, H, T, K)` moving T = 1 between
 the heads and the head dim. The engine now compares a view's output shape with the pattern's
-traced one (`inductor.disagreement`, `_carried_otherwise`): an input dim the pattern's view
-carries whole to an output dim is the site's output dim there. Graphs edited in one view each
-(the look-alike), compared with the edited graph's own eager values; the trace cache keeps the
-traced shapes (format 2)."""
+traced one (`inductor.disagreement`, `_carried_otherwise`): a size-1 output dim stays size 1,
+and an output dim to which the pattern's view carries an input dim whole is a whole input dim
+at the site too. Graphs edited in one view each (the look-alike), compared with the edited
+graph's own eager values; the trace cache keeps the traced shapes (format 2)."""
 
 from __future__ import annotations
 
@@ -112,10 +112,15 @@ def _carried(traced_in, traced_out, site_in, site_out):
     (([2, 2, 8, 8], [4, 8, 8]), ([3, 4, 4, 4], [12, 4, 4]), True),  # batch and heads merged
     (([2, 2, 8, 8], [4, 8, 8]), ([4, 4, 4, 4], [4, 16, 4]), False),
     (([2, 3], [6]), ([4, 4], [16]), True),  # sizes only a product
+    # mla_q_absorb at B = 1, T = 8: the einsum's decomposition drops B and puts its size-1
+    # dims last; a reshape reads its input in order, so they change nothing
+    (([2, 2, 2, 8, 1], [2, 4, 8]), ([4, 8, 32, 1, 1], [4, 8, 32]), True),
 ], ids=["unit_kept", "unit_moved", "square_split", "batch_1", "token_moved", "split",
-        "identity_trace", "merge_t1", "split_t1", "merge", "merge_otherwise", "flatten"])
+        "identity_trace", "merge_t1", "split_t1", "merge", "merge_otherwise", "flatten",
+        "input_units_elsewhere"])
 def test_a_view_is_compared_by_the_dims_it_carries(traced, site, same):
-    """The rule on single views: where the pattern's view carries an input dim whole, the
-    site's output dim there is its input dim; sizes a view makes and a site with fewer unit
-    dims than the trace (a batch or token count traced at 1) stay free."""
+    """The rule on single views: a size-1 output dim of the pattern's stays size 1, and where
+    the pattern's view carries an input dim whole the site's output dim there is a whole input
+    dim too; sizes a view makes and a site with fewer size-1 dims than the trace (a batch or
+    token count traced at 1) stay free."""
     assert (_carried(*traced, *site) is None) == same
