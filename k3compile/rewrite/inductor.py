@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import math
 
 import torch
 from torch._functorch.aot_autograd import make_boxed_func
@@ -25,6 +26,7 @@ from torch._inductor.pattern_matcher import (
     stable_topological_sort,
     unset_fake_temporarily,
 )
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.utils._ordered_set import OrderedSet
 
 
@@ -409,7 +411,10 @@ def disagreement(pattern, node) -> FailedMatch | None:
     a literal of the search graph that `fx_to_pattern` left free (`Ignored`: every int, float,
     list, dtype and device), kept by `literal_args` (`mean(-2)` matched a pattern's `mean(-1)`,
     `pow(4)` its `pow(2)`, a select of token 1 its select of token 0); `_agrees` says which
-    literals decide the value (docs/decisions.md, sessions 35 and 36)."""
+    literals decide the value (docs/decisions.md, sessions 35 and 36). A reshape's sizes are
+    free literals, but where the pattern's view carries an input dim whole, the site's must
+    carry it to the same output dim (`_carried_otherwise`, the traced shapes `literal_args`
+    kept: `A_log.view(1, H)` matched a pattern's `A_log.view(H, 1)`; session 37)."""
     if not isinstance(pattern, CallFunction) or not isinstance(node, torch.fx.Node):
         return None
     literals = getattr(pattern, "k3_literals", {})
@@ -417,6 +422,9 @@ def disagreement(pattern, node) -> FailedMatch | None:
             and not _inserts_at(node, literals[1])):  # a view as the unsqueeze (`_ViewCall`)
         return FailedMatch(_UNEQUAL, node=node, key="size", value=node.args[1],
                            want=f"a unit dim at {literals[1]}")
+    if (traced := getattr(pattern, "k3_view", None)) is not None and (
+            carried := _carried_otherwise(traced, node)) is not None:
+        return FailedMatch(_UNEQUAL, node=node, key="size", value=carried[0], want=carried[1])
     for key, got, want, omitted in _unread_arguments(pattern, node):
         if omitted and (isinstance(got, torch.fx.Node) or want is _NO_DEFAULT):
             ok = False
@@ -542,6 +550,77 @@ def _agrees(node, key: str, got, want, strict: bool) -> bool:
     return _same(got, want) if strict else True
 
 
+def traced_shape(node) -> tuple[int, ...] | None:
+    """A search graph node's shape as traced: its `meta["val"]`'s, or where the graph came from
+    the trace cache (which keeps no values), the shape the cache kept (`TRACED_SHAPE`)."""
+    if not isinstance(node, torch.fx.Node):
+        return None
+    val = node.meta.get("val")
+    shape = val.shape if isinstance(val, torch.Tensor) else node.meta.get(TRACED_SHAPE)
+    if shape is None or not all(type(s) is int for s in shape):
+        return None
+    return tuple(shape)
+
+
+TRACED_SHAPE = "k3_traced_shape"
+
+
+def _carried_otherwise(traced, node) -> tuple[list, str] | None:
+    """Where the site's reshape (a node the pattern's view matched) lays out its input
+    otherwise than the pattern's view did: (the site's output shape, what the pattern's gives),
+    else None. Two things must be the pattern's. A size-1 output dim stays size 1: it is a
+    broadcast's (`A_log.view(H, 1)` against `view(1, H)`, `q.view(B, T, H, K)`'s T = 1 against
+    `view(B, H, T, K)`: the decode's broadcasts pair other elements wherever the sizes allow
+    it). An output dim to which the pattern's view carries an input dim whole (one of its size
+    with as many elements after it: B, T, a head dim) is a whole input dim of the site's too
+    (`q.view(H, B, ...)` regroups batch and heads). The sizes a view makes (a split's pieces,
+    a product) follow the site's shapes, and so does where the input's size-1 dims stand (a
+    reshape reads its input in order; the einsum decompositions place and drop them by the
+    traced sizes). Not compared: a site of another output rank, and one with fewer size-1 dims
+    than the trace in its input or output (a batch or token count traced at 1: `x.view(B * T,
+    D)` of a T = 1 trace merges nothing, a T = 8 site's merges B and T)."""
+    site = [_val(n) for n in (node.args[0] if node.args else None, node)]
+    if any(v is None for v in site):
+        return None
+    (t_in, t_out), (s_in, s_out) = traced, (list(v.shape) for v in site)
+    if len(s_out) != len(t_out) or any(
+            sum(_surely_equal(d, 1) for d in s) < t.count(1)
+            for t, s in ((t_in, s_in), (t_out, s_out))):
+        return None
+    why = f"{list(t_out)} of {list(t_in)}: its dim "
+    for j, size in enumerate(t_out):
+        if size == 1 and not _surely_equal(s_out[j], 1):
+            return s_out, why + f"{j} of size 1"
+        if (size != 1 and _whole(t_in, t_out, j) and not _surely_equal(s_out[j], 1)
+                and not _whole(s_in, s_out, j)):
+            return s_out, why + f"{j} a whole input dim"
+    return None
+
+
+def _whole(shape_in, shape_out, j: int) -> bool:
+    """Output dim j of a reshape of `shape_in` to `shape_out` may be an input dim carried over
+    whole: one of its size with as many elements after it (not known otherwise, for symbolic
+    sizes)."""
+    after = math.prod(shape_out[j + 1:])
+    return any(not _surely_differ(shape_in[i], shape_out[j])
+               and not _surely_differ(math.prod(shape_in[i + 1:]), after)
+               for i in range(len(shape_in)))
+
+
+def _surely_equal(a, b) -> bool:
+    """Sizes known equal (symbolic sizes the shape env cannot decide are not)."""
+    if type(a) is int and type(b) is int:
+        return a == b
+    return statically_known_true(a == b)
+
+
+def _surely_differ(a, b) -> bool:
+    """Sizes known to differ (symbolic sizes the shape env cannot decide do not)."""
+    if type(a) is int and type(b) is int:
+        return a != b
+    return statically_known_true(a != b)
+
+
 def _size_along(node) -> int | None:
     """The size of a select's / slice's / narrow's input along the dim it cuts, where known."""
     val = _val(node.args[0])
@@ -585,7 +664,8 @@ def literal_args(expr, search_gm: torch.fx.GraphModule) -> None:
     (`Ignored`: every int, float, list, dtype and device of the search graph), positional by
     index and keyword by name, for `disagreement`. Free, a literal matched any value:
     `mean(-2)` matched a pattern's `mean(-1)`, `pow(4)` its `pow(2)` (docs/decisions.md,
-    session 35), `iota(start=1)` mla_decode's `iota(start=0)` (session 36)."""
+    session 35), `iota(start=1)` mla_decode's `iota(start=0)` (session 36). Also a reshape's
+    traced input and output shapes (`k3_view`, from `traced_shape`; session 37)."""
     output = next(n for n in search_gm.graph.nodes if n.op == "output")
     leaves = [n for n in torch.utils._pytree.tree_leaves(output.args[0])
               if isinstance(n, torch.fx.Node)]
@@ -603,6 +683,9 @@ def literal_args(expr, search_gm: torch.fx.GraphModule) -> None:
         seen.add(id(p))
         p.k3_literals = {i: a for i, (q, a) in enumerate(zip(p.args, n.args)) if free(q, a)}
         p.k3_literals |= {k: a for k, a in n.kwargs.items() if free(p.kwargs.get(k), a)}
+        if (n.target in _VIEWS and (shapes := (traced_shape(n.args[0]), traced_shape(n)))
+                and None not in shapes):
+            p.k3_view = shapes
         for q, a in zip(p.args, n.args):
             if isinstance(q, (list, tuple)) and isinstance(a, (list, tuple)):
                 for qq, aa in zip(q, a):
@@ -688,6 +771,8 @@ def anchor_gap(pattern, ctx) -> tuple[torch.fx.Node, PatternExpr] | None:
 
 
 _VIEW, _UNSQUEEZE = torch.ops.aten.view.default, torch.ops.aten.unsqueeze.default
+# the reshapes whose output shape alone says where each element goes (`_carried_otherwise`)
+_VIEWS = frozenset({_VIEW, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default})
 
 
 def _inserts_at(node, dim) -> bool:

@@ -25,8 +25,10 @@ Written to a temporary file and renamed (a reader sees a whole entry or none; pr
 one pattern at once, TP ranks, each write a whole entry: no lock, a trace costs well under a
 second). An entry that is
 unreadable, of another format or key, fails its checksum or names an op this torch lacks is
-logged, removed and traced again, never used. Node metadata (`meta["val"]`) is not kept: the
-matcher and the near-miss probes read only the graph's structure.
+logged, removed and traced again, never used. Node metadata (`meta["val"]`) is not kept, only
+each tensor node's traced shape (`inductor.TRACED_SHAPE`, format 2): the matcher compares a
+site's reshapes with the pattern's by them (`inductor.disagreement`); the near-miss probes read
+only the graph's structure.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ try:  # no Python code generated until the module is called (the matcher reads o
 except ImportError:  # pragma: no cover (a torch without it)
     _GraphModule = fx.GraphModule
 
-FORMAT = 1
+FORMAT = 2  # 2: the graph's tensor shapes beside it (session 37)
 PACKAGE = Path(__file__).resolve().parent.parent  # k3compile/
 
 log = logging.getLogger("k3compile.rewrite")
@@ -191,7 +193,9 @@ def store(path: Path, text: str, gm: fx.GraphModule, name: str) -> bool:
     """Write gm's entry (False: a graph the format does not describe, or an unwritable folder)."""
     try:
         graph = encode_graph(gm.graph)
-        body = json.dumps(graph)  # kwargs in their order: the matcher compares it
+        shapes = {n.name: list(s) for n in gm.graph.nodes
+                  if (s := inductor.traced_shape(n)) is not None}
+        body = json.dumps({"graph": graph, "shapes": shapes})  # kwargs in order: matched
         write_entry(path, FORMAT, text, body, field="graph")
     except (Unstorable, OSError) as e:
         log.debug("k3 pattern %s: trace not cached (%s: %s)", name, type(e).__name__, e)
@@ -203,8 +207,13 @@ def store(path: Path, text: str, gm: fx.GraphModule, name: str) -> bool:
 
 def load(path: Path, text: str) -> fx.GraphModule:
     """The traced graph of a whole, checked entry for this key text; BadEntry otherwise."""
-    body = read_entry(path, FORMAT, text, field="graph")
-    return _GraphModule(torch.nn.Module(), decode_graph(json.loads(body)))
+    body = json.loads(read_entry(path, FORMAT, text, field="graph"))
+    graph = decode_graph(body["graph"])
+    shapes = body["shapes"]
+    for n in graph.nodes:
+        if n.name in shapes:
+            n.meta[inductor.TRACED_SHAPE] = tuple(int(s) for s in shapes[n.name])
+    return _GraphModule(torch.nn.Module(), graph)
 
 
 # ---- the graph as data -------------------------------------------------------------------------

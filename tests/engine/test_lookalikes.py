@@ -156,7 +156,7 @@ def test_literal_mismatch_reads_the_schema():
     def search(x, eps):
         return (x.view(-1, 8).pow(2).sum(-1) + eps).sum(0)
 
-    pattern = inductor.gen_pattern_and_search_gm(search, [torch.randn(4, 8), 1.5],
+    pattern = inductor.gen_pattern_and_search_gm(search, [torch.randn(2, 16), 1.5],
                                                  inductor.fwd_only, {"eps": 1.5})
     inductor.literal_args(*pattern)
     expr = pattern[0]

@@ -55,6 +55,8 @@ def _same(a, b) -> None:
     assert repr(a.expr) == repr(b.expr)
     assert a._search_gm.code == b._search_gm.code
     assert a.op_signature == b.op_signature
+    shapes = [{n.name: inductor.traced_shape(n) for n in p._search_gm.graph.nodes} for p in (a, b)]
+    assert shapes[0] == shapes[1] and any(shapes[0].values())  # kept for the view check
 
 
 @pytest.mark.parametrize("route", sorted(ROUTES))
