@@ -14,6 +14,7 @@ E2M1 table built by the op, so a rewritten graph equals eager on CPU.
 from __future__ import annotations
 
 import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from k3compile import math
 
@@ -24,8 +25,9 @@ def e2m1_table(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """The 16 E2M1 values, built once per device and dtype: a CUDA graph cannot capture the
     host-to-device copy that making it takes."""
     key = (device, dtype)
-    if key not in _E2M1:
-        _E2M1[key] = math.e2m1_table(device, dtype)
+    if key not in _E2M1:  # a real table even when first asked for under a fake mode
+        with unset_fake_temporarily():
+            _E2M1[key] = math.e2m1_table(device, dtype)
     return _E2M1[key]
 
 

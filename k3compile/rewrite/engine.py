@@ -427,7 +427,55 @@ def replacement_mismatch(pattern: Pattern, m: Any, args: list) -> str | None:
             got = torch.utils._pytree.tree_leaves(pattern.replace(*vals))
     except Exception as e:  # noqa: BLE001  (a replacement that cannot run here cannot replace)
         return f"the replacement raised {type(e).__name__} on the site's metadata: {e}"
-    return output_mismatch(got, site)
+    if why := output_mismatch(got, site):
+        return why
+    ref = _reference_outputs(pattern, vals)  # the op's fake trusts its inputs; its reference not
+    if ref is not None and (why := output_mismatch(ref, site)):
+        return f"the op's reference on the bound inputs: {why}"
+    return None
+
+
+def _reference_outputs(pattern: Pattern, vals: list) -> list | None:
+    """The replacement's outputs with its op computed by the op's torch reference, on fresh fakes
+    of the site's static shapes in a mode of their own (no shape environment: a reference's
+    `.item()` or data-dependent size raises there and decides nothing, and no symbol or guard
+    reaches Dynamo's); None where a size is symbolic or the reference cannot run on fakes."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    leaves, spec = torch.utils._pytree.tree_flatten(vals)
+    tensors = [v for v in leaves if isinstance(v, torch.Tensor)]
+    if any(type(n) is not int for v in tensors for n in (*v.shape, *v.stride())):
+        return None
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True), _Reference(pattern.op):
+            fresh = [torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device)
+                     if isinstance(v, torch.Tensor) else v for v in leaves]
+            return torch.utils._pytree.tree_leaves(
+                pattern.replace(*torch.utils._pytree.tree_unflatten(fresh, spec)))
+    except Exception:  # noqa: BLE001  (data-dependent, or not runnable on fakes: cannot tell)
+        return None
+
+
+class _Reference(torch.overrides.TorchFunctionMode):
+    """Calls of k3 op `op` ("k3.name") run the function its `torch.library.custom_op` wraps
+    (the op's torch reference) instead of its registered fake. A fake takes its output's shape
+    from one argument (mla_uv_gate's from g) and so agrees with the site whatever the other
+    arguments are; the reference computes from all of them. spell14's heads-first o_lat,
+    bound where the op reads [B, T, H, C], gave [B, H, H·V] from the reference and [B, 1, H·V]
+    from the fake: a shape the graph never had, caught here before the graph runs."""
+
+    def __init__(self, op: str):
+        super().__init__()
+        from torch._library.custom_ops import OPDEFS
+
+        self.opdef = OPDEFS.get(op.replace(".", "::", 1))
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "_qualified_op_name", None) or getattr(
+            getattr(func, "_schema", None), "name", None)
+        if self.opdef is not None and name == self.opdef._qualname:
+            return self.opdef._init_fn(*args, **(kwargs or {}))
+        return func(*args, **(kwargs or {}))
 
 
 def _random_like(val: Any, gen: torch.Generator) -> Any:

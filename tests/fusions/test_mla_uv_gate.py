@@ -94,6 +94,25 @@ def test_heads_first_value_einsum_is_not_bound_as_tokens_first():
             assert_near_miss(report, "mla_uv_gate", "check refused", "not [B, T, H, C]")
 
 
+def test_the_engine_refuses_the_heads_first_site_by_the_op_s_reference(monkeypatch):
+    """Without the check's shape test, the engine's own: the op's fake takes its shape from g
+    and agrees with the site, the reference run on the bound fakes gives [B, H, H·V]."""
+    monkeypatch.setattr(mla_uv_gate, "check", lambda match: None)
+    def heads_first(p, kv_lat, w_kvb, g):
+        B, T = p.shape[:2]
+        o_lat = torch.einsum("bthl,blc->bhtc", p, kv_lat)
+        _, w_uv = w_kvb.view(H, N + V, C).split([N, V], dim=1)
+        return torch.einsum("bhtc,hdc->bthd", o_lat, w_uv).reshape(B, T, H * V) * torch.sigmoid(g)
+
+    args = _args(3, 1)
+    gm, report = rewrite(heads_first, args, mla_uv_gate.patterns(), joint=True)
+    assert "k3.mla_uv_gate" not in targets(gm)
+    assert torch.equal(gm(*args), heads_first(*args))
+    assert_near_miss(report, "mla_uv_gate", "reference", "[3, 4, 128]")
+    gm, report = rewrite(uv_gate, args, mla_uv_gate.patterns(), joint=True)  # the faithful site
+    assert_rewritten_equal(gm, report, uv_gate, args, "k3.mla_uv_gate")
+
+
 def test_check_refuses_float64():
     _, report = rewrite(uv_gate, _args(3, 8, torch.float64), mla_uv_gate.patterns(), joint=True)
     assert_near_miss(report, "mla_uv_gate", "check refused", "float64")

@@ -181,3 +181,19 @@ def test_fp32_out_escaping_fc1_output_is_a_near_miss():
 
     _, report = rewrite(escaped, _inputs(3), moe_experts.patterns(), joint=True)
     assert_near_miss(report, "moe_experts")
+
+
+def test_e2m1_table_is_real_when_first_built_under_a_fake_mode(monkeypatch):
+    """The engine runs an op's reference on fakes (`engine._reference_outputs`): a table the
+    reference caches must not be cached fake, or every later real step reads a FakeTensor."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    from k3compile.ops import moe_experts as op
+
+    monkeypatch.setattr(op, "_E2M1", {})
+    with FakeTensorMode():
+        op.e2m1_table(torch.device("cpu"), torch.bfloat16)
+    table = op.e2m1_table(torch.device("cpu"), torch.bfloat16)
+    assert not isinstance(table, FakeTensor)
+    assert table.tolist() == [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+                              -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
