@@ -72,6 +72,7 @@ from torch import fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from k3compile.graph import RESHAPES, call, written_in_place
+from k3compile.stages.addresses import Addresses
 from k3compile.stages.pack import TRANSPOSE_OF, unwritable
 
 log = logging.getLogger("k3compile")
@@ -121,30 +122,21 @@ class Transposed:
         through Dynamo: its stride guards recompile first) is copied per call, logged once: the
         graph was compiled for contiguous [N, K]."""
         positions, pending = self.positions, list(self.pending)
-        same = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)  # CUDA builds
-        kept: dict = {}  # "views", "pointers", "pick": what the last call made
+        kept: dict = {}  # "views", "addresses", "pick": what the last call made
 
         def made(args: list) -> list:
             views = [w if w.is_contiguous() else _copied(w) for w in (args[i].t() for i in positions)]
             count = len(args)
             slot = {i: count + k for k, i in enumerate(positions)}
             picks = [slot.get(j, j) for j in range(count)]
-            pointers = [None] * count
-            for i in positions:
-                pointers[i] = args[i].data_ptr()
             kept.clear()
             if all(v.data_ptr() == args[i].data_ptr() for i, v in zip(positions, views)):
-                kept.update(views=views, pointers=pointers, count=count,
+                kept.update(views=views, addresses=Addresses.of(args, positions),
                             pick=operator.itemgetter(*picks) if count > 1 else None)
             return views
 
         def unchanged(args: list) -> bool:
-            if not kept or len(args) != kept["count"]:
-                return False
-            if same is not None:
-                return same(args, kept["pointers"], positions)
-            pointers = kept["pointers"]
-            return all(args[i].data_ptr() == pointers[i] for i in positions)
+            return bool(kept) and kept["addresses"].same(args)
 
         def call(args: list):
             if pending:

@@ -44,6 +44,7 @@ from torch import fx
 from k3compile.graph import call
 from k3compile.ops.expert_stack import back_to_back, expert_stack
 from k3compile.rewrite.inductor import unset_fake_temporarily
+from k3compile.stages.addresses import Addresses
 
 log = logging.getLogger("k3compile")
 
@@ -93,7 +94,7 @@ class Stacked:
         check = _Check(stacks, count)
 
         def call(args: list):
-            if check.indices and not check.same(args):
+            if check.addresses.positions and not check.same(args):
                 check.moved(args)
             args.extend([s.view if s.view is not None else _restack(args, s) for s in stacks])
             new = list(pick(args))
@@ -113,23 +114,15 @@ class _Check:
 
     def __init__(self, stacks: list[_Stack], count: int):
         self.stacks, self.count = stacks, count
-        self._fast = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)  # CUDA builds
         self._reset()
 
     def _reset(self) -> None:
-        self.pointers: list[int | None] = [None] * self.count
-        self.indices: list[int] = []
-        for s in self.stacks:
-            if s.view is not None:
-                self.indices += s.parts
-                for i, p in zip(s.parts, s.pointers, strict=True):
-                    self.pointers[i] = p
+        self.addresses = Addresses(self.count, {
+            i: p for s in self.stacks if s.view is not None
+            for i, p in zip(s.parts, s.pointers, strict=True)})
 
     def same(self, args: list) -> bool:
-        if self._fast is not None:
-            return self._fast(args, self.pointers, self.indices)
-        pointers = self.pointers
-        return all(args[i].data_ptr() == pointers[i] for i in self.indices)
+        return self.addresses.same(args)
 
     def moved(self, args: list) -> None:
         for n, s in enumerate(self.stacks):

@@ -42,6 +42,7 @@ from torch import fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from k3compile.graph import written_in_place
+from k3compile.stages.addresses import Addresses
 
 log = logging.getLogger("k3compile")
 aten = torch.ops.aten
@@ -102,23 +103,11 @@ class Viewed:
         The views are kept while every flat input stays at its address: O(1) Python calls per
         step, whatever the number of views."""
         sources = sorted({c.source for c in self.cuts})
-        same = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)  # CUDA builds
-        kept: dict = {}  # "views", "pointers": what the last remake made
-
-        def unchanged(args: list) -> bool:
-            if not kept or len(args) != self.count:
-                return False
-            if same is not None:
-                return same(args, kept["pointers"], sources)
-            pointers = kept["pointers"]
-            return all(args[i].data_ptr() == pointers[i] for i in sources)
+        kept: dict = {}  # "views", "addresses": what the last remake made, and from where
 
         def call(args: list):
-            if not unchanged(args):
-                pointers = [None] * len(args)
-                for i in sources:
-                    pointers[i] = args[i].data_ptr()
-                kept.update(views=self.views(args), pointers=pointers)
+            if not kept or not kept["addresses"].same(args):
+                kept.update(views=self.views(args), addresses=Addresses.of(args, sources))
             args.extend(kept["views"])
             new = list(args)
             args.clear()
