@@ -17,7 +17,8 @@ row write and baddbmm_mask the scores a masked, scaled `bmm`.
 Matching is structural, then numerical. From each read of a cache that was just written
 (`index(index_put(cache, [slots, pos], rows), [slots])`): the products that read it (mm/bmm,
 however lowered; `k3compile.canonical.layout`) are p·c (p a softmax) and the score terms; p·c
-feeds one product with a 2-D weight W_kvb [H·(N + V), C] whose output is flattened to
+feeds one product with a weight W_kvb [H·(N + V), C] (or kept 3-D, [H, N + V, C], as spell13
+keeps it: its first dim is then the head count) whose output is flattened to
 [B, T, H·V]; the score terms read one query q (the q_b output) besides the cache, directly or
 through one product with W_kvb (q_nope·W_UK). Head count and dims are solved from the shapes
 (every head count dividing both widths is tried); the scale is the product of the scalars between
@@ -87,9 +88,10 @@ def find_site(read: fx.Node, pos: fx.Node) -> tuple[Site, fx.Node] | str:
     weights = {r for t in (terms(ups[0]) or []) for r in (t.a.root, t.b.root)} - {pv} \
         if len(ups) == 1 else set()
     weight = next(iter(weights)) if len(weights) == 1 else None
-    if weight is None or weight.op != "placeholder" or weight.meta["val"].dim() != 2 \
-            or int(weight.meta["val"].shape[1]) >= width:
-        return "p·c is not projected by one 2-D weight (W_UV, a part of kv_b_proj.weight)"
+    if weight is None or weight.op != "placeholder" or weight.meta["val"].dim() not in (2, 3) \
+            or int(weight.meta["val"].shape[-1]) >= width:
+        return ("p·c is not projected by one weight [H·(N + V), C] or [H, N + V, C] (W_UV, a "
+                "part of kv_b_proj.weight)")
     out = flat_output(ups[0], read, pos)
     if out is None:
         return "the attention output is never flattened to [B, T, heads x v_dim]"
@@ -112,12 +114,14 @@ def all_sizes(site: Site, q: fx.Node):
     """Every Sizes the shapes allow, most heads first."""
     B, L, width = (int(s) for s in site.read.meta["val"].shape)
     T = int(site.pos.meta["val"].shape[1])
-    J, C = (int(s) for s in site.weight.meta["val"].shape)
+    *heads, C = (int(s) for s in site.weight.meta["val"].shape)
+    J = math.prod(heads)  # a 3-D weight [H, N + V, C] names its head count
     Jq, rem = divmod(q.meta["val"].numel(), B * T)
     R = width - C
     if rem or R <= 0:
         return
-    for H in (h for h in range(math.gcd(J, Jq), 0, -1) if J % h == 0 and Jq % h == 0):
+    for H in (h for h in range(math.gcd(J, Jq), 0, -1) if J % h == 0 and Jq % h == 0
+              and (len(heads) == 1 or h == heads[0])):
         N, V = Jq // H - R, J // H - (Jq // H - R)
         if N > 0 and V > 0:
             yield Sizes(B, T, L, H, N, R, V, C, q, 1.0)

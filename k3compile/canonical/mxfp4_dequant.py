@@ -54,6 +54,10 @@ _CASTS = {prims.convert_element_type.default, aten._to_copy.default, aten.clone.
 _FACTORIES = {aten.arange.default, aten.arange.start, aten.arange.start_step, aten.full.default,
               aten.scalar_tensor.default, aten.zeros.default, aten.ones.default,
               prims.iota.default}  # deterministic: never `empty` or a random op
+# views that pick elements of a known constant by static ints (a table cut out of a larger
+# buffer, `byte_pairs[:16, 0]`): their value is the constant's, read exactly
+_PICKS = {aten.slice.Tensor, aten.select.int, aten.narrow.default, aten.unsqueeze.default,
+          aten.squeeze.dim, aten.squeeze.default}
 
 with inductor.unset_fake_temporarily():  # real even when first imported inside a compile
     _BYTES = torch.arange(256, dtype=torch.uint8)
@@ -89,7 +93,7 @@ def _dtype(node) -> torch.dtype | None:
 class _Constants:
     """Real values of small tensors known at compile time: graph-module attributes, graph inputs
     whose real value the stage handed over (`real_inputs`), and what the graph computes from
-    them with factory and pointwise ops."""
+    them with factory, pointwise, reshape and static slice / select ops."""
 
     def __init__(self, graph: fx.Graph):
         self.module = graph.owning_module
@@ -120,7 +124,8 @@ class _Constants:
             if value is not None:
                 self.read.add(self.index[node])
         elif node.op == "call_function" and (node.target in _FACTORIES or _pointwise(node)
-                                             or node.target in RESHAPES):
+                                             or node.target in RESHAPES
+                                             or node.target in _PICKS):
             if any(self(a) is None for a in node.all_input_nodes):
                 return None
             args, kwargs = fx.map_arg((node.args, node.kwargs), self)

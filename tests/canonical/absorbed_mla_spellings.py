@@ -51,6 +51,9 @@ class Spelling:
     pv_other_slots: bool = False  # p·c reads the cache at other slots (slots.flip(0))
     values_offset: bool = False  # SDPA's V the cache's last C columns, not its first
     bias_values: tuple = (0.0, float("-inf"))  # the additive bias where visible, where not
+    # kv_b's weight as stored: "flat" [H·(N + V), C] viewed [H, N + V, C] (the checkpoint's),
+    # "hnc" a 3-D Parameter [H, N + V, C] (spell13's), "nhc" one [N + V, H, C] read transposed
+    kvb: str = "flat"
 
 
 SPELLINGS = {
@@ -62,6 +65,7 @@ SPELLINGS = {
     "baddbmm_bias": Spelling(baddbmm_bias=True),
     "baddbmm_bias_put": Spelling(baddbmm_bias=True, put_write=True),  # spell12's
 }
+KVB_3D = Spelling(kvb="hnc")  # spell13's: our graph but for the weight's view to 3-D
 UPCAST_SPELLINGS = {
     "upcast_products": Spelling(upcast=True),
     "upcast_split_masked_fill": Spelling(sliced=False, scale_before_cast=False, where_mask=False,
@@ -76,6 +80,9 @@ LOOKALIKES = {
     # spell12's baddbmm: a bias of -1e4 (not -inf: rule baddbmm_mask leaves it); -inf one key ahead
     "baddbmm_finite_mask": Spelling(baddbmm_bias=True, bias_values=(0.0, -1e4)),
     "baddbmm_mask_ahead": Spelling(baddbmm_bias=True, mask_ahead=True),
+    # kv_b 3-D in another layout, [N + V, H, C] (the same attention: the canonical form would
+    # read that weight as [H, N + V, C])
+    "kvb_3d_heads_second": Spelling(kvb="nhc"),
 }
 UPCAST_LOOKALIKES = {
     "upcast_sliding_window": Spelling(window=4, upcast=True),
@@ -121,7 +128,7 @@ class AbsorbedMLA(GatedMLA):
         else:
             self.kv_cache[rows, pos] = row
             cache = self.kv_cache[slots]
-        w_uk, w_uv = _parts(self.kv_b_proj.weight.view(H, N + V, C), N, 1, s)
+        w_uk, w_uv = _parts(self._kv_b(), N, 1, s)
         q_lat = torch.einsum("bthd,hdc->bthc", q_nope, w_uk)
         if s.sdpa:
             return self.o_proj(self._sdpa(q_lat, q_pe, cache, pos, w_uv) * torch.sigmoid(
@@ -154,6 +161,14 @@ class AbsorbedMLA(GatedMLA):
         o_lat = torch.einsum("bthl,blc->bthc", p, up(_parts(values, C, -1, s)[0])).to(x.dtype)
         o = torch.einsum("bthc,hvc->bthv", o_lat, w_uv).reshape(B, T, H * V)
         return self.o_proj(o * torch.sigmoid(self.g_proj(x)))
+
+    def _kv_b(self) -> torch.Tensor:
+        """kv_b's weight [H, N + V, C], read from the layout the spelling stores it in."""
+        if self.spelling.kvb == "hnc":
+            return self.kv_b
+        if self.spelling.kvb == "nhc":
+            return self.kv_b.transpose(0, 1)
+        return self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, -1)
 
     def _baddbmm(self, q_lat, q_pe, cache, pos, w_uv):
         """o [B, T, H·V] as spell12 writes it: scores = baddbmm(bias, q, cacheᵀ, alpha=scale)
@@ -193,4 +208,8 @@ def absorbed(reference: GatedMLA, config, spelling: Spelling) -> AbsorbedMLA:
     m.load_state_dict(reference.state_dict())
     m = m.to(reference.q_a_proj.weight.dtype).requires_grad_(False)
     m.register_buffer("kv_cache", reference.kv_cache.clone(), persistent=False)
+    if spelling.kvb != "flat":  # kv_b a 3-D Parameter of its own (kv_b_proj then unread)
+        w = m.kv_b_proj.weight.view(m.num_heads, m.nope + m.v_dim, -1)
+        w = w if spelling.kvb == "hnc" else w.transpose(0, 1)
+        m.kv_b = torch.nn.Parameter(w.contiguous(), requires_grad=False)
     return m

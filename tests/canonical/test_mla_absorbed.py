@@ -15,6 +15,7 @@ ahead, p·c of the cache read at other slots) stay exactly as without mla_upcast
 
 from __future__ import annotations
 
+import collections
 import copy
 
 import pytest
@@ -24,13 +25,14 @@ from k3compile.patterns import ORDER as PATTERNS
 from ..conftest import TOL, rel_err
 from ..fusions.attention_checks import CFG, Attention, attention, one_thread  # noqa: F401
 from .absorbed_mla_spellings import (
+    KVB_3D,
     LOOKALIKES,
     SPELLINGS,
     UPCAST_LOOKALIKES,
     UPCAST_SPELLINGS,
     absorbed,
 )
-from .test_mla_absorb import MLA_OPS, REWRITE_TOL, assert_becomes_ours, eager, ops, run
+from .test_mla_absorb import MLA_OPS, REWRITE_TOL, assert_becomes_ours, eager, ops, ours, run
 from .test_mla_upcast import as_without_the_rule
 
 BF16 = torch.bfloat16
@@ -46,6 +48,26 @@ def foreign(spelling, dtype):
 @pytest.mark.parametrize("name", sorted(SPELLINGS))
 def test_spelling_becomes_our_absorbed_graph(name, dtype, batch, tokens):
     assert_becomes_ours(foreign(SPELLINGS[name], dtype), "mla_absorbed", dtype, batch, tokens)
+
+
+@pytest.mark.parametrize("dtype,batch,tokens", CASES)
+def test_kvb_kept_3d_becomes_our_absorbed_graph(dtype, batch, tokens):
+    """kv_b a 3-D Parameter [H, N + V, C] (spell13's): the rule takes the site, its head count
+    the weight's first dim; the result equals eager and our graph's outputs and cache bit for
+    bit, its ops ours but for the 2-D weight's view to [H, N + V, C]."""
+    module = foreign(KVB_3D, dtype)
+    want, want_cache = eager(copy.deepcopy(module), dtype, batch, tokens)
+    got, cache, graph, counts, _ = run(module, dtype, batch, tokens, disabled_stages=["fuse"])
+    assert counts["mla_absorbed"] == 1
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        assert rel_err(g, w) <= REWRITE_TOL[dtype]
+    torch.testing.assert_close(cache["attn.kv_cache"], want_cache["attn.kv_cache"], rtol=0, atol=0)
+    canonical_outs, canonical_cache, canonical_ops = ours(dtype, batch, tokens)
+    assert ops(graph) + collections.Counter({"aten.view.default": 1}) == canonical_ops
+    for g, c in zip(got, canonical_outs):
+        torch.testing.assert_close(g, c, rtol=0, atol=0)
+    torch.testing.assert_close(cache["attn.kv_cache"], canonical_cache, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("name", sorted(LOOKALIKES))
@@ -98,11 +120,12 @@ def test_our_absorbed_model_is_left_alone():
                                         (BF16, "deepseek_inference"), (BF16, "upcast_products"),
                                         (torch.float32, "sdpa_gqa"), (BF16, "sdpa_gqa"),
                                         (torch.float32, "baddbmm_bias_put"),
-                                        (BF16, "baddbmm_bias_put")])
+                                        (BF16, "baddbmm_bias_put"),
+                                        (torch.float32, "kvb_3d"), (BF16, "kvb_3d")])
 def test_compiled_spelling_gets_our_mla_ops_and_equals_eager(dtype, name):
     batch, tokens = 2, 3
     only_mla = {"disabled_patterns": [p for p in PATTERNS if not p.startswith("mla_")]}
-    module = foreign({**SPELLINGS, **UPCAST_SPELLINGS}[name], dtype)
+    module = foreign({**SPELLINGS, **UPCAST_SPELLINGS, "kvb_3d": KVB_3D}[name], dtype)
     want, want_cache = eager(copy.deepcopy(module), dtype, batch, tokens)
     got, cache, _, _, report = run(module, dtype, batch, tokens, **only_mla)
     _, _, _, _, canonical = run(attention("mla", dtype), dtype, batch, tokens, **only_mla)

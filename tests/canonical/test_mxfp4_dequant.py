@@ -105,3 +105,46 @@ def test_fp16_rounding_other_than_the_canonical_form_is_left_alone():
     assert count == 0
     _, _, count = _rewritten(sp.dequant_e8m0_table, torch.float16)  # fp16 math: the same
     assert count == 1
+
+
+def _byte_pairs() -> torch.Tensor:  # [256, 2]: each byte's low- and high-nibble E2M1 values
+    codes, lut = torch.arange(256), sp._e2m1_lut()
+    return torch.stack([lut[codes % 16], lut[codes // 16]], -1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_table_cut_out_of_a_larger_constant_is_read(dtype):
+    """spell13's table is `byte_pairs[:16, 0]` (a slice and a select of a [256, 2] buffer): its
+    value is read exactly, so the spelling becomes canonical, equal to eager bit for bit."""
+    f = lambda p, s, pairs: sp.dequant_lut_stack(p, s, dtype, pairs[:16, 0])
+    gm = trace(f, [_packed(), _scale_sets()[0], _byte_pairs()])
+    assert rule.apply(gm.graph) == 1
+    gm.recompile()
+    for scale in _scale_sets():
+        assert_same(gm(_packed(), scale, _byte_pairs()), f(_packed(), scale, _byte_pairs()))
+        assert_same(gm(_packed(), scale, _byte_pairs()),
+                    mxfp4_dequant(_packed(), scale, e2m1_table(dtype=dtype)))
+
+
+@pytest.mark.parametrize("cut, e2m1", [
+    (lambda pairs: pairs[:16, 0], True),
+    (lambda pairs: pairs[16:32, 0], True),  # bytes 16..31 have the same low nibbles
+    (lambda pairs: pairs.narrow(0, 0, 16).unsqueeze(0).select(-1, 0).squeeze(0), True),
+    (lambda pairs: pairs[:16, 1], False),  # the high nibbles of bytes 0..15: all zero
+    (lambda pairs: pairs[1:17, 0], False),  # one entry off
+], ids=["slice_select", "other_rows", "narrow_views", "high_column", "shifted"])
+def test_known_value_of_a_cut_table(cut, e2m1):
+    """known_value (which moe_experts' table check shares) evaluates a static slice / select /
+    narrow / (un)squeeze of a known constant exactly: the canonical form's table is E2M1 exactly
+    where the cut picks E2M1's values."""
+    f = lambda p, s, pairs: mxfp4_dequant(p, s, cut(pairs))
+    gm = trace(f, [_packed(), _scale_sets()[0], _byte_pairs()])
+    table = next(n.args[0] for n in gm.graph.nodes if n.target is torch.ops.aten.index.Tensor)
+    assert_same(rule.known_value(table), cut(_byte_pairs()))
+    assert torch.equal(rule.known_value(table), e2m1_table(dtype=torch.float32)) == e2m1
+
+
+def test_dequant_through_a_cut_that_is_not_e2m1_is_left_alone():
+    f = lambda p, s, pairs: sp.dequant_lut_stack(p, s, torch.float32, pairs[:16, 1])
+    gm = trace(f, [_packed(), _scale_sets()[0], _byte_pairs()])
+    assert rule.apply(gm.graph) == 0
