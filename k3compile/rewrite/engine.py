@@ -96,7 +96,7 @@ class Pattern:
         expr, self._search_gm = inductor.gen_pattern_and_search_gm(
             self.search, self.example_inputs(), trace_cache.cached(trace, self.name),
             self.scalars, self.exclusive)
-        inductor.literal_args(expr, self._search_gm)
+        inductor.literal_args(expr, self._search_gm, self.argnames)
         if self.strings:
             inductor.wildcard_strings(expr, {v: k for k, v in self.strings.items()})
         inductor.commutative(expr)

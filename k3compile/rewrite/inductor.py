@@ -13,6 +13,7 @@ from torch._inductor import config as inductor_config
 from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 from torch._inductor.pattern_matcher import (
     CallFunction,
+    ExclusiveKeywordArg,
     FailedMatch,
     Ignored,
     KeywordArg,
@@ -384,7 +385,10 @@ class _ExplainingContext(MatchContext):
                                bound=self.pattern_to_node[pattern])
         bound = pattern in self.pattern_to_node
         m = super().match(pattern, node)
-        if is_match(m) and not bound and (differs := disagreement(pattern, node)) is not None:
+        if is_match(m) and isinstance(pattern, (KeywordArg, ExclusiveKeywordArg)):
+            self.__dict__.setdefault("k3_bound", {})[pattern] = node
+        if is_match(m) and not bound and (
+                differs := disagreement(pattern, node, self._bound())) is not None:
             self.pattern_to_node[pattern] = None
             self.__dict__.setdefault("k3_disagreements", []).append((pattern, differs))
             return differs
@@ -392,6 +396,12 @@ class _ExplainingContext(MatchContext):
                 and str(getattr(m, "format_string", "")).startswith("multiple_users")):
             m.k3_node = node
         return m
+
+    def _bound(self) -> dict[str, torch.fx.Node]:
+        """The pattern inputs bound so far (by name) in the match under way: those of a branch
+        that failed were unbound again (`_restore`)."""
+        return {p.name: n for p, n in self.__dict__.get("k3_bound", {}).items()
+                if p in self.pattern_to_node}
 
 
 _NO_DEFAULT = "none in its schema"
@@ -401,7 +411,7 @@ _UNPASSED = ("keyword_mismatch: node={node} has {key}={value!r}, which the patte
 _UNEQUAL = "literal_mismatch: node={node} has {key}={value!r} where the pattern's op has {want!r}"
 
 
-def disagreement(pattern, node) -> FailedMatch | None:
+def disagreement(pattern, node, bound: dict | None = None) -> FailedMatch | None:
     """Why a node that matched a pattern op computes another value than it, or None: the one
     check after Inductor's match, over every argument its matcher leaves unread. Two kinds, by
     where the pattern's value comes from. `keyword_mismatch`: the node passes an argument the
@@ -414,7 +424,8 @@ def disagreement(pattern, node) -> FailedMatch | None:
     literals decide the value (docs/decisions.md, sessions 35 and 36). A reshape's sizes are
     free literals, but where the pattern's view carries an input dim whole, the site's must
     carry it to the same output dim (`_carried_otherwise`, the traced shapes `literal_args`
-    kept: `A_log.view(1, H)` matched a pattern's `A_log.view(H, 1)`; session 37)."""
+    kept: `A_log.view(1, H)` matched a pattern's `A_log.view(H, 1)`; session 37). `bound`: the
+    site nodes the pattern's inputs are bound to so far, by name (`_traced_at_one`)."""
     if not isinstance(pattern, CallFunction) or not isinstance(node, torch.fx.Node):
         return None
     literals = getattr(pattern, "k3_literals", {})
@@ -423,7 +434,7 @@ def disagreement(pattern, node) -> FailedMatch | None:
         return FailedMatch(_UNEQUAL, node=node, key="size", value=node.args[1],
                            want=f"a unit dim at {literals[1]}")
     if (traced := getattr(pattern, "k3_view", None)) is not None and (
-            carried := _carried_otherwise(traced, node)) is not None:
+            carried := _carried_otherwise(traced, node, _traced_at_one(pattern, bound))) is not None:
         return FailedMatch(_UNEQUAL, node=node, key="size", value=carried[0], want=carried[1])
     for key, got, want, omitted in _unread_arguments(pattern, node):
         if omitted and (isinstance(got, torch.fx.Node) or want is _NO_DEFAULT):
@@ -565,7 +576,26 @@ def traced_shape(node) -> tuple[int, ...] | None:
 TRACED_SHAPE = "k3_traced_shape"
 
 
-def _carried_otherwise(traced, node) -> tuple[list, str] | None:
+def _traced_at_one(pattern, bound: dict | None) -> frozenset:
+    """The sizes other than 1 that the site's bound inputs have where the pattern's example
+    inputs had a dim of size 1: counts the pattern was traced at 1 (a token count T, a batch)
+    and the site has larger. A size-1 dim of the pattern's view may be such a count, and the
+    site's view then has that count there: `graw.view(B, T, N)` traced at B = 2, T = 1 is
+    [2, 1, N], at the site's B = 1, T = 8 [1, 8, N] (session 38). Without such evidence (every
+    input of the site has the trace's size-1 dims) a size-1 dim stays a broadcast's."""
+    shapes = getattr(pattern, "k3_inputs", None)
+    if not shapes or not bound:
+        return frozenset()
+    sizes = set()
+    for name, node in bound.items():
+        traced, val = shapes.get(name), _val(node)
+        if traced is None or val is None or val.dim() != len(traced):
+            continue
+        sizes |= {s for t, s in zip(traced, val.shape) if t == 1 and type(s) is int and s != 1}
+    return frozenset(sizes)
+
+
+def _carried_otherwise(traced, node, at_one: frozenset = frozenset()) -> tuple[list, str] | None:
     """Where the site's reshape (a node the pattern's view matched) lays out its input
     otherwise than the pattern's view did: (the site's output shape, what the pattern's gives),
     else None. Two things must be the pattern's. A size-1 output dim stays size 1: it is a
@@ -578,7 +608,9 @@ def _carried_otherwise(traced, node) -> tuple[list, str] | None:
     reshape reads its input in order; the einsum decompositions place and drop them by the
     traced sizes). Not compared: a site of another output rank, and one with fewer size-1 dims
     than the trace in its input or output (a batch or token count traced at 1: `x.view(B * T,
-    D)` of a T = 1 trace merges nothing, a T = 8 site's merges B and T)."""
+    D)` of a T = 1 trace merges nothing, a T = 8 site's merges B and T). `at_one`: sizes the
+    site's inputs have where the trace's had 1 (`_traced_at_one`): a size-1 dim of the trace
+    may hold one of those at the site."""
     site = [_val(n) for n in (node.args[0] if node.args else None, node)]
     if any(v is None for v in site):
         return None
@@ -589,7 +621,7 @@ def _carried_otherwise(traced, node) -> tuple[list, str] | None:
         return None
     why = f"{list(t_out)} of {list(t_in)}: its dim "
     for j, size in enumerate(t_out):
-        if size == 1 and not _surely_equal(s_out[j], 1):
+        if size == 1 and not _surely_equal(s_out[j], 1) and s_out[j] not in at_one:
             return s_out, why + f"{j} of size 1"
         if (size != 1 and _whole(t_in, t_out, j) and not _surely_equal(s_out[j], 1)
                 and not _whole(s_in, s_out, j)):
@@ -659,13 +691,18 @@ def _same_permutation(got, want, shape) -> bool:
             == [d for d in want if shape[d] != 1])
 
 
-def literal_args(expr, search_gm: torch.fx.GraphModule) -> None:
+def literal_args(expr, search_gm: torch.fx.GraphModule, argnames: list[str] = ()) -> None:
     """Keep on each op of a pattern tree the literals Inductor's `fx_to_pattern` left free
     (`Ignored`: every int, float, list, dtype and device of the search graph), positional by
     index and keyword by name, for `disagreement`. Free, a literal matched any value:
     `mean(-2)` matched a pattern's `mean(-1)`, `pow(4)` its `pow(2)` (docs/decisions.md,
     session 35), `iota(start=1)` mla_decode's `iota(start=0)` (session 36). Also a reshape's
-    traced input and output shapes (`k3_view`, from `traced_shape`; session 37)."""
+    traced input and output shapes (`k3_view`, from `traced_shape`; session 37) and the pattern
+    inputs' traced shapes by name (`k3_inputs`: `argnames`, the search function's, in the order
+    of its placeholders, as `fx_to_pattern` names them; session 38)."""
+    placeholders = [n for n in search_gm.graph.nodes if n.op == "placeholder"]
+    inputs = {name: shape for name, n in zip(argnames, placeholders)
+              if (shape := traced_shape(n)) is not None}
     output = next(n for n in search_gm.graph.nodes if n.op == "output")
     leaves = [n for n in torch.utils._pytree.tree_leaves(output.args[0])
               if isinstance(n, torch.fx.Node)]
@@ -685,7 +722,7 @@ def literal_args(expr, search_gm: torch.fx.GraphModule) -> None:
         p.k3_literals |= {k: a for k, a in n.kwargs.items() if free(p.kwargs.get(k), a)}
         if (n.target in _VIEWS and (shapes := (traced_shape(n.args[0]), traced_shape(n)))
                 and None not in shapes):
-            p.k3_view = shapes
+            p.k3_view, p.k3_inputs = shapes, inputs
         for q, a in zip(p.args, n.args):
             if isinstance(q, (list, tuple)) and isinstance(a, (list, tuple)):
                 for qq, aa in zip(q, a):

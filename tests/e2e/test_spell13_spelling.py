@@ -37,18 +37,11 @@ EAGER_TOL = 1e-5  # measured 2.7e-6 (T = 1), 1.9e-6 (T = 3), states <= 1.3e-6 ov
 # layer -> the built-in plan's ops this spelling's plan lacks (stage weight_views on, as by
 # default: the weights cut out of the flat storages are inputs of their own)
 _ROUTE = {"stream_fork": 1, "moe_front": 1, "moe_route": 1, "moe_experts": 1, "stream_join": 1}
-# linear_concat (0-3) and mla_lowrank_norm (2, 3): lost since the matcher compares a view's
-# output shape with the pattern's traced shape (helper lookalike37, session 37): an
-# over-refusal of spell13's merged-projection views (with `_carried_otherwise` off they fuse,
-# values as eager), not bisected further; docs/next_session.md
-_CONCAT = {"linear_concat": 1}
 _LOST: dict[int, dict[str, int]] = {
-    0: {**_CONCAT, "fb_kda_decode": 1, "oproj_attn_res_mix_norm": 1},
-    1: {"attn_res_mix_norm": 1, **_CONCAT, "fb_kda_decode": 1, "oproj_attn_res_mix_norm": 1,
-        **_ROUTE},
-    **{layer: {"attn_res_mix_norm": 1, **_CONCAT, "mla_lowrank_norm": 1, "mla_q_absorb": 1,
-               "mla_decode": 1, "mla_uv_gate": 1, "oproj_attn_res_mix_norm": 1, **_ROUTE}
-       for layer in (2, 3)},
+    0: {"fb_kda_decode": 1, "oproj_attn_res_mix_norm": 1},
+    1: {"attn_res_mix_norm": 1, "fb_kda_decode": 1, "oproj_attn_res_mix_norm": 1, **_ROUTE},
+    **{layer: {"attn_res_mix_norm": 1, "mla_q_absorb": 1, "mla_decode": 1, "mla_uv_gate": 1,
+               "oproj_attn_res_mix_norm": 1, **_ROUTE} for layer in (2, 3)},
     -1: {"attn_res_mix_norm": 1},
 }
 LOST = {torch.float32: _LOST, torch.bfloat16: _LOST}

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from k3compile.rewrite import inductor
-from patterns import kda_decode, mla_decode
+from patterns import fb_kda_decode, kda_decode, mla_decode
 from tests.engine.test_lookalikes import _assert_fused, _assert_refused, _edit
 from tests.fusions.attention_checks import family
 
@@ -90,13 +90,30 @@ def test_moe_experts_regrouping_a_weight_is_refused(edit):
                     "literal_mismatch", "view_")
 
 
-def _carried(traced_in, traced_out, site_in, site_out):
+def test_fb_kda_step_at_one_row_of_eight_tokens_fuses():
+    """Session 38: fb_kda_decode's graw view [B * T, N] -> [B, T, N], traced at B = 2, T = 1 as
+    [2, 1, N], is [1, 8, N] at a site of B = 1, T = 8: the trace's size-1 dim holds the site's 8
+    tokens. It was refused as a moved unit dim (blind_k3, spell6, the HF spelling lost their KDA
+    step at B = 1, T > 1); its inputs' token dim (1 in the trace, 8 at the site) now says so."""
+    g = torch.Generator().manual_seed(0)
+    args = fb_kda_decode.example_inputs(torch.bfloat16)
+    for name in ("q", "k", "v", "g", "fa", "b"):
+        i = fb_kda_decode.NAMES.index(name)
+        args[i] = torch.randn(1, 8, args[i].shape[-1], generator=g).to(args[i].dtype)
+    state = fb_kda_decode.NAMES.index("recurrent_state")
+    args[state] = args[state] * 0.05
+    args[fb_kda_decode.NAMES.index("slots")] = torch.tensor([1])
+    args[fb_kda_decode.NAMES.index("q_scale")] = kda_decode.K**-0.5
+    _assert_fused(fb_kda_decode.search, args, family("fb_kda_decode"), [], "k3.fb_kda_decode")
+
+
+def _carried(traced_in, traced_out, site_in, site_out, at_one=frozenset()):
     graph = torch.fx.Graph()
     x = graph.placeholder("x")
     x.meta["val"] = torch.empty(site_in, device="meta")
     view = graph.call_function(_VIEW, (x, list(site_out)))
     view.meta["val"] = torch.empty(site_out, device="meta")
-    return inductor._carried_otherwise((tuple(traced_in), tuple(traced_out)), view)
+    return inductor._carried_otherwise((tuple(traced_in), tuple(traced_out)), view, at_one)
 
 
 @pytest.mark.parametrize(("traced", "site", "same"), [
@@ -115,12 +132,20 @@ def _carried(traced_in, traced_out, site_in, site_out):
     # mla_q_absorb at B = 1, T = 8: the einsum's decomposition drops B and puts its size-1
     # dims last; a reshape reads its input in order, so they change nothing
     (([2, 2, 2, 8, 1], [2, 4, 8]), ([4, 8, 32, 1, 1], [4, 8, 32]), True),
+    # view(B, T, N) traced at B = 2, T = 1, at a site of B = 1, T = 8: without evidence that the
+    # trace's 1 is a count (the unit dim moved, as unit_moved), with it (an input's traced size-1
+    # dim is 8 at the site)
+    (([2, 16], [2, 1, 16]), ([8, 64], [1, 8, 64]), False),
+    (([2, 16], [2, 1, 16]), ([8, 64], [1, 8, 64], {8}), True),
+    (([2], [2, 1]), ([4], [1, 4], {8}), False),  # evidence of another size
 ], ids=["unit_kept", "unit_moved", "square_split", "batch_1", "token_moved", "split",
         "identity_trace", "merge_t1", "split_t1", "merge", "merge_otherwise", "flatten",
-        "input_units_elsewhere"])
+        "input_units_elsewhere", "tokens_8_batch_1_unknown", "tokens_8_batch_1",
+        "unit_moved_other_count"])
 def test_a_view_is_compared_by_the_dims_it_carries(traced, site, same):
-    """The rule on single views: a size-1 output dim of the pattern's stays size 1, and where
-    the pattern's view carries an input dim whole the site's output dim there is a whole input
-    dim too; sizes a view makes and a site with fewer size-1 dims than the trace (a batch or
-    token count traced at 1) stay free."""
+    """The rule on single views: a size-1 output dim of the pattern's stays size 1 (unless the
+    site's inputs show a count traced at 1 of the size the site has there), and where the
+    pattern's view carries an input dim whole the site's output dim there is a whole input dim
+    too; sizes a view makes and a site with fewer size-1 dims than the trace (a batch or token
+    count traced at 1) stay free."""
     assert (_carried(*traced, *site) is None) == same
