@@ -210,9 +210,11 @@ def replace(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weig
 # session 30 the op takes them on torch 2.11 too, and test_kda_decode_three_states.py's GPU test
 # passed (H100, 2026-12-06), as did spell8's CUDA plan test with them in this set.
 # `conv_products_rounded`: test_kda_decode_products.py's GPU tests passed (H100, session 35).
+# `gate_fp32`, `conv_weight_fp32`: test_kda_decode_gate_fp32.py's GPU tests passed (its three
+# cases at B, T = 2, 1 and 3, 4, the kernel launched; H100, session 38).
 GPU_TESTED_FLAGS = frozenset({"norm_fp32", "conv_time_major", "state_v_major", "o_fp32",
                               "norm_weight_fp32", "conv_rounded", "three_conv_states",
-                              "conv_products_rounded"})
+                              "conv_products_rounded", "gate_fp32", "conv_weight_fp32"})
 
 
 def kernel_refusal(variant: KDAVariant, more: tuple[str, ...] = ()):
