@@ -14,6 +14,7 @@ import torch
 from torch import fx
 
 from k3compile import layers
+from k3compile.canonical.region import half_upcast
 from k3compile.rewrite import apply_patterns
 from k3compile.rewrite.near_miss import NearMiss, cone_ops
 
@@ -97,21 +98,12 @@ def drop_self_upcasts(graph: fx.Graph) -> int:
         for name in SELF_UPCAST:
             i = names.index(name)
             cast = node.args[i] if i < len(node.args) else node.kwargs.get(name)
-            if isinstance(cast, fx.Node) and _exact_upcast(cast):
+            if half_upcast(cast):
                 node.replace_input_with(cast, cast.args[0])
                 dropped += 1
                 if not cast.users:
                     graph.erase_node(cast)
     return dropped
-
-
-def _exact_upcast(node: fx.Node) -> bool:
-    """node casts a bf16 / fp16 tensor to fp32 (exact), and nothing else."""
-    if node.target is not torch.ops.prims.convert_element_type.default or \
-            node.args[1] is not torch.float32:
-        return False
-    source = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
-    return isinstance(source, torch.Tensor) and source.dtype in (torch.bfloat16, torch.float16)
 
 
 def drop_self_copies(graph: fx.Graph) -> None:
