@@ -63,6 +63,15 @@ def _dtype(n) -> torch.dtype | None:
     return val.dtype if isinstance(val, torch.Tensor) else None
 
 
+def _viewable(n: fx.Node, size) -> bool:
+    """n's value (a fake tensor) can be viewed as `size` without a copy."""
+    try:
+        n.meta["val"].view(size)
+    except (RuntimeError, ValueError):  # fake tensors raise the latter
+        return False
+    return True
+
+
 def _scalar_op(n: fx.Node) -> bool:
     return n.target in (aten.mul.Tensor, aten.div.Tensor) and is_scalar(n.args[1])
 
@@ -123,7 +132,13 @@ class Trial:
         if _scalar_op(n):
             return inner[0], inner[1] * n.args[1] if n.target == aten.mul.Tensor \
                 else inner[1] / n.args[1]
-        return self.call(n.target, (inner[0], *n.args[1:]), n, n.kwargs), inner[1]
+        low = inner[0]
+        if n.target is aten.view.default and not _viewable(low, n.args[1]):
+            # the upcast copied an expanded cache read (GQA's k.expand(); spell14): its view
+            # reads the copy, so the bf16 form is copied as well
+            low = self.call(aten.clone.default, (low,), n,
+                            {"memory_format": torch.contiguous_format})
+        return self.call(n.target, (low, *n.args[1:]), n, n.kwargs), inner[1]
 
     def operand(self, n: fx.Node, p: fx.Node | None) -> tuple[fx.Node, float] | None:
         """n's bf16 form; the softmax output p (fp32) is rounded to bf16 where it is met."""
