@@ -30,6 +30,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import sympy
 import torch
 from torch import fx
 
@@ -429,27 +430,100 @@ def replacement_mismatch(pattern: Pattern, m: Any, args: list) -> str | None:
         return f"the replacement raised {type(e).__name__} on the site's metadata: {e}"
     if why := output_mismatch(got, site):
         return why
-    ref = _reference_outputs(pattern, vals)  # the op's fake trusts its inputs; its reference not
-    if ref is not None and (why := output_mismatch(ref, site)):
-        return f"the op's reference on the bound inputs: {why}"
+    sizes = _Sizes()  # the op's fake trusts its inputs; its reference does not
+    ref = _reference_outputs(pattern, vals, sizes)
+    if ref is not None and (why := output_mismatch(ref, sizes.fakes(site))):
+        return f"the op's reference on the bound inputs: {why}{sizes.said()}"
     return None
 
 
-def _reference_outputs(pattern: Pattern, vals: list) -> list | None:
+def _finite(bound) -> int | None:
+    """A value range's bound as an int, None where it is infinite (sympy's or torch's oo)."""
+    try:
+        return int(bound)
+    except (TypeError, ValueError, OverflowError, AttributeError):
+        return None
+
+
+class _Sizes:
+    """One integer per size symbol, so that a site of symbolic sizes (every site under
+    `mark_batch`) is checked at sizes it can have: a backed symbol at its hint, an unbacked one
+    (the marked batch) at the least of its range that is at least 2 (a batch of 1 hides a
+    mis-bound dim, as T = 1 hid spell14's heads-first o_lat). The same value wherever the symbol
+    appears, in the inputs and in the site's outputs; `None` from `size` where an expression
+    does not evaluate to an integer."""
+
+    def __init__(self):
+        self.values: dict = {}
+
+    def size(self, n) -> int | None:
+        if type(n) is int:
+            return n
+        node = getattr(n, "node", None)
+        expr, env = getattr(node, "expr", None), getattr(node, "shape_env", None)
+        if expr is None or env is None:
+            return None
+        for sym in expr.free_symbols:
+            if sym not in self.values:
+                self.values[sym] = sympy.Integer(self._value(sym, env))
+        try:
+            return int(expr.xreplace(self.values))
+        except (TypeError, ValueError):
+            return None
+
+    @staticmethod
+    def _value(sym, env) -> int:
+        backed = getattr(env, "backed_var_to_val", None)  # torch 2.13's name
+        hint = (env.var_to_val if backed is None else backed).get(sym)
+        if hint is not None:
+            return int(hint)
+        bounds = env.var_to_range.get(sym)
+        low = _finite(bounds.lower) if bounds is not None else None
+        high = _finite(bounds.upper) if bounds is not None else None
+        low = low or 0
+        return max(low, 2) if high is None or high >= 2 else low
+
+    def shape(self, v: torch.Tensor, strides: bool = False) -> tuple[int, ...] | None:
+        dims = [self.size(n) for n in (*v.shape, *(v.stride() if strides else ()))]
+        return None if any(d is None for d in dims) else tuple(dims)
+
+    def fakes(self, vals: list) -> list:
+        """`vals` with each tensor of symbolic sizes a fake of these sizes (of unknown sizes:
+        None, which agrees with anything)."""
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        def one(v):
+            if not isinstance(v, torch.Tensor) or all(type(n) is int for n in v.shape):
+                return v
+            shape = self.shape(v)
+            return None if shape is None else torch.empty(shape, dtype=v.dtype, device=v.device)
+        with FakeTensorMode():
+            return [one(v) for v in vals]
+
+    def said(self) -> str:
+        return (f" (symbolic sizes at {', '.join(f'{k}={v}' for k, v in self.values.items())})"
+                if self.values else "")
+
+
+def _reference_outputs(pattern: Pattern, vals: list, sizes: _Sizes) -> list | None:
     """The replacement's outputs with its op computed by the op's torch reference, on fresh fakes
-    of the site's static shapes in a mode of their own (no shape environment: a reference's
-    `.item()` or data-dependent size raises there and decides nothing, and no symbol or guard
-    reaches Dynamo's); None where a size is symbolic or the reference cannot run on fakes."""
+    of the site's shapes in a mode of their own (no shape environment: a reference's `.item()`
+    or data-dependent size raises there and decides nothing, and no symbol or guard reaches
+    Dynamo's); symbolic sizes at the integers `sizes` gives them (session 38: before, such a
+    site, every site under `mark_batch`, went unchecked). None where the reference cannot run
+    on fakes or a size has no integer."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     leaves, spec = torch.utils._pytree.tree_flatten(vals)
-    tensors = [v for v in leaves if isinstance(v, torch.Tensor)]
-    if any(type(n) is not int for v in tensors for n in (*v.shape, *v.stride())):
+    layouts = {i: sizes.shape(v, strides=True) for i, v in enumerate(leaves)
+               if isinstance(v, torch.Tensor)}
+    if any(layout is None for layout in layouts.values()):
         return None
     try:
         with FakeTensorMode(allow_non_fake_inputs=True), _Reference(pattern.op):
-            fresh = [torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device)
-                     if isinstance(v, torch.Tensor) else v for v in leaves]
+            fresh = [torch.empty_strided(layouts[i][:v.dim()], layouts[i][v.dim():],
+                                         dtype=v.dtype, device=v.device)
+                     if i in layouts else v for i, v in enumerate(leaves)]
             return torch.utils._pytree.tree_leaves(
                 pattern.replace(*torch.utils._pytree.tree_unflatten(fresh, spec)))
     except Exception:  # noqa: BLE001  (data-dependent, or not runnable on fakes: cannot tell)

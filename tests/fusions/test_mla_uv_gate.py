@@ -9,6 +9,7 @@ import torch
 from k3compile.patterns import mla_uv_gate
 
 from k3compile import settings
+from k3compile.rewrite import apply_patterns
 
 from .pattern_checks import (
     assert_near_miss,
@@ -111,6 +112,50 @@ def test_the_engine_refuses_the_heads_first_site_by_the_op_s_reference(monkeypat
     assert_near_miss(report, "mla_uv_gate", "reference", "[3, 4, 128]")
     gm, report = rewrite(uv_gate, args, mla_uv_gate.patterns(), joint=True)  # the faithful site
     assert_rewritten_equal(gm, report, uv_gate, args, "k3.mla_uv_gate")
+
+
+def test_the_engine_refuses_the_heads_first_site_at_a_symbolic_batch(monkeypatch):
+    """The same at a symbolic batch (every site under `mark_batch` has one): the reference check
+    skipped such sites until session 38 and the site fused (measured: `k3.mla_uv_gate` in the
+    graph); it now runs the reference at the batch's hint (3 here)."""
+    monkeypatch.setattr(mla_uv_gate, "check", lambda match: None)
+
+    class HeadsFirst(torch.nn.Module):
+        def forward(self, p, kv_lat, w_kvb, g):
+            B, T = p.shape[:2]
+            o_lat = torch.einsum("bthl,blc->bhtc", p, kv_lat)
+            _, w_uv = w_kvb.view(H, N + V, C).split([N, V], dim=1)
+            o = torch.einsum("bhtc,hdc->bthd", o_lat, w_uv).reshape(B, T, H * V)
+            return o * torch.sigmoid(g)
+
+    args = _args(3, 1)
+    batch = torch.export.Dim("batch", min=2, max=64)
+    gm = torch.export.export(HeadsFirst(), tuple(args),
+                             dynamic_shapes=({0: batch}, {0: batch}, None, {0: batch}))
+    gm = gm.run_decompositions().module()
+    assert any(not isinstance(n.meta["val"].shape[0], int)
+               for n in gm.graph.nodes if n.op == "placeholder" and "val" in n.meta)
+    report = apply_patterns(gm.graph, mla_uv_gate.patterns())
+    gm.recompile()
+    assert "k3.mla_uv_gate.default" not in targets(gm)
+    assert_near_miss(report, "mla_uv_gate", "reference", "[3, 4, 128]", "=3")
+    assert torch.equal(gm(*args), HeadsFirst()(*args))
+
+
+def test_symbolic_sizes_take_their_hint_or_an_unbacked_batch_of_two():
+    """engine._Sizes: a backed symbol at its hint, an unbacked one (`mark_batch`'s, >= 1) at 2,
+    the same value wherever it appears."""
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from k3compile.rewrite.engine import _Sizes
+
+    env = ShapeEnv()
+    backed = env.create_symintnode(env.create_symbol(5, torch._dynamo.source.ConstantSource("b")),
+                                   hint=5)
+    unbacked = env.create_unbacked_symint()
+    torch._check(unbacked >= 1)
+    sizes = _Sizes()
+    assert [sizes.size(n) for n in (backed, unbacked, unbacked * 3 + backed, 7)] == [5, 2, 11, 7]
 
 
 def test_check_refuses_float64():
