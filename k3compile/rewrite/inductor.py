@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
+from collections.abc import Callable
 
 import torch
 from torch._functorch.aot_autograd import make_boxed_func
@@ -388,7 +389,7 @@ class _ExplainingContext(MatchContext):
         if is_match(m) and isinstance(pattern, (KeywordArg, ExclusiveKeywordArg)):
             self.__dict__.setdefault("k3_bound", {})[pattern] = node
         if is_match(m) and not bound and (
-                differs := disagreement(pattern, node, self._bound())) is not None:
+                differs := disagreement(pattern, node, self._bound)) is not None:
             self.pattern_to_node[pattern] = None
             self.__dict__.setdefault("k3_disagreements", []).append((pattern, differs))
             return differs
@@ -411,7 +412,7 @@ _UNPASSED = ("keyword_mismatch: node={node} has {key}={value!r}, which the patte
 _UNEQUAL = "literal_mismatch: node={node} has {key}={value!r} where the pattern's op has {want!r}"
 
 
-def disagreement(pattern, node, bound: dict | None = None) -> FailedMatch | None:
+def disagreement(pattern, node, bound: Callable[[], dict] | None = None) -> FailedMatch | None:
     """Why a node that matched a pattern op computes another value than it, or None: the one
     check after Inductor's match, over every argument its matcher leaves unread. Two kinds, by
     where the pattern's value comes from. `keyword_mismatch`: the node passes an argument the
@@ -424,8 +425,9 @@ def disagreement(pattern, node, bound: dict | None = None) -> FailedMatch | None
     literals decide the value (docs/decisions.md, sessions 35 and 36). A reshape's sizes are
     free literals, but where the pattern's view carries an input dim whole, the site's must
     carry it to the same output dim (`_carried_otherwise`, the traced shapes `literal_args`
-    kept: `A_log.view(1, H)` matched a pattern's `A_log.view(H, 1)`; session 37). `bound`: the
-    site nodes the pattern's inputs are bound to so far, by name (`_traced_at_one`)."""
+    kept: `A_log.view(1, H)` matched a pattern's `A_log.view(H, 1)`; session 37). `bound`: gives
+    the site nodes the pattern's inputs are bound to so far, by name (`_traced_at_one`; read only
+    at a view)."""
     if not isinstance(pattern, CallFunction) or not isinstance(node, torch.fx.Node):
         return None
     literals = getattr(pattern, "k3_literals", {})
@@ -576,7 +578,7 @@ def traced_shape(node) -> tuple[int, ...] | None:
 TRACED_SHAPE = "k3_traced_shape"
 
 
-def _traced_at_one(pattern, bound: dict | None) -> frozenset:
+def _traced_at_one(pattern, bound: Callable[[], dict] | None) -> frozenset:
     """The sizes other than 1 that the site's bound inputs have where the pattern's example
     inputs had a dim of size 1: counts the pattern was traced at 1 (a token count T, a batch)
     and the site has larger. A size-1 dim of the pattern's view may be such a count, and the
@@ -584,10 +586,10 @@ def _traced_at_one(pattern, bound: dict | None) -> frozenset:
     [2, 1, N], at the site's B = 1, T = 8 [1, 8, N] (session 38). Without such evidence (every
     input of the site has the trace's size-1 dims) a size-1 dim stays a broadcast's."""
     shapes = getattr(pattern, "k3_inputs", None)
-    if not shapes or not bound:
+    if not shapes or bound is None:
         return frozenset()
     sizes = set()
-    for name, node in bound.items():
+    for name, node in bound().items():
         traced, val = shapes.get(name), _val(node)
         if traced is None or val is None or val.dim() != len(traced):
             continue
