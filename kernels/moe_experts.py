@@ -317,11 +317,37 @@ def refusal(z, ids, weights, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed
         return f"weights: {weights.dtype} {weights.stride()} (want fp32, last dim contiguous)"
     for name, t in (("w1_packed", w1_packed), ("w1_scale", w1_scale), ("w3_packed", w3_packed),
                     ("w3_scale", w3_scale), ("w2_packed", w2_packed), ("w2_scale", w2_scale)):
-        if t.dtype != torch.uint8 or not t.is_contiguous():
-            return f"{name}: {t.dtype} {t.stride()} (want contiguous uint8)"
+        if t.dtype != torch.uint8:
+            return f"{name}: {t.dtype} (want uint8)"
+    for name, t in (("w2_packed", w2_packed), ("w2_scale", w2_scale)):
+        if not t.is_contiguous():
+            return f"{name}: strides {t.stride()} (want contiguous)"
     if n_exp < 1:
         return "no experts"
-    return None
+    rows = fc1_expert_rows(w1_packed, w1_scale, w3_packed, w3_scale)
+    return rows if isinstance(rows, str) else None
+
+
+def fc1_expert_rows(w1_packed, w1_scale, w3_packed, w3_scale) -> int | str:
+    """The rows from one expert's first W1 / W3 row to the next's, one for all four tensors:
+    I where each is contiguous [E, I, ·], 2I where W1 and W3 are the halves of a fused gate_up
+    [E, 2I, ·] (a spelling's `w13[:, :I]`, `w13[:, I:]`: the kernels then read each half in
+    place, so an update of the fused Parameter is seen); or why the kernels cannot take them.
+    Metadata only."""
+    n_exp, inter = w1_packed.shape[:2]
+    found = set()
+    for name, t in (("w1_packed", w1_packed), ("w1_scale", w1_scale), ("w3_packed", w3_packed),
+                    ("w3_scale", w3_scale)):
+        width = t.shape[-1]
+        if t.stride(-1) != 1 or (inter > 1 and t.stride(1) != width):
+            return f"{name}: strides {t.stride()} (want rows of {width} contiguous bytes)"
+        if n_exp > 1:
+            if t.stride(0) % width or t.stride(0) // width < inter:
+                return f"{name}: expert stride {t.stride(0)} (want whole rows, >= {inter})"
+            found.add(t.stride(0) // width)
+    if len(found) > 1:
+        return f"w1 / w3: expert strides of {sorted(found)} rows (want one for all four)"
+    return found.pop() if found else inter
 
 
 def can_implement(*args) -> bool:
@@ -353,9 +379,10 @@ def prepare(latent: int, inter: int, top_k: int, buckets=(1, 2, 4, 8, 16, 32, 64
 
 
 def build(stage, latent, inter, top_k, ids64, cfg, arch=None, dump_dir=None, pdl=False,
-          out_fp32=False):
+          out_fp32=False, expert_rows=0):
     """Compile one stage now, uncached (`dump_dir` keeps the cubin; `pdl`: FC1 launched with
-    PDL after the previous kernel; `out_fp32`: FC2 / the grouped sum store u in fp32)."""
+    PDL after the previous kernel; `out_fp32`: FC2 / the grouped sum store u in fp32;
+    `expert_rows`: FC1's rows per expert in W1 / W3, `fc1_expert_rows`, where not I)."""
     import cutlass
     from cutlass import cute
     from cutlass.cute.runtime import make_fake_tensor
@@ -371,7 +398,7 @@ def build(stage, latent, inter, top_k, ids64, cfg, arch=None, dump_dir=None, pdl
     u = cutlass.Float32 if out_fp32 else bf16
     if stage in ("fc1g", "fc2g", "fin"):
         return _build_grouped(stage, latent, inter, top_k, cfg, ids, dense, arch, dump_dir, pdl,
-                              u)
+                              u, expert_rows)
     from .device.moe_experts import FC1, FC2
 
     if stage in ("fc1", "fc1e"):  # act as (N·k, I) rows
@@ -380,9 +407,9 @@ def build(stage, latent, inter, top_k, ids64, cfg, arch=None, dump_dir=None, pdl
             from .device.moe_experts_by_expert import FC1ByExpert
 
             host = FC1ByExpert(latent, inter, top_k, cfg.fc1, cfg.rows, cfg.tokens,
-                               cfg.min_blocks, cfg.experts_per_cta, pdl)
+                               cfg.min_blocks, cfg.experts_per_cta, pdl, expert_rows)
         else:
-            host = FC1(latent, inter, top_k, cfg, pdl)
+            host = FC1(latent, inter, top_k, cfg, pdl, expert_rows)
         return compile_kernel(host, fake_rows(bf16, n, latent), ids,
                               w, s, w, s, dense(bf16, pairs, inter, 16), cutlass.Float32(4.0),
                               cutlass.Float32(25.0), fake_stream(), arch=arch, dump_dir=dump_dir)
@@ -393,7 +420,8 @@ def build(stage, latent, inter, top_k, ids64, cfg, arch=None, dump_dir=None, pdl
                           dump_dir=dump_dir)
 
 
-def _build_grouped(stage, latent, inter, top_k, cfg, ids, dense, arch, dump_dir, pdl, u):
+def _build_grouped(stage, latent, inter, top_k, cfg, ids, dense, arch, dump_dir, pdl, u,
+                   expert_rows=0):
     import cutlass
     from cutlass import cute
 
@@ -410,7 +438,8 @@ def _build_grouped(stage, latent, inter, top_k, cfg, ids, dense, arch, dump_dir,
     depth, out = (latent, inter) if fc1 else (inter, latent)
     x = fake_rows(bf16, n, latent) if fc1 else dense(bf16, pairs, inter, 16)
     w, s = dense(i32, rows, depth // 8, 16), dense(u8, rows, depth // 32, 1)
-    host = GroupedMMA(fc1, latent, inter, top_k, cfg.rows, cfg, pdl and fc1)
+    host = GroupedMMA(fc1, latent, inter, top_k, cfg.rows, cfg, pdl and fc1,
+                      expert_rows if fc1 else 0)
     return compile_kernel(host, x, ids, w, s, w, s, dense(bf16, pairs, out, 16),
                           f32(4.0), f32(25.0), fake_stream(), arch=arch, dump_dir=dump_dir)
 
@@ -419,8 +448,29 @@ KERNEL = Kernel(OP, build)
 
 
 def _words(packed: torch.Tensor) -> torch.Tensor:
-    """[E, O, W] uint8 -> [E·O, W/4] int32 (a view)."""
+    """[E, O, W] uint8 (contiguous) -> [E·O, W/4] int32 (a view)."""
     return packed.view(torch.int32).view(-1, packed.shape[-1] // 4)
+
+
+def expert_rows_view(t: torch.Tensor, expert_rows: int) -> torch.Tensor:
+    """[E, O, W] uint8 whose experts start `expert_rows` rows apart (rows contiguous) -> the
+    rows [(E - 1)·expert_rows + O, W] in place, starting at t's first row (a view: the rows of
+    other tensors between the experts are in it and never read)."""
+    n_exp, rows, width = t.shape
+    return t.as_strided(((n_exp - 1) * expert_rows + rows, width), (width, 1))
+
+
+def fc1_operands(w1_packed, w1_scale, w3_packed, w3_scale, latent: int):
+    """(W1 words, W1 scales, W3 words, W3 scales, the build option of their expert stride):
+    FC1's operands, read in place (`fc1_expert_rows`)."""
+    inter = w1_packed.shape[1]
+    rows = fc1_expert_rows(w1_packed, w1_scale, w3_packed, w3_scale)
+    if rows == inter:
+        return (_words(w1_packed), w1_scale.view(-1, latent // 32), _words(w3_packed),
+                w3_scale.view(-1, latent // 32), {})
+    return (expert_rows_view(w1_packed, rows).view(torch.int32),
+            expert_rows_view(w1_scale, rows), expert_rows_view(w3_packed, rows).view(torch.int32),
+            expert_rows_view(w3_scale, rows), {"expert_rows": rows})
 
 
 def moe_experts_cuda(z, ids, weights, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed,
@@ -464,9 +514,9 @@ def _launch(args, beta, linear_beta, out, out_fp32=False):
         stage, fc1 = "fc1", config("fc1", latent, inter, top_k, b)
         if by_expert(n, latent):  # act written by expert, the same bits (K3_MOE_BY_EXPERT)
             stage, fc1 = "fc1e", by_expert_config(fc1, b)
-        KERNEL.compiled(stage, latent, inter, top_k, ids64, fc1, rows=b)(
-            z, ids, _words(w1_packed), w1_scale.view(-1, latent // 32), _words(w3_packed),
-            w3_scale.view(-1, latent // 32), act, float(beta), float(linear_beta))
+        *fc1_args, strided = fc1_operands(w1_packed, w1_scale, w3_packed, w3_scale, latent)
+        KERNEL.compiled(stage, latent, inter, top_k, ids64, fc1, rows=b, **strided)(
+            z, ids, *fc1_args, act, float(beta), float(linear_beta))
         # FC2 always follows FC1 with PDL (its own build has no switch)
         KERNEL.compiled("fc2", latent, inter, top_k, ids64,
                         config("fc2", latent, inter, top_k, b), pdl=False, **store)(
@@ -484,9 +534,9 @@ def _launch_grouped(args, beta, linear_beta, y, store):
     act = z.new_empty((n * top_k, inter))
     y_pairs = z.new_empty((n * top_k, latent))
     scalars = (latent, inter, top_k, ids64)
-    KERNEL.compiled("fc1g", *scalars, config("fc1g", latent, inter, top_k, b), rows=b)(
-        z, ids, _words(w1_packed), w1_scale.view(-1, latent // 32), _words(w3_packed),
-        w3_scale.view(-1, latent // 32), act, float(beta), float(linear_beta))
+    *fc1_args, strided = fc1_operands(w1_packed, w1_scale, w3_packed, w3_scale, latent)
+    KERNEL.compiled("fc1g", *scalars, config("fc1g", latent, inter, top_k, b), rows=b,
+                    **strided)(z, ids, *fc1_args, act, float(beta), float(linear_beta))
     w2, s2 = _words(w2_packed), w2_scale.view(-1, inter // 32)
     KERNEL.compiled("fc2g", *scalars, config("fc2g", latent, inter, top_k, b), pdl=False)(
         act, ids, w2, s2, w2, s2, y_pairs, float(beta), float(linear_beta))

@@ -103,8 +103,10 @@ def refusal(n_rows: int, latent: int, inter: int, top_k: int, block: str = "fc1"
     return None
 
 
-def build(latent, inter, top_k, ids64, fc1_cfg, fc2_cfg, arch=None, dump_dir=None, pdl=False):
-    """Compile now, uncached (`dump_dir` keeps the cubin and PTX; `pdl`: with PDL)."""
+def build(latent, inter, top_k, ids64, fc1_cfg, fc2_cfg, arch=None, dump_dir=None, pdl=False,
+          expert_rows=0):
+    """Compile now, uncached (`dump_dir` keeps the cubin and PTX; `pdl`: with PDL;
+    `expert_rows`: moe_experts' `fc1_expert_rows` where not I)."""
     import cutlass
     from cutlass import cute
     from cutlass.cute.runtime import make_fake_tensor
@@ -123,7 +125,7 @@ def build(latent, inter, top_k, ids64, fc1_cfg, fc2_cfg, arch=None, dump_dir=Non
     w2, s2 = dense(i32, rows2, inter // 8, 16), dense(u8, rows2, inter // 32, 1)
     count = make_fake_tensor(i32, (cute.sym_int(),), stride=(1,), assumed_align=4)
     return compile_kernel(
-        MoEOneLaunch(latent, inter, top_k, fc1_cfg, fc2_cfg, pdl), fake_rows(bf16, n, latent),
+        MoEOneLaunch(latent, inter, top_k, fc1_cfg, fc2_cfg, pdl, expert_rows), fake_rows(bf16, n, latent),
         ids, dense(f32, n, top_k, 4, cute.sym_int()), w1, s1, w1, s1, w2, s2,
         dense(bf16, pairs, inter, 16), dense(bf16, n, top_k * inter, 16),
         fake_rows(bf16, n, latent), count, f32(4.0), f32(25.0), fake_stream(), arch=arch,
@@ -133,10 +135,11 @@ def build(latent, inter, top_k, ids64, fc1_cfg, fc2_cfg, arch=None, dump_dir=Non
 KERNEL = Kernel(NAME, build)
 
 
-def compiled(latent: int, inter: int, top_k: int, ids64: bool, n_rows: int, block: str):
+def compiled(latent: int, inter: int, top_k: int, ids64: bool, n_rows: int, block: str,
+             **strided):
     b = bucket(n_rows)
     return KERNEL.compiled(latent, inter, top_k, ids64,
-                           *configs(latent, inter, top_k, b, block), rows=b)
+                           *configs(latent, inter, top_k, b, block), rows=b, **strided)
 
 
 def moe_one_launch_cuda(z, ids, weights, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed,
@@ -168,10 +171,10 @@ def moe_one_launch_cuda(z, ids, weights, w1_packed, w1_scale, w3_packed, w3_scal
     def launch():
         y = z.new_empty((n, latent)) if out is None else out
         act = z.new_empty((n * top_k, inter))
-        words = moe_experts._words
-        compiled(latent, inter, top_k, ids.dtype == torch.int64, n, block)(
-            z, ids, weights, words(w1_packed), w1_scale.view(-1, latent // 32),
-            words(w3_packed), w3_scale.view(-1, latent // 32), words(w2_packed),
+        *fc1_args, strided = moe_experts.fc1_operands(w1_packed, w1_scale, w3_packed, w3_scale,
+                                                      latent)
+        compiled(latent, inter, top_k, ids.dtype == torch.int64, n, block, **strided)(
+            z, ids, weights, *fc1_args, moe_experts._words(w2_packed),
             w2_scale.view(-1, inter // 32), act, act.view(n, top_k * inter), y, count[0],
             float(beta), float(linear_beta))
         return y

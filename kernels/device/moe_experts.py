@@ -151,8 +151,12 @@ def group_factor(scale, bias=SCALE_BIAS):
 
 class FC1:
     def __init__(self, latent: int, inter: int, top_k: int, cfg: FC1Config,
-                 pdl: bool = False):
+                 pdl: bool = False, expert_rows: int = 0):
         self.latent, self.inter, self.top_k, self.pdl = latent, inter, top_k, pdl
+        # rows of mW1 / mS1 / mW3 / mS3 from one expert's first row to the next's: I, or 2I
+        # where W1 and W3 are the halves of one fused gate_up [E, 2I, L/2] (the words then
+        # start at each half's first row, `expert_words` of kernels/moe_experts.py)
+        self.expert_rows = expert_rows or inter
         self.nv = latent // 32  # packed vectors (and scales) per weight row
         # Lane steps over both matrices; with NV % 32 == 16 (L = 3584: 112 vectors) a last
         # step gives lanes 0-15 the W1 tail and lanes 16-31 the W3 tail (no idle lanes).
@@ -164,6 +168,10 @@ class FC1:
         self.steps = self.m + self.split  # cp.async groups per lane
         if not fc1_fits(latent, cfg):
             raise ValueError(f"{cfg} at L {latent}: {fc1_smem(latent, cfg)} B of shared memory")
+
+    def experts(self, mW: cute.Tensor):
+        """E from the rows of W1's words: (E - 1)·expert_rows + I."""
+        return (mW.shape[0] + (self.expert_rows - self.inter)) // self.expert_rows
 
     @cute.jit
     def stage_z(self, rZ8: cute.Tensor, sZ: cute.Tensor, tidx: Int32):
@@ -263,8 +271,8 @@ class FC1:
     def __call__(self, mZ: cute.Tensor, mIdx: cute.Tensor, mW1: cute.Tensor,
                  mS1: cute.Tensor, mW3: cute.Tensor, mS3: cute.Tensor, mAct: cute.Tensor,
                  beta: Float32, linear_beta: Float32, stream):
-        # mZ: (N, L) bf16; mIdx: ids (N, k); mW1, mW3: (E·I, L/8) int32 words of packed
-        # nibbles; mS1, mS3: (E·I, L/32) uint8; mAct: (N·k, I) bf16
+        # mZ: (N, L) bf16; mIdx: ids (N, k); mW1, mW3: ((E - 1)·expert_rows + I, L/8) int32
+        # words of packed nibbles; mS1, mS3: (the same rows, L/32) uint8; mAct: (N·k, I) bf16
         self.kernel(mZ, mIdx, mW1, mS1, mW3, mS3, mAct, beta, linear_beta).launch(
             grid=[mZ.shape[0] * self.top_k, -(-self.inter // self.rows), 1],
             block=[self.threads, 1, 1], smem=fc1_smem(self.latent, self.cfg), stream=stream,
@@ -288,7 +296,7 @@ class FC1:
         rW, rS, rT, rST = w
         I, NV, M = self.inter, self.nv, self.m
         for r in cutlass.range_constexpr(self.rw):
-            row = e * I + cutlass.min(i0 + r, I - 1)
+            row = e * self.expert_rows + cutlass.min(i0 + r, I - 1)
             for mat, (mW, mS) in enumerate(((mW1, mS1), (mW3, mS3))):
                 if const_expr(M):
                     load_vectors(row_vectors(mW, row), rW[r][mat], lane, 32, min(NV, 32 * M))
@@ -352,7 +360,7 @@ class FC1:
         tidx, _, _ = cute.arch.thread_idx()
         lane, warp = cute.arch.lane_idx(), cute.arch.warp_idx()
         n, j = pair // self.top_k, pair % self.top_k
-        n_exp = mW1.shape[0] // self.inter
+        n_exp = self.experts(mW1)
         e = cutlass.max(cutlass.min(Int32(mIds[n, j]), n_exp - 1), 0)
         i0 = blk * self.rows + warp * self.rw
         smem = cutlass.memory.SmemAllocator()
@@ -379,7 +387,7 @@ class FC1:
         # z first: it does not depend on the ids, and no math starts before it is staged
         rZ8 = make_frag(BFloat16, -(-(self.latent // 8) // self.threads))  # (8, ZV)
         load_vectors(row_vectors(mZ, n), rZ8, tidx, self.threads, self.latent // 8)
-        n_exp = mW1.shape[0] // I
+        n_exp = self.experts(mW1)
         e = cutlass.max(cutlass.min(Int32(mIds[n, j]), n_exp - 1), 0)
         i0 = blk * self.rows + warp * RW
         smem = cutlass.memory.SmemAllocator()
@@ -387,7 +395,7 @@ class FC1:
         # slot (s·RW + r)·2 + mat of a lane: its vector of lane step s, row r, W1 or W3
         sW = smem.allocate_tensor(Int32, cute.make_layout(
             (4, 32, 2 * RW * S, self.warps), stride=(1, 4, 128, 256 * RW * S)), 16)
-        rows = [e * I + cutlass.min(i0 + r, I - 1) for r in range(RW)]
+        rows = [e * self.expert_rows + cutlass.min(i0 + r, I - 1) for r in range(RW)]
 
         # The scales (byte loads) first, then one cp.async group per lane step s: the RW rows
         # x (W1, W3) vectors lane + 32s (a lane's columns past NV are zeros in shared memory,

@@ -51,10 +51,11 @@ class FC1ByExpert(FC1):
     registers for (0: no cap; see `__call__`)."""
 
     def __init__(self, latent: int, inter: int, top_k: int, cfg: FC1Config, rows: int,
-                 tokens: int, min_blocks: int, experts_per_cta: int = 1, pdl: bool = False):
+                 tokens: int, min_blocks: int, experts_per_cta: int = 1, pdl: bool = False,
+                 expert_rows: int = 0):
         if not cfg.f16 or cfg.cp_async:
             raise ValueError(f"{cfg}: FC1ByExpert takes the fp16 decode to registers only")
-        super().__init__(latent, inter, top_k, cfg, pdl)
+        super().__init__(latent, inter, top_k, cfg, pdl, expert_rows)
         self.tokens, self.cap, self.min_blocks = tokens, pair_capacity(rows, top_k), min_blocks
         self.experts_per_cta = experts_per_cta
         self.smem = by_expert_smem(latent, top_k, rows, cfg, tokens)
@@ -69,7 +70,7 @@ class FC1ByExpert(FC1):
                  mS1: cute.Tensor, mW3: cute.Tensor, mS3: cute.Tensor, mAct: cute.Tensor,
                  beta: Float32, linear_beta: Float32, stream):
         # as `FC1.__call__`; the grid is (E / experts_per_cta, I / R)
-        n_exp, ep = mW1.shape[0] // self.inter, self.experts_per_cta
+        n_exp, ep = self.experts(mW1), self.experts_per_cta
         self.kernel(mZ, mIdx, mW1, mS1, mW3, mS3, mAct, beta, linear_beta).launch(
             grid=[(n_exp + ep - 1) // ep, -(-self.inter // self.rows), 1],
             block=[self.threads, 1, 1], smem=self.smem, stream=stream, use_pdl=self.pdl,
@@ -150,7 +151,7 @@ class FC1ByExpert(FC1):
         n_blocks, _, _ = cute.arch.grid_dim()
         tidx, _, _ = cute.arch.thread_idx()
         lane, warp = cute.arch.lane_idx(), cute.arch.warp_idx()
-        n_exp = mW1.shape[0] // self.inter
+        n_exp = self.experts(mW1)
         smem = cutlass.memory.SmemAllocator()
         sPairs = smem.allocate_tensor(Int32, cute.make_layout((self.cap,)), 16)
         V = -(-self.cap // self.threads)

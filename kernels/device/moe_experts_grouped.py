@@ -55,10 +55,12 @@ class GroupedMMA:
     bf16 SiTU act [N·k, I]; else W2 over act, output bf16 y [N·k, L]."""
 
     def __init__(self, fc1: bool, latent: int, inter: int, top_k: int, rows: int,
-                 cfg: GroupedConfig, pdl: bool = False):
+                 cfg: GroupedConfig, pdl: bool = False, expert_rows: int = 0):
         self.fc1, self.top_k, self.cfg, self.pdl = fc1, top_k, cfg, pdl
         self.depth = latent if fc1 else inter  # K of the GEMMs
         self.out_rows = inter if fc1 else latent  # weight rows per expert
+        # rows from one expert's first weight row to the next's (FC1's `expert_rows`)
+        self.expert_rows = expert_rows or self.out_rows
         self.mats = 2 if fc1 else 1
         self.warps, self.threads = cfg.warps, 32 * cfg.warps
         self.cta_rows = 16 * cfg.warps * cfg.row_blocks
@@ -73,7 +75,7 @@ class GroupedMMA:
                  beta: Float32, linear_beta: Float32, stream):
         # mX: fc1 z (N, L), fc2 act (N·k, I) bf16; mIds: (N, k); mWa, mWb: (E·R, D/8) int32
         # words (fc2: mWb = mWa, unused); mSa, mSb: (E·R, D/32) uint8; mOut: (N·k, R) bf16
-        n_exp = mWa.shape[0] // self.out_rows
+        n_exp = (mWa.shape[0] + (self.expert_rows - self.out_rows)) // self.expert_rows
         ep = self.cfg.experts_per_cta
         self.kernel(mX, mIds, mWa, mSa, mWb, mSb, mOut, beta, linear_beta).launch(
             grid=[(n_exp + ep - 1) // ep, -(-self.out_rows // self.cta_rows), 1], block=[self.threads, 1, 1],
@@ -209,7 +211,7 @@ class GroupedMMA:
         first_e, blk, _ = cute.arch.block_idx()
         n_blocks, _, _ = cute.arch.grid_dim()
         lane, warp = cute.arch.lane_idx(), cute.arch.warp_idx()
-        n_exp = mWa.shape[0] // self.out_rows
+        n_exp = (mWa.shape[0] + (self.expert_rows - self.out_rows)) // self.expert_rows
         smem = cutlass.memory.SmemAllocator()
         sX = smem.allocate_tensor(Uint32, cute.make_layout((4, TILE_TOKENS * self.pitch)), 16)
         sPairs = smem.allocate_tensor(Int32, cute.make_layout((self.cap,)), 16)
@@ -244,7 +246,8 @@ class GroupedMMA:
 
         def issue(i):
             rb, q = steps[i]
-            rows = [e * R + cutlass.min(row_a[rb] + 8 * h, R - 1) for h in range(2)]
+            rows = [e * self.expert_rows + cutlass.min(row_a[rb] + 8 * h, R - 1)
+                    for h in range(2)]
             grp = 4 * q + c
             if 4 * q + 4 > NG:
                 grp = cutlass.min(grp, NG - 1)  # zeros in sX there: any finite weight will do

@@ -22,10 +22,12 @@ from .moe_experts import FC1, FC2
 
 
 class MoEOneLaunch:
-    def __init__(self, latent, inter, top_k, fc1_cfg, fc2_cfg, pdl: bool = False):
+    def __init__(self, latent, inter, top_k, fc1_cfg, fc2_cfg, pdl: bool = False,
+                 expert_rows: int = 0):
         if fc1_cfg.threads != fc2_cfg.threads:
             raise ValueError(f"{fc1_cfg} and {fc2_cfg}: one block size for both")
-        self.fc1, self.fc2 = FC1(latent, inter, top_k, fc1_cfg), FC2(latent, inter, top_k, fc2_cfg)
+        self.fc1 = FC1(latent, inter, top_k, fc1_cfg, expert_rows=expert_rows)
+        self.fc2 = FC2(latent, inter, top_k, fc2_cfg)
         self.top_k, self.threads, self.pdl = top_k, fc1_cfg.threads, pdl
         self.blocks1 = -(-inter // self.fc1.rows)  # B1: FC1 row blocks per pair
         self.blocks2 = -(-latent // self.fc2.rows)  # B2: FC2 row blocks per token

@@ -93,6 +93,25 @@ def test_site_the_kernel_refuses_stays_unfused_on_gpu_graphs(monkeypatch):
     assert_rewritten_equal(gm, report, experts, args, "k3.moe_experts")
 
 
+def fused_w13(z, ids, weights, e2m1, w13p, w13s, w2p, w2s):
+    """W1 | W3 stored as one [E, 2I, ·] (vLLM's w13), each half sliced before the gather
+    (spell10's and the red-team spelling's `w13_split`)."""
+    i = w13p.shape[1] // 2
+    return experts(z, ids, weights, e2m1, w13p[:, :i], w13s[:, :i], w13p[:, i:], w13s[:, i:],
+                   w2p, w2s)
+
+
+def test_fused_w13_halves_fuse_on_gpu_graphs(monkeypatch):
+    """The halves of a fused w13 reach the op as strided views; the kernels read them in place
+    (expert stride 2I), so the site fuses on GPU graphs too, where session 38 found it deferred
+    (the kernel wanted contiguous experts)."""
+    with_kernel_limits(monkeypatch, "moe_experts")
+    z, ids, weights, e2m1, w1p, w1s, w3p, w3s, w2p, w2s = _inputs(3)
+    args = [z, ids, weights, e2m1, torch.cat([w1p, w3p], 1), torch.cat([w1s, w3s], 1), w2p, w2s]
+    gm, report = rewrite(fused_w13, args, moe_experts.patterns(), joint=True, kernels_only=True)
+    assert_rewritten_equal(gm, report, fused_w13, args, "k3.moe_experts")
+
+
 @pytest.mark.parametrize("table", ["scaled", "reordered", "unknown"])
 def test_table_that_is_not_e2m1_is_a_near_miss(table):
     """The fused op builds the E2M1 table itself: another table (or one of unknown value) would

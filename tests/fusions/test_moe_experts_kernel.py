@@ -33,7 +33,7 @@ from k3compile.math import e2m1_table, mxfp4_dequant
 from k3compile.math import situ as situ_ref
 from k3compile.models import mxfp4
 from k3compile.ops.moe_experts import moe_experts_ref, moe_experts_refusal
-from tests.kernel_checks import BUCKETS, TOL, assert_written, poisoned, rel_err
+from tests.kernel_checks import BUCKETS, TOL, assert_written, no_fallback, poisoned, rel_err
 
 gpu = pytest.mark.usefixtures("cuda_kernels")
 
@@ -363,6 +363,94 @@ def test_cpu_tensors_fall_back_to_reference_out_fp32(cpu_gen):
     assert got.dtype == torch.float32
     assert torch.equal(got, moe_experts_ref(z, ids, w, *experts, BETA, LINEAR_BETA, True))
     assert torch.equal(got.bfloat16(), moe_experts_ref(z, ids, w, *experts, BETA, LINEAR_BETA))
+
+
+# ---- W1 | W3 as the halves of one fused gate_up (vLLM's w13; spell10, the red-team spelling) -----
+
+
+def fused_gate_up(experts):
+    """The experts with W1 and W3 cut from one [E, 2I, ·] tensor each for the packed weights and
+    the scales (a spelling's `w13[:, :I]`, `w13[:, I:]`): the same values, expert stride 2I rows."""
+    w1p, w1s, w3p, w3s, w2p, w2s = experts
+    inter = w1p.shape[1]
+    packed, scale = torch.cat([w1p, w3p], 1), torch.cat([w1s, w3s], 1)
+    return packed[:, :inter], scale[:, :inter], packed[:, inter:], scale[:, inter:], w2p, w2s
+
+
+def test_fused_gate_up_halves_are_read_in_place(cpu_gen):
+    """FC1's operands of the fused halves: row e·2I + i of each view is W1 / W3 row (e, i), in
+    the fused tensor's own storage (an update of it is seen), with the build option
+    expert_rows 2I; contiguous experts keep the plain views and no option (their compile keys)."""
+    experts = make_experts(cpu_gen, 5, 64, 32, "cpu")
+    fused = fused_gate_up(experts)
+    assert kernel.fc1_expert_rows(*fused[:4]) == 64
+    assert kernel.refusal(*make_tokens(cpu_gen, 3, 64, 5, 2, "cpu"), *fused) is None
+    *views, option = kernel.fc1_operands(*fused[:4], latent=64)
+    assert option == {"expert_rows": 64}
+    for view, half in zip(views, fused[:4]):
+        assert view.data_ptr() == half.data_ptr()
+        rows = view.view(torch.uint8) if view.dtype == torch.int32 else view
+        for e in range(5):
+            assert torch.equal(rows[e * 64:e * 64 + 32], half[e])
+    fused[0]._base[2, 3, 4] ^= 0xFF  # the fused Parameter updated in place
+    assert views[0].view(torch.uint8)[2 * 64 + 3, 4] == fused[0][2, 3, 4]
+    assert torch.equal(views[0].view(torch.uint8)[2 * 64 + 3], fused[0][2, 3])
+    *plain, option = kernel.fc1_operands(*experts[:4], latent=64)
+    assert option == {} and torch.equal(plain[0], kernel._words(experts[0]))
+    assert kernel.fc1_expert_rows(*experts[:4]) == 32
+
+
+def test_fused_gate_up_halves_equal_contiguous_experts_on_cpu(cpu_gen):
+    """The op on the fused halves (the reference on CPU) equals it on contiguous experts."""
+    experts = make_experts(cpu_gen, 5, 64, 32, "cpu")
+    z, ids, w = make_tokens(cpu_gen, 3, 64, 5, 2, "cpu")
+    got = kernel.moe_experts_cuda(z, ids, w, *fused_gate_up(experts), BETA, LINEAR_BETA)
+    assert torch.equal(got, moe_experts_ref(z, ids, w, *experts, BETA, LINEAR_BETA))
+
+
+def _strided_meta(w1p=None, w1s=None, w3p=None, w3s=None):
+    args = _meta()
+    packed = torch.empty(EXPERTS, 2 * INTER, LATENT // 2, dtype=torch.uint8, device="meta")
+    scale = torch.empty(EXPERTS, 2 * INTER, LATENT // 32, dtype=torch.uint8, device="meta")
+    halves = {"w1_packed": packed[:, :INTER], "w1_scale": scale[:, :INTER],
+              "w3_packed": packed[:, INTER:], "w3_scale": scale[:, INTER:]}
+    for name, t in zip(halves, (w1p, w1s, w3p, w3s)):
+        args[name] = halves[name] if t is None else t
+    return args
+
+
+def test_expert_stride_refusals():
+    """One expert stride for W1 / W3 packed and scales; whole rows of contiguous bytes."""
+    assert kernel.refusal(**_strided_meta()) is None
+    mixed = _strided_meta(w3p=torch.empty(EXPERTS, INTER, LATENT // 2, dtype=torch.uint8,
+                                          device="meta"))
+    assert "expert strides of [192, 384] rows" in kernel.refusal(**mixed)
+    cols = torch.empty(EXPERTS, LATENT // 2, INTER, dtype=torch.uint8, device="meta")
+    assert "w1_packed: strides" in kernel.refusal(**_strided_meta(w1p=cols.transpose(1, 2)))
+    wide = torch.empty(EXPERTS, INTER, LATENT, dtype=torch.uint8, device="meta")
+    assert "w1_packed: strides" in kernel.refusal(**_strided_meta(w1p=wide[..., :LATENT // 2]))
+    # an expert stride shorter than I rows (experts overlap)
+    short = torch.empty(EXPERTS * INTER * LATENT // 2, dtype=torch.uint8, device="meta")
+    overlap = short.as_strided((EXPERTS, INTER, LATENT // 2), (LATENT // 2, LATENT // 2, 1))
+    assert "expert stride" in kernel.refusal(**_strided_meta(w1p=overlap))
+
+
+@pytest.mark.dsl
+@pytest.mark.parametrize("rows", [1, 16])
+def test_fc1_builds_with_an_expert_stride(monkeypatch, tmp_path, rows):
+    """FC1 with expert_rows 2I builds for sm_90a (B1's cp.async config, B16's fp16 decode) and
+    reads row e·2I + i (the plain build, e·I + i)."""
+    from k3compile.kernels.common.dsl import ptx_of
+
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    scalars = ("fc1", LATENT, INTER, TOP_K, True, kernel.config("fc1", LATENT, INTER, TOP_K, rows))
+    ptx = {}
+    for name, option in (("plain", {}), ("strided", {"expert_rows": 2 * INTER})):
+        (tmp_path / name).mkdir()
+        ptx[name] = ptx_of(kernel.build(*scalars, arch="sm_90a", dump_dir=str(tmp_path / name),
+                                        **option))
+    row = re.compile(rf"mad\.lo\.s32\s+%r\d+, %r\d+, {2 * INTER}, ")  # e·2I + i
+    assert row.search(ptx["strided"]) and not row.search(ptx["plain"])
 
 
 # ---- GPU ----------------------------------------------------------------------------------------
@@ -852,3 +940,42 @@ def test_tp16_out_fp32(gen, tp16_experts, monkeypatch, grouped, n):
     assert torch.equal(got.bfloat16(), plain)
     ref = _by_rows(lambda *a: moe_experts_ref(*a, True), z, ids, w, tp16_experts)
     assert rel_err(got, ref) < TOL["vs_reference_rel_norm"]
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("n", [1, 2, 8, 16, 64])
+def test_tp16_fused_gate_up_halves(gen, tp16_experts, n):
+    """W1 and W3 read in place from the halves of a fused gate_up: bit for bit the contiguous
+    experts' output at B1's cp.async FC1, the plain FC1 and the fp16 decode (from 8 rows)."""
+    fused = fused_gate_up(tp16_experts)
+    z, ids, w = make_tokens(gen, n, LATENT, EXPERTS, TOP_K, "cuda")
+    want = check(z, ids, w, tp16_experts, vs_reference=False)
+    assert torch.equal(check(z, ids, w, fused, vs_reference=n <= 2), want)
+
+
+@pytest.mark.gpu
+@gpu
+def test_tp16_fused_gate_up_by_expert_and_one_launch(gen, tp16_experts, monkeypatch):
+    """The fused halves through FC1 by expert (K3_MOE_BY_EXPERT, 8 rows) and the one-launch
+    kernel (1 and 2 rows): bit for bit the contiguous experts' output."""
+    from k3compile.kernels import moe_one_launch
+
+    fused = fused_gate_up(tp16_experts)
+    monkeypatch.setattr(settings.KERNELS, "moe_by_expert", True)
+    z, ids, w = make_tokens(gen, 8, LATENT, EXPERTS, TOP_K, "cuda")
+    assert kernel.by_expert(8, LATENT)
+    assert torch.equal(check(z, ids, w, fused, vs_reference=False),
+                       check(z, ids, w, tp16_experts, vs_reference=False))
+    monkeypatch.setattr(moe_one_launch, "TAKEN_ROWS", moe_one_launch.MAX_ROWS)
+    for n in (1, 2):
+        z, ids, w = make_tokens(gen, n, LATENT, EXPERTS, TOP_K, "cuda")
+        got = {}
+        for name, experts in (("fused", fused), ("plain", tp16_experts)):
+            out = poisoned(*z.shape)
+            with no_fallback():
+                assert moe_one_launch.moe_one_launch_cuda(z, ids, w, *experts, BETA, LINEAR_BETA,
+                                                          out=out) is out
+            got[name] = out
+        assert_written(got["fused"])
+        assert torch.equal(got["fused"], got["plain"])
