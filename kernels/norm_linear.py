@@ -7,13 +7,12 @@ gemv's norm-prologue variant; at 2..64 rows gemm_tc's norm variant where
 settings.KERNELS.gemm_tc_fused names "norm" (opt-in) and `router.linear` would run gemm_tc on W
 (`router.tc_fused_takes`); otherwise two, the rms_norm kernel and `router.linear`.
 
-`weight_fp32` (u fp32, the weight multiplied in fp32 before the one rounding:
-`k3compile.math.rms_norm_fp32_weight`): the norm in torch on the GPU (`F.rms_norm`, torch's fused
-CUDA kernel, fp32 in and out, its sums in its own order; the weight's upcast and the rounding two
-more launches), then `router.linear`; logged once as a fallback of `norm_linear[weight_fp32]`.
-Neither the gemv nor the gemm_tc norm prologue reads an fp32 x or rounds once after the weight,
-and without a GPU to test one a kernel variant was not written (docs/kernels.md, norm_linear,
-2026-12-05).
+`weight_fp32` (u bf16 or fp32, the weight multiplied in fp32 before the one rounding:
+`k3compile.math.rms_norm_fp32_weight`): two launches, the rms_norm kernel's `fp32_weight` build
+(`rms_norm_fp32_weight_cuda`; where it refuses, its reference in torch, logged) then
+`router.linear`. Neither the gemv nor the gemm_tc norm prologue reads an fp32 x or rounds once
+after the weight (docs/kernels.md, norm_linear, 2026-12-05; until session 39 this was torch's
+F.rms_norm with the weight's upcast and the cast, three to four launches).
 
 Constraints:
     * u [N, L] rows, W [O, L], r [N, O]; the one-launch variant takes gemv's limits (a refused call
@@ -22,13 +21,12 @@ Constraints:
 """
 
 import torch
-import torch.nn.functional as F
 
 from k3compile.ops import registry
 
 from .common import gemm_tc, gemv, router
-from .common.dsl import fallback, flat_rows, on_stream
-from .rms_norm import rms_norm_cuda
+from .common.dsl import flat_rows, on_stream
+from .rms_norm import rms_norm_cuda, rms_norm_fp32_weight_cuda
 
 OP = "norm_linear"
 
@@ -36,9 +34,7 @@ OP = "norm_linear"
 def norm_linear_cuda(u, norm_w, w, eps, residual=None, weight_fp32=False):
     # u [N, L] rows; w [O, L]; residual [N, O]
     if weight_fp32:
-        fallback(f"{OP}[weight_fp32]", "the fp32-weight norm runs in torch, then router.linear")
-        h = F.rms_norm(u.float(), (u.shape[-1],), norm_w.float(), eps).to(w.dtype)
-        return router.linear(h, w, residual)
+        return router.linear(rms_norm_fp32_weight_cuda(u, norm_w, eps, w.dtype), w, residual)
     if gemv.fused_takes(u, "norm") and gemv.fused_ok("norm", gemv.fused_launch_refusal(
             gemv.NORM, u, w, residual, norm_weight=norm_w)):
         return gemv.gemv_norm_cuda(u, norm_w, w, eps, residual)
