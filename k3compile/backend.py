@@ -195,6 +195,7 @@ class _Bucket:
         self.runs = 0
         self.layout: tuple = ()  # the strides of the module tensors the compile was handed
         self.stale = False  # its first run re-laid weights: compiled again at the next call
+        self.reads: Any = None  # the ReadGuard of the inputs whose values the compile read
 
 
 def _moved(entry: _Bucket, args: list) -> bool:
@@ -377,6 +378,7 @@ class K3Compiled:
         with self.checks.analysing(self.observer):
             fn = self.pipeline.compile(gm, list(inputs), batch, user_inputs=user)
         bucket = self.buckets[key] = _Bucket(self.checks.guard(fn, list(inputs)), batch)
+        bucket.reads = getattr(fn, "k3_read_guard", None)  # inputs whose values the stages read
         bucket.layout = self._layout(inputs)
         self._check_module_calls()
         return bucket
@@ -397,7 +399,8 @@ class K3Compiled:
             if self.static_batch == 0:
                 return self.gm(*args)
             key = self._scalars(args)
-            entry = self._current(key) or self._compile_bucket(key, list(args), self.static_batch)
+            entry = self._current(key, args) or self._compile_bucket(key, list(args),
+                                                                    self.static_batch)
             return self._run(entry, list(args), None, None)
         batch = int(args[self._lead.index].shape[0])
         if error := batch_error([(arg_name(i.name), args[i.index], "")
@@ -426,15 +429,19 @@ class K3Compiled:
         key = (bucket, *(bucket if inp.expr in self.batch_symbols else int(args[inp.index])
                          for inp in self.inputs if inp.symint),
                *self._scalars(args))
-        entry = self._current(key)
+        entry = self._current(key, args)
         return entry or self._compile_bucket(key, self._pad(args, batch, bucket), bucket)
 
-    def _current(self, key: tuple) -> _Bucket | None:
-        """The bucket's compiled step, None where it is to be compiled (again: `_Bucket.stale`)."""
+    def _current(self, key: tuple, args) -> _Bucket | None:
+        """The bucket's compiled step, None where it is to be compiled (again: `_Bucket.stale`,
+        or an input whose values the compile read has changed: `_Bucket.reads`)."""
         entry = self.buckets.get(key)
         if entry is not None and entry.stale:
             log.info("k3: the first run re-laid weights (stage kernel_layout); compiling bucket "
                      "%s again, on their new layout", entry.batch)
+            return None
+        if entry is not None and entry.reads is not None and (why := entry.reads.changed(args)):
+            log.warning("k3: %s; compiling bucket %s again, on its new values", why, entry.batch)
             return None
         return entry
 

@@ -50,6 +50,7 @@ from k3compile import stage_cache
 from k3compile.layers import attribute, dynamo_input_paths, state_inputs
 from k3compile.observe import Observer
 from k3compile.progress import BucketProgress
+from k3compile.read_guard import ReadGuard
 from k3compile.rewrite import inductor, trace_cache
 from k3compile.settings import KERNELS, Options
 from k3compile.stages import Context
@@ -175,12 +176,14 @@ class Pipeline:
             self.observer.records[ctx.batch] += hit.records  # what "cache" stood for
             ctx.report.merge(hit.report)
             ctx.notes.update(hit.notes)
+            ctx.inputs_read = hit.reads
         else:
             given = gm = stage_cache.complete(gm)  # a decoded graph's values, for the stages
             for name, stage in cached:
                 gm = self.observer.run(name, stage, gm, ctx)
+            gm.meta.setdefault("inputs_read", set()).update(given.meta.get("inputs_read", ()))
+            ctx.inputs_read = frozenset(gm.meta["inputs_read"])
             if path is not None:
-                gm.meta.setdefault("inputs_read", set()).update(given.meta.get("inputs_read", ()))
                 stored = stage_cache.store(path, text, gm, ctx.inputs,
                                            self.observer.records[ctx.batch][-len(cached):],
                                            ctx.report, ctx.notes)
@@ -262,7 +265,11 @@ class Pipeline:
                 fn = inductor.compile_fx_static(gm, example_inputs, patches, inner_compile)
         around = (None if warm or link_path is None else  # keep the kernels the bucket used
                   lambda: _noting_kernels(link_path, link_text))
-        return progress.first_run(fn, prebuild, around)  # on a GPU the first run builds kernels
+        run = progress.first_run(fn, prebuild, around)  # on a GPU the first run builds kernels
+        # the inputs whose values the stages read, for the caller to check at every call (the
+        # backend, before a CUDA graph's replay too: k3compile/read_guard.py)
+        run.k3_read_guard = ReadGuard(ctx.inputs_read, ctx.inputs)
+        return run
 
     def _executor(self, aten_gm: fx.GraphModule, aten_inputs, kwargs, ctx: Context) -> Callable:
         remember(ctx.inputs)  # later compiles never move what this one was handed

@@ -57,6 +57,7 @@ import torch
 from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from k3compile import read_guard
 from k3compile.files import BadEntry, read_entry, write_entry
 from k3compile.graph import fake_value
 from k3compile.rewrite import inductor, trace_cache
@@ -81,6 +82,7 @@ class Entry:
     records: list  # the skipped stages' StageRecords (seconds 0: nothing ran)
     report: Any  # the RewriteReport
     notes: dict[str, Any]
+    reads: frozenset[int] = frozenset()  # the inputs whose values the stages read
 
 
 def root() -> Path | None:
@@ -321,7 +323,7 @@ def load(path: Path, text: str, gm: fx.GraphModule, inputs: list) -> Entry:
     records = [StageRecord(name, 0.0, Counter(before), Counter(after), text)
                for name, before, after, text in body["records"]]
     report, notes = pickle.loads(base64.b64decode(body["state"]))
-    return Entry(out, records, report, notes)
+    return Entry(out, records, report, notes, frozenset(int(i) for i in body["reads"]))
 
 
 def reloaded(path: Path, text: str, given: fx.GraphModule, inputs: list,
@@ -478,13 +480,7 @@ def _reads(gm: fx.GraphModule, inputs: list) -> dict[str, str]:
     return {str(i): _digest(inputs[i]) for i in sorted(gm.meta.get("inputs_read", ()))}
 
 
-def _digest(x) -> str:
-    if not isinstance(x, torch.Tensor):
-        return repr(x)
-    with inductor.unset_fake_temporarily():
-        t = x.detach().cpu().contiguous()
-        return hashlib.sha256(str((t.dtype, tuple(t.shape))).encode()
-                              + t.view(torch.uint8).numpy().tobytes()).hexdigest()
+_digest = read_guard.digest
 
 
 def stats() -> dict[str, int]:

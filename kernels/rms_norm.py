@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from k3compile.ops import registry
 from k3compile.math import rms_norm_fp32_weight
+from k3compile.ops import registry
 from k3compile.ops.rms_norm import rms_norm_ref
 
 from .common.dsl import (

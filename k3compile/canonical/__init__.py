@@ -27,7 +27,7 @@ from k3compile.rewrite import inductor
 
 ORDER: tuple[str, ...] = ("put_rows", "scatter_rows", "paged_write", "token_dim", "state_write", "cache_block",
                           "slot_mapping",
-                          "sdpa_math",
+                          "causal_mask", "sdpa_math",
                           "baddbmm_mask",
                           "position_grid",
                           "mla_upcast",

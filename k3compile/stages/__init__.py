@@ -34,3 +34,6 @@ class Context:
     permuted: Any = None
     # the inputs read as their copy in a lower float dtype (stage `weight_cast`); None: none
     weight_cast: Any = None
+    # the inputs whose values the stages read (`gm.meta["inputs_read"]`), guarded at each call
+    # (k3compile/read_guard.py)
+    inputs_read: frozenset[int] = frozenset()
