@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 
+import pytest
 import torch
 
 import k3compile.backend as k3be
@@ -65,4 +66,28 @@ def test_changed_mask_compiles_the_bucket_again(caplog):
     want = model(x, pos)
     assert not torch.allclose(want, before)  # the old mask's answer would be wrong
     torch.testing.assert_close(after, want, rtol=1e-6, atol=1e-6)
+    assert "whose values the compile read, changed in place" in caplog.text
+
+
+@pytest.mark.gpu
+def test_changed_mask_compiles_the_bucket_again_under_cuda_graphs(caplog):
+    """On CUDA the bucket's step is captured in a CUDA graph at its second call, and replays run
+    no Python of the compiled step: the backend asks the guard before each replay."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    model = Masked().requires_grad_(False).cuda()
+    x, pos = (t.cuda() for t in _inputs())
+    torch._dynamo.reset()
+    step = torch.compile(model, backend="k3", fullgraph=True)
+    for _ in range(3):  # run, capture, replay
+        before = step(x, pos).clone()
+    (bucket,) = k3be.last_compiled().buckets.values()
+    assert bucket.graph is not None and bucket.reads.positions
+    torch.testing.assert_close(before, model(x, pos), rtol=1e-5, atol=1e-5)
+    model.causal_mask[4, 9] = True
+    with caplog.at_level(logging.WARNING, logger="k3compile"):
+        after = step(x, pos)
+    want = model(x, pos)
+    assert not torch.allclose(want, before)
+    torch.testing.assert_close(after, want, rtol=1e-5, atol=1e-5)
     assert "whose values the compile read, changed in place" in caplog.text
