@@ -268,7 +268,8 @@ class Pipeline:
         run = progress.first_run(fn, prebuild, around)  # on a GPU the first run builds kernels
         # the inputs whose values the stages read, for the caller to check at every call (the
         # backend, before a CUDA graph's replay too: k3compile/read_guard.py)
-        run.k3_read_guard = ReadGuard(ctx.inputs_read, ctx.inputs)
+        run.k3_read_guard = ReadGuard(guarded_reads(ctx.inputs_read, ctx.user_inputs,
+                                                    written.get("inputs")), ctx.inputs)
         return run
 
     def _executor(self, aten_gm: fx.GraphModule, aten_inputs, kwargs, ctx: Context) -> Callable:
@@ -321,6 +322,16 @@ class Pipeline:
             if stacked is not None:
                 compiled = stacked.wrap(compiled)
         return inductor.plain_call(compiled, direct["bumps"], boxed=True)
+
+
+def guarded_reads(reads, user_inputs, written) -> frozenset[int]:
+    """The inputs whose values the stages read that are tables, for `ReadGuard`: less the
+    caller's own inputs and the state the step writes (rule mxfp4_dequant's constant folding
+    records any small input it evaluates, a conv state of 2880 elements among them; a step
+    that writes it changes it at every call). Where the written inputs are unknown, none."""
+    if written is None:
+        return frozenset()
+    return frozenset(reads) - frozenset(user_inputs) - frozenset(written)
 
 
 def written_inputs(aten_gm: fx.GraphModule, count: int,
