@@ -957,14 +957,15 @@ def test_tp16_fused_gate_up_halves(gen, tp16_experts, n):
 @pytest.mark.gpu
 @gpu
 def test_tp16_fused_gate_up_by_expert_and_one_launch(gen, tp16_experts, monkeypatch):
-    """The fused halves through FC1 by expert (K3_MOE_BY_EXPERT, 8 rows) and the one-launch
-    kernel (1 and 2 rows): bit for bit the contiguous experts' output."""
+    """The fused halves through FC1 by expert (K3_MOE_BY_EXPERT, 16 rows: it takes the fp16
+    decode, from 16 rows by default) and the one-launch kernel (1 and 2 rows): bit for bit the
+    contiguous experts' output."""
     from k3compile.kernels import moe_one_launch
 
     fused = fused_gate_up(tp16_experts)
     monkeypatch.setattr(settings.KERNELS, "moe_by_expert", True)
-    z, ids, w = make_tokens(gen, 8, LATENT, EXPERTS, TOP_K, "cuda")
-    assert kernel.by_expert(8, LATENT)
+    z, ids, w = make_tokens(gen, 16, LATENT, EXPERTS, TOP_K, "cuda")
+    assert kernel.by_expert(16, LATENT)
     assert torch.equal(check(z, ids, w, fused, vs_reference=False),
                        check(z, ids, w, tp16_experts, vs_reference=False))
     monkeypatch.setattr(moe_one_launch, "TAKEN_ROWS", moe_one_launch.MAX_ROWS)
