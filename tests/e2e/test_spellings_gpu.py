@@ -55,6 +55,12 @@ STATIC_BATCH = {
     "spell13": "einsum over an unbacked batch fails Dynamo's trace",
 }
 TOLS = {torch.float32: TOL["aten_cpu"], torch.bfloat16: TOL["diffsuite_bf16"]}
+# What a spelling's GPU run leaves to Inductor (`deferred`) and to torch at call time
+# (`fallbacks`), where a run has shown it (bf16, the session-39 H100 run: spell10 and the red-team
+# spelling had moe_experts deferred and norm_linear[weight_fp32] falling back in session 38; both
+# closed). mla_q_absorb has no CUDA kernel. A spelling not listed is not checked yet.
+GPU_GAPS = {("spell10", torch.bfloat16): ({"mla_q_absorb"}, set()),
+            ("redteam", torch.bfloat16): ({"mla_q_absorb"}, set())}
 STEPS = 3
 META = torch.device("meta")
 
@@ -135,6 +141,10 @@ def test_spelling_at_tp16_shapes_equals_its_eager_on_a_gpu(name, dtype):
     assert result["logits_err"] <= tol, result["logits_err"]
     assert all(e <= tol for e in result["state_err"].values()), result["state_err"]
     assert result["plan"], "nothing fused"
+    if (name, dtype) in GPU_GAPS:
+        deferred, fallbacks = GPU_GAPS[name, dtype]
+        assert set(result["deferred"]) == deferred, result["deferred"]
+        assert {f.split(":")[0] for f in result["fallbacks"]} == fallbacks, result["fallbacks"]
 
 
 @pytest.mark.slow
