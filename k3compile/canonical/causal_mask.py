@@ -32,32 +32,11 @@ import torch
 from torch import fx
 
 from k3compile.canonical import Rule, rewrite_sites
+from k3compile.canonical.mxfp4_dequant import Constants
 from k3compile.graph import call
 from k3compile.rewrite import inductor
 
 aten, prims = torch.ops.aten, torch.ops.prims
-
-
-def _real_value(node: fx.Node) -> torch.Tensor | None:
-    """The real tensor of a graph input handed over by stage `canonicalize` or of a module
-    attribute; records the input's index in `meta["inputs_read"]`."""
-    module = node.graph.owning_module
-    if node.op == "get_attr":
-        value = getattr(module, node.target, None) if module is not None else None
-        return value if isinstance(value, torch.Tensor) else None
-    if node.op != "placeholder" or module is None:
-        return None
-    meta = getattr(module, "meta", None)
-    inputs = (meta or {}).get("real_inputs") or []
-    placeholders = [n for n in node.graph.nodes if n.op == "placeholder"]
-    if len(inputs) != len(placeholders):
-        return None
-    index = placeholders.index(node)
-    value = inputs[index]
-    if isinstance(value, torch.Tensor):
-        meta.setdefault("inputs_read", set()).add(index)
-        return value
-    return None
 
 
 def is_causal(value: torch.Tensor) -> bool:
@@ -70,7 +49,7 @@ def is_causal(value: torch.Tensor) -> bool:
         return bool(torch.equal(value, want))
 
 
-def _site(node: fx.Node) -> fx.Node | None:
+def _site(node: fx.Node, constants: Constants) -> fx.Node | None:
     """The positions, where node = buffer[positions] of a causal buffer."""
     buffer, indices = node.args[:2]
     if not (isinstance(buffer, fx.Node) and isinstance(indices, (list, tuple))
@@ -84,7 +63,7 @@ def _site(node: fx.Node) -> fx.Node | None:
         return None
     if buf_val.dim() != 2 or not isinstance(buf_val.shape[1], int):
         return None
-    value = _real_value(buffer)
+    value = constants.source(buffer)
     return positions if value is not None and is_causal(value) else None
 
 
@@ -107,7 +86,9 @@ def write(graph: fx.Graph, node: fx.Node, positions: fx.Node) -> None:
 
 
 def apply(graph: fx.Graph) -> int:
-    return rewrite_sites(graph, _site, write, targets={aten.index.Tensor})
+    constants = Constants(graph)  # the inputs' real values (stage canonicalize hands them over)
+    return rewrite_sites(graph, lambda node: _site(node, constants), write,
+                         targets={aten.index.Tensor})
 
 
 RULE = Rule("causal_mask", apply,

@@ -90,7 +90,7 @@ def _dtype(node) -> torch.dtype | None:
     return v.dtype if isinstance(v, torch.Tensor) else None
 
 
-class _Constants:
+class Constants:
     """Real values of small tensors known at compile time: graph-module attributes, graph inputs
     whose real value the stage handed over (`real_inputs`), and what the graph computes from
     them with factory, pointwise, reshape and static slice / select ops."""
@@ -113,16 +113,23 @@ class _Constants:
             self.memo[node] = self._value(node)
         return self.memo[node]
 
+    def source(self, node: fx.Node) -> torch.Tensor | None:
+        """The real tensor of a module attribute or of a graph input handed over (any size; the
+        input recorded as read), else None."""
+        if node.op == "get_attr":
+            value = getattr(self.module, node.target, None)
+            return value if isinstance(value, torch.Tensor) else None
+        value = self.inputs.get(node) if node.op == "placeholder" else None
+        if value is not None:
+            self.read.add(self.index[node])
+        return value
+
     def _value(self, node: fx.Node) -> torch.Tensor | None:
         shape = _shape(node)
         if shape is None or torch.Size(shape).numel() > MAX_TABLE:
             return None
-        if node.op == "get_attr":
-            value = getattr(self.module, node.target, None)
-        elif node.op == "placeholder":
-            value = self.inputs.get(node)
-            if value is not None:
-                self.read.add(self.index[node])
+        if node.op in ("get_attr", "placeholder"):
+            value = self.source(node)
         elif node.op == "call_function" and (node.target in _FACTORIES or _pointwise(node)
                                              or node.target in RESHAPES
                                              or node.target in _PICKS):
@@ -144,7 +151,7 @@ def known_value(node) -> torch.Tensor | None:
     input stage `canonicalize` handed over, or computed from those), else None."""
     if not isinstance(node, fx.Node) or node.graph.owning_module is None:
         return None
-    return _Constants(node.graph)(node)
+    return Constants(node.graph)(node)
 
 
 def _pointwise(node: fx.Node) -> bool:
@@ -162,7 +169,7 @@ class _Analysis:
 
     def __init__(self, graph: fx.Graph):
         self.graph = graph
-        self.constants = _Constants(graph)
+        self.constants = Constants(graph)
         self.streams: dict[fx.Node, Stream] = {}
 
     def run(self) -> dict[fx.Node, Stream]:
