@@ -12,7 +12,8 @@ settings.KERNELS.gemm_tc_fused names them (opt-in) and `router.linear` would run
     split (moe_front):     W = [W_r; W_d]; rows < split to y (fp32), the others to y2 (bf16)
     situ  (situ_gate_up):  W = [W_g; W_u]; y[m, n] = bf16(SiTU(bf16(g), bf16(u)))
     norm  (norm_linear):   y = Σ_k W[n, k] · x̂[m, k] [+ r],  x̂ = bf16(g_k · bf16(x · rstd_m)),
-                           rstd_m = rsqrt(Σ_k x[m, k]² / K + eps) (x̂ rewritten in each stage)
+                           rstd_m = rsqrt(Σ_k x[m, k]² / K + eps) (x̂ of the CTA's K range
+                           written once into shared memory; the pipeline streams W alone)
 Each sum is the plain kernel's over the same W at the same config, bit for bit (norm: over x̂,
 the rms_norm kernel's bit for bit: rstd sums x² in its order at those rows, K <= 32768).
 Design and measurements: docs/kernels.md, gemm_tc.
@@ -85,7 +86,7 @@ class Fusion:
     """What one launch does in the epilogue (compile-time; at most one of them)."""
     situ: bool = False  # SiTU-GLU of rows n and I + n of W = [W_g; W_u] (situ_gate_up)
     split: int = 0  # rows < split to the first output (fp32), the others to a second (moe_front)
-    norm: bool = False  # RMSNorm of x rewritten into each x stage before its MMAs (norm_linear)
+    norm: bool = False  # RMSNorm of x, x̂ resident in shared memory before the MMAs (norm_linear)
 
 
 PLAIN, SITU, NORM = Fusion(), Fusion(situ=True), Fusion(norm=True)
@@ -112,10 +113,12 @@ def norm_weight_vectors(cfg: Config, k: int) -> int:
 
 
 def norm_smem_bytes(cfg: Config, k: int) -> int:
-    """Shared memory of the norm prologue besides `smem_bytes`: rstd and the rms_norm kernel's
-    warp totals of each token (fp32), the norm weight of the CTA's K slices (bf16), three
-    16-byte alignments."""
-    return (4 * cfg.tile_tokens * (1 + norm_rms_config(k, cfg.tile_tokens).threads // 32) +
+    """Shared memory of the norm prologue besides `smem_bytes`: x̂ of all the CTA's K slices
+    resident in place of the x stages, rstd and the rms_norm kernel's warp totals of each token
+    (fp32), the norm weight of the CTA's K slices (bf16), three 16-byte alignments."""
+    resident = norm_weight_vectors(cfg, k) // (TILE_K // 8) - cfg.stages
+    return (2 * resident * cfg.tile_tokens * TILE_K +
+            4 * cfg.tile_tokens * (1 + norm_rms_config(k, cfg.tile_tokens).threads // 32) +
             16 * norm_weight_vectors(cfg, k) + 48)
 
 
@@ -245,11 +248,13 @@ def norm_refusal(x, w, g, cfg: Config | None = None) -> str | None:
         what = "none" if g is None else f"{g.dtype} {tuple(g.shape)} {g.stride()}"
         return f"norm weight: {what} (want contiguous bf16 [{k}])"
     cfg = cfg or config(n, k, bucket(m), NORM)
-    if smem_bytes(cfg) + norm_smem_bytes(cfg, k) > SMEM_BYTES:
-        return f"norm prologue: {cfg} needs more than {SMEM_BYTES} bytes of shared memory"
     if cfg.splits * m > NORM_MAX_REREAD * cfg.tile_rows:
         return (f"norm prologue: {cfg.splits} CTAs x {m} rows of x re-read per {cfg.tile_rows} "
                 f"rows of W (S·M/R above {NORM_MAX_REREAD})")
+    if (need := smem_bytes(cfg) + norm_smem_bytes(cfg, k)) > SMEM_BYTES:
+        return (f"norm prologue: {cfg} needs {need} bytes of shared memory (x̂ of "
+                f"{cfg.tile_tokens} tokens x {k // cfg.splits} columns resident; at most "
+                f"{SMEM_BYTES})")
     return None
 
 
@@ -411,8 +416,9 @@ def gemm_tc_situ_cuda(x, w, beta, linear_beta, *, out=None, cfg: Config | None =
 def gemm_tc_norm_cuda(x, norm_weight, w, eps, residual=None, *, out=None, out_dtype=None,
                       cfg: Config | None = None):
     """y = RMSNorm(x; norm_weight, eps) · wᵀ [+ residual] (k3::norm_linear) in one launch: each
-    CTA computes rstd of every row (summed as the rms_norm kernel sums it), rewrites each x
-    stage to x̂ = bf16(g · bf16(x · rstd)) before its MMAs, then the plain kernel's sums and
+    CTA computes rstd of every row (summed as the rms_norm kernel sums it), writes x̂ =
+    bf16(g · bf16(x · rstd)) of its K range into shared memory once, then the plain kernel's
+    sums (the pipeline streaming W alone) and
     epilogue: the two launches (rms_norm kernel, gemm_tc at the same config) bit for bit; torch
     (reason logged) when refused. `cfg` overrides `config()` (tests)."""
     if out_dtype is None:

@@ -51,6 +51,9 @@ class GemmTC:
         # norm: the rms_norm kernel's config at these rows (its summation order)
         self.rms = norm_rms_config(k, self.tokens) if fusion.norm else None
         self.g_vectors = norm_weight_vectors(cfg, k) if fusion.norm else 0
+        # x's slices in shared memory: the pipeline's stages, or with the norm prologue all of
+        # the CTA's K slices at once (x̂ written once before the main loop, which streams W only)
+        self.x_stages = self.g_vectors // (TILE_K // 8) if fusion.norm else self.stages
 
     def operands(self, mX: cute.Tensor, mW: cute.Tensor):
         """The MMA, the shared-memory layouts and the TMA atoms of x and W (with SiTU, W's
@@ -61,7 +64,7 @@ class GemmTC:
             Float32, (1, 1, 1), tiler_mn=(64, self.tokens))
         tile_mnk = (self.rows, self.tokens, TILE_K)
         sW_layout = sm90.make_smem_layout_a(k_major, tile_mnk, BFloat16, self.stages)
-        sX_layout = sm90.make_smem_layout_b(k_major, tile_mnk, BFloat16, self.stages)
+        sX_layout = sm90.make_smem_layout_b(k_major, tile_mnk, BFloat16, self.x_stages)
         # With SiTU the W stages as 2·stages half tiles (R/2, 64): the 128-byte swizzle atom
         # is 8 rows and tiles along rows first, so half tile 2s + h is rows h·R/2... of stage s,
         # byte for byte (R/2 >= 32 rows keeps each half 1024-byte aligned)
@@ -88,11 +91,11 @@ class GemmTC:
             rms_warps = self.rms.threads // 32
 
             @cute.struct
-            class NormStorage:  # the norm prologue: rstd of each token of the tile besides
+            class NormStorage:  # the norm prologue: x̂ resident, rstd of each token besides
                 bars: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
                 sW: cute.struct.Align[cute.struct.MemRange[BFloat16, self.w_elems], 1024]
                 sX: cute.struct.Align[
-                    cute.struct.MemRange[BFloat16, self.stages * self.tokens * TILE_K], 1024]
+                    cute.struct.MemRange[BFloat16, self.x_stages * self.tokens * TILE_K], 1024]
                 rstd: cute.struct.Align[cute.struct.MemRange[Float32, self.tokens], 16]
                 part: cute.struct.Align[  # the rms_norm kernel's warp totals of each token
                     cute.struct.MemRange[Float32, self.tokens * rms_warps], 16]
@@ -147,6 +150,11 @@ class GemmTC:
         else:
             cute.copy(tma_w, tWgW[None, k_first + state.count], tWsW[None, state.index],
                       tma_bar_ptr=pipe.producer_get_barrier(state))
+
+    def load_w_only(self, pipe, state, tma_w, tWgW, tWsW, k_first):
+        """A stage of W alone (the norm prologue's x̂ is resident): `load_w`, committed."""
+        self.load_w(pipe, state, tma_w, tWgW, tWsW, k_first)
+        pipe.producer_commit(state)
 
     def load_x(self, pipe, state, tma_x, tXgX, tXsX, k_first):
         """The TMA of x's K slice into the stage `load_w` acquired: it completes the stage."""
@@ -246,27 +254,40 @@ class GemmTC:
             sG[None, i].store(rG[None, 0].load())
 
     @cute.jit
-    def normalize(self, sX: cute.Tensor, stage, sG: cute.Tensor, k_slice, sRstd: cute.Tensor,
-                  tidx):
-        """Rewrite x stage `stage` (the CTA's K slice `k_slice`, counted from its first) in
-        place to x̂ = bf16(g · bf16(x · rstd_m)) (the rms_norm kernel's roundings), through sX
-        so that the swizzle is the TMA's and the MMA's. Thread t takes the 8 columns
-        (t % 8)·8... of tokens t // 8, t // 8 + 16, ..."""
-        g = sG[None, k_slice * (TILE_K // 8) + tidx % (TILE_K // 8)].load().to(Float32)
-        col = (tidx % (TILE_K // 8)) * 8
-        per_pass = THREADS // (TILE_K // 8)  # tokens a pass covers: 16
-        for p in cutlass.range_constexpr(-(-self.tokens // per_pass)):
-            t = p * per_pass + tidx // (TILE_K // 8)
-            if const_expr((p + 1) * per_pass <= self.tokens):
-                self.normalize_row(sX, stage, g, sRstd[t], t, col)
-            else:
-                if t < self.tokens:
-                    self.normalize_row(sX, stage, g, sRstd[t], t, col)
-
-    def normalize_row(self, sX: cute.Tensor, stage, g, rstd, t, col):
-        for e in range(8):
-            x = sX[t, col + e, stage].to(Float32)
-            sX[t, col + e, stage] = ((x * rstd).to(BFloat16).to(Float32) * g[e]).to(BFloat16)
+    def fill_resident(self, mX: cute.Tensor, sX: cute.Tensor, sG: cute.Tensor,
+                      sRstd: cute.Tensor, k_first, k_count, tidx):
+        """x̂ = bf16(g · bf16(x · rstd_m)) (the rms_norm kernel's roundings) of the CTA's K
+        slices, written once into the resident x slices through sX (the MMA's swizzle). Item
+        i = tidx + j·THREADS is 16-byte chunk i % 8 of token (i // 8) % T of slice
+        i // (8·T): a warp reads 4 tokens' 128 contiguous bytes of one slice. A group of
+        items' loads is issued before its math. Tokens past M and columns past K are zero
+        (what the TMA's fill gives the plain kernel)."""
+        chunks = TILE_K // 8
+        n_rows, nv = mX.shape[0], self.k // 8
+        per_thread = -(-self.x_stages * self.tokens * chunks // THREADS)
+        group = 8
+        for j0 in cutlass.range_constexpr(0, per_thread, group):
+            items = range(j0, min(j0 + group, per_thread))
+            frags = [make_frag(BFloat16, 1) for _ in items]
+            for rX, j in zip(frags, items):
+                i = j * THREADS + tidx
+                c, t, s = i % chunks, (i // chunks) % self.tokens, i // (chunks * self.tokens)
+                v = (k_first + s) * chunks + c
+                rX.fill(0)
+                if s < k_count:
+                    if t < n_rows:
+                        if v < nv:
+                            cute.autovec_copy(row_vectors(mX, t)[None, v], rX[None, 0])
+            for rX, j in zip(frags, items):
+                i = j * THREADS + tidx
+                c, t, s = i % chunks, (i // chunks) % self.tokens, i // (chunks * self.tokens)
+                if s < k_count:
+                    g = sG[None, s * chunks + c].load().to(Float32)
+                    rstd = sRstd[t]
+                    for e in range(8):
+                        x = rX[e, 0].to(Float32)
+                        sX[t, c * 8 + e, s] = ((x * rstd).to(BFloat16).to(Float32) *
+                                               g[e]).to(BFloat16)
 
     @cute.jit
     def body(self, tma_w: cute.CopyAtom, tW: cute.Tensor, tma_x: cute.CopyAtom, tX: cute.Tensor,
@@ -286,7 +307,7 @@ class GemmTC:
             barrier_storage=storage.bars.data_ptr(), num_stages=self.stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, THREADS // 32),
-            tx_count=(self.rows + self.tokens) * TILE_K * 2,
+            tx_count=(self.rows + (0 if self.fusion.norm else self.tokens)) * TILE_K * 2,
             cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)), defer_sync=True)
         pipeline.pipeline_init_arrive()
         pipeline.pipeline_init_wait()
@@ -320,7 +341,14 @@ class GemmTC:
         k_first = split * self.k_tiles // self.splits
         k_count = (split + 1) * self.k_tiles // self.splits - k_first
         loads = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-        if const_expr(self.pdl):
+        if const_expr(self.fusion.norm):
+            # W only: x̂ is resident (before the PDL wait: a weight)
+            if warp == 0:
+                for _ in cutlass.range(cutlass.min(self.stages, k_count), unroll=1):
+                    self.load_w_only(pipe, loads, tma_w, tWgW, tWsW, k_first)
+                    loads.advance()
+            pdl_wait(self.pdl)
+        elif const_expr(self.pdl):
             # W (a weight) before the wait, x (the previous kernel's output) after it
             if warp == 0:
                 for _ in cutlass.range(cutlass.min(self.stages, k_count), unroll=1):
@@ -350,28 +378,33 @@ class GemmTC:
             self.load_norm_weight(mG, sG, make_frag(BFloat16, 1), k_first, k_count, tidx)
             self.row_rstd(mX, eps, sPart, sRstd, warp, cute.arch.lane_idx())
             cute.arch.barrier()
+            self.fill_resident(mX, sX, sG, sRstd, k_first, k_count, tidx)
+            # the threads' stores reach the MMA's async proxy through the fence, every
+            # thread's through the barrier
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier()
         reads = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
         for _ in cutlass.range(k_count, unroll=1):
             pipe.consumer_wait(reads)
-            if const_expr(self.fusion.norm):
-                # x̂ in place: the TMA's bytes are visible after the wait; the threads' stores
-                # reach the MMA's async proxy through the fence, every thread's through the
-                # barrier
-                self.normalize(sX, reads.index, sG, reads.count, sRstd, tidx)
-                cute.arch.fence_view_async_shared()
-                cute.arch.barrier()
+            # x's slice: the stage's, or with the norm prologue the resident slice k_first +
+            # reads.count
+            x_slice = reads.count if const_expr(self.fusion.norm) else reads.index
             warpgroup.fence()
             for kb in cutlass.range_constexpr(cute.size(tCrW, mode=[2])):
                 cute.gemm(tiled_mma, acc, tCrW[None, None, kb, reads.index],
-                          tCrX[None, None, kb, reads.index], acc)
+                          tCrX[None, None, kb, x_slice], acc)
             warpgroup.commit_group()
             # The MMAs are tiny next to a slice's load: finish them, so the stage refills now.
             warpgroup.wait_group(0)
             pipe.consumer_release(reads)
             reads.advance()
             if warp == 0 and loads.count < k_count:
-                self.load_slice(pipe, loads, tma_w, tWgW, tWsW, tma_x, tXgX, tXsX, k_first)
+                if const_expr(self.fusion.norm):
+                    self.load_w_only(pipe, loads, tma_w, tWgW, tWsW, k_first)
+                else:
+                    self.load_slice(pipe, loads, tma_w, tWgW, tWsW, tma_x, tXgX, tXsX,
+                                    k_first)
                 loads.advance()
         pdl_launch_dependents(self.pdl and self.late_trigger)
 

@@ -1147,10 +1147,12 @@ def test_split_and_situ_gemm_tc_builds_are_unchanged(key, monkeypatch, tmp_path)
 
 # gemm_tc's norm variant (n, k, bucket, residual, config or None for `config()`): the latent
 # up-projection at its tuned 8-row config (R = 64, S = 2, 8 stages) with the shared experts'
-# residual; 2 rows (S = 4); a partial row tile and K slice; 64 tokens over R = 128, one CTA
+# residual; 2 rows (S = 4); a partial row tile and K slice; 32 tokens over R = 128, two CTAs
+# (x̂ of 32 x 1792 resident: 112 KB); 64 tokens of a short K over R = 128, one CTA
 GEMM_TC_NORMS = [(7168, 3584, 8, True, None), (7168, 3584, 2, False, None),
                  (1000, 1032, 2, True, None),
-                 (7168, 3584, 64, False, gemm_tc.Config(128, 64, 4, 1))]
+                 (7168, 3584, 32, False, gemm_tc.Config(128, 32, 2, 2)),
+                 (1000, 1032, 64, False, gemm_tc.Config(128, 64, 2, 1))]
 
 
 def _norm_id(v):
@@ -1169,24 +1171,25 @@ def _norm_build(n, k, b, residual, cfg, tmp_path, pdl=False):
 @pytest.mark.parametrize("n,k,b,residual,cfg", _first_of_each(
     GEMM_TC_NORMS, lambda c: c[2] == 8), ids=_norm_id)
 def test_gemm_tc_norm_builds(n, k, b, residual, cfg, monkeypatch, tmp_path):
-    """The norm variant builds from its own entry: two TMAs per K slice as the plain kernel,
-    rstd from 16-byte loads of x as the rms_norm kernel sums them (a butterfly per row and
-    rms_norm warp, one per row over those warps' totals), then per stage: the norm
-    weight's 16-byte vector, the stage rewritten in place through the swizzle (8 of a thread's
-    bf16 per pass: x·rstd and ·g each rounded to bf16), an async-proxy fence and a barrier
-    before the MMAs; the plain epilogue (with the residual: one more load per pass)."""
+    """The norm variant builds from its own entry: one TMA per K slice (W alone: x̂ is
+    resident), in the prologue and in the loop; rstd from 16-byte loads of x as the rms_norm
+    kernel sums them (a butterfly per row and rms_norm warp, one per row over those warps'
+    totals); then x̂ of the CTA's K slices written once through the swizzle (8 bf16 per item,
+    x·rstd and ·g each rounded to bf16), one async-proxy fence and a barrier before the main
+    loop; the plain epilogue (with the residual: one more load per pass)."""
     monkeypatch.setenv("CUTE_DSL_ARCH", ARCH)
     cfg, ptx = _norm_build(n, k, b, residual, cfg, tmp_path)
     assert "griddepcontrol" not in ptx and "kernel_norm" in ptx
-    assert ptx.count("cp.async.bulk.tensor") == 4  # (W + x) in the prologue and in the loop
+    assert ptx.count("cp.async.bulk.tensor") == 2  # W in the prologue and in the loop
     assert ptx.count("rsqrt.approx") == 1
     warps = gemm_tc.norm_rms_config(k, cfg.tile_tokens).threads // 32
     slots = -(-warps // 4)  # the rms_norm kernel's warps each of the 4 warps plays
     assert ptx.count("shfl.sync.bfly") == 5 * (slots * cfg.tile_tokens + 1)
     assert ptx.count("fence.proxy.async.shared::cta") == 1
-    passes = -(-cfg.tile_tokens // 16)  # tokens of a stage per pass of 128 threads: 16
-    assert ptx.count("st.shared.b16") == 8 * passes
-    assert ptx.count("cvt.rn.bf16.f32") >= 2 * 8 * passes
+    slices = gemm_tc.norm_weight_vectors(cfg, k) // 8  # the CTA's K slices, at most
+    items = -(-slices * cfg.tile_tokens * 8 // gemm_tc.THREADS)  # 16-byte chunks a thread
+    assert ptx.count("st.shared.b16") == 8 * items
+    assert ptx.count("cvt.rn.bf16.f32") >= 2 * 8 * items
     share = cfg.tile_rows // cfg.splits
     stores = -(-share * cfg.tile_tokens // gemm_tc.THREADS)
     assert ptx.count("st.global") == stores
@@ -1195,7 +1198,7 @@ def test_gemm_tc_norm_builds(n, k, b, residual, cfg, monkeypatch, tmp_path):
 @pytest.mark.parametrize("n,k,b,residual,cfg", _first_of_each(
     [c for c in GEMM_TC_NORMS if c[2] <= 8], lambda c: c[2] == 8), ids=_norm_id)
 def test_gemm_tc_norm_builds_with_pdl(n, k, b, residual, cfg, monkeypatch, tmp_path):
-    """The PDL rule: only W's TMAs before the wait; x (its TMA and the rstd loads), the norm
+    """The PDL rule: only W's TMAs before the wait; x (the rstd and x̂ loads), the norm
     weight, the residual and every store after it."""
     monkeypatch.setenv("CUTE_DSL_ARCH", ARCH)
     _, ptx = _norm_build(n, k, b, residual, cfg, tmp_path, pdl=True)

@@ -448,9 +448,13 @@ def test_norm_refusals_on_any_machine():
     # 64 rows at the heuristic config (R = 64, S = 2): S·M/R = 2
     why = kernel.fused_refusal(kernel.NORM, t(64, LATENT), w, norm_weight=g)
     assert "norm prologue" in why and "S·M/R above 0.5" in why
-    # one CTA per 128-row tile: S·M/R = 1/2
+    # one CTA per 128-row tile: S·M/R = 1/2, but x̂ of 64 tokens x 3584 columns (448 KB) is
+    # more shared memory than a CTA has; 32 tokens over two CTAs fit (112 KB of x̂ each)
     wide = kernel.Config(128, 64, 4, 1)
-    assert kernel.fused_refusal(kernel.NORM, t(64, LATENT), w, norm_weight=g, cfg=wide) is None
+    why = kernel.fused_refusal(kernel.NORM, t(64, LATENT), w, norm_weight=g, cfg=wide)
+    assert "norm prologue" in why and "shared memory" in why and "3584 columns" in why
+    half = kernel.Config(128, 32, 4, 2)
+    assert kernel.fused_refusal(kernel.NORM, t(32, LATENT), w, norm_weight=g, cfg=half) is None
     assert kernel.fused_refusal(kernel.NORM, t(16, LATENT), w, norm_weight=g) is None
     assert kernel.fused_launch_refusal(  # no runtime here, or CPU tensors
         kernel.NORM, torch.zeros(8, LATENT).bfloat16(), torch.zeros(HIDDEN, LATENT).bfloat16(),
@@ -639,24 +643,25 @@ def test_variants_fall_back_on_refused_inputs(gen, caplog):
 
 # GPU: the norm variant against the two launches at the same config and the reference
 
-NORMS = [(HIDDEN, LATENT), (1000, 1032)]  # the latent up-projection; a partial tile and K slice
+# the latent up-projection at 2-32 rows (64 rows of x̂ do not fit in shared memory); a partial
+# tile and K slice up to 64 rows
+NORMS = [(HIDDEN, LATENT, m) for m in (2, 8, 16, 32)] + [(1000, 1032, m) for m in (2, 8, 64)]
 
 
 def _norm_config(x, w, g, m):
-    """`config()` where the re-read limit allows it, else one CTA per 128-row tile (S·M/R <=
-    1/2 up to 64 rows)."""
+    """`config()` where the norm prologue takes it, else the first of `configs()` that it takes
+    (at 32 rows of [7168, 3584]: R = 128, S = 2)."""
     n, k = w.shape
     cfg = kernel.config(n, k, kernel.bucket(m), kernel.NORM)
     if kernel.norm_refusal(x, w, g, cfg):
-        cfg = kernel.Config(128, kernel._tile_tokens(kernel.bucket(m)), 4, 1)
-    assert kernel.norm_refusal(x, w, g, cfg) is None
+        cfg = next(c for c in kernel.configs(n, k, kernel.bucket(m))
+                   if kernel.norm_refusal(x, w, g, c) is None)
     return cfg
 
 
 @on_gpu
 @pytest.mark.parametrize("residual", [False, True])
-@pytest.mark.parametrize("m", [2, 8, 16, 64])
-@pytest.mark.parametrize("n,k", NORMS, ids=str)
+@pytest.mark.parametrize("n,k,m", NORMS, ids=str)
 def test_norm_variant(gen, n, k, m, residual):
     """One launch against the rms_norm kernel + the plain kernel at the same config (the two
     launches): bitwise (rstd summed in the rms_norm kernel's order at these rows, x̂ rounded as
