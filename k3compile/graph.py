@@ -15,12 +15,18 @@ RESHAPES = frozenset({torch.ops.aten.view.default, torch.ops.aten._unsafe_view.d
                       torch.ops.aten.reshape.default})
 
 
-def fake_value(target, args: tuple, kwargs: dict | None = None) -> Any:
-    """What `target` returns on the fake values of args (run under their fake mode)."""
+def fake_value(target, args: tuple, kwargs: dict | None = None,
+               graph: fx.Graph | None = None) -> Any:
+    """What `target` returns on the fake values of args, run under their fake mode; for a call
+    with no tensor argument (an iota, a full) `graph`'s inputs' mode, so that the value mixes
+    with the graph's others; a fresh mode where neither has one."""
     vals = fx.map_arg((args, kwargs or {}), lambda n: n.meta["val"])
     if target is operator.getitem:
         return vals[0][0][vals[0][1]]
     fake_mode = torch._guards.detect_fake_mode(torch.utils._pytree.tree_leaves(vals))
+    if fake_mode is None and graph is not None:
+        fake_mode = torch._guards.detect_fake_mode(
+            [n.meta.get("val") for n in graph.find_nodes(op="placeholder")])
     if fake_mode is None:
         from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -34,7 +40,7 @@ def call(graph: fx.Graph, target, args: tuple, kwargs: dict | None = None,
     """graph.call_function at the current insertion point, with meta["val"] and, from `like`,
     the module stack."""
     node = graph.call_function(target, args, kwargs or {})
-    node.meta["val"] = fake_value(target, args, kwargs)
+    node.meta["val"] = fake_value(target, args, kwargs, graph)
     if like is not None and "nn_module_stack" in like.meta:
         node.meta["nn_module_stack"] = like.meta["nn_module_stack"]
     return node

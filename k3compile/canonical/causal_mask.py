@@ -26,8 +26,6 @@ constant table the rules read, e.g. `mxfp4_dequant`'s E2M1 table).
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from torch import fx
 
@@ -73,13 +71,7 @@ def write(graph: fx.Graph, node: fx.Node, positions: fx.Node) -> None:
     kwargs = {"start": 0, "step": 1, "dtype": torch.int64, "device": device,
               "requires_grad": False}
     with graph.inserting_before(node):
-        steps = graph.call_function(prims.iota.default, (cols,), kwargs)
-        # the iota's fake value in the positions' fake mode (a fresh mode would not mix with it)
-        mode = torch._guards.detect_fake_mode([positions.meta["val"]])
-        with mode if mode is not None else contextlib.nullcontext():
-            steps.meta["val"] = prims.iota.default(cols, **kwargs)
-        if "nn_module_stack" in node.meta:
-            steps.meta["nn_module_stack"] = node.meta["nn_module_stack"]
+        steps = call(graph, prims.iota.default, (cols,), kwargs, like=node)
         column = call(graph, aten.unsqueeze.default, (positions, -1), like=node)
         mask = call(graph, aten.le.Tensor, (steps, column), like=node)
     node.replace_all_uses_with(mask)
