@@ -28,7 +28,8 @@ Constraints:
       SiTU: N = 2I, I a multiple of R/2 (a tile's R rows are R/2 of W_g and the same R/2 of W_u:
       32 rows, or 64 where the config has R = 128 and I allows it), bf16 output [M, I], β and
       β₂ runtime scalars; norm: norm weight bf16 [K] contiguous, eps a runtime scalar, residual
-      allowed, S·M <= NORM_MAX_REREAD·R (each CTA re-reads all of x from L2 for rstd).
+      allowed, S·M <= NORM_MAX_REREAD·R (each CTA re-reads all of x from L2 for rstd), x̂ of
+      the CTA's K range resident (tile tokens x ceil(K/64/S)·64 bf16) within SMEM_BYTES.
     * With PDL (settings.KERNELS.pdl): the first stages' W slices are fetched before
       `griddepcontrol.wait`; x, the residual, the norm weight and every store after it.
 """
