@@ -149,7 +149,28 @@ def config(n: int, k: int, m_bucket: int, fusion: Fusion = PLAIN) -> Config:
     cfg = tuned().get((n, k, m_bucket)) or heuristic_config(n, k, m_bucket)
     if fusion.situ and cfg.tile_rows > 64 and (n // 2) % (cfg.tile_rows // 2):
         return dataclasses.replace(cfg, tile_rows=64)  # fewer bytes of shared memory
+    if fusion.norm:
+        return norm_stages(cfg, k)
     return cfg
+
+
+def norm_stages(cfg: Config, k: int) -> Config:
+    """The norm prologue's config: `cfg` with as many W stages as keep two CTAs per SM beside
+    x̂ (the x stages' bytes are free there), at most the CTA's K slices. The W slices in flight
+    before the PDL wait stream while the prologue runs (it waits on x's loads twice: rstd, then
+    x̂). The stage count changes no sum: the results stay the plain kernel's at `cfg`."""
+    slices = norm_weight_vectors(cfg, k) // (TILE_K // 8)
+    budget = SMEM_BYTES // 2 - 1024  # two CTAs per SM, each with the 1 KB the runtime reserves
+
+    def total(stages):
+        c = dataclasses.replace(cfg, stages=stages)
+        return smem_bytes(c) + norm_smem_bytes(c, k)
+
+    best = cfg.stages
+    for stages in range(cfg.stages + 1, slices + 1):
+        if total(stages) <= budget:
+            best = stages
+    return dataclasses.replace(cfg, stages=best)
 
 
 def heuristic_config(n: int, k: int, m_bucket: int) -> Config:

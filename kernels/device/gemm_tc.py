@@ -254,14 +254,16 @@ class GemmTC:
             sG[None, i].store(rG[None, 0].load())
 
     @cute.jit
-    def fill_resident(self, mX: cute.Tensor, sX: cute.Tensor, sG: cute.Tensor,
+    def fill_resident(self, mX: cute.Tensor, sXflat: cute.Tensor, sG: cute.Tensor,
                       sRstd: cute.Tensor, k_first, k_count, tidx):
         """x̂ = bf16(g · bf16(x · rstd_m)) (the rms_norm kernel's roundings) of the CTA's K
-        slices, written once into the resident x slices through sX (the MMA's swizzle). Item
-        i = tidx + j·THREADS is 16-byte chunk i % 8 of token (i // 8) % T of slice
-        i // (8·T): a warp reads 4 tokens' 128 contiguous bytes of one slice. A group of
-        items' loads is issued before its math. Tokens past M and columns past K are zero
-        (what the TMA's fill gives the plain kernel)."""
+        slices, written once into the resident x slices. Item i = tidx + j·THREADS is 16-byte
+        chunk c = i % 8 of token t = (i // 8) % T of slice s = i // (8·T): a warp reads 4
+        tokens' 128 contiguous bytes of one slice. A group of items' loads is issued before its
+        math. Tokens past M and columns past K are zero (what the TMA's fill gives the plain
+        kernel). Each chunk is one 16-byte store into sXflat (the x slices' bytes, unswizzled)
+        at the MMA's 128-byte swizzle: the slice's rows are 128 bytes, 8-row atoms tile along
+        the tokens, and chunk c of row t sits at chunk c ⊕ (t mod 8) of its row."""
         chunks = TILE_K // 8
         n_rows, nv = mX.shape[0], self.k // 8
         per_thread = -(-self.x_stages * self.tokens * chunks // THREADS)
@@ -278,6 +280,7 @@ class GemmTC:
                     if t < n_rows:
                         if v < nv:
                             cute.autovec_copy(row_vectors(mX, t)[None, v], rX[None, 0])
+            rY = make_frag(BFloat16, 1)
             for rX, j in zip(frags, items):
                 i = j * THREADS + tidx
                 c, t, s = i % chunks, (i // chunks) % self.tokens, i // (chunks * self.tokens)
@@ -286,8 +289,9 @@ class GemmTC:
                     rstd = sRstd[t]
                     for e in range(8):
                         x = rX[e, 0].to(Float32)
-                        sX[t, c * 8 + e, s] = ((x * rstd).to(BFloat16).to(Float32) *
-                                               g[e]).to(BFloat16)
+                        rY[e, 0] = ((x * rstd).to(BFloat16).to(Float32) * g[e]).to(BFloat16)
+                    at = (s * self.tokens + t) * chunks + (c ^ (t % 8))
+                    cute.autovec_copy(rY[None, 0], vectors(sXflat)[None, at])
 
     @cute.jit
     def body(self, tma_w: cute.CopyAtom, tW: cute.Tensor, tma_x: cute.CopyAtom, tX: cute.Tensor,
@@ -378,7 +382,9 @@ class GemmTC:
             self.load_norm_weight(mG, sG, make_frag(BFloat16, 1), k_first, k_count, tidx)
             self.row_rstd(mX, eps, sPart, sRstd, warp, cute.arch.lane_idx())
             cute.arch.barrier()
-            self.fill_resident(mX, sX, sG, sRstd, k_first, k_count, tidx)
+            sXflat = storage.sX.get_tensor(
+                cute.make_layout(self.x_stages * self.tokens * TILE_K))
+            self.fill_resident(mX, sXflat, sG, sRstd, k_first, k_count, tidx)
             # the threads' stores reach the MMA's async proxy through the fence, every
             # thread's through the barrier
             cute.arch.fence_view_async_shared()

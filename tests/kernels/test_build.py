@@ -1174,9 +1174,10 @@ def test_gemm_tc_norm_builds(n, k, b, residual, cfg, monkeypatch, tmp_path):
     """The norm variant builds from its own entry: one TMA per K slice (W alone: x̂ is
     resident), in the prologue and in the loop; rstd from 16-byte loads of x as the rms_norm
     kernel sums them (a butterfly per row and rms_norm warp, one per row over those warps'
-    totals); then x̂ of the CTA's K slices written once through the swizzle (8 bf16 per item,
-    x·rstd and ·g each rounded to bf16), one async-proxy fence and a barrier before the main
-    loop; the plain epilogue (with the residual: one more load per pass)."""
+    totals); then x̂ of the CTA's K slices written once (8 bf16 per item, x·rstd and ·g each
+    rounded to bf16, one 16-byte shared store at the swizzled chunk), one async-proxy fence
+    and a barrier before the main loop; the plain epilogue (with the residual: one more load
+    per pass)."""
     monkeypatch.setenv("CUTE_DSL_ARCH", ARCH)
     cfg, ptx = _norm_build(n, k, b, residual, cfg, tmp_path)
     assert "griddepcontrol" not in ptx and "kernel_norm" in ptx
@@ -1188,8 +1189,10 @@ def test_gemm_tc_norm_builds(n, k, b, residual, cfg, monkeypatch, tmp_path):
     assert ptx.count("fence.proxy.async.shared::cta") == 1
     slices = gemm_tc.norm_weight_vectors(cfg, k) // 8  # the CTA's K slices, at most
     items = -(-slices * cfg.tile_tokens * 8 // gemm_tc.THREADS)  # 16-byte chunks a thread
-    assert ptx.count("st.shared.b16") == 8 * items
-    assert ptx.count("cvt.rn.bf16.f32") >= 2 * 8 * items
+    # one 16-byte store per item, and the norm weight's copy into shared memory
+    assert ptx.count("st.shared.v4.b32") == items + 1 and "st.shared.b16" not in ptx
+    # two roundings of each of an item's 8 values (pairs may round as one bf16x2 conversion)
+    assert ptx.count("cvt.rn.bf16.f32") + 2 * ptx.count("cvt.rn.bf16x2.f32") >= 2 * 8 * items
     share = cfg.tile_rows // cfg.splits
     stores = -(-share * cfg.tile_tokens // gemm_tc.THREADS)
     assert ptx.count("st.global") == stores
