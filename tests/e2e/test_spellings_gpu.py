@@ -66,7 +66,7 @@ TOLS = {torch.float32: TOL["aten_cpu"], torch.bfloat16: TOL["diffsuite_bf16"]}
 # (`fallbacks`), where a run has shown it (bf16, H100: spell10 and the red-team spelling in
 # session 39, which closed their moe_experts deferral and norm_linear[weight_fp32] fallback; the
 # others in session 40). mla_q_absorb's CUDA kernel is opt-in. spell9 falls back at call time:
-# its fp32 input to the final norm (rms_norm), and in the first step only, before the first call
+# an fp32 x reaching the rms_norm kernel (rms_norm; which site, not traced), and in the first step only, before the first call
 # re-lays its weights and the step compiles again, its KDA conv taps (kda_decode: Flax's
 # [K, 1, C] kernels read as [C, 1, K], strides (1, C, C); contiguous from the second compile on,
 # CPU, session 40); and its router and latent-down weights not in one buffer (gemv_split: two
