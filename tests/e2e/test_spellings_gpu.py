@@ -66,11 +66,12 @@ TOLS = {torch.float32: TOL["aten_cpu"], torch.bfloat16: TOL["diffsuite_bf16"]}
 # (`fallbacks`), where a run has shown it (bf16, H100: spell10 and the red-team spelling in
 # session 39, which closed their moe_experts deferral and norm_linear[weight_fp32] fallback; the
 # others in session 40). mla_q_absorb's CUDA kernel is opt-in. spell9 falls back at call time:
-# an fp32 x reaching the rms_norm kernel (rms_norm; which site, not traced), and in the first step only, before the first call
-# re-lays its weights and the step compiles again, its KDA conv taps (kda_decode: Flax's
-# [K, 1, C] kernels read as [C, 1, K], strides (1, C, C); contiguous from the second compile on,
-# CPU, session 40); and its router and latent-down weights not in one buffer (gemv_split: two
-# launches; 6 calls in 3 steps, not traced further). A spelling not listed is not checked yet.
+# an fp32 x reaching the rms_norm kernel (rms_norm; which site, not traced); in the first step
+# only, before the first call re-lays its weights and the step compiles again, its KDA conv taps
+# (kda_decode: Flax's [K, 1, C] kernels read as [C, 1, K], strides (1, C, C); contiguous from the
+# second compile on, CPU, session 40); and its router and latent-down weights not in one buffer
+# (gemv_split: two launches; 6 calls in 3 steps, not traced further). A spelling not listed is
+# not checked yet.
 GPU_GAPS = {(name, torch.bfloat16): ({"mla_q_absorb"}, set())
             for name in ("builtin", "spell5", "spell7", "spell8", "spell10", "spell12", "spell13",
                          "redteam")}
