@@ -154,6 +154,7 @@ def config(n: int, k: int, m_bucket: int, fusion: Fusion = PLAIN) -> Config:
     return cfg
 
 
+@functools.cache  # config() runs at every launch: the search once per (config, K)
 def norm_stages(cfg: Config, k: int) -> Config:
     """The norm prologue's config: `cfg` with as many W stages as keep two CTAs per SM beside
     x̂ (the x stages' bytes are free there), at most the CTA's K slices. The W slices in flight
