@@ -305,7 +305,8 @@ class GemmTC:
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp == 0:
             cpasync.prefetch_descriptor(tma_w)
-            cpasync.prefetch_descriptor(tma_x)
+            if const_expr(not self.fusion.norm):  # the norm prologue writes x̂ itself
+                cpasync.prefetch_descriptor(tma_x)
         storage = cutlass.utils.SmemAllocator().allocate(self.storage)
         pipe = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.bars.data_ptr(), num_stages=self.stages,
