@@ -25,6 +25,9 @@ from ..moe_experts import (
 )
 from .moe_experts import pairs_i_i4
 
+# vectors a thread loads in `stage_tokens` before it uses any (registers: 4 per vector)
+STAGE_BATCH = 8
+
 
 @dsl_user_op
 def mul_bf16x2(a: Uint32, b: Uint32, *, loc=None, ip=None) -> Uint32:
@@ -128,28 +131,44 @@ class GroupedMMA:
         """Rows of the tile's TILE_TOKENS pairs (z[n] for fc1, act[p] for fc2) -> sX as bf16
         times 2^G_SHIFT, each 8-input vector as the pairs (i, i + 4) the A fragments hold;
         slot s, group G, word w at chunk s·pitch + 4G + (w ^ 2·(G/2 % 2)) (conflict-free LDS.128
-        in `mma_steps`); slots past the count and groups past the depth are zeros."""
+        in `mma_steps`); slots past the count and groups past the depth are zeros.
+
+        A thread's vectors go in batches of STAGE_BATCH loads, all issued before any is used
+        (one L2 round trip per batch, not per vector): every load reads a valid address (a slot
+        past the count the tile's last pair, a vector past the depth the row's last) and the
+        value is replaced by zeros after it."""
         per_slot = 4 * 4 * self.q  # chunks of a slot (groups padded to whole steps)
         total = TILE_TOKENS * per_slot
+        iters = -(-total // self.threads)
+        last_vec = 4 * self.ng - 1  # the row's last 8-input vector
         rF = cute.make_rmem_tensor(cute.make_layout((8,)), BFloat16)
         rP = cute.make_rmem_tensor(cute.make_layout((4,)), Uint32)
-        for s in cutlass.range(-(-total // self.threads), unroll=4):
-            idx = s * self.threads + tidx
-            if idx < total:
+        for b0 in cutlass.range_constexpr(0, iters, STAGE_BATCH):
+            batch = list(range(b0, min(b0 + STAGE_BATCH, iters)))
+            rXs = []
+            for s in batch:
+                idx = s * self.threads + tidx
+                slot, v = idx // per_slot, idx % per_slot
+                pair = sPairs[cutlass.min(first + slot, count - 1)]
+                row = pair // self.top_k if const_expr(self.fc1) else pair
+                rX = cute.make_rmem_tensor(cute.make_layout((8,)), BFloat16)
+                cute.autovec_copy(row_vectors(mX, row)[None, cutlass.min(v, last_vec)], rX)
+                rXs.append(rX)
+            for s, rX in zip(batch, rXs):
+                idx = s * self.threads + tidx
                 slot, v = idx // per_slot, idx % per_slot
                 grp, w = v // 4, v % 4
-                rP.fill(0)
-                if (first + slot < count) & (grp < self.ng):
-                    pair = sPairs[first + slot]
-                    row = pair // self.top_k if const_expr(self.fc1) else pair
-                    rX = cute.make_rmem_tensor(cute.make_layout((8,)), BFloat16)
-                    cute.autovec_copy(row_vectors(mX, row)[None, v], rX)
-                    rF.store((rX.load().to(Float32) * Float32(2.0 ** G_SHIFT)).to(BFloat16))
-                    pairs = pairs_i_i4(rF.load().bitcast(Uint32))
-                    for k in cutlass.range_constexpr(4):
-                        rP[k] = pairs[k]
+                keep = (first + slot < count) & (grp < self.ng)
+                rF.store((rX.load().to(Float32) * Float32(2.0 ** G_SHIFT)).to(BFloat16))
+                pairs = pairs_i_i4(rF.load().bitcast(Uint32))
+                for k in cutlass.range_constexpr(4):
+                    rP[k] = cutlass.select_(keep, pairs[k], Uint32(0))
                 chunk = slot * self.pitch + 4 * grp + (w ^ (2 * ((grp // 2) % 2)))
-                cute.autovec_copy(rP, sX[None, chunk])
+                if const_expr(total % self.threads == 0 or s < iters - 1):
+                    cute.autovec_copy(rP, sX[None, chunk])
+                else:  # the last round's threads past the tile
+                    if idx < total:
+                        cute.autovec_copy(rP, sX[None, chunk])
 
     def load_step(self, mats, rows, grp):
         """A lane's weights of one step: group `grp` of each matrix and row -> (4, mats·2)
