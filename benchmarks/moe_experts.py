@@ -13,7 +13,9 @@ A variant `kernel_by_expert_xX` is `kernel_by_expert` with X experts per CTA
 kernel_by_expert_x8). A kernel variant may end in config modifiers, forced at every bucket:
 `+cp4` / `+cp8` (FC1 with 4 / 8 warps x 1 row and cp.async), `+rR` (FC2 with R output rows per
 CTA), `+sS` (FC2 with S threads per W2 row, `FC2Config.split`), e.g.
-`--variants kernel+s1,kernel,kernel_f16+cp8+r8+s2`.
+`--variants kernel+s1,kernel,kernel_f16+cp8+r8+s2`. The grouped kernels take `+g1F<n>` (fc1g) and
+`+g2F<n>` (fc2g), F one of w (warps), b (row blocks), p (steps loaded ahead), e (experts per
+CTA), e.g. `grouped+g1p4+g2e1+g2b8`.
 
 `kernel` is the per-pair kernels, `kernel_f16` the same with FC1's packed fp16 decode
 (K3_MOE_F16), `kernel_by_expert` that with FC1 by expert (K3_MOE_BY_EXPERT: each weight word
@@ -97,6 +99,22 @@ FC1_MODS = {"cp4": {"warps": 4, "rows_per_warp": 1, "cp_async": True},
             "cp8": {"warps": 8, "rows_per_warp": 1, "cp_async": True}}
 
 
+# grouped-kernel config modifiers ("grouped+g1p4+g2e1"): stage g1 (fc1g) or g2 (fc2g), then a
+# GroupedConfig field (w warps, b row blocks, p prefetch, e experts per CTA) and its value
+GROUPED_MOD = re.compile(r"g([12])([wbpe])(\d+)")
+GROUPED_FIELDS = {"w": "warps", "b": "row_blocks", "p": "prefetch", "e": "experts_per_cta"}
+
+
+def grouped_mods(mods) -> dict:
+    """{"fc1g" / "fc2g": {GroupedConfig field: value}} of a variant's grouped modifiers."""
+    out = {}
+    for m in mods:
+        if match := GROUPED_MOD.fullmatch(m):
+            stage, field, value = match.groups()
+            out.setdefault(f"fc{stage}g", {})[GROUPED_FIELDS[field]] = int(value)
+    return out
+
+
 def is_kernel(name: str) -> bool:
     return name.split("+")[0] in KERNEL_VARIANTS or experts_per_cta(name) is not None
 
@@ -113,7 +131,9 @@ def kernel_variant(name: str):
     x_before = kernel.BY_EXPERT_EXPERTS
     default = kernel.config
     fc1 = {k: v for m in mods if m in FC1_MODS for k, v in FC1_MODS[m].items()}
-    fc2 = {m[0]: int(m[1:]) for m in mods if m not in FC1_MODS}  # FC2's "r" rows, "s" split
+    grp = grouped_mods(mods)
+    # FC2's "r" rows, "s" split
+    fc2 = {m[0]: int(m[1:]) for m in mods if m not in FC1_MODS and not GROUPED_MOD.fullmatch(m)}
     for k, v in values.items():
         setattr(settings.KERNELS, k, v)
     if x:
@@ -127,9 +147,11 @@ def kernel_variant(name: str):
             rows, split = fc2.get("r", cfg.rows_per_cta), fc2.get("s", cfg.split)
             return dataclasses.replace(cfg, rows_per_cta=rows, split=split,
                                        threads=kernel.fc2_threads(rows, top_k, split))
+        if stage in grp:
+            return dataclasses.replace(cfg, **grp[stage])
         return cfg
 
-    if fc1 or fc2:
+    if fc1 or fc2 or grp:
         kernel.config = config
     try:
         yield
