@@ -156,6 +156,9 @@ class GroupedConfig:
     prefetch: int
     rows: int
     experts_per_cta: int = 1
+    # a selected expert's rows of the CTA asked into L2 by one bulk prefetch per matrix before
+    # the register pipeline streams them (its loads then wait on L2, not DRAM)
+    l2_prefetch: bool = False
 
 
 def grouped(n_rows: int) -> bool:
