@@ -198,6 +198,28 @@ def test_builds_for_sm90a(monkeypatch, tmp_path, stage, shape):
         blocks = cfg.row_blocks
         assert ptx.count("mma.sync.aligned.m16n8k16") == \
             8 * kernel.grouped_steps(depth)[0] * mats * blocks
+        assert "cp.async.bulk.prefetch.L2" not in ptx  # `l2_prefetch` is off by default
+
+
+@pytest.mark.dsl
+@pytest.mark.parametrize("stage", ["fc1g", "fc2g"])
+def test_l2_prefetch_builds(monkeypatch, tmp_path, stage):
+    """`GroupedConfig.l2_prefetch`: one bulk L2 prefetch of the weight words and one of the
+    scales per matrix, in the selected-expert branch (after the pair list's ballots)."""
+    pytest.importorskip("cutlass")
+    import dataclasses
+
+    from k3compile.kernels.common.dsl import cubin_of, cubin_resources, ptx_of
+
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    cfg = dataclasses.replace(kernel.config(stage, 96, 64, 3, 8), l2_prefetch=True)
+    compiled = kernel.build(stage, 96, 64, 3, True, cfg, arch="sm_90a",
+                            dump_dir=str(tmp_path), pdl=stage == "fc1g")
+    assert cubin_resources(cubin_of(compiled))["frame"] == 0
+    ptx = ptx_of(compiled)
+    mats = 2 if stage == "fc1g" else 1
+    assert ptx.count("cp.async.bulk.prefetch.L2.global") == 2 * mats
+    assert ptx.index("vote.sync.ballot") < ptx.index("cp.async.bulk.prefetch.L2.global")
 
 
 # ---- GPU --------------------------------------------------------------------------------------
@@ -256,6 +278,21 @@ def test_tp16_int32_ids_and_determinism(gen, tp16, grouped_on):
     first = check(z, ids.int(), w, tp16)
     assert torch.equal(first, check(z, ids, w, tp16)), "int32 and int64 ids differ"
     assert torch.equal(first, check(z, ids, w, tp16)), "not deterministic"
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("n", [8, 64])
+def test_l2_prefetch_is_bitwise_the_default(gen, tp16, grouped_on, monkeypatch, n):
+    """The L2 bulk prefetch only moves bytes into L2 early: the same output bit for bit."""
+    import dataclasses
+
+    z, ids, w = make_tokens(gen, n, LATENT, EXPERTS, TOP_K, "cuda")
+    plain = check(z, ids, w, tp16)
+    default = kernel.config
+    monkeypatch.setattr(kernel, "config", lambda stage, *a: dataclasses.replace(
+        default(stage, *a), l2_prefetch=True) if stage in ("fc1g", "fc2g") else default(stage, *a))
+    assert torch.equal(check(z, ids, w, tp16), plain)
 
 
 @pytest.mark.gpu
