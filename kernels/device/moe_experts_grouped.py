@@ -27,6 +27,8 @@ from .moe_experts import pairs_i_i4
 
 # vectors a thread loads in `stage_tokens` before it uses any (registers: 4 per vector)
 STAGE_BATCH = 8
+# a row's steps above which `GroupedMMA.tile` runs them in a rolled loop
+ROLL_STEPS = 4
 
 
 @dsl_user_op
@@ -186,20 +188,18 @@ class GroupedMMA:
                     if idx < total:
                         cute.autovec_copy(rP, sX[None, chunk])
 
-    def load_step(self, mats, rows, grp):
-        """A lane's weights of one step: group `grp` of each matrix and row -> (4, mats·2)
-        words and (mats·2,) scale bytes, column 2m + r."""
-        rW = make_frag(Int32, 2 * self.mats)
-        rS = cute.make_rmem_tensor(cute.make_layout((2 * self.mats,)), Uint32)
+    def load_step(self, mats, rows, grp, rW, rS):
+        """A lane's weights of one step: group `grp` of each matrix and row -> rW (4, mats·2)
+        words and rS (mats·2,) scale bytes, column 2m + r."""
         for m, (mW, mS) in enumerate(mats):
             for r, row in enumerate(rows):
                 cute.autovec_copy(row_vectors(mW, row)[None, grp], rW[None, 2 * m + r])
                 rS[2 * m + r] = Uint32(mS[row, grp])
-        return rW, rS
 
     def mma_step(self, acc, rW, rS, sX, slot_chunk):
         """One step (128 inputs per row: group 4q + c of lane c's rows g, g + 8) for every
-        matrix: 8 MMAs each, k slots 2c, 2c + 1 <- pair (w, 2h), 2c + 8, 2c + 9 <- (w, 2h + 1)."""
+        matrix: 8 MMAs each, k slots 2c, 2c + 1 <- pair (w, 2h), 2c + 8, 2c + 9 <- (w, 2h + 1).
+        acc: (4·mats,) fp32 C fragments, matrix m at 4m.., updated in place."""
         rB = cute.make_rmem_tensor(cute.make_layout((4,)), Uint32)
         for w in range(4):
             cute.autovec_copy(sX[None, slot_chunk(w)], rB)
@@ -213,8 +213,10 @@ class GroupedMMA:
                          mul_bf16x2(decode_pair(wb[w], 2 * h), fb),
                          mul_bf16x2(decode_pair(wa[w], 2 * h + 1), fa),
                          mul_bf16x2(decode_pair(wb[w], 2 * h + 1), fb))
-                    acc[m] = mma_16816(a, (b[2 * h], b[2 * h + 1]), acc[m])
-        return acc
+                    d = mma_16816(a, (b[2 * h], b[2 * h + 1]),
+                                  [acc[4 * m + i] for i in range(4)])
+                    for i in range(4):
+                        acc[4 * m + i] = d[i]
 
     @cute.jit
     def epilogue(self, acc, sPairs, mOut, first, count, row_a, lane, beta, linear_beta):
@@ -282,11 +284,36 @@ class GroupedMMA:
             prefetch_bulk_l2(mW.iterator + row * words, Int64(n * words * 4))
             prefetch_bulk_l2(mS.iterator + row * groups, Int64(n * groups))
 
+    def group(self, q, c):
+        """Lane c's 32-input group of step q; past the depth (the last step of a depth that is
+        not a multiple of 128) the last group: zeros in sX there, any finite weight will do."""
+        if const_expr(self.ng % 4):
+            return cutlass.min(4 * q + c, self.ng - 1)
+        return 4 * q + c
+
+    def step(self, acc, rW, rS, sX, g, c, q):
+        """Step q's MMAs from the loaded buffer (rW, rS) into acc."""
+        grp = self.group(q, c)
+        base, sw = g * self.pitch + 4 * grp, 2 * ((grp // 2) % 2)
+        self.mma_step(acc, rW, rS, sX, lambda w: base + (w ^ sw))
+
     def tile(self, mats, sX, sPairs, mOut, e, blk, first, count, lane, warp, beta,
              linear_beta):
-        """One token tile over the CTA's rows: the steps (row block, q) in order, each
-        step's weights loaded `prefetch` steps ahead; a row block's epilogue after its last."""
-        R, NG, D = self.out_rows, self.ng, self.cfg.prefetch
+        """One token tile over the CTA's rows: rolled over the steps where a row has more than
+        ROLL_STEPS of them (FC1: 28 at L 3584), else unrolled (FC2: 2 per row at I 192, the
+        loads running ahead across row blocks)."""
+        if const_expr(self.q > ROLL_STEPS):
+            self.tile_rolled(mats, sX, sPairs, mOut, e, blk, first, count, lane, warp, beta,
+                             linear_beta)
+        else:
+            self.tile_unrolled(mats, sX, sPairs, mOut, e, blk, first, count, lane, warp, beta,
+                               linear_beta)
+
+    def tile_unrolled(self, mats, sX, sPairs, mOut, e, blk, first, count, lane, warp, beta,
+                      linear_beta):
+        """The steps (row block, q) in order, unrolled, each step's weights loaded `prefetch`
+        steps ahead; a row block's epilogue after its last."""
+        R, D = self.out_rows, self.cfg.prefetch
         g, c = lane // 4, lane % 4
         row_a = [blk * self.cta_rows + (rb * self.warps + warp) * 16 + g
                  for rb in range(self.cfg.row_blocks)]
@@ -297,10 +324,10 @@ class GroupedMMA:
             rb, q = steps[i]
             rows = [e * self.expert_rows + cutlass.min(row_a[rb] + 8 * h, R - 1)
                     for h in range(2)]
-            grp = 4 * q + c
-            if 4 * q + 4 > NG:
-                grp = cutlass.min(grp, NG - 1)  # zeros in sX there: any finite weight will do
-            loads[i] = self.load_step(mats, rows, grp)
+            rW = make_frag(Int32, 2 * self.mats)
+            rS = cute.make_rmem_tensor(cute.make_layout((2 * self.mats,)), Uint32)
+            self.load_step(mats, rows, self.group(q, c), rW, rS)
+            loads[i] = (rW, rS)
 
         for i in range(min(D, len(steps))):
             issue(i)
@@ -309,14 +336,46 @@ class GroupedMMA:
             if i + D < len(steps):
                 issue(i + D)
             if q == 0:
-                acc = [[Float32(0.0)] * 4 for _ in range(self.mats)]
+                acc = cute.make_rmem_tensor(cute.make_layout((4 * self.mats,)), Float32)
+                acc.fill(0.0)
             rW, rS = loads.pop(i)
-            grp = 4 * q + c
-            base, sw = g * self.pitch + 4 * grp, 2 * ((grp // 2) % 2)
-            acc = self.mma_step(acc, rW, rS, sX, lambda w, base=base, sw=sw: base + (w ^ sw))
+            self.step(acc, rW, rS, sX, g, c, q)
             if q == self.q - 1:
-                self.epilogue(acc, sPairs, mOut, first, count, row_a[rb], lane, beta,
-                              linear_beta)
+                self.epilogue([[acc[4 * m + i] for i in range(4)] for m in range(self.mats)],
+                              sPairs, mOut, first, count, row_a[rb], lane, beta, linear_beta)
+
+    @cute.jit
+    def tile_rolled(self, mats, sX, sPairs, mOut, e, blk, first, count, lane, warp, beta,
+                    linear_beta):
+        """Per row block its steps q = 0..Q-1 in a rolled loop (the code of `prefetch` = D
+        steps, not of all Q: FC1's 28 unrolled steps, ~190 KB of SASS, left its warps waiting
+        on instruction fetch 73% of their cycles, ncu 2026-12-07), D register buffers taking
+        turns: step q's buffer is refilled with step q + D after its MMAs (clamped to the last
+        step: the final rounds reload it); a row block's epilogue after its last step."""
+        R, NG, D, Q = self.out_rows, self.ng, self.cfg.prefetch, self.q
+        D = min(D, Q)
+        g, c = lane // 4, lane % 4
+        for rb in cutlass.range_constexpr(self.cfg.row_blocks):
+            row_a = blk * self.cta_rows + (rb * self.warps + warp) * 16 + g
+            rows = [e * self.expert_rows + cutlass.min(row_a + 8 * h, R - 1) for h in range(2)]
+            rW = [make_frag(Int32, 2 * self.mats) for _ in range(D)]
+            rS = [cute.make_rmem_tensor(cute.make_layout((2 * self.mats,)), Uint32)
+                  for _ in range(D)]
+
+            for j in cutlass.range_constexpr(D):
+                self.load_step(mats, rows, self.group(j, c), rW[j], rS[j])
+            acc = cute.make_rmem_tensor(cute.make_layout((4 * self.mats,)), Float32)
+            acc.fill(0.0)
+            for it in cutlass.range(Q // D, unroll=1):
+                for j in cutlass.range_constexpr(D):
+                    q = it * D + j
+                    self.step(acc, rW[j], rS[j], sX, g, c, q)
+                    self.load_step(mats, rows, self.group(cutlass.min(q + D, Q - 1), c),
+                                   rW[j], rS[j])
+            for j in cutlass.range_constexpr(Q % D):  # loaded into buffer j by the last round
+                self.step(acc, rW[j], rS[j], sX, g, c, (Q // D) * D + j)
+            self.epilogue([[acc[4 * m + i] for i in range(4)] for m in range(self.mats)],
+                          sPairs, mOut, first, count, row_a, lane, beta, linear_beta)
 
 
 def mats_of(mWa, mSa, mWb, mSb, n):

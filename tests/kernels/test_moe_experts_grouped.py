@@ -196,8 +196,14 @@ def test_builds_for_sm90a(monkeypatch, tmp_path, stage, shape):
         depth = latent if stage == "fc1g" else inter
         mats = 2 if stage == "fc1g" else 1
         blocks = cfg.row_blocks
-        assert ptx.count("mma.sync.aligned.m16n8k16") == \
-            8 * kernel.grouped_steps(depth)[0] * mats * blocks
+        # above ROLL_STEPS steps a row, a rolled loop of D = min(prefetch, Q) steps, then the
+        # Q % D last; else every step unrolled
+        from k3compile.kernels.device.moe_experts_grouped import ROLL_STEPS
+
+        q_steps = kernel.grouped_steps(depth)[0]
+        d = min(cfg.prefetch, q_steps)
+        steps = d + q_steps % d if q_steps > ROLL_STEPS else q_steps
+        assert ptx.count("mma.sync.aligned.m16n8k16") == 8 * steps * mats * blocks
         assert "cp.async.bulk.prefetch.L2" not in ptx  # `l2_prefetch` is off by default
 
 
