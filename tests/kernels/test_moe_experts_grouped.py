@@ -332,3 +332,28 @@ def test_cuda_graph_replay(gen, tp16, grouped_on):
         ref = moe_experts_ref(z, ids, w, *tp16, BETA, LINEAR_BETA)
         assert rel_err(out, ref) < TOL["vs_reference_rel_norm"]
 
+
+
+def test_benchmark_grouped_modifiers(monkeypatch):
+    """benchmarks/moe_experts.py's `+g1p4+g2e1+g2l1` set those GroupedConfig fields of fc1g /
+    fc2g while the variant is open (and K3_MOE_GROUPED on), and restore both after it."""
+    import sys
+
+    from tests.conftest import ROOT, load_benchmark
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    bench = load_benchmark("moe_experts")
+    before = (kernel.config("fc1g", LATENT, INTER, TOP_K, 64),
+              kernel.config("fc2g", LATENT, INTER, TOP_K, 64), settings.KERNELS.moe_grouped)
+    with bench.kernel_variant("grouped+g1p4+g2e1+g2l1"):
+        fc1 = kernel.config("fc1g", LATENT, INTER, TOP_K, 64)
+        fc2 = kernel.config("fc2g", LATENT, INTER, TOP_K, 64)
+        assert settings.KERNELS.moe_grouped
+        assert (fc1.prefetch, fc1.experts_per_cta, fc1.l2_prefetch) == \
+            (4, before[0].experts_per_cta, False)
+        assert (fc2.prefetch, fc2.experts_per_cta, fc2.l2_prefetch) == \
+            (before[1].prefetch, 1, True)
+    after = (kernel.config("fc1g", LATENT, INTER, TOP_K, 64),
+             kernel.config("fc2g", LATENT, INTER, TOP_K, 64), settings.KERNELS.moe_grouped)
+    assert after == before
+    sys.modules.pop("moe_experts_bench", None)
