@@ -292,8 +292,9 @@ class GroupedMMA:
         return 4 * q + c
 
     def step(self, acc, rW, rS, sX, g, c, q):
-        """Step q's MMAs from the loaded buffer (rW, rS) into acc."""
-        grp = self.group(q, c)
+        """Step q's MMAs from the loaded buffer (rW, rS) into acc. The staged group is 4q + c
+        unclamped (past the depth its slots hold zeros; `group` clamps only the weights')."""
+        grp = 4 * q + c
         base, sw = g * self.pitch + 4 * grp, 2 * ((grp // 2) % 2)
         self.mma_step(acc, rW, rS, sX, lambda w: base + (w ^ sw))
 
