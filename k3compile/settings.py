@@ -55,7 +55,8 @@ SWITCHES: dict[str, tuple[str, str]] = {
                       "norm,situ,gate,split"),
     "K3_GEMM_TC_FUSED": (("kernels: gemm_tc's one-launch variants at 3-32 rows (gemv's at 1-2; "
                           "`split,situ,norm`, `all`, `0`)"), "split,situ"),
-    "K3_MOE_GROUPED": ("kernels: `moe_experts` by expert on tensor cores at 8-64 rows", "0"),
+    "K3_MOE_GROUPED": (("kernels: `moe_experts` by expert on tensor cores at 8-64 rows (`1`), or "
+                        "from this many rows (a number, e.g. `64`); `0`: never"), "0"),
     "K3_MOE_F16": (("kernels: `moe_experts` decodes into packed fp16 math (fma.rn.f16x2): `auto` "
                     "at buckets of 16 rows and more, `1` at every bucket, `0` never"), "auto"),
     "K3_MOE_BY_EXPERT": (("kernels: `moe_experts` FC1 by expert on CUDA cores with the fp16 "
@@ -358,7 +359,9 @@ class KernelSettings:
     skip: tuple[str, ...] = ()
     allreduce: str | None = None
     cache_dir: str | None = None  # kernels/common/disk_cache.py, k3compile/rewrite/trace_cache.py
-    moe_grouped: bool = False  # moe_experts by expert at 8-64 rows (kernels/moe_experts.py)
+    # moe_experts by expert from this many rows, within 8-64 (kernels/moe_experts.py `grouped`);
+    # 0 / False: never, 1 / True: 8-64
+    moe_grouped: int = 0
     # moe_experts' packed fp16 decode; None: `auto` (kernels/moe_experts.py, `f16_decode`)
     moe_f16: bool | None = None
     moe_by_expert: bool = False  # moe_experts FC1 by expert, fp16 decode (kernels/moe_experts.py)
@@ -383,7 +386,7 @@ class KernelSettings:
                    gemm_tc_late_trigger_mb=parse_late_trigger(env("K3_GEMM_TC_LATE_TRIGGER")),
                    extra=env_list("K3_KERNELS_EXTRA"), skip=env_list("K3_KERNELS_SKIP"),
                    allreduce=allreduce, cache_dir=parse_cache_dir(env("K3_CACHE_DIR")),
-                   moe_grouped=bool(env_bool("K3_MOE_GROUPED")),
+                   moe_grouped=parse_min_rows("K3_MOE_GROUPED", env("K3_MOE_GROUPED")),
                    moe_f16=parse_auto_bool("K3_MOE_F16", env("K3_MOE_F16")),
                    moe_by_expert=bool(env_bool("K3_MOE_BY_EXPERT")),
                    kda_fb=parse_min_rows("K3_KDA_FB", env("K3_KDA_FB")),

@@ -162,8 +162,10 @@ class GroupedConfig:
 
 
 def grouped(n_rows: int) -> bool:
-    """Whether a call of n_rows takes the grouped kernels: K3_MOE_GROUPED at 8-64 rows."""
-    return KERNELS.moe_grouped and GROUPED_ROWS[0] <= n_rows <= GROUPED_ROWS[1]
+    """Whether a call of n_rows takes the grouped kernels: K3_MOE_GROUPED at 8-64 rows, or from
+    its number of rows (`KERNELS.moe_grouped`: 0 never, 1 / True from GROUPED_ROWS[0])."""
+    first = int(KERNELS.moe_grouped)
+    return bool(first) and max(first, GROUPED_ROWS[0]) <= n_rows <= GROUPED_ROWS[1]
 
 
 def by_expert(n_rows: int, latent: int) -> bool:
@@ -222,10 +224,12 @@ def config(stage: str, latent: int, inter: int, top_k: int, batch_bucket: int):
     FC2: R·k >= 128 threads where k allows, whole warps (R a multiple of 32 for odd k); at one
     row two threads per W2 row where the row allows (`fc2_splits`; the H100 A/B of 2026-12-06 at
     the TP16 rank: 11.45 µs per expert step against 12.55, -8.8%; +3% and +5% at 2 and 4 rows)."""
-    if stage == "fc1g":  # 64 rows of W1 and of W3 per CTA (3 row tiles at I 192)
-        return GroupedConfig(4, 1, 2, batch_bucket, 4)
+    if stage == "fc1g":  # 64 rows of W1 and of W3 per CTA (3 row tiles at I 192), 4 steps ahead
+        # one expert per CTA in both (H100, session 41, 64 rows: 321 µs against 361 with 4 fc1g
+        # experts per CTA, 394 with 8 fc2g experts too, 403 with 2 steps ahead as well)
+        return GroupedConfig(4, 1, 4, batch_bucket, 1)
     if stage == "fc2g":  # 256 rows of W2 per CTA (14 row tiles at L 3584)
-        return GroupedConfig(4, 4, 2, batch_bucket, 8)
+        return GroupedConfig(4, 4, 2, batch_bucket, 1)
     if stage == "fc1":
         f16 = f16_decode(batch_bucket)
         if batch_bucket == 1 and fc1_fits(latent, cp := FC1Config(4, 1, True, f16)):

@@ -169,6 +169,15 @@ def test_grouped_selection(monkeypatch):
     monkeypatch.setattr(settings.KERNELS, "moe_grouped", True)
     assert [kernel.grouped(n) for n in (1, 4, 7, 8, 33, 64, 65)] == \
         [False, False, False, True, True, True, False]
+    monkeypatch.setattr(settings.KERNELS, "moe_grouped", 33)  # K3_MOE_GROUPED=33: from 33 rows
+    assert [kernel.grouped(n) for n in (8, 32, 33, 64, 65)] == [False, False, True, True, False]
+
+
+@pytest.mark.parametrize("value,rows", [("0", 0), ("1", 1), ("", 0), ("64", 64), ("on", 1)])
+def test_grouped_switch(monkeypatch, value, rows):
+    """K3_MOE_GROUPED: a boolean (8-64 rows) or the first row count (a number)."""
+    monkeypatch.setenv("K3_MOE_GROUPED", value)
+    assert settings.KernelSettings.from_env().moe_grouped == rows
 
 
 # ---- sm_90a builds ----------------------------------------------------------------------------
