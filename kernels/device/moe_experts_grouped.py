@@ -353,8 +353,8 @@ class GroupedMMA:
         on instruction fetch 73% of their cycles, ncu 2026-12-07), D register buffers taking
         turns: step q's buffer is refilled with step q + D after its MMAs (clamped to the last
         step: the final rounds reload it); a row block's epilogue after its last step."""
-        R, NG, D, Q = self.out_rows, self.ng, self.cfg.prefetch, self.q
-        D = min(D, Q)
+        R, Q = self.out_rows, self.q
+        D = min(self.cfg.prefetch, Q)
         g, c = lane // 4, lane % 4
         for rb in cutlass.range_constexpr(self.cfg.row_blocks):
             row_a = blk * self.cta_rows + (rb * self.warps + warp) * 16 + g
