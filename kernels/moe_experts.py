@@ -203,6 +203,15 @@ def grouped_steps(depth: int) -> tuple[int, int]:
     return q, 16 * q + 1
 
 
+def step_groups(q, c, groups: int, clamp=min):
+    """Lane c's 32-input groups at step q of a grouped kernel (`groups` = depth / 32): (the
+    weights' group, the staged tokens' group). Past the depth (groups not a multiple of 4) the
+    weights' group is clamped to the last one, since any finite weight will do where the staged
+    slots hold zeros; the staged group never is. `clamp`: `min`, or `cutlass.min` in a kernel."""
+    staged = 4 * q + c
+    return (clamp(staged, groups - 1) if groups % 4 else staged), staged
+
+
 def pair_capacity(rows: int, top_k: int) -> int:
     return rows * top_k
 

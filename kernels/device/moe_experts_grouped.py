@@ -22,6 +22,7 @@ from ..moe_experts import (
     grouped_smem,
     grouped_steps,
     pair_capacity,
+    step_groups,
 )
 from .moe_experts import pairs_i_i4
 
@@ -285,16 +286,13 @@ class GroupedMMA:
             prefetch_bulk_l2(mS.iterator + row * groups, Int64(n * groups))
 
     def group(self, q, c):
-        """Lane c's 32-input group of step q; past the depth (the last step of a depth that is
-        not a multiple of 128) the last group: zeros in sX there, any finite weight will do."""
-        if const_expr(self.ng % 4):
-            return cutlass.min(4 * q + c, self.ng - 1)
-        return 4 * q + c
+        """Lane c's weight group at step q (`step_groups`)."""
+        return step_groups(q, c, self.ng, cutlass.min)[0]
 
     def step(self, acc, rW, rS, sX, g, c, q):
-        """Step q's MMAs from the loaded buffer (rW, rS) into acc. The staged group is 4q + c
-        unclamped (past the depth its slots hold zeros; `group` clamps only the weights')."""
-        grp = 4 * q + c
+        """Step q's MMAs from the loaded buffer (rW, rS) into acc, the tokens staged at lane c's
+        staged group (`step_groups`: never clamped, zeros past the depth)."""
+        _, grp = step_groups(q, c, self.ng, cutlass.min)
         base, sw = g * self.pitch + 4 * grp, 2 * ((grp // 2) % 2)
         self.mma_step(acc, rW, rS, sX, lambda w: base + (w ^ sw))
 

@@ -60,17 +60,19 @@ def fragment_model(packed, scale, x):
     sums = torch.zeros(rows, x.shape[0], dtype=torch.float64)
     seen = torch.zeros(depth, dtype=torch.int64)
     for q in range(q_steps):
-        for c in range(4):  # lane % 4: group 4q + c
-            grp = 4 * q + c
+        for c in range(4):  # lane % 4: the kernel's weight and staged groups (`step_groups`)
+            w_grp, x_grp = kernel.step_groups(q, c, depth // 32)
             for w in range(4):
                 for h in range(2):
                     # k slots 2c, 2c+1 <- pair (w, 2h); 2c+8, 2c+9 <- pair (w, 2h+1); a pair
                     # (w, i) is inputs 8w + i (low half) and 8w + i + 4 (high half)
                     for i in (2 * h, 2 * h + 1):
-                        for d in (32 * grp + 8 * w + i, 32 * grp + 8 * w + i + 4):
+                        for off in (8 * w + i, 8 * w + i + 4):
+                            d = 32 * x_grp + off  # the staged input: zero past the depth
                             if d < depth:
                                 seen[d] += 1
-                                sums += a_val[:, d:d + 1] * b_val[:, d].unsqueeze(0)
+                                sums += a_val[:, 32 * w_grp + off].unsqueeze(1) * \
+                                    b_val[:, d].unsqueeze(0)
     assert torch.equal(seen, torch.ones_like(seen)), "an input missed or taken twice"
     return sums, a_val
 
