@@ -344,7 +344,6 @@ def test_cuda_graph_replay(gen, tp16, grouped_on):
         assert rel_err(out, ref) < TOL["vs_reference_rel_norm"]
 
 
-
 def test_benchmark_grouped_modifiers(monkeypatch):
     """benchmarks/moe_experts.py's `+g1p4+g2e1+g2l1` set those GroupedConfig fields of fc1g /
     fc2g while the variant is open (and K3_MOE_GROUPED on), and restore both after it."""
