@@ -350,7 +350,11 @@ class GroupedMMA:
         steps, not of all Q: FC1's 28 unrolled steps, ~190 KB of SASS, left its warps waiting
         on instruction fetch 73% of their cycles, ncu 2026-12-07), D register buffers taking
         turns: step q's buffer is refilled with step q + D after its MMAs (clamped to the last
-        step: the final rounds reload it); a row block's epilogue after its last step."""
+        step: the final rounds reload it, D loads of fc1g's 28 a row); a row block's epilogue
+        after its last step. Skipping those reloads costs more than they do (sm_90a builds of
+        fc1g, 2026-12-08): a runtime `q + D < Q` guard spills (255 registers, 16-byte frame);
+        peeling the last round takes 137 -> 178 registers (3 -> 2 CTAs an SM) and 66 -> 87 KB
+        of cubin."""
         R, Q = self.out_rows, self.q
         D = min(self.cfg.prefetch, Q)
         g, c = lane // 4, lane % 4

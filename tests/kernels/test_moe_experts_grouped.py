@@ -345,8 +345,9 @@ def test_cuda_graph_replay(gen, tp16, grouped_on):
 
 
 def test_benchmark_grouped_modifiers(monkeypatch):
-    """benchmarks/moe_experts.py's `+g1p4+g2e1+g2l1` set those GroupedConfig fields of fc1g /
-    fc2g while the variant is open (and K3_MOE_GROUPED on), and restore both after it."""
+    """benchmarks/moe_experts.py's `+g1p3+g2e2+g2l1` set those GroupedConfig fields of fc1g /
+    fc2g while the variant is open (and K3_MOE_GROUPED on), and restore both after it. The
+    values are none of the defaults', so each assertion fails if its modifier is ignored."""
     import sys
 
     from tests.conftest import ROOT, load_benchmark
@@ -355,14 +356,15 @@ def test_benchmark_grouped_modifiers(monkeypatch):
     bench = load_benchmark("moe_experts")
     before = (kernel.config("fc1g", LATENT, INTER, TOP_K, 64),
               kernel.config("fc2g", LATENT, INTER, TOP_K, 64), settings.KERNELS.moe_grouped)
-    with bench.kernel_variant("grouped+g1p4+g2e1+g2l1"):
+    with bench.kernel_variant("grouped+g1p3+g2e2+g2l1"):
         fc1 = kernel.config("fc1g", LATENT, INTER, TOP_K, 64)
         fc2 = kernel.config("fc2g", LATENT, INTER, TOP_K, 64)
         assert settings.KERNELS.moe_grouped
         assert (fc1.prefetch, fc1.experts_per_cta, fc1.l2_prefetch) == \
-            (4, before[0].experts_per_cta, False)
+            (3, before[0].experts_per_cta, False)
         assert (fc2.prefetch, fc2.experts_per_cta, fc2.l2_prefetch) == \
-            (before[1].prefetch, 1, True)
+            (before[1].prefetch, 2, True)
+    assert (before[0].prefetch, before[1].experts_per_cta) == (4, 1)  # the defaults differ
     after = (kernel.config("fc1g", LATENT, INTER, TOP_K, 64),
              kernel.config("fc2g", LATENT, INTER, TOP_K, 64), settings.KERNELS.moe_grouped)
     assert after == before
