@@ -159,6 +159,12 @@ class GroupedConfig:
     # a selected expert's rows of the CTA asked into L2 by one bulk prefetch per matrix before
     # the register pipeline streams them (its loads then wait on L2, not DRAM)
     l2_prefetch: bool = False
+    # the weight loads as a ring of `prefetch` buffers running across a selected expert's token
+    # tiles: its first steps issued right after the pair list, before the tokens are staged (the
+    # DRAM round trip beside the staging's L2 one), each tile's last loads the next tile's first
+    # steps (the last tile's are spare). Where the CTA's steps are a multiple of `prefetch`
+    # (and fc1g's row blocks are 1), else ignored.
+    carry: bool = False
 
 
 def grouped(n_rows: int) -> bool:

@@ -264,15 +264,22 @@ class GroupedMMA:
             e = first_e + i * n_blocks
             if e < n_exp:
                 count = self.collect_pairs(rIds, e, sPairs, sCnt, tidx)
+                mats = mats_of(mWa, mSa, mWb, mSb, self.mats)
                 if const_expr(self.cfg.l2_prefetch):
                     if (count > 0) & (tidx == 0):
-                        self.prefetch_rows(mats_of(mWa, mSa, mWb, mSb, self.mats), e, blk)
+                        self.prefetch_rows(mats, e, blk)
+                ring = None
+                if const_expr(self.carries()):  # the first steps' loads before the staging
+                    ring = self.buffers(self.ring_size())
+                    if count > 0:
+                        for j in cutlass.range_constexpr(len(ring)):
+                            self.load_ring(mats, ring[j], e, blk, warp, lane, j)
                 for t in cutlass.range((count + TILE_TOKENS - 1) // TILE_TOKENS, unroll=1):
                     cute.arch.barrier()  # the previous tile's reads of sX are done
                     self.stage_tokens(mX, sPairs, sX, t * TILE_TOKENS, count, tidx)
                     cute.arch.barrier()
-                    self.tile(mats_of(mWa, mSa, mWb, mSb, self.mats), sX, sPairs, mOut, e,
-                              blk, t * TILE_TOKENS, count, lane, warp, beta, linear_beta)
+                    self.tile(mats, sX, sPairs, mOut, e, blk, t * TILE_TOKENS, count, lane,
+                              warp, beta, linear_beta, ring)
 
     @cute.jit
     def prefetch_rows(self, mats, e: Int32, blk: Int32):
@@ -284,6 +291,37 @@ class GroupedMMA:
             words, groups = mW.shape[1], mS.shape[1]
             prefetch_bulk_l2(mW.iterator + row * words, Int64(n * words * 4))
             prefetch_bulk_l2(mS.iterator + row * groups, Int64(n * groups))
+
+    def carries(self) -> bool:
+        """Whether `GroupedConfig.carry` applies: a ring of `ring_size` buffers over the CTA's
+        steps of a token tile (one row block where the steps are rolled) that divides them."""
+        if not self.cfg.carry:
+            return False
+        if self.q > ROLL_STEPS:
+            return self.cfg.row_blocks == 1 and self.q % self.ring_size() == 0
+        return (self.cfg.row_blocks * self.q) % self.ring_size() == 0
+
+    def ring_size(self) -> int:
+        steps = self.q if self.q > ROLL_STEPS else self.cfg.row_blocks * self.q
+        return min(self.cfg.prefetch, steps)
+
+    def buffers(self, n):
+        """n step buffers (rW (4, mats·2) words, rS (mats·2,) scale bytes: `load_step`)."""
+        return [(make_frag(Int32, 2 * self.mats),
+                 cute.make_rmem_tensor(cute.make_layout((2 * self.mats,)), Uint32))
+                for _ in range(n)]
+
+    def step_rows(self, e, blk, rb, warp, g):
+        """A lane's two weight rows (g, g + 8 of its warp's 16) in row block rb, clamped."""
+        row_a = blk * self.cta_rows + (rb * self.warps + warp) * 16 + g
+        return row_a, [e * self.expert_rows + cutlass.min(row_a + 8 * h, self.out_rows - 1)
+                       for h in range(2)]
+
+    def load_ring(self, mats, buf, e, blk, warp, lane, i):
+        """Step i of a tile (row block i // Q, step i % Q; i static) -> buffer buf."""
+        rb, q = divmod(i, self.q)
+        self.load_step(mats, self.step_rows(e, blk, rb, warp, lane // 4)[1],
+                       self.group(q, lane % 4), *buf)
 
     def group(self, q, c):
         """Lane c's weight group at step q (`step_groups`)."""
@@ -297,55 +335,54 @@ class GroupedMMA:
         self.mma_step(acc, rW, rS, sX, lambda w: base + (w ^ sw))
 
     def tile(self, mats, sX, sPairs, mOut, e, blk, first, count, lane, warp, beta,
-             linear_beta):
+             linear_beta, ring):
         """One token tile over the CTA's rows: rolled over the steps where a row has more than
         ROLL_STEPS of them (FC1: 28 at L 3584), else unrolled (FC2: 2 per row at I 192, the
-        loads running ahead across row blocks)."""
+        loads running ahead across row blocks). `ring`: the carried buffers (`carries`), or
+        None."""
         if const_expr(self.q > ROLL_STEPS):
             self.tile_rolled(mats, sX, sPairs, mOut, e, blk, first, count, lane, warp, beta,
-                             linear_beta)
+                             linear_beta, ring)
         else:
             self.tile_unrolled(mats, sX, sPairs, mOut, e, blk, first, count, lane, warp, beta,
-                               linear_beta)
+                               linear_beta, ring)
 
     def tile_unrolled(self, mats, sX, sPairs, mOut, e, blk, first, count, lane, warp, beta,
-                      linear_beta):
+                      linear_beta, ring):
         """The steps (row block, q) in order, unrolled, each step's weights loaded `prefetch`
-        steps ahead; a row block's epilogue after its last."""
-        R, D = self.out_rows, self.cfg.prefetch
+        steps ahead (with a ring: from the previous tile, or the kernel for the first, and the
+        last steps load the next tile's first); a row block's epilogue after its last."""
         g, c = lane // 4, lane % 4
-        row_a = [blk * self.cta_rows + (rb * self.warps + warp) * 16 + g
-                 for rb in range(self.cfg.row_blocks)]
         steps = [(rb, q) for rb in range(self.cfg.row_blocks) for q in range(self.q)]
+        D = len(ring) if ring is not None else self.cfg.prefetch
         loads = {}
 
         def issue(i):
-            rb, q = steps[i]
-            rows = [e * self.expert_rows + cutlass.min(row_a[rb] + 8 * h, R - 1)
-                    for h in range(2)]
-            rW = make_frag(Int32, 2 * self.mats)
-            rS = cute.make_rmem_tensor(cute.make_layout((2 * self.mats,)), Uint32)
-            self.load_step(mats, rows, self.group(q, c), rW, rS)
-            loads[i] = (rW, rS)
+            loads[i] = self.buffers(1)[0]
+            self.load_ring(mats, loads[i], e, blk, warp, lane, i)
 
-        for i in range(min(D, len(steps))):
-            issue(i)
+        if const_expr(ring is None):
+            for i in range(min(D, len(steps))):
+                issue(i)
         acc = None
         for i, (rb, q) in enumerate(steps):
-            if i + D < len(steps):
+            if const_expr(ring is None and i + D < len(steps)):
                 issue(i + D)
             if q == 0:
                 acc = cute.make_rmem_tensor(cute.make_layout((4 * self.mats,)), Float32)
                 acc.fill(0.0)
-            rW, rS = loads.pop(i)
+            rW, rS = ring[i % D] if ring is not None else loads.pop(i)
             self.step(acc, rW, rS, sX, g, c, q)
+            if const_expr(ring is not None):  # refill: step i + D, wrapping to the next tile
+                self.load_ring(mats, ring[i % D], e, blk, warp, lane, (i + D) % len(steps))
             if q == self.q - 1:
                 self.epilogue([[acc[4 * m + i] for i in range(4)] for m in range(self.mats)],
-                              sPairs, mOut, first, count, row_a[rb], lane, beta, linear_beta)
+                              sPairs, mOut, first, count, self.step_rows(e, blk, rb, warp, g)[0],
+                              lane, beta, linear_beta)
 
     @cute.jit
     def tile_rolled(self, mats, sX, sPairs, mOut, e, blk, first, count, lane, warp, beta,
-                    linear_beta):
+                    linear_beta, ring):
         """Per row block its steps q = 0..Q-1 in a rolled loop (the code of `prefetch` = D
         steps, not of all Q: FC1's 28 unrolled steps, ~190 KB of SASS, left its warps waiting
         on instruction fetch 73% of their cycles, ncu 2026-12-07), D register buffers taking
@@ -355,28 +392,28 @@ class GroupedMMA:
         fc1g, 2026-12-08): a runtime `q + D < Q` guard spills (255 registers, 16-byte frame);
         peeling the last round takes 137 -> 178 registers (3 -> 2 CTAs an SM) and 66 -> 87 KB
         of cubin."""
-        R, Q = self.out_rows, self.q
+        Q = self.q
         D = min(self.cfg.prefetch, Q)
         g, c = lane // 4, lane % 4
         for rb in cutlass.range_constexpr(self.cfg.row_blocks):
-            row_a = blk * self.cta_rows + (rb * self.warps + warp) * 16 + g
-            rows = [e * self.expert_rows + cutlass.min(row_a + 8 * h, R - 1) for h in range(2)]
-            rW = [make_frag(Int32, 2 * self.mats) for _ in range(D)]
-            rS = [cute.make_rmem_tensor(cute.make_layout((2 * self.mats,)), Uint32)
-                  for _ in range(D)]
-
-            for j in cutlass.range_constexpr(D):
-                self.load_step(mats, rows, self.group(j, c), rW[j], rS[j])
+            row_a, rows = self.step_rows(e, blk, rb, warp, g)
+            bufs = ring
+            if const_expr(ring is None):
+                bufs = self.buffers(D)
+                for j in cutlass.range_constexpr(D):
+                    self.load_step(mats, rows, self.group(j, c), *bufs[j])
             acc = cute.make_rmem_tensor(cute.make_layout((4 * self.mats,)), Float32)
             acc.fill(0.0)
             for it in cutlass.range(Q // D, unroll=1):
                 for j in cutlass.range_constexpr(D):
                     q = it * D + j
-                    self.step(acc, rW[j], rS[j], sX, g, c, q)
-                    self.load_step(mats, rows, self.group(cutlass.min(q + D, Q - 1), c),
-                                   rW[j], rS[j])
+                    self.step(acc, *bufs[j], sX, g, c, q)
+                    nxt = cutlass.min(q + D, Q - 1)  # the final rounds reload the last step
+                    if const_expr(ring is not None):  # ... or wrap to the next tile's first
+                        nxt = cutlass.select_(q + D < Q, q + D, q + D - Q)
+                    self.load_step(mats, rows, self.group(nxt, c), *bufs[j])
             for j in cutlass.range_constexpr(Q % D):  # loaded into buffer j by the last round
-                self.step(acc, rW[j], rS[j], sX, g, c, (Q // D) * D + j)
+                self.step(acc, *bufs[j], sX, g, c, (Q // D) * D + j)
             self.epilogue([[acc[4 * m + i] for i in range(4)] for m in range(self.mats)],
                           sPairs, mOut, first, count, row_a, lane, beta, linear_beta)
 

@@ -239,6 +239,35 @@ def test_l2_prefetch_builds(monkeypatch, tmp_path, stage):
     assert ptx.index("vote.sync.ballot") < ptx.index("cp.async.bulk.prefetch.L2.global")
 
 
+@pytest.mark.dsl
+@pytest.mark.parametrize("stage,shape", [
+    *(pytest.param(stage, (3584, 192, 16, 64), marks=pytest.mark.slow)  # the TP16 shapes: slow
+      for stage in ("fc1g", "fc2g")),
+    ("fc1g", (96, 64, 3, 8)), ("fc2g", (96, 64, 3, 8))], ids=str)
+def test_carry_builds(monkeypatch, tmp_path, stage, shape):
+    """`GroupedConfig.carry` applies at these shapes, builds without a stack frame and runs the
+    default build's MMAs (the ring moves loads, not steps)."""
+    pytest.importorskip("cutlass")
+    import dataclasses
+
+    from k3compile.kernels.common.dsl import cubin_of, cubin_resources, ptx_of
+    from k3compile.kernels.device.moe_experts_grouped import GroupedMMA
+
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    latent, inter, top_k, b = shape
+    plain = kernel.config(stage, latent, inter, top_k, b)
+    cfg = dataclasses.replace(plain, carry=True)
+    assert GroupedMMA(stage == "fc1g", latent, inter, top_k, b, cfg).carries()
+    mmas = []
+    for i, c in enumerate((plain, cfg)):
+        (dump := tmp_path / str(i)).mkdir()
+        compiled = kernel.build(stage, latent, inter, top_k, True, c, arch="sm_90a",
+                                dump_dir=str(dump), pdl=stage == "fc1g")
+        assert cubin_resources(cubin_of(compiled))["frame"] == 0
+        mmas.append(ptx_of(compiled).count("mma.sync.aligned.m16n8k16"))
+    assert mmas[0] == mmas[1] > 0
+
+
 # ---- GPU --------------------------------------------------------------------------------------
 
 
@@ -297,19 +326,55 @@ def test_tp16_int32_ids_and_determinism(gen, tp16, grouped_on):
     assert torch.equal(first, check(z, ids, w, tp16)), "not deterministic"
 
 
-@pytest.mark.gpu
-@gpu
-@pytest.mark.parametrize("n", [8, 64])
-def test_l2_prefetch_is_bitwise_the_default(gen, tp16, grouped_on, monkeypatch, n):
-    """The L2 bulk prefetch only moves bytes into L2 early: the same output bit for bit."""
+def with_fields(monkeypatch, **fields):
+    """kernel.config's fc1g / fc2g configs with `fields` replaced (fc2g's prefetch via
+    `fc2_prefetch`)."""
     import dataclasses
 
-    z, ids, w = make_tokens(gen, n, LATENT, EXPERTS, TOP_K, "cuda")
-    plain = check(z, ids, w, tp16)
     default = kernel.config
-    monkeypatch.setattr(kernel, "config", lambda stage, *a: dataclasses.replace(
-        default(stage, *a), l2_prefetch=True) if stage in ("fc1g", "fc2g") else default(stage, *a))
+    fc2_prefetch = fields.pop("fc2_prefetch", None)
+
+    def config(stage, *a):
+        cfg = default(stage, *a)
+        if stage not in ("fc1g", "fc2g"):
+            return cfg
+        cfg = dataclasses.replace(cfg, **fields)
+        return dataclasses.replace(cfg, prefetch=fc2_prefetch) \
+            if stage == "fc2g" and fc2_prefetch else cfg
+
+    monkeypatch.setattr(kernel, "config", config)
+
+
+VARIANT_FIELDS = {"l2_prefetch": {"l2_prefetch": True}, "carry": {"carry": True},
+                  "carry_fc2p4": {"carry": True, "fc2_prefetch": 4}}
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("variant", list(VARIANT_FIELDS))
+@pytest.mark.parametrize("n,case", [(8, "uniform"), (64, "uniform"), (64, "one_expert")])
+def test_variant_is_bitwise_the_default(gen, tp16, grouped_on, monkeypatch, variant, n, case):
+    """The L2 bulk prefetch only moves bytes into L2 early and the carried ring only loads the
+    same weights earlier: the same output bit for bit (one_expert: 8 token tiles of expert 5,
+    the ring wrapping from tile to tile)."""
+    z, ids, w = routing(gen, n, case)
+    plain = check(z, ids, w, tp16)
+    with_fields(monkeypatch, **VARIANT_FIELDS[variant])
     assert torch.equal(check(z, ids, w, tp16), plain)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("shape", [(5, 96, 64, 3), (7, 1056, 32, 1), (9, 512, 1152, 4)],
+                         ids=str)
+def test_other_shapes_carry(gen, grouped_on, monkeypatch, shape):
+    """The carried ring at the odd shapes (steps 1-9 a row, rings that do not divide them
+    fall back to the plain loads): against the reference."""
+    with_fields(monkeypatch, carry=True)
+    n_exp, latent, inter, top_k = shape
+    experts = make_experts(gen, n_exp, latent, inter, "cuda")
+    for n in (8, 13, 64):
+        check(*make_tokens(gen, n, latent, n_exp, top_k, "cuda"), experts)
 
 
 @pytest.mark.gpu
@@ -345,7 +410,7 @@ def test_cuda_graph_replay(gen, tp16, grouped_on):
 
 
 def test_benchmark_grouped_modifiers(monkeypatch):
-    """benchmarks/moe_experts.py's `+g1p3+g2e2+g2l1` set those GroupedConfig fields of fc1g /
+    """benchmarks/moe_experts.py's `+g1p3+g1c1+g2e2+g2l1` set those GroupedConfig fields of fc1g /
     fc2g while the variant is open (and K3_MOE_GROUPED on), and restore both after it. The
     values are none of the defaults', so each assertion fails if its modifier is ignored."""
     import sys
@@ -356,15 +421,15 @@ def test_benchmark_grouped_modifiers(monkeypatch):
     bench = load_benchmark("moe_experts")
     before = (kernel.config("fc1g", LATENT, INTER, TOP_K, 64),
               kernel.config("fc2g", LATENT, INTER, TOP_K, 64), settings.KERNELS.moe_grouped)
-    with bench.kernel_variant("grouped+g1p3+g2e2+g2l1"):
+    with bench.kernel_variant("grouped+g1p3+g1c1+g2e2+g2l1"):
         fc1 = kernel.config("fc1g", LATENT, INTER, TOP_K, 64)
         fc2 = kernel.config("fc2g", LATENT, INTER, TOP_K, 64)
         assert settings.KERNELS.moe_grouped
-        assert (fc1.prefetch, fc1.experts_per_cta, fc1.l2_prefetch) == \
-            (3, before[0].experts_per_cta, False)
-        assert (fc2.prefetch, fc2.experts_per_cta, fc2.l2_prefetch) == \
-            (before[1].prefetch, 2, True)
-    assert (before[0].prefetch, before[1].experts_per_cta) == (4, 1)  # the defaults differ
+        assert (fc1.prefetch, fc1.experts_per_cta, fc1.l2_prefetch, fc1.carry) == \
+            (3, before[0].experts_per_cta, False, True)
+        assert (fc2.prefetch, fc2.experts_per_cta, fc2.l2_prefetch, fc2.carry) == \
+            (before[1].prefetch, 2, True, False)
+    assert (before[0].prefetch, before[0].carry, before[1].experts_per_cta) == (4, False, 1)
     after = (kernel.config("fc1g", LATENT, INTER, TOP_K, 64),
              kernel.config("fc2g", LATENT, INTER, TOP_K, 64), settings.KERNELS.moe_grouped)
     assert after == before
