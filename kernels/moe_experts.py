@@ -161,9 +161,10 @@ class GroupedConfig:
     l2_prefetch: bool = False
     # the weight loads as a ring of `prefetch` buffers running across a selected expert's token
     # tiles: its first steps issued right after the pair list, before the tokens are staged (the
-    # DRAM round trip beside the staging's L2 one), each tile's last loads the next tile's first
-    # steps (the last tile's are spare). Where the CTA's steps are a multiple of `prefetch`
-    # (and fc1g's row blocks are 1), else ignored.
+    # DRAM round trip beside the staging's L2 one; fc2g waits for FC1 only after them, so under
+    # PDL its ballot and first weights overlap FC1's end), each tile's last loads the next
+    # tile's first steps (the last tile's are spare). Where the CTA's steps are a multiple of
+    # `prefetch` (and fc1g's row blocks are 1), else ignored.
     carry: bool = False
 
 

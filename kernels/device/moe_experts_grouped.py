@@ -257,7 +257,7 @@ class GroupedMMA:
             Int32, cute.make_layout((-(-self.cap // self.threads) * self.warps,)), 16)
         rIds = self.load_ids(mIds, n_exp, tidx)
         cute.arch.griddepcontrol_launch_dependents()
-        if const_expr(not self.fc1):
+        if const_expr(not self.fc1 and not self.carries()):
             cute.arch.griddepcontrol_wait()  # act is FC1's output
         # experts first_e, first_e + grid x, ...: an unselected one costs a ballot, no launch
         for i in cutlass.range(self.cfg.experts_per_cta, unroll=1):
@@ -274,6 +274,8 @@ class GroupedMMA:
                     if count > 0:
                         for j in cutlass.range_constexpr(len(ring)):
                             self.load_ring(mats, ring[j], e, blk, warp, lane, j)
+                    if const_expr(not self.fc1):  # act is FC1's output: the ballot and the
+                        cute.arch.griddepcontrol_wait()  # first weights ran ahead of FC1's end
                 for t in cutlass.range((count + TILE_TOKENS - 1) // TILE_TOKENS, unroll=1):
                     cute.arch.barrier()  # the previous tile's reads of sX are done
                     self.stage_tokens(mX, sPairs, sX, t * TILE_TOKENS, count, tidx)
