@@ -15,8 +15,8 @@ kernel_by_expert_x8). A kernel variant may end in config modifiers, forced at ev
 CTA), `+sS` (FC2 with S threads per W2 row, `FC2Config.split`), e.g.
 `--variants kernel+s1,kernel,kernel_f16+cp8+r8+s2`. The grouped kernels take `+g1F<n>` (fc1g) and
 `+g2F<n>` (fc2g), F one of w (warps), b (row blocks), p (steps loaded ahead), e (experts per
-CTA), l (1: the L2 bulk prefetch of a selected expert's rows), c (1: the weight loads' ring
-across token tiles, `GroupedConfig.carry`), e.g. `grouped+g1p4+g2e1+g2l1+g2c1`.
+CTA), c (1: the weight loads' ring across token tiles, `GroupedConfig.carry`), e.g.
+`grouped+g1p4+g2e1+g2c1`.
 
 `kernel` is the per-pair kernels, `kernel_f16` the same with FC1's packed fp16 decode
 (K3_MOE_F16), `kernel_by_expert` that with FC1 by expert (K3_MOE_BY_EXPERT: each weight word
@@ -101,11 +101,11 @@ FC1_MODS = {"cp4": {"warps": 4, "rows_per_warp": 1, "cp_async": True},
 
 
 # grouped-kernel config modifiers ("grouped+g1p4+g2e1"): stage g1 (fc1g) or g2 (fc2g), then a
-# GroupedConfig field (w warps, b row blocks, p prefetch, e experts per CTA, l l2_prefetch, c
-# carry) and its value
-GROUPED_MOD = re.compile(r"g([12])([wbpelc])(\d+)")
+# GroupedConfig field (w warps, b row blocks, p prefetch, e experts per CTA, c carry) and its
+# value
+GROUPED_MOD = re.compile(r"g([12])([wbpec])(\d+)")
 GROUPED_FIELDS = {"w": "warps", "b": "row_blocks", "p": "prefetch", "e": "experts_per_cta",
-                  "l": "l2_prefetch", "c": "carry"}
+                  "c": "carry"}
 
 
 def grouped_mods(mods) -> dict:
@@ -114,7 +114,7 @@ def grouped_mods(mods) -> dict:
     for m in mods:
         if match := GROUPED_MOD.fullmatch(m):
             stage, field, value = match.groups()
-            value = bool(int(value)) if field in "lc" else int(value)
+            value = bool(int(value)) if field == "c" else int(value)
             out.setdefault(f"fc{stage}g", {})[GROUPED_FIELDS[field]] = value
     return out
 

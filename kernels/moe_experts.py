@@ -156,9 +156,6 @@ class GroupedConfig:
     prefetch: int
     rows: int
     experts_per_cta: int = 1
-    # a selected expert's rows of the CTA asked into L2 by one bulk prefetch per matrix before
-    # the register pipeline streams them (its loads then wait on L2, not DRAM)
-    l2_prefetch: bool = False
     # the weight loads as a ring of `prefetch` buffers running across a selected expert's token
     # tiles: its first steps issued right after the pair list, before the tokens are staged (the
     # DRAM round trip beside the staging's L2 one; fc2g waits for FC1 only after them, so under

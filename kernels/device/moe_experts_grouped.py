@@ -5,7 +5,7 @@ Imports `cutlass` at the top: the host module imports this one only in `build`, 
 the host needs no DSL."""
 
 import cutlass
-from cutlass import BFloat16, Float32, Int32, Int64, Uint32, const_expr, cute
+from cutlass import BFloat16, Float32, Int32, Uint32, const_expr, cute
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
@@ -39,22 +39,6 @@ def mul_bf16x2(a: Uint32, b: Uint32, *, loc=None, ip=None) -> Uint32:
         T.i32(), [Uint32(a).ir_value(loc=loc, ip=ip), Uint32(b).ir_value(loc=loc, ip=ip)],
         "mul.rn.bf16x2 $0, $1, $2;", "=r,r,r", has_side_effects=False, is_align_stack=False,
         asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
-
-
-@dsl_user_op
-def prefetch_bulk_l2(ptr: cute.Pointer, size_bytes, *, loc=None, ip=None) -> None:
-    """cp.async.bulk.prefetch.L2 of the 16-byte chunks wholly inside [ptr, ptr + size_bytes):
-    the start rounded up and the end down to 16 bytes (the instruction's alignment), so no byte
-    outside the range is asked for; nothing waits for it."""
-    start = ptr.toint(loc=loc, ip=ip)
-    first = (start + 15) & ~15
-    last = (start + size_bytes) & ~15
-    size = Int32(last - first)
-    llvm.inline_asm(  # predicated: a range with no whole chunk asks for nothing
-        None, [Int64(first).ir_value(loc=loc, ip=ip), size.ir_value(loc=loc, ip=ip)],
-        "{ .reg .pred p; setp.gt.s32 p, $1, 0; @p cp.async.bulk.prefetch.L2.global [$0], $1; }",
-        "l,r,~{memory}", has_side_effects=True, is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
 
 
 def decode_pair(word, i):
@@ -265,9 +249,6 @@ class GroupedMMA:
             if e < n_exp:
                 count = self.collect_pairs(rIds, e, sPairs, sCnt, tidx)
                 mats = mats_of(mWa, mSa, mWb, mSb, self.mats)
-                if const_expr(self.cfg.l2_prefetch):
-                    if (count > 0) & (tidx == 0):
-                        self.prefetch_rows(mats, e, blk)
                 ring = None
                 if const_expr(self.carries()):  # the first steps' loads before the staging
                     ring = self.buffers(self.ring_size())
@@ -282,17 +263,6 @@ class GroupedMMA:
                     cute.arch.barrier()
                     self.tile(mats, sX, sPairs, mOut, e, blk, t * TILE_TOKENS, count, lane,
                               warp, beta, linear_beta, ring)
-
-    @cute.jit
-    def prefetch_rows(self, mats, e: Int32, blk: Int32):
-        """Expert e's rows blk·cta_rows... of every matrix and its scales into L2 (one thread)."""
-        first = blk * self.cta_rows
-        n = cutlass.min(self.cta_rows, self.out_rows - first)
-        row = e * self.expert_rows + first
-        for mW, mS in mats:
-            words, groups = mW.shape[1], mS.shape[1]
-            prefetch_bulk_l2(mW.iterator + row * words, Int64(n * words * 4))
-            prefetch_bulk_l2(mS.iterator + row * groups, Int64(n * groups))
 
     def carries(self) -> bool:
         """Whether `GroupedConfig.carry` applies: a ring of `ring_size` buffers over the CTA's

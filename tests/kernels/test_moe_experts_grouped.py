@@ -215,28 +215,6 @@ def test_builds_for_sm90a(monkeypatch, tmp_path, stage, shape):
         d = min(cfg.prefetch, q_steps)
         steps = d + q_steps % d if q_steps > ROLL_STEPS else q_steps
         assert ptx.count("mma.sync.aligned.m16n8k16") == 8 * steps * mats * blocks
-        assert "cp.async.bulk.prefetch.L2" not in ptx  # `l2_prefetch` is off by default
-
-
-@pytest.mark.dsl
-@pytest.mark.parametrize("stage", ["fc1g", "fc2g"])
-def test_l2_prefetch_builds(monkeypatch, tmp_path, stage):
-    """`GroupedConfig.l2_prefetch`: one bulk L2 prefetch of the weight words and one of the
-    scales per matrix, in the selected-expert branch (after the pair list's ballots)."""
-    pytest.importorskip("cutlass")
-    import dataclasses
-
-    from k3compile.kernels.common.dsl import cubin_of, cubin_resources, ptx_of
-
-    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
-    cfg = dataclasses.replace(kernel.config(stage, 96, 64, 3, 8), l2_prefetch=True)
-    compiled = kernel.build(stage, 96, 64, 3, True, cfg, arch="sm_90a",
-                            dump_dir=str(tmp_path), pdl=stage == "fc1g")
-    assert cubin_resources(cubin_of(compiled))["frame"] == 0
-    ptx = ptx_of(compiled)
-    mats = 2 if stage == "fc1g" else 1
-    assert ptx.count("cp.async.bulk.prefetch.L2.global") == 2 * mats
-    assert ptx.index("vote.sync.ballot") < ptx.index("cp.async.bulk.prefetch.L2.global")
 
 
 @pytest.mark.dsl
@@ -345,8 +323,7 @@ def with_fields(monkeypatch, **fields):
     monkeypatch.setattr(kernel, "config", config)
 
 
-VARIANT_FIELDS = {"l2_prefetch": {"l2_prefetch": True}, "carry": {"carry": True},
-                  "carry_fc2p4": {"carry": True, "fc2_prefetch": 4}}
+VARIANT_FIELDS = {"carry": {"carry": True}, "carry_fc2p4": {"carry": True, "fc2_prefetch": 4}}
 
 
 @pytest.mark.gpu
@@ -354,8 +331,7 @@ VARIANT_FIELDS = {"l2_prefetch": {"l2_prefetch": True}, "carry": {"carry": True}
 @pytest.mark.parametrize("variant", list(VARIANT_FIELDS))
 @pytest.mark.parametrize("n,case", [(8, "uniform"), (64, "uniform"), (64, "one_expert")])
 def test_variant_is_bitwise_the_default(gen, tp16, grouped_on, monkeypatch, variant, n, case):
-    """The L2 bulk prefetch only moves bytes into L2 early and the carried ring only loads the
-    same weights earlier: the same output bit for bit (one_expert: 8 token tiles of expert 5,
+    """The carried ring only loads the same weights earlier: the same output bit for bit (one_expert: 8 token tiles of expert 5,
     the ring wrapping from tile to tile)."""
     z, ids, w = routing(gen, n, case)
     plain = check(z, ids, w, tp16)
@@ -410,7 +386,7 @@ def test_cuda_graph_replay(gen, tp16, grouped_on):
 
 
 def test_benchmark_grouped_modifiers(monkeypatch):
-    """benchmarks/moe_experts.py's `+g1p3+g1c1+g2e2+g2l1` set those GroupedConfig fields of fc1g /
+    """benchmarks/moe_experts.py's `+g1p3+g1c1+g2e2+g2c1` set those GroupedConfig fields of fc1g /
     fc2g while the variant is open (and K3_MOE_GROUPED on), and restore both after it. The
     values are none of the defaults', so each assertion fails if its modifier is ignored."""
     import sys
@@ -421,15 +397,15 @@ def test_benchmark_grouped_modifiers(monkeypatch):
     bench = load_benchmark("moe_experts")
     before = (kernel.config("fc1g", LATENT, INTER, TOP_K, 64),
               kernel.config("fc2g", LATENT, INTER, TOP_K, 64), settings.KERNELS.moe_grouped)
-    with bench.kernel_variant("grouped+g1p3+g1c1+g2e2+g2l1"):
+    with bench.kernel_variant("grouped+g1p3+g1c1+g2e2+g2c1"):
         fc1 = kernel.config("fc1g", LATENT, INTER, TOP_K, 64)
         fc2 = kernel.config("fc2g", LATENT, INTER, TOP_K, 64)
         assert settings.KERNELS.moe_grouped
-        assert (fc1.prefetch, fc1.experts_per_cta, fc1.l2_prefetch, fc1.carry) == \
-            (3, before[0].experts_per_cta, False, True)
-        assert (fc2.prefetch, fc2.experts_per_cta, fc2.l2_prefetch, fc2.carry) == \
-            (before[1].prefetch, 2, True, False)
-    assert (before[0].prefetch, before[0].carry, before[1].experts_per_cta) == (4, False, 1)
+        assert (fc1.prefetch, fc1.experts_per_cta, fc1.carry) == \
+            (3, before[0].experts_per_cta, True)
+        assert (fc2.prefetch, fc2.experts_per_cta, fc2.carry) == (before[1].prefetch, 2, True)
+    assert (before[0].prefetch, before[0].carry, before[1].experts_per_cta, before[1].carry) \
+        == (4, False, 1, False)  # the defaults differ from the modifiers' values
     after = (kernel.config("fc1g", LATENT, INTER, TOP_K, 64),
              kernel.config("fc2g", LATENT, INTER, TOP_K, 64), settings.KERNELS.moe_grouped)
     assert after == before
