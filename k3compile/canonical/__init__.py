@@ -25,7 +25,7 @@ from torch import fx
 
 from k3compile.rewrite import inductor
 
-ORDER: tuple[str, ...] = ("put_rows", "scatter_rows", "paged_write", "token_dim", "state_write", "cache_block",
+ORDER: tuple[str, ...] = ("index_expand", "put_rows", "scatter_rows", "paged_write", "token_dim", "state_write", "cache_block",
                           "slot_mapping",
                           "causal_mask", "sdpa_math",
                           "baddbmm_mask",

@@ -176,8 +176,10 @@ def test_bf16_kda_step_fuses_over_verify_rows(probes):
     convolved in fp32 through its upcast (the rolled state after rule conv_roll, or the plain
     window sum of probe `conv_window` after short_conv), which rule token_windows takes as one
     window since session 37 (before: T per-token convs, every KDA variant a T = 1 one, the step
-    lost in layers 0 and 1); fb_kda_decode and linear_concat fuse there, compiled within
-    TOL["diffsuite_bf16"] of eager over 2 steps"""
+    lost in layers 0 and 1); fb_kda_decode and linear_concat fuse there, and mla_decode in the
+    MLA layers 2 and 3 since session 42 (rule index_expand takes the cache write's
+    `slots[:, None].expand(B, T)` index), compiled within TOL["diffsuite_bf16"] of eager over 2
+    steps"""
     model, eager = (from_builtin(foreign.builtin(torch.bfloat16)).set_probe(*probes)
                     for _ in range(2))
     err = foreign.steps(foreign.compile_k3(model, weight_cast=True), eager, n=2, rows=3)
@@ -185,4 +187,6 @@ def test_bf16_kda_step_fuses_over_verify_rows(probes):
     for layer in (0, 1):
         assert got[layer].get("fb_kda_decode") == 1 and got[layer].get("linear_concat") == 1, \
             (layer, dict(got[layer]))
+    for layer in (2, 3):
+        assert got[layer].get("mla_decode") == 1, (layer, dict(got[layer]))
     assert err <= TOL["diffsuite_bf16"], err
