@@ -21,10 +21,14 @@ written** fuses mla_uv_gate too: the common tests run it as written (fp32 and bf
 eager twin).
 
 Plan (recorded, not wanted): per layer, the built-in plan's k3 ops this spelling's plan lacks,
-EXACTLY (`LOST`, as written). fp32: none; bf16: fb_kda_decode (0, 1). mla_decode had two
+EXACTLY (`LOST`, as written). fp32: none; bf16: none (since session 42). mla_decode had two
 causes: one `input_pos` read by every layer, which rule `layer_positions` (session 37) copies per
 layer, and the mask gathered from the `causal_mask` buffer, which rule `causal_mask` (session 39)
 computes from the positions as k3compile/math.py does (probe `mask` writes that by hand).
+fb_kda_decode (bf16, layers 0 and 1) had two: the conv output's one upcast before the cut
+(`.transpose(1, 2).float().view(B, T, 3, H, K).unbind(2)`), which rule `cast_pieces` moves to
+each piece, and the output gate's sigmoid on an upcast rounded back, which rule `sigmoid_round`
+writes as the bf16 sigmoid (session 42); its bf16 conv + SiLU is kda_decode's `conv_rounded`.
 """
 
 from __future__ import annotations
@@ -41,10 +45,11 @@ EAGER_TOL = 1e-5  # measured 1.1e-6 (T = 1), 1.0e-6 (T = 3), states <= 8.2e-7 ov
 
 _MLA = {"mla_decode": 1}
 _LOST_FP32: dict[int, dict[str, int]] = {}
-_LOST_BF16: dict[int, dict[str, int]] = {0: {"fb_kda_decode": 1}, 1: {"fb_kda_decode": 1}}
+_LOST_BF16: dict[int, dict[str, int]] = {}
 LOST = {torch.float32: _LOST_FP32, torch.bfloat16: _LOST_BF16}
 # (pattern, dtype) whose loss comes with a near miss naming a node in every layer that lost it
-DIAGNOSED = (("kda_decode", torch.bfloat16),)
+DIAGNOSED = ()
+_KDA = {"fb_kda_decode": 1}
 
 
 foreign.define_common_tests(globals(), "spell14", from_builtin, state_of, lost_by_dtype=LOST,
@@ -92,3 +97,21 @@ def test_mask_probe_and_layer_positions_restore_mla_decode(off, reference_plan):
     of the shared `input_pos` per MLA layer) is what takes mla_decode's last escape (fp32)."""
     got = foreign.lost(reference_plan, foreign.plan_with_rules_off(from_builtin, off, ("uv", "mask")))
     assert got == ({} if not off else {2: _MLA, 3: _MLA}), got
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("off,probes", [((), ()), (("cast_pieces",), ()), (("sigmoid_round",), ()),
+                                        ((), ("cast",))],
+                         ids=["rules", "no_cast_pieces", "no_sigmoid_round", "probe_cast"])
+def test_cast_rules_restore_fb_kda_decode(off, probes, reference_plan):
+    """bf16: rules `cast_pieces` (the conv output's upcast, before or after its transpose, moved
+    to each piece of the q|k|v cut) and `sigmoid_round` (the output gate's sigmoid of an upcast,
+    rounded back: the bf16 sigmoid) are what take fb_kda_decode's escapes in layers 0 and 1;
+    with either off both layers lose it; probe `cast` (the upcast before the transpose) fuses
+    too. The step equals its eager twin either way."""
+    ref = foreign.builtin(torch.bfloat16)
+    model, eager = (from_builtin(ref).set_probe(*probes) for _ in range(2))
+    step = foreign.compile_k3(model, disabled_rules=off)
+    assert foreign.steps(step, eager, n=1) <= TOL["diffsuite_bf16"]
+    got = foreign.lost(reference_plan, foreign.per_layer(foreign.last_compiled()))
+    assert got == ({} if not off else {0: _KDA, 1: _KDA}), got

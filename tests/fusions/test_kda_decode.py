@@ -13,8 +13,10 @@ from k3compile.ops.kda_decode import KDAVariant
 from k3compile.rewrite import apply_patterns, inductor
 from k3compile.rewrite.near_miss import op_label
 from k3compile.stages import canonicalize as canonicalize_stage
+from tests.kernel_checks import assert_cuda_op_equals_cpu, kda_kernel_inputs
 
 from .attention_checks import escape, family, one_thread, step_pair  # noqa: F401
+from .kda_checks import clone
 from .pattern_checks import assert_near_miss, graph
 
 
@@ -252,3 +254,99 @@ def test_near_miss_names_the_changed_op(change, monkeypatch):
     assert len(misses) == 6  # the batch's variants: fp32 / bf16, silu written out, fla's norm
     for miss in misses:
         assert miss.reason.startswith(f"function_mismatch: {node.name} ({op_label(node)} "), miss
+
+
+# ---- gpt-fast's q|k|v cut and output gate (spell14), written here as a second spelling ----
+
+def _gpt_fast_cut_step(q, k, v, g, graw, b, conv_state, recurrent_state, slots, q_conv_weight,
+                       k_conv_weight, v_conv_weight, A_log, dt_bias, o_norm_weight, lower_bound,
+                       l2_eps, q_scale, norm_eps):
+    """The KDA step with a bf16 conv and SiLU, its output upcast before the transpose and the
+    cut (`.float().mT.split(W)`), and the output gate's sigmoid on an upcast, rounded back; the
+    rest as `kda_decode._step` (the state writes functional, the delta rule by k3compile.math)."""
+    from k3compile.math import delta_rule_step, l2norm, rms_norm
+
+    B, T, W = q.shape
+    nh, hd = recurrent_state.shape[1], recurrent_state.shape[2]
+    window = torch.cat([conv_state[slots], torch.cat([q, k, v], -1).transpose(1, 2)], -1)
+    conv_state = kda_decode.setitem(conv_state, (slots,), window[..., T:])
+    taps = torch.cat([q_conv_weight, k_conv_weight, v_conv_weight])
+    conv = torch.nn.functional.silu(torch.nn.functional.conv1d(window, taps,
+                                                               groups=taps.shape[0]))
+    cq, ck, cv = (p.view(B, T, nh, hd) for p in conv.float().mT.split(W, -1))
+    cq, ck = l2norm(cq, l2_eps) * q_scale, l2norm(ck, l2_eps)
+    gate = torch.exp(A_log.float()).view(nh, 1) * (graw.float().view(B, T, nh, hd)
+                                                    + dt_bias.view(nh, hd))
+    decay = torch.exp(lower_bound * torch.sigmoid(gate))
+    state, outs = recurrent_state[slots], []
+    for t in range(T):
+        state, o_t = delta_rule_step(state, cq, ck, cv, torch.sigmoid(b.float()), decay, t)
+        outs.append(o_t)
+    recurrent_state = kda_decode.setitem(recurrent_state, (slots,), state)
+    o = torch.stack(outs, dim=1).to(q.dtype)
+    out_gate = torch.sigmoid(g.view(B, T, nh, hd).float()).to(q.dtype)
+    return recurrent_state, conv_state, rms_norm(o, o_norm_weight, norm_eps) * out_gate
+
+
+def _gpt_fast_site(with_rules: bool):
+    """(the gpt-fast step's graph, with rules `cast_pieces` and `sigmoid_round` applied where
+    `with_rules`, its inputs, the unfused graph's outputs on them)."""
+    from k3compile.canonical import cast_pieces, sigmoid_round
+
+    args = _site()
+    state = args[kda_decode.NAMES.index("recurrent_state")]
+    args[kda_decode.NAMES.index("recurrent_state")] = state * 0.05
+    args[kda_decode.NAMES.index("q_scale")] = state.shape[-1] ** -0.5
+    gm = graph(_gpt_fast_cut_step, *clone(args), joint=True)
+    want = gm(*clone(args))
+    if with_rules:
+        assert [r.apply(gm.graph) for r in (cast_pieces.RULE, sigmoid_round.RULE)] == [1, 1]
+        gm.graph.eliminate_dead_code()
+    return gm, args, want
+
+
+@pytest.mark.parametrize("with_rules", [True, False], ids=["rules", "no_rules"])
+def test_a_gpt_fast_cut_and_gate_fuse_as_the_rounded_conv(with_rules):
+    """bf16: with rules `cast_pieces` (the upcast moved through the transpose to each piece of
+    the cut) and `sigmoid_round` (the gate's sigmoid in bf16) the step is kda_decode's
+    `conv_rounded` variant (the conv and SiLU rounded as torch rounds them in bf16), fused and
+    equal to the unfused graph bit for bit, states too; without them no variant takes it."""
+    gm, args, want = _gpt_fast_site(with_rules)
+    report = apply_patterns(gm.graph, family("kda_decode"))
+    gm.recompile()
+    if not with_rules:
+        assert not report.hits
+        assert_near_miss(report, "kda_decode")
+        return
+    assert [h.pattern for h in report.hits] == ["kda_decode[T=1,B=n,bfloat16,conv_rounded]"]
+    (op,) = [n for n in gm.graph.nodes if n.target is torch.ops.k3.kda_decode.default]
+    assert op.args[-1] == "conv_rounded"
+    for g, w in zip(gm(*clone(args)), want):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+def test_the_gpt_fast_site_fuses_on_gpu_graphs():
+    """As on a GPU graph (`kernels_only`): `conv_rounded` is in GPU_TESTED_FLAGS, so the site
+    fuses there too, not deferred, and the kernel's refusal (metadata) takes the build. The
+    build alone (the built-in norm, channel-major conv state, K-major state) has no GPU test of
+    its own yet: `test_cuda_op_equals_the_cpu_reference_conv_rounded` is it."""
+    from k3compile.kernels import kda_decode as kernel
+
+    gm, args, want = _gpt_fast_site(True)
+    report = apply_patterns(gm.graph, family("kda_decode"), kernels_only=True)
+    gm.recompile()
+    assert [h.op for h in report.hits] == ["k3.kda_decode"] and not report.deferred, report
+    for g, w in zip(gm(*clone(args)), want):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+    meta = [a.to("meta") if isinstance(a, torch.Tensor) else a for a in kda_kernel_inputs(2, 1)]
+    assert kernel.refusal(*meta, "conv_rounded") is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,T", [(2, 1), (3, 4)])
+def test_cuda_op_equals_the_cpu_reference_conv_rounded(cuda_kernels, B, T):
+    """on CUDA, at K3's head dim: the `conv_rounded` build with the built-in norm (spell14's
+    bf16 KDA, spell10's probed one) against the CPU reference, states included, two steps"""
+    states = (kda_decode.NAMES.index("conv_state"), kda_decode.NAMES.index("recurrent_state"))
+    assert_cuda_op_equals_cpu(cuda_kernels, "kda_decode", kda_kernel_inputs(B, T), states,
+                              ("conv_rounded",))
