@@ -10,17 +10,24 @@ dict (fp32, logits and every state, 4 steps, batch 2, one token and 3 verify row
 (executor aten, CPU, fp32 and bf16) it equals its own eager step, in one graph (fullgraph), with
 the eager step's dtypes and shapes.
 
-First contact (session 42): no crash, no wrong value, no graph break; the plan loses 24 of the
-built-in plan's ops in fp32 and in bf16 alike (`LOST`, exactly): in every layer linear_concat
+First contact (session 42): no crash, no wrong value, no graph break; the plan loses 21 of the
+built-in plan's 50 ops in fp32 and in bf16 alike (`LOST`, exactly): in every layer linear_concat
 and oproj_attn_res_mix_norm, in both KDA layers fb_kda_decode, in both MLA layers mla_lowrank_norm,
 mla_q_absorb, mla_decode and mla_uv_gate, in all three MoE layers moe_experts.
+
+Bisected by probes (`PROBES` in the model; each keeps the math): `oproj_rows` (o_proj on flat
+[B·T, C] rows, no [B, T, D] -> [B·T, D] round trip of its output) restores
+oproj_attn_res_mix_norm in all four layers; `rows` (the concatenated in-projection on flat rows)
+restores linear_concat in both KDA layers. No probe tried restores the MLA ops, moe_experts or
+fb_kda_decode (docs/spell15_spelling.md).
 """
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from tests.models.spell15_k3 import from_builtin, state_of
+from tests.models.spell15_k3 import PROBES, from_builtin, state_of
 from tests.spellings import foreign
 
 EAGER_TOL = 1e-5  # measured 2.4e-6 (T = 1), 2.1e-6 (T = 3), states <= 1.5e-6 over 4 steps
@@ -39,3 +46,21 @@ DIAGNOSED = tuple((pattern, dtype) for dtype in LOST
 
 foreign.define_common_tests(globals(), "spell15", from_builtin, state_of, lost_by_dtype=LOST,
                             eager_tol=EAGER_TOL, diagnosed=DIAGNOSED)
+
+
+@pytest.mark.parametrize("probe", sorted(PROBES))
+def test_each_probe_keeps_the_math(probe):
+    """Every probe is another spelling of the same step: eager, it equals the built-in (fp32)."""
+    ref = foreign.builtin(torch.float32)
+    assert foreign.steps(from_builtin(ref).set_probe(probe), ref, n=2, rows=3) <= EAGER_TOL
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("probes,restored", [
+    (("oproj_rows",), {layer: ("oproj_attn_res_mix_norm",) for layer in range(4)}),
+    (("rows",), {0: ("linear_concat",), 1: ("linear_concat",)}),
+], ids=["oproj_rows", "rows"])
+def test_probes_name_the_causes(probes, restored):
+    """o_proj's [B, T, D] output flattened back to rows hides oproj_attn_res_mix_norm; the KDA
+    in-projection on [B, T, D] (a view of the flat norm output) hides linear_concat (fp32)."""
+    foreign.assert_probes_restore(from_builtin, probes, restored, EAGER_TOL)

@@ -47,7 +47,18 @@ from torch import Tensor, nn
 
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 # probe -> the other spelling of the same math it switches to (bisecting a lost fusion)
-PROBES: dict[str, str] = {}
+PROBES = {
+    "outer": "KDA's rank-1 update k uᵀ as a broadcast product, not a [K, 1] x [1, V] matmul",
+    "rows": "the attention projections on [B·T, D] rows, viewed back to [B, T, ...] after",
+    "separate": "q, k, v, g, f_a, b (and q_a, kv_a) as separate [in, out] weights, not concatenated",
+    "lut": "the E2M1 values by `lut[codes]`, not `index_select` on the flattened codes",
+    "cache_put": "the MLA rows written by `index_put` into the whole cache, the block read after",
+    "bool_mask": "MLA's causal mask by `masked_fill(~causal, -inf)`, not an additive finfo.min",
+    "oproj_rows": "o_proj on [B·T, C] rows (the attention output returned flat)",
+    "softmax": "MLA's softmax by `torch.softmax`, not written out",
+    "shift": "the nibbles by the operators `p & 15`, `p >> 4`, not `bitwise_and` / `bitwise_right_shift`",
+    "combine": "the experts combined by `(w[..., None] * y).sum(1)` in fp32, not a [N, 1, k] matmul",
+}
 _BUILTIN = "language_model.model."
 
 
@@ -67,6 +78,17 @@ def situ(g: Tensor, u: Tensor, b1: float, b2: float) -> Tensor:
     return (b1 * torch.tanh(gf / b1) * torch.sigmoid(gf) * (b2 * torch.tanh(uf / b2))).to(g.dtype)
 
 
+def project(x: Tensor, fused: Tensor, parts, sizes: list[int], probes) -> list[Tensor]:
+    """x [B, T, D] through the GEMM of weights concatenated at load, split after it."""
+    B, T, D = x.shape
+    xr = x.reshape(B * T, D) if "rows" in probes else x
+    if "separate" in probes:
+        ys = [torch.matmul(xr, w) for w in parts]
+    else:
+        ys = torch.split(torch.matmul(xr, fused), sizes, dim=-1)
+    return [y.reshape(B, T, -1) for y in ys]
+
+
 def frozen(t: Tensor) -> nn.Parameter:
     return nn.Parameter(t.detach().clone().contiguous(), requires_grad=False)
 
@@ -77,7 +99,11 @@ def scatter_rows(buf: Tensor, slots: Tensor, rows: Tensor) -> Tensor:
     return torch.scatter(buf, 0, index, rows.to(buf.dtype))
 
 
-class DepthMix(nn.Module):
+class Module(nn.Module):
+    probes: set[str] = frozenset()
+
+
+class DepthMix(Module):
     """AttnRes: softmax over depth of the sources' RMS-normed scores against a pseudo-query."""
 
     def __init__(self, norm_w: Tensor, proj_w: Tensor, eps: float):
@@ -95,7 +121,7 @@ class DepthMix(nn.Module):
         return mixed.squeeze(-2).to(prefix.dtype)
 
 
-class KDA(nn.Module):
+class KDA(Module):
     def __init__(self, sd: dict, p: str, cfg, conv_state: Tensor, rec_state: Tensor):
         super().__init__()
         self.H, self.K = cfg.kda_num_heads, cfg.kda_head_dim
@@ -103,6 +129,7 @@ class KDA(nn.Module):
         self.eps, self.l2eps, self.bound = cfg.rms_norm_eps, cfg.l2norm_eps, cfg.gate_lower_bound
         names = ("q_proj", "k_proj", "v_proj", "g_proj", "f_a_proj", "b_proj")
         self.w_in = frozen(torch.cat([sd[p + n + ".weight"] for n in names], 0).t())
+        self.w_parts = nn.ParameterList(frozen(sd[p + n + ".weight"].t()) for n in names)
         self.w_fb = frozen(sd[p + "f_b_proj.weight"].t())
         self.w_o = frozen(sd[p + "o_proj.weight"].t())
         self.taps = frozen(torch.cat([sd[p + f"{n}_conv1d.weight"] for n in "qkv"], 0))
@@ -115,8 +142,8 @@ class KDA(nn.Module):
     def forward(self, x: Tensor, slots: Tensor) -> tuple[Tensor, list[Tensor]]:
         B, T, _ = x.shape
         H, K, C = self.H, self.K, self.C
-        q, k, v, g2, fa, b = torch.split(torch.matmul(x, self.w_in),
-                                         [C, C, C, C, self.r, H], dim=-1)
+        q, k, v, g2, fa, b = project(x, self.w_in, self.w_parts, [C, C, C, C, self.r, H],
+                                     self.probes)
         graw = torch.matmul(fa, self.w_fb)
         window = torch.cat([torch.index_select(self.conv_state, 0, slots).to(x.dtype),
                             torch.cat([q, k, v], -1).transpose(1, 2)], dim=-1)  # [B, 3C, 3 + T]
@@ -135,25 +162,30 @@ class KDA(nn.Module):
             kt = k[:, t].unsqueeze(-2)  # [B, H, 1, K]
             state = state * alpha[:, t].unsqueeze(-1)
             u = beta[:, t, :, None, None] * (v[:, t].unsqueeze(-2) - torch.matmul(kt, state))
-            state = state + torch.matmul(kt.transpose(-1, -2), u)
+            if "outer" in self.probes:
+                state = state + kt.transpose(-1, -2) * u
+            else:
+                state = state + torch.matmul(kt.transpose(-1, -2), u)
             outs.append(torch.matmul(q[:, t].unsqueeze(-2), state))  # [B, H, 1, V]
         o = torch.cat(outs, dim=-2).transpose(1, 2)  # [B, T, H, V]
         o = rms_norm(o.to(x.dtype), self.o_norm, self.eps)
         o = o * torch.sigmoid(g2.view(B, T, H, K))
-        a = torch.matmul(o.reshape(B, T, C), self.w_o)
+        a = (torch.matmul(o.reshape(B * T, C), self.w_o) if "oproj_rows" in self.probes else
+             torch.matmul(o.reshape(B, T, C), self.w_o))
         new_conv = scatter_rows(self.conv_state, slots, window[..., T:])
         new_rec = scatter_rows(self.recurrent_state, slots, state)
         return a, [new_conv, new_rec]
 
 
-class GatedMLA(nn.Module):
+class GatedMLA(Module):
     def __init__(self, sd: dict, p: str, cfg, kv_cache: Tensor):
         super().__init__()
         self.H, self.N, self.R = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
         self.C, self.V, self.eps = cfg.kv_lora_rank, cfg.v_head_dim, cfg.mla_norm_eps
         self.qr = sd[p + "q_a_proj.weight"].shape[0]
-        self.w_a = frozen(torch.cat([sd[p + "q_a_proj.weight"],
-                                     sd[p + "kv_a_proj_with_mqa.weight"]], 0).t())
+        names = ("q_a_proj", "kv_a_proj_with_mqa")
+        self.w_a = frozen(torch.cat([sd[p + n + ".weight"] for n in names], 0).t())
+        self.w_parts = nn.ParameterList(frozen(sd[p + n + ".weight"].t()) for n in names)
         self.q_a_norm = frozen(sd[p + "q_a_layernorm.weight"])
         self.kv_a_norm = frozen(sd[p + "kv_a_layernorm.weight"])
         self.w_qb = frozen(sd[p + "q_b_proj.weight"].t())
@@ -168,7 +200,7 @@ class GatedMLA(nn.Module):
     def forward(self, x: Tensor, positions: Tensor, slots: Tensor) -> tuple[Tensor, list[Tensor]]:
         B, T, _ = x.shape
         H, N, R, C = self.H, self.N, self.R, self.C
-        cq, ckv = torch.split(torch.matmul(x, self.w_a), [self.qr, C + R], dim=-1)
+        cq, ckv = project(x, self.w_a, self.w_parts, [self.qr, C + R], self.probes)
         cq = rms_norm(cq, self.q_a_norm, self.eps)
         rows = torch.cat([rms_norm(ckv[..., :C], self.kv_a_norm, self.eps), ckv[..., C:]], -1)
         q = torch.matmul(cq, self.w_qb).view(B, T, H, N + R).transpose(1, 2)  # [B, H, T, N + R]
@@ -177,23 +209,34 @@ class GatedMLA(nn.Module):
         L = self.kv_cache.shape[1]
         pos = positions.view(B, 1) + torch.arange(T, device=x.device).view(1, T)  # [B, T]
         col = torch.arange(L, device=x.device)
-        block = torch.index_select(self.kv_cache, 0, slots)  # [B, L, C + R]
-        for t in range(T):
-            hit = (col.view(1, L) == pos[:, t:t + 1]).unsqueeze(-1)  # [B, L, 1]
-            block = torch.where(hit, rows[:, t:t + 1].to(block.dtype), block)
+        if "cache_put" in self.probes:
+            cache = torch.index_put(self.kv_cache, (slots.view(B, 1).expand(B, T), pos),
+                                    rows.to(self.kv_cache.dtype))
+            block = torch.index_select(cache, 0, slots)
+        else:
+            block = torch.index_select(self.kv_cache, 0, slots)  # [B, L, C + R]
+            for t in range(T):
+                hit = (col.view(1, L) == pos[:, t:t + 1]).unsqueeze(-1)  # [B, L, 1]
+                block = torch.where(hit, rows[:, t:t + 1].to(block.dtype), block)
+            cache = scatter_rows(self.kv_cache, slots, block)
         kv = block.to(x.dtype).unsqueeze(1)  # [B, 1, L, C + R]
         scores = torch.matmul(q_full, kv.transpose(-1, -2)).float() * self.scale  # [B, H, T, L]
-        mask = torch.where(col.view(1, 1, L) <= pos.unsqueeze(-1), 0.0,
-                           torch.finfo(torch.float32).min)  # [B, T, L]
-        p = softmax(scores + mask.unsqueeze(1), dim=-1).to(x.dtype)
+        causal = col.view(1, 1, L) <= pos.unsqueeze(-1)  # [B, T, L]
+        if "bool_mask" in self.probes:
+            scores = scores.masked_fill(~causal.unsqueeze(1), float("-inf"))
+        else:
+            scores = scores + torch.where(causal, 0.0, torch.finfo(torch.float32).min).unsqueeze(1)
+        p = (torch.softmax(scores, dim=-1) if "softmax" in self.probes else
+             softmax(scores, dim=-1)).to(x.dtype)
         o_lat = torch.matmul(p, kv[..., :C])  # [B, H, T, C]
         o = torch.matmul(o_lat, self.w_uv).transpose(1, 2).reshape(B, T, H * self.V)
         o = o * torch.sigmoid(torch.matmul(x, self.w_g))
-        a = torch.matmul(o, self.w_o)
-        return a, [scatter_rows(self.kv_cache, slots, block)]
+        a = (torch.matmul(o.reshape(B * T, -1), self.w_o) if "oproj_rows" in self.probes else
+             torch.matmul(o, self.w_o))
+        return a, [cache]
 
 
-class SituMLP(nn.Module):
+class SituMLP(Module):
     """SiTU-GLU with gate|up fused at load (TensorRT-LLM's gated-MLP layout)."""
 
     def __init__(self, sd: dict, p: str, cfg):
@@ -208,7 +251,7 @@ class SituMLP(nn.Module):
         return torch.matmul(situ(g, u, *self.betas), self.w_down)
 
 
-class LatentMoE(nn.Module):
+class LatentMoE(Module):
     def __init__(self, sd: dict, p: str, cfg):
         super().__init__()
         self.k, self.eps, self.betas = (cfg.num_experts_per_token, cfg.rms_norm_eps,
@@ -226,9 +269,15 @@ class LatentMoE(nn.Module):
         self.shared = SituMLP(sd, p + "shared_experts.", cfg)
 
     def dequant(self, packed: Tensor, scale: Tensor, dtype) -> Tensor:
-        codes = torch.stack([torch.bitwise_and(packed, 15), torch.bitwise_right_shift(packed, 4)],
-                            dim=-1).reshape(*packed.shape[:-1], 2 * packed.shape[-1])
-        vals = torch.index_select(self.lut, 0, codes.reshape(-1).long()).view(codes.shape)
+        if "shift" in self.probes:
+            nibbles = [packed & 15, packed >> 4]
+        else:
+            nibbles = [torch.bitwise_and(packed, 15), torch.bitwise_right_shift(packed, 4)]
+        codes = torch.stack(nibbles, dim=-1).reshape(*packed.shape[:-1], 2 * packed.shape[-1])
+        if "lut" in self.probes:
+            vals = self.lut[codes.long()]
+        else:
+            vals = torch.index_select(self.lut, 0, codes.reshape(-1).long()).view(codes.shape)
         blocks = vals.view(*scale.shape, -1) * torch.pow(2.0, scale.float() - 127).unsqueeze(-1)
         return blocks.reshape(codes.shape).to(dtype)
 
@@ -249,12 +298,15 @@ class LatentMoE(nn.Module):
         hg = torch.bmm(self.picked("w1", flat, x.dtype), zr)
         hu = torch.bmm(self.picked("w3", flat, x.dtype), zr)
         y = torch.bmm(self.picked("w2", flat, x.dtype), situ(hg, hu, *self.betas))  # [N k, L, 1]
-        u = torch.matmul(w.unsqueeze(1), y.view(n, k, -1).float()).squeeze(1)  # [N, L] fp32
+        if "combine" in self.probes:
+            u = (w.unsqueeze(-1) * y.view(n, k, -1).float()).sum(1)
+        else:
+            u = torch.matmul(w.unsqueeze(1), y.view(n, k, -1).float()).squeeze(1)  # [N, L] fp32
         routed = torch.matmul(rms_norm(u, self.latent_norm, self.eps).to(x.dtype), self.w_up)
         return routed + self.shared(x)
 
 
-class Layer(nn.Module):
+class Layer(Module):
     def __init__(self, sd: dict, i: int, cfg, states: dict):
         super().__init__()
         p = f"{_BUILTIN}layers.{i}."
@@ -272,7 +324,7 @@ class Layer(nn.Module):
                     LatentMoE(sd, p + "mlp.", cfg))
 
 
-class K3Export(nn.Module):
+class K3Export(Module):
     """K3 decode step: logits [B, V] for ids [B], [B, T, V] for verify rows [B, T]."""
 
     def __init__(self, sd: dict, cfg, states: dict):
@@ -289,7 +341,8 @@ class K3Export(nn.Module):
 
     def set_probe(self, *names: str) -> K3Export:
         assert set(names) <= set(PROBES), names
-        self.probes = set(names)
+        for module in self.modules():
+            module.probes = set(names)
         return self
 
     def state_buffers(self) -> list[Tensor]:
