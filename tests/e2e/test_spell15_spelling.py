@@ -15,11 +15,14 @@ built-in plan's 50 ops in fp32 and in bf16 alike (`LOST`, exactly): in every lay
 and oproj_attn_res_mix_norm, in both KDA layers fb_kda_decode, in both MLA layers mla_lowrank_norm,
 mla_q_absorb, mla_decode and mla_uv_gate, in all three MoE layers moe_experts.
 
-Bisected by probes (`PROBES` in the model; each keeps the math): `oproj_rows` (o_proj on flat
-[B·T, C] rows, no [B, T, D] -> [B·T, D] round trip of its output) restores
-oproj_attn_res_mix_norm in all four layers; `rows` (the concatenated in-projection on flat rows)
-restores linear_concat in both KDA layers. No probe tried restores the MLA ops, moe_experts or
-fb_kda_decode (docs/spell15_spelling.md).
+Bisected by probes (`PROBES` in the model; each keeps the math), 10 of the 21 named:
+`oproj_rows` (o_proj on flat [B·T, C] rows, no [B, T, D] -> [B·T, D] round trip of its output)
+restores oproj_attn_res_mix_norm in all four layers; `rows` (the concatenated KDA in-projection on
+flat rows) restores linear_concat in both KDA layers; `mla_rows` (q_a|kv_a and its norms on flat
+rows) restores mla_lowrank_norm and linear_concat in both MLA layers, and with `kv_b` (W_UK /
+W_UV as views of kv_b's weight) and `cache_put` (the row written by `index_put`), neither enough
+alone, mla_q_absorb and mla_uv_gate too. mla_decode, moe_experts and fb_kda_decode stay lost under
+every probe tried (docs/spell15_spelling.md).
 """
 
 from __future__ import annotations
@@ -59,8 +62,14 @@ def test_each_probe_keeps_the_math(probe):
 @pytest.mark.parametrize("probes,restored", [
     (("oproj_rows",), {layer: ("oproj_attn_res_mix_norm",) for layer in range(4)}),
     (("rows",), {0: ("linear_concat",), 1: ("linear_concat",)}),
-], ids=["oproj_rows", "rows"])
+    (("mla_rows",), {layer: ("mla_lowrank_norm", "linear_concat") for layer in (2, 3)}),
+    (("mla_rows", "kv_b", "cache_put"),
+     {layer: ("mla_lowrank_norm", "linear_concat", "mla_q_absorb", "mla_uv_gate")
+      for layer in (2, 3)}),
+], ids=["oproj_rows", "rows", "mla_rows", "mla_rows_kv_b_cache_put"])
 def test_probes_name_the_causes(probes, restored):
-    """o_proj's [B, T, D] output flattened back to rows hides oproj_attn_res_mix_norm; the KDA
-    in-projection on [B, T, D] (a view of the flat norm output) hides linear_concat (fp32)."""
+    """o_proj's [B, T, D] output flattened back to rows hides oproj_attn_res_mix_norm; the
+    concatenated in-projections on [B, T, D] (a view of the flat norm output) hide linear_concat
+    (KDA, MLA) and mla_lowrank_norm; W_UK / W_UV cut at load and the one-hot `where` row write
+    hide mla_q_absorb and mla_uv_gate (fp32)."""
     foreign.assert_probes_restore(from_builtin, probes, restored, EAGER_TOL)

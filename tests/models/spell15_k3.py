@@ -54,6 +54,10 @@ PROBES = {
     "lut": "the E2M1 values by `lut[codes]`, not `index_select` on the flattened codes",
     "cache_put": "the MLA rows written by `index_put` into the whole cache, the block read after",
     "bool_mask": "MLA's causal mask by `masked_fill(~causal, -inf)`, not an additive finfo.min",
+    "mla_rows": "MLA's q_a|kv_a GEMM and its two norms on [B·T, D] rows, viewed to [B, T, ...] after",
+    "kv_b": "W_UK / W_UV as views of kv_b's [H·(N + V), C] weight in the step, not parameters cut at load",
+    "grid": "the verify rows' positions `positions.view(B, 1) + arange(T)`, not `arange(T).view(1, T)`",
+    "pv_tokens": "p·c on p [B, T, H, L] (tokens first), transposed back to heads first after",
     "oproj_rows": "o_proj on [B·T, C] rows (the attention output returned flat)",
     "softmax": "MLA's softmax by `torch.softmax`, not written out",
     "shift": "the nibbles by the operators `p & 15`, `p >> 4`, not `bitwise_and` / `bitwise_right_shift`",
@@ -192,6 +196,7 @@ class GatedMLA(Module):
         kv_b = sd[p + "kv_b_proj.weight"].view(self.H, self.N + self.V, self.C)
         self.w_uk = frozen(kv_b[:, : self.N])  # [H, N, C]
         self.w_uv = frozen(kv_b[:, self.N:].transpose(1, 2))  # [H, C, V]
+        self.w_kvb = frozen(sd[p + "kv_b_proj.weight"])
         self.w_g = frozen(sd[p + "g_proj.weight"].t())
         self.w_o = frozen(sd[p + "o_proj.weight"].t())
         self.scale = 1.0 / math.sqrt(self.N + self.R)
@@ -200,14 +205,23 @@ class GatedMLA(Module):
     def forward(self, x: Tensor, positions: Tensor, slots: Tensor) -> tuple[Tensor, list[Tensor]]:
         B, T, _ = x.shape
         H, N, R, C = self.H, self.N, self.R, self.C
-        cq, ckv = project(x, self.w_a, self.w_parts, [self.qr, C + R], self.probes)
-        cq = rms_norm(cq, self.q_a_norm, self.eps)
+        xa = x.reshape(B * T, -1) if "mla_rows" in self.probes else x
+        cq, ckv = torch.split(torch.matmul(xa, self.w_a), [self.qr, C + R], dim=-1)
+        if "mla_rows" not in self.probes:
+            cq, ckv = project(x, self.w_a, self.w_parts, [self.qr, C + R], self.probes)
+        cq = rms_norm(cq, self.q_a_norm, self.eps).view(B, T, -1)
         rows = torch.cat([rms_norm(ckv[..., :C], self.kv_a_norm, self.eps), ckv[..., C:]], -1)
+        rows = rows.view(B, T, -1)
         q = torch.matmul(cq, self.w_qb).view(B, T, H, N + R).transpose(1, 2)  # [B, H, T, N + R]
-        q_lat = torch.matmul(q[..., :N], self.w_uk)  # [B, H, T, C]
+        w_uk, w_uv = self.w_uk, self.w_uv
+        if "kv_b" in self.probes:
+            kv_b = self.w_kvb.view(H, N + self.V, C)
+            w_uk, w_uv = kv_b[:, :N], kv_b[:, N:].transpose(1, 2)
+        q_lat = torch.matmul(q[..., :N], w_uk)  # [B, H, T, C]
         q_full = torch.cat([q_lat, q[..., N:]], dim=-1)
         L = self.kv_cache.shape[1]
-        pos = positions.view(B, 1) + torch.arange(T, device=x.device).view(1, T)  # [B, T]
+        steps = torch.arange(T, device=x.device)
+        pos = positions.view(B, 1) + (steps if "grid" in self.probes else steps.view(1, T))
         col = torch.arange(L, device=x.device)
         if "cache_put" in self.probes:
             cache = torch.index_put(self.kv_cache, (slots.view(B, 1).expand(B, T), pos),
@@ -228,8 +242,11 @@ class GatedMLA(Module):
             scores = scores + torch.where(causal, 0.0, torch.finfo(torch.float32).min).unsqueeze(1)
         p = (torch.softmax(scores, dim=-1) if "softmax" in self.probes else
              softmax(scores, dim=-1)).to(x.dtype)
-        o_lat = torch.matmul(p, kv[..., :C])  # [B, H, T, C]
-        o = torch.matmul(o_lat, self.w_uv).transpose(1, 2).reshape(B, T, H * self.V)
+        if "pv_tokens" in self.probes:
+            o_lat = torch.matmul(p.transpose(1, 2), kv[..., :C]).transpose(1, 2)
+        else:
+            o_lat = torch.matmul(p, kv[..., :C])  # [B, H, T, C]
+        o = torch.matmul(o_lat, w_uv).transpose(1, 2).reshape(B, T, H * self.V)
         o = o * torch.sigmoid(torch.matmul(x, self.w_g))
         a = (torch.matmul(o.reshape(B * T, -1), self.w_o) if "oproj_rows" in self.probes else
              torch.matmul(o, self.w_o))
