@@ -10,6 +10,9 @@ Blind-phase rules kept: before the blind commit its author read only the spec
 `tests/e2e/test_spell14_spelling.py`, the first 60 lines of `tests/models/spell14_k3.py` (the
 interface) and the built-in model's printed state-dict names; no model, math, pattern or
 canonical code of the project, no other spelling's model code, no Moonshot code.
+The blind spelling (d3645b6) is the step with no probe on; `PROBES` and `set_probe` were added
+after it, to bisect the lost fusions (docs/spell15_spelling.md), each another spelling of the
+same math.
 
 Idioms (an exporter's, with the porter's own choices):
 
