@@ -51,6 +51,7 @@ foreign.define_common_tests(globals(), "spell15", from_builtin, state_of, lost_b
                             eager_tol=EAGER_TOL, diagnosed=DIAGNOSED)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("probe", sorted(PROBES))
 def test_each_probe_keeps_the_math(probe):
     """Every probe is another spelling of the same step: eager, it equals the built-in (fp32)."""

@@ -61,6 +61,7 @@ PROBES = {
     "kv_b": "W_UK / W_UV as views of kv_b's [H·(N + V), C] weight in the step, not parameters cut at load",
     "grid": "the verify rows' positions `positions.view(B, 1) + arange(T)`, not `arange(T).view(1, T)`",
     "pv_tokens": "p·c on p [B, T, H, L] (tokens first), transposed back to heads first after",
+    "pairs": "the picked experts viewed [N, k, O, I], per-pair GEMMs by `matmul` of z [N, 1, L, 1]",
     "oproj_rows": "o_proj on [B·T, C] rows (the attention output returned flat)",
     "softmax": "MLA's softmax by `torch.softmax`, not written out",
     "shift": "the nibbles by the operators `p & 15`, `p >> 4`, not `bitwise_and` / `bitwise_right_shift`",
@@ -314,10 +315,17 @@ class LatentMoE(Module):
         w = w / (torch.sum(w, dim=-1, keepdim=True) + 1e-20) * self.scaling
         z = torch.matmul(x, self.w_down)  # [N, L]
         flat = ids.reshape(-1)
-        zr = z.unsqueeze(1).expand(n, k, z.shape[-1]).reshape(n * k, -1, 1)  # [N k, L, 1]
-        hg = torch.bmm(self.picked("w1", flat, x.dtype), zr)
-        hu = torch.bmm(self.picked("w3", flat, x.dtype), zr)
-        y = torch.bmm(self.picked("w2", flat, x.dtype), situ(hg, hu, *self.betas))  # [N k, L, 1]
+        if "pairs" in self.probes:
+            w1, w3, w2 = (self.picked(e, flat, x.dtype) for e in ("w1", "w3", "w2"))
+            zr = z.view(n, 1, -1, 1)
+            hg = torch.matmul(w1.view(n, k, *w1.shape[1:]), zr)
+            hu = torch.matmul(w3.view(n, k, *w3.shape[1:]), zr)
+            y = torch.matmul(w2.view(n, k, *w2.shape[1:]), situ(hg, hu, *self.betas))
+        else:
+            zr = z.unsqueeze(1).expand(n, k, z.shape[-1]).reshape(n * k, -1, 1)  # [N k, L, 1]
+            hg = torch.bmm(self.picked("w1", flat, x.dtype), zr)
+            hu = torch.bmm(self.picked("w3", flat, x.dtype), zr)
+            y = torch.bmm(self.picked("w2", flat, x.dtype), situ(hg, hu, *self.betas))  # [N k, L, 1]
         if "combine" in self.probes:
             u = (w.unsqueeze(-1) * y.view(n, k, -1).float()).sum(1)
         else:
