@@ -94,7 +94,7 @@ def project(x: Tensor, fused: Tensor, parts, sizes: list[int], probes) -> list[T
         ys = [torch.matmul(xr, w) for w in parts]
     else:
         ys = torch.split(torch.matmul(xr, fused), sizes, dim=-1)
-    return [y.reshape(B, T, -1) for y in ys]
+    return [y.reshape(B, T, -1) for y in ys] if "rows" in probes else list(ys)
 
 
 def frozen(t: Tensor) -> nn.Parameter:
@@ -209,13 +209,15 @@ class GatedMLA(Module):
     def forward(self, x: Tensor, positions: Tensor, slots: Tensor) -> tuple[Tensor, list[Tensor]]:
         B, T, _ = x.shape
         H, N, R, C = self.H, self.N, self.R, self.C
-        xa = x.reshape(B * T, -1) if "mla_rows" in self.probes else x
-        cq, ckv = torch.split(torch.matmul(xa, self.w_a), [self.qr, C + R], dim=-1)
-        if "mla_rows" not in self.probes:
+        if "mla_rows" in self.probes:
+            xa = x.reshape(B * T, -1)
+            cq, ckv = torch.split(torch.matmul(xa, self.w_a), [self.qr, C + R], dim=-1)
+        else:
             cq, ckv = project(x, self.w_a, self.w_parts, [self.qr, C + R], self.probes)
-        cq = rms_norm(cq, self.q_a_norm, self.eps).view(B, T, -1)
+        cq = rms_norm(cq, self.q_a_norm, self.eps)
         rows = torch.cat([rms_norm(ckv[..., :C], self.kv_a_norm, self.eps), ckv[..., C:]], -1)
-        rows = rows.view(B, T, -1)
+        if "mla_rows" in self.probes:
+            cq, rows = cq.view(B, T, -1), rows.view(B, T, -1)
         q = torch.matmul(cq, self.w_qb).view(B, T, H, N + R).transpose(1, 2)  # [B, H, T, N + R]
         w_uk, w_uv = self.w_uk, self.w_uv
         if "kv_b" in self.probes:
