@@ -29,7 +29,7 @@ from k3compile.canonical import Rule, rewrite_sites
 from k3compile.canonical.region import val as _val
 
 aten = torch.ops.aten
-_INDEXING = {aten.index.Tensor: 1, aten.index_put.default: 1, aten.index_put_.default: 1}
+_INDEXING = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default}  # indices: args[1]
 _INTEGER = (torch.int64, torch.int32)
 
 
@@ -60,7 +60,7 @@ def _site(node: fx.Node) -> list[fx.Node | None] | None:
     """The node's indices with each removable expand dropped, or None (no site)."""
     if node.op != "call_function" or node.target not in _INDEXING:
         return None
-    indices = node.args[_INDEXING[node.target]]
+    indices = node.args[1]
     if not isinstance(indices, (list, tuple)) or not indices:
         return None
     given = [i for i in indices if i is not None]
@@ -78,12 +78,11 @@ def _site(node: fx.Node) -> list[fx.Node | None] | None:
 
 
 def _write(graph: fx.Graph, node: fx.Node, indices) -> None:
-    at = _INDEXING[node.target]
-    node.args = (*node.args[:at], indices, *node.args[at + 1:])
+    node.args = (node.args[0], indices, *node.args[2:])
 
 
 def apply(graph: fx.Graph) -> int:
-    return rewrite_sites(graph, _site, _write, targets=set(_INDEXING))
+    return rewrite_sites(graph, _site, _write, targets=_INDEXING)
 
 
 RULE = Rule("index_expand", apply,
